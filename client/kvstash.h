@@ -1,0 +1,146 @@
+/*
+ * kvstash.h - libkvstash, the library a worker links to keep its KV cache in
+ * kvstashd.
+ *
+ * A session is one worker's attachment to one model's pool. Attach maps the
+ * pool into the worker's address space; sequences are then created, grown
+ * with kvs_seq_append (which says where to write K and V for each layer) and
+ * read back through their block tables. All calls are blocking and a session
+ * is not thread-safe: use one session per thread, or lock around it.
+ *
+ * Errors: every function returning int returns 0 on success or a negative
+ * kvs_err code; kvs_session_error() holds the daemon's message for the last
+ * failed call on that session.
+ */
+#ifndef KVSTASH_H
+#define KVSTASH_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum kvs_err {
+    KVS_OK = 0,
+    KVS_ERR_INVALID = -1,     /* INVALID_ARGUMENT: a value is out of range */
+    KVS_ERR_NOT_FOUND = -2,   /* NOT_FOUND: no such sequence or pool */
+    KVS_ERR_PERMISSION = -3,  /* PERMISSION_DENIED / UNAUTHENTICATED */
+    KVS_ERR_PRECONDITION = -4, /* FAILED_PRECONDITION: e.g. geometry mismatch */
+    KVS_ERR_EXHAUSTED = -5,   /* RESOURCE_EXHAUSTED: the pool is full */
+    KVS_ERR_UNAVAILABLE = -6, /* daemon not running, or shutting down */
+    KVS_ERR_PROTOCOL = -7,    /* unexpected reply, or any other gRPC status */
+    KVS_ERR_SYSTEM = -8,      /* a local system call failed (errno in the message) */
+} kvs_err;
+
+/* A static description of an error code. */
+const char *kvs_strerror(int err);
+
+typedef enum kvs_dtype { KVS_FP16 = 1, KVS_BF16 = 2, KVS_FP32 = 3 } kvs_dtype;
+
+typedef struct kvs_geometry {
+    uint32_t layers, q_heads, kv_heads, head_dim, block_tokens;
+    kvs_dtype dtype;
+    float rope_theta; /* 0 = 10000 */
+} kvs_geometry;
+
+typedef struct kvs_session kvs_session;
+
+/* The default gRPC socket path ($XDG_RUNTIME_DIR/kvstash/kvstashd.sock or
+ * /run/kvstash/kvstashd.sock). Returns a static string. */
+const char *kvs_default_socket(void);
+
+/*
+ * Connect to kvstashd at `socket_path` (NULL = default), identify over the fd
+ * socket, Attach with `model` and `geometry`, open the lease and map the
+ * pool. On failure *out is NULL and, if err is not NULL, a message is written
+ * to err[errlen].
+ */
+int kvs_session_attach(const char *socket_path, const char *model, const kvs_geometry *geometry,
+                       const char *worker_name, kvs_session **out, char *err, size_t errlen);
+
+/* Release every sequence, end the lease, unmap, and free the session. */
+int kvs_session_detach(kvs_session *s);
+
+/* The message of the last failed call on this session ("" if none). */
+const char *kvs_session_error(const kvs_session *s);
+
+uint64_t kvs_session_id(const kvs_session *s);
+const kvs_geometry *kvs_session_geometry(const kvs_session *s);
+uint8_t *kvs_session_pool(const kvs_session *s); /* base of the mapped pool */
+size_t kvs_session_pool_bytes(const kvs_session *s);
+size_t kvs_session_block_bytes(const kvs_session *s);
+
+/* A policy parameter for kvs_seq_create. */
+typedef struct kvs_param {
+    const char *key, *value;
+} kvs_param;
+
+/* Create a sequence under `policy` ("full", "streaming", ...). */
+int kvs_seq_create(kvs_session *s, const char *policy, const kvs_param *params, size_t nparams,
+                   const char *label, uint64_t *seq_id);
+
+int kvs_seq_release(kvs_session *s, uint64_t seq_id);
+
+/* One run of tokens of one layer (see kernels.h kv_segment). */
+typedef struct kvs_segment {
+    uint32_t block, first_slot, count;
+} kvs_segment;
+
+/* A layer's table: its segments and, when asked for, each token's original
+ * position. Arrays are owned by the kvs_table that holds the layer. */
+typedef struct kvs_layer {
+    uint32_t tokens;
+    size_t nsegments;
+    kvs_segment *segments;
+    uint32_t *positions; /* NULL unless requested */
+} kvs_layer;
+
+/* A sequence's tables. Free with kvs_table_free. */
+typedef struct kvs_table {
+    uint64_t epoch;
+    uint32_t first_position; /* for appends: position of the first new token */
+    uint32_t evicted;        /* for appends: tokens the policy removed */
+    uint32_t layers;
+    kvs_layer *layer;
+} kvs_table;
+
+void kvs_table_free(kvs_table *t);
+
+/*
+ * Make room for `count` new tokens in every layer. On success `writes`
+ * describes, per layer, the segments where the new tokens go (in order);
+ * write them with kvs_key_ptr/kvs_value_ptr or kvs_layer_write. count is
+ * signed so that the daemon, not the C type, rejects bad values.
+ */
+int kvs_seq_append(kvs_session *s, uint64_t seq_id, int64_t count, kvs_table *writes);
+
+/* The current tables of a sequence (all layers). */
+int kvs_seq_table(kvs_session *s, uint64_t seq_id, int with_positions, kvs_table *out);
+
+/* Address of the K (or V) row of (block, kv head, slot) in the mapped pool. */
+void *kvs_key_ptr(const kvs_session *s, uint32_t block, uint32_t head, uint32_t slot);
+void *kvs_value_ptr(const kvs_session *s, uint32_t block, uint32_t head, uint32_t slot);
+
+/* Copy contiguous K and V, each [kv_heads][layer->tokens][head_dim], into the
+ * layer's segments (write) or out of them (read), with the store's kernels. */
+void kvs_layer_write(const kvs_session *s, const kvs_layer *layer, const void *k, const void *v);
+void kvs_layer_read(const kvs_session *s, const kvs_layer *layer, void *k, void *v);
+
+/* Daemon statistics as the JSON object of StatsResponse (caller frees with
+ * free()). Needs no session: socket_path NULL = default. */
+int kvs_stats_json(const char *socket_path, char **json, char *err, size_t errlen);
+
+/* Subscribe to the daemon's event feed. Returns a nanomsg socket (>= 0) to
+ * read with kvs_events_next, or a negative kvs_err. */
+int kvs_events_open(const char *socket_path);
+/* Next event as "topic {json}" (caller frees), waiting up to timeout_ms;
+ * returns 0, KVS_ERR_UNAVAILABLE on timeout. */
+int kvs_events_next(int sock, int timeout_ms, char **event);
+void kvs_events_close(int sock);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

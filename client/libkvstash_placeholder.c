@@ -1,0 +1,1 @@
+int kvs_placeholder(void) { return 0; }

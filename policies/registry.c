@@ -1,0 +1,2 @@
+#include "policy.h"
+const policy_ops *policy_find(const char *n) { (void)n; return 0; }
