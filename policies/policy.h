@@ -56,7 +56,9 @@ typedef struct policy_ops {
 
     /* Called before `incoming` tokens are appended to the layer. Sets keep[i]
      * to 1 for each held token that survives and 0 for each that is evicted
-     * (keep has view->tokens entries). Returns the number evicted. */
+     * (keep has view->tokens entries). Returns the number evicted.
+     * select() must not change the policy's state: the daemon may discard
+     * its answer when the append cannot go through (pool full). */
     size_t (*select)(void *state, const policy_layer_view *view, uint32_t incoming,
                      uint8_t *keep);
 

@@ -1,0 +1,172 @@
+#include "pool.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+size_t pool_dtype_size(pool_dtype d)
+{
+    return d == POOL_FP32 ? 4 : 2;
+}
+
+static status_code check_range(status *st, const char *field, uint32_t v, uint32_t lo, uint32_t hi)
+{
+    if (v < lo || v > hi)
+        return status_set(st, ST_INVALID_ARGUMENT, "geometry.%s must be in [%u, %u], got %u",
+                          field, lo, hi, v);
+    return ST_OK;
+}
+
+status_code pool_geometry_check(pool_geometry *g, status *st)
+{
+    if (check_range(st, "layers", g->layers, 1, 1024) ||
+        check_range(st, "q_heads", g->q_heads, 1, 1024) ||
+        check_range(st, "kv_heads", g->kv_heads, 1, 1024) ||
+        check_range(st, "head_dim", g->head_dim, 1, 4096) ||
+        check_range(st, "block_tokens", g->block_tokens, 1, 4096))
+        return st->code;
+    if (g->q_heads % g->kv_heads != 0)
+        return status_set(st, ST_INVALID_ARGUMENT,
+                          "geometry.q_heads (%u) must be a multiple of geometry.kv_heads (%u)",
+                          g->q_heads, g->kv_heads);
+    if (g->dtype != POOL_FP16 && g->dtype != POOL_BF16 && g->dtype != POOL_FP32)
+        return status_set(st, ST_INVALID_ARGUMENT,
+                          "geometry.dtype must be DTYPE_FP16, DTYPE_BF16 or DTYPE_FP32, got %d",
+                          (int)g->dtype);
+    if (!isfinite(g->rope_theta) || g->rope_theta < 0)
+        return status_set(st, ST_INVALID_ARGUMENT, "geometry.rope_theta must be >= 0, got %g",
+                          (double)g->rope_theta);
+    if (g->rope_theta == 0)
+        g->rope_theta = 10000.0f;
+    return ST_OK;
+}
+
+int pool_geometry_equal(const pool_geometry *a, const pool_geometry *b)
+{
+    return a->layers == b->layers && a->q_heads == b->q_heads && a->kv_heads == b->kv_heads &&
+           a->head_dim == b->head_dim && a->block_tokens == b->block_tokens &&
+           a->dtype == b->dtype && a->rope_theta == b->rope_theta;
+}
+
+void pool_geometry_format(const pool_geometry *g, char *buf, size_t len)
+{
+    static const char *const names[] = {"?", "fp16", "bf16", "fp32"};
+    snprintf(buf, len,
+             "layers=%u q_heads=%u kv_heads=%u head_dim=%u block_tokens=%u dtype=%s "
+             "rope_theta=%g",
+             g->layers, g->q_heads, g->kv_heads, g->head_dim, g->block_tokens,
+             names[g->dtype <= POOL_FP32 ? g->dtype : 0], (double)g->rope_theta);
+}
+
+/* memfd sized, preallocated (first-touch faults are slow, C-STACK.md) and
+ * sealed so that no worker can shrink it under the others. */
+static int pool_open_memfd(const char *model, size_t bytes, status *st)
+{
+    char name[96];
+    snprintf(name, sizeof name, "kvstash-pool-%s", model);
+    int fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0) {
+        status_set(st, ST_INTERNAL, "memfd_create failed: %s", strerror(errno));
+        return -1;
+    }
+    if (ftruncate(fd, (off_t)bytes) != 0) {
+        status_set(st, ST_RESOURCE_EXHAUSTED, "cannot size pool to %zu bytes: %s", bytes,
+                   strerror(errno));
+        goto fail;
+    }
+    int rc = posix_fallocate(fd, 0, (off_t)bytes);
+    if (rc != 0 && rc != EOPNOTSUPP && rc != EINVAL) {
+        status_set(st, ST_RESOURCE_EXHAUSTED, "cannot allocate %zu bytes of pool memory: %s",
+                   bytes, strerror(rc));
+        goto fail;
+    }
+    if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+        status_set(st, ST_INTERNAL, "cannot seal pool memfd: %s", strerror(errno));
+        goto fail;
+    }
+    return fd;
+fail:
+    close(fd);
+    return -1;
+}
+
+status_code pool_create(uint64_t id, const char *model, const pool_geometry *g, size_t max_bytes,
+                        pool **out, status *st)
+{
+    *out = NULL;
+    pool *p = calloc(1, sizeof *p);
+    if (p == NULL)
+        return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
+    p->id = id;
+    snprintf(p->model, sizeof p->model, "%s", model);
+    p->geom = *g;
+    p->memfd = -1;
+    p->layout = (kv_layout){g->kv_heads, g->block_tokens, g->head_dim,
+                            (uint32_t)pool_dtype_size(g->dtype)};
+    p->block_bytes = kv_block_bytes(&p->layout);
+    size_t count = max_bytes / p->block_bytes;
+    if (count > UINT32_MAX)
+        count = UINT32_MAX;
+    if (count < g->layers) {
+        status_set(st, ST_RESOURCE_EXHAUSTED,
+                   "a pool of %zu bytes holds %zu blocks of %zu bytes, fewer than the model's "
+                   "%u layers; start kvstashd with a larger --pool-mb",
+                   max_bytes, count, p->block_bytes, g->layers);
+        goto fail;
+    }
+    p->block_count = (uint32_t)count;
+    p->bytes = count * p->block_bytes;
+    p->free_stack = malloc(count * sizeof *p->free_stack);
+    if (p->free_stack == NULL) {
+        status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory for %zu block ids", count);
+        goto fail;
+    }
+    /* Pushed high to low so that allocation hands out block 0 first. */
+    for (size_t i = 0; i < count; i++)
+        p->free_stack[i] = (uint32_t)(count - 1 - i);
+    p->nfree = p->block_count;
+    p->memfd = pool_open_memfd(model, p->bytes, st);
+    if (p->memfd < 0)
+        goto fail;
+    p->base = mmap(NULL, p->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, p->memfd, 0);
+    if (p->base == MAP_FAILED) {
+        p->base = NULL;
+        status_set(st, ST_INTERNAL, "cannot map pool: %s", strerror(errno));
+        goto fail;
+    }
+    *out = p;
+    return ST_OK;
+fail:
+    pool_destroy(p);
+    return st->code;
+}
+
+void pool_destroy(pool *p)
+{
+    if (p == NULL)
+        return;
+    if (p->base != NULL)
+        munmap(p->base, p->bytes);
+    if (p->memfd >= 0)
+        close(p->memfd);
+    free(p->free_stack);
+    free(p);
+}
+
+int pool_alloc_block(pool *p, uint32_t *block)
+{
+    if (p->nfree == 0)
+        return -1;
+    *block = p->free_stack[--p->nfree];
+    return 0;
+}
+
+void pool_free_block(pool *p, uint32_t block)
+{
+    p->free_stack[p->nfree++] = block;
+}

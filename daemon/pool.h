@@ -1,0 +1,68 @@
+/*
+ * pool.h - one model geometry's block arena in host shared memory.
+ *
+ * A pool is a memfd (sealed against shrinking and growing, see
+ * docs/protocol.md for why memfd) cut into fixed blocks of one layer's K and
+ * V for block_tokens tokens. The allocator is a stack of free block ids:
+ * O(1) alloc and free, no fragmentation since all blocks are equal.
+ * Not thread-safe: the store's lock covers it.
+ */
+#ifndef KVSTASH_POOL_H
+#define KVSTASH_POOL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels.h"
+#include "status.h"
+
+typedef enum pool_dtype { POOL_FP16 = 1, POOL_BF16 = 2, POOL_FP32 = 3 } pool_dtype;
+
+typedef struct pool_geometry {
+    uint32_t layers, q_heads, kv_heads, head_dim, block_tokens;
+    pool_dtype dtype;
+    float rope_theta;
+} pool_geometry;
+
+typedef struct pool {
+    uint64_t id;
+    char model[65];
+    pool_geometry geom;
+    kv_layout layout;
+    size_t block_bytes;
+    uint32_t block_count;
+    uint32_t nfree;
+    uint32_t *free_stack; /* free block ids; the top is free_stack[nfree-1] */
+    uint32_t sessions;    /* sessions attached; the store destroys the pool at 0 */
+    int memfd;
+    uint8_t *base;        /* the daemon's own mapping of the arena */
+    size_t bytes;         /* block_count * block_bytes */
+} pool;
+
+/* Check a client-supplied geometry (ranges, q_heads % kv_heads, dtype) and
+ * fill defaults (rope_theta 0 -> 10000). */
+status_code pool_geometry_check(pool_geometry *g, status *st);
+
+/* Bytes per element of a dtype. */
+size_t pool_dtype_size(pool_dtype d);
+
+/* Create a pool of at most max_bytes for `model` with a checked geometry.
+ * The caller owns *out and frees it with pool_destroy. */
+status_code pool_create(uint64_t id, const char *model, const pool_geometry *g, size_t max_bytes,
+                        pool **out, status *st);
+
+void pool_destroy(pool *p);
+
+/* Pop a free block; returns 0, or -1 when the pool is full. */
+int pool_alloc_block(pool *p, uint32_t *block);
+
+/* Return a block to the free stack. */
+void pool_free_block(pool *p, uint32_t block);
+
+/* Whether two geometries describe the same cache. */
+int pool_geometry_equal(const pool_geometry *a, const pool_geometry *b);
+
+/* Describe a geometry for messages ("layers=2 q_heads=4 ..."). */
+void pool_geometry_format(const pool_geometry *g, char *buf, size_t len);
+
+#endif

@@ -1,0 +1,61 @@
+/*
+ * rpc.h - a thin gRPC C core server: completion-queue threads, registered
+ * methods, unary replies and server-streaming "lease" calls.
+ *
+ * gRPC's C API has no stability promise (C-STACK.md), so nothing but this
+ * file touches it on the server side. Handlers receive the decoded request
+ * and the caller's `kvstash-token` metadata (NULL if absent), run on a CQ
+ * thread and must not block; they answer with a status and, on success, a
+ * packed response (pbgrpc_pack).
+ */
+#ifndef KVSTASH_RPC_H
+#define KVSTASH_RPC_H
+
+#include <grpc/grpc.h>
+#include <protobuf-c/protobuf-c.h>
+#include <stdint.h>
+
+#include "status.h"
+
+/* Unary handler: on ST_OK, *resp holds the packed reply (the RPC layer
+ * destroys it). */
+typedef status_code (*rpc_unary_fn)(void *app, const char *token, const ProtobufCMessage *req,
+                                    grpc_byte_buffer **resp, status *st);
+
+/* Server-stream opener: on ST_OK, *first is sent at once and the stream stays
+ * open until the client cancels or dies (or the server stops); then
+ * stream_closed(app, cookie) runs once. */
+typedef status_code (*rpc_stream_open_fn)(void *app, const char *token,
+                                          const ProtobufCMessage *req, grpc_byte_buffer **first,
+                                          uint64_t *cookie, status *st);
+typedef void (*rpc_stream_closed_fn)(void *app, uint64_t cookie);
+
+typedef struct rpc_method {
+    const char *path; /* "/kvstash.v1.Store/Attach" */
+    const ProtobufCMessageDescriptor *request;
+    rpc_unary_fn unary;               /* set for unary methods */
+    rpc_stream_open_fn stream_open;   /* set for server streams */
+    rpc_stream_closed_fn stream_closed;
+} rpc_method;
+
+typedef struct rpc_server rpc_server;
+
+typedef struct rpc_config {
+    const char *unix_path; /* required: listen on unix:PATH */
+    const char *tcp_addr;  /* optional "127.0.0.1:PORT"; loopback only */
+    int threads;           /* completion-queue threads, >= 1 */
+} rpc_config;
+
+/* Start serving `methods` (the table must outlive the server). Calls
+ * grpc_init. Returns ST_OK or an error in st (e.g. cannot bind). */
+status_code rpc_server_start(const rpc_config *cfg, const rpc_method *methods, size_t nmethods,
+                             void *app, rpc_server **out, status *st);
+
+/* Stop accepting calls, cancel the live ones (stream_closed runs for each
+ * open stream), join the threads, free everything, grpc_shutdown. */
+void rpc_server_stop(rpc_server *srv);
+
+/* Whether `addr` ("host:port") names a loopback interface. */
+int rpc_addr_is_loopback(const char *addr);
+
+#endif

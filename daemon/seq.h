@@ -1,0 +1,86 @@
+/*
+ * seq.h - one sequence: per-layer block tables, token positions, epochs and
+ * the blocks retired until the worker acknowledges a newer epoch.
+ *
+ * A layer's tokens are a list of segments (block, first slot, count) in
+ * order; a token's original position is kept beside it. Eviction removes
+ * tokens from the segments without moving data; a block none of whose slots
+ * remain is retired, and returns to the pool once the worker acks an epoch at
+ * or after the one that retired it (DESIGN.md "Memory": RCU-style).
+ * New tokens go into the never-written slots of the layer's tail block, then
+ * into fresh blocks: a slot that held an evicted token is never handed out
+ * again while the sequence lives, so a worker reading an old table never sees
+ * it overwritten. Not thread-safe: the store's lock covers it.
+ */
+#ifndef KVSTASH_SEQ_H
+#define KVSTASH_SEQ_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels.h"
+#include "policy.h"
+#include "pool.h"
+#include "status.h"
+
+#define SEQ_MAX_APPEND 65536
+
+typedef struct seq_layer {
+    kv_segment *segs;
+    size_t nsegs, segs_cap;
+    uint32_t *pos; /* original position of each held token */
+    uint32_t tokens, pos_cap;
+    uint32_t tail_block;     /* block that new tokens fill first */
+    uint32_t tail_next_slot; /* its first never-written slot; block_tokens = full */
+    int has_tail;
+} seq_layer;
+
+typedef struct seq_retired {
+    uint32_t block;
+    uint64_t epoch;
+} seq_retired;
+
+typedef struct seq {
+    uint64_t id;
+    uint64_t session_id;
+    pool *pool;
+    const policy_ops *policy;
+    void *policy_state;
+    policy_params params;
+    char label[129];
+    uint64_t epoch;
+    uint64_t appended; /* tokens ever appended; the next token's position */
+    uint32_t nlayers;
+    seq_layer *layers;
+    seq_retired *retired;
+    size_t nretired, retired_cap;
+} seq;
+
+/* Create a sequence on `pool` with a policy and its resolved parameters; the
+ * policy's create() validates them. Caller frees with seq_destroy. */
+status_code seq_create(uint64_t id, uint64_t session_id, pool *pool, const policy_ops *policy,
+                       const policy_params *params, const char *label, seq **out, status *st);
+
+/* Free every block (held and retired) back to the pool and the sequence. */
+void seq_destroy(seq *s);
+
+/* Return retired blocks whose epoch is <= ack_epoch to the pool. */
+void seq_ack(seq *s, uint64_t ack_epoch);
+
+/* Blocks in the layer tables and in the retired list. */
+uint32_t seq_blocks_held(const seq *s);
+size_t seq_retired_count(const seq *s);
+uint64_t seq_tokens_held(const seq *s);
+
+/*
+ * Append `count` tokens to every layer: ask the policy what survives, check
+ * that the pool has the blocks, then evict, retire and allocate. Either all of
+ * it happens or nothing does. On success the epoch is bumped, *evicted is the
+ * number of tokens removed (all layers), and writes[l] (an array of nlayers
+ * entries the caller provides, each with room for `count` segments) receives
+ * the segments of the new tokens in layer l.
+ */
+status_code seq_append(seq *s, int64_t count, kv_segment *const *writes, size_t *nwrites,
+                       uint32_t *evicted, status *st);
+
+#endif

@@ -1,0 +1,27 @@
+/*
+ * service.h - the kvstash.v1.Store and grpc.health.v1.Health methods: each
+ * decodes its request, calls the store, and encodes the reply. The `app`
+ * pointer of every handler is the daemon's store.
+ */
+#ifndef KVSTASH_SERVICE_H
+#define KVSTASH_SERVICE_H
+
+#include "kvstash/v1/store.pb-c.h"
+#include "rpc.h"
+#include "store.h"
+
+/* The method table for rpc_server_start (static storage). */
+const rpc_method *service_methods(size_t *count);
+
+/* Stats and Inspect (service_stats.c): read-only, need no token. */
+status_code service_stats(void *app, const char *token, const ProtobufCMessage *m,
+                          grpc_byte_buffer **resp, status *st);
+status_code service_inspect(void *app, const char *token, const ProtobufCMessage *m,
+                            grpc_byte_buffer **resp, status *st);
+
+/* Shared conversions; the Param strings point into p. */
+void service_geometry_to_proto(const pool_geometry *g, Kvstash__V1__Geometry *out);
+void service_params_to_proto(const policy_params *p, Kvstash__V1__Param *storage,
+                             Kvstash__V1__Param **ptrs);
+
+#endif

@@ -1,0 +1,596 @@
+#include "store.h"
+
+#include <ctype.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "log.h"
+
+uint64_t store_now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+int store_init(store *st, const store_config *cfg, events *ev)
+{
+    memset(st, 0, sizeof *st);
+    st->cfg = *cfg;
+    st->events = ev;
+    st->start_ms = store_now_ms();
+    st->serving = 1;
+    st->next_pool_id = st->next_session_id = st->next_seq_id = 1;
+    st->pools = calloc(cfg->max_pools ? cfg->max_pools : 1, sizeof *st->pools);
+    if (st->pools == NULL)
+        return -1;
+    pthread_mutex_init(&st->lock, NULL);
+    return 0;
+}
+
+void store_lock(store *st)
+{
+    pthread_mutex_lock(&st->lock);
+}
+
+void store_unlock(store *st)
+{
+    pthread_mutex_unlock(&st->lock);
+}
+
+void store_table_free(store_table *t)
+{
+    if (t->layers != NULL)
+        for (uint32_t l = 0; l < t->nlayers; l++) {
+            free(t->layers[l].segs);
+            free(t->layers[l].positions);
+        }
+    free(t->layers);
+    memset(t, 0, sizeof *t);
+}
+
+/* ---- lookups (lock held) ---------------------------------------------- */
+
+static session *find_session_by_token(store *st, const char *token)
+{
+    if (token == NULL)
+        return NULL;
+    for (session *s = st->sessions; s != NULL; s = s->next) {
+        /* Constant-time compare: tokens are credentials. */
+        unsigned diff = strlen(token) != STORE_TOKEN_LEN;
+        for (size_t i = 0; i < STORE_TOKEN_LEN && !diff; i++)
+            diff |= (unsigned)(s->token[i] ^ token[i]);
+        if (!diff)
+            return s;
+    }
+    return NULL;
+}
+
+static status_code need_session(store *st, const char *token, int attached, session **out,
+                                status *s)
+{
+    *out = NULL;
+    if (!st->serving)
+        return status_set(s, ST_UNAVAILABLE, "kvstashd is shutting down");
+    if (token == NULL || token[0] == '\0')
+        return status_set(s, ST_UNAUTHENTICATED,
+                          "this call needs the kvstash-token metadata from the fd-socket "
+                          "handshake (docs/protocol.md)");
+    session *se = find_session_by_token(st, token);
+    if (se == NULL)
+        return status_set(s, ST_UNAUTHENTICATED,
+                          "unknown session token (the session ended, or the token is wrong)");
+    if (attached && !se->attached)
+        return status_set(s, ST_FAILED_PRECONDITION, "session is not attached: call Attach first");
+    *out = se;
+    return ST_OK;
+}
+
+static ssize_t find_seq_index(store *st, uint64_t seq_id)
+{
+    for (size_t i = 0; i < st->nseqs; i++)
+        if (st->seqs[i]->id == seq_id)
+            return (ssize_t)i;
+    return -1;
+}
+
+seq *store_find_seq_locked(store *st, uint64_t seq_id)
+{
+    ssize_t i = find_seq_index(st, seq_id);
+    return i < 0 ? NULL : st->seqs[i];
+}
+
+static status_code need_own_seq(store *st, session *se, uint64_t seq_id, size_t *index,
+                                status *s)
+{
+    ssize_t i = find_seq_index(st, seq_id);
+    if (i < 0)
+        return status_set(s, ST_NOT_FOUND, "no sequence %llu", (unsigned long long)seq_id);
+    if (st->seqs[i]->session_id != se->id)
+        return status_set(s, ST_PERMISSION_DENIED, "sequence %llu belongs to another session",
+                          (unsigned long long)seq_id);
+    *index = (size_t)i;
+    return ST_OK;
+}
+
+/* ---- reclaiming ------------------------------------------------------- */
+
+static uint32_t release_seq_at(store *st, size_t i)
+{
+    seq *q = st->seqs[i];
+    uint32_t blocks = seq_blocks_held(q);
+    st->seqs[i] = st->seqs[--st->nseqs];
+    seq_destroy(q);
+    return blocks;
+}
+
+static void drop_pool_if_unused(store *st, pool *p)
+{
+    if (p == NULL || p->sessions > 0)
+        return;
+    for (uint32_t i = 0; i < st->cfg.max_pools; i++)
+        if (st->pools[i] == p)
+            st->pools[i] = NULL;
+    log_info("pool_destroyed", "pool=%llu model=%s", (unsigned long long)p->id, p->model);
+    pool_destroy(p);
+}
+
+/* Release everything a session holds and forget it. */
+static void session_end(store *st, session *se, const char *reason)
+{
+    uint32_t nseqs = 0, blocks = 0;
+    for (size_t i = 0; i < st->nseqs;) {
+        if (st->seqs[i]->session_id == se->id) {
+            blocks += release_seq_at(st, i);
+            nseqs++;
+        } else {
+            i++;
+        }
+    }
+    for (session **pp = &st->sessions; *pp != NULL; pp = &(*pp)->next)
+        if (*pp == se) {
+            *pp = se->next;
+            break;
+        }
+    if (se->attached) {
+        se->pool->sessions--;
+        events_publish(st->events, "worker.reclaimed",
+                       json_pack("{sI sI ss sI sI}", "session", (json_int_t)se->id, "pid",
+                                 (json_int_t)se->pid, "reason", reason, "sequences",
+                                 (json_int_t)nseqs, "blocks", (json_int_t)blocks));
+        log_info("session_reclaimed", "session=%llu pid=%d reason=%s sequences=%u blocks=%u",
+                 (unsigned long long)se->id, (int)se->pid, reason, nseqs, blocks);
+        drop_pool_if_unused(st, se->pool);
+    }
+    free(se);
+}
+
+void store_destroy(store *st)
+{
+    pthread_mutex_lock(&st->lock);
+    while (st->sessions != NULL)
+        session_end(st, st->sessions, "shutdown");
+    pthread_mutex_unlock(&st->lock);
+    free(st->seqs);
+    free(st->pools);
+    pthread_mutex_destroy(&st->lock);
+}
+
+void store_begin_shutdown(store *st)
+{
+    pthread_mutex_lock(&st->lock);
+    st->serving = 0;
+    pthread_mutex_unlock(&st->lock);
+}
+
+int store_serving(store *st)
+{
+    pthread_mutex_lock(&st->lock);
+    int v = st->serving;
+    pthread_mutex_unlock(&st->lock);
+    return v;
+}
+
+/* ---- sessions ----------------------------------------------------------- */
+
+static int make_token(char out[STORE_TOKEN_LEN + 1])
+{
+    unsigned char raw[STORE_TOKEN_LEN / 2];
+    if (getrandom(raw, sizeof raw, 0) != (ssize_t)sizeof raw)
+        return -1;
+    for (size_t i = 0; i < sizeof raw; i++)
+        snprintf(out + 2 * i, 3, "%02x", raw[i]);
+    return 0;
+}
+
+static uint32_t count_sessions(store *st)
+{
+    uint32_t n = 0;
+    for (session *s = st->sessions; s != NULL; s = s->next)
+        n++;
+    return n;
+}
+
+status_code store_session_open(store *st, pid_t pid, uid_t uid, gid_t gid, int conn_id,
+                               char token[STORE_TOKEN_LEN + 1], status *s)
+{
+    status_code rc = ST_OK;
+    pthread_mutex_lock(&st->lock);
+    session *se = NULL;
+    if (!st->serving)
+        rc = status_set(s, ST_UNAVAILABLE, "kvstashd is shutting down");
+    else if (count_sessions(st) >= st->cfg.max_sessions)
+        rc = status_set(s, ST_RESOURCE_EXHAUSTED, "too many sessions (%u)",
+                        st->cfg.max_sessions);
+    else if ((se = calloc(1, sizeof *se)) == NULL)
+        rc = status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
+    else if (make_token(se->token) != 0)
+        rc = status_set(s, ST_INTERNAL, "getrandom failed");
+    if (rc == ST_OK) {
+        se->id = st->next_session_id++;
+        se->pid = pid;
+        se->uid = uid;
+        se->gid = gid;
+        se->conn_id = conn_id;
+        se->next = st->sessions;
+        st->sessions = se;
+        memcpy(token, se->token, sizeof se->token);
+    } else {
+        free(se);
+    }
+    pthread_mutex_unlock(&st->lock);
+    return rc;
+}
+
+void store_session_conn_closed(store *st, int conn_id)
+{
+    pthread_mutex_lock(&st->lock);
+    for (session *se = st->sessions; se != NULL; se = se->next)
+        if (se->conn_id == conn_id) {
+            session_end(st, se, "fd-closed");
+            break;
+        }
+    pthread_mutex_unlock(&st->lock);
+}
+
+status_code store_pool_fd(store *st, int conn_id, uint64_t pool_id, int *fd, size_t *bytes,
+                          status *s)
+{
+    status_code rc = ST_OK;
+    *fd = -1;
+    pthread_mutex_lock(&st->lock);
+    session *se = st->sessions;
+    while (se != NULL && se->conn_id != conn_id)
+        se = se->next;
+    if (se == NULL || !se->attached)
+        rc = status_set(s, ST_FAILED_PRECONDITION, "not attached: call Attach first");
+    else if (se->pool->id != pool_id)
+        rc = status_set(s, ST_PERMISSION_DENIED, "session is attached to pool %llu, not %llu",
+                        (unsigned long long)se->pool->id, (unsigned long long)pool_id);
+    else if ((*fd = fcntl(se->pool->memfd, F_DUPFD_CLOEXEC, 0)) < 0)
+        rc = status_set(s, ST_INTERNAL, "cannot duplicate the pool fd");
+    else
+        *bytes = se->pool->bytes;
+    pthread_mutex_unlock(&st->lock);
+    return rc;
+}
+
+/* ---- attach ------------------------------------------------------------- */
+
+static status_code check_model_name(const char *model, status *s)
+{
+    size_t n = strlen(model);
+    if (n == 0 || n > 64)
+        return status_set(s, ST_INVALID_ARGUMENT, "model must be 1 to 64 characters, got %zu",
+                          n);
+    for (size_t i = 0; i < n; i++)
+        if (!isalnum((unsigned char)model[i]) && !strchr("._-", model[i]))
+            return status_set(s, ST_INVALID_ARGUMENT,
+                              "model may contain only letters, digits, '.', '_' and '-'");
+    return ST_OK;
+}
+
+static status_code find_or_create_pool(store *st, const char *model, const pool_geometry *g,
+                                       pool **out, status *s)
+{
+    int free_slot = -1;
+    for (uint32_t i = 0; i < st->cfg.max_pools; i++) {
+        pool *p = st->pools[i];
+        if (p == NULL) {
+            if (free_slot < 0)
+                free_slot = (int)i;
+            continue;
+        }
+        if (strcmp(p->model, model) != 0)
+            continue;
+        if (!pool_geometry_equal(&p->geom, g)) {
+            char have[192], want[192];
+            pool_geometry_format(&p->geom, have, sizeof have);
+            pool_geometry_format(g, want, sizeof want);
+            return status_set(s, ST_FAILED_PRECONDITION,
+                              "geometry mismatch: model '%s' is served with %s; the request has %s",
+                              model, have, want);
+        }
+        *out = p;
+        return ST_OK;
+    }
+    if (free_slot < 0)
+        return status_set(s, ST_RESOURCE_EXHAUSTED,
+                          "kvstashd already serves %u models (--max-pools)", st->cfg.max_pools);
+    if (pool_create(st->next_pool_id, model, g, st->cfg.pool_bytes, out, s) != ST_OK)
+        return s->code;
+    st->next_pool_id++;
+    st->pools[free_slot] = *out;
+    log_info("pool_created", "pool=%llu model=%s blocks=%u block_bytes=%zu",
+             (unsigned long long)(*out)->id, model, (*out)->block_count, (*out)->block_bytes);
+    return ST_OK;
+}
+
+status_code store_attach(store *st, const char *token, const char *model,
+                         const pool_geometry *geometry, const char *worker_name,
+                         store_attach_result *out, status *s)
+{
+    pool_geometry g = *geometry;
+    if (check_model_name(model, s) != ST_OK || pool_geometry_check(&g, s) != ST_OK)
+        return s->code;
+    if (strlen(worker_name) > 64)
+        return status_set(s, ST_INVALID_ARGUMENT, "worker_name must be at most 64 bytes");
+    pthread_mutex_lock(&st->lock);
+    session *se;
+    pool *p = NULL;
+    status_code rc = need_session(st, token, 0, &se, s);
+    if (rc == ST_OK && se->attached)
+        rc = status_set(s, ST_FAILED_PRECONDITION,
+                        "session %llu is already attached; a token attaches once",
+                        (unsigned long long)se->id);
+    if (rc == ST_OK)
+        rc = find_or_create_pool(st, model, &g, &p, s);
+    if (rc == ST_OK) {
+        se->attached = 1;
+        se->pool = p;
+        p->sessions++;
+        snprintf(se->name, sizeof se->name, "%s", worker_name);
+        se->attached_ms = store_now_ms();
+        *out = (store_attach_result){se->id, p->id, p->bytes, p->block_bytes, p->block_count,
+                                     p->geom};
+        events_publish(st->events, "worker.attached",
+                       json_pack("{sI sI sI sI ss}", "session", (json_int_t)se->id, "pid",
+                                 (json_int_t)se->pid, "uid", (json_int_t)se->uid, "pool",
+                                 (json_int_t)p->id, "name", se->name));
+        log_info("session_attached", "session=%llu pid=%d uid=%u pool=%llu model=%s",
+                 (unsigned long long)se->id, (int)se->pid, (unsigned)se->uid,
+                 (unsigned long long)p->id, model);
+    }
+    pthread_mutex_unlock(&st->lock);
+    return rc;
+}
+
+status_code store_lease_begin(store *st, const char *token, uint64_t *session_id, status *s)
+{
+    pthread_mutex_lock(&st->lock);
+    session *se;
+    status_code rc = need_session(st, token, 1, &se, s);
+    if (rc == ST_OK && se->lease_open)
+        rc = status_set(s, ST_FAILED_PRECONDITION, "session %llu already holds its lease",
+                        (unsigned long long)se->id);
+    if (rc == ST_OK) {
+        se->lease_open = 1;
+        *session_id = se->id;
+    }
+    pthread_mutex_unlock(&st->lock);
+    return rc;
+}
+
+void store_lease_end(store *st, uint64_t session_id)
+{
+    pthread_mutex_lock(&st->lock);
+    for (session *se = st->sessions; se != NULL; se = se->next)
+        if (se->id == session_id) {
+            session_end(st, se, "lease-ended");
+            break;
+        }
+    pthread_mutex_unlock(&st->lock);
+}
+
+status_code store_detach(store *st, const char *token, uint32_t *released, status *s)
+{
+    pthread_mutex_lock(&st->lock);
+    session *se;
+    status_code rc = need_session(st, token, 1, &se, s);
+    if (rc == ST_OK) {
+        *released = 0;
+        for (size_t i = 0; i < st->nseqs; i++)
+            *released += st->seqs[i]->session_id == se->id;
+        session_end(st, se, "detach");
+    }
+    pthread_mutex_unlock(&st->lock);
+    return rc;
+}
+
+/* ---- sequences ---------------------------------------------------------- */
+
+static status_code check_label(const char *label, status *s)
+{
+    if (strlen(label) > 128)
+        return status_set(s, ST_INVALID_ARGUMENT, "label must be at most 128 bytes");
+    return ST_OK;
+}
+
+status_code store_seq_create(store *st, const char *token, const char *policy_name,
+                             const char *const *keys, const char *const *values, size_t n,
+                             const char *label, uint64_t *seq_id, uint64_t *epoch,
+                             policy_params *params, status *s)
+{
+    const policy_ops *ops = policy_find(policy_name);
+    char err[POLICY_ERR_LEN];
+    if (ops == NULL)
+        return status_set(s, ST_INVALID_ARGUMENT,
+                          "unknown policy '%.64s' (kvstash policy list shows them)", policy_name);
+    if (policy_params_resolve(ops, keys, values, n, params, err, sizeof err) != 0)
+        return status_set(s, ST_INVALID_ARGUMENT, "%s", err);
+    if (check_label(label, s) != ST_OK)
+        return s->code;
+    pthread_mutex_lock(&st->lock);
+    session *se;
+    seq *q = NULL;
+    status_code rc = need_session(st, token, 1, &se, s);
+    if (rc == ST_OK && st->nseqs >= st->cfg.max_seqs)
+        rc = status_set(s, ST_RESOURCE_EXHAUSTED, "too many sequences (%u)", st->cfg.max_seqs);
+    if (rc == ST_OK && st->nseqs == st->seqs_cap) {
+        size_t cap = st->seqs_cap ? st->seqs_cap * 2 : 16;
+        seq **grown = realloc(st->seqs, cap * sizeof *grown);
+        if (grown == NULL)
+            rc = status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
+        else {
+            st->seqs = grown;
+            st->seqs_cap = cap;
+        }
+    }
+    if (rc == ST_OK)
+        rc = seq_create(st->next_seq_id, se->id, se->pool, ops, params, label, &q, s);
+    if (rc == ST_OK) {
+        st->next_seq_id++;
+        st->seqs[st->nseqs++] = q;
+        se->nseqs++;
+        *seq_id = q->id;
+        *epoch = q->epoch;
+        events_publish(st->events, "seq.created",
+                       json_pack("{sI sI ss}", "session", (json_int_t)se->id, "seq",
+                                 (json_int_t)q->id, "policy", ops->name));
+        log_debug("seq_created", "session=%llu seq=%llu policy=%s", (unsigned long long)se->id,
+                  (unsigned long long)q->id, ops->name);
+    }
+    pthread_mutex_unlock(&st->lock);
+    return rc;
+}
+
+static status_code table_alloc(store_table *t, uint32_t nlayers, status *s)
+{
+    memset(t, 0, sizeof *t);
+    t->nlayers = nlayers;
+    t->layers = calloc(nlayers, sizeof *t->layers);
+    if (t->layers == NULL)
+        return status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
+    return ST_OK;
+}
+
+status_code store_append(store *st, const char *token, uint64_t seq_id, int64_t count,
+                         uint64_t ack_epoch, store_table *writes, status *s)
+{
+    memset(writes, 0, sizeof *writes);
+    pthread_mutex_lock(&st->lock);
+    session *se;
+    size_t i = 0;
+    status_code rc = need_session(st, token, 1, &se, s);
+    if (rc == ST_OK)
+        rc = need_own_seq(st, se, seq_id, &i, s);
+    seq *q = rc == ST_OK ? st->seqs[i] : NULL;
+    if (rc == ST_OK && (count < 1 || count > SEQ_MAX_APPEND))
+        rc = status_set(s, ST_INVALID_ARGUMENT,
+                        "count must be between 1 and %d tokens per append, got %lld",
+                        SEQ_MAX_APPEND, (long long)count);
+    if (rc == ST_OK)
+        rc = table_alloc(writes, q->nlayers, s);
+    kv_segment **segs = NULL;
+    size_t *nsegs = NULL;
+    if (rc == ST_OK) {
+        segs = calloc(q->nlayers, sizeof *segs);
+        nsegs = calloc(q->nlayers, sizeof *nsegs);
+        for (uint32_t l = 0; segs != NULL && l < q->nlayers; l++)
+            writes->layers[l].segs = segs[l] = malloc((size_t)count * sizeof **segs);
+        if (segs == NULL || nsegs == NULL || segs[q->nlayers - 1] == NULL)
+            rc = status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    if (rc == ST_OK) {
+        seq_ack(q, ack_epoch);
+        uint32_t first = (uint32_t)q->appended;
+        rc = seq_append(q, count, segs, nsegs, &writes->evicted, s);
+        writes->epoch = q->epoch;
+        writes->first_position = first;
+    }
+    if (rc == ST_OK) {
+        for (uint32_t l = 0; l < q->nlayers; l++) {
+            writes->layers[l].nsegs = nsegs[l];
+            writes->layers[l].tokens = (uint32_t)count;
+        }
+        if (writes->evicted > 0)
+            events_publish(st->events, "table.changed",
+                           json_pack("{sI sI sI}", "seq", (json_int_t)q->id, "epoch",
+                                     (json_int_t)q->epoch, "evicted",
+                                     (json_int_t)writes->evicted));
+    }
+    pthread_mutex_unlock(&st->lock);
+    free(segs);
+    free(nsegs);
+    if (rc != ST_OK)
+        store_table_free(writes);
+    return rc;
+}
+
+static status_code copy_layer(const seq_layer *ly, int with_positions, store_layer_table *out,
+                              status *s)
+{
+    out->tokens = ly->tokens;
+    out->nsegs = ly->nsegs;
+    out->segs = malloc((ly->nsegs ? ly->nsegs : 1) * sizeof *out->segs);
+    if (out->segs == NULL)
+        return status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
+    memcpy(out->segs, ly->segs, ly->nsegs * sizeof *out->segs);
+    if (with_positions) {
+        out->positions = malloc((ly->tokens ? ly->tokens : 1) * sizeof *out->positions);
+        if (out->positions == NULL)
+            return status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
+        memcpy(out->positions, ly->pos, ly->tokens * sizeof *out->positions);
+    }
+    return ST_OK;
+}
+
+status_code store_get_table(store *st, const char *token, uint64_t seq_id, uint64_t ack_epoch,
+                            int with_positions, store_table *out, status *s)
+{
+    memset(out, 0, sizeof *out);
+    pthread_mutex_lock(&st->lock);
+    session *se;
+    size_t i = 0;
+    status_code rc = need_session(st, token, 1, &se, s);
+    if (rc == ST_OK)
+        rc = need_own_seq(st, se, seq_id, &i, s);
+    if (rc == ST_OK)
+        rc = table_alloc(out, st->seqs[i]->nlayers, s);
+    if (rc == ST_OK) {
+        seq *q = st->seqs[i];
+        seq_ack(q, ack_epoch);
+        out->epoch = q->epoch;
+        for (uint32_t l = 0; rc == ST_OK && l < q->nlayers; l++)
+            rc = copy_layer(&q->layers[l], with_positions, &out->layers[l], s);
+    }
+    pthread_mutex_unlock(&st->lock);
+    if (rc != ST_OK)
+        store_table_free(out);
+    return rc;
+}
+
+status_code store_seq_release(store *st, const char *token, uint64_t seq_id,
+                              uint32_t *blocks_freed, status *s)
+{
+    pthread_mutex_lock(&st->lock);
+    session *se;
+    size_t i = 0;
+    status_code rc = need_session(st, token, 1, &se, s);
+    if (rc == ST_OK)
+        rc = need_own_seq(st, se, seq_id, &i, s);
+    if (rc == ST_OK) {
+        *blocks_freed = release_seq_at(st, i);
+        se->nseqs--;
+        events_publish(st->events, "seq.released",
+                       json_pack("{sI sI sI}", "session", (json_int_t)se->id, "seq",
+                                 (json_int_t)seq_id, "blocks", (json_int_t)*blocks_freed));
+    }
+    pthread_mutex_unlock(&st->lock);
+    return rc;
+}

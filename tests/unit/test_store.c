@@ -1,0 +1,312 @@
+/*
+ * Unit tests of the daemon's store: sessions, pools, sequences, appends,
+ * eviction through the streaming policy, retired blocks and acks, and the
+ * "bad input changes nothing" rule. No gRPC: the store is called directly.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <cmocka.h>
+
+#include "store.h"
+
+typedef struct fixture {
+    store st;
+    char token[STORE_TOKEN_LEN + 1];
+    uint64_t pool_id;
+    uint32_t block_count;
+} fixture;
+
+static const pool_geometry small_geom = {2, 4, 2, 8, 4, POOL_FP32, 0};
+
+static int setup(void **state)
+{
+    static fixture f;
+    memset(&f, 0, sizeof f);
+    store_config cfg = {1 << 20, 4, 16, 64};
+    assert_int_equal(store_init(&f.st, &cfg, NULL), 0);
+    status s;
+    assert_int_equal(store_session_open(&f.st, 100, 1000, 1000, 1, f.token, &s), ST_OK);
+    store_attach_result r;
+    assert_int_equal(store_attach(&f.st, f.token, "m", &small_geom, "w", &r, &s), ST_OK);
+    f.pool_id = r.pool_id;
+    f.block_count = r.block_count;
+    *state = &f;
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    fixture *f = *state;
+    store_destroy(&f->st);
+    return 0;
+}
+
+static pool *the_pool(fixture *f)
+{
+    return f->st.pools[0];
+}
+
+static uint64_t make_seq(fixture *f, const char *policy, const char *const *keys,
+                         const char *const *values, size_t n)
+{
+    uint64_t id, epoch;
+    policy_params p;
+    status s;
+    assert_int_equal(
+        store_seq_create(&f->st, f->token, policy, keys, values, n, "", &id, &epoch, &p, &s),
+        ST_OK);
+    return id;
+}
+
+static void append(fixture *f, uint64_t id, int64_t count, uint64_t ack, store_table *w)
+{
+    status s;
+    status_code rc = store_append(&f->st, f->token, id, count, ack, w, &s);
+    if (rc != ST_OK)
+        fail_msg("append failed: %s", s.msg);
+}
+
+/* The held positions of one layer, through the public table copy. */
+static void table_positions(fixture *f, uint64_t id, uint32_t layer, uint32_t *out,
+                            uint32_t *n)
+{
+    store_table t;
+    status s;
+    assert_int_equal(store_get_table(&f->st, f->token, id, 0, 1, &t, &s), ST_OK);
+    *n = t.layers[layer].tokens;
+    memcpy(out, t.layers[layer].positions, *n * sizeof *out);
+    /* Segments must cover exactly the held tokens. */
+    assert_int_equal(kv_segments_tokens(t.layers[layer].segs, t.layers[layer].nsegs), *n);
+    store_table_free(&t);
+}
+
+static void test_append_assigns_fresh_blocks(void **state)
+{
+    fixture *f = *state;
+    uint64_t id = make_seq(f, "full", NULL, NULL, 0);
+    store_table w;
+    append(f, id, 6, 0, &w); /* block_tokens 4: 2 blocks per layer */
+    assert_int_equal(w.nlayers, 2);
+    assert_int_equal(w.first_position, 0);
+    assert_int_equal(w.epoch, 1);
+    for (uint32_t l = 0; l < 2; l++) {
+        assert_int_equal(w.layers[l].nsegs, 2);
+        assert_int_equal(w.layers[l].segs[0].count, 4);
+        assert_int_equal(w.layers[l].segs[1].count, 2);
+        assert_int_equal(w.layers[l].segs[1].first_slot, 0);
+    }
+    /* Four distinct blocks over the two layers. */
+    assert_int_not_equal(w.layers[0].segs[0].block, w.layers[1].segs[0].block);
+    assert_int_not_equal(w.layers[0].segs[1].block, w.layers[1].segs[1].block);
+    assert_int_equal(the_pool(f)->nfree, f->block_count - 4);
+    uint32_t tail = w.layers[0].segs[1].block;
+    store_table_free(&w);
+    append(f, id, 1, 0, &w); /* fills the tail block's slot 2 */
+    assert_int_equal(w.first_position, 6);
+    assert_int_equal(w.layers[0].segs[0].block, tail);
+    assert_int_equal(w.layers[0].segs[0].first_slot, 2);
+    store_table_free(&w);
+}
+
+static void test_streaming_keeps_exactly_sinks_and_window(void **state)
+{
+    fixture *f = *state;
+    const char *keys[] = {"n_sink", "window"}, *values[] = {"3", "5"};
+    uint64_t id = make_seq(f, "streaming", keys, values, 2);
+    uint64_t epoch = 0;
+    for (uint32_t T = 1; T <= 60; T++) {
+        store_table w;
+        append(f, id, 1, epoch, &w);
+        epoch = w.epoch;
+        store_table_free(&w);
+        uint32_t pos[64], n;
+        for (uint32_t layer = 0; layer < 2; layer++) {
+            table_positions(f, id, layer, pos, &n);
+            uint32_t expect = 0;
+            for (uint32_t p = 0; p < T; p++) {
+                if (p >= 3 && p + 5 < T)
+                    continue;
+                assert_true(expect < n);
+                assert_int_equal(pos[expect], p);
+                expect++;
+            }
+            assert_int_equal(n, expect);
+        }
+    }
+    /* Held blocks stay bounded: sinks' block + the window's blocks (+1 tail)
+     * per layer, not 60 tokens' worth. */
+    seq *q = store_find_seq_locked(&f->st, id);
+    assert_true(seq_blocks_held(q) <= 2 * (1 + 3));
+}
+
+static void test_evicted_blocks_retire_until_ack(void **state)
+{
+    fixture *f = *state;
+    const char *keys[] = {"n_sink", "window"}, *values[] = {"0", "4"};
+    uint64_t id = make_seq(f, "streaming", keys, values, 2);
+    store_table w;
+    append(f, id, 4, 0, &w); /* one full block per layer */
+    store_table_free(&w);
+    uint32_t free_before = the_pool(f)->nfree;
+    append(f, id, 4, 0, &w); /* evicts the whole first block of each layer */
+    assert_int_equal(w.evicted, 8);
+    uint64_t epoch = w.epoch;
+    store_table_free(&w);
+    seq *q = store_find_seq_locked(&f->st, id);
+    assert_int_equal(seq_retired_count(q), 2);
+    assert_int_equal(the_pool(f)->nfree, free_before - 2); /* not reused yet */
+    store_table t;
+    status s;
+    assert_int_equal(store_get_table(&f->st, f->token, id, epoch, 0, &t, &s), ST_OK);
+    store_table_free(&t);
+    assert_int_equal(seq_retired_count(q), 0);
+    assert_int_equal(the_pool(f)->nfree, free_before); /* freed and reusable */
+    /* Reusable: a new sequence gets those blocks. */
+    uint64_t id2 = make_seq(f, "full", NULL, NULL, 0);
+    append(f, id2, 8, 0, &w);
+    store_table_free(&w);
+    assert_int_equal(the_pool(f)->nfree, free_before - 4);
+}
+
+static void test_pool_full_changes_nothing(void **state)
+{
+    fixture *f = *state;
+    uint64_t id = make_seq(f, "full", NULL, NULL, 0);
+    store_table w;
+    append(f, id, 3, 0, &w);
+    store_table_free(&w);
+    seq *q = store_find_seq_locked(&f->st, id);
+    uint64_t epoch = q->epoch;
+    uint32_t nfree = the_pool(f)->nfree;
+    status s;
+    /* Far more tokens than the pool holds. */
+    assert_int_equal(store_append(&f->st, f->token, id, 65536, 0, &w, &s),
+                     ST_RESOURCE_EXHAUSTED);
+    assert_non_null(strstr(s.msg, "free blocks"));
+    assert_int_equal(q->epoch, epoch);
+    assert_int_equal(q->appended, 3);
+    assert_int_equal(the_pool(f)->nfree, nfree);
+}
+
+static void test_bad_counts(void **state)
+{
+    fixture *f = *state;
+    uint64_t id = make_seq(f, "full", NULL, NULL, 0);
+    store_table w;
+    status s;
+    int64_t bad[] = {0, -1, -5, 65537, INT64_MAX, INT64_MIN};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        assert_int_equal(store_append(&f->st, f->token, id, bad[i], 0, &w, &s),
+                         ST_INVALID_ARGUMENT);
+        assert_non_null(strstr(s.msg, "count"));
+    }
+    assert_int_equal(store_find_seq_locked(&f->st, id)->epoch, 0);
+}
+
+static void test_sessions_and_ownership(void **state)
+{
+    fixture *f = *state;
+    uint64_t id = make_seq(f, "full", NULL, NULL, 0);
+    char other[STORE_TOKEN_LEN + 1];
+    status s;
+    store_table w;
+    assert_int_equal(store_session_open(&f->st, 200, 1000, 1000, 2, other, &s), ST_OK);
+    assert_int_equal(store_append(&f->st, other, id, 1, 0, &w, &s), ST_FAILED_PRECONDITION);
+    store_attach_result r;
+    pool_geometry g = small_geom;
+    g.kv_heads = 1;
+    assert_int_equal(store_attach(&f->st, other, "m", &g, "x", &r, &s), ST_FAILED_PRECONDITION);
+    assert_non_null(strstr(s.msg, "geometry mismatch"));
+    assert_int_equal(store_attach(&f->st, other, "m", &small_geom, "x", &r, &s), ST_OK);
+    assert_int_equal(r.pool_id, f->pool_id); /* same model, same pool */
+    assert_int_equal(store_append(&f->st, other, id, 1, 0, &w, &s), ST_PERMISSION_DENIED);
+    assert_int_equal(store_append(&f->st, NULL, id, 1, 0, &w, &s), ST_UNAUTHENTICATED);
+    assert_int_equal(store_append(&f->st, f->token, 999, 1, 0, &w, &s), ST_NOT_FOUND);
+    /* The other session's connection closes: only its state goes. */
+    store_session_conn_closed(&f->st, 2);
+    assert_int_equal(the_pool(f)->sessions, 1);
+    append(f, id, 1, 0, &w);
+    store_table_free(&w);
+}
+
+static void test_reclaim_frees_everything(void **state)
+{
+    fixture *f = *state;
+    uint32_t nfree = the_pool(f)->nfree;
+    uint64_t a = make_seq(f, "full", NULL, NULL, 0);
+    const char *keys[] = {"n_sink", "window"}, *values[] = {"1", "2"};
+    uint64_t b = make_seq(f, "streaming", keys, values, 2);
+    store_table w;
+    append(f, a, 9, 0, &w);
+    store_table_free(&w);
+    for (int i = 0; i < 20; i++) {
+        append(f, b, 1, 0, &w); /* never acks: retired blocks pile up */
+        store_table_free(&w);
+    }
+    assert_true(the_pool(f)->nfree < nfree);
+    char second[STORE_TOKEN_LEN + 1];
+    status s;
+    assert_int_equal(store_session_open(&f->st, 300, 1000, 1000, 3, second, &s), ST_OK);
+    store_attach_result r;
+    assert_int_equal(store_attach(&f->st, second, "m", &small_geom, "x", &r, &s), ST_OK);
+    store_lease_end(&f->st, 1); /* the fixture's session (id 1) dies */
+    assert_null(store_find_seq_locked(&f->st, a));
+    assert_null(store_find_seq_locked(&f->st, b));
+    assert_int_equal(f->st.nseqs, 0);
+    assert_int_equal(the_pool(f)->nfree, the_pool(f)->block_count); /* all blocks back */
+}
+
+static void test_bad_geometry_and_policy(void **state)
+{
+    fixture *f = *state;
+    char tok[STORE_TOKEN_LEN + 1];
+    status s;
+    store_attach_result r;
+    assert_int_equal(store_session_open(&f->st, 400, 1000, 1000, 4, tok, &s), ST_OK);
+    pool_geometry g = small_geom;
+    g.q_heads = 3;
+    assert_int_equal(store_attach(&f->st, tok, "x", &g, "", &r, &s), ST_INVALID_ARGUMENT);
+    assert_non_null(strstr(s.msg, "q_heads"));
+    g = small_geom;
+    g.head_dim = 0;
+    assert_int_equal(store_attach(&f->st, tok, "x", &g, "", &r, &s), ST_INVALID_ARGUMENT);
+    assert_non_null(strstr(s.msg, "head_dim"));
+    g = small_geom;
+    g.dtype = 0;
+    assert_int_equal(store_attach(&f->st, tok, "x", &g, "", &r, &s), ST_INVALID_ARGUMENT);
+    assert_int_equal(store_attach(&f->st, tok, "bad name!", &small_geom, "", &r, &s),
+                     ST_INVALID_ARGUMENT);
+    uint64_t id, epoch;
+    policy_params p;
+    assert_int_equal(
+        store_seq_create(&f->st, f->token, "nope", NULL, NULL, 0, "", &id, &epoch, &p, &s),
+        ST_INVALID_ARGUMENT);
+    assert_non_null(strstr(s.msg, "nope"));
+    const char *keys[] = {"window"}, *values[] = {"abc"};
+    assert_int_equal(store_seq_create(&f->st, f->token, "streaming", keys, values, 1, "", &id,
+                                      &epoch, &p, &s),
+                     ST_INVALID_ARGUMENT);
+    assert_non_null(strstr(s.msg, "window"));
+    assert_int_equal(f->st.nseqs, 0);
+    assert_int_equal(f->st.pools[1], NULL); /* no pool was created for "x" */
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_append_assigns_fresh_blocks, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_streaming_keeps_exactly_sinks_and_window, setup,
+                                        teardown),
+        cmocka_unit_test_setup_teardown(test_evicted_blocks_retire_until_ack, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_pool_full_changes_nothing, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_bad_counts, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_sessions_and_ownership, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_reclaim_frees_everything, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_bad_geometry_and_policy, setup, teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
