@@ -11,6 +11,13 @@
  * Errors: every function returning int returns 0 on success or a negative
  * kvs_err code; kvs_session_error() holds the daemon's message for the last
  * failed call on that session.
+ *
+ * Every call to the daemon has a deadline: 10 s, or $KVSTASH_RPC_TIMEOUT_MS
+ * milliseconds; a daemon that does not answer in time gives
+ * KVS_ERR_UNAVAILABLE. While a call runs, the calling thread blocks its
+ * asynchronous signals (so that the threads gRPC starts never take the
+ * application's signals); signals that arrive meanwhile are delivered when
+ * the call returns. Do not fork() and keep using a session in the child.
  */
 #ifndef KVSTASH_H
 #define KVSTASH_H
@@ -24,14 +31,14 @@ extern "C" {
 
 typedef enum kvs_err {
     KVS_OK = 0,
-    KVS_ERR_INVALID = -1,     /* INVALID_ARGUMENT: a value is out of range */
-    KVS_ERR_NOT_FOUND = -2,   /* NOT_FOUND: no such sequence or pool */
-    KVS_ERR_PERMISSION = -3,  /* PERMISSION_DENIED / UNAUTHENTICATED */
+    KVS_ERR_INVALID = -1,      /* INVALID_ARGUMENT: a value is out of range */
+    KVS_ERR_NOT_FOUND = -2,    /* NOT_FOUND: no such sequence or pool */
+    KVS_ERR_PERMISSION = -3,   /* PERMISSION_DENIED / UNAUTHENTICATED */
     KVS_ERR_PRECONDITION = -4, /* FAILED_PRECONDITION: e.g. geometry mismatch */
-    KVS_ERR_EXHAUSTED = -5,   /* RESOURCE_EXHAUSTED: the pool is full */
-    KVS_ERR_UNAVAILABLE = -6, /* daemon not running, or shutting down */
-    KVS_ERR_PROTOCOL = -7,    /* unexpected reply, or any other gRPC status */
-    KVS_ERR_SYSTEM = -8,      /* a local system call failed (errno in the message) */
+    KVS_ERR_EXHAUSTED = -5,    /* RESOURCE_EXHAUSTED: the pool is full */
+    KVS_ERR_UNAVAILABLE = -6,  /* daemon not running, or shutting down */
+    KVS_ERR_PROTOCOL = -7,     /* unexpected reply, or any other gRPC status */
+    KVS_ERR_SYSTEM = -8,       /* a local system call failed (errno in the message) */
 } kvs_err;
 
 /* A static description of an error code. */
@@ -60,7 +67,9 @@ const char *kvs_default_socket(void);
 int kvs_session_attach(const char *socket_path, const char *model, const kvs_geometry *geometry,
                        const char *worker_name, kvs_session **out, char *err, size_t errlen);
 
-/* Release every sequence, end the lease, unmap, and free the session. */
+/* Release every sequence, end the lease, unmap, and free the session. The
+ * session is freed even when the Detach call fails (the daemon reclaims it
+ * anyway when the lease and the fd socket close); the result is that call's. */
 int kvs_session_detach(kvs_session *s);
 
 /* The message of the last failed call on this session ("" if none). */
@@ -71,6 +80,8 @@ const kvs_geometry *kvs_session_geometry(const kvs_session *s);
 uint8_t *kvs_session_pool(const kvs_session *s); /* base of the mapped pool */
 size_t kvs_session_pool_bytes(const kvs_session *s);
 size_t kvs_session_block_bytes(const kvs_session *s);
+uint64_t kvs_session_pool_id(const kvs_session *s);     /* the pool's id in Stats */
+uint32_t kvs_session_block_count(const kvs_session *s); /* blocks in the pool */
 
 /* A policy parameter for kvs_seq_create. */
 typedef struct kvs_param {
@@ -97,7 +108,16 @@ typedef struct kvs_layer {
     uint32_t *positions; /* NULL unless requested */
 } kvs_layer;
 
-/* A sequence's tables. Free with kvs_table_free. */
+/*
+ * A sequence's tables: `layers` entries, one per layer of the geometry.
+ * Filled by kvs_seq_append and kvs_seq_table, which overwrite *out without
+ * freeing it (and leave it zeroed on error); free with kvs_table_free.
+ *
+ * Epochs: each append or table call acknowledges (ack_epoch) the newest
+ * epoch this session has seen for the sequence, which lets the daemon free
+ * blocks it retired up to that epoch. So stop reading through tables older
+ * than the newest one you got before making the next call on the sequence.
+ */
 typedef struct kvs_table {
     uint64_t epoch;
     uint32_t first_position; /* for appends: position of the first new token */
@@ -106,6 +126,7 @@ typedef struct kvs_table {
     kvs_layer *layer;
 } kvs_table;
 
+/* Free the table's arrays and zero it (the kvs_table itself is the caller's). */
 void kvs_table_free(kvs_table *t);
 
 /*
@@ -135,8 +156,9 @@ int kvs_stats_json(const char *socket_path, char **json, char *err, size_t errle
 /* Subscribe to the daemon's event feed. Returns a nanomsg socket (>= 0) to
  * read with kvs_events_next, or a negative kvs_err. */
 int kvs_events_open(const char *socket_path);
-/* Next event as "topic {json}" (caller frees), waiting up to timeout_ms;
- * returns 0, KVS_ERR_UNAVAILABLE on timeout. */
+/* Next event as "topic {json}" (caller frees), waiting up to timeout_ms
+ * (negative = forever); returns 0, KVS_ERR_UNAVAILABLE on timeout or when a
+ * signal interrupts the wait. */
 int kvs_events_next(int sock, int timeout_ms, char **event);
 void kvs_events_close(int sock);
 

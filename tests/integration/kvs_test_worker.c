@@ -1,1 +1,447 @@
-int main(void) { return 1; }
+/*
+ * kvs_test_worker.c - a worker process for the integration and fault tests.
+ *
+ * It attaches to kvstashd, creates --sequences sequences under --policy,
+ * appends --tokens tokens to each, --step tokens per append, and writes K/V
+ * values that are a function of (seed, sequence index, layer, head, original
+ * position, channel). It verifies through the block tables and positions
+ * that every held token has exactly the values of its original position:
+ * after every --verify-every appends, at the end, and (with --hold) again
+ * after being told to finish.
+ *
+ * stdout, one line each, flushed (a test may kill the worker at any time):
+ *   ATTACHED session=<id> pool=<id>
+ *   APPENDED <n>              n tokens are now appended to every sequence
+ *   READY                     (--hold) writing is done; waiting for stdin EOF or SIGTERM
+ *   MISMATCH <details>        a held token has wrong values or position
+ *   {"ok":true,"seq_ids":[...],"tokens":N,"checked":M}   the last line
+ * On failure the last line is {"ok":false,...} with "error" (and "code" for
+ * API errors). "checked" counts (sequence, layer, token) rows verified.
+ *
+ * Exit status: 0 success, 1 a mismatch, 2 an API error (the message of
+ * kvs_session_error on stderr), 3 a usage error.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/signalfd.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvstash.h"
+
+#define MAX_PARAMS 32
+
+typedef struct opts {
+    const char *socket, *model, *policy, *name, *label;
+    kvs_geometry geom;
+    kvs_param params[MAX_PARAMS];
+    size_t nparams;
+    uint64_t tokens, step, seed, sleep_ms, verify_every, sequences;
+    int hold;
+} opts;
+
+typedef struct worker {
+    const opts *o;
+    kvs_session *s;
+    uint64_t *seq_ids;
+    uint64_t appended; /* tokens appended to every sequence */
+    uint64_t checked;
+    size_t elt;
+} worker;
+
+static void usage(FILE *f)
+{
+    fprintf(f, "usage: kvs_test_worker [--socket P] [--model M] [--layers L] [--kv-heads H]\n"
+               "         [--q-heads Q] [--head-dim D] [--block-tokens B] [--dtype fp32|fp16|bf16]\n"
+               "         [--policy NAME] [--set k=v]... [--tokens N] [--step S] [--seed X]\n"
+               "         [--sleep-ms MS] [--verify-every K] [--hold] [--sequences N]\n"
+               "         [--name WORKER] [--label TEXT]\n");
+}
+
+/* The final JSON line for a failure, then exit. */
+__attribute__((noreturn, format(printf, 3, 4))) static void die(int code, int api_rc,
+                                                                const char *fmt, ...)
+{
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (code == 2)
+        fprintf(stderr, "kvs_test_worker: %s\n", msg);
+    /* JSON-escape the message the simple way: drop quotes and control bytes. */
+    for (char *p = msg; *p; p++)
+        if (*p == '"' || *p == '\\' || (unsigned char)*p < 0x20)
+            *p = '\'';
+    if (api_rc != 0)
+        printf("{\"ok\":false,\"error\":\"%s\",\"code\":%d}\n", msg, api_rc);
+    else
+        printf("{\"ok\":false,\"error\":\"%s\"}\n", msg);
+    fflush(stdout);
+    exit(code);
+}
+
+static void api_die(worker *w, const char *what, int rc)
+{
+    die(2, rc, "%s: %s (%s)", what, w->s != NULL ? kvs_session_error(w->s) : "", kvs_strerror(rc));
+}
+
+static uint64_t parse_u64(const char *flag, const char *v, uint64_t min, uint64_t max)
+{
+    char *end;
+    errno = 0;
+    unsigned long long x = strtoull(v, &end, 10);
+    if (v[0] == '-' || *end != '\0' || errno != 0 || x < min || x > max) {
+        fprintf(stderr, "kvs_test_worker: %s wants an integer in %" PRIu64 "..%" PRIu64 "\n", flag,
+                min, max);
+        exit(3);
+    }
+    return x;
+}
+
+static void parse(int argc, char **argv, opts *o)
+{
+    *o = (opts){.model = "test",
+                .policy = "full",
+                .name = "kvs_test_worker",
+                .label = "",
+                .geom = {.layers = 2,
+                         .q_heads = 4,
+                         .kv_heads = 2,
+                         .head_dim = 8,
+                         .block_tokens = 16,
+                         .dtype = KVS_FP32},
+                .tokens = 64,
+                .step = 1,
+                .seed = 1,
+                .verify_every = 1,
+                .sequences = 1};
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "--hold") == 0) {
+            o->hold = 1;
+            continue;
+        }
+        if (strcmp(a, "--help") == 0) {
+            usage(stdout);
+            exit(0);
+        }
+        if (i + 1 >= argc) {
+            fprintf(stderr, "kvs_test_worker: %s needs a value\n", a);
+            usage(stderr);
+            exit(3);
+        }
+        const char *v = argv[++i];
+        if (strcmp(a, "--socket") == 0)
+            o->socket = v;
+        else if (strcmp(a, "--model") == 0)
+            o->model = v;
+        else if (strcmp(a, "--policy") == 0)
+            o->policy = v;
+        else if (strcmp(a, "--name") == 0)
+            o->name = v;
+        else if (strcmp(a, "--label") == 0)
+            o->label = v;
+        else if (strcmp(a, "--layers") == 0)
+            o->geom.layers = (uint32_t)parse_u64(a, v, 0, UINT32_MAX);
+        else if (strcmp(a, "--kv-heads") == 0)
+            o->geom.kv_heads = (uint32_t)parse_u64(a, v, 0, UINT32_MAX);
+        else if (strcmp(a, "--q-heads") == 0)
+            o->geom.q_heads = (uint32_t)parse_u64(a, v, 0, UINT32_MAX);
+        else if (strcmp(a, "--head-dim") == 0)
+            o->geom.head_dim = (uint32_t)parse_u64(a, v, 0, UINT32_MAX);
+        else if (strcmp(a, "--block-tokens") == 0)
+            o->geom.block_tokens = (uint32_t)parse_u64(a, v, 0, UINT32_MAX);
+        else if (strcmp(a, "--tokens") == 0)
+            o->tokens = parse_u64(a, v, 0, UINT32_MAX);
+        else if (strcmp(a, "--step") == 0)
+            o->step = parse_u64(a, v, 1, 65536);
+        else if (strcmp(a, "--seed") == 0)
+            o->seed = parse_u64(a, v, 0, UINT64_MAX);
+        else if (strcmp(a, "--sleep-ms") == 0)
+            o->sleep_ms = parse_u64(a, v, 0, 3600 * 1000);
+        else if (strcmp(a, "--verify-every") == 0)
+            o->verify_every = parse_u64(a, v, 0, UINT32_MAX);
+        else if (strcmp(a, "--sequences") == 0)
+            o->sequences = parse_u64(a, v, 1, 4096);
+        else if (strcmp(a, "--dtype") == 0) {
+            if (strcmp(v, "fp32") == 0)
+                o->geom.dtype = KVS_FP32;
+            else if (strcmp(v, "fp16") == 0)
+                o->geom.dtype = KVS_FP16;
+            else if (strcmp(v, "bf16") == 0)
+                o->geom.dtype = KVS_BF16;
+            else {
+                fprintf(stderr, "kvs_test_worker: --dtype wants fp32, fp16 or bf16\n");
+                exit(3);
+            }
+        } else if (strcmp(a, "--set") == 0) {
+            char *eq = strchr(v, '=');
+            if (eq == NULL || eq == v || o->nparams == MAX_PARAMS) {
+                fprintf(stderr, "kvs_test_worker: --set wants key=value (at most %d)\n",
+                        MAX_PARAMS);
+                exit(3);
+            }
+            *eq = '\0';
+            o->params[o->nparams++] = (kvs_param){v, eq + 1};
+        } else {
+            fprintf(stderr, "kvs_test_worker: unknown option %s\n", a);
+            usage(stderr);
+            exit(3);
+        }
+    }
+}
+
+/* splitmix64 */
+static uint64_t mix(uint64_t x)
+{
+    x += 0x9e3779b97f4a7c15ULL;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+    return x ^ (x >> 31);
+}
+
+/*
+ * The bytes stored for one element. fp32: an integer below 2^24, exact as a
+ * float. fp16/bf16: a finite positive bit pattern. Every input goes through
+ * the hash so a token in the wrong slot, head, layer or sequence shows.
+ */
+static void value_of(const worker *w, uint64_t seq, uint32_t layer, uint32_t head, uint64_t pos,
+                     uint32_t ch, int is_v, void *out)
+{
+    uint64_t h = mix(w->o->seed);
+    h = mix(h ^ seq);
+    h = mix(h ^ ((uint64_t)layer << 32 | head));
+    h = mix(h ^ pos);
+    h = mix(h ^ ((uint64_t)ch << 1 | (uint64_t)is_v));
+    if (w->elt == 4) {
+        float f = (float)(h & 0xffffff);
+        memcpy(out, &f, 4);
+    } else {
+        uint16_t b = (uint16_t)(h & 0x3bff);
+        memcpy(out, &b, 2);
+    }
+}
+
+static void *xmalloc(size_t n)
+{
+    void *p = malloc(n ? n : 1);
+    if (p == NULL)
+        die(2, 0, "out of memory (%zu bytes)", n);
+    return p;
+}
+
+/* Fill the new tokens of one sequence, as laid out by the append's table. */
+static void write_tokens(worker *w, uint64_t seq, const kvs_table *t)
+{
+    const kvs_geometry *g = kvs_session_geometry(w->s);
+    for (uint32_t l = 0; l < t->layers; l++) {
+        const kvs_layer *ly = &t->layer[l];
+        size_t row = (size_t)g->head_dim * w->elt;
+        size_t bytes = (size_t)g->kv_heads * ly->tokens * row;
+        uint8_t *k = xmalloc(bytes), *v = xmalloc(bytes);
+        for (uint32_t h = 0; h < g->kv_heads; h++)
+            for (uint32_t i = 0; i < ly->tokens; i++)
+                for (uint32_t c = 0; c < g->head_dim; c++) {
+                    size_t off = ((size_t)h * ly->tokens + i) * row + c * w->elt;
+                    value_of(w, seq, l, h, (uint64_t)t->first_position + i, c, 0, k + off);
+                    value_of(w, seq, l, h, (uint64_t)t->first_position + i, c, 1, v + off);
+                }
+        kvs_layer_write(w->s, ly, k, v);
+        free(k);
+        free(v);
+    }
+}
+
+/* Verify every held token of sequence index `si`; returns mismatches. */
+static int verify_seq(worker *w, uint64_t si)
+{
+    const kvs_geometry *g = kvs_session_geometry(w->s);
+    uint64_t id = w->seq_ids[si];
+    kvs_table t;
+    int rc = kvs_seq_table(w->s, id, 1, &t);
+    if (rc != KVS_OK)
+        api_die(w, "kvs_seq_table", rc);
+    int bad = 0;
+    int full = strcmp(w->o->policy, "full") == 0;
+    size_t row = (size_t)g->head_dim * w->elt;
+    uint8_t want[8];
+    for (uint32_t l = 0; l < t.layers && bad == 0; l++) {
+        const kvs_layer *ly = &t.layer[l];
+        if (full && ly->tokens != w->appended) {
+            printf("MISMATCH seq=%" PRIu64 " layer=%" PRIu32 " tokens=%" PRIu32 " appended=%" PRIu64
+                   " (policy full keeps every token)\n",
+                   id, l, ly->tokens, w->appended);
+            bad++;
+            break;
+        }
+        for (uint32_t i = 0; i < ly->tokens; i++) {
+            uint32_t p = ly->positions[i];
+            if (p >= w->appended || (i > 0 && p <= ly->positions[i - 1]) || (full && p != i)) {
+                printf("MISMATCH seq=%" PRIu64 " layer=%" PRIu32 " token=%" PRIu32
+                       " position=%" PRIu32 " (out of order, or never appended: %" PRIu64
+                       " appended)\n",
+                       id, l, i, p, w->appended);
+                bad++;
+                break;
+            }
+        }
+        if (bad)
+            break;
+        size_t bytes = (size_t)g->kv_heads * ly->tokens * row;
+        uint8_t *k = xmalloc(bytes), *v = xmalloc(bytes);
+        kvs_layer_read(w->s, ly, k, v);
+        for (uint32_t h = 0; h < g->kv_heads && !bad; h++)
+            for (uint32_t i = 0; i < ly->tokens && !bad; i++)
+                for (uint32_t c = 0; c < g->head_dim && !bad; c++) {
+                    size_t off = ((size_t)h * ly->tokens + i) * row + c * w->elt;
+                    for (int kv = 0; kv < 2 && !bad; kv++) {
+                        const uint8_t *got = (kv ? v : k) + off;
+                        value_of(w, si, l, h, ly->positions[i], c, kv, want);
+                        if (memcmp(got, want, w->elt) != 0) {
+                            uint32_t gw = 0, ww = 0;
+                            memcpy(&gw, got, w->elt);
+                            memcpy(&ww, want, w->elt);
+                            printf("MISMATCH seq=%" PRIu64 " layer=%" PRIu32 " token=%" PRIu32
+                                   " position=%" PRIu32 " head=%" PRIu32 " channel=%" PRIu32
+                                   " %s got=0x%08" PRIx32 " want=0x%08" PRIx32 "\n",
+                                   id, l, i, ly->positions[i], h, c, kv ? "V" : "K", gw, ww);
+                            bad++;
+                        }
+                    }
+                }
+        free(k);
+        free(v);
+        w->checked += ly->tokens;
+    }
+    kvs_table_free(&t);
+    fflush(stdout);
+    return bad;
+}
+
+static void verify_all(worker *w)
+{
+    int bad = 0;
+    for (uint64_t i = 0; i < w->o->sequences; i++)
+        bad += verify_seq(w, i);
+    if (bad > 0)
+        die(1, 0, "%d mismatch(es) after %" PRIu64 " tokens", bad, w->appended);
+}
+
+static void sleep_ms(uint64_t ms)
+{
+    struct timespec ts = {.tv_sec = (time_t)(ms / 1000), .tv_nsec = (long)(ms % 1000) * 1000000};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
+        ;
+}
+
+/* --hold: wait until stdin reaches EOF or a SIGTERM/SIGINT arrives (both
+ * are blocked since start-up and read through a signalfd). */
+static void hold(const sigset_t *sigs)
+{
+    int sfd = signalfd(-1, sigs, SFD_CLOEXEC);
+    if (sfd < 0)
+        die(2, 0, "signalfd: %s", strerror(errno));
+    struct pollfd pf[2] = {{.fd = 0, .events = POLLIN}, {.fd = sfd, .events = POLLIN}};
+    char buf[4096];
+    for (;;) {
+        if (poll(pf, 2, -1) < 0) {
+            if (errno == EINTR)
+                continue;
+            die(2, 0, "poll: %s", strerror(errno));
+        }
+        if (pf[1].revents)
+            break;
+        if (pf[0].revents) {
+            ssize_t n = read(0, buf, sizeof buf);
+            if (n <= 0)
+                break;
+        }
+    }
+    close(sfd);
+}
+
+static void print_ok(const worker *w)
+{
+    printf("{\"ok\":true,\"seq_ids\":[");
+    for (uint64_t i = 0; i < w->o->sequences; i++)
+        printf("%s%" PRIu64, i ? "," : "", w->seq_ids[i]);
+    printf("],\"tokens\":%" PRIu64 ",\"checked\":%" PRIu64 "}\n", w->appended, w->checked);
+    fflush(stdout);
+}
+
+int main(int argc, char **argv)
+{
+    opts o;
+    parse(argc, argv, &o);
+    worker w = {.o = &o, .elt = o.geom.dtype == KVS_FP32 ? 4 : 2};
+
+    /* Block SIGTERM/SIGINT before anything starts threads, so --hold can
+     * take them through a signalfd. Without --hold they keep killing us. */
+    sigset_t sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGTERM);
+    sigaddset(&sigs, SIGINT);
+    if (o.hold)
+        sigprocmask(SIG_BLOCK, &sigs, NULL);
+
+    char err[512];
+    int rc = kvs_session_attach(o.socket, o.model, &o.geom, o.name, &w.s, err, sizeof err);
+    if (rc != KVS_OK)
+        die(2, rc, "kvs_session_attach: %s (%s)", err, kvs_strerror(rc));
+    printf("ATTACHED session=%" PRIu64 " pool=%" PRIu64 "\n", kvs_session_id(w.s),
+           kvs_session_pool_id(w.s));
+    fflush(stdout);
+
+    w.seq_ids = xmalloc(o.sequences * sizeof *w.seq_ids);
+    for (uint64_t i = 0; i < o.sequences; i++) {
+        rc = kvs_seq_create(w.s, o.policy, o.params, o.nparams, o.label, &w.seq_ids[i]);
+        if (rc != KVS_OK)
+            api_die(&w, "kvs_seq_create", rc);
+    }
+
+    for (uint64_t nappends = 1; w.appended < o.tokens; nappends++) {
+        uint64_t n = o.tokens - w.appended < o.step ? o.tokens - w.appended : o.step;
+        for (uint64_t i = 0; i < o.sequences; i++) {
+            kvs_table t;
+            rc = kvs_seq_append(w.s, w.seq_ids[i], (int64_t)n, &t);
+            if (rc != KVS_OK)
+                api_die(&w, "kvs_seq_append", rc);
+            if (t.first_position != w.appended)
+                die(1, 0,
+                    "seq %" PRIu64 ": append starts at position %" PRIu32 ", expected %" PRIu64,
+                    w.seq_ids[i], t.first_position, w.appended);
+            write_tokens(&w, i, &t);
+            kvs_table_free(&t);
+        }
+        w.appended += n;
+        printf("APPENDED %" PRIu64 "\n", w.appended);
+        fflush(stdout);
+        if (o.verify_every > 0 && nappends % o.verify_every == 0)
+            verify_all(&w);
+        if (o.sleep_ms > 0 && w.appended < o.tokens)
+            sleep_ms(o.sleep_ms);
+    }
+    verify_all(&w);
+
+    if (o.hold) {
+        printf("READY\n");
+        fflush(stdout);
+        hold(&sigs);
+        verify_all(&w);
+    }
+
+    rc = kvs_session_detach(w.s);
+    w.s = NULL;
+    if (rc != KVS_OK)
+        die(2, rc, "kvs_session_detach: %s", kvs_strerror(rc));
+    print_ok(&w);
+    free(w.seq_ids);
+    return 0;
+}

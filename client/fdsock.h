@@ -1,0 +1,34 @@
+/*
+ * fdsock.h - the worker's side of kvstashd's fd socket (docs/protocol.md).
+ *
+ * A SOCK_SEQPACKET Unix socket at `<grpc socket>.fd`: one ASCII datagram per
+ * message, at most 256 bytes. The daemon reads our SO_PEERCRED identity and
+ * answers `HELLO 1` with the session token, and `MAP <pool_id>` with the
+ * pool's memfd attached (SCM_RIGHTS). The connection must stay open for the
+ * session's life: closing it ends the session on the daemon.
+ *
+ * All functions return 0 or a negative kvs_err, with a message in
+ * err[errlen]; sends and receives time out after rpc_timeout_ms().
+ */
+#ifndef KVSTASH_CLIENT_FDSOCK_H
+#define KVSTASH_CLIENT_FDSOCK_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* The session token: 32 lowercase hex digits and a NUL. */
+#define FDSOCK_TOKEN_LEN 32
+
+/* Connect to `<socket_path>.fd`; *fd is the connected socket (close-on-exec,
+ * owned by the caller). KVS_ERR_UNAVAILABLE when no daemon listens there. */
+int fdsock_connect(const char *socket_path, int *fd, char *err, size_t errlen);
+
+/* Send `HELLO 1` and read the token into token[FDSOCK_TOKEN_LEN + 1]. */
+int fdsock_hello(int fd, char *token, char *err, size_t errlen);
+
+/* Send `MAP <pool_id>`; on success *memfd is the pool's file descriptor
+ * (close-on-exec, owned by the caller) and *bytes the size the daemon
+ * announced. A daemon `ERR` answer gives KVS_ERR_PROTOCOL with its reason. */
+int fdsock_map(int fd, uint64_t pool_id, int *memfd, uint64_t *bytes, char *err, size_t errlen);
+
+#endif

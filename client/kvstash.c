@@ -1,0 +1,761 @@
+/* kvstash.c - libkvstash sessions, sequences and tables; see kvstash.h. */
+#include "kvstash.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "fdsock.h"
+#include "kernels.h"
+#include "kvstash/v1/store.pb-c.h"
+#include "pbjson.h"
+#include "rpc.h"
+
+#define KVS_ERRMSG_MAX 512
+
+/* The newest table epoch this session has seen for one of its sequences; it
+ * is sent back as ack_epoch (docs/protocol.md, "Tables, epochs and retired
+ * blocks"). */
+typedef struct seq_epoch {
+    uint64_t seq_id;
+    uint64_t epoch;
+} seq_epoch;
+
+struct kvs_session {
+    rpc_channel *ch;
+    rpc_stream *lease;
+    int fd; /* the fd socket; open for the session's life */
+    char token[FDSOCK_TOKEN_LEN + 1];
+    uint64_t session_id, pool_id;
+    kvs_geometry geom; /* the pool's, defaults filled in */
+    kv_layout layout;
+    uint8_t *pool;
+    size_t pool_bytes, block_bytes;
+    uint32_t block_count;
+    /* A few sequences per session: a plain array, searched linearly. */
+    seq_epoch *epochs;
+    size_t nepochs, capepochs;
+    char err[KVS_ERRMSG_MAX];
+};
+
+const char *kvs_strerror(int err)
+{
+    switch (err) {
+    case KVS_OK:
+        return "success";
+    case KVS_ERR_INVALID:
+        return "invalid argument";
+    case KVS_ERR_NOT_FOUND:
+        return "no such sequence or pool";
+    case KVS_ERR_PERMISSION:
+        return "permission denied";
+    case KVS_ERR_PRECONDITION:
+        return "failed precondition";
+    case KVS_ERR_EXHAUSTED:
+        return "pool exhausted";
+    case KVS_ERR_UNAVAILABLE:
+        return "kvstashd unavailable";
+    case KVS_ERR_PROTOCOL:
+        return "protocol error";
+    case KVS_ERR_SYSTEM:
+        return "system error";
+    default:
+        return "unknown error";
+    }
+}
+
+static pthread_once_t default_once = PTHREAD_ONCE_INIT;
+static char default_path[4096];
+
+static void default_init(void)
+{
+    const char *rt = getenv("XDG_RUNTIME_DIR");
+    if (rt != NULL && rt[0] == '/' &&
+        (size_t)snprintf(default_path, sizeof default_path, "%s/kvstash/kvstashd.sock", rt) <
+            sizeof default_path)
+        return;
+    strcpy(default_path, "/run/kvstash/kvstashd.sock");
+}
+
+const char *kvs_default_socket(void)
+{
+    pthread_once(&default_once, default_init);
+    return default_path;
+}
+
+/* Set the session's last error message. */
+__attribute__((format(printf, 2, 3))) static void fail(kvs_session *s, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(s->err, sizeof s->err, fmt, ap);
+    va_end(ap);
+}
+
+const char *kvs_session_error(const kvs_session *s)
+{
+    return s != NULL ? s->err : "no session";
+}
+
+uint64_t kvs_session_id(const kvs_session *s)
+{
+    return s->session_id;
+}
+
+uint64_t kvs_session_pool_id(const kvs_session *s)
+{
+    return s->pool_id;
+}
+
+const kvs_geometry *kvs_session_geometry(const kvs_session *s)
+{
+    return &s->geom;
+}
+
+uint8_t *kvs_session_pool(const kvs_session *s)
+{
+    return s->pool;
+}
+
+size_t kvs_session_pool_bytes(const kvs_session *s)
+{
+    return s->pool_bytes;
+}
+
+size_t kvs_session_block_bytes(const kvs_session *s)
+{
+    return s->block_bytes;
+}
+
+uint32_t kvs_session_block_count(const kvs_session *s)
+{
+    return s->block_count;
+}
+
+/* ---- the per-session epoch map ---- */
+
+static seq_epoch *epoch_find(kvs_session *s, uint64_t seq_id)
+{
+    for (size_t i = 0; i < s->nepochs; i++)
+        if (s->epochs[i].seq_id == seq_id)
+            return &s->epochs[i];
+    return NULL;
+}
+
+static uint64_t epoch_get(kvs_session *s, uint64_t seq_id)
+{
+    seq_epoch *e = epoch_find(s, seq_id);
+    return e != NULL ? e->epoch : 0;
+}
+
+/* Remember `epoch` for the sequence if it is newer. Out of memory only
+ * loses the ack (retired blocks then wait for the next one), so it is not an
+ * error. */
+static void epoch_seen(kvs_session *s, uint64_t seq_id, uint64_t epoch)
+{
+    seq_epoch *e = epoch_find(s, seq_id);
+    if (e != NULL) {
+        if (epoch > e->epoch)
+            e->epoch = epoch;
+        return;
+    }
+    if (s->nepochs == s->capepochs) {
+        size_t cap = s->capepochs ? 2 * s->capepochs : 8;
+        seq_epoch *n = realloc(s->epochs, cap * sizeof *n);
+        if (n == NULL)
+            return;
+        s->epochs = n;
+        s->capepochs = cap;
+    }
+    s->epochs[s->nepochs++] = (seq_epoch){seq_id, epoch};
+}
+
+static void epoch_forget(kvs_session *s, uint64_t seq_id)
+{
+    seq_epoch *e = epoch_find(s, seq_id);
+    if (e != NULL)
+        *e = s->epochs[--s->nepochs];
+}
+
+/* ---- attach and detach ---- */
+
+static size_t dtype_size(int dtype)
+{
+    switch (dtype) {
+    case KVS_FP16:
+    case KVS_BF16:
+        return 2;
+    case KVS_FP32:
+        return 4;
+    default:
+        return 0;
+    }
+}
+
+/* Free everything the session holds; each part may be absent. */
+static void session_free(kvs_session *s)
+{
+    if (s->lease != NULL)
+        rpc_stream_close(s->lease, NULL, 0);
+    if (s->pool != NULL)
+        munmap(s->pool, s->pool_bytes);
+    if (s->fd >= 0)
+        close(s->fd);
+    rpc_channel_close(s->ch);
+    free(s->epochs);
+    free(s);
+}
+
+/* Take the pool's geometry and layout from the AttachResponse, and check
+ * that the layout it documents is the one kernels.h computes. */
+static int session_layout(kvs_session *s, const Kvstash__V1__AttachResponse *r)
+{
+    const Kvstash__V1__Geometry *g = r->geometry;
+    if (strcmp(r->backend, "host") != 0) {
+        fail(s, "kvstashd offers a \"%s\" pool; this libkvstash maps only \"host\" pools",
+             r->backend);
+        return KVS_ERR_PROTOCOL;
+    }
+    size_t elt = g != NULL ? dtype_size(g->dtype) : 0;
+    if (g == NULL || elt == 0 || g->layers == 0 || g->kv_heads == 0 || g->head_dim == 0 ||
+        g->block_tokens == 0) {
+        fail(s, "Attach: kvstashd sent no valid pool geometry");
+        return KVS_ERR_PROTOCOL;
+    }
+    s->session_id = r->session_id;
+    s->pool_id = r->pool_id;
+    s->geom = (kvs_geometry){.layers = g->layers,
+                             .q_heads = g->q_heads,
+                             .kv_heads = g->kv_heads,
+                             .head_dim = g->head_dim,
+                             .block_tokens = g->block_tokens,
+                             .dtype = (kvs_dtype)g->dtype,
+                             .rope_theta = g->rope_theta};
+    s->layout = (kv_layout){.kv_heads = g->kv_heads,
+                            .block_tokens = g->block_tokens,
+                            .head_dim = g->head_dim,
+                            .elt_size = (uint32_t)elt};
+    uint64_t need = (uint64_t)g->kv_heads * g->block_tokens * g->head_dim * elt * 2;
+    if (r->block_bytes != need || r->block_bytes != kv_block_bytes(&s->layout)) {
+        fail(s, "Attach: block_bytes %" PRIu64 " does not match the geometry (%" PRIu64 ")",
+             r->block_bytes, need);
+        return KVS_ERR_PROTOCOL;
+    }
+    if (r->block_count == 0 || r->pool_bytes > SIZE_MAX ||
+        r->pool_bytes / r->block_bytes < r->block_count) {
+        fail(s,
+             "Attach: %" PRIu32 " blocks of %" PRIu64 " bytes do not fit a %" PRIu64 "-byte pool",
+             r->block_count, r->block_bytes, r->pool_bytes);
+        return KVS_ERR_PROTOCOL;
+    }
+    s->pool_bytes = (size_t)r->pool_bytes;
+    s->block_bytes = (size_t)r->block_bytes;
+    s->block_count = r->block_count;
+    return KVS_OK;
+}
+
+/* Step 2: the Attach call. */
+static int session_rpc_attach(kvs_session *s, const char *model, const kvs_geometry *geometry,
+                              const char *worker_name)
+{
+    Kvstash__V1__Geometry g = KVSTASH__V1__GEOMETRY__INIT;
+    g.layers = geometry->layers;
+    g.q_heads = geometry->q_heads;
+    g.kv_heads = geometry->kv_heads;
+    g.head_dim = geometry->head_dim;
+    g.dtype = (Kvstash__V1__DType)geometry->dtype;
+    g.block_tokens = geometry->block_tokens;
+    g.rope_theta = geometry->rope_theta;
+    Kvstash__V1__AttachRequest req = KVSTASH__V1__ATTACH_REQUEST__INIT;
+    req.model = (char *)model;
+    req.geometry = &g;
+    req.worker_name = (char *)(worker_name != NULL ? worker_name : "");
+    ProtobufCMessage *resp;
+    int rc = rpc_unary(s->ch, RPC_STORE("Attach"), s->token, &req.base,
+                       &kvstash__v1__attach_response__descriptor, &resp, s->err, sizeof s->err);
+    if (rc != KVS_OK)
+        return rc;
+    rc = session_layout(s, (Kvstash__V1__AttachResponse *)resp);
+    protobuf_c_message_free_unpacked(resp, NULL);
+    return rc;
+}
+
+/* Step 3: MAP the pool's memfd and mmap it. */
+static int session_map(kvs_session *s)
+{
+    int memfd;
+    uint64_t bytes;
+    int rc = fdsock_map(s->fd, s->pool_id, &memfd, &bytes, s->err, sizeof s->err);
+    if (rc != KVS_OK)
+        return rc;
+    struct stat st;
+    if (bytes != s->pool_bytes) {
+        fail(s, "MAP: kvstashd announced %" PRIu64 " bytes, Attach said %zu", bytes, s->pool_bytes);
+        rc = KVS_ERR_PROTOCOL;
+    } else if (fstat(memfd, &st) != 0 || (uint64_t)st.st_size < bytes) {
+        fail(s, "MAP: the pool's file is smaller than %zu bytes", s->pool_bytes);
+        rc = KVS_ERR_PROTOCOL;
+    } else {
+        void *p =
+            mmap(NULL, s->pool_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, memfd, 0);
+        if (p == MAP_FAILED) {
+            fail(s, "mmap of the %zu-byte pool: %s", s->pool_bytes, strerror(errno));
+            rc = KVS_ERR_SYSTEM;
+        } else {
+            s->pool = p;
+        }
+    }
+    close(memfd);
+    return rc;
+}
+
+/* Step 4: open the Lease and wait for "granted". */
+static int session_lease(kvs_session *s)
+{
+    Kvstash__V1__LeaseRequest req = KVSTASH__V1__LEASE_REQUEST__INIT;
+    ProtobufCMessage *first;
+    int rc = rpc_stream_open(s->ch, RPC_STORE("Lease"), s->token, &req.base,
+                             &kvstash__v1__lease_message__descriptor, &first, &s->lease, s->err,
+                             sizeof s->err);
+    if (rc != KVS_OK)
+        return rc;
+    const Kvstash__V1__LeaseMessage *m = (const Kvstash__V1__LeaseMessage *)first;
+    if (strcmp(m->state, "granted") != 0) {
+        fail(s, "Lease: kvstashd answered \"%s\", not \"granted\"", m->state);
+        rc = strcmp(m->state, "shutdown") == 0 ? KVS_ERR_UNAVAILABLE : KVS_ERR_PROTOCOL;
+    }
+    protobuf_c_message_free_unpacked(first, NULL);
+    return rc;
+}
+
+int kvs_session_attach(const char *socket_path, const char *model, const kvs_geometry *geometry,
+                       const char *worker_name, kvs_session **out, char *err, size_t errlen)
+{
+    if (out != NULL)
+        *out = NULL;
+    if (err != NULL && errlen > 0)
+        err[0] = '\0';
+    if (out == NULL || model == NULL || geometry == NULL) {
+        if (err != NULL && errlen > 0)
+            snprintf(err, errlen, "kvs_session_attach: out, model and geometry are required");
+        return KVS_ERR_INVALID;
+    }
+    if (socket_path == NULL)
+        socket_path = kvs_default_socket();
+    kvs_session *s = calloc(1, sizeof *s);
+    if (s == NULL) {
+        if (err != NULL && errlen > 0)
+            snprintf(err, errlen, "kvs_session_attach: out of memory");
+        return KVS_ERR_SYSTEM;
+    }
+    s->fd = -1;
+    int rc = fdsock_connect(socket_path, &s->fd, s->err, sizeof s->err);
+    if (rc == KVS_OK)
+        rc = fdsock_hello(s->fd, s->token, s->err, sizeof s->err);
+    if (rc == KVS_OK) {
+        s->ch = rpc_channel_open(socket_path);
+        if (s->ch == NULL) {
+            fail(s, "cannot create a gRPC channel to unix:%s", socket_path);
+            rc = KVS_ERR_SYSTEM;
+        }
+    }
+    if (rc == KVS_OK)
+        rc = session_rpc_attach(s, model, geometry, worker_name);
+    if (rc == KVS_OK)
+        rc = session_map(s);
+    if (rc == KVS_OK)
+        rc = session_lease(s);
+    if (rc != KVS_OK) {
+        if (err != NULL && errlen > 0)
+            snprintf(err, errlen, "%s", s->err);
+        session_free(s);
+        return rc;
+    }
+    *out = s;
+    return KVS_OK;
+}
+
+int kvs_session_detach(kvs_session *s)
+{
+    if (s == NULL)
+        return KVS_ERR_INVALID;
+    Kvstash__V1__DetachRequest req = KVSTASH__V1__DETACH_REQUEST__INIT;
+    ProtobufCMessage *resp;
+    int rc = rpc_unary(s->ch, RPC_STORE("Detach"), s->token, &req.base,
+                       &kvstash__v1__detach_response__descriptor, &resp, s->err, sizeof s->err);
+    if (rc == KVS_OK)
+        protobuf_c_message_free_unpacked(resp, NULL);
+    session_free(s);
+    return rc;
+}
+
+/* ---- sequences ---- */
+
+int kvs_seq_create(kvs_session *s, const char *policy, const kvs_param *params, size_t nparams,
+                   const char *label, uint64_t *seq_id)
+{
+    if (s == NULL)
+        return KVS_ERR_INVALID;
+    if (policy == NULL || seq_id == NULL || (params == NULL && nparams > 0)) {
+        fail(s, "kvs_seq_create: policy and seq_id are required");
+        return KVS_ERR_INVALID;
+    }
+    Kvstash__V1__CreateSequenceRequest req = KVSTASH__V1__CREATE_SEQUENCE_REQUEST__INIT;
+    Kvstash__V1__Param *pv = NULL, **pp = NULL;
+    if (nparams > 0) {
+        pv = calloc(nparams, sizeof *pv);
+        pp = calloc(nparams, sizeof *pp);
+        if (pv == NULL || pp == NULL) {
+            free(pv);
+            free(pp);
+            fail(s, "kvs_seq_create: out of memory");
+            return KVS_ERR_SYSTEM;
+        }
+    }
+    for (size_t i = 0; i < nparams; i++) {
+        if (params[i].key == NULL || params[i].value == NULL) {
+            free(pv);
+            free(pp);
+            fail(s, "kvs_seq_create: parameter %zu has no key or value", i);
+            return KVS_ERR_INVALID;
+        }
+        kvstash__v1__param__init(&pv[i]);
+        pv[i].key = (char *)params[i].key;
+        pv[i].value = (char *)params[i].value;
+        pp[i] = &pv[i];
+    }
+    req.policy = (char *)policy;
+    req.n_params = nparams;
+    req.params = pp;
+    req.label = (char *)(label != NULL ? label : "");
+    ProtobufCMessage *resp;
+    int rc =
+        rpc_unary(s->ch, RPC_STORE("CreateSequence"), s->token, &req.base,
+                  &kvstash__v1__create_sequence_response__descriptor, &resp, s->err, sizeof s->err);
+    free(pv);
+    free(pp);
+    if (rc != KVS_OK)
+        return rc;
+    const Kvstash__V1__CreateSequenceResponse *r =
+        (const Kvstash__V1__CreateSequenceResponse *)resp;
+    *seq_id = r->seq_id;
+    epoch_seen(s, r->seq_id, r->epoch);
+    protobuf_c_message_free_unpacked(resp, NULL);
+    return KVS_OK;
+}
+
+int kvs_seq_release(kvs_session *s, uint64_t seq_id)
+{
+    if (s == NULL)
+        return KVS_ERR_INVALID;
+    Kvstash__V1__ReleaseSequenceRequest req = KVSTASH__V1__RELEASE_SEQUENCE_REQUEST__INIT;
+    req.seq_id = seq_id;
+    ProtobufCMessage *resp;
+    int rc = rpc_unary(s->ch, RPC_STORE("ReleaseSequence"), s->token, &req.base,
+                       &kvstash__v1__release_sequence_response__descriptor, &resp, s->err,
+                       sizeof s->err);
+    if (rc != KVS_OK)
+        return rc;
+    protobuf_c_message_free_unpacked(resp, NULL);
+    epoch_forget(s, seq_id);
+    return KVS_OK;
+}
+
+/* ---- tables ---- */
+
+void kvs_table_free(kvs_table *t)
+{
+    if (t == NULL)
+        return;
+    free(t->layer); /* one allocation: layers, then segments, then positions */
+    memset(t, 0, sizeof *t);
+}
+
+/* Check one LayerTable against the pool before anyone writes through it: a
+ * bad table from the daemon must not make a worker scribble outside its
+ * blocks. */
+static int layer_check(kvs_session *s, const Kvstash__V1__LayerTable *lt, const char *what)
+{
+    if (lt->n_first_slot != lt->n_block || lt->n_count != lt->n_block) {
+        fail(s, "%s: layer %" PRIu32 " has %zu blocks, %zu first slots and %zu counts", what,
+             lt->layer, lt->n_block, lt->n_first_slot, lt->n_count);
+        return KVS_ERR_PROTOCOL;
+    }
+    uint64_t total = 0;
+    for (size_t i = 0; i < lt->n_block; i++) {
+        if (lt->block[i] >= s->block_count || lt->count[i] == 0 ||
+            (uint64_t)lt->first_slot[i] + lt->count[i] > s->geom.block_tokens) {
+            fail(s,
+                 "%s: layer %" PRIu32 " segment %zu (block %" PRIu32 ", slots %" PRIu32 "+%" PRIu32
+                 ") is outside the pool",
+                 what, lt->layer, i, lt->block[i], lt->first_slot[i], lt->count[i]);
+            return KVS_ERR_PROTOCOL;
+        }
+        total += lt->count[i];
+    }
+    if (total != lt->tokens || (lt->n_positions != 0 && lt->n_positions != lt->tokens)) {
+        fail(s,
+             "%s: layer %" PRIu32 " says %" PRIu32 " tokens, its segments hold %" PRIu64
+             " and it has %zu positions",
+             what, lt->layer, lt->tokens, total, lt->n_positions);
+        return KVS_ERR_PROTOCOL;
+    }
+    return KVS_OK;
+}
+
+/*
+ * Build a kvs_table with one entry per layer of the geometry from the
+ * daemon's LayerTables (layers it does not mention are empty). Everything is
+ * one allocation, owned by out->layer.
+ */
+static int table_fill(kvs_session *s, Kvstash__V1__LayerTable **lts, size_t n, const char *what,
+                      kvs_table *out)
+{
+    uint32_t layers = s->geom.layers;
+    size_t nseg = 0, npos = 0;
+    for (size_t i = 0; i < n; i++) {
+        int rc = layer_check(s, lts[i], what);
+        if (rc != KVS_OK)
+            return rc;
+        if (lts[i]->layer >= layers) {
+            fail(s, "%s: layer %" PRIu32 " out of range (%" PRIu32 " layers)", what, lts[i]->layer,
+                 layers);
+            return KVS_ERR_PROTOCOL;
+        }
+        nseg += lts[i]->n_block;
+        npos += lts[i]->n_positions;
+    }
+    size_t bytes =
+        layers * sizeof(kvs_layer) + nseg * sizeof(kvs_segment) + npos * sizeof(uint32_t);
+    char *mem = calloc(1, bytes);
+    if (mem == NULL) {
+        fail(s, "%s: out of memory for a %zu-byte table", what, bytes);
+        return KVS_ERR_SYSTEM;
+    }
+    kvs_layer *ly = (kvs_layer *)mem;
+    kvs_segment *seg = (kvs_segment *)(mem + layers * sizeof(kvs_layer));
+    uint32_t *pos = (uint32_t *)(seg + nseg);
+    for (size_t i = 0; i < n; i++) {
+        const Kvstash__V1__LayerTable *lt = lts[i];
+        kvs_layer *l = &ly[lt->layer];
+        if (l->segments != NULL || l->positions != NULL || l->tokens != 0) {
+            free(mem);
+            fail(s, "%s: layer %" PRIu32 " appears twice", what, lt->layer);
+            return KVS_ERR_PROTOCOL;
+        }
+        l->tokens = lt->tokens;
+        l->nsegments = lt->n_block;
+        l->segments = lt->n_block > 0 ? seg : NULL;
+        for (size_t j = 0; j < lt->n_block; j++)
+            *seg++ = (kvs_segment){lt->block[j], lt->first_slot[j], lt->count[j]};
+        if (lt->n_positions > 0) {
+            l->positions = pos;
+            memcpy(pos, lt->positions, lt->n_positions * sizeof *pos);
+            pos += lt->n_positions;
+        }
+    }
+    out->layers = layers;
+    out->layer = ly;
+    return KVS_OK;
+}
+
+int kvs_seq_append(kvs_session *s, uint64_t seq_id, int64_t count, kvs_table *writes)
+{
+    if (writes != NULL)
+        memset(writes, 0, sizeof *writes);
+    if (s == NULL)
+        return KVS_ERR_INVALID;
+    if (writes == NULL) {
+        fail(s, "kvs_seq_append: writes is required");
+        return KVS_ERR_INVALID;
+    }
+    Kvstash__V1__AppendRequest req = KVSTASH__V1__APPEND_REQUEST__INIT;
+    req.seq_id = seq_id;
+    req.count = count;
+    req.ack_epoch = epoch_get(s, seq_id);
+    ProtobufCMessage *resp;
+    int rc = rpc_unary(s->ch, RPC_STORE("Append"), s->token, &req.base,
+                       &kvstash__v1__append_response__descriptor, &resp, s->err, sizeof s->err);
+    if (rc != KVS_OK)
+        return rc;
+    const Kvstash__V1__AppendResponse *r = (const Kvstash__V1__AppendResponse *)resp;
+    rc = table_fill(s, r->writes, r->n_writes, "Append", writes);
+    if (rc == KVS_OK) {
+        writes->epoch = r->epoch;
+        writes->first_position = r->first_position;
+        writes->evicted = r->evicted;
+        epoch_seen(s, seq_id, r->epoch);
+        /* Every layer must have room for exactly `count` new tokens. */
+        for (uint32_t l = 0; l < writes->layers; l++) {
+            if (writes->layer[l].tokens != (uint64_t)count) {
+                fail(s, "Append: layer %" PRIu32 " got room for %" PRIu32 " tokens, not %" PRId64,
+                     l, writes->layer[l].tokens, count);
+                kvs_table_free(writes);
+                rc = KVS_ERR_PROTOCOL;
+                break;
+            }
+        }
+    }
+    protobuf_c_message_free_unpacked(resp, NULL);
+    return rc;
+}
+
+int kvs_seq_table(kvs_session *s, uint64_t seq_id, int with_positions, kvs_table *out)
+{
+    if (out != NULL)
+        memset(out, 0, sizeof *out);
+    if (s == NULL)
+        return KVS_ERR_INVALID;
+    if (out == NULL) {
+        fail(s, "kvs_seq_table: out is required");
+        return KVS_ERR_INVALID;
+    }
+    Kvstash__V1__GetBlockTableRequest req = KVSTASH__V1__GET_BLOCK_TABLE_REQUEST__INIT;
+    req.seq_id = seq_id;
+    req.with_positions = with_positions != 0;
+    req.ack_epoch = epoch_get(s, seq_id);
+    ProtobufCMessage *resp;
+    int rc =
+        rpc_unary(s->ch, RPC_STORE("GetBlockTable"), s->token, &req.base,
+                  &kvstash__v1__get_block_table_response__descriptor, &resp, s->err, sizeof s->err);
+    if (rc != KVS_OK)
+        return rc;
+    const Kvstash__V1__GetBlockTableResponse *r = (const Kvstash__V1__GetBlockTableResponse *)resp;
+    rc = table_fill(s, r->layers, r->n_layers, "GetBlockTable", out);
+    if (rc == KVS_OK) {
+        out->epoch = r->epoch;
+        epoch_seen(s, seq_id, r->epoch);
+        for (uint32_t l = 0; with_positions && l < out->layers; l++) {
+            if (out->layer[l].tokens > 0 && out->layer[l].positions == NULL) {
+                fail(s, "GetBlockTable: layer %" PRIu32 " came without positions", l);
+                kvs_table_free(out);
+                rc = KVS_ERR_PROTOCOL;
+                break;
+            }
+        }
+    }
+    protobuf_c_message_free_unpacked(resp, NULL);
+    return rc;
+}
+
+/* ---- K/V access ---- */
+
+void *kvs_key_ptr(const kvs_session *s, uint32_t block, uint32_t head, uint32_t slot)
+{
+    return s->pool + kv_key_offset(&s->layout, block, head, slot);
+}
+
+void *kvs_value_ptr(const kvs_session *s, uint32_t block, uint32_t head, uint32_t slot)
+{
+    return s->pool + kv_key_offset(&s->layout, block, head, slot) + s->block_bytes / 2;
+}
+
+/* kvs_segment and kv_segment have the same members but are distinct types:
+ * copy rather than alias. Small tables use the stack. */
+#define SEG_STACK 128
+
+/* Copy one layer's K and V by (segment, head) rows with memcpy: the
+ * fallback when there is no memory for a kv_segment list. */
+static void layer_copy_rows(const kvs_session *s, const kvs_layer *layer, uint8_t *k, uint8_t *v,
+                            int to_pool)
+{
+    size_t row = (size_t)s->layout.head_dim * s->layout.elt_size;
+    size_t tok = 0;
+    for (size_t i = 0; i < layer->nsegments; i++) {
+        const kvs_segment *g = &layer->segments[i];
+        for (uint32_t h = 0; h < s->layout.kv_heads; h++) {
+            size_t off = ((size_t)h * layer->tokens + tok) * row;
+            uint8_t *pk = kvs_key_ptr(s, g->block, h, g->first_slot);
+            uint8_t *pv = kvs_value_ptr(s, g->block, h, g->first_slot);
+            if (to_pool) {
+                memcpy(pk, k + off, g->count * row);
+                memcpy(pv, v + off, g->count * row);
+            } else {
+                memcpy(k + off, pk, g->count * row);
+                memcpy(v + off, pv, g->count * row);
+            }
+        }
+        tok += g->count;
+    }
+}
+
+static kv_segment *segs_convert(const kvs_layer *layer, kv_segment *stack)
+{
+    kv_segment *segs =
+        layer->nsegments <= SEG_STACK ? stack : malloc(layer->nsegments * sizeof *segs);
+    if (segs == NULL)
+        return NULL;
+    for (size_t i = 0; i < layer->nsegments; i++)
+        segs[i] = (kv_segment){layer->segments[i].block, layer->segments[i].first_slot,
+                               layer->segments[i].count};
+    return segs;
+}
+
+void kvs_layer_write(const kvs_session *s, const kvs_layer *layer, const void *k, const void *v)
+{
+    kv_segment stack[SEG_STACK];
+    kv_segment *segs = segs_convert(layer, stack);
+    if (segs == NULL) {
+        layer_copy_rows(s, layer, (uint8_t *)k, (uint8_t *)v, 1);
+        return;
+    }
+    kv_scatter(&s->layout, s->pool, segs, layer->nsegments, k, v);
+    if (segs != stack)
+        free(segs);
+}
+
+void kvs_layer_read(const kvs_session *s, const kvs_layer *layer, void *k, void *v)
+{
+    kv_segment stack[SEG_STACK];
+    kv_segment *segs = segs_convert(layer, stack);
+    if (segs == NULL) {
+        layer_copy_rows(s, layer, k, v, 0);
+        return;
+    }
+    kv_gather(&s->layout, s->pool, segs, layer->nsegments, k, v);
+    if (segs != stack)
+        free(segs);
+}
+
+/* ---- stats ---- */
+
+int kvs_stats_json(const char *socket_path, char **json, char *err, size_t errlen)
+{
+    char msg[KVS_ERRMSG_MAX] = "";
+    if (json == NULL)
+        return KVS_ERR_INVALID;
+    *json = NULL;
+    if (socket_path == NULL)
+        socket_path = kvs_default_socket();
+    rpc_channel *ch = rpc_channel_open(socket_path);
+    int rc;
+    if (ch == NULL) {
+        snprintf(msg, sizeof msg, "cannot create a gRPC channel to unix:%s", socket_path);
+        rc = KVS_ERR_SYSTEM;
+        goto out;
+    }
+    Kvstash__V1__StatsRequest req = KVSTASH__V1__STATS_REQUEST__INIT;
+    ProtobufCMessage *resp;
+    rc = rpc_unary(ch, RPC_STORE("Stats"), NULL, &req.base,
+                   &kvstash__v1__stats_response__descriptor, &resp, msg, sizeof msg);
+    rpc_channel_close(ch);
+    if (rc != KVS_OK)
+        goto out;
+    *json = pbjson_dumps(resp, 0);
+    protobuf_c_message_free_unpacked(resp, NULL);
+    if (*json == NULL) {
+        snprintf(msg, sizeof msg, "Stats: out of memory converting to JSON");
+        rc = KVS_ERR_SYSTEM;
+    }
+out:
+    if (err != NULL && errlen > 0)
+        snprintf(err, errlen, "%s", msg);
+    return rc;
+}

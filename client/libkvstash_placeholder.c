@@ -1,1 +1,0 @@
-int kvs_placeholder(void) { return 0; }

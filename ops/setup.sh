@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# ops/setup.sh - prepare a Debian 12 machine for kvstash and build it.
+#
+#   bash ops/setup.sh            install missing packages, build ./build (CUDA: AUTO)
+#   bash ops/setup.sh --asan     also build ./build-asan (ASan+UBSan, no CUDA)
+#   bash ops/setup.sh --no-build only install packages
+#
+# Idempotent: apt is skipped when every package is already installed, and
+# cmake rebuilds only what changed. Runs as root, or through sudo otherwise.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+asan=0
+build=1
+for arg in "$@"; do
+    case "$arg" in
+    --asan) asan=1 ;;
+    --no-build) build=0 ;;
+    -h | --help)
+        sed -n '2,10p' "${BASH_SOURCE[0]}"
+        exit 0
+        ;;
+    *)
+        echo "setup.sh: unknown option '$arg' (try --help)" >&2
+        exit 2
+        ;;
+    esac
+done
+
+# What the build and the tests need, and nothing else.
+packages=(
+    build-essential cmake pkg-config
+    libgrpc-dev protobuf-c-compiler libprotobuf-c-dev libnanomsg-dev
+    libcmocka-dev libjansson-dev
+    protobuf-compiler protobuf-compiler-grpc
+    python3 python3-grpcio python3-protobuf
+    tmux
+)
+
+missing=()
+for p in "${packages[@]}"; do
+    status=$(dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null || true)
+    [ "$status" = installed ] || missing+=("$p")
+done
+
+if [ "${#missing[@]}" -gt 0 ]; then
+    sudo=()
+    if [ "$(id -u)" -ne 0 ]; then
+        command -v sudo >/dev/null || {
+            echo "setup.sh: need root (or sudo) to install: ${missing[*]}" >&2
+            exit 1
+        }
+        sudo=(sudo)
+    fi
+    echo "setup.sh: installing ${missing[*]}"
+    "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -q
+    "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive \
+        apt-get install -y -q --no-install-recommends "${missing[@]}"
+else
+    echo "setup.sh: all packages present"
+fi
+
+[ "$build" -eq 1 ] || exit 0
+
+jobs=$(nproc)
+cmake -S . -B build
+cmake --build build -j"$jobs"
+if [ "$asan" -eq 1 ]; then
+    cmake -S . -B build-asan -DKVSTASH_SANITIZE=ON -DKVSTASH_CUDA=OFF
+    cmake --build build-asan -j"$jobs"
+fi

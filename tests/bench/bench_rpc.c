@@ -1,0 +1,543 @@
+/*
+ * bench_rpc.c - what a control-plane call and a K/V write cost, each against
+ * a baseline measured in the same run (DESIGN.md, "Performance budget").
+ *
+ *   (a) raw Unix-socket ping-pong: a forked echo child, 64-byte messages;
+ *   (b) gRPC unary round trip: Stats (no token) against a real kvstashd that
+ *       this program starts on a temporary socket, through gRPC C core;
+ *   (c) libkvstash Append of one token (a full control-plane step);
+ *   (d) worker write bandwidth: kvs_layer_write of K/V into the mapped pool
+ *       versus memcpy of the same bytes between two private buffers.
+ *
+ * Usage: bench_rpc [--quick] [PATH_TO_KVSTASHD]
+ * The daemon path defaults to $KVSTASHD, then ../../daemon/kvstashd next to
+ * this binary. Prints a table and a final "ratios:" line; exits non-zero if
+ * any part could not run (the ratios themselves never fail it).
+ */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <libgen.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <grpc/grpc.h>
+#include <grpc/grpc_security.h>
+#include <grpc/support/alloc.h>
+#include <grpc/support/time.h>
+
+#include "kvstash.h"
+#include "kvstash/v1/store.pb-c.h"
+#include "pbgrpc.h"
+
+#define MSG_BYTES 64
+#define POOL_MB 192
+
+typedef struct bench_cfg {
+    size_t raw_n;        /* ping-pong round trips */
+    size_t grpc_n;       /* Stats calls */
+    size_t append_n;     /* one-token appends */
+    size_t write_bytes;  /* K+V bytes written per repetition */
+    int reps;            /* bandwidth repetitions (median reported) */
+} bench_cfg;
+
+typedef struct latency {
+    size_t n;
+    double p50_us, mean_us;
+} latency;
+
+static pid_t daemon_pid = -1;
+static char tmp_dir[] = "/tmp/kvstash-bench.XXXXXX";
+static int tmp_made;
+
+static double now_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* Sorts v in place; fills p50 and mean. */
+static latency summarize(double *v, size_t n)
+{
+    latency l = {n, 0, 0};
+    double sum = 0;
+    for (size_t i = 0; i < n; i++)
+        sum += v[i];
+    qsort(v, n, sizeof *v, cmp_double);
+    l.p50_us = n ? v[n / 2] : 0;
+    l.mean_us = n ? sum / (double)n : 0;
+    return l;
+}
+
+static int io_full(int fd, void *buf, size_t len, int writing)
+{
+    uint8_t *p = buf;
+    while (len > 0) {
+        ssize_t r = writing ? write(fd, p, len) : read(fd, p, len);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            return -1;
+        p += r;
+        len -= (size_t)r;
+    }
+    return 0;
+}
+
+/* (a) Round trips of MSG_BYTES through a forked echo child. */
+static int bench_raw(size_t n, latency *out)
+{
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) {
+        perror("socketpair");
+        return -1;
+    }
+    pid_t child = fork();
+    if (child < 0) {
+        perror("fork");
+        return -1;
+    }
+    if (child == 0) {
+        char buf[MSG_BYTES];
+        close(sv[0]);
+        while (io_full(sv[1], buf, sizeof buf, 0) == 0)
+            if (io_full(sv[1], buf, sizeof buf, 1) != 0)
+                break;
+        _exit(0);
+    }
+    close(sv[1]);
+    double *t = malloc(n * sizeof *t);
+    char msg[MSG_BYTES];
+    memset(msg, 'x', sizeof msg);
+    int rc = 0;
+    for (size_t i = 0; i < n / 10 + n && rc == 0; i++) { /* first n/10: warm-up */
+        double t0 = now_us();
+        rc = io_full(sv[0], msg, sizeof msg, 1) || io_full(sv[0], msg, sizeof msg, 0);
+        if (i >= n / 10)
+            t[i - n / 10] = now_us() - t0;
+    }
+    close(sv[0]);
+    waitpid(child, NULL, 0);
+    if (rc == 0)
+        *out = summarize(t, n);
+    else
+        fprintf(stderr, "bench_rpc: raw ping-pong failed\n");
+    free(t);
+    return rc ? -1 : 0;
+}
+
+static void remove_tmp_dir(void)
+{
+    if (!tmp_made)
+        return;
+    DIR *d = opendir(tmp_dir);
+    if (d) {
+        struct dirent *e;
+        while ((e = readdir(d)) != NULL) {
+            if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0)
+                continue;
+            char p[PATH_MAX];
+            snprintf(p, sizeof p, "%s/%s", tmp_dir, e->d_name);
+            unlink(p);
+        }
+        closedir(d);
+    }
+    rmdir(tmp_dir);
+    tmp_made = 0;
+}
+
+/* SIGTERM the daemon and wait up to 10 s; returns its exit status or -1. */
+static int stop_daemon(void)
+{
+    if (daemon_pid <= 0)
+        return 0;
+    kill(daemon_pid, SIGTERM);
+    int status = 0;
+    for (int i = 0; i < 1000; i++) {
+        pid_t r = waitpid(daemon_pid, &status, WNOHANG);
+        if (r == daemon_pid) {
+            daemon_pid = -1;
+            return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+        }
+        usleep(10000);
+    }
+    fprintf(stderr, "bench_rpc: kvstashd ignored SIGTERM for 10 s; killing it\n");
+    kill(daemon_pid, SIGKILL);
+    waitpid(daemon_pid, NULL, 0);
+    daemon_pid = -1;
+    return -1;
+}
+
+static void at_exit(void)
+{
+    stop_daemon();
+    remove_tmp_dir();
+}
+
+/* Start kvstashd on tmp_dir/kvstashd.sock; wait until the socket exists. */
+static int start_daemon(const char *path, char *sock, size_t socklen)
+{
+    if (mkdtemp(tmp_dir) == NULL) {
+        perror("mkdtemp");
+        return -1;
+    }
+    tmp_made = 1;
+    snprintf(sock, socklen, "%s/kvstashd.sock", tmp_dir);
+    char log[PATH_MAX], pool[16];
+    snprintf(log, sizeof log, "%s/kvstashd.log", tmp_dir);
+    snprintf(pool, sizeof pool, "%d", POOL_MB);
+    pid_t pid = fork();
+    if (pid < 0) {
+        perror("fork");
+        return -1;
+    }
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGTERM); /* never outlive the benchmark */
+        int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        if (fd >= 0) {
+            dup2(fd, STDERR_FILENO);
+            close(fd);
+        }
+        execl(path, path, "--socket", sock, "--pool-mb", pool, "--log-level", "warn",
+              (char *)NULL);
+        fprintf(stderr, "exec %s: %s\n", path, strerror(errno));
+        _exit(127);
+    }
+    daemon_pid = pid;
+    for (int i = 0; i < 1000; i++) {
+        struct stat st;
+        if (stat(sock, &st) == 0 && S_ISSOCK(st.st_mode))
+            return 0;
+        int status;
+        if (waitpid(pid, &status, WNOHANG) == pid) {
+            daemon_pid = -1;
+            fprintf(stderr, "bench_rpc: %s exited (status %d) before creating %s\n", path,
+                    WIFEXITED(status) ? WEXITSTATUS(status) : -1, sock);
+            return -1;
+        }
+        usleep(10000);
+    }
+    fprintf(stderr, "bench_rpc: %s did not create %s within 10 s\n", path, sock);
+    return -1;
+}
+
+/* One unary call of `method`; returns the gRPC status (or -1 if the call
+ * did not complete) and, on OK, the decoded reply in *resp. */
+static int unary(grpc_channel *ch, grpc_completion_queue *cq, const char *method,
+                 const ProtobufCMessage *req, const ProtobufCMessageDescriptor *rdesc,
+                 ProtobufCMessage **resp)
+{
+    gpr_timespec deadline = gpr_time_add(gpr_now(GPR_CLOCK_REALTIME),
+                                         gpr_time_from_seconds(5, GPR_TIMESPAN));
+    grpc_call *call = grpc_channel_create_call(ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq,
+                                               grpc_slice_from_static_string(method), NULL,
+                                               deadline, NULL);
+    grpc_byte_buffer *send = pbgrpc_pack(req), *recv = NULL;
+    grpc_metadata_array init_md, trail_md;
+    grpc_metadata_array_init(&init_md);
+    grpc_metadata_array_init(&trail_md);
+    grpc_status_code status = GRPC_STATUS_UNKNOWN;
+    grpc_slice details = grpc_empty_slice();
+    grpc_op ops[6];
+    memset(ops, 0, sizeof ops);
+    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+    ops[1].op = GRPC_OP_SEND_MESSAGE;
+    ops[1].data.send_message.send_message = send;
+    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops[3].data.recv_initial_metadata.recv_initial_metadata = &init_md;
+    ops[4].op = GRPC_OP_RECV_MESSAGE;
+    ops[4].data.recv_message.recv_message = &recv;
+    ops[5].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+    ops[5].data.recv_status_on_client.trailing_metadata = &trail_md;
+    ops[5].data.recv_status_on_client.status = &status;
+    ops[5].data.recv_status_on_client.status_details = &details;
+    int rc = -1;
+    if (grpc_call_start_batch(call, ops, 6, call, NULL) == GRPC_CALL_OK) {
+        grpc_event ev = grpc_completion_queue_pluck(
+            cq, call, gpr_time_add(deadline, gpr_time_from_seconds(1, GPR_TIMESPAN)), NULL);
+        if (ev.type == GRPC_OP_COMPLETE && ev.success)
+            rc = (int)status;
+    }
+    if (rc == GRPC_STATUS_OK && resp) {
+        *resp = pbgrpc_unpack(rdesc, recv);
+        if (*resp == NULL)
+            rc = GRPC_STATUS_INTERNAL;
+    }
+    if (rc != GRPC_STATUS_OK && GRPC_SLICE_LENGTH(details) > 0) {
+        char *d = grpc_slice_to_c_string(details);
+        fprintf(stderr, "bench_rpc: %s: status %d: %s\n", method, rc, d);
+        gpr_free(d);
+    }
+    grpc_byte_buffer_destroy(send);
+    if (recv)
+        grpc_byte_buffer_destroy(recv);
+    grpc_slice_unref(details);
+    grpc_metadata_array_destroy(&init_md);
+    grpc_metadata_array_destroy(&trail_md);
+    grpc_call_unref(call);
+    return rc;
+}
+
+/* (b) Stats round trips; the first successful call (retried for up to 10 s
+ * while the daemon comes up) also prints the daemon's version. */
+static int bench_grpc(const char *sock, size_t n, latency *out)
+{
+    char target[PATH_MAX + 8];
+    snprintf(target, sizeof target, "unix:%s", sock);
+    grpc_channel_credentials *creds = grpc_insecure_credentials_create();
+    grpc_channel *ch = grpc_channel_create(target, creds, NULL);
+    grpc_channel_credentials_release(creds);
+    grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
+    Kvstash__V1__StatsRequest req = KVSTASH__V1__STATS_REQUEST__INIT;
+    const char *m = "/kvstash.v1.Store/Stats";
+    int rc = -1;
+    for (int i = 0; i < 100 && rc != GRPC_STATUS_OK; i++) {
+        ProtobufCMessage *resp = NULL;
+        rc = unary(ch, cq, m, &req.base, &kvstash__v1__stats_response__descriptor, &resp);
+        if (rc == GRPC_STATUS_OK) {
+            Kvstash__V1__StatsResponse *s = (Kvstash__V1__StatsResponse *)resp;
+            printf("kvstashd %s, backend %s, %zu policies\n", s->version, s->backend,
+                   s->n_policies);
+            protobuf_c_message_free_unpacked(resp, NULL);
+        } else {
+            usleep(100000);
+        }
+    }
+    double *t = malloc(n * sizeof *t);
+    for (size_t i = 0; i < n / 10 + n && rc == GRPC_STATUS_OK; i++) {
+        ProtobufCMessage *resp = NULL;
+        double t0 = now_us();
+        rc = unary(ch, cq, m, &req.base, &kvstash__v1__stats_response__descriptor, &resp);
+        if (i >= n / 10)
+            t[i - n / 10] = now_us() - t0;
+        if (resp)
+            protobuf_c_message_free_unpacked(resp, NULL);
+    }
+    if (rc == GRPC_STATUS_OK)
+        *out = summarize(t, n);
+    else
+        fprintf(stderr, "bench_rpc: gRPC Stats failed (status %d)\n", rc);
+    free(t);
+    grpc_channel_destroy(ch);
+    grpc_completion_queue_shutdown(cq);
+    while (grpc_completion_queue_pluck(cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
+           GRPC_QUEUE_SHUTDOWN)
+        ;
+    grpc_completion_queue_destroy(cq);
+    return rc == GRPC_STATUS_OK ? 0 : -1;
+}
+
+/* The geometry of the write benchmark: 4 layers, 8 KV heads of 128 fp16
+ * channels, 16-token blocks: 16 KiB of K+V per token over all layers. */
+static const kvs_geometry bench_geom = {
+    .layers = 4, .q_heads = 32, .kv_heads = 8, .head_dim = 128, .block_tokens = 16,
+    .dtype = KVS_FP16, .rope_theta = 0};
+
+static size_t token_bytes(void)
+{
+    return (size_t)bench_geom.layers * 2 * bench_geom.kv_heads * bench_geom.head_dim * 2;
+}
+
+/* (c) One-token appends through libkvstash on a fresh "full" sequence. */
+static int bench_append(kvs_session *s, size_t n, latency *out)
+{
+    uint64_t seq;
+    int rc = kvs_seq_create(s, "full", NULL, 0, "bench-append", &seq);
+    if (rc != 0) {
+        fprintf(stderr, "bench_rpc: kvs_seq_create: %s: %s\n", kvs_strerror(rc),
+                kvs_session_error(s));
+        return -1;
+    }
+    double *t = malloc(n * sizeof *t);
+    for (size_t i = 0; i < n / 10 + n && rc == 0; i++) {
+        kvs_table w;
+        memset(&w, 0, sizeof w);
+        double t0 = now_us();
+        rc = kvs_seq_append(s, seq, 1, &w);
+        if (i >= n / 10)
+            t[i - n / 10] = now_us() - t0;
+        if (rc == 0)
+            kvs_table_free(&w);
+    }
+    if (rc == 0)
+        *out = summarize(t, n);
+    else
+        fprintf(stderr, "bench_rpc: kvs_seq_append: %s: %s\n", kvs_strerror(rc),
+                kvs_session_error(s));
+    free(t);
+    int rr = kvs_seq_release(s, seq);
+    return rc == 0 && rr == 0 ? 0 : -1;
+}
+
+static double median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return v[n / 2];
+}
+
+/* (d) kvs_layer_write into the pool vs memcpy between private buffers, same
+ * source buffers and bytes. Bandwidths in GB/s of bytes written. */
+static int bench_write(kvs_session *s, const bench_cfg *cfg, double *write_gbs,
+                       double *memcpy_gbs, size_t *bytes)
+{
+    const kvs_geometry *g = &bench_geom;
+    size_t tokens = cfg->write_bytes / token_bytes();
+    size_t half = (size_t)g->kv_heads * tokens * g->head_dim * 2; /* K (or V) of one layer */
+    *bytes = tokens * token_bytes();
+    uint64_t seq;
+    int rc = kvs_seq_create(s, "full", NULL, 0, "bench-write", &seq);
+    if (rc != 0) {
+        fprintf(stderr, "bench_rpc: kvs_seq_create: %s: %s\n", kvs_strerror(rc),
+                kvs_session_error(s));
+        return -1;
+    }
+    kvs_table w;
+    memset(&w, 0, sizeof w);
+    rc = kvs_seq_append(s, seq, (int64_t)tokens, &w);
+    if (rc != 0) {
+        fprintf(stderr, "bench_rpc: kvs_seq_append(%zu): %s: %s\n", tokens, kvs_strerror(rc),
+                kvs_session_error(s));
+        kvs_seq_release(s, seq);
+        return -1;
+    }
+    uint8_t *k = malloc(half), *v = malloc(half), *dst = malloc(*bytes), *back = malloc(2 * half);
+    for (size_t i = 0; i < half; i++) {
+        k[i] = (uint8_t)(i * 31 + 7);
+        v[i] = (uint8_t)(i * 17 + 3);
+    }
+    memset(dst, 0, *bytes);
+    double tw[16], tm[16];
+    for (int r = -1; r < cfg->reps; r++) { /* r = -1: warm-up, faults the pages in */
+        double t0 = now_us();
+        for (uint32_t l = 0; l < g->layers; l++)
+            kvs_layer_write(s, &w.layer[l], k, v);
+        double t1 = now_us();
+        for (uint32_t l = 0; l < g->layers; l++) {
+            memcpy(dst + (size_t)l * 2 * half, k, half);
+            memcpy(dst + (size_t)l * 2 * half + half, v, half);
+        }
+        double t2 = now_us();
+        if (r >= 0) {
+            tw[r] = t1 - t0;
+            tm[r] = t2 - t1;
+        }
+    }
+    /* The benchmark must have written the real thing: read a layer back. */
+    kvs_layer_read(s, &w.layer[g->layers - 1], back, back + half);
+    int ok = memcmp(back, k, half) == 0 && memcmp(back + half, v, half) == 0 &&
+             dst[*bytes - 1] == v[half - 1];
+    if (!ok)
+        fprintf(stderr, "bench_rpc: K/V read back from the pool differ from what was written\n");
+    *write_gbs = (double)*bytes / median(tw, cfg->reps) / 1e3;
+    *memcpy_gbs = (double)*bytes / median(tm, cfg->reps) / 1e3;
+    free(k);
+    free(v);
+    free(dst);
+    free(back);
+    kvs_table_free(&w);
+    int rr = kvs_seq_release(s, seq);
+    return ok && rr == 0 ? 0 : -1;
+}
+
+static const char *default_daemon(void)
+{
+    const char *env = getenv("KVSTASHD");
+    if (env && *env)
+        return env;
+    static char path[PATH_MAX];
+    char self[PATH_MAX];
+    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (n <= 0)
+        return "kvstashd";
+    self[n] = '\0';
+    snprintf(path, sizeof path, "%s/../../daemon/kvstashd", dirname(self));
+    return path;
+}
+
+static void print_latency(const char *what, const latency *l)
+{
+    printf("%-36s %8zu %10.1f %10.1f\n", what, l->n, l->p50_us, l->mean_us);
+}
+
+int main(int argc, char **argv)
+{
+    bench_cfg cfg = {20000, 2000, 2000, (size_t)64 << 20, 7};
+    const char *daemon = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--quick") == 0)
+            cfg = (bench_cfg){5000, 500, 500, (size_t)16 << 20, 3};
+        else if (argv[i][0] == '-') {
+            fprintf(stderr, "usage: %s [--quick] [PATH_TO_KVSTASHD]\n", argv[0]);
+            return 2;
+        } else
+            daemon = argv[i];
+    }
+    if (daemon == NULL)
+        daemon = default_daemon();
+    signal(SIGPIPE, SIG_IGN);
+    atexit(at_exit);
+
+    latency raw = {0}, grpc = {0}, app = {0};
+    double wgbs = 0, mgbs = 0;
+    size_t wbytes = 0;
+    int failed = 0;
+
+    /* Fork the echo child and the daemon before gRPC starts its threads. */
+    failed |= bench_raw(cfg.raw_n, &raw) != 0;
+    char sock[PATH_MAX];
+    if (start_daemon(daemon, sock, sizeof sock) != 0)
+        return 1;
+    grpc_init();
+    failed |= bench_grpc(sock, cfg.grpc_n, &grpc) != 0;
+
+    kvs_session *s = NULL;
+    char err[256] = "";
+    int rc = kvs_session_attach(sock, "bench", &bench_geom, "bench_rpc", &s, err, sizeof err);
+    if (rc != 0) {
+        fprintf(stderr, "bench_rpc: kvs_session_attach: %s: %s\n", kvs_strerror(rc), err);
+        failed = 1;
+    } else {
+        failed |= bench_append(s, cfg.append_n, &app) != 0;
+        failed |= bench_write(s, &cfg, &wgbs, &mgbs, &wbytes) != 0;
+        if (kvs_session_detach(s) != 0)
+            failed = 1;
+    }
+    grpc_shutdown();
+    int ds = stop_daemon();
+    if (ds != 0) {
+        fprintf(stderr, "bench_rpc: kvstashd exited with status %d\n", ds);
+        failed = 1;
+    }
+
+    printf("\n%-36s %8s %10s %10s\n", "round trip", "n", "p50 us", "mean us");
+    print_latency("raw UDS ping-pong (64 B)", &raw);
+    print_latency("gRPC unary Stats over UDS", &grpc);
+    print_latency("libkvstash append (1 token)", &app);
+    printf("\n%-36s %8s %10s\n", "write bandwidth", "MiB", "GB/s");
+    printf("%-36s %8zu %10.2f\n", "memcpy private -> private", wbytes >> 20, mgbs);
+    printf("%-36s %8zu %10.2f\n", "kvs_layer_write into pool", wbytes >> 20, wgbs);
+    printf("\nratios: grpc/raw p50 %.2f, append/raw p50 %.2f, layer_write/memcpy %.2f\n",
+           raw.p50_us > 0 ? grpc.p50_us / raw.p50_us : 0,
+           raw.p50_us > 0 ? app.p50_us / raw.p50_us : 0, mgbs > 0 ? wgbs / mgbs : 0);
+    if (failed)
+        fprintf(stderr, "bench_rpc: some parts failed (see above)\n");
+    return failed ? 1 : 0;
+}
