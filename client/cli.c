@@ -2,7 +2,8 @@
  * cli.c - `kvstash`, the operator's command line for kvstashd.
  *
  *   kvstash [--socket PATH] status [--json]   what the daemon holds
- *   kvstash [--socket PATH] stats --json      the same as one JSON object
+ *   kvstash [--socket PATH] stats [--json]    the same as one JSON object
+ *   kvstash [--socket PATH] policy list       the policies kvstashd knows
  *
  * Exit status: 0 on success, 1 when the daemon cannot be reached or refuses,
  * 2 on a usage error. Errors are one line on stderr starting with "kvstash: ".
@@ -24,7 +25,8 @@ static void usage(FILE *f)
             "commands:\n"
             "  status [--json]   daemon version, uptime, pools (blocks free/used/retired),\n"
             "                    sessions, sequences and tiers\n"
-            "  stats --json      the same, as the JSON object of StatsResponse\n"
+            "  stats [--json]    the same, as the JSON object of StatsResponse\n"
+            "  policy list       the policies kvstashd knows (also: policies) [--json]\n"
             "\n"
             "options:\n"
             "  --socket PATH     kvstashd's gRPC socket (default %s)\n"
@@ -172,26 +174,53 @@ static void print_status(const json_t *st)
     }
 }
 
-static int cmd_status(const char *socket_path, int as_json)
+/* Stats as a JSON object, or NULL after printing the one-line reason. */
+static json_t *get_stats(const char *socket_path)
 {
     char err[512], *text;
     int rc = kvs_stats_json(socket_path, &text, err, sizeof err);
     if (rc == KVS_ERR_UNAVAILABLE) {
         fprintf(stderr, "kvstash: cannot reach kvstashd at %s (is it running?): %s\n", socket_path,
                 err);
-        return 1;
+        return NULL;
     }
     if (rc != KVS_OK) {
         fprintf(stderr, "kvstash: Stats failed: %s (%s)\n", err, kvs_strerror(rc));
-        return 1;
+        return NULL;
     }
     json_error_t jerr;
     json_t *st = json_loads(text, 0, &jerr);
     free(text);
-    if (st == NULL) {
+    if (st == NULL)
         fprintf(stderr, "kvstash: cannot parse the Stats JSON: %s\n", jerr.text);
+    return st;
+}
+
+static int cmd_policies(const char *socket_path, int as_json)
+{
+    json_t *st = get_stats(socket_path);
+    if (st == NULL)
         return 1;
+    json_t *pol = json_object_get(st, "policies");
+    if (as_json) {
+        char *text = json_dumps(pol, 0);
+        if (text != NULL)
+            printf("%s\n", text);
+        free(text);
+    } else {
+        size_t i;
+        json_t *v;
+        json_array_foreach(pol, i, v) printf("%s\n", json_string_value(v));
     }
+    json_decref(st);
+    return fflush(stdout) == 0 ? 0 : 1;
+}
+
+static int cmd_status(const char *socket_path, int as_json)
+{
+    json_t *st = get_stats(socket_path);
+    if (st == NULL)
+        return 1;
     if (as_json) {
         char *pretty = json_dumps(st, JSON_INDENT(2));
         if (pretty != NULL)
@@ -206,7 +235,7 @@ static int cmd_status(const char *socket_path, int as_json)
 
 int main(int argc, char **argv)
 {
-    const char *socket_path = NULL, *cmd = NULL;
+    const char *socket_path = NULL, *cmd = NULL, *arg = NULL;
     int as_json = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -228,6 +257,8 @@ int main(int argc, char **argv)
             return 2;
         } else if (cmd == NULL) {
             cmd = a;
+        } else if (arg == NULL && strcmp(cmd, "policy") == 0) {
+            arg = a;
         } else {
             fprintf(stderr, "kvstash: unexpected argument %s (try --help)\n", a);
             return 2;
@@ -241,13 +272,14 @@ int main(int argc, char **argv)
     }
     if (strcmp(cmd, "status") == 0)
         return cmd_status(socket_path, as_json);
-    if (strcmp(cmd, "stats") == 0) {
-        if (!as_json) {
-            fprintf(stderr, "kvstash: stats prints JSON only: use `kvstash stats --json` or "
-                            "`kvstash status`\n");
-            return 2;
-        }
+    if (strcmp(cmd, "stats") == 0) /* JSON with or without --json */
         return cmd_status(socket_path, 1);
+    if (strcmp(cmd, "policies") == 0 ||
+        (strcmp(cmd, "policy") == 0 && arg != NULL && strcmp(arg, "list") == 0))
+        return cmd_policies(socket_path, as_json);
+    if (strcmp(cmd, "policy") == 0) {
+        fprintf(stderr, "kvstash: policy wants a subcommand: list\n");
+        return 2;
     }
     fprintf(stderr, "kvstash: unknown command %s (try --help)\n", cmd);
     return 2;

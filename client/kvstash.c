@@ -10,6 +10,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include "fdsock.h"
@@ -734,8 +735,14 @@ int kvs_stats_json(const char *socket_path, char **json, char *err, size_t errle
     *json = NULL;
     if (socket_path == NULL)
         socket_path = kvs_default_socket();
-    rpc_channel *ch = rpc_channel_open(socket_path);
+    rpc_channel *ch = NULL;
     int rc;
+    if (strlen(socket_path) >= sizeof(((struct sockaddr_un *)0)->sun_path)) {
+        snprintf(msg, sizeof msg, "socket path too long for a Unix socket: %s", socket_path);
+        rc = KVS_ERR_INVALID;
+        goto out;
+    }
+    ch = rpc_channel_open(socket_path);
     if (ch == NULL) {
         snprintf(msg, sizeof msg, "cannot create a gRPC channel to unix:%s", socket_path);
         rc = KVS_ERR_SYSTEM;

@@ -21,18 +21,19 @@
 
 struct rpc_channel {
     grpc_channel *ch;
+    grpc_completion_queue *cq; /* unary calls; each plucks its own tag */
 };
 
 struct rpc_stream {
     grpc_call *call;
     grpc_completion_queue *cq;
-    int ended; /* the status batch completed */
     grpc_status_code status;
     grpc_slice details;
     grpc_metadata_array trailing;
 };
 
-/* Tags: any distinct non-NULL pointers; one pluck CQ per call. */
+/* Tags of the stream's batches (each stream has its own pluck CQ); unary
+ * calls share their channel's CQ and use a pointer into their own frame. */
 static char tag_batch, tag_status;
 
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
@@ -154,12 +155,21 @@ __attribute__((format(printf, 3, 4))) static void set_err(char *err, size_t errl
     va_end(ap);
 }
 
+/* Shut down a pluck CQ whose events have all been plucked, and free it. */
+static void cq_destroy(grpc_completion_queue *cq)
+{
+    grpc_completion_queue_shutdown(cq);
+    while (grpc_completion_queue_pluck(cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
+           GRPC_QUEUE_SHUTDOWN)
+        ;
+    grpc_completion_queue_destroy(cq);
+}
+
 rpc_channel *rpc_channel_open(const char *socket_path)
 {
     struct sockaddr_un sa;
     if (strlen(socket_path) >= sizeof sa.sun_path)
         return NULL;
-    pthread_once(&init_once, rpc_init);
     rpc_channel *ch = calloc(1, sizeof *ch);
     char *target = malloc(strlen(socket_path) + sizeof "unix:");
     if (ch == NULL || target == NULL) {
@@ -179,9 +189,12 @@ rpc_channel *rpc_channel_open(const char *socket_path)
 
     sigset_t old;
     sig_block(&old);
+    pthread_once(&init_once, rpc_init); /* grpc_init starts threads: signals blocked */
     grpc_channel_credentials *creds = grpc_insecure_credentials_create();
     ch->ch = grpc_channel_create(target, creds, &chargs);
     grpc_channel_credentials_release(creds);
+    if (ch->ch != NULL)
+        ch->cq = grpc_completion_queue_create_for_pluck(NULL);
     sig_restore(&old);
     free(target);
     if (ch->ch == NULL) {
@@ -198,6 +211,7 @@ void rpc_channel_close(rpc_channel *ch)
     sigset_t old;
     sig_block(&old);
     grpc_channel_destroy(ch->ch);
+    cq_destroy(ch->cq);
     sig_restore(&old);
     free(ch);
 }
@@ -205,16 +219,6 @@ void rpc_channel_close(rpc_channel *ch)
 static gpr_timespec deadline_in(int ms)
 {
     return gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_millis(ms, GPR_TIMESPAN));
-}
-
-/* Shut down a pluck CQ whose events have all been plucked, and free it. */
-static void cq_destroy(grpc_completion_queue *cq)
-{
-    grpc_completion_queue_shutdown(cq);
-    while (grpc_completion_queue_pluck(cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
-           GRPC_QUEUE_SHUTDOWN)
-        ;
-    grpc_completion_queue_destroy(cq);
 }
 
 /* Wait for `tag` until the call's own deadline plus a margin; if gRPC has
@@ -269,7 +273,7 @@ int rpc_unary(rpc_channel *ch, const char *method, const char *token, const Prot
     sigset_t old;
     sig_block(&old);
 
-    grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
+    grpc_completion_queue *cq = ch->cq;
     grpc_call *call = call_create(ch, cq, method, deadline_in(ms));
     grpc_byte_buffer *send = pbgrpc_pack(req);
     grpc_byte_buffer *recv = NULL;
@@ -293,20 +297,21 @@ int rpc_unary(rpc_channel *ch, const char *method, const char *token, const Prot
     ops[n].data.recv_status_on_client.status = &status;
     ops[n++].data.recv_status_on_client.status_details = &details;
 
-    grpc_call_error ce = grpc_call_start_batch(call, ops, n, &tag_batch, NULL);
+    void *tag = &status; /* unique per call in flight on the shared queue */
+    grpc_call_error ce = grpc_call_start_batch(call, ops, n, tag, NULL);
     if (ce != GRPC_CALL_OK) {
         set_err(err, errlen, "gRPC refused the call: %s", grpc_call_error_to_string(ce));
         rc = KVS_ERR_PROTOCOL;
         goto out;
     }
-    grpc_event ev = pluck(cq, call, &tag_batch, ms + 5000);
+    grpc_event ev = pluck(cq, call, tag, ms + 5000);
     if (!ev.success && status == GRPC_STATUS_OK)
         status = GRPC_STATUS_UNKNOWN;
     if (status != GRPC_STATUS_OK) {
         rc = status_message(method, status, details, err, errlen);
         goto out;
     }
-    *resp = pbgrpc_unpack(resp_desc, recv);
+    *resp = recv != NULL ? pbgrpc_unpack(resp_desc, recv) : NULL;
     if (*resp == NULL) {
         set_err(err, errlen, "%s: the reply is not a valid message (or missing)", method);
         rc = KVS_ERR_PROTOCOL;
@@ -321,7 +326,6 @@ out:
     grpc_metadata_array_destroy(&initial);
     grpc_metadata_array_destroy(&trailing);
     grpc_call_unref(call);
-    cq_destroy(cq);
     sig_restore(&old);
     return rc;
 }
@@ -406,7 +410,6 @@ int rpc_stream_open(rpc_channel *ch, const char *method, const char *token,
         if (stream_post_status(st) == GRPC_CALL_OK) {
             grpc_completion_queue_pluck(st->cq, &tag_status, gpr_inf_future(GPR_CLOCK_REALTIME),
                                         NULL);
-            st->ended = 1;
             if (st->status != GRPC_STATUS_OK)
                 rc = status_message(method, st->status, st->details, err, errlen);
         }
@@ -448,38 +451,17 @@ done:
     return rc;
 }
 
-int rpc_stream_ended(rpc_stream *st)
-{
-    if (st->ended)
-        return 1;
-    sigset_t old;
-    sig_block(&old);
-    grpc_event ev =
-        grpc_completion_queue_pluck(st->cq, &tag_status, gpr_time_0(GPR_CLOCK_REALTIME), NULL);
-    sig_restore(&old);
-    if (ev.type == GRPC_OP_COMPLETE)
-        st->ended = 1;
-    return st->ended;
-}
-
 int rpc_stream_close(rpc_stream *st, char *err, size_t errlen)
 {
     if (st == NULL)
         return KVS_OK;
     sigset_t old;
     sig_block(&old);
+    /* Cancelling a call that has already ended does nothing, and its status
+     * then is the server's. */
+    grpc_call_cancel(st->call, NULL);
+    grpc_completion_queue_pluck(st->cq, &tag_status, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
     int rc = KVS_OK;
-    if (!st->ended) {
-        grpc_event ev =
-            grpc_completion_queue_pluck(st->cq, &tag_status, gpr_time_0(GPR_CLOCK_REALTIME), NULL);
-        st->ended = ev.type == GRPC_OP_COMPLETE;
-        if (!st->ended) {
-            grpc_call_cancel(st->call, NULL);
-            grpc_completion_queue_pluck(st->cq, &tag_status, gpr_inf_future(GPR_CLOCK_REALTIME),
-                                        NULL);
-            st->status = GRPC_STATUS_OK; /* we ended it */
-        }
-    }
     if (st->status != GRPC_STATUS_OK && st->status != GRPC_STATUS_CANCELLED)
         rc = status_message("Lease", st->status, st->details, err, errlen);
     stream_free(st);

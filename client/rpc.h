@@ -60,13 +60,10 @@ int rpc_stream_open(rpc_channel *ch, const char *method, const char *token,
                     const ProtobufCMessage *req, const ProtobufCMessageDescriptor *resp_desc,
                     ProtobufCMessage **first, rpc_stream **out, char *err, size_t errlen);
 
-/* Non-zero if the stream has already ended (the server closed it). */
-int rpc_stream_ended(rpc_stream *st);
-
 /*
  * Cancel the call (if still open), collect its status and free everything.
- * Returns 0 if the stream was still open when cancelled, or the mapped
- * status with its details in err if the server had ended it before.
+ * Returns 0 if the stream was still open or ended with OK, else the mapped
+ * status with its details in err (err may be NULL).
  */
 int rpc_stream_close(rpc_stream *st, char *err, size_t errlen);
 

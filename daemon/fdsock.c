@@ -56,6 +56,20 @@ static void reply(int fd, const char *text, int pass_fd)
         log_debug("fdsock_send_failed", "err=\"%s\"", strerror(errno));
 }
 
+/* Answer a request for a memfd: "OK <bytes>" with the fd, or "ERR <why>". */
+static void reply_fd(conn *c, status_code rc, const status *s, int fd, size_t bytes)
+{
+    char msg[FDSOCK_MSG_MAX];
+    if (rc != ST_OK) {
+        snprintf(msg, sizeof msg, "ERR %s", s->msg);
+        reply(c->fd, msg, -1);
+        return;
+    }
+    snprintf(msg, sizeof msg, "OK %zu", bytes);
+    reply(c->fd, msg, fd);
+    close(fd);
+}
+
 static void handle_hello(fdsock *fs, conn *c)
 {
     struct ucred cred;
@@ -99,19 +113,20 @@ static void handle_map(fdsock *fs, conn *c, const char *arg)
         reply(c->fd, "ERR MAP needs a pool id: MAP <pool_id>", -1);
         return;
     }
-    int fd;
-    size_t bytes;
+    int fd = -1;
+    size_t bytes = 0;
     status s;
-    if (store_pool_fd(fs->store, c->id, pool_id, &fd, &bytes, &s) != ST_OK) {
-        char msg[FDSOCK_MSG_MAX];
-        snprintf(msg, sizeof msg, "ERR %s", s.msg);
-        reply(c->fd, msg, -1);
-        return;
-    }
-    char msg[64];
-    snprintf(msg, sizeof msg, "OK %zu", bytes);
-    reply(c->fd, msg, fd);
-    close(fd);
+    status_code rc = store_pool_fd(fs->store, c->id, pool_id, &fd, &bytes, &s);
+    reply_fd(c, rc, &s, fd, bytes);
+}
+
+static void handle_ring(fdsock *fs, conn *c)
+{
+    int fd = -1;
+    size_t bytes = 0;
+    status s;
+    status_code rc = store_ring_fd(fs->store, c->id, &fd, &bytes, &s);
+    reply_fd(c, rc, &s, fd, bytes);
 }
 
 static void handle_message(fdsock *fs, conn *c, char *text)
@@ -123,8 +138,10 @@ static void handle_message(fdsock *fs, conn *c, char *text)
             handle_hello(fs, c);
     } else if (strncmp(text, "MAP ", 4) == 0) {
         handle_map(fs, c, text + 4);
+    } else if (strcmp(text, "RING") == 0) {
+        handle_ring(fs, c);
     } else {
-        reply(c->fd, "ERR unknown request (expected 'HELLO 1' or 'MAP <pool_id>')", -1);
+        reply(c->fd, "ERR unknown request (expected 'HELLO 1', 'MAP <pool_id>' or 'RING')", -1);
     }
 }
 

@@ -22,6 +22,22 @@ int log_parse_level(const char *name)
     return -1;
 }
 
+void log_escape(const char *in, char *out, size_t len)
+{
+    size_t o = 0;
+    for (const unsigned char *p = (const unsigned char *)in; *p && o + 5 < len; p++) {
+        if (*p == '"' || *p == '\\') {
+            out[o++] = '\\';
+            out[o++] = (char)*p;
+        } else if (*p < 0x20 || *p == 0x7f) {
+            o += (size_t)snprintf(out + o, len - o, "\\x%02x", *p);
+        } else {
+            out[o++] = (char)*p;
+        }
+    }
+    out[o] = '\0';
+}
+
 void log_emit(log_level level, const char *msg, const char *fmt, ...)
 {
     if (level < log_min)

@@ -9,6 +9,8 @@
 #ifndef KVSTASH_LOG_H
 #define KVSTASH_LOG_H
 
+#include <stddef.h>
+
 typedef enum log_level { LOG_DEBUG = 0, LOG_INFO = 1, LOG_WARN = 2, LOG_ERROR = 3 } log_level;
 
 /* Lines below `min` are dropped. Default LOG_INFO. */
@@ -16,6 +18,11 @@ void log_set_level(log_level min);
 
 /* Parse "debug", "info", "warn" or "error"; returns -1 if unknown. */
 int log_parse_level(const char *name);
+
+/* Copy `in` to `out` so that it can stand inside a quoted value: quotes and
+ * backslashes are escaped, control bytes become \xNN. Text from clients
+ * goes through this, so that no client can forge or split a log line. */
+void log_escape(const char *in, char *out, size_t len);
 
 /* Write one line: msg is a short event word, fmt appends `key=value` fields. */
 void log_emit(log_level level, const char *msg, const char *fmt, ...)

@@ -222,6 +222,13 @@ static void handle_request(rpc_call *c)
         call_finish(c, st.code, st.msg);
         return;
     }
+    char field[64];
+    if (!pbgrpc_strings_valid(req, field, sizeof field)) {
+        status_set(&st, ST_INVALID_ARGUMENT, "%s is not valid UTF-8", field);
+        protobuf_c_message_free_unpacked(req, NULL);
+        call_finish(c, st.code, st.msg);
+        return;
+    }
     status_code rc;
     const char *tok = has_token ? token : NULL;
     if (m->unary != NULL)
@@ -230,7 +237,9 @@ static void handle_request(rpc_call *c)
         rc = m->stream_open(srv->app, tok, req, &c->reply, &c->cookie, &st);
     protobuf_c_message_free_unpacked(req, NULL);
     if (rc != ST_OK) {
-        log_debug("rpc_error", "method=%s code=%s msg=\"%s\"", m->path, status_name(rc), st.msg);
+        char quoted[2 * STATUS_MSG_LEN];
+        log_escape(st.msg, quoted, sizeof quoted);
+        log_debug("rpc_error", "method=%s code=%s msg=\"%s\"", m->path, status_name(rc), quoted);
         if (c->reply != NULL) {
             grpc_byte_buffer_destroy(c->reply);
             c->reply = NULL;

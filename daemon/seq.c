@@ -1,5 +1,6 @@
 #include "seq.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -8,6 +9,16 @@ status_code seq_create(uint64_t id, uint64_t session_id, pool *pool, const polic
                        const policy_params *params, const char *label, seq **out, status *st)
 {
     *out = NULL;
+    if (policy->per_head)
+        return status_set(st, ST_FAILED_PRECONDITION,
+                          "policy %s decides per KV head; kvstashd has no per-head tables yet "
+                          "(evaluate it offline with kvstash replay)",
+                          policy->name);
+    if (policy->needs & POLICY_NEEDS_VNORM)
+        return status_set(st, ST_FAILED_PRECONDITION,
+                          "policy %s needs projected value norms; registering W^O is not "
+                          "implemented in kvstashd yet (evaluate it with kvstash replay)",
+                          policy->name);
     seq *s = calloc(1, sizeof *s);
     if (s == NULL)
         return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
@@ -23,8 +34,11 @@ status_code seq_create(uint64_t id, uint64_t session_id, pool *pool, const polic
         free(s);
         return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
     }
+    const pool_geometry *pg = &pool->geom;
+    policy_geometry g = {pg->layers,   pg->q_heads,      pg->kv_heads,
+                         pg->head_dim, pg->block_tokens, pg->rope_theta};
     char err[POLICY_ERR_LEN] = "";
-    if (policy->create(&s->params, &s->policy_state, err, sizeof err) != 0) {
+    if (policy_host_create(policy, &s->params, &g, &s->host, err, sizeof err) != 0) {
         status_set(st, ST_INVALID_ARGUMENT, "policy %s: %s", policy->name, err);
         free(s->layers);
         free(s);
@@ -50,12 +64,10 @@ void seq_destroy(seq *s)
     for (uint32_t l = 0; l < s->nlayers; l++) {
         layer_free_blocks(&s->layers[l], s->pool);
         free(s->layers[l].segs);
-        free(s->layers[l].pos);
     }
     for (size_t i = 0; i < s->nretired; i++)
         pool_free_block(s->pool, s->retired[i].block);
-    if (s->policy_state != NULL)
-        s->policy->destroy(s->policy_state);
+    policy_host_destroy(s->host);
     free(s->retired);
     free(s->layers);
     free(s);
@@ -90,11 +102,19 @@ size_t seq_retired_count(const seq *s)
     return s->nretired;
 }
 
-uint64_t seq_tokens_held(const seq *s)
+uint32_t seq_layer_tokens(seq *s, uint32_t layer, const uint32_t **positions)
+{
+    const policy_layer_view *v = policy_host_view(s->host, layer);
+    if (positions != NULL)
+        *positions = v->positions[0];
+    return v->tokens[0];
+}
+
+uint64_t seq_tokens_held(seq *s)
 {
     uint64_t n = 0;
     for (uint32_t l = 0; l < s->nlayers; l++)
-        n += s->layers[l].tokens;
+        n += seq_layer_tokens(s, l, NULL);
     return n;
 }
 
@@ -115,14 +135,9 @@ static int grow(void **arr, size_t *cap, size_t need, size_t elt)
     return 0;
 }
 
-static int layer_reserve(seq_layer *ly, size_t nsegs, size_t ntokens)
+static int layer_reserve(seq_layer *ly, size_t nsegs)
 {
-    size_t pos_cap = ly->pos_cap;
-    if (grow((void **)&ly->segs, &ly->segs_cap, nsegs, sizeof *ly->segs) != 0 ||
-        grow((void **)&ly->pos, &pos_cap, ntokens, sizeof *ly->pos) != 0)
-        return -1;
-    ly->pos_cap = (uint32_t)pos_cap;
-    return 0;
+    return grow((void **)&ly->segs, &ly->segs_cap, nsegs, sizeof *ly->segs);
 }
 
 static int seq_retire(seq *s, uint32_t block, uint64_t epoch)
@@ -135,84 +150,217 @@ static int seq_retire(seq *s, uint32_t block, uint64_t epoch)
 
 /* ---- eviction ----------------------------------------------------------- */
 
-/* Whether any token of `block` survives the keep mask. */
-static int block_survives(const seq_layer *ly, const uint8_t *keep, uint32_t block)
-{
-    size_t t = 0;
-    for (size_t i = 0; i < ly->nsegs; t += ly->segs[i].count, i++) {
-        if (ly->segs[i].block != block)
-            continue;
-        for (uint32_t j = 0; j < ly->segs[i].count; j++)
-            if (keep[t + j])
-                return 1;
-    }
-    return 0;
-}
-
-/* Whether the layer's tail block can take more tokens after the eviction. */
-static int tail_usable(const seq_layer *ly, const uint8_t *keep, uint32_t block_tokens)
-{
-    return ly->has_tail && ly->tail_next_slot < block_tokens &&
-           (keep == NULL || block_survives(ly, keep, ly->tail_block));
-}
-
-/* Drop the tokens keep[] rejects, in place (the segment list only shrinks or
- * splits; splitting needs room, reserved by the caller), and retire the
+/* Drop the tokens whose decided tier is POLICY_EVICT from the segments, in
+ * place (a split segment needs room, reserved by the caller), and retire the
  * blocks left with no token. */
-static int layer_evict(seq *s, seq_layer *ly, const uint8_t *keep, uint64_t epoch)
+static int layer_evict(seq *s, seq_layer *ly, const uint8_t *tier, uint64_t epoch)
 {
     size_t nsegs = ly->nsegs;
     kv_segment *old = malloc((nsegs ? nsegs : 1) * sizeof *old);
     if (old == NULL)
         return -1;
     memcpy(old, ly->segs, nsegs * sizeof *old);
-    size_t out = 0, t = 0, kept_tokens = 0;
+    size_t out = 0, t = 0;
     int block_has_kept = 0;
     for (size_t i = 0; i < nsegs; i++) {
         const kv_segment *sg = &old[i];
         int run_open = 0;
         for (uint32_t j = 0; j < sg->count; j++, t++) {
-            if (!keep[t]) {
+            if (tier[t] == POLICY_EVICT) {
                 run_open = 0;
                 continue;
             }
-            ly->pos[kept_tokens++] = ly->pos[t];
             block_has_kept = 1;
-            if (run_open) {
+            if (run_open)
                 ly->segs[out - 1].count++;
-            } else {
+            else
                 ly->segs[out++] = (kv_segment){sg->block, sg->first_slot + j, 1};
-                run_open = 1;
-            }
+            run_open = 1;
         }
-        int block_ends = i + 1 == nsegs || old[i + 1].block != sg->block;
-        if (block_ends) {
-            if (!block_has_kept && seq_retire(s, sg->block, epoch) != 0) {
+        if (i + 1 < nsegs && old[i + 1].block == sg->block)
+            continue; /* the block goes on in the next segment */
+        if (!block_has_kept) {
+            if (seq_retire(s, sg->block, epoch) != 0) {
                 free(old);
                 return -1;
             }
-            if (!block_has_kept && ly->has_tail && ly->tail_block == sg->block)
+            if (ly->has_tail && ly->tail_block == sg->block)
                 ly->has_tail = 0;
-            block_has_kept = 0;
         }
+        block_has_kept = 0;
     }
     ly->nsegs = out;
-    ly->tokens = (uint32_t)kept_tokens;
     free(old);
     return 0;
 }
 
-/* Upper bound of segments after eviction: each kept run is one segment. */
-static size_t evicted_seg_bound(const seq_layer *ly, const uint8_t *keep)
+/* Segments after the eviction: at most one per kept run, plus the old ones. */
+static size_t evicted_seg_bound(const seq_layer *ly, const uint8_t *tier, uint32_t n)
 {
     size_t runs = 0;
-    for (uint32_t t = 0; t < ly->tokens; t++)
-        if (keep[t] && (t == 0 || !keep[t - 1]))
+    for (uint32_t t = 0; t < n; t++)
+        if (tier[t] != POLICY_EVICT && (t == 0 || tier[t - 1] == POLICY_EVICT))
             runs++;
     return runs + ly->nsegs;
 }
 
+/* Apply one layer's decision: evict in the segments, then in the host. */
+static status_code layer_apply(seq *s, uint32_t l, const policy_decision *d, uint64_t epoch,
+                               size_t *evicted, status *st)
+{
+    seq_layer *ly = &s->layers[l];
+    uint32_t n = seq_layer_tokens(s, l, NULL);
+    int any = 0;
+    for (uint32_t t = 0; t < n && !any; t++)
+        any = d->tier[0][t] == POLICY_EVICT;
+    /* Only eviction moves memory so far; INT8 and sketch tiers land with
+     * the tiers issue and are kept in full precision until then. */
+    if (any && (layer_reserve(ly, evicted_seg_bound(ly, d->tier[0], n)) != 0 ||
+                layer_evict(s, ly, d->tier[0], epoch) != 0))
+        return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
+    for (uint32_t t = 0; t < n; t++)
+        if (d->tier[0][t] != POLICY_EVICT)
+            d->tier[0][t] = POLICY_FULL;
+    *evicted += policy_host_commit(s->host, l);
+    return ST_OK;
+}
+
+/* ---- steps -------------------------------------------------------------- */
+
+/* Point one layer's stats at its arrays in `data` (layout: proto/kvstash_ring.h);
+ * with data NULL only counts. ptrs has room for 2 * q_heads entries.
+ * Returns the floats the layer uses. */
+static size_t layer_stats(seq *s, uint32_t l, unsigned arrays, const float *data,
+                          policy_stats *ps, const float **ptrs)
+{
+    uint32_t n = seq_layer_tokens(s, l, NULL), q = s->pool->geom.q_heads;
+    size_t off = 0;
+    if (arrays & POLICY_NEEDS_SCORE) {
+        if (data != NULL)
+            ps->score = data;
+        off += n;
+    }
+    const unsigned kinds[2] = {POLICY_NEEDS_LAST_ATTN, POLICY_NEEDS_WINDOW_ATTN};
+    for (int k = 0; k < 2; k++) {
+        if (!(arrays & kinds[k]))
+            continue;
+        for (uint32_t h = 0; h < q; h++, off += n)
+            if (data != NULL)
+                ptrs[k * q + h] = data + off;
+        if (data != NULL && k == 0)
+            ps->last_attn = ptrs;
+        if (data != NULL && k == 1)
+            ps->window_attn = ptrs + q;
+    }
+    return off;
+}
+
+size_t seq_step_floats(seq *s, unsigned arrays)
+{
+    size_t total = 0;
+    for (uint32_t l = 0; l < s->nlayers; l++)
+        total += layer_stats(s, l, arrays, NULL, NULL, NULL);
+    return total;
+}
+
+/* Run the policy on every layer and apply its decisions. The input was
+ * checked: a failure here is a policy bug. */
+static status_code seq_run_policy(seq *s, const seq_step_input *in, uint64_t epoch,
+                                  uint32_t *evicted, status *st)
+{
+    const float **ptrs = calloc(2 * (size_t)s->pool->geom.q_heads, sizeof *ptrs);
+    if (ptrs == NULL)
+        return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
+    size_t off = 0, total = 0;
+    status_code rc = ST_OK;
+    for (uint32_t l = 0; l < s->nlayers && rc == ST_OK; l++) {
+        policy_stats ps = {.new_tokens = in->new_tokens ? in->new_tokens : s->unstepped,
+                           .prefill = in->prefill,
+                           .score_queries = in->score_queries,
+                           .window_queries = in->window_queries,
+                           .confidence = in->confidence};
+        off += layer_stats(s, l, in->arrays, in->data ? in->data + off : NULL, &ps, ptrs);
+        const policy_decision *d;
+        char err[POLICY_ERR_LEN];
+        if (policy_host_step(s->host, l, &ps, &d, err, sizeof err) != 0)
+            rc = status_set(st, ST_INTERNAL, "policy %s failed: %s", s->policy->name, err);
+        else
+            rc = layer_apply(s, l, d, epoch, &total, st);
+    }
+    free(ptrs);
+    s->unstepped = 0;
+    if (total > 0)
+        s->epoch = epoch;
+    *evicted = (uint32_t)total;
+    return rc;
+}
+
+/* On the gRPC path a step ends when the next Append begins, for policies
+ * that need nothing from the worker (full, streaming). */
+static status_code seq_step_silent(seq *s, uint64_t epoch, uint32_t *evicted, status *st)
+{
+    *evicted = 0;
+    if (s->unstepped == 0 || s->policy->needs != 0)
+        return ST_OK;
+    seq_step_input in = {.confidence = -1.0};
+    return seq_run_policy(s, &in, epoch, evicted, st);
+}
+
+static const char *needs_name(unsigned bit)
+{
+    switch (bit) {
+    case POLICY_NEEDS_SCORE: return "score";
+    case POLICY_NEEDS_LAST_ATTN: return "last_attn";
+    case POLICY_NEEDS_WINDOW_ATTN: return "window_attn";
+    case POLICY_NEEDS_VNORM: return "vnorm";
+    default: return "confidence";
+    }
+}
+
+static status_code seq_step_check(seq *s, const seq_step_input *in, status *st)
+{
+    unsigned missing = s->policy->needs & ~(in->arrays | POLICY_NEEDS_VNORM);
+    if (missing & POLICY_NEEDS_CONFIDENCE && in->confidence >= 0)
+        missing &= ~(unsigned)POLICY_NEEDS_CONFIDENCE;
+    for (unsigned bit = 1; missing != 0; bit <<= 1)
+        if (missing & bit)
+            return status_set(st, ST_FAILED_PRECONDITION,
+                              "policy %s needs '%s' in every step; this step has none",
+                              s->policy->name, needs_name(bit));
+    if (in->confidence > 1.0 || in->confidence != in->confidence)
+        return status_set(st, ST_INVALID_ARGUMENT, "confidence must be in [0, 1] (or < 0 for "
+                                                   "none), got %g", in->confidence);
+    if (in->new_tokens > s->unstepped)
+        return status_set(st, ST_INVALID_ARGUMENT,
+                          "new_tokens is %u but only %u tokens were appended since the last step",
+                          in->new_tokens, s->unstepped);
+    size_t want = seq_step_floats(s, in->arrays);
+    if (in->nfloats != want)
+        return status_set(st, ST_INVALID_ARGUMENT,
+                          "step statistics hold %zu floats; the layers' token lists need %zu "
+                          "(is the worker's table stale? epoch is %llu)",
+                          in->nfloats, want, (unsigned long long)s->epoch);
+    for (size_t i = 0; i < in->nfloats; i++)
+        if (!isfinite(in->data[i]))
+            return status_set(st, ST_INVALID_ARGUMENT,
+                              "step statistics hold a non-finite value at float %zu", i);
+    return ST_OK;
+}
+
+status_code seq_step(seq *s, const seq_step_input *in, uint32_t *evicted, status *st)
+{
+    *evicted = 0;
+    if (seq_step_check(s, in, st) != ST_OK)
+        return st->code;
+    return seq_run_policy(s, in, s->epoch + 1, evicted, st);
+}
+
 /* ---- append ------------------------------------------------------------ */
+
+static int tail_usable(const seq_layer *ly, uint32_t block_tokens)
+{
+    return ly->has_tail && ly->tail_next_slot < block_tokens;
+}
 
 static uint32_t blocks_needed(uint32_t count, uint32_t room, uint32_t block_tokens)
 {
@@ -233,11 +381,8 @@ static size_t layer_grow(seq *s, seq_layer *ly, uint32_t count, kv_segment *writ
 {
     uint32_t bt = s->pool->geom.block_tokens;
     size_t nw = 0;
-    for (uint32_t i = 0; i < count; i++)
-        ly->pos[ly->tokens + i] = (uint32_t)(s->appended + i);
-    ly->tokens += count;
     while (count > 0) {
-        if (!ly->has_tail || ly->tail_next_slot >= bt) {
+        if (!tail_usable(ly, bt)) {
             pool_alloc_block(s->pool, &ly->tail_block); /* checked by the caller */
             ly->tail_next_slot = 0;
             ly->has_tail = 1;
@@ -253,44 +398,16 @@ static size_t layer_grow(seq *s, seq_layer *ly, uint32_t count, kv_segment *writ
     return nw;
 }
 
-/* Ask the policy about every layer; fills keep[l] and the blocks needed. */
-static status_code seq_plan(seq *s, uint32_t count, uint8_t **keep, uint32_t *evicted,
-                            uint64_t *need, status *st)
+static uint64_t seq_blocks_needed(const seq *s, uint32_t count)
 {
     uint32_t bt = s->pool->geom.block_tokens;
-    *evicted = 0;
-    *need = 0;
+    uint64_t need = 0;
     for (uint32_t l = 0; l < s->nlayers; l++) {
-        seq_layer *ly = &s->layers[l];
-        keep[l] = malloc(ly->tokens ? ly->tokens : 1);
-        if (keep[l] == NULL)
-            return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
-        policy_layer_view view = {l, s->nlayers, ly->tokens, ly->pos, s->appended};
-        s->policy->select(s->policy_state, &view, count, keep[l]);
-        for (uint32_t t = 0; t < ly->tokens; t++) /* counted here, not trusted */
-            *evicted += keep[l][t] == 0;
-        uint32_t room = tail_usable(ly, keep[l], bt) ? bt - ly->tail_next_slot : 0;
-        *need += blocks_needed(count, room, bt);
+        const seq_layer *ly = &s->layers[l];
+        uint32_t room = tail_usable(ly, bt) ? bt - ly->tail_next_slot : 0;
+        need += blocks_needed(count, room, bt);
     }
-    return ST_OK;
-}
-
-static status_code seq_commit(seq *s, uint32_t count, uint8_t *const *keep,
-                              kv_segment *const *writes, size_t *nwrites, status *st)
-{
-    uint32_t bt = s->pool->geom.block_tokens;
-    uint64_t epoch = s->epoch + 1;
-    for (uint32_t l = 0; l < s->nlayers; l++) {
-        seq_layer *ly = &s->layers[l];
-        size_t seg_room = evicted_seg_bound(ly, keep[l]) + count / bt + 2;
-        if (layer_reserve(ly, seg_room, (size_t)ly->tokens + count) != 0 ||
-            layer_evict(s, ly, keep[l], epoch) != 0)
-            return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
-        nwrites[l] = layer_grow(s, ly, count, writes[l]);
-    }
-    s->appended += count;
-    s->epoch = epoch;
-    return ST_OK;
+    return need;
 }
 
 status_code seq_append(seq *s, int64_t count, kv_segment *const *writes, size_t *nwrites,
@@ -301,24 +418,29 @@ status_code seq_append(seq *s, int64_t count, kv_segment *const *writes, size_t 
                           "count must be between 1 and %d tokens per append, got %lld",
                           SEQ_MAX_APPEND, (long long)count);
     if (s->appended + (uint64_t)count > UINT32_MAX)
-        return status_set(st, ST_INVALID_ARGUMENT,
-                          "sequence %llu would exceed 2^32-1 positions",
+        return status_set(st, ST_INVALID_ARGUMENT, "sequence %llu would exceed 2^32-1 positions",
                           (unsigned long long)s->id);
-    uint8_t **keep = calloc(s->nlayers, sizeof *keep);
-    if (keep == NULL)
-        return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
-    uint64_t need = 0;
-    status_code rc = seq_plan(s, (uint32_t)count, keep, evicted, &need, st);
-    if (rc == ST_OK && need > s->pool->nfree)
-        rc = status_set(st, ST_RESOURCE_EXHAUSTED,
-                        "appending %lld tokens needs %llu free blocks; pool '%s' has %u of %u "
-                        "free (release sequences or start kvstashd with a larger --pool-mb)",
-                        (long long)count, (unsigned long long)need, s->pool->model,
-                        s->pool->nfree, s->pool->block_count);
-    if (rc == ST_OK)
-        rc = seq_commit(s, (uint32_t)count, keep, writes, nwrites, st);
+    /* One Append is one new epoch, whatever it changed. */
+    uint64_t epoch = s->epoch + 1;
+    if (seq_step_silent(s, epoch, evicted, st) != ST_OK)
+        return st->code;
+    uint64_t need = seq_blocks_needed(s, (uint32_t)count);
+    if (need > s->pool->nfree)
+        return status_set(st, ST_RESOURCE_EXHAUSTED,
+                          "appending %lld tokens needs %llu free blocks; pool '%s' has %u of %u "
+                          "free (release sequences or start kvstashd with a larger --pool-mb)",
+                          (long long)count, (unsigned long long)need, s->pool->model,
+                          s->pool->nfree, s->pool->block_count);
+    uint32_t bt = s->pool->geom.block_tokens;
     for (uint32_t l = 0; l < s->nlayers; l++)
-        free(keep[l]);
-    free(keep);
-    return rc;
+        if (layer_reserve(&s->layers[l], s->layers[l].nsegs + (size_t)count / bt + 2) != 0)
+            return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
+    if (policy_host_append(s->host, (uint32_t)count) != 0)
+        return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
+    for (uint32_t l = 0; l < s->nlayers; l++)
+        nwrites[l] = layer_grow(s, &s->layers[l], (uint32_t)count, writes[l]);
+    s->appended += (uint64_t)count;
+    s->unstepped += (uint32_t)count;
+    s->epoch = epoch;
+    return ST_OK;
 }

@@ -3,7 +3,9 @@
  * the blocks retired until the worker acknowledges a newer epoch.
  *
  * A layer's tokens are a list of segments (block, first slot, count) in
- * order; a token's original position is kept beside it. Eviction removes
+ * order, parallel to the policy host's token list of that layer (positions
+ * and tiers live there, once). The policy decides after each step; on the
+ * gRPC path a step ends at the next Append. Eviction removes
  * tokens from the segments without moving data; a block none of whose slots
  * remain is retired, and returns to the pool once the worker acks an epoch at
  * or after the one that retired it (DESIGN.md "Memory": RCU-style).
@@ -18,6 +20,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "host.h"
 #include "kernels.h"
 #include "policy.h"
 #include "pool.h"
@@ -28,8 +31,6 @@
 typedef struct seq_layer {
     kv_segment *segs;
     size_t nsegs, segs_cap;
-    uint32_t *pos; /* original position of each held token */
-    uint32_t tokens, pos_cap;
     uint32_t tail_block;     /* block that new tokens fill first */
     uint32_t tail_next_slot; /* its first never-written slot; block_tokens = full */
     int has_tail;
@@ -45,11 +46,12 @@ typedef struct seq {
     uint64_t session_id;
     pool *pool;
     const policy_ops *policy;
-    void *policy_state;
+    policy_host *host; /* the logical lists and the policy's state */
     policy_params params;
     char label[129];
     uint64_t epoch;
-    uint64_t appended; /* tokens ever appended; the next token's position */
+    uint64_t appended;  /* tokens ever appended; the next token's position */
+    uint32_t unstepped; /* tokens appended since the policy's last step */
     uint32_t nlayers;
     seq_layer *layers;
     seq_retired *retired;
@@ -67,20 +69,48 @@ void seq_destroy(seq *s);
 /* Return retired blocks whose epoch is <= ack_epoch to the pool. */
 void seq_ack(seq *s, uint64_t ack_epoch);
 
+/* Tokens and original positions a layer holds (owned by the sequence). */
+uint32_t seq_layer_tokens(seq *s, uint32_t layer, const uint32_t **positions);
+
 /* Blocks in the layer tables and in the retired list. */
 uint32_t seq_blocks_held(const seq *s);
 size_t seq_retired_count(const seq *s);
-uint64_t seq_tokens_held(const seq *s);
+uint64_t seq_tokens_held(seq *s);
 
 /*
- * Append `count` tokens to every layer: ask the policy what survives, check
- * that the pool has the blocks, then evict, retire and allocate. Either all of
- * it happens or nothing does. On success the epoch is bumped, *evicted is the
- * number of tokens removed (all layers), and writes[l] (an array of nlayers
- * entries the caller provides, each with room for `count` segments) receives
- * the segments of the new tokens in layer l.
+ * Append `count` tokens to every layer. First, if the policy needs no
+ * statistics from the worker, the step of the tokens appended before ends
+ * here: the policy decides and evicted tokens leave (their emptied blocks are
+ * retired). Then, if the pool has the blocks, the new tokens get slots; if it
+ * has not, RESOURCE_EXHAUSTED and no token is added. Each change bumps the
+ * epoch. *evicted is the number of tokens removed (all layers), and writes[l]
+ * (an array of nlayers entries the caller provides, each with room for
+ * `count` segments) receives the segments of the new tokens in layer l.
  */
 status_code seq_append(seq *s, int64_t count, kv_segment *const *writes, size_t *nwrites,
                        uint32_t *evicted, status *st);
+
+/* The statistics of one step, as the worker laid them out (proto/kvstash_ring.h). */
+typedef struct seq_step_input {
+    unsigned arrays;     /* POLICY_NEEDS_* bits present in data */
+    uint32_t new_tokens; /* 0 = every token appended since the last step */
+    int prefill;
+    uint32_t score_queries, window_queries;
+    double confidence;
+    const float *data; /* private copy, owned by the caller */
+    size_t nfloats;
+} seq_step_input;
+
+/*
+ * End a step: check the statistics against what the policy needs and what
+ * the layers hold, run the policy on every layer, and apply its decisions.
+ * Bumps the epoch when anything changed. Returns INVALID_ARGUMENT (sizes,
+ * non-finite values) or FAILED_PRECONDITION (a needed array is missing) and
+ * changes nothing when the input is wrong.
+ */
+status_code seq_step(seq *s, const seq_step_input *in, uint32_t *evicted, status *st);
+
+/* Floats a step must carry for `arrays` given the current lists. */
+size_t seq_step_floats(seq *s, unsigned arrays);
 
 #endif

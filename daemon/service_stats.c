@@ -7,7 +7,7 @@
 #include "pbgrpc.h"
 #include "service.h"
 
-static void sequence_stats(const seq *q, Kvstash__V1__SequenceStats *out)
+static void sequence_stats(seq *q, Kvstash__V1__SequenceStats *out)
 {
     kvstash__v1__sequence_stats__init(out);
     out->seq_id = q->id;
@@ -170,16 +170,18 @@ status_code service_stats(void *app, const char *token, const ProtobufCMessage *
     return rc;
 }
 
-static void layer_inspect(const seq_layer *ly, uint32_t layer, Kvstash__V1__LayerInspect *out)
+static void layer_inspect(seq *q, uint32_t layer, Kvstash__V1__LayerInspect *out)
 {
+    const seq_layer *ly = &q->layers[layer];
+    const uint32_t *pos;
     kvstash__v1__layer_inspect__init(out);
     out->layer = layer;
-    out->tokens = ly->tokens;
+    out->tokens = seq_layer_tokens(q, layer, &pos);
     for (size_t i = 0; i < ly->nsegs; i++)
         out->blocks += i == 0 || ly->segs[i].block != ly->segs[i - 1].block;
-    if (ly->tokens > 0) {
-        out->first_position = ly->pos[0];
-        out->last_position = ly->pos[ly->tokens - 1];
+    if (out->tokens > 0) {
+        out->first_position = pos[0];
+        out->last_position = pos[out->tokens - 1];
     }
 }
 
@@ -213,7 +215,7 @@ status_code service_inspect(void *app, const char *token, const ProtobufCMessage
         out.params = param_ptrs;
         out.n_params = q->params.count;
         for (uint32_t l = 0; l < q->nlayers; l++) {
-            layer_inspect(&q->layers[l], l, &layers[l]);
+            layer_inspect(q, l, &layers[l]);
             layer_ptrs[l] = &layers[l];
         }
         out.layers = layer_ptrs;

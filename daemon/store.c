@@ -9,6 +9,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "kvstash_ring.h"
 #include "log.h"
 
 uint64_t store_now_ms(void)
@@ -27,7 +28,10 @@ int store_init(store *st, const store_config *cfg, events *ev)
     st->serving = 1;
     st->next_pool_id = st->next_session_id = st->next_seq_id = 1;
     st->pools = calloc(cfg->max_pools ? cfg->max_pools : 1, sizeof *st->pools);
-    if (st->pools == NULL)
+    /* Every session can have ended with a ring before the next join. */
+    st->closed_rings_cap = cfg->max_sessions + 1;
+    st->closed_rings = calloc(st->closed_rings_cap, sizeof *st->closed_rings);
+    if (st->pools == NULL || st->closed_rings == NULL)
         return -1;
     pthread_mutex_init(&st->lock, NULL);
     return 0;
@@ -69,6 +73,22 @@ static session *find_session_by_token(store *st, const char *token)
             return s;
     }
     return NULL;
+}
+
+static session *find_session_by_conn(store *st, int conn_id)
+{
+    session *se = st->sessions;
+    while (se != NULL && se->conn_id != conn_id)
+        se = se->next;
+    return se;
+}
+
+static session *find_session_by_id(store *st, uint64_t id)
+{
+    session *se = st->sessions;
+    while (se != NULL && se->id != id)
+        se = se->next;
+    return se;
 }
 
 static status_code need_session(store *st, const char *token, int attached, session **out,
@@ -157,6 +177,13 @@ static void session_end(store *st, session *se, const char *reason)
             *pp = se->next;
             break;
         }
+    if (se->ring != NULL) {
+        ring_close(se->ring);
+        if (st->nclosed_rings < st->closed_rings_cap)
+            st->closed_rings[st->nclosed_rings++] = se->ring;
+        else
+            log_error("ring_leaked", "session=%llu", (unsigned long long)se->id);
+    }
     if (se->attached) {
         se->pool->sessions--;
         events_publish(st->events, "worker.reclaimed",
@@ -170,12 +197,33 @@ static void session_end(store *st, session *se, const char *reason)
     free(se);
 }
 
+/* Join the threads of closed rings. Takes and drops the lock itself: a ring
+ * thread may be waiting for it. */
+static void join_closed_rings(store *st)
+{
+    pthread_mutex_lock(&st->lock);
+    size_t n = st->nclosed_rings;
+    ring **rings = malloc((n ? n : 1) * sizeof *rings);
+    if (rings != NULL) {
+        memcpy(rings, st->closed_rings, n * sizeof *rings);
+        st->nclosed_rings = 0;
+    } else {
+        n = 0;
+    }
+    pthread_mutex_unlock(&st->lock);
+    for (size_t i = 0; i < n; i++)
+        ring_join(rings[i]);
+    free(rings);
+}
+
 void store_destroy(store *st)
 {
     pthread_mutex_lock(&st->lock);
     while (st->sessions != NULL)
         session_end(st, st->sessions, "shutdown");
     pthread_mutex_unlock(&st->lock);
+    join_closed_rings(st);
+    free(st->closed_rings);
     free(st->seqs);
     free(st->pools);
     pthread_mutex_destroy(&st->lock);
@@ -247,14 +295,31 @@ status_code store_session_open(store *st, pid_t pid, uid_t uid, gid_t gid, int c
     return rc;
 }
 
+status_code store_ring_fd(store *st, int conn_id, int *fd, size_t *bytes, status *s)
+{
+    join_closed_rings(st); /* a cheap moment to reap ended sessions' threads */
+    status_code rc = ST_OK;
+    *fd = -1;
+    pthread_mutex_lock(&st->lock);
+    session *se = find_session_by_conn(st, conn_id);
+    if (se == NULL || !se->attached)
+        rc = status_set(s, ST_FAILED_PRECONDITION, "not attached: call Attach first");
+    else if (se->ring == NULL)
+        rc = ring_create(st, se->token, RING_BYTES_DEFAULT, &se->ring, s);
+    if (rc == ST_OK && (*fd = fcntl(ring_fd(se->ring), F_DUPFD_CLOEXEC, 0)) < 0)
+        rc = status_set(s, ST_INTERNAL, "cannot duplicate the ring fd");
+    if (rc == ST_OK)
+        *bytes = ring_bytes(se->ring);
+    pthread_mutex_unlock(&st->lock);
+    return rc;
+}
+
 void store_session_conn_closed(store *st, int conn_id)
 {
     pthread_mutex_lock(&st->lock);
-    for (session *se = st->sessions; se != NULL; se = se->next)
-        if (se->conn_id == conn_id) {
-            session_end(st, se, "fd-closed");
-            break;
-        }
+    session *se = find_session_by_conn(st, conn_id);
+    if (se != NULL)
+        session_end(st, se, "fd-closed");
     pthread_mutex_unlock(&st->lock);
 }
 
@@ -264,9 +329,7 @@ status_code store_pool_fd(store *st, int conn_id, uint64_t pool_id, int *fd, siz
     status_code rc = ST_OK;
     *fd = -1;
     pthread_mutex_lock(&st->lock);
-    session *se = st->sessions;
-    while (se != NULL && se->conn_id != conn_id)
-        se = se->next;
+    session *se = find_session_by_conn(st, conn_id);
     if (se == NULL || !se->attached)
         rc = status_set(s, ST_FAILED_PRECONDITION, "not attached: call Attach first");
     else if (se->pool->id != pool_id)
@@ -389,11 +452,9 @@ status_code store_lease_begin(store *st, const char *token, uint64_t *session_id
 void store_lease_end(store *st, uint64_t session_id)
 {
     pthread_mutex_lock(&st->lock);
-    for (session *se = st->sessions; se != NULL; se = se->next)
-        if (se->id == session_id) {
-            session_end(st, se, "lease-ended");
-            break;
-        }
+    session *se = find_session_by_id(st, session_id);
+    if (se != NULL)
+        session_end(st, se, "lease-ended");
     pthread_mutex_unlock(&st->lock);
 }
 
@@ -469,6 +530,22 @@ status_code store_seq_create(store *st, const char *token, const char *policy_na
     return rc;
 }
 
+/* Look up the caller's own sequence and ack its epoch; lock held. */
+static status_code own_seq_acked(store *st, const char *token, uint64_t seq_id,
+                                 uint64_t ack_epoch, seq **out, status *s)
+{
+    session *se;
+    size_t i = 0;
+    status_code rc = need_session(st, token, 1, &se, s);
+    if (rc == ST_OK)
+        rc = need_own_seq(st, se, seq_id, &i, s);
+    if (rc == ST_OK) {
+        *out = st->seqs[i];
+        seq_ack(*out, ack_epoch);
+    }
+    return rc;
+}
+
 static status_code table_alloc(store_table *t, uint32_t nlayers, status *s)
 {
     memset(t, 0, sizeof *t);
@@ -532,20 +609,22 @@ status_code store_append(store *st, const char *token, uint64_t seq_id, int64_t 
     return rc;
 }
 
-static status_code copy_layer(const seq_layer *ly, int with_positions, store_layer_table *out,
+static status_code copy_layer(seq *q, uint32_t layer, int with_positions, store_layer_table *out,
                               status *s)
 {
-    out->tokens = ly->tokens;
+    const seq_layer *ly = &q->layers[layer];
+    const uint32_t *pos;
+    out->tokens = seq_layer_tokens(q, layer, &pos);
     out->nsegs = ly->nsegs;
     out->segs = malloc((ly->nsegs ? ly->nsegs : 1) * sizeof *out->segs);
     if (out->segs == NULL)
         return status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
     memcpy(out->segs, ly->segs, ly->nsegs * sizeof *out->segs);
     if (with_positions) {
-        out->positions = malloc((ly->tokens ? ly->tokens : 1) * sizeof *out->positions);
+        out->positions = malloc((out->tokens ? out->tokens : 1) * sizeof *out->positions);
         if (out->positions == NULL)
             return status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
-        memcpy(out->positions, ly->pos, ly->tokens * sizeof *out->positions);
+        memcpy(out->positions, pos, out->tokens * sizeof *out->positions);
     }
     return ST_OK;
 }
@@ -555,19 +634,14 @@ status_code store_get_table(store *st, const char *token, uint64_t seq_id, uint6
 {
     memset(out, 0, sizeof *out);
     pthread_mutex_lock(&st->lock);
-    session *se;
-    size_t i = 0;
-    status_code rc = need_session(st, token, 1, &se, s);
+    seq *q;
+    status_code rc = own_seq_acked(st, token, seq_id, ack_epoch, &q, s);
     if (rc == ST_OK)
-        rc = need_own_seq(st, se, seq_id, &i, s);
-    if (rc == ST_OK)
-        rc = table_alloc(out, st->seqs[i]->nlayers, s);
+        rc = table_alloc(out, q->nlayers, s);
     if (rc == ST_OK) {
-        seq *q = st->seqs[i];
-        seq_ack(q, ack_epoch);
         out->epoch = q->epoch;
         for (uint32_t l = 0; rc == ST_OK && l < q->nlayers; l++)
-            rc = copy_layer(&q->layers[l], with_positions, &out->layers[l], s);
+            rc = copy_layer(q, l, with_positions, &out->layers[l], s);
     }
     pthread_mutex_unlock(&st->lock);
     if (rc != ST_OK)
@@ -591,6 +665,37 @@ status_code store_seq_release(store *st, const char *token, uint64_t seq_id,
                        json_pack("{sI sI sI}", "session", (json_int_t)se->id, "seq",
                                  (json_int_t)seq_id, "blocks", (json_int_t)*blocks_freed));
     }
+    pthread_mutex_unlock(&st->lock);
+    return rc;
+}
+
+status_code store_step(store *st, const char *token, uint64_t seq_id, uint64_t ack_epoch,
+                       const seq_step_input *in, uint64_t *epoch, uint32_t *evicted, status *s)
+{
+    pthread_mutex_lock(&st->lock);
+    seq *q;
+    status_code rc = own_seq_acked(st, token, seq_id, ack_epoch, &q, s);
+    if (rc == ST_OK)
+        rc = seq_step(q, in, evicted, s);
+    if (rc == ST_OK) {
+        *epoch = q->epoch;
+        if (*evicted > 0)
+            events_publish(st->events, "table.changed",
+                           json_pack("{sI sI sI}", "seq", (json_int_t)q->id, "epoch",
+                                     (json_int_t)q->epoch, "evicted", (json_int_t)*evicted));
+    }
+    pthread_mutex_unlock(&st->lock);
+    return rc;
+}
+
+status_code store_epoch(store *st, const char *token, uint64_t seq_id, uint64_t ack_epoch,
+                        uint64_t *epoch, status *s)
+{
+    pthread_mutex_lock(&st->lock);
+    seq *q;
+    status_code rc = own_seq_acked(st, token, seq_id, ack_epoch, &q, s);
+    if (rc == ST_OK)
+        *epoch = q->epoch;
     pthread_mutex_unlock(&st->lock);
     return rc;
 }

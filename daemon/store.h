@@ -18,6 +18,7 @@
 
 #include "events.h"
 #include "pool.h"
+#include "ring.h"
 #include "seq.h"
 #include "status.h"
 
@@ -44,6 +45,7 @@ typedef struct session {
     uint64_t attached_ms; /* store_now_ms() at Attach */
     int lease_open;
     uint32_t nseqs;
+    ring *ring;         /* the per-step ring, once the worker asked for it */
     struct session *next;
 } session;
 
@@ -57,6 +59,8 @@ typedef struct store {
     session *sessions;
     seq **seqs;
     size_t nseqs, seqs_cap;
+    ring **closed_rings; /* rings of ended sessions, joined outside the lock */
+    size_t nclosed_rings, closed_rings_cap;
     uint64_t next_pool_id, next_session_id, next_seq_id;
 } store;
 
@@ -104,6 +108,10 @@ void store_unlock(store *st);
 status_code store_session_open(store *st, pid_t pid, uid_t uid, gid_t gid, int conn_id,
                                char token[STORE_TOKEN_LEN + 1], status *s);
 
+/* fd socket RING: a dup of the session's ring memfd (created on first use).
+ * The caller closes *fd. */
+status_code store_ring_fd(store *st, int conn_id, int *fd, size_t *bytes, status *s);
+
 /* fd socket: the connection closed; reclaim its session, if any. */
 void store_session_conn_closed(store *st, int conn_id);
 
@@ -140,6 +148,14 @@ status_code store_get_table(store *st, const char *token, uint64_t seq_id, uint6
 
 status_code store_seq_release(store *st, const char *token, uint64_t seq_id,
                               uint32_t *blocks_freed, status *s);
+
+/* End a step of a sequence with the worker's statistics (seq_step). */
+status_code store_step(store *st, const char *token, uint64_t seq_id, uint64_t ack_epoch,
+                       const seq_step_input *in, uint64_t *epoch, uint32_t *evicted, status *s);
+
+/* The sequence's current table epoch (after acking ack_epoch). */
+status_code store_epoch(store *st, const char *token, uint64_t seq_id, uint64_t ack_epoch,
+                        uint64_t *epoch, status *s);
 
 /* Under store_lock: look a sequence up for Inspect (no ownership check). */
 seq *store_find_seq_locked(store *st, uint64_t seq_id);

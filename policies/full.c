@@ -9,23 +9,27 @@
 
 #include "builtin.h"
 
-static int full_create(const policy_params *p, void **state, char *err, size_t errlen)
+static int full_create(const policy_params *p, const policy_geometry *g, void **state, char *err,
+                       size_t errlen)
 {
     (void)p;
+    (void)g;
     (void)err;
     (void)errlen;
     *state = NULL;
     return 0;
 }
 
-static size_t full_select(void *state, const policy_layer_view *view, uint32_t incoming,
-                          uint8_t *keep)
+static int full_step(void *state, const policy_layer_view *view, const policy_stats *stats,
+                     policy_decision *d, char *err, size_t errlen)
 {
     (void)state;
-    (void)incoming;
-    if (view->tokens > 0)
-        memset(keep, 1, view->tokens);
-    return 0;
+    (void)view;
+    (void)stats;
+    (void)d;
+    (void)err;
+    (void)errlen;
+    return 0; /* the decision comes preset to "keep as is" */
 }
 
 static void full_destroy(void *state)
@@ -39,6 +43,6 @@ const policy_ops policy_full = {
     .params = NULL,
     .nparams = 0,
     .create = full_create,
-    .select = full_select,
+    .step = full_step,
     .destroy = full_destroy,
 };

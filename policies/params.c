@@ -7,7 +7,11 @@
  * INVALID_ARGUMENT. Client text is echoed at most 64 bytes long so that the
  * useful part of the message survives truncation to POLICY_ERR_LEN.
  */
+#include <ctype.h>
+#include <errno.h>
 #include <inttypes.h>
+#include <math.h>
+#include <stdlib.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
@@ -171,4 +175,48 @@ int policy_params_uint(const policy_params *p, const char *key, uint32_t min, ui
     }
     *out = (uint32_t)v;
     return 0;
+}
+
+int policy_params_double(const policy_params *p, const char *key, double min, double max,
+                         double *out, char *err, size_t errlen)
+{
+    const char *s = policy_params_get(p, key);
+    if (s == NULL) {
+        set_err(err, errlen, "no parameter %s in this policy", key ? key : "(null)");
+        return -1;
+    }
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    /* isfinite() rejects "nan" and "inf", which strtod accepts; strtod also
+     * skips leading white space, which the integers refuse too. */
+    if (*s == '\0' || isspace((unsigned char)*s) || *end != '\0' || errno != 0 || !isfinite(v) ||
+        v < min || v > max) {
+        set_err(err, errlen, "parameter %s must be a number in [%g, %g], got '%s'", key, min, max,
+                s);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+int policy_params_choice(const policy_params *p, const char *key, const char *const *choices,
+                         unsigned *out, char *err, size_t errlen)
+{
+    const char *s = policy_params_get(p, key);
+    if (s == NULL) {
+        set_err(err, errlen, "no parameter %s in this policy", key ? key : "(null)");
+        return -1;
+    }
+    char list[160] = "";
+    for (unsigned i = 0; choices[i] != NULL; i++) {
+        if (strcmp(s, choices[i]) == 0) {
+            *out = i;
+            return 0;
+        }
+        size_t n = strlen(list);
+        snprintf(list + n, sizeof list - n, "%s%s", i ? ", " : "", choices[i]);
+    }
+    set_err(err, errlen, "parameter %s must be one of %s, got '%s'", key, list, s);
+    return -1;
 }

@@ -1,14 +1,19 @@
 /*
  * policy.h - the interface every eviction policy implements.
  *
- * A policy decides and never touches memory (DESIGN.md "Parts"): the daemon
- * shows it what one layer of a sequence holds, the policy answers which of
- * those tokens survive, and the daemon frees, moves or demotes accordingly.
- * Policies include no daemon or kernel header.
+ * A policy decides and never touches memory (DESIGN.md "Parts"). After each
+ * step of a sequence (a prefill chunk or a decode token), for each layer, the
+ * policy host (policies/host.h) shows the policy what the layer holds (a
+ * view) and what the worker measured in that step (stats); the policy
+ * answers with a decision: a new tier for each token (keep in full
+ * precision, demote to INT8, move to the sketch, bring back from the sketch,
+ * evict) and, for WeightedKV, value merges. The daemon then moves memory to
+ * match; `kvstash replay` applies the same decisions to a logical sequence.
+ * Policies include no daemon, kernel or JSON header.
  *
  * Lifecycle: policy_find() by name -> policy_params_resolve() validates the
- * client's key=value pairs and fills defaults -> ops->create() builds the
- * per-sequence state -> ops->select() before every append -> ops->destroy().
+ * client's key=value pairs and fills defaults -> ops->create() -> ops->step()
+ * once per layer per step -> ops->destroy().
  */
 #ifndef KVSTASH_POLICY_H
 #define KVSTASH_POLICY_H
@@ -27,40 +32,129 @@ typedef struct policy_param_spec {
 } policy_param_spec;
 
 /* A resolved parameter set: every key of the policy, in spec order, with the
- * client's value or the default. Values point into storage owned by the set. */
+ * client's value or the default. */
 typedef struct policy_params {
     size_t count;
     const char *key[POLICY_MAX_PARAMS];
     char value[POLICY_MAX_PARAMS][64];
 } policy_params;
 
-/* What one layer of a sequence holds right now, shown to select(). */
+/* The model geometry a sequence's policy works for. */
+typedef struct policy_geometry {
+    uint32_t layers, q_heads, kv_heads, head_dim, block_tokens;
+    float rope_theta;
+} policy_geometry;
+
+/* Where a token lives. A token in the sketch is still part of the sequence
+ * (KVReviver reconstructs it for attention); an evicted token is gone. */
+typedef enum policy_tier {
+    POLICY_FULL = 0,   /* raw K/V in the pool's dtype */
+    POLICY_INT8 = 1,   /* symmetric INT8 (POLICIES.md §5.4) */
+    POLICY_SKETCH = 2, /* in the layer's count-sketch (POLICIES.md §3) */
+    POLICY_EVICT = 3,  /* decision only: drop the token */
+} policy_tier;
+
+/*
+ * One layer of a sequence after the step's new tokens were appended.
+ * A policy with ops->per_head set sees one token list per KV head (heads ==
+ * kv_heads; the lists may differ); any other policy sees one list for all
+ * heads (heads == 1). Tokens are in ascending original position.
+ */
 typedef struct policy_layer_view {
     uint32_t layer;
-    uint32_t layers;           /* layers in the model */
-    uint32_t tokens;           /* tokens held by this layer */
-    const uint32_t *positions; /* original position of each held token, ascending */
-    uint64_t appended;         /* tokens ever appended to the sequence */
+    uint32_t heads;
+    const uint32_t *tokens;             /* [heads] tokens in each list */
+    const uint32_t *const *positions;   /* [heads][tokens[h]] original positions */
+    const uint8_t *const *tier;         /* [heads][tokens[h]] current policy_tier */
+    uint64_t appended;                  /* tokens ever appended (= next position) */
+    uint64_t step;                      /* steps so far, this one included (1-based) */
 } policy_layer_view;
+
+/*
+ * What the worker measured in this step for this layer. Each array is NULL
+ * when the worker did not report it (ops->needs says what a policy requires).
+ * "list" below means the view's token list the array belongs to: the only
+ * list when heads == 1, else the list of the KV head (query head h belongs to
+ * KV head h / (q_heads / kv_heads), POLICIES.md "Common notation").
+ */
+typedef struct policy_stats {
+    uint32_t new_tokens;  /* tokens this step appended: the last new_tokens of each list */
+    int prefill;          /* 1 while the prompt is being processed, 0 in decode */
+    /* [tokens]: Σ over query heads and over the step's last score_queries
+     * queries of softmax attention (OpenVINO §2.2, H2O, KVReviver §3.4).
+     * Only when heads == 1. */
+    const float *score;
+    uint32_t score_queries;
+    /* [q_heads] -> [list]: attention of the step's last query, per query head
+     * (TOVA, Conf-KV §5.2, WeightedKV §4.1). */
+    const float *const *last_attn;
+    /* [q_heads] -> [list]: per query head, the mean over the observation
+     * window's queries, before pooling (SnapKV §1.3). window_queries = w. */
+    const float *const *window_attn;
+    uint32_t window_queries;
+    /* [kv_heads] -> [list]: projected value norm ‖V·W^O‖₁ (CriticalKV §1.2);
+     * the daemon computes it from the stored values and the registered W^O. */
+    const float *const *vnorm;
+    /* Next-token confidence c_t in [0, 1] (Conf-KV §5.2); negative if none. */
+    double confidence;
+} policy_stats;
+
+/* WeightedKV: v[into] = (w_from*v[from] + w_into*v[into]) / (w_from + w_into),
+ * then `from` is evicted (its tier must be POLICY_EVICT). Indices are into
+ * the view's list of `head` (0 when heads == 1). Applied in order. */
+typedef struct policy_merge {
+    uint32_t head, from, into;
+    float w_from, w_into;
+} policy_merge;
+
+/*
+ * The policy's answer for one layer. tier[h][i] comes preset to the view's
+ * current tier; the policy changes the entries it wants changed. merges has
+ * room for `merges_cap` entries (at least the total tokens of the view).
+ * rerotate_keys asks the daemon to re-rotate the keys of tokens whose index
+ * in the list shrank by the eviction (OpenVINO §2.8, kvpress
+ * KeyRerotationPress), with the sequence's rope_theta.
+ */
+typedef struct policy_decision {
+    uint8_t *const *tier;
+    policy_merge *merges;
+    size_t nmerges, merges_cap;
+    int rerotate_keys;
+} policy_decision;
+
+/* What a policy needs the worker to report (ops->needs). */
+enum {
+    POLICY_NEEDS_SCORE = 1u << 0,
+    POLICY_NEEDS_LAST_ATTN = 1u << 1,
+    POLICY_NEEDS_WINDOW_ATTN = 1u << 2,
+    POLICY_NEEDS_VNORM = 1u << 3,
+    POLICY_NEEDS_CONFIDENCE = 1u << 4,
+};
 
 typedef struct policy_ops {
     const char *name;
     const char *summary; /* one line for `kvstash policy list` */
     const policy_param_spec *params;
     size_t nparams;
+    unsigned needs;      /* POLICY_NEEDS_* */
+    int per_head;        /* decides per KV head (views have heads == kv_heads) */
 
     /* Build the per-sequence state from resolved parameters. Returns 0, or -1
-     * with a message in err naming the offending parameter. *state is owned
-     * by the caller and released with destroy(). */
-    int (*create)(const policy_params *p, void **state, char *err, size_t errlen);
+     * with a message in err naming the offending parameter. *state (may be
+     * NULL for stateless policies) is released with destroy(). */
+    int (*create)(const policy_params *p, const policy_geometry *g, void **state, char *err,
+                  size_t errlen);
 
-    /* Called before `incoming` tokens are appended to the layer. Sets keep[i]
-     * to 1 for each held token that survives and 0 for each that is evicted
-     * (keep has view->tokens entries). Returns the number evicted.
-     * select() must not change the policy's state: the daemon may discard
-     * its answer when the append cannot go through (pool full). */
-    size_t (*select)(void *state, const policy_layer_view *view, uint32_t incoming,
-                     uint8_t *keep);
+    /* One step of one layer: observe the stats, fill the decision, and update
+     * the policy's own per-token state to match the decision (the host
+     * applies it exactly). Returns 0, or -1 with err when the stats are
+     * unusable (a required array missing, wrong sizes). */
+    int (*step)(void *state, const policy_layer_view *view, const policy_stats *stats,
+                policy_decision *decision, char *err, size_t errlen);
+
+    /* Optional: the policy's state of one layer as one JSON object (malloc'd
+     * text; the caller frees), for `kvstash replay` and Inspect. */
+    char *(*describe)(void *state, uint32_t layer);
 
     void (*destroy)(void *state);
 } policy_ops;
@@ -87,5 +181,13 @@ const char *policy_params_get(const policy_params *p, const char *key);
  * set to e.g. "parameter n_sink must be an integer in [0, 65536], got 'x'". */
 int policy_params_uint(const policy_params *p, const char *key, uint32_t min, uint32_t max,
                        uint32_t *out, char *err, size_t errlen);
+
+/* Parse `key` as a finite real number in [min, max]; same error style. */
+int policy_params_double(const policy_params *p, const char *key, double min, double max,
+                         double *out, char *err, size_t errlen);
+
+/* Parse `key` as one of `choices` (NULL-terminated); *out = its index. */
+int policy_params_choice(const policy_params *p, const char *key, const char *const *choices,
+                         unsigned *out, char *err, size_t errlen);
 
 #endif

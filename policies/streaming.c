@@ -7,14 +7,11 @@
  * 1..1048576). The cache holds the attention sinks, i.e. the tokens whose
  * original position is < n_sink, plus the `window` most recent tokens.
  *
- * select() runs before `incoming` tokens are appended. It keeps every held
+ * step() runs after each step's tokens were appended. It keeps every held
  * token with position < n_sink, decided by position and not by index: after
  * earlier evictions index i need not be position i. Of the other held tokens
- * it keeps the last max(0, window - incoming). So after the append:
- *   - incoming <= window: exactly {p < n_sink} ∪ {p >= T - window} of all T
- *     positions so far are held;
- *   - incoming > window (a long prefill chunk): the sinks and all `incoming`
- *     new tokens are held; the next select() trims the overflow.
+ * it keeps the last `window`. So after every step exactly
+ * {p < n_sink} ∪ {p >= T - window} of all T positions so far are held.
  * Positions are not re-rotated (as kvpress without KeyRerotationPress).
  */
 #include <stdio.h>
@@ -33,11 +30,13 @@ typedef struct streaming_state {
 static const policy_param_spec streaming_params[] = {
     {"n_sink", "4",
      "tokens at the start of the sequence always kept (attention sinks), 0..1048576"},
-    {"window", "1020", "most recent tokens kept after each append, 1..1048576"},
+    {"window", "1020", "most recent tokens kept after each step, 1..1048576"},
 };
 
-static int streaming_create(const policy_params *p, void **state, char *err, size_t errlen)
+static int streaming_create(const policy_params *p, const policy_geometry *g, void **state,
+                            char *err, size_t errlen)
 {
+    (void)g;
     streaming_state s;
     *state = NULL;
     if (policy_params_uint(p, "n_sink", 0, STREAMING_MAX, &s.n_sink, err, errlen) != 0)
@@ -55,26 +54,28 @@ static int streaming_create(const policy_params *p, void **state, char *err, siz
     return 0;
 }
 
-static size_t streaming_select(void *state, const policy_layer_view *view, uint32_t incoming,
-                               uint8_t *keep)
+static int streaming_step(void *state, const policy_layer_view *view,
+                          const policy_stats *stats, policy_decision *d, char *err,
+                          size_t errlen)
 {
+    (void)stats;
+    (void)err;
+    (void)errlen;
     const streaming_state *st = state;
-    uint32_t recent = incoming >= st->window ? 0 : st->window - incoming;
-
+    uint32_t n = view->tokens[0];
+    const uint32_t *pos = view->positions[0];
     /* Non-sinks are a suffix when positions ascend; counting them per token
      * keeps the answer correct even if they did not. */
     uint32_t others = 0;
-    for (uint32_t i = 0; i < view->tokens; i++)
-        others += view->positions[i] >= st->n_sink;
-
-    uint32_t drop = others > recent ? others - recent : 0; /* oldest non-sinks to evict */
-    size_t evicted = 0;
-    for (uint32_t i = 0; i < view->tokens; i++) {
-        int evict = view->positions[i] >= st->n_sink && evicted < drop;
-        keep[i] = evict ? 0 : 1;
-        evicted += (size_t)evict;
-    }
-    return evicted;
+    for (uint32_t i = 0; i < n; i++)
+        others += pos[i] >= st->n_sink;
+    uint32_t drop = others > st->window ? others - st->window : 0; /* oldest non-sinks */
+    for (uint32_t i = 0; i < n && drop > 0; i++)
+        if (pos[i] >= st->n_sink) {
+            d->tier[0][i] = POLICY_EVICT;
+            drop--;
+        }
+    return 0;
 }
 
 static void streaming_destroy(void *state)
@@ -85,10 +86,10 @@ static void streaming_destroy(void *state)
 const policy_ops policy_streaming = {
     .name = "streaming",
     .summary = "StreamingLLM: keep positions < n_sink (sinks) plus the most recent `window` "
-               "tokens after each append",
+               "tokens after each step",
     .params = streaming_params,
     .nparams = sizeof(streaming_params) / sizeof(streaming_params[0]),
     .create = streaming_create,
-    .select = streaming_select,
+    .step = streaming_step,
     .destroy = streaming_destroy,
 };

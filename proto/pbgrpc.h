@@ -20,4 +20,9 @@ grpc_byte_buffer *pbgrpc_pack(const ProtobufCMessage *msg);
  * bytes are not a valid message of that type. */
 ProtobufCMessage *pbgrpc_unpack(const ProtobufCMessageDescriptor *desc, grpc_byte_buffer *buf);
 
+/* proto3 strings must be UTF-8, and protobuf-c does not check. Returns 1 if
+ * every string field of `msg` (nested messages included) is valid UTF-8;
+ * else 0 with the offending field's name in bad_field. */
+int pbgrpc_strings_valid(const ProtobufCMessage *msg, char *bad_field, size_t len);
+
 #endif

@@ -9,9 +9,11 @@
  *   (d) worker write bandwidth: kvs_layer_write of K/V into the mapped pool
  *       versus memcpy of the same bytes between two private buffers.
  *
- * Usage: bench_rpc [--quick] [PATH_TO_KVSTASHD]
+ * Usage: bench_rpc [--quick] [--pin CPU] [PATH_TO_KVSTASHD]
  * The daemon path defaults to $KVSTASHD, then ../../daemon/kvstashd next to
- * this binary. Prints a table and a final "ratios:" line; exits non-zero if
+ * this binary. --pin runs everything (this process, the echo child and the
+ * daemon with all its threads) on one CPU, which removes the cross-CPU
+ * wake-ups from every round trip (C-STACK.md measured pinned). Prints a table and a final "ratios:" line; exits non-zero if
  * any part could not run (the ratios themselves never fail it).
  */
 #include <dirent.h>
@@ -19,6 +21,7 @@
 #include <fcntl.h>
 #include <libgen.h>
 #include <limits.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -481,11 +484,14 @@ int main(int argc, char **argv)
 {
     bench_cfg cfg = {20000, 2000, 2000, (size_t)64 << 20, 7};
     const char *daemon = NULL;
+    int pin = -1;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--quick") == 0)
             cfg = (bench_cfg){5000, 500, 500, (size_t)16 << 20, 3};
+        else if (strcmp(argv[i], "--pin") == 0 && i + 1 < argc)
+            pin = atoi(argv[++i]);
         else if (argv[i][0] == '-') {
-            fprintf(stderr, "usage: %s [--quick] [PATH_TO_KVSTASHD]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--quick] [--pin CPU] [PATH_TO_KVSTASHD]\n", argv[0]);
             return 2;
         } else
             daemon = argv[i];
@@ -494,6 +500,17 @@ int main(int argc, char **argv)
         daemon = default_daemon();
     signal(SIGPIPE, SIG_IGN);
     atexit(at_exit);
+    if (pin >= 0) { /* inherited by the echo child and the daemon */
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(pin, &set);
+        if (sched_setaffinity(0, sizeof set, &set) != 0) {
+            perror("sched_setaffinity");
+            return 2;
+        }
+    }
+    printf("bench_rpc: %s run, %s\n", cfg.raw_n == 20000 ? "full" : "quick",
+           pin >= 0 ? "all processes pinned to one CPU" : "processes not pinned");
 
     latency raw = {0}, grpc = {0}, app = {0};
     double wgbs = 0, mgbs = 0;

@@ -12,7 +12,8 @@
  * stdout, one line each, flushed (a test may kill the worker at any time):
  *   ATTACHED session=<id> pool=<id>
  *   APPENDED <n>              n tokens are now appended to every sequence
- *   READY                     (--hold) writing is done; waiting for stdin EOF or SIGTERM
+ *   READY                     (--hold) writing is done; waiting for stdin EOF (when
+ *                             stdin is a pipe, socket or tty) or SIGTERM/SIGINT
  *   MISMATCH <details>        a held token has wrong values or position
  *   {"ok":true,"seq_ids":[...],"tokens":N,"checked":M}   the last line
  * On failure the last line is {"ok":false,...} with "error" (and "code" for
@@ -30,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/signalfd.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -342,13 +344,19 @@ static void sleep_ms(uint64_t ms)
 }
 
 /* --hold: wait until stdin reaches EOF or a SIGTERM/SIGINT arrives (both
- * are blocked since start-up and read through a signalfd). */
+ * are blocked since start-up and read through a signalfd). Stdin counts only
+ * when it is a pipe, socket or terminal: /dev/null or a file would end the
+ * wait at once, so then only the signal does. */
 static void hold(const sigset_t *sigs)
 {
     int sfd = signalfd(-1, sigs, SFD_CLOEXEC);
     if (sfd < 0)
         die(2, 0, "signalfd: %s", strerror(errno));
-    struct pollfd pf[2] = {{.fd = 0, .events = POLLIN}, {.fd = sfd, .events = POLLIN}};
+    struct stat st;
+    int use_stdin =
+        fstat(0, &st) == 0 && (S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode) || isatty(0));
+    struct pollfd pf[2] = {{.fd = use_stdin ? 0 : -1, .events = POLLIN},
+                           {.fd = sfd, .events = POLLIN}};
     char buf[4096];
     for (;;) {
         if (poll(pf, 2, -1) < 0) {

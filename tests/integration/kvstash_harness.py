@@ -17,6 +17,7 @@ run_tests() runs a list of check functions, prints "N passed, M failed" and
 returns the process exit status.
 """
 import array
+import atexit
 import faulthandler
 import importlib.util
 import os
@@ -59,6 +60,13 @@ health_pb2 = _load_health_pb2()
 SERVING = health_pb2.HealthCheckResponse.SERVING
 TOKEN_RE = re.compile(r"[0-9a-f]{32}")
 RPC_TIMEOUT = 5.0
+_daemons = []  # every Daemon started by this process: killed at exit if still running
+
+
+@atexit.register
+def _kill_daemons():
+    for d in _daemons:
+        d.kill()
 
 
 def geometry(layers=2, q_heads=4, kv_heads=2, head_dim=8, dtype=pb.DTYPE_FP32,
@@ -138,6 +146,7 @@ class Daemon:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT)
+        _daemons.append(self)
         deadline = time.monotonic() + timeout
         while not os.path.exists(self.sock):
             if self.proc.poll() is not None:
@@ -281,7 +290,20 @@ def run_tests(name, checks, daemon_kwargs=None, time_limit=240):
     """Start a daemon, run every check(ctx) in order, stop the daemon (itself
     a check), print a summary and return the exit status (0 = all passed).
     ctx is a plain namespace with .daemon; checks may store state on it."""
-    faulthandler.dump_traceback_later(time_limit, exit=True)  # before ctest's TIMEOUT
+    ctx_daemons = []
+
+    def overtime():  # stop before ctest's TIMEOUT kills us and orphans the daemon
+        print(f"FAIL {name}: still running after {time_limit} s; stacks:", flush=True)
+        faulthandler.dump_traceback(all_threads=True)
+        for d in ctx_daemons:
+            d.kill()
+            print(d.log_tail(40), flush=True)
+        print(f"{name}: {passed} passed, {failed + 1} failed", flush=True)
+        os._exit(1)
+
+    watchdog = threading.Timer(time_limit, overtime)
+    watchdog.daemon = True
+    watchdog.start()
 
     class Ctx:
         pass
@@ -289,11 +311,13 @@ def run_tests(name, checks, daemon_kwargs=None, time_limit=240):
     ctx = Ctx()
     passed = failed = 0
     ctx.daemon = Daemon(**(daemon_kwargs or {}))
+    ctx_daemons.append(ctx.daemon)
     print(f"{name}: kvstashd {ctx.daemon.binary}, socket {ctx.daemon.sock}", flush=True)
     try:
         ctx.daemon.start()
     except AssertionError as e:
         print(f"FAIL start: {e}")
+        watchdog.cancel()
         ctx.daemon.kill()
         print(f"{name}: 0 passed, 1 failed")
         return 1
@@ -326,5 +350,6 @@ def run_tests(name, checks, daemon_kwargs=None, time_limit=240):
         print(f"(daemon log kept in {ctx.daemon.log_path})")
     else:
         ctx.daemon.cleanup()
+    watchdog.cancel()
     print(f"{name}: {passed} passed, {failed} failed")
     return 0 if failed == 0 else 1

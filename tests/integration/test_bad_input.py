@@ -135,6 +135,42 @@ def check_invalid_names(ctx):
     assert "label" in d, f"details do not name 'label': {d!r}"
 
 
+def check_invalid_utf8_strings(ctx):
+    # proto3 strings must be valid UTF-8: a daemon that stores such bytes and
+    # echoes them in Stats makes Stats undecodable for every strict client.
+    w = Worker(ctx.daemon)
+    ctx.workers.append(w)
+    attach = pb.AttachRequest(model="wire", geometry=geometry()).SerializeToString()
+    attach += b"\x1a\x02\xff\xfe"  # field 3, worker_name: two bytes that are not UTF-8
+    create = pb.CreateSequenceRequest(policy="full").SerializeToString()
+    create += b"\x1a\x02\xc3\x28"  # field 3, label: a truncated UTF-8 sequence
+    problems = []
+    for method, req, md, field in (("Attach", attach, w.md, "worker_name"),
+                                   ("CreateSequence", create, ctx.a.md, "label")):
+        try:
+            resp = ctx.daemon.raw_method(f"/kvstash.v1.Store/{method}")(req, timeout=5, metadata=md)
+        except grpc.RpcError as e:
+            if e.code() != C.INVALID_ARGUMENT or field not in (e.details() or ""):
+                problems.append(f"{method} with a non-UTF-8 {field}: {e.code().name}: "
+                                f"{e.details()!r} (expected INVALID_ARGUMENT naming {field!r})")
+            continue
+        problems.append(f"{method} accepted a non-UTF-8 {field}")
+        if method == "CreateSequence":  # undo, so that later checks still mean something
+            seq = pb.CreateSequenceResponse.FromString(resp).seq_id
+            call(ctx.daemon.store.ReleaseSequence, pb.ReleaseSequenceRequest(seq_id=seq), md)
+    w.close()  # ends the session if the Attach went through
+    ctx.workers.remove(w)
+    assert not problems, "; ".join(problems)
+
+
+def check_client_text_cannot_forge_log_lines(ctx):
+    forged = 'nope" x=1\nforged_by_client=1 level=info msg=fake'
+    expect_status(ctx.daemon.store.CreateSequence, pb.CreateSequenceRequest(policy=forged),
+                  C.INVALID_ARGUMENT, ctx.a.md, "CreateSequence with a newline in the policy")
+    bad = [ln for ln in ctx.daemon.log().splitlines() if not ln.startswith("ts=")]
+    assert not bad, "client text broke the log's one-line-per-event format:\n" + "\n".join(bad[:5])
+
+
 def check_no_pools_from_failed_attaches(ctx):
     s = ctx.daemon.stats()
     models = [p.model for p in s.pools]
@@ -219,7 +255,8 @@ def check_no_error_logged(ctx):
 CHECKS = [
     check_setup_one_sequence, check_append_unknown_sequence, check_append_count_zero_and_negative,
     check_append_huge_count, check_append_beyond_pool, check_geometry_mismatch,
-    check_invalid_geometry, check_invalid_names, check_no_pools_from_failed_attaches,
+    check_invalid_geometry, check_invalid_names, check_invalid_utf8_strings,
+    check_client_text_cannot_forge_log_lines, check_no_pools_from_failed_attaches,
     check_missing_or_bad_token, check_not_attached, check_other_sessions_sequence,
     check_garbage_bytes, check_daemon_alive, check_sequence_unchanged,
     check_sequence_still_usable, check_no_error_logged,

@@ -1,7 +1,9 @@
-"""`streaming` through the real daemon (issue 2, acceptance 3): after every
-append the sequence holds exactly the sink tokens and the recent window, and
-the blocks it frees are reused: a long sequence runs in a pool far smaller
-than its total length."""
+"""`streaming` through the real daemon (issue 2, acceptance 3): the policy
+decides after each step (on the gRPC path, a step ends when the next Append
+begins), so right after appending token t-1 the sequence holds exactly the
+sink tokens, the window of the tokens before, and the new token. The blocks it
+frees are reused: a long sequence runs in a pool far smaller than its total
+length."""
 import sys
 
 from kvstash_harness import Worker, call, geometry, pb, run_tests
@@ -14,7 +16,8 @@ GEOM = geometry(head_dim=64, block_tokens=BLOCK)
 
 
 def expected_positions(t):
-    return list(range(min(N_SINK, t))) + list(range(max(N_SINK, t - WINDOW), t))
+    """Held after the append that brought the sequence to t tokens."""
+    return list(range(min(N_SINK, t))) + list(range(max(N_SINK, t - 1 - WINDOW), t))
 
 
 def check_exact_sinks_and_window(ctx):
@@ -54,7 +57,7 @@ def check_exact_sinks_and_window(ctx):
     (pool,) = [p for p in st.pools if p.model == "stream"]
     (sq,) = [q for q in st.sequences if q.seq_id == seq]
     assert sq.appended == TOKENS
-    assert sq.tokens == 2 * (N_SINK + WINDOW), sq
+    assert sq.tokens == 2 * (N_SINK + WINDOW + 1), sq
     assert pool.blocks_total - pool.blocks_free == sq.blocks, (pool, sq)
     ctx.seq, ctx.worker, ctx.left_table = seq, w, left_table
 

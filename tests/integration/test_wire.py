@@ -229,13 +229,18 @@ def check_still_serving(ctx):
     assert ctx.daemon.health("") == SERVING, "daemon no longer SERVING"
 
 
+def check_no_error_logged(ctx):
+    errors = [ln for ln in ctx.daemon.log().splitlines() if "level=error" in ln]
+    assert not errors, "daemon logged errors:\n" + "\n".join(errors[:10])
+
+
 CHECKS = [
     check_health_server, check_health_store, check_health_unknown_service, check_stats_fresh,
     check_socket_modes, check_fd_socket_bad_then_hello, check_attach, check_lease_granted,
     check_map_pool, check_stats_after_attach, check_create_unknown_policy,
     check_create_bad_parameter, check_create_unknown_parameter,
     check_stats_unchanged_after_bad_calls, check_sequence_life, check_unknown_method,
-    check_still_serving,
+    check_still_serving, check_no_error_logged,
 ]
 
 if __name__ == "__main__":

@@ -2,11 +2,12 @@
  * test_policies.c - unit tests for policies/: the registry, parameter
  * resolution and parsing, and the "full" and "streaming" policies.
  *
- * The streaming tests drive select() the way the daemon does: a layer holds
- * a positions array; before each append of `incoming` tokens select() is
- * asked, its keep mask is applied, and the new positions are appended. After
- * every append the held set is compared with the StreamingLLM definition
- * (policies/streaming.c): {p < n_sink} ∪ {p >= T - max(window, incoming)}.
+ * The policy tests drive a policy through the policy host (policies/host.h)
+ * the way the daemon does: each step appends the step's tokens to every
+ * layer, runs the policy on each layer, checks the decision, and commits it.
+ * After every commit the held set of streaming is compared with its
+ * definition (policies/streaming.c): of the T positions appended so far,
+ * exactly {p < n_sink} ∪ {p >= T - window} are held, all in full precision.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -18,6 +19,7 @@
 
 #include <cmocka.h>
 
+#include "host.h"
 #include "policy.h"
 
 /* ---- helpers ---- */
@@ -29,98 +31,127 @@ static const policy_ops *find(const char *name)
     return ops;
 }
 
-/* Resolve and create a policy from up to two key=value pairs; fails the test on error. */
-static void *create(const policy_ops *ops, const char *const *keys, const char *const *values,
-                    size_t n)
+static policy_geometry geometry(uint32_t layers, uint32_t kv_heads)
+{
+    policy_geometry g = {.layers = layers,
+                         .q_heads = kv_heads * 2,
+                         .kv_heads = kv_heads,
+                         .head_dim = 64,
+                         .block_tokens = 16,
+                         .rope_theta = 10000.0f};
+    return g;
+}
+
+/* Resolve the parameters and create a host; fails the test on error. */
+static policy_host *host_new(const policy_ops *ops, const char *const *keys,
+                             const char *const *values, size_t n, uint32_t layers)
 {
     policy_params p;
     char err[POLICY_ERR_LEN] = "";
-    void *state = NULL;
+    policy_host *h = NULL;
+    policy_geometry g = geometry(layers, 4);
     if (policy_params_resolve(ops, keys, values, n, &p, err, sizeof(err)) != 0)
         fail_msg("resolve: %s", err);
-    if (ops->create(&p, &state, err, sizeof(err)) != 0)
+    if (policy_host_create(ops, &p, &g, &h, err, sizeof(err)) != 0)
         fail_msg("create: %s", err);
-    return state;
+    assert_non_null(h);
+    assert_ptr_equal(policy_host_ops(h), ops);
+    assert_int_equal(policy_host_heads(h), ops->per_head ? 4 : 1);
+    return h;
 }
 
-static void *streaming_create(uint32_t n_sink, uint32_t window)
+static policy_host *streaming_host(uint32_t n_sink, uint32_t window, uint32_t layers)
 {
     char s[16], w[16];
     snprintf(s, sizeof(s), "%u", n_sink);
     snprintf(w, sizeof(w), "%u", window);
     const char *keys[] = {"n_sink", "window"};
     const char *values[] = {s, w};
-    return create(find("streaming"), keys, values, 2);
+    return host_new(find("streaming"), keys, values, 2, layers);
 }
 
-/* One layer of a sequence as the daemon would hold it. */
-typedef struct layer {
-    uint32_t *pos;  /* held positions, ascending */
-    uint8_t *keep;  /* scratch for select() */
-    uint32_t held;  /* tokens held */
-    uint32_t total; /* tokens ever appended (T) */
-    uint32_t cap;
-} layer;
-
-static layer layer_new(uint32_t cap)
+/*
+ * One step of `incoming` tokens on every layer: append, step, check the
+ * decision, commit. A decision may only evict (full and streaming never
+ * change a tier otherwise). Every layer must evict the same number of
+ * tokens, which is returned.
+ */
+static size_t host_step(policy_host *h, uint32_t layers, uint32_t incoming, int prefill)
 {
-    layer l = {calloc(cap, sizeof(uint32_t)), calloc(cap, 1), 0, 0, cap};
-    assert_non_null(l.pos);
-    assert_non_null(l.keep);
-    return l;
-}
-
-static void layer_free(layer *l)
-{
-    free(l->pos);
-    free(l->keep);
-}
-
-/* select(), check its count against the mask, compact, append `incoming`
- * new positions. Returns the number evicted. */
-static size_t layer_step(const policy_ops *ops, void *state, layer *l, uint32_t incoming)
-{
-    policy_layer_view view = {
-        .layer = 0, .layers = 1, .tokens = l->held, .positions = l->pos, .appended = l->total};
-    memset(l->keep, 0xAA, l->cap); /* neither 0 nor 1: select must write every entry */
-    size_t evicted = ops->select(state, &view, incoming, l->keep);
-
-    size_t zeros = 0;
-    uint32_t kept = 0;
-    for (uint32_t i = 0; i < l->held; i++) {
-        assert_true(l->keep[i] == 0 || l->keep[i] == 1);
-        if (l->keep[i])
-            l->pos[kept++] = l->pos[i];
+    assert_int_equal(policy_host_append(h, incoming), 0);
+    policy_stats stats = {.new_tokens = incoming, .prefill = prefill, .confidence = -1.0};
+    size_t evicted0 = 0;
+    for (uint32_t l = 0; l < layers; l++) {
+        const policy_layer_view *v = policy_host_view(h, l);
+        uint32_t before = v->tokens[0];
+        const policy_decision *d = NULL;
+        char err[POLICY_ERR_LEN] = "";
+        if (policy_host_step(h, l, &stats, &d, err, sizeof(err)) != 0)
+            fail_msg("step: %s", err);
+        assert_non_null(d);
+        v = policy_host_view(h, l);
+        assert_int_equal(v->tokens[0], before);
+        size_t evicts = 0;
+        for (uint32_t i = 0; i < before; i++) {
+            if (d->tier[0][i] == POLICY_EVICT)
+                evicts++;
+            else if (d->tier[0][i] != v->tier[0][i])
+                fail_msg("layer %u token %u: tier %u -> %u", l, i, v->tier[0][i], d->tier[0][i]);
+        }
+        assert_int_equal(d->nmerges, 0);
+        assert_int_equal(d->rerotate_keys, 0);
+        size_t evicted = policy_host_commit(h, l);
+        assert_int_equal(evicted, evicts);
+        assert_int_equal(policy_host_view(h, l)->tokens[0], before - evicts);
+        if (l == 0)
+            evicted0 = evicted;
         else
-            zeros++;
+            assert_int_equal(evicted, evicted0);
     }
-    assert_int_equal(evicted, zeros);
-    l->held = kept;
-    assert_true(l->held + incoming <= l->cap);
-    for (uint32_t i = 0; i < incoming; i++)
-        l->pos[l->held++] = l->total++;
-    return evicted;
+    return evicted0;
 }
 
-/* Held set after an append of `incoming` must be exactly
- * {p < n_sink} ∪ {p >= T - max(window, incoming)}, within [0, T). */
-static void check_streaming(const layer *l, uint32_t n_sink, uint32_t window, uint32_t incoming)
+/* Held set of `layer` must be exactly {p < n_sink} ∪ {p >= T - window}
+ * within [0, T), ascending, all FULL. */
+static void check_streaming_layer(policy_host *h, uint32_t layer, uint32_t n_sink, uint32_t window)
 {
-    uint32_t span = window > incoming ? window : incoming;
-    uint32_t recent_from = l->total > span ? l->total - span : 0;
+    const policy_layer_view *v = policy_host_view(h, layer);
+    assert_int_equal(v->heads, 1);
+    uint64_t total = v->appended;
+    uint64_t recent_from = total > window ? total - window : 0;
+    uint32_t held = v->tokens[0];
+    const uint32_t *pos = v->positions[0];
     uint32_t i = 0;
-    for (uint32_t p = 0; p < l->total; p++) {
+    for (uint64_t p = 0; p < total; p++) {
         if (p >= n_sink && p < recent_from)
             continue;
-        if (i >= l->held || l->pos[i] != p)
-            fail_msg("T=%u n_sink=%u window=%u incoming=%u: position %u should be held "
+        if (i >= held || pos[i] != p)
+            fail_msg("layer %u T=%llu n_sink=%u window=%u: position %llu should be held "
                      "(held %u tokens)",
-                     l->total, n_sink, window, incoming, p, l->held);
+                     layer, (unsigned long long)total, n_sink, window, (unsigned long long)p, held);
+        if (v->tier[0][i] != POLICY_FULL)
+            fail_msg("position %llu has tier %u", (unsigned long long)p, v->tier[0][i]);
         i++;
     }
-    if (i != l->held)
-        fail_msg("T=%u n_sink=%u window=%u: %u tokens held, expected %u", l->total, n_sink, window,
-                 l->held, i);
+    if (i != held)
+        fail_msg("layer %u T=%llu n_sink=%u window=%u: %u tokens held, expected %u", layer,
+                 (unsigned long long)total, n_sink, window, held, i);
+}
+
+static void check_streaming(policy_host *h, uint32_t layers, uint32_t n_sink, uint32_t window)
+{
+    for (uint32_t l = 0; l < layers; l++)
+        check_streaming_layer(h, l, n_sink, window);
+}
+
+static uint32_t held(policy_host *h, uint32_t layer)
+{
+    return policy_host_view(h, layer)->tokens[0];
+}
+
+static uint64_t appended(policy_host *h)
+{
+    return policy_host_view(h, 0)->appended;
 }
 
 /* ---- registry ---- */
@@ -134,32 +165,55 @@ static void test_registry_find(void **unused)
     assert_null(policy_find(""));
     assert_null(policy_find("Full"));
     assert_null(policy_find("streaming "));
+    assert_null(policy_find("stream"));
     assert_null(policy_find(NULL));
 }
 
 static void test_registry_list(void **unused)
 {
     (void)unused;
-    size_t n = 99;
+    size_t n = 0;
     const policy_ops *const *all = policy_list(&n);
-    assert_int_equal(n, 2);
+    assert_non_null(all);
+    /* More policies get added at the end; these two come first. */
+    assert_true(n >= 2);
     assert_string_equal(all[0]->name, "full");
     assert_string_equal(all[1]->name, "streaming");
     for (size_t i = 0; i < n; i++) {
+        assert_non_null(all[i]->name);
+        assert_true(strlen(all[i]->name) > 0);
+        for (size_t j = 0; j < i; j++)
+            if (strcmp(all[i]->name, all[j]->name) == 0)
+                fail_msg("policy name '%s' registered twice", all[i]->name);
         assert_ptr_equal(policy_find(all[i]->name), all[i]);
         assert_non_null(all[i]->summary);
         assert_true(strlen(all[i]->summary) > 0);
         assert_null(strchr(all[i]->summary, '\n'));
         assert_non_null(all[i]->create);
-        assert_non_null(all[i]->select);
+        assert_non_null(all[i]->step);
         assert_non_null(all[i]->destroy);
+        assert_true(all[i]->nparams <= POLICY_MAX_PARAMS);
+        assert_true(all[i]->nparams == 0 || all[i]->params != NULL);
         for (size_t k = 0; k < all[i]->nparams; k++) {
             assert_non_null(all[i]->params[k].key);
             assert_non_null(all[i]->params[k].def);
             assert_non_null(all[i]->params[k].help);
         }
+        /* Every policy must be creatable with its defaults. */
+        policy_params p;
+        char err[POLICY_ERR_LEN] = "";
+        assert_int_equal(policy_params_resolve(all[i], NULL, NULL, 0, &p, err, sizeof(err)), 0);
     }
+    size_t again = 0;
+    assert_ptr_equal(policy_list(&again), all);
+    assert_int_equal(again, n);
     assert_ptr_equal(policy_list(NULL), all);
+
+    /* full and streaming need nothing from the worker and decide per layer. */
+    assert_int_equal(find("full")->needs, 0);
+    assert_int_equal(find("full")->per_head, 0);
+    assert_int_equal(find("streaming")->needs, 0);
+    assert_int_equal(find("streaming")->per_head, 0);
 }
 
 /* ---- parameters ---- */
@@ -178,6 +232,7 @@ static void test_params_defaults(void **unused)
     assert_string_equal(policy_params_get(&p, "window"), "1020");
     assert_null(policy_params_get(&p, "nope"));
     assert_null(policy_params_get(&p, NULL));
+    assert_null(policy_params_get(NULL, "window"));
 
     assert_int_equal(policy_params_resolve(find("full"), NULL, NULL, 0, &p, err, sizeof(err)), 0);
     assert_int_equal(p.count, 0);
@@ -210,15 +265,14 @@ static void test_params_override(void **unused)
 }
 
 /* A rejected resolve must leave *out untouched. */
-static void expect_resolve_error(const char *policy, const char *const *keys,
+static void expect_resolve_error(const policy_ops *ops, const char *const *keys,
                                  const char *const *values, size_t n, const char *expected_sub)
 {
     policy_params p, before;
     memset(&p, 0x5C, sizeof(p));
     before = p;
     char err[POLICY_ERR_LEN] = "";
-    assert_int_equal(policy_params_resolve(find(policy), keys, values, n, &p, err, sizeof(err)),
-                     -1);
+    assert_int_equal(policy_params_resolve(ops, keys, values, n, &p, err, sizeof(err)), -1);
     if (strstr(err, expected_sub) == NULL)
         fail_msg("error '%s' does not contain '%s'", err, expected_sub);
     assert_memory_equal(&p, &before, sizeof(p));
@@ -229,9 +283,9 @@ static void test_params_unknown_key(void **unused)
     (void)unused;
     const char *keys[] = {"window", "foo"};
     const char *values[] = {"8", "1"};
-    expect_resolve_error("streaming", keys, values, 2,
+    expect_resolve_error(find("streaming"), keys, values, 2,
                          "unknown parameter 'foo' for policy 'streaming' (known: n_sink, window)");
-    expect_resolve_error("full", keys, values, 1,
+    expect_resolve_error(find("full"), keys, values, 1,
                          "unknown parameter 'window' for policy 'full' (known: none)");
 }
 
@@ -240,7 +294,7 @@ static void test_params_duplicate(void **unused)
     (void)unused;
     const char *keys[] = {"window", "n_sink", "window"};
     const char *values[] = {"8", "1", "8"};
-    expect_resolve_error("streaming", keys, values, 3,
+    expect_resolve_error(find("streaming"), keys, values, 3,
                          "duplicate parameter 'window' for policy 'streaming'");
 }
 
@@ -261,8 +315,8 @@ static void test_params_value_length(void **unused)
     assert_int_equal(policy_params_resolve(find("streaming"), keys, ok, 1, &p, err, sizeof(err)),
                      0);
     assert_string_equal(policy_params_get(&p, "window"), v63);
-    expect_resolve_error("streaming", keys, bad, 1, "parameter 'window'");
-    expect_resolve_error("streaming", keys, bad, 1, "63 bytes");
+    expect_resolve_error(find("streaming"), keys, bad, 1, "parameter 'window'");
+    expect_resolve_error(find("streaming"), keys, bad, 1, "63 bytes");
 }
 
 static void test_params_empty_key(void **unused)
@@ -270,12 +324,12 @@ static void test_params_empty_key(void **unused)
     (void)unused;
     const char *keys[] = {""};
     const char *values[] = {"1"};
-    expect_resolve_error("streaming", keys, values, 1, "empty parameter name");
+    expect_resolve_error(find("streaming"), keys, values, 1, "empty parameter name");
     const char *null_key[] = {NULL};
-    expect_resolve_error("streaming", null_key, values, 1, "empty parameter name");
+    expect_resolve_error(find("streaming"), null_key, values, 1, "empty parameter name");
     const char *k[] = {"window"};
     const char *null_value[] = {NULL};
-    expect_resolve_error("streaming", k, null_value, 1, "'window'");
+    expect_resolve_error(find("streaming"), k, null_value, 1, "'window'");
 }
 
 static void test_params_tiny_err_buffer(void **unused)
@@ -321,6 +375,31 @@ static void test_params_uint_bad(void **unused)
     }
 }
 
+/* policy_host_create with streaming and one parameter must fail with `expected`. */
+static void expect_streaming_create_error(const char *key, const char *value, const char *expected)
+{
+    const policy_ops *ops = find("streaming");
+    policy_params p;
+    char err[POLICY_ERR_LEN] = "";
+    const char *keys[] = {key};
+    const char *values[] = {value};
+    assert_int_equal(policy_params_resolve(ops, keys, values, 1, &p, err, sizeof(err)), 0);
+
+    /* Directly... */
+    policy_geometry g = geometry(2, 4);
+    void *state = (void *)&p;
+    assert_int_equal(ops->create(&p, &g, &state, err, sizeof(err)), -1);
+    assert_null(state);
+    assert_string_equal(err, expected);
+
+    /* ...and through the host, which passes the message on. */
+    policy_host *h = (policy_host *)&p;
+    memset(err, 0, sizeof(err));
+    assert_int_equal(policy_host_create(ops, &p, &g, &h, err, sizeof(err)), -1);
+    assert_null(h);
+    assert_string_equal(err, expected);
+}
+
 static void test_params_uint_range(void **unused)
 {
     (void)unused;
@@ -335,26 +414,158 @@ static void test_params_uint_range(void **unused)
     assert_int_equal(parse_n_sink("1048577", &v, err), -1);
     assert_string_equal(err, "parameter n_sink must be an integer in [0, 1048576], got '1048577'");
 
-    /* Lower bound, through the policy's create(). */
-    policy_params p;
-    void *state = (void *)&p;
-    const char *keys[] = {"window"};
-    const char *values[] = {"0"};
-    const policy_ops *ops = find("streaming");
-    assert_int_equal(policy_params_resolve(ops, keys, values, 1, &p, err, sizeof(err)), 0);
-    assert_int_equal(ops->create(&p, &state, err, sizeof(err)), -1);
-    assert_null(state);
-    assert_string_equal(err, "parameter window must be an integer in [1, 1048576], got '0'");
-
-    const char *keys2[] = {"n_sink"};
-    const char *values2[] = {"four"};
-    assert_int_equal(policy_params_resolve(ops, keys2, values2, 1, &p, err, sizeof(err)), 0);
-    assert_int_equal(ops->create(&p, &state, err, sizeof(err)), -1);
-    assert_string_equal(err, "parameter n_sink must be an integer in [0, 1048576], got 'four'");
+    /* Lower and upper bounds, through the policy's create(). */
+    expect_streaming_create_error("window", "0",
+                                  "parameter window must be an integer in [1, 1048576], got '0'");
+    expect_streaming_create_error(
+        "window", "1048577", "parameter window must be an integer in [1, 1048576], got '1048577'");
+    expect_streaming_create_error(
+        "n_sink", "four", "parameter n_sink must be an integer in [0, 1048576], got 'four'");
 
     /* A key the set does not have. */
+    policy_params p;
+    assert_int_equal(policy_params_resolve(find("streaming"), NULL, NULL, 0, &p, err, sizeof(err)),
+                     0);
+    v = 77;
     assert_int_equal(policy_params_uint(&p, "nope", 0, 10, &v, err, sizeof(err)), -1);
     assert_non_null(strstr(err, "nope"));
+    assert_int_equal(v, 77);
+}
+
+/* A policy with a real-number and a choice parameter, for the parsers. */
+static const policy_param_spec parse_spec[] = {
+    {"ratio", "0.5", "a real number"},
+    {"mode", "mean", "one of mean, max, sum"},
+};
+static const policy_ops parse_ops = {
+    .name = "parse-test",
+    .summary = "parameters only",
+    .params = parse_spec,
+    .nparams = 2,
+};
+
+static policy_params parse_params(const char *key, const char *value)
+{
+    policy_params p;
+    char err[POLICY_ERR_LEN] = "";
+    const char *keys[] = {key};
+    const char *values[] = {value};
+    if (policy_params_resolve(&parse_ops, keys, values, key ? 1 : 0, &p, err, sizeof(err)) != 0)
+        fail_msg("resolve: %s", err);
+    return p;
+}
+
+static int parse_ratio(const char *value, double min, double max, double *out, char *err)
+{
+    policy_params p = parse_params("ratio", value);
+    return policy_params_double(&p, "ratio", min, max, out, err, POLICY_ERR_LEN);
+}
+
+static void test_params_double_good(void **unused)
+{
+    (void)unused;
+    char err[POLICY_ERR_LEN] = "";
+    double v = -7;
+    policy_params p = parse_params(NULL, NULL);
+    assert_int_equal(policy_params_double(&p, "ratio", 0, 1, &v, err, sizeof(err)), 0);
+    assert_true(v == 0.5);
+
+    const struct {
+        const char *text;
+        double min, max, want;
+    } good[] = {
+        {"0", 0, 1, 0},        {"1", 0, 1, 1},        {"0.25", 0, 1, 0.25},  {"1e-3", 0, 1, 0.001},
+        {"2.5e1", 0, 100, 25}, {"-0.5", -1, 1, -0.5}, {".5", 0, 1, 0.5},     {"5.", 0, 10, 5},
+        {"-1", -1, 1, -1},     {"100", 0, 100, 100},  {"1E2", 0, 1000, 100}, {"0.000", 0, 1, 0},
+        {"-0", 0, 1, 0},
+    };
+    for (size_t i = 0; i < sizeof(good) / sizeof(good[0]); i++) {
+        v = -7;
+        if (parse_ratio(good[i].text, good[i].min, good[i].max, &v, err) != 0)
+            fail_msg("'%s' rejected: %s", good[i].text, err);
+        if (v != good[i].want)
+            fail_msg("'%s' parsed as %g, expected %g", good[i].text, v, good[i].want);
+    }
+}
+
+static void test_params_double_bad(void **unused)
+{
+    (void)unused;
+    const char *bad[] = {"nan",  "NaN", "-nan",  "inf",    "-inf", "Infinity", "1e",
+                         "",     "1e+", "0.5x",  "0.5 ",   " 0.5", "\t0.5",    "1.5",
+                         "-0.1", "2",   "1e400", "-1e400", "e3",   "..5",      "0.5.1",
+                         "1,5",  "one", "-",     "+",      "."};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        char err[POLICY_ERR_LEN] = "";
+        char expected[POLICY_ERR_LEN];
+        double v = 12345;
+        if (parse_ratio(bad[i], 0, 1, &v, err) != -1)
+            fail_msg("'%s' accepted as %g", bad[i], v);
+        assert_true(v == 12345);
+        snprintf(expected, sizeof(expected), "parameter ratio must be a number in [0, 1], got '%s'",
+                 bad[i]);
+        assert_string_equal(err, expected);
+    }
+
+    /* Out of range on both sides of a non-trivial interval. */
+    char err[POLICY_ERR_LEN] = "";
+    double v = 0;
+    assert_int_equal(parse_ratio("0.09", 0.1, 0.9, &v, err), -1);
+    assert_string_equal(err, "parameter ratio must be a number in [0.1, 0.9], got '0.09'");
+    assert_int_equal(parse_ratio("0.91", 0.1, 0.9, &v, err), -1);
+    assert_int_equal(parse_ratio("0.9", 0.1, 0.9, &v, err), 0);
+    assert_true(v == 0.9);
+
+    /* A key the set does not have. */
+    policy_params p = parse_params(NULL, NULL);
+    v = 3;
+    assert_int_equal(policy_params_double(&p, "nope", 0, 1, &v, err, sizeof(err)), -1);
+    assert_non_null(strstr(err, "nope"));
+    assert_true(v == 3);
+    assert_int_equal(policy_params_double(&p, "nope", 0, 1, &v, NULL, 0), -1);
+}
+
+static const char *const modes[] = {"mean", "max", "sum", NULL};
+
+static void test_params_choice(void **unused)
+{
+    (void)unused;
+    char err[POLICY_ERR_LEN] = "";
+    unsigned v = 99;
+    policy_params p = parse_params(NULL, NULL);
+    assert_int_equal(policy_params_choice(&p, "mode", modes, &v, err, sizeof(err)), 0);
+    assert_int_equal(v, 0);
+    for (unsigned i = 0; modes[i] != NULL; i++) {
+        p = parse_params("mode", modes[i]);
+        v = 99;
+        assert_int_equal(policy_params_choice(&p, "mode", modes, &v, err, sizeof(err)), 0);
+        assert_int_equal(v, i);
+    }
+
+    /* Unknown choices list the choices; *out stays. */
+    const char *bad[] = {"median", "", "Mean", "mean ", " max", "su", "sums", "0"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        char expected[POLICY_ERR_LEN];
+        p = parse_params("mode", bad[i]);
+        v = 99;
+        assert_int_equal(policy_params_choice(&p, "mode", modes, &v, err, sizeof(err)), -1);
+        assert_int_equal(v, 99);
+        snprintf(expected, sizeof(expected),
+                 "parameter mode must be one of mean, max, sum, got '%s'", bad[i]);
+        assert_string_equal(err, expected);
+    }
+
+    /* One choice only; no error buffer. */
+    const char *const one[] = {"only", NULL};
+    p = parse_params("mode", "other");
+    assert_int_equal(policy_params_choice(&p, "mode", one, &v, err, sizeof(err)), -1);
+    assert_string_equal(err, "parameter mode must be one of only, got 'other'");
+    assert_int_equal(policy_params_choice(&p, "mode", one, &v, NULL, 0), -1);
+
+    /* A key the set does not have. */
+    assert_int_equal(policy_params_choice(&p, "nope", modes, &v, err, sizeof(err)), -1);
+    assert_non_null(strstr(err, "nope"));
+    assert_int_equal(v, 99);
 }
 
 /* ---- full ---- */
@@ -362,16 +573,22 @@ static void test_params_uint_range(void **unused)
 static void test_full_keeps_everything(void **unused)
 {
     (void)unused;
-    const policy_ops *ops = find("full");
-    void *state = create(ops, NULL, NULL, 0);
-    layer l = layer_new(4096);
+    const uint32_t layers = 3;
+    policy_host *h = host_new(find("full"), NULL, NULL, 0, layers);
+    assert_null(policy_host_state(h));
+    assert_int_equal(host_step(h, layers, 100, 1), 0);
     for (uint32_t step = 0; step < 300; step++)
-        assert_int_equal(layer_step(ops, state, &l, step % 7 == 0 ? 13 : 1), 0);
-    assert_int_equal(l.held, l.total);
-    for (uint32_t i = 0; i < l.held; i++)
-        assert_int_equal(l.pos[i], i);
-    layer_free(&l);
-    ops->destroy(state);
+        assert_int_equal(host_step(h, layers, step % 7 == 0 ? 13 : 1, 0), 0);
+    for (uint32_t l = 0; l < layers; l++) {
+        const policy_layer_view *v = policy_host_view(h, l);
+        assert_int_equal(v->heads, 1);
+        assert_int_equal(v->tokens[0], v->appended);
+        for (uint32_t i = 0; i < v->tokens[0]; i++) {
+            assert_int_equal(v->positions[0][i], i);
+            assert_int_equal(v->tier[0][i], POLICY_FULL);
+        }
+    }
+    policy_host_destroy(h);
 }
 
 /* ---- streaming ---- */
@@ -379,132 +596,188 @@ static void test_full_keeps_everything(void **unused)
 static void test_streaming_one_at_a_time(void **unused)
 {
     (void)unused;
-    const policy_ops *ops = find("streaming");
-    void *state = streaming_create(4, 8);
-    layer l = layer_new(64);
+    const uint32_t layers = 2;
+    policy_host *h = streaming_host(4, 8, layers);
     for (uint32_t t = 1; t <= 200; t++) {
-        size_t evicted = layer_step(ops, state, &l, 1);
-        assert_int_equal(l.total, t);
-        check_streaming(&l, 4, 8, 1);
-        /* Before the append at most 4 + 8 were held; exactly one goes once full. */
+        size_t evicted = host_step(h, layers, 1, 0);
+        assert_int_equal(appended(h), t);
+        check_streaming(h, layers, 4, 8);
+        /* Once 4 + 8 are held, each new token pushes the oldest non-sink out. */
         assert_int_equal(evicted, t > 12 ? 1 : 0);
-        assert_int_equal(l.held, t < 12 ? t : 12);
+        assert_int_equal(held(h, 0), t < 12 ? t : 12);
+        if (t >= 12) {
+            const uint32_t *pos = policy_host_view(h, 1)->positions[0];
+            for (uint32_t i = 0; i < 4; i++)
+                assert_int_equal(pos[i], i);
+            for (uint32_t i = 0; i < 8; i++)
+                assert_int_equal(pos[4 + i], t - 8 + i);
+        }
     }
-    layer_free(&l);
-    ops->destroy(state);
+    policy_host_destroy(h);
 }
 
 static void test_streaming_prefill_then_decode(void **unused)
 {
     (void)unused;
-    const policy_ops *ops = find("streaming");
-    void *state = streaming_create(4, 8);
-    layer l = layer_new(128);
+    const uint32_t layers = 2;
+    policy_host *h = streaming_host(4, 8, layers);
 
-    assert_int_equal(layer_step(ops, state, &l, 50), 0); /* nothing held yet */
-    assert_int_equal(l.held, 50);
-    check_streaming(&l, 4, 8, 50);
+    /* The prefill is trimmed in its own step: sinks + the last 8. */
+    assert_int_equal(host_step(h, layers, 50, 1), 50 - 4 - 8);
+    assert_int_equal(held(h, 0), 12);
+    check_streaming(h, layers, 4, 8);
 
-    /* The first decode step trims the prefill to the sinks + last 7, then appends. */
-    assert_int_equal(layer_step(ops, state, &l, 1), 50 - 4 - 7);
-    check_streaming(&l, 4, 8, 1);
     for (uint32_t i = 0; i < 100; i++) {
-        assert_int_equal(layer_step(ops, state, &l, 1), 1);
-        check_streaming(&l, 4, 8, 1);
+        assert_int_equal(host_step(h, layers, 1, 0), 1);
+        check_streaming(h, layers, 4, 8);
     }
 
-    /* A second long chunk mid-sequence: only the sinks survive it. */
-    assert_int_equal(layer_step(ops, state, &l, 20), 8);
-    assert_int_equal(l.held, 4 + 20);
-    check_streaming(&l, 4, 8, 20);
-    assert_int_equal(layer_step(ops, state, &l, 1), 20 - 7);
-    check_streaming(&l, 4, 8, 1);
+    /* A long chunk mid-sequence: the old window and the chunk's head go. */
+    assert_int_equal(host_step(h, layers, 20, 1), 20);
+    assert_int_equal(held(h, 0), 12);
+    check_streaming(h, layers, 4, 8);
+    assert_int_equal(host_step(h, layers, 1, 0), 1);
+    check_streaming(h, layers, 4, 8);
 
-    /* A chunk of exactly `window`. */
-    assert_int_equal(layer_step(ops, state, &l, 8), 8);
-    check_streaming(&l, 4, 8, 8);
-    layer_free(&l);
-    ops->destroy(state);
+    /* A chunk of exactly `window` replaces the whole window. */
+    assert_int_equal(host_step(h, layers, 8, 1), 8);
+    check_streaming(h, layers, 4, 8);
+    /* A chunk of window - 1 keeps one old window token. */
+    assert_int_equal(host_step(h, layers, 7, 1), 7);
+    check_streaming(h, layers, 4, 8);
+    assert_int_equal(appended(h), 50 + 100 + 20 + 1 + 8 + 7);
+    policy_host_destroy(h);
 }
 
 static void test_streaming_no_sinks(void **unused)
 {
     (void)unused;
-    const policy_ops *ops = find("streaming");
-    void *state = streaming_create(0, 5);
-    layer l = layer_new(64);
+    policy_host *h = streaming_host(0, 5, 1);
     for (uint32_t t = 1; t <= 100; t++) {
-        layer_step(ops, state, &l, 1);
-        check_streaming(&l, 0, 5, 1);
-        assert_int_equal(l.pos[0], t > 5 ? t - 5 : 0);
+        assert_int_equal(host_step(h, 1, 1, 0), t > 5 ? 1 : 0);
+        check_streaming(h, 1, 0, 5);
+        assert_int_equal(policy_host_view(h, 0)->positions[0][0], t > 5 ? t - 5 : 0);
     }
-    assert_int_equal(layer_step(ops, state, &l, 5), 5); /* incoming == window: all go */
-    check_streaming(&l, 0, 5, 5);
-    layer_free(&l);
-    ops->destroy(state);
+    assert_int_equal(host_step(h, 1, 5, 1), 5); /* a chunk of `window`: all old ones go */
+    check_streaming(h, 1, 0, 5);
+    assert_int_equal(host_step(h, 1, 12, 1), 12);
+    check_streaming(h, 1, 0, 5);
+    assert_int_equal(held(h, 0), 5);
+    policy_host_destroy(h);
+
+    /* window = 1: only the newest token survives. */
+    h = streaming_host(0, 1, 1);
+    assert_int_equal(host_step(h, 1, 30, 1), 29);
+    for (uint32_t t = 0; t < 20; t++) {
+        assert_int_equal(host_step(h, 1, 1, 0), 1);
+        assert_int_equal(held(h, 0), 1);
+        assert_int_equal(policy_host_view(h, 0)->positions[0][0], 30 + t);
+    }
+    policy_host_destroy(h);
 }
 
 static void test_streaming_window_larger_than_sequence(void **unused)
 {
     (void)unused;
-    const policy_ops *ops = find("streaming");
-    void *state = streaming_create(4, 1000);
-    layer l = layer_new(1024);
-    assert_int_equal(layer_step(ops, state, &l, 100), 0);
+    policy_host *h = streaming_host(4, 1000, 2);
+    assert_int_equal(host_step(h, 2, 100, 1), 0);
     for (uint32_t t = 0; t < 300; t++)
-        assert_int_equal(layer_step(ops, state, &l, t % 10 == 0 ? 3 : 1), 0);
-    assert_int_equal(l.held, l.total);
-    check_streaming(&l, 4, 1000, 1);
-    layer_free(&l);
-    ops->destroy(state);
+        assert_int_equal(host_step(h, 2, t % 10 == 0 ? 3 : 1, 0), 0);
+    assert_int_equal(held(h, 0), appended(h));
+    check_streaming(h, 2, 4, 1000);
+    /* Crossing 4 + 1000 tokens starts the eviction. */
+    while (appended(h) < 1004)
+        assert_int_equal(host_step(h, 2, 1, 0), 0);
+    assert_int_equal(host_step(h, 2, 1, 0), 1);
+    check_streaming(h, 2, 4, 1000);
+    policy_host_destroy(h);
 
-    /* Sinks larger than the sequence: everything is a sink. */
-    state = streaming_create(1000, 1);
-    l = layer_new(1024);
+    /* Sinks longer than the sequence: everything is a sink. */
+    h = streaming_host(1000, 1, 1);
     for (uint32_t t = 0; t < 500; t++)
-        assert_int_equal(layer_step(ops, state, &l, 1), 0);
-    layer_free(&l);
-    ops->destroy(state);
+        assert_int_equal(host_step(h, 1, 1, 0), 0);
+    assert_int_equal(host_step(h, 1, 499, 1), 0);
+    assert_int_equal(held(h, 0), 999);
+    /* Positions 999 and 1000: one sink, one window token. */
+    assert_int_equal(host_step(h, 1, 2, 0), 0);
+    assert_int_equal(host_step(h, 1, 1, 0), 1);
+    assert_int_equal(held(h, 0), 1001);
+    check_streaming(h, 1, 1000, 1);
+    policy_host_destroy(h);
 }
 
-/* Sinks are decided by original position, not by index in the held array. */
+/* Sinks are decided by original position, not by index in the held list;
+ * the policy touches only the entries it evicts. Driven without a host so
+ * that the positions can have any gaps. */
 static void test_streaming_sinks_by_position(void **unused)
 {
     (void)unused;
     const policy_ops *ops = find("streaming");
-    void *state = streaming_create(4, 3);
-    const uint32_t pos[] = {0, 1, 10, 11, 12, 13};
-    uint8_t keep[6];
-    policy_layer_view view = {
-        .layer = 0, .layers = 1, .tokens = 6, .positions = pos, .appended = 14};
-    assert_int_equal(ops->select(state, &view, 1, keep), 2);
-    const uint8_t expected[] = {1, 1, 0, 0, 1, 1};
-    assert_memory_equal(keep, expected, sizeof(expected));
+    policy_params p;
+    char err[POLICY_ERR_LEN] = "";
+    const char *keys[] = {"n_sink", "window"};
+    const char *values[] = {"4", "3"};
+    assert_int_equal(policy_params_resolve(ops, keys, values, 2, &p, err, sizeof(err)), 0);
+    policy_geometry g = geometry(1, 4);
+    void *state = NULL;
+    assert_int_equal(ops->create(&p, &g, &state, err, sizeof(err)), 0);
 
-    /* incoming > window: only the sinks stay. */
-    assert_int_equal(ops->select(state, &view, 4, keep), 4);
-    const uint8_t sinks_only[] = {1, 1, 0, 0, 0, 0};
-    assert_memory_equal(keep, sinks_only, sizeof(sinks_only));
+    const uint32_t pos[] = {0, 1, 10, 11, 12, 13};
+    const uint8_t cur[] = {POLICY_FULL, POLICY_INT8, POLICY_FULL,
+                           POLICY_FULL, POLICY_INT8, POLICY_SKETCH};
+    uint8_t next[6];
+    memcpy(next, cur, sizeof(next));
+    const uint32_t tokens[] = {6};
+    const uint32_t *const positions[] = {pos};
+    const uint8_t *const tiers[] = {cur};
+    uint8_t *const dtier[] = {next};
+    policy_merge merges[6];
+    policy_layer_view view = {.layer = 0,
+                              .heads = 1,
+                              .tokens = tokens,
+                              .positions = positions,
+                              .tier = tiers,
+                              .appended = 14,
+                              .step = 3};
+    policy_stats stats = {.new_tokens = 1, .confidence = -1.0};
+    policy_decision d = {.tier = dtier, .merges = merges, .merges_cap = 6};
+    assert_int_equal(ops->step(state, &view, &stats, &d, err, sizeof(err)), 0);
+    /* Non-sinks 10, 11, 12, 13: the oldest one goes. By index the first four
+     * would be "sinks" and nothing would go. */
+    const uint8_t expected[] = {POLICY_FULL, POLICY_INT8, POLICY_EVICT,
+                                POLICY_FULL, POLICY_INT8, POLICY_SKETCH};
+    assert_memory_equal(next, expected, sizeof(expected));
+    assert_int_equal(d.nmerges, 0);
+    assert_int_equal(d.rerotate_keys, 0);
+
+    /* Window covers the rest: nothing changes. */
+    const uint32_t tokens3[] = {4};
+    const uint32_t pos3[] = {0, 11, 12, 13};
+    const uint32_t *const positions3[] = {pos3};
+    view.tokens = tokens3;
+    view.positions = positions3;
+    memcpy(next, cur, sizeof(next));
+    assert_int_equal(ops->step(state, &view, &stats, &d, err, sizeof(err)), 0);
+    assert_memory_equal(next, cur, 4);
 
     /* Nothing held. */
-    view.tokens = 0;
-    assert_int_equal(ops->select(state, &view, 1, keep), 0);
+    const uint32_t none[] = {0};
+    view.tokens = none;
+    assert_int_equal(ops->step(state, &view, &stats, &d, err, sizeof(err)), 0);
     ops->destroy(state);
 }
 
 static void test_streaming_defaults(void **unused)
 {
     (void)unused;
-    const policy_ops *ops = find("streaming");
-    void *state = create(ops, NULL, NULL, 0);
-    layer l = layer_new(1100);
-    for (uint32_t t = 0; t < 1050; t++) {
-        layer_step(ops, state, &l, 1);
-        check_streaming(&l, 4, 1020, 1);
+    policy_host *h = host_new(find("streaming"), NULL, NULL, 0, 1);
+    assert_int_equal(host_step(h, 1, 600, 1), 0);
+    for (uint32_t t = 0; t < 450; t++) {
+        host_step(h, 1, 1, 0);
+        check_streaming(h, 1, 4, 1020);
     }
-    assert_int_equal(l.held, 4 + 1020);
-    layer_free(&l);
-    ops->destroy(state);
+    assert_int_equal(held(h, 0), 4 + 1020);
+    policy_host_destroy(h);
 }
 
 static uint64_t xorshift(uint64_t *s)
@@ -515,25 +788,27 @@ static uint64_t xorshift(uint64_t *s)
     return *s;
 }
 
-/* Property: random n_sink, window and chunk sizes, seeded. */
+/* Property: random n_sink, window, layers and chunk sizes, seeded. */
 static void test_streaming_random_chunks(void **unused)
 {
     (void)unused;
-    const policy_ops *ops = find("streaming");
     uint64_t seed = 0x6b767374617368ULL; /* "kvstash" */
     for (int trial = 0; trial < 300; trial++) {
         uint32_t n_sink = (uint32_t)(xorshift(&seed) % 12);
         uint32_t window = 1 + (uint32_t)(xorshift(&seed) % 24);
-        void *state = streaming_create(n_sink, window);
-        layer l = layer_new(n_sink + 64 + 64);
+        uint32_t layers = 1 + (uint32_t)(xorshift(&seed) % 3);
+        policy_host *h = streaming_host(n_sink, window, layers);
+        uint32_t expect_held = 0;
         for (int step = 0; step < 60; step++) {
             uint32_t r = (uint32_t)(xorshift(&seed) % 8);
             uint32_t incoming = r < 5 ? 1 : 1 + (uint32_t)(xorshift(&seed) % 40);
-            layer_step(ops, state, &l, incoming);
-            check_streaming(&l, n_sink, window, incoming);
+            size_t evicted = host_step(h, layers, incoming, r >= 5);
+            check_streaming(h, layers, n_sink, window);
+            /* Conservation: what was held plus what came minus what went. */
+            assert_int_equal(held(h, 0), expect_held + incoming - evicted);
+            expect_held = held(h, 0);
         }
-        layer_free(&l);
-        ops->destroy(state);
+        policy_host_destroy(h);
     }
 }
 
@@ -551,6 +826,9 @@ int main(void)
         cmocka_unit_test(test_params_tiny_err_buffer),
         cmocka_unit_test(test_params_uint_bad),
         cmocka_unit_test(test_params_uint_range),
+        cmocka_unit_test(test_params_double_good),
+        cmocka_unit_test(test_params_double_bad),
+        cmocka_unit_test(test_params_choice),
         cmocka_unit_test(test_full_keeps_everything),
         cmocka_unit_test(test_streaming_one_at_a_time),
         cmocka_unit_test(test_streaming_prefill_then_decode),

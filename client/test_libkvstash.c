@@ -1,0 +1,445 @@
+/*
+ * test_libkvstash.c - libkvstash against a real kvstashd.
+ *
+ *   test_libkvstash /path/to/kvstashd
+ *
+ * Starts its own daemons (posix_spawn, in a fresh temporary directory) and
+ * checks the parts of the library that the demo and kvs_test_worker do not
+ * reach: error mapping and messages, another session's sequences, the block
+ * layout behind kvs_key_ptr, one pool shared by two mappings, epoch acks
+ * freeing retired blocks, events, a daemon that stops answering (deadline)
+ * and one that shuts down under an attached session.
+ * Exit status 0 iff every check passed.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <jansson.h>
+
+#include "kvstash.h"
+
+extern char **environ;
+
+static int failures, checks;
+
+#define CHECK(cond, ...)                                                                           \
+    do {                                                                                           \
+        checks++;                                                                                  \
+        if (!(cond)) {                                                                             \
+            failures++;                                                                            \
+            printf("FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                                 \
+            printf(__VA_ARGS__);                                                                   \
+            printf("\n");                                                                          \
+        }                                                                                          \
+    } while (0)
+
+#define CHECK_RC(rc, want, s)                                                                      \
+    CHECK((rc) == (want), "got %d (%s), want %d: %s", (rc), kvs_strerror(rc), (want),              \
+          (s) != NULL ? kvs_session_error(s) : "")
+
+typedef struct daemon_proc {
+    pid_t pid;
+    char dir[64];
+    char sock[128];
+} daemon_proc;
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static void sleep_ms(long ms)
+{
+    struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000};
+    nanosleep(&ts, NULL);
+}
+
+/* Start kvstashd on a socket in a new temporary directory and wait until it
+ * answers Stats. */
+static int daemon_start(const char *exe, daemon_proc *d)
+{
+    snprintf(d->dir, sizeof d->dir, "/tmp/kvstest.XXXXXX");
+    if (mkdtemp(d->dir) == NULL)
+        return -1;
+    snprintf(d->sock, sizeof d->sock, "%s/run/kvstashd.sock", d->dir);
+    char *argv[] = {(char *)exe, "--socket",    d->sock, "--pool-mb",
+                    "4",         "--log-level", "warn",  NULL};
+    if (posix_spawn(&d->pid, exe, NULL, NULL, argv, environ) != 0)
+        return -1;
+    for (int i = 0; i < 100; i++) {
+        char *json, err[256];
+        if (kvs_stats_json(d->sock, &json, err, sizeof err) == KVS_OK) {
+            free(json);
+            return 0;
+        }
+        sleep_ms(50);
+    }
+    return -1;
+}
+
+static void daemon_stop(daemon_proc *d)
+{
+    if (d->pid > 0) {
+        kill(d->pid, SIGCONT);
+        kill(d->pid, SIGTERM);
+        waitpid(d->pid, NULL, 0);
+        d->pid = 0;
+    }
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", d->dir);
+    if (system(cmd) != 0)
+        printf("warning: could not remove %s\n", d->dir);
+}
+
+/* An integer field of the pool `pool_id` in Stats (-1 if absent). */
+static long long pool_stat(const char *sock, uint64_t pool_id, const char *field)
+{
+    char *text, err[256];
+    if (kvs_stats_json(sock, &text, err, sizeof err) != KVS_OK)
+        return -1;
+    json_t *st = json_loads(text, 0, NULL);
+    free(text);
+    long long v = -1;
+    size_t i;
+    json_t *p;
+    json_array_foreach(json_object_get(st, "pools"), i, p)
+    {
+        if ((uint64_t)json_integer_value(json_object_get(p, "pool_id")) == pool_id)
+            v = json_integer_value(json_object_get(p, field));
+    }
+    json_decref(st);
+    return v;
+}
+
+static const kvs_geometry geom = {
+    .layers = 2, .q_heads = 2, .kv_heads = 2, .head_dim = 4, .block_tokens = 4, .dtype = KVS_FP32};
+
+static kvs_session *attach(const char *sock, const char *name)
+{
+    kvs_session *s;
+    char err[512];
+    int rc = kvs_session_attach(sock, "t", &geom, name, &s, err, sizeof err);
+    CHECK(rc == KVS_OK, "attach %s: %s", name, err);
+    return rc == KVS_OK ? s : NULL;
+}
+
+static void test_no_daemon(void)
+{
+    kvs_session *s = (kvs_session *)1;
+    char err[512];
+    int rc = kvs_session_attach("/nonexistent/kvstashd.sock", "t", &geom, "x", &s, err, sizeof err);
+    CHECK_RC(rc, KVS_ERR_UNAVAILABLE, (kvs_session *)NULL);
+    CHECK(s == NULL, "out must be NULL on failure");
+    CHECK(strstr(err, "/nonexistent/kvstashd.sock.fd") != NULL && strstr(err, "running") != NULL,
+          "message: %s", err);
+    char *json = (char *)1;
+    rc = kvs_stats_json("/nonexistent/kvstashd.sock", &json, err, sizeof err);
+    CHECK_RC(rc, KVS_ERR_UNAVAILABLE, (kvs_session *)NULL);
+    CHECK(json == NULL && err[0] != '\0', "json %p, message %s", (void *)json, err);
+    rc = kvs_session_attach("/nonexistent/kvstashd.sock", NULL, &geom, "x", &s, err, sizeof err);
+    CHECK_RC(rc, KVS_ERR_INVALID, (kvs_session *)NULL);
+}
+
+/* Layout: kvs_key_ptr/kvs_value_ptr follow AttachResponse's formula, and
+ * kvs_layer_read sees what kvs_key_ptr wrote. */
+static void test_layout(kvs_session *a)
+{
+    const kvs_geometry *g = kvs_session_geometry(a);
+    uint8_t *pool = kvs_session_pool(a);
+    size_t bb = kvs_session_block_bytes(a), elt = 4;
+    CHECK(bb == 2 * g->kv_heads * g->block_tokens * g->head_dim * elt, "block_bytes %zu", bb);
+    CHECK(kvs_session_pool_bytes(a) >= (size_t)kvs_session_block_count(a) * bb, "pool too small");
+    CHECK((uint8_t *)kvs_key_ptr(a, 3, 1, 2) ==
+              pool + 3 * bb + (1 * g->block_tokens + 2) * g->head_dim * elt,
+          "key_ptr");
+    CHECK((uint8_t *)kvs_value_ptr(a, 3, 1, 2) == (uint8_t *)kvs_key_ptr(a, 3, 1, 2) + bb / 2,
+          "value_ptr");
+
+    uint64_t id;
+    int rc = kvs_seq_create(a, "full", NULL, 0, "layout", &id);
+    CHECK_RC(rc, KVS_OK, a);
+    kvs_table w;
+    rc = kvs_seq_append(a, id, 6, &w); /* spans two blocks of 4 */
+    CHECK_RC(rc, KVS_OK, a);
+    if (rc != KVS_OK)
+        return;
+    CHECK(w.layers == 2 && w.first_position == 0, "layers %u first %u", w.layers, w.first_position);
+    for (uint32_t l = 0; l < w.layers; l++) {
+        const kvs_layer *ly = &w.layer[l];
+        CHECK(ly->tokens == 6, "tokens %u", ly->tokens);
+        uint32_t t = 0;
+        for (size_t i = 0; i < ly->nsegments; i++)
+            for (uint32_t j = 0; j < ly->segments[i].count; j++, t++)
+                for (uint32_t h = 0; h < g->kv_heads; h++) {
+                    float *k =
+                        kvs_key_ptr(a, ly->segments[i].block, h, ly->segments[i].first_slot + j);
+                    float *v =
+                        kvs_value_ptr(a, ly->segments[i].block, h, ly->segments[i].first_slot + j);
+                    for (uint32_t c = 0; c < g->head_dim; c++) {
+                        k[c] = (float)(l * 1000 + h * 100 + t * 10 + c);
+                        v[c] = -k[c];
+                    }
+                }
+        float kb[2 * 6 * 4], vb[2 * 6 * 4];
+        kvs_layer_read(a, ly, kb, vb);
+        int bad = 0;
+        for (uint32_t h = 0; h < 2; h++)
+            for (uint32_t tt = 0; tt < 6; tt++)
+                for (uint32_t c = 0; c < 4; c++) {
+                    float want = (float)(l * 1000 + h * 100 + tt * 10 + c);
+                    bad += kb[(h * 6 + tt) * 4 + c] != want || vb[(h * 6 + tt) * 4 + c] != -want;
+                }
+        CHECK(bad == 0, "layer %u: %d values differ between key_ptr writes and layer_read", l, bad);
+        /* And the way back: layer_write then key_ptr. */
+        for (size_t i = 0; i < 2 * 6 * 4; i++)
+            kb[i] += 0.5f, vb[i] -= 0.5f;
+        kvs_layer_write(a, ly, kb, vb);
+        float *k0 = kvs_key_ptr(a, ly->segments[0].block, 1, ly->segments[0].first_slot);
+        CHECK(k0[2] == (float)(l * 1000 + 100 + 2) + 0.5f, "layer_write: %f", k0[2]);
+    }
+    kvs_table_free(&w);
+    CHECK(w.layer == NULL && w.layers == 0, "kvs_table_free zeroes");
+    rc = kvs_seq_release(a, id);
+    CHECK_RC(rc, KVS_OK, a);
+}
+
+static void test_errors(const char *sock, kvs_session *a, kvs_session *b)
+{
+    uint64_t id;
+    int rc = kvs_seq_create(a, "full", NULL, 0, NULL, &id);
+    CHECK_RC(rc, KVS_OK, a);
+    kvs_table t = {.layers = 99};
+    const int64_t bad_counts[] = {0, -1, 65537, INT64_MIN};
+    for (size_t i = 0; i < sizeof bad_counts / sizeof bad_counts[0]; i++) {
+        rc = kvs_seq_append(a, id, bad_counts[i], &t);
+        CHECK_RC(rc, KVS_ERR_INVALID, a);
+        CHECK(t.layers == 0 && t.layer == NULL, "table zeroed on error");
+        CHECK(kvs_session_error(a)[0] != '\0', "a message for count %" PRId64, bad_counts[i]);
+    }
+    rc = kvs_seq_append(a, 987654321, 1, &t);
+    CHECK_RC(rc, KVS_ERR_NOT_FOUND, a);
+    rc = kvs_seq_append(b, id, 1, &t);
+    CHECK_RC(rc, KVS_ERR_PERMISSION, b);
+    rc = kvs_seq_table(b, id, 1, &t);
+    CHECK_RC(rc, KVS_ERR_PERMISSION, b);
+    rc = kvs_seq_release(b, id);
+    CHECK_RC(rc, KVS_ERR_PERMISSION, b);
+    const kvs_param bad[] = {{"no_such_param", "1"}};
+    uint64_t id2;
+    rc = kvs_seq_create(a, "streaming", bad, 1, NULL, &id2);
+    CHECK_RC(rc, KVS_ERR_INVALID, a);
+    CHECK(strstr(kvs_session_error(a), "no_such_param") != NULL, "message names the key: %s",
+          kvs_session_error(a));
+    rc = kvs_seq_release(a, id);
+    CHECK_RC(rc, KVS_OK, a);
+    rc = kvs_seq_release(a, id);
+    CHECK_RC(rc, KVS_ERR_NOT_FOUND, a);
+    rc = kvs_seq_append(a, id, 1, &t);
+    CHECK_RC(rc, KVS_ERR_NOT_FOUND, a);
+
+    /* Another geometry for the same model. */
+    kvs_geometry g2 = geom;
+    g2.head_dim = 8;
+    kvs_session *c = (kvs_session *)1;
+    char err[512];
+    rc = kvs_session_attach(sock, "t", &g2, "c", &c, err, sizeof err);
+    CHECK_RC(rc, KVS_ERR_PRECONDITION, (kvs_session *)NULL);
+    CHECK(c == NULL && strstr(err, "head_dim") != NULL, "message: %s", err);
+}
+
+/* Two sessions of one model map the same memory. */
+static void test_shared_pool(kvs_session *a, kvs_session *b)
+{
+    CHECK(kvs_session_pool_id(a) == kvs_session_pool_id(b), "one pool per model");
+    CHECK(kvs_session_pool(a) != kvs_session_pool(b), "two mappings");
+    uint32_t last = kvs_session_block_count(a) - 1;
+    float *pa = kvs_key_ptr(a, last, 1, 3), *pb = kvs_key_ptr(b, last, 1, 3);
+    pa[0] = 42.25f;
+    CHECK(pb[0] == 42.25f, "write through A visible through B: %f", pb[0]);
+}
+
+/* Tokens evicted by streaming retire their blocks; the next call acks the
+ * epoch that retired them and they return to the free list. */
+static void test_epochs(const char *sock, kvs_session *a)
+{
+    const kvs_param p[] = {{"n_sink", "0"}, {"window", "4"}};
+    uint64_t id;
+    int rc = kvs_seq_create(a, "streaming", p, 2, "epochs", &id);
+    CHECK_RC(rc, KVS_OK, a);
+    uint64_t pool = kvs_session_pool_id(a);
+    long long max_retired = 0;
+    uint64_t epoch = 0;
+    for (int i = 0; i < 24 && rc == KVS_OK; i++) {
+        kvs_table w;
+        rc = kvs_seq_append(a, id, 1, &w);
+        CHECK_RC(rc, KVS_OK, a);
+        if (rc != KVS_OK)
+            break;
+        CHECK(w.epoch > epoch, "epochs grow: %" PRIu64 " after %" PRIu64, w.epoch, epoch);
+        epoch = w.epoch;
+        kvs_table_free(&w);
+        long long r = pool_stat(sock, pool, "blocks_retired");
+        if (r > max_retired)
+            max_retired = r;
+    }
+    CHECK(max_retired > 0, "streaming over 24 tokens with a window of 4 retired no block");
+    kvs_table t;
+    rc = kvs_seq_table(a, id, 1, &t); /* acks the newest epoch */
+    CHECK_RC(rc, KVS_OK, a);
+    if (rc == KVS_OK) {
+        CHECK(t.epoch == epoch, "table epoch %" PRIu64 ", last append %" PRIu64, t.epoch, epoch);
+        CHECK(t.layer[0].tokens == 4 && t.layer[0].positions[3] == 23, "tokens %u",
+              t.layer[0].tokens);
+        kvs_table_free(&t);
+    }
+    CHECK(pool_stat(sock, pool, "blocks_retired") == 0, "retired blocks after the ack: %lld",
+          pool_stat(sock, pool, "blocks_retired"));
+    rc = kvs_seq_release(a, id);
+    CHECK_RC(rc, KVS_OK, a);
+}
+
+/* Events: attach/create/evict/release/detach show up with a growing "n". */
+static void test_events(const char *sock)
+{
+    int ev = kvs_events_open(sock);
+    CHECK(ev >= 0, "kvs_events_open: %d", ev);
+    if (ev < 0)
+        return;
+    sleep_ms(200); /* let the SUB socket connect before anything happens */
+    kvs_session *s = attach(sock, "events");
+    if (s == NULL) {
+        kvs_events_close(ev);
+        return;
+    }
+    uint64_t id;
+    kvs_table w;
+    /* table.changed is published when a table loses tokens (the daemon does
+     * not flood the feed with one event per decode step): evict one. */
+    const kvs_param p[] = {{"n_sink", "0"}, {"window", "2"}};
+    CHECK_RC(kvs_seq_create(s, "streaming", p, 2, NULL, &id), KVS_OK, s);
+    for (int i = 0; i < 3; i++) {
+        CHECK_RC(kvs_seq_append(s, id, 1, &w), KVS_OK, s);
+        kvs_table_free(&w);
+    }
+    CHECK_RC(kvs_seq_release(s, id), KVS_OK, s);
+    CHECK_RC(kvs_session_detach(s), KVS_OK, (kvs_session *)NULL);
+    const char *want[] = {"worker.attached", "seq.created", "table.changed", "seq.released",
+                          "worker.reclaimed"};
+    size_t seen = 0;
+    long long last_n = -1;
+    char *e;
+    while (seen < 5 && kvs_events_next(ev, 2000, &e) == KVS_OK) {
+        const char *sp = strchr(e, ' ');
+        json_t *j = sp != NULL ? json_loads(sp + 1, 0, NULL) : NULL;
+        CHECK(j != NULL, "event is not \"topic {json}\": %s", e);
+        long long n = json_integer_value(json_object_get(j, "n"));
+        CHECK(n > last_n, "n grows: %lld after %lld", n, last_n);
+        last_n = n;
+        if (sp != NULL && strncmp(e, want[seen], (size_t)(sp - e)) == 0 &&
+            strlen(want[seen]) == (size_t)(sp - e))
+            seen++;
+        json_decref(j);
+        free(e);
+    }
+    CHECK(seen == 5, "saw %zu of the 5 expected topics in order (next: %s)", seen,
+          seen < 5 ? want[seen] : "");
+    CHECK(kvs_events_next(ev, 100, &e) == KVS_ERR_UNAVAILABLE, "timeout");
+    kvs_events_close(ev);
+}
+
+/* A daemon that stops answering: calls end at the deadline, not never. */
+static void test_deadline(daemon_proc *d, kvs_session *a)
+{
+    setenv("KVSTASH_RPC_TIMEOUT_MS", "500", 1);
+    kill(d->pid, SIGSTOP);
+    int wst;
+    waitpid(d->pid, &wst, WUNTRACED); /* kill() returns before the stop takes effect */
+    double t0 = now_s();
+    uint64_t id;
+    int rc = kvs_seq_create(a, "full", NULL, 0, NULL, &id);
+    double dt = now_s() - t0;
+    CHECK_RC(rc, KVS_ERR_UNAVAILABLE, a);
+    CHECK(dt > 0.4 && dt < 3, "the call took %.2f s with a 0.5 s deadline", dt);
+    kvs_session *s;
+    char err[512];
+    t0 = now_s();
+    rc = kvs_session_attach(d->sock, "t", &geom, "late", &s, err, sizeof err);
+    dt = now_s() - t0;
+    CHECK_RC(rc, KVS_ERR_UNAVAILABLE, (kvs_session *)NULL);
+    CHECK(dt < 3, "attach to a stopped daemon took %.2f s: %s", dt, err);
+    kill(d->pid, SIGCONT);
+    unsetenv("KVSTASH_RPC_TIMEOUT_MS");
+    sleep_ms(200);
+    rc = kvs_seq_create(a, "full", NULL, 0, NULL, &id);
+    CHECK_RC(rc, KVS_OK, a);
+}
+
+/* The daemon stops under an attached session: calls fail cleanly and
+ * detach still frees everything. */
+static void test_shutdown(const char *exe)
+{
+    daemon_proc d = {0};
+    if (daemon_start(exe, &d) != 0) {
+        CHECK(0, "cannot start a second kvstashd");
+        daemon_stop(&d);
+        return;
+    }
+    kvs_session *s = attach(d.sock, "doomed");
+    kill(d.pid, SIGTERM);
+    waitpid(d.pid, NULL, 0);
+    d.pid = 0;
+    if (s != NULL) {
+        uint64_t id;
+        int rc = kvs_seq_create(s, "full", NULL, 0, NULL, &id);
+        CHECK_RC(rc, KVS_ERR_UNAVAILABLE, s);
+        double t0 = now_s();
+        rc = kvs_session_detach(s);
+        CHECK(rc == KVS_ERR_UNAVAILABLE, "detach: %d", rc);
+        CHECK(now_s() - t0 < 3, "detach took %.2f s", now_s() - t0);
+    }
+    daemon_stop(&d);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc != 2) {
+        fprintf(stderr, "usage: test_libkvstash /path/to/kvstashd\n");
+        return 2;
+    }
+    signal(SIGPIPE, SIG_IGN);
+    test_no_daemon();
+    daemon_proc d = {0};
+    if (daemon_start(argv[1], &d) != 0) {
+        printf("FAIL: cannot start %s\n", argv[1]);
+        daemon_stop(&d);
+        return 1;
+    }
+    kvs_session *a = attach(d.sock, "a"), *b = attach(d.sock, "b");
+    if (a != NULL && b != NULL) {
+        test_layout(a);
+        test_errors(d.sock, a, b);
+        test_shared_pool(a, b);
+        test_epochs(d.sock, a);
+        test_events(d.sock);
+        test_deadline(&d, a);
+    }
+    if (a != NULL)
+        CHECK_RC(kvs_session_detach(a), KVS_OK, (kvs_session *)NULL);
+    if (b != NULL)
+        CHECK_RC(kvs_session_detach(b), KVS_OK, (kvs_session *)NULL);
+    daemon_stop(&d);
+    test_shutdown(argv[1]);
+    printf("%s: %d checks, %d failed\n", failures ? "FAILED" : "ok", checks, failures);
+    return failures ? 1 : 0;
+}

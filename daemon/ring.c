@@ -1,0 +1,261 @@
+#include "ring.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+
+#include "kvstash_ring.h"
+#include "store.h"
+
+/* Spin this many polls before sleeping: a decode step's next request often
+ * comes within microseconds, and a futex sleep + wake costs more. */
+#define RING_SPIN 20000
+
+struct ring {
+    struct store *store;
+    char token[STORE_TOKEN_LEN + 1];
+    int fd;
+    size_t bytes;
+    ring_header *hdr;
+    uint8_t *data;
+    size_t data_bytes;
+    float *scratch; /* private copy of a step's statistics */
+    size_t scratch_cap;
+    pthread_t thread;
+};
+
+static void futex_wait(_Atomic uint32_t *word, uint32_t seen)
+{
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT, seen, NULL, NULL, 0);
+}
+
+static void futex_wake(_Atomic uint32_t *word)
+{
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE, 1, NULL, NULL, 0);
+}
+
+static void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+/* Wait until req_seq moves past `seen` or the ring closes; returns it. */
+static uint32_t wait_request(ring_header *h, uint32_t seen)
+{
+    _Atomic uint32_t *req = (_Atomic uint32_t *)&h->req_seq;
+    _Atomic uint32_t *closing = (_Atomic uint32_t *)&h->closing;
+    _Atomic uint32_t *waiter = (_Atomic uint32_t *)&h->daemon_waiting;
+    for (int i = 0; i < RING_SPIN; i++) {
+        uint32_t cur = atomic_load(req);
+        if (cur != seen || atomic_load(closing))
+            return cur;
+        cpu_relax();
+    }
+    for (;;) {
+        atomic_store(waiter, 1);
+        uint32_t cur = atomic_load(req);
+        if (cur != seen || atomic_load(closing)) {
+            atomic_store(waiter, 0);
+            return cur;
+        }
+        futex_wait(req, seen);
+    }
+}
+
+static void respond(ring_response *r, status_code code, const char *msg)
+{
+    r->code = code;
+    snprintf(r->msg, sizeof r->msg, "%s", code == ST_OK ? "" : msg);
+}
+
+/* APPEND: the new tokens' segments go to the data area, layer by layer. */
+static void serve_append(ring *rg, const ring_request *q, ring_response *r)
+{
+    store_table w;
+    status s;
+    if (store_append(rg->store, rg->token, q->seq_id, q->count, q->ack_epoch, &w, &s) != ST_OK) {
+        respond(r, s.code, s.msg);
+        return;
+    }
+    size_t need = 0;
+    for (uint32_t l = 0; l < w.nlayers; l++)
+        need += 4 + w.layers[l].nsegs * 12;
+    if (need > rg->data_bytes) {
+        /* The append happened; only the answer does not fit. */
+        respond(r, ST_RESOURCE_EXHAUSTED, "append reply exceeds the ring; use GetBlockTable");
+    } else {
+        uint32_t *out = (uint32_t *)rg->data;
+        for (uint32_t l = 0; l < w.nlayers; l++) {
+            *out++ = (uint32_t)w.layers[l].nsegs;
+            memcpy(out, w.layers[l].segs, w.layers[l].nsegs * 12);
+            out += w.layers[l].nsegs * 3;
+            r->nsegments += (uint32_t)w.layers[l].nsegs;
+        }
+        respond(r, ST_OK, "");
+    }
+    r->epoch = w.epoch;
+    r->evicted = w.evicted;
+    r->first_position = w.first_position;
+    store_table_free(&w);
+}
+
+/* STEP: copy the statistics out of shared memory first, so a worker that
+ * scribbles on them while the daemon reads cannot change what was checked. */
+static void serve_step(ring *rg, const ring_request *q, ring_response *r)
+{
+    if (q->data_bytes > rg->data_bytes || q->data_bytes % sizeof(float) != 0) {
+        respond(r, ST_INVALID_ARGUMENT, "data_bytes exceeds the ring or is not whole floats");
+        return;
+    }
+    size_t n = q->data_bytes / sizeof(float);
+    if (n > rg->scratch_cap) {
+        float *grown = realloc(rg->scratch, n * sizeof *grown);
+        if (grown == NULL) {
+            respond(r, ST_RESOURCE_EXHAUSTED, "out of memory");
+            return;
+        }
+        rg->scratch = grown;
+        rg->scratch_cap = n;
+    }
+    memcpy(rg->scratch, rg->data, q->data_bytes);
+    seq_step_input in = {q->arrays,        q->new_tokens,     (int)(q->prefill != 0),
+                         q->score_queries, q->window_queries, q->confidence,
+                         rg->scratch,      n};
+    status s;
+    if (store_step(rg->store, rg->token, q->seq_id, q->ack_epoch, &in, &r->epoch, &r->evicted,
+                   &s) != ST_OK)
+        respond(r, s.code, s.msg);
+    else
+        respond(r, ST_OK, "");
+}
+
+static void serve(ring *rg)
+{
+    ring_request q;
+    memcpy(&q, (const void *)&rg->hdr->req, sizeof q);
+    ring_response r;
+    memset(&r, 0, sizeof r);
+    status s;
+    switch (q.op) {
+    case RING_OP_PING:
+        respond(&r, ST_OK, "");
+        break;
+    case RING_OP_EPOCH:
+        if (store_epoch(rg->store, rg->token, q.seq_id, q.ack_epoch, &r.epoch, &s) != ST_OK)
+            respond(&r, s.code, s.msg);
+        else
+            respond(&r, ST_OK, "");
+        break;
+    case RING_OP_APPEND:
+        serve_append(rg, &q, &r);
+        break;
+    case RING_OP_STEP:
+        serve_step(rg, &q, &r);
+        break;
+    default:
+        respond(&r, ST_INVALID_ARGUMENT, "unknown ring op");
+    }
+    memcpy((void *)&rg->hdr->resp, &r, sizeof r);
+}
+
+static void *ring_thread(void *arg)
+{
+    ring *rg = arg;
+    ring_header *h = rg->hdr;
+    _Atomic uint32_t *resp = (_Atomic uint32_t *)&h->resp_seq;
+    _Atomic uint32_t *closing = (_Atomic uint32_t *)&h->closing;
+    _Atomic uint32_t *worker_waiting = (_Atomic uint32_t *)&h->worker_waiting;
+    uint32_t seen = atomic_load((_Atomic uint32_t *)&h->req_seq);
+    for (;;) {
+        uint32_t cur = wait_request(h, seen);
+        if (atomic_load(closing))
+            return NULL;
+        if (cur == seen)
+            continue;
+        seen = cur;
+        serve(rg);
+        atomic_store(resp, seen);
+        if (atomic_load(worker_waiting))
+            futex_wake(resp);
+    }
+}
+
+status_code ring_create(struct store *st, const char *token, size_t bytes, ring **out,
+                        status *s)
+{
+    *out = NULL;
+    ring *rg = calloc(1, sizeof *rg);
+    if (rg == NULL)
+        return status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
+    rg->store = st;
+    snprintf(rg->token, sizeof rg->token, "%s", token);
+    rg->bytes = bytes;
+    rg->fd = memfd_create("kvstash-ring", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (rg->fd < 0 || ftruncate(rg->fd, (off_t)bytes) != 0 ||
+        fcntl(rg->fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+        status_set(s, ST_INTERNAL, "cannot create the ring memfd: %s", strerror(errno));
+        goto fail;
+    }
+    rg->hdr = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, rg->fd, 0);
+    if (rg->hdr == MAP_FAILED) {
+        rg->hdr = NULL;
+        status_set(s, ST_INTERNAL, "cannot map the ring: %s", strerror(errno));
+        goto fail;
+    }
+    rg->hdr->magic = RING_MAGIC;
+    rg->hdr->bytes = bytes;
+    rg->data = (uint8_t *)rg->hdr + RING_DATA_OFFSET;
+    rg->data_bytes = bytes - RING_DATA_OFFSET;
+    if (pthread_create(&rg->thread, NULL, ring_thread, rg) != 0) {
+        status_set(s, ST_INTERNAL, "cannot start the ring thread");
+        goto fail;
+    }
+    *out = rg;
+    return ST_OK;
+fail:
+    if (rg->hdr != NULL)
+        munmap(rg->hdr, bytes);
+    if (rg->fd >= 0)
+        close(rg->fd);
+    free(rg);
+    return s->code;
+}
+
+int ring_fd(const ring *r)
+{
+    return r->fd;
+}
+
+size_t ring_bytes(const ring *r)
+{
+    return r->bytes;
+}
+
+void ring_close(ring *r)
+{
+    atomic_store((_Atomic uint32_t *)&r->hdr->closing, 1);
+    futex_wake((_Atomic uint32_t *)&r->hdr->req_seq);
+    /* A worker waiting for an answer learns that none will come. */
+    atomic_fetch_add((_Atomic uint32_t *)&r->hdr->resp_seq, 1);
+    futex_wake((_Atomic uint32_t *)&r->hdr->resp_seq);
+}
+
+void ring_join(ring *r)
+{
+    pthread_join(r->thread, NULL);
+    munmap(r->hdr, r->bytes);
+    close(r->fd);
+    free(r->scratch);
+    free(r);
+}

@@ -1,0 +1,572 @@
+/*
+ * confkv.c - policy "confkv": Conf-KV (arXiv 2605.24786; POLICIES.md §5).
+ * Every formula is the POLICIES.md §5.2 reconstruction [RECON]; the pure
+ * pieces live in confkv.h and are tested with the §5.6 vectors.
+ *
+ * Per layer (one token list for all heads, ops->per_head = 0) the policy
+ * keeps one EMA e_i of attention mass per held token, in list order.
+ * Each step (§5.3):
+ *   1. m_i = mean over query heads of stats->last_attn (this step's last
+ *      query); e_i ← γ·e_i + (1−γ)·m_i for every held token, a new token
+ *      starting at e = 0 (§5.2). In prefill this is the prompt's last row,
+ *      which is where the EMA starts (§5.3 [RECON]).
+ *   2. Prefill: keep everything, change no tier (§5.3: the first decode
+ *      step applies B_t, and with it the FP16 window).
+ *   3. Decode: B_t = tight if stats->confidence >= τ else loose; B_l is B_t
+ *      or its pyramidal share (§5.5, `pyramid`=1). If len > B_l, the W =
+ *      `protect` newest tokens are protected, the rest are ranked (§5.2:
+ *      min-max over those candidates) and the first len − B_l in (rank,
+ *      step) order are evicted, older first on equal rank.
+ *   4. Precision (§5.3/§5.4): of the retained tokens, the F = `fp16_window`
+ *      newest keep their tier; every older one becomes POLICY_INT8 (already
+ *      INT8 stays INT8: a token that re-enters the F newest because newer
+ *      tokens were evicted is not promoted back, its FP16 value is gone).
+ *
+ * Generation step [RECON]: the paper keeps each token's "original position"
+ * and "generation step" as metadata. A token's generation step is taken to be
+ * its original position (view->positions): both grow by one per token, so
+ * min-max normalised recency is the same whether prompt tokens share one
+ * step or not, except that prompt tokens keep their order.
+ */
+#include "confkv.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "builtin.h"
+
+#define CONFKV_MAX 1048576u
+
+typedef struct confkv_layer {
+    double *ema; /* [n] EMA of attention mass, in list order */
+    uint32_t n, cap;
+    int decided;       /* a decode step ran on this layer */
+    double confidence; /* of the last decode step */
+    uint32_t budget;   /* B_l of the last decode step */
+} confkv_layer;
+
+typedef struct confkv_state {
+    double tau, lambda, gamma, rho_top, rho_bottom;
+    uint32_t tight, loose, protect, fp16_window;
+    int pyramid;
+    confkv_weights weights;
+    uint32_t layers, q_heads;
+    confkv_layer *ly;
+    /* Scratch for one step (the host runs one layer at a time). */
+    double *rank;
+    uint32_t *idx;
+    uint32_t scratch_cap;
+} confkv_state;
+
+static const policy_param_spec confkv_params[] = {
+    {"tau", "0.7", "confidence threshold: c_t >= tau selects budget_tight, else budget_loose "
+                   "(POLICIES.md §5.1), 0..1"},
+    {"budget_tight", "128", "tokens kept per layer on confident steps (§5.1, WikiText knee)"},
+    {"budget_loose", "512", "tokens kept per layer on uncertain steps (§5.2 [RECON])"},
+    {"protect", "32", "W: the newest tokens never evicted (§5.2 [RECON]; 64 for NIAH/VWA)"},
+    {"fp16_window", "128", "F: the newest retained tokens kept in full precision, older ones "
+                           "INT8 (§5.2 [RECON]; 256 for NIAH/VWA)"},
+    {"lambda", "0.5", "ranker weight of the attention EMA vs recency (§5.2 [RECON]), 0..1"},
+    {"gamma", "0.9", "EMA decay of the attention mass (§5.2 [RECON]), 0..1"},
+    {"w_entropy", "0.4", "confidence weight of 1 - normalised entropy (§5.2 [RECON])"},
+    {"w_margin", "0.3", "confidence weight of the top-1/top-2 log-prob margin term"},
+    {"w_top", "0.3", "confidence weight of the top-1 probability; the three weights sum to 1"},
+    {"pyramid", "0", "1 = Conf-KV-L: deeper layers get smaller budgets (§5.5)"},
+    {"rho_top", "1.5", "pyramid: budget factor of the first layer (§5.5 [RECON])"},
+    {"rho_bottom", "0.5", "pyramid: budget factor of the last layer, <= rho_top"},
+    {"margin_mode", "sigmoid", "margin term: sigmoid(D) or tanh (= 2 sigmoid(D) - 1) (§5.2)"},
+};
+
+static void set_err(char *err, size_t errlen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static void set_err(char *err, size_t errlen, const char *fmt, ...)
+{
+    if (err == NULL || errlen == 0)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+}
+
+/* ---- the pure pieces (confkv.h) ------------------------------------------ */
+
+static double margin_term(double delta, confkv_margin_mode mode)
+{
+    double s = 1.0 / (1.0 + exp(-delta)); /* exp(-inf) = 0: s = 1 */
+    return mode == CONFKV_MARGIN_TANH ? 2.0 * s - 1.0 : s;
+}
+
+/* §5.2: c = wH·(1 − H~) + wM·margin + wP·p_(1), from the four signals. */
+static double combine(const confkv_weights *w, double entropy_nats, double delta, double top,
+                      size_t V, confkv_signals *sig)
+{
+    double ht = entropy_nats / log((double)V);
+    if (ht < 0.0)
+        ht = 0.0; /* rounding: H is in [0, ln V] */
+    if (ht > 1.0)
+        ht = 1.0;
+    double mt = margin_term(delta, w->margin_mode);
+    double c = w->entropy * (1.0 - ht) + w->margin * mt + w->top * top;
+    if (sig != NULL)
+        *sig = (confkv_signals){ht, delta, mt, top};
+    return c < 0.0 ? 0.0 : (c > 1.0 ? 1.0 : c);
+}
+
+double confkv_confidence(const float *probs, size_t V, const confkv_weights *w,
+                         confkv_signals *sig)
+{
+    if (probs == NULL || w == NULL || V < 2)
+        return -1.0;
+    double sum = 0.0, p1 = 0.0, p2 = 0.0;
+    for (size_t v = 0; v < V; v++) {
+        double p = probs[v];
+        if (!isfinite(p) || p < 0.0)
+            return -1.0;
+        sum += p;
+        if (p > p1) {
+            p2 = p1;
+            p1 = p;
+        } else if (p > p2) {
+            p2 = p;
+        }
+    }
+    if (!(sum > 0.0) || !isfinite(sum))
+        return -1.0;
+    double h = 0.0;
+    for (size_t v = 0; v < V; v++) {
+        double p = probs[v] / sum;
+        if (p > 0.0)
+            h -= p * log(p); /* 0·ln 0 = 0 */
+    }
+    /* Δ = ln p_(1) − ln p_(2); the normalisation cancels. p_(2) = 0: +inf. */
+    double delta = p2 > 0.0 ? log(p1) - log(p2) : INFINITY;
+    return combine(w, h, delta, p1 / sum, V, sig);
+}
+
+double confkv_confidence_logits(const float *logits, size_t V, const confkv_weights *w,
+                                confkv_signals *sig)
+{
+    if (logits == NULL || w == NULL || V < 2)
+        return -1.0;
+    double z1 = -INFINITY, z2 = -INFINITY;
+    for (size_t v = 0; v < V; v++) {
+        double z = logits[v];
+        if (!isfinite(z))
+            return -1.0;
+        if (z > z1) {
+            z2 = z1;
+            z1 = z;
+        } else if (z > z2) {
+            z2 = z;
+        }
+    }
+    double s = 0.0;
+    for (size_t v = 0; v < V; v++)
+        s += exp((double)logits[v] - z1);
+    double lse = z1 + log(s);
+    double h = 0.0;
+    for (size_t v = 0; v < V; v++) {
+        double lp = (double)logits[v] - lse;
+        h -= exp(lp) * lp;
+    }
+    return combine(w, h, z1 - z2, exp(z1 - lse), V, sig);
+}
+
+uint32_t confkv_budget(double c, double tau, uint32_t tight, uint32_t loose)
+{
+    return c >= tau ? tight : loose;
+}
+
+uint32_t confkv_layer_budget(uint32_t budget, uint32_t layer, uint32_t layers, double rho_top,
+                             double rho_bottom, uint32_t protect)
+{
+    double factor;
+    if (layers <= 1)
+        factor = (rho_top + rho_bottom) / 2.0;
+    else
+        factor = rho_top - (rho_top - rho_bottom) * (double)layer / (double)(layers - 1);
+    double b = nearbyint((double)budget * factor); /* default mode: half to even */
+    double floor_b = (double)protect + 1.0;
+    if (b < floor_b)
+        b = floor_b;
+    return b >= (double)UINT32_MAX ? UINT32_MAX : (uint32_t)b;
+}
+
+double confkv_ema(double e, double mass, double gamma)
+{
+    return gamma * e + (1.0 - gamma) * mass;
+}
+
+void confkv_rank(const double *ema, const uint32_t *step, size_t n, double lambda, double *rank)
+{
+    if (n == 0)
+        return;
+    double emin = ema[0], emax = ema[0];
+    uint32_t smin = step[0], smax = step[0];
+    for (size_t i = 1; i < n; i++) {
+        emin = fmin(emin, ema[i]);
+        emax = fmax(emax, ema[i]);
+        smin = step[i] < smin ? step[i] : smin;
+        smax = step[i] > smax ? step[i] : smax;
+    }
+    for (size_t i = 0; i < n; i++) {
+        double a = emax > emin ? (ema[i] - emin) / (emax - emin) : 0.0;
+        double r = smax > smin ? (double)(step[i] - smin) / (double)(smax - smin) : 0.0;
+        rank[i] = lambda * a + (1.0 - lambda) * r;
+    }
+}
+
+/* (rank, step, index) ascending: is token x evicted before token y? */
+static int evict_before(const double *rank, const uint32_t *step, uint32_t x, uint32_t y)
+{
+    if (rank[x] != rank[y])
+        return rank[x] < rank[y];
+    if (step[x] != step[y])
+        return step[x] < step[y];
+    return x < y;
+}
+
+static void sift_down(const double *rank, const uint32_t *step, uint32_t *idx, size_t root,
+                      size_t n)
+{
+    for (;;) {
+        size_t child = 2 * root + 1;
+        if (child >= n)
+            return;
+        if (child + 1 < n && evict_before(rank, step, idx[child], idx[child + 1]))
+            child++;
+        if (!evict_before(rank, step, idx[root], idx[child]))
+            return;
+        uint32_t t = idx[root];
+        idx[root] = idx[child];
+        idx[child] = t;
+        root = child;
+    }
+}
+
+void confkv_order(const double *rank, const uint32_t *step, uint32_t *idx, size_t n)
+{
+    /* Heap sort with a total order: no allocation, and the result does not
+     * depend on the sort's stability. */
+    for (size_t i = n / 2; i-- > 0;)
+        sift_down(rank, step, idx, i, n);
+    for (size_t end = n; end-- > 1;) {
+        uint32_t t = idx[0];
+        idx[0] = idx[end];
+        idx[end] = t;
+        sift_down(rank, step, idx, 0, end);
+    }
+}
+
+/* ---- the policy ---------------------------------------------------------- */
+
+static int parse_params(const policy_params *p, confkv_state *s, char *err, size_t errlen)
+{
+    static const char *const modes[] = {"sigmoid", "tanh", NULL};
+    uint32_t pyramid;
+    unsigned mode;
+    if (policy_params_double(p, "tau", 0.0, 1.0, &s->tau, err, errlen) != 0 ||
+        policy_params_uint(p, "budget_tight", 1, CONFKV_MAX, &s->tight, err, errlen) != 0 ||
+        policy_params_uint(p, "budget_loose", 1, CONFKV_MAX, &s->loose, err, errlen) != 0 ||
+        policy_params_uint(p, "protect", 0, CONFKV_MAX, &s->protect, err, errlen) != 0 ||
+        policy_params_uint(p, "fp16_window", 0, CONFKV_MAX, &s->fp16_window, err, errlen) != 0 ||
+        policy_params_double(p, "lambda", 0.0, 1.0, &s->lambda, err, errlen) != 0 ||
+        policy_params_double(p, "gamma", 0.0, 1.0, &s->gamma, err, errlen) != 0 ||
+        policy_params_double(p, "w_entropy", 0.0, 1.0, &s->weights.entropy, err, errlen) != 0 ||
+        policy_params_double(p, "w_margin", 0.0, 1.0, &s->weights.margin, err, errlen) != 0 ||
+        policy_params_double(p, "w_top", 0.0, 1.0, &s->weights.top, err, errlen) != 0 ||
+        policy_params_uint(p, "pyramid", 0, 1, &pyramid, err, errlen) != 0 ||
+        policy_params_double(p, "rho_top", 0.0, 64.0, &s->rho_top, err, errlen) != 0 ||
+        policy_params_double(p, "rho_bottom", 0.0, 64.0, &s->rho_bottom, err, errlen) != 0 ||
+        policy_params_choice(p, "margin_mode", modes, &mode, err, errlen) != 0)
+        return -1;
+    s->pyramid = (int)pyramid;
+    s->weights.margin_mode = (confkv_margin_mode)mode;
+    double sum = s->weights.entropy + s->weights.margin + s->weights.top;
+    if (fabs(sum - 1.0) > 1e-6) {
+        set_err(err, errlen, "parameters w_entropy + w_margin + w_top must sum to 1, got %g", sum);
+        return -1;
+    }
+    if (s->tight > s->loose) {
+        set_err(err, errlen, "parameter budget_tight (%u) must not exceed budget_loose (%u)",
+                s->tight, s->loose);
+        return -1;
+    }
+    /* §5.5 keeps every layer budget above W; a budget <= W could never be met. */
+    if (s->protect >= s->tight) {
+        set_err(err, errlen, "parameter protect (%u) must be smaller than budget_tight (%u)",
+                s->protect, s->tight);
+        return -1;
+    }
+    if (s->rho_bottom > s->rho_top) {
+        set_err(err, errlen,
+                "parameter rho_bottom (%g) must not exceed rho_top (%g): deeper layers get less "
+                "(§5.5)",
+                s->rho_bottom, s->rho_top);
+        return -1;
+    }
+    return 0;
+}
+
+static void confkv_destroy(void *state)
+{
+    confkv_state *s = state;
+    if (s == NULL)
+        return;
+    for (uint32_t l = 0; s->ly != NULL && l < s->layers; l++)
+        free(s->ly[l].ema);
+    free(s->ly);
+    free(s->rank);
+    free(s->idx);
+    free(s);
+}
+
+static int confkv_create(const policy_params *p, const policy_geometry *g, void **state,
+                         char *err, size_t errlen)
+{
+    *state = NULL;
+    confkv_state tmp = {0};
+    if (parse_params(p, &tmp, err, errlen) != 0)
+        return -1;
+    if (g == NULL || g->layers == 0 || g->q_heads == 0) {
+        set_err(err, errlen, "confkv needs a geometry with layers >= 1 and q_heads >= 1");
+        return -1;
+    }
+    confkv_state *s = malloc(sizeof *s);
+    if (s == NULL) {
+        set_err(err, errlen, "out of memory creating policy 'confkv'");
+        return -1;
+    }
+    *s = tmp;
+    s->layers = g->layers;
+    s->q_heads = g->q_heads;
+    s->ly = calloc(g->layers, sizeof *s->ly);
+    if (s->ly == NULL) {
+        confkv_destroy(s);
+        set_err(err, errlen, "out of memory creating policy 'confkv'");
+        return -1;
+    }
+    *state = s;
+    return 0;
+}
+
+static int reserve(confkv_state *s, confkv_layer *ly, uint32_t n)
+{
+    if (n > ly->cap) {
+        uint32_t cap = ly->cap ? ly->cap : 64;
+        while (cap < n)
+            cap = cap > UINT32_MAX / 2 ? n : cap * 2;
+        double *e = realloc(ly->ema, (size_t)cap * sizeof *e);
+        if (e == NULL)
+            return -1;
+        ly->ema = e;
+        ly->cap = cap;
+    }
+    if (n > s->scratch_cap) {
+        double *r = realloc(s->rank, (size_t)n * sizeof *r);
+        if (r == NULL)
+            return -1;
+        s->rank = r;
+        uint32_t *x = realloc(s->idx, (size_t)n * sizeof *x);
+        if (x == NULL)
+            return -1;
+        s->idx = x;
+        s->scratch_cap = n;
+    }
+    return 0;
+}
+
+/* Step 1: e_i ← γ·e_i + (1−γ)·mean_h last_attn[h][i]. */
+static void update_ema(const confkv_state *s, confkv_layer *ly, const policy_stats *st)
+{
+    for (uint32_t i = 0; i < ly->n; i++) {
+        double m = 0.0;
+        for (uint32_t h = 0; h < s->q_heads; h++)
+            m += st->last_attn[h][i];
+        ly->ema[i] = confkv_ema(ly->ema[i], m / s->q_heads, s->gamma);
+    }
+}
+
+/* Step 3: mark the evicted tokens in tier[]. The W newest are protected. */
+static void evict(confkv_state *s, const confkv_layer *ly, const uint32_t *pos, uint8_t *tier,
+                  uint32_t budget)
+{
+    uint32_t n = ly->n;
+    if (n <= budget)
+        return; /* §5.1: a no-op while the cache fits */
+    uint32_t cand = n > s->protect ? n - s->protect : 0; /* positions ascend: a prefix */
+    uint32_t k = n - budget;
+    if (k > cand)
+        k = cand;
+    confkv_rank(ly->ema, pos, cand, s->lambda, s->rank);
+    for (uint32_t i = 0; i < cand; i++)
+        s->idx[i] = i;
+    confkv_order(s->rank, pos, s->idx, cand);
+    for (uint32_t i = 0; i < k; i++)
+        tier[s->idx[i]] = POLICY_EVICT;
+}
+
+/* Step 4: retained tokens older than the F newest retained become INT8. */
+static void demote(const confkv_state *s, uint32_t n, uint8_t *tier)
+{
+    uint32_t newer = 0;
+    for (uint32_t i = n; i-- > 0;) {
+        if (tier[i] == POLICY_EVICT)
+            continue;
+        if (newer >= s->fp16_window && tier[i] == POLICY_FULL)
+            tier[i] = POLICY_INT8;
+        newer++;
+    }
+}
+
+static void compact(confkv_layer *ly, const uint8_t *tier)
+{
+    uint32_t out = 0;
+    for (uint32_t i = 0; i < ly->n; i++)
+        if (tier[i] != POLICY_EVICT)
+            ly->ema[out++] = ly->ema[i];
+    ly->n = out;
+}
+
+static int check_stats(const confkv_state *s, const confkv_layer *ly, uint32_t n,
+                       const policy_stats *st, char *err, size_t errlen)
+{
+    if (st->new_tokens > n || ly->n != n - st->new_tokens) {
+        set_err(err, errlen,
+                "confkv: layer holds %u tokens with %u new, but the policy tracks %u (out of "
+                "sync)",
+                n, st->new_tokens, ly->n);
+        return -1;
+    }
+    if (st->last_attn == NULL) {
+        set_err(err, errlen, "confkv needs stats last_attn (attention of the last query)");
+        return -1;
+    }
+    for (uint32_t h = 0; h < s->q_heads; h++)
+        if (st->last_attn[h] == NULL) {
+            set_err(err, errlen, "confkv needs stats last_attn for every query head (%u missing)",
+                    h);
+            return -1;
+        }
+    if (!st->prefill && !(st->confidence >= 0.0)) {
+        set_err(err, errlen, "confkv needs stats confidence (c_t >= 0) in every decode step");
+        return -1;
+    }
+    return 0;
+}
+
+static int confkv_step(void *state, const policy_layer_view *view, const policy_stats *stats,
+                       policy_decision *d, char *err, size_t errlen)
+{
+    confkv_state *s = state;
+    if (view->layer >= s->layers || view->heads != 1) {
+        set_err(err, errlen, "confkv: view of layer %u with %u lists does not match the policy",
+                view->layer, view->heads);
+        return -1;
+    }
+    confkv_layer *ly = &s->ly[view->layer];
+    uint32_t n = view->tokens[0];
+    if (check_stats(s, ly, n, stats, err, errlen) != 0)
+        return -1;
+    if (reserve(s, ly, n) != 0) {
+        set_err(err, errlen, "out of memory in policy 'confkv'");
+        return -1;
+    }
+    for (uint32_t i = ly->n; i < n; i++)
+        ly->ema[i] = 0.0; /* a new token starts at 0 before its first update */
+    ly->n = n;
+    update_ema(s, ly, stats);
+    if (stats->prefill)
+        return 0; /* §5.3: prefill keeps everything */
+    uint32_t budget = confkv_budget(stats->confidence, s->tau, s->tight, s->loose);
+    if (s->pyramid)
+        budget = confkv_layer_budget(budget, view->layer, s->layers, s->rho_top,
+                                     s->rho_bottom, s->protect);
+    ly->decided = 1;
+    ly->confidence = stats->confidence;
+    ly->budget = budget;
+    evict(s, ly, view->positions[0], d->tier[0], budget);
+    demote(s, n, d->tier[0]);
+    compact(ly, d->tier[0]);
+    return 0;
+}
+
+/* ---- describe ------------------------------------------------------------ */
+
+typedef struct text {
+    char *buf;
+    size_t len, cap;
+    int failed;
+} text;
+
+static void text_add(text *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static void text_add(text *t, const char *fmt, ...)
+{
+    for (int tries = 0; !t->failed && tries < 2; tries++) {
+        va_list ap;
+        va_start(ap, fmt);
+        int n = vsnprintf(t->buf ? t->buf + t->len : NULL, t->buf ? t->cap - t->len : 0, fmt, ap);
+        va_end(ap);
+        if (n < 0) {
+            t->failed = 1;
+            return;
+        }
+        if (t->buf != NULL && t->len + (size_t)n < t->cap) {
+            t->len += (size_t)n;
+            return;
+        }
+        size_t cap = t->cap ? t->cap : 256;
+        while (cap <= t->len + (size_t)n)
+            cap *= 2;
+        char *b = realloc(t->buf, cap);
+        if (b == NULL) {
+            t->failed = 1;
+            return;
+        }
+        t->buf = b;
+        t->cap = cap;
+    }
+}
+
+static char *confkv_describe(void *state, uint32_t layer)
+{
+    const confkv_state *s = state;
+    if (s == NULL || layer >= s->layers)
+        return NULL;
+    const confkv_layer *ly = &s->ly[layer];
+    text t = {0};
+    text_add(&t, "{\"layer\":%u,\"tokens\":%u", layer, ly->n);
+    if (ly->decided)
+        text_add(&t, ",\"confidence\":%.9g,\"budget\":%u", ly->confidence, ly->budget);
+    else
+        text_add(&t, ",\"confidence\":null,\"budget\":null");
+    text_add(&t, ",\"ema\":[");
+    for (uint32_t i = 0; i < ly->n; i++)
+        text_add(&t, "%s%.9g", i ? "," : "", ly->ema[i]);
+    text_add(&t, "]}");
+    if (t.failed) {
+        free(t.buf);
+        return NULL;
+    }
+    return t.buf;
+}
+
+const policy_ops policy_confkv = {
+    .name = "confkv",
+    .summary = "Conf-KV: next-token confidence picks a tight or loose budget; evict by attention "
+               "EMA + recency outside the newest `protect`; INT8 outside the newest fp16_window",
+    .params = confkv_params,
+    .nparams = sizeof(confkv_params) / sizeof(confkv_params[0]),
+    .needs = POLICY_NEEDS_LAST_ATTN | POLICY_NEEDS_CONFIDENCE,
+    .per_head = 0,
+    .create = confkv_create,
+    .step = confkv_step,
+    .describe = confkv_describe,
+    .destroy = confkv_destroy,
+};

@@ -1,0 +1,267 @@
+#include "host.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* One token list: a whole layer, or one KV head of it. */
+typedef struct host_list {
+    uint32_t *pos;
+    uint8_t *tier;
+    uint32_t tokens, cap;
+    uint8_t *next_tier; /* the pending decision for this list */
+} host_list;
+
+typedef struct host_layer {
+    host_list *lists; /* [heads] */
+    /* What the view points into. */
+    uint32_t *tokens;
+    const uint32_t **positions;
+    const uint8_t **tiers;
+    uint8_t **decision_tiers;
+    policy_layer_view view;
+    policy_merge *merges;
+    size_t merges_cap;
+    policy_decision decision;
+    int pending;
+} host_layer;
+
+struct policy_host {
+    const policy_ops *ops;
+    void *state;
+    policy_geometry geom;
+    uint32_t heads;
+    uint64_t appended, steps;
+    host_layer *layers;
+};
+
+static void layer_free(host_layer *ly, uint32_t heads)
+{
+    for (uint32_t h = 0; ly->lists != NULL && h < heads; h++) {
+        free(ly->lists[h].pos);
+        free(ly->lists[h].tier);
+        free(ly->lists[h].next_tier);
+    }
+    free(ly->lists);
+    free(ly->tokens);
+    free(ly->positions);
+    free(ly->tiers);
+    free(ly->decision_tiers);
+    free(ly->merges);
+}
+
+static int layer_init(host_layer *ly, uint32_t layer, uint32_t heads)
+{
+    ly->lists = calloc(heads, sizeof *ly->lists);
+    ly->tokens = calloc(heads, sizeof *ly->tokens);
+    ly->positions = calloc(heads, sizeof *ly->positions);
+    ly->tiers = calloc(heads, sizeof *ly->tiers);
+    ly->decision_tiers = calloc(heads, sizeof *ly->decision_tiers);
+    if (!ly->lists || !ly->tokens || !ly->positions || !ly->tiers || !ly->decision_tiers)
+        return -1;
+    ly->view.layer = layer;
+    ly->view.heads = heads;
+    ly->view.tokens = ly->tokens;
+    ly->view.positions = ly->positions;
+    ly->view.tier = ly->tiers;
+    ly->decision.tier = ly->decision_tiers;
+    return 0;
+}
+
+int policy_host_create(const policy_ops *ops, const policy_params *params,
+                       const policy_geometry *geometry, policy_host **out, char *err, size_t errlen)
+{
+    *out = NULL;
+    policy_host *h = calloc(1, sizeof *h);
+    if (h == NULL) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    h->ops = ops;
+    h->geom = *geometry;
+    h->heads = ops->per_head ? geometry->kv_heads : 1;
+    h->layers = calloc(geometry->layers, sizeof *h->layers);
+    int ok = h->layers != NULL;
+    for (uint32_t l = 0; ok && l < geometry->layers; l++)
+        ok = layer_init(&h->layers[l], l, h->heads) == 0;
+    if (!ok) {
+        snprintf(err, errlen, "out of memory");
+        policy_host_destroy(h);
+        return -1;
+    }
+    if (ops->create(params, geometry, &h->state, err, errlen) != 0) {
+        h->state = NULL;
+        policy_host_destroy(h);
+        return -1;
+    }
+    *out = h;
+    return 0;
+}
+
+void policy_host_destroy(policy_host *h)
+{
+    if (h == NULL)
+        return;
+    if (h->state != NULL)
+        h->ops->destroy(h->state);
+    for (uint32_t l = 0; h->layers != NULL && l < h->geom.layers; l++)
+        layer_free(&h->layers[l], h->heads);
+    free(h->layers);
+    free(h);
+}
+
+const policy_ops *policy_host_ops(const policy_host *h)
+{
+    return h->ops;
+}
+
+void *policy_host_state(const policy_host *h)
+{
+    return h->state;
+}
+
+uint32_t policy_host_heads(const policy_host *h)
+{
+    return h->heads;
+}
+
+static int list_reserve(host_list *li, uint32_t need)
+{
+    if (need <= li->cap)
+        return 0;
+    /* 64-bit so that doubling past 2^31 cannot wrap to 0 and spin. */
+    uint64_t cap64 = li->cap ? li->cap : 16;
+    while (cap64 < need)
+        cap64 *= 2;
+    uint32_t cap = cap64 > UINT32_MAX ? UINT32_MAX : (uint32_t)cap64;
+    uint32_t *pos = realloc(li->pos, cap * sizeof *pos);
+    if (pos == NULL)
+        return -1;
+    li->pos = pos;
+    uint8_t *tier = realloc(li->tier, cap);
+    if (tier == NULL)
+        return -1;
+    li->tier = tier;
+    uint8_t *next = realloc(li->next_tier, cap);
+    if (next == NULL)
+        return -1;
+    li->next_tier = next;
+    li->cap = cap;
+    return 0;
+}
+
+/* Point the layer's view and decision at the lists' current arrays. */
+static void layer_refresh(host_layer *ly, uint32_t heads, uint64_t appended, uint64_t steps)
+{
+    for (uint32_t k = 0; k < heads; k++) {
+        ly->tokens[k] = ly->lists[k].tokens;
+        ly->positions[k] = ly->lists[k].pos;
+        ly->tiers[k] = ly->lists[k].tier;
+        ly->decision_tiers[k] = ly->lists[k].next_tier;
+    }
+    ly->view.appended = appended;
+    ly->view.step = steps;
+}
+
+int policy_host_append(policy_host *h, uint32_t n)
+{
+    /* Positions are uint32_t: refuse what would wrap them (and the lists'
+     * counts, which never exceed the positions). */
+    if (h->appended + n > UINT32_MAX)
+        return -1;
+    /* Reserve every list first, so that a failure leaves the host as it was
+     * instead of some layers a step ahead of the others. */
+    for (uint32_t l = 0; l < h->geom.layers; l++)
+        for (uint32_t k = 0; k < h->heads; k++)
+            if (list_reserve(&h->layers[l].lists[k], h->layers[l].lists[k].tokens + n) != 0)
+                return -1;
+    for (uint32_t l = 0; l < h->geom.layers; l++) {
+        host_layer *ly = &h->layers[l];
+        for (uint32_t k = 0; k < h->heads; k++) {
+            host_list *li = &ly->lists[k];
+            for (uint32_t i = 0; i < n; i++) {
+                li->pos[li->tokens + i] = (uint32_t)(h->appended + i);
+                li->tier[li->tokens + i] = POLICY_FULL;
+            }
+            li->tokens += n;
+        }
+        ly->pending = 0;
+    }
+    h->appended += n;
+    return 0;
+}
+
+const policy_layer_view *policy_host_view(policy_host *h, uint32_t layer)
+{
+    host_layer *ly = &h->layers[layer];
+    layer_refresh(ly, h->heads, h->appended, h->steps);
+    return &ly->view;
+}
+
+static int layer_prepare_decision(host_layer *ly, uint32_t heads)
+{
+    size_t total = 0;
+    for (uint32_t k = 0; k < heads; k++) {
+        host_list *li = &ly->lists[k];
+        memcpy(li->next_tier, li->tier, li->tokens);
+        total += li->tokens;
+    }
+    if (total > ly->merges_cap) {
+        policy_merge *m = realloc(ly->merges, total * sizeof *m);
+        if (m == NULL)
+            return -1;
+        ly->merges = m;
+        ly->merges_cap = total;
+    }
+    ly->decision.merges = ly->merges;
+    ly->decision.merges_cap = ly->merges_cap;
+    ly->decision.nmerges = 0;
+    ly->decision.rerotate_keys = 0;
+    return 0;
+}
+
+int policy_host_step(policy_host *h, uint32_t layer, const policy_stats *stats,
+                     const policy_decision **decision, char *err, size_t errlen)
+{
+    host_layer *ly = &h->layers[layer];
+    /* The decision arrays are about to be overwritten: an earlier decision
+     * of this layer that was never committed is gone, and a failed step
+     * must leave nothing for commit to apply. */
+    ly->pending = 0;
+    if (layer == 0)
+        h->steps++;
+    layer_refresh(ly, h->heads, h->appended, h->steps);
+    if (layer_prepare_decision(ly, h->heads) != 0) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    if (h->ops->step(h->state, &ly->view, stats, &ly->decision, err, errlen) != 0)
+        return -1;
+    ly->pending = 1;
+    *decision = &ly->decision;
+    return 0;
+}
+
+size_t policy_host_commit(policy_host *h, uint32_t layer)
+{
+    host_layer *ly = &h->layers[layer];
+    if (!ly->pending)
+        return 0;
+    size_t evicted = 0;
+    for (uint32_t k = 0; k < h->heads; k++) {
+        host_list *li = &ly->lists[k];
+        uint32_t out = 0;
+        for (uint32_t i = 0; i < li->tokens; i++) {
+            if (li->next_tier[i] == POLICY_EVICT) {
+                evicted++;
+                continue;
+            }
+            li->pos[out] = li->pos[i];
+            li->tier[out] = li->next_tier[i];
+            out++;
+        }
+        li->tokens = out;
+    }
+    ly->pending = 0;
+    return evicted;
+}

@@ -1,0 +1,51 @@
+/*
+ * host.h - the policy host: one sequence's logical token lists, driven by a
+ * policy, with no memory behind them.
+ *
+ * The host owns what a policy sees (per layer, one token list or one per KV
+ * head, with original positions and tiers), runs the policy's step, and
+ * applies its decision to those lists. The daemon runs a host beside each
+ * sequence and moves memory to match each decision between
+ * policy_host_step() and policy_host_commit(); `kvstash replay` runs the same
+ * host alone. So what replay prints is what the daemon does.
+ */
+#ifndef KVSTASH_POLICY_HOST_H
+#define KVSTASH_POLICY_HOST_H
+
+#include "policy.h"
+
+typedef struct policy_host policy_host;
+
+/* Create a host for a policy with resolved parameters. Returns 0, or -1 with
+ * err set (the policy's create() message). Free with policy_host_destroy. */
+int policy_host_create(const policy_ops *ops, const policy_params *params,
+                       const policy_geometry *geometry, policy_host **out, char *err,
+                       size_t errlen);
+
+void policy_host_destroy(policy_host *h);
+
+const policy_ops *policy_host_ops(const policy_host *h);
+void *policy_host_state(const policy_host *h); /* the policy's state, for describe() */
+uint32_t policy_host_heads(const policy_host *h); /* lists per layer: 1 or kv_heads */
+
+/* Append n tokens (positions appended .. appended+n-1, tier FULL) to every
+ * list of every layer. Returns 0, or -1 when out of memory. */
+int policy_host_append(policy_host *h, uint32_t n);
+
+/* The current view of a layer (valid until the next append or commit). */
+const policy_layer_view *policy_host_view(policy_host *h, uint32_t layer);
+
+/*
+ * Run the policy on one layer. On success *decision (owned by the host,
+ * valid until commit) says what changes: its tier arrays are indexed like the
+ * current view. Steps are counted per call on layer 0. Returns 0, or -1 with
+ * err set when the policy refused the stats.
+ */
+int policy_host_step(policy_host *h, uint32_t layer, const policy_stats *stats,
+                     const policy_decision **decision, char *err, size_t errlen);
+
+/* Apply the pending decision of `layer` to its lists: evicted tokens leave,
+ * other tiers change. Returns the number of tokens evicted. */
+size_t policy_host_commit(policy_host *h, uint32_t layer);
+
+#endif

@@ -1,0 +1,223 @@
+/*
+ * snapkv_family.h - the pure pieces of SnapKV, AdaKV, CriticalKV and
+ * CriticalAdaKV (POLICIES.md §1), and the step driver the four policies
+ * "snapkv", "adakv", "criticalkv" and "criticalkv_ada" share.
+ *
+ * The policies call exactly these functions, and
+ * tests/unit/test_policy_{snapkv,adakv,criticalkv,criticalkv_ada}.c check
+ * them with the §1.8 vectors. The pure functions allocate nothing and keep
+ * no state; snapkv_family_create() owns the only state (the configuration
+ * and, per layer, a record of the last compression for describe()).
+ *
+ * Selection order (POLICIES.md "Common notation"; §1.7 and §6 #3): an entry
+ * is a (forced, score) pair. "Top-k" keeps forced entries first, then higher
+ * scores, ties to the lower index (lower head first for flattened
+ * selections); "bottom-k" evicts unforced entries first, then lower scores,
+ * ties to the lower index. The reference forces entries by writing the
+ * dtype's maximum into the score, which overflows to inf after the value
+ * norm product and loses to nothing but a zero norm; the forced bit has the
+ * same ordering without the overflow, and a forced entry stays forced even
+ * when its value norm is 0.
+ */
+#ifndef KVSTASH_POLICIES_SNAPKV_FAMILY_H
+#define KVSTASH_POLICIES_SNAPKV_FAMILY_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "policy.h"
+
+/* ---- pure algorithm pieces ---- */
+
+/*
+ * Projected value L1 norm (POLICIES.md §1.2), for one layer:
+ *   n[g][i] = (1/G) Σ_{h in group(g)} Σ_c | Σ_j V[g][i][j] · Wo[c][h·d + j] |
+ * v is [kv_heads][tokens][head_dim] row-major; wo is o_proj.weight,
+ * [hidden][q_heads·head_dim] row-major; out is [kv_heads][tokens]. Sums in
+ * double. q_heads must be a multiple of kv_heads. Cost tokens·Hq·d·D MACs.
+ */
+void snapkv_vnorm_l1(const float *v, const float *wo, uint32_t kv_heads, uint32_t q_heads,
+                     uint32_t head_dim, uint32_t hidden, size_t tokens, float *out);
+
+typedef enum snapkv_pooling {
+    SNAPKV_POOL_AVG = 0, /* kvpress: avg_pool1d, zero padding k/2, divisor always k */
+    SNAPKV_POOL_MAX = 1, /* AdaKV paper code: max_pool1d, padded positions never win */
+} snapkv_pooling;
+
+/*
+ * 1-D pooling over n scores with an odd kernel k, stride 1 and k/2 padding
+ * on each side (§1.3), so out has n entries too. out must not alias in.
+ * Example (T-SNAP1): avg, k=5: [.1 .2 .3 .4 .5] -> [.12 .20 .30 .28 .24].
+ */
+void snapkv_pool(const double *in, size_t n, uint32_t kernel, snapkv_pooling mode, double *out);
+
+typedef enum snapkv_window_pad {
+    SNAPKV_PAD_MAX_PLUS_ONE = 0, /* kvpress: window tokens score max + 1 */
+    SNAPKV_PAD_MAX = 1,          /* DefensiveKV fork: window tokens score max */
+} snapkv_window_pad;
+
+/*
+ * SnapKV base scores of one layer (§1.3) over per-KV-head token lists.
+ * List g holds len[g] tokens, of which the first prefix[g] lie before the
+ * observation window and the rest are window tokens. window_attn[h] (query
+ * head h reads list h / G, G = q_heads / kv_heads) holds the mean attention
+ * of the window queries on each token of its list; only the first prefix[g]
+ * entries are read. Each query head's prefix row is pooled, the G pooled rows
+ * of a group are averaged, and every window token gets the largest prefix
+ * score over all heads, plus 1 for SNAPKV_PAD_MAX_PLUS_ONE. scratch holds
+ * 2·max(prefix) doubles. At least one prefix[g] must be > 0.
+ */
+void snapkv_base_scores(const float *const *window_attn, uint32_t q_heads, uint32_t kv_heads,
+                        const uint32_t *len, const uint32_t *prefix, uint32_t kernel,
+                        snapkv_pooling pool, snapkv_window_pad pad, double *const *score,
+                        double *scratch);
+
+/* Budgets in IEEE double, truncated toward zero like Python int()
+ * (POLICIES.md "Common notation"): int(L·(1 − cr)), the ScorerPress rule. */
+size_t snapkv_n_keep(size_t L, double compression_ratio);
+
+/* CriticalKV stage-1 size int((1 − cr)·L·α) (§1.4), from the product and not
+ * from n_keep. */
+size_t criticalkv_stage1_size(size_t L, double compression_ratio, double alpha);
+
+/* One entry of a selection: the sort key, and where it comes from. */
+typedef struct snapkv_entry {
+    double score;
+    uint32_t head, index;
+    uint8_t forced;
+} snapkv_entry;
+
+/*
+ * Top-k of one list: mark the k best (forced first, then higher score, ties
+ * to the lower index) with mark[i] = 1; others are left as they are. k is
+ * clamped to n. tmp holds n entries.
+ */
+void snapkv_mark_top(const double *score, const uint8_t *forced, size_t n, size_t k,
+                     uint8_t *mark, snapkv_entry *tmp);
+
+/*
+ * CriticalKV selection for one head (§1.4; also the per-head part of §1.5):
+ *   stage 1: force the b1 best of (forced, a);
+ *   stage 2: z = (a + eps)·vnorm; keep the n_keep best of (forced, z).
+ * forced[] is in/out (entries forced on entry stay forced, stage-1 winners
+ * are added); z (may be NULL) receives the stage-2 scores; keep[i] is set to
+ * 1 for kept tokens and 0 for the others. tmp holds n entries.
+ * T-CK2: a = [.40 .05 .30 .25], n = [1.75 5 1.375 2.75], n_keep 2, b1 1 ->
+ * keep {0, 3}.
+ */
+void criticalkv_select(const double *a, const float *vnorm, size_t n, size_t n_keep, size_t b1,
+                       double eps, uint8_t *forced, double *z, uint8_t *keep, snapkv_entry *tmp);
+
+/*
+ * AdaKV budgets (§1.5 "safeguard" and "budget"): in every head force the
+ * min(n_safe, len[g]) best of (forced, a); then take the `total` best entries
+ * of all heads flattened (ties to the lower head, then the lower index) and
+ * let B[g] be how many of them head g won. forced[g][] is in/out. total is
+ * clamped to Σ len. tmp holds Σ len entries. Returns Σ B (= the clamped total).
+ */
+size_t adakv_budgets(const double *const *a, const uint32_t *len, uint32_t heads, size_t n_safe,
+                     size_t total, uint8_t *const *forced, uint32_t *B, snapkv_entry *tmp);
+
+/*
+ * AdaKV selection (§1.9 "AdaKV"): after adakv_budgets' safeguard, evict the
+ * Σ len − total worst entries over all heads flattened (bottom-k as the
+ * reference's topk(−scores): unforced first, lower score, ties to the lower
+ * head, then the lower index). keep[g][i] is set to 1 or 0. tmp holds Σ len
+ * entries.
+ */
+void adakv_select(const double *const *a, const uint32_t *len, uint32_t heads, size_t total,
+                  const uint8_t *const *forced, uint8_t *const *keep, snapkv_entry *tmp);
+
+/* ---- the shared policy driver ---- */
+
+typedef enum snapkv_variant {
+    SNAPKV_PLAIN = 0,        /* "snapkv": §1.3 scores, top n_keep per head */
+    SNAPKV_ADA = 1,          /* "adakv": §1.9, safeguard + global budget */
+    SNAPKV_CRITICAL = 2,     /* "criticalkv": §1.4 */
+    SNAPKV_CRITICAL_ADA = 3, /* "criticalkv_ada": §1.5 */
+} snapkv_variant;
+
+typedef struct snapkv_config {
+    snapkv_variant variant;
+    double compression_ratio;
+    uint32_t window, kernel;
+    snapkv_pooling pooling;
+    snapkv_window_pad window_pad;
+    double first_stage_ratio, epsilon; /* criticalkv variants */
+    double alpha_safeguard;            /* ada variants */
+    uint32_t protect_window;
+    uint32_t budget; /* 0 = off; else the decode-time extension (see below) */
+} snapkv_config;
+
+/* Parameter specs shared by the four policies (POLICIES.md §1.6, §6 #1-3). */
+#define SNAPKV_PARAM_COMPRESSION_RATIO                                                             \
+    {"compression_ratio", "0.5",                                                                   \
+     "fraction of a layer's tokens evicted at the end of prefill, [0, 1); n_keep = "               \
+     "int(L*(1-compression_ratio)); 0 = never compress (ignored when budget > 0)"}
+#define SNAPKV_PARAM_WINDOW                                                                        \
+    {"window", "64",                                                                               \
+     "observation window w: the last w prompt tokens are the queries whose attention scores "      \
+     "the others, 1..1048576 (kvpress 64, DefensiveKV 32, AdaKV paper 32)"}
+#define SNAPKV_PARAM_KERNEL                                                                        \
+    {"kernel", "5", "pooling kernel size, odd, 1..1025 (kvpress 5, AdaKV paper 7)"}
+#define SNAPKV_PARAM_POOLING                                                                       \
+    {"pooling", "avg",                                                                             \
+     "avg (kvpress: zero padding counted) or max (AdaKV paper: padding never wins)"}
+#define SNAPKV_PARAM_WINDOW_PAD                                                                    \
+    {"window_pad", "max_plus_one",                                                                 \
+     "score of window tokens: max_plus_one (kvpress) or max (DefensiveKV fork)"}
+#define SNAPKV_PARAM_FIRST_STAGE_RATIO                                                             \
+    {"first_stage_ratio", "0.5",                                                                   \
+     "CriticalKV alpha: share of the budget chosen by attention alone in stage 1, [0, 1]"}
+#define SNAPKV_PARAM_EPSILON                                                                       \
+    {"epsilon", "1e-4", "added to the attention score in the stage-2 score (a+eps)*n, [0, 1]"}
+#define SNAPKV_PARAM_ALPHA_SAFEGUARD                                                               \
+    {"alpha_safeguard", "0.2",                                                                     \
+     "AdaKV safeguard: every head keeps at least int(n_keep*alpha_safeguard) of its best "         \
+     "tokens, [0, 1]"}
+#define SNAPKV_PARAM_PROTECT_WINDOW                                                                \
+    {"protect_window", "0",                                                                        \
+     "1 = never evict an observation-window token (the reference can, POLICIES.md §1.7); 0 = "     \
+     "reference behaviour"}
+#define SNAPKV_PARAM_BUDGET                                                                        \
+    {"budget", "0",                                                                                \
+     "extension, not in the papers: > 0 keeps min(budget, L) tokens per head instead of the "      \
+     "ratio rule and compresses again on every step that holds more; must exceed window; 0 = off"}
+
+/*
+ * Parse and validate the parameters of `variant` (the keys its policy
+ * declares; the others keep their defaults). Returns 0, or -1 with err naming
+ * the parameter.
+ */
+int snapkv_config_parse(const policy_params *p, snapkv_variant variant, snapkv_config *cfg,
+                        char *err, size_t errlen);
+
+/* The state of one sequence: the configuration and a per-layer record. */
+typedef struct snapkv_state snapkv_state;
+
+/* Create from resolved parameters (ops->create). */
+int snapkv_family_create(const policy_params *p, const policy_geometry *g, snapkv_variant variant,
+                         void **state, char *err, size_t errlen);
+
+/*
+ * ops->step. When a layer is compressed (POLICIES.md §1, kvpress "compress
+ * once"):
+ *   budget == 0: on a prefill step that carries window_attn (the worker
+ *     reports it on the step that ends the prompt), if compression_ratio > 0.
+ *   budget > 0: on any step that carries window_attn and holds more than
+ *     budget tokens per head (ada variants: more than budget·kv_heads in all
+ *     heads together). A decode step over budget without window_attn is an
+ *     error; a prefill step without it waits for the end of the prompt.
+ * A layer whose longest list has L <= window tokens is not compressed
+ * (SnapKV rejects it, §1.7); describe() says so. Window tokens are the held
+ * tokens whose position is >= appended − window.
+ */
+int snapkv_family_step(void *state, const policy_layer_view *view, const policy_stats *stats,
+                       policy_decision *d, char *err, size_t errlen);
+
+/* ops->describe: one layer's record as a JSON object (malloc'd). */
+char *snapkv_family_describe(void *state, uint32_t layer);
+
+void snapkv_family_destroy(void *state);
+
+#endif

@@ -1,0 +1,74 @@
+/*
+ * weightedkv.h - the pure pieces of WeightedKV (POLICIES.md §4; policy
+ * "weightedkv" in weightedkv.c): average-attention weights, the choice of the
+ * tokens whose keys go and whose values merge into their right neighbour,
+ * and the merge itself on value vectors.
+ *
+ * The policy calls exactly these functions; tests/unit/test_policy_
+ * weightedkv.c checks them with the §4.3 vectors. None allocates.
+ */
+#ifndef KVSTASH_POLICIES_WEIGHTEDKV_H
+#define KVSTASH_POLICIES_WEIGHTEDKV_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "policy.h"
+
+/* The merge-managed cache of one head (§4.1). */
+typedef struct wkv_config {
+    uint32_t cache_size; /* m: entries kept after each step */
+    uint32_t n_init;     /* the first n_init entries are never merged away */
+    uint32_t n_recent;   /* nor the last n_recent (>= 1: the newest has no right neighbour) */
+} wkv_config;
+
+/* Historical average attention w = a / c (§4.1); 0 when c == 0. */
+double wkv_weight(double a, double c);
+
+/*
+ * The convex-merge weights of policy_merge for w[from], w[into] (§4.1):
+ * the averages themselves, or 1 and 1 (the plain average) when they sum to
+ * 0 (§4.2).
+ */
+void wkv_merge_weights(double w_from, double w_into, float *wf, float *wi);
+
+/*
+ * Plan one head's step (§4.1): while the list of n entries holds more than
+ * m, take j = argmin w over the candidates [n_init, n − n_recent) of the
+ * current list (ties: lowest index), merge its value into its current right
+ * neighbour and drop it. The weights do not change while merging (the
+ * neighbour keeps its own a and c), and the deletions happen left of the
+ * fixed last n_recent entries, so this is the same as taking the n − m
+ * candidates of lowest (w, index) in that order; the right neighbour of each
+ * is the next entry not yet deleted when its turn comes (a chain: a victim
+ * may first absorb an earlier victim).
+ *
+ * w holds the n weights in list order; scratch has room for 3n values.
+ * out (room for n entries) receives the merges in the order they must be
+ * applied, with view indices (from, into), `head`, and wkv_merge_weights()
+ * weights; every out[i].from is a token to evict. Returns the number of
+ * merges (max(0, n − m)), or 0 when the config leaves too few candidates
+ * (the policy validates m >= n_init + n_recent + 1, so that cannot happen).
+ */
+size_t wkv_plan(const double *w, size_t n, const wkv_config *cfg, uint32_t head,
+                uint32_t *scratch, policy_merge *out);
+
+/*
+ * Apply the merges of `head` to one head's values, in order (the daemon's
+ * job; a reference for tests and replay): values is [n][dim] in view order,
+ *   v[into] = (w_from·v[from] + w_into·v[into]) / (w_from + w_into).
+ * Evicted rows are left in place (the caller compacts). Returns 0, or -1
+ * when an index is out of range or a weight sum is not positive.
+ */
+int wkv_apply_merges(float *values, size_t n, size_t dim, const policy_merge *merges,
+                     size_t nmerges, uint32_t head);
+
+/*
+ * The accumulators of one head of one layer of a "weightedkv" policy state
+ * (for tests and Inspect): *a and *c point at *n values in list order, valid
+ * until the next step. Returns 0, or -1 when layer or head is out of range.
+ */
+int weightedkv_head_state(const void *state, uint32_t layer, uint32_t head, const double **a,
+                          const double **c, uint32_t *n);
+
+#endif

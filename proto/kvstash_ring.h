@@ -1,0 +1,88 @@
+/*
+ * kvstash_ring.h - the per-step data plane: one shared-memory ring per session.
+ *
+ * gRPC costs ~70-100 µs a call here (C-STACK.md); a decode step cannot pay
+ * that. So each session gets a memfd (from the fd socket: `RING`) holding one
+ * request slot, one response slot and a data area, with futex doorbells. The
+ * worker writes a request (and its statistics into the data area), bumps
+ * req_seq and wakes the daemon; the daemon's ring thread for the session
+ * handles it, writes the response, bumps resp_seq and wakes the worker. One
+ * request is in flight at a time per session (a decode step is sequential).
+ * Both sides spin briefly before sleeping on the futex, which is what keeps
+ * the round trip near a raw socket's on two cores.
+ *
+ * Everything is little-endian host layout; both sides are on one host.
+ * A side about to sleep sets its *_waiting flag, re-checks the counter, then
+ * sleeps; the other side bumps the counter, then wakes it only if the flag is
+ * set (sequentially consistent atomics on both sides: no lost wake-up, and no
+ * futex syscall while the peer is still spinning). When the session ends the
+ * daemon sets `closing` and wakes both futexes.
+ */
+#ifndef KVSTASH_RING_H
+#define KVSTASH_RING_H
+
+#include <stdint.h>
+
+#define RING_MAGIC 0x6b767372696e6731ull /* "kvsring1" */
+#define RING_BYTES_DEFAULT (8u << 20)    /* header + data area */
+#define RING_MSG_LEN 256 /* = STATUS_MSG_LEN */
+
+typedef enum ring_op {
+    RING_OP_PING = 1,   /* nothing: measures the round trip */
+    RING_OP_APPEND = 2, /* room for `count` tokens; writes go to the data area */
+    RING_OP_STEP = 3,   /* the step's statistics are in the data area */
+    RING_OP_EPOCH = 4,  /* only report the sequence's table epoch */
+} ring_op;
+
+/* Which statistics arrays a STEP carries (policy.h POLICY_NEEDS_* bits). */
+typedef struct ring_request {
+    uint32_t op;
+    uint32_t arrays;         /* POLICY_NEEDS_SCORE | _LAST_ATTN | _WINDOW_ATTN */
+    uint64_t seq_id;
+    uint64_t ack_epoch;
+    int64_t count;           /* APPEND: tokens to add */
+    uint32_t new_tokens;     /* STEP: tokens appended since the last step (0 = all of them) */
+    uint32_t prefill;        /* STEP: 1 while the prompt is processed */
+    uint32_t score_queries;  /* STEP: queries summed into score */
+    uint32_t window_queries; /* STEP: queries averaged into window_attn */
+    double confidence;       /* STEP: c_t in [0,1], or negative */
+    uint64_t data_bytes;     /* bytes of the data area this request uses */
+} ring_request;
+
+typedef struct ring_response {
+    int32_t code;            /* status code (gRPC numbering, daemon/status.h) */
+    uint32_t evicted;        /* tokens the policy removed (all layers) */
+    uint64_t epoch;          /* the sequence's table epoch after the request */
+    uint32_t first_position; /* APPEND: position of the first new token */
+    uint32_t nsegments;      /* APPEND: segments in the data area */
+    char msg[RING_MSG_LEN];  /* error message when code != 0 */
+} ring_response;
+
+/*
+ * The shared header at offset 0 of the ring memfd; the data area follows at
+ * offset RING_DATA_OFFSET. Sequence counters are 32-bit because futexes are.
+ *
+ * STEP data layout, layer by layer (l = 0..layers-1), each array as float32:
+ *   score      [n_l]                      if arrays & SCORE (one token list)
+ *   last_attn  [q_heads][n_(l, list(h))]  if arrays & LAST_ATTN
+ *   window_attn[q_heads][n_(l, list(h))]  if arrays & WINDOW_ATTN
+ * where n is the number of tokens the layer's list (or KV head list) holds
+ * in the table of the request's ack_epoch, i.e. after the step's appends.
+ * APPEND response data: per layer, nsegments_l (uint32) then that many
+ * {block, first_slot, count} uint32 triples.
+ */
+typedef struct ring_header {
+    uint64_t magic;
+    uint64_t bytes;           /* size of the whole mapping */
+    _Alignas(64) uint32_t req_seq;  /* bumped by the worker: futex word */
+    _Alignas(64) uint32_t resp_seq; /* bumped by the daemon: futex word */
+    _Alignas(64) uint32_t closing;  /* set by the daemon when the session ends */
+    uint32_t daemon_waiting;        /* the daemon sleeps on req_seq: wake it */
+    uint32_t worker_waiting;        /* the worker sleeps on resp_seq: wake it */
+    _Alignas(64) ring_request req;
+    ring_response resp;
+} ring_header;
+
+#define RING_DATA_OFFSET 4096u
+
+#endif

@@ -1,0 +1,721 @@
+/*
+ * test_policy_host.c - unit tests for the policy host (policies/host.h):
+ * appending, the views it shows, running a policy's step, and committing
+ * decisions, with fake policies defined here so that every outcome is known.
+ *
+ * fake_mod3 (one list per layer) evicts every token whose position is
+ * divisible by 3 and demotes position % 3 == 1 to INT8. fake_head (per KV
+ * head) evicts in head h the positions divisible by h + 2 and moves
+ * position h to the sketch, so the heads' lists diverge. Both record what
+ * the host showed them (fake_state) and check the preset decision.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "host.h"
+#include "policy.h"
+
+#define MAX_LAYERS 8
+
+/* ---- fake policies ---- */
+
+typedef struct fake_state {
+    policy_geometry geom;
+    char tag[64];
+    int passive; /* observe only, decide nothing */
+    uint64_t calls;
+    uint32_t last_layer;                /* view->layer of the last call */
+    uint32_t last_heads;                /* view->heads of the last call */
+    const policy_stats *last_stats;     /* the stats pointer of the last call */
+    uint64_t step_seen[MAX_LAYERS];     /* view->step, per layer */
+    uint64_t appended_seen[MAX_LAYERS]; /* view->appended, per layer */
+    unsigned preset_errors;             /* decision not preset to the view */
+    unsigned cap_errors;                /* merges_cap < tokens in the view */
+    unsigned order_errors;              /* positions not ascending */
+    uint64_t non_full_seen;             /* tokens seen with a tier other than FULL */
+} fake_state;
+
+static int g_destroys;
+static void *g_last_destroyed;
+
+static const policy_param_spec fake_params[] = {
+    {"tag", "none", "any text, kept in the state"},
+};
+
+static int fake_create(const policy_params *p, const policy_geometry *g, void **state, char *err,
+                       size_t errlen)
+{
+    fake_state *st = calloc(1, sizeof *st);
+    if (st == NULL) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    st->geom = *g;
+    const char *tag = policy_params_get(p, "tag");
+    snprintf(st->tag, sizeof st->tag, "%s", tag ? tag : "(missing)");
+    *state = st;
+    return 0;
+}
+
+static void fake_destroy(void *state)
+{
+    g_destroys++;
+    g_last_destroyed = state;
+    free(state);
+}
+
+/* Record the call and check what every decision must look like on entry. */
+static void fake_observe(fake_state *st, const policy_layer_view *v, const policy_stats *stats,
+                         policy_decision *d)
+{
+    st->calls++;
+    st->last_layer = v->layer;
+    st->last_heads = v->heads;
+    st->last_stats = stats;
+    if (v->layer < MAX_LAYERS) {
+        st->step_seen[v->layer] = v->step;
+        st->appended_seen[v->layer] = v->appended;
+    }
+    size_t total = 0;
+    for (uint32_t h = 0; h < v->heads; h++) {
+        total += v->tokens[h];
+        for (uint32_t i = 0; i < v->tokens[h]; i++) {
+            if (d->tier[h][i] != v->tier[h][i])
+                st->preset_errors++;
+            if (v->tier[h][i] != POLICY_FULL)
+                st->non_full_seen++;
+            if (i > 0 && v->positions[h][i] <= v->positions[h][i - 1])
+                st->order_errors++;
+            if (v->positions[h][i] >= v->appended)
+                st->order_errors++;
+        }
+    }
+    if (d->nmerges != 0 || d->rerotate_keys != 0)
+        st->preset_errors++;
+    if (d->merges_cap < total || (total > 0 && d->merges == NULL))
+        st->cap_errors++;
+    /* Touch all of the promised room (ASan catches a capacity that lies). */
+    for (size_t i = 0; i < d->merges_cap; i++)
+        d->merges[i] = (policy_merge){.head = 0, .from = 0, .into = 0, .w_from = 1, .w_into = 1};
+}
+
+static int fake_mod3_step(void *state, const policy_layer_view *v, const policy_stats *stats,
+                          policy_decision *d, char *err, size_t errlen)
+{
+    (void)err;
+    (void)errlen;
+    fake_state *st = state;
+    fake_observe(st, v, stats, d);
+    if (st->passive)
+        return 0;
+    uint32_t n = v->tokens[0];
+    const uint32_t *pos = v->positions[0];
+    for (uint32_t i = 0; i < n; i++) {
+        if (pos[i] % 3 == 0)
+            d->tier[0][i] = POLICY_EVICT;
+        else if (pos[i] % 3 == 1)
+            d->tier[0][i] = POLICY_INT8;
+    }
+    /* A merge of the first evicted token into the next kept one, and a
+     * re-rotation: the next step's decision must come back cleared. */
+    for (uint32_t i = 0; i + 1 < n; i++)
+        if (pos[i] % 3 == 0) {
+            d->merges[0] =
+                (policy_merge){.head = 0, .from = i, .into = i + 1, .w_from = 1, .w_into = 1};
+            d->nmerges = 1;
+            break;
+        }
+    d->rerotate_keys = 1;
+    return 0;
+}
+
+static int fake_head_step(void *state, const policy_layer_view *v, const policy_stats *stats,
+                          policy_decision *d, char *err, size_t errlen)
+{
+    (void)err;
+    (void)errlen;
+    fake_state *st = state;
+    fake_observe(st, v, stats, d);
+    if (st->passive)
+        return 0;
+    for (uint32_t h = 0; h < v->heads; h++)
+        for (uint32_t i = 0; i < v->tokens[h]; i++) {
+            uint32_t p = v->positions[h][i];
+            if (p % (h + 2) == 0)
+                d->tier[h][i] = POLICY_EVICT;
+            else if (p == h)
+                d->tier[h][i] = POLICY_SKETCH;
+        }
+    return 0;
+}
+
+/* Needs scores: evicts tokens scoring below 0.5. Without scores it first
+ * scribbles EVICT over the whole decision, then refuses. */
+static int fake_score_step(void *state, const policy_layer_view *v, const policy_stats *stats,
+                           policy_decision *d, char *err, size_t errlen)
+{
+    fake_state *st = state;
+    fake_observe(st, v, stats, d);
+    for (uint32_t i = 0; i < v->tokens[0]; i++) {
+        if (stats->score == NULL)
+            d->tier[0][i] = POLICY_EVICT;
+        else if (stats->score[i] < 0.5f)
+            d->tier[0][i] = POLICY_EVICT;
+    }
+    if (stats->score == NULL) {
+        snprintf(err, errlen, "fake-score needs attention scores (layer %u)", v->layer);
+        return -1;
+    }
+    return 0;
+}
+
+static int fail_create(const policy_params *p, const policy_geometry *g, void **state, char *err,
+                       size_t errlen)
+{
+    (void)g;
+    *state = (void *)p; /* garbage the host must not destroy */
+    snprintf(err, errlen, "parameter tag must be 'ok', got '%s'", policy_params_get(p, "tag"));
+    return -1;
+}
+
+static const policy_ops fake_mod3 = {
+    .name = "fake-mod3",
+    .summary = "evict p % 3 == 0, INT8 for p % 3 == 1",
+    .params = fake_params,
+    .nparams = 1,
+    .create = fake_create,
+    .step = fake_mod3_step,
+    .destroy = fake_destroy,
+};
+
+static const policy_ops fake_head = {
+    .name = "fake-head",
+    .summary = "per KV head h: evict p % (h + 2) == 0, sketch p == h",
+    .params = fake_params,
+    .nparams = 1,
+    .per_head = 1,
+    .create = fake_create,
+    .step = fake_head_step,
+    .destroy = fake_destroy,
+};
+
+static const policy_ops fake_score = {
+    .name = "fake-score",
+    .summary = "evict score < 0.5",
+    .params = fake_params,
+    .nparams = 1,
+    .needs = POLICY_NEEDS_SCORE,
+    .create = fake_create,
+    .step = fake_score_step,
+    .destroy = fake_destroy,
+};
+
+static const policy_ops fake_fail = {
+    .name = "fake-fail",
+    .summary = "create always fails",
+    .params = fake_params,
+    .nparams = 1,
+    .create = fail_create,
+    .step = fake_mod3_step,
+    .destroy = fake_destroy,
+};
+
+/* ---- helpers ---- */
+
+static policy_geometry geometry(uint32_t layers, uint32_t kv_heads)
+{
+    policy_geometry g = {.layers = layers,
+                         .q_heads = kv_heads * 4,
+                         .kv_heads = kv_heads,
+                         .head_dim = 128,
+                         .block_tokens = 16,
+                         .rope_theta = 500000.0f};
+    return g;
+}
+
+static policy_host *host_new(const policy_ops *ops, uint32_t layers, uint32_t kv_heads)
+{
+    policy_params p;
+    char err[POLICY_ERR_LEN] = "";
+    const char *keys[] = {"tag"};
+    const char *values[] = {"hello"};
+    if (policy_params_resolve(ops, keys, values, 1, &p, err, sizeof(err)) != 0)
+        fail_msg("resolve: %s", err);
+    policy_geometry g = geometry(layers, kv_heads);
+    policy_host *h = NULL;
+    if (policy_host_create(ops, &p, &g, &h, err, sizeof(err)) != 0)
+        fail_msg("create: %s", err);
+    assert_non_null(h);
+    return h;
+}
+
+static fake_state *state_of(policy_host *h)
+{
+    fake_state *st = policy_host_state(h);
+    assert_non_null(st);
+    return st;
+}
+
+static void check_fake_clean(policy_host *h)
+{
+    fake_state *st = state_of(h);
+    assert_int_equal(st->preset_errors, 0);
+    assert_int_equal(st->cap_errors, 0);
+    assert_int_equal(st->order_errors, 0);
+}
+
+static const policy_decision *step_ok(policy_host *h, uint32_t layer, const policy_stats *stats)
+{
+    const policy_decision *d = NULL;
+    char err[POLICY_ERR_LEN] = "";
+    if (policy_host_step(h, layer, stats, &d, err, sizeof(err)) != 0)
+        fail_msg("step of layer %u: %s", layer, err);
+    assert_non_null(d);
+    return d;
+}
+
+/* Every list of every layer holds exactly positions 0..n-1, all FULL. */
+static void check_all_full(policy_host *h, uint32_t layers, uint32_t n)
+{
+    for (uint32_t l = 0; l < layers; l++) {
+        const policy_layer_view *v = policy_host_view(h, l);
+        assert_int_equal(v->layer, l);
+        assert_int_equal(v->heads, policy_host_heads(h));
+        assert_int_equal(v->appended, n);
+        for (uint32_t k = 0; k < v->heads; k++) {
+            assert_int_equal(v->tokens[k], n);
+            for (uint32_t i = 0; i < n; i++) {
+                assert_int_equal(v->positions[k][i], i);
+                assert_int_equal(v->tier[k][i], POLICY_FULL);
+            }
+        }
+    }
+}
+
+/* mod3's held list after T appends and a commit: {p < T : p % 3 != 0},
+ * INT8 where p % 3 == 1 (if `decided` covers p), else FULL. */
+static void check_mod3_list(policy_host *h, uint32_t layer, uint32_t total, uint32_t decided)
+{
+    const policy_layer_view *v = policy_host_view(h, layer);
+    assert_int_equal(v->heads, 1);
+    assert_int_equal(v->appended, total);
+    uint32_t i = 0;
+    for (uint32_t p = 0; p < total; p++) {
+        if (p < decided && p % 3 == 0)
+            continue;
+        if (i >= v->tokens[0] || v->positions[0][i] != p)
+            fail_msg("layer %u T=%u: position %u should be at index %u", layer, total, p, i);
+        uint8_t want = p < decided && p % 3 == 1 ? POLICY_INT8 : POLICY_FULL;
+        if (v->tier[0][i] != want)
+            fail_msg("layer %u position %u: tier %u, expected %u", layer, p, v->tier[0][i], want);
+        i++;
+    }
+    assert_int_equal(v->tokens[0], i);
+}
+
+/* ---- create / destroy ---- */
+
+static void test_create_and_destroy(void **unused)
+{
+    (void)unused;
+    int destroys = g_destroys;
+    policy_host *h = host_new(&fake_mod3, 3, 4);
+    assert_ptr_equal(policy_host_ops(h), &fake_mod3);
+    assert_int_equal(policy_host_heads(h), 1);
+    fake_state *st = state_of(h);
+    assert_string_equal(st->tag, "hello");
+    policy_geometry g = geometry(3, 4);
+    assert_memory_equal(&st->geom, &g, sizeof(g));
+    assert_int_equal(st->calls, 0);
+    /* Empty views before anything happened. */
+    for (uint32_t l = 0; l < 3; l++) {
+        const policy_layer_view *v = policy_host_view(h, l);
+        assert_int_equal(v->layer, l);
+        assert_int_equal(v->heads, 1);
+        assert_int_equal(v->tokens[0], 0);
+        assert_int_equal(v->appended, 0);
+        assert_int_equal(v->step, 0);
+        assert_int_equal(policy_host_commit(h, l), 0);
+    }
+    assert_int_equal(g_destroys, destroys);
+    policy_host_destroy(h);
+    assert_int_equal(g_destroys, destroys + 1);
+    assert_ptr_equal(g_last_destroyed, st);
+
+    /* A per-head policy gets one list per KV head. */
+    h = host_new(&fake_head, 2, 8);
+    assert_int_equal(policy_host_heads(h), 8);
+    assert_int_equal(policy_host_view(h, 1)->heads, 8);
+    policy_host_destroy(h);
+    assert_int_equal(g_destroys, destroys + 2);
+
+    policy_host_destroy(NULL);
+}
+
+static void test_create_failure(void **unused)
+{
+    (void)unused;
+    int destroys = g_destroys;
+    policy_params p;
+    char err[POLICY_ERR_LEN] = "";
+    const char *keys[] = {"tag"};
+    const char *values[] = {"nope"};
+    assert_int_equal(policy_params_resolve(&fake_fail, keys, values, 1, &p, err, sizeof(err)), 0);
+    policy_geometry g = geometry(2, 2);
+    policy_host *h = (policy_host *)&p;
+    assert_int_equal(policy_host_create(&fake_fail, &p, &g, &h, err, sizeof(err)), -1);
+    assert_null(h);
+    assert_string_equal(err, "parameter tag must be 'ok', got 'nope'");
+    assert_int_equal(g_destroys, destroys); /* no state was made */
+
+    /* A real policy's message comes through the same way. */
+    const policy_ops *streaming = policy_find("streaming");
+    assert_non_null(streaming);
+    const char *skeys[] = {"window"};
+    const char *svalues[] = {"-3"};
+    assert_int_equal(policy_params_resolve(streaming, skeys, svalues, 1, &p, err, sizeof(err)), 0);
+    h = (policy_host *)&p;
+    assert_int_equal(policy_host_create(streaming, &p, &g, &h, err, sizeof(err)), -1);
+    assert_null(h);
+    assert_string_equal(err, "parameter window must be an integer in [1, 1048576], got '-3'");
+}
+
+/* ---- append ---- */
+
+static void test_append(void **unused)
+{
+    (void)unused;
+    policy_host *h = host_new(&fake_mod3, 3, 4);
+    assert_int_equal(policy_host_append(h, 5), 0);
+    check_all_full(h, 3, 5);
+    assert_int_equal(policy_host_append(h, 0), 0);
+    check_all_full(h, 3, 5);
+    assert_int_equal(policy_host_append(h, 1), 0);
+    assert_int_equal(policy_host_append(h, 300), 0); /* grows past the first capacity */
+    check_all_full(h, 3, 306);
+    assert_int_equal(state_of(h)->calls, 0); /* appending runs no policy */
+    policy_host_destroy(h);
+
+    /* Per head: the same tokens go to every head of every layer. */
+    h = host_new(&fake_head, 2, 4);
+    for (uint32_t i = 0; i < 40; i++)
+        assert_int_equal(policy_host_append(h, i % 5), 0);
+    check_all_full(h, 2, 80);
+    policy_host_destroy(h);
+}
+
+/* Positions are uint32_t: an append that would wrap them is refused and
+ * changes nothing. */
+static void test_append_overflow(void **unused)
+{
+    (void)unused;
+    policy_host *h = host_new(&fake_mod3, 2, 1);
+    assert_int_equal(policy_host_append(h, 3), 0);
+    assert_int_equal(policy_host_append(h, UINT32_MAX), -1);
+    assert_int_equal(policy_host_append(h, UINT32_MAX - 2), -1);
+    check_all_full(h, 2, 3);
+    assert_int_equal(policy_host_append(h, 2), 0);
+    check_all_full(h, 2, 5);
+    policy_host_destroy(h);
+}
+
+/* Tokens appended after a commit arrive FULL beside the decided ones. */
+static void test_append_after_commit(void **unused)
+{
+    (void)unused;
+    policy_stats stats = {.confidence = -1.0};
+    policy_host *h = host_new(&fake_mod3, 2, 1);
+    assert_int_equal(policy_host_append(h, 10), 0);
+    for (uint32_t l = 0; l < 2; l++) {
+        step_ok(h, l, &stats);
+        assert_int_equal(policy_host_commit(h, l), 4); /* 0, 3, 6, 9 */
+    }
+    assert_int_equal(policy_host_append(h, 5), 0);
+    for (uint32_t l = 0; l < 2; l++)
+        check_mod3_list(h, l, 15, 10);
+    policy_host_destroy(h);
+}
+
+/* ---- step and commit ---- */
+
+static void test_step_presets_decision(void **unused)
+{
+    (void)unused;
+    policy_stats stats = {.new_tokens = 12, .prefill = 1, .confidence = -1.0};
+    policy_host *h = host_new(&fake_mod3, 2, 1);
+    fake_state *st = state_of(h);
+    assert_int_equal(policy_host_append(h, 12), 0);
+    for (uint32_t l = 0; l < 2; l++) {
+        step_ok(h, l, &stats);
+        policy_host_commit(h, l);
+    }
+    assert_int_equal(st->non_full_seen, 0);
+
+    /* Now positions 1, 4, 7, 10 are INT8. A passive step must return a
+     * decision equal to the current tiers, with no merges or re-rotation
+     * left over from the last step. */
+    st->passive = 1;
+    assert_int_equal(policy_host_append(h, 3), 0);
+    for (uint32_t l = 0; l < 2; l++) {
+        const policy_decision *d = step_ok(h, l, &stats);
+        const policy_layer_view *v = policy_host_view(h, l);
+        assert_int_equal(v->tokens[0], 8 + 3);
+        assert_memory_equal(d->tier[0], v->tier[0], v->tokens[0]);
+        assert_int_equal(d->nmerges, 0);
+        assert_int_equal(d->rerotate_keys, 0);
+        assert_true(d->merges_cap >= v->tokens[0]);
+        assert_int_equal(policy_host_commit(h, l), 0);
+        check_mod3_list(h, l, 15, 12);
+    }
+    assert_int_equal(st->non_full_seen, 2 * 4);
+    check_fake_clean(h);
+    policy_host_destroy(h);
+}
+
+static void test_commit_mod3(void **unused)
+{
+    (void)unused;
+    const uint32_t layers = 3;
+    policy_host *h = host_new(&fake_mod3, layers, 4);
+    uint32_t total = 0;
+    for (uint32_t s = 1; s <= 40; s++) {
+        uint32_t n = s % 9 == 0 ? 17 : 1;
+        assert_int_equal(policy_host_append(h, n), 0);
+        total += n;
+        policy_stats stats = {.new_tokens = n, .confidence = -1.0};
+        for (uint32_t l = 0; l < layers; l++) {
+            const policy_decision *d = step_ok(h, l, &stats);
+            const policy_layer_view *v = policy_host_view(h, l);
+            /* The decision, before commit, in view order. */
+            size_t want_evicted = 0, want_merges = 0;
+            for (uint32_t i = 0; i < v->tokens[0]; i++) {
+                uint32_t p = v->positions[0][i];
+                uint8_t want = p % 3 == 0 ? POLICY_EVICT : p % 3 == 1 ? POLICY_INT8 : POLICY_FULL;
+                assert_int_equal(d->tier[0][i], want);
+                want_evicted += p % 3 == 0;
+                want_merges |= p % 3 == 0 && i + 1 < v->tokens[0];
+            }
+            assert_int_equal(d->nmerges, want_merges);
+            assert_int_equal(d->rerotate_keys, 1);
+            /* Exactly the new tokens divisible by 3 go. */
+            size_t new_div3 = 0;
+            for (uint32_t p = total - n; p < total; p++)
+                new_div3 += p % 3 == 0;
+            assert_int_equal(want_evicted, new_div3);
+            assert_int_equal(policy_host_commit(h, l), want_evicted);
+            check_mod3_list(h, l, total, total);
+            /* Committing again changes nothing. */
+            assert_int_equal(policy_host_commit(h, l), 0);
+            check_mod3_list(h, l, total, total);
+        }
+    }
+    assert_int_equal(state_of(h)->calls, 40 * layers);
+    check_fake_clean(h);
+    policy_host_destroy(h);
+}
+
+/* A commit with no step before it, or for another layer, changes nothing. */
+static void test_commit_without_step(void **unused)
+{
+    (void)unused;
+    policy_stats stats = {.confidence = -1.0};
+    policy_host *h = host_new(&fake_mod3, 2, 1);
+    assert_int_equal(policy_host_append(h, 9), 0);
+    assert_int_equal(policy_host_commit(h, 0), 0);
+    assert_int_equal(policy_host_commit(h, 1), 0);
+    check_all_full(h, 2, 9);
+    step_ok(h, 0, &stats);
+    assert_int_equal(policy_host_commit(h, 1), 0); /* layer 1 was not stepped */
+    check_mod3_list(h, 1, 9, 0);
+    assert_int_equal(policy_host_commit(h, 0), 3);
+    check_mod3_list(h, 0, 9, 9);
+    policy_host_destroy(h);
+}
+
+static void test_per_head_lists_diverge(void **unused)
+{
+    (void)unused;
+    const uint32_t layers = 2, kv = 4;
+    policy_host *h = host_new(&fake_head, layers, kv);
+    fake_state *st = state_of(h);
+    uint32_t total = 0;
+    for (uint32_t s = 1; s <= 25; s++) {
+        uint32_t n = s == 1 ? 30 : 1 + s % 3;
+        assert_int_equal(policy_host_append(h, n), 0);
+        total += n;
+        policy_stats stats = {.new_tokens = n, .prefill = s == 1, .confidence = -1.0};
+        for (uint32_t l = 0; l < layers; l++) {
+            const policy_decision *d = step_ok(h, l, &stats);
+            assert_int_equal(st->last_heads, kv);
+            const policy_layer_view *v = policy_host_view(h, l);
+            size_t want = 0;
+            for (uint32_t k = 0; k < kv; k++)
+                for (uint32_t i = 0; i < v->tokens[k]; i++) {
+                    uint32_t p = v->positions[0 + k][i];
+                    if (p % (k + 2) == 0) {
+                        assert_int_equal(d->tier[k][i], POLICY_EVICT);
+                        want++;
+                    }
+                }
+            assert_int_equal(policy_host_commit(h, l), want);
+
+            /* Head k holds {p < total : p % (k + 2) != 0}, position k in the sketch. */
+            v = policy_host_view(h, l);
+            assert_int_equal(v->heads, kv);
+            for (uint32_t k = 0; k < kv; k++) {
+                uint32_t i = 0;
+                for (uint32_t p = 0; p < total; p++) {
+                    if (p % (k + 2) == 0)
+                        continue;
+                    if (i >= v->tokens[k] || v->positions[k][i] != p)
+                        fail_msg("layer %u head %u T=%u: position %u missing", l, k, total, p);
+                    assert_int_equal(v->tier[k][i], p == k ? POLICY_SKETCH : POLICY_FULL);
+                    i++;
+                }
+                assert_int_equal(v->tokens[k], i);
+            }
+        }
+    }
+    /* The lists really differ: head 0 keeps the odd positions only. */
+    const policy_layer_view *v = policy_host_view(h, 1);
+    assert_int_equal(v->tokens[0], total / 2);
+    assert_true(v->tokens[1] > v->tokens[0]);
+    assert_true(v->tokens[3] > v->tokens[2]);
+    check_fake_clean(h);
+    policy_host_destroy(h);
+}
+
+/* view->step counts the calls on layer 0; every layer of a step sees it. */
+static void test_step_numbering(void **unused)
+{
+    (void)unused;
+    const uint32_t layers = 4;
+    policy_host *h = host_new(&fake_mod3, layers, 2);
+    fake_state *st = state_of(h);
+    st->passive = 1;
+    uint64_t total = 0;
+    for (uint64_t s = 1; s <= 20; s++) {
+        uint32_t n = s == 1 ? 64 : 1;
+        assert_int_equal(policy_host_append(h, n), 0);
+        total += n;
+        policy_stats stats = {.new_tokens = n, .confidence = -1.0};
+        for (uint32_t l = 0; l < layers; l++) {
+            step_ok(h, l, &stats);
+            assert_int_equal(st->last_layer, l);
+            assert_ptr_equal(st->last_stats, &stats);
+            assert_int_equal(st->step_seen[l], s);
+            assert_int_equal(st->appended_seen[l], total);
+            policy_host_commit(h, l);
+        }
+        for (uint32_t l = 0; l < layers; l++)
+            assert_int_equal(policy_host_view(h, l)->step, s);
+    }
+
+    /* Only layer 0 advances the count. */
+    policy_stats stats = {.confidence = -1.0};
+    step_ok(h, 3, &stats);
+    step_ok(h, 2, &stats);
+    assert_int_equal(st->step_seen[3], 20);
+    assert_int_equal(st->step_seen[2], 20);
+    step_ok(h, 0, &stats);
+    assert_int_equal(st->step_seen[0], 21);
+    step_ok(h, 1, &stats);
+    assert_int_equal(st->step_seen[1], 21);
+    assert_int_equal(st->calls, 20 * layers + 4);
+    check_fake_clean(h);
+    policy_host_destroy(h);
+}
+
+static void test_step_failure(void **unused)
+{
+    (void)unused;
+    policy_host *h = host_new(&fake_score, 2, 1);
+    assert_int_equal(policy_host_append(h, 8), 0);
+    policy_stats none = {.new_tokens = 8, .confidence = -1.0};
+    const float score[8] = {1, 0.1f, 1, 1, 0.2f, 1, 1, 0.3f};
+    policy_stats scored = none;
+    scored.score = score;
+    scored.score_queries = 1;
+
+    /* A refused step returns the policy's message and leaves nothing to commit. */
+    const policy_decision *d = NULL;
+    char err[POLICY_ERR_LEN] = "";
+    assert_int_equal(policy_host_step(h, 1, &none, &d, err, sizeof(err)), -1);
+    assert_string_equal(err, "fake-score needs attention scores (layer 1)");
+    assert_int_equal(policy_host_commit(h, 1), 0);
+    check_all_full(h, 2, 8);
+
+    /* A refused step after an uncommitted good one: the refused one's
+     * scribbles must not be committed either. */
+    step_ok(h, 0, &scored);
+    memset(err, 0, sizeof(err));
+    assert_int_equal(policy_host_step(h, 0, &none, &d, err, sizeof(err)), -1);
+    assert_string_equal(err, "fake-score needs attention scores (layer 0)");
+    assert_int_equal(policy_host_commit(h, 0), 0);
+    check_all_full(h, 2, 8);
+
+    /* And the policy works again once the stats are there. */
+    for (uint32_t l = 0; l < 2; l++) {
+        step_ok(h, l, &scored);
+        assert_int_equal(policy_host_commit(h, l), 3);
+        const policy_layer_view *v = policy_host_view(h, l);
+        const uint32_t want[] = {0, 2, 3, 5, 6};
+        assert_int_equal(v->tokens[0], 5);
+        assert_memory_equal(v->positions[0], want, sizeof(want));
+    }
+    check_fake_clean(h);
+    policy_host_destroy(h);
+}
+
+/* Room for merges is at least the tokens of the view, over all heads. */
+static void test_merges_capacity(void **unused)
+{
+    (void)unused;
+    const policy_ops *ops[] = {&fake_mod3, &fake_head};
+    for (size_t o = 0; o < 2; o++) {
+        policy_host *h = host_new(ops[o], 2, 8);
+        fake_state *st = state_of(h);
+        st->passive = 1;
+        policy_stats stats = {.confidence = -1.0};
+        const uint32_t chunks[] = {1, 1000, 1, 5000, 3};
+        size_t total = 0;
+        for (size_t c = 0; c < sizeof(chunks) / sizeof(chunks[0]); c++) {
+            assert_int_equal(policy_host_append(h, chunks[c]), 0);
+            total += chunks[c];
+            for (uint32_t l = 0; l < 2; l++) {
+                const policy_decision *d = step_ok(h, l, &stats);
+                assert_true(d->merges_cap >= total * policy_host_heads(h));
+                assert_non_null(d->merges);
+                policy_host_commit(h, l);
+            }
+        }
+        assert_int_equal(st->cap_errors, 0);
+        policy_host_destroy(h);
+    }
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_create_and_destroy),
+        cmocka_unit_test(test_create_failure),
+        cmocka_unit_test(test_append),
+        cmocka_unit_test(test_append_overflow),
+        cmocka_unit_test(test_append_after_commit),
+        cmocka_unit_test(test_step_presets_decision),
+        cmocka_unit_test(test_commit_mod3),
+        cmocka_unit_test(test_commit_without_step),
+        cmocka_unit_test(test_per_head_lists_diverge),
+        cmocka_unit_test(test_step_numbering),
+        cmocka_unit_test(test_step_failure),
+        cmocka_unit_test(test_merges_capacity),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
