@@ -14,7 +14,9 @@
 #include "kvstash.h"
 #include "rpc.h"
 
-#define FDSOCK_MSG_MAX 256
+/* docs/protocol.md says answers are at most 320 bytes; take more so that a
+ * longer one reads as itself rather than as a truncation. */
+#define FDSOCK_MSG_MAX 1024
 #define FDSOCK_MAX_FDS 4 /* we expect one; room to close strays */
 
 int fdsock_connect(const char *socket_path, int *fd, char *err, size_t errlen)
@@ -152,15 +154,16 @@ int fdsock_hello(int fd, char *token, char *err, size_t errlen)
     return KVS_OK;
 }
 
-int fdsock_map(int fd, uint64_t pool_id, int *memfd, uint64_t *bytes, char *err, size_t errlen)
+/* Send `request` and expect "OK <bytes>" with a file descriptor. */
+static int request_fd(int fd, const char *request, const char *what, int *memfd, uint64_t *bytes,
+                      char *err, size_t errlen)
 {
-    char buf[FDSOCK_MSG_MAX + 1], req[64];
+    char buf[FDSOCK_MSG_MAX + 1];
     *memfd = -1;
-    snprintf(req, sizeof req, "MAP %" PRIu64, pool_id);
-    int rc = send_msg(fd, req, err, errlen);
+    int rc = send_msg(fd, request, err, errlen);
     int got = -1;
     if (rc == KVS_OK)
-        rc = recv_msg(fd, "MAP", buf, &got, err, errlen);
+        rc = recv_msg(fd, what, buf, &got, err, errlen);
     if (rc != KVS_OK)
         return rc;
     char *end;
@@ -169,13 +172,25 @@ int fdsock_map(int fd, uint64_t pool_id, int *memfd, uint64_t *bytes, char *err,
     if (strncmp(buf, "OK ", 3) != 0 || buf[3] < '0' || buf[3] > '9' || *end != '\0' || errno != 0) {
         if (got >= 0)
             close(got);
-        return bad_answer("MAP", buf, err, errlen);
+        return bad_answer(what, buf, err, errlen);
     }
     if (got < 0) {
-        snprintf(err, errlen, "fd socket: kvstashd answered MAP without a file descriptor");
+        snprintf(err, errlen, "fd socket: kvstashd answered %s without a file descriptor", what);
         return KVS_ERR_PROTOCOL;
     }
     *memfd = got;
     *bytes = v;
     return KVS_OK;
+}
+
+int fdsock_map(int fd, uint64_t pool_id, int *memfd, uint64_t *bytes, char *err, size_t errlen)
+{
+    char req[64];
+    snprintf(req, sizeof req, "MAP %" PRIu64, pool_id);
+    return request_fd(fd, req, "MAP", memfd, bytes, err, errlen);
+}
+
+int fdsock_ring(int fd, int *memfd, uint64_t *bytes, char *err, size_t errlen)
+{
+    return request_fd(fd, "RING", "RING", memfd, bytes, err, errlen);
 }

@@ -2,7 +2,7 @@
  * fdsock.h - the worker's side of kvstashd's fd socket (docs/protocol.md).
  *
  * A SOCK_SEQPACKET Unix socket at `<grpc socket>.fd`: one ASCII datagram per
- * message, at most 256 bytes. The daemon reads our SO_PEERCRED identity and
+ * message, at most 320 bytes. The daemon reads our SO_PEERCRED identity and
  * answers `HELLO 1` with the session token, and `MAP <pool_id>` with the
  * pool's memfd attached (SCM_RIGHTS). The connection must stay open for the
  * session's life: closing it ends the session on the daemon.
@@ -30,5 +30,9 @@ int fdsock_hello(int fd, char *token, char *err, size_t errlen);
  * (close-on-exec, owned by the caller) and *bytes the size the daemon
  * announced. A daemon `ERR` answer gives KVS_ERR_PROTOCOL with its reason. */
 int fdsock_map(int fd, uint64_t pool_id, int *memfd, uint64_t *bytes, char *err, size_t errlen);
+
+/* Send `RING`; on success *memfd is the session's per-step ring
+ * (proto/kvstash_ring.h), created by the daemon on first request. */
+int fdsock_ring(int fd, int *memfd, uint64_t *bytes, char *err, size_t errlen);
 
 #endif

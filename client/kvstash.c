@@ -17,6 +17,7 @@
 #include "kernels.h"
 #include "kvstash/v1/store.pb-c.h"
 #include "pbjson.h"
+#include "ring_client.h"
 #include "rpc.h"
 
 #define KVS_ERRMSG_MAX 512
@@ -43,6 +44,7 @@ struct kvs_session {
     /* A few sequences per session: a plain array, searched linearly. */
     seq_epoch *epochs;
     size_t nepochs, capepochs;
+    ring_client ring; /* the per-step ring: appends and steps skip gRPC */
     char err[KVS_ERRMSG_MAX];
 };
 
@@ -207,6 +209,7 @@ static void session_free(kvs_session *s)
         rpc_stream_close(s->lease, NULL, 0);
     if (s->pool != NULL)
         munmap(s->pool, s->pool_bytes);
+    ring_client_close(&s->ring);
     if (s->fd >= 0)
         close(s->fd);
     rpc_channel_close(s->ch);
@@ -336,6 +339,16 @@ static int session_lease(kvs_session *s)
     return rc;
 }
 
+static int session_ring(kvs_session *s)
+{
+    int memfd;
+    uint64_t bytes;
+    int rc = fdsock_ring(s->fd, &memfd, &bytes, s->err, sizeof s->err);
+    if (rc == KVS_OK)
+        rc = ring_client_open(&s->ring, memfd, bytes, s->err, sizeof s->err);
+    return rc;
+}
+
 int kvs_session_attach(const char *socket_path, const char *model, const kvs_geometry *geometry,
                        const char *worker_name, kvs_session **out, char *err, size_t errlen)
 {
@@ -373,6 +386,8 @@ int kvs_session_attach(const char *socket_path, const char *model, const kvs_geo
         rc = session_map(s);
     if (rc == KVS_OK)
         rc = session_lease(s);
+    if (rc == KVS_OK)
+        rc = session_ring(s);
     if (rc != KVS_OK) {
         if (err != NULL && errlen > 0)
             snprintf(err, errlen, "%s", s->err);
@@ -567,6 +582,71 @@ static int table_fill(kvs_session *s, Kvstash__V1__LayerTable **lts, size_t n, c
     return KVS_OK;
 }
 
+/* One ring round trip; the daemon's status becomes a kvs_err + message. */
+static int ring_call(kvs_session *s, const char *what, ring_response *resp)
+{
+    int rc = ring_client_call(&s->ring, resp);
+    if (rc != KVS_OK) {
+        fail(s, "%s: no answer from kvstashd on the session's ring (the session ended, or the "
+                "daemon is stopped or hung)",
+             what);
+        return rc;
+    }
+    if (resp->code != 0) {
+        fail(s, "%s: %.*s", what, (int)sizeof resp->msg, resp->msg);
+        return rpc_code_to_err(resp->code);
+    }
+    return KVS_OK;
+}
+
+/* The ring's APPEND answer: per layer a segment count, then the segments;
+ * every layer gets room for exactly `count` tokens inside the pool. */
+static int table_from_ring(kvs_session *s, uint32_t count, const ring_response *r,
+                           kvs_table *out)
+{
+    uint32_t layers = s->geom.layers;
+    const uint32_t *in = (const uint32_t *)s->ring.data;
+    const uint32_t *end = (const uint32_t *)(s->ring.data + s->ring.data_bytes);
+    size_t bytes = layers * sizeof(kvs_layer) + (size_t)r->nsegments * sizeof(kvs_segment) +
+                   (size_t)layers * count * sizeof(uint32_t);
+    char *mem = calloc(1, bytes);
+    if (mem == NULL) {
+        fail(s, "Append: out of memory for a %zu-byte table", bytes);
+        return KVS_ERR_SYSTEM;
+    }
+    kvs_layer *ly = (kvs_layer *)mem;
+    kvs_segment *seg = (kvs_segment *)(mem + layers * sizeof(kvs_layer));
+    uint32_t *pos = (uint32_t *)(seg + r->nsegments);
+    size_t used = 0;
+    for (uint32_t l = 0; l < layers; l++) {
+        uint32_t n = in < end ? *in++ : UINT32_MAX;
+        if (n > r->nsegments - used || (size_t)(end - in) < (size_t)n * 3)
+            goto bad;
+        ly[l] = (kvs_layer){count, n, seg + used, pos + (size_t)l * count};
+        uint64_t total = 0;
+        for (uint32_t i = 0; i < n; i++, in += 3) {
+            kvs_segment g = {in[0], in[1], in[2]};
+            if (g.block >= s->block_count || g.count == 0 ||
+                (uint64_t)g.first_slot + g.count > s->geom.block_tokens)
+                goto bad;
+            seg[used++] = g;
+            total += g.count;
+        }
+        if (total != count)
+            goto bad;
+        for (uint32_t i = 0; i < count; i++)
+            ly[l].positions[i] = r->first_position + i;
+    }
+    *out = (kvs_table){r->epoch, r->first_position, r->evicted, layers, ly};
+    return KVS_OK;
+bad:
+    free(mem);
+    fail(s, "Append: kvstashd's answer on the ring describes slots outside the pool or not "
+            "exactly %" PRIu32 " tokens per layer",
+         count);
+    return KVS_ERR_PROTOCOL;
+}
+
 int kvs_seq_append(kvs_session *s, uint64_t seq_id, int64_t count, kvs_table *writes)
 {
     if (writes != NULL)
@@ -577,35 +657,115 @@ int kvs_seq_append(kvs_session *s, uint64_t seq_id, int64_t count, kvs_table *wr
         fail(s, "kvs_seq_append: writes is required");
         return KVS_ERR_INVALID;
     }
-    Kvstash__V1__AppendRequest req = KVSTASH__V1__APPEND_REQUEST__INIT;
-    req.seq_id = seq_id;
-    req.count = count;
-    req.ack_epoch = epoch_get(s, seq_id);
-    ProtobufCMessage *resp;
-    int rc = rpc_unary(s->ch, RPC_STORE("Append"), s->token, &req.base,
-                       &kvstash__v1__append_response__descriptor, &resp, s->err, sizeof s->err);
-    if (rc != KVS_OK)
-        return rc;
-    const Kvstash__V1__AppendResponse *r = (const Kvstash__V1__AppendResponse *)resp;
-    rc = table_fill(s, r->writes, r->n_writes, "Append", writes);
-    if (rc == KVS_OK) {
-        writes->epoch = r->epoch;
-        writes->first_position = r->first_position;
-        writes->evicted = r->evicted;
-        epoch_seen(s, seq_id, r->epoch);
-        /* Every layer must have room for exactly `count` new tokens. */
-        for (uint32_t l = 0; l < writes->layers; l++) {
-            if (writes->layer[l].tokens != (uint64_t)count) {
-                fail(s, "Append: layer %" PRIu32 " got room for %" PRIu32 " tokens, not %" PRId64,
-                     l, writes->layer[l].tokens, count);
-                kvs_table_free(writes);
-                rc = KVS_ERR_PROTOCOL;
-                break;
+    ring_request *q = &s->ring.hdr->req;
+    memset(q, 0, sizeof *q);
+    q->op = RING_OP_APPEND;
+    q->seq_id = seq_id;
+    q->count = count;
+    q->ack_epoch = epoch_get(s, seq_id);
+    ring_response r;
+    int rc = ring_call(s, "Append", &r);
+    if (rc == KVS_OK)
+        rc = table_from_ring(s, (uint32_t)count, &r, writes);
+    if (rc == KVS_OK)
+        epoch_seen(s, seq_id, r.epoch);
+    return rc;
+}
+
+/* Lay the step's arrays out in the ring's data area (proto/kvstash_ring.h). */
+static int step_pack(kvs_session *s, const kvs_step *st, uint32_t *arrays, uint64_t *bytes)
+{
+    uint32_t layers = s->geom.layers, q = s->geom.q_heads;
+    const float *const *kinds[3] = {st->score, st->last_attn, st->window_attn};
+    const uint32_t bits[3] = {1u << 0, 1u << 1, 1u << 2}; /* policy.h POLICY_NEEDS_* */
+    float *out = (float *)s->ring.data;
+    size_t room = s->ring.data_bytes / sizeof(float), used = 0;
+    *arrays = 0;
+    for (int k = 0; k < 3; k++)
+        *arrays |= kinds[k] != NULL ? bits[k] : 0;
+    if (*arrays != 0 && st->tokens == NULL) {
+        fail(s, "kvs_seq_step: tokens (per layer) is required with statistics");
+        return KVS_ERR_INVALID;
+    }
+    for (uint32_t l = 0; l < layers; l++)
+        for (int k = 0; k < 3; k++) {
+            if (kinds[k] == NULL)
+                continue;
+            uint32_t rows = k == 0 ? 1 : q;
+            for (uint32_t h = 0; h < rows; h++) {
+                const float *src = kinds[k][k == 0 ? l : l * q + h];
+                size_t n = st->tokens[l];
+                if (n > room - used) {
+                    fail(s, "kvs_seq_step: statistics exceed the ring (%zu bytes)",
+                         s->ring.data_bytes);
+                    return KVS_ERR_INVALID;
+                }
+                memcpy(out + used, src, n * sizeof *out);
+                used += n;
             }
         }
+    *bytes = used * sizeof(float);
+    return KVS_OK;
+}
+
+int kvs_seq_step(kvs_session *s, uint64_t seq_id, const kvs_step *step, kvs_step_result *out)
+{
+    if (s == NULL)
+        return KVS_ERR_INVALID;
+    if (step == NULL) {
+        fail(s, "kvs_seq_step: step is required");
+        return KVS_ERR_INVALID;
     }
-    protobuf_c_message_free_unpacked(resp, NULL);
+    ring_request *q = &s->ring.hdr->req;
+    uint32_t arrays;
+    uint64_t bytes;
+    int rc = step_pack(s, step, &arrays, &bytes);
+    if (rc != KVS_OK)
+        return rc;
+    memset(q, 0, sizeof *q);
+    q->op = RING_OP_STEP;
+    q->arrays = arrays;
+    q->seq_id = seq_id;
+    q->ack_epoch = epoch_get(s, seq_id);
+    q->new_tokens = step->new_tokens;
+    q->prefill = step->prefill != 0;
+    q->score_queries = step->score_queries;
+    q->window_queries = step->window_queries;
+    q->confidence = step->confidence;
+    q->data_bytes = bytes;
+    ring_response r;
+    rc = ring_call(s, "Step", &r);
+    if (rc == KVS_OK) {
+        epoch_seen(s, seq_id, r.epoch);
+        if (out != NULL)
+            *out = (kvs_step_result){r.epoch, r.evicted};
+    }
     return rc;
+}
+
+int kvs_seq_epoch(kvs_session *s, uint64_t seq_id, uint64_t *epoch)
+{
+    if (s == NULL || epoch == NULL)
+        return KVS_ERR_INVALID;
+    ring_request *q = &s->ring.hdr->req;
+    memset(q, 0, sizeof *q);
+    q->op = RING_OP_EPOCH;
+    q->seq_id = seq_id;
+    q->ack_epoch = epoch_get(s, seq_id);
+    ring_response r;
+    int rc = ring_call(s, "Epoch", &r);
+    if (rc == KVS_OK)
+        *epoch = r.epoch;
+    return rc;
+}
+
+int kvs_ring_ping(kvs_session *s)
+{
+    if (s == NULL)
+        return KVS_ERR_INVALID;
+    s->ring.hdr->req.op = RING_OP_PING;
+    ring_response r;
+    return ring_call(s, "Ping", &r);
 }
 
 int kvs_seq_table(kvs_session *s, uint64_t seq_id, int with_positions, kvs_table *out)

@@ -130,12 +130,49 @@ typedef struct kvs_table {
 void kvs_table_free(kvs_table *t);
 
 /*
- * Make room for `count` new tokens in every layer. On success `writes`
+ * Make room for `count` new tokens in every layer (through the session's
+ * ring; the gRPC Append does the same for other clients). If the policy needs
+ * nothing from the worker, the step of the previous tokens ends here first.
+ * On success `writes`
  * describes, per layer, the segments where the new tokens go (in order);
  * write them with kvs_key_ptr/kvs_value_ptr or kvs_layer_write. count is
  * signed so that the daemon, not the C type, rejects bad values.
  */
 int kvs_seq_append(kvs_session *s, uint64_t seq_id, int64_t count, kvs_table *writes);
+
+/*
+ * The statistics of one step (a prefill chunk or a decode token), reported
+ * through the session's shared-memory ring, not gRPC: the policy decides on
+ * them at once and the answer says whether the table changed. Arrays are
+ * indexed by the layer's held tokens in table order; each is NULL when not
+ * reported (kvstash policy list says what each policy needs).
+ */
+typedef struct kvs_step {
+    uint32_t new_tokens;  /* tokens appended since the last step; 0 = all of them */
+    int prefill;          /* 1 while the prompt is processed */
+    const uint32_t *tokens;          /* [layers] tokens each layer holds (its table) */
+    const float *const *score;       /* [layers] -> [tokens]: Σ heads, Σ queries of attention */
+    uint32_t score_queries;          /* queries summed into score */
+    const float *const *last_attn;   /* [layers * q_heads] -> [tokens]: the last query */
+    const float *const *window_attn; /* [layers * q_heads] -> [tokens]: window mean */
+    uint32_t window_queries;         /* queries averaged into window_attn */
+    double confidence;               /* next-token confidence in [0, 1]; < 0 = none */
+} kvs_step;
+
+typedef struct kvs_step_result {
+    uint64_t epoch;   /* the table epoch after the policy's decision */
+    uint32_t evicted; /* tokens removed (all layers); 0 = the table did not shrink */
+} kvs_step_result;
+
+/* End a step: report its statistics; *out (may be NULL) says what changed. */
+int kvs_seq_step(kvs_session *s, uint64_t seq_id, const kvs_step *step, kvs_step_result *out);
+
+/* The sequence's current table epoch: "has my table changed?" in one ring
+ * round trip. */
+int kvs_seq_epoch(kvs_session *s, uint64_t seq_id, uint64_t *epoch);
+
+/* One empty ring round trip (for benchmarks). */
+int kvs_ring_ping(kvs_session *s);
 
 /* The current tables of a sequence (all layers). */
 int kvs_seq_table(kvs_session *s, uint64_t seq_id, int with_positions, kvs_table *out);

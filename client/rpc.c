@@ -78,7 +78,7 @@ int rpc_timeout_ms(void)
     return RPC_DEFAULT_TIMEOUT_MS;
 }
 
-static int status_to_err(grpc_status_code code)
+int rpc_code_to_err(int code)
 {
     switch (code) {
     case GRPC_STATUS_OK:
@@ -133,7 +133,7 @@ static const char *status_name(grpc_status_code code)
 static int status_message(const char *method, grpc_status_code code, grpc_slice details, char *err,
                           size_t errlen)
 {
-    int rc = status_to_err(code);
+    int rc = rpc_code_to_err(code);
     size_t len = GRPC_SLICE_LENGTH(details);
     if (err == NULL || errlen == 0)
         return rc;

@@ -67,4 +67,7 @@ int rpc_stream_open(rpc_channel *ch, const char *method, const char *token,
  */
 int rpc_stream_close(rpc_stream *st, char *err, size_t errlen);
 
+/* A gRPC status code (numeric) as a kvs_err, as kvstash.h documents. */
+int rpc_code_to_err(int code);
+
 #endif

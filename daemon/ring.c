@@ -18,7 +18,7 @@
 
 /* Spin this many polls before sleeping: a decode step's next request often
  * comes within microseconds, and a futex sleep + wake costs more. */
-#define RING_SPIN 20000
+#define RING_SPIN 4000
 
 struct ring {
     struct store *store;

@@ -37,6 +37,7 @@
 #include <string.h>
 
 #include "builtin.h"
+#include "describe.h"
 
 #define CONFKV_MAX 1048576u
 
@@ -62,13 +63,15 @@ typedef struct confkv_state {
 } confkv_state;
 
 static const policy_param_spec confkv_params[] = {
-    {"tau", "0.7", "confidence threshold: c_t >= tau selects budget_tight, else budget_loose "
-                   "(POLICIES.md §5.1), 0..1"},
+    {"tau", "0.7",
+     "confidence threshold: c_t >= tau selects budget_tight, else budget_loose "
+     "(POLICIES.md §5.1), 0..1"},
     {"budget_tight", "128", "tokens kept per layer on confident steps (§5.1, WikiText knee)"},
     {"budget_loose", "512", "tokens kept per layer on uncertain steps (§5.2 [RECON])"},
     {"protect", "32", "W: the newest tokens never evicted (§5.2 [RECON]; 64 for NIAH/VWA)"},
-    {"fp16_window", "128", "F: the newest retained tokens kept in full precision, older ones "
-                           "INT8 (§5.2 [RECON]; 256 for NIAH/VWA)"},
+    {"fp16_window", "128",
+     "F: the newest retained tokens kept in full precision, older ones "
+     "INT8 (§5.2 [RECON]; 256 for NIAH/VWA)"},
     {"lambda", "0.5", "ranker weight of the attention EMA vs recency (§5.2 [RECON]), 0..1"},
     {"gamma", "0.9", "EMA decay of the attention mass (§5.2 [RECON]), 0..1"},
     {"w_entropy", "0.4", "confidence weight of 1 - normalised entropy (§5.2 [RECON])"},
@@ -117,8 +120,7 @@ static double combine(const confkv_weights *w, double entropy_nats, double delta
     return c < 0.0 ? 0.0 : (c > 1.0 ? 1.0 : c);
 }
 
-double confkv_confidence(const float *probs, size_t V, const confkv_weights *w,
-                         confkv_signals *sig)
+double confkv_confidence(const float *probs, size_t V, const confkv_weights *w, confkv_signals *sig)
 {
     if (probs == NULL || w == NULL || V < 2)
         return -1.0;
@@ -326,8 +328,8 @@ static void confkv_destroy(void *state)
     free(s);
 }
 
-static int confkv_create(const policy_params *p, const policy_geometry *g, void **state,
-                         char *err, size_t errlen)
+static int confkv_create(const policy_params *p, const policy_geometry *g, void **state, char *err,
+                         size_t errlen)
 {
     *state = NULL;
     confkv_state tmp = {0};
@@ -398,7 +400,7 @@ static void evict(confkv_state *s, const confkv_layer *ly, const uint32_t *pos, 
 {
     uint32_t n = ly->n;
     if (n <= budget)
-        return; /* §5.1: a no-op while the cache fits */
+        return;                                          /* §5.1: a no-op while the cache fits */
     uint32_t cand = n > s->protect ? n - s->protect : 0; /* positions ascend: a prefix */
     uint32_t k = n - budget;
     if (k > cand)
@@ -485,8 +487,8 @@ static int confkv_step(void *state, const policy_layer_view *view, const policy_
         return 0; /* §5.3: prefill keeps everything */
     uint32_t budget = confkv_budget(stats->confidence, s->tau, s->tight, s->loose);
     if (s->pyramid)
-        budget = confkv_layer_budget(budget, view->layer, s->layers, s->rho_top,
-                                     s->rho_bottom, s->protect);
+        budget = confkv_layer_budget(budget, view->layer, s->layers, s->rho_top, s->rho_bottom,
+                                     s->protect);
     ly->decided = 1;
     ly->confidence = stats->confidence;
     ly->budget = budget;
@@ -496,43 +498,17 @@ static int confkv_step(void *state, const policy_layer_view *view, const policy_
     return 0;
 }
 
-/* ---- describe ------------------------------------------------------------ */
-
-typedef struct text {
-    char *buf;
-    size_t len, cap;
-    int failed;
-} text;
-
-static void text_add(text *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-
-static void text_add(text *t, const char *fmt, ...)
+int confkv_layer_ema(const void *state, uint32_t layer, const double **ema, uint32_t *n)
 {
-    for (int tries = 0; !t->failed && tries < 2; tries++) {
-        va_list ap;
-        va_start(ap, fmt);
-        int n = vsnprintf(t->buf ? t->buf + t->len : NULL, t->buf ? t->cap - t->len : 0, fmt, ap);
-        va_end(ap);
-        if (n < 0) {
-            t->failed = 1;
-            return;
-        }
-        if (t->buf != NULL && t->len + (size_t)n < t->cap) {
-            t->len += (size_t)n;
-            return;
-        }
-        size_t cap = t->cap ? t->cap : 256;
-        while (cap <= t->len + (size_t)n)
-            cap *= 2;
-        char *b = realloc(t->buf, cap);
-        if (b == NULL) {
-            t->failed = 1;
-            return;
-        }
-        t->buf = b;
-        t->cap = cap;
-    }
+    const confkv_state *s = state;
+    if (s == NULL || layer >= s->layers)
+        return -1;
+    *ema = s->ly[layer].ema;
+    *n = s->ly[layer].n;
+    return 0;
 }
+
+/* ---- describe ------------------------------------------------------------ */
 
 static char *confkv_describe(void *state, uint32_t layer)
 {
@@ -540,21 +516,17 @@ static char *confkv_describe(void *state, uint32_t layer)
     if (s == NULL || layer >= s->layers)
         return NULL;
     const confkv_layer *ly = &s->ly[layer];
-    text t = {0};
-    text_add(&t, "{\"layer\":%u,\"tokens\":%u", layer, ly->n);
+    policy_text t = {0};
+    policy_text_add(&t, "{\"layer\":%u,\"tokens\":%u", layer, ly->n);
     if (ly->decided)
-        text_add(&t, ",\"confidence\":%.9g,\"budget\":%u", ly->confidence, ly->budget);
+        policy_text_add(&t, ",\"confidence\":%.9g,\"budget\":%u", ly->confidence, ly->budget);
     else
-        text_add(&t, ",\"confidence\":null,\"budget\":null");
-    text_add(&t, ",\"ema\":[");
+        policy_text_add(&t, ",\"confidence\":null,\"budget\":null");
+    policy_text_add(&t, ",\"ema\":[");
     for (uint32_t i = 0; i < ly->n; i++)
-        text_add(&t, "%s%.9g", i ? "," : "", ly->ema[i]);
-    text_add(&t, "]}");
-    if (t.failed) {
-        free(t.buf);
-        return NULL;
-    }
-    return t.buf;
+        policy_text_add(&t, "%s%.9g", i ? "," : "", ly->ema[i]);
+    policy_text_add(&t, "]}");
+    return policy_text_finish(&t);
 }
 
 const policy_ops policy_confkv = {

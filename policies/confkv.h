@@ -79,8 +79,7 @@ double confkv_ema(double e, double mass, double gamma);
  * (1−λ)·minmax(step)_i, where minmax(x)_i = (x_i − min x)/(max x − min x)
  * over the candidates, and 0 for all when max == min. rank receives n values.
  */
-void confkv_rank(const double *ema, const uint32_t *step, size_t n, double lambda,
-                 double *rank);
+void confkv_rank(const double *ema, const uint32_t *step, size_t n, double lambda, double *rank);
 
 /*
  * Eviction order (§5.3): sorts idx[0..n) (indices into rank/step) ascending
@@ -89,5 +88,12 @@ void confkv_rank(const double *ema, const uint32_t *step, size_t n, double lambd
  * equal steps the lower index. Stable and total: the order is deterministic.
  */
 void confkv_order(const double *rank, const uint32_t *step, uint32_t *idx, size_t n);
+
+/*
+ * The EMA of one layer of a "confkv" policy state (for tests and Inspect):
+ * *ema points at *n values in list order, valid until the next step.
+ * Returns 0, or -1 when layer is out of range.
+ */
+int confkv_layer_ema(const void *state, uint32_t layer, const double **ema, uint32_t *n);
 
 #endif

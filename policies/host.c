@@ -220,6 +220,36 @@ static int layer_prepare_decision(host_layer *ly, uint32_t heads)
     return 0;
 }
 
+/* A policy's decision must be applicable as it stands: the daemon trusts
+ * it to move memory. */
+static int decision_valid(const host_layer *ly, uint32_t heads, char *err, size_t errlen)
+{
+    const policy_decision *d = &ly->decision;
+    for (uint32_t k = 0; k < heads; k++)
+        for (uint32_t i = 0; i < ly->lists[k].tokens; i++)
+            if (d->tier[k][i] > POLICY_EVICT) {
+                snprintf(err, errlen, "invalid tier %u for token %u of list %u", d->tier[k][i],
+                         i, k);
+                return -1;
+            }
+    if (d->nmerges > d->merges_cap) {
+        snprintf(err, errlen, "%zu merges exceed the capacity %zu", d->nmerges, d->merges_cap);
+        return -1;
+    }
+    for (size_t m = 0; m < d->nmerges; m++) {
+        const policy_merge *g = &d->merges[m];
+        if (g->head >= heads || g->from >= ly->lists[g->head].tokens ||
+            g->into >= ly->lists[g->head].tokens || g->from == g->into ||
+            d->tier[g->head][g->from] != POLICY_EVICT ||
+            d->tier[g->head][g->into] == POLICY_EVICT) {
+            snprintf(err, errlen, "merge %zu (head %u, %u into %u) is not a merge of an evicted "
+                     "token into a kept one", m, g->head, g->from, g->into);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 int policy_host_step(policy_host *h, uint32_t layer, const policy_stats *stats,
                      const policy_decision **decision, char *err, size_t errlen)
 {
@@ -236,6 +266,8 @@ int policy_host_step(policy_host *h, uint32_t layer, const policy_stats *stats,
         return -1;
     }
     if (h->ops->step(h->state, &ly->view, stats, &ly->decision, err, errlen) != 0)
+        return -1;
+    if (decision_valid(ly, h->heads, err, errlen) != 0)
         return -1;
     ly->pending = 1;
     *decision = &ly->decision;

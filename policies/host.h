@@ -29,7 +29,8 @@ void *policy_host_state(const policy_host *h); /* the policy's state, for descri
 uint32_t policy_host_heads(const policy_host *h); /* lists per layer: 1 or kv_heads */
 
 /* Append n tokens (positions appended .. appended+n-1, tier FULL) to every
- * list of every layer. Returns 0, or -1 when out of memory. */
+ * list of every layer. Returns 0, or -1 (and changes nothing) when out of
+ * memory or when positions would pass 2^32-1. */
 int policy_host_append(policy_host *h, uint32_t n);
 
 /* The current view of a layer (valid until the next append or commit). */
@@ -39,7 +40,9 @@ const policy_layer_view *policy_host_view(policy_host *h, uint32_t layer);
  * Run the policy on one layer. On success *decision (owned by the host,
  * valid until commit) says what changes: its tier arrays are indexed like the
  * current view. Steps are counted per call on layer 0. Returns 0, or -1 with
- * err set when the policy refused the stats.
+ * err set when the policy refused the stats or answered with a decision that
+ * cannot be applied (a tier out of range, a merge that is not "evicted token
+ * into kept token"); nothing is then pending.
  */
 int policy_host_step(policy_host *h, uint32_t layer, const policy_stats *stats,
                      const policy_decision **decision, char *err, size_t errlen);

@@ -102,8 +102,8 @@ void reviver_sketch_query(const reviver_sketch *s, const uint32_t *h, const int8
 
 /* Alg. 3's delete: insert(-k_est, -v_est) and count -= 1, where k_est/v_est
  * are what reviver_sketch_query() returned for the token; the residual
- * error stays in the cells (§3.3, §6 #12). In MEAN mode this leaves the
- * mean of every other token in those buckets unchanged. */
+ * error stays in the cells (§3.3, §6 #12). The counts keep track of the
+ * tokens in each bucket for MEAN mode. */
 void reviver_sketch_delete(reviver_sketch *s, const uint32_t *h, const int8_t *g,
                            const float *k_est, const float *v_est);
 
@@ -153,9 +153,9 @@ typedef struct reviver_budgets {
  * entries. scratch needs 2n entries. Returns 0, or -1 when ops_cap would be
  * exceeded (ops then holds the first ops_cap operations).
  */
-int reviver_compress(const reviver_budgets *b, uint32_t n, uint32_t new_tokens,
-                     const double *score, uint8_t *loc, uint32_t *scratch, reviver_op *ops,
-                     size_t ops_cap, size_t *nops);
+int reviver_compress(const reviver_budgets *b, uint32_t n, uint32_t new_tokens, const double *score,
+                     uint8_t *loc, uint32_t *scratch, reviver_op *ops, size_t ops_cap,
+                     size_t *nops);
 
 /* ---- what the daemon needs from a live "reviver" state ---- */
 

@@ -92,16 +92,17 @@ typedef struct snapkv_entry {
  * to the lower index) with mark[i] = 1; others are left as they are. k is
  * clamped to n. tmp holds n entries.
  */
-void snapkv_mark_top(const double *score, const uint8_t *forced, size_t n, size_t k,
-                     uint8_t *mark, snapkv_entry *tmp);
+void snapkv_mark_top(const double *score, const uint8_t *forced, size_t n, size_t k, uint8_t *mark,
+                     snapkv_entry *tmp);
 
 /*
  * CriticalKV selection for one head (§1.4; also the per-head part of §1.5):
  *   stage 1: force the b1 best of (forced, a);
  *   stage 2: z = (a + eps)·vnorm; keep the n_keep best of (forced, z).
  * forced[] is in/out (entries forced on entry stay forced, stage-1 winners
- * are added); z (may be NULL) receives the stage-2 scores; keep[i] is set to
- * 1 for kept tokens and 0 for the others. tmp holds n entries.
+ * are added); z[] (n doubles) receives the stage-2 scores; keep[i] is set to
+ * 1 for kept tokens and 0 for the others. tmp holds n entries. A forced
+ * entry is kept even when its value norm is 0 (§1.7).
  * T-CK2: a = [.40 .05 .30 .25], n = [1.75 5 1.375 2.75], n_keep 2, b1 1 ->
  * keep {0, 3}.
  */
@@ -151,38 +152,62 @@ typedef struct snapkv_config {
 
 /* Parameter specs shared by the four policies (POLICIES.md §1.6, §6 #1-3). */
 #define SNAPKV_PARAM_COMPRESSION_RATIO                                                             \
-    {"compression_ratio", "0.5",                                                                   \
-     "fraction of a layer's tokens evicted at the end of prefill, [0, 1); n_keep = "               \
-     "int(L*(1-compression_ratio)); 0 = never compress (ignored when budget > 0)"}
+    {                                                                                              \
+        "compression_ratio", "0.5",                                                                \
+            "fraction of a layer's tokens evicted at the end of prefill, [0, 1); n_keep = "        \
+            "int(L*(1-compression_ratio)); 0 = never compress (ignored when budget > 0)"           \
+    }
 #define SNAPKV_PARAM_WINDOW                                                                        \
-    {"window", "64",                                                                               \
-     "observation window w: the last w prompt tokens are the queries whose attention scores "      \
-     "the others, 1..1048576 (kvpress 64, DefensiveKV 32, AdaKV paper 32)"}
+    {                                                                                              \
+        "window", "64",                                                                            \
+            "observation window w: the last w prompt tokens are the queries whose attention "      \
+            "scores "                                                                              \
+            "the others, 1..1048576 (kvpress 64, DefensiveKV 32, AdaKV paper 32)"                  \
+    }
 #define SNAPKV_PARAM_KERNEL                                                                        \
-    {"kernel", "5", "pooling kernel size, odd, 1..1025 (kvpress 5, AdaKV paper 7)"}
+    {                                                                                              \
+        "kernel", "5", "pooling kernel size, odd, 1..1025 (kvpress 5, AdaKV paper 7)"              \
+    }
 #define SNAPKV_PARAM_POOLING                                                                       \
-    {"pooling", "avg",                                                                             \
-     "avg (kvpress: zero padding counted) or max (AdaKV paper: padding never wins)"}
+    {                                                                                              \
+        "pooling", "avg",                                                                          \
+            "avg (kvpress: zero padding counted) or max (AdaKV paper: padding never wins)"         \
+    }
 #define SNAPKV_PARAM_WINDOW_PAD                                                                    \
-    {"window_pad", "max_plus_one",                                                                 \
-     "score of window tokens: max_plus_one (kvpress) or max (DefensiveKV fork)"}
+    {                                                                                              \
+        "window_pad", "max_plus_one",                                                              \
+            "score of window tokens: max_plus_one (kvpress) or max (DefensiveKV fork)"             \
+    }
 #define SNAPKV_PARAM_FIRST_STAGE_RATIO                                                             \
-    {"first_stage_ratio", "0.5",                                                                   \
-     "CriticalKV alpha: share of the budget chosen by attention alone in stage 1, [0, 1]"}
+    {                                                                                              \
+        "first_stage_ratio", "0.5",                                                                \
+            "CriticalKV alpha: share of the budget chosen by attention alone in stage 1, [0, 1]"   \
+    }
 #define SNAPKV_PARAM_EPSILON                                                                       \
-    {"epsilon", "1e-4", "added to the attention score in the stage-2 score (a+eps)*n, [0, 1]"}
+    {                                                                                              \
+        "epsilon", "1e-4", "added to the attention score in the stage-2 score (a+eps)*n, [0, 1]"   \
+    }
 #define SNAPKV_PARAM_ALPHA_SAFEGUARD                                                               \
-    {"alpha_safeguard", "0.2",                                                                     \
-     "AdaKV safeguard: every head keeps at least int(n_keep*alpha_safeguard) of its best "         \
-     "tokens, [0, 1]"}
+    {                                                                                              \
+        "alpha_safeguard", "0.2",                                                                  \
+            "AdaKV safeguard: every head keeps at least int(n_keep*alpha_safeguard) of its best "  \
+            "tokens, [0, 1]"                                                                       \
+    }
 #define SNAPKV_PARAM_PROTECT_WINDOW                                                                \
-    {"protect_window", "0",                                                                        \
-     "1 = never evict an observation-window token (the reference can, POLICIES.md §1.7); 0 = "     \
-     "reference behaviour"}
+    {                                                                                              \
+        "protect_window", "0",                                                                     \
+            "1 = never evict an observation-window token (the reference can, POLICIES.md §1.7); " \
+            "0 = "                                                                                 \
+            "reference behaviour"                                                                  \
+    }
 #define SNAPKV_PARAM_BUDGET                                                                        \
-    {"budget", "0",                                                                                \
-     "extension, not in the papers: > 0 keeps min(budget, L) tokens per head instead of the "      \
-     "ratio rule and compresses again on every step that holds more; must exceed window; 0 = off"}
+    {                                                                                              \
+        "budget", "0",                                                                             \
+            "extension, not in the papers: > 0 keeps min(budget, L) tokens per head instead of "   \
+            "the "                                                                                 \
+            "ratio rule and compresses again on every step that holds more; must exceed window; "  \
+            "0 = off"                                                                              \
+    }
 
 /*
  * Parse and validate the parameters of `variant` (the keys its policy

@@ -47,11 +47,11 @@ void wkv_merge_weights(double w_from, double w_into, float *wf, float *wi);
  * out (room for n entries) receives the merges in the order they must be
  * applied, with view indices (from, into), `head`, and wkv_merge_weights()
  * weights; every out[i].from is a token to evict. Returns the number of
- * merges (max(0, n − m)), or 0 when the config leaves too few candidates
- * (the policy validates m >= n_init + n_recent + 1, so that cannot happen).
+ * merges: max(0, n − m), or fewer when the candidates run out (only with a
+ * config the policy rejects: it requires m >= n_init + n_recent + 1).
  */
-size_t wkv_plan(const double *w, size_t n, const wkv_config *cfg, uint32_t head,
-                uint32_t *scratch, policy_merge *out);
+size_t wkv_plan(const double *w, size_t n, const wkv_config *cfg, uint32_t head, uint32_t *scratch,
+                policy_merge *out);
 
 /*
  * Apply the merges of `head` to one head's values, in order (the daemon's

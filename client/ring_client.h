@@ -1,0 +1,31 @@
+/*
+ * ring_client.h - the worker's side of the per-step ring
+ * (proto/kvstash_ring.h): one request in flight, spin then futex.
+ */
+#ifndef KVSTASH_RING_CLIENT_H
+#define KVSTASH_RING_CLIENT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvstash_ring.h"
+
+typedef struct ring_client {
+    ring_header *hdr;
+    size_t bytes;
+    uint8_t *data; /* the data area */
+    size_t data_bytes;
+} ring_client;
+
+/* Map the ring memfd (the fd is closed either way). Returns 0 or a negative
+ * kvs_err with a message in err. */
+int ring_client_open(ring_client *rc, int memfd, uint64_t bytes, char *err, size_t errlen);
+
+void ring_client_close(ring_client *rc);
+
+/* Send the request in rc->hdr->req (and the data area) and wait for the
+ * answer, copied to *resp. KVS_ERR_UNAVAILABLE if the daemon closed the
+ * ring (the session ended) or gave no answer within rpc_timeout_ms(). */
+int ring_client_call(ring_client *rc, ring_response *resp);
+
+#endif

@@ -1,0 +1,48 @@
+/*
+ * criticalkv_ada.c - policy "criticalkv_ada": CriticalKV with AdaKV budgets
+ * on SnapKV scores, as kvpress's CriticalAdaKVPress (POLICIES.md §1.5).
+ *
+ * At the end of the prompt: every head forces its int(n_keep·
+ * alpha_safeguard) best SnapKV scores (safeguard); the n_keep·kv_heads best
+ * over all heads decide each head's budget B[g]; each head then runs the
+ * two-stage selection with budget B[g] (stage 1: floor(B[g]·
+ * first_stage_ratio) best by attention, stage 2: (a + epsilon)·vnorm). Heads
+ * keep different counts (per_head = 1). The algorithm lives in
+ * snapkv_family.c. Parameter `budget` is a decode-time extension
+ * (snapkv_family.h): budget·kv_heads tokens in all.
+ */
+#include "builtin.h"
+#include "snapkv_family.h"
+
+static const policy_param_spec criticalkv_ada_params[] = {
+    SNAPKV_PARAM_COMPRESSION_RATIO,
+    SNAPKV_PARAM_WINDOW,
+    SNAPKV_PARAM_KERNEL,
+    SNAPKV_PARAM_POOLING,
+    SNAPKV_PARAM_WINDOW_PAD,
+    SNAPKV_PARAM_FIRST_STAGE_RATIO,
+    SNAPKV_PARAM_EPSILON,
+    SNAPKV_PARAM_ALPHA_SAFEGUARD,
+    SNAPKV_PARAM_PROTECT_WINDOW,
+    SNAPKV_PARAM_BUDGET,
+};
+
+static int criticalkv_ada_create(const policy_params *p, const policy_geometry *g, void **state,
+                                 char *err, size_t errlen)
+{
+    return snapkv_family_create(p, g, SNAPKV_CRITICAL_ADA, state, err, errlen);
+}
+
+const policy_ops policy_criticalkv_ada = {
+    .name = "criticalkv_ada",
+    .summary = "CriticalKV on AdaKV budgets and SnapKV scores (kvpress CriticalAdaKVPress): "
+               "per-head budgets, then two-stage selection with projected value norms",
+    .params = criticalkv_ada_params,
+    .nparams = sizeof(criticalkv_ada_params) / sizeof(criticalkv_ada_params[0]),
+    .needs = POLICY_NEEDS_WINDOW_ATTN | POLICY_NEEDS_VNORM,
+    .per_head = 1,
+    .create = criticalkv_ada_create,
+    .step = snapkv_family_step,
+    .describe = snapkv_family_describe,
+    .destroy = snapkv_family_destroy,
+};

@@ -1,0 +1,268 @@
+/*
+ * h2o.c - policy "h2o": Heavy-Hitter Oracle (Zhang et al., "H2O:
+ * Heavy-Hitter Oracle for Efficient Generative Inference of Large Language
+ * Models", NeurIPS 2023), the accumulated-attention baseline (DESIGN.md
+ * "Policies"; POLICIES.md §3.6 names it as KVReviver without a sketch).
+ *
+ * Each step adds the step's attention (stats.score: Σ over query heads and
+ * the step's queries, POLICIES.md §2.2/§3.4) to every held token's
+ * accumulated score. Protected: the `recent` newest held tokens and every
+ * token whose original position is < `sinks`. When more than `budget`
+ * tokens are held, the held - budget unprotected tokens with the lowest
+ * accumulated score are evicted, ties to the lower index (POLICIES.md
+ * "Common notation": bottom-k). In decode that is one token per step; a
+ * prefill chunk may shed many at once.
+ *
+ * Parameters: budget (256, as the other baselines' [RECON] default), recent
+ * ("half" = int(budget/2), the H2O paper's even heavy/recent split), sinks
+ * (0). recent + sinks <= budget is required so that every step can get back
+ * to budget; recent = budget - sinks is allowed (then h2o keeps a window).
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "builtin.h"
+#include "describe.h"
+
+#define H2O_MAX 1048576u
+
+typedef struct h2o_layer {
+    uint32_t n, cap;
+    uint32_t *pos;     /* original positions, for describe */
+    double *score;     /* accumulated attention */
+    uint32_t *scratch; /* candidate indices for the selection */
+} h2o_layer;
+
+typedef struct h2o_state {
+    uint32_t budget, recent, sinks;
+    uint32_t layers;
+    h2o_layer *ly;
+} h2o_state;
+
+static const policy_param_spec h2o_params[] = {
+    {"budget", "256", "tokens held per layer after each step, 1..1048576 ([RECON] default)"},
+    {"recent", "half",
+     "newest tokens never evicted: 'half' = int(budget/2) (H2O's even split) or 0..budget; "
+     "recent + sinks <= budget"},
+    {"sinks", "0", "tokens with position < sinks are never evicted, 0..budget"},
+};
+
+static void h2o_destroy(void *state)
+{
+    h2o_state *st = state;
+    if (st == NULL)
+        return;
+    for (uint32_t l = 0; st->ly != NULL && l < st->layers; l++) {
+        free(st->ly[l].pos);
+        free(st->ly[l].score);
+        free(st->ly[l].scratch);
+    }
+    free(st->ly);
+    free(st);
+}
+
+static int h2o_create(const policy_params *p, const policy_geometry *g, void **state, char *err,
+                      size_t errlen)
+{
+    *state = NULL;
+    uint32_t budget, recent, sinks;
+    if (policy_params_uint(p, "budget", 1, H2O_MAX, &budget, err, errlen) != 0)
+        return -1;
+    const char *r = policy_params_get(p, "recent");
+    if (r != NULL && strcmp(r, "half") == 0) {
+        recent = budget / 2;
+    } else if (policy_params_uint(p, "recent", 0, budget, &recent, err, errlen) != 0) {
+        snprintf(err, errlen, "parameter recent must be 'half' or an integer in [0, %u], got '%s'",
+                 budget, r ? r : "");
+        return -1;
+    }
+    if (policy_params_uint(p, "sinks", 0, budget, &sinks, err, errlen) != 0)
+        return -1;
+    if ((uint64_t)recent + sinks > budget) {
+        snprintf(err, errlen,
+                 "parameters recent (%u) + sinks (%u) must be <= budget (%u): protected tokens "
+                 "alone would exceed the budget",
+                 recent, sinks, budget);
+        return -1;
+    }
+    h2o_state *st = calloc(1, sizeof *st);
+    if (st == NULL)
+        goto oom;
+    st->budget = budget;
+    st->recent = recent;
+    st->sinks = sinks;
+    st->layers = g->layers;
+    st->ly = calloc(g->layers ? g->layers : 1, sizeof *st->ly);
+    if (st->ly == NULL)
+        goto oom;
+    *state = st;
+    return 0;
+oom:
+    h2o_destroy(st);
+    snprintf(err, errlen, "out of memory creating policy 'h2o'");
+    return -1;
+}
+
+static int layer_reserve(h2o_layer *ly, uint32_t need)
+{
+    if (need <= ly->cap)
+        return 0;
+    uint64_t cap64 = ly->cap ? ly->cap : 64;
+    while (cap64 < need)
+        cap64 *= 2;
+    if (cap64 > UINT32_MAX)
+        cap64 = need;
+    size_t cap = (size_t)cap64;
+    uint32_t *pos = realloc(ly->pos, cap * sizeof *pos);
+    if (pos == NULL)
+        return -1;
+    ly->pos = pos;
+    double *score = realloc(ly->score, cap * sizeof *score);
+    if (score == NULL)
+        return -1;
+    ly->score = score;
+    uint32_t *scratch = realloc(ly->scratch, cap * sizeof *scratch);
+    if (scratch == NULL)
+        return -1;
+    ly->scratch = scratch;
+    ly->cap = (uint32_t)cap;
+    return 0;
+}
+
+/* Evict-before order: lower score first, ties to the lower index. */
+static int evict_before(const double *s, uint32_t x, uint32_t y)
+{
+    return s[x] < s[y] || (s[x] == s[y] && x < y);
+}
+
+/* Sift x[i] down a max-heap whose top is the candidate evicted LAST. */
+static void sift_down(uint32_t *a, uint32_t n, uint32_t i, const double *s)
+{
+    for (;;) {
+        uint32_t top = i, l = 2 * i + 1, r = 2 * i + 2;
+        if (l < n && evict_before(s, a[top], a[l]))
+            top = l;
+        if (r < n && evict_before(s, a[top], a[r]))
+            top = r;
+        if (top == i)
+            return;
+        uint32_t t = a[i];
+        a[i] = a[top];
+        a[top] = t;
+        i = top;
+    }
+}
+
+/* Keep in a[0..k) the k candidates evicted first (a bounded max-heap:
+ * O(m log k)). The set is exact; its order inside a[0..k) is not. */
+static void select_first(uint32_t *a, uint32_t m, uint32_t k, const double *s)
+{
+    if (k == 0)
+        return;
+    for (uint32_t i = k / 2; i-- > 0;)
+        sift_down(a, k, i, s);
+    for (uint32_t i = k; i < m; i++)
+        if (evict_before(s, a[i], a[0])) {
+            a[0] = a[i];
+            sift_down(a, k, 0, s);
+        }
+}
+
+static int h2o_step(void *state, const policy_layer_view *view, const policy_stats *stats,
+                    policy_decision *d, char *err, size_t errlen)
+{
+    h2o_state *st = state;
+    if (view->layer >= st->layers || view->heads != 1) {
+        snprintf(err, errlen, "h2o: bad view (layer %u of %u, %u lists; expected 1)", view->layer,
+                 st->layers, view->heads);
+        return -1;
+    }
+    if (stats->score == NULL) {
+        snprintf(err, errlen, "h2o needs stats.score (POLICY_NEEDS_SCORE), got none");
+        return -1;
+    }
+    h2o_layer *ly = &st->ly[view->layer];
+    uint32_t n = view->tokens[0];
+    if (stats->new_tokens > n || n - stats->new_tokens != ly->n) {
+        snprintf(err, errlen,
+                 "h2o: layer %u view holds %u tokens with %u new, but the policy tracks %u "
+                 "(was a decision not committed?)",
+                 view->layer, n, stats->new_tokens, ly->n);
+        return -1;
+    }
+    for (uint32_t i = 0; i < n; i++)
+        if (!isfinite(stats->score[i])) {
+            snprintf(err, errlen, "h2o: stats.score[%u] is not finite", i);
+            return -1;
+        }
+    if (layer_reserve(ly, n) != 0) {
+        snprintf(err, errlen, "h2o: out of memory for %u tokens", n);
+        return -1;
+    }
+    const uint32_t *pos = view->positions[0];
+    for (uint32_t i = ly->n; i < n; i++)
+        ly->score[i] = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        ly->pos[i] = pos[i];
+        ly->score[i] += (double)stats->score[i];
+    }
+    ly->n = n;
+    if (n <= st->budget)
+        return 0;
+    /* Candidates: neither a sink nor among the `recent` newest. */
+    uint32_t first_recent = n > st->recent ? n - st->recent : 0, m = 0;
+    for (uint32_t i = 0; i < first_recent; i++)
+        if (pos[i] >= st->sinks)
+            ly->scratch[m++] = i;
+    uint32_t k = n - st->budget;
+    if (k > m)
+        k = m; /* cannot happen: recent + sinks <= budget */
+    select_first(ly->scratch, m, k, ly->score);
+    for (uint32_t j = 0; j < k; j++)
+        d->tier[0][ly->scratch[j]] = POLICY_EVICT;
+    /* Compact the per-token state exactly as the host compacts the list. */
+    uint32_t out = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (d->tier[0][i] == POLICY_EVICT)
+            continue;
+        ly->pos[out] = ly->pos[i];
+        ly->score[out] = ly->score[i];
+        out++;
+    }
+    ly->n = out;
+    return 0;
+}
+
+static char *h2o_describe(void *state, uint32_t layer)
+{
+    const h2o_state *st = state;
+    if (st == NULL || layer >= st->layers)
+        return NULL;
+    const h2o_layer *ly = &st->ly[layer];
+    policy_text t = {0};
+    policy_text_add(&t, "{\"layer\":%u,\"budget\":%u,\"recent\":%u,\"sinks\":%u,\"positions\":[",
+                    layer, st->budget, st->recent, st->sinks);
+    for (uint32_t i = 0; i < ly->n; i++)
+        policy_text_add(&t, "%s%u", i ? "," : "", ly->pos[i]);
+    policy_text_add(&t, "],\"score\":[");
+    for (uint32_t i = 0; i < ly->n; i++)
+        policy_text_add(&t, "%s%.9g", i ? "," : "", ly->score[i]);
+    policy_text_add(&t, "]}");
+    return policy_text_finish(&t);
+}
+
+const policy_ops policy_h2o = {
+    .name = "h2o",
+    .summary = "H2O: keep the `recent` newest tokens (and positions < sinks) plus the heaviest "
+               "accumulated-attention tokens, `budget` in all",
+    .params = h2o_params,
+    .nparams = sizeof(h2o_params) / sizeof(h2o_params[0]),
+    .needs = POLICY_NEEDS_SCORE,
+    .per_head = 0,
+    .create = h2o_create,
+    .step = h2o_step,
+    .describe = h2o_describe,
+    .destroy = h2o_destroy,
+};

@@ -1,0 +1,1018 @@
+/*
+ * ov_block.c - policy "ov_block": OpenVINO GenAI KV-cache token eviction
+ * (POLICIES.md §2; [OV] cache_eviction.cpp, kvcrush.cpp, [OVK] rotation).
+ *
+ * A sequence keeps a start area (start_size tokens, never evicted), an
+ * evictable area and a recent area (recent_size tokens). Every step the
+ * worker reports, per layer, the attention each held token received (§2.2,
+ * stats->score); they are forward max-pooled and accumulated per tracked
+ * token (SUM, or NORM_SUM with per-token counters), with OpenVINO's SnapKV
+ * window rules for the prompt (§2.3). After each decode step (prefill == 0)
+ * each layer drops whole blocks of the evictable area, lowest score first,
+ * ties to the lower block (§2.5), optionally sparing KVCrush's diverse
+ * blocks (§2.6). With apply_rotation the decision asks the daemon to
+ * re-rotate the shifted keys (§2.8).
+ *
+ * Everything the §2.10 vectors test is a function of ov_block.h; step() and
+ * the replay state operations are built from those functions.
+ */
+#include <inttypes.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "builtin.h"
+#include "ov_block.h"
+
+#define OV_MAX_TOKENS (1u << 30) /* bound on start/recent/max: 64-bit sums never wrap */
+#define OV_MAX_WINDOW 1048576u
+
+static void set_err(char *err, size_t errlen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static void set_err(char *err, size_t errlen, const char *fmt, ...)
+{
+    if (err == NULL || errlen == 0)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+}
+
+/* ---- mt19937 ------------------------------------------------------------- */
+
+void ov_mt19937_seed(ov_mt19937 *r, uint32_t seed)
+{
+    r->mt[0] = seed;
+    for (uint32_t i = 1; i < 624; i++)
+        r->mt[i] = 1812433253u * (r->mt[i - 1] ^ (r->mt[i - 1] >> 30)) + i;
+    r->idx = 624;
+}
+
+static void mt_twist(ov_mt19937 *r)
+{
+    for (uint32_t i = 0; i < 624; i++) {
+        uint32_t y = (r->mt[i] & 0x80000000u) | (r->mt[(i + 1) % 624] & 0x7fffffffu);
+        r->mt[i] = r->mt[(i + 397) % 624] ^ (y >> 1) ^ ((y & 1u) ? 0x9908b0dfu : 0u);
+    }
+    r->idx = 0;
+}
+
+uint32_t ov_mt19937_next(ov_mt19937 *r)
+{
+    if (r->idx >= 624)
+        mt_twist(r);
+    uint32_t y = r->mt[r->idx++];
+    y ^= y >> 11;
+    y ^= (y << 7) & 0x9d2c5680u;
+    y ^= (y << 15) & 0xefc60000u;
+    y ^= y >> 18;
+    return y;
+}
+
+/* ---- score accumulation (§2.3) ------------------------------------------ */
+
+void ov_fwd_maxpool(const double *x, size_t n, size_t w, double *y, size_t *dq)
+{
+    if (w <= 1) {
+        if (n > 0)
+            memcpy(y, x, n * sizeof *y);
+        return;
+    }
+    /* Walk i downwards over the window [i, i + w): dq[head..tail) holds
+     * indices ascending whose values ascend too (a later index with a value
+     * <= x[i] can never be a window's max again), so the max is the last. */
+    size_t head = n, tail = n; /* empty; the deque grows towards 0 */
+    for (size_t k = n; k-- > 0;) {
+        while (tail > head && dq[tail - 1] >= k + w)
+            tail--;
+        while (tail > head && x[dq[head]] <= x[k])
+            head++;
+        dq[--head] = k;
+        y[k] = x[dq[tail - 1]];
+    }
+}
+
+uint64_t ov_counter(size_t i, size_t n, uint64_t k)
+{
+    uint64_t left = (uint64_t)(n - i);
+    return left < k ? left : k;
+}
+
+/* ---- block eviction (§2.5) ---------------------------------------------- */
+
+void ov_score_blocks(const double *acc, const uint64_t *cnt, size_t nblocks, uint32_t B, double *bs)
+{
+    for (size_t j = 0; j < nblocks; j++) {
+        double s = 0.0;
+        for (uint32_t t = 0; t < B; t++) {
+            size_t i = j * B + t;
+            s += cnt != NULL ? acc[i] / (double)cnt[i] : acc[i];
+        }
+        bs[j] = s;
+    }
+}
+
+typedef struct scored {
+    double s;
+    uint32_t i;
+} scored;
+
+/* Ascending score, ties to the lower index. */
+static int cmp_low_first(const void *a, const void *b)
+{
+    const scored *x = a, *y = b;
+    if (x->s != y->s)
+        return x->s < y->s ? -1 : 1;
+    return (x->i > y->i) - (x->i < y->i);
+}
+
+/* Descending score, ties to the lower index. */
+static int cmp_high_first(const void *a, const void *b)
+{
+    const scored *x = a, *y = b;
+    if (x->s != y->s)
+        return x->s > y->s ? -1 : 1;
+    return (x->i > y->i) - (x->i < y->i);
+}
+
+static int cmp_u32(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return (x > y) - (x < y);
+}
+
+int ov_select_lowest(const double *bs, size_t n, size_t k, uint32_t *out)
+{
+    if (k > n)
+        k = n;
+    if (k == 0)
+        return 0;
+    scored *v = malloc(n * sizeof *v);
+    if (v == NULL)
+        return -1;
+    for (size_t j = 0; j < n; j++)
+        v[j] = (scored){bs[j], (uint32_t)j};
+    /* POLICIES.md §2.5: the nEvict smallest (score, index) pairs. */
+    qsort(v, n, sizeof *v, cmp_low_first);
+    for (size_t j = 0; j < k; j++)
+        out[j] = v[j].i;
+    free(v);
+    qsort(out, k, sizeof *out, cmp_u32);
+    return 0;
+}
+
+/* ---- KVCrush (§2.6) ------------------------------------------------------ */
+
+int ov_kvcrush_indicators(const double *acc, size_t n, uint8_t *ind)
+{
+    memset(ind, 0, n);
+    if (n < 2)
+        return 0;
+    scored *v = malloc(n * sizeof *v);
+    if (v == NULL)
+        return -1;
+    for (size_t i = 0; i < n; i++)
+        v[i] = (scored){acc[i], (uint32_t)i};
+    /* §6 #7: the reference's partial_sort leaves ties open; lower index wins. */
+    qsort(v, n, sizeof *v, cmp_high_first);
+    for (size_t i = 0; i < n / 2; i++)
+        ind[v[i].i] = 1;
+    free(v);
+    return 0;
+}
+
+void ov_kvcrush_anchor(ov_anchor_mode mode, const uint8_t *ind, size_t nE, uint32_t B,
+                       ov_mt19937 *rng, uint8_t *anchor)
+{
+    for (uint32_t p = 0; p < B; p++) {
+        switch (mode) {
+        case OV_ANCHOR_RANDOM:
+            /* §6 #8: libstdc++'s uniform_int_distribution is not portable;
+             * the top bit of each mt19937 draw is our documented choice. */
+            anchor[p] = (uint8_t)((ov_mt19937_next(rng) >> 31) & 1u);
+            break;
+        case OV_ANCHOR_ZEROS:
+            anchor[p] = 0;
+            break;
+        case OV_ANCHOR_ONES:
+            anchor[p] = 1;
+            break;
+        case OV_ANCHOR_MEAN: {
+            size_t ones = 0;
+            for (size_t b = 0; b < nE; b++)
+                ones += ind[b * B + p];
+            anchor[p] = nE > 0 && (double)ones / (double)nE > 0.5; /* strict */
+            break;
+        }
+        case OV_ANCHOR_ALTERNATING:
+            anchor[p] = (uint8_t)(p % 2);
+            break;
+        }
+    }
+}
+
+int ov_kvcrush_retain(const double *acc, size_t nE, uint32_t B, const uint32_t *victims, size_t nv,
+                      uint32_t budget, ov_anchor_mode mode, ov_mt19937 *rng, uint32_t *retain,
+                      size_t *nretain)
+{
+    *nretain = 0;
+    size_t N = nE * B;
+    uint8_t *ind = malloc(N > 0 ? N : 1);
+    uint8_t *anchor = malloc(B > 0 ? B : 1);
+    scored *e = malloc((nv > 0 ? nv : 1) * sizeof *e);
+    int rc = -1;
+    if (ind == NULL || anchor == NULL || e == NULL)
+        goto out;
+    if (ov_kvcrush_indicators(acc, N, ind) != 0)
+        goto out;
+    ov_kvcrush_anchor(mode, ind, nE, B, rng, anchor);
+    for (size_t v = 0; v < nv; v++) {
+        uint32_t b = victims[v], d = 0;
+        for (uint32_t p = 0; p < B; p++)
+            d += ind[(size_t)b * B + p] != anchor[p];
+        e[v] = (scored){(double)d, b};
+    }
+    /* E = victims by distance ascending, ties to the lower block (§6 #7). */
+    qsort(e, nv, sizeof *e, cmp_low_first);
+    size_t k = nv < budget ? nv : budget;
+    if (k > 0) {
+        size_t step = nv / k;
+        for (size_t i = 0; i < k; i++)
+            retain[i] = e[i * step].i;
+        qsort(retain, k, sizeof *retain, cmp_u32);
+    }
+    *nretain = k;
+    rc = 0;
+out:
+    free(ind);
+    free(anchor);
+    free(e);
+    return rc;
+}
+
+/* ---- cache rotation (§2.8) ----------------------------------------------- */
+
+int ov_rotation_plan(const uint32_t *evicted, size_t ne, uint32_t nbefore, uint32_t nmax,
+                     ov_rotation_step *out, size_t *nout, char *err, size_t errlen)
+{
+    *nout = 0;
+    for (size_t i = 0; i < ne; i++) {
+        if (evicted[i] >= nbefore) {
+            set_err(err, errlen,
+                    "evicted block %" PRIu32 " is outside the %" PRIu32 " blocks before eviction",
+                    evicted[i], nbefore);
+            return -1;
+        }
+    }
+    uint8_t *gone = calloc(nbefore > 0 ? nbefore : 1, 1);
+    if (gone == NULL) {
+        set_err(err, errlen, "out of memory");
+        return -1;
+    }
+    for (size_t i = 0; i < ne; i++)
+        gone[evicted[i]] = 1;
+    uint32_t shift = 0;
+    size_t n = 0;
+    for (uint32_t b = 0; b < nbefore; b++) {
+        if (gone[b]) {
+            shift++;
+        } else if (shift > 0) {
+            if (shift >= nmax) { /* §6 #6: the reference's assert allows shift == Nmax */
+                set_err(err, errlen,
+                        "rotation shift of %" PRIu32 " blocks needs more than the %" PRIu32
+                        " coefficient rows",
+                        shift, nmax);
+                free(gone);
+                return -1;
+            }
+            out[n++] = (ov_rotation_step){b - shift, shift};
+        }
+    }
+    free(gone);
+    *nout = n;
+    return 0;
+}
+
+void ov_rotation_row(uint32_t delta, uint32_t d, double rope_theta, double *sin_row,
+                     double *cos_row)
+{
+    for (uint32_t j = 0; j < d / 2; j++) {
+        double theta_j = pow(rope_theta, -2.0 * (double)j / (double)d);
+        double a = (double)delta * theta_j;
+        cos_row[j] = cos(a);
+        sin_row[j] = -sin(a); /* inverse rotation: RoPE(p) -> RoPE(p - delta) */
+    }
+}
+
+void ov_rotate_key(double *k, uint32_t d, const double *sin_row, const double *cos_row)
+{
+    uint32_t h = d / 2;
+    for (uint32_t j = 0; j < h; j++) {
+        double x = k[j], y = k[j + h];
+        k[j] = x * cos_row[j] - y * sin_row[j];
+        k[j + h] = x * sin_row[j] + y * cos_row[j];
+    }
+}
+
+/* ---- the policy state ---------------------------------------------------- */
+
+typedef struct ov_layer {
+    double *acc;   /* [len] accumulated (pooled) scores of the tracked tokens */
+    uint64_t *cnt; /* [len] NORM_SUM counters (allocated in both modes) */
+    size_t len, cap;
+} ov_layer;
+
+struct ov_block {
+    uint32_t start, recent, max, B, layers;
+    int norm_sum;
+    uint32_t pool_w, snap_w, crush_budget, seed, head_size;
+    ov_anchor_mode anchor;
+    double rope_theta;
+    int apply_rotation;
+
+    uint32_t nreg; /* SnapKV-window scores registered so far (§2.3) */
+    ov_mt19937 rng;
+    ov_layer *ly;
+
+    /* step(): the step whose nsnap was counted, and its value. */
+    uint64_t reg_step;
+    uint32_t reg_nsnap;
+
+    /* Scratch for one layer's vector. */
+    double *raw, *x;
+    size_t *dq;
+    size_t scratch_cap;
+};
+
+static const char *const aggregation_names[] = {"sum", "norm_sum", NULL};
+static const char *const anchor_names[] = {"random", "zeros", "ones", "mean", "alternating", NULL};
+
+static const policy_param_spec ov_params[] = {
+    {"start_size", "32",
+     "tokens at the start never evicted; a multiple of the block size "
+     "(POLICIES.md §2.1)"},
+    {"recent_size", "128",
+     "most recent tokens not evicted while in this area; a multiple of "
+     "the block size (§2.1)"},
+    {"max_cache_size", "672",
+     "start + evictable + recent tokens kept after eviction; > "
+     "start_size + recent_size, a multiple of the block size (§2.1)"},
+    {"block_size", "0",
+     "eviction granularity in tokens: must equal the sequence's block size; "
+     "0 or empty = the block size (§2.5)"},
+    {"aggregation", "norm_sum",
+     "score aggregation: sum | norm_sum (sum divided by the number "
+     "of steps that scored the token) (§2.3)"},
+    {"max_pool_window", "7",
+     "forward max-pool window over each registered score vector; 0 or "
+     "1 = none (§2.3, §6 #4)"},
+    {"snapkv_window", "8",
+     "last prompt queries whose scores start the accumulator; 0 = off "
+     "(§2.3, §2.4)"},
+    {"kvcrush_budget", "0", "KVCrush: victim blocks kept for diversity; 0 = off (§2.6)"},
+    {"kvcrush_anchor", "random",
+     "KVCrush anchor: random | zeros | ones | mean | alternating "
+     "(§2.6)"},
+    {"kvcrush_seed", "0", "seed of the mt19937 stream of the random anchor (§2.6, §6 #8)"},
+    {"rope_theta", "10000", "RoPE base for re-rotating shifted keys (§2.8, §6 #5)"},
+    {"head_size", "0",
+     "head size of the rotation coefficients (even); 0 = the model's head_dim "
+     "(§2.8)"},
+    {"apply_rotation", "0", "1 = ask the daemon to re-rotate the keys of shifted blocks (§2.8)"},
+};
+
+#define OV_NPARAMS (sizeof(ov_params) / sizeof(ov_params[0]))
+
+static void ov_destroy(void *state)
+{
+    ov_block *st = state;
+    if (st == NULL)
+        return;
+    for (uint32_t l = 0; st->ly != NULL && l < st->layers; l++) {
+        free(st->ly[l].acc);
+        free(st->ly[l].cnt);
+    }
+    free(st->ly);
+    free(st->raw);
+    free(st->x);
+    free(st->dq);
+    free(st);
+}
+
+/* block_size: "" or "0" means the geometry's block size. */
+static int parse_block_size(const policy_params *p, const policy_geometry *g, uint32_t *B,
+                            char *err, size_t errlen)
+{
+    const char *s = policy_params_get(p, "block_size");
+    uint32_t v = 0;
+    if (s != NULL && s[0] != '\0' &&
+        policy_params_uint(p, "block_size", 0, OV_MAX_TOKENS, &v, err, errlen) != 0)
+        return -1;
+    if (g->block_tokens == 0) {
+        set_err(err, errlen,
+                "parameter block_size: the sequence has no block size (block_tokens "
+                "is 0)");
+        return -1;
+    }
+    if (v != 0 && v != g->block_tokens) {
+        set_err(err, errlen,
+                "parameter block_size (%" PRIu32 ") must equal the sequence's block "
+                "size (%" PRIu32 ")",
+                v, g->block_tokens);
+        return -1;
+    }
+    *B = g->block_tokens;
+    return 0;
+}
+
+static int check_multiple(const char *key, uint32_t v, uint32_t B, char *err, size_t errlen)
+{
+    if (v % B == 0)
+        return 0;
+    set_err(err, errlen,
+            "parameter %s (%" PRIu32 ") must be a multiple of the block size (%" PRIu32 ")", key, v,
+            B);
+    return -1;
+}
+
+/* Parse and check every parameter into *s (§2.1 validation). */
+static int ov_parse(const policy_params *p, const policy_geometry *g, ov_block *s, char *err,
+                    size_t errlen)
+{
+    unsigned agg, anchor;
+    uint32_t rot;
+    if (g->layers == 0) {
+        set_err(err, errlen, "layers: policy ov_block needs at least one layer, got 0");
+        return -1;
+    }
+    if (parse_block_size(p, g, &s->B, err, errlen) != 0 ||
+        policy_params_uint(p, "start_size", 1, OV_MAX_TOKENS, &s->start, err, errlen) != 0 ||
+        policy_params_uint(p, "recent_size", 1, OV_MAX_TOKENS, &s->recent, err, errlen) != 0 ||
+        policy_params_uint(p, "max_cache_size", 1, OV_MAX_TOKENS, &s->max, err, errlen) != 0 ||
+        policy_params_choice(p, "aggregation", aggregation_names, &agg, err, errlen) != 0 ||
+        policy_params_uint(p, "max_pool_window", 0, OV_MAX_WINDOW, &s->pool_w, err, errlen) != 0 ||
+        policy_params_uint(p, "snapkv_window", 0, OV_MAX_WINDOW, &s->snap_w, err, errlen) != 0 ||
+        policy_params_uint(p, "kvcrush_budget", 0, OV_MAX_WINDOW, &s->crush_budget, err, errlen) !=
+            0 ||
+        policy_params_choice(p, "kvcrush_anchor", anchor_names, &anchor, err, errlen) != 0 ||
+        policy_params_uint(p, "kvcrush_seed", 0, UINT32_MAX, &s->seed, err, errlen) != 0 ||
+        policy_params_double(p, "rope_theta", 1.0, 1e12, &s->rope_theta, err, errlen) != 0 ||
+        policy_params_uint(p, "head_size", 0, 65536, &s->head_size, err, errlen) != 0 ||
+        policy_params_uint(p, "apply_rotation", 0, 1, &rot, err, errlen) != 0)
+        return -1;
+    if ((uint64_t)s->max <= (uint64_t)s->start + s->recent) {
+        set_err(err, errlen,
+                "parameter max_cache_size (%" PRIu32 ") must be greater than "
+                "start_size + recent_size (%" PRIu64 ")",
+                s->max, (uint64_t)s->start + s->recent);
+        return -1;
+    }
+    if (check_multiple("start_size", s->start, s->B, err, errlen) != 0 ||
+        check_multiple("recent_size", s->recent, s->B, err, errlen) != 0 ||
+        check_multiple("max_cache_size", s->max, s->B, err, errlen) != 0)
+        return -1;
+    if (s->head_size == 0)
+        s->head_size = g->head_dim;
+    if (s->head_size % 2 != 0) {
+        set_err(err, errlen,
+                "parameter head_size (%" PRIu32 ") must be even (rotation pairs "
+                "j with j + d/2)",
+                s->head_size);
+        return -1;
+    }
+    if (rot && s->head_size == 0) {
+        set_err(err, errlen,
+                "parameter head_size: apply_rotation needs a head size and the "
+                "model's head_dim is 0");
+        return -1;
+    }
+    s->norm_sum = agg == 1;
+    s->anchor = (ov_anchor_mode)anchor;
+    s->apply_rotation = (int)rot;
+    return 0;
+}
+
+static int ov_create(const policy_params *p, const policy_geometry *g, void **state, char *err,
+                     size_t errlen)
+{
+    *state = NULL;
+    ov_block s = {0};
+    if (ov_parse(p, g, &s, err, errlen) != 0)
+        return -1;
+    s.layers = g->layers;
+    ov_block *st = malloc(sizeof *st);
+    if (st == NULL)
+        goto oom;
+    *st = s;
+    ov_mt19937_seed(&st->rng, st->seed);
+    st->ly = calloc(st->layers, sizeof *st->ly);
+    if (st->ly == NULL)
+        goto oom;
+    *state = st;
+    return 0;
+oom:
+    ov_destroy(st);
+    set_err(err, errlen, "out of memory creating policy 'ov_block'");
+    return -1;
+}
+
+static int grow_scratch(ov_block *st, size_t n)
+{
+    if (n <= st->scratch_cap)
+        return 0;
+    double *raw = realloc(st->raw, n * sizeof *raw);
+    if (raw == NULL)
+        return -1;
+    st->raw = raw;
+    double *x = realloc(st->x, n * sizeof *x);
+    if (x == NULL)
+        return -1;
+    st->x = x;
+    size_t *dq = realloc(st->dq, n * sizeof *dq);
+    if (dq == NULL)
+        return -1;
+    st->dq = dq;
+    st->scratch_cap = n;
+    return 0;
+}
+
+static int layer_reserve(ov_layer *L, size_t n)
+{
+    if (n <= L->cap)
+        return 0;
+    size_t cap = L->cap ? L->cap : 64;
+    while (cap < n)
+        cap *= 2;
+    double *acc = realloc(L->acc, cap * sizeof *acc);
+    if (acc == NULL)
+        return -1;
+    L->acc = acc;
+    uint64_t *cnt = realloc(L->cnt, cap * sizeof *cnt);
+    if (cnt == NULL)
+        return -1;
+    L->cnt = cnt;
+    L->cap = cap;
+    return 0;
+}
+
+/* Is raw[0..n) usable for layer l? (Checked before anything changes.) */
+static int layer_check(const ov_block *st, uint32_t l, const double *raw, size_t n, char *err,
+                       size_t errlen)
+{
+    const ov_layer *L = &st->ly[l];
+    if (n > st->start && L->len > n - st->start) {
+        set_err(err, errlen,
+                "layer %" PRIu32 ": %zu scores are fewer than the %zu tokens the "
+                "layer already holds (start_size %" PRIu32 " + %zu tracked)",
+                l, n, (size_t)st->start + L->len, st->start, L->len);
+        return -1;
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (!isfinite(raw[i])) {
+            set_err(err, errlen, "layer %" PRIu32 ": score %zu is not a finite number", l, i);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* §2.3 "if nreg < W_s: require nreg + nsnap <= W_s; nreg += nsnap". */
+static int snapkv_count(ov_block *st, uint32_t nsnap, char *err, size_t errlen)
+{
+    if (st->nreg >= st->snap_w)
+        return 0;
+    if ((uint64_t)st->nreg + nsnap > st->snap_w) {
+        set_err(err, errlen,
+                "%" PRIu32 " SnapKV scores overfill the window: %" PRIu32 " of %" PRIu32
+                " already registered (snapkv_window)",
+                nsnap, st->nreg, st->snap_w);
+        return -1;
+    }
+    st->nreg += nsnap;
+    return 0;
+}
+
+/*
+ * §2.3 for one layer, after snapkv_count(). raw[0..n) was checked by
+ * layer_check(). Returns the layer's status, or -1 out of memory.
+ */
+static int layer_register(ov_block *st, uint32_t l, const double *raw, size_t n, uint32_t nsnap)
+{
+    ov_layer *L = &st->ly[l];
+    if (n <= st->start)
+        return OV_REG_SHORT;
+    size_t m = n - st->start;
+    if (grow_scratch(st, m) != 0 || layer_reserve(L, m) != 0)
+        return -1;
+    ov_fwd_maxpool(raw + st->start, m, st->pool_w, st->x, st->dq);
+    if (L->len == 0) { /* initial registration */
+        /* A prompt chunk before the SnapKV window (nsnap 0) is ignored. */
+        if (st->snap_w != 0 && nsnap == 0)
+            return OV_REG_BEFORE_WINDOW;
+        memcpy(L->acc, st->x, m * sizeof *L->acc);
+        uint64_t k = st->snap_w == 0 ? m : nsnap;
+        for (size_t i = 0; i < m; i++)
+            L->cnt[i] = ov_counter(i, m, k);
+        L->len = m;
+        return OV_REG_DONE;
+    }
+    size_t old = L->len;
+    for (size_t i = old; i < m; i++)
+        L->acc[i] = 0.0;
+    for (size_t i = 0; i < m; i++)
+        L->acc[i] += st->x[i];
+    if (st->snap_w == 0 || st->nreg == st->snap_w) { /* normal growth */
+        uint64_t delta = m - old;
+        for (size_t i = 0; i < old; i++)
+            L->cnt[i] += delta;
+        for (size_t j = 0; j < delta; j++)
+            L->cnt[old + j] = delta - j;
+    } else { /* still inside the SnapKV window */
+        for (size_t i = 0; i < m; i++)
+            L->cnt[i] = ov_counter(i, m, st->nreg);
+    }
+    L->len = m;
+    return OV_REG_DONE;
+}
+
+int ov_block_register(ov_block *st, const double *const *scores, const size_t *n, uint32_t nsnap,
+                      ov_reg_status *status, char *err, size_t errlen)
+{
+    if (status != NULL)
+        *status = OV_REG_DONE;
+    for (uint32_t l = 0; l < st->layers; l++)
+        if (layer_check(st, l, scores[l], n[l], err, errlen) != 0)
+            return -1;
+    if (snapkv_count(st, nsnap, err, errlen) != 0)
+        return -1;
+    ov_reg_status worst = OV_REG_DONE;
+    for (uint32_t l = 0; l < st->layers; l++) {
+        int rc = layer_register(st, l, scores[l], n[l], nsnap);
+        if (rc < 0) {
+            set_err(err, errlen, "out of memory registering scores");
+            return -1;
+        }
+        if (rc > (int)worst)
+            worst = (ov_reg_status)rc;
+        /* The reference returns from the whole registration here, so the
+         * later layers are skipped too (§2.3). */
+        if (rc == OV_REG_SHORT)
+            break;
+    }
+    if (status != NULL)
+        *status = worst;
+    return 0;
+}
+
+/* Drop the tokens of the relative blocks v[0..nv) (ascending) from L. */
+static void layer_remove(ov_layer *L, const uint32_t *v, size_t nv, uint32_t B)
+{
+    size_t out = 0, k = 0;
+    for (size_t i = 0; i < L->len; i++) {
+        while (k < nv && (size_t)v[k] * B + B <= i)
+            k++;
+        if (k < nv && i >= (size_t)v[k] * B)
+            continue;
+        L->acc[out] = L->acc[i];
+        L->cnt[out] = L->cnt[i];
+        out++;
+    }
+    L->len = out;
+}
+
+/* Remove retain[0..nr) (ascending) from v[0..*nv) (ascending). */
+static void set_minus(uint32_t *v, size_t *nv, const uint32_t *retain, size_t nr)
+{
+    size_t out = 0, k = 0;
+    for (size_t i = 0; i < *nv; i++) {
+        while (k < nr && retain[k] < v[i])
+            k++;
+        if (k < nr && retain[k] == v[i])
+            continue;
+        v[out++] = v[i];
+    }
+    *nv = out;
+}
+
+int ov_block_evict(ov_block *st, uint32_t layer, uint32_t **blocks, size_t *nblocks, char *err,
+                   size_t errlen)
+{
+    *blocks = NULL;
+    *nblocks = 0;
+    ov_layer *L = &st->ly[layer];
+    uint32_t B = st->B;
+    uint64_t seq = (uint64_t)st->start + L->len;
+    uint64_t cap = (uint64_t)st->max + B - 1; /* max cache size after eviction */
+    if (seq <= cap)
+        return 0;
+    uint64_t first = st->start / B;
+    uint64_t last = seq / B - st->recent / B; /* exclusive: the partial block never goes */
+    if (last <= first)
+        return 0;
+    size_t nE = (size_t)(last - first);
+    size_t keepE = (st->max - st->start - st->recent + B - 1) / B;
+    size_t nEvict = nE > keepE ? nE - keepE : 0;
+    if (nEvict == 0)
+        return 0;
+    double *bs = malloc(nE * sizeof *bs);
+    uint32_t *v = malloc(nEvict * sizeof *v);
+    uint32_t *keep = malloc((st->crush_budget > 0 ? st->crush_budget : 1) * sizeof *keep);
+    if (bs == NULL || v == NULL || keep == NULL)
+        goto oom;
+    ov_score_blocks(L->acc, st->norm_sum ? L->cnt : NULL, nE, B, bs);
+    if (ov_select_lowest(bs, nE, nEvict, v) != 0)
+        goto oom;
+    size_t nv = nEvict;
+    if (st->crush_budget > 0 && nv >= st->crush_budget) {
+        size_t nk;
+        if (ov_kvcrush_retain(L->acc, nE, B, v, nv, st->crush_budget, st->anchor, &st->rng, keep,
+                              &nk) != 0)
+            goto oom;
+        set_minus(v, &nv, keep, nk);
+    }
+    layer_remove(L, v, nv, B);
+    for (size_t i = 0; i < nv; i++)
+        v[i] += (uint32_t)first;
+    free(bs);
+    free(keep);
+    if (nv == 0) {
+        free(v);
+        return 0;
+    }
+    *blocks = v;
+    *nblocks = nv;
+    return 0;
+oom:
+    free(bs);
+    free(v);
+    free(keep);
+    set_err(err, errlen, "out of memory evicting layer %" PRIu32, layer);
+    return -1;
+}
+
+uint32_t ov_block_layers(const ov_block *st)
+{
+    return st->layers;
+}
+
+uint32_t ov_block_start_size(const ov_block *st)
+{
+    return st->start;
+}
+
+uint32_t ov_block_snapkv_window(const ov_block *st)
+{
+    return st->snap_w;
+}
+
+uint32_t ov_block_block_size(const ov_block *st)
+{
+    return st->B;
+}
+
+uint32_t ov_block_head_size(const ov_block *st)
+{
+    return st->head_size;
+}
+
+uint32_t ov_block_snapkv_registered(const ov_block *st)
+{
+    return st->nreg;
+}
+
+int ov_block_norm_sum(const ov_block *st)
+{
+    return st->norm_sum;
+}
+
+size_t ov_block_tracked(const ov_block *st, uint32_t layer)
+{
+    return st->ly[layer].len;
+}
+
+const double *ov_block_scores(const ov_block *st, uint32_t layer)
+{
+    return st->ly[layer].acc;
+}
+
+const uint64_t *ov_block_counters(const ov_block *st, uint32_t layer)
+{
+    return st->norm_sum ? st->ly[layer].cnt : NULL;
+}
+
+int ov_block_rotation(const ov_block *st, const uint32_t *evicted, size_t ne,
+                      uint32_t blocks_before, ov_rotation **out, size_t *nout, char *err,
+                      size_t errlen)
+{
+    *out = NULL;
+    *nout = 0;
+    uint32_t d = st->head_size, half = d / 2;
+    if (d == 0) {
+        set_err(err, errlen, "parameter head_size: rotation needs a head size (set head_size)");
+        return -1;
+    }
+    if ((uint64_t)blocks_before * st->B > UINT32_MAX) {
+        set_err(err, errlen, "%" PRIu32 " blocks of %" PRIu32 " tokens exceed the position range",
+                blocks_before, st->B);
+        return -1;
+    }
+    ov_rotation_step *plan = malloc((blocks_before > 0 ? blocks_before : 1) * sizeof *plan);
+    if (plan == NULL) {
+        set_err(err, errlen, "out of memory");
+        return -1;
+    }
+    size_t n;
+    /* The table has a row for every shift up to blocks_before (§6 #6). */
+    if (ov_rotation_plan(evicted, ne, blocks_before, blocks_before + 1, plan, &n, err, errlen) !=
+        0) {
+        free(plan);
+        return -1;
+    }
+    if (n == 0) {
+        free(plan);
+        return 0;
+    }
+    ov_rotation *r = malloc(n * sizeof *r + 2 * n * half * sizeof(double) + 1);
+    if (r == NULL) {
+        free(plan);
+        set_err(err, errlen, "out of memory");
+        return -1;
+    }
+    double *rows = (double *)(r + n);
+    for (size_t i = 0; i < n; i++) {
+        double *s = rows + 2 * i * half, *c = s + half;
+        r[i].block = plan[i].block;
+        r[i].delta = plan[i].shift * st->B;
+        ov_rotation_row(r[i].delta, d, st->rope_theta, s, c);
+        r[i].sin_row = s;
+        r[i].cos_row = c;
+    }
+    free(plan);
+    *out = r;
+    *nout = n;
+    return 0;
+}
+
+/* ---- step (the daemon's path) -------------------------------------------- */
+
+static int ov_step(void *state, const policy_layer_view *view, const policy_stats *stats,
+                   policy_decision *d, char *err, size_t errlen)
+{
+    ov_block *st = state;
+    uint32_t l = view->layer;
+    if (view->heads != 1 || l >= st->layers) {
+        set_err(err, errlen, "policy ov_block: bad view (layer %" PRIu32 ", %" PRIu32 " lists)", l,
+                view->heads);
+        return -1;
+    }
+    if (stats->score == NULL) {
+        set_err(err, errlen,
+                "policy ov_block needs stats score (per-token attention summed over "
+                "heads and the last score_queries queries)");
+        return -1;
+    }
+    size_t n = view->tokens[0];
+    if (grow_scratch(st, n > 0 ? n : 1) != 0) {
+        set_err(err, errlen, "out of memory");
+        return -1;
+    }
+    for (size_t i = 0; i < n; i++)
+        st->raw[i] = stats->score[i];
+    if (layer_check(st, l, st->raw, n, err, errlen) != 0)
+        return -1;
+    /* nsnap counts once per step of the sequence, not once per layer. */
+    if (st->reg_step != view->step) {
+        if (snapkv_count(st, stats->score_queries, err, errlen) != 0)
+            return -1;
+        st->reg_step = view->step;
+        st->reg_nsnap = stats->score_queries;
+    } else if (stats->score_queries != st->reg_nsnap) {
+        set_err(err, errlen,
+                "score_queries %" PRIu32 " of layer %" PRIu32 " differs from %" PRIu32
+                " of an earlier layer in this step",
+                stats->score_queries, l, st->reg_nsnap);
+        return -1;
+    }
+    int rc = layer_register(st, l, st->raw, n, stats->score_queries);
+    if (rc < 0) {
+        set_err(err, errlen, "out of memory registering scores");
+        return -1;
+    }
+    if (stats->prefill) /* §2.5: never during prefill */
+        return 0;
+    uint32_t *blocks;
+    size_t nb;
+    if (ov_block_evict(st, l, &blocks, &nb, err, errlen) != 0)
+        return -1;
+    for (size_t i = 0; i < nb; i++) {
+        size_t from = (size_t)blocks[i] * st->B;
+        if (from + st->B > n) { /* cannot happen while acc mirrors the view */
+            set_err(err, errlen, "policy ov_block: block %" PRIu32 " beyond the %zu held tokens",
+                    blocks[i], n);
+            free(blocks);
+            return -1;
+        }
+        for (uint32_t t = 0; t < st->B; t++)
+            d->tier[0][from + t] = POLICY_EVICT;
+    }
+    free(blocks);
+    d->rerotate_keys = st->apply_rotation && nb > 0;
+    return 0;
+}
+
+/* ---- describe ------------------------------------------------------------ */
+
+typedef struct text {
+    char *buf;
+    size_t len, cap;
+    int oom;
+} text;
+
+static void put(text *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static void put(text *t, const char *fmt, ...)
+{
+    if (t->oom)
+        return;
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        int n = vsnprintf(t->buf + t->len, t->cap - t->len, fmt, ap);
+        va_end(ap);
+        if (n < 0) {
+            t->oom = 1;
+            return;
+        }
+        if ((size_t)n < t->cap - t->len) {
+            t->len += (size_t)n;
+            return;
+        }
+        size_t cap = t->cap * 2 + (size_t)n;
+        char *b = realloc(t->buf, cap);
+        if (b == NULL) {
+            t->oom = 1;
+            return;
+        }
+        t->buf = b;
+        t->cap = cap;
+    }
+}
+
+/* The shortest %g text that reads back as v. */
+static void put_double(text *t, double v)
+{
+    char s[40];
+    for (int prec = 15; prec <= 17; prec++) {
+        snprintf(s, sizeof s, "%.*g", prec, v);
+        if (strtod(s, NULL) == v)
+            break;
+    }
+    put(t, "%s", s);
+}
+
+static char *ov_describe(void *state, uint32_t layer)
+{
+    const ov_block *st = state;
+    if (layer >= st->layers)
+        return NULL;
+    const ov_layer *L = &st->ly[layer];
+    text t = {.buf = malloc(256), .cap = 256};
+    if (t.buf == NULL)
+        return NULL;
+    t.buf[0] = '\0';
+    put(&t,
+        "{\"aggregation\":\"%s\",\"snapkv_registered\":%" PRIu32 ",\"tracked\":%zu,\"scores\":[",
+        st->norm_sum ? "norm_sum" : "sum", st->nreg, L->len);
+    for (size_t i = 0; i < L->len; i++) {
+        if (i > 0)
+            put(&t, ",");
+        put_double(&t, L->acc[i]);
+    }
+    put(&t, "],\"counters\":[");
+    for (size_t i = 0; st->norm_sum && i < L->len; i++)
+        put(&t, "%s%" PRIu64, i > 0 ? "," : "", L->cnt[i]);
+    put(&t, "]}");
+    if (t.oom) {
+        free(t.buf);
+        return NULL;
+    }
+    return t.buf;
+}
+
+const policy_ops policy_ov_block = {
+    .name = "ov_block",
+    .summary = "OpenVINO GenAI eviction: start/evictable/recent areas, SUM or NORM_SUM scores "
+               "with a SnapKV window, block eviction, KVCrush, key re-rotation",
+    .params = ov_params,
+    .nparams = OV_NPARAMS,
+    .needs = POLICY_NEEDS_SCORE,
+    .per_head = 0,
+    .create = ov_create,
+    .step = ov_step,
+    .describe = ov_describe,
+    .destroy = ov_destroy,
+};

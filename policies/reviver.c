@@ -1,0 +1,646 @@
+/*
+ * reviver.c - policy "reviver": KVReviver (arXiv 2512.17917, POLICIES.md
+ * §3), reversible compression into a per-layer count-sketch.
+ *
+ * Per layer three stores over every token ever seen: Recent (FIFO, budget
+ * R_b plus slack), Candidate (budget C_b, minimum accumulated score leaves
+ * first) and Vague (the sketch). Each step adds the step's attention to the
+ * accumulated score of every token, sketched ones included (§3.4), and runs
+ * compress (§3.5, reviver_compress() in reviver.h). Tiers: Recent and
+ * Candidate tokens are POLICY_FULL, Vague tokens POLICY_SKETCH; a swap-back
+ * turns a SKETCH token FULL again, and the daemon stores its sketch
+ * estimate as its K/V ("revived lossy"). Nothing is ever evicted; the
+ * operations' order is in reviver_layer_ops() (see reviver.h).
+ *
+ * Budgets ([RECON] default M = 256; shares per [S2] Tables 2-3):
+ *   R_b = int(recent_share·M), C_b = int(candidate_share·M) (double, then
+ *   truncated toward zero), b = buckets or max(1, round(vague_share·M / r))
+ *   (round half away from zero), slack = min(32, R_b) unless given.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "builtin.h"
+#include "describe.h"
+#include "reviver.h"
+
+#define REVIVER_MAX 1048576u
+#define GOLDEN 0x9E3779B97F4A7C15ull
+
+/* ---- §3.2 hashing ---- */
+
+uint64_t reviver_mix64(uint64_t x)
+{
+    x ^= x >> 30;
+    x *= 0xBF58476D1CE4E5B9ull;
+    x ^= x >> 27;
+    x *= 0x94D049BB133111EBull;
+    x ^= x >> 31;
+    return x;
+}
+
+uint64_t reviver_layer_seed(uint64_t base, uint32_t layer)
+{
+    return reviver_mix64(base + GOLDEN * ((uint64_t)layer + 1));
+}
+
+void reviver_hash(uint64_t layer_seed, uint32_t rows, uint32_t buckets, uint64_t J, uint32_t *h,
+                  int8_t *g)
+{
+    for (uint32_t i = 0; i < rows; i++) {
+        uint64_t s = GOLDEN * (2 * (uint64_t)i + 1) ^ layer_seed;
+        uint64_t t = s ^ 0xD1B54A32D192ED03ull;
+        h[i] = (uint32_t)(reviver_mix64(J ^ s) % buckets);
+        g[i] = (reviver_mix64(J ^ t) >> 63) == 0 ? 1 : -1;
+    }
+}
+
+/* ---- §3.3 reference sketch ---- */
+
+int reviver_sketch_init(reviver_sketch *s, uint32_t rows, uint32_t buckets, size_t dim,
+                        reviver_estimate key_estimate, reviver_estimate value_estimate)
+{
+    memset(s, 0, sizeof *s);
+    if (rows == 0 || rows > REVIVER_MAX_ROWS || buckets == 0 || dim == 0)
+        return -1;
+    size_t cells = (size_t)rows * buckets;
+    if (dim > SIZE_MAX / sizeof(float) / cells)
+        return -1;
+    s->key = calloc(cells * dim, sizeof(float));
+    s->value = calloc(cells * dim, sizeof(float));
+    s->count = calloc(cells, sizeof(int32_t));
+    if (s->key == NULL || s->value == NULL || s->count == NULL) {
+        reviver_sketch_free(s);
+        return -1;
+    }
+    s->rows = rows;
+    s->buckets = buckets;
+    s->dim = dim;
+    s->key_estimate = key_estimate;
+    s->value_estimate = value_estimate;
+    return 0;
+}
+
+void reviver_sketch_free(reviver_sketch *s)
+{
+    free(s->key);
+    free(s->value);
+    free(s->count);
+    memset(s, 0, sizeof *s);
+}
+
+/* Add sign·x to row i's cell h[i] (keys: sign +1, values: g[i]). */
+static void sketch_add(reviver_sketch *s, const uint32_t *h, const int8_t *g, const float *k,
+                       const float *v, float sign, int32_t count)
+{
+    for (uint32_t i = 0; i < s->rows; i++) {
+        size_t cell = (size_t)i * s->buckets + h[i];
+        float *ck = s->key + cell * s->dim;
+        float *cv = s->value + cell * s->dim;
+        float gv = sign * (float)g[i];
+        for (size_t c = 0; c < s->dim; c++) {
+            ck[c] += sign * k[c];
+            cv[c] += gv * v[c];
+        }
+        s->count[cell] += count;
+    }
+}
+
+void reviver_sketch_insert(reviver_sketch *s, const uint32_t *h, const int8_t *g, const float *k,
+                           const float *v)
+{
+    sketch_add(s, h, g, k, v, 1.0f, 1);
+}
+
+void reviver_sketch_delete(reviver_sketch *s, const uint32_t *h, const int8_t *g,
+                           const float *k_est, const float *v_est)
+{
+    sketch_add(s, h, g, k_est, v_est, -1.0f, -1);
+}
+
+/* Lower median of x[0..n): the middle for odd n, the lower middle for even
+ * n (insertion sort; n <= REVIVER_MAX_ROWS). */
+static float lower_median(float *x, uint32_t n)
+{
+    for (uint32_t i = 1; i < n; i++) {
+        float v = x[i];
+        uint32_t j = i;
+        for (; j > 0 && x[j - 1] > v; j--)
+            x[j] = x[j - 1];
+        x[j] = v;
+    }
+    return x[(n - 1) / 2];
+}
+
+/* One half (keys or values) of a query. */
+static void sketch_query_half(const reviver_sketch *s, const float *cells, const uint32_t *h,
+                              const int8_t *g, reviver_estimate est, float *out)
+{
+    float row[REVIVER_MAX_ROWS];
+    for (size_t c = 0; c < s->dim; c++) {
+        for (uint32_t i = 0; i < s->rows; i++) {
+            size_t cell = (size_t)i * s->buckets + h[i];
+            float x = cells[cell * s->dim + c];
+            if (g != NULL)
+                x *= (float)g[i];
+            if (est == REVIVER_ESTIMATE_MEAN && s->count[cell] > 0)
+                x /= (float)s->count[cell];
+            row[i] = x;
+        }
+        out[c] = lower_median(row, s->rows);
+    }
+}
+
+void reviver_sketch_query(const reviver_sketch *s, const uint32_t *h, const int8_t *g, float *k,
+                          float *v)
+{
+    if (k != NULL)
+        sketch_query_half(s, s->key, h, NULL, s->key_estimate, k);
+    if (v != NULL)
+        sketch_query_half(s, s->value, h, g, s->value_estimate, v);
+}
+
+/* ---- §3.5 compress ---- */
+
+/* A binary heap of token indices ordered by `before`. */
+typedef struct heap {
+    uint32_t *a;
+    uint32_t n;
+    const double *score;
+    int (*before)(const double *score, uint32_t x, uint32_t y);
+} heap;
+
+/* Candidate: the minimum score on top, ties to the smaller (older) index. */
+static int c_before(const double *s, uint32_t x, uint32_t y)
+{
+    return s[x] < s[y] || (s[x] == s[y] && x < y);
+}
+
+/* Vague: the maximum score on top, ties to the smaller index. */
+static int v_before(const double *s, uint32_t x, uint32_t y)
+{
+    return s[x] > s[y] || (s[x] == s[y] && x < y);
+}
+
+static void heap_down(heap *hp, uint32_t i)
+{
+    for (;;) {
+        uint32_t best = i, l = 2 * i + 1, r = 2 * i + 2;
+        if (l < hp->n && hp->before(hp->score, hp->a[l], hp->a[best]))
+            best = l;
+        if (r < hp->n && hp->before(hp->score, hp->a[r], hp->a[best]))
+            best = r;
+        if (best == i)
+            return;
+        uint32_t t = hp->a[i];
+        hp->a[i] = hp->a[best];
+        hp->a[best] = t;
+        i = best;
+    }
+}
+
+static void heap_build(heap *hp)
+{
+    for (uint32_t i = hp->n / 2; i-- > 0;)
+        heap_down(hp, i);
+}
+
+static uint32_t heap_pop(heap *hp)
+{
+    uint32_t top = hp->a[0];
+    hp->a[0] = hp->a[--hp->n];
+    heap_down(hp, 0);
+    return top;
+}
+
+static void heap_push(heap *hp, uint32_t x)
+{
+    uint32_t i = hp->n++;
+    hp->a[i] = x;
+    while (i > 0) {
+        uint32_t p = (i - 1) / 2;
+        if (!hp->before(hp->score, hp->a[i], hp->a[p]))
+            break;
+        uint32_t t = hp->a[i];
+        hp->a[i] = hp->a[p];
+        hp->a[p] = t;
+        i = p;
+    }
+}
+
+/* A heap over the tokens of one store. */
+static heap heap_of(const uint8_t *loc, uint32_t n, uint8_t which, const double *score,
+                    uint32_t *mem, int (*before)(const double *, uint32_t, uint32_t))
+{
+    heap hp = {mem, 0, score, before};
+    for (uint32_t i = 0; i < n; i++)
+        if (loc[i] == which)
+            hp.a[hp.n++] = i;
+    heap_build(&hp);
+    return hp;
+}
+
+static int log_op(reviver_op *ops, size_t cap, size_t *nops, uint32_t index, uint32_t kind)
+{
+    if (*nops >= cap)
+        return -1;
+    ops[*nops].index = index;
+    ops[*nops].kind = kind;
+    (*nops)++;
+    return 0;
+}
+
+int reviver_compress(const reviver_budgets *b, uint32_t n, uint32_t new_tokens, const double *score,
+                     uint8_t *loc, uint32_t *scratch, reviver_op *ops, size_t ops_cap, size_t *nops)
+{
+    *nops = 0;
+    /* 1. R.push(T) */
+    for (uint32_t i = n - new_tokens; i < n; i++)
+        loc[i] = REVIVER_RECENT;
+    uint32_t recent = 0;
+    for (uint32_t i = 0; i < n; i++)
+        recent += loc[i] == REVIVER_RECENT;
+    /* 2. spill the |R| - R_b oldest to C, in age order (64-bit: no wrap). */
+    if ((uint64_t)recent > (uint64_t)b->recent + b->slack) {
+        uint32_t move = recent - b->recent;
+        for (uint32_t i = 0; i < n && move > 0; i++)
+            if (loc[i] == REVIVER_RECENT) {
+                loc[i] = REVIVER_CANDIDATE;
+                move--;
+            }
+    }
+    /* 3. while |C| > C_b: V.insert(C.pop_min()) */
+    heap c = heap_of(loc, n, REVIVER_CANDIDATE, score, scratch, c_before);
+    while (c.n > b->candidate) {
+        uint32_t j = heap_pop(&c);
+        loc[j] = REVIVER_VAGUE;
+        if (log_op(ops, ops_cap, nops, j, REVIVER_OP_SKETCH) != 0)
+            return -1;
+    }
+    if (c.n == 0)
+        return 0;
+    /* 4. the swap loop; guard is the [RECON] safety cap of §3.5. */
+    heap v = heap_of(loc, n, REVIVER_VAGUE, score, scratch + n, v_before);
+    uint64_t guard = (uint64_t)c.n + v.n;
+    while (c.n > 0 && v.n > 0 && guard > 0 && score[c.a[0]] * b->replace_rate < score[v.a[0]]) {
+        guard--;
+        uint32_t jv = heap_pop(&v);
+        uint32_t jc = heap_pop(&c);
+        if (log_op(ops, ops_cap, nops, jv, REVIVER_OP_REVIVE) != 0 ||
+            log_op(ops, ops_cap, nops, jc, REVIVER_OP_SKETCH) != 0)
+            return -1;
+        loc[jv] = REVIVER_CANDIDATE;
+        loc[jc] = REVIVER_VAGUE;
+        heap_push(&v, jc);
+        heap_push(&c, jv);
+    }
+    return 0;
+}
+
+/* ---- the policy ---- */
+
+typedef struct reviver_layer {
+    uint32_t n, cap;
+    uint32_t *pos;     /* original positions, for describe */
+    double *score;     /* accumulated score (§3.4) */
+    uint8_t *loc;      /* reviver_loc */
+    uint32_t *scratch; /* 2·cap: the two heaps */
+    reviver_op *ops;   /* cap: the last step's operations */
+    size_t nops;
+} reviver_layer;
+
+typedef struct reviver_state {
+    reviver_budgets budgets;
+    uint32_t budget, rows, buckets;
+    uint64_t seed;
+    reviver_estimate key_estimate, value_estimate;
+    uint32_t layers;
+    reviver_layer *ly;
+} reviver_state;
+
+static const char *const estimate_names[] = {"sum", "mean", NULL};
+
+static const policy_param_spec reviver_params[] = {
+    {"budget", "256",
+     "per-layer token budget M shared by Recent, Candidate and the sketch's r·b slots, "
+     "1..1048576 ([RECON] default; POLICIES.md §3.1)"},
+    {"vague_share", "0.1", "share of M for the sketch (Vague), (0, 1] (§3.1, [S2] Tables 2-3)"},
+    {"candidate_share", "0.45", "share of M for Candidate: C_b = int(share·M), [0, 1] (§3.1)"},
+    {"recent_share", "0.45",
+     "share of M for Recent: R_b = int(share·M), [0, 1]; the three shares sum to 1 (§3.1)"},
+    {"rows", "3", "sketch rows r (hash functions), 1..32 (§3.1, [S2])"},
+    {"buckets", "0",
+     "sketch buckets per row b, 0..1048576; 0 = max(1, round(vague_share·M / r)) (§3.1)"},
+    {"slack", "-1",
+     "Recent spills when it holds more than R_b + slack; -1 = min(32, R_b) ([RECON] §3.5), "
+     "0 = spill every step, up to 1048576"},
+    {"replace_rate", "1.1",
+     "swap a sketched token back when min_C·replace_rate < max_V, [1, 1e6] (§3.5, [S2])"},
+    {"key_estimate", "sum",
+     "sum = the paper's bucket-sum keys (§3.3); mean = bucket sum / bucket count (§3.8); "
+     "the quality benchmark decides the default"},
+    {"value_estimate", "sum", "sum (signed bucket sums, §3.3) or mean (divided by count, §3.8)"},
+    {"seed", "0", "base of the per-layer hash seeds (reviver_layer_seed), 0..4294967295 (§3.2)"},
+};
+
+static void reviver_destroy(void *state)
+{
+    reviver_state *st = state;
+    if (st == NULL)
+        return;
+    for (uint32_t l = 0; st->ly != NULL && l < st->layers; l++) {
+        reviver_layer *ly = &st->ly[l];
+        free(ly->pos);
+        free(ly->score);
+        free(ly->loc);
+        free(ly->scratch);
+        free(ly->ops);
+    }
+    free(st->ly);
+    free(st);
+}
+
+/* Parse slack: -1 (derived) or an integer in [0, REVIVER_MAX]. */
+static int parse_slack(const policy_params *p, uint32_t recent, uint32_t *out, char *err,
+                       size_t errlen)
+{
+    const char *s = policy_params_get(p, "slack");
+    if (s != NULL && strcmp(s, "-1") == 0) {
+        *out = recent < 32 ? recent : 32;
+        return 0;
+    }
+    if (policy_params_uint(p, "slack", 0, REVIVER_MAX, out, err, errlen) != 0) {
+        snprintf(err, errlen,
+                 "parameter slack must be -1 (= min(32, R_b)) or an integer in [0, %u], got '%s'",
+                 REVIVER_MAX, s ? s : "");
+        return -1;
+    }
+    return 0;
+}
+
+/* Parse and cross-check every parameter into *c (no allocation). */
+static int reviver_config(const policy_params *p, reviver_state *c, char *err, size_t errlen)
+{
+    double vs, cs, rs, rr;
+    uint32_t seed;
+    unsigned ke, ve;
+    if (policy_params_uint(p, "budget", 1, REVIVER_MAX, &c->budget, err, errlen) != 0 ||
+        policy_params_double(p, "vague_share", 0, 1, &vs, err, errlen) != 0 ||
+        policy_params_double(p, "candidate_share", 0, 1, &cs, err, errlen) != 0 ||
+        policy_params_double(p, "recent_share", 0, 1, &rs, err, errlen) != 0 ||
+        policy_params_uint(p, "rows", 1, REVIVER_MAX_ROWS, &c->rows, err, errlen) != 0 ||
+        policy_params_uint(p, "buckets", 0, REVIVER_MAX, &c->buckets, err, errlen) != 0 ||
+        policy_params_double(p, "replace_rate", 1.0, 1e6, &rr, err, errlen) != 0 ||
+        policy_params_choice(p, "key_estimate", estimate_names, &ke, err, errlen) != 0 ||
+        policy_params_choice(p, "value_estimate", estimate_names, &ve, err, errlen) != 0 ||
+        policy_params_uint(p, "seed", 0, UINT32_MAX, &seed, err, errlen) != 0)
+        return -1;
+    if (fabs(vs + cs + rs - 1.0) > 1e-6) {
+        snprintf(err, errlen,
+                 "parameters vague_share + candidate_share + recent_share must sum to 1 "
+                 "(within 1e-6), got %g + %g + %g = %.9g",
+                 vs, cs, rs, vs + cs + rs);
+        return -1;
+    }
+    /* §3.6: b = 0 or r = 0 means no Vague part (H2O); rejected. */
+    if (vs <= 0) {
+        snprintf(err, errlen,
+                 "parameter vague_share must be > 0: without a sketch KVReviver degenerates to "
+                 "H2O (POLICIES.md §3.6; use policy h2o)");
+        return -1;
+    }
+    c->budgets.recent = (uint32_t)(rs * (double)c->budget);
+    c->budgets.candidate = (uint32_t)(cs * (double)c->budget);
+    c->budgets.replace_rate = rr;
+    if (c->buckets == 0) {
+        double derived = round(vs * (double)c->budget / (double)c->rows);
+        c->buckets = derived < 1 ? 1 : (uint32_t)derived;
+    }
+    if (c->buckets == 0 || c->rows == 0) { /* unreachable after the checks above */
+        snprintf(err, errlen, "parameters rows and buckets must be > 0 (POLICIES.md §3.6)");
+        return -1;
+    }
+    if (parse_slack(p, c->budgets.recent, &c->budgets.slack, err, errlen) != 0)
+        return -1;
+    c->seed = seed;
+    c->key_estimate = ke == 1 ? REVIVER_ESTIMATE_MEAN : REVIVER_ESTIMATE_SUM;
+    c->value_estimate = ve == 1 ? REVIVER_ESTIMATE_MEAN : REVIVER_ESTIMATE_SUM;
+    return 0;
+}
+
+static int reviver_create(const policy_params *p, const policy_geometry *g, void **state, char *err,
+                          size_t errlen)
+{
+    *state = NULL;
+    reviver_state c;
+    memset(&c, 0, sizeof c);
+    if (reviver_config(p, &c, err, errlen) != 0)
+        return -1;
+    reviver_state *st = malloc(sizeof *st);
+    if (st == NULL)
+        goto oom;
+    *st = c;
+    st->layers = g->layers;
+    st->ly = calloc(g->layers ? g->layers : 1, sizeof *st->ly);
+    if (st->ly == NULL)
+        goto oom;
+    *state = st;
+    return 0;
+oom:
+    reviver_destroy(st);
+    snprintf(err, errlen, "out of memory creating policy 'reviver'");
+    return -1;
+}
+
+static int layer_reserve(reviver_layer *ly, uint32_t need)
+{
+    if (need <= ly->cap)
+        return 0;
+    uint64_t cap64 = ly->cap ? ly->cap : 64;
+    while (cap64 < need)
+        cap64 *= 2;
+    if (cap64 > UINT32_MAX / 2)
+        cap64 = need;
+    size_t cap = (size_t)cap64;
+    uint32_t *pos = realloc(ly->pos, cap * sizeof *pos);
+    if (pos == NULL)
+        return -1;
+    ly->pos = pos;
+    double *score = realloc(ly->score, cap * sizeof *score);
+    if (score == NULL)
+        return -1;
+    ly->score = score;
+    uint8_t *loc = realloc(ly->loc, cap);
+    if (loc == NULL)
+        return -1;
+    ly->loc = loc;
+    uint32_t *scratch = realloc(ly->scratch, 2 * cap * sizeof *scratch);
+    if (scratch == NULL)
+        return -1;
+    ly->scratch = scratch;
+    reviver_op *ops = realloc(ly->ops, cap * sizeof *ops);
+    if (ops == NULL)
+        return -1;
+    ly->ops = ops;
+    ly->cap = (uint32_t)cap;
+    return 0;
+}
+
+/* Everything step() checks before it changes any state. */
+static int step_check(const reviver_state *st, const policy_layer_view *view,
+                      const policy_stats *stats, char *err, size_t errlen)
+{
+    if (view->layer >= st->layers || view->heads != 1) {
+        snprintf(err, errlen, "reviver: bad view (layer %u of %u, %u lists; expected 1)",
+                 view->layer, st->layers, view->heads);
+        return -1;
+    }
+    if (stats->score == NULL) {
+        snprintf(err, errlen, "reviver needs stats.score (POLICY_NEEDS_SCORE), got none");
+        return -1;
+    }
+    const reviver_layer *ly = &st->ly[view->layer];
+    uint32_t n = view->tokens[0];
+    if (stats->new_tokens > n || n - stats->new_tokens != ly->n) {
+        snprintf(err, errlen,
+                 "reviver: layer %u view holds %u tokens with %u new, but the policy tracks %u "
+                 "(was a decision not committed?)",
+                 view->layer, n, stats->new_tokens, ly->n);
+        return -1;
+    }
+    const uint8_t *tier = view->tier[0];
+    for (uint32_t i = 0; i < n; i++) {
+        uint8_t want = i < ly->n && ly->loc[i] == REVIVER_VAGUE ? POLICY_SKETCH : POLICY_FULL;
+        if (tier[i] != want) {
+            snprintf(err, errlen,
+                     "reviver: layer %u token %u has tier %u, the policy expects %u "
+                     "(was a decision not committed?)",
+                     view->layer, i, tier[i], want);
+            return -1;
+        }
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        float s = stats->score[i];
+        if (!isfinite(s) || s < 0) {
+            snprintf(err, errlen, "reviver: stats.score[%u] = %g, must be finite and >= 0", i,
+                     (double)s);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int reviver_step(void *state, const policy_layer_view *view, const policy_stats *stats,
+                        policy_decision *d, char *err, size_t errlen)
+{
+    reviver_state *st = state;
+    if (step_check(st, view, stats, err, errlen) != 0)
+        return -1;
+    reviver_layer *ly = &st->ly[view->layer];
+    uint32_t n = view->tokens[0];
+    if (layer_reserve(ly, n) != 0) {
+        snprintf(err, errlen, "reviver: out of memory for %u tokens", n);
+        return -1;
+    }
+    for (uint32_t i = ly->n; i < n; i++) {
+        ly->score[i] = 0;
+        ly->loc[i] = REVIVER_RECENT;
+    }
+    memcpy(ly->pos, view->positions[0], (size_t)n * sizeof *ly->pos);
+    /* §3.4: every token, sketched ones included, accumulates this step. */
+    for (uint32_t i = 0; i < n; i++)
+        ly->score[i] += (double)stats->score[i];
+    ly->n = n;
+    if (reviver_compress(&st->budgets, n, stats->new_tokens, ly->score, ly->loc, ly->scratch,
+                         ly->ops, ly->cap, &ly->nops) != 0) {
+        /* Unreachable: replace_rate >= 1 and scores >= 0 bound the ops by n. */
+        snprintf(err, errlen, "reviver: internal error (operation log overflow)");
+        return -1;
+    }
+    for (uint32_t i = 0; i < n; i++)
+        d->tier[0][i] = ly->loc[i] == REVIVER_VAGUE ? POLICY_SKETCH : POLICY_FULL;
+    return 0;
+}
+
+int reviver_layer_sketch(const void *state, uint32_t layer, reviver_layer_sketch_config *out)
+{
+    const reviver_state *st = state;
+    if (st == NULL || layer >= st->layers)
+        return -1;
+    out->rows = st->rows;
+    out->buckets = st->buckets;
+    out->layer_seed = reviver_layer_seed(st->seed, layer);
+    out->key_estimate = st->key_estimate;
+    out->value_estimate = st->value_estimate;
+    return 0;
+}
+
+const reviver_op *reviver_layer_ops(const void *state, uint32_t layer, size_t *n)
+{
+    const reviver_state *st = state;
+    *n = 0;
+    if (st == NULL || layer >= st->layers || st->ly[layer].nops == 0)
+        return NULL;
+    *n = st->ly[layer].nops;
+    return st->ly[layer].ops;
+}
+
+/* The positions of one store, as a JSON array. */
+static void describe_store(policy_text *t, const reviver_layer *ly, uint8_t which)
+{
+    int first = 1;
+    policy_text_add(t, "[");
+    for (uint32_t i = 0; i < ly->n; i++)
+        if (ly->loc[i] == which) {
+            policy_text_add(t, "%s%u", first ? "" : ",", ly->pos[i]);
+            first = 0;
+        }
+    policy_text_add(t, "]");
+}
+
+static char *reviver_describe(void *state, uint32_t layer)
+{
+    const reviver_state *st = state;
+    if (st == NULL || layer >= st->layers)
+        return NULL;
+    const reviver_layer *ly = &st->ly[layer];
+    policy_text t = {0};
+    policy_text_add(&t,
+                    "{\"layer\":%u,\"recent_budget\":%u,\"slack\":%u,\"candidate_budget\":%u,"
+                    "\"rows\":%u,\"buckets\":%u,\"layer_seed\":\"0x%016llx\","
+                    "\"key_estimate\":\"%s\",\"value_estimate\":\"%s\",\"recent\":",
+                    layer, st->budgets.recent, st->budgets.slack, st->budgets.candidate, st->rows,
+                    st->buckets, (unsigned long long)reviver_layer_seed(st->seed, layer),
+                    estimate_names[st->key_estimate], estimate_names[st->value_estimate]);
+    describe_store(&t, ly, REVIVER_RECENT);
+    policy_text_add(&t, ",\"candidate\":");
+    describe_store(&t, ly, REVIVER_CANDIDATE);
+    policy_text_add(&t, ",\"vague\":");
+    describe_store(&t, ly, REVIVER_VAGUE);
+    policy_text_add(&t, ",\"score\":[");
+    for (uint32_t i = 0; i < ly->n; i++)
+        policy_text_add(&t, "%s%.9g", i ? "," : "", ly->score[i]);
+    policy_text_add(&t, "],\"ops\":[");
+    for (size_t i = 0; i < ly->nops; i++)
+        policy_text_add(&t, "%s[\"%s\",%u]", i ? "," : "",
+                        ly->ops[i].kind == REVIVER_OP_REVIVE ? "revive" : "sketch",
+                        ly->pos[ly->ops[i].index]);
+    policy_text_add(&t, "]}");
+    return policy_text_finish(&t);
+}
+
+const policy_ops policy_reviver = {
+    .name = "reviver",
+    .summary = "KVReviver: per layer Recent FIFO + Candidate heavy hitters + count-sketch; "
+               "sketched tokens can be swapped back (revived lossy)",
+    .params = reviver_params,
+    .nparams = sizeof(reviver_params) / sizeof(reviver_params[0]),
+    .needs = POLICY_NEEDS_SCORE,
+    .per_head = 0,
+    .create = reviver_create,
+    .step = reviver_step,
+    .describe = reviver_describe,
+    .destroy = reviver_destroy,
+};

@@ -1,0 +1,749 @@
+/*
+ * snapkv_family.c - SnapKV scores, AdaKV budgets and CriticalKV two-stage
+ * selection (POLICIES.md §1), and the step driver of the policies "snapkv",
+ * "adakv", "criticalkv" and "criticalkv_ada" (snapkv_family.h).
+ *
+ * The reference is kvpress (SnapKVPress, AdaKVPress, CriticalKVPress,
+ * CriticalAdaKVPress) as pinned in POLICIES.md §0. The reference masks
+ * (head, position) pairs; here every KV head has its own token list
+ * (ops->per_head = 1) and a masked pair is an EVICT in that head's list.
+ */
+#include "snapkv_family.h"
+
+#include "describe.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- projected value norm (§1.2) ---- */
+
+void snapkv_vnorm_l1(const float *v, const float *wo, uint32_t kv_heads, uint32_t q_heads,
+                     uint32_t head_dim, uint32_t hidden, size_t tokens, float *out)
+{
+    uint32_t G = q_heads / kv_heads;
+    size_t row = (size_t)q_heads * head_dim; /* one row of o_proj.weight */
+    for (uint32_t g = 0; g < kv_heads; g++) {
+        for (size_t i = 0; i < tokens; i++) {
+            const float *vi = v + ((size_t)g * tokens + i) * head_dim;
+            double acc = 0;
+            for (uint32_t h = g * G; h < g * G + G; h++) {
+                double s = 0;
+                for (uint32_t c = 0; c < hidden; c++) {
+                    const float *w = wo + (size_t)c * row + (size_t)h * head_dim;
+                    double dot = 0;
+                    for (uint32_t j = 0; j < head_dim; j++)
+                        dot += (double)vi[j] * (double)w[j];
+                    s += fabs(dot);
+                }
+                acc += s;
+            }
+            out[(size_t)g * tokens + i] = (float)(acc / G); /* mean over the group */
+        }
+    }
+}
+
+/* ---- SnapKV base scores (§1.3) ---- */
+
+void snapkv_pool(const double *in, size_t n, uint32_t kernel, snapkv_pooling mode, double *out)
+{
+    size_t r = kernel / 2;
+    for (size_t i = 0; i < n; i++) {
+        size_t lo = i >= r ? i - r : 0;
+        size_t hi = i + r < n ? i + r : n - 1;
+        if (mode == SNAPKV_POOL_MAX) {
+            /* max_pool1d pads with -inf: only real positions can win. */
+            double m = in[lo];
+            for (size_t j = lo + 1; j <= hi; j++)
+                if (in[j] > m)
+                    m = in[j];
+            out[i] = m;
+        } else {
+            /* avg_pool1d, count_include_pad: the padded zeros count. */
+            double s = 0;
+            for (size_t j = lo; j <= hi; j++)
+                s += in[j];
+            out[i] = s / kernel;
+        }
+    }
+}
+
+void snapkv_base_scores(const float *const *window_attn, uint32_t q_heads, uint32_t kv_heads,
+                        const uint32_t *len, const uint32_t *prefix, uint32_t kernel,
+                        snapkv_pooling pool, snapkv_window_pad pad, double *const *score,
+                        double *scratch)
+{
+    uint32_t G = q_heads / kv_heads;
+    double mx = -INFINITY;
+    for (uint32_t g = 0; g < kv_heads; g++) {
+        uint32_t P = prefix[g];
+        if (P == 0)
+            continue;
+        double *row = scratch, *pooled = scratch + P, *acc = score[g];
+        memset(acc, 0, P * sizeof *acc);
+        for (uint32_t h = g * G; h < g * G + G; h++) {
+            for (uint32_t i = 0; i < P; i++)
+                row[i] = window_attn[h][i];
+            snapkv_pool(row, P, kernel, pool, pooled);
+            for (uint32_t i = 0; i < P; i++)
+                acc[i] += pooled[i];
+        }
+        for (uint32_t i = 0; i < P; i++) {
+            acc[i] /= G; /* GQA: mean over the group's query heads */
+            if (acc[i] > mx)
+                mx = acc[i];
+        }
+    }
+    /* The max over every head's prefix, as kvpress's scores.max(). */
+    double win = pad == SNAPKV_PAD_MAX_PLUS_ONE ? mx + 1 : mx;
+    for (uint32_t g = 0; g < kv_heads; g++)
+        for (uint32_t i = prefix[g]; i < len[g]; i++)
+            score[g][i] = win;
+}
+
+size_t snapkv_n_keep(size_t L, double compression_ratio)
+{
+    return (size_t)((double)L * (1.0 - compression_ratio));
+}
+
+size_t criticalkv_stage1_size(size_t L, double compression_ratio, double alpha)
+{
+    return (size_t)((1.0 - compression_ratio) * (double)L * alpha);
+}
+
+/* ---- selection ---- */
+
+/* Best first: forced, higher score, lower head, lower index. */
+static int entry_better(const void *pa, const void *pb)
+{
+    const snapkv_entry *a = pa, *b = pb;
+    if (a->forced != b->forced)
+        return a->forced ? -1 : 1;
+    if (a->score != b->score)
+        return a->score > b->score ? -1 : 1;
+    if (a->head != b->head)
+        return a->head < b->head ? -1 : 1;
+    return a->index < b->index ? -1 : a->index > b->index;
+}
+
+/* Worst first: unforced, lower score, lower head, lower index. */
+static int entry_worse(const void *pa, const void *pb)
+{
+    const snapkv_entry *a = pa, *b = pb;
+    if (a->forced != b->forced)
+        return a->forced ? 1 : -1;
+    if (a->score != b->score)
+        return a->score < b->score ? -1 : 1;
+    if (a->head != b->head)
+        return a->head < b->head ? -1 : 1;
+    return a->index < b->index ? -1 : a->index > b->index;
+}
+
+void snapkv_mark_top(const double *score, const uint8_t *forced, size_t n, size_t k, uint8_t *mark,
+                     snapkv_entry *tmp)
+{
+    if (k > n)
+        k = n;
+    if (k == 0)
+        return;
+    for (size_t i = 0; i < n; i++)
+        tmp[i] = (snapkv_entry){score[i], 0, (uint32_t)i, forced[i]};
+    qsort(tmp, n, sizeof *tmp, entry_better);
+    for (size_t j = 0; j < k; j++)
+        mark[tmp[j].index] = 1;
+}
+
+void criticalkv_select(const double *a, const float *vnorm, size_t n, size_t n_keep, size_t b1,
+                       double eps, uint8_t *forced, double *z, uint8_t *keep, snapkv_entry *tmp)
+{
+    /* Stage 1: the b1 best by attention alone are forced (§1.4). */
+    snapkv_mark_top(a, forced, n, b1, forced, tmp);
+    /* Stage 2: (a + eps)·n; eps goes on the attention, not the norm. */
+    for (size_t i = 0; i < n; i++)
+        z[i] = (a[i] + eps) * (double)vnorm[i];
+    memset(keep, 0, n);
+    snapkv_mark_top(z, forced, n, n_keep, keep, tmp);
+}
+
+/* Every entry of every head, flattened head-major like the reference's
+ * scores.reshape(bsz, -1). Returns the count. */
+static size_t flatten(const double *const *a, const uint32_t *len, uint32_t heads,
+                      const uint8_t *const *forced, snapkv_entry *tmp)
+{
+    size_t n = 0;
+    for (uint32_t g = 0; g < heads; g++)
+        for (uint32_t i = 0; i < len[g]; i++)
+            tmp[n++] = (snapkv_entry){a[g][i], g, i, forced[g][i]};
+    return n;
+}
+
+size_t adakv_budgets(const double *const *a, const uint32_t *len, uint32_t heads, size_t n_safe,
+                     size_t total, uint8_t *const *forced, uint32_t *B, snapkv_entry *tmp)
+{
+    /* Safeguard: each head's n_safe best are forced (§1.5). */
+    for (uint32_t g = 0; g < heads; g++)
+        snapkv_mark_top(a[g], forced[g], len[g], n_safe, forced[g], tmp);
+    size_t n = flatten(a, len, heads, (const uint8_t *const *)forced, tmp);
+    if (total > n)
+        total = n;
+    qsort(tmp, n, sizeof *tmp, entry_better);
+    memset(B, 0, heads * sizeof *B);
+    for (size_t j = 0; j < total; j++)
+        B[tmp[j].head]++;
+    return total;
+}
+
+void adakv_select(const double *const *a, const uint32_t *len, uint32_t heads, size_t total,
+                  const uint8_t *const *forced, uint8_t *const *keep, snapkv_entry *tmp)
+{
+    size_t n = flatten(a, len, heads, forced, tmp);
+    for (uint32_t g = 0; g < heads; g++)
+        memset(keep[g], 1, len[g]);
+    if (total >= n)
+        return;
+    /* AdaKVPress evicts topk(-scores) of the flattened heads: bottom-k. */
+    qsort(tmp, n, sizeof *tmp, entry_worse);
+    for (size_t j = 0; j < n - total; j++)
+        keep[tmp[j].head][tmp[j].index] = 0;
+}
+
+/* ---- configuration ---- */
+
+static int variant_ada(snapkv_variant v)
+{
+    return v == SNAPKV_ADA || v == SNAPKV_CRITICAL_ADA;
+}
+
+static int variant_critical(snapkv_variant v)
+{
+    return v == SNAPKV_CRITICAL || v == SNAPKV_CRITICAL_ADA;
+}
+
+static const char *const variant_name[] = {"snapkv", "adakv", "criticalkv", "criticalkv_ada"};
+
+static void set_err(char *err, size_t errlen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static void set_err(char *err, size_t errlen, const char *fmt, ...)
+{
+    if (err == NULL || errlen == 0)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+}
+
+#define SNAPKV_MAX_WINDOW 1048576u
+#define SNAPKV_MAX_KERNEL 1025u
+
+int snapkv_config_parse(const policy_params *p, snapkv_variant variant, snapkv_config *cfg,
+                        char *err, size_t errlen)
+{
+    static const char *const pools[] = {"avg", "max", NULL};
+    static const char *const pads[] = {"max_plus_one", "max", NULL};
+    snapkv_config c = {
+        .variant = variant, .first_stage_ratio = 0.5, .epsilon = 1e-4, .alpha_safeguard = 0.2};
+    unsigned pool, pad;
+    if (policy_params_double(p, "compression_ratio", 0, 1, &c.compression_ratio, err, errlen) != 0)
+        return -1;
+    if (c.compression_ratio >= 1) {
+        set_err(err, errlen, "parameter compression_ratio must be in [0, 1), got '%s'",
+                policy_params_get(p, "compression_ratio"));
+        return -1;
+    }
+    if (policy_params_uint(p, "window", 1, SNAPKV_MAX_WINDOW, &c.window, err, errlen) != 0 ||
+        policy_params_uint(p, "kernel", 1, SNAPKV_MAX_KERNEL, &c.kernel, err, errlen) != 0)
+        return -1;
+    if (c.kernel % 2 == 0) {
+        /* An even kernel with k/2 padding yields L+1 pooled scores. */
+        set_err(err, errlen, "parameter kernel must be odd, got %u", c.kernel);
+        return -1;
+    }
+    if (policy_params_choice(p, "pooling", pools, &pool, err, errlen) != 0 ||
+        policy_params_choice(p, "window_pad", pads, &pad, err, errlen) != 0)
+        return -1;
+    c.pooling = (snapkv_pooling)pool;
+    c.window_pad = (snapkv_window_pad)pad;
+    if (variant_critical(variant) &&
+        (policy_params_double(p, "first_stage_ratio", 0, 1, &c.first_stage_ratio, err, errlen) !=
+             0 ||
+         policy_params_double(p, "epsilon", 0, 1, &c.epsilon, err, errlen) != 0))
+        return -1;
+    if (variant_ada(variant) &&
+        policy_params_double(p, "alpha_safeguard", 0, 1, &c.alpha_safeguard, err, errlen) != 0)
+        return -1;
+    if (policy_params_uint(p, "protect_window", 0, 1, &c.protect_window, err, errlen) != 0 ||
+        policy_params_uint(p, "budget", 0, UINT32_MAX / 2, &c.budget, err, errlen) != 0)
+        return -1;
+    if (c.budget != 0 && c.budget <= c.window) {
+        /* Otherwise a held list could exceed the budget with L <= window,
+         * where SnapKV cannot score it (§1.7), and grow without bound. */
+        set_err(err, errlen, "parameter budget must be 0 (off) or greater than window (%u), got %u",
+                c.window, c.budget);
+        return -1;
+    }
+    *cfg = c;
+    return 0;
+}
+
+/* ---- state ---- */
+
+/* What the last compression (or skip) of one layer did, for describe(). */
+typedef struct snapkv_head_record {
+    uint32_t held, prefix, kept;
+    uint32_t forced; /* tokens forced (window guard, safeguard, stage 1) */
+    uint32_t *pos;   /* [kept] positions of the kept tokens */
+    double *score;   /* [kept] their base (SnapKV) scores */
+    double *z;       /* [kept] their stage-2 scores (criticalkv variants) */
+    uint8_t *force;  /* [kept] forced by the window guard, safeguard or stage 1 */
+} snapkv_head_record;
+
+typedef struct snapkv_layer_record {
+    uint64_t compressions, last_step;
+    char event[192];
+    snapkv_head_record *heads; /* [kv_heads] */
+} snapkv_layer_record;
+
+struct snapkv_state {
+    snapkv_config cfg;
+    uint32_t layers, q_heads, kv_heads;
+    snapkv_layer_record *rec; /* [layers] */
+};
+
+static void record_free(snapkv_layer_record *r, uint32_t heads)
+{
+    for (uint32_t g = 0; r->heads != NULL && g < heads; g++) {
+        free(r->heads[g].pos);
+        free(r->heads[g].score);
+        free(r->heads[g].z);
+        free(r->heads[g].force);
+    }
+    free(r->heads);
+}
+
+void snapkv_family_destroy(void *state)
+{
+    snapkv_state *st = state;
+    if (st == NULL)
+        return;
+    for (uint32_t l = 0; st->rec != NULL && l < st->layers; l++)
+        record_free(&st->rec[l], st->kv_heads);
+    free(st->rec);
+    free(st);
+}
+
+int snapkv_family_create(const policy_params *p, const policy_geometry *g, snapkv_variant variant,
+                         void **state, char *err, size_t errlen)
+{
+    *state = NULL;
+    snapkv_config cfg;
+    if (snapkv_config_parse(p, variant, &cfg, err, errlen) != 0)
+        return -1;
+    if (g->layers == 0 || g->kv_heads == 0 || g->q_heads == 0 || g->q_heads % g->kv_heads != 0) {
+        set_err(err, errlen,
+                "policy %s needs layers >= 1 and q_heads a multiple of kv_heads, got layers=%u "
+                "q_heads=%u kv_heads=%u",
+                variant_name[variant], g->layers, g->q_heads, g->kv_heads);
+        return -1;
+    }
+    snapkv_state *st = calloc(1, sizeof *st);
+    if (st == NULL)
+        goto oom;
+    st->cfg = cfg;
+    st->layers = g->layers;
+    st->q_heads = g->q_heads;
+    st->kv_heads = g->kv_heads;
+    st->rec = calloc(g->layers, sizeof *st->rec);
+    if (st->rec == NULL)
+        goto oom;
+    for (uint32_t l = 0; l < g->layers; l++) {
+        st->rec[l].heads = calloc(g->kv_heads, sizeof *st->rec[l].heads);
+        if (st->rec[l].heads == NULL)
+            goto oom;
+        snprintf(st->rec[l].event, sizeof st->rec[l].event, "none");
+    }
+    *state = st;
+    return 0;
+oom:
+    snapkv_family_destroy(st);
+    set_err(err, errlen, "out of memory creating policy '%s'", variant_name[variant]);
+    return -1;
+}
+
+/* ---- step ---- */
+
+/* The per-compression work arrays, one allocation each. */
+typedef struct work {
+    double **a, **z;
+    uint8_t **forced, **keep;
+    uint32_t *len, *prefix, *B;
+    snapkv_entry *tmp;
+    double *scratch;
+} work;
+
+static void work_free(work *w, uint32_t heads)
+{
+    for (uint32_t g = 0; g < heads; g++) {
+        if (w->a)
+            free(w->a[g]);
+        if (w->z)
+            free(w->z[g]);
+        if (w->forced)
+            free(w->forced[g]);
+        if (w->keep)
+            free(w->keep[g]);
+    }
+    free(w->a);
+    free(w->z);
+    free(w->forced);
+    free(w->keep);
+    free(w->len);
+    free(w->prefix);
+    free(w->B);
+    free(w->tmp);
+    free(w->scratch);
+}
+
+static int work_alloc(work *w, const policy_layer_view *view, size_t total, uint32_t Lmax)
+{
+    uint32_t H = view->heads;
+    memset(w, 0, sizeof *w);
+    w->a = calloc(H, sizeof *w->a);
+    w->z = calloc(H, sizeof *w->z);
+    w->forced = calloc(H, sizeof *w->forced);
+    w->keep = calloc(H, sizeof *w->keep);
+    w->len = calloc(H, sizeof *w->len);
+    w->prefix = calloc(H, sizeof *w->prefix);
+    w->B = calloc(H, sizeof *w->B);
+    w->tmp = malloc((total ? total : 1) * sizeof *w->tmp);
+    w->scratch = malloc(2 * ((size_t)Lmax + 1) * sizeof *w->scratch);
+    if (!w->a || !w->z || !w->forced || !w->keep || !w->len || !w->prefix || !w->B || !w->tmp ||
+        !w->scratch)
+        return -1;
+    for (uint32_t g = 0; g < H; g++) {
+        size_t n = view->tokens[g] ? view->tokens[g] : 1;
+        w->a[g] = malloc(n * sizeof *w->a[g]);
+        w->z[g] = calloc(n, sizeof *w->z[g]);
+        w->forced[g] = calloc(n, 1);
+        w->keep[g] = calloc(n, 1);
+        if (!w->a[g] || !w->z[g] || !w->forced[g] || !w->keep[g])
+            return -1;
+    }
+    return 0;
+}
+
+/* Check the stats arrays a compression reads: present and finite. */
+static int check_stats(const snapkv_state *st, const policy_layer_view *view,
+                       const policy_stats *stats, const uint32_t *prefix, char *err, size_t errlen)
+{
+    const char *name = variant_name[st->cfg.variant];
+    uint32_t G = st->q_heads / st->kv_heads;
+    for (uint32_t h = 0; h < st->q_heads; h++) {
+        const float *row = stats->window_attn[h];
+        if (row == NULL && prefix[h / G] > 0) {
+            set_err(err, errlen, "policy %s: window_attn of query head %u is missing", name, h);
+            return -1;
+        }
+        for (uint32_t i = 0; i < prefix[h / G]; i++)
+            if (!isfinite(row[i])) {
+                set_err(err, errlen,
+                        "policy %s: window_attn[%u][%u] is not a finite number (layer %u)", name, h,
+                        i, view->layer);
+                return -1;
+            }
+    }
+    if (!variant_critical(st->cfg.variant))
+        return 0;
+    if (stats->vnorm == NULL) {
+        set_err(err, errlen,
+                "policy %s needs vnorm (projected value norms, POLICIES.md §1.2) on a "
+                "compression step (layer %u)",
+                name, view->layer);
+        return -1;
+    }
+    for (uint32_t g = 0; g < view->heads; g++) {
+        const float *row = stats->vnorm[g];
+        if (row == NULL && view->tokens[g] > 0) {
+            set_err(err, errlen, "policy %s: vnorm of KV head %u is missing", name, g);
+            return -1;
+        }
+        for (uint32_t i = 0; i < view->tokens[g]; i++)
+            if (!isfinite(row[i]) || row[i] < 0) {
+                set_err(err, errlen,
+                        "policy %s: vnorm[%u][%u] must be a finite number >= 0 (layer %u)", name, g,
+                        i, view->layer);
+                return -1;
+            }
+    }
+    return 0;
+}
+
+/* Run the variant's selection on the work arrays: w->keep gets the answer. */
+static void select_tokens(const snapkv_state *st, const policy_stats *stats, work *w, size_t total)
+{
+    const snapkv_config *c = &st->cfg;
+    uint32_t H = st->kv_heads;
+    if (!variant_ada(c->variant)) {
+        for (uint32_t g = 0; g < H; g++) {
+            size_t L = w->len[g];
+            size_t n_keep = c->budget ? (L < c->budget ? L : c->budget)
+                                      : snapkv_n_keep(L, c->compression_ratio);
+            w->B[g] = (uint32_t)n_keep;
+            if (c->variant == SNAPKV_PLAIN) {
+                snapkv_mark_top(w->a[g], w->forced[g], L, n_keep, w->keep[g], w->tmp);
+                continue;
+            }
+            /* [RECON] budget mode has no ratio: stage 1 is int(n_keep·α). */
+            size_t b1 = c->budget
+                            ? (size_t)((double)n_keep * c->first_stage_ratio)
+                            : criticalkv_stage1_size(L, c->compression_ratio, c->first_stage_ratio);
+            if (b1 > n_keep)
+                b1 = n_keep;
+            criticalkv_select(w->a[g], stats->vnorm[g], L, n_keep, b1, c->epsilon, w->forced[g],
+                              w->z[g], w->keep[g], w->tmp);
+        }
+        return;
+    }
+    /* Ada: one budget for all heads. With equal lists the mean length is
+     * L itself, so n_keep = int(L·(1 − cr)) exactly as the reference;
+     * [RECON] lists that diverged earlier use their mean length. */
+    size_t n_keep =
+        c->budget ? c->budget : (size_t)(((double)total / H) * (1.0 - c->compression_ratio));
+    size_t n_safe = (size_t)((double)n_keep * c->alpha_safeguard);
+    size_t K = adakv_budgets((const double *const *)w->a, w->len, H, n_safe, n_keep * H, w->forced,
+                             w->B, w->tmp);
+    if (c->variant == SNAPKV_ADA) {
+        adakv_select((const double *const *)w->a, w->len, H, K, (const uint8_t *const *)w->forced,
+                     w->keep, w->tmp);
+        return;
+    }
+    for (uint32_t g = 0; g < H; g++) {
+        size_t b1 = (size_t)((double)w->B[g] * c->first_stage_ratio); /* floor(B·α) */
+        criticalkv_select(w->a[g], stats->vnorm[g], w->len[g], w->B[g], b1, c->epsilon,
+                          w->forced[g], w->z[g], w->keep[g], w->tmp);
+    }
+}
+
+/* Keep the record of a compression: the kept tokens with their scores. */
+static int record_compression(snapkv_state *st, const policy_layer_view *view, const work *w)
+{
+    snapkv_layer_record *r = &st->rec[view->layer];
+    for (uint32_t g = 0; g < view->heads; g++) {
+        snapkv_head_record *hr = &r->heads[g];
+        uint32_t kept = 0;
+        for (uint32_t i = 0; i < w->len[g]; i++)
+            kept += w->keep[g][i];
+        size_t n = kept ? kept : 1;
+        uint32_t *pos = realloc(hr->pos, n * sizeof *pos);
+        if (pos == NULL)
+            return -1;
+        hr->pos = pos;
+        double *score = realloc(hr->score, n * sizeof *score);
+        if (score == NULL)
+            return -1;
+        hr->score = score;
+        double *z = realloc(hr->z, n * sizeof *z);
+        if (z == NULL)
+            return -1;
+        hr->z = z;
+        uint8_t *force = realloc(hr->force, n);
+        if (force == NULL)
+            return -1;
+        hr->force = force;
+        hr->held = w->len[g];
+        hr->prefix = w->prefix[g];
+        hr->kept = kept;
+        hr->forced = 0;
+        uint32_t k = 0;
+        for (uint32_t i = 0; i < w->len[g]; i++) {
+            hr->forced += w->forced[g][i];
+            if (!w->keep[g][i])
+                continue;
+            hr->pos[k] = view->positions[g][i];
+            hr->score[k] = w->a[g][i];
+            hr->z[k] = w->z[g][i];
+            hr->force[k] = w->forced[g][i];
+            k++;
+        }
+    }
+    r->compressions++;
+    r->last_step = view->step;
+    snprintf(r->event, sizeof r->event, "compressed");
+    return 0;
+}
+
+static void record_skip(snapkv_state *st, const policy_layer_view *view, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static void record_skip(snapkv_state *st, const policy_layer_view *view, const char *fmt, ...)
+{
+    snapkv_layer_record *r = &st->rec[view->layer];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(r->event, sizeof r->event, fmt, ap);
+    va_end(ap);
+    r->last_step = view->step;
+}
+
+/* Whether this step compresses (1), waits (0), or is an error (-1). */
+static int due(const snapkv_state *st, const policy_layer_view *view, const policy_stats *stats,
+               size_t total, uint32_t Lmax, char *err, size_t errlen)
+{
+    const snapkv_config *c = &st->cfg;
+    if (c->budget == 0) /* kvpress: compress once, at the end of the prompt */
+        return stats->prefill && stats->window_attn != NULL;
+    int over = variant_ada(c->variant) ? total > (size_t)c->budget * view->heads : Lmax > c->budget;
+    if (!over)
+        return 0;
+    if (stats->window_attn != NULL)
+        return 1;
+    if (stats->prefill)
+        return 0; /* the window attention comes with the prompt's last step */
+    set_err(err, errlen,
+            "policy %s needs window_attn on decode steps over budget (layer %u holds %zu "
+            "tokens, budget %u per head)",
+            variant_name[c->variant], view->layer, total, c->budget);
+    return -1;
+}
+
+int snapkv_family_step(void *state, const policy_layer_view *view, const policy_stats *stats,
+                       policy_decision *d, char *err, size_t errlen)
+{
+    snapkv_state *st = state;
+    const snapkv_config *c = &st->cfg;
+    const char *name = variant_name[c->variant];
+    if (view->heads != st->kv_heads || view->layer >= st->layers) {
+        set_err(err, errlen, "policy %s: view of layer %u has %u lists, expected %u (kv_heads)",
+                name, view->layer, view->heads, st->kv_heads);
+        return -1;
+    }
+    size_t total = 0;
+    uint32_t Lmax = 0;
+    for (uint32_t g = 0; g < view->heads; g++) {
+        total += view->tokens[g];
+        if (view->tokens[g] > Lmax)
+            Lmax = view->tokens[g];
+    }
+    int go = due(st, view, stats, total, Lmax, err, errlen);
+    if (go <= 0)
+        return go;
+    if (c->budget == 0 && c->compression_ratio == 0) {
+        record_skip(st, view, "skipped: compression_ratio = 0");
+        return 0;
+    }
+    if (stats->window_queries != 0 && stats->window_queries != c->window) {
+        set_err(err, errlen,
+                "policy %s: window_attn averages %u queries but parameter window is %u", name,
+                stats->window_queries, c->window);
+        return -1;
+    }
+    if (Lmax <= c->window) {
+        record_skip(st, view,
+                    "skipped: L = %u <= window = %u (SnapKV needs more tokens than its "
+                    "observation window, POLICIES.md §1.7)",
+                    Lmax, c->window);
+        return 0;
+    }
+    /* Window tokens: the positions of the window's own queries. */
+    uint64_t wstart = view->appended - c->window;
+    work w;
+    if (work_alloc(&w, view, total, Lmax) != 0) {
+        work_free(&w, view->heads);
+        set_err(err, errlen, "policy %s: out of memory", name);
+        return -1;
+    }
+    for (uint32_t g = 0; g < view->heads; g++) {
+        uint32_t P = 0;
+        while (P < view->tokens[g] && view->positions[g][P] < wstart)
+            P++;
+        w.len[g] = view->tokens[g];
+        w.prefix[g] = P;
+        /* §1.7 / §6 #2: protect_window forces window tokens from the start. */
+        for (uint32_t i = P; c->protect_window && i < w.len[g]; i++)
+            w.forced[g][i] = 1;
+    }
+    if (check_stats(st, view, stats, w.prefix, err, errlen) != 0) {
+        work_free(&w, view->heads);
+        return -1;
+    }
+    snapkv_base_scores(stats->window_attn, st->q_heads, st->kv_heads, w.len, w.prefix, c->kernel,
+                       c->pooling, c->window_pad, w.a, w.scratch);
+    select_tokens(st, stats, &w, total);
+    for (uint32_t g = 0; g < view->heads; g++)
+        for (uint32_t i = 0; i < w.len[g]; i++) {
+            if (c->protect_window && i >= w.prefix[g])
+                w.keep[g][i] = 1; /* even past n_keep when window > n_keep */
+            if (!w.keep[g][i])
+                d->tier[g][i] = POLICY_EVICT;
+        }
+    int rc = record_compression(st, view, &w);
+    work_free(&w, view->heads);
+    if (rc != 0) {
+        set_err(err, errlen, "policy %s: out of memory", name);
+        return -1;
+    }
+    return 0;
+}
+
+/* ---- describe ---- */
+
+/* A JSON string body: the event texts are ours, but escape anyway. */
+static void json_string(policy_text *b, const char *s)
+{
+    policy_text_add(b, "\"");
+    for (; *s != '\0'; s++) {
+        unsigned char ch = (unsigned char)*s;
+        if (ch == '"' || ch == '\\')
+            policy_text_add(b, "\\%c", ch);
+        else if (ch < 0x20)
+            policy_text_add(b, "\\u%04x", ch);
+        else
+            policy_text_add(b, "%c", ch);
+    }
+    policy_text_add(b, "\"");
+}
+
+static void describe_head(policy_text *b, const snapkv_head_record *hr, int critical)
+{
+    policy_text_add(b, "{\"held\":%u,\"prefix\":%u,\"kept\":%u,\"forced\":%u,\"positions\":[",
+                    hr->held, hr->prefix, hr->kept, hr->forced);
+    for (uint32_t k = 0; k < hr->kept; k++)
+        policy_text_add(b, "%s%u", k ? "," : "", hr->pos[k]);
+    policy_text_add(b, "],\"score\":[");
+    for (uint32_t k = 0; k < hr->kept; k++)
+        policy_text_add(b, "%s%.9g", k ? "," : "", hr->score[k]);
+    if (critical) {
+        policy_text_add(b, "],\"stage2\":[");
+        for (uint32_t k = 0; k < hr->kept; k++)
+            policy_text_add(b, "%s%.9g", k ? "," : "", hr->z[k]);
+    }
+    policy_text_add(b, "],\"is_forced\":[");
+    for (uint32_t k = 0; k < hr->kept; k++)
+        policy_text_add(b, "%s%u", k ? "," : "", hr->force[k]);
+    policy_text_add(b, "]}");
+}
+
+char *snapkv_family_describe(void *state, uint32_t layer)
+{
+    snapkv_state *st = state;
+    if (st == NULL || layer >= st->layers)
+        return NULL;
+    const snapkv_config *c = &st->cfg;
+    const snapkv_layer_record *r = &st->rec[layer];
+    policy_text b = {0};
+    policy_text_add(&b, "{\"policy\":\"%s\",\"layer\":%u,\"window\":%u,\"budget\":%u,",
+                    variant_name[c->variant], layer, c->window, c->budget);
+    policy_text_add(&b, "\"compressions\":%llu,\"last_step\":%llu,\"last_event\":",
+                    (unsigned long long)r->compressions, (unsigned long long)r->last_step);
+    json_string(&b, r->event);
+    policy_text_add(&b, ",\"heads\":[");
+    for (uint32_t g = 0; g < st->kv_heads; g++) {
+        policy_text_add(&b, "%s", g ? "," : "");
+        describe_head(&b, &r->heads[g], variant_critical(c->variant));
+    }
+    policy_text_add(&b, "]}");
+    return policy_text_finish(&b);
+}

@@ -1,0 +1,195 @@
+/*
+ * tova.c - policy "tova": TOVA (Oren et al., "Transformers are Multi-State
+ * RNNs", 2024) as kvpress implements it (POLICIES.md §1.9, `tova_press.py`).
+ *
+ * Score of a held token = attention of the step's LAST query on it,
+ * averaged over ALL query heads (the same score for every KV head, so one
+ * list per layer). The newest token's score is padded to max + 1 (max over
+ * the other held tokens) so it is never evicted. When more than `budget`
+ * tokens are held, the lowest-scored ones are evicted in one decision per
+ * step until `budget` remain: top-k keeps the higher score, ties to the
+ * lower index (POLICIES.md "Common notation"), i.e. among equal scores the
+ * higher index goes first. TOVA keeps no state between steps.
+ *
+ * Parameter: budget (256, [RECON] default shared with the other baselines).
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "builtin.h"
+
+#define TOVA_MAX 1048576u
+
+typedef struct tova_scratch {
+    uint32_t cap;
+    double *score;
+    uint32_t *idx;
+} tova_scratch;
+
+typedef struct tova_state {
+    uint32_t budget, q_heads, layers;
+    tova_scratch *ly; /* per layer, so that layers may be stepped concurrently */
+} tova_state;
+
+static const policy_param_spec tova_params[] = {
+    {"budget", "256", "tokens held per layer after each step, 1..1048576 ([RECON] default)"},
+};
+
+static void tova_destroy(void *state)
+{
+    tova_state *st = state;
+    if (st == NULL)
+        return;
+    for (uint32_t l = 0; st->ly != NULL && l < st->layers; l++) {
+        free(st->ly[l].score);
+        free(st->ly[l].idx);
+    }
+    free(st->ly);
+    free(st);
+}
+
+static int tova_create(const policy_params *p, const policy_geometry *g, void **state, char *err,
+                       size_t errlen)
+{
+    *state = NULL;
+    uint32_t budget;
+    if (policy_params_uint(p, "budget", 1, TOVA_MAX, &budget, err, errlen) != 0)
+        return -1;
+    if (g->q_heads == 0) {
+        snprintf(err, errlen, "tova: geometry has no query heads");
+        return -1;
+    }
+    tova_state *st = calloc(1, sizeof *st);
+    if (st != NULL) {
+        st->budget = budget;
+        st->q_heads = g->q_heads;
+        st->layers = g->layers;
+        st->ly = calloc(g->layers ? g->layers : 1, sizeof *st->ly);
+    }
+    if (st == NULL || st->ly == NULL) {
+        tova_destroy(st);
+        snprintf(err, errlen, "out of memory creating policy 'tova'");
+        return -1;
+    }
+    *state = st;
+    return 0;
+}
+
+static int scratch_reserve(tova_scratch *s, uint32_t need)
+{
+    if (need <= s->cap)
+        return 0;
+    double *score = realloc(s->score, (size_t)need * sizeof *score);
+    if (score == NULL)
+        return -1;
+    s->score = score;
+    uint32_t *idx = realloc(s->idx, (size_t)need * sizeof *idx);
+    if (idx == NULL)
+        return -1;
+    s->idx = idx;
+    s->cap = need;
+    return 0;
+}
+
+/* Evict-before order of top-k: lower score first; among equal scores the
+ * higher index goes first, so the lower index is kept. */
+static int evict_before(const double *s, uint32_t x, uint32_t y)
+{
+    return s[x] < s[y] || (s[x] == s[y] && x > y);
+}
+
+static void sift_down(uint32_t *a, uint32_t n, uint32_t i, const double *s)
+{
+    for (;;) {
+        uint32_t top = i, l = 2 * i + 1, r = 2 * i + 2;
+        if (l < n && evict_before(s, a[top], a[l]))
+            top = l;
+        if (r < n && evict_before(s, a[top], a[r]))
+            top = r;
+        if (top == i)
+            return;
+        uint32_t t = a[i];
+        a[i] = a[top];
+        a[top] = t;
+        i = top;
+    }
+}
+
+/* Keep in a[0..k) the k tokens evicted first (a bounded max-heap whose top
+ * is the one evicted last among them). */
+static void select_first(uint32_t *a, uint32_t m, uint32_t k, const double *s)
+{
+    if (k == 0)
+        return;
+    for (uint32_t i = k / 2; i-- > 0;)
+        sift_down(a, k, i, s);
+    for (uint32_t i = k; i < m; i++)
+        if (evict_before(s, a[i], a[0])) {
+            a[0] = a[i];
+            sift_down(a, k, 0, s);
+        }
+}
+
+static int tova_step(void *state, const policy_layer_view *view, const policy_stats *stats,
+                     policy_decision *d, char *err, size_t errlen)
+{
+    tova_state *st = state;
+    if (view->layer >= st->layers || view->heads != 1) {
+        snprintf(err, errlen, "tova: bad view (layer %u of %u, %u lists; expected 1)", view->layer,
+                 st->layers, view->heads);
+        return -1;
+    }
+    if (stats->last_attn == NULL) {
+        snprintf(err, errlen, "tova needs stats.last_attn (POLICY_NEEDS_LAST_ATTN), got none");
+        return -1;
+    }
+    for (uint32_t h = 0; h < st->q_heads; h++)
+        if (stats->last_attn[h] == NULL) {
+            snprintf(err, errlen, "tova: stats.last_attn[%u] (query head) is missing", h);
+            return -1;
+        }
+    uint32_t n = view->tokens[0];
+    if (n <= st->budget)
+        return 0;
+    tova_scratch *sc = &st->ly[view->layer];
+    if (scratch_reserve(sc, n) != 0) {
+        snprintf(err, errlen, "tova: out of memory for %u tokens", n);
+        return -1;
+    }
+    /* Mean over all query heads, summed in head order in double. */
+    double max = -INFINITY;
+    for (uint32_t i = 0; i < n; i++) {
+        double sum = 0;
+        for (uint32_t h = 0; h < st->q_heads; h++)
+            sum += (double)stats->last_attn[h][i];
+        if (!isfinite(sum)) {
+            snprintf(err, errlen, "tova: stats.last_attn of token %u is not finite", i);
+            return -1;
+        }
+        sc->score[i] = sum / (double)st->q_heads;
+        if (i + 1 < n && sc->score[i] > max)
+            max = sc->score[i];
+    }
+    sc->score[n - 1] = max + 1; /* kvpress: the last token is padded with max + 1 */
+    for (uint32_t i = 0; i < n; i++)
+        sc->idx[i] = i;
+    uint32_t k = n - st->budget;
+    select_first(sc->idx, n, k, sc->score);
+    for (uint32_t j = 0; j < k; j++)
+        d->tier[0][sc->idx[j]] = POLICY_EVICT;
+    return 0;
+}
+
+const policy_ops policy_tova = {
+    .name = "tova",
+    .summary = "TOVA: keep the `budget` tokens with the highest last-query attention averaged "
+               "over all query heads; the newest token always stays",
+    .params = tova_params,
+    .nparams = sizeof(tova_params) / sizeof(tova_params[0]),
+    .needs = POLICY_NEEDS_LAST_ATTN,
+    .per_head = 0,
+    .create = tova_create,
+    .step = tova_step,
+    .destroy = tova_destroy,
+};

@@ -1,0 +1,488 @@
+/*
+ * weightedkv.c - policy "weightedkv": WeightedKV (arXiv 2503.01330;
+ * POLICIES.md §4, Algorithm 1 of [WKV-PDF]). Keys of low-attention tokens are
+ * dropped; their values are merged into the right neighbour's value by a
+ * convex combination weighted by historical average attention.
+ *
+ * Per KV head (ops->per_head = 1: statistics are per head, so the heads'
+ * lists diverge) the policy keeps a[i] (accumulated attention) and c[i]
+ * (times accumulated), in list order. Each step:
+ *   1. A = mean of the group's query-head rows of stats->last_attn
+ *      (§4.1 [RECON] for GQA; for MHA the head's own row). a += A and c += 1
+ *      for every entry, the new ones included (they start at 0).
+ *   2. While n > m: w = a/c; j = argmin w over [n_init, n − n_recent), ties
+ *      to the lowest index; a policy_merge {head, from=j, into=j+1 (the next
+ *      surviving entry), w[j], w[j+1]} is emitted and j is evicted. The
+ *      neighbour keeps its own a and c. In decode n = m+1: one merge.
+ *      (wkv_plan() in weightedkv.h does all merges of a step at once.)
+ * The decision never changes another tier; merges must be applied in order
+ * before the evicted rows are dropped (policy.h "policy_merge").
+ *
+ * Prefill [RECON] (§4.1 extension): when the step is a prefill step and the
+ * worker reports window_attn over w = window_queries >= 1 queries (the last
+ * w of this step), then a[i] += w·mean(window_attn)[i] = Σ over those
+ * queries of A[q][i] and c[i] += the number of them that see token i,
+ * min(w, appended − position[i]). With the whole prompt as one chunk and
+ * w = L this is exactly a[i] = Σ_{q≥i} A[q][i], c[i] = L − i. Without
+ * window_attn, a prefill step accumulates its last query like a decode step.
+ * Either way the merges then repeat until n <= m.
+ *
+ * Candidates in general [RECON]: [n_init, n − n_recent) of the current list,
+ * which is §4.1's [n_init, (m+1) − n_recent) in steady state (n = m+1).
+ * n_recent >= 1 because the newest entry has no right neighbour.
+ *
+ * merge=0 is the paper's "Eviction" ablation: the same victims, no merge
+ * records. literal_overwrite=1 reproduces Algorithm 1's `a = a/n`: on every
+ * step that merges, a[i] is replaced by w[i] = a[i]/c[i] (c is kept), so
+ * later averages mix averages with raw sums (§4.1 quirk, §6 #13).
+ */
+#include "weightedkv.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "builtin.h"
+#include "describe.h"
+
+#define WKV_MAX 1048576u
+
+typedef struct wkv_head {
+    double *a, *c; /* [n] in list order */
+    uint32_t n, cap;
+} wkv_head;
+
+typedef struct wkv_state {
+    wkv_config cfg;
+    int merge, literal;
+    uint32_t layers, q_heads, kv_heads, group;
+    wkv_head *heads; /* [layers * kv_heads] */
+    /* Scratch for one list (the host runs one layer at a time). */
+    double *w, *attn;
+    uint32_t *scratch;
+    policy_merge *plan;
+    uint32_t scratch_cap;
+} wkv_state;
+
+static const policy_param_spec wkv_params[] = {
+    {"cache_size", "256",
+     "m: entries per KV head after each step (POLICIES.md §4.1; the paper uses 256 and 1024)"},
+    {"n_init", "4", "initial entries never merged away (§4.1: 4)"},
+    {"n_recent", "124",
+     "most recent entries never merged away, >= 1 (§4.1: 124 for m=256, "
+     "508 for m=1024)"},
+    {"merge", "1",
+     "1 = merge the victim's value into its right neighbour; 0 = drop it like its "
+     "key (the paper's Eviction ablation, §4.2)"},
+    {"literal_overwrite", "0",
+     "1 = Algorithm 1 literally: a = a/c on each merging step "
+     "(§4.1 quirk); 0 = keep a as the raw sum"},
+};
+
+static void set_err(char *err, size_t errlen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static void set_err(char *err, size_t errlen, const char *fmt, ...)
+{
+    if (err == NULL || errlen == 0)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+}
+
+/* ---- the pure pieces (weightedkv.h) -------------------------------------- */
+
+double wkv_weight(double a, double c)
+{
+    return c > 0.0 ? a / c : 0.0;
+}
+
+void wkv_merge_weights(double w_from, double w_into, float *wf, float *wi)
+{
+    if (w_from + w_into > 0.0) {
+        *wf = (float)w_from;
+        *wi = (float)w_into;
+    } else {
+        *wf = 1.0f; /* §4.2: both 0, the plain average */
+        *wi = 1.0f;
+    }
+}
+
+/* Min-heap of candidate indices by (w, index). */
+static int lighter(const double *w, uint32_t x, uint32_t y)
+{
+    return w[x] < w[y] || (w[x] == w[y] && x < y);
+}
+
+static void heap_down(const double *w, uint32_t *heap, size_t root, size_t n)
+{
+    for (;;) {
+        size_t child = 2 * root + 1;
+        if (child >= n)
+            return;
+        if (child + 1 < n && lighter(w, heap[child + 1], heap[child]))
+            child++;
+        if (!lighter(w, heap[child], heap[root]))
+            return;
+        uint32_t t = heap[root];
+        heap[root] = heap[child];
+        heap[child] = t;
+        root = child;
+    }
+}
+
+size_t wkv_plan(const double *w, size_t n, const wkv_config *cfg, uint32_t head, uint32_t *scratch,
+                policy_merge *out)
+{
+    if (n <= cfg->cache_size || n < (size_t)cfg->n_recent)
+        return 0;
+    size_t lo = cfg->n_init, hi = n - cfg->n_recent;
+    if (hi <= lo || cfg->n_recent == 0)
+        return 0;
+    size_t k = n - cfg->cache_size;
+    if (k > hi - lo)
+        k = hi - lo;
+    uint32_t *heap = scratch, *next = scratch + n, *prev = scratch + 2 * n;
+    size_t hn = hi - lo;
+    for (size_t i = 0; i < hn; i++)
+        heap[i] = (uint32_t)(lo + i);
+    for (size_t i = hn / 2; i-- > 0;)
+        heap_down(w, heap, i, hn);
+    for (size_t i = 0; i < n; i++) {
+        next[i] = (uint32_t)(i + 1);
+        prev[i] = i > 0 ? (uint32_t)(i - 1) : UINT32_MAX; /* none */
+    }
+    for (size_t m = 0; m < k; m++) {
+        uint32_t j = heap[0];
+        heap[0] = heap[--hn];
+        heap_down(w, heap, 0, hn);
+        uint32_t into = next[j]; /* j < n − n_recent: the fixed tail follows it */
+        out[m].head = head;
+        out[m].from = j;
+        out[m].into = into;
+        wkv_merge_weights(w[j], w[into], &out[m].w_from, &out[m].w_into);
+        /* Unlink j: later victims see the list without it. */
+        prev[into] = prev[j];
+        if (prev[j] != UINT32_MAX)
+            next[prev[j]] = into;
+    }
+    return k;
+}
+
+int wkv_apply_merges(float *values, size_t n, size_t dim, const policy_merge *merges,
+                     size_t nmerges, uint32_t head)
+{
+    for (size_t m = 0; m < nmerges; m++) {
+        const policy_merge *g = &merges[m];
+        if (g->head != head)
+            continue;
+        double sum = (double)g->w_from + (double)g->w_into;
+        if (g->from >= n || g->into >= n || !(sum > 0.0))
+            return -1;
+        float *vf = values + (size_t)g->from * dim, *vi = values + (size_t)g->into * dim;
+        for (size_t x = 0; x < dim; x++)
+            vi[x] = (float)(((double)g->w_from * vf[x] + (double)g->w_into * vi[x]) / sum);
+    }
+    return 0;
+}
+
+/* ---- the policy ---------------------------------------------------------- */
+
+int weightedkv_head_state(const void *state, uint32_t layer, uint32_t head, const double **a,
+                          const double **c, uint32_t *n)
+{
+    const wkv_state *s = state;
+    if (s == NULL || layer >= s->layers || head >= s->kv_heads)
+        return -1;
+    const wkv_head *hd = &s->heads[(size_t)layer * s->kv_heads + head];
+    *a = hd->a;
+    *c = hd->c;
+    *n = hd->n;
+    return 0;
+}
+
+static int parse_params(const policy_params *p, wkv_state *s, char *err, size_t errlen)
+{
+    uint32_t merge, literal;
+    wkv_config *c = &s->cfg;
+    if (policy_params_uint(p, "cache_size", 2, WKV_MAX, &c->cache_size, err, errlen) != 0 ||
+        policy_params_uint(p, "n_init", 0, WKV_MAX, &c->n_init, err, errlen) != 0 ||
+        policy_params_uint(p, "n_recent", 1, WKV_MAX, &c->n_recent, err, errlen) != 0 ||
+        policy_params_uint(p, "merge", 0, 1, &merge, err, errlen) != 0 ||
+        policy_params_uint(p, "literal_overwrite", 0, 1, &literal, err, errlen) != 0)
+        return -1;
+    /* §4.2: the merge-managed middle must hold at least one entry. */
+    if ((uint64_t)c->cache_size < (uint64_t)c->n_init + c->n_recent + 1) {
+        set_err(err, errlen,
+                "parameter cache_size (%u) must be at least n_init + n_recent + 1 (%u + %u + 1)",
+                c->cache_size, c->n_init, c->n_recent);
+        return -1;
+    }
+    s->merge = (int)merge;
+    s->literal = (int)literal;
+    return 0;
+}
+
+static void wkv_destroy(void *state)
+{
+    wkv_state *s = state;
+    if (s == NULL)
+        return;
+    for (size_t i = 0; s->heads != NULL && i < (size_t)s->layers * s->kv_heads; i++) {
+        free(s->heads[i].a);
+        free(s->heads[i].c);
+    }
+    free(s->heads);
+    free(s->w);
+    free(s->attn);
+    free(s->scratch);
+    free(s->plan);
+    free(s);
+}
+
+static int wkv_create(const policy_params *p, const policy_geometry *g, void **state, char *err,
+                      size_t errlen)
+{
+    *state = NULL;
+    wkv_state tmp = {0};
+    if (parse_params(p, &tmp, err, errlen) != 0)
+        return -1;
+    if (g == NULL || g->layers == 0 || g->kv_heads == 0 || g->q_heads % g->kv_heads != 0 ||
+        g->q_heads == 0) {
+        set_err(err, errlen,
+                "weightedkv needs a geometry with layers >= 1 and q_heads a positive multiple "
+                "of kv_heads");
+        return -1;
+    }
+    wkv_state *s = malloc(sizeof *s);
+    if (s == NULL) {
+        set_err(err, errlen, "out of memory creating policy 'weightedkv'");
+        return -1;
+    }
+    *s = tmp;
+    s->layers = g->layers;
+    s->q_heads = g->q_heads;
+    s->kv_heads = g->kv_heads;
+    s->group = g->q_heads / g->kv_heads;
+    s->heads = calloc((size_t)g->layers * g->kv_heads, sizeof *s->heads);
+    if (s->heads == NULL) {
+        wkv_destroy(s);
+        set_err(err, errlen, "out of memory creating policy 'weightedkv'");
+        return -1;
+    }
+    *state = s;
+    return 0;
+}
+
+static int reserve(wkv_state *s, wkv_head *hd, uint32_t n)
+{
+    if (n > hd->cap) {
+        uint32_t cap = hd->cap ? hd->cap : 64;
+        while (cap < n)
+            cap = cap > UINT32_MAX / 2 ? n : cap * 2;
+        double *a = realloc(hd->a, (size_t)cap * sizeof *a);
+        if (a == NULL)
+            return -1;
+        hd->a = a;
+        double *c = realloc(hd->c, (size_t)cap * sizeof *c);
+        if (c == NULL)
+            return -1;
+        hd->c = c;
+        hd->cap = cap;
+    }
+    if (n > s->scratch_cap) {
+        double *w = realloc(s->w, (size_t)n * sizeof *w);
+        if (w == NULL)
+            return -1;
+        s->w = w;
+        double *at = realloc(s->attn, (size_t)n * sizeof *at);
+        if (at == NULL)
+            return -1;
+        s->attn = at;
+        uint32_t *sc = realloc(s->scratch, 3 * (size_t)n * sizeof *sc);
+        if (sc == NULL)
+            return -1;
+        s->scratch = sc;
+        policy_merge *pl = realloc(s->plan, (size_t)n * sizeof *pl);
+        if (pl == NULL)
+            return -1;
+        s->plan = pl;
+        s->scratch_cap = n;
+    }
+    return 0;
+}
+
+/* s->attn[i] = mean over KV head k's query heads of rows[h][i] (§4.1 GQA). */
+static void group_mean(wkv_state *s, const float *const *rows, uint32_t k, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++) {
+        double sum = 0.0;
+        for (uint32_t g = 0; g < s->group; g++)
+            sum += rows[k * s->group + g][i];
+        s->attn[i] = sum / s->group;
+    }
+}
+
+static int check_stats(const wkv_state *s, const policy_stats *st, int window, char *err,
+                       size_t errlen)
+{
+    if (st->last_attn == NULL) {
+        set_err(err, errlen, "weightedkv needs stats last_attn (attention of the last query)");
+        return -1;
+    }
+    for (uint32_t h = 0; h < s->q_heads; h++)
+        if (st->last_attn[h] == NULL || (window && st->window_attn[h] == NULL)) {
+            set_err(err, errlen, "weightedkv: stats %s of query head %u missing",
+                    st->last_attn[h] == NULL ? "last_attn" : "window_attn", h);
+            return -1;
+        }
+    if (window && st->window_queries > st->new_tokens) {
+        set_err(err, errlen, "weightedkv: window_queries (%u) exceeds the step's new_tokens (%u)",
+                st->window_queries, st->new_tokens);
+        return -1;
+    }
+    return 0;
+}
+
+/* Step 1 for one head: grow to n entries and accumulate this step. */
+static void accumulate(wkv_state *s, wkv_head *hd, const policy_layer_view *view, uint32_t k,
+                       const policy_stats *st, int window)
+{
+    uint32_t n = view->tokens[k];
+    for (uint32_t i = hd->n; i < n; i++)
+        hd->a[i] = hd->c[i] = 0.0;
+    hd->n = n;
+    if (window) {
+        /* Prefill extension: Σ over the window's queries, and how many see i. */
+        uint64_t wq = st->window_queries;
+        group_mean(s, st->window_attn, k, n);
+        for (uint32_t i = 0; i < n; i++) {
+            uint64_t after = view->appended - view->positions[k][i];
+            hd->a[i] += (double)wq * s->attn[i];
+            hd->c[i] += (double)(after < wq ? after : wq);
+        }
+        return;
+    }
+    group_mean(s, st->last_attn, k, n);
+    for (uint32_t i = 0; i < n; i++) {
+        hd->a[i] += s->attn[i];
+        hd->c[i] += 1.0;
+    }
+}
+
+/* Step 2 for one head: the merges, the evictions, and the compaction. */
+static int merge_head(wkv_state *s, wkv_head *hd, uint32_t k, policy_decision *d, char *err,
+                      size_t errlen)
+{
+    uint32_t n = hd->n;
+    if (n <= s->cfg.cache_size)
+        return 0;
+    for (uint32_t i = 0; i < n; i++) {
+        s->w[i] = wkv_weight(hd->a[i], hd->c[i]);
+        if (s->literal)
+            hd->a[i] = s->w[i]; /* Algorithm 1's `a = a/n` */
+    }
+    size_t count = wkv_plan(s->w, n, &s->cfg, k, s->scratch, s->plan);
+    if (s->merge && d->nmerges + count > d->merges_cap) {
+        set_err(err, errlen, "weightedkv: %zu merges do not fit the decision (room for %zu)",
+                d->nmerges + count, d->merges_cap);
+        return -1;
+    }
+    for (size_t m = 0; m < count; m++) {
+        d->tier[k][s->plan[m].from] = POLICY_EVICT;
+        if (s->merge)
+            d->merges[d->nmerges++] = s->plan[m];
+    }
+    uint32_t out = 0;
+    for (uint32_t i = 0; i < n; i++)
+        if (d->tier[k][i] != POLICY_EVICT) {
+            hd->a[out] = hd->a[i];
+            hd->c[out] = hd->c[i];
+            out++;
+        }
+    hd->n = out;
+    return 0;
+}
+
+static int wkv_step(void *state, const policy_layer_view *view, const policy_stats *stats,
+                    policy_decision *d, char *err, size_t errlen)
+{
+    wkv_state *s = state;
+    if (view->layer >= s->layers || view->heads != s->kv_heads) {
+        set_err(err, errlen,
+                "weightedkv: view of layer %u with %u lists does not match the policy "
+                "(%u KV heads)",
+                view->layer, view->heads, s->kv_heads);
+        return -1;
+    }
+    int window = stats->prefill && stats->window_attn != NULL && stats->window_queries > 0;
+    if (check_stats(s, stats, window, err, errlen) != 0)
+        return -1;
+    wkv_head *heads = &s->heads[(size_t)view->layer * s->kv_heads];
+    for (uint32_t k = 0; k < s->kv_heads; k++) {
+        uint32_t n = view->tokens[k];
+        if (stats->new_tokens > n || heads[k].n != n - stats->new_tokens) {
+            set_err(err, errlen,
+                    "weightedkv: head %u holds %u tokens with %u new, but the policy tracks %u "
+                    "(out of sync)",
+                    k, n, stats->new_tokens, heads[k].n);
+            return -1;
+        }
+    }
+    for (uint32_t k = 0; k < s->kv_heads; k++) {
+        if (reserve(s, &heads[k], view->tokens[k]) != 0) {
+            set_err(err, errlen, "out of memory in policy 'weightedkv'");
+            return -1;
+        }
+        accumulate(s, &heads[k], view, k, stats, window);
+        if (merge_head(s, &heads[k], k, d, err, errlen) != 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* ---- describe ------------------------------------------------------------ */
+
+static void text_array(policy_text *t, const char *name, const double *x, uint32_t n)
+{
+    policy_text_add(t, "\"%s\":[", name);
+    for (uint32_t i = 0; i < n; i++)
+        policy_text_add(t, "%s%.9g", i ? "," : "", x[i]);
+    policy_text_add(t, "]");
+}
+
+static char *wkv_describe(void *state, uint32_t layer)
+{
+    const wkv_state *s = state;
+    if (s == NULL || layer >= s->layers)
+        return NULL;
+    policy_text t = {0};
+    policy_text_add(&t, "{\"layer\":%u,\"heads\":[", layer);
+    for (uint32_t k = 0; k < s->kv_heads; k++) {
+        const wkv_head *hd = &s->heads[(size_t)layer * s->kv_heads + k];
+        policy_text_add(&t, "%s{\"tokens\":%u,", k ? "," : "", hd->n);
+        text_array(&t, "a", hd->a, hd->n);
+        policy_text_add(&t, ",");
+        text_array(&t, "c", hd->c, hd->n);
+        policy_text_add(&t, "}");
+    }
+    policy_text_add(&t, "]}");
+    return policy_text_finish(&t);
+}
+
+const policy_ops policy_weightedkv = {
+    .name = "weightedkv",
+    .summary = "WeightedKV: per KV head, drop the key of the lowest average-attention token and "
+               "merge its value into the right neighbour (keeps cache_size entries)",
+    .params = wkv_params,
+    .nparams = sizeof(wkv_params) / sizeof(wkv_params[0]),
+    .needs = POLICY_NEEDS_LAST_ATTN,
+    .per_head = 1,
+    .create = wkv_create,
+    .step = wkv_step,
+    .describe = wkv_describe,
+    .destroy = wkv_destroy,
+};

@@ -1,0 +1,351 @@
+/*
+ * test_policy_h2o.c - the H2O baseline (policies/h2o.c).
+ *
+ * A hand-checkable trace (scores are binary fractions, so sums and ties are
+ * exact), the "half" default of recent, invalid configurations, and
+ * properties through the host on seeded random scores: held <= budget after
+ * every step, sinks and the `recent` newest never evicted, the evicted set
+ * equals a sort-based oracle, same input gives same output.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "host.h"
+#include "policy.h"
+
+static uint64_t rng_state;
+
+static uint32_t rng(void)
+{
+    rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
+    return (uint32_t)(rng_state >> 33);
+}
+
+static const policy_geometry geom1 = {1, 2, 1, 4, 16, 10000.0f};
+
+static policy_host *host_new(const char *const *keys, const char *const *values, size_t n,
+                             const policy_geometry *g)
+{
+    const policy_ops *ops = policy_find("h2o");
+    assert_non_null(ops);
+    policy_params p;
+    char err[POLICY_ERR_LEN] = "";
+    if (policy_params_resolve(ops, keys, values, n, &p, err, sizeof err) != 0)
+        fail_msg("resolve: %s", err);
+    policy_host *h = NULL;
+    if (policy_host_create(ops, &p, g, &h, err, sizeof err) != 0)
+        fail_msg("create: %s", err);
+    return h;
+}
+
+static void expect_reject(const char *const *keys, const char *const *values, size_t n,
+                          const char *needle)
+{
+    const policy_ops *ops = policy_find("h2o");
+    policy_params p;
+    char err[POLICY_ERR_LEN] = "";
+    void *state = NULL;
+    int rc = policy_params_resolve(ops, keys, values, n, &p, err, sizeof err);
+    if (rc == 0)
+        rc = ops->create(&p, &geom1, &state, err, sizeof err);
+    if (rc == 0) {
+        ops->destroy(state);
+        fail_msg("accepted an invalid configuration (expected '%s')", needle);
+    }
+    if (strstr(err, needle) == NULL)
+        fail_msg("message '%s' does not name '%s'", err, needle);
+}
+
+/* Append nnew tokens, step layer 0 with `score` (one per held token), commit. */
+static size_t step(policy_host *h, uint32_t nnew, const float *score)
+{
+    assert_int_equal(policy_host_append(h, nnew), 0);
+    policy_stats st = {0};
+    st.new_tokens = nnew;
+    st.score = score;
+    st.confidence = -1;
+    const policy_decision *d;
+    char err[POLICY_ERR_LEN] = "";
+    if (policy_host_step(h, 0, &st, &d, err, sizeof err) != 0)
+        fail_msg("step: %s", err);
+    return policy_host_commit(h, 0);
+}
+
+static void expect_held(policy_host *h, const uint32_t *want, uint32_t n)
+{
+    const policy_layer_view *v = policy_host_view(h, 0);
+    assert_int_equal(v->tokens[0], n);
+    for (uint32_t i = 0; i < n; i++)
+        assert_int_equal(v->positions[0][i], want[i]);
+}
+
+static void test_hand_trace(void **unused)
+{
+    (void)unused;
+    /* budget 4, recent 1, sinks 1. */
+    const char *k[] = {"budget", "recent", "sinks"};
+    const char *v[] = {"4", "1", "1"};
+    policy_host *h = host_new(k, v, 3, &geom1);
+
+    /* Step 1, prefill t0..t5, scores .0625 .125 .5 .25 .5 .375. Protected:
+     * t0 (position < sinks; the lowest score, still kept) and t5 (newest).
+     * 6 > 4: evict 2 of t1 .125, t2 .5, t3 .25, t4 .5 -> t1 and t3. */
+    const float s1[6] = {0.0625f, 0.125f, 0.5f, 0.25f, 0.5f, 0.375f};
+    assert_int_equal(step(h, 6, s1), 2);
+    const uint32_t w1[] = {0, 2, 4, 5};
+    expect_held(h, w1, 4);
+
+    /* Step 2, append t6; stats for [t0 t2 t4 t5 t6] = [0 .125 0 .0625 .75]:
+     * accumulated t0 .0625, t2 .625, t4 .5, t5 .4375, t6 .75. Protected t0,
+     * t6; t5 (recent a step ago) is now the lowest candidate -> evicted. */
+    const float s2[5] = {0, 0.125f, 0, 0.0625f, 0.75f};
+    assert_int_equal(step(h, 1, s2), 1);
+    const uint32_t w2[] = {0, 2, 4, 6};
+    expect_held(h, w2, 4);
+
+    /* Step 3, append t7; stats for [t0 t2 t4 t6 t7] = [0 0 .125 0 .25]:
+     * t2 .625 and t4 .5 + .125 = .625 tie; t6 .75; t7 .25 is the lowest but
+     * the newest. Tie -> the lower index (t2) is evicted. */
+    const float s3[5] = {0, 0, 0.125f, 0, 0.25f};
+    assert_int_equal(step(h, 1, s3), 1);
+    const uint32_t w3[] = {0, 4, 6, 7};
+    expect_held(h, w3, 4);
+
+    /* The accumulated scores followed the compaction. */
+    char *j = policy_host_ops(h)->describe(policy_host_state(h), 0);
+    assert_non_null(j);
+    assert_string_equal(j, "{\"layer\":0,\"budget\":4,\"recent\":1,\"sinks\":1,"
+                           "\"positions\":[0,4,6,7],\"score\":[0.0625,0.625,0.75,0.25]}");
+    free(j);
+    policy_host_destroy(h);
+}
+
+static void test_under_budget_keeps_all(void **unused)
+{
+    (void)unused;
+    const char *k[] = {"budget", "recent"};
+    const char *v[] = {"8", "0"};
+    policy_host *h = host_new(k, v, 2, &geom1);
+    const float s[8] = {0.5f, 0, 0, 0, 0, 0, 0, 0.25f};
+    assert_int_equal(step(h, 8, s), 0); /* held == budget: nothing goes */
+    /* recent 0: the newest token (score 0) is evicted when it is lowest;
+     * among the zeros t1..t6 and t8 the lowest index goes: t1. */
+    const float s2[9] = {0};
+    assert_int_equal(step(h, 1, s2), 1);
+    const uint32_t w[] = {0, 2, 3, 4, 5, 6, 7, 8};
+    expect_held(h, w, 8);
+    policy_host_destroy(h);
+}
+
+static void test_recent_default_half(void **unused)
+{
+    (void)unused;
+    const char *k[] = {"budget"};
+    const char *v[] = {"5"};
+    policy_host *h = host_new(k, v, 1, &geom1);
+    char *j = policy_host_ops(h)->describe(policy_host_state(h), 0);
+    assert_non_null(strstr(j, "\"budget\":5,\"recent\":2,\"sinks\":0")); /* int(5/2) */
+    free(j);
+    policy_host_destroy(h);
+    h = host_new(NULL, NULL, 0, &geom1);
+    j = policy_host_ops(h)->describe(policy_host_state(h), 0);
+    assert_non_null(strstr(j, "\"budget\":256,\"recent\":128,\"sinks\":0"));
+    free(j);
+    policy_host_destroy(h);
+    /* recent = budget - sinks is allowed: a pure window plus sinks */
+    const char *k2[] = {"budget", "recent", "sinks"};
+    const char *v2[] = {"4", "3", "1"};
+    h = host_new(k2, v2, 3, &geom1);
+    const float s[6] = {0, 1, 1, 1, 1, 1};
+    assert_int_equal(step(h, 6, s), 2);
+    const uint32_t w[] = {0, 3, 4, 5};
+    expect_held(h, w, 4);
+    policy_host_destroy(h);
+}
+
+static void test_invalid(void **unused)
+{
+    (void)unused;
+    const char *kb[] = {"budget"};
+    const char *v0[] = {"0"};
+    expect_reject(kb, v0, 1, "budget");
+    const char *kr[] = {"budget", "recent"};
+    const char *vr[] = {"256", "300"};
+    expect_reject(kr, vr, 2, "recent");
+    const char *vx[] = {"256", "quarter"};
+    expect_reject(kr, vx, 2, "recent");
+    const char *ks[] = {"budget", "recent", "sinks"};
+    const char *vs[] = {"256", "200", "100"};
+    expect_reject(ks, vs, 3, "recent (200) + sinks (100)");
+    const char *ks1[] = {"sinks"};
+    const char *vs1[] = {"-1"};
+    expect_reject(ks1, vs1, 1, "sinks");
+}
+
+static void test_missing_score(void **unused)
+{
+    (void)unused;
+    policy_host *h = host_new(NULL, NULL, 0, &geom1);
+    assert_int_equal(policy_host_append(h, 2), 0);
+    policy_stats st = {0};
+    st.new_tokens = 2;
+    const policy_decision *d;
+    char err[POLICY_ERR_LEN] = "";
+    assert_int_equal(policy_host_step(h, 0, &st, &d, err, sizeof err), -1);
+    assert_non_null(strstr(err, "stats.score"));
+    policy_host_destroy(h);
+}
+
+/* Sort-based oracle: evict the k unprotected tokens with the lowest
+ * accumulated score, ties to the lower index. */
+typedef struct cand {
+    double s;
+    uint32_t i;
+} cand;
+
+static int cand_cmp(const void *a, const void *b)
+{
+    const cand *x = a, *y = b;
+    if (x->s != y->s)
+        return x->s < y->s ? -1 : 1;
+    return x->i < y->i ? -1 : x->i > y->i;
+}
+
+static size_t run_random(uint64_t seed, uint32_t budget, uint32_t recent, uint32_t sinks,
+                         uint32_t layers, uint32_t steps, uint8_t *out, size_t cap)
+{
+    char b[16], r[16], s[16];
+    snprintf(b, sizeof b, "%u", budget);
+    snprintf(r, sizeof r, "%u", recent);
+    snprintf(s, sizeof s, "%u", sinks);
+    const char *k[] = {"budget", "recent", "sinks"};
+    const char *v[] = {b, r, s};
+    policy_geometry g = {layers, 4, 2, 4, 16, 10000.0f};
+    policy_host *h = host_new(k, v, 3, &g);
+    rng_state = seed;
+    enum { MAXN = 2048 };
+    double *acc = calloc((size_t)layers * MAXN, sizeof *acc);
+    uint32_t *pos = calloc((size_t)layers * MAXN, sizeof *pos);
+    uint32_t *held = calloc(layers, sizeof *held);
+    float *score = calloc(MAXN, sizeof *score);
+    cand *c = calloc(MAXN, sizeof *c);
+    uint8_t *ev = calloc(MAXN, 1);
+    assert_true(acc && pos && held && score && c && ev);
+    uint32_t appended = 0;
+    size_t written = 0;
+    for (uint32_t st = 0; st < steps; st++) {
+        uint32_t nnew = st == 0 ? 1 + rng() % (2 * budget) : (rng() % 6 == 0 ? 2 + rng() % 5 : 1);
+        assert_int_equal(policy_host_append(h, nnew), 0);
+        for (uint32_t l = 0; l < layers; l++) {
+            double *a = acc + (size_t)l * MAXN;
+            uint32_t *p = pos + (size_t)l * MAXN;
+            for (uint32_t i = 0; i < nnew; i++) {
+                p[held[l] + i] = appended + i;
+                a[held[l] + i] = 0;
+            }
+            uint32_t n = held[l] + nnew;
+            assert_true(n < MAXN);
+            for (uint32_t i = 0; i < n; i++) {
+                score[i] = (float)(rng() % 8) * 0.125f; /* ties are common */
+                a[i] += score[i];
+            }
+            policy_stats sts = {0};
+            sts.new_tokens = nnew;
+            sts.score = score;
+            sts.confidence = -1;
+            const policy_decision *d;
+            char err[POLICY_ERR_LEN] = "";
+            if (policy_host_step(h, l, &sts, &d, err, sizeof err) != 0)
+                fail_msg("step: %s", err);
+            /* oracle */
+            memset(ev, 0, n);
+            if (n > budget) {
+                uint32_t m = 0;
+                for (uint32_t i = 0; i + recent < n; i++)
+                    if (p[i] >= sinks)
+                        c[m++] = (cand){a[i], i};
+                qsort(c, m, sizeof *c, cand_cmp);
+                for (uint32_t i = 0; i < n - budget; i++)
+                    ev[c[i].i] = 1;
+            }
+            uint32_t out_n = 0;
+            for (uint32_t i = 0; i < n; i++) {
+                int evicted = d->tier[0][i] == POLICY_EVICT;
+                assert_int_equal(evicted, ev[i]);
+                if (evicted) {
+                    assert_true(p[i] >= sinks);  /* sinks never go */
+                    assert_true(i + recent < n); /* nor the recent newest */
+                } else {
+                    p[out_n] = p[i];
+                    a[out_n] = a[i];
+                    out_n++;
+                }
+                if (out != NULL) {
+                    assert_true(written < cap);
+                    out[written++] = d->tier[0][i];
+                }
+            }
+            policy_host_commit(h, l);
+            held[l] = out_n;
+            assert_true(held[l] <= budget || held[l] == n);
+            assert_true(held[l] <= (n > budget ? budget : n));
+            const policy_layer_view *view = policy_host_view(h, l);
+            assert_int_equal(view->tokens[0], held[l]);
+            assert_memory_equal(view->positions[0], p, held[l] * sizeof *p);
+        }
+        appended += nnew;
+    }
+    free(acc);
+    free(pos);
+    free(held);
+    free(score);
+    free(c);
+    free(ev);
+    policy_host_destroy(h);
+    return written;
+}
+
+static void test_property_random(void **unused)
+{
+    (void)unused;
+    run_random(1, 16, 8, 0, 2, 200, NULL, 0);
+    run_random(2, 16, 0, 4, 1, 200, NULL, 0);
+    run_random(3, 10, 6, 4, 3, 200, NULL, 0);
+    run_random(4, 1, 0, 0, 1, 100, NULL, 0);
+    run_random(5, 64, 32, 4, 1, 300, NULL, 0);
+}
+
+static void test_property_deterministic(void **unused)
+{
+    (void)unused;
+    size_t cap = 1u << 20;
+    uint8_t *a = malloc(cap), *b = malloc(cap);
+    assert_true(a && b);
+    size_t na = run_random(9, 12, 5, 2, 2, 150, a, cap);
+    size_t nb = run_random(9, 12, 5, 2, 2, 150, b, cap);
+    assert_int_equal(na, nb);
+    assert_memory_equal(a, b, na);
+    free(a);
+    free(b);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_hand_trace),
+        cmocka_unit_test(test_under_budget_keeps_all),
+        cmocka_unit_test(test_recent_default_half),
+        cmocka_unit_test(test_invalid),
+        cmocka_unit_test(test_missing_score),
+        cmocka_unit_test(test_property_random),
+        cmocka_unit_test(test_property_deterministic),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,1068 @@
+/*
+ * test_policy_reviver.c - KVReviver (POLICIES.md §3; policies/reviver.{c,h}).
+ *
+ * - §3.2 hash family: splitmix64 reference outputs and h/g values computed by
+ *   an independent Python transcription of §3.2.
+ * - T-KR1 (§3.7): every cell, every query, the hand check of J0's value, the
+ *   delete-leaves-others-unchanged property; the MEAN variant (§3.8) on the
+ *   same inserts; even-r lower median.
+ * - Round trip: with no bucket shared, query returns exactly what was
+ *   inserted, also after deletes (injected tables and the real hash).
+ * - T-KR2 (§3.7): the compress trace, through reviver_compress() and through
+ *   the policy host (tiers, describe(), operation log).
+ * - Config validation: every message names its parameter.
+ * - Properties through the host on seeded random scores: nothing is ever
+ *   evicted, raw tokens stay within R_b + slack + C_b, the newest R_b are
+ *   raw, tiers and operations equal a literal linear-scan transcription of
+ *   §3.5, same input gives same output, and a simulated daemon that applies
+ *   the operations to a sketch revives exact K/V when no buckets collide.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "host.h"
+#include "policy.h"
+#include "reviver.h"
+
+#define TOL 1e-6
+
+/* ---- helpers ---- */
+
+static uint64_t rng_state;
+
+static uint32_t rng(void)
+{
+    rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
+    return (uint32_t)(rng_state >> 33);
+}
+
+static float rng_unit(void)
+{
+    return (float)(rng() % 100000) / 100000.0f;
+}
+
+static const policy_geometry geom1 = {1, 2, 1, 4, 16, 10000.0f};
+
+static int resolve(const char *const *keys, const char *const *values, size_t n, policy_params *p,
+                   char *err)
+{
+    const policy_ops *ops = policy_find("reviver");
+    assert_non_null(ops);
+    return policy_params_resolve(ops, keys, values, n, p, err, POLICY_ERR_LEN);
+}
+
+/* Create through the host; fails the test on error. */
+static policy_host *host_new(const char *const *keys, const char *const *values, size_t n,
+                             const policy_geometry *g)
+{
+    policy_params p;
+    char err[POLICY_ERR_LEN] = "";
+    if (resolve(keys, values, n, &p, err) != 0)
+        fail_msg("resolve: %s", err);
+    policy_host *h = NULL;
+    if (policy_host_create(policy_find("reviver"), &p, g, &h, err, sizeof err) != 0)
+        fail_msg("create: %s", err);
+    return h;
+}
+
+/* create() must fail with a message containing `needle` (and may not leak). */
+static void expect_reject(const char *const *keys, const char *const *values, size_t n,
+                          const char *needle)
+{
+    policy_params p;
+    char err[POLICY_ERR_LEN] = "";
+    void *state = NULL;
+    const policy_ops *ops = policy_find("reviver");
+    int rc = resolve(keys, values, n, &p, err);
+    if (rc == 0)
+        rc = ops->create(&p, &geom1, &state, err, sizeof err);
+    if (rc == 0) {
+        ops->destroy(state);
+        fail_msg("accepted an invalid configuration (expected '%s')", needle);
+    }
+    if (strstr(err, needle) == NULL)
+        fail_msg("message '%s' does not name '%s'", err, needle);
+}
+
+static char *describe(policy_host *h, uint32_t layer)
+{
+    char *s = policy_host_ops(h)->describe(policy_host_state(h), layer);
+    assert_non_null(s);
+    return s;
+}
+
+/* The JSON array after "key": in describe() text, as written ("[0,1]"). */
+static void json_array(const char *json, const char *key, char *out, size_t len)
+{
+    char pat[64];
+    snprintf(pat, sizeof pat, "\"%s\":", key);
+    const char *p = strstr(json, pat);
+    assert_non_null(p);
+    p += strlen(pat);
+    const char *e = strchr(p, ']');
+    assert_non_null(e);
+    size_t n = (size_t)(e - p + 1);
+    assert_true(n < len);
+    memcpy(out, p, n);
+    out[n] = '\0';
+}
+
+static void expect_store(const char *json, const char *key, const char *want)
+{
+    char got[512];
+    json_array(json, key, got, sizeof got);
+    if (strcmp(got, want) != 0)
+        fail_msg("%s = %s, want %s", key, got, want);
+}
+
+/* ---- §3.2 hash family ---- */
+
+static void test_mix64_splitmix_reference(void **unused)
+{
+    (void)unused;
+    /* splitmix64 seeded with 0: its first two outputs (Vigna's reference). */
+    assert_true(reviver_mix64(0x9E3779B97F4A7C15ull) == 0xE220A8397B1DCDAFull);
+    assert_true(reviver_mix64(0x3C6EF372FE94F82Aull) == 0x6E789E6AA1B965F4ull);
+    assert_true(reviver_mix64(0) == 0);
+    /* layer_seed(base, l) = the (l+1)-th splitmix64 output from state base. */
+    assert_true(reviver_layer_seed(0, 0) == 0xE220A8397B1DCDAFull);
+    assert_true(reviver_layer_seed(0, 1) == 0x6E789E6AA1B965F4ull);
+    assert_true(reviver_layer_seed(7, 3) == 0x953AEB70673E29CBull);
+}
+
+static void test_hash_family(void **unused)
+{
+    (void)unused;
+    /* h_i(J) = mix64(J ^ S_i) mod b, g_i(J) = +1 iff mix64(J ^ T_i) >> 63 == 0,
+     * S_i = 0x9E37..15·(2i+1) ^ seed, T_i = S_i ^ 0xD1B5..03 (§3.2); values from
+     * an independent Python transcription, r = 3, b = 6. */
+    static const struct {
+        uint64_t seed, J;
+        uint32_t h[3];
+        int8_t g[3];
+    } v[] = {
+        {0, 0, {1, 1, 1}, {-1, 1, -1}},
+        {0, 1, {2, 1, 0}, {1, 1, 1}},
+        {0, 1000, {4, 1, 5}, {1, -1, -1}},
+        {0, 123456789, {0, 1, 3}, {-1, 1, -1}},
+        {0x953AEB70673E29CBull, 0, {2, 5, 2}, {-1, 1, -1}},
+        {0x953AEB70673E29CBull, 1, {4, 1, 0}, {1, -1, -1}},
+        {0x953AEB70673E29CBull, 1000, {1, 2, 4}, {-1, -1, 1}},
+        {0x953AEB70673E29CBull, 123456789, {3, 1, 4}, {1, -1, -1}},
+    };
+    for (size_t t = 0; t < sizeof v / sizeof v[0]; t++) {
+        uint32_t h[3];
+        int8_t g[3];
+        reviver_hash(v[t].seed, 3, 6, v[t].J, h, g);
+        for (int i = 0; i < 3; i++) {
+            assert_int_equal(h[i], v[t].h[i]);
+            assert_int_equal(g[i], v[t].g[i]);
+        }
+    }
+}
+
+/* ---- T-KR1 ---- */
+
+static const uint32_t KR1_H[4][3] = {{0, 1, 2}, {1, 1, 0}, {2, 0, 2}, {0, 2, 1}};
+static const int8_t KR1_G[4][3] = {{1, -1, 1}, {-1, 1, 1}, {1, 1, -1}, {1, -1, -1}};
+static const float KR1_K[4][2] = {{1, 0}, {0, 1}, {2, 2}, {-1, 1}};
+static const float KR1_V[4][2] = {{1, 2}, {3, -1}, {0, 1}, {2, 2}};
+
+static void kr1_build(reviver_sketch *s, reviver_estimate ke, reviver_estimate ve)
+{
+    assert_int_equal(reviver_sketch_init(s, 3, 3, 2, ke, ve), 0);
+    for (int j = 0; j < 4; j++)
+        reviver_sketch_insert(s, KR1_H[j], KR1_G[j], KR1_K[j], KR1_V[j]);
+}
+
+static void expect_vec(const float *got, float a, float b)
+{
+    assert_float_equal(got[0], a, TOL);
+    assert_float_equal(got[1], b, TOL);
+}
+
+static void test_kr1_cells(void **unused)
+{
+    (void)unused;
+    reviver_sketch s;
+    kr1_build(&s, REVIVER_ESTIMATE_SUM, REVIVER_ESTIMATE_SUM);
+    /* cellK rows (buckets 0, 1, 2), §3.7 */
+    static const float K[3][3][2] = {
+        {{0, 1}, {0, 1}, {2, 2}}, {{2, 2}, {1, 1}, {-1, 1}}, {{0, 1}, {-1, 1}, {3, 2}}};
+    static const float V[3][3][2] = {
+        {{3, 4}, {-3, 1}, {0, 1}}, {{0, 1}, {2, -3}, {-2, -2}}, {{3, -1}, {-2, -2}, {1, 1}}};
+    /* bucket counts: row0 {J0,J3},{J1},{J2}; row1 {J2},{J0,J1},{J3}; row2 {J1},{J3},{J0,J2} */
+    static const int32_t C[3][3] = {{2, 1, 1}, {1, 2, 1}, {1, 1, 2}};
+    for (int r = 0; r < 3; r++)
+        for (int b = 0; b < 3; b++) {
+            expect_vec(&s.key[(r * 3 + b) * 2], K[r][b][0], K[r][b][1]);
+            expect_vec(&s.value[(r * 3 + b) * 2], V[r][b][0], V[r][b][1]);
+            assert_int_equal(s.count[r * 3 + b], C[r][b]);
+        }
+    reviver_sketch_free(&s);
+}
+
+static void test_kr1_queries(void **unused)
+{
+    (void)unused;
+    reviver_sketch s;
+    kr1_build(&s, REVIVER_ESTIMATE_SUM, REVIVER_ESTIMATE_SUM);
+    static const float want[4][2][2] = {
+        {{1, 1}, {1, 3}},   /* J0: key biased (true [1,0]), value biased (true [1,2]) */
+        {{0, 1}, {3, -1}},  /* J1: exact */
+        {{2, 2}, {0, 1}},   /* J2: exact */
+        {{-1, 1}, {2, 2}}}; /* J3: exact */
+    for (int j = 0; j < 4; j++) {
+        float k[2], v[2];
+        reviver_sketch_query(&s, KR1_H[j], KR1_G[j], k, v);
+        expect_vec(k, want[j][0][0], want[j][0][1]);
+        expect_vec(v, want[j][1][0], want[j][1][1]);
+    }
+    /* Hand check of J0's value: row estimates +[3,4], -[2,-3] = [-2,3], +[1,1];
+     * medians ch0 {3,-2,1} -> 1, ch1 {4,3,1} -> 3. */
+    const float *c0 = &s.value[(0 * 3 + 0) * 2], *c1 = &s.value[(1 * 3 + 1) * 2],
+                *c2 = &s.value[(2 * 3 + 2) * 2];
+    expect_vec(c0, 3, 4);
+    assert_float_equal(-c1[0], -2, TOL);
+    assert_float_equal(-c1[1], 3, TOL);
+    expect_vec(c2, 1, 1);
+    /* k or v may be skipped */
+    float v[2] = {0, 0};
+    reviver_sketch_query(&s, KR1_H[0], KR1_G[0], NULL, v);
+    expect_vec(v, 1, 3);
+    reviver_sketch_free(&s);
+}
+
+static void test_kr1_delete_keeps_others(void **unused)
+{
+    (void)unused;
+    reviver_sketch s;
+    kr1_build(&s, REVIVER_ESTIMATE_SUM, REVIVER_ESTIMATE_SUM);
+    float before[4][2][2];
+    for (int j = 0; j < 4; j++)
+        reviver_sketch_query(&s, KR1_H[j], KR1_G[j], before[j][0], before[j][1]);
+    float k[2], v[2];
+    reviver_sketch_query(&s, KR1_H[2], KR1_G[2], k, v);
+    reviver_sketch_delete(&s, KR1_H[2], KR1_G[2], k, v);
+    for (int j = 0; j < 4; j++) {
+        if (j == 2)
+            continue;
+        float k2[2], v2[2];
+        reviver_sketch_query(&s, KR1_H[j], KR1_G[j], k2, v2);
+        expect_vec(k2, before[j][0][0], before[j][0][1]);
+        expect_vec(v2, before[j][1][0], before[j][1][1]);
+    }
+    /* J2's cells lost exactly its contribution: row0 bucket2 key [2,2] -> [0,0]. */
+    expect_vec(&s.key[(0 * 3 + 2) * 2], 0, 0);
+    assert_int_equal(s.count[0 * 3 + 2], 0);
+    /* row2 bucket2 value: [1,1] - g(-1)·[0,1] = [1,2] */
+    expect_vec(&s.value[(2 * 3 + 2) * 2], 1, 2);
+
+    /* Deleting the BIASED estimate of J0 leaves residual (§3.3, §6 #12): row0
+     * bucket0 key was k0 + k3 = [0,1]; minus J0's estimate [1,1] -> [-1,0],
+     * not k3 = [-1,1]. */
+    reviver_sketch_query(&s, KR1_H[0], KR1_G[0], k, v);
+    expect_vec(k, 1, 1);
+    reviver_sketch_delete(&s, KR1_H[0], KR1_G[0], k, v);
+    expect_vec(&s.key[0], -1, 0);
+    reviver_sketch_free(&s);
+}
+
+static void test_kr1_mean_variant(void **unused)
+{
+    (void)unused;
+    /* Same inserts, each row's cell divided by its count (§3.8). J0: keys
+     * [0,1]/2, [1,1]/2, [3,2]/2 -> medians ch0 {0,.5,1.5} = .5, ch1 {.5,.5,1} =
+     * .5; values +[3,4]/2, -[2,-3]/2, +[1,1]/2 -> ch0 {1.5,-1,.5} = .5, ch1
+     * {2,1.5,.5} = 1.5. J1..J3 stay exact. */
+    reviver_sketch s;
+    kr1_build(&s, REVIVER_ESTIMATE_MEAN, REVIVER_ESTIMATE_MEAN);
+    static const float want[4][2][2] = {
+        {{0.5f, 0.5f}, {0.5f, 1.5f}}, {{0, 1}, {3, -1}}, {{2, 2}, {0, 1}}, {{-1, 1}, {2, 2}}};
+    for (int j = 0; j < 4; j++) {
+        float k[2], v[2];
+        reviver_sketch_query(&s, KR1_H[j], KR1_G[j], k, v);
+        expect_vec(k, want[j][0][0], want[j][0][1]);
+        expect_vec(v, want[j][1][0], want[j][1][1]);
+    }
+    reviver_sketch_free(&s);
+    /* key mean, value sum: J0 -> key [.5,.5], value [1,3] */
+    kr1_build(&s, REVIVER_ESTIMATE_MEAN, REVIVER_ESTIMATE_SUM);
+    float k[2], v[2];
+    reviver_sketch_query(&s, KR1_H[0], KR1_G[0], k, v);
+    expect_vec(k, 0.5f, 0.5f);
+    expect_vec(v, 1, 3);
+    reviver_sketch_free(&s);
+}
+
+static void test_even_rows_lower_median(void **unused)
+{
+    (void)unused;
+    /* r = 4, one channel: a token alone in its buckets has row estimates equal
+     * to its value; bucket-mates make the rows differ. Rows of J0 hold
+     * {5, 3, 9, 1} (J0 = 1 everywhere plus mates 4, 2, 8, 0): sorted {1,3,5,9},
+     * lower middle 3 (torch.median), not 4 (the mean of the middle two). */
+    reviver_sketch s;
+    assert_int_equal(reviver_sketch_init(&s, 4, 2, 1, REVIVER_ESTIMATE_SUM, REVIVER_ESTIMATE_SUM),
+                     0);
+    const uint32_t h0[4] = {0, 0, 0, 0};
+    const int8_t g[4] = {1, 1, 1, 1};
+    const float one = 1;
+    reviver_sketch_insert(&s, h0, g, &one, &one);
+    const float mates[4] = {4, 2, 8, 0};
+    for (uint32_t r = 0; r < 4; r++) { /* add a mate to row r's bucket 0 only */
+        uint32_t hm[4] = {1, 1, 1, 1};
+        hm[r] = 0;
+        float x = mates[r];
+        reviver_sketch_insert(&s, hm, g, &x, &x);
+    }
+    /* row r bucket 0 = 1 + mates[r]; other mates land in bucket 1 */
+    float k, v;
+    reviver_sketch_query(&s, h0, g, &k, &v);
+    assert_float_equal(k, 3, TOL);
+    assert_float_equal(v, 3, TOL);
+    reviver_sketch_free(&s);
+    /* r = 2: {1+4, 1+2} -> lower middle 3 */
+    assert_int_equal(reviver_sketch_init(&s, 2, 2, 1, REVIVER_ESTIMATE_SUM, REVIVER_ESTIMATE_SUM),
+                     0);
+    reviver_sketch_insert(&s, h0, g, &one, &one);
+    const uint32_t a[2] = {0, 1}, b[2] = {1, 0};
+    const float four = 4, two = 2;
+    reviver_sketch_insert(&s, a, g, &four, &four);
+    reviver_sketch_insert(&s, b, g, &two, &two);
+    reviver_sketch_query(&s, h0, g, &k, &v);
+    assert_float_equal(k, 3, TOL);
+    reviver_sketch_free(&s);
+}
+
+static void test_sketch_init_rejects(void **unused)
+{
+    (void)unused;
+    reviver_sketch s;
+    assert_int_equal(reviver_sketch_init(&s, 0, 3, 2, 0, 0), -1);
+    assert_int_equal(reviver_sketch_init(&s, 3, 0, 2, 0, 0), -1);
+    assert_int_equal(reviver_sketch_init(&s, 3, 3, 0, 0, 0), -1);
+    assert_int_equal(reviver_sketch_init(&s, REVIVER_MAX_ROWS + 1, 3, 2, 0, 0), -1);
+}
+
+/* ---- round trip without collisions ---- */
+
+static void roundtrip(reviver_estimate est)
+{
+    enum { N = 24, D = 5 };
+    for (uint32_t rows = 1; rows <= 5; rows++) {
+        rng_state = 1000 + rows;
+        uint32_t buckets = N + rows; /* b >= N: a permutation per row never collides */
+        reviver_sketch s;
+        assert_int_equal(reviver_sketch_init(&s, rows, buckets, D, est, est), 0);
+        uint32_t h[N][REVIVER_MAX_ROWS];
+        int8_t g[N][REVIVER_MAX_ROWS];
+        float k[N][D], v[N][D];
+        for (uint32_t r = 0; r < rows; r++) {
+            uint32_t perm[N + 5];
+            for (uint32_t i = 0; i < buckets; i++)
+                perm[i] = i;
+            for (uint32_t i = buckets - 1; i > 0; i--) {
+                uint32_t j = rng() % (i + 1), t = perm[i];
+                perm[i] = perm[j];
+                perm[j] = t;
+            }
+            for (uint32_t j = 0; j < N; j++) {
+                h[j][r] = perm[j];
+                g[j][r] = rng() & 1 ? 1 : -1;
+            }
+        }
+        for (uint32_t j = 0; j < N; j++) {
+            for (uint32_t c = 0; c < D; c++) {
+                k[j][c] = rng_unit() * 8 - 4;
+                v[j][c] = rng_unit() * 8 - 4;
+            }
+            reviver_sketch_insert(&s, h[j], g[j], k[j], v[j]);
+        }
+        for (uint32_t j = 0; j < N; j++) {
+            float kq[D], vq[D];
+            reviver_sketch_query(&s, h[j], g[j], kq, vq);
+            assert_memory_equal(kq, k[j], sizeof kq);
+            assert_memory_equal(vq, v[j], sizeof vq);
+            if (j % 2 == 0) /* delete every other one; the rest must stay exact */
+                reviver_sketch_delete(&s, h[j], g[j], kq, vq);
+        }
+        for (uint32_t j = 1; j < N; j += 2) {
+            float kq[D], vq[D];
+            reviver_sketch_query(&s, h[j], g[j], kq, vq);
+            assert_memory_equal(kq, k[j], sizeof kq);
+            assert_memory_equal(vq, v[j], sizeof vq);
+        }
+        reviver_sketch_free(&s);
+    }
+}
+
+static void test_roundtrip_exact_sum(void **unused)
+{
+    (void)unused;
+    roundtrip(REVIVER_ESTIMATE_SUM);
+}
+
+static void test_roundtrip_exact_mean(void **unused)
+{
+    (void)unused;
+    roundtrip(REVIVER_ESTIMATE_MEAN);
+}
+
+static void test_roundtrip_real_hash(void **unused)
+{
+    (void)unused;
+    /* The §3.2 family with b = 2^20 and 64 tokens: check there is no shared
+     * bucket in any row, then every query is exact. */
+    enum { N = 64, R = 3, D = 3 };
+    const uint32_t b = 1u << 20;
+    uint64_t seed = reviver_layer_seed(42, 5);
+    reviver_sketch s;
+    assert_int_equal(reviver_sketch_init(&s, R, b, D, 0, 0), 0);
+    uint32_t h[N][R];
+    int8_t g[N][R];
+    float k[N][D], v[N][D];
+    rng_state = 99;
+    for (uint32_t j = 0; j < N; j++) {
+        reviver_hash(seed, R, b, 1000 + 7 * j, h[j], g[j]);
+        for (uint32_t i = 0; i < j; i++)
+            for (uint32_t r = 0; r < R; r++)
+                assert_int_not_equal(h[i][r], h[j][r]);
+        for (uint32_t c = 0; c < D; c++) {
+            k[j][c] = rng_unit() - 0.5f;
+            v[j][c] = rng_unit() - 0.5f;
+        }
+        reviver_sketch_insert(&s, h[j], g[j], k[j], v[j]);
+    }
+    for (uint32_t j = 0; j < N; j++) {
+        float kq[D], vq[D];
+        reviver_sketch_query(&s, h[j], g[j], kq, vq);
+        assert_memory_equal(kq, k[j], sizeof kq);
+        assert_memory_equal(vq, v[j], sizeof vq);
+    }
+    reviver_sketch_free(&s);
+}
+
+/* ---- T-KR2 ---- */
+
+/* Fixed scores of the trace (binary-exact where ties could matter). */
+static const float KR2_SCORE[7] = {0.50f, 0.10f, 0.40f, 0.05f, 0.30f, 0.20f, 0.25f};
+
+static void expect_locs(const uint8_t *loc, uint32_t n, const char *want)
+{
+    /* want: one letter per token, R/C/V */
+    assert_int_equal(strlen(want), n);
+    for (uint32_t i = 0; i < n; i++) {
+        char c = loc[i] == REVIVER_RECENT ? 'R' : loc[i] == REVIVER_CANDIDATE ? 'C' : 'V';
+        if (c != want[i])
+            fail_msg("token t%u is in %c, want %c (want %s)", i, c, want[i], want);
+    }
+}
+
+static void test_kr2_compress_trace(void **unused)
+{
+    (void)unused;
+    const reviver_budgets b = {2, 1, 2, 1.1};
+    double score[7];
+    uint8_t loc[7];
+    uint32_t scratch[14];
+    reviver_op ops[7];
+    size_t nops;
+    /* Per push t_k (k = 0..6): R/C/V of t0..t_k after compress. */
+    static const char *const want[7] = {
+        "R",       /* t0 */
+        "RR",      /* t1 */
+        "RRR",     /* t2: |R| = 3 = R_b + slack, no spill */
+        "CCRR",    /* t3: |R| = 4 > 3, t0 and t1 move to C */
+        "CCRRR",   /* t4: |R| = 3 */
+        "CVCVRR",  /* t5: t2, t3 -> C = {t0..t3}; pop t3 (.05), t1 (.10) into V;
+                    *     swap test 0.40·1.1 = 0.44 < 0.10 fails */
+        "CCVVRRR", /* t6: t1 raised to .60; 0.44 < 0.60: revive t1, sketch t2;
+                    *     then 0.50·1.1 = 0.55 < max_V 0.40 fails */
+    };
+    for (uint32_t t = 0; t < 7; t++) {
+        score[t] = KR2_SCORE[t];
+        if (t == 6)
+            score[1] = 0.60;
+        assert_int_equal(reviver_compress(&b, t + 1, 1, score, loc, scratch, ops, 7, &nops), 0);
+        expect_locs(loc, t + 1, want[t]);
+        if (t == 5) {
+            assert_int_equal(nops, 2);
+            assert_int_equal(ops[0].index, 3);
+            assert_int_equal(ops[0].kind, REVIVER_OP_SKETCH);
+            assert_int_equal(ops[1].index, 1);
+            assert_int_equal(ops[1].kind, REVIVER_OP_SKETCH);
+        } else if (t == 6) {
+            assert_int_equal(nops, 2);
+            assert_int_equal(ops[0].index, 1);
+            assert_int_equal(ops[0].kind, REVIVER_OP_REVIVE);
+            assert_int_equal(ops[1].index, 2);
+            assert_int_equal(ops[1].kind, REVIVER_OP_SKETCH);
+        } else {
+            assert_int_equal(nops, 0);
+        }
+    }
+    /* A too-small operation log is reported, not overrun. */
+    memset(loc, 0, sizeof loc);
+    for (int i = 0; i < 7; i++)
+        score[i] = KR2_SCORE[i];
+    assert_int_equal(reviver_compress(&b, 7, 7, score, loc, scratch, ops, 2, &nops), -1);
+    assert_int_equal(nops, 2);
+}
+
+static void test_kr2_prefill_cascade(void **unused)
+{
+    (void)unused;
+    /* §3.5 prefill: the whole prompt at once cascades R -> C -> V. Seven
+     * tokens with the T-KR2 scores: R keeps t5, t6; C gets t0..t4 and keeps
+     * the two heaviest (t0 .50, t2 .40); t3, t1, t4 go to V in pop order.
+     * The swap test 0.40·1.1 < max_V 0.30 fails. */
+    const reviver_budgets b = {2, 1, 2, 1.1};
+    double score[7];
+    uint8_t loc[7];
+    uint32_t scratch[14];
+    reviver_op ops[7];
+    size_t nops;
+    for (int i = 0; i < 7; i++)
+        score[i] = KR2_SCORE[i];
+    assert_int_equal(reviver_compress(&b, 7, 7, score, loc, scratch, ops, 7, &nops), 0);
+    expect_locs(loc, 7, "CVCVVRR");
+    assert_int_equal(nops, 3);
+    assert_int_equal(ops[0].index, 3);
+    assert_int_equal(ops[1].index, 1);
+    assert_int_equal(ops[2].index, 4);
+}
+
+static void test_compress_ties(void **unused)
+{
+    (void)unused;
+    /* Ties: C pops the older (smaller index) first; V revives the smaller
+     * index first. R_b = 0, slack = 0, C_b = 1: everything spills. */
+    const reviver_budgets b = {0, 0, 1, 1.0};
+    double score[4] = {0.25, 0.25, 0.25, 0.25};
+    uint8_t loc[4];
+    uint32_t scratch[8];
+    reviver_op ops[4];
+    size_t nops;
+    assert_int_equal(reviver_compress(&b, 4, 4, score, loc, scratch, ops, 4, &nops), 0);
+    expect_locs(loc, 4, "VVVC"); /* t0, t1, t2 popped in that order; t3 stays */
+    assert_int_equal(nops, 3);
+    assert_int_equal(ops[0].index, 0);
+    assert_int_equal(ops[2].index, 2);
+    /* Raise t0 and t2 equally: both beat t3; t0 (smaller) is revived first,
+     * then t3 sinks; t2 is not revived (min_C 0.5 is not < 0.5). */
+    score[0] = 0.5;
+    score[2] = 0.5;
+    assert_int_equal(reviver_compress(&b, 4, 0, score, loc, scratch, ops, 4, &nops), 0);
+    expect_locs(loc, 4, "CVVV");
+    assert_int_equal(nops, 2);
+    assert_int_equal(ops[0].index, 0);
+    assert_int_equal(ops[0].kind, REVIVER_OP_REVIVE);
+    assert_int_equal(ops[1].index, 3);
+    assert_int_equal(ops[1].kind, REVIVER_OP_SKETCH);
+}
+
+static void test_compress_slack_zero_and_empty_c(void **unused)
+{
+    (void)unused;
+    /* slack 0 spills every step: R_b = 1 keeps exactly the newest. C_b = 0:
+     * every spilled token goes straight to V and the swap loop is skipped. */
+    const reviver_budgets b = {1, 0, 0, 1.1};
+    double score[3] = {0.9, 0.1, 0.1};
+    uint8_t loc[3];
+    uint32_t scratch[6];
+    reviver_op ops[3];
+    size_t nops;
+    assert_int_equal(reviver_compress(&b, 1, 1, score, loc, scratch, ops, 3, &nops), 0);
+    expect_locs(loc, 1, "R");
+    assert_int_equal(reviver_compress(&b, 2, 1, score, loc, scratch, ops, 3, &nops), 0);
+    expect_locs(loc, 2, "VR");
+    assert_int_equal(reviver_compress(&b, 3, 1, score, loc, scratch, ops, 3, &nops), 0);
+    expect_locs(loc, 3, "VVR");
+}
+
+/* Step layer 0 of a 1-layer host with one new token and the given scores. */
+static const policy_decision *host_step(policy_host *h, uint32_t new_tokens, const float *score)
+{
+    assert_int_equal(policy_host_append(h, new_tokens), 0);
+    policy_stats st = {0};
+    st.new_tokens = new_tokens;
+    st.score = score;
+    st.confidence = -1;
+    const policy_decision *d = NULL;
+    char err[POLICY_ERR_LEN] = "";
+    if (policy_host_step(h, 0, &st, &d, err, sizeof err) != 0)
+        fail_msg("step: %s", err);
+    return d;
+}
+
+static void test_kr2_through_host(void **unused)
+{
+    (void)unused;
+    /* M = 10, shares .6/.2/.2: R_b = int(.2·10) = 2, C_b = 2; slack 1. The
+     * stats carry each token's fixed score on arrival; at t6's step t1 gets
+     * +0.50 ("raise t1's accumulated score to 0.60"). */
+    const char *keys[] = {"budget", "vague_share", "candidate_share", "recent_share", "slack"};
+    const char *values[] = {"10", "0.6", "0.2", "0.2", "1"};
+    policy_host *h = host_new(keys, values, 5, &geom1);
+    for (uint32_t t = 0; t < 7; t++) {
+        float score[7] = {0};
+        score[t] = KR2_SCORE[t];
+        if (t == 6)
+            score[1] = 0.50f;
+        const policy_decision *d = host_step(h, 1, score);
+        if (t == 5) {
+            /* t1 and t3 go to the sketch */
+            for (uint32_t i = 0; i <= t; i++)
+                assert_int_equal(d->tier[0][i], i == 1 || i == 3 ? POLICY_SKETCH : POLICY_FULL);
+        }
+        if (t == 6) {
+            /* t1 comes back (SKETCH -> FULL), t2 leaves (FULL -> SKETCH) */
+            for (uint32_t i = 0; i <= t; i++)
+                assert_int_equal(d->tier[0][i], i == 2 || i == 3 ? POLICY_SKETCH : POLICY_FULL);
+        }
+        assert_int_equal(policy_host_commit(h, 0), 0); /* never evicts */
+        char *j = describe(h, 0);
+        if (t == 5) {
+            expect_store(j, "candidate", "[0,2]");
+            expect_store(j, "vague", "[1,3]");
+            expect_store(j, "recent", "[4,5]");
+            expect_store(j, "ops", "[[\"sketch\",3]");
+        }
+        if (t == 6) {
+            expect_store(j, "candidate", "[0,1]");
+            expect_store(j, "vague", "[2,3]");
+            expect_store(j, "recent", "[4,5,6]");
+            expect_store(j, "ops", "[[\"revive\",1]");
+            assert_non_null(strstr(j, "\"ops\":[[\"revive\",1],[\"sketch\",2]]"));
+            assert_non_null(strstr(j, "\"recent_budget\":2,\"slack\":1,\"candidate_budget\":2"));
+        }
+        free(j);
+    }
+    size_t n;
+    const reviver_op *ops = reviver_layer_ops(policy_host_state(h), 0, &n);
+    assert_int_equal(n, 2);
+    assert_int_equal(ops[0].kind, REVIVER_OP_REVIVE);
+    assert_int_equal(ops[0].index, 1);
+    assert_int_equal(ops[1].kind, REVIVER_OP_SKETCH);
+    assert_int_equal(ops[1].index, 2);
+    const policy_layer_view *v = policy_host_view(h, 0);
+    assert_int_equal(v->tokens[0], 7); /* sketched tokens stay in the list */
+    policy_host_destroy(h);
+}
+
+/* ---- configuration ---- */
+
+static void test_defaults_and_derivation(void **unused)
+{
+    (void)unused;
+    /* M = 256: R_b = int(.45·256) = int(115.2) = 115, C_b = 115, slack =
+     * min(32, 115) = 32, b = round(.1·256 / 3) = round(8.53) = 9. */
+    policy_host *h = host_new(NULL, NULL, 0, &geom1);
+    char *j = describe(h, 0);
+    assert_non_null(strstr(j, "\"recent_budget\":115,\"slack\":32,\"candidate_budget\":115,"
+                              "\"rows\":3,\"buckets\":9"));
+    assert_non_null(strstr(j, "\"key_estimate\":\"sum\",\"value_estimate\":\"sum\""));
+    free(j);
+    reviver_layer_sketch_config c;
+    assert_int_equal(reviver_layer_sketch(policy_host_state(h), 0, &c), 0);
+    assert_int_equal(c.rows, 3);
+    assert_int_equal(c.buckets, 9);
+    assert_true(c.layer_seed == reviver_layer_seed(0, 0));
+    assert_int_equal(c.key_estimate, REVIVER_ESTIMATE_SUM);
+    assert_int_equal(reviver_layer_sketch(policy_host_state(h), 1, &c), -1);
+    size_t n = 5;
+    assert_null(reviver_layer_ops(policy_host_state(h), 0, &n));
+    assert_int_equal(n, 0);
+    policy_host_destroy(h);
+
+    /* M = 205 (the paper's 10% of 2k): R_b = C_b = int(92.25) = 92, b =
+     * round(20.5 / 3) = round(6.83) = 7; slack 32. Explicit key mean. */
+    const char *k2[] = {"budget", "key_estimate", "seed"};
+    const char *v2[] = {"205", "mean", "7"};
+    policy_geometry g4 = {4, 8, 4, 8, 16, 10000.0f};
+    h = host_new(k2, v2, 3, &g4);
+    j = describe(h, 3);
+    assert_non_null(strstr(j, "\"recent_budget\":92,\"slack\":32,\"candidate_budget\":92,"
+                              "\"rows\":3,\"buckets\":7,\"layer_seed\":\"0x953aeb70673e29cb\""));
+    assert_non_null(strstr(j, "\"key_estimate\":\"mean\""));
+    free(j);
+    assert_int_equal(reviver_layer_sketch(policy_host_state(h), 3, &c), 0);
+    assert_true(c.layer_seed == 0x953AEB70673E29CBull);
+    assert_int_equal(c.key_estimate, REVIVER_ESTIMATE_MEAN);
+    policy_host_destroy(h);
+
+    /* M = 10: b = max(1, round(1/3)) = 1; R_b = int(4.5) = 4, slack = min(32, 4)
+     * = 4. Explicit buckets win; slack 0 is kept. */
+    const char *k3[] = {"budget", "slack"};
+    const char *v3[] = {"10", "0"};
+    h = host_new(k3, v3, 1, &geom1);
+    j = describe(h, 0);
+    assert_non_null(strstr(j, "\"recent_budget\":4,\"slack\":4,\"candidate_budget\":4,"
+                              "\"rows\":3,\"buckets\":1"));
+    free(j);
+    policy_host_destroy(h);
+    h = host_new(k3, v3, 2, &geom1);
+    j = describe(h, 0);
+    assert_non_null(strstr(j, "\"slack\":0,"));
+    free(j);
+    policy_host_destroy(h);
+    const char *k4[] = {"buckets", "rows"};
+    const char *v4[] = {"1000", "4"};
+    h = host_new(k4, v4, 2, &geom1);
+    assert_int_equal(reviver_layer_sketch(policy_host_state(h), 0, &c), 0);
+    assert_int_equal(c.buckets, 1000);
+    assert_int_equal(c.rows, 4);
+    policy_host_destroy(h);
+}
+
+static void test_invalid_configs(void **unused)
+{
+    (void)unused;
+    const char *shares[] = {"vague_share", "candidate_share", "recent_share"};
+    const char *bad_sum[] = {"0.1", "0.5", "0.45"};
+    expect_reject(shares, bad_sum, 3, "vague_share + candidate_share + recent_share");
+    const char *zero_v[] = {"0", "0.5", "0.5"};
+    expect_reject(shares, zero_v, 3, "vague_share");
+    const char *k1[] = {"rows"};
+    const char *v0[] = {"0"};
+    expect_reject(k1, v0, 1, "rows");
+    const char *v33[] = {"33"};
+    expect_reject(k1, v33, 1, "rows");
+    const char *k2[] = {"budget"};
+    expect_reject(k2, v0, 1, "budget");
+    const char *k3[] = {"slack"};
+    const char *vneg[] = {"-2"};
+    expect_reject(k3, vneg, 1, "slack");
+    const char *vx[] = {"x"};
+    expect_reject(k3, vx, 1, "slack");
+    const char *k4[] = {"replace_rate"};
+    const char *v09[] = {"0.9"};
+    expect_reject(k4, v09, 1, "replace_rate");
+    const char *k5[] = {"key_estimate"};
+    const char *vmed[] = {"median"};
+    expect_reject(k5, vmed, 1, "key_estimate");
+    const char *k6[] = {"value_estimate"};
+    expect_reject(k6, vmed, 1, "value_estimate");
+    const char *k7[] = {"buckets"};
+    expect_reject(k7, vneg, 1, "buckets");
+    const char *k8[] = {"seed"};
+    const char *vbig[] = {"4294967296"};
+    expect_reject(k8, vbig, 1, "seed");
+    const char *k9[] = {"vague_share"};
+    const char *vnan[] = {"nan"};
+    expect_reject(k9, vnan, 1, "vague_share");
+}
+
+static void test_step_rejects_bad_stats(void **unused)
+{
+    (void)unused;
+    policy_host *h = host_new(NULL, NULL, 0, &geom1);
+    assert_int_equal(policy_host_append(h, 3), 0);
+    policy_stats st = {0};
+    st.new_tokens = 3;
+    const policy_decision *d;
+    char err[POLICY_ERR_LEN] = "";
+    assert_int_equal(policy_host_step(h, 0, &st, &d, err, sizeof err), -1);
+    assert_non_null(strstr(err, "score"));
+    float bad[3] = {0.1f, -0.5f, 0.2f};
+    st.score = bad;
+    assert_int_equal(policy_host_step(h, 0, &st, &d, err, sizeof err), -1);
+    assert_non_null(strstr(err, "score[1]"));
+    /* a rejected step changed nothing: the same step with good scores works */
+    float good[3] = {0.1f, 0.5f, 0.2f};
+    st.score = good;
+    assert_int_equal(policy_host_step(h, 0, &st, &d, err, sizeof err), 0);
+    policy_host_commit(h, 0);
+    /* a wrong new_tokens count is caught */
+    assert_int_equal(policy_host_append(h, 1), 0);
+    float four[4] = {0};
+    st.score = four;
+    st.new_tokens = 2;
+    assert_int_equal(policy_host_step(h, 0, &st, &d, err, sizeof err), -1);
+    assert_non_null(strstr(err, "tracks 3"));
+    policy_host_destroy(h);
+}
+
+/* ---- properties through the host ---- */
+
+/* §3.5 transcribed literally with linear scans: the oracle for the heaps. */
+static size_t naive_compress(const reviver_budgets *b, uint32_t n, uint32_t nnew, const double *s,
+                             uint8_t *loc, reviver_op *ops)
+{
+    size_t nops = 0;
+    uint32_t cnt[3] = {0, 0, 0};
+    for (uint32_t i = n - nnew; i < n; i++)
+        loc[i] = REVIVER_RECENT;
+    for (uint32_t i = 0; i < n; i++)
+        cnt[loc[i]]++;
+    if (cnt[REVIVER_RECENT] > b->recent + b->slack) {
+        uint32_t move = cnt[REVIVER_RECENT] - b->recent;
+        for (uint32_t i = 0; i < n && move > 0; i++)
+            if (loc[i] == REVIVER_RECENT) {
+                loc[i] = REVIVER_CANDIDATE;
+                move--;
+                cnt[REVIVER_RECENT]--;
+                cnt[REVIVER_CANDIDATE]++;
+            }
+    }
+    for (;;) {
+        uint32_t jc = UINT32_MAX, jv = UINT32_MAX;
+        for (uint32_t i = 0; i < n; i++) {
+            if (loc[i] == REVIVER_CANDIDATE && (jc == UINT32_MAX || s[i] < s[jc]))
+                jc = i;
+            if (loc[i] == REVIVER_VAGUE && (jv == UINT32_MAX || s[i] > s[jv]))
+                jv = i;
+        }
+        if (cnt[REVIVER_CANDIDATE] > b->candidate) {
+            loc[jc] = REVIVER_VAGUE;
+            ops[nops++] = (reviver_op){jc, REVIVER_OP_SKETCH};
+            cnt[REVIVER_CANDIDATE]--;
+            cnt[REVIVER_VAGUE]++;
+            continue;
+        }
+        break;
+    }
+    uint32_t guard = cnt[REVIVER_CANDIDATE] + cnt[REVIVER_VAGUE];
+    while (cnt[REVIVER_CANDIDATE] > 0 && cnt[REVIVER_VAGUE] > 0 && guard-- > 0) {
+        uint32_t jc = UINT32_MAX, jv = UINT32_MAX;
+        for (uint32_t i = 0; i < n; i++) {
+            if (loc[i] == REVIVER_CANDIDATE && (jc == UINT32_MAX || s[i] < s[jc]))
+                jc = i;
+            if (loc[i] == REVIVER_VAGUE && (jv == UINT32_MAX || s[i] > s[jv]))
+                jv = i;
+        }
+        if (!(s[jc] * b->replace_rate < s[jv]))
+            break;
+        ops[nops++] = (reviver_op){jv, REVIVER_OP_REVIVE};
+        ops[nops++] = (reviver_op){jc, REVIVER_OP_SKETCH};
+        loc[jv] = REVIVER_CANDIDATE;
+        loc[jc] = REVIVER_VAGUE;
+    }
+    return nops;
+}
+
+/* Run `steps` random steps on `layers` layers; compare with the oracle and
+ * check the invariants. out[] (if not NULL) receives every decision's tiers
+ * for the determinism check. Optionally simulates the daemon's sketch. */
+static size_t run_random(uint64_t seed, const char *const *keys, const char *const *values,
+                         size_t nkeys, reviver_budgets b, uint32_t layers, uint32_t steps,
+                         uint8_t *out, size_t out_cap, int quantised)
+{
+    policy_geometry g = {layers, 4, 2, 4, 16, 10000.0f};
+    policy_host *h = host_new(keys, values, nkeys, &g);
+    rng_state = seed;
+    uint32_t cap = 4096;
+    double *acc = calloc((size_t)layers * cap, sizeof *acc);
+    uint8_t *loc = calloc((size_t)layers * cap, 1);
+    reviver_op *ops = calloc(cap, sizeof *ops);
+    float *score = calloc(cap, sizeof *score);
+    assert_true(acc && loc && ops && score);
+    size_t written = 0;
+    uint32_t n = 0, swaps = 0;
+    for (uint32_t s = 0; s < steps; s++) {
+        uint32_t nnew = s == 0 ? 1 + rng() % 40 : (rng() % 8 == 0 ? 1 + rng() % 6 : 1);
+        assert_int_equal(policy_host_append(h, nnew), 0);
+        n += nnew;
+        assert_true(n <= cap);
+        for (uint32_t l = 0; l < layers; l++) {
+            for (uint32_t i = 0; i < n; i++) {
+                /* quantised scores make ties common; else heavy-tailed */
+                float u = rng_unit();
+                score[i] = quantised ? (float)(rng() % 4) * 0.25f : u * u * u;
+            }
+            policy_stats st = {0};
+            st.new_tokens = nnew;
+            st.score = score;
+            st.confidence = -1;
+            const policy_decision *d;
+            char err[POLICY_ERR_LEN] = "";
+            if (policy_host_step(h, l, &st, &d, err, sizeof err) != 0)
+                fail_msg("step: %s", err);
+            /* the oracle */
+            double *a = acc + (size_t)l * cap;
+            uint8_t *lo = loc + (size_t)l * cap;
+            for (uint32_t i = 0; i < n; i++)
+                a[i] += (double)score[i];
+            size_t nops = naive_compress(&b, n, nnew, a, lo, ops);
+            size_t got_n;
+            const reviver_op *got = reviver_layer_ops(policy_host_state(h), l, &got_n);
+            assert_int_equal(got_n, nops);
+            for (size_t k = 0; k < nops; k++) {
+                assert_int_equal(got[k].index, ops[k].index);
+                assert_int_equal(got[k].kind, ops[k].kind);
+                swaps += ops[k].kind == REVIVER_OP_REVIVE;
+            }
+            uint32_t raw = 0;
+            for (uint32_t i = 0; i < n; i++) {
+                uint8_t want = lo[i] == REVIVER_VAGUE ? POLICY_SKETCH : POLICY_FULL;
+                assert_int_equal(d->tier[0][i], want);
+                raw += want == POLICY_FULL;
+                if (i + b.recent >= n) /* the newest R_b are always raw */
+                    assert_int_equal(want, POLICY_FULL);
+                if (out != NULL) {
+                    assert_true(written < out_cap);
+                    out[written++] = d->tier[0][i];
+                }
+            }
+            assert_true(raw <= b.recent + b.slack + b.candidate);
+            assert_int_equal(policy_host_commit(h, l), 0); /* never evicts */
+            assert_int_equal(policy_host_view(h, l)->tokens[0], n);
+        }
+    }
+    assert_true(swaps > 0); /* the swap path was exercised */
+    free(acc);
+    free(loc);
+    free(ops);
+    free(score);
+    policy_host_destroy(h);
+    return written;
+}
+
+static void test_property_matches_oracle(void **unused)
+{
+    (void)unused;
+    /* M = 40: R_b = int(.45·40) = 18, C_b = 18, slack min(32, 18) = 18. */
+    const char *k1[] = {"budget"};
+    const char *v1[] = {"40"};
+    reviver_budgets b1 = {18, 18, 18, 1.1};
+    for (uint64_t seed = 1; seed <= 4; seed++)
+        run_random(seed, k1, v1, 1, b1, 2, 300, NULL, 0, 0);
+    /* slack 0, RR 1.0, ties everywhere: M = 20, shares .2/.4/.4 -> R_b = 8, C_b = 8. */
+    const char *k2[] = {"budget",      "slack",           "replace_rate",
+                        "vague_share", "candidate_share", "recent_share"};
+    const char *v2[] = {"20", "0", "1.0", "0.2", "0.4", "0.4"};
+    reviver_budgets b2 = {8, 0, 8, 1.0};
+    for (uint64_t seed = 10; seed <= 12; seed++)
+        run_random(seed, k2, v2, 6, b2, 1, 300, NULL, 0, 1);
+}
+
+static void test_property_deterministic(void **unused)
+{
+    (void)unused;
+    const char *k[] = {"budget"};
+    const char *v[] = {"24"};
+    reviver_budgets b = {10, 10, 10, 1.1};
+    size_t cap = 1u << 20;
+    uint8_t *a = malloc(cap), *c = malloc(cap);
+    assert_true(a && c);
+    size_t na = run_random(77, k, v, 1, b, 2, 200, a, cap, 0);
+    size_t nc = run_random(77, k, v, 1, b, 2, 200, c, cap, 0);
+    assert_int_equal(na, nc);
+    assert_memory_equal(a, c, na);
+    free(a);
+    free(c);
+}
+
+static void test_property_daemon_simulation(void **unused)
+{
+    (void)unused;
+    /* Apply each step's operations, in order, to a sketch the way the daemon
+     * does (sketch: insert the token's K/V; revive: query, delete the
+     * estimate, keep the estimate). With 2^16 buckets and 150 tokens no two
+     * tokens share a bucket in two rows (checked below), so each median is
+     * exact and every revived token gets its original K/V back, bit for bit. */
+    enum { D = 4, NMAX = 160 };
+    const char *k[] = {"budget", "buckets", "seed"};
+    const char *v[] = {"20", "65536", "3"};
+    policy_host *h = host_new(k, v, 3, &geom1);
+    reviver_layer_sketch_config cfg;
+    assert_int_equal(reviver_layer_sketch(policy_host_state(h), 0, &cfg), 0);
+    assert_int_equal(cfg.rows, 3);
+    static uint32_t hb_all[NMAX][3];
+    int8_t g_unused[3];
+    for (uint32_t j = 0; j < 150; j++) {
+        reviver_hash(cfg.layer_seed, 3, cfg.buckets, j, hb_all[j], g_unused);
+        for (uint32_t i = 0; i < j; i++) {
+            int shared = 0;
+            for (uint32_t r = 0; r < 3; r++)
+                shared += hb_all[i][r] == hb_all[j][r];
+            assert_true(shared <= 1);
+        }
+    }
+    reviver_sketch sk;
+    assert_int_equal(
+        reviver_sketch_init(&sk, cfg.rows, cfg.buckets, D, cfg.key_estimate, cfg.value_estimate),
+        0);
+    static float orig_k[NMAX][D], orig_v[NMAX][D], raw_k[NMAX][D], raw_v[NMAX][D];
+    static uint8_t in_sketch[NMAX];
+    float score[NMAX];
+    rng_state = 5;
+    uint32_t n = 0, revived = 0;
+    while (n < 150) {
+        for (uint32_t c = 0; c < D; c++) {
+            orig_k[n][c] = raw_k[n][c] = rng_unit() - 0.5f;
+            orig_v[n][c] = raw_v[n][c] = rng_unit() - 0.5f;
+        }
+        n++;
+        for (uint32_t i = 0; i < n; i++) {
+            float u = rng_unit();
+            score[i] = u * u * u * u;
+        }
+        host_step(h, 1, score);
+        size_t nops;
+        const reviver_op *ops = reviver_layer_ops(policy_host_state(h), 0, &nops);
+        for (size_t o = 0; o < nops; o++) {
+            uint32_t j = ops[o].index;
+            uint32_t hb[REVIVER_MAX_ROWS];
+            int8_t g[REVIVER_MAX_ROWS];
+            reviver_hash(cfg.layer_seed, cfg.rows, cfg.buckets, j, hb, g);
+            if (ops[o].kind == REVIVER_OP_SKETCH) {
+                assert_false(in_sketch[j]);
+                reviver_sketch_insert(&sk, hb, g, raw_k[j], raw_v[j]);
+                in_sketch[j] = 1;
+            } else {
+                assert_true(in_sketch[j]);
+                reviver_sketch_query(&sk, hb, g, raw_k[j], raw_v[j]);
+                reviver_sketch_delete(&sk, hb, g, raw_k[j], raw_v[j]);
+                assert_memory_equal(raw_k[j], orig_k[j], sizeof raw_k[j]);
+                assert_memory_equal(raw_v[j], orig_v[j], sizeof raw_v[j]);
+                in_sketch[j] = 0;
+                revived++;
+            }
+        }
+        policy_host_commit(h, 0);
+        const policy_layer_view *view = policy_host_view(h, 0);
+        for (uint32_t i = 0; i < n; i++)
+            assert_int_equal(view->tier[0][i], in_sketch[i] ? POLICY_SKETCH : POLICY_FULL);
+    }
+    assert_true(revived > 0);
+    reviver_sketch_free(&sk);
+    policy_host_destroy(h);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_mix64_splitmix_reference),
+        cmocka_unit_test(test_hash_family),
+        cmocka_unit_test(test_kr1_cells),
+        cmocka_unit_test(test_kr1_queries),
+        cmocka_unit_test(test_kr1_delete_keeps_others),
+        cmocka_unit_test(test_kr1_mean_variant),
+        cmocka_unit_test(test_even_rows_lower_median),
+        cmocka_unit_test(test_sketch_init_rejects),
+        cmocka_unit_test(test_roundtrip_exact_sum),
+        cmocka_unit_test(test_roundtrip_exact_mean),
+        cmocka_unit_test(test_roundtrip_real_hash),
+        cmocka_unit_test(test_kr2_compress_trace),
+        cmocka_unit_test(test_kr2_prefill_cascade),
+        cmocka_unit_test(test_compress_ties),
+        cmocka_unit_test(test_compress_slack_zero_and_empty_c),
+        cmocka_unit_test(test_kr2_through_host),
+        cmocka_unit_test(test_defaults_and_derivation),
+        cmocka_unit_test(test_invalid_configs),
+        cmocka_unit_test(test_step_rejects_bad_stats),
+        cmocka_unit_test(test_property_matches_oracle),
+        cmocka_unit_test(test_property_deterministic),
+        cmocka_unit_test(test_property_daemon_simulation),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,268 @@
+/*
+ * test_policy_tova.c - the TOVA baseline (policies/tova.c, POLICIES.md
+ * §1.9).
+ *
+ * Hand-checkable vectors (binary fractions: means and ties are exact), the
+ * GQA case (the mean runs over ALL query heads, not a KV group), missing
+ * stats, invalid budget, and properties through the host on seeded random
+ * attention: held <= budget after every step, the newest token never
+ * evicted, the kept set equals a sort-based top-k oracle, determinism.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "host.h"
+#include "policy.h"
+
+static uint64_t rng_state;
+
+static uint32_t rng(void)
+{
+    rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
+    return (uint32_t)(rng_state >> 33);
+}
+
+static policy_host *host_new(uint32_t budget, const policy_geometry *g)
+{
+    const policy_ops *ops = policy_find("tova");
+    assert_non_null(ops);
+    char b[16];
+    snprintf(b, sizeof b, "%u", budget);
+    const char *k[] = {"budget"};
+    const char *v[] = {b};
+    policy_params p;
+    char err[POLICY_ERR_LEN] = "";
+    if (policy_params_resolve(ops, k, v, 1, &p, err, sizeof err) != 0)
+        fail_msg("resolve: %s", err);
+    policy_host *h = NULL;
+    if (policy_host_create(ops, &p, g, &h, err, sizeof err) != 0)
+        fail_msg("create: %s", err);
+    return h;
+}
+
+/* Append, step layer 0 with last_attn rows, commit; returns evictions. */
+static size_t step(policy_host *h, uint32_t nnew, const float *const *attn)
+{
+    assert_int_equal(policy_host_append(h, nnew), 0);
+    policy_stats st = {0};
+    st.new_tokens = nnew;
+    st.last_attn = attn;
+    st.confidence = -1;
+    const policy_decision *d;
+    char err[POLICY_ERR_LEN] = "";
+    if (policy_host_step(h, 0, &st, &d, err, sizeof err) != 0)
+        fail_msg("step: %s", err);
+    return policy_host_commit(h, 0);
+}
+
+static void expect_held(policy_host *h, const uint32_t *want, uint32_t n)
+{
+    const policy_layer_view *v = policy_host_view(h, 0);
+    assert_int_equal(v->tokens[0], n);
+    for (uint32_t i = 0; i < n; i++)
+        assert_int_equal(v->positions[0][i], want[i]);
+}
+
+static void test_hand_vectors(void **unused)
+{
+    (void)unused;
+    policy_geometry g = {1, 2, 1, 4, 16, 10000.0f};
+    policy_host *h = host_new(3, &g);
+    /* Prefill t0..t4, 2 query heads:
+     *   h0 = [.5   .125 .25  .0625 .0625]
+     *   h1 = [.25  .25  .125 .25   .125 ]
+     *   mean [.375 .1875 .1875 .15625 .09375]
+     * t4 (newest) is padded to max + 1 = 1.375 although its own mean is the
+     * lowest. Keep 3: t4, t0, then t1/t2 tie at .1875 -> the lower index t1
+     * stays. Evicted: t2, t3. (Head 0 alone would have kept t2.) */
+    const float a0[5] = {0.5f, 0.125f, 0.25f, 0.0625f, 0.0625f};
+    const float a1[5] = {0.25f, 0.25f, 0.125f, 0.25f, 0.125f};
+    const float *attn[2] = {a0, a1};
+    assert_int_equal(step(h, 5, attn), 2);
+    const uint32_t w1[] = {0, 1, 4};
+    expect_held(h, w1, 3);
+
+    /* Decode t5; lists are [t0 t1 t4 t5]:
+     *   h0 = [.0625 .5  .25 .125]
+     *   h1 = [.125  .25 .25 .375]
+     *   mean [.09375 .375 .25 (t5 padded)]
+     * TOVA keeps no history: t0, the best so far, is now the lowest -> out. */
+    const float b0[4] = {0.0625f, 0.5f, 0.25f, 0.125f};
+    const float b1[4] = {0.125f, 0.25f, 0.25f, 0.375f};
+    const float *attn2[2] = {b0, b1};
+    assert_int_equal(step(h, 1, attn2), 1);
+    const uint32_t w2[] = {1, 4, 5};
+    expect_held(h, w2, 3);
+    policy_host_destroy(h);
+}
+
+static void test_gqa_all_heads(void **unused)
+{
+    (void)unused;
+    /* 4 query heads over 2 KV heads: the score is the mean over all 4, not
+     * over one group. t0..t3, budget 2:
+     *   h0 = [.5 0 0 .5], h1 = [.5 0 0 .5]     (group of KV head 0)
+     *   h2 = [0 .75 0 .25], h3 = [0 .75 .25 0] (group of KV head 1)
+     *   mean [.25 .375 .0625 (t3 padded)] -> keep t3, t1; evict t0, t2.
+     * Group 0 alone would have kept t0. */
+    policy_geometry g = {1, 4, 2, 4, 16, 10000.0f};
+    policy_host *h = host_new(2, &g);
+    const float h0[4] = {0.5f, 0, 0, 0.5f}, h1[4] = {0.5f, 0, 0, 0.5f};
+    const float h2[4] = {0, 0.75f, 0, 0.25f}, h3[4] = {0, 0.75f, 0.25f, 0};
+    const float *attn[4] = {h0, h1, h2, h3};
+    assert_int_equal(step(h, 4, attn), 2);
+    const uint32_t w[] = {1, 3};
+    expect_held(h, w, 2);
+    policy_host_destroy(h);
+}
+
+static void test_missing_stats_and_invalid(void **unused)
+{
+    (void)unused;
+    policy_geometry g = {1, 2, 1, 4, 16, 10000.0f};
+    policy_host *h = host_new(2, &g);
+    assert_int_equal(policy_host_append(h, 3), 0);
+    policy_stats st = {0};
+    st.new_tokens = 3;
+    const policy_decision *d;
+    char err[POLICY_ERR_LEN] = "";
+    assert_int_equal(policy_host_step(h, 0, &st, &d, err, sizeof err), -1);
+    assert_non_null(strstr(err, "last_attn"));
+    const float a0[3] = {0.1f, 0.2f, 0.7f};
+    const float *attn[2] = {a0, NULL};
+    st.last_attn = attn;
+    assert_int_equal(policy_host_step(h, 0, &st, &d, err, sizeof err), -1);
+    assert_non_null(strstr(err, "last_attn[1]"));
+    policy_host_destroy(h);
+
+    const policy_ops *ops = policy_find("tova");
+    const char *k[] = {"budget"};
+    const char *v[] = {"0"};
+    policy_params p;
+    assert_int_equal(policy_params_resolve(ops, k, v, 1, &p, err, sizeof err), 0);
+    void *state = NULL;
+    assert_int_equal(ops->create(&p, &g, &state, err, sizeof err), -1);
+    assert_non_null(strstr(err, "budget"));
+    /* the default is 256 */
+    assert_int_equal(policy_params_resolve(ops, NULL, NULL, 0, &p, err, sizeof err), 0);
+    assert_string_equal(policy_params_get(&p, "budget"), "256");
+}
+
+typedef struct cand {
+    double s;
+    uint32_t i;
+} cand;
+
+/* Top-k order: higher score first, ties to the lower index. */
+static int cand_cmp(const void *a, const void *b)
+{
+    const cand *x = a, *y = b;
+    if (x->s != y->s)
+        return x->s > y->s ? -1 : 1;
+    return x->i < y->i ? -1 : x->i > y->i;
+}
+
+static size_t run_random(uint64_t seed, uint32_t budget, uint32_t q_heads, uint32_t steps,
+                         uint8_t *out, size_t cap)
+{
+    policy_geometry g = {2, q_heads, 1, 4, 16, 10000.0f};
+    policy_host *h = host_new(budget, &g);
+    rng_state = seed;
+    enum { MAXN = 1024, MAXH = 8 };
+    static float attn[MAXH][MAXN];
+    const float *rows[MAXH];
+    for (uint32_t q = 0; q < MAXH; q++)
+        rows[q] = attn[q];
+    static cand c[MAXN];
+    static uint8_t keep[MAXN];
+    size_t written = 0;
+    for (uint32_t st = 0; st < steps; st++) {
+        uint32_t nnew = st == 0 ? 1 + rng() % (2 * budget) : (rng() % 6 == 0 ? 2 + rng() % 5 : 1);
+        assert_int_equal(policy_host_append(h, nnew), 0);
+        for (uint32_t l = 0; l < 2; l++) {
+            const policy_layer_view *view = policy_host_view(h, l);
+            uint32_t n = view->tokens[0];
+            uint32_t newest = view->positions[0][n - 1];
+            for (uint32_t q = 0; q < q_heads; q++)
+                for (uint32_t i = 0; i < n; i++)
+                    attn[q][i] = (float)(rng() % 4) * 0.25f; /* ties are common */
+            policy_stats sts = {0};
+            sts.new_tokens = nnew;
+            sts.last_attn = rows;
+            sts.confidence = -1;
+            const policy_decision *d;
+            char err[POLICY_ERR_LEN] = "";
+            if (policy_host_step(h, l, &sts, &d, err, sizeof err) != 0)
+                fail_msg("step: %s", err);
+            /* oracle: mean over heads, the newest padded to max + 1, top-k */
+            double max = -1;
+            for (uint32_t i = 0; i < n; i++) {
+                double s = 0;
+                for (uint32_t q = 0; q < q_heads; q++)
+                    s += attn[q][i];
+                c[i] = (cand){s / q_heads, i};
+                if (i + 1 < n && c[i].s > max)
+                    max = c[i].s;
+            }
+            c[n - 1].s = max + 1;
+            memset(keep, 0, n);
+            qsort(c, n, sizeof *c, cand_cmp);
+            for (uint32_t i = 0; i < n && i < budget; i++)
+                keep[c[i].i] = 1;
+            for (uint32_t i = 0; i < n; i++) {
+                assert_int_equal(d->tier[0][i] != POLICY_EVICT, keep[i]);
+                if (out != NULL) {
+                    assert_true(written < cap);
+                    out[written++] = d->tier[0][i];
+                }
+            }
+            policy_host_commit(h, l);
+            view = policy_host_view(h, l);
+            assert_int_equal(view->tokens[0], n < budget ? n : budget);
+            assert_int_equal(view->positions[0][view->tokens[0] - 1], newest);
+        }
+    }
+    policy_host_destroy(h);
+    return written;
+}
+
+static void test_property_random(void **unused)
+{
+    (void)unused;
+    run_random(1, 16, 8, 200, NULL, 0);
+    run_random(2, 1, 2, 100, NULL, 0);
+    run_random(3, 40, 3, 200, NULL, 0);
+}
+
+static void test_property_deterministic(void **unused)
+{
+    (void)unused;
+    size_t cap = 1u << 20;
+    uint8_t *a = malloc(cap), *b = malloc(cap);
+    assert_true(a && b);
+    size_t na = run_random(7, 12, 4, 150, a, cap);
+    size_t nb = run_random(7, 12, 4, 150, b, cap);
+    assert_int_equal(na, nb);
+    assert_memory_equal(a, b, na);
+    free(a);
+    free(b);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_hand_vectors),
+        cmocka_unit_test(test_gqa_all_heads),
+        cmocka_unit_test(test_missing_stats_and_invalid),
+        cmocka_unit_test(test_property_random),
+        cmocka_unit_test(test_property_deterministic),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
