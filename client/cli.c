@@ -16,6 +16,7 @@
 #include <jansson.h>
 
 #include "kvstash.h"
+#include "replay.h"
 
 static void usage(FILE *f)
 {
@@ -27,6 +28,9 @@ static void usage(FILE *f)
             "                    sessions, sequences and tiers\n"
             "  stats [--json]    the same, as the JSON object of StatsResponse\n"
             "  policy list       the policies kvstashd knows (also: policies) [--json]\n"
+            "  replay --policy NAME [--set k=v]... < trace.jsonl\n"
+            "                    run one policy on a recorded trace, without a daemon\n"
+            "                    (kvstash replay --help; docs/replay.md)\n"
             "\n"
             "options:\n"
             "  --socket PATH     kvstashd's gRPC socket (default %s)\n"
@@ -235,6 +239,9 @@ static int cmd_status(const char *socket_path, int as_json)
 
 int main(int argc, char **argv)
 {
+    /* `kvstash replay` runs a policy offline and has flags of its own. */
+    if (argc > 1 && strcmp(argv[1], "replay") == 0)
+        return replay_main(argc - 1, argv + 1);
     const char *socket_path = NULL, *cmd = NULL, *arg = NULL;
     int as_json = 0;
     for (int i = 1; i < argc; i++) {

@@ -505,9 +505,15 @@ static int layer_check(kvs_session *s, const Kvstash__V1__LayerTable *lt, const 
         return KVS_ERR_PROTOCOL;
     }
     uint64_t total = 0;
+    uint64_t slots = (uint64_t)s->geom.block_tokens * (lt->per_head ? s->geom.kv_heads : 1);
+    if (lt->per_head && lt->head >= s->geom.kv_heads) {
+        fail(s, "%s: layer %" PRIu32 " names KV head %" PRIu32 " of %" PRIu32, what, lt->layer,
+             lt->head, s->geom.kv_heads);
+        return KVS_ERR_PROTOCOL;
+    }
     for (size_t i = 0; i < lt->n_block; i++) {
         if (lt->block[i] >= s->block_count || lt->count[i] == 0 ||
-            (uint64_t)lt->first_slot[i] + lt->count[i] > s->geom.block_tokens) {
+            (uint64_t)lt->first_slot[i] + lt->count[i] > slots) {
             fail(s,
                  "%s: layer %" PRIu32 " segment %zu (block %" PRIu32 ", slots %" PRIu32 "+%" PRIu32
                  ") is outside the pool",
@@ -526,6 +532,16 @@ static int layer_check(kvs_session *s, const Kvstash__V1__LayerTable *lt, const 
     return KVS_OK;
 }
 
+/* Label the entries of a table: entry i is layer i / heads, head i % heads. */
+static void list_labels(kvs_layer *ly, uint32_t n, uint32_t heads)
+{
+    for (uint32_t i = 0; i < n; i++) {
+        ly[i].layer = i / heads;
+        ly[i].head = heads > 1 ? i % heads : 0;
+        ly[i].per_head = heads > 1;
+    }
+}
+
 /*
  * Build a kvs_table with one entry per layer of the geometry from the
  * daemon's LayerTables (layers it does not mention are empty). Everything is
@@ -534,15 +550,20 @@ static int layer_check(kvs_session *s, const Kvstash__V1__LayerTable *lt, const 
 static int table_fill(kvs_session *s, Kvstash__V1__LayerTable **lts, size_t n, const char *what,
                       kvs_table *out)
 {
-    uint32_t layers = s->geom.layers;
+    uint32_t heads = n > 0 && lts[0]->per_head ? s->geom.kv_heads : 1;
+    uint32_t layers = s->geom.layers * heads;
     size_t nseg = 0, npos = 0;
     for (size_t i = 0; i < n; i++) {
         int rc = layer_check(s, lts[i], what);
+        if (rc == KVS_OK && (lts[i]->per_head != 0) != (heads > 1)) {
+            fail(s, "%s: a table mixes per-head and all-heads lists", what);
+            rc = KVS_ERR_PROTOCOL;
+        }
         if (rc != KVS_OK)
             return rc;
-        if (lts[i]->layer >= layers) {
+        if (lts[i]->layer >= s->geom.layers) {
             fail(s, "%s: layer %" PRIu32 " out of range (%" PRIu32 " layers)", what, lts[i]->layer,
-                 layers);
+                 s->geom.layers);
             return KVS_ERR_PROTOCOL;
         }
         nseg += lts[i]->n_block;
@@ -558,9 +579,10 @@ static int table_fill(kvs_session *s, Kvstash__V1__LayerTable **lts, size_t n, c
     kvs_layer *ly = (kvs_layer *)mem;
     kvs_segment *seg = (kvs_segment *)(mem + layers * sizeof(kvs_layer));
     uint32_t *pos = (uint32_t *)(seg + nseg);
+    list_labels(ly, layers, heads);
     for (size_t i = 0; i < n; i++) {
         const Kvstash__V1__LayerTable *lt = lts[i];
-        kvs_layer *l = &ly[lt->layer];
+        kvs_layer *l = &ly[lt->layer * heads + (heads > 1 ? lt->head : 0)];
         if (l->segments != NULL || l->positions != NULL || l->tokens != 0) {
             free(mem);
             fail(s, "%s: layer %" PRIu32 " appears twice", what, lt->layer);
@@ -578,6 +600,7 @@ static int table_fill(kvs_session *s, Kvstash__V1__LayerTable **lts, size_t n, c
         }
     }
     out->layers = layers;
+    out->heads = heads;
     out->layer = ly;
     return KVS_OK;
 }
@@ -604,7 +627,13 @@ static int ring_call(kvs_session *s, const char *what, ring_response *resp)
 static int table_from_ring(kvs_session *s, uint32_t count, const ring_response *r,
                            kvs_table *out)
 {
-    uint32_t layers = s->geom.layers;
+    uint32_t heads = r->lists_per_layer > 1 ? s->geom.kv_heads : 1;
+    uint32_t layers = s->geom.layers * heads;
+    uint64_t slots = (uint64_t)s->geom.block_tokens * heads;
+    if (r->lists_per_layer > 1 && r->lists_per_layer != s->geom.kv_heads) {
+        fail(s, "Append: kvstashd answered with %" PRIu32 " lists per layer", r->lists_per_layer);
+        return KVS_ERR_PROTOCOL;
+    }
     const uint32_t *in = (const uint32_t *)s->ring.data;
     const uint32_t *end = (const uint32_t *)(s->ring.data + s->ring.data_bytes);
     size_t bytes = layers * sizeof(kvs_layer) + (size_t)r->nsegments * sizeof(kvs_segment) +
@@ -618,16 +647,19 @@ static int table_from_ring(kvs_session *s, uint32_t count, const ring_response *
     kvs_segment *seg = (kvs_segment *)(mem + layers * sizeof(kvs_layer));
     uint32_t *pos = (uint32_t *)(seg + r->nsegments);
     size_t used = 0;
+    list_labels(ly, layers, heads);
     for (uint32_t l = 0; l < layers; l++) {
         uint32_t n = in < end ? *in++ : UINT32_MAX;
         if (n > r->nsegments - used || (size_t)(end - in) < (size_t)n * 3)
             goto bad;
-        ly[l] = (kvs_layer){count, n, seg + used, pos + (size_t)l * count};
+        ly[l].tokens = count;
+        ly[l].nsegments = n;
+        ly[l].segments = seg + used;
+        ly[l].positions = pos + (size_t)l * count;
         uint64_t total = 0;
         for (uint32_t i = 0; i < n; i++, in += 3) {
             kvs_segment g = {in[0], in[1], in[2]};
-            if (g.block >= s->block_count || g.count == 0 ||
-                (uint64_t)g.first_slot + g.count > s->geom.block_tokens)
+            if (g.block >= s->block_count || g.count == 0 || (uint64_t)g.first_slot + g.count > slots)
                 goto bad;
             seg[used++] = g;
             total += g.count;
@@ -637,7 +669,7 @@ static int table_from_ring(kvs_session *s, uint32_t count, const ring_response *
         for (uint32_t i = 0; i < count; i++)
             ly[l].positions[i] = r->first_position + i;
     }
-    *out = (kvs_table){r->epoch, r->first_position, r->evicted, layers, ly};
+    *out = (kvs_table){r->epoch, r->first_position, r->evicted, layers, heads, ly};
     return KVS_OK;
 bad:
     free(mem);
@@ -818,23 +850,44 @@ void *kvs_value_ptr(const kvs_session *s, uint32_t block, uint32_t head, uint32_
     return s->pool + kv_key_offset(&s->layout, block, head, slot) + s->block_bytes / 2;
 }
 
+/* A per-head list's blocks are the same bytes seen as one head of
+ * kv_heads * block_tokens rows. */
+static kv_layout row_layout(const kvs_session *s)
+{
+    kv_layout l = s->layout;
+    l.block_tokens *= l.kv_heads;
+    l.kv_heads = 1;
+    return l;
+}
+
+void *kvs_row_key_ptr(const kvs_session *s, uint32_t block, uint32_t row)
+{
+    kv_layout l = row_layout(s);
+    return s->pool + kv_key_offset(&l, block, 0, row);
+}
+
+void *kvs_row_value_ptr(const kvs_session *s, uint32_t block, uint32_t row)
+{
+    return (uint8_t *)kvs_row_key_ptr(s, block, row) + s->block_bytes / 2;
+}
+
 /* kvs_segment and kv_segment have the same members but are distinct types:
  * copy rather than alias. Small tables use the stack. */
 #define SEG_STACK 128
 
 /* Copy one layer's K and V by (segment, head) rows with memcpy: the
  * fallback when there is no memory for a kv_segment list. */
-static void layer_copy_rows(const kvs_session *s, const kvs_layer *layer, uint8_t *k, uint8_t *v,
-                            int to_pool)
+static void layer_copy_rows(const kvs_session *s, const kv_layout *lay, const kvs_layer *layer,
+                            uint8_t *k, uint8_t *v, int to_pool)
 {
-    size_t row = (size_t)s->layout.head_dim * s->layout.elt_size;
+    size_t row = (size_t)lay->head_dim * lay->elt_size;
     size_t tok = 0;
     for (size_t i = 0; i < layer->nsegments; i++) {
         const kvs_segment *g = &layer->segments[i];
-        for (uint32_t h = 0; h < s->layout.kv_heads; h++) {
+        for (uint32_t h = 0; h < lay->kv_heads; h++) {
             size_t off = ((size_t)h * layer->tokens + tok) * row;
-            uint8_t *pk = kvs_key_ptr(s, g->block, h, g->first_slot);
-            uint8_t *pv = kvs_value_ptr(s, g->block, h, g->first_slot);
+            uint8_t *pk = s->pool + kv_key_offset(lay, g->block, h, g->first_slot);
+            uint8_t *pv = pk + s->block_bytes / 2;
             if (to_pool) {
                 memcpy(pk, k + off, g->count * row);
                 memcpy(pv, v + off, g->count * row);
@@ -861,26 +914,28 @@ static kv_segment *segs_convert(const kvs_layer *layer, kv_segment *stack)
 
 void kvs_layer_write(const kvs_session *s, const kvs_layer *layer, const void *k, const void *v)
 {
+    kv_layout lay = layer->per_head ? row_layout(s) : s->layout;
     kv_segment stack[SEG_STACK];
     kv_segment *segs = segs_convert(layer, stack);
     if (segs == NULL) {
-        layer_copy_rows(s, layer, (uint8_t *)k, (uint8_t *)v, 1);
+        layer_copy_rows(s, &lay, layer, (uint8_t *)k, (uint8_t *)v, 1);
         return;
     }
-    kv_scatter(&s->layout, s->pool, segs, layer->nsegments, k, v);
+    kv_scatter(&lay, s->pool, segs, layer->nsegments, k, v);
     if (segs != stack)
         free(segs);
 }
 
 void kvs_layer_read(const kvs_session *s, const kvs_layer *layer, void *k, void *v)
 {
+    kv_layout lay = layer->per_head ? row_layout(s) : s->layout;
     kv_segment stack[SEG_STACK];
     kv_segment *segs = segs_convert(layer, stack);
     if (segs == NULL) {
-        layer_copy_rows(s, layer, k, v, 0);
+        layer_copy_rows(s, &lay, layer, k, v, 0);
         return;
     }
-    kv_gather(&s->layout, s->pool, segs, layer->nsegments, k, v);
+    kv_gather(&lay, s->pool, segs, layer->nsegments, k, v);
     if (segs != stack)
         free(segs);
 }

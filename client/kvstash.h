@@ -106,6 +106,13 @@ typedef struct kvs_layer {
     size_t nsegments;
     kvs_segment *segments;
     uint32_t *positions; /* NULL unless requested */
+    uint32_t layer;      /* the layer this list belongs to */
+    /* per_head: the list of KV head `head` only, for policies that decide per
+     * head. Its blocks hold kv_heads * block_tokens rows of that head and its
+     * slots are rows (store.proto LayerTable); kvs_layer_write/read then take
+     * [tokens][head_dim] instead of [kv_heads][tokens][head_dim]. */
+    int per_head;
+    uint32_t head;
 } kvs_layer;
 
 /*
@@ -122,8 +129,9 @@ typedef struct kvs_table {
     uint64_t epoch;
     uint32_t first_position; /* for appends: position of the first new token */
     uint32_t evicted;        /* for appends: tokens the policy removed */
-    uint32_t layers;
-    kvs_layer *layer;
+    uint32_t layers;   /* entries in layer[]: layers x heads */
+    uint32_t heads;    /* lists per layer: 1, or kv_heads for per-head policies */
+    kvs_layer *layer;  /* entry i is layer i / heads, KV head i % heads */
 } kvs_table;
 
 /* Free the table's arrays and zero it (the kvs_table itself is the caller's). */
@@ -177,12 +185,17 @@ int kvs_ring_ping(kvs_session *s);
 /* The current tables of a sequence (all layers). */
 int kvs_seq_table(kvs_session *s, uint64_t seq_id, int with_positions, kvs_table *out);
 
-/* Address of the K (or V) row of (block, kv head, slot) in the mapped pool. */
+/* Address of the K (or V) row of (block, kv head, slot) in the mapped pool,
+ * for lists of all heads; for a per-head list, kvs_row_key_ptr and
+ * kvs_row_value_ptr address row `row` of a block. */
+void *kvs_row_key_ptr(const kvs_session *s, uint32_t block, uint32_t row);
+void *kvs_row_value_ptr(const kvs_session *s, uint32_t block, uint32_t row);
 void *kvs_key_ptr(const kvs_session *s, uint32_t block, uint32_t head, uint32_t slot);
 void *kvs_value_ptr(const kvs_session *s, uint32_t block, uint32_t head, uint32_t slot);
 
-/* Copy contiguous K and V, each [kv_heads][layer->tokens][head_dim], into the
- * layer's segments (write) or out of them (read), with the store's kernels. */
+/* Copy contiguous K and V, each [kv_heads][layer->tokens][head_dim] (or
+ * [layer->tokens][head_dim] for a per-head list), into the list's segments
+ * (write) or out of them (read), with the store's kernels. */
 void kvs_layer_write(const kvs_session *s, const kvs_layer *layer, const void *k, const void *v);
 void kvs_layer_read(const kvs_session *s, const kvs_layer *layer, void *k, void *v);
 

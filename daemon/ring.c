@@ -89,19 +89,20 @@ static void serve_append(ring *rg, const ring_request *q, ring_response *r)
         return;
     }
     size_t need = 0;
-    for (uint32_t l = 0; l < w.nlayers; l++)
-        need += 4 + w.layers[l].nsegs * 12;
+    for (uint32_t l = 0; l < w.nlists; l++)
+        need += 4 + w.lists[l].nsegs * 12;
     if (need > rg->data_bytes) {
         /* The append happened; only the answer does not fit. */
         respond(r, ST_RESOURCE_EXHAUSTED, "append reply exceeds the ring; use GetBlockTable");
     } else {
         uint32_t *out = (uint32_t *)rg->data;
-        for (uint32_t l = 0; l < w.nlayers; l++) {
-            *out++ = (uint32_t)w.layers[l].nsegs;
-            memcpy(out, w.layers[l].segs, w.layers[l].nsegs * 12);
-            out += w.layers[l].nsegs * 3;
-            r->nsegments += (uint32_t)w.layers[l].nsegs;
+        for (uint32_t l = 0; l < w.nlists; l++) {
+            *out++ = (uint32_t)w.lists[l].nsegs;
+            memcpy(out, w.lists[l].segs, w.lists[l].nsegs * 12);
+            out += w.lists[l].nsegs * 3;
+            r->nsegments += (uint32_t)w.lists[l].nsegs;
         }
+        r->lists_per_layer = w.nlists / (w.nlists ? w.lists[w.nlists - 1].layer + 1 : 1);
         respond(r, ST_OK, "");
     }
     r->epoch = w.epoch;
@@ -176,7 +177,9 @@ static void *ring_thread(void *arg)
     _Atomic uint32_t *resp = (_Atomic uint32_t *)&h->resp_seq;
     _Atomic uint32_t *closing = (_Atomic uint32_t *)&h->closing;
     _Atomic uint32_t *worker_waiting = (_Atomic uint32_t *)&h->worker_waiting;
-    uint32_t seen = atomic_load((_Atomic uint32_t *)&h->req_seq);
+    /* The header starts zeroed; a worker may bump req_seq before this
+     * thread first runs, so start from 0, not from what we see now. */
+    uint32_t seen = 0;
     for (;;) {
         uint32_t cur = wait_request(h, seen);
         if (atomic_load(closing))

@@ -9,16 +9,16 @@ status_code seq_create(uint64_t id, uint64_t session_id, pool *pool, const polic
                        const policy_params *params, const char *label, seq **out, status *st)
 {
     *out = NULL;
-    if (policy->per_head)
-        return status_set(st, ST_FAILED_PRECONDITION,
-                          "policy %s decides per KV head; kvstashd has no per-head tables yet "
-                          "(evaluate it offline with kvstash replay)",
-                          policy->name);
     if (policy->needs & POLICY_NEEDS_VNORM)
         return status_set(st, ST_FAILED_PRECONDITION,
                           "policy %s needs projected value norms; registering W^O is not "
                           "implemented in kvstashd yet (evaluate it with kvstash replay)",
                           policy->name);
+    const char *rot = policy_params_get(params, "apply_rotation");
+    if (rot != NULL && strcmp(rot, "0") != 0)
+        return status_set(st, ST_FAILED_PRECONDITION,
+                          "apply_rotation: kvstashd does not re-rotate keys yet (the RoPE "
+                          "kernel lands with the tiers work); use apply_rotation=0");
     seq *s = calloc(1, sizeof *s);
     if (s == NULL)
         return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
@@ -29,8 +29,15 @@ status_code seq_create(uint64_t id, uint64_t session_id, pool *pool, const polic
     s->params = *params;
     snprintf(s->label, sizeof s->label, "%s", label ? label : "");
     s->nlayers = pool->geom.layers;
-    s->layers = calloc(s->nlayers, sizeof *s->layers);
-    if (s->layers == NULL) {
+    s->heads = policy->per_head ? pool->geom.kv_heads : 1;
+    s->list_layout = pool->layout;
+    if (policy->per_head) { /* a block holds rows of one head */
+        s->list_layout.block_tokens *= s->list_layout.kv_heads;
+        s->list_layout.kv_heads = 1;
+    }
+    s->block_slots = s->list_layout.block_tokens;
+    s->lists = calloc((size_t)s->nlayers * s->heads, sizeof *s->lists);
+    if (s->lists == NULL) {
         free(s);
         return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
     }
@@ -40,7 +47,7 @@ status_code seq_create(uint64_t id, uint64_t session_id, pool *pool, const polic
     char err[POLICY_ERR_LEN] = "";
     if (policy_host_create(policy, &s->params, &g, &s->host, err, sizeof err) != 0) {
         status_set(st, ST_INVALID_ARGUMENT, "policy %s: %s", policy->name, err);
-        free(s->layers);
+        free(s->lists);
         free(s);
         return st->code;
     }
@@ -48,7 +55,12 @@ status_code seq_create(uint64_t id, uint64_t session_id, pool *pool, const polic
     return ST_OK;
 }
 
-static void layer_free_blocks(seq_layer *ly, pool *p)
+static size_t seq_nlists(const seq *s)
+{
+    return (size_t)s->nlayers * s->heads;
+}
+
+static void list_free_blocks(seq_list *ly, pool *p)
 {
     /* A block's segments are adjacent in the list (tokens arrive in order). */
     for (size_t i = 0; i < ly->nsegs; i++)
@@ -61,15 +73,15 @@ void seq_destroy(seq *s)
 {
     if (s == NULL)
         return;
-    for (uint32_t l = 0; l < s->nlayers; l++) {
-        layer_free_blocks(&s->layers[l], s->pool);
-        free(s->layers[l].segs);
+    for (size_t i = 0; i < seq_nlists(s); i++) {
+        list_free_blocks(&s->lists[i], s->pool);
+        free(s->lists[i].segs);
     }
     for (size_t i = 0; i < s->nretired; i++)
         pool_free_block(s->pool, s->retired[i].block);
     policy_host_destroy(s->host);
     free(s->retired);
-    free(s->layers);
+    free(s->lists);
     free(s);
 }
 
@@ -88,8 +100,8 @@ void seq_ack(seq *s, uint64_t ack_epoch)
 uint32_t seq_blocks_held(const seq *s)
 {
     uint32_t n = (uint32_t)s->nretired;
-    for (uint32_t l = 0; l < s->nlayers; l++) {
-        const seq_layer *ly = &s->layers[l];
+    for (size_t k = 0; k < seq_nlists(s); k++) {
+        const seq_list *ly = &s->lists[k];
         for (size_t i = 0; i < ly->nsegs; i++)
             if (i == 0 || ly->segs[i].block != ly->segs[i - 1].block)
                 n++;
@@ -102,19 +114,20 @@ size_t seq_retired_count(const seq *s)
     return s->nretired;
 }
 
-uint32_t seq_layer_tokens(seq *s, uint32_t layer, const uint32_t **positions)
+uint32_t seq_list_tokens(seq *s, uint32_t layer, uint32_t head, const uint32_t **positions)
 {
     const policy_layer_view *v = policy_host_view(s->host, layer);
     if (positions != NULL)
-        *positions = v->positions[0];
-    return v->tokens[0];
+        *positions = v->positions[head];
+    return v->tokens[head];
 }
 
 uint64_t seq_tokens_held(seq *s)
 {
     uint64_t n = 0;
     for (uint32_t l = 0; l < s->nlayers; l++)
-        n += seq_layer_tokens(s, l, NULL);
+        for (uint32_t k = 0; k < s->heads; k++)
+            n += seq_list_tokens(s, l, k, NULL);
     return n;
 }
 
@@ -135,7 +148,7 @@ static int grow(void **arr, size_t *cap, size_t need, size_t elt)
     return 0;
 }
 
-static int layer_reserve(seq_layer *ly, size_t nsegs)
+static int list_reserve(seq_list *ly, size_t nsegs)
 {
     return grow((void **)&ly->segs, &ly->segs_cap, nsegs, sizeof *ly->segs);
 }
@@ -153,7 +166,7 @@ static int seq_retire(seq *s, uint32_t block, uint64_t epoch)
 /* Drop the tokens whose decided tier is POLICY_EVICT from the segments, in
  * place (a split segment needs room, reserved by the caller), and retire the
  * blocks left with no token. */
-static int layer_evict(seq *s, seq_layer *ly, const uint8_t *tier, uint64_t epoch)
+static int list_evict(seq *s, seq_list *ly, const uint8_t *tier, uint64_t epoch)
 {
     size_t nsegs = ly->nsegs;
     kv_segment *old = malloc((nsegs ? nsegs : 1) * sizeof *old);
@@ -195,7 +208,7 @@ static int layer_evict(seq *s, seq_layer *ly, const uint8_t *tier, uint64_t epoc
 }
 
 /* Segments after the eviction: at most one per kept run, plus the old ones. */
-static size_t evicted_seg_bound(const seq_layer *ly, const uint8_t *tier, uint32_t n)
+static size_t evicted_seg_bound(const seq_list *ly, const uint8_t *tier, uint32_t n)
 {
     size_t runs = 0;
     for (uint32_t t = 0; t < n; t++)
@@ -204,23 +217,45 @@ static size_t evicted_seg_bound(const seq_layer *ly, const uint8_t *tier, uint32
     return runs + ly->nsegs;
 }
 
-/* Apply one layer's decision: evict in the segments, then in the host. */
+/* The (block, slot) of token i of a list. */
+static kv_segment list_token(const seq_list *ly, uint32_t i)
+{
+    size_t k = 0;
+    while (i >= ly->segs[k].count)
+        i -= ly->segs[k++].count;
+    return (kv_segment){ly->segs[k].block, ly->segs[k].first_slot + i, 1};
+}
+
+/* WeightedKV merges, before the merged-away tokens leave the table. */
+static void apply_merges(seq *s, uint32_t l, const policy_decision *d)
+{
+    for (size_t m = 0; m < d->nmerges; m++) {
+        const policy_merge *g = &d->merges[m];
+        const seq_list *ly = &s->lists[(size_t)l * s->heads + g->head];
+        kv_segment from = list_token(ly, g->from), into = list_token(ly, g->into);
+        kv_merge_value(&s->list_layout, (kv_dtype)s->pool->geom.dtype, s->pool->base,
+                       from.block, from.first_slot, into.block, into.first_slot, g->w_from,
+                       g->w_into);
+    }
+}
+
+/* Apply one layer's decision: merge, evict in the segments, then commit in
+ * the host. INT8 and sketch tiers are recorded in the host (the policy sees
+ * them) but the tokens stay in full precision until the tiers land. */
 static status_code layer_apply(seq *s, uint32_t l, const policy_decision *d, uint64_t epoch,
                                size_t *evicted, status *st)
 {
-    seq_layer *ly = &s->layers[l];
-    uint32_t n = seq_layer_tokens(s, l, NULL);
-    int any = 0;
-    for (uint32_t t = 0; t < n && !any; t++)
-        any = d->tier[0][t] == POLICY_EVICT;
-    /* Only eviction moves memory so far; INT8 and sketch tiers land with
-     * the tiers issue and are kept in full precision until then. */
-    if (any && (layer_reserve(ly, evicted_seg_bound(ly, d->tier[0], n)) != 0 ||
-                layer_evict(s, ly, d->tier[0], epoch) != 0))
-        return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
-    for (uint32_t t = 0; t < n; t++)
-        if (d->tier[0][t] != POLICY_EVICT)
-            d->tier[0][t] = POLICY_FULL;
+    apply_merges(s, l, d);
+    for (uint32_t k = 0; k < s->heads; k++) {
+        seq_list *ly = &s->lists[(size_t)l * s->heads + k];
+        uint32_t n = seq_list_tokens(s, l, k, NULL);
+        int any = 0;
+        for (uint32_t t = 0; t < n && !any; t++)
+            any = d->tier[k][t] == POLICY_EVICT;
+        if (any && (list_reserve(ly, evicted_seg_bound(ly, d->tier[k], n)) != 0 ||
+                    list_evict(s, ly, d->tier[k], epoch) != 0))
+            return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
+    }
     *evicted += policy_host_commit(s->host, l);
     return ST_OK;
 }
@@ -233,20 +268,23 @@ static status_code layer_apply(seq *s, uint32_t l, const policy_decision *d, uin
 static size_t layer_stats(seq *s, uint32_t l, unsigned arrays, const float *data,
                           policy_stats *ps, const float **ptrs)
 {
-    uint32_t n = seq_layer_tokens(s, l, NULL), q = s->pool->geom.q_heads;
+    uint32_t q = s->pool->geom.q_heads, group = q / s->pool->geom.kv_heads;
     size_t off = 0;
-    if (arrays & POLICY_NEEDS_SCORE) {
+    if (arrays & POLICY_NEEDS_SCORE) { /* one list only: checked by seq_step_check */
         if (data != NULL)
             ps->score = data;
-        off += n;
+        off += seq_list_tokens(s, l, 0, NULL);
     }
     const unsigned kinds[2] = {POLICY_NEEDS_LAST_ATTN, POLICY_NEEDS_WINDOW_ATTN};
     for (int k = 0; k < 2; k++) {
         if (!(arrays & kinds[k]))
             continue;
-        for (uint32_t h = 0; h < q; h++, off += n)
+        for (uint32_t h = 0; h < q; h++) {
+            /* Query head h reads KV head h / group (POLICIES.md notation). */
             if (data != NULL)
                 ptrs[k * q + h] = data + off;
+            off += seq_list_tokens(s, l, s->heads == 1 ? 0 : h / group, NULL);
+        }
         if (data != NULL && k == 0)
             ps->last_attn = ptrs;
         if (data != NULL && k == 1)
@@ -319,8 +357,15 @@ static const char *needs_name(unsigned bit)
 
 static status_code seq_step_check(seq *s, const seq_step_input *in, status *st)
 {
+    if ((in->arrays & POLICY_NEEDS_SCORE) && s->heads != 1)
+        return status_set(st, ST_INVALID_ARGUMENT,
+                          "policy %s keeps one list per KV head: report last_attn or "
+                          "window_attn per query head, not a summed score",
+                          s->policy->name);
     unsigned missing = s->policy->needs & ~(in->arrays | POLICY_NEEDS_VNORM);
-    if (missing & POLICY_NEEDS_CONFIDENCE && in->confidence >= 0)
+    /* Confidence describes a next token: prefill steps have none (Conf-KV
+     * §5.3 keeps everything until the first decode step). */
+    if (missing & POLICY_NEEDS_CONFIDENCE && (in->confidence >= 0 || in->prefill))
         missing &= ~(unsigned)POLICY_NEEDS_CONFIDENCE;
     for (unsigned bit = 1; missing != 0; bit <<= 1)
         if (missing & bit)
@@ -357,9 +402,9 @@ status_code seq_step(seq *s, const seq_step_input *in, uint32_t *evicted, status
 
 /* ---- append ------------------------------------------------------------ */
 
-static int tail_usable(const seq_layer *ly, uint32_t block_tokens)
+static int tail_usable(const seq_list *ly, uint32_t block_slots)
 {
-    return ly->has_tail && ly->tail_next_slot < block_tokens;
+    return ly->has_tail && ly->tail_next_slot < block_slots;
 }
 
 static uint32_t blocks_needed(uint32_t count, uint32_t room, uint32_t block_tokens)
@@ -367,7 +412,7 @@ static uint32_t blocks_needed(uint32_t count, uint32_t room, uint32_t block_toke
     return count <= room ? 0 : (count - room + block_tokens - 1) / block_tokens;
 }
 
-static void layer_push(seq_layer *ly, uint32_t block, uint32_t slot, uint32_t n)
+static void list_push(seq_list *ly, uint32_t block, uint32_t slot, uint32_t n)
 {
     kv_segment *last = ly->nsegs ? &ly->segs[ly->nsegs - 1] : NULL;
     if (last != NULL && last->block == block && last->first_slot + last->count == slot)
@@ -376,10 +421,10 @@ static void layer_push(seq_layer *ly, uint32_t block, uint32_t slot, uint32_t n)
         ly->segs[ly->nsegs++] = (kv_segment){block, slot, n};
 }
 
-/* Put `count` new tokens at the layer's tail; blocks were checked free. */
-static size_t layer_grow(seq *s, seq_layer *ly, uint32_t count, kv_segment *writes)
+/* Put `count` new tokens at the list's tail; blocks were checked free. */
+static size_t list_grow(seq *s, seq_list *ly, uint32_t count, kv_segment *writes)
 {
-    uint32_t bt = s->pool->geom.block_tokens;
+    uint32_t bt = s->block_slots;
     size_t nw = 0;
     while (count > 0) {
         if (!tail_usable(ly, bt)) {
@@ -390,7 +435,7 @@ static size_t layer_grow(seq *s, seq_layer *ly, uint32_t count, kv_segment *writ
         uint32_t n = bt - ly->tail_next_slot;
         if (n > count)
             n = count;
-        layer_push(ly, ly->tail_block, ly->tail_next_slot, n);
+        list_push(ly, ly->tail_block, ly->tail_next_slot, n);
         writes[nw++] = (kv_segment){ly->tail_block, ly->tail_next_slot, n};
         ly->tail_next_slot += n;
         count -= n;
@@ -400,10 +445,10 @@ static size_t layer_grow(seq *s, seq_layer *ly, uint32_t count, kv_segment *writ
 
 static uint64_t seq_blocks_needed(const seq *s, uint32_t count)
 {
-    uint32_t bt = s->pool->geom.block_tokens;
+    uint32_t bt = s->block_slots;
     uint64_t need = 0;
-    for (uint32_t l = 0; l < s->nlayers; l++) {
-        const seq_layer *ly = &s->layers[l];
+    for (size_t i = 0; i < seq_nlists(s); i++) {
+        const seq_list *ly = &s->lists[i];
         uint32_t room = tail_usable(ly, bt) ? bt - ly->tail_next_slot : 0;
         need += blocks_needed(count, room, bt);
     }
@@ -431,14 +476,14 @@ status_code seq_append(seq *s, int64_t count, kv_segment *const *writes, size_t 
                           "free (release sequences or start kvstashd with a larger --pool-mb)",
                           (long long)count, (unsigned long long)need, s->pool->model,
                           s->pool->nfree, s->pool->block_count);
-    uint32_t bt = s->pool->geom.block_tokens;
-    for (uint32_t l = 0; l < s->nlayers; l++)
-        if (layer_reserve(&s->layers[l], s->layers[l].nsegs + (size_t)count / bt + 2) != 0)
+    for (size_t i = 0; i < seq_nlists(s); i++)
+        if (list_reserve(&s->lists[i], s->lists[i].nsegs + (size_t)count / s->block_slots + 2) !=
+            0)
             return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
     if (policy_host_append(s->host, (uint32_t)count) != 0)
         return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
-    for (uint32_t l = 0; l < s->nlayers; l++)
-        nwrites[l] = layer_grow(s, &s->layers[l], (uint32_t)count, writes[l]);
+    for (size_t i = 0; i < seq_nlists(s); i++)
+        nwrites[i] = list_grow(s, &s->lists[i], (uint32_t)count, writes[i]);
     s->appended += (uint64_t)count;
     s->unstepped += (uint32_t)count;
     s->epoch = epoch;

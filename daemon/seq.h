@@ -1,11 +1,18 @@
 /*
- * seq.h - one sequence: per-layer block tables, token positions, epochs and
- * the blocks retired until the worker acknowledges a newer epoch.
+ * seq.h - one sequence: block tables, epochs and the blocks retired until
+ * the worker acknowledges a newer epoch.
  *
- * A layer's tokens are a list of segments (block, first slot, count) in
- * order, parallel to the policy host's token list of that layer (positions
- * and tiers live there, once). The policy decides after each step; on the
- * gRPC path a step ends at the next Append. Eviction removes
+ * Each layer has one token list, or one per KV head when the policy decides
+ * per head (policy_ops.per_head: AdaKV, CriticalKV, WeightedKV keep
+ * different tokens per head, and the memory of what a head dropped must come
+ * back). A list's tokens are segments (block, first slot, count) in order,
+ * parallel to the policy host's list (positions and tiers live there, once).
+ * Blocks of an all-heads list hold block_tokens tokens of every KV head
+ * (K, V: [kv_heads][block_tokens][head_dim]); blocks of a per-head list hold
+ * kv_heads * block_tokens rows of their one head (K, V: [rows][head_dim]),
+ * the same bytes seen as kv_heads = 1. A block belongs to one list.
+ * The policy decides after each step; on the gRPC path a step ends at the
+ * next Append. Eviction removes
  * tokens from the segments without moving data; a block none of whose slots
  * remain is retired, and returns to the pool once the worker acks an epoch at
  * or after the one that retired it (DESIGN.md "Memory": RCU-style).
@@ -28,13 +35,13 @@
 
 #define SEQ_MAX_APPEND 65536
 
-typedef struct seq_layer {
+typedef struct seq_list {
     kv_segment *segs;
     size_t nsegs, segs_cap;
     uint32_t tail_block;     /* block that new tokens fill first */
-    uint32_t tail_next_slot; /* its first never-written slot; block_tokens = full */
+    uint32_t tail_next_slot; /* its first never-written slot; slots per block = full */
     int has_tail;
-} seq_layer;
+} seq_list;
 
 typedef struct seq_retired {
     uint32_t block;
@@ -53,7 +60,10 @@ typedef struct seq {
     uint64_t appended;  /* tokens ever appended; the next token's position */
     uint32_t unstepped; /* tokens appended since the policy's last step */
     uint32_t nlayers;
-    seq_layer *layers;
+    uint32_t heads;       /* lists per layer: 1, or kv_heads for per-head policies */
+    uint32_t block_slots; /* tokens (or rows) a block of one list holds */
+    kv_layout list_layout; /* a list's block layout, for the kernels */
+    seq_list *lists;      /* [nlayers * heads], list of (layer l, head k) at l * heads + k */
     seq_retired *retired;
     size_t nretired, retired_cap;
 } seq;
@@ -69,8 +79,9 @@ void seq_destroy(seq *s);
 /* Return retired blocks whose epoch is <= ack_epoch to the pool. */
 void seq_ack(seq *s, uint64_t ack_epoch);
 
-/* Tokens and original positions a layer holds (owned by the sequence). */
-uint32_t seq_layer_tokens(seq *s, uint32_t layer, const uint32_t **positions);
+/* Tokens and original positions list (layer, head) holds (owned by the
+ * sequence; valid until it changes). head is 0 for all-heads lists. */
+uint32_t seq_list_tokens(seq *s, uint32_t layer, uint32_t head, const uint32_t **positions);
 
 /* Blocks in the layer tables and in the retired list. */
 uint32_t seq_blocks_held(const seq *s);
@@ -83,9 +94,9 @@ uint64_t seq_tokens_held(seq *s);
  * here: the policy decides and evicted tokens leave (their emptied blocks are
  * retired). Then, if the pool has the blocks, the new tokens get slots; if it
  * has not, RESOURCE_EXHAUSTED and no token is added. Each change bumps the
- * epoch. *evicted is the number of tokens removed (all layers), and writes[l]
- * (an array of nlayers entries the caller provides, each with room for
- * `count` segments) receives the segments of the new tokens in layer l.
+ * epoch. *evicted is the number of tokens removed (all lists), and writes[i]
+ * (an array of nlayers * heads entries the caller provides, each with room
+ * for `count` segments) receives the segments of the new tokens of list i.
  */
 status_code seq_append(seq *s, int64_t count, kv_segment *const *writes, size_t *nwrites,
                        uint32_t *evicted, status *st);

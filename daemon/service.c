@@ -27,11 +27,13 @@ void service_geometry_to_proto(const pool_geometry *g, Kvstash__V1__Geometry *ou
 /* A LayerTable whose arrays are heap copies; layer_table_clear frees them.
  * positions: NULL for none, else the array to copy. first_position >= 0
  * generates consecutive positions instead (append writes). */
-static int layer_table_fill(Kvstash__V1__LayerTable *lt, uint32_t layer,
-                            const store_layer_table *src, int64_t first_position)
+static int layer_table_fill(Kvstash__V1__LayerTable *lt, const store_layer_table *src,
+                            int64_t first_position)
 {
     kvstash__v1__layer_table__init(lt);
-    lt->layer = layer;
+    lt->layer = src->layer;
+    lt->per_head = src->per_head;
+    lt->head = src->head;
     lt->tokens = src->tokens;
     size_t n = src->nsegs;
     lt->block = malloc((n ? n : 1) * sizeof *lt->block);
@@ -69,16 +71,16 @@ static void layer_table_clear(Kvstash__V1__LayerTable *lt)
 static Kvstash__V1__LayerTable **layer_tables_new(const store_table *t, int consecutive,
                                                   Kvstash__V1__LayerTable **storage)
 {
-    *storage = calloc(t->nlayers ? t->nlayers : 1, sizeof **storage);
-    Kvstash__V1__LayerTable **ptrs = calloc(t->nlayers ? t->nlayers : 1, sizeof *ptrs);
+    *storage = calloc(t->nlists ? t->nlists : 1, sizeof **storage);
+    Kvstash__V1__LayerTable **ptrs = calloc(t->nlists ? t->nlists : 1, sizeof *ptrs);
     if (*storage == NULL || ptrs == NULL) {
         free(*storage);
         free(ptrs);
         return NULL;
     }
-    for (uint32_t l = 0; l < t->nlayers; l++) {
+    for (uint32_t l = 0; l < t->nlists; l++) {
         ptrs[l] = &(*storage)[l];
-        layer_table_fill(ptrs[l], l, &t->layers[l], consecutive ? (int64_t)t->first_position : -1);
+        layer_table_fill(ptrs[l], &t->lists[l], consecutive ? (int64_t)t->first_position : -1);
     }
     return ptrs;
 }
@@ -195,11 +197,11 @@ static status_code do_append(void *app, const char *token, const ProtobufCMessag
     out.first_position = t.first_position;
     out.evicted = t.evicted;
     out.writes = layer_tables_new(&t, 1, &storage);
-    out.n_writes = t.nlayers;
+    out.n_writes = t.nlists;
     status_code rc = out.writes ? ST_OK : oom(st);
     if (rc == ST_OK)
         *resp = pbgrpc_pack(&out.base);
-    layer_tables_free(out.writes, storage, t.nlayers);
+    layer_tables_free(out.writes, storage, t.nlists);
     store_table_free(&t);
     return rc;
 }
@@ -216,11 +218,11 @@ static status_code do_get_block_table(void *app, const char *token, const Protob
     Kvstash__V1__LayerTable *storage;
     out.epoch = t.epoch;
     out.layers = layer_tables_new(&t, 0, &storage);
-    out.n_layers = t.nlayers;
+    out.n_layers = t.nlists;
     status_code rc = out.layers ? ST_OK : oom(st);
     if (rc == ST_OK)
         *resp = pbgrpc_pack(&out.base);
-    layer_tables_free(out.layers, storage, t.nlayers);
+    layer_tables_free(out.layers, storage, t.nlists);
     store_table_free(&t);
     return rc;
 }

@@ -170,18 +170,26 @@ status_code service_stats(void *app, const char *token, const ProtobufCMessage *
     return rc;
 }
 
+/* A layer summed over its lists (one, or one per KV head). */
 static void layer_inspect(seq *q, uint32_t layer, Kvstash__V1__LayerInspect *out)
 {
-    const seq_layer *ly = &q->layers[layer];
-    const uint32_t *pos;
     kvstash__v1__layer_inspect__init(out);
     out->layer = layer;
-    out->tokens = seq_layer_tokens(q, layer, &pos);
-    for (size_t i = 0; i < ly->nsegs; i++)
-        out->blocks += i == 0 || ly->segs[i].block != ly->segs[i - 1].block;
-    if (out->tokens > 0) {
-        out->first_position = pos[0];
-        out->last_position = pos[out->tokens - 1];
+    int any = 0;
+    for (uint32_t k = 0; k < q->heads; k++) {
+        const seq_list *ly = &q->lists[(size_t)layer * q->heads + k];
+        const uint32_t *pos;
+        uint32_t n = seq_list_tokens(q, layer, k, &pos);
+        out->tokens += n;
+        for (size_t i = 0; i < ly->nsegs; i++)
+            out->blocks += i == 0 || ly->segs[i].block != ly->segs[i - 1].block;
+        if (n == 0)
+            continue;
+        if (!any || pos[0] < out->first_position)
+            out->first_position = pos[0];
+        if (!any || pos[n - 1] > out->last_position)
+            out->last_position = pos[n - 1];
+        any = 1;
     }
 }
 

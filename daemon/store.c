@@ -49,12 +49,12 @@ void store_unlock(store *st)
 
 void store_table_free(store_table *t)
 {
-    if (t->layers != NULL)
-        for (uint32_t l = 0; l < t->nlayers; l++) {
-            free(t->layers[l].segs);
-            free(t->layers[l].positions);
+    if (t->lists != NULL)
+        for (uint32_t l = 0; l < t->nlists; l++) {
+            free(t->lists[l].segs);
+            free(t->lists[l].positions);
         }
-    free(t->layers);
+    free(t->lists);
     memset(t, 0, sizeof *t);
 }
 
@@ -546,13 +546,18 @@ static status_code own_seq_acked(store *st, const char *token, uint64_t seq_id,
     return rc;
 }
 
-static status_code table_alloc(store_table *t, uint32_t nlayers, status *s)
+/* A table with one entry per list of q, labelled with layer and head. */
+static status_code table_alloc(store_table *t, const seq *q, status *s)
 {
     memset(t, 0, sizeof *t);
-    t->nlayers = nlayers;
-    t->layers = calloc(nlayers, sizeof *t->layers);
-    if (t->layers == NULL)
+    t->nlists = q->nlayers * q->heads;
+    t->lists = calloc(t->nlists, sizeof *t->lists);
+    if (t->lists == NULL)
         return status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
+    for (uint32_t i = 0; i < t->nlists; i++)
+        t->lists[i] = (store_layer_table){.layer = i / q->heads,
+                                          .head = i % q->heads,
+                                          .per_head = q->heads > 1};
     return ST_OK;
 }
 
@@ -572,15 +577,15 @@ status_code store_append(store *st, const char *token, uint64_t seq_id, int64_t 
                         "count must be between 1 and %d tokens per append, got %lld",
                         SEQ_MAX_APPEND, (long long)count);
     if (rc == ST_OK)
-        rc = table_alloc(writes, q->nlayers, s);
+        rc = table_alloc(writes, q, s);
     kv_segment **segs = NULL;
     size_t *nsegs = NULL;
     if (rc == ST_OK) {
-        segs = calloc(q->nlayers, sizeof *segs);
-        nsegs = calloc(q->nlayers, sizeof *nsegs);
-        for (uint32_t l = 0; segs != NULL && l < q->nlayers; l++)
-            writes->layers[l].segs = segs[l] = malloc((size_t)count * sizeof **segs);
-        if (segs == NULL || nsegs == NULL || segs[q->nlayers - 1] == NULL)
+        segs = calloc(writes->nlists, sizeof *segs);
+        nsegs = calloc(writes->nlists, sizeof *nsegs);
+        for (uint32_t i = 0; segs != NULL && i < writes->nlists; i++)
+            writes->lists[i].segs = segs[i] = malloc((size_t)count * sizeof **segs);
+        if (segs == NULL || nsegs == NULL || segs[writes->nlists - 1] == NULL)
             rc = status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
     }
     if (rc == ST_OK) {
@@ -591,9 +596,9 @@ status_code store_append(store *st, const char *token, uint64_t seq_id, int64_t 
         writes->first_position = first;
     }
     if (rc == ST_OK) {
-        for (uint32_t l = 0; l < q->nlayers; l++) {
-            writes->layers[l].nsegs = nsegs[l];
-            writes->layers[l].tokens = (uint32_t)count;
+        for (uint32_t i = 0; i < writes->nlists; i++) {
+            writes->lists[i].nsegs = nsegs[i];
+            writes->lists[i].tokens = (uint32_t)count;
         }
         if (writes->evicted > 0)
             events_publish(st->events, "table.changed",
@@ -609,12 +614,11 @@ status_code store_append(store *st, const char *token, uint64_t seq_id, int64_t 
     return rc;
 }
 
-static status_code copy_layer(seq *q, uint32_t layer, int with_positions, store_layer_table *out,
-                              status *s)
+static status_code copy_list(seq *q, int with_positions, store_layer_table *out, status *s)
 {
-    const seq_layer *ly = &q->layers[layer];
+    const seq_list *ly = &q->lists[(size_t)out->layer * q->heads + out->head];
     const uint32_t *pos;
-    out->tokens = seq_layer_tokens(q, layer, &pos);
+    out->tokens = seq_list_tokens(q, out->layer, out->head, &pos);
     out->nsegs = ly->nsegs;
     out->segs = malloc((ly->nsegs ? ly->nsegs : 1) * sizeof *out->segs);
     if (out->segs == NULL)
@@ -637,11 +641,11 @@ status_code store_get_table(store *st, const char *token, uint64_t seq_id, uint6
     seq *q;
     status_code rc = own_seq_acked(st, token, seq_id, ack_epoch, &q, s);
     if (rc == ST_OK)
-        rc = table_alloc(out, q->nlayers, s);
+        rc = table_alloc(out, q, s);
     if (rc == ST_OK) {
         out->epoch = q->epoch;
-        for (uint32_t l = 0; rc == ST_OK && l < q->nlayers; l++)
-            rc = copy_layer(q, l, with_positions, &out->layers[l], s);
+        for (uint32_t i = 0; rc == ST_OK && i < out->nlists; i++)
+            rc = copy_list(q, with_positions, &out->lists[i], s);
     }
     pthread_mutex_unlock(&st->lock);
     if (rc != ST_OK)

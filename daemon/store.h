@@ -71,8 +71,12 @@ typedef struct store_attach_result {
     pool_geometry geometry;
 } store_attach_result;
 
-/* A sequence's tables, copied out under the lock. Free with store_table_free. */
+/* A sequence's tables, copied out under the lock: one entry per list (per
+ * layer, or per layer and KV head for per-head policies). Free with
+ * store_table_free. */
 typedef struct store_layer_table {
+    uint32_t layer, head;
+    int per_head; /* rows of one KV head (see seq.h), not tokens of all heads */
     uint32_t tokens;
     size_t nsegs;
     kv_segment *segs;
@@ -83,8 +87,8 @@ typedef struct store_table {
     uint64_t epoch;
     uint32_t first_position; /* appends: position of the first new token */
     uint32_t evicted;        /* appends: tokens removed by the policy */
-    uint32_t nlayers;
-    store_layer_table *layers;
+    uint32_t nlists;
+    store_layer_table *lists;
 } store_table;
 
 void store_table_free(store_table *t);

@@ -78,6 +78,24 @@ void kv_copy_tokens_ref(const kv_layout *l, uint8_t *pool, const kv_segment *src
 void kv_copy_tokens(const kv_layout *l, uint8_t *pool, const kv_segment *src, size_t nsrc,
                     const kv_segment *dst, size_t ndst);
 
+/* Element types of a pool (the values of the proto's DType). */
+typedef enum kv_dtype { KV_FP16 = 1, KV_BF16 = 2, KV_FP32 = 3 } kv_dtype;
+
+/* One element as float, and back (round to nearest even; fp16 overflows to
+ * infinity). */
+float kv_elt_load(const uint8_t *p, kv_dtype t);
+void kv_elt_store(uint8_t *p, kv_dtype t, float v);
+
+/*
+ * kv_merge_value: WeightedKV's convex value merge (POLICIES.md §4.1):
+ * V[into] = (w_from*V[from] + w_into*V[into]) / (w_from + w_into) for every
+ * head of the layout, in fp32; both weights 0 give the plain average (§4.2).
+ * Keys are untouched. (block, slot) name one token of the layout.
+ */
+void kv_merge_value(const kv_layout *l, kv_dtype t, uint8_t *pool, uint32_t from_block,
+                    uint32_t from_slot, uint32_t into_block, uint32_t into_slot, float w_from,
+                    float w_into);
+
 #ifdef KVSTASH_HAVE_CUDA
 /* CUDA twins: pool, outputs and inputs are device pointers; segment lists are
  * host arrays (copied to the device by the call). Return 0 or a CUDA error

@@ -185,11 +185,15 @@ static int h2o_step(void *state, const policy_layer_view *view, const policy_sta
     }
     h2o_layer *ly = &st->ly[view->layer];
     uint32_t n = view->tokens[0];
-    if (stats->new_tokens > n || n - stats->new_tokens != ly->n) {
+    /* The view must extend what the policy tracks (same positions, then
+     * the tokens appended since, which are all new whatever stats.new_tokens
+     * says): otherwise the scores would be attributed to the wrong tokens. */
+    const uint32_t *pos = view->positions[0];
+    if (n < ly->n || (ly->n > 0 && memcmp(pos, ly->pos, (size_t)ly->n * sizeof *pos) != 0)) {
         snprintf(err, errlen,
-                 "h2o: layer %u view holds %u tokens with %u new, but the policy tracks %u "
-                 "(was a decision not committed?)",
-                 view->layer, n, stats->new_tokens, ly->n);
+                 "h2o: layer %u view (%u tokens) does not extend the %u tokens the policy "
+                 "tracks (was a decision not applied?)",
+                 view->layer, n, ly->n);
         return -1;
     }
     for (uint32_t i = 0; i < n; i++)
@@ -201,13 +205,12 @@ static int h2o_step(void *state, const policy_layer_view *view, const policy_sta
         snprintf(err, errlen, "h2o: out of memory for %u tokens", n);
         return -1;
     }
-    const uint32_t *pos = view->positions[0];
-    for (uint32_t i = ly->n; i < n; i++)
+    for (uint32_t i = ly->n; i < n; i++) {
         ly->score[i] = 0;
-    for (uint32_t i = 0; i < n; i++) {
         ly->pos[i] = pos[i];
-        ly->score[i] += (double)stats->score[i];
     }
+    for (uint32_t i = 0; i < n; i++)
+        ly->score[i] += (double)stats->score[i];
     ly->n = n;
     if (n <= st->budget)
         return 0;

@@ -876,6 +876,8 @@ static int ov_step(void *state, const policy_layer_view *view, const policy_stat
         return -1;
     }
     size_t n = view->tokens[0];
+    /* Sized for the whole vector now, so layer_register() (which needs
+     * only the tracked part) never moves st->raw under it. */
     if (grow_scratch(st, n > 0 ? n : 1) != 0) {
         set_err(err, errlen, "out of memory");
         return -1;

@@ -501,25 +501,19 @@ static int step_check(const reviver_state *st, const policy_layer_view *view,
         snprintf(err, errlen, "reviver needs stats.score (POLICY_NEEDS_SCORE), got none");
         return -1;
     }
+    /* The view must extend what the policy tracks: the same positions,
+     * then the tokens appended since (this step's new tokens). The view's
+     * tiers are not checked: a daemon that cannot move a token to the
+     * sketch yet keeps it FULL, and the policy's stores stay the truth. */
     const reviver_layer *ly = &st->ly[view->layer];
     uint32_t n = view->tokens[0];
-    if (stats->new_tokens > n || n - stats->new_tokens != ly->n) {
+    if (n < ly->n ||
+        (ly->n > 0 && memcmp(view->positions[0], ly->pos, (size_t)ly->n * sizeof *ly->pos) != 0)) {
         snprintf(err, errlen,
-                 "reviver: layer %u view holds %u tokens with %u new, but the policy tracks %u "
-                 "(was a decision not committed?)",
-                 view->layer, n, stats->new_tokens, ly->n);
+                 "reviver: layer %u view (%u tokens) does not extend the %u tokens the policy "
+                 "tracks (was a decision not applied?)",
+                 view->layer, n, ly->n);
         return -1;
-    }
-    const uint8_t *tier = view->tier[0];
-    for (uint32_t i = 0; i < n; i++) {
-        uint8_t want = i < ly->n && ly->loc[i] == REVIVER_VAGUE ? POLICY_SKETCH : POLICY_FULL;
-        if (tier[i] != want) {
-            snprintf(err, errlen,
-                     "reviver: layer %u token %u has tier %u, the policy expects %u "
-                     "(was a decision not committed?)",
-                     view->layer, i, tier[i], want);
-            return -1;
-        }
     }
     for (uint32_t i = 0; i < n; i++) {
         float s = stats->score[i];
@@ -544,17 +538,20 @@ static int reviver_step(void *state, const policy_layer_view *view, const policy
         snprintf(err, errlen, "reviver: out of memory for %u tokens", n);
         return -1;
     }
+    /* Every token the policy has not seen yet is new: stats.new_tokens may
+     * count fewer when tokens were appended without a step in between. */
+    uint32_t fresh = n - ly->n;
     for (uint32_t i = ly->n; i < n; i++) {
         ly->score[i] = 0;
         ly->loc[i] = REVIVER_RECENT;
+        ly->pos[i] = view->positions[0][i];
     }
-    memcpy(ly->pos, view->positions[0], (size_t)n * sizeof *ly->pos);
     /* §3.4: every token, sketched ones included, accumulates this step. */
     for (uint32_t i = 0; i < n; i++)
         ly->score[i] += (double)stats->score[i];
     ly->n = n;
-    if (reviver_compress(&st->budgets, n, stats->new_tokens, ly->score, ly->loc, ly->scratch,
-                         ly->ops, ly->cap, &ly->nops) != 0) {
+    if (reviver_compress(&st->budgets, n, fresh, ly->score, ly->loc, ly->scratch, ly->ops, ly->cap,
+                         &ly->nops) != 0) {
         /* Unreachable: replace_rate >= 1 and scores >= 0 bound the ops by n. */
         snprintf(err, errlen, "reviver: internal error (operation log overflow)");
         return -1;

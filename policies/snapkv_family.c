@@ -296,8 +296,8 @@ typedef struct snapkv_head_record {
     uint32_t held, prefix, kept;
     uint32_t forced; /* tokens forced (window guard, safeguard, stage 1) */
     uint32_t *pos;   /* [kept] positions of the kept tokens */
-    double *score;   /* [kept] their base (SnapKV) scores */
-    double *z;       /* [kept] their stage-2 scores (criticalkv variants) */
+    float *score;    /* [kept] their base (SnapKV) scores, as float */
+    float *z;        /* [kept] their stage-2 scores (criticalkv variants) */
     uint8_t *force;  /* [kept] forced by the window guard, safeguard or stage 1 */
 } snapkv_head_record;
 
@@ -541,11 +541,11 @@ static int record_compression(snapkv_state *st, const policy_layer_view *view, c
         if (pos == NULL)
             return -1;
         hr->pos = pos;
-        double *score = realloc(hr->score, n * sizeof *score);
+        float *score = realloc(hr->score, n * sizeof *score);
         if (score == NULL)
             return -1;
         hr->score = score;
-        double *z = realloc(hr->z, n * sizeof *z);
+        float *z = realloc(hr->z, n * sizeof *z);
         if (z == NULL)
             return -1;
         hr->z = z;
@@ -563,8 +563,8 @@ static int record_compression(snapkv_state *st, const policy_layer_view *view, c
             if (!w->keep[g][i])
                 continue;
             hr->pos[k] = view->positions[g][i];
-            hr->score[k] = w->a[g][i];
-            hr->z[k] = w->z[g][i];
+            hr->score[k] = (float)w->a[g][i];
+            hr->z[k] = (float)w->z[g][i];
             hr->force[k] = w->forced[g][i];
             k++;
         }
@@ -714,11 +714,11 @@ static void describe_head(policy_text *b, const snapkv_head_record *hr, int crit
         policy_text_add(b, "%s%u", k ? "," : "", hr->pos[k]);
     policy_text_add(b, "],\"score\":[");
     for (uint32_t k = 0; k < hr->kept; k++)
-        policy_text_add(b, "%s%.9g", k ? "," : "", hr->score[k]);
+        policy_text_add(b, "%s%.9g", k ? "," : "", (double)hr->score[k]);
     if (critical) {
         policy_text_add(b, "],\"stage2\":[");
         for (uint32_t k = 0; k < hr->kept; k++)
-            policy_text_add(b, "%s%.9g", k ? "," : "", hr->z[k]);
+            policy_text_add(b, "%s%.9g", k ? "," : "", (double)hr->z[k]);
     }
     policy_text_add(b, "],\"is_forced\":[");
     for (uint32_t k = 0; k < hr->kept; k++)

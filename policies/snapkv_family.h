@@ -151,63 +151,33 @@ typedef struct snapkv_config {
 } snapkv_config;
 
 /* Parameter specs shared by the four policies (POLICIES.md §1.6, §6 #1-3). */
-#define SNAPKV_PARAM_COMPRESSION_RATIO                                                             \
-    {                                                                                              \
-        "compression_ratio", "0.5",                                                                \
-            "fraction of a layer's tokens evicted at the end of prefill, [0, 1); n_keep = "        \
-            "int(L*(1-compression_ratio)); 0 = never compress (ignored when budget > 0)"           \
-    }
-#define SNAPKV_PARAM_WINDOW                                                                        \
-    {                                                                                              \
-        "window", "64",                                                                            \
-            "observation window w: the last w prompt tokens are the queries whose attention "      \
-            "scores "                                                                              \
-            "the others, 1..1048576 (kvpress 64, DefensiveKV 32, AdaKV paper 32)"                  \
-    }
-#define SNAPKV_PARAM_KERNEL                                                                        \
-    {                                                                                              \
-        "kernel", "5", "pooling kernel size, odd, 1..1025 (kvpress 5, AdaKV paper 7)"              \
-    }
-#define SNAPKV_PARAM_POOLING                                                                       \
-    {                                                                                              \
-        "pooling", "avg",                                                                          \
-            "avg (kvpress: zero padding counted) or max (AdaKV paper: padding never wins)"         \
-    }
-#define SNAPKV_PARAM_WINDOW_PAD                                                                    \
-    {                                                                                              \
-        "window_pad", "max_plus_one",                                                              \
-            "score of window tokens: max_plus_one (kvpress) or max (DefensiveKV fork)"             \
-    }
-#define SNAPKV_PARAM_FIRST_STAGE_RATIO                                                             \
-    {                                                                                              \
-        "first_stage_ratio", "0.5",                                                                \
-            "CriticalKV alpha: share of the budget chosen by attention alone in stage 1, [0, 1]"   \
-    }
-#define SNAPKV_PARAM_EPSILON                                                                       \
-    {                                                                                              \
-        "epsilon", "1e-4", "added to the attention score in the stage-2 score (a+eps)*n, [0, 1]"   \
-    }
-#define SNAPKV_PARAM_ALPHA_SAFEGUARD                                                               \
-    {                                                                                              \
-        "alpha_safeguard", "0.2",                                                                  \
-            "AdaKV safeguard: every head keeps at least int(n_keep*alpha_safeguard) of its best "  \
-            "tokens, [0, 1]"                                                                       \
-    }
-#define SNAPKV_PARAM_PROTECT_WINDOW                                                                \
-    {                                                                                              \
-        "protect_window", "0",                                                                     \
-            "1 = never evict an observation-window token (the reference can, POLICIES.md §1.7); " \
-            "0 = "                                                                                 \
-            "reference behaviour"                                                                  \
-    }
-#define SNAPKV_PARAM_BUDGET                                                                        \
-    {                                                                                              \
-        "budget", "0",                                                                             \
-            "extension, not in the papers: > 0 keeps min(budget, L) tokens per head instead of "   \
-            "the "                                                                                 \
-            "ratio rule and compresses again on every step that holds more; must exceed window; "  \
-            "0 = off"                                                                              \
-    }
+/* clang-format off */
+#define SNAPKV_PARAM_COMPRESSION_RATIO {"compression_ratio", "0.5", \
+    "fraction of a layer's tokens evicted at the end of the prompt, [0, 1): n_keep = " \
+    "int(L*(1-compression_ratio)); 0 = never compress (unused when budget > 0)"}
+#define SNAPKV_PARAM_WINDOW {"window", "64", \
+    "observation window w: the last w prompt tokens are the queries whose attention scores " \
+    "the others, 1..1048576 (kvpress 64, DefensiveKV 32, AdaKV paper 32)"}
+#define SNAPKV_PARAM_KERNEL {"kernel", "5", \
+    "pooling kernel size, odd, 1..1025 (kvpress 5, AdaKV paper 7)"}
+#define SNAPKV_PARAM_POOLING {"pooling", "avg", \
+    "avg (kvpress: zero padding counted) or max (AdaKV paper: padding never wins)"}
+#define SNAPKV_PARAM_WINDOW_PAD {"window_pad", "max_plus_one", \
+    "score of window tokens: max_plus_one (kvpress) or max (DefensiveKV fork)"}
+#define SNAPKV_PARAM_FIRST_STAGE_RATIO {"first_stage_ratio", "0.5", \
+    "CriticalKV alpha: share of the budget chosen by attention alone in stage 1, [0, 1]"}
+#define SNAPKV_PARAM_EPSILON {"epsilon", "1e-4", \
+    "added to the attention score in the stage-2 score (a+eps)*n, [0, 1]"}
+#define SNAPKV_PARAM_ALPHA_SAFEGUARD {"alpha_safeguard", "0.2", \
+    "AdaKV safeguard: every head keeps at least int(n_keep*alpha_safeguard) of its best " \
+    "tokens, [0, 1]"}
+#define SNAPKV_PARAM_PROTECT_WINDOW {"protect_window", "0", \
+    "1 = never evict an observation-window token (the reference can, POLICIES.md §1.7); " \
+    "0 = reference behaviour"}
+#define SNAPKV_PARAM_BUDGET {"budget", "0", \
+    "extension, not in the papers: > 0 keeps min(budget, L) tokens per head instead of the " \
+    "ratio rule, compressing again on every step that holds more; must exceed window; 0 = off"}
+/* clang-format on */
 
 /*
  * Parse and validate the parameters of `variant` (the keys its policy

@@ -15,6 +15,10 @@
  *      surviving entry), w[j], w[j+1]} is emitted and j is evicted. The
  *      neighbour keeps its own a and c. In decode n = m+1: one merge.
  *      (wkv_plan() in weightedkv.h does all merges of a step at once.)
+ *   3. When a step merges more than once (prefill), a victim may first
+ *      absorb earlier victims. The host accepts only merges into entries the
+ *      step keeps, so wkv_flatten() rewrites such chains into runs of merges
+ *      into the kept entry, with the same resulting values.
  * The decision never changes another tier; merges must be applied in order
  * before the evicted rows are dropped (policy.h "policy_merge").
  *
@@ -59,7 +63,7 @@ typedef struct wkv_state {
     uint32_t layers, q_heads, kv_heads, group;
     wkv_head *heads; /* [layers * kv_heads] */
     /* Scratch for one list (the host runs one layer at a time). */
-    double *w, *attn;
+    double *w, *attn, *coef;
     uint32_t *scratch;
     policy_merge *plan;
     uint32_t scratch_cap;
@@ -172,6 +176,58 @@ size_t wkv_plan(const double *w, size_t n, const wkv_config *cfg, uint32_t head,
     return k;
 }
 
+void wkv_flatten(const policy_merge *plan, size_t k, size_t n, policy_merge *out,
+                 uint32_t *uscratch, double *dscratch)
+{
+    uint32_t *root = uscratch;         /* [n] terminal plan record of each victim */
+    uint32_t *start = uscratch + n;    /* [k+1] bucket starts per terminal record */
+    uint32_t *order = start + (k + 1); /* [k] victims grouped by terminal record */
+    double *coef = dscratch;           /* [n] r_t: share in the terminal row */
+    for (size_t i = 0; i < n; i++)
+        root[i] = UINT32_MAX;
+    /* Backwards in time: a victim's row goes into its target's row (α) and
+     * rides along until that row's own terminal merge; every merge into a
+     * row scales what the row held before by β. A target not yet seen is
+     * never evicted later: its record is terminal. */
+    for (size_t m = k; m-- > 0;) {
+        uint32_t u = plan[m].from, v = plan[m].into;
+        double sum = (double)plan[m].w_from + (double)plan[m].w_into;
+        if (root[v] == UINT32_MAX) {
+            root[u] = (uint32_t)m;
+            coef[u] = 1.0;
+        } else {
+            root[u] = root[v];
+            coef[u] = (double)plan[m].w_from / sum * coef[v];
+            coef[v] *= (double)plan[m].w_into / sum;
+        }
+    }
+    /* Group victims by terminal record, positive shares first, in plan order. */
+    memset(start, 0, (k + 1) * sizeof *start);
+    for (size_t m = 0; m < k; m++)
+        start[root[plan[m].from] + 1]++;
+    for (size_t m = 0; m < k; m++)
+        start[m + 1] += start[m];
+    for (int pass = 0; pass < 2; pass++)
+        for (size_t m = 0; m < k; m++) {
+            uint32_t t = plan[m].from;
+            if ((coef[t] > 0.0) == (pass == 0))
+                order[start[root[t]]++] = t;
+        }
+    /* start[r] now ends bucket r; bucket r begins where bucket r-1 ended. */
+    size_t o = 0;
+    for (size_t m = 0; m < k; m++) {
+        if (root[plan[m].from] != m)
+            continue; /* not terminal */
+        double wf = plan[m].w_from, into_w = plan[m].w_into;
+        for (uint32_t b = m ? start[m - 1] : 0; b < start[m]; b++) {
+            double p = wf * coef[order[b]];
+            out[o++] =
+                (policy_merge){plan[m].head, order[b], plan[m].into, (float)p, (float)into_w};
+            into_w += p;
+        }
+    }
+}
+
 int wkv_apply_merges(float *values, size_t n, size_t dim, const policy_merge *merges,
                      size_t nmerges, uint32_t head)
 {
@@ -238,6 +294,7 @@ static void wkv_destroy(void *state)
     free(s->heads);
     free(s->w);
     free(s->attn);
+    free(s->coef);
     free(s->scratch);
     free(s->plan);
     free(s);
@@ -302,6 +359,10 @@ static int reserve(wkv_state *s, wkv_head *hd, uint32_t n)
         if (at == NULL)
             return -1;
         s->attn = at;
+        double *cf = realloc(s->coef, (size_t)n * sizeof *cf);
+        if (cf == NULL)
+            return -1;
+        s->coef = cf;
         uint32_t *sc = realloc(s->scratch, 3 * (size_t)n * sizeof *sc);
         if (sc == NULL)
             return -1;
@@ -391,10 +452,13 @@ static int merge_head(wkv_state *s, wkv_head *hd, uint32_t k, policy_decision *d
                 d->nmerges + count, d->merges_cap);
         return -1;
     }
-    for (size_t m = 0; m < count; m++) {
+    for (size_t m = 0; m < count; m++)
         d->tier[k][s->plan[m].from] = POLICY_EVICT;
-        if (s->merge)
-            d->merges[d->nmerges++] = s->plan[m];
+    if (s->merge) {
+        /* Chains (prefill) become merges into kept entries; the plan's
+         * scratch is free again. */
+        wkv_flatten(s->plan, count, n, d->merges + d->nmerges, s->scratch, s->coef);
+        d->nmerges += count;
     }
     uint32_t out = 0;
     for (uint32_t i = 0; i < n; i++)

@@ -44,14 +44,34 @@ void wkv_merge_weights(double w_from, double w_into, float *wf, float *wi);
  * may first absorb an earlier victim).
  *
  * w holds the n weights in list order; scratch has room for 3n values.
- * out (room for n entries) receives the merges in the order they must be
- * applied, with view indices (from, into), `head`, and wkv_merge_weights()
- * weights; every out[i].from is a token to evict. Returns the number of
+ * out (room for n entries) receives the merges in the order Algorithm 1
+ * applies them, with view indices (from, into), `head`, and
+ * wkv_merge_weights() weights; every out[i].from is a token to evict. The
+ * policy passes them through wkv_flatten() before emitting them. Returns the number of
  * merges: max(0, n − m), or fewer when the candidates run out (only with a
  * config the policy rejects: it requires m >= n_init + n_recent + 1).
  */
 size_t wkv_plan(const double *w, size_t n, const wkv_config *cfg, uint32_t head, uint32_t *scratch,
                 policy_merge *out);
+
+/*
+ * Rewrite a plan's k merges (Algorithm 1 order, over a list of n entries)
+ * so that no merge goes into an entry that a later merge of the step takes
+ * away, with the same final values. wkv_plan() yields such chains only when
+ * a step merges more than once (prefill longer than m): there a victim may
+ * first absorb earlier victims. Each kept entry x that a plan merge u -> x
+ * (raw weights wf, wi) reaches becomes a run of merges t -> x, one per
+ * original value t in u's row at that time (coefficient r_t, Σ r_t = 1):
+ * w_from = wf·r_t, w_into = wi + wf·Σ(earlier r), so that applying them in
+ * order leaves x = (wi·x + wf·Σ r_t·v_t) / (wi + wf) exactly as the plan
+ * does. Contributors with r_t > 0 come first, so no merge has a zero
+ * weight sum. A plan without chains (every decode step) comes out
+ * unchanged. Every victim is `from` exactly once; order of the plan's kept
+ * targets is kept. out has room for k entries (not the plan's buffer);
+ * uscratch room for n + 2k + 1 values, dscratch for n.
+ */
+void wkv_flatten(const policy_merge *plan, size_t k, size_t n, policy_merge *out,
+                 uint32_t *uscratch, double *dscratch);
 
 /*
  * Apply the merges of `head` to one head's values, in order (the daemon's

@@ -55,6 +55,7 @@ typedef struct ring_response {
     uint64_t epoch;          /* the sequence's table epoch after the request */
     uint32_t first_position; /* APPEND: position of the first new token */
     uint32_t nsegments;      /* APPEND: segments in the data area */
+    uint32_t lists_per_layer; /* APPEND: 1, or kv_heads for a per-head sequence */
     char msg[RING_MSG_LEN];  /* error message when code != 0 */
 } ring_response;
 
@@ -68,8 +69,10 @@ typedef struct ring_response {
  *   window_attn[q_heads][n_(l, list(h))]  if arrays & WINDOW_ATTN
  * where n is the number of tokens the layer's list (or KV head list) holds
  * in the table of the request's ack_epoch, i.e. after the step's appends.
- * APPEND response data: per layer, nsegments_l (uint32) then that many
- * {block, first_slot, count} uint32 triples.
+ * APPEND response data: per list (layer-major; one list per layer, or one
+ * per KV head when lists_per_layer > 1), its segment count (uint32) then that
+ * many {block, first_slot, count} uint32 triples. A per-head list's slots
+ * are rows of its one head (kvstash.v1.LayerTable.per_head).
  */
 typedef struct ring_header {
     uint64_t magic;

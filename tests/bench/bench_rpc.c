@@ -3,9 +3,12 @@
  * a baseline measured in the same run (DESIGN.md, "Performance budget").
  *
  *   (a) raw Unix-socket ping-pong: a forked echo child, 64-byte messages;
- *   (b) gRPC unary round trip: Stats (no token) against a real kvstashd that
- *       this program starts on a temporary socket, through gRPC C core;
- *   (c) libkvstash Append of one token (a full control-plane step);
+ *   (b) gRPC unary round trips through gRPC C core against a real kvstashd
+ *       that this program starts on a temporary socket: Stats (no token), and
+ *       Append of one token (with its own fd-socket handshake and token);
+ *   (c) the per-step path of libkvstash, the session's shared-memory ring:
+ *       an empty ping, an Append of one token, and a whole decode step of a
+ *       "full" sequence (append + step report + epoch check);
  *   (d) worker write bandwidth: kvs_layer_write of K/V into the mapped pool
  *       versus memcpy of the same bytes between two private buffers.
  *
@@ -29,6 +32,7 @@
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -244,9 +248,15 @@ static int start_daemon(const char *path, char *sock, size_t socklen)
 /* One unary call of `method`; returns the gRPC status (or -1 if the call
  * did not complete) and, on OK, the decoded reply in *resp. */
 static int unary(grpc_channel *ch, grpc_completion_queue *cq, const char *method,
-                 const ProtobufCMessage *req, const ProtobufCMessageDescriptor *rdesc,
-                 ProtobufCMessage **resp)
+                 const char *token, const ProtobufCMessage *req,
+                 const ProtobufCMessageDescriptor *rdesc, ProtobufCMessage **resp)
 {
+    grpc_metadata md;
+    memset(&md, 0, sizeof md);
+    if (token) {
+        md.key = grpc_slice_from_static_string("kvstash-token");
+        md.value = grpc_slice_from_static_string(token);
+    }
     gpr_timespec deadline = gpr_time_add(gpr_now(GPR_CLOCK_REALTIME),
                                          gpr_time_from_seconds(5, GPR_TIMESPAN));
     grpc_call *call = grpc_channel_create_call(ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq,
@@ -261,6 +271,8 @@ static int unary(grpc_channel *ch, grpc_completion_queue *cq, const char *method
     grpc_op ops[6];
     memset(ops, 0, sizeof ops);
     ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+    ops[0].data.send_initial_metadata.count = token ? 1 : 0;
+    ops[0].data.send_initial_metadata.metadata = token ? &md : NULL;
     ops[1].op = GRPC_OP_SEND_MESSAGE;
     ops[1].data.send_message.send_message = send;
     ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
@@ -299,22 +311,38 @@ static int unary(grpc_channel *ch, grpc_completion_queue *cq, const char *method
     return rc;
 }
 
-/* (b) Stats round trips; the first successful call (retried for up to 10 s
- * while the daemon comes up) also prints the daemon's version. */
-static int bench_grpc(const char *sock, size_t n, latency *out)
+static grpc_channel *channel_open(const char *sock)
 {
     char target[PATH_MAX + 8];
     snprintf(target, sizeof target, "unix:%s", sock);
     grpc_channel_credentials *creds = grpc_insecure_credentials_create();
     grpc_channel *ch = grpc_channel_create(target, creds, NULL);
     grpc_channel_credentials_release(creds);
+    return ch;
+}
+
+static void channel_close(grpc_channel *ch, grpc_completion_queue *cq)
+{
+    grpc_channel_destroy(ch);
+    grpc_completion_queue_shutdown(cq);
+    while (grpc_completion_queue_pluck(cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
+           GRPC_QUEUE_SHUTDOWN)
+        ;
+    grpc_completion_queue_destroy(cq);
+}
+
+/* (b) Stats round trips; the first successful call (retried for up to 10 s
+ * while the daemon comes up) also prints the daemon's version. */
+static int bench_grpc(const char *sock, size_t n, latency *out)
+{
+    grpc_channel *ch = channel_open(sock);
     grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
     Kvstash__V1__StatsRequest req = KVSTASH__V1__STATS_REQUEST__INIT;
     const char *m = "/kvstash.v1.Store/Stats";
     int rc = -1;
     for (int i = 0; i < 100 && rc != GRPC_STATUS_OK; i++) {
         ProtobufCMessage *resp = NULL;
-        rc = unary(ch, cq, m, &req.base, &kvstash__v1__stats_response__descriptor, &resp);
+        rc = unary(ch, cq, m, NULL, &req.base, &kvstash__v1__stats_response__descriptor, &resp);
         if (rc == GRPC_STATUS_OK) {
             Kvstash__V1__StatsResponse *s = (Kvstash__V1__StatsResponse *)resp;
             printf("kvstashd %s, backend %s, %zu policies\n", s->version, s->backend,
@@ -328,7 +356,7 @@ static int bench_grpc(const char *sock, size_t n, latency *out)
     for (size_t i = 0; i < n / 10 + n && rc == GRPC_STATUS_OK; i++) {
         ProtobufCMessage *resp = NULL;
         double t0 = now_us();
-        rc = unary(ch, cq, m, &req.base, &kvstash__v1__stats_response__descriptor, &resp);
+        rc = unary(ch, cq, m, NULL, &req.base, &kvstash__v1__stats_response__descriptor, &resp);
         if (i >= n / 10)
             t[i - n / 10] = now_us() - t0;
         if (resp)
@@ -339,12 +367,7 @@ static int bench_grpc(const char *sock, size_t n, latency *out)
     else
         fprintf(stderr, "bench_rpc: gRPC Stats failed (status %d)\n", rc);
     free(t);
-    grpc_channel_destroy(ch);
-    grpc_completion_queue_shutdown(cq);
-    while (grpc_completion_queue_pluck(cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
-           GRPC_QUEUE_SHUTDOWN)
-        ;
-    grpc_completion_queue_destroy(cq);
+    channel_close(ch, cq);
     return rc == GRPC_STATUS_OK ? 0 : -1;
 }
 
@@ -357,6 +380,162 @@ static const kvs_geometry bench_geom = {
 static size_t token_bytes(void)
 {
     return (size_t)bench_geom.layers * 2 * bench_geom.kv_heads * bench_geom.head_dim * 2;
+}
+
+/* The fd-socket handshake of docs/protocol.md: "HELLO 1" -> "OK <token>".
+ * Returns the connection (keep it open: closing it ends the session). */
+static int fd_hello(const char *sock, char token[33])
+{
+    char path[PATH_MAX], buf[257];
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    int fd = -1;
+    if ((size_t)snprintf(path, sizeof path, "%s.fd", sock) >= sizeof path ||
+        (size_t)snprintf(addr.sun_path, sizeof addr.sun_path, "%s", path) >= sizeof addr.sun_path)
+        goto fail;
+    fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    if (fd < 0 || connect(fd, (struct sockaddr *)&addr, sizeof addr) != 0 ||
+        send(fd, "HELLO 1", 7, 0) != 7)
+        goto fail;
+    ssize_t n = recv(fd, buf, sizeof buf - 1, 0);
+    if (n != 35 || memcmp(buf, "OK ", 3) != 0)
+        goto fail;
+    memcpy(token, buf + 3, 32);
+    token[32] = '\0';
+    return fd;
+fail:
+    fprintf(stderr, "bench_rpc: fd-socket handshake on %s failed\n", path);
+    if (fd >= 0)
+        close(fd);
+    return -1;
+}
+
+/* (b) One-token Appends over gRPC, as a client without libkvstash would make
+ * them: handshake, Attach, CreateSequence, then Append with the token. */
+static int bench_grpc_append(const char *sock, size_t n, latency *out)
+{
+    char token[33];
+    int fd = fd_hello(sock, token);
+    if (fd < 0)
+        return -1;
+    grpc_channel *ch = channel_open(sock);
+    grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
+    Kvstash__V1__Geometry g = KVSTASH__V1__GEOMETRY__INIT;
+    g.layers = bench_geom.layers;
+    g.q_heads = bench_geom.q_heads;
+    g.kv_heads = bench_geom.kv_heads;
+    g.head_dim = bench_geom.head_dim;
+    g.dtype = KVSTASH__V1__DTYPE__DTYPE_FP16;
+    g.block_tokens = bench_geom.block_tokens;
+    Kvstash__V1__AttachRequest at = KVSTASH__V1__ATTACH_REQUEST__INIT;
+    at.model = "bench";
+    at.geometry = &g;
+    at.worker_name = "bench_rpc-grpc";
+    Kvstash__V1__CreateSequenceRequest cr = KVSTASH__V1__CREATE_SEQUENCE_REQUEST__INIT;
+    cr.policy = "full";
+    ProtobufCMessage *resp = NULL;
+    uint64_t seq = 0, epoch = 0;
+    int rc = unary(ch, cq, "/kvstash.v1.Store/Attach", token, &at.base,
+                   &kvstash__v1__attach_response__descriptor, &resp);
+    if (rc == GRPC_STATUS_OK) {
+        protobuf_c_message_free_unpacked(resp, NULL);
+        rc = unary(ch, cq, "/kvstash.v1.Store/CreateSequence", token, &cr.base,
+                   &kvstash__v1__create_sequence_response__descriptor, &resp);
+    }
+    if (rc == GRPC_STATUS_OK) {
+        seq = ((Kvstash__V1__CreateSequenceResponse *)resp)->seq_id;
+        protobuf_c_message_free_unpacked(resp, NULL);
+    }
+    double *t = malloc(n * sizeof *t);
+    for (size_t i = 0; i < n / 10 + n && rc == GRPC_STATUS_OK; i++) {
+        Kvstash__V1__AppendRequest ap = KVSTASH__V1__APPEND_REQUEST__INIT;
+        ap.seq_id = seq;
+        ap.count = 1;
+        ap.ack_epoch = epoch;
+        double t0 = now_us();
+        rc = unary(ch, cq, "/kvstash.v1.Store/Append", token, &ap.base,
+                   &kvstash__v1__append_response__descriptor, &resp);
+        if (i >= n / 10)
+            t[i - n / 10] = now_us() - t0;
+        if (rc == GRPC_STATUS_OK) {
+            epoch = ((Kvstash__V1__AppendResponse *)resp)->epoch;
+            protobuf_c_message_free_unpacked(resp, NULL);
+        }
+    }
+    if (rc == GRPC_STATUS_OK)
+        *out = summarize(t, n);
+    else
+        fprintf(stderr, "bench_rpc: gRPC Attach/CreateSequence/Append failed (status %d)\n", rc);
+    free(t);
+    if (rc == GRPC_STATUS_OK) {
+        Kvstash__V1__DetachRequest dt = KVSTASH__V1__DETACH_REQUEST__INIT;
+        rc = unary(ch, cq, "/kvstash.v1.Store/Detach", token, &dt.base,
+                   &kvstash__v1__detach_response__descriptor, &resp);
+        if (rc == GRPC_STATUS_OK)
+            protobuf_c_message_free_unpacked(resp, NULL);
+    }
+    channel_close(ch, cq);
+    close(fd);
+    return rc == GRPC_STATUS_OK ? 0 : -1;
+}
+
+static void report_fail(kvs_session *s, const char *what, int rc)
+{
+    fprintf(stderr, "bench_rpc: %s: %s: %s\n", what, kvs_strerror(rc), kvs_session_error(s));
+}
+
+/* (c) Empty round trips on the session's ring. */
+static int bench_ring_ping(kvs_session *s, size_t n, latency *out)
+{
+    double *t = malloc(n * sizeof *t);
+    int rc = 0;
+    for (size_t i = 0; i < n / 10 + n && rc == 0; i++) {
+        double t0 = now_us();
+        rc = kvs_ring_ping(s);
+        if (i >= n / 10)
+            t[i - n / 10] = now_us() - t0;
+    }
+    if (rc == 0)
+        *out = summarize(t, n);
+    else
+        report_fail(s, "kvs_ring_ping", rc);
+    free(t);
+    return rc == 0 ? 0 : -1;
+}
+
+/* (c) Decode steps of a "full" sequence as a worker makes them: append one
+ * token, report the step (no score arrays: full needs none), check the epoch. */
+static int bench_step(kvs_session *s, size_t n, latency *out)
+{
+    uint64_t seq, epoch;
+    int rc = kvs_seq_create(s, "full", NULL, 0, "bench-step", &seq);
+    if (rc != 0) {
+        report_fail(s, "kvs_seq_create", rc);
+        return -1;
+    }
+    double *t = malloc(n * sizeof *t);
+    for (size_t i = 0; i < n / 10 + n && rc == 0; i++) {
+        kvs_table w;
+        kvs_step st = {.new_tokens = 1, .confidence = -1};
+        double t0 = now_us();
+        rc = kvs_seq_append(s, seq, 1, &w);
+        if (rc == 0) {
+            kvs_table_free(&w);
+            rc = kvs_seq_step(s, seq, &st, NULL);
+            if (rc == 0)
+                rc = kvs_seq_epoch(s, seq, &epoch);
+            else
+                report_fail(s, "kvs_seq_step", rc);
+        } else {
+            report_fail(s, "kvs_seq_append", rc);
+        }
+        if (i >= n / 10)
+            t[i - n / 10] = now_us() - t0;
+    }
+    if (rc == 0)
+        *out = summarize(t, n);
+    free(t);
+    int rr = kvs_seq_release(s, seq);
+    return rc == 0 && rr == 0 ? 0 : -1;
 }
 
 /* (c) One-token appends through libkvstash on a fresh "full" sequence. */
@@ -477,7 +656,7 @@ static const char *default_daemon(void)
 
 static void print_latency(const char *what, const latency *l)
 {
-    printf("%-36s %8zu %10.1f %10.1f\n", what, l->n, l->p50_us, l->mean_us);
+    printf("%-40s %8zu %10.1f %10.1f\n", what, l->n, l->p50_us, l->mean_us);
 }
 
 int main(int argc, char **argv)
@@ -512,7 +691,7 @@ int main(int argc, char **argv)
     printf("bench_rpc: %s run, %s\n", cfg.raw_n == 20000 ? "full" : "quick",
            pin >= 0 ? "all processes pinned to one CPU" : "processes not pinned");
 
-    latency raw = {0}, grpc = {0}, app = {0};
+    latency raw = {0}, grpc = {0}, gapp = {0}, ping = {0}, app = {0}, step = {0};
     double wgbs = 0, mgbs = 0;
     size_t wbytes = 0;
     int failed = 0;
@@ -524,6 +703,7 @@ int main(int argc, char **argv)
         return 1;
     grpc_init();
     failed |= bench_grpc(sock, cfg.grpc_n, &grpc) != 0;
+    failed |= bench_grpc_append(sock, cfg.append_n, &gapp) != 0;
 
     kvs_session *s = NULL;
     char err[256] = "";
@@ -532,7 +712,9 @@ int main(int argc, char **argv)
         fprintf(stderr, "bench_rpc: kvs_session_attach: %s: %s\n", kvs_strerror(rc), err);
         failed = 1;
     } else {
+        failed |= bench_ring_ping(s, cfg.raw_n, &ping) != 0;
         failed |= bench_append(s, cfg.append_n, &app) != 0;
+        failed |= bench_step(s, cfg.append_n, &step) != 0;
         failed |= bench_write(s, &cfg, &wgbs, &mgbs, &wbytes) != 0;
         if (kvs_session_detach(s) != 0)
             failed = 1;
@@ -544,16 +726,21 @@ int main(int argc, char **argv)
         failed = 1;
     }
 
-    printf("\n%-36s %8s %10s %10s\n", "round trip", "n", "p50 us", "mean us");
+    printf("\n%-40s %8s %10s %10s\n", "round trip", "n", "p50 us", "mean us");
     print_latency("raw UDS ping-pong (64 B)", &raw);
-    print_latency("gRPC unary Stats over UDS", &grpc);
-    print_latency("libkvstash append (1 token)", &app);
-    printf("\n%-36s %8s %10s\n", "write bandwidth", "MiB", "GB/s");
-    printf("%-36s %8zu %10.2f\n", "memcpy private -> private", wbytes >> 20, mgbs);
-    printf("%-36s %8zu %10.2f\n", "kvs_layer_write into pool", wbytes >> 20, wgbs);
-    printf("\nratios: grpc/raw p50 %.2f, append/raw p50 %.2f, layer_write/memcpy %.2f\n",
-           raw.p50_us > 0 ? grpc.p50_us / raw.p50_us : 0,
-           raw.p50_us > 0 ? app.p50_us / raw.p50_us : 0, mgbs > 0 ? wgbs / mgbs : 0);
+    print_latency("gRPC unary Stats", &grpc);
+    print_latency("gRPC unary Append (1 token)", &gapp);
+    print_latency("ring ping (kvs_ring_ping)", &ping);
+    print_latency("ring append (kvs_seq_append, 1 token)", &app);
+    print_latency("ring step (append + step + epoch)", &step);
+    printf("\n%-40s %8s %10s\n", "write bandwidth", "MiB", "GB/s");
+    printf("%-40s %8zu %10.2f\n", "memcpy private -> private", wbytes >> 20, mgbs);
+    printf("%-40s %8zu %10.2f\n", "kvs_layer_write into pool", wbytes >> 20, wgbs);
+    double r = raw.p50_us > 0 ? raw.p50_us : 1e300;
+    printf("\nratios (p50 over raw UDS p50): grpc_stats %.2f, grpc_append %.2f, ring_ping %.2f, "
+           "ring_append %.2f, ring_step %.2f; layer_write/memcpy %.2f\n",
+           grpc.p50_us / r, gapp.p50_us / r, ping.p50_us / r, app.p50_us / r, step.p50_us / r,
+           mgbs > 0 ? wgbs / mgbs : 0);
     if (failed)
         fprintf(stderr, "bench_rpc: some parts failed (see above)\n");
     return failed ? 1 : 0;

@@ -2,7 +2,7 @@
 """`kvstash replay` end to end: the POLICIES.md §2.10 vectors T-OV1 and T-OV2
 as ov_block traces, the generic operations, and every bad-trace case.
 
-Runs the standalone program $KVSTASH_BUILD_DIR/client/kvstash-replay (or
+Runs `kvstash replay` ($KVSTASH_CLI, or $KVSTASH_BUILD_DIR/client/kvstash) (or
 $KVSTASH_REPLAY). Outputs are compared exactly, after JSON parsing; the
 rotation coefficients are compared with Python's own cos/sin to 1e-12.
 Prints "N passed, M failed" and exits non-zero on any failure.
@@ -14,7 +14,9 @@ import subprocess
 import sys
 
 BUILD = os.environ.get("KVSTASH_BUILD_DIR", "")
-BIN = os.environ.get("KVSTASH_REPLAY") or os.path.join(BUILD, "client", "kvstash-replay")
+# `kvstash replay`: the operator CLI, as users run it.
+CLI = os.environ.get("KVSTASH_CLI") or os.path.join(BUILD, "client", "kvstash")
+BIN = [CLI, "replay"]
 
 TOV1 = [5, 5, 0.4, 0.4, 0.9, 0.8, 0.3, 0.3, 0.6, 0.5, 0.7]
 TOV1_ARGS = ["--block-tokens", "2", "--head-dim", "4",
@@ -32,7 +34,7 @@ failed = 0
 
 def replay(policy, args, lines):
     trace = "".join((l if isinstance(l, str) else json.dumps(l)) + "\n" for l in lines)
-    p = subprocess.run([BIN, "--policy", policy] + args, input=trace, capture_output=True,
+    p = subprocess.run(BIN + ["--policy", policy] + args, input=trace, capture_output=True,
                        text=True, timeout=60)
     return p.returncode, [json.loads(l) for l in p.stdout.splitlines() if l.strip()], p.stderr
 
@@ -262,7 +264,7 @@ def test_bad_traces():
     expect_error("q-heads not a multiple of kv-heads", "full", ["--q-heads", "3", "--kv-heads",
                                                                 "2"], [], 1, "--q-heads")
     # Usage errors exit 2.
-    rc = subprocess.run([BIN], input="", capture_output=True, text=True).returncode
+    rc = subprocess.run(BIN, input="", capture_output=True, text=True).returncode
     check("missing --policy is a usage error", rc == 2, f"rc={rc}")
     expect_error("non-integer --layers", "full", ["--layers", "x"], [], 2, "--layers")
     expect_error("unknown option", "full", ["--frob", "1"], [], 2, "unknown option '--frob'")
@@ -277,14 +279,14 @@ def test_outputs_before_an_error_survive():
 
 
 def test_help():
-    p = subprocess.run([BIN, "--help"], capture_output=True, text=True)
+    p = subprocess.run(BIN + ["--help"], capture_output=True, text=True)
     check("--help prints usage and exits 0", p.returncode == 0 and "usage: kvstash replay"
           in p.stdout, f"rc={p.returncode} out={p.stdout!r}")
 
 
 def main():
-    if not os.access(BIN, os.X_OK):
-        print(f"kvstash-replay not found at {BIN} (set KVSTASH_BUILD_DIR)")
+    if not os.access(CLI, os.X_OK):
+        print(f"kvstash not found at {CLI} (set KVSTASH_CLI or KVSTASH_BUILD_DIR)")
         print("0 passed, 1 failed")
         return 1
     for t in (test_tov1_norm_sum, test_tov1_rotation, test_tov1_sum_two_layers,

@@ -203,6 +203,33 @@ static void test_missing_score(void **unused)
     policy_host_destroy(h);
 }
 
+static void test_uncommitted_decision_detected(void **unused)
+{
+    (void)unused;
+    /* budget 2, recent 1: step 1 evicts t0 of [t0 t1 t2]. If that decision is
+     * not committed, the next view still holds t0 and the scores would land on
+     * the wrong tokens: the step is refused. */
+    const char *k[] = {"budget", "recent"};
+    const char *v[] = {"2", "1"};
+    policy_host *h = host_new(k, v, 2, &geom1);
+    assert_int_equal(policy_host_append(h, 3), 0);
+    const float s1[3] = {0.125f, 0.5f, 0.25f};
+    policy_stats st = {0};
+    st.new_tokens = 3;
+    st.score = s1;
+    const policy_decision *d;
+    char err[POLICY_ERR_LEN] = "";
+    assert_int_equal(policy_host_step(h, 0, &st, &d, err, sizeof err), 0);
+    assert_int_equal(d->tier[0][0], POLICY_EVICT);
+    assert_int_equal(policy_host_append(h, 1), 0); /* no commit */
+    const float s2[4] = {0};
+    st.new_tokens = 1;
+    st.score = s2;
+    assert_int_equal(policy_host_step(h, 0, &st, &d, err, sizeof err), -1);
+    assert_non_null(strstr(err, "does not extend the 2 tokens"));
+    policy_host_destroy(h);
+}
+
 /* Sort-based oracle: evict the k unprotected tokens with the lowest
  * accumulated score, ties to the lower index. */
 typedef struct cand {
@@ -344,6 +371,7 @@ int main(void)
         cmocka_unit_test(test_recent_default_half),
         cmocka_unit_test(test_invalid),
         cmocka_unit_test(test_missing_score),
+        cmocka_unit_test(test_uncommitted_decision_detected),
         cmocka_unit_test(test_property_random),
         cmocka_unit_test(test_property_deterministic),
     };

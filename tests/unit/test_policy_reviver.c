@@ -781,13 +781,68 @@ static void test_step_rejects_bad_stats(void **unused)
     st.score = good;
     assert_int_equal(policy_host_step(h, 0, &st, &d, err, sizeof err), 0);
     policy_host_commit(h, 0);
-    /* a wrong new_tokens count is caught */
+    /* Tokens appended without a step are new too, whatever new_tokens says:
+     * 2 more appended, new_tokens = 1 -> positions 3 and 4 join Recent. */
     assert_int_equal(policy_host_append(h, 1), 0);
-    float four[4] = {0};
-    st.score = four;
-    st.new_tokens = 2;
-    assert_int_equal(policy_host_step(h, 0, &st, &d, err, sizeof err), -1);
-    assert_non_null(strstr(err, "tracks 3"));
+    assert_int_equal(policy_host_append(h, 1), 0);
+    float five[5] = {0};
+    st.score = five;
+    st.new_tokens = 1;
+    assert_int_equal(policy_host_step(h, 0, &st, &d, err, sizeof err), 0);
+    policy_host_commit(h, 0);
+    char *j = describe(h, 0);
+    expect_store(j, "recent", "[0,1,2,3,4]");
+    free(j);
+    /* A view that does not extend the tracked tokens is refused. */
+    const uint32_t tokens[1] = {4}, pos[4] = {0, 1, 2, 3};
+    const uint32_t *positions[1] = {pos};
+    const uint8_t tier[4] = {0};
+    const uint8_t *tiers[1] = {tier};
+    uint8_t out[4];
+    uint8_t *outs[1] = {out};
+    policy_layer_view view = {0, 1, tokens, positions, tiers, 4, 3};
+    policy_decision dec = {outs, NULL, 0, 0, 0};
+    const policy_ops *ops = policy_host_ops(h);
+    assert_int_equal(ops->step(policy_host_state(h), &view, &st, &dec, err, sizeof err), -1);
+    assert_non_null(strstr(err, "does not extend the 5 tokens"));
+    const uint32_t tokens6[1] = {6}, pos6[6] = {0, 1, 2, 4, 5, 6};
+    const uint32_t *positions6[1] = {pos6};
+    view.tokens = tokens6;
+    view.positions = positions6;
+    assert_int_equal(ops->step(policy_host_state(h), &view, &st, &dec, err, sizeof err), -1);
+    assert_non_null(strstr(err, "does not extend"));
+    policy_host_destroy(h);
+}
+
+static void test_daemon_keeping_tokens_full(void **unused)
+{
+    (void)unused;
+    /* A daemon that cannot sketch yet applies SKETCH as FULL (kvstashd's
+     * layer_apply until the tiers land). The policy carries on from its own
+     * stores: T-KR2 gives the same stores, and each decision still says
+     * SKETCH for the Vague tokens. */
+    const char *keys[] = {"budget", "vague_share", "candidate_share", "recent_share", "slack"};
+    const char *values[] = {"10", "0.6", "0.2", "0.2", "1"};
+    policy_host *h = host_new(keys, values, 5, &geom1);
+    const policy_decision *d = NULL;
+    for (uint32_t t = 0; t < 7; t++) {
+        float score[7] = {0};
+        score[t] = KR2_SCORE[t];
+        if (t == 6)
+            score[1] = 0.50f;
+        d = host_step(h, 1, score);
+        if (t < 6)
+            for (uint32_t i = 0; i <= t; i++)
+                d->tier[0][i] = POLICY_FULL;
+        assert_int_equal(policy_host_commit(h, 0), 0);
+    }
+    for (uint32_t i = 0; i < 7; i++)
+        assert_int_equal(policy_host_view(h, 0)->tier[0][i],
+                         i == 2 || i == 3 ? POLICY_SKETCH : POLICY_FULL);
+    char *j = describe(h, 0);
+    expect_store(j, "candidate", "[0,1]");
+    expect_store(j, "vague", "[2,3]");
+    free(j);
     policy_host_destroy(h);
 }
 
@@ -1060,6 +1115,7 @@ int main(void)
         cmocka_unit_test(test_defaults_and_derivation),
         cmocka_unit_test(test_invalid_configs),
         cmocka_unit_test(test_step_rejects_bad_stats),
+        cmocka_unit_test(test_daemon_keeping_tokens_full),
         cmocka_unit_test(test_property_matches_oracle),
         cmocka_unit_test(test_property_deterministic),
         cmocka_unit_test(test_property_daemon_simulation),

@@ -5,7 +5,9 @@
  * merged row reads off its mixture coefficients; T-WKV2 through the policy
  * host (a, c, w after each step and the merge weights); the edge cases of
  * §4.2, GQA, the prefill extension, invalid configurations; and seeded
- * property tests (wkv_plan equals one-merge-at-a-time Algorithm 1, protected
+ * property tests (wkv_plan equals one-merge-at-a-time Algorithm 1,
+ * wkv_flatten keeps the plan's values with merges into kept entries only,
+ * a long prefill through the host matches Algorithm 1, protected
  * entries kept, lists at m, convex rows, no value lost, determinism).
  */
 #include <setjmp.h>
@@ -377,6 +379,19 @@ static void test_argmin_ties_and_protection(void **unused)
     assert_int_equal(m[0].into, 4);
     assert_int_equal(m[1].from, 4);
     assert_int_equal(m[1].into, 5);
+    /* Flattened for the host: both into 5, the same final value. */
+    policy_merge f[8];
+    uint32_t us[3 * 8];
+    double ds[8];
+    wkv_flatten(m, 2, 7, f, us, ds);
+    assert_int_equal(f[0].from, 3);
+    assert_int_equal(f[0].into, 5);
+    assert_float_equal(f[0].w_from, 0.2 / 3, 1e-7);
+    assert_float_equal(f[0].w_into, 0.9, 1e-7);
+    assert_int_equal(f[1].from, 4);
+    assert_int_equal(f[1].into, 5);
+    assert_float_equal(f[1].w_from, 0.4 / 3, 1e-7);
+    assert_float_equal(f[1].w_into, 0.9 + 0.2 / 3, 1e-7);
     /* apply refuses bad indices */
     float vals[4] = {0};
     policy_merge bad = {0, 0, 9, 1.0f, 1.0f};
@@ -646,6 +661,111 @@ static void test_plan_equals_sequential(void **unused)
     }
 }
 
+/* wkv_flatten on random plans with many merges: the same values as the
+ * plan applied in order; every `into` is kept, every victim `from` once; a
+ * plan without chains is unchanged. */
+static void test_flatten_equals_plan(void **unused)
+{
+    (void)unused;
+    enum { N = 48, D = 3 };
+    rng_state = 11;
+    int chains = 0;
+    for (int trial = 0; trial < 400; trial++) {
+        double w[N];
+        size_t n = 8 + rng() % (N - 8);
+        for (size_t i = 0; i < n; i++) /* zeros too: the (1,1) and one-zero weights */
+            w[i] = (double)(rng() % 5) / 4.0 * (rng() % 4 ? 1.0 : 0.0);
+        wkv_config cfg = {0, rng() % 3, 1 + rng() % 3};
+        uint32_t lo = cfg.n_init + cfg.n_recent + 1;
+        cfg.cache_size = lo + rng() % (uint32_t)(n - lo);
+        uint32_t scratch[3 * N];
+        double ds[N];
+        policy_merge plan[N], flat[N];
+        size_t k = wkv_plan(w, n, &cfg, 0, scratch, plan);
+        assert_int_equal(k, n - cfg.cache_size);
+        wkv_flatten(plan, k, n, flat, scratch, ds);
+        float a[N][D], b[N][D];
+        for (size_t i = 0; i < n; i++)
+            for (size_t x = 0; x < D; x++)
+                a[i][x] = b[i][x] = (float)rng_unit() - 0.5f;
+        assert_int_equal(wkv_apply_merges(&a[0][0], n, D, plan, k, 0), 0);
+        assert_int_equal(wkv_apply_merges(&b[0][0], n, D, flat, k, 0), 0);
+        uint8_t gone[N] = {0};
+        int chain = 0;
+        for (size_t m = 0; m < k; m++) {
+            assert_int_equal(gone[flat[m].from], 0);
+            gone[flat[m].from] = 1;
+        }
+        for (size_t m = 0; m < k; m++) {
+            assert_int_equal(gone[flat[m].into], 0);
+            chain |= gone[plan[m].into];
+        }
+        chains += chain;
+        if (!chain)
+            assert_memory_equal(plan, flat, k * sizeof plan[0]);
+        for (size_t i = 0; i < n; i++)
+            if (!gone[i])
+                for (size_t x = 0; x < D; x++)
+                    assert_float_equal(a[i][x], b[i][x], 1e-5);
+    }
+    assert_true(chains > 50); /* the property was exercised */
+}
+
+/* A long prefill through the host: chains are flattened, the host accepts
+ * the decision, and the kept values match Algorithm 1 one merge at a time. */
+static void test_prefill_chains_through_host(void **unused)
+{
+    (void)unused;
+    enum { P = 60, M = 12 };
+    const char *k[] = {"cache_size", "n_init", "n_recent"};
+    const char *v[] = {"12", "2", "4"};
+    policy_geometry g = geom(1, 1, 1);
+    policy_host *h = make_host(k, v, 3, &g);
+    static float row[P];
+    rng_state = 5;
+    for (int i = 0; i < P; i++)
+        row[i] = (float)rng_unit();
+    const float *ptr[1] = {row};
+    assert_int_equal(policy_host_append(h, P), 0);
+    policy_stats st = {.new_tokens = P, .prefill = 1, .last_attn = ptr, .confidence = -1};
+    const policy_decision *d;
+    char err[POLICY_ERR_LEN] = "";
+    if (policy_host_step(h, 0, &st, &d, err, sizeof err) != 0)
+        fail_msg("step: %s", err);
+    assert_int_equal(d->nmerges, P - M);
+    /* Reference: Algorithm 1 one merge at a time on one-hot values. */
+    static float ref[P][P], got[P][P];
+    memset(ref, 0, sizeof ref);
+    for (int i = 0; i < P; i++)
+        ref[i][i] = 1.0f;
+    memcpy(got, ref, sizeof ref);
+    uint32_t idx[P];
+    for (int i = 0; i < P; i++)
+        idx[i] = (uint32_t)i;
+    size_t len = P;
+    while (len > M) {
+        size_t best = 2;
+        for (size_t j = 2; j < len - 4; j++)
+            if (row[idx[j]] < row[idx[best]])
+                best = j;
+        policy_merge one = {0, idx[best], idx[best + 1], 0, 0};
+        wkv_merge_weights(row[idx[best]], row[idx[best + 1]], &one.w_from, &one.w_into);
+        assert_int_equal(wkv_apply_merges(&ref[0][0], P, P, &one, 1, 0), 0);
+        memmove(&idx[best], &idx[best + 1], (len - best - 1) * sizeof idx[0]);
+        len--;
+    }
+    assert_int_equal(wkv_apply_merges(&got[0][0], P, P, d->merges, d->nmerges, 0), 0);
+    assert_int_equal(policy_host_commit(h, 0), P - M);
+    const policy_layer_view *view = policy_host_view(h, 0);
+    assert_int_equal(view->tokens[0], M);
+    for (int i = 0; i < M; i++) {
+        assert_int_equal(view->positions[0][i], idx[i]);
+        for (int x = 0; x < P; x++)
+            assert_float_equal(got[idx[i]][x], ref[idx[i]][x], 1e-5);
+    }
+    policy_host_destroy(h);
+}
+
 /* A random decode run through the host with merges applied to one-hot
  * values. Checks after every step: each list holds min(m, appended)
  * entries, the first n_init and last n_recent positions are held, every
@@ -763,6 +883,8 @@ int main(void)
         cmocka_unit_test(test_invalid_configs),
         cmocka_unit_test(test_defaults),
         cmocka_unit_test(test_plan_equals_sequential),
+        cmocka_unit_test(test_flatten_equals_plan),
+        cmocka_unit_test(test_prefill_chains_through_host),
         cmocka_unit_test(test_random_properties),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

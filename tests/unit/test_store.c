@@ -77,10 +77,10 @@ static void table_positions(fixture *f, uint64_t id, uint32_t layer, uint32_t *o
     store_table t;
     status s;
     assert_int_equal(store_get_table(&f->st, f->token, id, 0, 1, &t, &s), ST_OK);
-    *n = t.layers[layer].tokens;
-    memcpy(out, t.layers[layer].positions, *n * sizeof *out);
+    *n = t.lists[layer].tokens;
+    memcpy(out, t.lists[layer].positions, *n * sizeof *out);
     /* Segments must cover exactly the held tokens. */
-    assert_int_equal(kv_segments_tokens(t.layers[layer].segs, t.layers[layer].nsegs), *n);
+    assert_int_equal(kv_segments_tokens(t.lists[layer].segs, t.lists[layer].nsegs), *n);
     store_table_free(&t);
 }
 
@@ -90,25 +90,25 @@ static void test_append_assigns_fresh_blocks(void **state)
     uint64_t id = make_seq(f, "full", NULL, NULL, 0);
     store_table w;
     append(f, id, 6, 0, &w); /* block_tokens 4: 2 blocks per layer */
-    assert_int_equal(w.nlayers, 2);
+    assert_int_equal(w.nlists, 2);
     assert_int_equal(w.first_position, 0);
     assert_int_equal(w.epoch, 1);
     for (uint32_t l = 0; l < 2; l++) {
-        assert_int_equal(w.layers[l].nsegs, 2);
-        assert_int_equal(w.layers[l].segs[0].count, 4);
-        assert_int_equal(w.layers[l].segs[1].count, 2);
-        assert_int_equal(w.layers[l].segs[1].first_slot, 0);
+        assert_int_equal(w.lists[l].nsegs, 2);
+        assert_int_equal(w.lists[l].segs[0].count, 4);
+        assert_int_equal(w.lists[l].segs[1].count, 2);
+        assert_int_equal(w.lists[l].segs[1].first_slot, 0);
     }
     /* Four distinct blocks over the two layers. */
-    assert_int_not_equal(w.layers[0].segs[0].block, w.layers[1].segs[0].block);
-    assert_int_not_equal(w.layers[0].segs[1].block, w.layers[1].segs[1].block);
+    assert_int_not_equal(w.lists[0].segs[0].block, w.lists[1].segs[0].block);
+    assert_int_not_equal(w.lists[0].segs[1].block, w.lists[1].segs[1].block);
     assert_int_equal(the_pool(f)->nfree, f->block_count - 4);
-    uint32_t tail = w.layers[0].segs[1].block;
+    uint32_t tail = w.lists[0].segs[1].block;
     store_table_free(&w);
     append(f, id, 1, 0, &w); /* fills the tail block's slot 2 */
     assert_int_equal(w.first_position, 6);
-    assert_int_equal(w.layers[0].segs[0].block, tail);
-    assert_int_equal(w.layers[0].segs[0].first_slot, 2);
+    assert_int_equal(w.lists[0].segs[0].block, tail);
+    assert_int_equal(w.lists[0].segs[0].first_slot, 2);
     store_table_free(&w);
 }
 
