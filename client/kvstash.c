@@ -707,26 +707,32 @@ int kvs_seq_append(kvs_session *s, uint64_t seq_id, int64_t count, kvs_table *wr
 /* Lay the step's arrays out in the ring's data area (proto/kvstash_ring.h). */
 static int step_pack(kvs_session *s, const kvs_step *st, uint32_t *arrays, uint64_t *bytes)
 {
-    uint32_t layers = s->geom.layers, q = s->geom.q_heads;
-    const float *const *kinds[3] = {st->score, st->last_attn, st->window_attn};
-    const uint32_t bits[3] = {1u << 0, 1u << 1, 1u << 2}; /* policy.h POLICY_NEEDS_* */
+    uint32_t layers = s->geom.layers, q = s->geom.q_heads, kv = s->geom.kv_heads;
+    uint32_t heads = st->heads > 1 ? st->heads : 1;
+    const float *const *kinds[4] = {st->score, st->last_attn, st->window_attn, st->vnorm};
+    /* policy.h POLICY_NEEDS_SCORE, _LAST_ATTN, _WINDOW_ATTN, _VNORM */
+    const uint32_t bits[4] = {1u << 0, 1u << 1, 1u << 2, 1u << 3};
     float *out = (float *)s->ring.data;
     size_t room = s->ring.data_bytes / sizeof(float), used = 0;
     *arrays = 0;
-    for (int k = 0; k < 3; k++)
+    for (int k = 0; k < 4; k++)
         *arrays |= kinds[k] != NULL ? bits[k] : 0;
     if (*arrays != 0 && st->tokens == NULL) {
-        fail(s, "kvs_seq_step: tokens (per layer) is required with statistics");
+        fail(s, "kvs_seq_step: tokens (per list) is required with statistics");
+        return KVS_ERR_INVALID;
+    }
+    if (heads != 1 && heads != kv) {
+        fail(s, "kvs_seq_step: heads must be 1 or kv_heads (%" PRIu32 ")", kv);
         return KVS_ERR_INVALID;
     }
     for (uint32_t l = 0; l < layers; l++)
-        for (int k = 0; k < 3; k++) {
+        for (int k = 0; k < 4; k++) {
             if (kinds[k] == NULL)
                 continue;
-            uint32_t rows = k == 0 ? 1 : q;
+            uint32_t rows = k == 0 ? 1 : k == 3 ? kv : q, per_list = k == 3 ? 1 : q / kv;
             for (uint32_t h = 0; h < rows; h++) {
-                const float *src = kinds[k][k == 0 ? l : l * q + h];
-                size_t n = st->tokens[l];
+                const float *src = kinds[k][(size_t)l * rows + h];
+                size_t n = st->tokens[(size_t)l * heads + (heads > 1 ? h / per_list : 0)];
                 if (n > room - used) {
                     fail(s, "kvs_seq_step: statistics exceed the ring (%zu bytes)",
                          s->ring.data_bytes);

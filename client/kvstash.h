@@ -156,15 +156,22 @@ int kvs_seq_append(kvs_session *s, uint64_t seq_id, int64_t count, kvs_table *wr
  * reported (kvstash policy list says what each policy needs).
  */
 typedef struct kvs_step {
-    uint32_t new_tokens;  /* tokens appended since the last step; 0 = all of them */
-    int prefill;          /* 1 while the prompt is processed */
-    const uint32_t *tokens;          /* [layers] tokens each layer holds (its table) */
-    const float *const *score;       /* [layers] -> [tokens]: Σ heads, Σ queries of attention */
-    uint32_t score_queries;          /* queries summed into score */
-    const float *const *last_attn;   /* [layers * q_heads] -> [tokens]: the last query */
-    const float *const *window_attn; /* [layers * q_heads] -> [tokens]: window mean */
+    uint32_t new_tokens; /* tokens appended since the last step; 0 = all of them */
+    int prefill;         /* 1 while the prompt is processed */
+    uint32_t heads;      /* lists per layer, as the table says (kvs_table.heads) */
+    const uint32_t *tokens; /* [layers * heads]: tokens each list holds (its table) */
+    /* [layers] -> [tokens]: Σ query heads, Σ score_queries queries of attention;
+     * only for one list per layer. */
+    const float *const *score;
+    uint32_t score_queries;
+    /* [layers * q_heads] -> [tokens of the list query head h reads]. */
+    const float *const *last_attn;   /* the step's last query */
+    const float *const *window_attn; /* the mean over the observation window */
     uint32_t window_queries;         /* queries averaged into window_attn */
-    double confidence;               /* next-token confidence in [0, 1]; < 0 = none */
+    /* [layers * kv_heads] -> [tokens of KV head g's list]: ‖V·W^O‖₁ per token
+     * (CriticalKV; POLICIES.md §1.2). */
+    const float *const *vnorm;
+    double confidence; /* next-token confidence in [0, 1]; < 0 = none */
 } kvs_step;
 
 typedef struct kvs_step_result {

@@ -9,11 +9,6 @@ status_code seq_create(uint64_t id, uint64_t session_id, pool *pool, const polic
                        const policy_params *params, const char *label, seq **out, status *st)
 {
     *out = NULL;
-    if (policy->needs & POLICY_NEEDS_VNORM)
-        return status_set(st, ST_FAILED_PRECONDITION,
-                          "policy %s needs projected value norms; registering W^O is not "
-                          "implemented in kvstashd yet (evaluate it with kvstash replay)",
-                          policy->name);
     const char *rot = policy_params_get(params, "apply_rotation");
     if (rot != NULL && strcmp(rot, "0") != 0)
         return status_set(st, ST_FAILED_PRECONDITION,
@@ -239,6 +234,57 @@ static void apply_merges(seq *s, uint32_t l, const policy_decision *d)
     }
 }
 
+/* Distinct blocks a list's segments use (a block's segments are adjacent). */
+static uint32_t list_blocks(const seq_list *ly)
+{
+    uint32_t n = 0;
+    for (size_t i = 0; i < ly->nsegs; i++)
+        n += i == 0 || ly->segs[i].block != ly->segs[i - 1].block;
+    return n;
+}
+
+/*
+ * Conf-KV's contiguous compaction, for any token-level eviction: when the
+ * survivors are spread over more than one block beyond what they fill, copy
+ * them into fresh blocks (kv_copy_tokens) and retire the old ones, so that
+ * evicting tokens really gives memory back. Skipped, harmlessly, when the
+ * pool has no free blocks for the copy.
+ */
+static int list_compact(seq *s, seq_list *ly, uint32_t tokens, uint64_t epoch)
+{
+    uint32_t slots = s->block_slots, need = (tokens + slots - 1) / slots;
+    uint32_t have = list_blocks(ly);
+    if (have <= need + 1 || need > s->pool->nfree || need == 0)
+        return 0;
+    kv_segment *dst = malloc(need * sizeof *dst);
+    if (dst == NULL)
+        return -1;
+    for (uint32_t b = 0; b < need; b++) {
+        pool_alloc_block(s->pool, &dst[b].block);
+        dst[b].first_slot = 0;
+        dst[b].count = b + 1 < need ? slots : tokens - (need - 1) * slots;
+    }
+    kv_copy_tokens(&s->list_layout, s->pool->base, ly->segs, ly->nsegs, dst, need);
+    for (size_t i = 0; i < ly->nsegs; i++)
+        if ((i == 0 || ly->segs[i].block != ly->segs[i - 1].block) &&
+            seq_retire(s, ly->segs[i].block, epoch) != 0) {
+            free(dst);
+            return -1;
+        }
+    if (ly->has_tail && (ly->nsegs == 0 || ly->segs[ly->nsegs - 1].block != ly->tail_block) &&
+        seq_retire(s, ly->tail_block, epoch) != 0) {
+        free(dst);
+        return -1;
+    }
+    free(ly->segs);
+    ly->segs = dst;
+    ly->nsegs = ly->segs_cap = need;
+    ly->tail_block = dst[need - 1].block;
+    ly->tail_next_slot = dst[need - 1].count;
+    ly->has_tail = 1;
+    return 0;
+}
+
 /* Apply one layer's decision: merge, evict in the segments, then commit in
  * the host. INT8 and sketch tiers are recorded in the host (the policy sees
  * them) but the tokens stay in full precision until the tiers land. */
@@ -252,8 +298,13 @@ static status_code layer_apply(seq *s, uint32_t l, const policy_decision *d, uin
         int any = 0;
         for (uint32_t t = 0; t < n && !any; t++)
             any = d->tier[k][t] == POLICY_EVICT;
-        if (any && (list_reserve(ly, evicted_seg_bound(ly, d->tier[k], n)) != 0 ||
-                    list_evict(s, ly, d->tier[k], epoch) != 0))
+        if (!any)
+            continue;
+        uint32_t kept = 0;
+        for (uint32_t t = 0; t < n; t++)
+            kept += d->tier[k][t] != POLICY_EVICT;
+        if (list_reserve(ly, evicted_seg_bound(ly, d->tier[k], n)) != 0 ||
+            list_evict(s, ly, d->tier[k], epoch) != 0 || list_compact(s, ly, kept, epoch) != 0)
             return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
     }
     *evicted += policy_host_commit(s->host, l);
@@ -263,32 +314,40 @@ static status_code layer_apply(seq *s, uint32_t l, const policy_decision *d, uin
 /* ---- steps -------------------------------------------------------------- */
 
 /* Point one layer's stats at its arrays in `data` (layout: proto/kvstash_ring.h);
- * with data NULL only counts. ptrs has room for 2 * q_heads entries.
+ * with data NULL only counts. ptrs has room for 3 * q_heads entries.
  * Returns the floats the layer uses. */
 static size_t layer_stats(seq *s, uint32_t l, unsigned arrays, const float *data,
                           policy_stats *ps, const float **ptrs)
 {
-    uint32_t q = s->pool->geom.q_heads, group = q / s->pool->geom.kv_heads;
+    uint32_t q = s->pool->geom.q_heads, kv = s->pool->geom.kv_heads, group = q / kv;
     size_t off = 0;
     if (arrays & POLICY_NEEDS_SCORE) { /* one list only: checked by seq_step_check */
         if (data != NULL)
             ps->score = data;
         off += seq_list_tokens(s, l, 0, NULL);
     }
-    const unsigned kinds[2] = {POLICY_NEEDS_LAST_ATTN, POLICY_NEEDS_WINDOW_ATTN};
-    for (int k = 0; k < 2; k++) {
+    /* Per query head (last_attn, window_attn), then per KV head (vnorm); query
+     * head h reads KV head h / group (POLICIES.md notation). */
+    const unsigned kinds[3] = {POLICY_NEEDS_LAST_ATTN, POLICY_NEEDS_WINDOW_ATTN,
+                               POLICY_NEEDS_VNORM};
+    for (int k = 0; k < 3; k++) {
         if (!(arrays & kinds[k]))
             continue;
-        for (uint32_t h = 0; h < q; h++) {
-            /* Query head h reads KV head h / group (POLICIES.md notation). */
+        uint32_t rows = k < 2 ? q : kv, per_list = k < 2 ? group : 1;
+        const float **base = ptrs + (size_t)k * q;
+        for (uint32_t h = 0; h < rows; h++) {
             if (data != NULL)
-                ptrs[k * q + h] = data + off;
-            off += seq_list_tokens(s, l, s->heads == 1 ? 0 : h / group, NULL);
+                base[h] = data + off;
+            off += seq_list_tokens(s, l, s->heads == 1 ? 0 : h / per_list, NULL);
         }
-        if (data != NULL && k == 0)
-            ps->last_attn = ptrs;
-        if (data != NULL && k == 1)
-            ps->window_attn = ptrs + q;
+        if (data == NULL)
+            continue;
+        if (k == 0)
+            ps->last_attn = base;
+        else if (k == 1)
+            ps->window_attn = base;
+        else
+            ps->vnorm = base;
     }
     return off;
 }
@@ -306,7 +365,7 @@ size_t seq_step_floats(seq *s, unsigned arrays)
 static status_code seq_run_policy(seq *s, const seq_step_input *in, uint64_t epoch,
                                   uint32_t *evicted, status *st)
 {
-    const float **ptrs = calloc(2 * (size_t)s->pool->geom.q_heads, sizeof *ptrs);
+    const float **ptrs = calloc(3 * (size_t)s->pool->geom.q_heads, sizeof *ptrs);
     if (ptrs == NULL)
         return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
     size_t off = 0, total = 0;
@@ -362,7 +421,7 @@ static status_code seq_step_check(seq *s, const seq_step_input *in, status *st)
                           "policy %s keeps one list per KV head: report last_attn or "
                           "window_attn per query head, not a summed score",
                           s->policy->name);
-    unsigned missing = s->policy->needs & ~(in->arrays | POLICY_NEEDS_VNORM);
+    unsigned missing = s->policy->needs & ~in->arrays;
     /* Confidence describes a next token: prefill steps have none (Conf-KV
      * §5.3 keeps everything until the first decode step). */
     if (missing & POLICY_NEEDS_CONFIDENCE && (in->confidence >= 0 || in->prefill))

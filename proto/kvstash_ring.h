@@ -37,7 +37,7 @@ typedef enum ring_op {
 /* Which statistics arrays a STEP carries (policy.h POLICY_NEEDS_* bits). */
 typedef struct ring_request {
     uint32_t op;
-    uint32_t arrays;         /* POLICY_NEEDS_SCORE | _LAST_ATTN | _WINDOW_ATTN */
+    uint32_t arrays;         /* POLICY_NEEDS_SCORE | _LAST_ATTN | _WINDOW_ATTN | _VNORM */
     uint64_t seq_id;
     uint64_t ack_epoch;
     int64_t count;           /* APPEND: tokens to add */
@@ -67,8 +67,13 @@ typedef struct ring_response {
  *   score      [n_l]                      if arrays & SCORE (one token list)
  *   last_attn  [q_heads][n_(l, list(h))]  if arrays & LAST_ATTN
  *   window_attn[q_heads][n_(l, list(h))]  if arrays & WINDOW_ATTN
+ *   vnorm      [kv_heads][n_(l, list(g))] if arrays & VNORM (‖V·W^O‖₁; the
+ *                                         worker computes it, see below)
  * where n is the number of tokens the layer's list (or KV head list) holds
- * in the table of the request's ack_epoch, i.e. after the step's appends.
+ * in the table of the request's ack_epoch, i.e. after the step's appends;
+ * list(h) is the layer's one list, or KV head h / (q_heads / kv_heads)'s
+ * list for a per-head sequence. The projected value norms of CriticalKV
+ * come from the worker, which holds W^O: kvstashd does not take weights.
  * APPEND response data: per list (layer-major; one list per layer, or one
  * per KV head when lists_per_layer > 1), its segment count (uint32) then that
  * many {block, first_slot, count} uint32 triples. A per-head list's slots
