@@ -129,7 +129,8 @@ static void serve_step(ring *rg, const ring_request *q, ring_response *r)
         rg->scratch = grown;
         rg->scratch_cap = n;
     }
-    memcpy(rg->scratch, rg->data, q->data_bytes);
+    if (n > 0)
+        memcpy(rg->scratch, rg->data, q->data_bytes);
     seq_step_input in = {q->arrays,        q->new_tokens,     (int)(q->prefill != 0),
                          q->score_queries, q->window_queries, q->confidence,
                          rg->scratch,      n};
