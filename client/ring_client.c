@@ -1,6 +1,7 @@
 #include "ring_client.h"
 
 #include <errno.h>
+#include <sched.h>
 #include <linux/futex.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -81,7 +82,11 @@ int ring_client_call(ring_client *rc, ring_response *resp)
         if (atomic_load(closing))
             return KVS_ERR_UNAVAILABLE;
         if (i < RING_CLIENT_SPIN) {
-            cpu_relax();
+            /* As the daemon: let a thread sharing our CPU run now and then. */
+            if (i % 32 == 31)
+                sched_yield();
+            else
+                cpu_relax();
             continue;
         }
         clock_gettime(CLOCK_MONOTONIC, &now);

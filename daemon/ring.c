@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -60,7 +61,12 @@ static uint32_t wait_request(ring_header *h, uint32_t seen)
         uint32_t cur = atomic_load(req);
         if (cur != seen || atomic_load(closing))
             return cur;
-        cpu_relax();
+        /* Yield now and then: if the worker shares our CPU, spinning alone
+         * would only delay the request we wait for. */
+        if (i % 32 == 31)
+            sched_yield();
+        else
+            cpu_relax();
     }
     for (;;) {
         atomic_store(waiter, 1);

@@ -96,6 +96,14 @@ void kv_merge_value(const kv_layout *l, kv_dtype t, uint8_t *pool, uint32_t from
                     uint32_t from_slot, uint32_t into_block, uint32_t into_slot, float w_from,
                     float w_into);
 
+/*
+ * Symmetric INT8 of one group of n values (POLICIES.md §5.4): scale
+ * s = max|x| / 127 (1 for an all-zero group), codes round_half_even(x / s)
+ * clamped to [-127, 127]. Returns s. Round trip error per value <= s / 2.
+ */
+float kv_quantize_group_ref(const float *x, size_t n, int8_t *q);
+void kv_dequantize_group_ref(const int8_t *q, size_t n, float s, float *x);
+
 #ifdef KVSTASH_HAVE_CUDA
 /* CUDA twins: pool, outputs and inputs are device pointers; segment lists are
  * host arrays (copied to the device by the call). Return 0 or a CUDA error
