@@ -35,7 +35,7 @@ packages=(
     libcmocka-dev libjansson-dev
     protobuf-compiler protobuf-compiler-grpc
     python3 python3-grpcio python3-protobuf
-    tmux
+    tmux valgrind
 )
 
 missing=()

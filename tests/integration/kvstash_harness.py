@@ -128,20 +128,21 @@ def call(method, request, metadata=None, what=None):
 class Daemon:
     """One kvstashd on a fresh temporary socket directory."""
 
-    def __init__(self, pool_mb=16, log_level="debug", extra_args=()):
+    def __init__(self, pool_mb=16, log_level="debug", extra_args=(), wrapper=()):
         self.binary = os.environ.get("KVSTASHD")
         assert self.binary and os.access(self.binary, os.X_OK), \
             f"KVSTASHD={self.binary!r} is not an executable (run through ctest)"
         self.dir = tempfile.mkdtemp(prefix="kvstash-test.")
         self.sock = os.path.join(self.dir, "kvstashd.sock")
         self.log_path = os.path.join(self.dir, "kvstashd.log")
-        self.args = [self.binary, "--socket", self.sock, "--pool-mb", str(pool_mb),
+        # wrapper: a command the daemon runs under (valgrind, for instance).
+        self.args = [*wrapper, self.binary, "--socket", self.sock, "--pool-mb", str(pool_mb),
                      "--log-level", log_level, *extra_args]
         self.proc = None
         self.channel = None
         self.store = None
 
-    def start(self, timeout=10.0):
+    def start(self, timeout=30.0):
         """Start the daemon; return once Health/Check answers SERVING."""
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=log,
@@ -202,7 +203,7 @@ class Daemon:
             return "(no log)"
         return "--- kvstashd log (tail) ---\n" + "\n".join(text)
 
-    def stop(self, timeout=10.0):
+    def stop(self, timeout=60.0):
         """SIGTERM the daemon (workers may still be connected) and assert that
         it exits with status 0 within `timeout`."""
         assert self.proc is not None, "kvstashd was never started"
