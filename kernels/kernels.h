@@ -104,6 +104,24 @@ void kv_merge_value(const kv_layout *l, kv_dtype t, uint8_t *pool, uint32_t from
 float kv_quantize_group_ref(const float *x, size_t n, int8_t *q);
 void kv_dequantize_group_ref(const int8_t *q, size_t n, float s, float *x);
 
+/*
+ * kv_decode_attention: one new query token's attention over the tokens of
+ * one list in the pool, by blocks with an online softmax (no scratch of the
+ * list's length). q is [q_heads][head_dim] fp32, RoPE already applied; out
+ * receives [q_heads][head_dim] fp32. With the pool layout (all-heads list),
+ * query head h reads KV head h / (q_heads / kv_heads); with a per-head list
+ * (layout with kv_heads = 1, kv_heads * block_tokens rows per block) pass the
+ * q_heads of that KV head's group. scores = q.k * scale. If probs is not
+ * NULL it receives the softmax probabilities [q_heads][ntokens] (the
+ * statistics policies need). Elements are read through kv_elt_load.
+ */
+void kv_decode_attention_ref(const kv_layout *l, kv_dtype t, const uint8_t *pool,
+                             const kv_segment *segs, size_t nsegs, const float *q,
+                             uint32_t q_heads, float scale, float *out, float *probs);
+void kv_decode_attention(const kv_layout *l, kv_dtype t, const uint8_t *pool,
+                         const kv_segment *segs, size_t nsegs, const float *q, uint32_t q_heads,
+                         float scale, float *out, float *probs);
+
 #ifdef KVSTASH_HAVE_CUDA
 /* CUDA twins: pool, outputs and inputs are device pointers; segment lists are
  * host arrays (copied to the device by the call). Return 0 or a CUDA error
