@@ -38,6 +38,7 @@
 
 #include "builtin.h"
 #include "describe.h"
+#include "util.h"
 
 #define CONFKV_MAX 1048576u
 
@@ -82,19 +83,6 @@ static const policy_param_spec confkv_params[] = {
     {"rho_bottom", "0.5", "pyramid: budget factor of the last layer, <= rho_top"},
     {"margin_mode", "sigmoid", "margin term: sigmoid(D) or tanh (= 2 sigmoid(D) - 1) (§5.2)"},
 };
-
-static void set_err(char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-
-static void set_err(char *err, size_t errlen, const char *fmt, ...)
-{
-    if (err == NULL || errlen == 0)
-        return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
 
 /* ---- the pure pieces (confkv.h) ------------------------------------------ */
 
@@ -291,22 +279,22 @@ static int parse_params(const policy_params *p, confkv_state *s, char *err, size
     s->weights.margin_mode = (confkv_margin_mode)mode;
     double sum = s->weights.entropy + s->weights.margin + s->weights.top;
     if (fabs(sum - 1.0) > 1e-6) {
-        set_err(err, errlen, "parameters w_entropy + w_margin + w_top must sum to 1, got %g", sum);
+        policy_set_err(err, errlen, "parameters w_entropy + w_margin + w_top must sum to 1, got %g", sum);
         return -1;
     }
     if (s->tight > s->loose) {
-        set_err(err, errlen, "parameter budget_tight (%u) must not exceed budget_loose (%u)",
+        policy_set_err(err, errlen, "parameter budget_tight (%u) must not exceed budget_loose (%u)",
                 s->tight, s->loose);
         return -1;
     }
     /* §5.5 keeps every layer budget above W; a budget <= W could never be met. */
     if (s->protect >= s->tight) {
-        set_err(err, errlen, "parameter protect (%u) must be smaller than budget_tight (%u)",
+        policy_set_err(err, errlen, "parameter protect (%u) must be smaller than budget_tight (%u)",
                 s->protect, s->tight);
         return -1;
     }
     if (s->rho_bottom > s->rho_top) {
-        set_err(err, errlen,
+        policy_set_err(err, errlen,
                 "parameter rho_bottom (%g) must not exceed rho_top (%g): deeper layers get less "
                 "(§5.5)",
                 s->rho_bottom, s->rho_top);
@@ -336,12 +324,12 @@ static int confkv_create(const policy_params *p, const policy_geometry *g, void 
     if (parse_params(p, &tmp, err, errlen) != 0)
         return -1;
     if (g == NULL || g->layers == 0 || g->q_heads == 0) {
-        set_err(err, errlen, "confkv needs a geometry with layers >= 1 and q_heads >= 1");
+        policy_set_err(err, errlen, "confkv needs a geometry with layers >= 1 and q_heads >= 1");
         return -1;
     }
     confkv_state *s = malloc(sizeof *s);
     if (s == NULL) {
-        set_err(err, errlen, "out of memory creating policy 'confkv'");
+        policy_set_err(err, errlen, "out of memory creating policy 'confkv'");
         return -1;
     }
     *s = tmp;
@@ -350,7 +338,7 @@ static int confkv_create(const policy_params *p, const policy_geometry *g, void 
     s->ly = calloc(g->layers, sizeof *s->ly);
     if (s->ly == NULL) {
         confkv_destroy(s);
-        set_err(err, errlen, "out of memory creating policy 'confkv'");
+        policy_set_err(err, errlen, "out of memory creating policy 'confkv'");
         return -1;
     }
     *state = s;
@@ -439,24 +427,24 @@ static int check_stats(const confkv_state *s, const confkv_layer *ly, uint32_t n
                        const policy_stats *st, char *err, size_t errlen)
 {
     if (st->new_tokens > n || ly->n != n - st->new_tokens) {
-        set_err(err, errlen,
+        policy_set_err(err, errlen,
                 "confkv: layer holds %u tokens with %u new, but the policy tracks %u (out of "
                 "sync)",
                 n, st->new_tokens, ly->n);
         return -1;
     }
     if (st->last_attn == NULL) {
-        set_err(err, errlen, "confkv needs stats last_attn (attention of the last query)");
+        policy_set_err(err, errlen, "confkv needs stats last_attn (attention of the last query)");
         return -1;
     }
     for (uint32_t h = 0; h < s->q_heads; h++)
         if (st->last_attn[h] == NULL) {
-            set_err(err, errlen, "confkv needs stats last_attn for every query head (%u missing)",
+            policy_set_err(err, errlen, "confkv needs stats last_attn for every query head (%u missing)",
                     h);
             return -1;
         }
     if (!st->prefill && !(st->confidence >= 0.0)) {
-        set_err(err, errlen, "confkv needs stats confidence (c_t >= 0) in every decode step");
+        policy_set_err(err, errlen, "confkv needs stats confidence (c_t >= 0) in every decode step");
         return -1;
     }
     return 0;
@@ -467,7 +455,7 @@ static int confkv_step(void *state, const policy_layer_view *view, const policy_
 {
     confkv_state *s = state;
     if (view->layer >= s->layers || view->heads != 1) {
-        set_err(err, errlen, "confkv: view of layer %u with %u lists does not match the policy",
+        policy_set_err(err, errlen, "confkv: view of layer %u with %u lists does not match the policy",
                 view->layer, view->heads);
         return -1;
     }
@@ -476,7 +464,7 @@ static int confkv_step(void *state, const policy_layer_view *view, const policy_
     if (check_stats(s, ly, n, stats, err, errlen) != 0)
         return -1;
     if (reserve(s, ly, n) != 0) {
-        set_err(err, errlen, "out of memory in policy 'confkv'");
+        policy_set_err(err, errlen, "out of memory in policy 'confkv'");
         return -1;
     }
     for (uint32_t i = ly->n; i < n; i++)

@@ -25,6 +25,7 @@
 
 #include "builtin.h"
 #include "describe.h"
+#include "util.h"
 
 #define H2O_MAX 1048576u
 
@@ -131,45 +132,6 @@ static int layer_reserve(h2o_layer *ly, uint32_t need)
     return 0;
 }
 
-/* Evict-before order: lower score first, ties to the lower index. */
-static int evict_before(const double *s, uint32_t x, uint32_t y)
-{
-    return s[x] < s[y] || (s[x] == s[y] && x < y);
-}
-
-/* Sift x[i] down a max-heap whose top is the candidate evicted LAST. */
-static void sift_down(uint32_t *a, uint32_t n, uint32_t i, const double *s)
-{
-    for (;;) {
-        uint32_t top = i, l = 2 * i + 1, r = 2 * i + 2;
-        if (l < n && evict_before(s, a[top], a[l]))
-            top = l;
-        if (r < n && evict_before(s, a[top], a[r]))
-            top = r;
-        if (top == i)
-            return;
-        uint32_t t = a[i];
-        a[i] = a[top];
-        a[top] = t;
-        i = top;
-    }
-}
-
-/* Keep in a[0..k) the k candidates evicted first (a bounded max-heap:
- * O(m log k)). The set is exact; its order inside a[0..k) is not. */
-static void select_first(uint32_t *a, uint32_t m, uint32_t k, const double *s)
-{
-    if (k == 0)
-        return;
-    for (uint32_t i = k / 2; i-- > 0;)
-        sift_down(a, k, i, s);
-    for (uint32_t i = k; i < m; i++)
-        if (evict_before(s, a[i], a[0])) {
-            a[0] = a[i];
-            sift_down(a, k, 0, s);
-        }
-}
-
 static int h2o_step(void *state, const policy_layer_view *view, const policy_stats *stats,
                     policy_decision *d, char *err, size_t errlen)
 {
@@ -222,7 +184,7 @@ static int h2o_step(void *state, const policy_layer_view *view, const policy_sta
     uint32_t k = n - st->budget;
     if (k > m)
         k = m; /* cannot happen: recent + sinks <= budget */
-    select_first(ly->scratch, m, k, ly->score);
+    policy_select_evict_first(ly->scratch, m, k, ly->score, 1); /* ties: lower index */
     for (uint32_t j = 0; j < k; j++)
         d->tier[0][ly->scratch[j]] = POLICY_EVICT;
     /* Compact the per-token state exactly as the host compacts the list. */

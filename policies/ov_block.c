@@ -25,22 +25,10 @@
 
 #include "builtin.h"
 #include "ov_block.h"
+#include "util.h"
 
 #define OV_MAX_TOKENS (1u << 30) /* bound on start/recent/max: 64-bit sums never wrap */
 #define OV_MAX_WINDOW 1048576u
-
-static void set_err(char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-
-static void set_err(char *err, size_t errlen, const char *fmt, ...)
-{
-    if (err == NULL || errlen == 0)
-        return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
 
 /* ---- mt19937 ------------------------------------------------------------- */
 
@@ -262,7 +250,7 @@ int ov_rotation_plan(const uint32_t *evicted, size_t ne, uint32_t nbefore, uint3
     *nout = 0;
     for (size_t i = 0; i < ne; i++) {
         if (evicted[i] >= nbefore) {
-            set_err(err, errlen,
+            policy_set_err(err, errlen,
                     "evicted block %" PRIu32 " is outside the %" PRIu32 " blocks before eviction",
                     evicted[i], nbefore);
             return -1;
@@ -270,7 +258,7 @@ int ov_rotation_plan(const uint32_t *evicted, size_t ne, uint32_t nbefore, uint3
     }
     uint8_t *gone = calloc(nbefore > 0 ? nbefore : 1, 1);
     if (gone == NULL) {
-        set_err(err, errlen, "out of memory");
+        policy_set_err(err, errlen, "out of memory");
         return -1;
     }
     for (size_t i = 0; i < ne; i++)
@@ -282,7 +270,7 @@ int ov_rotation_plan(const uint32_t *evicted, size_t ne, uint32_t nbefore, uint3
             shift++;
         } else if (shift > 0) {
             if (shift >= nmax) { /* §6 #6: the reference's assert allows shift == Nmax */
-                set_err(err, errlen,
+                policy_set_err(err, errlen,
                         "rotation shift of %" PRIu32 " blocks needs more than the %" PRIu32
                         " coefficient rows",
                         shift, nmax);
@@ -413,13 +401,13 @@ static int parse_block_size(const policy_params *p, const policy_geometry *g, ui
         policy_params_uint(p, "block_size", 0, OV_MAX_TOKENS, &v, err, errlen) != 0)
         return -1;
     if (g->block_tokens == 0) {
-        set_err(err, errlen,
+        policy_set_err(err, errlen,
                 "parameter block_size: the sequence has no block size (block_tokens "
                 "is 0)");
         return -1;
     }
     if (v != 0 && v != g->block_tokens) {
-        set_err(err, errlen,
+        policy_set_err(err, errlen,
                 "parameter block_size (%" PRIu32 ") must equal the sequence's block "
                 "size (%" PRIu32 ")",
                 v, g->block_tokens);
@@ -433,7 +421,7 @@ static int check_multiple(const char *key, uint32_t v, uint32_t B, char *err, si
 {
     if (v % B == 0)
         return 0;
-    set_err(err, errlen,
+    policy_set_err(err, errlen,
             "parameter %s (%" PRIu32 ") must be a multiple of the block size (%" PRIu32 ")", key, v,
             B);
     return -1;
@@ -446,7 +434,7 @@ static int ov_parse(const policy_params *p, const policy_geometry *g, ov_block *
     unsigned agg, anchor;
     uint32_t rot;
     if (g->layers == 0) {
-        set_err(err, errlen, "layers: policy ov_block needs at least one layer, got 0");
+        policy_set_err(err, errlen, "layers: policy ov_block needs at least one layer, got 0");
         return -1;
     }
     if (parse_block_size(p, g, &s->B, err, errlen) != 0 ||
@@ -465,7 +453,7 @@ static int ov_parse(const policy_params *p, const policy_geometry *g, ov_block *
         policy_params_uint(p, "apply_rotation", 0, 1, &rot, err, errlen) != 0)
         return -1;
     if ((uint64_t)s->max <= (uint64_t)s->start + s->recent) {
-        set_err(err, errlen,
+        policy_set_err(err, errlen,
                 "parameter max_cache_size (%" PRIu32 ") must be greater than "
                 "start_size + recent_size (%" PRIu64 ")",
                 s->max, (uint64_t)s->start + s->recent);
@@ -478,14 +466,14 @@ static int ov_parse(const policy_params *p, const policy_geometry *g, ov_block *
     if (s->head_size == 0)
         s->head_size = g->head_dim;
     if (s->head_size % 2 != 0) {
-        set_err(err, errlen,
+        policy_set_err(err, errlen,
                 "parameter head_size (%" PRIu32 ") must be even (rotation pairs "
                 "j with j + d/2)",
                 s->head_size);
         return -1;
     }
     if (rot && s->head_size == 0) {
-        set_err(err, errlen,
+        policy_set_err(err, errlen,
                 "parameter head_size: apply_rotation needs a head size and the "
                 "model's head_dim is 0");
         return -1;
@@ -516,7 +504,7 @@ static int ov_create(const policy_params *p, const policy_geometry *g, void **st
     return 0;
 oom:
     ov_destroy(st);
-    set_err(err, errlen, "out of memory creating policy 'ov_block'");
+    policy_set_err(err, errlen, "out of memory creating policy 'ov_block'");
     return -1;
 }
 
@@ -565,7 +553,7 @@ static int layer_check(const ov_block *st, uint32_t l, const double *raw, size_t
 {
     const ov_layer *L = &st->ly[l];
     if (n > st->start && L->len > n - st->start) {
-        set_err(err, errlen,
+        policy_set_err(err, errlen,
                 "layer %" PRIu32 ": %zu scores are fewer than the %zu tokens the "
                 "layer already holds (start_size %" PRIu32 " + %zu tracked)",
                 l, n, (size_t)st->start + L->len, st->start, L->len);
@@ -573,7 +561,7 @@ static int layer_check(const ov_block *st, uint32_t l, const double *raw, size_t
     }
     for (size_t i = 0; i < n; i++) {
         if (!isfinite(raw[i])) {
-            set_err(err, errlen, "layer %" PRIu32 ": score %zu is not a finite number", l, i);
+            policy_set_err(err, errlen, "layer %" PRIu32 ": score %zu is not a finite number", l, i);
             return -1;
         }
     }
@@ -586,7 +574,7 @@ static int snapkv_count(ov_block *st, uint32_t nsnap, char *err, size_t errlen)
     if (st->nreg >= st->snap_w)
         return 0;
     if ((uint64_t)st->nreg + nsnap > st->snap_w) {
-        set_err(err, errlen,
+        policy_set_err(err, errlen,
                 "%" PRIu32 " SnapKV scores overfill the window: %" PRIu32 " of %" PRIu32
                 " already registered (snapkv_window)",
                 nsnap, st->nreg, st->snap_w);
@@ -653,7 +641,7 @@ int ov_block_register(ov_block *st, const double *const *scores, const size_t *n
     for (uint32_t l = 0; l < st->layers; l++) {
         int rc = layer_register(st, l, scores[l], n[l], nsnap);
         if (rc < 0) {
-            set_err(err, errlen, "out of memory registering scores");
+            policy_set_err(err, errlen, "out of memory registering scores");
             return -1;
         }
         if (rc > (int)worst)
@@ -750,7 +738,7 @@ oom:
     free(bs);
     free(v);
     free(keep);
-    set_err(err, errlen, "out of memory evicting layer %" PRIu32, layer);
+    policy_set_err(err, errlen, "out of memory evicting layer %" PRIu32, layer);
     return -1;
 }
 
@@ -812,17 +800,17 @@ int ov_block_rotation(const ov_block *st, const uint32_t *evicted, size_t ne,
     *nout = 0;
     uint32_t d = st->head_size, half = d / 2;
     if (d == 0) {
-        set_err(err, errlen, "parameter head_size: rotation needs a head size (set head_size)");
+        policy_set_err(err, errlen, "parameter head_size: rotation needs a head size (set head_size)");
         return -1;
     }
     if ((uint64_t)blocks_before * st->B > UINT32_MAX) {
-        set_err(err, errlen, "%" PRIu32 " blocks of %" PRIu32 " tokens exceed the position range",
+        policy_set_err(err, errlen, "%" PRIu32 " blocks of %" PRIu32 " tokens exceed the position range",
                 blocks_before, st->B);
         return -1;
     }
     ov_rotation_step *plan = malloc((blocks_before > 0 ? blocks_before : 1) * sizeof *plan);
     if (plan == NULL) {
-        set_err(err, errlen, "out of memory");
+        policy_set_err(err, errlen, "out of memory");
         return -1;
     }
     size_t n;
@@ -839,7 +827,7 @@ int ov_block_rotation(const ov_block *st, const uint32_t *evicted, size_t ne,
     ov_rotation *r = malloc(n * sizeof *r + 2 * n * half * sizeof(double) + 1);
     if (r == NULL) {
         free(plan);
-        set_err(err, errlen, "out of memory");
+        policy_set_err(err, errlen, "out of memory");
         return -1;
     }
     double *rows = (double *)(r + n);
@@ -865,12 +853,12 @@ static int ov_step(void *state, const policy_layer_view *view, const policy_stat
     ov_block *st = state;
     uint32_t l = view->layer;
     if (view->heads != 1 || l >= st->layers) {
-        set_err(err, errlen, "policy ov_block: bad view (layer %" PRIu32 ", %" PRIu32 " lists)", l,
+        policy_set_err(err, errlen, "policy ov_block: bad view (layer %" PRIu32 ", %" PRIu32 " lists)", l,
                 view->heads);
         return -1;
     }
     if (stats->score == NULL) {
-        set_err(err, errlen,
+        policy_set_err(err, errlen,
                 "policy ov_block needs stats score (per-token attention summed over "
                 "heads and the last score_queries queries)");
         return -1;
@@ -879,7 +867,7 @@ static int ov_step(void *state, const policy_layer_view *view, const policy_stat
     /* Sized for the whole vector now, so layer_register() (which needs
      * only the tracked part) never moves st->raw under it. */
     if (grow_scratch(st, n > 0 ? n : 1) != 0) {
-        set_err(err, errlen, "out of memory");
+        policy_set_err(err, errlen, "out of memory");
         return -1;
     }
     for (size_t i = 0; i < n; i++)
@@ -893,7 +881,7 @@ static int ov_step(void *state, const policy_layer_view *view, const policy_stat
         st->reg_step = view->step;
         st->reg_nsnap = stats->score_queries;
     } else if (stats->score_queries != st->reg_nsnap) {
-        set_err(err, errlen,
+        policy_set_err(err, errlen,
                 "score_queries %" PRIu32 " of layer %" PRIu32 " differs from %" PRIu32
                 " of an earlier layer in this step",
                 stats->score_queries, l, st->reg_nsnap);
@@ -901,7 +889,7 @@ static int ov_step(void *state, const policy_layer_view *view, const policy_stat
     }
     int rc = layer_register(st, l, st->raw, n, stats->score_queries);
     if (rc < 0) {
-        set_err(err, errlen, "out of memory registering scores");
+        policy_set_err(err, errlen, "out of memory registering scores");
         return -1;
     }
     if (stats->prefill) /* §2.5: never during prefill */
@@ -913,7 +901,7 @@ static int ov_step(void *state, const policy_layer_view *view, const policy_stat
     for (size_t i = 0; i < nb; i++) {
         size_t from = (size_t)blocks[i] * st->B;
         if (from + st->B > n) { /* cannot happen while acc mirrors the view */
-            set_err(err, errlen, "policy ov_block: block %" PRIu32 " beyond the %zu held tokens",
+            policy_set_err(err, errlen, "policy ov_block: block %" PRIu32 " beyond the %zu held tokens",
                     blocks[i], n);
             free(blocks);
             return -1;

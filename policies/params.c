@@ -17,21 +17,9 @@
 #include <string.h>
 
 #include "policy.h"
+#include "util.h"
 
 #define VALUE_MAX (sizeof(((policy_params *)0)->value[0]) - 1) /* 63 bytes + NUL */
-
-static void set_err(char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-
-static void set_err(char *err, size_t errlen, const char *fmt, ...)
-{
-    if (err == NULL || errlen == 0)
-        return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
 
 /* Index of `key` in the policy's spec, or -1. */
 static long spec_index(const policy_ops *ops, const char *key)
@@ -66,28 +54,28 @@ static int check_pair(const policy_ops *ops, const char *const *keys, const char
 {
     const char *key = keys[i];
     if (key == NULL || key[0] == '\0') {
-        set_err(err, errlen, "empty parameter name for policy '%s'", ops->name);
+        policy_set_err(err, errlen, "empty parameter name for policy '%s'", ops->name);
         return -1;
     }
     if (spec_index(ops, key) < 0) {
         char known[POLICY_ERR_LEN];
         known_keys(ops, known, sizeof(known));
-        set_err(err, errlen, "unknown parameter '%.64s' for policy '%s' (known: %s)", key,
+        policy_set_err(err, errlen, "unknown parameter '%.64s' for policy '%s' (known: %s)", key,
                 ops->name, known);
         return -1;
     }
     for (size_t j = 0; j < i; j++) {
         if (strcmp(keys[j], key) == 0) {
-            set_err(err, errlen, "duplicate parameter '%s' for policy '%s'", key, ops->name);
+            policy_set_err(err, errlen, "duplicate parameter '%s' for policy '%s'", key, ops->name);
             return -1;
         }
     }
     if (values[i] == NULL) {
-        set_err(err, errlen, "parameter '%s' for policy '%s' has no value", key, ops->name);
+        policy_set_err(err, errlen, "parameter '%s' for policy '%s' has no value", key, ops->name);
         return -1;
     }
     if (strnlen(values[i], VALUE_MAX + 1) > VALUE_MAX) {
-        set_err(err, errlen, "value of parameter '%s' for policy '%s' is longer than %zu bytes",
+        policy_set_err(err, errlen, "value of parameter '%s' for policy '%s' is longer than %zu bytes",
                 key, ops->name, VALUE_MAX);
         return -1;
     }
@@ -98,11 +86,11 @@ int policy_params_resolve(const policy_ops *ops, const char *const *keys, const 
                           size_t n, policy_params *out, char *err, size_t errlen)
 {
     if (ops == NULL || out == NULL || (n > 0 && (keys == NULL || values == NULL))) {
-        set_err(err, errlen, "invalid arguments to policy_params_resolve");
+        policy_set_err(err, errlen, "invalid arguments to policy_params_resolve");
         return -1;
     }
     if (ops->nparams > POLICY_MAX_PARAMS) {
-        set_err(err, errlen, "policy '%s' declares %zu parameters, at most %d supported", ops->name,
+        policy_set_err(err, errlen, "policy '%s' declares %zu parameters, at most %d supported", ops->name,
                 ops->nparams, POLICY_MAX_PARAMS);
         return -1;
     }
@@ -113,7 +101,7 @@ int policy_params_resolve(const policy_ops *ops, const char *const *keys, const 
     }
     for (size_t i = 0; i < ops->nparams; i++) {
         if (strlen(ops->params[i].def) > VALUE_MAX) {
-            set_err(err, errlen, "default of parameter '%s' for policy '%s' is too long",
+            policy_set_err(err, errlen, "default of parameter '%s' for policy '%s' is too long",
                     ops->params[i].key, ops->name);
             return -1;
         }
@@ -163,12 +151,12 @@ int policy_params_uint(const policy_params *p, const char *key, uint32_t min, ui
 {
     const char *s = policy_params_get(p, key);
     if (s == NULL) {
-        set_err(err, errlen, "no parameter %s in this policy", key ? key : "(null)");
+        policy_set_err(err, errlen, "no parameter %s in this policy", key ? key : "(null)");
         return -1;
     }
     uint64_t v;
     if (parse_decimal(s, max, &v) != 0 || v < min) {
-        set_err(err, errlen,
+        policy_set_err(err, errlen,
                 "parameter %s must be an integer in [%" PRIu32 ", %" PRIu32 "], got '%s'", key, min,
                 max, s);
         return -1;
@@ -182,7 +170,7 @@ int policy_params_double(const policy_params *p, const char *key, double min, do
 {
     const char *s = policy_params_get(p, key);
     if (s == NULL) {
-        set_err(err, errlen, "no parameter %s in this policy", key ? key : "(null)");
+        policy_set_err(err, errlen, "no parameter %s in this policy", key ? key : "(null)");
         return -1;
     }
     char *end;
@@ -192,7 +180,7 @@ int policy_params_double(const policy_params *p, const char *key, double min, do
      * skips leading white space, which the integers refuse too. */
     if (*s == '\0' || isspace((unsigned char)*s) || *end != '\0' || errno != 0 || !isfinite(v) ||
         v < min || v > max) {
-        set_err(err, errlen, "parameter %s must be a number in [%g, %g], got '%s'", key, min, max,
+        policy_set_err(err, errlen, "parameter %s must be a number in [%g, %g], got '%s'", key, min, max,
                 s);
         return -1;
     }
@@ -205,7 +193,7 @@ int policy_params_choice(const policy_params *p, const char *key, const char *co
 {
     const char *s = policy_params_get(p, key);
     if (s == NULL) {
-        set_err(err, errlen, "no parameter %s in this policy", key ? key : "(null)");
+        policy_set_err(err, errlen, "no parameter %s in this policy", key ? key : "(null)");
         return -1;
     }
     char list[160] = "";
@@ -217,6 +205,6 @@ int policy_params_choice(const policy_params *p, const char *key, const char *co
         size_t n = strlen(list);
         snprintf(list + n, sizeof list - n, "%s%s", i ? ", " : "", choices[i]);
     }
-    set_err(err, errlen, "parameter %s must be one of %s, got '%s'", key, list, s);
+    policy_set_err(err, errlen, "parameter %s must be one of %s, got '%s'", key, list, s);
     return -1;
 }

@@ -11,6 +11,7 @@
 #include "snapkv_family.h"
 
 #include "describe.h"
+#include "util.h"
 
 #include <math.h>
 #include <stdarg.h>
@@ -223,19 +224,6 @@ static int variant_critical(snapkv_variant v)
 
 static const char *const variant_name[] = {"snapkv", "adakv", "criticalkv", "criticalkv_ada"};
 
-static void set_err(char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-
-static void set_err(char *err, size_t errlen, const char *fmt, ...)
-{
-    if (err == NULL || errlen == 0)
-        return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
-
 #define SNAPKV_MAX_WINDOW 1048576u
 #define SNAPKV_MAX_KERNEL 1025u
 
@@ -250,7 +238,7 @@ int snapkv_config_parse(const policy_params *p, snapkv_variant variant, snapkv_c
     if (policy_params_double(p, "compression_ratio", 0, 1, &c.compression_ratio, err, errlen) != 0)
         return -1;
     if (c.compression_ratio >= 1) {
-        set_err(err, errlen, "parameter compression_ratio must be in [0, 1), got '%s'",
+        policy_set_err(err, errlen, "parameter compression_ratio must be in [0, 1), got '%s'",
                 policy_params_get(p, "compression_ratio"));
         return -1;
     }
@@ -259,7 +247,7 @@ int snapkv_config_parse(const policy_params *p, snapkv_variant variant, snapkv_c
         return -1;
     if (c.kernel % 2 == 0) {
         /* An even kernel with k/2 padding yields L+1 pooled scores. */
-        set_err(err, errlen, "parameter kernel must be odd, got %u", c.kernel);
+        policy_set_err(err, errlen, "parameter kernel must be odd, got %u", c.kernel);
         return -1;
     }
     if (policy_params_choice(p, "pooling", pools, &pool, err, errlen) != 0 ||
@@ -281,7 +269,7 @@ int snapkv_config_parse(const policy_params *p, snapkv_variant variant, snapkv_c
     if (c.budget != 0 && c.budget <= c.window) {
         /* Otherwise a held list could exceed the budget with L <= window,
          * where SnapKV cannot score it (§1.7), and grow without bound. */
-        set_err(err, errlen, "parameter budget must be 0 (off) or greater than window (%u), got %u",
+        policy_set_err(err, errlen, "parameter budget must be 0 (off) or greater than window (%u), got %u",
                 c.window, c.budget);
         return -1;
     }
@@ -343,7 +331,7 @@ int snapkv_family_create(const policy_params *p, const policy_geometry *g, snapk
     if (snapkv_config_parse(p, variant, &cfg, err, errlen) != 0)
         return -1;
     if (g->layers == 0 || g->kv_heads == 0 || g->q_heads == 0 || g->q_heads % g->kv_heads != 0) {
-        set_err(err, errlen,
+        policy_set_err(err, errlen,
                 "policy %s needs layers >= 1 and q_heads a multiple of kv_heads, got layers=%u "
                 "q_heads=%u kv_heads=%u",
                 variant_name[variant], g->layers, g->q_heads, g->kv_heads);
@@ -369,7 +357,7 @@ int snapkv_family_create(const policy_params *p, const policy_geometry *g, snapk
     return 0;
 oom:
     snapkv_family_destroy(st);
-    set_err(err, errlen, "out of memory creating policy '%s'", variant_name[variant]);
+    policy_set_err(err, errlen, "out of memory creating policy '%s'", variant_name[variant]);
     return -1;
 }
 
@@ -444,12 +432,12 @@ static int check_stats(const snapkv_state *st, const policy_layer_view *view,
     for (uint32_t h = 0; h < st->q_heads; h++) {
         const float *row = stats->window_attn[h];
         if (row == NULL && prefix[h / G] > 0) {
-            set_err(err, errlen, "policy %s: window_attn of query head %u is missing", name, h);
+            policy_set_err(err, errlen, "policy %s: window_attn of query head %u is missing", name, h);
             return -1;
         }
         for (uint32_t i = 0; i < prefix[h / G]; i++)
             if (!isfinite(row[i])) {
-                set_err(err, errlen,
+                policy_set_err(err, errlen,
                         "policy %s: window_attn[%u][%u] is not a finite number (layer %u)", name, h,
                         i, view->layer);
                 return -1;
@@ -458,7 +446,7 @@ static int check_stats(const snapkv_state *st, const policy_layer_view *view,
     if (!variant_critical(st->cfg.variant))
         return 0;
     if (stats->vnorm == NULL) {
-        set_err(err, errlen,
+        policy_set_err(err, errlen,
                 "policy %s needs vnorm (projected value norms, POLICIES.md §1.2) on a "
                 "compression step (layer %u)",
                 name, view->layer);
@@ -467,12 +455,12 @@ static int check_stats(const snapkv_state *st, const policy_layer_view *view,
     for (uint32_t g = 0; g < view->heads; g++) {
         const float *row = stats->vnorm[g];
         if (row == NULL && view->tokens[g] > 0) {
-            set_err(err, errlen, "policy %s: vnorm of KV head %u is missing", name, g);
+            policy_set_err(err, errlen, "policy %s: vnorm of KV head %u is missing", name, g);
             return -1;
         }
         for (uint32_t i = 0; i < view->tokens[g]; i++)
             if (!isfinite(row[i]) || row[i] < 0) {
-                set_err(err, errlen,
+                policy_set_err(err, errlen,
                         "policy %s: vnorm[%u][%u] must be a finite number >= 0 (layer %u)", name, g,
                         i, view->layer);
                 return -1;
@@ -602,7 +590,7 @@ static int due(const snapkv_state *st, const policy_layer_view *view, const poli
         return 1;
     if (stats->prefill)
         return 0; /* the window attention comes with the prompt's last step */
-    set_err(err, errlen,
+    policy_set_err(err, errlen,
             "policy %s needs window_attn on decode steps over budget (layer %u holds %zu "
             "tokens, budget %u per head)",
             variant_name[c->variant], view->layer, total, c->budget);
@@ -616,7 +604,7 @@ int snapkv_family_step(void *state, const policy_layer_view *view, const policy_
     const snapkv_config *c = &st->cfg;
     const char *name = variant_name[c->variant];
     if (view->heads != st->kv_heads || view->layer >= st->layers) {
-        set_err(err, errlen, "policy %s: view of layer %u has %u lists, expected %u (kv_heads)",
+        policy_set_err(err, errlen, "policy %s: view of layer %u has %u lists, expected %u (kv_heads)",
                 name, view->layer, view->heads, st->kv_heads);
         return -1;
     }
@@ -635,7 +623,7 @@ int snapkv_family_step(void *state, const policy_layer_view *view, const policy_
         return 0;
     }
     if (stats->window_queries != 0 && stats->window_queries != c->window) {
-        set_err(err, errlen,
+        policy_set_err(err, errlen,
                 "policy %s: window_attn averages %u queries but parameter window is %u", name,
                 stats->window_queries, c->window);
         return -1;
@@ -652,7 +640,7 @@ int snapkv_family_step(void *state, const policy_layer_view *view, const policy_
     work w;
     if (work_alloc(&w, view, total, Lmax) != 0) {
         work_free(&w, view->heads);
-        set_err(err, errlen, "policy %s: out of memory", name);
+        policy_set_err(err, errlen, "policy %s: out of memory", name);
         return -1;
     }
     for (uint32_t g = 0; g < view->heads; g++) {
@@ -682,7 +670,7 @@ int snapkv_family_step(void *state, const policy_layer_view *view, const policy_
     int rc = record_compression(st, view, &w);
     work_free(&w, view->heads);
     if (rc != 0) {
-        set_err(err, errlen, "policy %s: out of memory", name);
+        policy_set_err(err, errlen, "policy %s: out of memory", name);
         return -1;
     }
     return 0;

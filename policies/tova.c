@@ -18,6 +18,7 @@
 #include <stdlib.h>
 
 #include "builtin.h"
+#include "util.h"
 
 #define TOVA_MAX 1048576u
 
@@ -92,45 +93,6 @@ static int scratch_reserve(tova_scratch *s, uint32_t need)
     return 0;
 }
 
-/* Evict-before order of top-k: lower score first; among equal scores the
- * higher index goes first, so the lower index is kept. */
-static int evict_before(const double *s, uint32_t x, uint32_t y)
-{
-    return s[x] < s[y] || (s[x] == s[y] && x > y);
-}
-
-static void sift_down(uint32_t *a, uint32_t n, uint32_t i, const double *s)
-{
-    for (;;) {
-        uint32_t top = i, l = 2 * i + 1, r = 2 * i + 2;
-        if (l < n && evict_before(s, a[top], a[l]))
-            top = l;
-        if (r < n && evict_before(s, a[top], a[r]))
-            top = r;
-        if (top == i)
-            return;
-        uint32_t t = a[i];
-        a[i] = a[top];
-        a[top] = t;
-        i = top;
-    }
-}
-
-/* Keep in a[0..k) the k tokens evicted first (a bounded max-heap whose top
- * is the one evicted last among them). */
-static void select_first(uint32_t *a, uint32_t m, uint32_t k, const double *s)
-{
-    if (k == 0)
-        return;
-    for (uint32_t i = k / 2; i-- > 0;)
-        sift_down(a, k, i, s);
-    for (uint32_t i = k; i < m; i++)
-        if (evict_before(s, a[i], a[0])) {
-            a[0] = a[i];
-            sift_down(a, k, 0, s);
-        }
-}
-
 static int tova_step(void *state, const policy_layer_view *view, const policy_stats *stats,
                      policy_decision *d, char *err, size_t errlen)
 {
@@ -175,7 +137,7 @@ static int tova_step(void *state, const policy_layer_view *view, const policy_st
     for (uint32_t i = 0; i < n; i++)
         sc->idx[i] = i;
     uint32_t k = n - st->budget;
-    select_first(sc->idx, n, k, sc->score);
+    policy_select_evict_first(sc->idx, n, k, sc->score, 0); /* ties: keep the lower index */
     for (uint32_t j = 0; j < k; j++)
         d->tier[0][sc->idx[j]] = POLICY_EVICT;
     return 0;

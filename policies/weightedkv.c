@@ -49,6 +49,7 @@
 
 #include "builtin.h"
 #include "describe.h"
+#include "util.h"
 
 #define WKV_MAX 1048576u
 
@@ -83,19 +84,6 @@ static const policy_param_spec wkv_params[] = {
      "1 = Algorithm 1 literally: a = a/c on each merging step "
      "(§4.1 quirk); 0 = keep a as the raw sum"},
 };
-
-static void set_err(char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-
-static void set_err(char *err, size_t errlen, const char *fmt, ...)
-{
-    if (err == NULL || errlen == 0)
-        return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
 
 /* ---- the pure pieces (weightedkv.h) -------------------------------------- */
 
@@ -272,7 +260,7 @@ static int parse_params(const policy_params *p, wkv_state *s, char *err, size_t 
         return -1;
     /* §4.2: the merge-managed middle must hold at least one entry. */
     if ((uint64_t)c->cache_size < (uint64_t)c->n_init + c->n_recent + 1) {
-        set_err(err, errlen,
+        policy_set_err(err, errlen,
                 "parameter cache_size (%u) must be at least n_init + n_recent + 1 (%u + %u + 1)",
                 c->cache_size, c->n_init, c->n_recent);
         return -1;
@@ -309,14 +297,14 @@ static int wkv_create(const policy_params *p, const policy_geometry *g, void **s
         return -1;
     if (g == NULL || g->layers == 0 || g->kv_heads == 0 || g->q_heads % g->kv_heads != 0 ||
         g->q_heads == 0) {
-        set_err(err, errlen,
+        policy_set_err(err, errlen,
                 "weightedkv needs a geometry with layers >= 1 and q_heads a positive multiple "
                 "of kv_heads");
         return -1;
     }
     wkv_state *s = malloc(sizeof *s);
     if (s == NULL) {
-        set_err(err, errlen, "out of memory creating policy 'weightedkv'");
+        policy_set_err(err, errlen, "out of memory creating policy 'weightedkv'");
         return -1;
     }
     *s = tmp;
@@ -327,7 +315,7 @@ static int wkv_create(const policy_params *p, const policy_geometry *g, void **s
     s->heads = calloc((size_t)g->layers * g->kv_heads, sizeof *s->heads);
     if (s->heads == NULL) {
         wkv_destroy(s);
-        set_err(err, errlen, "out of memory creating policy 'weightedkv'");
+        policy_set_err(err, errlen, "out of memory creating policy 'weightedkv'");
         return -1;
     }
     *state = s;
@@ -391,17 +379,17 @@ static int check_stats(const wkv_state *s, const policy_stats *st, int window, c
                        size_t errlen)
 {
     if (st->last_attn == NULL) {
-        set_err(err, errlen, "weightedkv needs stats last_attn (attention of the last query)");
+        policy_set_err(err, errlen, "weightedkv needs stats last_attn (attention of the last query)");
         return -1;
     }
     for (uint32_t h = 0; h < s->q_heads; h++)
         if (st->last_attn[h] == NULL || (window && st->window_attn[h] == NULL)) {
-            set_err(err, errlen, "weightedkv: stats %s of query head %u missing",
+            policy_set_err(err, errlen, "weightedkv: stats %s of query head %u missing",
                     st->last_attn[h] == NULL ? "last_attn" : "window_attn", h);
             return -1;
         }
     if (window && st->window_queries > st->new_tokens) {
-        set_err(err, errlen, "weightedkv: window_queries (%u) exceeds the step's new_tokens (%u)",
+        policy_set_err(err, errlen, "weightedkv: window_queries (%u) exceeds the step's new_tokens (%u)",
                 st->window_queries, st->new_tokens);
         return -1;
     }
@@ -448,7 +436,7 @@ static int merge_head(wkv_state *s, wkv_head *hd, uint32_t k, policy_decision *d
     }
     size_t count = wkv_plan(s->w, n, &s->cfg, k, s->scratch, s->plan);
     if (s->merge && d->nmerges + count > d->merges_cap) {
-        set_err(err, errlen, "weightedkv: %zu merges do not fit the decision (room for %zu)",
+        policy_set_err(err, errlen, "weightedkv: %zu merges do not fit the decision (room for %zu)",
                 d->nmerges + count, d->merges_cap);
         return -1;
     }
@@ -476,7 +464,7 @@ static int wkv_step(void *state, const policy_layer_view *view, const policy_sta
 {
     wkv_state *s = state;
     if (view->layer >= s->layers || view->heads != s->kv_heads) {
-        set_err(err, errlen,
+        policy_set_err(err, errlen,
                 "weightedkv: view of layer %u with %u lists does not match the policy "
                 "(%u KV heads)",
                 view->layer, view->heads, s->kv_heads);
@@ -489,7 +477,7 @@ static int wkv_step(void *state, const policy_layer_view *view, const policy_sta
     for (uint32_t k = 0; k < s->kv_heads; k++) {
         uint32_t n = view->tokens[k];
         if (stats->new_tokens > n || heads[k].n != n - stats->new_tokens) {
-            set_err(err, errlen,
+            policy_set_err(err, errlen,
                     "weightedkv: head %u holds %u tokens with %u new, but the policy tracks %u "
                     "(out of sync)",
                     k, n, stats->new_tokens, heads[k].n);
@@ -498,7 +486,7 @@ static int wkv_step(void *state, const policy_layer_view *view, const policy_sta
     }
     for (uint32_t k = 0; k < s->kv_heads; k++) {
         if (reserve(s, &heads[k], view->tokens[k]) != 0) {
-            set_err(err, errlen, "out of memory in policy 'weightedkv'");
+            policy_set_err(err, errlen, "out of memory in policy 'weightedkv'");
             return -1;
         }
         accumulate(s, &heads[k], view, k, stats, window);
