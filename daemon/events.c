@@ -60,8 +60,7 @@ void events_publish(events *ev, const char *topic, json_t *obj)
             msg[tlen] = ' ';
             memcpy(msg + tlen + 1, body, blen);
             if (nn_send(ev->sock, msg, tlen + 1 + blen, NN_DONTWAIT) < 0)
-                log_debug("event_dropped", "topic=%s err=\"%s\"", topic,
-                          nn_strerror(nn_errno()));
+                log_debug("event_dropped", "topic=%s err=\"%s\"", topic, nn_strerror(nn_errno()));
             free(msg);
         }
         free(body);

@@ -100,8 +100,7 @@ static void handle_hello(fdsock *fs, conn *c)
     char msg[8 + STORE_TOKEN_LEN];
     snprintf(msg, sizeof msg, "OK %s", token);
     reply(c->fd, msg, -1);
-    log_debug("peer_identified", "conn=%d pid=%d uid=%u", c->id, (int)cred.pid,
-              (unsigned)cred.uid);
+    log_debug("peer_identified", "conn=%d pid=%d uid=%u", c->id, (int)cred.pid, (unsigned)cred.uid);
 }
 
 static void handle_map(fdsock *fs, conn *c, const char *arg)

@@ -47,9 +47,8 @@ void log_emit(log_level level, const char *msg, const char *fmt, ...)
     struct tm tm;
     clock_gettime(CLOCK_REALTIME, &ts);
     gmtime_r(&ts.tv_sec, &tm);
-    int n = snprintf(line, sizeof line,
-                     "ts=%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ level=%s msg=%s ", tm.tm_year + 1900,
-                     tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec,
+    int n = snprintf(line, sizeof line, "ts=%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ level=%s msg=%s ",
+                     tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec,
                      ts.tv_nsec / 1000000, level_names[level], msg);
     va_list ap;
     va_start(ap, fmt);

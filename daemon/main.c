@@ -29,32 +29,29 @@ typedef struct daemon_opts {
 
 static void usage(FILE *out)
 {
-    fprintf(out,
-            "usage: kvstashd [options]\n"
-            "  --socket PATH      gRPC Unix socket (default $XDG_RUNTIME_DIR/kvstash/"
-            "kvstashd.sock,\n"
-            "                     or /run/kvstash/kvstashd.sock); PATH.fd, PATH.events and\n"
-            "                     PATH.lock are created beside it\n"
-            "  --listen ADDR      also serve gRPC on TCP ADDR (loopback only, e.g. "
-            "127.0.0.1:7070)\n"
-            "  --pool-mb N        shared memory per model pool in MiB (default 256)\n"
-            "  --max-pools N      models served at once (default 4)\n"
-            "  --max-sessions N   workers attached at once (default 256)\n"
-            "  --max-seqs N       sequences over all workers (default 65536)\n"
-            "  --threads N        gRPC completion-queue threads (default 2)\n"
-            "  --log-level L      debug, info, warn or error (default info)\n"
-            "  --version, --help\n");
+    fprintf(out, "usage: kvstashd [options]\n"
+                 "  --socket PATH      gRPC Unix socket (default $XDG_RUNTIME_DIR/kvstash/"
+                 "kvstashd.sock,\n"
+                 "                     or /run/kvstash/kvstashd.sock); PATH.fd, PATH.events and\n"
+                 "                     PATH.lock are created beside it\n"
+                 "  --listen ADDR      also serve gRPC on TCP ADDR (loopback only, e.g. "
+                 "127.0.0.1:7070)\n"
+                 "  --pool-mb N        shared memory per model pool in MiB (default 256)\n"
+                 "  --max-pools N      models served at once (default 4)\n"
+                 "  --max-sessions N   workers attached at once (default 256)\n"
+                 "  --max-seqs N       sequences over all workers (default 65536)\n"
+                 "  --threads N        gRPC completion-queue threads (default 2)\n"
+                 "  --log-level L      debug, info, warn or error (default info)\n"
+                 "  --version, --help\n");
 }
 
-static int parse_count(const char *flag, const char *text, unsigned long max,
-                       unsigned long *out)
+static int parse_count(const char *flag, const char *text, unsigned long max, unsigned long *out)
 {
     char *end;
     errno = 0;
     unsigned long v = strtoul(text, &end, 10);
     if (errno != 0 || end == text || *end != '\0' || text[0] == '-' || v == 0 || v > max) {
-        fprintf(stderr, "kvstashd: %s must be an integer in [1, %lu], got '%s'\n", flag, max,
-                text);
+        fprintf(stderr, "kvstashd: %s must be an integer in [1, %lu], got '%s'\n", flag, max, text);
         return -1;
     }
     *out = v;
@@ -69,15 +66,19 @@ static void default_socket(char *buf, size_t len)
 
 static int parse_opts(int argc, char **argv, daemon_opts *o)
 {
-    static const struct option longopts[] = {
-        {"socket", required_argument, 0, 's'},  {"listen", required_argument, 0, 'l'},
-        {"pool-mb", required_argument, 0, 'p'}, {"max-pools", required_argument, 0, 'P'},
-        {"max-sessions", required_argument, 0, 'S'}, {"max-seqs", required_argument, 0, 'Q'},
-        {"threads", required_argument, 0, 't'}, {"log-level", required_argument, 0, 'L'},
-        {"version", no_argument, 0, 'V'},       {"help", no_argument, 0, 'h'},
-        {0, 0, 0, 0}};
-    *o = (daemon_opts){.pool_mb = 256, .max_pools = 4, .max_sessions = 256,
-                       .max_seqs = 65536, .threads = 2};
+    static const struct option longopts[] = {{"socket", required_argument, 0, 's'},
+                                             {"listen", required_argument, 0, 'l'},
+                                             {"pool-mb", required_argument, 0, 'p'},
+                                             {"max-pools", required_argument, 0, 'P'},
+                                             {"max-sessions", required_argument, 0, 'S'},
+                                             {"max-seqs", required_argument, 0, 'Q'},
+                                             {"threads", required_argument, 0, 't'},
+                                             {"log-level", required_argument, 0, 'L'},
+                                             {"version", no_argument, 0, 'V'},
+                                             {"help", no_argument, 0, 'h'},
+                                             {0, 0, 0, 0}};
+    *o = (daemon_opts){
+        .pool_mb = 256, .max_pools = 4, .max_sessions = 256, .max_seqs = 65536, .threads = 2};
     default_socket(o->socket, sizeof o->socket);
     int c, level;
     while ((c = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
@@ -90,12 +91,24 @@ static int parse_opts(int argc, char **argv, daemon_opts *o)
             }
             snprintf(o->socket, sizeof o->socket, "%s", optarg);
             break;
-        case 'l': o->listen = optarg; break;
-        case 'p': bad = parse_count("--pool-mb", optarg, 1u << 20, &o->pool_mb); break;
-        case 'P': bad = parse_count("--max-pools", optarg, 64, &o->max_pools); break;
-        case 'S': bad = parse_count("--max-sessions", optarg, 4096, &o->max_sessions); break;
-        case 'Q': bad = parse_count("--max-seqs", optarg, 1u << 24, &o->max_seqs); break;
-        case 't': bad = parse_count("--threads", optarg, 64, &o->threads); break;
+        case 'l':
+            o->listen = optarg;
+            break;
+        case 'p':
+            bad = parse_count("--pool-mb", optarg, 1u << 20, &o->pool_mb);
+            break;
+        case 'P':
+            bad = parse_count("--max-pools", optarg, 64, &o->max_pools);
+            break;
+        case 'S':
+            bad = parse_count("--max-sessions", optarg, 4096, &o->max_sessions);
+            break;
+        case 'Q':
+            bad = parse_count("--max-seqs", optarg, 1u << 24, &o->max_seqs);
+            break;
+        case 't':
+            bad = parse_count("--threads", optarg, 64, &o->threads);
+            break;
         case 'L':
             if ((level = log_parse_level(optarg)) < 0) {
                 fprintf(stderr, "kvstashd: --log-level must be debug, info, warn or error\n");
@@ -103,9 +116,15 @@ static int parse_opts(int argc, char **argv, daemon_opts *o)
             }
             log_set_level((log_level)level);
             break;
-        case 'V': printf("kvstashd %s\n", KVSTASH_VERSION); exit(0);
-        case 'h': usage(stdout); exit(0);
-        default: usage(stderr); return -1;
+        case 'V':
+            printf("kvstashd %s\n", KVSTASH_VERSION);
+            exit(0);
+        case 'h':
+            usage(stdout);
+            exit(0);
+        default:
+            usage(stderr);
+            return -1;
         }
         if (bad)
             return -1;
@@ -152,8 +171,8 @@ static int take_lock(const char *socket)
         char pid[32] = "?";
         ssize_t n = pread(fd, pid, sizeof pid - 1, 0);
         pid[n > 0 ? n : 1] = '\0';
-        fprintf(stderr, "kvstashd: another kvstashd (pid %s) is serving %s\n",
-                strtok(pid, "\n"), socket);
+        fprintf(stderr, "kvstashd: another kvstashd (pid %s) is serving %s\n", strtok(pid, "\n"),
+                socket);
         close(fd);
         return -1;
     }
@@ -183,8 +202,8 @@ typedef struct daemon_parts {
 
 static int start(const daemon_opts *o, daemon_parts *d)
 {
-    store_config cfg = {(size_t)o->pool_mb << 20, (uint32_t)o->max_pools,
-                        (uint32_t)o->max_sessions, (uint32_t)o->max_seqs};
+    store_config cfg = {(size_t)o->pool_mb << 20, (uint32_t)o->max_pools, (uint32_t)o->max_sessions,
+                        (uint32_t)o->max_seqs};
     char path[PATH_MAX + 16];
     status st;
     snprintf(path, sizeof path, "ipc://%s.events", o->socket);

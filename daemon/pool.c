@@ -17,8 +17,8 @@ size_t pool_dtype_size(pool_dtype d)
 static status_code check_range(status *st, const char *field, uint32_t v, uint32_t lo, uint32_t hi)
 {
     if (v < lo || v > hi)
-        return status_set(st, ST_INVALID_ARGUMENT, "geometry.%s must be in [%u, %u], got %u",
-                          field, lo, hi, v);
+        return status_set(st, ST_INVALID_ARGUMENT, "geometry.%s must be in [%u, %u], got %u", field,
+                          lo, hi, v);
     return ST_OK;
 }
 
@@ -81,8 +81,8 @@ static int pool_open_memfd(const char *model, size_t bytes, status *st)
     }
     int rc = posix_fallocate(fd, 0, (off_t)bytes);
     if (rc != 0 && rc != EOPNOTSUPP && rc != EINVAL) {
-        status_set(st, ST_RESOURCE_EXHAUSTED, "cannot allocate %zu bytes of pool memory: %s",
-                   bytes, strerror(rc));
+        status_set(st, ST_RESOURCE_EXHAUSTED, "cannot allocate %zu bytes of pool memory: %s", bytes,
+                   strerror(rc));
         goto fail;
     }
     if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
@@ -106,8 +106,8 @@ status_code pool_create(uint64_t id, const char *model, const pool_geometry *g, 
     snprintf(p->model, sizeof p->model, "%s", model);
     p->geom = *g;
     p->memfd = -1;
-    p->layout = (kv_layout){g->kv_heads, g->block_tokens, g->head_dim,
-                            (uint32_t)pool_dtype_size(g->dtype)};
+    p->layout =
+        (kv_layout){g->kv_heads, g->block_tokens, g->head_dim, (uint32_t)pool_dtype_size(g->dtype)};
     p->block_bytes = kv_block_bytes(&p->layout);
     size_t count = max_bytes / p->block_bytes;
     if (count > UINT32_MAX)

@@ -35,8 +35,8 @@ typedef struct pool {
     uint32_t *free_stack; /* free block ids; the top is free_stack[nfree-1] */
     uint32_t sessions;    /* sessions attached; the store destroys the pool at 0 */
     int memfd;
-    uint8_t *base;        /* the daemon's own mapping of the arena */
-    size_t bytes;         /* block_count * block_bytes */
+    uint8_t *base; /* the daemon's own mapping of the arena */
+    size_t bytes;  /* block_count * block_bytes */
 } pool;
 
 /* Check a client-supplied geometry (ranges, q_heads % kv_heads, dtype) and

@@ -13,7 +13,6 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-
 #include "kvstash_ring.h"
 #include "store.h"
 
@@ -137,9 +136,14 @@ static void serve_step(ring *rg, const ring_request *q, ring_response *r)
     }
     if (n > 0)
         memcpy(rg->scratch, rg->data, q->data_bytes);
-    seq_step_input in = {q->arrays,        q->new_tokens,     (int)(q->prefill != 0),
-                         q->score_queries, q->window_queries, q->confidence,
-                         rg->scratch,      n};
+    seq_step_input in = {q->arrays,
+                         q->new_tokens,
+                         (int)(q->prefill != 0),
+                         q->score_queries,
+                         q->window_queries,
+                         q->confidence,
+                         rg->scratch,
+                         n};
     status s;
     if (store_step(rg->store, rg->token, q->seq_id, q->ack_epoch, &in, &r->epoch, &r->evicted,
                    &s) != ST_OK)
@@ -201,8 +205,7 @@ static void *ring_thread(void *arg)
     }
 }
 
-status_code ring_create(struct store *st, const char *token, size_t bytes, ring **out,
-                        status *s)
+status_code ring_create(struct store *st, const char *token, size_t bytes, ring **out, status *s)
 {
     *out = NULL;
     ring *rg = calloc(1, sizeof *rg);

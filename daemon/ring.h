@@ -17,8 +17,7 @@ typedef struct ring ring;
 
 /* Create a sealed memfd of `bytes`, map it and start its thread, which acts
  * for the session holding `token`. */
-status_code ring_create(struct store *st, const char *token, size_t bytes, ring **out,
-                        status *s);
+status_code ring_create(struct store *st, const char *token, size_t bytes, ring **out, status *s);
 
 /* The ring's memfd (owned by the ring) and its size. */
 int ring_fd(const ring *r);

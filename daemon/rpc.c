@@ -111,9 +111,9 @@ static void post_registered(rpc_server *srv, int cq_index, size_t method)
         return;
     }
     grpc_completion_queue *cq = srv->cqs[cq_index];
-    grpc_call_error e = grpc_server_request_registered_call(
-        srv->server, srv->handles[method], &c->call, &c->deadline, &c->md, &c->payload, cq, cq,
-        &c->requested);
+    grpc_call_error e = grpc_server_request_registered_call(srv->server, srv->handles[method],
+                                                            &c->call, &c->deadline, &c->md,
+                                                            &c->payload, cq, cq, &c->requested);
     if (e != GRPC_CALL_OK) {
         log_error("rpc_post_failed", "method=%s err=%d", srv->methods[method].path, (int)e);
         call_free(c);
@@ -216,8 +216,7 @@ static void handle_request(rpc_call *c)
     status st = {ST_OK, ""};
     ProtobufCMessage *req = pbgrpc_unpack(m->request, c->payload);
     if (req == NULL) {
-        status_set(&st, ST_INVALID_ARGUMENT, "request is not a valid %s message",
-                   m->request->name);
+        status_set(&st, ST_INVALID_ARGUMENT, "request is not a valid %s message", m->request->name);
         log_info("rpc_bad_request", "method=%s", m->path);
         call_finish(c, st.code, st.msg);
         return;
@@ -374,9 +373,8 @@ static status_code server_create(rpc_server *srv, const rpc_config *cfg, status 
 {
     srv->server = grpc_server_create(NULL, NULL);
     for (size_t i = 0; i < srv->nmethods; i++)
-        srv->handles[i] =
-            grpc_server_register_method(srv->server, srv->methods[i].path, NULL,
-                                        GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);
+        srv->handles[i] = grpc_server_register_method(srv->server, srv->methods[i].path, NULL,
+                                                      GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);
     for (int i = 0; i < srv->nthreads; i++) {
         srv->cqs[i] = grpc_completion_queue_create_for_next(NULL);
         grpc_server_register_completion_queue(srv->server, srv->cqs[i], NULL);

@@ -25,16 +25,15 @@ typedef status_code (*rpc_unary_fn)(void *app, const char *token, const Protobuf
 /* Server-stream opener: on ST_OK, *first is sent at once and the stream stays
  * open until the client cancels or dies (or the server stops); then
  * stream_closed(app, cookie) runs once. */
-typedef status_code (*rpc_stream_open_fn)(void *app, const char *token,
-                                          const ProtobufCMessage *req, grpc_byte_buffer **first,
-                                          uint64_t *cookie, status *st);
+typedef status_code (*rpc_stream_open_fn)(void *app, const char *token, const ProtobufCMessage *req,
+                                          grpc_byte_buffer **first, uint64_t *cookie, status *st);
 typedef void (*rpc_stream_closed_fn)(void *app, uint64_t cookie);
 
 typedef struct rpc_method {
     const char *path; /* "/kvstash.v1.Store/Attach" */
     const ProtobufCMessageDescriptor *request;
-    rpc_unary_fn unary;               /* set for unary methods */
-    rpc_stream_open_fn stream_open;   /* set for server streams */
+    rpc_unary_fn unary;             /* set for unary methods */
+    rpc_stream_open_fn stream_open; /* set for server streams */
     rpc_stream_closed_fn stream_closed;
 } rpc_method;
 

@@ -228,9 +228,8 @@ static void apply_merges(seq *s, uint32_t l, const policy_decision *d)
         const policy_merge *g = &d->merges[m];
         const seq_list *ly = &s->lists[(size_t)l * s->heads + g->head];
         kv_segment from = list_token(ly, g->from), into = list_token(ly, g->into);
-        kv_merge_value(&s->list_layout, (kv_dtype)s->pool->geom.dtype, s->pool->base,
-                       from.block, from.first_slot, into.block, into.first_slot, g->w_from,
-                       g->w_into);
+        kv_merge_value(&s->list_layout, (kv_dtype)s->pool->geom.dtype, s->pool->base, from.block,
+                       from.first_slot, into.block, into.first_slot, g->w_from, g->w_into);
     }
 }
 
@@ -316,8 +315,8 @@ static status_code layer_apply(seq *s, uint32_t l, const policy_decision *d, uin
 /* Point one layer's stats at its arrays in `data` (layout: proto/kvstash_ring.h);
  * with data NULL only counts. ptrs has room for 3 * q_heads entries.
  * Returns the floats the layer uses. */
-static size_t layer_stats(seq *s, uint32_t l, unsigned arrays, const float *data,
-                          policy_stats *ps, const float **ptrs)
+static size_t layer_stats(seq *s, uint32_t l, unsigned arrays, const float *data, policy_stats *ps,
+                          const float **ptrs)
 {
     uint32_t q = s->pool->geom.q_heads, kv = s->pool->geom.kv_heads, group = q / kv;
     size_t off = 0;
@@ -406,11 +405,16 @@ static status_code seq_step_silent(seq *s, uint64_t epoch, uint32_t *evicted, st
 static const char *needs_name(unsigned bit)
 {
     switch (bit) {
-    case POLICY_NEEDS_SCORE: return "score";
-    case POLICY_NEEDS_LAST_ATTN: return "last_attn";
-    case POLICY_NEEDS_WINDOW_ATTN: return "window_attn";
-    case POLICY_NEEDS_VNORM: return "vnorm";
-    default: return "confidence";
+    case POLICY_NEEDS_SCORE:
+        return "score";
+    case POLICY_NEEDS_LAST_ATTN:
+        return "last_attn";
+    case POLICY_NEEDS_WINDOW_ATTN:
+        return "window_attn";
+    case POLICY_NEEDS_VNORM:
+        return "vnorm";
+    default:
+        return "confidence";
     }
 }
 
@@ -432,8 +436,10 @@ static status_code seq_step_check(seq *s, const seq_step_input *in, status *st)
                               "policy %s needs '%s' in every step; this step has none",
                               s->policy->name, needs_name(bit));
     if (in->confidence > 1.0 || in->confidence != in->confidence)
-        return status_set(st, ST_INVALID_ARGUMENT, "confidence must be in [0, 1] (or < 0 for "
-                                                   "none), got %g", in->confidence);
+        return status_set(st, ST_INVALID_ARGUMENT,
+                          "confidence must be in [0, 1] (or < 0 for "
+                          "none), got %g",
+                          in->confidence);
     if (in->new_tokens > s->unstepped)
         return status_set(st, ST_INVALID_ARGUMENT,
                           "new_tokens is %u but only %u tokens were appended since the last step",
@@ -536,8 +542,7 @@ status_code seq_append(seq *s, int64_t count, kv_segment *const *writes, size_t 
                           (long long)count, (unsigned long long)need, s->pool->model,
                           s->pool->nfree, s->pool->block_count);
     for (size_t i = 0; i < seq_nlists(s); i++)
-        if (list_reserve(&s->lists[i], s->lists[i].nsegs + (size_t)count / s->block_slots + 2) !=
-            0)
+        if (list_reserve(&s->lists[i], s->lists[i].nsegs + (size_t)count / s->block_slots + 2) != 0)
             return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
     if (policy_host_append(s->host, (uint32_t)count) != 0)
         return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");

@@ -60,10 +60,10 @@ typedef struct seq {
     uint64_t appended;  /* tokens ever appended; the next token's position */
     uint32_t unstepped; /* tokens appended since the policy's last step */
     uint32_t nlayers;
-    uint32_t heads;       /* lists per layer: 1, or kv_heads for per-head policies */
-    uint32_t block_slots; /* tokens (or rows) a block of one list holds */
+    uint32_t heads;        /* lists per layer: 1, or kv_heads for per-head policies */
+    uint32_t block_slots;  /* tokens (or rows) a block of one list holds */
     kv_layout list_layout; /* a list's block layout, for the kernels */
-    seq_list *lists;      /* [nlayers * heads], list of (layer l, head k) at l * heads + k */
+    seq_list *lists;       /* [nlayers * heads], list of (layer l, head k) at l * heads + k */
     seq_retired *retired;
     size_t nretired, retired_cap;
 } seq;

@@ -54,8 +54,7 @@ static int layer_table_fill(Kvstash__V1__LayerTable *lt, const store_layer_table
         return -1;
     lt->n_positions = src->tokens;
     for (uint32_t i = 0; i < src->tokens; i++)
-        lt->positions[i] =
-            first_position >= 0 ? (uint32_t)first_position + i : src->positions[i];
+        lt->positions[i] = first_position >= 0 ? (uint32_t)first_position + i : src->positions[i];
     return 0;
 }
 
@@ -85,8 +84,8 @@ static Kvstash__V1__LayerTable **layer_tables_new(const store_table *t, int cons
     return ptrs;
 }
 
-static void layer_tables_free(Kvstash__V1__LayerTable **ptrs,
-                              Kvstash__V1__LayerTable *storage, uint32_t n)
+static void layer_tables_free(Kvstash__V1__LayerTable **ptrs, Kvstash__V1__LayerTable *storage,
+                              uint32_t n)
 {
     for (uint32_t l = 0; storage != NULL && l < n; l++)
         layer_table_clear(&storage[l]);
@@ -119,7 +118,7 @@ static status_code do_attach(void *app, const char *token, const ProtobufCMessag
     if (req->geometry == NULL)
         return status_set(st, ST_INVALID_ARGUMENT, "geometry is required");
     const Kvstash__V1__Geometry *g = req->geometry;
-    pool_geometry geom = {g->layers,       g->q_heads, g->kv_heads,   g->head_dim,
+    pool_geometry geom = {g->layers,       g->q_heads,           g->kv_heads,  g->head_dim,
                           g->block_tokens, (pool_dtype)g->dtype, g->rope_theta};
     store_attach_result r;
     if (store_attach(app, token, req->model, &geom, req->worker_name, &r, st) != ST_OK)
@@ -170,8 +169,8 @@ static status_code do_create_sequence(void *app, const char *token, const Protob
     }
     policy_params params;
     uint64_t seq_id, epoch;
-    if (store_seq_create(app, token, req->policy, keys, values, req->n_params, req->label,
-                         &seq_id, &epoch, &params, st) != ST_OK)
+    if (store_seq_create(app, token, req->policy, keys, values, req->n_params, req->label, &seq_id,
+                         &epoch, &params, st) != ST_OK)
         return st->code;
     Kvstash__V1__CreateSequenceResponse out = KVSTASH__V1__CREATE_SEQUENCE_RESPONSE__INIT;
     Kvstash__V1__Param storage[POLICY_MAX_PARAMS], *ptrs[POLICY_MAX_PARAMS];
@@ -261,31 +260,28 @@ static status_code do_health_check(void *app, const char *token, const ProtobufC
     if (req->service[0] != '\0' && strcmp(req->service, "kvstash.v1.Store") != 0)
         return status_set(st, ST_NOT_FOUND, "unknown service '%.64s'", req->service);
     Grpc__Health__V1__HealthCheckResponse out = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
-    out.status = store_serving(app) ? GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING
-                                    : GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__NOT_SERVING;
+    out.status = store_serving(app)
+                     ? GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING
+                     : GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__NOT_SERVING;
     *resp = pbgrpc_pack(&out.base);
     return ST_OK;
 }
 
 static const rpc_method methods[] = {
-    {"/kvstash.v1.Store/Attach", &kvstash__v1__attach_request__descriptor, do_attach, NULL,
-     NULL},
+    {"/kvstash.v1.Store/Attach", &kvstash__v1__attach_request__descriptor, do_attach, NULL, NULL},
     {"/kvstash.v1.Store/Lease", &kvstash__v1__lease_request__descriptor, NULL, do_lease_open,
      do_lease_closed},
     {"/kvstash.v1.Store/CreateSequence", &kvstash__v1__create_sequence_request__descriptor,
      do_create_sequence, NULL, NULL},
-    {"/kvstash.v1.Store/Append", &kvstash__v1__append_request__descriptor, do_append, NULL,
-     NULL},
+    {"/kvstash.v1.Store/Append", &kvstash__v1__append_request__descriptor, do_append, NULL, NULL},
     {"/kvstash.v1.Store/GetBlockTable", &kvstash__v1__get_block_table_request__descriptor,
      do_get_block_table, NULL, NULL},
     {"/kvstash.v1.Store/ReleaseSequence", &kvstash__v1__release_sequence_request__descriptor,
      do_release_sequence, NULL, NULL},
-    {"/kvstash.v1.Store/Detach", &kvstash__v1__detach_request__descriptor, do_detach, NULL,
+    {"/kvstash.v1.Store/Detach", &kvstash__v1__detach_request__descriptor, do_detach, NULL, NULL},
+    {"/kvstash.v1.Store/Stats", &kvstash__v1__stats_request__descriptor, service_stats, NULL, NULL},
+    {"/kvstash.v1.Store/Inspect", &kvstash__v1__inspect_request__descriptor, service_inspect, NULL,
      NULL},
-    {"/kvstash.v1.Store/Stats", &kvstash__v1__stats_request__descriptor, service_stats, NULL,
-     NULL},
-    {"/kvstash.v1.Store/Inspect", &kvstash__v1__inspect_request__descriptor, service_inspect,
-     NULL, NULL},
     {"/grpc.health.v1.Health/Check", &grpc__health__v1__health_check_request__descriptor,
      do_health_check, NULL, NULL},
 };

@@ -105,8 +105,7 @@ static void fill_stats(store *st, stats_buf *b, Kvstash__V1__StatsResponse *out,
     for (uint32_t i = 0; i < st->cfg.max_pools; i++)
         if (st->pools[i] != NULL) {
             size_t k = out->n_pools++;
-            pool_stats(st->pools[i], &b->pools[k], &b->geoms[k],
-                       pool_retired(st, st->pools[i]));
+            pool_stats(st->pools[i], &b->pools[k], &b->geoms[k], pool_retired(st, st->pools[i]));
             b->pool_ptrs[k] = &b->pools[k];
         }
     out->pools = b->pool_ptrs;

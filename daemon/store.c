@@ -125,8 +125,7 @@ seq *store_find_seq_locked(store *st, uint64_t seq_id)
     return i < 0 ? NULL : st->seqs[i];
 }
 
-static status_code need_own_seq(store *st, session *se, uint64_t seq_id, size_t *index,
-                                status *s)
+static status_code need_own_seq(store *st, session *se, uint64_t seq_id, size_t *index, status *s)
 {
     ssize_t i = find_seq_index(st, seq_id);
     if (i < 0)
@@ -273,8 +272,7 @@ status_code store_session_open(store *st, pid_t pid, uid_t uid, gid_t gid, int c
     if (!st->serving)
         rc = status_set(s, ST_UNAVAILABLE, "kvstashd is shutting down");
     else if (count_sessions(st) >= st->cfg.max_sessions)
-        rc = status_set(s, ST_RESOURCE_EXHAUSTED, "too many sessions (%u)",
-                        st->cfg.max_sessions);
+        rc = status_set(s, ST_RESOURCE_EXHAUSTED, "too many sessions (%u)", st->cfg.max_sessions);
     else if ((se = calloc(1, sizeof *se)) == NULL)
         rc = status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
     else if (make_token(se->token) != 0)
@@ -349,8 +347,7 @@ static status_code check_model_name(const char *model, status *s)
 {
     size_t n = strlen(model);
     if (n == 0 || n > 64)
-        return status_set(s, ST_INVALID_ARGUMENT, "model must be 1 to 64 characters, got %zu",
-                          n);
+        return status_set(s, ST_INVALID_ARGUMENT, "model must be 1 to 64 characters, got %zu", n);
     for (size_t i = 0; i < n; i++)
         if (!isalnum((unsigned char)model[i]) && !strchr("._-", model[i]))
             return status_set(s, ST_INVALID_ARGUMENT,
@@ -419,8 +416,8 @@ status_code store_attach(store *st, const char *token, const char *model,
         p->sessions++;
         snprintf(se->name, sizeof se->name, "%s", worker_name);
         se->attached_ms = store_now_ms();
-        *out = (store_attach_result){se->id, p->id, p->bytes, p->block_bytes, p->block_count,
-                                     p->geom};
+        *out =
+            (store_attach_result){se->id, p->id, p->bytes, p->block_bytes, p->block_count, p->geom};
         events_publish(st->events, "worker.attached",
                        json_pack("{sI sI sI sI ss}", "session", (json_int_t)se->id, "pid",
                                  (json_int_t)se->pid, "uid", (json_int_t)se->uid, "pool",
@@ -531,8 +528,8 @@ status_code store_seq_create(store *st, const char *token, const char *policy_na
 }
 
 /* Look up the caller's own sequence and ack its epoch; lock held. */
-static status_code own_seq_acked(store *st, const char *token, uint64_t seq_id,
-                                 uint64_t ack_epoch, seq **out, status *s)
+static status_code own_seq_acked(store *st, const char *token, uint64_t seq_id, uint64_t ack_epoch,
+                                 seq **out, status *s)
 {
     session *se;
     size_t i = 0;
@@ -555,9 +552,8 @@ static status_code table_alloc(store_table *t, const seq *q, status *s)
     if (t->lists == NULL)
         return status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
     for (uint32_t i = 0; i < t->nlists; i++)
-        t->lists[i] = (store_layer_table){.layer = i / q->heads,
-                                          .head = i % q->heads,
-                                          .per_head = q->heads > 1};
+        t->lists[i] = (store_layer_table){
+            .layer = i / q->heads, .head = i % q->heads, .per_head = q->heads > 1};
     return ST_OK;
 }
 
@@ -603,8 +599,7 @@ status_code store_append(store *st, const char *token, uint64_t seq_id, int64_t 
         if (writes->evicted > 0)
             events_publish(st->events, "table.changed",
                            json_pack("{sI sI sI}", "seq", (json_int_t)q->id, "epoch",
-                                     (json_int_t)q->epoch, "evicted",
-                                     (json_int_t)writes->evicted));
+                                     (json_int_t)q->epoch, "evicted", (json_int_t)writes->evicted));
     }
     pthread_mutex_unlock(&st->lock);
     free(segs);
@@ -653,8 +648,8 @@ status_code store_get_table(store *st, const char *token, uint64_t seq_id, uint6
     return rc;
 }
 
-status_code store_seq_release(store *st, const char *token, uint64_t seq_id,
-                              uint32_t *blocks_freed, status *s)
+status_code store_seq_release(store *st, const char *token, uint64_t seq_id, uint32_t *blocks_freed,
+                              status *s)
 {
     pthread_mutex_lock(&st->lock);
     session *se;

@@ -38,14 +38,14 @@ typedef struct session {
     pid_t pid;
     uid_t uid;
     gid_t gid;
-    int conn_id;        /* the fd-socket connection that identified it */
+    int conn_id; /* the fd-socket connection that identified it */
     int attached;
     pool *pool;
     char name[65];
     uint64_t attached_ms; /* store_now_ms() at Attach */
     int lease_open;
     uint32_t nseqs;
-    ring *ring;         /* the per-step ring, once the worker asked for it */
+    ring *ring; /* the per-step ring, once the worker asked for it */
     struct session *next;
 } session;
 
@@ -54,8 +54,8 @@ typedef struct store {
     store_config cfg;
     events *events; /* may be NULL */
     uint64_t start_ms;
-    int serving;    /* 0 once shutdown began: new work gets UNAVAILABLE */
-    pool **pools;   /* cfg.max_pools slots, NULL when free */
+    int serving;  /* 0 once shutdown began: new work gets UNAVAILABLE */
+    pool **pools; /* cfg.max_pools slots, NULL when free */
     session *sessions;
     seq **seqs;
     size_t nseqs, seqs_cap;
@@ -150,8 +150,8 @@ status_code store_append(store *st, const char *token, uint64_t seq_id, int64_t 
 status_code store_get_table(store *st, const char *token, uint64_t seq_id, uint64_t ack_epoch,
                             int with_positions, store_table *out, status *s);
 
-status_code store_seq_release(store *st, const char *token, uint64_t seq_id,
-                              uint32_t *blocks_freed, status *s);
+status_code store_seq_release(store *st, const char *token, uint64_t seq_id, uint32_t *blocks_freed,
+                              status *s);
 
 /* End a step of a sequence with the worker's statistics (seq_step). */
 status_code store_step(store *st, const char *token, uint64_t seq_id, uint64_t ack_epoch,

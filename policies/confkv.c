@@ -279,25 +279,27 @@ static int parse_params(const policy_params *p, confkv_state *s, char *err, size
     s->weights.margin_mode = (confkv_margin_mode)mode;
     double sum = s->weights.entropy + s->weights.margin + s->weights.top;
     if (fabs(sum - 1.0) > 1e-6) {
-        policy_set_err(err, errlen, "parameters w_entropy + w_margin + w_top must sum to 1, got %g", sum);
+        policy_set_err(err, errlen, "parameters w_entropy + w_margin + w_top must sum to 1, got %g",
+                       sum);
         return -1;
     }
     if (s->tight > s->loose) {
         policy_set_err(err, errlen, "parameter budget_tight (%u) must not exceed budget_loose (%u)",
-                s->tight, s->loose);
+                       s->tight, s->loose);
         return -1;
     }
     /* §5.5 keeps every layer budget above W; a budget <= W could never be met. */
     if (s->protect >= s->tight) {
         policy_set_err(err, errlen, "parameter protect (%u) must be smaller than budget_tight (%u)",
-                s->protect, s->tight);
+                       s->protect, s->tight);
         return -1;
     }
     if (s->rho_bottom > s->rho_top) {
-        policy_set_err(err, errlen,
-                "parameter rho_bottom (%g) must not exceed rho_top (%g): deeper layers get less "
-                "(§5.5)",
-                s->rho_bottom, s->rho_top);
+        policy_set_err(
+            err, errlen,
+            "parameter rho_bottom (%g) must not exceed rho_top (%g): deeper layers get less "
+            "(§5.5)",
+            s->rho_bottom, s->rho_top);
         return -1;
     }
     return 0;
@@ -427,10 +429,11 @@ static int check_stats(const confkv_state *s, const confkv_layer *ly, uint32_t n
                        const policy_stats *st, char *err, size_t errlen)
 {
     if (st->new_tokens > n || ly->n != n - st->new_tokens) {
-        policy_set_err(err, errlen,
-                "confkv: layer holds %u tokens with %u new, but the policy tracks %u (out of "
-                "sync)",
-                n, st->new_tokens, ly->n);
+        policy_set_err(
+            err, errlen,
+            "confkv: layer holds %u tokens with %u new, but the policy tracks %u (out of "
+            "sync)",
+            n, st->new_tokens, ly->n);
         return -1;
     }
     if (st->last_attn == NULL) {
@@ -439,12 +442,13 @@ static int check_stats(const confkv_state *s, const confkv_layer *ly, uint32_t n
     }
     for (uint32_t h = 0; h < s->q_heads; h++)
         if (st->last_attn[h] == NULL) {
-            policy_set_err(err, errlen, "confkv needs stats last_attn for every query head (%u missing)",
-                    h);
+            policy_set_err(err, errlen,
+                           "confkv needs stats last_attn for every query head (%u missing)", h);
             return -1;
         }
     if (!st->prefill && !(st->confidence >= 0.0)) {
-        policy_set_err(err, errlen, "confkv needs stats confidence (c_t >= 0) in every decode step");
+        policy_set_err(err, errlen,
+                       "confkv needs stats confidence (c_t >= 0) in every decode step");
         return -1;
     }
     return 0;
@@ -455,8 +459,9 @@ static int confkv_step(void *state, const policy_layer_view *view, const policy_
 {
     confkv_state *s = state;
     if (view->layer >= s->layers || view->heads != 1) {
-        policy_set_err(err, errlen, "confkv: view of layer %u with %u lists does not match the policy",
-                view->layer, view->heads);
+        policy_set_err(err, errlen,
+                       "confkv: view of layer %u with %u lists does not match the policy",
+                       view->layer, view->heads);
         return -1;
     }
     confkv_layer *ly = &s->ly[view->layer];

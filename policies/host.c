@@ -228,8 +228,8 @@ static int decision_valid(const host_layer *ly, uint32_t heads, char *err, size_
     for (uint32_t k = 0; k < heads; k++)
         for (uint32_t i = 0; i < ly->lists[k].tokens; i++)
             if (d->tier[k][i] > POLICY_EVICT) {
-                snprintf(err, errlen, "invalid tier %u for token %u of list %u", d->tier[k][i],
-                         i, k);
+                snprintf(err, errlen, "invalid tier %u for token %u of list %u", d->tier[k][i], i,
+                         k);
                 return -1;
             }
     if (d->nmerges > d->merges_cap) {
@@ -242,8 +242,10 @@ static int decision_valid(const host_layer *ly, uint32_t heads, char *err, size_
             g->into >= ly->lists[g->head].tokens || g->from == g->into ||
             d->tier[g->head][g->from] != POLICY_EVICT ||
             d->tier[g->head][g->into] == POLICY_EVICT) {
-            snprintf(err, errlen, "merge %zu (head %u, %u into %u) is not a merge of an evicted "
-                     "token into a kept one", m, g->head, g->from, g->into);
+            snprintf(err, errlen,
+                     "merge %zu (head %u, %u into %u) is not a merge of an evicted "
+                     "token into a kept one",
+                     m, g->head, g->from, g->into);
             return -1;
         }
     }

@@ -25,7 +25,7 @@ int policy_host_create(const policy_ops *ops, const policy_params *params,
 void policy_host_destroy(policy_host *h);
 
 const policy_ops *policy_host_ops(const policy_host *h);
-void *policy_host_state(const policy_host *h); /* the policy's state, for describe() */
+void *policy_host_state(const policy_host *h);    /* the policy's state, for describe() */
 uint32_t policy_host_heads(const policy_host *h); /* lists per layer: 1 or kv_heads */
 
 /* Append n tokens (positions appended .. appended+n-1, tier FULL) to every

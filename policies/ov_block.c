@@ -251,8 +251,9 @@ int ov_rotation_plan(const uint32_t *evicted, size_t ne, uint32_t nbefore, uint3
     for (size_t i = 0; i < ne; i++) {
         if (evicted[i] >= nbefore) {
             policy_set_err(err, errlen,
-                    "evicted block %" PRIu32 " is outside the %" PRIu32 " blocks before eviction",
-                    evicted[i], nbefore);
+                           "evicted block %" PRIu32 " is outside the %" PRIu32
+                           " blocks before eviction",
+                           evicted[i], nbefore);
             return -1;
         }
     }
@@ -271,9 +272,9 @@ int ov_rotation_plan(const uint32_t *evicted, size_t ne, uint32_t nbefore, uint3
         } else if (shift > 0) {
             if (shift >= nmax) { /* §6 #6: the reference's assert allows shift == Nmax */
                 policy_set_err(err, errlen,
-                        "rotation shift of %" PRIu32 " blocks needs more than the %" PRIu32
-                        " coefficient rows",
-                        shift, nmax);
+                               "rotation shift of %" PRIu32 " blocks needs more than the %" PRIu32
+                               " coefficient rows",
+                               shift, nmax);
                 free(gone);
                 return -1;
             }
@@ -402,15 +403,15 @@ static int parse_block_size(const policy_params *p, const policy_geometry *g, ui
         return -1;
     if (g->block_tokens == 0) {
         policy_set_err(err, errlen,
-                "parameter block_size: the sequence has no block size (block_tokens "
-                "is 0)");
+                       "parameter block_size: the sequence has no block size (block_tokens "
+                       "is 0)");
         return -1;
     }
     if (v != 0 && v != g->block_tokens) {
         policy_set_err(err, errlen,
-                "parameter block_size (%" PRIu32 ") must equal the sequence's block "
-                "size (%" PRIu32 ")",
-                v, g->block_tokens);
+                       "parameter block_size (%" PRIu32 ") must equal the sequence's block "
+                       "size (%" PRIu32 ")",
+                       v, g->block_tokens);
         return -1;
     }
     *B = g->block_tokens;
@@ -422,8 +423,8 @@ static int check_multiple(const char *key, uint32_t v, uint32_t B, char *err, si
     if (v % B == 0)
         return 0;
     policy_set_err(err, errlen,
-            "parameter %s (%" PRIu32 ") must be a multiple of the block size (%" PRIu32 ")", key, v,
-            B);
+                   "parameter %s (%" PRIu32 ") must be a multiple of the block size (%" PRIu32 ")",
+                   key, v, B);
     return -1;
 }
 
@@ -454,9 +455,9 @@ static int ov_parse(const policy_params *p, const policy_geometry *g, ov_block *
         return -1;
     if ((uint64_t)s->max <= (uint64_t)s->start + s->recent) {
         policy_set_err(err, errlen,
-                "parameter max_cache_size (%" PRIu32 ") must be greater than "
-                "start_size + recent_size (%" PRIu64 ")",
-                s->max, (uint64_t)s->start + s->recent);
+                       "parameter max_cache_size (%" PRIu32 ") must be greater than "
+                       "start_size + recent_size (%" PRIu64 ")",
+                       s->max, (uint64_t)s->start + s->recent);
         return -1;
     }
     if (check_multiple("start_size", s->start, s->B, err, errlen) != 0 ||
@@ -467,15 +468,15 @@ static int ov_parse(const policy_params *p, const policy_geometry *g, ov_block *
         s->head_size = g->head_dim;
     if (s->head_size % 2 != 0) {
         policy_set_err(err, errlen,
-                "parameter head_size (%" PRIu32 ") must be even (rotation pairs "
-                "j with j + d/2)",
-                s->head_size);
+                       "parameter head_size (%" PRIu32 ") must be even (rotation pairs "
+                       "j with j + d/2)",
+                       s->head_size);
         return -1;
     }
     if (rot && s->head_size == 0) {
         policy_set_err(err, errlen,
-                "parameter head_size: apply_rotation needs a head size and the "
-                "model's head_dim is 0");
+                       "parameter head_size: apply_rotation needs a head size and the "
+                       "model's head_dim is 0");
         return -1;
     }
     s->norm_sum = agg == 1;
@@ -554,14 +555,15 @@ static int layer_check(const ov_block *st, uint32_t l, const double *raw, size_t
     const ov_layer *L = &st->ly[l];
     if (n > st->start && L->len > n - st->start) {
         policy_set_err(err, errlen,
-                "layer %" PRIu32 ": %zu scores are fewer than the %zu tokens the "
-                "layer already holds (start_size %" PRIu32 " + %zu tracked)",
-                l, n, (size_t)st->start + L->len, st->start, L->len);
+                       "layer %" PRIu32 ": %zu scores are fewer than the %zu tokens the "
+                       "layer already holds (start_size %" PRIu32 " + %zu tracked)",
+                       l, n, (size_t)st->start + L->len, st->start, L->len);
         return -1;
     }
     for (size_t i = 0; i < n; i++) {
         if (!isfinite(raw[i])) {
-            policy_set_err(err, errlen, "layer %" PRIu32 ": score %zu is not a finite number", l, i);
+            policy_set_err(err, errlen, "layer %" PRIu32 ": score %zu is not a finite number", l,
+                           i);
             return -1;
         }
     }
@@ -575,9 +577,9 @@ static int snapkv_count(ov_block *st, uint32_t nsnap, char *err, size_t errlen)
         return 0;
     if ((uint64_t)st->nreg + nsnap > st->snap_w) {
         policy_set_err(err, errlen,
-                "%" PRIu32 " SnapKV scores overfill the window: %" PRIu32 " of %" PRIu32
-                " already registered (snapkv_window)",
-                nsnap, st->nreg, st->snap_w);
+                       "%" PRIu32 " SnapKV scores overfill the window: %" PRIu32 " of %" PRIu32
+                       " already registered (snapkv_window)",
+                       nsnap, st->nreg, st->snap_w);
         return -1;
     }
     st->nreg += nsnap;
@@ -800,12 +802,14 @@ int ov_block_rotation(const ov_block *st, const uint32_t *evicted, size_t ne,
     *nout = 0;
     uint32_t d = st->head_size, half = d / 2;
     if (d == 0) {
-        policy_set_err(err, errlen, "parameter head_size: rotation needs a head size (set head_size)");
+        policy_set_err(err, errlen,
+                       "parameter head_size: rotation needs a head size (set head_size)");
         return -1;
     }
     if ((uint64_t)blocks_before * st->B > UINT32_MAX) {
-        policy_set_err(err, errlen, "%" PRIu32 " blocks of %" PRIu32 " tokens exceed the position range",
-                blocks_before, st->B);
+        policy_set_err(err, errlen,
+                       "%" PRIu32 " blocks of %" PRIu32 " tokens exceed the position range",
+                       blocks_before, st->B);
         return -1;
     }
     ov_rotation_step *plan = malloc((blocks_before > 0 ? blocks_before : 1) * sizeof *plan);
@@ -853,14 +857,15 @@ static int ov_step(void *state, const policy_layer_view *view, const policy_stat
     ov_block *st = state;
     uint32_t l = view->layer;
     if (view->heads != 1 || l >= st->layers) {
-        policy_set_err(err, errlen, "policy ov_block: bad view (layer %" PRIu32 ", %" PRIu32 " lists)", l,
-                view->heads);
+        policy_set_err(err, errlen,
+                       "policy ov_block: bad view (layer %" PRIu32 ", %" PRIu32 " lists)", l,
+                       view->heads);
         return -1;
     }
     if (stats->score == NULL) {
         policy_set_err(err, errlen,
-                "policy ov_block needs stats score (per-token attention summed over "
-                "heads and the last score_queries queries)");
+                       "policy ov_block needs stats score (per-token attention summed over "
+                       "heads and the last score_queries queries)");
         return -1;
     }
     size_t n = view->tokens[0];
@@ -882,9 +887,9 @@ static int ov_step(void *state, const policy_layer_view *view, const policy_stat
         st->reg_nsnap = stats->score_queries;
     } else if (stats->score_queries != st->reg_nsnap) {
         policy_set_err(err, errlen,
-                "score_queries %" PRIu32 " of layer %" PRIu32 " differs from %" PRIu32
-                " of an earlier layer in this step",
-                stats->score_queries, l, st->reg_nsnap);
+                       "score_queries %" PRIu32 " of layer %" PRIu32 " differs from %" PRIu32
+                       " of an earlier layer in this step",
+                       stats->score_queries, l, st->reg_nsnap);
         return -1;
     }
     int rc = layer_register(st, l, st->raw, n, stats->score_queries);
@@ -901,8 +906,9 @@ static int ov_step(void *state, const policy_layer_view *view, const policy_stat
     for (size_t i = 0; i < nb; i++) {
         size_t from = (size_t)blocks[i] * st->B;
         if (from + st->B > n) { /* cannot happen while acc mirrors the view */
-            policy_set_err(err, errlen, "policy ov_block: block %" PRIu32 " beyond the %zu held tokens",
-                    blocks[i], n);
+            policy_set_err(err, errlen,
+                           "policy ov_block: block %" PRIu32 " beyond the %zu held tokens",
+                           blocks[i], n);
             free(blocks);
             return -1;
         }

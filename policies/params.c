@@ -61,7 +61,7 @@ static int check_pair(const policy_ops *ops, const char *const *keys, const char
         char known[POLICY_ERR_LEN];
         known_keys(ops, known, sizeof(known));
         policy_set_err(err, errlen, "unknown parameter '%.64s' for policy '%s' (known: %s)", key,
-                ops->name, known);
+                       ops->name, known);
         return -1;
     }
     for (size_t j = 0; j < i; j++) {
@@ -75,8 +75,9 @@ static int check_pair(const policy_ops *ops, const char *const *keys, const char
         return -1;
     }
     if (strnlen(values[i], VALUE_MAX + 1) > VALUE_MAX) {
-        policy_set_err(err, errlen, "value of parameter '%s' for policy '%s' is longer than %zu bytes",
-                key, ops->name, VALUE_MAX);
+        policy_set_err(err, errlen,
+                       "value of parameter '%s' for policy '%s' is longer than %zu bytes", key,
+                       ops->name, VALUE_MAX);
         return -1;
     }
     return 0;
@@ -90,8 +91,8 @@ int policy_params_resolve(const policy_ops *ops, const char *const *keys, const 
         return -1;
     }
     if (ops->nparams > POLICY_MAX_PARAMS) {
-        policy_set_err(err, errlen, "policy '%s' declares %zu parameters, at most %d supported", ops->name,
-                ops->nparams, POLICY_MAX_PARAMS);
+        policy_set_err(err, errlen, "policy '%s' declares %zu parameters, at most %d supported",
+                       ops->name, ops->nparams, POLICY_MAX_PARAMS);
         return -1;
     }
     /* Validate everything before writing *out, so a rejected set changes nothing. */
@@ -102,7 +103,7 @@ int policy_params_resolve(const policy_ops *ops, const char *const *keys, const 
     for (size_t i = 0; i < ops->nparams; i++) {
         if (strlen(ops->params[i].def) > VALUE_MAX) {
             policy_set_err(err, errlen, "default of parameter '%s' for policy '%s' is too long",
-                    ops->params[i].key, ops->name);
+                           ops->params[i].key, ops->name);
             return -1;
         }
     }
@@ -157,8 +158,8 @@ int policy_params_uint(const policy_params *p, const char *key, uint32_t min, ui
     uint64_t v;
     if (parse_decimal(s, max, &v) != 0 || v < min) {
         policy_set_err(err, errlen,
-                "parameter %s must be an integer in [%" PRIu32 ", %" PRIu32 "], got '%s'", key, min,
-                max, s);
+                       "parameter %s must be an integer in [%" PRIu32 ", %" PRIu32 "], got '%s'",
+                       key, min, max, s);
         return -1;
     }
     *out = (uint32_t)v;
@@ -180,8 +181,8 @@ int policy_params_double(const policy_params *p, const char *key, double min, do
      * skips leading white space, which the integers refuse too. */
     if (*s == '\0' || isspace((unsigned char)*s) || *end != '\0' || errno != 0 || !isfinite(v) ||
         v < min || v > max) {
-        policy_set_err(err, errlen, "parameter %s must be a number in [%g, %g], got '%s'", key, min, max,
-                s);
+        policy_set_err(err, errlen, "parameter %s must be a number in [%g, %g], got '%s'", key, min,
+                       max, s);
         return -1;
     }
     *out = v;

@@ -63,11 +63,11 @@ typedef enum policy_tier {
 typedef struct policy_layer_view {
     uint32_t layer;
     uint32_t heads;
-    const uint32_t *tokens;             /* [heads] tokens in each list */
-    const uint32_t *const *positions;   /* [heads][tokens[h]] original positions */
-    const uint8_t *const *tier;         /* [heads][tokens[h]] current policy_tier */
-    uint64_t appended;                  /* tokens ever appended (= next position) */
-    uint64_t step;                      /* steps so far, this one included (1-based) */
+    const uint32_t *tokens;           /* [heads] tokens in each list */
+    const uint32_t *const *positions; /* [heads][tokens[h]] original positions */
+    const uint8_t *const *tier;       /* [heads][tokens[h]] current policy_tier */
+    uint64_t appended;                /* tokens ever appended (= next position) */
+    uint64_t step;                    /* steps so far, this one included (1-based) */
 } policy_layer_view;
 
 /*
@@ -78,8 +78,8 @@ typedef struct policy_layer_view {
  * KV head h / (q_heads / kv_heads), POLICIES.md "Common notation").
  */
 typedef struct policy_stats {
-    uint32_t new_tokens;  /* tokens this step appended: the last new_tokens of each list */
-    int prefill;          /* 1 while the prompt is being processed, 0 in decode */
+    uint32_t new_tokens; /* tokens this step appended: the last new_tokens of each list */
+    int prefill;         /* 1 while the prompt is being processed, 0 in decode */
     /* [tokens]: Σ over query heads and over the step's last score_queries
      * queries of softmax attention (OpenVINO §2.2, H2O, KVReviver §3.4).
      * Only when heads == 1. */
@@ -136,8 +136,8 @@ typedef struct policy_ops {
     const char *summary; /* one line for `kvstash policy list` */
     const policy_param_spec *params;
     size_t nparams;
-    unsigned needs;      /* POLICY_NEEDS_* */
-    int per_head;        /* decides per KV head (views have heads == kv_heads) */
+    unsigned needs; /* POLICY_NEEDS_* */
+    int per_head;   /* decides per KV head (views have heads == kv_heads) */
 
     /* Build the per-sequence state from resolved parameters. Returns 0, or -1
      * with a message in err naming the offending parameter. *state (may be
@@ -170,9 +170,8 @@ const policy_ops *const *policy_list(size_t *count);
  * Returns 0, or -1 with err set to a message naming the parameter (unknown
  * key, duplicate key, value too long).
  */
-int policy_params_resolve(const policy_ops *ops, const char *const *keys,
-                          const char *const *values, size_t n, policy_params *out, char *err,
-                          size_t errlen);
+int policy_params_resolve(const policy_ops *ops, const char *const *keys, const char *const *values,
+                          size_t n, policy_params *out, char *err, size_t errlen);
 
 /* The value of `key` in a resolved set (NULL if the policy has no such key). */
 const char *policy_params_get(const policy_params *p, const char *key);

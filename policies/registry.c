@@ -10,18 +10,9 @@
 #include "policy.h"
 
 static const policy_ops *const registry[] = {
-    &policy_full,
-    &policy_streaming,
-    &policy_confkv,
-    &policy_weightedkv,
-    &policy_reviver,
-    &policy_h2o,
-    &policy_tova,
-    &policy_snapkv,
-    &policy_adakv,
-    &policy_criticalkv,
-    &policy_criticalkv_ada,
-    &policy_ov_block,
+    &policy_full,    &policy_streaming,  &policy_confkv,         &policy_weightedkv,
+    &policy_reviver, &policy_h2o,        &policy_tova,           &policy_snapkv,
+    &policy_adakv,   &policy_criticalkv, &policy_criticalkv_ada, &policy_ov_block,
 };
 
 #define REGISTRY_COUNT (sizeof(registry) / sizeof(registry[0]))

@@ -239,7 +239,7 @@ int snapkv_config_parse(const policy_params *p, snapkv_variant variant, snapkv_c
         return -1;
     if (c.compression_ratio >= 1) {
         policy_set_err(err, errlen, "parameter compression_ratio must be in [0, 1), got '%s'",
-                policy_params_get(p, "compression_ratio"));
+                       policy_params_get(p, "compression_ratio"));
         return -1;
     }
     if (policy_params_uint(p, "window", 1, SNAPKV_MAX_WINDOW, &c.window, err, errlen) != 0 ||
@@ -269,8 +269,9 @@ int snapkv_config_parse(const policy_params *p, snapkv_variant variant, snapkv_c
     if (c.budget != 0 && c.budget <= c.window) {
         /* Otherwise a held list could exceed the budget with L <= window,
          * where SnapKV cannot score it (§1.7), and grow without bound. */
-        policy_set_err(err, errlen, "parameter budget must be 0 (off) or greater than window (%u), got %u",
-                c.window, c.budget);
+        policy_set_err(err, errlen,
+                       "parameter budget must be 0 (off) or greater than window (%u), got %u",
+                       c.window, c.budget);
         return -1;
     }
     *cfg = c;
@@ -331,10 +332,11 @@ int snapkv_family_create(const policy_params *p, const policy_geometry *g, snapk
     if (snapkv_config_parse(p, variant, &cfg, err, errlen) != 0)
         return -1;
     if (g->layers == 0 || g->kv_heads == 0 || g->q_heads == 0 || g->q_heads % g->kv_heads != 0) {
-        policy_set_err(err, errlen,
-                "policy %s needs layers >= 1 and q_heads a multiple of kv_heads, got layers=%u "
-                "q_heads=%u kv_heads=%u",
-                variant_name[variant], g->layers, g->q_heads, g->kv_heads);
+        policy_set_err(
+            err, errlen,
+            "policy %s needs layers >= 1 and q_heads a multiple of kv_heads, got layers=%u "
+            "q_heads=%u kv_heads=%u",
+            variant_name[variant], g->layers, g->q_heads, g->kv_heads);
         return -1;
     }
     snapkv_state *st = calloc(1, sizeof *st);
@@ -432,14 +434,15 @@ static int check_stats(const snapkv_state *st, const policy_layer_view *view,
     for (uint32_t h = 0; h < st->q_heads; h++) {
         const float *row = stats->window_attn[h];
         if (row == NULL && prefix[h / G] > 0) {
-            policy_set_err(err, errlen, "policy %s: window_attn of query head %u is missing", name, h);
+            policy_set_err(err, errlen, "policy %s: window_attn of query head %u is missing", name,
+                           h);
             return -1;
         }
         for (uint32_t i = 0; i < prefix[h / G]; i++)
             if (!isfinite(row[i])) {
                 policy_set_err(err, errlen,
-                        "policy %s: window_attn[%u][%u] is not a finite number (layer %u)", name, h,
-                        i, view->layer);
+                               "policy %s: window_attn[%u][%u] is not a finite number (layer %u)",
+                               name, h, i, view->layer);
                 return -1;
             }
     }
@@ -447,9 +450,9 @@ static int check_stats(const snapkv_state *st, const policy_layer_view *view,
         return 0;
     if (stats->vnorm == NULL) {
         policy_set_err(err, errlen,
-                "policy %s needs vnorm (projected value norms, POLICIES.md §1.2) on a "
-                "compression step (layer %u)",
-                name, view->layer);
+                       "policy %s needs vnorm (projected value norms, POLICIES.md §1.2) on a "
+                       "compression step (layer %u)",
+                       name, view->layer);
         return -1;
     }
     for (uint32_t g = 0; g < view->heads; g++) {
@@ -461,8 +464,8 @@ static int check_stats(const snapkv_state *st, const policy_layer_view *view,
         for (uint32_t i = 0; i < view->tokens[g]; i++)
             if (!isfinite(row[i]) || row[i] < 0) {
                 policy_set_err(err, errlen,
-                        "policy %s: vnorm[%u][%u] must be a finite number >= 0 (layer %u)", name, g,
-                        i, view->layer);
+                               "policy %s: vnorm[%u][%u] must be a finite number >= 0 (layer %u)",
+                               name, g, i, view->layer);
                 return -1;
             }
     }
@@ -591,9 +594,9 @@ static int due(const snapkv_state *st, const policy_layer_view *view, const poli
     if (stats->prefill)
         return 0; /* the window attention comes with the prompt's last step */
     policy_set_err(err, errlen,
-            "policy %s needs window_attn on decode steps over budget (layer %u holds %zu "
-            "tokens, budget %u per head)",
-            variant_name[c->variant], view->layer, total, c->budget);
+                   "policy %s needs window_attn on decode steps over budget (layer %u holds %zu "
+                   "tokens, budget %u per head)",
+                   variant_name[c->variant], view->layer, total, c->budget);
     return -1;
 }
 
@@ -604,8 +607,9 @@ int snapkv_family_step(void *state, const policy_layer_view *view, const policy_
     const snapkv_config *c = &st->cfg;
     const char *name = variant_name[c->variant];
     if (view->heads != st->kv_heads || view->layer >= st->layers) {
-        policy_set_err(err, errlen, "policy %s: view of layer %u has %u lists, expected %u (kv_heads)",
-                name, view->layer, view->heads, st->kv_heads);
+        policy_set_err(err, errlen,
+                       "policy %s: view of layer %u has %u lists, expected %u (kv_heads)", name,
+                       view->layer, view->heads, st->kv_heads);
         return -1;
     }
     size_t total = 0;
@@ -624,8 +628,8 @@ int snapkv_family_step(void *state, const policy_layer_view *view, const policy_
     }
     if (stats->window_queries != 0 && stats->window_queries != c->window) {
         policy_set_err(err, errlen,
-                "policy %s: window_attn averages %u queries but parameter window is %u", name,
-                stats->window_queries, c->window);
+                       "policy %s: window_attn averages %u queries but parameter window is %u",
+                       name, stats->window_queries, c->window);
         return -1;
     }
     if (Lmax <= c->window) {

@@ -54,9 +54,8 @@ static int streaming_create(const policy_params *p, const policy_geometry *g, vo
     return 0;
 }
 
-static int streaming_step(void *state, const policy_layer_view *view,
-                          const policy_stats *stats, policy_decision *d, char *err,
-                          size_t errlen)
+static int streaming_step(void *state, const policy_layer_view *view, const policy_stats *stats,
+                          policy_decision *d, char *err, size_t errlen)
 {
     (void)stats;
     (void)err;

@@ -260,9 +260,10 @@ static int parse_params(const policy_params *p, wkv_state *s, char *err, size_t 
         return -1;
     /* §4.2: the merge-managed middle must hold at least one entry. */
     if ((uint64_t)c->cache_size < (uint64_t)c->n_init + c->n_recent + 1) {
-        policy_set_err(err, errlen,
-                "parameter cache_size (%u) must be at least n_init + n_recent + 1 (%u + %u + 1)",
-                c->cache_size, c->n_init, c->n_recent);
+        policy_set_err(
+            err, errlen,
+            "parameter cache_size (%u) must be at least n_init + n_recent + 1 (%u + %u + 1)",
+            c->cache_size, c->n_init, c->n_recent);
         return -1;
     }
     s->merge = (int)merge;
@@ -297,9 +298,10 @@ static int wkv_create(const policy_params *p, const policy_geometry *g, void **s
         return -1;
     if (g == NULL || g->layers == 0 || g->kv_heads == 0 || g->q_heads % g->kv_heads != 0 ||
         g->q_heads == 0) {
-        policy_set_err(err, errlen,
-                "weightedkv needs a geometry with layers >= 1 and q_heads a positive multiple "
-                "of kv_heads");
+        policy_set_err(
+            err, errlen,
+            "weightedkv needs a geometry with layers >= 1 and q_heads a positive multiple "
+            "of kv_heads");
         return -1;
     }
     wkv_state *s = malloc(sizeof *s);
@@ -379,18 +381,20 @@ static int check_stats(const wkv_state *s, const policy_stats *st, int window, c
                        size_t errlen)
 {
     if (st->last_attn == NULL) {
-        policy_set_err(err, errlen, "weightedkv needs stats last_attn (attention of the last query)");
+        policy_set_err(err, errlen,
+                       "weightedkv needs stats last_attn (attention of the last query)");
         return -1;
     }
     for (uint32_t h = 0; h < s->q_heads; h++)
         if (st->last_attn[h] == NULL || (window && st->window_attn[h] == NULL)) {
             policy_set_err(err, errlen, "weightedkv: stats %s of query head %u missing",
-                    st->last_attn[h] == NULL ? "last_attn" : "window_attn", h);
+                           st->last_attn[h] == NULL ? "last_attn" : "window_attn", h);
             return -1;
         }
     if (window && st->window_queries > st->new_tokens) {
-        policy_set_err(err, errlen, "weightedkv: window_queries (%u) exceeds the step's new_tokens (%u)",
-                st->window_queries, st->new_tokens);
+        policy_set_err(err, errlen,
+                       "weightedkv: window_queries (%u) exceeds the step's new_tokens (%u)",
+                       st->window_queries, st->new_tokens);
         return -1;
     }
     return 0;
@@ -437,7 +441,7 @@ static int merge_head(wkv_state *s, wkv_head *hd, uint32_t k, policy_decision *d
     size_t count = wkv_plan(s->w, n, &s->cfg, k, s->scratch, s->plan);
     if (s->merge && d->nmerges + count > d->merges_cap) {
         policy_set_err(err, errlen, "weightedkv: %zu merges do not fit the decision (room for %zu)",
-                d->nmerges + count, d->merges_cap);
+                       d->nmerges + count, d->merges_cap);
         return -1;
     }
     for (size_t m = 0; m < count; m++)
@@ -465,9 +469,9 @@ static int wkv_step(void *state, const policy_layer_view *view, const policy_sta
     wkv_state *s = state;
     if (view->layer >= s->layers || view->heads != s->kv_heads) {
         policy_set_err(err, errlen,
-                "weightedkv: view of layer %u with %u lists does not match the policy "
-                "(%u KV heads)",
-                view->layer, view->heads, s->kv_heads);
+                       "weightedkv: view of layer %u with %u lists does not match the policy "
+                       "(%u KV heads)",
+                       view->layer, view->heads, s->kv_heads);
         return -1;
     }
     int window = stats->prefill && stats->window_attn != NULL && stats->window_queries > 0;
@@ -477,10 +481,11 @@ static int wkv_step(void *state, const policy_layer_view *view, const policy_sta
     for (uint32_t k = 0; k < s->kv_heads; k++) {
         uint32_t n = view->tokens[k];
         if (stats->new_tokens > n || heads[k].n != n - stats->new_tokens) {
-            policy_set_err(err, errlen,
-                    "weightedkv: head %u holds %u tokens with %u new, but the policy tracks %u "
-                    "(out of sync)",
-                    k, n, stats->new_tokens, heads[k].n);
+            policy_set_err(
+                err, errlen,
+                "weightedkv: head %u holds %u tokens with %u new, but the policy tracks %u "
+                "(out of sync)",
+                k, n, stats->new_tokens, heads[k].n);
             return -1;
         }
     }

@@ -25,7 +25,7 @@
 
 #define RING_MAGIC 0x6b767372696e6731ull /* "kvsring1" */
 #define RING_BYTES_DEFAULT (8u << 20)    /* header + data area */
-#define RING_MSG_LEN 256 /* = STATUS_MSG_LEN */
+#define RING_MSG_LEN 256                 /* = STATUS_MSG_LEN */
 
 typedef enum ring_op {
     RING_OP_PING = 1,   /* nothing: measures the round trip */
@@ -37,7 +37,7 @@ typedef enum ring_op {
 /* Which statistics arrays a STEP carries (policy.h POLICY_NEEDS_* bits). */
 typedef struct ring_request {
     uint32_t op;
-    uint32_t arrays;         /* POLICY_NEEDS_SCORE | _LAST_ATTN | _WINDOW_ATTN | _VNORM */
+    uint32_t arrays; /* POLICY_NEEDS_SCORE | _LAST_ATTN | _WINDOW_ATTN | _VNORM */
     uint64_t seq_id;
     uint64_t ack_epoch;
     int64_t count;           /* APPEND: tokens to add */
@@ -50,13 +50,13 @@ typedef struct ring_request {
 } ring_request;
 
 typedef struct ring_response {
-    int32_t code;            /* status code (gRPC numbering, daemon/status.h) */
-    uint32_t evicted;        /* tokens the policy removed (all layers) */
-    uint64_t epoch;          /* the sequence's table epoch after the request */
-    uint32_t first_position; /* APPEND: position of the first new token */
-    uint32_t nsegments;      /* APPEND: segments in the data area */
+    int32_t code;             /* status code (gRPC numbering, daemon/status.h) */
+    uint32_t evicted;         /* tokens the policy removed (all layers) */
+    uint64_t epoch;           /* the sequence's table epoch after the request */
+    uint32_t first_position;  /* APPEND: position of the first new token */
+    uint32_t nsegments;       /* APPEND: segments in the data area */
     uint32_t lists_per_layer; /* APPEND: 1, or kv_heads for a per-head sequence */
-    char msg[RING_MSG_LEN];  /* error message when code != 0 */
+    char msg[RING_MSG_LEN];   /* error message when code != 0 */
 } ring_response;
 
 /*
@@ -81,7 +81,7 @@ typedef struct ring_response {
  */
 typedef struct ring_header {
     uint64_t magic;
-    uint64_t bytes;           /* size of the whole mapping */
+    uint64_t bytes;                 /* size of the whole mapping */
     _Alignas(64) uint32_t req_seq;  /* bumped by the worker: futex word */
     _Alignas(64) uint32_t resp_seq; /* bumped by the daemon: futex word */
     _Alignas(64) uint32_t closing;  /* set by the daemon when the session ends */

@@ -25,8 +25,8 @@ ProtobufCMessage *pbgrpc_unpack(const ProtobufCMessageDescriptor *desc, grpc_byt
         return NULL;
     grpc_slice all = grpc_byte_buffer_reader_readall(&reader);
     grpc_byte_buffer_reader_destroy(&reader);
-    ProtobufCMessage *msg = protobuf_c_message_unpack(desc, NULL, GRPC_SLICE_LENGTH(all),
-                                                      GRPC_SLICE_START_PTR(all));
+    ProtobufCMessage *msg =
+        protobuf_c_message_unpack(desc, NULL, GRPC_SLICE_LENGTH(all), GRPC_SLICE_START_PTR(all));
     grpc_slice_unref(all);
     return msg;
 }
@@ -81,9 +81,8 @@ int pbgrpc_strings_valid(const ProtobufCMessage *msg, char *bad_field, size_t le
             const void *item = items[k];
             if (item == NULL)
                 continue;
-            int ok = f->type == PROTOBUF_C_TYPE_STRING
-                         ? utf8_valid(item)
-                         : pbgrpc_strings_valid(item, bad_field, len);
+            int ok = f->type == PROTOBUF_C_TYPE_STRING ? utf8_valid(item)
+                                                       : pbgrpc_strings_valid(item, bad_field, len);
             if (!ok) {
                 if (f->type == PROTOBUF_C_TYPE_STRING)
                     snprintf(bad_field, len, "%s", f->name);

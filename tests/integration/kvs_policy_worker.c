@@ -122,8 +122,7 @@ static void fill(const kvs_geometry *g, const kvs_layer *ly, uint8_t *k, uint8_t
 
 static size_t list_bytes(const kvs_geometry *g, const kvs_layer *ly)
 {
-    return (size_t)(ly->per_head ? 1 : g->kv_heads) * ly->tokens * g->head_dim *
-           elt_size(g->dtype);
+    return (size_t)(ly->per_head ? 1 : g->kv_heads) * ly->tokens * g->head_dim * elt_size(g->dtype);
 }
 
 static void write_new(worker *w, const kvs_table *t)
@@ -154,8 +153,8 @@ static void verify(worker *w, const kvs_table *t)
         kvs_layer_read(w->s, ly, k, v);
         fill(g, ly, wk, wv);
         if (memcmp(k, wk, n) != 0 || (w->o->verify_values && memcmp(v, wv, n) != 0))
-            die(1, "MISMATCH layer %u head %u: held K/V differ from what was written",
-                ly->layer, ly->head);
+            die(1, "MISMATCH layer %u head %u: held K/V differ from what was written", ly->layer,
+                ly->head);
         w->checked += ly->tokens;
         if (ly->tokens > w->max_list)
             w->max_list = ly->tokens;

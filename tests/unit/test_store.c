@@ -71,8 +71,7 @@ static void append(fixture *f, uint64_t id, int64_t count, uint64_t ack, store_t
 }
 
 /* The held positions of one layer, through the public table copy. */
-static void table_positions(fixture *f, uint64_t id, uint32_t layer, uint32_t *out,
-                            uint32_t *n)
+static void table_positions(fixture *f, uint64_t id, uint32_t layer, uint32_t *out, uint32_t *n)
 {
     store_table t;
     status s;
@@ -189,8 +188,7 @@ static void test_pool_full_changes_nothing(void **state)
     uint32_t nfree = the_pool(f)->nfree;
     status s;
     /* Far more tokens than the pool holds. */
-    assert_int_equal(store_append(&f->st, f->token, id, 65536, 0, &w, &s),
-                     ST_RESOURCE_EXHAUSTED);
+    assert_int_equal(store_append(&f->st, f->token, id, 65536, 0, &w, &s), ST_RESOURCE_EXHAUSTED);
     assert_non_null(strstr(s.msg, "free blocks"));
     assert_int_equal(q->epoch, epoch);
     assert_int_equal(q->appended, 3);
@@ -292,9 +290,9 @@ static void test_bad_geometry_and_policy(void **state)
         ST_INVALID_ARGUMENT);
     assert_non_null(strstr(s.msg, "nope"));
     const char *keys[] = {"window"}, *values[] = {"abc"};
-    assert_int_equal(store_seq_create(&f->st, f->token, "streaming", keys, values, 1, "", &id,
-                                      &epoch, &p, &s),
-                     ST_INVALID_ARGUMENT);
+    assert_int_equal(
+        store_seq_create(&f->st, f->token, "streaming", keys, values, 1, "", &id, &epoch, &p, &s),
+        ST_INVALID_ARGUMENT);
     assert_non_null(strstr(s.msg, "window"));
     assert_int_equal(f->st.nseqs, 0);
     assert_int_equal(f->st.pools[1], NULL); /* no pool was created for "x" */
