@@ -1,293 +1,366 @@
 /*
- * cli.c - `kvstash`, the operator's command line for kvstashd.
- *
- *   kvstash [--socket PATH] status [--json]   what the daemon holds
- *   kvstash [--socket PATH] stats [--json]    the same as one JSON object
- *   kvstash [--socket PATH] policy list       the policies kvstashd knows
- *
- * Exit status: 0 on success, 1 when the daemon cannot be reached or refuses,
- * 2 on a usage error. Errors are one line on stderr starting with "kvstash: ".
+ * cli.c - `kvstash`, the operator's command line for kvstashd: main, the
+ * global options, and the read-only views (status, workers, seqs, policy
+ * list). The other commands live in cli_seq.c and cli_live.c (cli.h).
  */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include <jansson.h>
-
+#include "cli.h"
+#include "grpc/health/v1/health.pb-c.h"
 #include "kvstash.h"
-#include "replay.h"
+#include "pbjson.h"
 
 static void usage(FILE *f)
 {
     fprintf(f,
-            "usage: kvstash [--socket PATH] COMMAND [OPTIONS]\n"
+            "usage: kvstash [--socket PATH] [--json] COMMAND [ARGS] [OPTIONS]\n"
             "\n"
             "commands:\n"
-            "  status [--json]   daemon version, uptime, pools (blocks free/used/retired),\n"
-            "                    sessions, sequences and tiers\n"
-            "  stats [--json]    the same, as the JSON object of StatsResponse\n"
-            "  policy list       the policies kvstashd knows (also: policies) [--json]\n"
-            "  replay --policy NAME [--set k=v]... < trace.jsonl\n"
-            "                    run one policy on a recorded trace, without a daemon\n"
-            "                    (kvstash replay --help; docs/replay.md)\n"
+            "  status              daemon version, uptime, backend, pools, memory by tier\n"
+            "  health              grpc.health.v1 check: exit 0 when serving, 1 when not\n"
+            "  workers             attached workers: session, pid, uid, lease age\n"
+            "  seqs                sequences: policy, length, tokens and bytes per tier\n"
+            "  seq show ID         one sequence: per layer, a map of which positions are\n"
+            "                      fp16 / int8 / sketch / evicted, and its epochs\n"
+            "  policy list         the policies, their statistics, parameters and defaults\n"
+            "  evict ID POSITIONS  drop positions from a sequence by hand (for debugging)\n"
+            "  demote, offload, revive ID POSITIONS\n"
+            "                      move positions to INT8 / to the sketch / back: not\n"
+            "                      available in this kvstashd (no INT8 or sketch tiers yet)\n"
+            "  watch               live events from the daemon's feed\n"
+            "  top                 a refreshing view of workers and sequences\n"
+            "  replay --policy NAME < trace.jsonl\n"
+            "                      run one policy on a recorded trace, without a daemon\n"
+            "                      (docs/replay.md)\n"
+            "  stats               the Stats reply as JSON (= status --json)\n"
             "\n"
-            "options:\n"
-            "  --socket PATH     kvstashd's gRPC socket (default %s)\n"
-            "  --help            this text\n",
+            "options (anywhere on the line):\n"
+            "  --socket PATH       kvstashd's gRPC socket (default %s)\n"
+            "  --json              machine-readable output: one JSON document, or JSON lines\n"
+            "                      for watch and top\n"
+            "  --help              this text; `kvstash COMMAND --help` for a command's own\n"
+            "\n"
+            "exit status: 0 ok, 1 the daemon refused (the reason is on stderr), 2 usage,\n"
+            "3 kvstashd not running or not answering, 4 no such sequence, 5 permission\n"
+            "denied, 6 not available in this kvstashd. Errors are one line on stderr,\n"
+            "starting with \"kvstash: \".\n",
             kvs_default_socket());
 }
 
-/* Integer member of a JSON object (0 if absent). */
-static uint64_t ju(const json_t *o, const char *key)
+/* ---- status ---------------------------------------------------------------- */
+
+static void print_pools(const Kvstash__V1__StatsResponse *st)
 {
-    json_t *v = json_object_get(o, key);
-    if (json_is_integer(v))
-        return (uint64_t)json_integer_value(v);
-    if (json_is_real(v))
-        return (uint64_t)json_real_value(v);
+    char b1[32], b2[32];
+    printf("pools: %zu\n", st->n_pools);
+    for (size_t i = 0; i < st->n_pools; i++) {
+        const Kvstash__V1__PoolStats *p = st->pools[i];
+        const Kvstash__V1__Geometry *g = p->geometry;
+        if (g != NULL)
+            printf("  pool %" PRIu64 " \"%s\": %u layers, %u q / %u kv heads, head_dim %u, %s, "
+                   "%u tokens/block, %s/block\n",
+                   p->pool_id, p->model, g->layers, g->q_heads, g->kv_heads, g->head_dim,
+                   cli_dtype(g->dtype), g->block_tokens, cli_bytes(p->block_bytes, b1, sizeof b1));
+        printf(
+            "    blocks: %u total, %u free, %u used, %u retired; %s in use of %s; %u "
+            "session(s)\n",
+            p->blocks_total, p->blocks_free, p->blocks_used, p->blocks_retired,
+            cli_bytes((uint64_t)(p->blocks_total - p->blocks_free) * p->block_bytes, b1, sizeof b1),
+            cli_bytes(p->bytes_total, b2, sizeof b2), p->sessions);
+    }
+}
+
+static void print_status(const Kvstash__V1__StatsResponse *st)
+{
+    char b1[32];
+    printf("kvstashd %s (pid %d), up %s, backend %s, %s, %" PRIu64 " events published\n",
+           st->version, st->pid, cli_duration(st->uptime_ms, b1, sizeof b1), st->backend,
+           st->serving ? "serving" : "shutting down", st->events_published);
+    printf("policies:");
+    for (size_t i = 0; i < st->n_policies; i++)
+        printf("%s %s", i ? "," : "", st->policies[i]);
+    printf("\n");
+    print_pools(st);
+    printf("memory by tier:\n");
+    for (size_t i = 0; i < st->n_tiers; i++)
+        printf("  %-6s %" PRIu64 " tokens, %s\n", st->tiers[i]->tier, st->tiers[i]->tokens,
+               cli_bytes(st->tiers[i]->bytes, b1, sizeof b1));
+    printf("workers: %zu, sequences: %zu (kvstash workers, kvstash seqs)\n", st->n_sessions,
+           st->n_sequences);
+}
+
+static int cmd_status(cli *c, int always_json)
+{
+    static const char help[] =
+        "usage: kvstash status [--json] [--socket PATH]\n"
+        "  kvstashd's version, pid, uptime and backend, whether it is serving, its\n"
+        "  policies, each pool (geometry, blocks total/free/used/retired, memory) and\n"
+        "  held tokens and bytes by tier. --json prints the whole Stats reply (with\n"
+        "  workers and sequences); `kvstash stats` is the same as status --json.\n";
+    int rc = cli_parse(c, NULL, 0, NULL, 0, 0, NULL, help);
+    if (rc != CLI_OK)
+        return rc < 0 ? CLI_OK : rc;
+    Kvstash__V1__StatsResponse *st;
+    if ((rc = cli_stats(c, 0, &st)) != CLI_OK)
+        return rc;
+    if (c->json || always_json)
+        rc = cli_print_message(&st->base, 1);
+    else
+        print_status(st);
+    protobuf_c_message_free_unpacked(&st->base, NULL);
+    return rc;
+}
+
+/* ---- health -------------------------------------------------------------------- */
+
+static int cmd_health(cli *c)
+{
+    static const char help[] =
+        "usage: kvstash health [--json] [--socket PATH]\n"
+        "  Ask kvstashd's grpc.health.v1.Health service: prints SERVING or NOT_SERVING\n"
+        "  (kvstashd is shutting down) and exits 0 or 1; 3 when kvstashd is not\n"
+        "  running. For probes (ops/k8s). --json: {\"status\": \"SERVING\"}.\n";
+    int rc = cli_parse(c, NULL, 0, NULL, 0, 0, NULL, help);
+    if (rc != CLI_OK)
+        return rc < 0 ? CLI_OK : rc;
+    Grpc__Health__V1__HealthCheckRequest req = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+    Grpc__Health__V1__HealthCheckResponse *r;
+    rc = cli_call(c, "/grpc.health.v1.Health/Check", NULL, &req.base,
+                  &grpc__health__v1__health_check_response__descriptor, (ProtobufCMessage **)&r);
+    if (rc != CLI_OK)
+        return rc;
+    int serving = r->status == GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING;
+    if (c->json)
+        rc = cli_print_message(&r->base, 0);
+    else
+        printf("%s\n", serving ? "SERVING" : "NOT_SERVING");
+    protobuf_c_message_free_unpacked(&r->base, NULL);
+    return rc != CLI_OK ? rc : serving ? CLI_OK : CLI_ERROR;
+}
+
+/* ---- workers ----------------------------------------------------------------- */
+
+static int cmd_workers(cli *c)
+{
+    static const char help[] =
+        "usage: kvstash workers [--json] [--socket PATH]\n"
+        "  The attached workers: session id, pid, uid, pool, sequences, whether the\n"
+        "  lease stream is open, the lease's age and the time since Attach.\n"
+        "  --json: {\"workers\": [SessionStats...]} (attached_ms and lease_ms are ages).\n";
+    int rc = cli_parse(c, NULL, 0, NULL, 0, 0, NULL, help);
+    if (rc != CLI_OK)
+        return rc < 0 ? CLI_OK : rc;
+    Kvstash__V1__StatsResponse *st;
+    if ((rc = cli_stats(c, 0, &st)) != CLI_OK)
+        return rc;
+    if (c->json) {
+        json_t *arr = json_array();
+        for (size_t i = 0; i < st->n_sessions; i++)
+            json_array_append_new(arr, pbjson_from_message(&st->sessions[i]->base));
+        rc = cli_print_json(json_pack("{so}", "workers", arr), 1);
+    } else {
+        char b1[32], b2[32];
+        printf("%7s %8s %6s %5s %5s %6s %10s %10s  %s\n", "SESSION", "PID", "UID", "POOL", "SEQS",
+               "LEASE", "LEASE AGE", "ATTACHED", "NAME");
+        for (size_t i = 0; i < st->n_sessions; i++) {
+            const Kvstash__V1__SessionStats *s = st->sessions[i];
+            printf("%7" PRIu64 " %8d %6u %5" PRIu64 " %5u %6s %10s %10s  %s\n", s->session_id,
+                   s->pid, s->uid, s->pool_id, s->sequences, s->lease_open ? "open" : "closed",
+                   s->lease_open ? cli_duration(s->lease_ms, b1, sizeof b1) : "-",
+                   cli_duration(s->attached_ms, b2, sizeof b2), s->worker_name);
+        }
+        if (st->n_sessions == 0)
+            printf("(no workers attached)\n");
+    }
+    protobuf_c_message_free_unpacked(&st->base, NULL);
+    return rc;
+}
+
+/* ---- seqs -------------------------------------------------------------------- */
+
+static uint64_t tier_tokens(const Kvstash__V1__SequenceStats *q, const char *tier)
+{
+    for (size_t i = 0; i < q->n_tiers; i++)
+        if (strcmp(q->tiers[i]->tier, tier) == 0)
+            return q->tiers[i]->tokens;
     return 0;
 }
 
-static const char *js(const json_t *o, const char *key)
+static int cmd_seqs(cli *c)
 {
-    const char *s = json_string_value(json_object_get(o, key));
-    return s != NULL ? s : "";
-}
-
-/* Human-readable bytes: "512 B", "3.0 KiB", "16.0 MiB". */
-static const char *bytes_str(uint64_t b, char *buf, size_t len)
-{
-    static const char *const unit[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-    double v = (double)b;
-    int u = 0;
-    while (v >= 1024 && u < 4) {
-        v /= 1024;
-        u++;
-    }
-    if (u == 0)
-        snprintf(buf, len, "%" PRIu64 " B", b);
-    else
-        snprintf(buf, len, "%.1f %s", v, unit[u]);
-    return buf;
-}
-
-static const char *duration_str(uint64_t ms, char *buf, size_t len)
-{
-    uint64_t s = ms / 1000;
-    if (s >= 86400)
-        snprintf(buf, len, "%" PRIu64 "d %" PRIu64 "h %" PRIu64 "m", s / 86400, s / 3600 % 24,
-                 s / 60 % 60);
-    else if (s >= 3600)
-        snprintf(buf, len, "%" PRIu64 "h %" PRIu64 "m %" PRIu64 "s", s / 3600, s / 60 % 60, s % 60);
-    else if (s >= 60)
-        snprintf(buf, len, "%" PRIu64 "m %" PRIu64 "s", s / 60, s % 60);
-    else
-        snprintf(buf, len, "%.1fs", (double)ms / 1000);
-    return buf;
-}
-
-static const char *dtype_str(const char *e)
-{
-    if (strcmp(e, "DTYPE_FP16") == 0)
-        return "fp16";
-    if (strcmp(e, "DTYPE_BF16") == 0)
-        return "bf16";
-    if (strcmp(e, "DTYPE_FP32") == 0)
-        return "fp32";
-    return e;
-}
-
-static void print_pools(const json_t *pools)
-{
-    char b1[32];
-    size_t i;
-    json_t *p;
-    printf("pools: %zu\n", json_array_size(pools));
-    json_array_foreach(pools, i, p)
-    {
-        json_t *g = json_object_get(p, "geometry");
-        printf("  pool %" PRIu64 " \"%s\": %" PRIu64 " layers, %" PRIu64 " q / %" PRIu64
-               " kv heads, head_dim %" PRIu64 ", %s, %" PRIu64 " tokens/block, %s/block\n",
-               ju(p, "pool_id"), js(p, "model"), ju(g, "layers"), ju(g, "q_heads"),
-               ju(g, "kv_heads"), ju(g, "head_dim"), dtype_str(js(g, "dtype")),
-               ju(g, "block_tokens"), bytes_str(ju(p, "block_bytes"), b1, sizeof b1));
-        printf("    blocks: %" PRIu64 " total, %" PRIu64 " free, %" PRIu64 " used, %" PRIu64
-               " retired; %s; %" PRIu64 " session(s)\n",
-               ju(p, "blocks_total"), ju(p, "blocks_free"), ju(p, "blocks_used"),
-               ju(p, "blocks_retired"), bytes_str(ju(p, "bytes_total"), b1, sizeof b1),
-               ju(p, "sessions"));
-    }
-}
-
-static void print_sessions(const json_t *sessions)
-{
-    char b1[32];
-    size_t i;
-    json_t *s;
-    printf("sessions: %zu\n", json_array_size(sessions));
-    json_array_foreach(sessions, i, s)
-    {
-        printf("  session %" PRIu64 ": pid %" PRIu64 ", uid %" PRIu64 ", \"%s\", pool %" PRIu64
-               ", %" PRIu64 " sequence(s), attached %s, lease %s\n",
-               ju(s, "session_id"), ju(s, "pid"), ju(s, "uid"), js(s, "worker_name"),
-               ju(s, "pool_id"), ju(s, "sequences"),
-               duration_str(ju(s, "attached_ms"), b1, sizeof b1),
-               json_is_true(json_object_get(s, "lease_open")) ? "open" : "closed");
-    }
-}
-
-static void print_sequences(const json_t *seqs)
-{
-    char b1[32];
-    size_t i;
-    json_t *q;
-    printf("sequences: %zu\n", json_array_size(seqs));
-    json_array_foreach(seqs, i, q)
-    {
-        const char *label = js(q, "label");
-        printf("  seq %" PRIu64 " (session %" PRIu64 ", %s%s%s%s): epoch %" PRIu64
-               ", appended %" PRIu64 ", holds %" PRIu64 " tokens in %" PRIu64 " blocks, %s\n",
-               ju(q, "seq_id"), ju(q, "session_id"), js(q, "policy"), *label ? ", \"" : "", label,
-               *label ? "\"" : "", ju(q, "epoch"), ju(q, "appended"), ju(q, "tokens"),
-               ju(q, "blocks"), bytes_str(ju(q, "bytes"), b1, sizeof b1));
-    }
-}
-
-static void print_status(const json_t *st)
-{
-    char b1[32];
-    printf("kvstashd %s, up %s, backend %s, %" PRIu64 " events published\n", js(st, "version"),
-           duration_str(ju(st, "uptime_ms"), b1, sizeof b1), js(st, "backend"),
-           ju(st, "events_published"));
-    json_t *pol = json_object_get(st, "policies");
-    size_t i;
-    json_t *v;
-    printf("policies:");
-    json_array_foreach(pol, i, v) printf("%s %s", i ? "," : "", json_string_value(v));
-    printf("\n");
-    print_pools(json_object_get(st, "pools"));
-    print_sessions(json_object_get(st, "sessions"));
-    print_sequences(json_object_get(st, "sequences"));
-    json_t *tiers = json_object_get(st, "tiers");
-    printf("tiers:\n");
-    json_array_foreach(tiers, i, v)
-    {
-        printf("  %s: %" PRIu64 " tokens, %s\n", js(v, "tier"), ju(v, "tokens"),
-               bytes_str(ju(v, "bytes"), b1, sizeof b1));
-    }
-}
-
-/* Stats as a JSON object, or NULL after printing the one-line reason. */
-static json_t *get_stats(const char *socket_path)
-{
-    char err[512], *text;
-    int rc = kvs_stats_json(socket_path, &text, err, sizeof err);
-    if (rc == KVS_ERR_UNAVAILABLE) {
-        fprintf(stderr, "kvstash: cannot reach kvstashd at %s (is it running?): %s\n", socket_path,
-                err);
-        return NULL;
-    }
-    if (rc != KVS_OK) {
-        fprintf(stderr, "kvstash: Stats failed: %s (%s)\n", err, kvs_strerror(rc));
-        return NULL;
-    }
-    json_error_t jerr;
-    json_t *st = json_loads(text, 0, &jerr);
-    free(text);
-    if (st == NULL)
-        fprintf(stderr, "kvstash: cannot parse the Stats JSON: %s\n", jerr.text);
-    return st;
-}
-
-static int cmd_policies(const char *socket_path, int as_json)
-{
-    json_t *st = get_stats(socket_path);
-    if (st == NULL)
-        return 1;
-    json_t *pol = json_object_get(st, "policies");
-    if (as_json) {
-        char *text = json_dumps(pol, 0);
-        if (text != NULL)
-            printf("%s\n", text);
-        free(text);
+    static const char help[] =
+        "usage: kvstash seqs [--json] [--socket PATH]\n"
+        "  Every sequence: id, owning session, policy, length (tokens ever appended),\n"
+        "  tokens held (summed over layers) and how many the policy put in each tier\n"
+        "  (fp16 / int8 / sketch), blocks, bytes, table epoch and label. kvstashd has no\n"
+        "  INT8 or sketch storage yet: int8 and sketch tokens are stored at full\n"
+        "  precision, so every byte is fp16.\n"
+        "  --json: {\"sequences\": [SequenceStats with \"tiers\"...]}.\n";
+    int rc = cli_parse(c, NULL, 0, NULL, 0, 0, NULL, help);
+    if (rc != CLI_OK)
+        return rc < 0 ? CLI_OK : rc;
+    Kvstash__V1__StatsResponse *st;
+    if ((rc = cli_stats(c, 1, &st)) != CLI_OK)
+        return rc;
+    if (c->json) {
+        json_t *arr = json_array();
+        for (size_t i = 0; i < st->n_sequences; i++)
+            json_array_append_new(arr, pbjson_from_message(&st->sequences[i]->base));
+        rc = cli_print_json(json_pack("{so}", "sequences", arr), 1);
     } else {
-        size_t i;
-        json_t *v;
-        json_array_foreach(pol, i, v) printf("%s\n", json_string_value(v));
+        char b1[32];
+        printf("%6s %7s %-14s %9s %9s %9s %7s %7s %6s %10s %6s  %s\n", "SEQ", "SESSION", "POLICY",
+               "APPENDED", "TOKENS", "FP16", "INT8", "SKETCH", "BLOCKS", "BYTES", "EPOCH", "LABEL");
+        for (size_t i = 0; i < st->n_sequences; i++) {
+            const Kvstash__V1__SequenceStats *q = st->sequences[i];
+            printf("%6" PRIu64 " %7" PRIu64 " %-14s %9" PRIu64 " %9" PRIu64 " %9" PRIu64
+                   " %7" PRIu64 " %7" PRIu64 " %6u %10s %6" PRIu64 "  %s\n",
+                   q->seq_id, q->session_id, q->policy, q->appended, q->tokens,
+                   tier_tokens(q, "fp16"), tier_tokens(q, "int8"), tier_tokens(q, "sketch"),
+                   q->blocks, cli_bytes(q->bytes, b1, sizeof b1), q->epoch, q->label);
+        }
+        if (st->n_sequences == 0)
+            printf("(no sequences)\n");
     }
-    json_decref(st);
-    return fflush(stdout) == 0 ? 0 : 1;
+    protobuf_c_message_free_unpacked(&st->base, NULL);
+    return rc;
 }
 
-static int cmd_status(const char *socket_path, int as_json)
+/* ---- policy list ---------------------------------------------------------------- */
+
+static void print_policy(const Kvstash__V1__PolicyInfo *p)
 {
-    json_t *st = get_stats(socket_path);
-    if (st == NULL)
-        return 1;
-    if (as_json) {
-        char *pretty = json_dumps(st, JSON_INDENT(2));
-        if (pretty != NULL)
-            printf("%s\n", pretty);
-        free(pretty);
-    } else {
-        print_status(st);
+    printf("%s\n  %s\n  needs:", p->name, p->summary);
+    if (p->n_needs == 0)
+        printf(" nothing from the worker");
+    for (size_t i = 0; i < p->n_needs; i++)
+        printf("%s %s", i ? "," : "", p->needs[i]);
+    printf("; lists: %s; operator evict: %s\n", p->per_head ? "one per KV head" : "one per layer",
+           p->operator_evict ? "yes" : "no");
+    if (p->n_params == 0)
+        printf("  parameters: none\n");
+    for (size_t i = 0; i < p->n_params; i++) {
+        const Kvstash__V1__PolicyParamSpec *s = p->params[i];
+        char kv[96];
+        snprintf(kv, sizeof kv, "%s=%s", s->key, s->default_value);
+        printf("    %-28s %s\n", kv, s->help);
     }
-    json_decref(st);
-    return fflush(stdout) == 0 ? 0 : 1;
+}
+
+static int cmd_policy(cli *c)
+{
+    static const char help[] =
+        "usage: kvstash policy list [--json] [--socket PATH]\n"
+        "  The policies kvstashd knows, in registry order: a summary, the statistics a\n"
+        "  worker must report each step, whether it keeps one token list per KV head,\n"
+        "  whether `kvstash evict` works on its sequences, and every parameter as\n"
+        "  key=default with its meaning (pass them as CreateSequence params).\n"
+        "  --json: the ListPolicies reply, {\"policies\": [{\"name\", \"summary\",\n"
+        "  \"params\": [{\"key\", \"default_value\", \"help\"}], \"needs\", \"per_head\",\n"
+        "  \"operator_evict\"}]}.\n";
+    const char *pos[1];
+    size_t npos;
+    int rc = cli_parse(c, NULL, 0, pos, 0, 1, &npos, help);
+    if (rc != CLI_OK)
+        return rc < 0 ? CLI_OK : rc;
+    if (strcmp(c->cmd, "policy") == 0 && (npos == 0 || strcmp(pos[0], "list") != 0))
+        return cli_fail(CLI_USAGE, "policy: %s%s (try kvstash policy --help)",
+                        npos ? "unknown subcommand " : "wants a subcommand: list",
+                        npos ? pos[0] : "");
+    if (strcmp(c->cmd, "policies") == 0 && npos > 0)
+        return cli_fail(CLI_USAGE, "policies: unexpected argument %s", pos[0]);
+    Kvstash__V1__ListPoliciesRequest req = KVSTASH__V1__LIST_POLICIES_REQUEST__INIT;
+    Kvstash__V1__ListPoliciesResponse *r;
+    rc = cli_call(c, "ListPolicies", NULL, &req.base,
+                  &kvstash__v1__list_policies_response__descriptor, (ProtobufCMessage **)&r);
+    if (rc != CLI_OK)
+        return rc;
+    if (c->json) {
+        rc = cli_print_message(&r->base, 1);
+    } else {
+        for (size_t i = 0; i < r->n_policies; i++)
+            print_policy(r->policies[i]);
+    }
+    protobuf_c_message_free_unpacked(&r->base, NULL);
+    return rc;
+}
+
+/* ---- main --------------------------------------------------------------------- */
+
+/* Global options before the command; returns the command's index, or -1
+ * with *rc set (help printed, or a usage error). */
+static int globals(int argc, char **argv, cli *c, int *rc)
+{
+    int i = 1;
+    for (; i < argc && argv[i][0] == '-'; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+            usage(stdout);
+            *rc = CLI_OK;
+            return -1;
+        } else if (strcmp(a, "--version") == 0) {
+            printf("kvstash %s\n", KVSTASH_VERSION);
+            *rc = CLI_OK;
+            return -1;
+        } else if (strcmp(a, "--json") == 0) {
+            c->json = 1;
+        } else if (strcmp(a, "--socket") == 0 && i + 1 < argc) {
+            c->socket = argv[++i];
+        } else if (strncmp(a, "--socket=", 9) == 0) {
+            c->socket = a + 9;
+        } else {
+            *rc = cli_fail(CLI_USAGE, "unknown option %s (try kvstash --help)", a);
+            return -1;
+        }
+    }
+    if (i == argc) {
+        usage(stderr);
+        *rc = CLI_USAGE;
+        return -1;
+    }
+    return i;
 }
 
 int main(int argc, char **argv)
 {
-    /* `kvstash replay` runs a policy offline and has flags of its own. */
-    if (argc > 1 && strcmp(argv[1], "replay") == 0)
-        return replay_main(argc - 1, argv + 1);
-    const char *socket_path = NULL, *cmd = NULL, *arg = NULL;
-    int as_json = 0;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
-            usage(stdout);
-            return 0;
-        } else if (strcmp(a, "--socket") == 0) {
-            if (i + 1 >= argc) {
-                fprintf(stderr, "kvstash: --socket needs a path\n");
-                return 2;
-            }
-            socket_path = argv[++i];
-        } else if (strncmp(a, "--socket=", 9) == 0) {
-            socket_path = a + 9;
-        } else if (strcmp(a, "--json") == 0) {
-            as_json = 1;
-        } else if (a[0] == '-') {
-            fprintf(stderr, "kvstash: unknown option %s (try --help)\n", a);
-            return 2;
-        } else if (cmd == NULL) {
-            cmd = a;
-        } else if (arg == NULL && strcmp(cmd, "policy") == 0) {
-            arg = a;
-        } else {
-            fprintf(stderr, "kvstash: unexpected argument %s (try --help)\n", a);
-            return 2;
-        }
-    }
-    if (socket_path == NULL)
-        socket_path = kvs_default_socket();
-    if (cmd == NULL) {
-        usage(stderr);
-        return 2;
-    }
+    cli c = {.socket = NULL};
+    int rc = CLI_OK;
+    /* `kvstash replay` runs a policy offline and has options of its own. */
+    int i = globals(argc, argv, &c, &rc);
+    if (i < 0)
+        return rc;
+    const char *cmd = argv[i];
+    if (strcmp(cmd, "replay") == 0)
+        return cli_cmd_replay(argc - i, argv + i);
+    if (c.socket == NULL)
+        c.socket = kvs_default_socket();
+    c.cmd = cmd;
+    c.argc = argc - i - 1;
+    c.argv = argv + i + 1;
     if (strcmp(cmd, "status") == 0)
-        return cmd_status(socket_path, as_json);
-    if (strcmp(cmd, "stats") == 0) /* JSON with or without --json */
-        return cmd_status(socket_path, 1);
-    if (strcmp(cmd, "policies") == 0 ||
-        (strcmp(cmd, "policy") == 0 && arg != NULL && strcmp(arg, "list") == 0))
-        return cmd_policies(socket_path, as_json);
-    if (strcmp(cmd, "policy") == 0) {
-        fprintf(stderr, "kvstash: policy wants a subcommand: list\n");
-        return 2;
-    }
-    fprintf(stderr, "kvstash: unknown command %s (try --help)\n", cmd);
-    return 2;
+        return cmd_status(&c, 0);
+    if (strcmp(cmd, "stats") == 0)
+        return cmd_status(&c, 1);
+    if (strcmp(cmd, "health") == 0)
+        return cmd_health(&c);
+    if (strcmp(cmd, "workers") == 0)
+        return cmd_workers(&c);
+    if (strcmp(cmd, "seqs") == 0)
+        return cmd_seqs(&c);
+    if (strcmp(cmd, "policy") == 0 || strcmp(cmd, "policies") == 0)
+        return cmd_policy(&c);
+    if (strcmp(cmd, "seq") == 0)
+        return cli_cmd_seq(&c);
+    if (strcmp(cmd, "evict") == 0)
+        return cli_cmd_evict(&c);
+    if (strcmp(cmd, "demote") == 0 || strcmp(cmd, "offload") == 0 || strcmp(cmd, "revive") == 0)
+        return cli_cmd_tier_op(&c, cmd);
+    if (strcmp(cmd, "watch") == 0)
+        return cli_cmd_watch(&c);
+    if (strcmp(cmd, "top") == 0)
+        return cli_cmd_top(&c);
+    return cli_fail(CLI_USAGE, "unknown command %s (try kvstash --help)", cmd);
 }

@@ -12,128 +12,136 @@
 #include <string.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
+#include "config.h"
 #include "events.h"
 #include "fdsock.h"
 #include "log.h"
+#include "metrics.h"
 #include "rpc.h"
 #include "service.h"
 #include "store.h"
 
-typedef struct daemon_opts {
-    char socket[PATH_MAX - 16];
-    const char *listen;
-    unsigned long pool_mb, max_pools, max_sessions, max_seqs, threads;
-} daemon_opts;
-
 static void usage(FILE *out)
 {
-    fprintf(out, "usage: kvstashd [options]\n"
-                 "  --socket PATH      gRPC Unix socket (default $XDG_RUNTIME_DIR/kvstash/"
-                 "kvstashd.sock,\n"
-                 "                     or /run/kvstash/kvstashd.sock); PATH.fd, PATH.events and\n"
-                 "                     PATH.lock are created beside it\n"
-                 "  --listen ADDR      also serve gRPC on TCP ADDR (loopback only, e.g. "
-                 "127.0.0.1:7070)\n"
-                 "  --pool-mb N        shared memory per model pool in MiB (default 256)\n"
-                 "  --max-pools N      models served at once (default 4)\n"
-                 "  --max-sessions N   workers attached at once (default 256)\n"
-                 "  --max-seqs N       sequences over all workers (default 65536)\n"
-                 "  --threads N        gRPC completion-queue threads (default 2)\n"
-                 "  --log-level L      debug, info, warn or error (default info)\n"
+    size_t n;
+    const config_option *opt = config_options(&n);
+    fprintf(out, "usage: kvstashd [--config FILE] [options]\n");
+    for (size_t i = 0; i < n; i++) {
+        const char *arg = opt[i].kind == CONFIG_BOOL    ? ""
+                          : opt[i].kind == CONFIG_PATH  ? " PATH"
+                          : opt[i].kind == CONFIG_ADDR  ? " ADDR"
+                          : opt[i].kind == CONFIG_LEVEL ? " L"
+                                                        : " N";
+        fprintf(out, "  --%s%s\n      %s\n", opt[i].key, arg, opt[i].help);
+    }
+    fprintf(out, "  --config FILE\n"
+                 "      read these options from an INI file first ([kvstashd] section, keys\n"
+                 "      spelt like the flags: pool_mb = 1024); flags given here win over it\n"
+                 "  --print-config\n"
+                 "      print the effective configuration (defaults < FILE < flags) and exit\n"
                  "  --version, --help\n");
 }
 
-static int parse_count(const char *flag, const char *text, unsigned long max, unsigned long *out)
+/* getopt_long's `val` for an option: its index in config_options(), or: */
+enum { OPT_CONFIG = 1000, OPT_PRINT, OPT_VERSION, OPT_HELP };
+
+/* Every config option as a flag, plus config, print-config, version, help.
+ * The caller frees. */
+static struct option *long_options(void)
 {
-    char *end;
-    errno = 0;
-    unsigned long v = strtoul(text, &end, 10);
-    if (errno != 0 || end == text || *end != '\0' || text[0] == '-' || v == 0 || v > max) {
-        fprintf(stderr, "kvstashd: %s must be an integer in [1, %lu], got '%s'\n", flag, max, text);
-        return -1;
-    }
-    *out = v;
-    return 0;
+    size_t n;
+    const config_option *opt = config_options(&n);
+    struct option *lo = calloc(n + 5, sizeof *lo);
+    if (lo == NULL)
+        return NULL;
+    for (size_t i = 0; i < n; i++)
+        lo[i] = (struct option){opt[i].key,
+                                opt[i].kind == CONFIG_BOOL ? no_argument : required_argument,
+                                NULL, (int)i};
+    lo[n] = (struct option){"config", required_argument, NULL, OPT_CONFIG};
+    lo[n + 1] = (struct option){"print-config", no_argument, NULL, OPT_PRINT};
+    lo[n + 2] = (struct option){"version", no_argument, NULL, OPT_VERSION};
+    lo[n + 3] = (struct option){"help", no_argument, NULL, OPT_HELP};
+    return lo;
 }
 
-static void default_socket(char *buf, size_t len)
+/* First pass: --config, --help, --version and unknown flags. */
+static int scan_opts(int argc, char **argv, const struct option *lo, const char **file)
 {
-    const char *xdg = getenv("XDG_RUNTIME_DIR");
-    snprintf(buf, len, "%s/kvstash/kvstashd.sock", xdg && *xdg ? xdg : "/run");
-}
-
-static int parse_opts(int argc, char **argv, daemon_opts *o)
-{
-    static const struct option longopts[] = {{"socket", required_argument, 0, 's'},
-                                             {"listen", required_argument, 0, 'l'},
-                                             {"pool-mb", required_argument, 0, 'p'},
-                                             {"max-pools", required_argument, 0, 'P'},
-                                             {"max-sessions", required_argument, 0, 'S'},
-                                             {"max-seqs", required_argument, 0, 'Q'},
-                                             {"threads", required_argument, 0, 't'},
-                                             {"log-level", required_argument, 0, 'L'},
-                                             {"version", no_argument, 0, 'V'},
-                                             {"help", no_argument, 0, 'h'},
-                                             {0, 0, 0, 0}};
-    *o = (daemon_opts){
-        .pool_mb = 256, .max_pools = 4, .max_sessions = 256, .max_seqs = 65536, .threads = 2};
-    default_socket(o->socket, sizeof o->socket);
-    int c, level;
-    while ((c = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
-        int bad = 0;
-        switch (c) {
-        case 's':
-            if (strlen(optarg) >= sizeof o->socket - 8 || optarg[0] == '\0') {
-                fprintf(stderr, "kvstashd: --socket path is empty or too long\n");
-                return -1;
-            }
-            snprintf(o->socket, sizeof o->socket, "%s", optarg);
-            break;
-        case 'l':
-            o->listen = optarg;
-            break;
-        case 'p':
-            bad = parse_count("--pool-mb", optarg, 1u << 20, &o->pool_mb);
-            break;
-        case 'P':
-            bad = parse_count("--max-pools", optarg, 64, &o->max_pools);
-            break;
-        case 'S':
-            bad = parse_count("--max-sessions", optarg, 4096, &o->max_sessions);
-            break;
-        case 'Q':
-            bad = parse_count("--max-seqs", optarg, 1u << 24, &o->max_seqs);
-            break;
-        case 't':
-            bad = parse_count("--threads", optarg, 64, &o->threads);
-            break;
-        case 'L':
-            if ((level = log_parse_level(optarg)) < 0) {
-                fprintf(stderr, "kvstashd: --log-level must be debug, info, warn or error\n");
-                return -1;
-            }
-            log_set_level((log_level)level);
-            break;
-        case 'V':
-            printf("kvstashd %s\n", KVSTASH_VERSION);
-            exit(0);
-        case 'h':
-            usage(stdout);
-            exit(0);
-        default:
-            usage(stderr);
-            return -1;
-        }
-        if (bad)
-            return -1;
+    int ch;
+    opterr = 1;
+    while ((ch = getopt_long(argc, argv, "", lo, NULL)) != -1) {
+        if (ch == OPT_CONFIG)
+            *file = optarg;
+        else if (ch == OPT_HELP || ch == OPT_VERSION)
+            return ch;
+        else if (ch == '?')
+            return 2;
     }
     if (optind < argc) {
         fprintf(stderr, "kvstashd: unexpected argument '%s' (see --help)\n", argv[optind]);
-        return -1;
+        return 2;
     }
     return 0;
+}
+
+/* Second pass: every other flag over the file's values. */
+static int apply_flags(int argc, char **argv, const struct option *lo, daemon_config *c,
+                       int *print)
+{
+    size_t n;
+    const config_option *opt = config_options(&n);
+    char err[512];
+    int ch;
+    optind = 0;
+    opterr = 0;
+    while ((ch = getopt_long(argc, argv, "", lo, NULL)) != -1) {
+        if (ch == OPT_PRINT) {
+            *print = 1;
+        } else if (ch >= 0 && (size_t)ch < n &&
+                   config_set(c, opt[ch].key, optarg != NULL ? optarg : "true", err,
+                              sizeof err) != 0) {
+            fprintf(stderr, "kvstashd: --%s\n", err);
+            return 2;
+        }
+    }
+    return 0;
+}
+
+/* Defaults, then the --config file, then the flags (config.h). Returns 0 to
+ * run, 2 after a usage error (message printed), or -1 when it printed what
+ * was asked (--help, --version, --print-config) and kvstashd exits 0. */
+static int parse_opts(int argc, char **argv, daemon_config *c)
+{
+    struct option *lo = long_options();
+    if (lo == NULL)
+        return 2;
+    const char *file = NULL;
+    char err[512];
+    int print = 0;
+    config_defaults(c);
+    int rc = scan_opts(argc, argv, lo, &file);
+    if (rc == 0 && file != NULL && config_load(c, file, err, sizeof err) != 0) {
+        fprintf(stderr, "kvstashd: %s\n", err);
+        rc = 2;
+    }
+    if (rc == 0)
+        rc = apply_flags(argc, argv, lo, c, &print);
+    free(lo);
+    if (rc == OPT_HELP)
+        usage(stdout);
+    else if (rc == OPT_VERSION)
+        printf("kvstashd %s\n", KVSTASH_VERSION);
+    else if (rc == 0 && print)
+        config_print(c, file != NULL ? file : "defaults and flags", stdout);
+    if (rc == OPT_HELP || rc == OPT_VERSION || (rc == 0 && print))
+        return -1;
+    if (rc == 0)
+        log_set_level((log_level)log_parse_level(c->log_level));
+    return rc;
 }
 
 /* mkdir -p for the socket's directory, mode 0700. */
@@ -198,10 +206,36 @@ typedef struct daemon_parts {
     events *events;
     fdsock *fdsock;
     rpc_server *rpc;
+    metrics *metrics; /* NULL without --metrics */
 } daemon_parts;
 
-static int start(const daemon_opts *o, daemon_parts *d)
+/* Counters, and the HTTP endpoint, when --metrics asks for them. */
+static int start_metrics(const daemon_config *o, daemon_parts *d)
 {
+    if (o->metrics[0] == '\0')
+        return 0;
+    size_t nmethods;
+    const rpc_method *methods = service_methods(&nmethods);
+    status st;
+    if ((d->metrics = metrics_create(methods, nmethods)) == NULL) {
+        log_error("start_failed", "what=metrics msg=\"%s\"", "out of memory");
+        return -1;
+    }
+    d->store.metrics = d->metrics;
+    if (metrics_http_start(d->metrics, &d->store, o->metrics, o->metrics_allow_remote, &st) !=
+        ST_OK) {
+        log_error("start_failed", "what=metrics msg=\"%s\"", st.msg);
+        return -1;
+    }
+    const char *colon = strrchr(o->metrics, ':');
+    log_info("metrics_listening", "addr=%.*s:%u", (int)(colon - o->metrics), o->metrics,
+             metrics_http_port(d->metrics));
+    return 0;
+}
+
+static int start(const daemon_config *o, daemon_parts *d)
+{
+
     store_config cfg = {(size_t)o->pool_mb << 20, (uint32_t)o->max_pools, (uint32_t)o->max_sessions,
                         (uint32_t)o->max_seqs};
     char path[PATH_MAX + 16];
@@ -215,6 +249,8 @@ static int start(const daemon_opts *o, daemon_parts *d)
         log_error("start_failed", "what=store msg=\"%s\"", "out of memory");
         return -1;
     }
+    if (start_metrics(o, d) != 0)
+        return -1;
     snprintf(path, sizeof path, "%s.fd", o->socket);
     if (fdsock_start(path, &d->store, &d->fdsock, &st) != ST_OK) {
         log_error("start_failed", "what=fdsock msg=\"%s\"", st.msg);
@@ -222,7 +258,8 @@ static int start(const daemon_opts *o, daemon_parts *d)
     }
     size_t nmethods;
     const rpc_method *methods = service_methods(&nmethods);
-    rpc_config rc = {o->socket, o->listen, (int)o->threads};
+    rpc_config rc = {o->socket, o->listen[0] ? o->listen : NULL, (int)o->threads,
+                     d->metrics != NULL ? metrics_rpc : NULL, d->metrics};
     unlink(o->socket); /* stale from a dead daemon: our lock proves it dead */
     if (rpc_server_start(&rc, methods, nmethods, &d->store, &d->rpc, &st) != ST_OK) {
         log_error("start_failed", "what=grpc msg=\"%s\"", st.msg);
@@ -236,15 +273,37 @@ static void stop(daemon_parts *d)
     store_begin_shutdown(&d->store);
     rpc_server_stop(d->rpc); /* ends every lease: sessions are reclaimed */
     fdsock_stop(d->fdsock);
+    metrics_http_stop(d->metrics); /* a scrape reads the store */
     store_destroy(&d->store);
+    metrics_destroy(d->metrics);
     events_close(d->events);
 }
 
+/* SIGTERM/SIGINT arrived: report NOT_SERVING (gRPC health, /healthz) for
+ * drain_ms and refuse new work, so that probes and load balancers see it
+ * before the sockets go; a second signal cuts the wait short. */
+static void drain(daemon_parts *d, const sigset_t *sigs, unsigned long drain_ms)
+{
+    store_begin_shutdown(&d->store);
+    if (drain_ms == 0)
+        return;
+    log_info("draining", "ms=%lu", drain_ms);
+    uint64_t end = store_now_ms() + drain_ms;
+    for (uint64_t now = store_now_ms(); now < end; now = store_now_ms()) {
+        struct timespec left = {(time_t)((end - now) / 1000),
+                                (long)((end - now) % 1000) * 1000000L};
+        if (sigtimedwait(sigs, NULL, &left) >= 0 || errno != EINTR)
+            break; /* a second signal, or the time is up (EAGAIN) */
+    }
+}
+
+
 int main(int argc, char **argv)
 {
-    daemon_opts o;
-    if (parse_opts(argc, argv, &o) != 0)
-        return 2;
+    daemon_config o;
+    int prc = parse_opts(argc, argv, &o);
+    if (prc != 0)
+        return prc < 0 ? 0 : prc;
     umask(0077); /* every socket and file we create is the daemon user's alone */
     if (make_socket_dir(o.socket) != 0) {
         fprintf(stderr, "kvstashd: cannot create the directory of %s: %s\n", o.socket,
@@ -271,6 +330,7 @@ int main(int argc, char **argv)
     int sig = 0;
     sigwait(&sigs, &sig);
     log_info("stopping", "signal=%s", sig == SIGTERM ? "TERM" : "INT");
+    drain(&d, &sigs, o.drain_ms);
     stop(&d);
     remove_files(o.socket);
     close(lock_fd);

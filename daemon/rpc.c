@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "log.h"
 #include "pbgrpc.h"
@@ -58,6 +59,8 @@ struct rpc_server {
     size_t nmethods;
     void **handles; /* registered method handles, one per method */
     void *app;
+    rpc_observe_fn observe; /* metrics hook, may be NULL */
+    void *observe_ctx;
     int nthreads;
     grpc_completion_queue **cqs;
     pthread_t *threads;
@@ -206,7 +209,30 @@ static void stream_start(rpc_call *c)
         call_free(c);
 }
 
+static double now_seconds(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static status_code serve_call(rpc_call *c);
+
+/* Serve a call, telling the metrics hook (if any) its status and duration. */
 static void handle_request(rpc_call *c)
+{
+    rpc_server *srv = c->srv;
+    if (srv->observe == NULL) {
+        serve_call(c);
+        return;
+    }
+    size_t method = c->method; /* c may be freed by the time we return */
+    double t0 = now_seconds();
+    status_code code = serve_call(c);
+    srv->observe(srv->observe_ctx, method, (int)code, now_seconds() - t0);
+}
+
+static status_code serve_call(rpc_call *c)
 {
     rpc_server *srv = c->srv;
     const rpc_method *m = &srv->methods[c->method];
@@ -219,14 +245,14 @@ static void handle_request(rpc_call *c)
         status_set(&st, ST_INVALID_ARGUMENT, "request is not a valid %s message", m->request->name);
         log_info("rpc_bad_request", "method=%s", m->path);
         call_finish(c, st.code, st.msg);
-        return;
+        return st.code;
     }
     char field[64];
     if (!pbgrpc_strings_valid(req, field, sizeof field)) {
         status_set(&st, ST_INVALID_ARGUMENT, "%s is not valid UTF-8", field);
         protobuf_c_message_free_unpacked(req, NULL);
         call_finish(c, st.code, st.msg);
-        return;
+        return st.code;
     }
     status_code rc;
     const char *tok = has_token ? token : NULL;
@@ -249,6 +275,7 @@ static void handle_request(rpc_call *c)
     } else {
         stream_start(c);
     }
+    return rc;
 }
 
 static void stream_batch_done(rpc_call *c, tag_kind kind)
@@ -395,6 +422,8 @@ status_code rpc_server_start(const rpc_config *cfg, const rpc_method *methods, s
     srv->methods = methods;
     srv->nmethods = nmethods;
     srv->app = app;
+    srv->observe = cfg->observe;
+    srv->observe_ctx = cfg->observe_ctx;
     srv->nthreads = cfg->threads > 0 ? cfg->threads : 1;
     srv->shutdown_tag = (rpc_tag){TAG_SHUTDOWN, NULL};
     pthread_mutex_init(&srv->lock, NULL);

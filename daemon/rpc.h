@@ -39,10 +39,17 @@ typedef struct rpc_method {
 
 typedef struct rpc_server rpc_server;
 
+/* Metrics hook: one call of methods[method] finished with status `code`;
+ * `seconds` from its arrival to its reply (or stream start) being queued.
+ * Runs on a CQ thread: must not block. */
+typedef void (*rpc_observe_fn)(void *ctx, size_t method, int code, double seconds);
+
 typedef struct rpc_config {
     const char *unix_path; /* required: listen on unix:PATH */
     const char *tcp_addr;  /* optional "127.0.0.1:PORT"; loopback only */
     int threads;           /* completion-queue threads, >= 1 */
+    rpc_observe_fn observe; /* optional (metrics.h metrics_rpc) */
+    void *observe_ctx;
 } rpc_config;
 
 /* Start serving `methods` (the table must outlive the server). Calls

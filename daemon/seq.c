@@ -9,11 +9,6 @@ status_code seq_create(uint64_t id, uint64_t session_id, pool *pool, const polic
                        const policy_params *params, const char *label, seq **out, status *st)
 {
     *out = NULL;
-    const char *rot = policy_params_get(params, "apply_rotation");
-    if (rot != NULL && strcmp(rot, "0") != 0)
-        return status_set(st, ST_FAILED_PRECONDITION,
-                          "apply_rotation: kvstashd does not re-rotate keys yet (the RoPE "
-                          "kernel lands with the tiers work); use apply_rotation=0");
     seq *s = calloc(1, sizeof *s);
     if (s == NULL)
         return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
@@ -284,6 +279,31 @@ static int list_compact(seq *s, seq_list *ly, uint32_t tokens, uint64_t epoch)
     return 0;
 }
 
+/*
+ * OpenVINO §2.8: after an eviction, a kept token that moved from index i to
+ * j of its list carries RoPE for a position j - i too far; rotate its key
+ * back (kv_rope_rerotate). Runs before compaction, which moves bytes but
+ * not indices. The worker is inside its synchronous step, not reading.
+ */
+static int list_rerotate(seq *s, seq_list *ly, const uint8_t *tier, uint32_t n,
+                         const policy_decision *d)
+{
+    int32_t *delta = malloc((n ? n : 1) * sizeof *delta);
+    if (delta == NULL)
+        return -1;
+    uint32_t j = 0;
+    for (uint32_t i = 0; i < n; i++)
+        if (tier[i] != POLICY_EVICT) {
+            delta[j] = (int32_t)j - (int32_t)i;
+            j++;
+        }
+    kv_rope_rerotate(&s->list_layout, (kv_dtype)s->pool->geom.dtype, s->pool->base, ly->segs,
+                     ly->nsegs, delta, d->rope_theta > 0 ? d->rope_theta : s->pool->geom.rope_theta,
+                     d->rope_pairing ? KV_ROPE_INTERLEAVED : KV_ROPE_HALF);
+    free(delta);
+    return 0;
+}
+
 /* Apply one layer's decision: merge, evict in the segments, then commit in
  * the host. INT8 and sketch tiers are recorded in the host (the policy sees
  * them) but the tokens stay in full precision until the tiers land. */
@@ -303,7 +323,9 @@ static status_code layer_apply(seq *s, uint32_t l, const policy_decision *d, uin
         for (uint32_t t = 0; t < n; t++)
             kept += d->tier[k][t] != POLICY_EVICT;
         if (list_reserve(ly, evicted_seg_bound(ly, d->tier[k], n)) != 0 ||
-            list_evict(s, ly, d->tier[k], epoch) != 0 || list_compact(s, ly, kept, epoch) != 0)
+            list_evict(s, ly, d->tier[k], epoch) != 0 ||
+            (d->rerotate_keys && list_rerotate(s, ly, d->tier[k], n, d) != 0) ||
+            list_compact(s, ly, kept, epoch) != 0)
             return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
     }
     *evicted += policy_host_commit(s->host, l);

@@ -19,6 +19,13 @@ status_code service_stats(void *app, const char *token, const ProtobufCMessage *
 status_code service_inspect(void *app, const char *token, const ProtobufCMessage *m,
                             grpc_byte_buffer **resp, status *st);
 
+/* ListPolicies (read-only, no token) and Evict (operator.h; needs a token)
+ * (service_ops.c). */
+status_code service_list_policies(void *app, const char *token, const ProtobufCMessage *m,
+                                  grpc_byte_buffer **resp, status *st);
+status_code service_evict(void *app, const char *token, const ProtobufCMessage *m,
+                          grpc_byte_buffer **resp, status *st);
+
 /* Shared conversions; the Param strings point into p. */
 void service_geometry_to_proto(const pool_geometry *g, Kvstash__V1__Geometry *out);
 void service_params_to_proto(const policy_params *p, Kvstash__V1__Param *storage,

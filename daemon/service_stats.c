@@ -2,10 +2,42 @@
  * store's lock. */
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "kvstash/v1/store.pb-c.h"
 #include "pbgrpc.h"
 #include "service.h"
+
+static const char *const tier_names[3] = {"fp16", "int8", "sketch"};
+
+/* Held tokens of q by the tier its policy assigned (policy_tier 0..2). */
+static void seq_tier_tokens(seq *q, uint64_t out[3])
+{
+    for (uint32_t l = 0; l < q->nlayers; l++) {
+        const policy_layer_view *v = policy_host_view(q->host, l);
+        for (uint32_t k = 0; k < v->heads; k++)
+            for (uint32_t i = 0; i < v->tokens[k]; i++)
+                out[v->tier[k][i] < 3 ? v->tier[k][i] : 0]++;
+    }
+}
+
+/* SequenceStats.tiers from three caller-provided entries: tokens by the
+ * policy's tier; every byte is fp16 (no INT8/sketch storage yet). */
+static void sequence_tiers(seq *q, Kvstash__V1__SequenceStats *out, Kvstash__V1__TierStats *t,
+                           Kvstash__V1__TierStats **ptrs)
+{
+    uint64_t n[3] = {0, 0, 0};
+    seq_tier_tokens(q, n);
+    for (int i = 0; i < 3; i++) {
+        kvstash__v1__tier_stats__init(&t[i]);
+        t[i].tier = (char *)tier_names[i];
+        t[i].tokens = n[i];
+        ptrs[i] = &t[i];
+    }
+    t[0].bytes = out->bytes;
+    out->tiers = ptrs;
+    out->n_tiers = 3;
+}
 
 static void sequence_stats(seq *q, Kvstash__V1__SequenceStats *out)
 {
@@ -49,6 +81,7 @@ static void session_stats(const session *se, uint64_t now, Kvstash__V1__SessionS
     out->sequences = se->nseqs;
     out->attached_ms = now - se->attached_ms;
     out->lease_open = se->lease_open;
+    out->lease_ms = se->lease_open ? now - se->lease_ms : 0;
 }
 
 typedef struct stats_buf {
@@ -56,6 +89,7 @@ typedef struct stats_buf {
     Kvstash__V1__Geometry *geoms;
     Kvstash__V1__SessionStats *sessions, **session_ptrs;
     Kvstash__V1__SequenceStats *seqs, **seq_ptrs;
+    Kvstash__V1__TierStats *seq_tiers, **seq_tier_ptrs; /* 3 per sequence, with_tiers */
     const char **policies;
 } stats_buf;
 
@@ -70,8 +104,10 @@ static int stats_buf_alloc(stats_buf *b, size_t npools, size_t nsessions, size_t
     b->seqs = calloc(nseqs + 1, sizeof *b->seqs);
     b->seq_ptrs = calloc(nseqs + 1, sizeof *b->seq_ptrs);
     b->policies = calloc(npolicies + 1, sizeof *b->policies);
+    b->seq_tiers = calloc(3 * nseqs + 1, sizeof *b->seq_tiers);
+    b->seq_tier_ptrs = calloc(3 * nseqs + 1, sizeof *b->seq_tier_ptrs);
     return b->pools && b->pool_ptrs && b->geoms && b->sessions && b->session_ptrs && b->seqs &&
-                   b->seq_ptrs && b->policies
+                   b->seq_ptrs && b->policies && b->seq_tiers && b->seq_tier_ptrs
                ? 0
                : -1;
 }
@@ -85,6 +121,8 @@ static void stats_buf_free(stats_buf *b)
     free(b->session_ptrs);
     free(b->seqs);
     free(b->seq_ptrs);
+    free(b->seq_tiers);
+    free(b->seq_tier_ptrs);
     free(b->policies);
 }
 
@@ -97,7 +135,7 @@ static uint32_t pool_retired(const store *st, const pool *p)
     return n;
 }
 
-static void fill_stats(store *st, stats_buf *b, Kvstash__V1__StatsResponse *out,
+static void fill_stats(store *st, stats_buf *b, int with_tiers, Kvstash__V1__StatsResponse *out,
                        Kvstash__V1__TierStats *fp16)
 {
     uint64_t now = store_now_ms();
@@ -118,6 +156,9 @@ static void fill_stats(store *st, stats_buf *b, Kvstash__V1__StatsResponse *out,
     out->sessions = b->session_ptrs;
     for (size_t i = 0; i < st->nseqs; i++) {
         sequence_stats(st->seqs[i], &b->seqs[i]);
+        if (with_tiers)
+            sequence_tiers(st->seqs[i], &b->seqs[i], &b->seq_tiers[3 * i],
+                           &b->seq_tier_ptrs[3 * i]);
         b->seq_ptrs[i] = &b->seqs[i];
         fp16->tokens += b->seqs[i].tokens;
         fp16->bytes += b->seqs[i].bytes;
@@ -130,14 +171,13 @@ status_code service_stats(void *app, const char *token, const ProtobufCMessage *
                           grpc_byte_buffer **resp, status *st)
 {
     (void)token;
-    (void)m;
+    const Kvstash__V1__StatsRequest *req = (const void *)m;
     store *s = app;
     size_t npolicies;
     const policy_ops *const *pol = policy_list(&npolicies);
     Kvstash__V1__StatsResponse out = KVSTASH__V1__STATS_RESPONSE__INIT;
     Kvstash__V1__TierStats tiers[3];
     Kvstash__V1__TierStats *tier_ptrs[3];
-    const char *tier_names[3] = {"fp16", "int8", "sketch"};
     for (int i = 0; i < 3; i++) {
         kvstash__v1__tier_stats__init(&tiers[i]);
         tiers[i].tier = (char *)tier_names[i];
@@ -154,7 +194,9 @@ status_code service_stats(void *app, const char *token, const ProtobufCMessage *
     } else {
         out.version = KVSTASH_VERSION;
         out.backend = "host";
-        fill_stats(s, &b, &out, &tiers[0]);
+        out.serving = s->serving;
+        out.pid = (int32_t)getpid();
+        fill_stats(s, &b, req->with_tiers, &out, &tiers[0]);
         for (size_t i = 0; i < npolicies; i++)
             b.policies[i] = pol[i]->name;
         out.policies = (char **)b.policies;
@@ -182,6 +224,11 @@ static void layer_inspect(seq *q, uint32_t layer, Kvstash__V1__LayerInspect *out
         out->tokens += n;
         for (size_t i = 0; i < ly->nsegs; i++)
             out->blocks += i == 0 || ly->segs[i].block != ly->segs[i - 1].block;
+        const uint8_t *tier = policy_host_view(q->host, layer)->tier[k];
+        for (uint32_t i = 0; i < n; i++) {
+            out->tokens_int8 += tier[i] == POLICY_INT8;
+            out->tokens_sketch += tier[i] == POLICY_SKETCH;
+        }
         if (n == 0)
             continue;
         if (!any || pos[0] < out->first_position)
@@ -192,45 +239,191 @@ static void layer_inspect(seq *q, uint32_t layer, Kvstash__V1__LayerInspect *out
     }
 }
 
+#define INSPECT_RUNS_DEFAULT 1024
+#define INSPECT_RUNS_MAX 65536 /* per list, and over the whole response */
+
+/* The maps and retired epochs of an InspectResponse, built under the lock. */
+typedef struct inspect_buf {
+    Kvstash__V1__LayerInspect *layers, **layer_ptrs;
+    Kvstash__V1__ListMap *maps, **map_ptrs;
+    Kvstash__V1__TierRun *runs, **run_ptrs; /* shared by the maps */
+    size_t nruns, runs_cap;
+    Kvstash__V1__RetiredEpoch *retired, **retired_ptrs;
+} inspect_buf;
+
+static void inspect_buf_free(inspect_buf *b)
+{
+    free(b->layers);
+    free(b->layer_ptrs);
+    free(b->maps);
+    free(b->map_ptrs);
+    free(b->runs);
+    free(b->run_ptrs);
+    free(b->retired);
+    free(b->retired_ptrs);
+}
+
+static const char evicted_tier[] = "evicted"; /* runs compare tier names by address */
+
+static const char *run_tier_name(uint8_t tier)
+{
+    return tier < 3 ? tier_names[tier] : "fp16";
+}
+
+/* Append a run to map m, merging with its last run; 0, or -1 when full. */
+static int map_add(inspect_buf *b, Kvstash__V1__ListMap *m, size_t cap, uint32_t first,
+                   uint32_t count, const char *tier)
+{
+    Kvstash__V1__TierRun *last = m->n_runs ? m->runs[m->n_runs - 1] : NULL;
+    if (last != NULL && last->tier == tier && last->first_position + last->count == first) {
+        last->count += count;
+        return 0;
+    }
+    if (m->n_runs >= cap || b->nruns >= b->runs_cap) {
+        m->truncated = 1;
+        return -1;
+    }
+    Kvstash__V1__TierRun *r = &b->runs[b->nruns];
+    kvstash__v1__tier_run__init(r);
+    r->first_position = first;
+    r->count = count;
+    r->tier = (char *)tier;
+    b->run_ptrs[b->nruns++] = r;
+    m->n_runs++;
+    return 0;
+}
+
+/* Runs over positions 0 .. appended-1 of list (l, k): held tokens by tier,
+ * the gaps between them "evicted". */
+static void list_map(seq *q, uint32_t l, uint32_t k, size_t cap, inspect_buf *b,
+                     Kvstash__V1__ListMap *m)
+{
+    kvstash__v1__list_map__init(m);
+    m->layer = l;
+    m->head = k;
+    m->per_head = q->heads > 1;
+    m->runs = &b->run_ptrs[b->nruns];
+    const uint32_t *pos;
+    uint32_t n = seq_list_tokens(q, l, k, &pos);
+    const uint8_t *tier = policy_host_view(q->host, l)->tier[k];
+    uint64_t next = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (pos[i] > next && map_add(b, m, cap, (uint32_t)next, (uint32_t)(pos[i] - next),
+                                     evicted_tier) != 0)
+            return;
+        if (map_add(b, m, cap, pos[i], 1, run_tier_name(tier[i])) != 0)
+            return;
+        next = (uint64_t)pos[i] + 1;
+    }
+    if (next < q->appended)
+        map_add(b, m, cap, (uint32_t)next, (uint32_t)(q->appended - next), evicted_tier);
+}
+
+static int u64_cmp(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Retired blocks grouped by the epoch the worker must ack, oldest first. */
+static int retired_epochs(const seq *q, inspect_buf *b, Kvstash__V1__InspectResponse *out)
+{
+    size_t n = q->nretired;
+    uint64_t *ep = malloc((n ? n : 1) * sizeof *ep);
+    b->retired = calloc(n + 1, sizeof *b->retired);
+    b->retired_ptrs = calloc(n + 1, sizeof *b->retired_ptrs);
+    if (ep == NULL || b->retired == NULL || b->retired_ptrs == NULL) {
+        free(ep);
+        return -1;
+    }
+    for (size_t i = 0; i < n; i++)
+        ep[i] = q->retired[i].epoch;
+    qsort(ep, n, sizeof *ep, u64_cmp);
+    for (size_t i = 0; i < n; i++) {
+        if (out->n_retired == 0 || b->retired[out->n_retired - 1].epoch != ep[i]) {
+            Kvstash__V1__RetiredEpoch *r = &b->retired[out->n_retired];
+            kvstash__v1__retired_epoch__init(r);
+            r->epoch = ep[i];
+            b->retired_ptrs[out->n_retired++] = r;
+        }
+        b->retired[out->n_retired - 1].blocks++;
+    }
+    out->retired = b->retired_ptrs;
+    free(ep);
+    return 0;
+}
+
+static int inspect_fill(seq *q, const Kvstash__V1__InspectRequest *req, inspect_buf *b,
+                        Kvstash__V1__InspectResponse *out)
+{
+    size_t nlists = (size_t)q->nlayers * q->heads;
+    b->layers = calloc(q->nlayers, sizeof *b->layers);
+    b->layer_ptrs = calloc(q->nlayers, sizeof *b->layer_ptrs);
+    if (b->layers == NULL || b->layer_ptrs == NULL || retired_epochs(q, b, out) != 0)
+        return -1;
+    for (uint32_t l = 0; l < q->nlayers; l++) {
+        layer_inspect(q, l, &b->layers[l]);
+        b->layer_ptrs[l] = &b->layers[l];
+    }
+    out->layers = b->layer_ptrs;
+    out->n_layers = q->nlayers;
+    if (!req->with_map)
+        return 0;
+    size_t cap = req->max_runs == 0 ? INSPECT_RUNS_DEFAULT
+                 : req->max_runs > INSPECT_RUNS_MAX ? INSPECT_RUNS_MAX
+                                                    : req->max_runs;
+    /* A list of n tokens has at most 2n + 1 runs. */
+    for (size_t i = 0; i < nlists && b->runs_cap < INSPECT_RUNS_MAX; i++) {
+        size_t most = 2 * (size_t)seq_list_tokens(q, (uint32_t)(i / q->heads),
+                                                  (uint32_t)(i % q->heads), NULL) + 1;
+        b->runs_cap += most < cap ? most : cap;
+    }
+    if (b->runs_cap > INSPECT_RUNS_MAX)
+        b->runs_cap = INSPECT_RUNS_MAX;
+    b->maps = calloc(nlists, sizeof *b->maps);
+    b->map_ptrs = calloc(nlists, sizeof *b->map_ptrs);
+    b->runs = calloc(b->runs_cap + 1, sizeof *b->runs);
+    b->run_ptrs = calloc(b->runs_cap + 1, sizeof *b->run_ptrs);
+    if (b->maps == NULL || b->map_ptrs == NULL || b->runs == NULL || b->run_ptrs == NULL)
+        return -1;
+    for (size_t i = 0; i < nlists; i++) {
+        list_map(q, (uint32_t)(i / q->heads), (uint32_t)(i % q->heads), cap, b, &b->maps[i]);
+        b->map_ptrs[i] = &b->maps[i];
+    }
+    out->maps = b->map_ptrs;
+    out->n_maps = nlists;
+    return 0;
+}
+
 status_code service_inspect(void *app, const char *token, const ProtobufCMessage *m,
                             grpc_byte_buffer **resp, status *st)
 {
     (void)token;
     const Kvstash__V1__InspectRequest *req = (const void *)m;
     store *s = app;
+    inspect_buf b = {0};
+    status_code rc = ST_OK;
     store_lock(s);
     seq *q = store_find_seq_locked(s, req->seq_id);
-    status_code rc = ST_OK;
-    Kvstash__V1__LayerInspect *layers = NULL;
-    Kvstash__V1__LayerInspect **layer_ptrs = NULL;
-    if (q == NULL) {
+    Kvstash__V1__InspectResponse out = KVSTASH__V1__INSPECT_RESPONSE__INIT;
+    if (q == NULL)
         rc = status_set(st, ST_NOT_FOUND, "no sequence %llu", (unsigned long long)req->seq_id);
-    } else {
-        layers = calloc(q->nlayers, sizeof *layers);
-        layer_ptrs = calloc(q->nlayers, sizeof *layer_ptrs);
-        if (layers == NULL || layer_ptrs == NULL)
-            rc = status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
-    }
+    else if (inspect_fill(q, req, &b, &out) != 0)
+        rc = status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
     if (rc == ST_OK) {
-        Kvstash__V1__InspectResponse out = KVSTASH__V1__INSPECT_RESPONSE__INIT;
         Kvstash__V1__SequenceStats ss;
+        Kvstash__V1__TierStats tiers[3], *tier_ptrs[3];
         Kvstash__V1__Param params[POLICY_MAX_PARAMS];
         Kvstash__V1__Param *param_ptrs[POLICY_MAX_PARAMS];
         sequence_stats(q, &ss);
+        sequence_tiers(q, &ss, tiers, tier_ptrs);
         out.sequence = &ss;
         service_params_to_proto(&q->params, params, param_ptrs);
         out.params = param_ptrs;
         out.n_params = q->params.count;
-        for (uint32_t l = 0; l < q->nlayers; l++) {
-            layer_inspect(q, l, &layers[l]);
-            layer_ptrs[l] = &layers[l];
-        }
-        out.layers = layer_ptrs;
-        out.n_layers = q->nlayers;
         *resp = pbgrpc_pack(&out.base);
     }
     store_unlock(s);
-    free(layers);
-    free(layer_ptrs);
+    inspect_buf_free(&b);
     return rc;
 }

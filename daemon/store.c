@@ -11,12 +11,20 @@
 
 #include "kvstash_ring.h"
 #include "log.h"
+#include "metrics.h"
 
 uint64_t store_now_ms(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+uint64_t store_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
 int store_init(store *st, const store_config *cfg, events *ev)
@@ -125,6 +133,16 @@ seq *store_find_seq_locked(store *st, uint64_t seq_id)
     return i < 0 ? NULL : st->seqs[i];
 }
 
+session *store_find_session_locked(store *st, const char *token)
+{
+    return find_session_by_token(st, token);
+}
+
+session *store_find_session_id_locked(store *st, uint64_t id)
+{
+    return find_session_by_id(st, id);
+}
+
 static status_code need_own_seq(store *st, session *se, uint64_t seq_id, size_t *index, status *s)
 {
     ssize_t i = find_seq_index(st, seq_id);
@@ -184,6 +202,7 @@ static void session_end(store *st, session *se, const char *reason)
             log_error("ring_leaked", "session=%llu", (unsigned long long)se->id);
     }
     if (se->attached) {
+        metrics_reclaimed(st->metrics, reason); /* metrics hook */
         se->pool->sessions--;
         events_publish(st->events, "worker.reclaimed",
                        json_pack("{sI sI ss sI sI}", "session", (json_int_t)se->id, "pid",
@@ -440,6 +459,7 @@ status_code store_lease_begin(store *st, const char *token, uint64_t *session_id
                         (unsigned long long)se->id);
     if (rc == ST_OK) {
         se->lease_open = 1;
+        se->lease_ms = store_now_ms();
         *session_id = se->id;
     }
     pthread_mutex_unlock(&st->lock);
@@ -592,6 +612,9 @@ status_code store_append(store *st, const char *token, uint64_t seq_id, int64_t 
         writes->first_position = first;
     }
     if (rc == ST_OK) {
+        /* metrics hooks */
+        metrics_appended(st->metrics, q->policy, (uint64_t)count);
+        metrics_evicted(st->metrics, q->policy, 0, writes->evicted);
         for (uint32_t i = 0; i < writes->nlists; i++) {
             writes->lists[i].nsegs = nsegs[i];
             writes->lists[i].tokens = (uint32_t)count;
@@ -671,12 +694,21 @@ status_code store_seq_release(store *st, const char *token, uint64_t seq_id, uin
 status_code store_step(store *st, const char *token, uint64_t seq_id, uint64_t ack_epoch,
                        const seq_step_input *in, uint64_t *epoch, uint32_t *evicted, status *s)
 {
+    uint64_t t0 = st->metrics != NULL ? store_now_ns() : 0;
     pthread_mutex_lock(&st->lock);
     seq *q;
     status_code rc = own_seq_acked(st, token, seq_id, ack_epoch, &q, s);
-    if (rc == ST_OK)
-        rc = seq_step(q, in, evicted, s);
     if (rc == ST_OK) {
+        /* metrics hook: the attention mass this step's eviction drops */
+        metrics_mass *mm = metrics_mass_begin(st->metrics, q, in);
+        rc = seq_step(q, in, evicted, s);
+        metrics_mass_end(st->metrics, mm, q, rc == ST_OK);
+    }
+    if (rc == ST_OK) {
+        /* metrics hooks */
+        metrics_evicted(st->metrics, q->policy, 0, *evicted);
+        if (st->metrics != NULL)
+            metrics_step(st->metrics, q->policy, (double)(store_now_ns() - t0) * 1e-9);
         *epoch = q->epoch;
         if (*evicted > 0)
             events_publish(st->events, "table.changed",

@@ -24,6 +24,8 @@
 
 #define STORE_TOKEN_LEN 32 /* hex digits */
 
+struct metrics; /* metrics.h */
+
 typedef struct store_config {
     size_t pool_bytes;     /* arena size of each pool */
     uint32_t max_pools;    /* models served at once */
@@ -44,6 +46,7 @@ typedef struct session {
     char name[65];
     uint64_t attached_ms; /* store_now_ms() at Attach */
     int lease_open;
+    uint64_t lease_ms;  /* store_now_ms() when the lease opened (operators' "lease age") */
     uint32_t nseqs;
     ring *ring; /* the per-step ring, once the worker asked for it */
     struct session *next;
@@ -53,6 +56,9 @@ typedef struct store {
     pthread_mutex_t lock;
     store_config cfg;
     events *events; /* may be NULL */
+    /* Counters for /metrics (metrics.h); NULL = none. Set once before the
+     * store serves anyone (main.c), never changed afterwards. */
+    struct metrics *metrics;
     uint64_t start_ms;
     int serving;  /* 0 once shutdown began: new work gets UNAVAILABLE */
     pool **pools; /* cfg.max_pools slots, NULL when free */
@@ -94,6 +100,7 @@ typedef struct store_table {
 void store_table_free(store_table *t);
 
 uint64_t store_now_ms(void);
+uint64_t store_now_ns(void); /* CLOCK_MONOTONIC in nanoseconds, for durations */
 
 /* Initialise a store; `events` may be NULL. Returns 0 or -1 (out of memory). */
 int store_init(store *st, const store_config *cfg, events *events);
@@ -163,5 +170,10 @@ status_code store_epoch(store *st, const char *token, uint64_t seq_id, uint64_t 
 
 /* Under store_lock: look a sequence up for Inspect (no ownership check). */
 seq *store_find_seq_locked(store *st, uint64_t seq_id);
+
+/* Under store_lock: the session holding `token` (attached or not) or with id
+ * `id`; NULL if none. Read-only lookups for the operator calls (operator.c). */
+session *store_find_session_locked(store *st, const char *token);
+session *store_find_session_id_locked(store *st, uint64_t id);
 
 #endif

@@ -122,6 +122,222 @@ void kv_decode_attention(const kv_layout *l, kv_dtype t, const uint8_t *pool,
                          const kv_segment *segs, size_t nsegs, const float *q, uint32_t q_heads,
                          float scale, float *out, float *probs);
 
+/*
+ * ---- Threads ----
+ *
+ * The fast CPU kernels below (not gather/scatter/copy_tokens, which the
+ * daemon parallelises across sequences) split large calls over threads:
+ * each thread owns a fixed, contiguous share of the output and computes it
+ * with exactly the operations of a single-threaded run, so results never
+ * depend on the number of threads. The count is min(online CPUs, 8), lowered
+ * so that every thread gets at least KV_PARALLEL_GRAIN bytes of work;
+ * environment variable KVSTASH_KERNEL_THREADS (read per call) sets the
+ * maximum, 1 turning threads off. No state is kept between calls.
+ */
+#define KV_PARALLEL_GRAIN (1u << 20)
+
+/* The number of threads a fast kernel would use for a call moving `bytes`
+ * bytes, under the current environment. */
+unsigned kv_parallel_threads(size_t bytes);
+
+/*
+ * ---- INT8 tier (POLICIES.md §5.4) ----
+ *
+ * An INT8 block holds the K and V of up to l->block_tokens tokens of one
+ * layer, all KV heads, as symmetric INT8 codes with one fp32 scale per
+ * (K or V, kv head, channel): the group of §5.4 is (layer, head, channel,
+ * the tokens of one INT8 block). INT8 blocks live in their own arena
+ * (`qpool`): block b starts at b * kv_int8_block_bytes(l). Inside a block,
+ * with H = kv_heads, T = block_tokens, d = head_dim and C = H*T*d:
+ *
+ *   bytes [0, C)        K codes  int8  [H][T][d]   (the pool's row order)
+ *   bytes [C, 2C)       V codes  int8  [H][T][d]
+ *   bytes [S, S + 4Hd)  K scales fp32  [H][d]      S = 2C rounded up to 16
+ *   bytes [S+4Hd, S+8Hd) V scales fp32 [H][d]
+ *
+ * kv_int8_block_bytes = S + 8Hd rounded up to a multiple of 16 (so 16-byte
+ * alignment of the arena carries to every block). Against an fp16 block of
+ * the same tokens (4C bytes) that is (T + 4) / (2T) when 2C and 8Hd are
+ * already multiples of 16: 0.625 at T = 16, 0.5625 at T = 32, 0.53 at
+ * T = 64 (half that against fp32). Quantisation writes every byte of its
+ * blocks: a slot beyond the tokens a block was filled with holds code 0, and
+ * the padding bytes are 0. The layout's elt_size never matters on the INT8
+ * side.
+ */
+size_t kv_int8_block_bytes(const kv_layout *l);
+
+/* Byte offset, from the INT8 arena's base, of the code row of (block, kv = 0
+ * for K / 1 for V, head, slot): head_dim int8 codes. */
+size_t kv_int8_code_offset(const kv_layout *l, uint32_t block, uint32_t kv, uint32_t head,
+                           uint32_t slot);
+
+/* Byte offset of the scale row of (block, kv, head): head_dim floats. */
+size_t kv_int8_scale_offset(const kv_layout *l, uint32_t block, uint32_t kv, uint32_t head);
+
+/*
+ * kv_int8_quantize: the tokens of `segs` (a list in `pool`, layout l with
+ * elements of type t) fill INT8 blocks qblocks[0], qblocks[1], ... in list
+ * order, l->block_tokens tokens each, from slot 0; the last block may be
+ * partial, and its unused slots get code 0. Each (block, K/V, head, channel)
+ * group gets the scale and codes of kv_quantize_group_ref over the tokens
+ * written into that block: s = max|x| / 127 (1 for all zeros), codes
+ * round_half_even(x / s) clamped to [-127, 127]. Requires
+ * kv_segments_tokens(segs) <= nq * block_tokens, distinct qblocks, and
+ * finite inputs. The fast version equals the reference byte for byte.
+ */
+void kv_int8_quantize_ref(const kv_layout *l, kv_dtype t, const uint8_t *pool,
+                          const kv_segment *segs, size_t nsegs, uint8_t *qpool,
+                          const uint32_t *qblocks, size_t nq);
+void kv_int8_quantize(const kv_layout *l, kv_dtype t, const uint8_t *pool, const kv_segment *segs,
+                      size_t nsegs, uint8_t *qpool, const uint32_t *qblocks, size_t nq);
+
+/*
+ * kv_int8_dequantize: the i-th token of `qsegs` (segments of INT8 blocks in
+ * qpool) goes to the i-th slot of `dst` (a list in `pool`), K and V, every
+ * head: x = code * scale in fp32, stored through kv_elt_store as type t
+ * (round to nearest even for fp16 / bf16). l->elt_size must be the size of
+ * t, which may differ from the dtype the tokens were quantised from (revive
+ * into an fp32 scratch pool: pass a layout with elt_size 4). Both lists name
+ * the same number of tokens; dst slots must be distinct. The error per value
+ * is at most s/2 = max|group| / 254, plus the rounding of t.
+ */
+void kv_int8_dequantize_ref(const kv_layout *l, const uint8_t *qpool, const kv_segment *qsegs,
+                            size_t nqsegs, kv_dtype t, uint8_t *pool, const kv_segment *dst,
+                            size_t ndst);
+void kv_int8_dequantize(const kv_layout *l, const uint8_t *qpool, const kv_segment *qsegs,
+                        size_t nqsegs, kv_dtype t, uint8_t *pool, const kv_segment *dst,
+                        size_t ndst);
+
+/*
+ * ---- Count sketch (KVReviver's Vague store, POLICIES.md §3.2-3.3) ----
+ *
+ * One sketch per (sequence, layer): `rows` x `buckets` cells, each a key sum
+ * and a value sum of dim = kv_heads * head_dim floats (one token's K or V,
+ * [kv_heads][head_dim]) and a token count. The arrays use the layout of
+ * policies/reviver.h's reviver_sketch, so one can be viewed as the other:
+ * key[(row * buckets + bucket) * dim + c], same for value, and
+ * count[row * buckets + bucket]. The caller owns the arrays (host memory for
+ * the CPU kernels, device memory for the CUDA twins). The kernels equal
+ * reviver_sketch_insert / _query / _delete exactly, token by token.
+ */
+#define KV_SKETCH_MAX_ROWS 32u
+
+/* The per-row estimate (§3.8): the cell itself (Alg. 2), or the cell divided
+ * by its token count (a count <= 0 divides by 1). Values as reviver_estimate. */
+typedef enum kv_estimate { KV_ESTIMATE_SUM = 0, KV_ESTIMATE_MEAN = 1 } kv_estimate;
+
+typedef struct kv_sketch {
+    uint32_t rows;    /* 1 .. KV_SKETCH_MAX_ROWS */
+    uint32_t buckets; /* >= 1 */
+    uint32_t dim;     /* kv_heads * head_dim of the pools it reads and writes */
+    kv_estimate key_estimate, value_estimate;
+    float *key;     /* rows * buckets * dim */
+    float *value;   /* rows * buckets * dim */
+    int32_t *count; /* rows * buckets */
+} kv_sketch;
+
+/* §3.2's hash family, identical to reviver_hash(): for rows i < rows,
+ * S_i = 0x9E3779B97F4A7C15·(2i+1) ^ layer_seed, T_i = S_i ^
+ * 0xD1B54A32D192ED03, h[i] = mix64(J ^ S_i) mod buckets, g[i] = +1 when
+ * mix64(J ^ T_i) >> 63 == 0 else -1, mix64 the splitmix64 finaliser. */
+void kv_sketch_hash(uint64_t layer_seed, uint32_t rows, uint32_t buckets, uint64_t J, uint32_t *h,
+                    int8_t *g);
+
+/* kv_sketch_hash for n positions: h[i * rows + r], g[i * rows + r]. */
+void kv_sketch_hash_list(uint64_t layer_seed, uint32_t rows, uint32_t buckets, const uint64_t *pos,
+                         size_t n, uint32_t *h, int8_t *g);
+
+/*
+ * The sketch operations take a token list in a pool (layout l, elements of
+ * type t, l->kv_heads * l->head_dim == sk->dim) and, per token i of the list
+ * in order, its buckets h[i * rows ..] and signs g[i * rows ..] (from
+ * kv_sketch_hash_list, or explicit tables in tests). Tokens are processed in
+ * list order, so a token's query sees every earlier insert and delete.
+ *
+ * insert (Alg. 1): key cell h[r] += k, value cell h[r] += g[r]·v, count += 1.
+ * query (Alg. 2): per channel, the lower median over rows of the row
+ *   estimates (key cell; g[r]·value cell; each / count in MEAN mode), stored
+ *   into the token's slot through kv_elt_store. The sketch is not changed.
+ * revive (§3.5 swap, Alg. 3): per token, query as above, store the estimate,
+ *   then delete that fp32 estimate: key cell -= k_est, value cell -=
+ *   g[r]·v_est, count -= 1 (the residual error stays in the cells).
+ * delete: revive without storing (pool and segs may be NULL; l and t are
+ *   then unused and n gives the number of tokens).
+ * Query and revive write every slot of the list (distinct slots).
+ */
+void kv_sketch_insert_ref(kv_sketch *sk, const kv_layout *l, kv_dtype t, const uint8_t *pool,
+                          const kv_segment *segs, size_t nsegs, const uint32_t *h,
+                          const int8_t *g);
+void kv_sketch_insert(kv_sketch *sk, const kv_layout *l, kv_dtype t, const uint8_t *pool,
+                      const kv_segment *segs, size_t nsegs, const uint32_t *h, const int8_t *g);
+void kv_sketch_query_ref(const kv_sketch *sk, const uint32_t *h, const int8_t *g,
+                         const kv_layout *l, kv_dtype t, uint8_t *pool, const kv_segment *segs,
+                         size_t nsegs);
+void kv_sketch_query(const kv_sketch *sk, const uint32_t *h, const int8_t *g, const kv_layout *l,
+                     kv_dtype t, uint8_t *pool, const kv_segment *segs, size_t nsegs);
+void kv_sketch_revive_ref(kv_sketch *sk, const uint32_t *h, const int8_t *g, const kv_layout *l,
+                          kv_dtype t, uint8_t *pool, const kv_segment *segs, size_t nsegs);
+void kv_sketch_revive(kv_sketch *sk, const uint32_t *h, const int8_t *g, const kv_layout *l,
+                      kv_dtype t, uint8_t *pool, const kv_segment *segs, size_t nsegs);
+void kv_sketch_delete(kv_sketch *sk, const uint32_t *h, const int8_t *g, size_t n);
+
+/*
+ * ---- RoPE re-rotation (POLICIES.md §2.8) ----
+ *
+ * kv_rope_rerotate: the keys of the listed tokens, which carry RoPE at some
+ * position p, are turned into RoPE at p + delta[i] (i-th token of the list;
+ * negative after eviction shifts a token left, as OpenVINO's rotation by
+ * -shift*B does). Values are untouched. For pair index j < d/2 (d =
+ * head_dim, even), inv_freq_j = theta^(-2j/d) and angle = delta * inv_freq_j
+ * in double; c = (float)cos(angle), s = (float)sin(angle); the pair (x, y)
+ * becomes (x*c - y*s, x*s + y*c) in fp32, stored through kv_elt_store.
+ * Pairs: KV_ROPE_HALF rotates (j, j + d/2) (HF rotate_half, OpenVINO);
+ * KV_ROPE_INTERLEAVED rotates (2j, 2j + 1) (llama2.c, GPT-J). Distinct slots.
+ */
+typedef enum kv_rope_pairing { KV_ROPE_HALF = 0, KV_ROPE_INTERLEAVED = 1 } kv_rope_pairing;
+
+void kv_rope_rerotate_ref(const kv_layout *l, kv_dtype t, uint8_t *pool, const kv_segment *segs,
+                          size_t nsegs, const int32_t *delta, double theta,
+                          kv_rope_pairing pairing);
+void kv_rope_rerotate(const kv_layout *l, kv_dtype t, uint8_t *pool, const kv_segment *segs,
+                      size_t nsegs, const int32_t *delta, double theta, kv_rope_pairing pairing);
+
+/*
+ * ---- Projected value norm (POLICIES.md §1.2) ----
+ *
+ * kv_vnorm_l1: out[g][i] = (1/G) Σ_{h in group(g)} Σ_{c < hidden}
+ * |Σ_{j < d} V[g][i][j] · wo[c * wo_stride + h*d + j]| for the values of the
+ * i-th token of the list and kv head g < l->kv_heads, G = q_heads /
+ * l->kv_heads, group(g) = g*G .. g*G+G-1; out is [kv_heads][ntokens]. With
+ * the pool layout pass wo = o_proj.weight and wo_stride = q_heads * d; for
+ * a per-head list (kv_heads = 1) pass the group's q_heads and wo +
+ * g*G*d with wo_stride = the model's q_heads * d. Sums in double in the
+ * order of snapkv_vnorm_l1 (policies/snapkv_family.h), so both CPU versions
+ * equal it exactly.
+ */
+void kv_vnorm_l1_ref(const kv_layout *l, kv_dtype t, const uint8_t *pool, const kv_segment *segs,
+                     size_t nsegs, const float *wo, size_t wo_stride, uint32_t q_heads,
+                     uint32_t hidden, float *out);
+void kv_vnorm_l1(const kv_layout *l, kv_dtype t, const uint8_t *pool, const kv_segment *segs,
+                 size_t nsegs, const float *wo, size_t wo_stride, uint32_t q_heads,
+                 uint32_t hidden, float *out);
+
+/*
+ * ---- Value merges, batched ----
+ *
+ * kv_merge_values: m[0], m[1], ... applied in order, each exactly
+ * kv_merge_value (a later merge sees the result of an earlier one).
+ */
+typedef struct kv_merge {
+    uint32_t from_block, from_slot;
+    uint32_t into_block, into_slot;
+    float w_from, w_into;
+} kv_merge;
+
+void kv_merge_values_ref(const kv_layout *l, kv_dtype t, uint8_t *pool, const kv_merge *m,
+                         size_t n);
+void kv_merge_values(const kv_layout *l, kv_dtype t, uint8_t *pool, const kv_merge *m, size_t n);
+
 #ifdef KVSTASH_HAVE_CUDA
 /* CUDA twins: pool, outputs and inputs are device pointers; segment lists are
  * host arrays (copied to the device by the call). Return 0 or a CUDA error
@@ -132,6 +348,41 @@ int kv_scatter_cuda(const kv_layout *l, uint8_t *pool, const kv_segment *segs, s
                     const uint8_t *k_in, const uint8_t *v_in);
 int kv_copy_tokens_cuda(const kv_layout *l, uint8_t *pool, const kv_segment *src, size_t nsrc,
                         const kv_segment *dst, size_t ndst);
+
+/* Tiers and the rest. Bit-exact with the CPU versions, except where noted:
+ * kv_vnorm_l1_cuda sums over channels in a tree (relative error ~1e-15
+ * before the final rounding to float) and kv_decode_attention_cuda uses
+ * expf and its own summation order (about 1e-6 relative). The sketch's
+ * arrays (sk->key, value, count) are device pointers; h, g, qblocks, delta
+ * and the merge list are host arrays. For the sketch kernels the device
+ * arrays must not be in use by another stream. kv_decode_attention_cuda
+ * supports head_dim <= 512 (cudaErrorInvalidValue beyond). */
+int kv_int8_quantize_cuda(const kv_layout *l, kv_dtype t, const uint8_t *pool,
+                          const kv_segment *segs, size_t nsegs, uint8_t *qpool,
+                          const uint32_t *qblocks, size_t nq);
+int kv_int8_dequantize_cuda(const kv_layout *l, const uint8_t *qpool, const kv_segment *qsegs,
+                            size_t nqsegs, kv_dtype t, uint8_t *pool, const kv_segment *dst,
+                            size_t ndst);
+int kv_sketch_insert_cuda(kv_sketch *sk, const kv_layout *l, kv_dtype t, const uint8_t *pool,
+                          const kv_segment *segs, size_t nsegs, const uint32_t *h,
+                          const int8_t *g);
+int kv_sketch_query_cuda(const kv_sketch *sk, const uint32_t *h, const int8_t *g,
+                         const kv_layout *l, kv_dtype t, uint8_t *pool, const kv_segment *segs,
+                         size_t nsegs);
+int kv_sketch_revive_cuda(kv_sketch *sk, const uint32_t *h, const int8_t *g, const kv_layout *l,
+                          kv_dtype t, uint8_t *pool, const kv_segment *segs, size_t nsegs);
+int kv_sketch_delete_cuda(kv_sketch *sk, const uint32_t *h, const int8_t *g, size_t n);
+int kv_rope_rerotate_cuda(const kv_layout *l, kv_dtype t, uint8_t *pool, const kv_segment *segs,
+                          size_t nsegs, const int32_t *delta, double theta,
+                          kv_rope_pairing pairing);
+int kv_vnorm_l1_cuda(const kv_layout *l, kv_dtype t, const uint8_t *pool, const kv_segment *segs,
+                     size_t nsegs, const float *wo, size_t wo_stride, uint32_t q_heads,
+                     uint32_t hidden, float *out);
+int kv_merge_values_cuda(const kv_layout *l, kv_dtype t, uint8_t *pool, const kv_merge *m,
+                         size_t n);
+int kv_decode_attention_cuda(const kv_layout *l, kv_dtype t, const uint8_t *pool,
+                             const kv_segment *segs, size_t nsegs, const float *q,
+                             uint32_t q_heads, float scale, float *out, float *probs);
 #endif
 
 #ifdef __cplusplus

@@ -33,8 +33,9 @@ packages=(
     build-essential cmake pkg-config
     libgrpc-dev protobuf-c-compiler libprotobuf-c-dev libnanomsg-dev
     libcmocka-dev libjansson-dev
+    libmicrohttpd-dev libinih-dev
     protobuf-compiler protobuf-compiler-grpc
-    python3 python3-grpcio python3-protobuf
+    python3 python3-grpcio python3-protobuf python3-prometheus-client
     tmux valgrind
 )
 

@@ -217,6 +217,8 @@ static int layer_prepare_decision(host_layer *ly, uint32_t heads)
     ly->decision.merges_cap = ly->merges_cap;
     ly->decision.nmerges = 0;
     ly->decision.rerotate_keys = 0;
+    ly->decision.rope_theta = 0;
+    ly->decision.rope_pairing = 0;
     return 0;
 }
 

@@ -322,6 +322,7 @@ struct ov_block {
     ov_anchor_mode anchor;
     double rope_theta;
     int apply_rotation;
+    unsigned rope_pairing; /* 0 half, 1 interleaved (policy.h) */
 
     uint32_t nreg; /* SnapKV-window scores registered so far (§2.3) */
     ov_mt19937 rng;
@@ -339,6 +340,7 @@ struct ov_block {
 
 static const char *const aggregation_names[] = {"sum", "norm_sum", NULL};
 static const char *const anchor_names[] = {"random", "zeros", "ones", "mean", "alternating", NULL};
+static const char *const pairings[] = {"half", "interleaved", NULL};
 
 static const policy_param_spec ov_params[] = {
     {"start_size", "32",
@@ -372,6 +374,9 @@ static const policy_param_spec ov_params[] = {
      "head size of the rotation coefficients (even); 0 = the model's head_dim "
      "(§2.8)"},
     {"apply_rotation", "0", "1 = ask the daemon to re-rotate the keys of shifted blocks (§2.8)"},
+    {"rope_pairing", "half",
+     "the model's RoPE pairs, for re-rotation: half (j, j+d/2; HF, OpenVINO) | interleaved "
+     "(2j, 2j+1; llama2.c)"},
 };
 
 #define OV_NPARAMS (sizeof(ov_params) / sizeof(ov_params[0]))
@@ -451,7 +456,8 @@ static int ov_parse(const policy_params *p, const policy_geometry *g, ov_block *
         policy_params_uint(p, "kvcrush_seed", 0, UINT32_MAX, &s->seed, err, errlen) != 0 ||
         policy_params_double(p, "rope_theta", 1.0, 1e12, &s->rope_theta, err, errlen) != 0 ||
         policy_params_uint(p, "head_size", 0, 65536, &s->head_size, err, errlen) != 0 ||
-        policy_params_uint(p, "apply_rotation", 0, 1, &rot, err, errlen) != 0)
+        policy_params_uint(p, "apply_rotation", 0, 1, &rot, err, errlen) != 0 ||
+        policy_params_choice(p, "rope_pairing", pairings, &s->rope_pairing, err, errlen) != 0)
         return -1;
     if ((uint64_t)s->max <= (uint64_t)s->start + s->recent) {
         policy_set_err(err, errlen,
@@ -917,6 +923,8 @@ static int ov_step(void *state, const policy_layer_view *view, const policy_stat
     }
     free(blocks);
     d->rerotate_keys = st->apply_rotation && nb > 0;
+    d->rope_theta = st->rope_theta;
+    d->rope_pairing = (int)st->rope_pairing;
     return 0;
 }
 

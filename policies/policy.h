@@ -113,13 +113,17 @@ typedef struct policy_merge {
  * room for `merges_cap` entries (at least the total tokens of the view).
  * rerotate_keys asks the daemon to re-rotate the keys of tokens whose index
  * in the list shrank by the eviction (OpenVINO §2.8, kvpress
- * KeyRerotationPress), with the sequence's rope_theta.
+ * KeyRerotationPress): a token moved from index i to j gets RoPE at j - i
+ * positions from where it was, with base rope_theta and the model's pairing
+ * (rope_pairing: 0 = rotate-half (j, j + d/2), 1 = interleaved (2j, 2j + 1)).
  */
 typedef struct policy_decision {
     uint8_t *const *tier;
     policy_merge *merges;
     size_t nmerges, merges_cap;
     int rerotate_keys;
+    double rope_theta;
+    int rope_pairing;
 } policy_decision;
 
 /* What a policy needs the worker to report (ops->needs). */

@@ -35,6 +35,7 @@ typedef struct opts {
     uint32_t prefill, steps;
     uint64_t seed;
     int score, last, window, window_prefill_only, vnorm, conf, verify_values;
+    int rope; /* keys carry RoPE (rotate-half pairs, theta 10000) at their index */
 } opts;
 
 typedef struct worker {
@@ -44,6 +45,10 @@ typedef struct worker {
     uint64_t rng;
     FILE *trace;
     uint32_t heads; /* lists per layer, from the tables */
+    /* --rope: the RoPE position each list's key of position p carries now:
+     * p when written, then moved by every re-rotation (rope_at[list][p]). */
+    int32_t **rope_at;
+    uint32_t rope_lists, rope_cap;
     uint64_t checked;
     uint32_t max_list;
 } worker;
@@ -106,8 +111,21 @@ static size_t elt_size(kvs_dtype t)
     return t == KVS_FP32 ? 4 : 2;
 }
 
-/* K/V of a list's tokens, [heads][n][d], from their positions. */
-static void fill(const kvs_geometry *g, const kvs_layer *ly, uint8_t *k, uint8_t *v)
+/* The key of (layer, head, position) with RoPE for `at` applied, rotate-half
+ * pairs (j, j + d/2), theta 10000: what a model would have cached. */
+static float roped_key(uint32_t l, uint32_t h, uint32_t pos, uint32_t c, uint32_t d, uint32_t at)
+{
+    uint32_t j = c % (d / 2), mate = c < d / 2 ? c + d / 2 : c - d / 2;
+    double angle = (double)at * pow(10000.0, -2.0 * j / d), cs = cos(angle), sn = sin(angle);
+    double x = kv_value(l, h, pos, c, 0), y = kv_value(l, h, pos, mate, 0);
+    return (float)(c < d / 2 ? x * cs - y * sn : y * sn + x * cs);
+}
+
+/* K/V of a list's tokens, [heads][n][d], from their positions; with rope_at,
+ * keys carry RoPE at rope_at[i] (the position when written, the index in the
+ * list after a re-rotation). */
+static void fill(const kvs_geometry *g, const kvs_layer *ly, const uint32_t *rope_at, uint8_t *k,
+                 uint8_t *v)
 {
     uint32_t h0 = ly->per_head ? ly->head : 0, nh = ly->per_head ? 1 : g->kv_heads;
     size_t e = elt_size(g->dtype), row = (size_t)g->head_dim * e;
@@ -115,7 +133,10 @@ static void fill(const kvs_geometry *g, const kvs_layer *ly, uint8_t *k, uint8_t
         for (uint32_t i = 0; i < ly->tokens; i++)
             for (uint32_t c = 0; c < g->head_dim; c++) {
                 size_t off = ((size_t)hh * ly->tokens + i) * row + c * e;
-                store_elt(k + off, g->dtype, kv_value(ly->layer, h0 + hh, ly->positions[i], c, 0));
+                float key = rope_at ? roped_key(ly->layer, h0 + hh, ly->positions[i], c, g->head_dim,
+                                                rope_at[i])
+                                    : kv_value(ly->layer, h0 + hh, ly->positions[i], c, 0);
+                store_elt(k + off, g->dtype, key);
                 store_elt(v + off, g->dtype, kv_value(ly->layer, h0 + hh, ly->positions[i], c, 1));
             }
 }
@@ -133,10 +154,45 @@ static void write_new(worker *w, const kvs_table *t)
         uint8_t *k = malloc(n + 1), *v = malloc(n + 1);
         if (k == NULL || v == NULL)
             die(2, "out of memory");
-        fill(g, &t->layer[i], k, v);
+        fill(g, &t->layer[i], w->o->rope ? t->layer[i].positions : NULL, k, v);
         kvs_layer_write(w->s, &t->layer[i], k, v);
         free(k);
         free(v);
+    }
+}
+
+static int floats_close(const float *a, const float *b, size_t n, float tol)
+{
+    for (size_t i = 0; i < n; i++)
+        if (fabsf(a[i] - b[i]) > tol)
+            return 0;
+    return 1;
+}
+
+/* --rope: after a step, a kept key that moved from index a to b of its list
+ * was re-rotated by b - a (OpenVINO §2.8); new keys carry their position. */
+static void rope_track(worker *w, const kvs_table *before, const kvs_table *after)
+{
+    if (!w->o->rope)
+        return;
+    if (w->rope_at == NULL) {
+        w->rope_lists = after->layers;
+        w->rope_cap = w->o->prefill + w->o->steps + 1;
+        w->rope_at = calloc(w->rope_lists, sizeof *w->rope_at);
+        for (uint32_t i = 0; i < w->rope_lists; i++) {
+            w->rope_at[i] = malloc(w->rope_cap * sizeof **w->rope_at);
+            for (uint32_t p = 0; p < w->rope_cap; p++)
+                w->rope_at[i][p] = (int32_t)p;
+        }
+    }
+    for (uint32_t i = 0; i < after->layers; i++) {
+        const kvs_layer *a = &before->layer[i], *b = &after->layer[i];
+        uint32_t x = 0;
+        for (uint32_t j = 0; j < b->tokens; j++) {
+            while (x < a->tokens && a->positions[x] != b->positions[j])
+                x++;
+            w->rope_at[i][b->positions[j]] += (int32_t)j - (int32_t)x;
+        }
     }
 }
 
@@ -151,8 +207,17 @@ static void verify(worker *w, const kvs_table *t)
         if (!k || !v || !wk || !wv)
             die(2, "out of memory");
         kvs_layer_read(w->s, ly, k, v);
-        fill(g, ly, wk, wv);
-        if (memcmp(k, wk, n) != 0 || (w->o->verify_values && memcmp(v, wv, n) != 0))
+        uint32_t *at = NULL;
+        if (w->o->rope) {
+            at = malloc((ly->tokens + 1) * sizeof *at);
+            for (uint32_t j = 0; at != NULL && j < ly->tokens; j++)
+                at[j] = (uint32_t)w->rope_at[i][ly->positions[j]];
+        }
+        fill(g, ly, at, wk, wv);
+        free(at);
+        int keys_ok = w->o->rope ? floats_close((float *)k, (float *)wk, n / 4, 2e-3f)
+                                 : memcmp(k, wk, n) == 0;
+        if (!keys_ok || (w->o->verify_values && memcmp(v, wv, n) != 0))
             die(1, "MISMATCH layer %u head %u: held K/V differ from what was written", ly->layer,
                 ly->head);
         w->checked += ly->tokens;
@@ -298,10 +363,12 @@ static void one_step(worker *w, uint32_t n, int prefill)
     rows_free(st.window, L * q);
     rows_free(st.vnorm, L * kv);
     free(st.tokens);
+    kvs_table after;
+    api(w, kvs_seq_table(w->s, w->seq, 1, &after), "table");
+    rope_track(w, &t, &after);
+    verify(w, &after);
     kvs_table_free(&t);
-    api(w, kvs_seq_table(w->s, w->seq, 1, &t), "table");
-    verify(w, &t);
-    kvs_table_free(&t);
+    kvs_table_free(&after);
 }
 
 /* Prints the held positions; returns the distinct blocks the tables use. */
@@ -359,6 +426,10 @@ static void parse(int argc, char **argv, opts *o)
         }
         if (strcmp(a, "--no-verify-values") == 0) {
             o->verify_values = 0;
+            continue;
+        }
+        if (strcmp(a, "--rope") == 0) { /* fp32 pools only */
+            o->rope = 1;
             continue;
         }
         if (v == NULL)

@@ -156,6 +156,21 @@ def make_check(policy):
     return check
 
 
+def check_ov_block_rerotates_shifted_keys(ctx):
+    """apply_rotation=1: the worker writes keys with RoPE at their position
+    and, after each step, expects every kept key re-rotated by how far its
+    index moved (OpenVINO §2.8); a daemon that does not rotate fails."""
+    params = POLICIES["ov_block"][0] + ["apply_rotation=1"]
+    trace = os.path.join(ctx.daemon.dir, "ov_block_rotation.jsonl")
+    held, result = run_worker(ctx, "ov_block", params, "score", ["--rope"], trace)
+    with open(trace) as f:
+        text = f.read() + '{"held": true}\n'
+    out = replay("ov_block", params, text).splitlines()
+    assert json.loads(out[-1])["held"] == held
+    assert any('"rerotate_keys":true' in line for line in out), "no step asked for rotation"
+    print(f"     ov_block with rotation: {result['checked']} rows verified", flush=True)
+
+
 def check_every_registered_policy_is_covered(ctx):
     cli = os.environ["KVSTASH_CLI"]
     p = subprocess.run([cli, "--socket", ctx.daemon.sock, "policy", "list", "--json"],
@@ -169,5 +184,6 @@ def check_every_registered_policy_is_covered(ctx):
 
 
 if __name__ == "__main__":
-    checks = [make_check(p) for p in POLICIES] + [check_every_registered_policy_is_covered]
+    checks = [make_check(p) for p in POLICIES] + [check_ov_block_rerotates_shifted_keys,
+                                                  check_every_registered_policy_is_covered]
     sys.exit(run_tests("policies_e2e", checks, daemon_kwargs={"pool_mb": 32}))

@@ -1,0 +1,389 @@
+/* cli_seq.c - `kvstash seq show`, `evict`, and `demote` / `offload` /
+ * `revive` (cli.h). */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cli.h"
+#include "fdsock.h"
+#include "kvstash.h"
+
+#define MAP_WIDTH 64
+
+static int inspect(const cli *c, uint64_t seq, int with_map, uint32_t max_runs,
+                   Kvstash__V1__InspectResponse **out)
+{
+    Kvstash__V1__InspectRequest req = KVSTASH__V1__INSPECT_REQUEST__INIT;
+    req.seq_id = seq;
+    req.with_map = with_map;
+    req.max_runs = max_runs;
+    return cli_call(c, "Inspect", NULL, &req.base, &kvstash__v1__inspect_response__descriptor,
+                    (ProtobufCMessage **)out);
+}
+
+static int parse_seq_id(const cli *c, const char *text, uint64_t *id)
+{
+    if (cli_uint(text, UINT64_MAX, id) != 0)
+        return cli_fail(CLI_USAGE, "%s: sequence id must be a number, got '%s'", c->cmd, text);
+    return CLI_OK;
+}
+
+/* ---- seq show --------------------------------------------------------------------- */
+
+/* 0 fp16, 1 int8, 2 sketch, 3 evicted. */
+static int tier_index(const char *tier)
+{
+    return strcmp(tier, "int8") == 0      ? 1
+           : strcmp(tier, "sketch") == 0  ? 2
+           : strcmp(tier, "evicted") == 0 ? 3
+                                          : 0;
+}
+
+/* A bar of `width` cells over positions 0 .. appended-1: each cell shows the
+ * state of most of its positions; ':' where held and evicted tokens mix. */
+static void print_bar(const Kvstash__V1__ListMap *m, uint64_t appended, unsigned width)
+{
+    if (appended == 0) {
+        printf("    (no positions yet)\n");
+        return;
+    }
+    if (appended < width)
+        width = (unsigned)appended;
+    char bar[MAP_WIDTH * 4 + 1];
+    size_t r = 0;
+    for (unsigned j = 0; j < width; j++) {
+        uint64_t lo = appended * j / width, hi = appended * (j + 1) / width;
+        uint64_t n[4] = {0, 0, 0, 0}; /* positions of the cell by tier_index */
+        for (uint64_t p = lo; p < hi && r < m->n_runs;) {
+            const Kvstash__V1__TierRun *run = m->runs[r];
+            uint64_t end = (uint64_t)run->first_position + run->count;
+            uint64_t take = (end < hi ? end : hi) - p;
+            n[tier_index(run->tier)] += take;
+            p += take;
+            if (p >= end)
+                r++;
+        }
+        uint64_t held = n[0] + n[1] + n[2];
+        if (held == 0)
+            bar[j] = n[3] > 0 ? '.' : ' '; /* ' ': beyond a map cut at --max-runs */
+        else if (n[3] > 0)
+            bar[j] = ':';
+        else
+            bar[j] = n[1] > n[0] && n[1] >= n[2] ? '8' : n[2] > n[0] && n[2] > n[1] ? 's' : '#';
+    }
+    bar[width] = '\0';
+    printf("    |%s|\n", bar);
+}
+
+static void print_runs(const Kvstash__V1__ListMap *m)
+{
+    const size_t shown = 12;
+    printf("    runs:");
+    for (size_t i = 0; i < m->n_runs && i < shown; i++) {
+        const Kvstash__V1__TierRun *r = m->runs[i];
+        if (r->count == 1)
+            printf("%s %u %s", i ? "," : "", r->first_position, r->tier);
+        else
+            printf("%s %u-%u %s", i ? "," : "", r->first_position, r->first_position + r->count - 1,
+                   r->tier);
+    }
+    if (m->n_runs > shown)
+        printf(", ... %zu more (--json shows them all)", m->n_runs - shown);
+    if (m->truncated)
+        printf(" [map cut at --max-runs]");
+    printf("\n");
+}
+
+static void print_inspect(const Kvstash__V1__InspectResponse *r, unsigned width)
+{
+    const Kvstash__V1__SequenceStats *q = r->sequence;
+    char b1[32];
+    printf("seq %" PRIu64 ": session %" PRIu64 ", policy %s%s%s%s\n", q->seq_id, q->session_id,
+           q->policy, q->label[0] ? ", label \"" : "", q->label, q->label[0] ? "\"" : "");
+    printf("  appended %" PRIu64 " positions; holds %" PRIu64 " tokens (summed over layers) in "
+           "%u blocks, %s\n",
+           q->appended, q->tokens, q->blocks, cli_bytes(q->bytes, b1, sizeof b1));
+    printf("  params:");
+    if (r->n_params == 0)
+        printf(" none");
+    for (size_t i = 0; i < r->n_params; i++)
+        printf(" %s=%s", r->params[i]->key, r->params[i]->value);
+    printf("\n  table epoch %" PRIu64 "; retired blocks waiting for the worker's ack:", q->epoch);
+    if (r->n_retired == 0)
+        printf(" none");
+    for (size_t i = 0; i < r->n_retired; i++)
+        printf("%s %u at epoch %" PRIu64, i ? "," : "", r->retired[i]->blocks,
+               r->retired[i]->epoch);
+    printf("\n  map: # fp16  8 int8  s sketch  . evicted  : mixed (int8/sketch are the policy's "
+           "tiers, stored at full precision)\n");
+    for (size_t l = 0; l < r->n_layers; l++) {
+        const Kvstash__V1__LayerInspect *ly = r->layers[l];
+        uint32_t fp16 = ly->tokens - ly->tokens_int8 - ly->tokens_sketch;
+        printf("  layer %u: %u tokens (fp16 %u, int8 %u, sketch %u) in %u blocks", ly->layer,
+               ly->tokens, fp16, ly->tokens_int8, ly->tokens_sketch, ly->blocks);
+        if (ly->tokens > 0)
+            printf(", positions %u..%u", ly->first_position, ly->last_position);
+        printf("\n");
+        for (size_t k = 0; k < r->n_maps; k++) {
+            const Kvstash__V1__ListMap *m = r->maps[k];
+            if (m->layer != ly->layer)
+                continue;
+            if (m->per_head)
+                printf("   head %u:\n", m->head);
+            print_bar(m, q->appended, width);
+            print_runs(m);
+        }
+    }
+}
+
+static int cmd_show(cli *c)
+{
+    static const char help[] =
+        "usage: kvstash seq show ID [--max-runs N] [--width W] [--json] [--socket PATH]\n"
+        "  One sequence: its policy, parameters, length, tokens, blocks and bytes, its\n"
+        "  table epoch and the retired blocks waiting for its worker to acknowledge an\n"
+        "  epoch, then per layer (and per KV head for per-head policies) a map of the\n"
+        "  positions 0..appended-1: a bar of W cells (default 64) and the runs of\n"
+        "  positions that are fp16, int8, sketch (the tier the policy assigned) or\n"
+        "  evicted (by the policy or an operator; merged-away tokens are evicted too).\n"
+        "  --max-runs N: runs per list the daemon sends (default 1024).\n"
+        "  --json: the Inspect reply with \"maps\" (every run) and \"retired\".\n";
+    const char *pos[1], *max_runs = NULL, *width = NULL;
+    const cli_opt opts[] = {{"max-runs", 1, &max_runs, NULL, NULL, NULL},
+                            {"width", 1, &width, NULL, NULL, NULL}};
+    int rc = cli_parse(c, opts, 2, pos, 1, 1, NULL, help);
+    if (rc != CLI_OK)
+        return rc < 0 ? CLI_OK : rc;
+    uint64_t id, runs = 0, w = MAP_WIDTH;
+    if ((rc = parse_seq_id(c, pos[0], &id)) != CLI_OK)
+        return rc;
+    if (max_runs != NULL && (cli_uint(max_runs, 65536, &runs) != 0 || runs == 0))
+        return cli_fail(CLI_USAGE, "seq show: --max-runs wants 1..65536, got '%s'", max_runs);
+    if (width != NULL && (cli_uint(width, MAP_WIDTH * 4, &w) != 0 || w < 8))
+        return cli_fail(CLI_USAGE, "seq show: --width wants 8..%d, got '%s'", MAP_WIDTH * 4, width);
+    Kvstash__V1__InspectResponse *r;
+    if ((rc = inspect(c, id, 1, (uint32_t)runs, &r)) != CLI_OK)
+        return rc;
+    if (c->json)
+        rc = cli_print_message(&r->base, 1);
+    else
+        print_inspect(r, (unsigned)w);
+    protobuf_c_message_free_unpacked(&r->base, NULL);
+    return rc;
+}
+
+int cli_cmd_seq(cli *c)
+{
+    static const char help[] = "usage: kvstash seq show ID [--json] (kvstash seq show --help)\n";
+    if (c->argc > 0 && strcmp(c->argv[0], "show") == 0) {
+        c->cmd = "seq show";
+        c->argc--;
+        c->argv++;
+        return cmd_show(c);
+    }
+    int rc = cli_parse(c, NULL, 0, NULL, 0, 0, NULL, help);
+    if (rc != CLI_OK)
+        return rc < 0 ? CLI_OK : rc;
+    return cli_fail(CLI_USAGE, "seq wants a subcommand: show ID (try kvstash seq --help)");
+}
+
+/* ---- positions and layers ------------------------------------------------------- */
+
+typedef struct targets {
+    const cli *c;
+    Kvstash__V1__PositionRange *ranges;
+    size_t nranges, cap;
+    uint32_t *layers;
+    size_t nlayers;
+} targets;
+
+static void targets_free(targets *t)
+{
+    free(t->ranges);
+    free(t->layers);
+}
+
+static int add_range(targets *t, uint64_t first, uint64_t last)
+{
+    if (t->nranges == t->cap) {
+        size_t cap = t->cap ? 2 * t->cap : 16;
+        Kvstash__V1__PositionRange *n = realloc(t->ranges, cap * sizeof *n);
+        if (n == NULL)
+            return cli_fail(CLI_ERROR, "out of memory");
+        t->ranges = n;
+        t->cap = cap;
+    }
+    Kvstash__V1__PositionRange *r = &t->ranges[t->nranges++];
+    kvstash__v1__position_range__init(r);
+    r->first = (uint32_t)first;
+    r->count = (uint32_t)(last - first + 1);
+    return CLI_OK;
+}
+
+/* "5", "10-19", "3,7,9-12". */
+static int parse_positions(targets *t, const char *text)
+{
+    char *copy = strdup(text), *save = NULL;
+    if (copy == NULL)
+        return cli_fail(CLI_ERROR, "out of memory");
+    int rc = CLI_OK;
+    for (char *tok = strtok_r(copy, ",", &save); tok != NULL && rc == CLI_OK;
+         tok = strtok_r(NULL, ",", &save)) {
+        char *dash = strchr(tok, '-');
+        uint64_t a, b;
+        if (dash != NULL)
+            *dash = '\0';
+        if (cli_uint(tok, UINT32_MAX, &a) != 0 ||
+            (dash != NULL ? cli_uint(dash + 1, UINT32_MAX, &b) != 0 : (b = a, 0)) || b < a)
+            rc = cli_fail(CLI_USAGE,
+                          "%s: positions are N, A-B or lists of them (3,7,9-12), got '%s'",
+                          t->c->cmd, text);
+        else
+            rc = add_range(t, a, b);
+    }
+    free(copy);
+    return rc;
+}
+
+static int add_layer(void *ctx, const char *value)
+{
+    targets *t = ctx;
+    uint64_t l;
+    if (cli_uint(value, UINT32_MAX, &l) != 0)
+        return cli_fail(CLI_USAGE, "%s: --layer wants a layer number, got '%s'", t->c->cmd, value);
+    uint32_t *n = realloc(t->layers, (t->nlayers + 1) * sizeof *n);
+    if (n == NULL)
+        return cli_fail(CLI_ERROR, "out of memory");
+    t->layers = n;
+    t->layers[t->nlayers++] = (uint32_t)l;
+    return CLI_OK;
+}
+
+#define MAX_POS_ARGS 256
+
+/* ID POSITIONS... [--layer L]...; returns CLI_OK, -1 (help) or an error. */
+static int parse_targets(cli *c, const char *help, uint64_t *id, targets *t)
+{
+    const char *pos[MAX_POS_ARGS];
+    size_t npos;
+    const cli_opt opts[] = {{"layer", 1, NULL, NULL, add_layer, t}};
+    int rc = cli_parse(c, opts, 1, pos, 2, MAX_POS_ARGS, &npos, help);
+    if (rc != CLI_OK)
+        return rc;
+    if ((rc = parse_seq_id(c, pos[0], id)) != CLI_OK)
+        return rc;
+    for (size_t i = 1; i < npos && rc == CLI_OK; i++)
+        rc = parse_positions(t, pos[i]);
+    return rc;
+}
+
+/* ---- evict ---------------------------------------------------------------------- */
+
+/* A session token from the fd socket: the daemon checks our uid. */
+static int get_token(const cli *c, int *fd, char token[FDSOCK_TOKEN_LEN + 1])
+{
+    char err[512] = "";
+    int rc = fdsock_connect(c->socket, fd, err, sizeof err);
+    if (rc == KVS_OK && (rc = fdsock_hello(*fd, token, err, sizeof err)) != KVS_OK) {
+        close(*fd);
+        *fd = -1;
+    }
+    if (rc == KVS_OK)
+        return CLI_OK;
+    if (rc == KVS_ERR_PERMISSION || strstr(err, "permission denied") != NULL)
+        return cli_fail(CLI_DENIED, "permission denied: %s", err);
+    if (rc == KVS_ERR_UNAVAILABLE)
+        return cli_fail(CLI_UNREACHABLE, "kvstashd is not running at %s: %s", c->socket, err);
+    return cli_fail(CLI_ERROR, "fd-socket handshake failed: %s", err);
+}
+
+int cli_cmd_evict(cli *c)
+{
+    static const char help[] =
+        "usage: kvstash evict ID POSITIONS... [--layer L]... [--json] [--socket PATH]\n"
+        "  Drop original positions from sequence ID, for debugging, as if its policy had\n"
+        "  evicted them: the tokens leave the block table (blocks left empty are\n"
+        "  retired until the worker acknowledges the new epoch) and a table.changed\n"
+        "  event goes out. POSITIONS: N, A-B, or comma lists (3,7,9-12). --layer L\n"
+        "  (repeatable) limits it to those layers; default every layer.\n"
+        "  Works on policies that keep no per-token state (full, streaming: see\n"
+        "  `kvstash policy list`); their own rule runs first, as at the next step, so\n"
+        "  streaming may drop more. --json: the Evict reply (epoch, evicted, requested,\n"
+        "  by_policy, not_held).\n";
+    uint64_t id;
+    targets t = {.c = c};
+    int rc = parse_targets(c, help, &id, &t);
+    if (rc != CLI_OK) {
+        targets_free(&t);
+        return rc < 0 ? CLI_OK : rc;
+    }
+    Kvstash__V1__PositionRange **ptrs = calloc(t.nranges + 1, sizeof *ptrs);
+    if (ptrs == NULL) {
+        targets_free(&t);
+        return cli_fail(CLI_ERROR, "out of memory");
+    }
+    for (size_t i = 0; i < t.nranges; i++)
+        ptrs[i] = &t.ranges[i];
+    int fd = -1;
+    char token[FDSOCK_TOKEN_LEN + 1];
+    Kvstash__V1__EvictResponse *r = NULL;
+    if ((rc = get_token(c, &fd, token)) == CLI_OK) {
+        Kvstash__V1__EvictRequest req = KVSTASH__V1__EVICT_REQUEST__INIT;
+        req.seq_id = id;
+        req.ranges = ptrs;
+        req.n_ranges = t.nranges;
+        req.layers = t.layers;
+        req.n_layers = t.nlayers;
+        rc = cli_call(c, "Evict", token, &req.base, &kvstash__v1__evict_response__descriptor,
+                      (ProtobufCMessage **)&r);
+        close(fd);
+    }
+    if (rc == CLI_OK && c->json) {
+        rc = cli_print_message(&r->base, 1);
+    } else if (rc == CLI_OK) {
+        printf("seq %" PRIu64 ": evicted %u token(s) (%u at the requested positions, %u by the "
+               "policy's own rule); %u requested (list, position) pair(s) were not held; table "
+               "epoch %" PRIu64 "\n",
+               id, r->evicted, r->requested, r->by_policy, r->not_held, r->epoch);
+    }
+    if (r != NULL)
+        protobuf_c_message_free_unpacked(&r->base, NULL);
+    free(ptrs);
+    targets_free(&t);
+    return rc;
+}
+
+/* ---- demote, offload, revive ----------------------------------------------------------- */
+
+int cli_cmd_tier_op(cli *c, const char *op)
+{
+    char help[1024];
+    snprintf(help, sizeof help,
+             "usage: kvstash %s ID POSITIONS... [--layer L]... [--json] [--socket PATH]\n"
+             "  %s. NOT AVAILABLE in this kvstashd: the INT8 and sketch tiers are not\n"
+             "  implemented yet (policies can mark tokens int8 or sketch, but they stay at\n"
+             "  full precision). The command checks its arguments and the sequence, then\n"
+             "  exits 6.\n",
+             op,
+             strcmp(op, "demote") == 0    ? "Demote the positions to INT8 (symmetric, per head "
+                                            "and channel)"
+             : strcmp(op, "offload") == 0 ? "Move the positions into the layer's count-sketch "
+                                            "(KVReviver)"
+                                          : "Bring sketched positions back to full precision");
+    uint64_t id;
+    targets t = {.c = c};
+    int rc = parse_targets(c, help, &id, &t);
+    targets_free(&t);
+    if (rc != CLI_OK)
+        return rc < 0 ? CLI_OK : rc;
+    Kvstash__V1__InspectResponse *r;
+    if ((rc = inspect(c, id, 0, 0, &r)) != CLI_OK)
+        return rc;
+    protobuf_c_message_free_unpacked(&r->base, NULL);
+    return cli_fail(CLI_NOT_AVAILABLE,
+                    "%s is not available: the INT8/sketch tiers are not implemented in this "
+                    "kvstashd",
+                    op);
+}

@@ -1,0 +1,650 @@
+/*
+ * cache.c - kvstash-llama's KV cache: kvstashd through libkvstash, or the
+ * plain in-process reference (cache.h).
+ */
+#include <inttypes.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <jansson.h>
+
+#include "cache.h"
+#include "confkv.h"
+#include "kernels.h"
+#include "policy.h"
+#include "snapkv_family.h"
+
+/* One token list of a layer (or of one KV head of a layer), as the daemon's
+ * table says: segments in order and each token's original position. */
+typedef struct list {
+    kv_segment *segs;
+    size_t nsegs, segs_cap;
+    uint32_t *pos;
+    uint32_t n, pos_cap;
+} list;
+
+struct llm_cache {
+    const llm_model *m;
+    int plain;
+    char err[512];
+    uint32_t L, Q, KV, G, D, ctx;
+    float scale;
+    cache_usage usage;
+    uint32_t pos; /* the current token's position */
+
+    /* plain: [layer][position][kv_dim] */
+    float *pk, *pv, *att_scores;
+
+    /* kvstashd */
+    kvs_session *s;
+    cache_opts o;
+    const policy_ops *ops;
+    policy_params params;
+    unsigned needs;
+    int have_seq;
+    uint64_t seq, epoch;
+    uint32_t heads; /* lists per layer: 1 or KV */
+    list *lists;    /* [L * heads] */
+    kvs_table writes;
+    kv_layout lay, rows; /* the pool's layout, and a per-head list's row view */
+    kv_dtype dtype;
+    size_t elt;
+    uint8_t *conv; /* k and v of one token in the pool's dtype */
+    /* statistics */
+    float *probs;         /* [L][Q * ctx]: this query's attention, per list */
+    const float **p_last; /* [L * Q] row pointers into probs */
+    float *score;         /* [L][ctx] */
+    const float **p_score;
+    uint32_t window, wfill, wnext; /* observation window, queries held, next slot */
+    float *whist;                  /* [L][Q][window][ctx] by position */
+    float *wsum;                   /* [L][Q][ctx] by position */
+    float *wout;                   /* [L][Q * ctx] per list, like probs */
+    const float **p_window;
+    float *vn;    /* [L][KV][ctx] by position */
+    float *vnout; /* [L][KV][ctx] per list */
+    const float **p_vnorm;
+    uint32_t *tokens; /* [L * heads] */
+    confkv_weights conf;
+};
+
+static int fail(llm_cache *c, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->err, sizeof c->err, fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
+const char *cache_error(const llm_cache *c)
+{
+    return c->err;
+}
+
+static llm_cache *cache_new(const llm_model *m)
+{
+    llm_cache *c = calloc(1, sizeof *c);
+    if (c == NULL)
+        return NULL;
+    c->m = m;
+    c->L = m->c.n_layers;
+    c->Q = m->c.n_heads;
+    c->KV = m->c.n_kv_heads;
+    c->G = c->Q / c->KV;
+    c->D = m->c.head_size;
+    c->ctx = m->c.seq_len;
+    c->scale = 1.0f / sqrtf((float)c->D);
+    return c;
+}
+
+/* ---- the plain reference ------------------------------------------------- */
+
+llm_cache *cache_plain(const llm_model *m)
+{
+    llm_cache *c = cache_new(m);
+    if (c == NULL)
+        return NULL;
+    c->plain = 1;
+    size_t n = (size_t)c->L * c->ctx * m->c.kv_dim;
+    c->pk = malloc(n * sizeof(float));
+    c->pv = malloc(n * sizeof(float));
+    c->att_scores = malloc(c->ctx * sizeof(float));
+    if (!c->pk || !c->pv || !c->att_scores) {
+        cache_free(c);
+        return NULL;
+    }
+    return c;
+}
+
+/* llama2.c's attention: scores, softmax, weighted sum, in float. */
+static void plain_layer(llm_cache *c, uint32_t l, llm_state *st)
+{
+    uint32_t kvd = c->m->c.kv_dim, n = c->pos + 1;
+    float *kl = c->pk + (size_t)l * c->ctx * kvd, *vl = c->pv + (size_t)l * c->ctx * kvd;
+    memcpy(kl + (size_t)c->pos * kvd, st->k, kvd * sizeof(float));
+    memcpy(vl + (size_t)c->pos * kvd, st->v, kvd * sizeof(float));
+    for (uint32_t h = 0; h < c->Q; h++) {
+        const float *q = st->q + (size_t)h * c->D;
+        uint32_t off = (h / c->G) * c->D;
+        float *a = c->att_scores, mx = -INFINITY, sum = 0.0f;
+        for (uint32_t t = 0; t < n; t++) {
+            const float *k = kl + (size_t)t * kvd + off;
+            float dot = 0.0f;
+            for (uint32_t i = 0; i < c->D; i++)
+                dot += q[i] * k[i];
+            a[t] = dot * c->scale;
+            mx = a[t] > mx ? a[t] : mx;
+        }
+        for (uint32_t t = 0; t < n; t++)
+            sum += a[t] = expf(a[t] - mx);
+        float *o = st->att + (size_t)h * c->D;
+        memset(o, 0, c->D * sizeof *o);
+        for (uint32_t t = 0; t < n; t++) {
+            const float *v = vl + (size_t)t * kvd + off;
+            float p = a[t] / sum;
+            for (uint32_t i = 0; i < c->D; i++)
+                o[i] += p * v[i];
+        }
+    }
+}
+
+/* ---- kvstashd: setup ----------------------------------------------------- */
+
+static int alloc_stats(llm_cache *c)
+{
+    size_t L = c->L, Q = c->Q, KV = c->KV, T = c->ctx;
+    c->lists = calloc(L * c->heads, sizeof *c->lists);
+    c->tokens = calloc(L * c->heads, sizeof *c->tokens);
+    c->conv = malloc(2 * (size_t)KV * c->D * c->elt);
+    c->probs = malloc(L * Q * T * sizeof(float));
+    c->p_last = calloc(L * Q, sizeof *c->p_last);
+    c->score = malloc(L * T * sizeof(float));
+    c->p_score = calloc(L, sizeof *c->p_score);
+    c->wout = malloc(L * Q * T * sizeof(float));
+    c->p_window = calloc(L * Q, sizeof *c->p_window);
+    c->vn = malloc(L * KV * T * sizeof(float));
+    c->vnout = malloc(L * KV * T * sizeof(float));
+    c->p_vnorm = calloc(L * KV, sizeof *c->p_vnorm);
+    if (c->needs & POLICY_NEEDS_WINDOW_ATTN) {
+        c->whist = calloc(L * Q * c->window * T, sizeof(float));
+        c->wsum = calloc(L * Q * T, sizeof(float));
+    }
+    if (!c->lists || !c->tokens || !c->conv || !c->probs || !c->p_last || !c->score ||
+        !c->p_score || !c->wout || !c->p_window || !c->vn || !c->vnout || !c->p_vnorm ||
+        ((c->needs & POLICY_NEEDS_WINDOW_ATTN) && (!c->whist || !c->wsum)))
+        return fail(c, "out of memory for the statistics of a %u-token context", c->ctx);
+    return 0;
+}
+
+/* The policy's parameters as the daemon will resolve them: what the worker
+ * needs to know (window, confidence weights) and an early, precise error. */
+static int resolve_params(llm_cache *c)
+{
+    const char *keys[CACHE_MAX_PARAMS], *values[CACHE_MAX_PARAMS];
+    char err[256];
+    c->ops = policy_find(c->o.policy);
+    if (c->ops == NULL)
+        return fail(c, "unknown policy '%s' (kvstash policy list)", c->o.policy);
+    /* Keys outside the policy's spec (a daemon-level setting such as the
+     * INT8 tier) are for kvstashd to judge: resolve the others only. */
+    size_t n = 0;
+    for (size_t i = 0; i < c->o.nparams; i++)
+        for (size_t k = 0; k < c->ops->nparams; k++)
+            if (strcmp(c->ops->params[k].key, c->o.params[i].key) == 0) {
+                keys[n] = c->o.params[i].key;
+                values[n++] = c->o.params[i].value;
+                break;
+            }
+    if (policy_params_resolve(c->ops, keys, values, n, &c->params, err, sizeof err))
+        return fail(c, "%s", err);
+    c->needs = c->ops->needs;
+    c->heads = c->ops->per_head ? c->KV : 1;
+    /* The SnapKV family's observation window (streaming's `window` is its
+     * recent window, not this). More queries than the context cannot be. */
+    c->window = 1;
+    if ((c->needs & POLICY_NEEDS_WINDOW_ATTN) && policy_params_get(&c->params, "window") != NULL &&
+        policy_params_uint(&c->params, "window", 1, 1u << 20, &c->window, err, sizeof err))
+        return fail(c, "%s", err);
+    if (c->window > c->ctx)
+        c->window = c->ctx;
+    c->conf = (confkv_weights){0.4, 0.3, 0.3, CONFKV_MARGIN_SIGMOID};
+    const char *mm = policy_params_get(&c->params, "margin_mode");
+    if (mm != NULL && strcmp(mm, "tanh") == 0)
+        c->conf.margin_mode = CONFKV_MARGIN_TANH;
+    if (policy_params_get(&c->params, "w_entropy") != NULL &&
+        (policy_params_double(&c->params, "w_entropy", 0, 1, &c->conf.entropy, err, sizeof err) ||
+         policy_params_double(&c->params, "w_margin", 0, 1, &c->conf.margin, err, sizeof err) ||
+         policy_params_double(&c->params, "w_top", 0, 1, &c->conf.top, err, sizeof err)))
+        return fail(c, "%s", err);
+    return 0;
+}
+
+int cache_kvstash(const llm_model *m, const cache_opts *o, llm_cache **out, char *err,
+                  size_t errlen)
+{
+    *out = NULL;
+    llm_cache *c = cache_new(m);
+    if (c == NULL) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    c->o = *o;
+    c->dtype = (kv_dtype)o->dtype;
+    c->elt = o->dtype == KVS_FP32 ? 4 : 2;
+    c->lay = (kv_layout){c->KV, o->block_tokens, c->D, (uint32_t)c->elt};
+    c->rows = (kv_layout){1, o->block_tokens * c->KV, c->D, (uint32_t)c->elt};
+    if (resolve_params(c) != 0 || alloc_stats(c) != 0) {
+        snprintf(err, errlen, "%s", c->err);
+        cache_free(c);
+        return -1;
+    }
+    kvs_geometry g = {c->L, c->Q, c->KV, c->D, o->block_tokens, o->dtype, 10000.0f};
+    int rc = kvs_session_attach(o->socket, o->model_name, &g, "kvstash-llama", &c->s, err, errlen);
+    if (rc != KVS_OK) {
+        cache_free(c);
+        return -1;
+    }
+    *out = c;
+    return 0;
+}
+
+/* ---- kvstashd: the table --------------------------------------------------- */
+
+static int list_reserve(llm_cache *c, list *ls, size_t segs, uint32_t toks)
+{
+    if (segs > ls->segs_cap) {
+        size_t cap = segs * 2;
+        kv_segment *p = realloc(ls->segs, cap * sizeof *p);
+        if (p == NULL)
+            return fail(c, "out of memory for a table");
+        ls->segs = p;
+        ls->segs_cap = cap;
+    }
+    if (toks > ls->pos_cap) {
+        uint32_t cap = toks * 2;
+        uint32_t *p = realloc(ls->pos, cap * sizeof *p);
+        if (p == NULL)
+            return fail(c, "out of memory for a table");
+        ls->pos = p;
+        ls->pos_cap = cap;
+    }
+    return 0;
+}
+
+/* Replace the lists with the daemon's current table. */
+static int table_reload(llm_cache *c)
+{
+    kvs_table t;
+    int rc = kvs_seq_table(c->s, c->seq, 1, &t);
+    if (rc != KVS_OK)
+        return fail(c, "GetBlockTable: %s", kvs_session_error(c->s));
+    if (t.heads != c->heads || t.layers != c->L * c->heads) {
+        kvs_table_free(&t);
+        return fail(c, "the daemon's table has %u lists per layer; policy %s wants %u", t.heads,
+                    c->o.policy, c->heads);
+    }
+    for (uint32_t i = 0; i < t.layers; i++) {
+        const kvs_layer *ly = &t.layer[i];
+        list *ls = &c->lists[i];
+        if (list_reserve(c, ls, ly->nsegments, ly->tokens) != 0) {
+            kvs_table_free(&t);
+            return -1;
+        }
+        for (size_t k = 0; k < ly->nsegments; k++)
+            ls->segs[k] = (kv_segment){ly->segments[k].block, ly->segments[k].first_slot,
+                                       ly->segments[k].count};
+        ls->nsegs = ly->nsegments;
+        memcpy(ls->pos, ly->positions, ly->tokens * sizeof *ls->pos);
+        ls->n = ly->tokens;
+    }
+    c->epoch = t.epoch;
+    kvs_table_free(&t);
+    return 0;
+}
+
+/* Add an append's new segments at the lists' tails. */
+static int table_extend(llm_cache *c, const kvs_table *w)
+{
+    for (uint32_t i = 0; i < w->layers; i++) {
+        const kvs_layer *ly = &w->layer[i];
+        list *ls = &c->lists[i];
+        if (list_reserve(c, ls, ls->nsegs + ly->nsegments, ls->n + ly->tokens) != 0)
+            return -1;
+        for (size_t k = 0; k < ly->nsegments; k++) {
+            kv_segment g = {ly->segments[k].block, ly->segments[k].first_slot,
+                            ly->segments[k].count};
+            kv_segment *last = ls->nsegs ? &ls->segs[ls->nsegs - 1] : NULL;
+            if (last && last->block == g.block && last->first_slot + last->count == g.first_slot)
+                last->count += g.count;
+            else
+                ls->segs[ls->nsegs++] = g;
+        }
+        memcpy(ls->pos + ls->n, ly->positions, ly->tokens * sizeof *ls->pos);
+        ls->n += ly->tokens;
+    }
+    return 0;
+}
+
+/* ---- sequences ------------------------------------------------------------- */
+
+int cache_seq_begin(llm_cache *c, const char *label)
+{
+    c->usage = (cache_usage){0, 0, 0};
+    c->pos = 0;
+    if (c->plain)
+        return 0;
+    if (c->have_seq)
+        return fail(c, "a sequence is already open");
+    int rc = kvs_seq_create(c->s, c->o.policy, c->o.params, c->o.nparams, label, &c->seq);
+    if (rc != KVS_OK)
+        return fail(c, "CreateSequence: %s", kvs_session_error(c->s));
+    c->have_seq = 1;
+    for (uint32_t i = 0; i < c->L * c->heads; i++)
+        c->lists[i].n = 0, c->lists[i].nsegs = 0;
+    c->epoch = UINT64_MAX; /* unknown: the first append reads the table */
+    c->wfill = c->wnext = 0;
+    if (c->wsum != NULL)
+        memset(c->wsum, 0, (size_t)c->L * c->Q * c->ctx * sizeof(float));
+    return 0;
+}
+
+int cache_seq_end(llm_cache *c)
+{
+    if (c->plain || !c->have_seq)
+        return 0;
+    c->have_seq = 0;
+    kvs_table_free(&c->writes);
+    if (kvs_seq_release(c->s, c->seq) != KVS_OK)
+        return fail(c, "ReleaseSequence: %s", kvs_session_error(c->s));
+    return 0;
+}
+
+int cache_token_begin(llm_cache *c, uint32_t pos)
+{
+    if (pos >= c->ctx)
+        return fail(c, "position %u is past the model's context (%u)", pos, c->ctx);
+    c->pos = pos;
+    if (c->plain)
+        return 0;
+    kvs_table_free(&c->writes);
+    int rc = kvs_seq_append(c->s, c->seq, 1, &c->writes);
+    if (rc != KVS_OK)
+        return fail(c, "Append: %s", kvs_session_error(c->s));
+    if (c->writes.heads != c->heads)
+        return fail(c, "Append answered %u lists per layer, policy %s wants %u", c->writes.heads,
+                    c->o.policy, c->heads);
+    c->usage.evicted += c->writes.evicted;
+    /* An append is one epoch; anything more (a silent step evicted) means
+     * the table changed under us: read it again. */
+    if (c->writes.evicted == 0 && c->epoch != UINT64_MAX && c->writes.epoch == c->epoch + 1) {
+        c->epoch = c->writes.epoch;
+        return table_extend(c, &c->writes);
+    }
+    return table_reload(c);
+}
+
+/* ---- kvstashd: one layer --------------------------------------------------- */
+
+/* k and v of KV heads [h0, h0 + nh) in the pool's dtype, into c->conv. */
+static const uint8_t *to_pool_dtype(llm_cache *c, const float *x, uint32_t h0, uint32_t nh,
+                                    int second)
+{
+    const float *src = x + (size_t)h0 * c->D;
+    size_t n = (size_t)nh * c->D;
+    if (c->dtype == KV_FP32)
+        return (const uint8_t *)src;
+    uint8_t *dst = c->conv + (second ? (size_t)c->KV * c->D * c->elt : 0);
+    for (size_t i = 0; i < n; i++)
+        kv_elt_store(dst + i * c->elt, c->dtype, src[i]);
+    return dst;
+}
+
+/* ‖V·W^O‖₁ of the new token for every KV head (POLICIES.md §1.2), by
+ * position; only depends on V and the static W^O, so once per token. */
+static void vnorm_new(llm_cache *c, uint32_t l, const float *v)
+{
+    float out[256];
+    float *o = c->KV <= 256 ? out : NULL;
+    if (o == NULL)
+        return;
+    snapkv_vnorm_l1(v, llm_wo(c->m, l), c->KV, c->Q, c->D, c->m->c.dim, 1, o);
+    for (uint32_t g = 0; g < c->KV; g++)
+        c->vn[((size_t)l * c->KV + g) * c->ctx + c->pos] = o[g];
+}
+
+void cache_layer(llm_cache *c, uint32_t l, llm_state *st)
+{
+    if (c->plain) {
+        plain_layer(c, l, st);
+        return;
+    }
+    float *probs = c->probs + (size_t)l * c->Q * c->ctx;
+    uint8_t *pool = kvs_session_pool(c->s);
+    if (c->needs & POLICY_NEEDS_VNORM)
+        vnorm_new(c, l, st->v);
+    if (c->heads == 1) {
+        const kvs_layer *w = &c->writes.layer[l];
+        kvs_layer_write(c->s, w, to_pool_dtype(c, st->k, 0, c->KV, 0),
+                        to_pool_dtype(c, st->v, 0, c->KV, 1));
+        const list *ls = &c->lists[l];
+        kv_decode_attention(&c->lay, c->dtype, pool, ls->segs, ls->nsegs, st->q, c->Q, c->scale,
+                            st->att, probs);
+        for (uint32_t h = 0; h < c->Q; h++)
+            c->p_last[(size_t)l * c->Q + h] = probs + (size_t)h * ls->n;
+        return;
+    }
+    size_t off = 0; /* per-head lists: the group's rows, list after list */
+    for (uint32_t g = 0; g < c->KV; g++) {
+        const kvs_layer *w = &c->writes.layer[l * c->heads + g];
+        kvs_layer_write(c->s, w, to_pool_dtype(c, st->k, g, 1, 0),
+                        to_pool_dtype(c, st->v, g, 1, 1));
+        const list *ls = &c->lists[l * c->heads + g];
+        size_t qo = (size_t)g * c->G * c->D;
+        kv_decode_attention(&c->rows, c->dtype, pool, ls->segs, ls->nsegs, st->q + qo, c->G,
+                            c->scale, st->att + qo, probs + off);
+        for (uint32_t j = 0; j < c->G; j++)
+            c->p_last[(size_t)l * c->Q + g * c->G + j] = probs + off + (size_t)j * ls->n;
+        off += (size_t)c->G * ls->n;
+    }
+}
+
+/* ---- kvstashd: the step's statistics --------------------------------------- */
+
+static const list *list_of(const llm_cache *c, uint32_t l, uint32_t q_head)
+{
+    return &c->lists[l * c->heads + (c->heads > 1 ? q_head / c->G : 0)];
+}
+
+static void stats_score(llm_cache *c)
+{
+    for (uint32_t l = 0; l < c->L; l++) {
+        float *s = c->score + (size_t)l * c->ctx;
+        uint32_t n = c->lists[l].n;
+        for (uint32_t i = 0; i < n; i++) {
+            float sum = 0.0f;
+            for (uint32_t h = 0; h < c->Q; h++)
+                sum += c->p_last[(size_t)l * c->Q + h][i];
+            s[i] = sum;
+        }
+        c->p_score[l] = s;
+    }
+}
+
+/* Fold this query into the window's running sums (dense by position), then
+ * read the mean of the window's queries for every held token. */
+static void stats_window(llm_cache *c, int send)
+{
+    size_t T = c->ctx, W = c->window;
+    uint32_t slot = c->wnext;
+    c->wnext = (c->wnext + 1) % c->window;
+    if (c->wfill < c->window)
+        c->wfill++;
+    for (uint32_t l = 0; l < c->L; l++) {
+        size_t off = 0;
+        for (uint32_t h = 0; h < c->Q; h++) {
+            size_t lh = (size_t)l * c->Q + h;
+            float *hist = c->whist + (lh * W + slot) * T, *sum = c->wsum + lh * T;
+            const list *ls = list_of(c, l, h);
+            for (size_t p = 0; p < T; p++) { /* the query leaving the window */
+                sum[p] -= hist[p];
+                hist[p] = 0.0f;
+            }
+            for (uint32_t i = 0; i < ls->n; i++) {
+                hist[ls->pos[i]] = c->p_last[lh][i];
+                sum[ls->pos[i]] += c->p_last[lh][i];
+            }
+            if (!send)
+                continue;
+            float *out = c->wout + (size_t)l * c->Q * T + off;
+            for (uint32_t i = 0; i < ls->n; i++) {
+                float m = sum[ls->pos[i]] / (float)c->wfill;
+                out[i] = m > 0.0f ? m : 0.0f; /* running sums may drift below 0 */
+            }
+            c->p_window[lh] = out;
+            off += ls->n;
+        }
+    }
+}
+
+static void stats_vnorm(llm_cache *c)
+{
+    for (uint32_t l = 0; l < c->L; l++)
+        for (uint32_t g = 0; g < c->KV; g++) {
+            const list *ls = &c->lists[l * c->heads + (c->heads > 1 ? g : 0)];
+            const float *vn = c->vn + ((size_t)l * c->KV + g) * c->ctx;
+            float *out = c->vnout + ((size_t)l * c->KV + g) * c->ctx;
+            for (uint32_t i = 0; i < ls->n; i++)
+                out[i] = vn[ls->pos[i]];
+            c->p_vnorm[(size_t)l * c->KV + g] = out;
+        }
+}
+
+int cache_token_end(llm_cache *c, const cache_step *s)
+{
+    if (c->plain)
+        return 0;
+    if (c->needs & POLICY_NEEDS_WINDOW_ATTN)
+        stats_window(c, !s->defer);
+    if (s->defer)
+        return 0;
+    for (uint32_t i = 0; i < c->L * c->heads; i++)
+        c->tokens[i] = c->lists[i].n;
+    if (c->needs & POLICY_NEEDS_SCORE)
+        stats_score(c);
+    if (c->needs & POLICY_NEEDS_VNORM)
+        stats_vnorm(c);
+    double conf = -1.0;
+    if ((c->needs & POLICY_NEEDS_CONFIDENCE) && s->logits != NULL) {
+        conf = confkv_confidence_logits(s->logits, c->m->c.vocab_size, &c->conf, NULL);
+        if (!(conf >= 0.0 && conf <= 1.0))
+            conf = -1.0;
+    }
+    kvs_step st = {
+        .new_tokens = 0, /* every token appended since the last step */
+        .prefill = s->prefill,
+        .heads = c->heads,
+        .tokens = c->tokens,
+        .score = (c->needs & POLICY_NEEDS_SCORE) ? c->p_score : NULL,
+        .score_queries = 1,
+        .last_attn = (c->needs & POLICY_NEEDS_LAST_ATTN) ? c->p_last : NULL,
+        .window_attn = (c->needs & POLICY_NEEDS_WINDOW_ATTN) ? c->p_window : NULL,
+        .window_queries = 0, /* = the policy's window parameter */
+        .vnorm = (c->needs & POLICY_NEEDS_VNORM) ? c->p_vnorm : NULL,
+        .confidence = conf,
+    };
+    kvs_step_result res;
+    if (kvs_seq_step(c->s, c->seq, &st, &res) != KVS_OK)
+        return fail(c, "Step: %s", kvs_session_error(c->s));
+    c->usage.evicted += res.evicted;
+    if (res.epoch != c->epoch)
+        return table_reload(c);
+    return 0;
+}
+
+/* ---- usage, stats, teardown ------------------------------------------------ */
+
+static void usage_now(llm_cache *c)
+{
+    uint64_t tokens = 0, row = 2ull * c->D * (c->plain ? 4 : c->elt);
+    uint64_t bytes = 0;
+    if (c->plain) {
+        tokens = (uint64_t)(c->pos + 1) * c->L;
+        bytes = tokens * c->KV * row;
+    } else {
+        for (uint32_t i = 0; i < c->L * c->heads; i++)
+            tokens += c->lists[i].n;
+        bytes = tokens * (c->heads > 1 ? 1 : c->KV) * row;
+    }
+    c->usage.tokens = tokens;
+    c->usage.bytes = bytes;
+}
+
+void cache_get_usage(const llm_cache *c, cache_usage *u)
+{
+    usage_now((llm_cache *)c);
+    *u = c->usage;
+}
+
+char *cache_seq_stats_json(llm_cache *c)
+{
+    if (c->plain || !c->have_seq)
+        return NULL;
+    char *text = NULL, err[256];
+    if (kvs_stats_json(c->o.socket, &text, err, sizeof err) != KVS_OK)
+        return NULL;
+    json_error_t je;
+    json_t *root = json_loads(text, 0, &je), *seqs = json_object_get(root, "sequences"), *v;
+    free(text);
+    char *out = NULL;
+    size_t i;
+    json_array_foreach(seqs, i, v)
+    {
+        json_t *id = json_object_get(v, "seq_id");
+        uint64_t sid = json_is_integer(id)  ? (uint64_t)json_integer_value(id)
+                       : json_is_string(id) ? strtoull(json_string_value(id), NULL, 10)
+                                            : 0;
+        if (sid == c->seq) {
+            out = json_dumps(v, JSON_COMPACT);
+            break;
+        }
+    }
+    json_decref(root);
+    return out;
+}
+
+void cache_free(llm_cache *c)
+{
+    if (c == NULL)
+        return;
+    if (c->s != NULL) {
+        if (c->have_seq)
+            cache_seq_end(c);
+        kvs_session_detach(c->s);
+    }
+    kvs_table_free(&c->writes);
+    for (uint32_t i = 0; c->lists != NULL && i < c->L * c->heads; i++) {
+        free(c->lists[i].segs);
+        free(c->lists[i].pos);
+    }
+    free(c->lists);
+    free(c->pk);
+    free(c->pv);
+    free(c->att_scores);
+    free(c->tokens);
+    free(c->conv);
+    free(c->probs);
+    free(c->p_last);
+    free(c->score);
+    free(c->p_score);
+    free(c->whist);
+    free(c->wsum);
+    free(c->wout);
+    free(c->p_window);
+    free(c->vn);
+    free(c->vnout);
+    free(c->p_vnorm);
+    free(c);
+}

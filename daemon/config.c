@@ -1,0 +1,234 @@
+/* config.c - see config.h. */
+#include "config.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include <ini.h>
+
+#include "log.h"
+
+static const config_option options[] = {
+    {"socket", CONFIG_PATH, 0, 0,
+     "gRPC Unix socket (default $XDG_RUNTIME_DIR/kvstash/kvstashd.sock, or "
+     "/run/kvstash/kvstashd.sock); PATH.fd, PATH.events and PATH.lock sit beside it"},
+    {"listen", CONFIG_ADDR, 0, 0,
+     "also serve gRPC on TCP ADDR (loopback only, e.g. 127.0.0.1:7070)"},
+    {"pool-mb", CONFIG_COUNT, 1, 1u << 20, "shared memory per model pool in MiB (default 256)"},
+    {"max-pools", CONFIG_COUNT, 1, 64, "models served at once (default 4)"},
+    {"max-sessions", CONFIG_COUNT, 1, 4096, "workers attached at once (default 256)"},
+    {"max-seqs", CONFIG_COUNT, 1, 1u << 24, "sequences over all workers (default 65536)"},
+    {"threads", CONFIG_COUNT, 1, 64, "gRPC completion-queue threads (default 2)"},
+    {"log-level", CONFIG_LEVEL, 0, 0, "debug, info, warn or error (default info)"},
+    {"metrics", CONFIG_ADDR, 0, 0,
+     "serve Prometheus /metrics and /healthz over HTTP on HOST:PORT (e.g. 127.0.0.1:9464; "
+     "port 0 picks one); loopback only unless metrics-allow-remote"},
+    {"metrics-allow-remote", CONFIG_BOOL, 0, 0,
+     "let --metrics listen on a non-loopback address (no authentication, no TLS)"},
+    {"drain-ms", CONFIG_COUNT, 0, 600000,
+     "on SIGTERM, report NOT_SERVING (health, /healthz) this long before stopping "
+     "(default 0; a second signal stops at once)"},
+};
+
+#define NOPTIONS (sizeof options / sizeof options[0])
+
+const config_option *config_options(size_t *count)
+{
+    *count = NOPTIONS;
+    return options;
+}
+
+void config_defaults(daemon_config *c)
+{
+    memset(c, 0, sizeof *c);
+    const char *xdg = getenv("XDG_RUNTIME_DIR");
+    snprintf(c->socket, sizeof c->socket, "%s/kvstash/kvstashd.sock", xdg && *xdg ? xdg : "/run");
+    c->pool_mb = 256;
+    c->max_pools = 4;
+    c->max_sessions = 256;
+    c->max_seqs = 65536;
+    c->threads = 2;
+    snprintf(c->log_level, sizeof c->log_level, "info");
+}
+
+/* "pool_mb" and "pool-mb" both name option "pool-mb". */
+static const config_option *find_option(const char *key)
+{
+    for (size_t i = 0; i < NOPTIONS; i++) {
+        const char *a = options[i].key, *b = key;
+        while (*a && (*a == *b || (*a == '-' && *b == '_'))) {
+            a++;
+            b++;
+        }
+        if (*a == '\0' && *b == '\0')
+            return &options[i];
+    }
+    return NULL;
+}
+
+static unsigned long *count_field(daemon_config *c, const char *key)
+{
+    if (strcmp(key, "pool-mb") == 0)
+        return &c->pool_mb;
+    if (strcmp(key, "max-pools") == 0)
+        return &c->max_pools;
+    if (strcmp(key, "max-sessions") == 0)
+        return &c->max_sessions;
+    if (strcmp(key, "max-seqs") == 0)
+        return &c->max_seqs;
+    if (strcmp(key, "threads") == 0)
+        return &c->threads;
+    return &c->drain_ms;
+}
+
+static int parse_bool(const char *v, int *out)
+{
+    static const char *const yes[] = {"1", "true", "yes", "on"}, *const no[] = {"0", "false", "no",
+                                                                                "off"};
+    for (size_t i = 0; i < 4; i++) {
+        if (strcasecmp(v, yes[i]) == 0) {
+            *out = 1;
+            return 0;
+        }
+        if (strcasecmp(v, no[i]) == 0) {
+            *out = 0;
+            return 0;
+        }
+    }
+    return -1;
+}
+
+static int set_text(char *dst, size_t len, const char *key, const char *v, char *err, size_t errlen)
+{
+    if (strlen(v) >= len) {
+        snprintf(err, errlen, "%s is too long (at most %zu bytes)", key, len - 1);
+        return -1;
+    }
+    snprintf(dst, len, "%s", v);
+    return 0;
+}
+
+int config_set(daemon_config *c, const char *key, const char *value, char *err, size_t errlen)
+{
+    const config_option *o = find_option(key);
+    if (o == NULL) {
+        snprintf(err, errlen, "unknown option '%.64s' (kvstashd --help lists them)", key);
+        return -1;
+    }
+    char *end;
+    int b;
+    switch (o->kind) {
+    case CONFIG_PATH:
+        if (value[0] == '\0') {
+            snprintf(err, errlen, "%s is empty", o->key);
+            return -1;
+        }
+        return set_text(c->socket, sizeof c->socket - 8, o->key, value, err, errlen);
+    case CONFIG_ADDR:
+        if (strcmp(value, "off") == 0)
+            value = "";
+        return set_text(strcmp(o->key, "listen") == 0 ? c->listen : c->metrics, sizeof c->metrics,
+                        o->key, value, err, errlen);
+    case CONFIG_COUNT: {
+        errno = 0;
+        unsigned long v = strtoul(value, &end, 10);
+        if (errno != 0 || end == value || *end != '\0' || value[0] == '-' || v < o->min ||
+            v > o->max) {
+            snprintf(err, errlen, "%s must be an integer in [%lu, %lu], got '%.32s'", o->key,
+                     o->min, o->max, value);
+            return -1;
+        }
+        *count_field(c, o->key) = v;
+        return 0;
+    }
+    case CONFIG_BOOL:
+        if (parse_bool(value, &b) != 0) {
+            snprintf(err, errlen, "%s must be true or false, got '%.32s'", o->key, value);
+            return -1;
+        }
+        c->metrics_allow_remote = b;
+        return 0;
+    case CONFIG_LEVEL:
+        if (log_parse_level(value) < 0) {
+            snprintf(err, errlen, "%s must be debug, info, warn or error, got '%.32s'", o->key,
+                     value);
+            return -1;
+        }
+        return set_text(c->log_level, sizeof c->log_level, o->key, value, err, errlen);
+    }
+    return -1;
+}
+
+typedef struct load_ctx {
+    daemon_config *c;
+    const char *path;
+    char *err;
+    size_t errlen;
+    int failed;
+} load_ctx;
+
+static int on_entry(void *user, const char *section, const char *name, const char *value)
+{
+    load_ctx *x = user;
+    char msg[256];
+    if (x->failed)
+        return 0;
+    if (section[0] != '\0' && strcmp(section, "kvstashd") != 0) {
+        snprintf(msg, sizeof msg, "unknown section [%.64s] (options go in [kvstashd])", section);
+    } else if (config_set(x->c, name, value, msg, sizeof msg) == 0) {
+        return 1;
+    }
+    snprintf(x->err, x->errlen, "%s", msg);
+    x->failed = 1;
+    return 0; /* inih reports the line */
+}
+
+int config_load(daemon_config *c, const char *path, char *err, size_t errlen)
+{
+    FILE *f = fopen(path, "r");
+    if (f == NULL) {
+        snprintf(err, errlen, "cannot open %s: %s", path, strerror(errno));
+        return -1;
+    }
+    char msg[256] = "";
+    load_ctx x = {c, path, msg, sizeof msg, 0};
+    int line = ini_parse_file(f, on_entry, &x);
+    fclose(f);
+    if (line == 0)
+        return 0;
+    snprintf(err, errlen, "%s:%d: %s", path, line, msg[0] ? msg : "syntax error");
+    return -1;
+}
+
+void config_print(const daemon_config *c, const char *source, FILE *f)
+{
+    fprintf(f, "# kvstashd %s: effective configuration (%s)\n[kvstashd]\n", KVSTASH_VERSION,
+            source);
+    for (size_t i = 0; i < NOPTIONS; i++) {
+        const config_option *o = &options[i];
+        char key[32];
+        snprintf(key, sizeof key, "%s", o->key);
+        for (char *p = key; *p; p++)
+            if (*p == '-')
+                *p = '_';
+        switch (o->kind) {
+        case CONFIG_PATH:
+            fprintf(f, "%s = %s\n", key, c->socket);
+            break;
+        case CONFIG_ADDR:
+            fprintf(f, "%s = %s\n", key, strcmp(o->key, "listen") == 0 ? c->listen : c->metrics);
+            break;
+        case CONFIG_COUNT:
+            fprintf(f, "%s = %lu\n", key, *count_field((daemon_config *)c, o->key));
+            break;
+        case CONFIG_BOOL:
+            fprintf(f, "%s = %s\n", key, c->metrics_allow_remote ? "true" : "false");
+            break;
+        case CONFIG_LEVEL:
+            fprintf(f, "%s = %s\n", key, c->log_level);
+            break;
+        }
+    }
+}

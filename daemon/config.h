@@ -1,0 +1,72 @@
+/*
+ * config.h - kvstashd's settings: defaults, an INI file (inih), then flags.
+ *
+ * Every command-line flag is also a key of the config file, spelt like the
+ * flag without the dashes ('-' and '_' are the same: pool-mb = pool_mb), in
+ * a [kvstashd] section or before any section:
+ *
+ *     [kvstashd]
+ *     socket = /run/kvstash/kvstashd.sock
+ *     pool_mb = 1024
+ *     metrics = 127.0.0.1:9464
+ *
+ * `kvstashd --config FILE` reads it, flags given on the command line win over
+ * it, and `kvstashd --print-config` prints the result in the same format
+ * (ops/kvstashd.conf is the annotated example).
+ */
+#ifndef KVSTASH_CONFIG_H
+#define KVSTASH_CONFIG_H
+
+#include <limits.h>
+#include <stddef.h>
+#include <stdio.h>
+
+typedef struct daemon_config {
+    char socket[PATH_MAX - 16]; /* gRPC socket; PATH.fd etc. beside it */
+    char listen[128];           /* TCP gRPC address, "" = none */
+    unsigned long pool_mb, max_pools, max_sessions, max_seqs, threads;
+    char log_level[8];
+    char metrics[128];        /* HTTP /metrics address, "" = none */
+    int metrics_allow_remote; /* serve /metrics on a non-loopback address */
+    unsigned long drain_ms;   /* NOT_SERVING this long before stopping */
+} daemon_config;
+
+/* One option: its key (as in the file; the flag is --key with '-'). */
+typedef enum config_kind {
+    CONFIG_PATH,
+    CONFIG_ADDR,
+    CONFIG_COUNT,
+    CONFIG_BOOL,
+    CONFIG_LEVEL
+} config_kind;
+
+typedef struct config_option {
+    const char *key; /* "pool-mb" */
+    config_kind kind;
+    unsigned long min, max; /* CONFIG_COUNT */
+    const char *help;       /* one line for --help */
+} config_option;
+
+/* The options in --help and --print-config order; *count receives their number. */
+const config_option *config_options(size_t *count);
+
+/* Defaults: socket in $XDG_RUNTIME_DIR/kvstash or /run/kvstash, 256 MiB
+ * pools, ... (kvstashd --help lists them). */
+void config_defaults(daemon_config *c);
+
+/*
+ * Set option `key` ('-' or '_' between words) from text. Booleans take
+ * true/false/yes/no/on/off/1/0; ADDR options take "" or "off" for none.
+ * Returns 0, or -1 with a message naming the option and the allowed values
+ * in err (unknown key, bad value).
+ */
+int config_set(daemon_config *c, const char *key, const char *value, char *err, size_t errlen);
+
+/* Read an INI file over *c. Returns 0, or -1 with "FILE:LINE: message" (or
+ * "cannot open FILE: reason") in err; *c may then be partly updated. */
+int config_load(daemon_config *c, const char *path, char *err, size_t errlen);
+
+/* Write *c as a config file that config_load reads back to the same values. */
+void config_print(const daemon_config *c, const char *source, FILE *f);
+
+#endif

@@ -1,0 +1,673 @@
+/* metrics.c - see metrics.h. */
+#include "metrics.h"
+
+#include <arpa/inet.h>
+#include <math.h>
+#include <netinet/in.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+
+#include <microhttpd.h>
+
+#include "log.h"
+#include "store.h"
+
+/* gRPC status codes 0..16. */
+#define RPC_CODES 17
+#define HIST_MAX_BUCKETS 16
+
+/* Bucket upper bounds. gRPC over UDS costs 70-100 us here (C-STACK.md); a
+ * ring step a few us to a few ms, depending on the policy and the lists. */
+static const double rpc_bounds[] = {25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3,
+                                    5e-3,  10e-3, 25e-3,  50e-3,  0.1,    0.25, 1.0};
+static const double step_bounds[] = {2e-6,   5e-6, 10e-6,  25e-6, 50e-6, 100e-6, 250e-6,
+                                     500e-6, 1e-3, 2.5e-3, 5e-3,  10e-3, 50e-3,  0.25};
+static const double mass_bounds[] = {0.001, 0.01, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0};
+
+#define NBOUNDS(a) (sizeof(a) / sizeof((a)[0]))
+
+/* A histogram: counts per bucket (not cumulative; the last is +Inf) and the
+ * sum of observations in units of 1e-9 (nanoseconds, or billionths). */
+typedef struct hist {
+    _Atomic uint64_t counts[HIST_MAX_BUCKETS + 1];
+    _Atomic uint64_t sum_e9;
+} hist;
+
+static const char *const reclaim_reasons[] = {"detach", "lease-ended", "fd-closed", "shutdown",
+                                              "other"};
+#define NREASONS (sizeof reclaim_reasons / sizeof reclaim_reasons[0])
+
+struct metrics {
+    const rpc_method *methods;
+    size_t nmethods;
+    _Atomic uint64_t *rpc_count; /* [nmethods * RPC_CODES] */
+    hist *rpc_hist;              /* [nmethods] */
+    const policy_ops *const *policies;
+    size_t npolicies;
+    _Atomic uint64_t *appended; /* [npolicies] */
+    _Atomic uint64_t *evicted;  /* [npolicies * 2]: by policy, by operator */
+    hist *step_hist;            /* [npolicies] */
+    hist *mass_hist;            /* [npolicies] */
+    _Atomic uint64_t reclaimed[NREASONS];
+    struct MHD_Daemon *http;
+    struct store *store;
+    unsigned port;
+};
+
+static void hist_observe(hist *h, const double *bounds, size_t nb, double v)
+{
+    size_t b = 0;
+    while (b < nb && v > bounds[b])
+        b++;
+    atomic_fetch_add_explicit(&h->counts[b], 1, memory_order_relaxed);
+    if (v > 0)
+        atomic_fetch_add_explicit(&h->sum_e9, (uint64_t)llround(v * 1e9), memory_order_relaxed);
+}
+
+metrics *metrics_create(const rpc_method *methods, size_t nmethods)
+{
+    metrics *m = calloc(1, sizeof *m);
+    if (m == NULL)
+        return NULL;
+    m->methods = methods;
+    m->nmethods = nmethods;
+    m->policies = policy_list(&m->npolicies);
+    m->rpc_count = calloc(nmethods * RPC_CODES + 1, sizeof *m->rpc_count);
+    m->rpc_hist = calloc(nmethods + 1, sizeof *m->rpc_hist);
+    m->appended = calloc(m->npolicies + 1, sizeof *m->appended);
+    m->evicted = calloc(2 * m->npolicies + 1, sizeof *m->evicted);
+    m->step_hist = calloc(m->npolicies + 1, sizeof *m->step_hist);
+    m->mass_hist = calloc(m->npolicies + 1, sizeof *m->mass_hist);
+    if (!m->rpc_count || !m->rpc_hist || !m->appended || !m->evicted || !m->step_hist ||
+        !m->mass_hist) {
+        metrics_destroy(m);
+        return NULL;
+    }
+    return m;
+}
+
+void metrics_destroy(metrics *m)
+{
+    if (m == NULL)
+        return;
+    metrics_http_stop(m);
+    free(m->rpc_count);
+    free(m->rpc_hist);
+    free(m->appended);
+    free(m->evicted);
+    free(m->step_hist);
+    free(m->mass_hist);
+    free(m);
+}
+
+/* ---- hooks ---------------------------------------------------------------- */
+
+static long policy_index(const metrics *m, const policy_ops *p)
+{
+    for (size_t i = 0; i < m->npolicies; i++)
+        if (m->policies[i] == p)
+            return (long)i;
+    return -1;
+}
+
+void metrics_rpc(void *ctx, size_t method, int code, double seconds)
+{
+    metrics *m = ctx;
+    if (m == NULL || method >= m->nmethods)
+        return;
+    if (code < 0 || code >= RPC_CODES)
+        code = ST_UNKNOWN;
+    atomic_fetch_add_explicit(&m->rpc_count[method * RPC_CODES + (size_t)code], 1,
+                              memory_order_relaxed);
+    hist_observe(&m->rpc_hist[method], rpc_bounds, NBOUNDS(rpc_bounds), seconds);
+}
+
+void metrics_appended(metrics *m, const policy_ops *p, uint64_t tokens)
+{
+    long i = m != NULL ? policy_index(m, p) : -1;
+    if (i >= 0)
+        atomic_fetch_add_explicit(&m->appended[i], tokens, memory_order_relaxed);
+}
+
+void metrics_evicted(metrics *m, const policy_ops *p, int by_operator, uint64_t tokens)
+{
+    long i = m != NULL && tokens > 0 ? policy_index(m, p) : -1;
+    if (i >= 0)
+        atomic_fetch_add_explicit(&m->evicted[2 * (size_t)i + (by_operator != 0)], tokens,
+                                  memory_order_relaxed);
+}
+
+void metrics_step(metrics *m, const policy_ops *p, double seconds)
+{
+    long i = m != NULL ? policy_index(m, p) : -1;
+    if (i >= 0)
+        hist_observe(&m->step_hist[i], step_bounds, NBOUNDS(step_bounds), seconds);
+}
+
+void metrics_reclaimed(metrics *m, const char *reason)
+{
+    if (m == NULL)
+        return;
+    size_t i = 0;
+    while (i + 1 < NREASONS && strcmp(reclaim_reasons[i], reason) != 0)
+        i++;
+    atomic_fetch_add_explicit(&m->reclaimed[i], 1, memory_order_relaxed);
+}
+
+/* ---- attention mass dropped by an eviction ------------------------------------ */
+
+struct metrics_mass {
+    uint32_t nlists;
+    size_t *start;  /* [nlists + 1]: list i's tokens are start[i] .. start[i+1]-1 */
+    uint32_t *pos;  /* positions before the step */
+    double *weight; /* the step's attention on each of them */
+};
+
+/* Floats of one layer's statistics in a step (seq.c layer_stats, proto/kvstash_ring.h):
+ * score, then per query head last_attn and window_attn, then per KV head
+ * vnorm. With `mm`, adds the layer's attention to mm's weights. */
+static size_t layer_floats(seq *q, uint32_t l, unsigned arrays, const float *data, metrics_mass *mm)
+{
+    uint32_t qh = q->pool->geom.q_heads, kv = q->pool->geom.kv_heads, group = qh / kv;
+    size_t off = 0;
+    /* Which array is the attention: score, else last_attn, else window_attn. */
+    unsigned use = arrays & POLICY_NEEDS_SCORE       ? POLICY_NEEDS_SCORE
+                   : arrays & POLICY_NEEDS_LAST_ATTN ? POLICY_NEEDS_LAST_ATTN
+                                                     : POLICY_NEEDS_WINDOW_ATTN;
+    if (arrays & POLICY_NEEDS_SCORE) {
+        uint32_t n = seq_list_tokens(q, l, 0, NULL);
+        for (uint32_t i = 0; mm != NULL && i < n; i++)
+            mm->weight[mm->start[(size_t)l * q->heads] + i] += data[off + i];
+        off += n;
+    }
+    const unsigned kinds[3] = {POLICY_NEEDS_LAST_ATTN, POLICY_NEEDS_WINDOW_ATTN,
+                               POLICY_NEEDS_VNORM};
+    for (int k = 0; k < 3; k++) {
+        if (!(arrays & kinds[k]))
+            continue;
+        uint32_t rows = k < 2 ? qh : kv, per_list = k < 2 ? group : 1;
+        for (uint32_t h = 0; h < rows; h++) {
+            uint32_t list = q->heads == 1 ? 0 : h / per_list;
+            uint32_t n = seq_list_tokens(q, l, list, NULL);
+            size_t base = mm != NULL ? mm->start[(size_t)l * q->heads + list] : 0;
+            for (uint32_t i = 0; mm != NULL && kinds[k] == use && i < n; i++)
+                mm->weight[base + i] += data[off + i];
+            off += n;
+        }
+    }
+    return off;
+}
+
+metrics_mass *metrics_mass_begin(metrics *m, seq *q, const seq_step_input *in)
+{
+    unsigned attn = POLICY_NEEDS_SCORE | POLICY_NEEDS_LAST_ATTN | POLICY_NEEDS_WINDOW_ATTN;
+    if (m == NULL || in->data == NULL || !(in->arrays & attn))
+        return NULL;
+    if ((in->arrays & POLICY_NEEDS_SCORE) && q->heads != 1)
+        return NULL; /* seq_step refuses it */
+    size_t want = 0;
+    for (uint32_t l = 0; l < q->nlayers; l++)
+        want += layer_floats(q, l, in->arrays, NULL, NULL);
+    if (want != in->nfloats)
+        return NULL; /* seq_step refuses it too */
+    metrics_mass *mm = calloc(1, sizeof *mm);
+    if (mm == NULL)
+        return NULL;
+    mm->nlists = q->nlayers * q->heads;
+    mm->start = calloc(mm->nlists + 1, sizeof *mm->start);
+    if (mm->start == NULL)
+        goto fail;
+    for (uint32_t i = 0; i < mm->nlists; i++)
+        mm->start[i + 1] = mm->start[i] + seq_list_tokens(q, i / q->heads, i % q->heads, NULL);
+    size_t total = mm->start[mm->nlists];
+    mm->pos = malloc((total ? total : 1) * sizeof *mm->pos);
+    mm->weight = calloc(total ? total : 1, sizeof *mm->weight);
+    if (mm->pos == NULL || mm->weight == NULL)
+        goto fail;
+    for (uint32_t i = 0; i < mm->nlists; i++) {
+        const uint32_t *pos;
+        uint32_t n = seq_list_tokens(q, i / q->heads, i % q->heads, &pos);
+        memcpy(mm->pos + mm->start[i], pos, (size_t)n * sizeof *pos);
+    }
+    size_t off = 0;
+    for (uint32_t l = 0; l < q->nlayers; l++)
+        off += layer_floats(q, l, in->arrays, in->data + off, mm);
+    return mm;
+fail:
+    metrics_mass_end(NULL, mm, q, 0);
+    return NULL;
+}
+
+void metrics_mass_end(metrics *m, metrics_mass *mm, seq *q, int ok)
+{
+    if (mm == NULL)
+        return;
+    long pi = m != NULL && ok ? policy_index(m, q->policy) : -1;
+    for (uint32_t l = 0; pi >= 0 && l < q->nlayers; l++) {
+        double dropped = 0, total = 0;
+        int any = 0;
+        for (uint32_t k = 0; k < q->heads; k++) {
+            size_t li = (size_t)l * q->heads + k, b = mm->start[li], e = mm->start[li + 1];
+            const uint32_t *now;
+            uint32_t n = seq_list_tokens(q, l, k, &now), j = 0;
+            /* Both lists ascend and the new one is a subsequence of the old. */
+            for (size_t i = b; i < e; i++) {
+                double w = mm->weight[i];
+                total += w;
+                if (j < n && now[j] == mm->pos[i]) {
+                    j++;
+                } else {
+                    dropped += w;
+                    any = 1;
+                }
+            }
+        }
+        if (!any || !(total > 0))
+            continue;
+        double frac = dropped / total;
+        frac = frac < 0 ? 0 : frac > 1 ? 1 : frac;
+        hist_observe(&m->mass_hist[pi], mass_bounds, NBOUNDS(mass_bounds), frac);
+    }
+    free(mm->start);
+    free(mm->pos);
+    free(mm->weight);
+    free(mm);
+}
+
+/* ---- the exposition --------------------------------------------------------- */
+
+/* Gauges copied out of the store under its lock. */
+typedef struct pool_snap {
+    uint64_t id, bytes, block_bytes;
+    uint32_t total, nfree, retired;
+    char model[65];
+} pool_snap;
+
+typedef struct store_snap {
+    int serving;
+    uint64_t uptime_ms, events;
+    size_t npools, workers;
+    pool_snap *pools;
+    uint64_t *seqs;   /* [npolicies] */
+    uint64_t *tokens; /* [npolicies * 3]: fp16, int8, sketch */
+} store_snap;
+
+static void seq_tier_tokens(seq *q, uint64_t out[3])
+{
+    for (uint32_t l = 0; l < q->nlayers; l++) {
+        const policy_layer_view *v = policy_host_view(q->host, l);
+        for (uint32_t k = 0; k < v->heads; k++)
+            for (uint32_t i = 0; i < v->tokens[k]; i++) {
+                uint8_t t = v->tier[k][i];
+                out[t < 3 ? t : 0]++;
+            }
+    }
+}
+
+static int snapshot(metrics *m, store *st, store_snap *s)
+{
+    memset(s, 0, sizeof *s);
+    s->pools = calloc(st->cfg.max_pools + 1, sizeof *s->pools);
+    s->seqs = calloc(m->npolicies + 1, sizeof *s->seqs);
+    s->tokens = calloc(3 * m->npolicies + 1, sizeof *s->tokens);
+    if (s->pools == NULL || s->seqs == NULL || s->tokens == NULL)
+        return -1;
+    store_lock(st);
+    s->serving = st->serving;
+    s->uptime_ms = store_now_ms() - st->start_ms;
+    s->events = events_count(st->events);
+    for (session *se = st->sessions; se != NULL; se = se->next)
+        s->workers += se->attached != 0;
+    for (uint32_t i = 0; i < st->cfg.max_pools; i++) {
+        const pool *p = st->pools[i];
+        if (p == NULL)
+            continue;
+        pool_snap *ps = &s->pools[s->npools++];
+        ps->id = p->id;
+        ps->bytes = p->bytes;
+        ps->block_bytes = p->block_bytes;
+        ps->total = p->block_count;
+        ps->nfree = p->nfree;
+        snprintf(ps->model, sizeof ps->model, "%s", p->model);
+    }
+    for (size_t i = 0; i < st->nseqs; i++) {
+        seq *q = st->seqs[i];
+        for (size_t k = 0; k < s->npools; k++)
+            if (s->pools[k].id == q->pool->id)
+                s->pools[k].retired += (uint32_t)seq_retired_count(q);
+        long pi = policy_index(m, q->policy);
+        if (pi < 0)
+            continue;
+        s->seqs[pi]++;
+        seq_tier_tokens(q, &s->tokens[3 * (size_t)pi]);
+    }
+    store_unlock(st);
+    return 0;
+}
+
+static void snapshot_free(store_snap *s)
+{
+    free(s->pools);
+    free(s->seqs);
+    free(s->tokens);
+}
+
+static void head(FILE *f, const char *name, const char *type, const char *help)
+{
+    fprintf(f, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+}
+
+/* One histogram series: cumulative buckets, sum and count. `labels` is
+ * `key="v",...` without braces (may be ""). */
+static void hist_print(FILE *f, const char *name, const char *labels, const hist *h,
+                       const double *bounds, size_t nb)
+{
+    uint64_t cum = 0;
+    const char *sep = labels[0] ? "," : "";
+    for (size_t b = 0; b <= nb; b++) {
+        cum += atomic_load_explicit(&h->counts[b], memory_order_relaxed);
+        if (b < nb)
+            fprintf(f, "%s_bucket{%s%sle=\"%g\"} %llu\n", name, labels, sep, bounds[b],
+                    (unsigned long long)cum);
+        else
+            fprintf(f, "%s_bucket{%s%sle=\"+Inf\"} %llu\n", name, labels, sep,
+                    (unsigned long long)cum);
+    }
+    double sum = (double)atomic_load_explicit(&h->sum_e9, memory_order_relaxed) * 1e-9;
+    fprintf(f, "%s_sum{%s} %.9g\n%s_count{%s} %llu\n", name, labels, sum, name, labels,
+            (unsigned long long)cum);
+}
+
+static void print_store(FILE *f, const metrics *m, const store_snap *s)
+{
+    head(f, "kvstash_build_info", "gauge", "kvstashd version and memory backend.");
+    fprintf(f, "kvstash_build_info{version=\"%s\",backend=\"host\"} 1\n", KVSTASH_VERSION);
+    head(f, "kvstash_serving", "gauge", "1 while serving, 0 once shutdown began.");
+    fprintf(f, "kvstash_serving %d\n", s->serving);
+    head(f, "kvstash_uptime_seconds", "gauge", "Seconds since kvstashd started.");
+    fprintf(f, "kvstash_uptime_seconds %.3f\n", (double)s->uptime_ms / 1000);
+    head(f, "kvstash_events_published_total", "counter", "Events published on the nanomsg feed.");
+    fprintf(f, "kvstash_events_published_total %llu\n", (unsigned long long)s->events);
+    head(f, "kvstash_pools", "gauge", "Model pools (one per geometry) alive.");
+    fprintf(f, "kvstash_pools %zu\n", s->npools);
+    head(f, "kvstash_pool_capacity_bytes", "gauge", "Size of a pool's shared-memory arena.");
+    for (size_t i = 0; i < s->npools; i++)
+        fprintf(f, "kvstash_pool_capacity_bytes{pool=\"%llu\",model=\"%s\"} %llu\n",
+                (unsigned long long)s->pools[i].id, s->pools[i].model,
+                (unsigned long long)s->pools[i].bytes);
+    head(f, "kvstash_pool_block_bytes", "gauge", "Bytes per block of a pool.");
+    for (size_t i = 0; i < s->npools; i++)
+        fprintf(f, "kvstash_pool_block_bytes{pool=\"%llu\",model=\"%s\"} %llu\n",
+                (unsigned long long)s->pools[i].id, s->pools[i].model,
+                (unsigned long long)s->pools[i].block_bytes);
+    head(f, "kvstash_pool_blocks", "gauge",
+         "Blocks of a pool: free, used (in tables), retired (waiting for a worker's epoch ack).");
+    for (size_t i = 0; i < s->npools; i++) {
+        const pool_snap *p = &s->pools[i];
+        uint32_t used = p->total - p->nfree - p->retired;
+        const char *states[3] = {"free", "used", "retired"};
+        uint32_t v[3] = {p->nfree, used, p->retired};
+        for (int k = 0; k < 3; k++)
+            fprintf(f, "kvstash_pool_blocks{pool=\"%llu\",model=\"%s\",state=\"%s\"} %u\n",
+                    (unsigned long long)p->id, p->model, states[k], v[k]);
+    }
+    head(f, "kvstash_memory_bytes", "gauge",
+         "Pool memory holding K/V, by tier. Only fp16 (full precision, the pool's dtype) "
+         "exists: this kvstashd has no INT8 or sketch storage.");
+    for (size_t i = 0; i < s->npools; i++) {
+        const pool_snap *p = &s->pools[i];
+        fprintf(f, "kvstash_memory_bytes{pool=\"%llu\",model=\"%s\",tier=\"fp16\"} %llu\n",
+                (unsigned long long)p->id, p->model,
+                (unsigned long long)(p->total - p->nfree) * p->block_bytes);
+    }
+    head(f, "kvstash_workers", "gauge", "Attached worker sessions.");
+    fprintf(f, "kvstash_workers %zu\n", s->workers);
+    head(f, "kvstash_sequences", "gauge", "Live sequences, by policy.");
+    for (size_t i = 0; i < m->npolicies; i++)
+        fprintf(f, "kvstash_sequences{policy=\"%s\"} %llu\n", m->policies[i]->name,
+                (unsigned long long)s->seqs[i]);
+    head(f, "kvstash_tokens", "gauge",
+         "Held tokens summed over layers (and KV-head lists), by policy and by the tier the "
+         "policy assigned; int8 and sketch tokens are still stored at full precision.");
+    const char *tiers[3] = {"fp16", "int8", "sketch"};
+    for (size_t i = 0; i < m->npolicies; i++)
+        for (int t = 0; t < 3; t++)
+            fprintf(f, "kvstash_tokens{policy=\"%s\",tier=\"%s\"} %llu\n", m->policies[i]->name,
+                    tiers[t], (unsigned long long)s->tokens[3 * i + (size_t)t]);
+}
+
+static void print_counters(FILE *f, const metrics *m)
+{
+    char labels[160];
+    head(f, "kvstash_appended_tokens_total", "counter", "Tokens appended (per layer), by policy.");
+    for (size_t i = 0; i < m->npolicies; i++)
+        fprintf(f, "kvstash_appended_tokens_total{policy=\"%s\"} %llu\n", m->policies[i]->name,
+                (unsigned long long)atomic_load(&m->appended[i]));
+    head(f, "kvstash_evicted_tokens_total", "counter",
+         "Tokens evicted (summed over lists), by policy and by whom: the policy or an operator.");
+    for (size_t i = 0; i < m->npolicies; i++)
+        for (int by = 0; by < 2; by++)
+            fprintf(f, "kvstash_evicted_tokens_total{policy=\"%s\",by=\"%s\"} %llu\n",
+                    m->policies[i]->name, by ? "operator" : "policy",
+                    (unsigned long long)atomic_load(&m->evicted[2 * i + (size_t)by]));
+    head(f, "kvstash_step_duration_seconds", "histogram",
+         "Time kvstashd takes to serve one worker step from the per-step ring (checks, policy, "
+         "table change), by policy; the doorbell wake-up is not included.");
+    for (size_t i = 0; i < m->npolicies; i++) {
+        snprintf(labels, sizeof labels, "policy=\"%s\"", m->policies[i]->name);
+        hist_print(f, "kvstash_step_duration_seconds", labels, &m->step_hist[i], step_bounds,
+                   NBOUNDS(step_bounds));
+    }
+    head(f, "kvstash_eviction_attention_dropped_ratio", "histogram",
+         "Per layer and step that evicted tokens: the fraction of the attention the worker "
+         "reported in that step (score, else last_attn, else window_attn) that was on the "
+         "evicted tokens. Only steps that carry attention are measured.");
+    for (size_t i = 0; i < m->npolicies; i++) {
+        snprintf(labels, sizeof labels, "policy=\"%s\"", m->policies[i]->name);
+        hist_print(f, "kvstash_eviction_attention_dropped_ratio", labels, &m->mass_hist[i],
+                   mass_bounds, NBOUNDS(mass_bounds));
+    }
+    head(f, "kvstash_workers_reclaimed_total", "counter",
+         "Worker sessions ended, by reason (detach, lease-ended, fd-closed, shutdown).");
+    for (size_t i = 0; i < NREASONS; i++)
+        fprintf(f, "kvstash_workers_reclaimed_total{reason=\"%s\"} %llu\n", reclaim_reasons[i],
+                (unsigned long long)atomic_load(&m->reclaimed[i]));
+}
+
+/* "/kvstash.v1.Store/Attach" -> service "kvstash.v1.Store", method "Attach". */
+static void split_path(const char *path, char *service, size_t slen, const char **method)
+{
+    const char *slash = strrchr(path, '/');
+    const char *start = path[0] == '/' ? path + 1 : path;
+    size_t n = slash != NULL && slash > start ? (size_t)(slash - start) : 0;
+    snprintf(service, slen, "%.*s", (int)n, start);
+    *method = slash != NULL ? slash + 1 : path;
+}
+
+static void print_rpc(FILE *f, const metrics *m)
+{
+    char service[96], labels[192];
+    const char *method;
+    head(f, "kvstash_rpc_requests_total", "counter",
+         "gRPC calls finished, by service, method and status code.");
+    for (size_t i = 0; i < m->nmethods; i++) {
+        split_path(m->methods[i].path, service, sizeof service, &method);
+        for (int c = 0; c < RPC_CODES; c++) {
+            uint64_t n = atomic_load(&m->rpc_count[i * RPC_CODES + (size_t)c]);
+            if (n == 0 && c != 0)
+                continue;
+            fprintf(f,
+                    "kvstash_rpc_requests_total{service=\"%s\",method=\"%s\",code=\"%s\"} "
+                    "%llu\n",
+                    service, method, status_name((status_code)c), (unsigned long long)n);
+        }
+    }
+    head(f, "kvstash_rpc_duration_seconds", "histogram",
+         "Time from a gRPC call's arrival to its reply being queued, by service and method.");
+    for (size_t i = 0; i < m->nmethods; i++) {
+        split_path(m->methods[i].path, service, sizeof service, &method);
+        snprintf(labels, sizeof labels, "service=\"%s\",method=\"%s\"", service, method);
+        hist_print(f, "kvstash_rpc_duration_seconds", labels, &m->rpc_hist[i], rpc_bounds,
+                   NBOUNDS(rpc_bounds));
+    }
+}
+
+char *metrics_render(metrics *m, store *st, size_t *len)
+{
+    store_snap s;
+    char *buf = NULL;
+    size_t n = 0;
+    if (snapshot(m, st, &s) != 0) {
+        snapshot_free(&s);
+        return NULL;
+    }
+    FILE *f = open_memstream(&buf, &n);
+    if (f != NULL) {
+        print_store(f, m, &s);
+        print_counters(f, m);
+        print_rpc(f, m);
+        if (fclose(f) != 0) {
+            free(buf);
+            buf = NULL;
+        }
+    }
+    snapshot_free(&s);
+    if (len != NULL)
+        *len = buf != NULL ? n : 0;
+    return buf;
+}
+
+/* ---- HTTP ------------------------------------------------------------------- */
+
+static enum MHD_Result reply(struct MHD_Connection *c, unsigned code, char *body, size_t len,
+                             enum MHD_ResponseMemoryMode mode, const char *type)
+{
+    struct MHD_Response *r = MHD_create_response_from_buffer(len, body, mode);
+    if (r == NULL) {
+        if (mode == MHD_RESPMEM_MUST_FREE)
+            free(body);
+        return MHD_NO;
+    }
+    MHD_add_response_header(r, "Content-Type", type);
+    enum MHD_Result ok = MHD_queue_response(c, code, r);
+    MHD_destroy_response(r);
+    return ok;
+}
+
+static enum MHD_Result reply_text(struct MHD_Connection *c, unsigned code, const char *text)
+{
+    return reply(c, code, (char *)text, strlen(text), MHD_RESPMEM_PERSISTENT,
+                 "text/plain; charset=utf-8");
+}
+
+static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *url,
+                              const char *method, const char *version, const char *upload,
+                              size_t *upload_size, void **con_cls)
+{
+    (void)version;
+    (void)upload;
+    (void)con_cls;
+    metrics *m = cls;
+    if (*upload_size != 0)
+        return reply_text(c, 413, "no request body expected\n");
+    if (strcmp(method, "GET") != 0 && strcmp(method, "HEAD") != 0)
+        return reply_text(c, 405, "only GET\n");
+    if (strcmp(url, "/metrics") == 0) {
+        size_t len;
+        char *text = metrics_render(m, m->store, &len);
+        if (text == NULL)
+            return reply_text(c, 500, "out of memory\n");
+        return reply(c, 200, text, len, MHD_RESPMEM_MUST_FREE,
+                     "text/plain; version=0.0.4; charset=utf-8");
+    }
+    if (strcmp(url, "/healthz") == 0)
+        return store_serving(m->store) ? reply_text(c, 200, "serving\n")
+                                       : reply_text(c, 503, "shutting down\n");
+    return reply_text(c, 404, "kvstashd serves /metrics and /healthz\n");
+}
+
+int metrics_parse_addr(const char *addr, void *storage, unsigned *len)
+{
+    const char *colon = strrchr(addr, ':');
+    if (colon == NULL || colon == addr || colon[1] == '\0')
+        return -1;
+    char *end;
+    unsigned long port = strtoul(colon + 1, &end, 10);
+    if (*end != '\0' || port > 65535 || colon[1] == '-' || colon[1] == '+')
+        return -1;
+    char host[64];
+    size_t hl = (size_t)(colon - addr);
+    if (hl >= sizeof host)
+        return -1;
+    memcpy(host, addr, hl);
+    host[hl] = '\0';
+    memset(storage, 0, sizeof(struct sockaddr_storage));
+    if (host[0] == '[') {
+        if (hl < 3 || host[hl - 1] != ']')
+            return -1;
+        host[hl - 1] = '\0';
+        struct sockaddr_in6 *a = storage;
+        a->sin6_family = AF_INET6;
+        a->sin6_port = htons((uint16_t)port);
+        if (inet_pton(AF_INET6, host + 1, &a->sin6_addr) != 1)
+            return -1;
+        *len = sizeof *a;
+        return IN6_IS_ADDR_LOOPBACK(&a->sin6_addr) ? 1 : 0;
+    }
+    struct sockaddr_in *a = storage;
+    a->sin_family = AF_INET;
+    a->sin_port = htons((uint16_t)port);
+    if (strcmp(host, "localhost") == 0)
+        snprintf(host, sizeof host, "127.0.0.1");
+    if (inet_pton(AF_INET, host, &a->sin_addr) != 1)
+        return -1;
+    *len = sizeof *a;
+    return (ntohl(a->sin_addr.s_addr) >> 24) == 127 ? 1 : 0;
+}
+
+status_code metrics_http_start(metrics *m, store *st, const char *addr, int allow_remote, status *s)
+{
+    struct sockaddr_storage sa;
+    unsigned salen;
+    int lo = metrics_parse_addr(addr, &sa, &salen);
+    if (lo < 0)
+        return status_set(s, ST_INVALID_ARGUMENT,
+                          "--metrics wants HOST:PORT (e.g. 127.0.0.1:9464 or [::1]:9464), got "
+                          "'%.64s'",
+                          addr);
+    if (lo == 0 && !allow_remote)
+        return status_set(s, ST_INVALID_ARGUMENT,
+                          "--metrics %.64s is not a loopback address; the endpoint has no "
+                          "authentication, so kvstashd serves it beyond loopback only with "
+                          "--metrics-allow-remote",
+                          addr);
+    m->store = st;
+    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD;
+    if (sa.ss_family == AF_INET6)
+        flags |= MHD_USE_IPv6;
+    m->http = MHD_start_daemon(flags, 0, NULL, NULL, handle, m, MHD_OPTION_SOCK_ADDR,
+                               (struct sockaddr *)&sa, MHD_OPTION_CONNECTION_LIMIT, 64u,
+                               MHD_OPTION_CONNECTION_TIMEOUT, 10u, MHD_OPTION_END);
+    if (m->http == NULL)
+        return status_set(s, ST_UNAVAILABLE, "cannot serve metrics on %.64s (port in use?)", addr);
+    const union MHD_DaemonInfo *info = MHD_get_daemon_info(m->http, MHD_DAEMON_INFO_BIND_PORT);
+    m->port = info != NULL ? info->port : 0;
+    return ST_OK;
+}
+
+unsigned metrics_http_port(const metrics *m)
+{
+    return m != NULL ? m->port : 0;
+}
+
+void metrics_http_stop(metrics *m)
+{
+    if (m == NULL || m->http == NULL)
+        return;
+    MHD_stop_daemon(m->http);
+    m->http = NULL;
+    m->port = 0;
+}

@@ -1,0 +1,99 @@
+/*
+ * metrics.h - Prometheus metrics of kvstashd, and the HTTP endpoint that
+ * serves them (libmicrohttpd, `kvstashd --metrics 127.0.0.1:PORT`).
+ *
+ * Two kinds of numbers:
+ *   - counters and histograms that the daemon bumps as it works (RPCs,
+ *     appended and evicted tokens, policy steps, the attention mass that
+ *     evictions dropped, reclaimed workers): lock-free atomics, so the hooks
+ *     cost a few nanoseconds on the CQ and ring threads;
+ *   - gauges read from the store when /metrics is scraped (pools, blocks,
+ *     memory, workers, sequences, tokens per tier), under the store's lock.
+ * Every metric is listed in README.md, "Operating kvstash".
+ *
+ * Every hook accepts m == NULL and then does nothing: the store runs without
+ * metrics in the unit tests and when --metrics is not given.
+ */
+#ifndef KVSTASH_METRICS_H
+#define KVSTASH_METRICS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "policy.h"
+#include "rpc.h"
+#include "seq.h"
+#include "status.h"
+
+struct store;
+
+typedef struct metrics metrics;
+
+/* Counters for the gRPC methods of `methods` (the table must outlive m) and
+ * every registered policy. NULL when out of memory. Free with
+ * metrics_destroy (after metrics_http_stop and after the hooks' callers
+ * stopped). */
+metrics *metrics_create(const rpc_method *methods, size_t nmethods);
+void metrics_destroy(metrics *m);
+
+/* rpc_observe_fn for rpc_config: one finished call of method index `method`
+ * with its status code and the handler's duration. */
+void metrics_rpc(void *m, size_t method, int code, double seconds);
+
+/* Tokens appended to a sequence of policy p (per layer, as AppendRequest.count). */
+void metrics_appended(metrics *m, const policy_ops *p, uint64_t tokens);
+
+/* Tokens evicted from a sequence of policy p, summed over its lists; by the
+ * policy's own decision or by an operator (EvictRequest). */
+void metrics_evicted(metrics *m, const policy_ops *p, int by_operator, uint64_t tokens);
+
+/* One worker step (ring STEP) of a sequence of policy p, served in `seconds`
+ * (store_step: the lock wait, the checks, the policy and the table change). */
+void metrics_step(metrics *m, const policy_ops *p, double seconds);
+
+/* A session was reclaimed; reason as in the worker.reclaimed event. */
+void metrics_reclaimed(metrics *m, const char *reason);
+
+/*
+ * The attention mass an eviction dropped. Before seq_step, metrics_mass_begin
+ * copies the positions of every list of q and the step's attention (score,
+ * else last_attn summed over the query heads of each list, else window_attn)
+ * when the step carries one; NULL when there is nothing to measure (no
+ * metrics, no attention in the step, or sizes that do not match the lists:
+ * seq_step refuses those). After seq_step, metrics_mass_end observes, for
+ * every layer that lost tokens, the fraction of that layer's reported
+ * attention that sat on the evicted tokens (ok = the step succeeded), and
+ * frees the snapshot. Must run under the store's lock, like seq_step.
+ */
+typedef struct metrics_mass metrics_mass;
+metrics_mass *metrics_mass_begin(metrics *m, seq *q, const seq_step_input *in);
+void metrics_mass_end(metrics *m, metrics_mass *mm, seq *q, int ok);
+
+/*
+ * The exposition text (Prometheus text format 0.0.4) of everything above
+ * plus the store's gauges, read under its lock. Returns a malloc'd string
+ * (caller frees) and its length, or NULL when out of memory.
+ */
+char *metrics_render(metrics *m, struct store *st, size_t *len);
+
+/*
+ * Serve GET /metrics (and GET /healthz: 200 "serving" or 503 "shutting
+ * down") on `addr`, "HOST:PORT" with HOST an IPv4 address, "[IPv6]" or
+ * "localhost"; PORT 0 picks a free port (metrics_http_port tells which).
+ * A HOST that is not loopback is refused (INVALID_ARGUMENT) unless
+ * allow_remote: the endpoint has no authentication and no TLS.
+ */
+status_code metrics_http_start(metrics *m, struct store *st, const char *addr, int allow_remote,
+                               status *s);
+
+/* The port the endpoint listens on (0 when not started). */
+unsigned metrics_http_port(const metrics *m);
+
+/* Stop serving (waits for a scrape in progress). No-op when not started. */
+void metrics_http_stop(metrics *m);
+
+/* Whether "HOST:PORT" names a loopback host; fills the socket address.
+ * Returns 1 loopback, 0 not loopback, -1 not an address we understand. */
+int metrics_parse_addr(const char *addr, void *sockaddr_storage, unsigned *len);
+
+#endif

@@ -1,0 +1,292 @@
+/* operator.c - see operator.h. */
+#include "operator.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "log.h"
+#include "metrics.h"
+
+int operator_can_evict(const policy_ops *p)
+{
+    return p->needs == 0;
+}
+
+/* ---- the block table side (the same rules as seq.c's eviction) ------------- */
+
+static int grow(void **arr, size_t *cap, size_t need, size_t elt)
+{
+    if (need <= *cap)
+        return 0;
+    size_t ncap = *cap ? *cap : 8;
+    while (ncap < need)
+        ncap *= 2;
+    void *n = realloc(*arr, ncap * elt);
+    if (n == NULL)
+        return -1;
+    *arr = n;
+    *cap = ncap;
+    return 0;
+}
+
+static int retire(seq *q, uint32_t block, uint64_t epoch)
+{
+    if (grow((void **)&q->retired, &q->retired_cap, q->nretired + 1, sizeof *q->retired) != 0)
+        return -1;
+    q->retired[q->nretired++] = (seq_retired){block, epoch};
+    return 0;
+}
+
+/*
+ * Drop the tokens whose tier is POLICY_EVICT from a list's segments without
+ * moving data, and retire the blocks left with no token (a worker may still
+ * read them through its older table). This mirrors seq.c's list_evict, which
+ * is private to seq.c; the two must keep the same rules: segments stay in
+ * token order, a block's segments stay adjacent, and a tail block that lost
+ * every token is no longer the tail (its never-written slots are not reused).
+ */
+static int list_drop(seq *q, seq_list *ly, const uint8_t *tier, uint32_t n, uint64_t epoch)
+{
+    size_t runs = 0;
+    for (uint32_t t = 0; t < n; t++)
+        runs += tier[t] != POLICY_EVICT && (t == 0 || tier[t - 1] == POLICY_EVICT);
+    if (grow((void **)&ly->segs, &ly->segs_cap, runs + ly->nsegs, sizeof *ly->segs) != 0)
+        return -1;
+    size_t nsegs = ly->nsegs;
+    kv_segment *old = malloc((nsegs ? nsegs : 1) * sizeof *old);
+    if (old == NULL)
+        return -1;
+    memcpy(old, ly->segs, nsegs * sizeof *old);
+    size_t out = 0, t = 0;
+    int block_has_kept = 0, rc = 0;
+    for (size_t i = 0; i < nsegs && rc == 0; i++) {
+        const kv_segment *sg = &old[i];
+        int run_open = 0;
+        for (uint32_t j = 0; j < sg->count; j++, t++) {
+            if (tier[t] == POLICY_EVICT) {
+                run_open = 0;
+                continue;
+            }
+            block_has_kept = 1;
+            if (run_open)
+                ly->segs[out - 1].count++;
+            else
+                ly->segs[out++] = (kv_segment){sg->block, sg->first_slot + j, 1};
+            run_open = 1;
+        }
+        if (i + 1 < nsegs && old[i + 1].block == sg->block)
+            continue;
+        if (!block_has_kept) {
+            rc = retire(q, sg->block, epoch);
+            if (ly->has_tail && ly->tail_block == sg->block)
+                ly->has_tail = 0;
+        }
+        block_has_kept = 0;
+    }
+    ly->nsegs = out;
+    free(old);
+    return rc;
+}
+
+/* ---- requests ------------------------------------------------------------------ */
+
+static int range_cmp(const void *a, const void *b)
+{
+    const operator_range *x = a, *y = b;
+    return x->first < y->first ? -1 : x->first > y->first;
+}
+
+/* Sort and merge overlapping or adjacent ranges in place; returns the count. */
+static size_t ranges_normalise(operator_range *r, size_t n)
+{
+    qsort(r, n, sizeof *r, range_cmp);
+    size_t out = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t end = (uint64_t)r[i].first + r[i].count;
+        if (out > 0 && r[i].first <= (uint64_t)r[out - 1].first + r[out - 1].count) {
+            uint64_t prev = (uint64_t)r[out - 1].first + r[out - 1].count;
+            if (end > prev)
+                r[out - 1].count = (uint32_t)(end - r[out - 1].first);
+        } else {
+            r[out++] = r[i];
+        }
+    }
+    return out;
+}
+
+static status_code check_request(const operator_range *ranges, size_t nranges,
+                                 const uint32_t *layers, size_t nlayers, const seq *q, status *s)
+{
+    if (nranges == 0)
+        return status_set(s, ST_INVALID_ARGUMENT, "no positions to evict: give at least one range");
+    if (nranges > OPERATOR_MAX_RANGES)
+        return status_set(s, ST_INVALID_ARGUMENT, "at most %d position ranges, got %zu",
+                          OPERATOR_MAX_RANGES, nranges);
+    for (size_t i = 0; i < nranges; i++) {
+        uint64_t end = (uint64_t)ranges[i].first + ranges[i].count;
+        if (ranges[i].count == 0)
+            return status_set(s, ST_INVALID_ARGUMENT, "range %zu (first %u) is empty", i,
+                              ranges[i].first);
+        if (end > q->appended)
+            return status_set(s, ST_INVALID_ARGUMENT,
+                              "positions %u..%llu are beyond sequence %llu's %llu appended "
+                              "positions",
+                              ranges[i].first, (unsigned long long)end - 1,
+                              (unsigned long long)q->id, (unsigned long long)q->appended);
+    }
+    for (size_t i = 0; i < nlayers; i++)
+        if (layers[i] >= q->nlayers)
+            return status_set(s, ST_INVALID_ARGUMENT,
+                              "layer %u is out of range: sequence %llu "
+                              "has %u layers",
+                              layers[i], (unsigned long long)q->id, q->nlayers);
+    return ST_OK;
+}
+
+static status_code check_caller(store *st, const char *token, session **out, status *s)
+{
+    *out = store_find_session_locked(st, token);
+    if (*out != NULL)
+        return ST_OK;
+    return status_set(s, ST_UNAUTHENTICATED,
+                      token == NULL || token[0] == '\0'
+                          ? "Evict needs the kvstash-token metadata from the fd-socket "
+                            "handshake (docs/protocol.md)"
+                          : "unknown session token (the session ended, or the token is wrong)");
+}
+
+/* The fd socket admits only root and the daemon's uid today; this check
+ * keeps evict safe if it ever admits more (a worker may evict its own). */
+static status_code check_permission(store *st, const session *caller, const seq *q, status *s)
+{
+    session *owner = store_find_session_id_locked(st, q->session_id);
+    if (caller->uid != 0 && caller->uid != geteuid() &&
+        (owner == NULL || owner->uid != caller->uid))
+        return status_set(s, ST_PERMISSION_DENIED,
+                          "uid %u may not evict from sequence %llu (root, the daemon's uid and "
+                          "the owning worker's uid may)",
+                          (unsigned)caller->uid, (unsigned long long)q->id);
+    return ST_OK;
+}
+
+/* Positions of the normalised ranges that [pos] hits, walking both in order. */
+static int in_ranges(const operator_range *r, size_t n, size_t *cursor, uint32_t pos)
+{
+    while (*cursor < n && (uint64_t)r[*cursor].first + r[*cursor].count <= pos)
+        (*cursor)++;
+    return *cursor < n && r[*cursor].first <= pos;
+}
+
+/* One layer: the policy's step, the requested positions on top, the block
+ * table, then the host's commit. */
+static status_code evict_layer(seq *q, uint32_t l, const operator_range *r, size_t nr,
+                               uint64_t span, uint64_t epoch, operator_evict_result *out, status *s)
+{
+    policy_stats stats = {.new_tokens = q->unstepped, .confidence = -1.0};
+    const policy_decision *d;
+    char err[POLICY_ERR_LEN] = "";
+    if (policy_host_step(q->host, l, &stats, &d, err, sizeof err) != 0)
+        return status_set(s, ST_INTERNAL, "policy %s failed: %s", q->policy->name, err);
+    /* Not for the policies operator_can_evict admits; refused rather than
+     * half-applied. Nothing is committed: the host drops an uncommitted
+     * decision at the layer's next step (host.h). */
+    if (d->nmerges != 0 || d->rerotate_keys)
+        return status_set(s, ST_INTERNAL, "policy %s asked for %s, which an operator eviction "
+                          "does not apply", q->policy->name,
+                          d->nmerges != 0 ? "value merges" : "key re-rotation");
+    status_code rc = ST_OK;
+    for (uint32_t k = 0; k < q->heads && rc == ST_OK; k++) {
+        const uint32_t *pos;
+        uint32_t n = seq_list_tokens(q, l, k, &pos), hit = 0;
+        uint8_t *tier = d->tier[k];
+        size_t cur = 0;
+        int any = 0;
+        for (uint32_t i = 0; i < n; i++) {
+            if (in_ranges(r, nr, &cur, pos[i])) {
+                tier[i] = POLICY_EVICT;
+                hit++;
+            } else if (tier[i] == POLICY_EVICT) {
+                out->by_policy++;
+            }
+            any |= tier[i] == POLICY_EVICT;
+        }
+        out->requested += hit;
+        out->not_held += (uint32_t)(span - hit);
+        if (any && list_drop(q, &q->lists[(size_t)l * q->heads + k], tier, n, epoch) != 0)
+            rc = status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    /* Commit even after a failure: the table already matches the decision
+     * for the lists done so far, and the host must match the table. */
+    out->evicted += (uint32_t)policy_host_commit(q->host, l);
+    return rc;
+}
+
+status_code operator_evict(store *st, const char *token, uint64_t seq_id,
+                           const operator_range *ranges, size_t nranges, const uint32_t *layers,
+                           size_t nlayers, operator_evict_result *out, status *s)
+{
+    memset(out, 0, sizeof *out);
+    if (nranges > OPERATOR_MAX_RANGES)
+        return status_set(s, ST_INVALID_ARGUMENT, "at most %d position ranges, got %zu",
+                          OPERATOR_MAX_RANGES, nranges);
+    operator_range *r = malloc((nranges ? nranges : 1) * sizeof *r);
+    if (r == NULL)
+        return status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
+    memcpy(r, ranges, nranges * sizeof *r);
+    uint8_t *chosen = NULL;
+    store_lock(st);
+    seq *q = NULL;
+    session *caller = NULL;
+    status_code rc = ST_OK;
+    if (!st->serving)
+        rc = status_set(s, ST_UNAVAILABLE, "kvstashd is shutting down");
+    else
+        rc = check_caller(st, token, &caller, s);
+    if (rc == ST_OK && (q = store_find_seq_locked(st, seq_id)) == NULL)
+        rc = status_set(s, ST_NOT_FOUND, "no sequence %llu", (unsigned long long)seq_id);
+    if (rc == ST_OK)
+        rc = check_permission(st, caller, q, s);
+    if (rc == ST_OK && !operator_can_evict(q->policy))
+        rc = status_set(s, ST_FAILED_PRECONDITION,
+                        "sequence %llu runs policy %s, which keeps per-token state that an "
+                        "operator eviction would desynchronise; evict works on policies full "
+                        "and streaming",
+                        (unsigned long long)seq_id, q->policy->name);
+    if (rc == ST_OK)
+        rc = check_request(r, nranges, layers, nlayers, q, s);
+    if (rc == ST_OK && (chosen = calloc(q->nlayers, 1)) == NULL)
+        rc = status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
+    if (rc == ST_OK) {
+        size_t nr = ranges_normalise(r, nranges);
+        uint64_t span = 0;
+        for (size_t i = 0; i < nr; i++)
+            span += r[i].count;
+        for (uint32_t l = 0; l < q->nlayers; l++)
+            chosen[l] = nlayers == 0;
+        for (size_t i = 0; i < nlayers; i++)
+            chosen[layers[i]] = 1;
+        uint64_t epoch = q->epoch + 1;
+        for (uint32_t l = 0; l < q->nlayers && rc == ST_OK; l++)
+            if (chosen[l])
+                rc = evict_layer(q, l, r, nr, span, epoch, out, s);
+        if (out->evicted > 0)
+            q->epoch = epoch;
+        out->epoch = q->epoch;
+        metrics_evicted(st->metrics, q->policy, 1, out->requested);
+        metrics_evicted(st->metrics, q->policy, 0, out->by_policy);
+        if (out->evicted > 0)
+            events_publish(st->events, "table.changed",
+                           json_pack("{sI sI sI ss}", "seq", (json_int_t)q->id, "epoch",
+                                     (json_int_t)q->epoch, "evicted", (json_int_t)out->evicted,
+                                     "by", "operator"));
+        log_info("operator_evict",
+                 "seq=%llu policy=%s evicted=%u requested=%u by_policy=%u not_held=%u epoch=%llu",
+                 (unsigned long long)seq_id, q->policy->name, out->evicted, out->requested,
+                 out->by_policy, out->not_held, (unsigned long long)q->epoch);
+    }
+    store_unlock(st);
+    free(chosen);
+    free(r);
+    return rc;
+}

@@ -1,0 +1,105 @@
+/* ListPolicies and Evict: the policy registry and the operator's manual
+ * eviction (operator.h), for the `kvstash` CLI. */
+#include <stdlib.h>
+
+#include "kvstash/v1/store.pb-c.h"
+#include "operator.h"
+#include "pbgrpc.h"
+#include "service.h"
+
+static const struct {
+    unsigned bit;
+    const char *name;
+} needs_names[] = {
+    {POLICY_NEEDS_SCORE, "score"},
+    {POLICY_NEEDS_LAST_ATTN, "last_attn"},
+    {POLICY_NEEDS_WINDOW_ATTN, "window_attn"},
+    {POLICY_NEEDS_VNORM, "vnorm"},
+    {POLICY_NEEDS_CONFIDENCE, "confidence"},
+};
+#define NNEEDS (sizeof needs_names / sizeof needs_names[0])
+
+status_code service_list_policies(void *app, const char *token, const ProtobufCMessage *m,
+                                  grpc_byte_buffer **resp, status *st)
+{
+    (void)app;
+    (void)token;
+    (void)m;
+    size_t n, nparams = 0;
+    const policy_ops *const *pol = policy_list(&n);
+    for (size_t i = 0; i < n; i++)
+        nparams += pol[i]->nparams;
+    Kvstash__V1__PolicyInfo *info = calloc(n + 1, sizeof *info);
+    Kvstash__V1__PolicyInfo **info_ptrs = calloc(n + 1, sizeof *info_ptrs);
+    Kvstash__V1__PolicyParamSpec *specs = calloc(nparams + 1, sizeof *specs);
+    Kvstash__V1__PolicyParamSpec **spec_ptrs = calloc(nparams + 1, sizeof *spec_ptrs);
+    const char **needs = calloc(n * NNEEDS + 1, sizeof *needs);
+    status_code rc = ST_OK;
+    if (!info || !info_ptrs || !specs || !spec_ptrs || !needs) {
+        rc = status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
+        goto out;
+    }
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++) {
+        const policy_ops *p = pol[i];
+        Kvstash__V1__PolicyInfo *pi = &info[i];
+        kvstash__v1__policy_info__init(pi);
+        pi->name = (char *)p->name;
+        pi->summary = (char *)(p->summary ? p->summary : "");
+        pi->per_head = p->per_head != 0;
+        pi->operator_evict = operator_can_evict(p);
+        pi->params = &spec_ptrs[k];
+        for (size_t j = 0; j < p->nparams; j++, k++) {
+            kvstash__v1__policy_param_spec__init(&specs[k]);
+            specs[k].key = (char *)p->params[j].key;
+            specs[k].default_value = (char *)(p->params[j].def ? p->params[j].def : "");
+            specs[k].help = (char *)(p->params[j].help ? p->params[j].help : "");
+            spec_ptrs[k] = &specs[k];
+        }
+        pi->n_params = p->nparams;
+        pi->needs = (char **)&needs[i * NNEEDS];
+        for (size_t b = 0; b < NNEEDS; b++)
+            if (p->needs & needs_names[b].bit)
+                needs[i * NNEEDS + pi->n_needs++] = needs_names[b].name;
+        info_ptrs[i] = pi;
+    }
+    Kvstash__V1__ListPoliciesResponse out = KVSTASH__V1__LIST_POLICIES_RESPONSE__INIT;
+    out.policies = info_ptrs;
+    out.n_policies = n;
+    *resp = pbgrpc_pack(&out.base);
+out:
+    free(info);
+    free(info_ptrs);
+    free(specs);
+    free(spec_ptrs);
+    free(needs);
+    return rc;
+}
+
+status_code service_evict(void *app, const char *token, const ProtobufCMessage *m,
+                          grpc_byte_buffer **resp, status *st)
+{
+    const Kvstash__V1__EvictRequest *req = (const void *)m;
+    if (req->n_ranges > OPERATOR_MAX_RANGES)
+        return status_set(st, ST_INVALID_ARGUMENT, "at most %d position ranges, got %zu",
+                          OPERATOR_MAX_RANGES, req->n_ranges);
+    operator_range *r = malloc((req->n_ranges ? req->n_ranges : 1) * sizeof *r);
+    if (r == NULL)
+        return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
+    for (size_t i = 0; i < req->n_ranges; i++)
+        r[i] = (operator_range){req->ranges[i]->first, req->ranges[i]->count};
+    operator_evict_result res;
+    status_code rc = operator_evict(app, token, req->seq_id, r, req->n_ranges, req->layers,
+                                    req->n_layers, &res, st);
+    free(r);
+    if (rc != ST_OK)
+        return rc;
+    Kvstash__V1__EvictResponse out = KVSTASH__V1__EVICT_RESPONSE__INIT;
+    out.epoch = res.epoch;
+    out.evicted = res.evicted;
+    out.requested = res.requested;
+    out.by_policy = res.by_policy;
+    out.not_held = res.not_held;
+    *resp = pbgrpc_pack(&out.base);
+    return ST_OK;
+}

@@ -1,0 +1,126 @@
+/*
+ * rope.c - fast CPU RoPE re-rotation (kernels.h "RoPE re-rotation").
+ *
+ * The coefficients depend only on the delta, which is usually shared by a
+ * whole block of tokens (OpenVINO rotates per block, §2.8): they are computed
+ * once per run of equal deltas, with the same double-precision formula as
+ * rope_ref.c, and the rotation itself is the same fp32 arithmetic applied
+ * across a row, so the result equals the reference exactly. Rows are
+ * converted in chunks of KV_CHUNK channels; the coefficient table covers
+ * RCHUNK pairs (every head_dim up to 2 * RCHUNK in one piece). Splits over
+ * tokens (parallel.h).
+ */
+#include <assert.h>
+#include <math.h>
+
+#include "../elt.h"
+#include "kernels.h"
+#include "parallel.h"
+#include "tokens.h"
+
+#define RCHUNK 512u /* pairs per coefficient table */
+
+typedef struct rope_job {
+    const kv_layout *l;
+    kv_dtype t;
+    uint8_t *pool;
+    const kv_segment *segs;
+    size_t nsegs;
+    const int32_t *delta;
+    double theta;
+    kv_rope_pairing pairing;
+} rope_job;
+
+/* cos/sin of pairs [p0, p0 + np) for a delta, as rope_ref.c. */
+static void coefficients(const rope_job *j, int32_t delta, uint32_t p0, uint32_t np, float *c,
+                         float *s)
+{
+    double d = (double)j->l->head_dim;
+    for (uint32_t p = 0; p < np; p++) {
+        double inv_freq = pow(j->theta, -(double)(2 * (p0 + p)) / d);
+        double angle = (double)delta * inv_freq;
+        c[p] = (float)cos(angle);
+        s[p] = (float)sin(angle);
+    }
+}
+
+/* Rotate-half: x in [p0, p0+np), y in [half+p0, ...), in KV_CHUNK/2 pieces. */
+static void rotate_half(const rope_job *j, uint8_t *row, uint32_t p0, uint32_t np, const float *c,
+                        const float *s)
+{
+    size_t e = j->l->elt_size, half = j->l->head_dim / 2;
+    float x[KV_CHUNK / 2], y[KV_CHUNK / 2], xo[KV_CHUNK / 2], yo[KV_CHUNK / 2];
+    for (uint32_t q = 0; q < np; q += KV_CHUNK / 2) {
+        uint32_t w = np - q < KV_CHUNK / 2 ? np - q : KV_CHUNK / 2;
+        uint8_t *px = row + (p0 + q) * e, *py = row + (half + p0 + q) * e;
+        kv_row_load(px, j->t, w, x);
+        kv_row_load(py, j->t, w, y);
+        for (uint32_t k = 0; k < w; k++) {
+            xo[k] = x[k] * c[q + k] - y[k] * s[q + k];
+            yo[k] = x[k] * s[q + k] + y[k] * c[q + k];
+        }
+        kv_row_store(px, j->t, w, xo);
+        kv_row_store(py, j->t, w, yo);
+    }
+}
+
+/* Interleaved: pairs (2p, 2p+1) for p in [p0, p0+np). */
+static void rotate_interleaved(const rope_job *j, uint8_t *row, uint32_t p0, uint32_t np,
+                               const float *c, const float *s)
+{
+    size_t e = j->l->elt_size;
+    float v[KV_CHUNK], o[KV_CHUNK];
+    for (uint32_t q = 0; q < np; q += KV_CHUNK / 2) {
+        uint32_t w = np - q < KV_CHUNK / 2 ? np - q : KV_CHUNK / 2;
+        uint8_t *p = row + 2 * (p0 + q) * e;
+        kv_row_load(p, j->t, 2 * w, v);
+        for (uint32_t k = 0; k < w; k++) {
+            float x = v[2 * k], y = v[2 * k + 1];
+            o[2 * k] = x * c[q + k] - y * s[q + k];
+            o[2 * k + 1] = x * s[q + k] + y * c[q + k];
+        }
+        kv_row_store(p, j->t, 2 * w, o);
+    }
+}
+
+static void rope_tokens(void *ctx, size_t lo, size_t hi)
+{
+    const rope_job *j = ctx;
+    const kv_layout *l = j->l;
+    uint32_t npairs = l->head_dim / 2;
+    float c[RCHUNK], s[RCHUNK];
+    int have = 0;
+    int32_t have_delta = 0;
+    uint32_t have_p0 = 0;
+    kv_cursor cur;
+    uint32_t blk, slot;
+    kv_cursor_init(&cur, j->segs, j->nsegs, lo);
+    for (size_t n = lo; n < hi && kv_cursor_next(&cur, &blk, &slot); n++) {
+        for (uint32_t p0 = 0; p0 < npairs; p0 += RCHUNK) {
+            uint32_t np = npairs - p0 < RCHUNK ? npairs - p0 : RCHUNK;
+            if (!have || have_delta != j->delta[n] || have_p0 != p0) {
+                coefficients(j, j->delta[n], p0, np, c, s);
+                have = 1;
+                have_delta = j->delta[n];
+                have_p0 = p0;
+            }
+            for (uint32_t h = 0; h < l->kv_heads; h++) {
+                uint8_t *row = j->pool + kv_key_offset(l, blk, h, slot);
+                if (j->pairing == KV_ROPE_HALF)
+                    rotate_half(j, row, p0, np, c, s);
+                else
+                    rotate_interleaved(j, row, p0, np, c, s);
+            }
+        }
+    }
+}
+
+void kv_rope_rerotate(const kv_layout *l, kv_dtype t, uint8_t *pool, const kv_segment *segs,
+                      size_t nsegs, const int32_t *delta, double theta, kv_rope_pairing pairing)
+{
+    assert(l->head_dim % 2 == 0);
+    rope_job j = {l, t, pool, segs, nsegs, delta, theta, pairing};
+    size_t n = kv_segments_tokens(segs, nsegs);
+    size_t bytes = 2 * n * (size_t)l->kv_heads * l->head_dim * l->elt_size;
+    kv_parallel_for(n, bytes, rope_tokens, &j);
+}

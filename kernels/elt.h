@@ -1,0 +1,142 @@
+/*
+ * elt.h - element conversions shared by the fast CPU kernels and the CUDA
+ * kernels (internal to kernels/; not part of the public interface).
+ *
+ * kv_elt_load / kv_elt_store (kernels/cpu/merge.c) are the definition of how
+ * a pool element becomes a float and back. These inline versions compute the
+ * same bits without branches, so that C loops vectorise and the same code
+ * compiles for the GPU (KV_HD marks them __host__ __device__ under nvcc);
+ * tests/unit/test_kernels_elt.c checks them against kv_elt_load/store on
+ * every fp16 and bf16 value and on a dense sample of floats.
+ *
+ * Every function is pure and works on integers and plain float arithmetic in
+ * round-to-nearest mode; nothing depends on the compiler contracting or
+ * reassociating (the only float operations are one multiplication by a
+ * power of two and one addition of 0.5, both exact or correctly rounded).
+ */
+#ifndef KVSTASH_KERNELS_ELT_H
+#define KVSTASH_KERNELS_ELT_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#ifdef __CUDACC__
+#define KV_HD __host__ __device__ __forceinline__
+#else
+#define KV_HD static inline
+#endif
+
+KV_HD float kv_bits_to_float(uint32_t b)
+{
+#ifdef __CUDA_ARCH__
+    return __uint_as_float(b);
+#else
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+#endif
+}
+
+KV_HD uint32_t kv_float_to_bits(float f)
+{
+#ifdef __CUDA_ARCH__
+    return __float_as_uint(f);
+#else
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    return b;
+#endif
+}
+
+/* IEEE half -> float, exact. The exponent and mantissa shifted into float
+ * position read as a float 2^112 too small for normal halves and as the
+ * right multiple of 2^-136 for subnormal ones; one exact multiplication by
+ * 2^112 fixes both. Infinity and NaN keep their payload as in kv_elt_load. */
+KV_HD float kv_half_to_float(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t em = h & 0x7fffu;
+    float mag = kv_bits_to_float(em << 13) * 5.192296858534828e+33f; /* 2^112 */
+    uint32_t bits = kv_float_to_bits(mag);
+    bits = em >= 0x7c00u ? 0x7f800000u | ((em & 0x3ffu) << 13) : bits;
+    return kv_bits_to_float(sign | bits);
+}
+
+/* float -> IEEE half, round to nearest even, overflow to infinity, NaN to a
+ * quiet NaN: the bits of kv_elt_store. A subnormal result is the integer
+ * rne(|x|·2^24), read off the mantissa of |x| + 0.5 (whose unit in the last
+ * place is 2^-24); the parity of that integer and of the sum's last bit agree
+ * because 0.5 = 2^23 ulp is even, so the tie rule is the same. */
+KV_HD uint16_t kv_float_to_half(float f)
+{
+    uint32_t x = kv_float_to_bits(f);
+    uint32_t sign = (x >> 16) & 0x8000u;
+    uint32_t abs = x & 0x7fffffffu;
+    uint32_t normal = (abs + 0xfffu + ((abs >> 13) & 1u) - 0x38000000u) >> 13;
+    uint32_t sub = kv_float_to_bits(kv_bits_to_float(abs) + 0.5f) - 0x3f000000u;
+    uint32_t special = 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0u);
+    uint32_t h = abs < 0x38800000u ? sub : normal;
+    h = abs >= 0x477ff000u ? 0x7c00u : h;
+    h = abs >= 0x7f800000u ? special : h;
+    return (uint16_t)(sign | h);
+}
+
+KV_HD float kv_bf16_to_float(uint16_t h)
+{
+    return kv_bits_to_float((uint32_t)h << 16);
+}
+
+/* float -> bf16, round to nearest even; NaN stays a (quiet) NaN. */
+KV_HD uint16_t kv_float_to_bf16(float f)
+{
+    uint32_t x = kv_float_to_bits(f);
+    uint16_t r = (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+    uint16_t nan = (uint16_t)((x >> 16) | 0x40u);
+    return (x & 0x7fffffffu) > 0x7f800000u ? nan : r;
+}
+
+#ifndef __CUDACC__
+
+/* Rows of n elements of type t <-> fp32, one loop per type so that each
+ * vectorises (the unaligned 2-byte loads go through memcpy). */
+static inline void kv_row_load(const uint8_t *src, kv_dtype t, size_t n, float *dst)
+{
+    if (t == KV_FP32) {
+        memcpy(dst, src, n * 4);
+    } else if (t == KV_FP16) {
+        for (size_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, src + 2 * i, 2);
+            dst[i] = kv_half_to_float(h);
+        }
+    } else {
+        for (size_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, src + 2 * i, 2);
+            dst[i] = kv_bf16_to_float(h);
+        }
+    }
+}
+
+static inline void kv_row_store(uint8_t *dst, kv_dtype t, size_t n, const float *src)
+{
+    if (t == KV_FP32) {
+        memcpy(dst, src, n * 4);
+    } else if (t == KV_FP16) {
+        for (size_t i = 0; i < n; i++) {
+            uint16_t h = kv_float_to_half(src[i]);
+            memcpy(dst + 2 * i, &h, 2);
+        }
+    } else {
+        for (size_t i = 0; i < n; i++) {
+            uint16_t h = kv_float_to_bf16(src[i]);
+            memcpy(dst + 2 * i, &h, 2);
+        }
+    }
+}
+
+#endif /* !__CUDACC__ */
+
+#endif

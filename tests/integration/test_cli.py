@@ -1,0 +1,433 @@
+"""The `kvstash` CLI against a real kvstashd with real workers (issue 6,
+acceptance 1).
+
+Real worker processes (kvs_test_worker, linked with libkvstash) attach, create
+sequences under full, streaming and h2o, append, and hold. Every subcommand
+runs with --json and its values are checked against what the workers did
+(their pids, sessions, sequence ids, names, labels, tokens appended; for
+streaming the positions its rule keeps, simulated here); the text output is
+checked for the same facts. evict changes a sequence and the worker then
+verifies every token it still holds; watch sees the events of a worker's
+life and of an eviction. The error cases exit non-zero with one line on
+stderr: daemon not running (3), unknown sequence (4), permission denied (5),
+not available (6), usage (2), and a daemon refusal (1). `--help` works at
+every level.
+"""
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from kvstash_harness import run_tests
+from worker_procs import GEOMETRY, WorkerProc
+
+CLI = os.environ.get("KVSTASH_CLI", "")
+LAYERS, BLOCK_TOKENS = 3, 8  # worker_procs.GEOMETRY
+
+
+class Worker(WorkerProc):
+    """A kvs_test_worker holding its sequences (with a label) until finish()."""
+
+    def __init__(self, daemon, name, seed, tokens, step=1, policy="full", params=(),
+                 sequences=1, label=""):
+        binary = os.environ["KVSTASH_TEST_WORKER"]
+        args = [binary, "--socket", daemon.sock, "--model", "cli", *GEOMETRY, "--policy", policy,
+                "--tokens", str(tokens), "--step", str(step), "--seed", str(seed),
+                "--sequences", str(sequences), "--name", name, "--label", label, "--hold"]
+        for p in params:
+            args += ["--set", p]
+        self.name, self.lines = name, []
+        self.tokens, self.step, self.policy, self.params = tokens, step, policy, params
+        self.label = label
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, bufsize=1)
+
+    def ready(self):
+        self.wait_line("READY")
+        return self
+
+
+def run(ctx_or_sock, *args, timeout=60):
+    sock = ctx_or_sock if isinstance(ctx_or_sock, str) else ctx_or_sock.daemon.sock
+    p = subprocess.run([CLI, "--socket", sock, *args], capture_output=True, text=True,
+                       timeout=timeout)
+    return p.returncode, p.stdout, p.stderr
+
+
+def ok_json(ctx, *args):
+    rc, out, err = run(ctx, *args, "--json")
+    assert rc == 0, f"kvstash {' '.join(args)} --json: exit {rc}: {err}"
+    assert err == "", f"kvstash {' '.join(args)}: stderr {err!r}"
+    return json.loads(out)
+
+
+def ok_text(ctx, *args):
+    rc, out, err = run(ctx, *args)
+    assert rc == 0, f"kvstash {' '.join(args)}: exit {rc}: {err}"
+    return out
+
+
+def fails(ctx_or_sock, code, needle, *args, preexec=None):
+    """Run and assert exit `code` with one line on stderr containing `needle`."""
+    sock = ctx_or_sock if isinstance(ctx_or_sock, str) else ctx_or_sock.daemon.sock
+    p = subprocess.run([CLI, "--socket", sock, *args], capture_output=True, text=True,
+                       timeout=60, preexec_fn=preexec)
+    lines = p.stderr.splitlines()
+    assert p.returncode == code, (f"kvstash {' '.join(args)}: exit {p.returncode}, expected "
+                                  f"{code}; stderr {p.stderr!r}")
+    assert len(lines) == 1 and lines[0].startswith("kvstash") and needle in lines[0], \
+        f"kvstash {' '.join(args)}: stderr {p.stderr!r} (want one line with {needle!r})"
+    return lines[0]
+
+
+def streaming_held(tokens, step, n_sink, window):
+    """Positions a streaming sequence holds after appends of `step`: the rule
+    runs at each append on the tokens appended before (seq.h)."""
+    held, appended = [], 0
+    while appended < tokens:
+        if held and appended > 0:
+            others = [p for p in held if p >= n_sink]
+            drop = set(others[:max(0, len(others) - window)])
+            held = [p for p in held if p not in drop]
+        n = min(step, tokens - appended)
+        held += range(appended, appended + n)
+        appended += n
+    return held
+
+
+def runs_of(held, appended):
+    """The position map `seq show` reports for a full-precision list."""
+    runs, nxt, hs = [], 0, set(held)
+    for p in range(appended):
+        tier = "fp16" if p in hs else "evicted"
+        if runs and runs[-1]["tier"] == tier:
+            runs[-1]["count"] += 1
+        else:
+            runs.append({"first_position": p, "count": 1, "tier": tier})
+    return runs
+
+
+def check_help_at_every_level(ctx):
+    p = subprocess.run([CLI, "--help"], capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0 and p.stdout.startswith("usage: kvstash"), p
+    for cmd in ("status", "health", "workers", "seqs", "stats", "policy", "evict", "demote", "offload",
+                "revive", "watch", "top", "replay"):
+        assert re.search(rf"^  (\S+, )*{cmd}\b", p.stdout, re.M), f"--help does not list {cmd}"
+    for args, head in ((["status"], "usage: kvstash status"),
+                       (["health"], "usage: kvstash health"),
+                       (["stats"], "usage: kvstash status"),
+                       (["workers"], "usage: kvstash workers"),
+                       (["seqs"], "usage: kvstash seqs"),
+                       (["seq"], "usage: kvstash seq show"),
+                       (["seq", "show"], "usage: kvstash seq show"),
+                       (["policy"], "usage: kvstash policy list"),
+                       (["policy", "list"], "usage: kvstash policy list"),
+                       (["evict"], "usage: kvstash evict"),
+                       (["demote"], "usage: kvstash demote"),
+                       (["offload"], "usage: kvstash offload"),
+                       (["revive"], "usage: kvstash revive"),
+                       (["watch"], "usage: kvstash watch"),
+                       (["top"], "usage: kvstash top"),
+                       (["replay"], "usage: kvstash replay")):
+        # --help needs no daemon: use a socket that does not exist.
+        p = subprocess.run([CLI, "--socket", "/nonexistent/k.sock", *args, "--help"],
+                           capture_output=True, text=True, timeout=30)
+        assert p.returncode == 0 and p.stdout.startswith(head), \
+            f"kvstash {' '.join(args)} --help: exit {p.returncode}, {p.stdout[:80]!r}"
+
+
+def check_start_workers(ctx):
+    ctx.full = Worker(ctx.daemon, "cli-full", seed=21, tokens=40, step=8, sequences=2,
+                      label="req-full").ready()
+    ctx.stream = Worker(ctx.daemon, "cli-stream", seed=22, tokens=60, step=6, policy="streaming",
+                        params=("n_sink=2", "window=10"), label="req-stream").ready()
+    # Operator evictions go to this one: streaming with a window that evicts nothing.
+    ctx.victim = Worker(ctx.daemon, "cli-victim", seed=23, tokens=64, step=16,
+                        policy="streaming", params=("n_sink=0", "window=100000"),
+                        label="victim").ready()
+    ctx.h2o = Worker(ctx.daemon, "cli-h2o", seed=24, tokens=16, step=16, policy="h2o",
+                     label="no-evict").ready()
+    ctx.workers = [ctx.full, ctx.stream, ctx.victim, ctx.h2o]
+    for w in ctx.workers:
+        w.session = w.session_id()
+    st = ctx.daemon.stats()
+    ctx.seq_of = {}
+    for q in st.sequences:
+        ctx.seq_of.setdefault(q.session_id, []).append(q.seq_id)
+    for w in ctx.workers:
+        w.seqs = sorted(ctx.seq_of[w.session])
+
+
+def check_status(ctx):
+    st = ok_json(ctx, "status")
+    assert st["pid"] == ctx.daemon.proc.pid and st["serving"] is True
+    assert st["backend"] == "host" and st["version"]
+    assert len(st["sessions"]) == 4 and len(st["sequences"]) == 5
+    (pool,) = st["pools"]
+    assert pool["model"] == "cli" and pool["geometry"]["layers"] == LAYERS
+    assert pool["blocks_used"] + pool["blocks_free"] + pool["blocks_retired"] == \
+        pool["blocks_total"]
+    fp16 = [t for t in st["tiers"] if t["tier"] == "fp16"][0]
+    assert fp16["tokens"] == sum(q["tokens"] for q in st["sequences"])
+    assert set(ok_json(ctx, "stats")) == set(st)  # the same reply (uptime moves)
+    out = ok_text(ctx, "status")
+    assert f"(pid {ctx.daemon.proc.pid})" in out and "serving" in out, out
+    assert 'pool 1 "cli": 3 layers' in out and "memory by tier:" in out, out
+    assert "workers: 4, sequences: 5" in out, out
+    rc, out, err = run(ctx, "health")
+    assert (rc, out, err) == (0, "SERVING\n", ""), (rc, out, err)
+    assert ok_json(ctx, "health") == {"status": "SERVING"}
+
+
+def check_workers(ctx):
+    got = {w["session_id"]: w for w in ok_json(ctx, "workers")["workers"]}
+    assert set(got) == {w.session for w in ctx.workers}, got
+    for w in ctx.workers:
+        j = got[w.session]
+        assert j["pid"] == w.proc.pid and j["uid"] == os.getuid(), j
+        assert j["worker_name"] == w.name and j["lease_open"] is True, j
+        assert j["sequences"] == len(w.seqs) and 0 <= j["lease_ms"] <= j["attached_ms"] + 1000, j
+    out = ok_text(ctx, "workers")
+    for w in ctx.workers:
+        line = [l for l in out.splitlines() if l.endswith(" " + w.name)]
+        assert line and str(w.proc.pid) in line[0] and " open " in line[0], (w.name, out)
+
+
+def check_seqs(ctx):
+    seqs = {q["seq_id"]: q for q in ok_json(ctx, "seqs")["sequences"]}
+    assert len(seqs) == 5
+    for w in ctx.workers:
+        for sid in w.seqs:
+            q = seqs[sid]
+            assert q["session_id"] == w.session and q["policy"] == w.policy, q
+            assert q["label"] == w.label and q["appended"] == w.tokens, q
+            tiers = {t["tier"]: t for t in q["tiers"]}
+            assert set(tiers) == {"fp16", "int8", "sketch"}, q
+            assert tiers["fp16"]["tokens"] == q["tokens"] and tiers["fp16"]["bytes"] == q["bytes"]
+            assert tiers["int8"]["tokens"] == tiers["sketch"]["tokens"] == 0
+    for sid in ctx.full.seqs + ctx.h2o.seqs + ctx.victim.seqs:
+        assert seqs[sid]["tokens"] == LAYERS * seqs[sid]["appended"], seqs[sid]
+    held = streaming_held(60, 6, 2, 10)
+    (sid,) = ctx.stream.seqs
+    assert seqs[sid]["tokens"] == LAYERS * len(held), (seqs[sid], held)
+    out = ok_text(ctx, "seqs")
+    for sid, q in seqs.items():
+        line = [l for l in out.splitlines() if l.split() and l.split()[0] == str(sid)]
+        assert line and q["policy"] in line[0] and line[0].endswith(q["label"]), (sid, out)
+
+
+def check_seq_show(ctx):
+    (sid,) = ctx.stream.seqs
+    j = ok_json(ctx, "seq", "show", str(sid))
+    assert j["sequence"]["seq_id"] == sid and j["sequence"]["policy"] == "streaming"
+    assert {p["key"]: p["value"] for p in j["params"]} == {"n_sink": "2", "window": "10"}
+    held = streaming_held(60, 6, 2, 10)
+    assert len(j["layers"]) == LAYERS and len(j["maps"]) == LAYERS
+    for ly, m in zip(j["layers"], j["maps"]):
+        assert ly["tokens"] == len(held) and ly["first_position"] == held[0]
+        assert ly["last_position"] == held[-1] and ly["tokens_int8"] == 0
+        assert m["layer"] == ly["layer"] and m["per_head"] is False
+        assert m["runs"] == runs_of(held, 60), (m["runs"], held)
+        assert not m.get("truncated")
+    assert isinstance(j["retired"], list)
+    sid_full = ctx.full.seqs[0]
+    j = ok_json(ctx, "seq", "show", str(sid_full))
+    assert all(m["runs"] == [{"first_position": 0, "count": 40, "tier": "fp16"}]
+               for m in j["maps"]), j["maps"]
+    out = ok_text(ctx, "seq", "show", str(sid))
+    gap_end = held[2] - 1
+    assert f"seq {sid}: session {ctx.stream.session}, policy streaming" in out, out
+    assert "params: n_sink=2 window=10" in out and "table epoch" in out, out
+    assert f"runs: 0-1 fp16, 2-{gap_end} evicted, {held[2]}-59 fp16" in out, out
+    assert out.count("    |") == LAYERS, out
+    # --max-runs cuts the map and says so.
+    j = ok_json(ctx, "seq", "show", str(sid), "--max-runs", "1")
+    assert all(m["truncated"] and len(m["runs"]) == 1 for m in j["maps"]), j["maps"]
+
+
+def check_policy_list(ctx):
+    j = ok_json(ctx, "policy", "list")
+    pol = {p["name"]: p for p in j["policies"]}
+    assert list(pol) == list(ctx.daemon.stats().policies), "not the registry order"
+    s = pol["streaming"]
+    assert [(p["key"], p["default_value"]) for p in s["params"]] == \
+        [("n_sink", "4"), ("window", "1020")], s
+    assert all(p["help"] for p in s["params"]) and s["needs"] == []
+    assert pol["h2o"]["needs"] == ["score"] and pol["adakv"]["per_head"] is True
+    assert {n for n, p in pol.items() if p["operator_evict"]} == {"full", "streaming"}
+    assert pol["full"]["params"] == []
+    out = ok_text(ctx, "policy", "list")
+    assert "n_sink=4" in out and "window=1020" in out and "operator evict: yes" in out, out
+    assert ok_json(ctx, "policies") == j
+
+
+def check_evict_changes_the_sequence(ctx):
+    (sid,) = ctx.victim.seqs
+    before = ok_json(ctx, "seq", "show", str(sid))
+    # Positions 8-15 fill block 1 of every layer (8 tokens a block): it is retired.
+    r = ok_json(ctx, "evict", str(sid), "8-15")
+    assert r == {"epoch": before["sequence"]["epoch"] + 1, "evicted": 3 * 8, "requested": 3 * 8,
+                 "by_policy": 0, "not_held": 0}, r
+    j = ok_json(ctx, "seq", "show", str(sid))
+    assert j["sequence"]["tokens"] == LAYERS * (64 - 8)
+    for m in j["maps"]:
+        assert m["runs"] == [{"first_position": 0, "count": 8, "tier": "fp16"},
+                             {"first_position": 8, "count": 8, "tier": "evicted"},
+                             {"first_position": 16, "count": 48, "tier": "fp16"}], m
+    assert j["retired"] == [{"epoch": r["epoch"], "blocks": LAYERS}], j["retired"]
+    # One layer, a list and a range, some already gone.
+    r = ok_json(ctx, "evict", str(sid), "3,9-10,60-63", "--layer", "1")
+    assert (r["evicted"], r["requested"], r["not_held"]) == (5, 5, 2), r
+    out = ok_text(ctx, "seq", "show", str(sid))
+    assert "runs: 0-2 fp16, 3 evicted, 4-7 fp16, 8-15 evicted, 16-59 fp16, 60-63 evicted" in out
+    out = ok_text(ctx, "evict", str(sid), "0", "--layer", "2")
+    assert f"seq {sid}: evicted 1 token(s)" in out, out
+    # A streaming sequence's own rule runs first (as at its next step).
+    (ssid,) = ctx.stream.seqs
+    r = ok_json(ctx, "evict", str(ssid), "0")
+    assert r["requested"] == LAYERS, r
+    # Refusals: beyond the appended positions, a bad layer, a stateful policy.
+    fails(ctx, 1, "beyond sequence", "evict", str(sid), "64")
+    fails(ctx, 1, "layer 7 is out of range", "evict", str(sid), "1", "--layer", "7")
+    fails(ctx, 1, "per-token state", "evict", str(ctx.h2o.seqs[0]), "1")
+    # The worker still reads back exactly what it wrote for every token left.
+    result = ctx.victim.finish()
+    assert result["ok"] and result["checked"] > 0, result
+    ctx.workers.remove(ctx.victim)
+
+
+def check_watch_sees_a_worker_and_an_eviction(ctx):
+    watch = subprocess.Popen([CLI, "--socket", ctx.daemon.sock, "watch", "--json", "--count",
+                              "4", "--timeout", "60"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    time.sleep(0.7)  # nanomsg subscribes asynchronously
+    w = Worker(ctx.daemon, "cli-watched", seed=31, tokens=24, step=8, policy="streaming",
+               params=("n_sink=0", "window=1000")).ready()
+    sid = ctx.daemon.stats().sequences
+    (seq,) = [q.seq_id for q in sid if q.session_id == w.session_id()]
+    ok_json(ctx, "evict", str(seq), "0-7")
+    w.finish()
+    out, err = watch.communicate(timeout=60)
+    assert watch.returncode == 0, (watch.returncode, err)
+    events = [json.loads(line) for line in out.splitlines()]
+    topics = [e["topic"] for e in events]
+    assert topics == ["worker.attached", "seq.created", "table.changed", "worker.reclaimed"], \
+        events
+    att, created, changed, gone = events
+    assert att["pid"] == w.proc.pid and att["name"] == "cli-watched", att
+    assert created["seq"] == seq and created["policy"] == "streaming", created
+    assert changed == {**changed, "seq": seq, "evicted": LAYERS * 8, "by": "operator"}, changed
+    assert gone["reason"] == "detach" and gone["session"] == att["session"], gone
+    assert [e["n"] for e in events] == list(range(events[0]["n"], events[0]["n"] + 4))
+    # Text mode, and --topic, with no event in time: exits 0 at the timeout.
+    rc, out, err = run(ctx, "watch", "--timeout", "0.5", "--topic", "seq.")
+    assert rc == 0 and out == "" and err == "", (rc, out, err)
+
+
+def check_demote_offload_revive_not_available(ctx):
+    sid = ctx.full.seqs[0]
+    for op in ("demote", "offload", "revive"):
+        line = fails(ctx, 6, "not available", op, str(sid), "0-3")
+        assert "INT8/sketch tiers are not implemented in this kvstashd" in line, line
+        fails(ctx, 4, "no sequence 424242", op, "424242", "1")
+        fails(ctx, 2, "positions are N, A-B", op, str(sid), "x")
+
+
+def check_errors_daemon_not_running(ctx):
+    with tempfile.TemporaryDirectory(prefix="kvstash-cli.") as tmp:
+        missing = os.path.join(tmp, "none.sock")
+        for args in (["status"], ["health"], ["workers"], ["seqs"], ["seq", "show", "1"],
+                     ["policy", "list"], ["evict", "1", "2"], ["watch"], ["top"],
+                     ["demote", "1", "2"]):
+            fails(missing, 3, "kvstashd is not running", *args)
+        stale = os.path.join(tmp, "stale.sock")
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(stale)
+        s.close()  # the file stays, nothing listens
+        fails(stale, 3, "stale socket", "status", "--json")
+
+
+def check_errors_unknown_sequence(ctx):
+    for args in (["seq", "show", "999999"], ["evict", "999999", "1"], ["--json", "seq", "show",
+                                                                       "999999"]):
+        fails(ctx, 4, "no sequence 999999", *args)
+
+
+def check_errors_permission_denied(ctx):
+    if os.getuid() == 0:
+        # The daemon's socket directory is 0700: another user cannot reach it.
+        def as_nobody():
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+        for args in (["status"], ["seq", "show", "1"], ["evict", "1", "2"]):
+            fails(ctx, 5, "permission denied", *args, preexec=as_nobody)
+    else:
+        with tempfile.TemporaryDirectory(prefix="kvstash-cli.") as tmp:
+            locked = os.path.join(tmp, "locked")
+            os.mkdir(locked, 0o000)
+            try:
+                fails(os.path.join(locked, "k.sock"), 5, "permission denied", "status")
+            finally:
+                os.chmod(locked, 0o700)
+
+
+def check_errors_usage(ctx):
+    fails(ctx, 2, "unknown command", "frobnicate")
+    fails(ctx, 2, "unknown option --bogus", "status", "--bogus")
+    fails(ctx, 2, "missing argument", "seq", "show")
+    fails(ctx, 2, "sequence id must be a number", "seq", "show", "abc")
+    fails(ctx, 2, "wants a subcommand", "seq")
+    fails(ctx, 2, "unknown subcommand frob", "policy", "frob")
+    fails(ctx, 2, "positions are N, A-B", "evict", "1", "5-2")
+    fails(ctx, 2, "missing argument", "evict", "1")
+    fails(ctx, 2, "--layer wants a layer number", "evict", "1", "2", "--layer", "x")
+    fails(ctx, 2, "--count wants a positive number", "watch", "--count", "0")
+    fails(ctx, 2, "--sort wants", "top", "--sort", "size")
+    fails(ctx, 2, "unexpected argument", "workers", "extra")
+    rc, _, err = run(ctx)  # no command at all
+    assert rc == 2 and err.startswith("usage: kvstash"), (rc, err)
+
+
+def check_top_without_a_terminal(ctx):
+    j = [json.loads(l) for l in ok_text(ctx, "top", "--json", "--iterations", "2",
+                                         "--interval", "0.1").splitlines()]
+    assert len(j) == 2 and all(len(x["sequences"]) == 4 for x in j), j
+    out = ok_text(ctx, "top", "--iterations", "1", "--sort", "seq")
+    assert "WORKERS" in out and "SEQUENCES (by seq)" in out, out
+    for w in ctx.workers:
+        assert w.name in out, (w.name, out)
+
+
+def check_workers_finish_cleanly(ctx):
+    for w in list(ctx.workers):
+        result = w.finish()
+        assert result["ok"], result
+        ctx.workers.remove(w)
+    st = ok_json(ctx, "status")
+    assert st["sessions"] == [] and st["sequences"] == [], st
+
+
+if __name__ == "__main__":
+    sys.exit(run_tests("cli", [
+        check_help_at_every_level,
+        check_start_workers,
+        check_status,
+        check_workers,
+        check_seqs,
+        check_seq_show,
+        check_policy_list,
+        check_evict_changes_the_sequence,
+        check_watch_sees_a_worker_and_an_eviction,
+        check_demote_offload_revive_not_available,
+        check_errors_daemon_not_running,
+        check_errors_unknown_sequence,
+        check_errors_permission_denied,
+        check_errors_usage,
+        check_top_without_a_terminal,
+        check_workers_finish_cleanly,
+    ], daemon_kwargs={"pool_mb": 16}))

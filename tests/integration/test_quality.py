@@ -1,0 +1,136 @@
+"""A real model as a kvstash worker: the CI slice of the quality benchmark
+(issue 5, acceptance 1, 2 and 4).
+
+kvstash-llama runs stories260K (../shared/data) with its KV cache in the real
+kvstashd, and again with a plain in-process KV array (--no-daemon):
+
+* with `full`, every per-token log-likelihood through the daemon equals the
+  in-process forward pass within 1e-5;
+* greedy generation from "Once upon a time" is the same text both ways;
+* a policy whose budget covers the whole context gives exactly (bit for bit)
+  the `full` result, for one-list and per-head policies;
+* the benchmark script (tests/quality/run.py) on a few stories and policies:
+  every perplexity is finite, and it writes its CSV, Markdown and SVG.
+"""
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+
+from kvstash_harness import run_tests
+
+BUILD = os.environ.get("KVSTASH_BUILD_DIR", "")
+LLAMA = os.path.join(BUILD, "client", "llama", "kvstash-llama")
+SHARED = os.environ.get("KVSTASH_SHARED_DIR", "")
+DATA = os.path.join(SHARED, "data")
+MODEL = os.path.join(DATA, "stories260K.bin")
+TEXT = os.path.join(DATA, "tinystories_val_dev.txt")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STORIES = "3"
+
+
+def llama(*args, timeout=240):
+    cmd = [LLAMA, *args, "--model", MODEL]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                       stdin=subprocess.DEVNULL)
+    assert p.returncode == 0, f"{' '.join(cmd)}: exit {p.returncode}\n{p.stderr[-2000:]}"
+    return p
+
+
+def score(ctx, tmp, name, *policy_args, daemon=True):
+    """Per-token log-probabilities {(story, pos): lp} and the JSON summary."""
+    path = os.path.join(tmp, name + ".tok")
+    where = ["--socket", ctx.daemon.sock, *policy_args] if daemon else ["--no-daemon"]
+    p = llama("score", "--text", TEXT, "--stories", STORIES, "--per-token", path, "--quiet",
+              *where)
+    summary = json.loads(p.stdout.strip().splitlines()[-1])
+    lps = {}
+    with open(path) as f:
+        for line in f:
+            story, pos, lp = line.split()
+            lps[(int(story), int(pos))] = float(lp)
+    return lps, summary
+
+
+def check_full_through_daemon_equals_plain_array(ctx):
+    with tempfile.TemporaryDirectory() as tmp:
+        ref, rs = score(ctx, tmp, "plain", daemon=False)
+        got, gs = score(ctx, tmp, "full", "--policy", "full")
+        assert rs["tokens"] == gs["tokens"] > 500, (rs, gs)
+        assert ref.keys() == got.keys()
+        worst = max(abs(ref[k] - got[k]) for k in ref)
+        assert worst <= 1e-5, f"largest per-token log-likelihood difference {worst:g}"
+        assert gs["evicted"] == 0 and gs["kv_bytes_mean"] == rs["kv_bytes_mean"]
+        ctx.full = (got, gs)
+        print(f"     {gs['tokens']} tokens, ppl {gs['ppl']:.4f}, max |diff| {worst:.2e}")
+
+
+def check_greedy_generation_same_through_daemon(ctx):
+    args = ["generate", "--prompt", "Once upon a time", "--steps", "80"]
+    plain = llama(*args, "--no-daemon").stdout
+    daemon = llama(*args, "--socket", ctx.daemon.sock).stdout
+    assert plain.startswith("Once upon a time"), plain
+    assert len(plain) > 200, plain
+    assert plain == daemon, f"plain:\n{plain}\ndaemon:\n{daemon}"
+
+
+def check_budget_covering_context_is_exactly_full(ctx):
+    assert hasattr(ctx, "full"), "needs the full run"
+    full, fs = ctx.full
+    # stories260K's context is 512 tokens: these budgets never evict.
+    with tempfile.TemporaryDirectory() as tmp:
+        for policy, budget in (("h2o", 512), ("snapkv", 600), ("weightedkv", 512),
+                               ("streaming", 520), ("tova", 512)):
+            got, gs = score(ctx, tmp, policy, "--policy", policy, "--budget", str(budget))
+            assert gs["evicted"] == 0, (policy, gs)
+            diff = [k for k in full if full[k] != got[k]]
+            assert not diff, f"{policy}: {len(diff)} tokens differ from full, first {diff[0]}"
+            assert gs["nll"] == fs["nll"], (policy, gs["nll"], fs["nll"])
+
+
+def check_benchmark_slice_perplexities_finite(ctx):
+    policies = ["streaming", "h2o", "snapkv", "criticalkv", "confkv", "weightedkv"]
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, os.path.join(REPO, "tests", "quality", "run.py"), "--build", BUILD,
+               "--model", MODEL, "--text", TEXT, "--stories", "2", "--policies",
+               ",".join(policies), "--budgets", "16,64", "--int8", "off", "--jobs", "2",
+               "--out", out, "--name", "slice", "--pool-mb", "64"]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                           stdin=subprocess.DEVNULL)
+        assert p.returncode == 0, f"run.py: exit {p.returncode}\n{p.stdout}\n{p.stderr}"
+        with open(os.path.join(out, "slice.csv")) as f:
+            rows = list(csv.DictReader(f))
+        assert len(rows) == 1 + 2 * len(policies), rows
+        for r in rows:
+            assert r["status"] == "ok", r
+            ppl = float(r["ppl"])
+            assert math.isfinite(ppl) and ppl > 1, r
+            if r["policy"] != "full":
+                assert 0 < float(r["kv_fraction"]) < 1, r
+        with open(os.path.join(out, "slice.md")) as f:
+            md = f.read()
+        assert "| streaming |" in md and "tests/quality/run.py" in md, md
+        with open(os.path.join(out, "slice.svg")) as f:
+            svg = f.read()
+        assert svg.startswith("<svg") and svg.count("<polyline") == len(policies), svg[:300]
+
+
+def main():
+    for path in (LLAMA, MODEL, TEXT):
+        if not os.path.exists(path):
+            print(f"test_quality: {path} is missing")
+            print("test_quality: 0 passed, 1 failed")
+            return 1
+    return run_tests("test_quality", [
+        check_full_through_daemon_equals_plain_array,
+        check_greedy_generation_same_through_daemon,
+        check_budget_covering_context_is_exactly_full,
+        check_benchmark_slice_perplexities_finite,
+    ], daemon_kwargs={"pool_mb": 64, "log_level": "info"}, time_limit=280)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,363 @@
+#!/usr/bin/python3
+"""tests/quality/run.py - the quality benchmark: perplexity against KV memory
+for every policy (issue 5, docs/quality/README.md).
+
+It starts its own kvstashd on a temporary socket, runs `kvstash-llama score`
+once for the full cache and once per policy x budget x INT8 setting, and
+writes, under --out, NAME.csv, NAME.md (a Markdown table with the exact
+command that made it) and NAME.svg (perplexity against mean KV bytes per
+sequence, one line per policy; written by hand, no plotting library).
+
+    /usr/bin/python3 tests/quality/run.py --build build --stories 200 \\
+        --model ../shared/data/stories260K.bin --name stories260K
+
+A run that fails (for instance --int8 on against a kvstashd without INT8
+storage) is a row with status "error" and its message, not a failed
+benchmark; the exit status is 1 only when the full-cache run fails or the
+daemon cannot start. Standard library only.
+"""
+import argparse
+import concurrent.futures
+import csv
+import html
+import json
+import math
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+POLICIES = ["streaming", "h2o", "tova", "ov_block", "snapkv", "adakv", "criticalkv",
+            "criticalkv_ada", "confkv", "weightedkv", "reviver"]
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+
+def parse_args(argv):
+    shared = os.environ.get("KVSTASH_SHARED_DIR", os.path.join(REPO, "..", "shared"))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", default=os.path.join(REPO, "build"),
+                    help="build directory with daemon/kvstashd and client/llama/kvstash-llama")
+    ap.add_argument("--daemon", default=None, help="kvstashd (default: BUILD/daemon/kvstashd)")
+    ap.add_argument("--llama", default=None,
+                    help="kvstash-llama (default: BUILD/client/llama/kvstash-llama)")
+    ap.add_argument("--model", default=os.path.join(shared, "data", "stories260K.bin"))
+    ap.add_argument("--tokenizer", default=None, help="default: tok512.bin beside the model")
+    ap.add_argument("--text", default=os.path.join(shared, "data", "tinystories_val_dev.txt"))
+    ap.add_argument("--stories", type=int, default=200)
+    ap.add_argument("--policies", default=",".join(POLICIES),
+                    help="comma-separated; `full` always runs as the baseline")
+    ap.add_argument("--budgets", default="16,32,64,128", help="tokens per layer, comma-separated")
+    ap.add_argument("--int8", default="off,on", help="off, on, or off,on")
+    ap.add_argument("--set", action="append", default=[], metavar="POLICY:KEY=VALUE",
+                    help="an extra parameter for one policy (repeatable)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--batch", type=int, default=8, help="kvstash-llama --batch")
+    ap.add_argument("--out", default=os.path.join(REPO, "docs", "quality"))
+    ap.add_argument("--name", default=None, help="file name stem (default: the model's name)")
+    ap.add_argument("--pool-mb", type=int, default=512)
+    ap.add_argument("--timeout", type=int, default=7200, help="seconds per run")
+    ap.add_argument("--replot", action="store_true",
+                    help="only redraw OUT/NAME.svg from OUT/NAME.csv")
+    args = ap.parse_args(argv)
+    if args.name is None:
+        args.name = os.path.basename(args.model).split(".")[0]
+    return args
+
+
+class Daemon:
+    """kvstashd on a fresh temporary socket; stopped with SIGTERM."""
+
+    def __init__(self, binary, pool_mb):
+        self.dir = tempfile.mkdtemp(prefix="kvstash-quality.")
+        self.sock = os.path.join(self.dir, "kvstashd.sock")
+        self.log = open(os.path.join(self.dir, "kvstashd.log"), "wb")
+        self.proc = subprocess.Popen([binary, "--socket", self.sock, "--pool-mb", str(pool_mb),
+                                      "--log-level", "warn"], stdin=subprocess.DEVNULL,
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while not os.path.exists(self.sock + ".fd") or not os.path.exists(self.sock):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("kvstashd did not start: " + self.log_tail())
+            time.sleep(0.05)
+
+    def log_tail(self):
+        try:
+            with open(os.path.join(self.dir, "kvstashd.log"), "rb") as f:
+                return f.read().decode("utf-8", "replace")[-2000:]
+        except OSError:
+            return "(no log)"
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def score_cmd(args, llama, sock, policy, budget, int8, extra):
+    cmd = [llama, "score", "--model", args.model, "--text", args.text, "--stories",
+           str(args.stories), "--batch", str(args.batch), "--quiet"]
+    if args.tokenizer:
+        cmd += ["--tokenizer", args.tokenizer]
+    if sock is None:
+        cmd += ["--no-daemon"]
+    else:
+        cmd += ["--socket", sock, "--policy", policy]
+        if budget:
+            cmd += ["--budget", str(budget)]
+        cmd += ["--int8", int8]
+        for kv in extra:
+            cmd += ["--set", kv]
+    return cmd
+
+
+def run_one(cmd, timeout):
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                           timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"status": "error", "error": f"timed out after {timeout} s"}
+    lines = p.stdout.strip().splitlines()
+    if p.returncode == 0 and lines:
+        try:
+            res = json.loads(lines[-1])
+            res["status"] = "ok"
+            res["wall"] = time.monotonic() - t0
+            return res
+        except json.JSONDecodeError:
+            pass
+    err = (p.stderr.strip().splitlines() or ["exit status %d" % p.returncode])[-1]
+    return {"status": "error", "error": err.replace("kvstash-llama: ", "")}
+
+
+FIELDS = ["model", "policy", "budget", "int8", "status", "ppl", "nll", "tokens", "stories",
+          "kv_bytes_mean", "kv_bytes_peak", "kv_bytes_full_mean", "kv_fraction", "ppl_vs_full",
+          "evicted", "seconds", "error"]
+
+
+def write_csv(path, rows):
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore", lineterminator="\n")
+        w.writeheader()
+        for r in rows:
+            w.writerow(r)
+
+
+def fmt_cell(r):
+    if r is None:
+        return ""
+    if r["status"] != "ok":
+        return "error"
+    return "%.3f (%.0f%%)" % (r["ppl"], 100 * r["kv_fraction"])
+
+
+def write_md(path, args, rows, full, budgets, command, seconds):
+    policies = [p for p in args.policies.split(",") if p != "full"]
+    modes = args.int8.split(",")
+    out = []
+    out.append(f"# Quality: {args.name}\n")
+    out.append(f"Perplexity of `{os.path.basename(args.model)}` on the first "
+               f"{full['stories']} stories of `{os.path.basename(args.text)}` "
+               f"({full['tokens']} scored tokens), with the KV cache in kvstashd. "
+               "Each cell: perplexity (mean KV bytes per sequence as a share of the full "
+               "cache's). Budgets are tokens per layer (`--budget`, mapped per policy as "
+               "docs/quality/README.md says).\n")
+    out.append(f"Full cache: **ppl {full['ppl']:.4f}** (nll {full['nll']:.6f}), mean KV "
+               f"{full['kv_bytes_mean'] / 1024:.1f} KiB, peak "
+               f"{full['kv_bytes_peak'] / 1024:.1f} KiB per sequence.\n")
+    for mode in modes:
+        out.append(f"\n## INT8 {mode}\n")
+        out.append("| policy | " + " | ".join(f"budget {b}" for b in budgets) + " |")
+        out.append("|---|" + "---|" * len(budgets))
+        for p in policies:
+            cells = []
+            for b in budgets:
+                r = next((x for x in rows if x["policy"] == p and x["budget"] == b
+                          and x["int8"] == mode), None)
+                cells.append(fmt_cell(r))
+            out.append(f"| {p} | " + " | ".join(cells) + " |")
+        errs = sorted({x["error"] for x in rows if x["int8"] == mode and x["status"] != "ok"})
+        for e in errs:
+            out.append(f"\nerror: `{e}`")
+    out.append(f"\nMade in {seconds / 60:.1f} min with:\n")
+    out.append("```\n" + command + "\n```\n")
+    with open(path, "w") as f:
+        f.write("\n".join(out))
+
+
+COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+          "#7f7f7f", "#bcbd22", "#17becf", "#393b79", "#637939"]
+
+
+def write_svg(path, args, rows, full):
+    """Perplexity (y) against mean KV bytes per sequence (x, log scale)."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    if not ok:
+        return
+    W, H, L, R, T, B = 760, 480, 70, 170, 40, 50
+    xs = [r["kv_bytes_mean"] for r in ok] + [full["kv_bytes_mean"]]
+    ys = [r["ppl"] for r in ok] + [full["ppl"]]
+    x0, x1 = math.log10(min(xs)) - 0.05, math.log10(max(xs)) + 0.05
+    y0, y1 = min(ys), max(ys)
+    pad = (y1 - y0) * 0.08 or 0.1
+    y0, y1 = y0 - pad, y1 + pad
+
+    def px(v):
+        return L + (math.log10(v) - x0) / (x1 - x0) * (W - L - R)
+
+    def py(v):
+        return T + (y1 - v) / (y1 - y0) * (H - T - B)
+
+    s = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" '
+         f'font-family="sans-serif" font-size="12">',
+         f'<rect width="{W}" height="{H}" fill="white"/>',
+         f'<text x="{W / 2}" y="20" text-anchor="middle" font-size="14">'
+         f'{html.escape(args.name)}: perplexity vs KV memory ({full["stories"]} stories)</text>']
+    # axes and grid
+    s.append(f'<line x1="{L}" y1="{H - B}" x2="{W - R}" y2="{H - B}" stroke="black"/>')
+    s.append(f'<line x1="{L}" y1="{T}" x2="{L}" y2="{H - B}" stroke="black"/>')
+    for k in range(6):
+        yv = y0 + (y1 - y0) * k / 5
+        s.append(f'<line x1="{L}" y1="{py(yv):.1f}" x2="{W - R}" y2="{py(yv):.1f}" '
+                 'stroke="#ddd"/>')
+        s.append(f'<text x="{L - 6}" y="{py(yv) + 4:.1f}" text-anchor="end">{yv:.2f}</text>')
+    e = math.floor(x0 - math.log10(1024))  # ticks at 1, 2, 5 x 10^e KiB
+    while e <= x1:
+        for m in (1, 2, 5):
+            v = m * 10.0 ** e * 1024
+            if x0 <= math.log10(v) <= x1:
+                s.append(f'<line x1="{px(v):.1f}" y1="{T}" x2="{px(v):.1f}" y2="{H - B}" '
+                         'stroke="#eee"/>')
+                s.append(f'<text x="{px(v):.1f}" y="{H - B + 16}" text-anchor="middle">'
+                         f'{m * 10.0 ** e:g} KiB</text>')
+        e += 1
+    s.append(f'<text x="{(L + W - R) / 2}" y="{H - 10}" text-anchor="middle">'
+             'mean KV bytes per sequence (log scale)</text>')
+    s.append(f'<text x="16" y="{(T + H - B) / 2}" text-anchor="middle" '
+             f'transform="rotate(-90 16 {(T + H - B) / 2})">perplexity</text>')
+    # the full cache
+    fx, fy = px(full["kv_bytes_mean"]), py(full["ppl"])
+    s.append(f'<line x1="{L}" y1="{fy:.1f}" x2="{W - R}" y2="{fy:.1f}" stroke="black" '
+             'stroke-dasharray="2,3"/>')
+    s.append(f'<circle cx="{fx:.1f}" cy="{fy:.1f}" r="4" fill="black"/>')
+    legend = [("full", "black", "")]
+    policies = []
+    for r in ok:
+        if r["policy"] not in policies:
+            policies.append(r["policy"])
+    for i, p in enumerate(policies):
+        color = COLORS[i % len(COLORS)]
+        for mode, dash in (("off", ""), ("on", "6,3")):
+            pts = sorted((r["kv_bytes_mean"], r["ppl"]) for r in ok
+                         if r["policy"] == p and r["int8"] == mode)
+            if not pts:
+                continue
+            line = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
+            s.append(f'<polyline points="{line}" fill="none" stroke="{color}" '
+                     f'stroke-width="1.5" stroke-dasharray="{dash}"/>')
+            for x, y in pts:
+                s.append(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.5" fill="{color}"/>')
+            legend.append((p + (" int8" if mode == "on" else ""), color, dash))
+    for i, (name, color, dash) in enumerate(legend):
+        y = T + 10 + i * 16
+        s.append(f'<line x1="{W - R + 12}" y1="{y}" x2="{W - R + 36}" y2="{y}" stroke="{color}" '
+                 f'stroke-width="2" stroke-dasharray="{dash}"/>')
+        s.append(f'<text x="{W - R + 42}" y="{y + 4}">{html.escape(name)}</text>')
+    s.append("</svg>\n")
+    with open(path, "w") as f:
+        f.write("\n".join(s))
+
+
+def read_csv(path):
+    """Rows of a CSV this script wrote, numbers as numbers."""
+    rows = []
+    with open(path) as f:
+        for r in csv.DictReader(f):
+            for k in ("ppl", "nll", "kv_bytes_mean", "kv_bytes_peak", "kv_bytes_full_mean",
+                      "kv_fraction", "ppl_vs_full", "seconds"):
+                r[k] = float(r[k]) if r.get(k) else None
+            for k in ("budget", "tokens", "stories", "evicted"):
+                r[k] = int(r[k]) if r.get(k) else None
+            rows.append(r)
+    return rows
+
+
+def main(argv):
+    args = parse_args(argv)
+    if args.replot:
+        stem = os.path.join(args.out, args.name)
+        rows = read_csv(stem + ".csv")
+        full = next(r for r in rows if r["policy"] == "full")
+        write_svg(stem + ".svg", args, [r for r in rows if r["policy"] != "full"], full)
+        print(f"wrote {stem}.svg")
+        return 0
+    daemon_bin = args.daemon or os.path.join(args.build, "daemon", "kvstashd")
+    llama = args.llama or os.path.join(args.build, "client", "llama", "kvstash-llama")
+    for b in (daemon_bin, llama):
+        if not os.access(b, os.X_OK):
+            print(f"run.py: {b} is not an executable (build first)", file=sys.stderr)
+            return 1
+    budgets = [int(b) for b in args.budgets.split(",") if b]
+    modes = args.int8.split(",")
+    extra = {}
+    for s in args.set:
+        pol, _, kv = s.partition(":")
+        extra.setdefault(pol, []).append(kv)
+    os.makedirs(args.out, exist_ok=True)
+    command = "/usr/bin/python3 tests/quality/run.py " + " ".join(shlex.quote(a) for a in argv)
+    t0 = time.monotonic()
+    d = Daemon(daemon_bin, args.pool_mb)
+    try:
+        full = run_one(score_cmd(args, llama, d.sock, "full", 0, "off", []), args.timeout)
+        if full["status"] != "ok":
+            print(f"run.py: the full-cache run failed: {full['error']}", file=sys.stderr)
+            return 1
+        print(f"full: ppl {full['ppl']:.4f} ({full['tokens']} tokens, {full['seconds']:.0f} s)",
+              flush=True)
+        jobs = [(p, b, m) for m in modes for p in args.policies.split(",") if p != "full"
+                for b in budgets]
+        rows = []
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as ex:
+            futs = {ex.submit(run_one, score_cmd(args, llama, d.sock, p, b, m,
+                                                 extra.get(p, [])), args.timeout): (p, b, m)
+                    for p, b, m in jobs}
+            for fut in concurrent.futures.as_completed(futs):
+                p, b, m = futs[fut]
+                r = fut.result()
+                r.update({"model": args.name, "policy": p, "budget": b, "int8": m})
+                if r["status"] == "ok":
+                    r["kv_fraction"] = r["kv_bytes_mean"] / full["kv_bytes_mean"]
+                    r["ppl_vs_full"] = r["ppl"] / full["ppl"]
+                    print(f"{p} budget {b} int8 {m}: ppl {r['ppl']:.4f}, "
+                          f"kv {100 * r['kv_fraction']:.0f}% ({r['seconds']:.0f} s)", flush=True)
+                else:
+                    print(f"{p} budget {b} int8 {m}: error: {r['error']}", flush=True)
+                rows.append(r)
+    finally:
+        d.stop()
+    order = {p: i for i, p in enumerate(args.policies.split(","))}
+    rows.sort(key=lambda r: (r["int8"] != "off", order.get(r["policy"], 99), r["budget"]))
+    full.update({"model": args.name, "policy": "full", "budget": 0, "int8": "off",
+                 "kv_fraction": 1.0, "ppl_vs_full": 1.0})
+    stem = os.path.join(args.out, args.name)
+    write_csv(stem + ".csv", [full] + rows)
+    write_md(stem + ".md", args, rows, full, budgets, command, time.monotonic() - t0)
+    write_svg(stem + ".svg", args, rows, full)
+    print(f"wrote {stem}.csv, {stem}.md, {stem}.svg")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

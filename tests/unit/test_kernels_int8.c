@@ -1,0 +1,333 @@
+/*
+ * test_kernels_int8.c - the INT8 tier kernels (kernels.h "INT8 tier"):
+ * fast == reference byte for byte on seeded random shapes, lists and
+ * dtypes (odd sizes included); the acceptance bound of issue 4 (error per
+ * value <= max|group| / 254, all-zero groups exact, the bytes saved); T-CF4
+ * through the block kernel; the block layout; threads do not change bytes.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "kernels.h"
+#include "test_kernels_harness.h"
+
+#define NB 5u /* pool blocks per shape */
+
+static void expect_bytes(const uint8_t *a, const uint8_t *b, size_t n, const kv_layout *l,
+                         kv_dtype t, const char *what)
+{
+    for (size_t i = 0; i < n; i++)
+        if (a[i] != b[i])
+            fail_msg("%s: byte %zu of %zu differs (%u vs %u), heads=%u tokens=%u dim=%u %s", what,
+                     i, n, a[i], b[i], l->kv_heads, l->block_tokens, l->head_dim,
+                     dtype_name(t));
+}
+
+/* A random permutation of [0, n) in out. */
+static void permutation(rng *r, uint32_t *out, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++)
+        out[i] = i;
+    for (uint32_t i = n; i > 1; i--) {
+        uint32_t j = rng_below(r, i), x = out[i - 1];
+        out[i - 1] = out[j];
+        out[j] = x;
+    }
+}
+
+static void test_layout(void **state)
+{
+    (void)state;
+    kv_layout l = {8, 16, 128, 2};
+    /* codes 2 * 8*16*128 = 32768, scales 8 * 8 * 128 = 8192 */
+    assert_int_equal(kv_int8_block_bytes(&l), 40960);
+    assert_int_equal(kv_int8_code_offset(&l, 0, 0, 0, 0), 0);
+    assert_int_equal(kv_int8_code_offset(&l, 0, 0, 0, 1), 128);
+    assert_int_equal(kv_int8_code_offset(&l, 0, 0, 1, 0), 16 * 128);
+    assert_int_equal(kv_int8_code_offset(&l, 0, 1, 0, 0), 16384);
+    assert_int_equal(kv_int8_code_offset(&l, 2, 1, 7, 15), 2 * 40960 + 16384 + (7 * 16 + 15) * 128);
+    assert_int_equal(kv_int8_scale_offset(&l, 0, 0, 0), 32768);
+    assert_int_equal(kv_int8_scale_offset(&l, 0, 0, 1), 32768 + 512);
+    assert_int_equal(kv_int8_scale_offset(&l, 1, 1, 0), 40960 + 32768 + 4096);
+    /* Odd sizes: scales start 16-aligned and blocks are padded to 16. */
+    kv_layout odd = {3, 7, 5, 2};
+    size_t codes = 2 * 3 * 7 * 5; /* 210 -> scales at 224 */
+    assert_int_equal(kv_int8_scale_offset(&odd, 0, 0, 0), 224);
+    assert_int_equal(kv_int8_block_bytes(&odd), 352); /* 224 + 8*3*5 = 344, padded */
+    assert_true(kv_int8_code_offset(&odd, 0, 1, 2, 6) + 5 == codes);
+    assert_int_equal(kv_int8_scale_offset(&odd, 0, 1, 2) + 4 * 5, 344);
+    assert_int_equal(kv_int8_code_offset(&odd, 1, 0, 0, 0), 352);
+}
+
+/* Issue 4 acceptance 1: "memory accounting shows the saving". */
+static void test_bytes_saved(void **state)
+{
+    (void)state;
+    const uint32_t tokens[] = {16, 32, 64};
+    for (size_t i = 0; i < 3; i++) {
+        kv_layout l = {8, tokens[i], 128, 2};
+        double ratio = (double)kv_int8_block_bytes(&l) / (double)kv_block_bytes(&l);
+        double want = (tokens[i] + 4.0) / (2.0 * tokens[i]);
+        print_message("INT8 block / fp16 block at %u tokens: %zu / %zu = %.4f\n", tokens[i],
+                      kv_int8_block_bytes(&l), kv_block_bytes(&l), ratio);
+        assert_true(ratio == want);
+        kv_layout f32 = {8, tokens[i], 128, 4};
+        assert_true((double)kv_int8_block_bytes(&f32) / (double)kv_block_bytes(&f32) == want / 2);
+    }
+}
+
+/* T-CF4 (POLICIES.md §5.4) through the block kernels: one head, dim 1,
+ * three tokens x = [0.5, -1.27, 0.01] -> s = 0.01, codes [50, -127, 1]. */
+static void test_tcf4_block(void **state)
+{
+    (void)state;
+    kv_layout l = {1, 3, 1, 4};
+    float pool[6] = {0.5f, -1.27f, 0.01f, 0, 0, 0}; /* K then V (all zero) */
+    uint8_t q[64];
+    memset(q, 0x55, sizeof q);
+    assert_true(kv_int8_block_bytes(&l) <= sizeof q);
+    kv_segment seg = {0, 0, 3};
+    uint32_t qb = 0;
+    kv_int8_quantize(&l, KV_FP32, (uint8_t *)pool, &seg, 1, q, &qb, 1);
+    assert_int_equal((int8_t)q[0], 50);
+    assert_int_equal((int8_t)q[1], -127);
+    assert_int_equal((int8_t)q[2], 1);
+    float s;
+    memcpy(&s, q + kv_int8_scale_offset(&l, 0, 0, 0), 4);
+    assert_true(s == 1.27f / 127.0f);
+    memcpy(&s, q + kv_int8_scale_offset(&l, 0, 1, 0), 4);
+    assert_true(s == 1.0f); /* the all-zero V group */
+    float back[6];
+    memset(back, 0x7f, sizeof back);
+    kv_int8_dequantize(&l, q, &seg, 1, KV_FP32, (uint8_t *)back, &seg, 1);
+    for (int i = 0; i < 3; i++)
+        assert_float_equal(back[i], pool[i], 1e-6);
+    for (int i = 3; i < 6; i++)
+        assert_true(back[i] == 0 && !signbit(back[i])); /* zero group: exact */
+}
+
+/* Ties round half to even in the fast kernel too: a max of 127 makes s = 1,
+ * so x / s is exactly the tie. */
+static void test_ties_to_even(void **state)
+{
+    (void)state;
+    kv_layout l = {1, 8, 1, 4};
+    float pool[16] = {127, 2.5f, 3.5f, -2.5f, -0.5f, 0.5f, 1.5f, 126.5f,
+                      -127, -3.5f, 4.5f, -4.5f, 0, 5.5f, -125.5f, 6.5f};
+    const int8_t want[16] = {127, 2, 4, -2, 0, 0, 2, 126, -127, -4, 4, -4, 0, 6, -126, 6};
+    uint8_t q1[64], q2[64];
+    assert_true(kv_int8_block_bytes(&l) <= sizeof q1);
+    kv_segment seg = {0, 0, 8};
+    uint32_t qb = 0;
+    kv_int8_quantize_ref(&l, KV_FP32, (uint8_t *)pool, &seg, 1, q1, &qb, 1);
+    kv_int8_quantize(&l, KV_FP32, (uint8_t *)pool, &seg, 1, q2, &qb, 1);
+    assert_memory_equal(q1, q2, kv_int8_block_bytes(&l));
+    for (int i = 0; i < 16; i++)
+        assert_int_equal((int8_t)q2[i], want[i]);
+}
+
+/* Quantise a random list into random INT8 blocks with ref and fast. */
+static void check_quantize(rng *r, const kv_layout *l, kv_dtype t, uint8_t *pool,
+                           kv_segment *segs)
+{
+    size_t pool_bytes = NB * kv_block_bytes(l), qbb = kv_int8_block_bytes(l);
+    uint32_t nqa = NB + 2; /* INT8 arena blocks */
+    uint8_t *q1 = xcalloc(nqa * qbb), *q2 = xcalloc(nqa * qbb);
+    uint32_t qblocks[NB + 2];
+    fill_pool(r, pool, pool_bytes, t, rng_below(r, 2) ? 1.0f : 300.0f);
+    size_t nsegs = gen_disjoint(r, l, 0, NB, segs);
+    size_t ntok = kv_segments_tokens(segs, nsegs);
+    size_t nq = (ntok + l->block_tokens - 1) / l->block_tokens + rng_below(r, 2);
+    permutation(r, qblocks, nqa);
+    fill_bytes(r, q1, nqa * qbb);
+    memcpy(q2, q1, nqa * qbb);
+    kv_int8_quantize_ref(l, t, pool, segs, nsegs, q1, qblocks, nq);
+    kv_int8_quantize(l, t, pool, segs, nsegs, q2, qblocks, nq);
+    expect_bytes(q1, q2, nqa * qbb, l, t, "quantize");
+    free(q1);
+    free(q2);
+}
+
+/* Dequantise random INT8 tokens (random codes, positive scales) into a
+ * random disjoint list of a pool of any dtype, with ref and fast. */
+static void check_dequantize(rng *r, const kv_layout *lq, kv_segment *segs, kv_segment *dsegs)
+{
+    kv_dtype t = dtype_of(rng_below(r, 3));
+    kv_layout l = *lq;
+    l.elt_size = dtype_size(t);
+    size_t qbb = kv_int8_block_bytes(&l), pool_bytes = NB * kv_block_bytes(&l);
+    uint8_t *q = xcalloc(NB * qbb), *p1 = xcalloc(pool_bytes), *p2 = xcalloc(pool_bytes);
+    fill_bytes(r, q, NB * qbb);
+    for (uint32_t b = 0; b < NB; b++)
+        for (uint32_t kv = 0; kv < 2; kv++)
+            for (uint32_t h = 0; h < l.kv_heads; h++)
+                for (uint32_t c = 0; c < l.head_dim; c++) {
+                    float s = (rng_float(r) + 1.5f) * 0.01f;
+                    memcpy(q + kv_int8_scale_offset(&l, b, kv, h) + 4 * c, &s, 4);
+                }
+    size_t nq = gen_disjoint(r, &l, 0, NB, segs);
+    size_t ntok = kv_segments_tokens(segs, nq);
+    size_t nd = gen_exact(r, &l, 0, NB, ntok, dsegs);
+    fill_bytes(r, p1, pool_bytes);
+    memcpy(p2, p1, pool_bytes);
+    kv_int8_dequantize_ref(&l, q, segs, nq, t, p1, dsegs, nd);
+    kv_int8_dequantize(&l, q, segs, nq, t, p2, dsegs, nd);
+    expect_bytes(p1, p2, pool_bytes, &l, t, "dequantize");
+    free(q);
+    free(p1);
+    free(p2);
+}
+
+static void test_fast_equals_ref(void **state)
+{
+    (void)state;
+    rng r = {11};
+    for (size_t si = 0; si < KH_SHAPES; si++) {
+        kv_dtype t;
+        kv_layout l = kh_shape(si, &t);
+        uint8_t *pool = xcalloc(NB * kv_block_bytes(&l));
+        kv_segment *segs = xcalloc(NB * l.block_tokens * sizeof *segs);
+        kv_segment *dsegs = xcalloc(NB * l.block_tokens * sizeof *dsegs);
+        for (int trial = 0; trial < 3; trial++) {
+            check_quantize(&r, &l, t, pool, segs);
+            check_dequantize(&r, &l, segs, dsegs);
+        }
+        free(pool);
+        free(segs);
+        free(dsegs);
+    }
+}
+
+/* Issue 4 acceptance 1 on random groups: quantise whole lists, dequantise
+ * into fp32, and compare each value with its group's max / 254; groups of
+ * zeros come back exactly. Into fp16, the bound plus fp16's rounding. */
+static void test_round_trip_bound(void **state)
+{
+    (void)state;
+    rng r = {12};
+    for (size_t si = 0; si < KH_SHAPES; si += 5) {
+        kv_dtype t;
+        kv_layout l = kh_shape(si, &t);
+        uint32_t T = l.block_tokens;
+        size_t pb = NB * kv_block_bytes(&l);
+        kv_layout l32 = l, l16 = l;
+        l32.elt_size = 4;
+        l16.elt_size = 2;
+        uint8_t *pool = xcalloc(pb), *q = xcalloc(NB * kv_int8_block_bytes(&l));
+        uint8_t *back = xcalloc(NB * kv_block_bytes(&l32)), *back16 = xcalloc(pb);
+        kv_segment *segs = xcalloc(NB * T * sizeof *segs);
+        fill_pool(&r, pool, pb, t, 10.0f);
+        /* Zero channel 0 of every K row, and all of head 0's V in block 1. */
+        for (uint32_t b = 0; b < NB; b++)
+            for (uint32_t s = 0; s < T; s++)
+                for (uint32_t h = 0; h < l.kv_heads; h++) {
+                    kv_elt_store(pool + kv_key_offset(&l, b, h, s), t, 0.0f);
+                    if (b == 1 && h == 0)
+                        memset(pool + kv_key_offset(&l, b, 0, s) + pb / NB / 2, 0,
+                               (size_t)l.head_dim * l.elt_size);
+                }
+        /* Whole blocks in order: INT8 block b holds pool block b. */
+        uint32_t qblocks[NB];
+        for (uint32_t b = 0; b < NB; b++) {
+            segs[b] = (kv_segment){b, 0, T};
+            qblocks[b] = b;
+        }
+        kv_int8_quantize(&l, t, pool, segs, NB, q, qblocks, NB);
+        kv_int8_dequantize(&l32, q, segs, NB, KV_FP32, back, segs, NB);
+        kv_int8_dequantize(&l16, q, segs, NB, KV_FP16, back16, segs, NB);
+        for (uint32_t b = 0; b < NB; b++)
+            for (uint32_t kv = 0; kv < 2; kv++)
+                for (uint32_t h = 0; h < l.kv_heads; h++)
+                    for (uint32_t c = 0; c < l.head_dim; c++) {
+                        float amax = 0;
+                        size_t off[64], off32[64], off16[64];
+                        assert_true(T <= 64);
+                        for (uint32_t s = 0; s < T; s++) {
+                            off[s] = kv_key_offset(&l, b, h, s) + (kv ? pb / NB / 2 : 0) +
+                                     (size_t)c * l.elt_size;
+                            off32[s] = kv_key_offset(&l32, b, h, s) +
+                                       (kv ? kv_block_bytes(&l32) / 2 : 0) + (size_t)c * 4;
+                            off16[s] = kv_key_offset(&l16, b, h, s) +
+                                       (kv ? kv_block_bytes(&l16) / 2 : 0) + (size_t)c * 2;
+                            amax = fmaxf(amax, fabsf(kv_elt_load(pool + off[s], t)));
+                        }
+                        for (uint32_t s = 0; s < T; s++) {
+                            float x = kv_elt_load(pool + off[s], t);
+                            float y = kv_elt_load(back + off32[s], KV_FP32);
+                            float y16 = kv_elt_load(back16 + off16[s], KV_FP16);
+                            if (amax == 0) {
+                                assert_true(y == 0 && y16 == 0);
+                                continue;
+                            }
+                            if (fabsf(y - x) > amax / 254.0f * (1 + 1e-5f))
+                                fail_msg("error %g > max %g / 254 (block %u kv %u head %u ch %u)",
+                                         (double)fabsf(y - x), (double)amax, b, kv, h, c);
+                            /* fp16 output: the bound plus half an fp16 ulp of y */
+                            float ulp16 = fmaxf(ldexpf(1.0f, ilogbf(fabsf(y) + 1e-30f) - 10),
+                                                ldexpf(1.0f, -24));
+                            assert_true(fabsf(y16 - x) <=
+                                        amax / 254.0f * (1 + 1e-5f) + ulp16 / 2);
+                        }
+                    }
+        free(pool);
+        free(q);
+        free(back);
+        free(back16);
+        free(segs);
+    }
+}
+
+/* A list that splits over threads gives the same bytes as one thread. */
+static void test_threads_deterministic(void **state)
+{
+    (void)state;
+    rng r = {13};
+    kv_layout l = {8, 16, 128, 2};
+    uint32_t nb = 256; /* 16 MiB of fp16 pool: several threads' worth */
+    size_t pb = nb * kv_block_bytes(&l), qbb = kv_int8_block_bytes(&l);
+    uint8_t *pool = xcalloc(pb), *q1 = xcalloc(nb * qbb), *q2 = xcalloc(nb * qbb);
+    uint8_t *b1 = xcalloc(pb), *b2 = xcalloc(pb);
+    kv_segment *segs = xcalloc(nb * 16 * sizeof *segs);
+    uint32_t *qblocks = xcalloc(nb * sizeof *qblocks);
+    fill_pool(&r, pool, pb, KV_FP16, 4.0f);
+    size_t n = cut_blocks(&r, &l, 0, nb, 2, segs);
+    shuffle_segs(&r, segs, n);
+    permutation(&r, qblocks, nb);
+    setenv("KVSTASH_KERNEL_THREADS", "1", 1);
+    kv_int8_quantize(&l, KV_FP16, pool, segs, n, q1, qblocks, nb);
+    kv_int8_dequantize(&l, q1, segs, n, KV_FP16, b1, segs, n);
+    unsetenv("KVSTASH_KERNEL_THREADS");
+    kv_int8_quantize(&l, KV_FP16, pool, segs, n, q2, qblocks, nb);
+    kv_int8_dequantize(&l, q2, segs, n, KV_FP16, b2, segs, n);
+    print_message("threads for this job: %u\n", kv_parallel_threads(pb));
+    assert_memory_equal(q1, q2, nb * qbb);
+    assert_memory_equal(b1, b2, pb);
+    free(pool);
+    free(q1);
+    free(q2);
+    free(b1);
+    free(b2);
+    free(segs);
+    free(qblocks);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_layout),
+        cmocka_unit_test(test_bytes_saved),
+        cmocka_unit_test(test_tcf4_block),
+        cmocka_unit_test(test_ties_to_even),
+        cmocka_unit_test(test_fast_equals_ref),
+        cmocka_unit_test(test_round_trip_bound),
+        cmocka_unit_test(test_threads_deterministic),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
