@@ -24,6 +24,26 @@
 #include "service.h"
 #include "store.h"
 
+/* `text` word-wrapped to 78 columns, each line indented by 6 spaces. */
+static void print_wrapped(FILE *out, const char *text)
+{
+    const int width = 72;
+    while (*text) {
+        int len = (int)strlen(text);
+        if (len > width) {
+            len = width;
+            while (len > 0 && text[len] != ' ')
+                len--;
+            if (len == 0)
+                len = width;
+        }
+        fprintf(out, "      %.*s\n", len, text);
+        text += len;
+        while (*text == ' ')
+            text++;
+    }
+}
+
 static void usage(FILE *out)
 {
     size_t n;
@@ -35,7 +55,8 @@ static void usage(FILE *out)
                           : opt[i].kind == CONFIG_ADDR  ? " ADDR"
                           : opt[i].kind == CONFIG_LEVEL ? " L"
                                                         : " N";
-        fprintf(out, "  --%s%s\n      %s\n", opt[i].key, arg, opt[i].help);
+        fprintf(out, "  --%s%s\n", opt[i].key, arg);
+        print_wrapped(out, opt[i].help);
     }
     fprintf(out, "  --config FILE\n"
                  "      read these options from an INI file first ([kvstashd] section, keys\n"
@@ -58,9 +79,8 @@ static struct option *long_options(void)
     if (lo == NULL)
         return NULL;
     for (size_t i = 0; i < n; i++)
-        lo[i] = (struct option){opt[i].key,
-                                opt[i].kind == CONFIG_BOOL ? no_argument : required_argument,
-                                NULL, (int)i};
+        lo[i] = (struct option){
+            opt[i].key, opt[i].kind == CONFIG_BOOL ? no_argument : required_argument, NULL, (int)i};
     lo[n] = (struct option){"config", required_argument, NULL, OPT_CONFIG};
     lo[n + 1] = (struct option){"print-config", no_argument, NULL, OPT_PRINT};
     lo[n + 2] = (struct option){"version", no_argument, NULL, OPT_VERSION};
@@ -89,8 +109,7 @@ static int scan_opts(int argc, char **argv, const struct option *lo, const char 
 }
 
 /* Second pass: every other flag over the file's values. */
-static int apply_flags(int argc, char **argv, const struct option *lo, daemon_config *c,
-                       int *print)
+static int apply_flags(int argc, char **argv, const struct option *lo, daemon_config *c, int *print)
 {
     size_t n;
     const config_option *opt = config_options(&n);
@@ -102,8 +121,8 @@ static int apply_flags(int argc, char **argv, const struct option *lo, daemon_co
         if (ch == OPT_PRINT) {
             *print = 1;
         } else if (ch >= 0 && (size_t)ch < n &&
-                   config_set(c, opt[ch].key, optarg != NULL ? optarg : "true", err,
-                              sizeof err) != 0) {
+                   config_set(c, opt[ch].key, optarg != NULL ? optarg : "true", err, sizeof err) !=
+                       0) {
             fprintf(stderr, "kvstashd: --%s\n", err);
             return 2;
         }
@@ -296,7 +315,6 @@ static void drain(daemon_parts *d, const sigset_t *sigs, unsigned long drain_ms)
             break; /* a second signal, or the time is up (EAGAIN) */
     }
 }
-
 
 int main(int argc, char **argv)
 {

@@ -192,9 +192,10 @@ static status_code evict_layer(seq *q, uint32_t l, const operator_range *r, size
      * half-applied. Nothing is committed: the host drops an uncommitted
      * decision at the layer's next step (host.h). */
     if (d->nmerges != 0 || d->rerotate_keys)
-        return status_set(s, ST_INTERNAL, "policy %s asked for %s, which an operator eviction "
-                          "does not apply", q->policy->name,
-                          d->nmerges != 0 ? "value merges" : "key re-rotation");
+        return status_set(s, ST_INTERNAL,
+                          "policy %s asked for %s, which an operator eviction "
+                          "does not apply",
+                          q->policy->name, d->nmerges != 0 ? "value merges" : "key re-rotation");
     status_code rc = ST_OK;
     for (uint32_t k = 0; k < q->heads && rc == ST_OK; k++) {
         const uint32_t *pos;
@@ -233,7 +234,8 @@ status_code operator_evict(store *st, const char *token, uint64_t seq_id,
     operator_range *r = malloc((nranges ? nranges : 1) * sizeof *r);
     if (r == NULL)
         return status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
-    memcpy(r, ranges, nranges * sizeof *r);
+    if (nranges > 0)
+        memcpy(r, ranges, nranges * sizeof *r);
     uint8_t *chosen = NULL;
     store_lock(st);
     seq *q = NULL;

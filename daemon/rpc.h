@@ -45,9 +45,9 @@ typedef struct rpc_server rpc_server;
 typedef void (*rpc_observe_fn)(void *ctx, size_t method, int code, double seconds);
 
 typedef struct rpc_config {
-    const char *unix_path; /* required: listen on unix:PATH */
-    const char *tcp_addr;  /* optional "127.0.0.1:PORT"; loopback only */
-    int threads;           /* completion-queue threads, >= 1 */
+    const char *unix_path;  /* required: listen on unix:PATH */
+    const char *tcp_addr;   /* optional "127.0.0.1:PORT"; loopback only */
+    int threads;            /* completion-queue threads, >= 1 */
     rpc_observe_fn observe; /* optional (metrics.h metrics_rpc) */
     void *observe_ctx;
 } rpc_config;

@@ -284,8 +284,7 @@ static const rpc_method methods[] = {
      NULL},
     {"/kvstash.v1.Store/ListPolicies", &kvstash__v1__list_policies_request__descriptor,
      service_list_policies, NULL, NULL},
-    {"/kvstash.v1.Store/Evict", &kvstash__v1__evict_request__descriptor, service_evict, NULL,
-     NULL},
+    {"/kvstash.v1.Store/Evict", &kvstash__v1__evict_request__descriptor, service_evict, NULL, NULL},
     {"/grpc.health.v1.Health/Check", &grpc__health__v1__health_check_request__descriptor,
      do_health_check, NULL, NULL},
 };

@@ -308,8 +308,8 @@ static void list_map(seq *q, uint32_t l, uint32_t k, size_t cap, inspect_buf *b,
     const uint8_t *tier = policy_host_view(q->host, l)->tier[k];
     uint64_t next = 0;
     for (uint32_t i = 0; i < n; i++) {
-        if (pos[i] > next && map_add(b, m, cap, (uint32_t)next, (uint32_t)(pos[i] - next),
-                                     evicted_tier) != 0)
+        if (pos[i] > next &&
+            map_add(b, m, cap, (uint32_t)next, (uint32_t)(pos[i] - next), evicted_tier) != 0)
             return;
         if (map_add(b, m, cap, pos[i], 1, run_tier_name(tier[i])) != 0)
             return;
@@ -369,13 +369,14 @@ static int inspect_fill(seq *q, const Kvstash__V1__InspectRequest *req, inspect_
     out->n_layers = q->nlayers;
     if (!req->with_map)
         return 0;
-    size_t cap = req->max_runs == 0 ? INSPECT_RUNS_DEFAULT
+    size_t cap = req->max_runs == 0                 ? INSPECT_RUNS_DEFAULT
                  : req->max_runs > INSPECT_RUNS_MAX ? INSPECT_RUNS_MAX
                                                     : req->max_runs;
     /* A list of n tokens has at most 2n + 1 runs. */
     for (size_t i = 0; i < nlists && b->runs_cap < INSPECT_RUNS_MAX; i++) {
         size_t most = 2 * (size_t)seq_list_tokens(q, (uint32_t)(i / q->heads),
-                                                  (uint32_t)(i % q->heads), NULL) + 1;
+                                                  (uint32_t)(i % q->heads), NULL) +
+                      1;
         b->runs_cap += most < cap ? most : cap;
     }
     if (b->runs_cap > INSPECT_RUNS_MAX)

@@ -46,7 +46,7 @@ typedef struct session {
     char name[65];
     uint64_t attached_ms; /* store_now_ms() at Attach */
     int lease_open;
-    uint64_t lease_ms;  /* store_now_ms() when the lease opened (operators' "lease age") */
+    uint64_t lease_ms; /* store_now_ms() when the lease opened (operators' "lease age") */
     uint32_t nseqs;
     ring *ring; /* the per-step ring, once the worker asked for it */
     struct session *next;

@@ -50,6 +50,18 @@ KV_HD uint32_t kv_float_to_bits(float f)
 #endif
 }
 
+/* An all-ones mask when c, else 0: selects written as masks, which gcc
+ * vectorises (a ?: in these loops reads to it as control flow). */
+KV_HD uint32_t kv_mask(int c)
+{
+    return -(uint32_t)(c != 0);
+}
+
+KV_HD uint32_t kv_select(uint32_t m, uint32_t a, uint32_t b)
+{
+    return (a & m) | (b & ~m);
+}
+
 /* IEEE half -> float, exact. The exponent and mantissa shifted into float
  * position read as a float 2^112 too small for normal halves and as the
  * right multiple of 2^-136 for subnormal ones; one exact multiplication by
@@ -59,8 +71,8 @@ KV_HD float kv_half_to_float(uint16_t h)
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t em = h & 0x7fffu;
     float mag = kv_bits_to_float(em << 13) * 5.192296858534828e+33f; /* 2^112 */
-    uint32_t bits = kv_float_to_bits(mag);
-    bits = em >= 0x7c00u ? 0x7f800000u | ((em & 0x3ffu) << 13) : bits;
+    uint32_t bits = kv_select(kv_mask(em >= 0x7c00u), 0x7f800000u | ((em & 0x3ffu) << 13),
+                              kv_float_to_bits(mag));
     return kv_bits_to_float(sign | bits);
 }
 
@@ -76,10 +88,10 @@ KV_HD uint16_t kv_float_to_half(float f)
     uint32_t abs = x & 0x7fffffffu;
     uint32_t normal = (abs + 0xfffu + ((abs >> 13) & 1u) - 0x38000000u) >> 13;
     uint32_t sub = kv_float_to_bits(kv_bits_to_float(abs) + 0.5f) - 0x3f000000u;
-    uint32_t special = 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0u);
-    uint32_t h = abs < 0x38800000u ? sub : normal;
-    h = abs >= 0x477ff000u ? 0x7c00u : h;
-    h = abs >= 0x7f800000u ? special : h;
+    uint32_t special = 0x7c00u | ((uint32_t)(abs > 0x7f800000u) << 9);
+    uint32_t h = kv_select(kv_mask(abs < 0x38800000u), sub, normal);
+    h = kv_select(kv_mask(abs >= 0x477ff000u), 0x7c00u, h);
+    h = kv_select(kv_mask(abs >= 0x7f800000u), special, h);
     return (uint16_t)(sign | h);
 }
 
@@ -92,16 +104,17 @@ KV_HD float kv_bf16_to_float(uint16_t h)
 KV_HD uint16_t kv_float_to_bf16(float f)
 {
     uint32_t x = kv_float_to_bits(f);
-    uint16_t r = (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
-    uint16_t nan = (uint16_t)((x >> 16) | 0x40u);
-    return (x & 0x7fffffffu) > 0x7f800000u ? nan : r;
+    uint32_t r = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+    uint32_t nan = (x >> 16) | 0x40u;
+    return (uint16_t)kv_select(kv_mask((x & 0x7fffffffu) > 0x7f800000u), nan, r);
 }
 
 #ifndef __CUDACC__
 
 /* Rows of n elements of type t <-> fp32, one loop per type so that each
  * vectorises (the unaligned 2-byte loads go through memcpy). */
-static inline void kv_row_load(const uint8_t *src, kv_dtype t, size_t n, float *dst)
+static inline void kv_row_load(const uint8_t *restrict src, kv_dtype t, size_t n,
+                               float *restrict dst)
 {
     if (t == KV_FP32) {
         memcpy(dst, src, n * 4);
@@ -120,7 +133,8 @@ static inline void kv_row_load(const uint8_t *src, kv_dtype t, size_t n, float *
     }
 }
 
-static inline void kv_row_store(uint8_t *dst, kv_dtype t, size_t n, const float *src)
+static inline void kv_row_store(uint8_t *restrict dst, kv_dtype t, size_t n,
+                                const float *restrict src)
 {
     if (t == KV_FP32) {
         memcpy(dst, src, n * 4);

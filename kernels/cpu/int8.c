@@ -35,9 +35,9 @@ typedef struct quant_job {
 } quant_job;
 
 /* Codes and scales of channels [c0, c0 + n) of (kv, head) of INT8 block b,
- * whose m tokens start at token `first` of the list. */
-static void quant_chunk(const quant_job *j, size_t b, uint32_t m, size_t first, uint32_t kv,
-                        uint32_t h, uint32_t c0, uint32_t n)
+ * whose m tokens start where cursor `start` stands. */
+static void quant_chunk(const quant_job *j, size_t b, uint32_t m, const kv_cursor *start,
+                        uint32_t kv, uint32_t h, uint32_t c0, uint32_t n)
 {
     const kv_layout *l = j->l;
     size_t half = kv ? kv_block_bytes(l) / 2 : 0, coff = (size_t)c0 * l->elt_size;
@@ -47,7 +47,7 @@ static void quant_chunk(const quant_job *j, size_t b, uint32_t m, size_t first, 
 
     for (uint32_t c = 0; c < n; c++)
         amax[c] = 0;
-    kv_cursor_init(&cur, j->segs, j->nsegs, first);
+    cur = *start;
     for (uint32_t i = 0; i < m && kv_cursor_next(&cur, &blk, &slot); i++) {
         kv_row_load(j->pool + kv_key_offset(l, blk, h, slot) + half + coff, j->t, n, buf);
         for (uint32_t c = 0; c < n; c++) {
@@ -61,7 +61,7 @@ static void quant_chunk(const quant_job *j, size_t b, uint32_t m, size_t first, 
     memcpy(j->qpool + kv_int8_scale_offset(l, j->qblocks[b], kv, h) + 4 * (size_t)c0, s,
            4 * (size_t)n);
 
-    kv_cursor_init(&cur, j->segs, j->nsegs, first);
+    cur = *start;
     for (uint32_t i = 0; i < l->block_tokens; i++) {
         int8_t *q = (int8_t *)j->qpool + kv_int8_code_offset(l, j->qblocks[b], kv, h, i) + c0;
         if (i >= m || !kv_cursor_next(&cur, &blk, &slot)) {
@@ -86,6 +86,8 @@ static void quant_blocks(void *ctx, size_t lo, size_t hi)
     size_t codes = 2 * (size_t)l->kv_heads * T * l->head_dim;
     size_t scales = kv_int8_scale_offset(l, 0, 0, 0), bytes = kv_int8_block_bytes(l);
     size_t scales_end = scales + 8 * (size_t)l->kv_heads * l->head_dim;
+    kv_cursor cur; /* at the first token of block b */
+    kv_cursor_init(&cur, j->segs, j->nsegs, lo * T);
     for (size_t b = lo; b < hi; b++) {
         size_t first = b * T;
         uint32_t m = j->ntok > first ? (uint32_t)(j->ntok - first < T ? j->ntok - first : T) : 0;
@@ -96,8 +98,11 @@ static void quant_blocks(void *ctx, size_t lo, size_t hi)
             for (uint32_t h = 0; h < l->kv_heads; h++)
                 for (uint32_t c0 = 0; c0 < l->head_dim; c0 += KV_CHUNK) {
                     uint32_t n = l->head_dim - c0 < KV_CHUNK ? l->head_dim - c0 : KV_CHUNK;
-                    quant_chunk(j, b, m, first, kv, h, c0, n);
+                    quant_chunk(j, b, m, &cur, kv, h, c0, n);
                 }
+        uint32_t blk, slot;
+        for (uint32_t i = 0; i < m; i++)
+            kv_cursor_next(&cur, &blk, &slot);
     }
 }
 

@@ -914,7 +914,7 @@ static void test_config_defaults(void **unused)
         {"block_size", "0"},    {"aggregation", "norm_sum"}, {"max_pool_window", "7"},
         {"snapkv_window", "8"}, {"kvcrush_budget", "0"},     {"kvcrush_anchor", "random"},
         {"kvcrush_seed", "0"},  {"rope_theta", "10000"},     {"head_size", "0"},
-        {"apply_rotation", "0"}};
+        {"apply_rotation", "0"}, {"rope_pairing", "half"}};
     assert_int_equal(p.count, sizeof want / sizeof want[0]);
     for (size_t i = 0; i < p.count; i++)
         assert_string_equal(policy_params_get(&p, want[i][0]), want[i][1]);

@@ -801,7 +801,7 @@ static void test_step_rejects_bad_stats(void **unused)
     uint8_t out[4];
     uint8_t *outs[1] = {out};
     policy_layer_view view = {0, 1, tokens, positions, tiers, 4, 3};
-    policy_decision dec = {outs, NULL, 0, 0, 0};
+    policy_decision dec = {.tier = outs};
     const policy_ops *ops = policy_host_ops(h);
     assert_int_equal(ops->step(policy_host_state(h), &view, &st, &dec, err, sizeof err), -1);
     assert_non_null(strstr(err, "does not extend the 5 tokens"));

@@ -1,0 +1,279 @@
+/*
+ * Unit tests of the operator's side of the daemon: config.c (options, INI
+ * files, --print-config round trip), metrics.c (addresses, hooks and the
+ * exposition text) and operator.c (Evict on a store: what leaves the tables,
+ * retired blocks, counts, and refusals that change nothing). No gRPC.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+#include <cmocka.h>
+
+#include "config.h"
+#include "metrics.h"
+#include "operator.h"
+#include "store.h"
+
+/* ---- config ---------------------------------------------------------------- */
+
+static void test_config_set(void **state)
+{
+    (void)state;
+    daemon_config c;
+    char err[256];
+    config_defaults(&c);
+    assert_int_equal(c.pool_mb, 256);
+    assert_int_equal(config_set(&c, "pool_mb", "12", err, sizeof err), 0);
+    assert_int_equal(config_set(&c, "max-seqs", "7", err, sizeof err), 0);
+    assert_int_equal(config_set(&c, "metrics_allow_remote", "yes", err, sizeof err), 0);
+    assert_int_equal(config_set(&c, "metrics", "127.0.0.1:1", err, sizeof err), 0);
+    assert_int_equal(config_set(&c, "listen", "off", err, sizeof err), 0);
+    assert_int_equal(c.pool_mb, 12);
+    assert_int_equal(c.max_seqs, 7);
+    assert_int_equal(c.metrics_allow_remote, 1);
+    assert_string_equal(c.metrics, "127.0.0.1:1");
+    assert_string_equal(c.listen, "");
+    assert_int_equal(config_set(&c, "pool_mb", "0", err, sizeof err), -1);
+    assert_non_null(strstr(err, "pool-mb must be an integer in [1, 1048576]"));
+    assert_int_equal(config_set(&c, "threads", "-1", err, sizeof err), -1);
+    assert_int_equal(config_set(&c, "log_level", "loud", err, sizeof err), -1);
+    assert_int_equal(config_set(&c, "metrics_allow_remote", "maybe", err, sizeof err), -1);
+    assert_int_equal(config_set(&c, "nope", "1", err, sizeof err), -1);
+    assert_non_null(strstr(err, "unknown option 'nope'"));
+    assert_int_equal(c.pool_mb, 12); /* failures change nothing */
+}
+
+static char *write_temp(const char *text)
+{
+    static char path[64];
+    snprintf(path, sizeof path, "/tmp/kvstash-test-conf.XXXXXX");
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    assert_int_equal(write(fd, text, strlen(text)), (ssize_t)strlen(text));
+    close(fd);
+    return path;
+}
+
+static void test_config_file_round_trip(void **state)
+{
+    (void)state;
+    daemon_config c, back;
+    char err[256];
+    config_defaults(&c);
+    char *path = write_temp("; comment\n[kvstashd]\nsocket = /tmp/x/k.sock\npool-mb = 64\n"
+                            "drain_ms = 250\nlog_level = debug\n");
+    assert_int_equal(config_load(&c, path, err, sizeof err), 0);
+    unlink(path);
+    assert_string_equal(c.socket, "/tmp/x/k.sock");
+    assert_int_equal(c.pool_mb, 64);
+    assert_int_equal(c.drain_ms, 250);
+    /* What --print-config writes reads back to the same configuration. */
+    char *text = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&text, &len);
+    config_print(&c, "test", f);
+    fclose(f);
+    path = write_temp(text);
+    free(text);
+    config_defaults(&back);
+    assert_int_equal(config_load(&back, path, err, sizeof err), 0);
+    unlink(path);
+    assert_memory_equal(&back, &c, sizeof c);
+    path = write_temp("[kvstashd]\npool_mb = 64\nthreads = many\n");
+    assert_int_equal(config_load(&c, path, err, sizeof err), -1);
+    assert_non_null(strstr(err, ":3: threads must be an integer"));
+    unlink(path);
+    path = write_temp("[elsewhere]\npool_mb = 64\n");
+    assert_int_equal(config_load(&c, path, err, sizeof err), -1);
+    assert_non_null(strstr(err, "unknown section [elsewhere]"));
+    unlink(path);
+    assert_int_equal(config_load(&c, "/nonexistent/k.conf", err, sizeof err), -1);
+    assert_non_null(strstr(err, "cannot open /nonexistent/k.conf"));
+}
+
+/* ---- metrics ------------------------------------------------------------------- */
+
+static void test_metrics_addresses(void **state)
+{
+    (void)state;
+    struct sockaddr_storage sa;
+    unsigned len;
+    assert_int_equal(metrics_parse_addr("127.0.0.1:9464", &sa, &len), 1);
+    assert_int_equal(metrics_parse_addr("127.1.2.3:0", &sa, &len), 1);
+    assert_int_equal(metrics_parse_addr("localhost:80", &sa, &len), 1);
+    assert_int_equal(metrics_parse_addr("[::1]:9464", &sa, &len), 1);
+    assert_int_equal(metrics_parse_addr("0.0.0.0:9464", &sa, &len), 0);
+    assert_int_equal(metrics_parse_addr("10.0.0.1:9464", &sa, &len), 0);
+    assert_int_equal(metrics_parse_addr("[::]:9464", &sa, &len), 0);
+    assert_int_equal(metrics_parse_addr("127.0.0.1", &sa, &len), -1);
+    assert_int_equal(metrics_parse_addr("127.0.0.1:99999", &sa, &len), -1);
+    assert_int_equal(metrics_parse_addr("example.com:80", &sa, &len), -1);
+    assert_int_equal(metrics_parse_addr(":80", &sa, &len), -1);
+    assert_int_equal(metrics_parse_addr("[::1:80", &sa, &len), -1);
+}
+
+/* ---- a store with one worker ---------------------------------------------------- */
+
+typedef struct fixture {
+    store st;
+    metrics *m;
+    char token[STORE_TOKEN_LEN + 1];    /* the owning worker, uid 1000 */
+    char operator[STORE_TOKEN_LEN + 1]; /* an operator session, never attached */
+    char stranger[STORE_TOKEN_LEN + 1]; /* uid 2000 */
+    uint64_t seq_full, seq_h2o;
+} fixture;
+
+static const pool_geometry geom = {2, 4, 2, 8, 4, POOL_FP32, 0}; /* 4 tokens a block */
+static const rpc_method no_methods[] = {{"/kvstash.v1.Store/Stats", NULL, NULL, NULL, NULL}};
+
+static int setup(void **state)
+{
+    static fixture f;
+    memset(&f, 0, sizeof f);
+    store_config cfg = {1 << 20, 4, 16, 64};
+    assert_int_equal(store_init(&f.st, &cfg, NULL), 0);
+    f.m = metrics_create(no_methods, 1);
+    assert_non_null(f.m);
+    f.st.metrics = f.m;
+    status s;
+    assert_int_equal(store_session_open(&f.st, 100, 1000, 1000, 1, f.token, &s), ST_OK);
+    assert_int_equal(store_session_open(&f.st, 101, geteuid(), 0, 2, f.operator, & s), ST_OK);
+    assert_int_equal(store_session_open(&f.st, 102, 2000, 2000, 3, f.stranger, &s), ST_OK);
+    store_attach_result r;
+    assert_int_equal(store_attach(&f.st, f.token, "m", &geom, "w", &r, &s), ST_OK);
+    policy_params p;
+    uint64_t epoch;
+    assert_int_equal(
+        store_seq_create(&f.st, f.token, "full", NULL, NULL, 0, "", &f.seq_full, &epoch, &p, &s),
+        ST_OK);
+    assert_int_equal(
+        store_seq_create(&f.st, f.token, "h2o", NULL, NULL, 0, "", &f.seq_h2o, &epoch, &p, &s),
+        ST_OK);
+    store_table w;
+    assert_int_equal(store_append(&f.st, f.token, f.seq_full, 16, 0, &w, &s), ST_OK);
+    store_table_free(&w);
+    assert_int_equal(store_append(&f.st, f.token, f.seq_h2o, 4, 0, &w, &s), ST_OK);
+    store_table_free(&w);
+    *state = &f;
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    fixture *f = *state;
+    store_destroy(&f->st);
+    metrics_destroy(f->m);
+    return 0;
+}
+
+static uint32_t held(fixture *f, uint64_t seq_id, uint32_t layer, const uint32_t **pos)
+{
+    return seq_list_tokens(store_find_seq_locked(&f->st, seq_id), layer, 0, pos);
+}
+
+static void test_evict_drops_positions_and_retires_blocks(void **state)
+{
+    fixture *f = *state;
+    status s;
+    operator_evict_result r;
+    seq *q = store_find_seq_locked(&f->st, f->seq_full);
+    uint64_t epoch = q->epoch;
+    uint32_t free_before = q->pool->nfree;
+    /* Positions 4-7 are block 1 of each layer; 9 and 30 (not held) on layer 1 only. */
+    const operator_range all[] = {{4, 4}};
+    assert_int_equal(operator_evict(&f->st, f->operator, f->seq_full, all, 1, NULL, 0, &r, &s),
+                     ST_OK);
+    assert_int_equal(r.evicted, 8);
+    assert_int_equal(r.requested, 8);
+    assert_int_equal(r.by_policy, 0);
+    assert_int_equal(r.not_held, 0);
+    assert_int_equal(r.epoch, epoch + 1);
+    assert_int_equal(seq_retired_count(q), 2); /* one block per layer, until acked */
+    assert_int_equal(q->pool->nfree, free_before);
+    const operator_range some[] = {{9, 1}, {5, 1}};
+    const uint32_t layer1[] = {1};
+    assert_int_equal(operator_evict(&f->st, f->operator, f->seq_full, some, 2, layer1, 1, &r, &s),
+                     ST_OK);
+    assert_int_equal(r.evicted, 1);
+    assert_int_equal(r.not_held, 1);
+    const uint32_t *pos;
+    assert_int_equal(held(f, f->seq_full, 0, &pos), 12);
+    assert_int_equal(held(f, f->seq_full, 1, &pos), 11);
+    assert_int_equal(pos[3], 3);
+    assert_int_equal(pos[4], 8);
+    assert_int_equal(pos[5], 10);
+    /* The worker's table agrees with the host, and acking frees the blocks. */
+    store_table t;
+    assert_int_equal(store_get_table(&f->st, f->token, f->seq_full, r.epoch, 1, &t, &s), ST_OK);
+    assert_int_equal(t.lists[1].tokens, 11);
+    uint32_t segs_tokens = 0;
+    for (size_t i = 0; i < t.lists[1].nsegs; i++)
+        segs_tokens += t.lists[1].segs[i].count;
+    assert_int_equal(segs_tokens, 11);
+    store_table_free(&t);
+    assert_int_equal(seq_retired_count(q), 0);
+    assert_int_equal(q->pool->nfree, free_before + 2);
+    /* The counters moved, by operator. */
+    char *text = metrics_render(f->m, &f->st, NULL);
+    assert_non_null(text);
+    assert_non_null(
+        strstr(text, "kvstash_evicted_tokens_total{policy=\"full\",by=\"operator\"} 9"));
+    assert_non_null(strstr(text, "kvstash_appended_tokens_total{policy=\"full\"} 16"));
+    assert_non_null(strstr(text, "kvstash_tokens{policy=\"full\",tier=\"fp16\"} 23"));
+    assert_non_null(strstr(text, "kvstash_workers 1\n"));
+    free(text);
+}
+
+static void test_evict_refusals_change_nothing(void **state)
+{
+    fixture *f = *state;
+    status s;
+    operator_evict_result r;
+    seq *q = store_find_seq_locked(&f->st, f->seq_full);
+    uint64_t epoch = q->epoch;
+    const operator_range one[] = {{1, 1}}, beyond[] = {{15, 2}}, empty[] = {{1, 0}};
+    const uint32_t bad_layer[] = {2};
+    assert_int_equal(operator_evict(&f->st, NULL, f->seq_full, one, 1, NULL, 0, &r, &s),
+                     ST_UNAUTHENTICATED);
+    assert_int_equal(operator_evict(&f->st, f->operator, 999, one, 1, NULL, 0, &r, &s),
+                     ST_NOT_FOUND);
+    if (geteuid() != 2000) {
+        assert_int_equal(operator_evict(&f->st, f->stranger, f->seq_full, one, 1, NULL, 0, &r, &s),
+                         ST_PERMISSION_DENIED);
+    }
+    assert_int_equal(operator_evict(&f->st, f->operator, f->seq_h2o, one, 1, NULL, 0, &r, &s),
+                     ST_FAILED_PRECONDITION);
+    assert_non_null(strstr(s.msg, "per-token state"));
+    assert_int_equal(operator_evict(&f->st, f->operator, f->seq_full, beyond, 1, NULL, 0, &r, &s),
+                     ST_INVALID_ARGUMENT);
+    assert_int_equal(operator_evict(&f->st, f->operator, f->seq_full, empty, 1, NULL, 0, &r, &s),
+                     ST_INVALID_ARGUMENT);
+    assert_int_equal(operator_evict(&f->st, f->operator, f->seq_full, NULL, 0, NULL, 0, &r, &s),
+                     ST_INVALID_ARGUMENT);
+    assert_int_equal(operator_evict(&f->st, f->operator, f->seq_full, one, 1, bad_layer, 1, &r, &s),
+                     ST_INVALID_ARGUMENT);
+    assert_int_equal(q->epoch, epoch);
+    assert_int_equal(held(f, f->seq_full, 0, NULL), 16);
+    /* The worker itself may evict from its own sequence. */
+    assert_int_equal(operator_evict(&f->st, f->token, f->seq_full, one, 1, NULL, 0, &r, &s), ST_OK);
+    assert_int_equal(r.evicted, 2);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_config_set),
+        cmocka_unit_test(test_config_file_round_trip),
+        cmocka_unit_test(test_metrics_addresses),
+        cmocka_unit_test_setup_teardown(test_evict_drops_positions_and_retires_blocks, setup,
+                                        teardown),
+        cmocka_unit_test_setup_teardown(test_evict_refusals_change_nothing, setup, teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
