@@ -15,82 +15,6 @@ int operator_can_evict(const policy_ops *p)
 
 /* ---- the block table side (the same rules as seq.c's eviction) ------------- */
 
-static int grow(void **arr, size_t *cap, size_t need, size_t elt)
-{
-    if (need <= *cap)
-        return 0;
-    size_t ncap = *cap ? *cap : 8;
-    while (ncap < need)
-        ncap *= 2;
-    void *n = realloc(*arr, ncap * elt);
-    if (n == NULL)
-        return -1;
-    *arr = n;
-    *cap = ncap;
-    return 0;
-}
-
-static int retire(seq *q, uint32_t block, uint64_t epoch)
-{
-    if (grow((void **)&q->retired, &q->retired_cap, q->nretired + 1, sizeof *q->retired) != 0)
-        return -1;
-    q->retired[q->nretired++] = (seq_retired){block, epoch};
-    return 0;
-}
-
-/*
- * Drop the tokens whose tier is POLICY_EVICT from a list's segments without
- * moving data, and retire the blocks left with no token (a worker may still
- * read them through its older table). This mirrors seq.c's list_evict, which
- * is private to seq.c; the two must keep the same rules: segments stay in
- * token order, a block's segments stay adjacent, and a tail block that lost
- * every token is no longer the tail (its never-written slots are not reused).
- */
-static int list_drop(seq *q, seq_list *ly, const uint8_t *tier, uint32_t n, uint64_t epoch)
-{
-    size_t runs = 0;
-    for (uint32_t t = 0; t < n; t++)
-        runs += tier[t] != POLICY_EVICT && (t == 0 || tier[t - 1] == POLICY_EVICT);
-    if (grow((void **)&ly->segs, &ly->segs_cap, runs + ly->nsegs, sizeof *ly->segs) != 0)
-        return -1;
-    size_t nsegs = ly->nsegs;
-    kv_segment *old = malloc((nsegs ? nsegs : 1) * sizeof *old);
-    if (old == NULL)
-        return -1;
-    memcpy(old, ly->segs, nsegs * sizeof *old);
-    size_t out = 0, t = 0;
-    int block_has_kept = 0, rc = 0;
-    for (size_t i = 0; i < nsegs && rc == 0; i++) {
-        const kv_segment *sg = &old[i];
-        int run_open = 0;
-        for (uint32_t j = 0; j < sg->count; j++, t++) {
-            if (tier[t] == POLICY_EVICT) {
-                run_open = 0;
-                continue;
-            }
-            block_has_kept = 1;
-            if (run_open)
-                ly->segs[out - 1].count++;
-            else
-                ly->segs[out++] = (kv_segment){sg->block, sg->first_slot + j, 1};
-            run_open = 1;
-        }
-        if (i + 1 < nsegs && old[i + 1].block == sg->block)
-            continue;
-        if (!block_has_kept) {
-            rc = retire(q, sg->block, epoch);
-            if (ly->has_tail && ly->tail_block == sg->block)
-                ly->has_tail = 0;
-        }
-        block_has_kept = 0;
-    }
-    ly->nsegs = out;
-    free(old);
-    return rc;
-}
-
-/* ---- requests ------------------------------------------------------------------ */
-
 static int range_cmp(const void *a, const void *b)
 {
     const operator_range *x = a, *y = b;
@@ -196,13 +120,11 @@ static status_code evict_layer(seq *q, uint32_t l, const operator_range *r, size
                           "policy %s asked for %s, which an operator eviction "
                           "does not apply",
                           q->policy->name, d->nmerges != 0 ? "value merges" : "key re-rotation");
-    status_code rc = ST_OK;
-    for (uint32_t k = 0; k < q->heads && rc == ST_OK; k++) {
+    for (uint32_t k = 0; k < q->heads; k++) {
         const uint32_t *pos;
         uint32_t n = seq_list_tokens(q, l, k, &pos), hit = 0;
         uint8_t *tier = d->tier[k];
         size_t cur = 0;
-        int any = 0;
         for (uint32_t i = 0; i < n; i++) {
             if (in_ranges(r, nr, &cur, pos[i])) {
                 tier[i] = POLICY_EVICT;
@@ -210,16 +132,13 @@ static status_code evict_layer(seq *q, uint32_t l, const operator_range *r, size
             } else if (tier[i] == POLICY_EVICT) {
                 out->by_policy++;
             }
-            any |= tier[i] == POLICY_EVICT;
         }
         out->requested += hit;
         out->not_held += (uint32_t)(span - hit);
-        if (any && list_drop(q, &q->lists[(size_t)l * q->heads + k], tier, n, epoch) != 0)
-            rc = status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
     }
-    /* Commit even after a failure: the table already matches the decision
-     * for the lists done so far, and the host must match the table. */
-    out->evicted += (uint32_t)policy_host_commit(q->host, l);
+    size_t evicted = 0;
+    status_code rc = seq_apply_decision(q, l, d, epoch, &evicted, s);
+    out->evicted += (uint32_t)evicted;
     return rc;
 }
 

@@ -307,7 +307,7 @@ static int list_rerotate(seq *s, seq_list *ly, const uint8_t *tier, uint32_t n,
 /* Apply one layer's decision: merge, evict in the segments, then commit in
  * the host. INT8 and sketch tiers are recorded in the host (the policy sees
  * them) but the tokens stay in full precision until the tiers land. */
-static status_code layer_apply(seq *s, uint32_t l, const policy_decision *d, uint64_t epoch,
+status_code seq_apply_decision(seq *s, uint32_t l, const policy_decision *d, uint64_t epoch,
                                size_t *evicted, status *st)
 {
     apply_merges(s, l, d);
@@ -403,7 +403,7 @@ static status_code seq_run_policy(seq *s, const seq_step_input *in, uint64_t epo
         if (policy_host_step(s->host, l, &ps, &d, err, sizeof err) != 0)
             rc = status_set(st, ST_INTERNAL, "policy %s failed: %s", s->policy->name, err);
         else
-            rc = layer_apply(s, l, d, epoch, &total, st);
+            rc = seq_apply_decision(s, l, d, epoch, &total, st);
     }
     free(ptrs);
     s->unstepped = 0;

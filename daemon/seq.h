@@ -121,6 +121,13 @@ typedef struct seq_step_input {
  */
 status_code seq_step(seq *s, const seq_step_input *in, uint32_t *evicted, status *st);
 
+/* Apply a decision of layer l that policy_host_step returned (possibly
+ * amended, as an operator eviction does): value merges, eviction from the
+ * block tables (emptied blocks retired at `epoch`), key re-rotation,
+ * compaction, then the host's commit. *evicted grows by the tokens removed. */
+status_code seq_apply_decision(seq *s, uint32_t l, const policy_decision *d, uint64_t epoch,
+                               size_t *evicted, status *st);
+
 /* Floats a step must carry for `arrays` given the current lists. */
 size_t seq_step_floats(seq *s, unsigned arrays);
 

@@ -111,15 +111,55 @@ KV_HD uint16_t kv_float_to_bf16(float f)
 
 #ifndef __CUDACC__
 
+#if defined(__F16C__) && defined(__AVX2__)
+#include <immintrin.h>
+
+/* fp16 -> fp32 of the first n - n % 8 elements with F16C; returns how many
+ * it did. vcvtph2ps quietens signalling NaNs, which kv_elt_load does not:
+ * when any lane came out NaN it returns 0, and the caller's scalar loop
+ * redoes the row. */
+static inline size_t kv_f16_load_f16c(const uint8_t *src, size_t n, float *dst)
+{
+    size_t i = 0;
+    __m256 nan = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        __m256 f = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 2 * i)));
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+        _mm256_storeu_ps(dst + i, f);
+    }
+    return _mm256_testz_ps(nan, nan) ? i : 0;
+}
+
+/* fp32 -> fp16 (round to nearest even, as kv_elt_store) of the first
+ * n - n % 8 elements; 0 when an input was NaN (vcvtps2ph keeps payload bits
+ * that kv_elt_store drops): the caller's scalar loop then redoes the row. */
+static inline size_t kv_f16_store_f16c(uint8_t *dst, size_t n, const float *src)
+{
+    size_t i = 0;
+    __m256 nan = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        __m256 f = _mm256_loadu_ps(src + i);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+        _mm_storeu_si128((__m128i *)(dst + 2 * i), _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT));
+    }
+    return _mm256_testz_ps(nan, nan) ? i : 0;
+}
+#endif
+
 /* Rows of n elements of type t <-> fp32, one loop per type so that each
- * vectorises (the unaligned 2-byte loads go through memcpy). */
+ * vectorises (the unaligned 2-byte loads go through memcpy); fp16 uses F16C
+ * in the AVX2 build (isa.h). */
 static inline void kv_row_load(const uint8_t *restrict src, kv_dtype t, size_t n,
                                float *restrict dst)
 {
     if (t == KV_FP32) {
         memcpy(dst, src, n * 4);
     } else if (t == KV_FP16) {
-        for (size_t i = 0; i < n; i++) {
+        size_t i = 0;
+#if defined(__F16C__) && defined(__AVX2__)
+        i = kv_f16_load_f16c(src, n, dst);
+#endif
+        for (; i < n; i++) {
             uint16_t h;
             memcpy(&h, src + 2 * i, 2);
             dst[i] = kv_half_to_float(h);
@@ -139,7 +179,11 @@ static inline void kv_row_store(uint8_t *restrict dst, kv_dtype t, size_t n,
     if (t == KV_FP32) {
         memcpy(dst, src, n * 4);
     } else if (t == KV_FP16) {
-        for (size_t i = 0; i < n; i++) {
+        size_t i = 0;
+#if defined(__F16C__) && defined(__AVX2__)
+        i = kv_f16_store_f16c(dst, n, src);
+#endif
+        for (; i < n; i++) {
             uint16_t h = kv_float_to_half(src[i]);
             memcpy(dst + 2 * i, &h, 2);
         }

@@ -141,6 +141,15 @@ void kv_decode_attention(const kv_layout *l, kv_dtype t, const uint8_t *pool,
 unsigned kv_parallel_threads(size_t bytes);
 
 /*
+ * The same fast kernels are built for the baseline ISA and, on x86-64, for
+ * AVX2 + F16C; each call runs the AVX2 build when the CPU has both and
+ * KVSTASH_KERNEL_ISA (read per call) is not "generic". Both builds give the
+ * same bytes. kv_kernel_isa() names the build calls take now: "avx2+f16c"
+ * or "generic" (a static string).
+ */
+const char *kv_kernel_isa(void);
+
+/*
  * ---- INT8 tier (POLICIES.md §5.4) ----
  *
  * An INT8 block holds the K and V of up to l->block_tokens tokens of one
@@ -266,8 +275,7 @@ void kv_sketch_hash_list(uint64_t layer_seed, uint32_t rows, uint32_t buckets, c
  * Query and revive write every slot of the list (distinct slots).
  */
 void kv_sketch_insert_ref(kv_sketch *sk, const kv_layout *l, kv_dtype t, const uint8_t *pool,
-                          const kv_segment *segs, size_t nsegs, const uint32_t *h,
-                          const int8_t *g);
+                          const kv_segment *segs, size_t nsegs, const uint32_t *h, const int8_t *g);
 void kv_sketch_insert(kv_sketch *sk, const kv_layout *l, kv_dtype t, const uint8_t *pool,
                       const kv_segment *segs, size_t nsegs, const uint32_t *h, const int8_t *g);
 void kv_sketch_query_ref(const kv_sketch *sk, const uint32_t *h, const int8_t *g,
@@ -319,8 +327,8 @@ void kv_vnorm_l1_ref(const kv_layout *l, kv_dtype t, const uint8_t *pool, const 
                      size_t nsegs, const float *wo, size_t wo_stride, uint32_t q_heads,
                      uint32_t hidden, float *out);
 void kv_vnorm_l1(const kv_layout *l, kv_dtype t, const uint8_t *pool, const kv_segment *segs,
-                 size_t nsegs, const float *wo, size_t wo_stride, uint32_t q_heads,
-                 uint32_t hidden, float *out);
+                 size_t nsegs, const float *wo, size_t wo_stride, uint32_t q_heads, uint32_t hidden,
+                 float *out);
 
 /*
  * ---- Value merges, batched ----
@@ -364,8 +372,7 @@ int kv_int8_dequantize_cuda(const kv_layout *l, const uint8_t *qpool, const kv_s
                             size_t nqsegs, kv_dtype t, uint8_t *pool, const kv_segment *dst,
                             size_t ndst);
 int kv_sketch_insert_cuda(kv_sketch *sk, const kv_layout *l, kv_dtype t, const uint8_t *pool,
-                          const kv_segment *segs, size_t nsegs, const uint32_t *h,
-                          const int8_t *g);
+                          const kv_segment *segs, size_t nsegs, const uint32_t *h, const int8_t *g);
 int kv_sketch_query_cuda(const kv_sketch *sk, const uint32_t *h, const int8_t *g,
                          const kv_layout *l, kv_dtype t, uint8_t *pool, const kv_segment *segs,
                          size_t nsegs);
@@ -381,8 +388,8 @@ int kv_vnorm_l1_cuda(const kv_layout *l, kv_dtype t, const uint8_t *pool, const 
 int kv_merge_values_cuda(const kv_layout *l, kv_dtype t, uint8_t *pool, const kv_merge *m,
                          size_t n);
 int kv_decode_attention_cuda(const kv_layout *l, kv_dtype t, const uint8_t *pool,
-                             const kv_segment *segs, size_t nsegs, const float *q,
-                             uint32_t q_heads, float scale, float *out, float *probs);
+                             const kv_segment *segs, size_t nsegs, const float *q, uint32_t q_heads,
+                             float scale, float *out, float *probs);
 #endif
 
 #ifdef __cplusplus

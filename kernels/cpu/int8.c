@@ -1,8 +1,10 @@
 /*
  * int8.c - fast CPU INT8 tier kernels (kernels.h "INT8 tier").
  *
- * Rows are converted to fp32 in chunks of KV_CHUNK channels on the stack, and
- * every per-channel loop runs across channels, so it vectorises. The result
+ * Rows are converted to fp32 once, in chunks of channels on the stack (a
+ * quantised group chunk's tokens sit in one tile between the max and the
+ * codes), and every per-channel loop runs across channels, so it
+ * vectorises. The result
  * equals int8_ref.c byte for byte:
  *  - max|x| does not depend on the order it is taken in;
  *  - s = max/127 and x/s are the same IEEE divisions (no reciprocal);
@@ -16,6 +18,7 @@
 #include <string.h>
 
 #include "../elt.h"
+#include "isa.h"
 #include "kernels.h"
 #include "parallel.h"
 #include "tokens.h"
@@ -34,45 +37,84 @@ typedef struct quant_job {
     const uint32_t *qblocks;
 } quant_job;
 
+#ifdef __AVX2__
+#include <immintrin.h>
+
+/* Codes of the first n - n % 32 channels: the same IEEE division, then
+ * cvtps2dq, which rounds in the current mode (nearest even by default, as
+ * nearbyintf), clamps as integers and narrows with saturating packs (a
+ * no-op within [-127, 127]). Returns how many channels it did. */
+static uint32_t codes_avx2(const float *x, const float *s, uint32_t n, int8_t *q)
+{
+    const __m256i hi = _mm256_set1_epi32(127), lo = _mm256_set1_epi32(-127);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    uint32_t c = 0;
+    for (; c + 32 <= n; c += 32) {
+        __m256i v[4];
+        for (int k = 0; k < 4; k++) {
+            __m256 y =
+                _mm256_div_ps(_mm256_loadu_ps(x + c + 8 * k), _mm256_loadu_ps(s + c + 8 * k));
+            v[k] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(y), hi), lo);
+        }
+        __m256i w =
+            _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+        _mm256_storeu_si256((__m256i *)(q + c), _mm256_permutevar8x32_epi32(w, order));
+    }
+    return c;
+}
+#endif
+
+/* Floats of the stack tile holding a group chunk's tokens, converted once. */
+#define QTILE 8192u
+
 /* Codes and scales of channels [c0, c0 + n) of (kv, head) of INT8 block b,
- * whose m tokens start where cursor `start` stands. */
+ * whose m tokens start where cursor `start` stands; m * n <= QTILE. */
 static void quant_chunk(const quant_job *j, size_t b, uint32_t m, const kv_cursor *start,
                         uint32_t kv, uint32_t h, uint32_t c0, uint32_t n)
 {
     const kv_layout *l = j->l;
     size_t half = kv ? kv_block_bytes(l) / 2 : 0, coff = (size_t)c0 * l->elt_size;
-    float buf[KV_CHUNK], amax[KV_CHUNK], s[KV_CHUNK];
-    kv_cursor cur;
-    uint32_t blk, slot;
+    float tile[QTILE], amax[KV_CHUNK], s[KV_CHUNK];
+    kv_cursor cur = *start;
+    uint32_t blk, slot, i;
 
     for (uint32_t c = 0; c < n; c++)
         amax[c] = 0;
-    cur = *start;
-    for (uint32_t i = 0; i < m && kv_cursor_next(&cur, &blk, &slot); i++) {
-        kv_row_load(j->pool + kv_key_offset(l, blk, h, slot) + half + coff, j->t, n, buf);
+    for (i = 0; i < m && kv_cursor_next(&cur, &blk, &slot); i++) {
+        float *x = tile + (size_t)i * n;
+        kv_row_load(j->pool + kv_key_offset(l, blk, h, slot) + half + coff, j->t, n, x);
         for (uint32_t c = 0; c < n; c++) {
-            float a = buf[c] < 0 ? -buf[c] : buf[c];
+            float a = x[c] < 0 ? -x[c] : x[c];
             amax[c] = a > amax[c] ? a : amax[c];
         }
     }
-    /* §5.4: an all-zero group gets scale 1. */
-    for (uint32_t c = 0; c < n; c++)
-        s[c] = amax[c] > 0 ? amax[c] / 127.0f : 1.0f;
+    m = i;
+    /* §5.4: an all-zero group gets scale 1 (divided first, then selected:
+     * a division under a condition does not vectorise). */
+    for (uint32_t c = 0; c < n; c++) {
+        float q = amax[c] / 127.0f;
+        s[c] = amax[c] > 0 ? q : 1.0f;
+    }
     memcpy(j->qpool + kv_int8_scale_offset(l, j->qblocks[b], kv, h) + 4 * (size_t)c0, s,
            4 * (size_t)n);
-
-    cur = *start;
-    for (uint32_t i = 0; i < l->block_tokens; i++) {
-        int8_t *q = (int8_t *)j->qpool + kv_int8_code_offset(l, j->qblocks[b], kv, h, i) + c0;
-        if (i >= m || !kv_cursor_next(&cur, &blk, &slot)) {
+    size_t row0 = kv_int8_code_offset(l, j->qblocks[b], kv, h, 0) + c0;
+    for (i = 0; i < l->block_tokens; i++) {
+        int8_t *q = (int8_t *)j->qpool + row0 + (size_t)i * l->head_dim;
+        if (i >= m) {
             memset(q, 0, n); /* slots past the block's tokens */
             continue;
         }
-        kv_row_load(j->pool + kv_key_offset(l, blk, h, slot) + half + coff, j->t, n, buf);
-        for (uint32_t c = 0; c < n; c++) {
-            float r = (buf[c] / s[c] + RNE_MAGIC) - RNE_MAGIC;
-            r = r > 127 ? 127 : r;
-            r = r < -127 ? -127 : r;
+        const float *x = tile + (size_t)i * n;
+        uint32_t c = 0;
+#ifdef __AVX2__
+        c = codes_avx2(x, s, n, q);
+#endif
+        for (; c < n; c++) {
+            float r = (x[c] / s[c] + RNE_MAGIC) - RNE_MAGIC;
+            /* the reference's clamp, written as min / max (equal for the
+             * finite values kernels.h requires) */
+            r = r < 127 ? r : 127;
+            r = r > -127 ? r : -127;
             q[c] = (int8_t)(int)r;
         }
     }
@@ -83,6 +125,8 @@ static void quant_blocks(void *ctx, size_t lo, size_t hi)
     const quant_job *j = ctx;
     const kv_layout *l = j->l;
     uint32_t T = l->block_tokens;
+    /* channels per chunk: the chunk's T rows fit the tile */
+    uint32_t width = QTILE / (T ? T : 1) < KV_CHUNK ? QTILE / (T ? T : 1) : KV_CHUNK;
     size_t codes = 2 * (size_t)l->kv_heads * T * l->head_dim;
     size_t scales = kv_int8_scale_offset(l, 0, 0, 0), bytes = kv_int8_block_bytes(l);
     size_t scales_end = scales + 8 * (size_t)l->kv_heads * l->head_dim;
@@ -96,8 +140,8 @@ static void quant_blocks(void *ctx, size_t lo, size_t hi)
         memset(base + scales_end, 0, bytes - scales_end);
         for (uint32_t kv = 0; kv < 2; kv++)
             for (uint32_t h = 0; h < l->kv_heads; h++)
-                for (uint32_t c0 = 0; c0 < l->head_dim; c0 += KV_CHUNK) {
-                    uint32_t n = l->head_dim - c0 < KV_CHUNK ? l->head_dim - c0 : KV_CHUNK;
+                for (uint32_t c0 = 0; c0 < l->head_dim; c0 += width) {
+                    uint32_t n = l->head_dim - c0 < width ? l->head_dim - c0 : width;
                     quant_chunk(j, b, m, &cur, kv, h, c0, n);
                 }
         uint32_t blk, slot;
@@ -106,11 +150,13 @@ static void quant_blocks(void *ctx, size_t lo, size_t hi)
     }
 }
 
-void kv_int8_quantize(const kv_layout *l, kv_dtype t, const uint8_t *pool, const kv_segment *segs,
-                      size_t nsegs, uint8_t *qpool, const uint32_t *qblocks, size_t nq)
+void KV_FAST(kv_int8_quantize)(const kv_layout *l, kv_dtype t, const uint8_t *pool,
+                               const kv_segment *segs, size_t nsegs, uint8_t *qpool,
+                               const uint32_t *qblocks, size_t nq)
 {
     quant_job j = {l, t, pool, segs, nsegs, kv_segments_tokens(segs, nsegs), qpool, qblocks};
     assert(j.ntok <= nq * (size_t)l->block_tokens);
+    assert(l->block_tokens <= QTILE);
     size_t bytes = nq * (kv_block_bytes(l) + kv_int8_block_bytes(l));
     kv_parallel_for(nq, bytes, quant_blocks, &j);
 }
@@ -175,9 +221,9 @@ static void dequant_tokens(void *ctx, size_t lo, size_t hi)
     }
 }
 
-void kv_int8_dequantize(const kv_layout *l, const uint8_t *qpool, const kv_segment *qsegs,
-                        size_t nqsegs, kv_dtype t, uint8_t *pool, const kv_segment *dst,
-                        size_t ndst)
+void KV_FAST(kv_int8_dequantize)(const kv_layout *l, const uint8_t *qpool, const kv_segment *qsegs,
+                                 size_t nqsegs, kv_dtype t, uint8_t *pool, const kv_segment *dst,
+                                 size_t ndst)
 {
     dequant_job j = {l, qpool, qsegs, nqsegs, t, pool, dst, ndst};
     size_t a = kv_segments_tokens(qsegs, nqsegs), b = kv_segments_tokens(dst, ndst);

@@ -1,24 +1,17 @@
 /*
- * merge_list.c - batched value merges (kernels.h "Value merges, batched").
- *
- * The reference applies kv_merge_value (merge.c) once per merge. The fast
- * version converts each head's two rows once per chunk and mixes them
- * across channels with the same fp32 expression a*x + b*y (weights
- * normalised exactly as merge.c does), so the results are identical.
+ * merge_list.c - fast batched value merges (kernels.h "Value merges,
+ * batched"). The reference (merge_list_ref.c) applies kv_merge_value
+ * (merge.c) once per merge. This version converts each head's two rows once per chunk and mixes
+ * them across channels with the same fp32 expression a*x + b*y (weights normalised exactly as
+ * merge.c does), so the results are identical.
  */
 #include "../elt.h"
+#include "isa.h"
 #include "kernels.h"
 #include "tokens.h"
 
-void kv_merge_values_ref(const kv_layout *l, kv_dtype t, uint8_t *pool, const kv_merge *m,
-                         size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        kv_merge_value(l, t, pool, m[i].from_block, m[i].from_slot, m[i].into_block,
-                       m[i].into_slot, m[i].w_from, m[i].w_into);
-}
-
-void kv_merge_values(const kv_layout *l, kv_dtype t, uint8_t *pool, const kv_merge *m, size_t n)
+void KV_FAST(kv_merge_values)(const kv_layout *l, kv_dtype t, uint8_t *pool, const kv_merge *m,
+                              size_t n)
 {
     size_t half = kv_block_bytes(l) / 2;
     float x[KV_CHUNK], y[KV_CHUNK];

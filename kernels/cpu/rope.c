@@ -2,8 +2,9 @@
  * rope.c - fast CPU RoPE re-rotation (kernels.h "RoPE re-rotation").
  *
  * The coefficients depend only on the delta, which is usually shared by a
- * whole block of tokens (OpenVINO rotates per block, §2.8): they are computed
- * once per run of equal deltas, with the same double-precision formula as
+ * whole block of tokens and takes few values (OpenVINO rotates per block by
+ * a multiple of the block size, §2.8): each thread keeps the rows of its last
+ * RCACHE deltas, computed with the same double-precision formula as
  * rope_ref.c, and the rotation itself is the same fp32 arithmetic applied
  * across a row, so the result equals the reference exactly. Rows are
  * converted in chunks of KV_CHUNK channels; the coefficient table covers
@@ -12,8 +13,10 @@
  */
 #include <assert.h>
 #include <math.h>
+#include <stdlib.h>
 
 #include "../elt.h"
+#include "isa.h"
 #include "kernels.h"
 #include "parallel.h"
 #include "tokens.h"
@@ -83,26 +86,58 @@ static void rotate_interleaved(const rope_job *j, uint8_t *row, uint32_t p0, uin
     }
 }
 
+/* Coefficient rows kept per thread: OpenVINO-style rotations use a handful
+ * of deltas (one per shift), and recomputing a row costs d sin/cos pairs. */
+#define RCACHE 8u
+
+typedef struct coef_cache {
+    float c[RCACHE][RCHUNK], s[RCACHE][RCHUNK];
+    int32_t delta[RCACHE];
+    uint32_t p0[RCACHE];
+    uint32_t used, next;
+} coef_cache;
+
+/* The row for (delta, pairs from p0), computed on a miss. */
+static uint32_t cache_row(const rope_job *j, coef_cache *cc, int32_t delta, uint32_t p0,
+                          uint32_t np)
+{
+    for (uint32_t k = 0; k < cc->used; k++)
+        if (cc->delta[k] == delta && cc->p0[k] == p0)
+            return k;
+    uint32_t k = cc->next;
+    cc->next = (cc->next + 1) % RCACHE;
+    if (cc->used < RCACHE)
+        cc->used++;
+    coefficients(j, delta, p0, np, cc->c[k], cc->s[k]);
+    cc->delta[k] = delta;
+    cc->p0[k] = p0;
+    return k;
+}
+
 static void rope_tokens(void *ctx, size_t lo, size_t hi)
 {
     const rope_job *j = ctx;
     const kv_layout *l = j->l;
     uint32_t npairs = l->head_dim / 2;
-    float c[RCHUNK], s[RCHUNK];
-    int have = 0;
-    int32_t have_delta = 0;
-    uint32_t have_p0 = 0;
+    coef_cache *cc = malloc(sizeof *cc);
+    float one_c[RCHUNK], one_s[RCHUNK]; /* out of memory: no cache */
     kv_cursor cur;
     uint32_t blk, slot;
+    if (cc != NULL)
+        cc->used = cc->next = 0;
     kv_cursor_init(&cur, j->segs, j->nsegs, lo);
     for (size_t n = lo; n < hi && kv_cursor_next(&cur, &blk, &slot); n++) {
         for (uint32_t p0 = 0; p0 < npairs; p0 += RCHUNK) {
             uint32_t np = npairs - p0 < RCHUNK ? npairs - p0 : RCHUNK;
-            if (!have || have_delta != j->delta[n] || have_p0 != p0) {
-                coefficients(j, j->delta[n], p0, np, c, s);
-                have = 1;
-                have_delta = j->delta[n];
-                have_p0 = p0;
+            const float *c, *s;
+            if (cc != NULL) {
+                uint32_t k = cache_row(j, cc, j->delta[n], p0, np);
+                c = cc->c[k];
+                s = cc->s[k];
+            } else {
+                coefficients(j, j->delta[n], p0, np, one_c, one_s);
+                c = one_c;
+                s = one_s;
             }
             for (uint32_t h = 0; h < l->kv_heads; h++) {
                 uint8_t *row = j->pool + kv_key_offset(l, blk, h, slot);
@@ -113,10 +148,12 @@ static void rope_tokens(void *ctx, size_t lo, size_t hi)
             }
         }
     }
+    free(cc);
 }
 
-void kv_rope_rerotate(const kv_layout *l, kv_dtype t, uint8_t *pool, const kv_segment *segs,
-                      size_t nsegs, const int32_t *delta, double theta, kv_rope_pairing pairing)
+void KV_FAST(kv_rope_rerotate)(const kv_layout *l, kv_dtype t, uint8_t *pool,
+                               const kv_segment *segs, size_t nsegs, const int32_t *delta,
+                               double theta, kv_rope_pairing pairing)
 {
     assert(l->head_dim % 2 == 0);
     rope_job j = {l, t, pool, segs, nsegs, delta, theta, pairing};

@@ -9,8 +9,7 @@
 #include "kernels.h"
 
 void kv_rope_rerotate_ref(const kv_layout *l, kv_dtype t, uint8_t *pool, const kv_segment *segs,
-                          size_t nsegs, const int32_t *delta, double theta,
-                          kv_rope_pairing pairing)
+                          size_t nsegs, const int32_t *delta, double theta, kv_rope_pairing pairing)
 {
     uint32_t d = l->head_dim, half = d / 2;
     assert(d % 2 == 0);

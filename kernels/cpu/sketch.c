@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "../elt.h"
+#include "isa.h"
 #include "kernels.h"
 #include "parallel.h"
 #include "tokens.h"
@@ -57,8 +58,8 @@ static void insert_channels(void *ctx, size_t lo, size_t hi)
                 w = KV_CHUNK;
             if (w > hi - c0)
                 w = (uint32_t)(hi - c0);
-            const uint8_t *row = j->pool + kv_key_offset(l, blk, head, slot) +
-                                 (size_t)j0 * l->elt_size;
+            const uint8_t *row =
+                j->pool + kv_key_offset(l, blk, head, slot) + (size_t)j0 * l->elt_size;
             kv_row_load(row, j->t, w, kb);
             kv_row_load(row + half, j->t, w, vb);
             for (uint32_t i = 0; i < sk->rows; i++) {
@@ -76,8 +77,9 @@ static void insert_channels(void *ctx, size_t lo, size_t hi)
     }
 }
 
-void kv_sketch_insert(kv_sketch *sk, const kv_layout *l, kv_dtype t, const uint8_t *pool,
-                      const kv_segment *segs, size_t nsegs, const uint32_t *h, const int8_t *g)
+void KV_FAST(kv_sketch_insert)(kv_sketch *sk, const kv_layout *l, kv_dtype t, const uint8_t *pool,
+                               const kv_segment *segs, size_t nsegs, const uint32_t *h,
+                               const int8_t *g)
 {
     assert(sk->dim == l->kv_heads * l->head_dim);
     insert_job j = {sk, l, t, pool, segs, nsegs, h, g};
@@ -219,8 +221,9 @@ static void query_tokens(void *ctx, size_t lo, size_t hi)
                     slot, 0);
 }
 
-void kv_sketch_query(const kv_sketch *sk, const uint32_t *h, const int8_t *g, const kv_layout *l,
-                     kv_dtype t, uint8_t *pool, const kv_segment *segs, size_t nsegs)
+void KV_FAST(kv_sketch_query)(const kv_sketch *sk, const uint32_t *h, const int8_t *g,
+                              const kv_layout *l, kv_dtype t, uint8_t *pool, const kv_segment *segs,
+                              size_t nsegs)
 {
     assert(sk->rows >= 1 && sk->rows <= KV_SKETCH_MAX_ROWS);
     assert(sk->dim == l->kv_heads * l->head_dim);
@@ -230,8 +233,9 @@ void kv_sketch_query(const kv_sketch *sk, const uint32_t *h, const int8_t *g, co
     kv_parallel_for(n, bytes, query_tokens, &j);
 }
 
-void kv_sketch_revive(kv_sketch *sk, const uint32_t *h, const int8_t *g, const kv_layout *l,
-                      kv_dtype t, uint8_t *pool, const kv_segment *segs, size_t nsegs)
+void KV_FAST(kv_sketch_revive)(kv_sketch *sk, const uint32_t *h, const int8_t *g,
+                               const kv_layout *l, kv_dtype t, uint8_t *pool,
+                               const kv_segment *segs, size_t nsegs)
 {
     assert(sk->rows >= 1 && sk->rows <= KV_SKETCH_MAX_ROWS);
     assert(sk->dim == l->kv_heads * l->head_dim);
@@ -242,7 +246,7 @@ void kv_sketch_revive(kv_sketch *sk, const uint32_t *h, const int8_t *g, const k
         query_token(sk, h + n * sk->rows, g + n * sk->rows, l, t, pool, blk, slot, 1);
 }
 
-void kv_sketch_delete(kv_sketch *sk, const uint32_t *h, const int8_t *g, size_t n)
+void KV_FAST(kv_sketch_delete)(kv_sketch *sk, const uint32_t *h, const int8_t *g, size_t n)
 {
     assert(sk->rows >= 1 && sk->rows <= KV_SKETCH_MAX_ROWS);
     for (size_t k = 0; k < n; k++)

@@ -39,8 +39,7 @@ static int nth_token(const kv_segment *segs, size_t nsegs, size_t i, uint32_t *b
 }
 
 void kv_sketch_insert_ref(kv_sketch *sk, const kv_layout *l, kv_dtype t, const uint8_t *pool,
-                          const kv_segment *segs, size_t nsegs, const uint32_t *h,
-                          const int8_t *g)
+                          const kv_segment *segs, size_t nsegs, const uint32_t *h, const int8_t *g)
 {
     assert(sk->dim == l->kv_heads * l->head_dim);
     uint32_t blk, slot;
@@ -76,8 +75,8 @@ static float lower_median(float *x, uint32_t n)
 }
 
 /* One channel of one half of a query (reviver.c sketch_query_half). */
-static float query_chan(const kv_sketch *sk, const float *cells, const uint32_t *h,
-                        const int8_t *g, kv_estimate est, uint32_t c)
+static float query_chan(const kv_sketch *sk, const float *cells, const uint32_t *h, const int8_t *g,
+                        kv_estimate est, uint32_t c)
 {
     float row[KV_SKETCH_MAX_ROWS];
     for (uint32_t i = 0; i < sk->rows; i++) {
@@ -94,8 +93,8 @@ static float query_chan(const kv_sketch *sk, const float *cells, const uint32_t 
 
 /* Query (and with del, delete) tokens in order; pool NULL stores nothing. */
 static void query_tokens(kv_sketch *sk, const uint32_t *h, const int8_t *g, const kv_layout *l,
-                         kv_dtype t, uint8_t *pool, const kv_segment *segs, size_t nsegs,
-                         size_t n, int del)
+                         kv_dtype t, uint8_t *pool, const kv_segment *segs, size_t nsegs, size_t n,
+                         int del)
 {
     assert(sk->rows >= 1 && sk->rows <= KV_SKETCH_MAX_ROWS);
     for (size_t k = 0; k < n; k++) {

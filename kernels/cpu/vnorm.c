@@ -17,6 +17,7 @@
 #include <math.h>
 
 #include "../elt.h"
+#include "isa.h"
 #include "kernels.h"
 #include "parallel.h"
 #include "tokens.h"
@@ -92,17 +93,17 @@ static void vnorm_items(void *ctx, size_t lo, size_t hi)
     }
 }
 
-void kv_vnorm_l1(const kv_layout *l, kv_dtype t, const uint8_t *pool, const kv_segment *segs,
-                 size_t nsegs, const float *wo, size_t wo_stride, uint32_t q_heads,
-                 uint32_t hidden, float *out)
+void KV_FAST(kv_vnorm_l1)(const kv_layout *l, kv_dtype t, const uint8_t *pool,
+                          const kv_segment *segs, size_t nsegs, const float *wo, size_t wo_stride,
+                          uint32_t q_heads, uint32_t hidden, float *out)
 {
     assert(l->kv_heads > 0 && q_heads % l->kv_heads == 0);
     if (l->head_dim > KV_CHUNK) {
         kv_vnorm_l1_ref(l, t, pool, segs, nsegs, wo, wo_stride, q_heads, hidden, out);
         return;
     }
-    vnorm_job j = {l, t, pool, segs, nsegs, kv_segments_tokens(segs, nsegs), wo, wo_stride,
-                   q_heads, hidden, out};
+    vnorm_job j = {l,  t,         pool,    segs,   nsegs, kv_segments_tokens(segs, nsegs),
+                   wo, wo_stride, q_heads, hidden, out};
     size_t tiles = (j.ntok + TILE - 1) / TILE, items = tiles * l->kv_heads;
     /* W^O is read once per tile: that is the traffic that matters. */
     size_t bytes = items * (size_t)(q_heads / l->kv_heads) * hidden * l->head_dim * 4;

@@ -28,8 +28,8 @@ void kv_vnorm_l1_ref(const kv_layout *l, kv_dtype t, const uint8_t *pool, const 
                         const float *w = wo + (size_t)c * wo_stride + (size_t)h * d;
                         double dot = 0;
                         for (uint32_t j = 0; j < d; j++)
-                            dot += (double)kv_elt_load(vi + (size_t)j * l->elt_size, t) *
-                                   (double)w[j];
+                            dot +=
+                                (double)kv_elt_load(vi + (size_t)j * l->elt_size, t) * (double)w[j];
                         sum += fabs(dot);
                     }
                     acc += sum;

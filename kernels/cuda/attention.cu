@@ -62,8 +62,8 @@ __device__ __forceinline__ float warp_sum(float x)
 template <int EPL, int GB>
 __global__ void attn_partial(geom g, int t, const uint8_t *pool, const dev_seg *segs,
                              unsigned nsegs, unsigned long long ntok, unsigned long long chunk,
-                             const float *q, unsigned G, float scale, float *part_m,
-                             float *part_l, float *part_acc, float *probs, unsigned q_heads)
+                             const float *q, unsigned G, float scale, float *part_m, float *part_l,
+                             float *part_acc, float *probs, unsigned q_heads)
 {
     __shared__ float sh_m[kWarps][GB], sh_l[kWarps][GB];
     __shared__ float sh_acc[kWarps][GB][32 * EPL];
@@ -191,8 +191,8 @@ void launch_partial(dim3 grid, const geom &g, int t, const uint8_t *pool, const 
                     const float *q, unsigned G, float scale, float *pm, float *pl, float *pa,
                     float *probs, unsigned q_heads)
 {
-    attn_partial<EPL, GB><<<grid, kWarps * 32>>>(g, t, pool, segs, nsegs, ntok, chunk, q, G,
-                                                 scale, pm, pl, pa, probs, q_heads);
+    attn_partial<EPL, GB><<<grid, kWarps * 32>>>(g, t, pool, segs, nsegs, ntok, chunk, q, G, scale,
+                                                 pm, pl, pa, probs, q_heads);
 }
 
 } // namespace

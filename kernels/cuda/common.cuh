@@ -47,8 +47,8 @@ inline geom make_geom(const kv_layout *l)
 }
 
 /* Byte offset of the K (kv = 0) or V (kv = 1) row of (block, head, slot). */
-__device__ __forceinline__ unsigned long long row_offset(const geom &g, unsigned block,
-                                                         unsigned kv, unsigned head, unsigned slot)
+__device__ __forceinline__ unsigned long long row_offset(const geom &g, unsigned block, unsigned kv,
+                                                         unsigned head, unsigned slot)
 {
     return block * g.block_bytes + kv * (g.block_bytes / 2) +
            ((unsigned long long)head * g.tokens + slot) * g.row;

@@ -35,12 +35,12 @@ __device__ __forceinline__ unsigned long long code_offset(const geom &g, const q
                                                           unsigned block, unsigned kv,
                                                           unsigned head, unsigned slot)
 {
-    return block * q.block_bytes + kv * q.codes + ((unsigned long long)head * g.tokens + slot) * g.dim;
+    return block * q.block_bytes + kv * q.codes +
+           ((unsigned long long)head * g.tokens + slot) * g.dim;
 }
 
-__device__ __forceinline__ unsigned long long scale_offset(const geom &g, const qgeom &q,
-                                                           unsigned block, unsigned kv,
-                                                           unsigned head)
+__device__ __forceinline__ unsigned long long
+scale_offset(const geom &g, const qgeom &q, unsigned block, unsigned kv, unsigned head)
 {
     return block * q.block_bytes + q.scales + ((unsigned long long)kv * g.heads + head) * g.dim * 4;
 }
@@ -67,7 +67,8 @@ __global__ void quantize_kernel(geom g, qgeom q, int t, const uint8_t *pool, con
             int8_t code = 0;
             if (i < m) {
                 const token tk = tok[first + i];
-                float x = load_elt(pool + row_offset(g, tk.block, kv, head, tk.slot) + c * g.elt, t);
+                float x =
+                    load_elt(pool + row_offset(g, tk.block, kv, head, tk.slot) + c * g.elt, t);
                 float r = rintf(__fdiv_rn(x, s));
                 r = r > 127 ? 127 : r;
                 r = r < -127 ? -127 : r;

@@ -185,9 +185,8 @@ bool bad_sketch(const kv_sketch *s)
 }
 
 /* Query, revive or delete (out_segs NULL) n tokens. */
-int query_common(kv_sketch *sk, const uint32_t *h, const int8_t *g, const kv_layout *l,
-                 kv_dtype t, uint8_t *pool, const kv_segment *segs, size_t nsegs, size_t n,
-                 bool del)
+int query_common(kv_sketch *sk, const uint32_t *h, const int8_t *g, const kv_layout *l, kv_dtype t,
+                 uint8_t *pool, const kv_segment *segs, size_t nsegs, size_t n, bool del)
 {
     if (bad_sketch(sk) || (pool != nullptr && sk->dim != l->kv_heads * l->head_dim))
         return cudaErrorInvalidValue;
@@ -203,8 +202,7 @@ int query_common(kv_sketch *sk, const uint32_t *h, const int8_t *g, const kv_lay
         if (dec != nullptr && seen != nullptr)
             for (size_t i = 0; i < n; i++)
                 for (uint32_t r = 0; r < sk->rows; r++)
-                    dec[i * sk->rows + r] =
-                        seen[(size_t)r * sk->buckets + h[i * sk->rows + r]]++;
+                    dec[i * sk->rows + r] = seen[(size_t)r * sk->buckets + h[i * sk->rows + r]]++;
         if (seen == nullptr) {
             free(dec);
             dec = nullptr;
@@ -227,8 +225,8 @@ int query_common(kv_sketch *sk, const uint32_t *h, const int8_t *g, const kv_lay
         sk_dev s = make_sk(sk);
         geom gm = pool != nullptr ? make_geom(l) : geom{};
         if (del) {
-            revive_kernel<<<blocks_for(sk->dim, kThreads), kThreads>>>(s, gm, t, d_h, d_g, d_dec,
-                                                                        n, d_tok, pool);
+            revive_kernel<<<blocks_for(sk->dim, kThreads), kThreads>>>(s, gm, t, d_h, d_g, d_dec, n,
+                                                                       d_tok, pool);
             count_down_kernel<<<1, 32>>>(s, d_h, n);
         } else {
             dim3 grid((unsigned)n, (unsigned)blocks_for(sk->dim, kThreads) < 64
@@ -279,7 +277,8 @@ extern "C" int kv_sketch_insert_cuda(kv_sketch *sk, const kv_layout *l, kv_dtype
             }
         scratch sc;
         const token *d_tok = static_cast<const token *>(sc.put(tok, n * sizeof(token)));
-        const cell_run *d_runs = static_cast<const cell_run *>(sc.put(runs, nruns * sizeof(cell_run)));
+        const cell_run *d_runs =
+            static_cast<const cell_run *>(sc.put(runs, nruns * sizeof(cell_run)));
         const entry *d_ent = static_cast<const entry *>(sc.put(ent, n * sk->rows * sizeof(entry)));
         if (sc.err == cudaSuccess && nruns > 0x7fffffffu)
             sc.err = cudaErrorInvalidValue;

@@ -27,9 +27,9 @@ __global__ void vnorm_heads_kernel(geom g, int t, const uint8_t *pool, const tok
 {
     extern __shared__ double smem[];
     const unsigned d = g.dim, pad = d + 1, h = blockIdx.y, kvh = h / G, tid = threadIdx.x;
-    double *s_sh = smem;                                      /* [TB][CC] */
+    double *s_sh = smem;                                     /* [TB][CC] */
     float *v_sh = reinterpret_cast<float *>(s_sh + TB * CC); /* [TB][pad] */
-    float *w_sh = v_sh + TB * pad;                            /* [CC][pad] */
+    float *w_sh = v_sh + TB * pad;                           /* [CC][pad] */
     const unsigned long long first = (unsigned long long)blockIdx.x * TB;
     const unsigned nt = (unsigned)min((unsigned long long)TB, ntok - first);
 
@@ -54,8 +54,8 @@ __global__ void vnorm_heads_kernel(geom g, int t, const uint8_t *pool, const tok
         __syncthreads();
         double dot = 0;
         for (unsigned j = 0; j < d; j++)
-            dot = __dadd_rn(dot, __dmul_rn((double)v_sh[my_t * pad + j],
-                                           (double)w_sh[my_c * pad + j]));
+            dot = __dadd_rn(dot,
+                            __dmul_rn((double)v_sh[my_t * pad + j], (double)w_sh[my_c * pad + j]));
         s_sh[my_t * CC + my_c] = fabs(dot);
         __syncthreads();
         if (tid < TB)
@@ -100,7 +100,8 @@ extern "C" int kv_vnorm_l1_cuda(const kv_layout *l, kv_dtype t, const uint8_t *p
         return cudaErrorMemoryAllocation;
     scratch sc;
     const token *d_tok = static_cast<const token *>(sc.put(tok, ntok * sizeof(token)));
-    double *d_part = static_cast<double *>(sc.put(nullptr, (size_t)q_heads * ntok * sizeof(double)));
+    double *d_part =
+        static_cast<double *>(sc.put(nullptr, (size_t)q_heads * ntok * sizeof(double)));
     if (sc.err == cudaSuccess) {
         uint32_t G = q_heads / l->kv_heads;
         dim3 grid((unsigned)tiles, q_heads);

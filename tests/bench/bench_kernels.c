@@ -230,8 +230,7 @@ static void k_revive(void *p)
 static void k_rope(void *p)
 {
     ctx *c = p;
-    kv_rope_rerotate(&c->l, KV_FP16, c->pool2, c->segs, c->nsegs, c->delta, 10000.0,
-                     KV_ROPE_HALF);
+    kv_rope_rerotate(&c->l, KV_FP16, c->pool2, c->segs, c->nsegs, c->delta, 10000.0, KV_ROPE_HALF);
 }
 
 static void k_merge(void *p)
@@ -264,8 +263,8 @@ static void report(const char *name, ctx *c, fn_t fn, double bytes, int splits, 
     time_pair(CLOCK_THREAD_CPUTIME_ID, fn, c, run_memcpy, &b, &t1, &m1);
     unsetenv("KVSTASH_KERNEL_THREADS");
     unsigned nt = splits ? kv_parallel_threads((size_t)bytes) : 1;
-    printf("%-22s %9.1f MB %9.3f ms %7.2f GB/s  memcpy %6.2f GB/s  ratio %5.2f", name,
-           bytes / 1e6, t1 * 1e3, bytes / t1 / 1e9, bytes / m1 / 1e9, m1 / t1);
+    printf("%-22s %9.1f MB %9.3f ms %7.2f GB/s  memcpy %6.2f GB/s  ratio %5.2f", name, bytes / 1e6,
+           t1 * 1e3, bytes / t1 / 1e9, bytes / m1 / 1e9, m1 / t1);
     if (nt > 1) {
         b.threads = nt;
         time_pair(CLOCK_MONOTONIC, fn, c, run_memcpy, &b, &tm, &mm);
@@ -313,7 +312,7 @@ int main(int argc, char **argv)
     printf("kvstash kernel bandwidth: %u blocks of 8 heads x 16 tokens x 128 fp16 (%.1f MiB), "
            "median of %d; bytes = read + written per call\n",
            c.nb, pb / 1048576.0, g_reps);
-    double fp = (double)pb;                /* K and V of every token, fp16 */
+    double fp = (double)pb;                 /* K and V of every token, fp16 */
     double q8 = (double)c.nb * (double)qbb; /* their INT8 blocks */
     report("gather", &c, k_gather, 2 * fp, 0, NULL);
     report("scatter", &c, k_scatter, 2 * fp, 0, NULL);

@@ -6,9 +6,9 @@
  * Plain C + the CUDA runtime API, no cmocka (C-STACK.md "The GPU machine");
  * seeded, so a failure reproduces. Without a usable device it prints
  * "SKIP: no CUDA device (reason)" and exits 0. Exit 1 on any mismatch or
- * CUDA error; --check-only skips the bandwidth part. Every kernel but the attention must equal the reference byte
- * for byte (kernels.h); the attention is held to 1e-5 absolute + 1e-4
- * relative on outputs and probabilities.
+ * CUDA error; --check-only skips the bandwidth part. Every kernel but the attention must equal the
+ * reference byte for byte (kernels.h); the attention is held to 1e-5 absolute + 1e-4 relative on
+ * outputs and probabilities.
  */
 #include <math.h>
 #include <stdint.h>
@@ -282,7 +282,7 @@ static void check_rope_merge(rng *r, kv_layout l, kv_dtype t)
         if (i > 0 && rng_below(r, 3) == 0)
             a = m[i - 1].into_block * l.block_tokens + m[i - 1].into_slot;
         m[i] = (kv_merge){a / l.block_tokens, a % l.block_tokens, b / l.block_tokens,
-                          b % l.block_tokens, rng_float(r) + 1, rng_float(r) + 1};
+                          b % l.block_tokens, rng_float(r) + 1,   rng_float(r) + 1};
         if (rng_below(r, 8) == 0)
             m[i].w_from = m[i].w_into = 0;
     }
@@ -317,8 +317,8 @@ static void check_vnorm(rng *r, kv_layout l, kv_dtype t, uint32_t G, uint32_t hi
     uint8_t *d_pool = dup_to_dev(pool, pb);
     float *d_wo = dup_to_dev(wo, nw * 4), *d_o = dalloc(no * 4);
     kv_vnorm_l1_ref(&l, t, pool, segs, n, wo, (size_t)q_heads * l.head_dim, q_heads, hidden, o1);
-    CHECK_CUDA(kv_vnorm_l1_cuda(&l, t, d_pool, segs, n, d_wo, (size_t)q_heads * l.head_dim,
-                                q_heads, hidden, d_o));
+    CHECK_CUDA(kv_vnorm_l1_cuda(&l, t, d_pool, segs, n, d_wo, (size_t)q_heads * l.head_dim, q_heads,
+                                hidden, d_o));
     to_host(o2, d_o, no * 4);
     same(o1, o2, no * 4, "vnorm", &l, t);
     CHECK_CUDA(cudaFree(d_pool));
@@ -388,8 +388,8 @@ static void check_attention(rng *r, kv_layout l, kv_dtype t, uint32_t G, uint32_
         CHECK_CUDA(kv_decode_attention_cuda(&ph, t, d_pool, hs, n, d_q + (size_t)gk * G * d, G,
                                             scale, d_o, NULL));
         to_host(o2, d_o, (size_t)G * d * 4);
-        close_enough(o1 + (size_t)gk * G * d, o2, (size_t)G * d, "attention per-head list", &l,
-                     t, ntok);
+        close_enough(o1 + (size_t)gk * G * d, o2, (size_t)G * d, "attention per-head list", &l, t,
+                     ntok);
     }
     CHECK_CUDA(cudaFree(d_pool));
     CHECK_CUDA(cudaFree(d_q));
@@ -497,8 +497,8 @@ static void b_dequant(void *p)
 static void b_insert(void *p)
 {
     bench *b = p;
-    CHECK_CUDA(kv_sketch_insert_cuda(&b->sk, &b->l, KV_FP16, b->pool, b->segs, b->nsegs, b->h,
-                                     b->g));
+    CHECK_CUDA(
+        kv_sketch_insert_cuda(&b->sk, &b->l, KV_FP16, b->pool, b->segs, b->nsegs, b->h, b->g));
 }
 
 static void b_query(void *p)
@@ -514,14 +514,15 @@ static void b_revive(void *p)
     /* revive then re-insert, so the sketch stays the same call after call */
     CHECK_CUDA(
         kv_sketch_revive_cuda(&b->sk, b->hs, b->gs, &b->l, KV_FP16, b->pool2, &b->revseg, 1));
-    CHECK_CUDA(kv_sketch_insert_cuda(&b->sk, &b->l, KV_FP16, b->pool2, &b->revseg, 1, b->hs, b->gs));
+    CHECK_CUDA(
+        kv_sketch_insert_cuda(&b->sk, &b->l, KV_FP16, b->pool2, &b->revseg, 1, b->hs, b->gs));
 }
 
 static void b_rope(void *p)
 {
     bench *b = p;
-    CHECK_CUDA(kv_rope_rerotate_cuda(&b->l, KV_FP16, b->pool2, b->segs, b->nsegs, b->delta,
-                                     10000.0, KV_ROPE_HALF));
+    CHECK_CUDA(kv_rope_rerotate_cuda(&b->l, KV_FP16, b->pool2, b->segs, b->nsegs, b->delta, 10000.0,
+                                     KV_ROPE_HALF));
 }
 
 static void b_vnorm(void *p)
@@ -556,9 +557,10 @@ static void report(const char *name, bench *b, bench_fn fn, double bytes, const 
     double t = time_median(fn, b);
     b->memcpy_bytes = (size_t)(bytes / 2);
     double tm = time_median(b_memcpy, b);
-    printf("bench op=%s time_us=%.1f rw_bytes=%.0f rw_GBps=%.1f memcpy_rw_GBps=%.1f ratio=%.3f%s%s\n",
-           name, t * 1e6, bytes, bytes / t / 1e9, bytes / tm / 1e9, tm / t, note ? " " : "",
-           note ? note : "");
+    printf(
+        "bench op=%s time_us=%.1f rw_bytes=%.0f rw_GBps=%.1f memcpy_rw_GBps=%.1f ratio=%.3f%s%s\n",
+        name, t * 1e6, bytes, bytes / t / 1e9, bytes / tm / 1e9, tm / t, note ? " " : "",
+        note ? note : "");
 }
 
 static void bench_all(void)
@@ -600,8 +602,14 @@ static void bench_all(void)
     b.g = xcalloc(b.ntok * rows);
     kv_sketch_hash_list(99, rows, buckets, pos, b.ntok, b.h, b.g);
     size_t cells = (size_t)rows * buckets;
-    b.sk = (kv_sketch){rows,          buckets,          dim, KV_ESTIMATE_SUM, KV_ESTIMATE_SUM,
-                       dalloc(cells * dim * 4), dalloc(cells * dim * 4), dalloc(cells * 4)};
+    b.sk = (kv_sketch){rows,
+                       buckets,
+                       dim,
+                       KV_ESTIMATE_SUM,
+                       KV_ESTIMATE_SUM,
+                       dalloc(cells * dim * 4),
+                       dalloc(cells * dim * 4),
+                       dalloc(cells * 4)};
     CHECK_CUDA(cudaMemset(b.sk.key, 0, cells * dim * 4));
     CHECK_CUDA(cudaMemset(b.sk.value, 0, cells * dim * 4));
     CHECK_CUDA(cudaMemset(b.sk.count, 0, cells * 4));
@@ -636,8 +644,12 @@ static void bench_all(void)
     b.nmerges = 4096;
     b.merges = xcalloc(b.nmerges * sizeof *b.merges);
     for (size_t i = 0; i < b.nmerges; i++)
-        b.merges[i] = (kv_merge){(uint32_t)(2 * i / 16), (uint32_t)(2 * i % 16),
-                                 (uint32_t)((2 * i + 1) / 16), (uint32_t)((2 * i + 1) % 16), 1, 2};
+        b.merges[i] = (kv_merge){(uint32_t)(2 * i / 16),
+                                 (uint32_t)(2 * i % 16),
+                                 (uint32_t)((2 * i + 1) / 16),
+                                 (uint32_t)((2 * i + 1) % 16),
+                                 1,
+                                 2};
     report("merge_values", &b, b_merge, 3.0 * b.nmerges * dim * 2, "(4096 merges)");
 
     b.q = dalloc((size_t)b.q_heads * 128 * 4);

@@ -500,5 +500,8 @@ int main(int argc, char **argv)
            o.steps, w.max_list, w.checked, blocks,
            o.geom.block_tokens * (w.heads > 1 ? o.geom.kv_heads : 1));
     kvs_session_detach(w.s);
+    for (uint32_t i = 0; i < w.rope_lists; i++)
+        free(w.rope_at[i]);
+    free(w.rope_at);
     return 0;
 }

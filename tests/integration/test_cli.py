@@ -16,13 +16,16 @@ every level.
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
-from kvstash_harness import run_tests
+from kvstash_harness import Worker as HarnessWorker
+from kvstash_harness import call, pb, run_tests
 from worker_procs import GEOMETRY, WorkerProc
 
 CLI = os.environ.get("KVSTASH_CLI", "")
@@ -101,7 +104,7 @@ def streaming_held(tokens, step, n_sink, window):
 
 def runs_of(held, appended):
     """The position map `seq show` reports for a full-precision list."""
-    runs, nxt, hs = [], 0, set(held)
+    runs, hs = [], set(held)
     for p in range(appended):
         tier = "fp16" if p in hs else "evicted"
         if runs and runs[-1]["tier"] == tier:
@@ -301,19 +304,44 @@ def check_evict_changes_the_sequence(ctx):
 
 
 def check_watch_sees_a_worker_and_an_eviction(ctx):
-    watch = subprocess.Popen([CLI, "--socket", ctx.daemon.sock, "watch", "--json", "--count",
-                              "4", "--timeout", "60"], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
-    time.sleep(0.7)  # nanomsg subscribes asynchronously
+    watch = subprocess.Popen([CLI, "--socket", ctx.daemon.sock, "watch", "--json", "--timeout",
+                              "120"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(watch.stdout), daemon=True)
+    reader.start()
+
+    def wait_for(pred, timeout):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            events = [json.loads(l) for l in list(lines)]
+            if any(pred(e) for e in events):
+                return events
+            time.sleep(0.05)
+        return None
+
+    # nanomsg subscribes in the background: attach short-lived probe workers
+    # until the feed shows one, so that nothing below is missed.
+    for i in range(20):
+        probe = Worker(ctx.daemon, f"cli-probe{i}", seed=40 + i, tokens=1)
+        probe.finish()
+        # Its last event: everything before it has arrived too (one publisher, in order).
+        if wait_for(lambda e, pid=probe.proc.pid: e["topic"] == "worker.reclaimed" and
+                    e["pid"] == pid, 1.0):
+            break
+    else:
+        raise AssertionError("kvstash watch saw none of 20 probe workers")
+    mark = len(lines)
     w = Worker(ctx.daemon, "cli-watched", seed=31, tokens=24, step=8, policy="streaming",
                params=("n_sink=0", "window=1000")).ready()
-    sid = ctx.daemon.stats().sequences
-    (seq,) = [q.seq_id for q in sid if q.session_id == w.session_id()]
+    (seq,) = [q.seq_id for q in ctx.daemon.stats().sequences if q.session_id == w.session_id()]
     ok_json(ctx, "evict", str(seq), "0-7")
     w.finish()
-    out, err = watch.communicate(timeout=60)
-    assert watch.returncode == 0, (watch.returncode, err)
-    events = [json.loads(line) for line in out.splitlines()]
+    assert wait_for(lambda e: e["topic"] == "worker.reclaimed" and e["pid"] == w.proc.pid, 30), \
+        f"no worker.reclaimed for the watched worker: {lines}"
+    watch.send_signal(signal.SIGINT)
+    assert watch.wait(30) == 0, watch.stderr.read()
+    reader.join(10)
+    events = [json.loads(l) for l in lines[mark:]]
     topics = [e["topic"] for e in events]
     assert topics == ["worker.attached", "seq.created", "table.changed", "worker.reclaimed"], \
         events
@@ -323,7 +351,7 @@ def check_watch_sees_a_worker_and_an_eviction(ctx):
     assert changed == {**changed, "seq": seq, "evicted": LAYERS * 8, "by": "operator"}, changed
     assert gone["reason"] == "detach" and gone["session"] == att["session"], gone
     assert [e["n"] for e in events] == list(range(events[0]["n"], events[0]["n"] + 4))
-    # Text mode, and --topic, with no event in time: exits 0 at the timeout.
+    # Text mode with --topic, and no event in time: exits 0 at the timeout.
     rc, out, err = run(ctx, "watch", "--timeout", "0.5", "--topic", "seq.")
     assert rc == 0 and out == "" and err == "", (rc, out, err)
 
@@ -403,6 +431,36 @@ def check_top_without_a_terminal(ctx):
         assert w.name in out, (w.name, out)
 
 
+def check_seq_show_per_head_lists(ctx):
+    """A per-head policy (adakv) keeps one list per KV head: one map each.
+    The worker here is the Python gRPC client of the harness."""
+    w = HarnessWorker(ctx.daemon)
+    try:
+        w.attach(model="perhead")
+        created = call(ctx.daemon.store.CreateSequence,
+                       pb.CreateSequenceRequest(policy="adakv", params=[
+                           pb.Param(key="budget", value="16"), pb.Param(key="window", value="4")]),
+                       w.md)
+        call(ctx.daemon.store.Append, pb.AppendRequest(seq_id=created.seq_id, count=20), w.md)
+        j = ok_json(ctx, "seq", "show", str(created.seq_id))
+        g = w.attached.geometry
+        assert len(j["maps"]) == g.layers * g.kv_heads, j["maps"]
+        assert [(m["layer"], m["head"], m["per_head"]) for m in j["maps"]] == \
+            [(l, h, True) for l in range(g.layers) for h in range(g.kv_heads)]
+        assert all(m["runs"] == [{"first_position": 0, "count": 20, "tier": "fp16"}]
+                   for m in j["maps"]), j["maps"]
+        assert all(ly["tokens"] == 20 * g.kv_heads for ly in j["layers"]), j["layers"]
+        out = ok_text(ctx, "seq", "show", str(created.seq_id))
+        assert out.count("   head 1:") == g.layers, out
+        fails(ctx, 1, "per-token state", "evict", str(created.seq_id), "0")
+    finally:
+        w.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and ctx.daemon.stats().pools and any(
+            p.model == "perhead" for p in ctx.daemon.stats().pools):
+        time.sleep(0.05)
+
+
 def check_workers_finish_cleanly(ctx):
     for w in list(ctx.workers):
         result = w.finish()
@@ -429,5 +487,6 @@ if __name__ == "__main__":
         check_errors_permission_denied,
         check_errors_usage,
         check_top_without_a_terminal,
+        check_seq_show_per_head_lists,
         check_workers_finish_cleanly,
     ], daemon_kwargs={"pool_mb": 16}))

@@ -63,7 +63,7 @@ def parse_args(argv):
     ap.add_argument("--pool-mb", type=int, default=512)
     ap.add_argument("--timeout", type=int, default=7200, help="seconds per run")
     ap.add_argument("--replot", action="store_true",
-                    help="only redraw OUT/NAME.svg from OUT/NAME.csv")
+                    help="only redraw OUT/NAME.svg and .md from OUT/NAME.csv")
     args = ap.parse_args(argv)
     if args.name is None:
         args.name = os.path.basename(args.model).split(".")[0]
@@ -188,11 +188,15 @@ def write_md(path, args, rows, full, budgets, command, seconds):
                           and x["int8"] == mode), None)
                 cells.append(fmt_cell(r))
             out.append(f"| {p} | " + " | ".join(cells) + " |")
-        errs = sorted({x["error"] for x in rows if x["int8"] == mode and x["status"] != "ok"})
-        for e in errs:
-            out.append(f"\nerror: `{e}`")
-    out.append(f"\nMade in {seconds / 60:.1f} min with:\n")
-    out.append("```\n" + command + "\n```\n")
+        errs = [x["error"] for x in rows if x["int8"] == mode and x["status"] != "ok"]
+        if errs:
+            more = f" (and {len(errs) - 1} more errors like it)" if len(errs) > 1 else ""
+            out.append(f"\nerror: `{errs[0]}`{more}")
+    if seconds is not None:
+        out.append(f"\nMade in {seconds / 60:.1f} min with:\n")
+        out.append("```\n" + command + "\n```\n")
+    else:
+        out.append("\n" + command)
     with open(path, "w") as f:
         f.write("\n".join(out))
 
@@ -300,8 +304,16 @@ def main(argv):
         stem = os.path.join(args.out, args.name)
         rows = read_csv(stem + ".csv")
         full = next(r for r in rows if r["policy"] == "full")
-        write_svg(stem + ".svg", args, [r for r in rows if r["policy"] != "full"], full)
-        print(f"wrote {stem}.svg")
+        rows = [r for r in rows if r["policy"] != "full"]
+        write_svg(stem + ".svg", args, rows, full)
+        with open(stem + ".md") as f:  # keep how the table was made
+            md = f.read()
+        made = md[md.index("\nMade in"):].lstrip("\n") if "\nMade in" in md else ""
+        budgets = sorted({r["budget"] for r in rows})
+        args.int8 = ",".join(m for m in ("off", "on") if any(r["int8"] == m for r in rows))
+        args.policies = ",".join(dict.fromkeys(r["policy"] for r in rows))
+        write_md(stem + ".md", args, rows, full, budgets, made, None)
+        print(f"wrote {stem}.svg and {stem}.md")
         return 0
     daemon_bin = args.daemon or os.path.join(args.build, "daemon", "kvstashd")
     llama = args.llama or os.path.join(args.build, "client", "llama", "kvstash-llama")

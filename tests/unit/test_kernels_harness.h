@@ -106,8 +106,8 @@ static inline size_t gen_disjoint(rng *r, const kv_layout *l, uint32_t lo, uint3
 
 /* Disjoint runs of blocks [lo, hi) naming exactly ntokens tokens (which
  * must fit); returns the number of runs. */
-static inline size_t gen_exact(rng *r, const kv_layout *l, uint32_t lo, uint32_t hi,
-                               size_t ntokens, kv_segment *segs)
+static inline size_t gen_exact(rng *r, const kv_layout *l, uint32_t lo, uint32_t hi, size_t ntokens,
+                               kv_segment *segs)
 {
     size_t n = cut_blocks(r, l, lo, hi, (int)rng_below(r, 3), segs), have = 0, i = 0;
     shuffle_segs(r, segs, n);
@@ -164,5 +164,20 @@ static inline void *xcalloc(size_t n)
         abort();
     return p;
 }
+
+/* Run a cmocka group once per build of the fast kernels (kernels.h: the
+ * generic build, forced by KVSTASH_KERNEL_ISA=generic, then the one this
+ * CPU picks, when it differs). Only for files that include <cmocka.h>. */
+#ifdef cmocka_unit_test
+static inline int run_each_isa(const struct CMUnitTest *tests, size_t n)
+{
+    setenv("KVSTASH_KERNEL_ISA", "generic", 1);
+    int rc = _cmocka_run_group_tests("generic build", tests, n, NULL, NULL);
+    unsetenv("KVSTASH_KERNEL_ISA");
+    if (strcmp(kv_kernel_isa(), "generic") != 0)
+        rc |= _cmocka_run_group_tests(kv_kernel_isa(), tests, n, NULL, NULL);
+    return rc;
+}
+#endif
 
 #endif

@@ -26,8 +26,7 @@ static void expect_bytes(const uint8_t *a, const uint8_t *b, size_t n, const kv_
     for (size_t i = 0; i < n; i++)
         if (a[i] != b[i])
             fail_msg("%s: byte %zu of %zu differs (%u vs %u), heads=%u tokens=%u dim=%u %s", what,
-                     i, n, a[i], b[i], l->kv_heads, l->block_tokens, l->head_dim,
-                     dtype_name(t));
+                     i, n, a[i], b[i], l->kv_heads, l->block_tokens, l->head_dim, dtype_name(t));
 }
 
 /* A random permutation of [0, n) in out. */
@@ -119,8 +118,8 @@ static void test_ties_to_even(void **state)
 {
     (void)state;
     kv_layout l = {1, 8, 1, 4};
-    float pool[16] = {127, 2.5f, 3.5f, -2.5f, -0.5f, 0.5f, 1.5f, 126.5f,
-                      -127, -3.5f, 4.5f, -4.5f, 0, 5.5f, -125.5f, 6.5f};
+    float pool[16] = {127,  2.5f,  3.5f, -2.5f, -0.5f, 0.5f, 1.5f,    126.5f,
+                      -127, -3.5f, 4.5f, -4.5f, 0,     5.5f, -125.5f, 6.5f};
     const int8_t want[16] = {127, 2, 4, -2, 0, 0, 2, 126, -127, -4, 4, -4, 0, 6, -126, 6};
     uint8_t q1[64], q2[64];
     assert_true(kv_int8_block_bytes(&l) <= sizeof q1);
@@ -134,8 +133,7 @@ static void test_ties_to_even(void **state)
 }
 
 /* Quantise a random list into random INT8 blocks with ref and fast. */
-static void check_quantize(rng *r, const kv_layout *l, kv_dtype t, uint8_t *pool,
-                           kv_segment *segs)
+static void check_quantize(rng *r, const kv_layout *l, kv_dtype t, uint8_t *pool, kv_segment *segs)
 {
     size_t pool_bytes = NB * kv_block_bytes(l), qbb = kv_int8_block_bytes(l);
     uint32_t nqa = NB + 2; /* INT8 arena blocks */
@@ -272,8 +270,7 @@ static void test_round_trip_bound(void **state)
                             /* fp16 output: the bound plus half an fp16 ulp of y */
                             float ulp16 = fmaxf(ldexpf(1.0f, ilogbf(fabsf(y) + 1e-30f) - 10),
                                                 ldexpf(1.0f, -24));
-                            assert_true(fabsf(y16 - x) <=
-                                        amax / 254.0f * (1 + 1e-5f) + ulp16 / 2);
+                            assert_true(fabsf(y16 - x) <= amax / 254.0f * (1 + 1e-5f) + ulp16 / 2);
                         }
                     }
         free(pool);
@@ -329,5 +326,5 @@ int main(void)
         cmocka_unit_test(test_round_trip_bound),
         cmocka_unit_test(test_threads_deterministic),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return run_each_isa(tests, sizeof tests / sizeof tests[0]);
 }

@@ -98,8 +98,8 @@ static void check_property(rng *r, kv_dtype t, kv_rope_pairing pairing, double t
                 worst = err > worst ? err : worst;
                 if (err > tol)
                     fail_msg("%s %s theta %g: token %u head %u ch %u: |%g - %g| > %g",
-                             dtype_name(t), pairing == KV_ROPE_HALF ? "half" : "interleaved",
-                             theta, i, h, j, (double)kv_elt_load(pool + off, t), want[j], tol);
+                             dtype_name(t), pairing == KV_ROPE_HALF ? "half" : "interleaved", theta,
+                             i, h, j, (double)kv_elt_load(pool + off, t), want[j], tol);
             }
         }
     print_message("%s %-11s theta %-6g %s: worst error %.3g (tolerance %g)\n", dtype_name(t),
@@ -198,5 +198,5 @@ int main(void)
         cmocka_unit_test(test_fast_equals_ref),
         cmocka_unit_test(test_threads_deterministic),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return run_each_isa(tests, sizeof tests / sizeof tests[0]);
 }

@@ -237,8 +237,7 @@ typedef struct setup {
     int8_t *g;
 } setup;
 
-static void setup_make(setup *s, rng *r, kv_layout l, kv_dtype t, uint32_t rows,
-                       uint32_t buckets)
+static void setup_make(setup *s, rng *r, kv_layout l, kv_dtype t, uint32_t rows, uint32_t buckets)
 {
     s->l = l;
     s->t = t;
@@ -290,9 +289,8 @@ static void token_vectors(const setup *s, size_t i, float *k, float *v)
 /* Insert with the kernel into a reviver_sketch's own arrays and with
  * reviver_sketch_insert into another: equal. Then every query equal (fp32
  * output), then revives (kernel) vs query + delete (reviver) equal. */
-static void check_against_reviver(rng *r, kv_layout l, kv_dtype t, uint32_t rows,
-                                  uint32_t buckets, reviver_estimate ke, reviver_estimate ve,
-                                  int fast)
+static void check_against_reviver(rng *r, kv_layout l, kv_dtype t, uint32_t rows, uint32_t buckets,
+                                  reviver_estimate ke, reviver_estimate ve, int fast)
 {
     setup s;
     setup_make(&s, r, l, t, rows, buckets);
@@ -304,8 +302,7 @@ static void check_against_reviver(rng *r, kv_layout l, kv_dtype t, uint32_t rows
     float *k = xcalloc(dim * sizeof(float)), *v = xcalloc(dim * sizeof(float));
     float *k2 = xcalloc(dim * sizeof(float)), *v2 = xcalloc(dim * sizeof(float));
 
-    (fast ? kv_sketch_insert : kv_sketch_insert_ref)(&ka, &l, t, s.pool, s.segs, s.nsegs, s.h,
-                                                       s.g);
+    (fast ? kv_sketch_insert : kv_sketch_insert_ref)(&ka, &l, t, s.pool, s.segs, s.nsegs, s.h, s.g);
     for (size_t i = 0; i < s.ntok; i++) {
         token_vectors(&s, i, k, v);
         reviver_sketch_insert(&b, s.h + i * rows, s.g + i * rows, k, v);
@@ -323,8 +320,8 @@ static void check_against_reviver(rng *r, kv_layout l, kv_dtype t, uint32_t rows
         reviver_sketch_query(&b, s.h + i * rows, s.g + i * rows, k, v);
         const uint8_t *blk = out + i * kv_block_bytes(&lo);
         if (memcmp(blk, k, dim * 4) != 0 || memcmp(blk + dim * 4, v, dim * 4) != 0)
-            fail_msg("query of token %zu differs from reviver_sketch_query (rows %u, %s)", i,
-                     rows, dtype_name(t));
+            fail_msg("query of token %zu differs from reviver_sketch_query (rows %u, %s)", i, rows,
+                     dtype_name(t));
     }
 
     /* Revive every other token, in order: kernel vs reviver query+delete. */
@@ -519,13 +516,10 @@ static void test_large_b_exact(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_hash_equals_reviver),
-        cmocka_unit_test(test_tkr1_ref),
-        cmocka_unit_test(test_tkr1_fast),
-        cmocka_unit_test(test_even_rows_lower_median),
-        cmocka_unit_test(test_equals_reviver),
-        cmocka_unit_test(test_fast_equals_ref),
+        cmocka_unit_test(test_hash_equals_reviver), cmocka_unit_test(test_tkr1_ref),
+        cmocka_unit_test(test_tkr1_fast),           cmocka_unit_test(test_even_rows_lower_median),
+        cmocka_unit_test(test_equals_reviver),      cmocka_unit_test(test_fast_equals_ref),
         cmocka_unit_test(test_large_b_exact),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return run_each_isa(tests, sizeof tests / sizeof tests[0]);
 }

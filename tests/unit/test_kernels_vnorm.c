@@ -36,8 +36,8 @@ static void test_tck1(void **state)
     const float want[4] = {1.75f, 5.0f, 1.375f, 2.75f};
     for (int fast = 0; fast < 2; fast++) {
         float n[4];
-        (fast ? kv_vnorm_l1 : kv_vnorm_l1_ref)(&l, KV_FP32, (uint8_t *)pool, &seg, 1, &wo[0][0],
-                                               4, 2, 3, n);
+        (fast ? kv_vnorm_l1 : kv_vnorm_l1_ref)(&l, KV_FP32, (uint8_t *)pool, &seg, 1, &wo[0][0], 4,
+                                               2, 3, n);
         for (int i = 0; i < 4; i++)
             assert_true(n[i] == want[i]);
     }
@@ -157,5 +157,5 @@ int main(void)
         cmocka_unit_test(test_equals_snapkv),
         cmocka_unit_test(test_threads_deterministic),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return run_each_isa(tests, sizeof tests / sizeof tests[0]);
 }

@@ -1,0 +1,83 @@
+/*
+ * dispatch.c - the kernels.h names of the fast CPU kernels, each picking
+ * the generic or the AVX2 + F16C build of its file (isa.h). Off x86-64 the
+ * second build is compiled without extra flags and never picked.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "isa.h"
+#include "kernels.h"
+
+int kv_isa_avx2(void)
+{
+#if defined(KVSTASH_HAVE_AVX2_BUILD) && defined(__x86_64__)
+    const char *env = getenv("KVSTASH_KERNEL_ISA");
+    if (env != NULL && strcmp(env, "generic") == 0)
+        return 0;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+#else
+    return 0;
+#endif
+}
+
+const char *kv_kernel_isa(void)
+{
+    return kv_isa_avx2() ? "avx2+f16c" : "generic";
+}
+
+#define PICK(name) (kv_isa_avx2() ? name##_avx2 : name##_generic)
+
+void kv_int8_quantize(const kv_layout *l, kv_dtype t, const uint8_t *pool, const kv_segment *segs,
+                      size_t nsegs, uint8_t *qpool, const uint32_t *qblocks, size_t nq)
+{
+    PICK(kv_int8_quantize)(l, t, pool, segs, nsegs, qpool, qblocks, nq);
+}
+
+void kv_int8_dequantize(const kv_layout *l, const uint8_t *qpool, const kv_segment *qsegs,
+                        size_t nqsegs, kv_dtype t, uint8_t *pool, const kv_segment *dst,
+                        size_t ndst)
+{
+    PICK(kv_int8_dequantize)(l, qpool, qsegs, nqsegs, t, pool, dst, ndst);
+}
+
+void kv_sketch_insert(kv_sketch *sk, const kv_layout *l, kv_dtype t, const uint8_t *pool,
+                      const kv_segment *segs, size_t nsegs, const uint32_t *h, const int8_t *g)
+{
+    PICK(kv_sketch_insert)(sk, l, t, pool, segs, nsegs, h, g);
+}
+
+void kv_sketch_query(const kv_sketch *sk, const uint32_t *h, const int8_t *g, const kv_layout *l,
+                     kv_dtype t, uint8_t *pool, const kv_segment *segs, size_t nsegs)
+{
+    PICK(kv_sketch_query)(sk, h, g, l, t, pool, segs, nsegs);
+}
+
+void kv_sketch_revive(kv_sketch *sk, const uint32_t *h, const int8_t *g, const kv_layout *l,
+                      kv_dtype t, uint8_t *pool, const kv_segment *segs, size_t nsegs)
+{
+    PICK(kv_sketch_revive)(sk, h, g, l, t, pool, segs, nsegs);
+}
+
+void kv_sketch_delete(kv_sketch *sk, const uint32_t *h, const int8_t *g, size_t n)
+{
+    PICK(kv_sketch_delete)(sk, h, g, n);
+}
+
+void kv_rope_rerotate(const kv_layout *l, kv_dtype t, uint8_t *pool, const kv_segment *segs,
+                      size_t nsegs, const int32_t *delta, double theta, kv_rope_pairing pairing)
+{
+    PICK(kv_rope_rerotate)(l, t, pool, segs, nsegs, delta, theta, pairing);
+}
+
+void kv_vnorm_l1(const kv_layout *l, kv_dtype t, const uint8_t *pool, const kv_segment *segs,
+                 size_t nsegs, const float *wo, size_t wo_stride, uint32_t q_heads, uint32_t hidden,
+                 float *out)
+{
+    PICK(kv_vnorm_l1)(l, t, pool, segs, nsegs, wo, wo_stride, q_heads, hidden, out);
+}
+
+void kv_merge_values(const kv_layout *l, kv_dtype t, uint8_t *pool, const kv_merge *m, size_t n)
+{
+    PICK(kv_merge_values)(l, t, pool, m, n);
+}
