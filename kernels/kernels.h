@@ -357,14 +357,16 @@ int kv_scatter_cuda(const kv_layout *l, uint8_t *pool, const kv_segment *segs, s
 int kv_copy_tokens_cuda(const kv_layout *l, uint8_t *pool, const kv_segment *src, size_t nsrc,
                         const kv_segment *dst, size_t ndst);
 
-/* Tiers and the rest. Bit-exact with the CPU versions, except where noted:
- * kv_vnorm_l1_cuda sums over channels in a tree (relative error ~1e-15
- * before the final rounding to float) and kv_decode_attention_cuda uses
- * expf and its own summation order (about 1e-6 relative). The sketch's
- * arrays (sk->key, value, count) are device pointers; h, g, qblocks, delta
- * and the merge list are host arrays. For the sketch kernels the device
- * arrays must not be in use by another stream. kv_decode_attention_cuda
- * supports head_dim <= 512 (cudaErrorInvalidValue beyond). */
+/* The tier kernels' twins (kernels/cuda/). Every one but the attention gives
+ * the bytes of its CPU version (the same IEEE operations in the same order
+ * per element, no FMA contraction; the RoPE coefficients are computed on
+ * the host); kv_decode_attention_cuda uses expf and a split-list summation
+ * order, within about 1e-6 relative of kv_decode_attention_ref. The
+ * sketch's arrays (sk->key, value, count) are device pointers; h, g,
+ * qblocks, delta and the merge list are host arrays. Pool elements must be
+ * aligned to their size (cudaMalloc'd pools are). Limits (else
+ * cudaErrorInvalidValue): kv_decode_attention_cuda head_dim <= 512,
+ * kv_vnorm_l1_cuda head_dim <= 759, kv_heads and q_heads <= 65535. */
 int kv_int8_quantize_cuda(const kv_layout *l, kv_dtype t, const uint8_t *pool,
                           const kv_segment *segs, size_t nsegs, uint8_t *qpool,
                           const uint32_t *qblocks, size_t nq);

@@ -94,7 +94,7 @@ extern "C" int kv_vnorm_l1_cuda(const kv_layout *l, kv_dtype t, const uint8_t *p
     size_t smem = TB * CC * sizeof(double) + (size_t)(TB + CC) * (l->head_dim + 1) * sizeof(float);
     size_t tiles = (ntok + TB - 1) / TB;
     if (smem > 48 * 1024 || tiles > 0x7fffffffu)
-        return cudaErrorInvalidValue; /* head_dim above ~700 */
+        return cudaErrorInvalidValue; /* head_dim above 759 */
     token *tok = expand(segs, nsegs, ntok);
     if (tok == nullptr)
         return cudaErrorMemoryAllocation;
