@@ -191,8 +191,9 @@ size_t kv_int8_scale_offset(const kv_layout *l, uint32_t block, uint32_t kv, uin
  * group gets the scale and codes of kv_quantize_group_ref over the tokens
  * written into that block: s = max|x| / 127 (1 for all zeros), codes
  * round_half_even(x / s) clamped to [-127, 127]. Requires
- * kv_segments_tokens(segs) <= nq * block_tokens, distinct qblocks, and
- * finite inputs. The fast version equals the reference byte for byte.
+ * kv_segments_tokens(segs) <= nq * block_tokens, distinct qblocks, finite
+ * inputs and (fast version) block_tokens <= 8192. The fast version equals
+ * the reference byte for byte.
  */
 void kv_int8_quantize_ref(const kv_layout *l, kv_dtype t, const uint8_t *pool,
                           const kv_segment *segs, size_t nsegs, uint8_t *qpool,

@@ -301,8 +301,7 @@ static void parse(int argc, char **argv, opts *o)
         snprintf(o->model_name, sizeof o->model_name, "%s", name);
     }
     o->c.model_name = o->model_name;
-    if (o->no_daemon &&
-        (o->budget || o->int8 || o->c.nparams || strcmp(o->c.policy, "full") != 0))
+    if (o->no_daemon && (o->budget || o->int8 || o->c.nparams || strcmp(o->c.policy, "full") != 0))
         die(2, "--no-daemon runs the full cache only (no --policy, --set, --budget or --int8)");
     map_budget(o);
     if (o->int8 && !has_param(o, INT8_PARAM_KEY)) {

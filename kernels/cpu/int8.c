@@ -52,8 +52,8 @@ static uint32_t codes_avx2(const float *x, const float *s, uint32_t n, int8_t *q
     for (; c + 32 <= n; c += 32) {
         __m256i v[4];
         for (int k = 0; k < 4; k++) {
-            __m256 y =
-                _mm256_div_ps(_mm256_loadu_ps(x + c + 8 * k), _mm256_loadu_ps(s + c + 8 * k));
+            uint32_t o = c + 8 * (uint32_t)k;
+            __m256 y = _mm256_div_ps(_mm256_loadu_ps(x + o), _mm256_loadu_ps(s + o));
             v[k] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(y), hi), lo);
         }
         __m256i w =
@@ -97,6 +97,7 @@ static void quant_chunk(const quant_job *j, size_t b, uint32_t m, const kv_curso
     }
     memcpy(j->qpool + kv_int8_scale_offset(l, j->qblocks[b], kv, h) + 4 * (size_t)c0, s,
            4 * (size_t)n);
+
     size_t row0 = kv_int8_code_offset(l, j->qblocks[b], kv, h, 0) + c0;
     for (i = 0; i < l->block_tokens; i++) {
         int8_t *q = (int8_t *)j->qpool + row0 + (size_t)i * l->head_dim;

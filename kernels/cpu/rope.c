@@ -114,38 +114,44 @@ static uint32_t cache_row(const rope_job *j, coef_cache *cc, int32_t delta, uint
     return k;
 }
 
+/* Tokens [lo, hi) of the list, a run of consecutive slots at a time and
+ * head by head within it, so that each head's rows are read in address
+ * order (a run's rows of one head are contiguous in the block). */
 static void rope_tokens(void *ctx, size_t lo, size_t hi)
 {
     const rope_job *j = ctx;
     const kv_layout *l = j->l;
     uint32_t npairs = l->head_dim / 2;
+    size_t row = (size_t)l->head_dim * l->elt_size;
     coef_cache *cc = malloc(sizeof *cc);
     float one_c[RCHUNK], one_s[RCHUNK]; /* out of memory: no cache */
     kv_cursor cur;
-    uint32_t blk, slot;
+    uint32_t blk, slot, run;
     if (cc != NULL)
         cc->used = cc->next = 0;
     kv_cursor_init(&cur, j->segs, j->nsegs, lo);
-    for (size_t n = lo; n < hi && kv_cursor_next(&cur, &blk, &slot); n++) {
-        for (uint32_t p0 = 0; p0 < npairs; p0 += RCHUNK) {
-            uint32_t np = npairs - p0 < RCHUNK ? npairs - p0 : RCHUNK;
-            const float *c, *s;
-            if (cc != NULL) {
-                uint32_t k = cache_row(j, cc, j->delta[n], p0, np);
-                c = cc->c[k];
-                s = cc->s[k];
-            } else {
-                coefficients(j, j->delta[n], p0, np, one_c, one_s);
-                c = one_c;
-                s = one_s;
-            }
-            for (uint32_t h = 0; h < l->kv_heads; h++) {
-                uint8_t *row = j->pool + kv_key_offset(l, blk, h, slot);
-                if (j->pairing == KV_ROPE_HALF)
-                    rotate_half(j, row, p0, np, c, s);
-                else
-                    rotate_interleaved(j, row, p0, np, c, s);
-            }
+    for (size_t n = lo; n < hi && (run = kv_cursor_run(&cur, &blk, &slot)) != 0; n += run) {
+        if (run > hi - n)
+            run = (uint32_t)(hi - n);
+        kv_cursor_skip(&cur, run);
+        for (uint32_t h = 0; h < l->kv_heads; h++) {
+            uint8_t *row0 = j->pool + kv_key_offset(l, blk, h, slot);
+            for (uint32_t k = 0; k < run; k++)
+                for (uint32_t p0 = 0; p0 < npairs; p0 += RCHUNK) {
+                    uint32_t np = npairs - p0 < RCHUNK ? npairs - p0 : RCHUNK;
+                    const float *c = one_c, *s = one_s;
+                    if (cc != NULL) {
+                        uint32_t e = cache_row(j, cc, j->delta[n + k], p0, np);
+                        c = cc->c[e];
+                        s = cc->s[e];
+                    } else {
+                        coefficients(j, j->delta[n + k], p0, np, one_c, one_s);
+                    }
+                    if (j->pairing == KV_ROPE_HALF)
+                        rotate_half(j, row0 + k * row, p0, np, c, s);
+                    else
+                        rotate_interleaved(j, row0 + k * row, p0, np, c, s);
+                }
         }
     }
     free(cc);
