@@ -610,8 +610,9 @@ static int ring_call(kvs_session *s, const char *what, ring_response *resp)
 {
     int rc = ring_client_call(&s->ring, resp);
     if (rc != KVS_OK) {
-        fail(s, "%s: no answer from kvstashd on the session's ring (the session ended, or the "
-                "daemon is stopped or hung)",
+        fail(s,
+             "%s: no answer from kvstashd on the session's ring (the session ended, or the "
+             "daemon is stopped or hung)",
              what);
         return rc;
     }
@@ -624,8 +625,7 @@ static int ring_call(kvs_session *s, const char *what, ring_response *resp)
 
 /* The ring's APPEND answer: per layer a segment count, then the segments;
  * every layer gets room for exactly `count` tokens inside the pool. */
-static int table_from_ring(kvs_session *s, uint32_t count, const ring_response *r,
-                           kvs_table *out)
+static int table_from_ring(kvs_session *s, uint32_t count, const ring_response *r, kvs_table *out)
 {
     uint32_t heads = r->lists_per_layer > 1 ? s->geom.kv_heads : 1;
     uint32_t layers = s->geom.layers * heads;
@@ -659,7 +659,8 @@ static int table_from_ring(kvs_session *s, uint32_t count, const ring_response *
         uint64_t total = 0;
         for (uint32_t i = 0; i < n; i++, in += 3) {
             kvs_segment g = {in[0], in[1], in[2]};
-            if (g.block >= s->block_count || g.count == 0 || (uint64_t)g.first_slot + g.count > slots)
+            if (g.block >= s->block_count || g.count == 0 ||
+                (uint64_t)g.first_slot + g.count > slots)
                 goto bad;
             seg[used++] = g;
             total += g.count;
@@ -673,8 +674,9 @@ static int table_from_ring(kvs_session *s, uint32_t count, const ring_response *
     return KVS_OK;
 bad:
     free(mem);
-    fail(s, "Append: kvstashd's answer on the ring describes slots outside the pool or not "
-            "exactly %" PRIu32 " tokens per layer",
+    fail(s,
+         "Append: kvstashd's answer on the ring describes slots outside the pool or not "
+         "exactly %" PRIu32 " tokens per layer",
          count);
     return KVS_ERR_PROTOCOL;
 }

@@ -129,9 +129,9 @@ typedef struct kvs_table {
     uint64_t epoch;
     uint32_t first_position; /* for appends: position of the first new token */
     uint32_t evicted;        /* for appends: tokens the policy removed */
-    uint32_t layers;   /* entries in layer[]: layers x heads */
-    uint32_t heads;    /* lists per layer: 1, or kv_heads for per-head policies */
-    kvs_layer *layer;  /* entry i is layer i / heads, KV head i % heads */
+    uint32_t layers;         /* entries in layer[]: layers x heads */
+    uint32_t heads;          /* lists per layer: 1, or kv_heads for per-head policies */
+    kvs_layer *layer;        /* entry i is layer i / heads, KV head i % heads */
 } kvs_table;
 
 /* Free the table's arrays and zero it (the kvs_table itself is the caller's). */
@@ -156,9 +156,9 @@ int kvs_seq_append(kvs_session *s, uint64_t seq_id, int64_t count, kvs_table *wr
  * reported (kvstash policy list says what each policy needs).
  */
 typedef struct kvs_step {
-    uint32_t new_tokens; /* tokens appended since the last step; 0 = all of them */
-    int prefill;         /* 1 while the prompt is processed */
-    uint32_t heads;      /* lists per layer, as the table says (kvs_table.heads) */
+    uint32_t new_tokens;    /* tokens appended since the last step; 0 = all of them */
+    int prefill;            /* 1 while the prompt is processed */
+    uint32_t heads;         /* lists per layer, as the table says (kvs_table.heads) */
     const uint32_t *tokens; /* [layers * heads]: tokens each list holds (its table) */
     /* [layers] -> [tokens]: Σ query heads, Σ score_queries queries of attention;
      * only for one list per layer. */

@@ -116,8 +116,8 @@ void kv_dequantize_group_ref(const int8_t *q, size_t n, float s, float *x);
  * statistics policies need). Elements are read through kv_elt_load.
  */
 void kv_decode_attention_ref(const kv_layout *l, kv_dtype t, const uint8_t *pool,
-                             const kv_segment *segs, size_t nsegs, const float *q,
-                             uint32_t q_heads, float scale, float *out, float *probs);
+                             const kv_segment *segs, size_t nsegs, const float *q, uint32_t q_heads,
+                             float scale, float *out, float *probs);
 void kv_decode_attention(const kv_layout *l, kv_dtype t, const uint8_t *pool,
                          const kv_segment *segs, size_t nsegs, const float *q, uint32_t q_heads,
                          float scale, float *out, float *probs);

@@ -255,6 +255,22 @@ static void k_attention(void *p)
 
 /* Time fn single-threaded (CPU time) and threaded (wall clock) against
  * memcpy of bytes / 2; print one line. */
+/* A benchmark must time kernels that do the right thing: the timed gather's
+ * output must equal the reference's on the same pool, or the run fails. */
+static void expect_gather_matches_ref(ctx *c, size_t pool_bytes)
+{
+    size_t half = pool_bytes / 2;
+    uint8_t *rk = xmalloc(half), *rv = xmalloc(half);
+    kv_gather_ref(&c->l, c->pool, c->segs, c->nsegs, rk, rv);
+    k_gather(c);
+    if (memcmp(rk, c->flat_k, half) != 0 || memcmp(rv, c->flat_v, half) != 0) {
+        fprintf(stderr, "bench_kernels: FAIL: the timed gather differs from kv_gather_ref\n");
+        exit(1);
+    }
+    free(rk);
+    free(rv);
+}
+
 static void report(const char *name, ctx *c, fn_t fn, double bytes, int splits, const char *note)
 {
     double t1, m1, tm, mm;
@@ -315,6 +331,7 @@ int main(int argc, char **argv)
     double fp = (double)pb;                 /* K and V of every token, fp16 */
     double q8 = (double)c.nb * (double)qbb; /* their INT8 blocks */
     report("gather", &c, k_gather, 2 * fp, 0, NULL);
+    expect_gather_matches_ref(&c, pb);
     report("scatter", &c, k_scatter, 2 * fp, 0, NULL);
     report("copy_tokens", &c, k_copy, fp, 0, "(half the blocks)");
     report("int8_quantize", &c, k_quant, fp + q8, 1, NULL);

@@ -16,8 +16,8 @@
  * The daemon path defaults to $KVSTASHD, then ../../daemon/kvstashd next to
  * this binary. --pin runs everything (this process, the echo child and the
  * daemon with all its threads) on one CPU, which removes the cross-CPU
- * wake-ups from every round trip (C-STACK.md measured pinned). Prints a table and a final "ratios:" line; exits non-zero if
- * any part could not run (the ratios themselves never fail it).
+ * wake-ups from every round trip (C-STACK.md measured pinned). Prints a table and a final "ratios:"
+ * line; exits non-zero if any part could not run (the ratios themselves never fail it).
  */
 #include <dirent.h>
 #include <errno.h>
@@ -51,11 +51,11 @@
 #define POOL_MB 192
 
 typedef struct bench_cfg {
-    size_t raw_n;        /* ping-pong round trips */
-    size_t grpc_n;       /* Stats calls */
-    size_t append_n;     /* one-token appends */
-    size_t write_bytes;  /* K+V bytes written per repetition */
-    int reps;            /* bandwidth repetitions (median reported) */
+    size_t raw_n;       /* ping-pong round trips */
+    size_t grpc_n;      /* Stats calls */
+    size_t append_n;    /* one-token appends */
+    size_t write_bytes; /* K+V bytes written per repetition */
+    int reps;           /* bandwidth repetitions (median reported) */
 } bench_cfg;
 
 typedef struct latency {
@@ -222,8 +222,7 @@ static int start_daemon(const char *path, char *sock, size_t socklen)
             dup2(fd, STDERR_FILENO);
             close(fd);
         }
-        execl(path, path, "--socket", sock, "--pool-mb", pool, "--log-level", "warn",
-              (char *)NULL);
+        execl(path, path, "--socket", sock, "--pool-mb", pool, "--log-level", "warn", (char *)NULL);
         fprintf(stderr, "exec %s: %s\n", path, strerror(errno));
         _exit(127);
     }
@@ -247,9 +246,9 @@ static int start_daemon(const char *path, char *sock, size_t socklen)
 
 /* One unary call of `method`; returns the gRPC status (or -1 if the call
  * did not complete) and, on OK, the decoded reply in *resp. */
-static int unary(grpc_channel *ch, grpc_completion_queue *cq, const char *method,
-                 const char *token, const ProtobufCMessage *req,
-                 const ProtobufCMessageDescriptor *rdesc, ProtobufCMessage **resp)
+static int unary(grpc_channel *ch, grpc_completion_queue *cq, const char *method, const char *token,
+                 const ProtobufCMessage *req, const ProtobufCMessageDescriptor *rdesc,
+                 ProtobufCMessage **resp)
 {
     grpc_metadata md;
     memset(&md, 0, sizeof md);
@@ -257,11 +256,11 @@ static int unary(grpc_channel *ch, grpc_completion_queue *cq, const char *method
         md.key = grpc_slice_from_static_string("kvstash-token");
         md.value = grpc_slice_from_static_string(token);
     }
-    gpr_timespec deadline = gpr_time_add(gpr_now(GPR_CLOCK_REALTIME),
-                                         gpr_time_from_seconds(5, GPR_TIMESPAN));
-    grpc_call *call = grpc_channel_create_call(ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq,
-                                               grpc_slice_from_static_string(method), NULL,
-                                               deadline, NULL);
+    gpr_timespec deadline =
+        gpr_time_add(gpr_now(GPR_CLOCK_REALTIME), gpr_time_from_seconds(5, GPR_TIMESPAN));
+    grpc_call *call =
+        grpc_channel_create_call(ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq,
+                                 grpc_slice_from_static_string(method), NULL, deadline, NULL);
     grpc_byte_buffer *send = pbgrpc_pack(req), *recv = NULL;
     grpc_metadata_array init_md, trail_md;
     grpc_metadata_array_init(&init_md);
@@ -373,9 +372,13 @@ static int bench_grpc(const char *sock, size_t n, latency *out)
 
 /* The geometry of the write benchmark: 4 layers, 8 KV heads of 128 fp16
  * channels, 16-token blocks: 16 KiB of K+V per token over all layers. */
-static const kvs_geometry bench_geom = {
-    .layers = 4, .q_heads = 32, .kv_heads = 8, .head_dim = 128, .block_tokens = 16,
-    .dtype = KVS_FP16, .rope_theta = 0};
+static const kvs_geometry bench_geom = {.layers = 4,
+                                        .q_heads = 32,
+                                        .kv_heads = 8,
+                                        .head_dim = 128,
+                                        .block_tokens = 16,
+                                        .dtype = KVS_FP16,
+                                        .rope_theta = 0};
 
 static size_t token_bytes(void)
 {
@@ -577,8 +580,8 @@ static double median(double *v, int n)
 
 /* (d) kvs_layer_write into the pool vs memcpy between private buffers, same
  * source buffers and bytes. Bandwidths in GB/s of bytes written. */
-static int bench_write(kvs_session *s, const bench_cfg *cfg, double *write_gbs,
-                       double *memcpy_gbs, size_t *bytes)
+static int bench_write(kvs_session *s, const bench_cfg *cfg, double *write_gbs, double *memcpy_gbs,
+                       size_t *bytes)
 {
     const kvs_geometry *g = &bench_geom;
     size_t tokens = cfg->write_bytes / token_bytes();

@@ -53,7 +53,8 @@ typedef struct worker {
     uint32_t max_list;
 } worker;
 
-static void die(int code, const char *fmt, ...)
+/* Report a failed check or error and exit with `code` (1 mismatch, 2 API, 3 usage). */
+static void fail(int code, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
@@ -68,7 +69,7 @@ static void die(int code, const char *fmt, ...)
 static void api(worker *w, int rc, const char *what)
 {
     if (rc != KVS_OK)
-        die(2, "%s: %s (%s)", what, kvs_session_error(w->s), kvs_strerror(rc));
+        fail(2, "%s: %s (%s)", what, kvs_session_error(w->s), kvs_strerror(rc));
 }
 
 /* xorshift64*: seeded, so the daemon run and its trace are reproducible. */
@@ -133,8 +134,8 @@ static void fill(const kvs_geometry *g, const kvs_layer *ly, const uint32_t *rop
         for (uint32_t i = 0; i < ly->tokens; i++)
             for (uint32_t c = 0; c < g->head_dim; c++) {
                 size_t off = ((size_t)hh * ly->tokens + i) * row + c * e;
-                float key = rope_at ? roped_key(ly->layer, h0 + hh, ly->positions[i], c, g->head_dim,
-                                                rope_at[i])
+                float key = rope_at ? roped_key(ly->layer, h0 + hh, ly->positions[i], c,
+                                                g->head_dim, rope_at[i])
                                     : kv_value(ly->layer, h0 + hh, ly->positions[i], c, 0);
                 store_elt(k + off, g->dtype, key);
                 store_elt(v + off, g->dtype, kv_value(ly->layer, h0 + hh, ly->positions[i], c, 1));
@@ -153,7 +154,7 @@ static void write_new(worker *w, const kvs_table *t)
         size_t n = list_bytes(g, &t->layer[i]);
         uint8_t *k = malloc(n + 1), *v = malloc(n + 1);
         if (k == NULL || v == NULL)
-            die(2, "out of memory");
+            fail(2, "out of memory");
         fill(g, &t->layer[i], w->o->rope ? t->layer[i].positions : NULL, k, v);
         kvs_layer_write(w->s, &t->layer[i], k, v);
         free(k);
@@ -205,7 +206,7 @@ static void verify(worker *w, const kvs_table *t)
         size_t n = list_bytes(g, ly);
         uint8_t *k = malloc(n + 1), *v = malloc(n + 1), *wk = malloc(n + 1), *wv = malloc(n + 1);
         if (!k || !v || !wk || !wv)
-            die(2, "out of memory");
+            fail(2, "out of memory");
         kvs_layer_read(w->s, ly, k, v);
         uint32_t *at = NULL;
         if (w->o->rope) {
@@ -218,8 +219,8 @@ static void verify(worker *w, const kvs_table *t)
         int keys_ok = w->o->rope ? floats_close((float *)k, (float *)wk, n / 4, 2e-3f)
                                  : memcmp(k, wk, n) == 0;
         if (!keys_ok || (w->o->verify_values && memcmp(v, wv, n) != 0))
-            die(1, "MISMATCH layer %u head %u: held K/V differ from what was written", ly->layer,
-                ly->head);
+            fail(1, "MISMATCH layer %u head %u: held K/V differ from what was written", ly->layer,
+                 ly->head);
         w->checked += ly->tokens;
         if (ly->tokens > w->max_list)
             w->max_list = ly->tokens;
@@ -243,7 +244,7 @@ static float **rows_new(uint32_t nrows)
 {
     float **r = calloc(nrows, sizeof *r);
     if (r == NULL)
-        die(2, "out of memory");
+        fail(2, "out of memory");
     return r;
 }
 
@@ -267,7 +268,7 @@ static float **gen(worker *w, const kvs_table *t, uint32_t rows_per_layer, uint3
             uint32_t n = t->layer[l * t->heads + (t->heads > 1 ? h / per_list : 0)].tokens;
             float *row = r[l * rows_per_layer + h] = malloc((n ? n : 1) * sizeof *row);
             if (row == NULL)
-                die(2, "out of memory");
+                fail(2, "out of memory");
             if (softmax)
                 attention_row(w, row, n);
             else
@@ -405,7 +406,7 @@ static uint32_t num(const char *flag, const char *v)
     char *end;
     unsigned long x = strtoul(v, &end, 10);
     if (*v == '\0' || *end != '\0' || x > 1000000)
-        die(3, "%s needs a number, got '%s'", flag, v);
+        fail(3, "%s needs a number, got '%s'", flag, v);
     return (uint32_t)x;
 }
 
@@ -433,7 +434,7 @@ static void parse(int argc, char **argv, opts *o)
             continue;
         }
         if (v == NULL)
-            die(3, "%s needs a value", a);
+            fail(3, "%s needs a value", a);
         i++;
         if (strcmp(a, "--socket") == 0)
             o->socket = v;
@@ -468,11 +469,11 @@ static void parse(int argc, char **argv, opts *o)
         } else if (strcmp(a, "--set") == 0) {
             char *eq = strchr(v, '=');
             if (eq == NULL || o->nparams == MAX_PARAMS)
-                die(3, "--set wants key=value");
+                fail(3, "--set wants key=value");
             *eq = '\0';
             o->params[o->nparams++] = (kvs_param){v, eq + 1};
         } else
-            die(3, "unknown option %s", a);
+            fail(3, "unknown option %s", a);
     }
 }
 
@@ -484,10 +485,10 @@ int main(int argc, char **argv)
     char err[256];
     int rc = kvs_session_attach(o.socket, o.model, &o.geom, o.policy, &w.s, err, sizeof err);
     if (rc != KVS_OK)
-        die(2, "attach: %s", err);
+        fail(2, "attach: %s", err);
     api(&w, kvs_seq_create(w.s, o.policy, o.params, o.nparams, "e2e", &w.seq), "create");
     if (o.trace != NULL && (w.trace = fopen(o.trace, "w")) == NULL)
-        die(2, "cannot write %s", o.trace);
+        fail(2, "cannot write %s", o.trace);
     if (o.prefill > 0)
         one_step(&w, o.prefill, 1);
     for (uint32_t i = 0; i < o.steps; i++)

@@ -910,10 +910,10 @@ static void test_config_defaults(void **unused)
     char err[POLICY_ERR_LEN];
     assert_int_equal(policy_params_resolve(ops, NULL, NULL, 0, &p, err, sizeof err), 0);
     const char *want[][2] = {
-        {"start_size", "32"},   {"recent_size", "128"},      {"max_cache_size", "672"},
-        {"block_size", "0"},    {"aggregation", "norm_sum"}, {"max_pool_window", "7"},
-        {"snapkv_window", "8"}, {"kvcrush_budget", "0"},     {"kvcrush_anchor", "random"},
-        {"kvcrush_seed", "0"},  {"rope_theta", "10000"},     {"head_size", "0"},
+        {"start_size", "32"},    {"recent_size", "128"},      {"max_cache_size", "672"},
+        {"block_size", "0"},     {"aggregation", "norm_sum"}, {"max_pool_window", "7"},
+        {"snapkv_window", "8"},  {"kvcrush_budget", "0"},     {"kvcrush_anchor", "random"},
+        {"kvcrush_seed", "0"},   {"rope_theta", "10000"},     {"head_size", "0"},
         {"apply_rotation", "0"}, {"rope_pairing", "half"}};
     assert_int_equal(p.count, sizeof want / sizeof want[0]);
     for (size_t i = 0; i < p.count; i++)
