@@ -320,7 +320,23 @@ static void test_events(const char *sock)
     CHECK(ev >= 0, "kvs_events_open: %d", ev);
     if (ev < 0)
         return;
-    sleep_ms(200); /* let the SUB socket connect before anything happens */
+    /* nanomsg connects the SUB socket in the background, and a loaded
+     * machine can take long: poke the daemon (attach + detach) until the
+     * feed delivers, then drain, so the checks below see a live feed. */
+    char *e;
+    int live = 0;
+    for (int i = 0; i < 50 && !live; i++) {
+        kvs_session *probe = attach(sock, "events");
+        if (probe != NULL)
+            kvs_session_detach(probe);
+        if (kvs_events_next(ev, 100, &e) == KVS_OK) {
+            free(e);
+            live = 1;
+        }
+    }
+    CHECK(live, "the event feed delivered nothing within 50 attach/detach probes");
+    while (kvs_events_next(ev, 300, &e) == KVS_OK)
+        free(e);
     kvs_session *s = attach(sock, "events");
     if (s == NULL) {
         kvs_events_close(ev);
@@ -342,7 +358,6 @@ static void test_events(const char *sock)
                           "worker.reclaimed"};
     size_t seen = 0;
     long long last_n = -1;
-    char *e;
     while (seen < 5 && kvs_events_next(ev, 2000, &e) == KVS_OK) {
         const char *sp = strchr(e, ' ');
         json_t *j = sp != NULL ? json_loads(sp + 1, 0, NULL) : NULL;
