@@ -641,12 +641,14 @@ static status_code copy_list(seq *q, int with_positions, store_layer_table *out,
     out->segs = malloc((ly->nsegs ? ly->nsegs : 1) * sizeof *out->segs);
     if (out->segs == NULL)
         return status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
-    memcpy(out->segs, ly->segs, ly->nsegs * sizeof *out->segs);
+    if (ly->nsegs > 0) /* an empty list has no segment array yet */
+        memcpy(out->segs, ly->segs, ly->nsegs * sizeof *out->segs);
     if (with_positions) {
         out->positions = malloc((out->tokens ? out->tokens : 1) * sizeof *out->positions);
         if (out->positions == NULL)
             return status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
-        memcpy(out->positions, pos, out->tokens * sizeof *out->positions);
+        if (out->tokens > 0)
+            memcpy(out->positions, pos, out->tokens * sizeof *out->positions);
     }
     return ST_OK;
 }
