@@ -258,6 +258,9 @@ size_t ring_bytes(const ring *r)
 void ring_close(ring *r)
 {
     atomic_store((_Atomic uint32_t *)&r->hdr->closing, 1);
+    /* Move the futex word itself: a thread between its last check of
+     * `closing` and FUTEX_WAIT would otherwise sleep through the wake. */
+    atomic_fetch_add((_Atomic uint32_t *)&r->hdr->req_seq, 1);
     futex_wake((_Atomic uint32_t *)&r->hdr->req_seq);
     /* A worker waiting for an answer learns that none will come. */
     atomic_fetch_add((_Atomic uint32_t *)&r->hdr->resp_seq, 1);
