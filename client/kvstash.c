@@ -506,14 +506,25 @@ static int layer_check(kvs_session *s, const Kvstash__V1__LayerTable *lt, const 
     }
     uint64_t total = 0;
     uint64_t slots = (uint64_t)s->geom.block_tokens * (lt->per_head ? s->geom.kv_heads : 1);
+    if (lt->n_tier != 0 && lt->n_tier != lt->n_block) {
+        fail(s, "%s: layer %" PRIu32 " has %zu segments and %zu tiers", what, lt->layer,
+             lt->n_block, lt->n_tier);
+        return KVS_ERR_PROTOCOL;
+    }
     if (lt->per_head && lt->head >= s->geom.kv_heads) {
         fail(s, "%s: layer %" PRIu32 " names KV head %" PRIu32 " of %" PRIu32, what, lt->layer,
              lt->head, s->geom.kv_heads);
         return KVS_ERR_PROTOCOL;
     }
     for (size_t i = 0; i < lt->n_block; i++) {
-        if (lt->block[i] >= s->block_count || lt->count[i] == 0 ||
-            (uint64_t)lt->first_slot[i] + lt->count[i] > slots) {
+        uint32_t tier = lt->n_tier ? lt->tier[i] : KVS_TIER_FULL;
+        uint64_t room = tier == KVS_TIER_INT8 ? lt->int8_block_tokens : slots;
+        if (tier == KVS_TIER_SKETCH && lt->block[i] == KVS_NO_BLOCK && lt->count[i] > 0) {
+            total += lt->count[i];
+            continue;
+        }
+        if (tier > KVS_TIER_INT8 || lt->block[i] >= s->block_count || lt->count[i] == 0 ||
+            (uint64_t)lt->first_slot[i] + lt->count[i] > room) {
             fail(s,
                  "%s: layer %" PRIu32 " segment %zu (block %" PRIu32 ", slots %" PRIu32 "+%" PRIu32
                  ") is outside the pool",
@@ -589,10 +600,12 @@ static int table_fill(kvs_session *s, Kvstash__V1__LayerTable **lts, size_t n, c
             return KVS_ERR_PROTOCOL;
         }
         l->tokens = lt->tokens;
+        l->int8_block_tokens = lt->int8_block_tokens;
         l->nsegments = lt->n_block;
         l->segments = lt->n_block > 0 ? seg : NULL;
         for (size_t j = 0; j < lt->n_block; j++)
-            *seg++ = (kvs_segment){lt->block[j], lt->first_slot[j], lt->count[j]};
+            *seg++ = (kvs_segment){lt->block[j], lt->first_slot[j], lt->count[j],
+                                   lt->n_tier ? lt->tier[j] : KVS_TIER_FULL};
         if (lt->n_positions > 0) {
             l->positions = pos;
             memcpy(pos, lt->positions, lt->n_positions * sizeof *pos);
@@ -658,7 +671,7 @@ static int table_from_ring(kvs_session *s, uint32_t count, const ring_response *
         ly[l].positions = pos + (size_t)l * count;
         uint64_t total = 0;
         for (uint32_t i = 0; i < n; i++, in += 3) {
-            kvs_segment g = {in[0], in[1], in[2]};
+            kvs_segment g = {in[0], in[1], in[2], KVS_TIER_FULL};
             if (g.block >= s->block_count || g.count == 0 ||
                 (uint64_t)g.first_slot + g.count > slots)
                 goto bad;
@@ -920,32 +933,167 @@ static kv_segment *segs_convert(const kvs_layer *layer, kv_segment *stack)
     return segs;
 }
 
-void kvs_layer_write(const kvs_session *s, const kvs_layer *layer, const void *k, const void *v)
+static int layer_tiered(const kvs_layer *layer, uint32_t *sketch)
 {
+    int tiered = 0;
+    *sketch = 0;
+    for (size_t i = 0; i < layer->nsegments; i++) {
+        tiered |= layer->segments[i].tier != KVS_TIER_FULL;
+        *sketch += layer->segments[i].tier == KVS_TIER_SKETCH ? layer->segments[i].count : 0;
+    }
+    return tiered;
+}
+
+int kvs_layer_write(const kvs_session *s, const kvs_layer *layer, const void *k, const void *v)
+{
+    uint32_t sketch;
+    if (layer_tiered(layer, &sketch))
+        return KVS_ERR_PRECONDITION; /* INT8 blocks are written once, by the daemon */
     kv_layout lay = layer->per_head ? row_layout(s) : s->layout;
     kv_segment stack[SEG_STACK];
     kv_segment *segs = segs_convert(layer, stack);
     if (segs == NULL) {
         layer_copy_rows(s, &lay, layer, (uint8_t *)k, (uint8_t *)v, 1);
-        return;
+        return KVS_OK;
     }
     kv_scatter(&lay, s->pool, segs, layer->nsegments, k, v);
     if (segs != stack)
         free(segs);
+    return KVS_OK;
 }
 
-void kvs_layer_read(const kvs_session *s, const kvs_layer *layer, void *k, void *v)
+/* Read a list with INT8 segments, a segment at a time: full ones gathered,
+ * INT8 ones dequantised (kv_int8_dequantize into a one-block staging pool of
+ * the INT8 layout), then their rows copied to their place in k and v. */
+static int layer_read_tiered(const kvs_session *s, const kv_layout *lay, const kvs_layer *layer,
+                             uint8_t *k, uint8_t *v)
+{
+    kv_layout l8 = *lay;
+    l8.block_tokens = layer->int8_block_tokens;
+    size_t row = (size_t)lay->head_dim * lay->elt_size, most = l8.block_tokens;
+    for (size_t i = 0; i < layer->nsegments; i++)
+        if (layer->segments[i].count > most)
+            most = layer->segments[i].count;
+    size_t half = most * lay->kv_heads * row;
+    uint8_t *buf = malloc(2 * half + kv_block_bytes(&l8));
+    if (buf == NULL)
+        return KVS_ERR_SYSTEM;
+    uint8_t *tk = buf, *tv = buf + half, *stage = buf + 2 * half;
+    size_t tok = 0;
+    for (size_t i = 0; i < layer->nsegments; i++) {
+        const kvs_segment *g = &layer->segments[i];
+        kv_segment seg = {g->block, g->first_slot, g->count};
+        if (g->tier == KVS_TIER_FULL) {
+            kv_gather(lay, s->pool, &seg, 1, tk, tv);
+        } else {
+            kv_segment q = {0, g->first_slot, g->count}, d = {0, 0, g->count};
+            kv_int8_dequantize(&l8, s->pool + (size_t)g->block * s->block_bytes, &q, 1,
+                               (kv_dtype)s->geom.dtype, stage, &d, 1);
+            kv_gather(&l8, stage, &d, 1, tk, tv);
+        }
+        for (uint32_t h = 0; h < lay->kv_heads; h++) {
+            memcpy(k + ((size_t)h * layer->tokens + tok) * row, tk + (size_t)h * g->count * row,
+                   g->count * row);
+            memcpy(v + ((size_t)h * layer->tokens + tok) * row, tv + (size_t)h * g->count * row,
+                   g->count * row);
+        }
+        tok += g->count;
+    }
+    free(buf);
+    return KVS_OK;
+}
+
+int kvs_layer_read(const kvs_session *s, const kvs_layer *layer, void *k, void *v)
 {
     kv_layout lay = layer->per_head ? row_layout(s) : s->layout;
+    uint32_t sketch;
+    if (layer_tiered(layer, &sketch))
+        return sketch ? KVS_ERR_PRECONDITION : layer_read_tiered(s, &lay, layer, k, v);
     kv_segment stack[SEG_STACK];
     kv_segment *segs = segs_convert(layer, stack);
     if (segs == NULL) {
         layer_copy_rows(s, &lay, layer, k, v, 0);
-        return;
+        return KVS_OK;
     }
     kv_gather(&lay, s->pool, segs, layer->nsegments, k, v);
     if (segs != stack)
         free(segs);
+    return KVS_OK;
+}
+
+/* ---- revive ---- */
+
+int kvs_seq_revive(kvs_session *s, uint64_t seq_id, uint32_t layer, uint32_t head, uint32_t first,
+                   uint32_t count, int skip_evicted, kvs_revive *out)
+{
+    if (out != NULL)
+        memset(out, 0, sizeof *out);
+    if (s == NULL)
+        return KVS_ERR_INVALID;
+    if (out == NULL) {
+        fail(s, "kvs_seq_revive: out is required");
+        return KVS_ERR_INVALID;
+    }
+    Kvstash__V1__ReviveRequest req = KVSTASH__V1__REVIVE_REQUEST__INIT;
+    req.seq_id = seq_id;
+    req.layer = layer;
+    req.head = head;
+    req.first = first;
+    req.count = count;
+    req.skip_evicted = skip_evicted != 0;
+    ProtobufCMessage *resp;
+    int rc = rpc_unary(s->ch, RPC_STORE("Revive"), s->token, &req.base,
+                       &kvstash__v1__revive_response__descriptor, &resp, s->err, sizeof s->err);
+    if (rc != KVS_OK)
+        return rc;
+    const Kvstash__V1__ReviveResponse *r = (const Kvstash__V1__ReviveResponse *)resp;
+    Kvstash__V1__LayerTable *lt = r->table;
+    if (lt == NULL || lt->n_positions != lt->tokens || r->n_source_tier != lt->tokens) {
+        fail(s, "Revive: the reply's table, positions and source tiers do not match");
+        rc = KVS_ERR_PROTOCOL;
+    } else {
+        rc = table_fill(s, &lt, 1, "Revive", &out->table);
+    }
+    if (rc == KVS_OK) {
+        out->layer =
+            &out->table.layer[lt->layer * out->table.heads + (lt->per_head ? lt->head : 0)];
+        out->source_tier = malloc(lt->tokens ? lt->tokens : 1);
+        if (out->source_tier == NULL) {
+            fail(s, "Revive: out of memory");
+            rc = KVS_ERR_SYSTEM;
+        }
+        for (size_t i = 0; rc == KVS_OK && i < lt->tokens; i++)
+            out->source_tier[i] = (uint8_t)r->source_tier[i];
+        out->scratch_id = r->scratch_id;
+        out->from_full = r->from_full;
+        out->from_int8 = r->from_int8;
+        out->from_sketch = r->from_sketch;
+    }
+    protobuf_c_message_free_unpacked(resp, NULL);
+    if (rc != KVS_OK) {
+        kvs_table_free(&out->table);
+        free(out->source_tier);
+        memset(out, 0, sizeof *out);
+    }
+    return rc;
+}
+
+int kvs_revive_release(kvs_session *s, kvs_revive *r)
+{
+    if (s == NULL || r == NULL)
+        return KVS_ERR_INVALID;
+    Kvstash__V1__ReleaseScratchRequest req = KVSTASH__V1__RELEASE_SCRATCH_REQUEST__INIT;
+    req.scratch_id = r->scratch_id;
+    ProtobufCMessage *resp;
+    int rc =
+        rpc_unary(s->ch, RPC_STORE("ReleaseScratch"), s->token, &req.base,
+                  &kvstash__v1__release_scratch_response__descriptor, &resp, s->err, sizeof s->err);
+    if (rc == KVS_OK)
+        protobuf_c_message_free_unpacked(resp, NULL);
+    kvs_table_free(&r->table);
+    free(r->source_tier);
+    memset(r, 0, sizeof *r);
+    return rc;
 }
 
 /* ---- stats ---- */

@@ -94,9 +94,19 @@ int kvs_seq_create(kvs_session *s, const char *policy, const kvs_param *params, 
 
 int kvs_seq_release(kvs_session *s, uint64_t seq_id);
 
+/* How a segment is stored (store.proto LayerTable.tier). */
+typedef enum kvs_tier {
+    KVS_TIER_FULL = 0,   /* slots of a pool block in the pool's dtype */
+    KVS_TIER_INT8 = 1,   /* slots of the INT8 block held in pool block `block` */
+    KVS_TIER_SKETCH = 2, /* only in the daemon's sketch: kvs_seq_revive rebuilds it */
+} kvs_tier;
+
+#define KVS_NO_BLOCK UINT32_MAX /* the block of a sketch segment */
+
 /* One run of tokens of one layer (see kernels.h kv_segment). */
 typedef struct kvs_segment {
     uint32_t block, first_slot, count;
+    uint32_t tier; /* kvs_tier; 0 (full precision) unless the policy demoted it */
 } kvs_segment;
 
 /* A layer's table: its segments and, when asked for, each token's original
@@ -113,6 +123,9 @@ typedef struct kvs_layer {
      * [tokens][head_dim] instead of [kv_heads][tokens][head_dim]. */
     int per_head;
     uint32_t head;
+    /* Slots of an INT8 block in one pool block (kernels.h
+     * kv_int8_tokens_per_block of the list's layout). */
+    uint32_t int8_block_tokens;
 } kvs_layer;
 
 /*
@@ -201,10 +214,37 @@ void *kvs_key_ptr(const kvs_session *s, uint32_t block, uint32_t head, uint32_t 
 void *kvs_value_ptr(const kvs_session *s, uint32_t block, uint32_t head, uint32_t slot);
 
 /* Copy contiguous K and V, each [kv_heads][layer->tokens][head_dim] (or
- * [layer->tokens][head_dim] for a per-head list), into the list's segments
- * (write) or out of them (read), with the store's kernels. */
-void kvs_layer_write(const kvs_session *s, const kvs_layer *layer, const void *k, const void *v);
-void kvs_layer_read(const kvs_session *s, const kvs_layer *layer, void *k, void *v);
+ * [layer->tokens][head_dim] for a per-head list) of the pool's dtype, into
+ * the list's segments (write) or out of them (read), with the store's
+ * kernels. Reads dequantise INT8 segments; a list with sketch segments
+ * cannot be read in place (KVS_ERR_PRECONDITION: use kvs_seq_revive).
+ * Writes take full-precision segments only (an append's writes are). */
+int kvs_layer_write(const kvs_session *s, const kvs_layer *layer, const void *k, const void *v);
+int kvs_layer_read(const kvs_session *s, const kvs_layer *layer, void *k, void *v);
+
+/* What kvs_seq_revive rebuilt: `layer` is a table of scratch blocks (all
+ * full precision, positions filled) to read like any list; source_tier[i]
+ * says where token i was stored (kvs_tier). Release with kvs_revive_release. */
+typedef struct kvs_revive {
+    uint64_t scratch_id;
+    kvs_table table;      /* one entry: the revived list */
+    kvs_layer *layer;     /* = &table.layer[0] */
+    uint8_t *source_tier; /* [layer->tokens] */
+    uint32_t from_full, from_int8, from_sketch;
+} kvs_revive;
+
+/*
+ * Rebuild original positions [first, first + count) (count 0: to the end)
+ * of list (layer, head) in full precision into scratch blocks: raw tokens
+ * copied, INT8 tokens dequantised, sketched and offloaded tokens as the
+ * sketch's estimate (store.proto ReviveRequest). Positions evicted outright
+ * give KVS_ERR_PRECONDITION unless skip_evicted.
+ */
+int kvs_seq_revive(kvs_session *s, uint64_t seq_id, uint32_t layer, uint32_t head, uint32_t first,
+                   uint32_t count, int skip_evicted, kvs_revive *out);
+
+/* Give the scratch blocks back to the daemon and free *r. */
+int kvs_revive_release(kvs_session *s, kvs_revive *r);
 
 /* Daemon statistics as the JSON object of StatsResponse (caller frees with
  * free()). Needs no session: socket_path NULL = default. */

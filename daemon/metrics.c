@@ -49,6 +49,8 @@ struct metrics {
     size_t npolicies;
     _Atomic uint64_t *appended; /* [npolicies] */
     _Atomic uint64_t *evicted;  /* [npolicies * 2]: by policy, by operator */
+    _Atomic uint64_t *moved;    /* [npolicies * 3]: to int8, to sketch, back to full */
+    _Atomic uint64_t *revived;  /* [npolicies * 3]: from full, int8, sketch */
     hist *step_hist;            /* [npolicies] */
     hist *mass_hist;            /* [npolicies] */
     _Atomic uint64_t reclaimed[NREASONS];
@@ -79,10 +81,12 @@ metrics *metrics_create(const rpc_method *methods, size_t nmethods)
     m->rpc_hist = calloc(nmethods + 1, sizeof *m->rpc_hist);
     m->appended = calloc(m->npolicies + 1, sizeof *m->appended);
     m->evicted = calloc(2 * m->npolicies + 1, sizeof *m->evicted);
+    m->moved = calloc(3 * m->npolicies + 1, sizeof *m->moved);
+    m->revived = calloc(3 * m->npolicies + 1, sizeof *m->revived);
     m->step_hist = calloc(m->npolicies + 1, sizeof *m->step_hist);
     m->mass_hist = calloc(m->npolicies + 1, sizeof *m->mass_hist);
     if (!m->rpc_count || !m->rpc_hist || !m->appended || !m->evicted || !m->step_hist ||
-        !m->mass_hist) {
+        !m->mass_hist || !m->moved || !m->revived) {
         metrics_destroy(m);
         return NULL;
     }
@@ -98,6 +102,8 @@ void metrics_destroy(metrics *m)
     free(m->rpc_hist);
     free(m->appended);
     free(m->evicted);
+    free(m->moved);
+    free(m->revived);
     free(m->step_hist);
     free(m->mass_hist);
     free(m);
@@ -439,8 +445,48 @@ static void print_store(FILE *f, const metrics *m, const store_snap *s)
                     tiers[t], (unsigned long long)s->tokens[3 * i + (size_t)t]);
 }
 
+void metrics_tiers(metrics *m, seq *q)
+{
+    long i = m != NULL ? policy_index(m, q->policy) : -1;
+    for (int t = 0; i >= 0 && t < 3; t++) {
+        atomic_fetch_add_explicit(&m->moved[3 * (size_t)i + (size_t)t],
+                                  q->moved[t] - q->moved_reported[t], memory_order_relaxed);
+        q->moved_reported[t] = q->moved[t];
+    }
+}
+
+void metrics_revived(metrics *m, const policy_ops *p, const uint32_t by_tier[3])
+{
+    long i = m != NULL ? policy_index(m, p) : -1;
+    for (int t = 0; i >= 0 && t < 3; t++)
+        atomic_fetch_add_explicit(&m->revived[3 * (size_t)i + (size_t)t], by_tier[t],
+                                  memory_order_relaxed);
+}
+
+/* One counter per policy and tier: name{policy="...",<label>="<tier>"}. */
+static void print_tier_counter(FILE *f, const metrics *m, const char *name, const char *help,
+                               const char *label, const char *const tiers[3], _Atomic uint64_t *v)
+{
+    head(f, name, "counter", help);
+    for (size_t i = 0; i < m->npolicies; i++)
+        for (size_t t = 0; t < 3; t++)
+            fprintf(f, "%s{policy=\"%s\",%s=\"%s\"} %llu\n", name, m->policies[i]->name, label,
+                    tiers[t], (unsigned long long)atomic_load(&v[3 * i + t]));
+}
+
 static void print_counters(FILE *f, const metrics *m)
 {
+    static const char *const to[3] = {"int8", "sketch", "fp16"};
+    static const char *const from[3] = {"fp16", "int8", "sketch"};
+    print_tier_counter(f, m, "kvstash_tier_moves_total",
+                       "Tokens moved between storage tiers (summed over lists), by policy and "
+                       "destination: demoted to int8, put into the sketch (offloaded or swapped "
+                       "out), brought back to full precision (fp16 = the pool's dtype).",
+                       "to", to, m->moved);
+    print_tier_counter(f, m, "kvstash_revived_tokens_total",
+                       "Tokens rebuilt by Revive into scratch blocks, by policy and the tier they "
+                       "were stored in.",
+                       "from", from, m->revived);
     char labels[160];
     head(f, "kvstash_appended_tokens_total", "counter", "Tokens appended (per layer), by policy.");
     for (size_t i = 0; i < m->npolicies; i++)

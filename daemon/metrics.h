@@ -47,6 +47,15 @@ void metrics_appended(metrics *m, const policy_ops *p, uint64_t tokens);
  * policy's own decision or by an operator (EvictRequest). */
 void metrics_evicted(metrics *m, const policy_ops *p, int by_operator, uint64_t tokens);
 
+/* Report the tier moves of q since the last report (seq.h moved[]):
+ * tokens demoted to INT8, put into the sketch, brought back to full
+ * precision. */
+void metrics_tiers(metrics *m, seq *q);
+
+/* A Revive of a sequence of policy p rebuilt by_tier[t] tokens that were
+ * stored in tier t (policy_tier FULL, INT8, SKETCH). */
+void metrics_revived(metrics *m, const policy_ops *p, const uint32_t by_tier[3]);
+
 /* One worker step (ring STEP) of a sequence of policy p, served in `seconds`
  * (store_step: the lock wait, the checks, the policy and the table change). */
 void metrics_step(metrics *m, const policy_ops *p, double seconds);

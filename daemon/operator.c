@@ -105,7 +105,8 @@ static int in_ranges(const operator_range *r, size_t n, size_t *cursor, uint32_t
 /* One layer: the policy's step, the requested positions on top, the block
  * table, then the host's commit. */
 static status_code evict_layer(seq *q, uint32_t l, const operator_range *r, size_t nr,
-                               uint64_t span, uint64_t epoch, operator_evict_result *out, status *s)
+                               uint64_t span, uint64_t epoch, operator_evict_result *out, status *s,
+                               int *changed)
 {
     policy_stats stats = {.new_tokens = q->unstepped, .confidence = -1.0};
     const policy_decision *d;
@@ -137,7 +138,7 @@ static status_code evict_layer(seq *q, uint32_t l, const operator_range *r, size
         out->not_held += (uint32_t)(span - hit);
     }
     size_t evicted = 0;
-    status_code rc = seq_apply_decision(q, l, d, epoch, &evicted, s);
+    status_code rc = seq_apply_decision(q, l, d, epoch, &evicted, changed, s);
     out->evicted += (uint32_t)evicted;
     return rc;
 }
@@ -188,14 +189,16 @@ status_code operator_evict(store *st, const char *token, uint64_t seq_id,
         for (size_t i = 0; i < nlayers; i++)
             chosen[layers[i]] = 1;
         uint64_t epoch = q->epoch + 1;
+        int changed = 0;
         for (uint32_t l = 0; l < q->nlayers && rc == ST_OK; l++)
             if (chosen[l])
-                rc = evict_layer(q, l, r, nr, span, epoch, out, s);
-        if (out->evicted > 0)
+                rc = evict_layer(q, l, r, nr, span, epoch, out, s, &changed);
+        if (out->evicted > 0 || changed)
             q->epoch = epoch;
         out->epoch = q->epoch;
         metrics_evicted(st->metrics, q->policy, 1, out->requested);
         metrics_evicted(st->metrics, q->policy, 0, out->by_policy);
+        metrics_tiers(st->metrics, q);
         if (out->evicted > 0)
             events_publish(st->events, "table.changed",
                            json_pack("{sI sI sI ss}", "seq", (json_int_t)q->id, "epoch",

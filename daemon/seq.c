@@ -26,6 +26,12 @@ status_code seq_create(uint64_t id, uint64_t session_id, pool *pool, const polic
         s->list_layout.kv_heads = 1;
     }
     s->block_slots = s->list_layout.block_tokens;
+    if (tier_ctx_init(&s->tier, pool->base, pool->block_bytes, &s->list_layout,
+                      (kv_dtype)pool->geom.dtype) != 0) {
+        free(s);
+        return status_set(st, ST_INVALID_ARGUMENT,
+                          "a block of this pool cannot hold an INT8 block");
+    }
     s->lists = calloc((size_t)s->nlayers * s->heads, sizeof *s->lists);
     if (s->lists == NULL) {
         free(s);
@@ -50,12 +56,59 @@ static size_t seq_nlists(const seq *s)
     return (size_t)s->nlayers * s->heads;
 }
 
+static int cmp_u32(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Sort and drop repeats; returns the new count. */
+static size_t sort_unique(uint32_t *a, size_t m)
+{
+    qsort(a, m, sizeof *a, cmp_u32);
+    size_t d = 0;
+    for (size_t i = 0; i < m; i++)
+        if (d == 0 || a[d - 1] != a[i])
+            a[d++] = a[i];
+    return d;
+}
+
+/* The distinct blocks of a list's segments stored in `tier` (any tier with a
+ * block when tier < 0), sorted, in a malloc'd *out (NULL and 0 when out of
+ * memory: callers count nothing rather than fail). A block's segments need
+ * not be adjacent: revived and sketched tokens interleave with others. */
+static size_t list_block_ids(const seq_list *ly, int tier, uint32_t **out)
+{
+    *out = malloc((ly->nsegs ? ly->nsegs : 1) * sizeof **out);
+    if (*out == NULL)
+        return 0;
+    size_t m = 0;
+    for (size_t i = 0; i < ly->nsegs; i++)
+        if (ly->seg_tier[i] != POLICY_SKETCH && (tier < 0 || ly->seg_tier[i] == tier))
+            (*out)[m++] = ly->segs[i].block;
+    return sort_unique(*out, m);
+}
+
+static uint32_t list_count_blocks(const seq_list *ly, int tier)
+{
+    uint32_t *ids;
+    size_t n = list_block_ids(ly, tier, &ids);
+    free(ids);
+    return (uint32_t)n;
+}
+
+uint32_t seq_list_blocks(const seq *s, uint32_t layer, uint32_t head)
+{
+    return list_count_blocks(&s->lists[(size_t)layer * s->heads + head], -1);
+}
+
 static void list_free_blocks(seq_list *ly, pool *p)
 {
-    /* A block's segments are adjacent in the list (tokens arrive in order). */
-    for (size_t i = 0; i < ly->nsegs; i++)
-        if (i == 0 || ly->segs[i].block != ly->segs[i - 1].block)
-            pool_free_block(p, ly->segs[i].block);
+    uint32_t *ids;
+    size_t n = list_block_ids(ly, -1, &ids);
+    for (size_t i = 0; i < n; i++)
+        pool_free_block(p, ids[i]);
+    free(ids);
     /* A tail block whose every token was evicted is retired, not in segs. */
 }
 
@@ -66,6 +119,9 @@ void seq_destroy(seq *s)
     for (size_t i = 0; i < seq_nlists(s); i++) {
         list_free_blocks(&s->lists[i], s->pool);
         free(s->lists[i].segs);
+        free(s->lists[i].seg_tier);
+        free(s->lists[i].offloaded);
+        tier_sketch_free(&s->lists[i].sketch);
     }
     for (size_t i = 0; i < s->nretired; i++)
         pool_free_block(s->pool, s->retired[i].block);
@@ -90,12 +146,8 @@ void seq_ack(seq *s, uint64_t ack_epoch)
 uint32_t seq_blocks_held(const seq *s)
 {
     uint32_t n = (uint32_t)s->nretired;
-    for (size_t k = 0; k < seq_nlists(s); k++) {
-        const seq_list *ly = &s->lists[k];
-        for (size_t i = 0; i < ly->nsegs; i++)
-            if (i == 0 || ly->segs[i].block != ly->segs[i - 1].block)
-                n++;
-    }
+    for (size_t k = 0; k < seq_nlists(s); k++)
+        n += list_count_blocks(&s->lists[k], -1);
     return n;
 }
 
@@ -140,7 +192,17 @@ static int grow(void **arr, size_t *cap, size_t need, size_t elt)
 
 static int list_reserve(seq_list *ly, size_t nsegs)
 {
-    return grow((void **)&ly->segs, &ly->segs_cap, nsegs, sizeof *ly->segs);
+    size_t cap = ly->segs_cap;
+    if (grow((void **)&ly->segs, &cap, nsegs, sizeof *ly->segs) != 0)
+        return -1;
+    if (cap != ly->segs_cap) {
+        uint8_t *t = realloc(ly->seg_tier, cap);
+        if (t == NULL)
+            return -1; /* segs grew; segs_cap stays, so the next call retries */
+        ly->seg_tier = t;
+        ly->segs_cap = cap;
+    }
+    return 0;
 }
 
 static int seq_retire(seq *s, uint32_t block, uint64_t epoch)
@@ -151,185 +213,479 @@ static int seq_retire(seq *s, uint32_t block, uint64_t epoch)
     return 0;
 }
 
-/* ---- eviction ----------------------------------------------------------- */
-
-/* Drop the tokens whose decided tier is POLICY_EVICT from the segments, in
- * place (a split segment needs room, reserved by the caller), and retire the
- * blocks left with no token. */
-static int list_evict(seq *s, seq_list *ly, const uint8_t *tier, uint64_t epoch)
+static int tail_usable(const seq_list *ly, uint32_t block_slots)
 {
-    size_t nsegs = ly->nsegs;
-    kv_segment *old = malloc((nsegs ? nsegs : 1) * sizeof *old);
-    if (old == NULL)
+    return ly->has_tail && ly->tail_next_slot < block_slots;
+}
+
+/* ---- the tokens of a list, one by one ---------------------------------- */
+
+/* Expand a list's segments into one entry per token. */
+static tier_token *list_expand(const seq_list *ly, uint32_t n)
+{
+    tier_token *tok = malloc((n ? n : 1) * sizeof *tok);
+    if (tok == NULL)
+        return NULL;
+    size_t t = 0;
+    for (size_t i = 0; i < ly->nsegs; i++)
+        for (uint32_t j = 0; j < ly->segs[i].count && t < n; j++)
+            tok[t++] = (tier_token){ly->segs[i].block, ly->segs[i].first_slot + j, ly->seg_tier[i]};
+    return tok;
+}
+
+/* Rebuild a list's segments from per-token storage (runs of one tier in one
+ * block with consecutive slots; sketch runs have no block). */
+static int list_encode(seq_list *ly, const tier_token *tok, uint32_t n)
+{
+    if (list_reserve(ly, n ? n : 1) != 0)
         return -1;
-    memcpy(old, ly->segs, nsegs * sizeof *old);
-    size_t out = 0, t = 0;
-    int block_has_kept = 0;
-    for (size_t i = 0; i < nsegs; i++) {
-        const kv_segment *sg = &old[i];
-        int run_open = 0;
-        for (uint32_t j = 0; j < sg->count; j++, t++) {
-            if (tier[t] == POLICY_EVICT) {
-                run_open = 0;
-                continue;
-            }
-            block_has_kept = 1;
-            if (run_open)
-                ly->segs[out - 1].count++;
-            else
-                ly->segs[out++] = (kv_segment){sg->block, sg->first_slot + j, 1};
-            run_open = 1;
+    size_t out = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        kv_segment *last = out ? &ly->segs[out - 1] : NULL;
+        int sketch = tok[i].tier == POLICY_SKETCH;
+        if (last != NULL && ly->seg_tier[out - 1] == tok[i].tier &&
+            (sketch ||
+             (last->block == tok[i].block && last->first_slot + last->count == tok[i].slot))) {
+            last->count++;
+            continue;
         }
-        if (i + 1 < nsegs && old[i + 1].block == sg->block)
-            continue; /* the block goes on in the next segment */
-        if (!block_has_kept) {
-            if (seq_retire(s, sg->block, epoch) != 0) {
-                free(old);
-                return -1;
-            }
-            if (ly->has_tail && ly->tail_block == sg->block)
-                ly->has_tail = 0;
-        }
-        block_has_kept = 0;
+        ly->segs[out] =
+            sketch ? (kv_segment){TIER_NO_BLOCK, 0, 1} : (kv_segment){tok[i].block, tok[i].slot, 1};
+        ly->seg_tier[out++] = tok[i].tier;
     }
     ly->nsegs = out;
-    free(old);
     return 0;
 }
 
-/* Segments after the eviction: at most one per kept run, plus the old ones. */
-static size_t evicted_seg_bound(const seq_list *ly, const uint8_t *tier, uint32_t n)
+/* Distinct blocks the tokens use (and the tail block, with_tail), sorted,
+ * written from out[0]. */
+static size_t list_block_set(const seq_list *ly, const tier_token *tok, uint32_t n, int with_tail,
+                             uint32_t *out)
 {
-    size_t runs = 0;
-    for (uint32_t t = 0; t < n; t++)
-        if (tier[t] != POLICY_EVICT && (t == 0 || tier[t - 1] == POLICY_EVICT))
-            runs++;
-    return runs + ly->nsegs;
+    size_t m = 0;
+    for (uint32_t i = 0; i < n; i++)
+        if (tok[i].tier != POLICY_SKETCH)
+            out[m++] = tok[i].block;
+    if (with_tail && ly->has_tail)
+        out[m++] = ly->tail_block;
+    return sort_unique(out, m);
 }
 
-/* The (block, slot) of token i of a list. */
-static kv_segment list_token(const seq_list *ly, uint32_t i)
+/* A never-written full-precision slot at the list's tail (a new block when
+ * the tail is full). Returns -1 when the pool has no free block. */
+static int list_take_slot(seq *s, seq_list *ly, tier_token *out)
 {
-    size_t k = 0;
-    while (i >= ly->segs[k].count)
-        i -= ly->segs[k++].count;
-    return (kv_segment){ly->segs[k].block, ly->segs[k].first_slot + i, 1};
+    if (!tail_usable(ly, s->block_slots)) {
+        if (pool_alloc_block(s->pool, &ly->tail_block) != 0)
+            return -1;
+        ly->tail_next_slot = 0;
+        ly->has_tail = 1;
+    }
+    *out = (tier_token){ly->tail_block, ly->tail_next_slot++, POLICY_FULL};
+    return 0;
 }
 
-/* WeightedKV merges, before the merged-away tokens leave the table. */
-static void apply_merges(seq *s, uint32_t l, const policy_decision *d)
+static int list_sketch_ready(seq *s, seq_list *ly, uint32_t layer)
+{
+    if (ly->sketch.sk.key != NULL)
+        return 0;
+    policy_sketch_geometry g;
+    policy_host_sketch_geometry(s->host, layer, &g);
+    return tier_sketch_init(&ly->sketch, &s->tier, &g);
+}
+
+/* Read the FULL / INT8 tokens idx[0..m) of tok into staging buffers. */
+static int stage_tokens(seq *s, const tier_token *tok, const uint32_t *idx, size_t m, uint8_t **k,
+                        uint8_t **v)
+{
+    size_t half = (m ? m : 1) * tier_token_bytes(&s->tier) / 2;
+    tier_token *sel = malloc((m ? m : 1) * sizeof *sel);
+    *k = malloc(2 * half);
+    if (sel == NULL || *k == NULL) {
+        free(sel);
+        free(*k);
+        return -1;
+    }
+    *v = *k + half;
+    for (size_t i = 0; i < m; i++)
+        sel[i] = tok[idx[i]];
+    int rc = tier_read(&s->tier, sel, m, *k, *v);
+    free(sel);
+    if (rc != 0)
+        free(*k);
+    return rc;
+}
+
+/* Insert tokens idx[0..m) (FULL or INT8) into the sketch; they become
+ * sketch tokens. */
+static int move_to_sketch(seq *s, seq_list *ly, uint32_t layer, tier_token *tok,
+                          const uint32_t *pos, const uint32_t *idx, size_t m)
+{
+    uint8_t *k, *v;
+    uint32_t *p = malloc((m ? m : 1) * sizeof *p);
+    if (p == NULL || list_sketch_ready(s, ly, layer) != 0 ||
+        stage_tokens(s, tok, idx, m, &k, &v) != 0) {
+        free(p);
+        return -1;
+    }
+    for (size_t i = 0; i < m; i++)
+        p[i] = pos[idx[i]];
+    int rc = tier_sketch_insert(&ly->sketch, &s->tier, p, m, k, v);
+    for (size_t i = 0; rc == 0 && i < m; i++)
+        tok[idx[i]] = (tier_token){TIER_NO_BLOCK, 0, POLICY_SKETCH};
+    s->moved[1] += rc == 0 ? m : 0;
+    free(k);
+    free(p);
+    return rc;
+}
+
+/* Bring token i (SKETCH or INT8) back to a fresh full-precision slot: the
+ * sketch's estimate, deleted from the sketch (KVReviver swap, Alg. 3), or
+ * the dequantised values. Leaves it where it is when the pool is full. */
+static int move_to_full(seq *s, seq_list *ly, tier_token *tok, const uint32_t *pos, uint32_t i)
+{
+    tier_token dst;
+    if (list_take_slot(s, ly, &dst) != 0)
+        return 0;
+    if (tok[i].tier == POLICY_SKETCH) {
+        if (tier_sketch_read(&ly->sketch, &s->tier, s->pool->base, &pos[i], 1, &dst, 1) != 0)
+            return -1;
+    } else {
+        uint8_t *k, *v;
+        if (stage_tokens(s, tok, &i, 1, &k, &v) != 0)
+            return -1;
+        tier_write(&s->tier, &dst, 1, k, v);
+        free(k);
+    }
+    tok[i] = dst;
+    s->moved[2]++;
+    return 0;
+}
+
+static int offload_push(seq_list *ly, uint32_t position)
+{
+    if (grow((void **)&ly->offloaded, &ly->offloaded_cap, ly->noffloaded + 1,
+             sizeof *ly->offloaded) != 0)
+        return -1;
+    /* Victims leave in position order within a step, but a step's victims
+     * may be older than an earlier step's: keep the array sorted. */
+    size_t i = ly->noffloaded;
+    while (i > 0 && ly->offloaded[i - 1] > position) {
+        ly->offloaded[i] = ly->offloaded[i - 1];
+        i--;
+    }
+    ly->offloaded[i] = position;
+    ly->noffloaded++;
+    return 0;
+}
+
+/* The policy's victims: offloaded into the sketch (victims=sketch) or
+ * dropped (a dropped sketch token's estimate leaves the sketch). */
+static int list_victims(seq *s, seq_list *ly, uint32_t layer, tier_token *tok, const uint32_t *pos,
+                        const uint8_t *tier, uint32_t n, uint32_t *scratch)
+{
+    int offload = policy_host_storage(s->host)->victims == POLICY_VICTIMS_SKETCH;
+    size_t m = 0, gone = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (tier[i] != POLICY_EVICT)
+            continue;
+        if (tok[i].tier != POLICY_SKETCH && offload)
+            scratch[m++] = i;
+        else if (tok[i].tier == POLICY_SKETCH && !offload)
+            scratch[n - 1 - gone++] = pos[i];
+        if (offload && offload_push(ly, pos[i]) != 0)
+            return -1;
+    }
+    if (m > 0 && move_to_sketch(s, ly, layer, tok, pos, scratch, m) != 0)
+        return -1;
+    return gone ? tier_sketch_delete(&ly->sketch, scratch + n - gone, gone) : 0;
+}
+
+/* Whether token i's storage must change for decided tier `want` (INT8
+ * demotion is batched separately). */
+static int needs_move(uint8_t stored, uint8_t want)
+{
+    if (want == POLICY_EVICT)
+        return 0;
+    if (want == POLICY_SKETCH)
+        return stored != POLICY_SKETCH;
+    return stored == POLICY_SKETCH || (want == POLICY_FULL && stored == POLICY_INT8);
+}
+
+static int apply_move(seq *s, seq_list *ly, uint32_t layer, tier_token *tok, const uint32_t *pos,
+                      const uint8_t *tier, uint32_t i)
+{
+    if (!needs_move(tok[i].tier, tier[i]))
+        return 0;
+    if (tier[i] == POLICY_SKETCH)
+        return move_to_sketch(s, ly, layer, tok, pos, &i, 1);
+    return move_to_full(s, ly, tok, pos, i);
+}
+
+/* Tier moves among kept tokens, in the policy's order (tier_order) if it
+ * gives one, then the rest: revivals first, then insertions. */
+static int list_moves(seq *s, seq_list *ly, uint32_t layer, tier_token *tok, const uint32_t *pos,
+                      const uint8_t *tier, uint32_t n)
+{
+    size_t norder;
+    const uint32_t *order = policy_host_tier_order(s->host, layer, &norder);
+    for (size_t j = 0; j < norder; j++)
+        if (order[j] < n && apply_move(s, ly, layer, tok, pos, tier, order[j]) != 0)
+            return -1;
+    for (int pass = 0; pass < 2; pass++)
+        for (uint32_t i = 0; i < n; i++)
+            if ((tier[i] == POLICY_SKETCH) == pass &&
+                apply_move(s, ly, layer, tok, pos, tier, i) != 0)
+                return -1;
+    return 0;
+}
+
+/* INT8 demotion in whole INT8 blocks (POLICIES.md §5.4: a block's scales
+ * cover all its tokens and it is written once): the oldest tokens decided
+ * INT8 but stored at full precision, as many blocks' worth as there are. */
+static int list_demote(seq *s, tier_token *tok, const uint8_t *tier, uint32_t n, uint32_t *scratch)
+{
+    uint32_t t8 = s->tier.l8.block_tokens;
+    size_t m = 0;
+    for (uint32_t i = 0; i < n; i++)
+        if (tier[i] == POLICY_INT8 && tok[i].tier == POLICY_FULL)
+            scratch[m++] = i;
+    size_t nq = m / t8;
+    if (nq == 0 || nq > s->pool->nfree)
+        return 0;
+    m = nq * t8;
+    uint32_t *qb = malloc(nq * sizeof *qb);
+    uint8_t *k, *v;
+    if (qb == NULL || stage_tokens(s, tok, scratch, m, &k, &v) != 0) {
+        free(qb);
+        return -1;
+    }
+    for (size_t b = 0; b < nq; b++)
+        pool_alloc_block(s->pool, &qb[b]); /* checked above */
+    int rc = tier_quantize(&s->tier, k, v, m, qb, nq);
+    for (size_t j = 0; rc == 0 && j < m; j++)
+        tok[scratch[j]] = (tier_token){qb[j / t8], (uint32_t)(j % t8), POLICY_INT8};
+    s->moved[0] += rc == 0 ? m : 0;
+    free(k);
+    free(qb);
+    return rc;
+}
+
+/* WeightedKV merges, before the merged-away tokens leave the table. Both
+ * tokens must be at full precision: an INT8 block is never rewritten, so a
+ * merge into a demoted token is skipped. */
+static void apply_merges(seq *s, const policy_decision *d, tier_token *const *toks)
 {
     for (size_t m = 0; m < d->nmerges; m++) {
         const policy_merge *g = &d->merges[m];
-        const seq_list *ly = &s->lists[(size_t)l * s->heads + g->head];
-        kv_segment from = list_token(ly, g->from), into = list_token(ly, g->into);
-        kv_merge_value(&s->list_layout, (kv_dtype)s->pool->geom.dtype, s->pool->base, from.block,
-                       from.first_slot, into.block, into.first_slot, g->w_from, g->w_into);
+        const tier_token *from = &toks[g->head][g->from], *into = &toks[g->head][g->into];
+        if (from->tier != POLICY_FULL || into->tier != POLICY_FULL)
+            continue;
+        kv_merge_value(&s->list_layout, (kv_dtype)s->pool->geom.dtype, s->pool->base, from->block,
+                       from->slot, into->block, into->slot, g->w_from, g->w_into);
     }
-}
-
-/* Distinct blocks a list's segments use (a block's segments are adjacent). */
-static uint32_t list_blocks(const seq_list *ly)
-{
-    uint32_t n = 0;
-    for (size_t i = 0; i < ly->nsegs; i++)
-        n += i == 0 || ly->segs[i].block != ly->segs[i - 1].block;
-    return n;
-}
-
-/*
- * Conf-KV's contiguous compaction, for any token-level eviction: when the
- * survivors are spread over more than one block beyond what they fill, copy
- * them into fresh blocks (kv_copy_tokens) and retire the old ones, so that
- * evicting tokens really gives memory back. Skipped, harmlessly, when the
- * pool has no free blocks for the copy.
- */
-static int list_compact(seq *s, seq_list *ly, uint32_t tokens, uint64_t epoch)
-{
-    uint32_t slots = s->block_slots, need = (tokens + slots - 1) / slots;
-    uint32_t have = list_blocks(ly);
-    if (have <= need + 1 || need > s->pool->nfree || need == 0)
-        return 0;
-    kv_segment *dst = malloc(need * sizeof *dst);
-    if (dst == NULL)
-        return -1;
-    for (uint32_t b = 0; b < need; b++) {
-        pool_alloc_block(s->pool, &dst[b].block);
-        dst[b].first_slot = 0;
-        dst[b].count = b + 1 < need ? slots : tokens - (need - 1) * slots;
-    }
-    kv_copy_tokens(&s->list_layout, s->pool->base, ly->segs, ly->nsegs, dst, need);
-    for (size_t i = 0; i < ly->nsegs; i++)
-        if ((i == 0 || ly->segs[i].block != ly->segs[i - 1].block) &&
-            seq_retire(s, ly->segs[i].block, epoch) != 0) {
-            free(dst);
-            return -1;
-        }
-    if (ly->has_tail && (ly->nsegs == 0 || ly->segs[ly->nsegs - 1].block != ly->tail_block) &&
-        seq_retire(s, ly->tail_block, epoch) != 0) {
-        free(dst);
-        return -1;
-    }
-    free(ly->segs);
-    ly->segs = dst;
-    ly->nsegs = ly->segs_cap = need;
-    ly->tail_block = dst[need - 1].block;
-    ly->tail_next_slot = dst[need - 1].count;
-    ly->has_tail = 1;
-    return 0;
 }
 
 /*
  * OpenVINO §2.8: after an eviction, a kept token that moved from index i to
  * j of its list carries RoPE for a position j - i too far; rotate its key
- * back (kv_rope_rerotate). Runs before compaction, which moves bytes but
- * not indices. The worker is inside its synchronous step, not reading.
+ * back (kv_rope_rerotate). Only full-precision keys can be rewritten; the
+ * worker is inside its synchronous step, not reading.
  */
-static int list_rerotate(seq *s, seq_list *ly, const uint8_t *tier, uint32_t n,
+static int list_rerotate(seq *s, const tier_token *tok, const uint8_t *tier, uint32_t n,
                          const policy_decision *d)
 {
     int32_t *delta = malloc((n ? n : 1) * sizeof *delta);
-    if (delta == NULL)
+    kv_segment *sg = malloc((n ? n : 1) * sizeof *sg);
+    if (delta == NULL || sg == NULL) {
+        free(delta);
+        free(sg);
         return -1;
-    uint32_t j = 0;
-    for (uint32_t i = 0; i < n; i++)
-        if (tier[i] != POLICY_EVICT) {
-            delta[j] = (int32_t)j - (int32_t)i;
-            j++;
+    }
+    uint32_t j = 0, m = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (tier[i] == POLICY_EVICT)
+            continue;
+        if (tok[i].tier == POLICY_FULL && j != i) {
+            delta[m] = (int32_t)j - (int32_t)i;
+            sg[m++] = (kv_segment){tok[i].block, tok[i].slot, 1};
         }
-    kv_rope_rerotate(&s->list_layout, (kv_dtype)s->pool->geom.dtype, s->pool->base, ly->segs,
-                     ly->nsegs, delta, d->rope_theta > 0 ? d->rope_theta : s->pool->geom.rope_theta,
+        j++;
+    }
+    kv_rope_rerotate(&s->list_layout, (kv_dtype)s->pool->geom.dtype, s->pool->base, sg, m, delta,
+                     d->rope_theta > 0 ? d->rope_theta : s->pool->geom.rope_theta,
                      d->rope_pairing ? KV_ROPE_INTERLEAVED : KV_ROPE_HALF);
     free(delta);
+    free(sg);
     return 0;
 }
 
-/* Apply one layer's decision: merge, evict in the segments, then commit in
- * the host. INT8 and sketch tiers are recorded in the host (the policy sees
- * them) but the tokens stay in full precision until the tiers land. */
-status_code seq_apply_decision(seq *s, uint32_t l, const policy_decision *d, uint64_t epoch,
-                               size_t *evicted, status *st)
+/*
+ * Conf-KV's contiguous compaction, for any token-level eviction: when the
+ * full-precision survivors are spread over more than one block beyond what
+ * they fill, copy them into fresh blocks (kv_copy_tokens), so that evicting
+ * tokens really gives memory back; the old blocks are retired by the
+ * caller. Skipped, harmlessly, when the pool lacks the blocks.
+ */
+static int list_compact(seq *s, seq_list *ly, tier_token *kept, uint32_t n, uint32_t *scratch)
 {
-    apply_merges(s, l, d);
-    for (uint32_t k = 0; k < s->heads; k++) {
-        seq_list *ly = &s->lists[(size_t)l * s->heads + k];
-        uint32_t n = seq_list_tokens(s, l, k, NULL);
-        int any = 0;
-        for (uint32_t t = 0; t < n && !any; t++)
-            any = d->tier[k][t] == POLICY_EVICT;
-        if (!any)
-            continue;
-        uint32_t kept = 0;
-        for (uint32_t t = 0; t < n; t++)
-            kept += d->tier[k][t] != POLICY_EVICT;
-        if (list_reserve(ly, evicted_seg_bound(ly, d->tier[k], n)) != 0 ||
-            list_evict(s, ly, d->tier[k], epoch) != 0 ||
-            (d->rerotate_keys && list_rerotate(s, ly, d->tier[k], n, d) != 0) ||
-            list_compact(s, ly, kept, epoch) != 0)
-            return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
+    uint32_t slots = s->block_slots, nfull = 0;
+    for (uint32_t i = 0; i < n; i++)
+        if (kept[i].tier == POLICY_FULL)
+            scratch[nfull++] = kept[i].block;
+    uint32_t need = (nfull + slots - 1) / slots;
+    qsort(scratch, nfull, sizeof *scratch, cmp_u32);
+    uint32_t have = 0;
+    for (uint32_t i = 0; i < nfull; i++)
+        have += i == 0 || scratch[i] != scratch[i - 1];
+    if (have <= need + 1 || need > s->pool->nfree || need == 0)
+        return 0;
+    kv_segment *src = malloc(nfull * sizeof *src), *dst = malloc(nfull * sizeof *dst);
+    if (src == NULL || dst == NULL) {
+        free(src);
+        free(dst);
+        return -1;
     }
+    uint32_t blk = 0, j = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (kept[i].tier != POLICY_FULL)
+            continue;
+        if (j % slots == 0)
+            pool_alloc_block(s->pool, &blk); /* checked above */
+        src[j] = (kv_segment){kept[i].block, kept[i].slot, 1};
+        dst[j] = (kv_segment){blk, j % slots, 1};
+        kept[i] = (tier_token){blk, j % slots, POLICY_FULL};
+        j++;
+    }
+    kv_copy_tokens(&s->list_layout, s->pool->base, src, nfull, dst, nfull);
+    ly->tail_block = blk;
+    ly->tail_next_slot = (nfull - 1) % slots + 1;
+    ly->has_tail = 1;
+    free(src);
+    free(dst);
+    return 0;
+}
+
+/* Retire the blocks of `before` (sorted) that `after` (sorted) lacks. */
+static int retire_unused(seq *s, seq_list *ly, const uint32_t *before, size_t nb,
+                         const uint32_t *after, size_t na, uint64_t epoch)
+{
+    size_t j = 0;
+    for (size_t i = 0; i < nb; i++) {
+        while (j < na && after[j] < before[i])
+            j++;
+        if (j < na && after[j] == before[i])
+            continue;
+        if (seq_retire(s, before[i], epoch) != 0)
+            return -1;
+        if (ly->has_tail && ly->tail_block == before[i])
+            ly->has_tail = 0;
+    }
+    return 0;
+}
+
+/* Whether the decision changes anything in this list's storage. */
+static int list_untouched(const seq *s, const tier_token *tok, const uint8_t *tier, uint32_t n)
+{
+    uint32_t pending = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (tier[i] == POLICY_EVICT || needs_move(tok[i].tier, tier[i]))
+            return 0;
+        pending += tier[i] == POLICY_INT8 && tok[i].tier == POLICY_FULL;
+    }
+    return pending < s->tier.l8.block_tokens;
+}
+
+/* Apply one list's decided tiers to its storage (seq_apply_decision). */
+static int list_apply(seq *s, uint32_t l, uint32_t k, tier_token *tok, const policy_decision *d,
+                      uint64_t epoch, int *changed)
+{
+    seq_list *ly = &s->lists[(size_t)l * s->heads + k];
+    const uint32_t *pos;
+    uint32_t n = seq_list_tokens(s, l, k, &pos);
+    const uint8_t *tier = d->tier[k];
+    if (list_untouched(s, tok, tier, n))
+        return 0;
+    *changed = 1;
+    /* Blocks used before (at most n + 1 with the tail, twice: see below),
+     * after (at most n) and an index list (n). */
+    size_t cap = 2 * (size_t)n + 4;
+    uint32_t *scratch = malloc(3 * cap * sizeof *scratch);
+    if (scratch == NULL)
+        return -1;
+    uint32_t *before = scratch, *after = scratch + cap, *idx = scratch + 2 * cap;
+    size_t nb = list_block_set(ly, tok, n, 1, before);
+    int rc = list_victims(s, ly, l, tok, pos, tier, n, idx);
+    if (rc == 0)
+        rc = list_moves(s, ly, l, tok, pos, tier, n);
+    if (rc == 0)
+        rc = list_demote(s, tok, tier, n, idx);
+    if (rc == 0 && d->rerotate_keys)
+        rc = list_rerotate(s, tok, tier, n, d);
+    uint32_t kept = 0;
+    for (uint32_t i = 0; i < n; i++)
+        if (tier[i] != POLICY_EVICT)
+            tok[kept++] = tok[i];
+    /* Blocks the moves took (a new tail for revived tokens) count as used
+     * before compaction, which may leave them. */
+    nb = sort_unique(before, nb + list_block_set(ly, tok, kept, 1, before + nb));
+    if (rc == 0)
+        rc = list_compact(s, ly, tok, kept, idx);
+    if (rc == 0)
+        rc = list_encode(ly, tok, kept);
+    if (rc == 0)
+        rc =
+            retire_unused(s, ly, before, nb, after, list_block_set(ly, tok, kept, 0, after), epoch);
+    free(scratch);
+    return rc;
+}
+
+status_code seq_apply_decision(seq *s, uint32_t l, const policy_decision *d, uint64_t epoch,
+                               size_t *evicted, int *changed, status *st)
+{
+    tier_token **toks = calloc(s->heads, sizeof *toks);
+    int rc = toks == NULL ? -1 : 0;
+    for (uint32_t k = 0; rc == 0 && k < s->heads; k++) {
+        toks[k] = list_expand(&s->lists[(size_t)l * s->heads + k], seq_list_tokens(s, l, k, NULL));
+        rc = toks[k] == NULL ? -1 : 0;
+    }
+    if (rc == 0)
+        apply_merges(s, d, toks);
+    *changed |= d->nmerges > 0;
+    for (uint32_t k = 0; rc == 0 && k < s->heads; k++)
+        rc = list_apply(s, l, k, toks[k], d, epoch, changed);
+    for (uint32_t k = 0; toks != NULL && k < s->heads; k++)
+        free(toks[k]);
+    free(toks);
+    if (rc != 0)
+        return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
     *evicted += policy_host_commit(s->host, l);
     return ST_OK;
+}
+
+/* ---- storage reports and revive ------------------------------------------ */
+
+void seq_list_tier_tokens(const seq *s, uint32_t layer, uint32_t head, uint32_t tokens[3])
+{
+    const seq_list *ly = &s->lists[(size_t)layer * s->heads + head];
+    tokens[0] = tokens[1] = tokens[2] = 0;
+    for (size_t i = 0; i < ly->nsegs; i++)
+        tokens[ly->seg_tier[i]] += ly->segs[i].count;
+}
+
+void seq_tier_usage(const seq *s, uint64_t tokens[3], uint64_t bytes[3])
+{
+    for (int t = 0; t < 3; t++)
+        tokens[t] = bytes[t] = 0;
+    for (size_t k = 0; k < seq_nlists(s); k++) {
+        const seq_list *ly = &s->lists[k];
+        for (size_t i = 0; i < ly->nsegs; i++)
+            tokens[ly->seg_tier[i]] += ly->segs[i].count;
+        for (int t = POLICY_FULL; t <= POLICY_INT8; t++)
+            bytes[t] += (uint64_t)list_count_blocks(ly, t) * s->pool->block_bytes;
+        tokens[POLICY_SKETCH] += ly->noffloaded;
+        bytes[POLICY_SKETCH] += tier_sketch_bytes(&ly->sketch);
+    }
 }
 
 /* ---- steps -------------------------------------------------------------- */
@@ -390,6 +746,7 @@ static status_code seq_run_policy(seq *s, const seq_step_input *in, uint64_t epo
     if (ptrs == NULL)
         return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
     size_t off = 0, total = 0;
+    int changed = 0;
     status_code rc = ST_OK;
     for (uint32_t l = 0; l < s->nlayers && rc == ST_OK; l++) {
         policy_stats ps = {.new_tokens = in->new_tokens ? in->new_tokens : s->unstepped,
@@ -403,11 +760,11 @@ static status_code seq_run_policy(seq *s, const seq_step_input *in, uint64_t epo
         if (policy_host_step(s->host, l, &ps, &d, err, sizeof err) != 0)
             rc = status_set(st, ST_INTERNAL, "policy %s failed: %s", s->policy->name, err);
         else
-            rc = seq_apply_decision(s, l, d, epoch, &total, st);
+            rc = seq_apply_decision(s, l, d, epoch, &total, &changed, st);
     }
     free(ptrs);
     s->unstepped = 0;
-    if (total > 0)
+    if (total > 0 || changed)
         s->epoch = epoch;
     *evicted = (uint32_t)total;
     return rc;
@@ -489,11 +846,6 @@ status_code seq_step(seq *s, const seq_step_input *in, uint32_t *evicted, status
 
 /* ---- append ------------------------------------------------------------ */
 
-static int tail_usable(const seq_list *ly, uint32_t block_slots)
-{
-    return ly->has_tail && ly->tail_next_slot < block_slots;
-}
-
 static uint32_t blocks_needed(uint32_t count, uint32_t room, uint32_t block_tokens)
 {
     return count <= room ? 0 : (count - room + block_tokens - 1) / block_tokens;
@@ -502,10 +854,13 @@ static uint32_t blocks_needed(uint32_t count, uint32_t room, uint32_t block_toke
 static void list_push(seq_list *ly, uint32_t block, uint32_t slot, uint32_t n)
 {
     kv_segment *last = ly->nsegs ? &ly->segs[ly->nsegs - 1] : NULL;
-    if (last != NULL && last->block == block && last->first_slot + last->count == slot)
+    if (last != NULL && ly->seg_tier[ly->nsegs - 1] == POLICY_FULL && last->block == block &&
+        last->first_slot + last->count == slot) {
         last->count += n;
-    else
+    } else {
+        ly->seg_tier[ly->nsegs] = POLICY_FULL;
         ly->segs[ly->nsegs++] = (kv_segment){block, slot, n};
+    }
 }
 
 /* Put `count` new tokens at the list's tail; blocks were checked free. */
@@ -573,5 +928,146 @@ status_code seq_append(seq *s, int64_t count, kv_segment *const *writes, size_t 
     s->appended += (uint64_t)count;
     s->unstepped += (uint32_t)count;
     s->epoch = epoch;
+    return ST_OK;
+}
+
+/* ---- revive ------------------------------------------------------------- */
+
+/* Positions [first, end) that are neither held nor offloaded: the first
+ * such run in *gap_first / *gap_count, and how many in all. */
+static uint32_t revive_gaps(const uint32_t *pos, uint32_t n, const uint32_t *off, size_t noff,
+                            uint32_t first, uint32_t end, uint32_t *gap_first, uint32_t *gap_count)
+{
+    uint32_t i = 0, missing = 0;
+    size_t j = 0;
+    *gap_count = 0;
+    for (uint32_t p = first; p < end; p++) {
+        while (i < n && pos[i] < p)
+            i++;
+        while (j < noff && off[j] < p)
+            j++;
+        if ((i < n && pos[i] == p) || (j < noff && off[j] == p))
+            continue;
+        if (missing++ == 0)
+            *gap_first = p;
+        if (*gap_count == p - *gap_first)
+            (*gap_count)++;
+    }
+    return missing;
+}
+
+/* The revived tokens in position order: index into the list (held) or
+ * UINT32_MAX (offloaded), and their positions. */
+static size_t revive_select(const uint32_t *pos, uint32_t n, const uint32_t *off, size_t noff,
+                            uint32_t first, uint32_t end, uint32_t *which, uint32_t *at)
+{
+    size_t m = 0, j = 0;
+    uint32_t i = 0;
+    while (i < n || j < noff) {
+        int held = j == noff || (i < n && pos[i] < off[j]);
+        uint32_t p = held ? pos[i] : off[j];
+        if (p >= first && p < end) {
+            which[m] = held ? i : UINT32_MAX;
+            at[m++] = p;
+        }
+        held ? i++ : j++;
+    }
+    return m;
+}
+
+/* Write the revived tokens into dst: held FULL / INT8 tokens read back,
+ * sketch tokens (held or offloaded) queried. */
+static int revive_fill(seq *s, seq_list *ly, const tier_token *tok, const uint32_t *which,
+                       const uint32_t *at, size_t m, const tier_token *dst)
+{
+    for (size_t a = 0; a < m;) {
+        int sketch = which[a] == UINT32_MAX || tok[which[a]].tier == POLICY_SKETCH;
+        size_t b = a;
+        while (b < m && (which[b] == UINT32_MAX || tok[which[b]].tier == POLICY_SKETCH) == sketch)
+            b++;
+        if (sketch) {
+            if (tier_sketch_read(&ly->sketch, &s->tier, s->pool->base, at + a, b - a, dst + a, 0))
+                return -1;
+        } else {
+            uint8_t *k, *v;
+            if (stage_tokens(s, tok, which + a, b - a, &k, &v) != 0)
+                return -1;
+            tier_write(&s->tier, dst + a, b - a, k, v);
+            free(k);
+        }
+        a = b;
+    }
+    return 0;
+}
+
+status_code seq_revive(seq *s, uint32_t layer, uint32_t head, uint32_t first, uint32_t count,
+                       int skip_evicted, kv_segment **segs, size_t *nsegs, uint32_t **pos,
+                       uint8_t **src_tier, size_t *ntokens, uint32_t **blocks, size_t *nblocks,
+                       status *st)
+{
+    *segs = NULL, *pos = NULL, *src_tier = NULL, *blocks = NULL;
+    *nsegs = *ntokens = *nblocks = 0;
+    if (layer >= s->nlayers || head >= s->heads)
+        return status_set(st, ST_INVALID_ARGUMENT,
+                          "list (layer %u, head %u) does not exist: the sequence has %u layers "
+                          "and %u list(s) per layer",
+                          layer, head, s->nlayers, s->heads);
+    uint64_t end = count == 0 ? s->appended : (uint64_t)first + count;
+    if (end > s->appended || first >= end)
+        return status_set(st, ST_INVALID_ARGUMENT,
+                          "positions %u..%llu are not in the sequence (positions 0..%llu exist)",
+                          first, (unsigned long long)end - 1, (unsigned long long)s->appended - 1);
+    seq_list *ly = &s->lists[(size_t)layer * s->heads + head];
+    const uint32_t *lpos;
+    uint32_t n = seq_list_tokens(s, layer, head, &lpos), gap_first = 0, gap_count;
+    uint32_t missing = revive_gaps(lpos, n, ly->offloaded, ly->noffloaded, first, (uint32_t)end,
+                                   &gap_first, &gap_count);
+    if (missing > 0 && !skip_evicted)
+        return status_set(st, ST_FAILED_PRECONDITION,
+                          "%u of positions %u..%llu of layer %u were evicted outright, not "
+                          "offloaded (first: %u..%u); nothing can revive them (create the "
+                          "sequence with victims=sketch to keep evicted tokens, or ask with "
+                          "skip_evicted)",
+                          missing, first, (unsigned long long)end - 1, layer, gap_first,
+                          gap_first + gap_count - 1);
+    size_t m = (size_t)(end - first) - missing;
+    uint32_t slots = s->block_slots, need = (uint32_t)((m + slots - 1) / slots);
+    if (need > s->pool->nfree)
+        return status_set(st, ST_RESOURCE_EXHAUSTED,
+                          "reviving %zu tokens needs %u free blocks; pool '%s' has %u", m, need,
+                          s->pool->model, s->pool->nfree);
+    tier_token *tok = list_expand(ly, n), *dst = malloc((m ? m : 1) * sizeof *dst);
+    uint32_t *which = malloc((m ? m : 1) * sizeof *which);
+    *pos = malloc((m ? m : 1) * sizeof **pos);
+    *src_tier = malloc(m ? m : 1);
+    *blocks = malloc((need ? need : 1) * sizeof **blocks);
+    *segs = malloc((need ? need : 1) * sizeof **segs);
+    int rc = tok && dst && which && *pos && *src_tier && *blocks && *segs ? 0 : -1;
+    uint32_t got = 0;
+    if (rc == 0) {
+        revive_select(lpos, n, ly->offloaded, ly->noffloaded, first, (uint32_t)end, which, *pos);
+        for (uint32_t b = 0; b < need; b++, got++) {
+            pool_alloc_block(s->pool, &(*blocks)[b]); /* checked above */
+            (*segs)[b] = (kv_segment){(*blocks)[b], 0,
+                                      b + 1 < need ? slots : (uint32_t)(m - (size_t)b * slots)};
+        }
+        for (size_t j = 0; j < m; j++) {
+            dst[j] = (tier_token){(*blocks)[j / slots], (uint32_t)(j % slots), POLICY_FULL};
+            (*src_tier)[j] = which[j] == UINT32_MAX ? POLICY_SKETCH : tok[which[j]].tier;
+        }
+        rc = revive_fill(s, ly, tok, which, *pos, m, dst);
+    }
+    free(tok);
+    free(dst);
+    free(which);
+    if (rc != 0) {
+        for (uint32_t b = 0; b < got; b++)
+            pool_free_block(s->pool, (*blocks)[b]);
+        free(*segs), free(*pos), free(*src_tier), free(*blocks);
+        *segs = NULL, *pos = NULL, *src_tier = NULL, *blocks = NULL;
+        return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    *nsegs = *nblocks = need;
+    *ntokens = m;
     return ST_OK;
 }

@@ -7,6 +7,12 @@
  * different tokens per head, and the memory of what a head dropped must come
  * back). A list's tokens are segments (block, first slot, count) in order,
  * parallel to the policy host's list (positions and tiers live there, once).
+ * A segment is stored in one tier (seg_tier): full precision slots, slots
+ * of an INT8 block (tier.h), or the list's sketch (no block). The storage
+ * tier follows the policy's decided tier (the host's), but may lag it: INT8
+ * demotion waits until a whole INT8 block's worth of tokens is decided INT8
+ * (an INT8 block is written once; its scales cover all its tokens), and a
+ * move that needs blocks the pool lacks waits for the next step.
  * Blocks of an all-heads list hold block_tokens tokens of every KV head
  * (K, V: [kv_heads][block_tokens][head_dim]); blocks of a per-head list hold
  * kv_heads * block_tokens rows of their one head (K, V: [rows][head_dim]),
@@ -32,15 +38,20 @@
 #include "policy.h"
 #include "pool.h"
 #include "status.h"
+#include "tier.h"
 
 #define SEQ_MAX_APPEND 65536
 
 typedef struct seq_list {
     kv_segment *segs;
+    uint8_t *seg_tier; /* [nsegs] how segment i is stored: POLICY_FULL, _INT8, _SKETCH */
     size_t nsegs, segs_cap;
     uint32_t tail_block;     /* block that new tokens fill first */
     uint32_t tail_next_slot; /* its first never-written slot; slots per block = full */
     int has_tail;
+    tier_sketch sketch;  /* the list's count-sketch; sketch.sk.key NULL until used */
+    uint32_t *offloaded; /* positions victims=sketch offloaded, out of the list; ascending */
+    size_t noffloaded, offloaded_cap;
 } seq_list;
 
 typedef struct seq_retired {
@@ -63,9 +74,12 @@ typedef struct seq {
     uint32_t heads;        /* lists per layer: 1, or kv_heads for per-head policies */
     uint32_t block_slots;  /* tokens (or rows) a block of one list holds */
     kv_layout list_layout; /* a list's block layout, for the kernels */
+    tier_ctx tier;         /* the lists' storage: pool, layouts, dtype */
     seq_list *lists;       /* [nlayers * heads], list of (layer l, head k) at l * heads + k */
     seq_retired *retired;
     size_t nretired, retired_cap;
+    uint64_t moved[3];          /* tokens ever moved: to INT8, into the sketch, back to full */
+    uint64_t moved_reported[3]; /* of those, reported to metrics (metrics_tiers) */
 } seq;
 
 /* Create a sequence on `pool` with a policy and its resolved parameters; the
@@ -82,6 +96,9 @@ void seq_ack(seq *s, uint64_t ack_epoch);
 /* Tokens and original positions list (layer, head) holds (owned by the
  * sequence; valid until it changes). head is 0 for all-heads lists. */
 uint32_t seq_list_tokens(seq *s, uint32_t layer, uint32_t head, const uint32_t **positions);
+
+/* Distinct blocks list (layer, head) uses. */
+uint32_t seq_list_blocks(const seq *s, uint32_t layer, uint32_t head);
 
 /* Blocks in the layer tables and in the retired list. */
 uint32_t seq_blocks_held(const seq *s);
@@ -122,11 +139,38 @@ typedef struct seq_step_input {
 status_code seq_step(seq *s, const seq_step_input *in, uint32_t *evicted, status *st);
 
 /* Apply a decision of layer l that policy_host_step returned (possibly
- * amended, as an operator eviction does): value merges, eviction from the
- * block tables (emptied blocks retired at `epoch`), key re-rotation,
- * compaction, then the host's commit. *evicted grows by the tokens removed. */
+ * amended, as an operator eviction does): value merges, then per list:
+ * victims offloaded to the sketch (storage option victims=sketch) or
+ * dropped, tier moves (sketch insert / revive, INT8 quantise in whole
+ * blocks, dequantise), key re-rotation, compaction; blocks no longer used
+ * are retired at `epoch`; then the host's commit. *evicted grows by the
+ * tokens removed, *changed is set when any list's table changed. */
 status_code seq_apply_decision(seq *s, uint32_t l, const policy_decision *d, uint64_t epoch,
-                               size_t *evicted, status *st);
+                               size_t *evicted, int *changed, status *st);
+
+/* Storage per tier (POLICY_FULL, _INT8, _SKETCH) over every list: tokens
+ * held (sketch: in-list sketch tokens plus offloaded ones) and bytes (pool
+ * blocks of that tier; sketch cells). */
+void seq_tier_usage(const seq *s, uint64_t tokens[3], uint64_t bytes[3]);
+
+/* Tokens of list (layer, head) stored in each tier. */
+void seq_list_tier_tokens(const seq *s, uint32_t layer, uint32_t head, uint32_t tokens[3]);
+
+/*
+ * Revive (the RPC): rebuild positions [first, first + count) of list
+ * (layer, head) in full precision into fresh blocks of the pool: held
+ * tokens (raw copied, INT8 dequantised, sketch queried) and offloaded ones
+ * (sketch queried), in position order; the sketch is not changed. Tokens
+ * evicted outright cannot come back: FAILED_PRECONDITION naming them,
+ * unless skip_evicted. On success *segs (malloc'd) holds the scratch
+ * blocks' segments in list layout, *pos (malloc'd) the positions and
+ * *src_tier each token's tier; *blocks (malloc'd, *nblocks) the blocks the
+ * caller now owns and frees with pool_free_block.
+ */
+status_code seq_revive(seq *s, uint32_t layer, uint32_t head, uint32_t first, uint32_t count,
+                       int skip_evicted, kv_segment **segs, size_t *nsegs, uint32_t **pos,
+                       uint8_t **src_tier, size_t *ntokens, uint32_t **blocks, size_t *nblocks,
+                       status *st);
 
 /* Floats a step must carry for `arrays` given the current lists. */
 size_t seq_step_floats(seq *s, unsigned arrays);

@@ -24,17 +24,15 @@ void service_geometry_to_proto(const pool_geometry *g, Kvstash__V1__Geometry *ou
     out->rope_theta = g->rope_theta;
 }
 
-/* A LayerTable whose arrays are heap copies; layer_table_clear frees them.
- * positions: NULL for none, else the array to copy. first_position >= 0
- * generates consecutive positions instead (append writes). */
-static int layer_table_fill(Kvstash__V1__LayerTable *lt, const store_layer_table *src,
-                            int64_t first_position)
+int service_layer_table_fill(Kvstash__V1__LayerTable *lt, const store_layer_table *src,
+                             int64_t first_position)
 {
     kvstash__v1__layer_table__init(lt);
     lt->layer = src->layer;
     lt->per_head = src->per_head;
     lt->head = src->head;
     lt->tokens = src->tokens;
+    lt->int8_block_tokens = src->int8_block_tokens;
     size_t n = src->nsegs;
     lt->block = malloc((n ? n : 1) * sizeof *lt->block);
     lt->first_slot = malloc((n ? n : 1) * sizeof *lt->first_slot);
@@ -42,10 +40,20 @@ static int layer_table_fill(Kvstash__V1__LayerTable *lt, const store_layer_table
     if (lt->block == NULL || lt->first_slot == NULL || lt->count == NULL)
         return -1;
     lt->n_block = lt->n_first_slot = lt->n_count = n;
+    int tiered = 0;
     for (size_t i = 0; i < n; i++) {
         lt->block[i] = src->segs[i].block;
         lt->first_slot[i] = src->segs[i].first_slot;
         lt->count[i] = src->segs[i].count;
+        tiered |= src->tiers != NULL && src->tiers[i] != POLICY_FULL;
+    }
+    if (tiered) { /* all-full lists leave the field empty */
+        lt->tier = malloc(n * sizeof *lt->tier);
+        if (lt->tier == NULL)
+            return -1;
+        lt->n_tier = n;
+        for (size_t i = 0; i < n; i++)
+            lt->tier[i] = src->tiers[i];
     }
     if (src->positions == NULL && first_position < 0)
         return 0;
@@ -58,8 +66,9 @@ static int layer_table_fill(Kvstash__V1__LayerTable *lt, const store_layer_table
     return 0;
 }
 
-static void layer_table_clear(Kvstash__V1__LayerTable *lt)
+void service_layer_table_clear(Kvstash__V1__LayerTable *lt)
 {
+    free(lt->tier);
     free(lt->block);
     free(lt->first_slot);
     free(lt->count);
@@ -79,7 +88,8 @@ static Kvstash__V1__LayerTable **layer_tables_new(const store_table *t, int cons
     }
     for (uint32_t l = 0; l < t->nlists; l++) {
         ptrs[l] = &(*storage)[l];
-        layer_table_fill(ptrs[l], &t->lists[l], consecutive ? (int64_t)t->first_position : -1);
+        service_layer_table_fill(ptrs[l], &t->lists[l],
+                                 consecutive ? (int64_t)t->first_position : -1);
     }
     return ptrs;
 }
@@ -88,7 +98,7 @@ static void layer_tables_free(Kvstash__V1__LayerTable **ptrs, Kvstash__V1__Layer
                               uint32_t n)
 {
     for (uint32_t l = 0; storage != NULL && l < n; l++)
-        layer_table_clear(&storage[l]);
+        service_layer_table_clear(&storage[l]);
     free(storage);
     free(ptrs);
 }
@@ -285,6 +295,10 @@ static const rpc_method methods[] = {
     {"/kvstash.v1.Store/ListPolicies", &kvstash__v1__list_policies_request__descriptor,
      service_list_policies, NULL, NULL},
     {"/kvstash.v1.Store/Evict", &kvstash__v1__evict_request__descriptor, service_evict, NULL, NULL},
+    {"/kvstash.v1.Store/Revive", &kvstash__v1__revive_request__descriptor, service_revive, NULL,
+     NULL},
+    {"/kvstash.v1.Store/ReleaseScratch", &kvstash__v1__release_scratch_request__descriptor,
+     service_release_scratch, NULL, NULL},
     {"/grpc.health.v1.Health/Check", &grpc__health__v1__health_check_request__descriptor,
      do_health_check, NULL, NULL},
 };

@@ -26,6 +26,20 @@ status_code service_list_policies(void *app, const char *token, const ProtobufCM
 status_code service_evict(void *app, const char *token, const ProtobufCMessage *m,
                           grpc_byte_buffer **resp, status *st);
 
+/* Revive and ReleaseScratch (service_ops.c): need the owning session. */
+status_code service_revive(void *app, const char *token, const ProtobufCMessage *m,
+                           grpc_byte_buffer **resp, status *st);
+status_code service_release_scratch(void *app, const char *token, const ProtobufCMessage *m,
+                                    grpc_byte_buffer **resp, status *st);
+
+/* A LayerTable whose arrays are heap copies of src (service_layer_table_clear
+ * frees them). Positions: copied from src->positions when not NULL, or
+ * first_position + i when first_position >= 0 (append writes), else none.
+ * Returns 0 or -1 (out of memory). */
+int service_layer_table_fill(Kvstash__V1__LayerTable *lt, const store_layer_table *src,
+                             int64_t first_position);
+void service_layer_table_clear(Kvstash__V1__LayerTable *lt);
+
 /* Shared conversions; the Param strings point into p. */
 void service_geometry_to_proto(const pool_geometry *g, Kvstash__V1__Geometry *out);
 void service_params_to_proto(const policy_params *p, Kvstash__V1__Param *storage,

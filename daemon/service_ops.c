@@ -1,5 +1,6 @@
-/* ListPolicies and Evict: the policy registry and the operator's manual
- * eviction (operator.h), for the `kvstash` CLI. */
+/* ListPolicies, Evict, Revive and ReleaseScratch: the policy registry, the
+ * operator's manual eviction (operator.h) and rebuilding tokens from the
+ * tiers (store_revive). */
 #include <stdlib.h>
 
 #include "kvstash/v1/store.pb-c.h"
@@ -25,10 +26,12 @@ status_code service_list_policies(void *app, const char *token, const ProtobufCM
     (void)app;
     (void)token;
     (void)m;
-    size_t n, nparams = 0;
+    size_t n, nparams = 0, nstorage;
     const policy_ops *const *pol = policy_list(&n);
+    const policy_param_spec *storage = policy_storage_spec(&nstorage);
     for (size_t i = 0; i < n; i++)
         nparams += pol[i]->nparams;
+    nparams += nstorage;
     Kvstash__V1__PolicyInfo *info = calloc(n + 1, sizeof *info);
     Kvstash__V1__PolicyInfo **info_ptrs = calloc(n + 1, sizeof *info_ptrs);
     Kvstash__V1__PolicyParamSpec *specs = calloc(nparams + 1, sizeof *specs);
@@ -40,6 +43,13 @@ status_code service_list_policies(void *app, const char *token, const ProtobufCM
         goto out;
     }
     size_t k = 0;
+    for (size_t j = 0; j < nstorage; j++, k++) {
+        kvstash__v1__policy_param_spec__init(&specs[k]);
+        specs[k].key = (char *)storage[j].key;
+        specs[k].default_value = (char *)storage[j].def;
+        specs[k].help = (char *)storage[j].help;
+        spec_ptrs[k] = &specs[k];
+    }
     for (size_t i = 0; i < n; i++) {
         const policy_ops *p = pol[i];
         Kvstash__V1__PolicyInfo *pi = &info[i];
@@ -66,6 +76,8 @@ status_code service_list_policies(void *app, const char *token, const ProtobufCM
     Kvstash__V1__ListPoliciesResponse out = KVSTASH__V1__LIST_POLICIES_RESPONSE__INIT;
     out.policies = info_ptrs;
     out.n_policies = n;
+    out.storage_params = spec_ptrs;
+    out.n_storage_params = nstorage;
     *resp = pbgrpc_pack(&out.base);
 out:
     free(info);
@@ -100,6 +112,53 @@ status_code service_evict(void *app, const char *token, const ProtobufCMessage *
     out.requested = res.requested;
     out.by_policy = res.by_policy;
     out.not_held = res.not_held;
+    *resp = pbgrpc_pack(&out.base);
+    return ST_OK;
+}
+
+status_code service_revive(void *app, const char *token, const ProtobufCMessage *m,
+                           grpc_byte_buffer **resp, status *st)
+{
+    const Kvstash__V1__ReviveRequest *req = (const void *)m;
+    store_revive_result r;
+    if (store_revive(app, token, req->seq_id, req->layer, req->head, req->first, req->count,
+                     req->skip_evicted, &r, st) != ST_OK)
+        return st->code;
+    Kvstash__V1__ReviveResponse out = KVSTASH__V1__REVIVE_RESPONSE__INIT;
+    Kvstash__V1__LayerTable lt;
+    size_t n = r.table.tokens;
+    uint32_t *src = malloc((n ? n : 1) * sizeof *src);
+    status_code rc = ST_OK;
+    if (src == NULL || service_layer_table_fill(&lt, &r.table, -1) != 0) {
+        rc = status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
+    } else {
+        uint32_t by[3] = {0, 0, 0};
+        for (size_t i = 0; i < n; i++)
+            by[src[i] = r.src_tier[i]]++;
+        out.scratch_id = r.scratch_id;
+        out.table = &lt;
+        out.source_tier = src;
+        out.n_source_tier = n;
+        out.from_full = by[POLICY_FULL];
+        out.from_int8 = by[POLICY_INT8];
+        out.from_sketch = by[POLICY_SKETCH];
+        *resp = pbgrpc_pack(&out.base);
+        service_layer_table_clear(&lt);
+    }
+    free(src);
+    store_revive_result_free(&r);
+    return rc;
+}
+
+status_code service_release_scratch(void *app, const char *token, const ProtobufCMessage *m,
+                                    grpc_byte_buffer **resp, status *st)
+{
+    const Kvstash__V1__ReleaseScratchRequest *req = (const void *)m;
+    uint32_t freed;
+    if (store_scratch_release(app, token, req->scratch_id, &freed, st) != ST_OK)
+        return st->code;
+    Kvstash__V1__ReleaseScratchResponse out = KVSTASH__V1__RELEASE_SCRATCH_RESPONSE__INIT;
+    out.blocks_freed = freed;
     *resp = pbgrpc_pack(&out.base);
     return ST_OK;
 }

@@ -10,31 +10,20 @@
 
 static const char *const tier_names[3] = {"fp16", "int8", "sketch"};
 
-/* Held tokens of q by the tier its policy assigned (policy_tier 0..2). */
-static void seq_tier_tokens(seq *q, uint64_t out[3])
-{
-    for (uint32_t l = 0; l < q->nlayers; l++) {
-        const policy_layer_view *v = policy_host_view(q->host, l);
-        for (uint32_t k = 0; k < v->heads; k++)
-            for (uint32_t i = 0; i < v->tokens[k]; i++)
-                out[v->tier[k][i] < 3 ? v->tier[k][i] : 0]++;
-    }
-}
-
-/* SequenceStats.tiers from three caller-provided entries: tokens by the
- * policy's tier; every byte is fp16 (no INT8/sketch storage yet). */
-static void sequence_tiers(seq *q, Kvstash__V1__SequenceStats *out, Kvstash__V1__TierStats *t,
+/* SequenceStats.tiers from three caller-provided entries: tokens and bytes
+ * by storage tier (seq_tier_usage). */
+static void sequence_tiers(const seq *q, Kvstash__V1__SequenceStats *out, Kvstash__V1__TierStats *t,
                            Kvstash__V1__TierStats **ptrs)
 {
-    uint64_t n[3] = {0, 0, 0};
-    seq_tier_tokens(q, n);
+    uint64_t n[3], bytes[3];
+    seq_tier_usage(q, n, bytes);
     for (int i = 0; i < 3; i++) {
         kvstash__v1__tier_stats__init(&t[i]);
         t[i].tier = (char *)tier_names[i];
         t[i].tokens = n[i];
+        t[i].bytes = bytes[i];
         ptrs[i] = &t[i];
     }
-    t[0].bytes = out->bytes;
     out->tiers = ptrs;
     out->n_tiers = 3;
 }
@@ -136,7 +125,7 @@ static uint32_t pool_retired(const store *st, const pool *p)
 }
 
 static void fill_stats(store *st, stats_buf *b, int with_tiers, Kvstash__V1__StatsResponse *out,
-                       Kvstash__V1__TierStats *fp16)
+                       Kvstash__V1__TierStats *total)
 {
     uint64_t now = store_now_ms();
     out->uptime_ms = now - st->start_ms;
@@ -160,8 +149,12 @@ static void fill_stats(store *st, stats_buf *b, int with_tiers, Kvstash__V1__Sta
             sequence_tiers(st->seqs[i], &b->seqs[i], &b->seq_tiers[3 * i],
                            &b->seq_tier_ptrs[3 * i]);
         b->seq_ptrs[i] = &b->seqs[i];
-        fp16->tokens += b->seqs[i].tokens;
-        fp16->bytes += b->seqs[i].bytes;
+        uint64_t n[3], bytes[3];
+        seq_tier_usage(st->seqs[i], n, bytes);
+        for (int t = 0; t < 3; t++) {
+            total[t].tokens += n[t];
+            total[t].bytes += bytes[t];
+        }
     }
     out->n_sequences = st->nseqs;
     out->sequences = b->seq_ptrs;
@@ -196,7 +189,7 @@ status_code service_stats(void *app, const char *token, const ProtobufCMessage *
         out.backend = "host";
         out.serving = s->serving;
         out.pid = (int32_t)getpid();
-        fill_stats(s, &b, req->with_tiers, &out, &tiers[0]);
+        fill_stats(s, &b, req->with_tiers, &out, tiers);
         for (size_t i = 0; i < npolicies; i++)
             b.policies[i] = pol[i]->name;
         out.policies = (char **)b.policies;
@@ -222,13 +215,12 @@ static void layer_inspect(seq *q, uint32_t layer, Kvstash__V1__LayerInspect *out
         const uint32_t *pos;
         uint32_t n = seq_list_tokens(q, layer, k, &pos);
         out->tokens += n;
-        for (size_t i = 0; i < ly->nsegs; i++)
-            out->blocks += i == 0 || ly->segs[i].block != ly->segs[i - 1].block;
-        const uint8_t *tier = policy_host_view(q->host, layer)->tier[k];
-        for (uint32_t i = 0; i < n; i++) {
-            out->tokens_int8 += tier[i] == POLICY_INT8;
-            out->tokens_sketch += tier[i] == POLICY_SKETCH;
-        }
+        out->blocks += seq_list_blocks(q, layer, k);
+        uint32_t by[3];
+        seq_list_tier_tokens(q, layer, k, by);
+        out->tokens_int8 += by[POLICY_INT8];
+        out->tokens_sketch += by[POLICY_SKETCH];
+        out->offloaded += (uint32_t)ly->noffloaded;
         if (n == 0)
             continue;
         if (!any || pos[0] < out->first_position)
@@ -263,12 +255,8 @@ static void inspect_buf_free(inspect_buf *b)
     free(b->retired_ptrs);
 }
 
-static const char evicted_tier[] = "evicted"; /* runs compare tier names by address */
-
-static const char *run_tier_name(uint8_t tier)
-{
-    return tier < 3 ? tier_names[tier] : "fp16";
-}
+/* Runs compare tier names by address. */
+static const char evicted_tier[] = "evicted", offloaded_tier[] = "offloaded";
 
 /* Append a run to map m, merging with its last run; 0, or -1 when full. */
 static int map_add(inspect_buf *b, Kvstash__V1__ListMap *m, size_t cap, uint32_t first,
@@ -293,8 +281,24 @@ static int map_add(inspect_buf *b, Kvstash__V1__ListMap *m, size_t cap, uint32_t
     return 0;
 }
 
-/* Runs over positions 0 .. appended-1 of list (l, k): held tokens by tier,
- * the gaps between them "evicted". */
+/* Positions [from, to) that are not held: "offloaded" where the list's
+ * offloaded array (from index *j on) has them, else "evicted". */
+static int map_gap(inspect_buf *b, Kvstash__V1__ListMap *m, size_t cap, const seq_list *ly,
+                   size_t *j, uint64_t from, uint64_t to)
+{
+    while (from < to) {
+        while (*j < ly->noffloaded && ly->offloaded[*j] < from)
+            (*j)++;
+        int off = *j < ly->noffloaded && ly->offloaded[*j] == from;
+        if (map_add(b, m, cap, (uint32_t)from, 1, off ? offloaded_tier : evicted_tier) != 0)
+            return -1;
+        from++;
+    }
+    return 0;
+}
+
+/* Runs over positions 0 .. appended-1 of list (l, k): held tokens by the
+ * tier they are stored in, the gaps between them "offloaded" or "evicted". */
 static void list_map(seq *q, uint32_t l, uint32_t k, size_t cap, inspect_buf *b,
                      Kvstash__V1__ListMap *m)
 {
@@ -303,20 +307,19 @@ static void list_map(seq *q, uint32_t l, uint32_t k, size_t cap, inspect_buf *b,
     m->head = k;
     m->per_head = q->heads > 1;
     m->runs = &b->run_ptrs[b->nruns];
+    const seq_list *ly = &q->lists[(size_t)l * q->heads + k];
     const uint32_t *pos;
-    uint32_t n = seq_list_tokens(q, l, k, &pos);
-    const uint8_t *tier = policy_host_view(q->host, l)->tier[k];
+    uint32_t n = seq_list_tokens(q, l, k, &pos), i = 0;
     uint64_t next = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        if (pos[i] > next &&
-            map_add(b, m, cap, (uint32_t)next, (uint32_t)(pos[i] - next), evicted_tier) != 0)
-            return;
-        if (map_add(b, m, cap, pos[i], 1, run_tier_name(tier[i])) != 0)
-            return;
-        next = (uint64_t)pos[i] + 1;
-    }
-    if (next < q->appended)
-        map_add(b, m, cap, (uint32_t)next, (uint32_t)(q->appended - next), evicted_tier);
+    size_t j = 0;
+    for (size_t sg = 0; sg < ly->nsegs; sg++)
+        for (uint32_t c = 0; c < ly->segs[sg].count && i < n; c++, i++) {
+            if (map_gap(b, m, cap, ly, &j, next, pos[i]) != 0 ||
+                map_add(b, m, cap, pos[i], 1, tier_names[ly->seg_tier[sg]]) != 0)
+                return;
+            next = (uint64_t)pos[i] + 1;
+        }
+    map_gap(b, m, cap, ly, &j, next, q->appended);
 }
 
 static int u64_cmp(const void *a, const void *b)

@@ -34,7 +34,7 @@ int store_init(store *st, const store_config *cfg, events *ev)
     st->events = ev;
     st->start_ms = store_now_ms();
     st->serving = 1;
-    st->next_pool_id = st->next_session_id = st->next_seq_id = 1;
+    st->next_pool_id = st->next_session_id = st->next_seq_id = st->next_scratch_id = 1;
     st->pools = calloc(cfg->max_pools ? cfg->max_pools : 1, sizeof *st->pools);
     /* Every session can have ended with a ring before the next join. */
     st->closed_rings_cap = cfg->max_sessions + 1;
@@ -60,6 +60,7 @@ void store_table_free(store_table *t)
     if (t->lists != NULL)
         for (uint32_t l = 0; l < t->nlists; l++) {
             free(t->lists[l].segs);
+            free(t->lists[l].tiers);
             free(t->lists[l].positions);
         }
     free(t->lists);
@@ -177,10 +178,25 @@ static void drop_pool_if_unused(store *st, pool *p)
     pool_destroy(p);
 }
 
+static uint32_t scratch_free(pool *p, store_scratch *sc)
+{
+    uint32_t n = (uint32_t)sc->nblocks;
+    for (size_t i = 0; i < sc->nblocks; i++)
+        pool_free_block(p, sc->blocks[i]);
+    free(sc->blocks);
+    free(sc);
+    return n;
+}
+
 /* Release everything a session holds and forget it. */
 static void session_end(store *st, session *se, const char *reason)
 {
     uint32_t nseqs = 0, blocks = 0;
+    while (se->scratch != NULL) {
+        store_scratch *next = se->scratch->next;
+        blocks += scratch_free(se->pool, se->scratch);
+        se->scratch = next;
+    }
     for (size_t i = 0; i < st->nseqs;) {
         if (st->seqs[i]->session_id == se->id) {
             blocks += release_seq_at(st, i);
@@ -615,6 +631,7 @@ status_code store_append(store *st, const char *token, uint64_t seq_id, int64_t 
         /* metrics hooks */
         metrics_appended(st->metrics, q->policy, (uint64_t)count);
         metrics_evicted(st->metrics, q->policy, 0, writes->evicted);
+        metrics_tiers(st->metrics, q);
         for (uint32_t i = 0; i < writes->nlists; i++) {
             writes->lists[i].nsegs = nsegs[i];
             writes->lists[i].tokens = (uint32_t)count;
@@ -638,11 +655,15 @@ static status_code copy_list(seq *q, int with_positions, store_layer_table *out,
     const uint32_t *pos;
     out->tokens = seq_list_tokens(q, out->layer, out->head, &pos);
     out->nsegs = ly->nsegs;
+    out->int8_block_tokens = q->tier.l8.block_tokens;
     out->segs = malloc((ly->nsegs ? ly->nsegs : 1) * sizeof *out->segs);
-    if (out->segs == NULL)
+    out->tiers = malloc(ly->nsegs ? ly->nsegs : 1);
+    if (out->segs == NULL || out->tiers == NULL)
         return status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
-    if (ly->nsegs > 0) /* an empty list has no segment array yet */
+    if (ly->nsegs > 0) { /* an empty list has no segment array yet */
         memcpy(out->segs, ly->segs, ly->nsegs * sizeof *out->segs);
+        memcpy(out->tiers, ly->seg_tier, ly->nsegs);
+    }
     if (with_positions) {
         out->positions = malloc((out->tokens ? out->tokens : 1) * sizeof *out->positions);
         if (out->positions == NULL)
@@ -709,6 +730,7 @@ status_code store_step(store *st, const char *token, uint64_t seq_id, uint64_t a
     if (rc == ST_OK) {
         /* metrics hooks */
         metrics_evicted(st->metrics, q->policy, 0, *evicted);
+        metrics_tiers(st->metrics, q);
         if (st->metrics != NULL)
             metrics_step(st->metrics, q->policy, (double)(store_now_ns() - t0) * 1e-9);
         *epoch = q->epoch;
@@ -729,6 +751,80 @@ status_code store_epoch(store *st, const char *token, uint64_t seq_id, uint64_t 
     status_code rc = own_seq_acked(st, token, seq_id, ack_epoch, &q, s);
     if (rc == ST_OK)
         *epoch = q->epoch;
+    pthread_mutex_unlock(&st->lock);
+    return rc;
+}
+
+/* ---- revive ------------------------------------------------------------- */
+
+void store_revive_result_free(store_revive_result *r)
+{
+    free(r->table.segs);
+    free(r->table.positions);
+    free(r->src_tier);
+    memset(r, 0, sizeof *r);
+}
+
+status_code store_revive(store *st, const char *token, uint64_t seq_id, uint32_t layer,
+                         uint32_t head, uint32_t first, uint32_t count, int skip_evicted,
+                         store_revive_result *out, status *s)
+{
+    memset(out, 0, sizeof *out);
+    pthread_mutex_lock(&st->lock);
+    session *se;
+    size_t i = 0, ntok = 0;
+    store_scratch *sc = calloc(1, sizeof *sc);
+    status_code rc = sc == NULL ? status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory") : ST_OK;
+    if (rc == ST_OK)
+        rc = need_session(st, token, 1, &se, s);
+    if (rc == ST_OK)
+        rc = need_own_seq(st, se, seq_id, &i, s);
+    seq *q = rc == ST_OK ? st->seqs[i] : NULL;
+    if (rc == ST_OK)
+        rc = seq_revive(q, layer, head, first, count, skip_evicted, &out->table.segs,
+                        &out->table.nsegs, &out->table.positions, &out->src_tier, &ntok,
+                        &sc->blocks, &sc->nblocks, s);
+    if (rc == ST_OK) {
+        sc->id = out->scratch_id = st->next_scratch_id++;
+        sc->next = se->scratch;
+        se->scratch = sc;
+        sc = NULL;
+        out->table.layer = layer;
+        out->table.head = head;
+        out->table.per_head = q->heads > 1;
+        out->table.tokens = (uint32_t)ntok;
+        out->table.int8_block_tokens = q->tier.l8.block_tokens;
+        uint32_t by[3] = {0, 0, 0};
+        for (size_t t = 0; t < ntok; t++)
+            by[out->src_tier[t]]++;
+        metrics_revived(st->metrics, q->policy, by);
+        log_info("revive", "seq=%llu layer=%u head=%u tokens=%zu full=%u int8=%u sketch=%u",
+                 (unsigned long long)seq_id, layer, head, ntok, by[0], by[1], by[2]);
+    }
+    pthread_mutex_unlock(&st->lock);
+    free(sc);
+    return rc;
+}
+
+status_code store_scratch_release(store *st, const char *token, uint64_t scratch_id,
+                                  uint32_t *blocks_freed, status *s)
+{
+    pthread_mutex_lock(&st->lock);
+    session *se;
+    status_code rc = need_session(st, token, 1, &se, s);
+    if (rc == ST_OK) {
+        store_scratch **pp = &se->scratch;
+        while (*pp != NULL && (*pp)->id != scratch_id)
+            pp = &(*pp)->next;
+        if (*pp == NULL) {
+            rc = status_set(s, ST_NOT_FOUND, "no scratch %llu in this session (already released?)",
+                            (unsigned long long)scratch_id);
+        } else {
+            store_scratch *sc = *pp;
+            *pp = sc->next;
+            *blocks_freed = scratch_free(se->pool, sc);
+        }
+    }
     pthread_mutex_unlock(&st->lock);
     return rc;
 }

@@ -33,6 +33,15 @@ typedef struct store_config {
     uint32_t max_seqs;     /* sequences over all sessions */
 } store_config;
 
+/* Blocks a Revive filled for a worker to read; the worker releases them
+ * (ReleaseScratch), or they go with its session. */
+typedef struct store_scratch {
+    uint64_t id;
+    uint32_t *blocks;
+    size_t nblocks;
+    struct store_scratch *next;
+} store_scratch;
+
 /* A worker: identified on the fd socket, attached to one pool by Attach. */
 typedef struct session {
     uint64_t id;
@@ -49,6 +58,7 @@ typedef struct session {
     uint64_t lease_ms; /* store_now_ms() when the lease opened (operators' "lease age") */
     uint32_t nseqs;
     ring *ring; /* the per-step ring, once the worker asked for it */
+    store_scratch *scratch;
     struct session *next;
 } session;
 
@@ -67,7 +77,7 @@ typedef struct store {
     size_t nseqs, seqs_cap;
     ring **closed_rings; /* rings of ended sessions, joined outside the lock */
     size_t nclosed_rings, closed_rings_cap;
-    uint64_t next_pool_id, next_session_id, next_seq_id;
+    uint64_t next_pool_id, next_session_id, next_seq_id, next_scratch_id;
 } store;
 
 /* What Attach returns. */
@@ -86,7 +96,9 @@ typedef struct store_layer_table {
     uint32_t tokens;
     size_t nsegs;
     kv_segment *segs;
-    uint32_t *positions; /* NULL unless asked for */
+    uint8_t *tiers;             /* [nsegs] policy_tier of each segment; NULL = all full */
+    uint32_t int8_block_tokens; /* tokens of an INT8 block in one pool block (tier.h) */
+    uint32_t *positions;        /* NULL unless asked for */
 } store_layer_table;
 
 typedef struct store_table {
@@ -167,6 +179,26 @@ status_code store_step(store *st, const char *token, uint64_t seq_id, uint64_t a
 /* The sequence's current table epoch (after acking ack_epoch). */
 status_code store_epoch(store *st, const char *token, uint64_t seq_id, uint64_t ack_epoch,
                         uint64_t *epoch, status *s);
+
+/* What Revive returns: the scratch blocks' table (one list, positions
+ * filled) and each token's tier before the revive. */
+typedef struct store_revive_result {
+    uint64_t scratch_id;
+    store_layer_table table;
+    uint8_t *src_tier; /* [table.tokens] */
+} store_revive_result;
+
+/* Revive positions [first, first + count) (count 0: to the end) of the
+ * caller's sequence's list (layer, head) into scratch blocks (seq_revive).
+ * Free *out with store_revive_result_free. */
+status_code store_revive(store *st, const char *token, uint64_t seq_id, uint32_t layer,
+                         uint32_t head, uint32_t first, uint32_t count, int skip_evicted,
+                         store_revive_result *out, status *s);
+void store_revive_result_free(store_revive_result *r);
+
+/* Give a Revive's scratch blocks back to the pool. */
+status_code store_scratch_release(store *st, const char *token, uint64_t scratch_id,
+                                  uint32_t *blocks_freed, status *s);
 
 /* Under store_lock: look a sequence up for Inspect (no ownership check). */
 seq *store_find_seq_locked(store *st, uint64_t seq_id);

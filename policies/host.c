@@ -1,5 +1,7 @@
 #include "host.h"
 
+#include "storage.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,6 +32,7 @@ struct policy_host {
     const policy_ops *ops;
     void *state;
     policy_geometry geom;
+    policy_storage storage;
     uint32_t heads;
     uint64_t appended, steps;
     host_layer *layers;
@@ -89,7 +92,8 @@ int policy_host_create(const policy_ops *ops, const policy_params *params,
         policy_host_destroy(h);
         return -1;
     }
-    if (ops->create(params, geometry, &h->state, err, errlen) != 0) {
+    if (policy_storage_parse(params, &h->storage, err, errlen) != 0 ||
+        ops->create(params, geometry, &h->state, err, errlen) != 0) {
         h->state = NULL;
         policy_host_destroy(h);
         return -1;
@@ -123,6 +127,23 @@ void *policy_host_state(const policy_host *h)
 uint32_t policy_host_heads(const policy_host *h)
 {
     return h->heads;
+}
+
+const policy_storage *policy_host_storage(const policy_host *h)
+{
+    return &h->storage;
+}
+
+void policy_host_sketch_geometry(const policy_host *h, uint32_t layer, policy_sketch_geometry *out)
+{
+    if (h->ops->sketch_geometry == NULL || h->ops->sketch_geometry(h->state, layer, out) != 0)
+        policy_storage_sketch_geometry(&h->storage, layer, out);
+}
+
+const uint32_t *policy_host_tier_order(const policy_host *h, uint32_t layer, size_t *n)
+{
+    *n = 0;
+    return h->ops->tier_order ? h->ops->tier_order(h->state, layer, n) : NULL;
 }
 
 static int list_reserve(host_list *li, uint32_t need)
@@ -273,6 +294,8 @@ int policy_host_step(policy_host *h, uint32_t layer, const policy_stats *stats,
         return -1;
     if (decision_valid(ly, h->heads, err, errlen) != 0)
         return -1;
+    for (uint32_t k = 0; k < h->heads; k++)
+        policy_storage_demote(&h->storage, ly->decision_tiers[k], ly->lists[k].tokens);
     ly->pending = 1;
     *decision = &ly->decision;
     return 0;

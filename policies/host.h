@@ -13,6 +13,7 @@
 #define KVSTASH_POLICY_HOST_H
 
 #include "policy.h"
+#include "storage.h"
 
 typedef struct policy_host policy_host;
 
@@ -28,6 +29,17 @@ const policy_ops *policy_host_ops(const policy_host *h);
 void *policy_host_state(const policy_host *h);    /* the policy's state, for describe() */
 uint32_t policy_host_heads(const policy_host *h); /* lists per layer: 1 or kv_heads */
 
+/* The sequence's storage options (int8, victims, sketch_*; storage.h). */
+const policy_storage *policy_host_storage(const policy_host *h);
+
+/* The sketch geometry of `layer`: the policy's own (ops->sketch_geometry),
+ * else the storage options'. */
+void policy_host_sketch_geometry(const policy_host *h, uint32_t layer, policy_sketch_geometry *out);
+
+/* The order to apply the pending decision's tier changes of `layer` in
+ * (ops->tier_order; indices into the view), or NULL with *n = 0. */
+const uint32_t *policy_host_tier_order(const policy_host *h, uint32_t layer, size_t *n);
+
 /* Append n tokens (positions appended .. appended+n-1, tier FULL) to every
  * list of every layer. Returns 0, or -1 (and changes nothing) when out of
  * memory or when positions would pass 2^32-1. */
@@ -39,10 +51,10 @@ const policy_layer_view *policy_host_view(policy_host *h, uint32_t layer);
 /*
  * Run the policy on one layer. On success *decision (owned by the host,
  * valid until commit) says what changes: its tier arrays are indexed like the
- * current view. Steps are counted per call on layer 0. Returns 0, or -1 with
- * err set when the policy refused the stats or answered with a decision that
- * cannot be applied (a tier out of range, a merge that is not "evicted token
- * into kept token"); nothing is then pending.
+ * current view, with the storage option int8 applied (policy_storage_demote). Steps are counted per
+ * call on layer 0. Returns 0, or -1 with err set when the policy refused the stats or answered with
+ * a decision that cannot be applied (a tier out of range, a merge that is not "evicted token into
+ * kept token"); nothing is then pending.
  */
 int policy_host_step(policy_host *h, uint32_t layer, const policy_stats *stats,
                      const policy_decision **decision, char *err, size_t errlen);

@@ -17,16 +17,24 @@
 #include <string.h>
 
 #include "policy.h"
+#include "storage.h"
 #include "util.h"
 
 #define VALUE_MAX (sizeof(((policy_params *)0)->value[0]) - 1) /* 63 bytes + NUL */
 
-/* Index of `key` in the policy's spec, or -1. */
+/* Index of `key` in the policy's spec followed by the storage keys every
+ * policy accepts (storage.h), or -1. */
 static long spec_index(const policy_ops *ops, const char *key)
 {
     for (size_t i = 0; i < ops->nparams; i++) {
         if (strcmp(ops->params[i].key, key) == 0)
             return (long)i;
+    }
+    size_t ns;
+    const policy_param_spec *st = policy_storage_spec(&ns);
+    for (size_t i = 0; i < ns; i++) {
+        if (strcmp(st[i].key, key) == 0)
+            return (long)(ops->nparams + i);
     }
     return -1;
 }
@@ -36,16 +44,15 @@ static void known_keys(const policy_ops *ops, char *buf, size_t len)
 {
     size_t used = 0;
     buf[0] = '\0';
-    if (ops->nparams == 0) {
-        snprintf(buf, len, "none");
-        return;
-    }
     for (size_t i = 0; i < ops->nparams && used < len; i++) {
         int n = snprintf(buf + used, len - used, "%s%s", i ? ", " : "", ops->params[i].key);
         if (n < 0)
             break;
         used += (size_t)n;
     }
+    if (used < len)
+        snprintf(buf + used, len - used, "%sand the storage keys int8, victims, sketch_*",
+                 ops->nparams ? "; " : "");
 }
 
 /* Checks one client pair: known key, not seen before, value fits. */
@@ -90,9 +97,11 @@ int policy_params_resolve(const policy_ops *ops, const char *const *keys, const 
         policy_set_err(err, errlen, "invalid arguments to policy_params_resolve");
         return -1;
     }
-    if (ops->nparams > POLICY_MAX_PARAMS) {
-        policy_set_err(err, errlen, "policy '%s' declares %zu parameters, at most %d supported",
-                       ops->name, ops->nparams, POLICY_MAX_PARAMS);
+    size_t nstorage;
+    const policy_param_spec *storage = policy_storage_spec(&nstorage);
+    if (ops->nparams + nstorage > POLICY_MAX_PARAMS) {
+        policy_set_err(err, errlen, "policy '%s' declares %zu parameters, at most %zu supported",
+                       ops->name, ops->nparams, POLICY_MAX_PARAMS - nstorage);
         return -1;
     }
     /* Validate everything before writing *out, so a rejected set changes nothing. */
@@ -109,10 +118,12 @@ int policy_params_resolve(const policy_ops *ops, const char *const *keys, const 
     }
 
     memset(out, 0, sizeof(*out));
-    out->count = ops->nparams;
-    for (size_t i = 0; i < ops->nparams; i++) {
-        out->key[i] = ops->params[i].key;
-        strcpy(out->value[i], ops->params[i].def);
+    out->count = ops->nparams + nstorage;
+    for (size_t i = 0; i < out->count; i++) {
+        const policy_param_spec *sp =
+            i < ops->nparams ? &ops->params[i] : &storage[i - ops->nparams];
+        out->key[i] = sp->key;
+        strcpy(out->value[i], sp->def);
     }
     for (size_t i = 0; i < n; i++)
         strcpy(out->value[spec_index(ops, keys[i])], values[i]);

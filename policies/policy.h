@@ -126,6 +126,15 @@ typedef struct policy_decision {
     int rope_pairing;
 } policy_decision;
 
+/* The count-sketch of one layer (POLICIES.md §3.2-3.3) that the daemon keeps
+ * for tokens in POLICY_SKETCH: rows x buckets, hashed with layer_seed, each
+ * row's estimate the cell (sum) or the cell over its count (mean, §3.8). */
+typedef struct policy_sketch_geometry {
+    uint32_t rows, buckets;
+    uint64_t layer_seed;
+    int key_mean, value_mean;
+} policy_sketch_geometry;
+
 /* What a policy needs the worker to report (ops->needs). */
 enum {
     POLICY_NEEDS_SCORE = 1u << 0,
@@ -161,6 +170,19 @@ typedef struct policy_ops {
     char *(*describe)(void *state, uint32_t layer);
 
     void (*destroy)(void *state);
+
+    /* Optional, for policies that send tokens to POLICY_SKETCH and model the
+     * sketch themselves (reviver): the layer's sketch geometry. Returns 0, or
+     * -1 for a layer out of range. Without it the storage options decide
+     * (policies/storage.h). */
+    int (*sketch_geometry)(const void *state, uint32_t layer, policy_sketch_geometry *out);
+
+    /* Optional: the order in which the layer's last step's tier changes
+     * must be applied, as indices into that step's view (only tokens whose
+     * tier changed; SKETCH <-> FULL changes do not commute when buckets are
+     * shared). *n receives the count. Without it, changes apply in list
+     * order: revivals from the sketch first, then insertions. */
+    const uint32_t *(*tier_order)(const void *state, uint32_t layer, size_t *n);
 } policy_ops;
 
 /* The registry: look a policy up by name (NULL if unknown). */

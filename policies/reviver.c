@@ -558,7 +558,28 @@ static int reviver_step(void *state, const policy_layer_view *view, const policy
     }
     for (uint32_t i = 0; i < n; i++)
         d->tier[0][i] = ly->loc[i] == REVIVER_VAGUE ? POLICY_SKETCH : POLICY_FULL;
+    /* The heaps are done with their scratch: it carries the ops' order to
+     * the daemon until the next step (reviver_tier_order). */
+    for (size_t i = 0; i < ly->nops; i++)
+        ly->scratch[i] = ly->ops[i].index;
     return 0;
+}
+
+static int reviver_sketch_geometry(const void *state, uint32_t layer, policy_sketch_geometry *out)
+{
+    reviver_layer_sketch_config c;
+    if (reviver_layer_sketch(state, layer, &c) != 0)
+        return -1;
+    *out = (policy_sketch_geometry){c.rows, c.buckets, c.layer_seed,
+                                    c.key_estimate == REVIVER_ESTIMATE_MEAN,
+                                    c.value_estimate == REVIVER_ESTIMATE_MEAN};
+    return 0;
+}
+
+static const uint32_t *reviver_tier_order(const void *state, uint32_t layer, size_t *n)
+{
+    const reviver_state *st = state;
+    return reviver_layer_ops(state, layer, n) ? st->ly[layer].scratch : NULL;
 }
 
 int reviver_layer_sketch(const void *state, uint32_t layer, reviver_layer_sketch_config *out)
@@ -640,4 +661,6 @@ const policy_ops policy_reviver = {
     .step = reviver_step,
     .describe = reviver_describe,
     .destroy = reviver_destroy,
+    .sketch_geometry = reviver_sketch_geometry,
+    .tier_order = reviver_tier_order,
 };

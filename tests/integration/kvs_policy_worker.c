@@ -50,6 +50,11 @@ typedef struct worker {
     int32_t **rope_at;
     uint32_t rope_lists, rope_cap;
     uint64_t checked;
+    uint64_t int8_checked, sketched; /* of the checked token rows: INT8, skipped in the sketch */
+    uint64_t lossy;        /* rows skipped: brought back from the sketch, they hold its estimate */
+    uint8_t *was_sketched; /* [list * positions + position]: seen in a sketch segment */
+    uint32_t positions;
+    const kvs_layer *lists; /* the table being verified (list index = entry - lists) */
     uint32_t max_list;
 } worker;
 
@@ -197,9 +202,92 @@ static void rope_track(worker *w, const kvs_table *before, const kvs_table *afte
     }
 }
 
+/* The largest |K| (or |V|) of (layer, kv head, channel) over every position
+ * up to `last`: a bound on the max of any INT8 group of that channel, whose
+ * tokens may have been evicted since it was quantised. */
+static float channel_max(uint32_t l, uint32_t h, uint32_t c, uint32_t last, int is_v)
+{
+    float m = 0;
+    for (uint32_t p = 0; p <= last; p++)
+        m = fmaxf(m, fabsf(kv_value(l, h, p, c, is_v)));
+    return m;
+}
+
+/* A list stored in several tiers, segment by segment: full-precision tokens
+ * exact (keys within the re-rotation tolerance), INT8 tokens within the
+ * quantisation bound max|group| / 254 (channel_max bounds the group's max),
+ * sketch tokens skipped (they are checked through
+ * Revive by integration/test_tiers). fp32 pools only. Returns 0 or -1. */
+static int verify_tiered(worker *w, const kvs_layer *ly, const float *wk, const float *wv)
+{
+    const kvs_geometry *g = kvs_session_geometry(w->s);
+    uint32_t nh = ly->per_head ? 1 : g->kv_heads, d = g->head_dim, t = 0;
+    uint32_t h0 = ly->per_head ? ly->head : 0, last = ly->positions[ly->tokens - 1];
+    if (g->dtype != KVS_FP32)
+        fail(3, "tiered lists are verified in fp32 pools only");
+    for (size_t i = 0; i < ly->nsegments; t += ly->segments[i++].count) {
+        kvs_segment sg = ly->segments[i];
+        uint8_t *seen = w->was_sketched + (size_t)(ly - w->lists) * w->positions;
+        if (sg.tier == KVS_TIER_SKETCH) {
+            for (uint32_t j = 0; j < sg.count; j++)
+                seen[ly->positions[t + j]] = 1;
+            w->sketched += sg.count;
+            continue;
+        }
+        kvs_layer one = *ly;
+        one.tokens = sg.count;
+        one.nsegments = 1;
+        one.segments = &sg;
+        float *k = malloc((size_t)nh * sg.count * d * sizeof *k);
+        float *v = malloc((size_t)nh * sg.count * d * sizeof *v);
+        if (k == NULL || v == NULL || kvs_layer_read(w->s, &one, k, v) != 0)
+            fail(2, "reading segment %zu of layer %u: %s", i, ly->layer, kvs_session_error(w->s));
+        w->int8_checked += sg.tier == KVS_TIER_INT8 ? sg.count : 0;
+        for (uint32_t hh = 0; hh < nh; hh++)
+            for (uint32_t j = 0; j < sg.count; j++)
+                for (uint32_t c = 0; c < d; c++) {
+                    if (seen[ly->positions[t + j]]) { /* KVReviver's lossy swap back */
+                        w->lossy += hh == 0 && c == 0;
+                        continue;
+                    }
+                    size_t at = ((size_t)hh * ly->tokens + t + j) * d + c;
+                    size_t got = ((size_t)hh * sg.count + j) * d + c;
+                    float tk = w->o->rope ? 2e-3f : 0, tv = 0;
+                    if (sg.tier == KVS_TIER_INT8) {
+                        tk += channel_max(ly->layer, h0 + hh, c, last, 0) / 254.0f * 1.0001f;
+                        tv += channel_max(ly->layer, h0 + hh, c, last, 1) / 254.0f * 1.0001f;
+                    }
+                    if (fabsf(k[got] - wk[at]) > tk ||
+                        (w->o->verify_values && fabsf(v[got] - wv[at]) > tv)) {
+                        free(k);
+                        free(v);
+                        return -1;
+                    }
+                }
+        free(k);
+        free(v);
+    }
+    return 0;
+}
+
+static int list_tiered(const kvs_layer *ly)
+{
+    for (size_t i = 0; i < ly->nsegments; i++)
+        if (ly->segments[i].tier != KVS_TIER_FULL)
+            return 1;
+    return 0;
+}
+
 /* Every held token's K (and V) must be what was written for its position. */
 static void verify(worker *w, const kvs_table *t)
 {
+    if (w->was_sketched == NULL) {
+        w->positions = w->o->prefill + w->o->steps + 1;
+        w->was_sketched = calloc((size_t)t->layers * w->positions, 1);
+        if (w->was_sketched == NULL)
+            fail(2, "out of memory");
+    }
+    w->lists = t->layer;
     const kvs_geometry *g = kvs_session_geometry(w->s);
     for (uint32_t i = 0; i < t->layers; i++) {
         const kvs_layer *ly = &t->layer[i];
@@ -207,7 +295,6 @@ static void verify(worker *w, const kvs_table *t)
         uint8_t *k = malloc(n + 1), *v = malloc(n + 1), *wk = malloc(n + 1), *wv = malloc(n + 1);
         if (!k || !v || !wk || !wv)
             fail(2, "out of memory");
-        kvs_layer_read(w->s, ly, k, v);
         uint32_t *at = NULL;
         if (w->o->rope) {
             at = malloc((ly->tokens + 1) * sizeof *at);
@@ -216,9 +303,16 @@ static void verify(worker *w, const kvs_table *t)
         }
         fill(g, ly, at, wk, wv);
         free(at);
-        int keys_ok = w->o->rope ? floats_close((float *)k, (float *)wk, n / 4, 2e-3f)
+        int keys_ok = 1, values_ok = 1;
+        if (list_tiered(ly)) {
+            keys_ok = verify_tiered(w, ly, (const float *)wk, (const float *)wv) == 0;
+        } else {
+            kvs_layer_read(w->s, ly, k, v);
+            keys_ok = w->o->rope ? floats_close((float *)k, (float *)wk, n / 4, 2e-3f)
                                  : memcmp(k, wk, n) == 0;
-        if (!keys_ok || (w->o->verify_values && memcmp(v, wv, n) != 0))
+            values_ok = !w->o->verify_values || memcmp(v, wv, n) == 0;
+        }
+        if (!keys_ok || !values_ok)
             fail(1, "MISMATCH layer %u head %u: held K/V differ from what was written", ly->layer,
                  ly->head);
         w->checked += ly->tokens;
@@ -380,7 +474,8 @@ static uint32_t print_held(worker *w)
     uint32_t blocks = 0;
     for (uint32_t i = 0; i < t.layers; i++)
         for (size_t j = 0; j < t.layer[i].nsegments; j++)
-            blocks += j == 0 || t.layer[i].segments[j].block != t.layer[i].segments[j - 1].block;
+            blocks += t.layer[i].segments[j].tier != KVS_TIER_SKETCH &&
+                      (j == 0 || t.layer[i].segments[j].block != t.layer[i].segments[j - 1].block);
     uint32_t L = kvs_session_geometry(w->s)->layers;
     printf("{\"held\":[");
     for (uint32_t l = 0; l < L; l++) {
@@ -497,12 +592,14 @@ int main(int argc, char **argv)
         fclose(w.trace);
     uint32_t blocks = print_held(&w);
     printf("{\"ok\":true,\"steps\":%u,\"max_list\":%u,\"checked\":%" PRIu64
+           ",\"int8_checked\":%" PRIu64 ",\"sketched\":%" PRIu64 ",\"lossy\":%" PRIu64
            ",\"blocks\":%u,\"block_slots\":%u}\n",
-           o.steps, w.max_list, w.checked, blocks,
+           o.steps, w.max_list, w.checked, w.int8_checked, w.sketched, w.lossy, blocks,
            o.geom.block_tokens * (w.heads > 1 ? o.geom.kv_heads : 1));
     kvs_session_detach(w.s);
     for (uint32_t i = 0; i < w.rope_lists; i++)
         free(w.rope_at[i]);
     free(w.rope_at);
+    free(w.was_sketched);
     return 0;
 }

@@ -227,7 +227,10 @@ def check_seq_show(ctx):
     (sid,) = ctx.stream.seqs
     j = ok_json(ctx, "seq", "show", str(sid))
     assert j["sequence"]["seq_id"] == sid and j["sequence"]["policy"] == "streaming"
-    assert {p["key"]: p["value"] for p in j["params"]} == {"n_sink": "2", "window": "10"}
+    params = {p["key"]: p["value"] for p in j["params"]}
+    assert params == {"n_sink": "2", "window": "10", "int8": "off", "int8_window": "32",
+                      "victims": "evict", "sketch_rows": "3", "sketch_buckets": "64",
+                      "sketch_seed": "0"}, params
     held = streaming_held(60, 6, 2, 10)
     assert len(j["layers"]) == LAYERS and len(j["maps"]) == LAYERS
     for ly, m in zip(j["layers"], j["maps"]):

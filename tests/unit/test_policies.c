@@ -225,9 +225,14 @@ static void test_params_defaults(void **unused)
     char err[POLICY_ERR_LEN] = "";
     assert_int_equal(policy_params_resolve(find("streaming"), NULL, NULL, 0, &p, err, sizeof(err)),
                      0);
-    assert_int_equal(p.count, 2);
+    /* The policy's keys, then the storage keys every policy accepts. */
+    assert_int_equal(p.count, 2 + 6);
     assert_string_equal(p.key[0], "n_sink");
     assert_string_equal(p.key[1], "window");
+    assert_string_equal(p.key[2], "int8");
+    assert_string_equal(policy_params_get(&p, "int8"), "off");
+    assert_string_equal(policy_params_get(&p, "int8_window"), "32");
+    assert_string_equal(policy_params_get(&p, "victims"), "evict");
     assert_string_equal(policy_params_get(&p, "n_sink"), "4");
     assert_string_equal(policy_params_get(&p, "window"), "1020");
     assert_null(policy_params_get(&p, "nope"));
@@ -235,7 +240,7 @@ static void test_params_defaults(void **unused)
     assert_null(policy_params_get(NULL, "window"));
 
     assert_int_equal(policy_params_resolve(find("full"), NULL, NULL, 0, &p, err, sizeof(err)), 0);
-    assert_int_equal(p.count, 0);
+    assert_int_equal(p.count, 6); /* the storage keys */
 }
 
 static void test_params_override(void **unused)
@@ -284,9 +289,11 @@ static void test_params_unknown_key(void **unused)
     const char *keys[] = {"window", "foo"};
     const char *values[] = {"8", "1"};
     expect_resolve_error(find("streaming"), keys, values, 2,
-                         "unknown parameter 'foo' for policy 'streaming' (known: n_sink, window)");
+                         "unknown parameter 'foo' for policy 'streaming' (known: n_sink, window; "
+                         "and the storage keys int8, victims, sketch_*)");
     expect_resolve_error(find("full"), keys, values, 1,
-                         "unknown parameter 'window' for policy 'full' (known: none)");
+                         "unknown parameter 'window' for policy 'full' (known: and the storage "
+                         "keys int8, victims, sketch_*)");
 }
 
 static void test_params_duplicate(void **unused)

@@ -1,0 +1,253 @@
+#include "tier.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+int tier_ctx_init(tier_ctx *c, uint8_t *base, size_t block_bytes, const kv_layout *l,
+                  kv_dtype dtype)
+{
+    c->base = base;
+    c->block_bytes = block_bytes;
+    c->l = *l;
+    c->l8 = *l;
+    c->l8.block_tokens = kv_int8_tokens_per_block(l);
+    c->dtype = dtype;
+    return c->l8.block_tokens > 0 ? 0 : -1;
+}
+
+size_t tier_token_bytes(const tier_ctx *c)
+{
+    return 2 * (size_t)c->l.kv_heads * c->l.head_dim * c->l.elt_size;
+}
+
+/* One-token segments of a token list (kernels take segment lists). */
+static kv_segment *token_segments(const tier_token *tok, size_t n)
+{
+    kv_segment *sg = malloc((n ? n : 1) * sizeof *sg);
+    for (size_t i = 0; sg != NULL && i < n; i++)
+        sg[i] = (kv_segment){tok[i].block, tok[i].slot, 1};
+    return sg;
+}
+
+/* Row i of head h of a contiguous [kv_heads][n][head_dim] staging array. */
+static uint8_t *stage_row(const tier_ctx *c, uint8_t *a, size_t n, uint32_t h, size_t i)
+{
+    size_t row = (size_t)c->l.head_dim * c->l.elt_size;
+    return a + ((size_t)h * n + i) * row;
+}
+
+/* Dequantise the INT8 tokens of tok (in order) into contiguous k, v of m
+ * tokens, through a staging pool of l8 blocks. */
+static int read_int8(const tier_ctx *c, const tier_token *tok, size_t n, size_t m, uint8_t *k,
+                     uint8_t *v)
+{
+    uint32_t t8 = c->l8.block_tokens;
+    size_t nblocks = (m + t8 - 1) / t8, bb8 = kv_block_bytes(&c->l8);
+    uint8_t *stage = malloc(nblocks * bb8);
+    kv_segment *dst = malloc(m * sizeof *dst);
+    if (stage == NULL || dst == NULL) {
+        free(stage);
+        free(dst);
+        return -1;
+    }
+    size_t j = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (tok[i].tier != POLICY_INT8)
+            continue;
+        dst[j] = (kv_segment){(uint32_t)(j / t8), (uint32_t)(j % t8), 1};
+        kv_segment q = {0, tok[i].slot, 1};
+        kv_int8_dequantize(&c->l8, c->base + (size_t)tok[i].block * c->block_bytes, &q, 1, c->dtype,
+                           stage, &dst[j], 1);
+        j++;
+    }
+    kv_gather(&c->l8, stage, dst, m, k, v);
+    free(stage);
+    free(dst);
+    return 0;
+}
+
+int tier_read(const tier_ctx *c, const tier_token *tok, size_t n, uint8_t *k, uint8_t *v)
+{
+    size_t nf = 0, n8 = 0;
+    for (size_t i = 0; i < n; i++)
+        nf += tok[i].tier == POLICY_FULL, n8 += tok[i].tier == POLICY_INT8;
+    size_t tb = tier_token_bytes(c);
+    uint8_t *buf = malloc((nf + n8 ? nf + n8 : 1) * tb);
+    kv_segment *sf = malloc((nf ? nf : 1) * sizeof *sf);
+    if (buf == NULL || sf == NULL)
+        goto fail;
+    uint8_t *kf = buf, *vf = kf + nf * tb / 2, *k8 = vf + nf * tb / 2, *v8 = k8 + n8 * tb / 2;
+    size_t j = 0;
+    for (size_t i = 0; i < n; i++)
+        if (tok[i].tier == POLICY_FULL)
+            sf[j++] = (kv_segment){tok[i].block, tok[i].slot, 1};
+    kv_gather(&c->l, c->base, sf, nf, kf, vf);
+    if (n8 > 0 && read_int8(c, tok, n, n8, k8, v8) != 0)
+        goto fail;
+    /* Interleave the two runs back into list order, row by row. */
+    size_t row = (size_t)c->l.head_dim * c->l.elt_size, fi = 0, qi = 0;
+    for (size_t i = 0; i < n; i++) {
+        int full = tok[i].tier == POLICY_FULL;
+        for (uint32_t h = 0; h < c->l.kv_heads; h++) {
+            memcpy(stage_row(c, k, n, h, i),
+                   full ? stage_row(c, kf, nf, h, fi) : stage_row(c, k8, n8, h, qi), row);
+            memcpy(stage_row(c, v, n, h, i),
+                   full ? stage_row(c, vf, nf, h, fi) : stage_row(c, v8, n8, h, qi), row);
+        }
+        full ? fi++ : qi++;
+    }
+    free(buf);
+    free(sf);
+    return 0;
+fail:
+    free(buf);
+    free(sf);
+    return -1;
+}
+
+void tier_write(const tier_ctx *c, const tier_token *dst, size_t n, const uint8_t *k,
+                const uint8_t *v)
+{
+    kv_segment *sg = token_segments(dst, n);
+    if (sg == NULL)
+        abort(); /* n segments of 12 bytes: the caller just allocated more */
+    kv_scatter(&c->l, c->base, sg, n, k, v);
+    free(sg);
+}
+
+int tier_quantize(const tier_ctx *c, const uint8_t *k, const uint8_t *v, size_t n,
+                  const uint32_t *qblocks, size_t nq)
+{
+    uint32_t t8 = c->l8.block_tokens;
+    size_t bb8 = kv_block_bytes(&c->l8);
+    uint8_t *stage = malloc(nq * bb8);
+    kv_segment *sg = malloc(nq * sizeof *sg);
+    if (stage == NULL || sg == NULL) {
+        free(stage);
+        free(sg);
+        return -1;
+    }
+    for (size_t b = 0; b < nq; b++)
+        sg[b] = (kv_segment){(uint32_t)b, 0, (uint32_t)(b + 1 < nq ? t8 : n - (nq - 1) * t8)};
+    kv_scatter(&c->l8, stage, sg, nq, k, v);
+    const uint32_t zero = 0;
+    for (size_t b = 0; b < nq; b++)
+        kv_int8_quantize(&c->l8, c->dtype, stage, &sg[b], 1,
+                         c->base + (size_t)qblocks[b] * c->block_bytes, &zero, 1);
+    free(stage);
+    free(sg);
+    return 0;
+}
+
+int tier_sketch_init(tier_sketch *s, const tier_ctx *c, const policy_sketch_geometry *g)
+{
+    memset(s, 0, sizeof *s);
+    size_t dim = (size_t)c->l.kv_heads * c->l.head_dim, cells = (size_t)g->rows * g->buckets;
+    s->sk = (kv_sketch){g->rows,
+                        g->buckets,
+                        (uint32_t)dim,
+                        g->key_mean ? KV_ESTIMATE_MEAN : KV_ESTIMATE_SUM,
+                        g->value_mean ? KV_ESTIMATE_MEAN : KV_ESTIMATE_SUM,
+                        calloc(cells * dim, sizeof(float)),
+                        calloc(cells * dim, sizeof(float)),
+                        calloc(cells, sizeof(int32_t))};
+    s->layer_seed = g->layer_seed;
+    if (s->sk.key == NULL || s->sk.value == NULL || s->sk.count == NULL) {
+        tier_sketch_free(s);
+        return -1;
+    }
+    return 0;
+}
+
+void tier_sketch_free(tier_sketch *s)
+{
+    free(s->sk.key);
+    free(s->sk.value);
+    free(s->sk.count);
+    memset(s, 0, sizeof *s);
+}
+
+size_t tier_sketch_bytes(const tier_sketch *s)
+{
+    if (s->sk.key == NULL)
+        return 0;
+    size_t cells = (size_t)s->sk.rows * s->sk.buckets;
+    return cells * (2 * (size_t)s->sk.dim * sizeof(float) + sizeof(int32_t));
+}
+
+/* Buckets and signs of n positions; the caller frees *h (g shares it). */
+static int sketch_hash(const tier_sketch *s, const uint32_t *pos, size_t n, uint32_t **h,
+                       int8_t **g)
+{
+    size_t r = s->sk.rows;
+    uint64_t *p64 = malloc((n ? n : 1) * sizeof *p64);
+    *h = malloc((n ? n : 1) * r * (sizeof **h + sizeof **g));
+    if (p64 == NULL || *h == NULL) {
+        free(p64);
+        free(*h);
+        return -1;
+    }
+    *g = (int8_t *)(*h + n * r);
+    for (size_t i = 0; i < n; i++)
+        p64[i] = pos[i];
+    kv_sketch_hash_list(s->layer_seed, s->sk.rows, s->sk.buckets, p64, n, *h, *g);
+    free(p64);
+    return 0;
+}
+
+int tier_sketch_insert(tier_sketch *s, const tier_ctx *c, const uint32_t *pos, size_t n,
+                       const uint8_t *k, const uint8_t *v)
+{
+    if (n == 0)
+        return 0;
+    /* The staging arrays are one block of n tokens of the list's layout. */
+    kv_layout one = c->l;
+    one.block_tokens = (uint32_t)n;
+    size_t half = n * tier_token_bytes(c) / 2;
+    uint8_t *stage = malloc(2 * half);
+    uint32_t *h;
+    int8_t *g;
+    if (stage == NULL || sketch_hash(s, pos, n, &h, &g) != 0) {
+        free(stage);
+        return -1;
+    }
+    memcpy(stage, k, half);
+    memcpy(stage + half, v, half);
+    kv_segment all = {0, 0, (uint32_t)n};
+    kv_sketch_insert(&s->sk, &one, c->dtype, stage, &all, 1, h, g);
+    free(stage);
+    free(h);
+    return 0;
+}
+
+int tier_sketch_read(tier_sketch *s, const tier_ctx *c, uint8_t *base, const uint32_t *pos,
+                     size_t n, const tier_token *dst, int remove)
+{
+    uint32_t *h;
+    int8_t *g;
+    kv_segment *sg = token_segments(dst, n);
+    if (sg == NULL || sketch_hash(s, pos, n, &h, &g) != 0) {
+        free(sg);
+        return -1;
+    }
+    if (remove)
+        kv_sketch_revive(&s->sk, h, g, &c->l, c->dtype, base, sg, n);
+    else
+        kv_sketch_query(&s->sk, h, g, &c->l, c->dtype, base, sg, n);
+    free(sg);
+    free(h);
+    return 0;
+}
+
+int tier_sketch_delete(tier_sketch *s, const uint32_t *pos, size_t n)
+{
+    uint32_t *h;
+    int8_t *g;
+    if (n == 0)
+        return 0;
+    if (sketch_hash(s, pos, n, &h, &g) != 0)
+        return -1;
+    kv_sketch_delete(&s->sk, h, g, n);
+    free(h);
+    return 0;
+}

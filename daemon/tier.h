@@ -1,0 +1,89 @@
+/*
+ * tier.h - moving one token list's tokens between storage tiers with the
+ * kernels: full precision pool slots, INT8 blocks, a count-sketch.
+ *
+ * An INT8 block lives in an ordinary pool block: its first bytes hold one
+ * INT8 block (kernels.h "INT8 tier") of layout l8 = the list's layout with
+ * block_tokens = kv_int8_tokens_per_block(l), at INT8 block index 0. So the
+ * pool needs one allocator, and demoting block_tokens' worth of tokens frees
+ * about half of their bytes for any other use (at T = 16 fp16 tokens per
+ * block an INT8 block holds 28).
+ *
+ * The kernels take one layout for source and destination; tokens change
+ * layout through a contiguous staging copy ([kv_heads][n][head_dim] of the
+ * pool's dtype) that these functions own. They decide nothing: the caller
+ * (seq.c) says which tokens move where. Not thread-safe (the store's lock).
+ */
+#ifndef KVSTASH_TIER_H
+#define KVSTASH_TIER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels.h"
+#include "policy.h"
+
+#define TIER_NO_BLOCK UINT32_MAX /* the block of a token in the sketch */
+
+/* Where one token is stored: a pool slot (FULL), a slot of the INT8 block in
+ * pool block `block` (INT8), or the list's sketch (SKETCH, no block). */
+typedef struct tier_token {
+    uint32_t block, slot;
+    uint8_t tier; /* policy_tier: POLICY_FULL, POLICY_INT8 or POLICY_SKETCH */
+} tier_token;
+
+/* One list's storage: the pool it lives in and its layouts. */
+typedef struct tier_ctx {
+    uint8_t *base;      /* the pool's mapping */
+    size_t block_bytes; /* of the pool */
+    kv_layout l;        /* the list's full-precision block layout */
+    kv_layout l8;       /* l with block_tokens = INT8 tokens per pool block */
+    kv_dtype dtype;
+} tier_ctx;
+
+/* Fill l8 from l; returns -1 when not even one INT8 token fits in a block. */
+int tier_ctx_init(tier_ctx *c, uint8_t *base, size_t block_bytes, const kv_layout *l,
+                  kv_dtype dtype);
+
+/* Bytes of one token's K and V in the contiguous staging layout. */
+size_t tier_token_bytes(const tier_ctx *c);
+
+/* Read n FULL or INT8 tokens into contiguous k and v ([kv_heads][n][head_dim],
+ * pool dtype; INT8 tokens dequantised). Returns 0, or -1 out of memory. */
+int tier_read(const tier_ctx *c, const tier_token *tok, size_t n, uint8_t *k, uint8_t *v);
+
+/* Write n contiguous tokens into FULL slots (kv_scatter). */
+void tier_write(const tier_ctx *c, const tier_token *dst, size_t n, const uint8_t *k,
+                const uint8_t *v);
+
+/* Quantise n contiguous tokens into INT8 blocks qblocks[0..nq) (pool
+ * blocks, l8.block_tokens tokens each, the last one partial; POLICIES.md
+ * §5.4 scales per block). Returns 0, or -1 out of memory. */
+int tier_quantize(const tier_ctx *c, const uint8_t *k, const uint8_t *v, size_t n,
+                  const uint32_t *qblocks, size_t nq);
+
+/* A list's count-sketch (kernels.h kv_sketch) with its hash family. */
+typedef struct tier_sketch {
+    kv_sketch sk;
+    uint64_t layer_seed;
+} tier_sketch;
+
+/* Allocate a zeroed sketch for tokens of c's layout. Returns 0 or -1. */
+int tier_sketch_init(tier_sketch *s, const tier_ctx *c, const policy_sketch_geometry *g);
+void tier_sketch_free(tier_sketch *s);
+size_t tier_sketch_bytes(const tier_sketch *s); /* 0 when not allocated */
+
+/* Insert n contiguous tokens at original positions pos (Alg. 1). */
+int tier_sketch_insert(tier_sketch *s, const tier_ctx *c, const uint32_t *pos, size_t n,
+                       const uint8_t *k, const uint8_t *v);
+
+/* Query the tokens at pos into FULL slots dst of the pool at `base` (the
+ * list's pool, or any with c's layout); with `remove`, delete each estimate
+ * from the sketch after reading it (Alg. 3 swap). Returns 0 or -1. */
+int tier_sketch_read(tier_sketch *s, const tier_ctx *c, uint8_t *base, const uint32_t *pos,
+                     size_t n, const tier_token *dst, int remove);
+
+/* Delete the estimates of the tokens at pos (dropping them for good). */
+int tier_sketch_delete(tier_sketch *s, const uint32_t *pos, size_t n);
+
+#endif

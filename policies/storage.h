@@ -1,0 +1,60 @@
+/*
+ * storage.h - the storage options every policy accepts, next to its own
+ * parameters: where a policy's victims go, and INT8 demotion of old tokens
+ * (DESIGN.md "Policies compose with the tiers").
+ *
+ *   int8=on|off        demote held tokens to INT8 (POLICIES.md §5.4), all
+ *                      but the newest int8_window of each list
+ *   int8_window=N      newest held tokens per list kept at full precision
+ *   victims=evict|sketch
+ *                      a token the policy evicts is dropped, or offloaded
+ *                      into its list's count-sketch (POLICIES.md §3.3), out
+ *                      of the table but revivable with Revive
+ *   sketch_rows, sketch_buckets, sketch_seed
+ *                      that sketch's geometry (policies with their own
+ *                      sketch, like reviver, bring theirs: ops->sketch_geometry)
+ *
+ * The policy host applies int8 to each decision (so `kvstash replay` shows
+ * it); the daemon applies victims when it moves memory. A policy never sees
+ * these keys.
+ */
+#ifndef KVSTASH_POLICY_STORAGE_H
+#define KVSTASH_POLICY_STORAGE_H
+
+#include "policy.h"
+
+typedef enum policy_victims {
+    POLICY_VICTIMS_EVICT = 0,
+    POLICY_VICTIMS_SKETCH = 1,
+} policy_victims;
+
+typedef struct policy_storage {
+    int int8;
+    uint32_t int8_window;
+    policy_victims victims;
+    uint32_t sketch_rows, sketch_buckets;
+    uint64_t sketch_seed;
+} policy_storage;
+
+/* The storage keys with their defaults, in the order policy_params_resolve
+ * appends them after a policy's own keys. */
+const policy_param_spec *policy_storage_spec(size_t *count);
+
+/* Parse the storage keys of a resolved parameter set. Returns 0, or -1 with
+ * err naming the parameter. */
+int policy_storage_parse(const policy_params *p, policy_storage *out, char *err, size_t errlen);
+
+/* The sketch geometry of `layer` when the policy brings none: the storage
+ * options, with reviver's per-layer seed derivation (POLICIES.md §3.2). */
+void policy_storage_sketch_geometry(const policy_storage *s, uint32_t layer,
+                                    policy_sketch_geometry *out);
+
+/*
+ * INT8 demotion of one list after a decision: of the tokens the decision
+ * keeps in full precision or INT8 (tier FULL or INT8), the newest
+ * int8_window stay as decided and every older FULL one becomes INT8.
+ * Returns the number of tokens demoted. No-op when int8 is off.
+ */
+uint32_t policy_storage_demote(const policy_storage *s, uint8_t *tier, uint32_t tokens);
+
+#endif
