@@ -175,6 +175,15 @@ const char *kv_kernel_isa(void);
  */
 size_t kv_int8_block_bytes(const kv_layout *l);
 
+/* The most tokens an INT8 block of l's heads and head_dim can hold within
+ * kv_block_bytes(l): the largest T with kv_int8_block_bytes(l with
+ * block_tokens = T) <= kv_block_bytes(l); 0 if not even one fits. The daemon
+ * stores one INT8 block in one pool block (daemon/tier.h): an INT8 segment's
+ * block is a pool block whose first bytes hold an INT8 block of that many
+ * slots, at INT8 block index 0, so the INT8 kernels are called with qpool =
+ * pool + block * kv_block_bytes(l) and block 0. */
+uint32_t kv_int8_tokens_per_block(const kv_layout *l);
+
 /* Byte offset, from the INT8 arena's base, of the code row of (block, kv = 0
  * for K / 1 for V, head, slot): head_dim int8 codes. */
 size_t kv_int8_code_offset(const kv_layout *l, uint32_t block, uint32_t kv, uint32_t head,

@@ -31,3 +31,16 @@ size_t kv_int8_scale_offset(const kv_layout *l, uint32_t block, uint32_t kv, uin
     size_t row = (size_t)kv * l->kv_heads + head;
     return (size_t)block * kv_int8_block_bytes(l) + scales_start(l) + row * l->head_dim * 4;
 }
+
+uint32_t kv_int8_tokens_per_block(const kv_layout *l)
+{
+    size_t room = kv_block_bytes(l);
+    kv_layout q = *l;
+    /* The INT8 block grows with T by 2*H*d bytes (plus rounding): start from
+     * the estimate and step to the exact answer. */
+    size_t per = 2 * (size_t)l->kv_heads * l->head_dim;
+    q.block_tokens = per ? (uint32_t)(room / per) + 1 : 1;
+    while (q.block_tokens > 0 && kv_int8_block_bytes(&q) > room)
+        q.block_tokens--;
+    return q.block_tokens;
+}
