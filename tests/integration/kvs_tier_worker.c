@@ -1,0 +1,362 @@
+/*
+ * kvs_tier_worker.c - a worker that drives one sequence through the storage
+ * tiers and checks what Revive gives back (issue 4, acceptance 3).
+ *
+ * It creates a `streaming` sequence with the given storage options (int8,
+ * victims=sketch, sketch_buckets), appends --tokens tokens one at a time with
+ * seeded fp16 K/V, and after every append reads back every held token: full
+ * precision tokens must be the bytes written, INT8 tokens within the bound
+ * max|channel| / 254 plus fp16 rounding. It keeps its own count-sketch: a
+ * token that leaves the table was offloaded by the daemon with the values it
+ * held then (raw, or dequantised INT8), so the worker inserts exactly those,
+ * in the same order. At the end it revives every layer and checks each
+ * position by the tier it came from: raw byte-exact, INT8 within the bound,
+ * sketch equal to its own sketch's query (and, with --exact, to the bytes
+ * written: no collisions). Then a range revive, the release of the scratch,
+ * and a second release that must fail.
+ *
+ * stdout, last two lines: the daemon's Stats as JSON (taken while the
+ * sequence lives), then {"ok":true,"seq":ID,"full":N,"int8":N,"sketch":N,
+ * "max_int8_err":E} (revived tokens by source tier, over layers).
+ * Exit 0 ok, 1 mismatch, 2 API error, 3 usage.
+ */
+#include <inttypes.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "kvstash.h"
+#include "reviver.h"
+
+#define LAYERS 2
+#define Q_HEADS 4
+#define KV_HEADS 2
+#define HEAD_DIM 16
+#define BLOCK_TOKENS 8
+#define DIM (KV_HEADS * HEAD_DIM)
+#define ROWS 3
+
+typedef struct opts {
+    const char *socket, *int8;
+    uint32_t tokens, buckets, window;
+    int exact, victims_sketch;
+} opts;
+
+typedef struct sketch {
+    float *key, *value; /* [ROWS][buckets][DIM] */
+    uint64_t seed;
+} sketch;
+
+static void fail(int code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "kvs_tier_worker: ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n");
+    va_end(ap);
+    printf("{\"ok\":false}\n");
+    exit(code);
+}
+
+/* The value written for (layer, kv head, position, channel, K or V): seeded,
+ * in [-4, 4), rounded to fp16. */
+static float written(uint32_t l, uint32_t h, uint32_t p, uint32_t c, int v)
+{
+    uint64_t x = reviver_mix64(((uint64_t)l << 48) ^ ((uint64_t)h << 40) ^ ((uint64_t)p << 16) ^
+                               ((uint64_t)c << 1) ^ (uint64_t)v);
+    float f = (float)((double)(x >> 11) / 9007199254740992.0 * 8.0 - 4.0);
+    uint8_t b[2];
+    kv_elt_store(b, KV_FP16, f);
+    return kv_elt_load(b, KV_FP16);
+}
+
+/* fp16 of [KV_HEADS][n][HEAD_DIM] element (h, i, c). */
+static float at16(const uint8_t *a, uint32_t n, uint32_t h, uint32_t i, uint32_t c)
+{
+    return kv_elt_load(a + (((size_t)h * n + i) * HEAD_DIM + c) * 2, KV_FP16);
+}
+
+static void api(kvs_session *s, int rc, const char *what)
+{
+    if (rc != KVS_OK)
+        fail(2, "%s: %s (%s)", what, kvs_strerror(rc), kvs_session_error(s));
+}
+
+/* The INT8 bound of (layer, head, channel): max |x| over every position
+ * written so far / 254 (a group's max is at most that), plus fp16 rounding of
+ * the dequantised value. */
+static float int8_bound(uint32_t l, uint32_t h, uint32_t c, int v, uint32_t upto, float got)
+{
+    float m = 0;
+    for (uint32_t p = 0; p < upto; p++)
+        m = fmaxf(m, fabsf(written(l, h, p, c, v)));
+    return m / 254.0f * 1.0001f + fabsf(got) * 0x1p-11f;
+}
+
+/* Check a list's held tokens (k, v as read) and remember them in `seen`
+ * ([pos][2][DIM] fp32: what the daemon holds for each position now). */
+static double check_held(const kvs_layer *ly, const uint8_t *k, const uint8_t *v, float *seen,
+                         uint32_t upto)
+{
+    double worst = 0;
+    uint32_t t = 0;
+    for (size_t s = 0; s < ly->nsegments; s++)
+        for (uint32_t j = 0; j < ly->segments[s].count; j++, t++) {
+            uint32_t p = ly->positions[t];
+            for (uint32_t h = 0; h < KV_HEADS; h++)
+                for (uint32_t c = 0; c < HEAD_DIM; c++)
+                    for (int isv = 0; isv < 2; isv++) {
+                        float got = at16(isv ? v : k, ly->tokens, h, t, c);
+                        float want = written(ly->layer, h, p, c, isv);
+                        float err = fabsf(got - want);
+                        int int8 = ly->segments[s].tier == KVS_TIER_INT8;
+                        if (int8 ? err > int8_bound(ly->layer, h, c, isv, upto, got) : err != 0)
+                            fail(1, "layer %u position %u (%s) head %u channel %u: %g, wrote %g",
+                                 ly->layer, p, int8 ? "int8" : "fp16", h, c, got, want);
+                        if (int8 && err > worst)
+                            worst = err;
+                        seen[((size_t)p * 2 + isv) * DIM + h * HEAD_DIM + c] = got;
+                    }
+        }
+    return worst;
+}
+
+static void sketch_insert(sketch *sk, uint32_t buckets, uint32_t p, const float *kv)
+{
+    uint32_t hb[ROWS];
+    int8_t g[ROWS];
+    kv_sketch_hash(sk->seed, ROWS, buckets, p, hb, g);
+    for (uint32_t r = 0; r < ROWS; r++)
+        for (uint32_t c = 0; c < DIM; c++) {
+            sk->key[((size_t)r * buckets + hb[r]) * DIM + c] += kv[c];
+            sk->value[((size_t)r * buckets + hb[r]) * DIM + c] += (float)g[r] * kv[DIM + c];
+        }
+}
+
+static float median3(float a, float b, float c)
+{
+    return fmaxf(fminf(a, b), fminf(fmaxf(a, b), c));
+}
+
+/* POLICIES.md §3.3 query of channel c (K, or V with its signs), as fp16. */
+static float sketch_query(const sketch *sk, uint32_t buckets, uint32_t p, uint32_t c, int isv)
+{
+    uint32_t hb[ROWS];
+    int8_t g[ROWS];
+    kv_sketch_hash(sk->seed, ROWS, buckets, p, hb, g);
+    float e[ROWS];
+    for (uint32_t r = 0; r < ROWS; r++) {
+        size_t at = ((size_t)r * buckets + hb[r]) * DIM + c;
+        e[r] = isv ? (float)g[r] * sk->value[at] : sk->key[at];
+    }
+    uint8_t b[2];
+    kv_elt_store(b, KV_FP16, median3(e[0], e[1], e[2]));
+    return kv_elt_load(b, KV_FP16);
+}
+
+/* Positions that left the table since the last look were offloaded, in
+ * position order, with the values the daemon held then. */
+static void track_offloads(const kvs_layer *ly, uint8_t *held, float *seen, sketch *sk,
+                           uint32_t buckets, uint32_t upto)
+{
+    uint8_t *now = calloc(upto + 1, 1);
+    for (uint32_t t = 0; t < ly->tokens; t++)
+        now[ly->positions[t]] = 1;
+    for (uint32_t p = 0; p < upto; p++) {
+        if (held[p] && !now[p] && sk != NULL)
+            sketch_insert(sk, buckets, p, seen + (size_t)p * 2 * DIM);
+        held[p] = now[p];
+    }
+    free(now);
+}
+
+static void write_token(kvs_session *s, const kvs_table *w, uint32_t p)
+{
+    for (uint32_t l = 0; l < w->layers; l++) {
+        uint8_t k[KV_HEADS * HEAD_DIM * 2], v[KV_HEADS * HEAD_DIM * 2];
+        for (uint32_t h = 0; h < KV_HEADS; h++)
+            for (uint32_t c = 0; c < HEAD_DIM; c++) {
+                kv_elt_store(k + (h * HEAD_DIM + c) * 2, KV_FP16, written(l, h, p, c, 0));
+                kv_elt_store(v + (h * HEAD_DIM + c) * 2, KV_FP16, written(l, h, p, c, 1));
+            }
+        api(s, kvs_layer_write(s, &w->layer[l], k, v), "write");
+    }
+}
+
+/* Revive a whole layer and check every position by its source tier. */
+static void check_revive(kvs_session *s, uint64_t seq, uint32_t l, const opts *o, sketch *sk,
+                         uint32_t counts[3], double *worst)
+{
+    kvs_revive r;
+    api(s, kvs_seq_revive(s, seq, l, 0, 0, 0, 0, &r), "revive");
+    const kvs_layer *ly = r.layer;
+    if (ly->tokens != o->tokens)
+        fail(1, "layer %u: revived %u positions of %u", l, ly->tokens, o->tokens);
+    size_t bytes = (size_t)KV_HEADS * ly->tokens * HEAD_DIM * 2;
+    uint8_t *k = malloc(bytes), *v = malloc(bytes);
+    api(s, kvs_layer_read(s, ly, k, v), "read revived");
+    for (uint32_t t = 0; t < ly->tokens; t++) {
+        uint32_t p = ly->positions[t], tier = r.source_tier[t];
+        if (p != t)
+            fail(1, "layer %u: revived token %u has position %u", l, t, p);
+        counts[tier]++;
+        for (uint32_t h = 0; h < KV_HEADS; h++)
+            for (uint32_t c = 0; c < HEAD_DIM; c++)
+                for (int isv = 0; isv < 2; isv++) {
+                    float got = at16(isv ? v : k, ly->tokens, h, t, c);
+                    float want = written(l, h, p, c, isv);
+                    float err = fabsf(got - want);
+                    int bad = tier == KVS_TIER_FULL ? err != 0
+                              : tier == KVS_TIER_INT8
+                                  ? err > int8_bound(l, h, c, isv, o->tokens, got)
+                                  : got != sketch_query(sk, o->buckets, p, h * HEAD_DIM + c, isv) ||
+                                        (o->exact && err != 0);
+                    if (tier == KVS_TIER_INT8 && err > *worst)
+                        *worst = err;
+                    if (bad)
+                        fail(1,
+                             "revive layer %u position %u (from tier %u) head %u ch %u: %g, wrote "
+                             "%g",
+                             l, p, tier, h, c, got, want);
+                }
+    }
+    free(k);
+    free(v);
+    api(s, kvs_revive_release(s, &r), "release scratch");
+}
+
+static void check_range_and_release(kvs_session *s, uint64_t seq, uint32_t tokens)
+{
+    kvs_revive r;
+    uint32_t first = tokens / 3, count = tokens / 4;
+    api(s, kvs_seq_revive(s, seq, 1, 0, first, count, 0, &r), "range revive");
+    if (r.layer->tokens != count || r.layer->positions[0] != first ||
+        r.layer->positions[count - 1] != first + count - 1)
+        fail(1, "range revive %u+%u gave %u tokens", first, count, r.layer->tokens);
+    kvs_revive copy = r;
+    api(s, kvs_revive_release(s, &r), "release");
+    /* A second release names a scratch that is gone. */
+    copy.table.layer = NULL;
+    copy.source_tier = NULL;
+    if (kvs_revive_release(s, &copy) != KVS_ERR_NOT_FOUND)
+        fail(1, "releasing a scratch twice did not fail with NOT_FOUND");
+    if (kvs_seq_revive(s, seq, 0, 0, tokens, 1, 0, &r) != KVS_ERR_INVALID)
+        fail(1, "reviving past the end did not fail with INVALID_ARGUMENT");
+}
+
+static void parse(int argc, char **argv, opts *o)
+{
+    *o = (opts){NULL, "off", 96, 4096, 16, 0, 1};
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (strcmp(a, "--exact") == 0) {
+            o->exact = 1;
+            continue;
+        }
+        if (v == NULL)
+            fail(3, "%s needs a value", a);
+        if (strcmp(a, "--socket") == 0)
+            o->socket = v;
+        else if (strcmp(a, "--int8") == 0)
+            o->int8 = v;
+        else if (strcmp(a, "--tokens") == 0)
+            o->tokens = (uint32_t)strtoul(v, NULL, 10);
+        else if (strcmp(a, "--buckets") == 0)
+            o->buckets = (uint32_t)strtoul(v, NULL, 10);
+        else if (strcmp(a, "--window") == 0)
+            o->window = (uint32_t)strtoul(v, NULL, 10);
+        else if (strcmp(a, "--victims") == 0)
+            o->victims_sketch = strcmp(v, "sketch") == 0;
+        else
+            fail(3, "unknown option %s", a);
+        i++;
+    }
+}
+
+int main(int argc, char **argv)
+{
+    opts o;
+    parse(argc, argv, &o);
+    kvs_geometry g = {LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_TOKENS, KVS_FP16, 0};
+    kvs_session *s;
+    char err[512];
+    if (kvs_session_attach(o.socket, "tiers", &g, "kvs_tier_worker", &s, err, sizeof err) != 0)
+        fail(2, "attach: %s", err);
+    char win[16], buckets[16];
+    snprintf(win, sizeof win, "%u", o.window);
+    snprintf(buckets, sizeof buckets, "%u", o.buckets);
+    kvs_param params[] = {{"n_sink", "4"},
+                          {"window", win},
+                          {"int8", o.int8},
+                          {"int8_window", "8"},
+                          {"victims", o.victims_sketch ? "sketch" : "evict"},
+                          {"sketch_rows", "3"},
+                          {"sketch_buckets", buckets}};
+    uint64_t seq;
+    api(s, kvs_seq_create(s, "streaming", params, 7, "tiers", &seq), "create");
+    sketch sk[LAYERS];
+    float *seen = calloc((size_t)o.tokens * 2 * DIM, sizeof *seen);
+    uint8_t *held = calloc((size_t)LAYERS * o.tokens, 1);
+    double worst = 0;
+    for (uint32_t l = 0; l < LAYERS; l++)
+        sk[l] = (sketch){calloc((size_t)ROWS * o.buckets * DIM, sizeof(float)),
+                         calloc((size_t)ROWS * o.buckets * DIM, sizeof(float)),
+                         reviver_layer_seed(0, l)};
+    float *seen_l[LAYERS] = {seen, calloc((size_t)o.tokens * 2 * DIM, sizeof *seen)};
+    for (uint32_t p = 0; p < o.tokens; p++) {
+        kvs_table w, t;
+        api(s, kvs_seq_append(s, seq, 1, &w), "append");
+        write_token(s, &w, p);
+        kvs_table_free(&w);
+        api(s, kvs_seq_table(s, seq, 1, &t), "table");
+        for (uint32_t l = 0; l < LAYERS; l++) {
+            const kvs_layer *ly = &t.layer[l];
+            track_offloads(ly, held + (size_t)l * o.tokens, seen_l[l],
+                           o.victims_sketch ? &sk[l] : NULL, o.buckets, p + 1);
+            size_t bytes = (size_t)KV_HEADS * ly->tokens * HEAD_DIM * 2;
+            uint8_t *k = malloc(bytes + 1), *v = malloc(bytes + 1);
+            api(s, kvs_layer_read(s, ly, k, v), "read");
+            double e = check_held(ly, k, v, seen_l[l], p + 1);
+            worst = e > worst ? e : worst;
+            free(k);
+            free(v);
+        }
+        kvs_table_free(&t);
+    }
+    uint32_t counts[3] = {0, 0, 0};
+    if (o.victims_sketch) {
+        for (uint32_t l = 0; l < LAYERS; l++)
+            check_revive(s, seq, l, &o, &sk[l], counts, &worst);
+        check_range_and_release(s, seq, o.tokens);
+    } else { /* victims dropped: Revive must say so, unless told to skip */
+        kvs_revive r;
+        if (kvs_seq_revive(s, seq, 0, 0, 0, 0, 0, &r) != KVS_ERR_PRECONDITION ||
+            strstr(kvs_session_error(s), "evicted outright") == NULL)
+            fail(1, "reviving evicted positions: %s", kvs_session_error(s));
+        api(s, kvs_seq_revive(s, seq, 0, 0, 0, 0, 1, &r), "revive skip_evicted");
+        for (uint32_t t = 0; t < r.layer->tokens; t++)
+            counts[r.source_tier[t]]++;
+        api(s, kvs_revive_release(s, &r), "release");
+    }
+    char *stats;
+    if (kvs_stats_json(o.socket, &stats, err, sizeof err) != 0)
+        fail(2, "stats: %s", err);
+    printf("%s\n", stats);
+    free(stats);
+    printf("{\"ok\":true,\"seq\":%" PRIu64 ",\"full\":%u,\"int8\":%u,\"sketch\":%u,"
+           "\"max_int8_err\":%.9g}\n",
+           seq, counts[0], counts[1], counts[2], worst);
+    kvs_session_detach(s);
+    for (uint32_t l = 0; l < LAYERS; l++) {
+        free(sk[l].key);
+        free(sk[l].value);
+    }
+    free(seen_l[1]);
+    free(seen);
+    free(held);
+    return 0;
+}

@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""The storage tiers through the real daemon (issue 4, acceptance 1 and 3).
+
+A real worker (kvs_tier_worker, libkvstash) runs a `streaming` sequence whose
+old tokens are demoted to INT8 (int8=on) and whose victims are offloaded into
+the count-sketch (victims=sketch). After every append it checks every held
+token (raw bytes exact, INT8 within max|channel|/254 plus fp16 rounding) and
+keeps its own sketch; at the end it revives every layer and checks each
+position against its source tier. This test runs it in several
+configurations and checks the revived counts, the memory accounting of
+Stats (INT8 tokens take fewer bytes than fp16 ones), and that the tier and
+revive counters move in /metrics.
+"""
+import json
+import os
+import subprocess
+import sys
+
+from kvstash_harness import run_tests
+from test_metrics import Scrape, metrics_port
+
+TOKENS = 96
+# kvs_tier_worker's geometry: 2 layers, 2 KV heads, head_dim 16, fp16, 8 tokens per block.
+LAYERS, TOKEN_BYTES, BLOCK_BYTES, INT8_PER_BLOCK = 2, 2 * 2 * 16 * 2, 1024, 12
+
+
+def run_worker(ctx, *args):
+    p = subprocess.run([os.environ["KVSTASH_TIER_WORKER"], "--socket", ctx.daemon.sock,
+                        "--tokens", str(TOKENS), *args],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, f"worker {args}: exit {p.returncode}: {p.stdout[-300:]!r} " \
+                              f"{p.stderr[-600:]!r}"
+    lines = p.stdout.strip().splitlines()
+    return json.loads(lines[-2]), json.loads(lines[-1])
+
+
+def tiers(stats):
+    return {t["tier"]: t for t in stats["tiers"]}
+
+
+def check_int8_and_sketch_revive_every_position(ctx):
+    stats, r = run_worker(ctx, "--int8", "on", "--victims", "sketch", "--buckets", "7",
+                          "--window", "24")
+    # Every position of both layers came back, from all three tiers.
+    assert r["full"] + r["int8"] + r["sketch"] == LAYERS * TOKENS, r
+    assert r["full"] > 0 and r["int8"] > 0 and r["sketch"] > 0, r
+    # fp16 values in [-4, 4): the INT8 error stays under 4/254 + rounding.
+    assert 0 < r["max_int8_err"] <= 4 / 254 + 4 * 2 ** -11, r
+    t = tiers(stats)
+    # Offloaded tokens are in the sketch tier; its cells cost rows x buckets
+    # x (K + V) floats + counts per list, whatever was inserted.
+    assert t["sketch"]["tokens"] > 0, t
+    assert t["sketch"]["bytes"] == LAYERS * 3 * 7 * (2 * 32 * 4 + 4), t
+
+
+def check_sketch_round_trip_exact_without_collisions(ctx):
+    _, r = run_worker(ctx, "--int8", "off", "--victims", "sketch", "--buckets", "4096", "--exact")
+    assert r["int8"] == 0 and r["sketch"] > TOKENS, r
+
+
+def check_evicted_outright_cannot_be_revived(ctx):
+    _, r = run_worker(ctx, "--int8", "on", "--victims", "evict")
+    assert r["sketch"] == 0 and 0 < r["full"] + r["int8"] < TOKENS, r
+
+
+def check_int8_memory_accounting_shows_the_saving(ctx):
+    on, r_on = run_worker(ctx, "--int8", "on", "--window", "1000")
+    off, r_off = run_worker(ctx, "--int8", "off", "--window", "1000")
+    assert r_on["full"] + r_on["int8"] == r_off["full"] == LAYERS * TOKENS, (r_on, r_off)
+    t_on, t_off = tiers(on), tiers(off)
+    n8 = t_on["int8"]["tokens"]
+    # int8_window=8 keeps the newest 8 per list at full precision; the rest
+    # were demoted in whole INT8 blocks of 12.
+    assert n8 % INT8_PER_BLOCK == 0 and n8 >= LAYERS * (TOKENS - 8 - INT8_PER_BLOCK), t_on
+    assert t_on["int8"]["bytes"] == n8 // INT8_PER_BLOCK * BLOCK_BYTES, t_on
+    # Per token: 1024/12 bytes against 1024/8 at fp16, two thirds.
+    assert t_on["int8"]["bytes"] * 3 == n8 * TOKEN_BYTES * 2, t_on
+    assert t_off["int8"]["tokens"] == 0 and t_off["fp16"]["tokens"] == LAYERS * TOKENS, t_off
+    (q_on,), (q_off,) = on["sequences"], off["sequences"]
+    assert q_on["bytes"] < q_off["bytes"] * 0.8, (q_on, q_off)
+
+
+def check_tier_and_revive_counters_move(ctx):
+    s = Scrape(metrics_port(ctx.daemon))
+    moves = {to: s.get("kvstash_tier_moves_total", policy="streaming", to=to)
+             for to in ("int8", "sketch", "fp16")}
+    revived = {src: s.get("kvstash_revived_tokens_total", policy="streaming", **{"from": src})
+               for src in ("fp16", "int8", "sketch")}
+    assert moves["int8"] > 0 and moves["sketch"] > 0, moves
+    assert revived["fp16"] > 0 and revived["int8"] > 0 and revived["sketch"] > 0, revived
+    # Nothing of streaming's ever comes back from the sketch into its table.
+    assert moves["fp16"] == 0, moves
+
+
+if __name__ == "__main__":
+    sys.exit(run_tests("tiers", [
+        check_int8_and_sketch_revive_every_position,
+        check_sketch_round_trip_exact_without_collisions,
+        check_evicted_outright_cannot_be_revived,
+        check_int8_memory_accounting_shows_the_saving,
+        check_tier_and_revive_counters_move,
+    ], daemon_kwargs={"pool_mb": 32, "extra_args": ["--metrics", "127.0.0.1:0"]}))
