@@ -675,6 +675,43 @@ static void test_step_failure(void **unused)
 }
 
 /* Room for merges is at least the tokens of the view, over all heads. */
+/* storage.h: int8=on demotes every held token but the newest int8_window
+ * of a list; evicted and sketched tokens do not count toward the window. */
+static void test_storage_demote(void **unused)
+{
+    (void)unused;
+    policy_storage st = {.int8 = 1, .int8_window = 2};
+    uint8_t t[7] = {POLICY_FULL, POLICY_EVICT, POLICY_FULL, POLICY_SKETCH,
+                    POLICY_INT8, POLICY_FULL,  POLICY_FULL};
+    assert_int_equal(policy_storage_demote(&st, t, 7), 2);
+    const uint8_t want[7] = {POLICY_INT8, POLICY_EVICT, POLICY_INT8, POLICY_SKETCH,
+                             POLICY_INT8, POLICY_FULL,  POLICY_FULL};
+    assert_memory_equal(t, want, 7);
+    st.int8 = 0;
+    uint8_t u[3] = {POLICY_FULL, POLICY_FULL, POLICY_FULL};
+    assert_int_equal(policy_storage_demote(&st, u, 3), 0);
+    assert_int_equal(u[0], POLICY_FULL);
+}
+
+/* The storage keys parse strictly and name the offender. */
+static void test_storage_parse(void **unused)
+{
+    (void)unused;
+    const policy_ops *ops = policy_find("full");
+    const char *keys[] = {"int8", "int8_window", "victims"};
+    const char *good[] = {"on", "5", "sketch"}, *bad[] = {"yes", "5", "sketch"};
+    policy_params p;
+    policy_storage st;
+    char err[POLICY_ERR_LEN] = "";
+    assert_int_equal(policy_params_resolve(ops, keys, good, 3, &p, err, sizeof err), 0);
+    assert_int_equal(policy_storage_parse(&p, &st, err, sizeof err), 0);
+    assert_true(st.int8 && st.int8_window == 5 && st.victims == POLICY_VICTIMS_SKETCH);
+    assert_int_equal(st.sketch_rows, 3);
+    assert_int_equal(policy_params_resolve(ops, keys, bad, 3, &p, err, sizeof err), 0);
+    assert_int_equal(policy_storage_parse(&p, &st, err, sizeof err), -1);
+    assert_non_null(strstr(err, "parameter int8 must be one of off, on, got 'yes'"));
+}
+
 static void test_merges_capacity(void **unused)
 {
     (void)unused;
@@ -716,6 +753,8 @@ int main(void)
         cmocka_unit_test(test_step_numbering),
         cmocka_unit_test(test_step_failure),
         cmocka_unit_test(test_merges_capacity),
+        cmocka_unit_test(test_storage_demote),
+        cmocka_unit_test(test_storage_parse),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
