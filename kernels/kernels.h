@@ -113,26 +113,55 @@ void kv_dequantize_group_ref(const int8_t *q, size_t n, float s, float *x);
  * (layout with kv_heads = 1, kv_heads * block_tokens rows per block) pass the
  * q_heads of that KV head's group. scores = q.k * scale. If probs is not
  * NULL it receives the softmax probabilities [q_heads][ntokens] (the
- * statistics policies need). Elements are read through kv_elt_load.
+ * statistics policies need).
+ *
+ * tiers (NULL: every segment KV_TIER_FULL) gives each segment's tier:
+ *  - KV_TIER_FULL: the segment's block holds elements of type t (their
+ *    values as kv_elt_load gives them);
+ *  - KV_TIER_INT8: the segment's block is a pool block holding one INT8
+ *    block ("INT8 tier" below) of layout q8 = l with block_tokens =
+ *    kv_int8_tokens_per_block(l), at INT8 block index 0 from the pool
+ *    block's start (pool + block * kv_block_bytes(l)); first_slot and count
+ *    name slots of that INT8 block (first_slot + count <= its
+ *    block_tokens). Element c of a row is code * scale in fp32
+ *    (kv_dequantize_group_ref), dequantised as it is read: the list is
+ *    never copied. For a per-head list, q8 is derived from the per-head
+ *    layout (one head of q8.block_tokens rows, one scale per channel).
+ * The values are those of store.proto's LayerTable.tier (kvs_tier in
+ * client/kvstash.h). Any other value (KVS_TIER_SKETCH, say) is a caller
+ * error, asserted in debug builds: revive those tokens into the pool first.
+ *
+ * The reference computes in double and equals, exactly, dequantising the
+ * INT8 segments into an fp32 pool and running it over that. The fast
+ * version sums in fp32 in another order and uses a polynomial exp
+ * (attention.c): the tests hold its values and probabilities to 2e-6
+ * absolute of the reference, for inputs in [-1, 1] and lists of hundreds of
+ * tokens. It splits over KV heads when the call is large ("Threads") and
+ * gives the same bits in both ISA builds; head_dim above 4096 takes the
+ * reference.
  */
+typedef enum kv_tier { KV_TIER_FULL = 0, KV_TIER_INT8 = 1 } kv_tier;
+
 void kv_decode_attention_ref(const kv_layout *l, kv_dtype t, const uint8_t *pool,
-                             const kv_segment *segs, size_t nsegs, const float *q, uint32_t q_heads,
-                             float scale, float *out, float *probs);
+                             const kv_segment *segs, size_t nsegs, const uint8_t *tiers,
+                             const float *q, uint32_t q_heads, float scale, float *out,
+                             float *probs);
 void kv_decode_attention(const kv_layout *l, kv_dtype t, const uint8_t *pool,
-                         const kv_segment *segs, size_t nsegs, const float *q, uint32_t q_heads,
-                         float scale, float *out, float *probs);
+                         const kv_segment *segs, size_t nsegs, const uint8_t *tiers, const float *q,
+                         uint32_t q_heads, float scale, float *out, float *probs);
 
 /*
  * ---- Threads ----
  *
- * The fast CPU kernels below (not gather/scatter/copy_tokens, which the
- * daemon parallelises across sequences) split large calls over threads:
- * each thread owns a fixed, contiguous share of the output and computes it
- * with exactly the operations of a single-threaded run, so results never
- * depend on the number of threads. The count is min(online CPUs, 8), lowered
- * so that every thread gets at least KV_PARALLEL_GRAIN bytes of work;
- * environment variable KVSTASH_KERNEL_THREADS (read per call) sets the
- * maximum, 1 turning threads off. No state is kept between calls.
+ * kv_decode_attention and the fast CPU kernels below (not gather/scatter/
+ * copy_tokens, which the daemon parallelises across sequences) split large
+ * calls over threads: each thread owns a fixed, contiguous share of the
+ * output and computes it with exactly the operations of a single-threaded
+ * run, so results never depend on the number of threads. The count is
+ * min(online CPUs, 8), lowered so that every thread gets at least
+ * KV_PARALLEL_GRAIN bytes of work; environment variable
+ * KVSTASH_KERNEL_THREADS (read per call) sets the maximum, 1 turning
+ * threads off. No state is kept between calls.
  */
 #define KV_PARALLEL_GRAIN (1u << 20)
 
@@ -141,11 +170,11 @@ void kv_decode_attention(const kv_layout *l, kv_dtype t, const uint8_t *pool,
 unsigned kv_parallel_threads(size_t bytes);
 
 /*
- * The same fast kernels are built for the baseline ISA and, on x86-64, for
- * AVX2 + F16C; each call runs the AVX2 build when the CPU has both and
- * KVSTASH_KERNEL_ISA (read per call) is not "generic". Both builds give the
- * same bytes. kv_kernel_isa() names the build calls take now: "avx2+f16c"
- * or "generic" (a static string).
+ * The same fast kernels (kv_decode_attention too) are built for the
+ * baseline ISA and, on x86-64, for AVX2 + F16C; each call runs the AVX2
+ * build when the CPU has both and KVSTASH_KERNEL_ISA (read per call) is not
+ * "generic". Both builds give the same bytes. kv_kernel_isa() names the
+ * build calls take now: "avx2+f16c" or "generic" (a static string).
  */
 const char *kv_kernel_isa(void);
 
@@ -175,13 +204,23 @@ const char *kv_kernel_isa(void);
  */
 size_t kv_int8_block_bytes(const kv_layout *l);
 
-/* The most tokens an INT8 block of l's heads and head_dim can hold within
- * kv_block_bytes(l): the largest T with kv_int8_block_bytes(l with
- * block_tokens = T) <= kv_block_bytes(l); 0 if not even one fits. The daemon
- * stores one INT8 block in one pool block (daemon/tier.h): an INT8 segment's
- * block is a pool block whose first bytes hold an INT8 block of that many
- * slots, at INT8 block index 0, so the INT8 kernels are called with qpool =
- * pool + block * kv_block_bytes(l) and block 0. */
+/*
+ * kv_int8_tokens_per_block: the largest T >= 1 such that an INT8 block of
+ * layout l with block_tokens = T fits in one block of the pool,
+ * kv_int8_block_bytes(T) <= kv_block_bytes(l); 0 when even T = 1 does not
+ * fit (the scales alone take 8 * kv_heads * head_dim bytes: fp16 blocks of
+ * 2 tokens or fewer, fp32 blocks of 1, layouts so small that the 16-byte
+ * padding dominates). fp16, 8 heads x 128 channels, 16 tokens: 28; fp32:
+ * 60.
+ *
+ * The daemon stores INT8 tokens in the pool itself (daemon/tier.h): an
+ * INT8 segment's block is a pool block whose first bytes hold an INT8
+ * block of layout l with block_tokens = kv_int8_tokens_per_block(l), at
+ * INT8 block index 0. The INT8 kernels below are then called with that
+ * layout, qpool = pool + block * kv_block_bytes(l) and qblocks / qsegs
+ * naming block 0; the tiered kv_decode_attention reads such blocks
+ * directly.
+ */
 uint32_t kv_int8_tokens_per_block(const kv_layout *l);
 
 /* Byte offset, from the INT8 arena's base, of the code row of (block, kv = 0
@@ -201,8 +240,7 @@ size_t kv_int8_scale_offset(const kv_layout *l, uint32_t block, uint32_t kv, uin
  * written into that block: s = max|x| / 127 (1 for all zeros), codes
  * round_half_even(x / s) clamped to [-127, 127]. Requires
  * kv_segments_tokens(segs) <= nq * block_tokens, distinct qblocks, finite
- * inputs and (fast version) block_tokens <= 8192. The fast version equals
- * the reference byte for byte.
+ * inputs. The fast version equals the reference byte for byte.
  */
 void kv_int8_quantize_ref(const kv_layout *l, kv_dtype t, const uint8_t *pool,
                           const kv_segment *segs, size_t nsegs, uint8_t *qpool,
@@ -373,10 +411,11 @@ int kv_copy_tokens_cuda(const kv_layout *l, uint8_t *pool, const kv_segment *src
  * the host); kv_decode_attention_cuda uses expf and a split-list summation
  * order, within about 1e-6 relative of kv_decode_attention_ref. The
  * sketch's arrays (sk->key, value, count) are device pointers; h, g,
- * qblocks, delta and the merge list are host arrays. Pool elements must be
- * aligned to their size (cudaMalloc'd pools are). Limits (else
- * cudaErrorInvalidValue): kv_decode_attention_cuda head_dim <= 512,
- * kv_vnorm_l1_cuda head_dim <= 759, kv_heads and q_heads <= 65535. */
+ * qblocks, delta, tiers and the merge list are host arrays. Pool elements
+ * must be aligned to their size (cudaMalloc'd pools are). Limits (else
+ * cudaErrorInvalidValue): kv_decode_attention_cuda head_dim <= 512, tiers
+ * KV_TIER_FULL or KV_TIER_INT8 only, INT8 segments inside their INT8
+ * block; kv_vnorm_l1_cuda head_dim <= 759; kv_heads and q_heads <= 65535. */
 int kv_int8_quantize_cuda(const kv_layout *l, kv_dtype t, const uint8_t *pool,
                           const kv_segment *segs, size_t nsegs, uint8_t *qpool,
                           const uint32_t *qblocks, size_t nq);
@@ -400,8 +439,9 @@ int kv_vnorm_l1_cuda(const kv_layout *l, kv_dtype t, const uint8_t *pool, const 
 int kv_merge_values_cuda(const kv_layout *l, kv_dtype t, uint8_t *pool, const kv_merge *m,
                          size_t n);
 int kv_decode_attention_cuda(const kv_layout *l, kv_dtype t, const uint8_t *pool,
-                             const kv_segment *segs, size_t nsegs, const float *q, uint32_t q_heads,
-                             float scale, float *out, float *probs);
+                             const kv_segment *segs, size_t nsegs, const uint8_t *tiers,
+                             const float *q, uint32_t q_heads, float scale, float *out,
+                             float *probs);
 #endif
 
 #ifdef __cplusplus

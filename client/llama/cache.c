@@ -430,8 +430,8 @@ void cache_layer(llm_cache *c, uint32_t l, llm_state *st)
         kvs_layer_write(c->s, w, to_pool_dtype(c, st->k, 0, c->KV, 0),
                         to_pool_dtype(c, st->v, 0, c->KV, 1));
         const list *ls = &c->lists[l];
-        kv_decode_attention(&c->lay, c->dtype, pool, ls->segs, ls->nsegs, st->q, c->Q, c->scale,
-                            st->att, probs);
+        kv_decode_attention(&c->lay, c->dtype, pool, ls->segs, ls->nsegs, NULL, st->q, c->Q,
+                            c->scale, st->att, probs);
         for (uint32_t h = 0; h < c->Q; h++)
             c->p_last[(size_t)l * c->Q + h] = probs + (size_t)h * ls->n;
         return;
@@ -443,7 +443,7 @@ void cache_layer(llm_cache *c, uint32_t l, llm_state *st)
                         to_pool_dtype(c, st->v, g, 1, 1));
         const list *ls = &c->lists[l * c->heads + g];
         size_t qo = (size_t)g * c->G * c->D;
-        kv_decode_attention(&c->rows, c->dtype, pool, ls->segs, ls->nsegs, st->q + qo, c->G,
+        kv_decode_attention(&c->rows, c->dtype, pool, ls->segs, ls->nsegs, NULL, st->q + qo, c->G,
                             c->scale, st->att + qo, probs + off);
         for (uint32_t j = 0; j < c->G; j++)
             c->p_last[(size_t)l * c->Q + g * c->G + j] = probs + off + (size_t)j * ls->n;

@@ -81,3 +81,10 @@ void kv_merge_values(const kv_layout *l, kv_dtype t, uint8_t *pool, const kv_mer
 {
     PICK(kv_merge_values)(l, t, pool, m, n);
 }
+
+void kv_decode_attention(const kv_layout *l, kv_dtype t, const uint8_t *pool,
+                         const kv_segment *segs, size_t nsegs, const uint8_t *tiers, const float *q,
+                         uint32_t q_heads, float scale, float *out, float *probs)
+{
+    PICK(kv_decode_attention)(l, t, pool, segs, nsegs, tiers, q, q_heads, scale, out, probs);
+}

@@ -1,20 +1,22 @@
 /*
  * int8.c - fast CPU INT8 tier kernels (kernels.h "INT8 tier").
  *
- * Rows are converted to fp32 once, in chunks of channels on the stack (a
- * quantised group chunk's tokens sit in one tile between the max and the
- * codes), and every per-channel loop runs across channels, so it
- * vectorises. The result
- * equals int8_ref.c byte for byte:
+ * Quantisation takes each (INT8 block, K/V, head, chunk of channels) group
+ * in two passes over its rows, max|x| then codes, converting in registers
+ * as it reads (the second pass reads from cache); dequantisation converts a
+ * run's rows through a stack buffer. Every per-channel loop runs across
+ * channels, so it vectorises. The result equals int8_ref.c byte for byte:
  *  - max|x| does not depend on the order it is taken in;
  *  - s = max/127 and x/s are the same IEEE divisions (no reciprocal);
  *  - round half to even is (y + 1.5·2^23) - 1.5·2^23, exact for
  *    |y| < 2^22 (|x/s| <= 127 here), which is nearbyintf in the default
- *    rounding mode without a libm call per element.
+ *    rounding mode without a libm call per element; the AVX2 build uses
+ *    cvtps2dq, which rounds the same way.
  * Quantisation splits over INT8 blocks and dequantisation over tokens
  * (parallel.h); each output byte is written by one thread.
  */
 #include <assert.h>
+#include <math.h>
 #include <string.h>
 
 #include "../elt.h"
@@ -37,24 +39,112 @@ typedef struct quant_job {
     const uint32_t *qblocks;
 } quant_job;
 
+/* The pool rows of an INT8 block's m tokens in list order, each at byte
+ * `off` (K or V, head, first channel) of its token's block: an address is
+ * computed once per segment run, then stepped a row at a time. */
+typedef struct row_walk {
+    kv_cursor cur;
+    const uint8_t *pool, *p;
+    size_t block_bytes, row, off;
+    uint32_t left, run; /* rows still to give; of them, left in this run */
+} row_walk;
+
+static row_walk walk_start(const quant_job *j, const kv_cursor *start, uint32_t m, size_t off)
+{
+    row_walk w = {*start, j->pool, NULL, kv_block_bytes(j->l), kv_row_bytes(j->l), off, m, 0};
+    return w;
+}
+
+/* The next row, NULL after the last. */
+static inline const uint8_t *walk_next(row_walk *w)
+{
+    if (w->left == 0)
+        return NULL;
+    if (w->run == 0) {
+        uint32_t blk, slot, r = kv_cursor_run(&w->cur, &blk, &slot);
+        if (r == 0)
+            return NULL;
+        kv_cursor_skip(&w->cur, r);
+        w->run = r;
+        w->p = w->pool + (size_t)blk * w->block_bytes + (size_t)slot * w->row + w->off;
+    }
+    const uint8_t *p = w->p;
+    w->p += w->row;
+    w->run--;
+    w->left--;
+    return p;
+}
+
+/* The portable loops, for the generic build and the AVX2 build's last
+ * channels: n channels of the row at p (x: room for n floats). */
+static void amax_row(const uint8_t *p, kv_dtype t, uint32_t n, float *x, float *amax)
+{
+    kv_row_load(p, t, n, x);
+    for (uint32_t c = 0; c < n; c++) {
+        float a = fabsf(x[c]);
+        amax[c] = a > amax[c] ? a : amax[c];
+    }
+}
+
+static void codes_row(const uint8_t *p, kv_dtype t, const float *s, uint32_t n, float *x, int8_t *q)
+{
+    kv_row_load(p, t, n, x);
+    for (uint32_t c = 0; c < n; c++) {
+        float r = (x[c] / s[c] + RNE_MAGIC) - RNE_MAGIC;
+        /* the reference's clamp, written as min / max (equal for the
+         * finite values kernels.h requires) */
+        r = r < 127 ? r : 127;
+        r = r > -127 ? r : -127;
+        q[c] = (int8_t)(int)r;
+    }
+}
+
 #ifdef __AVX2__
 #include <immintrin.h>
 
-/* Codes of the first n - n % 32 channels: the same IEEE division, then
- * cvtps2dq, which rounds in the current mode (nearest even by default, as
- * nearbyintf), clamps as integers and narrows with saturating packs (a
- * no-op within [-127, 127]). Returns how many channels it did. */
-static uint32_t codes_avx2(const float *x, const float *s, uint32_t n, int8_t *q)
+/* 8 pool elements of type t as fp32: the values kv_row_load gives for the
+ * finite elements quantisation requires (F16C for fp16, a shift for bf16),
+ * converted in registers. */
+static inline __m256 load8(const uint8_t *p, kv_dtype t)
 {
-    const __m256i hi = _mm256_set1_epi32(127), lo = _mm256_set1_epi32(-127);
+    if (t == KV_FP32)
+        return _mm256_loadu_ps((const float *)p);
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (t == KV_FP16)
+        return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* amax_row for the first n - n % 8 channels; returns how many it did. */
+static uint32_t amax_avx2(const uint8_t *p, kv_dtype t, uint32_t n, float *amax)
+{
+    const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    size_t e = t == KV_FP32 ? 4 : 2;
+    uint32_t c = 0;
+    for (; c + 8 <= n; c += 8) {
+        __m256 a = _mm256_and_ps(load8(p + c * e, t), abs);
+        _mm256_storeu_ps(amax + c, _mm256_max_ps(_mm256_loadu_ps(amax + c), a));
+    }
+    return c;
+}
+
+/* codes_row for the first n - n % 32 channels: the same IEEE division,
+ * then cvtps2dq, which rounds in the current mode (nearest even by
+ * default, as nearbyintf). The clamp is done in float before it, as the
+ * portable loop's, and the saturating packs narrow without change. Returns
+ * how many channels it did. */
+static uint32_t codes_avx2(const uint8_t *p, kv_dtype t, const float *s, uint32_t n, int8_t *q)
+{
+    const __m256 hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    size_t e = t == KV_FP32 ? 4 : 2;
     uint32_t c = 0;
     for (; c + 32 <= n; c += 32) {
         __m256i v[4];
-        for (int k = 0; k < 4; k++) {
-            uint32_t o = c + 8 * (uint32_t)k;
-            __m256 y = _mm256_div_ps(_mm256_loadu_ps(x + o), _mm256_loadu_ps(s + o));
-            v[k] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(y), hi), lo);
+        for (uint32_t k = 0; k < 4; k++) {
+            uint32_t o = c + 8 * k;
+            __m256 y = _mm256_div_ps(load8(p + o * e, t), _mm256_loadu_ps(s + o));
+            v[k] = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(y, hi), lo));
         }
         __m256i w =
             _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
@@ -64,60 +154,56 @@ static uint32_t codes_avx2(const float *x, const float *s, uint32_t n, int8_t *q
 }
 #endif
 
-/* Floats of the stack tile holding a group chunk's tokens, converted once. */
-#define QTILE 8192u
-
-/* Codes and scales of channels [c0, c0 + n) of (kv, head) of INT8 block b,
- * whose m tokens start where cursor `start` stands; m * n <= QTILE. */
-static void quant_chunk(const quant_job *j, size_t b, uint32_t m, const kv_cursor *start,
-                        uint32_t kv, uint32_t h, uint32_t c0, uint32_t n)
+/*
+ * Scales and codes of channels [c0, c0 + n) of (kv, head h) of the INT8
+ * block at qb, whose m tokens start where cursor `start` stands; n <=
+ * KV_CHUNK. Two passes over the rows, max|x| then codes, each converting
+ * as it reads: the second pass reads from cache, and no tile of the
+ * group's floats is kept. With `prefetch`, the first pass also asks for
+ * the same rows of the next (K/V, head) of the block, which sits
+ * block_tokens rows further: the rows of a list are scattered over the
+ * pool, so the hardware prefetchers cannot run ahead of them.
+ */
+static void quant_group(const quant_job *j, const kv_cursor *start, uint32_t m, uint8_t *qb,
+                        uint32_t kv, uint32_t h, uint32_t c0, uint32_t n, int prefetch)
 {
     const kv_layout *l = j->l;
-    size_t half = kv ? kv_block_bytes(l) / 2 : 0, coff = (size_t)c0 * l->elt_size;
-    float tile[QTILE], amax[KV_CHUNK], s[KV_CHUNK];
-    kv_cursor cur = *start;
-    uint32_t blk, slot, i;
+    size_t row = kv_row_bytes(l), e = l->elt_size, ahead = (size_t)l->block_tokens * row;
+    size_t off = (kv ? kv_block_bytes(l) / 2 : 0) + h * ahead + c0 * e;
+    float x[KV_CHUNK], amax[KV_CHUNK], s[KV_CHUNK];
+    const uint8_t *p;
 
     for (uint32_t c = 0; c < n; c++)
         amax[c] = 0;
-    for (i = 0; i < m && kv_cursor_next(&cur, &blk, &slot); i++) {
-        float *x = tile + (size_t)i * n;
-        kv_row_load(j->pool + kv_key_offset(l, blk, h, slot) + half + coff, j->t, n, x);
-        for (uint32_t c = 0; c < n; c++) {
-            float a = x[c] < 0 ? -x[c] : x[c];
-            amax[c] = a > amax[c] ? a : amax[c];
-        }
-    }
-    m = i;
-    /* §5.4: an all-zero group gets scale 1 (divided first, then selected:
-     * a division under a condition does not vectorise). */
-    for (uint32_t c = 0; c < n; c++) {
-        float q = amax[c] / 127.0f;
-        s[c] = amax[c] > 0 ? q : 1.0f;
-    }
-    memcpy(j->qpool + kv_int8_scale_offset(l, j->qblocks[b], kv, h) + 4 * (size_t)c0, s,
-           4 * (size_t)n);
-
-    size_t row0 = kv_int8_code_offset(l, j->qblocks[b], kv, h, 0) + c0;
-    for (i = 0; i < l->block_tokens; i++) {
-        int8_t *q = (int8_t *)j->qpool + row0 + (size_t)i * l->head_dim;
-        if (i >= m) {
-            memset(q, 0, n); /* slots past the block's tokens */
-            continue;
-        }
-        const float *x = tile + (size_t)i * n;
+    row_walk w = walk_start(j, start, m, off);
+    while ((p = walk_next(&w)) != NULL) {
+        for (size_t b = 0; prefetch && b < n * e; b += 64)
+            __builtin_prefetch(p + ahead + b);
         uint32_t c = 0;
 #ifdef __AVX2__
-        c = codes_avx2(x, s, n, q);
+        c = amax_avx2(p, j->t, n, amax);
 #endif
-        for (; c < n; c++) {
-            float r = (x[c] / s[c] + RNE_MAGIC) - RNE_MAGIC;
-            /* the reference's clamp, written as min / max (equal for the
-             * finite values kernels.h requires) */
-            r = r < 127 ? r : 127;
-            r = r > -127 ? r : -127;
-            q[c] = (int8_t)(int)r;
-        }
+        if (c < n)
+            amax_row(p + c * e, j->t, n - c, x, amax + c);
+    }
+    /* §5.4: an all-zero group gets scale 1 (a mask select: the loop then
+     * vectorises, the division included) */
+    for (uint32_t c = 0; c < n; c++) {
+        float q = amax[c] / 127.0f;
+        s[c] = kv_bits_to_float(
+            kv_select(kv_mask(amax[c] > 0), kv_float_to_bits(q), kv_float_to_bits(1.0f)));
+    }
+    memcpy(qb + kv_int8_scale_offset(l, 0, kv, h) + 4 * (size_t)c0, s, 4 * (size_t)n);
+
+    int8_t *q = (int8_t *)qb + kv_int8_code_offset(l, 0, kv, h, 0) + c0;
+    w = walk_start(j, start, m, off);
+    for (; (p = walk_next(&w)) != NULL; q += l->head_dim) {
+        uint32_t c = 0;
+#ifdef __AVX2__
+        c = codes_avx2(p, j->t, s, n, q);
+#endif
+        if (c < n)
+            codes_row(p + c * e, j->t, s + c, n - c, x, q + c);
     }
 }
 
@@ -125,26 +211,26 @@ static void quant_blocks(void *ctx, size_t lo, size_t hi)
 {
     const quant_job *j = ctx;
     const kv_layout *l = j->l;
-    uint32_t T = l->block_tokens;
-    /* channels per chunk: the chunk's T rows fit the tile */
-    uint32_t width = QTILE / (T ? T : 1) < KV_CHUNK ? QTILE / (T ? T : 1) : KV_CHUNK;
-    size_t codes = 2 * (size_t)l->kv_heads * T * l->head_dim;
+    uint32_t T = l->block_tokens, d = l->head_dim, H = l->kv_heads;
+    size_t codes = kv_int8_code_offset(l, 0, 1, 0, 0); /* of K (or V): H*T*d */
     size_t scales = kv_int8_scale_offset(l, 0, 0, 0), bytes = kv_int8_block_bytes(l);
-    size_t scales_end = scales + 8 * (size_t)l->kv_heads * l->head_dim;
+    size_t scales_end = scales + 8 * (size_t)H * d;
     kv_cursor cur; /* at the first token of block b */
     kv_cursor_init(&cur, j->segs, j->nsegs, lo * T);
     for (size_t b = lo; b < hi; b++) {
         size_t first = b * T;
         uint32_t m = j->ntok > first ? (uint32_t)(j->ntok - first < T ? j->ntok - first : T) : 0;
-        uint8_t *base = j->qpool + kv_int8_code_offset(l, j->qblocks[b], 0, 0, 0);
-        memset(base + codes, 0, scales - codes); /* the padding bytes */
-        memset(base + scales_end, 0, bytes - scales_end);
-        for (uint32_t kv = 0; kv < 2; kv++)
-            for (uint32_t h = 0; h < l->kv_heads; h++)
-                for (uint32_t c0 = 0; c0 < l->head_dim; c0 += width) {
-                    uint32_t n = l->head_dim - c0 < width ? l->head_dim - c0 : width;
-                    quant_chunk(j, b, m, &cur, kv, h, c0, n);
-                }
+        uint8_t *qb = j->qpool + kv_int8_code_offset(l, j->qblocks[b], 0, 0, 0);
+        memset(qb + 2 * codes, 0, scales - 2 * codes); /* the padding bytes */
+        memset(qb + scales_end, 0, bytes - scales_end);
+        for (uint32_t g = 0; g < 2 * H; g++) { /* g = kv * H + head */
+            uint32_t kv = g / H, h = g % H;
+            for (uint32_t c0 = 0; c0 < d; c0 += KV_CHUNK)
+                quant_group(j, &cur, m, qb, kv, h, c0, d - c0 < KV_CHUNK ? d - c0 : KV_CHUNK,
+                            g + 1 < 2 * H);
+            /* slots past the block's tokens: code 0 */
+            memset(qb + kv_int8_code_offset(l, 0, kv, h, m), 0, (size_t)(T - m) * d);
+        }
         uint32_t blk, slot;
         for (uint32_t i = 0; i < m; i++)
             kv_cursor_next(&cur, &blk, &slot);
@@ -157,7 +243,6 @@ void KV_FAST(kv_int8_quantize)(const kv_layout *l, kv_dtype t, const uint8_t *po
 {
     quant_job j = {l, t, pool, segs, nsegs, kv_segments_tokens(segs, nsegs), qpool, qblocks};
     assert(j.ntok <= nq * (size_t)l->block_tokens);
-    assert(l->block_tokens <= QTILE);
     size_t bytes = nq * (kv_block_bytes(l) + kv_int8_block_bytes(l));
     kv_parallel_for(nq, bytes, quant_blocks, &j);
 }

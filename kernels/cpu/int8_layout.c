@@ -1,4 +1,5 @@
-/* The INT8 block geometry (kernels.h "INT8 tier"). */
+/* The INT8 block geometry (kernels.h "INT8 tier"), and how many tokens an
+ * INT8 block holds when it lives in a pool block. */
 #include "kernels.h"
 
 /* Bytes of the codes of one of K or V in an INT8 block: H*T*d. */

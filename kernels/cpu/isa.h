@@ -47,7 +47,11 @@
                            const kv_segment *segs, size_t nsegs, const float *wo,                  \
                            size_t wo_stride, uint32_t q_heads, uint32_t hidden, float *out);       \
     void kv_merge_values_##ISA(const kv_layout *l, kv_dtype t, uint8_t *pool, const kv_merge *m,   \
-                               size_t n);
+                               size_t n);                                                          \
+    void kv_decode_attention_##ISA(const kv_layout *l, kv_dtype t, const uint8_t *pool,            \
+                                   const kv_segment *segs, size_t nsegs, const uint8_t *tiers,     \
+                                   const float *q, uint32_t q_heads, float scale, float *out,      \
+                                   float *probs);
 
 KV_DECLARE_FAST(generic)
 KV_DECLARE_FAST(avx2)

@@ -19,6 +19,14 @@
  * summation order differs, so results agree to about 1e-6 relative, not
  * bit for bit. head_dim up to 512 (registers hold ceil(d / 32) channels per
  * lane); an empty list writes zeros to out.
+ *
+ * Tiers (kernels.h): a segment of tier KV_TIER_INT8 names slots of the INT8
+ * block that its pool block holds (layout q8 = l with block_tokens =
+ * kv_int8_tokens_per_block(l), INT8 block 0 at the pool block's start); a
+ * lane reads its channels' codes and scales and multiplies them in fp32
+ * (__fmul_rn: the product is not fused into the dot product), so the
+ * dequantised value is the CPU's. The host checks the tiers and that INT8
+ * segments stay inside their INT8 block (else cudaErrorInvalidValue).
  */
 #include <math.h>
 
@@ -31,11 +39,38 @@ namespace
 
 constexpr int kWarps = 4;
 
-/* A segment with the list index of its first token. */
+/* A segment with its tier and the list index of its first token. */
 struct dev_seg {
-    unsigned block, first_slot, count;
+    unsigned block, first_slot, count, tier;
     unsigned long long start;
 };
+
+/* The INT8 block inside an INT8 segment's pool block (kernels.h "INT8
+ * tier"), as offsets from the pool block's start. */
+struct q8geom {
+    unsigned long long v_codes; /* V codes: K codes are at 0 */
+    unsigned long long scales;  /* K scales; V scales follow heads * dim floats later */
+    unsigned tokens;            /* kv_int8_tokens_per_block */
+};
+
+/* K and V element j of (segment sg, kv head, slot) as fp32. */
+__device__ __forceinline__ void load_kv(const geom &g, const q8geom &q8, int t, const uint8_t *pool,
+                                        const dev_seg &sg, unsigned kvh, unsigned slot, unsigned j,
+                                        float *k, float *v)
+{
+    if (sg.tier == KV_TIER_FULL) {
+        const uint8_t *krow = pool + row_offset(g, sg.block, 0, kvh, slot);
+        *k = load_elt(krow + j * g.elt, t);
+        *v = load_elt(krow + g.block_bytes / 2 + j * g.elt, t);
+        return;
+    }
+    const uint8_t *qb = pool + sg.block * g.block_bytes;
+    const unsigned long long code = ((unsigned long long)kvh * q8.tokens + slot) * g.dim + j;
+    const float *ks = reinterpret_cast<const float *>(qb + q8.scales) + (size_t)kvh * g.dim;
+    const float *vs = ks + (size_t)g.heads * g.dim;
+    *k = __fmul_rn((float)(int8_t)qb[code], ks[j]);
+    *v = __fmul_rn((float)(int8_t)qb[q8.v_codes + code], vs[j]);
+}
 
 /* The segment holding list token i (binary search over starts). */
 __device__ __forceinline__ unsigned find_seg(const dev_seg *segs, unsigned nsegs,
@@ -60,7 +95,7 @@ __device__ __forceinline__ float warp_sum(float x)
 }
 
 template <int EPL, int GB>
-__global__ void attn_partial(geom g, int t, const uint8_t *pool, const dev_seg *segs,
+__global__ void attn_partial(geom g, q8geom q8, int t, const uint8_t *pool, const dev_seg *segs,
                              unsigned nsegs, unsigned long long ntok, unsigned long long chunk,
                              const float *q, unsigned G, float scale, float *part_m, float *part_l,
                              float *part_acc, float *probs, unsigned q_heads)
@@ -92,13 +127,12 @@ __global__ void attn_partial(geom g, int t, const uint8_t *pool, const dev_seg *
         while (i >= segs[si].start + segs[si].count)
             si++;
         const unsigned slot = segs[si].first_slot + (unsigned)(i - segs[si].start);
-        const uint8_t *krow = pool + row_offset(g, segs[si].block, 0, kvh, slot);
-        const uint8_t *vrow = krow + g.block_bytes / 2;
         float k[EPL], v[EPL];
         for (int e = 0; e < EPL; e++) {
             unsigned j = lane + 32 * e;
-            k[e] = j < d ? load_elt(krow + j * g.elt, t) : 0;
-            v[e] = j < d ? load_elt(vrow + j * g.elt, t) : 0;
+            k[e] = v[e] = 0;
+            if (j < d)
+                load_kv(g, q8, t, pool, segs[si], kvh, slot, j, &k[e], &v[e]);
         }
         for (int gi = 0; gi < GB; gi++) {
             if (gi >= (int)ng)
@@ -186,25 +220,35 @@ __global__ void attn_probs(unsigned long long ntok, const float *stat, float *pr
 }
 
 template <int EPL, int GB>
-void launch_partial(dim3 grid, const geom &g, int t, const uint8_t *pool, const dev_seg *segs,
-                    unsigned nsegs, unsigned long long ntok, unsigned long long chunk,
-                    const float *q, unsigned G, float scale, float *pm, float *pl, float *pa,
-                    float *probs, unsigned q_heads)
+void launch_partial(dim3 grid, const geom &g, const q8geom &q8, int t, const uint8_t *pool,
+                    const dev_seg *segs, unsigned nsegs, unsigned long long ntok,
+                    unsigned long long chunk, const float *q, unsigned G, float scale, float *pm,
+                    float *pl, float *pa, float *probs, unsigned q_heads)
 {
-    attn_partial<EPL, GB><<<grid, kWarps * 32>>>(g, t, pool, segs, nsegs, ntok, chunk, q, G, scale,
-                                                 pm, pl, pa, probs, q_heads);
+    attn_partial<EPL, GB><<<grid, kWarps * 32>>>(g, q8, t, pool, segs, nsegs, ntok, chunk, q, G,
+                                                 scale, pm, pl, pa, probs, q_heads);
 }
 
 } // namespace
 
 extern "C" int kv_decode_attention_cuda(const kv_layout *l, kv_dtype t, const uint8_t *pool,
-                                        const kv_segment *segs, size_t nsegs, const float *q,
-                                        uint32_t q_heads, float scale, float *out, float *probs)
+                                        const kv_segment *segs, size_t nsegs, const uint8_t *tiers,
+                                        const float *q, uint32_t q_heads, float scale, float *out,
+                                        float *probs)
 {
     const uint32_t d = l->head_dim;
     if (l->kv_heads == 0 || q_heads == 0 || q_heads % l->kv_heads != 0 || d > 512 ||
         l->kv_heads > 65535u || q_heads > 65535u)
         return cudaErrorInvalidValue;
+    kv_layout q8l = *l;
+    q8l.block_tokens = kv_int8_tokens_per_block(l);
+    for (size_t i = 0; tiers != nullptr && i < nsegs; i++) {
+        if (tiers[i] == KV_TIER_FULL || segs[i].count == 0)
+            continue;
+        if (tiers[i] != KV_TIER_INT8 ||
+            (uint64_t)segs[i].first_slot + segs[i].count > q8l.block_tokens)
+            return cudaErrorInvalidValue;
+    }
     size_t ntok = kv_segments_tokens(segs, nsegs);
     if (ntok == 0 || d == 0) {
         cudaError_t err = cudaMemsetAsync(out, 0, (size_t)q_heads * d * sizeof(float), 0);
@@ -241,7 +285,8 @@ extern "C" int kv_decode_attention_cuda(const kv_layout *l, kv_dtype t, const ui
     for (size_t i = 0; i < nsegs; i++) {
         if (segs[i].count == 0)
             continue;
-        ds[nds++] = dev_seg{segs[i].block, segs[i].first_slot, segs[i].count, start};
+        unsigned tier = tiers != nullptr ? tiers[i] : (unsigned)KV_TIER_FULL;
+        ds[nds++] = dev_seg{segs[i].block, segs[i].first_slot, segs[i].count, tier, start};
         start += segs[i].count;
     }
     scratch sc;
@@ -253,27 +298,29 @@ extern "C" int kv_decode_attention_cuda(const kv_layout *l, kv_dtype t, const ui
     float *stat = static_cast<float *>(sc.put(nullptr, 2 * (size_t)q_heads * sizeof(float)));
     if (sc.err == cudaSuccess) {
         geom g = make_geom(l);
+        q8geom q8 = {kv_int8_code_offset(&q8l, 0, 1, 0, 0), kv_int8_scale_offset(&q8l, 0, 0, 0),
+                     q8l.block_tokens};
         dim3 grid((unsigned)nsplit, l->kv_heads, zg);
         switch (epl) {
         case 1:
-            launch_partial<1, 4>(grid, g, t, pool, d_segs, nds, ntok, chunk, q, G, scale, pm, pl,
-                                 pa, probs, q_heads);
+            launch_partial<1, 4>(grid, g, q8, t, pool, d_segs, nds, ntok, chunk, q, G, scale, pm,
+                                 pl, pa, probs, q_heads);
             break;
         case 2:
-            launch_partial<2, 4>(grid, g, t, pool, d_segs, nds, ntok, chunk, q, G, scale, pm, pl,
-                                 pa, probs, q_heads);
+            launch_partial<2, 4>(grid, g, q8, t, pool, d_segs, nds, ntok, chunk, q, G, scale, pm,
+                                 pl, pa, probs, q_heads);
             break;
         case 4:
-            launch_partial<4, 4>(grid, g, t, pool, d_segs, nds, ntok, chunk, q, G, scale, pm, pl,
-                                 pa, probs, q_heads);
+            launch_partial<4, 4>(grid, g, q8, t, pool, d_segs, nds, ntok, chunk, q, G, scale, pm,
+                                 pl, pa, probs, q_heads);
             break;
         case 8:
-            launch_partial<8, 2>(grid, g, t, pool, d_segs, nds, ntok, chunk, q, G, scale, pm, pl,
-                                 pa, probs, q_heads);
+            launch_partial<8, 2>(grid, g, q8, t, pool, d_segs, nds, ntok, chunk, q, G, scale, pm,
+                                 pl, pa, probs, q_heads);
             break;
         default:
-            launch_partial<16, 2>(grid, g, t, pool, d_segs, nds, ntok, chunk, q, G, scale, pm, pl,
-                                  pa, probs, q_heads);
+            launch_partial<16, 2>(grid, g, q8, t, pool, d_segs, nds, ntok, chunk, q, G, scale, pm,
+                                  pl, pa, probs, q_heads);
             break;
         }
         attn_combine<<<q_heads, 128>>>((unsigned)nsplit, q_heads, d, pm, pl, pa, out, stat);

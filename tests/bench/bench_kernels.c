@@ -20,7 +20,9 @@
  * blocks (64 KiB a block); 1024 blocks (16384 tokens, 64 MiB of K/V) per
  * call unless a line says otherwise.
  *
- * Usage: bench_kernels [--quick]   (--quick: 256 blocks, 3 repetitions)
+ * Usage: bench_kernels [--quick] [--only NAME,NAME...]
+ *   --quick: 256 blocks, 3 repetitions
+ *   --only:  time only the named lines (e.g. --only int8_quantize,decode_attention)
  */
 #include <math.h>
 #include <pthread.h>
@@ -33,6 +35,19 @@
 #include "kernels.h"
 
 static int g_reps = 7;
+static const char *g_only; /* comma-separated line names, or NULL for all */
+
+/* Whether line `name` is to be timed (--only). */
+static int wanted(const char *name)
+{
+    size_t n = strlen(name);
+    for (const char *p = g_only; p != NULL; p = strchr(p, ',')) {
+        p += *p == ',';
+        if (strncmp(p, name, n) == 0 && (p[n] == ',' || p[n] == '\0'))
+            return 1;
+    }
+    return g_only == NULL;
+}
 
 /* Wall clock, or the calling thread's CPU time: single-threaded runs are
  * timed in CPU time, so that time spent descheduled on a shared machine does
@@ -174,6 +189,9 @@ typedef struct ctx {
     uint32_t q_heads, hidden;
     kv_merge *merges;
     size_t nmerges;
+    kv_segment *qsegs; /* INT8 blocks held in pool2's blocks (kernels.h tiers) */
+    uint8_t *tiers;
+    size_t nqsegs;
 } ctx;
 
 static void k_gather(void *p)
@@ -249,8 +267,51 @@ static void k_vnorm(void *p)
 static void k_attention(void *p)
 {
     ctx *c = p;
-    kv_decode_attention(&c->l, KV_FP16, c->pool, c->segs, c->nsegs, c->q, c->q_heads,
+    kv_decode_attention(&c->l, KV_FP16, c->pool, c->segs, c->nsegs, NULL, c->q, c->q_heads,
                         0.08838834764f, c->out, NULL);
+}
+
+static void k_attention_int8(void *p)
+{
+    ctx *c = p;
+    kv_decode_attention(&c->l, KV_FP16, c->pool2, c->qsegs, c->nqsegs, c->tiers, c->q, c->q_heads,
+                        0.08838834764f, c->out, NULL);
+}
+
+/* The same tokens as INT8 blocks, one in each of pool2's first blocks (the
+ * daemon's storage, kernels.h kv_int8_tokens_per_block): INT8 segment i
+ * holds tokens [i * T8, (i + 1) * T8) of the list. Returns the bytes the
+ * attention then reads: the INT8 blocks. */
+static double make_int8_list(ctx *c)
+{
+    kv_layout q8 = c->l;
+    q8.block_tokens = kv_int8_tokens_per_block(&c->l);
+    size_t nq = (c->ntok + q8.block_tokens - 1) / q8.block_tokens, bb = kv_block_bytes(&c->l);
+    uint8_t *flat_k = c->flat_k, *flat_v = c->flat_v;
+    kv_gather(&c->l, c->pool, c->segs, c->nsegs, flat_k, flat_v); /* the list, contiguous */
+    kv_layout stage_l = q8; /* fp16 rows, T8 slots: the quantiser's source */
+    uint8_t *stage = xmalloc(kv_block_bytes(&stage_l));
+    c->qsegs = xmalloc(nq * sizeof *c->qsegs);
+    c->tiers = xmalloc(nq);
+    for (size_t i = 0; i < nq; i++) {
+        uint32_t first = (uint32_t)(i * q8.block_tokens), zero = 0;
+        uint32_t m =
+            c->ntok - first < q8.block_tokens ? (uint32_t)(c->ntok - first) : q8.block_tokens;
+        /* stage block: heads' rows [first, first + m) of the flat K and V */
+        for (uint32_t h = 0; h < c->l.kv_heads; h++) {
+            size_t row = (size_t)c->l.head_dim * 2, src = (size_t)h * c->ntok + first;
+            memcpy(stage + kv_key_offset(&stage_l, 0, h, 0), flat_k + src * row, m * row);
+            memcpy(stage + kv_key_offset(&stage_l, 0, h, 0) + kv_block_bytes(&stage_l) / 2,
+                   flat_v + src * row, m * row);
+        }
+        kv_segment all = {0, 0, m};
+        kv_int8_quantize(&q8, KV_FP16, stage, &all, 1, c->pool2 + i * bb, &zero, 1);
+        c->qsegs[i] = (kv_segment){(uint32_t)i, 0, m};
+        c->tiers[i] = KV_TIER_INT8;
+    }
+    c->nqsegs = nq;
+    free(stage);
+    return (double)nq * (double)kv_int8_block_bytes(&q8);
 }
 
 /* Time fn single-threaded (CPU time) and threaded (wall clock) against
@@ -274,6 +335,8 @@ static void expect_gather_matches_ref(ctx *c, size_t pool_bytes)
 static void report(const char *name, ctx *c, fn_t fn, double bytes, int splits, const char *note)
 {
     double t1, m1, tm, mm;
+    if (!wanted(name))
+        return;
     baseline b = baseline_for((size_t)(bytes / 2), 1);
     setenv("KVSTASH_KERNEL_THREADS", "1", 1);
     time_pair(CLOCK_THREAD_CPUTIME_ID, fn, c, run_memcpy, &b, &t1, &m1);
@@ -294,9 +357,16 @@ static void report(const char *name, ctx *c, fn_t fn, double bytes, int splits, 
 int main(int argc, char **argv)
 {
     ctx c = {.l = {8, 16, 128, 2}, .nb = 1024, .q_heads = 32, .hidden = 4096};
-    if (argc > 1 && strcmp(argv[1], "--quick") == 0) {
-        c.nb = 256;
-        g_reps = 3;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--quick") == 0) {
+            c.nb = 256;
+            g_reps = 3;
+        } else if (strcmp(argv[i], "--only") == 0 && i + 1 < argc) {
+            g_only = argv[++i];
+        } else {
+            fprintf(stderr, "usage: bench_kernels [--quick] [--only NAME,NAME...]\n");
+            return 2;
+        }
     }
     const kv_layout *l = &c.l;
     uint32_t T = l->block_tokens, dim = l->kv_heads * l->head_dim;
@@ -391,7 +461,10 @@ int main(int argc, char **argv)
     c.out = xmalloc((size_t)c.q_heads * 128 * 4);
     for (size_t i = 0; i < (size_t)c.q_heads * 128; i++)
         c.q[i] = frand();
-    report("decode_attention", &c, k_attention, fp, 0,
-           "(32 query heads over 16384 tokens: K and V read once)");
+    report("decode_attention", &c, k_attention, fp, 1,
+           "(32 query heads over every token: K and V read once)");
+    double q8list = make_int8_list(&c);
+    report("decode_attention int8", &c, k_attention_int8, q8list, 1,
+           "(the same tokens as INT8 blocks in pool blocks, 28 a block)");
     return 0;
 }

@@ -6,9 +6,10 @@
  * Plain C + the CUDA runtime API, no cmocka (C-STACK.md "The GPU machine");
  * seeded, so a failure reproduces. Without a usable device it prints
  * "SKIP: no CUDA device (reason)" and exits 0. Exit 1 on any mismatch or
- * CUDA error; --check-only skips the bandwidth part. Every kernel but the attention must equal the
- * reference byte for byte (kernels.h); the attention is held to 1e-5 absolute + 1e-4 relative on
- * outputs and probabilities.
+ * CUDA error; --check-only skips the bandwidth part. Every kernel but the
+ * attention must equal the reference byte for byte (kernels.h); the
+ * attention, on plain and tiered lists (FULL and INT8 segments), is held to
+ * 1e-5 absolute + 1e-4 relative on outputs and probabilities.
  */
 #include <math.h>
 #include <stdint.h>
@@ -367,14 +368,16 @@ static void check_attention(rng *r, kv_layout l, kv_dtype t, uint32_t G, uint32_
     uint8_t *d_pool = dup_to_dev(pool, pb);
     float *d_q = dup_to_dev(q, (size_t)q_heads * d * 4), *d_o = dalloc((size_t)q_heads * d * 4);
     float *d_p = dalloc((size_t)q_heads * ntok * 4);
-    kv_decode_attention_ref(&l, t, pool, segs, n, q, q_heads, scale, o1, p1);
-    CHECK_CUDA(kv_decode_attention_cuda(&l, t, d_pool, segs, n, d_q, q_heads, scale, d_o, d_p));
+    kv_decode_attention_ref(&l, t, pool, segs, n, NULL, q, q_heads, scale, o1, p1);
+    CHECK_CUDA(
+        kv_decode_attention_cuda(&l, t, d_pool, segs, n, NULL, d_q, q_heads, scale, d_o, d_p));
     to_host(o2, d_o, (size_t)q_heads * d * 4);
     to_host(p2, d_p, (size_t)q_heads * ntok * 4);
     close_enough(o1, o2, (size_t)q_heads * d, "attention out", &l, t, ntok);
     close_enough(p1, p2, (size_t)q_heads * ntok, "attention probs", &l, t, ntok);
     /* without probs: the same output */
-    CHECK_CUDA(kv_decode_attention_cuda(&l, t, d_pool, segs, n, d_q, q_heads, scale, d_o, NULL));
+    CHECK_CUDA(
+        kv_decode_attention_cuda(&l, t, d_pool, segs, n, NULL, d_q, q_heads, scale, d_o, NULL));
     to_host(o2, d_o, (size_t)q_heads * d * 4);
     close_enough(o1, o2, (size_t)q_heads * d, "attention out (no probs)", &l, t, ntok);
 
@@ -385,8 +388,8 @@ static void check_attention(rng *r, kv_layout l, kv_dtype t, uint32_t G, uint32_
         for (size_t s = 0; s < n; s++)
             hs[s] = (kv_segment){segs[s].block, gk * l.block_tokens + segs[s].first_slot,
                                  segs[s].count};
-        CHECK_CUDA(kv_decode_attention_cuda(&ph, t, d_pool, hs, n, d_q + (size_t)gk * G * d, G,
-                                            scale, d_o, NULL));
+        CHECK_CUDA(kv_decode_attention_cuda(&ph, t, d_pool, hs, n, NULL, d_q + (size_t)gk * G * d,
+                                            G, scale, d_o, NULL));
         to_host(o2, d_o, (size_t)G * d * 4);
         close_enough(o1 + (size_t)gk * G * d, o2, (size_t)G * d, "attention per-head list", &l, t,
                      ntok);
@@ -405,6 +408,66 @@ static void check_attention(rng *r, kv_layout l, kv_dtype t, uint32_t G, uint32_
     free(p2);
 }
 
+/* Tiered lists (kernels.h: KV_TIER_FULL and KV_TIER_INT8 segments mixed,
+ * gen_tiered): the CUDA twin against the CPU reference, with the pool
+ * layout and with a per-head row layout (whose INT8 blocks the rows layout
+ * defines); a tier the kernels do not read is refused. */
+static void check_attention_tiered(rng *r, kv_layout l, kv_dtype t, uint32_t G, uint32_t nb)
+{
+    kv_layout rows = {1, l.kv_heads * l.block_tokens, l.head_dim, l.elt_size};
+    for (int per_head = 0; per_head < 2; per_head++) {
+        kv_layout pl = per_head ? rows : l, q8 = pl;
+        q8.block_tokens = kv_int8_tokens_per_block(&pl);
+        uint32_t q_heads = per_head ? G : G * l.kv_heads, d = l.head_dim;
+        uint32_t tmax = pl.block_tokens > q8.block_tokens ? pl.block_tokens : q8.block_tokens;
+        size_t pb = nb * kv_block_bytes(&pl);
+        uint8_t *pool = xcalloc(pb), *tiers = xcalloc((size_t)nb * tmax);
+        kv_segment *segs = xcalloc((size_t)nb * tmax * sizeof *segs);
+        fill_pool(r, pool, pb, t, 1.0f);
+        size_t n = gen_tiered(r, &pl, t, pool, nb, segs, tiers);
+        size_t ntok = kv_segments_tokens(segs, n), no = (size_t)q_heads * d;
+        size_t np = (size_t)q_heads * ntok;
+        float *q = xcalloc(no * 4), *o1 = xcalloc(no * 4), *o2 = xcalloc(no * 4);
+        float *p1 = xcalloc(np * 4), *p2 = xcalloc(np * 4);
+        for (size_t i = 0; i < no; i++)
+            q[i] = rng_float(r) * 2;
+        float scale = 1.0f / sqrtf((float)d);
+        uint8_t *d_pool = dup_to_dev(pool, pb);
+        float *d_q = dup_to_dev(q, no * 4), *d_o = dalloc(no * 4), *d_p = dalloc(np * 4);
+        kv_decode_attention_ref(&pl, t, pool, segs, n, tiers, q, q_heads, scale, o1, p1);
+        CHECK_CUDA(kv_decode_attention_cuda(&pl, t, d_pool, segs, n, tiers, d_q, q_heads, scale,
+                                            d_o, d_p));
+        to_host(o2, d_o, no * 4);
+        to_host(p2, d_p, np * 4);
+        close_enough(o1, o2, no,
+                     per_head ? "tiered attention out (per-head list)" : "tiered attention out",
+                     &pl, t, ntok);
+        close_enough(p1, p2, np, "tiered attention probs", &pl, t, ntok);
+        uint8_t was = tiers[0];
+        tiers[0] = 2; /* a sketched token: the caller must revive it first */
+        int rc = kv_decode_attention_cuda(&pl, t, d_pool, segs, n, tiers, d_q, q_heads, scale, d_o,
+                                          NULL);
+        tiers[0] = was;
+        g_checks++;
+        if (rc != cudaErrorInvalidValue) {
+            fprintf(stderr, "FAIL: tier 2 gave %d, not cudaErrorInvalidValue\n", rc);
+            g_failures++;
+        }
+        CHECK_CUDA(cudaFree(d_pool));
+        CHECK_CUDA(cudaFree(d_q));
+        CHECK_CUDA(cudaFree(d_o));
+        CHECK_CUDA(cudaFree(d_p));
+        free(pool);
+        free(tiers);
+        free(segs);
+        free(q);
+        free(o1);
+        free(o2);
+        free(p1);
+        free(p2);
+    }
+}
+
 static void check_all(void)
 {
     rng r = {4242};
@@ -420,6 +483,8 @@ static void check_all(void)
             check_vnorm(&r, l, t, 1 + (uint32_t)(si % 4), si % 2 ? 96 : 33);
         if (l.head_dim <= 512)
             check_attention(&r, l, t, 1 + (uint32_t)(si % 4), si % 5 == 0 ? 300 : 7);
+        if (l.head_dim <= 512 && si % 2 == 0)
+            check_attention_tiered(&r, l, t, 1 + (uint32_t)(si % 3), si % 10 == 0 ? 100 : 7);
     }
     printf("correctness: %d comparisons against the CPU reference, %d failures\n", g_checks,
            g_failures);
@@ -541,7 +606,7 @@ static void b_merge(void *p)
 static void b_attn(void *p)
 {
     bench *b = p;
-    CHECK_CUDA(kv_decode_attention_cuda(&b->l, KV_FP16, b->pool, b->segs, b->nsegs, b->q,
+    CHECK_CUDA(kv_decode_attention_cuda(&b->l, KV_FP16, b->pool, b->segs, b->nsegs, NULL, b->q,
                                         b->q_heads, 0.088f, b->out, NULL));
 }
 

@@ -4,7 +4,11 @@
  * (kernels.h "Pool layout"), on seeded random pools: fp32, fp16 and bf16,
  * all-heads lists with grouped-query attention, per-head row layouts, random
  * segment lists (odd sizes, empty lists), and scores far apart (the online
- * softmax must not overflow).
+ * softmax must not overflow). Tiered lists (kernels.h: FULL and INT8
+ * segments mixed) against the same tokens dequantised into an fp32 pool;
+ * tiers == NULL against all-FULL tiers; the generic and AVX2 builds, and
+ * threads, against each other bit for bit. Every test runs under each ISA
+ * build (run_each_isa).
  */
 #include <math.h>
 #include <setjmp.h>
@@ -17,31 +21,7 @@
 #include <cmocka.h>
 
 #include "kernels.h"
-
-/* ---- seeded randomness (splitmix64) ---- */
-
-typedef struct rng {
-    uint64_t s;
-} rng;
-
-static uint64_t rng_next(rng *r)
-{
-    uint64_t z = (r->s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-static uint32_t rng_below(rng *r, uint32_t n)
-{
-    return (uint32_t)(rng_next(r) % n);
-}
-
-/* Uniform in [-1, 1). */
-static float rng_unit(rng *r)
-{
-    return (float)((double)(rng_next(r) >> 11) / 9007199254740992.0 * 2.0 - 1.0);
-}
+#include "test_kernels_harness.h"
 
 /* ---- a random pool and list ---- */
 
@@ -55,17 +35,12 @@ typedef struct fixture {
     float *q;
 } fixture;
 
-static size_t elt_size(kv_dtype t)
-{
-    return t == KV_FP32 ? 4 : 2;
-}
-
 /* Fill the pool with values in [-amp, amp], stored in the pool's dtype. */
-static void fill_pool(rng *r, fixture *f, float amp)
+static void fixture_fill(rng *r, fixture *f, float amp)
 {
     size_t elts = kv_block_bytes(&f->l) * f->blocks / f->l.elt_size;
     for (size_t i = 0; i < elts; i++)
-        kv_elt_store(f->pool + i * f->l.elt_size, f->t, amp * rng_unit(r));
+        kv_elt_store(f->pool + i * f->l.elt_size, f->t, amp * rng_float(r));
 }
 
 /* A random list: distinct (block, slot) runs, some blocks skipped, runs of
@@ -90,16 +65,16 @@ static void fixture_make(rng *r, fixture *f, kv_dtype t, uint32_t kv_heads, uint
 {
     memset(f, 0, sizeof *f);
     f->t = t;
-    f->l = (kv_layout){kv_heads, block_tokens, head_dim, (uint32_t)elt_size(t)};
+    f->l = (kv_layout){kv_heads, block_tokens, head_dim, dtype_size(t)};
     f->blocks = 9;
     f->q_heads = kv_heads * group;
     f->pool = malloc(kv_block_bytes(&f->l) * f->blocks);
     f->q = malloc((size_t)f->q_heads * head_dim * sizeof *f->q);
     assert_non_null(f->pool);
     assert_non_null(f->q);
-    fill_pool(r, f, 1.0f);
+    fixture_fill(r, f, 1.0f);
     for (size_t i = 0; i < (size_t)f->q_heads * head_dim; i++)
-        f->q[i] = 2.0f * rng_unit(r);
+        f->q[i] = 2.0f * rng_float(r);
     random_list(r, f);
 }
 
@@ -159,22 +134,29 @@ static void naive_attention(const fixture *f, float scale, double *out, double *
 }
 
 typedef void (*attention_fn)(const kv_layout *, kv_dtype, const uint8_t *, const kv_segment *,
-                             size_t, const float *, uint32_t, float, float *, float *);
+                             size_t, const uint8_t *, const float *, uint32_t, float, float *,
+                             float *);
 
 /* Run `fn` with and without probs and compare both with the naive result:
  * outputs within tol (values are in [-1, 1]), probabilities within tol, and
- * the same output whether probs is asked for or not. */
+ * the same output whether probs is asked for or not, and whether tiers is
+ * NULL or says KV_TIER_FULL for every segment. */
 static void check_against_naive(const fixture *f, attention_fn fn, float scale, double tol)
 {
     uint32_t d = f->l.head_dim;
     size_t no = (size_t)f->q_heads * d, np = (size_t)f->q_heads * (f->n ? f->n : 1);
     double *want = malloc(no * sizeof *want), *wantp = malloc(np * sizeof *wantp);
     float *got = malloc(no * sizeof *got), *got2 = malloc(no * sizeof *got2);
-    float *gotp = malloc(np * sizeof *gotp);
-    assert_true(want && wantp && got && got2 && gotp);
+    float *gotp = malloc(np * sizeof *gotp), *gotp3 = malloc(np * sizeof *gotp3);
+    float *got3 = malloc(no * sizeof *got3);
+    uint8_t full[64] = {0}; /* KV_TIER_FULL for every segment */
+    assert_true(want && wantp && got && got2 && gotp && got3 && gotp3);
     naive_attention(f, scale, want, wantp);
-    fn(&f->l, f->t, f->pool, f->segs, f->nsegs, f->q, f->q_heads, scale, got, gotp);
-    fn(&f->l, f->t, f->pool, f->segs, f->nsegs, f->q, f->q_heads, scale, got2, NULL);
+    fn(&f->l, f->t, f->pool, f->segs, f->nsegs, NULL, f->q, f->q_heads, scale, got, gotp);
+    fn(&f->l, f->t, f->pool, f->segs, f->nsegs, NULL, f->q, f->q_heads, scale, got2, NULL);
+    fn(&f->l, f->t, f->pool, f->segs, f->nsegs, full, f->q, f->q_heads, scale, got3, gotp3);
+    assert_memory_equal(got, got3, no * sizeof *got);
+    assert_memory_equal(gotp, gotp3, (size_t)f->q_heads * f->n * sizeof *gotp);
     for (size_t i = 0; i < no; i++) {
         if (!(fabs(got[i] - want[i]) <= tol))
             fail_msg("out[%zu] = %.9g, naive %.9g (n=%zu d=%u q=%u kv=%u bt=%u dtype=%d)", i,
@@ -197,7 +179,9 @@ static void check_against_naive(const fixture *f, attention_fn fn, float scale, 
     free(wantp);
     free(got);
     free(got2);
+    free(got3);
     free(gotp);
+    free(gotp3);
 }
 
 /* ---- tests ---- */
@@ -266,9 +250,9 @@ static void test_far_apart_scores(void **state)
     for (int trial = 0; trial < 24; trial++) {
         fixture f;
         fixture_make(&r, &f, KV_FP32, 2, 2, 16, 8);
-        fill_pool(&r, &f, 60.0f); /* |q.k| up to 2 * 60 * 8 */
+        fixture_fill(&r, &f, 60.0f); /* |q.k| up to 2 * 60 * 8 */
         for (size_t i = 0; i < (size_t)f.q_heads * 8; i++)
-            f.q[i] = 2.0f * rng_unit(&r);
+            f.q[i] = 2.0f * rng_float(&r);
         random_list(&r, &f);
         /* Scores near 1000 carry float rounding of ~1e-4 into exp(), so the
          * tolerance is relative to the values' size (60) and a little wider;
@@ -299,6 +283,22 @@ static void test_long_and_single(void **state)
     fixture_free(&f);
 }
 
+/* Groups wider than one walk takes (ATTN_STATE = 64 query heads, units of
+ * 16): several walks over the list, every query head still right. */
+static void test_many_query_heads(void **state)
+{
+    (void)state;
+    rng r = {37};
+    static const uint32_t groups[] = {17, 40, 70};
+    for (size_t i = 0; i < N_OF(groups); i++) {
+        fixture f;
+        fixture_make(&r, &f, dtype_of((uint32_t)i), 1 + (uint32_t)i % 2, groups[i], 5, 24);
+        check_against_naive(&f, kv_decode_attention, 0.2f, 2e-6);
+        check_against_naive(&f, kv_decode_attention_ref, 0.2f, 1e-6);
+        fixture_free(&f);
+    }
+}
+
 /* An empty list gives zeros and writes no probabilities. */
 static void test_empty_list(void **state)
 {
@@ -309,8 +309,8 @@ static void test_empty_list(void **state)
     float out[4 * 5], probs[1] = {-7.0f};
     for (int ref = 0; ref < 2; ref++) {
         memset(out, 0x7f, sizeof out);
-        (ref ? kv_decode_attention_ref : kv_decode_attention)(&f.l, f.t, f.pool, NULL, 0, f.q, 4,
-                                                              1.0f, out, probs);
+        (ref ? kv_decode_attention_ref : kv_decode_attention)(&f.l, f.t, f.pool, NULL, 0, NULL, f.q,
+                                                              4, 1.0f, out, probs);
         for (size_t i = 0; i < 20; i++)
             assert_true(out[i] == 0.0f);
         assert_true(probs[0] == -7.0f);
@@ -327,7 +327,7 @@ static void test_single_token_exact(void **state)
     fixture_make(&r, &f, KV_FP32, 3, 2, 5, 7);
     kv_segment one = {6, 2, 1};
     float out[6 * 7], probs[6];
-    kv_decode_attention(&f.l, f.t, f.pool, &one, 1, f.q, 6, 0.5f, out, probs);
+    kv_decode_attention(&f.l, f.t, f.pool, &one, 1, NULL, f.q, 6, 0.5f, out, probs);
     for (uint32_t h = 0; h < 6; h++) {
         assert_true(probs[h] == 1.0f);
         for (uint32_t c = 0; c < 7; c++) {
@@ -353,8 +353,8 @@ static void test_segmentation_invariant(void **state)
     kv_segment one[2] = {{1, 0, 16}, {5, 0, 16}};
     kv_segment many[6] = {{1, 0, 3}, {1, 3, 5}, {1, 8, 8}, {5, 0, 1}, {5, 1, 14}, {5, 15, 1}};
     float a[6 * 12], b[6 * 12], pa[6 * 32], pb[6 * 32];
-    kv_decode_attention(&f.l, f.t, f.pool, one, 2, f.q, 6, 0.3f, a, pa);
-    kv_decode_attention(&f.l, f.t, f.pool, many, 6, f.q, 6, 0.3f, b, pb);
+    kv_decode_attention(&f.l, f.t, f.pool, one, 2, NULL, f.q, 6, 0.3f, a, pa);
+    kv_decode_attention(&f.l, f.t, f.pool, many, 6, NULL, f.q, 6, 0.3f, b, pb);
     assert_memory_equal(a, b, sizeof a);
     assert_memory_equal(pa, pb, sizeof pa);
     /* Per-head rows: KV head g's tokens are rows g*16 .. g*16+15 of the
@@ -363,10 +363,269 @@ static void test_segmentation_invariant(void **state)
     for (uint32_t g = 0; g < 2; g++) {
         kv_segment rs[3] = {{1, g * 16, 7}, {1, g * 16 + 7, 9}, {5, g * 16, 16}};
         float o[3 * 12], p[3 * 32];
-        kv_decode_attention(&rows, f.t, f.pool, rs, 3, f.q + g * 3 * 12, 3, 0.3f, o, p);
+        kv_decode_attention(&rows, f.t, f.pool, rs, 3, NULL, f.q + g * 3 * 12, 3, 0.3f, o, p);
         assert_memory_equal(o, a + g * 3 * 12, sizeof o);
         assert_memory_equal(p, pa + g * 3 * 32, sizeof p);
     }
+    fixture_free(&f);
+}
+
+/* ---- tiered lists (kernels.h: KV_TIER_FULL and KV_TIER_INT8 segments) ---- */
+
+#define TB 7u /* pool blocks of a tiered list */
+
+/* A pool of TB blocks and a tiered list over them (gen_tiered). */
+typedef struct tiered {
+    kv_layout l, q8;
+    kv_dtype t;
+    uint32_t q_heads;
+    uint8_t *pool;
+    kv_segment *segs;
+    uint8_t *tiers;
+    size_t nsegs, n;
+    float *q;
+} tiered;
+
+static void tiered_make(rng *r, tiered *f, kv_layout l, kv_dtype t, uint32_t q_heads)
+{
+    memset(f, 0, sizeof *f);
+    f->l = l;
+    f->t = t;
+    f->q_heads = q_heads;
+    f->q8 = l;
+    f->q8.block_tokens = kv_int8_tokens_per_block(&l);
+    size_t bb = kv_block_bytes(&l),
+           tmax = l.block_tokens > f->q8.block_tokens ? l.block_tokens : f->q8.block_tokens;
+    f->pool = xcalloc(TB * bb);
+    f->segs = xcalloc(TB * tmax * sizeof *f->segs);
+    f->tiers = xcalloc(TB * tmax);
+    f->q = xcalloc((size_t)q_heads * l.head_dim * sizeof *f->q);
+    fill_pool(r, f->pool, TB * bb, t, 1.0f);
+    for (size_t i = 0; i < (size_t)q_heads * l.head_dim; i++)
+        f->q[i] = 2.0f * rng_float(r);
+    f->nsegs = gen_tiered(r, &l, t, f->pool, TB, f->segs, f->tiers);
+    f->n = kv_segments_tokens(f->segs, f->nsegs);
+}
+
+static void tiered_free(tiered *f)
+{
+    free(f->pool);
+    free(f->segs);
+    free(f->tiers);
+    free(f->q);
+}
+
+/* The same tokens dequantised into fp32: pool block k of layout e holds
+ * segment k's tokens at the same slots (INT8 ones through
+ * kv_int8_dequantize_ref, full ones through kv_elt_load), and esegs[k] =
+ * {k, first_slot, count}. */
+static uint8_t *dequantised(const tiered *f, kv_layout *e, kv_segment *esegs)
+{
+    const kv_layout *l = &f->l;
+    kv_layout q32 = f->q8;
+    q32.elt_size = 4;
+    *e = (kv_layout){l->kv_heads,
+                     l->block_tokens > q32.block_tokens ? l->block_tokens : q32.block_tokens,
+                     l->head_dim, 4};
+    uint8_t *epool = xcalloc(f->nsegs * kv_block_bytes(e));
+    uint8_t *scratch = xcalloc(kv_block_bytes(&q32));
+    for (size_t k = 0; k < f->nsegs; k++) {
+        kv_segment sg = f->segs[k], at0 = {0, sg.first_slot, sg.count};
+        esegs[k] = (kv_segment){(uint32_t)k, sg.first_slot, sg.count};
+        if (f->tiers[k] == KV_TIER_INT8)
+            kv_int8_dequantize_ref(&q32, f->pool + sg.block * kv_block_bytes(l), &at0, 1, KV_FP32,
+                                   scratch, &at0, 1);
+        for (uint32_t i = 0; i < sg.count; i++)
+            for (uint32_t kv = 0; kv < 2; kv++)
+                for (uint32_t h = 0; h < l->kv_heads; h++)
+                    for (uint32_t c = 0; c < l->head_dim; c++) {
+                        uint32_t slot = sg.first_slot + i;
+                        float x;
+                        if (f->tiers[k] == KV_TIER_INT8)
+                            x = kv_elt_load(scratch + kv_key_offset(&q32, 0, h, slot) +
+                                                (kv ? kv_block_bytes(&q32) / 2 : 0) + 4 * c,
+                                            KV_FP32);
+                        else
+                            x = kv_elt_load(f->pool + kv_key_offset(l, sg.block, h, slot) +
+                                                (kv ? kv_block_bytes(l) / 2 : 0) +
+                                                (size_t)c * l->elt_size,
+                                            f->t);
+                        kv_elt_store(epool + kv_key_offset(e, (uint32_t)k, h, slot) +
+                                         (kv ? kv_block_bytes(e) / 2 : 0) + 4 * c,
+                                     KV_FP32, x);
+                    }
+    }
+    free(scratch);
+    return epool;
+}
+
+/* The tiered reference equals the reference over the dequantised fp32
+ * tokens exactly (tolerance 0), and so does the fast version against its
+ * own run over them (the same fp32 values in the same chunks); the fast
+ * version is within 2e-6 of the reference, outputs and probabilities. */
+static size_t g_int8_tokens; /* INT8 tokens checked, so that a test cannot pass vacuously */
+
+static void check_tiered(const tiered *f)
+{
+    uint32_t d = f->l.head_dim;
+    size_t no = (size_t)f->q_heads * d, np = (size_t)f->q_heads * f->n;
+    float scale = d ? 1.0f / sqrtf((float)d) : 1.0f;
+    kv_layout e;
+    kv_segment *esegs = xcalloc(f->nsegs * sizeof *esegs);
+    uint8_t *epool = dequantised(f, &e, esegs);
+    for (size_t k = 0; k < f->nsegs; k++)
+        g_int8_tokens += f->tiers[k] == KV_TIER_INT8 ? f->segs[k].count : 0;
+    float *o[4], *p[4];
+    for (int i = 0; i < 4; i++) {
+        o[i] = xcalloc(no * sizeof(float));
+        p[i] = xcalloc((np ? np : 1) * sizeof(float));
+    }
+    kv_decode_attention_ref(&f->l, f->t, f->pool, f->segs, f->nsegs, f->tiers, f->q, f->q_heads,
+                            scale, o[0], p[0]);
+    kv_decode_attention_ref(&e, KV_FP32, epool, esegs, f->nsegs, NULL, f->q, f->q_heads, scale,
+                            o[1], p[1]);
+    kv_decode_attention(&f->l, f->t, f->pool, f->segs, f->nsegs, f->tiers, f->q, f->q_heads, scale,
+                        o[2], p[2]);
+    kv_decode_attention(&e, KV_FP32, epool, esegs, f->nsegs, NULL, f->q, f->q_heads, scale, o[3],
+                        p[3]);
+    assert_memory_equal(o[0], o[1], no * sizeof(float));
+    assert_memory_equal(p[0], p[1], np * sizeof(float));
+    assert_memory_equal(o[2], o[3], no * sizeof(float));
+    assert_memory_equal(p[2], p[3], np * sizeof(float));
+    for (size_t i = 0; i < no; i++)
+        if (!(fabs((double)o[2][i] - o[0][i]) <= 2e-6))
+            fail_msg("tiered out[%zu] = %.9g, ref %.9g (n=%zu d=%u kv=%u bt=%u int8 bt=%u %s)", i,
+                     (double)o[2][i], (double)o[0][i], f->n, d, f->l.kv_heads, f->l.block_tokens,
+                     f->q8.block_tokens, dtype_name(f->t));
+    for (size_t i = 0; i < np; i++)
+        if (!(fabs((double)p[2][i] - p[0][i]) <= 2e-6))
+            fail_msg("tiered probs[%zu] = %.9g, ref %.9g", i, (double)p[2][i], (double)p[0][i]);
+    for (int i = 0; i < 4; i++) {
+        free(o[i]);
+        free(p[i]);
+    }
+    free(epool);
+    free(esegs);
+}
+
+/* Mixed FULL / INT8 lists: all-heads lists with GQA and per-head row
+ * layouts (kv_heads = 1, the INT8 block then derived from the rows
+ * layout), every dtype, odd sizes, INT8 blocks holding more or fewer
+ * tokens than a full one. */
+static void test_tiered_equals_dequantised(void **state)
+{
+    (void)state;
+    rng r = {23};
+    g_int8_tokens = 0;
+    static const uint32_t dims[] = {1, 3, 8, 17, 64, 130};
+    static const uint32_t tokens[] = {3, 4, 7, 16};
+    for (uint32_t dt = 0; dt < 3; dt++)
+        for (size_t a = 0; a < N_OF(dims); a++)
+            for (size_t b = 0; b < N_OF(tokens); b++) {
+                kv_dtype t = dtype_of(dt);
+                uint32_t kvh = 1 + rng_below(&r, 3), group = 1 + rng_below(&r, 3);
+                kv_layout pool_l = {kvh, tokens[b], dims[a], dtype_size(t)};
+                kv_layout rows_l = {1, kvh * tokens[b], dims[a], dtype_size(t)};
+                tiered f;
+                tiered_make(&r, &f, pool_l, t, kvh * group);
+                check_tiered(&f);
+                tiered_free(&f);
+                tiered_make(&r, &f, rows_l, t, group);
+                check_tiered(&f);
+                tiered_free(&f);
+            }
+    print_message("INT8 tokens read: %zu\n", g_int8_tokens);
+    assert_true(g_int8_tokens > 1000);
+}
+
+/* An INT8 block holds kv_int8_tokens_per_block(l) tokens: fp16 8 x 128 x
+ * 16 gives 28, and a list that reads its last slot reads the right row. */
+static void test_tiered_last_slot(void **state)
+{
+    (void)state;
+    rng r = {29};
+    kv_layout l = {8, 16, 128, 2};
+    assert_int_equal(kv_int8_tokens_per_block(&l), 28);
+    tiered f;
+    tiered_make(&r, &f, l, KV_FP16, 16);
+    /* one INT8 run ending at slot 27 of block 0, one full run after it */
+    fill_pool(&r, f.pool, TB * kv_block_bytes(&l), KV_FP16, 1.0f);
+    kv_layout q8 = f.q8;
+    kv_segment whole = {0, 0, 28};
+    uint32_t zero = 0;
+    uint8_t *stage = xcalloc(kv_block_bytes(&q8));
+    fill_pool(&r, stage, kv_block_bytes(&q8), KV_FP16, 1.0f);
+    kv_int8_quantize_ref(&q8, KV_FP16, stage, &whole, 1, f.pool, &zero, 1);
+    free(stage);
+    f.segs[0] = (kv_segment){0, 20, 8};
+    f.tiers[0] = KV_TIER_INT8;
+    f.segs[1] = (kv_segment){3, 15, 1};
+    f.tiers[1] = KV_TIER_FULL;
+    f.nsegs = 2;
+    f.n = 9;
+    check_tiered(&f);
+    tiered_free(&f);
+}
+
+/* The generic and AVX2 builds give the same bits (kernels.h), tiered
+ * lists included; and a call large enough to split over threads gives the
+ * bits of one thread. */
+static void test_builds_and_threads_agree(void **state)
+{
+    (void)state;
+    rng r = {31};
+    for (int trial = 0; trial < 6; trial++) {
+        kv_dtype t = dtype_of((uint32_t)trial);
+        kv_layout l = {2 + (uint32_t)trial % 3, 16, trial % 2 ? 130 : 64, dtype_size(t)};
+        tiered f;
+        tiered_make(&r, &f, l, t, l.kv_heads * (1 + (uint32_t)trial % 4));
+        size_t no = (size_t)f.q_heads * l.head_dim, np = (size_t)f.q_heads * f.n;
+        float *o1 = xcalloc(no * 4), *o2 = xcalloc(no * 4), *p1 = xcalloc(np * 4 + 4),
+              *p2 = xcalloc(np * 4 + 4);
+        const char *was = getenv("KVSTASH_KERNEL_ISA");
+        setenv("KVSTASH_KERNEL_ISA", "generic", 1);
+        kv_decode_attention(&f.l, t, f.pool, f.segs, f.nsegs, f.tiers, f.q, f.q_heads, 0.2f, o1,
+                            p1);
+        unsetenv("KVSTASH_KERNEL_ISA");
+        kv_decode_attention(&f.l, t, f.pool, f.segs, f.nsegs, f.tiers, f.q, f.q_heads, 0.2f, o2,
+                            p2);
+        if (was != NULL)
+            setenv("KVSTASH_KERNEL_ISA", "generic", 1);
+        assert_memory_equal(o1, o2, no * 4);
+        assert_memory_equal(p1, p2, np * 4);
+        free(o1);
+        free(o2);
+        free(p1);
+        free(p2);
+        tiered_free(&f);
+    }
+    /* 8 KV heads x 2048 tokens of fp16 x 128: 8 MiB read, split over threads */
+    kv_layout l = {8, 16, 128, 2};
+    fixture f;
+    fixture_make(&r, &f, KV_FP16, 8, 4, 16, 128);
+    free(f.pool);
+    f.blocks = 128;
+    f.pool = xcalloc(f.blocks * kv_block_bytes(&l));
+    fill_pool(&r, f.pool, f.blocks * kv_block_bytes(&l), KV_FP16, 1.0f);
+    kv_segment *segs = xcalloc(f.blocks * sizeof *segs);
+    for (uint32_t b = 0; b < f.blocks; b++)
+        segs[b] = (kv_segment){(b * 37) % f.blocks, 0, 16};
+    size_t n = 16 * (size_t)f.blocks, no = 32 * 128;
+    float *o1 = xcalloc(no * 4), *o2 = xcalloc(no * 4), *p1 = xcalloc(32 * n * 4),
+          *p2 = xcalloc(32 * n * 4);
+    setenv("KVSTASH_KERNEL_THREADS", "1", 1);
+    kv_decode_attention(&l, KV_FP16, f.pool, segs, f.blocks, NULL, f.q, 32, 0.09f, o1, p1);
+    unsetenv("KVSTASH_KERNEL_THREADS");
+    kv_decode_attention(&l, KV_FP16, f.pool, segs, f.blocks, NULL, f.q, 32, 0.09f, o2, p2);
+    print_message("attention threads for this call: %u\n",
+                  kv_parallel_threads(8 * n * 2 * 128 * 2));
+    assert_memory_equal(o1, o2, no * 4);
+    assert_memory_equal(p1, p2, 32 * n * 4);
+    free(o1);
+    free(o2);
+    free(p1);
+    free(p2);
+    free(segs);
     fixture_free(&f);
 }
 
@@ -377,9 +636,13 @@ int main(void)
         cmocka_unit_test(test_per_head_rows),
         cmocka_unit_test(test_far_apart_scores),
         cmocka_unit_test(test_long_and_single),
+        cmocka_unit_test(test_many_query_heads),
         cmocka_unit_test(test_empty_list),
         cmocka_unit_test(test_single_token_exact),
         cmocka_unit_test(test_segmentation_invariant),
+        cmocka_unit_test(test_tiered_equals_dequantised),
+        cmocka_unit_test(test_tiered_last_slot),
+        cmocka_unit_test(test_builds_and_threads_agree),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return run_each_isa(tests, sizeof tests / sizeof tests[0]);
 }

@@ -119,6 +119,50 @@ static inline size_t gen_exact(rng *r, const kv_layout *l, uint32_t lo, uint32_t
     return i;
 }
 
+/*
+ * A tiered list (kernels.h kv_decode_attention) over pool blocks [0, nb) of
+ * layout l, elements of type t, which the caller has filled: about half the
+ * blocks, when an INT8 block fits in one, become INT8 blocks of layout l
+ * with block_tokens = kv_int8_tokens_per_block(l) (quantised from random
+ * values, some slots left empty: code 0); the list is runs of every block
+ * (cut by its tier's block_tokens), shuffled together with their tiers, a
+ * random non-empty prefix. segs and tiers need room for nb * max(
+ * block_tokens, INT8 block_tokens) runs. Returns the number of runs.
+ */
+static inline size_t gen_tiered(rng *r, const kv_layout *l, kv_dtype t, uint8_t *pool, uint32_t nb,
+                                kv_segment *segs, uint8_t *tiers)
+{
+    kv_layout q8 = *l;
+    q8.block_tokens = kv_int8_tokens_per_block(l);
+    uint8_t *stage = calloc(kv_block_bytes(&q8) + 1, 1);
+    if (stage == NULL)
+        abort();
+    size_t n = 0;
+    for (uint32_t b = 0; b < nb; b++) {
+        int int8 = q8.block_tokens > 0 && rng_below(r, 2);
+        if (int8) {
+            uint32_t zero = 0;
+            kv_segment filled = {0, 0, 1 + rng_below(r, q8.block_tokens)};
+            fill_pool(r, stage, kv_block_bytes(&q8), t, 1.0f);
+            kv_int8_quantize_ref(&q8, t, stage, &filled, 1, pool + b * kv_block_bytes(l), &zero, 1);
+        }
+        size_t k = cut_blocks(r, int8 ? &q8 : l, b, b + 1, (int)rng_below(r, 3), segs + n);
+        memset(tiers + n, int8 ? KV_TIER_INT8 : KV_TIER_FULL, k);
+        n += k;
+    }
+    free(stage);
+    for (size_t i = n; i > 1; i--) { /* shuffle runs and tiers together */
+        size_t j = rng_below(r, (uint32_t)i);
+        kv_segment s = segs[i - 1];
+        uint8_t tr = tiers[i - 1];
+        segs[i - 1] = segs[j];
+        tiers[i - 1] = tiers[j];
+        segs[j] = s;
+        tiers[j] = tr;
+    }
+    return 1 + rng_below(r, (uint32_t)n);
+}
+
 static inline kv_dtype dtype_of(uint32_t i)
 {
     static const kv_dtype types[3] = {KV_FP16, KV_BF16, KV_FP32};

@@ -3,7 +3,9 @@
  * fast == reference byte for byte on seeded random shapes, lists and
  * dtypes (odd sizes included); the acceptance bound of issue 4 (error per
  * value <= max|group| / 254, all-zero groups exact, the bytes saved); T-CF4
- * through the block kernel; the block layout; threads do not change bytes.
+ * through the block kernel; the block layout; how many tokens an INT8 block
+ * in a pool block holds; blocks of thousands of tokens; threads do not
+ * change bytes.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -80,6 +82,73 @@ static void test_bytes_saved(void **state)
         kv_layout f32 = {8, tokens[i], 128, 4};
         assert_true((double)kv_int8_block_bytes(&f32) / (double)kv_block_bytes(&f32) == want / 2);
     }
+}
+
+/* kv_int8_tokens_per_block: the largest T whose INT8 block fits in one
+ * pool block (T fits, T + 1 does not), 0 when not even one token fits;
+ * then a whole INT8 block written at a pool block's start stays inside it. */
+static void test_tokens_per_block(void **state)
+{
+    (void)state;
+    kv_layout fp16 = {4, 16, 8, 2}; /* 2048-byte blocks: 64 T + 256 <= 2048 */
+    assert_int_equal(kv_block_bytes(&fp16), 2048);
+    assert_int_equal(kv_int8_tokens_per_block(&fp16), 28);
+    kv_layout llama = {8, 16, 128, 2}, llama32 = {8, 16, 128, 4};
+    assert_int_equal(kv_int8_tokens_per_block(&llama), 28);
+    assert_int_equal(kv_int8_tokens_per_block(&llama32), 60);
+    kv_layout tiny = {1, 2, 1, 2}, one32 = {3, 1, 64, 4};
+    assert_int_equal(kv_int8_tokens_per_block(&tiny), 0);  /* 8 bytes: the padding alone is 16 */
+    assert_int_equal(kv_int8_tokens_per_block(&one32), 0); /* fp32, 1 token: the scales fill it */
+    rng r = {14};
+    for (size_t si = 0; si < KH_SHAPES; si++) {
+        kv_dtype t;
+        kv_layout l = kh_shape(si, &t);
+        if (si % 7 == 0)
+            l.head_dim += 1 + rng_below(&r, 5); /* odd head_dim */
+        uint32_t T = kv_int8_tokens_per_block(&l);
+        kv_layout q = l;
+        q.block_tokens = T + 1;
+        assert_true(kv_int8_block_bytes(&q) > kv_block_bytes(&l));
+        if (T == 0)
+            continue;
+        q.block_tokens = T;
+        assert_true(kv_int8_block_bytes(&q) <= kv_block_bytes(&l));
+        /* quantise a full INT8 block into pool block 1 of 3: blocks 0 and 2
+         * keep their bytes */
+        size_t bb = kv_block_bytes(&l);
+        uint8_t *pool = xcalloc(3 * bb), *src = xcalloc(kv_block_bytes(&q)), *was = xcalloc(3 * bb);
+        fill_bytes(&r, pool, 3 * bb);
+        memcpy(was, pool, 3 * bb);
+        fill_pool(&r, src, kv_block_bytes(&q), t, 2.0f);
+        kv_segment all = {0, 0, T};
+        uint32_t zero = 0;
+        kv_int8_quantize(&q, t, src, &all, 1, pool + bb, &zero, 1);
+        assert_memory_equal(pool, was, bb);
+        assert_memory_equal(pool + 2 * bb, was + 2 * bb, bb);
+        free(pool);
+        free(src);
+        free(was);
+    }
+}
+
+/* The fast quantiser has no limit on block_tokens (it once kept a group's
+ * tokens in a stack tile of 8192 floats): a block of 9000 tokens. */
+static void test_long_block(void **state)
+{
+    (void)state;
+    rng r = {15};
+    kv_layout l = {2, 9000, 3, 2};
+    size_t pb = kv_block_bytes(&l), qb = kv_int8_block_bytes(&l);
+    uint8_t *pool = xcalloc(pb), *q1 = xcalloc(qb), *q2 = xcalloc(qb);
+    fill_pool(&r, pool, pb, KV_BF16, 5.0f);
+    kv_segment segs[2] = {{0, 4000, 5000}, {0, 0, 3999}}; /* 8999 tokens */
+    uint32_t zero = 0;
+    kv_int8_quantize_ref(&l, KV_BF16, pool, segs, 2, q1, &zero, 1);
+    kv_int8_quantize(&l, KV_BF16, pool, segs, 2, q2, &zero, 1);
+    expect_bytes(q1, q2, qb, &l, KV_BF16, "quantize 9000 tokens");
+    free(pool);
+    free(q1);
+    free(q2);
 }
 
 /* T-CF4 (POLICIES.md §5.4) through the block kernels: one head, dim 1,
@@ -320,6 +389,8 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_layout),
         cmocka_unit_test(test_bytes_saved),
+        cmocka_unit_test(test_tokens_per_block),
+        cmocka_unit_test(test_long_block),
         cmocka_unit_test(test_tcf4_block),
         cmocka_unit_test(test_ties_to_even),
         cmocka_unit_test(test_fast_equals_ref),
