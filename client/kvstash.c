@@ -1120,6 +1120,7 @@ int kvs_stats_json(const char *socket_path, char **json, char *err, size_t errle
         goto out;
     }
     Kvstash__V1__StatsRequest req = KVSTASH__V1__STATS_REQUEST__INIT;
+    req.with_tiers = 1; /* per-sequence tokens and bytes by storage tier */
     ProtobufCMessage *resp;
     rc = rpc_unary(ch, RPC_STORE("Stats"), NULL, &req.base,
                    &kvstash__v1__stats_response__descriptor, &resp, msg, sizeof msg);

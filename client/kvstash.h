@@ -246,8 +246,9 @@ int kvs_seq_revive(kvs_session *s, uint64_t seq_id, uint32_t layer, uint32_t hea
 /* Give the scratch blocks back to the daemon and free *r. */
 int kvs_revive_release(kvs_session *s, kvs_revive *r);
 
-/* Daemon statistics as the JSON object of StatsResponse (caller frees with
- * free()). Needs no session: socket_path NULL = default. */
+/* Daemon statistics as the JSON object of StatsResponse, with every
+ * sequence's tokens and bytes per storage tier (caller frees with free()).
+ * Needs no session: socket_path NULL = default. */
 int kvs_stats_json(const char *socket_path, char **json, char *err, size_t errlen);
 
 /* Subscribe to the daemon's event feed. Returns a nanomsg socket (>= 0) to

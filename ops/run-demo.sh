@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# ops/run-demo.sh - build kvstash, start kvstashd on host shared memory, run the
-# demo worker against it, print the daemon's status, and stop the daemon.
-# Exits non-zero if any step fails; the daemon is stopped in every case.
+# ops/run-demo.sh - build kvstash, start kvstashd on host shared memory, run a
+# real model as its worker (kvstash-llama: stories260K from ../shared/data
+# generates a story with its KV cache in kvstashd under h2o at 32 tokens per
+# layer, old tokens in INT8), show what the cache holds as it goes and the
+# daemon's status, and stop the daemon. Exits non-zero if any step fails; the
+# daemon is stopped in every case.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -9,8 +12,13 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash ops/setup.sh
 
 daemon=build/daemon/kvstashd
-demo=build/client/kvstash-demo
+llama=build/client/llama/kvstash-llama
 cli=build/client/kvstash
+data=../shared/data
+if [ ! -f "$data/stories260K.bin" ]; then
+    echo "run-demo: $data/stories260K.bin is missing (../shared must sit beside this checkout)" >&2
+    exit 1
+fi
 
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/kvstash-demo.XXXXXX")
 sock=$tmp/kvstashd.sock
@@ -73,8 +81,14 @@ if [ ! -S "$sock" ]; then
     exit 1
 fi
 
-echo "== kvstash-demo --socket $sock"
-"$demo" --socket "$sock"
+echo "== kvstash-llama generate: stories260K, policy h2o, 32 tokens per layer, INT8 on"
+echo "   (every 32 tokens, stderr shows what kvstashd holds: tokens and bytes per tier)"
+"$llama" generate --socket "$sock" --model "$data/stories260K.bin" \
+    --tokenizer "$data/tok512.bin" --policy h2o --budget 32 --int8 on --watch 32 \
+    --steps 200 --prompt "Once upon a time"
+
+echo "== kvstash seqs --socket $sock (the worker detached: nothing is left)"
+"$cli" seqs --socket "$sock"
 
 echo "== kvstash status --socket $sock"
 "$cli" status --socket "$sock"

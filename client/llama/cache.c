@@ -18,12 +18,15 @@
 #include "snapkv_family.h"
 
 /* One token list of a layer (or of one KV head of a layer), as the daemon's
- * table says: segments in order and each token's original position. */
+ * table says: segments in order with their storage tier, and each token's
+ * original position. */
 typedef struct list {
     kv_segment *segs;
+    uint8_t *tiers; /* [nsegs] kvs_tier */
     size_t nsegs, segs_cap;
     uint32_t *pos;
     uint32_t n, pos_cap;
+    uint32_t sketched; /* tokens only in the daemon's sketch: revived for attention */
 } list;
 
 struct llm_cache {
@@ -258,9 +261,12 @@ static int list_reserve(llm_cache *c, list *ls, size_t segs, uint32_t toks)
     if (segs > ls->segs_cap) {
         size_t cap = segs * 2;
         kv_segment *p = realloc(ls->segs, cap * sizeof *p);
-        if (p == NULL)
+        if (p != NULL)
+            ls->segs = p;
+        uint8_t *t = p != NULL ? realloc(ls->tiers, cap) : NULL;
+        if (t == NULL)
             return fail(c, "out of memory for a table");
-        ls->segs = p;
+        ls->tiers = t;
         ls->segs_cap = cap;
     }
     if (toks > ls->pos_cap) {
@@ -293,9 +299,13 @@ static int table_reload(llm_cache *c)
             kvs_table_free(&t);
             return -1;
         }
-        for (size_t k = 0; k < ly->nsegments; k++)
+        ls->sketched = 0;
+        for (size_t k = 0; k < ly->nsegments; k++) {
             ls->segs[k] = (kv_segment){ly->segments[k].block, ly->segments[k].first_slot,
                                        ly->segments[k].count};
+            ls->tiers[k] = (uint8_t)ly->segments[k].tier;
+            ls->sketched += ly->segments[k].tier == KVS_TIER_SKETCH ? ly->segments[k].count : 0;
+        }
         ls->nsegs = ly->nsegments;
         memcpy(ls->pos, ly->positions, ly->tokens * sizeof *ls->pos);
         ls->n = ly->tokens;
@@ -317,10 +327,13 @@ static int table_extend(llm_cache *c, const kvs_table *w)
             kv_segment g = {ly->segments[k].block, ly->segments[k].first_slot,
                             ly->segments[k].count};
             kv_segment *last = ls->nsegs ? &ls->segs[ls->nsegs - 1] : NULL;
-            if (last && last->block == g.block && last->first_slot + last->count == g.first_slot)
+            if (last && ls->tiers[ls->nsegs - 1] == KVS_TIER_FULL && last->block == g.block &&
+                last->first_slot + last->count == g.first_slot) {
                 last->count += g.count;
-            else
+            } else {
+                ls->tiers[ls->nsegs] = KVS_TIER_FULL; /* appends are full precision */
                 ls->segs[ls->nsegs++] = g;
+            }
         }
         memcpy(ls->pos + ls->n, ly->positions, ly->tokens * sizeof *ls->pos);
         ls->n += ly->tokens;
@@ -415,11 +428,76 @@ static void vnorm_new(llm_cache *c, uint32_t l, const float *v)
         c->vn[((size_t)l * c->KV + g) * c->ctx + c->pos] = o[g];
 }
 
-void cache_layer(llm_cache *c, uint32_t l, llm_state *st)
+/*
+ * Attention needs every token of a list, and sketch tokens cannot be read in
+ * place: revive the positions the list keeps in the sketch (kvs_seq_revive,
+ * into scratch blocks), and point those tokens at their rebuilt K/V. *out is
+ * the list's segments and tiers with sketch runs replaced; release *rv after
+ * the attention. Lists without sketch tokens are used as they are.
+ */
+static int list_resolve(llm_cache *c, uint32_t l, uint32_t head, const list *ls, list *out,
+                        kvs_revive *rv)
+{
+    *out = *ls;
+    memset(rv, 0, sizeof *rv);
+    if (ls->sketched == 0)
+        return 0;
+    uint32_t lo = UINT32_MAX, hi = 0, t = 0;
+    for (size_t k = 0; k < ls->nsegs; t += ls->segs[k++].count)
+        if (ls->tiers[k] == KVS_TIER_SKETCH) {
+            lo = ls->pos[t] < lo ? ls->pos[t] : lo;
+            hi = ls->pos[t + ls->segs[k].count - 1];
+        }
+    if (kvs_seq_revive(c->s, c->seq, l, head, lo, hi - lo + 1, 1, rv) != KVS_OK)
+        return fail(c, "Revive: %s", kvs_session_error(c->s));
+    out->segs = malloc((ls->nsegs + ls->sketched) * sizeof *out->segs);
+    out->tiers = malloc(ls->nsegs + ls->sketched);
+    if (out->segs == NULL || out->tiers == NULL) {
+        free(out->segs);
+        free(out->tiers);
+        kvs_revive_release(c->s, rv);
+        return fail(c, "out of memory for a revived list");
+    }
+    /* Revived tokens come in position order, like the list's. */
+    const kvs_layer *r = rv->layer;
+    size_t rs = 0, n = 0;
+    uint32_t ri = 0, in_seg = 0;
+    t = 0;
+    for (size_t k = 0; k < ls->nsegs; t += ls->segs[k++].count) {
+        if (ls->tiers[k] != KVS_TIER_SKETCH) {
+            out->segs[n] = ls->segs[k];
+            out->tiers[n++] = ls->tiers[k];
+            continue;
+        }
+        for (uint32_t j = 0; j < ls->segs[k].count; j++) {
+            while (ri < r->tokens && r->positions[ri] < ls->pos[t + j]) {
+                ri++;
+                if (++in_seg == r->segments[rs].count)
+                    rs++, in_seg = 0;
+            }
+            out->segs[n] =
+                (kv_segment){r->segments[rs].block, r->segments[rs].first_slot + in_seg, 1};
+            out->tiers[n++] = KVS_TIER_FULL;
+        }
+    }
+    out->nsegs = n;
+    return 0;
+}
+
+static void list_resolved_free(llm_cache *c, const list *ls, list *out, kvs_revive *rv)
+{
+    if (out->segs == ls->segs)
+        return;
+    free(out->segs);
+    free(out->tiers);
+    kvs_revive_release(c->s, rv);
+}
+
+int cache_layer(llm_cache *c, uint32_t l, llm_state *st)
 {
     if (c->plain) {
         plain_layer(c, l, st);
-        return;
+        return 0;
     }
     float *probs = c->probs + (size_t)l * c->Q * c->ctx;
     uint8_t *pool = kvs_session_pool(c->s);
@@ -430,11 +508,16 @@ void cache_layer(llm_cache *c, uint32_t l, llm_state *st)
         kvs_layer_write(c->s, w, to_pool_dtype(c, st->k, 0, c->KV, 0),
                         to_pool_dtype(c, st->v, 0, c->KV, 1));
         const list *ls = &c->lists[l];
-        kv_decode_attention(&c->lay, c->dtype, pool, ls->segs, ls->nsegs, NULL, st->q, c->Q,
+        list use;
+        kvs_revive rv;
+        if (list_resolve(c, l, 0, ls, &use, &rv) != 0)
+            return -1;
+        kv_decode_attention(&c->lay, c->dtype, pool, use.segs, use.nsegs, use.tiers, st->q, c->Q,
                             c->scale, st->att, probs);
+        list_resolved_free(c, ls, &use, &rv);
         for (uint32_t h = 0; h < c->Q; h++)
             c->p_last[(size_t)l * c->Q + h] = probs + (size_t)h * ls->n;
-        return;
+        return 0;
     }
     size_t off = 0; /* per-head lists: the group's rows, list after list */
     for (uint32_t g = 0; g < c->KV; g++) {
@@ -443,12 +526,18 @@ void cache_layer(llm_cache *c, uint32_t l, llm_state *st)
                         to_pool_dtype(c, st->v, g, 1, 1));
         const list *ls = &c->lists[l * c->heads + g];
         size_t qo = (size_t)g * c->G * c->D;
-        kv_decode_attention(&c->rows, c->dtype, pool, ls->segs, ls->nsegs, NULL, st->q + qo, c->G,
-                            c->scale, st->att + qo, probs + off);
+        list use;
+        kvs_revive rv;
+        if (list_resolve(c, l, g, ls, &use, &rv) != 0)
+            return -1;
+        kv_decode_attention(&c->rows, c->dtype, pool, use.segs, use.nsegs, use.tiers, st->q + qo,
+                            c->G, c->scale, st->att + qo, probs + off);
+        list_resolved_free(c, ls, &use, &rv);
         for (uint32_t j = 0; j < c->G; j++)
             c->p_last[(size_t)l * c->Q + g * c->G + j] = probs + off + (size_t)j * ls->n;
         off += (size_t)c->G * ls->n;
     }
+    return 0;
 }
 
 /* ---- kvstashd: the step's statistics --------------------------------------- */
@@ -566,20 +655,32 @@ int cache_token_end(llm_cache *c, const cache_step *s)
 
 /* ---- usage, stats, teardown ------------------------------------------------ */
 
+/* Held tokens and their bytes as stored: a full-precision token costs
+ * block_bytes / block_tokens, an INT8 one block_bytes / (INT8 tokens per
+ * block) (daemon/tier.h: an INT8 block fills one pool block); a token in the
+ * sketch costs nothing more than the sketch's fixed cells, not counted here. */
 static void usage_now(llm_cache *c)
 {
     uint64_t tokens = 0, row = 2ull * c->D * (c->plain ? 4 : c->elt);
-    uint64_t bytes = 0;
+    double bytes = 0;
     if (c->plain) {
         tokens = (uint64_t)(c->pos + 1) * c->L;
-        bytes = tokens * c->KV * row;
+        bytes = (double)tokens * c->KV * row;
     } else {
-        for (uint32_t i = 0; i < c->L * c->heads; i++)
-            tokens += c->lists[i].n;
-        bytes = tokens * (c->heads > 1 ? 1 : c->KV) * row;
+        const kv_layout *lay = c->heads > 1 ? &c->rows : &c->lay;
+        double full = (double)kv_block_bytes(lay) / lay->block_tokens;
+        double int8 = (double)kv_block_bytes(lay) / kv_int8_tokens_per_block(lay);
+        for (uint32_t i = 0; i < c->L * c->heads; i++) {
+            const list *ls = &c->lists[i];
+            tokens += ls->n;
+            for (size_t k = 0; k < ls->nsegs; k++)
+                bytes += ls->segs[k].count * (ls->tiers[k] == KVS_TIER_FULL   ? full
+                                              : ls->tiers[k] == KVS_TIER_INT8 ? int8
+                                                                              : 0.0);
+        }
     }
     c->usage.tokens = tokens;
-    c->usage.bytes = bytes;
+    c->usage.bytes = (uint64_t)llround(bytes);
 }
 
 void cache_get_usage(const llm_cache *c, cache_usage *u)
@@ -627,6 +728,7 @@ void cache_free(llm_cache *c)
     kvs_table_free(&c->writes);
     for (uint32_t i = 0; c->lists != NULL && i < c->L * c->heads; i++) {
         free(c->lists[i].segs);
+        free(c->lists[i].tiers);
         free(c->lists[i].pos);
     }
     free(c->lists);

@@ -65,8 +65,10 @@ int cache_seq_end(llm_cache *c);
 /* Room for the token at position pos (positions are 0, 1, 2, ...). */
 int cache_token_begin(llm_cache *c, uint32_t pos);
 
-/* Layer l: store st->k, st->v for the token, attend with st->q into st->att. */
-void cache_layer(llm_cache *c, uint32_t l, llm_state *st);
+/* Layer l: store st->k, st->v for the token, attend with st->q into st->att
+ * (reviving the list's sketch tokens first, if it has any). Returns 0, or -1
+ * with cache_error set. */
+int cache_layer(llm_cache *c, uint32_t l, llm_state *st);
 
 /*
  * What the token ends. A prompt is one step: its tokens but the last are
@@ -88,7 +90,7 @@ int cache_token_end(llm_cache *c, const cache_step *s);
 /* What the cache held when the last token attended. */
 typedef struct cache_usage {
     uint64_t tokens;  /* summed over the lists of every layer */
-    uint64_t bytes;   /* K + V bytes of those tokens */
+    uint64_t bytes;   /* K + V bytes of those tokens as stored (INT8 ones cost less) */
     uint64_t evicted; /* tokens the policy removed in this sequence so far */
 } cache_usage;
 

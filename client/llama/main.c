@@ -24,16 +24,17 @@
 #include <string.h>
 #include <time.h>
 
+#include <jansson.h>
+
 #include "cache.h"
 #include "model.h"
 #include "tokenizer.h"
 
-/* The sequence parameter that asks kvstashd to keep a policy's victims as
- * INT8 instead of dropping them (issue 4's "victims go to int8 by
- * configuration"). A daemon without INT8 storage rejects it, and --int8 on
- * fails with that message. */
-#define INT8_PARAM_KEY "victims"
-#define INT8_PARAM_VALUE "int8"
+/* --int8 on asks kvstashd to demote every held token but the newest
+ * INT8_WINDOW of each list to INT8 (the storage keys of policies/storage.h:
+ * int8=on, int8_window=N; --set overrides either). So the same budget holds
+ * its older tokens in about a third of the bytes of fp32. */
+#define INT8_WINDOW "8"
 
 typedef struct opts {
     const char *cmd, *model, *tokenizer, *text, *prompt, *per_token;
@@ -58,7 +59,8 @@ static void usage(FILE *f)
             "  --policy NAME         kvstashd policy (default full)\n"
             "  --set KEY=VALUE       a policy parameter (repeatable; wins over --budget)\n"
             "  --budget N            tokens per layer, mapped to the policy's own parameters\n"
-            "  --int8 on|off         keep victims as INT8 in kvstashd (default off)\n"
+            "  --int8 on|off         INT8 for all but the newest " INT8_WINDOW " tokens per list "
+            "(default off)\n"
             "  --socket PATH         kvstashd's socket (default: kvs_default_socket())\n"
             "  --no-daemon           plain in-process KV array instead of kvstashd\n"
             "  --dtype fp32|fp16|bf16  the pool's element type (default fp32)\n"
@@ -304,11 +306,13 @@ static void parse(int argc, char **argv, opts *o)
     if (o->no_daemon && (o->budget || o->int8 || o->c.nparams || strcmp(o->c.policy, "full") != 0))
         die(2, "--no-daemon runs the full cache only (no --policy, --set, --budget or --int8)");
     map_budget(o);
-    if (o->int8 && !has_param(o, INT8_PARAM_KEY)) {
-        if (o->c.nparams == CACHE_MAX_PARAMS)
-            die(2, "too many parameters");
-        o->c.params[o->c.nparams++] = (kvs_param){INT8_PARAM_KEY, INT8_PARAM_VALUE};
-    }
+    static const kvs_param int8_params[] = {{"int8", "on"}, {"int8_window", INT8_WINDOW}};
+    for (size_t i = 0; o->int8 && i < 2; i++)
+        if (!has_param(o, int8_params[i].key)) {
+            if (o->c.nparams == CACHE_MAX_PARAMS)
+                die(2, "too many parameters");
+            o->c.params[o->c.nparams++] = int8_params[i];
+        }
 }
 
 /* ---- the forward pass ------------------------------------------------------ */
@@ -351,7 +355,8 @@ static void forward(run *r, lane *const *ls, size_t nb, const uint32_t *tokens)
     for (uint32_t l = 0; l < r->m.c.n_layers; l++) {
         llm_layer_qkv(&r->m, sts, nb, l, pos);
         for (size_t b = 0; b < nb; b++)
-            cache_layer(ls[b]->cache, l, sts[b]);
+            if (cache_layer(ls[b]->cache, l, sts[b]) != 0)
+                die(1, "%s", cache_error(ls[b]->cache));
         llm_layer_finish(&r->m, sts, nb, l);
     }
     llm_logits(&r->m, sts, nb);
@@ -415,14 +420,10 @@ static void run_close(run *r)
     llm_model_free(&r->m);
 }
 
-static void seq_begin(const opts *o, lane *ln, const char *label)
+static void seq_begin(lane *ln, const char *label)
 {
-    if (cache_seq_begin(ln->cache, label) != 0) {
-        const char *e = cache_error(ln->cache);
-        if (o->int8 && strstr(e, INT8_PARAM_KEY) != NULL)
-            die(1, "--int8 on: this kvstashd cannot keep victims as INT8: %s", e);
-        die(1, "%s", e);
-    }
+    if (cache_seq_begin(ln->cache, label) != 0)
+        die(1, "%s", cache_error(ln->cache));
 }
 
 /* ---- score ------------------------------------------------------------------ */
@@ -505,7 +506,7 @@ static int lane_start(run *r, lane *ln, char **stories, uint32_t *next, uint32_t
             continue; /* nothing to predict */
         char label[32];
         snprintf(label, sizeof label, "story %u", ln->story);
-        seq_begin(r->o, ln, label);
+        seq_begin(ln, label);
         ln->pos = 0;
         ln->nll = 0;
         free(ln->lp);
@@ -647,17 +648,35 @@ static uint32_t sample(const float *logits, uint32_t vocab, double temperature, 
     return vocab - 1;
 }
 
+/* "fp16 40 tok 10.0 KiB, int8 96 tok 8.0 KiB, sketch 0 tok" from a
+ * SequenceStats JSON object's tiers (summed over layers). */
+static void print_tiers(const char *seq_json)
+{
+    json_t *seq = json_loads(seq_json, 0, NULL), *t;
+    size_t i;
+    json_array_foreach(json_object_get(seq, "tiers"), i, t)
+    {
+        json_t *tok = json_object_get(t, "tokens"), *b = json_object_get(t, "bytes");
+        /* proto3 JSON writes 64-bit integers as strings */
+        double ntok = json_is_string(tok) ? atof(json_string_value(tok)) : json_number_value(tok);
+        double bytes = json_is_string(b) ? atof(json_string_value(b)) : json_number_value(b);
+        fprintf(stderr, "%s%s %.0f tok %.1f KiB", i ? ", " : "",
+                json_string_value(json_object_get(t, "tier")), ntok, bytes / 1024);
+    }
+    json_decref(seq);
+}
+
 static void watch_line(run *r, uint32_t pos)
 {
     cache_usage u;
     llm_cache *c = r->lanes[0].cache;
     cache_get_usage(c, &u);
-    fprintf(stderr,
-            "\n[kvstash pos %u] cache: %.1f tokens/layer, %" PRIu64 " bytes, evicted %" PRIu64, pos,
-            (double)u.tokens / r->m.c.n_layers, u.bytes, u.evicted);
+    fprintf(stderr, "\n[kvstash pos %u] %.1f tokens/layer, evicted %" PRIu64, pos,
+            (double)u.tokens / r->m.c.n_layers, u.evicted);
     char *js = cache_seq_stats_json(c);
     if (js != NULL) {
-        fprintf(stderr, "; kvstashd: %s", js);
+        fprintf(stderr, "; kvstashd holds: ");
+        print_tiers(js);
         free(js);
     }
     fprintf(stderr, "\n");
@@ -675,7 +694,7 @@ static int cmd_generate(const opts *o)
     uint32_t ctx = r.m.c.seq_len;
     if ((uint32_t)np > ctx)
         die(1, "the prompt has %ld tokens; the model's context is %u", np, ctx);
-    seq_begin(o, ln, "generate");
+    seq_begin(ln, "generate");
     uint64_t rng = o->seed * 0x9E3779B97F4A7C15ull + 1;
     uint32_t token = ids[0], generated = 0;
     for (ln->pos = 0; ln->pos < (long)ctx; ln->pos++) {
