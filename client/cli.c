@@ -28,8 +28,7 @@ static void usage(FILE *f)
             "  policy list         the policies, their statistics, parameters and defaults\n"
             "  evict ID POSITIONS  drop positions from a sequence by hand (for debugging)\n"
             "  demote, offload, revive ID POSITIONS\n"
-            "                      move positions to INT8 / to the sketch / back: not\n"
-            "                      available in this kvstashd (no INT8 or sketch tiers yet)\n"
+            "                      move positions to INT8 / into the sketch / back to fp16\n"
             "  watch               live events from the daemon's feed\n"
             "  top                 a refreshing view of workers and sequences\n"
             "  replay --policy NAME < trace.jsonl\n"
@@ -45,8 +44,7 @@ static void usage(FILE *f)
             "\n"
             "exit status: 0 ok, 1 the daemon refused (the reason is on stderr), 2 usage,\n"
             "3 kvstashd not running or not answering, 4 no such sequence, 5 permission\n"
-            "denied, 6 not available in this kvstashd. Errors are one line on stderr,\n"
-            "starting with \"kvstash: \".\n",
+            "denied. Errors are one line on stderr, starting with \"kvstash: \".\n",
             kvs_default_socket());
 }
 
@@ -194,10 +192,9 @@ static int cmd_seqs(cli *c)
     static const char help[] =
         "usage: kvstash seqs [--json] [--socket PATH]\n"
         "  Every sequence: id, owning session, policy, length (tokens ever appended),\n"
-        "  tokens held (summed over layers) and how many the policy put in each tier\n"
-        "  (fp16 / int8 / sketch), blocks, bytes, table epoch and label. kvstashd has no\n"
-        "  INT8 or sketch storage yet: int8 and sketch tokens are stored at full\n"
-        "  precision, so every byte is fp16.\n"
+        "  tokens held (summed over layers) and how many are stored in each tier\n"
+        "  (fp16 / int8 / sketch; offloaded victims count as sketch), blocks, bytes,\n"
+        "  table epoch and label.\n"
         "  --json: {\"sequences\": [SequenceStats with \"tiers\"...]}.\n";
     int rc = cli_parse(c, NULL, 0, NULL, 0, 0, NULL, help);
     if (rc != CLI_OK)
@@ -354,10 +351,9 @@ int main(int argc, char **argv)
         return cmd_policy(&c);
     if (strcmp(cmd, "seq") == 0)
         return cli_cmd_seq(&c);
-    if (strcmp(cmd, "evict") == 0)
-        return cli_cmd_evict(&c);
-    if (strcmp(cmd, "demote") == 0 || strcmp(cmd, "offload") == 0 || strcmp(cmd, "revive") == 0)
-        return cli_cmd_tier_op(&c, cmd);
+    if (strcmp(cmd, "evict") == 0 || strcmp(cmd, "demote") == 0 || strcmp(cmd, "offload") == 0 ||
+        strcmp(cmd, "revive") == 0)
+        return cli_cmd_evict(&c, cmd);
     if (strcmp(cmd, "watch") == 0)
         return cli_cmd_watch(&c);
     if (strcmp(cmd, "top") == 0)

@@ -22,12 +22,11 @@
 /* Exit codes (kvstash --help lists them). */
 enum {
     CLI_OK = 0,
-    CLI_ERROR = 1,         /* the daemon refused the request, or something else failed */
-    CLI_USAGE = 2,         /* bad command line */
-    CLI_UNREACHABLE = 3,   /* kvstashd is not running, or does not answer */
-    CLI_NOT_FOUND = 4,     /* no such sequence */
-    CLI_DENIED = 5,        /* permission denied */
-    CLI_NOT_AVAILABLE = 6, /* this kvstashd cannot do it (demote, offload, revive) */
+    CLI_ERROR = 1,       /* the daemon refused the request, or something else failed */
+    CLI_USAGE = 2,       /* bad command line */
+    CLI_UNREACHABLE = 3, /* kvstashd is not running, or does not answer */
+    CLI_NOT_FOUND = 4,   /* no such sequence */
+    CLI_DENIED = 5,      /* permission denied */
 };
 
 /* The command line, once the global options are read. */
@@ -95,8 +94,7 @@ const char *cli_dtype(Kvstash__V1__DType d);
 
 /* Commands: each returns the exit code. */
 int cli_cmd_seq(cli *c);
-int cli_cmd_evict(cli *c);
-int cli_cmd_tier_op(cli *c, const char *op); /* demote, offload, revive */
+int cli_cmd_evict(cli *c, const char *name); /* evict, demote, offload, revive */
 int cli_cmd_watch(cli *c);
 int cli_cmd_top(cli *c);
 int cli_cmd_replay(int argc, char **argv); /* replay_main, with progress on a TTY */

@@ -1,5 +1,5 @@
-/* cli_seq.c - `kvstash seq show`, `evict`, and `demote` / `offload` /
- * `revive` (cli.h). */
+/* cli_seq.c - `kvstash seq show`, and `evict`, `demote`, `offload`,
+ * `revive`: one Evict call each, with the tier the positions go to (cli.h). */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -32,17 +32,18 @@ static int parse_seq_id(const cli *c, const char *text, uint64_t *id)
 
 /* ---- seq show --------------------------------------------------------------------- */
 
-/* 0 fp16, 1 int8, 2 sketch, 3 evicted. */
+/* 0 fp16, 1 int8, 2 sketch, 3 evicted, 4 offloaded (out of the list, in its sketch). */
 static int tier_index(const char *tier)
 {
-    return strcmp(tier, "int8") == 0      ? 1
-           : strcmp(tier, "sketch") == 0  ? 2
-           : strcmp(tier, "evicted") == 0 ? 3
-                                          : 0;
+    return strcmp(tier, "int8") == 0        ? 1
+           : strcmp(tier, "sketch") == 0    ? 2
+           : strcmp(tier, "evicted") == 0   ? 3
+           : strcmp(tier, "offloaded") == 0 ? 4
+                                            : 0;
 }
 
 /* A bar of `width` cells over positions 0 .. appended-1: each cell shows the
- * state of most of its positions; ':' where held and evicted tokens mix. */
+ * state of most of its positions; ':' where held and gone tokens mix. */
 static void print_bar(const Kvstash__V1__ListMap *m, uint64_t appended, unsigned width)
 {
     if (appended == 0) {
@@ -55,7 +56,7 @@ static void print_bar(const Kvstash__V1__ListMap *m, uint64_t appended, unsigned
     size_t r = 0;
     for (unsigned j = 0; j < width; j++) {
         uint64_t lo = appended * j / width, hi = appended * (j + 1) / width;
-        uint64_t n[4] = {0, 0, 0, 0}; /* positions of the cell by tier_index */
+        uint64_t n[5] = {0, 0, 0, 0, 0}; /* positions of the cell by tier_index */
         for (uint64_t p = lo; p < hi && r < m->n_runs;) {
             const Kvstash__V1__TierRun *run = m->runs[r];
             uint64_t end = (uint64_t)run->first_position + run->count;
@@ -67,8 +68,8 @@ static void print_bar(const Kvstash__V1__ListMap *m, uint64_t appended, unsigned
         }
         uint64_t held = n[0] + n[1] + n[2];
         if (held == 0)
-            bar[j] = n[3] > 0 ? '.' : ' '; /* ' ': beyond a map cut at --max-runs */
-        else if (n[3] > 0)
+            bar[j] = n[4] > n[3] ? 'o' : n[3] > 0 ? '.' : ' '; /* ' ': beyond --max-runs */
+        else if (n[3] + n[4] > 0)
             bar[j] = ':';
         else
             bar[j] = n[1] > n[0] && n[1] >= n[2] ? '8' : n[2] > n[0] && n[2] > n[1] ? 's' : '#';
@@ -116,8 +117,8 @@ static void print_inspect(const Kvstash__V1__InspectResponse *r, unsigned width)
     for (size_t i = 0; i < r->n_retired; i++)
         printf("%s %u at epoch %" PRIu64, i ? "," : "", r->retired[i]->blocks,
                r->retired[i]->epoch);
-    printf("\n  map: # fp16  8 int8  s sketch  . evicted  : mixed (int8/sketch are the policy's "
-           "tiers, stored at full precision)\n");
+    printf("\n  map: # fp16  8 int8  s sketch  o offloaded  . evicted  : mixed (held tokens by "
+           "the tier they are stored in)\n");
     for (size_t l = 0; l < r->n_layers; l++) {
         const Kvstash__V1__LayerInspect *ly = r->layers[l];
         uint32_t fp16 = ly->tokens - ly->tokens_int8 - ly->tokens_sketch;
@@ -146,8 +147,9 @@ static int cmd_show(cli *c)
         "  table epoch and the retired blocks waiting for its worker to acknowledge an\n"
         "  epoch, then per layer (and per KV head for per-head policies) a map of the\n"
         "  positions 0..appended-1: a bar of W cells (default 64) and the runs of\n"
-        "  positions that are fp16, int8, sketch (the tier the policy assigned) or\n"
-        "  evicted (by the policy or an operator; merged-away tokens are evicted too).\n"
+        "  positions held in fp16, int8 or sketch (the tier each is stored in), offloaded\n"
+        "  (victims=sketch: out of the list, in its sketch) or evicted (by the policy or\n"
+        "  an operator; merged-away tokens are evicted too).\n"
         "  --max-runs N: runs per list the daemon sends (default 1024).\n"
         "  --json: the Inspect reply with \"maps\" (every run) and \"retired\".\n";
     const char *pos[1], *max_runs = NULL, *width = NULL;
@@ -279,7 +281,7 @@ static int parse_targets(cli *c, const char *help, uint64_t *id, targets *t)
     return rc;
 }
 
-/* ---- evict ---------------------------------------------------------------------- */
+/* ---- evict, demote, offload, revive --------------------------------------------- */
 
 /* A session token from the fd socket: the daemon checks our uid. */
 static int get_token(const cli *c, int *fd, char token[FDSOCK_TOKEN_LEN + 1])
@@ -299,19 +301,78 @@ static int get_token(const cli *c, int *fd, char token[FDSOCK_TOKEN_LEN + 1])
     return cli_fail(CLI_ERROR, "fd-socket handshake failed: %s", err);
 }
 
-int cli_cmd_evict(cli *c)
+/* evict and the tier moves: one EvictRequest each, `to` apart. */
+typedef struct evict_op {
+    const char *name;         /* the command */
+    const char *to;           /* EvictRequest.to */
+    const char *verb, *where; /* text output: "demoted" N token(s) "to int8" */
+    const char *what;         /* --help: what the command does */
+} evict_op;
+
+static const evict_op evict_ops[] = {
+    {"evict", "evict", NULL, NULL,
+     "  Drop original positions from sequence ID, for debugging, as if its policy had\n"
+     "  evicted them: the tokens leave the lists and the block table.\n"},
+    {"demote", "int8", "demoted", "to int8",
+     "  Demote the held tokens at original positions of sequence ID to INT8 now\n"
+     "  (symmetric, one scale per INT8 block, K/V, head and channel: POLICIES.md\n"
+     "  §5.4), even fewer than an INT8 block holds (the last INT8 block is then\n"
+     "  written partial); sketch tokens come out of the sketch first. Workers read\n"
+     "  INT8 tokens in place, dequantised.\n"},
+    {"offload", "sketch", "offloaded", "into the sketch",
+     "  Move the held tokens at original positions of sequence ID into their list's\n"
+     "  count-sketch (KVReviver): they stay in the list as sketch tokens, which a\n"
+     "  worker cannot read in place (the Revive RPC rebuilds their estimate).\n"},
+    {"revive", "fp16", "revived", "to fp16",
+     "  Bring the INT8 and sketch tokens at original positions of sequence ID back\n"
+     "  to full precision in fresh slots: INT8 ones dequantised, sketch ones as the\n"
+     "  sketch's estimate, which leaves the sketch (KVReviver Alg. 3). Evicted\n"
+     "  positions cannot come back.\n"},
+};
+
+static void evict_help(const evict_op *op, char *help, size_t len)
 {
-    static const char help[] =
-        "usage: kvstash evict ID POSITIONS... [--layer L]... [--json] [--socket PATH]\n"
-        "  Drop original positions from sequence ID, for debugging, as if its policy had\n"
-        "  evicted them: the tokens leave the block table (blocks left empty are\n"
-        "  retired until the worker acknowledges the new epoch) and a table.changed\n"
-        "  event goes out. POSITIONS: N, A-B, or comma lists (3,7,9-12). --layer L\n"
-        "  (repeatable) limits it to those layers; default every layer.\n"
-        "  Works on policies that keep no per-token state (full, streaming: see\n"
-        "  `kvstash policy list`); their own rule runs first, as at the next step, so\n"
-        "  streaming may drop more. --json: the Evict reply (epoch, evicted, requested,\n"
-        "  by_policy, not_held).\n";
+    snprintf(help, len,
+             "usage: kvstash %s ID POSITIONS... [--layer L]... [--json] [--socket PATH]\n"
+             "%s"
+             "  Blocks the tokens leave are retired until the worker acknowledges the new\n"
+             "  epoch, and a table.changed event goes out.\n"
+             "  POSITIONS: N, A-B, or comma lists (3,7,9-12). --layer L (repeatable)\n"
+             "  limits it to those layers; default every layer. Works on policies that keep\n"
+             "  no per-token state (full, streaming: see `kvstash policy list`); their own\n"
+             "  rule runs first, as at the next step, so streaming may drop more, and the\n"
+             "  command applies to the tokens it keeps. --json: the Evict reply (epoch,\n"
+             "  evicted, requested, by_policy, not_held, moved).\n",
+             op->name, op->what);
+}
+
+static void print_evict(const evict_op *op, uint64_t id, const Kvstash__V1__EvictResponse *r)
+{
+    printf("seq %" PRIu64 ": ", id);
+    if (op->verb == NULL) {
+        printf("evicted %u token(s) (%u at the requested positions, %u by the policy's own "
+               "rule)",
+               r->evicted, r->requested, r->by_policy);
+    } else {
+        printf("%s %u token(s) %s, of %u held at the requested positions", op->verb, r->moved,
+               op->where, r->requested);
+        if (r->moved < r->requested)
+            printf(" (%u were there already, or the pool lacks blocks for them)",
+                   r->requested - r->moved);
+        printf("; the policy's own rule evicted %u", r->evicted);
+    }
+    printf("; %u requested (list, position) pair(s) were not held; table epoch %" PRIu64 "\n",
+           r->not_held, r->epoch);
+}
+
+int cli_cmd_evict(cli *c, const char *name)
+{
+    const evict_op *op = &evict_ops[0];
+    for (size_t i = 0; i < sizeof evict_ops / sizeof evict_ops[0]; i++)
+        if (strcmp(evict_ops[i].name, name) == 0)
+            op = &evict_ops[i];
+    char help[2048];
+    evict_help(op, help, sizeof help);
     uint64_t id;
     targets t = {.c = c};
     int rc = parse_targets(c, help, &id, &t);
@@ -336,54 +397,18 @@ int cli_cmd_evict(cli *c)
         req.n_ranges = t.nranges;
         req.layers = t.layers;
         req.n_layers = t.nlayers;
+        req.to = (char *)op->to;
         rc = cli_call(c, "Evict", token, &req.base, &kvstash__v1__evict_response__descriptor,
                       (ProtobufCMessage **)&r);
         close(fd);
     }
-    if (rc == CLI_OK && c->json) {
+    if (rc == CLI_OK && c->json)
         rc = cli_print_message(&r->base, 1);
-    } else if (rc == CLI_OK) {
-        printf("seq %" PRIu64 ": evicted %u token(s) (%u at the requested positions, %u by the "
-               "policy's own rule); %u requested (list, position) pair(s) were not held; table "
-               "epoch %" PRIu64 "\n",
-               id, r->evicted, r->requested, r->by_policy, r->not_held, r->epoch);
-    }
+    else if (rc == CLI_OK)
+        print_evict(op, id, r);
     if (r != NULL)
         protobuf_c_message_free_unpacked(&r->base, NULL);
     free(ptrs);
     targets_free(&t);
     return rc;
-}
-
-/* ---- demote, offload, revive ----------------------------------------------------------- */
-
-int cli_cmd_tier_op(cli *c, const char *op)
-{
-    char help[1024];
-    snprintf(help, sizeof help,
-             "usage: kvstash %s ID POSITIONS... [--layer L]... [--json] [--socket PATH]\n"
-             "  %s. NOT AVAILABLE in this kvstashd: the INT8 and sketch tiers are not\n"
-             "  implemented yet (policies can mark tokens int8 or sketch, but they stay at\n"
-             "  full precision). The command checks its arguments and the sequence, then\n"
-             "  exits 6.\n",
-             op,
-             strcmp(op, "demote") == 0    ? "Demote the positions to INT8 (symmetric, per head "
-                                            "and channel)"
-             : strcmp(op, "offload") == 0 ? "Move the positions into the layer's count-sketch "
-                                            "(KVReviver)"
-                                          : "Bring sketched positions back to full precision");
-    uint64_t id;
-    targets t = {.c = c};
-    int rc = parse_targets(c, help, &id, &t);
-    targets_free(&t);
-    if (rc != CLI_OK)
-        return rc < 0 ? CLI_OK : rc;
-    Kvstash__V1__InspectResponse *r;
-    if ((rc = inspect(c, id, 0, 0, &r)) != CLI_OK)
-        return rc;
-    protobuf_c_message_free_unpacked(&r->base, NULL);
-    return cli_fail(CLI_NOT_AVAILABLE,
-                    "%s is not available: the INT8/sketch tiers are not implemented in this "
-                    "kvstashd",
-                    op);
 }

@@ -13,6 +13,27 @@ int operator_can_evict(const policy_ops *p)
     return p->needs == 0;
 }
 
+/* EvictRequest.to's words and the CLI's commands, by policy_tier. */
+static const char *const to_names[4] = {"fp16", "int8", "sketch", "evict"};
+static const char *const op_names[4] = {"revive", "demote", "offload", "evict"};
+
+status_code operator_parse_to(const char *to, policy_tier *out, status *s)
+{
+    if (to == NULL || to[0] == '\0')
+        to = "evict";
+    for (int t = POLICY_FULL; t <= POLICY_EVICT; t++)
+        if (strcmp(to, to_names[t]) == 0) {
+            *out = (policy_tier)t;
+            return ST_OK;
+        }
+    char esc[64];
+    log_escape(to, esc, sizeof esc);
+    return status_set(s, ST_INVALID_ARGUMENT,
+                      "to must be \"evict\" (or empty), \"int8\", \"sketch\" or \"fp16\", "
+                      "got \"%s\"",
+                      esc);
+}
+
 /* ---- the block table side (the same rules as seq.c's eviction) ------------- */
 
 static int range_cmp(const void *a, const void *b)
@@ -40,10 +61,12 @@ static size_t ranges_normalise(operator_range *r, size_t n)
 }
 
 static status_code check_request(const operator_range *ranges, size_t nranges,
-                                 const uint32_t *layers, size_t nlayers, const seq *q, status *s)
+                                 const uint32_t *layers, size_t nlayers, const seq *q,
+                                 policy_tier to, status *s)
 {
     if (nranges == 0)
-        return status_set(s, ST_INVALID_ARGUMENT, "no positions to evict: give at least one range");
+        return status_set(s, ST_INVALID_ARGUMENT, "no positions to %s: give at least one range",
+                          op_names[to]);
     if (nranges > OPERATOR_MAX_RANGES)
         return status_set(s, ST_INVALID_ARGUMENT, "at most %d position ranges, got %zu",
                           OPERATOR_MAX_RANGES, nranges);
@@ -82,15 +105,16 @@ static status_code check_caller(store *st, const char *token, session **out, sta
 
 /* The fd socket admits only root and the daemon's uid today; this check
  * keeps evict safe if it ever admits more (a worker may evict its own). */
-static status_code check_permission(store *st, const session *caller, const seq *q, status *s)
+static status_code check_permission(store *st, const session *caller, const seq *q, policy_tier to,
+                                    status *s)
 {
     session *owner = store_find_session_id_locked(st, q->session_id);
     if (caller->uid != 0 && caller->uid != geteuid() &&
         (owner == NULL || owner->uid != caller->uid))
         return status_set(s, ST_PERMISSION_DENIED,
-                          "uid %u may not evict from sequence %llu (root, the daemon's uid and "
-                          "the owning worker's uid may)",
-                          (unsigned)caller->uid, (unsigned long long)q->id);
+                          "uid %u may not %s positions of sequence %llu (root, the daemon's uid "
+                          "and the owning worker's uid may)",
+                          (unsigned)caller->uid, op_names[to], (unsigned long long)q->id);
     return ST_OK;
 }
 
@@ -102,11 +126,51 @@ static int in_ranges(const operator_range *r, size_t n, size_t *cursor, uint32_t
     return *cursor < n && r[*cursor].first <= pos;
 }
 
+/* Tokens of list (l, k) at the ranges' positions stored in tier t. */
+static uint32_t stored_in(seq *q, uint32_t l, uint32_t k, const operator_range *r, size_t nr,
+                          policy_tier t)
+{
+    const seq_list *ly = &q->lists[(size_t)l * q->heads + k];
+    const uint32_t *pos;
+    uint32_t n = seq_list_tokens(q, l, k, &pos), i = 0, hit = 0;
+    size_t cur = 0;
+    for (size_t sg = 0; sg < ly->nsegs; sg++)
+        for (uint32_t c = 0; c < ly->segs[sg].count && i < n; c++, i++)
+            hit += in_ranges(r, nr, &cur, pos[i]) && ly->seg_tier[sg] == t;
+    return hit;
+}
+
+/* The decision of list k of a layer with the requested positions on top:
+ * evicted, or (a tier move) given tier `to` where the policy keeps them.
+ * Returns the tokens it applied to; *already grows by those of them stored
+ * in `to`. Segments run parallel to the host's list (seq.h). */
+static uint32_t amend_list(seq *q, uint32_t l, uint32_t k, uint8_t *tier, policy_tier to,
+                           const operator_range *r, size_t nr, uint32_t *already,
+                           operator_evict_result *out)
+{
+    const seq_list *ly = &q->lists[(size_t)l * q->heads + k];
+    const uint32_t *pos;
+    uint32_t n = seq_list_tokens(q, l, k, &pos), i = 0, hit = 0;
+    size_t cur = 0;
+    for (size_t sg = 0; sg < ly->nsegs; sg++)
+        for (uint32_t c = 0; c < ly->segs[sg].count && i < n; c++, i++) {
+            int asked = in_ranges(r, nr, &cur, pos[i]);
+            if (tier[i] == POLICY_EVICT && !(asked && to == POLICY_EVICT)) {
+                out->by_policy++; /* the policy's own rule: it runs first */
+            } else if (asked) {
+                tier[i] = (uint8_t)to;
+                *already += ly->seg_tier[sg] == to;
+                hit++;
+            }
+        }
+    return hit;
+}
+
 /* One layer: the policy's step, the requested positions on top, the block
- * table, then the host's commit. */
-static status_code evict_layer(seq *q, uint32_t l, const operator_range *r, size_t nr,
-                               uint64_t span, uint64_t epoch, operator_evict_result *out, status *s,
-                               int *changed)
+ * table, then the host's commit; a demote then quantises what is pending. */
+static status_code apply_layer(seq *q, uint32_t l, policy_tier to, const operator_range *r,
+                               size_t nr, uint64_t span, uint64_t epoch, operator_evict_result *out,
+                               status *s, int *changed)
 {
     policy_stats stats = {.new_tokens = q->unstepped, .confidence = -1.0};
     const policy_decision *d;
@@ -117,37 +181,83 @@ static status_code evict_layer(seq *q, uint32_t l, const operator_range *r, size
      * half-applied. Nothing is committed: the host drops an uncommitted
      * decision at the layer's next step (host.h). */
     if (d->nmerges != 0 || d->rerotate_keys)
-        return status_set(s, ST_INTERNAL,
-                          "policy %s asked for %s, which an operator eviction "
-                          "does not apply",
-                          q->policy->name, d->nmerges != 0 ? "value merges" : "key re-rotation");
+        return status_set(
+            s, ST_INTERNAL, "policy %s asked for %s, which an operator's %s does not apply",
+            q->policy->name, d->nmerges != 0 ? "value merges" : "key re-rotation", op_names[to]);
+    uint32_t already = 0, now = 0; /* requested tokens stored in `to`, before and after */
     for (uint32_t k = 0; k < q->heads; k++) {
-        const uint32_t *pos;
-        uint32_t n = seq_list_tokens(q, l, k, &pos), hit = 0;
-        uint8_t *tier = d->tier[k];
-        size_t cur = 0;
-        for (uint32_t i = 0; i < n; i++) {
-            if (in_ranges(r, nr, &cur, pos[i])) {
-                tier[i] = POLICY_EVICT;
-                hit++;
-            } else if (tier[i] == POLICY_EVICT) {
-                out->by_policy++;
-            }
-        }
+        uint32_t hit = amend_list(q, l, k, d->tier[k], to, r, nr, &already, out);
         out->requested += hit;
         out->not_held += (uint32_t)(span - hit);
     }
     size_t evicted = 0;
     status_code rc = seq_apply_decision(q, l, d, epoch, &evicted, changed, s);
     out->evicted += (uint32_t)evicted;
+    if (rc == ST_OK && to == POLICY_INT8)
+        rc = seq_demote_pending(q, l, epoch, changed, s);
+    if (rc != ST_OK || to == POLICY_EVICT)
+        return rc;
+    /* The requested tokens are all kept, and one stored in `to` before
+     * stays there: the difference is what moved. */
+    for (uint32_t k = 0; k < q->heads; k++)
+        now += stored_in(q, l, k, r, nr, to);
+    out->moved += now - already;
+    return ST_OK;
+}
+
+/* The checks of a call, in order; *out is the sequence when they pass. */
+static status_code check_all(store *st, const char *token, uint64_t seq_id, policy_tier to,
+                             const operator_range *r, size_t nranges, const uint32_t *layers,
+                             size_t nlayers, seq **out, status *s)
+{
+    session *caller = NULL;
+    seq *q = NULL;
+    status_code rc = ST_OK;
+    if (!st->serving)
+        rc = status_set(s, ST_UNAVAILABLE, "kvstashd is shutting down");
+    else
+        rc = check_caller(st, token, &caller, s);
+    if (rc == ST_OK && (q = store_find_seq_locked(st, seq_id)) == NULL)
+        rc = status_set(s, ST_NOT_FOUND, "no sequence %llu", (unsigned long long)seq_id);
+    if (rc == ST_OK)
+        rc = check_permission(st, caller, q, to, s);
+    if (rc == ST_OK && !operator_can_evict(q->policy))
+        rc = status_set(s, ST_FAILED_PRECONDITION,
+                        "sequence %llu runs policy %s, which keeps per-token state that an "
+                        "operator's %s would desynchronise; %s works on policies full and "
+                        "streaming",
+                        (unsigned long long)seq_id, q->policy->name, op_names[to], op_names[to]);
+    if (rc == ST_OK)
+        rc = check_request(r, nranges, layers, nlayers, q, to, s);
+    *out = q;
     return rc;
 }
 
-status_code operator_evict(store *st, const char *token, uint64_t seq_id,
+/* Metrics, the table.changed event and the log line of a call that ran. */
+static void report(store *st, seq *q, policy_tier to, const operator_evict_result *out, int changed)
+{
+    metrics_evicted(st->metrics, q->policy, 1, to == POLICY_EVICT ? out->requested : 0);
+    metrics_evicted(st->metrics, q->policy, 0, out->by_policy);
+    metrics_tiers(st->metrics, q);
+    if (out->evicted > 0 || changed)
+        events_publish(st->events, "table.changed",
+                       json_pack("{sI sI sI ss ss sI}", "seq", (json_int_t)q->id, "epoch",
+                                 (json_int_t)q->epoch, "evicted", (json_int_t)out->evicted, "by",
+                                 "operator", "op", op_names[to], "moved", (json_int_t)out->moved));
+    log_info("operator",
+             "op=%s seq=%llu policy=%s evicted=%u requested=%u by_policy=%u not_held=%u "
+             "moved=%u epoch=%llu",
+             op_names[to], (unsigned long long)q->id, q->policy->name, out->evicted, out->requested,
+             out->by_policy, out->not_held, out->moved, (unsigned long long)q->epoch);
+}
+
+status_code operator_apply(store *st, const char *token, uint64_t seq_id, policy_tier to,
                            const operator_range *ranges, size_t nranges, const uint32_t *layers,
                            size_t nlayers, operator_evict_result *out, status *s)
 {
     memset(out, 0, sizeof *out);
+    if (to > POLICY_EVICT)
+        return status_set(s, ST_INVALID_ARGUMENT, "to is %d, not a tier", (int)to);
     if (nranges > OPERATOR_MAX_RANGES)
         return status_set(s, ST_INVALID_ARGUMENT, "at most %d position ranges, got %zu",
                           OPERATOR_MAX_RANGES, nranges);
@@ -159,24 +269,7 @@ status_code operator_evict(store *st, const char *token, uint64_t seq_id,
     uint8_t *chosen = NULL;
     store_lock(st);
     seq *q = NULL;
-    session *caller = NULL;
-    status_code rc = ST_OK;
-    if (!st->serving)
-        rc = status_set(s, ST_UNAVAILABLE, "kvstashd is shutting down");
-    else
-        rc = check_caller(st, token, &caller, s);
-    if (rc == ST_OK && (q = store_find_seq_locked(st, seq_id)) == NULL)
-        rc = status_set(s, ST_NOT_FOUND, "no sequence %llu", (unsigned long long)seq_id);
-    if (rc == ST_OK)
-        rc = check_permission(st, caller, q, s);
-    if (rc == ST_OK && !operator_can_evict(q->policy))
-        rc = status_set(s, ST_FAILED_PRECONDITION,
-                        "sequence %llu runs policy %s, which keeps per-token state that an "
-                        "operator eviction would desynchronise; evict works on policies full "
-                        "and streaming",
-                        (unsigned long long)seq_id, q->policy->name);
-    if (rc == ST_OK)
-        rc = check_request(r, nranges, layers, nlayers, q, s);
+    status_code rc = check_all(st, token, seq_id, to, r, nranges, layers, nlayers, &q, s);
     if (rc == ST_OK && (chosen = calloc(q->nlayers, 1)) == NULL)
         rc = status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
     if (rc == ST_OK) {
@@ -192,25 +285,22 @@ status_code operator_evict(store *st, const char *token, uint64_t seq_id,
         int changed = 0;
         for (uint32_t l = 0; l < q->nlayers && rc == ST_OK; l++)
             if (chosen[l])
-                rc = evict_layer(q, l, r, nr, span, epoch, out, s, &changed);
+                rc = apply_layer(q, l, to, r, nr, span, epoch, out, s, &changed);
         if (out->evicted > 0 || changed)
             q->epoch = epoch;
         out->epoch = q->epoch;
-        metrics_evicted(st->metrics, q->policy, 1, out->requested);
-        metrics_evicted(st->metrics, q->policy, 0, out->by_policy);
-        metrics_tiers(st->metrics, q);
-        if (out->evicted > 0)
-            events_publish(st->events, "table.changed",
-                           json_pack("{sI sI sI ss}", "seq", (json_int_t)q->id, "epoch",
-                                     (json_int_t)q->epoch, "evicted", (json_int_t)out->evicted,
-                                     "by", "operator"));
-        log_info("operator_evict",
-                 "seq=%llu policy=%s evicted=%u requested=%u by_policy=%u not_held=%u epoch=%llu",
-                 (unsigned long long)seq_id, q->policy->name, out->evicted, out->requested,
-                 out->by_policy, out->not_held, (unsigned long long)q->epoch);
+        report(st, q, to, out, changed);
     }
     store_unlock(st);
     free(chosen);
     free(r);
     return rc;
+}
+
+status_code operator_evict(store *st, const char *token, uint64_t seq_id,
+                           const operator_range *ranges, size_t nranges, const uint32_t *layers,
+                           size_t nlayers, operator_evict_result *out, status *s)
+{
+    return operator_apply(st, token, seq_id, POLICY_EVICT, ranges, nranges, layers, nlayers, out,
+                          s);
 }

@@ -442,18 +442,22 @@ static int list_moves(seq *s, seq_list *ly, uint32_t layer, tier_token *tok, con
 
 /* INT8 demotion in whole INT8 blocks (POLICIES.md §5.4: a block's scales
  * cover all its tokens and it is written once): the oldest tokens decided
- * INT8 but stored at full precision, as many blocks' worth as there are. */
-static int list_demote(seq *s, tier_token *tok, const uint8_t *tier, uint32_t n, uint32_t *scratch)
+ * INT8 but stored at full precision, as many blocks' worth as there are;
+ * with `partial`, all of them, the last INT8 block written partial (its
+ * free slots are never filled: an operator's demote wants them now). */
+static int list_demote(seq *s, tier_token *tok, const uint8_t *tier, uint32_t n, uint32_t *scratch,
+                       int partial)
 {
     uint32_t t8 = s->tier.l8.block_tokens;
     size_t m = 0;
     for (uint32_t i = 0; i < n; i++)
         if (tier[i] == POLICY_INT8 && tok[i].tier == POLICY_FULL)
             scratch[m++] = i;
-    size_t nq = m / t8;
+    size_t nq = partial ? (m + t8 - 1) / t8 : m / t8;
     if (nq == 0 || nq > s->pool->nfree)
         return 0;
-    m = nq * t8;
+    if (!partial)
+        m = nq * t8;
     uint32_t *qb = malloc(nq * sizeof *qb);
     uint8_t *k, *v;
     if (qb == NULL || stage_tokens(s, tok, scratch, m, &k, &v) != 0) {
@@ -607,27 +611,30 @@ static int list_apply(seq *s, uint32_t l, uint32_t k, tier_token *tok, const pol
     if (list_untouched(s, tok, tier, n))
         return 0;
     *changed = 1;
-    /* Blocks used before (at most n + 1 with the tail, twice: see below),
-     * after (at most n) and an index list (n). */
+    /* Blocks used before (at most n + 1 with the tail, three times: see
+     * below), after (at most n) and an index list (n). */
     size_t cap = 2 * (size_t)n + 4;
-    uint32_t *scratch = malloc(3 * cap * sizeof *scratch);
+    uint32_t *scratch = malloc(4 * cap * sizeof *scratch);
     if (scratch == NULL)
         return -1;
-    uint32_t *before = scratch, *after = scratch + cap, *idx = scratch + 2 * cap;
+    uint32_t *before = scratch, *after = scratch + 2 * cap, *idx = scratch + 3 * cap;
     size_t nb = list_block_set(ly, tok, n, 1, before);
     int rc = list_victims(s, ly, l, tok, pos, tier, n, idx);
     if (rc == 0)
         rc = list_moves(s, ly, l, tok, pos, tier, n);
+    /* Blocks the moves took (tails for revived tokens) count as used before
+     * the demotion, which may empty them again. */
+    nb = sort_unique(before, nb + list_block_set(ly, tok, n, 1, before + nb));
     if (rc == 0)
-        rc = list_demote(s, tok, tier, n, idx);
+        rc = list_demote(s, tok, tier, n, idx, 0);
     if (rc == 0 && d->rerotate_keys)
         rc = list_rerotate(s, tok, tier, n, d);
     uint32_t kept = 0;
     for (uint32_t i = 0; i < n; i++)
         if (tier[i] != POLICY_EVICT)
             tok[kept++] = tok[i];
-    /* Blocks the moves took (a new tail for revived tokens) count as used
-     * before compaction, which may leave them. */
+    /* Blocks the moves and the demotion took count as used before
+     * compaction, which may leave them. */
     nb = sort_unique(before, nb + list_block_set(ly, tok, kept, 1, before + nb));
     if (rc == 0)
         rc = list_compact(s, ly, tok, kept, idx);
@@ -660,6 +667,49 @@ status_code seq_apply_decision(seq *s, uint32_t l, const policy_decision *d, uin
     if (rc != 0)
         return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
     *evicted += policy_host_commit(s->host, l);
+    return ST_OK;
+}
+
+/* Quantise list (l, k)'s tokens decided INT8 but stored at full precision,
+ * a partial INT8 block included, then retire what the list no longer uses
+ * as list_apply does: the blocks before (with the tail) that are not used
+ * after (without it), each once. The INT8 blocks it takes are all used
+ * after. */
+static int list_demote_now(seq *s, uint32_t l, uint32_t k, uint64_t epoch, int *changed)
+{
+    seq_list *ly = &s->lists[(size_t)l * s->heads + k];
+    const policy_layer_view *v = policy_host_view(s->host, l);
+    uint32_t n = v->tokens[k];
+    const uint8_t *tier = v->tier[k];
+    size_t cap = (size_t)n + 1; /* blocks before (with the tail), after, indices */
+    tier_token *tok = list_expand(ly, n);
+    uint32_t *scratch = malloc(3 * cap * sizeof *scratch);
+    if (tok == NULL || scratch == NULL) {
+        free(tok);
+        free(scratch);
+        return -1;
+    }
+    uint32_t *before = scratch, *after = scratch + cap, *idx = scratch + 2 * cap;
+    size_t nb = list_block_set(ly, tok, n, 1, before);
+    uint64_t moved = s->moved[0];
+    int rc = list_demote(s, tok, tier, n, idx, 1);
+    if (rc == 0 && s->moved[0] != moved) {
+        *changed = 1;
+        rc = list_encode(ly, tok, n);
+        if (rc == 0)
+            rc = retire_unused(s, ly, before, nb, after, list_block_set(ly, tok, n, 0, after),
+                               epoch);
+    }
+    free(tok);
+    free(scratch);
+    return rc;
+}
+
+status_code seq_demote_pending(seq *s, uint32_t layer, uint64_t epoch, int *changed, status *st)
+{
+    for (uint32_t k = 0; k < s->heads; k++)
+        if (list_demote_now(s, layer, k, epoch, changed) != 0)
+            return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
     return ST_OK;
 }
 

@@ -11,8 +11,9 @@
  * of an INT8 block (tier.h), or the list's sketch (no block). The storage
  * tier follows the policy's decided tier (the host's), but may lag it: INT8
  * demotion waits until a whole INT8 block's worth of tokens is decided INT8
- * (an INT8 block is written once; its scales cover all its tokens), and a
- * move that needs blocks the pool lacks waits for the next step.
+ * (an INT8 block is written once; its scales cover all its tokens; only an
+ * operator's demote writes a partial one, seq_demote_pending), and a move
+ * that needs blocks the pool lacks waits for the next step.
  * Blocks of an all-heads list hold block_tokens tokens of every KV head
  * (K, V: [kv_heads][block_tokens][head_dim]); blocks of a per-head list hold
  * kv_heads * block_tokens rows of their one head (K, V: [rows][head_dim]),
@@ -147,6 +148,16 @@ status_code seq_step(seq *s, const seq_step_input *in, uint32_t *evicted, status
  * tokens removed, *changed is set when any list's table changed. */
 status_code seq_apply_decision(seq *s, uint32_t l, const policy_decision *d, uint64_t epoch,
                                size_t *evicted, int *changed, status *st);
+
+/* Quantise now every token of layer `layer`'s lists that the host decided
+ * INT8 but that is still stored at full precision, fewer than an INT8
+ * block's worth included (the last INT8 block is written partial and never
+ * filled later): an operator's demote (operator.h), after
+ * seq_apply_decision committed the decision. Tokens stay where they are
+ * when the pool lacks the blocks. Blocks no longer used are retired at
+ * `epoch`; *changed is set when a list's table changed. RESOURCE_EXHAUSTED
+ * when out of memory. */
+status_code seq_demote_pending(seq *s, uint32_t layer, uint64_t epoch, int *changed, status *st);
 
 /* Storage per tier (POLICY_FULL, _INT8, _SKETCH) over every list: tokens
  * held (sketch: in-list sketch tokens plus offloaded ones) and bytes (pool

@@ -92,6 +92,9 @@ status_code service_evict(void *app, const char *token, const ProtobufCMessage *
                           grpc_byte_buffer **resp, status *st)
 {
     const Kvstash__V1__EvictRequest *req = (const void *)m;
+    policy_tier to;
+    if (operator_parse_to(req->to, &to, st) != ST_OK)
+        return st->code;
     if (req->n_ranges > OPERATOR_MAX_RANGES)
         return status_set(st, ST_INVALID_ARGUMENT, "at most %d position ranges, got %zu",
                           OPERATOR_MAX_RANGES, req->n_ranges);
@@ -101,7 +104,7 @@ status_code service_evict(void *app, const char *token, const ProtobufCMessage *
     for (size_t i = 0; i < req->n_ranges; i++)
         r[i] = (operator_range){req->ranges[i]->first, req->ranges[i]->count};
     operator_evict_result res;
-    status_code rc = operator_evict(app, token, req->seq_id, r, req->n_ranges, req->layers,
+    status_code rc = operator_apply(app, token, req->seq_id, to, r, req->n_ranges, req->layers,
                                     req->n_layers, &res, st);
     free(r);
     if (rc != ST_OK)
@@ -112,6 +115,7 @@ status_code service_evict(void *app, const char *token, const ProtobufCMessage *
     out.requested = res.requested;
     out.by_policy = res.by_policy;
     out.not_held = res.not_held;
+    out.moved = res.moved;
     *resp = pbgrpc_pack(&out.base);
     return ST_OK;
 }

@@ -6,14 +6,23 @@
  * values that are a function of (seed, sequence index, layer, head, original
  * position, channel). It verifies through the block tables and positions
  * that every held token has exactly the values of its original position:
- * after every --verify-every appends, at the end, and (with --hold) again
- * after being told to finish.
+ * after every --verify-every appends, at the end, and (with --hold) at each
+ * line on stdin and again after being told to finish. A token stored in
+ * another tier (an operator's `kvstash demote / offload / revive`) is
+ * checked by what the worker has seen happen to it (track_tiers): within
+ * max|x| / 254 per INT8 quantisation it went through (fp32 pools only), and
+ * not at all once it was in the sketch (a revived estimate is not the token)
+ * or was quantised beside such an estimate. So a test that moves tokens has
+ * the worker verify after each move.
  *
  * stdout, one line each, flushed (a test may kill the worker at any time):
  *   ATTACHED session=<id> pool=<id>
  *   APPENDED <n>              n tokens are now appended to every sequence
  *   READY                     (--hold) writing is done; waiting for stdin EOF (when
  *                             stdin is a pipe, socket or tty) or SIGTERM/SIGINT
+ *   VERIFIED checked=<rows> int8=<rows> sketch=<rows>
+ *                             (--hold) a line on stdin made it verify: rows held,
+ *                             of which stored INT8, and in the sketch (skipped)
  *   MISMATCH <details>        a held token has wrong values or position
  *   {"ok":true,"seq_ids":[...],"tokens":N,"checked":M}   the last line
  * On failure the last line is {"ok":false,...} with "error" (and "code" for
@@ -38,6 +47,7 @@
 #include "kvstash.h"
 
 #define MAX_PARAMS 32
+#define ROUNDS_LOST 255 /* worker.rounds: the values are gone (track_tiers) */
 
 typedef struct opts {
     const char *socket, *model, *policy, *name, *label;
@@ -54,6 +64,10 @@ typedef struct worker {
     uint64_t *seq_ids;
     uint64_t appended; /* tokens appended to every sequence */
     uint64_t checked;
+    uint64_t int8_rows, sketch_rows; /* of checked: stored INT8, in the sketch */
+    /* [sequences][layers][tokens]: the kvs_tier each position was stored in
+     * at the last verify, and the INT8 quantisations seen (or ROUNDS_LOST) */
+    uint8_t *last_tier, *rounds;
     size_t elt;
 } worker;
 
@@ -261,65 +275,157 @@ static void write_tokens(worker *w, uint64_t seq, const kvs_table *t)
     }
 }
 
+/* Bound of `rounds` INT8 round trips of channel c of (sequence si, layer
+ * l, head h): s / 2 = max|group| / 254 each (kernels.h), the group some of
+ * the positions appended; a margin for the fp32 rounding of code * scale
+ * and for a requantised group's max, grown by the errors before. */
+static float int8_bound(const worker *w, uint64_t si, uint32_t l, uint32_t h, uint32_t c, int is_v,
+                        uint8_t rounds)
+{
+    float m = 0, x;
+    for (uint64_t p = 0; p < w->appended; p++) {
+        value_of(w, si, l, h, p, c, is_v, &x);
+        m = x > m ? x : -x > m ? -x : m;
+    }
+    return m / 254.0f * (float)rounds * (1.0f + (float)rounds / 100.0f);
+}
+
+/* Whether a value read back is right: exact for a token never quantised,
+ * within the bound of its INT8 round trips for one that was. */
+static int value_ok(const worker *w, uint64_t si, uint32_t l, uint32_t h, uint32_t c, int is_v,
+                    const uint8_t *got, const uint8_t *want, uint8_t rounds)
+{
+    if (rounds == 0)
+        return memcmp(got, want, w->elt) == 0;
+    float g, x;
+    memcpy(&g, got, 4);
+    memcpy(&x, want, 4);
+    float b = int8_bound(w, si, l, h, c, is_v, rounds); /* (no libm in this worker) */
+    return g - x <= b && x - g <= b;
+}
+
+static void print_mismatch(uint64_t id, uint32_t l, uint32_t i, uint32_t p, uint32_t h, uint32_t c,
+                           int is_v, const uint8_t *got, const uint8_t *want, size_t elt)
+{
+    uint32_t gw = 0, ww = 0;
+    memcpy(&gw, got, elt);
+    memcpy(&ww, want, elt);
+    printf("MISMATCH seq=%" PRIu64 " layer=%" PRIu32 " token=%" PRIu32 " position=%" PRIu32
+           " head=%" PRIu32 " channel=%" PRIu32 " %s got=0x%08" PRIx32 " want=0x%08" PRIx32 "\n",
+           id, l, i, p, h, c, is_v ? "V" : "K", gw, ww);
+}
+
+/* Positions in order and never beyond what was appended (and, for policy
+ * full, every one of them). Returns mismatches. */
+static int verify_positions(const worker *w, uint64_t id, uint32_t l, const kvs_layer *ly)
+{
+    int full = strcmp(w->o->policy, "full") == 0;
+    if (full && ly->tokens != w->appended) {
+        printf("MISMATCH seq=%" PRIu64 " layer=%" PRIu32 " tokens=%" PRIu32 " appended=%" PRIu64
+               " (policy full keeps every token)\n",
+               id, l, ly->tokens, w->appended);
+        return 1;
+    }
+    for (uint32_t i = 0; i < ly->tokens; i++) {
+        uint32_t p = ly->positions[i];
+        if (p >= w->appended || (i > 0 && p <= ly->positions[i - 1]) || (full && p != i)) {
+            printf("MISMATCH seq=%" PRIu64 " layer=%" PRIu32 " token=%" PRIu32 " position=%" PRIu32
+                   " (out of order, or never appended: %" PRIu64 " appended)\n",
+                   id, l, i, p, w->appended);
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* What happened to the tokens of a list since the last verify. One now in
+ * the sketch loses its values for good (an estimate comes back); one now
+ * INT8 that was not went through one more quantisation, whose error is
+ * bounded by the largest value of its INT8 block (a scale per block and
+ * channel): if the list holds an estimate outside the sketch, that may be
+ * in the block, and the token's values are lost too. */
+static void track_tiers(worker *w, uint64_t si, uint32_t l, const kvs_layer *ly)
+{
+    size_t at = (si * kvs_session_geometry(w->s)->layers + l) * w->o->tokens;
+    uint8_t *last = w->last_tier + at, *rounds = w->rounds + at;
+    int estimates = 0;
+    for (size_t s = 0, i = 0; s < ly->nsegments; i += ly->segments[s++].count)
+        for (uint32_t j = 0; j < ly->segments[s].count; j++) {
+            uint32_t p = ly->positions[i + j];
+            if (ly->segments[s].tier == KVS_TIER_SKETCH)
+                rounds[p] = ROUNDS_LOST;
+            else
+                estimates |= rounds[p] == ROUNDS_LOST;
+        }
+    for (size_t s = 0, i = 0; s < ly->nsegments; i += ly->segments[s++].count)
+        for (uint32_t j = 0; j < ly->segments[s].count; j++) {
+            uint32_t p = ly->positions[i + j], tier = ly->segments[s].tier;
+            if (tier == KVS_TIER_INT8 && last[p] != KVS_TIER_INT8 && rounds[p] != ROUNDS_LOST)
+                rounds[p] = estimates || rounds[p] == ROUNDS_LOST - 1 ? ROUNDS_LOST : rounds[p] + 1;
+            last[p] = (uint8_t)tier;
+        }
+}
+
+/* The tokens of one segment, first token t of the layer. Returns mismatches. */
+static int verify_segment(worker *w, uint64_t si, uint64_t id, uint32_t l, const kvs_layer *ly,
+                          uint32_t t, kvs_segment sg)
+{
+    const kvs_geometry *g = kvs_session_geometry(w->s);
+    const uint8_t *rounds = w->rounds + (si * g->layers + l) * w->o->tokens;
+    w->int8_rows += sg.tier == KVS_TIER_INT8 ? sg.count : 0;
+    if (sg.tier == KVS_TIER_SKETCH) { /* not readable in place */
+        w->sketch_rows += sg.count;
+        return 0;
+    }
+    kvs_layer one = *ly;
+    one.tokens = sg.count;
+    one.nsegments = 1;
+    one.segments = &sg;
+    one.positions = ly->positions + t;
+    size_t row = (size_t)g->head_dim * w->elt, bytes = (size_t)g->kv_heads * sg.count * row;
+    uint8_t *k = xmalloc(bytes), *v = xmalloc(bytes), want[8];
+    int rc = kvs_layer_read(w->s, &one, k, v);
+    if (rc != KVS_OK)
+        api_die(w, "kvs_layer_read", rc);
+    int bad = 0;
+    for (uint32_t h = 0; h < g->kv_heads && !bad; h++)
+        for (uint32_t j = 0; j < sg.count && !bad; j++) {
+            uint32_t p = ly->positions[t + j];
+            if (rounds[p] != 0 && w->elt != 4)
+                die(3, 0, "tokens moved to INT8 or the sketch are verified in fp32 pools only");
+            for (uint32_t c = 0; c < g->head_dim && rounds[p] != ROUNDS_LOST && !bad; c++)
+                for (int kv = 0; kv < 2 && !bad; kv++) {
+                    const uint8_t *got =
+                        (kv ? v : k) + ((size_t)h * sg.count + j) * row + c * w->elt;
+                    value_of(w, si, l, h, p, c, kv, want);
+                    if (!value_ok(w, si, l, h, c, kv, got, want, rounds[p])) {
+                        print_mismatch(id, l, t + j, p, h, c, kv, got, want, w->elt);
+                        bad++;
+                    }
+                }
+        }
+    free(k);
+    free(v);
+    return bad;
+}
+
 /* Verify every held token of sequence index `si`; returns mismatches. */
 static int verify_seq(worker *w, uint64_t si)
 {
-    const kvs_geometry *g = kvs_session_geometry(w->s);
     uint64_t id = w->seq_ids[si];
     kvs_table t;
     int rc = kvs_seq_table(w->s, id, 1, &t);
     if (rc != KVS_OK)
         api_die(w, "kvs_seq_table", rc);
     int bad = 0;
-    int full = strcmp(w->o->policy, "full") == 0;
-    size_t row = (size_t)g->head_dim * w->elt;
-    uint8_t want[8];
     for (uint32_t l = 0; l < t.layers && bad == 0; l++) {
         const kvs_layer *ly = &t.layer[l];
-        if (full && ly->tokens != w->appended) {
-            printf("MISMATCH seq=%" PRIu64 " layer=%" PRIu32 " tokens=%" PRIu32 " appended=%" PRIu64
-                   " (policy full keeps every token)\n",
-                   id, l, ly->tokens, w->appended);
-            bad++;
-            break;
-        }
-        for (uint32_t i = 0; i < ly->tokens; i++) {
-            uint32_t p = ly->positions[i];
-            if (p >= w->appended || (i > 0 && p <= ly->positions[i - 1]) || (full && p != i)) {
-                printf("MISMATCH seq=%" PRIu64 " layer=%" PRIu32 " token=%" PRIu32
-                       " position=%" PRIu32 " (out of order, or never appended: %" PRIu64
-                       " appended)\n",
-                       id, l, i, p, w->appended);
-                bad++;
-                break;
-            }
-        }
-        if (bad)
-            break;
-        size_t bytes = (size_t)g->kv_heads * ly->tokens * row;
-        uint8_t *k = xmalloc(bytes), *v = xmalloc(bytes);
-        kvs_layer_read(w->s, ly, k, v);
-        for (uint32_t h = 0; h < g->kv_heads && !bad; h++)
-            for (uint32_t i = 0; i < ly->tokens && !bad; i++)
-                for (uint32_t c = 0; c < g->head_dim && !bad; c++) {
-                    size_t off = ((size_t)h * ly->tokens + i) * row + c * w->elt;
-                    for (int kv = 0; kv < 2 && !bad; kv++) {
-                        const uint8_t *got = (kv ? v : k) + off;
-                        value_of(w, si, l, h, ly->positions[i], c, kv, want);
-                        if (memcmp(got, want, w->elt) != 0) {
-                            uint32_t gw = 0, ww = 0;
-                            memcpy(&gw, got, w->elt);
-                            memcpy(&ww, want, w->elt);
-                            printf("MISMATCH seq=%" PRIu64 " layer=%" PRIu32 " token=%" PRIu32
-                                   " position=%" PRIu32 " head=%" PRIu32 " channel=%" PRIu32
-                                   " %s got=0x%08" PRIx32 " want=0x%08" PRIx32 "\n",
-                                   id, l, i, ly->positions[i], h, c, kv ? "V" : "K", gw, ww);
-                            bad++;
-                        }
-                    }
-                }
-        free(k);
-        free(v);
+        bad += verify_positions(w, id, l, ly);
+        if (bad == 0)
+            track_tiers(w, si, l, ly);
+        uint32_t first = 0;
+        for (size_t i = 0; i < ly->nsegments && bad == 0; first += ly->segments[i++].count)
+            bad += verify_segment(w, si, id, l, ly, first, ly->segments[i]);
         w->checked += ly->tokens;
     }
     kvs_table_free(&t);
@@ -343,11 +449,22 @@ static void sleep_ms(uint64_t ms)
         ;
 }
 
+/* A line on stdin while holding: verify now and say what was seen. */
+static void verify_on_request(worker *w)
+{
+    uint64_t checked = w->checked, int8 = w->int8_rows, sketch = w->sketch_rows;
+    verify_all(w);
+    printf("VERIFIED checked=%" PRIu64 " int8=%" PRIu64 " sketch=%" PRIu64 "\n",
+           w->checked - checked, w->int8_rows - int8, w->sketch_rows - sketch);
+    fflush(stdout);
+}
+
 /* --hold: wait until stdin reaches EOF or a SIGTERM/SIGINT arrives (both
- * are blocked since start-up and read through a signalfd). Stdin counts only
- * when it is a pipe, socket or terminal: /dev/null or a file would end the
- * wait at once, so then only the signal does. */
-static void hold(const sigset_t *sigs)
+ * are blocked since start-up and read through a signalfd), verifying at each
+ * line on stdin. Stdin counts only when it is a pipe, socket or terminal:
+ * /dev/null or a file would end the wait at once, so then only the signal
+ * does. */
+static void hold(worker *w, const sigset_t *sigs)
 {
     int sfd = signalfd(-1, sigs, SFD_CLOEXEC);
     if (sfd < 0)
@@ -370,6 +487,9 @@ static void hold(const sigset_t *sigs)
             ssize_t n = read(0, buf, sizeof buf);
             if (n <= 0)
                 break;
+            for (ssize_t i = 0; i < n; i++)
+                if (buf[i] == '\n')
+                    verify_on_request(w);
         }
     }
     close(sfd);
@@ -408,6 +528,10 @@ int main(int argc, char **argv)
     fflush(stdout);
 
     w.seq_ids = xmalloc(o.sequences * sizeof *w.seq_ids);
+    w.last_tier = calloc(o.sequences * o.geom.layers * o.tokens + 1, 1);
+    w.rounds = calloc(o.sequences * o.geom.layers * o.tokens + 1, 1);
+    if (w.last_tier == NULL || w.rounds == NULL)
+        die(2, 0, "out of memory");
     for (uint64_t i = 0; i < o.sequences; i++) {
         rc = kvs_seq_create(w.s, o.policy, o.params, o.nparams, o.label, &w.seq_ids[i]);
         if (rc != KVS_OK)
@@ -441,7 +565,7 @@ int main(int argc, char **argv)
     if (o.hold) {
         printf("READY\n");
         fflush(stdout);
-        hold(&sigs);
+        hold(&w, &sigs);
         verify_all(&w);
     }
 
@@ -451,5 +575,7 @@ int main(int argc, char **argv)
         die(2, rc, "kvs_session_detach: %s", kvs_strerror(rc));
     print_ok(&w);
     free(w.seq_ids);
+    free(w.last_tier);
+    free(w.rounds);
     return 0;
 }

@@ -8,11 +8,15 @@ runs with --json and its values are checked against what the workers did
 streaming the positions its rule keeps, simulated here); the text output is
 checked for the same facts. evict changes a sequence and the worker then
 verifies every token it still holds; watch sees the events of a worker's
-life and of an eviction. The error cases exit non-zero with one line on
-stderr: daemon not running (3), unknown sequence (4), permission denied (5),
-not available (6), usage (2), and a daemon refusal (1). `--help` works at
-every level.
+life and of an eviction. demote, offload and revive move a held sequence's
+tokens between the fp16, INT8 and sketch tiers: `seq show` maps and the
+replies say where every position went, and the worker reads its tables after
+each move (INT8 within the quantisation bound). The error cases exit non-zero
+with one line on stderr: daemon not running (3), unknown sequence (4),
+permission denied (5), usage (2), and a daemon refusal (1). `--help` works
+at every level.
 """
+import contextlib
 import json
 import os
 import re
@@ -277,7 +281,7 @@ def check_evict_changes_the_sequence(ctx):
     # Positions 8-15 fill block 1 of every layer (8 tokens a block): it is retired.
     r = ok_json(ctx, "evict", str(sid), "8-15")
     assert r == {"epoch": before["sequence"]["epoch"] + 1, "evicted": 3 * 8, "requested": 3 * 8,
-                 "by_policy": 0, "not_held": 0}, r
+                 "by_policy": 0, "not_held": 0, "moved": 0}, r
     j = ok_json(ctx, "seq", "show", str(sid))
     assert j["sequence"]["tokens"] == LAYERS * (64 - 8)
     for m in j["maps"]:
@@ -351,7 +355,8 @@ def check_watch_sees_a_worker_and_an_eviction(ctx):
     att, created, changed, gone = events
     assert att["pid"] == w.proc.pid and att["name"] == "cli-watched", att
     assert created["seq"] == seq and created["policy"] == "streaming", created
-    assert changed == {**changed, "seq": seq, "evicted": LAYERS * 8, "by": "operator"}, changed
+    assert changed == {**changed, "seq": seq, "evicted": LAYERS * 8, "by": "operator",
+                       "op": "evict", "moved": 0}, changed
     assert gone["reason"] == "detach" and gone["session"] == att["session"], gone
     assert [e["n"] for e in events] == list(range(events[0]["n"], events[0]["n"] + 4))
     # Text mode with --topic, and no event in time: exits 0 at the timeout.
@@ -359,13 +364,145 @@ def check_watch_sees_a_worker_and_an_eviction(ctx):
     assert rc == 0 and out == "" and err == "", (rc, out, err)
 
 
-def check_demote_offload_revive_not_available(ctx):
-    sid = ctx.full.seqs[0]
+def verify_now(w):
+    """Have a holding worker read and verify its tables: the VERIFIED counts."""
+    w.proc.stdin.write("\n")
+    w.proc.stdin.flush()
+    line = w.wait_line("VERIFIED")
+    return {k: int(v) for k, v in (f.split("=") for f in line.split()[1:])}
+
+
+def tier_runs(*spans):
+    """TierRun dicts of (first, last, tier) spans."""
+    return [{"first_position": a, "count": b - a + 1, "tier": t} for a, b, t in spans]
+
+
+def pool_accounted(ctx):
+    """Every block of the pool not free is a sequence's (in a list, or retired)."""
+    st = ok_json(ctx, "status")
+    (pool,) = st["pools"]
+    held = sum(q["blocks"] for q in st["sequences"])
+    return pool["blocks_total"] - pool["blocks_free"] == held
+
+
+@contextlib.contextmanager
+def killed_on_failure(w):
+    """A failing check does not leave its worker holding for the next checks."""
+    try:
+        yield w
+    except BaseException:
+        w.proc.kill()
+        w.proc.wait()
+        raise
+
+
+def check_demote_offload_revive(ctx):
+    w = Worker(ctx.daemon, "cli-tiers", seed=25, tokens=64, step=16, label="tiers").ready()
+    with killed_on_failure(w):
+        tier_moves_on_a_full_sequence(ctx, w)
+    result = w.finish()
+    assert result["ok"] and result["checked"] > 0, result
+
+
+def tier_moves_on_a_full_sequence(ctx, w):
+    """Demote, offload and revive by hand: the map of every list, the replies,
+    retired blocks and the worker reading back what it wrote (verify_now)."""
+    (sid,) = [q.seq_id for q in ctx.daemon.stats().sequences if q.session_id == w.session_id()]
+    sid = str(sid)
+    assert verify_now(w) == {"checked": LAYERS * 64, "int8": 0, "sketch": 0}
+    epoch = ok_json(ctx, "seq", "show", sid)["sequence"]["epoch"]
+    fp16 = tier_runs((0, 63, "fp16"))
+
+    # demote: 40 tokens a list, an INT8 block's 28 and a partial one, at once.
+    r = ok_json(ctx, "demote", sid, "0-39")
+    assert r == {"epoch": epoch + 1, "evicted": 0, "requested": LAYERS * 40, "by_policy": 0,
+                 "not_held": 0, "moved": LAYERS * 40}, r
+    j = ok_json(ctx, "seq", "show", sid)
+    assert all(m["runs"] == tier_runs((0, 39, "int8"), (40, 63, "fp16")) for m in j["maps"]), \
+        j["maps"]
+    # Blocks 0-4 of each list held positions 0-39: retired; two INT8 blocks took them.
+    assert [(ly["tokens_int8"], ly["blocks"]) for ly in j["layers"]] == [(40, 3 + 2)] * LAYERS
+    assert j["retired"] == [{"epoch": r["epoch"], "blocks": LAYERS * 5}], j["retired"]
+    assert verify_now(w) == {"checked": LAYERS * 64, "int8": LAYERS * 40, "sketch": 0}
+    out = ok_text(ctx, "demote", sid, "30-41")  # 30-39 are INT8 already
+    assert f"seq {sid}: demoted {LAYERS * 2} token(s) to int8, of {LAYERS * 12} held" in out, out
+    assert f"({LAYERS * 10} were there already" in out and f"epoch {epoch + 2}" in out, out
+
+    # offload: INT8 and fp16 tokens of layer 1 into its sketch; they stay in the list.
+    r = ok_json(ctx, "offload", sid, "0-1,40-47", "--layer", "1")
+    assert (r["requested"], r["moved"], r["not_held"], r["epoch"]) == (10, 10, 0, epoch + 3), r
+    j = ok_json(ctx, "seq", "show", sid)
+    layer1 = tier_runs((0, 1, "sketch"), (2, 39, "int8"), (40, 47, "sketch"), (48, 63, "fp16"))
+    assert [m["runs"] for m in j["maps"]] == [tier_runs((0, 41, "int8"), (42, 63, "fp16")),
+                                                layer1,
+                                                tier_runs((0, 41, "int8"), (42, 63, "fp16"))]
+    assert j["layers"][1]["tokens"] == 64 and j["layers"][1]["tokens_sketch"] == 10, j["layers"]
+    assert verify_now(w) == {"checked": LAYERS * 64, "int8": 42 + 38 + 42, "sketch": 10}
+
+    # revive: sketch estimates (out of the sketch) and INT8 tokens back to fp16.
+    out = ok_text(ctx, "revive", sid, "0-3,44-45,60-63", "--layer", "1")
+    assert f"seq {sid}: revived 6 token(s) to fp16, of 10 held" in out, out
+    assert "(4 were there already" in out, out
+    # demote a sketch token: it leaves the sketch, then is quantised alone.
+    r = ok_json(ctx, "demote", sid, "46", "--layer", "1")
+    assert (r["requested"], r["moved"]) == (1, 1), r
+    # Every INT8 token of layer 0 back: its INT8 blocks are retired.
+    r = ok_json(ctx, "revive", sid, "0-63", "--layer", "0")
+    assert (r["requested"], r["moved"], r["evicted"]) == (64, 42, 0), r
+    j = ok_json(ctx, "seq", "show", sid)
+    assert [m["runs"] for m in j["maps"]] == [
+        fp16,
+        tier_runs((0, 3, "fp16"), (4, 39, "int8"), (40, 43, "sketch"), (44, 45, "fp16"),
+                  (46, 46, "int8"), (47, 47, "sketch"), (48, 63, "fp16")),
+        tier_runs((0, 41, "int8"), (42, 63, "fp16"))], j["maps"]
+    # Layer 0's three INT8 blocks (two from the first demote, one from the second) go.
+    assert j["layers"][0]["tokens_int8"] == 0, j["layers"]
+    assert {"epoch": r["epoch"], "blocks": 3} in j["retired"], (r, j["retired"])
+    assert verify_now(w) == {"checked": LAYERS * 64, "int8": 37 + 42, "sketch": 5}
+    tiers = {t["tier"]: t["tokens"] for t in ok_json(ctx, "status")["tiers"]}
+    assert (tiers["int8"], tiers["sketch"]) == (37 + 42, 5), tiers
+    assert pool_accounted(ctx)
+    # Sketch tokens demoted: revived into fresh blocks that the INT8 blocks
+    # empty again in the same step; those blocks are retired, not lost.
+    ok_json(ctx, "offload", sid, "0-39", "--layer", "0")
+    assert verify_now(w) == {"checked": LAYERS * 64, "int8": 37 + 42, "sketch": 40 + 5}
+    r = ok_json(ctx, "demote", sid, "0-39", "--layer", "0")
+    assert (r["requested"], r["moved"]) == (40, 40), r
+    assert ok_json(ctx, "seq", "show", sid)["maps"][0]["runs"] == \
+        tier_runs((0, 39, "int8"), (40, 63, "fp16"))
+    assert pool_accounted(ctx)
+    assert verify_now(w) == {"checked": LAYERS * 64, "int8": 40 + 37 + 42, "sketch": 5}
+
+
+def check_tier_moves_after_the_policy_rule(ctx):
+    """streaming's rule runs first; requested positions it drops are not held."""
+    w = Worker(ctx.daemon, "cli-tiers-stream", seed=26, tokens=32, step=16, policy="streaming",
+               params=("n_sink=0", "window=20")).ready()
+    with killed_on_failure(w):
+        (sid,) = [q.seq_id for q in ctx.daemon.stats().sequences
+                  if q.session_id == w.session_id()]
+        r = ok_json(ctx, "offload", str(sid), "8-15")  # the window drops 0-11 now
+        assert (r["evicted"], r["by_policy"], r["requested"], r["not_held"], r["moved"]) == \
+            (LAYERS * 12, LAYERS * 12, LAYERS * 4, LAYERS * 4, LAYERS * 4), r
+        j = ok_json(ctx, "seq", "show", str(sid))
+        assert all(m["runs"] == tier_runs((0, 11, "evicted"), (12, 15, "sketch"),
+                                          (16, 31, "fp16")) for m in j["maps"]), j["maps"]
+        assert verify_now(w) == {"checked": LAYERS * 20, "int8": 0, "sketch": LAYERS * 4}
+        assert pool_accounted(ctx)
+    result = w.finish()
+    assert result["ok"], result
+
+
+def check_tier_move_refusals(ctx):
+    """As for evict: a stateful policy, no sequence, bad positions or layer."""
+    sid, h2o = str(ctx.full.seqs[0]), str(ctx.h2o.seqs[0])
     for op in ("demote", "offload", "revive"):
-        line = fails(ctx, 6, "not available", op, str(sid), "0-3")
-        assert "INT8/sketch tiers are not implemented in this kvstashd" in line, line
+        line = fails(ctx, 1, "per-token state", op, h2o, "1")
+        assert f"{op} works on policies full and streaming" in line, line
         fails(ctx, 4, "no sequence 424242", op, "424242", "1")
-        fails(ctx, 2, "positions are N, A-B", op, str(sid), "x")
+        fails(ctx, 2, "positions are N, A-B", op, sid, "x")
+        fails(ctx, 1, "beyond sequence", op, sid, "40")
+        fails(ctx, 1, "layer 7 is out of range", op, sid, "1", "--layer", "7")
 
 
 def check_errors_daemon_not_running(ctx):
@@ -484,7 +621,9 @@ if __name__ == "__main__":
         check_policy_list,
         check_evict_changes_the_sequence,
         check_watch_sees_a_worker_and_an_eviction,
-        check_demote_offload_revive_not_available,
+        check_demote_offload_revive,
+        check_tier_moves_after_the_policy_rule,
+        check_tier_move_refusals,
         check_errors_daemon_not_running,
         check_errors_unknown_sequence,
         check_errors_permission_denied,
