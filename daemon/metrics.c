@@ -289,6 +289,7 @@ void metrics_mass_end(metrics *m, metrics_mass *mm, seq *q, int ok)
 typedef struct pool_snap {
     uint64_t id, bytes, block_bytes;
     uint32_t total, nfree, retired;
+    uint64_t int8_bytes, sketch_bytes; /* over its sequences (seq_tier_usage) */
     char model[65];
 } pool_snap;
 
@@ -300,18 +301,6 @@ typedef struct store_snap {
     uint64_t *seqs;   /* [npolicies] */
     uint64_t *tokens; /* [npolicies * 3]: fp16, int8, sketch */
 } store_snap;
-
-static void seq_tier_tokens(seq *q, uint64_t out[3])
-{
-    for (uint32_t l = 0; l < q->nlayers; l++) {
-        const policy_layer_view *v = policy_host_view(q->host, l);
-        for (uint32_t k = 0; k < v->heads; k++)
-            for (uint32_t i = 0; i < v->tokens[k]; i++) {
-                uint8_t t = v->tier[k][i];
-                out[t < 3 ? t : 0]++;
-            }
-    }
-}
 
 static int snapshot(metrics *m, store *st, store_snap *s)
 {
@@ -341,14 +330,20 @@ static int snapshot(metrics *m, store *st, store_snap *s)
     }
     for (size_t i = 0; i < st->nseqs; i++) {
         seq *q = st->seqs[i];
+        uint64_t tokens[3], bytes[3];
+        seq_tier_usage(q, tokens, bytes);
         for (size_t k = 0; k < s->npools; k++)
-            if (s->pools[k].id == q->pool->id)
+            if (s->pools[k].id == q->pool->id) {
                 s->pools[k].retired += (uint32_t)seq_retired_count(q);
+                s->pools[k].int8_bytes += bytes[POLICY_INT8];
+                s->pools[k].sketch_bytes += bytes[POLICY_SKETCH];
+            }
         long pi = policy_index(m, q->policy);
         if (pi < 0)
             continue;
         s->seqs[pi]++;
-        seq_tier_tokens(q, &s->tokens[3 * (size_t)pi]);
+        for (int t = 0; t < 3; t++)
+            s->tokens[3 * (size_t)pi + (size_t)t] += tokens[t];
     }
     store_unlock(st);
     return 0;
@@ -421,13 +416,17 @@ static void print_store(FILE *f, const metrics *m, const store_snap *s)
                     (unsigned long long)p->id, p->model, states[k], v[k]);
     }
     head(f, "kvstash_memory_bytes", "gauge",
-         "Pool memory holding K/V, by tier. Only fp16 (full precision, the pool's dtype) "
-         "exists: this kvstashd has no INT8 or sketch storage.");
+         "Memory holding K/V, by tier: fp16 (full precision in the pool's dtype: every block "
+         "not free and not INT8, retired and revive scratch included), int8 (pool blocks "
+         "holding INT8 blocks), sketch (count-sketch cells, daemon memory).");
     for (size_t i = 0; i < s->npools; i++) {
         const pool_snap *p = &s->pools[i];
-        fprintf(f, "kvstash_memory_bytes{pool=\"%llu\",model=\"%s\",tier=\"fp16\"} %llu\n",
-                (unsigned long long)p->id, p->model,
-                (unsigned long long)(p->total - p->nfree) * p->block_bytes);
+        uint64_t used = (uint64_t)(p->total - p->nfree) * p->block_bytes;
+        const char *tier[3] = {"fp16", "int8", "sketch"};
+        uint64_t v[3] = {used - p->int8_bytes, p->int8_bytes, p->sketch_bytes};
+        for (int t = 0; t < 3; t++)
+            fprintf(f, "kvstash_memory_bytes{pool=\"%llu\",model=\"%s\",tier=\"%s\"} %llu\n",
+                    (unsigned long long)p->id, p->model, tier[t], (unsigned long long)v[t]);
     }
     head(f, "kvstash_workers", "gauge", "Attached worker sessions.");
     fprintf(f, "kvstash_workers %zu\n", s->workers);
@@ -436,8 +435,8 @@ static void print_store(FILE *f, const metrics *m, const store_snap *s)
         fprintf(f, "kvstash_sequences{policy=\"%s\"} %llu\n", m->policies[i]->name,
                 (unsigned long long)s->seqs[i]);
     head(f, "kvstash_tokens", "gauge",
-         "Held tokens summed over layers (and KV-head lists), by policy and by the tier the "
-         "policy assigned; int8 and sketch tokens are still stored at full precision.");
+         "Held tokens summed over layers (and KV-head lists), by policy and by the tier they "
+         "are stored in (sketch: in-list sketch tokens and offloaded victims).");
     const char *tiers[3] = {"fp16", "int8", "sketch"};
     for (size_t i = 0; i < m->npolicies; i++)
         for (int t = 0; t < 3; t++)
