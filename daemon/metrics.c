@@ -26,6 +26,9 @@ static const double rpc_bounds[] = {25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 
 static const double step_bounds[] = {2e-6,   5e-6, 10e-6,  25e-6, 50e-6, 100e-6, 250e-6,
                                      500e-6, 1e-3, 2.5e-3, 5e-3,  10e-3, 50e-3,  0.25};
 static const double mass_bounds[] = {0.001, 0.01, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0};
+/* INT8: POLICIES.md §5.4 bounds the error by 1/254 (0.0039) of the group's max. */
+static const double int8_bounds[] = {1e-4, 5e-4, 1e-3, 2e-3, 3e-3, 3.95e-3, 0.01};
+static const double sketch_bounds[] = {0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0};
 
 #define NBOUNDS(a) (sizeof(a) / sizeof((a)[0]))
 
@@ -53,6 +56,8 @@ struct metrics {
     _Atomic uint64_t *revived;  /* [npolicies * 3]: from full, int8, sketch */
     hist *step_hist;            /* [npolicies] */
     hist *mass_hist;            /* [npolicies] */
+    hist *int8_hist;            /* [npolicies] */
+    hist *sketch_hist;          /* [npolicies] */
     _Atomic uint64_t reclaimed[NREASONS];
     struct MHD_Daemon *http;
     struct store *store;
@@ -85,8 +90,10 @@ metrics *metrics_create(const rpc_method *methods, size_t nmethods)
     m->revived = calloc(3 * m->npolicies + 1, sizeof *m->revived);
     m->step_hist = calloc(m->npolicies + 1, sizeof *m->step_hist);
     m->mass_hist = calloc(m->npolicies + 1, sizeof *m->mass_hist);
+    m->int8_hist = calloc(m->npolicies + 1, sizeof *m->int8_hist);
+    m->sketch_hist = calloc(m->npolicies + 1, sizeof *m->sketch_hist);
     if (!m->rpc_count || !m->rpc_hist || !m->appended || !m->evicted || !m->step_hist ||
-        !m->mass_hist || !m->moved || !m->revived) {
+        !m->mass_hist || !m->moved || !m->revived || !m->int8_hist || !m->sketch_hist) {
         metrics_destroy(m);
         return NULL;
     }
@@ -106,6 +113,8 @@ void metrics_destroy(metrics *m)
     free(m->revived);
     free(m->step_hist);
     free(m->mass_hist);
+    free(m->int8_hist);
+    free(m->sketch_hist);
     free(m);
 }
 
@@ -452,6 +461,14 @@ void metrics_tiers(metrics *m, seq *q)
                                   q->moved[t] - q->moved_reported[t], memory_order_relaxed);
         q->moved_reported[t] = q->moved[t];
     }
+    for (size_t k = 0; i >= 0 && k < q->nobs; k++) {
+        if (q->obs[k].kind == SEQ_OBS_INT8)
+            hist_observe(&m->int8_hist[i], int8_bounds, NBOUNDS(int8_bounds), q->obs[k].value);
+        else
+            hist_observe(&m->sketch_hist[i], sketch_bounds, NBOUNDS(sketch_bounds),
+                         q->obs[k].value);
+    }
+    q->nobs = 0;
 }
 
 void metrics_revived(metrics *m, const policy_ops *p, const uint32_t by_tier[3])
@@ -514,6 +531,25 @@ static void print_counters(FILE *f, const metrics *m)
         snprintf(labels, sizeof labels, "policy=\"%s\"", m->policies[i]->name);
         hist_print(f, "kvstash_eviction_attention_dropped_ratio", labels, &m->mass_hist[i],
                    mass_bounds, NBOUNDS(mass_bounds));
+    }
+    head(f, "kvstash_int8_roundtrip_error_ratio", "histogram",
+         "Per INT8 demotion (one list, one batch of INT8 blocks): max |dequantised - "
+         "original| over max |original| of the demoted K and V (POLICIES.md §5.4 bounds it by "
+         "1/254).");
+    for (size_t i = 0; i < m->npolicies; i++) {
+        snprintf(labels, sizeof labels, "policy=\"%s\"", m->policies[i]->name);
+        hist_print(f, "kvstash_int8_roundtrip_error_ratio", labels, &m->int8_hist[i], int8_bounds,
+                   NBOUNDS(int8_bounds));
+    }
+    head(f, "kvstash_sketch_reconstruction_error_ratio", "histogram",
+         "Per insertion into a count-sketch (one list, one step's tokens): ||sketch estimate - "
+         "original||_2 / ||original||_2 of the inserted K and V, right after the insertion: "
+         "what a Revive of them would return then. Later insertions into shared buckets make "
+         "it worse.");
+    for (size_t i = 0; i < m->npolicies; i++) {
+        snprintf(labels, sizeof labels, "policy=\"%s\"", m->policies[i]->name);
+        hist_print(f, "kvstash_sketch_reconstruction_error_ratio", labels, &m->sketch_hist[i],
+                   sketch_bounds, NBOUNDS(sketch_bounds));
     }
     head(f, "kvstash_workers_reclaimed_total", "counter",
          "Worker sessions ended, by reason (detach, lease-ended, fd-closed, shutdown).");

@@ -126,6 +126,7 @@ void seq_destroy(seq *s)
     for (size_t i = 0; i < s->nretired; i++)
         pool_free_block(s->pool, s->retired[i].block);
     policy_host_destroy(s->host);
+    free(s->obs);
     free(s->retired);
     free(s->lists);
     free(s);
@@ -316,6 +317,28 @@ static int stage_tokens(seq *s, const tier_token *tok, const uint32_t *idx, size
     return rc;
 }
 
+/* Keep a measurement for metrics; dropped when out of memory (it is only
+ * a metric). */
+static void seq_observe(seq *s, int kind, double value)
+{
+    if (grow((void **)&s->obs, &s->obs_cap, s->nobs + 1, sizeof *s->obs) == 0)
+        s->obs[s->nobs++] = (seq_obs){kind, value};
+}
+
+/* tier_error_ratio of tokens idx[0..m) of tok against the staged k, v. */
+static int stage_error(seq *s, const tier_token *tok, const uint32_t *idx, size_t m,
+                       const uint8_t *k, const uint8_t *v, double *ratio)
+{
+    tier_token *sel = malloc((m ? m : 1) * sizeof *sel);
+    if (sel == NULL)
+        return -1;
+    for (size_t i = 0; i < m; i++)
+        sel[i] = tok[idx[i]];
+    int rc = tier_error_ratio(&s->tier, sel, m, k, v, ratio);
+    free(sel);
+    return rc;
+}
+
 /* Insert tokens idx[0..m) (FULL or INT8) into the sketch; they become
  * sketch tokens. */
 static int move_to_sketch(seq *s, seq_list *ly, uint32_t layer, tier_token *tok,
@@ -331,6 +354,9 @@ static int move_to_sketch(seq *s, seq_list *ly, uint32_t layer, tier_token *tok,
     for (size_t i = 0; i < m; i++)
         p[i] = pos[idx[i]];
     int rc = tier_sketch_insert(&ly->sketch, &s->tier, p, m, k, v);
+    double rel;
+    if (rc == 0 && tier_sketch_error(&ly->sketch, &s->tier, p, m, k, v, &rel) == 0)
+        seq_observe(s, SEQ_OBS_SKETCH, rel);
     for (size_t i = 0; rc == 0 && i < m; i++)
         tok[idx[i]] = (tier_token){TIER_NO_BLOCK, 0, POLICY_SKETCH};
     s->moved[1] += rc == 0 ? m : 0;
@@ -470,6 +496,9 @@ static int list_demote(seq *s, tier_token *tok, const uint8_t *tier, uint32_t n,
     for (size_t j = 0; rc == 0 && j < m; j++)
         tok[scratch[j]] = (tier_token){qb[j / t8], (uint32_t)(j % t8), POLICY_INT8};
     s->moved[0] += rc == 0 ? m : 0;
+    double ratio;
+    if (rc == 0 && stage_error(s, tok, scratch, m, k, v, &ratio) == 0)
+        seq_observe(s, SEQ_OBS_INT8, ratio);
     free(k);
     free(qb);
     return rc;

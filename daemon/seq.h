@@ -60,6 +60,15 @@ typedef struct seq_retired {
     uint64_t epoch;
 } seq_retired;
 
+/* A measurement of what a tier move cost, for metrics (metrics_tiers). */
+typedef struct seq_obs {
+    int kind; /* SEQ_OBS_INT8: tier_error_ratio of a demotion; SEQ_OBS_SKETCH:
+                 tier_sketch_error of an insertion, right after it */
+    double value;
+} seq_obs;
+
+enum { SEQ_OBS_INT8 = 0, SEQ_OBS_SKETCH = 1 };
+
 typedef struct seq {
     uint64_t id;
     uint64_t session_id;
@@ -81,6 +90,8 @@ typedef struct seq {
     size_t nretired, retired_cap;
     uint64_t moved[3];          /* tokens ever moved: to INT8, into the sketch, back to full */
     uint64_t moved_reported[3]; /* of those, reported to metrics (metrics_tiers) */
+    seq_obs *obs;               /* measurements since the last metrics_tiers */
+    size_t nobs, obs_cap;
 } seq;
 
 /* Create a sequence on `pool` with a policy and its resolved parameters; the

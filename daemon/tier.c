@@ -1,5 +1,6 @@
 #include "tier.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -248,6 +249,66 @@ int tier_sketch_delete(tier_sketch *s, const uint32_t *pos, size_t n)
     if (sketch_hash(s, pos, n, &h, &g) != 0)
         return -1;
     kv_sketch_delete(&s->sk, h, g, n);
+    free(h);
+    return 0;
+}
+
+/* Element-wise distance of two contiguous arrays of n elements of type t. */
+typedef struct tier_diff {
+    double max_diff, max_ref, sq_diff, sq_ref;
+} tier_diff;
+
+static void diff_add(tier_diff *d, const uint8_t *got, const uint8_t *ref, size_t n, kv_dtype t,
+                     size_t elt)
+{
+    for (size_t i = 0; i < n; i++) {
+        double x = kv_elt_load(ref + i * elt, t), y = kv_elt_load(got + i * elt, t);
+        double e = fabs(y - x);
+        d->max_diff = e > d->max_diff ? e : d->max_diff;
+        d->max_ref = fabs(x) > d->max_ref ? fabs(x) : d->max_ref;
+        d->sq_diff += e * e;
+        d->sq_ref += x * x;
+    }
+}
+
+int tier_error_ratio(const tier_ctx *c, const tier_token *tok, size_t n, const uint8_t *k,
+                     const uint8_t *v, double *ratio)
+{
+    size_t half = n * tier_token_bytes(c) / 2, elems = half / c->l.elt_size;
+    uint8_t *got = malloc(2 * half + 1);
+    if (got == NULL || tier_read(c, tok, n, got, got + half) != 0) {
+        free(got);
+        return -1;
+    }
+    tier_diff d = {0, 0, 0, 0};
+    diff_add(&d, got, k, elems, c->dtype, c->l.elt_size);
+    diff_add(&d, got + half, v, elems, c->dtype, c->l.elt_size);
+    *ratio = d.max_ref > 0 ? d.max_diff / d.max_ref : 0;
+    free(got);
+    return 0;
+}
+
+int tier_sketch_error(const tier_sketch *s, const tier_ctx *c, const uint32_t *pos, size_t n,
+                      const uint8_t *k, const uint8_t *v, double *rel)
+{
+    /* Query into a staging block of n tokens, laid out like k and v. */
+    kv_layout one = c->l;
+    one.block_tokens = (uint32_t)n;
+    size_t half = n * tier_token_bytes(c) / 2, elems = half / c->l.elt_size;
+    uint8_t *stage = malloc(2 * half + 1);
+    uint32_t *h;
+    int8_t *g;
+    if (stage == NULL || sketch_hash(s, pos, n, &h, &g) != 0) {
+        free(stage);
+        return -1;
+    }
+    kv_segment all = {0, 0, (uint32_t)n};
+    kv_sketch_query(&s->sk, h, g, &one, c->dtype, stage, &all, 1);
+    tier_diff d = {0, 0, 0, 0};
+    diff_add(&d, stage, k, elems, c->dtype, c->l.elt_size);
+    diff_add(&d, stage + half, v, elems, c->dtype, c->l.elt_size);
+    *rel = d.sq_ref > 0 ? sqrt(d.sq_diff / d.sq_ref) : 0;
+    free(stage);
     free(h);
     return 0;
 }

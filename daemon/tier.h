@@ -62,6 +62,13 @@ void tier_write(const tier_ctx *c, const tier_token *dst, size_t n, const uint8_
 int tier_quantize(const tier_ctx *c, const uint8_t *k, const uint8_t *v, size_t n,
                   const uint32_t *qblocks, size_t nq);
 
+/* How far n tokens as now stored at `tok` (FULL or INT8) are from the
+ * contiguous originals k, v they were made from: *ratio = max |stored -
+ * original| / max |original| (0 when every original is 0): for INT8,
+ * POLICIES.md §5.4 bounds it by 1/254. Returns 0 or -1 (out of memory). */
+int tier_error_ratio(const tier_ctx *c, const tier_token *tok, size_t n, const uint8_t *k,
+                     const uint8_t *v, double *ratio);
+
 /* A list's count-sketch (kernels.h kv_sketch) with its hash family. */
 typedef struct tier_sketch {
     kv_sketch sk;
@@ -82,6 +89,13 @@ int tier_sketch_insert(tier_sketch *s, const tier_ctx *c, const uint32_t *pos, s
  * from the sketch after reading it (Alg. 3 swap). Returns 0 or -1. */
 int tier_sketch_read(tier_sketch *s, const tier_ctx *c, uint8_t *base, const uint32_t *pos,
                      size_t n, const tier_token *dst, int remove);
+
+/* The sketch's current estimate of the tokens at pos against their
+ * contiguous originals k, v: *rel = ||estimate - original||_2 /
+ * ||original||_2 over all of them (0 when the originals are 0). The sketch
+ * is not changed. Returns 0 or -1. */
+int tier_sketch_error(const tier_sketch *s, const tier_ctx *c, const uint32_t *pos, size_t n,
+                      const uint8_t *k, const uint8_t *v, double *rel);
 
 /* Delete the estimates of the tokens at pos (dropping them for good). */
 int tier_sketch_delete(tier_sketch *s, const uint32_t *pos, size_t n);

@@ -9,7 +9,7 @@ keeps its own sketch; at the end it revives every layer and checks each
 position against its source tier. This test runs it in several
 configurations and checks the revived counts, the memory accounting of
 Stats (INT8 tokens take fewer bytes than fp16 ones), and that the tier and
-revive counters move in /metrics.
+revive counters and the INT8 / sketch error histograms move in /metrics.
 """
 import json
 import os
@@ -90,6 +90,18 @@ def check_tier_and_revive_counters_move(ctx):
     assert revived["fp16"] > 0 and revived["int8"] > 0 and revived["sketch"] > 0, revived
     # Nothing of streaming's ever comes back from the sketch into its table.
     assert moves["fp16"] == 0, moves
+    # What the moves cost, measured by the daemon against the values it moved:
+    # every INT8 demotion within POLICIES.md §5.4's 1/254 of the max; the
+    # sketch exact while its buckets did not collide (the --exact run) and
+    # not once the 7-bucket runs shared them.
+    n8 = s.get("kvstash_int8_roundtrip_error_ratio_count", policy="streaming")
+    assert n8 > 0 and s.get("kvstash_int8_roundtrip_error_ratio_bucket", policy="streaming",
+                            le="0.00395") == n8, s.text
+    assert 0 < s.get("kvstash_int8_roundtrip_error_ratio_sum", policy="streaming") < n8 / 254
+    ns = s.get("kvstash_sketch_reconstruction_error_ratio_count", policy="streaming")
+    exact = s.get("kvstash_sketch_reconstruction_error_ratio_bucket", policy="streaming",
+                  le="0.001")
+    assert ns > 0 and 0 < exact < ns, (ns, exact)
 
 
 if __name__ == "__main__":
