@@ -228,6 +228,15 @@ static int cmd_seqs(cli *c)
 
 /* ---- policy list ---------------------------------------------------------------- */
 
+static void print_params(Kvstash__V1__PolicyParamSpec *const *params, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        char kv[96];
+        snprintf(kv, sizeof kv, "%s=%s", params[i]->key, params[i]->default_value);
+        printf("    %-28s %s\n", kv, params[i]->help);
+    }
+}
+
 static void print_policy(const Kvstash__V1__PolicyInfo *p)
 {
     printf("%s\n  %s\n  needs:", p->name, p->summary);
@@ -239,12 +248,7 @@ static void print_policy(const Kvstash__V1__PolicyInfo *p)
            p->operator_evict ? "yes" : "no");
     if (p->n_params == 0)
         printf("  parameters: none\n");
-    for (size_t i = 0; i < p->n_params; i++) {
-        const Kvstash__V1__PolicyParamSpec *s = p->params[i];
-        char kv[96];
-        snprintf(kv, sizeof kv, "%s=%s", s->key, s->default_value);
-        printf("    %-28s %s\n", kv, s->help);
-    }
+    print_params(p->params, p->n_params);
 }
 
 static int cmd_policy(cli *c)
@@ -254,10 +258,11 @@ static int cmd_policy(cli *c)
         "  The policies kvstashd knows, in registry order: a summary, the statistics a\n"
         "  worker must report each step, whether it keeps one token list per KV head,\n"
         "  whether `kvstash evict` works on its sequences, and every parameter as\n"
-        "  key=default with its meaning (pass them as CreateSequence params).\n"
+        "  key=default with its meaning (pass them as CreateSequence params); then the\n"
+        "  storage keys every policy accepts (int8, victims, sketch_*).\n"
         "  --json: the ListPolicies reply, {\"policies\": [{\"name\", \"summary\",\n"
         "  \"params\": [{\"key\", \"default_value\", \"help\"}], \"needs\", \"per_head\",\n"
-        "  \"operator_evict\"}]}.\n";
+        "  \"operator_evict\"}], \"storage_params\": [...]}.\n";
     const char *pos[1];
     size_t npos;
     int rc = cli_parse(c, NULL, 0, pos, 0, 1, &npos, help);
@@ -280,6 +285,8 @@ static int cmd_policy(cli *c)
     } else {
         for (size_t i = 0; i < r->n_policies; i++)
             print_policy(r->policies[i]);
+        printf("storage keys, accepted by every policy (docs/tiers.md):\n");
+        print_params(r->storage_params, r->n_storage_params);
     }
     protobuf_c_message_free_unpacked(&r->base, NULL);
     return rc;

@@ -270,8 +270,12 @@ def check_policy_list(ctx):
     assert pol["h2o"]["needs"] == ["score"] and pol["adakv"]["per_head"] is True
     assert {n for n, p in pol.items() if p["operator_evict"]} == {"full", "streaming"}
     assert pol["full"]["params"] == []
+    assert [(p["key"], p["default_value"]) for p in j["storage_params"]] == \
+        [("int8", "off"), ("int8_window", "32"), ("victims", "evict"), ("sketch_rows", "3"),
+         ("sketch_buckets", "64"), ("sketch_seed", "0")], j["storage_params"]
     out = ok_text(ctx, "policy", "list")
     assert "n_sink=4" in out and "window=1020" in out and "operator evict: yes" in out, out
+    assert "storage keys, accepted by every policy" in out and "victims=evict" in out, out
     assert ok_json(ctx, "policies") == j
 
 
