@@ -479,6 +479,18 @@ void metrics_revived(metrics *m, const policy_ops *p, const uint32_t by_tier[3])
                                   memory_order_relaxed);
 }
 
+/* One histogram per policy: name{policy="..."}, with its HELP line. */
+static void print_policy_hist(FILE *f, const metrics *m, const char *name, const char *help,
+                              const hist *h, const double *bounds, size_t nb)
+{
+    char labels[160];
+    head(f, name, "histogram", help);
+    for (size_t i = 0; i < m->npolicies; i++) {
+        snprintf(labels, sizeof labels, "policy=\"%s\"", m->policies[i]->name);
+        hist_print(f, name, labels, &h[i], bounds, nb);
+    }
+}
+
 /* One counter per policy and tier: name{policy="...",<label>="<tier>"}. */
 static void print_tier_counter(FILE *f, const metrics *m, const char *name, const char *help,
                                const char *label, const char *const tiers[3], _Atomic uint64_t *v)
@@ -503,7 +515,6 @@ static void print_counters(FILE *f, const metrics *m)
                        "Tokens rebuilt by Revive into scratch blocks, by policy and the tier they "
                        "were stored in.",
                        "from", from, m->revived);
-    char labels[160];
     head(f, "kvstash_appended_tokens_total", "counter", "Tokens appended (per layer), by policy.");
     for (size_t i = 0; i < m->npolicies; i++)
         fprintf(f, "kvstash_appended_tokens_total{policy=\"%s\"} %llu\n", m->policies[i]->name,
@@ -515,42 +526,30 @@ static void print_counters(FILE *f, const metrics *m)
             fprintf(f, "kvstash_evicted_tokens_total{policy=\"%s\",by=\"%s\"} %llu\n",
                     m->policies[i]->name, by ? "operator" : "policy",
                     (unsigned long long)atomic_load(&m->evicted[2 * i + (size_t)by]));
-    head(f, "kvstash_step_duration_seconds", "histogram",
-         "Time kvstashd takes to serve one worker step from the per-step ring (checks, policy, "
-         "table change), by policy; the doorbell wake-up is not included.");
-    for (size_t i = 0; i < m->npolicies; i++) {
-        snprintf(labels, sizeof labels, "policy=\"%s\"", m->policies[i]->name);
-        hist_print(f, "kvstash_step_duration_seconds", labels, &m->step_hist[i], step_bounds,
-                   NBOUNDS(step_bounds));
-    }
-    head(f, "kvstash_eviction_attention_dropped_ratio", "histogram",
-         "Per layer and step that evicted tokens: the fraction of the attention the worker "
-         "reported in that step (score, else last_attn, else window_attn) that was on the "
-         "evicted tokens. Only steps that carry attention are measured.");
-    for (size_t i = 0; i < m->npolicies; i++) {
-        snprintf(labels, sizeof labels, "policy=\"%s\"", m->policies[i]->name);
-        hist_print(f, "kvstash_eviction_attention_dropped_ratio", labels, &m->mass_hist[i],
-                   mass_bounds, NBOUNDS(mass_bounds));
-    }
-    head(f, "kvstash_int8_roundtrip_error_ratio", "histogram",
-         "Per INT8 demotion (one list, one batch of INT8 blocks): max |dequantised - "
-         "original| over max |original| of the demoted K and V (POLICIES.md §5.4 bounds it by "
-         "1/254).");
-    for (size_t i = 0; i < m->npolicies; i++) {
-        snprintf(labels, sizeof labels, "policy=\"%s\"", m->policies[i]->name);
-        hist_print(f, "kvstash_int8_roundtrip_error_ratio", labels, &m->int8_hist[i], int8_bounds,
-                   NBOUNDS(int8_bounds));
-    }
-    head(f, "kvstash_sketch_reconstruction_error_ratio", "histogram",
-         "Per insertion into a count-sketch (one list, one step's tokens): ||sketch estimate - "
-         "original||_2 / ||original||_2 of the inserted K and V, right after the insertion: "
-         "what a Revive of them would return then. Later insertions into shared buckets make "
-         "it worse.");
-    for (size_t i = 0; i < m->npolicies; i++) {
-        snprintf(labels, sizeof labels, "policy=\"%s\"", m->policies[i]->name);
-        hist_print(f, "kvstash_sketch_reconstruction_error_ratio", labels, &m->sketch_hist[i],
-                   sketch_bounds, NBOUNDS(sketch_bounds));
-    }
+    print_policy_hist(
+        f, m, "kvstash_step_duration_seconds",
+        "Time kvstashd takes to serve one worker step from the per-step ring (checks, policy, "
+        "table change), by policy; the doorbell wake-up is not included.",
+        m->step_hist, step_bounds, NBOUNDS(step_bounds));
+    print_policy_hist(
+        f, m, "kvstash_eviction_attention_dropped_ratio",
+        "Per layer and step that evicted tokens: the fraction of the attention the worker "
+        "reported in that step (score, else last_attn, else window_attn) that was on the "
+        "evicted tokens. Only steps that carry attention are measured.",
+        m->mass_hist, mass_bounds, NBOUNDS(mass_bounds));
+    print_policy_hist(
+        f, m, "kvstash_int8_roundtrip_error_ratio",
+        "Per INT8 demotion (one list, one batch of INT8 blocks): max |dequantised - "
+        "original| over max |original| of the demoted K and V (POLICIES.md §5.4 bounds it by "
+        "1/254).",
+        m->int8_hist, int8_bounds, NBOUNDS(int8_bounds));
+    print_policy_hist(
+        f, m, "kvstash_sketch_reconstruction_error_ratio",
+        "Per insertion into a count-sketch (one list, one step's tokens): ||sketch estimate - "
+        "original||_2 / ||original||_2 of the inserted K and V, right after the insertion: "
+        "what a Revive of them would return then. Later insertions into shared buckets make "
+        "it worse.",
+        m->sketch_hist, sketch_bounds, NBOUNDS(sketch_bounds));
     head(f, "kvstash_workers_reclaimed_total", "counter",
          "Worker sessions ended, by reason (detach, lease-ended, fd-closed, shutdown).");
     for (size_t i = 0; i < NREASONS; i++)
