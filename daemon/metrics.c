@@ -50,14 +50,15 @@ struct metrics {
     hist *rpc_hist;              /* [nmethods] */
     const policy_ops *const *policies;
     size_t npolicies;
-    _Atomic uint64_t *appended; /* [npolicies] */
-    _Atomic uint64_t *evicted;  /* [npolicies * 2]: by policy, by operator */
-    _Atomic uint64_t *moved;    /* [npolicies * 3]: to int8, to sketch, back to full */
-    _Atomic uint64_t *revived;  /* [npolicies * 3]: from full, int8, sketch */
-    hist *step_hist;            /* [npolicies] */
-    hist *mass_hist;            /* [npolicies] */
-    hist *int8_hist;            /* [npolicies] */
-    hist *sketch_hist;          /* [npolicies] */
+    _Atomic uint64_t *appended;    /* [npolicies] */
+    _Atomic uint64_t *evicted;     /* [npolicies * 2]: by policy, by operator */
+    _Atomic uint64_t *moved;       /* [npolicies * 3]: to int8, to sketch, back to full */
+    _Atomic uint64_t *revived;     /* [npolicies * 3]: from full, int8, sketch */
+    _Atomic uint64_t *requantized; /* [npolicies]: INT8 tokens re-quantised by compaction */
+    hist *step_hist;               /* [npolicies] */
+    hist *mass_hist;               /* [npolicies] */
+    hist *int8_hist;               /* [npolicies] */
+    hist *sketch_hist;             /* [npolicies] */
     _Atomic uint64_t reclaimed[NREASONS];
     struct MHD_Daemon *http;
     struct store *store;
@@ -88,12 +89,14 @@ metrics *metrics_create(const rpc_method *methods, size_t nmethods)
     m->evicted = calloc(2 * m->npolicies + 1, sizeof *m->evicted);
     m->moved = calloc(3 * m->npolicies + 1, sizeof *m->moved);
     m->revived = calloc(3 * m->npolicies + 1, sizeof *m->revived);
+    m->requantized = calloc(m->npolicies + 1, sizeof *m->requantized);
     m->step_hist = calloc(m->npolicies + 1, sizeof *m->step_hist);
     m->mass_hist = calloc(m->npolicies + 1, sizeof *m->mass_hist);
     m->int8_hist = calloc(m->npolicies + 1, sizeof *m->int8_hist);
     m->sketch_hist = calloc(m->npolicies + 1, sizeof *m->sketch_hist);
     if (!m->rpc_count || !m->rpc_hist || !m->appended || !m->evicted || !m->step_hist ||
-        !m->mass_hist || !m->moved || !m->revived || !m->int8_hist || !m->sketch_hist) {
+        !m->mass_hist || !m->moved || !m->revived || !m->requantized || !m->int8_hist ||
+        !m->sketch_hist) {
         metrics_destroy(m);
         return NULL;
     }
@@ -111,6 +114,7 @@ void metrics_destroy(metrics *m)
     free(m->evicted);
     free(m->moved);
     free(m->revived);
+    free(m->requantized);
     free(m->step_hist);
     free(m->mass_hist);
     free(m->int8_hist);
@@ -461,6 +465,10 @@ void metrics_tiers(metrics *m, seq *q)
                                   q->moved[t] - q->moved_reported[t], memory_order_relaxed);
         q->moved_reported[t] = q->moved[t];
     }
+    if (i >= 0)
+        atomic_fetch_add_explicit(&m->requantized[i], q->requantized - q->requantized_reported,
+                                  memory_order_relaxed);
+    q->requantized_reported = q->requantized;
     for (size_t k = 0; i >= 0 && k < q->nobs; k++) {
         if (q->obs[k].kind == SEQ_OBS_INT8)
             hist_observe(&m->int8_hist[i], int8_bounds, NBOUNDS(int8_bounds), q->obs[k].value);
@@ -502,6 +510,16 @@ static void print_tier_counter(FILE *f, const metrics *m, const char *name, cons
                     tiers[t], (unsigned long long)atomic_load(&v[3 * i + t]));
 }
 
+/* One counter per policy: name{policy="..."}. */
+static void print_policy_counter(FILE *f, const metrics *m, const char *name, const char *help,
+                                 _Atomic uint64_t *v)
+{
+    head(f, name, "counter", help);
+    for (size_t i = 0; i < m->npolicies; i++)
+        fprintf(f, "%s{policy=\"%s\"} %llu\n", name, m->policies[i]->name,
+                (unsigned long long)atomic_load(&v[i]));
+}
+
 static void print_counters(FILE *f, const metrics *m)
 {
     static const char *const to[3] = {"int8", "sketch", "fp16"};
@@ -515,10 +533,12 @@ static void print_counters(FILE *f, const metrics *m)
                        "Tokens rebuilt by Revive into scratch blocks, by policy and the tier they "
                        "were stored in.",
                        "from", from, m->revived);
-    head(f, "kvstash_appended_tokens_total", "counter", "Tokens appended (per layer), by policy.");
-    for (size_t i = 0; i < m->npolicies; i++)
-        fprintf(f, "kvstash_appended_tokens_total{policy=\"%s\"} %llu\n", m->policies[i]->name,
-                (unsigned long long)atomic_load(&m->appended[i]));
+    print_policy_counter(f, m, "kvstash_appended_tokens_total",
+                         "Tokens appended (per layer), by policy.", m->appended);
+    print_policy_counter(f, m, "kvstash_int8_requantized_tokens_total",
+                         "INT8 tokens re-quantised into fresh INT8 blocks when evictions left "
+                         "them spread over too many (POLICIES.md §5.4 compaction), by policy.",
+                         m->requantized);
     head(f, "kvstash_evicted_tokens_total", "counter",
          "Tokens evicted (summed over lists), by policy and by whom: the policy or an operator.");
     for (size_t i = 0; i < m->npolicies; i++)
@@ -539,9 +559,9 @@ static void print_counters(FILE *f, const metrics *m)
         m->mass_hist, mass_bounds, NBOUNDS(mass_bounds));
     print_policy_hist(
         f, m, "kvstash_int8_roundtrip_error_ratio",
-        "Per INT8 demotion (one list, one batch of INT8 blocks): max |dequantised - "
-        "original| over max |original| of the demoted K and V (POLICIES.md §5.4 bounds it by "
-        "1/254).",
+        "Per INT8 demotion or re-quantisation (one list, one batch of INT8 blocks): max "
+        "|dequantised - original| over max |original| of the K and V quantised (POLICIES.md "
+        "§5.4 bounds it by 1/254; a re-quantisation's original is the dequantised value).",
         m->int8_hist, int8_bounds, NBOUNDS(int8_bounds));
     print_policy_hist(
         f, m, "kvstash_sketch_reconstruction_error_ratio",

@@ -466,6 +466,35 @@ static int list_moves(seq *s, seq_list *ly, uint32_t layer, tier_token *tok, con
     return 0;
 }
 
+/* Quantise tokens idx[0..m) of tok (FULL, or INT8 read back dequantised)
+ * into fresh INT8 blocks, an INT8 block's worth to a block and the last
+ * one partial; the caller checked that the pool has them. The tokens become
+ * INT8 tokens of the new blocks; the round trip's error is observed. */
+static int quantize_fresh(seq *s, tier_token *tok, const uint32_t *idx, size_t m)
+{
+    uint32_t t8 = s->tier.l8.block_tokens;
+    size_t nq = (m + t8 - 1) / t8;
+    uint32_t *qb = malloc((nq ? nq : 1) * sizeof *qb);
+    uint8_t *k, *v;
+    if (qb == NULL || stage_tokens(s, tok, idx, m, &k, &v) != 0) {
+        free(qb);
+        return -1;
+    }
+    for (size_t b = 0; b < nq; b++)
+        pool_alloc_block(s->pool, &qb[b]); /* checked by the caller */
+    int rc = tier_quantize(&s->tier, k, v, m, qb, nq);
+    for (size_t j = 0; rc == 0 && j < m; j++)
+        tok[idx[j]] = (tier_token){qb[j / t8], (uint32_t)(j % t8), POLICY_INT8};
+    for (size_t b = 0; rc != 0 && b < nq; b++)
+        pool_free_block(s->pool, qb[b]);
+    double ratio;
+    if (rc == 0 && stage_error(s, tok, idx, m, k, v, &ratio) == 0)
+        seq_observe(s, SEQ_OBS_INT8, ratio);
+    free(k);
+    free(qb);
+    return rc;
+}
+
 /* INT8 demotion in whole INT8 blocks (POLICIES.md §5.4: a block's scales
  * cover all its tokens and it is written once): the oldest tokens decided
  * INT8 but stored at full precision, as many blocks' worth as there are;
@@ -484,24 +513,40 @@ static int list_demote(seq *s, tier_token *tok, const uint8_t *tier, uint32_t n,
         return 0;
     if (!partial)
         m = nq * t8;
-    uint32_t *qb = malloc(nq * sizeof *qb);
-    uint8_t *k, *v;
-    if (qb == NULL || stage_tokens(s, tok, scratch, m, &k, &v) != 0) {
-        free(qb);
+    if (quantize_fresh(s, tok, scratch, m) != 0)
         return -1;
-    }
-    for (size_t b = 0; b < nq; b++)
-        pool_alloc_block(s->pool, &qb[b]); /* checked above */
-    int rc = tier_quantize(&s->tier, k, v, m, qb, nq);
-    for (size_t j = 0; rc == 0 && j < m; j++)
-        tok[scratch[j]] = (tier_token){qb[j / t8], (uint32_t)(j % t8), POLICY_INT8};
-    s->moved[0] += rc == 0 ? m : 0;
-    double ratio;
-    if (rc == 0 && stage_error(s, tok, scratch, m, k, v, &ratio) == 0)
-        seq_observe(s, SEQ_OBS_INT8, ratio);
-    free(k);
-    free(qb);
-    return rc;
+    s->moved[0] += m;
+    return 0;
+}
+
+/*
+ * POLICIES.md §5.4 "on compaction: dequantise survivors, gather, re-block,
+ * re-quantise": when the INT8 tokens that stay (tier[i] INT8, stored INT8)
+ * spread over more than one INT8 block beyond what they fill, re-quantise
+ * them into fresh INT8 blocks with new scales, so that evicting INT8
+ * tokens gives memory back. Each re-quantisation adds up to half a new
+ * scale of error, hence the slack block: it runs at most once per INT8
+ * block's worth of evictions, not at every eviction. It runs before this
+ * step's demotion, so a token is quantised at most once a step. Skipped,
+ * harmlessly, when the pool lacks the blocks. scratch has room for 2n.
+ */
+static int list_requantize(seq *s, tier_token *tok, const uint8_t *tier, uint32_t n,
+                           uint32_t *scratch)
+{
+    uint32_t t8 = s->tier.l8.block_tokens, *blocks = scratch + n;
+    size_t m = 0;
+    for (uint32_t i = 0; i < n; i++)
+        if (tier[i] == POLICY_INT8 && tok[i].tier == POLICY_INT8) {
+            blocks[m] = tok[i].block;
+            scratch[m++] = i;
+        }
+    size_t need = (m + t8 - 1) / t8, have = sort_unique(blocks, m);
+    if (have <= need + 1 || need > s->pool->nfree)
+        return 0;
+    if (quantize_fresh(s, tok, scratch, m) != 0)
+        return -1;
+    s->requantized += m;
+    return 0;
 }
 
 /* WeightedKV merges, before the merged-away tokens leave the table. Both
@@ -651,8 +696,11 @@ static int list_apply(seq *s, uint32_t l, uint32_t k, tier_token *tok, const pol
     int rc = list_victims(s, ly, l, tok, pos, tier, n, idx);
     if (rc == 0)
         rc = list_moves(s, ly, l, tok, pos, tier, n);
-    /* Blocks the moves took (tails for revived tokens) count as used before
-     * the demotion, which may empty them again. */
+    if (rc == 0)
+        rc = list_requantize(s, tok, tier, n, idx);
+    /* Blocks the moves and the re-quantisation took (tails for revived
+     * tokens, INT8 blocks) count as used before the demotion, which may
+     * empty them again. */
     nb = sort_unique(before, nb + list_block_set(ly, tok, n, 1, before + nb));
     if (rc == 0)
         rc = list_demote(s, tok, tier, n, idx, 0);

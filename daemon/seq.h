@@ -90,7 +90,9 @@ typedef struct seq {
     size_t nretired, retired_cap;
     uint64_t moved[3];          /* tokens ever moved: to INT8, into the sketch, back to full */
     uint64_t moved_reported[3]; /* of those, reported to metrics (metrics_tiers) */
-    seq_obs *obs;               /* measurements since the last metrics_tiers */
+    uint64_t requantized;       /* INT8 tokens re-quantised by compaction (§5.4) */
+    uint64_t requantized_reported;
+    seq_obs *obs; /* measurements since the last metrics_tiers */
     size_t nobs, obs_cap;
 } seq;
 
@@ -153,8 +155,10 @@ status_code seq_step(seq *s, const seq_step_input *in, uint32_t *evicted, status
 /* Apply a decision of layer l that policy_host_step returned (possibly
  * amended, as an operator eviction does): value merges, then per list:
  * victims offloaded to the sketch (storage option victims=sketch) or
- * dropped, tier moves (sketch insert / revive, INT8 quantise in whole
- * blocks, dequantise), key re-rotation, compaction; blocks no longer used
+ * dropped, tier moves (sketch insert / revive, dequantise), INT8
+ * compaction (re-quantising survivors spread over too many INT8 blocks),
+ * INT8 demotion in whole blocks, key re-rotation, full-precision
+ * compaction; blocks no longer used
  * are retired at `epoch`; then the host's commit. *evicted grows by the
  * tokens removed, *changed is set when any list's table changed. */
 status_code seq_apply_decision(seq *s, uint32_t l, const policy_decision *d, uint64_t epoch,

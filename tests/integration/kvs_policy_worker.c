@@ -53,6 +53,10 @@ typedef struct worker {
     uint64_t int8_checked, sketched; /* of the checked token rows: INT8, skipped in the sketch */
     uint64_t lossy;        /* rows skipped: brought back from the sketch, they hold its estimate */
     uint8_t *was_sketched; /* [list * positions + position]: seen in a sketch segment */
+    /* [list * positions + position]: the INT8 block the token was last seen
+     * in (UINT32_MAX: not INT8 then) and the INT8 quantisations seen */
+    uint32_t *int8_block;
+    uint8_t *int8_rounds;
     uint32_t positions;
     const kvs_layer *lists; /* the table being verified (list index = entry - lists) */
     uint32_t max_list;
@@ -213,11 +217,34 @@ static float channel_max(uint32_t l, uint32_t h, uint32_t c, uint32_t last, int 
     return m;
 }
 
+/* Count the INT8 quantisations the tokens of segment sg (first token t of
+ * list ly) went through: one more each time one is seen in an INT8 block it
+ * was not in at the last step (demoted, or re-quantised by compaction,
+ * POLICIES.md §5.4; the daemon quantises a token at most once a step).
+ * Returns the largest count among them. */
+static uint8_t int8_rounds_seen(worker *w, const kvs_layer *ly, uint32_t t, kvs_segment sg)
+{
+    size_t at = (size_t)(ly - w->lists) * w->positions;
+    uint8_t most = 0;
+    for (uint32_t j = 0; j < sg.count; j++) {
+        uint32_t p = ly->positions[t + j];
+        uint32_t now = sg.tier == KVS_TIER_INT8 ? sg.block : UINT32_MAX;
+        if (now != UINT32_MAX && now != w->int8_block[at + p] && w->int8_rounds[at + p] < 255)
+            w->int8_rounds[at + p]++;
+        w->int8_block[at + p] = now;
+        if (w->int8_rounds[at + p] > most && now != UINT32_MAX)
+            most = w->int8_rounds[at + p];
+    }
+    return most;
+}
+
 /* A list stored in several tiers, segment by segment: full-precision tokens
  * exact (keys within the re-rotation tolerance), INT8 tokens within the
- * quantisation bound max|group| / 254 (channel_max bounds the group's max),
- * sketch tokens skipped (they are checked through
- * Revive by integration/test_tiers). fp32 pools only. Returns 0 or -1. */
+ * quantisation bound max|group| / 254 per quantisation they went through
+ * (channel_max bounds every group's max, and a re-quantised group's max is
+ * at most the largest dequantised value), sketch tokens skipped (they are
+ * checked through Revive by integration/test_tiers). fp32 pools only.
+ * Returns 0 or -1. */
 static int verify_tiered(worker *w, const kvs_layer *ly, const float *wk, const float *wv)
 {
     const kvs_geometry *g = kvs_session_geometry(w->s);
@@ -234,6 +261,7 @@ static int verify_tiered(worker *w, const kvs_layer *ly, const float *wk, const 
             w->sketched += sg.count;
             continue;
         }
+        float rounds = (float)int8_rounds_seen(w, ly, t, sg);
         kvs_layer one = *ly;
         one.tokens = sg.count;
         one.nsegments = 1;
@@ -254,8 +282,10 @@ static int verify_tiered(worker *w, const kvs_layer *ly, const float *wk, const 
                     size_t got = ((size_t)hh * sg.count + j) * d + c;
                     float tk = w->o->rope ? 2e-3f : 0, tv = 0;
                     if (sg.tier == KVS_TIER_INT8) {
-                        tk += channel_max(ly->layer, h0 + hh, c, last, 0) / 254.0f * 1.0001f;
-                        tv += channel_max(ly->layer, h0 + hh, c, last, 1) / 254.0f * 1.0001f;
+                        tk +=
+                            channel_max(ly->layer, h0 + hh, c, last, 0) / 254.0f * rounds * 1.0001f;
+                        tv +=
+                            channel_max(ly->layer, h0 + hh, c, last, 1) / 254.0f * rounds * 1.0001f;
                     }
                     if (fabsf(k[got] - wk[at]) > tk ||
                         (w->o->verify_values && fabsf(v[got] - wv[at]) > tv)) {
@@ -283,9 +313,13 @@ static void verify(worker *w, const kvs_table *t)
 {
     if (w->was_sketched == NULL) {
         w->positions = w->o->prefill + w->o->steps + 1;
-        w->was_sketched = calloc((size_t)t->layers * w->positions, 1);
-        if (w->was_sketched == NULL)
+        size_t n = (size_t)t->layers * w->positions;
+        w->was_sketched = calloc(n, 1);
+        w->int8_rounds = calloc(n, 1);
+        w->int8_block = malloc(n * sizeof *w->int8_block);
+        if (w->was_sketched == NULL || w->int8_rounds == NULL || w->int8_block == NULL)
             fail(2, "out of memory");
+        memset(w->int8_block, 0xff, n * sizeof *w->int8_block);
     }
     w->lists = t->layer;
     const kvs_geometry *g = kvs_session_geometry(w->s);
@@ -601,5 +635,7 @@ int main(int argc, char **argv)
         free(w.rope_at[i]);
     free(w.rope_at);
     free(w.was_sketched);
+    free(w.int8_block);
+    free(w.int8_rounds);
     return 0;
 }

@@ -66,8 +66,10 @@ typedef struct worker {
     uint64_t checked;
     uint64_t int8_rows, sketch_rows; /* of checked: stored INT8, in the sketch */
     /* [sequences][layers][tokens]: the kvs_tier each position was stored in
-     * at the last verify, and the INT8 quantisations seen (or ROUNDS_LOST) */
+     * at the last verify, the block of its INT8 slot then, and the INT8
+     * quantisations seen (or ROUNDS_LOST) */
     uint8_t *last_tier, *rounds;
+    uint32_t *last_block;
     size_t elt;
 } worker;
 
@@ -340,14 +342,18 @@ static int verify_positions(const worker *w, uint64_t id, uint32_t l, const kvs_
 
 /* What happened to the tokens of a list since the last verify. One now in
  * the sketch loses its values for good (an estimate comes back); one now
- * INT8 that was not went through one more quantisation, whose error is
- * bounded by the largest value of its INT8 block (a scale per block and
- * channel): if the list holds an estimate outside the sketch, that may be
- * in the block, and the token's values are lost too. */
+ * INT8 that was not, or in another INT8 block than before (re-quantised by
+ * compaction, POLICIES.md §5.4), went through one more quantisation, whose
+ * error is bounded by the largest value of its INT8 block (a scale per
+ * block and channel): if the list holds an estimate outside the sketch,
+ * that may be in the block, and the token's values are lost too. The
+ * daemon quantises a token at most once a step, and verify_now runs after
+ * each operator move, so no round goes unseen. */
 static void track_tiers(worker *w, uint64_t si, uint32_t l, const kvs_layer *ly)
 {
     size_t at = (si * kvs_session_geometry(w->s)->layers + l) * w->o->tokens;
     uint8_t *last = w->last_tier + at, *rounds = w->rounds + at;
+    uint32_t *block = w->last_block + at;
     int estimates = 0;
     for (size_t s = 0, i = 0; s < ly->nsegments; i += ly->segments[s++].count)
         for (uint32_t j = 0; j < ly->segments[s].count; j++) {
@@ -360,9 +366,11 @@ static void track_tiers(worker *w, uint64_t si, uint32_t l, const kvs_layer *ly)
     for (size_t s = 0, i = 0; s < ly->nsegments; i += ly->segments[s++].count)
         for (uint32_t j = 0; j < ly->segments[s].count; j++) {
             uint32_t p = ly->positions[i + j], tier = ly->segments[s].tier;
-            if (tier == KVS_TIER_INT8 && last[p] != KVS_TIER_INT8 && rounds[p] != ROUNDS_LOST)
+            int again = last[p] != KVS_TIER_INT8 || block[p] != ly->segments[s].block;
+            if (tier == KVS_TIER_INT8 && again && rounds[p] != ROUNDS_LOST)
                 rounds[p] = estimates || rounds[p] == ROUNDS_LOST - 1 ? ROUNDS_LOST : rounds[p] + 1;
             last[p] = (uint8_t)tier;
+            block[p] = ly->segments[s].block;
         }
 }
 
@@ -530,7 +538,8 @@ int main(int argc, char **argv)
     w.seq_ids = xmalloc(o.sequences * sizeof *w.seq_ids);
     w.last_tier = calloc(o.sequences * o.geom.layers * o.tokens + 1, 1);
     w.rounds = calloc(o.sequences * o.geom.layers * o.tokens + 1, 1);
-    if (w.last_tier == NULL || w.rounds == NULL)
+    w.last_block = calloc(o.sequences * o.geom.layers * o.tokens + 1, sizeof *w.last_block);
+    if (w.last_tier == NULL || w.rounds == NULL || w.last_block == NULL)
         die(2, 0, "out of memory");
     for (uint64_t i = 0; i < o.sequences; i++) {
         rc = kvs_seq_create(w.s, o.policy, o.params, o.nparams, o.label, &w.seq_ids[i]);
@@ -576,6 +585,7 @@ int main(int argc, char **argv)
     print_ok(&w);
     free(w.seq_ids);
     free(w.last_tier);
+    free(w.last_block);
     free(w.rounds);
     return 0;
 }

@@ -30,6 +30,7 @@ import time
 
 from kvstash_harness import Worker as HarnessWorker
 from kvstash_harness import call, pb, run_tests
+from test_metrics import Scrape, metrics_port
 from worker_procs import GEOMETRY, WorkerProc
 
 CLI = os.environ.get("KVSTASH_CLI", "")
@@ -478,6 +479,45 @@ def tier_moves_on_a_full_sequence(ctx, w):
     assert verify_now(w) == {"checked": LAYERS * 64, "int8": 40 + 37 + 42, "sketch": 5}
 
 
+def check_int8_compaction_requantises(ctx):
+    """Evicting most INT8 tokens re-quantises the survivors into fresh INT8
+    blocks (POLICIES.md §5.4 compaction), which frees the old ones; the
+    worker reads them within two quantisations' bound."""
+    # streaming with a window that keeps everything: the worker's check that
+    # policy full holds every position would refuse the evictions.
+    w = Worker(ctx.daemon, "cli-requant", seed=27, tokens=96, step=16, policy="streaming",
+               params=("n_sink=0", "window=1000"), label="requant").ready()
+    with killed_on_failure(w):
+        (sid,) = [str(q.seq_id) for q in ctx.daemon.stats().sequences
+                  if q.session_id == w.session_id()]
+        scrape = Scrape(metrics_port(ctx.daemon))
+        before = scrape.get("kvstash_int8_requantized_tokens_total", policy="streaming")
+        # 84 tokens a list = three INT8 blocks of 28; 84-87 stay in block 10.
+        ok_json(ctx, "demote", sid, "0-83")
+        j = ok_json(ctx, "seq", "show", sid)
+        assert [(ly["tokens_int8"], ly["blocks"]) for ly in j["layers"]] == [(84, 3 + 2)] * LAYERS
+        assert verify_now(w) == {"checked": LAYERS * 96, "int8": LAYERS * 84, "sketch": 0}
+        # Keep every third: 28 survivors over 3 INT8 blocks fit in one.
+        gone = ",".join(str(p) for p in range(84) if p % 3)
+        r = ok_json(ctx, "evict", sid, gone)
+        assert (r["evicted"], r["moved"]) == (LAYERS * 56, 0), r
+        j = ok_json(ctx, "seq", "show", sid)
+        assert [(ly["tokens_int8"], ly["blocks"]) for ly in j["layers"]] == [(28, 1 + 2)] * LAYERS
+        assert {"epoch": r["epoch"], "blocks": LAYERS * 3} in j["retired"], j["retired"]
+        assert verify_now(w) == {"checked": LAYERS * 40, "int8": LAYERS * 28, "sketch": 0}
+        after = Scrape(metrics_port(ctx.daemon))
+        assert after.get("kvstash_int8_requantized_tokens_total", policy="streaming") == \
+            before + LAYERS * 28, after.text
+        # Evicting a few more leaves one block: nothing to compact.
+        r = ok_json(ctx, "evict", sid, "0,3,6")
+        j = ok_json(ctx, "seq", "show", sid)
+        assert [(ly["tokens_int8"], ly["blocks"]) for ly in j["layers"]] == [(25, 1 + 2)] * LAYERS
+        assert verify_now(w) == {"checked": LAYERS * 37, "int8": LAYERS * 25, "sketch": 0}
+        assert pool_accounted(ctx)
+    result = w.finish()
+    assert result["ok"], result
+
+
 def check_tier_moves_after_the_policy_rule(ctx):
     """streaming's rule runs first; requested positions it drops are not held."""
     w = Worker(ctx.daemon, "cli-tiers-stream", seed=26, tokens=32, step=16, policy="streaming",
@@ -626,6 +666,7 @@ if __name__ == "__main__":
         check_evict_changes_the_sequence,
         check_watch_sees_a_worker_and_an_eviction,
         check_demote_offload_revive,
+        check_int8_compaction_requantises,
         check_tier_moves_after_the_policy_rule,
         check_tier_move_refusals,
         check_errors_daemon_not_running,
@@ -635,4 +676,4 @@ if __name__ == "__main__":
         check_top_without_a_terminal,
         check_seq_show_per_head_lists,
         check_workers_finish_cleanly,
-    ], daemon_kwargs={"pool_mb": 16}))
+    ], daemon_kwargs={"pool_mb": 16, "extra_args": ["--metrics", "127.0.0.1:0"]}))
