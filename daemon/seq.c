@@ -73,19 +73,25 @@ static size_t sort_unique(uint32_t *a, size_t m)
     return d;
 }
 
-/* The distinct blocks of a list's segments stored in `tier` (any tier with a
- * block when tier < 0), sorted, in a malloc'd *out (NULL and 0 when out of
- * memory: callers count nothing rather than fail). A block's segments need
- * not be adjacent: revived and sketched tokens interleave with others. */
+/* The distinct blocks of a list's segments and offloaded victims stored in
+ * `tier` (any tier with a block when tier < 0), sorted, in a malloc'd *out
+ * (NULL and 0 when out of memory: callers count nothing rather than fail).
+ * A block's segments need not be adjacent: revived and sketched tokens
+ * interleave with others. */
 static size_t list_block_ids(const seq_list *ly, int tier, uint32_t **out)
 {
-    *out = malloc((ly->nsegs ? ly->nsegs : 1) * sizeof **out);
+    *out = malloc((ly->nsegs + ly->noffloaded + 1) * sizeof **out);
     if (*out == NULL)
         return 0;
     size_t m = 0;
     for (size_t i = 0; i < ly->nsegs; i++)
         if (ly->seg_tier[i] != POLICY_SKETCH && (tier < 0 || ly->seg_tier[i] == tier))
             (*out)[m++] = ly->segs[i].block;
+    for (size_t j = 0; j < ly->noffloaded; j++) {
+        const tier_token *at = &ly->offloaded_at[j];
+        if (at->tier != POLICY_SKETCH && (tier < 0 || at->tier == tier))
+            (*out)[m++] = at->block;
+    }
     return sort_unique(*out, m);
 }
 
@@ -121,6 +127,8 @@ void seq_destroy(seq *s)
         free(s->lists[i].segs);
         free(s->lists[i].seg_tier);
         free(s->lists[i].offloaded);
+        free(s->lists[i].offloaded_at);
+        free(s->lists[i].victim_blocks);
         tier_sketch_free(&s->lists[i].sketch);
     }
     for (size_t i = 0; i < s->nretired; i++)
@@ -258,8 +266,9 @@ static int list_encode(seq_list *ly, const tier_token *tok, uint32_t n)
     return 0;
 }
 
-/* Distinct blocks the tokens use (and the tail block, with_tail), sorted,
- * written from out[0]. */
+/* Distinct blocks the tokens and the list's offloaded victims use (and the
+ * tail block, with_tail), sorted, written from out[0] (room for n +
+ * noffloaded + 1). */
 static size_t list_block_set(const seq_list *ly, const tier_token *tok, uint32_t n, int with_tail,
                              uint32_t *out)
 {
@@ -267,6 +276,9 @@ static size_t list_block_set(const seq_list *ly, const tier_token *tok, uint32_t
     for (uint32_t i = 0; i < n; i++)
         if (tok[i].tier != POLICY_SKETCH)
             out[m++] = tok[i].block;
+    for (size_t j = 0; j < ly->noffloaded; j++)
+        if (ly->offloaded_at[j].tier != POLICY_SKETCH)
+            out[m++] = ly->offloaded_at[j].block;
     if (with_tail && ly->has_tail)
         out[m++] = ly->tail_block;
     return sort_unique(out, m);
@@ -388,38 +400,48 @@ static int move_to_full(seq *s, seq_list *ly, tier_token *tok, const uint32_t *p
     return 0;
 }
 
-static int offload_push(seq_list *ly, uint32_t position)
+/* Keep a victim out of the list, stored at `at`. */
+static int offload_push(seq_list *ly, uint32_t position, tier_token at)
 {
-    if (grow((void **)&ly->offloaded, &ly->offloaded_cap, ly->noffloaded + 1,
-             sizeof *ly->offloaded) != 0)
+    size_t cap = ly->offloaded_cap;
+    if (grow((void **)&ly->offloaded, &cap, ly->noffloaded + 1, sizeof *ly->offloaded) != 0 ||
+        grow((void **)&ly->offloaded_at, &ly->offloaded_cap, ly->noffloaded + 1,
+             sizeof *ly->offloaded_at) != 0)
         return -1;
     /* Victims leave in position order within a step, but a step's victims
-     * may be older than an earlier step's: keep the array sorted. */
+     * may be older than an earlier step's: keep the arrays sorted. */
     size_t i = ly->noffloaded;
     while (i > 0 && ly->offloaded[i - 1] > position) {
         ly->offloaded[i] = ly->offloaded[i - 1];
+        ly->offloaded_at[i] = ly->offloaded_at[i - 1];
         i--;
     }
     ly->offloaded[i] = position;
+    ly->offloaded_at[i] = at;
     ly->noffloaded++;
     return 0;
 }
 
-/* The policy's victims: offloaded into the sketch (victims=sketch) or
+/* The policy's victims, by the storage option victims: offloaded into the
+ * sketch; kept where they are stored (victims=int8: full-precision ones are
+ * quantised by list_victims_quantize, sketch ones stay in the sketch); or
  * dropped (a dropped sketch token's estimate leaves the sketch). */
 static int list_victims(seq *s, seq_list *ly, uint32_t layer, tier_token *tok, const uint32_t *pos,
                         const uint8_t *tier, uint32_t n, uint32_t *scratch)
 {
-    int offload = policy_host_storage(s->host)->victims == POLICY_VICTIMS_SKETCH;
+    policy_victims mode = policy_host_storage(s->host)->victims;
     size_t m = 0, gone = 0;
     for (uint32_t i = 0; i < n; i++) {
         if (tier[i] != POLICY_EVICT)
             continue;
-        if (tok[i].tier != POLICY_SKETCH && offload)
+        int sketched = tok[i].tier == POLICY_SKETCH;
+        if (mode == POLICY_VICTIMS_SKETCH && !sketched)
             scratch[m++] = i;
-        else if (tok[i].tier == POLICY_SKETCH && !offload)
+        else if (mode == POLICY_VICTIMS_EVICT && sketched)
             scratch[n - 1 - gone++] = pos[i];
-        if (offload && offload_push(ly, pos[i]) != 0)
+        tier_token at =
+            mode == POLICY_VICTIMS_INT8 ? tok[i] : (tier_token){TIER_NO_BLOCK, 0, POLICY_SKETCH};
+        if (mode != POLICY_VICTIMS_EVICT && offload_push(ly, pos[i], at) != 0)
             return -1;
     }
     if (m > 0 && move_to_sketch(s, ly, layer, tok, pos, scratch, m) != 0)
@@ -535,6 +557,10 @@ static int list_requantize(seq *s, tier_token *tok, const uint8_t *tier, uint32_
 {
     uint32_t t8 = s->tier.l8.block_tokens, *blocks = scratch + n;
     size_t m = 0;
+    /* victims=int8 keeps evicted INT8 tokens in their blocks: re-quantising
+     * the others would free nothing. */
+    if (policy_host_storage(s->host)->victims == POLICY_VICTIMS_INT8)
+        return 0;
     for (uint32_t i = 0; i < n; i++)
         if (tier[i] == POLICY_INT8 && tok[i].tier == POLICY_INT8) {
             blocks[m] = tok[i].block;
@@ -547,6 +573,60 @@ static int list_requantize(seq *s, tier_token *tok, const uint8_t *tier, uint32_
         return -1;
     s->requantized += m;
     return 0;
+}
+
+/*
+ * victims=int8: the oldest victims still at full precision go to INT8 in
+ * whole INT8 blocks, as demotion does (an INT8 block is written once); the
+ * rest wait in their slots. The blocks are the list's victim blocks.
+ * Skipped, harmlessly, when the pool lacks the blocks. scratch has room for
+ * noffloaded.
+ */
+static int list_victims_quantize(seq *s, seq_list *ly, uint32_t *scratch)
+{
+    uint32_t t8 = s->tier.l8.block_tokens;
+    size_t m = 0;
+    for (size_t j = 0; j < ly->noffloaded; j++)
+        if (ly->offloaded_at[j].tier == POLICY_FULL)
+            scratch[m++] = (uint32_t)j;
+    size_t nq = m / t8;
+    if (nq == 0 || nq > s->pool->nfree ||
+        grow((void **)&ly->victim_blocks, &ly->victim_blocks_cap, ly->nvictim_blocks + nq,
+             sizeof *ly->victim_blocks) != 0)
+        return 0;
+    if (quantize_fresh(s, ly->offloaded_at, scratch, nq * t8) != 0)
+        return -1;
+    for (size_t b = 0; b < nq; b++)
+        ly->victim_blocks[ly->nvictim_blocks++] = ly->offloaded_at[scratch[b * t8]].block;
+    s->moved[0] += nq * t8;
+    return 0;
+}
+
+/* Free the oldest victim block of each list (memory pressure, seq_append):
+ * its victims are gone for good. Returns the blocks freed. */
+static uint32_t seq_drop_victim_blocks(seq *s)
+{
+    uint32_t freed = 0;
+    for (size_t k = 0; k < seq_nlists(s); k++) {
+        seq_list *ly = &s->lists[k];
+        if (ly->nvictim_blocks == 0)
+            continue;
+        uint32_t b = ly->victim_blocks[0];
+        memmove(ly->victim_blocks, ly->victim_blocks + 1,
+                --ly->nvictim_blocks * sizeof *ly->victim_blocks);
+        size_t kept = 0;
+        for (size_t j = 0; j < ly->noffloaded; j++) {
+            if (ly->offloaded_at[j].tier == POLICY_INT8 && ly->offloaded_at[j].block == b)
+                continue;
+            ly->offloaded[kept] = ly->offloaded[j];
+            ly->offloaded_at[kept++] = ly->offloaded_at[j];
+        }
+        s->victims_dropped += ly->noffloaded - kept;
+        ly->noffloaded = kept;
+        pool_free_block(s->pool, b);
+        freed++;
+    }
+    return freed;
 }
 
 /* WeightedKV merges, before the merged-away tokens leave the table. Both
@@ -685,9 +765,10 @@ static int list_apply(seq *s, uint32_t l, uint32_t k, tier_token *tok, const pol
     if (list_untouched(s, tok, tier, n))
         return 0;
     *changed = 1;
-    /* Blocks used before (at most n + 1 with the tail, three times: see
-     * below), after (at most n) and an index list (n). */
-    size_t cap = 2 * (size_t)n + 4;
+    /* Blocks used before (at most n + noffloaded + 1 with the tail, three
+     * times: see below), after, and an index list (2n, or noffloaded);
+     * victims add at most n offloaded entries. */
+    size_t cap = 2 * ((size_t)2 * n + ly->noffloaded) + 4;
     uint32_t *scratch = malloc(4 * cap * sizeof *scratch);
     if (scratch == NULL)
         return -1;
@@ -695,12 +776,14 @@ static int list_apply(seq *s, uint32_t l, uint32_t k, tier_token *tok, const pol
     size_t nb = list_block_set(ly, tok, n, 1, before);
     int rc = list_victims(s, ly, l, tok, pos, tier, n, idx);
     if (rc == 0)
+        rc = list_victims_quantize(s, ly, idx);
+    if (rc == 0)
         rc = list_moves(s, ly, l, tok, pos, tier, n);
     if (rc == 0)
         rc = list_requantize(s, tok, tier, n, idx);
-    /* Blocks the moves and the re-quantisation took (tails for revived
-     * tokens, INT8 blocks) count as used before the demotion, which may
-     * empty them again. */
+    /* Blocks the victims, moves and re-quantisation took (INT8 blocks,
+     * tails for revived tokens) count as used before the demotion, which
+     * may empty them again. */
     nb = sort_unique(before, nb + list_block_set(ly, tok, n, 1, before + nb));
     if (rc == 0)
         rc = list_demote(s, tok, tier, n, idx, 0);
@@ -758,7 +841,7 @@ static int list_demote_now(seq *s, uint32_t l, uint32_t k, uint64_t epoch, int *
     const policy_layer_view *v = policy_host_view(s->host, l);
     uint32_t n = v->tokens[k];
     const uint8_t *tier = v->tier[k];
-    size_t cap = (size_t)n + 1; /* blocks before (with the tail), after, indices */
+    size_t cap = (size_t)n + ly->noffloaded + 2; /* blocks before (with the tail), after, indices */
     tier_token *tok = list_expand(ly, n);
     uint32_t *scratch = malloc(3 * cap * sizeof *scratch);
     if (tok == NULL || scratch == NULL) {
@@ -810,7 +893,8 @@ void seq_tier_usage(const seq *s, uint64_t tokens[3], uint64_t bytes[3])
             tokens[ly->seg_tier[i]] += ly->segs[i].count;
         for (int t = POLICY_FULL; t <= POLICY_INT8; t++)
             bytes[t] += (uint64_t)list_count_blocks(ly, t) * s->pool->block_bytes;
-        tokens[POLICY_SKETCH] += ly->noffloaded;
+        for (size_t j = 0; j < ly->noffloaded; j++)
+            tokens[ly->offloaded_at[j].tier]++;
         bytes[POLICY_SKETCH] += tier_sketch_bytes(&ly->sketch);
     }
 }
@@ -1039,6 +1123,9 @@ status_code seq_append(seq *s, int64_t count, kv_segment *const *writes, size_t 
     if (seq_step_silent(s, epoch, evicted, st) != ST_OK)
         return st->code;
     uint64_t need = seq_blocks_needed(s, (uint32_t)count);
+    /* Memory pressure costs kept victims before it refuses tokens. */
+    while (need > s->pool->nfree && seq_drop_victim_blocks(s) > 0)
+        ;
     if (need > s->pool->nfree)
         return status_set(st, ST_RESOURCE_EXHAUSTED,
                           "appending %lld tokens needs %llu free blocks; pool '%s' has %u of %u "
@@ -1083,18 +1170,18 @@ static uint32_t revive_gaps(const uint32_t *pos, uint32_t n, const uint32_t *off
     return missing;
 }
 
-/* The revived tokens in position order: index into the list (held) or
- * UINT32_MAX (offloaded), and their positions. */
-static size_t revive_select(const uint32_t *pos, uint32_t n, const uint32_t *off, size_t noff,
-                            uint32_t first, uint32_t end, uint32_t *which, uint32_t *at)
+/* The revived tokens in position order: where each is stored (held, or an
+ * offloaded victim) and its position. */
+static size_t revive_select(const seq_list *ly, const uint32_t *pos, const tier_token *tok,
+                            uint32_t n, uint32_t first, uint32_t end, tier_token *src, uint32_t *at)
 {
-    size_t m = 0, j = 0;
+    size_t m = 0, j = 0, noff = ly->noffloaded;
     uint32_t i = 0;
     while (i < n || j < noff) {
-        int held = j == noff || (i < n && pos[i] < off[j]);
-        uint32_t p = held ? pos[i] : off[j];
+        int held = j == noff || (i < n && pos[i] < ly->offloaded[j]);
+        uint32_t p = held ? pos[i] : ly->offloaded[j];
         if (p >= first && p < end) {
-            which[m] = held ? i : UINT32_MAX;
+            src[m] = held ? tok[i] : ly->offloaded_at[j];
             at[m++] = p;
         }
         held ? i++ : j++;
@@ -1102,24 +1189,27 @@ static size_t revive_select(const uint32_t *pos, uint32_t n, const uint32_t *off
     return m;
 }
 
-/* Write the revived tokens into dst: held FULL / INT8 tokens read back,
- * sketch tokens (held or offloaded) queried. */
-static int revive_fill(seq *s, seq_list *ly, const tier_token *tok, const uint32_t *which,
-                       const uint32_t *at, size_t m, const tier_token *dst)
+/* Write the revived tokens into dst: FULL / INT8 tokens read back, sketch
+ * tokens queried. */
+static int revive_fill(seq *s, seq_list *ly, const tier_token *src, const uint32_t *at, size_t m,
+                       const tier_token *dst)
 {
+    size_t half = tier_token_bytes(&s->tier) / 2;
     for (size_t a = 0; a < m;) {
-        int sketch = which[a] == UINT32_MAX || tok[which[a]].tier == POLICY_SKETCH;
+        int sketch = src[a].tier == POLICY_SKETCH;
         size_t b = a;
-        while (b < m && (which[b] == UINT32_MAX || tok[which[b]].tier == POLICY_SKETCH) == sketch)
+        while (b < m && (src[b].tier == POLICY_SKETCH) == sketch)
             b++;
         if (sketch) {
             if (tier_sketch_read(&ly->sketch, &s->tier, s->pool->base, at + a, b - a, dst + a, 0))
                 return -1;
         } else {
-            uint8_t *k, *v;
-            if (stage_tokens(s, tok, which + a, b - a, &k, &v) != 0)
+            uint8_t *k = malloc(2 * half * (b - a));
+            if (k == NULL || tier_read(&s->tier, src + a, b - a, k, k + half * (b - a)) != 0) {
+                free(k);
                 return -1;
-            tier_write(&s->tier, dst + a, b - a, k, v);
+            }
+            tier_write(&s->tier, dst + a, b - a, k, k + half * (b - a));
             free(k);
         }
         a = b;
@@ -1153,8 +1243,8 @@ status_code seq_revive(seq *s, uint32_t layer, uint32_t head, uint32_t first, ui
         return status_set(st, ST_FAILED_PRECONDITION,
                           "%u of positions %u..%llu of layer %u were evicted outright, not "
                           "offloaded (first: %u..%u); nothing can revive them (create the "
-                          "sequence with victims=sketch to keep evicted tokens, or ask with "
-                          "skip_evicted)",
+                          "sequence with victims=sketch or victims=int8 to keep evicted "
+                          "tokens, or ask with skip_evicted)",
                           missing, first, (unsigned long long)end - 1, layer, gap_first,
                           gap_first + gap_count - 1);
     size_t m = (size_t)(end - first) - missing;
@@ -1164,15 +1254,15 @@ status_code seq_revive(seq *s, uint32_t layer, uint32_t head, uint32_t first, ui
                           "reviving %zu tokens needs %u free blocks; pool '%s' has %u", m, need,
                           s->pool->model, s->pool->nfree);
     tier_token *tok = list_expand(ly, n), *dst = malloc((m ? m : 1) * sizeof *dst);
-    uint32_t *which = malloc((m ? m : 1) * sizeof *which);
+    tier_token *src = malloc((m ? m : 1) * sizeof *src);
     *pos = malloc((m ? m : 1) * sizeof **pos);
     *src_tier = malloc(m ? m : 1);
     *blocks = malloc((need ? need : 1) * sizeof **blocks);
     *segs = malloc((need ? need : 1) * sizeof **segs);
-    int rc = tok && dst && which && *pos && *src_tier && *blocks && *segs ? 0 : -1;
+    int rc = tok && dst && src && *pos && *src_tier && *blocks && *segs ? 0 : -1;
     uint32_t got = 0;
     if (rc == 0) {
-        revive_select(lpos, n, ly->offloaded, ly->noffloaded, first, (uint32_t)end, which, *pos);
+        revive_select(ly, lpos, tok, n, first, (uint32_t)end, src, *pos);
         for (uint32_t b = 0; b < need; b++, got++) {
             pool_alloc_block(s->pool, &(*blocks)[b]); /* checked above */
             (*segs)[b] = (kv_segment){(*blocks)[b], 0,
@@ -1180,13 +1270,13 @@ status_code seq_revive(seq *s, uint32_t layer, uint32_t head, uint32_t first, ui
         }
         for (size_t j = 0; j < m; j++) {
             dst[j] = (tier_token){(*blocks)[j / slots], (uint32_t)(j % slots), POLICY_FULL};
-            (*src_tier)[j] = which[j] == UINT32_MAX ? POLICY_SKETCH : tok[which[j]].tier;
+            (*src_tier)[j] = src[j].tier;
         }
-        rc = revive_fill(s, ly, tok, which, *pos, m, dst);
+        rc = revive_fill(s, ly, src, *pos, m, dst);
     }
     free(tok);
     free(dst);
-    free(which);
+    free(src);
     if (rc != 0) {
         for (uint32_t b = 0; b < got; b++)
             pool_free_block(s->pool, (*blocks)[b]);

@@ -50,9 +50,19 @@ typedef struct seq_list {
     uint32_t tail_block;     /* block that new tokens fill first */
     uint32_t tail_next_slot; /* its first never-written slot; slots per block = full */
     int has_tail;
-    tier_sketch sketch;  /* the list's count-sketch; sketch.sk.key NULL until used */
-    uint32_t *offloaded; /* positions victims=sketch offloaded, out of the list; ascending */
+    tier_sketch sketch; /* the list's count-sketch; sketch.sk.key NULL until used */
+    /* Victims kept out of the list, revivable (storage option victims):
+     * their positions, ascending, and where each is stored: the sketch
+     * (victims=sketch), or a pool slot (victims=int8: an INT8 slot, or its
+     * full-precision slot until an INT8 block's worth waits, seq.c
+     * list_victims_quantize). */
+    uint32_t *offloaded;
+    tier_token *offloaded_at;
     size_t noffloaded, offloaded_cap;
+    /* The INT8 blocks victims=int8 wrote for victims, oldest first: never in
+     * a table, so memory pressure frees them at once (seq_append). */
+    uint32_t *victim_blocks;
+    size_t nvictim_blocks, victim_blocks_cap;
 } seq_list;
 
 typedef struct seq_retired {
@@ -92,7 +102,8 @@ typedef struct seq {
     uint64_t moved_reported[3]; /* of those, reported to metrics (metrics_tiers) */
     uint64_t requantized;       /* INT8 tokens re-quantised by compaction (§5.4) */
     uint64_t requantized_reported;
-    seq_obs *obs; /* measurements since the last metrics_tiers */
+    uint64_t victims_dropped; /* victims=int8 victims freed under memory pressure */
+    seq_obs *obs;             /* measurements since the last metrics_tiers */
     size_t nobs, obs_cap;
 } seq;
 
@@ -175,8 +186,8 @@ status_code seq_apply_decision(seq *s, uint32_t l, const policy_decision *d, uin
 status_code seq_demote_pending(seq *s, uint32_t layer, uint64_t epoch, int *changed, status *st);
 
 /* Storage per tier (POLICY_FULL, _INT8, _SKETCH) over every list: tokens
- * held (sketch: in-list sketch tokens plus offloaded ones) and bytes (pool
- * blocks of that tier; sketch cells). */
+ * held and offloaded victims kept, by the tier they are stored in, and
+ * bytes (pool blocks of that tier; sketch cells). */
 void seq_tier_usage(const seq *s, uint64_t tokens[3], uint64_t bytes[3]);
 
 /* Tokens of list (layer, head) stored in each tier. */
@@ -185,8 +196,8 @@ void seq_list_tier_tokens(const seq *s, uint32_t layer, uint32_t head, uint32_t 
 /*
  * Revive (the RPC): rebuild positions [first, first + count) of list
  * (layer, head) in full precision into fresh blocks of the pool: held
- * tokens (raw copied, INT8 dequantised, sketch queried) and offloaded ones
- * (sketch queried), in position order; the sketch is not changed. Tokens
+ * tokens and offloaded victims (raw copied, INT8 dequantised, sketch
+ * queried), in position order; the sketch is not changed. Tokens
  * evicted outright cannot come back: FAILED_PRECONDITION naming them,
  * unless skip_evicted. On success *segs (malloc'd) holds the scratch
  * blocks' segments in list layout, *pos (malloc'd) the positions and

@@ -11,7 +11,8 @@ static const policy_param_spec storage_spec[] = {
     {"int8_window", "32", "newest held tokens per list that int8=on keeps at full precision"},
     {"victims", "evict",
      "where evicted tokens go: evict (dropped), sketch (offloaded to the list's count-sketch, "
-     "revivable)"},
+     "revivable), int8 (kept as INT8 out of the table, revivable; dropped first under memory "
+     "pressure)"},
     {"sketch_rows", "3", "rows of the offload sketch (hash functions), 1..32"},
     {"sketch_buckets", "64", "buckets per row of the offload sketch, 1..65536"},
     {"sketch_seed", "0", "seed of the offload sketch's hash family (POLICIES.md §3.2)"},
@@ -26,7 +27,7 @@ const policy_param_spec *policy_storage_spec(size_t *count)
 int policy_storage_parse(const policy_params *p, policy_storage *out, char *err, size_t errlen)
 {
     static const char *const on_off[] = {"off", "on", NULL};
-    static const char *const victims[] = {"evict", "sketch", NULL};
+    static const char *const victims[] = {"evict", "sketch", "int8", NULL};
     unsigned int8 = 0, v = 0;
     uint32_t seed_hi = 0;
     if (policy_params_choice(p, "int8", on_off, &int8, err, errlen) != 0 ||

@@ -6,10 +6,12 @@
  *   int8=on|off        demote held tokens to INT8 (POLICIES.md §5.4), all
  *                      but the newest int8_window of each list
  *   int8_window=N      newest held tokens per list kept at full precision
- *   victims=evict|sketch
- *                      a token the policy evicts is dropped, or offloaded
- *                      into its list's count-sketch (POLICIES.md §3.3), out
- *                      of the table but revivable with Revive
+ *   victims=evict|sketch|int8
+ *                      a token the policy evicts is dropped, or kept out of
+ *                      the table but revivable with Revive: offloaded into
+ *                      its list's count-sketch (POLICIES.md §3.3), or
+ *                      quantised to INT8 (§5.4; memory pressure drops these
+ *                      first)
  *   sketch_rows, sketch_buckets, sketch_seed
  *                      that sketch's geometry (policies with their own
  *                      sketch, like reviver, bring theirs: ops->sketch_geometry)
@@ -26,6 +28,7 @@
 typedef enum policy_victims {
     POLICY_VICTIMS_EVICT = 0,
     POLICY_VICTIMS_SKETCH = 1,
+    POLICY_VICTIMS_INT8 = 2,
 } policy_victims;
 
 typedef struct policy_storage {

@@ -3,13 +3,15 @@
  * tiers and checks what Revive gives back (issue 4, acceptance 3).
  *
  * It creates a `streaming` sequence with the given storage options (int8,
- * victims=sketch, sketch_buckets), appends --tokens tokens one at a time with
+ * victims, sketch_buckets), appends --tokens tokens one at a time with
  * seeded fp16 K/V, and after every append reads back every held token: full
  * precision tokens must be the bytes written, INT8 tokens within the bound
  * max|channel| / 254 plus fp16 rounding. It keeps its own count-sketch: a
  * token that leaves the table was offloaded by the daemon with the values it
  * held then (raw, or dequantised INT8), so the worker inserts exactly those,
- * in the same order. At the end it revives every layer and checks each
+ * in the same order (victims=int8 keeps them as INT8 instead, or at full
+ * precision while fewer than an INT8 block wait). At the end it revives
+ * every layer and checks each
  * position by the tier it came from: raw byte-exact, INT8 within the bound,
  * sketch equal to its own sketch's query (and, with --exact, to the bytes
  * written: no collisions). Then a range revive, the release of the scratch,
@@ -42,7 +44,8 @@
 typedef struct opts {
     const char *socket, *int8;
     uint32_t tokens, buckets, window;
-    int exact, victims_sketch;
+    int exact;
+    const char *victims; /* evict, sketch or int8 */
 } opts;
 
 typedef struct sketch {
@@ -250,7 +253,7 @@ static void check_range_and_release(kvs_session *s, uint64_t seq, uint32_t token
 
 static void parse(int argc, char **argv, opts *o)
 {
-    *o = (opts){NULL, "off", 96, 4096, 16, 0, 1};
+    *o = (opts){NULL, "off", 96, 4096, 16, 0, "sketch"};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (strcmp(a, "--exact") == 0) {
@@ -270,7 +273,7 @@ static void parse(int argc, char **argv, opts *o)
         else if (strcmp(a, "--window") == 0)
             o->window = (uint32_t)strtoul(v, NULL, 10);
         else if (strcmp(a, "--victims") == 0)
-            o->victims_sketch = strcmp(v, "sketch") == 0;
+            o->victims = v;
         else
             fail(3, "unknown option %s", a);
         i++;
@@ -293,7 +296,7 @@ int main(int argc, char **argv)
                           {"window", win},
                           {"int8", o.int8},
                           {"int8_window", "8"},
-                          {"victims", o.victims_sketch ? "sketch" : "evict"},
+                          {"victims", o.victims},
                           {"sketch_rows", "3"},
                           {"sketch_buckets", buckets}};
     uint64_t seq;
@@ -316,7 +319,7 @@ int main(int argc, char **argv)
         for (uint32_t l = 0; l < LAYERS; l++) {
             const kvs_layer *ly = &t.layer[l];
             track_offloads(ly, held + (size_t)l * o.tokens, seen_l[l],
-                           o.victims_sketch ? &sk[l] : NULL, o.buckets, p + 1);
+                           strcmp(o.victims, "sketch") == 0 ? &sk[l] : NULL, o.buckets, p + 1);
             size_t bytes = (size_t)KV_HEADS * ly->tokens * HEAD_DIM * 2;
             uint8_t *k = malloc(bytes + 1), *v = malloc(bytes + 1);
             api(s, kvs_layer_read(s, ly, k, v), "read");
@@ -328,7 +331,7 @@ int main(int argc, char **argv)
         kvs_table_free(&t);
     }
     uint32_t counts[3] = {0, 0, 0};
-    if (o.victims_sketch) {
+    if (strcmp(o.victims, "evict") != 0) {
         for (uint32_t l = 0; l < LAYERS; l++)
             check_revive(s, seq, l, &o, &sk[l], counts, &worst);
         check_range_and_release(s, seq, o.tokens);

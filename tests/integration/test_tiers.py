@@ -58,6 +58,24 @@ def check_sketch_round_trip_exact_without_collisions(ctx):
     assert r["int8"] == 0 and r["sketch"] > TOKENS, r
 
 
+def check_int8_victims_revive_every_position(ctx):
+    """victims=int8: streaming's victims leave the table but stay as INT8
+    (full precision while fewer than an INT8 block wait); Revive rebuilds
+    every position, and Stats counts them where they are stored."""
+    stats, r = run_worker(ctx, "--int8", "on", "--victims", "int8", "--window", "24")
+    assert r["full"] + r["int8"] == LAYERS * TOKENS and r["sketch"] == 0, r
+    # 4 sinks + 24 held per list, 8 of them fp16; the rest INT8 but for the
+    # victims and held tokens waiting for a whole INT8 block.
+    assert r["int8"] >= LAYERS * (TOKENS - 8 - 1 - 2 * INT8_PER_BLOCK), r
+    assert 0 < r["max_int8_err"] <= 4 / 254 + 4 * 2 ** -11, r
+    t = tiers(stats)
+    assert (t["int8"]["tokens"], t["fp16"]["tokens"], t["sketch"]["tokens"]) == \
+        (r["int8"], r["full"], 0), (t, r)
+    # Every INT8 block was written whole and keeps all its tokens (victims
+    # stay in their blocks), so INT8 bytes are exactly the blocks' worth.
+    assert t["int8"]["bytes"] * INT8_PER_BLOCK == t["int8"]["tokens"] * BLOCK_BYTES, t
+
+
 def check_evicted_outright_cannot_be_revived(ctx):
     _, r = run_worker(ctx, "--int8", "on", "--victims", "evict")
     assert r["sketch"] == 0 and 0 < r["full"] + r["int8"] < TOKENS, r
@@ -108,6 +126,7 @@ if __name__ == "__main__":
     sys.exit(run_tests("tiers", [
         check_int8_and_sketch_revive_every_position,
         check_sketch_round_trip_exact_without_collisions,
+        check_int8_victims_revive_every_position,
         check_evicted_outright_cannot_be_revived,
         check_int8_memory_accounting_shows_the_saving,
         check_tier_and_revive_counters_move,

@@ -298,6 +298,72 @@ static void test_bad_geometry_and_policy(void **state)
     assert_int_equal(f->st.pools[1], NULL); /* no pool was created for "x" */
 }
 
+/* The sources Revive reports for positions [0, n) of layer 0. */
+static void revive_sources(fixture *f, uint64_t id, uint32_t n, uint32_t counts[3])
+{
+    status s;
+    store_revive_result r;
+    assert_int_equal(store_revive(&f->st, f->token, id, 0, 0, 0, n, 0, &r, &s), ST_OK);
+    assert_int_equal(r.table.tokens, n);
+    counts[0] = counts[1] = counts[2] = 0;
+    for (uint32_t t = 0; t < n; t++)
+        counts[r.src_tier[t]]++;
+    uint32_t freed;
+    assert_int_equal(store_scratch_release(&f->st, f->token, r.scratch_id, &freed, &s), ST_OK);
+    store_revive_result_free(&r);
+}
+
+/* victims=int8 keeps streaming's victims as INT8 out of the table, an INT8
+ * block per 12 of them, until the pool runs short: then appends still
+ * succeed because the oldest victim blocks give way, Revive says those
+ * positions are gone, and every block is accounted for. */
+static void test_int8_victims_give_way_under_pressure(void **state)
+{
+    fixture *f = *state;
+    const char *keys[] = {"n_sink", "window", "victims"}, *values[] = {"0", "8", "int8"};
+    uint64_t id = make_seq(f, "streaming", keys, values, 3);
+    seq *q = store_find_seq_locked(&f->st, id);
+    uint32_t t8 = q->tier.l8.block_tokens;
+    assert_int_equal(t8, 12); /* 512-byte blocks: 4 fp32 tokens, or 12 INT8 ones + scales */
+    store_table w;
+    uint64_t ack = 0;
+    /* Two layers of victims at 1/12 block each fill 2048 blocks in ~12300 tokens. */
+    uint32_t total = 16000, counts[3];
+    for (uint32_t p = 0; p < total; p++) {
+        append(f, id, 1, ack, &w);
+        ack = w.epoch;
+        store_table_free(&w);
+        if (p != 1000)
+            continue;
+        /* No pressure yet: every victim kept, in whole INT8 blocks, the rest
+         * waiting at full precision; the window of 8 and the newest token
+         * (its step is the next append) held. */
+        const seq_list *ly = &q->lists[0];
+        assert_int_equal(ly->noffloaded, p + 1 - 9);
+        assert_int_equal(ly->nvictim_blocks, ly->noffloaded / t8);
+        revive_sources(f, id, p + 1, counts);
+        assert_int_equal(counts[POLICY_INT8], ly->noffloaded / t8 * t8);
+        assert_int_equal(counts[POLICY_FULL], p + 1 - counts[POLICY_INT8]);
+    }
+    assert_true(q->victims_dropped > 0);
+    assert_int_equal(q->appended, total);
+    /* Held and retired blocks plus free ones are the whole pool. */
+    assert_int_equal(seq_blocks_held(q) + the_pool(f)->nfree, f->block_count);
+    status s;
+    store_revive_result r;
+    assert_int_equal(store_revive(&f->st, f->token, id, 0, 0, 0, 10, 0, &r, &s),
+                     ST_FAILED_PRECONDITION);
+    assert_non_null(strstr(s.msg, "evicted outright"));
+    /* The victims dropped are the oldest, whole INT8 blocks of each layer:
+     * what is kept starts right after them. */
+    for (uint32_t l = 0; l < 2; l++) {
+        const seq_list *ly = &q->lists[l];
+        assert_int_equal(ly->offloaded[0] % t8, 0);
+        assert_int_equal(q->victims_dropped, 2 * (uint64_t)ly->offloaded[0]);
+        assert_int_equal(ly->offloaded[ly->noffloaded - 1], total - 10);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -310,6 +376,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_sessions_and_ownership, setup, teardown),
         cmocka_unit_test_setup_teardown(test_reclaim_frees_everything, setup, teardown),
         cmocka_unit_test_setup_teardown(test_bad_geometry_and_policy, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_int8_victims_give_way_under_pressure, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
