@@ -11,17 +11,23 @@
  * fp32 once into two stack tiles (fp16 with F16C in the AVX2 build; INT8 as
  * code * scale, the dequantisation fused into the read) and serve every
  * query head of its group. One walk takes up to ATTN_STATE query heads, KV
- * head after KV head per chunk, so a chunk's blocks are read nearly in
- * order, and the rows of the chunk after are prefetched meanwhile (a list's
- * blocks are scattered over the pool: the hardware prefetchers cannot run
- * ahead of them).
+ * head after KV head per chunk (a "step" is one KV head of one chunk), so a
+ * chunk's blocks are read nearly in order. A list's blocks are scattered
+ * over the pool, which the hardware prefetchers cannot follow: each step
+ * prefetches the rows of the step ATTN_AHEAD later, a few lines at a time
+ * between its own arithmetic (pf_queue), so that memory and arithmetic
+ * overlap; one burst of prefetches measured no faster than none.
  *
- * Scores are 8-lane dot products, eight tokens at a time; the V
- * accumulation runs channel-outer, so that up to 64 channels of the
- * accumulator stay in registers over the chunk's tokens; exp is a
- * vectorised polynomial. The generic build's plain C and the AVX2 build's
- * intrinsics do the same IEEE operations per lane in the same order, so
- * both give the same bits (isa.h). No scratch of the list's length: the
+ * Scores are 8-lane dot products, ATTN_HB query heads by two tokens at a
+ * time (each K load serves four heads, each query load two tokens); the V
+ * accumulation runs channel-outer for ATTN_HB heads at once, 16 channels of
+ * each in registers over the chunk's tokens. Both use fused multiply-adds
+ * (the AVX2 build is compiled with -mfma and dispatched only on CPUs with
+ * FMA; isa.h). exp is a vectorised polynomial without FMA. The generic
+ * build's plain C (fmaf) and the AVX2 build's intrinsics do the same IEEE
+ * operations per lane in the same order, so both give the same bits; the
+ * price is a libm fmaf call per multiply-add in the generic x86-64 build
+ * (aarch64 fuses natively). No scratch of the list's length: the
  * accumulator is `out` itself, and with probs asked for the raw scores go
  * into probs and are normalised at the end.
  *
@@ -44,6 +50,8 @@
 #define ATTN_TILE 4096u /* floats of a chunk's K (or V) tile; a longer row takes the reference */
 #define ATTN_HEADS 16u  /* query heads of one KV head per unit of work */
 #define ATTN_STATE 64u  /* query heads per walk over the list */
+#define ATTN_HB 4u      /* query heads folded together: a K or V load serves them all */
+#define ATTN_AHEAD 2u   /* steps (a KV head of a chunk) from a row's prefetch to its read */
 
 typedef struct attn_job {
     const kv_layout *l;
@@ -132,9 +140,9 @@ static float dot8(const float *restrict a, const float *restrict b, uint32_t d)
     uint32_t c = 0;
     for (; c + 8 <= d; c += 8)
         for (uint32_t k = 0; k < 8; k++)
-            l[k] += a[c + k] * b[c + k];
+            l[k] = fmaf(a[c + k], b[c + k], l[k]);
     for (uint32_t k = 0; c + k < d; k++)
-        l[k] += a[c + k] * b[c + k];
+        l[k] = fmaf(a[c + k], b[c + k], l[k]);
     return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
 }
 
@@ -149,13 +157,13 @@ static void accumulate(float *restrict acc, const float *restrict vt, const floa
         memcpy(r, acc + c, sizeof r);
         for (uint32_t i = 0; i < cnt; i++)
             for (uint32_t k = 0; k < 8; k++)
-                r[k] += p[i] * vt[(size_t)i * d + c + k];
+                r[k] = fmaf(p[i], vt[(size_t)i * d + c + k], r[k]);
         memcpy(acc + c, r, sizeof r);
     }
     for (; c < d; c++) {
         float r = acc[c];
         for (uint32_t i = 0; i < cnt; i++)
-            r += p[i] * vt[(size_t)i * d + c];
+            r = fmaf(p[i], vt[(size_t)i * d + c], r);
         acc[c] = r;
     }
 }
@@ -177,7 +185,7 @@ static void accumulate(float *restrict acc, const float *restrict vt, const floa
         for (; c + 8 <= d; c += 8) {                                                               \
             __m256 x = _mm256_loadu_ps(a + c);                                                     \
             for (int t = 0; t < NT; t++)                                                           \
-                s[t] = _mm256_add_ps(s[t], _mm256_mul_ps(x, _mm256_loadu_ps(b + t * stride + c))); \
+                s[t] = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + t * stride + c), s[t]);              \
         }                                                                                          \
         for (int t = 0; t < NT; t++)                                                               \
             out[t] = dot8_finish(s[t], a + c, b + t * stride + c, d - c);                          \
@@ -191,7 +199,7 @@ static inline float dot8_finish(__m256 s, const float *a, const float *b, uint32
         float l[8];
         _mm256_storeu_ps(l, s);
         for (uint32_t k = 0; k < n; k++)
-            l[k] += a[k] * b[k];
+            l[k] = fmaf(a[k], b[k], l[k]);
         s = _mm256_loadu_ps(l);
     }
     __m128 v = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
@@ -214,7 +222,7 @@ DOT8_AVX2(4)
             __m256 pi = _mm256_set1_ps(p[i]);                                                      \
             const float *v = vt + (size_t)i * d + c;                                               \
             for (int k = 0; k < NB; k++)                                                           \
-                r[k] = _mm256_add_ps(r[k], _mm256_mul_ps(pi, _mm256_loadu_ps(v + 8 * k)));         \
+                r[k] = _mm256_fmadd_ps(pi, _mm256_loadu_ps(v + 8 * k), r[k]);                      \
         }                                                                                          \
         for (int k = 0; k < NB; k++)                                                               \
             _mm256_storeu_ps(acc + c + 8 * k, r[k]);                                               \
@@ -236,6 +244,65 @@ static uint32_t accumulate_avx2(float *acc, const float *vt, const float *p, uin
         accumulate4_avx2(acc, vt, p, cnt, d, c);
     return c;
 }
+
+/* dot8 of H query heads (rows d floats apart) against T tokens' K rows (d
+ * floats apart) at once: each K load serves the H heads, each query load
+ * the T tokens, H * T independent chains. out[h * ATTN_CHUNK + t]. */
+#define DOT8H_AVX2(H, T)                                                                           \
+    static void dot8h##H##x##T##_avx2(const float *q, const float *k, uint32_t d, float *out)      \
+    {                                                                                              \
+        __m256 s[H][T];                                                                            \
+        for (int h = 0; h < H; h++)                                                                \
+            for (int t = 0; t < T; t++)                                                            \
+                s[h][t] = _mm256_setzero_ps();                                                     \
+        uint32_t c = 0;                                                                            \
+        for (; c + 8 <= d; c += 8) {                                                               \
+            __m256 x[T];                                                                           \
+            for (int t = 0; t < T; t++)                                                            \
+                x[t] = _mm256_loadu_ps(k + (size_t)t * d + c);                                     \
+            for (int h = 0; h < H; h++) {                                                          \
+                __m256 a = _mm256_loadu_ps(q + (size_t)h * d + c);                                 \
+                for (int t = 0; t < T; t++)                                                        \
+                    s[h][t] = _mm256_fmadd_ps(a, x[t], s[h][t]);                                   \
+            }                                                                                      \
+        }                                                                                          \
+        for (int h = 0; h < H; h++)                                                                \
+            for (int t = 0; t < T; t++)                                                            \
+                out[h * ATTN_CHUNK + t] =                                                          \
+                    dot8_finish(s[h][t], q + (size_t)h * d + c, k + (size_t)t * d + c, d - c);     \
+    }
+
+DOT8H_AVX2(4, 2)
+DOT8H_AVX2(4, 1)
+
+/* accumulate for ATTN_HB heads at once (acc rows and p rows ATTN_CHUNK
+ * apart), channels [c, c + 8 * NB): each V load serves every head. */
+#define ACCUMULATE_HEADS_AVX2(NB)                                                                  \
+    static void accumulate_heads##NB##_avx2(float *acc, const float *vt, const float *p,           \
+                                            uint32_t cnt, uint32_t d, uint32_t c)                  \
+    {                                                                                              \
+        __m256 r[ATTN_HB][NB];                                                                     \
+        for (uint32_t h = 0; h < ATTN_HB; h++)                                                     \
+            for (int k = 0; k < NB; k++)                                                           \
+                r[h][k] = _mm256_loadu_ps(acc + (size_t)h * d + c + 8 * k);                        \
+        for (uint32_t i = 0; i < cnt; i++) {                                                       \
+            const float *v = vt + (size_t)i * d + c;                                               \
+            __m256 x[NB];                                                                          \
+            for (int k = 0; k < NB; k++)                                                           \
+                x[k] = _mm256_loadu_ps(v + 8 * k);                                                 \
+            for (uint32_t h = 0; h < ATTN_HB; h++) {                                               \
+                __m256 pi = _mm256_broadcast_ss(p + h * ATTN_CHUNK + i);                           \
+                for (int k = 0; k < NB; k++)                                                       \
+                    r[h][k] = _mm256_fmadd_ps(pi, x[k], r[h][k]);                                  \
+            }                                                                                      \
+        }                                                                                          \
+        for (uint32_t h = 0; h < ATTN_HB; h++)                                                     \
+            for (int k = 0; k < NB; k++)                                                           \
+                _mm256_storeu_ps(acc + (size_t)h * d + c + 8 * k, r[h][k]);                        \
+    }
+
+ACCUMULATE_HEADS_AVX2(2)
+ACCUMULATE_HEADS_AVX2(1)
 #endif
 
 /*
@@ -265,21 +332,86 @@ static void exp_nonpos(float *x, uint32_t n)
     }
 }
 
-/* The chunk's cnt raw scores q.k * scale. */
-static void scores(const float *qh, const float *kt, uint32_t cnt, uint32_t d, float scale,
-                   float *sc)
+/* Prefetches of the rows a later step reads, issued a few lines at a time
+ * between the arithmetic of the current step, so that the memory works
+ * while the core computes (a burst of them stalls the loads behind it). */
+typedef struct pf_queue {
+    const uint8_t *row[2 * ATTN_CHUNK];
+    uint32_t bytes[2 * ATTN_CHUNK];
+    uint32_t n, i, off, per; /* rows, current row, offset in it, lines per call */
+} pf_queue;
+
+static void pf_issue(pf_queue *q)
 {
+    for (uint32_t m = 0; m < q->per && q->i < q->n; m++) {
+        __builtin_prefetch(q->row[q->i] + q->off, 0, 2); /* locality 2: the tiles fill L1 */
+        q->off += 64;
+        if (q->off >= q->bytes[q->i]) {
+            q->i++;
+            q->off = 0;
+        }
+    }
+}
+
+/* The chunk's cnt raw scores q.k * scale of nh <= ATTN_HB query heads (rows
+ * d floats apart from q): sc[h * ATTN_CHUNK + i]. */
+static void scores(const float *q, uint32_t nh, const float *kt, uint32_t cnt, uint32_t d,
+                   float scale, float *sc, pf_queue *pf)
+{
+    (void)pf;
     uint32_t i = 0;
 #ifdef __AVX2__
-    for (; i + 8 <= cnt; i += 8)
-        dot8x8_avx2(qh, kt + (size_t)i * d, d, d, sc + i);
-    for (; i + 4 <= cnt; i += 4)
-        dot8x4_avx2(qh, kt + (size_t)i * d, d, d, sc + i);
+    if (nh == ATTN_HB) {
+        for (; i + 2 <= cnt; i += 2) {
+            dot8h4x2_avx2(q, kt + (size_t)i * d, d, sc + i);
+            pf_issue(pf);
+        }
+        for (; i < cnt; i++)
+            dot8h4x1_avx2(q, kt + (size_t)i * d, d, sc + i);
+    }
 #endif
-    for (; i < cnt; i++)
-        sc[i] = dot8(qh, kt + (size_t)i * d, d);
-    for (i = 0; i < cnt; i++)
-        sc[i] *= scale;
+    for (uint32_t h = 0; h < nh; h++) {
+        const float *qh = q + (size_t)h * d;
+        float *s = sc + h * ATTN_CHUNK;
+        uint32_t t = i;
+#ifdef __AVX2__
+        for (; t + 8 <= cnt; t += 8)
+            dot8x8_avx2(qh, kt + (size_t)t * d, d, d, s + t);
+        for (; t + 4 <= cnt; t += 4)
+            dot8x4_avx2(qh, kt + (size_t)t * d, d, d, s + t);
+#endif
+        for (; t < cnt; t++)
+            s[t] = dot8(qh, kt + (size_t)t * d, d);
+        for (t = 0; t < cnt; t++)
+            s[t] *= scale;
+    }
+}
+
+/* acc rows (d floats apart) of nh <= ATTN_HB heads += their weights p
+ * (rows ATTN_CHUNK apart) times the chunk's V rows. */
+static void accumulate_heads(float *acc, uint32_t nh, const float *vt, const float *p, uint32_t cnt,
+                             uint32_t d, pf_queue *pf)
+{
+    (void)pf;
+    uint32_t c = 0;
+#ifdef __AVX2__
+    if (nh == ATTN_HB) {
+        for (; c + 16 <= d; c += 16) {
+            accumulate_heads2_avx2(acc, vt, p, cnt, d, c);
+            pf_issue(pf);
+        }
+        for (; c + 8 <= d; c += 8)
+            accumulate_heads1_avx2(acc, vt, p, cnt, d, c);
+    }
+#endif
+    for (uint32_t h = 0; h < nh; h++) {
+        uint32_t ch = c;
+#ifdef __AVX2__
+        if (ch == 0)
+            ch = accumulate_avx2(acc + (size_t)h * d, vt, p + h * ATTN_CHUNK, cnt, d);
+#endif
+        accumulate(acc + (size_t)h * d, vt, p + h * ATTN_CHUNK, cnt, d, ch);
+    }
 }
 
 /* Running state of one query head's online softmax. */
@@ -287,40 +419,41 @@ typedef struct online {
     float max, sum;
 } online;
 
-/* Fold a chunk of cnt tokens (tiles kt, vt) into one query head's state and
- * accumulator acc (its row of out); raw (may be NULL) receives the raw
- * scores. */
-static void fold(const attn_job *j, const float *kt, const float *vt, uint32_t cnt, const float *qh,
-                 online *st, float *acc, float *raw)
+/* Fold a chunk of cnt tokens (tiles kt, vt) into the states st and
+ * accumulators (rows of out) of query heads qh0 .. qh0 + nh - 1, nh <=
+ * ATTN_HB; with probs asked for, their raw scores go to probs at token
+ * `done`. */
+static void fold(const attn_job *j, const float *kt, const float *vt, uint32_t cnt, size_t qh0,
+                 uint32_t nh, online *st, size_t done, pf_queue *pf)
 {
     uint32_t d = j->l->head_dim;
-    float sc[ATTN_CHUNK], cmax = -INFINITY;
-    scores(qh, kt, cnt, d, j->scale, sc);
-    for (uint32_t i = 0; i < cnt; i++)
-        cmax = sc[i] > cmax ? sc[i] : cmax;
-    if (raw != NULL)
-        memcpy(raw, sc, cnt * sizeof *sc);
-    float mx = st->max, sum = st->sum;
-    if (cmax > mx) {            /* a new running max: rescale what came before */
-        float corr = mx - cmax; /* e^(old max - new max) */
-        exp_nonpos(&corr, 1);
-        corr = mx == -INFINITY ? 0.0f : corr;
-        sum *= corr;
-        for (uint32_t c = 0; c < d; c++)
-            acc[c] *= corr;
-        mx = cmax;
+    float sc[ATTN_HB * ATTN_CHUNK];
+    float *acc = j->out + qh0 * d;
+    scores(j->q + qh0 * d, nh, kt, cnt, d, j->scale, sc, pf);
+    for (uint32_t h = 0; h < nh; h++) {
+        float *s = sc + h * ATTN_CHUNK, *ah = acc + (size_t)h * d, cmax = -INFINITY;
+        for (uint32_t i = 0; i < cnt; i++)
+            cmax = s[i] > cmax ? s[i] : cmax;
+        if (j->probs != NULL)
+            memcpy(j->probs + (qh0 + h) * j->n + done, s, cnt * sizeof *s);
+        float mx = st[h].max, sum = st[h].sum;
+        if (cmax > mx) {            /* a new running max: rescale what came before */
+            float corr = mx - cmax; /* e^(old max - new max) */
+            exp_nonpos(&corr, 1);
+            corr = mx == -INFINITY ? 0.0f : corr;
+            sum *= corr;
+            for (uint32_t c = 0; c < d; c++)
+                ah[c] *= corr;
+            mx = cmax;
+        }
+        for (uint32_t i = 0; i < cnt; i++)
+            s[i] -= mx;
+        exp_nonpos(s, cnt);
+        for (uint32_t i = 0; i < cnt; i++)
+            sum += s[i];
+        st[h] = (online){mx, sum};
     }
-    for (uint32_t i = 0; i < cnt; i++)
-        sc[i] -= mx;
-    exp_nonpos(sc, cnt);
-    for (uint32_t i = 0; i < cnt; i++)
-        sum += sc[i];
-    *st = (online){mx, sum};
-    uint32_t c = 0;
-#ifdef __AVX2__
-    c = accumulate_avx2(acc, vt, sc, cnt, d);
-#endif
-    accumulate(acc, vt, sc, cnt, d, c);
+    accumulate_heads(acc, nh, vt, sc, cnt, d, pf);
 }
 
 /* A token of the current chunk: its tier, block and slot. */
@@ -357,41 +490,60 @@ static void load_tiles(const attn_job *j, const head_rows *hr, const chunk_tok *
     load_tile(j, rows, cnt, 1, vt);
 }
 
-/* A position in the segment list, for the prefetch that runs a chunk
- * ahead of the one being read. */
+/* A position in the segment list. */
 typedef struct list_pos {
     size_t k;   /* segment */
     uint32_t s; /* token of it */
 } list_pos;
 
-/* Prefetch the K and V rows of the KV heads of hr[0 .. nhr) of the token
- * at *p, then step past it. */
-static void prefetch_next(const attn_job *j, const head_rows *hr, uint32_t nhr, list_pos *p)
+/* The next chunk: up to cap tokens of the list from *p, which steps past
+ * them. Returns how many (0 at the end). */
+static uint32_t next_chunk(const attn_job *j, list_pos *p, uint32_t cap, chunk_tok *toks)
 {
-    while (p->k < j->nsegs && p->s >= j->segs[p->k].count) {
-        p->k++;
-        p->s = 0;
-    }
-    if (p->k >= j->nsegs)
-        return;
-    uint8_t tier = j->tiers != NULL ? j->tiers[p->k] : KV_TIER_FULL;
-    for (uint32_t g = 0; g < nhr; g++) {
-        attn_row r = row_at(j, &hr[g], tier, j->segs[p->k].block, j->segs[p->k].first_slot + p->s);
-        size_t bytes = tier == KV_TIER_FULL ? hr[g].row : hr[g].qrow;
-        for (size_t b = 0; b < bytes; b += 64) {
-            __builtin_prefetch(r.k + b);
-            __builtin_prefetch(r.v + b);
+    uint32_t cnt = 0;
+    while (cnt < cap && p->k < j->nsegs) {
+        const kv_segment *sg = &j->segs[p->k];
+        uint8_t tier = j->tiers != NULL ? j->tiers[p->k] : KV_TIER_FULL;
+        assert(tier == KV_TIER_FULL || tier == KV_TIER_INT8);
+        assert(tier == KV_TIER_FULL || (uint64_t)sg->first_slot + sg->count <= j->q8.block_tokens);
+        uint32_t m = sg->count - p->s < cap - cnt ? sg->count - p->s : cap - cnt;
+        for (uint32_t i = 0; i < m; i++)
+            toks[cnt++] = (chunk_tok){tier, sg->block, sg->first_slot + p->s + i};
+        p->s += m;
+        if (p->s >= sg->count) {
+            p->k++;
+            p->s = 0;
         }
     }
-    p->s++;
+    return cnt;
+}
+
+/* Prefetch the K and V rows of one KV head (its rows hr) of cnt tokens. */
+static void prefetch_rows(const attn_job *j, const head_rows *hr, const chunk_tok *toks,
+                          uint32_t cnt, pf_queue *q)
+{
+    uint32_t lines = 0;
+    q->n = q->i = q->off = 0;
+    for (uint32_t i = 0; i < cnt; i++) {
+        attn_row r = row_at(j, hr, toks[i].tier, toks[i].block, toks[i].slot);
+        uint32_t bytes = (uint32_t)(toks[i].tier == KV_TIER_FULL ? hr->row : hr->qrow);
+        q->row[q->n] = r.k;
+        q->bytes[q->n++] = bytes;
+        q->row[q->n] = r.v;
+        q->bytes[q->n++] = bytes;
+        lines += 2 * ((bytes + 63) / 64);
+    }
+    q->per = (lines + 15) / 16;
 }
 
 /*
  * Units [u0, u1) (at most ATTN_STATE query heads) over the whole list, in
  * one walk: per chunk, the K and V rows of each KV head in turn. A chunk's
- * blocks are then read head after head, K and V, close to sequentially,
- * which the hardware prefetchers follow; a walk per KV head would read
- * 1 / kv_heads of each block, scattered over the pool.
+ * blocks are then read head after head, K and V, close to sequentially; a
+ * walk per KV head would read 1 / kv_heads of each block, scattered over
+ * the pool. The list's blocks are scattered, which the hardware
+ * prefetchers cannot follow: each step (a KV head of a chunk) prefetches
+ * the rows of the step ATTN_AHEAD steps later.
  */
 static void attend(const attn_job *j, size_t u0, size_t u1)
 {
@@ -400,7 +552,7 @@ static void attend(const attn_job *j, size_t u0, size_t u1)
     float kt[ATTN_TILE], vt[ATTN_TILE];
     online st[ATTN_STATE];
     head_rows hr[ATTN_STATE]; /* of KV heads g0 .. g0 + nhr - 1 */
-    chunk_tok toks[ATTN_CHUNK];
+    chunk_tok toks[2][ATTN_CHUNK];
     uint32_t nst = 0, g0 = unit_of(j, u0).g, nhr = unit_of(j, u1 - 1).g - g0 + 1;
     assert(nhr <= ATTN_STATE); /* a unit has a query head at least */
     for (uint32_t g = 0; g < nhr; g++)
@@ -414,37 +566,42 @@ static void attend(const attn_job *j, size_t u0, size_t u1)
             memset(j->out + (size_t)(x.h0 + h) * d, 0, d * sizeof(float));
         }
     }
+    list_pos pos = {0, 0};
+    uint32_t cnt = next_chunk(j, &pos, cap, toks[0]);
+    uint32_t ncnt = next_chunk(j, &pos, cap, toks[1]);
+    pf_queue pf;
+    for (uint32_t g = 0; g < ATTN_AHEAD && g < nhr; g++) {
+        prefetch_rows(j, &hr[g], toks[0], cnt, &pf);
+        pf.per = UINT32_MAX;
+        pf_issue(&pf);
+    }
     size_t done = 0;
-    uint32_t cnt = 0;
-    list_pos ahead = {0, 0};
-    for (uint32_t i = 0; i < cap; i++)
-        prefetch_next(j, hr, nhr, &ahead);
-    for (size_t k = 0; k < j->nsegs; k++) {
-        uint8_t tier = j->tiers != NULL ? j->tiers[k] : KV_TIER_FULL;
-        assert(tier == KV_TIER_FULL || tier == KV_TIER_INT8);
-        assert(tier == KV_TIER_FULL ||
-               (uint64_t)j->segs[k].first_slot + j->segs[k].count <= j->q8.block_tokens);
-        for (uint32_t s = 0; s < j->segs[k].count; s++) {
-            toks[cnt++] = (chunk_tok){tier, j->segs[k].block, j->segs[k].first_slot + s};
-            prefetch_next(j, hr, nhr, &ahead);
-            if (cnt < cap && done + cnt < j->n)
-                continue;
-            uint32_t si = 0, loaded = UINT32_MAX;
-            for (size_t u = u0; u < u1; u++) {
-                unit x = unit_of(j, u);
-                if (x.nh > 0 && x.g != loaded) {
-                    load_tiles(j, &hr[x.g - g0], toks, cnt, kt, vt);
-                    loaded = x.g;
-                }
-                for (uint32_t h = 0; h < x.nh; h++) {
-                    size_t qh = x.h0 + h;
-                    fold(j, kt, vt, cnt, j->q + qh * d, &st[si++], j->out + qh * d,
-                         j->probs != NULL ? j->probs + qh * j->n + done : NULL);
-                }
+    for (int c = 0; cnt > 0; c ^= 1) {
+        uint32_t si = 0, loaded = UINT32_MAX;
+        for (size_t u = u0; u < u1; u++) {
+            unit x = unit_of(j, u);
+            if (x.nh > 0 && x.g != loaded) {
+                uint32_t pg = x.g - g0 + ATTN_AHEAD;
+                pf.per = UINT32_MAX;
+                pf_issue(&pf); /* what is left of the last step's */
+                pf.n = pf.i = 0;
+                if (pg < nhr)
+                    prefetch_rows(j, &hr[pg], toks[c], cnt, &pf);
+                else if (pg - nhr < nhr)
+                    prefetch_rows(j, &hr[pg - nhr], toks[c ^ 1], ncnt, &pf);
+                load_tiles(j, &hr[x.g - g0], toks[c], cnt, kt, vt);
+                loaded = x.g;
             }
-            done += cnt;
-            cnt = 0;
+            for (uint32_t h = 0; h < x.nh; h += ATTN_HB) {
+                uint32_t nh = x.nh - h < ATTN_HB ? x.nh - h : ATTN_HB;
+                fold(j, kt, vt, cnt, x.h0 + h, nh, &st[si], done, &pf);
+                pf_issue(&pf);
+                si += nh;
+            }
         }
+        done += cnt;
+        cnt = ncnt;
+        ncnt = next_chunk(j, &pos, cap, toks[c]);
     }
     if (j->n == 0)
         return;

@@ -1,6 +1,7 @@
 /*
  * dispatch.c - the kernels.h names of the fast CPU kernels, each picking
- * the generic or the AVX2 + F16C build of its file (isa.h). Off x86-64 the
+ * the generic or the AVX2 + F16C build of its file (isa.h; the attention's
+ * also needs FMA). Off x86-64 the
  * second build is compiled without extra flags and never picked.
  */
 #include <stdlib.h>
@@ -16,6 +17,15 @@ int kv_isa_avx2(void)
     if (env != NULL && strcmp(env, "generic") == 0)
         return 0;
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+#else
+    return 0;
+#endif
+}
+
+int kv_isa_avx2_fma(void)
+{
+#if defined(KVSTASH_HAVE_AVX2_BUILD) && defined(__x86_64__)
+    return kv_isa_avx2() && __builtin_cpu_supports("fma");
 #else
     return 0;
 #endif
@@ -86,5 +96,7 @@ void kv_decode_attention(const kv_layout *l, kv_dtype t, const uint8_t *pool,
                          const kv_segment *segs, size_t nsegs, const uint8_t *tiers, const float *q,
                          uint32_t q_heads, float scale, float *out, float *probs)
 {
-    PICK(kv_decode_attention)(l, t, pool, segs, nsegs, tiers, q, q_heads, scale, out, probs);
+    /* the attention's AVX2 build uses FMA as well (isa.h) */
+    (kv_isa_avx2_fma() ? kv_decode_attention_avx2 : kv_decode_attention_generic)(
+        l, t, pool, segs, nsegs, tiers, q, q_heads, scale, out, probs);
 }

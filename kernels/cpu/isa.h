@@ -9,7 +9,11 @@
  * has AVX2 and F16C and KVSTASH_KERNEL_ISA is not "generic" (tests run both;
  * kernels.h "Threads"). Both builds do the same IEEE operations in the same
  * order per element (ISO C: no contraction into FMA), so their results are
- * identical; only the vector width and the fp16 conversions differ.
+ * identical; only the vector width and the fp16 conversions differ. The
+ * attention (attention.c) is the one kernel with fused multiply-adds: its
+ * AVX2 build is also compiled with -mfma and taken only when the CPU has
+ * FMA, and its generic build calls fmaf() where the AVX2 one runs vfmadd,
+ * so the two still give the same bits.
  */
 #ifndef KVSTASH_KERNELS_ISA_H
 #define KVSTASH_KERNELS_ISA_H
@@ -59,5 +63,8 @@ KV_DECLARE_FAST(avx2)
 /* 1 when the AVX2 build is compiled in, the CPU runs it, and
  * KVSTASH_KERNEL_ISA does not ask for "generic". */
 int kv_isa_avx2(void);
+
+/* kv_isa_avx2() and the CPU has FMA: what the attention's AVX2 build needs. */
+int kv_isa_avx2_fma(void);
 
 #endif
