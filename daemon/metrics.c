@@ -50,15 +50,16 @@ struct metrics {
     hist *rpc_hist;              /* [nmethods] */
     const policy_ops *const *policies;
     size_t npolicies;
-    _Atomic uint64_t *appended;    /* [npolicies] */
-    _Atomic uint64_t *evicted;     /* [npolicies * 2]: by policy, by operator */
-    _Atomic uint64_t *moved;       /* [npolicies * 3]: to int8, to sketch, back to full */
-    _Atomic uint64_t *revived;     /* [npolicies * 3]: from full, int8, sketch */
-    _Atomic uint64_t *requantized; /* [npolicies]: INT8 tokens re-quantised by compaction */
-    hist *step_hist;               /* [npolicies] */
-    hist *mass_hist;               /* [npolicies] */
-    hist *int8_hist;               /* [npolicies] */
-    hist *sketch_hist;             /* [npolicies] */
+    _Atomic uint64_t *appended;        /* [npolicies] */
+    _Atomic uint64_t *evicted;         /* [npolicies * 2]: by policy, by operator */
+    _Atomic uint64_t *moved;           /* [npolicies * 3]: to int8, to sketch, back to full */
+    _Atomic uint64_t *revived;         /* [npolicies * 3]: from full, int8, sketch */
+    _Atomic uint64_t *requantized;     /* [npolicies]: INT8 tokens re-quantised by compaction */
+    _Atomic uint64_t *victims_dropped; /* [npolicies]: kept victims freed under pressure */
+    hist *step_hist;                   /* [npolicies] */
+    hist *mass_hist;                   /* [npolicies] */
+    hist *int8_hist;                   /* [npolicies] */
+    hist *sketch_hist;                 /* [npolicies] */
     _Atomic uint64_t reclaimed[NREASONS];
     struct MHD_Daemon *http;
     struct store *store;
@@ -90,13 +91,14 @@ metrics *metrics_create(const rpc_method *methods, size_t nmethods)
     m->moved = calloc(3 * m->npolicies + 1, sizeof *m->moved);
     m->revived = calloc(3 * m->npolicies + 1, sizeof *m->revived);
     m->requantized = calloc(m->npolicies + 1, sizeof *m->requantized);
+    m->victims_dropped = calloc(m->npolicies + 1, sizeof *m->victims_dropped);
     m->step_hist = calloc(m->npolicies + 1, sizeof *m->step_hist);
     m->mass_hist = calloc(m->npolicies + 1, sizeof *m->mass_hist);
     m->int8_hist = calloc(m->npolicies + 1, sizeof *m->int8_hist);
     m->sketch_hist = calloc(m->npolicies + 1, sizeof *m->sketch_hist);
     if (!m->rpc_count || !m->rpc_hist || !m->appended || !m->evicted || !m->step_hist ||
-        !m->mass_hist || !m->moved || !m->revived || !m->requantized || !m->int8_hist ||
-        !m->sketch_hist) {
+        !m->mass_hist || !m->moved || !m->revived || !m->requantized || !m->victims_dropped ||
+        !m->int8_hist || !m->sketch_hist) {
         metrics_destroy(m);
         return NULL;
     }
@@ -115,6 +117,7 @@ void metrics_destroy(metrics *m)
     free(m->moved);
     free(m->revived);
     free(m->requantized);
+    free(m->victims_dropped);
     free(m->step_hist);
     free(m->mass_hist);
     free(m->int8_hist);
@@ -465,10 +468,15 @@ void metrics_tiers(metrics *m, seq *q)
                                   q->moved[t] - q->moved_reported[t], memory_order_relaxed);
         q->moved_reported[t] = q->moved[t];
     }
-    if (i >= 0)
+    if (i >= 0) {
         atomic_fetch_add_explicit(&m->requantized[i], q->requantized - q->requantized_reported,
                                   memory_order_relaxed);
+        atomic_fetch_add_explicit(&m->victims_dropped[i],
+                                  q->victims_dropped - q->victims_dropped_reported,
+                                  memory_order_relaxed);
+    }
     q->requantized_reported = q->requantized;
+    q->victims_dropped_reported = q->victims_dropped;
     for (size_t k = 0; i >= 0 && k < q->nobs; k++) {
         if (q->obs[k].kind == SEQ_OBS_INT8)
             hist_observe(&m->int8_hist[i], int8_bounds, NBOUNDS(int8_bounds), q->obs[k].value);
@@ -539,6 +547,10 @@ static void print_counters(FILE *f, const metrics *m)
                          "INT8 tokens re-quantised into fresh INT8 blocks when evictions left "
                          "them spread over too many (POLICIES.md §5.4 compaction), by policy.",
                          m->requantized);
+    print_policy_counter(f, m, "kvstash_victims_dropped_total",
+                         "Victims kept by victims=int8 (summed over lists) that memory pressure "
+                         "freed to make room for appends; Revive no longer has them.",
+                         m->victims_dropped);
     head(f, "kvstash_evicted_tokens_total", "counter",
          "Tokens evicted (summed over lists), by policy and by whom: the policy or an operator.");
     for (size_t i = 0; i < m->npolicies; i++)

@@ -103,7 +103,8 @@ typedef struct seq {
     uint64_t requantized;       /* INT8 tokens re-quantised by compaction (§5.4) */
     uint64_t requantized_reported;
     uint64_t victims_dropped; /* victims=int8 victims freed under memory pressure */
-    seq_obs *obs;             /* measurements since the last metrics_tiers */
+    uint64_t victims_dropped_reported;
+    seq_obs *obs; /* measurements since the last metrics_tiers */
     size_t nobs, obs_cap;
 } seq;
 

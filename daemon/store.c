@@ -623,7 +623,13 @@ status_code store_append(store *st, const char *token, uint64_t seq_id, int64_t 
     if (rc == ST_OK) {
         seq_ack(q, ack_epoch);
         uint32_t first = (uint32_t)q->appended;
+        uint64_t dropped = q->victims_dropped;
         rc = seq_append(q, count, segs, nsegs, &writes->evicted, s);
+        if (q->victims_dropped != dropped)
+            log_warn("victims_dropped",
+                     "seq=%llu tokens=%llu reason=pool-pressure pool=%llu free=%u",
+                     (unsigned long long)q->id, (unsigned long long)(q->victims_dropped - dropped),
+                     (unsigned long long)q->pool->id, q->pool->nfree);
         writes->epoch = q->epoch;
         writes->first_position = first;
     }

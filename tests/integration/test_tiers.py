@@ -10,13 +10,17 @@ position against its source tier. This test runs it in several
 configurations and checks the revived counts, the memory accounting of
 Stats (INT8 tokens take fewer bytes than fp16 ones), and that the tier and
 revive counters and the INT8 / sketch error histograms move in /metrics.
+With victims=int8 the victims stay as INT8 and Revive rebuilds them; in a
+pool too small for them, appends keep succeeding because kept victims give
+way first (kvs_test_worker, a daemon of its own).
 """
 import json
 import os
 import subprocess
 import sys
 
-from kvstash_harness import run_tests
+from kvstash_harness import Daemon, run_tests
+from worker_procs import GEOMETRY
 from test_metrics import Scrape, metrics_port
 
 TOKENS = 96
@@ -76,6 +80,31 @@ def check_int8_victims_revive_every_position(ctx):
     assert t["int8"]["bytes"] * INT8_PER_BLOCK == t["int8"]["tokens"] * BLOCK_BYTES, t
 
 
+def check_int8_victims_give_way_under_pressure(ctx):
+    """A 1 MiB pool (512 blocks of kvs_test_worker's fp16 geometry, 28 INT8
+    tokens a block) cannot keep 3 layers x 8000 victims: appends go on,
+    whole victim blocks are dropped (counted, logged), and the worker reads
+    back every held token exactly."""
+    d = Daemon(pool_mb=1, extra_args=["--metrics", "127.0.0.1:0"])
+    d.start()
+    try:
+        p = subprocess.run([os.environ["KVSTASH_TEST_WORKER"], "--socket", d.sock, "--model",
+                            "pressure", *GEOMETRY, "--policy", "streaming", "--set", "n_sink=4",
+                            "--set", "window=16", "--set", "victims=int8", "--tokens", "8000",
+                            "--step", "16", "--seed", "5"],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, (p.stdout[-400:], p.stderr[-400:])
+        r = json.loads(p.stdout.strip().splitlines()[-1])
+        assert r["ok"] and r["tokens"] == 8000, r
+        dropped = Scrape(metrics_port(d)).get("kvstash_victims_dropped_total",
+                                              policy="streaming")
+        # 3 x (8000 - 20) victims need ~860 INT8 blocks; the pool has 512.
+        assert 0 < dropped < 3 * 8000 and dropped % 28 == 0, dropped
+        assert "msg=victims_dropped" in d.log() and "reason=pool-pressure" in d.log()
+    finally:
+        d.stop()
+
+
 def check_evicted_outright_cannot_be_revived(ctx):
     _, r = run_worker(ctx, "--int8", "on", "--victims", "evict")
     assert r["sketch"] == 0 and 0 < r["full"] + r["int8"] < TOKENS, r
@@ -127,6 +156,7 @@ if __name__ == "__main__":
         check_int8_and_sketch_revive_every_position,
         check_sketch_round_trip_exact_without_collisions,
         check_int8_victims_revive_every_position,
+        check_int8_victims_give_way_under_pressure,
         check_evicted_outright_cannot_be_revived,
         check_int8_memory_accounting_shows_the_saving,
         check_tier_and_revive_counters_move,
