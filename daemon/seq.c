@@ -73,6 +73,23 @@ static size_t sort_unique(uint32_t *a, size_t m)
     return d;
 }
 
+/* The blocks (with repeats) of a list's segments and offloaded victims
+ * stored in `tier` (any tier with a block when tier < 0), written from
+ * out[0] (room for nsegs + noffloaded). */
+static size_t list_fill_block_ids(const seq_list *ly, int tier, uint32_t *out)
+{
+    size_t m = 0;
+    for (size_t i = 0; i < ly->nsegs; i++)
+        if (ly->seg_tier[i] != POLICY_SKETCH && (tier < 0 || ly->seg_tier[i] == tier))
+            out[m++] = ly->segs[i].block;
+    for (size_t j = 0; j < ly->noffloaded; j++) {
+        const tier_token *at = &ly->offloaded_at[j];
+        if (at->tier != POLICY_SKETCH && (tier < 0 || at->tier == tier))
+            out[m++] = at->block;
+    }
+    return m;
+}
+
 /* The distinct blocks of a list's segments and offloaded victims stored in
  * `tier` (any tier with a block when tier < 0), sorted, in a malloc'd *out
  * (NULL and 0 when out of memory: callers count nothing rather than fail).
@@ -83,16 +100,7 @@ static size_t list_block_ids(const seq_list *ly, int tier, uint32_t **out)
     *out = malloc((ly->nsegs + ly->noffloaded + 1) * sizeof **out);
     if (*out == NULL)
         return 0;
-    size_t m = 0;
-    for (size_t i = 0; i < ly->nsegs; i++)
-        if (ly->seg_tier[i] != POLICY_SKETCH && (tier < 0 || ly->seg_tier[i] == tier))
-            (*out)[m++] = ly->segs[i].block;
-    for (size_t j = 0; j < ly->noffloaded; j++) {
-        const tier_token *at = &ly->offloaded_at[j];
-        if (at->tier != POLICY_SKETCH && (tier < 0 || at->tier == tier))
-            (*out)[m++] = at->block;
-    }
-    return sort_unique(*out, m);
+    return sort_unique(*out, list_fill_block_ids(ly, tier, *out));
 }
 
 static uint32_t list_count_blocks(const seq_list *ly, int tier)
@@ -629,19 +637,30 @@ static uint32_t seq_drop_victim_blocks(seq *s)
     return freed;
 }
 
-/* WeightedKV merges, before the merged-away tokens leave the table. Both
- * tokens must be at full precision: an INT8 block is never rewritten, so a
- * merge into a demoted token is skipped. */
-static void apply_merges(seq *s, const policy_decision *d, tier_token *const *toks)
+/* WeightedKV merges of layer l, before the merged-away tokens leave the
+ * table. The merge runs at full precision: an INT8 block is written once,
+ * so an INT8 token in a merge is first brought back to a fresh full slot
+ * (dequantised; a kept one is demoted again with the next INT8 block). A
+ * merge is skipped when the pool has no slot for that, or a token is in the
+ * sketch (weightedkv keeps none there). */
+static int apply_merges(seq *s, uint32_t l, const policy_decision *d, tier_token *const *toks)
 {
     for (size_t m = 0; m < d->nmerges; m++) {
         const policy_merge *g = &d->merges[m];
-        const tier_token *from = &toks[g->head][g->from], *into = &toks[g->head][g->into];
+        tier_token *tok = toks[g->head];
+        seq_list *ly = &s->lists[(size_t)l * s->heads + g->head];
+        const uint32_t *pos;
+        seq_list_tokens(s, l, g->head, &pos);
+        if ((tok[g->from].tier == POLICY_INT8 && move_to_full(s, ly, tok, pos, g->from) != 0) ||
+            (tok[g->into].tier == POLICY_INT8 && move_to_full(s, ly, tok, pos, g->into) != 0))
+            return -1;
+        const tier_token *from = &tok[g->from], *into = &tok[g->into];
         if (from->tier != POLICY_FULL || into->tier != POLICY_FULL)
             continue;
         kv_merge_value(&s->list_layout, (kv_dtype)s->pool->geom.dtype, s->pool->base, from->block,
                        from->slot, into->block, into->slot, g->w_from, g->w_into);
     }
+    return 0;
 }
 
 /*
@@ -773,7 +792,12 @@ static int list_apply(seq *s, uint32_t l, uint32_t k, tier_token *tok, const pol
     if (scratch == NULL)
         return -1;
     uint32_t *before = scratch, *after = scratch + 2 * cap, *idx = scratch + 3 * cap;
-    size_t nb = list_block_set(ly, tok, n, 1, before);
+    /* From the segments: as stored before this decision (merges may have
+     * moved tokens of tok already). */
+    size_t nb = list_fill_block_ids(ly, -1, before);
+    if (ly->has_tail)
+        before[nb++] = ly->tail_block;
+    nb = sort_unique(before, nb);
     int rc = list_victims(s, ly, l, tok, pos, tier, n, idx);
     if (rc == 0)
         rc = list_victims_quantize(s, ly, idx);
@@ -817,7 +841,7 @@ status_code seq_apply_decision(seq *s, uint32_t l, const policy_decision *d, uin
         rc = toks[k] == NULL ? -1 : 0;
     }
     if (rc == 0)
-        apply_merges(s, d, toks);
+        rc = apply_merges(s, l, d, toks);
     *changed |= d->nmerges > 0;
     for (uint32_t k = 0; rc == 0 && k < s->heads; k++)
         rc = list_apply(s, l, k, toks[k], d, epoch, changed);

@@ -220,8 +220,9 @@ static float channel_max(uint32_t l, uint32_t h, uint32_t c, uint32_t last, int 
 /* Count the INT8 quantisations the tokens of segment sg (first token t of
  * list ly) went through: one more each time one is seen in an INT8 block it
  * was not in at the last step (demoted, or re-quantised by compaction,
- * POLICIES.md §5.4; the daemon quantises a token at most once a step).
- * Returns the largest count among them. */
+ * POLICIES.md §5.4; the daemon quantises a token at most once a step). A
+ * full-precision token that was INT8 holds its dequantised values (a
+ * WeightedKV merge brings it back). Returns the largest count among them. */
 static uint8_t int8_rounds_seen(worker *w, const kvs_layer *ly, uint32_t t, kvs_segment sg)
 {
     size_t at = (size_t)(ly - w->lists) * w->positions;
@@ -232,7 +233,7 @@ static uint8_t int8_rounds_seen(worker *w, const kvs_layer *ly, uint32_t t, kvs_
         if (now != UINT32_MAX && now != w->int8_block[at + p] && w->int8_rounds[at + p] < 255)
             w->int8_rounds[at + p]++;
         w->int8_block[at + p] = now;
-        if (w->int8_rounds[at + p] > most && now != UINT32_MAX)
+        if (w->int8_rounds[at + p] > most)
             most = w->int8_rounds[at + p];
     }
     return most;
@@ -281,7 +282,7 @@ static int verify_tiered(worker *w, const kvs_layer *ly, const float *wk, const 
                     size_t at = ((size_t)hh * ly->tokens + t + j) * d + c;
                     size_t got = ((size_t)hh * sg.count + j) * d + c;
                     float tk = w->o->rope ? 2e-3f : 0, tv = 0;
-                    if (sg.tier == KVS_TIER_INT8) {
+                    if (rounds > 0) {
                         tk +=
                             channel_max(ly->layer, h0 + hh, c, last, 0) / 254.0f * rounds * 1.0001f;
                         tv +=
@@ -300,10 +301,16 @@ static int verify_tiered(worker *w, const kvs_layer *ly, const float *wk, const 
     return 0;
 }
 
-static int list_tiered(const kvs_layer *ly)
+/* Whether a list holds a token stored in another tier, or one that was
+ * (int8_rounds_seen), so that verify_tiered must check it. */
+static int list_tiered(const worker *w, const kvs_layer *ly)
 {
     for (size_t i = 0; i < ly->nsegments; i++)
         if (ly->segments[i].tier != KVS_TIER_FULL)
+            return 1;
+    size_t at = (size_t)(ly - w->lists) * w->positions;
+    for (uint32_t t = 0; t < ly->tokens; t++)
+        if (w->int8_rounds[at + ly->positions[t]] > 0)
             return 1;
     return 0;
 }
@@ -338,7 +345,7 @@ static void verify(worker *w, const kvs_table *t)
         fill(g, ly, at, wk, wv);
         free(at);
         int keys_ok = 1, values_ok = 1;
-        if (list_tiered(ly)) {
+        if (list_tiered(w, ly)) {
             keys_ok = verify_tiered(w, ly, (const float *)wk, (const float *)wv) == 0;
         } else {
             kvs_layer_read(w->s, ly, k, v);

@@ -20,6 +20,7 @@ import subprocess
 import sys
 
 from kvstash_harness import run_tests
+from test_metrics import Scrape, metrics_port
 
 GEOM = {"layers": 2, "q-heads": 4, "kv-heads": 2, "head-dim": 8, "block-tokens": 4}
 PREFILL, STEPS = 24, 40
@@ -171,6 +172,26 @@ def check_ov_block_rerotates_shifted_keys(ctx):
     print(f"     ov_block with rotation: {result['checked']} rows verified", flush=True)
 
 
+def check_weightedkv_merges_into_int8_tokens(ctx):
+    """int8=on under weightedkv: merges into (and from) tokens already stored
+    INT8 bring them back to full precision first (an INT8 block is written
+    once) instead of being skipped; the worker reads every key back within
+    the bound of the quantisations it saw."""
+    params = ["cache_size=40", "n_init=2", "n_recent=4", "int8=on", "int8_window=4"]
+    scrape = Scrape(metrics_port(ctx.daemon))
+    back = scrape.get("kvstash_tier_moves_total", policy="weightedkv", to="fp16")
+    trace = os.path.join(ctx.daemon.dir, "weightedkv_int8.jsonl")
+    _, result = run_worker(ctx, "weightedkv", params, "last", ["--no-verify-values"], trace)
+    assert result["int8_checked"] > 0, result
+    after = Scrape(metrics_port(ctx.daemon))
+    assert after.get("kvstash_tier_moves_total", policy="weightedkv", to="int8") > 0, after.text
+    # weightedkv never decides an INT8 token back to full precision: these
+    # moves are the merges'.
+    assert after.get("kvstash_tier_moves_total", policy="weightedkv", to="fp16") > back, \
+        after.text
+    print(f"     weightedkv with int8: {result['int8_checked']} INT8 rows verified", flush=True)
+
+
 def check_every_registered_policy_is_covered(ctx):
     cli = os.environ["KVSTASH_CLI"]
     p = subprocess.run([cli, "--socket", ctx.daemon.sock, "policy", "list", "--json"],
@@ -185,5 +206,8 @@ def check_every_registered_policy_is_covered(ctx):
 
 if __name__ == "__main__":
     checks = [make_check(p) for p in POLICIES] + [check_ov_block_rerotates_shifted_keys,
+                                                  check_weightedkv_merges_into_int8_tokens,
                                                   check_every_registered_policy_is_covered]
-    sys.exit(run_tests("policies_e2e", checks, daemon_kwargs={"pool_mb": 32}))
+    sys.exit(run_tests("policies_e2e", checks,
+                       daemon_kwargs={"pool_mb": 32,
+                                      "extra_args": ["--metrics", "127.0.0.1:0"]}))
