@@ -32,7 +32,7 @@ static int parse_seq_id(const cli *c, const char *text, uint64_t *id)
 
 /* ---- seq show --------------------------------------------------------------------- */
 
-/* 0 fp16, 1 int8, 2 sketch, 3 evicted, 4 offloaded (out of the list, in its sketch). */
+/* 0 fp16, 1 int8, 2 sketch, 3 evicted, 4 offloaded (out of the list, kept revivable). */
 static int tier_index(const char *tier)
 {
     return strcmp(tier, "int8") == 0        ? 1
@@ -148,8 +148,9 @@ static int cmd_show(cli *c)
         "  epoch, then per layer (and per KV head for per-head policies) a map of the\n"
         "  positions 0..appended-1: a bar of W cells (default 64) and the runs of\n"
         "  positions held in fp16, int8 or sketch (the tier each is stored in), offloaded\n"
-        "  (victims=sketch: out of the list, in its sketch) or evicted (by the policy or\n"
-        "  an operator; merged-away tokens are evicted too).\n"
+        "  (victims=sketch or victims=int8: out of the list, kept in its sketch or as\n"
+        "  INT8, revivable) or evicted (by the policy or an operator; merged-away tokens\n"
+        "  are evicted too).\n"
         "  --max-runs N: runs per list the daemon sends (default 1024).\n"
         "  --json: the Inspect reply with \"maps\" (every run) and \"retired\".\n";
     const char *pos[1], *max_runs = NULL, *width = NULL;
