@@ -24,10 +24,11 @@
  * each in registers over the chunk's tokens. Both use fused multiply-adds
  * (the AVX2 build is compiled with -mfma and dispatched only on CPUs with
  * FMA; isa.h). exp is a vectorised polynomial without FMA. The generic
- * build's plain C (fmaf) and the AVX2 build's intrinsics do the same IEEE
- * operations per lane in the same order, so both give the same bits; the
- * price is a libm fmaf call per multiply-add in the generic x86-64 build
- * (aarch64 fuses natively). No scratch of the list's length: the
+ * build multiplies and adds separately (ATTN_MADD): fmaf there would be a
+ * libm call per multiply-add on x86-64 (50 -> 327 ms a call), so the two
+ * builds differ in the last bits, each within the reference's tolerance
+ * (kernels.h); the attention is the one kernel whose builds are not
+ * bit-identical. No scratch of the list's length: the
  * accumulator is `out` itself, and with probs asked for the raw scores go
  * into probs and are normalised at the end.
  *
@@ -52,6 +53,15 @@
 #define ATTN_STATE 64u  /* query heads per walk over the list */
 #define ATTN_HB 4u      /* query heads folded together: a K or V load serves them all */
 #define ATTN_AHEAD 2u   /* steps (a KV head of a chunk) from a row's prefetch to its read */
+
+/* a * b + c: fused in the AVX2 build (-mfma: fmaf is one instruction, the
+ * rounding of its intrinsics), two roundings in the generic one (ISO C
+ * contracts nothing), where fmaf would be a libm call. */
+#ifdef __AVX2__
+#define ATTN_MADD(a, b, c) fmaf(a, b, c)
+#else
+#define ATTN_MADD(a, b, c) ((a) * (b) + (c))
+#endif
 
 typedef struct attn_job {
     const kv_layout *l;
@@ -140,9 +150,9 @@ static float dot8(const float *restrict a, const float *restrict b, uint32_t d)
     uint32_t c = 0;
     for (; c + 8 <= d; c += 8)
         for (uint32_t k = 0; k < 8; k++)
-            l[k] = fmaf(a[c + k], b[c + k], l[k]);
+            l[k] = ATTN_MADD(a[c + k], b[c + k], l[k]);
     for (uint32_t k = 0; c + k < d; k++)
-        l[k] = fmaf(a[c + k], b[c + k], l[k]);
+        l[k] = ATTN_MADD(a[c + k], b[c + k], l[k]);
     return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
 }
 
@@ -157,13 +167,13 @@ static void accumulate(float *restrict acc, const float *restrict vt, const floa
         memcpy(r, acc + c, sizeof r);
         for (uint32_t i = 0; i < cnt; i++)
             for (uint32_t k = 0; k < 8; k++)
-                r[k] = fmaf(p[i], vt[(size_t)i * d + c + k], r[k]);
+                r[k] = ATTN_MADD(p[i], vt[(size_t)i * d + c + k], r[k]);
         memcpy(acc + c, r, sizeof r);
     }
     for (; c < d; c++) {
         float r = acc[c];
         for (uint32_t i = 0; i < cnt; i++)
-            r = fmaf(p[i], vt[(size_t)i * d + c], r);
+            r = ATTN_MADD(p[i], vt[(size_t)i * d + c], r);
         acc[c] = r;
     }
 }
@@ -199,7 +209,7 @@ static inline float dot8_finish(__m256 s, const float *a, const float *b, uint32
         float l[8];
         _mm256_storeu_ps(l, s);
         for (uint32_t k = 0; k < n; k++)
-            l[k] = fmaf(a[k], b[k], l[k]);
+            l[k] = ATTN_MADD(a[k], b[k], l[k]);
         s = _mm256_loadu_ps(l);
     }
     __m128 v = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
@@ -309,7 +319,7 @@ ACCUMULATE_HEADS_AVX2(1)
  * x[i] = e^x[i] for x[i] <= 0 (the softmax's exponents: scores minus their
  * running max), in a loop that vectorises: Cody-Waite reduction by ln 2
  * and Cephes' expf polynomial (relative error about 2e-7), separate
- * multiplications and additions, so both builds give the same bits. Below
+ * multiplications and additions (the same bits in both builds). Below
  * -87 (e^x under FLT_MIN) it gives 0, where expf gives a subnormal.
  */
 static void exp_nonpos(float *x, uint32_t n)

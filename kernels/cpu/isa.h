@@ -12,8 +12,9 @@
  * identical; only the vector width and the fp16 conversions differ. The
  * attention (attention.c) is the one kernel with fused multiply-adds: its
  * AVX2 build is also compiled with -mfma and taken only when the CPU has
- * FMA, and its generic build calls fmaf() where the AVX2 one runs vfmadd,
- * so the two still give the same bits.
+ * FMA, while its generic build multiplies and adds separately (fmaf would
+ * be a libm call on x86-64): the attention's two builds agree within its
+ * tolerance (kernels.h), not bit for bit.
  */
 #ifndef KVSTASH_KERNELS_ISA_H
 #define KVSTASH_KERNELS_ISA_H

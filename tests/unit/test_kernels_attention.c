@@ -6,9 +6,10 @@
  * segment lists (odd sizes, empty lists), and scores far apart (the online
  * softmax must not overflow). Tiered lists (kernels.h: FULL and INT8
  * segments mixed) against the same tokens dequantised into an fp32 pool;
- * tiers == NULL against all-FULL tiers; the generic and AVX2 builds, and
- * threads, against each other bit for bit. Every test runs under each ISA
- * build (run_each_isa).
+ * tiers == NULL against all-FULL tiers; the generic and AVX2 builds
+ * against each other within the tolerance (the AVX2 one fuses
+ * multiply-adds, the generic one does not: kernels.h), threads against one
+ * thread bit for bit. Every test runs under each ISA build (run_each_isa).
  */
 #include <math.h>
 #include <setjmp.h>
@@ -567,9 +568,10 @@ static void test_tiered_last_slot(void **state)
     tiered_free(&f);
 }
 
-/* The generic and AVX2 builds give the same bits (kernels.h), tiered
- * lists included; and a call large enough to split over threads gives the
- * bits of one thread. */
+/* The generic and AVX2 builds agree within the attention's tolerance,
+ * 2e-6 (kernels.h: not bit for bit, the AVX2 build fuses multiply-adds),
+ * tiered lists included; and a call large enough to split over threads
+ * gives the bits of one thread. */
 static void test_builds_and_threads_agree(void **state)
 {
     (void)state;
@@ -591,8 +593,14 @@ static void test_builds_and_threads_agree(void **state)
                             p2);
         if (was != NULL)
             setenv("KVSTASH_KERNEL_ISA", "generic", 1);
-        assert_memory_equal(o1, o2, no * 4);
-        assert_memory_equal(p1, p2, np * 4);
+        for (size_t i = 0; i < no; i++)
+            if (!(fabs((double)o1[i] - o2[i]) <= 2e-6))
+                fail_msg("generic out[%zu] = %.9g, %s %.9g", i, (double)o1[i], kv_kernel_isa(),
+                         (double)o2[i]);
+        for (size_t i = 0; i < np; i++)
+            if (!(fabs((double)p1[i] - p2[i]) <= 2e-6))
+                fail_msg("generic probs[%zu] = %.9g, %s %.9g", i, (double)p1[i], kv_kernel_isa(),
+                         (double)p2[i]);
         free(o1);
         free(o2);
         free(p1);
