@@ -54,15 +54,6 @@
 #define ATTN_HB 4u      /* query heads folded together: a K or V load serves them all */
 #define ATTN_AHEAD 2u   /* steps (a KV head of a chunk) from a row's prefetch to its read */
 
-/* a * b + c: fused in the AVX2 build (-mfma: fmaf is one instruction, the
- * rounding of its intrinsics), two roundings in the generic one (ISO C
- * contracts nothing), where fmaf would be a libm call. */
-#ifdef __AVX2__
-#define ATTN_MADD(a, b, c) fmaf(a, b, c)
-#else
-#define ATTN_MADD(a, b, c) ((a) * (b) + (c))
-#endif
-
 typedef struct attn_job {
     const kv_layout *l;
     kv_layout q8; /* the INT8 block an INT8 segment's block holds */
@@ -128,193 +119,6 @@ static void int8_row_load(const uint8_t *restrict codes, const uint8_t *restrict
     }
 }
 
-/* K (v = 0) or V (v = 1) rows of a chunk into tile [cnt][d]. */
-static void load_tile(const attn_job *j, const attn_row *rows, uint32_t cnt, int v, float *tile)
-{
-    uint32_t d = j->l->head_dim;
-    for (uint32_t i = 0; i < cnt; i++) {
-        float *x = tile + (size_t)i * d;
-        if (rows[i].ks == NULL)
-            kv_row_load(v ? rows[i].v : rows[i].k, j->t, d, x);
-        else
-            int8_row_load(v ? rows[i].v : rows[i].k, v ? rows[i].vs : rows[i].ks, d, x);
-    }
-}
-
-/* a.b in 8 lanes: lane k sums a[c] * b[c] over channels c = k mod 8 in
- * order, then the lanes add as ((0+4) + (2+6)) + ((1+5) + (3+7)): a fixed
- * order, the one an 8-wide register reduces in (dot8_finish). */
-static float dot8(const float *restrict a, const float *restrict b, uint32_t d)
-{
-    float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    uint32_t c = 0;
-    for (; c + 8 <= d; c += 8)
-        for (uint32_t k = 0; k < 8; k++)
-            l[k] = ATTN_MADD(a[c + k], b[c + k], l[k]);
-    for (uint32_t k = 0; c + k < d; k++)
-        l[k] = ATTN_MADD(a[c + k], b[c + k], l[k]);
-    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
-}
-
-/* acc[c] += p[i] * vt[i][c] for the chunk's tokens i in order, channel
- * blocks outer: each channel sees the same additions in the same order,
- * whatever block it falls in. */
-static void accumulate(float *restrict acc, const float *restrict vt, const float *restrict p,
-                       uint32_t cnt, uint32_t d, uint32_t c)
-{
-    for (; c + 8 <= d; c += 8) {
-        float r[8];
-        memcpy(r, acc + c, sizeof r);
-        for (uint32_t i = 0; i < cnt; i++)
-            for (uint32_t k = 0; k < 8; k++)
-                r[k] = ATTN_MADD(p[i], vt[(size_t)i * d + c + k], r[k]);
-        memcpy(acc + c, r, sizeof r);
-    }
-    for (; c < d; c++) {
-        float r = acc[c];
-        for (uint32_t i = 0; i < cnt; i++)
-            r = ATTN_MADD(p[i], vt[(size_t)i * d + c], r);
-        acc[c] = r;
-    }
-}
-
-#ifdef __AVX2__
-#include <immintrin.h>
-
-/* NT tokens' dot8 at once (NT independent chains, the query read once for
- * all), the same operations per lane; b holds the tokens' rows `stride`
- * floats apart. */
-#define DOT8_AVX2(NT)                                                                              \
-    static void dot8x##NT##_avx2(const float *a, const float *b, size_t stride, uint32_t d,        \
-                                 float *out)                                                       \
-    {                                                                                              \
-        __m256 s[NT];                                                                              \
-        for (int t = 0; t < NT; t++)                                                               \
-            s[t] = _mm256_setzero_ps();                                                            \
-        uint32_t c = 0;                                                                            \
-        for (; c + 8 <= d; c += 8) {                                                               \
-            __m256 x = _mm256_loadu_ps(a + c);                                                     \
-            for (int t = 0; t < NT; t++)                                                           \
-                s[t] = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + t * stride + c), s[t]);              \
-        }                                                                                          \
-        for (int t = 0; t < NT; t++)                                                               \
-            out[t] = dot8_finish(s[t], a + c, b + t * stride + c, d - c);                          \
-    }
-
-/* The end of a dot8: the last n < 8 channels lane by lane, then the lanes
- * added in dot8's order. */
-static inline float dot8_finish(__m256 s, const float *a, const float *b, uint32_t n)
-{
-    if (n > 0) {
-        float l[8];
-        _mm256_storeu_ps(l, s);
-        for (uint32_t k = 0; k < n; k++)
-            l[k] = ATTN_MADD(a[k], b[k], l[k]);
-        s = _mm256_loadu_ps(l);
-    }
-    __m128 v = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    v = _mm_add_ps(v, _mm_movehl_ps(v, v)); /* (0+4)+(2+6), (1+5)+(3+7) */
-    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
-}
-
-DOT8_AVX2(8)
-DOT8_AVX2(4)
-
-/* accumulate for channels [c, c + 8 * NB) in NB registers (NB chains). */
-#define ACCUMULATE_AVX2(NB)                                                                        \
-    static void accumulate##NB##_avx2(float *acc, const float *vt, const float *p, uint32_t cnt,   \
-                                      uint32_t d, uint32_t c)                                      \
-    {                                                                                              \
-        __m256 r[NB];                                                                              \
-        for (int k = 0; k < NB; k++)                                                               \
-            r[k] = _mm256_loadu_ps(acc + c + 8 * k);                                               \
-        for (uint32_t i = 0; i < cnt; i++) {                                                       \
-            __m256 pi = _mm256_set1_ps(p[i]);                                                      \
-            const float *v = vt + (size_t)i * d + c;                                               \
-            for (int k = 0; k < NB; k++)                                                           \
-                r[k] = _mm256_fmadd_ps(pi, _mm256_loadu_ps(v + 8 * k), r[k]);                      \
-        }                                                                                          \
-        for (int k = 0; k < NB; k++)                                                               \
-            _mm256_storeu_ps(acc + c + 8 * k, r[k]);                                               \
-    }
-
-ACCUMULATE_AVX2(8)
-ACCUMULATE_AVX2(4)
-
-/* accumulate's first d - d % 32 channels, 64 or 32 at a time: enough
- * independent chains to hide the additions' latency. Returns how many it
- * did. */
-static uint32_t accumulate_avx2(float *acc, const float *vt, const float *p, uint32_t cnt,
-                                uint32_t d)
-{
-    uint32_t c = 0;
-    for (; c + 64 <= d; c += 64)
-        accumulate8_avx2(acc, vt, p, cnt, d, c);
-    for (; c + 32 <= d; c += 32)
-        accumulate4_avx2(acc, vt, p, cnt, d, c);
-    return c;
-}
-
-/* dot8 of H query heads (rows d floats apart) against T tokens' K rows (d
- * floats apart) at once: each K load serves the H heads, each query load
- * the T tokens, H * T independent chains. out[h * ATTN_CHUNK + t]. */
-#define DOT8H_AVX2(H, T)                                                                           \
-    static void dot8h##H##x##T##_avx2(const float *q, const float *k, uint32_t d, float *out)      \
-    {                                                                                              \
-        __m256 s[H][T];                                                                            \
-        for (int h = 0; h < H; h++)                                                                \
-            for (int t = 0; t < T; t++)                                                            \
-                s[h][t] = _mm256_setzero_ps();                                                     \
-        uint32_t c = 0;                                                                            \
-        for (; c + 8 <= d; c += 8) {                                                               \
-            __m256 x[T];                                                                           \
-            for (int t = 0; t < T; t++)                                                            \
-                x[t] = _mm256_loadu_ps(k + (size_t)t * d + c);                                     \
-            for (int h = 0; h < H; h++) {                                                          \
-                __m256 a = _mm256_loadu_ps(q + (size_t)h * d + c);                                 \
-                for (int t = 0; t < T; t++)                                                        \
-                    s[h][t] = _mm256_fmadd_ps(a, x[t], s[h][t]);                                   \
-            }                                                                                      \
-        }                                                                                          \
-        for (int h = 0; h < H; h++)                                                                \
-            for (int t = 0; t < T; t++)                                                            \
-                out[h * ATTN_CHUNK + t] =                                                          \
-                    dot8_finish(s[h][t], q + (size_t)h * d + c, k + (size_t)t * d + c, d - c);     \
-    }
-
-DOT8H_AVX2(4, 2)
-DOT8H_AVX2(4, 1)
-
-/* accumulate for ATTN_HB heads at once (acc rows and p rows ATTN_CHUNK
- * apart), channels [c, c + 8 * NB): each V load serves every head. */
-#define ACCUMULATE_HEADS_AVX2(NB)                                                                  \
-    static void accumulate_heads##NB##_avx2(float *acc, const float *vt, const float *p,           \
-                                            uint32_t cnt, uint32_t d, uint32_t c)                  \
-    {                                                                                              \
-        __m256 r[ATTN_HB][NB];                                                                     \
-        for (uint32_t h = 0; h < ATTN_HB; h++)                                                     \
-            for (int k = 0; k < NB; k++)                                                           \
-                r[h][k] = _mm256_loadu_ps(acc + (size_t)h * d + c + 8 * k);                        \
-        for (uint32_t i = 0; i < cnt; i++) {                                                       \
-            const float *v = vt + (size_t)i * d + c;                                               \
-            __m256 x[NB];                                                                          \
-            for (int k = 0; k < NB; k++)                                                           \
-                x[k] = _mm256_loadu_ps(v + 8 * k);                                                 \
-            for (uint32_t h = 0; h < ATTN_HB; h++) {                                               \
-                __m256 pi = _mm256_broadcast_ss(p + h * ATTN_CHUNK + i);                           \
-                for (int k = 0; k < NB; k++)                                                       \
-                    r[h][k] = _mm256_fmadd_ps(pi, x[k], r[h][k]);                                  \
-            }                                                                                      \
-        }                                                                                          \
-        for (uint32_t h = 0; h < ATTN_HB; h++)                                                     \
-            for (int k = 0; k < NB; k++)                                                           \
-                _mm256_storeu_ps(acc + (size_t)h * d + c + 8 * k, r[h][k]);                        \
-    }
-
-ACCUMULATE_HEADS_AVX2(2)
-ACCUMULATE_HEADS_AVX2(1)
-#endif
-
 /*
  * x[i] = e^x[i] for x[i] <= 0 (the softmax's exponents: scores minus their
  * running max), in a loop that vectorises: Cody-Waite reduction by ln 2
@@ -346,8 +150,8 @@ static void exp_nonpos(float *x, uint32_t n)
  * between the arithmetic of the current step, so that the memory works
  * while the core computes (a burst of them stalls the loads behind it). */
 typedef struct pf_queue {
-    const uint8_t *row[2 * ATTN_CHUNK];
-    uint32_t bytes[2 * ATTN_CHUNK];
+    const uint8_t *row[4 * ATTN_CHUNK]; /* K and V rows; INT8 scale rows once per block */
+    uint32_t bytes[4 * ATTN_CHUNK];
     uint32_t n, i, off, per; /* rows, current row, offset in it, lines per call */
 } pf_queue;
 
@@ -363,83 +167,372 @@ static void pf_issue(pf_queue *q)
     }
 }
 
+/* A token of the current chunk: its tier, block and slot. */
+typedef struct chunk_tok {
+    uint8_t tier;
+    uint32_t block, slot;
+} chunk_tok;
+
+#ifndef __AVX2__
+/* ---- generic build: the chunk's rows converted into fp32 tiles ---- */
+
+/* One step's K and V rows as fp32 tiles [cnt][d]. */
+typedef struct step {
+    float kt[ATTN_TILE], vt[ATTN_TILE];
+} step;
+
+/* K (v = 0) or V (v = 1) rows of a chunk into tile [cnt][d]. */
+static void load_tile(const attn_job *j, const attn_row *rows, uint32_t cnt, int v, float *tile)
+{
+    uint32_t d = j->l->head_dim;
+    for (uint32_t i = 0; i < cnt; i++) {
+        float *x = tile + (size_t)i * d;
+        if (rows[i].ks == NULL)
+            kv_row_load(v ? rows[i].v : rows[i].k, j->t, d, x);
+        else
+            int8_row_load(v ? rows[i].v : rows[i].k, v ? rows[i].vs : rows[i].ks, d, x);
+    }
+}
+
+/* The K and V tiles of a KV head (its rows hr) for the chunk's cnt tokens. */
+static void step_load(const attn_job *j, const head_rows *hr, const chunk_tok *toks, uint32_t cnt,
+                      step *s)
+{
+    attn_row rows[ATTN_CHUNK];
+    for (uint32_t i = 0; i < cnt; i++)
+        rows[i] = row_at(j, hr, toks[i].tier, toks[i].block, toks[i].slot);
+    load_tile(j, rows, cnt, 0, s->kt);
+    load_tile(j, rows, cnt, 1, s->vt);
+}
+
+/* a.b in 8 lanes: lane k sums a[c] * b[c] over channels c = k mod 8 in
+ * order, then the lanes add as ((0+4) + (2+6)) + ((1+5) + (3+7)). */
+static float dot8(const float *restrict a, const float *restrict b, uint32_t d)
+{
+    float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    uint32_t c = 0;
+    for (; c + 8 <= d; c += 8)
+        for (uint32_t k = 0; k < 8; k++)
+            l[k] = a[c + k] * b[c + k] + l[k];
+    for (uint32_t k = 0; c + k < d; k++)
+        l[k] = a[c + k] * b[c + k] + l[k];
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+/* acc[c] += p[i] * vt[i][c] for the chunk's tokens i in order, 8 channels
+ * at a time (a loop gcc vectorises). */
+static void accumulate(float *restrict acc, const float *restrict vt, const float *restrict p,
+                       uint32_t cnt, uint32_t d)
+{
+    uint32_t c = 0;
+    for (; c + 8 <= d; c += 8) {
+        float r[8];
+        memcpy(r, acc + c, sizeof r);
+        for (uint32_t i = 0; i < cnt; i++)
+            for (uint32_t k = 0; k < 8; k++)
+                r[k] = p[i] * vt[(size_t)i * d + c + k] + r[k];
+        memcpy(acc + c, r, sizeof r);
+    }
+    for (; c < d; c++) {
+        float r = acc[c];
+        for (uint32_t i = 0; i < cnt; i++)
+            r = p[i] * vt[(size_t)i * d + c] + r;
+        acc[c] = r;
+    }
+}
+
 /* The chunk's cnt raw scores q.k * scale of nh <= ATTN_HB query heads (rows
  * d floats apart from q): sc[h * ATTN_CHUNK + i]. */
-static void scores(const float *q, uint32_t nh, const float *kt, uint32_t cnt, uint32_t d,
+static void scores(const float *q, uint32_t nh, const step *s, uint32_t cnt, uint32_t d,
                    float scale, float *sc, pf_queue *pf)
 {
-    (void)pf;
-    uint32_t i = 0;
-#ifdef __AVX2__
-    if (nh == ATTN_HB) {
-        for (; i + 2 <= cnt; i += 2) {
-            dot8h4x2_avx2(q, kt + (size_t)i * d, d, sc + i);
-            pf_issue(pf);
-        }
-        for (; i < cnt; i++)
-            dot8h4x1_avx2(q, kt + (size_t)i * d, d, sc + i);
-    }
-#endif
     for (uint32_t h = 0; h < nh; h++) {
-        const float *qh = q + (size_t)h * d;
-        float *s = sc + h * ATTN_CHUNK;
-        uint32_t t = i;
-#ifdef __AVX2__
-        for (; t + 8 <= cnt; t += 8)
-            dot8x8_avx2(qh, kt + (size_t)t * d, d, d, s + t);
-        for (; t + 4 <= cnt; t += 4)
-            dot8x4_avx2(qh, kt + (size_t)t * d, d, d, s + t);
-#endif
-        for (; t < cnt; t++)
-            s[t] = dot8(qh, kt + (size_t)t * d, d);
-        for (t = 0; t < cnt; t++)
-            s[t] *= scale;
+        for (uint32_t t = 0; t < cnt; t++)
+            sc[h * ATTN_CHUNK + t] = dot8(q + (size_t)h * d, s->kt + (size_t)t * d, d) * scale;
+        pf_issue(pf);
     }
 }
 
 /* acc rows (d floats apart) of nh <= ATTN_HB heads += their weights p
  * (rows ATTN_CHUNK apart) times the chunk's V rows. */
-static void accumulate_heads(float *acc, uint32_t nh, const float *vt, const float *p, uint32_t cnt,
+static void accumulate_heads(float *acc, uint32_t nh, const step *s, const float *p, uint32_t cnt,
                              uint32_t d, pf_queue *pf)
 {
-    (void)pf;
-    uint32_t c = 0;
-#ifdef __AVX2__
-    if (nh == ATTN_HB) {
-        for (; c + 16 <= d; c += 16) {
-            accumulate_heads2_avx2(acc, vt, p, cnt, d, c);
-            pf_issue(pf);
-        }
-        for (; c + 8 <= d; c += 8)
-            accumulate_heads1_avx2(acc, vt, p, cnt, d, c);
-    }
-#endif
     for (uint32_t h = 0; h < nh; h++) {
-        uint32_t ch = c;
-#ifdef __AVX2__
-        if (ch == 0)
-            ch = accumulate_avx2(acc + (size_t)h * d, vt, p + h * ATTN_CHUNK, cnt, d);
-#endif
-        accumulate(acc + (size_t)h * d, vt, p + h * ATTN_CHUNK, cnt, d, ch);
+        accumulate(acc + (size_t)h * d, s->vt, p + h * ATTN_CHUNK, cnt, d);
+        pf_issue(pf);
     }
 }
+
+#else
+/* ---- AVX2 + F16C + FMA build: rows converted in registers as they are read ---- */
+#include <immintrin.h>
+
+#define ATTN_INLINE static inline __attribute__((always_inline))
+
+/* How a row's elements become fp32: the pool's dtype, or INT8 code * scale;
+ * ROW_MIXED: each token's own (a chunk mixing tiers). */
+enum { ROW_F32, ROW_F16, ROW_BF16, ROW_I8, ROW_MIXED };
+
+/* One step's rows: where each token's K and V are and how to read them. */
+typedef struct step {
+    const uint8_t *k[ATTN_CHUNK], *v[ATTN_CHUNK], *ks[ATTN_CHUNK], *vs[ATTN_CHUNK];
+    uint8_t kind[ATTN_CHUNK];
+    int all; /* every token's kind, or ROW_MIXED */
+    kv_dtype t;
+    float vtail[ATTN_CHUNK][8]; /* the V rows' last d % 8 channels, as fp32 */
+} step;
+
+/* Channels [c, c + 8) of a row as fp32, the values kv_row_load and
+ * int8_row_load give (fp16 and bf16 widen exactly; INT8 is one fp32
+ * multiplication, code * scale). */
+ATTN_INLINE __m256 ld8(const uint8_t *row, const uint8_t *sc, uint32_t c, int kind)
+{
+    switch (kind) {
+    case ROW_F32:
+        return _mm256_loadu_ps((const float *)(const void *)(row + 4 * (size_t)c));
+    case ROW_F16:
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(row + 2 * (size_t)c)));
+    case ROW_BF16: {
+        __m128i h = _mm_loadu_si128((const __m128i *)(const void *)(row + 2 * (size_t)c));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    default: {
+        __m128i q = _mm_loadl_epi64((const __m128i *)(const void *)(row + c));
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
+                             _mm256_loadu_ps((const float *)(const void *)(sc + 4 * (size_t)c)));
+    }
+    }
+}
+
+/* n < 8 elements of a row from channel c, as fp32 (the tail of a row). */
+static void row_tail(const uint8_t *row, const uint8_t *sc, int kind, kv_dtype t, uint32_t c,
+                     uint32_t n, float *x)
+{
+    if (kind == ROW_I8)
+        int8_row_load(row + c, sc + 4 * (size_t)c, n, x);
+    else
+        kv_row_load(row + (size_t)c * (t == KV_FP32 ? 4 : 2), t, n, x);
+}
+
+/* The rows of a KV head (its rows hr) for the chunk's cnt tokens. */
+static void step_load(const attn_job *j, const head_rows *hr, const chunk_tok *toks, uint32_t cnt,
+                      step *s)
+{
+    int full = j->t == KV_FP32 ? ROW_F32 : j->t == KV_FP16 ? ROW_F16 : ROW_BF16;
+    uint32_t d = j->l->head_dim, c = d & ~7u;
+    s->t = j->t;
+    s->all = -1;
+    for (uint32_t i = 0; i < cnt; i++) {
+        attn_row r = row_at(j, hr, toks[i].tier, toks[i].block, toks[i].slot);
+        int kind = r.ks != NULL ? ROW_I8 : full;
+        s->k[i] = r.k;
+        s->v[i] = r.v;
+        s->ks[i] = r.ks;
+        s->vs[i] = r.vs;
+        s->kind[i] = (uint8_t)kind;
+        s->all = s->all < 0 || s->all == kind ? kind : ROW_MIXED;
+        if (c < d)
+            row_tail(r.v, r.vs, kind, j->t, c, d - c, s->vtail[i]);
+    }
+}
+
+/* The end of a dot product in 8 lanes: the last n < 8 channels lane by
+ * lane, then the lanes added as ((0+4) + (2+6)) + ((1+5) + (3+7)). */
+static inline float dot8_finish(__m256 s, const float *a, const float *b, uint32_t n)
+{
+    if (n > 0) {
+        float l[8];
+        _mm256_storeu_ps(l, s);
+        for (uint32_t k = 0; k < n; k++)
+            l[k] = fmaf(a[k], b[k], l[k]);
+        s = _mm256_loadu_ps(l);
+    }
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v)); /* (0+4)+(2+6), (1+5)+(3+7) */
+    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+}
+
+/*
+ * Raw scores of H query heads (rows d floats apart from q) against T tokens
+ * i0 .. i0 + T - 1, the K rows converted in registers: each K load serves
+ * the H heads, each query load the T tokens, H * T independent chains of
+ * 8 lanes (lane k: channels k mod 8 in order). out[h * ATTN_CHUNK + i].
+ * Each (head, token) gets the same operations whatever H, T and kind.
+ */
+ATTN_INLINE void qk_block(const float *q, uint32_t d, const step *s, uint32_t i0, float *out,
+                          int H, int T, int kind)
+{
+    __m256 acc[ATTN_HB][2];
+    for (int h = 0; h < H; h++)
+        for (int t = 0; t < T; t++)
+            acc[h][t] = _mm256_setzero_ps();
+    uint32_t c = 0;
+    for (; c + 8 <= d; c += 8) {
+        __m256 x[2];
+        for (int t = 0; t < T; t++)
+            x[t] = ld8(s->k[i0 + t], s->ks[i0 + t], c, kind == ROW_MIXED ? s->kind[i0 + t] : kind);
+        for (int h = 0; h < H; h++) {
+            __m256 a = _mm256_loadu_ps(q + (size_t)h * d + c);
+            for (int t = 0; t < T; t++)
+                acc[h][t] = _mm256_fmadd_ps(a, x[t], acc[h][t]);
+        }
+    }
+    if (c == d) {
+        for (int h = 0; h < H; h++)
+            for (int t = 0; t < T; t++)
+                out[h * ATTN_CHUNK + i0 + t] = dot8_finish(acc[h][t], NULL, NULL, 0);
+        return;
+    }
+    for (int t = 0; t < T; t++) {
+        float kb[8];
+        uint32_t i = i0 + t;
+        row_tail(s->k[i], s->ks[i], s->kind[i], s->t, c, d - c, kb);
+        for (int h = 0; h < H; h++)
+            out[h * ATTN_CHUNK + i] = dot8_finish(acc[h][t], q + (size_t)h * d + c, kb, d - c);
+    }
+}
+
+/* acc rows (d floats apart) of H heads += their weights p (rows ATTN_CHUNK
+ * apart) times the V rows of the chunk's cnt tokens, channels [c, c + 8 *
+ * NB), the tokens in order: each V load serves the H heads. */
+ATTN_INLINE void av_block(float *acc, uint32_t d, const step *s, const float *p, uint32_t cnt,
+                          uint32_t c, int H, int NB, int kind)
+{
+    __m256 r[ATTN_HB][2];
+    for (int h = 0; h < H; h++)
+        for (int k = 0; k < NB; k++)
+            r[h][k] = _mm256_loadu_ps(acc + (size_t)h * d + c + 8 * k);
+    for (uint32_t i = 0; i < cnt; i++) {
+        int ki = kind == ROW_MIXED ? s->kind[i] : kind;
+        __m256 v[2];
+        for (int k = 0; k < NB; k++)
+            v[k] = ld8(s->v[i], s->vs[i], c + 8 * k, ki);
+        for (int h = 0; h < H; h++) {
+            __m256 pi = _mm256_broadcast_ss(p + h * ATTN_CHUNK + i);
+            for (int k = 0; k < NB; k++)
+                r[h][k] = _mm256_fmadd_ps(pi, v[k], r[h][k]);
+        }
+    }
+    for (int h = 0; h < H; h++)
+        for (int k = 0; k < NB; k++)
+            _mm256_storeu_ps(acc + (size_t)h * d + c + 8 * k, r[h][k]);
+}
+
+/* qk_block and av_block for each (H, T or NB), the kind of a step's rows
+ * a constant in each case: the common step, one kind for all its tokens,
+ * has no branch in its inner loop. */
+#define ATTN_BY_KIND(CALL, ...)                                                                    \
+    switch (s->all) {                                                                              \
+    case ROW_F32:                                                                                  \
+        CALL(__VA_ARGS__, ROW_F32);                                                                \
+        break;                                                                                     \
+    case ROW_F16:                                                                                  \
+        CALL(__VA_ARGS__, ROW_F16);                                                                \
+        break;                                                                                     \
+    case ROW_BF16:                                                                                 \
+        CALL(__VA_ARGS__, ROW_BF16);                                                               \
+        break;                                                                                     \
+    case ROW_I8:                                                                                   \
+        CALL(__VA_ARGS__, ROW_I8);                                                                 \
+        break;                                                                                     \
+    default:                                                                                       \
+        CALL(__VA_ARGS__, ROW_MIXED);                                                              \
+    }
+
+#define QK_FN(H, T)                                                                                \
+    static void qk##H##x##T(const float *q, uint32_t d, const step *s, uint32_t i0, float *out)    \
+    {                                                                                              \
+        ATTN_BY_KIND(qk_block, q, d, s, i0, out, H, T)                                             \
+    }
+#define AV_FN(H, NB)                                                                               \
+    static void av##H##x##NB(float *acc, uint32_t d, const step *s, const float *p, uint32_t cnt,  \
+                             uint32_t c)                                                           \
+    {                                                                                              \
+        ATTN_BY_KIND(av_block, acc, d, s, p, cnt, c, H, NB)                                        \
+    }
+QK_FN(1, 1)
+QK_FN(1, 2)
+QK_FN(2, 1)
+QK_FN(2, 2)
+QK_FN(3, 1)
+QK_FN(3, 2)
+QK_FN(4, 1)
+QK_FN(4, 2)
+AV_FN(1, 1)
+AV_FN(1, 2)
+AV_FN(2, 1)
+AV_FN(2, 2)
+AV_FN(3, 1)
+AV_FN(3, 2)
+AV_FN(4, 1)
+AV_FN(4, 2)
+
+typedef void (*qk_fn)(const float *, uint32_t, const step *, uint32_t, float *);
+typedef void (*av_fn)(float *, uint32_t, const step *, const float *, uint32_t, uint32_t);
+static const qk_fn k_qk[ATTN_HB][2] = {{qk1x1, qk1x2}, {qk2x1, qk2x2}, {qk3x1, qk3x2}, {qk4x1, qk4x2}};
+static const av_fn k_av[ATTN_HB][2] = {{av1x1, av1x2}, {av2x1, av2x2}, {av3x1, av3x2}, {av4x1, av4x2}};
+
+/* The chunk's cnt raw scores q.k * scale of nh <= ATTN_HB query heads (rows
+ * d floats apart from q): sc[h * ATTN_CHUNK + i]. Two tokens at a time. */
+static void scores(const float *q, uint32_t nh, const step *s, uint32_t cnt, uint32_t d,
+                   float scale, float *sc, pf_queue *pf)
+{
+    uint32_t i = 0;
+    for (; i + 2 <= cnt; i += 2) {
+        k_qk[nh - 1][1](q, d, s, i, sc);
+        pf_issue(pf);
+    }
+    if (i < cnt)
+        k_qk[nh - 1][0](q, d, s, i, sc);
+    for (uint32_t h = 0; h < nh; h++)
+        for (uint32_t t = 0; t < cnt; t++)
+            sc[h * ATTN_CHUNK + t] *= scale;
+}
+
+/* acc rows (d floats apart) of nh <= ATTN_HB heads += their weights p
+ * (rows ATTN_CHUNK apart) times the chunk's V rows: 16 channels at a time,
+ * then 8, then the last d % 8 one by one (the same fused multiply-adds, in
+ * the same token order). */
+static void accumulate_heads(float *acc, uint32_t nh, const step *s, const float *p, uint32_t cnt,
+                             uint32_t d, pf_queue *pf)
+{
+    uint32_t c = 0;
+    for (; c + 16 <= d; c += 16) {
+        k_av[nh - 1][1](acc, d, s, p, cnt, c);
+        pf_issue(pf);
+    }
+    if (c + 8 <= d) {
+        k_av[nh - 1][0](acc, d, s, p, cnt, c);
+        c += 8;
+    }
+    for (uint32_t h = 0; h < nh && c < d; h++)
+        for (uint32_t k = 0; c + k < d; k++) {
+            float r = acc[(size_t)h * d + c + k];
+            for (uint32_t i = 0; i < cnt; i++)
+                r = fmaf(p[h * ATTN_CHUNK + i], s->vtail[i][k], r);
+            acc[(size_t)h * d + c + k] = r;
+        }
+}
+#endif
+
 
 /* Running state of one query head's online softmax. */
 typedef struct online {
     float max, sum;
 } online;
 
-/* Fold a chunk of cnt tokens (tiles kt, vt) into the states st and
+/* Fold a chunk of cnt tokens (the step's rows stp) into the states st and
  * accumulators (rows of out) of query heads qh0 .. qh0 + nh - 1, nh <=
  * ATTN_HB; with probs asked for, their raw scores go to probs at token
  * `done`. */
-static void fold(const attn_job *j, const float *kt, const float *vt, uint32_t cnt, size_t qh0,
+static void fold(const attn_job *j, const step *stp, uint32_t cnt, size_t qh0,
                  uint32_t nh, online *st, size_t done, pf_queue *pf)
 {
     uint32_t d = j->l->head_dim;
     float sc[ATTN_HB * ATTN_CHUNK];
     float *acc = j->out + qh0 * d;
-    scores(j->q + qh0 * d, nh, kt, cnt, d, j->scale, sc, pf);
+    scores(j->q + qh0 * d, nh, stp, cnt, d, j->scale, sc, pf);
     for (uint32_t h = 0; h < nh; h++) {
         float *s = sc + h * ATTN_CHUNK, *ah = acc + (size_t)h * d, cmax = -INFINITY;
         for (uint32_t i = 0; i < cnt; i++)
@@ -463,14 +556,8 @@ static void fold(const attn_job *j, const float *kt, const float *vt, uint32_t c
             sum += s[i];
         st[h] = (online){mx, sum};
     }
-    accumulate_heads(acc, nh, vt, sc, cnt, d, pf);
+    accumulate_heads(acc, nh, stp, sc, cnt, d, pf);
 }
-
-/* A token of the current chunk: its tier, block and slot. */
-typedef struct chunk_tok {
-    uint8_t tier;
-    uint32_t block, slot;
-} chunk_tok;
 
 /* Query heads [h0, h0 + nh) of KV head g: a unit of work. Units are
  * numbered KV head major, `batches` per KV head of up to ATTN_HEADS query
@@ -487,17 +574,6 @@ static unit unit_of(const attn_job *j, size_t u)
     uint32_t end = x.g * j->group + j->group < j->q_heads ? x.g * j->group + j->group : j->q_heads;
     x.nh = x.h0 < end ? (end - x.h0 < ATTN_HEADS ? end - x.h0 : ATTN_HEADS) : 0;
     return x;
-}
-
-/* K and V tiles of a KV head (its rows hr) for the chunk's cnt tokens. */
-static void load_tiles(const attn_job *j, const head_rows *hr, const chunk_tok *toks, uint32_t cnt,
-                       float *kt, float *vt)
-{
-    attn_row rows[ATTN_CHUNK];
-    for (uint32_t i = 0; i < cnt; i++)
-        rows[i] = row_at(j, hr, toks[i].tier, toks[i].block, toks[i].slot);
-    load_tile(j, rows, cnt, 0, kt);
-    load_tile(j, rows, cnt, 1, vt);
 }
 
 /* A position in the segment list. */
@@ -532,7 +608,7 @@ static uint32_t next_chunk(const attn_job *j, list_pos *p, uint32_t cap, chunk_t
 static void prefetch_rows(const attn_job *j, const head_rows *hr, const chunk_tok *toks,
                           uint32_t cnt, pf_queue *q)
 {
-    uint32_t lines = 0;
+    uint32_t lines = 0, sbytes = 4 * j->l->head_dim;
     q->n = q->i = q->off = 0;
     for (uint32_t i = 0; i < cnt; i++) {
         attn_row r = row_at(j, hr, toks[i].tier, toks[i].block, toks[i].slot);
@@ -542,6 +618,15 @@ static void prefetch_rows(const attn_job *j, const head_rows *hr, const chunk_to
         q->row[q->n] = r.v;
         q->bytes[q->n++] = bytes;
         lines += 2 * ((bytes + 63) / 64);
+        if (r.ks != NULL && (i == 0 || toks[i].tier != toks[i - 1].tier ||
+                             toks[i].block != toks[i - 1].block)) {
+            /* an INT8 block's scale rows, read with each of its rows */
+            q->row[q->n] = r.ks;
+            q->bytes[q->n++] = sbytes;
+            q->row[q->n] = r.vs;
+            q->bytes[q->n++] = sbytes;
+            lines += 2 * ((sbytes + 63) / 64);
+        }
     }
     q->per = (lines + 15) / 16;
 }
@@ -559,7 +644,7 @@ static void attend(const attn_job *j, size_t u0, size_t u1)
 {
     uint32_t d = j->l->head_dim;
     uint32_t cap = d == 0 || ATTN_TILE / d > ATTN_CHUNK ? ATTN_CHUNK : ATTN_TILE / d;
-    float kt[ATTN_TILE], vt[ATTN_TILE];
+    step stp; /* one step's tiles (generic build) or rows (AVX2) */
     online st[ATTN_STATE];
     head_rows hr[ATTN_STATE]; /* of KV heads g0 .. g0 + nhr - 1 */
     chunk_tok toks[2][ATTN_CHUNK];
@@ -599,12 +684,12 @@ static void attend(const attn_job *j, size_t u0, size_t u1)
                     prefetch_rows(j, &hr[pg], toks[c], cnt, &pf);
                 else if (pg - nhr < nhr)
                     prefetch_rows(j, &hr[pg - nhr], toks[c ^ 1], ncnt, &pf);
-                load_tiles(j, &hr[x.g - g0], toks[c], cnt, kt, vt);
+                step_load(j, &hr[x.g - g0], toks[c], cnt, &stp);
                 loaded = x.g;
             }
             for (uint32_t h = 0; h < x.nh; h += ATTN_HB) {
                 uint32_t nh = x.nh - h < ATTN_HB ? x.nh - h : ATTN_HB;
-                fold(j, kt, vt, cnt, x.h0 + h, nh, &st[si], done, &pf);
+                fold(j, &stp, cnt, x.h0 + h, nh, &st[si], done, &pf);
                 pf_issue(&pf);
                 si += nh;
             }
