@@ -150,21 +150,40 @@ static void exp_nonpos(float *x, uint32_t n)
  * between the arithmetic of the current step, so that the memory works
  * while the core computes (a burst of them stalls the loads behind it). */
 typedef struct pf_queue {
-    const uint8_t *row[4 * ATTN_CHUNK]; /* K and V rows; INT8 scale rows once per block */
-    uint32_t bytes[4 * ATTN_CHUNK];
-    uint32_t n, i, off, per; /* rows, current row, offset in it, lines per call */
+    /* byte ranges [lo, hi): runs of K rows, then of V rows (adjacent slots
+     * of a block are one run), INT8 scale rows once per block */
+    const uint8_t *lo[4 * ATTN_CHUNK], *hi[4 * ATTN_CHUNK];
+    const uint8_t *at;  /* the next line of range i */
+    uint32_t n, i, per; /* ranges, current range, lines per call */
 } pf_queue;
 
 static void pf_issue(pf_queue *q)
 {
-    for (uint32_t m = 0; m < q->per && q->i < q->n; m++) {
-        __builtin_prefetch(q->row[q->i] + q->off, 0, 2); /* locality 2: the tiles fill L1 */
-        q->off += 64;
-        if (q->off >= q->bytes[q->i]) {
-            q->i++;
-            q->off = 0;
+    uint32_t m = q->per;
+    while (m > 0 && q->i < q->n) {
+        const uint8_t *p = q->at, *end = q->hi[q->i];
+        for (; m > 0 && p < end; m--, p += 64)
+            __builtin_prefetch(p, 0, 2); /* locality 2: L2 and up */
+        if (p < end) {
+            q->at = p;
+            return;
         }
+        if (++q->i < q->n)
+            q->at = (const uint8_t *)((uintptr_t)q->lo[q->i] & ~(uintptr_t)63);
     }
+}
+
+/* Append [p, p + bytes) to ranges lo/hi (*n of them), extending the last
+ * one when it ends at p. */
+static void pf_add(const uint8_t **lo, const uint8_t **hi, uint32_t *n, const uint8_t *p,
+                   size_t bytes)
+{
+    if (*n > 0 && hi[*n - 1] == p) {
+        hi[*n - 1] = p + bytes;
+        return;
+    }
+    lo[*n] = p;
+    hi[(*n)++] = p + bytes;
 }
 
 /* A token of the current chunk: its tier, block and slot. */
@@ -292,7 +311,8 @@ ATTN_INLINE __m256 ld8(const uint8_t *row, const uint8_t *sc, uint32_t c, int ki
     case ROW_F32:
         return _mm256_loadu_ps((const float *)(const void *)(row + 4 * (size_t)c));
     case ROW_F16:
-        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(row + 2 * (size_t)c)));
+        return _mm256_cvtph_ps(
+            _mm_loadu_si128((const __m128i *)(const void *)(row + 2 * (size_t)c)));
     case ROW_BF16: {
         __m128i h = _mm_loadu_si128((const __m128i *)(const void *)(row + 2 * (size_t)c));
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -337,69 +357,76 @@ static void step_load(const attn_job *j, const head_rows *hr, const chunk_tok *t
     }
 }
 
-/* The end of a dot product in 8 lanes: the last n < 8 channels lane by
- * lane, then the lanes added as ((0+4) + (2+6)) + ((1+5) + (3+7)). */
-static inline float dot8_finish(__m256 s, const float *a, const float *b, uint32_t n)
+/* The sums of 8 chains of 8 lanes: lane m of the result is v[m]'s lanes
+ * added as ((0+1) + (2+3)) + ((4+5) + (6+7)), whatever the other chains. */
+static inline __m256 hsum8x8(const __m256 *v)
 {
-    if (n > 0) {
-        float l[8];
-        _mm256_storeu_ps(l, s);
-        for (uint32_t k = 0; k < n; k++)
-            l[k] = fmaf(a[k], b[k], l[k]);
-        s = _mm256_loadu_ps(l);
-    }
-    __m128 v = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    v = _mm_add_ps(v, _mm_movehl_ps(v, v)); /* (0+4)+(2+6), (1+5)+(3+7) */
-    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+    __m256 ab = _mm256_hadd_ps(v[0], v[1]), cd = _mm256_hadd_ps(v[2], v[3]);
+    __m256 ef = _mm256_hadd_ps(v[4], v[5]), gh = _mm256_hadd_ps(v[6], v[7]);
+    __m256 abcd = _mm256_hadd_ps(ab, cd), efgh = _mm256_hadd_ps(ef, gh);
+    return _mm256_add_ps(_mm256_permute2f128_ps(abcd, efgh, 0x20),
+                         _mm256_permute2f128_ps(abcd, efgh, 0x31));
 }
 
 /*
- * Raw scores of H query heads (rows d floats apart from q) against T tokens
- * i0 .. i0 + T - 1, the K rows converted in registers: each K load serves
- * the H heads, each query load the T tokens, H * T independent chains of
- * 8 lanes (lane k: channels k mod 8 in order). out[h * ATTN_CHUNK + i].
- * Each (head, token) gets the same operations whatever H, T and kind.
+ * Scores of H query heads (rows d floats apart from q) against T tokens
+ * i0 .. i0 + T - 1, q.k * scale, the K rows converted in registers: each K
+ * load serves the H heads, each query load the T tokens, H * T independent
+ * chains of 8 lanes (lane k: channels k mod 8 in order, then the last
+ * d % 8 channels one per lane; the lanes added by hsum8x8). out[h *
+ * ATTN_CHUNK + i]. Each (head, token) gets the same operations whatever H,
+ * T and kind.
  */
-ATTN_INLINE void qk_block(const float *q, uint32_t d, const step *s, uint32_t i0, float *out,
-                          int H, int T, int kind)
+ATTN_INLINE void qk_block(const float *q, uint32_t d, const step *s, uint32_t i0, float scale,
+                          float *out, int H, int T, int kind)
 {
-    __m256 acc[ATTN_HB][2];
-    for (int h = 0; h < H; h++)
-        for (int t = 0; t < T; t++)
-            acc[h][t] = _mm256_setzero_ps();
+    __m256 acc[8]; /* chain h * 2 + t; the unused ones stay 0 */
+#pragma GCC unroll 8
+    for (int m = 0; m < 8; m++)
+        acc[m] = _mm256_setzero_ps();
     uint32_t c = 0;
     for (; c + 8 <= d; c += 8) {
         __m256 x[2];
+#pragma GCC unroll 2
         for (int t = 0; t < T; t++)
             x[t] = ld8(s->k[i0 + t], s->ks[i0 + t], c, kind == ROW_MIXED ? s->kind[i0 + t] : kind);
+#pragma GCC unroll 4
         for (int h = 0; h < H; h++) {
             __m256 a = _mm256_loadu_ps(q + (size_t)h * d + c);
+#pragma GCC unroll 2
             for (int t = 0; t < T; t++)
-                acc[h][t] = _mm256_fmadd_ps(a, x[t], acc[h][t]);
+                acc[h * 2 + t] = _mm256_fmadd_ps(a, x[t], acc[h * 2 + t]);
         }
     }
-    if (c == d) {
-        for (int h = 0; h < H; h++)
-            for (int t = 0; t < T; t++)
-                out[h * ATTN_CHUNK + i0 + t] = dot8_finish(acc[h][t], NULL, NULL, 0);
-        return;
-    }
-    for (int t = 0; t < T; t++) {
-        float kb[8];
+    for (int t = 0; t < T && c < d; t++) {
+        float kb[8], l[8];
         uint32_t i = i0 + t;
         row_tail(s->k[i], s->ks[i], s->kind[i], s->t, c, d - c, kb);
-        for (int h = 0; h < H; h++)
-            out[h * ATTN_CHUNK + i] = dot8_finish(acc[h][t], q + (size_t)h * d + c, kb, d - c);
+        for (int h = 0; h < H; h++) {
+            const float *qh = q + (size_t)h * d + c;
+            _mm256_storeu_ps(l, acc[h * 2 + t]);
+            for (uint32_t k = 0; k < d - c; k++)
+                l[k] = fmaf(qh[k], kb[k], l[k]);
+            acc[h * 2 + t] = _mm256_loadu_ps(l);
+        }
     }
+    float r[8];
+    _mm256_storeu_ps(r, _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale)));
+    for (int h = 0; h < H; h++)
+        for (int t = 0; t < T; t++)
+            out[h * ATTN_CHUNK + i0 + t] = r[h * 2 + t];
 }
 
 /* acc rows (d floats apart) of H heads += their weights p (rows ATTN_CHUNK
  * apart) times the V rows of the chunk's cnt tokens, channels [c, c + 8 *
- * NB), the tokens in order: each V load serves the H heads. */
+ * NB), the tokens in order: each V load serves the H heads. (The unroll
+ * pragmas here and in qk_block keep the accumulators in registers: without
+ * them gcc 12 stored them to the stack on every token, 30% slower.) */
 ATTN_INLINE void av_block(float *acc, uint32_t d, const step *s, const float *p, uint32_t cnt,
                           uint32_t c, int H, int NB, int kind)
 {
     __m256 r[ATTN_HB][2];
+#pragma GCC unroll 4
     for (int h = 0; h < H; h++)
         for (int k = 0; k < NB; k++)
             r[h][k] = _mm256_loadu_ps(acc + (size_t)h * d + c + 8 * k);
@@ -408,12 +435,14 @@ ATTN_INLINE void av_block(float *acc, uint32_t d, const step *s, const float *p,
         __m256 v[2];
         for (int k = 0; k < NB; k++)
             v[k] = ld8(s->v[i], s->vs[i], c + 8 * k, ki);
+#pragma GCC unroll 4
         for (int h = 0; h < H; h++) {
             __m256 pi = _mm256_broadcast_ss(p + h * ATTN_CHUNK + i);
             for (int k = 0; k < NB; k++)
                 r[h][k] = _mm256_fmadd_ps(pi, v[k], r[h][k]);
         }
     }
+#pragma GCC unroll 4
     for (int h = 0; h < H; h++)
         for (int k = 0; k < NB; k++)
             _mm256_storeu_ps(acc + (size_t)h * d + c + 8 * k, r[h][k]);
@@ -441,9 +470,10 @@ ATTN_INLINE void av_block(float *acc, uint32_t d, const step *s, const float *p,
     }
 
 #define QK_FN(H, T)                                                                                \
-    static void qk##H##x##T(const float *q, uint32_t d, const step *s, uint32_t i0, float *out)    \
+    static void qk##H##x##T(const float *q, uint32_t d, const step *s, uint32_t i0, float scale,   \
+                            float *out)                                                            \
     {                                                                                              \
-        ATTN_BY_KIND(qk_block, q, d, s, i0, out, H, T)                                             \
+        ATTN_BY_KIND(qk_block, q, d, s, i0, scale, out, H, T)                                      \
     }
 #define AV_FN(H, NB)                                                                               \
     static void av##H##x##NB(float *acc, uint32_t d, const step *s, const float *p, uint32_t cnt,  \
@@ -468,10 +498,12 @@ AV_FN(3, 2)
 AV_FN(4, 1)
 AV_FN(4, 2)
 
-typedef void (*qk_fn)(const float *, uint32_t, const step *, uint32_t, float *);
+typedef void (*qk_fn)(const float *, uint32_t, const step *, uint32_t, float, float *);
 typedef void (*av_fn)(float *, uint32_t, const step *, const float *, uint32_t, uint32_t);
-static const qk_fn k_qk[ATTN_HB][2] = {{qk1x1, qk1x2}, {qk2x1, qk2x2}, {qk3x1, qk3x2}, {qk4x1, qk4x2}};
-static const av_fn k_av[ATTN_HB][2] = {{av1x1, av1x2}, {av2x1, av2x2}, {av3x1, av3x2}, {av4x1, av4x2}};
+static const qk_fn k_qk[ATTN_HB][2] = {
+    {qk1x1, qk1x2}, {qk2x1, qk2x2}, {qk3x1, qk3x2}, {qk4x1, qk4x2}};
+static const av_fn k_av[ATTN_HB][2] = {
+    {av1x1, av1x2}, {av2x1, av2x2}, {av3x1, av3x2}, {av4x1, av4x2}};
 
 /* The chunk's cnt raw scores q.k * scale of nh <= ATTN_HB query heads (rows
  * d floats apart from q): sc[h * ATTN_CHUNK + i]. Two tokens at a time. */
@@ -480,14 +512,11 @@ static void scores(const float *q, uint32_t nh, const step *s, uint32_t cnt, uin
 {
     uint32_t i = 0;
     for (; i + 2 <= cnt; i += 2) {
-        k_qk[nh - 1][1](q, d, s, i, sc);
+        k_qk[nh - 1][1](q, d, s, i, scale, sc);
         pf_issue(pf);
     }
     if (i < cnt)
-        k_qk[nh - 1][0](q, d, s, i, sc);
-    for (uint32_t h = 0; h < nh; h++)
-        for (uint32_t t = 0; t < cnt; t++)
-            sc[h * ATTN_CHUNK + t] *= scale;
+        k_qk[nh - 1][0](q, d, s, i, scale, sc);
 }
 
 /* acc rows (d floats apart) of nh <= ATTN_HB heads += their weights p
@@ -516,6 +545,32 @@ static void accumulate_heads(float *acc, uint32_t nh, const step *s, const float
 }
 #endif
 
+/* The largest of n (a multiple of 8) floats, in 8 lanes (a loop gcc
+ * vectorises into max instructions). */
+static float lanes_max(const float *x, uint32_t n)
+{
+    float l[8] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY,
+                  -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    for (uint32_t i = 0; i < n; i += 8)
+        for (uint32_t k = 0; k < 8; k++)
+            l[k] = x[i + k] > l[k] ? x[i + k] : l[k];
+    for (uint32_t k = 4; k > 0; k /= 2)
+        for (uint32_t m = 0; m < k; m++)
+            l[m] = l[m + k] > l[m] ? l[m + k] : l[m];
+    return l[0];
+}
+
+/* The sum of n (a multiple of 8) floats: lane k adds x[i] for i = k mod 8
+ * in order, then the lanes add in halves, (0+4)+(2+6) and so on: a fixed
+ * order for a chunk of a given length. */
+static float lanes_sum(const float *x, uint32_t n)
+{
+    float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (uint32_t i = 0; i < n; i += 8)
+        for (uint32_t k = 0; k < 8; k++)
+            l[k] += x[i + k];
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
 
 /* Running state of one query head's online softmax. */
 typedef struct online {
@@ -526,17 +581,19 @@ typedef struct online {
  * accumulators (rows of out) of query heads qh0 .. qh0 + nh - 1, nh <=
  * ATTN_HB; with probs asked for, their raw scores go to probs at token
  * `done`. */
-static void fold(const attn_job *j, const step *stp, uint32_t cnt, size_t qh0,
-                 uint32_t nh, online *st, size_t done, pf_queue *pf)
+static void fold(const attn_job *j, const step *stp, uint32_t cnt, size_t qh0, uint32_t nh,
+                 online *st, size_t done, pf_queue *pf)
 {
     uint32_t d = j->l->head_dim;
     float sc[ATTN_HB * ATTN_CHUNK];
     float *acc = j->out + qh0 * d;
     scores(j->q + qh0 * d, nh, stp, cnt, d, j->scale, sc, pf);
+    uint32_t n8 = (cnt + 7) & ~7u; /* scores padded with -inf to 8 lanes: e^-inf adds 0 */
     for (uint32_t h = 0; h < nh; h++) {
-        float *s = sc + h * ATTN_CHUNK, *ah = acc + (size_t)h * d, cmax = -INFINITY;
-        for (uint32_t i = 0; i < cnt; i++)
-            cmax = s[i] > cmax ? s[i] : cmax;
+        float *s = sc + h * ATTN_CHUNK, *ah = acc + (size_t)h * d;
+        for (uint32_t i = cnt; i < n8; i++)
+            s[i] = -INFINITY;
+        float cmax = lanes_max(s, n8);
         if (j->probs != NULL)
             memcpy(j->probs + (qh0 + h) * j->n + done, s, cnt * sizeof *s);
         float mx = st[h].max, sum = st[h].sum;
@@ -549,11 +606,10 @@ static void fold(const attn_job *j, const step *stp, uint32_t cnt, size_t qh0,
                 ah[c] *= corr;
             mx = cmax;
         }
-        for (uint32_t i = 0; i < cnt; i++)
+        for (uint32_t i = 0; i < n8; i++)
             s[i] -= mx;
-        exp_nonpos(s, cnt);
-        for (uint32_t i = 0; i < cnt; i++)
-            sum += s[i];
+        exp_nonpos(s, n8);
+        sum += lanes_sum(s, n8);
         st[h] = (online){mx, sum};
     }
     accumulate_heads(acc, nh, stp, sc, cnt, d, pf);
@@ -608,27 +664,30 @@ static uint32_t next_chunk(const attn_job *j, list_pos *p, uint32_t cap, chunk_t
 static void prefetch_rows(const attn_job *j, const head_rows *hr, const chunk_tok *toks,
                           uint32_t cnt, pf_queue *q)
 {
-    uint32_t lines = 0, sbytes = 4 * j->l->head_dim;
-    q->n = q->i = q->off = 0;
+    const uint8_t *vlo[2 * ATTN_CHUNK], *vhi[2 * ATTN_CHUNK];
+    uint32_t nv = 0, sbytes = 4 * j->l->head_dim;
+    size_t lines = 0;
+    q->n = q->i = 0;
     for (uint32_t i = 0; i < cnt; i++) {
         attn_row r = row_at(j, hr, toks[i].tier, toks[i].block, toks[i].slot);
-        uint32_t bytes = (uint32_t)(toks[i].tier == KV_TIER_FULL ? hr->row : hr->qrow);
-        q->row[q->n] = r.k;
-        q->bytes[q->n++] = bytes;
-        q->row[q->n] = r.v;
-        q->bytes[q->n++] = bytes;
-        lines += 2 * ((bytes + 63) / 64);
-        if (r.ks != NULL && (i == 0 || toks[i].tier != toks[i - 1].tier ||
-                             toks[i].block != toks[i - 1].block)) {
+        size_t bytes = toks[i].tier == KV_TIER_FULL ? hr->row : hr->qrow;
+        if (r.ks != NULL &&
+            (i == 0 || toks[i].tier != toks[i - 1].tier || toks[i].block != toks[i - 1].block)) {
             /* an INT8 block's scale rows, read with each of its rows */
-            q->row[q->n] = r.ks;
-            q->bytes[q->n++] = sbytes;
-            q->row[q->n] = r.vs;
-            q->bytes[q->n++] = sbytes;
-            lines += 2 * ((sbytes + 63) / 64);
+            pf_add(q->lo, q->hi, &q->n, r.ks, sbytes);
+            pf_add(vlo, vhi, &nv, r.vs, sbytes);
         }
+        pf_add(q->lo, q->hi, &q->n, r.k, bytes);
+        pf_add(vlo, vhi, &nv, r.v, bytes);
     }
-    q->per = (lines + 15) / 16;
+    for (uint32_t i = 0; i < nv; i++) {
+        q->lo[q->n] = vlo[i];
+        q->hi[q->n++] = vhi[i];
+    }
+    for (uint32_t i = 0; i < q->n; i++)
+        lines += (size_t)(q->hi[i] - q->lo[i]) / 64 + 1;
+    q->at = q->n > 0 ? (const uint8_t *)((uintptr_t)q->lo[0] & ~(uintptr_t)63) : NULL;
+    q->per = (uint32_t)((lines + 15) / 16);
 }
 
 /*
@@ -678,8 +737,8 @@ static void attend(const attn_job *j, size_t u0, size_t u1)
             if (x.nh > 0 && x.g != loaded) {
                 uint32_t pg = x.g - g0 + ATTN_AHEAD;
                 pf.per = UINT32_MAX;
-                pf_issue(&pf); /* what is left of the last step's */
-                pf.n = pf.i = 0;
+                pf_issue(&pf);   /* what is left of the last step's */
+                pf.n = pf.i = 0; /* (prefetch_rows fills it, or it stays empty) */
                 if (pg < nhr)
                     prefetch_rows(j, &hr[pg], toks[c], cnt, &pf);
                 else if (pg - nhr < nhr)
