@@ -122,10 +122,15 @@ static void int8_row_load(const uint8_t *restrict codes, const uint8_t *restrict
 /*
  * x[i] = e^x[i] for x[i] <= 0 (the softmax's exponents: scores minus their
  * running max), in a loop that vectorises: Cody-Waite reduction by ln 2
- * and Cephes' expf polynomial (relative error about 2e-7), separate
- * multiplications and additions (the same bits in both builds). Below
+ * and Cephes' expf polynomial (relative error about 2e-7), its Horner steps
+ * fused multiply-adds in the AVX2 build (EXP_MADD). Below
  * -87 (e^x under FLT_MIN) it gives 0, where expf gives a subnormal.
  */
+#ifdef __AVX2__
+#define EXP_MADD(a, b, c) fmaf(a, b, c) /* one vfmadd: the AVX2 build has FMA */
+#else
+#define EXP_MADD(a, b, c) ((a) * (b) + (c))
+#endif
 static void exp_nonpos(float *x, uint32_t n)
 {
     for (uint32_t i = 0; i < n; i++) {
@@ -135,12 +140,12 @@ static void exp_nonpos(float *x, uint32_t n)
         float k = (v * 1.44269504089f + 12582912.0f) - 12582912.0f; /* rne(v / ln 2) */
         float r = (v - k * 0.693359375f) - k * -2.12194440e-4f;
         float p = 1.9875691500e-4f;
-        p = p * r + 1.3981999507e-3f;
-        p = p * r + 8.3334519073e-3f;
-        p = p * r + 4.1665795894e-2f;
-        p = p * r + 1.6666665459e-1f;
-        p = p * r + 5.0000001201e-1f;
-        p = (p * (r * r) + r) + 1.0f;
+        p = EXP_MADD(p, r, 1.3981999507e-3f);
+        p = EXP_MADD(p, r, 8.3334519073e-3f);
+        p = EXP_MADD(p, r, 4.1665795894e-2f);
+        p = EXP_MADD(p, r, 1.6666665459e-1f);
+        p = EXP_MADD(p, r, 5.0000001201e-1f);
+        p = EXP_MADD(p, r * r, r) + 1.0f;
         float two_k = kv_bits_to_float((uint32_t)((int32_t)k + 127) << 23);
         x[i] = kv_bits_to_float(kv_select(low, 0u, kv_float_to_bits(p * two_k)));
     }
