@@ -710,6 +710,14 @@ static void test_storage_parse(void **unused)
     assert_int_equal(policy_params_resolve(ops, keys, bad, 3, &p, err, sizeof err), 0);
     assert_int_equal(policy_storage_parse(&p, &st, err, sizeof err), -1);
     assert_non_null(strstr(err, "parameter int8 must be one of off, on, got 'yes'"));
+    const char *int8_victims[] = {"off", "32", "int8"}, *no_victims[] = {"off", "32", "keep"};
+    assert_int_equal(policy_params_resolve(ops, keys, int8_victims, 3, &p, err, sizeof err), 0);
+    assert_int_equal(policy_storage_parse(&p, &st, err, sizeof err), 0);
+    assert_int_equal(st.victims, POLICY_VICTIMS_INT8);
+    assert_int_equal(policy_params_resolve(ops, keys, no_victims, 3, &p, err, sizeof err), 0);
+    assert_int_equal(policy_storage_parse(&p, &st, err, sizeof err), -1);
+    assert_non_null(
+        strstr(err, "parameter victims must be one of evict, sketch, int8, got 'keep'"));
 }
 
 static void test_merges_capacity(void **unused)
