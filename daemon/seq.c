@@ -1147,8 +1147,13 @@ status_code seq_append(seq *s, int64_t count, kv_segment *const *writes, size_t 
     if (seq_step_silent(s, epoch, evicted, st) != ST_OK)
         return st->code;
     uint64_t need = seq_blocks_needed(s, (uint32_t)count);
-    /* Memory pressure costs kept victims before it refuses tokens. */
-    while (need > s->pool->nfree && seq_drop_victim_blocks(s) > 0)
+    /* Memory pressure costs kept victims before it refuses tokens, but only
+     * when that makes room: a refused append changes nothing. */
+    uint64_t droppable = 0;
+    for (size_t i = 0; i < seq_nlists(s); i++)
+        droppable += s->lists[i].nvictim_blocks;
+    while (need > s->pool->nfree && need <= s->pool->nfree + droppable &&
+           seq_drop_victim_blocks(s) > 0)
         ;
     if (need > s->pool->nfree)
         return status_set(st, ST_RESOURCE_EXHAUSTED,

@@ -362,6 +362,12 @@ static void test_int8_victims_give_way_under_pressure(void **state)
         assert_int_equal(q->victims_dropped, 2 * (uint64_t)ly->offloaded[0]);
         assert_int_equal(ly->offloaded[ly->noffloaded - 1], total - 10);
     }
+    /* An append no amount of dropping can serve is refused, victims kept
+     * (the step of the last token still ran first: one more victim). */
+    uint64_t dropped = q->victims_dropped, kept = q->lists[0].noffloaded;
+    assert_int_equal(store_append(&f->st, f->token, id, 65536, ack, &w, &s), ST_RESOURCE_EXHAUSTED);
+    assert_int_equal(q->victims_dropped, dropped);
+    assert_int_equal(q->lists[0].noffloaded, kept + 1);
 }
 
 int main(void)
