@@ -3,6 +3,7 @@
 #
 #   bash ops/setup.sh            install missing packages, build ./build (CUDA: AUTO)
 #   bash ops/setup.sh --asan     also build ./build-asan (ASan+UBSan, no CUDA)
+#   bash ops/setup.sh --tsan     also build ./build-tsan (ThreadSanitizer, no CUDA)
 #   bash ops/setup.sh --no-build only install packages
 #
 # Idempotent: apt is skipped when every package is already installed, and
@@ -12,10 +13,12 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 asan=0
+tsan=0
 build=1
 for arg in "$@"; do
     case "$arg" in
     --asan) asan=1 ;;
+    --tsan) tsan=1 ;;
     --no-build) build=0 ;;
     -h | --help)
         sed -n '2,10p' "${BASH_SOURCE[0]}"
@@ -70,4 +73,8 @@ cmake --build build -j"$jobs"
 if [ "$asan" -eq 1 ]; then
     cmake -S . -B build-asan -DKVSTASH_SANITIZE=ON -DKVSTASH_CUDA=OFF
     cmake --build build-asan -j"$jobs"
+fi
+if [ "$tsan" -eq 1 ]; then
+    cmake -S . -B build-tsan -DKVSTASH_SANITIZE_THREAD=ON -DKVSTASH_CUDA=OFF
+    cmake --build build-tsan -j"$jobs"
 fi

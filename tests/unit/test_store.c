@@ -22,11 +22,11 @@ typedef struct fixture {
 
 static const pool_geometry small_geom = {2, 4, 2, 8, 4, POOL_FP32, 0};
 
-static int setup(void **state)
+static int setup_pool(void **state, size_t pool_bytes)
 {
     static fixture f;
     memset(&f, 0, sizeof f);
-    store_config cfg = {1 << 20, 4, 16, 64};
+    store_config cfg = {pool_bytes, 4, 16, 64};
     assert_int_equal(store_init(&f.st, &cfg, NULL), 0);
     status s;
     assert_int_equal(store_session_open(&f.st, 100, 1000, 1000, 1, f.token, &s), ST_OK);
@@ -36,6 +36,17 @@ static int setup(void **state)
     f.block_count = r.block_count;
     *state = &f;
     return 0;
+}
+
+static int setup(void **state)
+{
+    return setup_pool(state, 1 << 20);
+}
+
+/* 128 blocks of 512 bytes: small enough to run out of quickly. */
+static int setup_small(void **state)
+{
+    return setup_pool(state, 64 << 10);
 }
 
 static int teardown(void **state)
@@ -298,12 +309,12 @@ static void test_bad_geometry_and_policy(void **state)
     assert_int_equal(f->st.pools[1], NULL); /* no pool was created for "x" */
 }
 
-/* The sources Revive reports for positions [0, n) of layer 0. */
-static void revive_sources(fixture *f, uint64_t id, uint32_t n, uint32_t counts[3])
+/* The sources Revive reports for positions [first, first + n) of layer 0. */
+static void revive_sources(fixture *f, uint64_t id, uint32_t first, uint32_t n, uint32_t counts[3])
 {
     status s;
     store_revive_result r;
-    assert_int_equal(store_revive(&f->st, f->token, id, 0, 0, 0, n, 0, &r, &s), ST_OK);
+    assert_int_equal(store_revive(&f->st, f->token, id, 0, 0, first, n, 0, &r, &s), ST_OK);
     assert_int_equal(r.table.tokens, n);
     counts[0] = counts[1] = counts[2] = 0;
     for (uint32_t t = 0; t < n; t++)
@@ -327,13 +338,14 @@ static void test_int8_victims_give_way_under_pressure(void **state)
     assert_int_equal(t8, 12); /* 512-byte blocks: 4 fp32 tokens, or 12 INT8 ones + scales */
     store_table w;
     uint64_t ack = 0;
-    /* Two layers of victims at 1/12 block each fill 2048 blocks in ~12300 tokens. */
-    uint32_t total = 16000, counts[3];
+    /* Two layers of victims at 1/12 block each fill 128 blocks in ~770 tokens. */
+    assert_int_equal(f->block_count, 128);
+    uint32_t total = 1500, counts[3];
     for (uint32_t p = 0; p < total; p++) {
         append(f, id, 1, ack, &w);
         ack = w.epoch;
         store_table_free(&w);
-        if (p != 1000)
+        if (p != 300)
             continue;
         /* No pressure yet: every victim kept, in whole INT8 blocks, the rest
          * waiting at full precision; the window of 8 and the newest token
@@ -341,9 +353,12 @@ static void test_int8_victims_give_way_under_pressure(void **state)
         const seq_list *ly = &q->lists[0];
         assert_int_equal(ly->noffloaded, p + 1 - 9);
         assert_int_equal(ly->nvictim_blocks, ly->noffloaded / t8);
-        revive_sources(f, id, p + 1, counts);
-        assert_int_equal(counts[POLICY_INT8], ly->noffloaded / t8 * t8);
-        assert_int_equal(counts[POLICY_FULL], p + 1 - counts[POLICY_INT8]);
+        uint32_t n8 = (uint32_t)(ly->noffloaded / t8 * t8); /* positions 0..n8-1 */
+        revive_sources(f, id, 0, 96, counts);
+        assert_int_equal(counts[POLICY_INT8], 96);
+        revive_sources(f, id, n8 - 8, p + 1 - (n8 - 8), counts);
+        assert_int_equal(counts[POLICY_INT8], 8);
+        assert_int_equal(counts[POLICY_FULL], p + 1 - n8);
     }
     assert_true(q->victims_dropped > 0);
     assert_int_equal(q->appended, total);
@@ -382,7 +397,8 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_sessions_and_ownership, setup, teardown),
         cmocka_unit_test_setup_teardown(test_reclaim_frees_everything, setup, teardown),
         cmocka_unit_test_setup_teardown(test_bad_geometry_and_policy, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_int8_victims_give_way_under_pressure, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_int8_victims_give_way_under_pressure, setup_small,
+                                        teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
