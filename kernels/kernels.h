@@ -141,8 +141,10 @@ void kv_dequantize_group_ref(const int8_t *q, size_t n, float s, float *x);
  * builds do not give the same bits (the AVX2 one fuses multiply-adds, the
  * generic one does not): each is held to the same 2e-6 of the reference,
  * and the tests hold them to 2e-6 of each other. Within a build, the bits
- * depend only on the tokens in list order (not on segments, tiers read as
- * their dequantised values, or threads). head_dim above 4096 takes the
+ * depend only on the tokens in list order (not on segments or threads); an
+ * INT8 segment does not give the bits of its dequantised fp32 copy (the
+ * AVX2 build applies the block's scales once per block, not per element),
+ * both within the 2e-6 of the reference. head_dim above 4096 takes the
  * reference.
  */
 typedef enum kv_tier { KV_TIER_FULL = 0, KV_TIER_INT8 = 1 } kv_tier;

@@ -8,9 +8,13 @@
  * softmax per query head (Milakov & Gimelshein 2018; FlashAttention's
  * running max and sum): per chunk the running sum and accumulator are
  * rescaled once. For each KV head, a chunk's K and V rows are converted to
- * fp32 once into two stack tiles (fp16 with F16C in the AVX2 build; INT8 as
- * code * scale, the dequantisation fused into the read) and serve every
- * query head of its group. One walk takes up to ATTN_STATE query heads, KV
+ * fp32 once and serve every query head of its group: into two stack tiles
+ * in the generic build (INT8 as code * scale), in registers in the AVX2
+ * build (fp16 with F16C; INT8 rows as their codes, the per-channel scales
+ * of their INT8 block folded out of the inner loops: the query is
+ * multiplied by the K scale row once per block, and the V accumulation sums
+ * p * code over the block's tokens before one multiplication by the V
+ * scale row). One walk takes up to ATTN_STATE query heads, KV
  * head after KV head per chunk (a "step" is one KV head of one chunk), so a
  * chunk's blocks are read nearly in order. A list's blocks are scattered
  * over the pool, which the hardware prefetchers cannot follow: each step
@@ -35,7 +39,9 @@
  * Chunks are runs of the list's tokens whose length depends on head_dim
  * alone, wherever the segment boundaries fall: the same tokens give the
  * same bits in one segment or many, in the pool layout or in a per-head
- * list's rows. Large calls split their query heads over threads
+ * list's rows. (An INT8 list does not give the bits of its dequantised copy:
+ * the scales are applied in another order; both stay within the reference's
+ * tolerance.) Large calls split their query heads over threads
  * (parallel.h); each head's arithmetic is the same whatever the split.
  */
 #include <assert.h>
@@ -294,23 +300,30 @@ static void accumulate_heads(float *acc, uint32_t nh, const step *s, const float
 
 #define ATTN_INLINE static inline __attribute__((always_inline))
 
-/* How a row's elements become fp32: the pool's dtype, or INT8 code * scale;
- * ROW_MIXED: each token's own (a chunk mixing tiers). */
-enum { ROW_F32, ROW_F16, ROW_BF16, ROW_I8, ROW_MIXED };
+/* How a row's elements become fp32: the pool's dtype, or an INT8 row's
+ * codes (its scales are applied per run, below). */
+enum { ROW_F32, ROW_F16, ROW_BF16, ROW_I8 };
 
-/* One step's rows: where each token's K and V are and how to read them. */
+/* Consecutive tokens of a step read the same way: full-precision tokens,
+ * or INT8 tokens of one INT8 block (one K and one V scale row). */
+typedef struct row_run {
+    uint32_t i0, i1; /* tokens [i0, i1) of the step */
+    int kind;
+    const uint8_t *ks, *vs; /* ROW_I8: the block's scale rows */
+} row_run;
+
+/* One step's rows: where each token's K and V are, by runs. */
 typedef struct step {
-    const uint8_t *k[ATTN_CHUNK], *v[ATTN_CHUNK], *ks[ATTN_CHUNK], *vs[ATTN_CHUNK];
-    uint8_t kind[ATTN_CHUNK];
-    int all; /* every token's kind, or ROW_MIXED */
+    const uint8_t *k[ATTN_CHUNK], *v[ATTN_CHUNK];
+    row_run run[ATTN_CHUNK];
+    uint32_t nruns;
     kv_dtype t;
-    float vtail[ATTN_CHUNK][8]; /* the V rows' last d % 8 channels, as fp32 */
+    float vtail[ATTN_CHUNK][8]; /* the V rows' last d % 8 channels, dequantised */
 } step;
 
-/* Channels [c, c + 8) of a row as fp32, the values kv_row_load and
- * int8_row_load give (fp16 and bf16 widen exactly; INT8 is one fp32
- * multiplication, code * scale). */
-ATTN_INLINE __m256 ld8(const uint8_t *row, const uint8_t *sc, uint32_t c, int kind)
+/* Channels [c, c + 8) of a row as fp32: fp16 and bf16 widen exactly, an
+ * INT8 row gives its codes (exact in fp32). */
+ATTN_INLINE __m256 ld8(const uint8_t *row, uint32_t c, int kind)
 {
     switch (kind) {
     case ROW_F32:
@@ -324,41 +337,45 @@ ATTN_INLINE __m256 ld8(const uint8_t *row, const uint8_t *sc, uint32_t c, int ki
     }
     default: {
         __m128i q = _mm_loadl_epi64((const __m128i *)(const void *)(row + c));
-        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
-                             _mm256_loadu_ps((const float *)(const void *)(sc + 4 * (size_t)c)));
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
     }
     }
 }
 
-/* n < 8 elements of a row from channel c, as fp32 (the tail of a row). */
-static void row_tail(const uint8_t *row, const uint8_t *sc, int kind, kv_dtype t, uint32_t c,
-                     uint32_t n, float *x)
+/* n < 8 elements of a row from channel c, as ld8 gives them (an INT8 row:
+ * its codes). */
+static void row_tail(const uint8_t *row, int kind, kv_dtype t, uint32_t c, uint32_t n, float *x)
 {
     if (kind == ROW_I8)
-        int8_row_load(row + c, sc + 4 * (size_t)c, n, x);
+        for (uint32_t k = 0; k < n; k++)
+            x[k] = (float)(int8_t)row[c + k];
     else
         kv_row_load(row + (size_t)c * (t == KV_FP32 ? 4 : 2), t, n, x);
 }
 
-/* The rows of a KV head (its rows hr) for the chunk's cnt tokens. */
+/* The rows of a KV head (its rows hr) for the chunk's cnt tokens, cut into
+ * runs; the V rows' tails dequantised (code * scale). */
 static void step_load(const attn_job *j, const head_rows *hr, const chunk_tok *toks, uint32_t cnt,
                       step *s)
 {
     int full = j->t == KV_FP32 ? ROW_F32 : j->t == KV_FP16 ? ROW_F16 : ROW_BF16;
     uint32_t d = j->l->head_dim, c = d & ~7u;
     s->t = j->t;
-    s->all = -1;
+    s->nruns = 0;
     for (uint32_t i = 0; i < cnt; i++) {
         attn_row r = row_at(j, hr, toks[i].tier, toks[i].block, toks[i].slot);
         int kind = r.ks != NULL ? ROW_I8 : full;
         s->k[i] = r.k;
         s->v[i] = r.v;
-        s->ks[i] = r.ks;
-        s->vs[i] = r.vs;
-        s->kind[i] = (uint8_t)kind;
-        s->all = s->all < 0 || s->all == kind ? kind : ROW_MIXED;
-        if (c < d)
-            row_tail(r.v, r.vs, kind, j->t, c, d - c, s->vtail[i]);
+        row_run *last = s->nruns > 0 ? &s->run[s->nruns - 1] : NULL;
+        if (last != NULL && last->kind == kind && last->ks == r.ks)
+            last->i1 = i + 1;
+        else
+            s->run[s->nruns++] = (row_run){i, i + 1, kind, r.ks, r.vs};
+        if (c < d && kind == ROW_I8)
+            int8_row_load(r.v + c, r.vs + 4 * (size_t)c, d - c, s->vtail[i]);
+        else if (c < d)
+            row_tail(r.v, kind, j->t, c, d - c, s->vtail[i]);
     }
 }
 
@@ -375,12 +392,13 @@ static inline __m256 hsum8x8(const __m256 *v)
 
 /*
  * Scores of H query heads (rows d floats apart from q) against T tokens
- * i0 .. i0 + T - 1, q.k * scale, the K rows converted in registers: each K
- * load serves the H heads, each query load the T tokens, H * T independent
- * chains of 8 lanes (lane k: channels k mod 8 in order, then the last
- * d % 8 channels one per lane; the lanes added by hsum8x8). out[h *
- * ATTN_CHUNK + i]. Each (head, token) gets the same operations whatever H,
- * T and kind.
+ * i0 .. i0 + T - 1 of one run, q.k * scale, the K rows converted in
+ * registers: each K load serves the H heads, each query load the T tokens,
+ * H * T independent chains of 8 lanes (lane k: channels k mod 8 in order,
+ * then the last d % 8 channels one per lane; the lanes added by hsum8x8).
+ * out[h * ATTN_CHUNK + i]. For an INT8 run q is the query times the K
+ * scale row (scores_run), the rows its codes. Each (head, token) gets the
+ * same operations whatever H and T.
  */
 ATTN_INLINE void qk_block(const float *q, uint32_t d, const step *s, uint32_t i0, float scale,
                           float *out, int H, int T, int kind)
@@ -394,7 +412,7 @@ ATTN_INLINE void qk_block(const float *q, uint32_t d, const step *s, uint32_t i0
         __m256 x[2];
 #pragma GCC unroll 2
         for (int t = 0; t < T; t++)
-            x[t] = ld8(s->k[i0 + t], s->ks[i0 + t], c, kind == ROW_MIXED ? s->kind[i0 + t] : kind);
+            x[t] = ld8(s->k[i0 + t], c, kind);
 #pragma GCC unroll 4
         for (int h = 0; h < H; h++) {
             __m256 a = _mm256_loadu_ps(q + (size_t)h * d + c);
@@ -405,8 +423,7 @@ ATTN_INLINE void qk_block(const float *q, uint32_t d, const step *s, uint32_t i0
     }
     for (int t = 0; t < T && c < d; t++) {
         float kb[8], l[8];
-        uint32_t i = i0 + t;
-        row_tail(s->k[i], s->ks[i], s->kind[i], s->t, c, d - c, kb);
+        row_tail(s->k[i0 + t], kind, s->t, c, d - c, kb);
         for (int h = 0; h < H; h++) {
             const float *qh = q + (size_t)h * d + c;
             _mm256_storeu_ps(l, acc[h * 2 + t]);
@@ -422,42 +439,59 @@ ATTN_INLINE void qk_block(const float *q, uint32_t d, const step *s, uint32_t i0
             out[h * ATTN_CHUNK + i0 + t] = r[h * 2 + t];
 }
 
-/* acc rows (d floats apart) of H heads += their weights p (rows ATTN_CHUNK
- * apart) times the V rows of the chunk's cnt tokens, channels [c, c + 8 *
- * NB), the tokens in order: each V load serves the H heads. (The unroll
- * pragmas here and in qk_block keep the accumulators in registers: without
- * them gcc 12 stored them to the stack on every token, 30% slower.) */
-ATTN_INLINE void av_block(float *acc, uint32_t d, const step *s, const float *p, uint32_t cnt,
+/*
+ * acc rows (d floats apart) of H heads += their weights p (rows ATTN_CHUNK
+ * apart) times the V rows of one run's tokens, channels [c, c + 8 * NB), the
+ * tokens in order: each V load serves the H heads. An INT8 run sums p times
+ * the codes over its tokens and multiplies that by the V scale row once, at
+ * the run's end (the scale is the block's: sum_i p_i * code_i * s =
+ * s * sum_i p_i * code_i). (The unroll pragmas here and in qk_block keep
+ * the accumulators in registers: without them gcc 12 stored them to the
+ * stack on every token, 30% slower.)
+ */
+ATTN_INLINE void av_block(float *acc, uint32_t d, const step *s, const float *p, const row_run *ru,
                           uint32_t c, int H, int NB, int kind)
 {
     __m256 r[ATTN_HB][2];
+    uint32_t i0 = ru->i0, i1 = ru->i1;
 #pragma GCC unroll 4
     for (int h = 0; h < H; h++)
+#pragma GCC unroll 2
         for (int k = 0; k < NB; k++)
-            r[h][k] = _mm256_loadu_ps(acc + (size_t)h * d + c + 8 * k);
-    for (uint32_t i = 0; i < cnt; i++) {
-        int ki = kind == ROW_MIXED ? s->kind[i] : kind;
+            r[h][k] = kind == ROW_I8 ? _mm256_setzero_ps()
+                                     : _mm256_loadu_ps(acc + (size_t)h * d + c + 8 * k);
+    for (uint32_t i = i0; i < i1; i++) {
         __m256 v[2];
+#pragma GCC unroll 2
         for (int k = 0; k < NB; k++)
-            v[k] = ld8(s->v[i], s->vs[i], c + 8 * k, ki);
+            v[k] = ld8(s->v[i], c + 8 * k, kind);
 #pragma GCC unroll 4
         for (int h = 0; h < H; h++) {
             __m256 pi = _mm256_broadcast_ss(p + h * ATTN_CHUNK + i);
+#pragma GCC unroll 2
             for (int k = 0; k < NB; k++)
                 r[h][k] = _mm256_fmadd_ps(pi, v[k], r[h][k]);
         }
     }
 #pragma GCC unroll 4
     for (int h = 0; h < H; h++)
-        for (int k = 0; k < NB; k++)
-            _mm256_storeu_ps(acc + (size_t)h * d + c + 8 * k, r[h][k]);
+#pragma GCC unroll 2
+        for (int k = 0; k < NB; k++) {
+            float *a = acc + (size_t)h * d + c + 8 * k;
+            if (kind == ROW_I8)
+                r[h][k] = _mm256_fmadd_ps(
+                    r[h][k],
+                    _mm256_loadu_ps(
+                        (const float *)(const void *)(ru->vs + 4 * ((size_t)c + 8 * k))),
+                    _mm256_loadu_ps(a));
+            _mm256_storeu_ps(a, r[h][k]);
+        }
 }
 
-/* qk_block and av_block for each (H, T or NB), the kind of a step's rows
- * a constant in each case: the common step, one kind for all its tokens,
- * has no branch in its inner loop. */
-#define ATTN_BY_KIND(CALL, ...)                                                                    \
-    switch (s->all) {                                                                              \
+/* qk_block and av_block for each (H, T or NB), the kind of the run a
+ * constant in each case: no branch in their inner loops. */
+#define ATTN_BY_KIND(CALL, kind, ...)                                                              \
+    switch (kind) {                                                                                \
     case ROW_F32:                                                                                  \
         CALL(__VA_ARGS__, ROW_F32);                                                                \
         break;                                                                                     \
@@ -467,24 +501,21 @@ ATTN_INLINE void av_block(float *acc, uint32_t d, const step *s, const float *p,
     case ROW_BF16:                                                                                 \
         CALL(__VA_ARGS__, ROW_BF16);                                                               \
         break;                                                                                     \
-    case ROW_I8:                                                                                   \
-        CALL(__VA_ARGS__, ROW_I8);                                                                 \
-        break;                                                                                     \
     default:                                                                                       \
-        CALL(__VA_ARGS__, ROW_MIXED);                                                              \
+        CALL(__VA_ARGS__, ROW_I8);                                                                 \
     }
 
 #define QK_FN(H, T)                                                                                \
     static void qk##H##x##T(const float *q, uint32_t d, const step *s, uint32_t i0, float scale,   \
-                            float *out)                                                            \
+                            float *out, int kind)                                                  \
     {                                                                                              \
-        ATTN_BY_KIND(qk_block, q, d, s, i0, scale, out, H, T)                                      \
+        ATTN_BY_KIND(qk_block, kind, q, d, s, i0, scale, out, H, T)                                \
     }
 #define AV_FN(H, NB)                                                                               \
-    static void av##H##x##NB(float *acc, uint32_t d, const step *s, const float *p, uint32_t cnt,  \
-                             uint32_t c)                                                           \
+    static void av##H##x##NB(float *acc, uint32_t d, const step *s, const float *p,                \
+                             const row_run *ru, uint32_t c)                                        \
     {                                                                                              \
-        ATTN_BY_KIND(av_block, acc, d, s, p, cnt, c, H, NB)                                        \
+        ATTN_BY_KIND(av_block, ru->kind, acc, d, s, p, ru, c, H, NB)                               \
     }
 QK_FN(1, 1)
 QK_FN(1, 2)
@@ -503,41 +534,70 @@ AV_FN(3, 2)
 AV_FN(4, 1)
 AV_FN(4, 2)
 
-typedef void (*qk_fn)(const float *, uint32_t, const step *, uint32_t, float, float *);
-typedef void (*av_fn)(float *, uint32_t, const step *, const float *, uint32_t, uint32_t);
+typedef void (*qk_fn)(const float *, uint32_t, const step *, uint32_t, float, float *, int);
+typedef void (*av_fn)(float *, uint32_t, const step *, const float *, const row_run *, uint32_t);
 static const qk_fn k_qk[ATTN_HB][2] = {
     {qk1x1, qk1x2}, {qk2x1, qk2x2}, {qk3x1, qk3x2}, {qk4x1, qk4x2}};
 static const av_fn k_av[ATTN_HB][2] = {
     {av1x1, av1x2}, {av2x1, av2x2}, {av3x1, av3x2}, {av4x1, av4x2}};
 
 /* The chunk's cnt raw scores q.k * scale of nh <= ATTN_HB query heads (rows
- * d floats apart from q): sc[h * ATTN_CHUNK + i]. Two tokens at a time. */
+ * d floats apart from q): sc[h * ATTN_CHUNK + i]. Run by run, two tokens at
+ * a time; an INT8 run multiplies the query by its block's K scale row
+ * once (qs = q * s_k, then qs.code: the scale folded out of the loop). */
 static void scores(const float *q, uint32_t nh, const step *s, uint32_t cnt, uint32_t d,
                    float scale, float *sc, pf_queue *pf)
 {
-    uint32_t i = 0;
-    for (; i + 2 <= cnt; i += 2) {
-        k_qk[nh - 1][1](q, d, s, i, scale, sc);
-        pf_issue(pf);
+    float qs[ATTN_HB * ATTN_TILE];
+    (void)cnt;
+    for (uint32_t r = 0; r < s->nruns; r++) {
+        const row_run *ru = &s->run[r];
+        const float *qq = q;
+        if (ru->kind == ROW_I8) {
+            for (uint32_t h = 0; h < nh; h++) {
+                const float *qh = q + (size_t)h * d;
+                float *o = qs + (size_t)h * d;
+                uint32_t c = 0;
+                for (; c + 8 <= d; c += 8)
+                    _mm256_storeu_ps(
+                        o + c,
+                        _mm256_mul_ps(_mm256_loadu_ps(qh + c),
+                                      _mm256_loadu_ps(
+                                          (const float *)(const void *)(ru->ks + 4 * (size_t)c))));
+                for (; c < d; c++) {
+                    float sk;
+                    memcpy(&sk, ru->ks + 4 * (size_t)c, 4);
+                    o[c] = qh[c] * sk;
+                }
+            }
+            qq = qs;
+        }
+        uint32_t i = ru->i0;
+        for (; i + 2 <= ru->i1; i += 2) {
+            k_qk[nh - 1][1](qq, d, s, i, scale, sc, ru->kind);
+            pf_issue(pf);
+        }
+        if (i < ru->i1)
+            k_qk[nh - 1][0](qq, d, s, i, scale, sc, ru->kind);
     }
-    if (i < cnt)
-        k_qk[nh - 1][0](q, d, s, i, scale, sc);
 }
 
 /* acc rows (d floats apart) of nh <= ATTN_HB heads += their weights p
  * (rows ATTN_CHUNK apart) times the chunk's V rows: 16 channels at a time,
- * then 8, then the last d % 8 one by one (the same fused multiply-adds, in
- * the same token order). */
+ * then 8 (run by run), then the last d % 8 one by one from the dequantised
+ * tails (the same fused multiply-adds, in the same token order). */
 static void accumulate_heads(float *acc, uint32_t nh, const step *s, const float *p, uint32_t cnt,
                              uint32_t d, pf_queue *pf)
 {
     uint32_t c = 0;
     for (; c + 16 <= d; c += 16) {
-        k_av[nh - 1][1](acc, d, s, p, cnt, c);
+        for (uint32_t r = 0; r < s->nruns; r++)
+            k_av[nh - 1][1](acc, d, s, p, &s->run[r], c);
         pf_issue(pf);
     }
     if (c + 8 <= d) {
-        k_av[nh - 1][0](acc, d, s, p, cnt, c);
+        for (uint32_t r = 0; r < s->nruns; r++)
+            k_av[nh - 1][0](acc, d, s, p, &s->run[r], c);
         c += 8;
     }
     for (uint32_t h = 0; h < nh && c < d; h++)

@@ -5,7 +5,9 @@
  * all-heads lists with grouped-query attention, per-head row layouts, random
  * segment lists (odd sizes, empty lists), and scores far apart (the online
  * softmax must not overflow). Tiered lists (kernels.h: FULL and INT8
- * segments mixed) against the same tokens dequantised into an fp32 pool;
+ * segments mixed): the reference equals itself over the same tokens
+ * dequantised into an fp32 pool, the fast version is within tolerance of
+ * it over both;
  * tiers == NULL against all-FULL tiers; the generic and AVX2 builds
  * against each other within the tolerance (the AVX2 one fuses
  * multiply-adds, the generic one does not: kernels.h), threads against one
@@ -461,9 +463,10 @@ static uint8_t *dequantised(const tiered *f, kv_layout *e, kv_segment *esegs)
 }
 
 /* The tiered reference equals the reference over the dequantised fp32
- * tokens exactly (tolerance 0), and so does the fast version against its
- * own run over them (the same fp32 values in the same chunks); the fast
- * version is within 2e-6 of the reference, outputs and probabilities. */
+ * tokens exactly (tolerance 0). The fast version is within 2e-6 of the
+ * reference, outputs and probabilities, over the tiered list and over its
+ * dequantised copy; not bit for bit between the two (its AVX2 build folds
+ * the INT8 scales out of its inner loops: attention.c). */
 static size_t g_int8_tokens; /* INT8 tokens checked, so that a test cannot pass vacuously */
 
 static void check_tiered(const tiered *f)
@@ -491,16 +494,18 @@ static void check_tiered(const tiered *f)
                         p[3]);
     assert_memory_equal(o[0], o[1], no * sizeof(float));
     assert_memory_equal(p[0], p[1], np * sizeof(float));
-    assert_memory_equal(o[2], o[3], no * sizeof(float));
-    assert_memory_equal(p[2], p[3], np * sizeof(float));
-    for (size_t i = 0; i < no; i++)
-        if (!(fabs((double)o[2][i] - o[0][i]) <= 2e-6))
-            fail_msg("tiered out[%zu] = %.9g, ref %.9g (n=%zu d=%u kv=%u bt=%u int8 bt=%u %s)", i,
-                     (double)o[2][i], (double)o[0][i], f->n, d, f->l.kv_heads, f->l.block_tokens,
-                     f->q8.block_tokens, dtype_name(f->t));
-    for (size_t i = 0; i < np; i++)
-        if (!(fabs((double)p[2][i] - p[0][i]) <= 2e-6))
-            fail_msg("tiered probs[%zu] = %.9g, ref %.9g", i, (double)p[2][i], (double)p[0][i]);
+    for (int k = 2; k < 4; k++) {
+        const char *what = k == 2 ? "tiered" : "dequantised";
+        for (size_t i = 0; i < no; i++)
+            if (!(fabs((double)o[k][i] - o[0][i]) <= 2e-6))
+                fail_msg("%s out[%zu] = %.9g, ref %.9g (n=%zu d=%u kv=%u bt=%u int8 bt=%u %s)",
+                         what, i, (double)o[k][i], (double)o[0][i], f->n, d, f->l.kv_heads,
+                         f->l.block_tokens, f->q8.block_tokens, dtype_name(f->t));
+        for (size_t i = 0; i < np; i++)
+            if (!(fabs((double)p[k][i] - p[0][i]) <= 2e-6))
+                fail_msg("%s probs[%zu] = %.9g, ref %.9g", what, i, (double)p[k][i],
+                         (double)p[0][i]);
+    }
     for (int i = 0; i < 4; i++) {
         free(o[i]);
         free(p[i]);
