@@ -3,10 +3,16 @@
  *
  * Quantisation takes each (INT8 block, K/V, head, chunk of channels) group
  * in two passes over its rows, max|x| then codes, converting in registers
- * as it reads (the second pass reads from cache); dequantisation converts a
- * run's rows through a stack buffer. Every per-channel loop runs across
+ * as it reads (the second pass reads from cache). The AVX2 build takes
+ * max|x| of fp16 and bf16 rows on their bits, 16 channels an instruction,
+ * and skips the clamp where no quotient can pass 127 (every scale normal);
+ * it is bound by vector instructions, not by the division's latency: a
+ * reciprocal multiply with an exact check near ties measured slower (the
+ * check costs more instructions than the division). Dequantisation
+ * converts a run's rows through a stack buffer. Every per-channel loop runs across
  * channels, so it vectorises. The result equals int8_ref.c byte for byte:
- *  - max|x| does not depend on the order it is taken in;
+ *  - max|x| does not depend on the order it is taken in, nor on taking it
+ *    on the bits of sign-magnitude fp16 / bf16 (finite values);
  *  - s = max/127 and x/s are the same IEEE divisions (no reciprocal);
  *  - round half to even is (y + 1.5·2^23) - 1.5·2^23, exact for
  *    |y| < 2^22 (|x/s| <= 127 here), which is nearbyintf in the default
@@ -128,12 +134,34 @@ static uint32_t amax_avx2(const uint8_t *p, kv_dtype t, uint32_t n, float *amax)
     return c;
 }
 
+/* For fp16 and bf16 rows: max|x| of the first n - n % 16 channels as the
+ * bits of |x| (sign bit cleared), 16 channels an instruction. Both are
+ * sign-magnitude, so for the finite values quantisation requires the
+ * largest |x| has the largest bits: the max is exact, and it is converted
+ * to fp32 once per group (amax_bits_load). Returns how many it did. */
+static uint32_t amax16_avx2(const uint8_t *p, uint32_t n, uint16_t *m)
+{
+    const __m256i mag = _mm256_set1_epi16(0x7fff);
+    uint32_t c = 0;
+    for (; c + 16 <= n; c += 16) {
+        __m256i v = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p + 2 * (size_t)c)), mag);
+        __m256i *o = (__m256i *)(void *)(m + c);
+        _mm256_storeu_si256(o, _mm256_max_epu16(_mm256_loadu_si256(o), v));
+    }
+    return c;
+}
+
 /* codes_row for the first n - n % 32 channels: the same IEEE division,
  * then cvtps2dq, which rounds in the current mode (nearest even by
- * default, as nearbyintf). The clamp is done in float before it, as the
- * portable loop's, and the saturating packs narrow without change. Returns
- * how many channels it did. */
-static uint32_t codes_avx2(const uint8_t *p, kv_dtype t, const float *s, uint32_t n, int8_t *q)
+ * default, as nearbyintf), and the saturating packs, which narrow without
+ * change. With `clamp` the quotient is clamped to [-127, 127] in float
+ * first, as the portable loop does; without, the caller knows every scale
+ * of the group is normal (>= FLT_MIN), so that s = max|x| / 127 is rounded
+ * by at most 2^-24 relative and |x / s| <= 127 (1 + 2^-22) rounds to at
+ * most 127: the clamp would change nothing. Returns how many channels it
+ * did. t and clamp are constants where it is inlined (codes_avx2). */
+static inline __attribute__((always_inline)) uint32_t
+codes_avx2_t(const uint8_t *p, kv_dtype t, const float *s, uint32_t n, int8_t *q, int clamp)
 {
     const __m256 hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -144,13 +172,27 @@ static uint32_t codes_avx2(const uint8_t *p, kv_dtype t, const float *s, uint32_
         for (uint32_t k = 0; k < 4; k++) {
             uint32_t o = c + 8 * k;
             __m256 y = _mm256_div_ps(load8(p + o * e, t), _mm256_loadu_ps(s + o));
-            v[k] = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(y, hi), lo));
+            if (clamp)
+                y = _mm256_max_ps(_mm256_min_ps(y, hi), lo);
+            v[k] = _mm256_cvtps_epi32(y);
         }
         __m256i w =
             _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
         _mm256_storeu_si256((__m256i *)(q + c), _mm256_permutevar8x32_epi32(w, order));
     }
     return c;
+}
+
+static uint32_t codes_avx2(const uint8_t *p, kv_dtype t, const float *s, uint32_t n, int8_t *q,
+                           int clamp)
+{
+    if (clamp)
+        return codes_avx2_t(p, t, s, n, q, 1);
+    if (t == KV_FP16)
+        return codes_avx2_t(p, KV_FP16, s, n, q, 0);
+    if (t == KV_BF16)
+        return codes_avx2_t(p, KV_BF16, s, n, q, 0);
+    return codes_avx2_t(p, KV_FP32, s, n, q, 0);
 }
 #endif
 
@@ -159,33 +201,50 @@ static uint32_t codes_avx2(const uint8_t *p, kv_dtype t, const float *s, uint32_
  * block at qb, whose m tokens start where cursor `start` stands; n <=
  * KV_CHUNK. Two passes over the rows, max|x| then codes, each converting
  * as it reads: the second pass reads from cache, and no tile of the
- * group's floats is kept. With `prefetch`, the first pass also asks for
- * the same rows of the next (K/V, head) of the block, which sits
- * block_tokens rows further: the rows of a list are scattered over the
- * pool, so the hardware prefetchers cannot run ahead of them.
+ * group's floats is kept. The first pass also prefetches the rows of the
+ * group that comes next, a row of pf (NULL: none) per row read: the same
+ * rows of the next (K/V, head) of the block, or the next block's first
+ * group (quant_blocks). The rows of a list are scattered over the pool, so
+ * the hardware prefetchers cannot run ahead of them.
  */
+/* Byte offset in a pool block of channel c0 of (kv, head h) at slot 0. */
+static size_t quant_group_offset(const kv_layout *l, uint32_t kv, uint32_t h, uint32_t c0)
+{
+    size_t ahead = (size_t)l->block_tokens * kv_row_bytes(l);
+    return (kv ? kv_block_bytes(l) / 2 : 0) + h * ahead + (size_t)c0 * l->elt_size;
+}
+
 static void quant_group(const quant_job *j, const kv_cursor *start, uint32_t m, uint8_t *qb,
-                        uint32_t kv, uint32_t h, uint32_t c0, uint32_t n, int prefetch)
+                        uint32_t kv, uint32_t h, uint32_t c0, uint32_t n, row_walk *pf)
 {
     const kv_layout *l = j->l;
-    size_t row = kv_row_bytes(l), e = l->elt_size, ahead = (size_t)l->block_tokens * row;
-    size_t off = (kv ? kv_block_bytes(l) / 2 : 0) + h * ahead + c0 * e;
+    size_t off = quant_group_offset(l, kv, h, c0), e = l->elt_size;
     float x[KV_CHUNK], amax[KV_CHUNK], s[KV_CHUNK];
     const uint8_t *p;
 
     for (uint32_t c = 0; c < n; c++)
         amax[c] = 0;
+#ifdef __AVX2__
+    uint16_t bits[KV_CHUNK]; /* fp16 / bf16: max |x| as bits, channels [0, c16) */
+    uint32_t c16 = j->t == KV_FP32 ? 0 : n & ~15u;
+    memset(bits, 0, sizeof bits);
+#endif
     row_walk w = walk_start(j, start, m, off);
     while ((p = walk_next(&w)) != NULL) {
-        for (size_t b = 0; prefetch && b < n * e; b += 64)
-            __builtin_prefetch(p + ahead + b);
+        const uint8_t *pp = pf != NULL ? walk_next(pf) : NULL;
+        for (size_t b = 0; pp != NULL && b < n * e; b += 64)
+            __builtin_prefetch(pp + b);
         uint32_t c = 0;
 #ifdef __AVX2__
-        c = amax_avx2(p, j->t, n, amax);
+        c = c16 > 0 ? amax16_avx2(p, c16, bits) : amax_avx2(p, j->t, n, amax);
 #endif
         if (c < n)
             amax_row(p + c * e, j->t, n - c, x, amax + c);
     }
+#ifdef __AVX2__
+    for (uint32_t c = 0; c < c16; c += 8)
+        _mm256_storeu_ps(amax + c, load8((const uint8_t *)(bits + c), j->t));
+#endif
     /* §5.4: an all-zero group gets scale 1 (a mask select: the loop then
      * vectorises, the division included) */
     for (uint32_t c = 0; c < n; c++) {
@@ -196,15 +255,40 @@ static void quant_group(const quant_job *j, const kv_cursor *start, uint32_t m, 
     memcpy(qb + kv_int8_scale_offset(l, 0, kv, h) + 4 * (size_t)c0, s, 4 * (size_t)n);
 
     int8_t *q = (int8_t *)qb + kv_int8_code_offset(l, 0, kv, h, 0) + c0;
+#ifdef __AVX2__
+    uint32_t tiny = 0; /* a scale below FLT_MIN: codes_avx2 must clamp */
+    for (uint32_t c = 0; c < n; c++)
+        tiny |= kv_mask(s[c] < 0x1p-126f);
+#endif
     w = walk_start(j, start, m, off);
     for (; (p = walk_next(&w)) != NULL; q += l->head_dim) {
         uint32_t c = 0;
 #ifdef __AVX2__
-        c = codes_avx2(p, j->t, s, n, q);
+        c = codes_avx2(p, j->t, s, n, q, tiny != 0);
 #endif
         if (c < n)
             codes_row(p + c * e, j->t, s + c, n - c, x, q + c);
     }
+}
+
+/* The prefetches for group (g, c0) of a block (g = kv * H + head): the
+ * walk over the rows of the group after it, in this block from `cur` (m
+ * tokens) or, after the last group, in the next block from `next` (mn
+ * tokens, 0 if none). */
+static row_walk *pf_walk(const quant_job *j, uint32_t g, uint32_t c0, const kv_cursor *cur,
+                         uint32_t m, const kv_cursor *next, uint32_t mn, row_walk *w)
+{
+    const kv_layout *l = j->l;
+    uint32_t H = l->kv_heads;
+    if (c0 + KV_CHUNK < l->head_dim)
+        *w = walk_start(j, cur, m, quant_group_offset(l, g / H, g % H, c0 + KV_CHUNK));
+    else if (g + 1 < 2 * H)
+        *w = walk_start(j, cur, m, quant_group_offset(l, (g + 1) / H, (g + 1) % H, 0));
+    else if (mn > 0)
+        *w = walk_start(j, next, mn, 0);
+    else
+        return NULL;
+    return w;
 }
 
 static void quant_blocks(void *ctx, size_t lo, size_t hi)
@@ -215,25 +299,31 @@ static void quant_blocks(void *ctx, size_t lo, size_t hi)
     size_t codes = kv_int8_code_offset(l, 0, 1, 0, 0); /* of K (or V): H*T*d */
     size_t scales = kv_int8_scale_offset(l, 0, 0, 0), bytes = kv_int8_block_bytes(l);
     size_t scales_end = scales + 8 * (size_t)H * d;
-    kv_cursor cur; /* at the first token of block b */
+    kv_cursor cur, next; /* at the first token of block b, b + 1 */
     kv_cursor_init(&cur, j->segs, j->nsegs, lo * T);
-    for (size_t b = lo; b < hi; b++) {
+    for (size_t b = lo; b < hi; b++, cur = next) {
         size_t first = b * T;
         uint32_t m = j->ntok > first ? (uint32_t)(j->ntok - first < T ? j->ntok - first : T) : 0;
+        uint32_t mn = b + 1 < hi && j->ntok > first + T
+                          ? (uint32_t)(j->ntok - first - T < T ? j->ntok - first - T : T)
+                          : 0;
+        uint32_t blk, slot;
+        next = cur;
+        for (uint32_t i = 0; i < m; i++)
+            kv_cursor_next(&next, &blk, &slot);
         uint8_t *qb = j->qpool + kv_int8_code_offset(l, j->qblocks[b], 0, 0, 0);
         memset(qb + 2 * codes, 0, scales - 2 * codes); /* the padding bytes */
         memset(qb + scales_end, 0, bytes - scales_end);
         for (uint32_t g = 0; g < 2 * H; g++) { /* g = kv * H + head */
             uint32_t kv = g / H, h = g % H;
-            for (uint32_t c0 = 0; c0 < d; c0 += KV_CHUNK)
+            for (uint32_t c0 = 0; c0 < d; c0 += KV_CHUNK) {
+                row_walk w;
                 quant_group(j, &cur, m, qb, kv, h, c0, d - c0 < KV_CHUNK ? d - c0 : KV_CHUNK,
-                            g + 1 < 2 * H);
+                            pf_walk(j, g, c0, &cur, m, &next, mn, &w));
+            }
             /* slots past the block's tokens: code 0 */
             memset(qb + kv_int8_code_offset(l, 0, kv, h, m), 0, (size_t)(T - m) * d);
         }
-        uint32_t blk, slot;
-        for (uint32_t i = 0; i < m; i++)
-            kv_cursor_next(&cur, &blk, &slot);
     }
 }
 

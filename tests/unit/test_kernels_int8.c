@@ -201,6 +201,59 @@ static void test_ties_to_even(void **state)
         assert_int_equal((int8_t)q2[i], want[i]);
 }
 
+/* Groups whose max|x| is subnormal (fp32 and bf16) or tiny make scales
+ * below FLT_MIN, where the fast kernel must clamp x / s as the reference
+ * does (int8.c codes_avx2); next to them, groups of normal scales, whose
+ * clamp it skips, with values near every rounding tie. Fast equals ref.
+ * (Not max|x| = 2^-149: s = max / 127 is then 0 and 0 / s NaN, which the
+ * reference casts to int8 through undefined behaviour.) */
+static void test_tiny_scales(void **state)
+{
+    (void)state;
+    rng r = {41};
+    static const float amax[] = {0x1p-142f, 0x1p-140f, 3e-39f, 0x1p-126f,
+                                 1.1e-38f,  1e-30f,    127.0f, 3.0e5f};
+    for (uint32_t dt = 0; dt < 2; dt++) {
+        kv_dtype t = dt == 0 ? KV_FP32 : KV_BF16;
+        kv_layout l = {1, 16, 64, dtype_size(t)};
+        uint8_t *pool = xcalloc(kv_block_bytes(&l));
+        size_t qbb = kv_int8_block_bytes(&l);
+        uint8_t *q1 = xcalloc(qbb), *q2 = xcalloc(qbb);
+        for (int trial = 0; trial < 200; trial++) {
+            for (uint32_t c = 0; c < 2 * l.head_dim; c++) { /* K and V channels */
+                float a = amax[(c + (uint32_t)trial) % (sizeof amax / sizeof amax[0])];
+                size_t base = (c < l.head_dim ? 0 : kv_block_bytes(&l) / 2) +
+                              (size_t)(c % l.head_dim) * l.elt_size;
+                for (uint32_t i = 0; i < l.block_tokens; i++) {
+                    /* slot 0 holds the max; the others near ties (k + 1/2) * a / 127,
+                     * nudged by a few ulps, or random */
+                    float v = a;
+                    if (i > 0 && rng_below(&r, 2)) {
+                        float k = (float)rng_below(&r, 254) - 127.0f + 0.5f;
+                        v = k * (a / 127.0f);
+                        int nudge = (int)rng_below(&r, 7) - 3;
+                        for (; nudge > 0; nudge--)
+                            v = nextafterf(v, INFINITY);
+                        for (; nudge < 0; nudge++)
+                            v = nextafterf(v, -INFINITY);
+                        v = fabsf(v) > a ? copysignf(a, v) : v;
+                    } else if (i > 0)
+                        v = rng_float(&r) * a;
+                    kv_elt_store(pool + base + kv_key_offset(&l, 0, 0, i), t, v);
+                }
+            }
+            kv_segment seg = {0, 0, l.block_tokens};
+            uint32_t qb = 0;
+            kv_int8_quantize_ref(&l, t, pool, &seg, 1, q1, &qb, 1);
+            kv_int8_quantize(&l, t, pool, &seg, 1, q2, &qb, 1);
+            expect_bytes(q1, q2, qbb, &l, t, "quantize tiny scales");
+        }
+        free(pool);
+        free(q1);
+        free(q2);
+    }
+}
+
 /* Quantise a random list into random INT8 blocks with ref and fast. */
 static void check_quantize(rng *r, const kv_layout *l, kv_dtype t, uint8_t *pool, kv_segment *segs)
 {
@@ -387,15 +440,11 @@ static void test_threads_deterministic(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_layout),
-        cmocka_unit_test(test_bytes_saved),
-        cmocka_unit_test(test_tokens_per_block),
-        cmocka_unit_test(test_long_block),
-        cmocka_unit_test(test_tcf4_block),
-        cmocka_unit_test(test_ties_to_even),
-        cmocka_unit_test(test_fast_equals_ref),
-        cmocka_unit_test(test_round_trip_bound),
-        cmocka_unit_test(test_threads_deterministic),
+        cmocka_unit_test(test_layout),           cmocka_unit_test(test_bytes_saved),
+        cmocka_unit_test(test_tokens_per_block), cmocka_unit_test(test_long_block),
+        cmocka_unit_test(test_tcf4_block),       cmocka_unit_test(test_ties_to_even),
+        cmocka_unit_test(test_tiny_scales),      cmocka_unit_test(test_fast_equals_ref),
+        cmocka_unit_test(test_round_trip_bound), cmocka_unit_test(test_threads_deterministic),
     };
     return run_each_isa(tests, sizeof tests / sizeof tests[0]);
 }
