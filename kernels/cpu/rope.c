@@ -8,8 +8,9 @@
  * rope_ref.c, and the rotation itself is the same fp32 arithmetic applied
  * across a row, so the result equals the reference exactly. Rows are
  * converted in chunks of KV_CHUNK channels; the coefficient table covers
- * RCHUNK pairs (every head_dim up to 2 * RCHUNK in one piece). Splits over
- * tokens (parallel.h).
+ * RCHUNK pairs (every head_dim up to 2 * RCHUNK in one piece). Each row
+ * rotated prefetches the matching row of the next run of the list (its
+ * blocks are scattered). Splits over tokens (parallel.h).
  */
 #include <assert.h>
 #include <math.h>
@@ -134,9 +135,19 @@ static void rope_tokens(void *ctx, size_t lo, size_t hi)
         if (run > hi - n)
             run = (uint32_t)(hi - n);
         kv_cursor_skip(&cur, run);
+        /* the next run's rows, prefetched a row for each row rotated: a
+         * list's blocks are scattered, which the hardware prefetchers do not
+         * follow */
+        kv_cursor ahead = cur;
+        uint32_t nblk, nslot, nrun = n + run < hi ? kv_cursor_run(&ahead, &nblk, &nslot) : 0;
+        if (nrun > hi - n - run)
+            nrun = (uint32_t)(hi - n - run);
         for (uint32_t h = 0; h < l->kv_heads; h++) {
             uint8_t *row0 = j->pool + kv_key_offset(l, blk, h, slot);
-            for (uint32_t k = 0; k < run; k++)
+            const uint8_t *next0 = nrun > 0 ? j->pool + kv_key_offset(l, nblk, h, nslot) : NULL;
+            for (uint32_t k = 0; k < run; k++) {
+                for (size_t b = 0; k < nrun && b < row; b += 64)
+                    __builtin_prefetch(next0 + k * row + b, 1);
                 for (uint32_t p0 = 0; p0 < npairs; p0 += RCHUNK) {
                     uint32_t np = npairs - p0 < RCHUNK ? npairs - p0 : RCHUNK;
                     const float *c = one_c, *s = one_s;
@@ -152,6 +163,7 @@ static void rope_tokens(void *ctx, size_t lo, size_t hi)
                     else
                         rotate_interleaved(j, row0 + k * row, p0, np, c, s);
                 }
+            }
         }
     }
     free(cc);
