@@ -37,7 +37,9 @@
  * into probs and are normalised at the end.
  *
  * Chunks are runs of the list's tokens whose length depends on head_dim
- * alone, wherever the segment boundaries fall: the same tokens give the
+ * and on the tokens' tiers and blocks (a chunk does not split an INT8
+ * block's tokens when it can help it: next_chunk), wherever the segment
+ * boundaries fall: the same tokens give the
  * same bits in one segment or many, in the pool layout or in a per-head
  * list's rows. (An INT8 list does not give the bits of its dequantised copy:
  * the scales are applied in another order; both stay within the reference's
@@ -704,9 +706,15 @@ typedef struct list_pos {
 } list_pos;
 
 /* The next chunk: up to cap tokens of the list from *p, which steps past
- * them. Returns how many (0 at the end). */
+ * them. Returns how many (0 at the end). A chunk that would end inside the
+ * tokens of one INT8 block ends before them instead, when that leaves it
+ * at least cap / 2 tokens: a block's tokens then share one run (one scaled
+ * query, one V scale multiplication: step_load) rather than two. The cut
+ * depends on the tokens' tiers and blocks in list order alone, not on the
+ * segments. */
 static uint32_t next_chunk(const attn_job *j, list_pos *p, uint32_t cap, chunk_tok *toks)
 {
+    list_pos at[ATTN_CHUNK]; /* where each token of the chunk is in the list */
     uint32_t cnt = 0;
     while (cnt < cap && p->k < j->nsegs) {
         const kv_segment *sg = &j->segs[p->k];
@@ -714,15 +722,27 @@ static uint32_t next_chunk(const attn_job *j, list_pos *p, uint32_t cap, chunk_t
         assert(tier == KV_TIER_FULL || tier == KV_TIER_INT8);
         assert(tier == KV_TIER_FULL || (uint64_t)sg->first_slot + sg->count <= j->q8.block_tokens);
         uint32_t m = sg->count - p->s < cap - cnt ? sg->count - p->s : cap - cnt;
-        for (uint32_t i = 0; i < m; i++)
+        for (uint32_t i = 0; i < m; i++) {
+            at[cnt] = (list_pos){p->k, p->s + i};
             toks[cnt++] = (chunk_tok){tier, sg->block, sg->first_slot + p->s + i};
+        }
         p->s += m;
         if (p->s >= sg->count) {
             p->k++;
             p->s = 0;
         }
     }
-    return cnt;
+    if (cnt < cap || p->k >= j->nsegs || toks[cnt - 1].tier != KV_TIER_INT8 ||
+        j->tiers[p->k] != KV_TIER_INT8 || j->segs[p->k].block != toks[cnt - 1].block)
+        return cnt; /* the chunk does not split an INT8 block's tokens */
+    uint32_t start = cnt - 1;
+    while (start > 0 && toks[start - 1].tier == KV_TIER_INT8 &&
+           toks[start - 1].block == toks[cnt - 1].block)
+        start--;
+    if (start < cap / 2)
+        return cnt;
+    *p = at[start];
+    return start;
 }
 
 /* Prefetch the K and V rows of one KV head (its rows hr) of cnt tokens. */
