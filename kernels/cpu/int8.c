@@ -245,12 +245,13 @@ static void quant_group(const quant_job *j, const kv_cursor *start, uint32_t m, 
     for (uint32_t c = 0; c < c16; c += 8)
         _mm256_storeu_ps(amax + c, load8((const uint8_t *)(bits + c), j->t));
 #endif
-    /* §5.4: an all-zero group gets scale 1 (a mask select: the loop then
-     * vectorises, the division included) */
+    /* §5.4: a scale of 0 (an all-zero group, or one that underflows)
+     * becomes 1 (a mask select: the loop then vectorises, the division
+     * included) */
     for (uint32_t c = 0; c < n; c++) {
         float q = amax[c] / 127.0f;
         s[c] = kv_bits_to_float(
-            kv_select(kv_mask(amax[c] > 0), kv_float_to_bits(q), kv_float_to_bits(1.0f)));
+            kv_select(kv_mask(q > 0), kv_float_to_bits(q), kv_float_to_bits(1.0f)));
     }
     memcpy(qb + kv_int8_scale_offset(l, 0, kv, h) + 4 * (size_t)c0, s, 4 * (size_t)n);
 

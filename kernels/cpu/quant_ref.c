@@ -10,8 +10,12 @@ float kv_quantize_group_ref(const float *x, size_t n, int8_t *q)
     for (size_t i = 0; i < n; i++)
         if (fabsf(x[i]) > amax)
             amax = fabsf(x[i]);
-    /* §5.4: an all-zero group gets scale 1 and all-zero codes. */
-    float s = amax > 0 ? amax / 127.0f : 1.0f;
+    /* §5.4 "if s == 0: s = 1": an all-zero group, or one whose max is so
+     * small (fp32 or bf16 subnormals below 127 * 2^-149) that the scale
+     * underflows, gets scale 1 and all-zero codes. */
+    float s = amax / 127.0f;
+    if (!(s > 0))
+        s = 1.0f;
     for (size_t i = 0; i < n; i++) {
         /* nearbyintf rounds half to even in the default rounding mode, as
          * torch.round does. */

@@ -61,7 +61,8 @@ __global__ void quantize_kernel(geom g, qgeom q, int t, const uint8_t *pool, con
             amax = a > amax ? a : amax;
         }
         /* POLICIES.md §5.4: an all-zero group gets scale 1. */
-        const float s = amax > 0 ? __fdiv_rn(amax, 127.0f) : 1.0f;
+        const float s0 = __fdiv_rn(amax, 127.0f); /* §5.4: a scale of 0 becomes 1 */
+        const float s = s0 > 0 ? s0 : 1.0f;
         *reinterpret_cast<float *>(qpool + scale_offset(g, q, qb, kv, head) + 4ull * c) = s;
         for (unsigned i = 0; i < g.tokens; i++) {
             int8_t code = 0;

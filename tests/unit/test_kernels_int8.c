@@ -207,12 +207,33 @@ static void test_ties_to_even(void **state)
  * clamp it skips, with values near every rounding tie. Fast equals ref.
  * (Not max|x| = 2^-149: s = max / 127 is then 0 and 0 / s NaN, which the
  * reference casts to int8 through undefined behaviour.) */
+/* §5.4 "if s == 0: s = 1": a channel whose max is below 127 smallest
+ * subnormals (0x1p-149, 0x1p-144) has a scale that underflows to 0; it must
+ * be 1 with all-zero codes (no division by zero). */
+static void expect_underflow_scale_one(const kv_layout *l, const uint8_t *qb, const float *amax,
+                                       int trial)
+{
+    for (uint32_t c = 0; c < 2 * l->head_dim; c++) {
+        float a = amax[(c + (uint32_t)trial) % 10];
+        if (a / 127.0f > 0)
+            continue;
+        float s;
+        memcpy(&s, qb + kv_int8_scale_offset(l, 0, c / l->head_dim, 0) + 4 * (c % l->head_dim), 4);
+        if (s != 1.0f)
+            fail_msg("channel %u, max %a: scale %a, want 1", c, (double)a, (double)s);
+        for (uint32_t i = 0; i < l->block_tokens; i++)
+            if (((const int8_t *)
+                     qb)[kv_int8_code_offset(l, 0, c / l->head_dim, 0, i) + c % l->head_dim] != 0)
+                fail_msg("channel %u, max %a: code of token %u is not 0", c, (double)a, i);
+    }
+}
+
 static void test_tiny_scales(void **state)
 {
     (void)state;
     rng r = {41};
-    static const float amax[] = {0x1p-142f, 0x1p-140f, 3e-39f, 0x1p-126f,
-                                 1.1e-38f,  1e-30f,    127.0f, 3.0e5f};
+    static const float amax[] = {0x1p-142f, 0x1p-140f, 3e-39f, 0x1p-126f, 1.1e-38f,
+                                 1e-30f,    127.0f,    3.0e5f, 0x1p-149f, 0x1p-144f};
     for (uint32_t dt = 0; dt < 2; dt++) {
         kv_dtype t = dt == 0 ? KV_FP32 : KV_BF16;
         kv_layout l = {1, 16, 64, dtype_size(t)};
@@ -247,6 +268,7 @@ static void test_tiny_scales(void **state)
             kv_int8_quantize_ref(&l, t, pool, &seg, 1, q1, &qb, 1);
             kv_int8_quantize(&l, t, pool, &seg, 1, q2, &qb, 1);
             expect_bytes(q1, q2, qbb, &l, t, "quantize tiny scales");
+            expect_underflow_scale_one(&l, q1, amax, trial);
         }
         free(pool);
         free(q1);
