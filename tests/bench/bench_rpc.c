@@ -19,10 +19,7 @@
  * wake-ups from every round trip (C-STACK.md measured pinned). Prints a table and a final "ratios:"
  * line; exits non-zero if any part could not run (the ratios themselves never fail it).
  */
-#include <dirent.h>
 #include <errno.h>
-#include <fcntl.h>
-#include <libgen.h>
 #include <limits.h>
 #include <sched.h>
 #include <signal.h>
@@ -30,12 +27,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/un.h>
-#include <sys/stat.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <grpc/grpc.h>
@@ -43,6 +37,7 @@
 #include <grpc/support/alloc.h>
 #include <grpc/support/time.h>
 
+#include "bench_daemon.h"
 #include "kvstash.h"
 #include "kvstash/v1/store.pb-c.h"
 #include "pbgrpc.h"
@@ -57,41 +52,6 @@ typedef struct bench_cfg {
     size_t write_bytes; /* K+V bytes written per repetition */
     int reps;           /* bandwidth repetitions (median reported) */
 } bench_cfg;
-
-typedef struct latency {
-    size_t n;
-    double p50_us, mean_us;
-} latency;
-
-static pid_t daemon_pid = -1;
-static char tmp_dir[] = "/tmp/kvstash-bench.XXXXXX";
-static int tmp_made;
-
-static double now_us(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-/* Sorts v in place; fills p50 and mean. */
-static latency summarize(double *v, size_t n)
-{
-    latency l = {n, 0, 0};
-    double sum = 0;
-    for (size_t i = 0; i < n; i++)
-        sum += v[i];
-    qsort(v, n, sizeof *v, cmp_double);
-    l.p50_us = n ? v[n / 2] : 0;
-    l.mean_us = n ? sum / (double)n : 0;
-    return l;
-}
 
 static int io_full(int fd, void *buf, size_t len, int writing)
 {
@@ -109,7 +69,7 @@ static int io_full(int fd, void *buf, size_t len, int writing)
 }
 
 /* (a) Round trips of MSG_BYTES through a forked echo child. */
-static int bench_raw(size_t n, latency *out)
+static int bench_raw(size_t n, bench_latency *out)
 {
     int sv[2];
     if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) {
@@ -135,113 +95,19 @@ static int bench_raw(size_t n, latency *out)
     memset(msg, 'x', sizeof msg);
     int rc = 0;
     for (size_t i = 0; i < n / 10 + n && rc == 0; i++) { /* first n/10: warm-up */
-        double t0 = now_us();
+        double t0 = bench_now_us();
         rc = io_full(sv[0], msg, sizeof msg, 1) || io_full(sv[0], msg, sizeof msg, 0);
         if (i >= n / 10)
-            t[i - n / 10] = now_us() - t0;
+            t[i - n / 10] = bench_now_us() - t0;
     }
     close(sv[0]);
     waitpid(child, NULL, 0);
     if (rc == 0)
-        *out = summarize(t, n);
+        *out = bench_summarize(t, n);
     else
         fprintf(stderr, "bench_rpc: raw ping-pong failed\n");
     free(t);
     return rc ? -1 : 0;
-}
-
-static void remove_tmp_dir(void)
-{
-    if (!tmp_made)
-        return;
-    DIR *d = opendir(tmp_dir);
-    if (d) {
-        struct dirent *e;
-        while ((e = readdir(d)) != NULL) {
-            if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0)
-                continue;
-            char p[PATH_MAX];
-            snprintf(p, sizeof p, "%s/%s", tmp_dir, e->d_name);
-            unlink(p);
-        }
-        closedir(d);
-    }
-    rmdir(tmp_dir);
-    tmp_made = 0;
-}
-
-/* SIGTERM the daemon and wait up to 10 s; returns its exit status or -1. */
-static int stop_daemon(void)
-{
-    if (daemon_pid <= 0)
-        return 0;
-    kill(daemon_pid, SIGTERM);
-    int status = 0;
-    for (int i = 0; i < 1000; i++) {
-        pid_t r = waitpid(daemon_pid, &status, WNOHANG);
-        if (r == daemon_pid) {
-            daemon_pid = -1;
-            return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-        }
-        usleep(10000);
-    }
-    fprintf(stderr, "bench_rpc: kvstashd ignored SIGTERM for 10 s; killing it\n");
-    kill(daemon_pid, SIGKILL);
-    waitpid(daemon_pid, NULL, 0);
-    daemon_pid = -1;
-    return -1;
-}
-
-static void at_exit(void)
-{
-    stop_daemon();
-    remove_tmp_dir();
-}
-
-/* Start kvstashd on tmp_dir/kvstashd.sock; wait until the socket exists. */
-static int start_daemon(const char *path, char *sock, size_t socklen)
-{
-    if (mkdtemp(tmp_dir) == NULL) {
-        perror("mkdtemp");
-        return -1;
-    }
-    tmp_made = 1;
-    snprintf(sock, socklen, "%s/kvstashd.sock", tmp_dir);
-    char log[PATH_MAX], pool[16];
-    snprintf(log, sizeof log, "%s/kvstashd.log", tmp_dir);
-    snprintf(pool, sizeof pool, "%d", POOL_MB);
-    pid_t pid = fork();
-    if (pid < 0) {
-        perror("fork");
-        return -1;
-    }
-    if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGTERM); /* never outlive the benchmark */
-        int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
-        if (fd >= 0) {
-            dup2(fd, STDERR_FILENO);
-            close(fd);
-        }
-        execl(path, path, "--socket", sock, "--pool-mb", pool, "--log-level", "warn", (char *)NULL);
-        fprintf(stderr, "exec %s: %s\n", path, strerror(errno));
-        _exit(127);
-    }
-    daemon_pid = pid;
-    for (int i = 0; i < 1000; i++) {
-        struct stat st;
-        if (stat(sock, &st) == 0 && S_ISSOCK(st.st_mode))
-            return 0;
-        int status;
-        if (waitpid(pid, &status, WNOHANG) == pid) {
-            daemon_pid = -1;
-            fprintf(stderr, "bench_rpc: %s exited (status %d) before creating %s\n", path,
-                    WIFEXITED(status) ? WEXITSTATUS(status) : -1, sock);
-            return -1;
-        }
-        usleep(10000);
-    }
-    fprintf(stderr, "bench_rpc: %s did not create %s within 10 s\n", path, sock);
-    return -1;
 }
 
 /* One unary call of `method`; returns the gRPC status (or -1 if the call
@@ -332,7 +198,7 @@ static void channel_close(grpc_channel *ch, grpc_completion_queue *cq)
 
 /* (b) Stats round trips; the first successful call (retried for up to 10 s
  * while the daemon comes up) also prints the daemon's version. */
-static int bench_grpc(const char *sock, size_t n, latency *out)
+static int bench_grpc(const char *sock, size_t n, bench_latency *out)
 {
     grpc_channel *ch = channel_open(sock);
     grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
@@ -354,15 +220,15 @@ static int bench_grpc(const char *sock, size_t n, latency *out)
     double *t = malloc(n * sizeof *t);
     for (size_t i = 0; i < n / 10 + n && rc == GRPC_STATUS_OK; i++) {
         ProtobufCMessage *resp = NULL;
-        double t0 = now_us();
+        double t0 = bench_now_us();
         rc = unary(ch, cq, m, NULL, &req.base, &kvstash__v1__stats_response__descriptor, &resp);
         if (i >= n / 10)
-            t[i - n / 10] = now_us() - t0;
+            t[i - n / 10] = bench_now_us() - t0;
         if (resp)
             protobuf_c_message_free_unpacked(resp, NULL);
     }
     if (rc == GRPC_STATUS_OK)
-        *out = summarize(t, n);
+        *out = bench_summarize(t, n);
     else
         fprintf(stderr, "bench_rpc: gRPC Stats failed (status %d)\n", rc);
     free(t);
@@ -414,7 +280,7 @@ fail:
 
 /* (b) One-token Appends over gRPC, as a client without libkvstash would make
  * them: handshake, Attach, CreateSequence, then Append with the token. */
-static int bench_grpc_append(const char *sock, size_t n, latency *out)
+static int bench_grpc_append(const char *sock, size_t n, bench_latency *out)
 {
     char token[33];
     int fd = fd_hello(sock, token);
@@ -454,18 +320,18 @@ static int bench_grpc_append(const char *sock, size_t n, latency *out)
         ap.seq_id = seq;
         ap.count = 1;
         ap.ack_epoch = epoch;
-        double t0 = now_us();
+        double t0 = bench_now_us();
         rc = unary(ch, cq, "/kvstash.v1.Store/Append", token, &ap.base,
                    &kvstash__v1__append_response__descriptor, &resp);
         if (i >= n / 10)
-            t[i - n / 10] = now_us() - t0;
+            t[i - n / 10] = bench_now_us() - t0;
         if (rc == GRPC_STATUS_OK) {
             epoch = ((Kvstash__V1__AppendResponse *)resp)->epoch;
             protobuf_c_message_free_unpacked(resp, NULL);
         }
     }
     if (rc == GRPC_STATUS_OK)
-        *out = summarize(t, n);
+        *out = bench_summarize(t, n);
     else
         fprintf(stderr, "bench_rpc: gRPC Attach/CreateSequence/Append failed (status %d)\n", rc);
     free(t);
@@ -487,18 +353,18 @@ static void report_fail(kvs_session *s, const char *what, int rc)
 }
 
 /* (c) Empty round trips on the session's ring. */
-static int bench_ring_ping(kvs_session *s, size_t n, latency *out)
+static int bench_ring_ping(kvs_session *s, size_t n, bench_latency *out)
 {
     double *t = malloc(n * sizeof *t);
     int rc = 0;
     for (size_t i = 0; i < n / 10 + n && rc == 0; i++) {
-        double t0 = now_us();
+        double t0 = bench_now_us();
         rc = kvs_ring_ping(s);
         if (i >= n / 10)
-            t[i - n / 10] = now_us() - t0;
+            t[i - n / 10] = bench_now_us() - t0;
     }
     if (rc == 0)
-        *out = summarize(t, n);
+        *out = bench_summarize(t, n);
     else
         report_fail(s, "kvs_ring_ping", rc);
     free(t);
@@ -507,7 +373,7 @@ static int bench_ring_ping(kvs_session *s, size_t n, latency *out)
 
 /* (c) Decode steps of a "full" sequence as a worker makes them: append one
  * token, report the step (no score arrays: full needs none), check the epoch. */
-static int bench_step(kvs_session *s, size_t n, latency *out)
+static int bench_step(kvs_session *s, size_t n, bench_latency *out)
 {
     uint64_t seq, epoch;
     int rc = kvs_seq_create(s, "full", NULL, 0, "bench-step", &seq);
@@ -519,7 +385,7 @@ static int bench_step(kvs_session *s, size_t n, latency *out)
     for (size_t i = 0; i < n / 10 + n && rc == 0; i++) {
         kvs_table w;
         kvs_step st = {.new_tokens = 1, .confidence = -1};
-        double t0 = now_us();
+        double t0 = bench_now_us();
         rc = kvs_seq_append(s, seq, 1, &w);
         if (rc == 0) {
             kvs_table_free(&w);
@@ -532,17 +398,17 @@ static int bench_step(kvs_session *s, size_t n, latency *out)
             report_fail(s, "kvs_seq_append", rc);
         }
         if (i >= n / 10)
-            t[i - n / 10] = now_us() - t0;
+            t[i - n / 10] = bench_now_us() - t0;
     }
     if (rc == 0)
-        *out = summarize(t, n);
+        *out = bench_summarize(t, n);
     free(t);
     int rr = kvs_seq_release(s, seq);
     return rc == 0 && rr == 0 ? 0 : -1;
 }
 
 /* (c) One-token appends through libkvstash on a fresh "full" sequence. */
-static int bench_append(kvs_session *s, size_t n, latency *out)
+static int bench_append(kvs_session *s, size_t n, bench_latency *out)
 {
     uint64_t seq;
     int rc = kvs_seq_create(s, "full", NULL, 0, "bench-append", &seq);
@@ -555,27 +421,21 @@ static int bench_append(kvs_session *s, size_t n, latency *out)
     for (size_t i = 0; i < n / 10 + n && rc == 0; i++) {
         kvs_table w;
         memset(&w, 0, sizeof w);
-        double t0 = now_us();
+        double t0 = bench_now_us();
         rc = kvs_seq_append(s, seq, 1, &w);
         if (i >= n / 10)
-            t[i - n / 10] = now_us() - t0;
+            t[i - n / 10] = bench_now_us() - t0;
         if (rc == 0)
             kvs_table_free(&w);
     }
     if (rc == 0)
-        *out = summarize(t, n);
+        *out = bench_summarize(t, n);
     else
         fprintf(stderr, "bench_rpc: kvs_seq_append: %s: %s\n", kvs_strerror(rc),
                 kvs_session_error(s));
     free(t);
     int rr = kvs_seq_release(s, seq);
     return rc == 0 && rr == 0 ? 0 : -1;
-}
-
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
-    return v[n / 2];
 }
 
 /* (d) kvs_layer_write into the pool vs memcpy between private buffers, same
@@ -611,15 +471,15 @@ static int bench_write(kvs_session *s, const bench_cfg *cfg, double *write_gbs, 
     memset(dst, 0, *bytes);
     double tw[16], tm[16];
     for (int r = -1; r < cfg->reps; r++) { /* r = -1: warm-up, faults the pages in */
-        double t0 = now_us();
+        double t0 = bench_now_us();
         for (uint32_t l = 0; l < g->layers; l++)
             kvs_layer_write(s, &w.layer[l], k, v);
-        double t1 = now_us();
+        double t1 = bench_now_us();
         for (uint32_t l = 0; l < g->layers; l++) {
             memcpy(dst + (size_t)l * 2 * half, k, half);
             memcpy(dst + (size_t)l * 2 * half + half, v, half);
         }
-        double t2 = now_us();
+        double t2 = bench_now_us();
         if (r >= 0) {
             tw[r] = t1 - t0;
             tm[r] = t2 - t1;
@@ -631,8 +491,8 @@ static int bench_write(kvs_session *s, const bench_cfg *cfg, double *write_gbs, 
              dst[*bytes - 1] == v[half - 1];
     if (!ok)
         fprintf(stderr, "bench_rpc: K/V read back from the pool differ from what was written\n");
-    *write_gbs = (double)*bytes / median(tw, cfg->reps) / 1e3;
-    *memcpy_gbs = (double)*bytes / median(tm, cfg->reps) / 1e3;
+    *write_gbs = (double)*bytes / bench_median(tw, (size_t)cfg->reps) / 1e3;
+    *memcpy_gbs = (double)*bytes / bench_median(tm, (size_t)cfg->reps) / 1e3;
     free(k);
     free(v);
     free(dst);
@@ -642,22 +502,7 @@ static int bench_write(kvs_session *s, const bench_cfg *cfg, double *write_gbs, 
     return ok && rr == 0 ? 0 : -1;
 }
 
-static const char *default_daemon(void)
-{
-    const char *env = getenv("KVSTASHD");
-    if (env && *env)
-        return env;
-    static char path[PATH_MAX];
-    char self[PATH_MAX];
-    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
-    if (n <= 0)
-        return "kvstashd";
-    self[n] = '\0';
-    snprintf(path, sizeof path, "%s/../../daemon/kvstashd", dirname(self));
-    return path;
-}
-
-static void print_latency(const char *what, const latency *l)
+static void print_latency(const char *what, const bench_latency *l)
 {
     printf("%-40s %8zu %10.1f %10.1f\n", what, l->n, l->p50_us, l->mean_us);
 }
@@ -679,9 +524,9 @@ int main(int argc, char **argv)
             daemon = argv[i];
     }
     if (daemon == NULL)
-        daemon = default_daemon();
+        daemon = bench_default_daemon();
     signal(SIGPIPE, SIG_IGN);
-    atexit(at_exit);
+    atexit(bench_daemon_cleanup);
     if (pin >= 0) { /* inherited by the echo child and the daemon */
         cpu_set_t set;
         CPU_ZERO(&set);
@@ -694,7 +539,7 @@ int main(int argc, char **argv)
     printf("bench_rpc: %s run, %s\n", cfg.raw_n == 20000 ? "full" : "quick",
            pin >= 0 ? "all processes pinned to one CPU" : "processes not pinned");
 
-    latency raw = {0}, grpc = {0}, gapp = {0}, ping = {0}, app = {0}, step = {0};
+    bench_latency raw = {0}, grpc = {0}, gapp = {0}, ping = {0}, app = {0}, step = {0};
     double wgbs = 0, mgbs = 0;
     size_t wbytes = 0;
     int failed = 0;
@@ -702,7 +547,7 @@ int main(int argc, char **argv)
     /* Fork the echo child and the daemon before gRPC starts its threads. */
     failed |= bench_raw(cfg.raw_n, &raw) != 0;
     char sock[PATH_MAX];
-    if (start_daemon(daemon, sock, sizeof sock) != 0)
+    if (bench_daemon_start("bench_rpc", daemon, POOL_MB, sock, sizeof sock) != 0)
         return 1;
     grpc_init();
     failed |= bench_grpc(sock, cfg.grpc_n, &grpc) != 0;
@@ -723,7 +568,7 @@ int main(int argc, char **argv)
             failed = 1;
     }
     grpc_shutdown();
-    int ds = stop_daemon();
+    int ds = bench_daemon_stop();
     if (ds != 0) {
         fprintf(stderr, "bench_rpc: kvstashd exited with status %d\n", ds);
         failed = 1;

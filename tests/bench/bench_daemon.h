@@ -1,0 +1,47 @@
+/*
+ * bench_daemon.h - what the daemon-level benchmarks (bench_rpc, bench_tiers)
+ * share: a real kvstashd started on a socket in a fresh temporary directory
+ * and stopped with SIGTERM, a monotonic clock, and medians.
+ *
+ * One daemon per process: the module keeps its pid and directory in statics
+ * (benchmark code, not library code). Messages go to stderr prefixed with
+ * the `prog` given to bench_daemon_start.
+ */
+#ifndef KVSTASH_BENCH_DAEMON_H
+#define KVSTASH_BENCH_DAEMON_H
+
+#include <stddef.h>
+
+/* Latency of n calls, in microseconds. */
+typedef struct bench_latency {
+    size_t n;
+    double p50_us, mean_us;
+} bench_latency;
+
+/* CLOCK_MONOTONIC in microseconds. */
+double bench_now_us(void);
+
+/* Sorts v[0..n) in place; returns its median (v[n / 2]; 0 when n is 0). */
+double bench_median(double *v, size_t n);
+
+/* Sorts v[0..n) in place; fills p50 and mean. */
+bench_latency bench_summarize(double *v, size_t n);
+
+/* The kvstashd to start: $KVSTASHD, else ../../daemon/kvstashd next to this
+ * executable. Returns a static string. */
+const char *bench_default_daemon(void);
+
+/* Start the kvstashd at `path` (--pool-mb pool_mb, --log-level warn, stderr to
+ * kvstashd.log) on <tmpdir>/kvstashd.sock, written to sock[socklen]; wait up
+ * to 10 s for the socket. Call before anything starts threads (it forks).
+ * The daemon gets SIGTERM if this process dies. Returns 0 or -1 (reported). */
+int bench_daemon_start(const char *prog, const char *path, int pool_mb, char *sock, size_t socklen);
+
+/* SIGTERM the daemon and wait up to 10 s (then SIGKILL). Returns its exit
+ * status, 0 if none was running, or -1 if it did not exit by itself. */
+int bench_daemon_stop(void);
+
+/* Stop the daemon and remove the temporary directory (for atexit). */
+void bench_daemon_cleanup(void);
+
+#endif
