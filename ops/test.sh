@@ -2,7 +2,7 @@
 # ops/test.sh - build kvstash three times (./build as configured by setup.sh,
 # ./build-asan with AddressSanitizer + UBSan, ./build-tsan with
 # ThreadSanitizer) and run the whole test suite in each. With KVSTASH_BENCH=1
-# it also runs the RPC benchmark in quick mode.
+# it also runs the benchmarks (tests/bench/run.sh: bench_rpc, bench_tiers) in quick mode.
 # Exits non-zero if any build, test or the benchmark fails.
 set -euo pipefail
 

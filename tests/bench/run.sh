@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# tests/bench/run.sh - build (if needed) and run the RPC benchmark against the
-# real daemon. Usage: tests/bench/run.sh [--quick]
-# BUILD_DIR picks the build tree (default: build; configured if missing).
+# tests/bench/run.sh - build (if needed) and run the benchmarks against the
+# real daemon: bench_rpc (control plane, ring, writes), then bench_tiers (tier
+# moves: Revive, demotion, offload). Usage: tests/bench/run.sh [--quick] [--pin CPU]
+# (--pin applies to bench_rpc only). BUILD_DIR picks the build tree (default:
+# build; configured if missing). Exits non-zero if either benchmark fails.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -10,6 +12,17 @@ build=${BUILD_DIR:-build}
 if [ ! -f "$build/CMakeCache.txt" ]; then
     cmake -S . -B "$build"
 fi
-cmake --build "$build" -j"$(nproc)" --target bench_rpc kvstashd
+cmake --build "$build" -j"$(nproc)" --target bench_rpc bench_tiers kvstashd
 
-exec "$build/tests/bench/bench_rpc" "$@" "$build/daemon/kvstashd"
+tiers_args=()
+for a in "$@"; do
+    if [ "$a" = --quick ]; then
+        tiers_args+=(--quick)
+    fi
+done
+
+rc=0
+"$build/tests/bench/bench_rpc" "$@" "$build/daemon/kvstashd" || rc=1
+echo
+"$build/tests/bench/bench_tiers" "${tiers_args[@]}" "$build/daemon/kvstashd" || rc=1
+exit "$rc"
