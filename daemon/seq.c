@@ -396,12 +396,8 @@ static int move_to_full(seq *s, seq_list *ly, tier_token *tok, const uint32_t *p
     if (tok[i].tier == POLICY_SKETCH) {
         if (tier_sketch_read(&ly->sketch, &s->tier, s->pool->base, &pos[i], 1, &dst, 1) != 0)
             return -1;
-    } else {
-        uint8_t *k, *v;
-        if (stage_tokens(s, tok, &i, 1, &k, &v) != 0)
-            return -1;
-        tier_write(&s->tier, &dst, 1, k, v);
-        free(k);
+    } else if (tier_copy(&s->tier, &tok[i], 1, &dst) != 0) {
+        return -1;
     }
     tok[i] = dst;
     s->moved[2]++;
@@ -1223,7 +1219,6 @@ static size_t revive_select(const seq_list *ly, const uint32_t *pos, const tier_
 static int revive_fill(seq *s, seq_list *ly, const tier_token *src, const uint32_t *at, size_t m,
                        const tier_token *dst)
 {
-    size_t half = tier_token_bytes(&s->tier) / 2;
     for (size_t a = 0; a < m;) {
         int sketch = src[a].tier == POLICY_SKETCH;
         size_t b = a;
@@ -1232,14 +1227,8 @@ static int revive_fill(seq *s, seq_list *ly, const tier_token *src, const uint32
         if (sketch) {
             if (tier_sketch_read(&ly->sketch, &s->tier, s->pool->base, at + a, b - a, dst + a, 0))
                 return -1;
-        } else {
-            uint8_t *k = malloc(2 * half * (b - a));
-            if (k == NULL || tier_read(&s->tier, src + a, b - a, k, k + half * (b - a)) != 0) {
-                free(k);
-                return -1;
-            }
-            tier_write(&s->tier, dst + a, b - a, k, k + half * (b - a));
-            free(k);
+        } else if (tier_copy(&s->tier, src + a, b - a, dst + a) != 0) {
+            return -1;
         }
         a = b;
     }

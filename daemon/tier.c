@@ -21,12 +21,21 @@ size_t tier_token_bytes(const tier_ctx *c)
     return 2 * (size_t)c->l.kv_heads * c->l.head_dim * c->l.elt_size;
 }
 
-/* One-token segments of a token list (kernels take segment lists). */
-static kv_segment *token_segments(const tier_token *tok, size_t n)
+/* The segments of a token list (kernels take segment lists, token by
+ * token in list order): runs of consecutive slots of one block. *nsegs
+ * receives their number. */
+static kv_segment *token_segments(const tier_token *tok, size_t n, size_t *nsegs)
 {
     kv_segment *sg = malloc((n ? n : 1) * sizeof *sg);
-    for (size_t i = 0; sg != NULL && i < n; i++)
-        sg[i] = (kv_segment){tok[i].block, tok[i].slot, 1};
+    size_t m = 0;
+    for (size_t i = 0; sg != NULL && i < n; i++) {
+        if (m > 0 && sg[m - 1].block == tok[i].block &&
+            sg[m - 1].first_slot + sg[m - 1].count == tok[i].slot)
+            sg[m - 1].count++;
+        else
+            sg[m++] = (kv_segment){tok[i].block, tok[i].slot, 1};
+    }
+    *nsegs = m;
     return sg;
 }
 
@@ -51,19 +60,41 @@ static int read_int8(const tier_ctx *c, const tier_token *tok, size_t n, size_t 
         free(dst);
         return -1;
     }
+    /* One call per run of consecutive slots of one INT8 block (a pool
+     * block each: the kernel addresses one INT8 arena per call), cut where
+     * the staging block ends. */
     size_t j = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (tok[i].tier != POLICY_INT8)
+    for (size_t i = 0; i < n;) {
+        if (tok[i].tier != POLICY_INT8) {
+            i++;
             continue;
-        dst[j] = (kv_segment){(uint32_t)(j / t8), (uint32_t)(j % t8), 1};
-        kv_segment q = {0, tok[i].slot, 1};
+        }
+        uint32_t run = 1, room = t8 - (uint32_t)(j % t8);
+        while (i + run < n && run < room && tok[i + run].tier == POLICY_INT8 &&
+               tok[i + run].block == tok[i].block && tok[i + run].slot == tok[i].slot + run)
+            run++;
+        kv_segment q = {0, tok[i].slot, run}, out = {(uint32_t)(j / t8), (uint32_t)(j % t8), run};
         kv_int8_dequantize(&c->l8, c->base + (size_t)tok[i].block * c->block_bytes, &q, 1, c->dtype,
-                           stage, &dst[j], 1);
-        j++;
+                           stage, &out, 1);
+        for (uint32_t r = 0; r < run; r++, j++)
+            dst[j] = (kv_segment){(uint32_t)(j / t8), (uint32_t)(j % t8), 1};
+        i += run;
     }
     kv_gather(&c->l8, stage, dst, m, k, v);
     free(stage);
     free(dst);
+    return 0;
+}
+
+/* All n tokens at full precision: one gather, straight into k and v. */
+static int read_full(const tier_ctx *c, const tier_token *tok, size_t n, uint8_t *k, uint8_t *v)
+{
+    size_t ns;
+    kv_segment *sg = token_segments(tok, n, &ns);
+    if (sg == NULL)
+        return -1;
+    kv_gather(&c->l, c->base, sg, ns, k, v);
+    free(sg);
     return 0;
 }
 
@@ -72,6 +103,10 @@ int tier_read(const tier_ctx *c, const tier_token *tok, size_t n, uint8_t *k, ui
     size_t nf = 0, n8 = 0;
     for (size_t i = 0; i < n; i++)
         nf += tok[i].tier == POLICY_FULL, n8 += tok[i].tier == POLICY_INT8;
+    if (n8 == 0)
+        return read_full(c, tok, n, k, v);
+    if (nf == 0)
+        return read_int8(c, tok, n, n, k, v);
     size_t tb = tier_token_bytes(c);
     uint8_t *buf = malloc((nf + n8 ? nf + n8 : 1) * tb);
     kv_segment *sf = malloc((nf ? nf : 1) * sizeof *sf);
@@ -106,13 +141,40 @@ fail:
     return -1;
 }
 
+int tier_copy(const tier_ctx *c, const tier_token *src, size_t n, const tier_token *dst)
+{
+    size_t n8 = 0;
+    for (size_t i = 0; i < n; i++)
+        n8 += src[i].tier == POLICY_INT8;
+    if (n8 == 0) { /* pool to pool, no staging */
+        size_t nfrom, nto;
+        kv_segment *from = token_segments(src, n, &nfrom), *to = token_segments(dst, n, &nto);
+        if (from != NULL && to != NULL)
+            kv_copy_tokens(&c->l, c->base, from, nfrom, to, nto);
+        int rc = from != NULL && to != NULL ? 0 : -1;
+        free(from);
+        free(to);
+        return rc;
+    }
+    size_t half = n * tier_token_bytes(c) / 2;
+    uint8_t *k = malloc(2 * half);
+    if (k == NULL || tier_read(c, src, n, k, k + half) != 0) {
+        free(k);
+        return -1;
+    }
+    tier_write(c, dst, n, k, k + half);
+    free(k);
+    return 0;
+}
+
 void tier_write(const tier_ctx *c, const tier_token *dst, size_t n, const uint8_t *k,
                 const uint8_t *v)
 {
-    kv_segment *sg = token_segments(dst, n);
+    size_t ns;
+    kv_segment *sg = token_segments(dst, n, &ns);
     if (sg == NULL)
         abort(); /* n segments of 12 bytes: the caller just allocated more */
-    kv_scatter(&c->l, c->base, sg, n, k, v);
+    kv_scatter(&c->l, c->base, sg, ns, k, v);
     free(sg);
 }
 
@@ -226,15 +288,16 @@ int tier_sketch_read(tier_sketch *s, const tier_ctx *c, uint8_t *base, const uin
 {
     uint32_t *h;
     int8_t *g;
-    kv_segment *sg = token_segments(dst, n);
+    size_t ns;
+    kv_segment *sg = token_segments(dst, n, &ns);
     if (sg == NULL || sketch_hash(s, pos, n, &h, &g) != 0) {
         free(sg);
         return -1;
     }
     if (remove)
-        kv_sketch_revive(&s->sk, h, g, &c->l, c->dtype, base, sg, n);
+        kv_sketch_revive(&s->sk, h, g, &c->l, c->dtype, base, sg, ns);
     else
-        kv_sketch_query(&s->sk, h, g, &c->l, c->dtype, base, sg, n);
+        kv_sketch_query(&s->sk, h, g, &c->l, c->dtype, base, sg, ns);
     free(sg);
     free(h);
     return 0;
@@ -253,24 +316,6 @@ int tier_sketch_delete(tier_sketch *s, const uint32_t *pos, size_t n)
     return 0;
 }
 
-/* Element-wise distance of two contiguous arrays of n elements of type t. */
-typedef struct tier_diff {
-    double max_diff, max_ref, sq_diff, sq_ref;
-} tier_diff;
-
-static void diff_add(tier_diff *d, const uint8_t *got, const uint8_t *ref, size_t n, kv_dtype t,
-                     size_t elt)
-{
-    for (size_t i = 0; i < n; i++) {
-        double x = kv_elt_load(ref + i * elt, t), y = kv_elt_load(got + i * elt, t);
-        double e = fabs(y - x);
-        d->max_diff = e > d->max_diff ? e : d->max_diff;
-        d->max_ref = fabs(x) > d->max_ref ? fabs(x) : d->max_ref;
-        d->sq_diff += e * e;
-        d->sq_ref += x * x;
-    }
-}
-
 int tier_error_ratio(const tier_ctx *c, const tier_token *tok, size_t n, const uint8_t *k,
                      const uint8_t *v, double *ratio)
 {
@@ -280,9 +325,9 @@ int tier_error_ratio(const tier_ctx *c, const tier_token *tok, size_t n, const u
         free(got);
         return -1;
     }
-    tier_diff d = {0, 0, 0, 0};
-    diff_add(&d, got, k, elems, c->dtype, c->l.elt_size);
-    diff_add(&d, got + half, v, elems, c->dtype, c->l.elt_size);
+    kv_diff d = {0, 0, 0, 0};
+    kv_elts_diff(got, k, c->dtype, elems, &d);
+    kv_elts_diff(got + half, v, c->dtype, elems, &d);
     *ratio = d.max_ref > 0 ? d.max_diff / d.max_ref : 0;
     free(got);
     return 0;
@@ -304,9 +349,9 @@ int tier_sketch_error(const tier_sketch *s, const tier_ctx *c, const uint32_t *p
     }
     kv_segment all = {0, 0, (uint32_t)n};
     kv_sketch_query(&s->sk, h, g, &one, c->dtype, stage, &all, 1);
-    tier_diff d = {0, 0, 0, 0};
-    diff_add(&d, stage, k, elems, c->dtype, c->l.elt_size);
-    diff_add(&d, stage + half, v, elems, c->dtype, c->l.elt_size);
+    kv_diff d = {0, 0, 0, 0};
+    kv_elts_diff(stage, k, c->dtype, elems, &d);
+    kv_elts_diff(stage + half, v, c->dtype, elems, &d);
     *rel = d.sq_ref > 0 ? sqrt(d.sq_diff / d.sq_ref) : 0;
     free(stage);
     free(h);

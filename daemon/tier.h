@@ -52,6 +52,11 @@ size_t tier_token_bytes(const tier_ctx *c);
  * pool dtype; INT8 tokens dequantised). Returns 0, or -1 out of memory. */
 int tier_read(const tier_ctx *c, const tier_token *tok, size_t n, uint8_t *k, uint8_t *v);
 
+/* Copy n FULL or INT8 tokens into FULL slots dst (distinct from src):
+ * full-precision ones pool to pool (kv_copy_tokens), INT8 ones dequantised
+ * through a staging copy. Returns 0, or -1 out of memory. */
+int tier_copy(const tier_ctx *c, const tier_token *src, size_t n, const tier_token *dst);
+
 /* Write n contiguous tokens into FULL slots (kv_scatter). */
 void tier_write(const tier_ctx *c, const tier_token *dst, size_t n, const uint8_t *k,
                 const uint8_t *v);

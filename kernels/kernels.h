@@ -86,6 +86,16 @@ typedef enum kv_dtype { KV_FP16 = 1, KV_BF16 = 2, KV_FP32 = 3 } kv_dtype;
 float kv_elt_load(const uint8_t *p, kv_dtype t);
 void kv_elt_store(uint8_t *p, kv_dtype t, float v);
 
+/* How far n elements `got` are from n elements `ref` (both of type t):
+ * kv_elts_diff adds max |got - ref|, max |ref|, Σ (got - ref)² and Σ ref²
+ * into *d (zeroed by the caller first; sums in fp32 per chunk, so within
+ * rounding of a double-precision loop). For the daemon's measure of what a
+ * tier move cost. */
+typedef struct kv_diff {
+    double max_diff, max_ref, sq_diff, sq_ref;
+} kv_diff;
+void kv_elts_diff(const uint8_t *got, const uint8_t *ref, kv_dtype t, size_t n, kv_diff *d);
+
 /*
  * kv_merge_value: WeightedKV's convex value merge (POLICIES.md §4.1):
  * V[into] = (w_from*V[from] + w_into*V[into]) / (w_from + w_into) for every

@@ -92,6 +92,11 @@ void kv_merge_values(const kv_layout *l, kv_dtype t, uint8_t *pool, const kv_mer
     PICK(kv_merge_values)(l, t, pool, m, n);
 }
 
+void kv_elts_diff(const uint8_t *got, const uint8_t *ref, kv_dtype t, size_t n, kv_diff *d)
+{
+    PICK(kv_elts_diff)(got, ref, t, n, d);
+}
+
 void kv_decode_attention(const kv_layout *l, kv_dtype t, const uint8_t *pool,
                          const kv_segment *segs, size_t nsegs, const uint8_t *tiers, const float *q,
                          uint32_t q_heads, float scale, float *out, float *probs)

@@ -56,7 +56,9 @@
     void kv_decode_attention_##ISA(const kv_layout *l, kv_dtype t, const uint8_t *pool,            \
                                    const kv_segment *segs, size_t nsegs, const uint8_t *tiers,     \
                                    const float *q, uint32_t q_heads, float scale, float *out,      \
-                                   float *probs);
+                                   float *probs);                                                  \
+    void kv_elts_diff_##ISA(const uint8_t *got, const uint8_t *ref, kv_dtype t, size_t n,          \
+                            kv_diff *d);
 
 KV_DECLARE_FAST(generic)
 KV_DECLARE_FAST(avx2)

@@ -17,6 +17,11 @@
 
 unsigned kv_parallel_threads(size_t bytes)
 {
+    /* Most calls are small (the daemon moves a few tokens at a time): answer
+     * them before sysconf, which reads /sys on every call. */
+    size_t by_work = bytes / KV_PARALLEL_GRAIN;
+    if (by_work <= 1)
+        return 1;
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);
     unsigned n = cpus < 1 ? 1u : cpus > (long)KV_MAX_THREADS ? KV_MAX_THREADS : (unsigned)cpus;
     const char *env = getenv("KVSTASH_KERNEL_THREADS");
@@ -25,9 +30,8 @@ unsigned kv_parallel_threads(size_t bytes)
         if (v >= 1 && (unsigned long)v < n)
             n = (unsigned)v;
     }
-    size_t by_work = bytes / KV_PARALLEL_GRAIN;
     if (by_work < n)
-        n = by_work < 1 ? 1u : (unsigned)by_work;
+        n = (unsigned)by_work;
     return n;
 }
 

@@ -9,6 +9,7 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <cmocka.h>
@@ -89,12 +90,60 @@ static void test_store_dense_stride(void **state)
         check_store((uint32_t)b);
 }
 
+/* kv_elts_diff against a double-precision loop over kv_elt_load, for each
+ * dtype, odd lengths and chunk edges, in both ISA builds: maxima exact,
+ * sums within fp32 rounding. */
+static void test_elts_diff(void **state)
+{
+    (void)state;
+    static const size_t lengths[] = {0, 1, 7, 8, 9, 511, 512, 513, 1500};
+    uint64_t seed = 12345;
+    for (int isa = 0; isa < 2; isa++) {
+        if (isa == 0)
+            setenv("KVSTASH_KERNEL_ISA", "generic", 1);
+        else
+            unsetenv("KVSTASH_KERNEL_ISA");
+        for (kv_dtype t = KV_FP16; t <= KV_FP32; t++) {
+            size_t elt = t == KV_FP32 ? 4 : 2;
+            for (size_t li = 0; li < sizeof lengths / sizeof lengths[0]; li++) {
+                size_t n = lengths[li];
+                uint8_t got[1500 * 4], ref[1500 * 4];
+                double want_md = 0, want_mr = 0, want_sd = 0, want_sr = 0;
+                for (size_t i = 0; i < n; i++) {
+                    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+                    float x = (float)((double)(seed >> 40) / (double)(1ull << 24) * 8.0 - 4.0);
+                    float y = x + (float)((double)((seed >> 8) & 0xffff) / 65536.0 - 0.5) * 0.1f;
+                    kv_elt_store(ref + i * elt, t, x);
+                    kv_elt_store(got + i * elt, t, y);
+                    double xr = kv_elt_load(ref + i * elt, t), yr = kv_elt_load(got + i * elt, t);
+                    double e = yr > xr ? yr - xr : xr - yr, a = xr < 0 ? -xr : xr;
+                    want_md = e > want_md ? e : want_md;
+                    want_mr = a > want_mr ? a : want_mr;
+                    want_sd += e * e;
+                    want_sr += a * a;
+                }
+                kv_diff d = {0, 0, 0, 0};
+                kv_elts_diff(got, ref, t, n, &d);
+                if (d.max_diff != (double)(float)want_md || d.max_ref != want_mr)
+                    fail_msg("dtype %d n %zu: max %g %g, want %g %g", (int)t, n, d.max_diff,
+                             d.max_ref, want_md, want_mr);
+                if (d.sq_diff < want_sd * (1 - 1e-5) || d.sq_diff > want_sd * (1 + 1e-5) ||
+                    d.sq_ref < want_sr * (1 - 1e-5) || d.sq_ref > want_sr * (1 + 1e-5))
+                    fail_msg("dtype %d n %zu: sums %g %g, want %g %g", (int)t, n, d.sq_diff,
+                             d.sq_ref, want_sd, want_sr);
+            }
+        }
+    }
+    unsetenv("KVSTASH_KERNEL_ISA");
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_load_every_16_bit_pattern),
         cmocka_unit_test(test_store_boundaries),
         cmocka_unit_test(test_store_dense_stride),
+        cmocka_unit_test(test_elts_diff),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
