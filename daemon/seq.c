@@ -73,6 +73,19 @@ static size_t sort_unique(uint32_t *a, size_t m)
     return d;
 }
 
+/* The blocks (with repeats) of a list's offloaded victims stored in `tier`
+ * (any tier with a block when tier < 0), written from out[0]. */
+static size_t offloaded_block_ids(const seq_list *ly, int tier, uint32_t *out)
+{
+    size_t m = 0;
+    for (size_t j = 0; j < ly->noffloaded; j++) {
+        const tier_token *at = &ly->offloaded_at[j];
+        if (at->tier != POLICY_SKETCH && (tier < 0 || at->tier == tier))
+            out[m++] = at->block;
+    }
+    return m;
+}
+
 /* The blocks (with repeats) of a list's segments and offloaded victims
  * stored in `tier` (any tier with a block when tier < 0), written from
  * out[0] (room for nsegs + noffloaded). */
@@ -82,12 +95,7 @@ static size_t list_fill_block_ids(const seq_list *ly, int tier, uint32_t *out)
     for (size_t i = 0; i < ly->nsegs; i++)
         if (ly->seg_tier[i] != POLICY_SKETCH && (tier < 0 || ly->seg_tier[i] == tier))
             out[m++] = ly->segs[i].block;
-    for (size_t j = 0; j < ly->noffloaded; j++) {
-        const tier_token *at = &ly->offloaded_at[j];
-        if (at->tier != POLICY_SKETCH && (tier < 0 || at->tier == tier))
-            out[m++] = at->block;
-    }
-    return m;
+    return m + offloaded_block_ids(ly, tier, out + m);
 }
 
 /* The distinct blocks of a list's segments and offloaded victims stored in
@@ -284,9 +292,7 @@ static size_t list_block_set(const seq_list *ly, const tier_token *tok, uint32_t
     for (uint32_t i = 0; i < n; i++)
         if (tok[i].tier != POLICY_SKETCH)
             out[m++] = tok[i].block;
-    for (size_t j = 0; j < ly->noffloaded; j++)
-        if (ly->offloaded_at[j].tier != POLICY_SKETCH)
-            out[m++] = ly->offloaded_at[j].block;
+    m += offloaded_block_ids(ly, -1, out + m);
     if (with_tail && ly->has_tail)
         out[m++] = ly->tail_block;
     return sort_unique(out, m);

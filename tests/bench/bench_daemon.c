@@ -1,4 +1,5 @@
-/* bench_daemon.c - see bench_daemon.h. */
+/* bench_daemon.c - what the benchmarks that start kvstashd share (a library, not a test: bench_rpc
+ * and bench_tiers report; see bench_daemon.h). */
 #include "bench_daemon.h"
 
 #include <dirent.h>
