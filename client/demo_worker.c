@@ -20,6 +20,7 @@
 #include <jansson.h>
 
 #include "kvstash.h"
+#include "ops.h"
 
 #define PREFILL 20
 #define N_SINK 4
@@ -67,12 +68,19 @@ static void write_tokens(kvs_session *s, const demo_seq *q, const kvs_table *w)
                 const kvs_segment *sg = &ly->segments[i];
                 for (uint32_t j = 0; j < sg->count; j++, t++)
                     for (uint32_t h = 0; h < g->kv_heads; h++) {
-                        uint16_t *k = kvs_key_ptr(s, sg->block, h, sg->first_slot + j);
-                        uint16_t *v = kvs_value_ptr(s, sg->block, h, sg->first_slot + j);
+                        /* Rows are device addresses: fill them through the
+                         * backend's copy, as a GPU worker's kernel would. */
+                        uint16_t k[64], v[64];
                         for (uint32_t c = 0; c < g->head_dim; c++) {
                             k[c] = value_of(l, h, w->first_position + t, c, 0);
                             v[c] = value_of(l, h, w->first_position + t, c, 1);
                         }
+                        const kv_ops *ops = kvs_session_ops(s);
+                        size_t row = g->head_dim * sizeof *k;
+                        ops->copy(KV_HOST_TO_DEVICE,
+                                  kvs_key_ptr(s, sg->block, h, sg->first_slot + j), k, row);
+                        ops->copy(KV_HOST_TO_DEVICE,
+                                  kvs_value_ptr(s, sg->block, h, sg->first_slot + j), v, row);
                     }
             }
             continue;

@@ -15,7 +15,9 @@
 
 #include "fdsock.h"
 #include "kernels.h"
+#include "ops.h"
 #include "kvstash/v1/store.pb-c.h"
+#include "kvstash_step.h"
 #include "pbjson.h"
 #include "ring_client.h"
 #include "rpc.h"
@@ -38,7 +40,9 @@ struct kvs_session {
     uint64_t session_id, pool_id;
     kvs_geometry geom; /* the pool's, defaults filled in */
     kv_layout layout;
-    uint8_t *pool;
+    const kv_ops *ops; /* the pool's backend's (session_layout) */
+    uint8_t *pool;     /* what the worker sees: a device address */
+    uint8_t *pool_map; /* the mapping behind it (== pool for `host`) */
     size_t pool_bytes, block_bytes;
     uint32_t block_count;
     /* A few sequences per session: a plain array, searched linearly. */
@@ -127,6 +131,11 @@ uint8_t *kvs_session_pool(const kvs_session *s)
     return s->pool;
 }
 
+const struct kv_ops *kvs_session_ops(const kvs_session *s)
+{
+    return s->ops;
+}
+
 size_t kvs_session_pool_bytes(const kvs_session *s)
 {
     return s->pool_bytes;
@@ -207,8 +216,10 @@ static void session_free(kvs_session *s)
 {
     if (s->lease != NULL)
         rpc_stream_close(s->lease, NULL, 0);
-    if (s->pool != NULL)
-        munmap(s->pool, s->pool_bytes);
+    if (s->pool != NULL && s->pool != s->pool_map)
+        kv_shadow_unmap(s->pool);
+    if (s->pool_map != NULL)
+        munmap(s->pool_map, s->pool_bytes);
     ring_client_close(&s->ring);
     if (s->fd >= 0)
         close(s->fd);
@@ -222,8 +233,16 @@ static void session_free(kvs_session *s)
 static int session_layout(kvs_session *s, const Kvstash__V1__AttachResponse *r)
 {
     const Kvstash__V1__Geometry *g = r->geometry;
-    if (strcmp(r->backend, "host") != 0) {
-        fail(s, "kvstashd offers a \"%s\" pool; this libkvstash maps only \"host\" pools",
+    /* The backends whose pools this libkvstash maps (daemon/backend.h):
+     * host memory as it is, or behind a shadow range (tests). */
+    if (strcmp(r->backend, "host") == 0) {
+        s->ops = &kv_ops_cpu;
+    } else if (strcmp(r->backend, "shadow") == 0) {
+        s->ops = &kv_ops_shadow;
+    } else {
+        fail(s,
+             "kvstashd offers a \"%s\" pool; this libkvstash maps only \"host\" and "
+             "\"shadow\" pools",
              r->backend);
         return KVS_ERR_PROTOCOL;
     }
@@ -313,7 +332,12 @@ static int session_map(kvs_session *s)
             fail(s, "mmap of the %zu-byte pool: %s", s->pool_bytes, strerror(errno));
             rc = KVS_ERR_SYSTEM;
         } else {
-            s->pool = p;
+            s->pool_map = p;
+            s->pool = s->ops == &kv_ops_shadow ? kv_shadow_map(p, s->pool_bytes) : p;
+            if (s->pool == NULL) {
+                fail(s, "cannot reserve a %zu-byte shadow range", s->pool_bytes);
+                rc = KVS_ERR_SYSTEM;
+            }
         }
     }
     close(memfd);
@@ -719,20 +743,18 @@ int kvs_seq_append(kvs_session *s, uint64_t seq_id, int64_t count, kvs_table *wr
     return rc;
 }
 
-/* Lay the step's arrays out in the ring's data area (proto/kvstash_ring.h). */
-static int step_pack(kvs_session *s, const kvs_step *st, uint32_t *arrays, uint64_t *bytes)
+/* Lay the step's arrays out in the ring's data area (proto/kvstash_step.h). */
+static int step_write(kvs_session *s, const kvs_step *st, uint32_t *arrays, uint64_t *bytes)
 {
-    uint32_t layers = s->geom.layers, q = s->geom.q_heads, kv = s->geom.kv_heads;
+    uint32_t kv = s->geom.kv_heads;
     uint32_t heads = st->heads > 1 ? st->heads : 1;
-    const float *const *kinds[4] = {st->score, st->last_attn, st->window_attn, st->vnorm};
-    /* policy.h POLICY_NEEDS_SCORE, _LAST_ATTN, _WINDOW_ATTN, _VNORM */
-    const uint32_t bits[4] = {1u << 0, 1u << 1, 1u << 2, 1u << 3};
-    float *out = (float *)s->ring.data;
-    size_t room = s->ring.data_bytes / sizeof(float), used = 0;
-    *arrays = 0;
-    for (int k = 0; k < 4; k++)
-        *arrays |= kinds[k] != NULL ? bits[k] : 0;
-    if (*arrays != 0 && st->tokens == NULL) {
+    const float *const *const kinds[STEP_KINDS] = {st->score, st->last_attn, st->window_attn,
+                                                   st->vnorm};
+    step_shape sh = {s->geom.layers, s->geom.q_heads, kv, heads, 0};
+    for (int k = 0; k < STEP_KINDS; k++)
+        sh.arrays |= kinds[k] != NULL ? step_kind_bit(k) : 0;
+    *arrays = sh.arrays;
+    if (sh.arrays != 0 && st->tokens == NULL) {
         fail(s, "kvs_seq_step: tokens (per list) is required with statistics");
         return KVS_ERR_INVALID;
     }
@@ -740,23 +762,13 @@ static int step_pack(kvs_session *s, const kvs_step *st, uint32_t *arrays, uint6
         fail(s, "kvs_seq_step: heads must be 1 or kv_heads (%" PRIu32 ")", kv);
         return KVS_ERR_INVALID;
     }
-    for (uint32_t l = 0; l < layers; l++)
-        for (int k = 0; k < 4; k++) {
-            if (kinds[k] == NULL)
-                continue;
-            uint32_t rows = k == 0 ? 1 : k == 3 ? kv : q, per_list = k == 3 ? 1 : q / kv;
-            for (uint32_t h = 0; h < rows; h++) {
-                const float *src = kinds[k][(size_t)l * rows + h];
-                size_t n = st->tokens[(size_t)l * heads + (heads > 1 ? h / per_list : 0)];
-                if (n > room - used) {
-                    fail(s, "kvs_seq_step: statistics exceed the ring (%zu bytes)",
-                         s->ring.data_bytes);
-                    return KVS_ERR_INVALID;
-                }
-                memcpy(out + used, src, n * sizeof *out);
-                used += n;
-            }
-        }
+    size_t used = sh.arrays != 0 ? step_pack(&sh, st->tokens, kinds, (float *)s->ring.data,
+                                             s->ring.data_bytes / sizeof(float))
+                                 : 0;
+    if (used == (size_t)-1) {
+        fail(s, "kvs_seq_step: statistics exceed the ring (%zu bytes)", s->ring.data_bytes);
+        return KVS_ERR_INVALID;
+    }
     *bytes = used * sizeof(float);
     return KVS_OK;
 }
@@ -772,7 +784,7 @@ int kvs_seq_step(kvs_session *s, uint64_t seq_id, const kvs_step *step, kvs_step
     ring_request *q = &s->ring.hdr->req;
     uint32_t arrays;
     uint64_t bytes;
-    int rc = step_pack(s, step, &arrays, &bytes);
+    int rc = step_write(s, step, &arrays, &bytes);
     if (rc != KVS_OK)
         return rc;
     memset(q, 0, sizeof *q);
@@ -892,45 +904,45 @@ void *kvs_row_value_ptr(const kvs_session *s, uint32_t block, uint32_t row)
     return (uint8_t *)kvs_row_key_ptr(s, block, row) + s->block_bytes / 2;
 }
 
-/* kvs_segment and kv_segment have the same members but are distinct types:
- * copy rather than alias. Small tables use the stack. */
-#define SEG_STACK 128
-
-/* Copy one layer's K and V by (segment, head) rows with memcpy: the
- * fallback when there is no memory for a kv_segment list. */
-static void layer_copy_rows(const kvs_session *s, const kv_layout *lay, const kvs_layer *layer,
-                            uint8_t *k, uint8_t *v, int to_pool)
+/* Copy the K and V rows of one full-precision segment between the pool
+ * and a worker's contiguous buffers, starting at token `tok` of them: per
+ * half, one strided copy of kv_heads runs (the head stride differs on the
+ * two sides). */
+static int segment_copy(const kvs_session *s, const kv_layout *lay, const kvs_layer *layer,
+                        const kvs_segment *g, size_t tok, uint8_t *k, uint8_t *v, int to_pool)
 {
-    size_t row = (size_t)lay->head_dim * lay->elt_size;
-    size_t tok = 0;
-    for (size_t i = 0; i < layer->nsegments; i++) {
-        const kvs_segment *g = &layer->segments[i];
-        for (uint32_t h = 0; h < lay->kv_heads; h++) {
-            size_t off = ((size_t)h * layer->tokens + tok) * row;
-            uint8_t *pk = s->pool + kv_key_offset(lay, g->block, h, g->first_slot);
-            uint8_t *pv = pk + s->block_bytes / 2;
-            if (to_pool) {
-                memcpy(pk, k + off, g->count * row);
-                memcpy(pv, v + off, g->count * row);
-            } else {
-                memcpy(k + off, pk, g->count * row);
-                memcpy(v + off, pv, g->count * row);
-            }
-        }
-        tok += g->count;
-    }
+    size_t row = (size_t)lay->head_dim * lay->elt_size, width = g->count * row;
+    size_t pitch_pool = (size_t)lay->block_tokens * row, pitch_buf = layer->tokens * row;
+    uint8_t *pk = s->pool + kv_key_offset(lay, g->block, 0, g->first_slot);
+    uint8_t *pv = pk + s->block_bytes / 2;
+    uint8_t *bk = k + tok * row, *bv = v + tok * row;
+    const kv_ops *ops = s->ops;
+    if (to_pool)
+        return ops->copy_2d(KV_HOST_TO_DEVICE, pk, pitch_pool, bk, pitch_buf, width,
+                            lay->kv_heads) ||
+               ops->copy_2d(KV_HOST_TO_DEVICE, pv, pitch_pool, bv, pitch_buf, width, lay->kv_heads);
+    return ops->copy_2d(KV_DEVICE_TO_HOST, bk, pitch_buf, pk, pitch_pool, width, lay->kv_heads) ||
+           ops->copy_2d(KV_DEVICE_TO_HOST, bv, pitch_buf, pv, pitch_pool, width, lay->kv_heads);
 }
 
-static kv_segment *segs_convert(const kvs_layer *layer, kv_segment *stack)
+/* Dequantise one INT8 segment into a device staging block of the INT8
+ * layout, then copy its rows out like a full-precision segment's. */
+static int segment_read_int8(const kvs_session *s, const kv_layout *lay, const kvs_layer *layer,
+                             const kvs_segment *g, size_t tok, uint8_t *stage, uint8_t *k,
+                             uint8_t *v)
 {
-    kv_segment *segs =
-        layer->nsegments <= SEG_STACK ? stack : malloc(layer->nsegments * sizeof *segs);
-    if (segs == NULL)
-        return NULL;
-    for (size_t i = 0; i < layer->nsegments; i++)
-        segs[i] = (kv_segment){layer->segments[i].block, layer->segments[i].first_slot,
-                               layer->segments[i].count};
-    return segs;
+    kv_layout l8 = *lay;
+    l8.block_tokens = layer->int8_block_tokens;
+    kv_segment q = {0, g->first_slot, g->count}, d = {0, 0, g->count};
+    if (s->ops->int8_dequantize(&l8, s->pool + (size_t)g->block * s->block_bytes, &q, 1,
+                                (kv_dtype)s->geom.dtype, stage, &d, 1) != 0)
+        return -1;
+    size_t row = (size_t)lay->head_dim * lay->elt_size, width = g->count * row;
+    size_t pitch8 = (size_t)l8.block_tokens * row, pitch_buf = layer->tokens * row;
+    return s->ops->copy_2d(KV_DEVICE_TO_HOST, k + tok * row, pitch_buf, stage, pitch8, width,
+                           lay->kv_heads) ||
+           s->ops->copy_2d(KV_DEVICE_TO_HOST, v + tok * row, pitch_buf,
+                           stage + kv_block_bytes(&l8) / 2, pitch8, width, lay->kv_heads);
 }
 
 static int layer_tiered(const kvs_layer *layer, uint32_t *sketch)
@@ -944,81 +956,46 @@ static int layer_tiered(const kvs_layer *layer, uint32_t *sketch)
     return tiered;
 }
 
+/* Move a layer between the pool and contiguous k, v, a segment at a time;
+ * INT8 segments (reads only) through one staging block. */
+static int layer_io(const kvs_session *s, const kvs_layer *layer, uint8_t *k, uint8_t *v,
+                    int to_pool)
+{
+    kv_layout lay = layer->per_head ? row_layout(s) : s->layout;
+    uint8_t *stage = NULL;
+    int rc = 0;
+    size_t tok = 0;
+    for (size_t i = 0; rc == 0 && i < layer->nsegments; i++) {
+        const kvs_segment *g = &layer->segments[i];
+        if (g->tier == KVS_TIER_FULL) {
+            rc = segment_copy(s, &lay, layer, g, tok, k, v, to_pool);
+        } else {
+            kv_layout l8 = lay;
+            l8.block_tokens = layer->int8_block_tokens;
+            if (stage == NULL && (stage = s->ops->alloc(kv_block_bytes(&l8))) == NULL)
+                return KVS_ERR_SYSTEM;
+            rc = segment_read_int8(s, &lay, layer, g, tok, stage, k, v);
+        }
+        tok += g->count;
+    }
+    s->ops->free(stage);
+    return rc == 0 ? KVS_OK : KVS_ERR_SYSTEM;
+}
+
 int kvs_layer_write(const kvs_session *s, const kvs_layer *layer, const void *k, const void *v)
 {
     uint32_t sketch;
     if (layer_tiered(layer, &sketch))
         return KVS_ERR_PRECONDITION; /* INT8 blocks are written once, by the daemon */
-    kv_layout lay = layer->per_head ? row_layout(s) : s->layout;
-    kv_segment stack[SEG_STACK];
-    kv_segment *segs = segs_convert(layer, stack);
-    if (segs == NULL) {
-        layer_copy_rows(s, &lay, layer, (uint8_t *)k, (uint8_t *)v, 1);
-        return KVS_OK;
-    }
-    kv_scatter(&lay, s->pool, segs, layer->nsegments, k, v);
-    if (segs != stack)
-        free(segs);
-    return KVS_OK;
-}
-
-/* Read a list with INT8 segments, a segment at a time: full ones gathered,
- * INT8 ones dequantised (kv_int8_dequantize into a one-block staging pool of
- * the INT8 layout), then their rows copied to their place in k and v. */
-static int layer_read_tiered(const kvs_session *s, const kv_layout *lay, const kvs_layer *layer,
-                             uint8_t *k, uint8_t *v)
-{
-    kv_layout l8 = *lay;
-    l8.block_tokens = layer->int8_block_tokens;
-    size_t row = (size_t)lay->head_dim * lay->elt_size, most = l8.block_tokens;
-    for (size_t i = 0; i < layer->nsegments; i++)
-        if (layer->segments[i].count > most)
-            most = layer->segments[i].count;
-    size_t half = most * lay->kv_heads * row;
-    uint8_t *buf = malloc(2 * half + kv_block_bytes(&l8));
-    if (buf == NULL)
-        return KVS_ERR_SYSTEM;
-    uint8_t *tk = buf, *tv = buf + half, *stage = buf + 2 * half;
-    size_t tok = 0;
-    for (size_t i = 0; i < layer->nsegments; i++) {
-        const kvs_segment *g = &layer->segments[i];
-        kv_segment seg = {g->block, g->first_slot, g->count};
-        if (g->tier == KVS_TIER_FULL) {
-            kv_gather(lay, s->pool, &seg, 1, tk, tv);
-        } else {
-            kv_segment q = {0, g->first_slot, g->count}, d = {0, 0, g->count};
-            kv_int8_dequantize(&l8, s->pool + (size_t)g->block * s->block_bytes, &q, 1,
-                               (kv_dtype)s->geom.dtype, stage, &d, 1);
-            kv_gather(&l8, stage, &d, 1, tk, tv);
-        }
-        for (uint32_t h = 0; h < lay->kv_heads; h++) {
-            memcpy(k + ((size_t)h * layer->tokens + tok) * row, tk + (size_t)h * g->count * row,
-                   g->count * row);
-            memcpy(v + ((size_t)h * layer->tokens + tok) * row, tv + (size_t)h * g->count * row,
-                   g->count * row);
-        }
-        tok += g->count;
-    }
-    free(buf);
-    return KVS_OK;
+    return layer_io(s, layer, (uint8_t *)k, (uint8_t *)v, 1);
 }
 
 int kvs_layer_read(const kvs_session *s, const kvs_layer *layer, void *k, void *v)
 {
-    kv_layout lay = layer->per_head ? row_layout(s) : s->layout;
     uint32_t sketch;
-    if (layer_tiered(layer, &sketch))
-        return sketch ? KVS_ERR_PRECONDITION : layer_read_tiered(s, &lay, layer, k, v);
-    kv_segment stack[SEG_STACK];
-    kv_segment *segs = segs_convert(layer, stack);
-    if (segs == NULL) {
-        layer_copy_rows(s, &lay, layer, k, v, 0);
-        return KVS_OK;
-    }
-    kv_gather(&lay, s->pool, segs, layer->nsegments, k, v);
-    if (segs != stack)
-        free(segs);
-    return KVS_OK;
+    if (layer_tiered(layer, &sketch) && sketch > 0)
+        return KVS_ERR_PRECONDITION;
+    return layer_io(s, layer, k, v, 0);
 }
 
 /* ---- revive ---- */

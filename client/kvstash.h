@@ -77,7 +77,16 @@ const char *kvs_session_error(const kvs_session *s);
 
 uint64_t kvs_session_id(const kvs_session *s);
 const kvs_geometry *kvs_session_geometry(const kvs_session *s);
-uint8_t *kvs_session_pool(const kvs_session *s); /* base of the mapped pool */
+/* Base of the pool: a device address of the pool's backend. With "host"
+ * it is the mapped shared memory; with "shadow" (a test backend) and
+ * device backends, reading or writing it directly faults: go through
+ * kvs_session_ops (kernels/ops.h), kvs_layer_write and kvs_layer_read. */
+uint8_t *kvs_session_pool(const kvs_session *s);
+/* The memory operations of the pool's backend (kernels/ops.h, kv_ops):
+ * what a worker uses to run kernels on, or copy into and out of, the pool
+ * (kvs_key_ptr & co. are device addresses too). Owned by libkvstash. */
+struct kv_ops;
+const struct kv_ops *kvs_session_ops(const kvs_session *s);
 size_t kvs_session_pool_bytes(const kvs_session *s);
 size_t kvs_session_block_bytes(const kvs_session *s);
 uint64_t kvs_session_pool_id(const kvs_session *s);     /* the pool's id in Stats */
@@ -205,7 +214,7 @@ int kvs_ring_ping(kvs_session *s);
 /* The current tables of a sequence (all layers). */
 int kvs_seq_table(kvs_session *s, uint64_t seq_id, int with_positions, kvs_table *out);
 
-/* Address of the K (or V) row of (block, kv head, slot) in the mapped pool,
+/* Device address (kvs_session_pool) of the K (or V) row of (block, kv head, slot),
  * for lists of all heads; for a per-head list, kvs_row_key_ptr and
  * kvs_row_value_ptr address row `row` of a block. */
 void *kvs_row_key_ptr(const kvs_session *s, uint32_t block, uint32_t row);
@@ -213,10 +222,11 @@ void *kvs_row_value_ptr(const kvs_session *s, uint32_t block, uint32_t row);
 void *kvs_key_ptr(const kvs_session *s, uint32_t block, uint32_t head, uint32_t slot);
 void *kvs_value_ptr(const kvs_session *s, uint32_t block, uint32_t head, uint32_t slot);
 
-/* Copy contiguous K and V, each [kv_heads][layer->tokens][head_dim] (or
- * [layer->tokens][head_dim] for a per-head list) of the pool's dtype, into
- * the list's segments (write) or out of them (read), with the store's
- * kernels. Reads dequantise INT8 segments; a list with sketch segments
+/* Copy contiguous K and V in the worker's memory, each
+ * [kv_heads][layer->tokens][head_dim] (or [layer->tokens][head_dim] for a
+ * per-head list) of the pool's dtype, into the list's segments (write) or
+ * out of them (read), through the backend's ops. Returns KVS_ERR_SYSTEM
+ * when the backend fails. Reads dequantise INT8 segments; a list with sketch segments
  * cannot be read in place (KVS_ERR_PRECONDITION: use kvs_seq_revive).
  * Writes take full-precision segments only (an append's writes are). */
 int kvs_layer_write(const kvs_session *s, const kvs_layer *layer, const void *k, const void *v);

@@ -4,10 +4,10 @@
  * One sequence lives in a policy host (policies/host.h). Generic operations
  * (append, step, held, state) drive any policy exactly as the daemon does:
  * append the step's tokens, run the policy on every layer, apply its
- * decision. Policy ov_block also has issue 3's operations in OpenVINO's own
- * terms (scores, evict, state, rotation): they call the state operations of
- * policies/ov_block.h, and the replay keeps the host's token lists in step
- * with them, so `held` stays true whichever operations a trace mixes.
+ * decision. A policy may add operations in its own terms (ov_block: issue
+ * 3's scores, evict, state, rotation) through policy_ops.replay; the replay
+ * hands them the line through policies/policy_replay.h and knows none of
+ * them.
  */
 #include "replay.h"
 
@@ -21,12 +21,11 @@
 #include <jansson.h>
 
 #include "host.h"
-#include "ov_block.h"
 #include "policy.h"
+#include "policy_replay.h"
 
 #define EXIT_BAD 1   /* bad trace or invalid configuration */
 #define EXIT_USAGE 2 /* bad command line */
-#define MAX_ROTATION_BLOCKS (1u << 20)
 
 /* ---- output text ---------------------------------------------------------- */
 
@@ -36,15 +35,16 @@ typedef struct text {
     int oom;
 } text;
 
-static void put(text *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void vput(text *t, const char *fmt, va_list args) __attribute__((format(printf, 2, 0)));
 
-static void put(text *t, const char *fmt, ...)
+/* Append printf text, growing the buffer; t->oom is sticky. */
+static void vput(text *t, const char *fmt, va_list args)
 {
     if (t->oom)
         return;
     for (;;) {
         va_list ap;
-        va_start(ap, fmt);
+        va_copy(ap, args);
         int n = vsnprintf(t->buf ? t->buf + t->len : NULL, t->buf ? t->cap - t->len : 0, fmt, ap);
         va_end(ap);
         if (n < 0) {
@@ -64,6 +64,16 @@ static void put(text *t, const char *fmt, ...)
         t->buf = b;
         t->cap = cap;
     }
+}
+
+static void put(text *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static void put(text *t, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vput(t, fmt, ap);
+    va_end(ap);
 }
 
 /* The shortest %g text that reads back as v (JSON has no inf or nan). */
@@ -86,8 +96,6 @@ static void put_double(text *t, double v)
 
 typedef struct replay {
     const policy_ops *ops; /* the policy the user named */
-    policy_ops wrap;       /* ov_block: the host runs this wrapper */
-    int ov;                /* the policy is ov_block */
     policy_geometry g;
     policy_host *h;
     uint32_t heads; /* lists per layer */
@@ -97,30 +105,27 @@ typedef struct replay {
     text t;
 } replay;
 
+static void report(replay *r, const char *kind, const char *fmt, va_list ap)
+    __attribute__((format(printf, 3, 0)));
+
+/* One message about the current line on the error stream. */
+static void report(replay *r, const char *kind, const char *fmt, va_list ap)
+{
+    fprintf(r->err, "kvstash replay: line %lu: %s", r->line, kind);
+    vfprintf(r->err, fmt, ap);
+    fputc('\n', r->err);
+}
+
 static int fail(replay *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* Report a bad trace line; returns -1. */
 static int fail(replay *r, const char *fmt, ...)
 {
     va_list ap;
-    fprintf(r->err, "kvstash replay: line %lu: ", r->line);
     va_start(ap, fmt);
-    vfprintf(r->err, fmt, ap);
+    report(r, "", fmt, ap);
     va_end(ap);
-    fputc('\n', r->err);
     return -1;
-}
-
-static void note(replay *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-
-static void note(replay *r, const char *fmt, ...)
-{
-    va_list ap;
-    fprintf(r->err, "kvstash replay: line %lu: note: ", r->line);
-    va_start(ap, fmt);
-    vfprintf(r->err, fmt, ap);
-    va_end(ap);
-    fputc('\n', r->err);
 }
 
 /* Write the pending output line. */
@@ -134,89 +139,18 @@ static int emit(replay *r)
     return 0;
 }
 
-/*
- * ov_block in the host. The ov_block operations run on the policy's state
- * directly; when `evict` drops blocks, the replay makes the host drop the
- * same tokens by a host step whose decision is those blocks (apply_blocks
- * set). Every other step is the real ov_block step.
- */
-typedef struct ov_wrap {
-    const policy_ops *real;
-    void *inner;
-    const uint32_t *blocks; /* apply these logical blocks, when set */
-    size_t nblocks;
-    int apply_blocks;
-} ov_wrap;
-
-static int wrap_create(const policy_params *p, const policy_geometry *g, void **state, char *err,
-                       size_t errlen)
-{
-    *state = NULL;
-    ov_wrap *w = calloc(1, sizeof *w);
-    if (w == NULL) {
-        snprintf(err, errlen, "out of memory");
-        return -1;
-    }
-    w->real = policy_find("ov_block");
-    if (w->real == NULL || w->real->create(p, g, &w->inner, err, errlen) != 0) {
-        if (w->real == NULL)
-            snprintf(err, errlen, "policy ov_block is not built in");
-        free(w);
-        return -1;
-    }
-    *state = w;
-    return 0;
-}
-
-static int wrap_step(void *state, const policy_layer_view *view, const policy_stats *stats,
-                     policy_decision *d, char *err, size_t errlen)
-{
-    ov_wrap *w = state;
-    if (!w->apply_blocks)
-        return w->real->step(w->inner, view, stats, d, err, errlen);
-    uint32_t B = ov_block_block_size(w->inner);
-    for (size_t i = 0; i < w->nblocks; i++) {
-        uint64_t from = (uint64_t)w->blocks[i] * B;
-        if (from + B > view->tokens[0]) {
-            snprintf(err, errlen, "block %" PRIu32 " is beyond the %" PRIu32 " held tokens",
-                     w->blocks[i], view->tokens[0]);
-            return -1;
-        }
-        for (uint32_t t = 0; t < B; t++)
-            d->tier[0][from + t] = POLICY_EVICT;
-    }
-    return 0;
-}
-
-static char *wrap_describe(void *state, uint32_t layer)
-{
-    ov_wrap *w = state;
-    return w->real->describe(w->inner, layer);
-}
-
-static void wrap_destroy(void *state)
-{
-    ov_wrap *w = state;
-    if (w == NULL)
-        return;
-    if (w->inner != NULL)
-        w->real->destroy(w->inner);
-    free(w);
-}
-
-static ov_block *ov_state(replay *r)
-{
-    return ((ov_wrap *)policy_host_state(r->h))->inner;
-}
-
 /* ---- JSON helpers ---------------------------------------------------------- */
 
-/* A non-negative integer <= max. */
+/* A non-negative integer <= max. *out is set on every path (0 on error):
+ * GCC at -O3 cannot otherwise prove that callers which return on error
+ * never read it (-Wmaybe-uninitialized). */
 static int get_uint(replay *r, json_t *v, uint64_t max, uint64_t *out, const char *what)
 {
-    if (!json_is_integer(v) || json_integer_value(v) < 0 || (uint64_t)json_integer_value(v) > max)
+    json_int_t i = json_is_integer(v) ? json_integer_value(v) : -1;
+    *out = 0;
+    if (i < 0 || (uint64_t)i > max)
         return fail(r, "%s must be an integer in [0, %" PRIu64 "]", what, max);
-    *out = (uint64_t)json_integer_value(v);
+    *out = (uint64_t)i;
     return 0;
 }
 
@@ -622,222 +556,146 @@ static int op_state_generic(replay *r)
     return emit(r);
 }
 
-/* ---- ov_block operations ------------------------------------------------------- */
+/* ---- a policy's own operations (policies/policy_replay.h) --------------------- */
 
-static int op_ov_scores(replay *r, json_t *obj)
+/* The replay's side of policy_replay: jansson values and the replay's own
+ * checks and output, behind the interface a policy sees. */
+static const policy_replay_value *pr_field(void *ctx, const policy_replay_value *obj,
+                                           const char *key)
 {
-    static const char *const keys[] = {"scores", "snapkv", NULL};
-    if (only_keys(r, obj, keys, "scores") != 0)
-        return -1;
-    uint64_t nsnap = 0;
-    json_t *v = json_object_get(obj, "snapkv");
-    if (v != NULL && get_uint(r, v, UINT32_MAX, &nsnap, "scores: snapkv") != 0)
-        return -1;
-    json_t *s = json_object_get(obj, "scores");
-    uint32_t L = r->g.layers;
-    if (!json_is_array(s) || json_array_size(s) != L)
-        return fail(r, "scores: expected an array of %" PRIu32 " layer vectors", L);
-    size_t n = 0;
-    for (uint32_t l = 0; l < L; l++) {
-        json_t *ly = json_array_get(s, l);
-        if (!json_is_array(ly))
-            return fail(r, "scores: layer %" PRIu32 " is not an array of numbers", l);
-        if (l == 0)
-            n = json_array_size(ly);
-        else if (json_array_size(ly) != n)
-            return fail(r, "scores: layer %" PRIu32 " has %zu values, layer 0 has %zu", l,
-                        json_array_size(ly), n);
-    }
-    uint32_t held = policy_host_view(r->h, 0)->tokens[0];
-    if (n < held)
-        return fail(r,
-                    "scores: a registration of %zu scores is shorter than the %" PRIu32
-                    " tokens the sequence already holds (start area and tracked tokens)",
-                    n, held);
-    if (n > UINT32_MAX)
-        return fail(r, "scores: too many values");
-    arena a = {0};
-    double **vals = arena_alloc(&a, L * sizeof *vals);
-    size_t *lens = arena_alloc(&a, L * sizeof *lens);
-    int rc = -1;
-    if (vals == NULL || lens == NULL) {
-        fail(r, "out of memory");
-        goto out;
-    }
-    for (uint32_t l = 0; l < L; l++) {
-        json_t *ly = json_array_get(s, l);
-        vals[l] = arena_alloc(&a, n * sizeof **vals);
-        if (vals[l] == NULL) {
-            fail(r, "out of memory");
-            goto out;
-        }
-        lens[l] = n;
-        for (size_t i = 0; i < n; i++) {
-            json_t *x = json_array_get(ly, i);
-            if (!json_is_number(x)) {
-                fail(r, "scores: layer %" PRIu32 " value %zu is not a number", l, i);
-                goto out;
-            }
-            vals[l][i] = json_number_value(x);
-        }
-    }
-    /* The sequence grows to the registration's length. */
-    if (n > held && policy_host_append(r->h, (uint32_t)(n - held)) != 0) {
-        fail(r, "scores: cannot append %zu tokens", n - held);
-        goto out;
-    }
-    ov_block *st = ov_state(r);
-    ov_reg_status status;
-    char err[POLICY_ERR_LEN] = "";
-    if (ov_block_register(st, (const double *const *)vals, lens, (uint32_t)nsnap, &status, err,
-                          sizeof err) != 0) {
-        fail(r, "scores: %s", err);
-        goto out;
-    }
-    if (status == OV_REG_BEFORE_WINDOW)
-        note(r,
-             "registration ignored: snapkv 0 while the SnapKV window (snapkv_window=%" PRIu32
-             ") is open and nothing is tracked yet (OpenVINO skips prompt chunks before the "
-             "window)",
-             ov_block_snapkv_window(st));
-    else if (status == OV_REG_SHORT)
-        note(r,
-             "registration ignored: %zu scores do not reach past the start area "
-             "(start_size=%" PRIu32 ")",
-             n, ov_block_start_size(st));
-    rc = 0;
-out:
-    arena_free(&a);
-    return rc;
+    (void)ctx;
+    return (const policy_replay_value *)json_object_get((const json_t *)obj, key);
 }
 
-static int op_ov_evict(replay *r, json_t *obj)
+static int pr_is_object(void *ctx, const policy_replay_value *v)
 {
-    static const char *const keys[] = {"evict", NULL};
-    if (only_keys(r, obj, keys, "evict") != 0 ||
-        get_true(r, json_object_get(obj, "evict"), "evict") != 0)
-        return -1;
-    ov_block *st = ov_state(r);
-    ov_wrap *w = policy_host_state(r->h);
-    put(&r->t, "{\"evicted_blocks\":[");
-    for (uint32_t l = 0; l < r->g.layers; l++) {
-        uint32_t *b = NULL;
-        size_t nb = 0;
-        char err[POLICY_ERR_LEN] = "";
-        if (ov_block_evict(st, l, &b, &nb, err, sizeof err) != 0)
-            return fail(r, "evict: layer %" PRIu32 ": %s", l, err);
-        put(&r->t, "%s[", l ? "," : "");
-        for (size_t i = 0; i < nb; i++)
-            put(&r->t, "%s%" PRIu32, i ? "," : "", b[i]);
-        put(&r->t, "]");
-        /* Drop the same tokens from the host's list of this layer. */
-        const policy_decision *d;
-        policy_stats none = {.confidence = -1.0};
-        w->blocks = b;
-        w->nblocks = nb;
-        w->apply_blocks = 1;
-        int rc = policy_host_step(r->h, l, &none, &d, err, sizeof err);
-        w->apply_blocks = 0;
-        free(b);
-        if (rc != 0)
-            return fail(r, "evict: layer %" PRIu32 ": %s", l, err);
-        policy_host_commit(r->h, l);
-    }
-    put(&r->t, "]}");
-    return emit(r);
+    (void)ctx;
+    return json_is_object((const json_t *)v);
 }
 
-static int op_ov_state(replay *r)
+static size_t pr_array_size(void *ctx, const policy_replay_value *v)
 {
-    ov_block *st = ov_state(r);
-    put(&r->t, "{\"scores\":[");
-    for (uint32_t l = 0; l < r->g.layers; l++) {
-        const double *acc = ov_block_scores(st, l);
-        size_t n = ov_block_tracked(st, l);
-        put(&r->t, "%s[", l ? "," : "");
-        for (size_t i = 0; i < n; i++) {
-            if (i)
-                put(&r->t, ",");
-            put_double(&r->t, acc[i]);
-        }
-        put(&r->t, "]");
-    }
-    put(&r->t, "],\"counters\":[");
-    for (uint32_t l = 0; l < r->g.layers; l++) {
-        const uint64_t *c = ov_block_counters(st, l);
-        size_t n = c ? ov_block_tracked(st, l) : 0;
-        put(&r->t, "%s[", l ? "," : "");
-        for (size_t i = 0; i < n; i++)
-            put(&r->t, "%s%" PRIu64, i ? "," : "", c[i]);
-        put(&r->t, "]");
-    }
-    put(&r->t, "]}");
-    return emit(r);
+    (void)ctx;
+    return json_is_array((const json_t *)v) ? json_array_size((const json_t *)v) : SIZE_MAX;
 }
 
-static int op_ov_rotation(replay *r, json_t *obj)
+static const policy_replay_value *pr_item(void *ctx, const policy_replay_value *arr, size_t i)
 {
-    static const char *const keys[] = {"rotation", NULL};
-    static const char *const rkeys[] = {"evicted", "blocks_before", NULL};
-    if (only_keys(r, obj, keys, "rotation") != 0)
+    (void)ctx;
+    return (const policy_replay_value *)json_array_get((const json_t *)arr, i);
+}
+
+static int pr_number(void *ctx, const policy_replay_value *v, double *out)
+{
+    (void)ctx;
+    if (!json_is_number((const json_t *)v))
         return -1;
-    json_t *rot = json_object_get(obj, "rotation");
-    if (!json_is_object(rot))
-        return fail(r, "rotation: the value must be an object {\"evicted\": [...], "
-                       "\"blocks_before\": n}");
-    if (only_keys(r, rot, rkeys, "rotation") != 0)
-        return -1;
-    json_t *ev = json_object_get(rot, "evicted"), *nb = json_object_get(rot, "blocks_before");
-    if (!json_is_array(ev))
-        return fail(r, "rotation: evicted must be an array of block indices");
-    if (nb == NULL)
-        return fail(r, "rotation: blocks_before is missing");
-    uint64_t before;
-    if (get_uint(r, nb, MAX_ROTATION_BLOCKS, &before, "rotation: blocks_before") != 0)
-        return -1;
-    size_t ne = json_array_size(ev);
-    uint32_t *e = malloc((ne ? ne : 1) * sizeof *e);
-    if (e == NULL)
-        return fail(r, "out of memory");
-    for (size_t i = 0; i < ne; i++) {
-        uint64_t b;
-        char what[48];
-        snprintf(what, sizeof what, "rotation: evicted[%zu]", i);
-        if (get_uint(r, json_array_get(ev, i), UINT32_MAX, &b, what) != 0) {
-            free(e);
-            return -1;
-        }
-        e[i] = (uint32_t)b;
-    }
-    ov_block *st = ov_state(r);
-    ov_rotation *rows = NULL;
-    size_t n = 0;
-    char err[POLICY_ERR_LEN] = "";
-    int rc = ov_block_rotation(st, e, ne, (uint32_t)before, &rows, &n, err, sizeof err);
-    free(e);
-    if (rc != 0)
-        return fail(r, "rotation: %s", err);
-    uint32_t half = ov_block_head_size(st) / 2;
-    put(&r->t, "{\"rotated\":[");
-    for (size_t i = 0; i < n; i++) {
-        put(&r->t, "%s{\"block\":%" PRIu32 ",\"delta\":%" PRIu32 ",\"sin\":[", i ? "," : "",
-            rows[i].block, rows[i].delta);
-        for (uint32_t j = 0; j < half; j++) {
-            if (j)
-                put(&r->t, ",");
-            put_double(&r->t, rows[i].sin_row[j]);
-        }
-        put(&r->t, "],\"cos\":[");
-        for (uint32_t j = 0; j < half; j++) {
-            if (j)
-                put(&r->t, ",");
-            put_double(&r->t, rows[i].cos_row[j]);
-        }
-        put(&r->t, "]}");
-    }
-    put(&r->t, "]}");
-    free(rows);
-    return emit(r);
+    *out = json_number_value((const json_t *)v);
+    return 0;
+}
+
+static int pr_only_keys(void *ctx, const policy_replay_value *obj, const char *const *keys,
+                        const char *what)
+{
+    return only_keys(ctx, (json_t *)obj, keys, what);
+}
+
+static int pr_get_uint(void *ctx, const policy_replay_value *v, uint64_t max, uint64_t *out,
+                       const char *what)
+{
+    return get_uint(ctx, (json_t *)v, max, out, what);
+}
+
+static int pr_get_true(void *ctx, const policy_replay_value *v, const char *op)
+{
+    return get_true(ctx, (json_t *)v, op);
+}
+
+static int pr_fail(void *ctx, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static int pr_fail(void *ctx, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    report(ctx, "", fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
+static void pr_note(void *ctx, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static void pr_note(void *ctx, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    report(ctx, "note: ", fmt, ap);
+    va_end(ap);
+}
+
+static void pr_put(void *ctx, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static void pr_put(void *ctx, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vput(&((replay *)ctx)->t, fmt, ap);
+    va_end(ap);
+}
+
+static void pr_put_double(void *ctx, double v)
+{
+    put_double(&((replay *)ctx)->t, v);
+}
+
+static int pr_emit(void *ctx)
+{
+    return emit(ctx);
+}
+
+/* The policy's operation that `obj` names, or NULL. */
+static const char *policy_op(const policy_ops *ops, json_t *obj)
+{
+    for (size_t i = 0; ops->replay_ops != NULL && ops->replay_ops[i] != NULL; i++)
+        if (json_object_get(obj, ops->replay_ops[i]) != NULL)
+            return ops->replay_ops[i];
+    return NULL;
+}
+
+static int op_policy(replay *r, json_t *obj, const char *op)
+{
+    policy_replay pr = {
+        .host = r->h,
+        .layers = r->g.layers,
+        .line = (const policy_replay_value *)obj,
+        .ctx = r,
+        .field = pr_field,
+        .is_object = pr_is_object,
+        .array_size = pr_array_size,
+        .item = pr_item,
+        .number = pr_number,
+        .only_keys = pr_only_keys,
+        .get_uint = pr_get_uint,
+        .get_true = pr_get_true,
+        .fail = pr_fail,
+        .note = pr_note,
+        .put = pr_put,
+        .put_double = pr_put_double,
+        .emit = pr_emit,
+    };
+    return r->ops->replay(&pr, op);
+}
+
+/* The policy that has operation k, when it is not the replayed one. */
+static const policy_ops *owner_of(const replay *r, const char *k)
+{
+    size_t n;
+    const policy_ops *const *all = policy_list(&n);
+    for (size_t i = 0; i < n; i++)
+        for (size_t j = 0;
+             all[i] != r->ops && all[i]->replay_ops != NULL && all[i]->replay_ops[j] != NULL; j++)
+            if (strcmp(all[i]->replay_ops[j], k) == 0)
+                return all[i];
+    return NULL;
 }
 
 /* ---- dispatch -------------------------------------------------------------------- */
@@ -849,6 +707,7 @@ static int run_line(replay *r, const char *text)
     if (obj == NULL)
         return fail(r, "invalid JSON: %s (column %d)", je.text, je.column);
     int rc;
+    const char *own = json_is_object(obj) ? policy_op(r->ops, obj) : NULL;
     if (!json_is_object(obj)) {
         rc = fail(r, "expected a JSON object with one operation");
     } else if (json_object_get(obj, "append") != NULL) {
@@ -857,26 +716,22 @@ static int run_line(replay *r, const char *text)
         rc = op_step(r, obj);
     } else if (json_object_get(obj, "held") != NULL) {
         rc = op_held(r, obj);
+    } else if (own != NULL) {
+        rc = op_policy(r, obj, own);
     } else if (json_object_get(obj, "state") != NULL) {
         static const char *const keys[] = {"state", NULL};
         rc = only_keys(r, obj, keys, "state");
         if (rc == 0)
             rc = get_true(r, json_object_get(obj, "state"), "state");
         if (rc == 0)
-            rc = r->ov ? op_ov_state(r) : op_state_generic(r);
-    } else if (r->ov && json_object_get(obj, "scores") != NULL) {
-        rc = op_ov_scores(r, obj);
-    } else if (r->ov && json_object_get(obj, "evict") != NULL) {
-        rc = op_ov_evict(r, obj);
-    } else if (r->ov && json_object_get(obj, "rotation") != NULL) {
-        rc = op_ov_rotation(r, obj);
+            rc = op_state_generic(r);
     } else {
         const char *k = json_object_iter_key(json_object_iter(obj));
+        const policy_ops *owner = k != NULL ? owner_of(r, k) : NULL;
         if (k == NULL)
             rc = fail(r, "empty object: expected an operation");
-        else if (!r->ov && (strcmp(k, "scores") == 0 || strcmp(k, "evict") == 0 ||
-                            strcmp(k, "rotation") == 0 || strcmp(k, "snapkv") == 0))
-            rc = fail(r, "operation '%s' is only for policy ov_block", k);
+        else if (owner != NULL)
+            rc = fail(r, "operation '%s' is only for policy %s", k, owner->name);
         else
             rc = fail(r, "unknown operation '%s'", k);
     }
@@ -1037,17 +892,7 @@ static int setup(replay *r, const options *o, FILE *err)
         fprintf(err, "kvstash replay: invalid configuration: %s\n", msg);
         return -1;
     }
-    const policy_ops *run = r->ops;
-    r->ov = strcmp(r->ops->name, "ov_block") == 0;
-    if (r->ov) {
-        r->wrap = *r->ops;
-        r->wrap.create = wrap_create;
-        r->wrap.step = wrap_step;
-        r->wrap.describe = wrap_describe;
-        r->wrap.destroy = wrap_destroy;
-        run = &r->wrap;
-    }
-    if (policy_host_create(run, &p, &r->g, &r->h, msg, sizeof msg) != 0) {
+    if (policy_host_create(r->ops, &p, &r->g, &r->h, msg, sizeof msg) != 0) {
         fprintf(err, "kvstash replay: invalid configuration: %s\n", msg);
         return -1;
     }

@@ -8,6 +8,7 @@
 
 #include <ini.h>
 
+#include "backend.h"
 #include "log.h"
 
 static const config_option options[] = {
@@ -27,6 +28,9 @@ static const config_option options[] = {
      "port 0 picks one); loopback only unless metrics-allow-remote"},
     {"metrics-allow-remote", CONFIG_BOOL, 0, 0,
      "let --metrics listen on a non-loopback address (no authentication, no TLS)"},
+    {"backend", CONFIG_BACKEND, 0, 0,
+     "where pools live: host (shared memory, the default) or shadow (host memory behind "
+     "addresses that fault on direct access: a test backend, README)"},
     {"drain-ms", CONFIG_COUNT, 0, 600000,
      "on SIGTERM, report NOT_SERVING (health, /healthz) this long before stopping "
      "(default 0; a second signal stops at once)"},
@@ -51,6 +55,7 @@ void config_defaults(daemon_config *c)
     c->max_seqs = 65536;
     c->threads = 2;
     snprintf(c->log_level, sizeof c->log_level, "info");
+    snprintf(c->backend, sizeof c->backend, "%s", backend_host.name);
 }
 
 /* "pool_mb" and "pool-mb" both name option "pool-mb". */
@@ -157,6 +162,13 @@ int config_set(daemon_config *c, const char *key, const char *value, char *err, 
             return -1;
         }
         return set_text(c->log_level, sizeof c->log_level, o->key, value, err, errlen);
+    case CONFIG_BACKEND:
+        if (backend_find(value) == NULL) {
+            snprintf(err, errlen, "%s must be one of %s, got '%.32s'", o->key, backend_names(),
+                     value);
+            return -1;
+        }
+        return set_text(c->backend, sizeof c->backend, o->key, value, err, errlen);
     }
     return -1;
 }
@@ -228,6 +240,9 @@ void config_print(const daemon_config *c, const char *source, FILE *f)
             break;
         case CONFIG_LEVEL:
             fprintf(f, "%s = %s\n", key, c->log_level);
+            break;
+        case CONFIG_BACKEND:
+            fprintf(f, "%s = %s\n", key, c->backend);
             break;
         }
     }

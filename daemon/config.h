@@ -26,6 +26,7 @@ typedef struct daemon_config {
     char listen[128];           /* TCP gRPC address, "" = none */
     unsigned long pool_mb, max_pools, max_sessions, max_seqs, threads;
     char log_level[8];
+    char backend[16];         /* backend.h: "host" (default) or "shadow" (tests) */
     char metrics[128];        /* HTTP /metrics address, "" = none */
     int metrics_allow_remote; /* serve /metrics on a non-loopback address */
     unsigned long drain_ms;   /* NOT_SERVING this long before stopping */
@@ -37,7 +38,8 @@ typedef enum config_kind {
     CONFIG_ADDR,
     CONFIG_COUNT,
     CONFIG_BOOL,
-    CONFIG_LEVEL
+    CONFIG_LEVEL,
+    CONFIG_BACKEND
 } config_kind;
 
 typedef struct config_option {

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "log.h"
+#include "ring.h"
 
 #define FDSOCK_MSG_MAX 320
 #define FDSOCK_MAX_CONNS 4096
@@ -124,7 +125,7 @@ static void handle_ring(fdsock *fs, conn *c)
     int fd = -1;
     size_t bytes = 0;
     status s;
-    status_code rc = store_ring_fd(fs->store, c->id, &fd, &bytes, &s);
+    status_code rc = store_transport_fd(fs->store, c->id, ring_transport_open, &fd, &bytes, &s);
     reply_fd(c, rc, &s, fd, bytes);
 }
 

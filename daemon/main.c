@@ -16,6 +16,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "backend.h"
 #include "config.h"
 #include "events.h"
 #include "fdsock.h"
@@ -51,11 +52,12 @@ static void usage(FILE *out)
     const config_option *opt = config_options(&n);
     fprintf(out, "usage: kvstashd [--config FILE] [options]\n");
     for (size_t i = 0; i < n; i++) {
-        const char *arg = opt[i].kind == CONFIG_BOOL    ? ""
-                          : opt[i].kind == CONFIG_PATH  ? " PATH"
-                          : opt[i].kind == CONFIG_ADDR  ? " ADDR"
-                          : opt[i].kind == CONFIG_LEVEL ? " L"
-                                                        : " N";
+        const char *arg = opt[i].kind == CONFIG_BOOL      ? ""
+                          : opt[i].kind == CONFIG_PATH    ? " PATH"
+                          : opt[i].kind == CONFIG_ADDR    ? " ADDR"
+                          : opt[i].kind == CONFIG_LEVEL   ? " L"
+                          : opt[i].kind == CONFIG_BACKEND ? " NAME"
+                                                          : " N";
         fprintf(out, "  --%s%s\n", opt[i].key, arg);
         print_wrapped(out, opt[i].help);
     }
@@ -222,12 +224,23 @@ static void remove_files(const char *socket)
 }
 
 typedef struct daemon_parts {
-    store store;
+    store *store;
     events *events;
     fdsock *fdsock;
     rpc_server *rpc;
     metrics *metrics; /* NULL without --metrics */
 } daemon_parts;
+
+/* metrics_source: /metrics and /healthz read the store through these. */
+static int source_snapshot(void *st, snapshot *out)
+{
+    return store_snapshot(st, out);
+}
+
+static int source_serving(void *st)
+{
+    return store_serving(st);
+}
 
 /* Counters, and the HTTP endpoint, when --metrics asks for them. */
 static int start_metrics(const daemon_config *o, daemon_parts *d)
@@ -241,8 +254,9 @@ static int start_metrics(const daemon_config *o, daemon_parts *d)
         log_error("start_failed", "what=metrics msg=\"%s\"", "out of memory");
         return -1;
     }
-    d->store.metrics = d->metrics;
-    if (metrics_http_start(d->metrics, &d->store, o->metrics, o->metrics_allow_remote, &st) !=
+    store_set_metrics(d->store, d->metrics);
+    metrics_source source = {d->store, source_snapshot, source_serving};
+    if (metrics_http_start(d->metrics, &source, o->metrics, o->metrics_allow_remote, &st) !=
         ST_OK) {
         log_error("start_failed", "what=metrics msg=\"%s\"", st.msg);
         return -1;
@@ -257,7 +271,7 @@ static int start(const daemon_config *o, daemon_parts *d)
 {
 
     store_config cfg = {(size_t)o->pool_mb << 20, (uint32_t)o->max_pools, (uint32_t)o->max_sessions,
-                        (uint32_t)o->max_seqs};
+                        (uint32_t)o->max_seqs, backend_find(o->backend)};
     char path[PATH_MAX + 16];
     status st;
     snprintf(path, sizeof path, "ipc://%s.events", o->socket);
@@ -265,14 +279,14 @@ static int start(const daemon_config *o, daemon_parts *d)
         log_error("start_failed", "what=events msg=\"%s\"", st.msg);
         return -1;
     }
-    if (store_init(&d->store, &cfg, d->events) != 0) {
+    if ((d->store = store_create(&cfg, d->events)) == NULL) {
         log_error("start_failed", "what=store msg=\"%s\"", "out of memory");
         return -1;
     }
     if (start_metrics(o, d) != 0)
         return -1;
     snprintf(path, sizeof path, "%s.fd", o->socket);
-    if (fdsock_start(path, &d->store, &d->fdsock, &st) != ST_OK) {
+    if (fdsock_start(path, d->store, &d->fdsock, &st) != ST_OK) {
         log_error("start_failed", "what=fdsock msg=\"%s\"", st.msg);
         return -1;
     }
@@ -281,7 +295,7 @@ static int start(const daemon_config *o, daemon_parts *d)
     rpc_config rc = {o->socket, o->listen[0] ? o->listen : NULL, (int)o->threads,
                      d->metrics != NULL ? metrics_rpc : NULL, d->metrics};
     unlink(o->socket); /* stale from a dead daemon: our lock proves it dead */
-    if (rpc_server_start(&rc, methods, nmethods, &d->store, &d->rpc, &st) != ST_OK) {
+    if (rpc_server_start(&rc, methods, nmethods, d->store, &d->rpc, &st) != ST_OK) {
         log_error("start_failed", "what=grpc msg=\"%s\"", st.msg);
         return -1;
     }
@@ -290,11 +304,11 @@ static int start(const daemon_config *o, daemon_parts *d)
 
 static void stop(daemon_parts *d)
 {
-    store_begin_shutdown(&d->store);
+    store_begin_shutdown(d->store);
     rpc_server_stop(d->rpc); /* ends every lease: sessions are reclaimed */
     fdsock_stop(d->fdsock);
     metrics_http_stop(d->metrics); /* a scrape reads the store */
-    store_destroy(&d->store);
+    store_destroy(d->store);
     metrics_destroy(d->metrics);
     events_close(d->events);
 }
@@ -304,7 +318,7 @@ static void stop(daemon_parts *d)
  * before the sockets go; a second signal cuts the wait short. */
 static void drain(daemon_parts *d, const sigset_t *sigs, unsigned long drain_ms)
 {
-    store_begin_shutdown(&d->store);
+    store_begin_shutdown(d->store);
     if (drain_ms == 0)
         return;
     log_info("draining", "ms=%lu", drain_ms);

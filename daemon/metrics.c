@@ -12,8 +12,8 @@
 
 #include <microhttpd.h>
 
+#include "kvstash_step.h"
 #include "log.h"
-#include "store.h"
 
 /* gRPC status codes 0..16. */
 #define RPC_CODES 17
@@ -62,7 +62,7 @@ struct metrics {
     hist *sketch_hist;                 /* [npolicies] */
     _Atomic uint64_t reclaimed[NREASONS];
     struct MHD_Daemon *http;
-    struct store *store;
+    metrics_source source; /* what /metrics and /healthz read */
     unsigned port;
 };
 
@@ -188,93 +188,73 @@ struct metrics_mass {
     double *weight; /* the step's attention on each of them */
 };
 
-/* Floats of one layer's statistics in a step (seq.c layer_stats, proto/kvstash_ring.h):
- * score, then per query head last_attn and window_attn, then per KV head
- * vnorm. With `mm`, adds the layer's attention to mm's weights. */
-static size_t layer_floats(seq *q, uint32_t l, unsigned arrays, const float *data, metrics_mass *mm)
+static step_shape shape_of(const metrics_lists *v, unsigned arrays)
 {
-    uint32_t qh = q->pool->geom.q_heads, kv = q->pool->geom.kv_heads, group = qh / kv;
-    size_t off = 0;
-    /* Which array is the attention: score, else last_attn, else window_attn. */
-    unsigned use = arrays & POLICY_NEEDS_SCORE       ? POLICY_NEEDS_SCORE
-                   : arrays & POLICY_NEEDS_LAST_ATTN ? POLICY_NEEDS_LAST_ATTN
-                                                     : POLICY_NEEDS_WINDOW_ATTN;
-    if (arrays & POLICY_NEEDS_SCORE) {
-        uint32_t n = seq_list_tokens(q, l, 0, NULL);
-        for (uint32_t i = 0; mm != NULL && i < n; i++)
-            mm->weight[mm->start[(size_t)l * q->heads] + i] += data[off + i];
-        off += n;
-    }
-    const unsigned kinds[3] = {POLICY_NEEDS_LAST_ATTN, POLICY_NEEDS_WINDOW_ATTN,
-                               POLICY_NEEDS_VNORM};
-    for (int k = 0; k < 3; k++) {
-        if (!(arrays & kinds[k]))
-            continue;
-        uint32_t rows = k < 2 ? qh : kv, per_list = k < 2 ? group : 1;
-        for (uint32_t h = 0; h < rows; h++) {
-            uint32_t list = q->heads == 1 ? 0 : h / per_list;
-            uint32_t n = seq_list_tokens(q, l, list, NULL);
-            size_t base = mm != NULL ? mm->start[(size_t)l * q->heads + list] : 0;
-            for (uint32_t i = 0; mm != NULL && kinds[k] == use && i < n; i++)
-                mm->weight[base + i] += data[off + i];
-            off += n;
-        }
-    }
-    return off;
+    return (step_shape){v->layers, v->q_heads, v->kv_heads, v->heads, arrays & STEP_ARRAYS};
 }
 
-metrics_mass *metrics_mass_begin(metrics *m, seq *q, const seq_step_input *in)
+metrics_mass *metrics_mass_begin(metrics *m, const metrics_lists *before, unsigned arrays,
+                                 const float *data, size_t nfloats)
 {
-    unsigned attn = POLICY_NEEDS_SCORE | POLICY_NEEDS_LAST_ATTN | POLICY_NEEDS_WINDOW_ATTN;
-    if (m == NULL || in->data == NULL || !(in->arrays & attn))
+    unsigned attn = STEP_SCORE | STEP_LAST_ATTN | STEP_WINDOW_ATTN;
+    if (m == NULL || data == NULL || !(arrays & attn))
         return NULL;
-    if ((in->arrays & POLICY_NEEDS_SCORE) && q->heads != 1)
+    if ((arrays & STEP_SCORE) && before->heads != 1)
         return NULL; /* seq_step refuses it */
-    size_t want = 0;
-    for (uint32_t l = 0; l < q->nlayers; l++)
-        want += layer_floats(q, l, in->arrays, NULL, NULL);
-    if (want != in->nfloats)
+    step_shape sh = shape_of(before, arrays);
+    if (step_floats(&sh, before->ntokens) != nfloats)
         return NULL; /* seq_step refuses it too */
     metrics_mass *mm = calloc(1, sizeof *mm);
     if (mm == NULL)
         return NULL;
-    mm->nlists = q->nlayers * q->heads;
+    mm->nlists = before->layers * before->heads;
     mm->start = calloc(mm->nlists + 1, sizeof *mm->start);
     if (mm->start == NULL)
         goto fail;
     for (uint32_t i = 0; i < mm->nlists; i++)
-        mm->start[i + 1] = mm->start[i] + seq_list_tokens(q, i / q->heads, i % q->heads, NULL);
+        mm->start[i + 1] = mm->start[i] + before->ntokens[i];
     size_t total = mm->start[mm->nlists];
     mm->pos = malloc((total ? total : 1) * sizeof *mm->pos);
     mm->weight = calloc(total ? total : 1, sizeof *mm->weight);
     if (mm->pos == NULL || mm->weight == NULL)
         goto fail;
-    for (uint32_t i = 0; i < mm->nlists; i++) {
-        const uint32_t *pos;
-        uint32_t n = seq_list_tokens(q, i / q->heads, i % q->heads, &pos);
-        memcpy(mm->pos + mm->start[i], pos, (size_t)n * sizeof *pos);
+    for (uint32_t i = 0; i < mm->nlists; i++)
+        if (before->ntokens[i] > 0)
+            memcpy(mm->pos + mm->start[i], before->positions[i],
+                   (size_t)before->ntokens[i] * sizeof *mm->pos);
+    /* Which array is the attention: score, else last_attn, else window_attn;
+     * its rows add up per token of the list they read (proto/kvstash_step.h). */
+    unsigned use = arrays & STEP_SCORE       ? STEP_SCORE
+                   : arrays & STEP_LAST_ATTN ? STEP_LAST_ATTN
+                                             : STEP_WINDOW_ATTN;
+    step_cursor c;
+    step_cursor_init(&c, &sh, before->ntokens);
+    while (step_cursor_next(&c)) {
+        if (c.kind != use)
+            continue;
+        double *w = mm->weight + mm->start[(size_t)c.layer * before->heads + c.list];
+        for (uint32_t i = 0; i < c.count; i++)
+            w[i] += data[c.offset + i];
     }
-    size_t off = 0;
-    for (uint32_t l = 0; l < q->nlayers; l++)
-        off += layer_floats(q, l, in->arrays, in->data + off, mm);
     return mm;
 fail:
-    metrics_mass_end(NULL, mm, q, 0);
+    metrics_mass_end(NULL, mm, NULL, NULL, 0);
     return NULL;
 }
 
-void metrics_mass_end(metrics *m, metrics_mass *mm, seq *q, int ok)
+void metrics_mass_end(metrics *m, metrics_mass *mm, const policy_ops *p, const metrics_lists *after,
+                      int ok)
 {
     if (mm == NULL)
         return;
-    long pi = m != NULL && ok ? policy_index(m, q->policy) : -1;
-    for (uint32_t l = 0; pi >= 0 && l < q->nlayers; l++) {
+    long pi = m != NULL && ok ? policy_index(m, p) : -1;
+    for (uint32_t l = 0; pi >= 0 && l < after->layers; l++) {
         double dropped = 0, total = 0;
         int any = 0;
-        for (uint32_t k = 0; k < q->heads; k++) {
-            size_t li = (size_t)l * q->heads + k, b = mm->start[li], e = mm->start[li + 1];
-            const uint32_t *now;
-            uint32_t n = seq_list_tokens(q, l, k, &now), j = 0;
+        for (uint32_t k = 0; k < after->heads; k++) {
+            size_t li = (size_t)l * after->heads + k, b = mm->start[li], e = mm->start[li + 1];
+            const uint32_t *now = after->positions[li];
+            uint32_t n = after->ntokens[li], j = 0;
             /* Both lists ascend and the new one is a subsequence of the old. */
             for (size_t i = b; i < e; i++) {
                 double w = mm->weight[i];
@@ -301,75 +281,27 @@ void metrics_mass_end(metrics *m, metrics_mass *mm, seq *q, int ok)
 
 /* ---- the exposition --------------------------------------------------------- */
 
-/* Gauges copied out of the store under its lock. */
-typedef struct pool_snap {
-    uint64_t id, bytes, block_bytes;
-    uint32_t total, nfree, retired;
-    uint64_t int8_bytes, sketch_bytes; /* over its sequences (seq_tier_usage) */
-    char model[65];
-} pool_snap;
-
-typedef struct store_snap {
-    int serving;
-    uint64_t uptime_ms, events;
-    size_t npools, workers;
-    pool_snap *pools;
+/* The gauges of policies, summed over a store snapshot's sequences. */
+typedef struct policy_gauges {
     uint64_t *seqs;   /* [npolicies] */
     uint64_t *tokens; /* [npolicies * 3]: fp16, int8, sketch */
-} store_snap;
+} policy_gauges;
 
-static int snapshot(metrics *m, store *st, store_snap *s)
+static int policy_gauges_sum(const metrics *m, const snapshot *s, policy_gauges *g)
 {
-    memset(s, 0, sizeof *s);
-    s->pools = calloc(st->cfg.max_pools + 1, sizeof *s->pools);
-    s->seqs = calloc(m->npolicies + 1, sizeof *s->seqs);
-    s->tokens = calloc(3 * m->npolicies + 1, sizeof *s->tokens);
-    if (s->pools == NULL || s->seqs == NULL || s->tokens == NULL)
+    g->seqs = calloc(m->npolicies + 1, sizeof *g->seqs);
+    g->tokens = calloc(3 * m->npolicies + 1, sizeof *g->tokens);
+    if (g->seqs == NULL || g->tokens == NULL)
         return -1;
-    store_lock(st);
-    s->serving = st->serving;
-    s->uptime_ms = store_now_ms() - st->start_ms;
-    s->events = events_count(st->events);
-    for (session *se = st->sessions; se != NULL; se = se->next)
-        s->workers += se->attached != 0;
-    for (uint32_t i = 0; i < st->cfg.max_pools; i++) {
-        const pool *p = st->pools[i];
-        if (p == NULL)
-            continue;
-        pool_snap *ps = &s->pools[s->npools++];
-        ps->id = p->id;
-        ps->bytes = p->bytes;
-        ps->block_bytes = p->block_bytes;
-        ps->total = p->block_count;
-        ps->nfree = p->nfree;
-        snprintf(ps->model, sizeof ps->model, "%s", p->model);
-    }
-    for (size_t i = 0; i < st->nseqs; i++) {
-        seq *q = st->seqs[i];
-        uint64_t tokens[3], bytes[3];
-        seq_tier_usage(q, tokens, bytes);
-        for (size_t k = 0; k < s->npools; k++)
-            if (s->pools[k].id == q->pool->id) {
-                s->pools[k].retired += (uint32_t)seq_retired_count(q);
-                s->pools[k].int8_bytes += bytes[POLICY_INT8];
-                s->pools[k].sketch_bytes += bytes[POLICY_SKETCH];
-            }
-        long pi = policy_index(m, q->policy);
+    for (size_t i = 0; i < s->nseqs; i++) {
+        long pi = policy_index(m, s->seqs[i].policy);
         if (pi < 0)
             continue;
-        s->seqs[pi]++;
+        g->seqs[pi]++;
         for (int t = 0; t < 3; t++)
-            s->tokens[3 * (size_t)pi + (size_t)t] += tokens[t];
+            g->tokens[3 * (size_t)pi + (size_t)t] += s->seqs[i].tier_tokens[t];
     }
-    store_unlock(st);
     return 0;
-}
-
-static void snapshot_free(store_snap *s)
-{
-    free(s->pools);
-    free(s->seqs);
-    free(s->tokens);
 }
 
 static void head(FILE *f, const char *name, const char *type, const char *help)
@@ -398,10 +330,11 @@ static void hist_print(FILE *f, const char *name, const char *labels, const hist
             (unsigned long long)cum);
 }
 
-static void print_store(FILE *f, const metrics *m, const store_snap *s)
+static void print_store(FILE *f, const metrics *m, const snapshot *s, const policy_gauges *g)
 {
     head(f, "kvstash_build_info", "gauge", "kvstashd version and memory backend.");
-    fprintf(f, "kvstash_build_info{version=\"%s\",backend=\"host\"} 1\n", KVSTASH_VERSION);
+    fprintf(f, "kvstash_build_info{version=\"%s\",backend=\"%s\"} 1\n", KVSTASH_VERSION,
+            s->backend != NULL ? s->backend : "host");
     head(f, "kvstash_serving", "gauge", "1 while serving, 0 once shutdown began.");
     fprintf(f, "kvstash_serving %d\n", s->serving);
     head(f, "kvstash_uptime_seconds", "gauge", "Seconds since kvstashd started.");
@@ -423,10 +356,10 @@ static void print_store(FILE *f, const metrics *m, const store_snap *s)
     head(f, "kvstash_pool_blocks", "gauge",
          "Blocks of a pool: free, used (in tables), retired (waiting for a worker's epoch ack).");
     for (size_t i = 0; i < s->npools; i++) {
-        const pool_snap *p = &s->pools[i];
-        uint32_t used = p->total - p->nfree - p->retired;
+        const snapshot_pool *p = &s->pools[i];
+        uint32_t used = p->blocks_total - p->blocks_free - p->blocks_retired;
         const char *states[3] = {"free", "used", "retired"};
-        uint32_t v[3] = {p->nfree, used, p->retired};
+        uint32_t v[3] = {p->blocks_free, used, p->blocks_retired};
         for (int k = 0; k < 3; k++)
             fprintf(f, "kvstash_pool_blocks{pool=\"%llu\",model=\"%s\",state=\"%s\"} %u\n",
                     (unsigned long long)p->id, p->model, states[k], v[k]);
@@ -436,8 +369,8 @@ static void print_store(FILE *f, const metrics *m, const store_snap *s)
          "not free and not INT8, retired and revive scratch included), int8 (pool blocks "
          "holding INT8 blocks), sketch (count-sketch cells, daemon memory).");
     for (size_t i = 0; i < s->npools; i++) {
-        const pool_snap *p = &s->pools[i];
-        uint64_t used = (uint64_t)(p->total - p->nfree) * p->block_bytes;
+        const snapshot_pool *p = &s->pools[i];
+        uint64_t used = (uint64_t)(p->blocks_total - p->blocks_free) * p->block_bytes;
         const char *tier[3] = {"fp16", "int8", "sketch"};
         uint64_t v[3] = {used - p->int8_bytes, p->int8_bytes, p->sketch_bytes};
         for (int t = 0; t < 3; t++)
@@ -445,11 +378,11 @@ static void print_store(FILE *f, const metrics *m, const store_snap *s)
                     (unsigned long long)p->id, p->model, tier[t], (unsigned long long)v[t]);
     }
     head(f, "kvstash_workers", "gauge", "Attached worker sessions.");
-    fprintf(f, "kvstash_workers %zu\n", s->workers);
+    fprintf(f, "kvstash_workers %zu\n", s->nsessions);
     head(f, "kvstash_sequences", "gauge", "Live sequences, by policy.");
     for (size_t i = 0; i < m->npolicies; i++)
         fprintf(f, "kvstash_sequences{policy=\"%s\"} %llu\n", m->policies[i]->name,
-                (unsigned long long)s->seqs[i]);
+                (unsigned long long)g->seqs[i]);
     head(f, "kvstash_tokens", "gauge",
          "Held tokens summed over layers (and KV-head lists), by policy and by the tier they "
          "are stored in (sketch: in-list sketch tokens and offloaded victims).");
@@ -457,34 +390,25 @@ static void print_store(FILE *f, const metrics *m, const store_snap *s)
     for (size_t i = 0; i < m->npolicies; i++)
         for (int t = 0; t < 3; t++)
             fprintf(f, "kvstash_tokens{policy=\"%s\",tier=\"%s\"} %llu\n", m->policies[i]->name,
-                    tiers[t], (unsigned long long)s->tokens[3 * i + (size_t)t]);
+                    tiers[t], (unsigned long long)g->tokens[3 * i + (size_t)t]);
 }
 
-void metrics_tiers(metrics *m, seq *q)
+void metrics_tiers(metrics *m, const policy_ops *p, const snapshot_tiers *t)
 {
-    long i = m != NULL ? policy_index(m, q->policy) : -1;
-    for (int t = 0; i >= 0 && t < 3; t++) {
-        atomic_fetch_add_explicit(&m->moved[3 * (size_t)i + (size_t)t],
-                                  q->moved[t] - q->moved_reported[t], memory_order_relaxed);
-        q->moved_reported[t] = q->moved[t];
-    }
-    if (i >= 0) {
-        atomic_fetch_add_explicit(&m->requantized[i], q->requantized - q->requantized_reported,
-                                  memory_order_relaxed);
-        atomic_fetch_add_explicit(&m->victims_dropped[i],
-                                  q->victims_dropped - q->victims_dropped_reported,
-                                  memory_order_relaxed);
-    }
-    q->requantized_reported = q->requantized;
-    q->victims_dropped_reported = q->victims_dropped;
-    for (size_t k = 0; i >= 0 && k < q->nobs; k++) {
-        if (q->obs[k].kind == SEQ_OBS_INT8)
-            hist_observe(&m->int8_hist[i], int8_bounds, NBOUNDS(int8_bounds), q->obs[k].value);
+    long i = m != NULL ? policy_index(m, p) : -1;
+    if (i < 0)
+        return;
+    for (size_t k = 0; k < 3; k++)
+        atomic_fetch_add_explicit(&m->moved[3 * (size_t)i + k], t->moved[k], memory_order_relaxed);
+    atomic_fetch_add_explicit(&m->requantized[i], t->requantized, memory_order_relaxed);
+    atomic_fetch_add_explicit(&m->victims_dropped[i], t->victims_dropped, memory_order_relaxed);
+    for (size_t k = 0; k < t->nobs; k++) {
+        if (t->obs[k].kind == SNAPSHOT_OBS_INT8)
+            hist_observe(&m->int8_hist[i], int8_bounds, NBOUNDS(int8_bounds), t->obs[k].value);
         else
             hist_observe(&m->sketch_hist[i], sketch_bounds, NBOUNDS(sketch_bounds),
-                         q->obs[k].value);
+                         t->obs[k].value);
     }
-    q->nobs = 0;
 }
 
 void metrics_revived(metrics *m, const policy_ops *p, const uint32_t by_tier[3])
@@ -627,18 +551,14 @@ static void print_rpc(FILE *f, const metrics *m)
     }
 }
 
-char *metrics_render(metrics *m, store *st, size_t *len)
+char *metrics_render(metrics *m, const snapshot *s, size_t *len)
 {
-    store_snap s;
+    policy_gauges g;
     char *buf = NULL;
     size_t n = 0;
-    if (snapshot(m, st, &s) != 0) {
-        snapshot_free(&s);
-        return NULL;
-    }
-    FILE *f = open_memstream(&buf, &n);
+    FILE *f = policy_gauges_sum(m, s, &g) == 0 ? open_memstream(&buf, &n) : NULL;
     if (f != NULL) {
-        print_store(f, m, &s);
+        print_store(f, m, s, &g);
         print_counters(f, m);
         print_rpc(f, m);
         if (fclose(f) != 0) {
@@ -646,7 +566,8 @@ char *metrics_render(metrics *m, store *st, size_t *len)
             buf = NULL;
         }
     }
-    snapshot_free(&s);
+    free(g.seqs);
+    free(g.tokens);
     if (len != NULL)
         *len = buf != NULL ? n : 0;
     return buf;
@@ -689,15 +610,19 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
         return reply_text(c, 405, "only GET\n");
     if (strcmp(url, "/metrics") == 0) {
         size_t len;
-        char *text = metrics_render(m, m->store, &len);
+        snapshot snap;
+        char *text = NULL;
+        if (m->source.snapshot(m->source.ctx, &snap) == 0)
+            text = metrics_render(m, &snap, &len);
+        snapshot_free(&snap);
         if (text == NULL)
             return reply_text(c, 500, "out of memory\n");
         return reply(c, 200, text, len, MHD_RESPMEM_MUST_FREE,
                      "text/plain; version=0.0.4; charset=utf-8");
     }
     if (strcmp(url, "/healthz") == 0)
-        return store_serving(m->store) ? reply_text(c, 200, "serving\n")
-                                       : reply_text(c, 503, "shutting down\n");
+        return m->source.serving(m->source.ctx) ? reply_text(c, 200, "serving\n")
+                                                : reply_text(c, 503, "shutting down\n");
     return reply_text(c, 404, "kvstashd serves /metrics and /healthz\n");
 }
 
@@ -740,7 +665,8 @@ int metrics_parse_addr(const char *addr, void *storage, unsigned *len)
     return (ntohl(a->sin_addr.s_addr) >> 24) == 127 ? 1 : 0;
 }
 
-status_code metrics_http_start(metrics *m, store *st, const char *addr, int allow_remote, status *s)
+status_code metrics_http_start(metrics *m, const metrics_source *source, const char *addr,
+                               int allow_remote, status *s)
 {
     struct sockaddr_storage sa;
     unsigned salen;
@@ -756,7 +682,7 @@ status_code metrics_http_start(metrics *m, store *st, const char *addr, int allo
                           "authentication, so kvstashd serves it beyond loopback only with "
                           "--metrics-allow-remote",
                           addr);
-    m->store = st;
+    m->source = *source;
     unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD;
     if (sa.ss_family == AF_INET6)
         flags |= MHD_USE_IPv6;

@@ -7,8 +7,10 @@
  *     appended and evicted tokens, policy steps, the attention mass that
  *     evictions dropped, reclaimed workers): lock-free atomics, so the hooks
  *     cost a few nanoseconds on the CQ and ring threads;
- *   - gauges read from the store when /metrics is scraped (pools, blocks,
- *     memory, workers, sequences, tokens per tier), under the store's lock.
+ *   - gauges read from a snapshot of the store when /metrics is scraped
+ *     (pools, blocks, memory, workers, sequences, tokens per tier): plain
+ *     data the store copies out under its lock (snapshot.h); metrics never
+ *     sees the store, a session or a sequence.
  * Every metric is listed in README.md, "Operating kvstash".
  *
  * Every hook accepts m == NULL and then does nothing: the store runs without
@@ -22,10 +24,8 @@
 
 #include "policy.h"
 #include "rpc.h"
-#include "seq.h"
+#include "snapshot.h"
 #include "status.h"
-
-struct store;
 
 typedef struct metrics metrics;
 
@@ -47,10 +47,10 @@ void metrics_appended(metrics *m, const policy_ops *p, uint64_t tokens);
  * policy's own decision or by an operator (EvictRequest). */
 void metrics_evicted(metrics *m, const policy_ops *p, int by_operator, uint64_t tokens);
 
-/* Report the tier moves of q since the last report (seq.h moved[]):
- * tokens demoted to INT8, put into the sketch, brought back to full
- * precision. */
-void metrics_tiers(metrics *m, seq *q);
+/* Count a sequence of policy p's tier report (seq_tier_report): tokens
+ * demoted to INT8, put into the sketch, brought back to full precision,
+ * re-quantised, victims dropped, and the measurements' histograms. */
+void metrics_tiers(metrics *m, const policy_ops *p, const snapshot_tiers *t);
 
 /* A Revive of a sequence of policy p rebuilt by_tier[t] tokens that were
  * stored in tier t (policy_tier FULL, INT8, SKETCH). */
@@ -64,26 +64,44 @@ void metrics_step(metrics *m, const policy_ops *p, double seconds);
 void metrics_reclaimed(metrics *m, const char *reason);
 
 /*
- * The attention mass an eviction dropped. Before seq_step, metrics_mass_begin
- * copies the positions of every list of q and the step's attention (score,
- * else last_attn summed over the query heads of each list, else window_attn)
- * when the step carries one; NULL when there is nothing to measure (no
- * metrics, no attention in the step, or sizes that do not match the lists:
- * seq_step refuses those). After seq_step, metrics_mass_end observes, for
- * every layer that lost tokens, the fraction of that layer's reported
- * attention that sat on the evicted tokens (ok = the step succeeded), and
- * frees the snapshot. Must run under the store's lock, like seq_step.
+ * The attention mass an eviction dropped. Before the step, metrics_mass_begin
+ * copies the positions of every list and the step's attention (score, else
+ * last_attn summed over the query heads of each list, else window_attn; the
+ * layout of proto/kvstash_step.h) when the step carries one; NULL when there
+ * is nothing to measure (no metrics, no attention in the step, or sizes that
+ * do not match the lists: seq_step refuses those). After the step,
+ * metrics_mass_end observes, for every layer that lost tokens, the fraction
+ * of that layer's reported attention that sat on the evicted tokens (ok =
+ * the step succeeded) for policy p, and frees the copy.
  */
+typedef struct metrics_lists {
+    uint32_t layers, q_heads, kv_heads;
+    uint32_t heads;                   /* lists per layer: 1, or kv_heads */
+    const uint32_t *ntokens;          /* [layers * heads], list k of layer l at l * heads + k */
+    const uint32_t *const *positions; /* [layers * heads]: each list's, ascending (borrowed) */
+} metrics_lists;
+
 typedef struct metrics_mass metrics_mass;
-metrics_mass *metrics_mass_begin(metrics *m, seq *q, const seq_step_input *in);
-void metrics_mass_end(metrics *m, metrics_mass *mm, seq *q, int ok);
+metrics_mass *metrics_mass_begin(metrics *m, const metrics_lists *before, unsigned arrays,
+                                 const float *data, size_t nfloats);
+void metrics_mass_end(metrics *m, metrics_mass *mm, const policy_ops *p, const metrics_lists *after,
+                      int ok);
 
 /*
  * The exposition text (Prometheus text format 0.0.4) of everything above
- * plus the store's gauges, read under its lock. Returns a malloc'd string
- * (caller frees) and its length, or NULL when out of memory.
+ * plus the gauges of a store snapshot. Returns a malloc'd string (caller
+ * frees) and its length, or NULL when out of memory.
  */
-char *metrics_render(metrics *m, struct store *st, size_t *len);
+char *metrics_render(metrics *m, const snapshot *s, size_t *len);
+
+/* Where the endpoint reads the store: a snapshot per scrape (0, or -1 when
+ * out of memory; *out must be freeable with snapshot_free either way), and
+ * whether it is serving, for /healthz. Called from the HTTP thread. */
+typedef struct metrics_source {
+    void *ctx;
+    int (*snapshot)(void *ctx, snapshot *out);
+    int (*serving)(void *ctx);
+} metrics_source;
 
 /*
  * Serve GET /metrics (and GET /healthz: 200 "serving" or 503 "shutting
@@ -92,8 +110,8 @@ char *metrics_render(metrics *m, struct store *st, size_t *len);
  * A HOST that is not loopback is refused (INVALID_ARGUMENT) unless
  * allow_remote: the endpoint has no authentication and no TLS.
  */
-status_code metrics_http_start(metrics *m, struct store *st, const char *addr, int allow_remote,
-                               status *s);
+status_code metrics_http_start(metrics *m, const metrics_source *source, const char *addr,
+                               int allow_remote, status *s);
 
 /* The port the endpoint listens on (0 when not started). */
 unsigned metrics_http_port(const metrics *m);

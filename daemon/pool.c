@@ -1,13 +1,9 @@
 #include "pool.h"
 
-#include <errno.h>
-#include <fcntl.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <unistd.h>
 
 size_t pool_dtype_size(pool_dtype d)
 {
@@ -63,40 +59,8 @@ void pool_geometry_format(const pool_geometry *g, char *buf, size_t len)
              names[g->dtype <= POOL_FP32 ? g->dtype : 0], (double)g->rope_theta);
 }
 
-/* memfd sized, preallocated (first-touch faults are slow, C-STACK.md) and
- * sealed so that no worker can shrink it under the others. */
-static int pool_open_memfd(const char *model, size_t bytes, status *st)
-{
-    char name[96];
-    snprintf(name, sizeof name, "kvstash-pool-%s", model);
-    int fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
-    if (fd < 0) {
-        status_set(st, ST_INTERNAL, "memfd_create failed: %s", strerror(errno));
-        return -1;
-    }
-    if (ftruncate(fd, (off_t)bytes) != 0) {
-        status_set(st, ST_RESOURCE_EXHAUSTED, "cannot size pool to %zu bytes: %s", bytes,
-                   strerror(errno));
-        goto fail;
-    }
-    int rc = posix_fallocate(fd, 0, (off_t)bytes);
-    if (rc != 0 && rc != EOPNOTSUPP && rc != EINVAL) {
-        status_set(st, ST_RESOURCE_EXHAUSTED, "cannot allocate %zu bytes of pool memory: %s", bytes,
-                   strerror(rc));
-        goto fail;
-    }
-    if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
-        status_set(st, ST_INTERNAL, "cannot seal pool memfd: %s", strerror(errno));
-        goto fail;
-    }
-    return fd;
-fail:
-    close(fd);
-    return -1;
-}
-
 status_code pool_create(uint64_t id, const char *model, const pool_geometry *g, size_t max_bytes,
-                        pool **out, status *st)
+                        const backend *b, pool **out, status *st)
 {
     *out = NULL;
     pool *p = calloc(1, sizeof *p);
@@ -105,7 +69,8 @@ status_code pool_create(uint64_t id, const char *model, const pool_geometry *g, 
     p->id = id;
     snprintf(p->model, sizeof p->model, "%s", model);
     p->geom = *g;
-    p->memfd = -1;
+    p->backend = b;
+    p->arena.fd = -1;
     p->layout =
         (kv_layout){g->kv_heads, g->block_tokens, g->head_dim, (uint32_t)pool_dtype_size(g->dtype)};
     p->block_bytes = kv_block_bytes(&p->layout);
@@ -130,15 +95,9 @@ status_code pool_create(uint64_t id, const char *model, const pool_geometry *g, 
     for (size_t i = 0; i < count; i++)
         p->free_stack[i] = (uint32_t)(count - 1 - i);
     p->nfree = p->block_count;
-    p->memfd = pool_open_memfd(model, p->bytes, st);
-    if (p->memfd < 0)
+    if (b->arena_create(model, p->bytes, &p->arena, st) != ST_OK)
         goto fail;
-    p->base = mmap(NULL, p->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, p->memfd, 0);
-    if (p->base == MAP_FAILED) {
-        p->base = NULL;
-        status_set(st, ST_INTERNAL, "cannot map pool: %s", strerror(errno));
-        goto fail;
-    }
+    p->base = p->arena.base;
     *out = p;
     return ST_OK;
 fail:
@@ -151,11 +110,14 @@ void pool_destroy(pool *p)
     if (p == NULL)
         return;
     if (p->base != NULL)
-        munmap(p->base, p->bytes);
-    if (p->memfd >= 0)
-        close(p->memfd);
+        p->backend->arena_destroy(&p->arena);
     free(p->free_stack);
     free(p);
+}
+
+status_code pool_share(const pool *p, int *fd, status *st)
+{
+    return p->backend->arena_share(&p->arena, fd, st);
 }
 
 int pool_alloc_block(pool *p, uint32_t *block)

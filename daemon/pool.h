@@ -1,9 +1,10 @@
 /*
- * pool.h - one model geometry's block arena in host shared memory.
+ * pool.h - one model geometry's block arena.
  *
- * A pool is a memfd (sealed against shrinking and growing, see
- * docs/protocol.md for why memfd) cut into fixed blocks of one layer's K and
- * V for block_tokens tokens. The allocator is a stack of free block ids:
+ * A pool is an arena of its backend (backend.h: a sealed memfd for `host`)
+ * cut into fixed blocks of one layer's K and V for block_tokens tokens.
+ * The arena's base is a device address: only the backend's ops
+ * (pool->backend->ops, kernels/ops.h) read or write it. The allocator is a stack of free block ids:
  * O(1) alloc and free, no fragmentation since all blocks are equal.
  * Not thread-safe: the store's lock covers it.
  */
@@ -13,6 +14,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "backend.h"
 #include "kernels.h"
 #include "status.h"
 
@@ -34,8 +36,9 @@ typedef struct pool {
     uint32_t nfree;
     uint32_t *free_stack; /* free block ids; the top is free_stack[nfree-1] */
     uint32_t sessions;    /* sessions attached; the store destroys the pool at 0 */
-    int memfd;
-    uint8_t *base; /* the daemon's own mapping of the arena */
+    const backend *backend;
+    backend_arena arena;
+    uint8_t *base; /* arena.base: a device address, for the ops only */
     size_t bytes;  /* block_count * block_bytes */
 } pool;
 
@@ -46,10 +49,15 @@ status_code pool_geometry_check(pool_geometry *g, status *st);
 /* Bytes per element of a dtype. */
 size_t pool_dtype_size(pool_dtype d);
 
-/* Create a pool of at most max_bytes for `model` with a checked geometry.
- * The caller owns *out and frees it with pool_destroy. */
+/* Create a pool of at most max_bytes for `model` with a checked geometry,
+ * its arena in backend b. The caller owns *out and frees it with
+ * pool_destroy. */
 status_code pool_create(uint64_t id, const char *model, const pool_geometry *g, size_t max_bytes,
-                        pool **out, status *st);
+                        const backend *b, pool **out, status *st);
+
+/* A new descriptor of the pool's arena for a worker (backend.h
+ * arena_share); the caller closes *fd. */
+status_code pool_share(const pool *p, int *fd, status *st);
 
 void pool_destroy(pool *p);
 

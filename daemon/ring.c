@@ -21,7 +21,7 @@
 #define RING_SPIN 4000
 
 struct ring {
-    struct store *store;
+    store *store;
     char token[STORE_TOKEN_LEN + 1];
     int fd;
     size_t bytes;
@@ -205,7 +205,7 @@ static void *ring_thread(void *arg)
     }
 }
 
-status_code ring_create(struct store *st, const char *token, size_t bytes, ring **out, status *s)
+status_code ring_create(store *st, const char *token, size_t bytes, ring **out, status *s)
 {
     *out = NULL;
     ring *rg = calloc(1, sizeof *rg);
@@ -274,4 +274,34 @@ void ring_join(ring *r)
     close(r->fd);
     free(r->scratch);
     free(r);
+}
+
+/* The ring as a store_transport. */
+static void transport_close(void *r)
+{
+    ring_close(r);
+}
+
+static void transport_join(void *r)
+{
+    ring_join(r);
+}
+
+static int transport_fd(const void *r)
+{
+    return ring_fd(r);
+}
+
+static size_t transport_bytes(const void *r)
+{
+    return ring_bytes(r);
+}
+
+status_code ring_transport_open(store *st, const char *token, store_transport *out, status *s)
+{
+    ring *r;
+    if (ring_create(st, token, RING_BYTES_DEFAULT, &r, s) != ST_OK)
+        return s->code;
+    *out = (store_transport){r, transport_close, transport_join, transport_fd, transport_bytes};
+    return ST_OK;
 }

@@ -1,9 +1,19 @@
 #include "seq.h"
 
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "kvstash_step.h"
+
+/* The ring's array bits are the policies' needs (proto/kvstash_step.h). */
+_Static_assert(STEP_SCORE == (unsigned)POLICY_NEEDS_SCORE &&
+                   STEP_LAST_ATTN == (unsigned)POLICY_NEEDS_LAST_ATTN &&
+                   STEP_WINDOW_ATTN == (unsigned)POLICY_NEEDS_WINDOW_ATTN &&
+                   STEP_VNORM == (unsigned)POLICY_NEEDS_VNORM,
+               "step array bits differ from POLICY_NEEDS_*");
 
 status_code seq_create(uint64_t id, uint64_t session_id, pool *pool, const policy_ops *policy,
                        const policy_params *params, const char *label, seq **out, status *st)
@@ -26,7 +36,7 @@ status_code seq_create(uint64_t id, uint64_t session_id, pool *pool, const polic
         s->list_layout.kv_heads = 1;
     }
     s->block_slots = s->list_layout.block_tokens;
-    if (tier_ctx_init(&s->tier, pool->base, pool->block_bytes, &s->list_layout,
+    if (tier_ctx_init(&s->tier, pool->backend->ops, pool->base, pool->block_bytes, &s->list_layout,
                       (kv_dtype)pool->geom.dtype) != 0) {
         free(s);
         return status_set(st, ST_INVALID_ARGUMENT,
@@ -41,8 +51,10 @@ status_code seq_create(uint64_t id, uint64_t session_id, pool *pool, const polic
     policy_geometry g = {pg->layers,   pg->q_heads,      pg->kv_heads,
                          pg->head_dim, pg->block_tokens, pg->rope_theta};
     char err[POLICY_ERR_LEN] = "";
+    errno = 0; /* a policy refused by a failed allocation leaves ENOMEM, as malloc sets it */
     if (policy_host_create(policy, &s->params, &g, &s->host, err, sizeof err) != 0) {
-        status_set(st, ST_INVALID_ARGUMENT, "policy %s: %s", policy->name, err);
+        status_set(st, errno == ENOMEM ? ST_RESOURCE_EXHAUSTED : ST_INVALID_ARGUMENT,
+                   "policy %s: %s", policy->name, err);
         free(s->lists);
         free(s);
         return st->code;
@@ -150,7 +162,7 @@ void seq_destroy(seq *s)
     for (size_t i = 0; i < s->nretired; i++)
         pool_free_block(s->pool, s->retired[i].block);
     policy_host_destroy(s->host);
-    free(s->obs);
+    snapshot_tiers_free(&s->report);
     free(s->retired);
     free(s->lists);
     free(s);
@@ -327,10 +339,10 @@ static int stage_tokens(seq *s, const tier_token *tok, const uint32_t *idx, size
 {
     size_t half = (m ? m : 1) * tier_token_bytes(&s->tier) / 2;
     tier_token *sel = malloc((m ? m : 1) * sizeof *sel);
-    *k = malloc(2 * half);
+    *k = tier_stage_alloc(&s->tier, m);
     if (sel == NULL || *k == NULL) {
         free(sel);
-        free(*k);
+        tier_stage_free(&s->tier, *k);
         return -1;
     }
     *v = *k + half;
@@ -339,16 +351,25 @@ static int stage_tokens(seq *s, const tier_token *tok, const uint32_t *idx, size
     int rc = tier_read(&s->tier, sel, m, *k, *v);
     free(sel);
     if (rc != 0)
-        free(*k);
+        tier_stage_free(&s->tier, *k);
     return rc;
 }
 
-/* Keep a measurement for metrics; dropped when out of memory (it is only
- * a metric). */
-static void seq_observe(seq *s, int kind, double value)
+const snapshot_tiers *seq_tier_report(const seq *s)
 {
-    if (grow((void **)&s->obs, &s->obs_cap, s->nobs + 1, sizeof *s->obs) == 0)
-        s->obs[s->nobs++] = (seq_obs){kind, value};
+    return &s->report;
+}
+
+void seq_tier_report_clear(seq *s)
+{
+    snapshot_tiers_clear(&s->report);
+}
+
+/* Count n tokens moved to tier move t (moved[]) in the totals and the report. */
+static void seq_moved(seq *s, int t, uint64_t n)
+{
+    s->moved[t] += n;
+    s->report.moved[t] += n;
 }
 
 /* tier_error_ratio of tokens idx[0..m) of tok against the staged k, v. */
@@ -382,11 +403,11 @@ static int move_to_sketch(seq *s, seq_list *ly, uint32_t layer, tier_token *tok,
     int rc = tier_sketch_insert(&ly->sketch, &s->tier, p, m, k, v);
     double rel;
     if (rc == 0 && tier_sketch_error(&ly->sketch, &s->tier, p, m, k, v, &rel) == 0)
-        seq_observe(s, SEQ_OBS_SKETCH, rel);
+        snapshot_tiers_observe(&s->report, SNAPSHOT_OBS_SKETCH, rel);
     for (size_t i = 0; rc == 0 && i < m; i++)
         tok[idx[i]] = (tier_token){TIER_NO_BLOCK, 0, POLICY_SKETCH};
-    s->moved[1] += rc == 0 ? m : 0;
-    free(k);
+    seq_moved(s, 1, rc == 0 ? m : 0);
+    tier_stage_free(&s->tier, k);
     free(p);
     return rc;
 }
@@ -397,16 +418,22 @@ static int move_to_sketch(seq *s, seq_list *ly, uint32_t layer, tier_token *tok,
 static int move_to_full(seq *s, seq_list *ly, tier_token *tok, const uint32_t *pos, uint32_t i)
 {
     tier_token dst;
+    /* The tail as it was: a failed copy gives the slot (and a block taken
+     * for it) back, or the block would be held by no segment (test_faults). */
+    uint32_t tail = ly->tail_block, next = ly->tail_next_slot;
+    int had_tail = ly->has_tail, fresh = !tail_usable(ly, s->block_slots);
     if (list_take_slot(s, ly, &dst) != 0)
         return 0;
-    if (tok[i].tier == POLICY_SKETCH) {
-        if (tier_sketch_read(&ly->sketch, &s->tier, s->pool->base, &pos[i], 1, &dst, 1) != 0)
-            return -1;
-    } else if (tier_copy(&s->tier, &tok[i], 1, &dst) != 0) {
+    if (tok[i].tier == POLICY_SKETCH
+            ? tier_sketch_read(&ly->sketch, &s->tier, s->pool->base, &pos[i], 1, &dst, 1) != 0
+            : tier_copy(&s->tier, &tok[i], 1, &dst) != 0) {
+        if (fresh)
+            pool_free_block(s->pool, dst.block);
+        ly->tail_block = tail, ly->tail_next_slot = next, ly->has_tail = had_tail;
         return -1;
     }
     tok[i] = dst;
-    s->moved[2]++;
+    seq_moved(s, 2, 1);
     return 0;
 }
 
@@ -521,8 +548,8 @@ static int quantize_fresh(seq *s, tier_token *tok, const uint32_t *idx, size_t m
         pool_free_block(s->pool, qb[b]);
     double ratio;
     if (rc == 0 && stage_error(s, tok, idx, m, k, v, &ratio) == 0)
-        seq_observe(s, SEQ_OBS_INT8, ratio);
-    free(k);
+        snapshot_tiers_observe(&s->report, SNAPSHOT_OBS_INT8, ratio);
+    tier_stage_free(&s->tier, k);
     free(qb);
     return rc;
 }
@@ -547,7 +574,7 @@ static int list_demote(seq *s, tier_token *tok, const uint8_t *tier, uint32_t n,
         m = nq * t8;
     if (quantize_fresh(s, tok, scratch, m) != 0)
         return -1;
-    s->moved[0] += m;
+    seq_moved(s, 0, m);
     return 0;
 }
 
@@ -582,6 +609,7 @@ static int list_requantize(seq *s, tier_token *tok, const uint8_t *tier, uint32_
     if (quantize_fresh(s, tok, scratch, m) != 0)
         return -1;
     s->requantized += m;
+    s->report.requantized += m;
     return 0;
 }
 
@@ -608,7 +636,7 @@ static int list_victims_quantize(seq *s, seq_list *ly, uint32_t *scratch)
         return -1;
     for (size_t b = 0; b < nq; b++)
         ly->victim_blocks[ly->nvictim_blocks++] = ly->offloaded_at[scratch[b * t8]].block;
-    s->moved[0] += nq * t8;
+    seq_moved(s, 0, nq * t8);
     return 0;
 }
 
@@ -632,6 +660,7 @@ static uint32_t seq_drop_victim_blocks(seq *s)
             ly->offloaded_at[kept++] = ly->offloaded_at[j];
         }
         s->victims_dropped += ly->noffloaded - kept;
+        s->report.victims_dropped += ly->noffloaded - kept;
         ly->noffloaded = kept;
         pool_free_block(s->pool, b);
         freed++;
@@ -659,8 +688,9 @@ static int apply_merges(seq *s, uint32_t l, const policy_decision *d, tier_token
         const tier_token *from = &tok[g->from], *into = &tok[g->into];
         if (from->tier != POLICY_FULL || into->tier != POLICY_FULL)
             continue;
-        kv_merge_value(&s->list_layout, (kv_dtype)s->pool->geom.dtype, s->pool->base, from->block,
-                       from->slot, into->block, into->slot, g->w_from, g->w_into);
+        kv_merge one = {from->block, from->slot, into->block, into->slot, g->w_from, g->w_into};
+        if (s->tier.ops->merge_values(&s->list_layout, s->tier.dtype, s->pool->base, &one, 1) != 0)
+            return -1;
     }
     return 0;
 }
@@ -691,12 +721,13 @@ static int list_rerotate(seq *s, const tier_token *tok, const uint8_t *tier, uin
         }
         j++;
     }
-    kv_rope_rerotate(&s->list_layout, (kv_dtype)s->pool->geom.dtype, s->pool->base, sg, m, delta,
-                     d->rope_theta > 0 ? d->rope_theta : s->pool->geom.rope_theta,
-                     d->rope_pairing ? KV_ROPE_INTERLEAVED : KV_ROPE_HALF);
+    int rc =
+        s->tier.ops->rope_rerotate(&s->list_layout, s->tier.dtype, s->pool->base, sg, m, delta,
+                                   d->rope_theta > 0 ? d->rope_theta : s->pool->geom.rope_theta,
+                                   d->rope_pairing ? KV_ROPE_INTERLEAVED : KV_ROPE_HALF);
     free(delta);
     free(sg);
-    return 0;
+    return rc;
 }
 
 /*
@@ -725,18 +756,28 @@ static int list_compact(seq *s, seq_list *ly, tier_token *kept, uint32_t n, uint
         free(dst);
         return -1;
     }
-    uint32_t blk = 0, j = 0;
-    for (uint32_t i = 0; i < n; i++) {
+    uint32_t blk = 0;
+    for (uint32_t i = 0, j = 0; i < n; i++) {
         if (kept[i].tier != POLICY_FULL)
             continue;
         if (j % slots == 0)
             pool_alloc_block(s->pool, &blk); /* checked above */
         src[j] = (kv_segment){kept[i].block, kept[i].slot, 1};
         dst[j] = (kv_segment){blk, j % slots, 1};
-        kept[i] = (tier_token){blk, j % slots, POLICY_FULL};
         j++;
     }
-    kv_copy_tokens(&s->list_layout, s->pool->base, src, nfull, dst, nfull);
+    if (s->tier.ops->copy_tokens(&s->list_layout, s->pool->base, src, nfull, dst, nfull) != 0) {
+        for (uint32_t j = 0; j < nfull; j += slots) /* the list stays where it was */
+            pool_free_block(s->pool, dst[j].block);
+        free(src);
+        free(dst);
+        return -1;
+    }
+    for (uint32_t i = 0, j = 0; i < n; i++)
+        if (kept[i].tier == POLICY_FULL) {
+            kept[i] = (tier_token){dst[j].block, dst[j].first_slot, POLICY_FULL};
+            j++;
+        }
     ly->tail_block = blk;
     ly->tail_next_slot = (nfull - 1) % slots + 1;
     ly->has_tail = 1;
@@ -761,6 +802,17 @@ static int retire_unused(seq *s, seq_list *ly, const uint32_t *before, size_t nb
             ly->has_tail = 0;
     }
     return 0;
+}
+
+/* Room for the segments of a list of n tokens and for `blocks` more retired
+ * blocks, made before a demotion or compaction takes blocks: failing in
+ * list_encode or retire_unused after those would leave blocks that no
+ * segment holds and segments unlike the host's list (test_faults). */
+static int list_reserve_apply(seq *s, seq_list *ly, uint32_t n, size_t blocks)
+{
+    if (list_reserve(ly, n ? n : 1) != 0)
+        return -1;
+    return grow((void **)&s->retired, &s->retired_cap, s->nretired + blocks, sizeof *s->retired);
 }
 
 /* Whether the decision changes anything in this list's storage. */
@@ -800,7 +852,15 @@ static int list_apply(seq *s, uint32_t l, uint32_t k, tier_token *tok, const pol
     if (ly->has_tail)
         before[nb++] = ly->tail_block;
     nb = sort_unique(before, nb);
-    int rc = list_victims(s, ly, l, tok, pos, tier, n, idx);
+    /* Retired at the end: blocks before and those taken on the way, at
+     * most one per slot moved back to full precision (n / block_slots + 1)
+     * and per INT8 block the victims, re-quantisation and demotion write
+     * ((noffloaded + n) / t8 + 2n / t8 + 3). */
+    uint32_t t8 = s->tier.l8.block_tokens;
+    int rc = list_reserve_apply(
+        s, ly, n, nb + n / s->block_slots + (ly->noffloaded + 3 * (size_t)n) / t8 + 4);
+    if (rc == 0)
+        rc = list_victims(s, ly, l, tok, pos, tier, n, idx);
     if (rc == 0)
         rc = list_victims_quantize(s, ly, idx);
     if (rc == 0)
@@ -878,7 +938,9 @@ static int list_demote_now(seq *s, uint32_t l, uint32_t k, uint64_t epoch, int *
     uint32_t *before = scratch, *after = scratch + cap, *idx = scratch + 2 * cap;
     size_t nb = list_block_set(ly, tok, n, 1, before);
     uint64_t moved = s->moved[0];
-    int rc = list_demote(s, tok, tier, n, idx, 1);
+    int rc = list_reserve_apply(s, ly, n, nb);
+    if (rc == 0)
+        rc = list_demote(s, tok, tier, n, idx, 1);
     if (rc == 0 && s->moved[0] != moved) {
         *changed = 1;
         rc = list_encode(ly, tok, n);
@@ -927,51 +989,26 @@ void seq_tier_usage(const seq *s, uint64_t tokens[3], uint64_t bytes[3])
 
 /* ---- steps -------------------------------------------------------------- */
 
-/* Point one layer's stats at its arrays in `data` (layout: proto/kvstash_ring.h);
- * with data NULL only counts. ptrs has room for 3 * q_heads entries.
- * Returns the floats the layer uses. */
-static size_t layer_stats(seq *s, uint32_t l, unsigned arrays, const float *data, policy_stats *ps,
-                          const float **ptrs)
+/* The step layout of s's lists (proto/kvstash_step.h) and each list's
+ * tokens now, malloc'd [nlayers * heads]; NULL when out of memory. */
+static uint32_t *step_tokens(seq *s, unsigned arrays, step_shape *sh)
 {
-    uint32_t q = s->pool->geom.q_heads, kv = s->pool->geom.kv_heads, group = q / kv;
-    size_t off = 0;
-    if (arrays & POLICY_NEEDS_SCORE) { /* one list only: checked by seq_step_check */
-        if (data != NULL)
-            ps->score = data;
-        off += seq_list_tokens(s, l, 0, NULL);
-    }
-    /* Per query head (last_attn, window_attn), then per KV head (vnorm); query
-     * head h reads KV head h / group (POLICIES.md notation). */
-    const unsigned kinds[3] = {POLICY_NEEDS_LAST_ATTN, POLICY_NEEDS_WINDOW_ATTN,
-                               POLICY_NEEDS_VNORM};
-    for (int k = 0; k < 3; k++) {
-        if (!(arrays & kinds[k]))
-            continue;
-        uint32_t rows = k < 2 ? q : kv, per_list = k < 2 ? group : 1;
-        const float **base = ptrs + (size_t)k * q;
-        for (uint32_t h = 0; h < rows; h++) {
-            if (data != NULL)
-                base[h] = data + off;
-            off += seq_list_tokens(s, l, s->heads == 1 ? 0 : h / per_list, NULL);
-        }
-        if (data == NULL)
-            continue;
-        if (k == 0)
-            ps->last_attn = base;
-        else if (k == 1)
-            ps->window_attn = base;
-        else
-            ps->vnorm = base;
-    }
-    return off;
+    *sh = (step_shape){s->nlayers, s->pool->geom.q_heads, s->pool->geom.kv_heads, s->heads,
+                       arrays & STEP_ARRAYS};
+    size_t n = (size_t)s->nlayers * s->heads;
+    uint32_t *tokens = malloc((n ? n : 1) * sizeof *tokens);
+    for (size_t i = 0; tokens != NULL && i < n; i++)
+        tokens[i] = seq_list_tokens(s, (uint32_t)(i / s->heads), (uint32_t)(i % s->heads), NULL);
+    return tokens;
 }
 
 size_t seq_step_floats(seq *s, unsigned arrays)
 {
-    size_t total = 0;
-    for (uint32_t l = 0; l < s->nlayers; l++)
-        total += layer_stats(s, l, arrays, NULL, NULL, NULL);
-    return total;
+    step_shape sh;
+    uint32_t *tokens = step_tokens(s, arrays, &sh);
+    size_t n = tokens != NULL ? step_floats(&sh, tokens) : (size_t)-1;
+    free(tokens);
+    return n;
 }
 
 /* Run the policy on every layer and apply its decisions. The input was
@@ -979,28 +1016,51 @@ size_t seq_step_floats(seq *s, unsigned arrays)
 static status_code seq_run_policy(seq *s, const seq_step_input *in, uint64_t epoch,
                                   uint32_t *evicted, status *st)
 {
-    const float **ptrs = calloc(3 * (size_t)s->pool->geom.q_heads, sizeof *ptrs);
-    if (ptrs == NULL)
-        return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
-    size_t off = 0, total = 0;
+    /* Every row of the step, parsed once (proto/kvstash_step.h); the sizes
+     * were checked (seq_step_check). */
+    step_shape sh;
+    uint32_t *tokens = step_tokens(s, in->arrays, &sh);
+    const float **rows = calloc((size_t)s->nlayers * step_layer_slots(&sh) + 1, sizeof *rows);
+    status_code rc = tokens == NULL || rows == NULL
+                         ? status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory")
+                     : step_parse(&sh, tokens, in->data, in->nfloats, rows) != 0
+                         ? status_set(st, ST_INTERNAL, "step statistics do not match the lists")
+                         : ST_OK;
+    if (rc != ST_OK) {
+        free(tokens);
+        free(rows);
+        return rc;
+    }
+    size_t total = 0;
     int changed = 0;
-    status_code rc = ST_OK;
+    int data = in->data != NULL;
     for (uint32_t l = 0; l < s->nlayers && rc == ST_OK; l++) {
         policy_stats ps = {.new_tokens = in->new_tokens ? in->new_tokens : s->unstepped,
                            .prefill = in->prefill,
                            .score_queries = in->score_queries,
                            .window_queries = in->window_queries,
                            .confidence = in->confidence};
-        off += layer_stats(s, l, in->arrays, in->data ? in->data + off : NULL, &ps, ptrs);
+        if (data && (sh.arrays & STEP_SCORE)) /* one list only: checked by seq_step_check */
+            ps.score = rows[step_slot(&sh, l, STEP_SCORE, 0)];
+        if (data && (sh.arrays & STEP_LAST_ATTN))
+            ps.last_attn = &rows[step_slot(&sh, l, STEP_LAST_ATTN, 0)];
+        if (data && (sh.arrays & STEP_WINDOW_ATTN))
+            ps.window_attn = &rows[step_slot(&sh, l, STEP_WINDOW_ATTN, 0)];
+        if (data && (sh.arrays & STEP_VNORM))
+            ps.vnorm = &rows[step_slot(&sh, l, STEP_VNORM, 0)];
         const policy_decision *d;
         char err[POLICY_ERR_LEN];
+        errno = 0; /* ENOMEM after a failure: out of memory (malloc sets it), not a bug */
         if (policy_host_step(s->host, l, &ps, &d, err, sizeof err) != 0)
-            rc = status_set(st, ST_INTERNAL, "policy %s failed: %s", s->policy->name, err);
+            rc = status_set(st, errno == ENOMEM ? ST_RESOURCE_EXHAUSTED : ST_INTERNAL,
+                            "policy %s failed: %s", s->policy->name, err);
         else
             rc = seq_apply_decision(s, l, d, epoch, &total, &changed, st);
     }
-    free(ptrs);
-    s->unstepped = 0;
+    free(tokens);
+    free(rows);
+    if (rc == ST_OK) /* a step that failed has not seen them (test_faults) */
+        s->unstepped = 0;
     if (total > 0 || changed)
         s->epoch = epoch;
     *evicted = (uint32_t)total;
@@ -1061,6 +1121,8 @@ static status_code seq_step_check(seq *s, const seq_step_input *in, status *st)
                           "new_tokens is %u but only %u tokens were appended since the last step",
                           in->new_tokens, s->unstepped);
     size_t want = seq_step_floats(s, in->arrays);
+    if (want == (size_t)-1)
+        return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
     if (in->nfloats != want)
         return status_set(st, ST_INVALID_ARGUMENT,
                           "step statistics hold %zu floats; the layers' token lists need %zu "

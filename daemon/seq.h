@@ -38,6 +38,7 @@
 #include "kernels.h"
 #include "policy.h"
 #include "pool.h"
+#include "snapshot.h"
 #include "status.h"
 #include "tier.h"
 
@@ -70,15 +71,6 @@ typedef struct seq_retired {
     uint64_t epoch;
 } seq_retired;
 
-/* A measurement of what a tier move cost, for metrics (metrics_tiers). */
-typedef struct seq_obs {
-    int kind; /* SEQ_OBS_INT8: tier_error_ratio of a demotion; SEQ_OBS_SKETCH:
-                 tier_sketch_error of an insertion, right after it */
-    double value;
-} seq_obs;
-
-enum { SEQ_OBS_INT8 = 0, SEQ_OBS_SKETCH = 1 };
-
 typedef struct seq {
     uint64_t id;
     uint64_t session_id;
@@ -98,14 +90,10 @@ typedef struct seq {
     seq_list *lists;       /* [nlayers * heads], list of (layer l, head k) at l * heads + k */
     seq_retired *retired;
     size_t nretired, retired_cap;
-    uint64_t moved[3];          /* tokens ever moved: to INT8, into the sketch, back to full */
-    uint64_t moved_reported[3]; /* of those, reported to metrics (metrics_tiers) */
-    uint64_t requantized;       /* INT8 tokens re-quantised by compaction (§5.4) */
-    uint64_t requantized_reported;
+    uint64_t moved[3];        /* tokens ever moved: to INT8, into the sketch, back to full */
+    uint64_t requantized;     /* INT8 tokens re-quantised by compaction (§5.4) */
     uint64_t victims_dropped; /* victims=int8 victims freed under memory pressure */
-    uint64_t victims_dropped_reported;
-    seq_obs *obs; /* measurements since the last metrics_tiers */
-    size_t nobs, obs_cap;
+    snapshot_tiers report;    /* seq_tier_report */
 } seq;
 
 /* Create a sequence on `pool` with a policy and its resolved parameters; the
@@ -144,7 +132,7 @@ uint64_t seq_tokens_held(seq *s);
 status_code seq_append(seq *s, int64_t count, kv_segment *const *writes, size_t *nwrites,
                        uint32_t *evicted, status *st);
 
-/* The statistics of one step, as the worker laid them out (proto/kvstash_ring.h). */
+/* The statistics of one step, as the worker laid them out (proto/kvstash_step.h). */
 typedef struct seq_step_input {
     unsigned arrays;     /* POLICY_NEEDS_* bits present in data */
     uint32_t new_tokens; /* 0 = every token appended since the last step */
@@ -179,7 +167,7 @@ status_code seq_apply_decision(seq *s, uint32_t l, const policy_decision *d, uin
 /* Quantise now every token of layer `layer`'s lists that the host decided
  * INT8 but that is still stored at full precision, fewer than an INT8
  * block's worth included (the last INT8 block is written partial and never
- * filled later): an operator's demote (operator.h), after
+ * filled later): an operator's demote (store_operator.h), after
  * seq_apply_decision committed the decision. Tokens stay where they are
  * when the pool lacks the blocks. Blocks no longer used are retired at
  * `epoch`; *changed is set when a list's table changed. RESOURCE_EXHAUSTED
@@ -210,7 +198,14 @@ status_code seq_revive(seq *s, uint32_t layer, uint32_t head, uint32_t first, ui
                        uint8_t **src_tier, size_t *ntokens, uint32_t **blocks, size_t *nblocks,
                        status *st);
 
-/* Floats a step must carry for `arrays` given the current lists. */
+/* The tier report: the tier moves (moved[], requantized, victims_dropped)
+ * and their measurements since the last seq_tier_report_clear. The store
+ * hands it to metrics_tiers (metrics.h), then clears it. */
+const snapshot_tiers *seq_tier_report(const seq *s);
+void seq_tier_report_clear(seq *s);
+
+/* Floats a step must carry for `arrays` given the current lists (the
+ * layout: proto/kvstash_step.h); (size_t)-1 when out of memory. */
 size_t seq_step_floats(seq *s, unsigned arrays);
 
 #endif

@@ -138,7 +138,7 @@ static status_code do_attach(void *app, const char *token, const ProtobufCMessag
     service_geometry_to_proto(&r.geometry, &og);
     out.session_id = r.session_id;
     out.pool_id = r.pool_id;
-    out.backend = "host";
+    out.backend = (char *)r.backend;
     out.pool_bytes = r.pool_bytes;
     out.block_bytes = r.block_bytes;
     out.block_count = r.block_count;

@@ -19,7 +19,7 @@ status_code service_stats(void *app, const char *token, const ProtobufCMessage *
 status_code service_inspect(void *app, const char *token, const ProtobufCMessage *m,
                             grpc_byte_buffer **resp, status *st);
 
-/* ListPolicies (read-only, no token) and Evict (operator.h; needs a token)
+/* ListPolicies (read-only, no token) and Evict (store_operator.h; needs a token)
  * (service_ops.c). */
 status_code service_list_policies(void *app, const char *token, const ProtobufCMessage *m,
                                   grpc_byte_buffer **resp, status *st);

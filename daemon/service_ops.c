@@ -1,10 +1,10 @@
 /* ListPolicies, Evict, Revive and ReleaseScratch: the policy registry, the
- * operator's manual eviction (operator.h) and rebuilding tokens from the
+ * operator's manual eviction (store_operator.h) and rebuilding tokens from the
  * tiers (store_revive). */
 #include <stdlib.h>
 
 #include "kvstash/v1/store.pb-c.h"
-#include "operator.h"
+#include "store_operator.h"
 #include "pbgrpc.h"
 #include "service.h"
 

@@ -1,5 +1,5 @@
-/* Stats and Inspect: snapshots of the store for operators, built under the
- * store's lock. */
+/* Stats and Inspect for operators: Stats from a snapshot of the store
+ * (store_snapshot), Inspect from one sequence under the store's lock. */
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -11,24 +11,23 @@
 static const char *const tier_names[3] = {"fp16", "int8", "sketch"};
 
 /* SequenceStats.tiers from three caller-provided entries: tokens and bytes
- * by storage tier (seq_tier_usage). */
-static void sequence_tiers(const seq *q, Kvstash__V1__SequenceStats *out, Kvstash__V1__TierStats *t,
-                           Kvstash__V1__TierStats **ptrs)
+ * by storage tier. */
+static void sequence_tiers(const snapshot_seq *q, Kvstash__V1__SequenceStats *out,
+                           Kvstash__V1__TierStats *t, Kvstash__V1__TierStats **ptrs)
 {
-    uint64_t n[3], bytes[3];
-    seq_tier_usage(q, n, bytes);
     for (int i = 0; i < 3; i++) {
         kvstash__v1__tier_stats__init(&t[i]);
         t[i].tier = (char *)tier_names[i];
-        t[i].tokens = n[i];
-        t[i].bytes = bytes[i];
+        t[i].tokens = q->tier_tokens[i];
+        t[i].bytes = q->tier_bytes[i];
         ptrs[i] = &t[i];
     }
     out->tiers = ptrs;
     out->n_tiers = 3;
 }
 
-static void sequence_stats(seq *q, Kvstash__V1__SequenceStats *out)
+/* The strings point into q. */
+static void sequence_stats(const snapshot_seq *q, Kvstash__V1__SequenceStats *out)
 {
     kvstash__v1__sequence_stats__init(out);
     out->seq_id = q->id;
@@ -37,13 +36,13 @@ static void sequence_stats(seq *q, Kvstash__V1__SequenceStats *out)
     out->label = (char *)q->label;
     out->epoch = q->epoch;
     out->appended = q->appended;
-    out->tokens = seq_tokens_held(q);
-    out->blocks = seq_blocks_held(q);
-    out->bytes = (uint64_t)out->blocks * q->pool->block_bytes;
+    out->tokens = q->tokens;
+    out->blocks = q->blocks;
+    out->bytes = q->bytes;
 }
 
-static void pool_stats(const pool *p, Kvstash__V1__PoolStats *out, Kvstash__V1__Geometry *g,
-                       uint32_t retired)
+static void pool_stats(const snapshot_pool *p, Kvstash__V1__PoolStats *out,
+                       Kvstash__V1__Geometry *g)
 {
     kvstash__v1__pool_stats__init(out);
     service_geometry_to_proto(&p->geom, g);
@@ -51,26 +50,26 @@ static void pool_stats(const pool *p, Kvstash__V1__PoolStats *out, Kvstash__V1__
     out->model = (char *)p->model;
     out->geometry = g;
     out->block_bytes = p->block_bytes;
-    out->blocks_total = p->block_count;
-    out->blocks_free = p->nfree;
-    out->blocks_retired = retired;
-    out->blocks_used = p->block_count - p->nfree - retired;
+    out->blocks_total = p->blocks_total;
+    out->blocks_free = p->blocks_free;
+    out->blocks_retired = p->blocks_retired;
+    out->blocks_used = p->blocks_total - p->blocks_free - p->blocks_retired;
     out->bytes_total = p->bytes;
     out->sessions = p->sessions;
 }
 
-static void session_stats(const session *se, uint64_t now, Kvstash__V1__SessionStats *out)
+static void session_stats(const snapshot_session *se, Kvstash__V1__SessionStats *out)
 {
     kvstash__v1__session_stats__init(out);
     out->session_id = se->id;
     out->pid = se->pid;
     out->uid = se->uid;
     out->worker_name = (char *)se->name;
-    out->pool_id = se->pool->id;
+    out->pool_id = se->pool_id;
     out->sequences = se->nseqs;
-    out->attached_ms = now - se->attached_ms;
+    out->attached_ms = se->attached_age_ms;
     out->lease_open = se->lease_open;
-    out->lease_ms = se->lease_open ? now - se->lease_ms : 0;
+    out->lease_ms = se->lease_age_ms;
 }
 
 typedef struct stats_buf {
@@ -115,48 +114,34 @@ static void stats_buf_free(stats_buf *b)
     free(b->policies);
 }
 
-static uint32_t pool_retired(const store *st, const pool *p)
+static void fill_stats(const snapshot *sn, stats_buf *b, int with_tiers,
+                       Kvstash__V1__StatsResponse *out, Kvstash__V1__TierStats *total)
 {
-    uint32_t n = 0;
-    for (size_t i = 0; i < st->nseqs; i++)
-        if (st->seqs[i]->pool == p)
-            n += (uint32_t)seq_retired_count(st->seqs[i]);
-    return n;
-}
-
-static void fill_stats(store *st, stats_buf *b, int with_tiers, Kvstash__V1__StatsResponse *out,
-                       Kvstash__V1__TierStats *total)
-{
-    uint64_t now = store_now_ms();
-    out->uptime_ms = now - st->start_ms;
-    for (uint32_t i = 0; i < st->cfg.max_pools; i++)
-        if (st->pools[i] != NULL) {
-            size_t k = out->n_pools++;
-            pool_stats(st->pools[i], &b->pools[k], &b->geoms[k], pool_retired(st, st->pools[i]));
-            b->pool_ptrs[k] = &b->pools[k];
-        }
+    out->uptime_ms = sn->uptime_ms;
+    for (size_t k = 0; k < sn->npools; k++) {
+        pool_stats(&sn->pools[k], &b->pools[k], &b->geoms[k]);
+        b->pool_ptrs[k] = &b->pools[k];
+    }
+    out->n_pools = sn->npools;
     out->pools = b->pool_ptrs;
-    for (session *se = st->sessions; se != NULL; se = se->next)
-        if (se->attached) {
-            size_t k = out->n_sessions++;
-            session_stats(se, now, &b->sessions[k]);
-            b->session_ptrs[k] = &b->sessions[k];
-        }
+    for (size_t k = 0; k < sn->nsessions; k++) {
+        session_stats(&sn->sessions[k], &b->sessions[k]);
+        b->session_ptrs[k] = &b->sessions[k];
+    }
+    out->n_sessions = sn->nsessions;
     out->sessions = b->session_ptrs;
-    for (size_t i = 0; i < st->nseqs; i++) {
-        sequence_stats(st->seqs[i], &b->seqs[i]);
+    for (size_t i = 0; i < sn->nseqs; i++) {
+        sequence_stats(&sn->seqs[i], &b->seqs[i]);
         if (with_tiers)
-            sequence_tiers(st->seqs[i], &b->seqs[i], &b->seq_tiers[3 * i],
+            sequence_tiers(&sn->seqs[i], &b->seqs[i], &b->seq_tiers[3 * i],
                            &b->seq_tier_ptrs[3 * i]);
         b->seq_ptrs[i] = &b->seqs[i];
-        uint64_t n[3], bytes[3];
-        seq_tier_usage(st->seqs[i], n, bytes);
         for (int t = 0; t < 3; t++) {
-            total[t].tokens += n[t];
-            total[t].bytes += bytes[t];
+            total[t].tokens += sn->seqs[i].tier_tokens[t];
+            total[t].bytes += sn->seqs[i].tier_bytes[t];
         }
     }
-    out->n_sequences = st->nseqs;
+    out->n_sequences = sn->nseqs;
     out->sequences = b->seq_ptrs;
 }
 
@@ -165,7 +150,6 @@ status_code service_stats(void *app, const char *token, const ProtobufCMessage *
 {
     (void)token;
     const Kvstash__V1__StatsRequest *req = (const void *)m;
-    store *s = app;
     size_t npolicies;
     const policy_ops *const *pol = policy_list(&npolicies);
     Kvstash__V1__StatsResponse out = KVSTASH__V1__STATS_RESPONSE__INIT;
@@ -177,29 +161,27 @@ status_code service_stats(void *app, const char *token, const ProtobufCMessage *
         tier_ptrs[i] = &tiers[i];
     }
     stats_buf b = {0};
-    store_lock(s);
-    size_t nsessions = 0;
-    for (session *se = s->sessions; se != NULL; se = se->next)
-        nsessions++;
+    snapshot sn;
     status_code rc = ST_OK;
-    if (stats_buf_alloc(&b, s->cfg.max_pools, nsessions, s->nseqs, npolicies) != 0) {
+    if (store_snapshot(app, &sn) != 0 ||
+        stats_buf_alloc(&b, sn.npools, sn.nsessions, sn.nseqs, npolicies) != 0) {
         rc = status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
     } else {
         out.version = KVSTASH_VERSION;
-        out.backend = "host";
-        out.serving = s->serving;
+        out.backend = (char *)sn.backend;
+        out.serving = sn.serving;
         out.pid = (int32_t)getpid();
-        fill_stats(s, &b, req->with_tiers, &out, tiers);
+        fill_stats(&sn, &b, req->with_tiers, &out, tiers);
         for (size_t i = 0; i < npolicies; i++)
             b.policies[i] = pol[i]->name;
         out.policies = (char **)b.policies;
         out.n_policies = npolicies;
         out.tiers = tier_ptrs;
         out.n_tiers = 3;
-        out.events_published = events_count(s->events);
+        out.events_published = sn.events;
         *resp = pbgrpc_pack(&out.base);
     }
-    store_unlock(s);
+    snapshot_free(&sn);
     stats_buf_free(&b);
     return rc;
 }
@@ -419,8 +401,10 @@ status_code service_inspect(void *app, const char *token, const ProtobufCMessage
         Kvstash__V1__TierStats tiers[3], *tier_ptrs[3];
         Kvstash__V1__Param params[POLICY_MAX_PARAMS];
         Kvstash__V1__Param *param_ptrs[POLICY_MAX_PARAMS];
-        sequence_stats(q, &ss);
-        sequence_tiers(q, &ss, tiers, tier_ptrs);
+        snapshot_seq qs;
+        store_seq_snapshot(q, &qs);
+        sequence_stats(&qs, &ss);
+        sequence_tiers(&qs, &ss, tiers, tier_ptrs);
         out.sequence = &ss;
         service_params_to_proto(&q->params, params, param_ptrs);
         out.params = param_ptrs;

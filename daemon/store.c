@@ -9,9 +9,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "kvstash_ring.h"
 #include "log.h"
 #include "metrics.h"
+#include "store_internal.h"
 
 uint64_t store_now_ms(void)
 {
@@ -27,22 +27,128 @@ uint64_t store_now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-int store_init(store *st, const store_config *cfg, events *ev)
+store *store_create(const store_config *cfg, events *ev)
 {
-    memset(st, 0, sizeof *st);
+    store *st = calloc(1, sizeof *st);
+    if (st == NULL)
+        return NULL;
     st->cfg = *cfg;
     st->events = ev;
     st->start_ms = store_now_ms();
     st->serving = 1;
     st->next_pool_id = st->next_session_id = st->next_seq_id = st->next_scratch_id = 1;
     st->pools = calloc(cfg->max_pools ? cfg->max_pools : 1, sizeof *st->pools);
-    /* Every session can have ended with a ring before the next join. */
-    st->closed_rings_cap = cfg->max_sessions + 1;
-    st->closed_rings = calloc(st->closed_rings_cap, sizeof *st->closed_rings);
-    if (st->pools == NULL || st->closed_rings == NULL)
-        return -1;
+    /* Every session can have ended with a transport before the next join. */
+    st->closed_cap = cfg->max_sessions + 1;
+    st->closed = calloc(st->closed_cap, sizeof *st->closed);
+    if (st->pools == NULL || st->closed == NULL) {
+        free(st->pools);
+        free(st->closed);
+        free(st);
+        return NULL;
+    }
     pthread_mutex_init(&st->lock, NULL);
-    return 0;
+    return st;
+}
+
+void store_set_metrics(store *st, struct metrics *m)
+{
+    st->metrics = m;
+}
+
+const char *store_backend_name(const store *st)
+{
+    return (st->cfg.backend ? st->cfg.backend : &backend_host)->name;
+}
+
+void store_report_tiers(store *st, seq *q)
+{
+    metrics_tiers(st->metrics, q->policy, seq_tier_report(q));
+    seq_tier_report_clear(q);
+}
+
+void store_seq_snapshot(seq *q, snapshot_seq *out)
+{
+    *out = (snapshot_seq){.id = q->id,
+                          .session_id = q->session_id,
+                          .pool_id = q->pool->id,
+                          .policy = q->policy,
+                          .epoch = q->epoch,
+                          .appended = q->appended,
+                          .tokens = seq_tokens_held(q),
+                          .blocks = seq_blocks_held(q),
+                          .retired = (uint32_t)seq_retired_count(q)};
+    out->bytes = (uint64_t)out->blocks * q->pool->block_bytes;
+    snprintf(out->label, sizeof out->label, "%s", q->label);
+    seq_tier_usage(q, out->tier_tokens, out->tier_bytes);
+}
+
+/* Copy pools, attached sessions and sequences into *out; lock held. */
+static void snapshot_fill(store *st, uint64_t now, snapshot *out)
+{
+    for (uint32_t i = 0; i < st->cfg.max_pools; i++) {
+        const pool *p = st->pools[i];
+        if (p == NULL)
+            continue;
+        snapshot_pool *ps = &out->pools[out->npools++];
+        *ps = (snapshot_pool){.id = p->id,
+                              .geom = p->geom,
+                              .bytes = p->bytes,
+                              .block_bytes = p->block_bytes,
+                              .blocks_total = p->block_count,
+                              .blocks_free = p->nfree,
+                              .sessions = p->sessions};
+        snprintf(ps->model, sizeof ps->model, "%s", p->model);
+    }
+    for (const session *se = st->sessions; se != NULL; se = se->next) {
+        if (!se->attached)
+            continue;
+        snapshot_session *ss = &out->sessions[out->nsessions++];
+        *ss = (snapshot_session){.id = se->id,
+                                 .pool_id = se->pool->id,
+                                 .pid = (int32_t)se->pid,
+                                 .uid = (uint32_t)se->uid,
+                                 .nseqs = se->nseqs,
+                                 .attached_age_ms = now - se->attached_ms,
+                                 .lease_open = se->lease_open,
+                                 .lease_age_ms = se->lease_open ? now - se->lease_ms : 0};
+        snprintf(ss->name, sizeof ss->name, "%s", se->name);
+    }
+    for (size_t i = 0; i < st->nseqs; i++) {
+        snapshot_seq *qs = &out->seqs[out->nseqs++];
+        store_seq_snapshot(st->seqs[i], qs);
+        for (size_t k = 0; k < out->npools; k++)
+            if (out->pools[k].id == qs->pool_id) {
+                out->pools[k].blocks_retired += qs->retired;
+                out->pools[k].int8_bytes += qs->tier_bytes[POLICY_INT8];
+                out->pools[k].sketch_bytes += qs->tier_bytes[POLICY_SKETCH];
+            }
+    }
+}
+
+int store_snapshot(store *st, snapshot *out)
+{
+    memset(out, 0, sizeof *out);
+    pthread_mutex_lock(&st->lock);
+    size_t nsessions = 0;
+    for (const session *se = st->sessions; se != NULL; se = se->next)
+        nsessions++;
+    out->pools = calloc(st->cfg.max_pools + 1, sizeof *out->pools);
+    out->sessions = calloc(nsessions + 1, sizeof *out->sessions);
+    out->seqs = calloc(st->nseqs + 1, sizeof *out->seqs);
+    int rc = out->pools != NULL && out->sessions != NULL && out->seqs != NULL ? 0 : -1;
+    if (rc == 0) {
+        uint64_t now = store_now_ms();
+        out->serving = st->serving;
+        out->backend = store_backend_name(st);
+        out->uptime_ms = now - st->start_ms;
+        out->events = events_count(st->events);
+        snapshot_fill(st, now, out);
+    }
+    pthread_mutex_unlock(&st->lock);
+    if (rc != 0)
+        snapshot_free(out);
+    return rc;
 }
 
 void store_lock(store *st)
@@ -210,10 +316,10 @@ static void session_end(store *st, session *se, const char *reason)
             *pp = se->next;
             break;
         }
-    if (se->ring != NULL) {
-        ring_close(se->ring);
-        if (st->nclosed_rings < st->closed_rings_cap)
-            st->closed_rings[st->nclosed_rings++] = se->ring;
+    if (se->transport.impl != NULL) {
+        se->transport.close(se->transport.impl);
+        if (st->nclosed < st->closed_cap)
+            st->closed[st->nclosed++] = se->transport;
         else
             log_error("ring_leaked", "session=%llu", (unsigned long long)se->id);
     }
@@ -231,36 +337,39 @@ static void session_end(store *st, session *se, const char *reason)
     free(se);
 }
 
-/* Join the threads of closed rings. Takes and drops the lock itself: a ring
- * thread may be waiting for it. */
-static void join_closed_rings(store *st)
+/* Join the closed transports (their threads). Takes and drops the lock
+ * itself: a ring thread may be waiting for it. */
+static void join_closed(store *st)
 {
     pthread_mutex_lock(&st->lock);
-    size_t n = st->nclosed_rings;
-    ring **rings = malloc((n ? n : 1) * sizeof *rings);
-    if (rings != NULL) {
-        memcpy(rings, st->closed_rings, n * sizeof *rings);
-        st->nclosed_rings = 0;
+    size_t n = st->nclosed;
+    store_transport *closed = malloc((n ? n : 1) * sizeof *closed);
+    if (closed != NULL) {
+        memcpy(closed, st->closed, n * sizeof *closed);
+        st->nclosed = 0;
     } else {
         n = 0;
     }
     pthread_mutex_unlock(&st->lock);
     for (size_t i = 0; i < n; i++)
-        ring_join(rings[i]);
-    free(rings);
+        closed[i].join(closed[i].impl);
+    free(closed);
 }
 
 void store_destroy(store *st)
 {
+    if (st == NULL)
+        return;
     pthread_mutex_lock(&st->lock);
     while (st->sessions != NULL)
         session_end(st, st->sessions, "shutdown");
     pthread_mutex_unlock(&st->lock);
-    join_closed_rings(st);
-    free(st->closed_rings);
+    join_closed(st);
+    free(st->closed);
     free(st->seqs);
     free(st->pools);
     pthread_mutex_destroy(&st->lock);
+    free(st);
 }
 
 void store_begin_shutdown(store *st)
@@ -328,21 +437,23 @@ status_code store_session_open(store *st, pid_t pid, uid_t uid, gid_t gid, int c
     return rc;
 }
 
-status_code store_ring_fd(store *st, int conn_id, int *fd, size_t *bytes, status *s)
+status_code store_transport_fd(store *st, int conn_id, store_transport_open open, int *fd,
+                               size_t *bytes, status *s)
 {
-    join_closed_rings(st); /* a cheap moment to reap ended sessions' threads */
+    join_closed(st); /* a cheap moment to reap ended sessions' threads */
     status_code rc = ST_OK;
     *fd = -1;
     pthread_mutex_lock(&st->lock);
     session *se = find_session_by_conn(st, conn_id);
+    store_transport *t = se != NULL ? &se->transport : NULL;
     if (se == NULL || !se->attached)
         rc = status_set(s, ST_FAILED_PRECONDITION, "not attached: call Attach first");
-    else if (se->ring == NULL)
-        rc = ring_create(st, se->token, RING_BYTES_DEFAULT, &se->ring, s);
-    if (rc == ST_OK && (*fd = fcntl(ring_fd(se->ring), F_DUPFD_CLOEXEC, 0)) < 0)
+    else if (t->impl == NULL && (rc = open(st, se->token, t, s)) != ST_OK)
+        *t = (store_transport){0};
+    if (rc == ST_OK && (*fd = fcntl(t->fd(t->impl), F_DUPFD_CLOEXEC, 0)) < 0)
         rc = status_set(s, ST_INTERNAL, "cannot duplicate the ring fd");
     if (rc == ST_OK)
-        *bytes = ring_bytes(se->ring);
+        *bytes = t->bytes(t->impl);
     pthread_mutex_unlock(&st->lock);
     return rc;
 }
@@ -368,9 +479,7 @@ status_code store_pool_fd(store *st, int conn_id, uint64_t pool_id, int *fd, siz
     else if (se->pool->id != pool_id)
         rc = status_set(s, ST_PERMISSION_DENIED, "session is attached to pool %llu, not %llu",
                         (unsigned long long)se->pool->id, (unsigned long long)pool_id);
-    else if ((*fd = fcntl(se->pool->memfd, F_DUPFD_CLOEXEC, 0)) < 0)
-        rc = status_set(s, ST_INTERNAL, "cannot duplicate the pool fd");
-    else
+    else if ((rc = pool_share(se->pool, fd, s)) == ST_OK)
         *bytes = se->pool->bytes;
     pthread_mutex_unlock(&st->lock);
     return rc;
@@ -417,7 +526,8 @@ static status_code find_or_create_pool(store *st, const char *model, const pool_
     if (free_slot < 0)
         return status_set(s, ST_RESOURCE_EXHAUSTED,
                           "kvstashd already serves %u models (--max-pools)", st->cfg.max_pools);
-    if (pool_create(st->next_pool_id, model, g, st->cfg.pool_bytes, out, s) != ST_OK)
+    if (pool_create(st->next_pool_id, model, g, st->cfg.pool_bytes,
+                    st->cfg.backend ? st->cfg.backend : &backend_host, out, s) != ST_OK)
         return s->code;
     st->next_pool_id++;
     st->pools[free_slot] = *out;
@@ -451,8 +561,8 @@ status_code store_attach(store *st, const char *token, const char *model,
         p->sessions++;
         snprintf(se->name, sizeof se->name, "%s", worker_name);
         se->attached_ms = store_now_ms();
-        *out =
-            (store_attach_result){se->id, p->id, p->bytes, p->block_bytes, p->block_count, p->geom};
+        *out = (store_attach_result){se->id,         p->id,   p->bytes,        p->block_bytes,
+                                     p->block_count, p->geom, p->backend->name};
         events_publish(st->events, "worker.attached",
                        json_pack("{sI sI sI sI ss}", "session", (json_int_t)se->id, "pid",
                                  (json_int_t)se->pid, "uid", (json_int_t)se->uid, "pool",
@@ -615,9 +725,13 @@ status_code store_append(store *st, const char *token, uint64_t seq_id, int64_t 
     if (rc == ST_OK) {
         segs = calloc(writes->nlists, sizeof *segs);
         nsegs = calloc(writes->nlists, sizeof *nsegs);
-        for (uint32_t i = 0; segs != NULL && i < writes->nlists; i++)
-            writes->lists[i].segs = segs[i] = malloc((size_t)count * sizeof **segs);
-        if (segs == NULL || nsegs == NULL || segs[writes->nlists - 1] == NULL)
+        int missing = segs == NULL || nsegs == NULL;
+        /* Every list's array, not only the last: one that failed would be
+         * written through by seq_append (test_faults). */
+        for (uint32_t i = 0; !missing && i < writes->nlists; i++)
+            missing =
+                (writes->lists[i].segs = segs[i] = malloc((size_t)count * sizeof **segs)) == NULL;
+        if (missing)
             rc = status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
     }
     if (rc == ST_OK) {
@@ -637,7 +751,7 @@ status_code store_append(store *st, const char *token, uint64_t seq_id, int64_t 
         /* metrics hooks */
         metrics_appended(st->metrics, q->policy, (uint64_t)count);
         metrics_evicted(st->metrics, q->policy, 0, writes->evicted);
-        metrics_tiers(st->metrics, q);
+        store_report_tiers(st, q);
         for (uint32_t i = 0; i < writes->nlists; i++) {
             writes->lists[i].nsegs = nsegs[i];
             writes->lists[i].tokens = (uint32_t)count;
@@ -720,6 +834,33 @@ status_code store_seq_release(store *st, const char *token, uint64_t seq_id, uin
     return rc;
 }
 
+/* q's lists as plain data for metrics (metrics_lists); arrays malloc'd,
+ * freed by lists_view_free. 0, or -1 when out of memory. */
+static int lists_view(seq *q, metrics_lists *v)
+{
+    size_t n = (size_t)q->nlayers * q->heads;
+    uint32_t *ntokens = malloc((n ? n : 1) * sizeof *ntokens);
+    const uint32_t **pos = malloc((n ? n : 1) * sizeof *pos);
+    if (ntokens == NULL || pos == NULL) {
+        free(ntokens);
+        free(pos);
+        return -1;
+    }
+    for (size_t i = 0; i < n; i++)
+        ntokens[i] =
+            seq_list_tokens(q, (uint32_t)(i / q->heads), (uint32_t)(i % q->heads), &pos[i]);
+    *v = (metrics_lists){
+        q->nlayers, q->pool->geom.q_heads, q->pool->geom.kv_heads, q->heads, ntokens, pos};
+    return 0;
+}
+
+static void lists_view_free(metrics_lists *v)
+{
+    free((void *)v->ntokens);
+    free((void *)v->positions);
+    memset(v, 0, sizeof *v);
+}
+
 status_code store_step(store *st, const char *token, uint64_t seq_id, uint64_t ack_epoch,
                        const seq_step_input *in, uint64_t *epoch, uint32_t *evicted, status *s)
 {
@@ -729,14 +870,22 @@ status_code store_step(store *st, const char *token, uint64_t seq_id, uint64_t a
     status_code rc = own_seq_acked(st, token, seq_id, ack_epoch, &q, s);
     if (rc == ST_OK) {
         /* metrics hook: the attention mass this step's eviction drops */
-        metrics_mass *mm = metrics_mass_begin(st->metrics, q, in);
+        metrics_lists before = {0}, after = {0};
+        metrics_mass *mm = NULL;
+        if (st->metrics != NULL && in->data != NULL && lists_view(q, &before) == 0)
+            mm = metrics_mass_begin(st->metrics, &before, in->arrays, in->data, in->nfloats);
+        lists_view_free(&before);
         rc = seq_step(q, in, evicted, s);
-        metrics_mass_end(st->metrics, mm, q, rc == ST_OK);
+        if (mm != NULL && lists_view(q, &after) == 0)
+            metrics_mass_end(st->metrics, mm, q->policy, &after, rc == ST_OK);
+        else
+            metrics_mass_end(NULL, mm, NULL, NULL, 0); /* only frees it */
+        lists_view_free(&after);
     }
     if (rc == ST_OK) {
         /* metrics hooks */
         metrics_evicted(st->metrics, q->policy, 0, *evicted);
-        metrics_tiers(st->metrics, q);
+        store_report_tiers(st, q);
         if (st->metrics != NULL)
             metrics_step(st->metrics, q->policy, (double)(store_now_ns() - t0) * 1e-9);
         *epoch = q->epoch;

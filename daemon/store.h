@@ -5,21 +5,22 @@
  * The RPC layer (service.c) and the fd socket (fdsock.c) call these
  * functions; each takes the store's one lock, validates everything the client
  * sent, and either changes the state completely or not at all, answering with
- * a status whose message says what to fix. Reads for Stats and Inspect hold
- * the lock through store_lock()/store_unlock() and walk the structures below.
+ * a status whose message says what to fix. The store and its sessions are
+ * opaque (store_internal.h, for daemon/store*.c only): Stats and /metrics
+ * read a snapshot (store_snapshot), Inspect one sequence under
+ * store_lock()/store_unlock().
  */
 #ifndef KVSTASH_STORE_H
 #define KVSTASH_STORE_H
 
-#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/types.h>
 
 #include "events.h"
 #include "pool.h"
-#include "ring.h"
 #include "seq.h"
+#include "snapshot.h"
 #include "status.h"
 
 #define STORE_TOKEN_LEN 32 /* hex digits */
@@ -27,64 +28,42 @@
 struct metrics; /* metrics.h */
 
 typedef struct store_config {
-    size_t pool_bytes;     /* arena size of each pool */
-    uint32_t max_pools;    /* models served at once */
-    uint32_t max_sessions; /* connected workers */
-    uint32_t max_seqs;     /* sequences over all sessions */
+    size_t pool_bytes;      /* arena size of each pool */
+    uint32_t max_pools;     /* models served at once */
+    uint32_t max_sessions;  /* connected workers */
+    uint32_t max_seqs;      /* sequences over all sessions */
+    const backend *backend; /* where pools live; NULL = backend_host */
 } store_config;
 
-/* Blocks a Revive filled for a worker to read; the worker releases them
- * (ReleaseScratch), or they go with its session. */
-typedef struct store_scratch {
-    uint64_t id;
-    uint32_t *blocks;
-    size_t nblocks;
-    struct store_scratch *next;
-} store_scratch;
+typedef struct store store;
+typedef struct session session; /* a worker's session: store_internal.h */
 
-/* A worker: identified on the fd socket, attached to one pool by Attach. */
-typedef struct session {
-    uint64_t id;
-    char token[STORE_TOKEN_LEN + 1];
-    pid_t pid;
-    uid_t uid;
-    gid_t gid;
-    int conn_id; /* the fd-socket connection that identified it */
-    int attached;
-    pool *pool;
-    char name[65];
-    uint64_t attached_ms; /* store_now_ms() at Attach */
-    int lease_open;
-    uint64_t lease_ms; /* store_now_ms() when the lease opened (operators' "lease age") */
-    uint32_t nseqs;
-    ring *ring; /* the per-step ring, once the worker asked for it */
-    store_scratch *scratch;
-    struct session *next;
-} session;
+/*
+ * A session's per-step transport (the ring, ring.h), which registers itself
+ * through store_transport_fd. The store keeps it with the session and ends
+ * it with the session: close() under the store's lock (it must not block),
+ * then join() outside it (its thread may be waiting for the lock), which
+ * frees it. `impl` is NULL when the session has none.
+ */
+typedef struct store_transport {
+    void *impl;
+    void (*close)(void *impl);
+    void (*join)(void *impl);
+    int (*fd)(const void *impl); /* the descriptor a worker maps (owned by impl) */
+    size_t (*bytes)(const void *impl);
+} store_transport;
 
-typedef struct store {
-    pthread_mutex_t lock;
-    store_config cfg;
-    events *events; /* may be NULL */
-    /* Counters for /metrics (metrics.h); NULL = none. Set once before the
-     * store serves anyone (main.c), never changed afterwards. */
-    struct metrics *metrics;
-    uint64_t start_ms;
-    int serving;  /* 0 once shutdown began: new work gets UNAVAILABLE */
-    pool **pools; /* cfg.max_pools slots, NULL when free */
-    session *sessions;
-    seq **seqs;
-    size_t nseqs, seqs_cap;
-    ring **closed_rings; /* rings of ended sessions, joined outside the lock */
-    size_t nclosed_rings, closed_rings_cap;
-    uint64_t next_pool_id, next_session_id, next_seq_id, next_scratch_id;
-} store;
+/* Creates the transport that acts for the session holding `token`; called
+ * with the store's lock held. */
+typedef status_code (*store_transport_open)(store *st, const char *token, store_transport *out,
+                                            status *s);
 
 /* What Attach returns. */
 typedef struct store_attach_result {
     uint64_t session_id, pool_id, pool_bytes, block_bytes;
     uint32_t block_count;
     pool_geometry geometry;
+    const char *backend; /* the pool's backend name (static) */
 } store_attach_result;
 
 /* A sequence's tables, copied out under the lock: one entry per list (per
@@ -114,15 +93,34 @@ void store_table_free(store_table *t);
 uint64_t store_now_ms(void);
 uint64_t store_now_ns(void); /* CLOCK_MONOTONIC in nanoseconds, for durations */
 
-/* Initialise a store; `events` may be NULL. Returns 0 or -1 (out of memory). */
-int store_init(store *st, const store_config *cfg, events *events);
+/* A new store; `events` may be NULL. NULL when out of memory. Free with
+ * store_destroy. */
+store *store_create(const store_config *cfg, events *events);
 
-/* Reclaim every session (reason "shutdown") and free everything. */
+/* Count into m (metrics.h; NULL = none). Only before the store serves
+ * anyone: the hooks read it without the lock. */
+void store_set_metrics(store *st, struct metrics *m);
+
+/* Reclaim every session (reason "shutdown") and free everything, st too. */
 void store_destroy(store *st);
 
 /* Stop taking new work (health turns NOT_SERVING). */
 void store_begin_shutdown(store *st);
 int store_serving(store *st);
+
+/* The name of the backend pools live in (backend.h; a static string). */
+const char *store_backend_name(const store *st);
+
+/* Copy pools, attached sessions and sequences out under the lock (for
+ * /metrics and Stats). 0, or -1 when out of memory (*out then empty);
+ * free with snapshot_free. */
+int store_snapshot(store *st, snapshot *out);
+
+/* Under store_lock: sequence q as snapshot_seq (Inspect's summary). */
+void store_seq_snapshot(seq *q, snapshot_seq *out);
+
+/* Under store_lock: hand q's tier report to the metrics and clear it. */
+void store_report_tiers(store *st, seq *q);
 
 void store_lock(store *st);
 void store_unlock(store *st);
@@ -131,9 +129,10 @@ void store_unlock(store *st);
 status_code store_session_open(store *st, pid_t pid, uid_t uid, gid_t gid, int conn_id,
                                char token[STORE_TOKEN_LEN + 1], status *s);
 
-/* fd socket RING: a dup of the session's ring memfd (created on first use).
- * The caller closes *fd. */
-status_code store_ring_fd(store *st, int conn_id, int *fd, size_t *bytes, status *s);
+/* fd socket RING: a dup of the descriptor of the session's transport, which
+ * `open` creates on first use. The caller closes *fd. */
+status_code store_transport_fd(store *st, int conn_id, store_transport_open open, int *fd,
+                               size_t *bytes, status *s);
 
 /* fd socket: the connection closed; reclaim its session, if any. */
 void store_session_conn_closed(store *st, int conn_id);
@@ -202,10 +201,5 @@ status_code store_scratch_release(store *st, const char *token, uint64_t scratch
 
 /* Under store_lock: look a sequence up for Inspect (no ownership check). */
 seq *store_find_seq_locked(store *st, uint64_t seq_id);
-
-/* Under store_lock: the session holding `token` (attached or not) or with id
- * `id`; NULL if none. Read-only lookups for the operator calls (operator.c). */
-session *store_find_session_locked(store *st, const char *token);
-session *store_find_session_id_locked(store *st, uint64_t id);
 
 #endif

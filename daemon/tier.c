@@ -4,9 +4,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-int tier_ctx_init(tier_ctx *c, uint8_t *base, size_t block_bytes, const kv_layout *l,
-                  kv_dtype dtype)
+int tier_ctx_init(tier_ctx *c, const kv_ops *ops, uint8_t *base, size_t block_bytes,
+                  const kv_layout *l, kv_dtype dtype)
 {
+    c->ops = ops;
     c->base = base;
     c->block_bytes = block_bytes;
     c->l = *l;
@@ -19,6 +20,16 @@ int tier_ctx_init(tier_ctx *c, uint8_t *base, size_t block_bytes, const kv_layou
 size_t tier_token_bytes(const tier_ctx *c)
 {
     return 2 * (size_t)c->l.kv_heads * c->l.head_dim * c->l.elt_size;
+}
+
+uint8_t *tier_stage_alloc(const tier_ctx *c, size_t n)
+{
+    return c->ops->alloc((n ? n : 1) * tier_token_bytes(c));
+}
+
+void tier_stage_free(const tier_ctx *c, uint8_t *stage)
+{
+    c->ops->free(stage);
 }
 
 /* The segments of a token list (kernels take segment lists, token by
@@ -39,32 +50,22 @@ static kv_segment *token_segments(const tier_token *tok, size_t n, size_t *nsegs
     return sg;
 }
 
-/* Row i of head h of a contiguous [kv_heads][n][head_dim] staging array. */
-static uint8_t *stage_row(const tier_ctx *c, uint8_t *a, size_t n, uint32_t h, size_t i)
-{
-    size_t row = (size_t)c->l.head_dim * c->l.elt_size;
-    return a + ((size_t)h * n + i) * row;
-}
-
 /* Dequantise the INT8 tokens of tok (in order) into contiguous k, v of m
- * tokens, through a staging pool of l8 blocks. */
+ * tokens (device memory), through a staging pool of l8 blocks. */
 static int read_int8(const tier_ctx *c, const tier_token *tok, size_t n, size_t m, uint8_t *k,
                      uint8_t *v)
 {
+    const kv_ops *ops = c->ops;
     uint32_t t8 = c->l8.block_tokens;
     size_t nblocks = (m + t8 - 1) / t8, bb8 = kv_block_bytes(&c->l8);
-    uint8_t *stage = malloc(nblocks * bb8);
+    uint8_t *stage = ops->alloc(nblocks * bb8);
     kv_segment *dst = malloc(m * sizeof *dst);
-    if (stage == NULL || dst == NULL) {
-        free(stage);
-        free(dst);
-        return -1;
-    }
+    int rc = stage != NULL && dst != NULL ? 0 : -1;
     /* One call per run of consecutive slots of one INT8 block (a pool
      * block each: the kernel addresses one INT8 arena per call), cut where
      * the staging block ends. */
     size_t j = 0;
-    for (size_t i = 0; i < n;) {
+    for (size_t i = 0; rc == 0 && i < n;) {
         if (tok[i].tier != POLICY_INT8) {
             i++;
             continue;
@@ -74,16 +75,17 @@ static int read_int8(const tier_ctx *c, const tier_token *tok, size_t n, size_t 
                tok[i + run].block == tok[i].block && tok[i + run].slot == tok[i].slot + run)
             run++;
         kv_segment q = {0, tok[i].slot, run}, out = {(uint32_t)(j / t8), (uint32_t)(j % t8), run};
-        kv_int8_dequantize(&c->l8, c->base + (size_t)tok[i].block * c->block_bytes, &q, 1, c->dtype,
-                           stage, &out, 1);
+        rc = ops->int8_dequantize(&c->l8, c->base + (size_t)tok[i].block * c->block_bytes, &q, 1,
+                                  c->dtype, stage, &out, 1);
         for (uint32_t r = 0; r < run; r++, j++)
             dst[j] = (kv_segment){(uint32_t)(j / t8), (uint32_t)(j % t8), 1};
         i += run;
     }
-    kv_gather(&c->l8, stage, dst, m, k, v);
-    free(stage);
+    if (rc == 0)
+        rc = ops->gather(&c->l8, stage, dst, m, k, v);
+    ops->free(stage);
     free(dst);
-    return 0;
+    return rc;
 }
 
 /* All n tokens at full precision: one gather, straight into k and v. */
@@ -91,11 +93,31 @@ static int read_full(const tier_ctx *c, const tier_token *tok, size_t n, uint8_t
 {
     size_t ns;
     kv_segment *sg = token_segments(tok, n, &ns);
-    if (sg == NULL)
-        return -1;
-    kv_gather(&c->l, c->base, sg, ns, k, v);
+    int rc = sg != NULL ? c->ops->gather(&c->l, c->base, sg, ns, k, v) : -1;
     free(sg);
-    return 0;
+    return rc;
+}
+
+/* Interleave nf full-precision and n8 INT8 staged tokens (K and V halves
+ * each [kv_heads][count][head_dim]) back into list order in k, v: per
+ * token, one strided copy of its kv_heads rows, K then V. */
+static int interleave(const tier_ctx *c, const tier_token *tok, size_t n, const uint8_t *kf,
+                      const uint8_t *vf, size_t nf, const uint8_t *k8, const uint8_t *v8, size_t n8,
+                      uint8_t *k, uint8_t *v)
+{
+    size_t row = (size_t)c->l.head_dim * c->l.elt_size, fi = 0, qi = 0;
+    int rc = 0;
+    for (size_t i = 0; rc == 0 && i < n; i++) {
+        int full = tok[i].tier == POLICY_FULL;
+        size_t at = full ? fi++ : qi++, count = full ? nf : n8;
+        const uint8_t *sk = (full ? kf : k8) + at * row, *sv = (full ? vf : v8) + at * row;
+        rc = c->ops->copy_2d(KV_DEVICE_TO_DEVICE, k + i * row, n * row, sk, count * row, row,
+                             c->l.kv_heads);
+        if (rc == 0)
+            rc = c->ops->copy_2d(KV_DEVICE_TO_DEVICE, v + i * row, n * row, sv, count * row, row,
+                                 c->l.kv_heads);
+    }
+    return rc;
 }
 
 int tier_read(const tier_ctx *c, const tier_token *tok, size_t n, uint8_t *k, uint8_t *v)
@@ -108,37 +130,23 @@ int tier_read(const tier_ctx *c, const tier_token *tok, size_t n, uint8_t *k, ui
     if (nf == 0)
         return read_int8(c, tok, n, n, k, v);
     size_t tb = tier_token_bytes(c);
-    uint8_t *buf = malloc((nf + n8 ? nf + n8 : 1) * tb);
-    kv_segment *sf = malloc((nf ? nf : 1) * sizeof *sf);
-    if (buf == NULL || sf == NULL)
-        goto fail;
+    uint8_t *buf = tier_stage_alloc(c, nf + n8);
+    kv_segment *sf = malloc(nf * sizeof *sf);
+    int rc = buf != NULL && sf != NULL ? 0 : -1;
     uint8_t *kf = buf, *vf = kf + nf * tb / 2, *k8 = vf + nf * tb / 2, *v8 = k8 + n8 * tb / 2;
     size_t j = 0;
-    for (size_t i = 0; i < n; i++)
+    for (size_t i = 0; rc == 0 && i < n; i++)
         if (tok[i].tier == POLICY_FULL)
             sf[j++] = (kv_segment){tok[i].block, tok[i].slot, 1};
-    kv_gather(&c->l, c->base, sf, nf, kf, vf);
-    if (n8 > 0 && read_int8(c, tok, n, n8, k8, v8) != 0)
-        goto fail;
-    /* Interleave the two runs back into list order, row by row. */
-    size_t row = (size_t)c->l.head_dim * c->l.elt_size, fi = 0, qi = 0;
-    for (size_t i = 0; i < n; i++) {
-        int full = tok[i].tier == POLICY_FULL;
-        for (uint32_t h = 0; h < c->l.kv_heads; h++) {
-            memcpy(stage_row(c, k, n, h, i),
-                   full ? stage_row(c, kf, nf, h, fi) : stage_row(c, k8, n8, h, qi), row);
-            memcpy(stage_row(c, v, n, h, i),
-                   full ? stage_row(c, vf, nf, h, fi) : stage_row(c, v8, n8, h, qi), row);
-        }
-        full ? fi++ : qi++;
-    }
-    free(buf);
+    if (rc == 0)
+        rc = c->ops->gather(&c->l, c->base, sf, nf, kf, vf);
+    if (rc == 0)
+        rc = read_int8(c, tok, n, n8, k8, v8);
+    if (rc == 0)
+        rc = interleave(c, tok, n, kf, vf, nf, k8, v8, n8, k, v);
+    tier_stage_free(c, buf);
     free(sf);
-    return 0;
-fail:
-    free(buf);
-    free(sf);
-    return -1;
+    return rc;
 }
 
 int tier_copy(const tier_ctx *c, const tier_token *src, size_t n, const tier_token *dst)
@@ -149,33 +157,30 @@ int tier_copy(const tier_ctx *c, const tier_token *src, size_t n, const tier_tok
     if (n8 == 0) { /* pool to pool, no staging */
         size_t nfrom, nto;
         kv_segment *from = token_segments(src, n, &nfrom), *to = token_segments(dst, n, &nto);
-        if (from != NULL && to != NULL)
-            kv_copy_tokens(&c->l, c->base, from, nfrom, to, nto);
-        int rc = from != NULL && to != NULL ? 0 : -1;
+        int rc = from != NULL && to != NULL
+                     ? c->ops->copy_tokens(&c->l, c->base, from, nfrom, to, nto)
+                     : -1;
         free(from);
         free(to);
         return rc;
     }
     size_t half = n * tier_token_bytes(c) / 2;
-    uint8_t *k = malloc(2 * half);
-    if (k == NULL || tier_read(c, src, n, k, k + half) != 0) {
-        free(k);
-        return -1;
-    }
-    tier_write(c, dst, n, k, k + half);
-    free(k);
-    return 0;
+    uint8_t *k = tier_stage_alloc(c, n);
+    int rc = k != NULL ? tier_read(c, src, n, k, k + half) : -1;
+    if (rc == 0)
+        rc = tier_write(c, dst, n, k, k + half);
+    tier_stage_free(c, k);
+    return rc;
 }
 
-void tier_write(const tier_ctx *c, const tier_token *dst, size_t n, const uint8_t *k,
-                const uint8_t *v)
+int tier_write(const tier_ctx *c, const tier_token *dst, size_t n, const uint8_t *k,
+               const uint8_t *v)
 {
     size_t ns;
     kv_segment *sg = token_segments(dst, n, &ns);
-    if (sg == NULL)
-        abort(); /* n segments of 12 bytes: the caller just allocated more */
-    kv_scatter(&c->l, c->base, sg, ns, k, v);
+    int rc = sg != NULL ? c->ops->scatter(&c->l, c->base, sg, ns, k, v) : -1;
     free(sg);
+    return rc;
 }
 
 int tier_quantize(const tier_ctx *c, const uint8_t *k, const uint8_t *v, size_t n,
@@ -183,39 +188,41 @@ int tier_quantize(const tier_ctx *c, const uint8_t *k, const uint8_t *v, size_t 
 {
     uint32_t t8 = c->l8.block_tokens;
     size_t bb8 = kv_block_bytes(&c->l8);
-    uint8_t *stage = malloc(nq * bb8);
+    uint8_t *stage = c->ops->alloc(nq * bb8);
     kv_segment *sg = malloc(nq * sizeof *sg);
-    if (stage == NULL || sg == NULL) {
-        free(stage);
-        free(sg);
-        return -1;
-    }
-    for (size_t b = 0; b < nq; b++)
+    int rc = stage != NULL && sg != NULL ? 0 : -1;
+    for (size_t b = 0; rc == 0 && b < nq; b++)
         sg[b] = (kv_segment){(uint32_t)b, 0, (uint32_t)(b + 1 < nq ? t8 : n - (nq - 1) * t8)};
-    kv_scatter(&c->l8, stage, sg, nq, k, v);
+    if (rc == 0)
+        rc = c->ops->scatter(&c->l8, stage, sg, nq, k, v);
     const uint32_t zero = 0;
-    for (size_t b = 0; b < nq; b++)
-        kv_int8_quantize(&c->l8, c->dtype, stage, &sg[b], 1,
-                         c->base + (size_t)qblocks[b] * c->block_bytes, &zero, 1);
-    free(stage);
+    for (size_t b = 0; rc == 0 && b < nq; b++)
+        rc = c->ops->int8_quantize(&c->l8, c->dtype, stage, &sg[b], 1,
+                                   c->base + (size_t)qblocks[b] * c->block_bytes, &zero, 1);
+    c->ops->free(stage);
     free(sg);
-    return 0;
+    return rc;
 }
 
 int tier_sketch_init(tier_sketch *s, const tier_ctx *c, const policy_sketch_geometry *g)
 {
     memset(s, 0, sizeof *s);
+    const kv_ops *ops = c->ops;
     size_t dim = (size_t)c->l.kv_heads * c->l.head_dim, cells = (size_t)g->rows * g->buckets;
+    s->ops = ops;
     s->sk = (kv_sketch){g->rows,
                         g->buckets,
                         (uint32_t)dim,
                         g->key_mean ? KV_ESTIMATE_MEAN : KV_ESTIMATE_SUM,
                         g->value_mean ? KV_ESTIMATE_MEAN : KV_ESTIMATE_SUM,
-                        calloc(cells * dim, sizeof(float)),
-                        calloc(cells * dim, sizeof(float)),
-                        calloc(cells, sizeof(int32_t))};
+                        ops->alloc(cells * dim * sizeof(float)),
+                        ops->alloc(cells * dim * sizeof(float)),
+                        ops->alloc(cells * sizeof(int32_t))};
     s->layer_seed = g->layer_seed;
-    if (s->sk.key == NULL || s->sk.value == NULL || s->sk.count == NULL) {
+    if (s->sk.key == NULL || s->sk.value == NULL || s->sk.count == NULL ||
+        ops->fill(s->sk.key, 0, cells * dim * sizeof(float)) != 0 ||
+        ops->fill(s->sk.value, 0, cells * dim * sizeof(float)) != 0 ||
+        ops->fill(s->sk.count, 0, cells * sizeof(int32_t)) != 0) {
         tier_sketch_free(s);
         return -1;
     }
@@ -224,9 +231,11 @@ int tier_sketch_init(tier_sketch *s, const tier_ctx *c, const policy_sketch_geom
 
 void tier_sketch_free(tier_sketch *s)
 {
-    free(s->sk.key);
-    free(s->sk.value);
-    free(s->sk.count);
+    if (s->ops != NULL) {
+        s->ops->free(s->sk.key);
+        s->ops->free(s->sk.value);
+        s->ops->free(s->sk.count);
+    }
     memset(s, 0, sizeof *s);
 }
 
@@ -263,24 +272,31 @@ int tier_sketch_insert(tier_sketch *s, const tier_ctx *c, const uint32_t *pos, s
 {
     if (n == 0)
         return 0;
-    /* The staging arrays are one block of n tokens of the list's layout. */
+    /* The kernel reads one block of n tokens of the list's layout: K then
+     * V. Staged tokens (tier_stage_alloc) are already laid out so. */
     kv_layout one = c->l;
     one.block_tokens = (uint32_t)n;
     size_t half = n * tier_token_bytes(c) / 2;
-    uint8_t *stage = malloc(2 * half);
+    uint8_t *stage = v == k + half ? NULL : tier_stage_alloc(c, n);
+    const uint8_t *block = stage != NULL ? stage : k;
     uint32_t *h;
     int8_t *g;
-    if (stage == NULL || sketch_hash(s, pos, n, &h, &g) != 0) {
-        free(stage);
+    if ((v != k + half && stage == NULL) || sketch_hash(s, pos, n, &h, &g) != 0) {
+        tier_stage_free(c, stage);
         return -1;
     }
-    memcpy(stage, k, half);
-    memcpy(stage + half, v, half);
+    int rc = 0;
+    if (stage != NULL) {
+        rc = c->ops->copy(KV_DEVICE_TO_DEVICE, stage, k, half);
+        if (rc == 0)
+            rc = c->ops->copy(KV_DEVICE_TO_DEVICE, stage + half, v, half);
+    }
     kv_segment all = {0, 0, (uint32_t)n};
-    kv_sketch_insert(&s->sk, &one, c->dtype, stage, &all, 1, h, g);
-    free(stage);
+    if (rc == 0)
+        rc = c->ops->sketch_insert(&s->sk, &one, c->dtype, block, &all, 1, h, g);
+    tier_stage_free(c, stage);
     free(h);
-    return 0;
+    return rc;
 }
 
 int tier_sketch_read(tier_sketch *s, const tier_ctx *c, uint8_t *base, const uint32_t *pos,
@@ -294,13 +310,11 @@ int tier_sketch_read(tier_sketch *s, const tier_ctx *c, uint8_t *base, const uin
         free(sg);
         return -1;
     }
-    if (remove)
-        kv_sketch_revive(&s->sk, h, g, &c->l, c->dtype, base, sg, ns);
-    else
-        kv_sketch_query(&s->sk, h, g, &c->l, c->dtype, base, sg, ns);
+    int rc = remove ? c->ops->sketch_revive(&s->sk, h, g, &c->l, c->dtype, base, sg, ns)
+                    : c->ops->sketch_query(&s->sk, h, g, &c->l, c->dtype, base, sg, ns);
     free(sg);
     free(h);
-    return 0;
+    return rc;
 }
 
 int tier_sketch_delete(tier_sketch *s, const uint32_t *pos, size_t n)
@@ -311,26 +325,47 @@ int tier_sketch_delete(tier_sketch *s, const uint32_t *pos, size_t n)
         return 0;
     if (sketch_hash(s, pos, n, &h, &g) != 0)
         return -1;
-    kv_sketch_delete(&s->sk, h, g, n);
+    int rc = s->ops->sketch_delete(&s->sk, h, g, n);
     free(h);
-    return 0;
+    return rc;
+}
+
+/* Compare n staged tokens `got` (device, K then V halves) with the
+ * originals k, v (device) on the host: the measure is for metrics, so its
+ * copies are the one place tier moves bring bytes to the host. */
+static int staged_diff(const tier_ctx *c, const uint8_t *got, const uint8_t *k, const uint8_t *v,
+                       size_t n, kv_diff *d)
+{
+    size_t half = n * tier_token_bytes(c) / 2, elems = half / c->l.elt_size;
+    uint8_t *host = malloc(4 * half + 1);
+    int rc = host != NULL ? 0 : -1;
+    if (rc == 0)
+        rc = c->ops->copy(KV_DEVICE_TO_HOST, host, got, 2 * half);
+    if (rc == 0)
+        rc = c->ops->copy(KV_DEVICE_TO_HOST, host + 2 * half, k, half);
+    if (rc == 0)
+        rc = c->ops->copy(KV_DEVICE_TO_HOST, host + 3 * half, v, half);
+    if (rc == 0) {
+        kv_elts_diff(host, host + 2 * half, c->dtype, elems, d);
+        kv_elts_diff(host + half, host + 3 * half, c->dtype, elems, d);
+    }
+    free(host);
+    return rc;
 }
 
 int tier_error_ratio(const tier_ctx *c, const tier_token *tok, size_t n, const uint8_t *k,
                      const uint8_t *v, double *ratio)
 {
-    size_t half = n * tier_token_bytes(c) / 2, elems = half / c->l.elt_size;
-    uint8_t *got = malloc(2 * half + 1);
-    if (got == NULL || tier_read(c, tok, n, got, got + half) != 0) {
-        free(got);
-        return -1;
-    }
+    size_t half = n * tier_token_bytes(c) / 2;
+    uint8_t *got = tier_stage_alloc(c, n);
     kv_diff d = {0, 0, 0, 0};
-    kv_elts_diff(got, k, c->dtype, elems, &d);
-    kv_elts_diff(got + half, v, c->dtype, elems, &d);
-    *ratio = d.max_ref > 0 ? d.max_diff / d.max_ref : 0;
-    free(got);
-    return 0;
+    int rc = got != NULL ? tier_read(c, tok, n, got, got + half) : -1;
+    if (rc == 0)
+        rc = staged_diff(c, got, k, v, n, &d);
+    if (rc == 0)
+        *ratio = d.max_ref > 0 ? d.max_diff / d.max_ref : 0;
+    tier_stage_free(c, got);
+    return rc;
 }
 
 int tier_sketch_error(const tier_sketch *s, const tier_ctx *c, const uint32_t *pos, size_t n,
@@ -339,21 +374,21 @@ int tier_sketch_error(const tier_sketch *s, const tier_ctx *c, const uint32_t *p
     /* Query into a staging block of n tokens, laid out like k and v. */
     kv_layout one = c->l;
     one.block_tokens = (uint32_t)n;
-    size_t half = n * tier_token_bytes(c) / 2, elems = half / c->l.elt_size;
-    uint8_t *stage = malloc(2 * half + 1);
+    uint8_t *stage = tier_stage_alloc(c, n);
     uint32_t *h;
     int8_t *g;
     if (stage == NULL || sketch_hash(s, pos, n, &h, &g) != 0) {
-        free(stage);
+        tier_stage_free(c, stage);
         return -1;
     }
     kv_segment all = {0, 0, (uint32_t)n};
-    kv_sketch_query(&s->sk, h, g, &one, c->dtype, stage, &all, 1);
     kv_diff d = {0, 0, 0, 0};
-    kv_elts_diff(stage, k, c->dtype, elems, &d);
-    kv_elts_diff(stage + half, v, c->dtype, elems, &d);
-    *rel = d.sq_ref > 0 ? sqrt(d.sq_diff / d.sq_ref) : 0;
-    free(stage);
+    int rc = c->ops->sketch_query(&s->sk, h, g, &one, c->dtype, stage, &all, 1);
+    if (rc == 0)
+        rc = staged_diff(c, stage, k, v, n, &d);
+    if (rc == 0)
+        *rel = d.sq_ref > 0 ? sqrt(d.sq_diff / d.sq_ref) : 0;
+    tier_stage_free(c, stage);
     free(h);
-    return 0;
+    return rc;
 }

@@ -11,7 +11,9 @@
  *
  * The kernels take one layout for source and destination; tokens change
  * layout through a contiguous staging copy ([kv_heads][n][head_dim] of the
- * pool's dtype) that these functions own. They decide nothing: the caller
+ * pool's dtype). Pool and staging memory are device memory of the pool's
+ * backend: every byte moves through the context's ops (kernels/ops.h), and
+ * staging comes from tier_stage_alloc. They decide nothing: the caller
  * (seq.c) says which tokens move where. Not thread-safe (the store's lock).
  */
 #ifndef KVSTASH_TIER_H
@@ -21,6 +23,7 @@
 #include <stdint.h>
 
 #include "kernels.h"
+#include "ops.h"
 #include "policy.h"
 
 #define TIER_NO_BLOCK UINT32_MAX /* the block of a token in the sketch */
@@ -34,7 +37,8 @@ typedef struct tier_token {
 
 /* One list's storage: the pool it lives in and its layouts. */
 typedef struct tier_ctx {
-    uint8_t *base;      /* the pool's mapping */
+    const kv_ops *ops;  /* the pool's backend's memory operations */
+    uint8_t *base;      /* the pool's arena (a device address) */
     size_t block_bytes; /* of the pool */
     kv_layout l;        /* the list's full-precision block layout */
     kv_layout l8;       /* l with block_tokens = INT8 tokens per pool block */
@@ -42,14 +46,22 @@ typedef struct tier_ctx {
 } tier_ctx;
 
 /* Fill l8 from l; returns -1 when not even one INT8 token fits in a block. */
-int tier_ctx_init(tier_ctx *c, uint8_t *base, size_t block_bytes, const kv_layout *l,
-                  kv_dtype dtype);
+int tier_ctx_init(tier_ctx *c, const kv_ops *ops, uint8_t *base, size_t block_bytes,
+                  const kv_layout *l, kv_dtype dtype);
 
 /* Bytes of one token's K and V in the contiguous staging layout. */
 size_t tier_token_bytes(const tier_ctx *c);
 
+/* Device staging for n tokens' K and V (n * tier_token_bytes; K in the
+ * first half, V in the second), NULL when out of memory; freed with
+ * tier_stage_free (NULL is fine). */
+uint8_t *tier_stage_alloc(const tier_ctx *c, size_t n);
+void tier_stage_free(const tier_ctx *c, uint8_t *stage);
+
 /* Read n FULL or INT8 tokens into contiguous k and v ([kv_heads][n][head_dim],
- * pool dtype; INT8 tokens dequantised). Returns 0, or -1 out of memory. */
+ * pool dtype; INT8 tokens dequantised; staging memory). Returns 0, or -1
+ * out of memory or a backend error. Every function below that returns an
+ * int fails the same way. */
 int tier_read(const tier_ctx *c, const tier_token *tok, size_t n, uint8_t *k, uint8_t *v);
 
 /* Copy n FULL or INT8 tokens into FULL slots dst (distinct from src):
@@ -57,9 +69,9 @@ int tier_read(const tier_ctx *c, const tier_token *tok, size_t n, uint8_t *k, ui
  * through a staging copy. Returns 0, or -1 out of memory. */
 int tier_copy(const tier_ctx *c, const tier_token *src, size_t n, const tier_token *dst);
 
-/* Write n contiguous tokens into FULL slots (kv_scatter). */
-void tier_write(const tier_ctx *c, const tier_token *dst, size_t n, const uint8_t *k,
-                const uint8_t *v);
+/* Write n contiguous staged tokens into FULL slots (kv_scatter). */
+int tier_write(const tier_ctx *c, const tier_token *dst, size_t n, const uint8_t *k,
+               const uint8_t *v);
 
 /* Quantise n contiguous tokens into INT8 blocks qblocks[0..nq) (pool
  * blocks, l8.block_tokens tokens each, the last one partial; POLICIES.md
@@ -76,6 +88,7 @@ int tier_error_ratio(const tier_ctx *c, const tier_token *tok, size_t n, const u
 
 /* A list's count-sketch (kernels.h kv_sketch) with its hash family. */
 typedef struct tier_sketch {
+    const kv_ops *ops; /* the cells are its device memory */
     kv_sketch sk;
     uint64_t layer_seed;
 } tier_sketch;

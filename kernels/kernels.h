@@ -288,17 +288,17 @@ void kv_int8_dequantize(const kv_layout *l, const uint8_t *qpool, const kv_segme
  *
  * One sketch per (sequence, layer): `rows` x `buckets` cells, each a key sum
  * and a value sum of dim = kv_heads * head_dim floats (one token's K or V,
- * [kv_heads][head_dim]) and a token count. The arrays use the layout of
- * policies/reviver.h's reviver_sketch, so one can be viewed as the other:
+ * [kv_heads][head_dim]) and a token count, laid out
  * key[(row * buckets + bucket) * dim + c], same for value, and
  * count[row * buckets + bucket]. The caller owns the arrays (host memory for
- * the CPU kernels, device memory for the CUDA twins). The kernels equal
- * reviver_sketch_insert / _query / _delete exactly, token by token.
+ * the CPU kernels, device memory for the CUDA twins). The `_ref` functions
+ * are the one definition (the policy only decides which tokens go in); the
+ * fast and CUDA versions equal them exactly, token by token.
  */
 #define KV_SKETCH_MAX_ROWS 32u
 
 /* The per-row estimate (§3.8): the cell itself (Alg. 2), or the cell divided
- * by its token count (a count <= 0 divides by 1). Values as reviver_estimate. */
+ * by its token count (a count <= 0 divides by 1). */
 typedef enum kv_estimate { KV_ESTIMATE_SUM = 0, KV_ESTIMATE_MEAN = 1 } kv_estimate;
 
 typedef struct kv_sketch {
@@ -311,10 +311,11 @@ typedef struct kv_sketch {
     int32_t *count; /* rows * buckets */
 } kv_sketch;
 
-/* §3.2's hash family, identical to reviver_hash(): for rows i < rows,
- * S_i = 0x9E3779B97F4A7C15·(2i+1) ^ layer_seed, T_i = S_i ^
- * 0xD1B54A32D192ED03, h[i] = mix64(J ^ S_i) mod buckets, g[i] = +1 when
- * mix64(J ^ T_i) >> 63 == 0 else -1, mix64 the splitmix64 finaliser. */
+/* §3.2's hash family for rows i < rows: kv_sketch_hash_row of
+ * kernels/sketch_hash.h (the one definition, which also derives the
+ * policies' layer seeds): S_i = 0x9E3779B97F4A7C15·(2i+1) ^ layer_seed,
+ * T_i = S_i ^ 0xD1B54A32D192ED03, h[i] = mix64(J ^ S_i) mod buckets, g[i] =
+ * +1 when mix64(J ^ T_i) >> 63 == 0 else -1, mix64 the splitmix64 finaliser. */
 void kv_sketch_hash(uint64_t layer_seed, uint32_t rows, uint32_t buckets, uint64_t J, uint32_t *h,
                     int8_t *g);
 
@@ -386,8 +387,8 @@ void kv_rope_rerotate(const kv_layout *l, kv_dtype t, uint8_t *pool, const kv_se
  * the pool layout pass wo = o_proj.weight and wo_stride = q_heads * d; for
  * a per-head list (kv_heads = 1) pass the group's q_heads and wo +
  * g*G*d with wo_stride = the model's q_heads * d. Sums in double in the
- * order of snapkv_vnorm_l1 (policies/snapkv_family.h), so both CPU versions
- * equal it exactly.
+ * reference's order (vnorm_ref.c, the definition; the policies receive the
+ * result as policy_stats.vnorm), so both CPU versions equal it exactly.
  */
 void kv_vnorm_l1_ref(const kv_layout *l, kv_dtype t, const uint8_t *pool, const kv_segment *segs,
                      size_t nsegs, const float *wo, size_t wo_stride, uint32_t q_heads,

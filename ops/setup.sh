@@ -4,6 +4,7 @@
 #   bash ops/setup.sh            install missing packages, build ./build (CUDA: AUTO)
 #   bash ops/setup.sh --asan     also build ./build-asan (ASan+UBSan, no CUDA)
 #   bash ops/setup.sh --tsan     also build ./build-tsan (ThreadSanitizer, no CUDA)
+#   bash ops/setup.sh --release  also build ./build-release (Release: -O3, no CUDA)
 #   bash ops/setup.sh --no-build only install packages
 #
 # Idempotent: apt is skipped when every package is already installed, and
@@ -14,14 +15,16 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 asan=0
 tsan=0
+release=0
 build=1
 for arg in "$@"; do
     case "$arg" in
     --asan) asan=1 ;;
     --tsan) tsan=1 ;;
+    --release) release=1 ;;
     --no-build) build=0 ;;
     -h | --help)
-        sed -n '2,10p' "${BASH_SOURCE[0]}"
+        sed -n '2,11p' "${BASH_SOURCE[0]}"
         exit 0
         ;;
     *)
@@ -77,4 +80,10 @@ fi
 if [ "$tsan" -eq 1 ]; then
     cmake -S . -B build-tsan -DKVSTASH_SANITIZE_THREAD=ON -DKVSTASH_CUDA=OFF
     cmake --build build-tsan -j"$jobs"
+fi
+# -O3 finds what RelWithDebInfo's -O2 does not (GCC's -Wmaybe-uninitialized
+# with -Werror): a newcomer's first `-DCMAKE_BUILD_TYPE=Release` must build.
+if [ "$release" -eq 1 ]; then
+    cmake -S . -B build-release -DCMAKE_BUILD_TYPE=Release -DKVSTASH_CUDA=OFF
+    cmake --build build-release -j"$jobs"
 fi

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# ops/test.sh - build kvstash three times (./build as configured by setup.sh,
+# ops/test.sh - build kvstash four times (./build as configured by setup.sh,
 # ./build-asan with AddressSanitizer + UBSan, ./build-tsan with
-# ThreadSanitizer) and run the whole test suite in each. With KVSTASH_BENCH=1
-# it also runs the benchmarks (tests/bench/run.sh: bench_rpc, bench_tiers) in quick mode.
+# ThreadSanitizer, ./build-release with -DCMAKE_BUILD_TYPE=Release), run the
+# whole test suite in the first three and the unit tests in build-release
+# (-O3 must compile and behave). With KVSTASH_BENCH=1 it also runs the
+# benchmarks (tests/bench/run.sh: bench_rpc, bench_tiers) in quick mode.
 # Exits non-zero if any build, test or the benchmark fails.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-bash ops/setup.sh --asan --tsan
+bash ops/setup.sh --asan --tsan --release
 
 failed=()
 
@@ -33,6 +35,13 @@ fi
 echo "== ctest: build-tsan"
 if ! "${norandom[@]}" ctest --test-dir build-tsan --output-on-failure -j2; then
     failed+=("ctest build-tsan")
+fi
+
+# Release: the unit tests only (the integration suite adds nothing the other
+# builds do not check, and doubles the time).
+echo "== ctest: build-release (unit)"
+if ! ctest --test-dir build-release --output-on-failure -j2 -L unit; then
+    failed+=("ctest build-release")
 fi
 
 if [ "${KVSTASH_BENCH:-0}" = 1 ]; then

@@ -22,7 +22,7 @@ static const policy_param_spec adakv_params[] = {
 static int adakv_create(const policy_params *p, const policy_geometry *g, void **state, char *err,
                         size_t errlen)
 {
-    return snapkv_family_create(p, g, SNAPKV_ADA, state, err, errlen);
+    return snapkv_family_create(p, g, SNAPKV_ADA, &policy_adakv, state, err, errlen);
 }
 
 const policy_ops policy_adakv = {

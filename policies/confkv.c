@@ -31,6 +31,7 @@
 #include "confkv.h"
 
 #include <math.h>
+#include <stddef.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -51,10 +52,7 @@ typedef struct confkv_layer {
 } confkv_layer;
 
 typedef struct confkv_state {
-    double tau, lambda, gamma, rho_top, rho_bottom;
-    uint32_t tight, loose, protect, fp16_window;
-    int pyramid;
-    confkv_weights weights;
+    confkv_config cfg;
     uint32_t layers, q_heads;
     confkv_layer *ly;
     /* Scratch for one step (the host runs one layer at a time). */
@@ -63,25 +61,51 @@ typedef struct confkv_state {
     uint32_t scratch_cap;
 } confkv_state;
 
+static const char *const margin_modes[] = {"sigmoid", "tanh", NULL};
+
+#define CONFKV_F64(k, d, h, lo, hi, field)                                                         \
+    POLICY_PARAM_F64(k, d, h, lo, hi, offsetof(confkv_config, field))
+#define CONFKV_U32(k, d, h, lo, hi, field)                                                         \
+    POLICY_PARAM_U32(k, d, h, lo, hi, offsetof(confkv_config, field))
+
 static const policy_param_spec confkv_params[] = {
-    {"tau", "0.7",
-     "confidence threshold: c_t >= tau selects budget_tight, else budget_loose "
-     "(POLICIES.md §5.1), 0..1"},
-    {"budget_tight", "128", "tokens kept per layer on confident steps (§5.1, WikiText knee)"},
-    {"budget_loose", "512", "tokens kept per layer on uncertain steps (§5.2 [RECON])"},
-    {"protect", "32", "W: the newest tokens never evicted (§5.2 [RECON]; 64 for NIAH/VWA)"},
-    {"fp16_window", "128",
-     "F: the newest retained tokens kept in full precision, older ones "
-     "INT8 (§5.2 [RECON]; 256 for NIAH/VWA)"},
-    {"lambda", "0.5", "ranker weight of the attention EMA vs recency (§5.2 [RECON]), 0..1"},
-    {"gamma", "0.9", "EMA decay of the attention mass (§5.2 [RECON]), 0..1"},
-    {"w_entropy", "0.4", "confidence weight of 1 - normalised entropy (§5.2 [RECON])"},
-    {"w_margin", "0.3", "confidence weight of the top-1/top-2 log-prob margin term"},
-    {"w_top", "0.3", "confidence weight of the top-1 probability; the three weights sum to 1"},
-    {"pyramid", "0", "1 = Conf-KV-L: deeper layers get smaller budgets (§5.5)"},
-    {"rho_top", "1.5", "pyramid: budget factor of the first layer (§5.5 [RECON])"},
-    {"rho_bottom", "0.5", "pyramid: budget factor of the last layer, <= rho_top"},
-    {"margin_mode", "sigmoid", "margin term: sigmoid(D) or tanh (= 2 sigmoid(D) - 1) (§5.2)"},
+    CONFKV_F64("tau", "0.7",
+               "confidence threshold: c_t >= tau selects budget_tight, else budget_loose "
+               "(POLICIES.md §5.1), 0..1",
+               0.0, 1.0, tau),
+    CONFKV_U32("budget_tight", "128",
+               "tokens kept per layer on confident steps (§5.1, WikiText knee)", 1, CONFKV_MAX,
+               tight),
+    CONFKV_U32("budget_loose", "512", "tokens kept per layer on uncertain steps (§5.2 [RECON])", 1,
+               CONFKV_MAX, loose),
+    CONFKV_U32("protect", "32",
+               "W: the newest tokens never evicted (§5.2 [RECON]; 64 for NIAH/VWA)", 0, CONFKV_MAX,
+               protect),
+    CONFKV_U32("fp16_window", "128",
+               "F: the newest retained tokens kept in full precision, older ones INT8 (§5.2 "
+               "[RECON]; 256 for NIAH/VWA)",
+               0, CONFKV_MAX, fp16_window),
+    CONFKV_F64("lambda", "0.5",
+               "ranker weight of the attention EMA vs recency (§5.2 [RECON]), 0..1", 0.0, 1.0,
+               lambda),
+    CONFKV_F64("gamma", "0.9", "EMA decay of the attention mass (§5.2 [RECON]), 0..1", 0.0, 1.0,
+               gamma),
+    CONFKV_F64("w_entropy", "0.4", "confidence weight of 1 - normalised entropy (§5.2 [RECON])",
+               0.0, 1.0, weights.entropy),
+    CONFKV_F64("w_margin", "0.3", "confidence weight of the top-1/top-2 log-prob margin term", 0.0,
+               1.0, weights.margin),
+    CONFKV_F64("w_top", "0.3",
+               "confidence weight of the top-1 probability; the three weights sum to 1", 0.0, 1.0,
+               weights.top),
+    CONFKV_U32("pyramid", "0", "1 = Conf-KV-L: deeper layers get smaller budgets (§5.5)", 0, 1,
+               pyramid),
+    CONFKV_F64("rho_top", "1.5", "pyramid: budget factor of the first layer (§5.5 [RECON])", 0.0,
+               64.0, rho_top),
+    CONFKV_F64("rho_bottom", "0.5", "pyramid: budget factor of the last layer, <= rho_top", 0.0,
+               64.0, rho_bottom),
+    POLICY_PARAM_ONE_OF("margin_mode", "sigmoid",
+                        "margin term: sigmoid(D) or tanh (= 2 sigmoid(D) - 1) (§5.2)", margin_modes,
+                        offsetof(confkv_config, margin_mode)),
 };
 
 /* ---- the pure pieces (confkv.h) ------------------------------------------ */
@@ -255,28 +279,12 @@ void confkv_order(const double *rank, const uint32_t *step, uint32_t *idx, size_
 
 /* ---- the policy ---------------------------------------------------------- */
 
-static int parse_params(const policy_params *p, confkv_state *s, char *err, size_t errlen)
+int confkv_config_parse(const policy_params *p, confkv_config *s, char *err, size_t errlen)
 {
-    static const char *const modes[] = {"sigmoid", "tanh", NULL};
-    uint32_t pyramid;
-    unsigned mode;
-    if (policy_params_double(p, "tau", 0.0, 1.0, &s->tau, err, errlen) != 0 ||
-        policy_params_uint(p, "budget_tight", 1, CONFKV_MAX, &s->tight, err, errlen) != 0 ||
-        policy_params_uint(p, "budget_loose", 1, CONFKV_MAX, &s->loose, err, errlen) != 0 ||
-        policy_params_uint(p, "protect", 0, CONFKV_MAX, &s->protect, err, errlen) != 0 ||
-        policy_params_uint(p, "fp16_window", 0, CONFKV_MAX, &s->fp16_window, err, errlen) != 0 ||
-        policy_params_double(p, "lambda", 0.0, 1.0, &s->lambda, err, errlen) != 0 ||
-        policy_params_double(p, "gamma", 0.0, 1.0, &s->gamma, err, errlen) != 0 ||
-        policy_params_double(p, "w_entropy", 0.0, 1.0, &s->weights.entropy, err, errlen) != 0 ||
-        policy_params_double(p, "w_margin", 0.0, 1.0, &s->weights.margin, err, errlen) != 0 ||
-        policy_params_double(p, "w_top", 0.0, 1.0, &s->weights.top, err, errlen) != 0 ||
-        policy_params_uint(p, "pyramid", 0, 1, &pyramid, err, errlen) != 0 ||
-        policy_params_double(p, "rho_top", 0.0, 64.0, &s->rho_top, err, errlen) != 0 ||
-        policy_params_double(p, "rho_bottom", 0.0, 64.0, &s->rho_bottom, err, errlen) != 0 ||
-        policy_params_choice(p, "margin_mode", modes, &mode, err, errlen) != 0)
+    if (policy_params_parse(p, confkv_params, sizeof confkv_params / sizeof confkv_params[0], s,
+                            err, errlen) != 0)
         return -1;
-    s->pyramid = (int)pyramid;
-    s->weights.margin_mode = (confkv_margin_mode)mode;
+    s->weights.margin_mode = (confkv_margin_mode)s->margin_mode;
     double sum = s->weights.entropy + s->weights.margin + s->weights.top;
     if (fabs(sum - 1.0) > 1e-6) {
         policy_set_err(err, errlen, "parameters w_entropy + w_margin + w_top must sum to 1, got %g",
@@ -323,7 +331,7 @@ static int confkv_create(const policy_params *p, const policy_geometry *g, void 
 {
     *state = NULL;
     confkv_state tmp = {0};
-    if (parse_params(p, &tmp, err, errlen) != 0)
+    if (confkv_config_parse(p, &tmp.cfg, err, errlen) != 0)
         return -1;
     if (g == NULL || g->layers == 0 || g->q_heads == 0) {
         policy_set_err(err, errlen, "confkv needs a geometry with layers >= 1 and q_heads >= 1");
@@ -380,7 +388,7 @@ static void update_ema(const confkv_state *s, confkv_layer *ly, const policy_sta
         double m = 0.0;
         for (uint32_t h = 0; h < s->q_heads; h++)
             m += st->last_attn[h][i];
-        ly->ema[i] = confkv_ema(ly->ema[i], m / s->q_heads, s->gamma);
+        ly->ema[i] = confkv_ema(ly->ema[i], m / s->q_heads, s->cfg.gamma);
     }
 }
 
@@ -390,12 +398,12 @@ static void evict(confkv_state *s, const confkv_layer *ly, const uint32_t *pos, 
 {
     uint32_t n = ly->n;
     if (n <= budget)
-        return;                                          /* §5.1: a no-op while the cache fits */
-    uint32_t cand = n > s->protect ? n - s->protect : 0; /* positions ascend: a prefix */
+        return; /* §5.1: a no-op while the cache fits */
+    uint32_t cand = n > s->cfg.protect ? n - s->cfg.protect : 0; /* positions ascend: a prefix */
     uint32_t k = n - budget;
     if (k > cand)
         k = cand;
-    confkv_rank(ly->ema, pos, cand, s->lambda, s->rank);
+    confkv_rank(ly->ema, pos, cand, s->cfg.lambda, s->rank);
     for (uint32_t i = 0; i < cand; i++)
         s->idx[i] = i;
     confkv_order(s->rank, pos, s->idx, cand);
@@ -410,7 +418,7 @@ static void demote(const confkv_state *s, uint32_t n, uint8_t *tier)
     for (uint32_t i = n; i-- > 0;) {
         if (tier[i] == POLICY_EVICT)
             continue;
-        if (newer >= s->fp16_window && tier[i] == POLICY_FULL)
+        if (newer >= s->cfg.fp16_window && tier[i] == POLICY_FULL)
             tier[i] = POLICY_INT8;
         newer++;
     }
@@ -478,10 +486,10 @@ static int confkv_step(void *state, const policy_layer_view *view, const policy_
     update_ema(s, ly, stats);
     if (stats->prefill)
         return 0; /* §5.3: prefill keeps everything */
-    uint32_t budget = confkv_budget(stats->confidence, s->tau, s->tight, s->loose);
-    if (s->pyramid)
-        budget = confkv_layer_budget(budget, view->layer, s->layers, s->rho_top, s->rho_bottom,
-                                     s->protect);
+    uint32_t budget = confkv_budget(stats->confidence, s->cfg.tau, s->cfg.tight, s->cfg.loose);
+    if (s->cfg.pyramid)
+        budget = confkv_layer_budget(budget, view->layer, s->layers, s->cfg.rho_top,
+                                     s->cfg.rho_bottom, s->cfg.protect);
     ly->decided = 1;
     ly->confidence = stats->confidence;
     ly->budget = budget;

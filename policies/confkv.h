@@ -14,6 +14,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "policy.h"
+
 /* How the log-probability margin Δ enters the confidence (§5.2). */
 typedef enum confkv_margin_mode {
     CONFKV_MARGIN_SIGMOID = 0, /* σ(Δ), in [1/2, 1): the default */
@@ -88,6 +90,25 @@ void confkv_rank(const double *ema, const uint32_t *step, size_t n, double lambd
  * equal steps the lower index. Stable and total: the order is deterministic.
  */
 void confkv_order(const double *rank, const uint32_t *step, uint32_t *idx, size_t n);
+
+/* ---- the policy's parameters ---- */
+
+/* Policy "confkv"'s parameters, as its parameter spec parses them. */
+typedef struct confkv_config {
+    double tau, lambda, gamma, rho_top, rho_bottom;
+    uint32_t tight, loose, protect, fp16_window, pyramid;
+    confkv_weights weights; /* w_entropy, w_margin, w_top, margin_mode */
+    unsigned margin_mode;   /* index of margin_mode ("sigmoid", "tanh") */
+} confkv_config;
+
+/*
+ * Parse and cross-check a resolved "confkv" parameter set (the policy's own
+ * create() does exactly this): the weights sum to 1, budget_tight <=
+ * budget_loose, protect < budget_tight, rho_bottom <= rho_top. A worker that
+ * computes the confidence reads the weights from here instead of parsing
+ * confkv's keys itself. Returns 0, or -1 with err naming the parameter.
+ */
+int confkv_config_parse(const policy_params *p, confkv_config *out, char *err, size_t errlen);
 
 /*
  * The EMA of one layer of a "confkv" policy state (for tests and Inspect):

@@ -24,7 +24,7 @@ static const policy_param_spec criticalkv_params[] = {
 static int criticalkv_create(const policy_params *p, const policy_geometry *g, void **state,
                              char *err, size_t errlen)
 {
-    return snapkv_family_create(p, g, SNAPKV_CRITICAL, state, err, errlen);
+    return snapkv_family_create(p, g, SNAPKV_CRITICAL, &policy_criticalkv, state, err, errlen);
 }
 
 const policy_ops policy_criticalkv = {

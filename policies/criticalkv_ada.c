@@ -30,7 +30,8 @@ static const policy_param_spec criticalkv_ada_params[] = {
 static int criticalkv_ada_create(const policy_params *p, const policy_geometry *g, void **state,
                                  char *err, size_t errlen)
 {
-    return snapkv_family_create(p, g, SNAPKV_CRITICAL_ADA, state, err, errlen);
+    return snapkv_family_create(p, g, SNAPKV_CRITICAL_ADA, &policy_criticalkv_ada, state, err,
+                                errlen);
 }
 
 const policy_ops policy_criticalkv_ada = {

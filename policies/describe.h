@@ -52,6 +52,18 @@ static inline void policy_text_add(policy_text *t, const char *fmt, ...)
     }
 }
 
+/* The shortest %g text that reads back as v (15 to 17 digits). */
+static inline void policy_text_double(policy_text *t, double v)
+{
+    char s[40];
+    for (int prec = 15; prec <= 17; prec++) {
+        snprintf(s, sizeof s, "%.*g", prec, v);
+        if (strtod(s, NULL) == v)
+            break;
+    }
+    policy_text_add(t, "%s", s);
+}
+
 /* The text (ownership passes to the caller), or NULL after a failure. */
 static inline char *policy_text_finish(policy_text *t)
 {

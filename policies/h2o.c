@@ -19,6 +19,7 @@
  * to budget; recent = budget - sinks is allowed (then h2o keeps a window).
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,12 +43,29 @@ typedef struct h2o_state {
     h2o_layer *ly;
 } h2o_state;
 
+/* The parameters; recent = H2O_HALF stands for 'half'. */
+typedef struct h2o_config {
+    uint32_t budget, recent, sinks;
+} h2o_config;
+
+#define H2O_HALF UINT32_MAX
+
 static const policy_param_spec h2o_params[] = {
-    {"budget", "256", "tokens held per layer after each step, 1..1048576 ([RECON] default)"},
-    {"recent", "half",
-     "newest tokens never evicted: 'half' = int(budget/2) (H2O's even split) or 0..budget; "
-     "recent + sinks <= budget"},
-    {"sinks", "0", "tokens with position < sinks are never evicted, 0..budget"},
+    POLICY_PARAM_U32("budget", "256",
+                     "tokens held per layer after each step, 1..1048576 ([RECON] default)", 1,
+                     H2O_MAX, offsetof(h2o_config, budget)),
+    {.key = "recent",
+     .def = "half",
+     .help = "newest tokens never evicted: 'half' = int(budget/2) (H2O's even split) or "
+             "0..budget; recent + sinks <= budget",
+     .type = POLICY_PARAM_UINT,
+     .min = 0,
+     .max = H2O_MAX,
+     .offset = offsetof(h2o_config, recent),
+     .word = "half",
+     .word_value = H2O_HALF},
+    POLICY_PARAM_U32("sinks", "0", "tokens with position < sinks are never evicted, 0..budget", 0,
+                     H2O_MAX, offsetof(h2o_config, sinks)),
 };
 
 static void h2o_destroy(void *state)
@@ -68,19 +86,23 @@ static int h2o_create(const policy_params *p, const policy_geometry *g, void **s
                       size_t errlen)
 {
     *state = NULL;
-    uint32_t budget, recent, sinks;
-    if (policy_params_uint(p, "budget", 1, H2O_MAX, &budget, err, errlen) != 0)
+    h2o_config c;
+    if (policy_params_parse(p, h2o_params, sizeof h2o_params / sizeof h2o_params[0], &c, err,
+                            errlen) != 0)
         return -1;
-    const char *r = policy_params_get(p, "recent");
-    if (r != NULL && strcmp(r, "half") == 0) {
-        recent = budget / 2;
-    } else if (policy_params_uint(p, "recent", 0, budget, &recent, err, errlen) != 0) {
+    /* The bounds that depend on the budget. */
+    uint32_t budget = c.budget, recent = c.recent == H2O_HALF ? budget / 2 : c.recent,
+             sinks = c.sinks;
+    if (recent > budget) {
         snprintf(err, errlen, "parameter recent must be 'half' or an integer in [0, %u], got '%s'",
-                 budget, r ? r : "");
+                 budget, policy_params_get(p, "recent"));
         return -1;
     }
-    if (policy_params_uint(p, "sinks", 0, budget, &sinks, err, errlen) != 0)
+    if (sinks > budget) {
+        snprintf(err, errlen, "parameter sinks must be an integer in [0, %u], got '%s'", budget,
+                 policy_params_get(p, "sinks"));
         return -1;
+    }
     if ((uint64_t)recent + sinks > budget) {
         snprintf(err, errlen,
                  "parameters recent (%u) + sinks (%u) must be <= budget (%u): protected tokens "

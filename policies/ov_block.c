@@ -18,12 +18,13 @@
  */
 #include <inttypes.h>
 #include <math.h>
-#include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "builtin.h"
+#include "describe.h"
 #include "ov_block.h"
 #include "util.h"
 
@@ -297,16 +298,6 @@ void ov_rotation_row(uint32_t delta, uint32_t d, double rope_theta, double *sin_
     }
 }
 
-void ov_rotate_key(double *k, uint32_t d, const double *sin_row, const double *cos_row)
-{
-    uint32_t h = d / 2;
-    for (uint32_t j = 0; j < h; j++) {
-        double x = k[j], y = k[j + h];
-        k[j] = x * cos_row[j] - y * sin_row[j];
-        k[j + h] = x * sin_row[j] + y * cos_row[j];
-    }
-}
-
 /* ---- the policy state ---------------------------------------------------- */
 
 typedef struct ov_layer {
@@ -336,47 +327,80 @@ struct ov_block {
     double *raw, *x;
     size_t *dq;
     size_t scratch_cap;
+
+    /* ov_block_apply_next(): the next step() evicts these blocks. */
+    const uint32_t *apply;
+    size_t napply;
+    int applying;
 };
 
 static const char *const aggregation_names[] = {"sum", "norm_sum", NULL};
 static const char *const anchor_names[] = {"random", "zeros", "ones", "mean", "alternating", NULL};
 static const char *const pairings[] = {"half", "interleaved", NULL};
 
+/* The parameters as parsed (policy_params_parse); ov_parse() checks them
+ * together and fills the state. */
+typedef struct ov_config {
+    uint32_t start, recent, max, block_size, pool_w, snap_w, crush_budget, seed, head_size,
+        apply_rotation;
+    unsigned aggregation, anchor, rope_pairing;
+    double rope_theta;
+} ov_config;
+
+#define OV_U32(k, d, h, lo, hi, field) POLICY_PARAM_U32(k, d, h, lo, hi, offsetof(ov_config, field))
+
 static const policy_param_spec ov_params[] = {
-    {"start_size", "32",
-     "tokens at the start never evicted; a multiple of the block size "
-     "(POLICIES.md §2.1)"},
-    {"recent_size", "128",
-     "most recent tokens not evicted while in this area; a multiple of "
-     "the block size (§2.1)"},
-    {"max_cache_size", "672",
-     "start + evictable + recent tokens kept after eviction; > "
-     "start_size + recent_size, a multiple of the block size (§2.1)"},
-    {"block_size", "0",
-     "eviction granularity in tokens: must equal the sequence's block size; "
-     "0 or empty = the block size (§2.5)"},
-    {"aggregation", "norm_sum",
-     "score aggregation: sum | norm_sum (sum divided by the number "
-     "of steps that scored the token) (§2.3)"},
-    {"max_pool_window", "7",
-     "forward max-pool window over each registered score vector; 0 or "
-     "1 = none (§2.3, §6 #4)"},
-    {"snapkv_window", "8",
-     "last prompt queries whose scores start the accumulator; 0 = off "
-     "(§2.3, §2.4)"},
-    {"kvcrush_budget", "0", "KVCrush: victim blocks kept for diversity; 0 = off (§2.6)"},
-    {"kvcrush_anchor", "random",
-     "KVCrush anchor: random | zeros | ones | mean | alternating "
-     "(§2.6)"},
-    {"kvcrush_seed", "0", "seed of the mt19937 stream of the random anchor (§2.6, §6 #8)"},
-    {"rope_theta", "10000", "RoPE base for re-rotating shifted keys (§2.8, §6 #5)"},
-    {"head_size", "0",
-     "head size of the rotation coefficients (even); 0 = the model's head_dim "
-     "(§2.8)"},
-    {"apply_rotation", "0", "1 = ask the daemon to re-rotate the keys of shifted blocks (§2.8)"},
-    {"rope_pairing", "half",
-     "the model's RoPE pairs, for re-rotation: half (j, j+d/2; HF, OpenVINO) | interleaved "
-     "(2j, 2j+1; llama2.c)"},
+    OV_U32("start_size", "32",
+           "tokens at the start never evicted; a multiple of the block size (POLICIES.md §2.1)", 1,
+           OV_MAX_TOKENS, start),
+    OV_U32("recent_size", "128",
+           "most recent tokens not evicted while in this area; a multiple of the block size "
+           "(§2.1)",
+           1, OV_MAX_TOKENS, recent),
+    OV_U32("max_cache_size", "672",
+           "start + evictable + recent tokens kept after eviction; > start_size + recent_size, a "
+           "multiple of the block size (§2.1)",
+           1, OV_MAX_TOKENS, max),
+    {.key = "block_size",
+     .def = "0",
+     .help = "eviction granularity in tokens: must equal the sequence's block size; 0 or empty = "
+             "the block size (§2.5)",
+     .type = POLICY_PARAM_UINT,
+     .min = 0,
+     .max = OV_MAX_TOKENS,
+     .offset = offsetof(ov_config, block_size),
+     .word = "",
+     .word_value = 0},
+    POLICY_PARAM_ONE_OF("aggregation", "norm_sum",
+                        "score aggregation: sum | norm_sum (sum divided by the number of steps "
+                        "that scored the token) (§2.3)",
+                        aggregation_names, offsetof(ov_config, aggregation)),
+    OV_U32("max_pool_window", "7",
+           "forward max-pool window over each registered score vector; 0 or 1 = none (§2.3, §6 "
+           "#4)",
+           0, OV_MAX_WINDOW, pool_w),
+    OV_U32("snapkv_window", "8",
+           "last prompt queries whose scores start the accumulator; 0 = off (§2.3, §2.4)", 0,
+           OV_MAX_WINDOW, snap_w),
+    OV_U32("kvcrush_budget", "0", "KVCrush: victim blocks kept for diversity; 0 = off (§2.6)", 0,
+           OV_MAX_WINDOW, crush_budget),
+    POLICY_PARAM_ONE_OF("kvcrush_anchor", "random",
+                        "KVCrush anchor: random | zeros | ones | mean | alternating (§2.6)",
+                        anchor_names, offsetof(ov_config, anchor)),
+    OV_U32("kvcrush_seed", "0", "seed of the mt19937 stream of the random anchor (§2.6, §6 #8)", 0,
+           UINT32_MAX, seed),
+    POLICY_PARAM_F64("rope_theta", "10000", "RoPE base for re-rotating shifted keys (§2.8, §6 #5)",
+                     1.0, 1e12, offsetof(ov_config, rope_theta)),
+    OV_U32("head_size", "0",
+           "head size of the rotation coefficients (even); 0 = the model's head_dim (§2.8)", 0,
+           65536, head_size),
+    OV_U32("apply_rotation", "0",
+           "1 = ask the daemon to re-rotate the keys of shifted blocks (§2.8)", 0, 1,
+           apply_rotation),
+    POLICY_PARAM_ONE_OF("rope_pairing", "half",
+                        "the model's RoPE pairs, for re-rotation: half (j, j+d/2; HF, OpenVINO) | "
+                        "interleaved (2j, 2j+1; llama2.c)",
+                        pairings, offsetof(ov_config, rope_pairing)),
 };
 
 #define OV_NPARAMS (sizeof(ov_params) / sizeof(ov_params[0]))
@@ -397,15 +421,10 @@ static void ov_destroy(void *state)
     free(st);
 }
 
-/* block_size: "" or "0" means the geometry's block size. */
-static int parse_block_size(const policy_params *p, const policy_geometry *g, uint32_t *B,
-                            char *err, size_t errlen)
+/* block_size: 0 (or "") means the geometry's block size. */
+static int check_block_size(uint32_t v, const policy_geometry *g, uint32_t *B, char *err,
+                            size_t errlen)
 {
-    const char *s = policy_params_get(p, "block_size");
-    uint32_t v = 0;
-    if (s != NULL && s[0] != '\0' &&
-        policy_params_uint(p, "block_size", 0, OV_MAX_TOKENS, &v, err, errlen) != 0)
-        return -1;
     if (g->block_tokens == 0) {
         policy_set_err(err, errlen,
                        "parameter block_size: the sequence has no block size (block_tokens "
@@ -437,28 +456,24 @@ static int check_multiple(const char *key, uint32_t v, uint32_t B, char *err, si
 static int ov_parse(const policy_params *p, const policy_geometry *g, ov_block *s, char *err,
                     size_t errlen)
 {
-    unsigned agg, anchor;
-    uint32_t rot;
+    ov_config c;
     if (g->layers == 0) {
         policy_set_err(err, errlen, "layers: policy ov_block needs at least one layer, got 0");
         return -1;
     }
-    if (parse_block_size(p, g, &s->B, err, errlen) != 0 ||
-        policy_params_uint(p, "start_size", 1, OV_MAX_TOKENS, &s->start, err, errlen) != 0 ||
-        policy_params_uint(p, "recent_size", 1, OV_MAX_TOKENS, &s->recent, err, errlen) != 0 ||
-        policy_params_uint(p, "max_cache_size", 1, OV_MAX_TOKENS, &s->max, err, errlen) != 0 ||
-        policy_params_choice(p, "aggregation", aggregation_names, &agg, err, errlen) != 0 ||
-        policy_params_uint(p, "max_pool_window", 0, OV_MAX_WINDOW, &s->pool_w, err, errlen) != 0 ||
-        policy_params_uint(p, "snapkv_window", 0, OV_MAX_WINDOW, &s->snap_w, err, errlen) != 0 ||
-        policy_params_uint(p, "kvcrush_budget", 0, OV_MAX_WINDOW, &s->crush_budget, err, errlen) !=
-            0 ||
-        policy_params_choice(p, "kvcrush_anchor", anchor_names, &anchor, err, errlen) != 0 ||
-        policy_params_uint(p, "kvcrush_seed", 0, UINT32_MAX, &s->seed, err, errlen) != 0 ||
-        policy_params_double(p, "rope_theta", 1.0, 1e12, &s->rope_theta, err, errlen) != 0 ||
-        policy_params_uint(p, "head_size", 0, 65536, &s->head_size, err, errlen) != 0 ||
-        policy_params_uint(p, "apply_rotation", 0, 1, &rot, err, errlen) != 0 ||
-        policy_params_choice(p, "rope_pairing", pairings, &s->rope_pairing, err, errlen) != 0)
+    if (policy_params_parse(p, ov_params, OV_NPARAMS, &c, err, errlen) != 0 ||
+        check_block_size(c.block_size, g, &s->B, err, errlen) != 0)
         return -1;
+    s->start = c.start;
+    s->recent = c.recent;
+    s->max = c.max;
+    s->pool_w = c.pool_w;
+    s->snap_w = c.snap_w;
+    s->crush_budget = c.crush_budget;
+    s->seed = c.seed;
+    s->rope_theta = c.rope_theta;
+    s->head_size = c.head_size;
+    s->rope_pairing = c.rope_pairing;
     if ((uint64_t)s->max <= (uint64_t)s->start + s->recent) {
         policy_set_err(err, errlen,
                        "parameter max_cache_size (%" PRIu32 ") must be greater than "
@@ -479,15 +494,15 @@ static int ov_parse(const policy_params *p, const policy_geometry *g, ov_block *
                        s->head_size);
         return -1;
     }
-    if (rot && s->head_size == 0) {
+    if (c.apply_rotation && s->head_size == 0) {
         policy_set_err(err, errlen,
                        "parameter head_size: apply_rotation needs a head size and the "
                        "model's head_dim is 0");
         return -1;
     }
-    s->norm_sum = agg == 1;
-    s->anchor = (ov_anchor_mode)anchor;
-    s->apply_rotation = (int)rot;
+    s->norm_sum = c.aggregation == 1;
+    s->anchor = (ov_anchor_mode)c.anchor;
+    s->apply_rotation = (int)c.apply_rotation;
     return 0;
 }
 
@@ -780,11 +795,6 @@ uint32_t ov_block_snapkv_registered(const ov_block *st)
     return st->nreg;
 }
 
-int ov_block_norm_sum(const ov_block *st)
-{
-    return st->norm_sum;
-}
-
 size_t ov_block_tracked(const ov_block *st, uint32_t layer)
 {
     return st->ly[layer].len;
@@ -857,6 +867,31 @@ int ov_block_rotation(const ov_block *st, const uint32_t *evicted, size_t ne,
 
 /* ---- step (the daemon's path) -------------------------------------------- */
 
+void ov_block_apply_next(ov_block *st, const uint32_t *blocks, size_t n)
+{
+    st->apply = blocks;
+    st->napply = n;
+    st->applying = 1;
+}
+
+/* The step after ov_block_apply_next(): evict exactly those blocks. */
+static int apply_blocks(ov_block *st, const policy_layer_view *view, policy_decision *d, char *err,
+                        size_t errlen)
+{
+    st->applying = 0;
+    for (size_t i = 0; i < st->napply; i++) {
+        uint64_t from = (uint64_t)st->apply[i] * st->B;
+        if (from + st->B > view->tokens[0]) {
+            policy_set_err(err, errlen, "block %" PRIu32 " is beyond the %" PRIu32 " held tokens",
+                           st->apply[i], view->tokens[0]);
+            return -1;
+        }
+        for (uint32_t t = 0; t < st->B; t++)
+            d->tier[0][from + t] = POLICY_EVICT;
+    }
+    return 0;
+}
+
 static int ov_step(void *state, const policy_layer_view *view, const policy_stats *stats,
                    policy_decision *d, char *err, size_t errlen)
 {
@@ -868,6 +903,8 @@ static int ov_step(void *state, const policy_layer_view *view, const policy_stat
                        view->heads);
         return -1;
     }
+    if (st->applying)
+        return apply_blocks(st, view, d, err, errlen);
     if (stats->score == NULL) {
         policy_set_err(err, errlen,
                        "policy ov_block needs stats score (per-token attention summed over "
@@ -930,82 +967,30 @@ static int ov_step(void *state, const policy_layer_view *view, const policy_stat
 
 /* ---- describe ------------------------------------------------------------ */
 
-typedef struct text {
-    char *buf;
-    size_t len, cap;
-    int oom;
-} text;
-
-static void put(text *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-
-static void put(text *t, const char *fmt, ...)
-{
-    if (t->oom)
-        return;
-    for (;;) {
-        va_list ap;
-        va_start(ap, fmt);
-        int n = vsnprintf(t->buf + t->len, t->cap - t->len, fmt, ap);
-        va_end(ap);
-        if (n < 0) {
-            t->oom = 1;
-            return;
-        }
-        if ((size_t)n < t->cap - t->len) {
-            t->len += (size_t)n;
-            return;
-        }
-        size_t cap = t->cap * 2 + (size_t)n;
-        char *b = realloc(t->buf, cap);
-        if (b == NULL) {
-            t->oom = 1;
-            return;
-        }
-        t->buf = b;
-        t->cap = cap;
-    }
-}
-
-/* The shortest %g text that reads back as v. */
-static void put_double(text *t, double v)
-{
-    char s[40];
-    for (int prec = 15; prec <= 17; prec++) {
-        snprintf(s, sizeof s, "%.*g", prec, v);
-        if (strtod(s, NULL) == v)
-            break;
-    }
-    put(t, "%s", s);
-}
-
 static char *ov_describe(void *state, uint32_t layer)
 {
     const ov_block *st = state;
     if (layer >= st->layers)
         return NULL;
     const ov_layer *L = &st->ly[layer];
-    text t = {.buf = malloc(256), .cap = 256};
-    if (t.buf == NULL)
-        return NULL;
-    t.buf[0] = '\0';
-    put(&t,
-        "{\"aggregation\":\"%s\",\"snapkv_registered\":%" PRIu32 ",\"tracked\":%zu,\"scores\":[",
-        st->norm_sum ? "norm_sum" : "sum", st->nreg, L->len);
+    policy_text t = {0};
+    policy_text_add(&t,
+                    "{\"aggregation\":\"%s\",\"snapkv_registered\":%" PRIu32
+                    ",\"tracked\":%zu,\"scores\":[",
+                    st->norm_sum ? "norm_sum" : "sum", st->nreg, L->len);
     for (size_t i = 0; i < L->len; i++) {
         if (i > 0)
-            put(&t, ",");
-        put_double(&t, L->acc[i]);
+            policy_text_add(&t, ",");
+        policy_text_double(&t, L->acc[i]);
     }
-    put(&t, "],\"counters\":[");
+    policy_text_add(&t, "],\"counters\":[");
     for (size_t i = 0; st->norm_sum && i < L->len; i++)
-        put(&t, "%s%" PRIu64, i > 0 ? "," : "", L->cnt[i]);
-    put(&t, "]}");
-    if (t.oom) {
-        free(t.buf);
-        return NULL;
-    }
-    return t.buf;
+        policy_text_add(&t, "%s%" PRIu64, i > 0 ? "," : "", L->cnt[i]);
+    policy_text_add(&t, "]}");
+    return policy_text_finish(&t);
 }
+
+static const char *const ov_replay_ops[] = {"scores", "evict", "rotation", "state", NULL};
 
 const policy_ops policy_ov_block = {
     .name = "ov_block",
@@ -1019,4 +1004,6 @@ const policy_ops policy_ov_block = {
     .step = ov_step,
     .describe = ov_describe,
     .destroy = ov_destroy,
+    .replay_ops = ov_replay_ops,
+    .replay = ov_block_replay,
 };

@@ -125,14 +125,13 @@ int ov_rotation_plan(const uint32_t *evicted, size_t ne, uint32_t nbefore, uint3
 /*
  * One coefficient row for a rotation by delta tokens: for j < d/2, theta_j
  * = rope_theta^(-2j/d), cos_row[j] = cos(delta*theta_j) and sin_row[j] =
- * -sin(delta*theta_j) (the inverse rotation, as OpenVINO stores it).
+ * -sin(delta*theta_j) (the inverse rotation, as OpenVINO stores it). This is
+ * the plan's description (positions and theta only, as OpenVINO's cache
+ * manager hands it out); applying it to keys is K/V math, the daemon's
+ * kv_rope_rerotate (kernels/kernels.h) with delta = -delta.
  */
 void ov_rotation_row(uint32_t delta, uint32_t d, double rope_theta, double *sin_row,
                      double *cos_row);
-
-/* Rotate one key of d values in place with a row (HF rotate-half pairing):
- * k[j] = x*cos - y*sin, k[j+d/2] = x*sin + y*cos, x = k[j], y = k[j+d/2]. */
-void ov_rotate_key(double *k, uint32_t d, const double *sin_row, const double *cos_row);
 
 /* ---- the policy state and its replay operations ------------------------- */
 
@@ -173,13 +172,24 @@ uint32_t ov_block_snapkv_window(const ov_block *st);
 uint32_t ov_block_block_size(const ov_block *st);
 uint32_t ov_block_head_size(const ov_block *st);         /* resolved: head_size or head_dim */
 uint32_t ov_block_snapkv_registered(const ov_block *st); /* nreg of §2.3 */
-int ov_block_norm_sum(const ov_block *st);               /* 1 NORM_SUM, 0 SUM */
 
 /* A layer's accumulated scores and NORM_SUM counters (NULL in SUM mode),
  * ov_block_tracked() values each; valid until the next state operation. */
 size_t ov_block_tracked(const ov_block *st, uint32_t layer);
 const double *ov_block_scores(const ov_block *st, uint32_t layer);
 const uint64_t *ov_block_counters(const ov_block *st, uint32_t layer);
+
+/* For the replay's evict: the next step() (of any layer) evicts exactly the
+ * logical blocks blocks[0..n) of that layer instead of deciding, so that the
+ * host's token list follows ov_block_evict(). blocks must stay valid until
+ * that step. */
+void ov_block_apply_next(ov_block *st, const uint32_t *blocks, size_t n);
+
+/* policy_ops.replay of "ov_block" (ov_block_replay.c): the operations
+ * scores, evict, rotation and state of docs/replay.md, in OpenVINO's terms,
+ * on this state. */
+struct policy_replay;
+int ov_block_replay(const struct policy_replay *r, const char *op);
 
 /* One shifted block with its coefficient rows (head_size/2 values each). */
 typedef struct ov_rotation {

@@ -220,3 +220,49 @@ int policy_params_choice(const policy_params *p, const char *key, const char *co
     policy_set_err(err, errlen, "parameter %s must be one of %s, got '%s'", key, list, s);
     return -1;
 }
+
+/* One UINT entry, with its optional word. */
+static int parse_uint_entry(const policy_params *p, const policy_param_spec *sp, uint32_t *out,
+                            char *err, size_t errlen)
+{
+    const char *s = policy_params_get(p, sp->key);
+    if (sp->word != NULL && s != NULL && strcmp(s, sp->word) == 0) {
+        *out = sp->word_value;
+        return 0;
+    }
+    uint32_t lo = (uint32_t)sp->min, hi = (uint32_t)sp->max;
+    if (policy_params_uint(p, sp->key, lo, hi, out, err, errlen) == 0)
+        return 0;
+    if (sp->word != NULL && sp->word[0] != '\0' && s != NULL)
+        policy_set_err(err, errlen,
+                       "parameter %s must be '%s' or an integer in [%" PRIu32 ", %" PRIu32
+                       "], got '%s'",
+                       sp->key, sp->word, lo, hi, s);
+    return -1;
+}
+
+int policy_params_parse(const policy_params *p, const policy_param_spec *spec, size_t n,
+                        void *config, char *err, size_t errlen)
+{
+    for (size_t i = 0; i < n; i++) {
+        const policy_param_spec *sp = &spec[i];
+        void *field = (char *)config + sp->offset;
+        int rc = 0;
+        switch (sp->type) {
+        case POLICY_PARAM_TEXT:
+            break;
+        case POLICY_PARAM_UINT:
+            rc = parse_uint_entry(p, sp, field, err, errlen);
+            break;
+        case POLICY_PARAM_DOUBLE:
+            rc = policy_params_double(p, sp->key, sp->min, sp->max, field, err, errlen);
+            break;
+        case POLICY_PARAM_CHOICE:
+            rc = policy_params_choice(p, sp->key, sp->choices, field, err, errlen);
+            break;
+        }
+        if (rc != 0)
+            return -1;
+    }
+    return 0;
+}

@@ -12,8 +12,9 @@
  * Policies include no daemon, kernel or JSON header.
  *
  * Lifecycle: policy_find() by name -> policy_params_resolve() validates the
- * client's key=value pairs and fills defaults -> ops->create() -> ops->step()
- * once per layer per step -> ops->destroy().
+ * client's key=value pairs and fills defaults -> ops->create() (which reads
+ * them with policy_params_parse() and its spec) -> ops->step() once per
+ * layer per step -> ops->destroy().
  */
 #ifndef KVSTASH_POLICY_H
 #define KVSTASH_POLICY_H
@@ -24,12 +25,49 @@
 #define POLICY_MAX_PARAMS 32
 #define POLICY_ERR_LEN 256
 
-/* One parameter a policy accepts, with its default as text. */
+/* How policy_params_parse() reads a parameter into a policy's config. */
+typedef enum policy_param_type {
+    POLICY_PARAM_TEXT = 0, /* not parsed: the policy reads the text itself */
+    POLICY_PARAM_UINT,     /* uint32_t, decimal digits only, in [min, max] */
+    POLICY_PARAM_DOUBLE,   /* double, finite, in [min, max] */
+    POLICY_PARAM_CHOICE,   /* unsigned: the index of the value in choices */
+} policy_param_type;
+
+/*
+ * One parameter a policy accepts, declared as data (nginx's directives): its
+ * default as text and, for policy_params_parse(), its type, bounds and the
+ * offset of its field in the policy's config struct. A UINT may also accept
+ * one word instead of a number (h2o's recent=half, reviver's slack=-1),
+ * stored as word_value.
+ */
 typedef struct policy_param_spec {
     const char *key;
     const char *def;
     const char *help;
+    policy_param_type type;
+    double min, max;            /* UINT, DOUBLE (UINT bounds are whole numbers) */
+    const char *const *choices; /* CHOICE: NULL-terminated */
+    size_t offset;              /* offsetof(config struct, field) */
+    const char *word;           /* UINT: the word accepted instead of a number, or NULL */
+    uint32_t word_value;        /* what the word stores */
 } policy_param_spec;
+
+/* Spec initialisers: key, default, help, bounds, field (offsetof). */
+#define POLICY_PARAM_U32(k, d, h, lo, hi, off)                                                     \
+    {                                                                                              \
+        .key = (k), .def = (d), .help = (h), .type = POLICY_PARAM_UINT, .min = (lo), .max = (hi),  \
+        .offset = (off)                                                                            \
+    }
+#define POLICY_PARAM_F64(k, d, h, lo, hi, off)                                                     \
+    {                                                                                              \
+        .key = (k), .def = (d), .help = (h), .type = POLICY_PARAM_DOUBLE, .min = (lo),             \
+        .max = (hi), .offset = (off)                                                               \
+    }
+#define POLICY_PARAM_ONE_OF(k, d, h, names, off)                                                   \
+    {                                                                                              \
+        .key = (k), .def = (d), .help = (h), .type = POLICY_PARAM_CHOICE, .choices = (names),      \
+        .offset = (off)                                                                            \
+    }
 
 /* A resolved parameter set: every key of the policy, in spec order, with the
  * client's value or the default. */
@@ -144,6 +182,8 @@ enum {
     POLICY_NEEDS_CONFIDENCE = 1u << 4,
 };
 
+struct policy_replay; /* policy_replay.h */
+
 typedef struct policy_ops {
     const char *name;
     const char *summary; /* one line for `kvstash policy list` */
@@ -183,6 +223,14 @@ typedef struct policy_ops {
      * shared). *n receives the count. Without it, changes apply in list
      * order: revivals from the sketch first, then insertions. */
     const uint32_t *(*tier_order)(const void *state, uint32_t layer, size_t *n);
+
+    /* Optional: `kvstash replay` operations in the policy's own terms
+     * (policies/policy_replay.h; docs/replay.md), named in replay_ops
+     * (NULL-terminated). A line with one of these fields runs replay(r, op)
+     * instead of the generic operations; "state" among them replaces the
+     * generic describe() answer. Returns 0, or -1 after r->fail(). */
+    const char *const *replay_ops;
+    int (*replay)(const struct policy_replay *r, const char *op);
 } policy_ops;
 
 /* The registry: look a policy up by name (NULL if unknown). */
@@ -201,6 +249,18 @@ int policy_params_resolve(const policy_ops *ops, const char *const *keys, const 
 
 /* The value of `key` in a resolved set (NULL if the policy has no such key). */
 const char *policy_params_get(const policy_params *p, const char *key);
+
+/*
+ * Parse every typed entry of spec[0..n) (TEXT entries are skipped) from the
+ * resolved set p into the config struct at `config`, each at its offset, in
+ * spec order. Returns 0, or -1 with err naming the first bad parameter and
+ * its range (the messages of the setters below); fields already parsed are
+ * then written, the rest untouched. The one parser of policy parameters.
+ */
+int policy_params_parse(const policy_params *p, const policy_param_spec *spec, size_t n,
+                        void *config, char *err, size_t errlen);
+
+/* The setters policy_params_parse() uses, one per type. */
 
 /* Parse `key` as an unsigned integer in [min, max]. Returns 0, or -1 with err
  * set to e.g. "parameter n_sink must be an integer in [0, 65536], got 'x'". */

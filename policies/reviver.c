@@ -18,6 +18,7 @@
  *   (round half away from zero), slack = min(32, R_b) unless given.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,142 +26,17 @@
 #include "builtin.h"
 #include "describe.h"
 #include "reviver.h"
+/* The seed derivation only (pure integer functions); see the header. */
+#include "../kernels/sketch_hash.h"
 
 #define REVIVER_MAX 1048576u
-#define GOLDEN 0x9E3779B97F4A7C15ull
 
-/* ---- §3.2 hashing ---- */
-
-uint64_t reviver_mix64(uint64_t x)
-{
-    x ^= x >> 30;
-    x *= 0xBF58476D1CE4E5B9ull;
-    x ^= x >> 27;
-    x *= 0x94D049BB133111EBull;
-    x ^= x >> 31;
-    return x;
-}
-
-uint64_t reviver_layer_seed(uint64_t base, uint32_t layer)
-{
-    return reviver_mix64(base + GOLDEN * ((uint64_t)layer + 1));
-}
-
-void reviver_hash(uint64_t layer_seed, uint32_t rows, uint32_t buckets, uint64_t J, uint32_t *h,
-                  int8_t *g)
-{
-    for (uint32_t i = 0; i < rows; i++) {
-        uint64_t s = GOLDEN * (2 * (uint64_t)i + 1) ^ layer_seed;
-        uint64_t t = s ^ 0xD1B54A32D192ED03ull;
-        h[i] = (uint32_t)(reviver_mix64(J ^ s) % buckets);
-        g[i] = (reviver_mix64(J ^ t) >> 63) == 0 ? 1 : -1;
-    }
-}
-
-/* ---- §3.3 reference sketch ---- */
-
-int reviver_sketch_init(reviver_sketch *s, uint32_t rows, uint32_t buckets, size_t dim,
-                        reviver_estimate key_estimate, reviver_estimate value_estimate)
-{
-    memset(s, 0, sizeof *s);
-    if (rows == 0 || rows > REVIVER_MAX_ROWS || buckets == 0 || dim == 0)
-        return -1;
-    size_t cells = (size_t)rows * buckets;
-    if (dim > SIZE_MAX / sizeof(float) / cells)
-        return -1;
-    s->key = calloc(cells * dim, sizeof(float));
-    s->value = calloc(cells * dim, sizeof(float));
-    s->count = calloc(cells, sizeof(int32_t));
-    if (s->key == NULL || s->value == NULL || s->count == NULL) {
-        reviver_sketch_free(s);
-        return -1;
-    }
-    s->rows = rows;
-    s->buckets = buckets;
-    s->dim = dim;
-    s->key_estimate = key_estimate;
-    s->value_estimate = value_estimate;
-    return 0;
-}
-
-void reviver_sketch_free(reviver_sketch *s)
-{
-    free(s->key);
-    free(s->value);
-    free(s->count);
-    memset(s, 0, sizeof *s);
-}
-
-/* Add sign·x to row i's cell h[i] (keys: sign +1, values: g[i]). */
-static void sketch_add(reviver_sketch *s, const uint32_t *h, const int8_t *g, const float *k,
-                       const float *v, float sign, int32_t count)
-{
-    for (uint32_t i = 0; i < s->rows; i++) {
-        size_t cell = (size_t)i * s->buckets + h[i];
-        float *ck = s->key + cell * s->dim;
-        float *cv = s->value + cell * s->dim;
-        float gv = sign * (float)g[i];
-        for (size_t c = 0; c < s->dim; c++) {
-            ck[c] += sign * k[c];
-            cv[c] += gv * v[c];
-        }
-        s->count[cell] += count;
-    }
-}
-
-void reviver_sketch_insert(reviver_sketch *s, const uint32_t *h, const int8_t *g, const float *k,
-                           const float *v)
-{
-    sketch_add(s, h, g, k, v, 1.0f, 1);
-}
-
-void reviver_sketch_delete(reviver_sketch *s, const uint32_t *h, const int8_t *g,
-                           const float *k_est, const float *v_est)
-{
-    sketch_add(s, h, g, k_est, v_est, -1.0f, -1);
-}
-
-/* Lower median of x[0..n): the middle for odd n, the lower middle for even
- * n (insertion sort; n <= REVIVER_MAX_ROWS). */
-static float lower_median(float *x, uint32_t n)
-{
-    for (uint32_t i = 1; i < n; i++) {
-        float v = x[i];
-        uint32_t j = i;
-        for (; j > 0 && x[j - 1] > v; j--)
-            x[j] = x[j - 1];
-        x[j] = v;
-    }
-    return x[(n - 1) / 2];
-}
-
-/* One half (keys or values) of a query. */
-static void sketch_query_half(const reviver_sketch *s, const float *cells, const uint32_t *h,
-                              const int8_t *g, reviver_estimate est, float *out)
-{
-    float row[REVIVER_MAX_ROWS];
-    for (size_t c = 0; c < s->dim; c++) {
-        for (uint32_t i = 0; i < s->rows; i++) {
-            size_t cell = (size_t)i * s->buckets + h[i];
-            float x = cells[cell * s->dim + c];
-            if (g != NULL)
-                x *= (float)g[i];
-            if (est == REVIVER_ESTIMATE_MEAN && s->count[cell] > 0)
-                x /= (float)s->count[cell];
-            row[i] = x;
-        }
-        out[c] = lower_median(row, s->rows);
-    }
-}
-
-void reviver_sketch_query(const reviver_sketch *s, const uint32_t *h, const int8_t *g, float *k,
-                          float *v)
-{
-    if (k != NULL)
-        sketch_query_half(s, s->key, h, NULL, s->key_estimate, k);
-    if (v != NULL)
-        sketch_query_half(s, s->value, h, g, s->value_estimate, v);
-}
+/* How a row's cell becomes that row's estimate (§3.8); the kernels'
+ * kv_estimate has the same values. */
+typedef enum reviver_estimate {
+    REVIVER_ESTIMATE_SUM = 0,  /* the cell itself, as [S2] Alg. 2 */
+    REVIVER_ESTIMATE_MEAN = 1, /* the cell divided by the bucket's token count */
+} reviver_estimate;
 
 /* ---- §3.5 compress ---- */
 
@@ -322,27 +198,58 @@ typedef struct reviver_state {
 
 static const char *const estimate_names[] = {"sum", "mean", NULL};
 
+/* The parameters as parsed (policy_params_parse); reviver_config() checks
+ * them together. slack = REVIVER_SLACK_DERIVED stands for -1. */
+typedef struct reviver_parsed {
+    uint32_t budget, rows, buckets, slack, seed;
+    double vague_share, candidate_share, recent_share, replace_rate;
+    unsigned key_estimate, value_estimate;
+} reviver_parsed;
+
+#define REVIVER_SLACK_DERIVED UINT32_MAX
+#define RV_U32(k, d, h, lo, hi, f) POLICY_PARAM_U32(k, d, h, lo, hi, offsetof(reviver_parsed, f))
+#define RV_F64(k, d, h, lo, hi, f) POLICY_PARAM_F64(k, d, h, lo, hi, offsetof(reviver_parsed, f))
+
 static const policy_param_spec reviver_params[] = {
-    {"budget", "256",
-     "per-layer token budget M shared by Recent, Candidate and the sketch's r·b slots, "
-     "1..1048576 ([RECON] default; POLICIES.md §3.1)"},
-    {"vague_share", "0.1", "share of M for the sketch (Vague), (0, 1] (§3.1, [S2] Tables 2-3)"},
-    {"candidate_share", "0.45", "share of M for Candidate: C_b = int(share·M), [0, 1] (§3.1)"},
-    {"recent_share", "0.45",
-     "share of M for Recent: R_b = int(share·M), [0, 1]; the three shares sum to 1 (§3.1)"},
-    {"rows", "3", "sketch rows r (hash functions), 1..32 (§3.1, [S2])"},
-    {"buckets", "0",
-     "sketch buckets per row b, 0..1048576; 0 = max(1, round(vague_share·M / r)) (§3.1)"},
-    {"slack", "-1",
-     "Recent spills when it holds more than R_b + slack; -1 = min(32, R_b) ([RECON] §3.5), "
-     "0 = spill every step, up to 1048576"},
-    {"replace_rate", "1.1",
-     "swap a sketched token back when min_C·replace_rate < max_V, [1, 1e6] (§3.5, [S2])"},
-    {"key_estimate", "sum",
-     "sum = the paper's bucket-sum keys (§3.3); mean = bucket sum / bucket count (§3.8); "
-     "the quality benchmark decides the default"},
-    {"value_estimate", "sum", "sum (signed bucket sums, §3.3) or mean (divided by count, §3.8)"},
-    {"seed", "0", "base of the per-layer hash seeds (reviver_layer_seed), 0..4294967295 (§3.2)"},
+    RV_U32("budget", "256",
+           "per-layer token budget M shared by Recent, Candidate and the sketch's r·b slots, "
+           "1..1048576 ([RECON] default; POLICIES.md §3.1)",
+           1, REVIVER_MAX, budget),
+    RV_F64("vague_share", "0.1",
+           "share of M for the sketch (Vague), (0, 1] (§3.1, [S2] Tables 2-3)", 0, 1, vague_share),
+    RV_F64("candidate_share", "0.45", "share of M for Candidate: C_b = int(share·M), [0, 1] (§3.1)",
+           0, 1, candidate_share),
+    RV_F64("recent_share", "0.45",
+           "share of M for Recent: R_b = int(share·M), [0, 1]; the three shares sum to 1 (§3.1)", 0,
+           1, recent_share),
+    RV_U32("rows", "3", "sketch rows r (hash functions), 1..32 (§3.1, [S2])", 1, REVIVER_MAX_ROWS,
+           rows),
+    RV_U32("buckets", "0",
+           "sketch buckets per row b, 0..1048576; 0 = max(1, round(vague_share·M / r)) (§3.1)", 0,
+           REVIVER_MAX, buckets),
+    {.key = "slack",
+     .def = "-1",
+     .help = "Recent spills when it holds more than R_b + slack; -1 = min(32, R_b) ([RECON] "
+             "§3.5), 0 = spill every step, up to 1048576",
+     .type = POLICY_PARAM_UINT,
+     .min = 0,
+     .max = REVIVER_MAX,
+     .offset = offsetof(reviver_parsed, slack),
+     .word = "-1",
+     .word_value = REVIVER_SLACK_DERIVED},
+    RV_F64("replace_rate", "1.1",
+           "swap a sketched token back when min_C·replace_rate < max_V, [1, 1e6] (§3.5, [S2])", 1.0,
+           1e6, replace_rate),
+    POLICY_PARAM_ONE_OF("key_estimate", "sum",
+                        "sum = the paper's bucket-sum keys (§3.3); mean = bucket sum / bucket "
+                        "count (§3.8); the quality benchmark decides the default",
+                        estimate_names, offsetof(reviver_parsed, key_estimate)),
+    POLICY_PARAM_ONE_OF("value_estimate", "sum",
+                        "sum (signed bucket sums, §3.3) or mean (divided by count, §3.8)",
+                        estimate_names, offsetof(reviver_parsed, value_estimate)),
+    RV_U32("seed", "0",
+           "base of the per-layer hash seeds (kv_sketch_layer_seed), 0..4294967295 (§3.2)", 0,
+           UINT32_MAX, seed),
 };
 
 static void reviver_destroy(void *state)
@@ -362,41 +269,14 @@ static void reviver_destroy(void *state)
     free(st);
 }
 
-/* Parse slack: -1 (derived) or an integer in [0, REVIVER_MAX]. */
-static int parse_slack(const policy_params *p, uint32_t recent, uint32_t *out, char *err,
-                       size_t errlen)
-{
-    const char *s = policy_params_get(p, "slack");
-    if (s != NULL && strcmp(s, "-1") == 0) {
-        *out = recent < 32 ? recent : 32;
-        return 0;
-    }
-    if (policy_params_uint(p, "slack", 0, REVIVER_MAX, out, err, errlen) != 0) {
-        snprintf(err, errlen,
-                 "parameter slack must be -1 (= min(32, R_b)) or an integer in [0, %u], got '%s'",
-                 REVIVER_MAX, s ? s : "");
-        return -1;
-    }
-    return 0;
-}
-
 /* Parse and cross-check every parameter into *c (no allocation). */
 static int reviver_config(const policy_params *p, reviver_state *c, char *err, size_t errlen)
 {
-    double vs, cs, rs, rr;
-    uint32_t seed;
-    unsigned ke, ve;
-    if (policy_params_uint(p, "budget", 1, REVIVER_MAX, &c->budget, err, errlen) != 0 ||
-        policy_params_double(p, "vague_share", 0, 1, &vs, err, errlen) != 0 ||
-        policy_params_double(p, "candidate_share", 0, 1, &cs, err, errlen) != 0 ||
-        policy_params_double(p, "recent_share", 0, 1, &rs, err, errlen) != 0 ||
-        policy_params_uint(p, "rows", 1, REVIVER_MAX_ROWS, &c->rows, err, errlen) != 0 ||
-        policy_params_uint(p, "buckets", 0, REVIVER_MAX, &c->buckets, err, errlen) != 0 ||
-        policy_params_double(p, "replace_rate", 1.0, 1e6, &rr, err, errlen) != 0 ||
-        policy_params_choice(p, "key_estimate", estimate_names, &ke, err, errlen) != 0 ||
-        policy_params_choice(p, "value_estimate", estimate_names, &ve, err, errlen) != 0 ||
-        policy_params_uint(p, "seed", 0, UINT32_MAX, &seed, err, errlen) != 0)
+    reviver_parsed r;
+    if (policy_params_parse(p, reviver_params, sizeof reviver_params / sizeof reviver_params[0], &r,
+                            err, errlen) != 0)
         return -1;
+    double vs = r.vague_share, cs = r.candidate_share, rs = r.recent_share;
     if (fabs(vs + cs + rs - 1.0) > 1e-6) {
         snprintf(err, errlen,
                  "parameters vague_share + candidate_share + recent_share must sum to 1 "
@@ -411,22 +291,22 @@ static int reviver_config(const policy_params *p, reviver_state *c, char *err, s
                  "H2O (POLICIES.md §3.6; use policy h2o)");
         return -1;
     }
+    c->budget = r.budget;
+    c->rows = r.rows;
+    c->buckets = r.buckets;
     c->budgets.recent = (uint32_t)(rs * (double)c->budget);
     c->budgets.candidate = (uint32_t)(cs * (double)c->budget);
-    c->budgets.replace_rate = rr;
+    c->budgets.replace_rate = r.replace_rate;
     if (c->buckets == 0) {
         double derived = round(vs * (double)c->budget / (double)c->rows);
         c->buckets = derived < 1 ? 1 : (uint32_t)derived;
     }
-    if (c->buckets == 0 || c->rows == 0) { /* unreachable after the checks above */
-        snprintf(err, errlen, "parameters rows and buckets must be > 0 (POLICIES.md §3.6)");
-        return -1;
-    }
-    if (parse_slack(p, c->budgets.recent, &c->budgets.slack, err, errlen) != 0)
-        return -1;
-    c->seed = seed;
-    c->key_estimate = ke == 1 ? REVIVER_ESTIMATE_MEAN : REVIVER_ESTIMATE_SUM;
-    c->value_estimate = ve == 1 ? REVIVER_ESTIMATE_MEAN : REVIVER_ESTIMATE_SUM;
+    c->budgets.slack = r.slack != REVIVER_SLACK_DERIVED ? r.slack
+                       : c->budgets.recent < 32         ? c->budgets.recent
+                                                        : 32;
+    c->seed = r.seed;
+    c->key_estimate = r.key_estimate == 1 ? REVIVER_ESTIMATE_MEAN : REVIVER_ESTIMATE_SUM;
+    c->value_estimate = r.value_estimate == 1 ? REVIVER_ESTIMATE_MEAN : REVIVER_ESTIMATE_SUM;
     return 0;
 }
 
@@ -565,14 +445,16 @@ static int reviver_step(void *state, const policy_layer_view *view, const policy
     return 0;
 }
 
+/* The layer's sketch: rows x buckets, hashed with the layer's seed
+ * (kernels/sketch_hash.h), each half's estimate as configured (§3.8). */
 static int reviver_sketch_geometry(const void *state, uint32_t layer, policy_sketch_geometry *out)
 {
-    reviver_layer_sketch_config c;
-    if (reviver_layer_sketch(state, layer, &c) != 0)
+    const reviver_state *st = state;
+    if (st == NULL || layer >= st->layers)
         return -1;
-    *out = (policy_sketch_geometry){c.rows, c.buckets, c.layer_seed,
-                                    c.key_estimate == REVIVER_ESTIMATE_MEAN,
-                                    c.value_estimate == REVIVER_ESTIMATE_MEAN};
+    *out = (policy_sketch_geometry){st->rows, st->buckets, kv_sketch_layer_seed(st->seed, layer),
+                                    st->key_estimate == REVIVER_ESTIMATE_MEAN,
+                                    st->value_estimate == REVIVER_ESTIMATE_MEAN};
     return 0;
 }
 
@@ -580,19 +462,6 @@ static const uint32_t *reviver_tier_order(const void *state, uint32_t layer, siz
 {
     const reviver_state *st = state;
     return reviver_layer_ops(state, layer, n) ? st->ly[layer].scratch : NULL;
-}
-
-int reviver_layer_sketch(const void *state, uint32_t layer, reviver_layer_sketch_config *out)
-{
-    const reviver_state *st = state;
-    if (st == NULL || layer >= st->layers)
-        return -1;
-    out->rows = st->rows;
-    out->buckets = st->buckets;
-    out->layer_seed = reviver_layer_seed(st->seed, layer);
-    out->key_estimate = st->key_estimate;
-    out->value_estimate = st->value_estimate;
-    return 0;
 }
 
 const reviver_op *reviver_layer_ops(const void *state, uint32_t layer, size_t *n)
@@ -630,7 +499,7 @@ static char *reviver_describe(void *state, uint32_t layer)
                     "\"rows\":%u,\"buckets\":%u,\"layer_seed\":\"0x%016llx\","
                     "\"key_estimate\":\"%s\",\"value_estimate\":\"%s\",\"recent\":",
                     layer, st->budgets.recent, st->budgets.slack, st->budgets.candidate, st->rows,
-                    st->buckets, (unsigned long long)reviver_layer_seed(st->seed, layer),
+                    st->buckets, (unsigned long long)kv_sketch_layer_seed(st->seed, layer),
                     estimate_names[st->key_estimate], estimate_names[st->value_estimate]);
     describe_store(&t, ly, REVIVER_RECENT);
     policy_text_add(&t, ",\"candidate\":");

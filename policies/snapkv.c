@@ -29,7 +29,7 @@ static const policy_param_spec snapkv_params[] = {
 static int snapkv_create(const policy_params *p, const policy_geometry *g, void **state, char *err,
                          size_t errlen)
 {
-    return snapkv_family_create(p, g, SNAPKV_PLAIN, state, err, errlen);
+    return snapkv_family_create(p, g, SNAPKV_PLAIN, &policy_snapkv, state, err, errlen);
 }
 
 const policy_ops policy_snapkv = {

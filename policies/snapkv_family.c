@@ -19,33 +19,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* ---- projected value norm (§1.2) ---- */
-
-void snapkv_vnorm_l1(const float *v, const float *wo, uint32_t kv_heads, uint32_t q_heads,
-                     uint32_t head_dim, uint32_t hidden, size_t tokens, float *out)
-{
-    uint32_t G = q_heads / kv_heads;
-    size_t row = (size_t)q_heads * head_dim; /* one row of o_proj.weight */
-    for (uint32_t g = 0; g < kv_heads; g++) {
-        for (size_t i = 0; i < tokens; i++) {
-            const float *vi = v + ((size_t)g * tokens + i) * head_dim;
-            double acc = 0;
-            for (uint32_t h = g * G; h < g * G + G; h++) {
-                double s = 0;
-                for (uint32_t c = 0; c < hidden; c++) {
-                    const float *w = wo + (size_t)c * row + (size_t)h * head_dim;
-                    double dot = 0;
-                    for (uint32_t j = 0; j < head_dim; j++)
-                        dot += (double)vi[j] * (double)w[j];
-                    s += fabs(dot);
-                }
-                acc += s;
-            }
-            out[(size_t)g * tokens + i] = (float)(acc / G); /* mean over the group */
-        }
-    }
-}
-
 /* ---- SnapKV base scores (§1.3) ---- */
 
 void snapkv_pool(const double *in, size_t n, uint32_t kernel, snapkv_pooling mode, double *out)
@@ -224,48 +197,30 @@ static int variant_critical(snapkv_variant v)
 
 static const char *const variant_name[] = {"snapkv", "adakv", "criticalkv", "criticalkv_ada"};
 
-#define SNAPKV_MAX_WINDOW 1048576u
-#define SNAPKV_MAX_KERNEL 1025u
+const char *const snapkv_pooling_names[] = {"avg", "max", NULL};
+const char *const snapkv_window_pad_names[] = {"max_plus_one", "max", NULL};
 
-int snapkv_config_parse(const policy_params *p, snapkv_variant variant, snapkv_config *cfg,
-                        char *err, size_t errlen)
+/* Parse and validate the parameters of `variant` with its policy's spec
+ * (keys it does not declare keep their defaults). Returns 0, or -1 with err
+ * naming the parameter. */
+static int snapkv_config_parse(const policy_params *p, snapkv_variant variant,
+                               const policy_param_spec *spec, size_t n, snapkv_config *cfg,
+                               char *err, size_t errlen)
 {
-    static const char *const pools[] = {"avg", "max", NULL};
-    static const char *const pads[] = {"max_plus_one", "max", NULL};
     snapkv_config c = {
         .variant = variant, .first_stage_ratio = 0.5, .epsilon = 1e-4, .alpha_safeguard = 0.2};
-    unsigned pool, pad;
-    if (policy_params_double(p, "compression_ratio", 0, 1, &c.compression_ratio, err, errlen) != 0)
+    if (policy_params_parse(p, spec, n, &c, err, errlen) != 0)
         return -1;
     if (c.compression_ratio >= 1) {
         policy_set_err(err, errlen, "parameter compression_ratio must be in [0, 1), got '%s'",
                        policy_params_get(p, "compression_ratio"));
         return -1;
     }
-    if (policy_params_uint(p, "window", 1, SNAPKV_MAX_WINDOW, &c.window, err, errlen) != 0 ||
-        policy_params_uint(p, "kernel", 1, SNAPKV_MAX_KERNEL, &c.kernel, err, errlen) != 0)
-        return -1;
     if (c.kernel % 2 == 0) {
         /* An even kernel with k/2 padding yields L+1 pooled scores. */
         policy_set_err(err, errlen, "parameter kernel must be odd, got %u", c.kernel);
         return -1;
     }
-    if (policy_params_choice(p, "pooling", pools, &pool, err, errlen) != 0 ||
-        policy_params_choice(p, "window_pad", pads, &pad, err, errlen) != 0)
-        return -1;
-    c.pooling = (snapkv_pooling)pool;
-    c.window_pad = (snapkv_window_pad)pad;
-    if (variant_critical(variant) &&
-        (policy_params_double(p, "first_stage_ratio", 0, 1, &c.first_stage_ratio, err, errlen) !=
-             0 ||
-         policy_params_double(p, "epsilon", 0, 1, &c.epsilon, err, errlen) != 0))
-        return -1;
-    if (variant_ada(variant) &&
-        policy_params_double(p, "alpha_safeguard", 0, 1, &c.alpha_safeguard, err, errlen) != 0)
-        return -1;
-    if (policy_params_uint(p, "protect_window", 0, 1, &c.protect_window, err, errlen) != 0 ||
-        policy_params_uint(p, "budget", 0, UINT32_MAX / 2, &c.budget, err, errlen) != 0)
-        return -1;
     if (c.budget != 0 && c.budget <= c.window) {
         /* Otherwise a held list could exceed the budget with L <= window,
          * where SnapKV cannot score it (§1.7), and grow without bound. */
@@ -325,11 +280,11 @@ void snapkv_family_destroy(void *state)
 }
 
 int snapkv_family_create(const policy_params *p, const policy_geometry *g, snapkv_variant variant,
-                         void **state, char *err, size_t errlen)
+                         const policy_ops *ops, void **state, char *err, size_t errlen)
 {
     *state = NULL;
     snapkv_config cfg;
-    if (snapkv_config_parse(p, variant, &cfg, err, errlen) != 0)
+    if (snapkv_config_parse(p, variant, ops->params, ops->nparams, &cfg, err, errlen) != 0)
         return -1;
     if (g->layers == 0 || g->kv_heads == 0 || g->q_heads == 0 || g->q_heads % g->kv_heads != 0) {
         policy_set_err(

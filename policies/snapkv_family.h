@@ -29,15 +29,9 @@
 
 /* ---- pure algorithm pieces ---- */
 
-/*
- * Projected value L1 norm (POLICIES.md §1.2), for one layer:
- *   n[g][i] = (1/G) Σ_{h in group(g)} Σ_c | Σ_j V[g][i][j] · Wo[c][h·d + j] |
- * v is [kv_heads][tokens][head_dim] row-major; wo is o_proj.weight,
- * [hidden][q_heads·head_dim] row-major; out is [kv_heads][tokens]. Sums in
- * double. q_heads must be a multiple of kv_heads. Cost tokens·Hq·d·D MACs.
- */
-void snapkv_vnorm_l1(const float *v, const float *wo, uint32_t kv_heads, uint32_t q_heads,
-                     uint32_t head_dim, uint32_t hidden, size_t tokens, float *out);
+/* The projected value norm of POLICIES.md §1.2 (CriticalKV's n) is K/V math:
+ * kv_vnorm_l1 (kernels/kernels.h) computes it where the values live, and the
+ * policies receive it as policy_stats.vnorm. */
 
 typedef enum snapkv_pooling {
     SNAPKV_POOL_AVG = 0, /* kvpress: avg_pool1d, zero padding k/2, divisor always k */
@@ -142,57 +136,64 @@ typedef struct snapkv_config {
     snapkv_variant variant;
     double compression_ratio;
     uint32_t window, kernel;
-    snapkv_pooling pooling;
-    snapkv_window_pad window_pad;
+    unsigned pooling;                  /* snapkv_pooling */
+    unsigned window_pad;               /* snapkv_window_pad */
     double first_stage_ratio, epsilon; /* criticalkv variants */
     double alpha_safeguard;            /* ada variants */
     uint32_t protect_window;
     uint32_t budget; /* 0 = off; else the decode-time extension (see below) */
 } snapkv_config;
 
-/* Parameter specs shared by the four policies (POLICIES.md §1.6, §6 #1-3). */
-/* clang-format off */
-#define SNAPKV_PARAM_COMPRESSION_RATIO {"compression_ratio", "0.5", \
-    "fraction of a layer's tokens evicted at the end of the prompt, [0, 1): n_keep = " \
-    "int(L*(1-compression_ratio)); 0 = never compress (unused when budget > 0)"}
-#define SNAPKV_PARAM_WINDOW {"window", "64", \
-    "observation window w: the last w prompt tokens are the queries whose attention scores " \
-    "the others, 1..1048576 (kvpress 64, DefensiveKV 32, AdaKV paper 32)"}
-#define SNAPKV_PARAM_KERNEL {"kernel", "5", \
-    "pooling kernel size, odd, 1..1025 (kvpress 5, AdaKV paper 7)"}
-#define SNAPKV_PARAM_POOLING {"pooling", "avg", \
-    "avg (kvpress: zero padding counted) or max (AdaKV paper: padding never wins)"}
-#define SNAPKV_PARAM_WINDOW_PAD {"window_pad", "max_plus_one", \
-    "score of window tokens: max_plus_one (kvpress) or max (DefensiveKV fork)"}
-#define SNAPKV_PARAM_FIRST_STAGE_RATIO {"first_stage_ratio", "0.5", \
-    "CriticalKV alpha: share of the budget chosen by attention alone in stage 1, [0, 1]"}
-#define SNAPKV_PARAM_EPSILON {"epsilon", "1e-4", \
-    "added to the attention score in the stage-2 score (a+eps)*n, [0, 1]"}
-#define SNAPKV_PARAM_ALPHA_SAFEGUARD {"alpha_safeguard", "0.2", \
-    "AdaKV safeguard: every head keeps at least int(n_keep*alpha_safeguard) of its best " \
-    "tokens, [0, 1]"}
-#define SNAPKV_PARAM_PROTECT_WINDOW {"protect_window", "0", \
-    "1 = never evict an observation-window token (the reference can, POLICIES.md §1.7); " \
-    "0 = reference behaviour"}
-#define SNAPKV_PARAM_BUDGET {"budget", "0", \
-    "extension, not in the papers: > 0 keeps min(budget, L) tokens per head instead of the " \
-    "ratio rule, compressing again on every step that holds more; must exceed window; 0 = off"}
-/* clang-format on */
+/* Parameter specs shared by the four policies (POLICIES.md §1.6, §6 #1-3),
+ * each parsed into its snapkv_config field by policy_params_parse. */
+extern const char *const snapkv_pooling_names[];    /* "avg", "max" */
+extern const char *const snapkv_window_pad_names[]; /* "max_plus_one", "max" */
 
-/*
- * Parse and validate the parameters of `variant` (the keys its policy
- * declares; the others keep their defaults). Returns 0, or -1 with err naming
- * the parameter.
- */
-int snapkv_config_parse(const policy_params *p, snapkv_variant variant, snapkv_config *cfg,
-                        char *err, size_t errlen);
+/* clang-format off */
+#define SNAPKV_PARAM_COMPRESSION_RATIO POLICY_PARAM_F64("compression_ratio", "0.5", \
+    "fraction of a layer's tokens evicted at the end of the prompt, [0, 1): n_keep = " \
+    "int(L*(1-compression_ratio)); 0 = never compress (unused when budget > 0)", \
+    0, 1, offsetof(snapkv_config, compression_ratio))
+#define SNAPKV_PARAM_WINDOW POLICY_PARAM_U32("window", "64", \
+    "observation window w: the last w prompt tokens are the queries whose attention scores " \
+    "the others, 1..1048576 (kvpress 64, DefensiveKV 32, AdaKV paper 32)", \
+    1, 1048576, offsetof(snapkv_config, window))
+#define SNAPKV_PARAM_KERNEL POLICY_PARAM_U32("kernel", "5", \
+    "pooling kernel size, odd, 1..1025 (kvpress 5, AdaKV paper 7)", \
+    1, 1025, offsetof(snapkv_config, kernel))
+#define SNAPKV_PARAM_POOLING POLICY_PARAM_ONE_OF("pooling", "avg", \
+    "avg (kvpress: zero padding counted) or max (AdaKV paper: padding never wins)", \
+    snapkv_pooling_names, offsetof(snapkv_config, pooling))
+#define SNAPKV_PARAM_WINDOW_PAD POLICY_PARAM_ONE_OF("window_pad", "max_plus_one", \
+    "score of window tokens: max_plus_one (kvpress) or max (DefensiveKV fork)", \
+    snapkv_window_pad_names, offsetof(snapkv_config, window_pad))
+#define SNAPKV_PARAM_FIRST_STAGE_RATIO POLICY_PARAM_F64("first_stage_ratio", "0.5", \
+    "CriticalKV alpha: share of the budget chosen by attention alone in stage 1, [0, 1]", \
+    0, 1, offsetof(snapkv_config, first_stage_ratio))
+#define SNAPKV_PARAM_EPSILON POLICY_PARAM_F64("epsilon", "1e-4", \
+    "added to the attention score in the stage-2 score (a+eps)*n, [0, 1]", \
+    0, 1, offsetof(snapkv_config, epsilon))
+#define SNAPKV_PARAM_ALPHA_SAFEGUARD POLICY_PARAM_F64("alpha_safeguard", "0.2", \
+    "AdaKV safeguard: every head keeps at least int(n_keep*alpha_safeguard) of its best " \
+    "tokens, [0, 1]", \
+    0, 1, offsetof(snapkv_config, alpha_safeguard))
+#define SNAPKV_PARAM_PROTECT_WINDOW POLICY_PARAM_U32("protect_window", "0", \
+    "1 = never evict an observation-window token (the reference can, POLICIES.md §1.7); " \
+    "0 = reference behaviour", \
+    0, 1, offsetof(snapkv_config, protect_window))
+#define SNAPKV_PARAM_BUDGET POLICY_PARAM_U32("budget", "0", \
+    "extension, not in the papers: > 0 keeps min(budget, L) tokens per head instead of the " \
+    "ratio rule, compressing again on every step that holds more; must exceed window; 0 = off", \
+    0, UINT32_MAX / 2, offsetof(snapkv_config, budget))
+/* clang-format on */
 
 /* The state of one sequence: the configuration and a per-layer record. */
 typedef struct snapkv_state snapkv_state;
 
-/* Create from resolved parameters (ops->create). */
+/* Create from resolved parameters (ops->create of the policy `ops`, whose
+ * spec parses them). */
 int snapkv_family_create(const policy_params *p, const policy_geometry *g, snapkv_variant variant,
-                         void **state, char *err, size_t errlen);
+                         const policy_ops *ops, void **state, char *err, size_t errlen);
 
 /*
  * ops->step. When a layer is compressed (POLICIES.md §1, kvpress "compress

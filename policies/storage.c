@@ -1,21 +1,41 @@
 #include "storage.h"
 
 #include <inttypes.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "reviver.h"
+/* The per-layer seed derivation shared with reviver and the kernels (pure
+ * integer functions; kernels/sketch_hash.h says why a policy includes it). */
+#include "../kernels/sketch_hash.h"
+
+static const char *const on_off[] = {"off", "on", NULL};
+static const char *const victim_names[] = {"evict", "sketch", "int8", NULL};
+
+/* The storage keys as parsed (policy_params_parse). */
+typedef struct storage_parsed {
+    unsigned int8, victims;
+    uint32_t int8_window, sketch_rows, sketch_buckets, sketch_seed;
+} storage_parsed;
 
 static const policy_param_spec storage_spec[] = {
-    {"int8", "off", "demote held tokens to INT8 (POLICIES.md §5.4): on, off"},
-    {"int8_window", "32", "newest held tokens per list that int8=on keeps at full precision"},
-    {"victims", "evict",
-     "where evicted tokens go: evict (dropped), sketch (offloaded to the list's count-sketch, "
-     "revivable), int8 (kept as INT8 out of the table, revivable; dropped first under memory "
-     "pressure)"},
-    {"sketch_rows", "3", "rows of the offload sketch (hash functions), 1..32"},
-    {"sketch_buckets", "64", "buckets per row of the offload sketch, 1..65536"},
-    {"sketch_seed", "0", "seed of the offload sketch's hash family (POLICIES.md §3.2)"},
+    POLICY_PARAM_ONE_OF("int8", "off", "demote held tokens to INT8 (POLICIES.md §5.4): on, off",
+                        on_off, offsetof(storage_parsed, int8)),
+    POLICY_PARAM_U32("int8_window", "32",
+                     "newest held tokens per list that int8=on keeps at full precision", 0,
+                     1u << 24, offsetof(storage_parsed, int8_window)),
+    POLICY_PARAM_ONE_OF("victims", "evict",
+                        "where evicted tokens go: evict (dropped), sketch (offloaded to the list's "
+                        "count-sketch, revivable), int8 (kept as INT8 out of the table, revivable; "
+                        "dropped first under memory pressure)",
+                        victim_names, offsetof(storage_parsed, victims)),
+    POLICY_PARAM_U32("sketch_rows", "3", "rows of the offload sketch (hash functions), 1..32", 1,
+                     32, offsetof(storage_parsed, sketch_rows)),
+    POLICY_PARAM_U32("sketch_buckets", "64", "buckets per row of the offload sketch, 1..65536", 1,
+                     65536, offsetof(storage_parsed, sketch_buckets)),
+    POLICY_PARAM_U32("sketch_seed", "0",
+                     "seed of the offload sketch's hash family (POLICIES.md §3.2), 0..4294967295",
+                     0, UINT32_MAX, offsetof(storage_parsed, sketch_seed)),
 };
 
 const policy_param_spec *policy_storage_spec(size_t *count)
@@ -26,20 +46,16 @@ const policy_param_spec *policy_storage_spec(size_t *count)
 
 int policy_storage_parse(const policy_params *p, policy_storage *out, char *err, size_t errlen)
 {
-    static const char *const on_off[] = {"off", "on", NULL};
-    static const char *const victims[] = {"evict", "sketch", "int8", NULL};
-    unsigned int8 = 0, v = 0;
-    uint32_t seed_hi = 0;
-    if (policy_params_choice(p, "int8", on_off, &int8, err, errlen) != 0 ||
-        policy_params_uint(p, "int8_window", 0, 1u << 24, &out->int8_window, err, errlen) != 0 ||
-        policy_params_choice(p, "victims", victims, &v, err, errlen) != 0 ||
-        policy_params_uint(p, "sketch_rows", 1, 32, &out->sketch_rows, err, errlen) != 0 ||
-        policy_params_uint(p, "sketch_buckets", 1, 65536, &out->sketch_buckets, err, errlen) != 0 ||
-        policy_params_uint(p, "sketch_seed", 0, UINT32_MAX, &seed_hi, err, errlen) != 0)
+    storage_parsed r;
+    if (policy_params_parse(p, storage_spec, sizeof storage_spec / sizeof storage_spec[0], &r, err,
+                            errlen) != 0)
         return -1;
-    out->int8 = (int)int8;
-    out->victims = (policy_victims)v;
-    out->sketch_seed = seed_hi;
+    out->int8 = (int)r.int8;
+    out->int8_window = r.int8_window;
+    out->victims = (policy_victims)r.victims;
+    out->sketch_rows = r.sketch_rows;
+    out->sketch_buckets = r.sketch_buckets;
+    out->sketch_seed = r.sketch_seed;
     return 0;
 }
 
@@ -48,7 +64,7 @@ void policy_storage_sketch_geometry(const policy_storage *s, uint32_t layer,
 {
     out->rows = s->sketch_rows;
     out->buckets = s->sketch_buckets;
-    out->layer_seed = reviver_layer_seed(s->sketch_seed, layer);
+    out->layer_seed = kv_sketch_layer_seed(s->sketch_seed, layer);
     out->key_mean = 0;
     out->value_mean = 0;
 }

@@ -48,7 +48,8 @@ const policy_param_spec *policy_storage_spec(size_t *count);
 int policy_storage_parse(const policy_params *p, policy_storage *out, char *err, size_t errlen);
 
 /* The sketch geometry of `layer` when the policy brings none: the storage
- * options, with reviver's per-layer seed derivation (POLICIES.md §3.2). */
+ * options, with the per-layer seed derivation of kernels/sketch_hash.h
+ * (POLICIES.md §3.2), as reviver's. */
 void policy_storage_sketch_geometry(const policy_storage *s, uint32_t layer,
                                     policy_sketch_geometry *out);
 

@@ -14,6 +14,7 @@
  * {p < n_sink} ∪ {p >= T - window} of all T positions so far are held.
  * Positions are not re-rotated (as kvpress without KeyRerotationPress).
  */
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,9 +29,12 @@ typedef struct streaming_state {
 } streaming_state;
 
 static const policy_param_spec streaming_params[] = {
-    {"n_sink", "4",
-     "tokens at the start of the sequence always kept (attention sinks), 0..1048576"},
-    {"window", "1020", "most recent tokens kept after each step, 1..1048576"},
+    POLICY_PARAM_U32("n_sink", "4",
+                     "tokens at the start of the sequence always kept (attention sinks), "
+                     "0..1048576",
+                     0, STREAMING_MAX, offsetof(streaming_state, n_sink)),
+    POLICY_PARAM_U32("window", "1020", "most recent tokens kept after each step, 1..1048576", 1,
+                     STREAMING_MAX, offsetof(streaming_state, window)),
 };
 
 static int streaming_create(const policy_params *p, const policy_geometry *g, void **state,
@@ -39,9 +43,9 @@ static int streaming_create(const policy_params *p, const policy_geometry *g, vo
     (void)g;
     streaming_state s;
     *state = NULL;
-    if (policy_params_uint(p, "n_sink", 0, STREAMING_MAX, &s.n_sink, err, errlen) != 0)
-        return -1;
-    if (policy_params_uint(p, "window", 1, STREAMING_MAX, &s.window, err, errlen) != 0)
+    if (policy_params_parse(p, streaming_params,
+                            sizeof(streaming_params) / sizeof(streaming_params[0]), &s, err,
+                            errlen) != 0)
         return -1;
     streaming_state *st = malloc(sizeof(*st));
     if (st == NULL) {

@@ -14,6 +14,7 @@
  * Parameter: budget (256, [RECON] default shared with the other baselines).
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -33,8 +34,15 @@ typedef struct tova_state {
     tova_scratch *ly; /* per layer, so that layers may be stepped concurrently */
 } tova_state;
 
+/* The parameters, parsed into a tova_config. */
+typedef struct tova_config {
+    uint32_t budget;
+} tova_config;
+
 static const policy_param_spec tova_params[] = {
-    {"budget", "256", "tokens held per layer after each step, 1..1048576 ([RECON] default)"},
+    POLICY_PARAM_U32("budget", "256",
+                     "tokens held per layer after each step, 1..1048576 ([RECON] default)", 1,
+                     TOVA_MAX, offsetof(tova_config, budget)),
 };
 
 static void tova_destroy(void *state)
@@ -54,8 +62,9 @@ static int tova_create(const policy_params *p, const policy_geometry *g, void **
                        size_t errlen)
 {
     *state = NULL;
-    uint32_t budget;
-    if (policy_params_uint(p, "budget", 1, TOVA_MAX, &budget, err, errlen) != 0)
+    tova_config c;
+    if (policy_params_parse(p, tova_params, sizeof tova_params / sizeof tova_params[0], &c, err,
+                            errlen) != 0)
         return -1;
     if (g->q_heads == 0) {
         snprintf(err, errlen, "tova: geometry has no query heads");
@@ -63,7 +72,7 @@ static int tova_create(const policy_params *p, const policy_geometry *g, void **
     }
     tova_state *st = calloc(1, sizeof *st);
     if (st != NULL) {
-        st->budget = budget;
+        st->budget = c.budget;
         st->q_heads = g->q_heads;
         st->layers = g->layers;
         st->ly = calloc(g->layers ? g->layers : 1, sizeof *st->ly);

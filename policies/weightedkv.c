@@ -43,6 +43,7 @@
 #include "weightedkv.h"
 
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -70,19 +71,31 @@ typedef struct wkv_state {
     uint32_t scratch_cap;
 } wkv_state;
 
+/* The parameters as parsed (policy_params_parse). */
+typedef struct wkv_parsed {
+    wkv_config cfg;
+    uint32_t merge, literal;
+} wkv_parsed;
+
 static const policy_param_spec wkv_params[] = {
-    {"cache_size", "256",
-     "m: entries per KV head after each step (POLICIES.md §4.1; the paper uses 256 and 1024)"},
-    {"n_init", "4", "initial entries never merged away (§4.1: 4)"},
-    {"n_recent", "124",
-     "most recent entries never merged away, >= 1 (§4.1: 124 for m=256, "
-     "508 for m=1024)"},
-    {"merge", "1",
-     "1 = merge the victim's value into its right neighbour; 0 = drop it like its "
-     "key (the paper's Eviction ablation, §4.2)"},
-    {"literal_overwrite", "0",
-     "1 = Algorithm 1 literally: a = a/c on each merging step "
-     "(§4.1 quirk); 0 = keep a as the raw sum"},
+    POLICY_PARAM_U32("cache_size", "256",
+                     "m: entries per KV head after each step (POLICIES.md §4.1; the paper uses 256 "
+                     "and 1024)",
+                     2, WKV_MAX, offsetof(wkv_parsed, cfg.cache_size)),
+    POLICY_PARAM_U32("n_init", "4", "initial entries never merged away (§4.1: 4)", 0, WKV_MAX,
+                     offsetof(wkv_parsed, cfg.n_init)),
+    POLICY_PARAM_U32("n_recent", "124",
+                     "most recent entries never merged away, >= 1 (§4.1: 124 for m=256, 508 for "
+                     "m=1024)",
+                     1, WKV_MAX, offsetof(wkv_parsed, cfg.n_recent)),
+    POLICY_PARAM_U32("merge", "1",
+                     "1 = merge the victim's value into its right neighbour; 0 = drop it like its "
+                     "key (the paper's Eviction ablation, §4.2)",
+                     0, 1, offsetof(wkv_parsed, merge)),
+    POLICY_PARAM_U32("literal_overwrite", "0",
+                     "1 = Algorithm 1 literally: a = a/c on each merging step (§4.1 quirk); 0 = "
+                     "keep a as the raw sum",
+                     0, 1, offsetof(wkv_parsed, literal)),
 };
 
 /* ---- the pure pieces (weightedkv.h) -------------------------------------- */
@@ -216,23 +229,6 @@ void wkv_flatten(const policy_merge *plan, size_t k, size_t n, policy_merge *out
     }
 }
 
-int wkv_apply_merges(float *values, size_t n, size_t dim, const policy_merge *merges,
-                     size_t nmerges, uint32_t head)
-{
-    for (size_t m = 0; m < nmerges; m++) {
-        const policy_merge *g = &merges[m];
-        if (g->head != head)
-            continue;
-        double sum = (double)g->w_from + (double)g->w_into;
-        if (g->from >= n || g->into >= n || !(sum > 0.0))
-            return -1;
-        float *vf = values + (size_t)g->from * dim, *vi = values + (size_t)g->into * dim;
-        for (size_t x = 0; x < dim; x++)
-            vi[x] = (float)(((double)g->w_from * vf[x] + (double)g->w_into * vi[x]) / sum);
-    }
-    return 0;
-}
-
 /* ---- the policy ---------------------------------------------------------- */
 
 int weightedkv_head_state(const void *state, uint32_t layer, uint32_t head, const double **a,
@@ -250,14 +246,11 @@ int weightedkv_head_state(const void *state, uint32_t layer, uint32_t head, cons
 
 static int parse_params(const policy_params *p, wkv_state *s, char *err, size_t errlen)
 {
-    uint32_t merge, literal;
-    wkv_config *c = &s->cfg;
-    if (policy_params_uint(p, "cache_size", 2, WKV_MAX, &c->cache_size, err, errlen) != 0 ||
-        policy_params_uint(p, "n_init", 0, WKV_MAX, &c->n_init, err, errlen) != 0 ||
-        policy_params_uint(p, "n_recent", 1, WKV_MAX, &c->n_recent, err, errlen) != 0 ||
-        policy_params_uint(p, "merge", 0, 1, &merge, err, errlen) != 0 ||
-        policy_params_uint(p, "literal_overwrite", 0, 1, &literal, err, errlen) != 0)
+    wkv_parsed w;
+    if (policy_params_parse(p, wkv_params, sizeof wkv_params / sizeof wkv_params[0], &w, err,
+                            errlen) != 0)
         return -1;
+    const wkv_config *c = &w.cfg;
     /* §4.2: the merge-managed middle must hold at least one entry. */
     if ((uint64_t)c->cache_size < (uint64_t)c->n_init + c->n_recent + 1) {
         policy_set_err(
@@ -266,8 +259,9 @@ static int parse_params(const policy_params *p, wkv_state *s, char *err, size_t 
             c->cache_size, c->n_init, c->n_recent);
         return -1;
     }
-    s->merge = (int)merge;
-    s->literal = (int)literal;
+    s->cfg = w.cfg;
+    s->merge = (int)w.merge;
+    s->literal = (int)w.literal;
     return 0;
 }
 

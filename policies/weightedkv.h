@@ -1,8 +1,9 @@
 /*
  * weightedkv.h - the pure pieces of WeightedKV (POLICIES.md §4; policy
- * "weightedkv" in weightedkv.c): average-attention weights, the choice of the
- * tokens whose keys go and whose values merge into their right neighbour,
- * and the merge itself on value vectors.
+ * "weightedkv" in weightedkv.c): average-attention weights and the choice of
+ * the tokens whose keys go and whose values merge into their right
+ * neighbour. The merge itself is K/V math: the policy returns it as
+ * policy_merge records, and kv_merge_values (kernels/kernels.h) applies them.
  *
  * The policy calls exactly these functions; tests/unit/test_policy_
  * weightedkv.c checks them with the §4.3 vectors. None allocates.
@@ -72,16 +73,6 @@ size_t wkv_plan(const double *w, size_t n, const wkv_config *cfg, uint32_t head,
  */
 void wkv_flatten(const policy_merge *plan, size_t k, size_t n, policy_merge *out,
                  uint32_t *uscratch, double *dscratch);
-
-/*
- * Apply the merges of `head` to one head's values, in order (the daemon's
- * job; a reference for tests and replay): values is [n][dim] in view order,
- *   v[into] = (w_from·v[from] + w_into·v[into]) / (w_from + w_into).
- * Evicted rows are left in place (the caller compacts). Returns 0, or -1
- * when an index is out of range or a weight sum is not positive.
- */
-int wkv_apply_merges(float *values, size_t n, size_t dim, const policy_merge *merges,
-                     size_t nmerges, uint32_t head);
 
 /*
  * The accumulators of one head of one layer of a "weightedkv" policy state

@@ -34,10 +34,9 @@ typedef enum ring_op {
     RING_OP_EPOCH = 4,  /* only report the sequence's table epoch */
 } ring_op;
 
-/* Which statistics arrays a STEP carries (policy.h POLICY_NEEDS_* bits). */
 typedef struct ring_request {
     uint32_t op;
-    uint32_t arrays; /* POLICY_NEEDS_SCORE | _LAST_ATTN | _WINDOW_ATTN | _VNORM */
+    uint32_t arrays; /* STEP: which statistics arrays it carries (kvstash_step.h STEP_*) */
     uint64_t seq_id;
     uint64_t ack_epoch;
     int64_t count;           /* APPEND: tokens to add */
@@ -63,17 +62,8 @@ typedef struct ring_response {
  * The shared header at offset 0 of the ring memfd; the data area follows at
  * offset RING_DATA_OFFSET. Sequence counters are 32-bit because futexes are.
  *
- * STEP data layout, layer by layer (l = 0..layers-1), each array as float32:
- *   score      [n_l]                      if arrays & SCORE (one token list)
- *   last_attn  [q_heads][n_(l, list(h))]  if arrays & LAST_ATTN
- *   window_attn[q_heads][n_(l, list(h))]  if arrays & WINDOW_ATTN
- *   vnorm      [kv_heads][n_(l, list(g))] if arrays & VNORM (‖V·W^O‖₁; the
- *                                         worker computes it, see below)
- * where n is the number of tokens the layer's list (or KV head list) holds
- * in the table of the request's ack_epoch, i.e. after the step's appends;
- * list(h) is the layer's one list, or KV head h / (q_heads / kv_heads)'s
- * list for a per-head sequence. The projected value norms of CriticalKV
- * come from the worker, which holds W^O: kvstashd does not take weights.
+ * STEP data: the step's statistics arrays, laid out as kvstash_step.h
+ * defines (the one definition: packed by libkvstash, parsed by kvstashd).
  * APPEND response data: per list (layer-major; one list per layer, or one
  * per KV head when lists_per_layer > 1), its segment count (uint32) then that
  * many {block, first_slot, count} uint32 triples. A per-head list's slots

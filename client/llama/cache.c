@@ -14,8 +14,9 @@
 #include "cache.h"
 #include "confkv.h"
 #include "kernels.h"
+#include "ops.h"
+#include "kvstash_step.h"
 #include "policy.h"
-#include "snapkv_family.h"
 
 /* One token list of a layer (or of one KV head of a layer), as the daemon's
  * table says: segments in order with their storage tier, and each token's
@@ -213,15 +214,15 @@ static int resolve_params(llm_cache *c)
         return fail(c, "%s", err);
     if (c->window > c->ctx)
         c->window = c->ctx;
-    c->conf = (confkv_weights){0.4, 0.3, 0.3, CONFKV_MARGIN_SIGMOID};
-    const char *mm = policy_params_get(&c->params, "margin_mode");
-    if (mm != NULL && strcmp(mm, "tanh") == 0)
-        c->conf.margin_mode = CONFKV_MARGIN_TANH;
-    if (policy_params_get(&c->params, "w_entropy") != NULL &&
-        (policy_params_double(&c->params, "w_entropy", 0, 1, &c->conf.entropy, err, sizeof err) ||
-         policy_params_double(&c->params, "w_margin", 0, 1, &c->conf.margin, err, sizeof err) ||
-         policy_params_double(&c->params, "w_top", 0, 1, &c->conf.top, err, sizeof err)))
-        return fail(c, "%s", err);
+    /* The confidence's weights and margin mode are confkv's parameters
+     * (the one policy that needs a confidence): its own parser reads them,
+     * defaults and checks included. */
+    if (c->needs & POLICY_NEEDS_CONFIDENCE) {
+        confkv_config cc;
+        if (confkv_config_parse(&c->params, &cc, err, sizeof err))
+            return fail(c, "%s", err);
+        c->conf = cc.weights;
+    }
     return 0;
 }
 
@@ -416,14 +417,22 @@ static const uint8_t *to_pool_dtype(llm_cache *c, const float *x, uint32_t h0, u
 }
 
 /* ‖V·W^O‖₁ of the new token for every KV head (POLICIES.md §1.2), by
- * position; only depends on V and the static W^O, so once per token. */
+ * position; only depends on V and the static W^O, so once per token. The
+ * kernel reads values from a block: the token's fp32 values go into the V
+ * half of a one-slot block. */
 static void vnorm_new(llm_cache *c, uint32_t l, const float *v)
 {
-    float out[256];
-    float *o = c->KV <= 256 ? out : NULL;
-    if (o == NULL)
+    float o[256];
+    size_t n = (size_t)c->KV * c->D;
+    float *blk = c->KV <= 256 ? calloc(2 * n, sizeof *blk) : NULL;
+    if (blk == NULL)
         return;
-    snapkv_vnorm_l1(v, llm_wo(c->m, l), c->KV, c->Q, c->D, c->m->c.dim, 1, o);
+    memcpy(blk + n, v, n * sizeof *blk);
+    kv_layout one = {c->KV, 1, c->D, 4};
+    kv_segment seg = {0, 0, 1};
+    kv_vnorm_l1(&one, KV_FP32, (const uint8_t *)blk, &seg, 1, llm_wo(c->m, l), (size_t)c->Q * c->D,
+                c->Q, c->m->c.dim, o);
+    free(blk);
     for (uint32_t g = 0; g < c->KV; g++)
         c->vn[((size_t)l * c->KV + g) * c->ctx + c->pos] = o[g];
 }
@@ -500,7 +509,9 @@ int cache_layer(llm_cache *c, uint32_t l, llm_state *st)
         return 0;
     }
     float *probs = c->probs + (size_t)l * c->Q * c->ctx;
+    /* The pool is device memory of kvstashd's backend: attend through its ops. */
     uint8_t *pool = kvs_session_pool(c->s);
+    const kv_ops *ops = kvs_session_ops(c->s);
     if (c->needs & POLICY_NEEDS_VNORM)
         vnorm_new(c, l, st->v);
     if (c->heads == 1) {
@@ -512,9 +523,11 @@ int cache_layer(llm_cache *c, uint32_t l, llm_state *st)
         kvs_revive rv;
         if (list_resolve(c, l, 0, ls, &use, &rv) != 0)
             return -1;
-        kv_decode_attention(&c->lay, c->dtype, pool, use.segs, use.nsegs, use.tiers, st->q, c->Q,
-                            c->scale, st->att, probs);
+        int rc = ops->decode_attention(&c->lay, c->dtype, pool, use.segs, use.nsegs, use.tiers,
+                                       st->q, c->Q, c->scale, st->att, probs);
         list_resolved_free(c, ls, &use, &rv);
+        if (rc != 0)
+            return -1;
         for (uint32_t h = 0; h < c->Q; h++)
             c->p_last[(size_t)l * c->Q + h] = probs + (size_t)h * ls->n;
         return 0;
@@ -530,9 +543,11 @@ int cache_layer(llm_cache *c, uint32_t l, llm_state *st)
         kvs_revive rv;
         if (list_resolve(c, l, g, ls, &use, &rv) != 0)
             return -1;
-        kv_decode_attention(&c->rows, c->dtype, pool, use.segs, use.nsegs, use.tiers, st->q + qo,
-                            c->G, c->scale, st->att + qo, probs + off);
+        int rc = ops->decode_attention(&c->rows, c->dtype, pool, use.segs, use.nsegs, use.tiers,
+                                       st->q + qo, c->G, c->scale, st->att + qo, probs + off);
         list_resolved_free(c, ls, &use, &rv);
+        if (rc != 0)
+            return -1;
         for (uint32_t j = 0; j < c->G; j++)
             c->p_last[(size_t)l * c->Q + g * c->G + j] = probs + off + (size_t)j * ls->n;
         off += (size_t)c->G * ls->n;
@@ -542,9 +557,12 @@ int cache_layer(llm_cache *c, uint32_t l, llm_state *st)
 
 /* ---- kvstashd: the step's statistics --------------------------------------- */
 
-static const list *list_of(const llm_cache *c, uint32_t l, uint32_t q_head)
+/* The list that row `row` of step array `kind` of layer l reads, as the
+ * step layout defines it (proto/kvstash_step.h). */
+static const list *list_of(const llm_cache *c, uint32_t l, unsigned kind, uint32_t row)
 {
-    return &c->lists[l * c->heads + (c->heads > 1 ? q_head / c->G : 0)];
+    step_shape sh = {c->L, c->Q, c->KV, c->heads, kind};
+    return &c->lists[l * c->heads + step_row_list(&sh, kind, row)];
 }
 
 static void stats_score(llm_cache *c)
@@ -576,7 +594,7 @@ static void stats_window(llm_cache *c, int send)
         for (uint32_t h = 0; h < c->Q; h++) {
             size_t lh = (size_t)l * c->Q + h;
             float *hist = c->whist + (lh * W + slot) * T, *sum = c->wsum + lh * T;
-            const list *ls = list_of(c, l, h);
+            const list *ls = list_of(c, l, STEP_WINDOW_ATTN, h);
             for (size_t p = 0; p < T; p++) { /* the query leaving the window */
                 sum[p] -= hist[p];
                 hist[p] = 0.0f;
@@ -602,7 +620,7 @@ static void stats_vnorm(llm_cache *c)
 {
     for (uint32_t l = 0; l < c->L; l++)
         for (uint32_t g = 0; g < c->KV; g++) {
-            const list *ls = &c->lists[l * c->heads + (c->heads > 1 ? g : 0)];
+            const list *ls = list_of(c, l, STEP_VNORM, g);
             const float *vn = c->vn + ((size_t)l * c->KV + g) * c->ctx;
             float *out = c->vnout + ((size_t)l * c->KV + g) * c->ctx;
             for (uint32_t i = 0; i < ls->n; i++)

@@ -20,7 +20,7 @@
  *   window_attn  mean over the last `window` queries (running sums by
  *                position), decode steps and the step that ends a prompt
  *   vnorm        ‖V·W^O‖₁ per token and KV head, computed once when written
- *                (snapkv_vnorm_l1)
+ *                (kv_vnorm_l1)
  *   confidence   confkv_confidence_logits of the step's logits
  *
  * Not thread-safe; one cache per thread. Errors: -1 with cache_error().

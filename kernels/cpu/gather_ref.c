@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "ref_tokens.h"
 
 /* Byte offset of element e of (block, kv = 0 for K / 1 for V, head, slot):
  * the pool is [block][kv][kv_heads][block_tokens][head_dim] elements. */
@@ -27,22 +28,6 @@ static size_t pool_elt(const kv_layout *l, uint32_t block, uint32_t kv, uint32_t
 static size_t flat_elt(const kv_layout *l, size_t ntokens, uint32_t head, size_t t, uint32_t e)
 {
     return (((size_t)head * ntokens + t) * l->head_dim + e) * l->elt_size;
-}
-
-/* The (block, slot) of the i-th token of a segment list (linear search:
- * obviously right, and the lists in tests are short). Returns 0 past the end. */
-static int nth_token(const kv_segment *segs, size_t nsegs, size_t i, uint32_t *block,
-                     uint32_t *slot)
-{
-    for (size_t s = 0; s < nsegs; s++) {
-        if (i < segs[s].count) {
-            *block = segs[s].block;
-            *slot = segs[s].first_slot + (uint32_t)i;
-            return 1;
-        }
-        i -= segs[s].count;
-    }
-    return 0;
 }
 
 void kv_gather_ref(const kv_layout *l, const uint8_t *pool, const kv_segment *segs, size_t nsegs,
@@ -91,7 +76,8 @@ void kv_copy_tokens_ref(const kv_layout *l, uint8_t *pool, const kv_segment *src
 {
     uint32_t sb, ss, db, ds;
     /* Stops at the shorter list: the header asks for equal token counts. */
-    for (size_t i = 0; nth_token(src, nsrc, i, &sb, &ss) && nth_token(dst, ndst, i, &db, &ds);
+    for (size_t i = 0;
+         kv_ref_nth_token(src, nsrc, i, &sb, &ss) && kv_ref_nth_token(dst, ndst, i, &db, &ds);
          i++) {
         assert(ss < l->block_tokens && ds < l->block_tokens);
         for (uint32_t kv = 0; kv < 2; kv++)

@@ -11,21 +11,7 @@
 #include <string.h>
 
 #include "kernels.h"
-
-/* The (block, slot) of the i-th token of a list; 0 past the end. */
-static int nth_token(const kv_segment *segs, size_t nsegs, size_t i, uint32_t *block,
-                     uint32_t *slot)
-{
-    for (size_t s = 0; s < nsegs; s++) {
-        if (i < segs[s].count) {
-            *block = segs[s].block;
-            *slot = segs[s].first_slot + (uint32_t)i;
-            return 1;
-        }
-        i -= segs[s].count;
-    }
-    return 0;
-}
+#include "ref_tokens.h"
 
 /* Byte offset of element e of (block, kv, head, slot) in a pool of layout l. */
 static size_t pool_elt(const kv_layout *l, uint32_t block, uint32_t kv, uint32_t head,
@@ -61,7 +47,7 @@ void kv_int8_quantize_ref(const kv_layout *l, kv_dtype t, const uint8_t *pool,
                 for (uint32_t c = 0; c < l->head_dim; c++) {
                     for (uint32_t i = 0; i < m; i++) {
                         uint32_t blk = 0, slot = 0;
-                        nth_token(segs, nsegs, first + i, &blk, &slot);
+                        kv_ref_nth_token(segs, nsegs, first + i, &blk, &slot);
                         x[i] = kv_elt_load(pool + pool_elt(l, blk, kv, h, slot, c), t);
                     }
                     float s = kv_quantize_group_ref(x, m, q);
@@ -81,7 +67,8 @@ void kv_int8_dequantize_ref(const kv_layout *l, const uint8_t *qpool, const kv_s
                             size_t ndst)
 {
     uint32_t qb, qs, db, ds;
-    for (size_t i = 0; nth_token(qsegs, nqsegs, i, &qb, &qs) && nth_token(dst, ndst, i, &db, &ds);
+    for (size_t i = 0;
+         kv_ref_nth_token(qsegs, nqsegs, i, &qb, &qs) && kv_ref_nth_token(dst, ndst, i, &db, &ds);
          i++)
         for (uint32_t kv = 0; kv < 2; kv++)
             for (uint32_t h = 0; h < l->kv_heads; h++)

@@ -1,7 +1,7 @@
 /*
  * sketch.c - fast CPU count-sketch kernels (kernels.h "Count sketch").
  *
- * The same IEEE operations as sketch_ref.c (hence as policies/reviver.c), in
+ * The same IEEE operations as sketch_ref.c (the definition), in
  * an order that touches memory linearly: a token's K and V rows are
  * converted once per chunk of channels and applied to every row's cell, and
  * the per-row estimates are computed across channels before the median.
@@ -66,7 +66,7 @@ static void insert_channels(void *ctx, size_t lo, size_t hi)
                 size_t cell = (size_t)i * sk->buckets + hn[i];
                 float *ck = sk->key + cell * sk->dim + c0;
                 float *cv = sk->value + cell * sk->dim + c0;
-                float gv = (float)gn[i]; /* reviver.c: sign (+1) * g */
+                float gv = (float)gn[i]; /* sketch_ref.c: sign (+1) * g */
                 for (uint32_t c = 0; c < w; c++) {
                     ck[c] += kb[c];
                     cv[c] += gv * vb[c];
@@ -184,7 +184,7 @@ static void query_token(kv_sketch *sk, const uint32_t *h, const int8_t *g, const
                 size_t cell = (size_t)i * sk->buckets + h[i];
                 float *ck = sk->key + cell * sk->dim + c0;
                 float *cv = sk->value + cell * sk->dim + c0;
-                float gv = -1.0f * (float)g[i]; /* reviver.c: sign (-1) * g */
+                float gv = -1.0f * (float)g[i]; /* sketch_ref.c: sign (-1) * g */
                 for (uint32_t c = 0; c < w; c++) {
                     ck[c] += -1.0f * ke[c];
                     cv[c] += gv * ve[c];

@@ -1,10 +1,10 @@
 /*
- * sketch_ref.c - reference count-sketch kernels: policies/reviver.c's
- * sketch_add / sketch_query_half, operation for operation, with each token's
- * K and V read from the pool through kv_elt_load instead of from a vector.
- * Because the arithmetic is the same sequence of IEEE operations, these equal
- * reviver_sketch_insert / _query / _delete exactly (tests/unit/
- * test_kernels_sketch.c checks it).
+ * sketch_ref.c - reference count-sketch kernels (POLICIES.md §3.3, Alg.
+ * 1-3): the definition of the Vague store's arithmetic. Each token's K and V
+ * are read from the pool through kv_elt_load, one channel at a time; the
+ * fast (sketch.c) and CUDA versions repeat the same sequence of IEEE
+ * operations and equal these exactly (tests/unit/test_kernels_sketch.c).
+ * The §3.3 paper vectors (tests/unit/test_policy_reviver.c) run on these.
  *
  * Slow on purpose; only the tests and tests/gpu call these.
  */
@@ -12,6 +12,7 @@
 #include <stddef.h>
 
 #include "kernels.h"
+#include "ref_tokens.h"
 
 /* Byte offset of channel c (= head * head_dim + j) of a token's K (kv = 0)
  * or V (kv = 1) in the pool. */
@@ -23,30 +24,15 @@ static size_t chan_offset(const kv_layout *l, uint32_t block, uint32_t slot, uin
     return kv ? off + kv_block_bytes(l) / 2 : off;
 }
 
-/* The (block, slot) of the i-th token of a list; 0 past the end. */
-static int nth_token(const kv_segment *segs, size_t nsegs, size_t i, uint32_t *block,
-                     uint32_t *slot)
-{
-    for (size_t s = 0; s < nsegs; s++) {
-        if (i < segs[s].count) {
-            *block = segs[s].block;
-            *slot = segs[s].first_slot + (uint32_t)i;
-            return 1;
-        }
-        i -= segs[s].count;
-    }
-    return 0;
-}
-
 void kv_sketch_insert_ref(kv_sketch *sk, const kv_layout *l, kv_dtype t, const uint8_t *pool,
                           const kv_segment *segs, size_t nsegs, const uint32_t *h, const int8_t *g)
 {
     assert(sk->dim == l->kv_heads * l->head_dim);
     uint32_t blk, slot;
-    for (size_t n = 0; nth_token(segs, nsegs, n, &blk, &slot); n++) {
+    for (size_t n = 0; kv_ref_nth_token(segs, nsegs, n, &blk, &slot); n++) {
         const uint32_t *hn = h + n * sk->rows;
         const int8_t *gn = g + n * sk->rows;
-        /* reviver.c sketch_add with sign +1 and count +1 */
+        /* Alg. 1: key cell += k, value cell += g·v, count += 1 */
         for (uint32_t i = 0; i < sk->rows; i++) {
             size_t cell = (size_t)i * sk->buckets + hn[i];
             float *ck = sk->key + cell * sk->dim;
@@ -61,7 +47,8 @@ void kv_sketch_insert_ref(kv_sketch *sk, const kv_layout *l, kv_dtype t, const u
     }
 }
 
-/* Lower median of x[0..n) (insertion sort, as reviver.c). */
+/* Lower median of x[0..n): the middle for odd n, the lower middle for even
+ * n (torch.median; [RECON] for even rows). Insertion sort, n <= 32. */
 static float lower_median(float *x, uint32_t n)
 {
     for (uint32_t i = 1; i < n; i++) {
@@ -74,7 +61,8 @@ static float lower_median(float *x, uint32_t n)
     return x[(n - 1) / 2];
 }
 
-/* One channel of one half of a query (reviver.c sketch_query_half). */
+/* One channel of one half of a query (Alg. 2): per row the cell (times
+ * g[i] for values; over its count in MEAN mode), then the lower median. */
 static float query_chan(const kv_sketch *sk, const float *cells, const uint32_t *h, const int8_t *g,
                         kv_estimate est, uint32_t c)
 {
@@ -99,7 +87,7 @@ static void query_tokens(kv_sketch *sk, const uint32_t *h, const int8_t *g, cons
     assert(sk->rows >= 1 && sk->rows <= KV_SKETCH_MAX_ROWS);
     for (size_t k = 0; k < n; k++) {
         uint32_t blk = 0, slot = 0;
-        if (pool != NULL && !nth_token(segs, nsegs, k, &blk, &slot))
+        if (pool != NULL && !kv_ref_nth_token(segs, nsegs, k, &blk, &slot))
             return;
         const uint32_t *hk = h + k * sk->rows;
         const int8_t *gk = g + k * sk->rows;
@@ -112,7 +100,7 @@ static void query_tokens(kv_sketch *sk, const uint32_t *h, const int8_t *g, cons
             }
             if (!del)
                 continue;
-            /* reviver.c sketch_add with sign -1: only channel c of the
+            /* Alg. 3's delete of the estimate: only channel c of the
              * cells changes, and counts change after every channel. */
             for (uint32_t i = 0; i < sk->rows; i++) {
                 size_t cell = (size_t)i * sk->buckets + hk[i];

@@ -1,7 +1,9 @@
 /*
- * vnorm_ref.c - reference projected value L1 norm (POLICIES.md §1.2):
- * snapkv_vnorm_l1 (policies/snapkv_family.c) loop for loop, with each value
- * read from the pool through kv_elt_load. Slow on purpose.
+ * vnorm_ref.c - reference projected value L1 norm (POLICIES.md §1.2), the
+ * definition: sums in double, in the loop order below, with each value read
+ * from the pool through kv_elt_load. The fast and CUDA versions equal it;
+ * the §1.8 paper vectors (tests/unit/test_policy_criticalkv.c) run on it.
+ * Slow on purpose.
  */
 #include <assert.h>
 #include <math.h>

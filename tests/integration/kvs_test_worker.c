@@ -17,6 +17,7 @@
  *
  * stdout, one line each, flushed (a test may kill the worker at any time):
  *   ATTACHED session=<id> pool=<id>
+ *   POKED <byte>              (--poke) the first pool byte, read by pointer
  *   APPENDED <n>              n tokens are now appended to every sequence
  *   READY                     (--hold) writing is done; waiting for stdin EOF (when
  *                             stdin is a pipe, socket or tty) or SIGTERM/SIGINT
@@ -56,6 +57,7 @@ typedef struct opts {
     size_t nparams;
     uint64_t tokens, step, seed, sleep_ms, verify_every, sequences;
     int hold;
+    int poke; /* read the pool by pointer, bypassing the ops (test_shadow) */
 } opts;
 
 typedef struct worker {
@@ -79,7 +81,7 @@ static void usage(FILE *f)
                "         [--q-heads Q] [--head-dim D] [--block-tokens B] [--dtype fp32|fp16|bf16]\n"
                "         [--policy NAME] [--set k=v]... [--tokens N] [--step S] [--seed X]\n"
                "         [--sleep-ms MS] [--verify-every K] [--hold] [--sequences N]\n"
-               "         [--name WORKER] [--label TEXT]\n");
+               "         [--name WORKER] [--label TEXT] [--poke]\n");
 }
 
 /* The final JSON line for a failure, then exit. */
@@ -144,6 +146,10 @@ static void parse(int argc, char **argv, opts *o)
         const char *a = argv[i];
         if (strcmp(a, "--hold") == 0) {
             o->hold = 1;
+            continue;
+        }
+        if (strcmp(a, "--poke") == 0) {
+            o->poke = 1;
             continue;
         }
         if (strcmp(a, "--help") == 0) {
@@ -534,6 +540,11 @@ int main(int argc, char **argv)
     printf("ATTACHED session=%" PRIu64 " pool=%" PRIu64 "\n", kvs_session_id(w.s),
            kvs_session_pool_id(w.s));
     fflush(stdout);
+    if (o.poke) { /* what a worker must not do: faults on the shadow backend */
+        const volatile uint8_t *pool = kvs_session_pool(w.s);
+        printf("POKED %u\n", (unsigned)pool[0]);
+        fflush(stdout);
+    }
 
     w.seq_ids = xmalloc(o.sequences * sizeof *w.seq_ids);
     w.last_tier = calloc(o.sequences * o.geom.layers * o.tokens + 1, 1);

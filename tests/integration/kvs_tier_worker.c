@@ -31,7 +31,7 @@
 
 #include "kernels.h"
 #include "kvstash.h"
-#include "reviver.h"
+#include "sketch_hash.h"
 
 #define LAYERS 2
 #define Q_HEADS 4
@@ -69,8 +69,8 @@ static void fail(int code, const char *fmt, ...)
  * in [-4, 4), rounded to fp16. */
 static float written(uint32_t l, uint32_t h, uint32_t p, uint32_t c, int v)
 {
-    uint64_t x = reviver_mix64(((uint64_t)l << 48) ^ ((uint64_t)h << 40) ^ ((uint64_t)p << 16) ^
-                               ((uint64_t)c << 1) ^ (uint64_t)v);
+    uint64_t x = kv_mix64(((uint64_t)l << 48) ^ ((uint64_t)h << 40) ^ ((uint64_t)p << 16) ^
+                          ((uint64_t)c << 1) ^ (uint64_t)v);
     float f = (float)((double)(x >> 11) / 9007199254740992.0 * 8.0 - 4.0);
     uint8_t b[2];
     kv_elt_store(b, KV_FP16, f);
@@ -308,7 +308,7 @@ int main(int argc, char **argv)
     for (uint32_t l = 0; l < LAYERS; l++)
         sk[l] = (sketch){calloc((size_t)ROWS * o.buckets * DIM, sizeof(float)),
                          calloc((size_t)ROWS * o.buckets * DIM, sizeof(float)),
-                         reviver_layer_seed(0, l)};
+                         kv_sketch_layer_seed(0, l)};
     float *seen_l[LAYERS] = {seen, calloc((size_t)o.tokens * 2 * DIM, sizeof *seen)};
     for (uint32_t p = 0; p < o.tokens; p++) {
         kvs_table w, t;

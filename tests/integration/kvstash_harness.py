@@ -3,6 +3,7 @@
 Used by the integration tests (tests/integration/test_*.py), which ctest runs
 with Debian's /usr/bin/python3 (it has python3-grpcio) and these variables
 (tests/CMakeLists.txt): KVSTASHD (the daemon binary), KVSTASH_BUILD_DIR, and
+KVSTASH_TEST_BACKEND (the daemon's --backend, default host) and
 PYTHONPATH with the stubs that protoc + grpc_python_plugin generated into
 <build>/tests/py -- an implementation of gRPC and protobuf independent of the
 daemon's gRPC C core + protobuf-c.
@@ -128,7 +129,7 @@ def call(method, request, metadata=None, what=None):
 class Daemon:
     """One kvstashd on a fresh temporary socket directory."""
 
-    def __init__(self, pool_mb=16, log_level="debug", extra_args=(), wrapper=()):
+    def __init__(self, pool_mb=16, log_level="debug", extra_args=(), wrapper=(), backend=None):
         self.binary = os.environ.get("KVSTASHD")
         assert self.binary and os.access(self.binary, os.X_OK), \
             f"KVSTASHD={self.binary!r} is not an executable (run through ctest)"
@@ -136,8 +137,12 @@ class Daemon:
         self.sock = os.path.join(self.dir, "kvstashd.sock")
         self.log_path = os.path.join(self.dir, "kvstashd.log")
         # wrapper: a command the daemon runs under (valgrind, for instance).
+        # KVSTASH_TEST_BACKEND (ctest's integration-shadow/ runs) picks the
+        # memory backend: "shadow" makes any direct access to pool memory,
+        # in the daemon or in a worker, fault (README, "The shadow backend").
+        self.backend = backend or os.environ.get("KVSTASH_TEST_BACKEND", "host")
         self.args = [*wrapper, self.binary, "--socket", self.sock, "--pool-mb", str(pool_mb),
-                     "--log-level", log_level, *extra_args]
+                     "--log-level", log_level, "--backend", self.backend, *extra_args]
         self.proc = None
         self.channel = None
         self.store = None

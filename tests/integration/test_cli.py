@@ -173,7 +173,7 @@ def check_start_workers(ctx):
 def check_status(ctx):
     st = ok_json(ctx, "status")
     assert st["pid"] == ctx.daemon.proc.pid and st["serving"] is True
-    assert st["backend"] == "host" and st["version"]
+    assert st["backend"] == ctx.daemon.backend and st["version"]
     assert len(st["sessions"]) == 4 and len(st["sequences"]) == 5
     (pool,) = st["pools"]
     assert pool["model"] == "cli" and pool["geometry"]["layers"] == LAYERS

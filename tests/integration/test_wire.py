@@ -42,7 +42,8 @@ def check_health_unknown_service(ctx):
 def check_stats_fresh(ctx):
     s = ctx.daemon.stats()
     assert s.version, "Stats.version is empty"
-    assert s.backend == "host", f"Stats.backend = {s.backend!r}, expected 'host'"
+    assert s.backend == ctx.daemon.backend, \
+        f"Stats.backend = {s.backend!r}, expected {ctx.daemon.backend!r}"
     for p in ("full", "streaming"):
         assert p in s.policies, f"Stats.policies {list(s.policies)} lacks {p!r}"
     assert not s.sequences and not s.sessions and not s.pools, \
@@ -82,7 +83,7 @@ def check_attach(ctx):
     r = w.attach("wire", geometry(**GEOM), name="wire-test", lease=False)
     assert r.session_id > 0, f"Attach: session_id {r.session_id}"
     assert r.pool_id > 0, f"Attach: pool_id {r.pool_id}"
-    assert r.backend == "host", f"Attach: backend {r.backend!r}"
+    assert r.backend == ctx.daemon.backend, f"Attach: backend {r.backend!r}"
     assert r.pool_bytes > 0, f"Attach: pool_bytes {r.pool_bytes}"
     assert r.block_bytes == BLOCK_BYTES, f"Attach: block_bytes {r.block_bytes}, expected {BLOCK_BYTES}"
     assert r.block_count > 0 and r.block_count * r.block_bytes <= r.pool_bytes, \

@@ -1,98 +1,22 @@
 /*
- * snapkv_harness.h - shared helpers of the SnapKV-family policy tests
- * (test_policy_{snapkv,adakv,criticalkv,criticalkv_ada}.c): creating a policy
- * host from key=value text, seeded random stats shaped like a host's view,
- * an independent reference of the SnapKV base score (POLICIES.md §1.3, so
- * the property tests do not trust the code they test), and stepping a layer.
+ * snapkv_harness.h - what only the SnapKV-family policy tests
+ * (test_policy_{snapkv,adakv,criticalkv,criticalkv_ada}.c) share, on top of
+ * policy_harness.h (hosts, rejections, RNG, steps): seeded random stats
+ * shaped like a host's view, and independent references of the SnapKV base
+ * score (POLICIES.md §1.3) and the AdaKV budget (§1.5), so the property
+ * tests do not trust the code they test.
  *
- * Header-only (static functions) because each test is its own executable;
- * include it after <cmocka.h>.
+ * Header-only (static functions) because each test is its own executable.
  */
 #ifndef KVSTASH_TESTS_SNAPKV_HARNESS_H
 #define KVSTASH_TESTS_SNAPKV_HARNESS_H
 
 #include <math.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
 
-#include "host.h"
-#include "policy.h"
+#include "policy_harness.h"
 #include "snapkv_family.h"
 
 #define SK_MAX_HEADS 16
-
-/* xorshift64*: deterministic across platforms. */
-static inline uint64_t sk_rand(uint64_t *s)
-{
-    *s ^= *s >> 12;
-    *s ^= *s << 25;
-    *s ^= *s >> 27;
-    return *s * 2685821657736338717ull;
-}
-
-/* Uniform in [lo, hi), 24-bit resolution so floats are exact. */
-static inline float sk_uniform(uint64_t *s, float lo, float hi)
-{
-    return lo + (hi - lo) * (float)(sk_rand(s) >> 40) / (float)(1u << 24);
-}
-
-static inline policy_geometry sk_geom(uint32_t layers, uint32_t q_heads, uint32_t kv_heads)
-{
-    policy_geometry g = {layers, q_heads, kv_heads, 64, 16, 10000.0f};
-    return g;
-}
-
-/* Resolve "k=v" pairs (NULL-terminated array of strings) and create the host;
- * returns -1 with err set when resolve or create refuses. */
-static inline int sk_try_host(const char *policy, const char *const *kv, policy_geometry g,
-                              policy_host **out, char *err, size_t errlen)
-{
-    const policy_ops *ops = policy_find(policy);
-    if (ops == NULL) {
-        snprintf(err, errlen, "no policy %s", policy);
-        return -1;
-    }
-    char keys[POLICY_MAX_PARAMS][64], vals[POLICY_MAX_PARAMS][64];
-    const char *kp[POLICY_MAX_PARAMS], *vp[POLICY_MAX_PARAMS];
-    size_t n = 0;
-    for (; kv != NULL && kv[n] != NULL; n++) {
-        const char *eq = strchr(kv[n], '=');
-        snprintf(keys[n], sizeof keys[n], "%.*s", (int)(eq - kv[n]), kv[n]);
-        snprintf(vals[n], sizeof vals[n], "%s", eq + 1);
-        kp[n] = keys[n];
-        vp[n] = vals[n];
-    }
-    policy_params p;
-    if (policy_params_resolve(ops, kp, vp, n, &p, err, errlen) != 0)
-        return -1;
-    return policy_host_create(ops, &p, &g, out, err, errlen);
-}
-
-static inline policy_host *sk_host(const char *policy, const char *const *kv, policy_geometry g)
-{
-    policy_host *h = NULL;
-    char err[POLICY_ERR_LEN] = "";
-    if (sk_try_host(policy, kv, g, &h, err, sizeof err) != 0)
-        fail_msg("creating %s: %s", policy, err);
-    return h;
-}
-
-/* Expect create to fail with a message that contains `word`. */
-static inline void sk_expect_reject(const char *policy, const char *const *kv, policy_geometry g,
-                                    const char *word)
-{
-    policy_host *h = NULL;
-    char err[POLICY_ERR_LEN] = "";
-    int rc = sk_try_host(policy, kv, g, &h, err, sizeof err);
-    if (rc == 0) {
-        policy_host_destroy(h);
-        fail_msg("%s accepted a configuration it should reject (%s)", policy, word);
-    }
-    if (strstr(err, word) == NULL)
-        fail_msg("%s: message '%s' does not name '%s'", policy, err, word);
-}
 
 /* Stats for one layer, shaped like the host's current view of that layer. */
 typedef struct sk_stats {
@@ -128,14 +52,14 @@ static inline void sk_stats_random(sk_stats *s, policy_host *h, uint32_t layer, 
         s->wa[q] = malloc((n ? n : 1) * sizeof(float));
         assert_non_null(s->wa[q]);
         for (uint32_t i = 0; i < n; i++)
-            s->wa[q][i] = sk_uniform(seed, 0, 1);
+            s->wa[q][i] = ph_uniform(seed, 0, 1);
     }
     for (uint32_t g = 0; g < kv_heads; g++) {
         uint32_t n = v->tokens[lists == 1 ? 0 : g];
         s->vn[g] = malloc((n ? n : 1) * sizeof(float));
         assert_non_null(s->vn[g]);
         for (uint32_t i = 0; i < n; i++)
-            s->vn[g][i] = sk_uniform(seed, 0.25f, 4);
+            s->vn[g][i] = ph_uniform(seed, 0.25f, 4);
     }
     s->st.new_tokens = new_tokens;
     s->st.prefill = prefill;
@@ -145,49 +69,16 @@ static inline void sk_stats_random(sk_stats *s, policy_host *h, uint32_t layer, 
     s->st.confidence = -1;
 }
 
-/* Step and commit one layer; fails the test when the policy refuses.
- * Returns the number of evicted tokens. */
-static inline size_t sk_step(policy_host *h, uint32_t layer, const policy_stats *st)
+/* The kept indices of keep[0..n) must be `want` ("0,3"). */
+static inline void sk_expect_keep(const uint8_t *keep, size_t n, const char *want)
 {
-    const policy_decision *d = NULL;
-    char err[POLICY_ERR_LEN] = "";
-    if (policy_host_step(h, layer, st, &d, err, sizeof err) != 0)
-        fail_msg("step of layer %u failed: %s", layer, err);
-    return policy_host_commit(h, layer);
-}
-
-/* Step one layer expecting a refusal whose message contains `word`. */
-static inline void sk_step_fails(policy_host *h, uint32_t layer, const policy_stats *st,
-                                 const char *word)
-{
-    const policy_decision *d = NULL;
-    char err[POLICY_ERR_LEN] = "";
-    if (policy_host_step(h, layer, st, &d, err, sizeof err) == 0)
-        fail_msg("step of layer %u succeeded, expected an error about %s", layer, word);
-    if (strstr(err, word) == NULL)
-        fail_msg("step error '%s' does not name '%s'", err, word);
-}
-
-/* Held positions of list g of a layer, as a string "0,3,7" for messages. */
-static inline void sk_held(policy_host *h, uint32_t layer, uint32_t g, char *buf, size_t len)
-{
-    const policy_layer_view *v = policy_host_view(h, layer);
+    char got[256] = "";
     size_t used = 0;
-    buf[0] = '\0';
-    for (uint32_t i = 0; i < v->tokens[g] && used < len; i++) {
-        int n = snprintf(buf + used, len - used, "%s%u", i ? "," : "", v->positions[g][i]);
-        if (n < 0)
-            break;
-        used += (size_t)n;
-    }
-}
-
-static inline void sk_expect_held(policy_host *h, uint32_t layer, uint32_t g, const char *want)
-{
-    char got[1024];
-    sk_held(h, layer, g, got, sizeof got);
+    for (size_t i = 0; i < n; i++)
+        if (keep[i])
+            used += (size_t)snprintf(got + used, sizeof got - used, "%s%zu", used ? "," : "", i);
     if (strcmp(got, want) != 0)
-        fail_msg("layer %u head %u holds {%s}, expected {%s}", layer, g, got, want);
+        fail_msg("kept {%s}, expected {%s}", got, want);
 }
 
 /*

@@ -1,12 +1,14 @@
 /*
  * test_kernels_sketch.c - the count-sketch kernels (kernels.h "Count
- * sketch") against POLICIES.md §3 and policies/reviver.h:
- * - kv_sketch_hash == reviver_hash, bit for bit;
+ * sketch") against POLICIES.md §3:
+ * - the §3.2 hash family (kernels/sketch_hash.h): splitmix64 reference
+ *   outputs, layer seeds, and h/g values computed by an independent Python
+ *   transcription of §3.2; the list form equals the single form;
  * - T-KR1 (§3.7) through both kernels: every cell, every query, and the
  *   delete of J2 leaving J0, J1 and J3 unchanged; even-r lower median;
- * - the kernels equal reviver_sketch_insert / _query / _delete exactly on
- *   seeded random tokens (one set of arrays viewed as both structs), for
- *   SUM and MEAN, 1..7 and 32 rows, every dtype, odd head sizes;
+ * - a list equals its tokens one at a time (the reference, one-token
+ *   segments): insert, query and revive, on seeded random tokens, for SUM
+ *   and MEAN, 1..7 and 32 rows, every dtype, odd head sizes;
  * - fast == reference (cells, counts and output bytes) for insert, query,
  *   revive and delete;
  * - with buckets enough that no token shares a cell, the round trip is
@@ -23,23 +25,8 @@
 #include <cmocka.h>
 
 #include "kernels.h"
-#include "reviver.h"
+#include "sketch_hash.h"
 #include "test_kernels_harness.h"
-
-/* ---- a kv_sketch view of a reviver_sketch (same arrays) ---- */
-
-static kv_sketch view(const reviver_sketch *r)
-{
-    kv_sketch k = {r->rows,
-                   r->buckets,
-                   (uint32_t)r->dim,
-                   (kv_estimate)r->key_estimate,
-                   (kv_estimate)r->value_estimate,
-                   r->key,
-                   r->value,
-                   r->count};
-    return k;
-}
 
 /* A deep copy into fresh arrays (free with sketch_free). */
 static kv_sketch sketch_clone(const kv_sketch *s)
@@ -74,28 +61,60 @@ static void expect_same_sketch(const kv_sketch *a, const kv_sketch *b, const cha
 
 /* ---- hash ---- */
 
-static void test_hash_equals_reviver(void **state)
+static void test_mix64_splitmix_reference(void **state)
 {
     (void)state;
-    rng r = {21};
-    for (int trial = 0; trial < 2000; trial++) {
-        uint64_t seed = rng_next(&r), J = trial < 1000 ? (uint64_t)trial : rng_next(&r);
-        uint32_t rows = 1 + rng_below(&r, KV_SKETCH_MAX_ROWS);
-        uint32_t buckets = 1 + rng_below(&r, trial % 2 ? 7 : 100000);
-        uint32_t h1[KV_SKETCH_MAX_ROWS], h2[KV_SKETCH_MAX_ROWS];
-        int8_t g1[KV_SKETCH_MAX_ROWS], g2[KV_SKETCH_MAX_ROWS];
-        reviver_hash(seed, rows, buckets, J, h1, g1);
-        kv_sketch_hash(seed, rows, buckets, J, h2, g2);
-        assert_memory_equal(h1, h2, rows * sizeof(uint32_t));
-        assert_memory_equal(g1, g2, rows);
+    /* splitmix64 seeded with 0: its first two outputs (Vigna's reference). */
+    assert_true(kv_mix64(0x9E3779B97F4A7C15ull) == 0xE220A8397B1DCDAFull);
+    assert_true(kv_mix64(0x3C6EF372FE94F82Aull) == 0x6E789E6AA1B965F4ull);
+    assert_true(kv_mix64(0) == 0);
+    /* layer_seed(base, l) = the (l+1)-th splitmix64 output from state base. */
+    assert_true(kv_sketch_layer_seed(0, 0) == 0xE220A8397B1DCDAFull);
+    assert_true(kv_sketch_layer_seed(0, 1) == 0x6E789E6AA1B965F4ull);
+    assert_true(kv_sketch_layer_seed(7, 3) == 0x953AEB70673E29CBull);
+}
+
+static void test_hash_family(void **state)
+{
+    (void)state;
+    /* h_i(J) = mix64(J ^ S_i) mod b, g_i(J) = +1 iff mix64(J ^ T_i) >> 63 == 0,
+     * S_i = 0x9E37..15·(2i+1) ^ seed, T_i = S_i ^ 0xD1B5..03 (§3.2); values from
+     * an independent Python transcription, r = 3, b = 6. */
+    static const struct {
+        uint64_t seed, J;
+        uint32_t h[3];
+        int8_t g[3];
+    } v[] = {
+        {0, 0, {1, 1, 1}, {-1, 1, -1}},
+        {0, 1, {2, 1, 0}, {1, 1, 1}},
+        {0, 1000, {4, 1, 5}, {1, -1, -1}},
+        {0, 123456789, {0, 1, 3}, {-1, 1, -1}},
+        {0x953AEB70673E29CBull, 0, {2, 5, 2}, {-1, 1, -1}},
+        {0x953AEB70673E29CBull, 1, {4, 1, 0}, {1, -1, -1}},
+        {0x953AEB70673E29CBull, 1000, {1, 2, 4}, {-1, -1, 1}},
+        {0x953AEB70673E29CBull, 123456789, {3, 1, 4}, {1, -1, -1}},
+    };
+    for (size_t t = 0; t < sizeof v / sizeof v[0]; t++) {
+        uint32_t h[3];
+        int8_t g[3];
+        kv_sketch_hash(v[t].seed, 3, 6, v[t].J, h, g);
+        for (int i = 0; i < 3; i++) {
+            assert_int_equal(h[i], v[t].h[i]);
+            assert_int_equal(g[i], v[t].g[i]);
+        }
     }
-    /* The list form is the single form, token by token. */
+}
+
+/* The list form is the single form, token by token. */
+static void test_hash_list(void **state)
+{
+    (void)state;
     uint64_t pos[5] = {0, 7, 1u << 20, 3, 7};
     uint32_t h[15], hh[3];
     int8_t g[15], gg[3];
     kv_sketch_hash_list(42, 3, 11, pos, 5, h, g);
     for (int i = 0; i < 5; i++) {
-        reviver_hash(42, 3, 11, pos[i], hh, gg);
+        kv_sketch_hash(42, 3, 11, pos[i], hh, gg);
         assert_memory_equal(h + 3 * i, hh, sizeof hh);
         assert_memory_equal(g + 3 * i, gg, sizeof gg);
     }
@@ -224,7 +243,7 @@ static void test_even_rows_lower_median(void **state)
     }
 }
 
-/* ---- random: kernels == reviver.h, fast == ref ---- */
+/* ---- random: a list == its tokens, fast == ref ---- */
 
 typedef struct setup {
     kv_layout l;
@@ -264,67 +283,63 @@ static void setup_free(setup *s)
     free(s->g);
 }
 
-/* The i-th token's K and V as [dim] float vectors, via kv_elt_load. */
-static void token_vectors(const setup *s, size_t i, float *k, float *v)
+/* The i-th token of the setup's list as a one-token segment. */
+static kv_segment token_segment(const setup *s, size_t i)
 {
-    size_t n = i;
-    uint32_t blk = 0, slot = 0;
     for (size_t q = 0; q < s->nsegs; q++) {
-        if (n < s->segs[q].count) {
-            blk = s->segs[q].block;
-            slot = s->segs[q].first_slot + (uint32_t)n;
-            break;
-        }
-        n -= s->segs[q].count;
+        if (i < s->segs[q].count)
+            return (kv_segment){s->segs[q].block, s->segs[q].first_slot + (uint32_t)i, 1};
+        i -= s->segs[q].count;
     }
-    size_t half = kv_block_bytes(&s->l) / 2;
-    for (uint32_t h = 0; h < s->l.kv_heads; h++)
-        for (uint32_t j = 0; j < s->l.head_dim; j++) {
-            size_t off = kv_key_offset(&s->l, blk, h, slot) + (size_t)j * s->l.elt_size;
-            k[h * s->l.head_dim + j] = kv_elt_load(s->pool + off, s->t);
-            v[h * s->l.head_dim + j] = kv_elt_load(s->pool + off + half, s->t);
-        }
+    fail_msg("token %zu is past the list", i);
+    return (kv_segment){0, 0, 0};
 }
 
-/* Insert with the kernel into a reviver_sketch's own arrays and with
- * reviver_sketch_insert into another: equal. Then every query equal (fp32
- * output), then revives (kernel) vs query + delete (reviver) equal. */
-static void check_against_reviver(rng *r, kv_layout l, kv_dtype t, uint32_t rows, uint32_t buckets,
-                                  reviver_estimate ke, reviver_estimate ve, int fast)
+/* A list in one call (the fast kernel or the reference) equals the
+ * reference called once per token, in list order: insert, then every query
+ * (fp32 output), then revives of every other token. One sketch per side,
+ * compared cell for cell. */
+static void check_list_equals_tokens(rng *r, kv_layout l, kv_dtype t, uint32_t rows,
+                                     uint32_t buckets, kv_estimate ke, kv_estimate ve, int fast)
 {
     setup s;
     setup_make(&s, r, l, t, rows, buckets);
     uint32_t dim = l.kv_heads * l.head_dim;
-    reviver_sketch a, b;
-    assert_int_equal(reviver_sketch_init(&a, rows, buckets, dim, ke, ve), 0);
-    assert_int_equal(reviver_sketch_init(&b, rows, buckets, dim, ke, ve), 0);
-    kv_sketch ka = view(&a), kb = view(&b);
-    float *k = xcalloc(dim * sizeof(float)), *v = xcalloc(dim * sizeof(float));
-    float *k2 = xcalloc(dim * sizeof(float)), *v2 = xcalloc(dim * sizeof(float));
+    size_t cells = (size_t)rows * buckets;
+    kv_sketch ka = {rows,
+                    buckets,
+                    dim,
+                    ke,
+                    ve,
+                    xcalloc(cells * dim * 4),
+                    xcalloc(cells * dim * 4),
+                    xcalloc(cells * 4)};
+    kv_sketch kb = sketch_clone(&ka);
 
     (fast ? kv_sketch_insert : kv_sketch_insert_ref)(&ka, &l, t, s.pool, s.segs, s.nsegs, s.h, s.g);
     for (size_t i = 0; i < s.ntok; i++) {
-        token_vectors(&s, i, k, v);
-        reviver_sketch_insert(&b, s.h + i * rows, s.g + i * rows, k, v);
+        kv_segment one = token_segment(&s, i);
+        kv_sketch_insert_ref(&kb, &l, t, s.pool, &one, 1, s.h + i * rows, s.g + i * rows);
     }
-    expect_same_sketch(&ka, &kb, "insert vs reviver_sketch_insert");
+    expect_same_sketch(&ka, &kb, "list insert vs one token at a time");
 
     /* Queries into an fp32 pool of one block per token: kv_heads * 1 slot. */
     kv_layout lo = {l.kv_heads, 1, l.head_dim, 4};
-    uint8_t *out = xcalloc(s.ntok * kv_block_bytes(&lo));
+    size_t ob = kv_block_bytes(&lo);
+    uint8_t *out = xcalloc(s.ntok * ob), *one_out = xcalloc(ob);
     kv_segment *os = xcalloc(s.ntok * sizeof *os);
+    kv_segment at0 = {0, 0, 1};
     for (size_t i = 0; i < s.ntok; i++)
         os[i] = (kv_segment){(uint32_t)i, 0, 1};
     (fast ? kv_sketch_query : kv_sketch_query_ref)(&ka, s.h, s.g, &lo, KV_FP32, out, os, s.ntok);
     for (size_t i = 0; i < s.ntok; i++) {
-        reviver_sketch_query(&b, s.h + i * rows, s.g + i * rows, k, v);
-        const uint8_t *blk = out + i * kv_block_bytes(&lo);
-        if (memcmp(blk, k, dim * 4) != 0 || memcmp(blk + dim * 4, v, dim * 4) != 0)
-            fail_msg("query of token %zu differs from reviver_sketch_query (rows %u, %s)", i, rows,
+        kv_sketch_query_ref(&kb, s.h + i * rows, s.g + i * rows, &lo, KV_FP32, one_out, &at0, 1);
+        if (memcmp(out + i * ob, one_out, ob) != 0)
+            fail_msg("query of token %zu differs from its query alone (rows %u, %s)", i, rows,
                      dtype_name(t));
     }
 
-    /* Revive every other token, in order: kernel vs reviver query+delete. */
+    /* Revive every other token, in order: the list vs token by token. */
     size_t nrev = 0;
     uint32_t *hr = xcalloc(s.ntok * rows * sizeof *hr);
     int8_t *gr = xcalloc(s.ntok * rows);
@@ -332,33 +347,28 @@ static void check_against_reviver(rng *r, kv_layout l, kv_dtype t, uint32_t rows
         memcpy(hr + nrev * rows, s.h + i * rows, rows * sizeof *hr);
         memcpy(gr + nrev * rows, s.g + i * rows, rows);
     }
-    memset(out, 0, s.ntok * kv_block_bytes(&lo));
+    memset(out, 0, s.ntok * ob);
     (fast ? kv_sketch_revive : kv_sketch_revive_ref)(&ka, hr, gr, &lo, KV_FP32, out, os, nrev);
     for (size_t i = 0; i < nrev; i++) {
-        reviver_sketch_query(&b, hr + i * rows, gr + i * rows, k, v);
-        reviver_sketch_delete(&b, hr + i * rows, gr + i * rows, k, v);
-        const uint8_t *blk = out + i * kv_block_bytes(&lo);
-        if (memcmp(blk, k, dim * 4) != 0 || memcmp(blk + dim * 4, v, dim * 4) != 0)
-            fail_msg("revive of token %zu differs from reviver query+delete", i);
+        kv_sketch_revive_ref(&kb, hr + i * rows, gr + i * rows, &lo, KV_FP32, one_out, &at0, 1);
+        if (memcmp(out + i * ob, one_out, ob) != 0)
+            fail_msg("revive of token %zu differs from its revive alone", i);
     }
-    expect_same_sketch(&ka, &kb, "revive vs reviver query+delete");
+    expect_same_sketch(&ka, &kb, "list revive vs one token at a time");
 
     free(hr);
     free(gr);
     free(out);
+    free(one_out);
     free(os);
-    free(k);
-    free(v);
-    free(k2);
-    free(v2);
-    reviver_sketch_free(&a);
-    reviver_sketch_free(&b);
+    sketch_free(&ka);
+    sketch_free(&kb);
     setup_free(&s);
 }
 
 static const uint32_t k_rows[] = {1, 2, 3, 4, 5, 7, 32};
 
-static void test_equals_reviver(void **state)
+static void test_list_equals_tokens(void **state)
 {
     (void)state;
     rng r = {22};
@@ -368,8 +378,8 @@ static void test_equals_reviver(void **state)
                 kv_dtype t;
                 kv_layout l = kh_shape(si, &t);
                 uint32_t buckets = 1 + rng_below(&r, 6);
-                check_against_reviver(&r, l, t, k_rows[ri], buckets, (reviver_estimate)(mode & 1),
-                                      (reviver_estimate)(mode >> 1), (int)(si + ri) % 2);
+                check_list_equals_tokens(&r, l, t, k_rows[ri], buckets, (kv_estimate)(mode & 1),
+                                         (kv_estimate)(mode >> 1), (int)(si + ri) % 2);
             }
 }
 
@@ -438,7 +448,7 @@ static void test_fast_equals_ref(void **state)
 
 /* fp16 buffers equal as numbers: bit for bit except that +0 and -0 match
  * (a cell starts at +0 and +0 + -0 = +0, and a value inserted with sign -1
- * comes back as -1 * (0 + -1 * v): zeros lose their sign, in reviver.h's
+ * comes back as -1 * (0 + -1 * v): zeros lose their sign, in the
  * reference as here). */
 static void expect_same_halves(const uint8_t *a, const uint8_t *b, size_t bytes)
 {
@@ -516,9 +526,14 @@ static void test_large_b_exact(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_hash_equals_reviver), cmocka_unit_test(test_tkr1_ref),
-        cmocka_unit_test(test_tkr1_fast),           cmocka_unit_test(test_even_rows_lower_median),
-        cmocka_unit_test(test_equals_reviver),      cmocka_unit_test(test_fast_equals_ref),
+        cmocka_unit_test(test_mix64_splitmix_reference),
+        cmocka_unit_test(test_hash_family),
+        cmocka_unit_test(test_hash_list),
+        cmocka_unit_test(test_tkr1_ref),
+        cmocka_unit_test(test_tkr1_fast),
+        cmocka_unit_test(test_even_rows_lower_median),
+        cmocka_unit_test(test_list_equals_tokens),
+        cmocka_unit_test(test_fast_equals_ref),
         cmocka_unit_test(test_large_b_exact),
     };
     return run_each_isa(tests, sizeof tests / sizeof tests[0]);

@@ -1,11 +1,12 @@
 /*
  * test_kernels_vnorm.c - the projected value norm kernels (kernels.h
  * "Projected value norm"): T-CK1 (POLICIES.md §1.8) through both versions;
- * both equal snapkv_vnorm_l1 (policies/snapkv_family.h) bit for bit on
- * seeded random values of every dtype, odd head sizes, GQA groups and
- * hidden sizes, for the pool layout and for per-head lists; threads change
- * nothing.
+ * both equal spec_vnorm (below: §1.2 transcribed over plain float vectors)
+ * bit for bit on seeded random values of every dtype, odd head sizes, GQA
+ * groups and hidden sizes, for the pool layout and for per-head lists;
+ * threads change nothing.
  */
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -17,8 +18,38 @@
 #include <cmocka.h>
 
 #include "kernels.h"
-#include "snapkv_family.h"
 #include "test_kernels_harness.h"
+
+/*
+ * POLICIES.md §1.2 over plain vectors, the test's oracle:
+ *   n[g][i] = (1/G) Σ_{h in group(g)} Σ_c | Σ_j V[g][i][j] · Wo[c][h·d + j] |
+ * v is [kv_heads][tokens][d], wo is o_proj.weight [hidden][q_heads·d], out
+ * is [kv_heads][tokens]; sums in double in this loop order, which the
+ * kernels promise to keep.
+ */
+static void spec_vnorm(const float *v, const float *wo, uint32_t kv_heads, uint32_t q_heads,
+                       uint32_t d, uint32_t hidden, size_t tokens, float *out)
+{
+    uint32_t G = q_heads / kv_heads;
+    size_t row = (size_t)q_heads * d; /* one row of o_proj.weight */
+    for (uint32_t g = 0; g < kv_heads; g++)
+        for (size_t i = 0; i < tokens; i++) {
+            const float *vi = v + ((size_t)g * tokens + i) * d;
+            double acc = 0;
+            for (uint32_t h = g * G; h < g * G + G; h++) {
+                double s = 0;
+                for (uint32_t c = 0; c < hidden; c++) {
+                    const float *w = wo + (size_t)c * row + (size_t)h * d;
+                    double dot = 0;
+                    for (uint32_t j = 0; j < d; j++)
+                        dot += (double)vi[j] * (double)w[j];
+                    s += fabs(dot);
+                }
+                acc += s;
+            }
+            out[(size_t)g * tokens + i] = (float)(acc / G);
+        }
+}
 
 typedef void (*vnorm_fn)(const kv_layout *, kv_dtype, const uint8_t *, const kv_segment *, size_t,
                          const float *, size_t, uint32_t, uint32_t, float *);
@@ -42,7 +73,7 @@ static void test_tck1(void **state)
             assert_true(n[i] == want[i]);
     }
     float n2[4];
-    snapkv_vnorm_l1(v, &wo[0][0], 1, 2, 2, 3, 4, n2);
+    spec_vnorm(v, &wo[0][0], 1, 2, 2, 3, 4, n2);
     assert_memory_equal(n2, want, sizeof want);
 }
 
@@ -63,7 +94,7 @@ static float *gather_values(const kv_layout *l, kv_dtype t, const uint8_t *pool,
     return v;
 }
 
-static void test_equals_snapkv(void **state)
+static void test_equals_spec(void **state)
 {
     (void)state;
     rng r = {41};
@@ -87,13 +118,13 @@ static void test_equals_snapkv(void **state)
         size_t no = (size_t)l.kv_heads * ntok;
         float *o1 = xcalloc(no * 4), *o2 = xcalloc(no * 4), *o3 = xcalloc(no * 4);
         float *v = gather_values(&l, t, pool, segs, n, ntok);
-        snapkv_vnorm_l1(v, wo, l.kv_heads, q_heads, l.head_dim, hidden, ntok, o1);
+        spec_vnorm(v, wo, l.kv_heads, q_heads, l.head_dim, hidden, ntok, o1);
         kv_vnorm_l1_ref(&l, t, pool, segs, n, wo, (size_t)q_heads * l.head_dim, q_heads, hidden,
                         o2);
         kv_vnorm_l1(&l, t, pool, segs, n, wo, (size_t)q_heads * l.head_dim, q_heads, hidden, o3);
         if (memcmp(o1, o2, no * 4) != 0 || memcmp(o1, o3, no * 4) != 0)
-            fail_msg("vnorm differs from snapkv_vnorm_l1: heads %u dim %u G %u hidden %u %s",
-                     l.kv_heads, l.head_dim, G, hidden, dtype_name(t));
+            fail_msg("vnorm differs from spec_vnorm: heads %u dim %u G %u hidden %u %s", l.kv_heads,
+                     l.head_dim, G, hidden, dtype_name(t));
 
         /* Per-head lists: kv head g's rows as a kv_heads = 1 layout with
          * kv_heads * block_tokens rows per block, and W^O from column
@@ -154,7 +185,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_tck1),
-        cmocka_unit_test(test_equals_snapkv),
+        cmocka_unit_test(test_equals_spec),
         cmocka_unit_test(test_threads_deterministic),
     };
     return run_each_isa(tests, sizeof tests / sizeof tests[0]);

@@ -1,7 +1,7 @@
 /*
  * Unit tests of the operator's side of the daemon: config.c (options, INI
  * files, --print-config round trip), metrics.c (addresses, hooks and the
- * exposition text) and operator.c (Evict on a store: what leaves the tables,
+ * exposition text) and store_operator.c (Evict on a store: what leaves the tables,
  * retired blocks, counts, and refusals that change nothing). No gRPC.
  */
 #include <setjmp.h>
@@ -17,7 +17,7 @@
 
 #include "config.h"
 #include "metrics.h"
-#include "operator.h"
+#include "store_operator.h"
 #include "store.h"
 
 /* ---- config ---------------------------------------------------------------- */
@@ -121,7 +121,7 @@ static void test_metrics_addresses(void **state)
 /* ---- a store with one worker ---------------------------------------------------- */
 
 typedef struct fixture {
-    store st;
+    store *st;
     metrics *m;
     char token[STORE_TOKEN_LEN + 1];    /* the owning worker, uid 1000 */
     char operator[STORE_TOKEN_LEN + 1]; /* an operator session, never attached */
@@ -136,29 +136,29 @@ static int setup(void **state)
 {
     static fixture f;
     memset(&f, 0, sizeof f);
-    store_config cfg = {1 << 20, 4, 16, 64};
-    assert_int_equal(store_init(&f.st, &cfg, NULL), 0);
+    store_config cfg = {1 << 20, 4, 16, 64, NULL};
+    assert_non_null(f.st = store_create(&cfg, NULL));
     f.m = metrics_create(no_methods, 1);
     assert_non_null(f.m);
-    f.st.metrics = f.m;
+    store_set_metrics(f.st, f.m);
     status s;
-    assert_int_equal(store_session_open(&f.st, 100, 1000, 1000, 1, f.token, &s), ST_OK);
-    assert_int_equal(store_session_open(&f.st, 101, geteuid(), 0, 2, f.operator, & s), ST_OK);
-    assert_int_equal(store_session_open(&f.st, 102, 2000, 2000, 3, f.stranger, &s), ST_OK);
+    assert_int_equal(store_session_open(f.st, 100, 1000, 1000, 1, f.token, &s), ST_OK);
+    assert_int_equal(store_session_open(f.st, 101, geteuid(), 0, 2, f.operator, & s), ST_OK);
+    assert_int_equal(store_session_open(f.st, 102, 2000, 2000, 3, f.stranger, &s), ST_OK);
     store_attach_result r;
-    assert_int_equal(store_attach(&f.st, f.token, "m", &geom, "w", &r, &s), ST_OK);
+    assert_int_equal(store_attach(f.st, f.token, "m", &geom, "w", &r, &s), ST_OK);
     policy_params p;
     uint64_t epoch;
     assert_int_equal(
-        store_seq_create(&f.st, f.token, "full", NULL, NULL, 0, "", &f.seq_full, &epoch, &p, &s),
+        store_seq_create(f.st, f.token, "full", NULL, NULL, 0, "", &f.seq_full, &epoch, &p, &s),
         ST_OK);
     assert_int_equal(
-        store_seq_create(&f.st, f.token, "h2o", NULL, NULL, 0, "", &f.seq_h2o, &epoch, &p, &s),
+        store_seq_create(f.st, f.token, "h2o", NULL, NULL, 0, "", &f.seq_h2o, &epoch, &p, &s),
         ST_OK);
     store_table w;
-    assert_int_equal(store_append(&f.st, f.token, f.seq_full, 16, 0, &w, &s), ST_OK);
+    assert_int_equal(store_append(f.st, f.token, f.seq_full, 16, 0, &w, &s), ST_OK);
     store_table_free(&w);
-    assert_int_equal(store_append(&f.st, f.token, f.seq_h2o, 4, 0, &w, &s), ST_OK);
+    assert_int_equal(store_append(f.st, f.token, f.seq_h2o, 4, 0, &w, &s), ST_OK);
     store_table_free(&w);
     *state = &f;
     return 0;
@@ -167,14 +167,14 @@ static int setup(void **state)
 static int teardown(void **state)
 {
     fixture *f = *state;
-    store_destroy(&f->st);
+    store_destroy(f->st);
     metrics_destroy(f->m);
     return 0;
 }
 
 static uint32_t held(fixture *f, uint64_t seq_id, uint32_t layer, const uint32_t **pos)
 {
-    return seq_list_tokens(store_find_seq_locked(&f->st, seq_id), layer, 0, pos);
+    return seq_list_tokens(store_find_seq_locked(f->st, seq_id), layer, 0, pos);
 }
 
 static void test_evict_drops_positions_and_retires_blocks(void **state)
@@ -182,12 +182,12 @@ static void test_evict_drops_positions_and_retires_blocks(void **state)
     fixture *f = *state;
     status s;
     operator_evict_result r;
-    seq *q = store_find_seq_locked(&f->st, f->seq_full);
+    seq *q = store_find_seq_locked(f->st, f->seq_full);
     uint64_t epoch = q->epoch;
     uint32_t free_before = q->pool->nfree;
     /* Positions 4-7 are block 1 of each layer; 9 and 30 (not held) on layer 1 only. */
     const operator_range all[] = {{4, 4}};
-    assert_int_equal(operator_evict(&f->st, f->operator, f->seq_full, all, 1, NULL, 0, &r, &s),
+    assert_int_equal(operator_evict(f->st, f->operator, f->seq_full, all, 1, NULL, 0, &r, &s),
                      ST_OK);
     assert_int_equal(r.evicted, 8);
     assert_int_equal(r.requested, 8);
@@ -198,7 +198,7 @@ static void test_evict_drops_positions_and_retires_blocks(void **state)
     assert_int_equal(q->pool->nfree, free_before);
     const operator_range some[] = {{9, 1}, {5, 1}};
     const uint32_t layer1[] = {1};
-    assert_int_equal(operator_evict(&f->st, f->operator, f->seq_full, some, 2, layer1, 1, &r, &s),
+    assert_int_equal(operator_evict(f->st, f->operator, f->seq_full, some, 2, layer1, 1, &r, &s),
                      ST_OK);
     assert_int_equal(r.evicted, 1);
     assert_int_equal(r.not_held, 1);
@@ -210,7 +210,7 @@ static void test_evict_drops_positions_and_retires_blocks(void **state)
     assert_int_equal(pos[5], 10);
     /* The worker's table agrees with the host, and acking frees the blocks. */
     store_table t;
-    assert_int_equal(store_get_table(&f->st, f->token, f->seq_full, r.epoch, 1, &t, &s), ST_OK);
+    assert_int_equal(store_get_table(f->st, f->token, f->seq_full, r.epoch, 1, &t, &s), ST_OK);
     assert_int_equal(t.lists[1].tokens, 11);
     uint32_t segs_tokens = 0;
     for (size_t i = 0; i < t.lists[1].nsegs; i++)
@@ -220,7 +220,10 @@ static void test_evict_drops_positions_and_retires_blocks(void **state)
     assert_int_equal(seq_retired_count(q), 0);
     assert_int_equal(q->pool->nfree, free_before + 2);
     /* The counters moved, by operator. */
-    char *text = metrics_render(f->m, &f->st, NULL);
+    snapshot snap;
+    assert_int_equal(store_snapshot(f->st, &snap), 0);
+    char *text = metrics_render(f->m, &snap, NULL);
+    snapshot_free(&snap);
     assert_non_null(text);
     assert_non_null(
         strstr(text, "kvstash_evicted_tokens_total{policy=\"full\",by=\"operator\"} 9"));
@@ -235,33 +238,33 @@ static void test_evict_refusals_change_nothing(void **state)
     fixture *f = *state;
     status s;
     operator_evict_result r;
-    seq *q = store_find_seq_locked(&f->st, f->seq_full);
+    seq *q = store_find_seq_locked(f->st, f->seq_full);
     uint64_t epoch = q->epoch;
     const operator_range one[] = {{1, 1}}, beyond[] = {{15, 2}}, empty[] = {{1, 0}};
     const uint32_t bad_layer[] = {2};
-    assert_int_equal(operator_evict(&f->st, NULL, f->seq_full, one, 1, NULL, 0, &r, &s),
+    assert_int_equal(operator_evict(f->st, NULL, f->seq_full, one, 1, NULL, 0, &r, &s),
                      ST_UNAUTHENTICATED);
-    assert_int_equal(operator_evict(&f->st, f->operator, 999, one, 1, NULL, 0, &r, &s),
+    assert_int_equal(operator_evict(f->st, f->operator, 999, one, 1, NULL, 0, &r, &s),
                      ST_NOT_FOUND);
     if (geteuid() != 2000) {
-        assert_int_equal(operator_evict(&f->st, f->stranger, f->seq_full, one, 1, NULL, 0, &r, &s),
+        assert_int_equal(operator_evict(f->st, f->stranger, f->seq_full, one, 1, NULL, 0, &r, &s),
                          ST_PERMISSION_DENIED);
     }
-    assert_int_equal(operator_evict(&f->st, f->operator, f->seq_h2o, one, 1, NULL, 0, &r, &s),
+    assert_int_equal(operator_evict(f->st, f->operator, f->seq_h2o, one, 1, NULL, 0, &r, &s),
                      ST_FAILED_PRECONDITION);
     assert_non_null(strstr(s.msg, "per-token state"));
-    assert_int_equal(operator_evict(&f->st, f->operator, f->seq_full, beyond, 1, NULL, 0, &r, &s),
+    assert_int_equal(operator_evict(f->st, f->operator, f->seq_full, beyond, 1, NULL, 0, &r, &s),
                      ST_INVALID_ARGUMENT);
-    assert_int_equal(operator_evict(&f->st, f->operator, f->seq_full, empty, 1, NULL, 0, &r, &s),
+    assert_int_equal(operator_evict(f->st, f->operator, f->seq_full, empty, 1, NULL, 0, &r, &s),
                      ST_INVALID_ARGUMENT);
-    assert_int_equal(operator_evict(&f->st, f->operator, f->seq_full, NULL, 0, NULL, 0, &r, &s),
+    assert_int_equal(operator_evict(f->st, f->operator, f->seq_full, NULL, 0, NULL, 0, &r, &s),
                      ST_INVALID_ARGUMENT);
-    assert_int_equal(operator_evict(&f->st, f->operator, f->seq_full, one, 1, bad_layer, 1, &r, &s),
+    assert_int_equal(operator_evict(f->st, f->operator, f->seq_full, one, 1, bad_layer, 1, &r, &s),
                      ST_INVALID_ARGUMENT);
     assert_int_equal(q->epoch, epoch);
     assert_int_equal(held(f, f->seq_full, 0, NULL), 16);
     /* The worker itself may evict from its own sequence. */
-    assert_int_equal(operator_evict(&f->st, f->token, f->seq_full, one, 1, NULL, 0, &r, &s), ST_OK);
+    assert_int_equal(operator_evict(f->st, f->token, f->seq_full, one, 1, NULL, 0, &r, &s), ST_OK);
     assert_int_equal(r.evicted, 2);
 }
 

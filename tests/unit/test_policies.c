@@ -19,42 +19,25 @@
 
 #include <cmocka.h>
 
-#include "host.h"
-#include "policy.h"
+#include "policy_harness.h"
 
 /* ---- helpers ---- */
 
 static const policy_ops *find(const char *name)
 {
-    const policy_ops *ops = policy_find(name);
-    assert_non_null(ops);
-    return ops;
+    return ph_ops(name);
 }
 
 static policy_geometry geometry(uint32_t layers, uint32_t kv_heads)
 {
-    policy_geometry g = {.layers = layers,
-                         .q_heads = kv_heads * 2,
-                         .kv_heads = kv_heads,
-                         .head_dim = 64,
-                         .block_tokens = 16,
-                         .rope_theta = 10000.0f};
-    return g;
+    return ph_geom(layers, kv_heads * 2, kv_heads);
 }
 
 /* Resolve the parameters and create a host; fails the test on error. */
 static policy_host *host_new(const policy_ops *ops, const char *const *keys,
                              const char *const *values, size_t n, uint32_t layers)
 {
-    policy_params p;
-    char err[POLICY_ERR_LEN] = "";
-    policy_host *h = NULL;
-    policy_geometry g = geometry(layers, 4);
-    if (policy_params_resolve(ops, keys, values, n, &p, err, sizeof(err)) != 0)
-        fail_msg("resolve: %s", err);
-    if (policy_host_create(ops, &p, &g, &h, err, sizeof(err)) != 0)
-        fail_msg("create: %s", err);
-    assert_non_null(h);
+    policy_host *h = ph_host_pairs(ops->name, keys, values, n, geometry(layers, 4));
     assert_ptr_equal(policy_host_ops(h), ops);
     assert_int_equal(policy_host_heads(h), ops->per_head ? 4 : 1);
     return h;
@@ -441,8 +424,8 @@ static void test_params_uint_range(void **unused)
 
 /* A policy with a real-number and a choice parameter, for the parsers. */
 static const policy_param_spec parse_spec[] = {
-    {"ratio", "0.5", "a real number"},
-    {"mode", "mean", "one of mean, max, sum"},
+    {.key = "ratio", .def = "0.5", .help = "a real number"},
+    {.key = "mode", .def = "mean", .help = "one of mean, max, sum"},
 };
 static const policy_ops parse_ops = {
     .name = "parse-test",
@@ -573,6 +556,80 @@ static void test_params_choice(void **unused)
     assert_int_equal(policy_params_choice(&p, "nope", modes, &v, err, sizeof(err)), -1);
     assert_non_null(strstr(err, "nope"));
     assert_int_equal(v, 99);
+}
+
+/* policy_params_parse: every type lands at its offset, a word stores its
+ * value, TEXT entries are left alone, and the first bad value's message
+ * names the parameter and its range. */
+typedef struct parsed_cfg {
+    uint32_t n, slack;
+    double ratio;
+    unsigned mode;
+    int untouched;
+} parsed_cfg;
+
+static const policy_param_spec typed_spec[] = {
+    POLICY_PARAM_U32("n", "7", "an integer", 1, 100, offsetof(parsed_cfg, n)),
+    {.key = "slack",
+     .def = "-1",
+     .help = "-1 or an integer",
+     .type = POLICY_PARAM_UINT,
+     .min = 0,
+     .max = 50,
+     .offset = offsetof(parsed_cfg, slack),
+     .word = "-1",
+     .word_value = 999},
+    POLICY_PARAM_F64("ratio", "0.5", "a real number", 0.25, 1, offsetof(parsed_cfg, ratio)),
+    POLICY_PARAM_ONE_OF("mode", "max", "one of mean, max, sum", modes, offsetof(parsed_cfg, mode)),
+    {.key = "text", .def = "anything", .help = "read by the policy itself"},
+};
+static const policy_ops typed_ops = {
+    .name = "typed-test",
+    .summary = "typed parameters only",
+    .params = typed_spec,
+    .nparams = sizeof typed_spec / sizeof typed_spec[0],
+};
+
+static int parse_typed(const char *key, const char *value, parsed_cfg *c, char *err)
+{
+    policy_params p;
+    const char *keys[] = {key};
+    const char *values[] = {value};
+    if (policy_params_resolve(&typed_ops, keys, values, key ? 1 : 0, &p, err, POLICY_ERR_LEN) != 0)
+        fail_msg("resolve: %s", err);
+    *c = (parsed_cfg){0, 0, 0, 0, 42};
+    return policy_params_parse(&p, typed_spec, typed_ops.nparams, c, err, POLICY_ERR_LEN);
+}
+
+static void test_params_parse_typed(void **unused)
+{
+    (void)unused;
+    char err[POLICY_ERR_LEN] = "";
+    parsed_cfg c;
+    assert_int_equal(parse_typed(NULL, NULL, &c, err), 0);
+    assert_int_equal(c.n, 7);
+    assert_int_equal(c.slack, 999); /* the default is the word */
+    assert_true(c.ratio == 0.5);
+    assert_int_equal(c.mode, 1);
+    assert_int_equal(c.untouched, 42);
+    assert_int_equal(parse_typed("slack", "50", &c, err), 0);
+    assert_int_equal(c.slack, 50);
+
+    static const struct {
+        const char *key, *value, *message;
+    } bad[] = {
+        {"n", "0", "parameter n must be an integer in [1, 100], got '0'"},
+        {"n", "101", "parameter n must be an integer in [1, 100], got '101'"},
+        {"slack", "51", "parameter slack must be '-1' or an integer in [0, 50], got '51'"},
+        {"slack", "-2", "parameter slack must be '-1' or an integer in [0, 50], got '-2'"},
+        {"ratio", "0.2", "parameter ratio must be a number in [0.25, 1], got '0.2'"},
+        {"mode", "median", "parameter mode must be one of mean, max, sum, got 'median'"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        if (parse_typed(bad[i].key, bad[i].value, &c, err) != -1)
+            fail_msg("%s=%s accepted", bad[i].key, bad[i].value);
+        assert_string_equal(err, bad[i].message);
+    }
 }
 
 /* ---- full ---- */
@@ -836,6 +893,7 @@ int main(void)
         cmocka_unit_test(test_params_double_good),
         cmocka_unit_test(test_params_double_bad),
         cmocka_unit_test(test_params_choice),
+        cmocka_unit_test(test_params_parse_typed),
         cmocka_unit_test(test_full_keeps_everything),
         cmocka_unit_test(test_streaming_one_at_a_time),
         cmocka_unit_test(test_streaming_prefill_then_decode),

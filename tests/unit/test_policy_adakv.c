@@ -21,17 +21,6 @@
 
 #include "snapkv_harness.h"
 
-static void expect_keep(const uint8_t *keep, size_t n, const char *want)
-{
-    char got[256] = "";
-    size_t used = 0;
-    for (size_t i = 0; i < n; i++)
-        if (keep[i])
-            used += (size_t)snprintf(got + used, sizeof got - used, "%s%zu", used ? "," : "", i);
-    if (strcmp(got, want) != 0)
-        fail_msg("kept {%s}, expected {%s}", got, want);
-}
-
 /* ---- pure pieces ---- */
 
 static void test_global_budget_by_hand(void **s)
@@ -51,8 +40,8 @@ static void test_global_budget_by_hand(void **s)
     assert_int_equal(B[0], 3);
     assert_int_equal(B[1], 1);
     adakv_select(a, len, 2, 4, (const uint8_t *const *)forced, keep, tmp);
-    expect_keep(k0, 4, "0,1,2");
-    expect_keep(k1, 4, "0");
+    sk_expect_keep(k0, 4, "0,1,2");
+    sk_expect_keep(k1, 4, "0");
 }
 
 static void test_safeguard_by_hand(void **s)
@@ -92,11 +81,11 @@ static void test_safeguard_by_hand(void **s)
     adakv_budgets(a, len, 2, n_safe, 10, forced, B, tmp);
     assert_int_equal(B[0], 9);
     assert_int_equal(B[1], 1);
-    expect_keep(f1, 10, "6"); /* the safeguard forced head 1's best */
-    expect_keep(f0, 10, "0");
+    sk_expect_keep(f1, 10, "6"); /* the safeguard forced head 1's best */
+    sk_expect_keep(f0, 10, "0");
     adakv_select(a, len, 2, 10, (const uint8_t *const *)forced, keep, tmp);
-    expect_keep(k0, 10, "0,1,2,3,4,5,6,7,8");
-    expect_keep(k1, 10, "6");
+    sk_expect_keep(k0, 10, "0,1,2,3,4,5,6,7,8");
+    sk_expect_keep(k1, 10, "6");
 }
 
 static void test_bottom_k_ties(void **s)
@@ -112,8 +101,8 @@ static void test_bottom_k_ties(void **s)
     uint8_t *keep[2] = {k0, k1};
     snapkv_entry tmp[4];
     adakv_select(a, len, 2, 3, forced, keep, tmp);
-    expect_keep(k0, 2, "1");
-    expect_keep(k1, 2, "0,1");
+    sk_expect_keep(k0, 2, "1");
+    sk_expect_keep(k1, 2, "0,1");
 }
 
 /* ---- through the host, by hand ---- */
@@ -127,13 +116,13 @@ static void test_adakv_prefill_by_hand(void **s)
     const float r0[5] = {0.5f, 0.3f, 0.25f, 0.1f, 0}, r1[5] = {0.2f, 0.1f, 0.05f, 0.05f, 0};
     const float *rows[2] = {r0, r1};
     policy_host *h =
-        sk_host("adakv", (const char *const[]){"window=1", "kernel=1", NULL}, sk_geom(1, 2, 2));
+        ph_host("adakv", (const char *const[]){"window=1", "kernel=1", NULL}, ph_geom(1, 2, 2));
     assert_int_equal(policy_host_append(h, 5), 0);
     policy_stats st = {
         .new_tokens = 5, .prefill = 1, .window_attn = rows, .window_queries = 1, .confidence = -1};
-    assert_int_equal(sk_step(h, 0, &st), 6);
-    sk_expect_held(h, 0, 0, "0,1,4");
-    sk_expect_held(h, 0, 1, "4");
+    assert_int_equal(ph_step(h, 0, &st), 6);
+    ph_expect_held(h, 0, 0, "0,1,4");
+    ph_expect_held(h, 0, 1, "4");
     char *js = policy_host_ops(h)->describe(policy_host_state(h), 0);
     assert_non_null(strstr(js, "\"kept\":3"));
     assert_non_null(strstr(js, "\"kept\":1"));
@@ -155,13 +144,13 @@ static void test_head_compression(void **s)
         char cr[40];
         snprintf(cr, sizeof cr, "compression_ratio=%g", crs[t]);
         policy_host *h =
-            sk_host("adakv", (const char *const[]){cr, "window=8", NULL}, sk_geom(layers, Hq, Hkv));
+            ph_host("adakv", (const char *const[]){cr, "window=8", NULL}, ph_geom(layers, Hq, Hkv));
         assert_int_equal(policy_host_append(h, L), 0);
         double frac = 0;
         for (uint32_t l = 0; l < layers; l++) {
             sk_stats st;
             sk_stats_random(&st, h, l, Hq, Hkv, &seed, 1, L, 8);
-            size_t ev = sk_step(h, l, &st.st);
+            size_t ev = ph_step(h, l, &st.st);
             sk_stats_free(&st);
             assert_int_equal(ev, Hkv * (L - (size_t)(L * (1 - crs[t]))));
             frac += (double)ev / (double)(Hkv * L);
@@ -180,7 +169,7 @@ static void keep_highest(uint64_t seed, double cr, const char *safeguard)
     snprintf(crs, sizeof crs, "compression_ratio=%g", cr);
     snprintf(sg, sizeof sg, "alpha_safeguard=%s", safeguard);
     policy_host *h =
-        sk_host("adakv", (const char *const[]){crs, sg, "window=8", NULL}, sk_geom(1, Hq, Hkv));
+        ph_host("adakv", (const char *const[]){crs, sg, "window=8", NULL}, ph_geom(1, Hq, Hkv));
     assert_int_equal(policy_host_append(h, L), 0);
     sk_stats st;
     sk_stats_random(&st, h, 0, Hq, Hkv, &seed, 1, L, w);
@@ -196,7 +185,7 @@ static void keep_highest(uint64_t seed, double cr, const char *safeguard)
     size_t n_safe = (size_t)((double)n_keep * atof(safeguard));
     uint32_t B[4];
     sk_ref_ada(ref, Hkv, L, n_safe, n_keep * Hkv, safe, win, B);
-    sk_step(h, 0, &st.st);
+    ph_step(h, 0, &st.st);
     const policy_layer_view *v = policy_host_view(h, 0);
     size_t total = 0;
     for (uint32_t g = 0; g < Hkv; g++) {
@@ -236,13 +225,13 @@ static void test_budget_extension(void **s)
     const uint32_t Hq = 4, Hkv = 2, w = 8, B = 30;
     uint64_t seed = 31337;
     policy_host *h =
-        sk_host("adakv", (const char *const[]){"budget=30", "window=8", "protect_window=1", NULL},
-                sk_geom(2, Hq, Hkv));
+        ph_host("adakv", (const char *const[]){"budget=30", "window=8", "protect_window=1", NULL},
+                ph_geom(2, Hq, Hkv));
     sk_stats st;
     assert_int_equal(policy_host_append(h, 80), 0);
     for (uint32_t l = 0; l < 2; l++) {
         sk_stats_random(&st, h, l, Hq, Hkv, &seed, 1, 80, w);
-        assert_int_equal(sk_step(h, l, &st.st), 2 * 80 - 2 * 30);
+        assert_int_equal(ph_step(h, l, &st.st), 2 * 80 - 2 * 30);
         sk_stats_free(&st);
     }
     int unequal = 0;
@@ -250,7 +239,7 @@ static void test_budget_extension(void **s)
         assert_int_equal(policy_host_append(h, 1), 0);
         for (uint32_t l = 0; l < 2; l++) {
             sk_stats_random(&st, h, l, Hq, Hkv, &seed, 0, 1, w);
-            sk_step(h, l, &st.st);
+            ph_step(h, l, &st.st);
             sk_stats_free(&st);
             const policy_layer_view *v = policy_host_view(h, l);
             assert_int_equal(v->tokens[0] + v->tokens[1], Hkv * B);
@@ -270,29 +259,24 @@ static void test_budget_extension(void **s)
 static void test_invalid_configs(void **s)
 {
     (void)s;
-    policy_geometry g = sk_geom(1, 4, 2);
-    sk_expect_reject("adakv", (const char *const[]){"alpha_safeguard=1.2", NULL}, g,
-                     "alpha_safeguard");
-    sk_expect_reject("adakv", (const char *const[]){"alpha_safeguard=-0.2", NULL}, g,
-                     "alpha_safeguard");
-    sk_expect_reject("adakv", (const char *const[]){"first_stage_ratio=0.5", NULL}, g,
-                     "first_stage_ratio");
-    sk_expect_reject("adakv", (const char *const[]){"pooling=sum", NULL}, g, "pooling");
-    sk_expect_reject("adakv", (const char *const[]){"budget=3", "window=4", NULL}, g, "budget");
+    static const ph_reject cases[] = {
+        {{"alpha_safeguard=1.2"}, {"alpha_safeguard", "[0, 1]"}},
+        {{"alpha_safeguard=-0.2"}, {"alpha_safeguard", "[0, 1]"}},
+        {{"first_stage_ratio=0.5"}, {"first_stage_ratio"}}, /* criticalkv's, not adakv's */
+        {{"pooling=sum"}, {"pooling", "avg, max"}},
+        {{"budget=3", "window=4"}, {"budget", "greater than window (4)"}},
+    };
+    ph_expect_rejects("adakv", ph_geom(1, 4, 2), cases, PH_N(cases));
 }
 
 static void test_registry(void **s)
 {
     (void)s;
-    const policy_ops *ops = policy_find("adakv");
-    assert_non_null(ops);
-    assert_int_equal(ops->per_head, 1);
-    assert_int_equal(ops->needs, POLICY_NEEDS_WINDOW_ATTN);
-    policy_params p;
-    char err[POLICY_ERR_LEN];
-    assert_int_equal(policy_params_resolve(ops, NULL, NULL, 0, &p, err, sizeof err), 0);
-    assert_string_equal(policy_params_get(&p, "alpha_safeguard"), "0.2");
-    assert_string_equal(policy_params_get(&p, "compression_ratio"), "0.5");
+    static const ph_default defaults[] = {
+        {"alpha_safeguard", "0.2"},
+        {"compression_ratio", "0.5"},
+    };
+    ph_expect_registry("adakv", POLICY_NEEDS_WINDOW_ATTN, 1, defaults, PH_N(defaults));
 }
 
 int main(void)

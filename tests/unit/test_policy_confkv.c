@@ -18,8 +18,7 @@
 #include <cmocka.h>
 
 #include "confkv.h"
-#include "host.h"
-#include "policy.h"
+#include "policy_harness.h"
 
 #define TOL 1e-4
 
@@ -27,31 +26,10 @@ static const confkv_weights W_DEFAULT = {0.4, 0.3, 0.3, CONFKV_MARGIN_SIGMOID};
 
 /* ---- helpers ---- */
 
-static const policy_ops *ops(void)
-{
-    const policy_ops *o = policy_find("confkv");
-    assert_non_null(o);
-    return o;
-}
-
-/* Resolve keys/values; returns create()'s result, with its message in err. */
-static int try_create(const char *const *keys, const char *const *values, size_t n,
-                      const policy_geometry *g, policy_host **h, char *err, size_t errlen)
-{
-    policy_params p;
-    if (policy_params_resolve(ops(), keys, values, n, &p, err, errlen) != 0)
-        return -1;
-    return policy_host_create(ops(), &p, g, h, err, errlen);
-}
-
 static policy_host *make_host(const char *const *keys, const char *const *values, size_t n,
                               const policy_geometry *g)
 {
-    policy_host *h = NULL;
-    char err[POLICY_ERR_LEN] = "";
-    if (try_create(keys, values, n, g, &h, err, sizeof err) != 0)
-        fail_msg("create: %s", err);
-    return h;
+    return ph_host_pairs("confkv", keys, values, n, *g);
 }
 
 static policy_geometry geom(uint32_t layers, uint32_t q_heads)
@@ -475,79 +453,65 @@ static void test_missing_stats(void **unused)
 
 /* ---- invalid configurations ---- */
 
-static void expect_reject(const char *key, const char *value, const char *const *names)
-{
-    policy_geometry g = geom(2, 2);
-    policy_host *h = NULL;
-    char err[POLICY_ERR_LEN] = "";
-    const char *k[] = {key};
-    const char *v[] = {value};
-    assert_int_equal(try_create(k, v, 1, &g, &h, err, sizeof err), -1);
-    assert_null(h);
-    for (; *names != NULL; names++)
-        if (strstr(err, *names) == NULL)
-            fail_msg("'%s=%s': message '%s' does not name %s", key, value, err, *names);
-}
-
 static void test_invalid_configs(void **unused)
 {
     (void)unused;
-    expect_reject("w_entropy", "0.5", (const char *[]){"w_entropy", "w_margin", "w_top", NULL});
-    expect_reject("w_top", "0.2", (const char *[]){"w_entropy", "w_margin", "w_top", NULL});
-    expect_reject("budget_tight", "600", (const char *[]){"budget_tight", "budget_loose", NULL});
-    expect_reject("protect", "128", (const char *[]){"protect", "budget_tight", NULL});
-    expect_reject("rho_bottom", "1.6", (const char *[]){"rho_bottom", "rho_top", NULL});
-    expect_reject("tau", "1.5", (const char *[]){"tau", NULL});
-    expect_reject("gamma", "-0.1", (const char *[]){"gamma", NULL});
-    expect_reject("lambda", "x", (const char *[]){"lambda", NULL});
-    expect_reject("budget_loose", "0", (const char *[]){"budget_loose", NULL});
-    expect_reject("pyramid", "2", (const char *[]){"pyramid", NULL});
-    expect_reject("margin_mode", "relu", (const char *[]){"margin_mode", NULL});
+    static const ph_reject cases[] = {
+        {{"w_entropy=0.5"}, {"w_entropy", "w_margin", "w_top"}},
+        {{"w_top=0.2"}, {"w_entropy", "w_margin", "w_top"}},
+        {{"budget_tight=600"}, {"budget_tight", "budget_loose"}},
+        {{"protect=128"}, {"protect", "budget_tight"}},
+        {{"rho_bottom=1.6"}, {"rho_bottom", "rho_top"}},
+        {{"tau=1.5"}, {"tau", "[0, 1]"}},
+        {{"gamma=-0.1"}, {"gamma", "[0, 1]"}},
+        {{"lambda=x"}, {"lambda", "[0, 1]"}},
+        {{"budget_loose=0"}, {"budget_loose", "[1, "}},
+        {{"pyramid=2"}, {"pyramid", "[0, 1]"}},
+        {{"margin_mode=relu"}, {"margin_mode", "sigmoid, tanh"}},
+    };
+    ph_expect_rejects("confkv", geom(2, 2), cases, PH_N(cases));
     /* Accepted: the weights within 1e-6 of 1, tanh margin, equal budgets. */
     policy_geometry g = geom(1, 1);
     const char *k[] = {"w_entropy", "w_margin", "w_top", "margin_mode", "budget_loose"};
     const char *v[] = {"0.3333333", "0.3333333", "0.3333334", "tanh", "128"};
     policy_host *h = make_host(k, v, 5, &g);
     policy_host_destroy(h);
+    /* The worker's query on the same parameters: the weights as parsed. */
+    policy_params p;
+    char err[POLICY_ERR_LEN] = "";
+    assert_int_equal(policy_params_resolve(ph_ops("confkv"), k, v, 5, &p, err, sizeof err), 0);
+    confkv_config c;
+    assert_int_equal(confkv_config_parse(&p, &c, err, sizeof err), 0);
+    assert_true(c.weights.top == 0.3333334 && c.weights.margin_mode == CONFKV_MARGIN_TANH);
+    assert_int_equal(c.loose, 128);
+    const char *bk[] = {"w_top"};
+    const char *bv[] = {"0.2"};
+    assert_int_equal(policy_params_resolve(ph_ops("confkv"), bk, bv, 1, &p, err, sizeof err), 0);
+    assert_int_equal(confkv_config_parse(&p, &c, err, sizeof err), -1);
+    assert_non_null(strstr(err, "w_entropy + w_margin + w_top"));
 }
 
 static void test_defaults(void **unused)
 {
     (void)unused;
-    const policy_ops *o = ops();
-    assert_int_equal(o->per_head, 0);
-    assert_int_equal(o->needs, POLICY_NEEDS_LAST_ATTN | POLICY_NEEDS_CONFIDENCE);
-    policy_params p;
-    char err[POLICY_ERR_LEN];
-    assert_int_equal(policy_params_resolve(o, NULL, NULL, 0, &p, err, sizeof err), 0);
-    const char *want[][2] = {
+    static const ph_default defaults[] = {
         {"tau", "0.7"},        {"budget_tight", "128"},   {"budget_loose", "512"},
         {"protect", "32"},     {"fp16_window", "128"},    {"lambda", "0.5"},
         {"gamma", "0.9"},      {"w_entropy", "0.4"},      {"w_margin", "0.3"},
         {"w_top", "0.3"},      {"pyramid", "0"},          {"rho_top", "1.5"},
         {"rho_bottom", "0.5"}, {"margin_mode", "sigmoid"}};
-    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
-        const char *got = policy_params_get(&p, want[i][0]);
-        assert_non_null(got);
-        assert_string_equal(got, want[i][1]);
-    }
-    for (size_t i = 0; i < o->nparams; i++)
-        assert_true(o->params[i].help != NULL && o->params[i].help[0] != '\0');
+    ph_expect_registry("confkv", POLICY_NEEDS_LAST_ATTN | POLICY_NEEDS_CONFIDENCE, 0, defaults,
+                       PH_N(defaults));
 }
 
 /* ---- properties on seeded random stats ---- */
 
 static uint64_t rng_state;
 
-static uint32_t rng(void)
-{
-    rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
-    return (uint32_t)(rng_state >> 33);
-}
-
+/* The harness's seeded stream, in [0, 1). */
 static double rng_unit(void)
 {
-    return (double)rng() / 2147483648.0;
+    return ph_uniform(&rng_state, 0, 1);
 }
 
 typedef struct trace {
@@ -571,7 +535,7 @@ static uint64_t run_random(uint64_t seed, int pyramid)
     rng_state = seed;
     uint64_t hash = 14695981039346656037ull;
     rows r = rows_new(q, 512);
-    uint32_t prompt = 40 + rng() % 40;
+    uint32_t prompt = 40 + ph_below(&rng_state, 40);
     assert_int_equal(policy_host_append(h, prompt), 0);
     for (uint32_t step = 0; step < 200; step++) {
         int prefill = step == 0;

@@ -25,17 +25,6 @@ static void expect_fvec(const float *got, const double *want, size_t n, double t
             fail_msg("entry %zu: got %.9g, expected %.9g", i, got[i], want[i]);
 }
 
-static void expect_keep(const uint8_t *keep, size_t n, const char *want)
-{
-    char got[256] = "";
-    size_t used = 0;
-    for (size_t i = 0; i < n; i++)
-        if (keep[i])
-            used += (size_t)snprintf(got + used, sizeof got - used, "%s%zu", used ? "," : "", i);
-    if (strcmp(got, want) != 0)
-        fail_msg("kept {%s}, expected {%s}", got, want);
-}
-
 /* ---- §1.2 projected value norm ---- */
 
 /* T-CK1: Hkv=1, Hq=2, d=2, D=3. */
@@ -46,7 +35,7 @@ static void test_ck1_projected_norm(void **s)
 {
     (void)s;
     float n[4];
-    snapkv_vnorm_l1(&ck1_v[0][0], &ck1_wo[0][0], 1, 2, 2, 3, 4, n);
+    ph_vnorm_l1(&ck1_v[0][0], &ck1_wo[0][0], 1, 2, 2, 3, 4, n);
     expect_fvec(n, (const double[]){1.75, 5.0, 1.375, 2.75}, 4, 1e-6);
     /* The per-head L1 norms: each head's d x D block alone (Hq = 1). */
     float wo0[3][2], wo1[3][2];
@@ -56,9 +45,9 @@ static void test_ck1_projected_norm(void **s)
         wo1[c][0] = ck1_wo[c][2];
         wo1[c][1] = ck1_wo[c][3];
     }
-    snapkv_vnorm_l1(&ck1_v[0][0], &wo0[0][0], 1, 1, 2, 3, 4, n);
+    ph_vnorm_l1(&ck1_v[0][0], &wo0[0][0], 1, 1, 2, 3, 4, n);
     expect_fvec(n, (const double[]){2.0, 6.0, 1.5, 3.0}, 4, 1e-6);
-    snapkv_vnorm_l1(&ck1_v[0][0], &wo1[0][0], 1, 1, 2, 3, 4, n);
+    ph_vnorm_l1(&ck1_v[0][0], &wo1[0][0], 1, 1, 2, 3, 4, n);
     expect_fvec(n, (const double[]){1.5, 4.0, 1.25, 2.5}, 4, 1e-6);
 }
 
@@ -71,11 +60,11 @@ static void test_projected_norm_layout(void **s)
     const float wo[2][2] = {{1, 2}, {-1, 3}};
     const float v[2][2] = {{2, 1}, {-1, 0.5f}};
     float n[4];
-    snapkv_vnorm_l1(&v[0][0], &wo[0][0], 2, 2, 1, 2, 2, n);
+    ph_vnorm_l1(&v[0][0], &wo[0][0], 2, 2, 1, 2, 2, n);
     expect_fvec(n, (const double[]){4, 2, 5, 2.5}, 4, 1e-6);
     /* A zero value vector has norm 0 (§1.7). */
     const float z[1][2] = {{0, 0}};
-    snapkv_vnorm_l1(&z[0][0], &ck1_wo[0][0], 1, 2, 2, 3, 1, n);
+    ph_vnorm_l1(&z[0][0], &ck1_wo[0][0], 1, 2, 2, 3, 1, n);
     assert_true(n[0] == 0);
 }
 
@@ -93,15 +82,15 @@ static void test_ck2_two_stage(void **s)
     double z[4];
     snapkv_entry tmp[4];
     criticalkv_select(a, n, 4, n_keep, b1, 1e-4, forced, z, keep, tmp);
-    expect_keep(keep, 4, "0,3");
-    expect_keep(forced, 4, "0"); /* stage 1 = {t0} */
+    sk_expect_keep(keep, 4, "0,3");
+    sk_expect_keep(forced, 4, "0"); /* stage 1 = {t0} */
     assert_true(fabs(z[1] - 0.2505) < 1e-4);
     assert_true(fabs(z[2] - 0.41264) < 1e-4);
     assert_true(fabs(z[3] - 0.68778) < 1e-4);
     /* Plain SnapKV keeps {0, 2}. */
     uint8_t none[4] = {0}, top[4] = {0};
     snapkv_mark_top(a, none, 4, n_keep, top, tmp);
-    expect_keep(top, 4, "0,2");
+    sk_expect_keep(top, 4, "0,2");
 }
 
 static void test_stage1_arithmetic(void **s)
@@ -125,17 +114,17 @@ static void test_b1_zero_is_pure_stage2(void **s)
     snapkv_entry tmp[4];
     /* z = [.4001 .2505 .41264 .68778]: t3 wins without stage 1... */
     criticalkv_select(a, n, 4, 1, 0, 1e-4, forced, z, keep, tmp);
-    expect_keep(keep, 4, "3");
+    sk_expect_keep(keep, 4, "3");
     /* ...t0 wins with it. */
     memset(forced, 0, 4);
     criticalkv_select(a, n, 4, 1, 1, 1e-4, forced, z, keep, tmp);
-    expect_keep(keep, 4, "0");
+    sk_expect_keep(keep, 4, "0");
     /* epsilon goes on the attention: a = 0 still scores eps·n. */
     const double a0[2] = {0, 0};
     const float n2[2] = {1, 3};
     memset(forced, 0, 4);
     criticalkv_select(a0, n2, 2, 1, 0, 1e-4, forced, z, keep, tmp);
-    expect_keep(keep, 2, "1");
+    sk_expect_keep(keep, 2, "1");
     assert_true(fabs(z[1] - 3e-4) < 1e-12);
 }
 
@@ -149,16 +138,16 @@ static void test_forced_bit(void **s)
     double z[3];
     snapkv_entry tmp[3];
     criticalkv_select(a, n, 3, 2, 0, 1e-4, forced, z, keep, tmp);
-    expect_keep(keep, 3, "1,2");
+    sk_expect_keep(keep, 3, "1,2");
     /* ...unless forced: the reference's dtype-max times 0 would lose, the bit does not. */
     memset(forced, 0, 3);
     criticalkv_select(a, n, 3, 2, 1, 1e-4, forced, z, keep, tmp);
-    expect_keep(keep, 3, "0,2");
+    sk_expect_keep(keep, 3, "0,2");
     /* A huge norm does not overflow anything: forced entries simply sort first. */
     const float big[3] = {1e30f, 3e38f, 3e38f};
     memset(forced, 0, 3);
     criticalkv_select(a, big, 3, 2, 1, 1e-4, forced, z, keep, tmp);
-    expect_keep(keep, 3, "0,2");
+    sk_expect_keep(keep, 3, "0,2");
 }
 
 /* ---- through the host, by hand ---- */
@@ -167,7 +156,7 @@ static void test_forced_bit(void **s)
 static policy_host *run_by_hand(const char *const *kv, uint32_t L, const float *attn,
                                 const float *vnorm, uint32_t window)
 {
-    policy_host *h = sk_host("criticalkv", kv, sk_geom(1, 1, 1));
+    policy_host *h = ph_host("criticalkv", kv, ph_geom(1, 1, 1));
     assert_int_equal(policy_host_append(h, L), 0);
     const float *rows[1] = {attn}, *norms[1] = {vnorm};
     policy_stats st = {.new_tokens = L,
@@ -176,7 +165,7 @@ static policy_host *run_by_hand(const char *const *kv, uint32_t L, const float *
                        .window_queries = window,
                        .vnorm = norms,
                        .confidence = -1};
-    sk_step(h, 0, &st);
+    ph_step(h, 0, &st);
     return h;
 }
 
@@ -189,18 +178,18 @@ static void test_criticalkv_prefill_by_hand(void **s)
     const float nrm[5] = {1.0f, 5.0f, 1.375f, 2.75f, 1.0f};
     policy_host *h =
         run_by_hand((const char *const[]){"window=1", "kernel=1", NULL}, 5, attn, nrm, 1);
-    sk_expect_held(h, 0, 0, "3,4");
+    ph_expect_held(h, 0, 0, "3,4");
     char *js = policy_host_ops(h)->describe(policy_host_state(h), 0);
     assert_non_null(strstr(js, "\"stage2\":["));
     assert_non_null(strstr(js, "\"positions\":[3,4]"));
     free(js);
     policy_host_destroy(h);
-    h = sk_host("snapkv", (const char *const[]){"window=1", "kernel=1", NULL}, sk_geom(1, 1, 1));
+    h = ph_host("snapkv", (const char *const[]){"window=1", "kernel=1", NULL}, ph_geom(1, 1, 1));
     assert_int_equal(policy_host_append(h, 5), 0);
     const float *rows[1] = {attn};
     policy_stats st = {.new_tokens = 5, .prefill = 1, .window_attn = rows, .confidence = -1};
-    sk_step(h, 0, &st);
-    sk_expect_held(h, 0, 0, "0,4"); /* plain SnapKV */
+    ph_step(h, 0, &st);
+    ph_expect_held(h, 0, 0, "0,4"); /* plain SnapKV */
     policy_host_destroy(h);
 }
 
@@ -214,11 +203,11 @@ static void test_window_token_can_lose(void **s)
     const float nrm[6] = {1.0f, 5.0f, 1.375f, 2.75f, 1.0f, 0.1f};
     policy_host *h =
         run_by_hand((const char *const[]){"window=2", "kernel=1", NULL}, 6, attn, nrm, 2);
-    sk_expect_held(h, 0, 0, "2,3,4");
+    ph_expect_held(h, 0, 0, "2,3,4");
     policy_host_destroy(h);
     h = run_by_hand((const char *const[]){"window=2", "kernel=1", "protect_window=1", NULL}, 6,
                     attn, nrm, 2);
-    sk_expect_held(h, 0, 0, "3,4,5");
+    ph_expect_held(h, 0, 0, "3,4,5");
     policy_host_destroy(h);
 }
 
@@ -257,8 +246,8 @@ static void test_matches_reference(void **s)
         char cr[40], al[40];
         snprintf(cr, sizeof cr, "compression_ratio=%g", crs[t]);
         snprintf(al, sizeof al, "first_stage_ratio=%g", alphas[t]);
-        policy_host *h = sk_host("criticalkv", (const char *const[]){cr, al, "window=16", NULL},
-                                 sk_geom(1, Hq, Hkv));
+        policy_host *h = ph_host("criticalkv", (const char *const[]){cr, al, "window=16", NULL},
+                                 ph_geom(1, Hq, Hkv));
         assert_int_equal(policy_host_append(h, L), 0);
         sk_stats st;
         sk_stats_random(&st, h, 0, Hq, Hkv, &seed, 1, L, w);
@@ -268,7 +257,7 @@ static void test_matches_reference(void **s)
         sk_ref_scores(policy_host_view(h, 0), &st.st, Hq, w, 5, 0, 1, ref);
         size_t n_keep = (size_t)((double)L * (1 - crs[t]));
         size_t b1 = (size_t)((1 - crs[t]) * (double)L * alphas[t]);
-        sk_step(h, 0, &st.st);
+        ph_step(h, 0, &st.st);
         const policy_layer_view *v = policy_host_view(h, 0);
         for (uint32_t g = 0; g < Hkv; g++) {
             uint8_t want[160], held[160] = {0};
@@ -292,23 +281,23 @@ static void test_budget_protect_window(void **s)
     (void)s;
     const uint32_t Hq = 4, Hkv = 2, w = 8, B = 24;
     uint64_t seed = 77;
-    policy_host *h = sk_host("criticalkv",
+    policy_host *h = ph_host("criticalkv",
                              (const char *const[]){"budget=24", "window=8", "protect_window=1",
                                                    "first_stage_ratio=0.1", NULL},
-                             sk_geom(2, Hq, Hkv));
+                             ph_geom(2, Hq, Hkv));
     sk_stats st;
     assert_int_equal(policy_host_append(h, 50), 0);
     for (uint32_t l = 0; l < 2; l++) {
         sk_stats_random(&st, h, l, Hq, Hkv, &seed, 1, 50, w);
-        sk_step(h, l, &st.st);
+        ph_step(h, l, &st.st);
         sk_stats_free(&st);
     }
     for (int t = 0; t < 40; t++) {
-        uint32_t n = 1 + (uint32_t)(sk_rand(&seed) % 3);
+        uint32_t n = 1 + (uint32_t)(ph_rand(&seed) % 3);
         assert_int_equal(policy_host_append(h, n), 0);
         for (uint32_t l = 0; l < 2; l++) {
             sk_stats_random(&st, h, l, Hq, Hkv, &seed, 0, n, w);
-            sk_step(h, l, &st.st);
+            ph_step(h, l, &st.st);
             sk_stats_free(&st);
             const policy_layer_view *v = policy_host_view(h, l);
             for (uint32_t g = 0; g < Hkv; g++) {
@@ -324,12 +313,12 @@ static void test_budget_protect_window(void **s)
     assert_int_equal(policy_host_append(h, 1), 0);
     sk_stats_random(&st, h, 0, Hq, Hkv, &seed, 0, 1, w);
     st.st.vnorm = NULL;
-    sk_step_fails(h, 0, &st.st, "vnorm");
+    ph_step_fails(h, 0, &st.st, "vnorm");
     st.st.vnorm = (const float *const *)st.vn;
     st.vn[1][3] = -1;
-    sk_step_fails(h, 0, &st.st, "vnorm[1][3]");
+    ph_step_fails(h, 0, &st.st, "vnorm[1][3]");
     st.vn[1][3] = INFINITY;
-    sk_step_fails(h, 0, &st.st, "vnorm[1][3]");
+    ph_step_fails(h, 0, &st.st, "vnorm[1][3]");
     sk_stats_free(&st);
     policy_host_destroy(h);
 }
@@ -344,15 +333,15 @@ static void test_budget_reference_mode(void **s)
     (void)s;
     const uint32_t Hq = 2, Hkv = 1, w = 8;
     uint64_t seed = 5150;
-    policy_host *h = sk_host(
+    policy_host *h = ph_host(
         "criticalkv", (const char *const[]){"budget=20", "window=8", "first_stage_ratio=0.2", NULL},
-        sk_geom(1, Hq, Hkv));
+        ph_geom(1, Hq, Hkv));
     sk_stats st;
     assert_int_equal(policy_host_append(h, 40), 0);
     sk_stats_random(&st, h, 0, Hq, Hkv, &seed, 1, 40, w);
     for (uint32_t i = 32; i < 40; i++)
         st.vn[0][i] = 1e-6f;
-    sk_step(h, 0, &st.st);
+    ph_step(h, 0, &st.st);
     sk_stats_free(&st);
     const policy_layer_view *v = policy_host_view(h, 0);
     assert_int_equal(v->tokens[0], 20);
@@ -367,37 +356,32 @@ static void test_budget_reference_mode(void **s)
 static void test_invalid_configs(void **s)
 {
     (void)s;
-    policy_geometry g = sk_geom(1, 4, 2);
-    sk_expect_reject("criticalkv", (const char *const[]){"first_stage_ratio=1.5", NULL}, g,
-                     "first_stage_ratio");
-    sk_expect_reject("criticalkv", (const char *const[]){"first_stage_ratio=x", NULL}, g,
-                     "first_stage_ratio");
-    sk_expect_reject("criticalkv", (const char *const[]){"epsilon=-1e-4", NULL}, g, "epsilon");
-    sk_expect_reject("criticalkv", (const char *const[]){"kernel=6", NULL}, g, "kernel");
-    sk_expect_reject("criticalkv", (const char *const[]){"compression_ratio=1.0", NULL}, g,
-                     "compression_ratio");
-    sk_expect_reject("criticalkv", (const char *const[]){"budget=8", "window=8", NULL}, g,
-                     "budget");
-    sk_expect_reject("criticalkv", (const char *const[]){"alpha_safeguard=0.2", NULL}, g,
-                     "alpha_safeguard");
+    policy_geometry g = ph_geom(1, 4, 2);
+    static const ph_reject cases[] = {
+        {{"first_stage_ratio=1.5"}, {"first_stage_ratio", "[0, 1]"}},
+        {{"first_stage_ratio=x"}, {"first_stage_ratio", "[0, 1]"}},
+        {{"epsilon=-1e-4"}, {"epsilon", "[0, 1]"}},
+        {{"kernel=6"}, {"kernel", "odd"}},
+        {{"compression_ratio=1.0"}, {"compression_ratio", "[0, 1)"}},
+        {{"budget=8", "window=8"}, {"budget", "greater than window (8)"}},
+        {{"alpha_safeguard=0.2"}, {"alpha_safeguard"}}, /* the ada variants' */
+    };
+    ph_expect_rejects("criticalkv", g, cases, PH_N(cases));
     policy_host_destroy(
-        sk_host("criticalkv", (const char *const[]){"first_stage_ratio=0", "epsilon=0", NULL}, g));
+        ph_host("criticalkv", (const char *const[]){"first_stage_ratio=0", "epsilon=0", NULL}, g));
 }
 
 static void test_registry(void **s)
 {
     (void)s;
-    const policy_ops *ops = policy_find("criticalkv");
-    assert_non_null(ops);
-    assert_int_equal(ops->per_head, 1);
-    assert_int_equal(ops->needs, POLICY_NEEDS_WINDOW_ATTN | POLICY_NEEDS_VNORM);
-    policy_params p;
-    char err[POLICY_ERR_LEN];
-    assert_int_equal(policy_params_resolve(ops, NULL, NULL, 0, &p, err, sizeof err), 0);
-    assert_string_equal(policy_params_get(&p, "first_stage_ratio"), "0.5");
-    assert_string_equal(policy_params_get(&p, "epsilon"), "1e-4");
-    assert_string_equal(policy_params_get(&p, "compression_ratio"), "0.5");
-    assert_string_equal(policy_params_get(&p, "window"), "64");
+    static const ph_default defaults[] = {
+        {"first_stage_ratio", "0.5"},
+        {"epsilon", "1e-4"},
+        {"compression_ratio", "0.5"},
+        {"window", "64"},
+    };
+    ph_expect_registry("criticalkv", POLICY_NEEDS_WINDOW_ATTN | POLICY_NEEDS_VNORM, 1, defaults,
+                       PH_N(defaults));
 }
 
 int main(void)

@@ -20,17 +20,6 @@
 
 #include "snapkv_harness.h"
 
-static void expect_keep(const uint8_t *keep, size_t n, const char *want)
-{
-    char got[256] = "";
-    size_t used = 0;
-    for (size_t i = 0; i < n; i++)
-        if (keep[i])
-            used += (size_t)snprintf(got + used, sizeof got - used, "%s%zu", used ? "," : "", i);
-    if (strcmp(got, want) != 0)
-        fail_msg("kept {%s}, expected {%s}", got, want);
-}
-
 /* ---- T-CK3 ---- */
 
 static void test_ck3(void **s)
@@ -57,15 +46,15 @@ static void test_ck3(void **s)
     assert_int_equal(b1_1, 0);
     criticalkv_select(a0, n0, 4, B[0], b1_0, 1e-4, f0, z0, k0, tmp);
     criticalkv_select(a1, n1, 4, B[1], b1_1, 1e-4, f1, z1, k1, tmp);
-    expect_keep(f0, 4, "0"); /* stage 1 of head 0 = {t0} */
-    expect_keep(f1, 4, "");
+    sk_expect_keep(f0, 4, "0"); /* stage 1 of head 0 = {t0} */
+    sk_expect_keep(f1, 4, "");
     assert_true(fabs(z0[1] - 0.3001) < 1e-4);
     assert_true(fabs(z0[2] - 0.2501) < 1e-4);
     assert_true(fabs(z0[3] - 0.5005) < 1e-4);
     assert_true(fabs(z1[0] - 0.2001) < 1e-4);
     assert_true(fabs(z1[1] - 0.3003) < 1e-4);
-    expect_keep(k0, 4, "0,1,3");
-    expect_keep(k1, 4, "1");
+    sk_expect_keep(k0, 4, "0,1,3");
+    sk_expect_keep(k1, 4, "1");
 }
 
 /* T-CK3's scores plus one window token per head (.5 + 1), through the host:
@@ -79,8 +68,8 @@ static void ck3_host(float window_norm, const char *want_head1)
     const float r0[5] = {0.5f, 0.3f, 0.25f, 0.1f, 0}, r1[5] = {0.2f, 0.1f, 0.05f, 0.05f, 0};
     const float n0[5] = {1, 1, 1, 5, 1}, n1[5] = {1, 3, 1, 1, window_norm};
     const float *rows[2] = {r0, r1}, *norms[2] = {n0, n1};
-    policy_host *h = sk_host("criticalkv_ada", (const char *const[]){"window=1", "kernel=1", NULL},
-                             sk_geom(1, 2, 2));
+    policy_host *h = ph_host("criticalkv_ada", (const char *const[]){"window=1", "kernel=1", NULL},
+                             ph_geom(1, 2, 2));
     assert_int_equal(policy_host_append(h, 5), 0);
     policy_stats st = {.new_tokens = 5,
                        .prefill = 1,
@@ -88,9 +77,9 @@ static void ck3_host(float window_norm, const char *want_head1)
                        .window_queries = 1,
                        .vnorm = norms,
                        .confidence = -1};
-    assert_int_equal(sk_step(h, 0, &st), 6);
-    sk_expect_held(h, 0, 0, "0,3,4");
-    sk_expect_held(h, 0, 1, want_head1);
+    assert_int_equal(ph_step(h, 0, &st), 6);
+    ph_expect_held(h, 0, 0, "0,3,4");
+    ph_expect_held(h, 0, 1, want_head1);
     char *js = policy_host_ops(h)->describe(policy_host_state(h), 0);
     assert_non_null(strstr(js, "\"policy\":\"criticalkv_ada\""));
     assert_non_null(strstr(js, "\"stage2\":["));
@@ -116,14 +105,14 @@ static void test_head_compression(void **s)
         uint64_t seed = 777 + (uint64_t)t;
         char cr[40];
         snprintf(cr, sizeof cr, "compression_ratio=%g", crs[t]);
-        policy_host *h = sk_host("criticalkv_ada", (const char *const[]){cr, "window=8", NULL},
-                                 sk_geom(layers, Hq, Hkv));
+        policy_host *h = ph_host("criticalkv_ada", (const char *const[]){cr, "window=8", NULL},
+                                 ph_geom(layers, Hq, Hkv));
         assert_int_equal(policy_host_append(h, L), 0);
         double frac = 0;
         for (uint32_t l = 0; l < layers; l++) {
             sk_stats st;
             sk_stats_random(&st, h, l, Hq, Hkv, &seed, 1, L, 8);
-            size_t ev = sk_step(h, l, &st.st);
+            size_t ev = ph_step(h, l, &st.st);
             sk_stats_free(&st);
             assert_int_equal(ev, Hkv * (L - (size_t)(L * (1 - crs[t]))));
             frac += (double)ev / (double)(Hkv * L);
@@ -146,8 +135,8 @@ static void matches_reference(uint64_t seed, double cr, double alpha, double saf
     snprintf(als, sizeof als, "first_stage_ratio=%g", alpha);
     snprintf(sgs, sizeof sgs, "alpha_safeguard=%g", safeguard);
     policy_host *h =
-        sk_host("criticalkv_ada", (const char *const[]){crs, als, sgs, "window=8", NULL},
-                sk_geom(1, Hq, Hkv));
+        ph_host("criticalkv_ada", (const char *const[]){crs, als, sgs, "window=8", NULL},
+                ph_geom(1, Hq, Hkv));
     assert_int_equal(policy_host_append(h, L), 0);
     sk_stats st;
     sk_stats_random(&st, h, 0, Hq, Hkv, &seed, 1, L, w);
@@ -163,7 +152,7 @@ static void matches_reference(uint64_t seed, double cr, double alpha, double saf
     size_t n_safe = (size_t)((double)n_keep * safeguard);
     uint32_t B[4];
     sk_ref_ada(ref, Hkv, L, n_safe, n_keep * Hkv, safe, win, B);
-    sk_step(h, 0, &st.st);
+    ph_step(h, 0, &st.st);
     const policy_layer_view *v = policy_host_view(h, 0);
     for (uint32_t g = 0; g < Hkv; g++) {
         size_t b1 = (size_t)(B[g] * alpha);
@@ -212,27 +201,27 @@ static void test_budget_extension(void **s)
     (void)s;
     const uint32_t Hq = 4, Hkv = 2, w = 8, B = 30;
     uint64_t seed = 2718;
-    policy_host *h = sk_host(
+    policy_host *h = ph_host(
         "criticalkv_ada", (const char *const[]){"budget=30", "window=8", "protect_window=1", NULL},
-        sk_geom(2, Hq, Hkv));
+        ph_geom(2, Hq, Hkv));
     sk_stats st;
     assert_int_equal(policy_host_append(h, 70), 0);
     /* Prefill in two chunks: only the last one carries window_attn. */
     policy_stats none = {.new_tokens = 70, .prefill = 1, .confidence = -1};
     for (uint32_t l = 0; l < 2; l++)
-        assert_int_equal(sk_step(h, l, &none), 0);
+        assert_int_equal(ph_step(h, l, &none), 0);
     assert_int_equal(policy_host_append(h, 10), 0);
     for (uint32_t l = 0; l < 2; l++) {
         sk_stats_random(&st, h, l, Hq, Hkv, &seed, 1, 10, w);
-        assert_int_equal(sk_step(h, l, &st.st), 2 * 80 - 2 * 30);
+        assert_int_equal(ph_step(h, l, &st.st), 2 * 80 - 2 * 30);
         sk_stats_free(&st);
     }
     for (int t = 0; t < 40; t++) {
-        uint32_t n = 1 + (uint32_t)(sk_rand(&seed) % 4);
+        uint32_t n = 1 + (uint32_t)(ph_rand(&seed) % 4);
         assert_int_equal(policy_host_append(h, n), 0);
         for (uint32_t l = 0; l < 2; l++) {
             sk_stats_random(&st, h, l, Hq, Hkv, &seed, 0, n, w);
-            sk_step(h, l, &st.st);
+            ph_step(h, l, &st.st);
             sk_stats_free(&st);
             const policy_layer_view *v = policy_host_view(h, l);
             assert_int_equal(v->tokens[0] + v->tokens[1], Hkv * B);
@@ -249,7 +238,7 @@ static void test_budget_extension(void **s)
     assert_int_equal(policy_host_append(h, 1), 0);
     sk_stats_random(&st, h, 0, Hq, Hkv, &seed, 0, 1, w);
     st.st.vnorm = NULL;
-    sk_step_fails(h, 0, &st.st, "vnorm");
+    ph_step_fails(h, 0, &st.st, "vnorm");
     sk_stats_free(&st);
     policy_host_destroy(h);
 }
@@ -257,31 +246,27 @@ static void test_budget_extension(void **s)
 static void test_invalid_configs(void **s)
 {
     (void)s;
-    policy_geometry g = sk_geom(1, 4, 2);
-    sk_expect_reject("criticalkv_ada", (const char *const[]){"alpha_safeguard=2", NULL}, g,
-                     "alpha_safeguard");
-    sk_expect_reject("criticalkv_ada", (const char *const[]){"first_stage_ratio=-1", NULL}, g,
-                     "first_stage_ratio");
-    sk_expect_reject("criticalkv_ada", (const char *const[]){"epsilon=inf", NULL}, g, "epsilon");
-    sk_expect_reject("criticalkv_ada", (const char *const[]){"window_pad=none", NULL}, g,
-                     "window_pad");
-    sk_expect_reject("criticalkv_ada", NULL, sk_geom(1, 4, 0), "kv_heads");
+    static const ph_reject cases[] = {
+        {{"alpha_safeguard=2"}, {"alpha_safeguard", "[0, 1]"}},
+        {{"first_stage_ratio=-1"}, {"first_stage_ratio", "[0, 1]"}},
+        {{"epsilon=inf"}, {"epsilon", "[0, 1]"}},
+        {{"window_pad=none"}, {"window_pad", "max_plus_one, max"}},
+    };
+    ph_expect_rejects("criticalkv_ada", ph_geom(1, 4, 2), cases, PH_N(cases));
+    ph_expect_reject("criticalkv_ada", NULL, ph_geom(1, 4, 0), "kv_heads");
 }
 
 static void test_registry(void **s)
 {
     (void)s;
-    const policy_ops *ops = policy_find("criticalkv_ada");
-    assert_non_null(ops);
-    assert_int_equal(ops->per_head, 1);
-    assert_int_equal(ops->needs, POLICY_NEEDS_WINDOW_ATTN | POLICY_NEEDS_VNORM);
-    policy_params p;
-    char err[POLICY_ERR_LEN];
-    assert_int_equal(policy_params_resolve(ops, NULL, NULL, 0, &p, err, sizeof err), 0);
-    assert_string_equal(policy_params_get(&p, "alpha_safeguard"), "0.2");
-    assert_string_equal(policy_params_get(&p, "first_stage_ratio"), "0.5");
-    assert_string_equal(policy_params_get(&p, "epsilon"), "1e-4");
-    assert_string_equal(policy_params_get(&p, "pooling"), "avg");
+    static const ph_default defaults[] = {
+        {"alpha_safeguard", "0.2"},
+        {"first_stage_ratio", "0.5"},
+        {"epsilon", "1e-4"},
+        {"pooling", "avg"},
+    };
+    ph_expect_registry("criticalkv_ada", POLICY_NEEDS_WINDOW_ATTN | POLICY_NEEDS_VNORM, 1, defaults,
+                       PH_N(defaults));
 }
 
 int main(void)

@@ -17,15 +17,14 @@
 
 #include <cmocka.h>
 
-#include "host.h"
-#include "policy.h"
+#include "policy_harness.h"
 
+/* The harness's seeded stream, as the property tests draw it. */
 static uint64_t rng_state;
 
 static uint32_t rng(void)
 {
-    rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
-    return (uint32_t)(rng_state >> 33);
+    return (uint32_t)ph_rand(&rng_state);
 }
 
 static const policy_geometry geom1 = {1, 2, 1, 4, 16, 10000.0f};
@@ -33,57 +32,20 @@ static const policy_geometry geom1 = {1, 2, 1, 4, 16, 10000.0f};
 static policy_host *host_new(const char *const *keys, const char *const *values, size_t n,
                              const policy_geometry *g)
 {
-    const policy_ops *ops = policy_find("h2o");
-    assert_non_null(ops);
-    policy_params p;
-    char err[POLICY_ERR_LEN] = "";
-    if (policy_params_resolve(ops, keys, values, n, &p, err, sizeof err) != 0)
-        fail_msg("resolve: %s", err);
-    policy_host *h = NULL;
-    if (policy_host_create(ops, &p, g, &h, err, sizeof err) != 0)
-        fail_msg("create: %s", err);
-    return h;
-}
-
-static void expect_reject(const char *const *keys, const char *const *values, size_t n,
-                          const char *needle)
-{
-    const policy_ops *ops = policy_find("h2o");
-    policy_params p;
-    char err[POLICY_ERR_LEN] = "";
-    void *state = NULL;
-    int rc = policy_params_resolve(ops, keys, values, n, &p, err, sizeof err);
-    if (rc == 0)
-        rc = ops->create(&p, &geom1, &state, err, sizeof err);
-    if (rc == 0) {
-        ops->destroy(state);
-        fail_msg("accepted an invalid configuration (expected '%s')", needle);
-    }
-    if (strstr(err, needle) == NULL)
-        fail_msg("message '%s' does not name '%s'", err, needle);
+    return ph_host_pairs("h2o", keys, values, n, *g);
 }
 
 /* Append nnew tokens, step layer 0 with `score` (one per held token), commit. */
 static size_t step(policy_host *h, uint32_t nnew, const float *score)
 {
     assert_int_equal(policy_host_append(h, nnew), 0);
-    policy_stats st = {0};
-    st.new_tokens = nnew;
-    st.score = score;
-    st.confidence = -1;
-    const policy_decision *d;
-    char err[POLICY_ERR_LEN] = "";
-    if (policy_host_step(h, 0, &st, &d, err, sizeof err) != 0)
-        fail_msg("step: %s", err);
-    return policy_host_commit(h, 0);
+    policy_stats st = {.new_tokens = nnew, .score = score, .confidence = -1};
+    return ph_step(h, 0, &st);
 }
 
 static void expect_held(policy_host *h, const uint32_t *want, uint32_t n)
 {
-    const policy_layer_view *v = policy_host_view(h, 0);
-    assert_int_equal(v->tokens[0], n);
-    for (uint32_t i = 0; i < n; i++)
-        assert_int_equal(v->positions[0][i], want[i]);
+    ph_expect_positions(h, 0, 0, want, n);
 }
 
 static void test_hand_trace(void **unused)
@@ -173,20 +135,15 @@ static void test_recent_default_half(void **unused)
 static void test_invalid(void **unused)
 {
     (void)unused;
-    const char *kb[] = {"budget"};
-    const char *v0[] = {"0"};
-    expect_reject(kb, v0, 1, "budget");
-    const char *kr[] = {"budget", "recent"};
-    const char *vr[] = {"256", "300"};
-    expect_reject(kr, vr, 2, "recent");
-    const char *vx[] = {"256", "quarter"};
-    expect_reject(kr, vx, 2, "recent");
-    const char *ks[] = {"budget", "recent", "sinks"};
-    const char *vs[] = {"256", "200", "100"};
-    expect_reject(ks, vs, 3, "recent (200) + sinks (100)");
-    const char *ks1[] = {"sinks"};
-    const char *vs1[] = {"-1"};
-    expect_reject(ks1, vs1, 1, "sinks");
+    static const ph_reject cases[] = {
+        {{"budget=0"}, {"budget", "[1, 1048576]"}},
+        {{"budget=256", "recent=300"}, {"recent", "'half' or an integer in [0, 256]"}},
+        {{"budget=256", "recent=quarter"}, {"recent", "'half'"}},
+        {{"budget=256", "recent=200", "sinks=100"}, {"recent (200) + sinks (100)"}},
+        {{"sinks=-1"}, {"sinks", "[0, "}},
+        {{"budget=10", "sinks=11"}, {"sinks", "[0, 10]"}},
+    };
+    ph_expect_rejects("h2o", geom1, cases, PH_N(cases));
 }
 
 static void test_missing_score(void **unused)

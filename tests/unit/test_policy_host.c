@@ -46,7 +46,7 @@ static int g_destroys;
 static void *g_last_destroyed;
 
 static const policy_param_spec fake_params[] = {
-    {"tag", "none", "any text, kept in the state"},
+    {.key = "tag", .def = "none", .help = "any text, kept in the state"},
 };
 
 static int fake_create(const policy_params *p, const policy_geometry *g, void **state, char *err,

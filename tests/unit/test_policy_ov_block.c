@@ -21,9 +21,8 @@
 
 #include <cmocka.h>
 
-#include "host.h"
 #include "ov_block.h"
-#include "policy.h"
+#include "policy_harness.h"
 
 #define EPS 1e-4
 
@@ -40,40 +39,9 @@ static policy_geometry geom(uint32_t layers, uint32_t B)
     return g;
 }
 
-/* Resolve "k=v" pairs (NULL-terminated) and create a host; NULL + err on failure. */
-static policy_host *try_host(const char *const *kv, uint32_t layers, uint32_t B, char *err,
-                             size_t errlen)
-{
-    const policy_ops *ops = policy_find("ov_block");
-    assert_non_null(ops);
-    const char *keys[32], *values[32];
-    char buf[32][96];
-    size_t n = 0;
-    for (; kv != NULL && kv[n] != NULL; n++) {
-        snprintf(buf[n], sizeof buf[n], "%s", kv[n]);
-        char *eq = strchr(buf[n], '=');
-        assert_non_null(eq);
-        *eq = '\0';
-        keys[n] = buf[n];
-        values[n] = eq + 1;
-    }
-    policy_params p;
-    if (policy_params_resolve(ops, keys, values, n, &p, err, errlen) != 0)
-        return NULL;
-    policy_geometry g = geom(layers, B);
-    policy_host *h = NULL;
-    if (policy_host_create(ops, &p, &g, &h, err, errlen) != 0)
-        return NULL;
-    return h;
-}
-
 static policy_host *new_host(const char *const *kv, uint32_t layers, uint32_t B)
 {
-    char err[POLICY_ERR_LEN] = "";
-    policy_host *h = try_host(kv, layers, B, err, sizeof err);
-    if (h == NULL)
-        fail_msg("create: %s", err);
-    return h;
+    return ph_host("ov_block", kv, geom(layers, B));
 }
 
 static ov_block *state(policy_host *h)
@@ -127,18 +95,10 @@ static void assert_cnt(ov_block *st, uint32_t layer, const uint64_t *want, size_
                      (unsigned long long)want[i]);
 }
 
-static uint64_t xorshift(uint64_t *s)
-{
-    uint64_t x = *s;
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    return *s = x;
-}
-
+/* Uniform in [0, 1) from the harness's seeded stream (53 bits). */
 static double urand(uint64_t *s)
 {
-    return (double)(xorshift(s) >> 11) / 9007199254740992.0;
+    return (double)(ph_rand(s) >> 11) / 9007199254740992.0;
 }
 
 /* ---- mt19937 ---- */
@@ -193,9 +153,9 @@ static void test_maxpool_matches_naive(void **unused)
     double x[200], y[200];
     size_t dq[200];
     for (int trial = 0; trial < 300; trial++) {
-        size_t n = 1 + xorshift(&s) % 200, w = xorshift(&s) % 12;
+        size_t n = 1 + ph_rand(&s) % 200, w = ph_rand(&s) % 12;
         for (size_t i = 0; i < n; i++) /* few distinct values: ties are common */
-            x[i] = (double)(xorshift(&s) % 5);
+            x[i] = (double)(ph_rand(&s) % 5);
         ov_fwd_maxpool(x, n, w, y, dq);
         for (size_t i = 0; i < n; i++) {
             double m = x[i];
@@ -483,6 +443,19 @@ static void rope(const double *k, double *out, uint32_t d, double pos, double th
     }
 }
 
+/* Rotate one key in place with a coefficient row (rotate-half pairs), in
+ * double, as OpenVINO's cache manager applies ov_rotation_row's table:
+ * k[j] = x*cos - y*sin, k[j+d/2] = x*sin + y*cos. */
+static void apply_row(double *k, uint32_t d, const double *sin_row, const double *cos_row)
+{
+    uint32_t h = d / 2;
+    for (uint32_t j = 0; j < h; j++) {
+        double x = k[j], y = k[j + h];
+        k[j] = x * cos_row[j] - y * sin_row[j];
+        k[j + h] = x * sin_row[j] + y * cos_row[j];
+    }
+}
+
 static void test_tov3_rotation_math(void **unused)
 {
     (void)unused;
@@ -492,14 +465,21 @@ static void test_tov3_rotation_math(void **unused)
     const double want5[4] = {3.160435, 1.797584, -0.107938, 4.094959};
     for (int i = 0; i < 4; i++)
         assert_float_equal(at5[i], want5[i], 1e-5);
+    /* The daemon's re-rotation (the kernels' reference, fp32) by -2. */
+    float key[4];
+    for (int i = 0; i < 4; i++)
+        key[i] = (float)at5[i];
+    ph_rope_rerotate(key, 4, -2, 10000, KV_ROPE_HALF);
+    /* OpenVINO's coefficient row for delta 2, applied as its cache manager does. */
     double s[2], c[2];
     ov_rotation_row(2, 4, 10000, s, c);
-    ov_rotate_key(at5, 4, s, c);
+    apply_row(at5, 4, s, c);
     const double want3[4] = {-1.413353, 1.879118, -2.828857, 4.058191};
     rope(k, at3, 4, 3, 10000);
     for (int i = 0; i < 4; i++) {
         assert_float_equal(at5[i], want3[i], 1e-5);
         assert_float_equal(at5[i], at3[i], 1e-5);
+        assert_float_equal(key[i], want3[i], 1e-5);
     }
 }
 
@@ -508,19 +488,25 @@ static void test_rotation_random_keys(void **unused)
     (void)unused;
     uint64_t seed = 7;
     for (int trial = 0; trial < 50; trial++) {
-        uint32_t d = 2 * (1 + (uint32_t)(xorshift(&seed) % 64));
+        uint32_t d = 2 * (1 + (uint32_t)(ph_rand(&seed) % 64));
         double theta = trial % 2 ? 10000.0 : 500000.0;
         double k[128], a[128], b[128], s[64], c[64];
         for (uint32_t i = 0; i < d; i++)
             k[i] = urand(&seed) * 2 - 1;
-        uint32_t pos = (uint32_t)(xorshift(&seed) % 4096),
-                 delta = (uint32_t)(xorshift(&seed) % (pos + 1));
+        uint32_t pos = (uint32_t)(ph_rand(&seed) % 4096),
+                 delta = (uint32_t)(ph_rand(&seed) % (pos + 1));
         rope(k, a, d, pos, theta);
-        ov_rotation_row(delta, d, theta, s, c);
-        ov_rotate_key(a, d, s, c);
-        rope(k, b, d, pos - delta, theta);
+        float key[128];
         for (uint32_t i = 0; i < d; i++)
+            key[i] = (float)a[i];
+        ov_rotation_row(delta, d, theta, s, c);
+        apply_row(a, d, s, c);
+        ph_rope_rerotate(key, d, -(int32_t)delta, theta, KV_ROPE_HALF);
+        rope(k, b, d, pos - delta, theta);
+        for (uint32_t i = 0; i < d; i++) {
             assert_float_equal(a[i], b[i], 1e-9);
+            assert_float_equal(key[i], b[i], 1e-5); /* fp32 keys and coefficients */
+        }
     }
 }
 
@@ -834,17 +820,17 @@ static void test_kvcrush_retain_properties(void **unused)
     (void)unused;
     uint64_t s = 99;
     for (int trial = 0; trial < 200; trial++) {
-        uint32_t B = 1 + (uint32_t)(xorshift(&s) % 6);
-        size_t nE = 1 + xorshift(&s) % 12;
+        uint32_t B = 1 + (uint32_t)(ph_rand(&s) % 6);
+        size_t nE = 1 + ph_rand(&s) % 12;
         double acc[12 * 6];
         for (size_t i = 0; i < nE * B; i++)
             acc[i] = urand(&s);
-        size_t nv = 1 + xorshift(&s) % nE;
+        size_t nv = 1 + ph_rand(&s) % nE;
         uint32_t v[12];
         double bs[12];
         ov_score_blocks(acc, NULL, nE, B, bs);
         assert_int_equal(ov_select_lowest(bs, nE, nv, v), 0);
-        uint32_t budget = 1 + (uint32_t)(xorshift(&s) % 5), keep[5];
+        uint32_t budget = 1 + (uint32_t)(ph_rand(&s) % 5), keep[5];
         size_t nk;
         ov_mt19937 r;
         ov_mt19937_seed(&r, (uint32_t)trial);
@@ -889,16 +875,6 @@ static void test_kvcrush_random_reproducible(void **unused)
 
 /* ---- configuration (§2.1) ---- */
 
-static void expect_invalid(const char *const *kv, uint32_t layers, uint32_t B, const char *needle)
-{
-    char err[POLICY_ERR_LEN] = "";
-    policy_host *h = try_host(kv, layers, B, err, sizeof err);
-    if (h != NULL)
-        fail_msg("configuration accepted, expected an error with '%s'", needle);
-    if (strstr(err, needle) == NULL)
-        fail_msg("error '%s' does not name '%s'", err, needle);
-}
-
 static void test_config_defaults(void **unused)
 {
     (void)unused;
@@ -932,42 +908,28 @@ static void test_config_defaults(void **unused)
 static void test_config_invalid(void **unused)
 {
     (void)unused;
-    const char *const a[] = {"start_size=0", NULL};
-    expect_invalid(a, 1, 16, "start_size");
-    const char *const b[] = {"recent_size=0", NULL};
-    expect_invalid(b, 1, 16, "recent_size");
-    const char *const c[] = {"max_cache_size=0", NULL};
-    expect_invalid(c, 1, 16, "max_cache_size");
-    const char *const d[] = {"max_cache_size=160", NULL}; /* = start + recent */
-    expect_invalid(d, 1, 16, "max_cache_size");
-    const char *const e[] = {"start_size=33", "max_cache_size=673", NULL};
-    expect_invalid(e, 1, 16, "start_size");
-    const char *const f[] = {"recent_size=120", NULL};
-    expect_invalid(f, 1, 16, "recent_size");
-    const char *const g[] = {"max_cache_size=680", NULL};
-    expect_invalid(g, 1, 16, "max_cache_size");
-    expect_invalid(NULL, 1, 64, "start_size"); /* 32 is not a multiple of 64 */
-    const char *const h[] = {"block_size=32", NULL};
-    expect_invalid(h, 1, 16, "block_size");
-    expect_invalid(NULL, 0, 16, "layers");
-    const char *const i[] = {"aggregation=adaptive_rkv", NULL};
-    expect_invalid(i, 1, 16, "aggregation");
-    const char *const j[] = {"kvcrush_anchor=alternate", NULL};
-    expect_invalid(j, 1, 16, "kvcrush_anchor");
-    const char *const k[] = {"head_size=7", NULL};
-    expect_invalid(k, 1, 16, "head_size");
-    const char *const l[] = {"rope_theta=0", NULL};
-    expect_invalid(l, 1, 16, "rope_theta");
-    const char *const m[] = {"apply_rotation=2", NULL};
-    expect_invalid(m, 1, 16, "apply_rotation");
-    const char *const n[] = {"kvcrush_seed=-1", NULL};
-    expect_invalid(n, 1, 16, "kvcrush_seed");
-    const char *const o[] = {"snapkv=8", NULL};
-    expect_invalid(o, 1, 16, "snapkv");
-    const char *const q[] = {"max_pool_window=x", NULL};
-    expect_invalid(q, 1, 16, "max_pool_window");
-    const char *const r[] = {"kvcrush_budget=-2", NULL};
-    expect_invalid(r, 1, 16, "kvcrush_budget");
+    static const ph_reject cases[] = {
+        {{"start_size=0"}, {"start_size", "[1, 1073741824]"}},
+        {{"recent_size=0"}, {"recent_size", "[1, 1073741824]"}},
+        {{"max_cache_size=0"}, {"max_cache_size", "[1, 1073741824]"}},
+        {{"max_cache_size=160"}, {"max_cache_size", "start_size + recent_size"}}, /* = 32 + 128 */
+        {{"start_size=33", "max_cache_size=673"}, {"start_size", "multiple"}},
+        {{"recent_size=120"}, {"recent_size", "multiple"}},
+        {{"max_cache_size=680"}, {"max_cache_size", "multiple"}},
+        {{"block_size=32"}, {"block_size", "(16)"}},
+        {{"aggregation=adaptive_rkv"}, {"aggregation", "sum, norm_sum"}},
+        {{"kvcrush_anchor=alternate"}, {"kvcrush_anchor", "alternating"}},
+        {{"head_size=7"}, {"head_size", "even"}},
+        {{"rope_theta=0"}, {"rope_theta", "[1, 1e+12]"}},
+        {{"apply_rotation=2"}, {"apply_rotation", "[0, 1]"}},
+        {{"kvcrush_seed=-1"}, {"kvcrush_seed", "[0, 4294967295]"}},
+        {{"snapkv=8"}, {"snapkv"}},
+        {{"max_pool_window=x"}, {"max_pool_window", "[0, 1048576]"}},
+        {{"kvcrush_budget=-2"}, {"kvcrush_budget", "[0, 1048576]"}},
+    };
+    ph_expect_rejects("ov_block", geom(1, 16), cases, PH_N(cases));
+    ph_expect_reject("ov_block", NULL, geom(1, 64), "start_size"); /* 32 is no multiple of 64 */
+    ph_expect_reject("ov_block", NULL, geom(0, 16), "layers");
 }
 
 /* ---- step errors and describe ---- */
@@ -1044,12 +1006,12 @@ static uint64_t run(const run_cfg *c, uint64_t seed, int *rerotated)
 {
     policy_host *h = new_host(c->kv, c->layers, c->B);
     ov_block *st = state(h);
-    uint32_t prompt = 20 + (uint32_t)(xorshift(&seed) % 200), done = 0;
+    uint32_t prompt = 20 + (uint32_t)(ph_rand(&seed) % 200), done = 0;
     uint64_t hash = 1469598103934665603ull;
     float *s = NULL;
     for (int stepno = 0; stepno < 150; stepno++) {
         int prefill = done < prompt;
-        uint32_t incoming = prefill ? 1 + (uint32_t)(xorshift(&seed) % (prompt - done)) : 1;
+        uint32_t incoming = prefill ? 1 + (uint32_t)(ph_rand(&seed) % (prompt - done)) : 1;
         done += incoming;
         if (prefill && done == prompt)
             prefill = 0; /* the last prompt chunk ends prefill, as in §2.7 */

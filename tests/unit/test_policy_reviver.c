@@ -1,11 +1,11 @@
 /*
  * test_policy_reviver.c - KVReviver (POLICIES.md §3; policies/reviver.{c,h}).
  *
- * - §3.2 hash family: splitmix64 reference outputs and h/g values computed by
- *   an independent Python transcription of §3.2.
- * - T-KR1 (§3.7): every cell, every query, the hand check of J0's value, the
- *   delete-leaves-others-unchanged property; the MEAN variant (§3.8) on the
- *   same inserts; even-r lower median.
+ * - T-KR1 (§3.7) on the kernels' reference sketch (kv_sketch_*_ref, through
+ *   policy_harness.h): every cell, every query, the hand check of J0's
+ *   value, the delete-leaves-others-unchanged property; the MEAN variant
+ *   (§3.8) on the same inserts; even-r lower median. (The §3.2 hash vectors
+ *   are test_kernels_sketch.c's: the hash is kernels/sketch_hash.h.)
  * - Round trip: with no bucket shared, query returns exactly what was
  *   inserted, also after deletes (injected tables and the real hash).
  * - T-KR2 (§3.7): the compress trace, through reviver_compress() and through
@@ -27,68 +27,34 @@
 
 #include <cmocka.h>
 
-#include "host.h"
-#include "policy.h"
+#include "policy_harness.h"
 #include "reviver.h"
+#include "sketch_hash.h"
 
 #define TOL 1e-6
 
 /* ---- helpers ---- */
 
+/* The harness's seeded stream, as the tests draw it. */
 static uint64_t rng_state;
 
 static uint32_t rng(void)
 {
-    rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
-    return (uint32_t)(rng_state >> 33);
+    return (uint32_t)ph_rand(&rng_state);
 }
 
 static float rng_unit(void)
 {
-    return (float)(rng() % 100000) / 100000.0f;
+    return ph_uniform(&rng_state, 0, 1);
 }
 
 static const policy_geometry geom1 = {1, 2, 1, 4, 16, 10000.0f};
-
-static int resolve(const char *const *keys, const char *const *values, size_t n, policy_params *p,
-                   char *err)
-{
-    const policy_ops *ops = policy_find("reviver");
-    assert_non_null(ops);
-    return policy_params_resolve(ops, keys, values, n, p, err, POLICY_ERR_LEN);
-}
 
 /* Create through the host; fails the test on error. */
 static policy_host *host_new(const char *const *keys, const char *const *values, size_t n,
                              const policy_geometry *g)
 {
-    policy_params p;
-    char err[POLICY_ERR_LEN] = "";
-    if (resolve(keys, values, n, &p, err) != 0)
-        fail_msg("resolve: %s", err);
-    policy_host *h = NULL;
-    if (policy_host_create(policy_find("reviver"), &p, g, &h, err, sizeof err) != 0)
-        fail_msg("create: %s", err);
-    return h;
-}
-
-/* create() must fail with a message containing `needle` (and may not leak). */
-static void expect_reject(const char *const *keys, const char *const *values, size_t n,
-                          const char *needle)
-{
-    policy_params p;
-    char err[POLICY_ERR_LEN] = "";
-    void *state = NULL;
-    const policy_ops *ops = policy_find("reviver");
-    int rc = resolve(keys, values, n, &p, err);
-    if (rc == 0)
-        rc = ops->create(&p, &geom1, &state, err, sizeof err);
-    if (rc == 0) {
-        ops->destroy(state);
-        fail_msg("accepted an invalid configuration (expected '%s')", needle);
-    }
-    if (strstr(err, needle) == NULL)
-        fail_msg("message '%s' does not name '%s'", err, needle);
+    return ph_host_pairs("reviver", keys, values, n, *g);
 }
 
 static char *describe(policy_host *h, uint32_t layer)
@@ -96,6 +62,12 @@ static char *describe(policy_host *h, uint32_t layer)
     char *s = policy_host_ops(h)->describe(policy_host_state(h), layer);
     assert_non_null(s);
     return s;
+}
+
+/* The layer's sketch geometry as the daemon asks for it (ops->sketch_geometry). */
+static int sketch_geometry(policy_host *h, uint32_t layer, policy_sketch_geometry *out)
+{
+    return policy_host_ops(h)->sketch_geometry(policy_host_state(h), layer, out);
 }
 
 /* The JSON array after "key": in describe() text, as written ("[0,1]"). */
@@ -122,52 +94,6 @@ static void expect_store(const char *json, const char *key, const char *want)
         fail_msg("%s = %s, want %s", key, got, want);
 }
 
-/* ---- §3.2 hash family ---- */
-
-static void test_mix64_splitmix_reference(void **unused)
-{
-    (void)unused;
-    /* splitmix64 seeded with 0: its first two outputs (Vigna's reference). */
-    assert_true(reviver_mix64(0x9E3779B97F4A7C15ull) == 0xE220A8397B1DCDAFull);
-    assert_true(reviver_mix64(0x3C6EF372FE94F82Aull) == 0x6E789E6AA1B965F4ull);
-    assert_true(reviver_mix64(0) == 0);
-    /* layer_seed(base, l) = the (l+1)-th splitmix64 output from state base. */
-    assert_true(reviver_layer_seed(0, 0) == 0xE220A8397B1DCDAFull);
-    assert_true(reviver_layer_seed(0, 1) == 0x6E789E6AA1B965F4ull);
-    assert_true(reviver_layer_seed(7, 3) == 0x953AEB70673E29CBull);
-}
-
-static void test_hash_family(void **unused)
-{
-    (void)unused;
-    /* h_i(J) = mix64(J ^ S_i) mod b, g_i(J) = +1 iff mix64(J ^ T_i) >> 63 == 0,
-     * S_i = 0x9E37..15·(2i+1) ^ seed, T_i = S_i ^ 0xD1B5..03 (§3.2); values from
-     * an independent Python transcription, r = 3, b = 6. */
-    static const struct {
-        uint64_t seed, J;
-        uint32_t h[3];
-        int8_t g[3];
-    } v[] = {
-        {0, 0, {1, 1, 1}, {-1, 1, -1}},
-        {0, 1, {2, 1, 0}, {1, 1, 1}},
-        {0, 1000, {4, 1, 5}, {1, -1, -1}},
-        {0, 123456789, {0, 1, 3}, {-1, 1, -1}},
-        {0x953AEB70673E29CBull, 0, {2, 5, 2}, {-1, 1, -1}},
-        {0x953AEB70673E29CBull, 1, {4, 1, 0}, {1, -1, -1}},
-        {0x953AEB70673E29CBull, 1000, {1, 2, 4}, {-1, -1, 1}},
-        {0x953AEB70673E29CBull, 123456789, {3, 1, 4}, {1, -1, -1}},
-    };
-    for (size_t t = 0; t < sizeof v / sizeof v[0]; t++) {
-        uint32_t h[3];
-        int8_t g[3];
-        reviver_hash(v[t].seed, 3, 6, v[t].J, h, g);
-        for (int i = 0; i < 3; i++) {
-            assert_int_equal(h[i], v[t].h[i]);
-            assert_int_equal(g[i], v[t].g[i]);
-        }
-    }
-}
-
 /* ---- T-KR1 ---- */
 
 static const uint32_t KR1_H[4][3] = {{0, 1, 2}, {1, 1, 0}, {2, 0, 2}, {0, 2, 1}};
@@ -175,11 +101,12 @@ static const int8_t KR1_G[4][3] = {{1, -1, 1}, {-1, 1, 1}, {1, 1, -1}, {1, -1, -
 static const float KR1_K[4][2] = {{1, 0}, {0, 1}, {2, 2}, {-1, 1}};
 static const float KR1_V[4][2] = {{1, 2}, {3, -1}, {0, 1}, {2, 2}};
 
-static void kr1_build(reviver_sketch *s, reviver_estimate ke, reviver_estimate ve)
+/* The §3.7 sketch: J0..J3 inserted through the kernels' reference. */
+static void kr1_build(kv_sketch *s, kv_estimate ke, kv_estimate ve)
 {
-    assert_int_equal(reviver_sketch_init(s, 3, 3, 2, ke, ve), 0);
+    *s = ph_sketch_new(3, 3, 2, ke, ve);
     for (int j = 0; j < 4; j++)
-        reviver_sketch_insert(s, KR1_H[j], KR1_G[j], KR1_K[j], KR1_V[j]);
+        ph_sketch_insert(s, KR1_H[j], KR1_G[j], KR1_K[j], KR1_V[j]);
 }
 
 static void expect_vec(const float *got, float a, float b)
@@ -191,8 +118,8 @@ static void expect_vec(const float *got, float a, float b)
 static void test_kr1_cells(void **unused)
 {
     (void)unused;
-    reviver_sketch s;
-    kr1_build(&s, REVIVER_ESTIMATE_SUM, REVIVER_ESTIMATE_SUM);
+    kv_sketch s;
+    kr1_build(&s, KV_ESTIMATE_SUM, KV_ESTIMATE_SUM);
     /* cellK rows (buckets 0, 1, 2), §3.7 */
     static const float K[3][3][2] = {
         {{0, 1}, {0, 1}, {2, 2}}, {{2, 2}, {1, 1}, {-1, 1}}, {{0, 1}, {-1, 1}, {3, 2}}};
@@ -206,14 +133,14 @@ static void test_kr1_cells(void **unused)
             expect_vec(&s.value[(r * 3 + b) * 2], V[r][b][0], V[r][b][1]);
             assert_int_equal(s.count[r * 3 + b], C[r][b]);
         }
-    reviver_sketch_free(&s);
+    ph_sketch_free(&s);
 }
 
 static void test_kr1_queries(void **unused)
 {
     (void)unused;
-    reviver_sketch s;
-    kr1_build(&s, REVIVER_ESTIMATE_SUM, REVIVER_ESTIMATE_SUM);
+    kv_sketch s;
+    kr1_build(&s, KV_ESTIMATE_SUM, KV_ESTIMATE_SUM);
     static const float want[4][2][2] = {
         {{1, 1}, {1, 3}},   /* J0: key biased (true [1,0]), value biased (true [1,2]) */
         {{0, 1}, {3, -1}},  /* J1: exact */
@@ -221,7 +148,7 @@ static void test_kr1_queries(void **unused)
         {{-1, 1}, {2, 2}}}; /* J3: exact */
     for (int j = 0; j < 4; j++) {
         float k[2], v[2];
-        reviver_sketch_query(&s, KR1_H[j], KR1_G[j], k, v);
+        ph_sketch_query(&s, KR1_H[j], KR1_G[j], k, v);
         expect_vec(k, want[j][0][0], want[j][0][1]);
         expect_vec(v, want[j][1][0], want[j][1][1]);
     }
@@ -233,29 +160,25 @@ static void test_kr1_queries(void **unused)
     assert_float_equal(-c1[0], -2, TOL);
     assert_float_equal(-c1[1], 3, TOL);
     expect_vec(c2, 1, 1);
-    /* k or v may be skipped */
-    float v[2] = {0, 0};
-    reviver_sketch_query(&s, KR1_H[0], KR1_G[0], NULL, v);
-    expect_vec(v, 1, 3);
-    reviver_sketch_free(&s);
+    ph_sketch_free(&s);
 }
 
 static void test_kr1_delete_keeps_others(void **unused)
 {
     (void)unused;
-    reviver_sketch s;
-    kr1_build(&s, REVIVER_ESTIMATE_SUM, REVIVER_ESTIMATE_SUM);
+    kv_sketch s;
+    kr1_build(&s, KV_ESTIMATE_SUM, KV_ESTIMATE_SUM);
     float before[4][2][2];
     for (int j = 0; j < 4; j++)
-        reviver_sketch_query(&s, KR1_H[j], KR1_G[j], before[j][0], before[j][1]);
+        ph_sketch_query(&s, KR1_H[j], KR1_G[j], before[j][0], before[j][1]);
     float k[2], v[2];
-    reviver_sketch_query(&s, KR1_H[2], KR1_G[2], k, v);
-    reviver_sketch_delete(&s, KR1_H[2], KR1_G[2], k, v);
+    ph_sketch_revive(&s, KR1_H[2], KR1_G[2], k, v); /* Alg. 3: query, delete that */
+    expect_vec(k, 2, 2);
     for (int j = 0; j < 4; j++) {
         if (j == 2)
             continue;
         float k2[2], v2[2];
-        reviver_sketch_query(&s, KR1_H[j], KR1_G[j], k2, v2);
+        ph_sketch_query(&s, KR1_H[j], KR1_G[j], k2, v2);
         expect_vec(k2, before[j][0][0], before[j][0][1]);
         expect_vec(v2, before[j][1][0], before[j][1][1]);
     }
@@ -268,11 +191,10 @@ static void test_kr1_delete_keeps_others(void **unused)
     /* Deleting the BIASED estimate of J0 leaves residual (§3.3, §6 #12): row0
      * bucket0 key was k0 + k3 = [0,1]; minus J0's estimate [1,1] -> [-1,0],
      * not k3 = [-1,1]. */
-    reviver_sketch_query(&s, KR1_H[0], KR1_G[0], k, v);
+    ph_sketch_revive(&s, KR1_H[0], KR1_G[0], k, v);
     expect_vec(k, 1, 1);
-    reviver_sketch_delete(&s, KR1_H[0], KR1_G[0], k, v);
     expect_vec(&s.key[0], -1, 0);
-    reviver_sketch_free(&s);
+    ph_sketch_free(&s);
 }
 
 static void test_kr1_mean_variant(void **unused)
@@ -282,24 +204,24 @@ static void test_kr1_mean_variant(void **unused)
      * [0,1]/2, [1,1]/2, [3,2]/2 -> medians ch0 {0,.5,1.5} = .5, ch1 {.5,.5,1} =
      * .5; values +[3,4]/2, -[2,-3]/2, +[1,1]/2 -> ch0 {1.5,-1,.5} = .5, ch1
      * {2,1.5,.5} = 1.5. J1..J3 stay exact. */
-    reviver_sketch s;
-    kr1_build(&s, REVIVER_ESTIMATE_MEAN, REVIVER_ESTIMATE_MEAN);
+    kv_sketch s;
+    kr1_build(&s, KV_ESTIMATE_MEAN, KV_ESTIMATE_MEAN);
     static const float want[4][2][2] = {
         {{0.5f, 0.5f}, {0.5f, 1.5f}}, {{0, 1}, {3, -1}}, {{2, 2}, {0, 1}}, {{-1, 1}, {2, 2}}};
     for (int j = 0; j < 4; j++) {
         float k[2], v[2];
-        reviver_sketch_query(&s, KR1_H[j], KR1_G[j], k, v);
+        ph_sketch_query(&s, KR1_H[j], KR1_G[j], k, v);
         expect_vec(k, want[j][0][0], want[j][0][1]);
         expect_vec(v, want[j][1][0], want[j][1][1]);
     }
-    reviver_sketch_free(&s);
+    ph_sketch_free(&s);
     /* key mean, value sum: J0 -> key [.5,.5], value [1,3] */
-    kr1_build(&s, REVIVER_ESTIMATE_MEAN, REVIVER_ESTIMATE_SUM);
+    kr1_build(&s, KV_ESTIMATE_MEAN, KV_ESTIMATE_SUM);
     float k[2], v[2];
-    reviver_sketch_query(&s, KR1_H[0], KR1_G[0], k, v);
+    ph_sketch_query(&s, KR1_H[0], KR1_G[0], k, v);
     expect_vec(k, 0.5f, 0.5f);
     expect_vec(v, 1, 3);
-    reviver_sketch_free(&s);
+    ph_sketch_free(&s);
 }
 
 static void test_even_rows_lower_median(void **unused)
@@ -309,61 +231,49 @@ static void test_even_rows_lower_median(void **unused)
      * to its value; bucket-mates make the rows differ. Rows of J0 hold
      * {5, 3, 9, 1} (J0 = 1 everywhere plus mates 4, 2, 8, 0): sorted {1,3,5,9},
      * lower middle 3 (torch.median), not 4 (the mean of the middle two). */
-    reviver_sketch s;
-    assert_int_equal(reviver_sketch_init(&s, 4, 2, 1, REVIVER_ESTIMATE_SUM, REVIVER_ESTIMATE_SUM),
-                     0);
+    kv_sketch s;
+    s = ph_sketch_new(4, 2, 1, KV_ESTIMATE_SUM, KV_ESTIMATE_SUM);
     const uint32_t h0[4] = {0, 0, 0, 0};
     const int8_t g[4] = {1, 1, 1, 1};
     const float one = 1;
-    reviver_sketch_insert(&s, h0, g, &one, &one);
+    ph_sketch_insert(&s, h0, g, &one, &one);
     const float mates[4] = {4, 2, 8, 0};
     for (uint32_t r = 0; r < 4; r++) { /* add a mate to row r's bucket 0 only */
         uint32_t hm[4] = {1, 1, 1, 1};
         hm[r] = 0;
         float x = mates[r];
-        reviver_sketch_insert(&s, hm, g, &x, &x);
+        ph_sketch_insert(&s, hm, g, &x, &x);
     }
     /* row r bucket 0 = 1 + mates[r]; other mates land in bucket 1 */
     float k, v;
-    reviver_sketch_query(&s, h0, g, &k, &v);
+    ph_sketch_query(&s, h0, g, &k, &v);
     assert_float_equal(k, 3, TOL);
     assert_float_equal(v, 3, TOL);
-    reviver_sketch_free(&s);
+    ph_sketch_free(&s);
     /* r = 2: {1+4, 1+2} -> lower middle 3 */
-    assert_int_equal(reviver_sketch_init(&s, 2, 2, 1, REVIVER_ESTIMATE_SUM, REVIVER_ESTIMATE_SUM),
-                     0);
-    reviver_sketch_insert(&s, h0, g, &one, &one);
+    s = ph_sketch_new(2, 2, 1, KV_ESTIMATE_SUM, KV_ESTIMATE_SUM);
+    ph_sketch_insert(&s, h0, g, &one, &one);
     const uint32_t a[2] = {0, 1}, b[2] = {1, 0};
     const float four = 4, two = 2;
-    reviver_sketch_insert(&s, a, g, &four, &four);
-    reviver_sketch_insert(&s, b, g, &two, &two);
-    reviver_sketch_query(&s, h0, g, &k, &v);
+    ph_sketch_insert(&s, a, g, &four, &four);
+    ph_sketch_insert(&s, b, g, &two, &two);
+    ph_sketch_query(&s, h0, g, &k, &v);
     assert_float_equal(k, 3, TOL);
-    reviver_sketch_free(&s);
-}
-
-static void test_sketch_init_rejects(void **unused)
-{
-    (void)unused;
-    reviver_sketch s;
-    assert_int_equal(reviver_sketch_init(&s, 0, 3, 2, 0, 0), -1);
-    assert_int_equal(reviver_sketch_init(&s, 3, 0, 2, 0, 0), -1);
-    assert_int_equal(reviver_sketch_init(&s, 3, 3, 0, 0, 0), -1);
-    assert_int_equal(reviver_sketch_init(&s, REVIVER_MAX_ROWS + 1, 3, 2, 0, 0), -1);
+    ph_sketch_free(&s);
 }
 
 /* ---- round trip without collisions ---- */
 
-static void roundtrip(reviver_estimate est)
+static void roundtrip(kv_estimate est)
 {
     enum { N = 24, D = 5 };
     for (uint32_t rows = 1; rows <= 5; rows++) {
         rng_state = 1000 + rows;
         uint32_t buckets = N + rows; /* b >= N: a permutation per row never collides */
-        reviver_sketch s;
-        assert_int_equal(reviver_sketch_init(&s, rows, buckets, D, est, est), 0);
-        uint32_t h[N][REVIVER_MAX_ROWS];
-        int8_t g[N][REVIVER_MAX_ROWS];
+        kv_sketch s;
+        s = ph_sketch_new(rows, buckets, D, est, est);
+        uint32_t h[N][KV_SKETCH_MAX_ROWS];
+        int8_t g[N][KV_SKETCH_MAX_ROWS];
         float k[N][D], v[N][D];
         for (uint32_t r = 0; r < rows; r++) {
             uint32_t perm[N + 5];
@@ -384,36 +294,39 @@ static void roundtrip(reviver_estimate est)
                 k[j][c] = rng_unit() * 8 - 4;
                 v[j][c] = rng_unit() * 8 - 4;
             }
-            reviver_sketch_insert(&s, h[j], g[j], k[j], v[j]);
+            ph_sketch_insert(&s, h[j], g[j], k[j], v[j]);
         }
         for (uint32_t j = 0; j < N; j++) {
             float kq[D], vq[D];
-            reviver_sketch_query(&s, h[j], g[j], kq, vq);
+            /* revive (query, then delete) every other one; the rest must
+             * stay exact */
+            if (j % 2 == 0)
+                ph_sketch_revive(&s, h[j], g[j], kq, vq);
+            else
+                ph_sketch_query(&s, h[j], g[j], kq, vq);
             assert_memory_equal(kq, k[j], sizeof kq);
             assert_memory_equal(vq, v[j], sizeof vq);
-            if (j % 2 == 0) /* delete every other one; the rest must stay exact */
-                reviver_sketch_delete(&s, h[j], g[j], kq, vq);
         }
         for (uint32_t j = 1; j < N; j += 2) {
             float kq[D], vq[D];
-            reviver_sketch_query(&s, h[j], g[j], kq, vq);
+            ph_sketch_query(&s, h[j], g[j], kq, vq);
             assert_memory_equal(kq, k[j], sizeof kq);
             assert_memory_equal(vq, v[j], sizeof vq);
         }
-        reviver_sketch_free(&s);
+        ph_sketch_free(&s);
     }
 }
 
 static void test_roundtrip_exact_sum(void **unused)
 {
     (void)unused;
-    roundtrip(REVIVER_ESTIMATE_SUM);
+    roundtrip(KV_ESTIMATE_SUM);
 }
 
 static void test_roundtrip_exact_mean(void **unused)
 {
     (void)unused;
-    roundtrip(REVIVER_ESTIMATE_MEAN);
+    roundtrip(KV_ESTIMATE_MEAN);
 }
 
 static void test_roundtrip_real_hash(void **unused)
@@ -423,15 +336,14 @@ static void test_roundtrip_real_hash(void **unused)
      * bucket in any row, then every query is exact. */
     enum { N = 64, R = 3, D = 3 };
     const uint32_t b = 1u << 20;
-    uint64_t seed = reviver_layer_seed(42, 5);
-    reviver_sketch s;
-    assert_int_equal(reviver_sketch_init(&s, R, b, D, 0, 0), 0);
+    uint64_t seed = kv_sketch_layer_seed(42, 5);
+    kv_sketch s = ph_sketch_new(R, b, D, KV_ESTIMATE_SUM, KV_ESTIMATE_SUM);
     uint32_t h[N][R];
     int8_t g[N][R];
     float k[N][D], v[N][D];
     rng_state = 99;
     for (uint32_t j = 0; j < N; j++) {
-        reviver_hash(seed, R, b, 1000 + 7 * j, h[j], g[j]);
+        kv_sketch_hash(seed, R, b, 1000 + 7 * j, h[j], g[j]);
         for (uint32_t i = 0; i < j; i++)
             for (uint32_t r = 0; r < R; r++)
                 assert_int_not_equal(h[i][r], h[j][r]);
@@ -439,15 +351,15 @@ static void test_roundtrip_real_hash(void **unused)
             k[j][c] = rng_unit() - 0.5f;
             v[j][c] = rng_unit() - 0.5f;
         }
-        reviver_sketch_insert(&s, h[j], g[j], k[j], v[j]);
+        ph_sketch_insert(&s, h[j], g[j], k[j], v[j]);
     }
     for (uint32_t j = 0; j < N; j++) {
         float kq[D], vq[D];
-        reviver_sketch_query(&s, h[j], g[j], kq, vq);
+        ph_sketch_query(&s, h[j], g[j], kq, vq);
         assert_memory_equal(kq, k[j], sizeof kq);
         assert_memory_equal(vq, v[j], sizeof vq);
     }
-    reviver_sketch_free(&s);
+    ph_sketch_free(&s);
 }
 
 /* ---- T-KR2 ---- */
@@ -671,13 +583,13 @@ static void test_defaults_and_derivation(void **unused)
                               "\"rows\":3,\"buckets\":9"));
     assert_non_null(strstr(j, "\"key_estimate\":\"sum\",\"value_estimate\":\"sum\""));
     free(j);
-    reviver_layer_sketch_config c;
-    assert_int_equal(reviver_layer_sketch(policy_host_state(h), 0, &c), 0);
+    policy_sketch_geometry c;
+    assert_int_equal(sketch_geometry(h, 0, &c), 0);
     assert_int_equal(c.rows, 3);
     assert_int_equal(c.buckets, 9);
-    assert_true(c.layer_seed == reviver_layer_seed(0, 0));
-    assert_int_equal(c.key_estimate, REVIVER_ESTIMATE_SUM);
-    assert_int_equal(reviver_layer_sketch(policy_host_state(h), 1, &c), -1);
+    assert_true(c.layer_seed == kv_sketch_layer_seed(0, 0));
+    assert_int_equal(c.key_mean, 0);
+    assert_int_equal(sketch_geometry(h, 1, &c), -1);
     size_t n = 5;
     assert_null(reviver_layer_ops(policy_host_state(h), 0, &n));
     assert_int_equal(n, 0);
@@ -694,9 +606,9 @@ static void test_defaults_and_derivation(void **unused)
                               "\"rows\":3,\"buckets\":7,\"layer_seed\":\"0x953aeb70673e29cb\""));
     assert_non_null(strstr(j, "\"key_estimate\":\"mean\""));
     free(j);
-    assert_int_equal(reviver_layer_sketch(policy_host_state(h), 3, &c), 0);
+    assert_int_equal(sketch_geometry(h, 3, &c), 0);
     assert_true(c.layer_seed == 0x953AEB70673E29CBull);
-    assert_int_equal(c.key_estimate, REVIVER_ESTIMATE_MEAN);
+    assert_int_equal(c.key_mean, 1);
     policy_host_destroy(h);
 
     /* M = 10: b = max(1, round(1/3)) = 1; R_b = int(4.5) = 4, slack = min(32, 4)
@@ -717,7 +629,7 @@ static void test_defaults_and_derivation(void **unused)
     const char *k4[] = {"buckets", "rows"};
     const char *v4[] = {"1000", "4"};
     h = host_new(k4, v4, 2, &geom1);
-    assert_int_equal(reviver_layer_sketch(policy_host_state(h), 0, &c), 0);
+    assert_int_equal(sketch_geometry(h, 0, &c), 0);
     assert_int_equal(c.buckets, 1000);
     assert_int_equal(c.rows, 4);
     policy_host_destroy(h);
@@ -726,39 +638,23 @@ static void test_defaults_and_derivation(void **unused)
 static void test_invalid_configs(void **unused)
 {
     (void)unused;
-    const char *shares[] = {"vague_share", "candidate_share", "recent_share"};
-    const char *bad_sum[] = {"0.1", "0.5", "0.45"};
-    expect_reject(shares, bad_sum, 3, "vague_share + candidate_share + recent_share");
-    const char *zero_v[] = {"0", "0.5", "0.5"};
-    expect_reject(shares, zero_v, 3, "vague_share");
-    const char *k1[] = {"rows"};
-    const char *v0[] = {"0"};
-    expect_reject(k1, v0, 1, "rows");
-    const char *v33[] = {"33"};
-    expect_reject(k1, v33, 1, "rows");
-    const char *k2[] = {"budget"};
-    expect_reject(k2, v0, 1, "budget");
-    const char *k3[] = {"slack"};
-    const char *vneg[] = {"-2"};
-    expect_reject(k3, vneg, 1, "slack");
-    const char *vx[] = {"x"};
-    expect_reject(k3, vx, 1, "slack");
-    const char *k4[] = {"replace_rate"};
-    const char *v09[] = {"0.9"};
-    expect_reject(k4, v09, 1, "replace_rate");
-    const char *k5[] = {"key_estimate"};
-    const char *vmed[] = {"median"};
-    expect_reject(k5, vmed, 1, "key_estimate");
-    const char *k6[] = {"value_estimate"};
-    expect_reject(k6, vmed, 1, "value_estimate");
-    const char *k7[] = {"buckets"};
-    expect_reject(k7, vneg, 1, "buckets");
-    const char *k8[] = {"seed"};
-    const char *vbig[] = {"4294967296"};
-    expect_reject(k8, vbig, 1, "seed");
-    const char *k9[] = {"vague_share"};
-    const char *vnan[] = {"nan"};
-    expect_reject(k9, vnan, 1, "vague_share");
+    static const ph_reject cases[] = {
+        {{"vague_share=0.1", "candidate_share=0.5", "recent_share=0.45"},
+         {"vague_share + candidate_share + recent_share", "must sum to 1"}},
+        {{"vague_share=0", "candidate_share=0.5", "recent_share=0.5"}, {"vague_share", "> 0"}},
+        {{"rows=0"}, {"rows", "[1, 32]"}},
+        {{"rows=33"}, {"rows", "[1, 32]"}},
+        {{"budget=0"}, {"budget", "[1, 1048576]"}},
+        {{"slack=-2"}, {"slack", "'-1' or an integer in [0, 1048576]"}},
+        {{"slack=x"}, {"slack", "'-1' or an integer in [0, 1048576]"}},
+        {{"replace_rate=0.9"}, {"replace_rate", "[1, 1e+06]"}},
+        {{"key_estimate=median"}, {"key_estimate", "sum, mean"}},
+        {{"value_estimate=median"}, {"value_estimate", "sum, mean"}},
+        {{"buckets=-2"}, {"buckets", "[0, 1048576]"}},
+        {{"seed=4294967296"}, {"seed", "[0, 4294967295]"}},
+        {{"vague_share=nan"}, {"vague_share", "[0, 1]"}},
+    };
+    ph_expect_rejects("reviver", geom1, cases, PH_N(cases));
 }
 
 static void test_step_rejects_bad_stats(void **unused)
@@ -1028,13 +924,13 @@ static void test_property_daemon_simulation(void **unused)
     const char *k[] = {"budget", "buckets", "seed"};
     const char *v[] = {"20", "65536", "3"};
     policy_host *h = host_new(k, v, 3, &geom1);
-    reviver_layer_sketch_config cfg;
-    assert_int_equal(reviver_layer_sketch(policy_host_state(h), 0, &cfg), 0);
+    policy_sketch_geometry cfg;
+    assert_int_equal(sketch_geometry(h, 0, &cfg), 0);
     assert_int_equal(cfg.rows, 3);
     static uint32_t hb_all[NMAX][3];
     int8_t g_unused[3];
     for (uint32_t j = 0; j < 150; j++) {
-        reviver_hash(cfg.layer_seed, 3, cfg.buckets, j, hb_all[j], g_unused);
+        kv_sketch_hash(cfg.layer_seed, 3, cfg.buckets, j, hb_all[j], g_unused);
         for (uint32_t i = 0; i < j; i++) {
             int shared = 0;
             for (uint32_t r = 0; r < 3; r++)
@@ -1042,10 +938,8 @@ static void test_property_daemon_simulation(void **unused)
             assert_true(shared <= 1);
         }
     }
-    reviver_sketch sk;
-    assert_int_equal(
-        reviver_sketch_init(&sk, cfg.rows, cfg.buckets, D, cfg.key_estimate, cfg.value_estimate),
-        0);
+    kv_sketch sk = ph_sketch_new(cfg.rows, cfg.buckets, D, (kv_estimate)cfg.key_mean,
+                                 (kv_estimate)cfg.value_mean);
     static float orig_k[NMAX][D], orig_v[NMAX][D], raw_k[NMAX][D], raw_v[NMAX][D];
     static uint8_t in_sketch[NMAX];
     float score[NMAX];
@@ -1066,17 +960,16 @@ static void test_property_daemon_simulation(void **unused)
         const reviver_op *ops = reviver_layer_ops(policy_host_state(h), 0, &nops);
         for (size_t o = 0; o < nops; o++) {
             uint32_t j = ops[o].index;
-            uint32_t hb[REVIVER_MAX_ROWS];
-            int8_t g[REVIVER_MAX_ROWS];
-            reviver_hash(cfg.layer_seed, cfg.rows, cfg.buckets, j, hb, g);
+            uint32_t hb[KV_SKETCH_MAX_ROWS];
+            int8_t g[KV_SKETCH_MAX_ROWS];
+            kv_sketch_hash(cfg.layer_seed, cfg.rows, cfg.buckets, j, hb, g);
             if (ops[o].kind == REVIVER_OP_SKETCH) {
                 assert_false(in_sketch[j]);
-                reviver_sketch_insert(&sk, hb, g, raw_k[j], raw_v[j]);
+                ph_sketch_insert(&sk, hb, g, raw_k[j], raw_v[j]);
                 in_sketch[j] = 1;
             } else {
                 assert_true(in_sketch[j]);
-                reviver_sketch_query(&sk, hb, g, raw_k[j], raw_v[j]);
-                reviver_sketch_delete(&sk, hb, g, raw_k[j], raw_v[j]);
+                ph_sketch_revive(&sk, hb, g, raw_k[j], raw_v[j]);
                 assert_memory_equal(raw_k[j], orig_k[j], sizeof raw_k[j]);
                 assert_memory_equal(raw_v[j], orig_v[j], sizeof raw_v[j]);
                 in_sketch[j] = 0;
@@ -1089,21 +982,18 @@ static void test_property_daemon_simulation(void **unused)
             assert_int_equal(view->tier[0][i], in_sketch[i] ? POLICY_SKETCH : POLICY_FULL);
     }
     assert_true(revived > 0);
-    reviver_sketch_free(&sk);
+    ph_sketch_free(&sk);
     policy_host_destroy(h);
 }
 
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_mix64_splitmix_reference),
-        cmocka_unit_test(test_hash_family),
         cmocka_unit_test(test_kr1_cells),
         cmocka_unit_test(test_kr1_queries),
         cmocka_unit_test(test_kr1_delete_keeps_others),
         cmocka_unit_test(test_kr1_mean_variant),
         cmocka_unit_test(test_even_rows_lower_median),
-        cmocka_unit_test(test_sketch_init_rejects),
         cmocka_unit_test(test_roundtrip_exact_sum),
         cmocka_unit_test(test_roundtrip_exact_mean),
         cmocka_unit_test(test_roundtrip_real_hash),

@@ -134,12 +134,12 @@ static const float e2e_attn[2][6] = {
 
 static policy_host *e2e_run(const char *const *kv)
 {
-    policy_host *h = sk_host("snapkv", kv, sk_geom(1, 2, 1));
+    policy_host *h = ph_host("snapkv", kv, ph_geom(1, 2, 1));
     assert_int_equal(policy_host_append(h, 6), 0);
     const float *rows[2] = {e2e_attn[0], e2e_attn[1]};
     policy_stats st = {
         .new_tokens = 6, .prefill = 1, .window_attn = rows, .window_queries = 2, .confidence = -1};
-    sk_step(h, 0, &st);
+    ph_step(h, 0, &st);
     return h;
 }
 
@@ -149,7 +149,7 @@ static void test_snapkv_prefill_by_hand(void **s)
     /* avg: h0 -> [.625 .875 .375 .25]/3, h1 -> [.125 .75 1.625 1.5]/3;
      * scores [.125 .2708 .3333 .2917], window .3333 + 1. n_keep = 3. */
     policy_host *h = e2e_run((const char *const[]){"window=2", "kernel=3", NULL});
-    sk_expect_held(h, 0, 0, "2,4,5");
+    ph_expect_held(h, 0, 0, "2,4,5");
     char *js = policy_host_ops(h)->describe(policy_host_state(h), 0);
     assert_non_null(js);
     assert_non_null(strstr(js, "\"compressions\":1"));
@@ -160,30 +160,30 @@ static void test_snapkv_prefill_by_hand(void **s)
     /* max: h0 -> [.5 .5 .25 .25], h1 -> [.125 .625 .875 .875];
      * scores [.3125 .5625 .5625 .5625]: an exact three-way tie, lower index wins. */
     h = e2e_run((const char *const[]){"window=2", "kernel=3", "pooling=max", NULL});
-    sk_expect_held(h, 0, 0, "1,4,5");
+    ph_expect_held(h, 0, 0, "1,4,5");
     policy_host_destroy(h);
     /* cr = 0.6: n_keep = int(6·0.4) = 2. max+1 keeps the window... */
     h = e2e_run((const char *const[]){"window=2", "kernel=3", "compression_ratio=0.6", NULL});
-    sk_expect_held(h, 0, 0, "4,5");
+    ph_expect_held(h, 0, 0, "4,5");
     policy_host_destroy(h);
     /* ...[DKV] max padding ties the window with token 2, which is lower. */
     h = e2e_run((const char *const[]){"window=2", "kernel=3", "compression_ratio=0.6",
                                       "window_pad=max", NULL});
-    sk_expect_held(h, 0, 0, "2,4");
+    ph_expect_held(h, 0, 0, "2,4");
     policy_host_destroy(h);
     /* protect_window keeps the window in spite of the tie. */
     h = e2e_run((const char *const[]){"window=2", "kernel=3", "compression_ratio=0.6",
                                       "window_pad=max", "protect_window=1", NULL});
-    sk_expect_held(h, 0, 0, "4,5");
+    ph_expect_held(h, 0, 0, "4,5");
     policy_host_destroy(h);
     /* n_keep = int(6·0.1) = 0 drops everything in the reference... */
     h = e2e_run((const char *const[]){"window=2", "kernel=3", "compression_ratio=0.9", NULL});
-    sk_expect_held(h, 0, 0, "");
+    ph_expect_held(h, 0, 0, "");
     policy_host_destroy(h);
     /* ...but never a protected window token. */
     h = e2e_run((const char *const[]){"window=2", "kernel=3", "compression_ratio=0.9",
                                       "protect_window=1", NULL});
-    sk_expect_held(h, 0, 0, "4,5");
+    ph_expect_held(h, 0, 0, "4,5");
     policy_host_destroy(h);
 }
 
@@ -193,11 +193,11 @@ static void test_window_too_long_is_skipped(void **s)
 {
     (void)s;
     uint64_t seed = 7;
-    policy_host *h = sk_host("snapkv", (const char *const[]){"window=8", NULL}, sk_geom(1, 2, 1));
+    policy_host *h = ph_host("snapkv", (const char *const[]){"window=8", NULL}, ph_geom(1, 2, 1));
     assert_int_equal(policy_host_append(h, 8), 0);
     sk_stats st;
     sk_stats_random(&st, h, 0, 2, 1, &seed, 1, 8, 8);
-    assert_int_equal(sk_step(h, 0, &st.st), 0); /* L = 8 <= window: SnapKV refuses */
+    assert_int_equal(ph_step(h, 0, &st.st), 0); /* L = 8 <= window: SnapKV refuses */
     sk_stats_free(&st);
     char *js = policy_host_ops(h)->describe(policy_host_state(h), 0);
     assert_non_null(strstr(js, "skipped: L = 8 <= window = 8"));
@@ -205,10 +205,10 @@ static void test_window_too_long_is_skipped(void **s)
     free(js);
     policy_host_destroy(h);
 
-    h = sk_host("snapkv", (const char *const[]){"window=8", NULL}, sk_geom(1, 2, 1));
+    h = ph_host("snapkv", (const char *const[]){"window=8", NULL}, ph_geom(1, 2, 1));
     assert_int_equal(policy_host_append(h, 9), 0);
     sk_stats_random(&st, h, 0, 2, 1, &seed, 1, 9, 8);
-    assert_int_equal(sk_step(h, 0, &st.st), 9 - 4); /* n_keep = int(4.5) = 4 */
+    assert_int_equal(ph_step(h, 0, &st.st), 9 - 4); /* n_keep = int(4.5) = 4 */
     sk_stats_free(&st);
     policy_host_destroy(h);
 }
@@ -217,20 +217,20 @@ static void test_compresses_once_at_end_of_prompt(void **s)
 {
     (void)s;
     uint64_t seed = 11;
-    policy_host *h = sk_host("snapkv", (const char *const[]){"window=4", NULL}, sk_geom(2, 4, 2));
+    policy_host *h = ph_host("snapkv", (const char *const[]){"window=4", NULL}, ph_geom(2, 4, 2));
     sk_stats st;
     /* Prefill chunks without window_attn: the prompt goes on. */
     for (int chunk = 0; chunk < 3; chunk++) {
         assert_int_equal(policy_host_append(h, 10), 0);
         policy_stats none = {.new_tokens = 10, .prefill = 1, .confidence = -1};
         for (uint32_t l = 0; l < 2; l++)
-            assert_int_equal(sk_step(h, l, &none), 0);
+            assert_int_equal(ph_step(h, l, &none), 0);
     }
     /* The last chunk carries window_attn: 40 -> int(20) per head. */
     assert_int_equal(policy_host_append(h, 10), 0);
     for (uint32_t l = 0; l < 2; l++) {
         sk_stats_random(&st, h, l, 4, 2, &seed, 1, 10, 4);
-        assert_int_equal(sk_step(h, l, &st.st), 2 * 20);
+        assert_int_equal(ph_step(h, l, &st.st), 2 * 20);
         sk_stats_free(&st);
         const policy_layer_view *v = policy_host_view(h, l);
         assert_int_equal(v->tokens[0], 20);
@@ -241,7 +241,7 @@ static void test_compresses_once_at_end_of_prompt(void **s)
         assert_int_equal(policy_host_append(h, 1), 0);
         for (uint32_t l = 0; l < 2; l++) {
             sk_stats_random(&st, h, l, 4, 2, &seed, 0, 1, 4);
-            assert_int_equal(sk_step(h, l, &st.st), 0);
+            assert_int_equal(ph_step(h, l, &st.st), 0);
             sk_stats_free(&st);
         }
     }
@@ -253,12 +253,12 @@ static void test_ratio_zero_is_noop(void **s)
 {
     (void)s;
     uint64_t seed = 3;
-    policy_host *h = sk_host(
-        "snapkv", (const char *const[]){"compression_ratio=0", "window=4", NULL}, sk_geom(1, 2, 2));
+    policy_host *h = ph_host(
+        "snapkv", (const char *const[]){"compression_ratio=0", "window=4", NULL}, ph_geom(1, 2, 2));
     assert_int_equal(policy_host_append(h, 30), 0);
     sk_stats st;
     sk_stats_random(&st, h, 0, 2, 2, &seed, 1, 30, 4);
-    assert_int_equal(sk_step(h, 0, &st.st), 0);
+    assert_int_equal(ph_step(h, 0, &st.st), 0);
     sk_stats_free(&st);
     policy_host_destroy(h);
 }
@@ -275,8 +275,8 @@ static void keep_highest(uint64_t seed, const char *pooling, const char *pad, do
     snprintf(pools, sizeof pools, "pooling=%s", pooling);
     snprintf(pads, sizeof pads, "window_pad=%s", pad);
     policy_host *h =
-        sk_host("snapkv", (const char *const[]){crs, pools, pads, "window=16", "kernel=5", NULL},
-                sk_geom(2, Hq, Hkv));
+        ph_host("snapkv", (const char *const[]){crs, pools, pads, "window=16", "kernel=5", NULL},
+                ph_geom(2, Hq, Hkv));
     assert_int_equal(policy_host_append(h, L), 0);
     size_t n_keep = (size_t)((double)L * (1.0 - cr));
     for (uint32_t l = 0; l < 2; l++) {
@@ -285,7 +285,7 @@ static void keep_highest(uint64_t seed, const char *pooling, const char *pad, do
         double *ref[2] = {malloc(L * sizeof(double)), malloc(L * sizeof(double))};
         sk_ref_scores(policy_host_view(h, l), &st.st, Hq, w, k, strcmp(pooling, "max") == 0,
                       strcmp(pad, "max_plus_one") == 0, ref);
-        sk_step(h, l, &st.st);
+        ph_step(h, l, &st.st);
         const policy_layer_view *v = policy_host_view(h, l);
         for (uint32_t g = 0; g < Hkv; g++) {
             assert_int_equal(v->tokens[g], n_keep);
@@ -323,13 +323,13 @@ static void test_budget_extension(void **s)
     (void)s;
     const uint32_t Hq = 4, Hkv = 2, w = 8, B = 40;
     uint64_t seed = 99;
-    policy_host *h = sk_host("snapkv", (const char *const[]){"budget=40", "window=8", NULL},
-                             sk_geom(2, Hq, Hkv));
+    policy_host *h = ph_host("snapkv", (const char *const[]){"budget=40", "window=8", NULL},
+                             ph_geom(2, Hq, Hkv));
     sk_stats st;
     assert_int_equal(policy_host_append(h, 100), 0);
     for (uint32_t l = 0; l < 2; l++) {
         sk_stats_random(&st, h, l, Hq, Hkv, &seed, 1, 100, w);
-        assert_int_equal(sk_step(h, l, &st.st), 2 * 60);
+        assert_int_equal(ph_step(h, l, &st.st), 2 * 60);
         sk_stats_free(&st);
     }
     int differ = 0;
@@ -337,7 +337,7 @@ static void test_budget_extension(void **s)
         assert_int_equal(policy_host_append(h, 1), 0);
         for (uint32_t l = 0; l < 2; l++) {
             sk_stats_random(&st, h, l, Hq, Hkv, &seed, 0, 1, w);
-            assert_int_equal(sk_step(h, l, &st.st), Hkv); /* one per head */
+            assert_int_equal(ph_step(h, l, &st.st), Hkv); /* one per head */
             sk_stats_free(&st);
             const policy_layer_view *v = policy_host_view(h, l);
             for (uint32_t g = 0; g < Hkv; g++) {
@@ -354,31 +354,31 @@ static void test_budget_extension(void **s)
     /* A decode step over budget without window_attn cannot be served. */
     assert_int_equal(policy_host_append(h, 1), 0);
     policy_stats none = {.new_tokens = 1, .prefill = 0, .confidence = -1};
-    sk_step_fails(h, 0, &none, "window_attn");
+    ph_step_fails(h, 0, &none, "window_attn");
     policy_host_destroy(h);
 }
 
 static void run_seeded(uint64_t seed, char **held_out, char **desc_out)
 {
     const uint32_t Hq = 4, Hkv = 2;
-    policy_host *h = sk_host("snapkv", (const char *const[]){"window=8", "budget=30", NULL},
-                             sk_geom(1, Hq, Hkv));
+    policy_host *h = ph_host("snapkv", (const char *const[]){"window=8", "budget=30", NULL},
+                             ph_geom(1, Hq, Hkv));
     sk_stats st;
     assert_int_equal(policy_host_append(h, 64), 0);
     sk_stats_random(&st, h, 0, Hq, Hkv, &seed, 1, 64, 8);
-    sk_step(h, 0, &st.st);
+    ph_step(h, 0, &st.st);
     sk_stats_free(&st);
     for (int t = 0; t < 10; t++) {
         assert_int_equal(policy_host_append(h, 1), 0);
         sk_stats_random(&st, h, 0, Hq, Hkv, &seed, 0, 1, 8);
-        sk_step(h, 0, &st.st);
+        ph_step(h, 0, &st.st);
         sk_stats_free(&st);
     }
     *held_out = malloc(4096);
-    sk_held(h, 0, 0, *held_out, 2048);
+    ph_held(h, 0, 0, *held_out, 2048);
     size_t n = strlen(*held_out);
     (*held_out)[n] = '|';
-    sk_held(h, 0, 1, *held_out + n + 1, 2047);
+    ph_held(h, 0, 1, *held_out + n + 1, 2047);
     *desc_out = policy_host_ops(h)->describe(policy_host_state(h), 0);
     policy_host_destroy(h);
 }
@@ -406,52 +406,50 @@ static void test_deterministic(void **s)
 static void test_invalid_configs(void **s)
 {
     (void)s;
-    policy_geometry g = sk_geom(1, 4, 2);
-    sk_expect_reject("snapkv", (const char *const[]){"compression_ratio=1", NULL}, g,
-                     "compression_ratio");
-    sk_expect_reject("snapkv", (const char *const[]){"compression_ratio=-0.1", NULL}, g,
-                     "compression_ratio");
-    sk_expect_reject("snapkv", (const char *const[]){"compression_ratio=nan", NULL}, g,
-                     "compression_ratio");
-    sk_expect_reject("snapkv", (const char *const[]){"window=0", NULL}, g, "window");
-    sk_expect_reject("snapkv", (const char *const[]){"kernel=4", NULL}, g, "kernel");
-    sk_expect_reject("snapkv", (const char *const[]){"kernel=0", NULL}, g, "kernel");
-    sk_expect_reject("snapkv", (const char *const[]){"pooling=mean", NULL}, g, "pooling");
-    sk_expect_reject("snapkv", (const char *const[]){"window_pad=min", NULL}, g, "window_pad");
-    sk_expect_reject("snapkv", (const char *const[]){"protect_window=2", NULL}, g,
-                     "protect_window");
-    sk_expect_reject("snapkv", (const char *const[]){"budget=64", NULL}, g, "budget");
-    sk_expect_reject("snapkv", (const char *const[]){"budget=10", "window=16", NULL}, g, "budget");
-    sk_expect_reject("snapkv", (const char *const[]){"budget=-1", NULL}, g, "budget");
-    /* Parameters of the other variants are unknown here. */
-    sk_expect_reject("snapkv", (const char *const[]){"epsilon=0.1", NULL}, g, "epsilon");
-    sk_expect_reject("snapkv", (const char *const[]){"alpha_safeguard=0.1", NULL}, g,
-                     "alpha_safeguard");
-    sk_expect_reject("snapkv", NULL, sk_geom(1, 3, 2), "kv_heads");
+    policy_geometry g = ph_geom(1, 4, 2);
+    static const ph_reject cases[] = {
+        {{"compression_ratio=1"}, {"compression_ratio", "[0, 1)"}},
+        {{"compression_ratio=-0.1"}, {"compression_ratio", "[0, 1]"}},
+        {{"compression_ratio=nan"}, {"compression_ratio", "[0, 1]"}},
+        {{"window=0"}, {"window", "[1, 1048576]"}},
+        {{"kernel=4"}, {"kernel", "odd"}},
+        {{"kernel=0"}, {"kernel", "[1, 1025]"}},
+        {{"pooling=mean"}, {"pooling", "avg, max"}},
+        {{"window_pad=min"}, {"window_pad", "max_plus_one, max"}},
+        {{"protect_window=2"}, {"protect_window", "[0, 1]"}},
+        {{"budget=64"}, {"budget", "greater than window (64)"}},
+        {{"budget=10", "window=16"}, {"budget", "greater than window (16)"}},
+        {{"budget=-1"}, {"budget", "[0, 2147483647]"}},
+        /* Parameters of the other variants are unknown here. */
+        {{"epsilon=0.1"}, {"epsilon"}},
+        {{"alpha_safeguard=0.1"}, {"alpha_safeguard"}},
+    };
+    ph_expect_rejects("snapkv", g, cases, PH_N(cases));
+    ph_expect_reject("snapkv", NULL, ph_geom(1, 3, 2), "kv_heads");
     /* Defaults are valid; budget just above window is. */
-    policy_host_destroy(sk_host("snapkv", NULL, g));
-    policy_host_destroy(sk_host("snapkv", (const char *const[]){"budget=65", NULL}, g));
+    policy_host_destroy(ph_host("snapkv", NULL, g));
+    policy_host_destroy(ph_host("snapkv", (const char *const[]){"budget=65", NULL}, g));
 }
 
 static void test_bad_stats(void **s)
 {
     (void)s;
     uint64_t seed = 5;
-    policy_host *h = sk_host("snapkv", (const char *const[]){"window=4", NULL}, sk_geom(1, 4, 2));
+    policy_host *h = ph_host("snapkv", (const char *const[]){"window=4", NULL}, ph_geom(1, 4, 2));
     assert_int_equal(policy_host_append(h, 20), 0);
     sk_stats st;
     sk_stats_random(&st, h, 0, 4, 2, &seed, 1, 20, 8);
-    sk_step_fails(h, 0, &st.st, "window"); /* averages 8 queries, window is 4 */
+    ph_step_fails(h, 0, &st.st, "window"); /* averages 8 queries, window is 4 */
     st.st.window_queries = 4;
     st.wa[2][3] = NAN;
-    sk_step_fails(h, 0, &st.st, "window_attn[2][3]");
+    ph_step_fails(h, 0, &st.st, "window_attn[2][3]");
     st.wa[2][3] = 0.5f;
     float *keep = st.wa[3];
     st.wa[3] = NULL;
-    sk_step_fails(h, 0, &st.st, "window_attn of query head 3");
+    ph_step_fails(h, 0, &st.st, "window_attn of query head 3");
     st.wa[3] = keep;
     st.st.window_queries = 0; /* unspecified: taken as window */
-    assert_int_equal(sk_step(h, 0, &st.st), 2 * 10);
+    assert_int_equal(ph_step(h, 0, &st.st), 2 * 10);
     sk_stats_free(&st);
     policy_host_destroy(h);
 }
@@ -459,22 +457,16 @@ static void test_bad_stats(void **s)
 static void test_registry(void **s)
 {
     (void)s;
-    const policy_ops *ops = policy_find("snapkv");
-    assert_non_null(ops);
-    assert_int_equal(ops->per_head, 1);
-    assert_int_equal(ops->needs, POLICY_NEEDS_WINDOW_ATTN);
-    for (size_t i = 0; i < ops->nparams; i++)
-        assert_true(ops->params[i].help != NULL && ops->params[i].help[0] != '\0');
-    policy_params p;
-    char err[POLICY_ERR_LEN];
-    assert_int_equal(policy_params_resolve(ops, NULL, NULL, 0, &p, err, sizeof err), 0);
-    assert_string_equal(policy_params_get(&p, "compression_ratio"), "0.5");
-    assert_string_equal(policy_params_get(&p, "window"), "64");
-    assert_string_equal(policy_params_get(&p, "kernel"), "5");
-    assert_string_equal(policy_params_get(&p, "pooling"), "avg");
-    assert_string_equal(policy_params_get(&p, "window_pad"), "max_plus_one");
-    assert_string_equal(policy_params_get(&p, "protect_window"), "0");
-    assert_string_equal(policy_params_get(&p, "budget"), "0");
+    static const ph_default defaults[] = {
+        {"compression_ratio", "0.5"},
+        {"window", "64"},
+        {"kernel", "5"},
+        {"pooling", "avg"},
+        {"window_pad", "max_plus_one"},
+        {"protect_window", "0"},
+        {"budget", "0"},
+    };
+    ph_expect_registry("snapkv", POLICY_NEEDS_WINDOW_ATTN, 1, defaults, PH_N(defaults));
 }
 
 int main(void)

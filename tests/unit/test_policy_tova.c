@@ -18,56 +18,35 @@
 
 #include <cmocka.h>
 
-#include "host.h"
-#include "policy.h"
+#include "policy_harness.h"
 
+/* The harness's seeded stream, as the property tests draw it. */
 static uint64_t rng_state;
 
 static uint32_t rng(void)
 {
-    rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
-    return (uint32_t)(rng_state >> 33);
+    return (uint32_t)ph_rand(&rng_state);
 }
 
 static policy_host *host_new(uint32_t budget, const policy_geometry *g)
 {
-    const policy_ops *ops = policy_find("tova");
-    assert_non_null(ops);
-    char b[16];
-    snprintf(b, sizeof b, "%u", budget);
-    const char *k[] = {"budget"};
-    const char *v[] = {b};
-    policy_params p;
-    char err[POLICY_ERR_LEN] = "";
-    if (policy_params_resolve(ops, k, v, 1, &p, err, sizeof err) != 0)
-        fail_msg("resolve: %s", err);
-    policy_host *h = NULL;
-    if (policy_host_create(ops, &p, g, &h, err, sizeof err) != 0)
-        fail_msg("create: %s", err);
-    return h;
+    char b[32];
+    snprintf(b, sizeof b, "budget=%u", budget);
+    const char *kv[] = {b, NULL};
+    return ph_host("tova", kv, *g);
 }
 
 /* Append, step layer 0 with last_attn rows, commit; returns evictions. */
 static size_t step(policy_host *h, uint32_t nnew, const float *const *attn)
 {
     assert_int_equal(policy_host_append(h, nnew), 0);
-    policy_stats st = {0};
-    st.new_tokens = nnew;
-    st.last_attn = attn;
-    st.confidence = -1;
-    const policy_decision *d;
-    char err[POLICY_ERR_LEN] = "";
-    if (policy_host_step(h, 0, &st, &d, err, sizeof err) != 0)
-        fail_msg("step: %s", err);
-    return policy_host_commit(h, 0);
+    policy_stats st = {.new_tokens = nnew, .last_attn = attn, .confidence = -1};
+    return ph_step(h, 0, &st);
 }
 
 static void expect_held(policy_host *h, const uint32_t *want, uint32_t n)
 {
-    const policy_layer_view *v = policy_host_view(h, 0);
-    assert_int_equal(v->tokens[0], n);
-    for (uint32_t i = 0; i < n; i++)
-        assert_int_equal(v->positions[0][i], want[i]);
+    ph_expect_positions(h, 0, 0, want, n);
 }
 
 static void test_hand_vectors(void **unused)
@@ -142,16 +121,15 @@ static void test_missing_stats_and_invalid(void **unused)
     assert_non_null(strstr(err, "last_attn[1]"));
     policy_host_destroy(h);
 
-    const policy_ops *ops = policy_find("tova");
-    const char *k[] = {"budget"};
-    const char *v[] = {"0"};
-    policy_params p;
-    assert_int_equal(policy_params_resolve(ops, k, v, 1, &p, err, sizeof err), 0);
-    void *state = NULL;
-    assert_int_equal(ops->create(&p, &g, &state, err, sizeof err), -1);
-    assert_non_null(strstr(err, "budget"));
+    static const ph_reject cases[] = {
+        {{"budget=0"}, {"budget", "[1, 1048576]"}},
+        {{"budget=1048577"}, {"budget", "[1, 1048576]"}},
+        {{"budget=x"}, {"budget"}},
+    };
+    ph_expect_rejects("tova", g, cases, PH_N(cases));
     /* the default is 256 */
-    assert_int_equal(policy_params_resolve(ops, NULL, NULL, 0, &p, err, sizeof err), 0);
+    policy_params p;
+    assert_int_equal(policy_params_resolve(ph_ops("tova"), NULL, NULL, 0, &p, err, sizeof err), 0);
     assert_string_equal(policy_params_get(&p, "budget"), "256");
 }
 

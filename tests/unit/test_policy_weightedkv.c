@@ -1,7 +1,8 @@
 /*
  * test_policy_weightedkv.c - unit tests for policy "weightedkv"
  * (policies/weightedkv.c, POLICIES.md §4): T-WKV1 (the paper's Fig. 3 toy)
- * on wkv_plan()/wkv_apply_merges() with one-hot values, so that each
+ * on wkv_plan() and the kernels' merge reference (kv_merge_values_ref via
+ * policy_harness.h) with one-hot values, so that each
  * merged row reads off its mixture coefficients; T-WKV2 through the policy
  * host (a, c, w after each step and the merge weights); the edge cases of
  * §4.2, GQA, the prefill extension, invalid configurations; and seeded
@@ -20,8 +21,7 @@
 
 #include <cmocka.h>
 
-#include "host.h"
-#include "policy.h"
+#include "policy_harness.h"
 #include "weightedkv.h"
 
 #define TOL 1e-4
@@ -29,30 +29,10 @@
 
 /* ---- helpers ---- */
 
-static const policy_ops *ops(void)
-{
-    const policy_ops *o = policy_find("weightedkv");
-    assert_non_null(o);
-    return o;
-}
-
-static int try_create(const char *const *keys, const char *const *values, size_t n,
-                      const policy_geometry *g, policy_host **h, char *err, size_t errlen)
-{
-    policy_params p;
-    if (policy_params_resolve(ops(), keys, values, n, &p, err, errlen) != 0)
-        return -1;
-    return policy_host_create(ops(), &p, g, h, err, errlen);
-}
-
 static policy_host *make_host(const char *const *keys, const char *const *values, size_t n,
                               const policy_geometry *g)
 {
-    policy_host *h = NULL;
-    char err[POLICY_ERR_LEN] = "";
-    if (try_create(keys, values, n, g, &h, err, sizeof err) != 0)
-        fail_msg("create: %s", err);
-    return h;
+    return ph_host_pairs("weightedkv", keys, values, n, *g);
 }
 
 static policy_geometry geom(uint32_t layers, uint32_t q_heads, uint32_t kv_heads)
@@ -78,7 +58,7 @@ static void vlist_push(vlist *l, uint32_t token)
 /* Apply merges of head 0 to the rows, then drop every merges[i].from. */
 static void vlist_apply(vlist *l, const policy_merge *m, size_t count)
 {
-    assert_int_equal(wkv_apply_merges(&l->v[0][0], l->n, DIM, m, count, 0), 0);
+    ph_merge_values(&l->v[0][0], l->n, DIM, m, count, 0);
     uint8_t gone[DIM] = {0};
     for (size_t i = 0; i < count; i++)
         gone[m[i].from] = 1;
@@ -392,10 +372,6 @@ static void test_argmin_ties_and_protection(void **unused)
     assert_int_equal(f[1].into, 5);
     assert_float_equal(f[1].w_from, 0.4 / 3, 1e-7);
     assert_float_equal(f[1].w_into, 0.9 + 0.2 / 3, 1e-7);
-    /* apply refuses bad indices */
-    float vals[4] = {0};
-    policy_merge bad = {0, 0, 9, 1.0f, 1.0f};
-    assert_int_equal(wkv_apply_merges(vals, 4, 1, &bad, 1, 0), -1);
 }
 
 /* merge = 0: the same victims, no merge records. */
@@ -549,37 +525,20 @@ static void test_missing_stats(void **unused)
 
 /* ---- invalid configurations and defaults ---- */
 
-static void expect_reject(const char *const *k, const char *const *v, size_t n,
-                          const policy_geometry *g, const char *const *names)
-{
-    policy_host *h = NULL;
-    char err[POLICY_ERR_LEN] = "";
-    assert_int_equal(try_create(k, v, n, g, &h, err, sizeof err), -1);
-    assert_null(h);
-    for (; *names != NULL; names++)
-        if (strstr(err, *names) == NULL)
-            fail_msg("message '%s' does not name %s", err, *names);
-}
-
 static void test_invalid_configs(void **unused)
 {
     (void)unused;
     policy_geometry g = geom(2, 4, 2);
-    expect_reject((const char *[]){"cache_size"}, (const char *[]){"128"}, 1, &g,
-                  (const char *[]){"cache_size", "n_init", "n_recent", NULL});
-    expect_reject((const char *[]){"cache_size", "n_init", "n_recent"},
-                  (const char *[]){"10", "4", "6"}, 3, &g,
-                  (const char *[]){"cache_size", "n_init", "n_recent", NULL});
-    expect_reject((const char *[]){"n_recent"}, (const char *[]){"0"}, 1, &g,
-                  (const char *[]){"n_recent", NULL});
-    expect_reject((const char *[]){"merge"}, (const char *[]){"2"}, 1, &g,
-                  (const char *[]){"merge", NULL});
-    expect_reject((const char *[]){"literal_overwrite"}, (const char *[]){"yes"}, 1, &g,
-                  (const char *[]){"literal_overwrite", NULL});
-    expect_reject((const char *[]){"cache_size"}, (const char *[]){"-3"}, 1, &g,
-                  (const char *[]){"cache_size", NULL});
-    policy_geometry bad = geom(1, 3, 2); /* q_heads not a multiple of kv_heads */
-    expect_reject(NULL, NULL, 0, &bad, (const char *[]){"kv_heads", NULL});
+    static const ph_reject cases[] = {
+        {{"cache_size=128"}, {"cache_size", "n_init", "n_recent"}},
+        {{"cache_size=10", "n_init=4", "n_recent=6"}, {"cache_size", "n_init", "n_recent"}},
+        {{"n_recent=0"}, {"n_recent", "[1, 1048576]"}},
+        {{"merge=2"}, {"merge", "[0, 1]"}},
+        {{"literal_overwrite=yes"}, {"literal_overwrite", "[0, 1]"}},
+        {{"cache_size=-3"}, {"cache_size", "[2, 1048576]"}},
+    };
+    ph_expect_rejects("weightedkv", g, cases, PH_N(cases));
+    ph_expect_reject("weightedkv", NULL, geom(1, 3, 2), "kv_heads"); /* q_heads % kv_heads */
     /* The smallest accepted middle: m = n_init + n_recent + 1. */
     policy_host *h = make_host((const char *[]){"cache_size", "n_init", "n_recent"},
                                (const char *[]){"10", "4", "5"}, 3, &g);
@@ -589,36 +548,27 @@ static void test_invalid_configs(void **unused)
 static void test_defaults(void **unused)
 {
     (void)unused;
-    const policy_ops *o = ops();
-    assert_int_equal(o->per_head, 1);
-    assert_int_equal(o->needs, POLICY_NEEDS_LAST_ATTN);
-    policy_params p;
-    char err[POLICY_ERR_LEN];
-    assert_int_equal(policy_params_resolve(o, NULL, NULL, 0, &p, err, sizeof err), 0);
-    const char *want[][2] = {{"cache_size", "256"},
-                             {"n_init", "4"},
-                             {"n_recent", "124"},
-                             {"merge", "1"},
-                             {"literal_overwrite", "0"}};
-    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++)
-        assert_string_equal(policy_params_get(&p, want[i][0]), want[i][1]);
-    for (size_t i = 0; i < o->nparams; i++)
-        assert_true(o->params[i].help != NULL && o->params[i].help[0] != '\0');
+    static const ph_default defaults[] = {{"cache_size", "256"},
+                                          {"n_init", "4"},
+                                          {"n_recent", "124"},
+                                          {"merge", "1"},
+                                          {"literal_overwrite", "0"}};
+    ph_expect_registry("weightedkv", POLICY_NEEDS_LAST_ATTN, 1, defaults, PH_N(defaults));
 }
 
 /* ---- properties on seeded random stats ---- */
 
 static uint64_t rng_state;
 
+/* The harness's seeded stream. */
 static uint32_t rng(void)
 {
-    rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
-    return (uint32_t)(rng_state >> 33);
+    return (uint32_t)ph_rand(&rng_state);
 }
 
 static double rng_unit(void)
 {
-    return (double)rng() / 2147483648.0;
+    return ph_uniform(&rng_state, 0, 1);
 }
 
 /* wkv_plan equals Algorithm 1 run one merge at a time: argmin over the
@@ -688,8 +638,8 @@ static void test_flatten_equals_plan(void **unused)
         for (size_t i = 0; i < n; i++)
             for (size_t x = 0; x < D; x++)
                 a[i][x] = b[i][x] = (float)rng_unit() - 0.5f;
-        assert_int_equal(wkv_apply_merges(&a[0][0], n, D, plan, k, 0), 0);
-        assert_int_equal(wkv_apply_merges(&b[0][0], n, D, flat, k, 0), 0);
+        ph_merge_values(&a[0][0], n, D, plan, k, 0);
+        ph_merge_values(&b[0][0], n, D, flat, k, 0);
         uint8_t gone[N] = {0};
         int chain = 0;
         for (size_t m = 0; m < k; m++) {
@@ -750,11 +700,11 @@ static void test_prefill_chains_through_host(void **unused)
                 best = j;
         policy_merge one = {0, idx[best], idx[best + 1], 0, 0};
         wkv_merge_weights(row[idx[best]], row[idx[best + 1]], &one.w_from, &one.w_into);
-        assert_int_equal(wkv_apply_merges(&ref[0][0], P, P, &one, 1, 0), 0);
+        ph_merge_values(&ref[0][0], P, P, &one, 1, 0);
         memmove(&idx[best], &idx[best + 1], (len - best - 1) * sizeof idx[0]);
         len--;
     }
-    assert_int_equal(wkv_apply_merges(&got[0][0], P, P, d->merges, d->nmerges, 0), 0);
+    ph_merge_values(&got[0][0], P, P, d->merges, d->nmerges, 0);
     assert_int_equal(policy_host_commit(h, 0), P - M);
     const policy_layer_view *view = policy_host_view(h, 0);
     assert_int_equal(view->tokens[0], M);
@@ -804,8 +754,7 @@ static uint64_t run_random(uint64_t seed, int merge)
             assert_int_equal(d->nmerges, merge && view->tokens[0] > M ? KV : 0);
             for (uint32_t kv = 0; kv < KV; kv++) {
                 uint32_t n = view->tokens[kv];
-                assert_int_equal(
-                    wkv_apply_merges(&vals[l][kv][0][0], n, T, d->merges, d->nmerges, kv), 0);
+                ph_merge_values(&vals[l][kv][0][0], n, T, d->merges, d->nmerges, kv);
                 uint32_t out = 0;
                 for (uint32_t i = 0; i < n; i++) {
                     if (d->tier[kv][i] == POLICY_EVICT) {

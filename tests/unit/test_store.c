@@ -14,7 +14,7 @@
 #include "store.h"
 
 typedef struct fixture {
-    store st;
+    store *st;
     char token[STORE_TOKEN_LEN + 1];
     uint64_t pool_id;
     uint32_t block_count;
@@ -26,12 +26,12 @@ static int setup_pool(void **state, size_t pool_bytes)
 {
     static fixture f;
     memset(&f, 0, sizeof f);
-    store_config cfg = {pool_bytes, 4, 16, 64};
-    assert_int_equal(store_init(&f.st, &cfg, NULL), 0);
+    store_config cfg = {pool_bytes, 4, 16, 64, NULL};
+    assert_non_null(f.st = store_create(&cfg, NULL));
     status s;
-    assert_int_equal(store_session_open(&f.st, 100, 1000, 1000, 1, f.token, &s), ST_OK);
+    assert_int_equal(store_session_open(f.st, 100, 1000, 1000, 1, f.token, &s), ST_OK);
     store_attach_result r;
-    assert_int_equal(store_attach(&f.st, f.token, "m", &small_geom, "w", &r, &s), ST_OK);
+    assert_int_equal(store_attach(f.st, f.token, "m", &small_geom, "w", &r, &s), ST_OK);
     f.pool_id = r.pool_id;
     f.block_count = r.block_count;
     *state = &f;
@@ -52,13 +52,42 @@ static int setup_small(void **state)
 static int teardown(void **state)
 {
     fixture *f = *state;
-    store_destroy(&f->st);
+    store_destroy(f->st);
     return 0;
 }
 
-static pool *the_pool(fixture *f)
+/* The store as Stats sees it (store_snapshot). */
+static snapshot take_snapshot(fixture *f)
 {
-    return f->st.pools[0];
+    snapshot sn;
+    assert_int_equal(store_snapshot(f->st, &sn), 0);
+    return sn;
+}
+
+/* The fixture's pool, the first the store created. */
+static snapshot_pool the_pool(fixture *f)
+{
+    snapshot sn = take_snapshot(f);
+    assert_true(sn.npools >= 1);
+    snapshot_pool p = sn.pools[0];
+    snapshot_free(&sn);
+    return p;
+}
+
+static size_t store_pools(fixture *f)
+{
+    snapshot sn = take_snapshot(f);
+    size_t n = sn.npools;
+    snapshot_free(&sn);
+    return n;
+}
+
+static size_t store_seqs(fixture *f)
+{
+    snapshot sn = take_snapshot(f);
+    size_t n = sn.nseqs;
+    snapshot_free(&sn);
+    return n;
 }
 
 static uint64_t make_seq(fixture *f, const char *policy, const char *const *keys,
@@ -68,15 +97,14 @@ static uint64_t make_seq(fixture *f, const char *policy, const char *const *keys
     policy_params p;
     status s;
     assert_int_equal(
-        store_seq_create(&f->st, f->token, policy, keys, values, n, "", &id, &epoch, &p, &s),
-        ST_OK);
+        store_seq_create(f->st, f->token, policy, keys, values, n, "", &id, &epoch, &p, &s), ST_OK);
     return id;
 }
 
 static void append(fixture *f, uint64_t id, int64_t count, uint64_t ack, store_table *w)
 {
     status s;
-    status_code rc = store_append(&f->st, f->token, id, count, ack, w, &s);
+    status_code rc = store_append(f->st, f->token, id, count, ack, w, &s);
     if (rc != ST_OK)
         fail_msg("append failed: %s", s.msg);
 }
@@ -86,7 +114,7 @@ static void table_positions(fixture *f, uint64_t id, uint32_t layer, uint32_t *o
 {
     store_table t;
     status s;
-    assert_int_equal(store_get_table(&f->st, f->token, id, 0, 1, &t, &s), ST_OK);
+    assert_int_equal(store_get_table(f->st, f->token, id, 0, 1, &t, &s), ST_OK);
     *n = t.lists[layer].tokens;
     memcpy(out, t.lists[layer].positions, *n * sizeof *out);
     /* Segments must cover exactly the held tokens. */
@@ -112,7 +140,7 @@ static void test_append_assigns_fresh_blocks(void **state)
     /* Four distinct blocks over the two layers. */
     assert_int_not_equal(w.lists[0].segs[0].block, w.lists[1].segs[0].block);
     assert_int_not_equal(w.lists[0].segs[1].block, w.lists[1].segs[1].block);
-    assert_int_equal(the_pool(f)->nfree, f->block_count - 4);
+    assert_int_equal(the_pool(f).blocks_free, f->block_count - 4);
     uint32_t tail = w.lists[0].segs[1].block;
     store_table_free(&w);
     append(f, id, 1, 0, &w); /* fills the tail block's slot 2 */
@@ -151,7 +179,7 @@ static void test_streaming_keeps_exactly_sinks_and_window(void **state)
     }
     /* Held blocks stay bounded: sinks' block + the window's blocks (+1 tail)
      * per layer, not 60 tokens' worth. */
-    seq *q = store_find_seq_locked(&f->st, id);
+    seq *q = store_find_seq_locked(f->st, id);
     assert_true(seq_blocks_held(q) <= 2 * (1 + 3));
 }
 
@@ -166,25 +194,26 @@ static void test_evicted_blocks_retire_until_ack(void **state)
     append(f, id, 4, 0, &w); /* a second one; the first step keeps all 4 */
     assert_int_equal(w.evicted, 0);
     store_table_free(&w);
-    uint32_t free_before = the_pool(f)->nfree;
+    uint32_t free_before = the_pool(f).blocks_free;
     append(f, id, 1, 0, &w); /* the step of 8 evicts the whole first block of each layer */
     assert_int_equal(w.evicted, 8);
     uint64_t epoch = w.epoch;
     store_table_free(&w);
-    seq *q = store_find_seq_locked(&f->st, id);
+    seq *q = store_find_seq_locked(f->st, id);
     assert_int_equal(seq_retired_count(q), 2);
-    assert_int_equal(the_pool(f)->nfree, free_before - 2); /* new tail blocks; none freed yet */
+    assert_int_equal(the_pool(f).blocks_free,
+                     free_before - 2); /* new tail blocks; none freed yet */
     store_table t;
     status s;
-    assert_int_equal(store_get_table(&f->st, f->token, id, epoch, 0, &t, &s), ST_OK);
+    assert_int_equal(store_get_table(f->st, f->token, id, epoch, 0, &t, &s), ST_OK);
     store_table_free(&t);
     assert_int_equal(seq_retired_count(q), 0);
-    assert_int_equal(the_pool(f)->nfree, free_before); /* the 2 retired are back */
+    assert_int_equal(the_pool(f).blocks_free, free_before); /* the 2 retired are back */
     /* Reusable: a new sequence gets those blocks. */
     uint64_t id2 = make_seq(f, "full", NULL, NULL, 0);
     append(f, id2, 8, 0, &w);
     store_table_free(&w);
-    assert_int_equal(the_pool(f)->nfree, free_before - 4);
+    assert_int_equal(the_pool(f).blocks_free, free_before - 4);
 }
 
 static void test_pool_full_changes_nothing(void **state)
@@ -194,16 +223,16 @@ static void test_pool_full_changes_nothing(void **state)
     store_table w;
     append(f, id, 3, 0, &w);
     store_table_free(&w);
-    seq *q = store_find_seq_locked(&f->st, id);
+    seq *q = store_find_seq_locked(f->st, id);
     uint64_t epoch = q->epoch;
-    uint32_t nfree = the_pool(f)->nfree;
+    uint32_t nfree = the_pool(f).blocks_free;
     status s;
     /* Far more tokens than the pool holds. */
-    assert_int_equal(store_append(&f->st, f->token, id, 65536, 0, &w, &s), ST_RESOURCE_EXHAUSTED);
+    assert_int_equal(store_append(f->st, f->token, id, 65536, 0, &w, &s), ST_RESOURCE_EXHAUSTED);
     assert_non_null(strstr(s.msg, "free blocks"));
     assert_int_equal(q->epoch, epoch);
     assert_int_equal(q->appended, 3);
-    assert_int_equal(the_pool(f)->nfree, nfree);
+    assert_int_equal(the_pool(f).blocks_free, nfree);
 }
 
 static void test_bad_counts(void **state)
@@ -214,11 +243,10 @@ static void test_bad_counts(void **state)
     status s;
     int64_t bad[] = {0, -1, -5, 65537, INT64_MAX, INT64_MIN};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
-        assert_int_equal(store_append(&f->st, f->token, id, bad[i], 0, &w, &s),
-                         ST_INVALID_ARGUMENT);
+        assert_int_equal(store_append(f->st, f->token, id, bad[i], 0, &w, &s), ST_INVALID_ARGUMENT);
         assert_non_null(strstr(s.msg, "count"));
     }
-    assert_int_equal(store_find_seq_locked(&f->st, id)->epoch, 0);
+    assert_int_equal(store_find_seq_locked(f->st, id)->epoch, 0);
 }
 
 static void test_sessions_and_ownership(void **state)
@@ -228,21 +256,21 @@ static void test_sessions_and_ownership(void **state)
     char other[STORE_TOKEN_LEN + 1];
     status s;
     store_table w;
-    assert_int_equal(store_session_open(&f->st, 200, 1000, 1000, 2, other, &s), ST_OK);
-    assert_int_equal(store_append(&f->st, other, id, 1, 0, &w, &s), ST_FAILED_PRECONDITION);
+    assert_int_equal(store_session_open(f->st, 200, 1000, 1000, 2, other, &s), ST_OK);
+    assert_int_equal(store_append(f->st, other, id, 1, 0, &w, &s), ST_FAILED_PRECONDITION);
     store_attach_result r;
     pool_geometry g = small_geom;
     g.kv_heads = 1;
-    assert_int_equal(store_attach(&f->st, other, "m", &g, "x", &r, &s), ST_FAILED_PRECONDITION);
+    assert_int_equal(store_attach(f->st, other, "m", &g, "x", &r, &s), ST_FAILED_PRECONDITION);
     assert_non_null(strstr(s.msg, "geometry mismatch"));
-    assert_int_equal(store_attach(&f->st, other, "m", &small_geom, "x", &r, &s), ST_OK);
+    assert_int_equal(store_attach(f->st, other, "m", &small_geom, "x", &r, &s), ST_OK);
     assert_int_equal(r.pool_id, f->pool_id); /* same model, same pool */
-    assert_int_equal(store_append(&f->st, other, id, 1, 0, &w, &s), ST_PERMISSION_DENIED);
-    assert_int_equal(store_append(&f->st, NULL, id, 1, 0, &w, &s), ST_UNAUTHENTICATED);
-    assert_int_equal(store_append(&f->st, f->token, 999, 1, 0, &w, &s), ST_NOT_FOUND);
+    assert_int_equal(store_append(f->st, other, id, 1, 0, &w, &s), ST_PERMISSION_DENIED);
+    assert_int_equal(store_append(f->st, NULL, id, 1, 0, &w, &s), ST_UNAUTHENTICATED);
+    assert_int_equal(store_append(f->st, f->token, 999, 1, 0, &w, &s), ST_NOT_FOUND);
     /* The other session's connection closes: only its state goes. */
-    store_session_conn_closed(&f->st, 2);
-    assert_int_equal(the_pool(f)->sessions, 1);
+    store_session_conn_closed(f->st, 2);
+    assert_int_equal(the_pool(f).sessions, 1);
     append(f, id, 1, 0, &w);
     store_table_free(&w);
 }
@@ -250,7 +278,7 @@ static void test_sessions_and_ownership(void **state)
 static void test_reclaim_frees_everything(void **state)
 {
     fixture *f = *state;
-    uint32_t nfree = the_pool(f)->nfree;
+    uint32_t nfree = the_pool(f).blocks_free;
     uint64_t a = make_seq(f, "full", NULL, NULL, 0);
     const char *keys[] = {"n_sink", "window"}, *values[] = {"1", "2"};
     uint64_t b = make_seq(f, "streaming", keys, values, 2);
@@ -261,17 +289,17 @@ static void test_reclaim_frees_everything(void **state)
         append(f, b, 1, 0, &w); /* never acks: retired blocks pile up */
         store_table_free(&w);
     }
-    assert_true(the_pool(f)->nfree < nfree);
+    assert_true(the_pool(f).blocks_free < nfree);
     char second[STORE_TOKEN_LEN + 1];
     status s;
-    assert_int_equal(store_session_open(&f->st, 300, 1000, 1000, 3, second, &s), ST_OK);
+    assert_int_equal(store_session_open(f->st, 300, 1000, 1000, 3, second, &s), ST_OK);
     store_attach_result r;
-    assert_int_equal(store_attach(&f->st, second, "m", &small_geom, "x", &r, &s), ST_OK);
-    store_lease_end(&f->st, 1); /* the fixture's session (id 1) dies */
-    assert_null(store_find_seq_locked(&f->st, a));
-    assert_null(store_find_seq_locked(&f->st, b));
-    assert_int_equal(f->st.nseqs, 0);
-    assert_int_equal(the_pool(f)->nfree, the_pool(f)->block_count); /* all blocks back */
+    assert_int_equal(store_attach(f->st, second, "m", &small_geom, "x", &r, &s), ST_OK);
+    store_lease_end(f->st, 1); /* the fixture's session (id 1) dies */
+    assert_null(store_find_seq_locked(f->st, a));
+    assert_null(store_find_seq_locked(f->st, b));
+    assert_int_equal(store_seqs(f), 0);
+    assert_int_equal(the_pool(f).blocks_free, the_pool(f).blocks_total); /* all blocks back */
 }
 
 static void test_bad_geometry_and_policy(void **state)
@@ -280,33 +308,33 @@ static void test_bad_geometry_and_policy(void **state)
     char tok[STORE_TOKEN_LEN + 1];
     status s;
     store_attach_result r;
-    assert_int_equal(store_session_open(&f->st, 400, 1000, 1000, 4, tok, &s), ST_OK);
+    assert_int_equal(store_session_open(f->st, 400, 1000, 1000, 4, tok, &s), ST_OK);
     pool_geometry g = small_geom;
     g.q_heads = 3;
-    assert_int_equal(store_attach(&f->st, tok, "x", &g, "", &r, &s), ST_INVALID_ARGUMENT);
+    assert_int_equal(store_attach(f->st, tok, "x", &g, "", &r, &s), ST_INVALID_ARGUMENT);
     assert_non_null(strstr(s.msg, "q_heads"));
     g = small_geom;
     g.head_dim = 0;
-    assert_int_equal(store_attach(&f->st, tok, "x", &g, "", &r, &s), ST_INVALID_ARGUMENT);
+    assert_int_equal(store_attach(f->st, tok, "x", &g, "", &r, &s), ST_INVALID_ARGUMENT);
     assert_non_null(strstr(s.msg, "head_dim"));
     g = small_geom;
     g.dtype = 0;
-    assert_int_equal(store_attach(&f->st, tok, "x", &g, "", &r, &s), ST_INVALID_ARGUMENT);
-    assert_int_equal(store_attach(&f->st, tok, "bad name!", &small_geom, "", &r, &s),
+    assert_int_equal(store_attach(f->st, tok, "x", &g, "", &r, &s), ST_INVALID_ARGUMENT);
+    assert_int_equal(store_attach(f->st, tok, "bad name!", &small_geom, "", &r, &s),
                      ST_INVALID_ARGUMENT);
     uint64_t id, epoch;
     policy_params p;
     assert_int_equal(
-        store_seq_create(&f->st, f->token, "nope", NULL, NULL, 0, "", &id, &epoch, &p, &s),
+        store_seq_create(f->st, f->token, "nope", NULL, NULL, 0, "", &id, &epoch, &p, &s),
         ST_INVALID_ARGUMENT);
     assert_non_null(strstr(s.msg, "nope"));
     const char *keys[] = {"window"}, *values[] = {"abc"};
     assert_int_equal(
-        store_seq_create(&f->st, f->token, "streaming", keys, values, 1, "", &id, &epoch, &p, &s),
+        store_seq_create(f->st, f->token, "streaming", keys, values, 1, "", &id, &epoch, &p, &s),
         ST_INVALID_ARGUMENT);
     assert_non_null(strstr(s.msg, "window"));
-    assert_int_equal(f->st.nseqs, 0);
-    assert_int_equal(f->st.pools[1], NULL); /* no pool was created for "x" */
+    assert_int_equal(store_seqs(f), 0);
+    assert_int_equal(store_pools(f), 1); /* no pool was created for "x" */
 }
 
 /* The sources Revive reports for positions [first, first + n) of layer 0. */
@@ -314,13 +342,13 @@ static void revive_sources(fixture *f, uint64_t id, uint32_t first, uint32_t n, 
 {
     status s;
     store_revive_result r;
-    assert_int_equal(store_revive(&f->st, f->token, id, 0, 0, first, n, 0, &r, &s), ST_OK);
+    assert_int_equal(store_revive(f->st, f->token, id, 0, 0, first, n, 0, &r, &s), ST_OK);
     assert_int_equal(r.table.tokens, n);
     counts[0] = counts[1] = counts[2] = 0;
     for (uint32_t t = 0; t < n; t++)
         counts[r.src_tier[t]]++;
     uint32_t freed;
-    assert_int_equal(store_scratch_release(&f->st, f->token, r.scratch_id, &freed, &s), ST_OK);
+    assert_int_equal(store_scratch_release(f->st, f->token, r.scratch_id, &freed, &s), ST_OK);
     store_revive_result_free(&r);
 }
 
@@ -333,7 +361,7 @@ static void test_int8_victims_give_way_under_pressure(void **state)
     fixture *f = *state;
     const char *keys[] = {"n_sink", "window", "victims"}, *values[] = {"0", "8", "int8"};
     uint64_t id = make_seq(f, "streaming", keys, values, 3);
-    seq *q = store_find_seq_locked(&f->st, id);
+    seq *q = store_find_seq_locked(f->st, id);
     uint32_t t8 = q->tier.l8.block_tokens;
     assert_int_equal(t8, 12); /* 512-byte blocks: 4 fp32 tokens, or 12 INT8 ones + scales */
     store_table w;
@@ -363,10 +391,10 @@ static void test_int8_victims_give_way_under_pressure(void **state)
     assert_true(q->victims_dropped > 0);
     assert_int_equal(q->appended, total);
     /* Held and retired blocks plus free ones are the whole pool. */
-    assert_int_equal(seq_blocks_held(q) + the_pool(f)->nfree, f->block_count);
+    assert_int_equal(seq_blocks_held(q) + the_pool(f).blocks_free, f->block_count);
     status s;
     store_revive_result r;
-    assert_int_equal(store_revive(&f->st, f->token, id, 0, 0, 0, 10, 0, &r, &s),
+    assert_int_equal(store_revive(f->st, f->token, id, 0, 0, 0, 10, 0, &r, &s),
                      ST_FAILED_PRECONDITION);
     assert_non_null(strstr(s.msg, "evicted outright"));
     /* The victims dropped are the oldest, whole INT8 blocks of each layer:
@@ -380,7 +408,7 @@ static void test_int8_victims_give_way_under_pressure(void **state)
     /* An append no amount of dropping can serve is refused, victims kept
      * (the step of the last token still ran first: one more victim). */
     uint64_t dropped = q->victims_dropped, kept = q->lists[0].noffloaded;
-    assert_int_equal(store_append(&f->st, f->token, id, 65536, ack, &w, &s), ST_RESOURCE_EXHAUSTED);
+    assert_int_equal(store_append(f->st, f->token, id, 65536, ack, &w, &s), ST_RESOURCE_EXHAUSTED);
     assert_int_equal(q->victims_dropped, dropped);
     assert_int_equal(q->lists[0].noffloaded, kept + 1);
 }

@@ -1,5 +1,5 @@
 /*
- * operator.h - what an operator may do to a sequence by hand (the `kvstash`
+ * store_operator.h - what an operator may do to a sequence by hand (the `kvstash`
  * CLI's evict, demote, offload and revive), beside what its worker and its
  * policy do. One call, EvictRequest's, with the tier the positions go to.
  *
@@ -14,9 +14,14 @@
  * KVReviver Alg. 3); demote quantises at once even fewer tokens than an INT8
  * block holds (seq_demote_pending). Blocks the moves leave are retired the
  * same way, and a table.changed event says which operation ran.
+ *
+ * A store operation (daemon/store*.c): it takes the store's lock, checks the
+ * caller's session and uid against the sequence's owner, and reports to the
+ * store's metrics and events, so it sees the store's structures
+ * (store_internal.h) like store.c does.
  */
-#ifndef KVSTASH_OPERATOR_H
-#define KVSTASH_OPERATOR_H
+#ifndef KVSTASH_STORE_OPERATOR_H
+#define KVSTASH_STORE_OPERATOR_H
 
 #include <stddef.h>
 #include <stdint.h>

@@ -1,12 +1,14 @@
-/* operator.c - see operator.h. */
-#include "operator.h"
+/* store_operator.c - see store_operator.h. */
+#include "store_operator.h"
 
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 #include "log.h"
 #include "metrics.h"
+#include "store_internal.h"
 
 int operator_can_evict(const policy_ops *p)
 {
@@ -175,8 +177,10 @@ static status_code apply_layer(seq *q, uint32_t l, policy_tier to, const operato
     policy_stats stats = {.new_tokens = q->unstepped, .confidence = -1.0};
     const policy_decision *d;
     char err[POLICY_ERR_LEN] = "";
+    errno = 0; /* ENOMEM after a failure: out of memory (malloc sets it), not a bug */
     if (policy_host_step(q->host, l, &stats, &d, err, sizeof err) != 0)
-        return status_set(s, ST_INTERNAL, "policy %s failed: %s", q->policy->name, err);
+        return status_set(s, errno == ENOMEM ? ST_RESOURCE_EXHAUSTED : ST_INTERNAL,
+                          "policy %s failed: %s", q->policy->name, err);
     /* Not for the policies operator_can_evict admits; refused rather than
      * half-applied. Nothing is committed: the host drops an uncommitted
      * decision at the layer's next step (host.h). */
@@ -238,7 +242,7 @@ static void report(store *st, seq *q, policy_tier to, const operator_evict_resul
 {
     metrics_evicted(st->metrics, q->policy, 1, to == POLICY_EVICT ? out->requested : 0);
     metrics_evicted(st->metrics, q->policy, 0, out->by_policy);
-    metrics_tiers(st->metrics, q);
+    store_report_tiers(st, q);
     if (out->evicted > 0 || changed)
         events_publish(st->events, "table.changed",
                        json_pack("{sI sI sI ss ss sI}", "seq", (json_int_t)q->id, "epoch",

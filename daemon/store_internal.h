@@ -1,0 +1,71 @@
+/*
+ * store_internal.h - the store's own structures, for daemon/store*.c only
+ * (store.c, store_operator.c) and the store's fault tests; everyone else
+ * sees the opaque handles of store.h.
+ */
+#ifndef KVSTASH_STORE_INTERNAL_H
+#define KVSTASH_STORE_INTERNAL_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "events.h"
+#include "pool.h"
+#include "seq.h"
+#include "store.h"
+
+/* Blocks a Revive filled for a worker to read; the worker releases them
+ * (ReleaseScratch), or they go with its session. */
+typedef struct store_scratch {
+    uint64_t id;
+    uint32_t *blocks;
+    size_t nblocks;
+    struct store_scratch *next;
+} store_scratch;
+
+/* A worker: identified on the fd socket, attached to one pool by Attach. */
+struct session {
+    uint64_t id;
+    char token[STORE_TOKEN_LEN + 1];
+    pid_t pid;
+    uid_t uid;
+    gid_t gid;
+    int conn_id; /* the fd-socket connection that identified it */
+    int attached;
+    pool *pool;
+    char name[65];
+    uint64_t attached_ms; /* store_now_ms() at Attach */
+    int lease_open;
+    uint64_t lease_ms; /* store_now_ms() when the lease opened (operators' "lease age") */
+    uint32_t nseqs;
+    store_transport transport; /* the per-step ring, once the worker asked for it */
+    store_scratch *scratch;
+    struct session *next;
+};
+
+struct store {
+    pthread_mutex_t lock;
+    store_config cfg;
+    events *events; /* may be NULL */
+    /* Counters for /metrics (metrics.h); NULL = none. Set once before the
+     * store serves anyone (main.c), never changed afterwards. */
+    struct metrics *metrics;
+    uint64_t start_ms;
+    int serving;  /* 0 once shutdown began: new work gets UNAVAILABLE */
+    pool **pools; /* cfg.max_pools slots, NULL when free */
+    session *sessions;
+    seq **seqs;
+    size_t nseqs, seqs_cap;
+    store_transport *closed; /* transports of ended sessions, joined outside the lock */
+    size_t nclosed, closed_cap;
+    uint64_t next_pool_id, next_session_id, next_seq_id, next_scratch_id;
+};
+
+/* Lock held: the session holding `token` (attached or not) or with id `id`;
+ * NULL if none. */
+session *store_find_session_locked(store *st, const char *token);
+session *store_find_session_id_locked(store *st, uint64_t id);
+
+#endif

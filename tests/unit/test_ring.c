@@ -1,0 +1,240 @@
+/*
+ * Unit tests of daemon/ring.h on its own: a store without gRPC, a real ring
+ * (sealed memfd, its thread) and the worker's side from libkvstash
+ * (client/ring_client.h) mapping the same memfd. Each request goes through
+ * the shared header and a futex doorbell, and its answer must equal what the
+ * store says directly: the ring is a faster door, not a second set of rules.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <cmocka.h>
+
+#include <fcntl.h>
+#include <stdatomic.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvstash.h"
+#include "kvstash_ring.h"
+#include "policy.h"
+#include "ring.h"
+#include "ring_client.h"
+#include "store.h"
+
+#define RING_TEST_BYTES (64u << 10)
+
+typedef struct fixture {
+    store *st;
+    char token[STORE_TOKEN_LEN + 1];
+    uint64_t seq_id;
+    ring *r;
+    ring_client rc;
+} fixture;
+
+static const pool_geometry geom = {2, 4, 2, 8, 4, POOL_FP32, 0};
+
+static int setup_policy(void **state, const char *policy, const char *const *keys,
+                        const char *const *values, size_t n)
+{
+    static fixture f;
+    memset(&f, 0, sizeof f);
+    store_config cfg = {.pool_bytes = 1 << 20, .max_pools = 2, .max_sessions = 4, .max_seqs = 8};
+    assert_non_null(f.st = store_create(&cfg, NULL));
+    status s;
+    assert_int_equal(store_session_open(f.st, 100, 1000, 1000, 1, f.token, &s), ST_OK);
+    store_attach_result ar;
+    assert_int_equal(store_attach(f.st, f.token, "m", &geom, "w", &ar, &s), ST_OK);
+    uint64_t epoch;
+    policy_params p;
+    assert_int_equal(
+        store_seq_create(f.st, f.token, policy, keys, values, n, "", &f.seq_id, &epoch, &p, &s),
+        ST_OK);
+    if (ring_create(f.st, f.token, RING_TEST_BYTES, &f.r, &s) != ST_OK)
+        fail_msg("ring_create: %s", s.msg);
+    assert_int_equal(ring_bytes(f.r), RING_TEST_BYTES);
+    int fd = fcntl(ring_fd(f.r), F_DUPFD_CLOEXEC, 0);
+    assert_true(fd >= 0);
+    char err[256];
+    if (ring_client_open(&f.rc, fd, RING_TEST_BYTES, err, sizeof err) != KVS_OK)
+        fail_msg("ring_client_open: %s", err);
+    *state = &f;
+    return 0;
+}
+
+static int setup(void **state)
+{
+    return setup_policy(state, "full", NULL, NULL, 0);
+}
+
+static int setup_h2o(void **state)
+{
+    /* 4 tokens a layer: the 2 most recent and the 2 heaviest of the rest. */
+    static const char *const keys[] = {"budget", "recent"}, *const values[] = {"4", "2"};
+    return setup_policy(state, "h2o", keys, values, 2);
+}
+
+static int teardown(void **state)
+{
+    fixture *f = *state;
+    ring_client_close(&f->rc);
+    if (f->r != NULL) {
+        ring_close(f->r);
+        ring_join(f->r);
+    }
+    store_destroy(f->st);
+    return 0;
+}
+
+/* One request through the ring; the answer's code. */
+static int32_t call(fixture *f, const ring_request *q, ring_response *resp)
+{
+    memcpy((void *)&f->rc.hdr->req, q, sizeof *q);
+    memset(resp, 0xa5, sizeof *resp);
+    assert_int_equal(ring_client_call(&f->rc, resp), KVS_OK);
+    return resp->code;
+}
+
+static void test_header_and_ping(void **state)
+{
+    fixture *f = *state;
+    assert_true(f->rc.hdr->magic == RING_MAGIC);
+    assert_int_equal(f->rc.hdr->bytes, RING_TEST_BYTES);
+    assert_int_equal(f->rc.data_bytes, RING_TEST_BYTES - RING_DATA_OFFSET);
+    ring_response r;
+    ring_request q = {.op = RING_OP_PING};
+    assert_int_equal(call(f, &q, &r), ST_OK);
+    assert_string_equal(r.msg, "");
+    assert_int_equal(f->rc.hdr->resp_seq, f->rc.hdr->req_seq); /* one answer per request */
+    q.op = 99;
+    assert_int_equal(call(f, &q, &r), ST_INVALID_ARGUMENT);
+    assert_string_equal(r.msg, "unknown ring op");
+}
+
+/* APPEND's answer carries the new tokens' segments, list by list, exactly
+ * the table the store then reports. */
+static void test_append_answers_the_table(void **state)
+{
+    fixture *f = *state;
+    ring_response r;
+    ring_request q = {.op = RING_OP_APPEND, .seq_id = f->seq_id, .count = 6};
+    assert_int_equal(call(f, &q, &r), ST_OK);
+    assert_int_equal(r.epoch, 1);
+    assert_int_equal(r.first_position, 0);
+    assert_int_equal(r.evicted, 0);
+    assert_int_equal(r.lists_per_layer, 1);
+    assert_int_equal(r.nsegments, 4); /* 4 + 2 tokens in each of 2 layers */
+    store_table t;
+    status s;
+    assert_int_equal(store_get_table(f->st, f->token, f->seq_id, 0, 0, &t, &s), ST_OK);
+    const uint32_t *d = (const uint32_t *)f->rc.data;
+    for (uint32_t l = 0; l < t.nlists; l++) {
+        assert_int_equal(*d++, t.lists[l].nsegs);
+        for (size_t i = 0; i < t.lists[l].nsegs; i++, d += 3) {
+            assert_int_equal(d[0], t.lists[l].segs[i].block);
+            assert_int_equal(d[1], t.lists[l].segs[i].first_slot);
+            assert_int_equal(d[2], t.lists[l].segs[i].count);
+        }
+    }
+    store_table_free(&t);
+    /* The store's rules, through the ring: a bad count changes nothing. */
+    q.count = 0;
+    assert_int_equal(call(f, &q, &r), ST_INVALID_ARGUMENT);
+    assert_non_null(strstr(r.msg, "count must be between 1 and 65536"));
+    q.count = 1;
+    q.seq_id = 999;
+    assert_int_equal(call(f, &q, &r), ST_NOT_FOUND);
+    q = (ring_request){.op = RING_OP_EPOCH, .seq_id = f->seq_id};
+    assert_int_equal(call(f, &q, &r), ST_OK);
+    assert_int_equal(r.epoch, 1);
+    q = (ring_request){.op = RING_OP_APPEND, .seq_id = f->seq_id, .count = 3};
+    assert_int_equal(call(f, &q, &r), ST_OK);
+    assert_int_equal(r.first_position, 6);
+    assert_int_equal(r.epoch, 2);
+}
+
+/* STEP copies the statistics out of the data area and hands them to the
+ * store: h2o keeps the 2 newest tokens and the 2 heaviest of the others. */
+static void test_step_statistics(void **state)
+{
+    fixture *f = *state;
+    ring_response r;
+    ring_request q = {.op = RING_OP_APPEND, .seq_id = f->seq_id, .count = 8};
+    assert_int_equal(call(f, &q, &r), ST_OK);
+    /* Too few floats for 2 layers x 8 tokens: the store's message. */
+    float *data = (float *)f->rc.data;
+    for (int i = 0; i < 16; i++)
+        data[i] = (float)(i % 8);
+    q = (ring_request){.op = RING_OP_STEP,
+                       .seq_id = f->seq_id,
+                       .ack_epoch = r.epoch,
+                       .arrays = POLICY_NEEDS_SCORE,
+                       .confidence = -1,
+                       .data_bytes = 15 * sizeof(float)};
+    assert_int_equal(call(f, &q, &r), ST_INVALID_ARGUMENT);
+    assert_non_null(
+        strstr(r.msg, "step statistics hold 15 floats; the layers' token lists need 16"));
+    q.data_bytes = 7; /* not whole floats */
+    assert_int_equal(call(f, &q, &r), ST_INVALID_ARGUMENT);
+    assert_string_equal(r.msg, "data_bytes exceeds the ring or is not whole floats");
+    q.data_bytes = RING_TEST_BYTES; /* beyond the data area */
+    assert_int_equal(call(f, &q, &r), ST_INVALID_ARGUMENT);
+    q.data_bytes = 16 * sizeof(float);
+    assert_int_equal(call(f, &q, &r), ST_OK);
+    uint64_t epoch = r.epoch;
+    /* What the step did is what the store's table says now. */
+    store_table t;
+    status s;
+    assert_int_equal(store_get_table(f->st, f->token, f->seq_id, epoch, 1, &t, &s), ST_OK);
+    assert_int_equal(t.epoch, epoch);
+    assert_int_equal(r.evicted, 8);
+    for (uint32_t l = 0; l < 2; l++) {
+        assert_int_equal(t.lists[l].tokens, 4);
+        for (uint32_t i = 0; i < 4; i++)
+            assert_int_equal(t.lists[l].positions[i], 4 + i); /* scores 4, 5; newest 6, 7 */
+    }
+    store_table_free(&t);
+}
+
+/* A worker that waits longer than the daemon spins finds the ring thread
+ * asleep on the futex: the request must wake it. */
+static void test_sleeping_thread_is_woken(void **state)
+{
+    fixture *f = *state;
+    _Atomic uint32_t *waiting = (_Atomic uint32_t *)&f->rc.hdr->daemon_waiting;
+    for (int i = 0; i < 2000 && !atomic_load(waiting); i++)
+        nanosleep(&(struct timespec){0, 1000000}, NULL);
+    assert_int_equal(atomic_load(waiting), 1);
+    ring_response r;
+    ring_request q = {.op = RING_OP_EPOCH, .seq_id = f->seq_id};
+    assert_int_equal(call(f, &q, &r), ST_OK);
+    assert_int_equal(r.epoch, 0);
+}
+
+/* After ring_close a worker learns at once that no answer will come. */
+static void test_closed_ring_is_unavailable(void **state)
+{
+    fixture *f = *state;
+    ring_close(f->r);
+    ring_join(f->r);
+    f->r = NULL;
+    /* ring_join unmapped the daemon's side; the worker's mapping stays. */
+    assert_int_equal(f->rc.hdr->closing, 1);
+    ring_response r;
+    assert_int_equal(ring_client_call(&f->rc, &r), KVS_ERR_UNAVAILABLE);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_header_and_ping, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_append_answers_the_table, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_step_statistics, setup_h2o, teardown),
+        cmocka_unit_test_setup_teardown(test_sleeping_thread_is_woken, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_closed_ring_is_unavailable, setup, teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

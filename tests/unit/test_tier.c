@@ -1,0 +1,343 @@
+/*
+ * Unit tests of daemon/tier.h on its own, over a private arena with the CPU
+ * ops (device memory is host memory there, so the test reads it directly):
+ * full-precision writes land in the right rows and read back exactly,
+ * INT8 round trips stay within POLICIES.md §5.4's bound (max|group| / 254
+ * per value), mixed lists read back in list order, copies, and the
+ * count-sketch's insert / query / revive / delete, exact with enough
+ * buckets and averaging when tokens share a cell.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdlib.h>
+
+#include "tier.h"
+
+/* 2 KV heads x 16 tokens x 8 channels, fp32: 2048-byte blocks, 60 INT8
+ * tokens a block. */
+#define NBLOCKS 16
+static const kv_layout layout = {2, 16, 8, 4};
+
+typedef struct fixture {
+    uint8_t *arena;
+    tier_ctx c;
+    size_t row; /* bytes of one head's row of one token */
+} fixture;
+
+static int setup(void **state)
+{
+    static fixture f;
+    size_t bb = kv_block_bytes(&layout);
+    f.arena = kv_ops_cpu.alloc(NBLOCKS * bb);
+    if (f.arena == NULL)
+        return -1;
+    memset(f.arena, 0, NBLOCKS * bb);
+    if (tier_ctx_init(&f.c, &kv_ops_cpu, f.arena, bb, &layout, KV_FP32) != 0)
+        return -1;
+    f.row = (size_t)layout.head_dim * layout.elt_size;
+    *state = &f;
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    fixture *f = *state;
+    kv_ops_cpu.free(f->arena);
+    return 0;
+}
+
+static uint64_t rng = 0x9e3779b97f4a7c15ull;
+
+/* Uniform in [-scale, scale), seeded: the same values every run. */
+static float rand_float(float scale)
+{
+    rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+    return scale * ((float)(rng >> 40) / (float)(1u << 24) * 2.0f - 1.0f);
+}
+
+/* Staging for n tokens, K then V, filled with values whose magnitude
+ * differs per head and channel (so groups have different scales). */
+static uint8_t *staged_tokens(fixture *f, size_t n)
+{
+    uint8_t *s = tier_stage_alloc(&f->c, n);
+    assert_non_null(s);
+    float *x = (float *)s;
+    size_t per = n * layout.kv_heads * layout.head_dim; /* floats of K (or V) */
+    for (size_t i = 0; i < 2 * per; i++)
+        x[i] = rand_float(0.5f + (float)(i % 13));
+    return s;
+}
+
+/* Row of head h of token i of a staged [kv_heads][n][head_dim] array. */
+static const uint8_t *stage_row(const fixture *f, const uint8_t *a, size_t n, uint32_t h, size_t i)
+{
+    return a + ((size_t)h * n + i) * f->row;
+}
+
+static void test_ctx_geometry(void **state)
+{
+    fixture *f = *state;
+    assert_int_equal(f->c.l8.block_tokens, kv_int8_tokens_per_block(&layout));
+    assert_int_equal(f->c.l8.block_tokens, 60); /* 32T + 128 <= 2048 */
+    assert_int_equal(f->c.l8.kv_heads, 2);
+    assert_int_equal(tier_token_bytes(&f->c), 2 * 2 * 8 * 4);
+    /* fp32 blocks of one token cannot hold even one INT8 token with its
+     * scales. */
+    kv_layout tiny = {2, 1, 8, 4};
+    tier_ctx c;
+    assert_int_equal(
+        tier_ctx_init(&c, &kv_ops_cpu, f->arena, kv_block_bytes(&tiny), &tiny, KV_FP32), -1);
+}
+
+static void test_write_read_copy_full(void **state)
+{
+    fixture *f = *state;
+    enum { N = 6 };
+    const tier_token dst[N] = {{3, 1, POLICY_FULL},  {3, 2, POLICY_FULL},  {1, 0, POLICY_FULL},
+                               {7, 15, POLICY_FULL}, {7, 14, POLICY_FULL}, {0, 5, POLICY_FULL}};
+    uint8_t *in = staged_tokens(f, N);
+    size_t half = N * tier_token_bytes(&f->c) / 2;
+    assert_int_equal(tier_write(&f->c, dst, N, in, in + half), 0);
+    /* Each token's rows are where kv_key_offset says, K and V. */
+    size_t vo = f->c.block_bytes / 2;
+    for (size_t i = 0; i < N; i++)
+        for (uint32_t h = 0; h < layout.kv_heads; h++) {
+            size_t off = kv_key_offset(&layout, dst[i].block, h, dst[i].slot);
+            assert_memory_equal(f->arena + off, stage_row(f, in, N, h, i), f->row);
+            assert_memory_equal(f->arena + off + vo, stage_row(f, in + half, N, h, i), f->row);
+        }
+    /* Block 2 was not written: still zero. */
+    for (size_t b = 0; b < f->c.block_bytes; b++)
+        assert_int_equal(f->arena[2 * f->c.block_bytes + b], 0);
+    uint8_t *out = tier_stage_alloc(&f->c, N);
+    assert_int_equal(tier_read(&f->c, dst, N, out, out + half), 0);
+    assert_memory_equal(out, in, 2 * half);
+    /* Pool to pool: the copies' rows equal the originals'. */
+    const tier_token to[N] = {{10, 0, POLICY_FULL}, {10, 1, POLICY_FULL}, {10, 2, POLICY_FULL},
+                              {11, 9, POLICY_FULL}, {10, 4, POLICY_FULL}, {10, 3, POLICY_FULL}};
+    assert_int_equal(tier_copy(&f->c, dst, N, to), 0);
+    memset(out, 0, 2 * half);
+    assert_int_equal(tier_read(&f->c, to, N, out, out + half), 0);
+    assert_memory_equal(out, in, 2 * half);
+    tier_stage_free(&f->c, in);
+    tier_stage_free(&f->c, out);
+}
+
+/* POLICIES.md §5.4: per (INT8 block, K/V, head, channel) group, s = max|x|
+ * / 127 and codes round(x / s): every value comes back within s / 2. */
+static void check_int8_bound(const fixture *f, const float *x, const float *y, size_t n,
+                             uint32_t t8)
+{
+    double worst = 0;
+    for (size_t part = 0; part < 2; part++)
+        for (uint32_t h = 0; h < layout.kv_heads; h++)
+            for (uint32_t ch = 0; ch < layout.head_dim; ch++)
+                for (size_t b0 = 0; b0 < n; b0 += t8) {
+                    size_t b1 = b0 + t8 < n ? b0 + t8 : n;
+                    double gmax = 0;
+                    for (size_t i = b0; i < b1; i++) {
+                        size_t at = ((part * layout.kv_heads + h) * n + i) * layout.head_dim + ch;
+                        gmax = fmax(gmax, fabs(x[at]));
+                    }
+                    for (size_t i = b0; i < b1; i++) {
+                        size_t at = ((part * layout.kv_heads + h) * n + i) * layout.head_dim + ch;
+                        double err = fabs((double)y[at] - x[at]);
+                        if (err > gmax / 254 * (1 + 1e-6))
+                            fail_msg("token %zu head %u channel %u: error %g > %g / 254", i, h, ch,
+                                     err, gmax);
+                        worst = fmax(worst, err / gmax);
+                    }
+                }
+    (void)f;
+    assert_true(worst > 0); /* quantised, not copied */
+}
+
+static void test_quantize_read_within_bound(void **state)
+{
+    fixture *f = *state;
+    uint32_t t8 = f->c.l8.block_tokens;
+    size_t n = t8 + 10; /* two INT8 blocks, the last partial */
+    const uint32_t qblocks[2] = {5, 9};
+    uint8_t *in = staged_tokens(f, n);
+    size_t half = n * tier_token_bytes(&f->c) / 2;
+    assert_int_equal(tier_quantize(&f->c, in, in + half, n, qblocks, 2), 0);
+    tier_token *tok = malloc(n * sizeof *tok);
+    for (size_t i = 0; i < n; i++)
+        tok[i] = (tier_token){qblocks[i / t8], (uint32_t)(i % t8), POLICY_INT8};
+    uint8_t *out = tier_stage_alloc(&f->c, n);
+    assert_int_equal(tier_read(&f->c, tok, n, out, out + half), 0);
+    check_int8_bound(f, (const float *)in, (const float *)out, n, t8);
+    double ratio = -1;
+    assert_int_equal(tier_error_ratio(&f->c, tok, n, in, in + half, &ratio), 0);
+    assert_true(ratio > 0 && ratio <= 1.0 / 254 * (1 + 1e-6));
+
+    /* A mixed list (INT8, FULL, INT8, ...): each token reads back as it
+     * reads alone, in list order; the FULL ones exactly. */
+    enum { M = 6 };
+    const tier_token full[3] = {{12, 0, POLICY_FULL}, {12, 7, POLICY_FULL}, {4, 3, POLICY_FULL}};
+    uint8_t *fin = staged_tokens(f, 3);
+    size_t fhalf = 3 * tier_token_bytes(&f->c) / 2;
+    assert_int_equal(tier_write(&f->c, full, 3, fin, fin + fhalf), 0);
+    const tier_token mixed[M] = {tok[0], full[0], tok[t8 + 3], full[1], full[2], tok[7]};
+    size_t mhalf = M * tier_token_bytes(&f->c) / 2;
+    uint8_t *mo = tier_stage_alloc(&f->c, M), *one = tier_stage_alloc(&f->c, 1);
+    size_t ohalf = tier_token_bytes(&f->c) / 2;
+    assert_int_equal(tier_read(&f->c, mixed, M, mo, mo + mhalf), 0);
+    for (size_t i = 0; i < M; i++) {
+        assert_int_equal(tier_read(&f->c, &mixed[i], 1, one, one + ohalf), 0);
+        for (uint32_t h = 0; h < layout.kv_heads; h++) {
+            assert_memory_equal(stage_row(f, mo, M, h, i), stage_row(f, one, 1, h, 0), f->row);
+            assert_memory_equal(stage_row(f, mo + mhalf, M, h, i),
+                                stage_row(f, one + ohalf, 1, h, 0), f->row);
+        }
+    }
+    /* full[1] is mixed[3]: its exact original. */
+    for (uint32_t h = 0; h < layout.kv_heads; h++)
+        assert_memory_equal(stage_row(f, mo, M, h, 3), stage_row(f, fin, 3, h, 1), f->row);
+
+    /* INT8 to FULL: the copies hold the dequantised values. */
+    const tier_token back[2] = {{13, 0, POLICY_FULL}, {13, 1, POLICY_FULL}};
+    const tier_token from[2] = {tok[2], tok[t8 + 9]};
+    uint8_t *a = tier_stage_alloc(&f->c, 2), *b = tier_stage_alloc(&f->c, 2);
+    size_t h2 = tier_token_bytes(&f->c);
+    assert_int_equal(tier_copy(&f->c, from, 2, back), 0);
+    assert_int_equal(tier_read(&f->c, from, 2, a, a + h2), 0);
+    assert_int_equal(tier_read(&f->c, back, 2, b, b + h2), 0);
+    assert_memory_equal(a, b, 2 * h2);
+    tier_stage_free(&f->c, a);
+    tier_stage_free(&f->c, b);
+    tier_stage_free(&f->c, mo);
+    tier_stage_free(&f->c, one);
+    tier_stage_free(&f->c, fin);
+    tier_stage_free(&f->c, out);
+    tier_stage_free(&f->c, in);
+    free(tok);
+}
+
+static int sketch_cells_zero(const tier_sketch *s, double tol)
+{
+    size_t cells = (size_t)s->sk.rows * s->sk.buckets;
+    for (size_t i = 0; i < cells; i++)
+        if (s->sk.count[i] != 0)
+            return 0;
+    for (size_t i = 0; i < cells * s->sk.dim; i++)
+        if (fabs(s->sk.key[i]) > tol || fabs(s->sk.value[i]) > tol)
+            return 0;
+    return 1;
+}
+
+/* With enough buckets no two of these positions share a cell in two of
+ * the three rows, so the median of the rows is each token exactly. */
+static void test_sketch_exact_with_enough_buckets(void **state)
+{
+    fixture *f = *state;
+    enum { N = 8 };
+    const uint32_t pos[N] = {0, 5, 17, 100, 1000, 4242, 70000, 123456};
+    policy_sketch_geometry g = {3, 1024, 42, 0, 0};
+    tier_sketch s;
+    assert_int_equal(tier_sketch_init(&s, &f->c, &g), 0);
+    assert_int_equal(tier_sketch_bytes(&s), 3 * 1024 * (2 * 16 * 4 + 4));
+    assert_true(sketch_cells_zero(&s, 0));
+    uint8_t *in = staged_tokens(f, N);
+    size_t half = N * tier_token_bytes(&f->c) / 2;
+    assert_int_equal(tier_sketch_insert(&s, &f->c, pos, N, in, in + half), 0);
+    assert_false(sketch_cells_zero(&s, 0));
+    double rel = -1;
+    assert_int_equal(tier_sketch_error(&s, &f->c, pos, N, in, in + half, &rel), 0);
+    assert_true(rel == 0);
+    /* Query into pool slots: exact, and the sketch keeps them. */
+    tier_token dst[N];
+    for (uint32_t i = 0; i < N; i++)
+        dst[i] = (tier_token){14, i, POLICY_FULL};
+    uint8_t *out = tier_stage_alloc(&f->c, N);
+    assert_int_equal(tier_sketch_read(&s, &f->c, f->arena, pos, N, dst, 0), 0);
+    assert_int_equal(tier_read(&f->c, dst, N, out, out + half), 0);
+    assert_memory_equal(out, in, 2 * half);
+    /* Revive (Alg. 3) the first half: exact, and deleted from the sketch;
+     * the rest still query exactly. */
+    for (uint32_t i = 0; i < N; i++)
+        dst[i] = (tier_token){15, i, POLICY_FULL};
+    assert_int_equal(tier_sketch_read(&s, &f->c, f->arena, pos, N / 2, dst, 1), 0);
+    assert_int_equal(tier_read(&f->c, dst, N / 2, out, out + half / 2), 0);
+    for (uint32_t h = 0; h < layout.kv_heads; h++)
+        for (size_t i = 0; i < N / 2; i++)
+            assert_memory_equal(stage_row(f, out, N / 2, h, i), stage_row(f, in, N, h, i), f->row);
+    /* The second half's originals, staged contiguously for the error. */
+    uint8_t *rest = tier_stage_alloc(&f->c, N / 2);
+    size_t rhalf = half / 2;
+    for (int part = 0; part < 2; part++)
+        for (uint32_t h = 0; h < layout.kv_heads; h++)
+            for (size_t i = 0; i < N / 2; i++)
+                memcpy((uint8_t *)stage_row(f, rest + part * rhalf, N / 2, h, i),
+                       stage_row(f, in + part * half, N, h, N / 2 + i), f->row);
+    assert_int_equal(tier_sketch_error(&s, &f->c, pos + N / 2, N / 2, rest, rest + rhalf, &rel), 0);
+    assert_true(rel == 0);
+    /* Deleting the rest empties every cell (up to fp32 rounding where two
+     * tokens shared one). */
+    assert_int_equal(tier_sketch_delete(&s, pos + N / 2, N / 2), 0);
+    assert_true(sketch_cells_zero(&s, 1e-5));
+    tier_sketch_free(&s);
+    assert_int_equal(tier_sketch_bytes(&s), 0);
+    tier_stage_free(&f->c, rest);
+    tier_stage_free(&f->c, out);
+    tier_stage_free(&f->c, in);
+}
+
+/* One row, one bucket: both tokens land in the same cell. Keys in MEAN
+ * mode come back as their average; values (SUM mode, signed) as g0 times
+ * the signed sum. */
+static void test_sketch_shared_cell_estimates(void **state)
+{
+    fixture *f = *state;
+    const uint32_t pos[2] = {3, 9};
+    policy_sketch_geometry g = {1, 1, 7, 1, 0};
+    tier_sketch s;
+    assert_int_equal(tier_sketch_init(&s, &f->c, &g), 0);
+    uint8_t *in = staged_tokens(f, 2);
+    size_t half = tier_token_bytes(&f->c);
+    assert_int_equal(tier_sketch_insert(&s, &f->c, pos, 2, in, in + half), 0);
+    assert_int_equal(s.sk.count[0], 2);
+    uint32_t hb[2];
+    int8_t sg[2];
+    const uint64_t p64[2] = {3, 9};
+    kv_sketch_hash_list(7, 1, 1, p64, 2, hb, sg);
+    const tier_token dst = {6, 3, POLICY_FULL};
+    assert_int_equal(tier_sketch_read(&s, &f->c, f->arena, pos, 1, &dst, 0), 0);
+    uint8_t *out = tier_stage_alloc(&f->c, 1);
+    assert_int_equal(tier_read(&f->c, &dst, 1, out, out + tier_token_bytes(&f->c) / 2), 0);
+    const float *k = (const float *)in, *v = (const float *)(in + half);
+    const float *ko = (const float *)out, *vo = ko + layout.kv_heads * layout.head_dim;
+    for (uint32_t h = 0; h < layout.kv_heads; h++)
+        for (uint32_t ch = 0; ch < layout.head_dim; ch++) {
+            size_t a = ((size_t)h * 2 + 0) * layout.head_dim + ch;
+            size_t b = ((size_t)h * 2 + 1) * layout.head_dim + ch;
+            size_t o = (size_t)h * layout.head_dim + ch;
+            assert_float_equal(ko[o], (k[a] + k[b]) / 2, 1e-5);
+            assert_float_equal(vo[o], sg[0] * (sg[0] * v[a] + sg[1] * v[b]), 1e-5);
+        }
+    double rel = 0;
+    assert_int_equal(tier_sketch_error(&s, &f->c, pos, 2, in, in + half, &rel), 0);
+    assert_true(rel > 0.1); /* two random tokens in one cell are far apart */
+    tier_sketch_free(&s);
+    tier_stage_free(&f->c, out);
+    tier_stage_free(&f->c, in);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_ctx_geometry, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_write_read_copy_full, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_quantize_read_within_bound, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_sketch_exact_with_enough_buckets, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_sketch_shared_cell_estimates, setup, teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
