@@ -44,57 +44,63 @@
 
 #define SEQ_MAX_APPEND 65536
 
-typedef struct seq_list {
-    kv_segment *segs;
-    uint8_t *seg_tier; /* [nsegs] how segment i is stored: POLICY_FULL, _INT8, _SKETCH */
-    size_t nsegs, segs_cap;
-    uint32_t tail_block;     /* block that new tokens fill first */
-    uint32_t tail_next_slot; /* its first never-written slot; slots per block = full */
-    int has_tail;
-    tier_sketch sketch; /* the list's count-sketch; sketch.sk.key NULL until used */
-    /* Victims kept out of the list, revivable (storage option victims):
-     * their positions, ascending, and where each is stored: the sketch
-     * (victims=sketch), or a pool slot (victims=int8: an INT8 slot, or its
-     * full-precision slot until an INT8 block's worth waits, seq.c
-     * list_victims_quantize). */
-    uint32_t *offloaded;
-    tier_token *offloaded_at;
-    size_t noffloaded, offloaded_cap;
-    /* The INT8 blocks victims=int8 wrote for victims, oldest first: never in
-     * a table, so memory pressure frees them at once (seq_append). */
-    uint32_t *victim_blocks;
-    size_t nvictim_blocks, victim_blocks_cap;
-} seq_list;
-
 typedef struct seq_retired {
     uint32_t block;
     uint64_t epoch;
 } seq_retired;
 
-typedef struct seq {
-    uint64_t id;
-    uint64_t session_id;
-    pool *pool;
-    const policy_ops *policy;
-    policy_host *host; /* the logical lists and the policy's state */
-    policy_params params;
-    char label[129];
-    uint64_t epoch;
-    uint64_t appended;  /* tokens ever appended; the next token's position */
-    uint32_t unstepped; /* tokens appended since the policy's last step */
-    uint32_t nlayers;
-    uint32_t heads;        /* lists per layer: 1, or kv_heads for per-head policies */
-    uint32_t block_slots;  /* tokens (or rows) a block of one list holds */
-    kv_layout list_layout; /* a list's block layout, for the kernels */
-    tier_ctx tier;         /* the lists' storage: pool, layouts, dtype */
-    seq_list *lists;       /* [nlayers * heads], list of (layer l, head k) at l * heads + k */
-    seq_retired *retired;
-    size_t nretired, retired_cap;
-    uint64_t moved[3];        /* tokens ever moved: to INT8, into the sketch, back to full */
-    uint64_t requantized;     /* INT8 tokens re-quantised by compaction (§5.4) */
-    uint64_t victims_dropped; /* victims=int8 victims freed under memory pressure */
-    snapshot_tiers report;    /* seq_tier_report */
-} seq;
+typedef struct seq seq; /* opaque: seq_internal.h */
+
+/* What a sequence is, read-only. */
+uint64_t seq_id_of(const seq *s);
+uint64_t seq_session_id(const seq *s);
+pool *seq_pool(const seq *s);
+const policy_ops *seq_policy(const seq *s);
+const policy_params *seq_params(const seq *s); /* resolved at create */
+const char *seq_label(const seq *s);
+uint64_t seq_epoch(const seq *s);    /* the tables' current epoch */
+uint64_t seq_appended(const seq *s); /* tokens ever appended; the next position */
+uint32_t seq_layers(const seq *s);
+uint32_t seq_heads(const seq *s); /* lists per layer: 1, or kv_heads (per-head policy) */
+/* Tokens of an INT8 block in one pool block (tier.h), for tables. */
+uint32_t seq_int8_block_tokens(const seq *s);
+/* Lifetime totals: tokens moved (to INT8, into the sketch, back to full),
+ * victims=int8 victims dropped under memory pressure. */
+void seq_moved_totals(const seq *s, uint64_t moved[3]);
+uint64_t seq_victims_dropped(const seq *s);
+/* The blocks retired and not yet acknowledged, with the epoch each waits
+ * for; *out is the sequence's (valid until it changes). */
+size_t seq_retired_blocks(const seq *s, const seq_retired **out);
+
+/*
+ * A read-only view of list (layer, head), valid until the sequence
+ * changes: its tokens' original positions in list order, the segments
+ * holding them (parallel to the positions) with each segment's storage
+ * tier (POLICY_FULL, _INT8, _SKETCH; sketch segments have no block), and
+ * the positions of the victims kept out of the list, ascending.
+ */
+typedef struct seq_list_view {
+    uint32_t tokens;
+    const uint32_t *positions;
+    const kv_segment *segs;
+    const uint8_t *seg_tier;
+    size_t nsegs;
+    const uint32_t *offloaded;
+    size_t noffloaded;
+} seq_list_view;
+
+void seq_list_view_get(seq *s, uint32_t layer, uint32_t head, seq_list_view *v);
+
+/* An operator's move on layer l starts from the policy's own step over the
+ * tokens appended since its last one, with no statistics (store_operator.c
+ * amends the decision, then seq_apply_decision applies it). *d is the
+ * host's (policy_host_step). INTERNAL or RESOURCE_EXHAUSTED when the policy
+ * fails. */
+status_code seq_policy_layer_step(seq *s, uint32_t l, const policy_decision **d, status *st);
+
+/* The tables changed at `epoch` (seq_epoch + 1, the epoch the changes
+ * were applied at): publish it. */
+void seq_publish_epoch(seq *s, uint64_t epoch);
 
 /* Create a sequence on `pool` with a policy and its resolved parameters; the
  * policy's create() validates them. Caller frees with seq_destroy. */
@@ -118,6 +124,11 @@ uint32_t seq_list_blocks(const seq *s, uint32_t layer, uint32_t head);
 uint32_t seq_blocks_held(const seq *s);
 size_t seq_retired_count(const seq *s);
 uint64_t seq_tokens_held(seq *s);
+
+/* Whether `count` tokens may be appended: 1 .. SEQ_MAX_APPEND, and the
+ * positions stay below 2^32. INVALID_ARGUMENT naming the limit otherwise.
+ * seq_append checks it; a caller that allocates for count first does too. */
+status_code seq_append_check(const seq *s, int64_t count, status *st);
 
 /*
  * Append `count` tokens to every layer. First, if the policy needs no
@@ -182,21 +193,37 @@ void seq_tier_usage(const seq *s, uint64_t tokens[3], uint64_t bytes[3]);
 /* Tokens of list (layer, head) stored in each tier. */
 void seq_list_tier_tokens(const seq *s, uint32_t layer, uint32_t head, uint32_t tokens[3]);
 
+/* What a Revive asks for: positions [first, first + count) (count 0: to
+ * the end) of list (layer, head); with skip_evicted, positions evicted
+ * outright are left out instead of refused. */
+typedef struct seq_revive_request {
+    uint32_t layer, head, first, count;
+    int skip_evicted;
+} seq_revive_request;
+
+/* What a Revive rebuilt: the scratch blocks' segments in list layout, each
+ * token's position and its tier before the revive, and the blocks, which
+ * the caller now owns and frees with pool_free_block. The arrays are
+ * malloc'd and the caller's. */
+typedef struct seq_revived {
+    kv_segment *segs;
+    size_t nsegs;
+    uint32_t *positions;
+    uint8_t *src_tier;
+    size_t ntokens;
+    uint32_t *blocks;
+    size_t nblocks;
+} seq_revived;
+
 /*
- * Revive (the RPC): rebuild positions [first, first + count) of list
- * (layer, head) in full precision into fresh blocks of the pool: held
- * tokens and offloaded victims (raw copied, INT8 dequantised, sketch
- * queried), in position order; the sketch is not changed. Tokens
- * evicted outright cannot come back: FAILED_PRECONDITION naming them,
- * unless skip_evicted. On success *segs (malloc'd) holds the scratch
- * blocks' segments in list layout, *pos (malloc'd) the positions and
- * *src_tier each token's tier; *blocks (malloc'd, *nblocks) the blocks the
- * caller now owns and frees with pool_free_block.
+ * Revive (the RPC): rebuild the request's positions of the list in full
+ * precision into fresh blocks of the pool: held tokens and offloaded
+ * victims (raw copied, INT8 dequantised, sketch queried), in position
+ * order; the sketch is not changed. Tokens evicted outright cannot come
+ * back: FAILED_PRECONDITION naming them, unless skip_evicted. *out is
+ * zeroed on failure.
  */
-status_code seq_revive(seq *s, uint32_t layer, uint32_t head, uint32_t first, uint32_t count,
-                       int skip_evicted, kv_segment **segs, size_t *nsegs, uint32_t **pos,
-                       uint8_t **src_tier, size_t *ntokens, uint32_t **blocks, size_t *nblocks,
-                       status *st);
+status_code seq_revive(seq *s, const seq_revive_request *req, seq_revived *out, status *st);
 
 /* The tier report: the tier moves (moved[], requantized, victims_dropped)
  * and their measurements since the last seq_tier_report_clear. The store

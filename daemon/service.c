@@ -177,18 +177,17 @@ static status_code do_create_sequence(void *app, const char *token, const Protob
         keys[i] = req->params[i]->key;
         values[i] = req->params[i]->value;
     }
-    policy_params params;
-    uint64_t seq_id, epoch;
-    if (store_seq_create(app, token, req->policy, keys, values, req->n_params, req->label, &seq_id,
-                         &epoch, &params, st) != ST_OK)
+    store_seq_request sr = {req->policy, keys, values, req->n_params, req->label};
+    store_seq_created created;
+    if (store_seq_create(app, token, &sr, &created, st) != ST_OK)
         return st->code;
     Kvstash__V1__CreateSequenceResponse out = KVSTASH__V1__CREATE_SEQUENCE_RESPONSE__INIT;
     Kvstash__V1__Param storage[POLICY_MAX_PARAMS], *ptrs[POLICY_MAX_PARAMS];
-    out.seq_id = seq_id;
-    out.epoch = epoch;
-    service_params_to_proto(&params, storage, ptrs);
+    out.seq_id = created.seq_id;
+    out.epoch = created.epoch;
+    service_params_to_proto(&created.params, storage, ptrs);
     out.params = ptrs;
-    out.n_params = params.count;
+    out.n_params = created.params.count;
     *resp = pbgrpc_pack(&out.base);
     return ST_OK;
 }

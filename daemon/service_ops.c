@@ -125,8 +125,8 @@ status_code service_revive(void *app, const char *token, const ProtobufCMessage 
 {
     const Kvstash__V1__ReviveRequest *req = (const void *)m;
     store_revive_result r;
-    if (store_revive(app, token, req->seq_id, req->layer, req->head, req->first, req->count,
-                     req->skip_evicted, &r, st) != ST_OK)
+    seq_revive_request rq = {req->layer, req->head, req->first, req->count, req->skip_evicted};
+    if (store_revive(app, token, req->seq_id, &rq, &r, st) != ST_OK)
         return st->code;
     Kvstash__V1__ReviveResponse out = KVSTASH__V1__REVIVE_RESPONSE__INIT;
     Kvstash__V1__LayerTable lt;

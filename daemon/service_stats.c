@@ -192,17 +192,18 @@ static void layer_inspect(seq *q, uint32_t layer, Kvstash__V1__LayerInspect *out
     kvstash__v1__layer_inspect__init(out);
     out->layer = layer;
     int any = 0;
-    for (uint32_t k = 0; k < q->heads; k++) {
-        const seq_list *ly = &q->lists[(size_t)layer * q->heads + k];
-        const uint32_t *pos;
-        uint32_t n = seq_list_tokens(q, layer, k, &pos);
+    for (uint32_t k = 0; k < seq_heads(q); k++) {
+        seq_list_view ly;
+        seq_list_view_get(q, layer, k, &ly);
+        const uint32_t *pos = ly.positions;
+        uint32_t n = ly.tokens;
         out->tokens += n;
         out->blocks += seq_list_blocks(q, layer, k);
         uint32_t by[3];
         seq_list_tier_tokens(q, layer, k, by);
         out->tokens_int8 += by[POLICY_INT8];
         out->tokens_sketch += by[POLICY_SKETCH];
-        out->offloaded += (uint32_t)ly->noffloaded;
+        out->offloaded += (uint32_t)ly.noffloaded;
         if (n == 0)
             continue;
         if (!any || pos[0] < out->first_position)
@@ -265,7 +266,7 @@ static int map_add(inspect_buf *b, Kvstash__V1__ListMap *m, size_t cap, uint32_t
 
 /* Positions [from, to) that are not held: "offloaded" where the list's
  * offloaded array (from index *j on) has them, else "evicted". */
-static int map_gap(inspect_buf *b, Kvstash__V1__ListMap *m, size_t cap, const seq_list *ly,
+static int map_gap(inspect_buf *b, Kvstash__V1__ListMap *m, size_t cap, const seq_list_view *ly,
                    size_t *j, uint64_t from, uint64_t to)
 {
     while (from < to) {
@@ -287,21 +288,22 @@ static void list_map(seq *q, uint32_t l, uint32_t k, size_t cap, inspect_buf *b,
     kvstash__v1__list_map__init(m);
     m->layer = l;
     m->head = k;
-    m->per_head = q->heads > 1;
+    m->per_head = seq_heads(q) > 1;
     m->runs = &b->run_ptrs[b->nruns];
-    const seq_list *ly = &q->lists[(size_t)l * q->heads + k];
-    const uint32_t *pos;
-    uint32_t n = seq_list_tokens(q, l, k, &pos), i = 0;
+    seq_list_view ly;
+    seq_list_view_get(q, l, k, &ly);
+    const uint32_t *pos = ly.positions;
+    uint32_t i = 0;
     uint64_t next = 0;
     size_t j = 0;
-    for (size_t sg = 0; sg < ly->nsegs; sg++)
-        for (uint32_t c = 0; c < ly->segs[sg].count && i < n; c++, i++) {
-            if (map_gap(b, m, cap, ly, &j, next, pos[i]) != 0 ||
-                map_add(b, m, cap, pos[i], 1, tier_names[ly->seg_tier[sg]]) != 0)
+    for (size_t sg = 0; sg < ly.nsegs; sg++)
+        for (uint32_t c = 0; c < ly.segs[sg].count && i < ly.tokens; c++, i++) {
+            if (map_gap(b, m, cap, &ly, &j, next, pos[i]) != 0 ||
+                map_add(b, m, cap, pos[i], 1, tier_names[ly.seg_tier[sg]]) != 0)
                 return;
             next = (uint64_t)pos[i] + 1;
         }
-    map_gap(b, m, cap, ly, &j, next, q->appended);
+    map_gap(b, m, cap, &ly, &j, next, seq_appended(q));
 }
 
 static int u64_cmp(const void *a, const void *b)
@@ -313,7 +315,8 @@ static int u64_cmp(const void *a, const void *b)
 /* Retired blocks grouped by the epoch the worker must ack, oldest first. */
 static int retired_epochs(const seq *q, inspect_buf *b, Kvstash__V1__InspectResponse *out)
 {
-    size_t n = q->nretired;
+    const seq_retired *retired;
+    size_t n = seq_retired_blocks(q, &retired);
     uint64_t *ep = malloc((n ? n : 1) * sizeof *ep);
     b->retired = calloc(n + 1, sizeof *b->retired);
     b->retired_ptrs = calloc(n + 1, sizeof *b->retired_ptrs);
@@ -322,7 +325,7 @@ static int retired_epochs(const seq *q, inspect_buf *b, Kvstash__V1__InspectResp
         return -1;
     }
     for (size_t i = 0; i < n; i++)
-        ep[i] = q->retired[i].epoch;
+        ep[i] = retired[i].epoch;
     qsort(ep, n, sizeof *ep, u64_cmp);
     for (size_t i = 0; i < n; i++) {
         if (out->n_retired == 0 || b->retired[out->n_retired - 1].epoch != ep[i]) {
@@ -341,17 +344,17 @@ static int retired_epochs(const seq *q, inspect_buf *b, Kvstash__V1__InspectResp
 static int inspect_fill(seq *q, const Kvstash__V1__InspectRequest *req, inspect_buf *b,
                         Kvstash__V1__InspectResponse *out)
 {
-    size_t nlists = (size_t)q->nlayers * q->heads;
-    b->layers = calloc(q->nlayers, sizeof *b->layers);
-    b->layer_ptrs = calloc(q->nlayers, sizeof *b->layer_ptrs);
+    size_t nlists = (size_t)seq_layers(q) * seq_heads(q);
+    b->layers = calloc(seq_layers(q), sizeof *b->layers);
+    b->layer_ptrs = calloc(seq_layers(q), sizeof *b->layer_ptrs);
     if (b->layers == NULL || b->layer_ptrs == NULL || retired_epochs(q, b, out) != 0)
         return -1;
-    for (uint32_t l = 0; l < q->nlayers; l++) {
+    for (uint32_t l = 0; l < seq_layers(q); l++) {
         layer_inspect(q, l, &b->layers[l]);
         b->layer_ptrs[l] = &b->layers[l];
     }
     out->layers = b->layer_ptrs;
-    out->n_layers = q->nlayers;
+    out->n_layers = seq_layers(q);
     if (!req->with_map)
         return 0;
     size_t cap = req->max_runs == 0                 ? INSPECT_RUNS_DEFAULT
@@ -359,8 +362,8 @@ static int inspect_fill(seq *q, const Kvstash__V1__InspectRequest *req, inspect_
                                                     : req->max_runs;
     /* A list of n tokens has at most 2n + 1 runs. */
     for (size_t i = 0; i < nlists && b->runs_cap < INSPECT_RUNS_MAX; i++) {
-        size_t most = 2 * (size_t)seq_list_tokens(q, (uint32_t)(i / q->heads),
-                                                  (uint32_t)(i % q->heads), NULL) +
+        size_t most = 2 * (size_t)seq_list_tokens(q, (uint32_t)(i / seq_heads(q)),
+                                                  (uint32_t)(i % seq_heads(q)), NULL) +
                       1;
         b->runs_cap += most < cap ? most : cap;
     }
@@ -373,7 +376,8 @@ static int inspect_fill(seq *q, const Kvstash__V1__InspectRequest *req, inspect_
     if (b->maps == NULL || b->map_ptrs == NULL || b->runs == NULL || b->run_ptrs == NULL)
         return -1;
     for (size_t i = 0; i < nlists; i++) {
-        list_map(q, (uint32_t)(i / q->heads), (uint32_t)(i % q->heads), cap, b, &b->maps[i]);
+        list_map(q, (uint32_t)(i / seq_heads(q)), (uint32_t)(i % seq_heads(q)), cap, b,
+                 &b->maps[i]);
         b->map_ptrs[i] = &b->maps[i];
     }
     out->maps = b->map_ptrs;
@@ -406,9 +410,9 @@ status_code service_inspect(void *app, const char *token, const ProtobufCMessage
         sequence_stats(&qs, &ss);
         sequence_tiers(&qs, &ss, tiers, tier_ptrs);
         out.sequence = &ss;
-        service_params_to_proto(&q->params, params, param_ptrs);
+        service_params_to_proto(seq_params(q), params, param_ptrs);
         out.params = param_ptrs;
-        out.n_params = q->params.count;
+        out.n_params = seq_params(q)->count;
         *resp = pbgrpc_pack(&out.base);
     }
     store_unlock(s);

@@ -63,23 +63,23 @@ const char *store_backend_name(const store *st)
 
 void store_report_tiers(store *st, seq *q)
 {
-    metrics_tiers(st->metrics, q->policy, seq_tier_report(q));
+    metrics_tiers(st->metrics, seq_policy(q), seq_tier_report(q));
     seq_tier_report_clear(q);
 }
 
 void store_seq_snapshot(seq *q, snapshot_seq *out)
 {
-    *out = (snapshot_seq){.id = q->id,
-                          .session_id = q->session_id,
-                          .pool_id = q->pool->id,
-                          .policy = q->policy,
-                          .epoch = q->epoch,
-                          .appended = q->appended,
+    *out = (snapshot_seq){.id = seq_id_of(q),
+                          .session_id = seq_session_id(q),
+                          .pool_id = seq_pool(q)->id,
+                          .policy = seq_policy(q),
+                          .epoch = seq_epoch(q),
+                          .appended = seq_appended(q),
                           .tokens = seq_tokens_held(q),
                           .blocks = seq_blocks_held(q),
                           .retired = (uint32_t)seq_retired_count(q)};
-    out->bytes = (uint64_t)out->blocks * q->pool->block_bytes;
-    snprintf(out->label, sizeof out->label, "%s", q->label);
+    out->bytes = (uint64_t)out->blocks * seq_pool(q)->block_bytes;
+    snprintf(out->label, sizeof out->label, "%s", seq_label(q));
     seq_tier_usage(q, out->tier_tokens, out->tier_bytes);
 }
 
@@ -229,7 +229,7 @@ static status_code need_session(store *st, const char *token, int attached, sess
 static ssize_t find_seq_index(store *st, uint64_t seq_id)
 {
     for (size_t i = 0; i < st->nseqs; i++)
-        if (st->seqs[i]->id == seq_id)
+        if (seq_id_of(st->seqs[i]) == seq_id)
             return (ssize_t)i;
     return -1;
 }
@@ -255,7 +255,7 @@ static status_code need_own_seq(store *st, session *se, uint64_t seq_id, size_t 
     ssize_t i = find_seq_index(st, seq_id);
     if (i < 0)
         return status_set(s, ST_NOT_FOUND, "no sequence %llu", (unsigned long long)seq_id);
-    if (st->seqs[i]->session_id != se->id)
+    if (seq_session_id(st->seqs[i]) != se->id)
         return status_set(s, ST_PERMISSION_DENIED, "sequence %llu belongs to another session",
                           (unsigned long long)seq_id);
     *index = (size_t)i;
@@ -304,7 +304,7 @@ static void session_end(store *st, session *se, const char *reason)
         se->scratch = next;
     }
     for (size_t i = 0; i < st->nseqs;) {
-        if (st->seqs[i]->session_id == se->id) {
+        if (seq_session_id(st->seqs[i]) == se->id) {
             blocks += release_seq_at(st, i);
             nseqs++;
         } else {
@@ -609,7 +609,7 @@ status_code store_detach(store *st, const char *token, uint32_t *released, statu
     if (rc == ST_OK) {
         *released = 0;
         for (size_t i = 0; i < st->nseqs; i++)
-            *released += st->seqs[i]->session_id == se->id;
+            *released += seq_session_id(st->seqs[i]) == se->id;
         session_end(st, se, "detach");
     }
     pthread_mutex_unlock(&st->lock);
@@ -625,17 +625,18 @@ static status_code check_label(const char *label, status *s)
     return ST_OK;
 }
 
-status_code store_seq_create(store *st, const char *token, const char *policy_name,
-                             const char *const *keys, const char *const *values, size_t n,
-                             const char *label, uint64_t *seq_id, uint64_t *epoch,
-                             policy_params *params, status *s)
+status_code store_seq_create(store *st, const char *token, const store_seq_request *req,
+                             store_seq_created *out, status *s)
 {
+    const char *policy_name = req->policy, *label = req->label;
+    policy_params *params = &out->params;
     const policy_ops *ops = policy_find(policy_name);
     char err[POLICY_ERR_LEN];
     if (ops == NULL)
         return status_set(s, ST_INVALID_ARGUMENT,
                           "unknown policy '%.64s' (kvstash policy list shows them)", policy_name);
-    if (policy_params_resolve(ops, keys, values, n, params, err, sizeof err) != 0)
+    if (policy_params_resolve(ops, req->keys, req->values, req->nparams, params, err, sizeof err) !=
+        0)
         return status_set(s, ST_INVALID_ARGUMENT, "%s", err);
     if (check_label(label, s) != ST_OK)
         return s->code;
@@ -661,13 +662,13 @@ status_code store_seq_create(store *st, const char *token, const char *policy_na
         st->next_seq_id++;
         st->seqs[st->nseqs++] = q;
         se->nseqs++;
-        *seq_id = q->id;
-        *epoch = q->epoch;
+        out->seq_id = seq_id_of(q);
+        out->epoch = seq_epoch(q);
         events_publish(st->events, "seq.created",
                        json_pack("{sI sI ss}", "session", (json_int_t)se->id, "seq",
-                                 (json_int_t)q->id, "policy", ops->name));
+                                 (json_int_t)seq_id_of(q), "policy", ops->name));
         log_debug("seq_created", "session=%llu seq=%llu policy=%s", (unsigned long long)se->id,
-                  (unsigned long long)q->id, ops->name);
+                  (unsigned long long)seq_id_of(q), ops->name);
     }
     pthread_mutex_unlock(&st->lock);
     return rc;
@@ -693,13 +694,13 @@ static status_code own_seq_acked(store *st, const char *token, uint64_t seq_id, 
 static status_code table_alloc(store_table *t, const seq *q, status *s)
 {
     memset(t, 0, sizeof *t);
-    t->nlists = q->nlayers * q->heads;
+    t->nlists = seq_layers(q) * seq_heads(q);
     t->lists = calloc(t->nlists, sizeof *t->lists);
     if (t->lists == NULL)
         return status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
     for (uint32_t i = 0; i < t->nlists; i++)
         t->lists[i] = (store_layer_table){
-            .layer = i / q->heads, .head = i % q->heads, .per_head = q->heads > 1};
+            .layer = i / seq_heads(q), .head = i % seq_heads(q), .per_head = seq_heads(q) > 1};
     return ST_OK;
 }
 
@@ -714,10 +715,8 @@ status_code store_append(store *st, const char *token, uint64_t seq_id, int64_t 
     if (rc == ST_OK)
         rc = need_own_seq(st, se, seq_id, &i, s);
     seq *q = rc == ST_OK ? st->seqs[i] : NULL;
-    if (rc == ST_OK && (count < 1 || count > SEQ_MAX_APPEND))
-        rc = status_set(s, ST_INVALID_ARGUMENT,
-                        "count must be between 1 and %d tokens per append, got %lld",
-                        SEQ_MAX_APPEND, (long long)count);
+    if (rc == ST_OK)
+        rc = seq_append_check(q, count, s);
     if (rc == ST_OK)
         rc = table_alloc(writes, q, s);
     kv_segment **segs = NULL;
@@ -736,21 +735,22 @@ status_code store_append(store *st, const char *token, uint64_t seq_id, int64_t 
     }
     if (rc == ST_OK) {
         seq_ack(q, ack_epoch);
-        uint32_t first = (uint32_t)q->appended;
-        uint64_t dropped = q->victims_dropped;
+        uint32_t first = (uint32_t)seq_appended(q);
+        uint64_t dropped = seq_victims_dropped(q);
         rc = seq_append(q, count, segs, nsegs, &writes->evicted, s);
-        if (q->victims_dropped != dropped)
+        if (seq_victims_dropped(q) != dropped)
             log_warn("victims_dropped",
                      "seq=%llu tokens=%llu reason=pool-pressure pool=%llu free=%u",
-                     (unsigned long long)q->id, (unsigned long long)(q->victims_dropped - dropped),
-                     (unsigned long long)q->pool->id, q->pool->nfree);
-        writes->epoch = q->epoch;
+                     (unsigned long long)seq_id_of(q),
+                     (unsigned long long)(seq_victims_dropped(q) - dropped),
+                     (unsigned long long)seq_pool(q)->id, seq_pool(q)->nfree);
+        writes->epoch = seq_epoch(q);
         writes->first_position = first;
     }
     if (rc == ST_OK) {
         /* metrics hooks */
-        metrics_appended(st->metrics, q->policy, (uint64_t)count);
-        metrics_evicted(st->metrics, q->policy, 0, writes->evicted);
+        metrics_appended(st->metrics, seq_policy(q), (uint64_t)count);
+        metrics_evicted(st->metrics, seq_policy(q), 0, writes->evicted);
         store_report_tiers(st, q);
         for (uint32_t i = 0; i < writes->nlists; i++) {
             writes->lists[i].nsegs = nsegs[i];
@@ -758,8 +758,9 @@ status_code store_append(store *st, const char *token, uint64_t seq_id, int64_t 
         }
         if (writes->evicted > 0)
             events_publish(st->events, "table.changed",
-                           json_pack("{sI sI sI}", "seq", (json_int_t)q->id, "epoch",
-                                     (json_int_t)q->epoch, "evicted", (json_int_t)writes->evicted));
+                           json_pack("{sI sI sI}", "seq", (json_int_t)seq_id_of(q), "epoch",
+                                     (json_int_t)seq_epoch(q), "evicted",
+                                     (json_int_t)writes->evicted));
     }
     pthread_mutex_unlock(&st->lock);
     free(segs);
@@ -771,18 +772,19 @@ status_code store_append(store *st, const char *token, uint64_t seq_id, int64_t 
 
 static status_code copy_list(seq *q, int with_positions, store_layer_table *out, status *s)
 {
-    const seq_list *ly = &q->lists[(size_t)out->layer * q->heads + out->head];
-    const uint32_t *pos;
-    out->tokens = seq_list_tokens(q, out->layer, out->head, &pos);
-    out->nsegs = ly->nsegs;
-    out->int8_block_tokens = q->tier.l8.block_tokens;
-    out->segs = malloc((ly->nsegs ? ly->nsegs : 1) * sizeof *out->segs);
-    out->tiers = malloc(ly->nsegs ? ly->nsegs : 1);
+    seq_list_view ly;
+    seq_list_view_get(q, out->layer, out->head, &ly);
+    const uint32_t *pos = ly.positions;
+    out->tokens = ly.tokens;
+    out->nsegs = ly.nsegs;
+    out->int8_block_tokens = seq_int8_block_tokens(q);
+    out->segs = malloc((ly.nsegs ? ly.nsegs : 1) * sizeof *out->segs);
+    out->tiers = malloc(ly.nsegs ? ly.nsegs : 1);
     if (out->segs == NULL || out->tiers == NULL)
         return status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
-    if (ly->nsegs > 0) { /* an empty list has no segment array yet */
-        memcpy(out->segs, ly->segs, ly->nsegs * sizeof *out->segs);
-        memcpy(out->tiers, ly->seg_tier, ly->nsegs);
+    if (ly.nsegs > 0) { /* an empty list has no segment array yet */
+        memcpy(out->segs, ly.segs, ly.nsegs * sizeof *out->segs);
+        memcpy(out->tiers, ly.seg_tier, ly.nsegs);
     }
     if (with_positions) {
         out->positions = malloc((out->tokens ? out->tokens : 1) * sizeof *out->positions);
@@ -804,7 +806,7 @@ status_code store_get_table(store *st, const char *token, uint64_t seq_id, uint6
     if (rc == ST_OK)
         rc = table_alloc(out, q, s);
     if (rc == ST_OK) {
-        out->epoch = q->epoch;
+        out->epoch = seq_epoch(q);
         for (uint32_t i = 0; rc == ST_OK && i < out->nlists; i++)
             rc = copy_list(q, with_positions, &out->lists[i], s);
     }
@@ -838,7 +840,7 @@ status_code store_seq_release(store *st, const char *token, uint64_t seq_id, uin
  * freed by lists_view_free. 0, or -1 when out of memory. */
 static int lists_view(seq *q, metrics_lists *v)
 {
-    size_t n = (size_t)q->nlayers * q->heads;
+    size_t n = (size_t)seq_layers(q) * seq_heads(q);
     uint32_t *ntokens = malloc((n ? n : 1) * sizeof *ntokens);
     const uint32_t **pos = malloc((n ? n : 1) * sizeof *pos);
     if (ntokens == NULL || pos == NULL) {
@@ -848,9 +850,13 @@ static int lists_view(seq *q, metrics_lists *v)
     }
     for (size_t i = 0; i < n; i++)
         ntokens[i] =
-            seq_list_tokens(q, (uint32_t)(i / q->heads), (uint32_t)(i % q->heads), &pos[i]);
-    *v = (metrics_lists){
-        q->nlayers, q->pool->geom.q_heads, q->pool->geom.kv_heads, q->heads, ntokens, pos};
+            seq_list_tokens(q, (uint32_t)(i / seq_heads(q)), (uint32_t)(i % seq_heads(q)), &pos[i]);
+    *v = (metrics_lists){seq_layers(q),
+                         seq_pool(q)->geom.q_heads,
+                         seq_pool(q)->geom.kv_heads,
+                         seq_heads(q),
+                         ntokens,
+                         pos};
     return 0;
 }
 
@@ -877,22 +883,22 @@ status_code store_step(store *st, const char *token, uint64_t seq_id, uint64_t a
         lists_view_free(&before);
         rc = seq_step(q, in, evicted, s);
         if (mm != NULL && lists_view(q, &after) == 0)
-            metrics_mass_end(st->metrics, mm, q->policy, &after, rc == ST_OK);
+            metrics_mass_end(st->metrics, mm, seq_policy(q), &after, rc == ST_OK);
         else
             metrics_mass_end(NULL, mm, NULL, NULL, 0); /* only frees it */
         lists_view_free(&after);
     }
     if (rc == ST_OK) {
         /* metrics hooks */
-        metrics_evicted(st->metrics, q->policy, 0, *evicted);
+        metrics_evicted(st->metrics, seq_policy(q), 0, *evicted);
         store_report_tiers(st, q);
         if (st->metrics != NULL)
-            metrics_step(st->metrics, q->policy, (double)(store_now_ns() - t0) * 1e-9);
-        *epoch = q->epoch;
+            metrics_step(st->metrics, seq_policy(q), (double)(store_now_ns() - t0) * 1e-9);
+        *epoch = seq_epoch(q);
         if (*evicted > 0)
             events_publish(st->events, "table.changed",
-                           json_pack("{sI sI sI}", "seq", (json_int_t)q->id, "epoch",
-                                     (json_int_t)q->epoch, "evicted", (json_int_t)*evicted));
+                           json_pack("{sI sI sI}", "seq", (json_int_t)seq_id_of(q), "epoch",
+                                     (json_int_t)seq_epoch(q), "evicted", (json_int_t)*evicted));
     }
     pthread_mutex_unlock(&st->lock);
     return rc;
@@ -905,7 +911,7 @@ status_code store_epoch(store *st, const char *token, uint64_t seq_id, uint64_t 
     seq *q;
     status_code rc = own_seq_acked(st, token, seq_id, ack_epoch, &q, s);
     if (rc == ST_OK)
-        *epoch = q->epoch;
+        *epoch = seq_epoch(q);
     pthread_mutex_unlock(&st->lock);
     return rc;
 }
@@ -920,9 +926,8 @@ void store_revive_result_free(store_revive_result *r)
     memset(r, 0, sizeof *r);
 }
 
-status_code store_revive(store *st, const char *token, uint64_t seq_id, uint32_t layer,
-                         uint32_t head, uint32_t first, uint32_t count, int skip_evicted,
-                         store_revive_result *out, status *s)
+status_code store_revive(store *st, const char *token, uint64_t seq_id,
+                         const seq_revive_request *req, store_revive_result *out, status *s)
 {
     memset(out, 0, sizeof *out);
     pthread_mutex_lock(&st->lock);
@@ -935,26 +940,32 @@ status_code store_revive(store *st, const char *token, uint64_t seq_id, uint32_t
     if (rc == ST_OK)
         rc = need_own_seq(st, se, seq_id, &i, s);
     seq *q = rc == ST_OK ? st->seqs[i] : NULL;
+    seq_revived rv;
     if (rc == ST_OK)
-        rc = seq_revive(q, layer, head, first, count, skip_evicted, &out->table.segs,
-                        &out->table.nsegs, &out->table.positions, &out->src_tier, &ntok,
-                        &sc->blocks, &sc->nblocks, s);
+        rc = seq_revive(q, req, &rv, s);
     if (rc == ST_OK) {
+        out->table.segs = rv.segs;
+        out->table.nsegs = rv.nsegs;
+        out->table.positions = rv.positions;
+        out->src_tier = rv.src_tier;
+        ntok = rv.ntokens;
+        sc->blocks = rv.blocks;
+        sc->nblocks = rv.nblocks;
         sc->id = out->scratch_id = st->next_scratch_id++;
         sc->next = se->scratch;
         se->scratch = sc;
         sc = NULL;
-        out->table.layer = layer;
-        out->table.head = head;
-        out->table.per_head = q->heads > 1;
+        out->table.layer = req->layer;
+        out->table.head = req->head;
+        out->table.per_head = seq_heads(q) > 1;
         out->table.tokens = (uint32_t)ntok;
-        out->table.int8_block_tokens = q->tier.l8.block_tokens;
+        out->table.int8_block_tokens = seq_int8_block_tokens(q);
         uint32_t by[3] = {0, 0, 0};
         for (size_t t = 0; t < ntok; t++)
             by[out->src_tier[t]]++;
-        metrics_revived(st->metrics, q->policy, by);
+        metrics_revived(st->metrics, seq_policy(q), by);
         log_info("revive", "seq=%llu layer=%u head=%u tokens=%zu full=%u int8=%u sketch=%u",
-                 (unsigned long long)seq_id, layer, head, ntok, by[0], by[1], by[2]);
+                 (unsigned long long)seq_id, req->layer, req->head, ntok, by[0], by[1], by[2]);
     }
     pthread_mutex_unlock(&st->lock);
     free(sc);

@@ -154,11 +154,26 @@ void store_lease_end(store *st, uint64_t session_id);
 
 status_code store_detach(store *st, const char *token, uint32_t *released, status *s);
 
-/* Create a sequence; *params receives the resolved parameters. */
-status_code store_seq_create(store *st, const char *token, const char *policy,
-                             const char *const *keys, const char *const *values, size_t n,
-                             const char *label, uint64_t *seq_id, uint64_t *epoch,
-                             policy_params *params, status *s);
+/* What CreateSequence asks for: a policy by name, its parameters as
+ * key/value text, and the operator's label. */
+typedef struct store_seq_request {
+    const char *policy;
+    const char *const *keys;
+    const char *const *values;
+    size_t nparams;
+    const char *label;
+} store_seq_request;
+
+/* What it answers: the new sequence, its first epoch, and the parameters
+ * resolved (defaults filled in). */
+typedef struct store_seq_created {
+    uint64_t seq_id, epoch;
+    policy_params params;
+} store_seq_created;
+
+/* Create a sequence for the session holding `token`. */
+status_code store_seq_create(store *st, const char *token, const store_seq_request *req,
+                             store_seq_created *out, status *s);
 
 /* Append: on success *writes holds, per layer, the segments of the new tokens
  * (positions not filled: they are first_position + i). */
@@ -190,9 +205,8 @@ typedef struct store_revive_result {
 /* Revive positions [first, first + count) (count 0: to the end) of the
  * caller's sequence's list (layer, head) into scratch blocks (seq_revive).
  * Free *out with store_revive_result_free. */
-status_code store_revive(store *st, const char *token, uint64_t seq_id, uint32_t layer,
-                         uint32_t head, uint32_t first, uint32_t count, int skip_evicted,
-                         store_revive_result *out, status *s);
+status_code store_revive(store *st, const char *token, uint64_t seq_id,
+                         const seq_revive_request *req, store_revive_result *out, status *s);
 void store_revive_result_free(store_revive_result *r);
 
 /* Give a Revive's scratch blocks back to the pool. */

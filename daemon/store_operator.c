@@ -77,19 +77,20 @@ static status_code check_request(const operator_range *ranges, size_t nranges,
         if (ranges[i].count == 0)
             return status_set(s, ST_INVALID_ARGUMENT, "range %zu (first %u) is empty", i,
                               ranges[i].first);
-        if (end > q->appended)
+        if (end > seq_appended(q))
             return status_set(s, ST_INVALID_ARGUMENT,
                               "positions %u..%llu are beyond sequence %llu's %llu appended "
                               "positions",
                               ranges[i].first, (unsigned long long)end - 1,
-                              (unsigned long long)q->id, (unsigned long long)q->appended);
+                              (unsigned long long)seq_id_of(q),
+                              (unsigned long long)seq_appended(q));
     }
     for (size_t i = 0; i < nlayers; i++)
-        if (layers[i] >= q->nlayers)
+        if (layers[i] >= seq_layers(q))
             return status_set(s, ST_INVALID_ARGUMENT,
                               "layer %u is out of range: sequence %llu "
                               "has %u layers",
-                              layers[i], (unsigned long long)q->id, q->nlayers);
+                              layers[i], (unsigned long long)seq_id_of(q), seq_layers(q));
     return ST_OK;
 }
 
@@ -110,13 +111,13 @@ static status_code check_caller(store *st, const char *token, session **out, sta
 static status_code check_permission(store *st, const session *caller, const seq *q, policy_tier to,
                                     status *s)
 {
-    session *owner = store_find_session_id_locked(st, q->session_id);
+    session *owner = store_find_session_id_locked(st, seq_session_id(q));
     if (caller->uid != 0 && caller->uid != geteuid() &&
         (owner == NULL || owner->uid != caller->uid))
         return status_set(s, ST_PERMISSION_DENIED,
                           "uid %u may not %s positions of sequence %llu (root, the daemon's uid "
                           "and the owning worker's uid may)",
-                          (unsigned)caller->uid, op_names[to], (unsigned long long)q->id);
+                          (unsigned)caller->uid, op_names[to], (unsigned long long)seq_id_of(q));
     return ST_OK;
 }
 
@@ -132,13 +133,13 @@ static int in_ranges(const operator_range *r, size_t n, size_t *cursor, uint32_t
 static uint32_t stored_in(seq *q, uint32_t l, uint32_t k, const operator_range *r, size_t nr,
                           policy_tier t)
 {
-    const seq_list *ly = &q->lists[(size_t)l * q->heads + k];
-    const uint32_t *pos;
-    uint32_t n = seq_list_tokens(q, l, k, &pos), i = 0, hit = 0;
+    seq_list_view ly;
+    seq_list_view_get(q, l, k, &ly);
+    uint32_t i = 0, hit = 0;
     size_t cur = 0;
-    for (size_t sg = 0; sg < ly->nsegs; sg++)
-        for (uint32_t c = 0; c < ly->segs[sg].count && i < n; c++, i++)
-            hit += in_ranges(r, nr, &cur, pos[i]) && ly->seg_tier[sg] == t;
+    for (size_t sg = 0; sg < ly.nsegs; sg++)
+        for (uint32_t c = 0; c < ly.segs[sg].count && i < ly.tokens; c++, i++)
+            hit += in_ranges(r, nr, &cur, ly.positions[i]) && ly.seg_tier[sg] == t;
     return hit;
 }
 
@@ -150,18 +151,18 @@ static uint32_t amend_list(seq *q, uint32_t l, uint32_t k, uint8_t *tier, policy
                            const operator_range *r, size_t nr, uint32_t *already,
                            operator_evict_result *out)
 {
-    const seq_list *ly = &q->lists[(size_t)l * q->heads + k];
-    const uint32_t *pos;
-    uint32_t n = seq_list_tokens(q, l, k, &pos), i = 0, hit = 0;
+    seq_list_view ly;
+    seq_list_view_get(q, l, k, &ly);
+    uint32_t i = 0, hit = 0;
     size_t cur = 0;
-    for (size_t sg = 0; sg < ly->nsegs; sg++)
-        for (uint32_t c = 0; c < ly->segs[sg].count && i < n; c++, i++) {
-            int asked = in_ranges(r, nr, &cur, pos[i]);
+    for (size_t sg = 0; sg < ly.nsegs; sg++)
+        for (uint32_t c = 0; c < ly.segs[sg].count && i < ly.tokens; c++, i++) {
+            int asked = in_ranges(r, nr, &cur, ly.positions[i]);
             if (tier[i] == POLICY_EVICT && !(asked && to == POLICY_EVICT)) {
                 out->by_policy++; /* the policy's own rule: it runs first */
             } else if (asked) {
                 tier[i] = (uint8_t)to;
-                *already += ly->seg_tier[sg] == to;
+                *already += ly.seg_tier[sg] == to;
                 hit++;
             }
         }
@@ -174,22 +175,19 @@ static status_code apply_layer(seq *q, uint32_t l, policy_tier to, const operato
                                size_t nr, uint64_t span, uint64_t epoch, operator_evict_result *out,
                                status *s, int *changed)
 {
-    policy_stats stats = {.new_tokens = q->unstepped, .confidence = -1.0};
     const policy_decision *d;
-    char err[POLICY_ERR_LEN] = "";
-    errno = 0; /* ENOMEM after a failure: out of memory (malloc sets it), not a bug */
-    if (policy_host_step(q->host, l, &stats, &d, err, sizeof err) != 0)
-        return status_set(s, errno == ENOMEM ? ST_RESOURCE_EXHAUSTED : ST_INTERNAL,
-                          "policy %s failed: %s", q->policy->name, err);
+    if (seq_policy_layer_step(q, l, &d, s) != ST_OK)
+        return s->code;
     /* Not for the policies operator_can_evict admits; refused rather than
      * half-applied. Nothing is committed: the host drops an uncommitted
      * decision at the layer's next step (host.h). */
     if (d->nmerges != 0 || d->rerotate_keys)
-        return status_set(
-            s, ST_INTERNAL, "policy %s asked for %s, which an operator's %s does not apply",
-            q->policy->name, d->nmerges != 0 ? "value merges" : "key re-rotation", op_names[to]);
+        return status_set(s, ST_INTERNAL,
+                          "policy %s asked for %s, which an operator's %s does not apply",
+                          seq_policy(q)->name, d->nmerges != 0 ? "value merges" : "key re-rotation",
+                          op_names[to]);
     uint32_t already = 0, now = 0; /* requested tokens stored in `to`, before and after */
-    for (uint32_t k = 0; k < q->heads; k++) {
+    for (uint32_t k = 0; k < seq_heads(q); k++) {
         uint32_t hit = amend_list(q, l, k, d->tier[k], to, r, nr, &already, out);
         out->requested += hit;
         out->not_held += (uint32_t)(span - hit);
@@ -203,7 +201,7 @@ static status_code apply_layer(seq *q, uint32_t l, policy_tier to, const operato
         return rc;
     /* The requested tokens are all kept, and one stored in `to` before
      * stays there: the difference is what moved. */
-    for (uint32_t k = 0; k < q->heads; k++)
+    for (uint32_t k = 0; k < seq_heads(q); k++)
         now += stored_in(q, l, k, r, nr, to);
     out->moved += now - already;
     return ST_OK;
@@ -225,12 +223,13 @@ static status_code check_all(store *st, const char *token, uint64_t seq_id, poli
         rc = status_set(s, ST_NOT_FOUND, "no sequence %llu", (unsigned long long)seq_id);
     if (rc == ST_OK)
         rc = check_permission(st, caller, q, to, s);
-    if (rc == ST_OK && !operator_can_evict(q->policy))
-        rc = status_set(s, ST_FAILED_PRECONDITION,
-                        "sequence %llu runs policy %s, which keeps per-token state that an "
-                        "operator's %s would desynchronise; %s works on policies full and "
-                        "streaming",
-                        (unsigned long long)seq_id, q->policy->name, op_names[to], op_names[to]);
+    if (rc == ST_OK && !operator_can_evict(seq_policy(q)))
+        rc =
+            status_set(s, ST_FAILED_PRECONDITION,
+                       "sequence %llu runs policy %s, which keeps per-token state that an "
+                       "operator's %s would desynchronise; %s works on policies full and "
+                       "streaming",
+                       (unsigned long long)seq_id, seq_policy(q)->name, op_names[to], op_names[to]);
     if (rc == ST_OK)
         rc = check_request(r, nranges, layers, nlayers, q, to, s);
     *out = q;
@@ -240,19 +239,21 @@ static status_code check_all(store *st, const char *token, uint64_t seq_id, poli
 /* Metrics, the table.changed event and the log line of a call that ran. */
 static void report(store *st, seq *q, policy_tier to, const operator_evict_result *out, int changed)
 {
-    metrics_evicted(st->metrics, q->policy, 1, to == POLICY_EVICT ? out->requested : 0);
-    metrics_evicted(st->metrics, q->policy, 0, out->by_policy);
+    metrics_evicted(st->metrics, seq_policy(q), 1, to == POLICY_EVICT ? out->requested : 0);
+    metrics_evicted(st->metrics, seq_policy(q), 0, out->by_policy);
     store_report_tiers(st, q);
     if (out->evicted > 0 || changed)
         events_publish(st->events, "table.changed",
-                       json_pack("{sI sI sI ss ss sI}", "seq", (json_int_t)q->id, "epoch",
-                                 (json_int_t)q->epoch, "evicted", (json_int_t)out->evicted, "by",
-                                 "operator", "op", op_names[to], "moved", (json_int_t)out->moved));
+                       json_pack("{sI sI sI ss ss sI}", "seq", (json_int_t)seq_id_of(q), "epoch",
+                                 (json_int_t)seq_epoch(q), "evicted", (json_int_t)out->evicted,
+                                 "by", "operator", "op", op_names[to], "moved",
+                                 (json_int_t)out->moved));
     log_info("operator",
              "op=%s seq=%llu policy=%s evicted=%u requested=%u by_policy=%u not_held=%u "
              "moved=%u epoch=%llu",
-             op_names[to], (unsigned long long)q->id, q->policy->name, out->evicted, out->requested,
-             out->by_policy, out->not_held, out->moved, (unsigned long long)q->epoch);
+             op_names[to], (unsigned long long)seq_id_of(q), seq_policy(q)->name, out->evicted,
+             out->requested, out->by_policy, out->not_held, out->moved,
+             (unsigned long long)seq_epoch(q));
 }
 
 status_code operator_apply(store *st, const char *token, uint64_t seq_id, policy_tier to,
@@ -274,25 +275,25 @@ status_code operator_apply(store *st, const char *token, uint64_t seq_id, policy
     store_lock(st);
     seq *q = NULL;
     status_code rc = check_all(st, token, seq_id, to, r, nranges, layers, nlayers, &q, s);
-    if (rc == ST_OK && (chosen = calloc(q->nlayers, 1)) == NULL)
+    if (rc == ST_OK && (chosen = calloc(seq_layers(q), 1)) == NULL)
         rc = status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
     if (rc == ST_OK) {
         size_t nr = ranges_normalise(r, nranges);
         uint64_t span = 0;
         for (size_t i = 0; i < nr; i++)
             span += r[i].count;
-        for (uint32_t l = 0; l < q->nlayers; l++)
+        for (uint32_t l = 0; l < seq_layers(q); l++)
             chosen[l] = nlayers == 0;
         for (size_t i = 0; i < nlayers; i++)
             chosen[layers[i]] = 1;
-        uint64_t epoch = q->epoch + 1;
+        uint64_t epoch = seq_epoch(q) + 1;
         int changed = 0;
-        for (uint32_t l = 0; l < q->nlayers && rc == ST_OK; l++)
+        for (uint32_t l = 0; l < seq_layers(q) && rc == ST_OK; l++)
             if (chosen[l])
                 rc = apply_layer(q, l, to, r, nr, span, epoch, out, s, &changed);
         if (out->evicted > 0 || changed)
-            q->epoch = epoch;
-        out->epoch = q->epoch;
+            seq_publish_epoch(q, epoch);
+        out->epoch = seq_epoch(q);
         report(st, q, to, out, changed);
     }
     store_unlock(st);

@@ -31,7 +31,9 @@
 
 #include "store_operator.h"
 #include "ring.h"
+#include "seq_internal.h"
 #include "store_internal.h"
+#include "store_harness.h"
 
 /* ---- the countdown ------------------------------------------------------ */
 
@@ -144,9 +146,7 @@ static status_code create_kv(fixture *f, const char *policy, const char *const *
         keys[i] = kv[2 * i];
         values[i] = kv[2 * i + 1];
     }
-    uint64_t epoch;
-    policy_params p;
-    return store_seq_create(f->st, f->token, policy, keys, values, n, "", id, &epoch, &p, s);
+    return seq_create_for(f->st, f->token, policy, keys, values, n, id, s);
 }
 
 static void new_seq(fixture *f, const char *policy, const char *const *kv, size_t n)
@@ -689,7 +689,7 @@ static void prep_revive_int8(fixture *f)
 static status_code run_revive(fixture *f, status *s)
 {
     store_revive_result r;
-    status_code rc = store_revive(f->st, f->token, f->seq_id, 1, 0, 0, 0, 0, &r, s);
+    status_code rc = store_revive(f->st, f->token, f->seq_id, &(seq_revive_request){1, 0, 0, 0, 0}, &r, s);
     store_revive_result_free(&r);
     return rc;
 }
@@ -699,7 +699,7 @@ static void prep_scratch(fixture *f)
     prep_revive_sketch(f);
     store_revive_result r;
     status s;
-    must(store_revive(f->st, f->token, f->seq_id, 0, 0, 0, 0, 0, &r, &s), &s, "revive");
+    must(store_revive(f->st, f->token, f->seq_id, &(seq_revive_request){0, 0, 0, 0, 0}, &r, &s), &s, "revive");
     f->scratch_id = r.scratch_id;
     store_revive_result_free(&r);
 }

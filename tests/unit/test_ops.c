@@ -19,6 +19,7 @@
 #include "metrics.h"
 #include "store_operator.h"
 #include "store.h"
+#include "store_harness.h"
 
 /* ---- config ---------------------------------------------------------------- */
 
@@ -147,14 +148,8 @@ static int setup(void **state)
     assert_int_equal(store_session_open(f.st, 102, 2000, 2000, 3, f.stranger, &s), ST_OK);
     store_attach_result r;
     assert_int_equal(store_attach(f.st, f.token, "m", &geom, "w", &r, &s), ST_OK);
-    policy_params p;
-    uint64_t epoch;
-    assert_int_equal(
-        store_seq_create(f.st, f.token, "full", NULL, NULL, 0, "", &f.seq_full, &epoch, &p, &s),
-        ST_OK);
-    assert_int_equal(
-        store_seq_create(f.st, f.token, "h2o", NULL, NULL, 0, "", &f.seq_h2o, &epoch, &p, &s),
-        ST_OK);
+    assert_int_equal(seq_create_for(f.st, f.token, "full", NULL, NULL, 0, &f.seq_full, &s), ST_OK);
+    assert_int_equal(seq_create_for(f.st, f.token, "h2o", NULL, NULL, 0, &f.seq_h2o, &s), ST_OK);
     store_table w;
     assert_int_equal(store_append(f.st, f.token, f.seq_full, 16, 0, &w, &s), ST_OK);
     store_table_free(&w);
@@ -183,8 +178,8 @@ static void test_evict_drops_positions_and_retires_blocks(void **state)
     status s;
     operator_evict_result r;
     seq *q = store_find_seq_locked(f->st, f->seq_full);
-    uint64_t epoch = q->epoch;
-    uint32_t free_before = q->pool->nfree;
+    uint64_t epoch = seq_epoch(q);
+    uint32_t free_before = seq_pool(q)->nfree;
     /* Positions 4-7 are block 1 of each layer; 9 and 30 (not held) on layer 1 only. */
     const operator_range all[] = {{4, 4}};
     assert_int_equal(operator_evict(f->st, f->operator, f->seq_full, all, 1, NULL, 0, &r, &s),
@@ -195,7 +190,7 @@ static void test_evict_drops_positions_and_retires_blocks(void **state)
     assert_int_equal(r.not_held, 0);
     assert_int_equal(r.epoch, epoch + 1);
     assert_int_equal(seq_retired_count(q), 2); /* one block per layer, until acked */
-    assert_int_equal(q->pool->nfree, free_before);
+    assert_int_equal(seq_pool(q)->nfree, free_before);
     const operator_range some[] = {{9, 1}, {5, 1}};
     const uint32_t layer1[] = {1};
     assert_int_equal(operator_evict(f->st, f->operator, f->seq_full, some, 2, layer1, 1, &r, &s),
@@ -218,7 +213,7 @@ static void test_evict_drops_positions_and_retires_blocks(void **state)
     assert_int_equal(segs_tokens, 11);
     store_table_free(&t);
     assert_int_equal(seq_retired_count(q), 0);
-    assert_int_equal(q->pool->nfree, free_before + 2);
+    assert_int_equal(seq_pool(q)->nfree, free_before + 2);
     /* The counters moved, by operator. */
     snapshot snap;
     assert_int_equal(store_snapshot(f->st, &snap), 0);
@@ -239,7 +234,7 @@ static void test_evict_refusals_change_nothing(void **state)
     status s;
     operator_evict_result r;
     seq *q = store_find_seq_locked(f->st, f->seq_full);
-    uint64_t epoch = q->epoch;
+    uint64_t epoch = seq_epoch(q);
     const operator_range one[] = {{1, 1}}, beyond[] = {{15, 2}}, empty[] = {{1, 0}};
     const uint32_t bad_layer[] = {2};
     assert_int_equal(operator_evict(f->st, NULL, f->seq_full, one, 1, NULL, 0, &r, &s),
@@ -261,7 +256,7 @@ static void test_evict_refusals_change_nothing(void **state)
                      ST_INVALID_ARGUMENT);
     assert_int_equal(operator_evict(f->st, f->operator, f->seq_full, one, 1, bad_layer, 1, &r, &s),
                      ST_INVALID_ARGUMENT);
-    assert_int_equal(q->epoch, epoch);
+    assert_int_equal(seq_epoch(q), epoch);
     assert_int_equal(held(f, f->seq_full, 0, NULL), 16);
     /* The worker itself may evict from its own sequence. */
     assert_int_equal(operator_evict(f->st, f->token, f->seq_full, one, 1, NULL, 0, &r, &s), ST_OK);

@@ -24,6 +24,7 @@
 #include "ring.h"
 #include "ring_client.h"
 #include "store.h"
+#include "store_harness.h"
 
 #define RING_TEST_BYTES (64u << 10)
 
@@ -48,11 +49,7 @@ static int setup_policy(void **state, const char *policy, const char *const *key
     assert_int_equal(store_session_open(f.st, 100, 1000, 1000, 1, f.token, &s), ST_OK);
     store_attach_result ar;
     assert_int_equal(store_attach(f.st, f.token, "m", &geom, "w", &ar, &s), ST_OK);
-    uint64_t epoch;
-    policy_params p;
-    assert_int_equal(
-        store_seq_create(f.st, f.token, policy, keys, values, n, "", &f.seq_id, &epoch, &p, &s),
-        ST_OK);
+    assert_int_equal(seq_create_for(f.st, f.token, policy, keys, values, n, &f.seq_id, &s), ST_OK);
     if (ring_create(f.st, f.token, RING_TEST_BYTES, &f.r, &s) != ST_OK)
         fail_msg("ring_create: %s", s.msg);
     assert_int_equal(ring_bytes(f.r), RING_TEST_BYTES);

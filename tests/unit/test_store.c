@@ -12,6 +12,9 @@
 #include <cmocka.h>
 
 #include "store.h"
+#include "store_harness.h"
+/* White-box: the blocks of kept victims (nvictim_blocks) have no accessor. */
+#include "seq_internal.h"
 
 typedef struct fixture {
     store *st;
@@ -93,11 +96,9 @@ static size_t store_seqs(fixture *f)
 static uint64_t make_seq(fixture *f, const char *policy, const char *const *keys,
                          const char *const *values, size_t n)
 {
-    uint64_t id, epoch;
-    policy_params p;
+    uint64_t id;
     status s;
-    assert_int_equal(
-        store_seq_create(f->st, f->token, policy, keys, values, n, "", &id, &epoch, &p, &s), ST_OK);
+    assert_int_equal(seq_create_for(f->st, f->token, policy, keys, values, n, &id, &s), ST_OK);
     return id;
 }
 
@@ -224,14 +225,14 @@ static void test_pool_full_changes_nothing(void **state)
     append(f, id, 3, 0, &w);
     store_table_free(&w);
     seq *q = store_find_seq_locked(f->st, id);
-    uint64_t epoch = q->epoch;
+    uint64_t epoch = seq_epoch(q);
     uint32_t nfree = the_pool(f).blocks_free;
     status s;
     /* Far more tokens than the pool holds. */
     assert_int_equal(store_append(f->st, f->token, id, 65536, 0, &w, &s), ST_RESOURCE_EXHAUSTED);
     assert_non_null(strstr(s.msg, "free blocks"));
-    assert_int_equal(q->epoch, epoch);
-    assert_int_equal(q->appended, 3);
+    assert_int_equal(seq_epoch(q), epoch);
+    assert_int_equal(seq_appended(q), 3);
     assert_int_equal(the_pool(f).blocks_free, nfree);
 }
 
@@ -246,7 +247,7 @@ static void test_bad_counts(void **state)
         assert_int_equal(store_append(f->st, f->token, id, bad[i], 0, &w, &s), ST_INVALID_ARGUMENT);
         assert_non_null(strstr(s.msg, "count"));
     }
-    assert_int_equal(store_find_seq_locked(f->st, id)->epoch, 0);
+    assert_int_equal(seq_epoch(store_find_seq_locked(f->st, id)), 0);
 }
 
 static void test_sessions_and_ownership(void **state)
@@ -322,16 +323,13 @@ static void test_bad_geometry_and_policy(void **state)
     assert_int_equal(store_attach(f->st, tok, "x", &g, "", &r, &s), ST_INVALID_ARGUMENT);
     assert_int_equal(store_attach(f->st, tok, "bad name!", &small_geom, "", &r, &s),
                      ST_INVALID_ARGUMENT);
-    uint64_t id, epoch;
-    policy_params p;
-    assert_int_equal(
-        store_seq_create(f->st, f->token, "nope", NULL, NULL, 0, "", &id, &epoch, &p, &s),
-        ST_INVALID_ARGUMENT);
+    uint64_t id;
+    assert_int_equal(seq_create_for(f->st, f->token, "nope", NULL, NULL, 0, &id, &s),
+                     ST_INVALID_ARGUMENT);
     assert_non_null(strstr(s.msg, "nope"));
     const char *keys[] = {"window"}, *values[] = {"abc"};
-    assert_int_equal(
-        store_seq_create(f->st, f->token, "streaming", keys, values, 1, "", &id, &epoch, &p, &s),
-        ST_INVALID_ARGUMENT);
+    assert_int_equal(seq_create_for(f->st, f->token, "streaming", keys, values, 1, &id, &s),
+                     ST_INVALID_ARGUMENT);
     assert_non_null(strstr(s.msg, "window"));
     assert_int_equal(store_seqs(f), 0);
     assert_int_equal(store_pools(f), 1); /* no pool was created for "x" */
@@ -342,7 +340,8 @@ static void revive_sources(fixture *f, uint64_t id, uint32_t first, uint32_t n, 
 {
     status s;
     store_revive_result r;
-    assert_int_equal(store_revive(f->st, f->token, id, 0, 0, first, n, 0, &r, &s), ST_OK);
+    assert_int_equal(
+        store_revive(f->st, f->token, id, &(seq_revive_request){0, 0, first, n, 0}, &r, &s), ST_OK);
     assert_int_equal(r.table.tokens, n);
     counts[0] = counts[1] = counts[2] = 0;
     for (uint32_t t = 0; t < n; t++)
@@ -362,7 +361,7 @@ static void test_int8_victims_give_way_under_pressure(void **state)
     const char *keys[] = {"n_sink", "window", "victims"}, *values[] = {"0", "8", "int8"};
     uint64_t id = make_seq(f, "streaming", keys, values, 3);
     seq *q = store_find_seq_locked(f->st, id);
-    uint32_t t8 = q->tier.l8.block_tokens;
+    uint32_t t8 = seq_int8_block_tokens(q);
     assert_int_equal(t8, 12); /* 512-byte blocks: 4 fp32 tokens, or 12 INT8 ones + scales */
     store_table w;
     uint64_t ack = 0;
@@ -388,28 +387,29 @@ static void test_int8_victims_give_way_under_pressure(void **state)
         assert_int_equal(counts[POLICY_INT8], 8);
         assert_int_equal(counts[POLICY_FULL], p + 1 - n8);
     }
-    assert_true(q->victims_dropped > 0);
-    assert_int_equal(q->appended, total);
+    assert_true(seq_victims_dropped(q) > 0);
+    assert_int_equal(seq_appended(q), total);
     /* Held and retired blocks plus free ones are the whole pool. */
     assert_int_equal(seq_blocks_held(q) + the_pool(f).blocks_free, f->block_count);
     status s;
     store_revive_result r;
-    assert_int_equal(store_revive(f->st, f->token, id, 0, 0, 0, 10, 0, &r, &s),
-                     ST_FAILED_PRECONDITION);
+    assert_int_equal(
+        store_revive(f->st, f->token, id, &(seq_revive_request){0, 0, 0, 10, 0}, &r, &s),
+        ST_FAILED_PRECONDITION);
     assert_non_null(strstr(s.msg, "evicted outright"));
     /* The victims dropped are the oldest, whole INT8 blocks of each layer:
      * what is kept starts right after them. */
     for (uint32_t l = 0; l < 2; l++) {
         const seq_list *ly = &q->lists[l];
         assert_int_equal(ly->offloaded[0] % t8, 0);
-        assert_int_equal(q->victims_dropped, 2 * (uint64_t)ly->offloaded[0]);
+        assert_int_equal(seq_victims_dropped(q), 2 * (uint64_t)ly->offloaded[0]);
         assert_int_equal(ly->offloaded[ly->noffloaded - 1], total - 10);
     }
     /* An append no amount of dropping can serve is refused, victims kept
      * (the step of the last token still ran first: one more victim). */
-    uint64_t dropped = q->victims_dropped, kept = q->lists[0].noffloaded;
+    uint64_t dropped = seq_victims_dropped(q), kept = q->lists[0].noffloaded;
     assert_int_equal(store_append(f->st, f->token, id, 65536, ack, &w, &s), ST_RESOURCE_EXHAUSTED);
-    assert_int_equal(q->victims_dropped, dropped);
+    assert_int_equal(seq_victims_dropped(q), dropped);
     assert_int_equal(q->lists[0].noffloaded, kept + 1);
 }
 

@@ -1,0 +1,578 @@
+/*
+ * seq_apply.c - applying a policy's decision to a sequence's lists: tier
+ * moves, offloaded victims, INT8 demotion and compaction, value merges, key
+ * re-rotation, full-precision compaction, retiring emptied blocks (seq.h
+ * seq_apply_decision, seq_demote_pending).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "seq_internal.h"
+
+/* tier_error_ratio of tokens idx[0..m) of tok against the staged k, v. */
+static int stage_error(seq *s, const tier_token *tok, const uint32_t *idx, size_t m,
+                       const uint8_t *k, const uint8_t *v, double *ratio)
+{
+    tier_token *sel = malloc((m ? m : 1) * sizeof *sel);
+    if (sel == NULL)
+        return -1;
+    for (size_t i = 0; i < m; i++)
+        sel[i] = tok[idx[i]];
+    int rc = tier_error_ratio(&s->tier, sel, m, k, v, ratio);
+    free(sel);
+    return rc;
+}
+
+/* Insert tokens idx[0..m) (FULL or INT8) into the sketch; they become
+ * sketch tokens. */
+static int move_to_sketch(seq *s, seq_list *ly, uint32_t layer, tier_token *tok,
+                          const uint32_t *pos, const uint32_t *idx, size_t m)
+{
+    uint8_t *k, *v;
+    uint32_t *p = malloc((m ? m : 1) * sizeof *p);
+    if (p == NULL || list_sketch_ready(s, ly, layer) != 0 ||
+        seq_stage_tokens(s, tok, idx, m, &k, &v) != 0) {
+        free(p);
+        return -1;
+    }
+    for (size_t i = 0; i < m; i++)
+        p[i] = pos[idx[i]];
+    int rc = tier_sketch_insert(&ly->sketch, &s->tier, p, m, k, v);
+    double rel;
+    if (rc == 0 && tier_sketch_error(&ly->sketch, &s->tier, p, m, k, v, &rel) == 0)
+        snapshot_tiers_observe(&s->report, SNAPSHOT_OBS_SKETCH, rel);
+    for (size_t i = 0; rc == 0 && i < m; i++)
+        tok[idx[i]] = (tier_token){TIER_NO_BLOCK, 0, POLICY_SKETCH};
+    seq_moved(s, 1, rc == 0 ? m : 0);
+    tier_stage_free(&s->tier, k);
+    free(p);
+    return rc;
+}
+
+/* Bring token i (SKETCH or INT8) back to a fresh full-precision slot: the
+ * sketch's estimate, deleted from the sketch (KVReviver swap, Alg. 3), or
+ * the dequantised values. Leaves it where it is when the pool is full. */
+static int move_to_full(seq *s, seq_list *ly, tier_token *tok, const uint32_t *pos, uint32_t i)
+{
+    tier_token dst;
+    /* The tail as it was: a failed copy gives the slot (and a block taken
+     * for it) back, or the block would be held by no segment (test_faults). */
+    uint32_t tail = ly->tail_block, next = ly->tail_next_slot;
+    int had_tail = ly->has_tail, fresh = !list_tail_usable(ly, s->block_slots);
+    if (list_take_slot(s, ly, &dst) != 0)
+        return 0;
+    if (tok[i].tier == POLICY_SKETCH
+            ? tier_sketch_read(&ly->sketch, &s->tier, s->pool->base, &pos[i], 1, &dst, 1) != 0
+            : tier_copy(&s->tier, &tok[i], 1, &dst) != 0) {
+        if (fresh)
+            pool_free_block(s->pool, dst.block);
+        ly->tail_block = tail, ly->tail_next_slot = next, ly->has_tail = had_tail;
+        return -1;
+    }
+    tok[i] = dst;
+    seq_moved(s, 2, 1);
+    return 0;
+}
+
+/* The policy's victims, by the storage option victims: offloaded into the
+ * sketch; kept where they are stored (victims=int8: full-precision ones are
+ * quantised by list_victims_quantize, sketch ones stay in the sketch); or
+ * dropped (a dropped sketch token's estimate leaves the sketch). */
+static int list_victims(seq *s, seq_list *ly, uint32_t layer, tier_token *tok, const uint32_t *pos,
+                        const uint8_t *tier, uint32_t n, uint32_t *scratch)
+{
+    policy_victims mode = policy_host_storage(s->host)->victims;
+    size_t m = 0, gone = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (tier[i] != POLICY_EVICT)
+            continue;
+        int sketched = tok[i].tier == POLICY_SKETCH;
+        if (mode == POLICY_VICTIMS_SKETCH && !sketched)
+            scratch[m++] = i;
+        else if (mode == POLICY_VICTIMS_EVICT && sketched)
+            scratch[n - 1 - gone++] = pos[i];
+        tier_token at =
+            mode == POLICY_VICTIMS_INT8 ? tok[i] : (tier_token){TIER_NO_BLOCK, 0, POLICY_SKETCH};
+        if (mode != POLICY_VICTIMS_EVICT && list_offload_push(ly, pos[i], at) != 0)
+            return -1;
+    }
+    if (m > 0 && move_to_sketch(s, ly, layer, tok, pos, scratch, m) != 0)
+        return -1;
+    return gone ? tier_sketch_delete(&ly->sketch, scratch + n - gone, gone) : 0;
+}
+
+/* Whether token i's storage must change for decided tier `want` (INT8
+ * demotion is batched separately). */
+static int needs_move(uint8_t stored, uint8_t want)
+{
+    if (want == POLICY_EVICT)
+        return 0;
+    if (want == POLICY_SKETCH)
+        return stored != POLICY_SKETCH;
+    return stored == POLICY_SKETCH || (want == POLICY_FULL && stored == POLICY_INT8);
+}
+
+static int apply_move(seq *s, seq_list *ly, uint32_t layer, tier_token *tok, const uint32_t *pos,
+                      const uint8_t *tier, uint32_t i)
+{
+    if (!needs_move(tok[i].tier, tier[i]))
+        return 0;
+    if (tier[i] == POLICY_SKETCH)
+        return move_to_sketch(s, ly, layer, tok, pos, &i, 1);
+    return move_to_full(s, ly, tok, pos, i);
+}
+
+/* Tier moves among kept tokens, in the policy's order (tier_order) if it
+ * gives one, then the rest: revivals first, then insertions. */
+static int list_moves(seq *s, seq_list *ly, uint32_t layer, tier_token *tok, const uint32_t *pos,
+                      const uint8_t *tier, uint32_t n)
+{
+    size_t norder;
+    const uint32_t *order = policy_host_tier_order(s->host, layer, &norder);
+    for (size_t j = 0; j < norder; j++)
+        if (order[j] < n && apply_move(s, ly, layer, tok, pos, tier, order[j]) != 0)
+            return -1;
+    for (int pass = 0; pass < 2; pass++)
+        for (uint32_t i = 0; i < n; i++)
+            if ((tier[i] == POLICY_SKETCH) == pass &&
+                apply_move(s, ly, layer, tok, pos, tier, i) != 0)
+                return -1;
+    return 0;
+}
+
+/* Quantise tokens idx[0..m) of tok (FULL, or INT8 read back dequantised)
+ * into fresh INT8 blocks, an INT8 block's worth to a block and the last
+ * one partial; the caller checked that the pool has them. The tokens become
+ * INT8 tokens of the new blocks; the round trip's error is observed. */
+static int quantize_fresh(seq *s, tier_token *tok, const uint32_t *idx, size_t m)
+{
+    uint32_t t8 = s->tier.l8.block_tokens;
+    size_t nq = (m + t8 - 1) / t8;
+    uint32_t *qb = malloc((nq ? nq : 1) * sizeof *qb);
+    uint8_t *k, *v;
+    if (qb == NULL || seq_stage_tokens(s, tok, idx, m, &k, &v) != 0) {
+        free(qb);
+        return -1;
+    }
+    for (size_t b = 0; b < nq; b++)
+        pool_alloc_block(s->pool, &qb[b]); /* checked by the caller */
+    int rc = tier_quantize(&s->tier, k, v, m, qb, nq);
+    for (size_t j = 0; rc == 0 && j < m; j++)
+        tok[idx[j]] = (tier_token){qb[j / t8], (uint32_t)(j % t8), POLICY_INT8};
+    for (size_t b = 0; rc != 0 && b < nq; b++)
+        pool_free_block(s->pool, qb[b]);
+    double ratio;
+    if (rc == 0 && stage_error(s, tok, idx, m, k, v, &ratio) == 0)
+        snapshot_tiers_observe(&s->report, SNAPSHOT_OBS_INT8, ratio);
+    tier_stage_free(&s->tier, k);
+    free(qb);
+    return rc;
+}
+
+/* INT8 demotion in whole INT8 blocks (POLICIES.md §5.4: a block's scales
+ * cover all its tokens and it is written once): the oldest tokens decided
+ * INT8 but stored at full precision, as many blocks' worth as there are;
+ * with `partial`, all of them, the last INT8 block written partial (its
+ * free slots are never filled: an operator's demote wants them now). */
+static int list_demote(seq *s, tier_token *tok, const uint8_t *tier, uint32_t n, uint32_t *scratch,
+                       int partial)
+{
+    uint32_t t8 = s->tier.l8.block_tokens;
+    size_t m = 0;
+    for (uint32_t i = 0; i < n; i++)
+        if (tier[i] == POLICY_INT8 && tok[i].tier == POLICY_FULL)
+            scratch[m++] = i;
+    size_t nq = partial ? (m + t8 - 1) / t8 : m / t8;
+    if (nq == 0 || nq > s->pool->nfree)
+        return 0;
+    if (!partial)
+        m = nq * t8;
+    if (quantize_fresh(s, tok, scratch, m) != 0)
+        return -1;
+    seq_moved(s, 0, m);
+    return 0;
+}
+
+/*
+ * POLICIES.md §5.4 "on compaction: dequantise survivors, gather, re-block,
+ * re-quantise": when the INT8 tokens that stay (tier[i] INT8, stored INT8)
+ * spread over more than one INT8 block beyond what they fill, re-quantise
+ * them into fresh INT8 blocks with new scales, so that evicting INT8
+ * tokens gives memory back. Each re-quantisation adds up to half a new
+ * scale of error, hence the slack block: it runs at most once per INT8
+ * block's worth of evictions, not at every eviction. It runs before this
+ * step's demotion, so a token is quantised at most once a step. Skipped,
+ * harmlessly, when the pool lacks the blocks. scratch has room for 2n.
+ */
+static int list_requantize(seq *s, tier_token *tok, const uint8_t *tier, uint32_t n,
+                           uint32_t *scratch)
+{
+    uint32_t t8 = s->tier.l8.block_tokens, *blocks = scratch + n;
+    size_t m = 0;
+    /* victims=int8 keeps evicted INT8 tokens in their blocks: re-quantising
+     * the others would free nothing. */
+    if (policy_host_storage(s->host)->victims == POLICY_VICTIMS_INT8)
+        return 0;
+    for (uint32_t i = 0; i < n; i++)
+        if (tier[i] == POLICY_INT8 && tok[i].tier == POLICY_INT8) {
+            blocks[m] = tok[i].block;
+            scratch[m++] = i;
+        }
+    size_t need = (m + t8 - 1) / t8, have = seq_sort_unique(blocks, m);
+    if (have <= need + 1 || need > s->pool->nfree)
+        return 0;
+    if (quantize_fresh(s, tok, scratch, m) != 0)
+        return -1;
+    s->requantized += m;
+    s->report.requantized += m;
+    return 0;
+}
+
+/*
+ * victims=int8: the oldest victims still at full precision go to INT8 in
+ * whole INT8 blocks, as demotion does (an INT8 block is written once); the
+ * rest wait in their slots. The blocks are the list's victim blocks.
+ * Skipped, harmlessly, when the pool lacks the blocks. scratch has room for
+ * noffloaded.
+ */
+static int list_victims_quantize(seq *s, seq_list *ly, uint32_t *scratch)
+{
+    uint32_t t8 = s->tier.l8.block_tokens;
+    size_t m = 0;
+    for (size_t j = 0; j < ly->noffloaded; j++)
+        if (ly->offloaded_at[j].tier == POLICY_FULL)
+            scratch[m++] = (uint32_t)j;
+    size_t nq = m / t8;
+    if (nq == 0 || nq > s->pool->nfree ||
+        seq_grow((void **)&ly->victim_blocks, &ly->victim_blocks_cap, ly->nvictim_blocks + nq,
+                 sizeof *ly->victim_blocks) != 0)
+        return 0;
+    if (quantize_fresh(s, ly->offloaded_at, scratch, nq * t8) != 0)
+        return -1;
+    for (size_t b = 0; b < nq; b++)
+        ly->victim_blocks[ly->nvictim_blocks++] = ly->offloaded_at[scratch[b * t8]].block;
+    seq_moved(s, 0, nq * t8);
+    return 0;
+}
+
+/* Free the oldest victim block of each list (memory pressure, seq_append):
+ * its victims are gone for good. Returns the blocks freed. */
+uint32_t seq_drop_victim_blocks(seq *s)
+{
+    uint32_t freed = 0;
+    for (size_t k = 0; k < seq_nlists(s); k++) {
+        seq_list *ly = &s->lists[k];
+        if (ly->nvictim_blocks == 0)
+            continue;
+        uint32_t b = ly->victim_blocks[0];
+        memmove(ly->victim_blocks, ly->victim_blocks + 1,
+                --ly->nvictim_blocks * sizeof *ly->victim_blocks);
+        size_t kept = 0;
+        for (size_t j = 0; j < ly->noffloaded; j++) {
+            if (ly->offloaded_at[j].tier == POLICY_INT8 && ly->offloaded_at[j].block == b)
+                continue;
+            ly->offloaded[kept] = ly->offloaded[j];
+            ly->offloaded_at[kept++] = ly->offloaded_at[j];
+        }
+        s->victims_dropped += ly->noffloaded - kept;
+        s->report.victims_dropped += ly->noffloaded - kept;
+        ly->noffloaded = kept;
+        pool_free_block(s->pool, b);
+        freed++;
+    }
+    return freed;
+}
+
+/* WeightedKV merges of layer l, before the merged-away tokens leave the
+ * table. The merge runs at full precision: an INT8 block is written once,
+ * so an INT8 token in a merge is first brought back to a fresh full slot
+ * (dequantised; a kept one is demoted again with the next INT8 block). A
+ * merge is skipped when the pool has no slot for that, or a token is in the
+ * sketch (weightedkv keeps none there). */
+static int apply_merges(seq *s, uint32_t l, const policy_decision *d, tier_token *const *toks)
+{
+    for (size_t m = 0; m < d->nmerges; m++) {
+        const policy_merge *g = &d->merges[m];
+        tier_token *tok = toks[g->head];
+        seq_list *ly = seq_list_at(s, l, g->head);
+        const uint32_t *pos;
+        seq_list_tokens(s, l, g->head, &pos);
+        if ((tok[g->from].tier == POLICY_INT8 && move_to_full(s, ly, tok, pos, g->from) != 0) ||
+            (tok[g->into].tier == POLICY_INT8 && move_to_full(s, ly, tok, pos, g->into) != 0))
+            return -1;
+        const tier_token *from = &tok[g->from], *into = &tok[g->into];
+        if (from->tier != POLICY_FULL || into->tier != POLICY_FULL)
+            continue;
+        kv_merge one = {from->block, from->slot, into->block, into->slot, g->w_from, g->w_into};
+        if (s->tier.ops->merge_values(&s->list_layout, s->tier.dtype, s->pool->base, &one, 1) != 0)
+            return -1;
+    }
+    return 0;
+}
+
+/*
+ * OpenVINO §2.8: after an eviction, a kept token that moved from index i to
+ * j of its list carries RoPE for a position j - i too far; rotate its key
+ * back (kv_rope_rerotate). Only full-precision keys can be rewritten; the
+ * worker is inside its synchronous step, not reading.
+ */
+static int list_rerotate(seq *s, const tier_token *tok, const uint8_t *tier, uint32_t n,
+                         const policy_decision *d)
+{
+    int32_t *delta = malloc((n ? n : 1) * sizeof *delta);
+    kv_segment *sg = malloc((n ? n : 1) * sizeof *sg);
+    if (delta == NULL || sg == NULL) {
+        free(delta);
+        free(sg);
+        return -1;
+    }
+    uint32_t j = 0, m = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (tier[i] == POLICY_EVICT)
+            continue;
+        if (tok[i].tier == POLICY_FULL && j != i) {
+            delta[m] = (int32_t)j - (int32_t)i;
+            sg[m++] = (kv_segment){tok[i].block, tok[i].slot, 1};
+        }
+        j++;
+    }
+    int rc =
+        s->tier.ops->rope_rerotate(&s->list_layout, s->tier.dtype, s->pool->base, sg, m, delta,
+                                   d->rope_theta > 0 ? d->rope_theta : s->pool->geom.rope_theta,
+                                   d->rope_pairing ? KV_ROPE_INTERLEAVED : KV_ROPE_HALF);
+    free(delta);
+    free(sg);
+    return rc;
+}
+
+/*
+ * Conf-KV's contiguous compaction, for any token-level eviction: when the
+ * full-precision survivors are spread over more than one block beyond what
+ * they fill, copy them into fresh blocks (kv_copy_tokens), so that evicting
+ * tokens really gives memory back; the old blocks are retired by the
+ * caller. Skipped, harmlessly, when the pool lacks the blocks.
+ */
+static int list_compact(seq *s, seq_list *ly, tier_token *kept, uint32_t n, uint32_t *scratch)
+{
+    uint32_t slots = s->block_slots, nfull = 0;
+    for (uint32_t i = 0; i < n; i++)
+        if (kept[i].tier == POLICY_FULL)
+            scratch[nfull++] = kept[i].block;
+    uint32_t need = (nfull + slots - 1) / slots;
+    qsort(scratch, nfull, sizeof *scratch, seq_cmp_u32);
+    uint32_t have = 0;
+    for (uint32_t i = 0; i < nfull; i++)
+        have += i == 0 || scratch[i] != scratch[i - 1];
+    if (have <= need + 1 || need > s->pool->nfree || need == 0)
+        return 0;
+    kv_segment *src = malloc(nfull * sizeof *src), *dst = malloc(nfull * sizeof *dst);
+    if (src == NULL || dst == NULL) {
+        free(src);
+        free(dst);
+        return -1;
+    }
+    uint32_t blk = 0;
+    for (uint32_t i = 0, j = 0; i < n; i++) {
+        if (kept[i].tier != POLICY_FULL)
+            continue;
+        if (j % slots == 0)
+            pool_alloc_block(s->pool, &blk); /* checked above */
+        src[j] = (kv_segment){kept[i].block, kept[i].slot, 1};
+        dst[j] = (kv_segment){blk, j % slots, 1};
+        j++;
+    }
+    if (s->tier.ops->copy_tokens(&s->list_layout, s->pool->base, src, nfull, dst, nfull) != 0) {
+        for (uint32_t j = 0; j < nfull; j += slots) /* the list stays where it was */
+            pool_free_block(s->pool, dst[j].block);
+        free(src);
+        free(dst);
+        return -1;
+    }
+    for (uint32_t i = 0, j = 0; i < n; i++)
+        if (kept[i].tier == POLICY_FULL) {
+            kept[i] = (tier_token){dst[j].block, dst[j].first_slot, POLICY_FULL};
+            j++;
+        }
+    ly->tail_block = blk;
+    ly->tail_next_slot = (nfull - 1) % slots + 1;
+    ly->has_tail = 1;
+    free(src);
+    free(dst);
+    return 0;
+}
+
+/* Retire the blocks of `before` (sorted) that `after` (sorted) lacks. */
+static int retire_unused(seq *s, seq_list *ly, const uint32_t *before, size_t nb,
+                         const uint32_t *after, size_t na, uint64_t epoch)
+{
+    size_t j = 0;
+    for (size_t i = 0; i < nb; i++) {
+        while (j < na && after[j] < before[i])
+            j++;
+        if (j < na && after[j] == before[i])
+            continue;
+        if (seq_retire(s, before[i], epoch) != 0)
+            return -1;
+        if (ly->has_tail && ly->tail_block == before[i])
+            ly->has_tail = 0;
+    }
+    return 0;
+}
+
+/* Room for the segments of a list of n tokens and for `blocks` more retired
+ * blocks, made before a demotion or compaction takes blocks: failing in
+ * list_encode or retire_unused after those would leave blocks that no
+ * segment holds and segments unlike the host's list (test_faults). */
+static int list_reserve_apply(seq *s, seq_list *ly, uint32_t n, size_t blocks)
+{
+    if (list_reserve(ly, n ? n : 1) != 0)
+        return -1;
+    return seq_grow((void **)&s->retired, &s->retired_cap, s->nretired + blocks,
+                    sizeof *s->retired);
+}
+
+/* Whether the decision changes anything in this list's storage. */
+static int list_untouched(const seq *s, const tier_token *tok, const uint8_t *tier, uint32_t n)
+{
+    uint32_t pending = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (tier[i] == POLICY_EVICT || needs_move(tok[i].tier, tier[i]))
+            return 0;
+        pending += tier[i] == POLICY_INT8 && tok[i].tier == POLICY_FULL;
+    }
+    return pending < s->tier.l8.block_tokens;
+}
+
+/* Apply one list's decided tiers to its storage (seq_apply_decision). */
+static int list_apply(seq *s, uint32_t l, uint32_t k, tier_token *tok, const policy_decision *d,
+                      uint64_t epoch, int *changed)
+{
+    seq_list *ly = seq_list_at(s, l, k);
+    const uint32_t *pos;
+    uint32_t n = seq_list_tokens(s, l, k, &pos);
+    const uint8_t *tier = d->tier[k];
+    if (list_untouched(s, tok, tier, n))
+        return 0;
+    *changed = 1;
+    /* Blocks used before (at most n + noffloaded + 1 with the tail, three
+     * times: see below), after, and an index list (2n, or noffloaded);
+     * victims add at most n offloaded entries. */
+    size_t cap = 2 * ((size_t)2 * n + ly->noffloaded) + 4;
+    uint32_t *scratch = malloc(4 * cap * sizeof *scratch);
+    if (scratch == NULL)
+        return -1;
+    uint32_t *before = scratch, *after = scratch + 2 * cap, *idx = scratch + 3 * cap;
+    /* From the segments: as stored before this decision (merges may have
+     * moved tokens of tok already). */
+    size_t nb = list_fill_block_ids(ly, -1, before);
+    if (ly->has_tail)
+        before[nb++] = ly->tail_block;
+    nb = seq_sort_unique(before, nb);
+    /* Retired at the end: blocks before and those taken on the way, at
+     * most one per slot moved back to full precision (n / block_slots + 1)
+     * and per INT8 block the victims, re-quantisation and demotion write
+     * ((noffloaded + n) / t8 + 2n / t8 + 3). */
+    uint32_t t8 = s->tier.l8.block_tokens;
+    int rc = list_reserve_apply(
+        s, ly, n, nb + n / s->block_slots + (ly->noffloaded + 3 * (size_t)n) / t8 + 4);
+    if (rc == 0)
+        rc = list_victims(s, ly, l, tok, pos, tier, n, idx);
+    if (rc == 0)
+        rc = list_victims_quantize(s, ly, idx);
+    if (rc == 0)
+        rc = list_moves(s, ly, l, tok, pos, tier, n);
+    if (rc == 0)
+        rc = list_requantize(s, tok, tier, n, idx);
+    /* Blocks the victims, moves and re-quantisation took (INT8 blocks,
+     * tails for revived tokens) count as used before the demotion, which
+     * may empty them again. */
+    nb = seq_sort_unique(before, nb + list_block_set(ly, tok, n, 1, before + nb));
+    if (rc == 0)
+        rc = list_demote(s, tok, tier, n, idx, 0);
+    if (rc == 0 && d->rerotate_keys)
+        rc = list_rerotate(s, tok, tier, n, d);
+    uint32_t kept = 0;
+    for (uint32_t i = 0; i < n; i++)
+        if (tier[i] != POLICY_EVICT)
+            tok[kept++] = tok[i];
+    /* Blocks the moves and the demotion took count as used before
+     * compaction, which may leave them. */
+    nb = seq_sort_unique(before, nb + list_block_set(ly, tok, kept, 1, before + nb));
+    if (rc == 0)
+        rc = list_compact(s, ly, tok, kept, idx);
+    if (rc == 0)
+        rc = list_encode(ly, tok, kept);
+    if (rc == 0)
+        rc =
+            retire_unused(s, ly, before, nb, after, list_block_set(ly, tok, kept, 0, after), epoch);
+    free(scratch);
+    return rc;
+}
+
+status_code seq_apply_decision(seq *s, uint32_t l, const policy_decision *d, uint64_t epoch,
+                               size_t *evicted, int *changed, status *st)
+{
+    tier_token **toks = calloc(s->heads, sizeof *toks);
+    int rc = toks == NULL ? -1 : 0;
+    for (uint32_t k = 0; rc == 0 && k < s->heads; k++) {
+        toks[k] = list_expand(seq_list_at(s, l, k), seq_list_tokens(s, l, k, NULL));
+        rc = toks[k] == NULL ? -1 : 0;
+    }
+    if (rc == 0)
+        rc = apply_merges(s, l, d, toks);
+    *changed |= d->nmerges > 0;
+    for (uint32_t k = 0; rc == 0 && k < s->heads; k++)
+        rc = list_apply(s, l, k, toks[k], d, epoch, changed);
+    for (uint32_t k = 0; toks != NULL && k < s->heads; k++)
+        free(toks[k]);
+    free(toks);
+    if (rc != 0)
+        return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
+    *evicted += policy_host_commit(s->host, l);
+    return ST_OK;
+}
+
+/* Quantise list (l, k)'s tokens decided INT8 but stored at full precision,
+ * a partial INT8 block included, then retire what the list no longer uses
+ * as list_apply does: the blocks before (with the tail) that are not used
+ * after (without it), each once. The INT8 blocks it takes are all used
+ * after. */
+static int list_demote_now(seq *s, uint32_t l, uint32_t k, uint64_t epoch, int *changed)
+{
+    seq_list *ly = seq_list_at(s, l, k);
+    const policy_layer_view *v = policy_host_view(s->host, l);
+    uint32_t n = v->tokens[k];
+    const uint8_t *tier = v->tier[k];
+    size_t cap = (size_t)n + ly->noffloaded + 2; /* blocks before (with the tail), after, indices */
+    tier_token *tok = list_expand(ly, n);
+    uint32_t *scratch = malloc(3 * cap * sizeof *scratch);
+    if (tok == NULL || scratch == NULL) {
+        free(tok);
+        free(scratch);
+        return -1;
+    }
+    uint32_t *before = scratch, *after = scratch + cap, *idx = scratch + 2 * cap;
+    size_t nb = list_block_set(ly, tok, n, 1, before);
+    uint64_t moved = s->moved[0];
+    int rc = list_reserve_apply(s, ly, n, nb);
+    if (rc == 0)
+        rc = list_demote(s, tok, tier, n, idx, 1);
+    if (rc == 0 && s->moved[0] != moved) {
+        *changed = 1;
+        rc = list_encode(ly, tok, n);
+        if (rc == 0)
+            rc = retire_unused(s, ly, before, nb, after, list_block_set(ly, tok, n, 0, after),
+                               epoch);
+    }
+    free(tok);
+    free(scratch);
+    return rc;
+}
+
+status_code seq_demote_pending(seq *s, uint32_t layer, uint64_t epoch, int *changed, status *st)
+{
+    for (uint32_t k = 0; k < s->heads; k++)
+        if (list_demote_now(s, layer, k, epoch, changed) != 0)
+            return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
+    return ST_OK;
+}

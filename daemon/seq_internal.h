@@ -1,0 +1,132 @@
+/*
+ * seq_internal.h - what the files of the seq module share (seq.c,
+ * seq_list.c, seq_apply.c, seq_revive.c): the sequence's structure and the
+ * list helpers. Nothing outside daemon/seq*.c includes it: seq.h is the
+ * module's interface, and struct seq is opaque behind it.
+ */
+#ifndef KVSTASH_SEQ_INTERNAL_H
+#define KVSTASH_SEQ_INTERNAL_H
+
+#include "seq.h"
+
+typedef struct seq_list {
+    kv_segment *segs;
+    uint8_t *seg_tier; /* [nsegs] how segment i is stored: POLICY_FULL, _INT8, _SKETCH */
+    size_t nsegs, segs_cap;
+    uint32_t tail_block;     /* block that new tokens fill first */
+    uint32_t tail_next_slot; /* its first never-written slot; slots per block = full */
+    int has_tail;
+    tier_sketch sketch; /* the list's count-sketch; sketch.sk.key NULL until used */
+    /* Victims kept out of the list, revivable (storage option victims):
+     * their positions, ascending, and where each is stored: the sketch
+     * (victims=sketch), or a pool slot (victims=int8: an INT8 slot, or its
+     * full-precision slot until an INT8 block's worth waits, seq.c
+     * list_victims_quantize). */
+    uint32_t *offloaded;
+    tier_token *offloaded_at;
+    size_t noffloaded, offloaded_cap;
+    /* The INT8 blocks victims=int8 wrote for victims, oldest first: never in
+     * a table, so memory pressure frees them at once (seq_append). */
+    uint32_t *victim_blocks;
+    size_t nvictim_blocks, victim_blocks_cap;
+} seq_list;
+
+typedef struct seq {
+    uint64_t id;
+    uint64_t session_id;
+    pool *pool;
+    const policy_ops *policy;
+    policy_host *host; /* the logical lists and the policy's state */
+    policy_params params;
+    char label[129];
+    uint64_t epoch;
+    uint64_t appended;  /* tokens ever appended; the next token's position */
+    uint32_t unstepped; /* tokens appended since the policy's last step */
+    uint32_t nlayers;
+    uint32_t heads;        /* lists per layer: 1, or kv_heads for per-head policies */
+    uint32_t block_slots;  /* tokens (or rows) a block of one list holds */
+    kv_layout list_layout; /* a list's block layout, for the kernels */
+    tier_ctx tier;         /* the lists' storage: pool, layouts, dtype */
+    seq_list *lists;       /* [nlayers * heads], list of (layer l, head k) at l * heads + k */
+    seq_retired *retired;
+    size_t nretired, retired_cap;
+    uint64_t moved[3];        /* tokens ever moved: to INT8, into the sketch, back to full */
+    uint64_t requantized;     /* INT8 tokens re-quantised by compaction (§5.4) */
+    uint64_t victims_dropped; /* victims=int8 victims freed under memory pressure */
+    snapshot_tiers report;    /* seq_tier_report */
+} seq;
+
+static inline size_t seq_nlists(const seq *s)
+{
+    return (size_t)s->nlayers * s->heads;
+}
+
+/* List (layer l, KV head k; k = 0 for all-heads lists): the one place the
+ * lists' index is computed. */
+static inline seq_list *seq_list_at(const seq *s, uint32_t l, uint32_t k)
+{
+    return &s->lists[(size_t)l * s->heads + k];
+}
+
+/* qsort's comparison of uint32_t. */
+int seq_cmp_u32(const void *a, const void *b);
+
+/* Sort and drop repeats; returns the new count. */
+size_t seq_sort_unique(uint32_t *a, size_t m);
+
+/* The blocks (with repeats) of a list's segments and offloaded victims
+ * stored in `tier` (any tier with a block when tier < 0), written from
+ * out[0] (room for nsegs + noffloaded). */
+size_t list_fill_block_ids(const seq_list *ly, int tier, uint32_t *out);
+
+uint32_t list_count_blocks(const seq_list *ly, int tier);
+
+void list_free_blocks(seq_list *ly, pool *p);
+
+int seq_grow(void **arr, size_t *cap, size_t need, size_t elt);
+
+int list_reserve(seq_list *ly, size_t nsegs);
+
+int seq_retire(seq *s, uint32_t block, uint64_t epoch);
+
+int list_tail_usable(const seq_list *ly, uint32_t block_slots);
+
+/* Expand a list's segments into one entry per token. */
+tier_token *list_expand(const seq_list *ly, uint32_t n);
+
+/* Rebuild a list's segments from per-token storage (runs of one tier in one
+ * block with consecutive slots; sketch runs have no block). */
+int list_encode(seq_list *ly, const tier_token *tok, uint32_t n);
+
+/* Distinct blocks the tokens and the list's offloaded victims use (and the
+ * tail block, with_tail), sorted, written from out[0] (room for n +
+ * noffloaded + 1). */
+size_t list_block_set(const seq_list *ly, const tier_token *tok, uint32_t n, int with_tail,
+                      uint32_t *out);
+
+/* A never-written full-precision slot at the list's tail (a new block when
+ * the tail is full). Returns -1 when the pool has no free block. */
+int list_take_slot(seq *s, seq_list *ly, tier_token *out);
+
+int list_sketch_ready(seq *s, seq_list *ly, uint32_t layer);
+
+/* Read the FULL / INT8 tokens idx[0..m) of tok into staging buffers. */
+int seq_stage_tokens(seq *s, const tier_token *tok, const uint32_t *idx, size_t m, uint8_t **k,
+                     uint8_t **v);
+
+/* Count n tokens moved to tier move t (moved[]) in the totals and the report. */
+void seq_moved(seq *s, int t, uint64_t n);
+
+/* Keep a victim out of the list, stored at `at`. */
+int list_offload_push(seq_list *ly, uint32_t position, tier_token at);
+
+/* Free the oldest victim block of each list (memory pressure, seq_append):
+ * its victims are gone for good. Returns the blocks freed. */
+uint32_t seq_drop_victim_blocks(seq *s);
+
+uint32_t list_blocks_needed(uint32_t count, uint32_t room, uint32_t block_tokens);
+
+/* Put `count` new tokens at the list's tail; blocks were checked free. */
+size_t list_grow(seq *s, seq_list *ly, uint32_t count, kv_segment *writes);
+
+#endif

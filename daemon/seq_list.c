@@ -1,0 +1,284 @@
+/*
+ * seq_list.c - the list and segment representation of a sequence's token
+ * lists: segments, the tail block, offloaded victims, block sets, growth
+ * (seq_internal.h).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "seq_internal.h"
+
+int seq_cmp_u32(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Sort and drop repeats; returns the new count. */
+size_t seq_sort_unique(uint32_t *a, size_t m)
+{
+    qsort(a, m, sizeof *a, seq_cmp_u32);
+    size_t d = 0;
+    for (size_t i = 0; i < m; i++)
+        if (d == 0 || a[d - 1] != a[i])
+            a[d++] = a[i];
+    return d;
+}
+
+/* The blocks (with repeats) of a list's offloaded victims stored in `tier`
+ * (any tier with a block when tier < 0), written from out[0]. */
+static size_t offloaded_block_ids(const seq_list *ly, int tier, uint32_t *out)
+{
+    size_t m = 0;
+    for (size_t j = 0; j < ly->noffloaded; j++) {
+        const tier_token *at = &ly->offloaded_at[j];
+        if (at->tier != POLICY_SKETCH && (tier < 0 || at->tier == tier))
+            out[m++] = at->block;
+    }
+    return m;
+}
+
+/* The blocks (with repeats) of a list's segments and offloaded victims
+ * stored in `tier` (any tier with a block when tier < 0), written from
+ * out[0] (room for nsegs + noffloaded). */
+size_t list_fill_block_ids(const seq_list *ly, int tier, uint32_t *out)
+{
+    size_t m = 0;
+    for (size_t i = 0; i < ly->nsegs; i++)
+        if (ly->seg_tier[i] != POLICY_SKETCH && (tier < 0 || ly->seg_tier[i] == tier))
+            out[m++] = ly->segs[i].block;
+    return m + offloaded_block_ids(ly, tier, out + m);
+}
+
+/* The distinct blocks of a list's segments and offloaded victims stored in
+ * `tier` (any tier with a block when tier < 0), sorted, in a malloc'd *out
+ * (NULL and 0 when out of memory: callers count nothing rather than fail).
+ * A block's segments need not be adjacent: revived and sketched tokens
+ * interleave with others. */
+static size_t list_block_ids(const seq_list *ly, int tier, uint32_t **out)
+{
+    *out = malloc((ly->nsegs + ly->noffloaded + 1) * sizeof **out);
+    if (*out == NULL)
+        return 0;
+    return seq_sort_unique(*out, list_fill_block_ids(ly, tier, *out));
+}
+
+uint32_t list_count_blocks(const seq_list *ly, int tier)
+{
+    uint32_t *ids;
+    size_t n = list_block_ids(ly, tier, &ids);
+    free(ids);
+    return (uint32_t)n;
+}
+
+void list_free_blocks(seq_list *ly, pool *p)
+{
+    uint32_t *ids;
+    size_t n = list_block_ids(ly, -1, &ids);
+    for (size_t i = 0; i < n; i++)
+        pool_free_block(p, ids[i]);
+    free(ids);
+    /* A tail block whose every token was evicted is retired, not in segs. */
+}
+
+int seq_grow(void **arr, size_t *cap, size_t need, size_t elt)
+{
+    if (need <= *cap)
+        return 0;
+    size_t ncap = *cap ? *cap : 8;
+    while (ncap < need)
+        ncap *= 2;
+    void *n = realloc(*arr, ncap * elt);
+    if (n == NULL)
+        return -1;
+    *arr = n;
+    *cap = ncap;
+    return 0;
+}
+
+int list_reserve(seq_list *ly, size_t nsegs)
+{
+    size_t cap = ly->segs_cap;
+    if (seq_grow((void **)&ly->segs, &cap, nsegs, sizeof *ly->segs) != 0)
+        return -1;
+    if (cap != ly->segs_cap) {
+        uint8_t *t = realloc(ly->seg_tier, cap);
+        if (t == NULL)
+            return -1; /* segs grew; segs_cap stays, so the next call retries */
+        ly->seg_tier = t;
+        ly->segs_cap = cap;
+    }
+    return 0;
+}
+
+int seq_retire(seq *s, uint32_t block, uint64_t epoch)
+{
+    if (seq_grow((void **)&s->retired, &s->retired_cap, s->nretired + 1, sizeof *s->retired) != 0)
+        return -1;
+    s->retired[s->nretired++] = (seq_retired){block, epoch};
+    return 0;
+}
+
+int list_tail_usable(const seq_list *ly, uint32_t block_slots)
+{
+    return ly->has_tail && ly->tail_next_slot < block_slots;
+}
+
+/* Expand a list's segments into one entry per token. */
+tier_token *list_expand(const seq_list *ly, uint32_t n)
+{
+    tier_token *tok = malloc((n ? n : 1) * sizeof *tok);
+    if (tok == NULL)
+        return NULL;
+    size_t t = 0;
+    for (size_t i = 0; i < ly->nsegs; i++)
+        for (uint32_t j = 0; j < ly->segs[i].count && t < n; j++)
+            tok[t++] = (tier_token){ly->segs[i].block, ly->segs[i].first_slot + j, ly->seg_tier[i]};
+    return tok;
+}
+
+/* Rebuild a list's segments from per-token storage (runs of one tier in one
+ * block with consecutive slots; sketch runs have no block). */
+int list_encode(seq_list *ly, const tier_token *tok, uint32_t n)
+{
+    if (list_reserve(ly, n ? n : 1) != 0)
+        return -1;
+    size_t out = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        kv_segment *last = out ? &ly->segs[out - 1] : NULL;
+        int sketch = tok[i].tier == POLICY_SKETCH;
+        if (last != NULL && ly->seg_tier[out - 1] == tok[i].tier &&
+            (sketch ||
+             (last->block == tok[i].block && last->first_slot + last->count == tok[i].slot))) {
+            last->count++;
+            continue;
+        }
+        ly->segs[out] =
+            sketch ? (kv_segment){TIER_NO_BLOCK, 0, 1} : (kv_segment){tok[i].block, tok[i].slot, 1};
+        ly->seg_tier[out++] = tok[i].tier;
+    }
+    ly->nsegs = out;
+    return 0;
+}
+
+/* Distinct blocks the tokens and the list's offloaded victims use (and the
+ * tail block, with_tail), sorted, written from out[0] (room for n +
+ * noffloaded + 1). */
+size_t list_block_set(const seq_list *ly, const tier_token *tok, uint32_t n, int with_tail,
+                      uint32_t *out)
+{
+    size_t m = 0;
+    for (uint32_t i = 0; i < n; i++)
+        if (tok[i].tier != POLICY_SKETCH)
+            out[m++] = tok[i].block;
+    m += offloaded_block_ids(ly, -1, out + m);
+    if (with_tail && ly->has_tail)
+        out[m++] = ly->tail_block;
+    return seq_sort_unique(out, m);
+}
+
+/* A never-written full-precision slot at the list's tail (a new block when
+ * the tail is full). Returns -1 when the pool has no free block. */
+int list_take_slot(seq *s, seq_list *ly, tier_token *out)
+{
+    if (!list_tail_usable(ly, s->block_slots)) {
+        if (pool_alloc_block(s->pool, &ly->tail_block) != 0)
+            return -1;
+        ly->tail_next_slot = 0;
+        ly->has_tail = 1;
+    }
+    *out = (tier_token){ly->tail_block, ly->tail_next_slot++, POLICY_FULL};
+    return 0;
+}
+
+int list_sketch_ready(seq *s, seq_list *ly, uint32_t layer)
+{
+    if (ly->sketch.sk.key != NULL)
+        return 0;
+    policy_sketch_geometry g;
+    policy_host_sketch_geometry(s->host, layer, &g);
+    return tier_sketch_init(&ly->sketch, &s->tier, &g);
+}
+
+/* Read the FULL / INT8 tokens idx[0..m) of tok into staging buffers. */
+int seq_stage_tokens(seq *s, const tier_token *tok, const uint32_t *idx, size_t m, uint8_t **k,
+                     uint8_t **v)
+{
+    size_t half = (m ? m : 1) * tier_token_bytes(&s->tier) / 2;
+    tier_token *sel = malloc((m ? m : 1) * sizeof *sel);
+    *k = tier_stage_alloc(&s->tier, m);
+    if (sel == NULL || *k == NULL) {
+        free(sel);
+        tier_stage_free(&s->tier, *k);
+        return -1;
+    }
+    *v = *k + half;
+    for (size_t i = 0; i < m; i++)
+        sel[i] = tok[idx[i]];
+    int rc = tier_read(&s->tier, sel, m, *k, *v);
+    free(sel);
+    if (rc != 0)
+        tier_stage_free(&s->tier, *k);
+    return rc;
+}
+
+/* Keep a victim out of the list, stored at `at`. */
+int list_offload_push(seq_list *ly, uint32_t position, tier_token at)
+{
+    size_t cap = ly->offloaded_cap;
+    if (seq_grow((void **)&ly->offloaded, &cap, ly->noffloaded + 1, sizeof *ly->offloaded) != 0 ||
+        seq_grow((void **)&ly->offloaded_at, &ly->offloaded_cap, ly->noffloaded + 1,
+                 sizeof *ly->offloaded_at) != 0)
+        return -1;
+    /* Victims leave in position order within a step, but a step's victims
+     * may be older than an earlier step's: keep the arrays sorted. */
+    size_t i = ly->noffloaded;
+    while (i > 0 && ly->offloaded[i - 1] > position) {
+        ly->offloaded[i] = ly->offloaded[i - 1];
+        ly->offloaded_at[i] = ly->offloaded_at[i - 1];
+        i--;
+    }
+    ly->offloaded[i] = position;
+    ly->offloaded_at[i] = at;
+    ly->noffloaded++;
+    return 0;
+}
+
+uint32_t list_blocks_needed(uint32_t count, uint32_t room, uint32_t block_tokens)
+{
+    return count <= room ? 0 : (count - room + block_tokens - 1) / block_tokens;
+}
+
+static void list_push(seq_list *ly, uint32_t block, uint32_t slot, uint32_t n)
+{
+    kv_segment *last = ly->nsegs ? &ly->segs[ly->nsegs - 1] : NULL;
+    if (last != NULL && ly->seg_tier[ly->nsegs - 1] == POLICY_FULL && last->block == block &&
+        last->first_slot + last->count == slot) {
+        last->count += n;
+    } else {
+        ly->seg_tier[ly->nsegs] = POLICY_FULL;
+        ly->segs[ly->nsegs++] = (kv_segment){block, slot, n};
+    }
+}
+
+/* Put `count` new tokens at the list's tail; blocks were checked free. */
+size_t list_grow(seq *s, seq_list *ly, uint32_t count, kv_segment *writes)
+{
+    uint32_t bt = s->block_slots;
+    size_t nw = 0;
+    while (count > 0) {
+        if (!list_tail_usable(ly, bt)) {
+            pool_alloc_block(s->pool, &ly->tail_block); /* checked by the caller */
+            ly->tail_next_slot = 0;
+            ly->has_tail = 1;
+        }
+        uint32_t n = bt - ly->tail_next_slot;
+        if (n > count)
+            n = count;
+        list_push(ly, ly->tail_block, ly->tail_next_slot, n);
+        writes[nw++] = (kv_segment){ly->tail_block, ly->tail_next_slot, n};
+        ly->tail_next_slot += n;
+        count -= n;
+    }
+    return nw;
+}
