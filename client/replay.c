@@ -20,6 +20,7 @@
 
 #include <jansson.h>
 
+#include "describe.h"
 #include "host.h"
 #include "policy.h"
 #include "policy_replay.h"
@@ -29,42 +30,8 @@
 
 /* ---- output text ---------------------------------------------------------- */
 
-typedef struct text {
-    char *buf;
-    size_t len, cap;
-    int oom;
-} text;
-
-static void vput(text *t, const char *fmt, va_list args) __attribute__((format(printf, 2, 0)));
-
-/* Append printf text, growing the buffer; t->oom is sticky. */
-static void vput(text *t, const char *fmt, va_list args)
-{
-    if (t->oom)
-        return;
-    for (;;) {
-        va_list ap;
-        va_copy(ap, args);
-        int n = vsnprintf(t->buf ? t->buf + t->len : NULL, t->buf ? t->cap - t->len : 0, fmt, ap);
-        va_end(ap);
-        if (n < 0) {
-            t->oom = 1;
-            return;
-        }
-        if (t->buf != NULL && (size_t)n < t->cap - t->len) {
-            t->len += (size_t)n;
-            return;
-        }
-        size_t cap = t->cap * 2 + (size_t)n + 64;
-        char *b = realloc(t->buf, cap);
-        if (b == NULL) {
-            t->oom = 1;
-            return;
-        }
-        t->buf = b;
-        t->cap = cap;
-    }
-}
+/* The JSON lines replay prints grow in a policy_text (describe.h). */
+typedef policy_text text;
 
 static void put(text *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
@@ -72,24 +39,18 @@ static void put(text *t, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
-    vput(t, fmt, ap);
+    policy_text_vadd(t, fmt, ap);
     va_end(ap);
 }
 
-/* The shortest %g text that reads back as v (JSON has no inf or nan). */
+/* A double as JSON: the shortest text that reads back as v, and null for
+ * what JSON cannot say (inf, nan). */
 static void put_double(text *t, double v)
 {
-    if (v != v || v - v != 0) {
+    if (v != v || v - v != 0)
         put(t, "null");
-        return;
-    }
-    char s[40];
-    for (int prec = 15; prec <= 17; prec++) {
-        snprintf(s, sizeof s, "%.*g", prec, v);
-        if (strtod(s, NULL) == v)
-            break;
-    }
-    put(t, "%s", s);
+    else
+        policy_text_double(t, v);
 }
 
 /* ---- the replay ------------------------------------------------------------ */
@@ -131,7 +92,7 @@ static int fail(replay *r, const char *fmt, ...)
 /* Write the pending output line. */
 static int emit(replay *r)
 {
-    if (r->t.oom)
+    if (r->t.failed)
         return fail(r, "out of memory");
     fwrite(r->t.buf, 1, r->t.len, r->out);
     fputc('\n', r->out);
@@ -487,7 +448,7 @@ static int op_step(replay *r, json_t *obj)
     put(&ev, "]");
     put(&tiers, "]");
     put(&merges, "]");
-    if (ev.oom || tiers.oom || merges.oom) {
+    if (ev.failed || tiers.failed || merges.failed) {
         fail(r, "out of memory");
         goto out;
     }
@@ -638,7 +599,7 @@ static void pr_put(void *ctx, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
-    vput(&((replay *)ctx)->t, fmt, ap);
+    policy_text_vadd(&((replay *)ctx)->t, fmt, ap);
     va_end(ap);
 }
 

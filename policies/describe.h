@@ -20,15 +20,15 @@ typedef struct policy_text {
     int failed; /* sticky: once set, adds do nothing and finish returns NULL */
 } policy_text;
 
-static inline void policy_text_add(policy_text *t, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
+static inline void policy_text_vadd(policy_text *t, const char *fmt, va_list args)
+    __attribute__((format(printf, 2, 0)));
 
 /* Append printf-formatted text, growing the buffer (doubling) as needed. */
-static inline void policy_text_add(policy_text *t, const char *fmt, ...)
+static inline void policy_text_vadd(policy_text *t, const char *fmt, va_list args)
 {
     for (int tries = 0; !t->failed && tries < 2; tries++) {
         va_list ap;
-        va_start(ap, fmt);
+        va_copy(ap, args);
         int n = vsnprintf(t->buf ? t->buf + t->len : NULL, t->buf ? t->cap - t->len : 0, fmt, ap);
         va_end(ap);
         if (n < 0) {
@@ -50,6 +50,17 @@ static inline void policy_text_add(policy_text *t, const char *fmt, ...)
         t->buf = b;
         t->cap = cap;
     }
+}
+
+static inline void policy_text_add(policy_text *t, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+static inline void policy_text_add(policy_text *t, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    policy_text_vadd(t, fmt, ap);
+    va_end(ap);
 }
 
 /* The shortest %g text that reads back as v (15 to 17 digits). */

@@ -54,16 +54,10 @@ static const policy_param_spec h2o_params[] = {
     POLICY_PARAM_U32("budget", "256",
                      "tokens held per layer after each step, 1..1048576 ([RECON] default)", 1,
                      H2O_MAX, offsetof(h2o_config, budget)),
-    {.key = "recent",
-     .def = "half",
-     .help = "newest tokens never evicted: 'half' = int(budget/2) (H2O's even split) or "
-             "0..budget; recent + sinks <= budget",
-     .type = POLICY_PARAM_UINT,
-     .min = 0,
-     .max = H2O_MAX,
-     .offset = offsetof(h2o_config, recent),
-     .word = "half",
-     .word_value = H2O_HALF},
+    POLICY_PARAM_U32_OR("recent", "half",
+                        "newest tokens never evicted: 'half' = int(budget/2) (H2O's even split) or "
+                        "0..budget; recent + sinks <= budget",
+                        0, H2O_MAX, offsetof(h2o_config, recent), "half", H2O_HALF),
     POLICY_PARAM_U32("sinks", "0", "tokens with position < sinks are never evicted, 0..budget", 0,
                      H2O_MAX, offsetof(h2o_config, sinks)),
 };

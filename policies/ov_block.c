@@ -361,16 +361,11 @@ static const policy_param_spec ov_params[] = {
            "start + evictable + recent tokens kept after eviction; > start_size + recent_size, a "
            "multiple of the block size (§2.1)",
            1, OV_MAX_TOKENS, max),
-    {.key = "block_size",
-     .def = "0",
-     .help = "eviction granularity in tokens: must equal the sequence's block size; 0 or empty = "
-             "the block size (§2.5)",
-     .type = POLICY_PARAM_UINT,
-     .min = 0,
-     .max = OV_MAX_TOKENS,
-     .offset = offsetof(ov_config, block_size),
-     .word = "",
-     .word_value = 0},
+    POLICY_PARAM_U32_OR(
+        "block_size", "0",
+        "eviction granularity in tokens: must equal the sequence's block size; 0 or empty = "
+        "the block size (§2.5)",
+        0, OV_MAX_TOKENS, offsetof(ov_config, block_size), "", 0),
     POLICY_PARAM_ONE_OF("aggregation", "norm_sum",
                         "score aggregation: sum | norm_sum (sum divided by the number of steps "
                         "that scored the token) (§2.3)",

@@ -58,6 +58,12 @@ typedef struct policy_param_spec {
         .key = (k), .def = (d), .help = (h), .type = POLICY_PARAM_UINT, .min = (lo), .max = (hi),  \
         .offset = (off)                                                                            \
     }
+/* An unsigned integer that also accepts one word standing for word_val. */
+#define POLICY_PARAM_U32_OR(k, d, h, lo, hi, off, w, word_val)                                     \
+    {                                                                                              \
+        .key = (k), .def = (d), .help = (h), .type = POLICY_PARAM_UINT, .min = (lo), .max = (hi),  \
+        .offset = (off), .word = (w), .word_value = (word_val)                                     \
+    }
 #define POLICY_PARAM_F64(k, d, h, lo, hi, off)                                                     \
     {                                                                                              \
         .key = (k), .def = (d), .help = (h), .type = POLICY_PARAM_DOUBLE, .min = (lo),             \

@@ -227,16 +227,11 @@ static const policy_param_spec reviver_params[] = {
     RV_U32("buckets", "0",
            "sketch buckets per row b, 0..1048576; 0 = max(1, round(vague_share·M / r)) (§3.1)", 0,
            REVIVER_MAX, buckets),
-    {.key = "slack",
-     .def = "-1",
-     .help = "Recent spills when it holds more than R_b + slack; -1 = min(32, R_b) ([RECON] "
-             "§3.5), 0 = spill every step, up to 1048576",
-     .type = POLICY_PARAM_UINT,
-     .min = 0,
-     .max = REVIVER_MAX,
-     .offset = offsetof(reviver_parsed, slack),
-     .word = "-1",
-     .word_value = REVIVER_SLACK_DERIVED},
+    POLICY_PARAM_U32_OR(
+        "slack", "-1",
+        "Recent spills when it holds more than R_b + slack; -1 = min(32, R_b) ([RECON] "
+        "§3.5), 0 = spill every step, up to 1048576",
+        0, REVIVER_MAX, offsetof(reviver_parsed, slack), "-1", REVIVER_SLACK_DERIVED),
     RV_F64("replace_rate", "1.1",
            "swap a sketched token back when min_C·replace_rate < max_V, [1, 1e6] (§3.5, [S2])", 1.0,
            1e6, replace_rate),
