@@ -81,6 +81,8 @@ size_t list_fill_block_ids(const seq_list *ly, int tier, uint32_t *out);
 
 uint32_t list_count_blocks(const seq_list *ly, int tier);
 
+/* Give every block of a list being destroyed back to p, needing no memory:
+ * its segment and victim arrays serve as scratch and are left empty. */
 void list_free_blocks(seq_list *ly, pool *p);
 
 int seq_grow(void **arr, size_t *cap, size_t need, size_t elt);

@@ -662,6 +662,23 @@ static status_code run_step(fixture *f, status *s)
     return step(f, s);
 }
 
+/* Stats and /metrics: a snapshot copied out under the lock (service_stats.c
+ * answers RESOURCE_EXHAUSTED when it fails). */
+static status_code run_snapshot(fixture *f, status *s)
+{
+    snapshot sn;
+    int rc = store_snapshot(f->st, &sn);
+    snapshot_free(&sn);
+    return rc == 0 ? ST_OK : status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
+}
+
+/* ReleaseSequence: it frees, but finding the blocks allocates. */
+static status_code run_release(fixture *f, status *s)
+{
+    uint32_t freed;
+    return store_seq_release(f->st, f->token, f->seq_id, &freed, s);
+}
+
 /* GetBlockTable (ack 0: nothing to free) */
 static status_code run_get_table(fixture *f, status *s)
 {
@@ -689,7 +706,8 @@ static void prep_revive_int8(fixture *f)
 static status_code run_revive(fixture *f, status *s)
 {
     store_revive_result r;
-    status_code rc = store_revive(f->st, f->token, f->seq_id, &(seq_revive_request){1, 0, 0, 0, 0}, &r, s);
+    status_code rc =
+        store_revive(f->st, f->token, f->seq_id, &(seq_revive_request){1, 0, 0, 0, 0}, &r, s);
     store_revive_result_free(&r);
     return rc;
 }
@@ -699,7 +717,8 @@ static void prep_scratch(fixture *f)
     prep_revive_sketch(f);
     store_revive_result r;
     status s;
-    must(store_revive(f->st, f->token, f->seq_id, &(seq_revive_request){0, 0, 0, 0, 0}, &r, &s), &s, "revive");
+    must(store_revive(f->st, f->token, f->seq_id, &(seq_revive_request){0, 0, 0, 0, 0}, &r, &s), &s,
+         "revive");
     f->scratch_id = r.scratch_id;
     store_revive_result_free(&r);
 }
@@ -803,6 +822,8 @@ static const fault_case cases[] = {
     {"step: reviver", prep_reviver, run_step, NULL, LAYERED, KNOWN_SKETCH},
     {"step: adakv (per head)", prep_adakv, run_step, NULL, LAYERED, KNOWN_HEADS},
     {"get_table", prep_operator, run_get_table, NULL, 0, NULL, NULL},
+    {"stats snapshot", prep_revive_sketch, run_snapshot, NULL, 0, NULL, NULL},
+    {"release: victims", prep_revive_int8, run_release, NULL, 0, NULL, NULL},
     {"revive: sketch victims", prep_revive_sketch, run_revive, NULL, 0, NULL, NULL},
     {"revive: int8 victims", prep_revive_int8, run_revive, NULL, 0, NULL, NULL},
     {"scratch_release", prep_scratch, run_scratch_release, NULL, 0, NULL, NULL},
