@@ -84,7 +84,14 @@ status_code seq_revive(seq *s, const seq_revive_request *req, seq_revived *out, 
                           "and %u list(s) per layer",
                           layer, head, s->nlayers, s->heads);
     uint64_t end = count == 0 ? s->appended : (uint64_t)first + count;
-    if (end > s->appended || first >= end)
+    if (s->appended == 0)
+        return status_set(st, ST_INVALID_ARGUMENT,
+                          "the sequence holds no position yet: append before reviving");
+    if (first >= s->appended)
+        return status_set(st, ST_INVALID_ARGUMENT,
+                          "first position %u is not in the sequence (positions 0..%llu exist)",
+                          first, (unsigned long long)s->appended - 1);
+    if (end > s->appended)
         return status_set(st, ST_INVALID_ARGUMENT,
                           "positions %u..%llu are not in the sequence (positions 0..%llu exist)",
                           first, (unsigned long long)end - 1, (unsigned long long)s->appended - 1);

@@ -1,0 +1,1070 @@
+/*
+ * Unit tests of daemon/seq.h on its own: a pool made directly (pool.h) and
+ * a policy from the registry, no store. What seq.h promises: fresh,
+ * never-reused slots for appended tokens and their segments per list; one
+ * epoch per change; a refused append changes nothing; emptied blocks wait
+ * in the retired list until an ack at or after their epoch; per-head lists;
+ * step statistics checked before anything changes; INT8 demotion in whole
+ * INT8 blocks with values inside POLICIES.md §5.4's bound, and an
+ * operator's eviction that re-quantises the INT8 survivors; Revive of
+ * offloaded victims into blocks the caller owns; seq_destroy returning
+ * every block. K/V go into the pool and come back through the pool's ops
+ * (kernels/ops.h), so the same tests run on the shadow backend, where a
+ * direct access to pool memory faults.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdlib.h>
+
+#include "backend.h"
+#include "pool.h"
+#include "seq.h"
+#include "tier.h"
+/* White-box, in test_append_check only: positions near 2^32 cannot be
+ * reached by appending in a unit test's time; nothing else reads it. */
+#include "seq_internal.h"
+
+/* 2 layers, 4 query heads over 2 KV heads, head_dim 8, 4 tokens a block,
+ * fp32: 512-byte blocks, 12 INT8 tokens a block (all-heads lists). */
+static const pool_geometry geom = {2, 4, 2, 8, 4, POOL_FP32, 0};
+#define BLOCK_BYTES 512
+#define HD 8
+#define MAX_LISTS 4 /* layers x kv_heads */
+
+typedef struct fx {
+    pool *p;
+    seq *s;
+    const kv_ops *ops;
+    tier_ctx tier;   /* a list's storage as seq lays it out, for reading back */
+    uint32_t heads;  /* lists per layer */
+    uint32_t lheads; /* KV heads in one list's block: kv_heads, or 1 per head */
+} fx;
+
+/* The backend a test runs on: its prestate, host when none. */
+static const backend *backend_of(void **state)
+{
+    return *state != NULL ? (const backend *)*state : &backend_host;
+}
+
+/* A pool of `blocks` blocks on backend b and a sequence of `policy` with
+ * key/value pairs kv[0..2 * npairs). */
+static void fx_open(fx *f, const backend *b, uint32_t blocks, const char *policy,
+                    const char *const *kv, size_t npairs)
+{
+    memset(f, 0, sizeof *f);
+    status st;
+    pool_geometry g = geom;
+    assert_int_equal(pool_geometry_check(&g, &st), ST_OK);
+    if (pool_create(1, "m", &g, (size_t)blocks * BLOCK_BYTES, b, &f->p, &st) != ST_OK)
+        fail_msg("pool_create: %s", st.msg);
+    assert_ptr_equal(f->p->backend, b);
+    /* On shadow the arena's address is a PROT_NONE stand-in: reading it
+     * directly would fault, only the ops reach the bytes. */
+    assert_int_equal(kv_shadow_real(f->p->base) != NULL, b == &backend_shadow);
+    assert_int_equal(f->p->block_bytes, BLOCK_BYTES);
+    assert_int_equal(f->p->block_count, blocks);
+    const policy_ops *ops = policy_find(policy);
+    assert_non_null(ops);
+    const char *keys[8], *values[8];
+    assert_true(npairs <= 8);
+    for (size_t i = 0; i < npairs; i++) {
+        keys[i] = kv[2 * i];
+        values[i] = kv[2 * i + 1];
+    }
+    policy_params pp;
+    char err[POLICY_ERR_LEN];
+    if (policy_params_resolve(ops, keys, values, npairs, &pp, err, sizeof err) != 0)
+        fail_msg("policy_params_resolve: %s", err);
+    if (seq_create(7, 3, f->p, ops, &pp, "unit", &f->s, &st) != ST_OK)
+        fail_msg("seq_create: %s", st.msg);
+    f->ops = f->p->backend->ops;
+    f->heads = seq_heads(f->s);
+    kv_layout ll = f->p->layout;
+    if (f->heads > 1) { /* seq.h: a per-head list's block holds rows of its one head */
+        ll.block_tokens *= ll.kv_heads;
+        ll.kv_heads = 1;
+    }
+    f->lheads = ll.kv_heads;
+    assert_int_equal(
+        tier_ctx_init(&f->tier, f->ops, f->p->base, f->p->block_bytes, &ll, (kv_dtype)g.dtype), 0);
+}
+
+/* seq_destroy gives every block back (held, retired, victims). */
+static void fx_close(fx *f)
+{
+    seq_destroy(f->s);
+    assert_int_equal(f->p->nfree, f->p->block_count);
+    pool_destroy(f->p);
+}
+
+static size_t nlists(const fx *f)
+{
+    return (size_t)seq_layers(f->s) * f->heads;
+}
+
+/* Channel c of KV head h of position p in layer l, K (kv 0) or V (kv 1):
+ * a different value for every index, so a token read from the wrong slot,
+ * head, layer or half is far off; channel c stays within 1 + c, so INT8
+ * groups have different scales. */
+static float value_of(uint32_t p, uint32_t l, uint32_t h, uint32_t c, int kv)
+{
+    return (float)((1.0 + c) * sin(0.7 * p + 1.3 * h + 0.5 * c + 2.1 * l + 0.9 * kv));
+}
+
+/* Write the K/V of the tokens at positions first.. of list i into the
+ * slots segs names, through the pool's ops. */
+static void write_tokens(fx *f, size_t i, uint64_t first, const kv_segment *segs, size_t nsegs)
+{
+    uint32_t l = (uint32_t)(i / f->heads), k = (uint32_t)(i % f->heads);
+    size_t n = kv_segments_tokens(segs, nsegs), half = n * f->lheads * HD;
+    if (n == 0)
+        return;
+    float *host = malloc(2 * half * sizeof *host);
+    assert_non_null(host);
+    for (int part = 0; part < 2; part++)
+        for (uint32_t hh = 0; hh < f->lheads; hh++)
+            for (size_t t = 0; t < n; t++)
+                for (uint32_t c = 0; c < HD; c++)
+                    host[part * half + (hh * n + t) * HD + c] =
+                        value_of((uint32_t)(first + t), l, f->heads == 1 ? hh : k, c, part);
+    uint8_t *dev = f->ops->alloc(2 * half * sizeof *host);
+    assert_non_null(dev);
+    assert_int_equal(f->ops->copy(KV_HOST_TO_DEVICE, dev, host, 2 * half * sizeof *host), 0);
+    assert_int_equal(
+        f->ops->scatter(&f->tier.l, f->p->base, segs, nsegs, dev, dev + half * sizeof *host), 0);
+    f->ops->free(dev);
+    free(host);
+}
+
+/* n stored tokens (FULL or INT8) read back through tier_read and the
+ * ops: K then V, each [lheads][n][head_dim]; malloc'd. */
+static float *read_tokens(fx *f, const tier_token *tok, size_t n)
+{
+    size_t bytes = n * tier_token_bytes(&f->tier);
+    uint8_t *stage = tier_stage_alloc(&f->tier, n);
+    float *host = malloc(bytes);
+    assert_non_null(stage);
+    assert_non_null(host);
+    assert_int_equal(tier_read(&f->tier, tok, n, stage, stage + bytes / 2), 0);
+    assert_int_equal(f->ops->copy(KV_DEVICE_TO_HOST, host, stage, bytes), 0);
+    tier_stage_free(&f->tier, stage);
+    return host;
+}
+
+/* Check n tokens of list (l, k) as read_tokens returned them against the
+ * values written for positions pos: exact unless tier[i] is INT8, then
+ * within POLICIES.md §5.4's bound, s / 2 with s = max|group| / 127 <= (1 +
+ * c) / 127 (a little float slack), per quantisation: `rounds` of them
+ * (re-quantised tokens: 2, the second's group max grown by the first's
+ * error). */
+static void check_values(const fx *f, uint32_t l, uint32_t k, const float *kv, const uint32_t *pos,
+                         const uint8_t *tier, size_t n, int rounds)
+{
+    double per = (rounds + (rounds - 1) / 254.0) * (1 + 1e-5);
+    size_t half = n * f->lheads * HD;
+    for (int part = 0; part < 2; part++)
+        for (uint32_t hh = 0; hh < f->lheads; hh++)
+            for (size_t i = 0; i < n; i++)
+                for (uint32_t c = 0; c < HD; c++) {
+                    uint32_t h = f->heads == 1 ? hh : k;
+                    float want = value_of(pos[i], l, h, c, part);
+                    float got = kv[part * half + (hh * n + i) * HD + c];
+                    double bound = tier[i] == POLICY_INT8 ? (1.0 + c) / 254.0 * per : 0;
+                    if (fabs((double)got - want) > bound)
+                        fail_msg("layer %u head %u position %u channel %u %s: got %g, want %g "
+                                 "(tier %u)",
+                                 l, h, pos[i], c, part ? "V" : "K", got, want, tier[i]);
+                }
+}
+
+/* The list's segments cover exactly its tokens, none in the sketch, and
+ * every token reads back what was written for its position (INT8 ones
+ * within the bound of `rounds` quantisations). Returns the INT8 tokens. */
+static uint32_t check_list_rounds(fx *f, uint32_t l, uint32_t k, int rounds)
+{
+    seq_list_view v;
+    seq_list_view_get(f->s, l, k, &v);
+    assert_int_equal(kv_segments_tokens(v.segs, v.nsegs), v.tokens);
+    if (v.tokens == 0)
+        return 0;
+    tier_token *tok = malloc(v.tokens * sizeof *tok);
+    uint8_t *tier = malloc(v.tokens);
+    assert_non_null(tok);
+    assert_non_null(tier);
+    uint32_t t = 0, n8 = 0;
+    for (size_t i = 0; i < v.nsegs; i++) {
+        assert_int_not_equal(v.seg_tier[i], POLICY_SKETCH);
+        for (uint32_t j = 0; j < v.segs[i].count; j++, t++) {
+            tok[t] = (tier_token){v.segs[i].block, v.segs[i].first_slot + j, v.seg_tier[i]};
+            tier[t] = v.seg_tier[i];
+            n8 += tier[t] == POLICY_INT8;
+        }
+    }
+    float *kv = read_tokens(f, tok, v.tokens);
+    check_values(f, l, k, kv, v.positions, tier, v.tokens, rounds);
+    free(kv);
+    free(tok);
+    free(tier);
+    return n8;
+}
+
+static uint32_t check_list(fx *f, uint32_t l, uint32_t k)
+{
+    return check_list_rounds(f, l, k, 1);
+}
+
+/* One seq_append's writes[] with room for `count` segments per list. */
+typedef struct batch {
+    kv_segment *segs[MAX_LISTS];
+    size_t n[MAX_LISTS];
+    uint32_t evicted;
+} batch;
+
+static void batch_free(batch *b)
+{
+    for (size_t i = 0; i < MAX_LISTS; i++)
+        free(b->segs[i]);
+}
+
+/* seq_append, then the new tokens' K/V written where writes[] says. */
+static status_code append_batch(fx *f, int64_t count, batch *b, status *st)
+{
+    memset(b, 0, sizeof *b);
+    size_t room = count > 0 && count <= SEQ_MAX_APPEND ? (size_t)count : 1;
+    assert_true(nlists(f) <= MAX_LISTS);
+    for (size_t i = 0; i < nlists(f); i++)
+        assert_non_null(b->segs[i] = malloc(room * sizeof *b->segs[i]));
+    uint64_t first = seq_appended(f->s);
+    status_code rc = seq_append(f->s, count, b->segs, b->n, &b->evicted, st);
+    for (size_t i = 0; rc == ST_OK && i < nlists(f); i++)
+        write_tokens(f, i, first, b->segs[i], b->n[i]);
+    return rc;
+}
+
+/* Append that must succeed; returns the tokens evicted. */
+static uint32_t append(fx *f, int64_t count)
+{
+    batch b;
+    status st;
+    if (append_batch(f, count, &b, &st) != ST_OK)
+        fail_msg("append %lld: %s", (long long)count, st.msg);
+    batch_free(&b);
+    return b.evicted;
+}
+
+static void assert_seg(const kv_segment *s, uint32_t block, uint32_t first, uint32_t count)
+{
+    assert_int_equal(s->block, block);
+    assert_int_equal(s->first_slot, first);
+    assert_int_equal(s->count, count);
+}
+
+/* Full policy: appends fill the tail block's never-written slots, then
+ * fresh blocks, one list's blocks never another's; writes[] are the new
+ * tokens' segments, the list's segments are all of them, one epoch each. */
+static void test_append_writes_and_segments(void **state)
+{
+    fx f;
+    fx_open(&f, backend_of(state), 64, "full", NULL, 0);
+    assert_int_equal(seq_id_of(f.s), 7);
+    assert_int_equal(seq_session_id(f.s), 3);
+    assert_ptr_equal(seq_pool(f.s), f.p);
+    assert_string_equal(seq_policy(f.s)->name, "full");
+    assert_string_equal(seq_label(f.s), "unit");
+    assert_int_equal(seq_layers(f.s), 2);
+    assert_int_equal(seq_heads(f.s), 1);
+    assert_int_equal(seq_epoch(f.s), 0);
+    batch b;
+    status st;
+    /* Nothing to revive yet, said as such (its ranges once underflowed to
+     * "positions 0..18446744073709551615"). */
+    seq_revived none;
+    assert_int_equal(seq_revive(f.s, &(seq_revive_request){0, 0, 0, 0, 0}, &none, &st),
+                     ST_INVALID_ARGUMENT);
+    assert_non_null(strstr(st.msg, "no position yet"));
+    assert_null(none.blocks);
+    assert_int_equal(f.p->nfree, 64);
+    assert_int_equal(append_batch(&f, 6, &b, &st), ST_OK);
+    assert_int_equal(b.evicted, 0);
+    assert_int_equal(seq_epoch(f.s), 1);
+    assert_int_equal(seq_appended(f.s), 6);
+    uint32_t blk[2][3];
+    for (uint32_t l = 0; l < 2; l++) {
+        assert_int_equal(b.n[l], 2);
+        blk[l][0] = b.segs[l][0].block;
+        blk[l][1] = b.segs[l][1].block;
+        assert_seg(&b.segs[l][0], blk[l][0], 0, 4);
+        assert_seg(&b.segs[l][1], blk[l][1], 0, 2);
+    }
+    batch_free(&b);
+    assert_int_equal(f.p->nfree, 60);
+    assert_int_equal(append_batch(&f, 3, &b, &st), ST_OK);
+    assert_int_equal(seq_epoch(f.s), 2);
+    for (uint32_t l = 0; l < 2; l++) {
+        /* The tail's slots 2 and 3, then slot 0 of a new block. */
+        assert_int_equal(b.n[l], 2);
+        assert_seg(&b.segs[l][0], blk[l][1], 2, 2);
+        blk[l][2] = b.segs[l][1].block;
+        assert_seg(&b.segs[l][1], blk[l][2], 0, 1);
+    }
+    batch_free(&b);
+    assert_int_equal(f.p->nfree, 58);
+    /* Six distinct blocks over the two layers. */
+    for (int i = 0; i < 6; i++)
+        for (int j = i + 1; j < 6; j++)
+            assert_int_not_equal(blk[i / 3][i % 3], blk[j / 3][j % 3]);
+    for (uint32_t l = 0; l < 2; l++) {
+        seq_list_view v;
+        seq_list_view_get(f.s, l, 0, &v);
+        assert_int_equal(v.tokens, 9);
+        for (uint32_t p = 0; p < 9; p++)
+            assert_int_equal(v.positions[p], p);
+        /* Runs in one block merge: 4 + 4 + 1. */
+        assert_int_equal(v.nsegs, 3);
+        assert_seg(&v.segs[0], blk[l][0], 0, 4);
+        assert_seg(&v.segs[1], blk[l][1], 0, 4);
+        assert_seg(&v.segs[2], blk[l][2], 0, 1);
+        assert_int_equal(v.noffloaded, 0);
+        assert_int_equal(seq_list_blocks(f.s, l, 0), 3);
+        const uint32_t *pos;
+        assert_int_equal(seq_list_tokens(f.s, l, 0, &pos), 9);
+        assert_ptr_equal(pos, v.positions);
+        assert_int_equal(check_list(&f, l, 0), 0);
+    }
+    assert_int_equal(seq_blocks_held(f.s), 6);
+    assert_int_equal(seq_tokens_held(f.s), 18);
+    assert_int_equal(seq_retired_count(f.s), 0);
+    uint64_t tokens[3], bytes[3];
+    seq_tier_usage(f.s, tokens, bytes);
+    assert_int_equal(tokens[POLICY_FULL], 18);
+    assert_int_equal(tokens[POLICY_INT8] + tokens[POLICY_SKETCH], 0);
+    assert_int_equal(bytes[POLICY_FULL], 6 * BLOCK_BYTES);
+    assert_int_equal(bytes[POLICY_INT8] + bytes[POLICY_SKETCH], 0);
+    fx_close(&f);
+}
+
+/* Whether any segment of any list uses block b. */
+static int block_in_lists(fx *f, uint32_t b)
+{
+    for (uint32_t l = 0; l < seq_layers(f->s); l++)
+        for (uint32_t k = 0; k < f->heads; k++) {
+            seq_list_view v;
+            seq_list_view_get(f->s, l, k, &v);
+            for (size_t i = 0; i < v.nsegs; i++)
+                if (v.segs[i].block == b)
+                    return 1;
+        }
+    return 0;
+}
+
+/*
+ * Streaming (2 sinks, window 6), one token an append, the worker acking
+ * two epochs late: each append is one epoch; the list holds exactly the
+ * sinks, the window and the new token, and reads back the values written
+ * for those positions (eviction and compaction moved the right bytes); a
+ * new token never gets a slot that held a token, unless its block went back
+ * to the pool through an ack; retired blocks carry the epoch that emptied
+ * them, hold no list's token, and return to the pool only with an ack at or
+ * after that epoch; held (retired included) plus free blocks are the pool.
+ */
+static void test_streaming_fresh_slots_retire_ack(void **state)
+{
+    enum { SINKS = 2, WINDOW = 6, BLOCKS = 64, SLOTS = 4 };
+    const char *const kv[] = {"n_sink", "2", "window", "6"};
+    fx f;
+    fx_open(&f, backend_of(state), BLOCKS, "streaming", kv, 2);
+    uint8_t used[BLOCKS][SLOTS] = {{0}};
+    uint64_t acked = 0, retired_total = 0, freed_total = 0;
+    for (uint32_t T = 1; T <= 60; T++) {
+        uint64_t held_before = seq_tokens_held(f.s), e = seq_epoch(f.s) + 1;
+        size_t nretired_before = seq_retired_count(f.s);
+        batch b;
+        status st;
+        assert_int_equal(append_batch(&f, 1, &b, &st), ST_OK);
+        assert_int_equal(seq_epoch(f.s), e);
+        assert_int_equal(seq_appended(f.s), T);
+        for (size_t i = 0; i < 2; i++) {
+            assert_int_equal(b.n[i], 1);
+            assert_int_equal(b.segs[i][0].count, 1);
+            uint32_t blk = b.segs[i][0].block, slot = b.segs[i][0].first_slot;
+            assert_true(blk < BLOCKS && slot < SLOTS);
+            if (used[blk][slot])
+                fail_msg("T=%u: slot %u of block %u handed out again", T, slot, blk);
+        }
+        assert_int_equal(b.evicted, held_before + 2 - seq_tokens_held(f.s));
+        batch_free(&b);
+        for (uint32_t l = 0; l < 2; l++) {
+            seq_list_view v;
+            seq_list_view_get(f.s, l, 0, &v);
+            /* The step of tokens < T-1 ended at this append: sinks, the
+             * window of those, and the new token T-1. */
+            uint32_t want = 0;
+            for (uint32_t p = 0; p < T; p++)
+                if (p < SINKS || p + WINDOW >= T - 1) {
+                    assert_true(want < v.tokens);
+                    assert_int_equal(v.positions[want++], p);
+                }
+            assert_int_equal(v.tokens, want);
+            check_list(&f, l, 0);
+            for (size_t i = 0; i < v.nsegs; i++)
+                for (uint32_t j = 0; j < v.segs[i].count; j++)
+                    used[v.segs[i].block][v.segs[i].first_slot + j] = 1;
+        }
+        const seq_retired *r;
+        size_t nr = seq_retired_blocks(f.s, &r);
+        assert_int_equal(nr, seq_retired_count(f.s));
+        assert_true(nr >= nretired_before);
+        for (size_t i = 0; i < nr; i++) {
+            assert_true(r[i].epoch > acked && r[i].epoch <= e);
+            assert_int_equal(r[i].epoch == e, i >= nretired_before); /* new ones: this epoch */
+            assert_false(block_in_lists(&f, r[i].block));
+        }
+        retired_total += nr - nretired_before;
+        assert_int_equal(f.p->nfree + seq_blocks_held(f.s), BLOCKS);
+        if (e < 3)
+            continue;
+        /* The worker acks e - 2: exactly the blocks retired at or before
+         * it come back (and may be handed out again). */
+        uint64_t ack = e - 2;
+        uint32_t nfree = f.p->nfree;
+        seq_ack(f.s, acked); /* an ack already seen frees nothing more */
+        assert_int_equal(f.p->nfree, nfree);
+        nr = seq_retired_blocks(f.s, &r);
+        size_t due = 0;
+        for (size_t i = 0; i < nr; i++)
+            if (r[i].epoch <= ack) {
+                memset(used[r[i].block], 0, SLOTS);
+                due++;
+            }
+        seq_ack(f.s, ack);
+        assert_int_equal(f.p->nfree, nfree + due);
+        assert_int_equal(seq_retired_count(f.s), nr - due);
+        freed_total += due;
+        acked = ack;
+    }
+    /* The run retired and freed blocks: the checks above saw both. */
+    assert_true(retired_total >= 10);
+    assert_true(freed_total >= 8);
+    /* Bounded: the sinks' block and the window's (with the tail), per layer. */
+    assert_true(seq_blocks_held(f.s) <= 2 * 4 + seq_retired_count(f.s));
+    fx_close(&f);
+}
+
+/* A refused append changes nothing: the pool lacks blocks (the tail's free
+ * slots count), the epoch, tokens and free blocks stay; the exact fit
+ * passes. With streaming, the step that ends at the append still happens
+ * (its evictions are a change: one epoch), and its retired blocks are not
+ * free until acked. */
+static void test_append_exhausted_changes_nothing(void **state)
+{
+    fx f;
+    fx_open(&f, backend_of(state), 10, "full", NULL, 0);
+    append(&f, 6); /* 2 blocks a layer, 2 free slots in each tail */
+    assert_int_equal(f.p->nfree, 6);
+    batch b;
+    status st;
+    /* 15 more: 2 in the tail, 13 need 4 blocks a layer, 8 > 6. */
+    assert_int_equal(append_batch(&f, 15, &b, &st), ST_RESOURCE_EXHAUSTED);
+    batch_free(&b);
+    assert_non_null(strstr(st.msg, "needs 8 free blocks"));
+    assert_int_equal(seq_epoch(f.s), 1);
+    assert_int_equal(seq_appended(f.s), 6);
+    assert_int_equal(seq_tokens_held(f.s), 12);
+    assert_int_equal(seq_blocks_held(f.s), 4);
+    assert_int_equal(f.p->nfree, 6);
+    /* 14: exactly the 6 free blocks. */
+    assert_int_equal(append(&f, 14), 0);
+    assert_int_equal(seq_epoch(f.s), 2);
+    assert_int_equal(f.p->nfree, 0);
+    assert_int_equal(append_batch(&f, 1, &b, &st), ST_RESOURCE_EXHAUSTED);
+    batch_free(&b);
+    assert_int_equal(seq_epoch(f.s), 2);
+    assert_int_equal(seq_appended(f.s), 20);
+    for (uint32_t l = 0; l < 2; l++)
+        check_list(&f, l, 0);
+    fx_close(&f);
+
+    const char *const kv[] = {"n_sink", "0", "window", "4"};
+    fx_open(&f, backend_of(state), 6, "streaming", kv, 2);
+    append(&f, 4);
+    append(&f, 4); /* its step keeps all 4 */
+    assert_int_equal(f.p->nfree, 2);
+    /* The step of 8 evicts the first block of each layer (retired, not
+     * free); then 9 tokens need 3 blocks a layer: refused. */
+    assert_int_equal(append_batch(&f, 9, &b, &st), ST_RESOURCE_EXHAUSTED);
+    batch_free(&b);
+    assert_int_equal(b.evicted, 8);
+    assert_int_equal(seq_epoch(f.s), 3);
+    assert_int_equal(seq_appended(f.s), 8);
+    assert_int_equal(seq_tokens_held(f.s), 8);
+    assert_int_equal(seq_retired_count(f.s), 2);
+    assert_int_equal(f.p->nfree, 2);
+    seq_ack(f.s, 2);
+    assert_int_equal(f.p->nfree, 2);
+    seq_ack(f.s, 3);
+    assert_int_equal(f.p->nfree, 4);
+    /* The step already ran: 8 more need 2 blocks a layer and evict nothing. */
+    assert_int_equal(append(&f, 8), 0);
+    assert_int_equal(f.p->nfree, 0);
+    /* A Revive needs blocks too: refused, nothing taken. */
+    seq_revived out;
+    memset(&out, 0xff, sizeof out);
+    assert_int_equal(seq_revive(f.s, &(seq_revive_request){0, 0, 0, 0, 1}, &out, &st),
+                     ST_RESOURCE_EXHAUSTED);
+    assert_non_null(strstr(st.msg, "reviving 12 tokens needs 3 free blocks"));
+    assert_null(out.blocks);
+    assert_int_equal(out.nblocks, 0);
+    assert_int_equal(f.p->nfree, 0);
+    for (uint32_t l = 0; l < 2; l++)
+        check_list(&f, l, 0);
+    fx_close(&f);
+}
+
+/* seq_append_check's limits: 1 .. SEQ_MAX_APPEND tokens, positions below
+ * 2^32; seq_append refuses the same and changes nothing. */
+static void test_append_check(void **state)
+{
+    fx f;
+    fx_open(&f, backend_of(state), 16, "full", NULL, 0);
+    status st;
+    const int64_t bad[] = {0, -1, SEQ_MAX_APPEND + 1, INT64_MIN, INT64_MAX};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        assert_int_equal(seq_append_check(f.s, bad[i], &st), ST_INVALID_ARGUMENT);
+        assert_non_null(strstr(st.msg, "count must be between 1 and 65536"));
+        batch b;
+        assert_int_equal(append_batch(&f, bad[i], &b, &st), ST_INVALID_ARGUMENT);
+        batch_free(&b);
+    }
+    assert_int_equal(seq_epoch(f.s), 0);
+    assert_int_equal(seq_appended(f.s), 0);
+    assert_int_equal(f.p->nfree, 16);
+    assert_int_equal(seq_append_check(f.s, 1, &st), ST_OK);
+    assert_int_equal(seq_append_check(f.s, SEQ_MAX_APPEND, &st), ST_OK);
+    /* Near the end of the positions: 2^32 - 1 of them in all. */
+    f.s->appended = UINT32_MAX - 10;
+    assert_int_equal(seq_append_check(f.s, 10, &st), ST_OK);
+    assert_int_equal(seq_append_check(f.s, 11, &st), ST_INVALID_ARGUMENT);
+    assert_non_null(strstr(st.msg, "2^32-1"));
+    f.s->appended = 0;
+    fx_close(&f);
+}
+
+/* Window attention of a step before which every list holds n tokens:
+ * [layer][q head][token]. Query heads 0, 1 (KV head 0) attend to tokens 0..3,
+ * heads 2, 3 (KV head 1) to none in particular. */
+static float *adakv_window_attn(uint32_t n, size_t *nfloats)
+{
+    *nfloats = (size_t)2 * 4 * n;
+    float *a = malloc(*nfloats * sizeof *a);
+    assert_non_null(a);
+    for (uint32_t l = 0; l < 2; l++)
+        for (uint32_t q = 0; q < 4; q++)
+            for (uint32_t i = 0; i < n; i++)
+                a[((size_t)l * 4 + q) * n + i] = q < 2 && i < 4 ? 1.0f : 0.01f;
+    return a;
+}
+
+/* What seq_step must leave alone when it refuses a step. */
+typedef struct seq_mark {
+    uint64_t epoch, tokens;
+    uint32_t nfree, held;
+    size_t retired;
+} seq_mark;
+
+static seq_mark mark(fx *f)
+{
+    return (seq_mark){seq_epoch(f->s), seq_tokens_held(f->s), f->p->nfree, seq_blocks_held(f->s),
+                      seq_retired_count(f->s)};
+}
+
+static void assert_unchanged(fx *f, seq_mark m)
+{
+    seq_mark now = mark(f);
+    assert_int_equal(now.epoch, m.epoch);
+    assert_int_equal(now.tokens, m.tokens);
+    assert_int_equal(now.nfree, m.nfree);
+    assert_int_equal(now.held, m.held);
+    assert_int_equal(now.retired, m.retired);
+}
+
+/* A step seq_step refuses, and the words its message must hold. */
+static void step_refused(fx *f, const seq_step_input *in, status_code want, const char *words)
+{
+    seq_mark m = mark(f);
+    status st;
+    uint32_t evicted = 99;
+    assert_int_equal(seq_step(f->s, in, &evicted, &st), want);
+    if (strstr(st.msg, words) == NULL)
+        fail_msg("'%s' lacks '%s'", st.msg, words);
+    assert_int_equal(evicted, 0);
+    assert_unchanged(f, m);
+}
+
+/*
+ * AdaKV decides per KV head: seq_heads is kv_heads, each (layer, head) is
+ * its own list in its own blocks (rows of one head), seq_step_floats counts
+ * each query head's row over its KV head's list, wrong statistics change
+ * nothing, and after a step the heads hold different tokens, each reading
+ * back its own head's values.
+ */
+static void test_per_head_lists_and_step_checks(void **state)
+{
+    const char *const kv[] = {"budget", "4", "window", "2", "kernel", "1"};
+    fx f;
+    fx_open(&f, backend_of(state), 64, "adakv", kv, 3);
+    assert_int_equal(seq_heads(f.s), 2);
+    assert_int_equal(nlists(&f), 4);
+    batch b;
+    status st;
+    assert_int_equal(append_batch(&f, 12, &b, &st), ST_OK);
+    /* A per-head block holds kv_heads x 4 = 8 rows: 8 + 4, 8 blocks in all. */
+    uint32_t blocks[8];
+    for (size_t i = 0; i < 4; i++) {
+        assert_int_equal(b.n[i], 2);
+        assert_int_equal(b.segs[i][0].count, 8);
+        assert_int_equal(b.segs[i][1].count, 4);
+        assert_int_equal(b.segs[i][1].first_slot, 0);
+        blocks[2 * i] = b.segs[i][0].block;
+        blocks[2 * i + 1] = b.segs[i][1].block;
+    }
+    batch_free(&b);
+    for (int i = 0; i < 8; i++)
+        for (int j = i + 1; j < 8; j++)
+            assert_int_not_equal(blocks[i], blocks[j]);
+    assert_int_equal(f.p->nfree, 56);
+    assert_int_equal(seq_tokens_held(f.s), 48);
+    /* Rows per layer: q_heads over 12 tokens, or kv_heads for vnorm. */
+    assert_int_equal(seq_step_floats(f.s, POLICY_NEEDS_WINDOW_ATTN), 2 * 4 * 12);
+    assert_int_equal(seq_step_floats(f.s, POLICY_NEEDS_VNORM), 2 * 2 * 12);
+    assert_int_equal(seq_step_floats(f.s, POLICY_NEEDS_WINDOW_ATTN | POLICY_NEEDS_LAST_ATTN),
+                     2 * 2 * 4 * 12);
+
+    size_t nf;
+    float *attn = adakv_window_attn(12, &nf);
+    seq_step_input in = {.arrays = POLICY_NEEDS_WINDOW_ATTN,
+                         .prefill = 1,
+                         .window_queries = 2,
+                         .confidence = -1.0,
+                         .data = attn,
+                         .nfloats = nf};
+    seq_step_input bad = in;
+    bad.arrays = 0;
+    bad.data = NULL;
+    bad.nfloats = 0;
+    step_refused(&f, &bad, ST_FAILED_PRECONDITION, "needs 'window_attn'");
+    bad = in;
+    bad.nfloats = nf - 1;
+    step_refused(&f, &bad, ST_INVALID_ARGUMENT, "hold 95 floats; the layers' token lists need 96");
+    bad = in;
+    bad.arrays |= POLICY_NEEDS_SCORE;
+    step_refused(&f, &bad, ST_INVALID_ARGUMENT, "one list per KV head");
+    bad = in;
+    bad.new_tokens = 13;
+    step_refused(&f, &bad, ST_INVALID_ARGUMENT, "only 12 tokens were appended");
+    bad = in;
+    bad.confidence = 1.5;
+    step_refused(&f, &bad, ST_INVALID_ARGUMENT, "confidence");
+    attn[nf - 1] = NAN;
+    step_refused(&f, &in, ST_INVALID_ARGUMENT, "non-finite value at float 95");
+    attn[nf - 1] = 0.01f;
+
+    uint32_t evicted;
+    assert_int_equal(seq_step(f.s, &in, &evicted, &st), ST_OK);
+    free(attn);
+    assert_int_equal(seq_epoch(f.s), 2);
+    /* 4 x 2 = 8 tokens a layer kept: KV head 0 its attended 0..3, both
+     * their observation window 10, 11; KV head 1 nothing more. */
+    assert_int_equal(evicted, 2 * (24 - 8));
+    static const uint32_t head0[] = {0, 1, 2, 3, 10, 11}, head1[] = {10, 11};
+    for (uint32_t l = 0; l < 2; l++) {
+        seq_list_view v;
+        seq_list_view_get(f.s, l, 0, &v);
+        assert_int_equal(v.tokens, 6);
+        assert_memory_equal(v.positions, head0, sizeof head0);
+        seq_list_view_get(f.s, l, 1, &v);
+        assert_int_equal(v.tokens, 2);
+        assert_memory_equal(v.positions, head1, sizeof head1);
+        check_list(&f, l, 0);
+        check_list(&f, l, 1);
+    }
+    /* Each query head's row is its KV head's list: 2 x 6 + 2 x 2 a layer. */
+    assert_int_equal(seq_step_floats(f.s, POLICY_NEEDS_WINDOW_ATTN), 2 * (2 * 6 + 2 * 2));
+    assert_int_equal(seq_step_floats(f.s, POLICY_NEEDS_VNORM), 2 * (6 + 2));
+    /* KV head 1's first block (rows 0..7) emptied in each layer, retired
+     * at epoch 2; KV head 0's 6 tokens still use both its blocks. */
+    const seq_retired *r;
+    size_t nr = seq_retired_blocks(f.s, &r);
+    assert_int_equal(nr, 2);
+    for (uint32_t l = 0; l < 2; l++) {
+        assert_int_equal(seq_list_blocks(f.s, l, 0), 2);
+        assert_int_equal(seq_list_blocks(f.s, l, 1), 1);
+    }
+    for (size_t i = 0; i < nr; i++) {
+        assert_int_equal(r[i].epoch, 2);
+        assert_false(block_in_lists(&f, r[i].block));
+    }
+    assert_int_equal(f.p->nfree + seq_blocks_held(f.s), 64);
+    seq_ack(f.s, 2);
+    assert_int_equal(seq_retired_count(f.s), 0);
+    assert_int_equal(f.p->nfree + seq_blocks_held(f.s), 64);
+    fx_close(&f);
+}
+
+/*
+ * int8=on, int8_window=4 with the full policy: the step over 20 tokens
+ * decides all but the newest 4 INT8, and seq stores them in whole INT8
+ * blocks (12 tokens each): positions 0..11 go to one INT8 block a layer,
+ * 12..15 wait at full precision; the 3 blocks that held 0..11 are
+ * retired. Every token reads back within POLICIES.md §5.4's bound.
+ */
+static void test_int8_demotion(void **state)
+{
+    const char *const kv[] = {"int8", "on", "int8_window", "4"};
+    fx f;
+    fx_open(&f, backend_of(state), 64, "full", kv, 2);
+    assert_int_equal(seq_int8_block_tokens(f.s), 12);
+    append(&f, 20);
+    assert_int_equal(append(&f, 1), 0); /* the step of the 20 ends here */
+    assert_int_equal(seq_epoch(f.s), 2);
+    uint64_t tokens[3], bytes[3];
+    seq_tier_usage(f.s, tokens, bytes);
+    assert_int_equal(tokens[POLICY_FULL], 2 * 9);
+    assert_int_equal(tokens[POLICY_INT8], 2 * 12);
+    assert_int_equal(tokens[POLICY_SKETCH], 0);
+    /* Full: 12..15 and 16..19 in their blocks, 20 in a new tail. */
+    assert_int_equal(bytes[POLICY_FULL], 2 * 3 * BLOCK_BYTES);
+    assert_int_equal(bytes[POLICY_INT8], 2 * BLOCK_BYTES);
+    assert_int_equal(bytes[POLICY_SKETCH], 0);
+    uint64_t moved[3];
+    seq_moved_totals(f.s, moved);
+    assert_int_equal(moved[0], 24);
+    assert_int_equal(moved[1] + moved[2], 0);
+    const snapshot_tiers *rep = seq_tier_report(f.s);
+    assert_int_equal(rep->moved[0], 24);
+    assert_true(rep->nobs >= 1);
+    for (size_t i = 0; i < rep->nobs; i++) {
+        assert_int_equal(rep->obs[i].kind, SNAPSHOT_OBS_INT8);
+        assert_true(rep->obs[i].value > 0 && rep->obs[i].value <= 1.0 / 254 + 1e-6);
+    }
+    seq_tier_report_clear(f.s);
+    assert_int_equal(seq_tier_report(f.s)->moved[0], 0);
+    assert_int_equal(seq_tier_report(f.s)->nobs, 0);
+    seq_moved_totals(f.s, moved);
+    assert_int_equal(moved[0], 24); /* the lifetime total stays */
+    for (uint32_t l = 0; l < 2; l++) {
+        uint32_t t[3];
+        seq_list_tier_tokens(f.s, l, 0, t);
+        assert_int_equal(t[POLICY_FULL], 9);
+        assert_int_equal(t[POLICY_INT8], 12);
+        seq_list_view v;
+        seq_list_view_get(f.s, l, 0, &v);
+        assert_int_equal(v.tokens, 21);
+        for (uint32_t p = 0; p < 21; p++)
+            assert_int_equal(v.positions[p], p);
+        assert_int_equal(v.seg_tier[0], POLICY_INT8);
+        assert_int_equal(v.segs[0].first_slot, 0);
+        assert_int_equal(v.segs[0].count, 12);
+        assert_int_equal(seq_list_blocks(f.s, l, 0), 4);
+        assert_int_equal(check_list(&f, l, 0), 12);
+    }
+    const seq_retired *r;
+    size_t nr = seq_retired_blocks(f.s, &r);
+    assert_int_equal(nr, 6);
+    for (size_t i = 0; i < nr; i++) {
+        assert_int_equal(r[i].epoch, 2);
+        assert_false(block_in_lists(&f, r[i].block));
+    }
+    /* 7 more (21..27), and the step over 0..27 at the next append decides
+     * 12..23 INT8: the next whole INT8 block's worth. */
+    append(&f, 7);
+    assert_int_equal(append(&f, 1), 0);
+    seq_tier_usage(f.s, tokens, bytes);
+    assert_int_equal(tokens[POLICY_INT8], 2 * 24);
+    assert_int_equal(tokens[POLICY_FULL], 2 * 5);
+    for (uint32_t l = 0; l < 2; l++)
+        assert_int_equal(check_list(&f, l, 0), 24);
+    fx_close(&f);
+}
+
+/*
+ * An operator's eviction (seq_policy_layer_step, the decision amended,
+ * seq_apply_decision, seq_publish_epoch) with int8=on: 0..35 are three
+ * INT8 blocks; keeping every third of them leaves 12 INT8 tokens spread
+ * over 3 blocks, more than one block beyond the one they fill, so they are
+ * re-quantised into one fresh block (POLICIES.md §5.4 "on compaction") and
+ * the three are retired at the epoch; values stay within two
+ * quantisations' bound.
+ */
+static void test_operator_evict_requantizes(void **state)
+{
+    const char *const kv[] = {"int8", "on", "int8_window", "2"};
+    fx f;
+    fx_open(&f, backend_of(state), 64, "full", kv, 2);
+    append(&f, 38);
+    append(&f, 1); /* the step of the 38: 0..35 demoted, 3 INT8 blocks */
+    uint32_t t[3];
+    seq_list_tier_tokens(f.s, 0, 0, t);
+    assert_int_equal(t[POLICY_INT8], 36);
+    seq_tier_report_clear(f.s);
+    const policy_decision *d;
+    status st;
+    assert_int_equal(seq_policy_layer_step(f.s, 0, &d, &st), ST_OK);
+    for (uint32_t i = 0; i < 36; i++)
+        if (i % 3 != 0)
+            d->tier[0][i] = POLICY_EVICT;
+    uint64_t epoch = seq_epoch(f.s) + 1;
+    size_t evicted = 0;
+    int changed = 0;
+    assert_int_equal(seq_apply_decision(f.s, 0, d, epoch, &evicted, &changed, &st), ST_OK);
+    seq_publish_epoch(f.s, epoch);
+    assert_int_equal(evicted, 24);
+    assert_true(changed);
+    assert_int_equal(seq_epoch(f.s), epoch);
+    assert_int_equal(seq_tier_report(f.s)->requantized, 12);
+    seq_list_view v;
+    seq_list_view_get(f.s, 0, 0, &v);
+    assert_int_equal(v.tokens, 15); /* 0, 3, .., 33, and 36..38 */
+    for (uint32_t i = 0; i < 12; i++)
+        assert_int_equal(v.positions[i], 3 * i);
+    /* The 12 in one INT8 block, slots 0..11. */
+    assert_int_equal(v.seg_tier[0], POLICY_INT8);
+    assert_seg(&v.segs[0], v.segs[0].block, 0, 12);
+    assert_int_equal(check_list_rounds(&f, 0, 0, 2), 12);
+    uint64_t tokens[3], bytes[3];
+    seq_tier_usage(f.s, tokens, bytes);
+    assert_int_equal(bytes[POLICY_INT8], (1 + 3) * BLOCK_BYTES); /* layer 1 keeps its 3 */
+    const seq_retired *r;
+    size_t nr = seq_retired_blocks(f.s, &r), at_epoch = 0;
+    for (size_t i = 0; i < nr; i++)
+        if (r[i].epoch == epoch) {
+            at_epoch++;
+            assert_false(block_in_lists(&f, r[i].block));
+        }
+    assert_true(at_epoch >= 3);
+    assert_int_equal(f.p->nfree + seq_blocks_held(f.s), 64);
+    fx_close(&f);
+}
+
+/* Read what a Revive rebuilt (full precision, list layout, in the caller's
+ * blocks) and check it against the values written for its positions. */
+static void check_revived(fx *f, uint32_t l, uint32_t k, const seq_revived *out)
+{
+    assert_int_equal(kv_segments_tokens(out->segs, out->nsegs), out->ntokens);
+    if (out->ntokens == 0)
+        return;
+    tier_token *tok = malloc(out->ntokens * sizeof *tok);
+    assert_non_null(tok);
+    size_t t = 0;
+    for (size_t i = 0; i < out->nsegs; i++)
+        for (uint32_t j = 0; j < out->segs[i].count; j++)
+            tok[t++] = (tier_token){out->segs[i].block, out->segs[i].first_slot + j, POLICY_FULL};
+    float *kv = read_tokens(f, tok, out->ntokens);
+    check_values(f, l, k, kv, out->positions, out->src_tier, out->ntokens, 1);
+    free(kv);
+    free(tok);
+}
+
+static void revived_free(fx *f, seq_revived *out)
+{
+    for (size_t i = 0; i < out->nblocks; i++)
+        pool_free_block(f->p, out->blocks[i]);
+    free(out->segs);
+    free(out->positions);
+    free(out->src_tier);
+    free(out->blocks);
+}
+
+static void assert_revived_empty(const seq_revived *out)
+{
+    assert_null(out->segs);
+    assert_null(out->positions);
+    assert_null(out->blocks);
+    assert_int_equal(out->ntokens + out->nsegs + out->nblocks, 0);
+}
+
+/* A revive that must succeed, its tokens checked; the caller frees it. */
+static void revive_ok(fx *f, seq_revive_request req, seq_revived *out)
+{
+    status st;
+    uint32_t nfree = f->p->nfree;
+    if (seq_revive(f->s, &req, out, &st) != ST_OK)
+        fail_msg("revive: %s", st.msg);
+    assert_int_equal(out->nblocks, (out->ntokens + 3) / 4);
+    assert_int_equal(f->p->nfree, nfree - out->nblocks);
+    check_revived(f, req.layer, req.head, out);
+}
+
+/*
+ * Streaming (1 sink, window 3) with victims=sketch and buckets enough that
+ * 7 victims share no cell in two of three rows: a Revive of the whole list
+ * rebuilds held tokens exactly and victims from the sketch (exactly here),
+ * in position order, into blocks the caller owns; the sketch keeps them.
+ * Bad requests are refused with *out zeroed and nothing taken.
+ */
+static void test_revive_sketch_victims(void **state)
+{
+    const char *const kv[] = {"n_sink",  "1",      "window",         "3",
+                              "victims", "sketch", "sketch_buckets", "4096"};
+    fx f;
+    fx_open(&f, backend_of(state), 64, "streaming", kv, 4);
+    for (int i = 0; i < 12; i++)
+        append(&f, 1);
+    /* Held 0, 8..11; victims 1..7 offloaded. */
+    seq_list_view v;
+    seq_list_view_get(f.s, 1, 0, &v);
+    assert_int_equal(v.tokens, 5);
+    assert_int_equal(v.noffloaded, 7);
+    for (uint32_t j = 0; j < 7; j++)
+        assert_int_equal(v.offloaded[j], 1 + j);
+    uint64_t tokens[3], bytes[3];
+    seq_tier_usage(f.s, tokens, bytes);
+    assert_int_equal(tokens[POLICY_SKETCH], 2 * 7);
+    assert_true(bytes[POLICY_SKETCH] > 0);
+    uint32_t nfree = f.p->nfree;
+    seq_revived a, b;
+    revive_ok(&f, (seq_revive_request){1, 0, 0, 0, 0}, &a);
+    assert_int_equal(a.ntokens, 12);
+    for (uint32_t p = 0; p < 12; p++) {
+        assert_int_equal(a.positions[p], p);
+        assert_int_equal(a.src_tier[p], p >= 1 && p <= 7 ? POLICY_SKETCH : POLICY_FULL);
+    }
+    /* The sketch is not changed: again, the same bytes. */
+    revive_ok(&f, (seq_revive_request){1, 0, 3, 4, 0}, &b);
+    assert_int_equal(b.ntokens, 4);
+    assert_int_equal(b.positions[0], 3);
+    seq_tier_usage(f.s, tokens, bytes);
+    assert_int_equal(tokens[POLICY_SKETCH], 2 * 7);
+    revived_free(&f, &a);
+    revived_free(&f, &b);
+    assert_int_equal(f.p->nfree, nfree);
+
+    status st;
+    const seq_revive_request bad[] = {
+        {2, 0, 0, 0, 0},  /* no layer 2 */
+        {0, 1, 0, 0, 0},  /* one list a layer */
+        {0, 0, 12, 0, 0}, /* past the end */
+        {0, 0, 10, 3, 0}, /* 10..12: 12 is not appended */
+    };
+    const char *said[] = {"does not exist", "does not exist",
+                          "first position 12 is not in the sequence (positions 0..11 exist)",
+                          "positions 10..12 are not in the sequence (positions 0..11 exist)"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        memset(&a, 0xff, sizeof a);
+        assert_int_equal(seq_revive(f.s, &bad[i], &a, &st), ST_INVALID_ARGUMENT);
+        assert_non_null(strstr(st.msg, said[i]));
+        assert_revived_empty(&a);
+        assert_int_equal(f.p->nfree, nfree);
+    }
+    fx_close(&f);
+}
+
+/* victims=evict: Revive refuses positions evicted outright, naming the
+ * first run, or leaves them out with skip_evicted. */
+static void test_revive_evicted_outright(void **state)
+{
+    const char *const kv[] = {"n_sink", "1", "window", "3"};
+    fx f;
+    fx_open(&f, backend_of(state), 64, "streaming", kv, 2);
+    for (int i = 0; i < 12; i++)
+        append(&f, 1);
+    uint32_t nfree = f.p->nfree;
+    seq_revived a;
+    status st;
+    memset(&a, 0xff, sizeof a);
+    assert_int_equal(seq_revive(f.s, &(seq_revive_request){0, 0, 0, 0, 0}, &a, &st),
+                     ST_FAILED_PRECONDITION);
+    assert_non_null(strstr(st.msg, "7 of positions 0..11 of layer 0 were evicted outright"));
+    assert_non_null(strstr(st.msg, "first: 1..7"));
+    assert_revived_empty(&a);
+    assert_int_equal(f.p->nfree, nfree);
+    revive_ok(&f, (seq_revive_request){0, 0, 0, 0, 1}, &a);
+    static const uint32_t held[] = {0, 8, 9, 10, 11};
+    assert_int_equal(a.ntokens, 5);
+    assert_memory_equal(a.positions, held, sizeof held);
+    for (size_t i = 0; i < 5; i++)
+        assert_int_equal(a.src_tier[i], POLICY_FULL);
+    revived_free(&f, &a);
+    /* Only evicted positions: nothing to rebuild, no block taken. */
+    revive_ok(&f, (seq_revive_request){0, 0, 2, 5, 1}, &a);
+    assert_int_equal(a.ntokens, 0);
+    assert_int_equal(a.nblocks, 0);
+    revived_free(&f, &a);
+    assert_int_equal(f.p->nfree, nfree);
+    fx_close(&f);
+}
+
+/*
+ * victims=int8 (no sinks, window 4): after 30 tokens the 25 victims are
+ * kept out of the table, 24 of them quantised in two INT8 blocks, one
+ * waiting at full precision. A Revive rebuilds victims (INT8 within the
+ * bound) and held tokens; seq_destroy with the revive's blocks still
+ * held and retired blocks unacked gives back everything but those.
+ */
+static void test_revive_int8_victims_and_destroy(void **state)
+{
+    const char *const kv[] = {"n_sink", "0", "window", "4", "victims", "int8"};
+    fx f;
+    fx_open(&f, backend_of(state), 64, "streaming", kv, 3);
+    for (int i = 0; i < 30; i++)
+        append(&f, 1);
+    uint64_t tokens[3], bytes[3];
+    seq_tier_usage(f.s, tokens, bytes);
+    assert_int_equal(tokens[POLICY_INT8], 2 * 24);
+    assert_int_equal(tokens[POLICY_FULL], 2 * (1 + 5)); /* 1 waiting, 5 held */
+    assert_int_equal(bytes[POLICY_INT8], 2 * 2 * BLOCK_BYTES);
+    assert_true(seq_retired_count(f.s) > 0);
+    seq_revived a;
+    revive_ok(&f, (seq_revive_request){1, 0, 0, 0, 0}, &a);
+    assert_int_equal(a.ntokens, 30);
+    for (uint32_t p = 0; p < 30; p++) {
+        assert_int_equal(a.positions[p], p);
+        assert_int_equal(a.src_tier[p], p < 24 ? POLICY_INT8 : POLICY_FULL);
+    }
+    /* seq_destroy frees what the sequence holds, not the caller's. */
+    uint32_t scratch = (uint32_t)a.nblocks;
+    assert_int_equal(scratch, 8);
+    seq_destroy(f.s);
+    assert_int_equal(f.p->nfree, f.p->block_count - scratch);
+    revived_free(&f, &a);
+    assert_int_equal(f.p->nfree, f.p->block_count);
+    pool_destroy(f.p);
+}
+
+/* A test again on the shadow backend, named so. */
+#define ON_SHADOW(f)                                                                               \
+    {                                                                                              \
+#f "/shadow", f, NULL, NULL, (void *)&backend_shadow                                       \
+    }
+
+int main(void)
+{
+    /* Each test on the host backend, and the ones that move values also on
+     * shadow: pool memory there faults unless reached through the ops. */
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_append_writes_and_segments),
+        ON_SHADOW(test_append_writes_and_segments),
+        cmocka_unit_test(test_streaming_fresh_slots_retire_ack),
+        ON_SHADOW(test_streaming_fresh_slots_retire_ack),
+        cmocka_unit_test(test_append_exhausted_changes_nothing),
+        cmocka_unit_test(test_append_check),
+        cmocka_unit_test(test_per_head_lists_and_step_checks),
+        ON_SHADOW(test_per_head_lists_and_step_checks),
+        cmocka_unit_test(test_int8_demotion),
+        ON_SHADOW(test_int8_demotion),
+        cmocka_unit_test(test_operator_evict_requantizes),
+        ON_SHADOW(test_operator_evict_requantizes),
+        cmocka_unit_test(test_revive_sketch_victims),
+        ON_SHADOW(test_revive_sketch_victims),
+        cmocka_unit_test(test_revive_evicted_outright),
+        cmocka_unit_test(test_revive_int8_victims_and_destroy),
+        ON_SHADOW(test_revive_int8_victims_and_destroy),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
