@@ -330,27 +330,14 @@ int tier_sketch_delete(tier_sketch *s, const uint32_t *pos, size_t n)
     return rc;
 }
 
-/* Compare n staged tokens `got` (device, K then V halves) with the
- * originals k, v (device) on the host: the measure is for metrics, so its
- * copies are the one place tier moves bring bytes to the host. */
+/* Compare n staged tokens `got` (K then V halves) with the originals k, v,
+ * all device memory, on the device: only the sums reach the host. */
 static int staged_diff(const tier_ctx *c, const uint8_t *got, const uint8_t *k, const uint8_t *v,
                        size_t n, kv_diff *d)
 {
     size_t half = n * tier_token_bytes(c) / 2, elems = half / c->l.elt_size;
-    uint8_t *host = malloc(4 * half + 1);
-    int rc = host != NULL ? 0 : -1;
-    if (rc == 0)
-        rc = c->ops->copy(KV_DEVICE_TO_HOST, host, got, 2 * half);
-    if (rc == 0)
-        rc = c->ops->copy(KV_DEVICE_TO_HOST, host + 2 * half, k, half);
-    if (rc == 0)
-        rc = c->ops->copy(KV_DEVICE_TO_HOST, host + 3 * half, v, half);
-    if (rc == 0) {
-        kv_elts_diff(host, host + 2 * half, c->dtype, elems, d);
-        kv_elts_diff(host + half, host + 3 * half, c->dtype, elems, d);
-    }
-    free(host);
-    return rc;
+    int rc = c->ops->diff(got, k, c->dtype, elems, d);
+    return rc == 0 ? c->ops->diff(got + half, v, c->dtype, elems, d) : rc;
 }
 
 int tier_error_ratio(const tier_ctx *c, const tier_token *tok, size_t n, const uint8_t *k,

@@ -99,6 +99,11 @@ typedef struct kv_ops {
                          size_t nsegs, const int32_t *delta, double theta, kv_rope_pairing pairing);
     int (*merge_values)(const kv_layout *l, kv_dtype t, uint8_t *pool, const kv_merge *m, size_t n);
 
+    /* kernels.h kv_elts_diff of n elements: got and ref device memory,
+     * the sums into host *d. What a tier move cost, for metrics: four
+     * numbers cross to the host, not the tokens. */
+    int (*diff)(const uint8_t *got, const uint8_t *ref, kv_dtype t, size_t n, kv_diff *d);
+
     /* Decode attention over a list in the pool (device); q, out and
      * probs are host arrays. */
     int (*decode_attention)(const kv_layout *l, kv_dtype t, const uint8_t *pool,

@@ -21,7 +21,7 @@ import sys
 ALLOWED = {
     "kv_block_bytes", "kv_key_offset", "kv_segments_tokens", "kv_int8_tokens_per_block",
     "kv_int8_block_bytes", "kv_int8_code_offset", "kv_int8_scale_offset",
-    "kv_sketch_hash", "kv_sketch_hash_list", "kv_elts_diff", "kv_elt_load", "kv_elt_store",
+    "kv_sketch_hash", "kv_sketch_hash_list", "kv_elt_load", "kv_elt_store",
     "kv_ops_find", "kv_shadow_map", "kv_shadow_unmap", "kv_shadow_real",
 }
 CALL = re.compile(r"\b(kv_[a-z0-9_]+)\s*\(")

@@ -125,6 +125,12 @@ static int cpu_merge_values(const kv_layout *l, kv_dtype t, uint8_t *pool, const
     return 0;
 }
 
+static int cpu_diff(const uint8_t *got, const uint8_t *ref, kv_dtype t, size_t n, kv_diff *d)
+{
+    kv_elts_diff(got, ref, t, n, d);
+    return 0;
+}
+
 static int cpu_decode_attention(const kv_layout *l, kv_dtype t, const uint8_t *pool,
                                 const kv_segment *segs, size_t nsegs, const uint8_t *tiers,
                                 const float *q, uint32_t q_heads, float scale, float *out,
@@ -152,6 +158,7 @@ const kv_ops kv_ops_cpu = {
     .sketch_delete = cpu_sketch_delete,
     .rope_rerotate = cpu_rope_rerotate,
     .merge_values = cpu_merge_values,
+    .diff = cpu_diff,
     .decode_attention = cpu_decode_attention,
 };
 

@@ -256,6 +256,11 @@ static int shadow_merge_values(const kv_layout *l, kv_dtype t, uint8_t *pool, co
     return kv_ops_cpu.merge_values(l, t, dev(pool, "merge_values"), m, n);
 }
 
+static int shadow_diff(const uint8_t *got, const uint8_t *ref, kv_dtype t, size_t n, kv_diff *d)
+{
+    return kv_ops_cpu.diff(dev(got, "diff"), dev(ref, "diff"), t, n, d);
+}
+
 static int shadow_decode_attention(const kv_layout *l, kv_dtype t, const uint8_t *pool,
                                    const kv_segment *segs, size_t nsegs, const uint8_t *tiers,
                                    const float *q, uint32_t q_heads, float scale, float *out,
@@ -283,5 +288,6 @@ const kv_ops kv_ops_shadow = {
     .sketch_delete = shadow_sketch_delete,
     .rope_rerotate = shadow_rope_rerotate,
     .merge_values = shadow_merge_values,
+    .diff = shadow_diff,
     .decode_attention = shadow_decode_attention,
 };

@@ -26,6 +26,7 @@ typedef struct script_out {
     uint8_t *pool, *stage;
     float *sketch;
     float out[4 * DIM], probs[4 * 32];
+    kv_diff diff; /* block 5 (dequantised) against block 0 (its source) */
 } script_out;
 
 static const kv_layout lay = {HEADS, TOKENS, DIM, 2};
@@ -98,6 +99,10 @@ static void run_script(const kv_ops *ops, uint64_t seed, script_out *r)
     assert_int_equal(
         ops->decode_attention(&lay, KV_FP16, pool, as, 2, tiers, q, 4, 0.25f, r->out, r->probs), 0);
 
+    r->diff = (kv_diff){0, 0, 0, 0};
+    size_t bb = kv_block_bytes(&lay);
+    assert_int_equal(ops->diff(pool + 5 * bb, pool, KV_FP16, bb / 2, &r->diff), 0);
+
     r->pool = malloc(pool_bytes);
     r->stage = malloc(2 * half);
     r->sketch = malloc(cells * dim * 4);
@@ -132,6 +137,9 @@ static void test_shadow_equals_cpu(void **state)
         assert_memory_equal(a.stage, b.stage, (size_t)2 * HEADS * 12 * DIM * 2);
         assert_memory_equal(a.sketch, b.sketch, (size_t)ROWS * BUCKETS * HEADS * DIM * 4);
         assert_memory_equal(a.out, b.out, sizeof a.out);
+        assert_memory_equal(&a.diff, &b.diff, sizeof a.diff);
+        /* An INT8 round trip: off, within §5.4's max/254 plus fp16 rounding. */
+        assert_true(a.diff.max_diff > 0 && a.diff.max_diff <= a.diff.max_ref / 254 * 1.01 + 1e-3);
         assert_memory_equal(a.probs, b.probs, 4 * 16 * sizeof(float));
         /* ... and the script did something: the pool changed from its input. */
         rng g = {seed};
