@@ -606,55 +606,41 @@ static status_code run_append(fixture *f, status *s)
     return rc;
 }
 
-/* Step */
-static void prep_h2o(fixture *f)
+/* Step: a sequence of `policy` with `tokens` appended in one call, acked,
+ * and the statistics its next step needs ready. */
+static void prep_stepped(fixture *f, const char *policy, const char *const *kv, size_t n,
+                         int64_t tokens)
 {
     prep_pool(f);
-    new_seq(f, "h2o", kv_h2o, 2);
+    new_seq(f, policy, kv, n);
     store_table w;
     status s;
-    must(store_append(f->st, f->token, f->seq_id, 9, 0, &w, &s), &s, "append");
+    must(store_append(f->st, f->token, f->seq_id, tokens, 0, &w, &s), &s, "append");
     store_table_free(&w);
     ack_all(f);
     make_stats(f);
+}
+
+static void prep_h2o(fixture *f)
+{
+    prep_stepped(f, "h2o", kv_h2o, 2, 9);
 }
 
 /* int8=on keeps the 2 newest at full precision: 24 tokens decided INT8,
  * two INT8 blocks' worth, demoted at this step. */
 static void prep_h2o_int8(fixture *f)
 {
-    prep_pool(f);
-    new_seq(f, "h2o", kv_h2o_int8, 4);
-    store_table w;
-    status s;
-    must(store_append(f->st, f->token, f->seq_id, 26, 0, &w, &s), &s, "append");
-    store_table_free(&w);
-    ack_all(f);
-    make_stats(f);
+    prep_stepped(f, "h2o", kv_h2o_int8, 4, 26);
 }
 
 static void prep_reviver(fixture *f)
 {
-    prep_pool(f);
-    new_seq(f, "reviver", (const char *const[]){"budget", "8"}, 1);
-    store_table w;
-    status s;
-    must(store_append(f->st, f->token, f->seq_id, 20, 0, &w, &s), &s, "append");
-    store_table_free(&w);
-    ack_all(f);
-    make_stats(f);
+    prep_stepped(f, "reviver", (const char *const[]){"budget", "8"}, 1, 20);
 }
 
 static void prep_adakv(fixture *f)
 {
-    prep_pool(f);
-    new_seq(f, "adakv", (const char *const[]){"window", "2", "budget", "4"}, 2);
-    store_table w;
-    status s;
-    must(store_append(f->st, f->token, f->seq_id, 12, 0, &w, &s), &s, "append");
-    store_table_free(&w);
-    ack_all(f);
-    make_stats(f);
+    prep_stepped(f, "adakv", (const char *const[]){"window", "2", "budget", "4"}, 2, 12);
 }
 
 static status_code run_step(fixture *f, status *s)
