@@ -87,7 +87,9 @@ status_code pool_create(uint64_t id, const char *model, const pool_geometry *g, 
     p->block_count = (uint32_t)count;
     p->bytes = count * p->block_bytes;
     p->free_stack = malloc(count * sizeof *p->free_stack);
-    if (p->free_stack == NULL) {
+    p->saved_stack = malloc(count * sizeof *p->saved_stack);
+    p->marks = calloc((count + 7) / 8, 1);
+    if (p->free_stack == NULL || p->saved_stack == NULL || p->marks == NULL) {
         status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory for %zu block ids", count);
         goto fail;
     }
@@ -112,6 +114,8 @@ void pool_destroy(pool *p)
     if (p->base != NULL)
         p->backend->arena_destroy(&p->arena);
     free(p->free_stack);
+    free(p->saved_stack);
+    free(p->marks);
     free(p);
 }
 
@@ -125,10 +129,46 @@ int pool_alloc_block(pool *p, uint32_t *block)
     if (p->nfree == 0)
         return -1;
     *block = p->free_stack[--p->nfree];
+    /* Entries are popped one at a time: the first pop below the savepoint's
+     * low-water mark reads an entry no push since has overwritten. */
+    if (p->sp_active && p->nfree < p->sp_low)
+        p->saved_stack[p->sp_low = p->nfree] = *block;
     return 0;
 }
 
 void pool_free_block(pool *p, uint32_t block)
 {
     p->free_stack[p->nfree++] = block;
+}
+
+void pool_savepoint(pool *p)
+{
+    p->sp_mark = p->sp_low = p->nfree;
+    p->sp_active = 1;
+}
+
+void pool_rollback(pool *p)
+{
+    memcpy(p->free_stack + p->sp_low, p->saved_stack + p->sp_low,
+           (size_t)(p->sp_mark - p->sp_low) * sizeof *p->free_stack);
+    p->nfree = p->sp_mark;
+    p->sp_active = 0;
+}
+
+void pool_release(pool *p)
+{
+    p->sp_active = 0;
+}
+
+int pool_mark(pool *p, uint32_t block)
+{
+    uint8_t bit = (uint8_t)(1u << (block % 8)), *byte = &p->marks[block / 8];
+    int was_clear = !(*byte & bit);
+    *byte |= bit;
+    return was_clear;
+}
+
+void pool_unmark(pool *p, uint32_t block)
+{
+    p->marks[block / 8] &= (uint8_t)~(1u << (block % 8));
 }

@@ -35,6 +35,12 @@ typedef struct pool {
     uint32_t block_count;
     uint32_t nfree;
     uint32_t *free_stack; /* free block ids; the top is free_stack[nfree-1] */
+    /* The savepoint (pool_savepoint): free_stack[low..mark) as it was
+     * there, saved as allocation first pops each entry below low. */
+    uint32_t *saved_stack;
+    uint32_t sp_mark, sp_low;
+    int sp_active;
+    uint8_t *marks; /* a bit per block (pool_mark) */
     uint32_t sessions;    /* sessions attached; the store destroys the pool at 0 */
     const backend *backend;
     backend_arena arena;
@@ -66,6 +72,26 @@ int pool_alloc_block(pool *p, uint32_t *block);
 
 /* Return a block to the free stack. */
 void pool_free_block(pool *p, uint32_t block);
+
+/*
+ * A savepoint: pool_rollback gives the free stack back exactly as it was at
+ * pool_savepoint (the same blocks free, in the same order), whatever was
+ * allocated and freed since; pool_release keeps the changes. A call that
+ * changes a sequence in many steps takes one (seq.h seq_begin), so that a
+ * failure halfway leaves the pool as before. None of the three can fail:
+ * the copy of the stack's changed part has room for every block, made at
+ * pool_create. Savepoints do not nest.
+ */
+void pool_savepoint(pool *p);
+void pool_rollback(pool *p);
+void pool_release(pool *p);
+
+/* Marks for counting distinct blocks without allocating (Stats must not
+ * miscount when memory is short): pool_mark sets block's bit and returns
+ * 1 if it was clear, 0 if set; whoever marks clears every mark again
+ * (pool_unmark) before the store's lock is released. */
+int pool_mark(pool *p, uint32_t block);
+void pool_unmark(pool *p, uint32_t block);
 
 /* Whether two geometries describe the same cache. */
 int pool_geometry_equal(const pool_geometry *a, const pool_geometry *b);

@@ -72,7 +72,7 @@ status_code seq_create(uint64_t id, uint64_t session_id, pool *pool, const polic
 
 uint32_t seq_list_blocks(const seq *s, uint32_t layer, uint32_t head)
 {
-    return list_count_blocks(seq_list_at(s, layer, head), -1);
+    return list_count_blocks(seq_list_at(s, layer, head), -1, s->pool);
 }
 
 uint64_t seq_id_of(const seq *s)
@@ -188,6 +188,7 @@ void seq_destroy(seq *s)
     }
     for (size_t i = 0; i < s->nretired; i++)
         pool_free_block(s->pool, s->retired[i].block);
+    seq_txn_free(s);
     policy_host_destroy(s->host);
     snapshot_tiers_free(&s->report);
     free(s->retired);
@@ -211,7 +212,7 @@ uint32_t seq_blocks_held(const seq *s)
 {
     uint32_t n = (uint32_t)s->nretired;
     for (size_t k = 0; k < seq_nlists(s); k++)
-        n += list_count_blocks(&s->lists[k], -1);
+        n += list_count_blocks(&s->lists[k], -1, s->pool);
     return n;
 }
 
@@ -271,7 +272,7 @@ void seq_tier_usage(const seq *s, uint64_t tokens[3], uint64_t bytes[3])
         for (size_t i = 0; i < ly->nsegs; i++)
             tokens[ly->seg_tier[i]] += ly->segs[i].count;
         for (int t = POLICY_FULL; t <= POLICY_INT8; t++)
-            bytes[t] += (uint64_t)list_count_blocks(ly, t) * s->pool->block_bytes;
+            bytes[t] += (uint64_t)list_count_blocks(ly, t, s->pool) * s->pool->block_bytes;
         for (size_t j = 0; j < ly->noffloaded; j++)
             tokens[ly->offloaded_at[j].tier]++;
         bytes[POLICY_SKETCH] += tier_sketch_bytes(&ly->sketch);
@@ -348,12 +349,13 @@ static status_code seq_run_policy(seq *s, const seq_step_input *in, uint64_t epo
     }
     free(tokens);
     free(rows);
-    if (rc == ST_OK) /* a step that failed has not seen them (test_faults) */
-        s->unstepped = 0;
+    if (rc != ST_OK) /* the caller rolls back */
+        return rc;
+    s->unstepped = 0;
     if (total > 0 || changed)
         s->epoch = epoch;
     *evicted = (uint32_t)total;
-    return rc;
+    return ST_OK;
 }
 
 /* On the gRPC path a step ends when the next Append begins, for policies
@@ -429,7 +431,14 @@ status_code seq_step(seq *s, const seq_step_input *in, uint32_t *evicted, status
     *evicted = 0;
     if (seq_step_check(s, in, st) != ST_OK)
         return st->code;
-    return seq_run_policy(s, in, s->epoch + 1, evicted, st);
+    seq_begin(s);
+    if (seq_run_policy(s, in, s->epoch + 1, evicted, st) != ST_OK) {
+        seq_rollback(s);
+        *evicted = 0;
+        return st->code;
+    }
+    seq_end(s);
+    return ST_OK;
 }
 
 static uint64_t seq_blocks_needed(const seq *s, uint32_t count)
@@ -456,39 +465,69 @@ status_code seq_append_check(const seq *s, int64_t count, status *st)
     return ST_OK;
 }
 
-status_code seq_append(seq *s, int64_t count, kv_segment *const *writes, size_t *nwrites,
-                       uint32_t *evicted, status *st)
+/* The blocks `count` new tokens take from the pool, when the pool has
+ * them (after dropping kept victims: memory pressure costs them before it
+ * refuses tokens); RESOURCE_EXHAUSTED when it has not. */
+static status_code append_fits(seq *s, int64_t count, uint64_t *need, status *st)
 {
-    if (seq_append_check(s, count, st) != ST_OK)
-        return st->code;
-    /* One Append is one new epoch, whatever it changed. */
-    uint64_t epoch = s->epoch + 1;
-    if (seq_step_silent(s, epoch, evicted, st) != ST_OK)
-        return st->code;
-    uint64_t need = seq_blocks_needed(s, (uint32_t)count);
-    /* Memory pressure costs kept victims before it refuses tokens, but only
-     * when that makes room: a refused append changes nothing. */
+    *need = seq_blocks_needed(s, (uint32_t)count);
     uint64_t droppable = 0;
     for (size_t i = 0; i < seq_nlists(s); i++)
         droppable += s->lists[i].nvictim_blocks;
-    while (need > s->pool->nfree && need <= s->pool->nfree + droppable &&
-           seq_drop_victim_blocks(s) > 0)
-        ;
-    if (need > s->pool->nfree)
-        return status_set(st, ST_RESOURCE_EXHAUSTED,
-                          "appending %lld tokens needs %llu free blocks; pool '%s' has %u of %u "
-                          "free (release sequences or start kvstashd with a larger --pool-mb)",
-                          (long long)count, (unsigned long long)need, s->pool->model,
-                          s->pool->nfree, s->pool->block_count);
+    if (*need <= s->pool->nfree + droppable)
+        return ST_OK;
+    return status_set(st, ST_RESOURCE_EXHAUSTED,
+                      "appending %lld tokens needs %llu free blocks; pool '%s' has %u of %u "
+                      "free (release sequences or start kvstashd with a larger --pool-mb)",
+                      (long long)count, (unsigned long long)*need, s->pool->model, s->pool->nfree,
+                      s->pool->block_count);
+}
+
+/* Every part that can fail runs before victims are dropped and slots
+ * handed out, which cannot. */
+static status_code append_tokens(seq *s, int64_t count, uint64_t need, kv_segment *const *writes,
+                                 size_t *nwrites, uint64_t epoch, status *st)
+{
     for (size_t i = 0; i < seq_nlists(s); i++)
         if (list_reserve(&s->lists[i], s->lists[i].nsegs + (size_t)count / s->block_slots + 2) != 0)
             return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
     if (policy_host_append(s->host, (uint32_t)count) != 0)
         return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
+    while (need > s->pool->nfree && seq_drop_victim_blocks(s) > 0)
+        ;
     for (size_t i = 0; i < seq_nlists(s); i++)
         nwrites[i] = list_grow(s, &s->lists[i], (uint32_t)count, writes[i]);
     s->appended += (uint64_t)count;
     s->unstepped += (uint32_t)count;
     s->epoch = epoch;
+    return ST_OK;
+}
+
+status_code seq_append(seq *s, int64_t count, kv_segment *const *writes, size_t *nwrites,
+                       uint32_t *evicted, status *st)
+{
+    *evicted = 0;
+    if (seq_append_check(s, count, st) != ST_OK)
+        return st->code;
+    /* One Append is one new epoch, whatever it changed. */
+    uint64_t epoch = s->epoch + 1, need;
+    seq_begin(s);
+    if (seq_step_silent(s, epoch, evicted, st) != ST_OK) {
+        seq_rollback(s);
+        *evicted = 0;
+        return st->code;
+    }
+    /* A pool without the blocks refuses the tokens but keeps the step: the
+     * blocks it retired are what the worker's ack frees for its retry. */
+    if (append_fits(s, count, &need, st) != ST_OK) {
+        seq_end(s);
+        return st->code;
+    }
+    if (append_tokens(s, count, need, writes, nwrites, epoch, st) != ST_OK) {
+        seq_rollback(s);
+        *evicted = 0;
+        return st->code;
+    }
+    seq_end(s);
     return ST_OK;
 }

@@ -102,6 +102,21 @@ status_code seq_policy_layer_step(seq *s, uint32_t l, const policy_decision **d,
  * were applied at): publish it. */
 void seq_publish_epoch(seq *s, uint64_t epoch);
 
+/*
+ * Transactions. A call that changes a sequence in many parts (a step over
+ * every layer, an append that ends a step, an operator's move) runs between
+ * seq_begin and seq_end; when a part fails (out of memory, a device error,
+ * a policy's refusal), seq_rollback leaves the sequence, its policy host
+ * (lists and policy state) and its pool's free blocks exactly as they were
+ * at seq_begin, as if the call had not run. seq_step and seq_append take
+ * their own; an operator's move takes one around its layers. None of the
+ * three can fail. Transactions do not nest, and one pool has one at a time
+ * (the store's lock).
+ */
+void seq_begin(seq *s);
+void seq_rollback(seq *s);
+void seq_end(seq *s);
+
 /* Create a sequence on `pool` with a policy and its resolved parameters; the
  * policy's create() validates them. Caller frees with seq_destroy. */
 status_code seq_create(uint64_t id, uint64_t session_id, pool *pool, const policy_ops *policy,
@@ -135,8 +150,10 @@ status_code seq_append_check(const seq *s, int64_t count, status *st);
  * statistics from the worker, the step of the tokens appended before ends
  * here: the policy decides and evicted tokens leave (their emptied blocks are
  * retired). Then, if the pool has the blocks, the new tokens get slots; if it
- * has not, RESOURCE_EXHAUSTED and no token is added. Each change bumps the
- * epoch. *evicted is the number of tokens removed (all lists), and writes[i]
+ * has not, RESOURCE_EXHAUSTED and no token is added, but the step stays (its
+ * retired blocks are what an ack frees for a retry). Any other failure (out
+ * of memory) leaves everything as it was. Each change bumps the epoch.
+ * *evicted is the number of tokens removed (all lists), and writes[i]
  * (an array of nlayers * heads entries the caller provides, each with room
  * for `count` segments) receives the segments of the new tokens of list i.
  */

@@ -3,6 +3,11 @@
  * moves, offloaded victims, INT8 demotion and compaction, value merges, key
  * re-rotation, full-precision compaction, retiring emptied blocks (seq.h
  * seq_apply_decision, seq_demote_pending).
+ *
+ * Everything here runs inside the call's transaction (seq_txn.c): a list,
+ * its sketch cells and token slots written in place are saved before their
+ * first change, so a part that fails just returns -1 and the caller rolls
+ * the whole call back. Nothing here undoes its own work.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -30,7 +35,7 @@ static int move_to_sketch(seq *s, seq_list *ly, uint32_t layer, tier_token *tok,
 {
     uint8_t *k, *v;
     uint32_t *p = malloc((m ? m : 1) * sizeof *p);
-    if (p == NULL || list_sketch_ready(s, ly, layer) != 0 ||
+    if (p == NULL || seq_txn_save_sketch(s, ly) != 0 || list_sketch_ready(s, ly, layer) != 0 ||
         seq_stage_tokens(s, tok, idx, m, &k, &v) != 0) {
         free(p);
         return -1;
@@ -55,20 +60,18 @@ static int move_to_sketch(seq *s, seq_list *ly, uint32_t layer, tier_token *tok,
 static int move_to_full(seq *s, seq_list *ly, tier_token *tok, const uint32_t *pos, uint32_t i)
 {
     tier_token dst;
-    /* The tail as it was: a failed copy gives the slot (and a block taken
-     * for it) back, or the block would be held by no segment (test_faults). */
-    uint32_t tail = ly->tail_block, next = ly->tail_next_slot;
-    int had_tail = ly->has_tail, fresh = !list_tail_usable(ly, s->block_slots);
+    int in_tail = list_tail_usable(ly, s->block_slots), sketched = tok[i].tier == POLICY_SKETCH;
+    if (seq_txn_save_list(s, ly) != 0 || (sketched && seq_txn_save_sketch(s, ly) != 0))
+        return -1;
     if (list_take_slot(s, ly, &dst) != 0)
         return 0;
-    if (tok[i].tier == POLICY_SKETCH
-            ? tier_sketch_read(&ly->sketch, &s->tier, s->pool->base, &pos[i], 1, &dst, 1) != 0
-            : tier_copy(&s->tier, &tok[i], 1, &dst) != 0) {
-        if (fresh)
-            pool_free_block(s->pool, dst.block);
-        ly->tail_block = tail, ly->tail_next_slot = next, ly->has_tail = had_tail;
+    /* A slot of the tail block is in a block the worker maps: its bytes are
+     * part of what a rollback puts back. */
+    if (in_tail && seq_txn_save_tokens(s, &dst, 1) != 0)
         return -1;
-    }
+    if (sketched ? tier_sketch_read(&ly->sketch, &s->tier, s->pool->base, &pos[i], 1, &dst, 1) != 0
+                 : tier_copy(&s->tier, &tok[i], 1, &dst) != 0)
+        return -1;
     tok[i] = dst;
     seq_moved(s, 2, 1);
     return 0;
@@ -98,7 +101,11 @@ static int list_victims(seq *s, seq_list *ly, uint32_t layer, tier_token *tok, c
     }
     if (m > 0 && move_to_sketch(s, ly, layer, tok, pos, scratch, m) != 0)
         return -1;
-    return gone ? tier_sketch_delete(&ly->sketch, scratch + n - gone, gone) : 0;
+    if (gone == 0)
+        return 0;
+    if (seq_txn_save_sketch(s, ly) != 0)
+        return -1;
+    return tier_sketch_delete(&ly->sketch, scratch + n - gone, gone);
 }
 
 /* Whether token i's storage must change for decided tier `want` (INT8
@@ -159,8 +166,6 @@ static int quantize_fresh(seq *s, tier_token *tok, const uint32_t *idx, size_t m
     int rc = tier_quantize(&s->tier, k, v, m, qb, nq);
     for (size_t j = 0; rc == 0 && j < m; j++)
         tok[idx[j]] = (tier_token){qb[j / t8], (uint32_t)(j % t8), POLICY_INT8};
-    for (size_t b = 0; rc != 0 && b < nq; b++)
-        pool_free_block(s->pool, qb[b]);
     double ratio;
     if (rc == 0 && stage_error(s, tok, idx, m, k, v, &ratio) == 0)
         snapshot_tiers_observe(&s->report, SNAPSHOT_OBS_INT8, ratio);
@@ -303,6 +308,8 @@ static int apply_merges(seq *s, uint32_t l, const policy_decision *d, tier_token
         const tier_token *from = &tok[g->from], *into = &tok[g->into];
         if (from->tier != POLICY_FULL || into->tier != POLICY_FULL)
             continue;
+        if (seq_txn_save_tokens(s, into, 1) != 0)
+            return -1;
         kv_merge one = {from->block, from->slot, into->block, into->slot, g->w_from, g->w_into};
         if (s->tier.ops->merge_values(&s->list_layout, s->tier.dtype, s->pool->base, &one, 1) != 0)
             return -1;
@@ -321,27 +328,29 @@ static int list_rerotate(seq *s, const tier_token *tok, const uint8_t *tier, uin
 {
     int32_t *delta = malloc((n ? n : 1) * sizeof *delta);
     kv_segment *sg = malloc((n ? n : 1) * sizeof *sg);
-    if (delta == NULL || sg == NULL) {
-        free(delta);
-        free(sg);
-        return -1;
-    }
+    tier_token *at = malloc((n ? n : 1) * sizeof *at);
+    int rc = delta == NULL || sg == NULL || at == NULL ? -1 : 0;
     uint32_t j = 0, m = 0;
-    for (uint32_t i = 0; i < n; i++) {
+    for (uint32_t i = 0; rc == 0 && i < n; i++) {
         if (tier[i] == POLICY_EVICT)
             continue;
         if (tok[i].tier == POLICY_FULL && j != i) {
             delta[m] = (int32_t)j - (int32_t)i;
+            at[m] = tok[i];
             sg[m++] = (kv_segment){tok[i].block, tok[i].slot, 1};
         }
         j++;
     }
-    int rc =
-        s->tier.ops->rope_rerotate(&s->list_layout, s->tier.dtype, s->pool->base, sg, m, delta,
-                                   d->rope_theta > 0 ? d->rope_theta : s->pool->geom.rope_theta,
-                                   d->rope_pairing ? KV_ROPE_INTERLEAVED : KV_ROPE_HALF);
+    if (rc == 0)
+        rc = seq_txn_save_tokens(s, at, m);
+    if (rc == 0)
+        rc = s->tier.ops->rope_rerotate(
+            &s->list_layout, s->tier.dtype, s->pool->base, sg, m, delta,
+            d->rope_theta > 0 ? d->rope_theta : s->pool->geom.rope_theta,
+            d->rope_pairing ? KV_ROPE_INTERLEAVED : KV_ROPE_HALF);
     free(delta);
     free(sg);
+    free(at);
     return rc;
 }
 
@@ -382,8 +391,6 @@ static int list_compact(seq *s, seq_list *ly, tier_token *kept, uint32_t n, uint
         j++;
     }
     if (s->tier.ops->copy_tokens(&s->list_layout, s->pool->base, src, nfull, dst, nfull) != 0) {
-        for (uint32_t j = 0; j < nfull; j += slots) /* the list stays where it was */
-            pool_free_block(s->pool, dst[j].block);
         free(src);
         free(dst);
         return -1;
@@ -419,18 +426,6 @@ static int retire_unused(seq *s, seq_list *ly, const uint32_t *before, size_t nb
     return 0;
 }
 
-/* Room for the segments of a list of n tokens and for `blocks` more retired
- * blocks, made before a demotion or compaction takes blocks: failing in
- * list_encode or retire_unused after those would leave blocks that no
- * segment holds and segments unlike the host's list (test_faults). */
-static int list_reserve_apply(seq *s, seq_list *ly, uint32_t n, size_t blocks)
-{
-    if (list_reserve(ly, n ? n : 1) != 0)
-        return -1;
-    return seq_grow((void **)&s->retired, &s->retired_cap, s->nretired + blocks,
-                    sizeof *s->retired);
-}
-
 /* Whether the decision changes anything in this list's storage. */
 static int list_untouched(const seq *s, const tier_token *tok, const uint8_t *tier, uint32_t n)
 {
@@ -453,6 +448,8 @@ static int list_apply(seq *s, uint32_t l, uint32_t k, tier_token *tok, const pol
     const uint8_t *tier = d->tier[k];
     if (list_untouched(s, tok, tier, n))
         return 0;
+    if (seq_txn_save_list(s, ly) != 0)
+        return -1;
     *changed = 1;
     /* Blocks used before (at most n + noffloaded + 1 with the tail, three
      * times: see below), after, and an index list (2n, or noffloaded);
@@ -468,15 +465,7 @@ static int list_apply(seq *s, uint32_t l, uint32_t k, tier_token *tok, const pol
     if (ly->has_tail)
         before[nb++] = ly->tail_block;
     nb = seq_sort_unique(before, nb);
-    /* Retired at the end: blocks before and those taken on the way, at
-     * most one per slot moved back to full precision (n / block_slots + 1)
-     * and per INT8 block the victims, re-quantisation and demotion write
-     * ((noffloaded + n) / t8 + 2n / t8 + 3). */
-    uint32_t t8 = s->tier.l8.block_tokens;
-    int rc = list_reserve_apply(
-        s, ly, n, nb + n / s->block_slots + (ly->noffloaded + 3 * (size_t)n) / t8 + 4);
-    if (rc == 0)
-        rc = list_victims(s, ly, l, tok, pos, tier, n, idx);
+    int rc = list_victims(s, ly, l, tok, pos, tier, n, idx);
     if (rc == 0)
         rc = list_victims_quantize(s, ly, idx);
     if (rc == 0)
@@ -554,7 +543,7 @@ static int list_demote_now(seq *s, uint32_t l, uint32_t k, uint64_t epoch, int *
     uint32_t *before = scratch, *after = scratch + cap, *idx = scratch + 2 * cap;
     size_t nb = list_block_set(ly, tok, n, 1, before);
     uint64_t moved = s->moved[0];
-    int rc = list_reserve_apply(s, ly, n, nb);
+    int rc = seq_txn_save_list(s, ly);
     if (rc == 0)
         rc = list_demote(s, tok, tier, n, idx, 1);
     if (rc == 0 && s->moved[0] != moved) {

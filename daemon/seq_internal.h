@@ -29,7 +29,28 @@ typedef struct seq_list {
      * a table, so memory pressure frees them at once (seq_append). */
     uint32_t *victim_blocks;
     size_t nvictim_blocks, victim_blocks_cap;
+    uint64_t saved_generation; /* the transaction that saved it last (seq_txn.c) */
 } seq_list;
+
+typedef struct seq_saved_list seq_saved_list;
+typedef struct seq_saved_tokens seq_saved_tokens;
+
+/* The running call's transaction (seq_txn.c; seq.h seq_begin): the
+ * counters as they were, the lists and token bytes saved since. */
+typedef struct seq_txn {
+    int active;
+    uint64_t generation; /* counts transactions: which lists are saved */
+    uint64_t epoch, appended;
+    uint32_t unstepped;
+    uint64_t moved[3], requantized, victims_dropped;
+    size_t nretired;
+    uint64_t report_moved[3], report_requantized, report_victims_dropped;
+    size_t report_nobs;
+    seq_saved_list *lists;
+    size_t nlists, lists_cap;
+    seq_saved_tokens *tokens;
+    size_t ntokens, tokens_cap;
+} seq_txn;
 
 typedef struct seq {
     uint64_t id;
@@ -54,6 +75,7 @@ typedef struct seq {
     uint64_t requantized;     /* INT8 tokens re-quantised by compaction (§5.4) */
     uint64_t victims_dropped; /* victims=int8 victims freed under memory pressure */
     snapshot_tiers report;    /* seq_tier_report */
+    seq_txn txn;
 } seq;
 
 static inline size_t seq_nlists(const seq *s)
@@ -79,7 +101,10 @@ size_t seq_sort_unique(uint32_t *a, size_t m);
  * out[0] (room for nsegs + noffloaded). */
 size_t list_fill_block_ids(const seq_list *ly, int tier, uint32_t *out);
 
-uint32_t list_count_blocks(const seq_list *ly, int tier);
+/* The distinct blocks of a list's segments and offloaded victims stored in
+ * `tier` (any tier with a block when tier < 0), counted without allocating
+ * (pool_mark on the list's pool p). */
+uint32_t list_count_blocks(const seq_list *ly, int tier, pool *p);
 
 /* Give every block of a list being destroyed back to p, needing no memory:
  * its segment and victim arrays serve as scratch and are left empty. */
@@ -125,6 +150,17 @@ int list_offload_push(seq_list *ly, uint32_t position, tier_token at);
 /* Free the oldest victim block of each list (memory pressure, seq_append):
  * its victims are gone for good. Returns the blocks freed. */
 uint32_t seq_drop_victim_blocks(seq *s);
+
+/* Save, in the running transaction (nothing outside one), what is about
+ * to change: list ly (once per transaction), its sketch cells (once), the
+ * bytes of n full-precision token slots written in place. Each returns 0, or -1 when out
+ * of memory (nothing changed: the caller fails before its change). */
+int seq_txn_save_list(seq *s, seq_list *ly);
+int seq_txn_save_sketch(seq *s, seq_list *ly);
+int seq_txn_save_tokens(seq *s, const tier_token *at, size_t n);
+
+/* Free what the transaction keeps between calls (seq_destroy). */
+void seq_txn_free(seq *s);
 
 uint32_t list_blocks_needed(uint32_t count, uint32_t room, uint32_t block_tokens);
 

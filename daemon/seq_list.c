@@ -25,49 +25,53 @@ size_t seq_sort_unique(uint32_t *a, size_t m)
     return d;
 }
 
-/* The blocks (with repeats) of a list's offloaded victims stored in `tier`
- * (any tier with a block when tier < 0), written from out[0]. */
-static size_t offloaded_block_ids(const seq_list *ly, int tier, uint32_t *out)
+/* Call visit(ctx, block) for every block of a list's offloaded victims
+ * and (with segments) its segments stored in `tier` (any tier with a block
+ * when tier < 0), with repeats; returns the sum of what visit returned. */
+static size_t list_visit_blocks(const seq_list *ly, int tier, int segments,
+                                int (*visit)(void *, uint32_t), void *ctx)
 {
-    size_t m = 0;
+    size_t sum = 0;
+    for (size_t i = 0; segments && i < ly->nsegs; i++)
+        if (ly->seg_tier[i] != POLICY_SKETCH && (tier < 0 || ly->seg_tier[i] == tier))
+            sum += (size_t)visit(ctx, ly->segs[i].block);
     for (size_t j = 0; j < ly->noffloaded; j++) {
         const tier_token *at = &ly->offloaded_at[j];
         if (at->tier != POLICY_SKETCH && (tier < 0 || at->tier == tier))
-            out[m++] = at->block;
+            sum += (size_t)visit(ctx, at->block);
     }
-    return m;
+    return sum;
 }
 
-/* The blocks (with repeats) of a list's segments and offloaded victims
- * stored in `tier` (any tier with a block when tier < 0), written from
- * out[0] (room for nsegs + noffloaded). */
+static int append_id(void *out, uint32_t block)
+{
+    uint32_t **next = out;
+    *(*next)++ = block;
+    return 1;
+}
+
 size_t list_fill_block_ids(const seq_list *ly, int tier, uint32_t *out)
 {
-    size_t m = 0;
-    for (size_t i = 0; i < ly->nsegs; i++)
-        if (ly->seg_tier[i] != POLICY_SKETCH && (tier < 0 || ly->seg_tier[i] == tier))
-            out[m++] = ly->segs[i].block;
-    return m + offloaded_block_ids(ly, tier, out + m);
+    return list_visit_blocks(ly, tier, 1, append_id, &out);
 }
 
-/* The distinct blocks of a list's segments and offloaded victims stored in
- * `tier` (any tier with a block when tier < 0), sorted, in a malloc'd *out
- * (NULL and 0 when out of memory: callers count nothing rather than fail).
- * A block's segments need not be adjacent: revived and sketched tokens
- * interleave with others. */
-static size_t list_block_ids(const seq_list *ly, int tier, uint32_t **out)
+static int mark(void *p, uint32_t block)
 {
-    *out = malloc((ly->nsegs + ly->noffloaded + 1) * sizeof **out);
-    if (*out == NULL)
-        return 0;
-    return seq_sort_unique(*out, list_fill_block_ids(ly, tier, *out));
+    return pool_mark(p, block);
 }
 
-uint32_t list_count_blocks(const seq_list *ly, int tier)
+static int unmark(void *p, uint32_t block)
 {
-    uint32_t *ids;
-    size_t n = list_block_ids(ly, tier, &ids);
-    free(ids);
+    pool_unmark(p, block);
+    return 0;
+}
+
+uint32_t list_count_blocks(const seq_list *ly, int tier, pool *p)
+{
+    /* A block's segments need not be adjacent (revived and sketched tokens
+     * interleave with others): count each block once by its mark. */
+    size_t n = list_visit_blocks(ly, tier, 1, mark, p);
+    list_visit_blocks(ly, tier, 1, unmark, p);
     return (uint32_t)n;
 }
 
@@ -189,7 +193,8 @@ size_t list_block_set(const seq_list *ly, const tier_token *tok, uint32_t n, int
     for (uint32_t i = 0; i < n; i++)
         if (tok[i].tier != POLICY_SKETCH)
             out[m++] = tok[i].block;
-    m += offloaded_block_ids(ly, -1, out + m);
+    uint32_t *next = out + m;
+    m += list_visit_blocks(ly, -1, 0, append_id, &next);
     if (with_tail && ly->has_tail)
         out[m++] = ly->tail_block;
     return seq_sort_unique(out, m);

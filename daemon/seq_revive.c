@@ -121,10 +121,12 @@ status_code seq_revive(seq *s, const seq_revive_request *req, seq_revived *out, 
     *blocks = malloc((need ? need : 1) * sizeof **blocks);
     *segs = malloc((need ? need : 1) * sizeof **segs);
     int rc = tok && dst && src && *pos && *src_tier && *blocks && *segs ? 0 : -1;
-    uint32_t got = 0;
+    /* A failure gives the blocks back where they were (the free stack's
+     * order too: the same call run again takes the same blocks). */
+    pool_savepoint(s->pool);
     if (rc == 0) {
         revive_select(ly, lpos, tok, n, first, (uint32_t)end, src, *pos);
-        for (uint32_t b = 0; b < need; b++, got++) {
+        for (uint32_t b = 0; b < need; b++) {
             pool_alloc_block(s->pool, &(*blocks)[b]); /* checked above */
             (*segs)[b] = (kv_segment){(*blocks)[b], 0,
                                       b + 1 < need ? slots : (uint32_t)(m - (size_t)b * slots)};
@@ -139,12 +141,12 @@ status_code seq_revive(seq *s, const seq_revive_request *req, seq_revived *out, 
     free(dst);
     free(src);
     if (rc != 0) {
-        for (uint32_t b = 0; b < got; b++)
-            pool_free_block(s->pool, (*blocks)[b]);
+        pool_rollback(s->pool);
         free(*segs), free(*pos), free(*src_tier), free(*blocks);
         *segs = NULL, *pos = NULL, *src_tier = NULL, *blocks = NULL;
         return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
     }
+    pool_release(s->pool);
     out->nsegs = out->nblocks = need;
     out->ntokens = m;
     return ST_OK;

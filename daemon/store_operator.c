@@ -288,13 +288,21 @@ status_code operator_apply(store *st, const char *token, uint64_t seq_id, policy
             chosen[layers[i]] = 1;
         uint64_t epoch = seq_epoch(q) + 1;
         int changed = 0;
+        /* All the chosen layers, or none (seq.h seq_begin). */
+        seq_begin(q);
         for (uint32_t l = 0; l < seq_layers(q) && rc == ST_OK; l++)
             if (chosen[l])
                 rc = apply_layer(q, l, to, r, nr, span, epoch, out, s, &changed);
-        if (out->evicted > 0 || changed)
-            seq_publish_epoch(q, epoch);
-        out->epoch = seq_epoch(q);
-        report(st, q, to, out, changed);
+        if (rc != ST_OK) {
+            seq_rollback(q);
+            memset(out, 0, sizeof *out);
+        } else {
+            seq_end(q);
+            if (out->evicted > 0 || changed)
+                seq_publish_epoch(q, epoch);
+            out->epoch = seq_epoch(q);
+            report(st, q, to, out, changed);
+        }
     }
     store_unlock(st);
     free(chosen);

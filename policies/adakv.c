@@ -37,4 +37,7 @@ const policy_ops policy_adakv = {
     .step = snapkv_family_step,
     .describe = snapkv_family_describe,
     .destroy = snapkv_family_destroy,
+    .save = snapkv_family_save,
+    .restore = snapkv_family_restore,
+    .discard = snapkv_family_discard,
 };

@@ -30,6 +30,7 @@
  */
 #include "confkv.h"
 
+#include <errno.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdarg.h>
@@ -499,6 +500,42 @@ static int confkv_step(void *state, const policy_layer_view *view, const policy_
     return 0;
 }
 
+/* ops->save: the layer's record with its EMA in an array of exactly n (the
+ * copy's cap), so that restore() only swaps. rank and idx are scratch. */
+static int confkv_save(const void *state, uint32_t layer, void **saved)
+{
+    const confkv_state *s = state;
+    const confkv_layer *ly = &s->ly[layer];
+    confkv_layer *c = malloc(sizeof *c);
+    double *ema = policy_array_copy(ly->ema, ly->n, ly->n, sizeof *ly->ema);
+    if (c == NULL || ema == NULL) {
+        free(c);
+        free(ema);
+        errno = ENOMEM;
+        return -1;
+    }
+    *c = *ly;
+    c->ema = ema;
+    c->cap = ly->n;
+    *saved = c;
+    return 0;
+}
+
+static void confkv_restore(void *state, uint32_t layer, void *saved)
+{
+    confkv_state *s = state;
+    free(s->ly[layer].ema);
+    s->ly[layer] = *(confkv_layer *)saved;
+    free(saved);
+}
+
+static void confkv_discard(void *saved)
+{
+    if (saved != NULL)
+        free(((confkv_layer *)saved)->ema);
+    free(saved);
+}
+
 int confkv_layer_ema(const void *state, uint32_t layer, const double **ema, uint32_t *n)
 {
     const confkv_state *s = state;
@@ -542,4 +579,7 @@ const policy_ops policy_confkv = {
     .step = confkv_step,
     .describe = confkv_describe,
     .destroy = confkv_destroy,
+    .save = confkv_save,
+    .restore = confkv_restore,
+    .discard = confkv_discard,
 };

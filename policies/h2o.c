@@ -18,6 +18,7 @@
  * (0). recent + sinks <= budget is required so that every step can get back
  * to budget; recent = budget - sinks is allowed (then h2o keeps a window).
  */
+#include <errno.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -62,16 +63,20 @@ static const policy_param_spec h2o_params[] = {
                      H2O_MAX, offsetof(h2o_config, sinks)),
 };
 
+static void layer_free(h2o_layer *ly)
+{
+    free(ly->pos);
+    free(ly->score);
+    free(ly->scratch);
+}
+
 static void h2o_destroy(void *state)
 {
     h2o_state *st = state;
     if (st == NULL)
         return;
-    for (uint32_t l = 0; st->ly != NULL && l < st->layers; l++) {
-        free(st->ly[l].pos);
-        free(st->ly[l].score);
-        free(st->ly[l].scratch);
-    }
+    for (uint32_t l = 0; st->ly != NULL && l < st->layers; l++)
+        layer_free(&st->ly[l]);
     free(st->ly);
     free(st);
 }
@@ -216,6 +221,45 @@ static int h2o_step(void *state, const policy_layer_view *view, const policy_sta
     return 0;
 }
 
+/* ops->save: the layer's tokens and scores, in arrays of exactly n (the
+ * copy's cap), so that restore() only swaps. */
+static int h2o_save(const void *state, uint32_t layer, void **saved)
+{
+    const h2o_state *st = state;
+    const h2o_layer *ly = &st->ly[layer];
+    h2o_layer *c = calloc(1, sizeof *c);
+    if (c != NULL) {
+        c->n = c->cap = ly->n;
+        c->pos = policy_array_copy(ly->pos, ly->n, ly->n, sizeof *ly->pos);
+        c->score = policy_array_copy(ly->score, ly->n, ly->n, sizeof *ly->score);
+        c->scratch = policy_array_copy(NULL, 0, ly->n, sizeof *ly->scratch);
+    }
+    if (c == NULL || !c->pos || !c->score || !c->scratch) {
+        if (c != NULL)
+            layer_free(c);
+        free(c);
+        errno = ENOMEM;
+        return -1;
+    }
+    *saved = c;
+    return 0;
+}
+
+static void h2o_restore(void *state, uint32_t layer, void *saved)
+{
+    h2o_state *st = state;
+    layer_free(&st->ly[layer]);
+    st->ly[layer] = *(h2o_layer *)saved;
+    free(saved);
+}
+
+static void h2o_discard(void *saved)
+{
+    if (saved != NULL)
+        layer_free(saved);
+    free(saved);
+}
+
 static char *h2o_describe(void *state, uint32_t layer)
 {
     const h2o_state *st = state;
@@ -246,4 +290,7 @@ const policy_ops policy_h2o = {
     .step = h2o_step,
     .describe = h2o_describe,
     .destroy = h2o_destroy,
+    .save = h2o_save,
+    .restore = h2o_restore,
+    .discard = h2o_discard,
 };

@@ -1,7 +1,9 @@
 #include "host.h"
 
 #include "storage.h"
+#include "util.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,6 +14,12 @@ typedef struct host_list {
     uint8_t *tier;
     uint32_t tokens, cap;
     uint8_t *next_tier; /* the pending decision for this list */
+    /* Transactions: the token count at begin (appends only add after it),
+     * and, once the layer was stepped, the first begin_tokens entries as
+     * they were (arrays of exactly that many, swapped in by rollback). */
+    uint32_t begin_tokens;
+    uint32_t *saved_pos;
+    uint8_t *saved_tier;
 } host_list;
 
 typedef struct host_layer {
@@ -26,6 +34,10 @@ typedef struct host_layer {
     size_t merges_cap;
     policy_decision decision;
     int pending;
+    /* Transactions: stepped since begin (lists and policy state saved), and
+     * the policy's copy (ops->save; may be NULL). */
+    int saved;
+    void *policy_saved;
 } host_layer;
 
 struct policy_host {
@@ -36,6 +48,9 @@ struct policy_host {
     uint32_t heads;
     uint64_t appended, steps;
     host_layer *layers;
+    /* Transactions: open, and the counters at begin. */
+    int txn;
+    uint64_t begin_appended, begin_steps;
 };
 
 static void layer_free(host_layer *ly, uint32_t heads)
@@ -44,6 +59,8 @@ static void layer_free(host_layer *ly, uint32_t heads)
         free(ly->lists[h].pos);
         free(ly->lists[h].tier);
         free(ly->lists[h].next_tier);
+        free(ly->lists[h].saved_pos);
+        free(ly->lists[h].saved_tier);
     }
     free(ly->lists);
     free(ly->tokens);
@@ -106,6 +123,8 @@ void policy_host_destroy(policy_host *h)
 {
     if (h == NULL)
         return;
+    if (h->txn)
+        policy_host_end(h); /* frees the saved copies */
     if (h->state != NULL)
         h->ops->destroy(h->state);
     for (uint32_t l = 0; h->layers != NULL && l < h->geom.layers; l++)
@@ -275,10 +294,113 @@ static int decision_valid(const host_layer *ly, uint32_t heads, char *err, size_
     return 0;
 }
 
+/* Free the layer's saved lists (rollback took them, or end drops them). */
+static void layer_drop_saved(host_layer *ly, uint32_t heads)
+{
+    for (uint32_t k = 0; k < heads; k++) {
+        free(ly->lists[k].saved_pos);
+        free(ly->lists[k].saved_tier);
+        ly->lists[k].saved_pos = NULL;
+        ly->lists[k].saved_tier = NULL;
+    }
+}
+
+/* The first step of a layer in a transaction: keep what it and the commits
+ * after it may change, the lists as they were at begin (appends since then
+ * only added after begin_tokens) and the policy's layer state. */
+static int layer_save(policy_host *h, host_layer *ly, uint32_t layer)
+{
+    int ok = 1;
+    for (uint32_t k = 0; ok && k < h->heads; k++) {
+        host_list *li = &ly->lists[k];
+        uint32_t n = li->begin_tokens;
+        li->saved_pos = policy_array_copy(li->pos, n, n, sizeof *li->pos);
+        li->saved_tier = policy_array_copy(li->tier, n, n, sizeof *li->tier);
+        ok = li->saved_pos != NULL && li->saved_tier != NULL;
+    }
+    void *copy = NULL;
+    if (ok && h->ops->save != NULL)
+        ok = h->ops->save(h->state, layer, &copy) == 0;
+    if (!ok) {
+        layer_drop_saved(ly, h->heads);
+        errno = ENOMEM;
+        return -1;
+    }
+    ly->policy_saved = copy;
+    ly->saved = 1;
+    return 0;
+}
+
+void policy_host_begin(policy_host *h)
+{
+    if (h->txn)
+        return;
+    for (uint32_t l = 0; l < h->geom.layers; l++) {
+        host_layer *ly = &h->layers[l];
+        ly->pending = 0;
+        for (uint32_t k = 0; k < h->heads; k++)
+            ly->lists[k].begin_tokens = ly->lists[k].tokens;
+    }
+    h->begin_appended = h->appended;
+    h->begin_steps = h->steps;
+    h->txn = 1;
+}
+
+void policy_host_rollback(policy_host *h)
+{
+    if (!h->txn)
+        return;
+    for (uint32_t l = 0; l < h->geom.layers; l++) {
+        host_layer *ly = &h->layers[l];
+        for (uint32_t k = 0; k < h->heads; k++) {
+            host_list *li = &ly->lists[k];
+            if (ly->saved) {
+                /* The copies hold exactly begin_tokens entries; next_tier
+                 * keeps its larger capacity, which list_reserve allows. */
+                free(li->pos);
+                free(li->tier);
+                li->pos = li->saved_pos;
+                li->tier = li->saved_tier;
+                li->cap = li->begin_tokens;
+                li->saved_pos = NULL;
+                li->saved_tier = NULL;
+            }
+            li->tokens = li->begin_tokens; /* drops what was appended since */
+        }
+        if (ly->policy_saved != NULL)
+            h->ops->restore(h->state, l, ly->policy_saved);
+        ly->policy_saved = NULL;
+        ly->saved = 0;
+        ly->pending = 0;
+    }
+    h->appended = h->begin_appended;
+    h->steps = h->begin_steps;
+    h->txn = 0;
+}
+
+void policy_host_end(policy_host *h)
+{
+    if (!h->txn)
+        return;
+    for (uint32_t l = 0; l < h->geom.layers; l++) {
+        host_layer *ly = &h->layers[l];
+        layer_drop_saved(ly, h->heads);
+        if (ly->policy_saved != NULL)
+            h->ops->discard(ly->policy_saved);
+        ly->policy_saved = NULL;
+        ly->saved = 0;
+    }
+    h->txn = 0;
+}
+
 int policy_host_step(policy_host *h, uint32_t layer, const policy_stats *stats,
                      const policy_decision **decision, char *err, size_t errlen)
 {
     host_layer *ly = &h->layers[layer];
+    if (h->txn && !ly->saved && layer_save(h, ly, layer) != 0) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
     /* The decision arrays are about to be overwritten: an earlier decision
      * of this layer that was never committed is gone, and a failed step
      * must leave nothing for commit to apply. */

@@ -45,7 +45,8 @@ const uint32_t *policy_host_tier_order(const policy_host *h, uint32_t layer, siz
  * memory or when positions would pass 2^32-1. */
 int policy_host_append(policy_host *h, uint32_t n);
 
-/* The current view of a layer (valid until the next append or commit). */
+/* The current view of a layer (valid until the next append, commit or
+ * rollback). */
 const policy_layer_view *policy_host_view(policy_host *h, uint32_t layer);
 
 /*
@@ -62,5 +63,24 @@ int policy_host_step(policy_host *h, uint32_t layer, const policy_stats *stats,
 /* Apply the pending decision of `layer` to its lists: evicted tokens leave,
  * other tiers change. Returns the number of tokens evicted. */
 size_t policy_host_commit(policy_host *h, uint32_t layer);
+
+/*
+ * Transactions. A call that steps, commits and appends over several layers
+ * either keeps all of it or none (the daemon: a step, an operator's move, an
+ * append ending a step). Between begin and end the host saves what it is
+ * about to change; rollback puts everything back as it was at begin: every
+ * layer's lists (tokens, positions, tiers), the policy's state (ops->save),
+ * the counters (appended, steps), nothing pending. Saving happens inside
+ * policy_host_step, once per layer per transaction (the layer's lists and the
+ * policy's save()), and can fail like any allocation (-1, errno ENOMEM,
+ * nothing changed); commit, append's effect on rollback, rollback and end
+ * cannot fail. Transactions do not nest: begin inside one does nothing.
+ * begin drops decisions still pending (as append does): a decision is
+ * committed in the transaction that made it. Outside a transaction nothing
+ * is saved. The view of a layer is valid until the next rollback too.
+ */
+void policy_host_begin(policy_host *h);
+void policy_host_rollback(policy_host *h);
+void policy_host_end(policy_host *h); /* keep the changes, drop the saved copies */
 
 #endif

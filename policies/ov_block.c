@@ -16,6 +16,7 @@
  * Everything the §2.10 vectors test is a function of ov_block.h; step() and
  * the replay state operations are built from those functions.
  */
+#include <errno.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stddef.h>
@@ -332,6 +333,10 @@ struct ov_block {
     const uint32_t *apply;
     size_t napply;
     int applying;
+
+    /* Calls that may change the sequence-wide part above (nreg, rng,
+     * reg_step, reg_nsnap, apply*): orders the copies ops->save takes. */
+    uint64_t gen;
 };
 
 static const char *const aggregation_names[] = {"sum", "norm_sum", NULL};
@@ -648,6 +653,7 @@ static int layer_register(ov_block *st, uint32_t l, const double *raw, size_t n,
 int ov_block_register(ov_block *st, const double *const *scores, const size_t *n, uint32_t nsnap,
                       ov_reg_status *status, char *err, size_t errlen)
 {
+    st->gen++;
     if (status != NULL)
         *status = OV_REG_DONE;
     for (uint32_t l = 0; l < st->layers; l++)
@@ -709,6 +715,7 @@ int ov_block_evict(ov_block *st, uint32_t layer, uint32_t **blocks, size_t *nblo
 {
     *blocks = NULL;
     *nblocks = 0;
+    st->gen++; /* KVCrush may draw from the rng */
     ov_layer *L = &st->ly[layer];
     uint32_t B = st->B;
     uint64_t seq = (uint64_t)st->start + L->len;
@@ -864,6 +871,7 @@ int ov_block_rotation(const ov_block *st, const uint32_t *evicted, size_t ne,
 
 void ov_block_apply_next(ov_block *st, const uint32_t *blocks, size_t n)
 {
+    st->gen++;
     st->apply = blocks;
     st->napply = n;
     st->applying = 1;
@@ -892,6 +900,7 @@ static int ov_step(void *state, const policy_layer_view *view, const policy_stat
 {
     ov_block *st = state;
     uint32_t l = view->layer;
+    st->gen++;
     if (view->heads != 1 || l >= st->layers) {
         policy_set_err(err, errlen,
                        "policy ov_block: bad view (layer %" PRIu32 ", %" PRIu32 " lists)", l,
@@ -960,6 +969,83 @@ static int ov_step(void *state, const policy_layer_view *view, const policy_stat
     return 0;
 }
 
+/* ---- transactions (host.h) ---------------------------------------------- */
+
+/* A saved layer: its accumulators and counters in arrays of exactly len
+ * (the copy's cap), and the sequence-wide part that any layer's step may
+ * change, stamped with gen. raw, x and dq are scratch. */
+typedef struct ov_saved {
+    ov_layer layer;
+    uint64_t gen;
+    uint32_t nreg;
+    ov_mt19937 rng;
+    uint64_t reg_step;
+    uint32_t reg_nsnap;
+    const uint32_t *apply;
+    size_t napply;
+    int applying;
+} ov_saved;
+
+static void ov_discard(void *saved)
+{
+    ov_saved *c = saved;
+    if (c == NULL)
+        return;
+    free(c->layer.acc);
+    free(c->layer.cnt);
+    free(c);
+}
+
+static int ov_save(const void *state, uint32_t layer, void **saved)
+{
+    const ov_block *st = state;
+    const ov_layer *L = &st->ly[layer];
+    ov_saved *c = calloc(1, sizeof *c);
+    if (c != NULL) {
+        c->layer.len = c->layer.cap = L->len;
+        c->layer.acc = policy_array_copy(L->acc, L->len, L->len, sizeof *L->acc);
+        c->layer.cnt = policy_array_copy(L->cnt, L->len, L->len, sizeof *L->cnt);
+    }
+    if (c == NULL || c->layer.acc == NULL || c->layer.cnt == NULL) {
+        ov_discard(c);
+        errno = ENOMEM;
+        return -1;
+    }
+    c->gen = st->gen;
+    c->nreg = st->nreg;
+    c->rng = st->rng;
+    c->reg_step = st->reg_step;
+    c->reg_nsnap = st->reg_nsnap;
+    c->apply = st->apply;
+    c->napply = st->napply;
+    c->applying = st->applying;
+    *saved = c;
+    return 0;
+}
+
+/* The sequence-wide part comes back from the oldest copy restored (the
+ * lowest gen), whatever the order of the restores: that copy was taken
+ * before any of the steps being undone. */
+static void ov_restore(void *state, uint32_t layer, void *saved)
+{
+    ov_block *st = state;
+    ov_saved *c = saved;
+    free(st->ly[layer].acc);
+    free(st->ly[layer].cnt);
+    st->ly[layer] = c->layer;
+    if (c->gen <= st->gen) {
+        st->gen = c->gen;
+        st->nreg = c->nreg;
+        st->rng = c->rng;
+        st->reg_step = c->reg_step;
+        st->reg_nsnap = c->reg_nsnap;
+        st->apply = c->apply;
+        st->napply = c->napply;
+        st->applying = c->applying;
+    }
+    free(c);
+}
+
 /* ---- describe ------------------------------------------------------------ */
 
 static char *ov_describe(void *state, uint32_t layer)
@@ -1001,4 +1087,7 @@ const policy_ops policy_ov_block = {
     .destroy = ov_destroy,
     .replay_ops = ov_replay_ops,
     .replay = ov_block_replay,
+    .save = ov_save,
+    .restore = ov_restore,
+    .discard = ov_discard,
 };

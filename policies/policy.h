@@ -237,6 +237,19 @@ typedef struct policy_ops {
      * generic describe() answer. Returns 0, or -1 after r->fail(). */
     const char *const *replay_ops;
     int (*replay)(const struct policy_replay *r, const char *op);
+
+    /* Optional, for policies whose step changes per-layer state (host.h
+     * transactions): a copy of layer's state in *saved (NULL allowed when
+     * there is nothing to keep). State that is not per layer (an RNG, a
+     * counter) goes into every layer's copy, and restore() of several copies
+     * in any order puts back that of the oldest. Returns 0, or -1 when out
+     * of memory (errno ENOMEM), changing nothing. */
+    int (*save)(const void *state, uint32_t layer, void **saved);
+    /* Put layer's state back as it was at save(), consuming saved. Cannot
+     * fail (no allocation: the copy's arrays are swapped in). */
+    void (*restore)(void *state, uint32_t layer, void *saved);
+    /* Free a copy that was not needed (the transaction kept its changes). */
+    void (*discard)(void *saved);
 } policy_ops;
 
 /* The registry: look a policy up by name (NULL if unknown). */

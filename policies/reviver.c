@@ -17,6 +17,7 @@
  *   truncated toward zero), b = buckets or max(1, round(vague_share·M / r))
  *   (round half away from zero), slack = min(32, R_b) unless given.
  */
+#include <errno.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -26,6 +27,7 @@
 #include "builtin.h"
 #include "describe.h"
 #include "reviver.h"
+#include "util.h"
 /* The seed derivation only (pure integer functions); see the header. */
 #include "../kernels/sketch_hash.h"
 
@@ -247,19 +249,22 @@ static const policy_param_spec reviver_params[] = {
            UINT32_MAX, seed),
 };
 
+static void layer_free(reviver_layer *ly)
+{
+    free(ly->pos);
+    free(ly->score);
+    free(ly->loc);
+    free(ly->scratch);
+    free(ly->ops);
+}
+
 static void reviver_destroy(void *state)
 {
     reviver_state *st = state;
     if (st == NULL)
         return;
-    for (uint32_t l = 0; st->ly != NULL && l < st->layers; l++) {
-        reviver_layer *ly = &st->ly[l];
-        free(ly->pos);
-        free(ly->score);
-        free(ly->loc);
-        free(ly->scratch);
-        free(ly->ops);
-    }
+    for (uint32_t l = 0; st->ly != NULL && l < st->layers; l++)
+        layer_free(&st->ly[l]);
     free(st->ly);
     free(st);
 }
@@ -440,6 +445,51 @@ static int reviver_step(void *state, const policy_layer_view *view, const policy
     return 0;
 }
 
+/* ops->save: the stores, scores and the last step's operations with their
+ * order (scratch[0..nops): tier_order() and describe() read them), in
+ * arrays sized for exactly n tokens (the copy's cap; nops <= n, reviver
+ * never evicts), so that restore() only swaps. */
+static int reviver_save(const void *state, uint32_t layer, void **saved)
+{
+    const reviver_state *st = state;
+    const reviver_layer *ly = &st->ly[layer];
+    reviver_layer *c = calloc(1, sizeof *c);
+    if (c != NULL) {
+        c->n = c->cap = ly->n;
+        c->nops = ly->nops;
+        c->pos = policy_array_copy(ly->pos, ly->n, ly->n, sizeof *ly->pos);
+        c->score = policy_array_copy(ly->score, ly->n, ly->n, sizeof *ly->score);
+        c->loc = policy_array_copy(ly->loc, ly->n, ly->n, sizeof *ly->loc);
+        c->scratch =
+            policy_array_copy(ly->scratch, ly->nops, 2 * (size_t)ly->n, sizeof *ly->scratch);
+        c->ops = policy_array_copy(ly->ops, ly->nops, ly->n, sizeof *ly->ops);
+    }
+    if (c == NULL || !c->pos || !c->score || !c->loc || !c->scratch || !c->ops) {
+        if (c != NULL)
+            layer_free(c);
+        free(c);
+        errno = ENOMEM;
+        return -1;
+    }
+    *saved = c;
+    return 0;
+}
+
+static void reviver_restore(void *state, uint32_t layer, void *saved)
+{
+    reviver_state *st = state;
+    layer_free(&st->ly[layer]);
+    st->ly[layer] = *(reviver_layer *)saved;
+    free(saved);
+}
+
+static void reviver_discard(void *saved)
+{
+    if (saved != NULL)
+        layer_free(saved);
+    free(saved);
+}
+
 /* The layer's sketch: rows x buckets, hashed with the layer's seed
  * (kernels/sketch_hash.h), each half's estimate as configured (§3.8). */
 static int reviver_sketch_geometry(const void *state, uint32_t layer, policy_sketch_geometry *out)
@@ -527,4 +577,7 @@ const policy_ops policy_reviver = {
     .destroy = reviver_destroy,
     .sketch_geometry = reviver_sketch_geometry,
     .tier_order = reviver_tier_order,
+    .save = reviver_save,
+    .restore = reviver_restore,
+    .discard = reviver_discard,
 };

@@ -13,6 +13,7 @@
 #include "describe.h"
 #include "util.h"
 
+#include <errno.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -633,6 +634,64 @@ int snapkv_family_step(void *state, const policy_layer_view *view, const policy_
         return -1;
     }
     return 0;
+}
+
+/* ---- transactions (host.h) ---- */
+
+/* A saved layer record, with the head count that frees it. The heads'
+ * arrays hold exactly `kept` entries, as record_compression() sizes them. */
+typedef struct snapkv_saved {
+    uint32_t heads;
+    snapkv_layer_record rec;
+} snapkv_saved;
+
+void snapkv_family_discard(void *saved)
+{
+    snapkv_saved *c = saved;
+    if (c == NULL)
+        return;
+    record_free(&c->rec, c->heads);
+    free(c);
+}
+
+int snapkv_family_save(const void *state, uint32_t layer, void **saved)
+{
+    const snapkv_state *st = state;
+    const snapkv_layer_record *r = &st->rec[layer];
+    snapkv_saved *c = calloc(1, sizeof *c);
+    if (c == NULL)
+        goto oom;
+    c->heads = st->kv_heads;
+    c->rec = *r;
+    c->rec.heads = calloc(st->kv_heads, sizeof *c->rec.heads);
+    if (c->rec.heads == NULL)
+        goto oom;
+    for (uint32_t g = 0; g < st->kv_heads; g++) {
+        const snapkv_head_record *from = &r->heads[g];
+        snapkv_head_record *to = &c->rec.heads[g];
+        *to = *from;
+        to->pos = policy_array_copy(from->pos, from->kept, from->kept, sizeof *from->pos);
+        to->score = policy_array_copy(from->score, from->kept, from->kept, sizeof *from->score);
+        to->z = policy_array_copy(from->z, from->kept, from->kept, sizeof *from->z);
+        to->force = policy_array_copy(from->force, from->kept, from->kept, sizeof *from->force);
+        if (!to->pos || !to->score || !to->z || !to->force)
+            goto oom;
+    }
+    *saved = c;
+    return 0;
+oom:
+    snapkv_family_discard(c);
+    errno = ENOMEM;
+    return -1;
+}
+
+void snapkv_family_restore(void *state, uint32_t layer, void *saved)
+{
+    snapkv_state *st = state;
+    snapkv_saved *c = saved;
+    record_free(&st->rec[layer], st->kv_heads);
+    st->rec[layer] = c->rec;
+    free(c);
 }
 
 /* ---- describe ---- */

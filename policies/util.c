@@ -2,6 +2,8 @@
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 void policy_set_err(char *err, size_t errlen, const char *fmt, ...)
 {
@@ -48,4 +50,13 @@ void policy_select_evict_first(uint32_t *a, uint32_t m, uint32_t k, const double
             a[0] = a[i];
             sift_down(a, k, 0, s, ties_to_lower);
         }
+}
+
+void *policy_array_copy(const void *src, size_t used, size_t room, size_t size)
+{
+    size_t bytes = room * size;
+    void *a = malloc(bytes ? bytes : 1);
+    if (a != NULL && used > 0)
+        memcpy(a, src, used * size);
+    return a;
 }

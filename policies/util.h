@@ -22,4 +22,12 @@ void policy_set_err(char *err, size_t errlen, const char *fmt, ...)
 void policy_select_evict_first(uint32_t *a, uint32_t m, uint32_t k, const double *s,
                                int ties_to_lower);
 
+/*
+ * For ops->save: a malloc'd array with room for `room` elements of `size`
+ * bytes whose first `used` (<= room) are copied from src (src may be NULL
+ * when used is 0). At least one byte is allocated, so NULL always means out
+ * of memory. The caller frees.
+ */
+void *policy_array_copy(const void *src, size_t used, size_t room, size_t size);
+
 #endif

@@ -42,6 +42,7 @@
  */
 #include "weightedkv.h"
 
+#include <errno.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -495,6 +496,63 @@ static int wkv_step(void *state, const policy_layer_view *view, const policy_sta
     return 0;
 }
 
+/* ---- transactions (host.h) ---------------------------------------------- */
+
+/* A saved layer: its kv_heads accumulators, each in arrays of exactly n (the
+ * copy's cap), so that restore() only swaps. The step's w, attn, coef,
+ * scratch and plan are scratch, not state. */
+typedef struct wkv_saved {
+    uint32_t heads;
+    wkv_head head[];
+} wkv_saved;
+
+static void wkv_discard(void *saved)
+{
+    wkv_saved *c = saved;
+    for (uint32_t k = 0; c != NULL && k < c->heads; k++) {
+        free(c->head[k].a);
+        free(c->head[k].c);
+    }
+    free(c);
+}
+
+static int wkv_save(const void *state, uint32_t layer, void **saved)
+{
+    const wkv_state *s = state;
+    const wkv_head *src = &s->heads[(size_t)layer * s->kv_heads];
+    wkv_saved *c = calloc(1, sizeof *c + s->kv_heads * sizeof c->head[0]);
+    if (c == NULL)
+        goto oom;
+    c->heads = s->kv_heads;
+    for (uint32_t k = 0; k < s->kv_heads; k++) {
+        wkv_head *h = &c->head[k];
+        h->n = h->cap = src[k].n;
+        h->a = policy_array_copy(src[k].a, src[k].n, src[k].n, sizeof *h->a);
+        h->c = policy_array_copy(src[k].c, src[k].n, src[k].n, sizeof *h->c);
+        if (h->a == NULL || h->c == NULL)
+            goto oom;
+    }
+    *saved = c;
+    return 0;
+oom:
+    wkv_discard(c);
+    errno = ENOMEM;
+    return -1;
+}
+
+static void wkv_restore(void *state, uint32_t layer, void *saved)
+{
+    wkv_state *s = state;
+    wkv_saved *c = saved;
+    wkv_head *dst = &s->heads[(size_t)layer * s->kv_heads];
+    for (uint32_t k = 0; k < s->kv_heads; k++) {
+        free(dst[k].a);
+        free(dst[k].c);
+        dst[k] = c->head[k];
+    }
+    free(c);
+}
+
 /* ---- describe ------------------------------------------------------------ */
 
 static void text_array(policy_text *t, const char *name, const double *x, uint32_t n)
@@ -536,4 +594,7 @@ const policy_ops policy_weightedkv = {
     .step = wkv_step,
     .describe = wkv_describe,
     .destroy = wkv_destroy,
+    .save = wkv_save,
+    .restore = wkv_restore,
+    .discard = wkv_discard,
 };

@@ -1,0 +1,256 @@
+/*
+ * seq_txn.c - a call's transaction: what a step, an append or an
+ * operator's move changes in a sequence is saved just before it changes,
+ * so that a failure halfway (an allocation, a kernel) puts back the
+ * sequence, its policy host and its pool exactly as they were (seq.h
+ * seq_begin). SQLite's rollback journal, on a small scale: saving is the
+ * only part that allocates, and it runs before the change it protects;
+ * rollback and end cannot fail.
+ *
+ * What is saved, and when:
+ *   - the counters, at begin (no allocation);
+ *   - a list (segments, tail, offloaded victims, victim blocks), before its
+ *     first change (seq_txn_save_list): a copy of its arrays;
+ *   - a list's sketch cells, before the first write to them
+ *     (seq_txn_save_sketch): a copy in the backend's memory, or "none"
+ *     when the sketch did not exist;
+ *   - token slots written in place in blocks the call did not take (value
+ *     merges, key re-rotation, a revived token in the tail block), before
+ *     the write (seq_txn_save_tokens): their bytes, staged;
+ *   - the pool's free blocks (pool_savepoint) and the host's lists and
+ *     policy state (policy_host_begin), by their own modules.
+ * Blocks taken during the call need no record: the pool's savepoint gives
+ * its free stack back as it was.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "seq_internal.h"
+
+/* A list as it was before the call changed it, its arrays copied. */
+struct seq_saved_list {
+    seq_list *at;
+    seq_list was;
+    int sketch_saved; /* was.sketch is the sketch as it was: a copy, or none */
+};
+
+/* Bytes of full-precision token slots as they were, staged: one segment a
+ * token, made at save, so that writing them back allocates nothing. */
+struct seq_saved_tokens {
+    kv_segment *at;
+    size_t n;
+    uint8_t *stage;
+};
+
+static int txn_active(const seq *s)
+{
+    return s->txn.active;
+}
+
+void seq_begin(seq *s)
+{
+    seq_txn *t = &s->txn;
+    t->active = 1;
+    t->generation++;
+    t->epoch = s->epoch;
+    t->appended = s->appended;
+    t->unstepped = s->unstepped;
+    memcpy(t->moved, s->moved, sizeof t->moved);
+    t->requantized = s->requantized;
+    t->victims_dropped = s->victims_dropped;
+    t->nretired = s->nretired;
+    memcpy(t->report_moved, s->report.moved, sizeof t->report_moved);
+    t->report_requantized = s->report.requantized;
+    t->report_victims_dropped = s->report.victims_dropped;
+    t->report_nobs = s->report.nobs;
+    pool_savepoint(s->pool);
+    policy_host_begin(s->host);
+}
+
+static void list_arrays_free(seq_list *ly)
+{
+    free(ly->segs);
+    free(ly->seg_tier);
+    free(ly->offloaded);
+    free(ly->offloaded_at);
+    free(ly->victim_blocks);
+}
+
+/* Copy n elements of elt bytes into a new array (NULL for none). */
+static int copy_array(void **dst, const void *src, size_t n, size_t elt)
+{
+    *dst = NULL;
+    if (n == 0)
+        return 0;
+    if ((*dst = malloc(n * elt)) == NULL)
+        return -1;
+    memcpy(*dst, src, n * elt);
+    return 0;
+}
+
+int seq_txn_save_list(seq *s, seq_list *ly)
+{
+    seq_txn *t = &s->txn;
+    if (!txn_active(s) || ly->saved_generation == t->generation)
+        return 0;
+    if (seq_grow((void **)&t->lists, &t->lists_cap, t->nlists + 1, sizeof *t->lists) != 0)
+        return -1;
+    seq_saved_list *sv = &t->lists[t->nlists];
+    sv->at = ly;
+    sv->was = *ly;
+    seq_list *w = &sv->was;
+    w->segs = NULL, w->seg_tier = NULL, w->offloaded = NULL, w->offloaded_at = NULL;
+    w->victim_blocks = NULL;
+    if (copy_array((void **)&w->segs, ly->segs, ly->nsegs, sizeof *ly->segs) != 0 ||
+        copy_array((void **)&w->seg_tier, ly->seg_tier, ly->nsegs, sizeof *ly->seg_tier) != 0 ||
+        copy_array((void **)&w->offloaded, ly->offloaded, ly->noffloaded, sizeof *ly->offloaded) !=
+            0 ||
+        copy_array((void **)&w->offloaded_at, ly->offloaded_at, ly->noffloaded,
+                   sizeof *ly->offloaded_at) != 0 ||
+        copy_array((void **)&w->victim_blocks, ly->victim_blocks, ly->nvictim_blocks,
+                   sizeof *ly->victim_blocks) != 0) {
+        list_arrays_free(w);
+        return -1;
+    }
+    w->segs_cap = ly->nsegs;
+    w->offloaded_cap = ly->noffloaded;
+    w->victim_blocks_cap = ly->nvictim_blocks;
+    /* A sketch that does not exist yet is saved as it is: none. */
+    sv->sketch_saved = ly->sketch.sk.key == NULL;
+    memset(&w->sketch, 0, sizeof w->sketch);
+    ly->saved_generation = t->generation;
+    t->nlists++;
+    return 0;
+}
+
+static seq_saved_list *saved_list_of(seq_txn *t, const seq_list *ly)
+{
+    for (size_t i = 0; i < t->nlists; i++)
+        if (t->lists[i].at == ly)
+            return &t->lists[i];
+    return NULL;
+}
+
+int seq_txn_save_sketch(seq *s, seq_list *ly)
+{
+    if (!txn_active(s))
+        return 0;
+    if (seq_txn_save_list(s, ly) != 0)
+        return -1;
+    seq_saved_list *sv = saved_list_of(&s->txn, ly);
+    if (sv->sketch_saved)
+        return 0;
+    const tier_sketch *now = &ly->sketch;
+    tier_sketch *copy = &sv->was.sketch;
+    size_t cells = (size_t)now->sk.rows * now->sk.buckets, vec = cells * now->sk.dim;
+    const kv_ops *ops = now->ops;
+    *copy = *now;
+    copy->sk.key = ops->alloc(vec * sizeof(float));
+    copy->sk.value = ops->alloc(vec * sizeof(float));
+    copy->sk.count = ops->alloc(cells * sizeof(int32_t));
+    if (copy->sk.key == NULL || copy->sk.value == NULL || copy->sk.count == NULL ||
+        ops->copy(KV_DEVICE_TO_DEVICE, copy->sk.key, now->sk.key, vec * sizeof(float)) != 0 ||
+        ops->copy(KV_DEVICE_TO_DEVICE, copy->sk.value, now->sk.value, vec * sizeof(float)) != 0 ||
+        ops->copy(KV_DEVICE_TO_DEVICE, copy->sk.count, now->sk.count, cells * sizeof(int32_t)) !=
+            0) {
+        tier_sketch_free(copy);
+        return -1;
+    }
+    sv->sketch_saved = 1;
+    return 0;
+}
+
+int seq_txn_save_tokens(seq *s, const tier_token *at, size_t n)
+{
+    seq_txn *t = &s->txn;
+    if (!txn_active(s) || n == 0)
+        return 0;
+    if (seq_grow((void **)&t->tokens, &t->tokens_cap, t->ntokens + 1, sizeof *t->tokens) != 0)
+        return -1;
+    seq_saved_tokens *sv = &t->tokens[t->ntokens];
+    sv->n = n;
+    sv->at = malloc(n * sizeof *sv->at);
+    sv->stage = tier_stage_alloc(&s->tier, n);
+    size_t half = n * tier_token_bytes(&s->tier) / 2;
+    for (size_t i = 0; sv->at != NULL && i < n; i++)
+        sv->at[i] = (kv_segment){at[i].block, at[i].slot, 1};
+    if (sv->at == NULL || sv->stage == NULL ||
+        s->tier.ops->gather(&s->tier.l, s->pool->base, sv->at, n, sv->stage, sv->stage + half) !=
+            0) {
+        free(sv->at);
+        tier_stage_free(&s->tier, sv->stage);
+        return -1;
+    }
+    t->ntokens++;
+    return 0;
+}
+
+/* Forget what was saved: the lists' copies, the sketches', the tokens'. */
+static void txn_clear(seq *s)
+{
+    seq_txn *t = &s->txn;
+    for (size_t i = 0; i < t->nlists; i++) {
+        list_arrays_free(&t->lists[i].was);
+        tier_sketch_free(&t->lists[i].was.sketch);
+    }
+    for (size_t i = 0; i < t->ntokens; i++) {
+        free(t->tokens[i].at);
+        tier_stage_free(&s->tier, t->tokens[i].stage);
+    }
+    t->nlists = t->ntokens = 0;
+    t->active = 0;
+}
+
+void seq_end(seq *s)
+{
+    pool_release(s->pool);
+    policy_host_end(s->host);
+    txn_clear(s);
+}
+
+void seq_rollback(seq *s)
+{
+    seq_txn *t = &s->txn;
+    /* Bytes written in place, newest first: a slot written twice ends as
+     * it was before the first write. */
+    for (size_t i = t->ntokens; i-- > 0;) {
+        seq_saved_tokens *sv = &t->tokens[i];
+        size_t half = sv->n * tier_token_bytes(&s->tier) / 2;
+        s->tier.ops->scatter(&s->tier.l, s->pool->base, sv->at, sv->n, sv->stage, sv->stage + half);
+    }
+    for (size_t i = 0; i < t->nlists; i++) {
+        seq_saved_list *sv = &t->lists[i];
+        seq_list *ly = sv->at;
+        tier_sketch sketch = ly->sketch;
+        if (sv->sketch_saved) {
+            tier_sketch_free(&sketch);
+            sketch = sv->was.sketch;
+        }
+        list_arrays_free(ly);
+        *ly = sv->was;
+        ly->sketch = sketch;
+        /* The list owns them now: nothing for txn_clear to free. */
+        memset(&sv->was, 0, sizeof sv->was);
+    }
+    s->epoch = t->epoch;
+    s->appended = t->appended;
+    s->unstepped = t->unstepped;
+    memcpy(s->moved, t->moved, sizeof s->moved);
+    s->requantized = t->requantized;
+    s->victims_dropped = t->victims_dropped;
+    s->nretired = t->nretired;
+    memcpy(s->report.moved, t->report_moved, sizeof s->report.moved);
+    s->report.requantized = t->report_requantized;
+    s->report.victims_dropped = t->report_victims_dropped;
+    s->report.nobs = t->report_nobs;
+    pool_rollback(s->pool);
+    policy_host_rollback(s->host);
+    txn_clear(s);
+}
+
+void seq_txn_free(seq *s)
+{
+    txn_clear(s);
+    free(s->txn.lists);
+    free(s->txn.tokens);
+}
