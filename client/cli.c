@@ -68,6 +68,42 @@ static void print_pools(const Kvstash__V1__StatsResponse *st)
             p->blocks_total, p->blocks_free, p->blocks_used, p->blocks_retired,
             cli_bytes((uint64_t)(p->blocks_total - p->blocks_free) * p->block_bytes, b1, sizeof b1),
             cli_bytes(p->bytes_total, b2, sizeof b2), p->sessions);
+        if (p->tenant[0] != '\0') /* pools are per tenant and model */
+            printf("    tenant: %s\n", p->tenant);
+    }
+}
+
+/* "N" of a quota, or "no limit" for 0. */
+static const char *cli_quota(uint64_t q, char *buf, size_t len)
+{
+    if (q == 0)
+        return "no limit";
+    snprintf(buf, len, "%" PRIu64, q);
+    return buf;
+}
+
+/* The operator's limits (kvstashd --max-daemon-mb, --session-max-*,
+ * --max-reply-mb) and each worker's use of its quotas. */
+static void print_limits(const Kvstash__V1__StatsResponse *st)
+{
+    const Kvstash__V1__Limits *l = st->limits;
+    if (l == NULL) /* an older kvstashd */
+        return;
+    char b1[32], b2[32], b3[32], b4[32], q1[24], q2[24];
+    printf("limits: daemon memory %s (--max-daemon-mb), sketches reserved %s, allocated %s; "
+           "replies up to %s\n",
+           l->daemon_memory_bytes ? cli_bytes(l->daemon_memory_bytes, b1, sizeof b1) : "no limit",
+           cli_bytes(l->sketch_reserved_bytes, b2, sizeof b2),
+           cli_bytes(l->sketch_allocated_bytes, b3, sizeof b3),
+           l->max_reply_bytes ? cli_bytes(l->max_reply_bytes, b4, sizeof b4) : "no limit");
+    printf("  per worker: sequences %s (--session-max-seqs), blocks %s (--session-max-blocks)\n",
+           cli_quota(l->session_max_seqs, q1, sizeof q1),
+           cli_quota(l->session_max_blocks, q2, sizeof q2));
+    for (size_t i = 0; i < st->n_sessions; i++) {
+        const Kvstash__V1__SessionStats *s = st->sessions[i];
+        printf("  worker %" PRIu64 " (%s): %u of %s sequences, %u of %s blocks\n", s->session_id,
+               s->worker_name, s->sequences, cli_quota(l->session_max_seqs, q1, sizeof q1),
+               s->blocks, cli_quota(l->session_max_blocks, q2, sizeof q2));
     }
 }
 
@@ -88,6 +124,10 @@ static void print_status(const Kvstash__V1__StatsResponse *st)
                cli_bytes(st->tiers[i]->bytes, b1, sizeof b1));
     printf("workers: %zu, sequences: %zu (kvstash workers, kvstash seqs)\n", st->n_sessions,
            st->n_sequences);
+    /* Connected but not attached: many of these is a handshake flood, or
+     * workers stuck between HELLO and Attach (kvstashd --pending-timeout-ms). */
+    printf("pending workers: %u (connected, not attached yet)\n", st->pending_sessions);
+    print_limits(st);
 }
 
 static int cmd_status(cli *c, int always_json)

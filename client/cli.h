@@ -80,6 +80,17 @@ int cli_uint(const char *text, uint64_t max, uint64_t *out);
 int cli_call(const cli *c, const char *method, const char *token, const ProtobufCMessage *req,
              const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp);
 
+/* A session token from the fd socket's handshake (the daemon reads our uid
+ * there); *fd holds the session: close it when done. Errors as cli_call. */
+int cli_token(const cli *c, int *fd, char token[33]); /* FDSOCK_TOKEN_LEN + 1 */
+
+/* cli_call for the views (Stats, Inspect) as who we are. kvstashd credits a
+ * call without a token with its own uid (docs/reliability/authz.md), which
+ * is ours when we run as the socket's owner; under another uid (root) we
+ * identify ourselves with cli_token first, so that an operator's uid counts. */
+int cli_call_view(const cli *c, const char *method, const ProtobufCMessage *req,
+                  const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp);
+
 /* Stats (with per-sequence tiers when with_tiers); errors as cli_call. */
 int cli_stats(const cli *c, int with_tiers, Kvstash__V1__StatsResponse **out);
 

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "cli.h"
+#include "fdsock.h"
 #include "kvstash.h"
 #include "pbjson.h"
 #include "rpc.h"
@@ -219,12 +220,48 @@ int cli_call(const cli *c, const char *method, const char *token, const Protobuf
     }
 }
 
+int cli_token(const cli *c, int *fd, char token[FDSOCK_TOKEN_LEN + 1])
+{
+    char err[512] = "";
+    int rc = fdsock_connect(c->socket, fd, err, sizeof err);
+    if (rc == KVS_OK && (rc = fdsock_hello(*fd, token, err, sizeof err)) != KVS_OK) {
+        close(*fd);
+        *fd = -1;
+    }
+    if (rc == KVS_OK)
+        return CLI_OK;
+    if (rc == KVS_ERR_PERMISSION || strstr(err, "permission denied") != NULL)
+        return cli_fail(CLI_DENIED, "permission denied: %s", err);
+    if (rc == KVS_ERR_UNAVAILABLE)
+        return cli_fail(CLI_UNREACHABLE, "kvstashd is not running at %s: %s", c->socket, err);
+    return cli_fail(CLI_ERROR, "fd-socket handshake failed: %s", err);
+}
+
+int cli_call_view(const cli *c, const char *method, const ProtobufCMessage *req,
+                  const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp)
+{
+    struct stat st;
+    /* As the socket's owner a token would name the same uid: save the
+     * handshake (and its place under --max-sessions). */
+    if (stat(c->socket, &st) != 0 || st.st_uid == geteuid())
+        return cli_call(c, method, NULL, req, desc, resp);
+    int fd = -1;
+    char token[FDSOCK_TOKEN_LEN + 1];
+    *resp = NULL;
+    int rc = cli_token(c, &fd, token);
+    if (rc == CLI_OK) {
+        rc = cli_call(c, method, token, req, desc, resp);
+        close(fd);
+    }
+    return rc;
+}
+
 int cli_stats(const cli *c, int with_tiers, Kvstash__V1__StatsResponse **out)
 {
     Kvstash__V1__StatsRequest req = KVSTASH__V1__STATS_REQUEST__INIT;
     req.with_tiers = with_tiers;
-    return cli_call(c, "Stats", NULL, &req.base, &kvstash__v1__stats_response__descriptor,
-                    (ProtobufCMessage **)out);
+    return cli_call_view(c, "Stats", &req.base, &kvstash__v1__stats_response__descriptor,
+                         (ProtobufCMessage **)out);
 }
 
 int cli_print_json(json_t *j, int pretty)

@@ -19,8 +19,8 @@ static int inspect(const cli *c, uint64_t seq, int with_map, uint32_t max_runs,
     req.seq_id = seq;
     req.with_map = with_map;
     req.max_runs = max_runs;
-    return cli_call(c, "Inspect", NULL, &req.base, &kvstash__v1__inspect_response__descriptor,
-                    (ProtobufCMessage **)out);
+    return cli_call_view(c, "Inspect", &req.base, &kvstash__v1__inspect_response__descriptor,
+                         (ProtobufCMessage **)out);
 }
 
 static int parse_seq_id(const cli *c, const char *text, uint64_t *id)
@@ -284,24 +284,6 @@ static int parse_targets(cli *c, const char *help, uint64_t *id, targets *t)
 
 /* ---- evict, demote, offload, revive --------------------------------------------- */
 
-/* A session token from the fd socket: the daemon checks our uid. */
-static int get_token(const cli *c, int *fd, char token[FDSOCK_TOKEN_LEN + 1])
-{
-    char err[512] = "";
-    int rc = fdsock_connect(c->socket, fd, err, sizeof err);
-    if (rc == KVS_OK && (rc = fdsock_hello(*fd, token, err, sizeof err)) != KVS_OK) {
-        close(*fd);
-        *fd = -1;
-    }
-    if (rc == KVS_OK)
-        return CLI_OK;
-    if (rc == KVS_ERR_PERMISSION || strstr(err, "permission denied") != NULL)
-        return cli_fail(CLI_DENIED, "permission denied: %s", err);
-    if (rc == KVS_ERR_UNAVAILABLE)
-        return cli_fail(CLI_UNREACHABLE, "kvstashd is not running at %s: %s", c->socket, err);
-    return cli_fail(CLI_ERROR, "fd-socket handshake failed: %s", err);
-}
-
 /* evict and the tier moves: one EvictRequest each, `to` apart. */
 typedef struct evict_op {
     const char *name;         /* the command */
@@ -391,7 +373,7 @@ int cli_cmd_evict(cli *c, const char *name)
     int fd = -1;
     char token[FDSOCK_TOKEN_LEN + 1];
     Kvstash__V1__EvictResponse *r = NULL;
-    if ((rc = get_token(c, &fd, token)) == CLI_OK) {
+    if ((rc = cli_token(c, &fd, token)) == CLI_OK) {
         Kvstash__V1__EvictRequest req = KVSTASH__V1__EVICT_REQUEST__INIT;
         req.seq_id = id;
         req.ranges = ptrs;

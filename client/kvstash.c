@@ -285,8 +285,8 @@ static int session_layout(kvs_session *s, const Kvstash__V1__AttachResponse *r)
 }
 
 /* Step 2: the Attach call. */
-static int session_rpc_attach(kvs_session *s, const char *model, const kvs_geometry *geometry,
-                              const char *worker_name)
+static int session_rpc_attach(kvs_session *s, const char *tenant, const char *model,
+                              const kvs_geometry *geometry, const char *worker_name)
 {
     Kvstash__V1__Geometry g = KVSTASH__V1__GEOMETRY__INIT;
     g.layers = geometry->layers;
@@ -300,6 +300,7 @@ static int session_rpc_attach(kvs_session *s, const char *model, const kvs_geome
     req.model = (char *)model;
     req.geometry = &g;
     req.worker_name = (char *)(worker_name != NULL ? worker_name : "");
+    req.tenant = (char *)tenant;
     ProtobufCMessage *resp;
     int rc = rpc_unary(s->ch, RPC_STORE("Attach"), s->token, &req.base,
                        &kvstash__v1__attach_response__descriptor, &resp, s->err, sizeof s->err);
@@ -369,13 +370,25 @@ static int session_ring(kvs_session *s)
     uint64_t bytes;
     int rc = fdsock_ring(s->fd, &memfd, &bytes, s->err, sizeof s->err);
     if (rc == KVS_OK)
-        rc = ring_client_open(&s->ring, memfd, bytes, s->err, sizeof s->err);
+        rc = ring_client_open(&s->ring, memfd, bytes, s->fd, s->err, sizeof s->err);
     return rc;
 }
 
 int kvs_session_attach(const char *socket_path, const char *model, const kvs_geometry *geometry,
                        const char *worker_name, kvs_session **out, char *err, size_t errlen)
 {
+    return kvs_session_attach_tenant(socket_path, NULL, model, geometry, worker_name, out, err,
+                                     errlen);
+}
+
+int kvs_session_attach_tenant(const char *socket_path, const char *tenant, const char *model,
+                              const kvs_geometry *geometry, const char *worker_name,
+                              kvs_session **out, char *err, size_t errlen)
+{
+    if (tenant == NULL)
+        tenant = getenv("KVSTASH_TENANT");
+    if (tenant == NULL)
+        tenant = "";
     if (out != NULL)
         *out = NULL;
     if (err != NULL && errlen > 0)
@@ -405,7 +418,7 @@ int kvs_session_attach(const char *socket_path, const char *model, const kvs_geo
         }
     }
     if (rc == KVS_OK)
-        rc = session_rpc_attach(s, model, geometry, worker_name);
+        rc = session_rpc_attach(s, tenant, model, geometry, worker_name);
     if (rc == KVS_OK)
         rc = session_map(s);
     if (rc == KVS_OK)
@@ -649,7 +662,7 @@ static int ring_call(kvs_session *s, const char *what, ring_response *resp)
     if (rc != KVS_OK) {
         fail(s,
              "%s: no answer from kvstashd on the session's ring (the session ended, or the "
-             "daemon is stopped or hung)",
+             "daemon died, is stopped or hung)",
              what);
         return rc;
     }

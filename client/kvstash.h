@@ -67,6 +67,18 @@ const char *kvs_default_socket(void);
 int kvs_session_attach(const char *socket_path, const char *model, const kvs_geometry *geometry,
                        const char *worker_name, kvs_session **out, char *err, size_t errlen);
 
+/*
+ * kvs_session_attach into the pool of `tenant`: workers of one tenant and
+ * model share a pool (one shared memory object, which each maps read-write:
+ * a worker can write every block of its tenant's pool); another tenant's
+ * workers get a pool of their own. tenant NULL: $KVSTASH_TENANT, or the
+ * default tenant "" when unset (kvs_session_attach attaches so). A tenant
+ * is "" or 1 to 64 of [A-Za-z0-9._-] (else KVS_ERR_INVALID).
+ */
+int kvs_session_attach_tenant(const char *socket_path, const char *tenant, const char *model,
+                              const kvs_geometry *geometry, const char *worker_name,
+                              kvs_session **out, char *err, size_t errlen);
+
 /* Release every sequence, end the lease, unmap, and free the session. The
  * session is freed even when the Detach call fails (the daemon reclaims it
  * anyway when the lease and the fd socket close); the result is that call's. */

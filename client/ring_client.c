@@ -1,8 +1,9 @@
 #include "ring_client.h"
 
 #include <errno.h>
-#include <sched.h>
 #include <linux/futex.h>
+#include <poll.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
@@ -16,10 +17,15 @@
 
 /* As the daemon: most answers come within microseconds of the request. */
 #define RING_CLIENT_SPIN 20000
+/* A sleep on the answer's futex lasts at most this long before the call
+ * checks its deadline and whether kvstashd still lives. */
+#define RING_CLIENT_SLICE_NS (50 * 1000 * 1000)
 
-int ring_client_open(ring_client *rc, int memfd, uint64_t bytes, char *err, size_t errlen)
+int ring_client_open(ring_client *rc, int memfd, uint64_t bytes, int peer_fd, char *err,
+                     size_t errlen)
 {
     memset(rc, 0, sizeof *rc);
+    rc->peer_fd = peer_fd;
     if (bytes < RING_DATA_OFFSET + 4096) {
         close(memfd);
         snprintf(err, errlen, "ring: kvstashd announced a ring of %llu bytes, too small",
@@ -50,6 +56,18 @@ void ring_client_close(ring_client *rc)
     if (rc->hdr != NULL)
         munmap(rc->hdr, rc->bytes);
     memset(rc, 0, sizeof *rc);
+    rc->peer_fd = -1;
+}
+
+/* 1 when the daemon's end of the session's fd-socket connection is gone
+ * (kvstashd died or closed the session): no answer can come. Asked only
+ * after a sleep slice, so the fast path pays no system call for it. */
+static int peer_gone(const ring_client *rc)
+{
+    if (rc->peer_fd < 0)
+        return 0;
+    struct pollfd p = {rc->peer_fd, POLLRDHUP, 0};
+    return poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR | POLLNVAL)) != 0;
 }
 
 static void cpu_relax(void)
@@ -93,13 +111,16 @@ int ring_client_call(ring_client *rc, ring_response *resp)
         long waited = (now.tv_sec - start.tv_sec) * 1000 + (now.tv_nsec - start.tv_nsec) / 1000000;
         if (waited >= limit_ms)
             return KVS_ERR_UNAVAILABLE; /* a stopped or hung daemon, as gRPC's deadline */
-        /* Sleep in slices, so the deadline holds even without a wake-up. */
-        struct timespec slice = {0, 50 * 1000 * 1000};
+        /* Sleep in slices, so the deadline holds even without a wake-up,
+         * and a dead daemon is noticed within a slice, not at the deadline. */
+        struct timespec slice = {0, RING_CLIENT_SLICE_NS};
         atomic_store(worker_waiting, 1);
         uint32_t seen = atomic_load(ans);
         if (seen != want && !atomic_load(closing))
             syscall(SYS_futex, (uint32_t *)ans, FUTEX_WAIT, seen, &slice, NULL, 0);
         atomic_store(worker_waiting, 0);
+        if (atomic_load(ans) != want && peer_gone(rc))
+            return KVS_ERR_UNAVAILABLE;
     }
     if (atomic_load(closing)) /* closing also bumps resp_seq: no answer came */
         return KVS_ERR_UNAVAILABLE;

@@ -15,17 +15,23 @@ typedef struct ring_client {
     size_t bytes;
     uint8_t *data; /* the data area */
     size_t data_bytes;
+    int peer_fd; /* the session's fd-socket connection (not owned), or -1 */
 } ring_client;
 
-/* Map the ring memfd (the fd is closed either way). Returns 0 or a negative
+/* Map the ring memfd (the fd is closed either way). `peer_fd` is the
+ * session's fd-socket connection, which stays the caller's: when kvstashd
+ * dies the kernel hangs it up, which is how a call learns that no answer
+ * will come (-1: no such check, only the deadline). Returns 0 or a negative
  * kvs_err with a message in err. */
-int ring_client_open(ring_client *rc, int memfd, uint64_t bytes, char *err, size_t errlen);
+int ring_client_open(ring_client *rc, int memfd, uint64_t bytes, int peer_fd, char *err,
+                     size_t errlen);
 
 void ring_client_close(ring_client *rc);
 
 /* Send the request in rc->hdr->req (and the data area) and wait for the
  * answer, copied to *resp. KVS_ERR_UNAVAILABLE if the daemon closed the
- * ring (the session ended) or gave no answer within rpc_timeout_ms(). */
+ * ring (the session ended), died (peer_fd hung up: seen within one 50 ms
+ * sleep slice) or gave no answer within rpc_timeout_ms(). */
 int ring_client_call(ring_client *rc, ring_response *resp);
 
 #endif

@@ -5,11 +5,16 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/un.h>
+#include <unistd.h>
 
 #include <ini.h>
 
 #include "backend.h"
 #include "log.h"
+
+/* The longest socket path: a sockaddr_un's, less ".events" and its NUL. */
+#define CONFIG_SOCKET_MAX (sizeof(((struct sockaddr_un *)0)->sun_path) - 8)
 
 static const config_option options[] = {
     {"socket", CONFIG_PATH, 0, 0,
@@ -21,6 +26,27 @@ static const config_option options[] = {
     {"max-pools", CONFIG_COUNT, 1, 64, "models served at once (default 4)"},
     {"max-sessions", CONFIG_COUNT, 1, 4096, "workers attached at once (default 256)"},
     {"max-seqs", CONFIG_COUNT, 1, 1u << 24, "sequences over all workers (default 65536)"},
+    {"max-daemon-mb", CONFIG_COUNT, 0, 1u << 24,
+     "daemon memory in MiB that sequences may reserve beyond the pools (sketch cells, "
+     "their worst case at CreateSequence); 0 = no limit (default 1024)"},
+    {"session-max-seqs", CONFIG_COUNT, 0, 1u << 24,
+     "sequences one worker session may hold; 0 = only --max-seqs (default 0)"},
+    {"session-max-blocks", CONFIG_COUNT, 0, UINT32_MAX,
+     "pool blocks one worker session may hold (its sequences and revive scratch); "
+     "0 = no limit (default 0)"},
+    {"max-reply-mb", CONFIG_COUNT, 1, 4096,
+     "largest gRPC reply in MiB a call may build (Append, GetBlockTable, Revive, Inspect); "
+     "a call whose reply could be larger is refused before it changes anything (default 64; "
+     "4 protects clients that keep gRPC's default receive limit)"},
+    {"pending-timeout-ms", CONFIG_COUNT, 100, 600000,
+     "close an fd-socket connection not attached this long after it connected or its "
+     "session ended: HELLO-only peers do not hold --max-sessions (default 5000)"},
+    {"max-pending", CONFIG_COUNT, 1, 4096,
+     "fd-socket connections without an attached session at once; a new one closes the "
+     "oldest (default 64)"},
+    {"lease-timeout-ms", CONFIG_COUNT, 0, 86400000,
+     "reclaim an attached worker that made no call for this long, like a killed one "
+     "(stopped, hung); workers must call at least this often (default 0: never)"},
     {"threads", CONFIG_COUNT, 1, 64, "gRPC completion-queue threads (default 2)"},
     {"log-level", CONFIG_LEVEL, 0, 0, "debug, info, warn or error (default info)"},
     {"metrics", CONFIG_ADDR, 0, 0,
@@ -34,6 +60,14 @@ static const config_option options[] = {
     {"drain-ms", CONFIG_COUNT, 0, 600000,
      "on SIGTERM, report NOT_SERVING (health, /healthz) this long before stopping "
      "(default 0; a second signal stops at once)"},
+    {"dumpable", CONFIG_BOOL, 0, 0,
+     "stay dumpable, for debugging only (core dumps, gdb, /proc/<pid>/fd and maps readable by "
+     "kvstashd's uid): any process of that uid can then open the pools without connecting"},
+    {"operator-uids", CONFIG_UIDS, 0, CONFIG_MAX_UIDS,
+     "comma-separated uids whose sessions are operators': they may evict, demote, offload "
+     "and revive any worker's sequences and see every sequence's label and parameters; "
+     "other sessions act on and see only their own (default: root and kvstashd's uid; "
+     "\"none\" for nobody)"},
 };
 
 #define NOPTIONS (sizeof options / sizeof options[0])
@@ -53,9 +87,16 @@ void config_defaults(daemon_config *c)
     c->max_pools = 4;
     c->max_sessions = 256;
     c->max_seqs = 65536;
+    c->max_daemon_mb = 1024;
+    c->max_reply_mb = 64;
+    c->pending_timeout_ms = 5000;
+    c->max_pending = 64;
     c->threads = 2;
     snprintf(c->log_level, sizeof c->log_level, "info");
     snprintf(c->backend, sizeof c->backend, "%s", backend_host.name);
+    c->operator_uids[c->n_operator_uids++] = 0;
+    if (geteuid() != 0)
+        c->operator_uids[c->n_operator_uids++] = geteuid();
 }
 
 /* "pool_mb" and "pool-mb" both name option "pool-mb". */
@@ -85,7 +126,28 @@ static unsigned long *count_field(daemon_config *c, const char *key)
         return &c->max_seqs;
     if (strcmp(key, "threads") == 0)
         return &c->threads;
+    if (strcmp(key, "max-daemon-mb") == 0)
+        return &c->max_daemon_mb;
+    if (strcmp(key, "session-max-seqs") == 0)
+        return &c->session_max_seqs;
+    if (strcmp(key, "session-max-blocks") == 0)
+        return &c->session_max_blocks;
+    if (strcmp(key, "max-reply-mb") == 0)
+        return &c->max_reply_mb;
+    if (strcmp(key, "pending-timeout-ms") == 0)
+        return &c->pending_timeout_ms;
+    if (strcmp(key, "max-pending") == 0)
+        return &c->max_pending;
+    if (strcmp(key, "lease-timeout-ms") == 0)
+        return &c->lease_timeout_ms;
     return &c->drain_ms;
+}
+
+static int *bool_field(daemon_config *c, const char *key)
+{
+    if (strcmp(key, "dumpable") == 0)
+        return &c->dumpable;
+    return &c->metrics_allow_remote;
 }
 
 static int parse_bool(const char *v, int *out)
@@ -105,10 +167,68 @@ static int parse_bool(const char *v, int *out)
     return -1;
 }
 
+/* "0,1000" (spaces allowed around the commas), "" or "none". */
+static int set_uids(daemon_config *c, const config_option *o, const char *v, char *err,
+                    size_t errlen)
+{
+    uid_t uids[CONFIG_MAX_UIDS];
+    size_t n = 0;
+    const char *p = v;
+    while (*p == ' ')
+        p++;
+    if (*p == '\0' || strcasecmp(p, "none") == 0)
+        p = "";
+    while (*p != '\0') {
+        char *end;
+        errno = 0;
+        unsigned long u = strtoul(p, &end, 10);
+        while (*end == ' ')
+            end++;
+        if (errno != 0 || end == p || *p < '0' || *p > '9' || u >= (uid_t)-1 ||
+            (*end != ',' && *end != '\0') || n == o->max) {
+            snprintf(err, errlen,
+                     "%s must be at most %lu comma-separated uids, or none, got '%.64s'", o->key,
+                     o->max, v);
+            return -1;
+        }
+        uids[n++] = (uid_t)u;
+        p = *end == ',' ? end + 1 : end;
+        while (*p == ' ')
+            p++;
+    }
+    memcpy(c->operator_uids, uids, n * sizeof *uids);
+    c->n_operator_uids = n;
+    return 0;
+}
+
+/* Whether config_load can read v back as config_print writes it: the INI
+ * reader (inih) ends a value at a newline, trims blanks around it and cuts it
+ * at an inline comment (" ;"). fuzz_config found the round trip broken by
+ * such values (tests/fuzz/corpus/fuzz_config/regress-*). */
+static int text_printable(const char *v)
+{
+    size_t n = strlen(v);
+    if (n > 0 && (v[0] == ' ' || v[0] == '\t' || v[n - 1] == ' ' || v[n - 1] == '\t'))
+        return 0;
+    for (size_t i = 0; i < n; i++) {
+        unsigned char ch = (unsigned char)v[i];
+        if (ch < 0x20 || ch == 0x7f ||
+            (ch == ';' && i > 0 && (v[i - 1] == ' ' || v[i - 1] == '\t')))
+            return 0;
+    }
+    return 1;
+}
+
 static int set_text(char *dst, size_t len, const char *key, const char *v, char *err, size_t errlen)
 {
     if (strlen(v) >= len) {
         snprintf(err, errlen, "%s is too long (at most %zu bytes)", key, len - 1);
+        return -1;
+    }
+    if (!text_printable(v)) {
+        snprintf(err, errlen,
+                 "%s must be printable text without blanks around it or ' ;' in it, got '%.64s'",
+                 key, v);
         return -1;
     }
     snprintf(dst, len, "%s", v);
@@ -130,7 +250,10 @@ int config_set(daemon_config *c, const char *key, const char *value, char *err, 
             snprintf(err, errlen, "%s is empty", o->key);
             return -1;
         }
-        return set_text(c->socket, sizeof c->socket - 8, o->key, value, err, errlen);
+        /* The gRPC socket and PATH.fd, PATH.events, PATH.lock beside it must
+         * fit a sockaddr_un (and a config file line: fuzz_config found
+         * longer paths printed that config_load could not read back). */
+        return set_text(c->socket, CONFIG_SOCKET_MAX + 1, o->key, value, err, errlen);
     case CONFIG_ADDR:
         if (strcmp(value, "off") == 0)
             value = "";
@@ -153,7 +276,7 @@ int config_set(daemon_config *c, const char *key, const char *value, char *err, 
             snprintf(err, errlen, "%s must be true or false, got '%.32s'", o->key, value);
             return -1;
         }
-        c->metrics_allow_remote = b;
+        *bool_field(c, o->key) = b;
         return 0;
     case CONFIG_LEVEL:
         if (log_parse_level(value) < 0) {
@@ -169,6 +292,8 @@ int config_set(daemon_config *c, const char *key, const char *value, char *err, 
             return -1;
         }
         return set_text(c->backend, sizeof c->backend, o->key, value, err, errlen);
+    case CONFIG_UIDS:
+        return set_uids(c, o, value, err, errlen);
     }
     return -1;
 }
@@ -236,13 +361,20 @@ void config_print(const daemon_config *c, const char *source, FILE *f)
             fprintf(f, "%s = %lu\n", key, *count_field((daemon_config *)c, o->key));
             break;
         case CONFIG_BOOL:
-            fprintf(f, "%s = %s\n", key, c->metrics_allow_remote ? "true" : "false");
+            fprintf(f, "%s = %s\n", key,
+                    *bool_field((daemon_config *)c, o->key) ? "true" : "false");
             break;
         case CONFIG_LEVEL:
             fprintf(f, "%s = %s\n", key, c->log_level);
             break;
         case CONFIG_BACKEND:
             fprintf(f, "%s = %s\n", key, c->backend);
+            break;
+        case CONFIG_UIDS:
+            fprintf(f, "%s = %s", key, c->n_operator_uids == 0 ? "none" : "");
+            for (size_t u = 0; u < c->n_operator_uids; u++)
+                fprintf(f, "%s%u", u ? "," : "", (unsigned)c->operator_uids[u]);
+            fputc('\n', f);
             break;
         }
     }

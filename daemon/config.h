@@ -20,16 +20,29 @@
 #include <limits.h>
 #include <stddef.h>
 #include <stdio.h>
+#include <sys/types.h>
+
+#define CONFIG_MAX_UIDS 16
 
 typedef struct daemon_config {
     char socket[PATH_MAX - 16]; /* gRPC socket; PATH.fd etc. beside it */
     char listen[128];           /* TCP gRPC address, "" = none */
     unsigned long pool_mb, max_pools, max_sessions, max_seqs, threads;
+    unsigned long pending_timeout_ms, max_pending; /* fd-socket admission (fdsock.h) */
+    unsigned long lease_timeout_ms;                /* 0 = leases never expire */
+    /* Limits (store_config; docs/reliability/limits.md); 0 = none, but for
+     * max_reply_mb. */
+    unsigned long max_daemon_mb, session_max_seqs, session_max_blocks, max_reply_mb;
     char log_level[8];
     char backend[16];         /* backend.h: "host" (default) or "shadow" (tests) */
     char metrics[128];        /* HTTP /metrics address, "" = none */
     int metrics_allow_remote; /* serve /metrics on a non-loopback address */
+    int dumpable;             /* stay dumpable (main.c: PR_SET_DUMPABLE), for debugging */
     unsigned long drain_ms;   /* NOT_SERVING this long before stopping */
+    /* Sessions of these uids are operators' (store.h store_set_operators);
+     * default root and the daemon's uid. */
+    uid_t operator_uids[CONFIG_MAX_UIDS];
+    size_t n_operator_uids;
 } daemon_config;
 
 /* One option: its key (as in the file; the flag is --key with '-'). */
@@ -39,7 +52,8 @@ typedef enum config_kind {
     CONFIG_COUNT,
     CONFIG_BOOL,
     CONFIG_LEVEL,
-    CONFIG_BACKEND
+    CONFIG_BACKEND,
+    CONFIG_UIDS /* a list of uids: "0,1000"; "" or "none" for none */
 } config_kind;
 
 typedef struct config_option {

@@ -1,6 +1,7 @@
 #include "fdsock.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <poll.h>
 #include <pthread.h>
@@ -13,26 +14,36 @@
 #include <unistd.h>
 
 #include "log.h"
+#include "metrics.h"
 #include "ring.h"
 
 #define FDSOCK_MSG_MAX 320
-#define FDSOCK_MAX_CONNS 4096
+/* Attached sessions (--max-sessions, at most 4096) plus pending connections
+ * (--max-pending, at most 4096): the table never fills before those caps. */
+#define FDSOCK_MAX_CONNS 8192
+#define FDSOCK_BACKOFF_MS 100 /* listener unpolled this long when no fd is left */
 
 typedef struct conn {
     int fd;
     int id;
     int identified;
+    uint64_t idle_since; /* store_now_ms() since when it has no attached session; 0 = it has */
 } conn;
 
 struct fdsock {
     int listen_fd;
-    int wake_fd; /* eventfd: written by fdsock_stop */
+    int wake_fd;  /* eventfd: written by fdsock_stop */
+    int spare_fd; /* /dev/null, given up to accept-and-close when no fd is left; -1 = none */
     char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
     store *store;
+    fdsock_config cfg;
     pthread_t thread;
     conn *conns;
     size_t nconns;
     int next_id;
+    int *attached;                /* [FDSOCK_MAX_CONNS] scratch for store_attached_conns, sorted */
+    uint64_t listen_paused_until; /* store_now_ms(): no fd left, listener unpolled until then */
+    uint64_t shed_in_burst; /* connections shed since descriptors ran out (0 = they did not) */
 };
 
 static void reply(int fd, const char *text, int pass_fd)
@@ -168,17 +179,141 @@ static void conn_close(fdsock *fs, size_t i)
         store_session_conn_closed(fs->store, c.id);
 }
 
-static void accept_one(fdsock *fs)
+/* Close connection i unasked, telling the peer why first. */
+static void conn_shed(fdsock *fs, size_t i, metrics_shed why, const char *text, uint64_t now)
+{
+    const conn *c = &fs->conns[i];
+    log_info(why == METRICS_SHED_PENDING_CAP ? "pending_cap" : "pending_timeout",
+             "conn=%d identified=%d idle_ms=%" PRIu64, c->id, c->identified, now - c->idle_since);
+    reply(c->fd, text, -1);
+    metrics_fdsock_shed(fs->cfg.metrics, why);
+    conn_close(fs, i);
+}
+
+static int cmp_int(const void *a, const void *b)
+{
+    int x = *(const int *)a, y = *(const int *)b;
+    return (x > y) - (x < y);
+}
+
+/* Mark which connections have an attached session (idle_since 0) and since
+ * when the others have none; returns how many have none. */
+static size_t refresh_idle(fdsock *fs, uint64_t now)
+{
+    size_t n = store_attached_conns(fs->store, fs->attached, FDSOCK_MAX_CONNS);
+    if (n > FDSOCK_MAX_CONNS)
+        n = FDSOCK_MAX_CONNS; /* cannot happen: a session's conn is in the table */
+    qsort(fs->attached, n, sizeof *fs->attached, cmp_int);
+    size_t idle = 0;
+    for (size_t i = 0; i < fs->nconns; i++) {
+        conn *c = &fs->conns[i];
+        if (bsearch(&c->id, fs->attached, n, sizeof *fs->attached, cmp_int) != NULL) {
+            c->idle_since = 0;
+            continue;
+        }
+        if (c->idle_since == 0)
+            c->idle_since = now; /* its session ended: idle from now on */
+        idle++;
+    }
+    return idle;
+}
+
+/* Every FDSOCK_TICK_MS: expire leases, then close the connections that had
+ * no attached session for pending_timeout_ms (HELLO-only peers would
+ * otherwise hold --max-sessions, and silent ones the table). */
+static void tick(fdsock *fs, uint64_t now)
+{
+    if (fs->spare_fd < 0) /* lost to another thread when descriptors ran out */
+        fs->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    store_expire_leases(fs->store);
+    refresh_idle(fs, now);
+    char msg[FDSOCK_MSG_MAX];
+    snprintf(msg, sizeof msg,
+             "ERR closed: no attached session within %u ms (kvstashd --pending-timeout-ms)",
+             fs->cfg.pending_timeout_ms);
+    for (size_t i = fs->nconns; i-- > 0;) {
+        const conn *c = &fs->conns[i];
+        if (c->idle_since != 0 && now - c->idle_since >= fs->cfg.pending_timeout_ms)
+            conn_shed(fs, i, METRICS_SHED_PENDING_TIMEOUT, msg, now);
+    }
+}
+
+/* A new connection arrives with max_pending others pending: close the one
+ * pending longest, so that a flood of silent peers delays an honest worker
+ * by at most the time its own handshake takes. */
+static void make_room(fdsock *fs, uint64_t now)
+{
+    size_t idle = 0;
+    for (size_t i = 0; i < fs->nconns; i++)
+        idle += fs->conns[i].idle_since != 0;
+    /* Ask the store only near the cap: some of those may have attached since. */
+    if (idle < fs->cfg.max_pending || refresh_idle(fs, now) < fs->cfg.max_pending)
+        return;
+    size_t oldest = SIZE_MAX;
+    for (size_t i = 0; i < fs->nconns; i++) {
+        const conn *c = &fs->conns[i];
+        if (c->idle_since != 0 &&
+            (oldest == SIZE_MAX || c->idle_since < fs->conns[oldest].idle_since ||
+             (c->idle_since == fs->conns[oldest].idle_since && c->id < fs->conns[oldest].id)))
+            oldest = i;
+    }
+    char msg[FDSOCK_MSG_MAX];
+    snprintf(msg, sizeof msg,
+             "ERR closed: %u connections were waiting to attach (kvstashd --max-pending); this "
+             "was the oldest",
+             fs->cfg.max_pending);
+    if (oldest != SIZE_MAX)
+        conn_shed(fs, oldest, METRICS_SHED_PENDING_CAP, msg, now);
+}
+
+/*
+ * accept() failed for want of descriptors with a peer waiting: the listener
+ * stays readable, and polling it again at once spun a core (issue 12).
+ * Give up the spare descriptor to accept the peer and close it with a
+ * reason, which drains the backlog one peer per turn; without a spare (a
+ * thread took the number back), leave the listener unpolled for
+ * FDSOCK_BACKOFF_MS. Logged once per burst; each shed peer is counted.
+ */
+static void out_of_fds(fdsock *fs, int err, uint64_t now)
+{
+    if (fs->shed_in_burst == 0)
+        log_warn("fd_exhausted", "err=\"%s\" conns=%zu action=shedding_new_connections",
+                 strerror(err), fs->nconns);
+    int fd = -1;
+    if (fs->spare_fd >= 0) {
+        close(fs->spare_fd);
+        fd = accept4(fs->listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (fd >= 0) {
+            reply(fd, "ERR kvstashd is out of file descriptors; try again later", -1);
+            close(fd);
+            metrics_fdsock_shed(fs->cfg.metrics, METRICS_SHED_FD_LIMIT);
+        }
+        fs->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    }
+    fs->shed_in_burst++;
+    if (fd < 0)
+        fs->listen_paused_until = now + FDSOCK_BACKOFF_MS;
+}
+
+static void accept_one(fdsock *fs, uint64_t now)
 {
     int fd = accept4(fs->listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
-    if (fd < 0)
+    if (fd < 0) {
+        if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
+            out_of_fds(fs, errno, now);
         return;
+    }
+    if (fs->shed_in_burst != 0) {
+        log_info("fd_exhausted_end", "refused=%" PRIu64, fs->shed_in_burst);
+        fs->shed_in_burst = 0;
+    }
+    make_room(fs, now);
     if (fs->nconns >= FDSOCK_MAX_CONNS) {
         reply(fd, "ERR too many connections", -1);
         close(fd);
         return;
     }
-    fs->conns[fs->nconns++] = (conn){fd, fs->next_id++, 0};
+    fs->conns[fs->nconns++] = (conn){fd, fs->next_id++, 0, now};
 }
 
 static void *fdsock_thread(void *arg)
@@ -187,22 +322,31 @@ static void *fdsock_thread(void *arg)
     struct pollfd *pfd = calloc(FDSOCK_MAX_CONNS + 2, sizeof *pfd);
     if (pfd == NULL)
         return NULL;
+    uint64_t next_tick = store_now_ms() + FDSOCK_TICK_MS;
     for (;;) {
+        uint64_t now = store_now_ms();
         pfd[0] = (struct pollfd){fs->wake_fd, POLLIN, 0};
-        pfd[1] = (struct pollfd){fs->listen_fd, POLLIN, 0};
+        /* A negative fd is skipped by poll: the listener rests while paused. */
+        pfd[1] = (struct pollfd){now < fs->listen_paused_until ? -1 : fs->listen_fd, POLLIN, 0};
         for (size_t i = 0; i < fs->nconns; i++)
             pfd[i + 2] = (struct pollfd){fs->conns[i].fd, POLLIN, 0};
         size_t n = fs->nconns;
-        if (poll(pfd, n + 2, -1) < 0 && errno != EINTR)
+        int wait = now < next_tick ? (int)(next_tick - now) : 0;
+        if (poll(pfd, n + 2, wait) < 0 && errno != EINTR)
             break;
         if (pfd[0].revents)
             break;
+        now = store_now_ms();
         /* Walk backwards: conn_close moves the last connection into slot i. */
         for (size_t i = n; i-- > 0;)
             if (pfd[i + 2].revents && conn_read(fs, &fs->conns[i]) != 0)
                 conn_close(fs, i);
         if (pfd[1].revents & POLLIN)
-            accept_one(fs);
+            accept_one(fs, now);
+        if (now >= next_tick) {
+            tick(fs, now);
+            next_tick = now + FDSOCK_TICK_MS;
+        }
     }
     free(pfd);
     return NULL;
@@ -225,17 +369,23 @@ static status_code bind_listener(fdsock *fs, const char *path, status *s)
     return ST_OK;
 }
 
-status_code fdsock_start(const char *path, store *st, fdsock **out, status *s)
+status_code fdsock_start(const char *path, store *st, const fdsock_config *cfg, fdsock **out,
+                         status *s)
 {
     *out = NULL;
     fdsock *fs = calloc(1, sizeof *fs);
     if (fs == NULL)
         return status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
     fs->store = st;
+    fs->cfg = *cfg;
+    if (fs->cfg.max_pending == 0)
+        fs->cfg.max_pending = 1;
     fs->listen_fd = -1;
     fs->wake_fd = eventfd(0, EFD_CLOEXEC);
+    fs->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
     fs->conns = calloc(FDSOCK_MAX_CONNS, sizeof *fs->conns);
-    if (fs->wake_fd < 0 || fs->conns == NULL) {
+    fs->attached = calloc(FDSOCK_MAX_CONNS, sizeof *fs->attached);
+    if (fs->wake_fd < 0 || fs->spare_fd < 0 || fs->conns == NULL || fs->attached == NULL) {
         status_set(s, ST_INTERNAL, "cannot set up the fd socket: %s", strerror(errno));
         goto fail;
     }
@@ -252,7 +402,10 @@ fail:
         close(fs->listen_fd);
     if (fs->wake_fd >= 0)
         close(fs->wake_fd);
+    if (fs->spare_fd >= 0)
+        close(fs->spare_fd);
     free(fs->conns);
+    free(fs->attached);
     free(fs);
     return s->code;
 }
@@ -269,7 +422,10 @@ void fdsock_stop(fdsock *fs)
         conn_close(fs, fs->nconns - 1);
     close(fs->listen_fd);
     close(fs->wake_fd);
+    if (fs->spare_fd >= 0)
+        close(fs->spare_fd);
     unlink(fs->path);
     free(fs->conns);
+    free(fs->attached);
     free(fs);
 }

@@ -6,6 +6,15 @@
  * One thread polls the listener and every connection. A connection that
  * closes ends its session in the store at once: that is how a killed worker
  * is reclaimed even before gRPC notices its lease stream died.
+ *
+ * Admission cannot be exhausted (docs/reliability/liveness.md): a
+ * connection without an attached session (no HELLO, no Attach yet, or its
+ * session ended) is closed after pending_timeout_ms; at most max_pending of
+ * them live at once, a new one closing the oldest; out of file descriptors,
+ * the thread sheds new connections on a spare descriptor (or stops polling
+ * the listener for a moment) instead of spinning on accept(). Every
+ * FDSOCK_TICK_MS the thread also expires the store's leases
+ * (store_expire_leases).
  */
 #ifndef KVSTASH_FDSOCK_H
 #define KVSTASH_FDSOCK_H
@@ -15,8 +24,19 @@
 
 typedef struct fdsock fdsock;
 
+#define FDSOCK_TICK_MS 100 /* how often timeouts are checked */
+
+struct metrics; /* metrics.h */
+
+typedef struct fdsock_config {
+    uint32_t pending_timeout_ms; /* close a connection this long without an attached session */
+    uint32_t max_pending;        /* connections without one at once; a new one closes the oldest */
+    struct metrics *metrics;     /* counters (kvstash_fdsock_shed_total); NULL = none */
+} fdsock_config;
+
 /* Bind `path` (its mode comes from the daemon umask) and start the thread. */
-status_code fdsock_start(const char *path, store *st, fdsock **out, status *s);
+status_code fdsock_start(const char *path, store *st, const fdsock_config *cfg, fdsock **out,
+                         status *s);
 
 /* Stop the thread, close every connection and unlink the socket. */
 void fdsock_stop(fdsock *fs);

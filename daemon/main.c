@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -57,6 +58,7 @@ static void usage(FILE *out)
                           : opt[i].kind == CONFIG_ADDR    ? " ADDR"
                           : opt[i].kind == CONFIG_LEVEL   ? " L"
                           : opt[i].kind == CONFIG_BACKEND ? " NAME"
+                          : opt[i].kind == CONFIG_UIDS    ? " UID,..."
                                                           : " N";
         fprintf(out, "  --%s%s\n", opt[i].key, arg);
         print_wrapped(out, opt[i].help);
@@ -270,8 +272,15 @@ static int start_metrics(const daemon_config *o, daemon_parts *d)
 static int start(const daemon_config *o, daemon_parts *d)
 {
 
-    store_config cfg = {(size_t)o->pool_mb << 20, (uint32_t)o->max_pools, (uint32_t)o->max_sessions,
-                        (uint32_t)o->max_seqs, backend_find(o->backend)};
+    store_config cfg = {.pool_bytes = (size_t)o->pool_mb << 20,
+                        .max_pools = (uint32_t)o->max_pools,
+                        .max_sessions = (uint32_t)o->max_sessions,
+                        .max_seqs = (uint32_t)o->max_seqs,
+                        .backend = backend_find(o->backend),
+                        .max_daemon_bytes = (size_t)o->max_daemon_mb << 20,
+                        .session_max_seqs = (uint32_t)o->session_max_seqs,
+                        .session_max_blocks = (uint32_t)o->session_max_blocks,
+                        .max_reply_bytes = (size_t)o->max_reply_mb << 20};
     char path[PATH_MAX + 16];
     status st;
     snprintf(path, sizeof path, "ipc://%s.events", o->socket);
@@ -283,10 +292,13 @@ static int start(const daemon_config *o, daemon_parts *d)
         log_error("start_failed", "what=store msg=\"%s\"", "out of memory");
         return -1;
     }
+    store_set_operators(d->store, o->operator_uids, o->n_operator_uids);
     if (start_metrics(o, d) != 0)
         return -1;
     snprintf(path, sizeof path, "%s.fd", o->socket);
-    if (fdsock_start(path, d->store, &d->fdsock, &st) != ST_OK) {
+    store_set_lease_timeout(d->store, (uint32_t)o->lease_timeout_ms);
+    fdsock_config fc = {(uint32_t)o->pending_timeout_ms, (uint32_t)o->max_pending, d->metrics};
+    if (fdsock_start(path, d->store, &fc, &d->fdsock, &st) != ST_OK) {
         log_error("start_failed", "what=fdsock msg=\"%s\"", st.msg);
         return -1;
     }
@@ -338,6 +350,11 @@ int main(int argc, char **argv)
     if (prc != 0)
         return prc < 0 ? 0 : prc;
     umask(0077); /* every socket and file we create is the daemon user's alone */
+    /* Not dumpable: /proc/<pid>/fd, /proc/<pid>/mem and ptrace become root's
+     * alone, so that a process of our uid cannot open the pools' memfds (or
+     * read the session tokens) without connecting (issue 12). Root still can. */
+    if (!o.dumpable && prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0)
+        fprintf(stderr, "kvstashd: warning: prctl(PR_SET_DUMPABLE, 0): %s\n", strerror(errno));
     /* Tier moves stage K/V in buffers of up to tens of MiB, allocated per
      * move: served by mmap, each would fault in fresh zeroed pages (a third
      * of a Revive's time, tests/bench/bench_tiers). From the heap, and left

@@ -39,8 +39,16 @@ typedef struct hist {
     _Atomic uint64_t sum_e9;
 } hist;
 
-static const char *const reclaim_reasons[] = {"detach", "lease-ended", "fd-closed", "shutdown",
-                                              "other"};
+/* The HTTP endpoint's limits (metrics_http_start). */
+#define METRICS_HTTP_MAX_CONNS 512u
+#define METRICS_HTTP_TIMEOUT_S 3u
+#define METRICS_HTTP_MAX_PER_IP 16u
+
+static const char *const reclaim_reasons[] = {"detach",   "lease-ended",   "fd-closed",
+                                              "shutdown", "lease-timeout", "other"};
+/* Why the fd socket shed a connection (metrics_fdsock_shed). */
+static const char *const shed_reasons[METRICS_SHED_COUNT] = {"fd-limit", "pending-timeout",
+                                                             "pending-cap"};
 #define NREASONS (sizeof reclaim_reasons / sizeof reclaim_reasons[0])
 
 struct metrics {
@@ -61,6 +69,7 @@ struct metrics {
     hist *int8_hist;                   /* [npolicies] */
     hist *sketch_hist;                 /* [npolicies] */
     _Atomic uint64_t reclaimed[NREASONS];
+    _Atomic uint64_t shed[METRICS_SHED_COUNT];
     struct MHD_Daemon *http;
     metrics_source source; /* what /metrics and /healthz read */
     unsigned port;
@@ -177,6 +186,12 @@ void metrics_reclaimed(metrics *m, const char *reason)
     while (i + 1 < NREASONS && strcmp(reclaim_reasons[i], reason) != 0)
         i++;
     atomic_fetch_add_explicit(&m->reclaimed[i], 1, memory_order_relaxed);
+}
+
+void metrics_fdsock_shed(metrics *m, metrics_shed reason)
+{
+    if (m != NULL && reason < METRICS_SHED_COUNT)
+        atomic_fetch_add_explicit(&m->shed[reason], 1, memory_order_relaxed);
 }
 
 /* ---- attention mass dropped by an eviction ------------------------------------ */
@@ -330,6 +345,27 @@ static void hist_print(FILE *f, const char *name, const char *labels, const hist
             (unsigned long long)cum);
 }
 
+/* The operator's limits and their use (docs/reliability/limits.md). */
+static void print_limits(FILE *f, const snapshot *s)
+{
+    head(f, "kvstash_daemon_memory_limit_bytes", "gauge",
+         "--max-daemon-mb: daemon memory sequences may reserve for sketch cells (0 = none).");
+    fprintf(f, "kvstash_daemon_memory_limit_bytes %llu\n", (unsigned long long)s->mem_limit);
+    head(f, "kvstash_sketch_reserved_bytes", "gauge",
+         "Daemon memory reserved for sequences' sketch cells (their worst case).");
+    fprintf(f, "kvstash_sketch_reserved_bytes %llu\n", (unsigned long long)s->mem_reserved);
+    head(f, "kvstash_session_quota", "gauge",
+         "Per-session quotas: --session-max-seqs (sequences), --session-max-blocks (blocks); "
+         "0 = none.");
+    fprintf(f, "kvstash_session_quota{kind=\"sequences\"} %u\n", s->session_max_seqs);
+    fprintf(f, "kvstash_session_quota{kind=\"blocks\"} %u\n", s->session_max_blocks);
+    head(f, "kvstash_worker_blocks", "gauge",
+         "Pool blocks a worker session holds (its sequences and revive scratch).");
+    for (size_t i = 0; i < s->nsessions; i++)
+        fprintf(f, "kvstash_worker_blocks{session=\"%llu\"} %u\n",
+                (unsigned long long)s->sessions[i].id, s->sessions[i].blocks);
+}
+
 static void print_store(FILE *f, const metrics *m, const snapshot *s, const policy_gauges *g)
 {
     head(f, "kvstash_build_info", "gauge", "kvstashd version and memory backend.");
@@ -379,6 +415,11 @@ static void print_store(FILE *f, const metrics *m, const snapshot *s, const poli
     }
     head(f, "kvstash_workers", "gauge", "Attached worker sessions.");
     fprintf(f, "kvstash_workers %zu\n", s->nsessions);
+    head(f, "kvstash_workers_pending", "gauge",
+         "Sessions identified on the fd socket (HELLO) but not attached yet; they end after "
+         "--pending-timeout-ms.");
+    fprintf(f, "kvstash_workers_pending %u\n", s->pending);
+    print_limits(f, s);
     head(f, "kvstash_sequences", "gauge", "Live sequences, by policy.");
     for (size_t i = 0; i < m->npolicies; i++)
         fprintf(f, "kvstash_sequences{policy=\"%s\"} %llu\n", m->policies[i]->name,
@@ -507,10 +548,18 @@ static void print_counters(FILE *f, const metrics *m)
         "it worse.",
         m->sketch_hist, sketch_bounds, NBOUNDS(sketch_bounds));
     head(f, "kvstash_workers_reclaimed_total", "counter",
-         "Worker sessions ended, by reason (detach, lease-ended, fd-closed, shutdown).");
+         "Worker sessions ended, by reason (detach, lease-ended, fd-closed, shutdown, "
+         "lease-timeout).");
     for (size_t i = 0; i < NREASONS; i++)
         fprintf(f, "kvstash_workers_reclaimed_total{reason=\"%s\"} %llu\n", reclaim_reasons[i],
                 (unsigned long long)atomic_load(&m->reclaimed[i]));
+    head(f, "kvstash_fdsock_shed_total", "counter",
+         "fd-socket connections kvstashd closed unasked, by reason: fd-limit (accepted and "
+         "closed at once: kvstashd was out of file descriptors), pending-timeout (no Attach "
+         "within --pending-timeout-ms), pending-cap (the oldest pending one, at --max-pending).");
+    for (size_t i = 0; i < METRICS_SHED_COUNT; i++)
+        fprintf(f, "kvstash_fdsock_shed_total{reason=\"%s\"} %llu\n", shed_reasons[i],
+                (unsigned long long)atomic_load(&m->shed[i]));
 }
 
 /* "/kvstash.v1.Store/Attach" -> service "kvstash.v1.Store", method "Attach". */
@@ -683,12 +732,19 @@ status_code metrics_http_start(metrics *m, const metrics_source *source, const c
                           "--metrics-allow-remote",
                           addr);
     m->source = *source;
-    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD;
+    /* Slow clients must not hold /healthz down (docs/reliability/liveness.md):
+     * epoll (no FD_SETSIZE ceiling) with room for many connections, each cut
+     * after METRICS_HTTP_TIMEOUT_S without progress, and off loopback a cap
+     * per client address (on loopback the prober shares the address with
+     * everyone else, so a cap there would lock it out too). */
+    unsigned flags = MHD_USE_AUTO_INTERNAL_THREAD;
     if (sa.ss_family == AF_INET6)
         flags |= MHD_USE_IPv6;
     m->http = MHD_start_daemon(flags, 0, NULL, NULL, handle, m, MHD_OPTION_SOCK_ADDR,
-                               (struct sockaddr *)&sa, MHD_OPTION_CONNECTION_LIMIT, 64u,
-                               MHD_OPTION_CONNECTION_TIMEOUT, 10u, MHD_OPTION_END);
+                               (struct sockaddr *)&sa, MHD_OPTION_CONNECTION_LIMIT,
+                               METRICS_HTTP_MAX_CONNS, MHD_OPTION_CONNECTION_TIMEOUT,
+                               METRICS_HTTP_TIMEOUT_S, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
+                               lo ? 0u : METRICS_HTTP_MAX_PER_IP, MHD_OPTION_END);
     if (m->http == NULL)
         return status_set(s, ST_UNAVAILABLE, "cannot serve metrics on %.64s (port in use?)", addr);
     const union MHD_DaemonInfo *info = MHD_get_daemon_info(m->http, MHD_DAEMON_INFO_BIND_PORT);

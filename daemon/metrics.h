@@ -63,6 +63,15 @@ void metrics_step(metrics *m, const policy_ops *p, double seconds);
 /* A session was reclaimed; reason as in the worker.reclaimed event. */
 void metrics_reclaimed(metrics *m, const char *reason);
 
+/* The fd socket closed a connection unasked (kvstash_fdsock_shed_total). */
+typedef enum metrics_shed {
+    METRICS_SHED_FD_LIMIT,        /* accepted and closed at once: no fds left */
+    METRICS_SHED_PENDING_TIMEOUT, /* not attached within --pending-timeout-ms */
+    METRICS_SHED_PENDING_CAP,     /* the oldest pending one, at --max-pending */
+    METRICS_SHED_COUNT
+} metrics_shed;
+void metrics_fdsock_shed(metrics *m, metrics_shed reason);
+
 /*
  * The attention mass an eviction dropped. Before the step, metrics_mass_begin
  * copies the positions of every list and the step's attention (score, else

@@ -29,6 +29,7 @@ typedef struct pool_geometry {
 typedef struct pool {
     uint64_t id;
     char model[65];
+    char tenant[65]; /* "" or the tenant it serves: the store keys pools by (tenant, model) */
     pool_geometry geom;
     kv_layout layout;
     size_t block_bytes;

@@ -19,6 +19,10 @@
 /* Spin this many polls before sleeping: a decode step's next request often
  * comes within microseconds, and a futex sleep + wake costs more. */
 #define RING_SPIN 4000
+/* The longest futex sleep before the thread looks at its stop flag again:
+ * ring_close wakes it at once, but the worker shares the futex word and can
+ * move it back, so the wake alone cannot be trusted to end a session. */
+#define RING_WAIT_SLICE_NS (50 * 1000 * 1000)
 
 struct ring {
     store *store;
@@ -31,11 +35,19 @@ struct ring {
     float *scratch; /* private copy of a step's statistics */
     size_t scratch_cap;
     pthread_t thread;
+    /* The daemon's own stop flag, in its own memory: the thread obeys this
+     * alone. The shared header's `closing` is only a courtesy to the worker,
+     * which can write it (issue 12: a worker that kept resetting it kept its
+     * ring thread, and the fd-socket thread joining it, alive). */
+    atomic_int stop;
+    atomic_int ended; /* set by the thread as it returns: ring_join will not wait */
 };
 
+/* Sleep while *word == seen, for at most one slice (or until woken). */
 static void futex_wait(_Atomic uint32_t *word, uint32_t seen)
 {
-    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT, seen, NULL, NULL, 0);
+    struct timespec slice = {0, RING_WAIT_SLICE_NS};
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT, seen, &slice, NULL, 0);
 }
 
 static void futex_wake(_Atomic uint32_t *word)
@@ -50,15 +62,17 @@ static void cpu_relax(void)
 #endif
 }
 
-/* Wait until req_seq moves past `seen` or the ring closes; returns it. */
-static uint32_t wait_request(ring_header *h, uint32_t seen)
+/* Wait until req_seq moves past `seen` or the ring is stopped; returns
+ * req_seq as read once. Every sleep is bounded by RING_WAIT_SLICE_NS, so a
+ * stop is seen within a slice whatever the worker does to the header. */
+static uint32_t wait_request(ring *rg, uint32_t seen)
 {
+    ring_header *h = rg->hdr;
     _Atomic uint32_t *req = (_Atomic uint32_t *)&h->req_seq;
-    _Atomic uint32_t *closing = (_Atomic uint32_t *)&h->closing;
     _Atomic uint32_t *waiter = (_Atomic uint32_t *)&h->daemon_waiting;
     for (int i = 0; i < RING_SPIN; i++) {
         uint32_t cur = atomic_load(req);
-        if (cur != seen || atomic_load(closing))
+        if (cur != seen || atomic_load(&rg->stop))
             return cur;
         /* Yield now and then: if the worker shares our CPU, spinning alone
          * would only delay the request we wait for. */
@@ -70,7 +84,7 @@ static uint32_t wait_request(ring_header *h, uint32_t seen)
     for (;;) {
         atomic_store(waiter, 1);
         uint32_t cur = atomic_load(req);
-        if (cur != seen || atomic_load(closing)) {
+        if (cur != seen || atomic_load(&rg->stop)) {
             atomic_store(waiter, 0);
             return cur;
         }
@@ -89,7 +103,13 @@ static void serve_append(ring *rg, const ring_request *q, ring_response *r)
 {
     store_table w;
     status s;
-    if (store_append(rg->store, rg->token, q->seq_id, q->count, q->ack_epoch, &w, &s) != ST_OK) {
+    /* The answer below, refused before the append when it cannot fit. */
+    store_reply_form f = {.limit = rg->data_bytes,
+                          .list_bytes = 4,
+                          .segment_bytes = 12,
+                          .limit_name = "the ring's data area"};
+    if (store_append_within(rg->store, rg->token, q->seq_id, q->count, q->ack_epoch, &f, &w, &s) !=
+        ST_OK) {
         respond(r, s.code, s.msg);
         return;
     }
@@ -186,16 +206,15 @@ static void *ring_thread(void *arg)
     ring *rg = arg;
     ring_header *h = rg->hdr;
     _Atomic uint32_t *resp = (_Atomic uint32_t *)&h->resp_seq;
-    _Atomic uint32_t *closing = (_Atomic uint32_t *)&h->closing;
     _Atomic uint32_t *worker_waiting = (_Atomic uint32_t *)&h->worker_waiting;
     /* The header starts zeroed; a worker may bump req_seq before this
-     * thread first runs, so start from 0, not from what we see now. */
+     * thread first runs, so start from 0, not from what we see now. Any
+     * other value the worker writes is just the next request: req_seq is
+     * compared, never used as an index or a count. */
     uint32_t seen = 0;
-    for (;;) {
-        uint32_t cur = wait_request(h, seen);
-        if (atomic_load(closing))
-            return NULL;
-        if (cur == seen)
+    while (!atomic_load(&rg->stop)) {
+        uint32_t cur = wait_request(rg, seen);
+        if (cur == seen || atomic_load(&rg->stop))
             continue;
         seen = cur;
         serve(rg);
@@ -203,6 +222,8 @@ static void *ring_thread(void *arg)
         if (atomic_load(worker_waiting))
             futex_wake(resp);
     }
+    atomic_store(&rg->ended, 1);
+    return NULL;
 }
 
 status_code ring_create(store *st, const char *token, size_t bytes, ring **out, status *s)
@@ -257,14 +278,22 @@ size_t ring_bytes(const ring *r)
 
 void ring_close(ring *r)
 {
+    atomic_store(&r->stop, 1);
+    /* The worker's signal that no answer will come (it may overwrite it:
+     * then only its own calls wait for their deadline). */
     atomic_store((_Atomic uint32_t *)&r->hdr->closing, 1);
     /* Move the futex word itself: a thread between its last check of
-     * `closing` and FUTEX_WAIT would otherwise sleep through the wake. */
+     * `stop` and FUTEX_WAIT would otherwise sleep a whole slice. */
     atomic_fetch_add((_Atomic uint32_t *)&r->hdr->req_seq, 1);
     futex_wake((_Atomic uint32_t *)&r->hdr->req_seq);
     /* A worker waiting for an answer learns that none will come. */
     atomic_fetch_add((_Atomic uint32_t *)&r->hdr->resp_seq, 1);
     futex_wake((_Atomic uint32_t *)&r->hdr->resp_seq);
+}
+
+int ring_ended(const ring *r)
+{
+    return atomic_load(&r->ended);
 }
 
 void ring_join(ring *r)
@@ -287,6 +316,11 @@ static void transport_join(void *r)
     ring_join(r);
 }
 
+static int transport_ended(const void *r)
+{
+    return ring_ended(r);
+}
+
 static int transport_fd(const void *r)
 {
     return ring_fd(r);
@@ -302,6 +336,7 @@ status_code ring_transport_open(store *st, const char *token, store_transport *o
     ring *r;
     if (ring_create(st, token, RING_BYTES_DEFAULT, &r, s) != ST_OK)
         return s->code;
-    *out = (store_transport){r, transport_close, transport_join, transport_fd, transport_bytes};
+    *out = (store_transport){
+        r, transport_close, transport_join, transport_fd, transport_bytes, transport_ended};
     return ST_OK;
 }

@@ -1,6 +1,7 @@
 #include "rpc.h"
 
 #include <grpc/grpc_security.h>
+#include <grpc/support/alloc.h>
 #include <grpc/support/time.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -17,6 +18,8 @@
 #define RPC_POSTED_PER_METHOD 4
 #define RPC_TOKEN_KEY "kvstash-token"
 #define RPC_TOKEN_MAX 64
+/* The one service every caller may use (health checkers, load balancers). */
+#define RPC_PUBLIC_PREFIX "/grpc.health.v1.Health/"
 
 typedef enum tag_kind {
     TAG_REQUESTED,   /* a registered call arrived */
@@ -218,6 +221,15 @@ static double now_seconds(void)
 
 static status_code serve_call(rpc_call *c);
 
+/* Whether the call came over TCP: the Unix socket's peer is "unix:...". */
+static int call_is_tcp(grpc_call *call)
+{
+    char *peer = grpc_call_get_peer(call);
+    int tcp = peer == NULL || strncmp(peer, "unix:", 5) != 0;
+    gpr_free(peer);
+    return tcp;
+}
+
 /* Serve a call, telling the metrics hook (if any) its status and duration. */
 static void handle_request(rpc_call *c)
 {
@@ -240,6 +252,19 @@ static status_code serve_call(rpc_call *c)
     int has_token;
     token_from_metadata(&c->md, token, sizeof token, &has_token);
     status st = {ST_OK, ""};
+    /* Anyone on the host can reach the TCP port, and only the filesystem's
+     * users (the daemon's uid, root) the Unix socket: over TCP only a
+     * session's token opens more than health (rpc.h). */
+    if (!has_token && strncmp(m->path, RPC_PUBLIC_PREFIX, strlen(RPC_PUBLIC_PREFIX)) != 0 &&
+        call_is_tcp(c->call)) {
+        status_set(&st, ST_UNAUTHENTICATED,
+                   "over TCP, %s needs the kvstash-token metadata of a fd-socket session "
+                   "(docs/protocol.md); without one only grpc.health.v1.Health answers",
+                   m->path);
+        log_info("rpc_unauthenticated", "method=%s", m->path);
+        call_finish(c, st.code, st.msg);
+        return st.code;
+    }
     ProtobufCMessage *req = pbgrpc_unpack(m->request, c->payload);
     if (req == NULL) {
         status_set(&st, ST_INVALID_ARGUMENT, "request is not a valid %s message", m->request->name);

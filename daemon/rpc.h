@@ -7,6 +7,11 @@
  * and the caller's `kvstash-token` metadata (NULL if absent), run on a CQ
  * thread and must not block; they answer with a status and, on success, a
  * packed response (pbgrpc_pack).
+ *
+ * A call over TCP without a token reaches only grpc.health.v1.Health: the
+ * server answers any other method UNAUTHENTICATED itself. A handler that
+ * sees token NULL thus serves a caller of the Unix socket, whom the
+ * filesystem limits to the daemon's uid and root (socket mode 0600).
  */
 #ifndef KVSTASH_RPC_H
 #define KVSTASH_RPC_H

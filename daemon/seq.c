@@ -279,6 +279,51 @@ void seq_tier_usage(const seq *s, uint64_t tokens[3], uint64_t bytes[3])
     }
 }
 
+size_t seq_sketch_bytes_max(const seq *s)
+{
+    /* tier_sketch_init's dim: the list layout's heads (1 for per-head lists) */
+    size_t dim = (size_t)s->list_layout.kv_heads * s->list_layout.head_dim, total = 0;
+    for (uint32_t l = 0; l < s->nlayers; l++) {
+        policy_sketch_geometry g;
+        policy_host_sketch_geometry(s->host, l, &g);
+        size_t layer;
+        if (__builtin_mul_overflow(tier_sketch_bytes_for(g.rows, g.buckets, dim), (size_t)s->heads,
+                                   &layer) ||
+            __builtin_add_overflow(total, layer, &total))
+            return SIZE_MAX;
+    }
+    return total;
+}
+
+int seq_sketches(const seq *s)
+{
+    return policy_host_storage(s->host)->victims == POLICY_VICTIMS_SKETCH ||
+           s->policy->sketch_geometry != NULL;
+}
+
+size_t seq_sketch_reserved(const seq *s)
+{
+    return s->sketch_reserved;
+}
+
+void seq_set_sketch_reserved(seq *s, size_t bytes)
+{
+    s->sketch_reserved = bytes;
+}
+
+uint64_t seq_append_blocks(const seq *s, uint32_t count)
+{
+    uint64_t blocks = 0;
+    for (size_t k = 0; k < seq_nlists(s); k++) {
+        const seq_list *ly = &s->lists[k];
+        uint32_t room =
+            list_tail_usable(ly, s->block_slots) ? s->block_slots - ly->tail_next_slot : 0;
+        if (count > room)
+            blocks += (count - room + s->block_slots - 1) / s->block_slots;
+    }
+    return blocks;
+}
+
 /* The step layout of s's lists (proto/kvstash_step.h) and each list's
  * tokens now, malloc'd [nlayers * heads]; NULL when out of memory. */
 static uint32_t *step_tokens(seq *s, unsigned arrays, step_shape *sh)

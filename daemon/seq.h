@@ -207,6 +207,25 @@ status_code seq_demote_pending(seq *s, uint32_t layer, uint64_t epoch, int *chan
  * bytes (pool blocks of that tier; sketch cells). */
 void seq_tier_usage(const seq *s, uint64_t tokens[3], uint64_t bytes[3]);
 
+/* Limits (store.c, --max-daemon-mb): the daemon memory the sketches of
+ * all s's lists would take if every list allocated its sketch (rows x
+ * buckets of each layer's geometry; SIZE_MAX when that overflows), and
+ * whether s's own configuration sends tokens there (victims=sketch, or a
+ * policy with its own sketch) rather than only an operator's offload. */
+size_t seq_sketch_bytes_max(const seq *s);
+int seq_sketches(const seq *s);
+
+/* The bytes the store reserved for s's sketches (0 = none yet); the store
+ * gives them back when it destroys s. */
+size_t seq_sketch_reserved(const seq *s);
+void seq_set_sketch_reserved(seq *s, size_t bytes);
+
+/* Fresh pool blocks the new tokens of an append of `count` take (the
+ * policy's step at the append aside): per list, what the tail block's
+ * never-written slots cannot hold. For per-session quotas, checked before
+ * anything changes. */
+uint64_t seq_append_blocks(const seq *s, uint32_t count);
+
 /* Tokens of list (layer, head) stored in each tier. */
 void seq_list_tier_tokens(const seq *s, uint32_t layer, uint32_t head, uint32_t tokens[3]);
 

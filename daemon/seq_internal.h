@@ -76,6 +76,7 @@ typedef struct seq {
     uint64_t victims_dropped; /* victims=int8 victims freed under memory pressure */
     snapshot_tiers report;    /* seq_tier_report */
     seq_txn txn;
+    size_t sketch_reserved; /* daemon memory the store reserved for the sketches (seq.h) */
 } seq;
 
 static inline size_t seq_nlists(const seq *s)

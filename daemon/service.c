@@ -131,7 +131,8 @@ static status_code do_attach(void *app, const char *token, const ProtobufCMessag
     pool_geometry geom = {g->layers,       g->q_heads,           g->kv_heads,  g->head_dim,
                           g->block_tokens, (pool_dtype)g->dtype, g->rope_theta};
     store_attach_result r;
-    if (store_attach(app, token, req->model, &geom, req->worker_name, &r, st) != ST_OK)
+    if (store_attach_tenant(app, token, req->tenant, req->model, &geom, req->worker_name, &r, st) !=
+        ST_OK)
         return st->code;
     Kvstash__V1__AttachResponse out = KVSTASH__V1__ATTACH_RESPONSE__INIT;
     Kvstash__V1__Geometry og;

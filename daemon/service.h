@@ -13,7 +13,9 @@
 /* The method table for rpc_server_start (static storage). */
 const rpc_method *service_methods(size_t *count);
 
-/* Stats and Inspect (service_stats.c): read-only, need no token. */
+/* Stats and Inspect (service_stats.c): read-only. An operator (store.h
+ * store_set_operators) sees every session and sequence; anyone else its own
+ * (a call without a token counts as the daemon's uid: store_identify). */
 status_code service_stats(void *app, const char *token, const ProtobufCMessage *m,
                           grpc_byte_buffer **resp, status *st);
 status_code service_inspect(void *app, const char *token, const ProtobufCMessage *m,

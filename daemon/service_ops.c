@@ -23,9 +23,12 @@ static const struct {
 status_code service_list_policies(void *app, const char *token, const ProtobufCMessage *m,
                                   grpc_byte_buffer **resp, status *st)
 {
-    (void)app;
-    (void)token;
     (void)m;
+    /* The registry is public, but a token that was given must be valid:
+     * a wrong one answers nothing here either (rpc.h). */
+    store_caller who;
+    if (token != NULL && store_identify(app, token, &who, st) != ST_OK)
+        return st->code;
     size_t n, nparams = 0, nstorage;
     const policy_ops *const *pol = policy_list(&n);
     const policy_param_spec *storage = policy_storage_spec(&nstorage);

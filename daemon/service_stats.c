@@ -39,6 +39,7 @@ static void sequence_stats(const snapshot_seq *q, Kvstash__V1__SequenceStats *ou
     out->tokens = q->tokens;
     out->blocks = q->blocks;
     out->bytes = q->bytes;
+    out->sketch_reserved_bytes = q->sketch_reserved;
 }
 
 static void pool_stats(const snapshot_pool *p, Kvstash__V1__PoolStats *out,
@@ -48,6 +49,7 @@ static void pool_stats(const snapshot_pool *p, Kvstash__V1__PoolStats *out,
     service_geometry_to_proto(&p->geom, g);
     out->pool_id = p->id;
     out->model = (char *)p->model;
+    out->tenant = (char *)p->tenant;
     out->geometry = g;
     out->block_bytes = p->block_bytes;
     out->blocks_total = p->blocks_total;
@@ -70,6 +72,20 @@ static void session_stats(const snapshot_session *se, Kvstash__V1__SessionStats 
     out->attached_ms = se->attached_age_ms;
     out->lease_open = se->lease_open;
     out->lease_ms = se->lease_age_ms;
+    out->blocks = se->blocks;
+}
+
+/* The limits and their use; sketch cells allocated over every pool. */
+static void limits_stats(const snapshot *sn, Kvstash__V1__Limits *out)
+{
+    kvstash__v1__limits__init(out);
+    out->daemon_memory_bytes = sn->mem_limit;
+    out->sketch_reserved_bytes = sn->mem_reserved;
+    for (size_t k = 0; k < sn->npools; k++)
+        out->sketch_allocated_bytes += sn->pools[k].sketch_bytes;
+    out->session_max_seqs = sn->session_max_seqs;
+    out->session_max_blocks = sn->session_max_blocks;
+    out->max_reply_bytes = sn->max_reply;
 }
 
 typedef struct stats_buf {
@@ -148,7 +164,6 @@ static void fill_stats(const snapshot *sn, stats_buf *b, int with_tiers,
 status_code service_stats(void *app, const char *token, const ProtobufCMessage *m,
                           grpc_byte_buffer **resp, status *st)
 {
-    (void)token;
     const Kvstash__V1__StatsRequest *req = (const void *)m;
     size_t npolicies;
     const policy_ops *const *pol = policy_list(&npolicies);
@@ -161,9 +176,13 @@ status_code service_stats(void *app, const char *token, const ProtobufCMessage *
         tier_ptrs[i] = &tiers[i];
     }
     stats_buf b = {0};
-    snapshot sn;
+    snapshot sn = {0};
+    Kvstash__V1__Limits limits;
+    store_caller who; /* others' sessions and sequences are operators' to see */
+    if (store_identify(app, token, &who, st) != ST_OK)
+        return st->code;
     status_code rc = ST_OK;
-    if (store_snapshot(app, &sn) != 0 ||
+    if (store_snapshot_for(app, &who, &sn) != 0 ||
         stats_buf_alloc(&b, sn.npools, sn.nsessions, sn.nseqs, npolicies) != 0) {
         rc = status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
     } else {
@@ -171,6 +190,9 @@ status_code service_stats(void *app, const char *token, const ProtobufCMessage *
         out.backend = (char *)sn.backend;
         out.serving = sn.serving;
         out.pid = (int32_t)getpid();
+        out.pending_sessions = sn.pending;
+        limits_stats(&sn, &limits);
+        out.limits = &limits;
         fill_stats(&sn, &b, req->with_tiers, &out, tiers);
         for (size_t i = 0; i < npolicies; i++)
             b.policies[i] = pol[i]->name;
@@ -341,6 +363,28 @@ static int retired_epochs(const seq *q, inspect_buf *b, Kvstash__V1__InspectResp
     return 0;
 }
 
+/* Runs a list's map may have (InspectRequest.max_runs). */
+static size_t inspect_list_runs(const Kvstash__V1__InspectRequest *req)
+{
+    return req->max_runs == 0                 ? INSPECT_RUNS_DEFAULT
+           : req->max_runs > INSPECT_RUNS_MAX ? INSPECT_RUNS_MAX
+                                              : req->max_runs;
+}
+
+/* Runs q's maps may have in all, with `cap` a list. */
+static size_t inspect_runs(seq *q, size_t cap)
+{
+    size_t nlists = (size_t)seq_layers(q) * seq_heads(q), runs = 0;
+    /* A list of n tokens has at most 2n + 1 runs. */
+    for (size_t i = 0; i < nlists && runs < INSPECT_RUNS_MAX; i++) {
+        size_t most = 2 * (size_t)seq_list_tokens(q, (uint32_t)(i / seq_heads(q)),
+                                                  (uint32_t)(i % seq_heads(q)), NULL) +
+                      1;
+        runs += most < cap ? most : cap;
+    }
+    return runs > INSPECT_RUNS_MAX ? INSPECT_RUNS_MAX : runs;
+}
+
 static int inspect_fill(seq *q, const Kvstash__V1__InspectRequest *req, inspect_buf *b,
                         Kvstash__V1__InspectResponse *out)
 {
@@ -357,18 +401,8 @@ static int inspect_fill(seq *q, const Kvstash__V1__InspectRequest *req, inspect_
     out->n_layers = seq_layers(q);
     if (!req->with_map)
         return 0;
-    size_t cap = req->max_runs == 0                 ? INSPECT_RUNS_DEFAULT
-                 : req->max_runs > INSPECT_RUNS_MAX ? INSPECT_RUNS_MAX
-                                                    : req->max_runs;
-    /* A list of n tokens has at most 2n + 1 runs. */
-    for (size_t i = 0; i < nlists && b->runs_cap < INSPECT_RUNS_MAX; i++) {
-        size_t most = 2 * (size_t)seq_list_tokens(q, (uint32_t)(i / seq_heads(q)),
-                                                  (uint32_t)(i % seq_heads(q)), NULL) +
-                      1;
-        b->runs_cap += most < cap ? most : cap;
-    }
-    if (b->runs_cap > INSPECT_RUNS_MAX)
-        b->runs_cap = INSPECT_RUNS_MAX;
+    size_t cap = inspect_list_runs(req);
+    b->runs_cap = inspect_runs(q, cap);
     b->maps = calloc(nlists, sizeof *b->maps);
     b->map_ptrs = calloc(nlists, sizeof *b->map_ptrs);
     b->runs = calloc(b->runs_cap + 1, sizeof *b->runs);
@@ -385,20 +419,42 @@ static int inspect_fill(seq *q, const Kvstash__V1__InspectRequest *req, inspect_
     return 0;
 }
 
+/* RESOURCE_EXHAUSTED when Inspect of q could reply more than the reply limit
+ * (--max-reply-mb): its summary and parameters (4 KiB), a LayerInspect a
+ * layer, and with the map a ListMap a list and its runs (at most
+ * INSPECT_RUNS_MAX in all, a varint pair and a tier name each). */
+static status_code inspect_check_reply(store *s, seq *q, const Kvstash__V1__InspectRequest *req,
+                                       status *st)
+{
+    uint64_t limit = store_max_reply(s), nlists = (uint64_t)seq_layers(q) * seq_heads(q);
+    uint64_t bytes = 4096 + (uint64_t)seq_layers(q) * 64 + seq_retired_count(q) * 16;
+    if (req->with_map)
+        bytes += nlists * 24 + (uint64_t)inspect_runs(q, inspect_list_runs(req)) * 32;
+    if (limit == 0 || bytes <= limit)
+        return ST_OK;
+    return status_set(st, ST_RESOURCE_EXHAUSTED,
+                      "Inspect of sequence %llu could reply %llu bytes, over --max-reply-mb "
+                      "(%llu bytes)%s",
+                      (unsigned long long)seq_id_of(q), (unsigned long long)bytes,
+                      (unsigned long long)limit,
+                      req->with_map ? ": ask without with_map, or raise --max-reply-mb"
+                                    : ": raise --max-reply-mb");
+}
+
 status_code service_inspect(void *app, const char *token, const ProtobufCMessage *m,
                             grpc_byte_buffer **resp, status *st)
 {
-    (void)token;
     const Kvstash__V1__InspectRequest *req = (const void *)m;
     store *s = app;
     inspect_buf b = {0};
     status_code rc = ST_OK;
     store_lock(s);
-    seq *q = store_find_seq_locked(s, req->seq_id);
+    seq *q;
     Kvstash__V1__InspectResponse out = KVSTASH__V1__INSPECT_RESPONSE__INIT;
-    if (q == NULL)
-        rc = status_set(st, ST_NOT_FOUND, "no sequence %llu", (unsigned long long)req->seq_id);
-    else if (inspect_fill(q, req, &b, &out) != 0)
+    rc = store_find_seq_visible_locked(s, token, req->seq_id, &q, st);
+    if (rc == ST_OK)
+        rc = inspect_check_reply(s, q, req, st);
+    if (rc == ST_OK && inspect_fill(q, req, &b, &out) != 0)
         rc = status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
     if (rc == ST_OK) {
         Kvstash__V1__SequenceStats ss;

@@ -19,6 +19,7 @@
 typedef struct snapshot_pool {
     uint64_t id;
     char model[65];
+    char tenant[65];
     pool_geometry geom;
     uint64_t bytes, block_bytes;
     uint32_t blocks_total, blocks_free, blocks_retired;
@@ -36,6 +37,7 @@ typedef struct snapshot_session {
     uint64_t attached_age_ms;
     int lease_open;
     uint64_t lease_age_ms; /* 0 when no lease is open */
+    uint32_t blocks;       /* pool blocks its sequences and revive scratch hold */
 } snapshot_session;
 
 /* A sequence; tier_tokens and tier_bytes by policy_tier FULL, INT8, SKETCH. */
@@ -47,6 +49,7 @@ typedef struct snapshot_seq {
     uint32_t blocks, retired; /* held (tables and retired), retired */
     uint64_t bytes;           /* blocks * block_bytes */
     uint64_t tier_tokens[3], tier_bytes[3];
+    uint64_t sketch_reserved; /* daemon memory reserved for its sketches (--max-daemon-mb) */
 } snapshot_seq;
 
 typedef struct snapshot {
@@ -57,8 +60,13 @@ typedef struct snapshot {
     size_t npools;
     snapshot_session *sessions; /* attached ones, newest first */
     size_t nsessions;
+    uint32_t pending; /* sessions identified on the fd socket, not attached yet */
     snapshot_seq *seqs;
     size_t nseqs;
+    /* Limits (store_config): the daemon memory budget (0 = none) and what
+     * sequences reserved of it, the per-session quotas (0 = none). */
+    uint64_t mem_limit, mem_reserved, max_reply;
+    uint32_t session_max_seqs, session_max_blocks;
 } snapshot;
 
 /* Free a snapshot's arrays (store_snapshot fills it); safe on a zeroed one. */

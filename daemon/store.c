@@ -38,8 +38,9 @@ store *store_create(const store_config *cfg, events *ev)
     st->serving = 1;
     st->next_pool_id = st->next_session_id = st->next_seq_id = st->next_scratch_id = 1;
     st->pools = calloc(cfg->max_pools ? cfg->max_pools : 1, sizeof *st->pools);
-    /* Every session can have ended with a transport before the next join. */
-    st->closed_cap = cfg->max_sessions + 1;
+    /* Every session can have ended with a transport before the next join,
+     * and as many again can still be ending (join_closed keeps those). */
+    st->closed_cap = 2 * cfg->max_sessions + 1;
     st->closed = calloc(st->closed_cap, sizeof *st->closed);
     if (st->pools == NULL || st->closed == NULL) {
         free(st->pools);
@@ -48,12 +49,35 @@ store *store_create(const store_config *cfg, events *ev)
         return NULL;
     }
     pthread_mutex_init(&st->lock, NULL);
+    uid_t defaults[2] = {0, geteuid()};
+    store_set_operators(st, defaults, 2);
     return st;
 }
 
 void store_set_metrics(store *st, struct metrics *m)
 {
     st->metrics = m;
+}
+
+void store_set_operators(store *st, const uid_t *uids, size_t n)
+{
+    st->noperators = 0;
+    for (size_t i = 0; i < n && st->noperators < STORE_MAX_OPERATORS; i++)
+        if (!store_is_operator(st, uids[i]))
+            st->operators[st->noperators++] = uids[i];
+}
+
+int store_is_operator(const store *st, uid_t uid)
+{
+    for (size_t i = 0; i < st->noperators; i++)
+        if (st->operators[i] == uid)
+            return 1;
+    return 0;
+}
+
+size_t store_max_reply(const store *st)
+{
+    return st->cfg.max_reply_bytes; /* set at create, never changed: no lock */
 }
 
 const char *store_backend_name(const store *st)
@@ -79,12 +103,20 @@ void store_seq_snapshot(seq *q, snapshot_seq *out)
                           .blocks = seq_blocks_held(q),
                           .retired = (uint32_t)seq_retired_count(q)};
     out->bytes = (uint64_t)out->blocks * seq_pool(q)->block_bytes;
+    out->sketch_reserved = seq_sketch_reserved(q);
     snprintf(out->label, sizeof out->label, "%s", seq_label(q));
     seq_tier_usage(q, out->tier_tokens, out->tier_bytes);
 }
 
-/* Copy pools, attached sessions and sequences into *out; lock held. */
-static void snapshot_fill(store *st, uint64_t now, snapshot *out)
+/* Whether `who` may see session session_id's details (NULL: anyone). */
+static int may_see(const store_caller *who, uint64_t session_id)
+{
+    return who == NULL || who->is_operator || who->session_id == session_id;
+}
+
+/* Copy pools, and the attached sessions and sequences `who` may see (NULL:
+ * all), into *out; lock held. */
+static void snapshot_fill(store *st, uint64_t now, const store_caller *who, snapshot *out)
 {
     for (uint32_t i = 0; i < st->cfg.max_pools; i++) {
         const pool *p = st->pools[i];
@@ -99,9 +131,11 @@ static void snapshot_fill(store *st, uint64_t now, snapshot *out)
                               .blocks_free = p->nfree,
                               .sessions = p->sessions};
         snprintf(ps->model, sizeof ps->model, "%s", p->model);
+        snprintf(ps->tenant, sizeof ps->tenant, "%s", p->tenant);
     }
     for (const session *se = st->sessions; se != NULL; se = se->next) {
-        if (!se->attached)
+        out->pending += !se->attached; /* counted for everyone: admission's queue */
+        if (!se->attached || !may_see(who, se->id))
             continue;
         snapshot_session *ss = &out->sessions[out->nsessions++];
         *ss = (snapshot_session){.id = se->id,
@@ -113,9 +147,13 @@ static void snapshot_fill(store *st, uint64_t now, snapshot *out)
                                  .lease_open = se->lease_open,
                                  .lease_age_ms = se->lease_open ? now - se->lease_ms : 0};
         snprintf(ss->name, sizeof ss->name, "%s", se->name);
+        for (const store_scratch *sc = se->scratch; sc != NULL; sc = sc->next)
+            ss->blocks += (uint32_t)sc->nblocks; /* its sequences' below */
     }
     for (size_t i = 0; i < st->nseqs; i++) {
-        snapshot_seq *qs = &out->seqs[out->nseqs++];
+        /* Every sequence counts in its pool's totals; only the visible
+         * ones are listed (the slot is reused for the next otherwise). */
+        snapshot_seq *qs = &out->seqs[out->nseqs];
         store_seq_snapshot(st->seqs[i], qs);
         for (size_t k = 0; k < out->npools; k++)
             if (out->pools[k].id == qs->pool_id) {
@@ -123,10 +161,20 @@ static void snapshot_fill(store *st, uint64_t now, snapshot *out)
                 out->pools[k].int8_bytes += qs->tier_bytes[POLICY_INT8];
                 out->pools[k].sketch_bytes += qs->tier_bytes[POLICY_SKETCH];
             }
+        for (size_t k = 0; k < out->nsessions; k++)
+            if (out->sessions[k].id == qs->session_id)
+                out->sessions[k].blocks += qs->blocks;
+        if (may_see(who, qs->session_id))
+            out->nseqs++;
     }
 }
 
 int store_snapshot(store *st, snapshot *out)
+{
+    return store_snapshot_for(st, NULL, out);
+}
+
+int store_snapshot_for(store *st, const store_caller *who, snapshot *out)
 {
     memset(out, 0, sizeof *out);
     pthread_mutex_lock(&st->lock);
@@ -143,7 +191,12 @@ int store_snapshot(store *st, snapshot *out)
         out->backend = store_backend_name(st);
         out->uptime_ms = now - st->start_ms;
         out->events = events_count(st->events);
-        snapshot_fill(st, now, out);
+        out->mem_limit = st->cfg.max_daemon_bytes;
+        out->mem_reserved = st->sketch_reserved;
+        out->max_reply = st->cfg.max_reply_bytes;
+        out->session_max_seqs = st->cfg.session_max_seqs;
+        out->session_max_blocks = st->cfg.session_max_blocks;
+        snapshot_fill(st, now, who, out);
     }
     pthread_mutex_unlock(&st->lock);
     if (rc != 0)
@@ -222,6 +275,7 @@ static status_code need_session(store *st, const char *token, int attached, sess
                           "unknown session token (the session ended, or the token is wrong)");
     if (attached && !se->attached)
         return status_set(s, ST_FAILED_PRECONDITION, "session is not attached: call Attach first");
+    se->active_ms = store_now_ms(); /* any call renews the lease */
     *out = se;
     return ST_OK;
 }
@@ -262,12 +316,60 @@ static status_code need_own_seq(store *st, session *se, uint64_t seq_id, size_t 
     return ST_OK;
 }
 
+/* store_identify with the lock held. */
+static status_code identify_locked(store *st, const char *token, store_caller *out, status *s)
+{
+    *out = (store_caller){0, geteuid(), 0};
+    /* Not need_session: the views still answer while shutting down. */
+    if (token != NULL) {
+        session *se = find_session_by_token(st, token);
+        if (se == NULL)
+            return status_set(s, ST_UNAUTHENTICATED,
+                              token[0] == '\0' ? "the kvstash-token metadata is empty"
+                                               : "unknown session token (the session ended, or "
+                                                 "the token is wrong)");
+        out->session_id = se->id;
+        out->uid = se->uid;
+    }
+    out->is_operator = store_is_operator(st, out->uid);
+    return ST_OK;
+}
+
+status_code store_identify(store *st, const char *token, store_caller *out, status *s)
+{
+    pthread_mutex_lock(&st->lock);
+    status_code rc = identify_locked(st, token, out, s);
+    pthread_mutex_unlock(&st->lock);
+    return rc;
+}
+
+status_code store_find_seq_visible_locked(store *st, const char *token, uint64_t seq_id, seq **out,
+                                          status *s)
+{
+    store_caller who;
+    *out = NULL;
+    status_code rc = identify_locked(st, token, &who, s);
+    seq *q = rc == ST_OK ? store_find_seq_locked(st, seq_id) : NULL;
+    if (rc != ST_OK)
+        return rc;
+    if (q == NULL)
+        return status_set(s, ST_NOT_FOUND, "no sequence %llu", (unsigned long long)seq_id);
+    if (!may_see(&who, seq_session_id(q)))
+        return status_set(s, ST_PERMISSION_DENIED,
+                          "sequence %llu belongs to another session; uid %u is not in "
+                          "kvstashd's operator_uids",
+                          (unsigned long long)seq_id, (unsigned)who.uid);
+    *out = q;
+    return ST_OK;
+}
+
 /* ---- reclaiming ------------------------------------------------------- */
 
 static uint32_t release_seq_at(store *st, size_t i)
 {
     seq *q = st->seqs[i];
     uint32_t blocks = seq_blocks_held(q);
+    st->sketch_reserved -= seq_sketch_reserved(q);
     st->seqs[i] = st->seqs[--st->nseqs];
     seq_destroy(q);
     return blocks;
@@ -337,23 +439,29 @@ static void session_end(store *st, session *se, const char *reason)
     free(se);
 }
 
-/* Join the closed transports (their threads). Takes and drops the lock
- * itself: a ring thread may be waiting for it. */
-static void join_closed(store *st)
+/* Join the closed transports whose threads have ended, or all of them when
+ * `wait` (shutdown). Takes and drops the lock itself: a ring thread may be
+ * waiting for it. Admission (the fd-socket thread) never waits here, so no
+ * peer can hold it by keeping its ring thread busy (issue 12); a thread not
+ * ended yet stays listed for a later call. */
+static void join_closed(store *st, int wait)
 {
     pthread_mutex_lock(&st->lock);
-    size_t n = st->nclosed;
-    store_transport *closed = malloc((n ? n : 1) * sizeof *closed);
-    if (closed != NULL) {
-        memcpy(closed, st->closed, n * sizeof *closed);
-        st->nclosed = 0;
-    } else {
-        n = 0;
+    size_t n = 0, kept = 0;
+    store_transport *ended = malloc((st->nclosed ? st->nclosed : 1) * sizeof *ended);
+    for (size_t i = 0; ended != NULL && i < st->nclosed; i++) {
+        store_transport t = st->closed[i];
+        if (wait || t.ended(t.impl))
+            ended[n++] = t;
+        else
+            st->closed[kept++] = t;
     }
+    if (ended != NULL)
+        st->nclosed = kept;
     pthread_mutex_unlock(&st->lock);
     for (size_t i = 0; i < n; i++)
-        closed[i].join(closed[i].impl);
-    free(closed);
+        ended[i].join(ended[i].impl);
+    free(ended);
 }
 
 void store_destroy(store *st)
@@ -364,7 +472,7 @@ void store_destroy(store *st)
     while (st->sessions != NULL)
         session_end(st, st->sessions, "shutdown");
     pthread_mutex_unlock(&st->lock);
-    join_closed(st);
+    join_closed(st, 1);
     free(st->closed);
     free(st->seqs);
     free(st->pools);
@@ -440,12 +548,14 @@ status_code store_session_open(store *st, pid_t pid, uid_t uid, gid_t gid, int c
 status_code store_transport_fd(store *st, int conn_id, store_transport_open open, int *fd,
                                size_t *bytes, status *s)
 {
-    join_closed(st); /* a cheap moment to reap ended sessions' threads */
+    join_closed(st, 0); /* a cheap moment to reap ended sessions' threads */
     status_code rc = ST_OK;
     *fd = -1;
     pthread_mutex_lock(&st->lock);
     session *se = find_session_by_conn(st, conn_id);
     store_transport *t = se != NULL ? &se->transport : NULL;
+    if (se != NULL)
+        se->active_ms = store_now_ms(); /* renews the lease */
     if (se == NULL || !se->attached)
         rc = status_set(s, ST_FAILED_PRECONDITION, "not attached: call Attach first");
     else if (t->impl == NULL && (rc = open(st, se->token, t, s)) != ST_OK)
@@ -456,6 +566,45 @@ status_code store_transport_fd(store *st, int conn_id, store_transport_open open
         *bytes = t->bytes(t->impl);
     pthread_mutex_unlock(&st->lock);
     return rc;
+}
+
+size_t store_attached_conns(store *st, int *ids, size_t cap)
+{
+    size_t n = 0;
+    pthread_mutex_lock(&st->lock);
+    for (const session *se = st->sessions; se != NULL; se = se->next)
+        if (se->attached && n++ < cap)
+            ids[n - 1] = se->conn_id;
+    pthread_mutex_unlock(&st->lock);
+    return n;
+}
+
+void store_set_lease_timeout(store *st, uint32_t ms)
+{
+    st->lease_timeout_ms = ms;
+}
+
+uint32_t store_expire_leases(store *st)
+{
+    uint32_t n = 0;
+    pthread_mutex_lock(&st->lock);
+    uint64_t now = store_now_ms();
+    for (session *se = st->sessions, *next; se != NULL; se = next) {
+        next = se->next; /* session_end frees se */
+        if (st->lease_timeout_ms == 0 || !se->attached ||
+            now - se->active_ms <= st->lease_timeout_ms)
+            continue;
+        log_warn("lease_expired", "session=%llu pid=%d idle_ms=%llu lease_timeout_ms=%u",
+                 (unsigned long long)se->id, (int)se->pid,
+                 (unsigned long long)(now - se->active_ms), st->lease_timeout_ms);
+        session_end(st, se, "lease-timeout");
+        n++;
+    }
+    pthread_mutex_unlock(&st->lock);
+    /* Reap ended sessions' rings (threads, memfds) now rather than at the
+     * next RING request, which may never come; never waits (join_closed). */
+    join_closed(st, 0);
+    return n;
 }
 
 void store_session_conn_closed(store *st, int conn_id)
@@ -474,6 +623,8 @@ status_code store_pool_fd(store *st, int conn_id, uint64_t pool_id, int *fd, siz
     *fd = -1;
     pthread_mutex_lock(&st->lock);
     session *se = find_session_by_conn(st, conn_id);
+    if (se != NULL)
+        se->active_ms = store_now_ms(); /* renews the lease */
     if (se == NULL || !se->attached)
         rc = status_set(s, ST_FAILED_PRECONDITION, "not attached: call Attach first");
     else if (se->pool->id != pool_id)
@@ -487,20 +638,25 @@ status_code store_pool_fd(store *st, int conn_id, uint64_t pool_id, int *fd, siz
 
 /* ---- attach ------------------------------------------------------------- */
 
-static status_code check_model_name(const char *model, status *s)
+/* A model's or tenant's name: 1 to 64 of [A-Za-z0-9._-] (`what` names it;
+ * a tenant may also be empty, the default). */
+static status_code check_name(const char *what, const char *name, int may_be_empty, status *s)
 {
-    size_t n = strlen(model);
-    if (n == 0 || n > 64)
-        return status_set(s, ST_INVALID_ARGUMENT, "model must be 1 to 64 characters, got %zu", n);
+    size_t n = strlen(name);
+    if ((n == 0 && !may_be_empty) || n > 64)
+        return status_set(s, ST_INVALID_ARGUMENT, "%s must be %s to 64 characters, got %zu", what,
+                          may_be_empty ? "0" : "1", n);
     for (size_t i = 0; i < n; i++)
-        if (!isalnum((unsigned char)model[i]) && !strchr("._-", model[i]))
+        if (!isalnum((unsigned char)name[i]) && !strchr("._-", name[i]))
             return status_set(s, ST_INVALID_ARGUMENT,
-                              "model may contain only letters, digits, '.', '_' and '-'");
+                              "%s may contain only letters, digits, '.', '_' and '-'", what);
     return ST_OK;
 }
 
-static status_code find_or_create_pool(store *st, const char *model, const pool_geometry *g,
-                                       pool **out, status *s)
+/* The pool of (tenant, model): one per tenant, so that a tenant's workers
+ * never map another tenant's memfd. */
+static status_code find_or_create_pool(store *st, const char *tenant, const char *model,
+                                       const pool_geometry *g, pool **out, status *s)
 {
     int free_slot = -1;
     for (uint32_t i = 0; i < st->cfg.max_pools; i++) {
@@ -510,7 +666,7 @@ static status_code find_or_create_pool(store *st, const char *model, const pool_
                 free_slot = (int)i;
             continue;
         }
-        if (strcmp(p->model, model) != 0)
+        if (strcmp(p->model, model) != 0 || strcmp(p->tenant, tenant) != 0)
             continue;
         if (!pool_geometry_equal(&p->geom, g)) {
             char have[192], want[192];
@@ -531,8 +687,10 @@ static status_code find_or_create_pool(store *st, const char *model, const pool_
         return s->code;
     st->next_pool_id++;
     st->pools[free_slot] = *out;
-    log_info("pool_created", "pool=%llu model=%s blocks=%u block_bytes=%zu",
-             (unsigned long long)(*out)->id, model, (*out)->block_count, (*out)->block_bytes);
+    snprintf((*out)->tenant, sizeof(*out)->tenant, "%s", tenant);
+    log_info("pool_created", "pool=%llu model=%s tenant=%s blocks=%u block_bytes=%zu",
+             (unsigned long long)(*out)->id, model, tenant, (*out)->block_count,
+             (*out)->block_bytes);
     return ST_OK;
 }
 
@@ -540,8 +698,16 @@ status_code store_attach(store *st, const char *token, const char *model,
                          const pool_geometry *geometry, const char *worker_name,
                          store_attach_result *out, status *s)
 {
+    return store_attach_tenant(st, token, "", model, geometry, worker_name, out, s);
+}
+
+status_code store_attach_tenant(store *st, const char *token, const char *tenant, const char *model,
+                                const pool_geometry *geometry, const char *worker_name,
+                                store_attach_result *out, status *s)
+{
     pool_geometry g = *geometry;
-    if (check_model_name(model, s) != ST_OK || pool_geometry_check(&g, s) != ST_OK)
+    if (check_name("model", model, 0, s) != ST_OK || check_name("tenant", tenant, 1, s) != ST_OK ||
+        pool_geometry_check(&g, s) != ST_OK)
         return s->code;
     if (strlen(worker_name) > 64)
         return status_set(s, ST_INVALID_ARGUMENT, "worker_name must be at most 64 bytes");
@@ -554,7 +720,7 @@ status_code store_attach(store *st, const char *token, const char *model,
                         "session %llu is already attached; a token attaches once",
                         (unsigned long long)se->id);
     if (rc == ST_OK)
-        rc = find_or_create_pool(st, model, &g, &p, s);
+        rc = find_or_create_pool(st, tenant, model, &g, &p, s);
     if (rc == ST_OK) {
         se->attached = 1;
         se->pool = p;
@@ -616,6 +782,192 @@ status_code store_detach(store *st, const char *token, uint32_t *released, statu
     return rc;
 }
 
+/* ---- limits (docs/reliability/limits.md) --------------------------------- */
+
+static void format_bytes(uint64_t b, char *out, size_t len)
+{
+    if (b >= (1ull << 30))
+        snprintf(out, len, "%.1f GiB", (double)b / (double)(1ull << 30));
+    else
+        snprintf(out, len, "%.1f MiB", (double)b / (double)(1ull << 20));
+}
+
+status_code store_sketch_reserve_locked(store *st, seq *q, status *s)
+{
+    if (seq_sketch_reserved(q) > 0)
+        return ST_OK;
+    size_t need = seq_sketch_bytes_max(q), limit = st->cfg.max_daemon_bytes;
+    size_t left = limit > st->sketch_reserved ? limit - st->sketch_reserved : 0;
+    if (limit != 0 && need > left) {
+        char n[32], l[32], m[32];
+        format_bytes(need, n, sizeof n);
+        format_bytes(left, l, sizeof l);
+        format_bytes(limit, m, sizeof m);
+        return status_set(s, ST_RESOURCE_EXHAUSTED,
+                          "sketches of %u lists need %s of daemon memory, %s left of "
+                          "--max-daemon-mb (%s): lower sketch_rows/sketch_buckets or raise "
+                          "--max-daemon-mb",
+                          seq_layers(q) * seq_heads(q), n, l, m);
+    }
+    /* Without a limit the reservation is still counted, for Stats; what a
+     * saturated sum could not add is not given back either. */
+    size_t room = SIZE_MAX - st->sketch_reserved, taken = need < room ? need : room;
+    st->sketch_reserved += taken;
+    seq_set_sketch_reserved(q, taken);
+    return ST_OK;
+}
+
+/* Pool blocks session se holds: its sequences' (tables and retired) and
+ * its revive scratch. O(segments of its sequences). */
+static uint64_t session_blocks(store *st, const session *se)
+{
+    uint64_t n = 0;
+    for (size_t i = 0; i < st->nseqs; i++)
+        if (seq_session_id(st->seqs[i]) == se->id)
+            n += seq_blocks_held(st->seqs[i]);
+    for (const store_scratch *sc = se->scratch; sc != NULL; sc = sc->next)
+        n += sc->nblocks;
+    return n;
+}
+
+/* RESOURCE_EXHAUSTED when `more` blocks would take se past
+ * --session-max-blocks. */
+static status_code check_session_blocks(store *st, const session *se, uint64_t more,
+                                        const char *what, status *s)
+{
+    uint32_t quota = st->cfg.session_max_blocks;
+    if (quota == 0 || more == 0)
+        return ST_OK;
+    uint64_t held = session_blocks(st, se);
+    if (held + more <= quota)
+        return ST_OK;
+    return status_set(s, ST_RESOURCE_EXHAUSTED,
+                      "%s needs %llu more pool blocks; session %llu holds %llu of "
+                      "--session-max-blocks %u: release sequences or scratch, or raise it",
+                      what, (unsigned long long)more, (unsigned long long)se->id,
+                      (unsigned long long)held, quota);
+}
+
+/* Bytes of a protobuf varint holding v. */
+static uint64_t varint_bytes(uint64_t v)
+{
+    uint64_t n = 1;
+    while (v >= 0x80) {
+        v >>= 7;
+        n++;
+    }
+    return n;
+}
+
+/* The most bytes a LayerTable message (service.c fills it) takes with
+ * nsegs segments and, when positioned, `tokens` positions up to max_pos:
+ * its scalar fields and field headers (at most 64 bytes), three packed
+ * varints of at most 5 bytes and a tier per segment, a varint a position. */
+static uint64_t list_reply_bytes(uint64_t nsegs, uint64_t tokens, uint64_t max_pos)
+{
+    return 64 + nsegs * (3 * 5 + 1) + tokens * varint_bytes(max_pos);
+}
+
+/* An Append's reply bound in form f: the new tokens of every list, their
+ * segments (per list, one in the tail block and one per fresh block), and
+ * with positions each token's (service.c fills them for appends). */
+static uint64_t append_reply_bytes(const seq *q, uint32_t count, const store_reply_form *f)
+{
+    uint64_t nlists = (uint64_t)seq_layers(q) * seq_heads(q);
+    uint64_t segs = seq_append_blocks(q, count) + nlists;
+    uint64_t max_pos = seq_appended(q) + count;
+    return f->fixed_bytes + nlists * f->list_bytes + segs * f->segment_bytes +
+           (f->positions ? nlists * count * varint_bytes(max_pos) : 0);
+}
+
+/* RESOURCE_EXHAUSTED when an Append of count tokens to q would build a reply
+ * above f's limit: gRPC's own status for a message over its limit, and the
+ * worker's cue to split the append (the message says into what). */
+static status_code check_append_reply(const seq *q, int64_t count, const store_reply_form *f,
+                                      status *s)
+{
+    uint64_t bytes = append_reply_bytes(q, (uint32_t)count, f);
+    if (f->limit == 0 || bytes <= f->limit)
+        return ST_OK;
+    uint32_t lo = 0, hi = (uint32_t)count; /* the largest count whose reply fits */
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo + 1) / 2;
+        if (append_reply_bytes(q, mid, f) <= f->limit)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return status_set(s, ST_RESOURCE_EXHAUSTED,
+                      "an Append of %lld tokens could reply %llu bytes (%u lists), over %s "
+                      "(%llu bytes): append at most %u tokens a call; nothing was appended",
+                      (long long)count, (unsigned long long)bytes, seq_layers(q) * seq_heads(q),
+                      f->limit_name, (unsigned long long)f->limit, lo);
+}
+
+store_reply_form store_reply_rpc(const store *st)
+{
+    /* LayerTable (service.c): fields and headers, three packed varints and
+     * a tier a segment, a varint position a token. */
+    return (store_reply_form){.limit = st->cfg.max_reply_bytes,
+                              .fixed_bytes = 64,
+                              .list_bytes = 64,
+                              .segment_bytes = 3 * 5 + 1,
+                              .positions = 1,
+                              .limit_name = "--max-reply-mb"};
+}
+
+/* RESOURCE_EXHAUSTED when a GetBlockTable of q would build a reply above
+ * --max-reply-mb (its positions, mostly). */
+static status_code check_table_reply(store *st, seq *q, int with_positions, status *s)
+{
+    uint64_t limit = st->cfg.max_reply_bytes, bytes = 64;
+    if (limit == 0)
+        return ST_OK;
+    for (uint32_t l = 0; l < seq_layers(q); l++)
+        for (uint32_t k = 0; k < seq_heads(q); k++) {
+            seq_list_view v;
+            seq_list_view_get(q, l, k, &v);
+            bytes += list_reply_bytes(v.nsegs, with_positions ? v.tokens : 0, seq_appended(q));
+        }
+    if (bytes <= limit)
+        return ST_OK;
+    return status_set(s, ST_RESOURCE_EXHAUSTED,
+                      "the block table of sequence %llu could take %llu bytes, over "
+                      "--max-reply-mb (%llu bytes)%s",
+                      (unsigned long long)seq_id_of(q), (unsigned long long)bytes,
+                      (unsigned long long)limit,
+                      with_positions ? ": ask without positions, or raise --max-reply-mb"
+                                     : ": raise --max-reply-mb");
+}
+
+/* RESOURCE_EXHAUSTED when a Revive's reply (the scratch table with a
+ * position and a source tier per token, a segment per token at most) could
+ * pass --max-reply-mb: the request's range, or the list's held and
+ * offloaded tokens when fewer. A layer or head out of range is seq_revive's
+ * to refuse. */
+static status_code check_revive_reply(store *st, seq *q, const seq_revive_request *req, status *s)
+{
+    uint64_t limit = st->cfg.max_reply_bytes;
+    if (limit == 0 || req->layer >= seq_layers(q) || req->head >= seq_heads(q))
+        return ST_OK;
+    seq_list_view v;
+    seq_list_view_get(q, req->layer, req->head, &v);
+    uint64_t appended = seq_appended(q);
+    uint64_t range = req->count != 0         ? req->count
+                     : appended > req->first ? appended - req->first
+                                             : 0;
+    uint64_t have = (uint64_t)v.tokens + v.noffloaded;
+    uint64_t tokens = range < have ? range : have, per = 3 * 5 + 1 + varint_bytes(appended) + 1;
+    if (128 + tokens * per <= limit)
+        return ST_OK;
+    return status_set(s, ST_RESOURCE_EXHAUSTED,
+                      "a Revive of up to %llu tokens could reply %llu bytes, over --max-reply-mb "
+                      "(%llu bytes): revive at most %llu positions a call (first, count); "
+                      "nothing was revived",
+                      (unsigned long long)tokens, (unsigned long long)(128 + tokens * per),
+                      (unsigned long long)limit, (unsigned long long)((limit - 128) / per));
+}
+
 /* ---- sequences ---------------------------------------------------------- */
 
 static status_code check_label(const char *label, status *s)
@@ -646,6 +998,11 @@ status_code store_seq_create(store *st, const char *token, const store_seq_reque
     status_code rc = need_session(st, token, 1, &se, s);
     if (rc == ST_OK && st->nseqs >= st->cfg.max_seqs)
         rc = status_set(s, ST_RESOURCE_EXHAUSTED, "too many sequences (%u)", st->cfg.max_seqs);
+    if (rc == ST_OK && st->cfg.session_max_seqs != 0 && se->nseqs >= st->cfg.session_max_seqs)
+        rc = status_set(s, ST_RESOURCE_EXHAUSTED,
+                        "session %llu holds %u sequences, --session-max-seqs: release one, or "
+                        "raise it",
+                        (unsigned long long)se->id, se->nseqs);
     if (rc == ST_OK && st->nseqs == st->seqs_cap) {
         size_t cap = st->seqs_cap ? st->seqs_cap * 2 : 16;
         seq **grown = realloc(st->seqs, cap * sizeof *grown);
@@ -658,6 +1015,12 @@ status_code store_seq_create(store *st, const char *token, const store_seq_reque
     }
     if (rc == ST_OK)
         rc = seq_create(st->next_seq_id, se->id, se->pool, ops, params, label, &q, s);
+    /* A sequence whose own configuration fills sketches reserves their worst
+     * case now, or is never seen (others reserve at an operator's offload). */
+    if (rc == ST_OK && seq_sketches(q) && (rc = store_sketch_reserve_locked(st, q, s)) != ST_OK) {
+        seq_destroy(q);
+        q = NULL;
+    }
     if (rc == ST_OK) {
         st->next_seq_id++;
         st->seqs[st->nseqs++] = q;
@@ -707,6 +1070,14 @@ static status_code table_alloc(store_table *t, const seq *q, status *s)
 status_code store_append(store *st, const char *token, uint64_t seq_id, int64_t count,
                          uint64_t ack_epoch, store_table *writes, status *s)
 {
+    store_reply_form f = store_reply_rpc(st);
+    return store_append_within(st, token, seq_id, count, ack_epoch, &f, writes, s);
+}
+
+status_code store_append_within(store *st, const char *token, uint64_t seq_id, int64_t count,
+                                uint64_t ack_epoch, const store_reply_form *form,
+                                store_table *writes, status *s)
+{
     memset(writes, 0, sizeof *writes);
     pthread_mutex_lock(&st->lock);
     session *se;
@@ -717,6 +1088,9 @@ status_code store_append(store *st, const char *token, uint64_t seq_id, int64_t 
     seq *q = rc == ST_OK ? st->seqs[i] : NULL;
     if (rc == ST_OK)
         rc = seq_append_check(q, count, s);
+    /* Before the reply's arrays are allocated or a token is added. */
+    if (rc == ST_OK)
+        rc = check_append_reply(q, count, form, s);
     if (rc == ST_OK)
         rc = table_alloc(writes, q, s);
     kv_segment **segs = NULL;
@@ -734,7 +1108,11 @@ status_code store_append(store *st, const char *token, uint64_t seq_id, int64_t 
             rc = status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
     }
     if (rc == ST_OK) {
+        /* The ack first: the blocks it frees no longer count to the quota. */
         seq_ack(q, ack_epoch);
+        rc = check_session_blocks(st, se, seq_append_blocks(q, (uint32_t)count), "this Append", s);
+    }
+    if (rc == ST_OK) {
         uint32_t first = (uint32_t)seq_appended(q);
         uint64_t dropped = seq_victims_dropped(q);
         rc = seq_append(q, count, segs, nsegs, &writes->evicted, s);
@@ -803,6 +1181,8 @@ status_code store_get_table(store *st, const char *token, uint64_t seq_id, uint6
     pthread_mutex_lock(&st->lock);
     seq *q;
     status_code rc = own_seq_acked(st, token, seq_id, ack_epoch, &q, s);
+    if (rc == ST_OK)
+        rc = check_table_reply(st, q, with_positions, s);
     if (rc == ST_OK)
         rc = table_alloc(out, q, s);
     if (rc == ST_OK) {
@@ -942,7 +1322,17 @@ status_code store_revive(store *st, const char *token, uint64_t seq_id,
     seq *q = rc == ST_OK ? st->seqs[i] : NULL;
     seq_revived rv;
     if (rc == ST_OK)
+        rc = check_revive_reply(st, q, req, s);
+    if (rc == ST_OK)
         rc = seq_revive(q, req, &rv, s);
+    /* The scratch is the session's only once it passes the quota. */
+    if (rc == ST_OK && (rc = check_session_blocks(st, se, rv.nblocks, "this Revive", s)) != ST_OK) {
+        *sc = (store_scratch){.blocks = rv.blocks, .nblocks = rv.nblocks};
+        scratch_free(seq_pool(q), sc); /* the blocks back to the pool, sc too */
+        sc = NULL;
+        store_revive_result_free(&(store_revive_result){
+            .table = {.segs = rv.segs, .positions = rv.positions}, .src_tier = rv.src_tier});
+    }
     if (rc == ST_OK) {
         out->table.segs = rv.segs;
         out->table.nsegs = rv.nsegs;

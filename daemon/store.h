@@ -33,6 +33,14 @@ typedef struct store_config {
     uint32_t max_sessions;  /* connected workers */
     uint32_t max_seqs;      /* sequences over all sessions */
     const backend *backend; /* where pools live; NULL = backend_host */
+    /* Limits (docs/reliability/limits.md); 0 = none. Daemon memory that
+     * requests may take beyond the pools (sequences' sketch cells, reserved
+     * at create: --max-daemon-mb), sequences and pool blocks one session may
+     * hold, and the largest reply a call may build (refused before it
+     * changes anything). */
+    size_t max_daemon_bytes;
+    uint32_t session_max_seqs, session_max_blocks;
+    size_t max_reply_bytes;
 } store_config;
 
 typedef struct store store;
@@ -43,7 +51,9 @@ typedef struct session session; /* a worker's session: store_internal.h */
  * through store_transport_fd. The store keeps it with the session and ends
  * it with the session: close() under the store's lock (it must not block),
  * then join() outside it (its thread may be waiting for the lock), which
- * frees it. `impl` is NULL when the session has none.
+ * frees it. Only shutdown joins a transport before ended() says 1: the
+ * fd-socket thread never waits on one. `impl` is NULL when the session has
+ * none.
  */
 typedef struct store_transport {
     void *impl;
@@ -51,6 +61,7 @@ typedef struct store_transport {
     void (*join)(void *impl);
     int (*fd)(const void *impl); /* the descriptor a worker maps (owned by impl) */
     size_t (*bytes)(const void *impl);
+    int (*ended)(const void *impl); /* 1 once closed and its thread ended: join() won't wait */
 } store_transport;
 
 /* Creates the transport that acts for the session holding `token`; called
@@ -101,12 +112,43 @@ store *store_create(const store_config *cfg, events *events);
  * anyone: the hooks read it without the lock. */
 void store_set_metrics(store *st, struct metrics *m);
 
+#define STORE_MAX_OPERATORS 16
+
+/* The uids whose sessions are operators' (kvstashd --operator-uids): they
+ * may evict, demote, offload and revive any session's sequence and see every
+ * session and sequence in Stats and Inspect; every other session acts on,
+ * and sees the labels and parameters of, only its own sequences. Copies at
+ * most STORE_MAX_OPERATORS uids (n == 0: no operators). Only before the store
+ * serves anyone; until then the operators are root and the daemon's uid. */
+void store_set_operators(store *st, const uid_t *uids, size_t n);
+
+/* Who calls a read-only view (Stats, Inspect). */
+typedef struct store_caller {
+    uint64_t session_id; /* 0: no session (a call without a token) */
+    uid_t uid;
+    int is_operator; /* uid is in the operators' list: sees everything */
+} store_caller;
+
+/*
+ * The caller holding `token` (a fd-socket session, attached or not). A
+ * call without a token (NULL) comes over the Unix socket, which the
+ * filesystem opens to root and the daemon's uid only (rpc.h: over TCP such a
+ * call reaches no view); kvstashd cannot tell which of the two it is and
+ * credits it with the daemon's uid, the lesser one. UNAUTHENTICATED (an
+ * empty or unknown token); it answers while shutting down too.
+ */
+status_code store_identify(store *st, const char *token, store_caller *out, status *s);
+
 /* Reclaim every session (reason "shutdown") and free everything, st too. */
 void store_destroy(store *st);
 
 /* Stop taking new work (health turns NOT_SERVING). */
 void store_begin_shutdown(store *st);
 int store_serving(store *st);
+
+/* The largest reply a call may build (store_config.max_reply_bytes; 0 =
+ * no limit): what Inspect checks its reply against, as Append does. */
+size_t store_max_reply(const store *st);
 
 /* The name of the backend pools live in (backend.h; a static string). */
 const char *store_backend_name(const store *st);
@@ -115,6 +157,11 @@ const char *store_backend_name(const store *st);
  * /metrics and Stats). 0, or -1 when out of memory (*out then empty);
  * free with snapshot_free. */
 int store_snapshot(store *st, snapshot *out);
+
+/* store_snapshot as `who` may see it (Stats): an operator everything; anyone
+ * else only its own session and sequences, the pools' totals still counting
+ * every sequence. */
+int store_snapshot_for(store *st, const store_caller *who, snapshot *out);
 
 /* Under store_lock: sequence q as snapshot_seq (Inspect's summary). */
 void store_seq_snapshot(seq *q, snapshot_seq *out);
@@ -137,14 +184,43 @@ status_code store_transport_fd(store *st, int conn_id, store_transport_open open
 /* fd socket: the connection closed; reclaim its session, if any. */
 void store_session_conn_closed(store *st, int conn_id);
 
+/* fd socket: copy the connection ids of attached sessions into ids (at
+ * most cap of them, in no order) and return how many there are; a
+ * connection whose id is not among them is pending (no HELLO, or no Attach
+ * yet) or idle (its session ended). */
+size_t store_attached_conns(store *st, int *ids, size_t cap);
+
+/*
+ * Leases (docs/reliability/liveness.md): a session's lease is renewed by
+ * every call on it (any gRPC call with its token, ring EPOCH, APPEND and
+ * STEP, fd-socket MAP and RING); an attached session not renewed for
+ * `ms` (0 = never, the default) is reclaimed by store_expire_leases like a
+ * killed worker, reason "lease-timeout". Only before the store serves anyone.
+ */
+void store_set_lease_timeout(store *st, uint32_t ms);
+
+/* Reclaim every attached session whose lease ran out (store_set_lease_timeout)
+ * and reap the ended rings whose threads have stopped; returns how many
+ * sessions it reclaimed. The fd-socket thread calls it every FDSOCK_TICK_MS. */
+uint32_t store_expire_leases(store *st);
+
 /* fd socket MAP: a dup of the pool's memfd for the session on conn_id, if it
  * is attached to pool_id. The caller closes *fd. */
 status_code store_pool_fd(store *st, int conn_id, uint64_t pool_id, int *fd, size_t *bytes,
                           status *s);
 
+/* store_attach_tenant with the default tenant "". */
 status_code store_attach(store *st, const char *token, const char *model,
                          const pool_geometry *geometry, const char *worker_name,
                          store_attach_result *out, status *s);
+
+/* Attach the session holding `token` to the pool of (tenant, model),
+ * created on first use: workers of one tenant and model share a pool (one
+ * memfd that each maps read-write), another tenant gets its own. tenant is
+ * "" (the default) or 1 to 64 of [A-Za-z0-9._-]; INVALID_ARGUMENT otherwise. */
+status_code store_attach_tenant(store *st, const char *token, const char *tenant, const char *model,
+                                const pool_geometry *geometry, const char *worker_name,
+                                store_attach_result *out, status *s);
 
 /* The lease stream opened; *session_id identifies it for store_lease_end. */
 status_code store_lease_begin(store *st, const char *token, uint64_t *session_id, status *s);
@@ -176,9 +252,31 @@ status_code store_seq_create(store *st, const char *token, const store_seq_reque
                              store_seq_created *out, status *s);
 
 /* Append: on success *writes holds, per layer, the segments of the new tokens
- * (positions not filled: they are first_position + i). */
+ * (positions not filled: they are first_position + i). RESOURCE_EXHAUSTED,
+ * before anything changes, when the caller's reply could pass its limit:
+ * store_append answers in a gRPC AppendResponse (store_reply_rpc). */
 status_code store_append(store *st, const char *token, uint64_t seq_id, int64_t count,
                          uint64_t ack_epoch, store_table *writes, status *s);
+
+/* How a caller encodes an Append's reply, so that one that could not fit is
+ * refused before the append: at most `limit` bytes (0 = no limit), with
+ * fixed_bytes, list_bytes a list and at most segment_bytes a segment, and
+ * with positions a varint position per token and list (protobuf).
+ * limit_name says in the refusal what sets the limit. */
+typedef struct store_reply_form {
+    uint64_t limit;
+    uint32_t fixed_bytes, list_bytes, segment_bytes;
+    int positions;
+    const char *limit_name;
+} store_reply_form;
+
+/* The form of a gRPC AppendResponse under store_config.max_reply_bytes. */
+store_reply_form store_reply_rpc(const store *st);
+
+/* store_append for a caller whose reply takes `form` (the ring's data area). */
+status_code store_append_within(store *st, const char *token, uint64_t seq_id, int64_t count,
+                                uint64_t ack_epoch, const store_reply_form *form,
+                                store_table *writes, status *s);
 
 status_code store_get_table(store *st, const char *token, uint64_t seq_id, uint64_t ack_epoch,
                             int with_positions, store_table *out, status *s);
@@ -213,7 +311,14 @@ void store_revive_result_free(store_revive_result *r);
 status_code store_scratch_release(store *st, const char *token, uint64_t scratch_id,
                                   uint32_t *blocks_freed, status *s);
 
-/* Under store_lock: look a sequence up for Inspect (no ownership check). */
+/* Under store_lock: look a sequence up (no ownership check). */
 seq *store_find_seq_locked(store *st, uint64_t seq_id);
+
+/* Under store_lock: sequence seq_id for Inspect by the caller holding
+ * `token` (store_identify): its owner's session or an operator's. NOT_FOUND,
+ * PERMISSION_DENIED (another session's, and the caller is no operator), or
+ * store_identify's errors. */
+status_code store_find_seq_visible_locked(store *st, const char *token, uint64_t seq_id, seq **out,
+                                          status *s);
 
 #endif

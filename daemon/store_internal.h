@@ -39,6 +39,8 @@ struct session {
     uint64_t attached_ms; /* store_now_ms() at Attach */
     int lease_open;
     uint64_t lease_ms; /* store_now_ms() when the lease opened (operators' "lease age") */
+    /* store_now_ms() of the session's last call, which renews its lease */
+    uint64_t active_ms;
     uint32_t nseqs;
     store_transport transport; /* the per-step ring, once the worker asked for it */
     store_scratch *scratch;
@@ -52,7 +54,13 @@ struct store {
     /* Counters for /metrics (metrics.h); NULL = none. Set once before the
      * store serves anyone (main.c), never changed afterwards. */
     struct metrics *metrics;
+    /* The operators' uids (store_set_operators): set before the store serves
+     * anyone, read without the lock. */
+    uid_t operators[STORE_MAX_OPERATORS];
+    size_t noperators;
     uint64_t start_ms;
+    /* store_set_lease_timeout: reclaim sessions idle this long; 0 = never */
+    uint32_t lease_timeout_ms;
     int serving;  /* 0 once shutdown began: new work gets UNAVAILABLE */
     pool **pools; /* cfg.max_pools slots, NULL when free */
     session *sessions;
@@ -61,11 +69,21 @@ struct store {
     store_transport *closed; /* transports of ended sessions, joined outside the lock */
     size_t nclosed, closed_cap;
     uint64_t next_pool_id, next_session_id, next_seq_id, next_scratch_id;
+    size_t sketch_reserved; /* sum of the sequences' seq_sketch_reserved */
 };
 
 /* Lock held: the session holding `token` (attached or not) or with id `id`;
  * NULL if none. */
 session *store_find_session_locked(store *st, const char *token);
 session *store_find_session_id_locked(store *st, uint64_t id);
+
+/* Lock held: reserve the worst case of q's sketch cells (seq_sketch_bytes_max)
+ * against the daemon memory budget, unless q holds a reservation already.
+ * RESOURCE_EXHAUSTED naming the bytes needed, those left and
+ * --max-daemon-mb when they do not fit. Released with q. */
+status_code store_sketch_reserve_locked(store *st, seq *q, status *s);
+
+/* Whether uid is an operator's (store_set_operators). */
+int store_is_operator(const store *st, uid_t uid);
 
 #endif

@@ -4,7 +4,6 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "log.h"
 #include "metrics.h"
@@ -106,19 +105,21 @@ static status_code check_caller(store *st, const char *token, session **out, sta
                           : "unknown session token (the session ended, or the token is wrong)");
 }
 
-/* The fd socket admits only root and the daemon's uid today; this check
- * keeps evict safe if it ever admits more (a worker may evict its own). */
+/* A session acts on its own sequences; another session's takes an
+ * operator's uid (store_set_operators). The uid alone is not enough: every
+ * worker of the daemon's uid shares it, and one must not cut another's
+ * cache (issue 12). */
 static status_code check_permission(store *st, const session *caller, const seq *q, policy_tier to,
                                     status *s)
 {
-    session *owner = store_find_session_id_locked(st, seq_session_id(q));
-    if (caller->uid != 0 && caller->uid != geteuid() &&
-        (owner == NULL || owner->uid != caller->uid))
-        return status_set(s, ST_PERMISSION_DENIED,
-                          "uid %u may not %s positions of sequence %llu (root, the daemon's uid "
-                          "and the owning worker's uid may)",
-                          (unsigned)caller->uid, op_names[to], (unsigned long long)seq_id_of(q));
-    return ST_OK;
+    if (seq_session_id(q) == caller->id || store_is_operator(st, caller->uid))
+        return ST_OK;
+    return status_set(s, ST_PERMISSION_DENIED,
+                      "session %llu (uid %u) may not %s positions of sequence %llu: it belongs "
+                      "to another session, and only uids in kvstashd's operator_uids act on "
+                      "other sessions' sequences",
+                      (unsigned long long)caller->id, (unsigned)caller->uid, op_names[to],
+                      (unsigned long long)seq_id_of(q));
 }
 
 /* Positions of the normalised ranges that [pos] hits, walking both in order. */
@@ -232,6 +233,9 @@ static status_code check_all(store *st, const char *token, uint64_t seq_id, poli
                        (unsigned long long)seq_id, seq_policy(q)->name, op_names[to], op_names[to]);
     if (rc == ST_OK)
         rc = check_request(r, nranges, layers, nlayers, q, to, s);
+    /* Sketch cells only within the daemon memory budget (store_internal.h). */
+    if (rc == ST_OK && to == POLICY_SKETCH)
+        rc = store_sketch_reserve_locked(st, q, s);
     *out = q;
     return rc;
 }

@@ -76,8 +76,9 @@ int operator_can_evict(const policy_ops *p);
  * epoch is bumped when a table changed.
  *
  * Errors (nothing changes): UNAVAILABLE (shutting down), UNAUTHENTICATED (no
- * or unknown token), NOT_FOUND (no such sequence), PERMISSION_DENIED (the
- * caller's uid is neither root, the daemon's, nor the owning worker's),
+ * or unknown token), NOT_FOUND (no such sequence), PERMISSION_DENIED (another
+ * session's sequence, and the caller's uid is no operator's:
+ * store_set_operators),
  * FAILED_PRECONDITION (the policy cannot take operator changes),
  * INVALID_ARGUMENT (no ranges, too many, empty, overflowing or beyond the
  * appended positions; a layer out of range; `to` not a policy_tier).

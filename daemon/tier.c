@@ -243,8 +243,19 @@ size_t tier_sketch_bytes(const tier_sketch *s)
 {
     if (s->sk.key == NULL)
         return 0;
-    size_t cells = (size_t)s->sk.rows * s->sk.buckets;
-    return cells * (2 * (size_t)s->sk.dim * sizeof(float) + sizeof(int32_t));
+    return tier_sketch_bytes_for(s->sk.rows, s->sk.buckets, s->sk.dim);
+}
+
+size_t tier_sketch_bytes_for(uint32_t rows, uint32_t buckets, size_t dim)
+{
+    /* key and value cells (fp32 [dim] each) and a count per cell; the
+     * numbers come from a client's parameters: saturate, never wrap. */
+    size_t cells = (size_t)rows * buckets, per_cell, bytes;
+    if (__builtin_mul_overflow(dim, 2 * sizeof(float), &per_cell) ||
+        __builtin_add_overflow(per_cell, sizeof(int32_t), &per_cell) ||
+        __builtin_mul_overflow(cells, per_cell, &bytes))
+        return SIZE_MAX;
+    return bytes;
 }
 
 /* Buckets and signs of n positions; the caller frees *h (g shares it). */

@@ -97,6 +97,9 @@ typedef struct tier_sketch {
 int tier_sketch_init(tier_sketch *s, const tier_ctx *c, const policy_sketch_geometry *g);
 void tier_sketch_free(tier_sketch *s);
 size_t tier_sketch_bytes(const tier_sketch *s); /* 0 when not allocated */
+/* Bytes a sketch of rows x buckets cells of dim floats allocates
+ * (tier_sketch_init); SIZE_MAX when that overflows. */
+size_t tier_sketch_bytes_for(uint32_t rows, uint32_t buckets, size_t dim);
 
 /* Insert n contiguous tokens at original positions pos (Alg. 1). */
 int tier_sketch_insert(tier_sketch *s, const tier_ctx *c, const uint32_t *pos, size_t n,

@@ -17,6 +17,13 @@
  * set (sequentially consistent atomics on both sides: no lost wake-up, and no
  * futex syscall while the peer is still spinning). When the session ends the
  * daemon sets `closing` and wakes both futexes.
+ *
+ * The worker can write every byte of this header, so the daemon trusts none
+ * of it: it never reads magic, bytes or `closing` back (its thread stops on
+ * a flag of its own), bounds each futex sleep (50 ms), reads the request
+ * once into private memory and checks every field there, and treats any
+ * change of req_seq as one more request. A worker that scribbles on the
+ * header can only get wrong answers or none, on its own session.
  */
 #ifndef KVSTASH_RING_H
 #define KVSTASH_RING_H
@@ -74,7 +81,7 @@ typedef struct ring_header {
     uint64_t bytes;                 /* size of the whole mapping */
     _Alignas(64) uint32_t req_seq;  /* bumped by the worker: futex word */
     _Alignas(64) uint32_t resp_seq; /* bumped by the daemon: futex word */
-    _Alignas(64) uint32_t closing;  /* set by the daemon when the session ends */
+    _Alignas(64) uint32_t closing;  /* set by the daemon when the session ends (a hint) */
     uint32_t daemon_waiting;        /* the daemon sleeps on req_seq: wake it */
     uint32_t worker_waiting;        /* the worker sleeps on resp_seq: wake it */
     _Alignas(64) ring_request req;

@@ -86,4 +86,6 @@ if __name__ == "__main__":
         check_poke_faults,
         check_daemon_holds_a_shadow,
         check_poke_works_on_host,
-    ], daemon_kwargs={"backend": "shadow"}))
+    # --dumpable: the test reads kvstashd's /proc/<pid>/maps, which a
+    # non-dumpable daemon (the default) hides from a test run as another user.
+    ], daemon_kwargs={"backend": "shadow", "extra_args": ("--dumpable",)}))

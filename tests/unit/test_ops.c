@@ -50,6 +50,35 @@ static void test_config_set(void **state)
     assert_int_equal(c.pool_mb, 12); /* failures change nothing */
 }
 
+/* Text values that config_print could not write back as they are (the INI
+ * reader trims blanks and control bytes, cuts " ;" comments and reads lines
+ * of at most 200 bytes), and socket paths no sockaddr_un holds, are refused
+ * (tests/fuzz/corpus/fuzz_config/regress-*: fuzz_config found them). */
+static void test_config_text_that_cannot_round_trip(void **state)
+{
+    (void)state;
+    daemon_config c;
+    char err[256];
+    config_defaults(&c);
+    static const char *const bad[] = {"127.0.0.1:1\f",  " 127.0.0.1:1",  "127.0.0.1:1 ",
+                                      "127.0.0.1:1 ;x", "127\n.0.0.1:1", "127.0.0.1:1\x7f"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        assert_int_equal(config_set(&c, "metrics", bad[i], err, sizeof err), -1);
+        assert_non_null(strstr(err, "metrics must be printable text"));
+        assert_int_equal(config_set(&c, "socket", bad[i], err, sizeof err), -1);
+    }
+    char path[128];
+    memset(path, 'a', sizeof path - 1);
+    path[0] = '/';
+    path[100] = '\0'; /* 100 bytes: PATH.events still fits a sockaddr_un */
+    assert_int_equal(config_set(&c, "socket", path, err, sizeof err), 0);
+    path[100] = 'a';
+    path[101] = '\0';
+    assert_int_equal(config_set(&c, "socket", path, err, sizeof err), -1);
+    assert_non_null(strstr(err, "socket is too long (at most 100 bytes)"));
+    assert_int_equal(config_set(&c, "metrics", "127.0.0.1:1;x", err, sizeof err), 0);
+}
+
 static char *write_temp(const char *text)
 {
     static char path[64];
@@ -137,7 +166,7 @@ static int setup(void **state)
 {
     static fixture f;
     memset(&f, 0, sizeof f);
-    store_config cfg = {1 << 20, 4, 16, 64, NULL};
+    store_config cfg = {.pool_bytes = 1 << 20, .max_pools = 4, .max_sessions = 16, .max_seqs = 64};
     assert_non_null(f.st = store_create(&cfg, NULL));
     f.m = metrics_create(no_methods, 1);
     assert_non_null(f.m);
@@ -263,15 +292,141 @@ static void test_evict_refusals_change_nothing(void **state)
     assert_int_equal(r.evicted, 2);
 }
 
+/* --operator-uids: a list of uids, "none" or "" for none; defaults root
+ * and the daemon's uid. */
+static void test_config_operator_uids(void **state)
+{
+    (void)state;
+    daemon_config c;
+    char err[256];
+    config_defaults(&c);
+    assert_int_equal(c.n_operator_uids, geteuid() == 0 ? 1 : 2);
+    assert_int_equal(c.operator_uids[0], 0);
+    assert_int_equal(c.operator_uids[c.n_operator_uids - 1], geteuid());
+    assert_int_equal(config_set(&c, "operator_uids", "0, 1000,65534", err, sizeof err), 0);
+    assert_int_equal(c.n_operator_uids, 3);
+    assert_int_equal(c.operator_uids[1], 1000);
+    assert_int_equal(c.operator_uids[2], 65534);
+    assert_int_equal(config_set(&c, "operator-uids", "none", err, sizeof err), 0);
+    assert_int_equal(c.n_operator_uids, 0);
+    assert_int_equal(config_set(&c, "operator-uids", "7", err, sizeof err), 0);
+    const char *bad[] = {"root", "1,,2",       "-1",
+                         "1 2",  "4294967295", "1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        assert_int_equal(config_set(&c, "operator-uids", bad[i], err, sizeof err), -1);
+        assert_non_null(strstr(err, "operator-uids must be at most 16 comma-separated uids"));
+    }
+    assert_int_equal(c.n_operator_uids, 1); /* failures change nothing */
+    assert_int_equal(c.operator_uids[0], 7);
+}
+
+/* With operator_uids = {2000}: the stranger (uid 2000) acts on and sees
+ * every sequence, the daemon-uid session and a token-less caller only their
+ * own (none), the owner its own. */
+static void test_operators_act_and_see_others(void **state)
+{
+    fixture *f = *state;
+    status s;
+    operator_evict_result r;
+    const operator_range one[] = {{1, 1}};
+    const uid_t ops[] = {2000};
+    store_set_operators(f->st, ops, 1);
+    seq *q;
+    if (geteuid() != 2000) {
+        assert_int_equal(operator_evict(f->st, f->operator, f->seq_full, one, 1, NULL, 0, &r, &s),
+                         ST_PERMISSION_DENIED);
+        assert_non_null(strstr(s.msg, "operator_uids"));
+        store_lock(f->st);
+        assert_int_equal(store_find_seq_visible_locked(f->st, f->operator, f->seq_full, &q, &s),
+                         ST_PERMISSION_DENIED);
+        assert_int_equal(store_find_seq_visible_locked(f->st, NULL, f->seq_full, &q, &s),
+                         ST_PERMISSION_DENIED);
+        store_unlock(f->st);
+    }
+    assert_int_equal(held(f, f->seq_full, 0, NULL), 16);
+    store_lock(f->st);
+    assert_int_equal(store_find_seq_visible_locked(f->st, f->stranger, f->seq_full, &q, &s), ST_OK);
+    assert_ptr_equal(q, store_find_seq_locked(f->st, f->seq_full));
+    assert_int_equal(store_find_seq_visible_locked(f->st, f->token, f->seq_h2o, &q, &s), ST_OK);
+    assert_int_equal(store_find_seq_visible_locked(f->st, "0123", f->seq_full, &q, &s),
+                     ST_UNAUTHENTICATED);
+    assert_int_equal(store_find_seq_visible_locked(f->st, f->token, 999, &q, &s), ST_NOT_FOUND);
+    store_unlock(f->st);
+    /* Stats: the pools' totals count every sequence, the lists only what
+     * the caller may see. */
+    store_caller who;
+    snapshot all, mine, none;
+    assert_int_equal(store_identify(f->st, f->stranger, &who, &s), ST_OK);
+    assert_true(who.is_operator);
+    assert_int_equal(store_snapshot_for(f->st, &who, &all), 0);
+    assert_int_equal(all.nseqs, 2);
+    assert_int_equal(store_identify(f->st, f->token, &who, &s), ST_OK);
+    assert_int_equal(who.uid, 1000);
+    assert_false(who.is_operator);
+    assert_int_equal(store_snapshot_for(f->st, &who, &mine), 0);
+    assert_int_equal(mine.nseqs, 2);
+    assert_int_equal(mine.nsessions, 1);
+    assert_int_equal(store_identify(f->st, NULL, &who, &s), ST_OK);
+    assert_int_equal(who.session_id, 0);
+    assert_int_equal(who.is_operator, geteuid() == 2000);
+    assert_int_equal(store_snapshot_for(f->st, &who, &none), 0);
+    if (geteuid() != 2000) {
+        assert_int_equal(none.nseqs, 0);
+        assert_int_equal(none.nsessions, 0);
+    }
+    assert_int_equal(none.npools, 1);
+    assert_int_equal(none.pools[0].blocks_free, all.pools[0].blocks_free);
+    assert_int_equal(none.pools[0].blocks_retired, all.pools[0].blocks_retired);
+    snapshot_free(&all);
+    snapshot_free(&mine);
+    snapshot_free(&none);
+    assert_int_equal(store_identify(f->st, "", &who, &s), ST_UNAUTHENTICATED);
+    /* The operator evicts the owner's positions. */
+    assert_int_equal(operator_evict(f->st, f->stranger, f->seq_full, one, 1, NULL, 0, &r, &s),
+                     ST_OK);
+    assert_int_equal(r.evicted, 2);
+    assert_int_equal(held(f, f->seq_full, 0, NULL), 15);
+}
+
+/* Pools are the (tenant, model)'s: another tenant gets another pool. */
+static void test_tenants_get_their_own_pools(void **state)
+{
+    fixture *f = *state;
+    status s;
+    char t1[STORE_TOKEN_LEN + 1], t2[STORE_TOKEN_LEN + 1], t3[STORE_TOKEN_LEN + 1];
+    assert_int_equal(store_session_open(f->st, 200, 1000, 1000, 10, t1, &s), ST_OK);
+    assert_int_equal(store_session_open(f->st, 201, 1000, 1000, 11, t2, &s), ST_OK);
+    assert_int_equal(store_session_open(f->st, 202, 1000, 1000, 12, t3, &s), ST_OK);
+    store_attach_result plain, a, b;
+    /* f->token attached to model "m" with the default tenant (setup). */
+    assert_int_equal(store_attach_tenant(f->st, t1, "", "m", &geom, "w", &plain, &s), ST_OK);
+    assert_int_equal(store_attach_tenant(f->st, t2, "acme", "m", &geom, "w", &a, &s), ST_OK);
+    assert_int_equal(store_attach_tenant(f->st, t3, "initech", "m", &geom, "w", &b, &s), ST_OK);
+    assert_true(plain.pool_id != a.pool_id && a.pool_id != b.pool_id && plain.pool_id != b.pool_id);
+    int fd = -1;
+    size_t bytes;
+    assert_int_equal(store_pool_fd(f->st, 11, plain.pool_id, &fd, &bytes, &s),
+                     ST_PERMISSION_DENIED);
+    char t4[STORE_TOKEN_LEN + 1];
+    assert_int_equal(store_session_open(f->st, 203, 1000, 1000, 13, t4, &s), ST_OK);
+    assert_int_equal(store_attach_tenant(f->st, t4, "a/b", "m", &geom, "w", &a, &s),
+                     ST_INVALID_ARGUMENT);
+    assert_non_null(strstr(s.msg, "tenant may contain only"));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_config_set),
+        cmocka_unit_test(test_config_text_that_cannot_round_trip),
         cmocka_unit_test(test_config_file_round_trip),
         cmocka_unit_test(test_metrics_addresses),
         cmocka_unit_test_setup_teardown(test_evict_drops_positions_and_retires_blocks, setup,
                                         teardown),
         cmocka_unit_test_setup_teardown(test_evict_refusals_change_nothing, setup, teardown),
+        cmocka_unit_test(test_config_operator_uids),
+        cmocka_unit_test_setup_teardown(test_operators_act_and_see_others, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_tenants_get_their_own_pools, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

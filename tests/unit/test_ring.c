@@ -14,7 +14,11 @@
 #include <cmocka.h>
 
 #include <fcntl.h>
+#include <linux/futex.h>
+#include <math.h>
 #include <stdatomic.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -34,6 +38,7 @@ typedef struct fixture {
     uint64_t seq_id;
     ring *r;
     ring_client rc;
+    int peer[2]; /* stands for the fd-socket connection: [0] the worker's end */
 } fixture;
 
 static const pool_geometry geom = {2, 4, 2, 8, 4, POOL_FP32, 0};
@@ -56,7 +61,8 @@ static int setup_policy(void **state, const char *policy, const char *const *key
     int fd = fcntl(ring_fd(f.r), F_DUPFD_CLOEXEC, 0);
     assert_true(fd >= 0);
     char err[256];
-    if (ring_client_open(&f.rc, fd, RING_TEST_BYTES, err, sizeof err) != KVS_OK)
+    assert_int_equal(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, f.peer), 0);
+    if (ring_client_open(&f.rc, fd, RING_TEST_BYTES, f.peer[0], err, sizeof err) != KVS_OK)
         fail_msg("ring_client_open: %s", err);
     *state = &f;
     return 0;
@@ -82,6 +88,9 @@ static int teardown(void **state)
         ring_close(f->r);
         ring_join(f->r);
     }
+    close(f->peer[0]);
+    if (f->peer[1] >= 0)
+        close(f->peer[1]);
     store_destroy(f->st);
     return 0;
 }
@@ -224,6 +233,136 @@ static void test_closed_ring_is_unavailable(void **state)
     assert_int_equal(ring_client_call(&f->rc, &r), KVS_ERR_UNAVAILABLE);
 }
 
+static double now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+}
+
+/* Post a request the way a worker does, without waiting for the answer. */
+static void post(fixture *f, const ring_request *q)
+{
+    memcpy((void *)&f->rc.hdr->req, q, sizeof *q);
+    atomic_fetch_add((_Atomic uint32_t *)&f->rc.hdr->req_seq, 1);
+    syscall(SYS_futex, &f->rc.hdr->req_seq, FUTEX_WAKE, 1, NULL, NULL, 0);
+}
+
+/* Issue 12: the worker can write `closing`, so the thread must not depend
+ * on it. The thread is held inside a request (the store's lock) while the
+ * ring closes and the worker puts `closing` back to 0; the old thread then
+ * took the next req_seq for a request and slept on the futex for ever,
+ * and the fd-socket thread joining it with it. */
+static void test_worker_cannot_keep_a_closed_ring_alive(void **state)
+{
+    fixture *f = *state;
+    _Atomic uint32_t *closing = (_Atomic uint32_t *)&f->rc.hdr->closing;
+    store_lock(f->st);
+    post(f, &(ring_request){.op = RING_OP_EPOCH, .seq_id = f->seq_id});
+    nanosleep(&(struct timespec){0, 100 * 1000 * 1000}, NULL); /* it waits for the lock */
+    ring_close(f->r);
+    assert_int_equal(atomic_load(closing), 1); /* the courtesy signal */
+    atomic_store(closing, 0);
+    assert_int_equal(ring_ended(f->r), 0); /* still inside the request */
+    store_unlock(f->st);
+    double t0 = now_ms();
+    while (!ring_ended(f->r) && now_ms() - t0 < 2000) {
+        atomic_store(closing, 0); /* and again, as a hostile worker would */
+        atomic_store((_Atomic uint32_t *)&f->rc.hdr->daemon_waiting, 0);
+    }
+    double took = now_ms() - t0;
+    assert_true(ring_ended(f->r));
+    assert_true(took < 500); /* one futex slice is 50 ms */
+    ring_join(f->r);
+    f->r = NULL;
+}
+
+/* Every field of a request comes from memory the worker writes: each is
+ * read once and checked, and none changes the store or stops the ring. */
+static void test_garbage_requests_are_refused(void **state)
+{
+    fixture *f = *state;
+    uint64_t seq = f->seq_id;
+    const uint64_t area = RING_TEST_BYTES - RING_DATA_OFFSET;
+    static const struct {
+        ring_request q;
+        int32_t code;
+    } cases[] = {
+        /* 1 */ {{.op = 0}, ST_INVALID_ARGUMENT},
+        /* 2 */ {{.op = UINT32_MAX}, ST_INVALID_ARGUMENT},
+        /* 3 */ {{.op = RING_OP_APPEND, .count = -1}, ST_INVALID_ARGUMENT},
+        /* 4 */ {{.op = RING_OP_APPEND, .count = INT64_MAX}, ST_INVALID_ARGUMENT},
+        /* 5 */ {{.op = RING_OP_APPEND, .count = INT64_MIN}, ST_INVALID_ARGUMENT},
+        /* 6 */ {{.op = RING_OP_APPEND, .count = 65537}, ST_INVALID_ARGUMENT},
+        /* 7 */
+        {{.op = RING_OP_STEP, .confidence = -1, .data_bytes = UINT64_MAX}, ST_INVALID_ARGUMENT},
+        /* 8 */
+        {{.op = RING_OP_STEP, .confidence = -1, .data_bytes = area + 4}, ST_INVALID_ARGUMENT},
+        /* 9 */
+        {{.op = RING_OP_STEP, .confidence = -1, .arrays = UINT32_MAX, .data_bytes = 64},
+         ST_INVALID_ARGUMENT},
+        /* 10 */
+        {{.op = RING_OP_STEP, .confidence = -1, .new_tokens = UINT32_MAX}, ST_INVALID_ARGUMENT},
+        /* 11 */ {{.op = RING_OP_STEP, .confidence = NAN}, ST_INVALID_ARGUMENT},
+        /* 12 */ {{.op = RING_OP_STEP, .confidence = 2}, ST_INVALID_ARGUMENT},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        ring_request q = cases[i].q;
+        if (q.op == RING_OP_APPEND || q.op == RING_OP_STEP)
+            q.seq_id = seq; /* a real sequence: only the garbage field is wrong */
+        ring_response r;
+        int32_t code = call(f, &q, &r);
+        if (code != cases[i].code)
+            fail_msg("case %zu: code %d, expected %d (%s)", i + 1, code, cases[i].code, r.msg);
+        assert_true(strlen(r.msg) > 0);
+    }
+    /* Unknown sequences, including ones the header's garbage could name. */
+    static const uint64_t ids[] = {0, 999, UINT64_MAX};
+    for (size_t i = 0; i < 3; i++) {
+        ring_response r;
+        assert_int_equal(call(f, &(ring_request){.op = RING_OP_EPOCH, .seq_id = ids[i]}, &r),
+                         ST_NOT_FOUND);
+        assert_int_equal(
+            call(f, &(ring_request){.op = RING_OP_APPEND, .seq_id = ids[i], .count = 1}, &r),
+            ST_NOT_FOUND);
+    }
+    /* The daemon never reads the header's magic or size back. */
+    f->rc.hdr->magic = ~RING_MAGIC;
+    f->rc.hdr->bytes = UINT64_MAX;
+    ring_response r;
+    assert_int_equal(call(f, &(ring_request){.op = RING_OP_PING}, &r), ST_OK);
+    /* Nothing was appended or stepped. */
+    assert_int_equal(call(f, &(ring_request){.op = RING_OP_EPOCH, .seq_id = seq}, &r), ST_OK);
+    assert_int_equal(r.epoch, 0);
+    store_table t;
+    status s;
+    assert_int_equal(store_get_table(f->st, f->token, seq, 0, 0, &t, &s), ST_OK);
+    for (uint32_t l = 0; l < t.nlists; l++)
+        assert_int_equal(t.lists[l].tokens, 0);
+    store_table_free(&t);
+}
+
+/* A call waiting for an answer that cannot come (the daemon is gone: its
+ * end of the fd-socket connection hung up) returns UNAVAILABLE within a
+ * sleep slice, not at the 10 s deadline. The ring thread is held in the
+ * store's lock meanwhile, so no answer comes. */
+static void test_dead_peer_is_unavailable_at_once(void **state)
+{
+    fixture *f = *state;
+    close(f->peer[1]);
+    f->peer[1] = -1;
+    store_lock(f->st);
+    memcpy((void *)&f->rc.hdr->req, &(ring_request){.op = RING_OP_EPOCH, .seq_id = f->seq_id},
+           sizeof(ring_request));
+    ring_response r;
+    double t0 = now_ms();
+    int rc = ring_client_call(&f->rc, &r);
+    double took = now_ms() - t0;
+    store_unlock(f->st);
+    assert_int_equal(rc, KVS_ERR_UNAVAILABLE);
+    assert_true(took < 500);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -232,6 +371,10 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_step_statistics, setup_h2o, teardown),
         cmocka_unit_test_setup_teardown(test_sleeping_thread_is_woken, setup, teardown),
         cmocka_unit_test_setup_teardown(test_closed_ring_is_unavailable, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_worker_cannot_keep_a_closed_ring_alive, setup,
+                                        teardown),
+        cmocka_unit_test_setup_teardown(test_garbage_requests_are_refused, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_dead_peer_is_unavailable_at_once, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

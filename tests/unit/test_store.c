@@ -29,7 +29,8 @@ static int setup_pool(void **state, size_t pool_bytes)
 {
     static fixture f;
     memset(&f, 0, sizeof f);
-    store_config cfg = {pool_bytes, 4, 16, 64, NULL};
+    store_config cfg = {
+        .pool_bytes = pool_bytes, .max_pools = 4, .max_sessions = 16, .max_seqs = 64};
     assert_non_null(f.st = store_create(&cfg, NULL));
     status s;
     assert_int_equal(store_session_open(f.st, 100, 1000, 1000, 1, f.token, &s), ST_OK);
