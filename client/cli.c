@@ -38,6 +38,12 @@ static void usage(FILE *f)
             "\n"
             "options (anywhere on the line):\n"
             "  --socket PATH       kvstashd's gRPC socket (default %s)\n"
+            "  --addr HOST:PORT    call kvstashd's TCP port (--listen) instead: health, and\n"
+            "                      other calls only with a session's token\n"
+            "  --tls-ca, --tls-cert, --tls-key FILE\n"
+            "                      TLS for --addr: the CA of kvstashd's certificate, this\n"
+            "                      client's certificate and key (default $KVSTASH_TLS_CA,\n"
+            "                      $KVSTASH_TLS_CERT, $KVSTASH_TLS_KEY)\n"
             "  --json              machine-readable output: one JSON document, or JSON lines\n"
             "                      for watch and top\n"
             "  --help              this text; `kvstash COMMAND --help` for a command's own\n"
@@ -355,6 +361,14 @@ static int globals(int argc, char **argv, cli *c, int *rc)
             c->socket = argv[++i];
         } else if (strncmp(a, "--socket=", 9) == 0) {
             c->socket = a + 9;
+        } else if (strcmp(a, "--addr") == 0 && i + 1 < argc) {
+            c->addr = argv[++i];
+        } else if (strcmp(a, "--tls-ca") == 0 && i + 1 < argc) {
+            c->tls_ca = argv[++i];
+        } else if (strcmp(a, "--tls-cert") == 0 && i + 1 < argc) {
+            c->tls_cert = argv[++i];
+        } else if (strcmp(a, "--tls-key") == 0 && i + 1 < argc) {
+            c->tls_key = argv[++i];
         } else {
             *rc = cli_fail(CLI_USAGE, "unknown option %s (try kvstash --help)", a);
             return -1;

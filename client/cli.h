@@ -32,9 +32,12 @@ enum {
 /* The command line, once the global options are read. */
 typedef struct cli {
     const char *socket; /* --socket, or the default */
-    int json;           /* --json */
-    const char *cmd;    /* "seq show", for messages */
-    int argc;           /* the command's own arguments (after its name) */
+    /* --addr HOST:PORT: call kvstashd's TCP port instead (health, or with a
+     * token); --tls-ca/--tls-cert/--tls-key or $KVSTASH_TLS_* for its TLS. */
+    const char *addr, *tls_ca, *tls_cert, *tls_key;
+    int json;        /* --json */
+    const char *cmd; /* "seq show", for messages */
+    int argc;        /* the command's own arguments (after its name) */
     char **argv;
 } cli;
 
@@ -85,7 +88,7 @@ int cli_call(const cli *c, const char *method, const char *token, const Protobuf
 int cli_token(const cli *c, int *fd, char token[33]); /* FDSOCK_TOKEN_LEN + 1 */
 
 /* cli_call for the views (Stats, Inspect) as who we are. kvstashd credits a
- * call without a token with its own uid (docs/reliability/authz.md), which
+ * call without a token with its own uid (docs/reliability.md), which
  * is ours when we run as the socket's owner; under another uid (root) we
  * identify ourselves with cli_token first, so that an operator's uid counts. */
 int cli_call_view(const cli *c, const char *method, const ProtobufCMessage *req,

@@ -77,7 +77,14 @@ static int parse_option(cli *c, const cli_opt *opts, size_t nopts, int *i)
     const char *a = c->argv[*i], *name = a + 2, *eq = strchr(name, '=');
     size_t len = eq != NULL ? (size_t)(eq - name) : strlen(name);
     const char *value = eq != NULL ? eq + 1 : NULL;
-    int global = len == 6 && strncmp(name, "socket", 6) == 0;
+    /* The global options, wherever they stand on the line. */
+    const char **globals[] = {&c->socket, &c->addr, &c->tls_ca, &c->tls_cert, &c->tls_key};
+    static const char *const global_names[] = {"socket", "addr", "tls-ca", "tls-cert", "tls-key"};
+    const char **global_dst = NULL;
+    for (size_t g = 0; g < sizeof globals / sizeof globals[0]; g++)
+        if (len == strlen(global_names[g]) && strncmp(name, global_names[g], len) == 0)
+            global_dst = globals[g];
+    int global = global_dst != NULL;
     const cli_opt *o = global ? NULL : find_opt(opts, nopts, name, len);
     if (!global && len == 4 && strncmp(name, "json", 4) == 0 && value == NULL) {
         c->json = 1;
@@ -99,7 +106,7 @@ static int parse_option(cli *c, const cli_opt *opts, size_t nopts, int *i)
         value = c->argv[++*i];
     }
     if (global) {
-        c->socket = value;
+        *global_dst = value;
         return CLI_OK;
     }
     if (o->each != NULL)
@@ -192,13 +199,24 @@ int cli_call(const cli *c, const char *method, const char *token, const Protobuf
              const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp)
 {
     *resp = NULL;
-    int rc = probe(c->socket);
-    if (rc != CLI_OK)
-        return rc;
-    rpc_channel *ch = rpc_channel_open(c->socket);
-    if (ch == NULL)
-        return cli_fail(CLI_ERROR, "cannot create a gRPC channel to unix:%s", c->socket);
     char path[128], err[512] = "";
+    rpc_channel *ch;
+    if (c->addr != NULL) {
+        /* Flags win over the environment, file by file. */
+        rpc_tls_paths tls;
+        rpc_tls_from_env(&tls);
+        tls.ca = c->tls_ca != NULL ? c->tls_ca : tls.ca;
+        tls.cert = c->tls_cert != NULL ? c->tls_cert : tls.cert;
+        tls.key = c->tls_key != NULL ? c->tls_key : tls.key;
+        if ((ch = rpc_channel_open_tcp(c->addr, &tls, err, sizeof err)) == NULL)
+            return cli_fail(CLI_ERROR, "%s", err);
+    } else {
+        int rc = probe(c->socket);
+        if (rc != CLI_OK)
+            return rc;
+        if ((ch = rpc_channel_open(c->socket)) == NULL)
+            return cli_fail(CLI_ERROR, "cannot create a gRPC channel to unix:%s", c->socket);
+    }
     if (method[0] == '/') /* a full path: another service */
         snprintf(path, sizeof path, "%s", method);
     else
@@ -209,8 +227,8 @@ int cli_call(const cli *c, const char *method, const char *token, const Protobuf
     case KVS_OK:
         return CLI_OK;
     case KVS_ERR_UNAVAILABLE:
-        return cli_fail(CLI_UNREACHABLE, "kvstashd at %s did not answer %s: %s", c->socket, method,
-                        err);
+        return cli_fail(CLI_UNREACHABLE, "kvstashd at %s did not answer %s: %s",
+                        c->addr != NULL ? c->addr : c->socket, method, err);
     case KVS_ERR_NOT_FOUND:
         return cli_fail(CLI_NOT_FOUND, "%s", err);
     case KVS_ERR_PERMISSION:

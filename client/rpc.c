@@ -1,6 +1,7 @@
 /* rpc.c - see rpc.h. */
 #include "rpc.h"
 
+#include <errno.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -165,42 +166,113 @@ static void cq_destroy(grpc_completion_queue *cq)
     grpc_completion_queue_destroy(cq);
 }
 
-rpc_channel *rpc_channel_open(const char *socket_path)
+/* A channel to `target` over `creds` (released here); NULL if out of memory. */
+static rpc_channel *channel_create(const char *target, grpc_channel_credentials *creds)
 {
-    struct sockaddr_un sa;
-    if (strlen(socket_path) >= sizeof sa.sun_path)
-        return NULL;
     rpc_channel *ch = calloc(1, sizeof *ch);
-    char *target = malloc(strlen(socket_path) + sizeof "unix:");
-    if (ch == NULL || target == NULL) {
+    if (ch == NULL || creds == NULL) {
         free(ch);
-        free(target);
+        if (creds != NULL)
+            grpc_channel_credentials_release(creds);
         return NULL;
     }
-    strcpy(target, "unix:");
-    strcat(target, socket_path);
-
     /* Tables with positions of long sequences can pass gRPC's 4 MiB default. */
     grpc_arg args[1];
     args[0].type = GRPC_ARG_INTEGER;
     args[0].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
     args[0].value.integer = -1;
     grpc_channel_args chargs = {.num_args = 1, .args = args};
-
-    sigset_t old;
-    sig_block(&old);
-    pthread_once(&init_once, rpc_init); /* grpc_init starts threads: signals blocked */
-    grpc_channel_credentials *creds = grpc_insecure_credentials_create();
     ch->ch = grpc_channel_create(target, creds, &chargs);
     grpc_channel_credentials_release(creds);
     if (ch->ch != NULL)
         ch->cq = grpc_completion_queue_create_for_pluck(NULL);
-    sig_restore(&old);
-    free(target);
     if (ch->ch == NULL) {
         free(ch);
         return NULL;
     }
+    return ch;
+}
+
+rpc_channel *rpc_channel_open(const char *socket_path)
+{
+    struct sockaddr_un sa;
+    if (strlen(socket_path) >= sizeof sa.sun_path)
+        return NULL;
+    char *target = malloc(strlen(socket_path) + sizeof "unix:");
+    if (target == NULL)
+        return NULL;
+    strcpy(target, "unix:");
+    strcat(target, socket_path);
+    sigset_t old;
+    sig_block(&old);
+    pthread_once(&init_once, rpc_init); /* grpc_init starts threads: signals blocked */
+    rpc_channel *ch = channel_create(target, grpc_insecure_credentials_create());
+    sig_restore(&old);
+    free(target);
+    return ch;
+}
+
+void rpc_tls_from_env(rpc_tls_paths *t)
+{
+    t->ca = getenv("KVSTASH_TLS_CA");
+    t->cert = getenv("KVSTASH_TLS_CERT");
+    t->key = getenv("KVSTASH_TLS_KEY");
+}
+
+/* The whole file at `path`, NUL-terminated (caller frees), or NULL. */
+static char *read_file(const char *path, char *err, size_t errlen)
+{
+    FILE *f = fopen(path, "rb");
+    char *buf = NULL;
+    long len = -1;
+    if (f != NULL && fseek(f, 0, SEEK_END) == 0 && (len = ftell(f)) >= 0 &&
+        fseek(f, 0, SEEK_SET) == 0 && (buf = malloc((size_t)len + 1)) != NULL &&
+        fread(buf, 1, (size_t)len, f) == (size_t)len) {
+        buf[len] = '\0';
+        fclose(f);
+        return buf;
+    }
+    set_err(err, errlen, "cannot read %s: %s", path, f == NULL ? strerror(errno) : "read error");
+    free(buf);
+    if (f != NULL)
+        fclose(f);
+    return NULL;
+}
+
+rpc_channel *rpc_channel_open_tcp(const char *addr, const rpc_tls_paths *tls, char *err,
+                                  size_t errlen)
+{
+    int with_tls = tls != NULL && (tls->ca != NULL || tls->cert != NULL || tls->key != NULL);
+    if (with_tls && (tls->ca == NULL || tls->cert == NULL || tls->key == NULL)) {
+        set_err(err, errlen,
+                "TLS needs the CA, the certificate and the key together (KVSTASH_TLS_CA, "
+                "KVSTASH_TLS_CERT, KVSTASH_TLS_KEY)");
+        return NULL;
+    }
+    char *pem[3] = {NULL, NULL, NULL};
+    const char *paths[3] = {with_tls ? tls->ca : NULL, with_tls ? tls->cert : NULL,
+                            with_tls ? tls->key : NULL};
+    rpc_channel *ch = NULL;
+    for (int i = 0; with_tls && i < 3; i++)
+        if ((pem[i] = read_file(paths[i], err, errlen)) == NULL)
+            goto done;
+    sigset_t old;
+    sig_block(&old);
+    pthread_once(&init_once, rpc_init);
+    grpc_channel_credentials *creds;
+    if (with_tls) {
+        grpc_ssl_pem_key_cert_pair pair = {pem[2], pem[1]};
+        creds = grpc_ssl_credentials_create(pem[0], &pair, NULL, NULL);
+    } else {
+        creds = grpc_insecure_credentials_create();
+    }
+    ch = channel_create(addr, creds);
+    sig_restore(&old);
+    if (ch == NULL)
+        set_err(err, errlen, "cannot create a gRPC channel to %s", addr);
+done:
+    for (int i = 0; i < 3; i++)
+        free(pem[i]);
     return ch;
 }
 

@@ -35,6 +35,28 @@ typedef struct rpc_channel rpc_channel;
 rpc_channel *rpc_channel_open(const char *socket_path);
 void rpc_channel_close(rpc_channel *ch);
 
+/* PEM file paths for a TCP channel's TLS; all NULL for none. */
+typedef struct rpc_tls_paths {
+    const char *ca;   /* the CA that signed kvstashd's certificate */
+    const char *cert; /* this client's certificate, signed by kvstashd's tls-client-ca */
+    const char *key;  /* its private key */
+} rpc_tls_paths;
+
+/* Fill *t from $KVSTASH_TLS_CA, $KVSTASH_TLS_CERT and $KVSTASH_TLS_KEY
+ * (NULL where unset). */
+void rpc_tls_from_env(rpc_tls_paths *t);
+
+/*
+ * A channel to kvstashd's TCP port `addr` ("HOST:PORT"). With any of tls's
+ * paths set, all three must be, and the channel speaks TLS: it trusts only
+ * tls->ca and presents the client's certificate (kvstashd's --listen with
+ * tls-client-ca demands one); otherwise it is plain text. The files are read
+ * here. Over TCP, calls but health need a session token (daemon/rpc.h).
+ * Returns NULL with the reason in err (missing or unreadable file, no memory).
+ */
+rpc_channel *rpc_channel_open_tcp(const char *addr, const rpc_tls_paths *tls, char *err,
+                                  size_t errlen);
+
 /*
  * One unary call: send `req` with metadata `kvstash-token: <token>` (none if
  * token is NULL) and wait for the reply, at most rpc_timeout_ms().

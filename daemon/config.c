@@ -21,7 +21,8 @@ static const config_option options[] = {
      "gRPC Unix socket (default $XDG_RUNTIME_DIR/kvstash/kvstashd.sock, or "
      "/run/kvstash/kvstashd.sock); PATH.fd, PATH.events and PATH.lock sit beside it"},
     {"listen", CONFIG_ADDR, 0, 0,
-     "also serve gRPC on TCP ADDR (loopback only, e.g. 127.0.0.1:7070)"},
+     "also serve gRPC on TCP ADDR (e.g. 127.0.0.1:7070): loopback only unless tls-cert, "
+     "tls-key and tls-client-ca are set; without a session token a call reaches only health"},
     {"pool-mb", CONFIG_COUNT, 1, 1u << 20, "shared memory per model pool in MiB (default 256)"},
     {"max-pools", CONFIG_COUNT, 1, 64, "models served at once (default 4)"},
     {"max-sessions", CONFIG_COUNT, 1, 4096, "workers attached at once (default 256)"},
@@ -68,6 +69,13 @@ static const config_option options[] = {
      "and revive any worker's sequences and see every sequence's label and parameters; "
      "other sessions act on and see only their own (default: root and kvstashd's uid; "
      "\"none\" for nobody)"},
+    {"tls-cert", CONFIG_FILE, 0, 0,
+     "PEM certificate chain that --listen presents: with tls-key and tls-client-ca, TCP "
+     "speaks only TLS and is allowed beyond loopback (default none)"},
+    {"tls-key", CONFIG_FILE, 0, 0, "PEM private key of tls-cert (default none)"},
+    {"tls-client-ca", CONFIG_FILE, 0, 0,
+     "PEM CA certificate(s): a TCP client must present a certificate they signed; calls "
+     "still need a session token for anything but health (default none)"},
 };
 
 #define NOPTIONS (sizeof options / sizeof options[0])
@@ -150,6 +158,16 @@ static int *bool_field(daemon_config *c, const char *key)
     return &c->metrics_allow_remote;
 }
 
+static char *file_field(daemon_config *c, const char *key, size_t *len)
+{
+    *len = sizeof c->tls_cert;
+    if (strcmp(key, "tls-cert") == 0)
+        return c->tls_cert;
+    if (strcmp(key, "tls-key") == 0)
+        return c->tls_key;
+    return c->tls_client_ca;
+}
+
 static int parse_bool(const char *v, int *out)
 {
     static const char *const yes[] = {"1", "true", "yes", "on"}, *const no[] = {"0", "false", "no",
@@ -203,8 +221,9 @@ static int set_uids(daemon_config *c, const config_option *o, const char *v, cha
 
 /* Whether config_load can read v back as config_print writes it: the INI
  * reader (inih) ends a value at a newline, trims blanks around it and cuts it
- * at an inline comment (" ;"). fuzz_config found the round trip broken by
- * such values (tests/fuzz/corpus/fuzz_config/regress-*). */
+ * at an inline comment (" ;", and config_print writes "key = value": a
+ * leading ';' too). fuzz_config found the round trip broken by such values
+ * (tests/fuzz/corpus/fuzz_config/regress-*). */
 static int text_printable(const char *v)
 {
     size_t n = strlen(v);
@@ -213,7 +232,7 @@ static int text_printable(const char *v)
     for (size_t i = 0; i < n; i++) {
         unsigned char ch = (unsigned char)v[i];
         if (ch < 0x20 || ch == 0x7f ||
-            (ch == ';' && i > 0 && (v[i - 1] == ' ' || v[i - 1] == '\t')))
+            (ch == ';' && (i == 0 || v[i - 1] == ' ' || v[i - 1] == '\t')))
             return 0;
     }
     return 1;
@@ -294,6 +313,11 @@ int config_set(daemon_config *c, const char *key, const char *value, char *err, 
         return set_text(c->backend, sizeof c->backend, o->key, value, err, errlen);
     case CONFIG_UIDS:
         return set_uids(c, o, value, err, errlen);
+    case CONFIG_FILE: {
+        size_t len;
+        char *dst = file_field(c, o->key, &len);
+        return set_text(dst, len, o->key, strcmp(value, "off") == 0 ? "" : value, err, errlen);
+    }
     }
     return -1;
 }
@@ -376,6 +400,29 @@ void config_print(const daemon_config *c, const char *source, FILE *f)
                 fprintf(f, "%s%u", u ? "," : "", (unsigned)c->operator_uids[u]);
             fputc('\n', f);
             break;
+        case CONFIG_FILE: {
+            size_t len;
+            fprintf(f, "%s = %s\n", key, file_field((daemon_config *)c, o->key, &len));
+            break;
+        }
         }
     }
+}
+
+int config_check(const daemon_config *c, char *err, size_t errlen)
+{
+    int n = (c->tls_cert[0] != '\0') + (c->tls_key[0] != '\0') + (c->tls_client_ca[0] != '\0');
+    if (n != 0 && n != 3) {
+        snprintf(err, errlen,
+                 "tls-cert, tls-key and tls-client-ca go together: set all three or none "
+                 "(tls-cert=%s tls-key=%s tls-client-ca=%s)",
+                 c->tls_cert[0] ? "set" : "unset", c->tls_key[0] ? "set" : "unset",
+                 c->tls_client_ca[0] ? "set" : "unset");
+        return -1;
+    }
+    if (n == 3 && c->listen[0] == '\0') {
+        snprintf(err, errlen, "tls-cert, tls-key and tls-client-ca are for --listen, which is off");
+        return -1;
+    }
+    return 0;
 }

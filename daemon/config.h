@@ -30,7 +30,7 @@ typedef struct daemon_config {
     unsigned long pool_mb, max_pools, max_sessions, max_seqs, threads;
     unsigned long pending_timeout_ms, max_pending; /* fd-socket admission (fdsock.h) */
     unsigned long lease_timeout_ms;                /* 0 = leases never expire */
-    /* Limits (store_config; docs/reliability/limits.md); 0 = none, but for
+    /* Limits (store_config; docs/reliability.md); 0 = none, but for
      * max_reply_mb. */
     unsigned long max_daemon_mb, session_max_seqs, session_max_blocks, max_reply_mb;
     char log_level[8];
@@ -43,6 +43,8 @@ typedef struct daemon_config {
      * default root and the daemon's uid. */
     uid_t operator_uids[CONFIG_MAX_UIDS];
     size_t n_operator_uids;
+    /* TLS on --listen (rpc.h rpc_tls): PEM paths, all three or none. */
+    char tls_cert[PATH_MAX], tls_key[PATH_MAX], tls_client_ca[PATH_MAX];
 } daemon_config;
 
 /* One option: its key (as in the file; the flag is --key with '-'). */
@@ -53,7 +55,8 @@ typedef enum config_kind {
     CONFIG_BOOL,
     CONFIG_LEVEL,
     CONFIG_BACKEND,
-    CONFIG_UIDS /* a list of uids: "0,1000"; "" or "none" for none */
+    CONFIG_UIDS, /* a list of uids: "0,1000"; "" or "none" for none */
+    CONFIG_FILE  /* a file's path; "" or "off" for none */
 } config_kind;
 
 typedef struct config_option {
@@ -81,6 +84,12 @@ int config_set(daemon_config *c, const char *key, const char *value, char *err, 
 /* Read an INI file over *c. Returns 0, or -1 with "FILE:LINE: message" (or
  * "cannot open FILE: reason") in err; *c may then be partly updated. */
 int config_load(daemon_config *c, const char *path, char *err, size_t errlen);
+
+/* Checks across options, after all of them are set: the TLS keys come all
+ * three or none, and only with --listen (main.c then reads the files and
+ * refuses --listen off loopback without them). Returns 0, or -1 with a
+ * message in err. */
+int config_check(const daemon_config *c, char *err, size_t errlen);
 
 /* Write *c as a config file that config_load reads back to the same values. */
 void config_print(const daemon_config *c, const char *source, FILE *f);

@@ -7,7 +7,7 @@
  * closes ends its session in the store at once: that is how a killed worker
  * is reclaimed even before gRPC notices its lease stream died.
  *
- * Admission cannot be exhausted (docs/reliability/liveness.md): a
+ * Admission cannot be exhausted (docs/reliability.md): a
  * connection without an attached session (no HELLO, no Attach yet, or its
  * session ended) is closed after pending_timeout_ms; at most max_pending of
  * them live at once, a new one closing the oldest; out of file descriptors,

@@ -59,6 +59,7 @@ static void usage(FILE *out)
                           : opt[i].kind == CONFIG_LEVEL   ? " L"
                           : opt[i].kind == CONFIG_BACKEND ? " NAME"
                           : opt[i].kind == CONFIG_UIDS    ? " UID,..."
+                          : opt[i].kind == CONFIG_FILE    ? " FILE"
                                                           : " N";
         fprintf(out, "  --%s%s\n", opt[i].key, arg);
         print_wrapped(out, opt[i].help);
@@ -163,9 +164,32 @@ static int parse_opts(int argc, char **argv, daemon_config *c)
         config_print(c, file != NULL ? file : "defaults and flags", stdout);
     if (rc == OPT_HELP || rc == OPT_VERSION || (rc == 0 && print))
         return -1;
+    if (rc == 0 && config_check(c, err, sizeof err) != 0) {
+        fprintf(stderr, "kvstashd: %s\n", err);
+        rc = 2;
+    }
     if (rc == 0)
         log_set_level((log_level)log_parse_level(c->log_level));
     return rc;
+}
+
+/* The TLS files, read once at start so that a bad path stops kvstashd
+ * before it serves, and --listen off loopback refused without them (rpc.h).
+ * Returns 0 (*tls filled, or untouched when TLS is off) or 2 after a message. */
+static int load_tls(const daemon_config *c, rpc_tls *tls, int *on)
+{
+    status st = {ST_OK, ""};
+    *on = c->tls_cert[0] != '\0'; /* config_check: all three or none */
+    if (*on && rpc_tls_load(c->tls_cert, c->tls_key, c->tls_client_ca, tls, &st) != ST_OK) {
+        fprintf(stderr, "kvstashd: %s\n", st.msg);
+        return 2;
+    }
+    if (c->listen[0] != '\0' && rpc_tcp_allowed(c->listen, *on ? tls : NULL, &st) != ST_OK) {
+        fprintf(stderr, "kvstashd: %s\n", st.msg);
+        rpc_tls_free(tls);
+        return 2;
+    }
+    return 0;
 }
 
 /* mkdir -p for the socket's directory, mode 0700. */
@@ -230,7 +254,8 @@ typedef struct daemon_parts {
     events *events;
     fdsock *fdsock;
     rpc_server *rpc;
-    metrics *metrics; /* NULL without --metrics */
+    metrics *metrics;   /* NULL without --metrics */
+    const rpc_tls *tls; /* NULL: plain TCP (or none); read by main before start */
 } daemon_parts;
 
 /* metrics_source: /metrics and /healthz read the store through these. */
@@ -304,8 +329,12 @@ static int start(const daemon_config *o, daemon_parts *d)
     }
     size_t nmethods;
     const rpc_method *methods = service_methods(&nmethods);
-    rpc_config rc = {o->socket, o->listen[0] ? o->listen : NULL, (int)o->threads,
-                     d->metrics != NULL ? metrics_rpc : NULL, d->metrics};
+    rpc_config rc = {.unix_path = o->socket,
+                     .tcp_addr = o->listen[0] ? o->listen : NULL,
+                     .threads = (int)o->threads,
+                     .observe = d->metrics != NULL ? metrics_rpc : NULL,
+                     .observe_ctx = d->metrics,
+                     .tls = d->tls};
     unlink(o->socket); /* stale from a dead daemon: our lock proves it dead */
     if (rpc_server_start(&rc, methods, nmethods, d->store, &d->rpc, &st) != ST_OK) {
         log_error("start_failed", "what=grpc msg=\"%s\"", st.msg);
@@ -349,6 +378,10 @@ int main(int argc, char **argv)
     int prc = parse_opts(argc, argv, &o);
     if (prc != 0)
         return prc < 0 ? 0 : prc;
+    rpc_tls tls = {0};
+    int tls_on;
+    if (load_tls(&o, &tls, &tls_on) != 0)
+        return 2;
     umask(0077); /* every socket and file we create is the daemon user's alone */
     /* Not dumpable: /proc/<pid>/fd, /proc/<pid>/mem and ptrace become root's
      * alone, so that a process of our uid cannot open the pools' memfds (or
@@ -364,11 +397,14 @@ int main(int argc, char **argv)
     if (make_socket_dir(o.socket) != 0) {
         fprintf(stderr, "kvstashd: cannot create the directory of %s: %s\n", o.socket,
                 strerror(errno));
+        rpc_tls_free(&tls);
         return 1;
     }
     int lock_fd = take_lock(o.socket);
-    if (lock_fd < 0)
+    if (lock_fd < 0) {
+        rpc_tls_free(&tls);
         return 1;
+    }
     /* Block the signals before gRPC starts its threads, then sigwait. */
     sigset_t sigs;
     sigemptyset(&sigs);
@@ -376,8 +412,11 @@ int main(int argc, char **argv)
     sigaddset(&sigs, SIGINT);
     pthread_sigmask(SIG_BLOCK, &sigs, NULL);
     signal(SIGPIPE, SIG_IGN);
-    daemon_parts d = {0};
-    if (start(&o, &d) != 0) {
+    daemon_parts d = {.tls = tls_on ? &tls : NULL};
+    int started = start(&o, &d);
+    rpc_tls_free(&tls); /* gRPC's credentials keep their own copies */
+    d.tls = NULL;
+    if (started != 0) {
         remove_files(o.socket);
         return 1;
     }

@@ -345,7 +345,7 @@ static void hist_print(FILE *f, const char *name, const char *labels, const hist
             (unsigned long long)cum);
 }
 
-/* The operator's limits and their use (docs/reliability/limits.md). */
+/* The operator's limits and their use (docs/reliability.md). */
 static void print_limits(FILE *f, const snapshot *s)
 {
     head(f, "kvstash_daemon_memory_limit_bytes", "gauge",
@@ -732,7 +732,7 @@ status_code metrics_http_start(metrics *m, const metrics_source *source, const c
                           "--metrics-allow-remote",
                           addr);
     m->source = *source;
-    /* Slow clients must not hold /healthz down (docs/reliability/liveness.md):
+    /* Slow clients must not hold /healthz down (docs/reliability.md):
      * epoll (no FD_SETSIZE ceiling) with room for many connections, each cut
      * after METRICS_HTTP_TIMEOUT_S without progress, and off loopback a cap
      * per client address (on loopback the prober shares the address with

@@ -1,5 +1,6 @@
 #include "rpc.h"
 
+#include <errno.h>
 #include <grpc/grpc_security.h>
 #include <grpc/support/alloc.h>
 #include <grpc/support/time.h>
@@ -65,6 +66,7 @@ struct rpc_server {
     rpc_observe_fn observe; /* metrics hook, may be NULL */
     void *observe_ctx;
     int nthreads;
+    int own_cq; /* the CQ of the own_thread methods (rpc.h); -1: none */
     grpc_completion_queue **cqs;
     pthread_t *threads;
     rpc_tag shutdown_tag;
@@ -376,6 +378,104 @@ int rpc_addr_is_loopback(const char *addr)
            strncmp(addr, "[::1]:", 6) == 0;
 }
 
+status_code rpc_tcp_allowed(const char *addr, const rpc_tls *tls, status *st)
+{
+    if (tls != NULL || rpc_addr_is_loopback(addr))
+        return ST_OK;
+    /* Off loopback anyone on the network could connect: only with TLS and
+     * client certificates, which decide who may connect at all. */
+    return status_set(st, ST_INVALID_ARGUMENT,
+                      "--listen %s is not a loopback address; kvstashd serves TCP beyond "
+                      "127.0.0.0/8 and [::1] only with TLS: set tls-cert, tls-key and "
+                      "tls-client-ca",
+                      addr);
+}
+
+/* The whole file at `path` as a NUL-terminated string, or NULL (errno set;
+ * EINVAL: no PEM block in it). */
+static char *read_pem(const char *path)
+{
+    FILE *f = fopen(path, "rb");
+    if (f == NULL)
+        return NULL;
+    size_t len = 0, cap = 4096;
+    char *buf = malloc(cap);
+    size_t n;
+    while (buf != NULL && (n = fread(buf + len, 1, cap - len - 1, f)) > 0) {
+        len += n;
+        if (len + 1 == cap) {
+            char *bigger = cap < (1u << 24) ? realloc(buf, cap * 2) : NULL;
+            if (bigger == NULL) {
+                free(buf);
+                buf = NULL;
+                errno = EFBIG;
+                break;
+            }
+            buf = bigger;
+            cap *= 2;
+        }
+    }
+    int failed = ferror(f);
+    fclose(f);
+    if (buf == NULL || failed) {
+        free(buf);
+        if (failed)
+            errno = EIO;
+        return NULL;
+    }
+    buf[len] = '\0';
+    /* gRPC would only fail at the first handshake, far from the cause. */
+    if (strstr(buf, "-----BEGIN ") == NULL) {
+        free(buf);
+        errno = EINVAL;
+        return NULL;
+    }
+    return buf;
+}
+
+status_code rpc_tls_load(const char *cert_path, const char *key_path, const char *client_ca_path,
+                         rpc_tls *out, status *st)
+{
+    const char *keys[3] = {"tls-cert", "tls-key", "tls-client-ca"};
+    const char *paths[3] = {cert_path, key_path, client_ca_path};
+    char **dst[3] = {&out->cert_pem, &out->key_pem, &out->client_ca_pem};
+    memset(out, 0, sizeof *out);
+    for (int i = 0; i < 3; i++) {
+        if ((*dst[i] = read_pem(paths[i])) == NULL) {
+            int e = errno;
+            rpc_tls_free(out);
+            return status_set(st, ST_INVALID_ARGUMENT, "%s %s: %s", keys[i], paths[i],
+                              e == EINVAL ? "no PEM block in it" : strerror(e));
+        }
+    }
+    return ST_OK;
+}
+
+void rpc_tls_free(rpc_tls *tls)
+{
+    if (tls == NULL)
+        return;
+    free(tls->cert_pem);
+    /* The private key: leave no copy in freed heap memory. */
+    if (tls->key_pem != NULL)
+        memset(tls->key_pem, 0, strlen(tls->key_pem));
+    free(tls->key_pem);
+    free(tls->client_ca_pem);
+    memset(tls, 0, sizeof *tls);
+}
+
+/* Credentials for the TCP port: plain, or TLS that requires a client
+ * certificate signed by the client CA (the handshake fails without one). */
+static grpc_server_credentials *tcp_credentials(const rpc_tls *tls)
+{
+    if (tls == NULL)
+        return grpc_insecure_server_credentials_create();
+    grpc_ssl_pem_key_cert_pair pair = {tls->key_pem, tls->cert_pem};
+    return grpc_ssl_server_credentials_create_ex(
+        tls->client_ca_pem, &pair, 1, GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY,
+        NULL);
+}
+
 static status_code add_ports(rpc_server *srv, const rpc_config *cfg, status *st)
 {
     char uri[4200];
@@ -383,25 +483,21 @@ static status_code add_ports(rpc_server *srv, const rpc_config *cfg, status *st)
     grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
     /* Socket mode 0600 comes from the daemon's umask (main.c). */
     int port = grpc_server_add_http2_port(srv->server, uri, creds);
-    if (port == 0) {
-        grpc_server_credentials_release(creds);
-        return status_set(st, ST_UNAVAILABLE, "cannot listen on %s", uri);
-    }
-    if (cfg->tcp_addr != NULL) {
-        /* Plain-text TCP only on loopback: there is no TLS configuration. */
-        if (!rpc_addr_is_loopback(cfg->tcp_addr)) {
-            grpc_server_credentials_release(creds);
-            return status_set(st, ST_INVALID_ARGUMENT,
-                              "--listen %s is not a loopback address; kvstashd serves plain "
-                              "TCP only on 127.0.0.0/8 or [::1]",
-                              cfg->tcp_addr);
-        }
-        if (grpc_server_add_http2_port(srv->server, cfg->tcp_addr, creds) == 0) {
-            grpc_server_credentials_release(creds);
-            return status_set(st, ST_UNAVAILABLE, "cannot listen on %s", cfg->tcp_addr);
-        }
-    }
     grpc_server_credentials_release(creds);
+    if (port == 0)
+        return status_set(st, ST_UNAVAILABLE, "cannot listen on %s", uri);
+    if (cfg->tcp_addr == NULL)
+        return ST_OK;
+    if (rpc_tcp_allowed(cfg->tcp_addr, cfg->tls, st) != ST_OK)
+        return st->code;
+    creds = tcp_credentials(cfg->tls);
+    port = creds != NULL ? grpc_server_add_http2_port(srv->server, cfg->tcp_addr, creds) : 0;
+    if (creds != NULL)
+        grpc_server_credentials_release(creds);
+    if (port == 0)
+        return status_set(st, ST_UNAVAILABLE, "cannot listen on %s%s", cfg->tcp_addr,
+                          cfg->tls != NULL ? " with TLS (are tls-cert and tls-key a pair?)" : "");
+    log_info("rpc_listening", "addr=%s tls=%d", cfg->tcp_addr, cfg->tls != NULL);
     return ST_OK;
 }
 
@@ -421,9 +517,28 @@ static void server_free(rpc_server *srv)
     grpc_shutdown();
 }
 
+/* Shut down a server that never started. gRPC asserts at destroy that a
+ * server with a listener (the Unix port, when the TCP one then failed: port
+ * taken, certificate and key not a pair) was shut down: kvstashd aborted. */
+static void server_abandon(rpc_server *srv)
+{
+    if (srv->server == NULL || srv->cqs[0] == NULL)
+        return;
+    grpc_server_shutdown_and_notify(srv->server, srv->cqs[0], &srv->shutdown_tag);
+    grpc_event ev;
+    do
+        ev = grpc_completion_queue_next(srv->cqs[0], gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    while (ev.type == GRPC_OP_COMPLETE && ev.tag != &srv->shutdown_tag);
+}
+
 static status_code server_create(rpc_server *srv, const rpc_config *cfg, status *st)
 {
-    srv->server = grpc_server_create(NULL, NULL);
+    /* gRPC sets SO_REUSEPORT by default: a second kvstashd (of our uid)
+     * would share --listen and take half the clients, to its own store. */
+    grpc_arg arg = {
+        .type = GRPC_ARG_INTEGER, .key = (char *)GRPC_ARG_ALLOW_REUSEPORT, .value.integer = 0};
+    grpc_channel_args args = {.num_args = 1, .args = &arg};
+    srv->server = grpc_server_create(&args, NULL);
     for (size_t i = 0; i < srv->nmethods; i++)
         srv->handles[i] = grpc_server_register_method(srv->server, srv->methods[i].path, NULL,
                                                       GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);
@@ -450,6 +565,10 @@ status_code rpc_server_start(const rpc_config *cfg, const rpc_method *methods, s
     srv->observe = cfg->observe;
     srv->observe_ctx = cfg->observe_ctx;
     srv->nthreads = cfg->threads > 0 ? cfg->threads : 1;
+    srv->own_cq = -1;
+    for (size_t m = 0; m < nmethods && srv->own_cq < 0; m++)
+        if (methods[m].own_thread)
+            srv->own_cq = srv->nthreads++;
     srv->shutdown_tag = (rpc_tag){TAG_SHUTDOWN, NULL};
     pthread_mutex_init(&srv->lock, NULL);
     pthread_cond_init(&srv->cond, NULL);
@@ -461,15 +580,22 @@ status_code rpc_server_start(const rpc_config *cfg, const rpc_method *methods, s
         return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
     }
     if (server_create(srv, cfg, st) != ST_OK) {
+        server_abandon(srv);
         server_free(srv);
         return st->code;
     }
     grpc_server_start(srv->server);
     for (int q = 0; q < srv->nthreads; q++) {
-        for (size_t m = 0; m < nmethods; m++)
+        /* A method is requested on its own CQ or on all the others, and a
+         * call only ever runs on a CQ that requested its method. */
+        for (size_t m = 0; m < nmethods; m++) {
+            if ((methods[m].own_thread != 0) != (q == srv->own_cq))
+                continue;
             for (int k = 0; k < RPC_POSTED_PER_METHOD; k++)
                 post_registered(srv, q, m);
-        post_unknown(srv, q);
+        }
+        if (q != srv->own_cq)
+            post_unknown(srv, q);
     }
     for (int q = 0; q < srv->nthreads; q++) {
         thread_arg *a = malloc(sizeof *a);

@@ -12,6 +12,9 @@
  * server answers any other method UNAUTHENTICATED itself. A handler that
  * sees token NULL thus serves a caller of the Unix socket, whom the
  * filesystem limits to the daemon's uid and root (socket mode 0600).
+ * With rpc_config.tls the TCP port speaks only TLS and admits a client only
+ * after it proved a certificate signed by the configured client CA; the
+ * token rule above applies on top.
  */
 #ifndef KVSTASH_RPC_H
 #define KVSTASH_RPC_H
@@ -40,6 +43,10 @@ typedef struct rpc_method {
     rpc_unary_fn unary;             /* set for unary methods */
     rpc_stream_open_fn stream_open; /* set for server streams */
     rpc_stream_closed_fn stream_closed;
+    /* Long calls (an operator's move over a long sequence): served only by
+     * a completion-queue thread of their own, beside cfg->threads, so that
+     * no other call is matched to a thread busy with one (issue 12). */
+    int own_thread;
 } rpc_method;
 
 typedef struct rpc_server rpc_server;
@@ -49,12 +56,21 @@ typedef struct rpc_server rpc_server;
  * Runs on a CQ thread: must not block. */
 typedef void (*rpc_observe_fn)(void *ctx, size_t method, int code, double seconds);
 
+/* TLS for the TCP port: the server's certificate chain and key and the CA
+ * whose signature a client's certificate must carry, as PEM text read once
+ * at start (rpc_tls_load). TLS authenticates the transport only: a call
+ * still needs a session token for anything but health (docs/reliability.md). */
+typedef struct rpc_tls {
+    char *cert_pem, *key_pem, *client_ca_pem; /* owned; rpc_tls_free */
+} rpc_tls;
+
 typedef struct rpc_config {
     const char *unix_path;  /* required: listen on unix:PATH */
-    const char *tcp_addr;   /* optional "127.0.0.1:PORT"; loopback only */
+    const char *tcp_addr;   /* optional "HOST:PORT"; loopback only without tls */
     int threads;            /* completion-queue threads, >= 1 */
     rpc_observe_fn observe; /* optional (metrics.h metrics_rpc) */
     void *observe_ctx;
+    const rpc_tls *tls; /* optional: TLS with client certificates on tcp_addr */
 } rpc_config;
 
 /* Start serving `methods` (the table must outlive the server). Calls
@@ -68,5 +84,16 @@ void rpc_server_stop(rpc_server *srv);
 
 /* Whether `addr` ("host:port") names a loopback interface. */
 int rpc_addr_is_loopback(const char *addr);
+
+/* Whether kvstashd may serve gRPC on TCP `addr`: always with TLS, else only
+ * on loopback. Returns ST_OK or ST_INVALID_ARGUMENT with the reason in st. */
+status_code rpc_tcp_allowed(const char *addr, const rpc_tls *tls, status *st);
+
+/* Read the three PEM files into *out (all or nothing). Returns ST_OK, or
+ * ST_INVALID_ARGUMENT naming the file that cannot be read or holds no PEM
+ * block (then *out is empty). Free with rpc_tls_free. */
+status_code rpc_tls_load(const char *cert_path, const char *key_path, const char *client_ca_path,
+                         rpc_tls *out, status *st);
+void rpc_tls_free(rpc_tls *tls);
 
 #endif

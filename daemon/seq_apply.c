@@ -130,21 +130,26 @@ static int apply_move(seq *s, seq_list *ly, uint32_t layer, tier_token *tok, con
 }
 
 /* Tier moves among kept tokens, in the policy's order (tier_order) if it
- * gives one, then the rest: revivals first, then insertions. */
+ * gives one, then the rest: revivals first, then insertions. The
+ * insertions go into the sketch in one batch, in list order as one at a
+ * time would (nothing reads the sketch between them): per token, the
+ * staging, hashing and error query cost an operator's offload of a long
+ * sequence seconds under the store's lock (issue 12). idx has room for n. */
 static int list_moves(seq *s, seq_list *ly, uint32_t layer, tier_token *tok, const uint32_t *pos,
-                      const uint8_t *tier, uint32_t n)
+                      const uint8_t *tier, uint32_t n, uint32_t *idx)
 {
-    size_t norder;
+    size_t norder, m = 0;
     const uint32_t *order = policy_host_tier_order(s->host, layer, &norder);
     for (size_t j = 0; j < norder; j++)
         if (order[j] < n && apply_move(s, ly, layer, tok, pos, tier, order[j]) != 0)
             return -1;
-    for (int pass = 0; pass < 2; pass++)
-        for (uint32_t i = 0; i < n; i++)
-            if ((tier[i] == POLICY_SKETCH) == pass &&
-                apply_move(s, ly, layer, tok, pos, tier, i) != 0)
-                return -1;
-    return 0;
+    for (uint32_t i = 0; i < n; i++)
+        if (tier[i] != POLICY_SKETCH && apply_move(s, ly, layer, tok, pos, tier, i) != 0)
+            return -1;
+    for (uint32_t i = 0; i < n; i++)
+        if (tier[i] == POLICY_SKETCH && needs_move(tok[i].tier, tier[i]))
+            idx[m++] = i;
+    return m > 0 ? move_to_sketch(s, ly, layer, tok, pos, idx, m) : 0;
 }
 
 /* Quantise tokens idx[0..m) of tok (FULL, or INT8 read back dequantised)
@@ -469,7 +474,7 @@ static int list_apply(seq *s, uint32_t l, uint32_t k, tier_token *tok, const pol
     if (rc == 0)
         rc = list_victims_quantize(s, ly, idx);
     if (rc == 0)
-        rc = list_moves(s, ly, l, tok, pos, tier, n);
+        rc = list_moves(s, ly, l, tok, pos, tier, n, idx);
     if (rc == 0)
         rc = list_requantize(s, tok, tier, n, idx);
     /* Blocks the victims, moves and re-quantisation took (INT8 blocks,

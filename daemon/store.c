@@ -49,6 +49,7 @@ store *store_create(const store_config *cfg, events *ev)
         return NULL;
     }
     pthread_mutex_init(&st->lock, NULL);
+    pthread_mutex_init(&st->snap_lock, NULL);
     uid_t defaults[2] = {0, geteuid()};
     store_set_operators(st, defaults, 2);
     return st;
@@ -107,6 +108,8 @@ void store_seq_snapshot(seq *q, snapshot_seq *out)
     snprintf(out->label, sizeof out->label, "%s", seq_label(q));
     seq_tier_usage(q, out->tier_tokens, out->tier_bytes);
 }
+
+static int snapshot_build(store *st, snapshot *out, uint64_t *gen);
 
 /* Whether `who` may see session session_id's details (NULL: anyone). */
 static int may_see(const store_caller *who, uint64_t session_id)
@@ -174,10 +177,72 @@ int store_snapshot(store *st, snapshot *out)
     return store_snapshot_for(st, NULL, out);
 }
 
+/* Copy `all` (everything) into *out as `who` may see it: the sessions and
+ * sequences of others left out, the totals kept (snapshot_fill), the ages
+ * `age` ms older. */
+static int snapshot_copy_for(const snapshot *all, const store_caller *who, uint64_t age,
+                             snapshot *out)
+{
+    *out = *all;
+    out->uptime_ms += age;
+    out->pools = malloc((all->npools + 1) * sizeof *out->pools);
+    out->sessions = malloc((all->nsessions + 1) * sizeof *out->sessions);
+    out->seqs = malloc((all->nseqs + 1) * sizeof *out->seqs);
+    if (out->pools == NULL || out->sessions == NULL || out->seqs == NULL) {
+        snapshot_free(out);
+        return -1;
+    }
+    if (all->npools > 0)
+        memcpy(out->pools, all->pools, all->npools * sizeof *out->pools);
+    out->nsessions = out->nseqs = 0;
+    for (size_t i = 0; i < all->nsessions; i++)
+        if (may_see(who, all->sessions[i].id)) {
+            snapshot_session *ss = &out->sessions[out->nsessions++];
+            *ss = all->sessions[i];
+            ss->attached_age_ms += age;
+            ss->lease_age_ms += ss->lease_open ? age : 0;
+        }
+    for (size_t i = 0; i < all->nseqs; i++)
+        if (may_see(who, all->seqs[i].session_id))
+            out->seqs[out->nseqs++] = all->seqs[i];
+    return 0;
+}
+
 int store_snapshot_for(store *st, const store_caller *who, snapshot *out)
 {
     memset(out, 0, sizeof *out);
+    pthread_mutex_lock(&st->snap_lock);
+    int rc = 0;
+    /* Nothing changed since the last snapshot: it is what a new one would
+     * be, but for the ages (below). A flood of Stats then walks the lists
+     * under the lock once per change, not once per call (issue 12). */
+    if (!st->snap_valid ||
+        st->snap_gen != atomic_load_explicit(&st->generation, memory_order_relaxed)) {
+        snapshot fresh;
+        uint64_t gen;
+        rc = snapshot_build(st, &fresh, &gen);
+        if (rc == 0) {
+            snapshot_free(&st->snap);
+            st->snap = fresh;
+            st->snap_gen = gen;
+            st->snap_ms = st->start_ms + fresh.uptime_ms; /* its `now` */
+            st->snap_valid = 1;
+        }
+    }
+    if (rc == 0)
+        rc = snapshot_copy_for(&st->snap, who, store_now_ms() - st->snap_ms, out);
+    if (rc == 0)
+        out->events = events_count(st->events);
+    pthread_mutex_unlock(&st->snap_lock);
+    return rc;
+}
+
+/* Everything, under the store's lock, and the generation it shows. */
+static int snapshot_build(store *st, snapshot *out, uint64_t *gen)
+{
+    memset(out, 0, sizeof *out);
     pthread_mutex_lock(&st->lock);
+    *gen = atomic_load_explicit(&st->generation, memory_order_relaxed);
     size_t nsessions = 0;
     for (const session *se = st->sessions; se != NULL; se = se->next)
         nsessions++;
@@ -196,7 +261,7 @@ int store_snapshot_for(store *st, const store_caller *who, snapshot *out)
         out->max_reply = st->cfg.max_reply_bytes;
         out->session_max_seqs = st->cfg.session_max_seqs;
         out->session_max_blocks = st->cfg.session_max_blocks;
-        snapshot_fill(st, now, who, out);
+        snapshot_fill(st, now, NULL, out);
     }
     pthread_mutex_unlock(&st->lock);
     if (rc != 0)
@@ -209,8 +274,11 @@ void store_lock(store *st)
     pthread_mutex_lock(&st->lock);
 }
 
+/* Every unlock after which a snapshot may show something else bumps the
+ * generation (store_snapshot_for); the reads unlock without. */
 void store_unlock(store *st)
 {
+    atomic_fetch_add_explicit(&st->generation, 1, memory_order_relaxed);
     pthread_mutex_unlock(&st->lock);
 }
 
@@ -458,7 +526,7 @@ static void join_closed(store *st, int wait)
     }
     if (ended != NULL)
         st->nclosed = kept;
-    pthread_mutex_unlock(&st->lock);
+    store_unlock(st);
     for (size_t i = 0; i < n; i++)
         ended[i].join(ended[i].impl);
     free(ended);
@@ -476,6 +544,8 @@ void store_destroy(store *st)
     free(st->closed);
     free(st->seqs);
     free(st->pools);
+    snapshot_free(&st->snap);
+    pthread_mutex_destroy(&st->snap_lock);
     pthread_mutex_destroy(&st->lock);
     free(st);
 }
@@ -484,7 +554,7 @@ void store_begin_shutdown(store *st)
 {
     pthread_mutex_lock(&st->lock);
     st->serving = 0;
-    pthread_mutex_unlock(&st->lock);
+    store_unlock(st);
 }
 
 int store_serving(store *st)
@@ -541,7 +611,7 @@ status_code store_session_open(store *st, pid_t pid, uid_t uid, gid_t gid, int c
     } else {
         free(se);
     }
-    pthread_mutex_unlock(&st->lock);
+    store_unlock(st);
     return rc;
 }
 
@@ -564,7 +634,7 @@ status_code store_transport_fd(store *st, int conn_id, store_transport_open open
         rc = status_set(s, ST_INTERNAL, "cannot duplicate the ring fd");
     if (rc == ST_OK)
         *bytes = t->bytes(t->impl);
-    pthread_mutex_unlock(&st->lock);
+    store_unlock(st);
     return rc;
 }
 
@@ -600,7 +670,7 @@ uint32_t store_expire_leases(store *st)
         session_end(st, se, "lease-timeout");
         n++;
     }
-    pthread_mutex_unlock(&st->lock);
+    store_unlock(st);
     /* Reap ended sessions' rings (threads, memfds) now rather than at the
      * next RING request, which may never come; never waits (join_closed). */
     join_closed(st, 0);
@@ -613,7 +683,7 @@ void store_session_conn_closed(store *st, int conn_id)
     session *se = find_session_by_conn(st, conn_id);
     if (se != NULL)
         session_end(st, se, "fd-closed");
-    pthread_mutex_unlock(&st->lock);
+    store_unlock(st);
 }
 
 status_code store_pool_fd(store *st, int conn_id, uint64_t pool_id, int *fd, size_t *bytes,
@@ -632,7 +702,7 @@ status_code store_pool_fd(store *st, int conn_id, uint64_t pool_id, int *fd, siz
                         (unsigned long long)se->pool->id, (unsigned long long)pool_id);
     else if ((rc = pool_share(se->pool, fd, s)) == ST_OK)
         *bytes = se->pool->bytes;
-    pthread_mutex_unlock(&st->lock);
+    store_unlock(st);
     return rc;
 }
 
@@ -737,7 +807,7 @@ status_code store_attach_tenant(store *st, const char *token, const char *tenant
                  (unsigned long long)se->id, (int)se->pid, (unsigned)se->uid,
                  (unsigned long long)p->id, model);
     }
-    pthread_mutex_unlock(&st->lock);
+    store_unlock(st);
     return rc;
 }
 
@@ -754,7 +824,7 @@ status_code store_lease_begin(store *st, const char *token, uint64_t *session_id
         se->lease_ms = store_now_ms();
         *session_id = se->id;
     }
-    pthread_mutex_unlock(&st->lock);
+    store_unlock(st);
     return rc;
 }
 
@@ -764,7 +834,7 @@ void store_lease_end(store *st, uint64_t session_id)
     session *se = find_session_by_id(st, session_id);
     if (se != NULL)
         session_end(st, se, "lease-ended");
-    pthread_mutex_unlock(&st->lock);
+    store_unlock(st);
 }
 
 status_code store_detach(store *st, const char *token, uint32_t *released, status *s)
@@ -778,11 +848,11 @@ status_code store_detach(store *st, const char *token, uint32_t *released, statu
             *released += seq_session_id(st->seqs[i]) == se->id;
         session_end(st, se, "detach");
     }
-    pthread_mutex_unlock(&st->lock);
+    store_unlock(st);
     return rc;
 }
 
-/* ---- limits (docs/reliability/limits.md) --------------------------------- */
+/* ---- limits (docs/reliability.md) --------------------------------- */
 
 static void format_bytes(uint64_t b, char *out, size_t len)
 {
@@ -1033,7 +1103,7 @@ status_code store_seq_create(store *st, const char *token, const store_seq_reque
         log_debug("seq_created", "session=%llu seq=%llu policy=%s", (unsigned long long)se->id,
                   (unsigned long long)seq_id_of(q), ops->name);
     }
-    pthread_mutex_unlock(&st->lock);
+    store_unlock(st);
     return rc;
 }
 
@@ -1048,7 +1118,12 @@ static status_code own_seq_acked(store *st, const char *token, uint64_t seq_id, 
         rc = need_own_seq(st, se, seq_id, &i, s);
     if (rc == ST_OK) {
         *out = st->seqs[i];
+        size_t retired = seq_retired_count(*out);
         seq_ack(*out, ack_epoch);
+        /* Its callers are reads, which change nothing a snapshot shows
+         * unless the ack freed blocks (store_unlock). */
+        if (seq_retired_count(*out) != retired)
+            atomic_fetch_add_explicit(&st->generation, 1, memory_order_relaxed);
     }
     return rc;
 }
@@ -1140,7 +1215,7 @@ status_code store_append_within(store *st, const char *token, uint64_t seq_id, i
                                      (json_int_t)seq_epoch(q), "evicted",
                                      (json_int_t)writes->evicted));
     }
-    pthread_mutex_unlock(&st->lock);
+    store_unlock(st);
     free(segs);
     free(nsegs);
     if (rc != ST_OK)
@@ -1212,7 +1287,7 @@ status_code store_seq_release(store *st, const char *token, uint64_t seq_id, uin
                        json_pack("{sI sI sI}", "session", (json_int_t)se->id, "seq",
                                  (json_int_t)seq_id, "blocks", (json_int_t)*blocks_freed));
     }
-    pthread_mutex_unlock(&st->lock);
+    store_unlock(st);
     return rc;
 }
 
@@ -1280,7 +1355,7 @@ status_code store_step(store *st, const char *token, uint64_t seq_id, uint64_t a
                            json_pack("{sI sI sI}", "seq", (json_int_t)seq_id_of(q), "epoch",
                                      (json_int_t)seq_epoch(q), "evicted", (json_int_t)*evicted));
     }
-    pthread_mutex_unlock(&st->lock);
+    store_unlock(st);
     return rc;
 }
 
@@ -1357,7 +1432,7 @@ status_code store_revive(store *st, const char *token, uint64_t seq_id,
         log_info("revive", "seq=%llu layer=%u head=%u tokens=%zu full=%u int8=%u sketch=%u",
                  (unsigned long long)seq_id, req->layer, req->head, ntok, by[0], by[1], by[2]);
     }
-    pthread_mutex_unlock(&st->lock);
+    store_unlock(st);
     free(sc);
     return rc;
 }
@@ -1381,6 +1456,6 @@ status_code store_scratch_release(store *st, const char *token, uint64_t scratch
             *blocks_freed = scratch_free(se->pool, sc);
         }
     }
-    pthread_mutex_unlock(&st->lock);
+    store_unlock(st);
     return rc;
 }

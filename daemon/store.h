@@ -33,7 +33,7 @@ typedef struct store_config {
     uint32_t max_sessions;  /* connected workers */
     uint32_t max_seqs;      /* sequences over all sessions */
     const backend *backend; /* where pools live; NULL = backend_host */
-    /* Limits (docs/reliability/limits.md); 0 = none. Daemon memory that
+    /* Limits (docs/reliability.md); 0 = none. Daemon memory that
      * requests may take beyond the pools (sequences' sketch cells, reserved
      * at create: --max-daemon-mb), sequences and pool blocks one session may
      * hold, and the largest reply a call may build (refused before it
@@ -160,7 +160,12 @@ int store_snapshot(store *st, snapshot *out);
 
 /* store_snapshot as `who` may see it (Stats): an operator everything; anyone
  * else only its own session and sequences, the pools' totals still counting
- * every sequence. */
+ * every sequence.
+ *
+ * Both are served from a snapshot of everything shared by all callers: one
+ * is taken under the lock at most every STORE_SNAPSHOT_INTERVAL_MS
+ * (store_internal.h), so what a call returns may be that much older than
+ * the call; a call never waits for another's snapshot. */
 int store_snapshot_for(store *st, const store_caller *who, snapshot *out);
 
 /* Under store_lock: sequence q as snapshot_seq (Inspect's summary). */
@@ -191,7 +196,7 @@ void store_session_conn_closed(store *st, int conn_id);
 size_t store_attached_conns(store *st, int *ids, size_t cap);
 
 /*
- * Leases (docs/reliability/liveness.md): a session's lease is renewed by
+ * Leases (docs/reliability.md): a session's lease is renewed by
  * every call on it (any gRPC call with its token, ring EPOCH, APPEND and
  * STEP, fd-socket MAP and RING); an attached session not renewed for
  * `ms` (0 = never, the default) is reclaimed by store_expire_leases like a

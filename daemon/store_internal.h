@@ -7,6 +7,7 @@
 #define KVSTASH_STORE_INTERNAL_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/types.h>
@@ -70,6 +71,16 @@ struct store {
     size_t nclosed, closed_cap;
     uint64_t next_pool_id, next_session_id, next_seq_id, next_scratch_id;
     size_t sketch_reserved; /* sum of the sequences' seq_sketch_reserved */
+    /* Bumped, lock held, by every unlock after which what a snapshot shows
+     * may differ (store_unlock); read without the lock. */
+    _Atomic uint64_t generation;
+    /* Stats and /metrics share a snapshot (store_snapshot_for): snap was
+     * built at generation snap_gen (snap_valid), at time snap_ms. Under
+     * snap_lock, which is never taken with `lock` held. */
+    pthread_mutex_t snap_lock;
+    snapshot snap;
+    uint64_t snap_gen, snap_ms;
+    int snap_valid;
 };
 
 /* Lock held: the session holding `token` (attached or not) or with id `id`;

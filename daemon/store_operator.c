@@ -2,8 +2,10 @@
 #include "store_operator.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "log.h"
 #include "metrics.h"
@@ -260,6 +262,97 @@ static void report(store *st, seq *q, policy_tier to, const operator_evict_resul
              (unsigned long long)seq_epoch(q));
 }
 
+/* The end of the chunk of layers that starts at `from`: chosen layers
+ * until their lists hold OPERATOR_CHUNK_TOKENS tokens, at least one. */
+static uint32_t chunk_end(seq *q, const uint8_t *chosen, uint32_t from)
+{
+    uint64_t tokens = 0;
+    uint32_t l = from;
+    for (; l < seq_layers(q) && tokens < OPERATOR_CHUNK_TOKENS; l++)
+        for (uint32_t k = 0; chosen[l] && k < seq_heads(q); k++)
+            tokens += seq_list_tokens(q, l, k, NULL);
+    return l;
+}
+
+static void result_add(operator_evict_result *sum, const operator_evict_result *part)
+{
+    sum->epoch = part->epoch;
+    sum->evicted += part->evicted;
+    sum->requested += part->requested;
+    sum->by_policy += part->by_policy;
+    sum->not_held += part->not_held;
+    sum->moved += part->moved;
+}
+
+/* The chosen layers of [from, end) as one transaction (seq.h seq_begin):
+ * all of them or none, published as one new epoch. Lock held. */
+static status_code apply_chunk(store *st, seq *q, const uint8_t *chosen, uint32_t from,
+                               uint32_t end, policy_tier to, const operator_range *r, size_t nr,
+                               uint64_t span, operator_evict_result *out, status *s)
+{
+    operator_evict_result part = {0};
+    uint64_t epoch = seq_epoch(q) + 1;
+    int changed = 0;
+    status_code rc = ST_OK;
+    seq_begin(q);
+    for (uint32_t l = from; l < end && rc == ST_OK; l++)
+        if (chosen[l])
+            rc = apply_layer(q, l, to, r, nr, span, epoch, &part, s, &changed);
+    if (rc != ST_OK) {
+        seq_rollback(q);
+        return rc;
+    }
+    seq_end(q);
+    if (part.evicted > 0 || changed)
+        seq_publish_epoch(q, epoch);
+    part.epoch = seq_epoch(q);
+    report(st, q, to, &part, changed);
+    result_add(out, &part);
+    return ST_OK;
+}
+
+/* Between two chunks: the store's lock is let go so that callers waiting
+ * for it (any worker's append or table read, of any model) run, then taken
+ * again, and the checks of the call run again: the session may have ended,
+ * the sequence been released, the daemon begun to shut down meanwhile. The
+ * short sleep gives the waiters the lock: glibc's mutex is not fair, and an
+ * unlock followed at once by a lock would mostly take it straight back. */
+static status_code between_chunks(store *st, const char *token, uint64_t seq_id, policy_tier to,
+                                  seq **q, status *s)
+{
+    store_unlock(st);
+    nanosleep(&(struct timespec){0, OPERATOR_CHUNK_PAUSE_NS}, NULL);
+    store_lock(st);
+    session *caller = NULL;
+    if (!st->serving)
+        return status_set(s, ST_UNAVAILABLE, "kvstashd is shutting down");
+    if (check_caller(st, token, &caller, s) != ST_OK)
+        return s->code;
+    if ((*q = store_find_seq_locked(st, seq_id)) == NULL)
+        return status_set(s, ST_NOT_FOUND, "sequence %llu was released",
+                          (unsigned long long)seq_id);
+    return check_permission(st, caller, *q, to, s);
+}
+
+/* A failure after some chunks were applied: say how far the call got. */
+static void note_partial(status *s, uint32_t done, uint32_t nchosen, uint64_t epoch)
+{
+    char was[STATUS_MSG_LEN];
+    snprintf(was, sizeof was, "%s", s->msg);
+    status_set(s, s->code,
+               "%s (%u of the %u chosen layers were applied before this, as epoch %llu; the "
+               "others are unchanged)",
+               was, done, nchosen, (unsigned long long)epoch);
+}
+
+/* The first chosen layer at or after l (seq_layers: none). */
+static uint32_t next_chosen(const seq *q, const uint8_t *chosen, uint32_t l)
+{
+    while (l < seq_layers(q) && !chosen[l])
+        l++;
+    return l;
+}
+
 status_code operator_apply(store *st, const char *token, uint64_t seq_id, policy_tier to,
                            const operator_range *ranges, size_t nranges, const uint32_t *layers,
                            size_t nlayers, operator_evict_result *out, status *s)
@@ -284,29 +377,32 @@ status_code operator_apply(store *st, const char *token, uint64_t seq_id, policy
     if (rc == ST_OK) {
         size_t nr = ranges_normalise(r, nranges);
         uint64_t span = 0;
+        uint32_t nlayers_q = seq_layers(q), nchosen = 0, done = 0;
         for (size_t i = 0; i < nr; i++)
             span += r[i].count;
-        for (uint32_t l = 0; l < seq_layers(q); l++)
+        for (uint32_t l = 0; l < nlayers_q; l++)
             chosen[l] = nlayers == 0;
         for (size_t i = 0; i < nlayers; i++)
             chosen[layers[i]] = 1;
-        uint64_t epoch = seq_epoch(q) + 1;
-        int changed = 0;
-        /* All the chosen layers, or none (seq.h seq_begin). */
-        seq_begin(q);
-        for (uint32_t l = 0; l < seq_layers(q) && rc == ST_OK; l++)
-            if (chosen[l])
-                rc = apply_layer(q, l, to, r, nr, span, epoch, out, s, &changed);
-        if (rc != ST_OK) {
-            seq_rollback(q);
-            memset(out, 0, sizeof *out);
-        } else {
-            seq_end(q);
-            if (out->evicted > 0 || changed)
-                seq_publish_epoch(q, epoch);
-            out->epoch = seq_epoch(q);
-            report(st, q, to, out, changed);
+        for (uint32_t l = 0; l < nlayers_q; l++)
+            nchosen += chosen[l];
+        /* A sequence whose chosen lists hold up to OPERATOR_CHUNK_TOKENS
+         * tokens is one chunk: the call is all or nothing. A longer one goes
+         * a chunk of layers at a time, the lock let go in between
+         * (docs/reliability.md). */
+        for (uint32_t from = next_chosen(q, chosen, 0), end; rc == ST_OK && from < nlayers_q;
+             from = next_chosen(q, chosen, end)) {
+            if (done > 0 && (rc = between_chunks(st, token, seq_id, to, &q, s)) != ST_OK)
+                break;
+            end = chunk_end(q, chosen, from);
+            rc = apply_chunk(st, q, chosen, from, end, to, r, nr, span, out, s);
+            for (uint32_t l = from; rc == ST_OK && l < end; l++)
+                done += chosen[l];
         }
+        if (rc != ST_OK && done > 0)
+            note_partial(s, done, nchosen, out->epoch);
+        if (rc != ST_OK)
+            memset(out, 0, sizeof *out);
     }
     store_unlock(st);
     free(chosen);

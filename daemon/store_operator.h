@@ -31,6 +31,14 @@
 
 #define OPERATOR_MAX_RANGES 65536
 
+/* A call is applied in chunks of whole layers whose lists hold this many
+ * tokens (at least one layer), the store's lock let go for
+ * OPERATOR_CHUNK_PAUSE_NS between chunks: an offload runs at about a
+ * microsecond a token, so no other caller waits much longer than some tens
+ * of milliseconds behind one (issue 12; docs/reliability.md). */
+#define OPERATOR_CHUNK_TOKENS 32768
+#define OPERATOR_CHUNK_PAUSE_NS 50000
+
 /* Original positions first .. first+count-1 (count >= 1). */
 typedef struct operator_range {
     uint32_t first, count;
@@ -75,7 +83,15 @@ int operator_can_evict(const policy_ops *p);
  * has no blocks for stays undone (out->moved counts what was done). The
  * epoch is bumped when a table changed.
  *
- * Errors (nothing changes): UNAVAILABLE (shutting down), UNAUTHENTICATED (no
+ * A sequence whose chosen lists hold more than OPERATOR_CHUNK_TOKENS tokens
+ * is done a chunk of layers at a time, each chunk all or nothing and its
+ * own epoch (and table.changed event), the lock let go in between and the
+ * checks below run again before the next chunk. A failure after the first
+ * chunk leaves the chunks before it applied and says so in its message
+ * (how many of the chosen layers, and the epoch); *out is zeroed on any
+ * error.
+ *
+ * Errors (nothing changes, but see chunks above): UNAVAILABLE (shutting down), UNAUTHENTICATED (no
  * or unknown token), NOT_FOUND (no such sequence), PERMISSION_DENIED (another
  * session's sequence, and the caller's uid is no operator's:
  * store_set_operators),

@@ -5,6 +5,7 @@
 #   bash ops/setup.sh --asan     also build ./build-asan (ASan+UBSan, no CUDA)
 #   bash ops/setup.sh --tsan     also build ./build-tsan (ThreadSanitizer, no CUDA)
 #   bash ops/setup.sh --release  also build ./build-release (Release: -O3, no CUDA)
+#   bash ops/setup.sh --fuzz     also build ./build-fuzz's libFuzzer targets (clang, tests/fuzz)
 #   bash ops/setup.sh --no-build only install packages
 #
 # Idempotent: apt is skipped when every package is already installed, and
@@ -16,15 +17,17 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 asan=0
 tsan=0
 release=0
+fuzz=0
 build=1
 for arg in "$@"; do
     case "$arg" in
     --asan) asan=1 ;;
     --tsan) tsan=1 ;;
     --release) release=1 ;;
+    --fuzz) fuzz=1 ;;
     --no-build) build=0 ;;
     -h | --help)
-        sed -n '2,11p' "${BASH_SOURCE[0]}"
+        sed -n '2,12p' "${BASH_SOURCE[0]}"
         exit 0
         ;;
     *)
@@ -43,6 +46,8 @@ packages=(
     protobuf-compiler protobuf-compiler-grpc
     python3 python3-grpcio python3-protobuf python3-prometheus-client
     tmux valgrind
+    openssl util-linux # openssl: test_tls makes its CA; setpriv (util-linux): test_hostile_authz
+    clang libclang-rt-14-dev # libFuzzer (tests/fuzz): clang-14's runtime is a separate package
 )
 
 missing=()
@@ -80,6 +85,12 @@ fi
 if [ "$tsan" -eq 1 ]; then
     cmake -S . -B build-tsan -DKVSTASH_SANITIZE_THREAD=ON -DKVSTASH_CUDA=OFF
     cmake --build build-tsan -j"$jobs"
+fi
+# libFuzzer needs clang; only the fuzz targets (and the libraries they link)
+# are built there: the rest of the suite runs in the builds above.
+if [ "$fuzz" -eq 1 ]; then
+    CC=clang cmake -S . -B build-fuzz -DKVSTASH_FUZZ=ON -DKVSTASH_CUDA=OFF
+    cmake --build build-fuzz -j"$jobs" --target fuzz
 fi
 # -O3 finds what RelWithDebInfo's -O2 does not (GCC's -Wmaybe-uninitialized
 # with -Werror): a newcomer's first `-DCMAKE_BUILD_TYPE=Release` must build.

@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# ops/test.sh - build kvstash four times (./build as configured by setup.sh,
+# ops/test.sh - build kvstash five times (./build as configured by setup.sh,
 # ./build-asan with AddressSanitizer + UBSan, ./build-tsan with
-# ThreadSanitizer, ./build-release with -DCMAKE_BUILD_TYPE=Release), run the
-# whole test suite in the first three and the unit tests in build-release
-# (-O3 must compile and behave). With KVSTASH_BENCH=1 it also runs the
+# ThreadSanitizer, ./build-release with -DCMAKE_BUILD_TYPE=Release, and the
+# libFuzzer targets in ./build-fuzz with clang), run the whole test suite in
+# the first three, the unit tests in build-release (-O3 must compile and
+# behave) and each fuzz target for 20 s on its seed corpus (ctest -L fuzz,
+# docs/reliability.md). With KVSTASH_BENCH=1 it also runs the
 # benchmarks (tests/bench/run.sh: bench_rpc, bench_tiers) in quick mode.
 # Exits non-zero if any build, test or the benchmark fails.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-bash ops/setup.sh --asan --tsan --release
+bash ops/setup.sh --asan --tsan --release --fuzz
 
 failed=()
 
@@ -42,6 +44,12 @@ fi
 echo "== ctest: build-release (unit)"
 if ! ctest --test-dir build-release --output-on-failure -j2 -L unit; then
     failed+=("ctest build-release")
+fi
+
+# Fuzz: each target 20 s on its seeds (a crash, leak, UB or hang fails it).
+echo "== ctest: build-fuzz (fuzz)"
+if ! ctest --test-dir build-fuzz --output-on-failure -j2 -L fuzz; then
+    failed+=("ctest build-fuzz")
 fi
 
 if [ "${KVSTASH_BENCH:-0}" = 1 ]; then

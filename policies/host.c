@@ -243,7 +243,10 @@ static int layer_prepare_decision(host_layer *ly, uint32_t heads)
     size_t total = 0;
     for (uint32_t k = 0; k < heads; k++) {
         host_list *li = &ly->lists[k];
-        memcpy(li->next_tier, li->tier, li->tokens);
+        /* An empty list may have no arrays yet: memcpy's pointers must not
+         * be NULL even for 0 bytes (fuzz_replay: a step before any append). */
+        if (li->tokens > 0)
+            memcpy(li->next_tier, li->tier, li->tokens);
         total += li->tokens;
     }
     if (total > ly->merges_cap) {

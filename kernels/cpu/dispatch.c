@@ -10,13 +10,36 @@
 #include "isa.h"
 #include "kernels.h"
 
+#if defined(KVSTASH_HAVE_AVX2_BUILD) && defined(__x86_64__)
+#include <cpuid.h>
+#include <stdatomic.h>
+
+/* CPUID leaf 1, ECX: clang 14's __builtin_cpu_supports knows no "f16c" (the
+ * fuzz build, tests/fuzz, is clang's), and this reads the same bit in both
+ * compilers. */
+static int cpu_has_f16c(void)
+{
+    /* Asked at every kernel call, and CPUID traps to the hypervisor in a VM
+     * (6 us a call measured, most of an operator offload's time): read it
+     * once. Racing first calls store the same answer. */
+    static _Atomic int known = -1;
+    int has = atomic_load_explicit(&known, memory_order_relaxed);
+    if (has < 0) {
+        unsigned a, b, c, d;
+        has = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0;
+        atomic_store_explicit(&known, has, memory_order_relaxed);
+    }
+    return has;
+}
+#endif
+
 int kv_isa_avx2(void)
 {
 #if defined(KVSTASH_HAVE_AVX2_BUILD) && defined(__x86_64__)
     const char *env = getenv("KVSTASH_KERNEL_ISA");
     if (env != NULL && strcmp(env, "generic") == 0)
         return 0;
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    return __builtin_cpu_supports("avx2") && cpu_has_f16c();
 #else
     return 0;
 #endif

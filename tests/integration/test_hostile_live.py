@@ -7,7 +7,7 @@ Each check is the hostile case that used to succeed against kvstashd:
   - at the fd limit the fd-socket thread spun on accept() (EMFILE);
   - a few dozen HTTP clients that send nothing held /healthz down;
   - a SIGSTOPped worker kept its session and its blocks forever.
-docs/reliability/liveness.md explains the defences and what they leave open.
+docs/reliability.md explains the defences and what they leave open.
 """
 import http.client
 import json

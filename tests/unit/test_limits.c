@@ -1,6 +1,6 @@
 /*
  * Unit tests of the store's limits (issue 12, problems 2 and 4's reply;
- * docs/reliability/limits.md): sequences' sketch cells reserved against
+ * docs/reliability.md): sequences' sketch cells reserved against
  * the daemon memory budget before anything exists, per-session quotas of
  * sequences and pool blocks, and replies over the reply limit refused
  * before the call changes anything. The store is called directly.

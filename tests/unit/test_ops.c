@@ -61,7 +61,8 @@ static void test_config_text_that_cannot_round_trip(void **state)
     char err[256];
     config_defaults(&c);
     static const char *const bad[] = {"127.0.0.1:1\f",  " 127.0.0.1:1",  "127.0.0.1:1 ",
-                                      "127.0.0.1:1 ;x", "127\n.0.0.1:1", "127.0.0.1:1\x7f"};
+                                      "127.0.0.1:1 ;x", "127\n.0.0.1:1", "127.0.0.1:1\x7f",
+                                      ";127.0.0.1:1"};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         assert_int_equal(config_set(&c, "metrics", bad[i], err, sizeof err), -1);
         assert_non_null(strstr(err, "metrics must be printable text"));
@@ -160,7 +161,7 @@ typedef struct fixture {
 } fixture;
 
 static const pool_geometry geom = {2, 4, 2, 8, 4, POOL_FP32, 0}; /* 4 tokens a block */
-static const rpc_method no_methods[] = {{"/kvstash.v1.Store/Stats", NULL, NULL, NULL, NULL}};
+static const rpc_method no_methods[] = {{"/kvstash.v1.Store/Stats", NULL, NULL, NULL, NULL, 0}};
 
 static int setup(void **state)
 {

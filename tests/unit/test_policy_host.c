@@ -674,6 +674,24 @@ static void test_step_failure(void **unused)
     policy_host_destroy(h);
 }
 
+/* A step before any append: every list is empty and may have no arrays yet
+ * (fuzz_replay found the host copying tiers from NULL, for 0 bytes: undefined
+ * behaviour that the UBSan builds report; corpus/fuzz_replay/regress-*). */
+static void test_step_before_any_append(void **unused)
+{
+    (void)unused;
+    policy_host *h = host_new(&fake_mod3, 2, 2);
+    state_of(h)->passive = 1;
+    policy_stats stats = {.confidence = -1.0};
+    for (uint32_t l = 0; l < 2; l++) {
+        step_ok(h, l, &stats);
+        assert_int_equal(policy_host_commit(h, l), 0);
+    }
+    check_all_full(h, 2, 0);
+    check_fake_clean(h);
+    policy_host_destroy(h);
+}
+
 /* Room for merges is at least the tokens of the view, over all heads. */
 /* storage.h: int8=on demotes every held token but the newest int8_window
  * of a list; evicted and sketched tokens do not count toward the window. */
@@ -760,6 +778,7 @@ int main(void)
         cmocka_unit_test(test_per_head_lists_diverge),
         cmocka_unit_test(test_step_numbering),
         cmocka_unit_test(test_step_failure),
+        cmocka_unit_test(test_step_before_any_append),
         cmocka_unit_test(test_merges_capacity),
         cmocka_unit_test(test_storage_demote),
         cmocka_unit_test(test_storage_parse),
