@@ -170,5 +170,5 @@ int pool_mark(pool *p, uint32_t block)
 
 void pool_unmark(pool *p, uint32_t block)
 {
-    p->marks[block / 8] &= (uint8_t)~(1u << (block % 8));
+    p->marks[block / 8] &= (uint8_t) ~(1u << (block % 8));
 }

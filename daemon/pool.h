@@ -41,8 +41,8 @@ typedef struct pool {
     uint32_t *saved_stack;
     uint32_t sp_mark, sp_low;
     int sp_active;
-    uint8_t *marks; /* a bit per block (pool_mark) */
-    uint32_t sessions;    /* sessions attached; the store destroys the pool at 0 */
+    uint8_t *marks;    /* a bit per block (pool_mark) */
+    uint32_t sessions; /* sessions attached; the store destroys the pool at 0 */
     const backend *backend;
     backend_arena arena;
     uint8_t *base; /* arena.base: a device address, for the ops only */

@@ -349,10 +349,10 @@ static int list_rerotate(seq *s, const tier_token *tok, const uint8_t *tier, uin
     if (rc == 0)
         rc = seq_txn_save_tokens(s, at, m);
     if (rc == 0)
-        rc = s->tier.ops->rope_rerotate(
-            &s->list_layout, s->tier.dtype, s->pool->base, sg, m, delta,
-            d->rope_theta > 0 ? d->rope_theta : s->pool->geom.rope_theta,
-            d->rope_pairing ? KV_ROPE_INTERLEAVED : KV_ROPE_HALF);
+        rc =
+            s->tier.ops->rope_rerotate(&s->list_layout, s->tier.dtype, s->pool->base, sg, m, delta,
+                                       d->rope_theta > 0 ? d->rope_theta : s->pool->geom.rope_theta,
+                                       d->rope_pairing ? KV_ROPE_INTERLEAVED : KV_ROPE_HALF);
     free(delta);
     free(sg);
     free(at);

@@ -648,8 +648,8 @@ static void prep_ov_block(fixture *f)
 static void prep_confkv(fixture *f)
 {
     prep_stepped(f, "confkv",
-                 (const char *const[]){"budget_tight", "4", "budget_loose", "6", "protect", "1"},
-                 3, 12);
+                 (const char *const[]){"budget_tight", "4", "budget_loose", "6", "protect", "1"}, 3,
+                 12);
 }
 
 static void prep_tova(fixture *f)
@@ -907,8 +907,8 @@ static long drive(const fault_case *c, int persistent, tally *t)
             t->absorbed += failed > 0;
             why = accounting(&f);
         } else if (rc != ST_RESOURCE_EXHAUSTED) {
-            snprintf(msg, sizeof msg, "answered %s \"%s\", not RESOURCE_EXHAUSTED",
-                     status_name(rc), s.msg);
+            snprintf(msg, sizeof msg, "answered %s \"%s\", not RESOURCE_EXHAUSTED", status_name(rc),
+                     s.msg);
             why = msg;
         } else {
             t->failed++;
