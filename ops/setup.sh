@@ -45,6 +45,7 @@ packages=(
     libmicrohttpd-dev libinih-dev
     protobuf-compiler protobuf-compiler-grpc
     python3 python3-grpcio python3-protobuf python3-prometheus-client
+    python3-numpy python3-pytest python3-torch # client/python: the kvstash package, kvstash.llama
     tmux valgrind
     openssl util-linux # openssl: test_tls makes its CA; setpriv (util-linux): test_hostile_authz
     clang libclang-rt-14-dev # libFuzzer (tests/fuzz): clang-14's runtime is a separate package

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # tests/bench/run.sh - build (if needed) and run the benchmarks against the
 # real daemon: bench_rpc (control plane, ring, writes), then bench_tiers (tier
-# moves: Revive, demotion, offload). Usage: tests/bench/run.sh [--quick] [--pin CPU]
-# (--pin applies to bench_rpc only). BUILD_DIR picks the build tree (default:
-# build; configured if missing). Exits non-zero if either benchmark fails.
+# moves: Revive, demotion, offload), then bench_python_step.py (a decode step
+# through the Python package vs from C). Usage: tests/bench/run.sh [--quick] [--pin CPU]
+# (--pin applies to bench_rpc and bench_python_step). BUILD_DIR picks the build tree (default:
+# build; configured if missing). Exits non-zero if any benchmark fails.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -25,4 +26,6 @@ rc=0
 "$build/tests/bench/bench_rpc" "$@" "$build/daemon/kvstashd" || rc=1
 echo
 "$build/tests/bench/bench_tiers" "${tiers_args[@]}" "$build/daemon/kvstashd" || rc=1
+echo
+/usr/bin/python3 tests/bench/bench_python_step.py "$@" --build "$build" || rc=1
 exit "$rc"
