@@ -154,9 +154,10 @@ int fdsock_hello(int fd, char *token, char *err, size_t errlen)
     return KVS_OK;
 }
 
-/* Send `request` and expect "OK <bytes>" with a file descriptor. */
-static int request_fd(int fd, const char *request, const char *what, int *memfd, uint64_t *bytes,
-                      char *err, size_t errlen)
+/* Send `request` and read its answer (kvstash_map.h) and the fd that came
+ * with it, which must be there exactly when the answer's kind has one. */
+static int request_map(int fd, const char *request, const char *what, kvstash_map_answer *map,
+                       int *memfd, char *err, size_t errlen)
 {
     char buf[FDSOCK_MSG_MAX + 1];
     *memfd = -1;
@@ -166,31 +167,47 @@ static int request_fd(int fd, const char *request, const char *what, int *memfd,
         rc = recv_msg(fd, what, buf, &got, err, errlen);
     if (rc != KVS_OK)
         return rc;
-    char *end;
-    errno = 0;
-    unsigned long long v = strncmp(buf, "OK ", 3) == 0 ? strtoull(buf + 3, &end, 10) : 0;
-    if (strncmp(buf, "OK ", 3) != 0 || buf[3] < '0' || buf[3] > '9' || *end != '\0' || errno != 0) {
+    char why[160];
+    if (strncmp(buf, "OK ", 3) != 0 || kvstash_map_parse(buf, map, why, sizeof why) != 0) {
         if (got >= 0)
             close(got);
+        if (strncmp(buf, "OK ", 3) == 0) {
+            snprintf(err, errlen, "fd socket: malformed answer to %s: %s", what, why);
+            return KVS_ERR_PROTOCOL;
+        }
         return bad_answer(what, buf, err, errlen);
     }
-    if (got < 0) {
-        snprintf(err, errlen, "fd socket: kvstashd answered %s without a file descriptor", what);
+    if (kvstash_map_has_fd(map->kind) != (got >= 0)) {
+        if (got >= 0)
+            close(got);
+        snprintf(err, errlen, "fd socket: kvstashd answered %s %s a file descriptor", what,
+                 got >= 0 ? "with an unexpected" : "without");
         return KVS_ERR_PROTOCOL;
     }
     *memfd = got;
-    *bytes = v;
     return KVS_OK;
 }
 
-int fdsock_map(int fd, uint64_t pool_id, int *memfd, uint64_t *bytes, char *err, size_t errlen)
+int fdsock_map(int fd, uint64_t pool_id, kvstash_map_answer *map, int *memfd, char *err,
+               size_t errlen)
 {
     char req[64];
     snprintf(req, sizeof req, "MAP %" PRIu64, pool_id);
-    return request_fd(fd, req, "MAP", memfd, bytes, err, errlen);
+    return request_map(fd, req, "MAP", map, memfd, err, errlen);
 }
 
 int fdsock_ring(int fd, int *memfd, uint64_t *bytes, char *err, size_t errlen)
 {
-    return request_fd(fd, "RING", "RING", memfd, bytes, err, errlen);
+    kvstash_map_answer map;
+    int rc = request_map(fd, "RING", "RING", &map, memfd, err, errlen);
+    if (rc == KVS_OK && map.kind != KVSTASH_MAP_MEMFD) {
+        close(*memfd);
+        *memfd = -1;
+        snprintf(err, errlen, "fd socket: kvstashd answered RING with a %s arena, not a memfd",
+                 kvstash_map_kind_name(map.kind));
+        return KVS_ERR_PROTOCOL;
+    }
+    if (rc == KVS_OK)
+        *bytes = map.bytes;
+    return rc;
 }

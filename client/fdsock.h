@@ -3,9 +3,9 @@
  *
  * A SOCK_SEQPACKET Unix socket at `<grpc socket>.fd`: one ASCII datagram per
  * message, at most 320 bytes. The daemon reads our SO_PEERCRED identity and
- * answers `HELLO 1` with the session token, and `MAP <pool_id>` with the
- * pool's memfd attached (SCM_RIGHTS). The connection must stay open for the
- * session's life: closing it ends the session on the daemon.
+ * answers `HELLO 1` with the session token, and `MAP <pool_id>` with what
+ * maps the pool (the memfd, or a CUDA arena's VMM fd or legacy handle). The connection must stay
+ * open for the session's life: closing it ends the session on the daemon.
  *
  * All functions return 0 or a negative kvs_err, with a message in
  * err[errlen]; sends and receives time out after rpc_timeout_ms().
@@ -15,6 +15,8 @@
 
 #include <stddef.h>
 #include <stdint.h>
+
+#include "kvstash_map.h"
 
 /* The session token: 32 lowercase hex digits and a NUL. */
 #define FDSOCK_TOKEN_LEN 32
@@ -26,10 +28,15 @@ int fdsock_connect(const char *socket_path, int *fd, char *err, size_t errlen);
 /* Send `HELLO 1` and read the token into token[FDSOCK_TOKEN_LEN + 1]. */
 int fdsock_hello(int fd, char *token, char *err, size_t errlen);
 
-/* Send `MAP <pool_id>`; on success *memfd is the pool's file descriptor
- * (close-on-exec, owned by the caller) and *bytes the size the daemon
- * announced. A daemon `ERR` answer gives KVS_ERR_PROTOCOL with its reason. */
-int fdsock_map(int fd, uint64_t pool_id, int *memfd, uint64_t *bytes, char *err, size_t errlen);
+/* Send `MAP <pool_id>`; on success *map is the answer (proto/kvstash_map.h:
+ * host memory, or a CUDA arena's IPC kind, GPU UUID, size and legacy
+ * handle) and *memfd the file descriptor that came with it (the memfd or
+ * the VMM fd; close-on-exec, owned by the caller), -1 for a legacy CUDA
+ * arena. An answer of a kind that needs an fd and came without one, or
+ * with one it should not have, is KVS_ERR_PROTOCOL; so is a daemon `ERR`
+ * answer, with its reason. */
+int fdsock_map(int fd, uint64_t pool_id, kvstash_map_answer *map, int *memfd, char *err,
+               size_t errlen);
 
 /* Send `RING`; on success *memfd is the session's per-step ring
  * (proto/kvstash_ring.h), created by the daemon on first request. */

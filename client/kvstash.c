@@ -13,8 +13,14 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#ifdef KVSTASH_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "devmem.h"
+#endif
 #include "fdsock.h"
 #include "kernels.h"
+#include "kvstash_map.h"
 #include "ops.h"
 #include "kvstash/v1/store.pb-c.h"
 #include "kvstash_step.h"
@@ -41,8 +47,12 @@ struct kvs_session {
     kvs_geometry geom; /* the pool's, defaults filled in */
     kv_layout layout;
     const kv_ops *ops; /* the pool's backend's (session_layout) */
+    char backend[16];  /* AttachResponse.backend: "host", "shadow" or "cuda" */
     uint8_t *pool;     /* what the worker sees: a device address */
-    uint8_t *pool_map; /* the mapping behind it (== pool for `host`) */
+    uint8_t *pool_map; /* the host mapping behind it (== pool for `host`; NULL for cuda) */
+#ifdef KVSTASH_HAVE_CUDA
+    kv_devmem_arena dev; /* cuda: the imported arena (kind NONE when none) */
+#endif
     size_t pool_bytes, block_bytes;
     uint32_t block_count;
     /* A few sequences per session: a plain array, searched linearly. */
@@ -136,6 +146,11 @@ const struct kv_ops *kvs_session_ops(const kvs_session *s)
     return s->ops;
 }
 
+const char *kvs_session_backend(const kvs_session *s)
+{
+    return s->backend;
+}
+
 size_t kvs_session_pool_bytes(const kvs_session *s)
 {
     return s->pool_bytes;
@@ -216,6 +231,17 @@ static void session_free(kvs_session *s)
 {
     if (s->lease != NULL)
         rpc_stream_close(s->lease, NULL, 0);
+#ifdef KVSTASH_HAVE_CUDA
+    if (s->dev.kind != KV_DEVMEM_NONE) {
+        /* Nothing of ours may still read or write the arena: wait for the
+         * device, then release the import, and only then close the fd
+         * socket (below), which lets the daemon reuse the blocks. */
+        cudaSetDevice(s->dev.device);
+        cudaDeviceSynchronize();
+        kv_devmem_release(&s->dev, NULL, 0);
+        s->pool = NULL;
+    }
+#endif
     if (s->pool != NULL && s->pool != s->pool_map)
         kv_shadow_unmap(s->pool);
     if (s->pool_map != NULL)
@@ -239,13 +265,22 @@ static int session_layout(kvs_session *s, const Kvstash__V1__AttachResponse *r)
         s->ops = &kv_ops_cpu;
     } else if (strcmp(r->backend, "shadow") == 0) {
         s->ops = &kv_ops_shadow;
+    } else if (strcmp(r->backend, "cuda") == 0) {
+#ifdef KVSTASH_HAVE_CUDA
+        s->ops = &kv_ops_cuda;
+#else
+        fail(s, "kvstashd offers a \"cuda\" pool (GPU memory); this libkvstash was built "
+                "without CUDA");
+        return KVS_ERR_PRECONDITION;
+#endif
     } else {
         fail(s,
-             "kvstashd offers a \"%s\" pool; this libkvstash maps only \"host\" and "
-             "\"shadow\" pools",
+             "kvstashd offers a \"%s\" pool; this libkvstash maps only \"host\", "
+             "\"shadow\" and \"cuda\" pools",
              r->backend);
         return KVS_ERR_PROTOCOL;
     }
+    snprintf(s->backend, sizeof s->backend, "%s", r->backend);
     size_t elt = g != NULL ? dtype_size(g->dtype) : 0;
     if (g == NULL || elt == 0 || g->layers == 0 || g->kv_heads == 0 || g->head_dim == 0 ||
         g->block_tokens == 0) {
@@ -311,16 +346,99 @@ static int session_rpc_attach(kvs_session *s, const char *tenant, const char *mo
     return rc;
 }
 
-/* Step 3: MAP the pool's memfd and mmap it. */
+#ifdef KVSTASH_HAVE_CUDA
+/* This process's ordinal of the GPU with that UUID (devices are renumbered
+ * by containers and CUDA_VISIBLE_DEVICES: the daemon's number means nothing
+ * here). */
+static int cuda_find_device(kvs_session *s, const uint8_t uuid[KVSTASH_GPU_UUID_BYTES], int *device)
+{
+    char text[KVSTASH_GPU_UUID_TEXT];
+    kvstash_gpu_uuid_format(uuid, text);
+    int count = 0;
+    cudaError_t e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess) {
+        fail(s,
+             "the pool is in GPU memory (%s) but this process has no usable CUDA device: %s (%s)",
+             text, cudaGetErrorName(e), cudaGetErrorString(e));
+        return KVS_ERR_PRECONDITION;
+    }
+    for (int i = 0; i < count; i++) {
+        struct cudaDeviceProp prop;
+        if (cudaGetDeviceProperties(&prop, i) == cudaSuccess &&
+            memcmp(prop.uuid.bytes, uuid, KVSTASH_GPU_UUID_BYTES) == 0) {
+            *device = i;
+            return KVS_OK;
+        }
+    }
+    fail(s,
+         "the pool is on GPU %s, which this process does not see (%d device%s; check "
+         "CUDA_VISIBLE_DEVICES and the container's devices)",
+         text, count, count == 1 ? "" : "s");
+    return KVS_ERR_PRECONDITION;
+}
+
+/* Import a cuda pool: the GPU by UUID, kv_devmem_import, the fd closed at
+ * once (the import holds the allocation). */
+static int session_import(kvs_session *s, const kvstash_map_answer *map, int fd)
+{
+    int device = -1, rc = KVS_OK;
+    if (map->kind != KVSTASH_MAP_CUDA_VMM && map->kind != KVSTASH_MAP_CUDA_LEGACY) {
+        fail(s, "MAP: kvstashd sent a %s answer for a cuda pool", kvstash_map_kind_name(map->kind));
+        rc = KVS_ERR_PROTOCOL;
+    } else if (map->bytes < s->pool_bytes || map->bytes > SIZE_MAX) {
+        fail(s, "MAP: kvstashd announced a %" PRIu64 "-byte arena for a %zu-byte pool", map->bytes,
+             s->pool_bytes);
+        rc = KVS_ERR_PROTOCOL;
+    } else {
+        rc = cuda_find_device(s, map->gpu_uuid, &device);
+    }
+    if (rc == KVS_OK && kv_ops_cuda_device() >= 0 && kv_ops_cuda_device() != device) {
+        fail(s,
+             "this process already uses CUDA device %d for kvstash pools; the pool is on "
+             "device %d (kv_ops_cuda serves one device per process)",
+             kv_ops_cuda_device(), device);
+        rc = KVS_ERR_PRECONDITION;
+    }
+    if (rc == KVS_OK) {
+        kv_devmem_desc d = {.kind = map->kind == KVSTASH_MAP_CUDA_VMM ? KV_DEVMEM_VMM
+                                                                      : KV_DEVMEM_LEGACY,
+                            .bytes = (size_t)map->bytes,
+                            .fd = fd};
+        memcpy(d.legacy_handle, map->legacy_handle, sizeof d.legacy_handle);
+        char err[512];
+        if (kv_devmem_import(&d, device, &s->dev, err, sizeof err) != 0) {
+            fail(s, "cannot map the pool's GPU memory: %s", err);
+            rc = KVS_ERR_SYSTEM;
+        } else {
+            kv_ops_cuda_set_device(device);
+            s->pool = s->dev.ptr;
+        }
+    }
+    if (fd >= 0)
+        close(fd);
+    return rc;
+}
+#endif
+
+/* Step 3: MAP the pool (its memfd, mmapped; or its CUDA arena, imported). */
 static int session_map(kvs_session *s)
 {
     int memfd;
-    uint64_t bytes;
-    int rc = fdsock_map(s->fd, s->pool_id, &memfd, &bytes, s->err, sizeof s->err);
+    kvstash_map_answer map;
+    int rc = fdsock_map(s->fd, s->pool_id, &map, &memfd, s->err, sizeof s->err);
     if (rc != KVS_OK)
         return rc;
+#ifdef KVSTASH_HAVE_CUDA
+    if (s->ops == &kv_ops_cuda)
+        return session_import(s, &map, memfd);
+#endif
+    uint64_t bytes = map.bytes;
     struct stat st;
-    if (bytes != s->pool_bytes) {
+    if (map.kind != KVSTASH_MAP_MEMFD) {
+        fail(s, "MAP: kvstashd sent a CUDA %s arena for a \"%s\" pool",
+             kvstash_map_kind_name(map.kind), s->backend);
+        rc = KVS_ERR_PROTOCOL;
+    } else if (bytes != s->pool_bytes) {
         fail(s, "MAP: kvstashd announced %" PRIu64 " bytes, Attach said %zu", bytes, s->pool_bytes);
         rc = KVS_ERR_PROTOCOL;
     } else if (fstat(memfd, &st) != 0 || (uint64_t)st.st_size < bytes) {
@@ -341,7 +459,8 @@ static int session_map(kvs_session *s)
             }
         }
     }
-    close(memfd);
+    if (memfd >= 0)
+        close(memfd);
     return rc;
 }
 

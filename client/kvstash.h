@@ -99,6 +99,12 @@ uint8_t *kvs_session_pool(const kvs_session *s);
  * (kvs_key_ptr & co. are device addresses too). Owned by libkvstash. */
 struct kv_ops;
 const struct kv_ops *kvs_session_ops(const kvs_session *s);
+/* The pool's backend, as AttachResponse.backend names it: "host", "shadow"
+ * or "cuda" (GPU memory imported by CUDA IPC: kvs_session_pool and
+ * kvs_key_ptr & co. are device addresses on the daemon's GPU, the device
+ * kv_ops_cuda selects). A libkvstash built without CUDA refuses a cuda pool
+ * at attach (KVS_ERR_PRECONDITION). Owned by the session. */
+const char *kvs_session_backend(const kvs_session *s);
 size_t kvs_session_pool_bytes(const kvs_session *s);
 size_t kvs_session_block_bytes(const kvs_session *s);
 uint64_t kvs_session_pool_id(const kvs_session *s);     /* the pool's id in Stats */

@@ -1,8 +1,15 @@
 #include "backend.h"
 
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
-static const backend *const backends[] = {&backend_host, &backend_shadow};
+static const backend *const backends[] = {&backend_host, &backend_shadow,
+#ifdef KVSTASH_HAVE_CUDA
+                                          &backend_cuda
+#endif
+};
 
 const backend *backend_find(const char *name)
 {
@@ -14,5 +21,40 @@ const backend *backend_find(const char *name)
 
 const char *backend_names(void)
 {
+#ifdef KVSTASH_HAVE_CUDA
+    return "host, shadow, cuda";
+#else
     return "host, shadow";
+#endif
+}
+
+int backend_cuda_ipc_check(const char *v, char *err, size_t errlen)
+{
+    if (strcmp(v, "auto") == 0 || strcmp(v, "vmm") == 0 || strcmp(v, "legacy") == 0)
+        return 0;
+    snprintf(err, errlen,
+             "cuda-ipc must be auto (VMM where the device supports it, else legacy), vmm or "
+             "legacy, got '%.32s'",
+             v);
+    return -1;
+}
+
+int backend_cuda_device_check(const char *v, char *err, size_t errlen)
+{
+    uint8_t uuid[KVSTASH_GPU_UUID_BYTES];
+    if (strncmp(v, "GPU-", 4) == 0) {
+        if (kvstash_gpu_uuid_parse(v, uuid) == 0)
+            return 0;
+    } else if (v[0] >= '0' && v[0] <= '9') {
+        char *end;
+        errno = 0;
+        unsigned long n = strtoul(v, &end, 10);
+        if (errno == 0 && *end == '\0' && n <= 1023)
+            return 0;
+    }
+    snprintf(err, errlen,
+             "cuda-device must be a device number (0 to 1023) or a GPU UUID as nvidia-smi -L "
+             "prints it (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx), got '%.48s'",
+             v);
+    return -1;
 }

@@ -12,6 +12,11 @@
  *           PROT_NONE shadow address (kv_ops_shadow): any access that
  *           bypasses the ops faults, as it would on a GPU. For tests
  *           (README, "The shadow backend").
+ *   cuda    (CUDA builds only) one arena of device memory per pool
+ *           (kernels/devmem.h), VMM or legacy IPC; ops kv_ops_cuda. The
+ *           device is chosen at start (--cuda-device), the arena made when
+ *           the pool is (the first Attach of its model), never at start: a
+ *           CUDA context costs hundreds of MiB (../shared/GPU.md).
  */
 #ifndef KVSTASH_BACKEND_H
 #define KVSTASH_BACKEND_H
@@ -19,6 +24,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kvstash_map.h"
 #include "ops.h"
 #include "status.h"
 
@@ -30,23 +36,55 @@ typedef struct backend_arena {
     void *priv; /* the backend's own (the host mapping behind a shadow) */
 } backend_arena;
 
+/*
+ * What a worker is given to reach an arena (the fd socket's MAP answer,
+ * proto/kvstash_map.h). arena_share used to return one fd, which is all a
+ * memfd needs; a device arena also needs its IPC kind, its GPU's UUID and
+ * either an fd (VMM) or a 64-byte handle (legacy), so it fills this instead
+ * (issue 14). The host backends fill map.kind = KVSTASH_MAP_MEMFD, bytes and
+ * fd, and the MAP answer they produce is the one they always did.
+ */
+typedef struct backend_share {
+    kvstash_map_answer map; /* kind, bytes, GPU UUID, legacy handle */
+    int fd; /* memfd or VMM fd, sent with SCM_RIGHTS; -1 when none; the caller closes it */
+} backend_share;
+
+/* Settings a backend reads at start (config.h keys). */
+typedef struct backend_options {
+    const char *cuda_device; /* "N" or "GPU-<uuid>" */
+    const char *cuda_ipc;    /* "auto", "vmm" or "legacy" */
+} backend_options;
+
 typedef struct backend {
     const char *name; /* as in Stats, AttachResponse.backend and metrics */
     const kv_ops *ops;
+    /* Once, at daemon start, before any arena; NULL when there is nothing
+     * to check. A failure stops kvstashd (st says why). */
+    status_code (*start)(const backend_options *o, status *st);
     /* An arena of `bytes` for model `model`; *a is set on success. */
     status_code (*arena_create)(const char *model, size_t bytes, backend_arena *a, status *st);
     void (*arena_destroy)(backend_arena *a);
-    /* A new descriptor of the arena for a worker; the caller closes it. */
-    status_code (*arena_share)(const backend_arena *a, int *fd, status *st);
+    /* What a worker needs to map the arena: *sh filled, with a new fd (or
+     * -1) that the caller closes once it is sent. */
+    status_code (*arena_share)(const backend_arena *a, backend_share *sh, status *st);
 } backend;
 
 extern const backend backend_host;
 extern const backend backend_shadow;
+#ifdef KVSTASH_HAVE_CUDA
+extern const backend backend_cuda;
+#endif
 
-/* The backend named `name`; NULL when there is none. */
+/* The backend named `name`; NULL when there is none in this build. */
 const backend *backend_find(const char *name);
 
-/* The names backend_find knows, "host|shadow" style, for messages. */
+/* The names backend_find knows, "host, shadow" style, for messages. */
 const char *backend_names(void);
+
+/* "vmm"/"legacy"/"auto" and "N"/"GPU-<uuid>" syntax checks for the config:
+ * 0, or -1 with why in err (no CUDA call; the device is looked up at
+ * start). */
+int backend_cuda_ipc_check(const char *v, char *err, size_t errlen);
+int backend_cuda_device_check(const char *v, char *err, size_t errlen);
 
 #endif

@@ -71,10 +71,13 @@ void memfd_arena_destroy(backend_arena *a)
     *a = (backend_arena){NULL, 0, -1, NULL};
 }
 
-status_code memfd_arena_share(const backend_arena *a, int *fd, status *st)
+status_code memfd_arena_share(const backend_arena *a, backend_share *sh, status *st)
 {
-    *fd = fcntl(a->fd, F_DUPFD_CLOEXEC, 0);
-    if (*fd < 0)
+    memset(sh, 0, sizeof *sh);
+    sh->map.kind = KVSTASH_MAP_MEMFD;
+    sh->map.bytes = a->bytes;
+    sh->fd = fcntl(a->fd, F_DUPFD_CLOEXEC, 0);
+    if (sh->fd < 0)
         return status_set(st, ST_INTERNAL, "dup of the pool memfd failed: %s", strerror(errno));
     return ST_OK;
 }
@@ -82,6 +85,7 @@ status_code memfd_arena_share(const backend_arena *a, int *fd, status *st)
 const backend backend_host = {
     .name = "host",
     .ops = &kv_ops_cpu,
+    .start = NULL,
     .arena_create = memfd_arena_create,
     .arena_destroy = memfd_arena_destroy,
     .arena_share = memfd_arena_share,

@@ -11,6 +11,6 @@
 /* A sealed memfd of `bytes`, mapped: a->base is the real mapping. */
 status_code memfd_arena_create(const char *model, size_t bytes, backend_arena *a, status *st);
 void memfd_arena_destroy(backend_arena *a);
-status_code memfd_arena_share(const backend_arena *a, int *fd, status *st);
+status_code memfd_arena_share(const backend_arena *a, backend_share *sh, status *st);
 
 #endif

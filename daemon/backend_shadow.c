@@ -37,6 +37,7 @@ static void shadow_arena_destroy(backend_arena *a)
 const backend backend_shadow = {
     .name = "shadow",
     .ops = &kv_ops_shadow,
+    .start = NULL,
     .arena_create = shadow_arena_create,
     .arena_destroy = shadow_arena_destroy,
     .arena_share = memfd_arena_share,

@@ -56,8 +56,16 @@ static const config_option options[] = {
     {"metrics-allow-remote", CONFIG_BOOL, 0, 0,
      "let --metrics listen on a non-loopback address (no authentication, no TLS)"},
     {"backend", CONFIG_BACKEND, 0, 0,
-     "where pools live: host (shared memory, the default) or shadow (host memory behind "
-     "addresses that fault on direct access: a test backend, README)"},
+     "where pools live: host (shared memory, the default), shadow (host memory behind "
+     "addresses that fault on direct access: a test backend, README) or cuda (GPU memory "
+     "shared by CUDA IPC, in builds with CUDA: docs/gpu.md)"},
+    {"cuda-device", CONFIG_CUDA_DEVICE, 0, 0,
+     "with --backend cuda, the GPU for every pool: a device number or, better (containers "
+     "renumber devices), its UUID as nvidia-smi -L prints it (default 0)"},
+    {"cuda-ipc", CONFIG_CUDA_IPC, 0, 0,
+     "with --backend cuda, how workers map pools: vmm (a file descriptor passed only to "
+     "checked peers), legacy (a cudaIpc handle) or auto (vmm where the device supports it, "
+     "else legacy; the default)"},
     {"drain-ms", CONFIG_COUNT, 0, 600000,
      "on SIGTERM, report NOT_SERVING (health, /healthz) this long before stopping "
      "(default 0; a second signal stops at once)"},
@@ -102,6 +110,8 @@ void config_defaults(daemon_config *c)
     c->threads = 2;
     snprintf(c->log_level, sizeof c->log_level, "info");
     snprintf(c->backend, sizeof c->backend, "%s", backend_host.name);
+    snprintf(c->cuda_device, sizeof c->cuda_device, "0");
+    snprintf(c->cuda_ipc, sizeof c->cuda_ipc, "auto");
     c->operator_uids[c->n_operator_uids++] = 0;
     if (geteuid() != 0)
         c->operator_uids[c->n_operator_uids++] = geteuid();
@@ -305,12 +315,27 @@ int config_set(daemon_config *c, const char *key, const char *value, char *err, 
         }
         return set_text(c->log_level, sizeof c->log_level, o->key, value, err, errlen);
     case CONFIG_BACKEND:
+        if (strcmp(value, "cuda") == 0 && backend_find(value) == NULL) {
+            snprintf(err, errlen,
+                     "%s cuda: this kvstashd was built without CUDA (configure with "
+                     "-DKVSTASH_CUDA=ON where nvcc is installed; docs/gpu.md)",
+                     o->key);
+            return -1;
+        }
         if (backend_find(value) == NULL) {
             snprintf(err, errlen, "%s must be one of %s, got '%.32s'", o->key, backend_names(),
                      value);
             return -1;
         }
         return set_text(c->backend, sizeof c->backend, o->key, value, err, errlen);
+    case CONFIG_CUDA_DEVICE:
+        if (backend_cuda_device_check(value, err, errlen) != 0)
+            return -1;
+        return set_text(c->cuda_device, sizeof c->cuda_device, o->key, value, err, errlen);
+    case CONFIG_CUDA_IPC:
+        if (backend_cuda_ipc_check(value, err, errlen) != 0)
+            return -1;
+        return set_text(c->cuda_ipc, sizeof c->cuda_ipc, o->key, value, err, errlen);
     case CONFIG_UIDS:
         return set_uids(c, o, value, err, errlen);
     case CONFIG_FILE: {
@@ -393,6 +418,12 @@ void config_print(const daemon_config *c, const char *source, FILE *f)
             break;
         case CONFIG_BACKEND:
             fprintf(f, "%s = %s\n", key, c->backend);
+            break;
+        case CONFIG_CUDA_DEVICE:
+            fprintf(f, "%s = %s\n", key, c->cuda_device);
+            break;
+        case CONFIG_CUDA_IPC:
+            fprintf(f, "%s = %s\n", key, c->cuda_ipc);
             break;
         case CONFIG_UIDS:
             fprintf(f, "%s = %s", key, c->n_operator_uids == 0 ? "none" : "");

@@ -34,7 +34,9 @@ typedef struct daemon_config {
      * max_reply_mb. */
     unsigned long max_daemon_mb, session_max_seqs, session_max_blocks, max_reply_mb;
     char log_level[8];
-    char backend[16];         /* backend.h: "host" (default) or "shadow" (tests) */
+    char backend[16];         /* backend.h: "host" (default), "shadow" (tests) or "cuda" */
+    char cuda_device[48];     /* --backend cuda: "N" or "GPU-<uuid>" (default "0") */
+    char cuda_ipc[8];         /* --backend cuda: "auto" (default), "vmm" or "legacy" */
     char metrics[128];        /* HTTP /metrics address, "" = none */
     int metrics_allow_remote; /* serve /metrics on a non-loopback address */
     int dumpable;             /* stay dumpable (main.c: PR_SET_DUMPABLE), for debugging */
@@ -55,8 +57,10 @@ typedef enum config_kind {
     CONFIG_BOOL,
     CONFIG_LEVEL,
     CONFIG_BACKEND,
-    CONFIG_UIDS, /* a list of uids: "0,1000"; "" or "none" for none */
-    CONFIG_FILE  /* a file's path; "" or "off" for none */
+    CONFIG_CUDA_DEVICE, /* an ordinal or a GPU UUID */
+    CONFIG_CUDA_IPC,    /* auto, vmm or legacy */
+    CONFIG_UIDS,        /* a list of uids: "0,1000"; "" or "none" for none */
+    CONFIG_FILE         /* a file's path; "" or "off" for none */
 } config_kind;
 
 typedef struct config_option {

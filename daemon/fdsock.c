@@ -13,6 +13,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "kvstash_map.h"
 #include "log.h"
 #include "metrics.h"
 #include "ring.h"
@@ -68,7 +69,7 @@ static void reply(int fd, const char *text, int pass_fd)
         log_debug("fdsock_send_failed", "err=\"%s\"", strerror(errno));
 }
 
-/* Answer a request for a memfd: "OK <bytes>" with the fd, or "ERR <why>". */
+/* Answer a request for a memfd (RING): "OK <bytes>" with the fd, or "ERR <why>". */
 static void reply_fd(conn *c, status_code rc, const status *s, int fd, size_t bytes)
 {
     char msg[FDSOCK_MSG_MAX];
@@ -124,11 +125,25 @@ static void handle_map(fdsock *fs, conn *c, const char *arg)
         reply(c->fd, "ERR MAP needs a pool id: MAP <pool_id>", -1);
         return;
     }
-    int fd = -1;
-    size_t bytes = 0;
+    backend_share sh;
     status s;
-    status_code rc = store_pool_fd(fs->store, c->id, pool_id, &fd, &bytes, &s);
-    reply_fd(c, rc, &s, fd, bytes);
+    char msg[FDSOCK_MSG_MAX];
+    status_code rc = store_pool_share(fs->store, c->id, pool_id, &sh, &s);
+    if (rc != ST_OK) {
+        snprintf(msg, sizeof msg, "ERR %s", s.msg);
+        reply(c->fd, msg, -1);
+        return;
+    }
+    /* proto/kvstash_map.h: "OK <bytes>" and the memfd for host memory, the
+     * IPC kind, GPU UUID and VMM fd or legacy handle for a device arena. The
+     * fd goes only to this connection, whose SO_PEERCRED identity HELLO
+     * checked; the daemon's copy is closed once sent. */
+    if (kvstash_map_format(&sh.map, msg, sizeof msg) < 0)
+        snprintf(msg, sizeof msg, "ERR cannot describe the pool's arena (kind %d)",
+                 (int)sh.map.kind);
+    reply(c->fd, msg, strncmp(msg, "OK", 2) == 0 ? sh.fd : -1);
+    if (sh.fd >= 0)
+        close(sh.fd);
 }
 
 static void handle_ring(fdsock *fs, conn *c)

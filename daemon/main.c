@@ -53,14 +53,16 @@ static void usage(FILE *out)
     const config_option *opt = config_options(&n);
     fprintf(out, "usage: kvstashd [--config FILE] [options]\n");
     for (size_t i = 0; i < n; i++) {
-        const char *arg = opt[i].kind == CONFIG_BOOL      ? ""
-                          : opt[i].kind == CONFIG_PATH    ? " PATH"
-                          : opt[i].kind == CONFIG_ADDR    ? " ADDR"
-                          : opt[i].kind == CONFIG_LEVEL   ? " L"
-                          : opt[i].kind == CONFIG_BACKEND ? " NAME"
-                          : opt[i].kind == CONFIG_UIDS    ? " UID,..."
-                          : opt[i].kind == CONFIG_FILE    ? " FILE"
-                                                          : " N";
+        const char *arg = opt[i].kind == CONFIG_BOOL          ? ""
+                          : opt[i].kind == CONFIG_PATH        ? " PATH"
+                          : opt[i].kind == CONFIG_ADDR        ? " ADDR"
+                          : opt[i].kind == CONFIG_LEVEL       ? " L"
+                          : opt[i].kind == CONFIG_BACKEND     ? " NAME"
+                          : opt[i].kind == CONFIG_CUDA_DEVICE ? " N|GPU-UUID"
+                          : opt[i].kind == CONFIG_CUDA_IPC    ? " auto|vmm|legacy"
+                          : opt[i].kind == CONFIG_UIDS        ? " UID,..."
+                          : opt[i].kind == CONFIG_FILE        ? " FILE"
+                                                              : " N";
         fprintf(out, "  --%s%s\n", opt[i].key, arg);
         print_wrapped(out, opt[i].help);
     }
@@ -378,6 +380,15 @@ int main(int argc, char **argv)
     int prc = parse_opts(argc, argv, &o);
     if (prc != 0)
         return prc < 0 ? 0 : prc;
+    /* The backend's own checks (cuda: a usable device, the one named)
+     * before anything is created: no sockets are left behind. */
+    const backend *be = backend_find(o.backend);
+    backend_options bo = {o.cuda_device, o.cuda_ipc};
+    status bst = {ST_OK, ""};
+    if (be != NULL && be->start != NULL && be->start(&bo, &bst) != ST_OK) {
+        log_error("start_failed", "what=backend backend=%s msg=\"%s\"", be->name, bst.msg);
+        return 1;
+    }
     rpc_tls tls = {0};
     int tls_on;
     if (load_tls(&o, &tls, &tls_on) != 0)

@@ -119,9 +119,9 @@ void pool_destroy(pool *p)
     free(p);
 }
 
-status_code pool_share(const pool *p, int *fd, status *st)
+status_code pool_share(const pool *p, backend_share *sh, status *st)
 {
-    return p->backend->arena_share(&p->arena, fd, st);
+    return p->backend->arena_share(&p->arena, sh, st);
 }
 
 int pool_alloc_block(pool *p, uint32_t *block)

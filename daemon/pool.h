@@ -62,9 +62,9 @@ size_t pool_dtype_size(pool_dtype d);
 status_code pool_create(uint64_t id, const char *model, const pool_geometry *g, size_t max_bytes,
                         const backend *b, pool **out, status *st);
 
-/* A new descriptor of the pool's arena for a worker (backend.h
- * arena_share); the caller closes *fd. */
-status_code pool_share(const pool *p, int *fd, status *st);
+/* What a worker needs to map the pool's arena (backend.h arena_share);
+ * the caller closes sh->fd when it is not -1. */
+status_code pool_share(const pool *p, backend_share *sh, status *st);
 
 void pool_destroy(pool *p);
 

@@ -686,11 +686,10 @@ void store_session_conn_closed(store *st, int conn_id)
     store_unlock(st);
 }
 
-status_code store_pool_fd(store *st, int conn_id, uint64_t pool_id, int *fd, size_t *bytes,
-                          status *s)
+status_code store_pool_share(store *st, int conn_id, uint64_t pool_id, backend_share *sh, status *s)
 {
     status_code rc = ST_OK;
-    *fd = -1;
+    sh->fd = -1;
     pthread_mutex_lock(&st->lock);
     session *se = find_session_by_conn(st, conn_id);
     if (se != NULL)
@@ -700,8 +699,8 @@ status_code store_pool_fd(store *st, int conn_id, uint64_t pool_id, int *fd, siz
     else if (se->pool->id != pool_id)
         rc = status_set(s, ST_PERMISSION_DENIED, "session is attached to pool %llu, not %llu",
                         (unsigned long long)se->pool->id, (unsigned long long)pool_id);
-    else if ((rc = pool_share(se->pool, fd, s)) == ST_OK)
-        *bytes = se->pool->bytes;
+    else
+        rc = pool_share(se->pool, sh, s);
     store_unlock(st);
     return rc;
 }

@@ -209,10 +209,11 @@ void store_set_lease_timeout(store *st, uint32_t ms);
  * sessions it reclaimed. The fd-socket thread calls it every FDSOCK_TICK_MS. */
 uint32_t store_expire_leases(store *st);
 
-/* fd socket MAP: a dup of the pool's memfd for the session on conn_id, if it
- * is attached to pool_id. The caller closes *fd. */
-status_code store_pool_fd(store *st, int conn_id, uint64_t pool_id, int *fd, size_t *bytes,
-                          status *s);
+/* fd socket MAP: what the session on conn_id needs to map its pool's arena
+ * (backend.h backend_share: a dup of the memfd for the host backends), if it
+ * is attached to pool_id. The caller closes sh->fd when it is not -1. */
+status_code store_pool_share(store *st, int conn_id, uint64_t pool_id, backend_share *sh,
+                             status *s);
 
 /* store_attach_tenant with the default tenant "". */
 status_code store_attach(store *st, const char *token, const char *model,

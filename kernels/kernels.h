@@ -461,6 +461,10 @@ int kv_decode_attention_cuda(const kv_layout *l, kv_dtype t, const uint8_t *pool
                              const kv_segment *segs, size_t nsegs, const uint8_t *tiers,
                              const float *q, uint32_t q_heads, float scale, float *out,
                              float *probs);
+/* kv_elts_diff on device arrays got and ref, the sums added into host *d:
+ * per 512-element chunk reduced on the device, so 32 bytes per chunk cross
+ * to the host; within rounding of kv_elts_diff (another summation order). */
+int kv_elts_diff_cuda(const uint8_t *got, const uint8_t *ref, kv_dtype t, size_t n, kv_diff *d);
 #endif
 
 #ifdef __cplusplus

@@ -25,6 +25,10 @@
  *                  it would on a GPU. For tests: it proves the host code
  *                  goes through the seam; it proves nothing about a real
  *                  device (timing, alignment, IPC, asynchrony).
+ *   kv_ops_cuda    (CUDA builds, KVSTASH_HAVE_CUDA) CUDA device memory:
+ *                  cudaMalloc, cudaMemcpy(2D), the kernels' `_cuda` twins;
+ *                  every operation has finished on the device when it
+ *                  returns. One device per process (kv_ops_cuda_set_device).
  *
  * Every operation returns 0, or -1 when the backend failed (a device
  * error, out of device memory): the CPU kernels cannot fail, a device can.
@@ -51,7 +55,7 @@ typedef enum kv_copy_dir {
 } kv_copy_dir;
 
 typedef struct kv_ops {
-    const char *name; /* "cpu", "shadow" */
+    const char *name; /* "cpu", "shadow", "cuda" */
 
     /* Device memory of `bytes` (> 0), uninitialised; NULL when out of
      * memory. free(NULL) does nothing. */
@@ -115,7 +119,25 @@ typedef struct kv_ops {
 extern const kv_ops kv_ops_cpu;
 extern const kv_ops kv_ops_shadow;
 
-/* The table named `name` ("cpu", "shadow"); NULL when there is none. */
+#ifdef KVSTASH_HAVE_CUDA
+extern const kv_ops kv_ops_cuda;
+
+/*
+ * kv_ops_cuda's device: every operation selects it (cudaSetDevice) on the
+ * calling thread first, since the daemon and workers call the seam from
+ * threads that never selected one. Set by the owner of the arena (the
+ * daemon's cuda backend, libkvstash's import) before the first call; -1
+ * (the default) leaves each thread's current device. One device per
+ * process. kv_ops_cuda_last_error: the last failed operation's CUDA error
+ * on this thread ("" when none), for the caller's log.
+ */
+void kv_ops_cuda_set_device(int device);
+int kv_ops_cuda_device(void);
+const char *kv_ops_cuda_last_error(void);
+#endif
+
+/* The table named `name` ("cpu", "shadow", "cuda" in CUDA builds); NULL
+ * when there is none. */
 const kv_ops *kv_ops_find(const char *name);
 
 /*

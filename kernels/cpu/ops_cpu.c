@@ -164,7 +164,11 @@ const kv_ops kv_ops_cpu = {
 
 const kv_ops *kv_ops_find(const char *name)
 {
-    static const kv_ops *const tables[] = {&kv_ops_cpu, &kv_ops_shadow};
+    static const kv_ops *const tables[] = {&kv_ops_cpu, &kv_ops_shadow,
+#ifdef KVSTASH_HAVE_CUDA
+                                           &kv_ops_cuda
+#endif
+    };
     for (size_t i = 0; i < sizeof tables / sizeof *tables; i++)
         if (strcmp(tables[i]->name, name) == 0)
             return tables[i];

@@ -232,7 +232,12 @@ static void test_find(void **state)
     (void)state;
     assert_ptr_equal(kv_ops_find("cpu"), &kv_ops_cpu);
     assert_ptr_equal(kv_ops_find("shadow"), &kv_ops_shadow);
-    assert_null(kv_ops_find("cuda"));
+#ifdef KVSTASH_HAVE_CUDA
+    assert_ptr_equal(kv_ops_find("cuda"), &kv_ops_cuda);
+#else
+    assert_null(kv_ops_find("cuda")); /* a build without CUDA has no such table */
+#endif
+    assert_null(kv_ops_find("gpu"));
 }
 
 int main(void)

@@ -404,10 +404,9 @@ static void test_tenants_get_their_own_pools(void **state)
     assert_int_equal(store_attach_tenant(f->st, t2, "acme", "m", &geom, "w", &a, &s), ST_OK);
     assert_int_equal(store_attach_tenant(f->st, t3, "initech", "m", &geom, "w", &b, &s), ST_OK);
     assert_true(plain.pool_id != a.pool_id && a.pool_id != b.pool_id && plain.pool_id != b.pool_id);
-    int fd = -1;
-    size_t bytes;
-    assert_int_equal(store_pool_fd(f->st, 11, plain.pool_id, &fd, &bytes, &s),
-                     ST_PERMISSION_DENIED);
+    backend_share sh;
+    assert_int_equal(store_pool_share(f->st, 11, plain.pool_id, &sh, &s), ST_PERMISSION_DENIED);
+    assert_int_equal(sh.fd, -1);
     char t4[STORE_TOKEN_LEN + 1];
     assert_int_equal(store_session_open(f->st, 203, 1000, 1000, 13, t4, &s), ST_OK);
     assert_int_equal(store_attach_tenant(f->st, t4, "a/b", "m", &geom, "w", &a, &s),

@@ -233,10 +233,13 @@ static void test_shared_arena_is_sealed(void **state)
 {
     (void)state;
     pool *p = make_pool(4 * 512);
-    int fd = -1;
+    backend_share sh;
     status st;
-    assert_int_equal(pool_share(p, &fd, &st), ST_OK);
+    assert_int_equal(pool_share(p, &sh, &st), ST_OK);
+    int fd = sh.fd;
     assert_true(fd >= 0);
+    assert_int_equal(sh.map.kind, KVSTASH_MAP_MEMFD);
+    assert_true(sh.map.bytes == 4 * 512);
     struct stat sb;
     assert_int_equal(fstat(fd, &sb), 0);
     assert_int_equal(sb.st_size, 4 * 512);
