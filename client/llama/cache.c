@@ -360,8 +360,12 @@ int cache_seq_begin(llm_cache *c, const char *label)
         c->lists[i].n = 0, c->lists[i].nsegs = 0;
     c->epoch = UINT64_MAX; /* unknown: the first append reads the table */
     c->wfill = c->wnext = 0;
-    if (c->wsum != NULL)
+    /* Both the sums and the queries they hold: a query of the previous
+     * sequence left in whist would be subtracted from the new sums. */
+    if (c->wsum != NULL) {
         memset(c->wsum, 0, (size_t)c->L * c->Q * c->ctx * sizeof(float));
+        memset(c->whist, 0, (size_t)c->L * c->Q * c->window * c->ctx * sizeof(float));
+    }
     return 0;
 }
 

@@ -90,7 +90,7 @@ _PROTOTYPES = {
     "kvs_session_id": (ctypes.c_uint64, [_S]),
     "kvs_session_geometry": (ctypes.POINTER(Geometry_), [_S]),
     "kvs_session_pool": (ctypes.c_void_p, [_S]),
-    "kvs_session_ops": (ctypes.c_void_p, [_S]),
+    "kvs_session_backend": (ctypes.c_char_p, [_S]),
     "kvs_session_pool_bytes": (ctypes.c_size_t, [_S]),
     "kvs_session_block_bytes": (ctypes.c_size_t, [_S]),
     "kvs_session_pool_id": (ctypes.c_uint64, [_S]),

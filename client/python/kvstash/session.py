@@ -66,9 +66,7 @@ class Session:
         self.block_count: int = lib.kvs_session_block_count(handle)
         self.block_bytes: int = lib.kvs_session_block_bytes(handle)
         self.pool_bytes: int = lib.kvs_session_pool_bytes(handle)
-        ops = lib.kvs_session_ops(handle)
-        ops_name = ctypes.cast(ops, ctypes.POINTER(ctypes.c_char_p))[0] if ops else b"?"
-        self.backend: str = "host" if ops_name == b"cpu" else ops_name.decode()
+        self.backend: str = lib.kvs_session_backend(handle).decode()
         self._dtype = self.geometry.numpy_dtype
         self._block_shape = (self.geometry.kv_heads, self.geometry.block_tokens,
                              self.geometry.head_dim)
