@@ -22,11 +22,12 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
 import time
+
+from run import Daemon  # tests/quality/run.py: kvstashd on a temporary socket
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -57,33 +58,6 @@ def parse_args(argv):
     if args.llama is None:
         args.llama = os.path.join(args.build, "client", "llama", "kvstash-llama")
     return args
-
-
-class Daemon:
-    """kvstashd on a fresh temporary socket; stopped with SIGTERM."""
-
-    def __init__(self, binary, pool_mb):
-        self.dir = tempfile.mkdtemp(prefix="kvstash-pycheck.")
-        self.sock = os.path.join(self.dir, "kvstashd.sock")
-        self.log = open(os.path.join(self.dir, "kvstashd.log"), "wb")
-        self.proc = subprocess.Popen([binary, "--socket", self.sock, "--pool-mb", str(pool_mb),
-                                      "--log-level", "warn"], stdin=subprocess.DEVNULL,
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while not (os.path.exists(self.sock) and os.path.exists(self.sock + ".fd")):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("kvstashd did not start")
-            time.sleep(0.05)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
 
 
 def score(worker, args, model, tokenizer, sock, tmp, name, extra):
