@@ -7,7 +7,7 @@ propagate with the daemon's explanation. Checks the binding makes itself,
 before any call, raise the same classes with the code the C library would
 have returned.
 """
-from typing import Dict, NoReturn, Optional, Type
+from typing import Callable, Dict, NoReturn, Optional, Type
 
 KVS_OK = 0
 KVS_ERR_INVALID = -1
@@ -97,3 +97,16 @@ def error_for(code: int, message: str) -> KvstashError:
 def raise_for(code: int, message: str) -> NoReturn:
     """Raise error_for(code, message)."""
     raise error_for(code, message)
+
+
+def end_with_block(end: Callable[[], None], failing: bool) -> None:
+    """Run `end` (a release or a detach) where a with block ends. While an
+    exception is in flight (failing), an error of `end` is dropped: the
+    exception that ended the block is the one to see."""
+    if not failing:
+        end()
+        return
+    try:
+        end()
+    except Exception:  # noqa: BLE001 - the exception in flight matters more
+        pass

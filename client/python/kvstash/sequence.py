@@ -13,7 +13,7 @@ from typing import Optional, Sequence as Seq, Tuple
 import numpy as np
 
 from . import _lib, kvio, stepstats
-from .errors import InvalidArgument
+from .errors import InvalidArgument, end_with_block
 from .session import Session
 from .table import LayerList, StepResult, Table
 
@@ -39,13 +39,7 @@ class Sequence:
     def __exit__(self, exc_type, exc, tb) -> None:
         if self.released or not self.session.attached:
             return
-        if exc_type is None:
-            self.release()
-        else:
-            try:
-                self.release()
-            except Exception:  # noqa: BLE001 - the exception in flight matters more
-                pass
+        end_with_block(self.release, exc_type is not None)
 
     def release(self) -> None:
         """kvs_seq_release: give the sequence's blocks back."""
@@ -203,10 +197,4 @@ class Revive:
     def __exit__(self, exc_type, exc, tb) -> None:
         if not self.session.attached:
             return
-        if exc_type is None:
-            self.release()
-        else:
-            try:
-                self.release()
-            except Exception:  # noqa: BLE001
-                pass
+        end_with_block(self.release, exc_type is not None)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Dict, Optional
 import numpy as np
 
 from . import _lib
-from .errors import KVS_ERR_INVALID, InvalidArgument, Unsupported, error_for
+from .errors import KVS_ERR_INVALID, InvalidArgument, Unsupported, end_with_block, error_for
 from .geometry import Geometry
 
 if TYPE_CHECKING:  # sequence.py imports this module
@@ -124,13 +124,7 @@ class Session:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.detach()
-        else:
-            try:
-                self.detach()
-            except Exception:  # noqa: BLE001 - the exception in flight matters more
-                pass
+        end_with_block(self.detach, exc_type is not None)
 
     def handle(self) -> ctypes.c_void_p:
         """The kvs_session * (for calling libkvstash directly); raises
