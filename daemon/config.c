@@ -248,8 +248,17 @@ static int text_printable(const char *v)
     return 1;
 }
 
+/* inih (Debian's libinih, built with its default max_line_length) reads
+ * lines of at most this many bytes, newline and NUL included: a longer
+ * "key = value" line printed by config_print would be read back cut in two
+ * (fuzz_config: a 230-byte tls-key, corpus regress-tls-key-too-long). */
+#define CONFIG_INI_LINE_MAX 200
+
 static int set_text(char *dst, size_t len, const char *key, const char *v, char *err, size_t errlen)
 {
+    size_t line_room = CONFIG_INI_LINE_MAX - 2 - strlen(key) - strlen(" = ");
+    if (line_room < len)
+        len = line_room + 1;
     if (strlen(v) >= len) {
         snprintf(err, errlen, "%s is too long (at most %zu bytes)", key, len - 1);
         return -1;

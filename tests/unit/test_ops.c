@@ -54,6 +54,8 @@ static void test_config_set(void **state)
  * reader trims blanks and control bytes, cuts " ;" comments and reads lines
  * of at most 200 bytes), and socket paths no sockaddr_un holds, are refused
  * (tests/fuzz/corpus/fuzz_config/regress-*: fuzz_config found them). */
+static char *write_temp(const char *text);
+
 static void test_config_text_that_cannot_round_trip(void **state)
 {
     (void)state;
@@ -78,6 +80,27 @@ static void test_config_text_that_cannot_round_trip(void **state)
     assert_int_equal(config_set(&c, "socket", path, err, sizeof err), -1);
     assert_non_null(strstr(err, "socket is too long (at most 100 bytes)"));
     assert_int_equal(config_set(&c, "metrics", "127.0.0.1:1;x", err, sizeof err), 0);
+    /* A config file line holds 200 bytes (inih): "tls_key = " and 188 of path. */
+    char key_path[256];
+    memset(key_path, 'k', sizeof key_path - 1);
+    key_path[0] = '/';
+    key_path[189] = '\0';
+    assert_int_equal(config_set(&c, "tls-key", key_path, err, sizeof err), -1);
+    assert_non_null(strstr(err, "tls-key is too long (at most 188 bytes)"));
+    key_path[188] = '\0';
+    assert_int_equal(config_set(&c, "tls-key", key_path, err, sizeof err), 0);
+    char *text = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&text, &len);
+    config_print(&c, "test", f);
+    fclose(f);
+    char *conf = write_temp(text);
+    free(text);
+    daemon_config back;
+    config_defaults(&back);
+    assert_int_equal(config_load(&back, conf, err, sizeof err), 0);
+    unlink(conf);
+    assert_string_equal(back.tls_key, key_path);
 }
 
 static char *write_temp(const char *text)
