@@ -59,6 +59,7 @@ struct kvs_session {
     seq_epoch *epochs;
     size_t nepochs, capepochs;
     ring_client ring; /* the per-step ring: appends and steps skip gRPC */
+    void *stream;     /* kvs_session_set_stream's CUDA stream, or NULL */
     char err[KVS_ERRMSG_MAX];
 };
 
@@ -164,6 +165,63 @@ size_t kvs_session_block_bytes(const kvs_session *s)
 uint32_t kvs_session_block_count(const kvs_session *s)
 {
     return s->block_count;
+}
+
+/* ---- the ordering contract (kvstash.h) ---- */
+
+/* Wait for the worker's registered stream: 0, or -1 when the device
+ * failed (kv_ops_cuda_last_error says how). */
+static int stream_sync(const kvs_session *s)
+{
+#ifdef KVSTASH_HAVE_CUDA
+    if (s->stream != NULL)
+        return kv_ops_cuda_synchronize(s->stream);
+#else
+    (void)s;
+#endif
+    return 0;
+}
+
+/* Every request to the daemon starts here: nothing the worker queued on
+ * its registered stream may still touch the pool when the daemon acts. */
+static int session_quiesce(kvs_session *s, const char *what)
+{
+    if (stream_sync(s) == 0)
+        return KVS_OK;
+#ifdef KVSTASH_HAVE_CUDA
+    fail(s, "%s: synchronising the worker's CUDA stream failed: %s", what,
+         kv_ops_cuda_last_error());
+#else
+    fail(s, "%s: synchronising the worker's stream failed", what);
+#endif
+    return KVS_ERR_SYSTEM;
+}
+
+/* A unary call of the Store service on the session's channel and token. */
+static int session_rpc(kvs_session *s, const char *method, const ProtobufCMessage *req,
+                       const ProtobufCMessageDescriptor *resp_desc, ProtobufCMessage **resp)
+{
+    char path[64];
+    int rc = session_quiesce(s, method);
+    if (rc != KVS_OK)
+        return rc;
+    snprintf(path, sizeof path, RPC_STORE("%s"), method);
+    return rpc_unary(s->ch, path, s->token, req, resp_desc, resp, s->err, sizeof s->err);
+}
+
+int kvs_session_set_stream(kvs_session *s, void *stream)
+{
+    if (s == NULL)
+        return KVS_ERR_INVALID;
+    if (stream != NULL && strcmp(s->backend, "cuda") != 0) {
+        fail(s,
+             "kvs_session_set_stream: this session's pool is on the \"%s\" backend, which has "
+             "no device streams (only a worker of a cuda pool registers a CUDA stream)",
+             s->backend);
+        return KVS_ERR_PRECONDITION;
+    }
+    s->stream = stream;
+    return KVS_OK;
 }
 
 /* ---- the per-session epoch map ---- */
@@ -337,8 +395,7 @@ static int session_rpc_attach(kvs_session *s, const char *tenant, const char *mo
     req.worker_name = (char *)(worker_name != NULL ? worker_name : "");
     req.tenant = (char *)tenant;
     ProtobufCMessage *resp;
-    int rc = rpc_unary(s->ch, RPC_STORE("Attach"), s->token, &req.base,
-                       &kvstash__v1__attach_response__descriptor, &resp, s->err, sizeof s->err);
+    int rc = session_rpc(s, "Attach", &req.base, &kvstash__v1__attach_response__descriptor, &resp);
     if (rc != KVS_OK)
         return rc;
     rc = session_layout(s, (Kvstash__V1__AttachResponse *)resp);
@@ -560,8 +617,13 @@ int kvs_session_detach(kvs_session *s)
         return KVS_ERR_INVALID;
     Kvstash__V1__DetachRequest req = KVSTASH__V1__DETACH_REQUEST__INIT;
     ProtobufCMessage *resp;
-    int rc = rpc_unary(s->ch, RPC_STORE("Detach"), s->token, &req.base,
-                       &kvstash__v1__detach_response__descriptor, &resp, s->err, sizeof s->err);
+#ifdef KVSTASH_HAVE_CUDA
+    /* Not only the registered stream: no kernel of this process may touch
+     * the pool once the daemon frees the session's blocks. */
+    if (s->ops == &kv_ops_cuda)
+        (void)kv_ops_cuda_synchronize(NULL);
+#endif
+    int rc = session_rpc(s, "Detach", &req.base, &kvstash__v1__detach_response__descriptor, &resp);
     if (rc == KVS_OK)
         protobuf_c_message_free_unpacked(resp, NULL);
     session_free(s);
@@ -608,9 +670,8 @@ int kvs_seq_create(kvs_session *s, const char *policy, const kvs_param *params, 
     req.params = pp;
     req.label = (char *)(label != NULL ? label : "");
     ProtobufCMessage *resp;
-    int rc =
-        rpc_unary(s->ch, RPC_STORE("CreateSequence"), s->token, &req.base,
-                  &kvstash__v1__create_sequence_response__descriptor, &resp, s->err, sizeof s->err);
+    int rc = session_rpc(s, "CreateSequence", &req.base,
+                         &kvstash__v1__create_sequence_response__descriptor, &resp);
     free(pv);
     free(pp);
     if (rc != KVS_OK)
@@ -630,9 +691,8 @@ int kvs_seq_release(kvs_session *s, uint64_t seq_id)
     Kvstash__V1__ReleaseSequenceRequest req = KVSTASH__V1__RELEASE_SEQUENCE_REQUEST__INIT;
     req.seq_id = seq_id;
     ProtobufCMessage *resp;
-    int rc = rpc_unary(s->ch, RPC_STORE("ReleaseSequence"), s->token, &req.base,
-                       &kvstash__v1__release_sequence_response__descriptor, &resp, s->err,
-                       sizeof s->err);
+    int rc = session_rpc(s, "ReleaseSequence", &req.base,
+                         &kvstash__v1__release_sequence_response__descriptor, &resp);
     if (rc != KVS_OK)
         return rc;
     protobuf_c_message_free_unpacked(resp, NULL);
@@ -777,7 +837,10 @@ static int table_fill(kvs_session *s, Kvstash__V1__LayerTable **lts, size_t n, c
 /* One ring round trip; the daemon's status becomes a kvs_err + message. */
 static int ring_call(kvs_session *s, const char *what, ring_response *resp)
 {
-    int rc = ring_client_call(&s->ring, resp);
+    int rc = session_quiesce(s, what);
+    if (rc != KVS_OK)
+        return rc;
+    rc = ring_client_call(&s->ring, resp);
     if (rc != KVS_OK) {
         fail(s,
              "%s: no answer from kvstashd on the session's ring (the session ended, or the "
@@ -980,9 +1043,8 @@ int kvs_seq_table(kvs_session *s, uint64_t seq_id, int with_positions, kvs_table
     req.with_positions = with_positions != 0;
     req.ack_epoch = epoch_get(s, seq_id);
     ProtobufCMessage *resp;
-    int rc =
-        rpc_unary(s->ch, RPC_STORE("GetBlockTable"), s->token, &req.base,
-                  &kvstash__v1__get_block_table_response__descriptor, &resp, s->err, sizeof s->err);
+    int rc = session_rpc(s, "GetBlockTable", &req.base,
+                         &kvstash__v1__get_block_table_response__descriptor, &resp);
     if (rc != KVS_OK)
         return rc;
     const Kvstash__V1__GetBlockTableResponse *r = (const Kvstash__V1__GetBlockTableResponse *)resp;
@@ -1041,7 +1103,8 @@ void *kvs_row_value_ptr(const kvs_session *s, uint32_t block, uint32_t row)
  * half, one strided copy of kv_heads runs (the head stride differs on the
  * two sides). */
 static int segment_copy(const kvs_session *s, const kv_layout *lay, const kvs_layer *layer,
-                        const kvs_segment *g, size_t tok, uint8_t *k, uint8_t *v, int to_pool)
+                        const kvs_segment *g, size_t tok, uint8_t *k, uint8_t *v, int to_pool,
+                        int dev)
 {
     size_t row = (size_t)lay->head_dim * lay->elt_size, width = g->count * row;
     size_t pitch_pool = (size_t)lay->block_tokens * row, pitch_buf = layer->tokens * row;
@@ -1049,19 +1112,21 @@ static int segment_copy(const kvs_session *s, const kv_layout *lay, const kvs_la
     uint8_t *pv = pk + s->block_bytes / 2;
     uint8_t *bk = k + tok * row, *bv = v + tok * row;
     const kv_ops *ops = s->ops;
-    if (to_pool)
-        return ops->copy_2d(KV_HOST_TO_DEVICE, pk, pitch_pool, bk, pitch_buf, width,
-                            lay->kv_heads) ||
-               ops->copy_2d(KV_HOST_TO_DEVICE, pv, pitch_pool, bv, pitch_buf, width, lay->kv_heads);
-    return ops->copy_2d(KV_DEVICE_TO_HOST, bk, pitch_buf, pk, pitch_pool, width, lay->kv_heads) ||
-           ops->copy_2d(KV_DEVICE_TO_HOST, bv, pitch_buf, pv, pitch_pool, width, lay->kv_heads);
+    if (to_pool) {
+        kv_copy_dir dir = dev ? KV_DEVICE_TO_DEVICE : KV_HOST_TO_DEVICE;
+        return ops->copy_2d(dir, pk, pitch_pool, bk, pitch_buf, width, lay->kv_heads) ||
+               ops->copy_2d(dir, pv, pitch_pool, bv, pitch_buf, width, lay->kv_heads);
+    }
+    kv_copy_dir dir = dev ? KV_DEVICE_TO_DEVICE : KV_DEVICE_TO_HOST;
+    return ops->copy_2d(dir, bk, pitch_buf, pk, pitch_pool, width, lay->kv_heads) ||
+           ops->copy_2d(dir, bv, pitch_buf, pv, pitch_pool, width, lay->kv_heads);
 }
 
 /* Dequantise one INT8 segment into a device staging block of the INT8
  * layout, then copy its rows out like a full-precision segment's. */
 static int segment_read_int8(const kvs_session *s, const kv_layout *lay, const kvs_layer *layer,
                              const kvs_segment *g, size_t tok, uint8_t *stage, uint8_t *k,
-                             uint8_t *v)
+                             uint8_t *v, int dev)
 {
     kv_layout l8 = *lay;
     l8.block_tokens = layer->int8_block_tokens;
@@ -1071,10 +1136,10 @@ static int segment_read_int8(const kvs_session *s, const kv_layout *lay, const k
         return -1;
     size_t row = (size_t)lay->head_dim * lay->elt_size, width = g->count * row;
     size_t pitch8 = (size_t)l8.block_tokens * row, pitch_buf = layer->tokens * row;
-    return s->ops->copy_2d(KV_DEVICE_TO_HOST, k + tok * row, pitch_buf, stage, pitch8, width,
-                           lay->kv_heads) ||
-           s->ops->copy_2d(KV_DEVICE_TO_HOST, v + tok * row, pitch_buf,
-                           stage + kv_block_bytes(&l8) / 2, pitch8, width, lay->kv_heads);
+    kv_copy_dir dir = dev ? KV_DEVICE_TO_DEVICE : KV_DEVICE_TO_HOST;
+    return s->ops->copy_2d(dir, k + tok * row, pitch_buf, stage, pitch8, width, lay->kv_heads) ||
+           s->ops->copy_2d(dir, v + tok * row, pitch_buf, stage + kv_block_bytes(&l8) / 2, pitch8,
+                           width, lay->kv_heads);
 }
 
 static int layer_tiered(const kvs_layer *layer, uint32_t *sketch)
@@ -1088,25 +1153,26 @@ static int layer_tiered(const kvs_layer *layer, uint32_t *sketch)
     return tiered;
 }
 
-/* Move a layer between the pool and contiguous k, v, a segment at a time;
- * INT8 segments (reads only) through one staging block. */
+/* Move a layer between the pool and contiguous k, v (device memory of the
+ * backend when `dev`), a segment at a time; INT8 segments (reads only)
+ * through one staging block. */
 static int layer_io(const kvs_session *s, const kvs_layer *layer, uint8_t *k, uint8_t *v,
-                    int to_pool)
+                    int to_pool, int dev)
 {
     kv_layout lay = layer->per_head ? row_layout(s) : s->layout;
     uint8_t *stage = NULL;
-    int rc = 0;
+    int rc = dev ? stream_sync(s) : 0;
     size_t tok = 0;
     for (size_t i = 0; rc == 0 && i < layer->nsegments; i++) {
         const kvs_segment *g = &layer->segments[i];
         if (g->tier == KVS_TIER_FULL) {
-            rc = segment_copy(s, &lay, layer, g, tok, k, v, to_pool);
+            rc = segment_copy(s, &lay, layer, g, tok, k, v, to_pool, dev);
         } else {
             kv_layout l8 = lay;
             l8.block_tokens = layer->int8_block_tokens;
             if (stage == NULL && (stage = s->ops->alloc(kv_block_bytes(&l8))) == NULL)
                 return KVS_ERR_SYSTEM;
-            rc = segment_read_int8(s, &lay, layer, g, tok, stage, k, v);
+            rc = segment_read_int8(s, &lay, layer, g, tok, stage, k, v, dev);
         }
         tok += g->count;
     }
@@ -1114,20 +1180,41 @@ static int layer_io(const kvs_session *s, const kvs_layer *layer, uint8_t *k, ui
     return rc == 0 ? KVS_OK : KVS_ERR_SYSTEM;
 }
 
-int kvs_layer_write(const kvs_session *s, const kvs_layer *layer, const void *k, const void *v)
+static int layer_write(const kvs_session *s, const kvs_layer *layer, const void *k, const void *v,
+                       int dev)
 {
     uint32_t sketch;
     if (layer_tiered(layer, &sketch))
         return KVS_ERR_PRECONDITION; /* INT8 blocks are written once, by the daemon */
-    return layer_io(s, layer, (uint8_t *)k, (uint8_t *)v, 1);
+    return layer_io(s, layer, (uint8_t *)k, (uint8_t *)v, 1, dev);
 }
 
-int kvs_layer_read(const kvs_session *s, const kvs_layer *layer, void *k, void *v)
+static int layer_read(const kvs_session *s, const kvs_layer *layer, void *k, void *v, int dev)
 {
     uint32_t sketch;
     if (layer_tiered(layer, &sketch) && sketch > 0)
         return KVS_ERR_PRECONDITION;
-    return layer_io(s, layer, k, v, 0);
+    return layer_io(s, layer, k, v, 0, dev);
+}
+
+int kvs_layer_write(const kvs_session *s, const kvs_layer *layer, const void *k, const void *v)
+{
+    return layer_write(s, layer, k, v, 0);
+}
+
+int kvs_layer_read(const kvs_session *s, const kvs_layer *layer, void *k, void *v)
+{
+    return layer_read(s, layer, k, v, 0);
+}
+
+int kvs_layer_write_dev(const kvs_session *s, const kvs_layer *layer, const void *k, const void *v)
+{
+    return layer_write(s, layer, k, v, 1);
+}
+
+int kvs_layer_read_dev(const kvs_session *s, const kvs_layer *layer, void *k, void *v)
+{
+    return layer_read(s, layer, k, v, 1);
 }
 
 /* ---- revive ---- */
@@ -1151,8 +1238,7 @@ int kvs_seq_revive(kvs_session *s, uint64_t seq_id, uint32_t layer, uint32_t hea
     req.count = count;
     req.skip_evicted = skip_evicted != 0;
     ProtobufCMessage *resp;
-    int rc = rpc_unary(s->ch, RPC_STORE("Revive"), s->token, &req.base,
-                       &kvstash__v1__revive_response__descriptor, &resp, s->err, sizeof s->err);
+    int rc = session_rpc(s, "Revive", &req.base, &kvstash__v1__revive_response__descriptor, &resp);
     if (rc != KVS_OK)
         return rc;
     const Kvstash__V1__ReviveResponse *r = (const Kvstash__V1__ReviveResponse *)resp;
@@ -1194,9 +1280,8 @@ int kvs_revive_release(kvs_session *s, kvs_revive *r)
     Kvstash__V1__ReleaseScratchRequest req = KVSTASH__V1__RELEASE_SCRATCH_REQUEST__INIT;
     req.scratch_id = r->scratch_id;
     ProtobufCMessage *resp;
-    int rc =
-        rpc_unary(s->ch, RPC_STORE("ReleaseScratch"), s->token, &req.base,
-                  &kvstash__v1__release_scratch_response__descriptor, &resp, s->err, sizeof s->err);
+    int rc = session_rpc(s, "ReleaseScratch", &req.base,
+                         &kvstash__v1__release_scratch_response__descriptor, &resp);
     if (rc == KVS_OK)
         protobuf_c_message_free_unpacked(resp, NULL);
     kvs_table_free(&r->table);

@@ -106,6 +106,36 @@ const struct kv_ops *kvs_session_ops(const kvs_session *s);
  * at attach (KVS_ERR_PRECONDITION). Owned by the session. */
 const char *kvs_session_backend(const kvs_session *s);
 size_t kvs_session_pool_bytes(const kvs_session *s);
+
+/*
+ * Ordering with kvstashd (it matters on a cuda pool, where the worker's
+ * kernels run asynchronously; on host pools every access is over when it
+ * returns). The daemon moves and reuses pool blocks whenever it serves a
+ * request, so:
+ *   1. Before any request to the daemon (append, step, table, epoch,
+ *      revive, release, detach: every function here that takes a session
+ *      and talks to kvstashd), every kernel of the worker that reads or
+ *      writes the pool has finished. libkvstash synchronises the stream
+ *      registered with kvs_session_set_stream before each request (and
+ *      before kvs_layer_write_dev / kvs_layer_read_dev); work on other
+ *      streams is the worker's to synchronise. kvs_session_detach waits for
+ *      the whole device first.
+ *   2. A request carries the newest table epoch the session has seen
+ *      (ack_epoch): by 1, no kernel of the worker still reads a table older
+ *      than that, and the daemon reuses the blocks an older table retired
+ *      only then.
+ *   3. The daemon publishes a new epoch (answers the request that changed
+ *      a table) only after its own kernels on the pool finished: its tier
+ *      moves run through kv_ops_cuda, whose operations complete before they
+ *      return.
+ * A worker that ends without detaching (crash, SIGKILL) leaves its blocks
+ * quarantined until its process has exited, since a closed socket does not
+ * prove its kernels stopped (docs/protocol.md, "Lease end").
+ *
+ * Register `stream` (a cudaStream_t; NULL unregisters) as the worker's
+ * stream for rule 1. KVS_ERR_PRECONDITION on a pool that is not cuda.
+ */
+int kvs_session_set_stream(kvs_session *s, void *stream);
 size_t kvs_session_block_bytes(const kvs_session *s);
 uint64_t kvs_session_pool_id(const kvs_session *s);     /* the pool's id in Stats */
 uint32_t kvs_session_block_count(const kvs_session *s); /* blocks in the pool */
@@ -249,6 +279,13 @@ void *kvs_value_ptr(const kvs_session *s, uint32_t block, uint32_t head, uint32_
  * Writes take full-precision segments only (an append's writes are). */
 int kvs_layer_write(const kvs_session *s, const kvs_layer *layer, const void *k, const void *v);
 int kvs_layer_read(const kvs_session *s, const kvs_layer *layer, void *k, void *v);
+/* The same, but k and v are device memory of the pool's backend: on a cuda
+ * pool, device pointers on the pool's GPU (the copies run device to device,
+ * after the registered stream is synchronised); on "host", ordinary memory;
+ * on "shadow", buffers of kvs_session_ops(s)->alloc (a host pointer there
+ * aborts, as it would fault on a GPU). */
+int kvs_layer_write_dev(const kvs_session *s, const kvs_layer *layer, const void *k, const void *v);
+int kvs_layer_read_dev(const kvs_session *s, const kvs_layer *layer, void *k, void *v);
 
 /* What kvs_seq_revive rebuilt: `layer` is a table of scratch blocks (all
  * full precision, positions filled) to read like any list; source_tier[i]

@@ -256,6 +256,18 @@ static void test_errors(const char *sock, kvs_session *a, kvs_session *b)
     rc = kvs_session_attach(sock, "t", &g2, "c", &c, err, sizeof err);
     CHECK_RC(rc, KVS_ERR_PRECONDITION, (kvs_session *)NULL);
     CHECK(c == NULL && strstr(err, "head_dim") != NULL, "message: %s", err);
+
+    /* A host pool has no device streams; unregistering is always fine. */
+    int stream_stand_in;
+    rc = kvs_session_set_stream(a, &stream_stand_in);
+    CHECK_RC(rc, KVS_ERR_PRECONDITION, a);
+    char want[64];
+    snprintf(want, sizeof want, "\"%s\" backend", kvs_session_backend(a));
+    CHECK(strstr(kvs_session_error(a), want) != NULL, "message: %s", kvs_session_error(a));
+    rc = kvs_session_set_stream(a, NULL);
+    CHECK_RC(rc, KVS_OK, a);
+    rc = kvs_session_set_stream(NULL, NULL);
+    CHECK_RC(rc, KVS_ERR_INVALID, (kvs_session *)NULL);
 }
 
 /* Two sessions of one model map the same memory. */

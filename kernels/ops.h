@@ -134,6 +134,11 @@ extern const kv_ops kv_ops_cuda;
 void kv_ops_cuda_set_device(int device);
 int kv_ops_cuda_device(void);
 const char *kv_ops_cuda_last_error(void);
+/* Wait on the table's device for `stream` (a cudaStream_t) to finish, or
+ * for the whole device when stream is NULL: 0, or -1 (the error kept as
+ * above). libkvstash's side of the ordering contract (kvstash.h): what a
+ * worker queued on its streams has finished before the daemon acts. */
+int kv_ops_cuda_synchronize(void *stream);
 #endif
 
 /* The table named `name` ("cpu", "shadow", "cuda" in CUDA builds); NULL

@@ -25,12 +25,14 @@ ALLOWED = {
     "kv_ops_find", "kv_shadow_map", "kv_shadow_unmap", "kv_shadow_real",
 }
 # Where a device arena is made, lent, imported and released (kernels/devmem.h)
-# and which device kv_ops_cuda runs on: the backends' and libkvstash's job,
-# and none of them moves a byte of pool memory.
+# and which device kv_ops_cuda runs on (and waiting for it, the ordering
+# contract): the backends' and libkvstash's job, and none of them moves a
+# byte of pool memory.
 ALLOWED |= {
     "kv_devmem_probe", "kv_devmem_alloc", "kv_devmem_export", "kv_devmem_import",
     "kv_devmem_release", "kv_devmem_kind_name", "kv_devmem_strerror",
     "kv_ops_cuda_set_device", "kv_ops_cuda_device", "kv_ops_cuda_last_error",
+    "kv_ops_cuda_synchronize",
 }
 CALL = re.compile(r"\b(kv_[a-z0-9_]+)\s*\(")
 

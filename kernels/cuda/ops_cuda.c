@@ -60,6 +60,17 @@ static int check(int err, const char *op)
     return -1;
 }
 
+static int select_device(const char *op);
+
+int kv_ops_cuda_synchronize(void *stream)
+{
+    if (select_device("synchronize") != 0)
+        return -1;
+    if (stream == NULL)
+        return check(cudaDeviceSynchronize(), "synchronize");
+    return check(cudaStreamSynchronize((cudaStream_t)stream), "synchronize");
+}
+
 /* Select the table's device on this thread; 0 or -1. */
 static int select_device(const char *op)
 {

@@ -29,6 +29,11 @@
  * On failure the last line is {"ok":false,...} with "error" (and "code" for
  * API errors). "checked" counts (sequence, layer, token) rows verified.
  *
+ * --dev-io moves K/V through device buffers of the pool's backend
+ * (kvs_layer_write_dev / kvs_layer_read_dev), staged with its ops: on the
+ * shadow backend a host pointer there would abort, on cuda the copies run
+ * device to device.
+ *
  * Exit status: 0 success, 1 a mismatch, 2 an API error (the message of
  * kvs_session_error on stderr), 3 a usage error.
  */
@@ -46,6 +51,7 @@
 #include <unistd.h>
 
 #include "kvstash.h"
+#include "ops.h"
 
 #define MAX_PARAMS 32
 #define ROUNDS_LOST 255 /* worker.rounds: the values are gone (track_tiers) */
@@ -57,7 +63,8 @@ typedef struct opts {
     size_t nparams;
     uint64_t tokens, step, seed, sleep_ms, verify_every, sequences;
     int hold;
-    int poke; /* read the pool by pointer, bypassing the ops (test_shadow) */
+    int poke;   /* read the pool by pointer, bypassing the ops (test_shadow) */
+    int dev_io; /* K/V through device buffers: kvs_layer_write_dev / _read_dev */
 } opts;
 
 typedef struct worker {
@@ -81,7 +88,7 @@ static void usage(FILE *f)
                "         [--q-heads Q] [--head-dim D] [--block-tokens B] [--dtype fp32|fp16|bf16]\n"
                "         [--policy NAME] [--set k=v]... [--tokens N] [--step S] [--seed X]\n"
                "         [--sleep-ms MS] [--verify-every K] [--hold] [--sequences N]\n"
-               "         [--name WORKER] [--label TEXT] [--poke]\n");
+               "         [--name WORKER] [--label TEXT] [--poke] [--dev-io]\n");
 }
 
 /* The final JSON line for a failure, then exit. */
@@ -150,6 +157,10 @@ static void parse(int argc, char **argv, opts *o)
         }
         if (strcmp(a, "--poke") == 0) {
             o->poke = 1;
+            continue;
+        }
+        if (strcmp(a, "--dev-io") == 0) {
+            o->dev_io = 1;
             continue;
         }
         if (strcmp(a, "--help") == 0) {
@@ -261,6 +272,42 @@ static void *xmalloc(size_t n)
     return p;
 }
 
+/* Move one layer's K/V between host buffers k, v of `bytes` each and the
+ * pool: with --dev-io through device buffers of the pool's backend
+ * (kvs_layer_write_dev / kvs_layer_read_dev, staged with the backend's
+ * ops), else kvs_layer_write / kvs_layer_read. Dies on an API error. */
+static void layer_io(worker *w, const kvs_layer *ly, uint8_t *k, uint8_t *v, size_t bytes,
+                     int to_pool)
+{
+    const char *what = to_pool ? "kvs_layer_write" : "kvs_layer_read";
+    int rc;
+    if (!w->o->dev_io) {
+        rc = to_pool ? kvs_layer_write(w->s, ly, k, v) : kvs_layer_read(w->s, ly, k, v);
+        if (rc != KVS_OK)
+            api_die(w, what, rc);
+        return;
+    }
+    const kv_ops *ops = kvs_session_ops(w->s);
+    uint8_t *dk = ops->alloc(bytes ? bytes : 1), *dv = ops->alloc(bytes ? bytes : 1);
+    if (dk == NULL || dv == NULL)
+        die(2, 0, "%s: the %s backend could not allocate 2 x %zu bytes", what, ops->name, bytes);
+    if (to_pool) {
+        if (ops->copy(KV_HOST_TO_DEVICE, dk, k, bytes) ||
+            ops->copy(KV_HOST_TO_DEVICE, dv, v, bytes))
+            die(2, 0, "staging K/V on the %s backend failed", ops->name);
+        rc = kvs_layer_write_dev(w->s, ly, dk, dv);
+    } else {
+        rc = kvs_layer_read_dev(w->s, ly, dk, dv);
+        if (rc == KVS_OK && (ops->copy(KV_DEVICE_TO_HOST, k, dk, bytes) ||
+                             ops->copy(KV_DEVICE_TO_HOST, v, dv, bytes)))
+            die(2, 0, "copying K/V back from the %s backend failed", ops->name);
+    }
+    ops->free(dk);
+    ops->free(dv);
+    if (rc != KVS_OK)
+        api_die(w, to_pool ? "kvs_layer_write_dev" : "kvs_layer_read_dev", rc);
+}
+
 /* Fill the new tokens of one sequence, as laid out by the append's table. */
 static void write_tokens(worker *w, uint64_t seq, const kvs_table *t)
 {
@@ -277,7 +324,7 @@ static void write_tokens(worker *w, uint64_t seq, const kvs_table *t)
                     value_of(w, seq, l, h, (uint64_t)t->first_position + i, c, 0, k + off);
                     value_of(w, seq, l, h, (uint64_t)t->first_position + i, c, 1, v + off);
                 }
-        kvs_layer_write(w->s, ly, k, v);
+        layer_io(w, ly, k, v, bytes, 1);
         free(k);
         free(v);
     }
@@ -398,9 +445,7 @@ static int verify_segment(worker *w, uint64_t si, uint64_t id, uint32_t l, const
     one.positions = ly->positions + t;
     size_t row = (size_t)g->head_dim * w->elt, bytes = (size_t)g->kv_heads * sg.count * row;
     uint8_t *k = xmalloc(bytes), *v = xmalloc(bytes), want[8];
-    int rc = kvs_layer_read(w->s, &one, k, v);
-    if (rc != KVS_OK)
-        api_die(w, "kvs_layer_read", rc);
+    layer_io(w, &one, k, v, bytes, 0);
     int bad = 0;
     for (uint32_t h = 0; h < g->kv_heads && !bad; h++)
         for (uint32_t j = 0; j < sg.count && !bad; j++) {

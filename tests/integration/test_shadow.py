@@ -4,7 +4,9 @@ kvstashd --backend shadow keeps pools in host memory but hands the daemon's
 own code and every worker only a PROT_NONE "device" address; the memory
 operations (kernels/ops.h, kv_ops_shadow) translate it. So:
   - a real worker that goes through libkvstash's ops writes, reads back and
-    verifies every token, with tiers (INT8, sketch) on;
+    verifies every token, with tiers (INT8, sketch) on, from host buffers
+    and from device buffers (kvs_layer_write_dev / kvs_layer_read_dev, which
+    must copy device to device: a host-side copy of a shadow buffer faults);
   - the same worker reading the pool by pointer (--poke) dies of SIGSEGV,
     while on the host backend the same read works;
   - the daemon's mapping of the pool sits behind a PROT_NONE range of the
@@ -33,6 +35,14 @@ def check_worker_through_ops(ctx):
     w = WorkerProc(ctx.daemon, "ops", seed=3, tokens=96, step=5, policy="streaming",
                    params=("n_sink=4", "window=24", "int8=on", "int8_window=8",
                            "victims=sketch"))
+    r = w.finish()
+    assert r["tokens"] == 96 and r["checked"] > 0, r
+
+
+def check_worker_through_device_buffers(ctx):
+    w = WorkerProc(ctx.daemon, "dev", seed=4, tokens=96, step=5, policy="streaming",
+                   params=("n_sink=4", "window=24", "int8=on", "int8_window=8",
+                           "victims=sketch"), dev_io=True)
     r = w.finish()
     assert r["tokens"] == 96 and r["checked"] > 0, r
 
@@ -83,6 +93,7 @@ def check_poke_works_on_host(ctx):
 if __name__ == "__main__":
     sys.exit(run_tests("test_shadow", [
         check_worker_through_ops,
+        check_worker_through_device_buffers,
         check_poke_faults,
         check_daemon_holds_a_shadow,
         check_poke_works_on_host,

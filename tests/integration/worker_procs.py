@@ -13,7 +13,8 @@ class WorkerProc:
     """One kvs_test_worker process; stdout is read line by line."""
 
     def __init__(self, daemon, name, seed, tokens, step=1, policy="full", params=(),
-                 sleep_ms=0, sequences=1, hold=False, model="itest", geometry=GEOMETRY):
+                 sleep_ms=0, sequences=1, hold=False, model="itest", geometry=GEOMETRY,
+                 dev_io=False):
         binary = os.environ.get("KVSTASH_TEST_WORKER")
         assert binary and os.access(binary, os.X_OK), \
             f"KVSTASH_TEST_WORKER={binary!r} is not an executable (run through ctest)"
@@ -25,6 +26,8 @@ class WorkerProc:
             args += ["--set", p]
         if hold:
             args.append("--hold")
+        if dev_io:
+            args.append("--dev-io")
         self.name = name
         self.lines = []
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
