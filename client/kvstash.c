@@ -152,6 +152,16 @@ const char *kvs_session_backend(const kvs_session *s)
     return s->backend;
 }
 
+int kvs_session_device(const kvs_session *s)
+{
+#ifdef KVSTASH_HAVE_CUDA
+    if (s->ops == &kv_ops_cuda)
+        return s->dev.device;
+#endif
+    (void)s;
+    return -1;
+}
+
 size_t kvs_session_pool_bytes(const kvs_session *s)
 {
     return s->pool_bytes;

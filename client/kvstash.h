@@ -105,6 +105,10 @@ const struct kv_ops *kvs_session_ops(const kvs_session *s);
  * kv_ops_cuda selects). A libkvstash built without CUDA refuses a cuda pool
  * at attach (KVS_ERR_PRECONDITION). Owned by the session. */
 const char *kvs_session_backend(const kvs_session *s);
+/* The CUDA device ordinal, in this process, of the GPU holding a cuda pool
+ * (found by the UUID kvstashd sent: what torch.device("cuda", n) and
+ * cudaSetDevice take); -1 for a pool in host memory. */
+int kvs_session_device(const kvs_session *s);
 size_t kvs_session_pool_bytes(const kvs_session *s);
 
 /*

@@ -4,8 +4,11 @@
 The worker's side is contiguous, [kv_heads][tokens][head_dim] (or
 [tokens][head_dim] for a per-head list) of the pool's dtype; libkvstash
 does the strided copies through the pool backend's ops, so these work on
-every backend (numpy views of blocks only on host memory). libkvstash gives
-these two calls no message: the binding words one from the list.
+every backend (numpy views of blocks only on host memory). On a cuda pool,
+torch CUDA tensors on the pool's GPU are copied device to device
+(kvs_layer_write_dev / kvs_layer_read_dev); numpy arrays and CPU tensors go
+through host memory everywhere. libkvstash gives these calls no message:
+the binding words one from the list.
 """
 import ctypes
 from typing import Optional, Tuple
@@ -38,6 +41,29 @@ def _as_kv(session: Session, name: str, arr, lst: LayerList) -> np.ndarray:
     return np.ascontiguousarray(a)
 
 
+_TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def _is_cuda(arr) -> bool:
+    return bool(getattr(arr, "is_cuda", False))
+
+
+def _check_cuda(session: Session, verb: str, name: str, t, lst: LayerList) -> None:
+    """t (a torch CUDA tensor) is C-contiguous, of the list's shape and the
+    pool's dtype, on the pool's GPU."""
+    want = kv_shape(session, lst)
+    dt = _TORCH_DTYPES[session.geometry.dtype]
+    if session.backend != "cuda":
+        raise InvalidArgument(f"{verb}: {name} is a CUDA tensor, but the pool is on the "
+                              f"{session.backend!r} backend (host memory): pass a CPU array")
+    if tuple(t.shape) != want or str(t.dtype) != f"torch.{dt}" or not t.is_contiguous():
+        raise InvalidArgument(f"{verb}: {name} must be a contiguous torch.{dt} {want} tensor, "
+                              f"not {t.dtype} {tuple(t.shape)}")
+    if t.device.index != session.device:
+        raise InvalidArgument(f"{verb}: {name} is on {t.device}; the pool is on "
+                              f"cuda:{session.device}")
+
+
 def _io_error(rc: int, verb: str, session: Session, lst: LayerList) -> Exception:
     where = f"{verb}: layer {lst.layer} head {lst.head}"
     if rc != KVS_ERR_PRECONDITION:
@@ -54,7 +80,18 @@ def _io_error(rc: int, verb: str, session: Session, lst: LayerList) -> Exception
 
 
 def write(session: Session, lst: LayerList, k, v) -> None:
-    """Copy k and v into the list's segments (kvs_layer_write)."""
+    """Copy k and v into the list's segments (kvs_layer_write; for torch
+    CUDA tensors on a cuda pool, kvs_layer_write_dev)."""
+    if _is_cuda(k) or _is_cuda(v):
+        for name, t in (("k", k), ("v", v)):
+            _check_cuda(session, "write", name, t, lst)
+        if lst.tokens == 0:
+            return
+        rc = session._lib.kvs_layer_write_dev(session.handle(), ctypes.byref(lst._c),
+                                              k.data_ptr(), v.data_ptr())
+        if rc:
+            raise _io_error(rc, "write", session, lst)
+        return
     k_arr = _as_kv(session, "k", k, lst)
     v_arr = _as_kv(session, "v", v, lst)
     if lst.tokens == 0:
@@ -69,7 +106,17 @@ def read(session: Session, lst: LayerList,
          out: Optional[Tuple[np.ndarray, np.ndarray]] = None) -> Tuple[np.ndarray, np.ndarray]:
     """The list's K and V (kvs_layer_read: INT8 segments dequantised; sketch
     segments raise FailedPrecondition). `out`: two arrays to fill instead of
-    new ones."""
+    new ones; two torch CUDA tensors on a cuda pool are filled device to
+    device (kvs_layer_read_dev)."""
+    if out is not None and (_is_cuda(out[0]) or _is_cuda(out[1])):
+        for name, t in zip("kv", out):
+            _check_cuda(session, "read", name, t, lst)
+        if lst.tokens:
+            rc = session._lib.kvs_layer_read_dev(session.handle(), ctypes.byref(lst._c),
+                                                 out[0].data_ptr(), out[1].data_ptr())
+            if rc:
+                raise _io_error(rc, "read", session, lst)
+        return out
     shape = kv_shape(session, lst)
     dt = session.geometry.numpy_dtype
     if out is None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Dict, Optional
 import numpy as np
 
 from . import _lib
+from .device import DeviceBuffer, stream_handle
 from .errors import KVS_ERR_INVALID, InvalidArgument, Unsupported, end_with_block, error_for
 from .geometry import Geometry
 
@@ -50,8 +51,10 @@ class Session:
 
     id, pool_id: the daemon's ids (as Stats shows them); geometry: the
     pool's (defaults filled in); block_count, block_bytes, pool_bytes: the
-    mapped pool's shape; backend: "host", or "shadow" (a test backend whose
-    memory only libkvstash's copies may touch: no numpy views).
+    mapped pool's shape; backend: "host", "cuda" (GPU memory imported by
+    CUDA IPC: no numpy views, but torch views through pool_tensor; device is
+    its CUDA ordinal here) or "shadow" (a test backend whose memory only
+    libkvstash's copies may touch: no views at all).
     """
 
     def __init__(self, handle: ctypes.c_void_p, socket: str):
@@ -67,6 +70,7 @@ class Session:
         self.block_bytes: int = lib.kvs_session_block_bytes(handle)
         self.pool_bytes: int = lib.kvs_session_pool_bytes(handle)
         self.backend: str = lib.kvs_session_backend(handle).decode()
+        self.device: int = lib.kvs_session_device(handle)  # -1: host memory
         self._dtype = self.geometry.numpy_dtype
         self._block_shape = (self.geometry.kv_heads, self.geometry.block_tokens,
                              self.geometry.head_dim)
@@ -181,6 +185,36 @@ class Session:
                               f"backend: it cannot be read directly, only through "
                               f"Sequence.read / Sequence.write")
         return self._pool
+
+    def pool_device(self) -> DeviceBuffer:
+        """A cuda pool's imported arena as a DeviceBuffer
+        (__cuda_array_interface__: torch.as_tensor, CuPy and numba read it
+        without a copy). Raises Unsupported on a pool in host memory."""
+        handle = self.handle()
+        if self.backend != "cuda":
+            raise Unsupported(f"the pool of session {self.id} is on the {self.backend!r} "
+                              f"backend, not in GPU memory: use pool_array")
+        return DeviceBuffer(self._lib.kvs_session_pool(handle), self.pool_bytes, self.device,
+                            owner=self)
+
+    def pool_tensor(self):
+        """The whole pool as a uint8 torch tensor, a view of it (no copy): a
+        CPU tensor over the mapping on the host backend, a CUDA tensor over
+        the imported arena on cuda. Valid while the session is attached."""
+        import torch
+        if self.backend == "cuda":
+            return torch.as_tensor(self.pool_device(), device=torch.device("cuda", self.device))
+        return torch.from_numpy(self.pool_array())
+
+    def set_stream(self, stream) -> None:
+        """kvs_session_set_stream: the CUDA stream (torch.cuda.Stream, a
+        cupy stream, an int handle, or None to unregister) that libkvstash
+        synchronises before every request to the daemon (the ordering
+        contract of client/kvstash.h). FailedPrecondition on a pool that is
+        not in GPU memory."""
+        rc = self._lib.kvs_session_set_stream(self.handle(), stream_handle(stream))
+        if rc:
+            self.raise_for(rc)
 
     def block_raw(self, block: int) -> np.ndarray:
         """Block `block`'s bytes (K half, then V half) as uint8: the layout of

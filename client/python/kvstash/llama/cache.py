@@ -59,9 +59,9 @@ class PlainCache:
 
     plain = True
 
-    def __init__(self, c: Config):
+    def __init__(self, c: Config, device: torch.device = torch.device("cpu")):
         self.c = c
-        self.keys = torch.zeros(c.n_layers, c.seq_len, c.n_kv_heads, c.head_size)
+        self.keys = torch.zeros(c.n_layers, c.seq_len, c.n_kv_heads, c.head_size, device=device)
         self.values = torch.zeros_like(self.keys)
         self.pos = 0
         self.usage_ = Usage()
@@ -108,7 +108,7 @@ def gather_plain(caches: List[PlainCache], layer: int
     keys = torch.stack([c.keys[layer, :N] for c in caches]).transpose(1, 2)
     values = torch.stack([c.values[layer, :N] for c in caches]).transpose(1, 2)
     kv = caches[0].c.n_kv_heads
-    lengths = torch.tensor(n, dtype=torch.int64)[:, None].expand(len(caches), kv)
+    lengths = torch.tensor(n, dtype=torch.int64, device=keys.device)[:, None].expand(len(caches), kv)
     return keys, values, lengths
 
 
@@ -230,7 +230,7 @@ class KvstashCache:
                 raise CacheError(f"Append's list of layer {layer} has {ly.tokens} tokens in "
                                  f"{seg.shape[0]} segments; expected one full-precision slot")
             at.append((int(seg["block"][0]), int(seg["first_slot"][0])))
-        rows = torch.from_numpy(new_rows(self.view, at, self.policy.per_head))
+        rows = self.view.index(new_rows(self.view, at, self.policy.per_head))
         self.view.write(rows, k, v)
 
     def layer_lists(self, layer: int) -> List[ListTokens]:
@@ -271,7 +271,7 @@ class KvstashCache:
         """Keep this query's attention per query head (probs [KV, G, N])."""
         if not self.needs:
             return
-        p = probs.numpy()
+        p = probs.cpu().numpy()
         for h in range(self.Q):
             g, j = divmod(h, self.G)
             n = self.lists[layer * self.heads + (g if self.heads > 1 else 0)].n
@@ -369,4 +369,4 @@ def vnorm_l1(v: torch.Tensor, wo64: torch.Tensor, q_heads: int) -> np.ndarray:
     vh = v.double().repeat_interleave(G, dim=1)  # [B, Q, d]: the KV head of each query head
     dots = torch.einsum("bhj,chj->bhc", vh, wo64)
     per_head = dots.abs().sum(dim=2)  # [B, Q]
-    return (per_head.view(B, KV, G).sum(dim=2) / G).float().numpy()
+    return (per_head.view(B, KV, G).sum(dim=2) / G).float().cpu().numpy()

@@ -76,6 +76,9 @@ def parser() -> argparse.ArgumentParser:
                    help="the pool's element type (default fp32)")
     p.add_argument("--block-tokens", type=_u32, default=4, help="the pool's block size (default 4)")
     p.add_argument("--model-name", help="the pool's model name (default: the file's base name)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the model runs (default cpu); cuda needs a pool in GPU memory "
+                        "(kvstashd --backend cuda) or --no-daemon, and a CUDA build of torch")
     p.add_argument("--threads", type=_u32, default=0, help="torch threads (default: torch's)")
     p.add_argument("--text", default=os.path.join(shared, "data", "tinystories_val_dev.txt"),
                    help="score: stories separated by <|endoftext|>")

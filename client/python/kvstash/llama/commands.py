@@ -34,6 +34,7 @@ class Setup:
         self.o = o
         self.ckpt = Checkpoint(o.model)
         self.model = Llama(self.ckpt)
+        device = "cpu"
         self.tok = Tokenizer(o.tokenizer, self.model.c.vocab_size)
         self.session = None
         self.policy = None
@@ -43,8 +44,12 @@ class Setup:
                                            self.model.c.seq_len)
             self.session = attach(o, self.model)
             s = self.session
-            view = PoolView(s.pool_array(), s.block_bytes, self.model.c.n_kv_heads,
+            device = pool_device(o, s)
+            view = PoolView(s.pool_tensor(), s.block_bytes, self.model.c.n_kv_heads,
                             o.block_tokens, self.model.c.head_size, o.dtype)
+        elif o.device == "cuda":
+            device = "cuda"
+        self.model.to(device)
         elt = 4 if o.no_daemon else ELT_BYTES[o.dtype]
         caches = make_caches(self.model, lanes, self.session, view, self.policy)
         self.run = Runner(self.model, caches, elt, view, self.policy)
@@ -67,6 +72,19 @@ def attach(o: argparse.Namespace, model: Llama):
                            rope_theta=10000.0)
     return kvstash.Session.attach(model=o.model_name, geometry=geo, socket=o.socket,
                                   worker_name=WORKER_NAME)
+
+
+def pool_device(o: argparse.Namespace, session) -> str:
+    """The torch device the pass runs on: the pool's GPU for --device cuda
+    (the pool must be in GPU memory), the CPU for --device cpu (the pool
+    must be in host memory)."""
+    if o.device == "cuda" and session.backend != "cuda":
+        raise CacheError(f"--device cuda: the pool is on kvstashd's {session.backend!r} "
+                         f"backend (host memory); start kvstashd with --backend cuda")
+    if o.device == "cpu" and session.backend == "cuda":
+        raise CacheError("the pool is in GPU memory (kvstashd --backend cuda): run with "
+                         "--device cuda")
+    return f"cuda:{session.device}" if o.device == "cuda" else "cpu"
 
 
 # ---- score ---------------------------------------------------------------------

@@ -68,6 +68,15 @@ class Llama:
         self.cos, self.sin = rope_tables(self.c)
         self.scale = float(np.float32(1.0) / np.float32(math.sqrt(self.c.head_size)))
         self.group = self.c.n_heads // self.c.n_kv_heads
+        self.device = torch.device("cpu")
+
+    def to(self, device: torch.device) -> "Llama":
+        """Move the weights and RoPE tables to `device` (e.g. the GPU of a
+        cuda pool); the pass then runs there."""
+        self.device = torch.device(device)
+        self.w = {name: t.to(self.device) for name, t in self.w.items()}
+        self.cos, self.sin = self.cos.to(self.device), self.sin.to(self.device)
+        return self
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """x [B, dim]: the embeddings of tokens [B] (a copy; x is updated in place)."""
@@ -119,7 +128,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: t
     KV, N = keys.shape[1], keys.shape[2]
     G = H // KV
     scores = torch.matmul(q.view(B, KV, G, D), keys.transpose(-1, -2)) * scale
-    pad = torch.arange(N).view(1, 1, 1, N) >= lengths.view(B, KV, 1, 1)
+    pad = torch.arange(N, device=keys.device).view(1, 1, 1, N) >= lengths.view(B, KV, 1, 1)
     scores = scores.masked_fill(pad, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, values)

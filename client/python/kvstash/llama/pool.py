@@ -2,9 +2,10 @@
 slots an append names, and gather a list's K/V by its block table, with
 INT8 blocks dequantised in torch.
 
-The pool is the session's mapped shared memory (Session.pool_array(), a
-numpy view); every tensor here is a view of it, so a write lands in the
-daemon's pool and a gather reads exactly what the daemon holds, with no
+The pool is Session.pool_tensor(): the mapped shared memory on the host
+backend, the imported GPU arena on cuda (then every gather and write here
+runs on that GPU); every tensor here is a view of it, so a write lands in
+the daemon's pool and a gather reads exactly what the daemon holds, with no
 kvs_layer_read copy in between. The layouts are kernels/kernels.h's:
 
 * a block holds K, then V, each [kv_heads][block_tokens][head_dim] elements
@@ -106,15 +107,18 @@ class ListTokens:
 class PoolView:
     """Torch views of one session's pool for a model's KV layout."""
 
-    def __init__(self, pool: np.ndarray, block_bytes: int, kv_heads: int, block_tokens: int,
+    def __init__(self, pool, block_bytes: int, kv_heads: int, block_tokens: int,
                  head_dim: int, dtype: str):
+        """pool: the whole pool as uint8, a torch tensor (Session.pool_tensor)
+        or a numpy array (Session.pool_array)."""
         self.kv_heads, self.block_tokens, self.head_dim = kv_heads, block_tokens, head_dim
         self.dtype = dtype
         self.elt = ELT_BYTES[dtype]
         self.block_bytes = block_bytes
         assert block_bytes == 2 * kv_heads * block_tokens * head_dim * self.elt, \
             "the pool's block size does not match the model's KV layout"
-        raw = torch.from_numpy(pool)  # uint8, the whole mapping
+        raw = pool if isinstance(pool, torch.Tensor) else torch.from_numpy(pool)
+        self.device = raw.device
         row_bytes = head_dim * self.elt
         usable = raw.shape[0] // row_bytes * row_bytes
         self.rows = raw[:usable].view(TORCH_DTYPES[dtype]).view(-1, head_dim)
@@ -129,6 +133,10 @@ class PoolView:
             T = block_tokens * kv_heads if per_head else block_tokens
             T8 = int8_tokens_per_block(H, T, head_dim, self.elt)
             self.q8[per_head] = (H, T8, (2 * H * T8 * head_dim + 15) & ~15)
+
+    def index(self, a: np.ndarray) -> torch.Tensor:
+        """A numpy index array as a tensor on the pool's device."""
+        return torch.from_numpy(a).to(self.device)
 
     def key_rows(self, blocks: np.ndarray, slots: np.ndarray, per_head: bool) -> np.ndarray:
         """K row indices [heads_of_list, n] of full-precision tokens: all KV
@@ -164,8 +172,8 @@ class PoolView:
     def dequant(self, src: np.ndarray) -> Tuple[torch.Tensor, torch.Tensor]:
         """K and V [m, head_dim] fp32 of INT8 tokens (int8_rows' [4, m]):
         code * scale, as kv_dequantize_group_ref."""
-        t = torch.from_numpy(src)
-        cols = torch.arange(self.head_dim)[None, :]
+        t = self.index(src)
+        cols = torch.arange(self.head_dim, device=self.device)[None, :]
         k = self.codes.index_select(0, t[0]).float() * self.floats[t[2][:, None] + cols]
         v = self.codes.index_select(0, t[1]).float() * self.floats[t[3][:, None] + cols]
         return k, v
@@ -221,18 +229,19 @@ class LayerGather:
                     heads, tok = np.repeat(heads_all, q.shape[0]), np.tile(q, KV)
                     int8_at.append((lane * KV + heads) * N + tok)
                 int8_src.append(v.int8_rows(lt.block[tok], lt.slot[tok], heads, per_head))
-        flat = torch.from_numpy(idx.reshape(-1))
+        flat = v.index(idx.reshape(-1))
         keys = v.rows.index_select(0, flat).float().view(self.B, KV, N, d)
         values = v.rows.index_select(0, flat + v.v_rows).float().view(self.B, KV, N, d)
         if int8_at:
             k8, v8 = v.dequant(np.concatenate(int8_src, axis=1))
-            at = torch.from_numpy(np.concatenate(int8_at))
+            at = v.index(np.concatenate(int8_at))
             keys.view(-1, d).index_copy_(0, at, k8)
             values.view(-1, d).index_copy_(0, at, v8)
-        valid = torch.arange(N).view(1, 1, N) < torch.from_numpy(lengths).view(self.B, KV, 1)
+        lengths_t = v.index(lengths)
+        valid = torch.arange(N, device=v.device).view(1, 1, N) < lengths_t.view(self.B, KV, 1)
         keys = keys.masked_fill(~valid[..., None], 0.0)
         values = values.masked_fill(~valid[..., None], 0.0)
-        return keys, values, torch.from_numpy(lengths)
+        return keys, values, lengths_t
 
 
 def new_rows(view: PoolView, writes: List[Tuple[int, int]], per_head: bool) -> np.ndarray:

@@ -80,8 +80,9 @@ class Runner:
         pos = [ln.pos for ln in lanes]
         for ln in lanes:
             ln.cache.token_begin(ln.pos)
-        pos_t = torch.tensor(pos, dtype=torch.int64)
-        x = self.m.embed(torch.tensor(tokens, dtype=torch.int64))
+        dev = self.m.device
+        pos_t = torch.tensor(pos, dtype=torch.int64, device=dev)
+        x = self.m.embed(torch.tensor(tokens, dtype=torch.int64, device=dev))
         for layer in range(c.n_layers):
             q, k, v = self.m.layer_qkv(x, layer, pos_t)
             vn = vnorm_l1(v, self.wo64[layer], c.n_heads) if self.wo64 is not None else None
@@ -92,7 +93,7 @@ class Runner:
             for b, ln in enumerate(lanes):
                 ln.cache.attended(layer, probs[b])
             x = self.m.layer_finish(x, att, layer)
-        logits = self.m.logits(x).numpy()
+        logits = self.m.logits(x).cpu().numpy()
         t = self.totals
         for b, ln in enumerate(lanes):
             u = ln.cache.usage()
@@ -114,5 +115,5 @@ def make_caches(model: Llama, lanes: int, session=None, view: Optional[PoolView]
                 policy: Optional[policies.Policy] = None) -> list:
     """`lanes` plain caches, or kvstashd caches of one session when given."""
     if session is None:
-        return [PlainCache(model.c) for _ in range(lanes)]
+        return [PlainCache(model.c, model.device) for _ in range(lanes)]
     return [KvstashCache(model.c, session, view, policy) for _ in range(lanes)]
