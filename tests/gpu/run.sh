@@ -24,13 +24,22 @@
 #     tier-worker  kvs_tier_worker: INT8 + sketch revive of every position
 #     sigkill      a worker killed with SIGKILL mid-append while another
 #                  appends; the other finishes verified, a new one attaches
-#   bandwidth      SKIP: not written yet (issue 14)
-#   torch-ppl      SKIP: not written yet (issue 14)
+#     bandwidth    bench_device (tests/bench): a worker's writes and reads of
+#                  a 4096-token layer through device buffers, its revive, the
+#                  INT8 demotion of it and its revive, as ratios to cudaMemcpy
+#                  device to device in the same process (every byte checked)
+#   torch-ppl      python3 -m kvstash.llama score on stories260K (20 stories):
+#                  --device cuda on a cuda pool against --device cpu on a host
+#                  pool; the perplexities must agree within 1e-4 (relative).
+#                  SKIP without torch with CUDA, or without the model data
+#                  ($KVSTASH_SHARED_DIR/data, default the repository's
+#                  ../shared; docs/gpu.md says how to carry it)
 # Exit status: 0 when nothing FAILed (SKIPs allowed), 1 otherwise, 2 usage.
 #
 # KVSTASH_GPU_RUN_BACKEND=host runs the e2e steps on the host backend: a
 # dry run of this script's own logic on a machine without a GPU.
-# KVSTASH_GPU_RUN_TOKENS (default 4096) sets the tokens per worker.
+# KVSTASH_GPU_RUN_TOKENS (default 4096) sets the tokens per worker;
+# KVSTASH_PYTHON (default python3) the Python with torch of step torch-ppl.
 set -u
 
 if [ $# -ne 2 ]; then
@@ -42,7 +51,11 @@ mkdir -p "$2" || exit 2
 OUT=$(cd "$2" && pwd)
 BACKEND=${KVSTASH_GPU_RUN_BACKEND:-cuda}
 TOKENS=${KVSTASH_GPU_RUN_TOKENS:-4096}
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+SHARED=${KVSTASH_SHARED_DIR:-$REPO/../shared}
+PYTHON=${KVSTASH_PYTHON:-python3}
 KVSTASHD=$BUILD/daemon/kvstashd
+BENCH_DEVICE=$BUILD/tests/bench/bench_device
 CLI=$BUILD/client/kvstash
 WORKER=$BUILD/tests/kvs_test_worker
 TIER_WORKER=$BUILD/tests/kvs_tier_worker
@@ -67,7 +80,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-for f in "$KVSTASHD" "$CLI" "$WORKER" "$TIER_WORKER"; do
+for f in "$KVSTASHD" "$CLI" "$WORKER" "$TIER_WORKER" "$BENCH_DEVICE"; do
     if [ ! -x "$f" ]; then
         echo "run.sh: $f is missing: BUILD must be a full build (not KERNELS_ONLY)" >&2
         exit 2
@@ -105,11 +118,12 @@ step_ctest() {
 }
 
 # ---- end to end -------------------------------------------------------------
-# Start kvstashd for one IPC kind in $1 (its directory); 0 when serving, 1
-# when it could not start (its log says why), 2 when it hung.
+# Start kvstashd for one IPC kind in $1 (its directory), on backend $3
+# (default $BACKEND); 0 when serving, 1 when it could not start (its log
+# says why), 2 when it hung.
 start_daemon() {
-    local dir=$1 ipc=$2
-    "$KVSTASHD" --socket "$dir/s.sock" --backend "$BACKEND" --cuda-ipc "$ipc" --pool-mb 2048 \
+    local dir=$1 ipc=$2 backend=${3:-$BACKEND}
+    "$KVSTASHD" --socket "$dir/s.sock" --backend "$backend" --cuda-ipc "$ipc" --pool-mb 2048 \
         --log-level info > "$dir/kvstashd.log" 2>&1 &
     DAEMON=$!
     PIDS+=("$DAEMON")
@@ -135,7 +149,8 @@ geometry=(--layers 2 --kv-heads 8 --q-heads 32 --head-dim 128 --block-tokens 16)
 e2e_two_workers() {
     local dir=$1 sock=$1/s.sock a b
     "$WORKER" --socket "$sock" --model e2e16 "${geometry[@]}" --dtype fp16 --policy full \
-        --tokens "$TOKENS" --step 64 --seed 1 --verify-every 16 --name a > "$dir/a.out" 2> "$dir/a.err" &
+        --tokens "$TOKENS" --step 64 --seed 1 --verify-every 16 --name a --dev-io \
+        > "$dir/a.out" 2> "$dir/a.err" &
     a=$!
     "$WORKER" --socket "$sock" --model e2e32 "${geometry[@]}" --dtype fp32 --policy streaming \
         --set n_sink=4 --set window=1024 --set int8=on --set victims=sketch \
@@ -145,7 +160,7 @@ e2e_two_workers() {
     wait "$a"; local ra=$?
     wait "$b"; local rb=$?
     if [ $ra -eq 0 ] && [ $rb -eq 0 ] && worker_ok "$dir/a.out" && worker_ok "$dir/b.out"; then
-        pass "$2/two-workers" "fp16 full: $(tail -1 "$dir/a.out" | grep -o '"checked":[0-9]*'); fp32 streaming int8+sketch: $(tail -1 "$dir/b.out" | grep -o '"checked":[0-9]*')"
+        pass "$2/two-workers" "fp16 full (device buffers): $(tail -1 "$dir/a.out" | grep -o '"checked":[0-9]*'); fp32 streaming int8+sketch: $(tail -1 "$dir/b.out" | grep -o '"checked":[0-9]*')"
     else
         fail "$2/two-workers" "exit $ra/$rb: $(tail -1 "$dir/a.out") | $(tail -1 "$dir/b.out") | $(tail -2 "$dir/a.err" "$dir/b.err" | tr '\n' ' ')"
     fi
@@ -260,6 +275,17 @@ e2e_sigkill() {
     fi
 }
 
+e2e_bandwidth() {
+    local dir=$1
+    if "$BENCH_DEVICE" --socket "$dir/s.sock" --tokens "$TOKENS" > "$dir/bandwidth.txt" \
+        2> "$dir/bandwidth.err"; then
+        pass "$2/bandwidth" "$(tail -1 "$dir/bandwidth.txt")"
+        sed 's/^/  /' "$dir/bandwidth.txt" >> "$OUT/summary.txt"
+    else
+        fail "$2/bandwidth" "$(tail -1 "$dir/bandwidth.txt") $(tail -2 "$dir/bandwidth.err" | tr '\n' ' ')"
+    fi
+}
+
 step_e2e() {
     local ipc=$1 dir=$OUT/e2e-$1 rc
     mkdir -p "$dir"
@@ -283,6 +309,7 @@ step_e2e() {
     e2e_cli_tiers "$dir" "e2e-$ipc"
     e2e_tier_worker "$dir" "e2e-$ipc"
     e2e_sigkill "$dir" "e2e-$ipc"
+    e2e_bandwidth "$dir" "e2e-$ipc"
     grep -E 'cuda_arena' "$dir/kvstashd.log" | sed 's/^/  /' | tee -a "$OUT/summary.txt"
     kill -TERM "$DAEMON"
     wait "$DAEMON"
@@ -294,12 +321,61 @@ step_e2e() {
     fi
 }
 
+# ---- the PyTorch worker on the GPU --------------------------------------------
+# Score with python3 -m kvstash.llama against the daemon in $1 on device $2;
+# prints the summary's ppl (empty on failure; the log says why).
+llama_ppl() {
+    local dir=$1 device=$2
+    PYTHONPATH="$REPO/client/python${PYTHONPATH:+:$PYTHONPATH}" KVSTASH_LIB="$BUILD/client/libkvstash.so" \
+        "$PYTHON" -m kvstash.llama score --socket "$dir/s.sock" --device "$device" --stories 20 \
+        --quiet --model "$SHARED/data/stories260K.bin" --text "$SHARED/data/tinystories_val_dev.txt" \
+        > "$dir/score.out" 2> "$dir/score.err"
+    tail -1 "$dir/score.out" | grep -o '"ppl":[0-9.e+-]*' | cut -d: -f2
+}
+
+step_torch_ppl() {
+    local dir=$OUT/torch-ppl gpu_dev=cuda
+    mkdir -p "$dir/gpu" "$dir/host"
+    if [ "$BACKEND" = host ]; then
+        gpu_dev=cpu # the dry run: both daemons on the host backend
+    elif ! "$PYTHON" -c 'import numpy, torch; assert torch.cuda.is_available()' > "$dir/torch.txt" 2>&1; then
+        skip torch-ppl "$PYTHON has no numpy or no torch with CUDA: $(tail -1 "$dir/torch.txt")"
+        return
+    fi
+    if [ ! -f "$SHARED/data/stories260K.bin" ]; then
+        skip torch-ppl "no $SHARED/data/stories260K.bin (set KVSTASH_SHARED_DIR; docs/gpu.md)"
+        return
+    fi
+    local gpu_d host_d a b
+    if ! start_daemon "$dir/gpu" auto; then
+        skip torch-ppl "kvstashd --backend $BACKEND did not start: $(tail -1 "$dir/gpu/kvstashd.log")"
+        return
+    fi
+    gpu_d=$DAEMON
+    if ! start_daemon "$dir/host" auto host; then
+        fail torch-ppl "kvstashd --backend host did not start: $(tail -1 "$dir/host/kvstashd.log")"
+        kill -TERM "$gpu_d"
+        return
+    fi
+    host_d=$DAEMON
+    a=$(llama_ppl "$dir/gpu" "$gpu_dev")
+    b=$(llama_ppl "$dir/host" cpu)
+    kill -TERM "$gpu_d" "$host_d"
+    wait "$gpu_d" "$host_d"
+    if [ -z "$a" ] || [ -z "$b" ]; then
+        fail torch-ppl "a score failed: $(tail -2 "$dir/gpu/score.err" "$dir/host/score.err" | tr '\n' ' ')"
+    elif "$PYTHON" -c "import sys; a, b = $a, $b; sys.exit(abs(a - b) > 1e-4 * b)"; then
+        pass torch-ppl "stories260K, 20 stories: ppl $a (--device $gpu_dev, $BACKEND pool) vs $b (cpu, host pool)"
+    else
+        fail torch-ppl "ppl $a (--device $gpu_dev, $BACKEND pool) vs $b (cpu, host pool): more than 1e-4 apart"
+    fi
+}
+
 echo "run.sh: build $BUILD, output $OUT, backend $BACKEND, $TOKENS tokens per worker"
 step_env
 step_ctest
 step_e2e vmm
 step_e2e legacy
-skip bandwidth "worker-write and demote/revive bandwidth against cudaMemcpy D2D: not written yet (issue 14)"
-skip torch-ppl "PyTorch worker perplexity on the GPU vs the host backend: not written yet (issue 14)"
+step_torch_ppl
 echo "run.sh: summary in $OUT/summary.txt"
 exit $FAILED
