@@ -69,9 +69,10 @@ static void print_pools(const Kvstash__V1__StatsResponse *st)
                    p->pool_id, p->model, g->layers, g->q_heads, g->kv_heads, g->head_dim,
                    cli_dtype(g->dtype), g->block_tokens, cli_bytes(p->block_bytes, b1, sizeof b1));
         printf(
-            "    blocks: %u total, %u free, %u used, %u retired; %s in use of %s; %u "
-            "session(s)\n",
+            "    blocks: %u total, %u free, %u used, %u retired, %u quarantined; %s in use of "
+            "%s; %u session(s)\n",
             p->blocks_total, p->blocks_free, p->blocks_used, p->blocks_retired,
+            p->blocks_quarantined,
             cli_bytes((uint64_t)(p->blocks_total - p->blocks_free) * p->block_bytes, b1, sizeof b1),
             cli_bytes(p->bytes_total, b2, sizeof b2), p->sessions);
         if (p->tenant[0] != '\0') /* pools are per tenant and model */
@@ -113,12 +114,28 @@ static void print_limits(const Kvstash__V1__StatsResponse *st)
     }
 }
 
+/* Where pools live (device, IPC kind) and what ended sessions hold
+ * (kvstashd --lease-end). An older kvstashd sends neither: nothing printed. */
+static void print_backend(const Kvstash__V1__StatsResponse *st)
+{
+    if (st->ipc[0] != '\0') {
+        printf("device: %s", st->device);
+        if (st->device_name[0] != '\0')
+            printf(" (%s)", st->device_name);
+        printf(", ipc %s\n", st->ipc);
+    }
+    if (st->lease_end[0] != '\0')
+        printf("lease end: %s; quarantined: %u session(s), %u block(s)\n", st->lease_end,
+               st->quarantined_sessions, st->quarantined_blocks);
+}
+
 static void print_status(const Kvstash__V1__StatsResponse *st)
 {
     char b1[32];
     printf("kvstashd %s (pid %d), up %s, backend %s, %s, %" PRIu64 " events published\n",
            st->version, st->pid, cli_duration(st->uptime_ms, b1, sizeof b1), st->backend,
            st->serving ? "serving" : "shutting down", st->events_published);
+    print_backend(st);
     printf("policies:");
     for (size_t i = 0; i < st->n_policies; i++)
         printf("%s %s", i ? "," : "", st->policies[i]);
@@ -140,8 +157,9 @@ static int cmd_status(cli *c, int always_json)
 {
     static const char help[] =
         "usage: kvstash status [--json] [--socket PATH]\n"
-        "  kvstashd's version, pid, uptime and backend, whether it is serving, its\n"
-        "  policies, each pool (geometry, blocks total/free/used/retired, memory) and\n"
+        "  kvstashd's version, pid, uptime and backend (device, IPC kind), whether it is\n"
+        "  serving, its lease-end mode and quarantined blocks, its policies, each pool\n"
+        "  (geometry, blocks total/free/used/retired/quarantined, memory) and\n"
         "  held tokens and bytes by tier. --json prints the whole Stats reply (with\n"
         "  workers and sequences); `kvstash stats` is the same as status --json.\n";
     int rc = cli_parse(c, NULL, 0, NULL, 0, 0, NULL, help);

@@ -58,3 +58,16 @@ int backend_cuda_device_check(const char *v, char *err, size_t errlen)
              v);
     return -1;
 }
+
+void backend_cuda_info(const char *uuid_text, const char *device_name, const char *ipc_option,
+                       const char *resolved, backend_info *out)
+{
+    snprintf(out->device, sizeof out->device, "%s", uuid_text[0] ? uuid_text : "unknown");
+    snprintf(out->device_name, sizeof out->device_name, "%s", device_name);
+    /* An explicit vmm or legacy is what every arena gets (or its creation
+     * fails); auto is known only once a first arena tried VMM. */
+    const char *ipc = resolved != NULL                  ? resolved
+                      : strcmp(ipc_option, "auto") == 0 ? BACKEND_IPC_UNRESOLVED
+                                                        : ipc_option;
+    snprintf(out->ipc, sizeof out->ipc, "%s", ipc);
+}

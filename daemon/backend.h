@@ -49,6 +49,22 @@ typedef struct backend_share {
     int fd; /* memfd or VMM fd, sent with SCM_RIGHTS; -1 when none; the caller closes it */
 } backend_share;
 
+/*
+ * What Stats, `kvstash status` and the metrics say about where pools live
+ * (issue 14), beside the backend's name: the device and how workers map an
+ * arena. Plain text, copied into snapshots (snapshot.h).
+ */
+#define BACKEND_IPC_UNRESOLVED "auto (unresolved)"
+typedef struct backend_info {
+    char device[48];      /* "none" (host memory), or the GPU's UUID "GPU-xxxxxxxx-..." */
+    char device_name[96]; /* the GPU's name as its driver reports it; "" for none */
+    /* How workers map an arena: "memfd" (host, shadow), "vmm" or "legacy"
+     * (cuda), or BACKEND_IPC_UNRESOLVED while --cuda-ipc auto has not been
+     * resolved by a first arena (kv_devmem_alloc says whether the device
+     * exports VMM memory only when it is asked to). */
+    char ipc[24];
+} backend_info;
+
 /* Settings a backend reads at start (config.h keys). */
 typedef struct backend_options {
     const char *cuda_device; /* "N" or "GPU-<uuid>" */
@@ -67,6 +83,9 @@ typedef struct backend {
     /* What a worker needs to map the arena: *sh filled, with a new fd (or
      * -1) that the caller closes once it is sent. */
     status_code (*arena_share)(const backend_arena *a, backend_share *sh, status *st);
+    /* Fill *out (backend_info). Called under the store's lock, which
+     * arena_create also runs under: what it reads cannot change meanwhile. */
+    void (*describe)(backend_info *out);
 } backend;
 
 extern const backend backend_host;
@@ -86,5 +105,12 @@ const char *backend_names(void);
  * start). */
 int backend_cuda_ipc_check(const char *v, char *err, size_t errlen);
 int backend_cuda_device_check(const char *v, char *err, size_t errlen);
+
+/* The cuda backend's backend_info, from what it knows (device-free, so
+ * that a unit test runs it anywhere): the device's UUID text ("" before
+ * start: "unknown"), its name, the --cuda-ipc option and the IPC kind its
+ * first arena resolved ("vmm"/"legacy", NULL before any arena). */
+void backend_cuda_info(const char *uuid_text, const char *device_name, const char *ipc_option,
+                       const char *resolved, backend_info *out);
 
 #endif

@@ -36,7 +36,12 @@ static struct {
     int device;                           /* ordinal in this process */
     uint8_t uuid[KVSTASH_GPU_UUID_BYTES]; /* its UUID, for MAP answers */
     char uuid_text[KVSTASH_GPU_UUID_TEXT];
+    char name[96];      /* its name, for Stats (backend_info) */
     kv_devmem_kind ipc; /* KV_DEVMEM_NONE = auto */
+    /* The kind auto resolved to at the first arena (KV_DEVMEM_NONE before):
+     * whether the device exports VMM memory is a property of the device,
+     * so every later arena gets the same. */
+    kv_devmem_kind resolved;
 } cuda_cfg = {.device = -1};
 
 /* The ordinal of the device `spec` names ("N" or "GPU-<uuid>") and its UUID. */
@@ -65,6 +70,7 @@ static status_code find_device(const char *spec, int count, status *st)
         cuda_cfg.device = i;
         memcpy(cuda_cfg.uuid, prop.uuid.bytes, sizeof cuda_cfg.uuid);
         kvstash_gpu_uuid_format(cuda_cfg.uuid, cuda_cfg.uuid_text);
+        snprintf(cuda_cfg.name, sizeof cuda_cfg.name, "%.95s", prop.name); /* a 256-byte field */
         log_info("cuda_device", "device=%d uuid=%s name=\"%s\" memory_mib=%zu ipc=%s", i,
                  cuda_cfg.uuid_text, prop.name, prop.totalGlobalMem >> 20,
                  cuda_cfg.ipc == KV_DEVMEM_NONE ? "auto" : kv_devmem_kind_name(cuda_cfg.ipc));
@@ -141,6 +147,7 @@ static status_code cuda_arena_create(const char *model, size_t bytes, backend_ar
     }
     a->base = mem->ptr;
     a->priv = mem;
+    cuda_cfg.resolved = kind; /* under the store's lock, as describe runs */
     log_info("cuda_arena", "model=%s bytes=%zu arena_bytes=%zu device=%d uuid=%s ipc=%s", model,
              bytes, mem->bytes, cuda_cfg.device, cuda_cfg.uuid_text, kv_devmem_kind_name(kind));
     return ST_OK;
@@ -182,6 +189,14 @@ static status_code cuda_arena_share(const backend_arena *a, backend_share *sh, s
     return ST_OK;
 }
 
+static void cuda_describe(backend_info *out)
+{
+    const char *opt = cuda_cfg.ipc == KV_DEVMEM_NONE ? "auto" : kv_devmem_kind_name(cuda_cfg.ipc);
+    backend_cuda_info(
+        cuda_cfg.uuid_text, cuda_cfg.name, opt,
+        cuda_cfg.resolved == KV_DEVMEM_NONE ? NULL : kv_devmem_kind_name(cuda_cfg.resolved), out);
+}
+
 const backend backend_cuda = {
     .name = "cuda",
     .ops = &kv_ops_cuda,
@@ -189,4 +204,5 @@ const backend backend_cuda = {
     .arena_create = cuda_arena_create,
     .arena_destroy = cuda_arena_destroy,
     .arena_share = cuda_arena_share,
+    .describe = cuda_describe,
 };

@@ -82,6 +82,11 @@ status_code memfd_arena_share(const backend_arena *a, backend_share *sh, status 
     return ST_OK;
 }
 
+void memfd_describe(backend_info *out)
+{
+    *out = (backend_info){.device = "none", .device_name = "", .ipc = "memfd"};
+}
+
 const backend backend_host = {
     .name = "host",
     .ops = &kv_ops_cpu,
@@ -89,4 +94,5 @@ const backend backend_host = {
     .arena_create = memfd_arena_create,
     .arena_destroy = memfd_arena_destroy,
     .arena_share = memfd_arena_share,
+    .describe = memfd_describe,
 };

@@ -12,5 +12,7 @@
 status_code memfd_arena_create(const char *model, size_t bytes, backend_arena *a, status *st);
 void memfd_arena_destroy(backend_arena *a);
 status_code memfd_arena_share(const backend_arena *a, backend_share *sh, status *st);
+/* Device "none", IPC "memfd". */
+void memfd_describe(backend_info *out);
 
 #endif

@@ -41,4 +41,5 @@ const backend backend_shadow = {
     .arena_create = shadow_arena_create,
     .arena_destroy = shadow_arena_destroy,
     .arena_share = memfd_arena_share,
+    .describe = memfd_describe,
 };

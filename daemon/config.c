@@ -66,6 +66,12 @@ static const config_option options[] = {
      "with --backend cuda, how workers map pools: vmm (a file descriptor passed only to "
      "checked peers), legacy (a cudaIpc handle) or auto (vmm where the device supports it, "
      "else legacy; the default)"},
+    {"lease-end", CONFIG_LEASE_END, 0, 0,
+     "what a worker that ended without a detach (fd socket closed, lease timeout) leaves: "
+     "free (its blocks go back at once: a stopped worker resumed later could write into "
+     "reused blocks) or quarantine (its blocks stay out of use until its process exits: a "
+     "stopped worker holds them); auto (the default): quarantine on cuda, free on host and "
+     "shadow (docs/reliability.md)"},
     {"drain-ms", CONFIG_COUNT, 0, 600000,
      "on SIGTERM, report NOT_SERVING (health, /healthz) this long before stopping "
      "(default 0; a second signal stops at once)"},
@@ -112,6 +118,7 @@ void config_defaults(daemon_config *c)
     snprintf(c->backend, sizeof c->backend, "%s", backend_host.name);
     snprintf(c->cuda_device, sizeof c->cuda_device, "0");
     snprintf(c->cuda_ipc, sizeof c->cuda_ipc, "auto");
+    snprintf(c->lease_end, sizeof c->lease_end, "auto");
     c->operator_uids[c->n_operator_uids++] = 0;
     if (geteuid() != 0)
         c->operator_uids[c->n_operator_uids++] = geteuid();
@@ -345,6 +352,16 @@ int config_set(daemon_config *c, const char *key, const char *value, char *err, 
         if (backend_cuda_ipc_check(value, err, errlen) != 0)
             return -1;
         return set_text(c->cuda_ipc, sizeof c->cuda_ipc, o->key, value, err, errlen);
+    case CONFIG_LEASE_END:
+        if (strcmp(value, "auto") != 0 && strcmp(value, "free") != 0 &&
+            strcmp(value, "quarantine") != 0) {
+            snprintf(err, errlen,
+                     "%s must be free, quarantine or auto (quarantine on cuda, free on host), "
+                     "got '%.32s'",
+                     o->key, value);
+            return -1;
+        }
+        return set_text(c->lease_end, sizeof c->lease_end, o->key, value, err, errlen);
     case CONFIG_UIDS:
         return set_uids(c, o, value, err, errlen);
     case CONFIG_FILE: {
@@ -434,6 +451,9 @@ void config_print(const daemon_config *c, const char *source, FILE *f)
         case CONFIG_CUDA_IPC:
             fprintf(f, "%s = %s\n", key, c->cuda_ipc);
             break;
+        case CONFIG_LEASE_END:
+            fprintf(f, "%s = %s\n", key, c->lease_end);
+            break;
         case CONFIG_UIDS:
             fprintf(f, "%s = %s", key, c->n_operator_uids == 0 ? "none" : "");
             for (size_t u = 0; u < c->n_operator_uids; u++)
@@ -447,6 +467,12 @@ void config_print(const daemon_config *c, const char *source, FILE *f)
         }
         }
     }
+}
+
+int config_lease_end_quarantine(const daemon_config *c)
+{
+    return strcmp(c->lease_end, "quarantine") == 0 ||
+           (strcmp(c->lease_end, "auto") == 0 && strcmp(c->backend, "cuda") == 0);
 }
 
 int config_check(const daemon_config *c, char *err, size_t errlen)

@@ -34,9 +34,14 @@ typedef struct daemon_config {
      * max_reply_mb. */
     unsigned long max_daemon_mb, session_max_seqs, session_max_blocks, max_reply_mb;
     char log_level[8];
-    char backend[16];         /* backend.h: "host" (default), "shadow" (tests) or "cuda" */
-    char cuda_device[48];     /* --backend cuda: "N" or "GPU-<uuid>" (default "0") */
-    char cuda_ipc[8];         /* --backend cuda: "auto" (default), "vmm" or "legacy" */
+    char backend[16];     /* backend.h: "host" (default), "shadow" (tests) or "cuda" */
+    char cuda_device[48]; /* --backend cuda: "N" or "GPU-<uuid>" (default "0") */
+    char cuda_ipc[8];     /* --backend cuda: "auto" (default), "vmm" or "legacy" */
+    /* What a session that ended without a detach leaves: "free" (its blocks
+     * at once), "quarantine" (its blocks once its process exited) or "auto"
+     * (the default: quarantine on cuda, free on host and shadow);
+     * config_lease_end_quarantine resolves it. */
+    char lease_end[12];
     char metrics[128];        /* HTTP /metrics address, "" = none */
     int metrics_allow_remote; /* serve /metrics on a non-loopback address */
     int dumpable;             /* stay dumpable (main.c: PR_SET_DUMPABLE), for debugging */
@@ -59,6 +64,7 @@ typedef enum config_kind {
     CONFIG_BACKEND,
     CONFIG_CUDA_DEVICE, /* an ordinal or a GPU UUID */
     CONFIG_CUDA_IPC,    /* auto, vmm or legacy */
+    CONFIG_LEASE_END,   /* auto, free or quarantine */
     CONFIG_UIDS,        /* a list of uids: "0,1000"; "" or "none" for none */
     CONFIG_FILE         /* a file's path; "" or "off" for none */
 } config_kind;
@@ -94,6 +100,10 @@ int config_load(daemon_config *c, const char *path, char *err, size_t errlen);
  * refuses --listen off loopback without them). Returns 0, or -1 with a
  * message in err. */
 int config_check(const daemon_config *c, char *err, size_t errlen);
+
+/* Whether lease-end resolves to quarantine for c's backend: "quarantine",
+ * or "auto" with --backend cuda (docs/reliability.md, "Lease end"). */
+int config_lease_end_quarantine(const daemon_config *c);
 
 /* Write *c as a config file that config_load reads back to the same values. */
 void config_print(const daemon_config *c, const char *source, FILE *f);

@@ -241,6 +241,10 @@ static void tick(fdsock *fs, uint64_t now)
     if (fs->spare_fd < 0) /* lost to another thread when descriptors ran out */
         fs->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
     store_expire_leases(fs->store);
+    /* Quarantined blocks go back within a tick of their worker's exit;
+     * polling the pidfds here (timeout 0) keeps them out of this thread's
+     * poll set, whose slots are the connections'. */
+    store_quarantine_reap(fs->store);
     refresh_idle(fs, now);
     char msg[FDSOCK_MSG_MAX];
     snprintf(msg, sizeof msg,

@@ -14,7 +14,8 @@
  * the thread sheds new connections on a spare descriptor (or stops polling
  * the listener for a moment) instead of spinning on accept(). Every
  * FDSOCK_TICK_MS the thread also expires the store's leases
- * (store_expire_leases).
+ * (store_expire_leases) and releases the quarantined blocks of workers whose
+ * process has exited (store_quarantine_reap).
  */
 #ifndef KVSTASH_FDSOCK_H
 #define KVSTASH_FDSOCK_H

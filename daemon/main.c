@@ -307,7 +307,8 @@ static int start(const daemon_config *o, daemon_parts *d)
                         .max_daemon_bytes = (size_t)o->max_daemon_mb << 20,
                         .session_max_seqs = (uint32_t)o->session_max_seqs,
                         .session_max_blocks = (uint32_t)o->session_max_blocks,
-                        .max_reply_bytes = (size_t)o->max_reply_mb << 20};
+                        .max_reply_bytes = (size_t)o->max_reply_mb << 20,
+                        .lease_end_quarantine = config_lease_end_quarantine(o)};
     char path[PATH_MAX + 16];
     status st;
     snprintf(path, sizeof path, "ipc://%s.events", o->socket);
@@ -431,8 +432,9 @@ int main(int argc, char **argv)
         remove_files(o.socket);
         return 1;
     }
-    log_info("ready", "socket=%s pool_mb=%lu version=%s pid=%d", o.socket, o.pool_mb,
-             KVSTASH_VERSION, (int)getpid());
+    log_info("ready", "socket=%s pool_mb=%lu version=%s pid=%d backend=%s lease_end=%s", o.socket,
+             o.pool_mb, KVSTASH_VERSION, (int)getpid(), o.backend,
+             config_lease_end_quarantine(&o) ? "quarantine" : "free");
     int sig = 0;
     sigwait(&sigs, &sig);
     log_info("stopping", "signal=%s", sig == SIGTERM ? "TERM" : "INT");

@@ -371,6 +371,16 @@ static void print_store(FILE *f, const metrics *m, const snapshot *s, const poli
     head(f, "kvstash_build_info", "gauge", "kvstashd version and memory backend.");
     fprintf(f, "kvstash_build_info{version=\"%s\",backend=\"%s\"} 1\n", KVSTASH_VERSION,
             s->backend != NULL ? s->backend : "host");
+    head(f, "kvstash_backend_info", "gauge",
+         "Where pools live: backend, device (none, or the GPU's UUID), device_name, and how "
+         "workers map them (ipc: memfd, vmm, legacy, or auto (unresolved) until the first "
+         "pool).");
+    const backend_info *bi = &s->backend_info;
+    fprintf(f,
+            "kvstash_backend_info{backend=\"%s\",device=\"%s\",device_name=\"%s\",ipc=\"%s\"} "
+            "1\n",
+            s->backend != NULL ? s->backend : "host", bi->device[0] ? bi->device : "none",
+            bi->device_name, bi->ipc[0] ? bi->ipc : "memfd");
     head(f, "kvstash_serving", "gauge", "1 while serving, 0 once shutdown began.");
     fprintf(f, "kvstash_serving %d\n", s->serving);
     head(f, "kvstash_uptime_seconds", "gauge", "Seconds since kvstashd started.");
@@ -390,13 +400,15 @@ static void print_store(FILE *f, const metrics *m, const snapshot *s, const poli
                 (unsigned long long)s->pools[i].id, s->pools[i].model,
                 (unsigned long long)s->pools[i].block_bytes);
     head(f, "kvstash_pool_blocks", "gauge",
-         "Blocks of a pool: free, used (in tables), retired (waiting for a worker's epoch ack).");
+         "Blocks of a pool: free, used (in tables), retired (waiting for a worker's epoch ack), "
+         "quarantined (an ended session's, until its worker's process exits).");
     for (size_t i = 0; i < s->npools; i++) {
         const snapshot_pool *p = &s->pools[i];
-        uint32_t used = p->blocks_total - p->blocks_free - p->blocks_retired;
-        const char *states[3] = {"free", "used", "retired"};
-        uint32_t v[3] = {p->blocks_free, used, p->blocks_retired};
-        for (int k = 0; k < 3; k++)
+        uint32_t used =
+            p->blocks_total - p->blocks_free - p->blocks_retired - p->blocks_quarantined;
+        const char *states[4] = {"free", "used", "retired", "quarantined"};
+        uint32_t v[4] = {p->blocks_free, used, p->blocks_retired, p->blocks_quarantined};
+        for (int k = 0; k < 4; k++)
             fprintf(f, "kvstash_pool_blocks{pool=\"%llu\",model=\"%s\",state=\"%s\"} %u\n",
                     (unsigned long long)p->id, p->model, states[k], v[k]);
     }
@@ -413,6 +425,13 @@ static void print_store(FILE *f, const metrics *m, const snapshot *s, const poli
             fprintf(f, "kvstash_memory_bytes{pool=\"%llu\",model=\"%s\",tier=\"%s\"} %llu\n",
                     (unsigned long long)p->id, p->model, tier[t], (unsigned long long)v[t]);
     }
+    head(f, "kvstash_quarantined_sessions", "gauge",
+         "Sessions that ended without a detach whose blocks wait for their worker's process "
+         "to exit (--lease-end quarantine).");
+    fprintf(f, "kvstash_quarantined_sessions %u\n", s->quarantined_sessions);
+    head(f, "kvstash_quarantined_blocks", "gauge",
+         "Pool blocks those sessions hold (kvstash_pool_blocks state=quarantined, summed).");
+    fprintf(f, "kvstash_quarantined_blocks %u\n", s->quarantined_blocks);
     head(f, "kvstash_workers", "gauge", "Attached worker sessions.");
     fprintf(f, "kvstash_workers %zu\n", s->nsessions);
     head(f, "kvstash_workers_pending", "gauge",

@@ -89,7 +89,8 @@ status_code pool_create(uint64_t id, const char *model, const pool_geometry *g, 
     p->free_stack = malloc(count * sizeof *p->free_stack);
     p->saved_stack = malloc(count * sizeof *p->saved_stack);
     p->marks = calloc((count + 7) / 8, 1);
-    if (p->free_stack == NULL || p->saved_stack == NULL || p->marks == NULL) {
+    p->held = malloc(count * sizeof *p->held);
+    if (p->free_stack == NULL || p->saved_stack == NULL || p->marks == NULL || p->held == NULL) {
         status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory for %zu block ids", count);
         goto fail;
     }
@@ -116,6 +117,7 @@ void pool_destroy(pool *p)
     free(p->free_stack);
     free(p->saved_stack);
     free(p->marks);
+    free(p->held);
     free(p);
 }
 
@@ -138,7 +140,31 @@ int pool_alloc_block(pool *p, uint32_t *block)
 
 void pool_free_block(pool *p, uint32_t block)
 {
-    p->free_stack[p->nfree++] = block;
+    if (p->holding) /* room: a block in use is neither free nor held */
+        p->held[p->nheld++] = block;
+    else
+        p->free_stack[p->nfree++] = block;
+}
+
+uint32_t pool_hold_begin(pool *p)
+{
+    p->holding = 1;
+    return p->nheld;
+}
+
+uint32_t pool_hold_end(pool *p, uint32_t first)
+{
+    p->holding = 0;
+    return p->nheld - first;
+}
+
+void pool_hold_free(pool *p, uint32_t first, uint32_t count)
+{
+    for (uint32_t i = 0; i < count; i++)
+        p->free_stack[p->nfree++] = p->held[first + i];
+    memmove(p->held + first, p->held + first + count,
+            (size_t)(p->nheld - first - count) * sizeof *p->held);
+    p->nheld -= count;
 }
 
 void pool_savepoint(pool *p)

@@ -41,8 +41,13 @@ typedef struct pool {
     uint32_t *saved_stack;
     uint32_t sp_mark, sp_low;
     int sp_active;
-    uint8_t *marks;    /* a bit per block (pool_mark) */
-    uint32_t sessions; /* sessions attached; the store destroys the pool at 0 */
+    uint8_t *marks; /* a bit per block (pool_mark) */
+    /* Held blocks (pool_hold_begin): neither free nor any sequence's. */
+    uint32_t *held; /* [block_count]; held[0..nheld) */
+    uint32_t nheld;
+    int holding;       /* pool_free_block holds instead of freeing */
+    uint32_t sessions; /* sessions attached; the store destroys the pool when this */
+    uint32_t holds;    /* and this (ended sessions whose blocks it holds) are 0 */
     const backend *backend;
     backend_arena arena;
     uint8_t *base; /* arena.base: a device address, for the ops only */
@@ -73,6 +78,23 @@ int pool_alloc_block(pool *p, uint32_t *block);
 
 /* Return a block to the free stack. */
 void pool_free_block(pool *p, uint32_t block);
+
+/*
+ * Holding (the store's lease-end quarantine, docs/reliability.md): blocks a
+ * worker may still write through its mapping after its session ended must
+ * not be handed to anyone else until its process is gone. Between
+ * pool_hold_begin and pool_hold_end every pool_free_block puts the block
+ * in p->held instead of the free stack, so that whatever releases a
+ * session's sequences and scratch holds exactly their blocks, without
+ * knowing it and without memory (held has room for every block).
+ * pool_hold_begin returns where this hold starts in held, pool_hold_end how
+ * many blocks it holds. pool_hold_free gives held[first, first + count)
+ * back to the free stack; the holds after it move down by count (their
+ * `first`s must be lowered by count). Holds do not nest.
+ */
+uint32_t pool_hold_begin(pool *p);
+uint32_t pool_hold_end(pool *p, uint32_t first);
+void pool_hold_free(pool *p, uint32_t first, uint32_t count);
 
 /*
  * A savepoint: pool_rollback gives the free stack back exactly as it was at

@@ -55,7 +55,8 @@ static void pool_stats(const snapshot_pool *p, Kvstash__V1__PoolStats *out,
     out->blocks_total = p->blocks_total;
     out->blocks_free = p->blocks_free;
     out->blocks_retired = p->blocks_retired;
-    out->blocks_used = p->blocks_total - p->blocks_free - p->blocks_retired;
+    out->blocks_quarantined = p->blocks_quarantined;
+    out->blocks_used = p->blocks_total - p->blocks_free - p->blocks_retired - p->blocks_quarantined;
     out->bytes_total = p->bytes;
     out->sessions = p->sessions;
 }
@@ -188,6 +189,12 @@ status_code service_stats(void *app, const char *token, const ProtobufCMessage *
     } else {
         out.version = KVSTASH_VERSION;
         out.backend = (char *)sn.backend;
+        out.device = sn.backend_info.device;
+        out.device_name = sn.backend_info.device_name;
+        out.ipc = sn.backend_info.ipc;
+        out.lease_end = sn.lease_end_quarantine ? "quarantine" : "free";
+        out.quarantined_sessions = sn.quarantined_sessions;
+        out.quarantined_blocks = sn.quarantined_blocks;
         out.serving = sn.serving;
         out.pid = (int32_t)getpid();
         out.pending_sessions = sn.pending;

@@ -23,7 +23,8 @@ typedef struct snapshot_pool {
     pool_geometry geom;
     uint64_t bytes, block_bytes;
     uint32_t blocks_total, blocks_free, blocks_retired;
-    uint32_t sessions; /* attached */
+    uint32_t blocks_quarantined; /* held for ended sessions (pool_hold_begin) */
+    uint32_t sessions;           /* attached */
     uint64_t int8_bytes, sketch_bytes;
 } snapshot_pool;
 
@@ -54,7 +55,10 @@ typedef struct snapshot_seq {
 
 typedef struct snapshot {
     int serving;
-    const char *backend; /* static */
+    const char *backend;       /* static */
+    backend_info backend_info; /* device, IPC kind (backend.h) */
+    int lease_end_quarantine;  /* store_config's */
+    uint32_t quarantined_sessions, quarantined_blocks;
     uint64_t uptime_ms, events;
     snapshot_pool *pools; /* in pool slot order */
     size_t npools;

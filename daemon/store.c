@@ -1,11 +1,14 @@
 #include "store.h"
 
 #include <ctype.h>
+#include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -132,6 +135,7 @@ static void snapshot_fill(store *st, uint64_t now, const store_caller *who, snap
                               .block_bytes = p->block_bytes,
                               .blocks_total = p->block_count,
                               .blocks_free = p->nfree,
+                              .blocks_quarantined = p->nheld,
                               .sessions = p->sessions};
         snprintf(ps->model, sizeof ps->model, "%s", p->model);
         snprintf(ps->tenant, sizeof ps->tenant, "%s", p->tenant);
@@ -254,6 +258,11 @@ static int snapshot_build(store *st, snapshot *out, uint64_t *gen)
         uint64_t now = store_now_ms();
         out->serving = st->serving;
         out->backend = store_backend_name(st);
+        (st->cfg.backend ? st->cfg.backend : &backend_host)->describe(&out->backend_info);
+        out->lease_end_quarantine = st->cfg.lease_end_quarantine;
+        out->quarantined_sessions = st->nquarantined;
+        for (const session *q = st->quarantined; q != NULL; q = q->next)
+            out->quarantined_blocks += q->held_count;
         out->uptime_ms = now - st->start_ms;
         out->events = events_count(st->events);
         out->mem_limit = st->cfg.max_daemon_bytes;
@@ -443,9 +452,12 @@ static uint32_t release_seq_at(store *st, size_t i)
     return blocks;
 }
 
+/* A pool goes when no session is attached to it and no quarantine holds
+ * its blocks: a worker of a quarantined session may still write into the
+ * arena (docs/reliability.md, "Lease end"). */
 static void drop_pool_if_unused(store *st, pool *p)
 {
-    if (p == NULL || p->sessions > 0)
+    if (p == NULL || p->sessions > 0 || p->holds > 0)
         return;
     for (uint32_t i = 0; i < st->cfg.max_pools; i++)
         if (st->pools[i] == p)
@@ -464,10 +476,71 @@ static uint32_t scratch_free(pool *p, store_scratch *sc)
     return n;
 }
 
-/* Release everything a session holds and forget it. */
-static void session_end(store *st, session *se, const char *reason)
+/* Whether se's blocks wait for its process to exit when it ends without a
+ * detach: quarantine is on, the worker mapped the pool, and a pidfd says
+ * when its process is gone. */
+static int quarantine_applies(const store *st, const session *se)
+{
+    return st->cfg.lease_end_quarantine && se->attached && se->mapped && se->pidfd >= 0;
+}
+
+/* se ended holding held_count blocks of its pool: keep it, and the pool,
+ * until its process exits. */
+static void quarantine_enter(store *st, session *se, const char *reason)
+{
+    se->pool->holds++;
+    se->quarantined_ms = store_now_ms();
+    se->next = st->quarantined;
+    st->quarantined = se;
+    st->nquarantined++;
+    events_publish(st->events, "worker.quarantined",
+                   json_pack("{sI sI sI ss sI}", "session", (json_int_t)se->id, "pid",
+                             (json_int_t)se->pid, "pool", (json_int_t)se->pool->id, "reason",
+                             reason, "blocks", (json_int_t)se->held_count));
+    log_info("session_quarantined", "session=%llu pid=%d pool=%llu reason=%s blocks=%u",
+             (unsigned long long)se->id, (int)se->pid, (unsigned long long)se->pool->id, reason,
+             se->held_count);
+}
+
+/* Give a quarantined session's blocks back to its pool and forget it;
+ * `why` is "process-exited" or "shutdown". */
+static void quarantine_release(store *st, session *se, const char *why)
+{
+    pool *p = se->pool;
+    pool_hold_free(p, se->held_first, se->held_count);
+    for (session *o = st->quarantined; o != NULL; o = o->next)
+        if (o->pool == p && o->held_first > se->held_first)
+            o->held_first -= se->held_count; /* pool_hold_free moved them down */
+    for (session **pp = &st->quarantined; *pp != NULL; pp = &(*pp)->next)
+        if (*pp == se) {
+            *pp = se->next;
+            break;
+        }
+    st->nquarantined--;
+    p->holds--;
+    uint64_t held_ms = store_now_ms() - se->quarantined_ms;
+    events_publish(st->events, "worker.released",
+                   json_pack("{sI sI sI ss sI sI}", "session", (json_int_t)se->id, "pid",
+                             (json_int_t)se->pid, "pool", (json_int_t)p->id, "reason", why,
+                             "blocks", (json_int_t)se->held_count, "held_ms", (json_int_t)held_ms));
+    log_info("quarantine_released",
+             "session=%llu pid=%d pool=%llu reason=%s blocks=%u held_ms=%llu",
+             (unsigned long long)se->id, (int)se->pid, (unsigned long long)p->id, why,
+             se->held_count, (unsigned long long)held_ms);
+    close(se->pidfd);
+    free(se);
+    drop_pool_if_unused(st, p);
+}
+
+/* Release everything a session holds and forget it. A session that ends
+ * without a detach (may_quarantine) whose blocks its worker may still
+ * write is quarantined instead (quarantine_applies): its sequences and
+ * scratch end as always, but their blocks stay out of the free stack. */
+static void session_end(store *st, session *se, const char *reason, int may_quarantine)
 {
     uint32_t nseqs = 0, blocks = 0;
+    int hold = may_quarantine && quarantine_applies(st, se);
+    uint32_t first = hold ? pool_hold_begin(se->pool) : 0;
     while (se->scratch != NULL) {
         store_scratch *next = se->scratch->next;
         blocks += scratch_free(se->pool, se->scratch);
@@ -480,6 +553,11 @@ static void session_end(store *st, session *se, const char *reason)
         } else {
             i++;
         }
+    }
+    if (hold) {
+        se->held_first = first;
+        se->held_count = pool_hold_end(se->pool, first);
+        hold = se->held_count > 0;
     }
     for (session **pp = &st->sessions; *pp != NULL; pp = &(*pp)->next)
         if (*pp == se) {
@@ -502,8 +580,14 @@ static void session_end(store *st, session *se, const char *reason)
                                  (json_int_t)nseqs, "blocks", (json_int_t)blocks));
         log_info("session_reclaimed", "session=%llu pid=%d reason=%s sequences=%u blocks=%u",
                  (unsigned long long)se->id, (int)se->pid, reason, nseqs, blocks);
+        if (hold)
+            quarantine_enter(st, se, reason);
         drop_pool_if_unused(st, se->pool);
     }
+    if (hold)
+        return;
+    if (se->pidfd >= 0)
+        close(se->pidfd);
     free(se);
 }
 
@@ -538,7 +622,9 @@ void store_destroy(store *st)
         return;
     pthread_mutex_lock(&st->lock);
     while (st->sessions != NULL)
-        session_end(st, st->sessions, "shutdown");
+        session_end(st, st->sessions, "shutdown", 0);
+    while (st->quarantined != NULL)
+        quarantine_release(st, st->quarantined, "shutdown");
     pthread_mutex_unlock(&st->lock);
     join_closed(st, 1);
     free(st->closed);
@@ -577,6 +663,42 @@ static int make_token(char out[STORE_TOKEN_LEN + 1])
     return 0;
 }
 
+/* A pidfd of pid (close-on-exec, as pidfd_open makes every one), or -1
+ * with errno set. */
+static int open_pidfd(pid_t pid)
+{
+#ifdef SYS_pidfd_open
+    if (pid > 0)
+        return (int)syscall(SYS_pidfd_open, pid, 0);
+    errno = ESRCH; /* SO_PEERCRED says 0 for a peer in another pid namespace */
+#else
+    (void)pid;
+    errno = ENOSYS;
+#endif
+    return -1;
+}
+
+/* Lock held: se->pidfd for the lease-end quarantine, when it is on. */
+static void session_watch_process(store *st, session *se)
+{
+    if (!st->cfg.lease_end_quarantine)
+        return;
+    se->pidfd = open_pidfd(se->pid);
+    if (se->pidfd >= 0)
+        return;
+    int err = errno;
+    /* Said once at warn (an old kernel says it for every session), then at debug. */
+    if (!st->pidfd_warned)
+        log_warn("pidfd_unavailable",
+                 "session=%llu pid=%d err=\"%s\" lease_end=free why=\"pidfd_open failed: the "
+                 "blocks of sessions without a pidfd are freed when they end, not quarantined\"",
+                 (unsigned long long)se->id, (int)se->pid, strerror(err));
+    else
+        log_debug("pidfd_unavailable", "session=%llu pid=%d err=\"%s\" lease_end=free",
+                  (unsigned long long)se->id, (int)se->pid, strerror(err));
+    st->pidfd_warned = 1;
+}
+
 static uint32_t count_sessions(store *st)
 {
     uint32_t n = 0;
@@ -605,6 +727,8 @@ status_code store_session_open(store *st, pid_t pid, uid_t uid, gid_t gid, int c
         se->uid = uid;
         se->gid = gid;
         se->conn_id = conn_id;
+        se->pidfd = -1;
+        session_watch_process(st, se);
         se->next = st->sessions;
         st->sessions = se;
         memcpy(token, se->token, sizeof se->token);
@@ -667,7 +791,7 @@ uint32_t store_expire_leases(store *st)
         log_warn("lease_expired", "session=%llu pid=%d idle_ms=%llu lease_timeout_ms=%u",
                  (unsigned long long)se->id, (int)se->pid,
                  (unsigned long long)(now - se->active_ms), st->lease_timeout_ms);
-        session_end(st, se, "lease-timeout");
+        session_end(st, se, "lease-timeout", 1);
         n++;
     }
     store_unlock(st);
@@ -677,12 +801,43 @@ uint32_t store_expire_leases(store *st)
     return n;
 }
 
+/* Whether the process behind pidfd has exited: a pidfd polls readable
+ * then (pidfd_open(2)); an error also ends the wait, rather than holding
+ * the blocks for ever. */
+static int process_exited(int pidfd)
+{
+    struct pollfd pf = {pidfd, POLLIN, 0};
+    return poll(&pf, 1, 0) > 0;
+}
+
+uint32_t store_quarantine_reap(store *st)
+{
+    uint32_t n = 0;
+    pthread_mutex_lock(&st->lock);
+    if (st->quarantined == NULL) {
+        pthread_mutex_unlock(&st->lock); /* nothing changed: no new snapshot */
+        return 0;
+    }
+    for (session *se = st->quarantined, *next; se != NULL; se = next) {
+        next = se->next; /* quarantine_release frees se */
+        if (process_exited(se->pidfd)) {
+            quarantine_release(st, se, "process-exited");
+            n++;
+        }
+    }
+    if (n > 0)
+        store_unlock(st);
+    else
+        pthread_mutex_unlock(&st->lock);
+    return n;
+}
+
 void store_session_conn_closed(store *st, int conn_id)
 {
     pthread_mutex_lock(&st->lock);
     session *se = find_session_by_conn(st, conn_id);
     if (se != NULL)
-        session_end(st, se, "fd-closed");
+        session_end(st, se, "fd-closed", 1);
     store_unlock(st);
 }
 
@@ -699,8 +854,8 @@ status_code store_pool_share(store *st, int conn_id, uint64_t pool_id, backend_s
     else if (se->pool->id != pool_id)
         rc = status_set(s, ST_PERMISSION_DENIED, "session is attached to pool %llu, not %llu",
                         (unsigned long long)se->pool->id, (unsigned long long)pool_id);
-    else
-        rc = pool_share(se->pool, sh, s);
+    else if ((rc = pool_share(se->pool, sh, s)) == ST_OK)
+        se->mapped = 1; /* its process can write the arena from now on */
     store_unlock(st);
     return rc;
 }
@@ -832,7 +987,7 @@ void store_lease_end(store *st, uint64_t session_id)
     pthread_mutex_lock(&st->lock);
     session *se = find_session_by_id(st, session_id);
     if (se != NULL)
-        session_end(st, se, "lease-ended");
+        session_end(st, se, "lease-ended", 1);
     store_unlock(st);
 }
 
@@ -845,7 +1000,7 @@ status_code store_detach(store *st, const char *token, uint32_t *released, statu
         *released = 0;
         for (size_t i = 0; i < st->nseqs; i++)
             *released += seq_session_id(st->seqs[i]) == se->id;
-        session_end(st, se, "detach");
+        session_end(st, se, "detach", 0);
     }
     store_unlock(st);
     return rc;

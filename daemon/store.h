@@ -41,6 +41,10 @@ typedef struct store_config {
     size_t max_daemon_bytes;
     uint32_t session_max_seqs, session_max_blocks;
     size_t max_reply_bytes;
+    /* Lease end (docs/reliability.md): 1 keeps the blocks of a session that
+     * ended without a detach out of reuse until its worker's process has
+     * exited (store_quarantine_reap); 0 frees them at once. */
+    int lease_end_quarantine;
 } store_config;
 
 typedef struct store store;
@@ -177,7 +181,11 @@ void store_report_tiers(store *st, seq *q);
 void store_lock(store *st);
 void store_unlock(store *st);
 
-/* fd socket: a peer identified by SO_PEERCRED gets a session and its token. */
+/* fd socket: a peer identified by SO_PEERCRED gets a session and its token.
+ * With store_config.lease_end_quarantine the store opens a pidfd of `pid`
+ * here, while the peer that just spoke surely lives (no pid reuse); where
+ * pidfd_open fails (a kernel before 5.3, no descriptor left) the session's
+ * blocks are freed at its end, as without quarantine, and the log says so. */
 status_code store_session_open(store *st, pid_t pid, uid_t uid, gid_t gid, int conn_id,
                                char token[STORE_TOKEN_LEN + 1], status *s);
 
@@ -208,6 +216,16 @@ void store_set_lease_timeout(store *st, uint32_t ms);
  * and reap the ended rings whose threads have stopped; returns how many
  * sessions it reclaimed. The fd-socket thread calls it every FDSOCK_TICK_MS. */
 uint32_t store_expire_leases(store *st);
+
+/*
+ * Release the quarantined sessions (store_config.lease_end_quarantine)
+ * whose worker's process has exited (its pidfd readable): their blocks go
+ * back to the pool, event worker.released, and a pool left with no session
+ * and no quarantine is destroyed. Never waits (poll with timeout 0).
+ * Returns how many it released. The fd-socket thread calls it every
+ * FDSOCK_TICK_MS.
+ */
+uint32_t store_quarantine_reap(store *st);
 
 /* fd socket MAP: what the session on conn_id needs to map its pool's arena
  * (backend.h backend_share: a dup of the memfd for the host backends), if it

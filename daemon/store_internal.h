@@ -45,6 +45,17 @@ struct session {
     uint32_t nseqs;
     store_transport transport; /* the per-step ring, once the worker asked for it */
     store_scratch *scratch;
+    /* Lease-end quarantine (store_config.lease_end_quarantine): a pidfd of
+     * the peer's process, opened at HELLO while it surely lives (-1: none),
+     * and whether a MAP gave it the pool (a worker that never mapped the
+     * pool cannot write into it). A session that ended without a detach
+     * moves, with its blocks held by its pool (pool_hold_begin:
+     * pool->held[held_first, + held_count)), to the store's quarantine list
+     * until the pidfd turns readable (store_quarantine_reap). */
+    int pidfd;
+    int mapped;
+    uint32_t held_first, held_count;
+    uint64_t quarantined_ms; /* store_now_ms() when it entered quarantine */
     struct session *next;
 };
 
@@ -65,6 +76,9 @@ struct store {
     int serving;  /* 0 once shutdown began: new work gets UNAVAILABLE */
     pool **pools; /* cfg.max_pools slots, NULL when free */
     session *sessions;
+    session *quarantined; /* ended sessions whose blocks wait for their process to exit */
+    uint32_t nquarantined;
+    int pidfd_warned; /* pidfd_open failed once: said so in the log */
     seq **seqs;
     size_t nseqs, seqs_cap;
     store_transport *closed; /* transports of ended sessions, joined outside the lock */

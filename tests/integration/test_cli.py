@@ -174,11 +174,12 @@ def check_status(ctx):
     st = ok_json(ctx, "status")
     assert st["pid"] == ctx.daemon.proc.pid and st["serving"] is True
     assert st["backend"] == ctx.daemon.backend and st["version"]
+    assert (st["device"], st["ipc"], st["lease_end"]) == ("none", "memfd", "free"), st
     assert len(st["sessions"]) == 4 and len(st["sequences"]) == 5
     (pool,) = st["pools"]
     assert pool["model"] == "cli" and pool["geometry"]["layers"] == LAYERS
-    assert pool["blocks_used"] + pool["blocks_free"] + pool["blocks_retired"] == \
-        pool["blocks_total"]
+    assert pool["blocks_used"] + pool["blocks_free"] + pool["blocks_retired"] + \
+        pool["blocks_quarantined"] == pool["blocks_total"]
     fp16 = [t for t in st["tiers"] if t["tier"] == "fp16"][0]
     assert fp16["tokens"] == sum(q["tokens"] for q in st["sequences"])
     assert set(ok_json(ctx, "stats")) == set(st)  # the same reply (uptime moves)

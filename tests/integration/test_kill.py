@@ -12,10 +12,11 @@ RECLAIM_LIMIT_S = 2.0
 
 
 def blocks_accounted(st):
-    """Blocks the pools lend out equal the blocks the sequences hold."""
+    """Blocks the pools lend out equal the blocks the sequences hold and
+    the lease-end quarantine (none with --lease-end free, the host default)."""
     lent = sum(p.blocks_total - p.blocks_free for p in st.pools)
-    held = sum(q.blocks for q in st.sequences)
-    return lent == held, f"pools lend {lent} blocks, sequences hold {held}"
+    held = sum(q.blocks for q in st.sequences) + st.quarantined_blocks
+    return lent == held, f"pools lend {lent} blocks, sequences and quarantine hold {held}"
 
 
 def check_sigkill_mid_write_is_reclaimed(ctx):

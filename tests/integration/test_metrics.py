@@ -106,12 +106,23 @@ def check_scrape_parses_with_types(ctx):
             "kvstash_rpc_requests": "counter", "kvstash_rpc_duration_seconds": "histogram",
             "kvstash_step_duration_seconds": "histogram",
             "kvstash_eviction_attention_dropped_ratio": "histogram",
-            "kvstash_workers_reclaimed": "counter", "kvstash_events_published": "counter"}
+            "kvstash_workers_reclaimed": "counter", "kvstash_events_published": "counter",
+            "kvstash_backend_info": "gauge", "kvstash_quarantined_sessions": "gauge",
+            "kvstash_quarantined_blocks": "gauge"}
     for name, kind in want.items():
         assert name in s.families, f"family {name} missing; have {sorted(s.families)}"
         assert s.families[name].type == kind, f"{name} is {s.families[name].type}, not {kind}"
     assert s.get("kvstash_serving") == 1
     assert s.get("kvstash_workers") == 0 and s.sum("kvstash_sequences") == 0
+    # Where pools live (issue 14): host memory has no device, workers map a memfd.
+    st = ctx.daemon.stats()
+    assert (st.device, st.device_name, st.ipc) == ("none", "", "memfd"), st
+    assert s.get("kvstash_backend_info", backend=ctx.daemon.backend, device=st.device,
+                 device_name=st.device_name, ipc=st.ipc) == 1
+    assert len(s.families["kvstash_backend_info"].samples) == 1
+    # --lease-end auto frees on host and shadow: nothing is ever quarantined.
+    assert st.lease_end == "free", st.lease_end
+    assert s.get("kvstash_quarantined_sessions") == 0 == s.get("kvstash_quarantined_blocks")
     ctx.base = s
 
 
@@ -148,7 +159,8 @@ def check_counters_move_as_test_workers_act(ctx):
     (pool,) = [p for p in st.pools if p.model == "metrics"]
     lab = {"pool": str(pool.pool_id), "model": "metrics"}
     for state, v in (("free", pool.blocks_free), ("used", pool.blocks_used),
-                     ("retired", pool.blocks_retired)):
+                     ("retired", pool.blocks_retired),
+                     ("quarantined", pool.blocks_quarantined)):
         assert s.get("kvstash_pool_blocks", state=state, **lab) == v, (state, v)
     assert s.get("kvstash_pool_capacity_bytes", **lab) == pool.bytes_total
     assert s.get("kvstash_memory_bytes", tier="fp16", **lab) == \

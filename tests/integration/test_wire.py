@@ -44,6 +44,9 @@ def check_stats_fresh(ctx):
     assert s.version, "Stats.version is empty"
     assert s.backend == ctx.daemon.backend, \
         f"Stats.backend = {s.backend!r}, expected {ctx.daemon.backend!r}"
+    # Host memory (host, shadow): no device, a memfd (issue 14).
+    assert (s.device, s.device_name, s.ipc) == ("none", "", "memfd"), \
+        f"Stats device {s.device!r} ({s.device_name!r}), ipc {s.ipc!r}"
     for p in ("full", "streaming"):
         assert p in s.policies, f"Stats.policies {list(s.policies)} lacks {p!r}"
     assert not s.sequences and not s.sessions and not s.pools, \

@@ -145,6 +145,57 @@ static void test_host_share_is_a_memfd(void **state)
     }
 }
 
+/* What Stats, `kvstash status` and the metrics say (backend_info): host
+ * memory is device none, mapped as a memfd; the cuda text comes from
+ * backend_cuda_info, which needs no device. */
+static void test_backend_info_text(void **state)
+{
+    (void)state;
+    const backend *host[] = {&backend_host, &backend_shadow};
+    for (size_t i = 0; i < 2; i++) {
+        backend_info bi;
+        memset(&bi, 0x5a, sizeof bi);
+        assert_non_null(host[i]->describe);
+        host[i]->describe(&bi);
+        assert_string_equal(bi.device, "none");
+        assert_string_equal(bi.device_name, "");
+        assert_string_equal(bi.ipc, "memfd");
+    }
+    static const char uuid[] = "GPU-01234567-89ab-cdef-f0e1-d2c3b4a59687";
+    static const struct {
+        const char *uuid, *name, *option, *resolved;
+        const char *device, *ipc;
+    } cases[] = {
+        /* auto before the first arena, and after it resolved either way */
+        {uuid, "NVIDIA H100 80GB HBM3", "auto", NULL, uuid, "auto (unresolved)"},
+        {uuid, "NVIDIA H100 80GB HBM3", "auto", "vmm", uuid, "vmm"},
+        {uuid, "Tesla T4", "auto", "legacy", uuid, "legacy"},
+        /* an explicit kind is what every arena gets */
+        {uuid, "", "legacy", NULL, uuid, "legacy"},
+        {uuid, "", "vmm", NULL, uuid, "vmm"},
+        /* not started: no device looked up yet */
+        {"", "", "auto", NULL, "unknown", "auto (unresolved)"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        backend_info bi;
+        backend_cuda_info(cases[i].uuid, cases[i].name, cases[i].option, cases[i].resolved, &bi);
+        assert_string_equal(bi.device, cases[i].device);
+        assert_string_equal(bi.device_name, cases[i].name);
+        assert_string_equal(bi.ipc, cases[i].ipc);
+    }
+    assert_string_equal(BACKEND_IPC_UNRESOLVED, "auto (unresolved)");
+#ifdef KVSTASH_HAVE_CUDA
+    /* The backend's own describe, whatever state an earlier test left. */
+    backend_info bi;
+    backend_cuda.describe(&bi);
+    assert_true(strcmp(bi.ipc, "auto (unresolved)") == 0 || strcmp(bi.ipc, "vmm") == 0 ||
+                strcmp(bi.ipc, "legacy") == 0);
+    char why[256];
+    if (!kv_devmem_probe(why, sizeof why))
+        assert_string_equal(bi.device, "unknown"); /* never started */
+#endif
+}
+
 #ifdef KVSTASH_HAVE_CUDA
 /* Without a usable device (this test's host, CI): the backend does not
  * start, with the probe's reason; kv_ops_cuda fails cleanly. With one, the
@@ -193,6 +244,7 @@ int main(void)
         cmocka_unit_test(test_cuda_keys_round_trip),
         cmocka_unit_test(test_backends_of_this_build),
         cmocka_unit_test(test_host_share_is_a_memfd),
+        cmocka_unit_test(test_backend_info_text),
 #ifdef KVSTASH_HAVE_CUDA
         cmocka_unit_test(test_cuda_without_device),
 #endif
