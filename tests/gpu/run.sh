@@ -23,7 +23,10 @@
 #                  its sequence, the worker verifying after each move
 #     tier-worker  kvs_tier_worker: INT8 + sketch revive of every position
 #     sigkill      a worker killed with SIGKILL mid-append while another
-#                  appends; the other finishes verified, a new one attaches
+#                  appends; the other finishes verified, a new one attaches;
+#                  on cuda the victim's blocks were quarantined until its
+#                  process was gone, then released (kvstashd's log, Stats)
+#     status       Stats names the IPC kind asked for and the GPU's UUID
 #     bandwidth    bench_device (tests/bench): a worker's writes and reads of
 #                  a 4096-token layer through device buffers, its revive, the
 #                  INT8 demotion of it and its revive, as ratios to cudaMemcpy
@@ -268,10 +271,36 @@ e2e_sigkill() {
         --tokens 64 --step 16 --seed 6 --name after > "$dir/n.out" 2> "$dir/n.err"
     local rn=$?
     n=$(grep -c '^APPENDED' "$dir/k.out")
+    # The cuda backend quarantines a vanished worker's blocks until its
+    # process is gone (--lease-end auto): both log lines, nothing left held.
+    local held quarantine="lease end free (host backend)"
+    held=$("$CLI" --socket "$sock" status --json | tr -d ' \n' | grep -o '"quarantined_blocks":[0-9]*' | cut -d: -f2)
+    if [ "$BACKEND" = cuda ]; then
+        quarantine="quarantined: $(grep -c 'session_quarantined' "$dir/kvstashd.log"), released: $(grep -c 'quarantine_released' "$dir/kvstashd.log"), held now: ${held:-?}"
+        if ! grep -q 'quarantine_released' "$dir/kvstashd.log" || [ "${held:-1}" != 0 ]; then
+            fail "$2/sigkill" "the victim's blocks were not quarantined and released: $quarantine"
+            return
+        fi
+    fi
     if [ $rs -eq 0 ] && worker_ok "$dir/s.out" && [ $rn -eq 0 ] && worker_ok "$dir/n.out"; then
-        pass "$2/sigkill" "victim killed after $n appends; survivor $(tail -1 "$dir/s.out" | grep -o '"checked":[0-9]*'), a new worker attached and verified (block quarantine until the victim's exit: not written yet)"
+        pass "$2/sigkill" "victim killed after $n appends; survivor $(tail -1 "$dir/s.out" | grep -o '"checked":[0-9]*'), a new worker attached and verified; $quarantine"
     else
         fail "$2/sigkill" "survivor exit $rs: $(tail -1 "$dir/s.out"); new worker exit $rn: $(tail -1 "$dir/n.out")"
+    fi
+}
+
+# Stats after the first pool: the IPC kind asked for and the GPU by UUID
+# (memfd and "none" on the host backend).
+e2e_status() {
+    local dir=$1 want=$3 st ipc device
+    st=$("$CLI" --socket "$dir/s.sock" status --json | tr -d ' \n')
+    ipc=$(echo "$st" | grep -o '"ipc":"[^"]*"' | head -1 | cut -d'"' -f4)
+    device=$(echo "$st" | grep -o '"device":"[^"]*"' | head -1 | cut -d'"' -f4)
+    [ "$BACKEND" = cuda ] || want=memfd
+    if [ "$ipc" = "$want" ] && { [ "$BACKEND" != cuda ] || [[ $device == GPU-* ]]; }; then
+        pass "$2/status" "device $device, ipc $ipc"
+    else
+        fail "$2/status" "Stats says device '$device', ipc '$ipc'; expected ipc $want and a GPU UUID"
     fi
 }
 
@@ -306,6 +335,7 @@ step_e2e() {
     fi
     grep -E 'cuda_device|cuda_arena|cuda_ipc_fallback' "$dir/kvstashd.log" | sed 's/^/  /' | tee -a "$OUT/summary.txt"
     e2e_two_workers "$dir" "e2e-$ipc"
+    e2e_status "$dir" "e2e-$ipc" "$ipc"
     e2e_cli_tiers "$dir" "e2e-$ipc"
     e2e_tier_worker "$dir" "e2e-$ipc"
     e2e_sigkill "$dir" "e2e-$ipc"
