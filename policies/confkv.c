@@ -40,6 +40,7 @@
 
 #include "builtin.h"
 #include "describe.h"
+#include "select.h"
 #include "util.h"
 
 #define CONFKV_MAX 1048576u
@@ -58,7 +59,7 @@ typedef struct confkv_state {
     confkv_layer *ly;
     /* Scratch for one step (the host runs one layer at a time). */
     double *rank;
-    uint32_t *idx;
+    uint64_t *keys; /* the eviction's selection */
     uint32_t scratch_cap;
 } confkv_state;
 
@@ -323,7 +324,7 @@ static void confkv_destroy(void *state)
         free(s->ly[l].ema);
     free(s->ly);
     free(s->rank);
-    free(s->idx);
+    free(s->keys);
     free(s);
 }
 
@@ -373,10 +374,10 @@ static int reserve(confkv_state *s, confkv_layer *ly, uint32_t n)
         if (r == NULL)
             return -1;
         s->rank = r;
-        uint32_t *x = realloc(s->idx, (size_t)n * sizeof *x);
+        uint64_t *x = realloc(s->keys, (size_t)n * sizeof *x);
         if (x == NULL)
             return -1;
-        s->idx = x;
+        s->keys = x;
         s->scratch_cap = n;
     }
     return 0;
@@ -405,11 +406,16 @@ static void evict(confkv_state *s, const confkv_layer *ly, const uint32_t *pos, 
     if (k > cand)
         k = cand;
     confkv_rank(ly->ema, pos, cand, s->cfg.lambda, s->rank);
+    /* The k first of confkv_order's order (rank, step, index), selected
+     * without sorting the rest: the view's positions ascend, so (step,
+     * index) is index order, the order the cut is taken in. */
     for (uint32_t i = 0; i < cand; i++)
-        s->idx[i] = i;
-    confkv_order(s->rank, pos, s->idx, cand);
-    for (uint32_t i = 0; i < k; i++)
-        tier[s->idx[i]] = POLICY_EVICT;
+        s->keys[i] = policy_key(s->rank[i]);
+    policy_cut cut = policy_select_cut(s->keys, cand, k);
+    uint8_t *evict = (uint8_t *)s->keys; /* the keys are spent: cand bytes of room */
+    policy_cut_mark(&cut, s->rank, 1.0, NULL, 1, cand, 0, evict);
+    for (uint32_t i = 0; i < cand; i++)
+        tier[i] = evict[i] ? (uint8_t)POLICY_EVICT : tier[i];
 }
 
 /* Step 4: retained tokens older than the F newest retained become INT8. */

@@ -5,14 +5,31 @@
  * At the end of the prompt: every head forces its int(n_keep·
  * alpha_safeguard) best SnapKV scores (safeguard); the n_keep·kv_heads best
  * over all heads decide each head's budget B[g]; each head then runs the
- * two-stage selection with budget B[g] (stage 1: floor(B[g]·
- * first_stage_ratio) best by attention, stage 2: (a + epsilon)·vnorm). Heads
+ * two-stage selection with budget B[g] (stage 1: the
+ * criticalkv_ada_stage1_size(B[g], first_stage_ratio) best by attention,
+ * stage 2: (a + epsilon)·vnorm). Heads
  * keep different counts (per_head = 1). The algorithm lives in
  * snapkv_family.c. Parameter `budget` is a decode-time extension
  * (snapkv_family.h): budget·kv_heads tokens in all.
  */
 #include "builtin.h"
 #include "snapkv_family.h"
+
+/*
+ * kvpress computes stage 1 as (head_budgets * first_stage_ratio).to(int64)
+ * (criticalkv_press.py:167): an int64 tensor times a Python float promotes
+ * to torch's default dtype, float32, so both factors are rounded to float32,
+ * multiplied in float32 and truncated. The product in double can land on the
+ * other side of an integer: B = 50, α = 0.58 gives 29 in float32 but 28 in
+ * double. The assignment to a float rounds even where the compiler keeps
+ * wider intermediates (FLT_EVAL_METHOD != 0).
+ */
+size_t criticalkv_ada_stage1_size(size_t head_budget, double alpha)
+{
+    float product = (float)head_budget * (float)alpha;
+    size_t b1 = (size_t)product;
+    return b1 < head_budget ? b1 : head_budget;
+}
 
 static const policy_param_spec criticalkv_ada_params[] = {
     SNAPKV_PARAM_COMPRESSION_RATIO,

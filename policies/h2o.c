@@ -19,6 +19,7 @@
  * to budget; recent = budget - sinks is allowed (then h2o keeps a window).
  */
 #include <errno.h>
+#include <float.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -27,6 +28,7 @@
 
 #include "builtin.h"
 #include "describe.h"
+#include "select.h"
 #include "util.h"
 
 #define H2O_MAX 1048576u
@@ -35,7 +37,7 @@ typedef struct h2o_layer {
     uint32_t n, cap;
     uint32_t *pos;     /* original positions, for describe */
     double *score;     /* accumulated attention */
-    uint32_t *scratch; /* candidate indices for the selection */
+    uint64_t *scratch; /* the keys of a selection */
 } h2o_layer;
 
 typedef struct h2o_state {
@@ -145,7 +147,7 @@ static int layer_reserve(h2o_layer *ly, uint32_t need)
     if (score == NULL)
         return -1;
     ly->score = score;
-    uint32_t *scratch = realloc(ly->scratch, cap * sizeof *scratch);
+    uint64_t *scratch = realloc(ly->scratch, cap * sizeof *scratch);
     if (scratch == NULL)
         return -1;
     ly->scratch = scratch;
@@ -179,11 +181,11 @@ static int h2o_step(void *state, const policy_layer_view *view, const policy_sta
                  view->layer, n, ly->n);
         return -1;
     }
-    for (uint32_t i = 0; i < n; i++)
-        if (!isfinite(stats->score[i])) {
-            snprintf(err, errlen, "h2o: stats.score[%u] is not finite", i);
-            return -1;
-        }
+    size_t bad = policy_first_outside(stats->score, n, -FLT_MAX);
+    if (bad < n) {
+        snprintf(err, errlen, "h2o: stats.score[%zu] is not finite", bad);
+        return -1;
+    }
     if (layer_reserve(ly, n) != 0) {
         snprintf(err, errlen, "h2o: out of memory for %u tokens", n);
         return -1;
@@ -197,17 +199,23 @@ static int h2o_step(void *state, const policy_layer_view *view, const policy_sta
     ly->n = n;
     if (n <= st->budget)
         return 0;
-    /* Candidates: neither a sink nor among the `recent` newest. */
-    uint32_t first_recent = n > st->recent ? n - st->recent : 0, m = 0;
-    for (uint32_t i = 0; i < first_recent; i++)
-        if (pos[i] >= st->sinks)
-            ly->scratch[m++] = i;
+    /* Candidates: neither a sink nor among the `recent` newest; positions
+     * ascend, so they are the indices [first, first_recent). Evict the
+     * lowest scores first, ties to the lower index. */
+    uint32_t first_recent = n > st->recent ? n - st->recent : 0, first = 0;
+    while (first < first_recent && pos[first] < st->sinks)
+        first++;
+    uint32_t m = first_recent - first;
+    for (uint32_t i = 0; i < m; i++)
+        ly->scratch[i] = policy_key(ly->score[first + i]);
     uint32_t k = n - st->budget;
     if (k > m)
         k = m; /* cannot happen: recent + sinks <= budget */
-    policy_select_evict_first(ly->scratch, m, k, ly->score, 1); /* ties: lower index */
-    for (uint32_t j = 0; j < k; j++)
-        d->tier[0][ly->scratch[j]] = POLICY_EVICT;
+    policy_cut cut = policy_select_cut(ly->scratch, m, k);
+    uint8_t *evict = (uint8_t *)ly->scratch; /* the keys are spent: m bytes of room */
+    policy_cut_mark(&cut, ly->score + first, 1.0, NULL, 1, m, 0, evict);
+    for (uint32_t i = 0; i < m; i++)
+        d->tier[0][first + i] = evict[i] ? (uint8_t)POLICY_EVICT : d->tier[0][first + i];
     /* Compact the per-token state exactly as the host compacts the list. */
     uint32_t out = 0;
     for (uint32_t i = 0; i < n; i++) {

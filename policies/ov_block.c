@@ -27,6 +27,7 @@
 #include "builtin.h"
 #include "describe.h"
 #include "ov_block.h"
+#include "select.h"
 #include "util.h"
 
 #define OV_MAX_TOKENS (1u << 30) /* bound on start/recent/max: 64-bit sums never wrap */
@@ -120,15 +121,6 @@ static int cmp_low_first(const void *a, const void *b)
     return (x->i > y->i) - (x->i < y->i);
 }
 
-/* Descending score, ties to the lower index. */
-static int cmp_high_first(const void *a, const void *b)
-{
-    const scored *x = a, *y = b;
-    if (x->s != y->s)
-        return x->s > y->s ? -1 : 1;
-    return (x->i > y->i) - (x->i < y->i);
-}
-
 static int cmp_u32(const void *a, const void *b)
 {
     uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
@@ -141,17 +133,20 @@ int ov_select_lowest(const double *bs, size_t n, size_t k, uint32_t *out)
         k = n;
     if (k == 0)
         return 0;
-    scored *v = malloc(n * sizeof *v);
-    if (v == NULL)
+    uint64_t *keys = malloc(n * sizeof *keys);
+    if (keys == NULL)
         return -1;
+    /* POLICIES.md §2.5: the nEvict smallest (score, index) pairs, written
+     * out in index order. */
     for (size_t j = 0; j < n; j++)
-        v[j] = (scored){bs[j], (uint32_t)j};
-    /* POLICIES.md §2.5: the nEvict smallest (score, index) pairs. */
-    qsort(v, n, sizeof *v, cmp_low_first);
-    for (size_t j = 0; j < k; j++)
-        out[j] = v[j].i;
-    free(v);
-    qsort(out, k, sizeof *out, cmp_u32);
+        keys[j] = policy_key(bs[j]);
+    policy_cut cut = policy_select_cut(keys, n, k);
+    uint8_t *chosen = (uint8_t *)keys; /* the keys are spent: n bytes of room */
+    policy_cut_mark(&cut, bs, 1.0, NULL, 1, n, 0, chosen);
+    for (size_t j = 0, o = 0; j < n; j++)
+        if (chosen[j])
+            out[o++] = (uint32_t)j;
+    free(keys);
     return 0;
 }
 
@@ -162,16 +157,15 @@ int ov_kvcrush_indicators(const double *acc, size_t n, uint8_t *ind)
     memset(ind, 0, n);
     if (n < 2)
         return 0;
-    scored *v = malloc(n * sizeof *v);
-    if (v == NULL)
+    uint64_t *keys = malloc(n * sizeof *keys);
+    if (keys == NULL)
         return -1;
-    for (size_t i = 0; i < n; i++)
-        v[i] = (scored){acc[i], (uint32_t)i};
     /* §6 #7: the reference's partial_sort leaves ties open; lower index wins. */
-    qsort(v, n, sizeof *v, cmp_high_first);
-    for (size_t i = 0; i < n / 2; i++)
-        ind[v[i].i] = 1;
-    free(v);
+    for (size_t i = 0; i < n; i++)
+        keys[i] = policy_key(-acc[i]);
+    policy_cut cut = policy_select_cut(keys, n, n / 2);
+    policy_cut_mark(&cut, acc, -1.0, NULL, 1, n, 0, ind);
+    free(keys);
     return 0;
 }
 

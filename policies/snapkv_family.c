@@ -11,9 +11,11 @@
 #include "snapkv_family.h"
 
 #include "describe.h"
+#include "select.h"
 #include "util.h"
 
 #include <errno.h>
+#include <float.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -22,53 +24,193 @@
 
 /* ---- SnapKV base scores (§1.3) ---- */
 
-void snapkv_pool(const double *in, size_t n, uint32_t kernel, snapkv_pooling mode, double *out)
+/*
+ * Average pooling (kvpress avg_pool1d, count_include_pad) works on blocks
+ * of POOL_BLOCK outputs whose inputs are first copied, as doubles, into a
+ * buffer padded with zeros where the window passes the row's ends: the
+ * block then stays in L1 and every tap is one vectorisable pass. Each output
+ * is still 0 + in[i-r] + ... + in[i+r] in that order, divided by the
+ * kernel (the padded zeros add +0.0, which changes no sum that starts at
+ * +0.0), so the bits are those of the one-at-a-time loop (pool_at).
+ */
+#define POOL_BLOCK 1024
+#define POOL_KERNEL_MAX 1025 /* SNAPKV_PARAM_KERNEL's bound */
+
+/* buf[0 .. m + 2r) = in[b - r .. b + m + r), 0 outside [0, n): the part
+ * inside is [lo, hi) of buf. */
+static void pool_pad(double *buf, size_t n, size_t b, size_t m, size_t r, size_t *lo, size_t *hi)
 {
-    size_t r = kernel / 2;
-    for (size_t i = 0; i < n; i++) {
-        size_t lo = i >= r ? i - r : 0;
-        size_t hi = i + r < n ? i + r : n - 1;
-        if (mode == SNAPKV_POOL_MAX) {
-            /* max_pool1d pads with -inf: only real positions can win. */
-            double m = in[lo];
-            for (size_t j = lo + 1; j <= hi; j++)
-                if (in[j] > m)
-                    m = in[j];
-            out[i] = m;
-        } else {
-            /* avg_pool1d, count_include_pad: the padded zeros count. */
-            double s = 0;
-            for (size_t j = lo; j <= hi; j++)
-                s += in[j];
-            out[i] = s / kernel;
-        }
+    *lo = b >= r ? 0 : r - b;
+    *hi = b + m + r <= n ? m + 2 * r : n + r - b;
+    for (size_t j = 0; j < *lo; j++)
+        buf[j] = 0.0;
+    for (size_t j = *hi; j < m + 2 * r; j++)
+        buf[j] = 0.0;
+}
+
+static void pool_fill_double(double *buf, const double *in, size_t n, size_t b, size_t m, size_t r)
+{
+    size_t lo, hi;
+    pool_pad(buf, n, b, m, r, &lo, &hi);
+    for (size_t j = lo; j < hi; j++) /* b + j - r is in [0, n) here */
+        buf[j] = in[b + j - r];
+}
+
+/* The same from floats; returns whether every float read was finite (the
+ * policy checks the worker's numbers in the pass that reads them). */
+static int pool_fill_float(double *buf, const float *in, size_t n, size_t b, size_t m, size_t r)
+{
+    size_t lo, hi;
+    pool_pad(buf, n, b, m, r, &lo, &hi);
+    int finite = 1;
+    for (size_t j = lo; j < hi; j++) {
+        float x = in[b + j - r];
+        finite &= (x >= -FLT_MAX) & (x <= FLT_MAX);
+        buf[j] = x;
+    }
+    return finite;
+}
+
+/* acc[i] += (0 + buf[i] + ... + buf[i + kernel - 1]) / kernel, i < m, one
+ * output at a time: with a constant kernel the compiler unrolls the taps
+ * and vectorises over i, the sum never leaving a register. */
+static inline void avg_pool_outputs(const double *buf, size_t m, uint32_t kernel, double *acc)
+{
+    for (size_t i = 0; i < m; i++) {
+        double s = 0.0;
+        for (uint32_t t = 0; t < kernel; t++)
+            s += buf[i + t];
+        acc[i] += s / kernel;
     }
 }
 
-void snapkv_base_scores(const float *const *window_attn, uint32_t q_heads, uint32_t kv_heads,
-                        const uint32_t *len, const uint32_t *prefix, uint32_t kernel,
-                        snapkv_pooling pool, snapkv_window_pad pad, double *const *score,
-                        double *scratch)
+/* The same for any kernel: tap by tap over the block, in the same order. */
+static void avg_pool_taps(const double *buf, size_t m, uint32_t kernel, double *acc)
+{
+    double sum[POOL_BLOCK];
+    for (size_t i = 0; i < m; i++)
+        sum[i] = 0.0;
+    for (uint32_t t = 0; t < kernel; t++)
+        for (size_t i = 0; i < m; i++)
+            sum[i] += buf[i + t];
+    for (size_t i = 0; i < m; i++)
+        acc[i] += sum[i] / kernel;
+}
+
+POLICY_HOT static void avg_pool_block(const double *buf, size_t m, uint32_t kernel, double *acc)
+{
+    switch (kernel) { /* kvpress's 5 and the AdaKV paper's 7 */
+    case 5:
+        avg_pool_outputs(buf, m, 5, acc);
+        break;
+    case 7:
+        avg_pool_outputs(buf, m, 7, acc);
+        break;
+    default:
+        avg_pool_taps(buf, m, kernel, acc);
+        break;
+    }
+}
+
+/* Output i of the pool, one at a time (max pooling). */
+static double pool_at(const double *in, size_t n, uint32_t kernel, snapkv_pooling mode, size_t i)
+{
+    size_t r = kernel / 2;
+    size_t lo = i >= r ? i - r : 0;
+    size_t hi = i + r < n ? i + r : n - 1;
+    if (mode == SNAPKV_POOL_MAX) {
+        /* max_pool1d pads with -inf: only real positions can win. */
+        double m = in[lo];
+        for (size_t j = lo + 1; j <= hi; j++)
+            if (in[j] > m)
+                m = in[j];
+        return m;
+    }
+    /* avg_pool1d, count_include_pad: the padded zeros count. */
+    double s = 0;
+    for (size_t j = lo; j <= hi; j++)
+        s += in[j];
+    return s / kernel;
+}
+
+POLICY_HOT void snapkv_pool(const double *in, size_t n, uint32_t kernel, snapkv_pooling mode,
+                            double *out)
+{
+    size_t r = kernel / 2;
+    if (mode == SNAPKV_POOL_MAX) {
+        for (size_t i = 0; i < n; i++)
+            out[i] = pool_at(in, n, kernel, mode, i);
+        return;
+    }
+    double buf[POOL_BLOCK + POOL_KERNEL_MAX];
+    for (size_t b = 0; b < n; b += POOL_BLOCK) {
+        size_t m = n - b < POOL_BLOCK ? n - b : POOL_BLOCK;
+        pool_fill_double(buf, in, n, b, m, r);
+        for (size_t i = 0; i < m; i++)
+            out[b + i] = 0.0;
+        avg_pool_block(buf, m, kernel, out + b);
+    }
+}
+
+/* One KV head's prefix scores with max pooling: each query head's row
+ * converted to doubles (row, P entries) and pooled one output at a time. */
+static int max_pool_group(const float *const *rows, uint32_t G, uint32_t P, uint32_t kernel,
+                          double *acc, double *row)
+{
+    int finite = 1;
+    memset(acc, 0, P * sizeof *acc);
+    for (uint32_t h = 0; h < G; h++) {
+        for (uint32_t i = 0; i < P; i++) {
+            float x = rows[h][i];
+            finite &= (x >= -FLT_MAX) & (x <= FLT_MAX);
+            row[i] = x;
+        }
+        for (uint32_t i = 0; i < P; i++)
+            acc[i] += pool_at(row, P, kernel, SNAPKV_POOL_MAX, i);
+    }
+    return finite;
+}
+
+/* The same with avg pooling, block by block: the G pooled rows are summed
+ * in head order from 0 (as a memset accumulator would be). */
+POLICY_HOT static int avg_pool_group(const float *const *rows, uint32_t G, uint32_t P,
+                                     uint32_t kernel, double *acc)
+{
+    size_t r = kernel / 2;
+    double buf[POOL_BLOCK + POOL_KERNEL_MAX];
+    int finite = 1;
+    for (size_t b = 0; b < P; b += POOL_BLOCK) {
+        size_t m = P - b < POOL_BLOCK ? P - b : POOL_BLOCK;
+        for (size_t i = 0; i < m; i++)
+            acc[b + i] = 0.0;
+        for (uint32_t h = 0; h < G; h++) {
+            finite &= pool_fill_float(buf, rows[h], P, b, m, r);
+            avg_pool_block(buf, m, kernel, acc + b);
+        }
+    }
+    return finite;
+}
+
+POLICY_HOT int snapkv_base_scores(const float *const *window_attn, uint32_t q_heads,
+                                  uint32_t kv_heads, const uint32_t *len, const uint32_t *prefix,
+                                  uint32_t kernel, snapkv_pooling pool, snapkv_window_pad pad,
+                                  double *const *score, double *scratch)
 {
     uint32_t G = q_heads / kv_heads;
     double mx = -INFINITY;
+    int finite = 1;
     for (uint32_t g = 0; g < kv_heads; g++) {
         uint32_t P = prefix[g];
         if (P == 0)
             continue;
-        double *row = scratch, *pooled = scratch + P, *acc = score[g];
-        memset(acc, 0, P * sizeof *acc);
-        for (uint32_t h = g * G; h < g * G + G; h++) {
-            for (uint32_t i = 0; i < P; i++)
-                row[i] = window_attn[h][i];
-            snapkv_pool(row, P, kernel, pool, pooled);
-            for (uint32_t i = 0; i < P; i++)
-                acc[i] += pooled[i];
-        }
+        double *acc = score[g];
+        if (pool == SNAPKV_POOL_MAX)
+            finite &= max_pool_group(window_attn + (size_t)g * G, G, P, kernel, acc, scratch);
+        else
+            finite &= avg_pool_group(window_attn + (size_t)g * G, G, P, kernel, acc);
         for (uint32_t i = 0; i < P; i++) {
             acc[i] /= G; /* GQA: mean over the group's query heads */
-            if (acc[i] > mx)
-                mx = acc[i];
+            mx = acc[i] > mx ? acc[i] : mx;
         }
     }
     /* The max over every head's prefix, as kvpress's scores.max(). */
@@ -76,6 +218,7 @@ void snapkv_base_scores(const float *const *window_attn, uint32_t q_heads, uint3
     for (uint32_t g = 0; g < kv_heads; g++)
         for (uint32_t i = prefix[g]; i < len[g]; i++)
             score[g][i] = win;
+    return finite;
 }
 
 size_t snapkv_n_keep(size_t L, double compression_ratio)
@@ -90,44 +233,76 @@ size_t criticalkv_stage1_size(size_t L, double compression_ratio, double alpha)
 
 /* ---- selection ---- */
 
-/* Best first: forced, higher score, lower head, lower index. */
-static int entry_better(const void *pa, const void *pb)
+/*
+ * Every selection here orders entries by class first (forced entries come
+ * first in a top-k, last in a bottom-k), then by key, then by position
+ * (index, or head then index when the heads are flattened). The keys of the
+ * class that comes first go to the front of tmp, the others to the back,
+ * and the cut is made in the one class the boundary falls in: all of the
+ * first class is chosen when it has at most k entries. cut_of() returns that
+ * cut and whether it belongs to the first class.
+ */
+typedef struct class_cut {
+    policy_cut cut;
+    int in_first; /* the cut is among the first class; else all of it is chosen */
+} class_cut;
+
+static class_cut cut_of(uint64_t *tmp, size_t first, size_t n, size_t k)
 {
-    const snapkv_entry *a = pa, *b = pb;
-    if (a->forced != b->forced)
-        return a->forced ? -1 : 1;
-    if (a->score != b->score)
-        return a->score > b->score ? -1 : 1;
-    if (a->head != b->head)
-        return a->head < b->head ? -1 : 1;
-    return a->index < b->index ? -1 : a->index > b->index;
+    if (k <= first)
+        return (class_cut){policy_select_cut(tmp, first, k), 1};
+    return (class_cut){policy_select_cut(tmp + first, n - first, k - first), 0};
 }
 
-/* Worst first: unforced, lower score, lower head, lower index. */
-static int entry_worse(const void *pa, const void *pb)
+/* Put the key of the next entry at the front of tmp (tmp[(*f)++]) when
+ * it is of the first class, else at the back (tmp[--(*u)]). Both slots are
+ * written and one kept, without a branch: stage 1's winners are random, so
+ * the class would mispredict. *f < *u before each call. */
+static inline void place(uint64_t *tmp, size_t *f, size_t *u, uint64_t key, int first)
 {
-    const snapkv_entry *a = pa, *b = pb;
-    if (a->forced != b->forced)
-        return a->forced ? 1 : -1;
-    if (a->score != b->score)
-        return a->score < b->score ? -1 : 1;
-    if (a->head != b->head)
-        return a->head < b->head ? -1 : 1;
-    return a->index < b->index ? -1 : a->index > b->index;
+    tmp[*f] = key;
+    tmp[*u - 1] = key;
+    *f += (size_t)first;
+    *u -= (size_t)!first;
 }
 
-void snapkv_mark_top(const double *score, const uint8_t *forced, size_t n, size_t k, uint8_t *mark,
-                     snapkv_entry *tmp)
+/*
+ * chosen[i] = whether entry i of one row is chosen by c, for the rows of a
+ * selection visited in position order (c's ties count down across rows).
+ * The key is policy_key(sign·score[i]) (sign -1 for a top-k); entry i is of
+ * the class that comes first when (forced[i] != 0) == forced_first. chosen
+ * must not alias forced.
+ */
+static void choose_row(const double *score, double sign, const uint8_t *forced, int forced_first,
+                       size_t n, class_cut *c, uint8_t *chosen)
+{
+    uint8_t ff = forced_first != 0;
+    if (c->in_first) {
+        policy_cut_mark(&c->cut, score, sign, forced, ff, n, 0, chosen);
+        return;
+    }
+    policy_cut_mark(&c->cut, score, sign, forced, !ff, n, 0, chosen);
+    for (size_t i = 0; i < n; i++) /* the whole first class is chosen */
+        chosen[i] |= (uint8_t)((forced[i] != 0) == ff);
+}
+
+POLICY_HOT void snapkv_mark_top(const double *score, const uint8_t *forced, size_t n, size_t k,
+                                uint8_t *mark, snapkv_entry *tmp)
 {
     if (k > n)
         k = n;
     if (k == 0)
         return;
+    /* Top-k: forced first, then higher score (key -score), lower index. */
+    size_t f = 0, u = n;
     for (size_t i = 0; i < n; i++)
-        tmp[i] = (snapkv_entry){score[i], 0, (uint32_t)i, forced[i]};
-    qsort(tmp, n, sizeof *tmp, entry_better);
-    for (size_t j = 0; j < k; j++)
-        mark[tmp[j].index] = 1;
+        place(tmp, &f, &u, policy_key(-score[i]), forced[i] != 0);
+    class_cut c = cut_of(tmp, f, n, k);
+    /* The chosen are marked; marks already set stay (mark may be forced). */
+    uint8_t *chosen = (uint8_t *)tmp; /* the keys are spent: n bytes of room */
+    choose_row(score, -1.0, forced, 1, n, &c, chosen);
+    for (size_t i = 0; i < n; i++)
+        mark[i] |= chosen[i];
 }
 
 void criticalkv_select(const double *a, const float *vnorm, size_t n, size_t n_keep, size_t b1,
@@ -142,46 +317,81 @@ void criticalkv_select(const double *a, const float *vnorm, size_t n, size_t n_k
     snapkv_mark_top(z, forced, n, n_keep, keep, tmp);
 }
 
-/* Every entry of every head, flattened head-major like the reference's
- * scores.reshape(bsz, -1). Returns the count. */
-static size_t flatten(const double *const *a, const uint32_t *len, uint32_t heads,
-                      const uint8_t *const *forced, snapkv_entry *tmp)
+/* The key of a[g][i]: -a for a top-k, a for a bottom-k. */
+static uint64_t flat_key(double a, int top_k)
+{
+    return policy_key(top_k ? -a : a);
+}
+
+/* Every entry of every head flattened head-major, as the reference's
+ * scores.reshape(bsz, -1): the keys of the class that comes first (forced
+ * for a top-k, unforced for a bottom-k) at the front of tmp. Returns the
+ * cut of the k first. */
+static class_cut flat_cut(const double *const *a, const uint32_t *len, uint32_t heads,
+                          const uint8_t *const *forced, int top_k, size_t n, size_t k,
+                          snapkv_entry *tmp)
+{
+    size_t f = 0, u = n;
+    for (uint32_t g = 0; g < heads; g++)
+        for (uint32_t i = 0; i < len[g]; i++)
+            place(tmp, &f, &u, flat_key(a[g][i], top_k), (forced[g][i] != 0) == (top_k != 0));
+    return cut_of(tmp, f, n, k);
+}
+
+static size_t total_len(const uint32_t *len, uint32_t heads)
 {
     size_t n = 0;
     for (uint32_t g = 0; g < heads; g++)
-        for (uint32_t i = 0; i < len[g]; i++)
-            tmp[n++] = (snapkv_entry){a[g][i], g, i, forced[g][i]};
+        n += len[g];
     return n;
+}
+
+/* The AdaKV safeguard (§1.5): each head's n_safe best are forced. */
+static void adakv_safeguard(const double *const *a, const uint32_t *len, uint32_t heads,
+                            size_t n_safe, uint8_t *const *forced, snapkv_entry *tmp)
+{
+    for (uint32_t g = 0; g < heads; g++)
+        snapkv_mark_top(a[g], forced[g], len[g], n_safe, forced[g], tmp);
 }
 
 size_t adakv_budgets(const double *const *a, const uint32_t *len, uint32_t heads, size_t n_safe,
                      size_t total, uint8_t *const *forced, uint32_t *B, snapkv_entry *tmp)
 {
-    /* Safeguard: each head's n_safe best are forced (§1.5). */
-    for (uint32_t g = 0; g < heads; g++)
-        snapkv_mark_top(a[g], forced[g], len[g], n_safe, forced[g], tmp);
-    size_t n = flatten(a, len, heads, (const uint8_t *const *)forced, tmp);
+    adakv_safeguard(a, len, heads, n_safe, forced, tmp);
+    size_t n = total_len(len, heads);
     if (total > n)
         total = n;
-    qsort(tmp, n, sizeof *tmp, entry_better);
-    memset(B, 0, heads * sizeof *B);
-    for (size_t j = 0; j < total; j++)
-        B[tmp[j].head]++;
+    /* The `total` best of all heads (forced first, higher score, lower
+     * head, lower index); B[g] = how many head g won. */
+    class_cut c = flat_cut(a, len, heads, (const uint8_t *const *)forced, 1, n, total, tmp);
+    uint8_t *chosen = (uint8_t *)tmp; /* the keys are spent: n bytes of room */
+    for (uint32_t g = 0; g < heads; g++) {
+        choose_row(a[g], -1.0, forced[g], 1, len[g], &c, chosen);
+        uint32_t won = 0;
+        for (uint32_t i = 0; i < len[g]; i++)
+            won += chosen[i];
+        B[g] = won;
+    }
     return total;
 }
 
 void adakv_select(const double *const *a, const uint32_t *len, uint32_t heads, size_t total,
                   const uint8_t *const *forced, uint8_t *const *keep, snapkv_entry *tmp)
 {
-    size_t n = flatten(a, len, heads, forced, tmp);
-    for (uint32_t g = 0; g < heads; g++)
-        memset(keep[g], 1, len[g]);
-    if (total >= n)
+    size_t n = total_len(len, heads);
+    if (total >= n) {
+        for (uint32_t g = 0; g < heads; g++)
+            memset(keep[g], 1, len[g]);
         return;
-    /* AdaKVPress evicts topk(-scores) of the flattened heads: bottom-k. */
-    qsort(tmp, n, sizeof *tmp, entry_worse);
-    for (size_t j = 0; j < n - total; j++)
-        keep[tmp[j].head][tmp[j].index] = 0;
+    }
+    /* AdaKVPress evicts topk(-scores) of the flattened heads: bottom-k,
+     * unforced first, lower score, lower head, lower index. */
+    class_cut c = flat_cut(a, len, heads, forced, 0, n, n - total, tmp);
+    for (uint32_t g = 0; g < heads; g++) {
+        choose_row(a[g], 1.0, forced[g], 0, len[g], &c, keep[g]); /* chosen: evicted */
+        for (uint32_t i = 0; i < len[g]; i++)
+            keep[g][i] = !keep[g][i];
+    }
 }
 
 /* ---- configuration ---- */
@@ -381,9 +591,11 @@ static int work_alloc(work *w, const policy_layer_view *view, size_t total, uint
     return 0;
 }
 
-/* Check the stats arrays a compression reads: present and finite. */
-static int check_stats(const snapkv_state *st, const policy_layer_view *view,
-                       const policy_stats *stats, const uint32_t *prefix, char *err, size_t errlen)
+/* Check the window_attn a compression reads: present and finite (the
+ * first bad entry in head order is named). */
+static int check_window_attn(const snapkv_state *st, const policy_layer_view *view,
+                             const policy_stats *stats, const uint32_t *prefix, char *err,
+                             size_t errlen)
 {
     const char *name = variant_name[st->cfg.variant];
     uint32_t G = st->q_heads / st->kv_heads;
@@ -394,14 +606,33 @@ static int check_stats(const snapkv_state *st, const policy_layer_view *view,
                            h);
             return -1;
         }
-        for (uint32_t i = 0; i < prefix[h / G]; i++)
-            if (!isfinite(row[i])) {
-                policy_set_err(err, errlen,
-                               "policy %s: window_attn[%u][%u] is not a finite number (layer %u)",
-                               name, h, i, view->layer);
-                return -1;
-            }
+        size_t bad = policy_first_outside(row, prefix[h / G], -FLT_MAX);
+        if (bad < prefix[h / G]) {
+            policy_set_err(err, errlen,
+                           "policy %s: window_attn[%u][%zu] is not a finite number (layer %u)",
+                           name, h, bad, view->layer);
+            return -1;
+        }
     }
+    return 0;
+}
+
+/* Whether every query head with prefix tokens has its window_attn row. */
+static int window_attn_present(const snapkv_state *st, const policy_stats *stats,
+                               const uint32_t *prefix)
+{
+    uint32_t G = st->q_heads / st->kv_heads;
+    for (uint32_t h = 0; h < st->q_heads; h++)
+        if (stats->window_attn[h] == NULL && prefix[h / G] > 0)
+            return 0;
+    return 1;
+}
+
+/* Check the vnorm a criticalkv compression reads: present, finite, >= 0. */
+static int check_vnorm(const snapkv_state *st, const policy_layer_view *view,
+                       const policy_stats *stats, char *err, size_t errlen)
+{
+    const char *name = variant_name[st->cfg.variant];
     if (!variant_critical(st->cfg.variant))
         return 0;
     if (stats->vnorm == NULL) {
@@ -417,13 +648,13 @@ static int check_stats(const snapkv_state *st, const policy_layer_view *view,
             policy_set_err(err, errlen, "policy %s: vnorm of KV head %u is missing", name, g);
             return -1;
         }
-        for (uint32_t i = 0; i < view->tokens[g]; i++)
-            if (!isfinite(row[i]) || row[i] < 0) {
-                policy_set_err(err, errlen,
-                               "policy %s: vnorm[%u][%u] must be a finite number >= 0 (layer %u)",
-                               name, g, i, view->layer);
-                return -1;
-            }
+        size_t bad = policy_first_outside(row, view->tokens[g], 0.0f);
+        if (bad < view->tokens[g]) {
+            policy_set_err(err, errlen,
+                           "policy %s: vnorm[%u][%zu] must be a finite number >= 0 (layer %u)",
+                           name, g, bad, view->layer);
+            return -1;
+        }
     }
     return 0;
 }
@@ -460,22 +691,57 @@ static void select_tokens(const snapkv_state *st, const policy_stats *stats, wor
     size_t n_keep =
         c->budget ? c->budget : (size_t)(((double)total / H) * (1.0 - c->compression_ratio));
     size_t n_safe = (size_t)((double)n_keep * c->alpha_safeguard);
-    size_t K = adakv_budgets((const double *const *)w->a, w->len, H, n_safe, n_keep * H, w->forced,
-                             w->B, w->tmp);
     if (c->variant == SNAPKV_ADA) {
+        /* The per-head budgets are not needed: the safeguard, then the
+         * flattened bottom-k (total clamped as adakv_budgets does). */
+        adakv_safeguard((const double *const *)w->a, w->len, H, n_safe, w->forced, w->tmp);
+        size_t K = n_keep * H < total ? n_keep * H : total;
         adakv_select((const double *const *)w->a, w->len, H, K, (const uint8_t *const *)w->forced,
                      w->keep, w->tmp);
         return;
     }
+    adakv_budgets((const double *const *)w->a, w->len, H, n_safe, n_keep * H, w->forced, w->B,
+                  w->tmp);
     for (uint32_t g = 0; g < H; g++) {
-        size_t b1 = (size_t)((double)w->B[g] * c->first_stage_ratio); /* floor(B·α) */
+        size_t b1 = criticalkv_ada_stage1_size(w->B[g], c->first_stage_ratio);
         criticalkv_select(w->a[g], stats->vnorm[g], w->len[g], w->B[g], b1, c->epsilon,
                           w->forced[g], w->z[g], w->keep[g], w->tmp);
     }
 }
 
+/* The kept tokens' entries of a head record, in position order (z NULL:
+ * no stage 2, its scores are 0). The keep flags (0 or 1) are read eight at
+ * a time, packed into the bits of a byte by one multiplication, and only
+ * the set bits visited: a quarter of random tokens kept would mispredict a
+ * branch per token. */
+static void record_kept(snapkv_head_record *hr, const uint32_t *pos, const double *a,
+                        const double *z, const uint8_t *forced, const uint8_t *keep, uint32_t n)
+{
+    uint32_t k = 0;
+    for (uint32_t i = 0; i < n; i += 8) {
+        unsigned bits = 0;
+        if (i + 8 <= n) {
+            uint64_t w;
+            memcpy(&w, keep + i, sizeof w);
+            bits = (unsigned)((w * UINT64_C(0x0102040810204080)) >> 56); /* bit j: keep[i+j] */
+        } else {
+            for (uint32_t j = 0; i + j < n; j++)
+                bits |= (unsigned)(keep[i + j] != 0) << j;
+        }
+        for (; bits != 0; bits &= bits - 1) {
+            uint32_t j = i + (uint32_t)__builtin_ctz(bits);
+            hr->pos[k] = pos[j];
+            hr->score[k] = (float)a[j];
+            hr->z[k] = z != NULL ? (float)z[j] : 0.0f;
+            hr->force[k] = forced[j];
+            k++;
+        }
+    }
+}
+
 /* Keep the record of a compression: the kept tokens with their scores. */
-static int record_compression(snapkv_state *st, const policy_layer_view *view, const work *w)
+POLICY_HOT static int record_compression(snapkv_state *st, const policy_layer_view *view,
+                                         const work *w)
 {
     snapkv_layer_record *r = &st->rec[view->layer];
     for (uint32_t g = 0; g < view->heads; g++) {
@@ -504,17 +770,10 @@ static int record_compression(snapkv_state *st, const policy_layer_view *view, c
         hr->prefix = w->prefix[g];
         hr->kept = kept;
         hr->forced = 0;
-        uint32_t k = 0;
-        for (uint32_t i = 0; i < w->len[g]; i++) {
+        for (uint32_t i = 0; i < w->len[g]; i++)
             hr->forced += w->forced[g][i];
-            if (!w->keep[g][i])
-                continue;
-            hr->pos[k] = view->positions[g][i];
-            hr->score[k] = (float)w->a[g][i];
-            hr->z[k] = (float)w->z[g][i];
-            hr->force[k] = w->forced[g][i];
-            k++;
-        }
+        const double *stage2 = variant_critical(st->cfg.variant) ? w->z[g] : NULL;
+        record_kept(hr, view->positions[g], w->a[g], stage2, w->forced[g], w->keep[g], w->len[g]);
     }
     r->compressions++;
     r->last_step = view->step;
@@ -554,6 +813,14 @@ static int due(const snapkv_state *st, const policy_layer_view *view, const poli
                    "tokens, budget %u per head)",
                    variant_name[c->variant], view->layer, total, c->budget);
     return -1;
+}
+
+/* tier[i] = EVICT where keep[i] is 0 (branch-free: keep is random). */
+POLICY_HOT static void evict_unkept(uint8_t *restrict tier, const uint8_t *restrict keep,
+                                    uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++)
+        tier[i] = keep[i] ? tier[i] : (uint8_t)POLICY_EVICT;
 }
 
 int snapkv_family_step(void *state, const policy_layer_view *view, const policy_stats *stats,
@@ -604,29 +871,41 @@ int snapkv_family_step(void *state, const policy_layer_view *view, const policy_
         return -1;
     }
     for (uint32_t g = 0; g < view->heads; g++) {
-        uint32_t P = 0;
-        while (P < view->tokens[g] && view->positions[g][P] < wstart)
-            P++;
+        /* Positions ascend: the prefix is those below wstart. */
+        uint32_t P = 0, hi = view->tokens[g];
+        while (P < hi) {
+            uint32_t mid = P + (hi - P) / 2;
+            if (view->positions[g][mid] < wstart)
+                P = mid + 1;
+            else
+                hi = mid;
+        }
         w.len[g] = view->tokens[g];
         w.prefix[g] = P;
         /* §1.7 / §6 #2: protect_window forces window tokens from the start. */
         for (uint32_t i = P; c->protect_window && i < w.len[g]; i++)
             w.forced[g][i] = 1;
     }
-    if (check_stats(st, view, stats, w.prefix, err, errlen) != 0) {
+    /* The window attention is checked for finite numbers in the pass that
+     * pools it (one read of the biggest input); only a bad row is read
+     * again, to name its first bad entry. Missing rows are found first. */
+    if (!window_attn_present(st, stats, w.prefix) ||
+        !snapkv_base_scores(stats->window_attn, st->q_heads, st->kv_heads, w.len, w.prefix,
+                            c->kernel, c->pooling, c->window_pad, w.a, w.scratch)) {
+        check_window_attn(st, view, stats, w.prefix, err, errlen);
         work_free(&w, view->heads);
         return -1;
     }
-    snapkv_base_scores(stats->window_attn, st->q_heads, st->kv_heads, w.len, w.prefix, c->kernel,
-                       c->pooling, c->window_pad, w.a, w.scratch);
+    if (check_vnorm(st, view, stats, err, errlen) != 0) {
+        work_free(&w, view->heads);
+        return -1;
+    }
     select_tokens(st, stats, &w, total);
-    for (uint32_t g = 0; g < view->heads; g++)
-        for (uint32_t i = 0; i < w.len[g]; i++) {
-            if (c->protect_window && i >= w.prefix[g])
-                w.keep[g][i] = 1; /* even past n_keep when window > n_keep */
-            if (!w.keep[g][i])
-                d->tier[g][i] = POLICY_EVICT;
-        }
+    for (uint32_t g = 0; g < view->heads; g++) {
+        for (uint32_t i = w.prefix[g]; c->protect_window && i < w.len[g]; i++)
+            w.keep[g][i] = 1; /* even past n_keep when window > n_keep */
+        evict_unkept(d->tier[g], w.keep[g], w.len[g]);
+    }
     int rc = record_compression(st, view, &w);
     work_free(&w, view->heads);
     if (rc != 0) {

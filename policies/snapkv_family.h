@@ -26,6 +26,7 @@
 #include <stdint.h>
 
 #include "policy.h"
+#include "select.h"
 
 /* ---- pure algorithm pieces ---- */
 
@@ -59,12 +60,14 @@ typedef enum snapkv_window_pad {
  * entries are read. Each query head's prefix row is pooled, the G pooled rows
  * of a group are averaged, and every window token gets the largest prefix
  * score over all heads, plus 1 for SNAPKV_PAD_MAX_PLUS_ONE. scratch holds
- * 2·max(prefix) doubles. At least one prefix[g] must be > 0.
+ * 2·max(prefix) doubles. At least one prefix[g] must be > 0. Returns 1 when
+ * every window_attn entry read was a finite number, else 0 (the scores are
+ * then meaningless).
  */
-void snapkv_base_scores(const float *const *window_attn, uint32_t q_heads, uint32_t kv_heads,
-                        const uint32_t *len, const uint32_t *prefix, uint32_t kernel,
-                        snapkv_pooling pool, snapkv_window_pad pad, double *const *score,
-                        double *scratch);
+int snapkv_base_scores(const float *const *window_attn, uint32_t q_heads, uint32_t kv_heads,
+                       const uint32_t *len, const uint32_t *prefix, uint32_t kernel,
+                       snapkv_pooling pool, snapkv_window_pad pad, double *const *score,
+                       double *scratch);
 
 /* Budgets in IEEE double, truncated toward zero like Python int()
  * (POLICIES.md "Common notation"): int(L·(1 − cr)), the ScorerPress rule. */
@@ -74,12 +77,13 @@ size_t snapkv_n_keep(size_t L, double compression_ratio);
  * from n_keep. */
 size_t criticalkv_stage1_size(size_t L, double compression_ratio, double alpha);
 
-/* One entry of a selection: the sort key, and where it comes from. */
-typedef struct snapkv_entry {
-    double score;
-    uint32_t head, index;
-    uint8_t forced;
-} snapkv_entry;
+/* CriticalAdaKV stage-1 size of a head with budget B: int(float32(B)·
+ * float32(α)), the reference's float32 product (§1.5; defined in
+ * criticalkv_ada.c). */
+size_t criticalkv_ada_stage1_size(size_t head_budget, double alpha);
+
+/* Scratch room for one entry of a selection: its key (select.h). */
+typedef uint64_t snapkv_entry;
 
 /*
  * Top-k of one list: mark the k best (forced first, then higher score, ties

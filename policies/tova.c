@@ -13,12 +13,14 @@
  *
  * Parameter: budget (256, [RECON] default shared with the other baselines).
  */
+#include <float.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 
 #include "builtin.h"
+#include "select.h"
 #include "util.h"
 
 #define TOVA_MAX 1048576u
@@ -26,7 +28,7 @@
 typedef struct tova_scratch {
     uint32_t cap;
     double *score;
-    uint32_t *idx;
+    uint64_t *keys;
 } tova_scratch;
 
 typedef struct tova_state {
@@ -52,7 +54,7 @@ static void tova_destroy(void *state)
         return;
     for (uint32_t l = 0; st->ly != NULL && l < st->layers; l++) {
         free(st->ly[l].score);
-        free(st->ly[l].idx);
+        free(st->ly[l].keys);
     }
     free(st->ly);
     free(st);
@@ -94,12 +96,45 @@ static int scratch_reserve(tova_scratch *s, uint32_t need)
     if (score == NULL)
         return -1;
     s->score = score;
-    uint32_t *idx = realloc(s->idx, (size_t)need * sizeof *idx);
-    if (idx == NULL)
+    uint64_t *keys = realloc(s->keys, (size_t)need * sizeof *keys);
+    if (keys == NULL)
         return -1;
-    s->idx = idx;
+    s->keys = keys;
     s->cap = need;
     return 0;
+}
+
+/* score[i] = mean over the heads of rows[h][i], summed in head order in
+ * double (one pass per head, vectorised); returns the max over i < n - 1.
+ * A non-finite sum gives a non-finite score. */
+POLICY_HOT static double mean_over_heads(const float *const *rows, uint32_t heads, uint32_t n,
+                                         double *score)
+{
+    for (uint32_t i = 0; i < n; i++)
+        score[i] = 0.0;
+    for (uint32_t h = 0; h < heads; h++)
+        for (uint32_t i = 0; i < n; i++)
+            score[i] += (double)rows[h][i];
+    double max = -INFINITY;
+    for (uint32_t i = 0; i < n; i++) {
+        score[i] /= (double)heads;
+        max = i + 1 < n && score[i] > max ? score[i] : max;
+    }
+    return max;
+}
+
+/* The first i with a non-finite s[i], or n. */
+static size_t first_not_finite(const double *s, size_t n)
+{
+    int ok = 1;
+    for (size_t i = 0; i < n; i++)
+        ok &= (s[i] >= -DBL_MAX) & (s[i] <= DBL_MAX);
+    if (ok)
+        return n;
+    size_t i = 0;
+    while (i < n && isfinite(s[i]))
+        i++;
+    return i;
 }
 
 static int tova_step(void *state, const policy_layer_view *view, const policy_stats *stats,
@@ -128,27 +163,22 @@ static int tova_step(void *state, const policy_layer_view *view, const policy_st
         snprintf(err, errlen, "tova: out of memory for %u tokens", n);
         return -1;
     }
-    /* Mean over all query heads, summed in head order in double. */
-    double max = -INFINITY;
-    for (uint32_t i = 0; i < n; i++) {
-        double sum = 0;
-        for (uint32_t h = 0; h < st->q_heads; h++)
-            sum += (double)stats->last_attn[h][i];
-        if (!isfinite(sum)) {
-            snprintf(err, errlen, "tova: stats.last_attn of token %u is not finite", i);
-            return -1;
-        }
-        sc->score[i] = sum / (double)st->q_heads;
-        if (i + 1 < n && sc->score[i] > max)
-            max = sc->score[i];
+    double max = mean_over_heads(stats->last_attn, st->q_heads, n, sc->score);
+    size_t bad = first_not_finite(sc->score, n);
+    if (bad < n) {
+        snprintf(err, errlen, "tova: stats.last_attn of token %zu is not finite", bad);
+        return -1;
     }
     sc->score[n - 1] = max + 1; /* kvpress: the last token is padded with max + 1 */
+    /* Evict the lowest scores first; among equal scores the higher index
+     * goes first (visited in reverse order), so that the lower is kept. */
     for (uint32_t i = 0; i < n; i++)
-        sc->idx[i] = i;
-    uint32_t k = n - st->budget;
-    policy_select_evict_first(sc->idx, n, k, sc->score, 0); /* ties: keep the lower index */
-    for (uint32_t j = 0; j < k; j++)
-        d->tier[0][sc->idx[j]] = POLICY_EVICT;
+        sc->keys[i] = policy_key(sc->score[i]);
+    policy_cut cut = policy_select_cut(sc->keys, n, n - st->budget);
+    uint8_t *evict = (uint8_t *)sc->keys; /* the keys are spent: n bytes of room */
+    policy_cut_mark(&cut, sc->score, 1.0, NULL, 1, n, 1, evict);
+    for (uint32_t i = 0; i < n; i++)
+        d->tier[0][i] = evict[i] ? (uint8_t)POLICY_EVICT : d->tier[0][i];
     return 0;
 }
 

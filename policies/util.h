@@ -7,20 +7,31 @@
 
 #include <stddef.h>
 
+/*
+ * Hot loops over a decision's lists (pooling, keys, compactions, sums) are
+ * compiled twice on x86-64, for AVX2 and for the baseline, and the loader
+ * picks one for the CPU (GCC/clang target_clones, an ifunc). Both do the
+ * same IEEE operations in the same order (ISO C: no contraction into FMA),
+ * so they give the same bits, as kernels/cpu/isa.h's two builds do.
+ */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define POLICY_HOT __attribute__((target_clones("avx2", "default")))
+#else
+#define POLICY_HOT
+#endif
+
 /* printf into err[errlen] (no-op when err is NULL or errlen is 0). */
 void policy_set_err(char *err, size_t errlen, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
-#include <stdint.h>
-
 /*
- * Keep in a[0..k) the k entries of a[0..m) (indices into s) that come first
- * in eviction order: lower s[] first; equal scores to the lower index when
- * ties_to_lower, else to the higher. The set is exact, its order inside
- * a[0..k) is not. A bounded max-heap: O(m log k).
+ * The index of the first of a[0..n) that is not a finite number >= lo
+ * (NaN, an infinity, or below lo; lo = -FLT_MAX asks for finite only), or n
+ * when every entry is. Checking a worker's statistics is a pass over
+ * megabytes at long contexts: the all-good case is one branch-free
+ * (vectorised) read, the index is looked for only when something is bad.
  */
-void policy_select_evict_first(uint32_t *a, uint32_t m, uint32_t k, const double *s,
-                               int ties_to_lower);
+size_t policy_first_outside(const float *a, size_t n, float lo);
 
 /*
  * For ops->save: a malloc'd array with room for `room` elements of `size`

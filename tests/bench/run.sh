@@ -2,7 +2,9 @@
 # tests/bench/run.sh - build (if needed) and run the benchmarks against the
 # real daemon: bench_rpc (control plane, ring, writes), then bench_tiers (tier
 # moves: Revive, demotion, offload), then bench_python_step.py (a decode step
-# through the Python package vs from C). Usage: tests/bench/run.sh [--quick] [--pin CPU]
+# through the Python package vs from C), then bench_policy_decision (one policy
+# decision at Llama-3-8B shape vs PyTorch and the read bound; it exits 1 if the
+# kept sets differ). Usage: tests/bench/run.sh [--quick] [--pin CPU]
 # (--pin applies to bench_rpc and bench_python_step). BUILD_DIR picks the build tree (default:
 # build; configured if missing). Exits non-zero if any benchmark fails.
 set -euo pipefail
@@ -13,7 +15,7 @@ build=${BUILD_DIR:-build}
 if [ ! -f "$build/CMakeCache.txt" ]; then
     cmake -S . -B "$build"
 fi
-cmake --build "$build" -j"$(nproc)" --target bench_rpc bench_tiers kvstashd
+cmake --build "$build" -j"$(nproc)" --target bench_rpc bench_tiers bench_policy_decision kvstashd
 
 tiers_args=()
 for a in "$@"; do
@@ -28,4 +30,6 @@ echo
 "$build/tests/bench/bench_tiers" "${tiers_args[@]}" "$build/daemon/kvstashd" || rc=1
 echo
 /usr/bin/python3 tests/bench/bench_python_step.py "$@" --build "$build" || rc=1
+echo
+"$build/tests/bench/bench_policy_decision" "${tiers_args[@]}" || rc=1
 exit "$rc"

@@ -6,7 +6,8 @@
  * the host by hand; kvpress's test_head_compression (L = 128, cr in
  * {.2 .4 .6 .8}); the kept set against an independent reference of §1.5
  * (safeguard, global budget, per-head two stages) on seeded random stats;
- * the budget extension with a protected window; refusals.
+ * the budget extension with a protected window; the float32 stage-1 size
+ * (α = .58, B = 50 -> 29, where double gives 28); refusals.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -155,7 +156,7 @@ static void matches_reference(uint64_t seed, double cr, double alpha, double saf
     ph_step(h, 0, &st.st);
     const policy_layer_view *v = policy_host_view(h, 0);
     for (uint32_t g = 0; g < Hkv; g++) {
-        size_t b1 = (size_t)(B[g] * alpha);
+        size_t b1 = (size_t)((float)B[g] * (float)alpha); /* float32, as kvpress */
         size_t nf = b1 > n_safe ? b1 : n_safe;
         uint8_t forced[96], want[96], held[96] = {0};
         double z[96];
@@ -243,6 +244,56 @@ static void test_budget_extension(void **s)
     policy_host_destroy(h);
 }
 
+/* ---- stage-1 size in float32 (kvpress criticalkv_press.py:167) ---- */
+
+static void test_stage1_size_float32(void **s)
+{
+    (void)s;
+    /* The pair where float32 and double disagree: 50·.58 is 28.999999999999996
+     * in double but rounds to 29.0f in float32. */
+    assert_int_equal((size_t)(50 * 0.58), 28);
+    assert_int_equal(criticalkv_ada_stage1_size(50, 0.58), 29);
+    assert_int_equal(criticalkv_ada_stage1_size(3, 0.5), 1);
+    assert_int_equal(criticalkv_ada_stage1_size(1, 0.5), 0);
+    assert_int_equal(criticalkv_ada_stage1_size(50, 1.0), 50);
+    assert_int_equal(criticalkv_ada_stage1_size(50, 0), 0);
+}
+
+/* The same pair through the host: one head, L = 100, cr = .5 -> B = 50,
+ * α = .58. Window token 99 ranks first (max + 1), then 0, 1, ... by falling
+ * attention. Token 27, the 29th by attention, has a zero value norm, so
+ * stage 2 never keeps it: it is held only when stage 1 takes 29 tokens.
+ * Then stage 2 fills 21 slots with 28..48; with 28 it would be 28..49. */
+static void test_stage1_size_through_host(void **s)
+{
+    (void)s;
+    enum { L = 100 };
+    float row[L], norm[L];
+    for (uint32_t i = 0; i < L; i++) {
+        row[i] = i + 1 < L ? (float)(L - i) / 1000.0f : 0;
+        norm[i] = i == 27 ? 0.0f : 1.0f;
+    }
+    const float *rows[1] = {row}, *norms[1] = {norm};
+    policy_host *h = ph_host("criticalkv_ada",
+                             (const char *const[]){"window=1", "kernel=1", "compression_ratio=0.5",
+                                                   "first_stage_ratio=0.58", NULL},
+                             ph_geom(1, 1, 1));
+    assert_int_equal(policy_host_append(h, L), 0);
+    policy_stats st = {.new_tokens = L,
+                       .prefill = 1,
+                       .window_attn = rows,
+                       .window_queries = 1,
+                       .vnorm = norms,
+                       .confidence = -1};
+    assert_int_equal(ph_step(h, 0, &st), 50);
+    char want[400] = "";
+    for (uint32_t i = 0; i <= 48; i++)
+        snprintf(want + strlen(want), sizeof want - strlen(want), "%u,", i);
+    strcat(want, "99");
+    ph_expect_held(h, 0, 0, want);
+    policy_host_destroy(h);
+}
+
 static void test_invalid_configs(void **s)
 {
     (void)s;
@@ -277,6 +328,8 @@ int main(void)
         cmocka_unit_test(test_head_compression),
         cmocka_unit_test(test_matches_reference),
         cmocka_unit_test(test_budget_extension),
+        cmocka_unit_test(test_stage1_size_float32),
+        cmocka_unit_test(test_stage1_size_through_host),
         cmocka_unit_test(test_invalid_configs),
         cmocka_unit_test(test_registry),
     };

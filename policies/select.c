@@ -1,0 +1,208 @@
+/*
+ * select.c - the cut of the k lowest keys (select.h).
+ *
+ * A policy's lists hold up to a million tokens and a decision selects from
+ * every list of every layer (32 × 8 lists of 32,768 tokens at Llama-3-8B
+ * shape), so the selection must cost about a pass over the keys: a
+ * comparison sort of each list was three quarters of a SnapKV-family
+ * decision (issue 16 §1), and even a quickselect's in-place partition is a
+ * chain of dependent loads and stores.
+ *
+ * Here each round takes two bounds from an evenly spaced sample, a few
+ * standard deviations of the sample's rank estimate either side of the k-th
+ * key; one counting pass says which side of them the k-th key lies on, and
+ * a branch-free compaction keeps only that part (usually the keys between
+ * the bounds, an eighth of the list or less). Counts and compaction look at
+ * key values only, so equal keys cost nothing special. A round that would
+ * keep everything (all keys between the bounds) narrows to the one sample
+ * key instead, which always drops at least that key's copies. The sample
+ * and the last few hundred keys go to a small quickselect (nth).
+ */
+#include "select.h"
+
+#include "util.h"
+
+enum {
+    SAMPLE = 256,   /* sample size; at most this many keys go to nth() directly */
+    MARGIN = 24,    /* sample ranks either side of the estimate: ~3.5 sigma */
+    MAX_ROUNDS = 64 /* then nth() on what is left (a guard; never seen) */
+};
+
+static void sift_down(uint64_t *a, size_t root, size_t n)
+{
+    for (;;) {
+        size_t child = 2 * root + 1;
+        if (child >= n)
+            return;
+        if (child + 1 < n && a[child] < a[child + 1])
+            child++;
+        if (a[root] >= a[child])
+            return;
+        uint64_t t = a[root];
+        a[root] = a[child];
+        a[child] = t;
+        root = child;
+    }
+}
+
+static void heap_sort(uint64_t *a, size_t n)
+{
+    for (size_t i = n / 2; i-- > 0;)
+        sift_down(a, i, n);
+    for (size_t end = n; end-- > 1;) {
+        uint64_t t = a[0];
+        a[0] = a[end];
+        a[end] = t;
+        sift_down(a, 0, end);
+    }
+}
+
+/* Put the key of rank t (from 0) of a[0..n) at a[t], smaller or equal keys
+ * before it, larger or equal after: Hoare's quickselect, median-of-3
+ * pivots, heapsort when a range does not shrink fast enough. For the
+ * sample and the last few hundred keys only. */
+static void nth(uint64_t *a, size_t n, size_t t)
+{
+    size_t lo = 0, hi = n; /* the range holding rank t */
+    for (int rounds = 0; hi - lo > 16; rounds++) {
+        if (rounds > 40) {
+            heap_sort(a + lo, hi - lo);
+            return;
+        }
+        size_t m = lo + (hi - lo) / 2;
+        uint64_t x = a[lo], y = a[m], z = a[hi - 1];
+        uint64_t p = x < y ? (y < z ? y : x < z ? z : x) : (x < z ? x : y < z ? z : y);
+        size_t i = lo, j = hi - 1;
+        for (;;) { /* stop on equal keys on both sides: duplicates split evenly */
+            while (a[i] < p)
+                i++;
+            while (a[j] > p)
+                j--;
+            if (i >= j)
+                break;
+            uint64_t tmp = a[i];
+            a[i++] = a[j];
+            a[j--] = tmp;
+        }
+        /* a[lo..j] <= p <= a[j+1..hi) */
+        if (t <= j)
+            hi = j + 1;
+        else
+            lo = j + 1;
+    }
+    for (size_t i = lo + 1; i < hi; i++) { /* insertion sort of the rest */
+        uint64_t x = a[i];
+        size_t k = i;
+        for (; k > lo && a[k - 1] > x; k--)
+            a[k] = a[k - 1];
+        a[k] = x;
+    }
+}
+
+/* Keep the keys in [lo, hi] at the front, in place; returns how many. */
+POLICY_HOT static size_t compact(uint64_t *keys, size_t n, uint64_t lo, uint64_t hi)
+{
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t x = keys[i];
+        keys[m] = x; /* m <= i: never ahead of the reads */
+        m += (x >= lo) & (x <= hi);
+    }
+    return m;
+}
+
+/* Bounds lo <= hi around the key of rank t from a sorted sample. */
+static void bounds(const uint64_t *keys, size_t n, size_t t, uint64_t *lo, uint64_t *hi,
+                   uint64_t *mid)
+{
+    uint64_t s[SAMPLE];
+    size_t stride = n / SAMPLE;
+    for (size_t j = 0; j < SAMPLE; j++)
+        s[j] = keys[j * stride];
+    size_t est = (size_t)((double)t / (double)n * SAMPLE);
+    est = est < SAMPLE ? est : SAMPLE - 1;
+    size_t a = est > MARGIN ? est - MARGIN : 0;
+    size_t b = est + MARGIN < SAMPLE ? est + MARGIN : SAMPLE - 1;
+    /* Three ranks of the sample, each selected in what the last left. */
+    nth(s, SAMPLE, a);
+    nth(s + a, SAMPLE - a, est - a);
+    nth(s + est, SAMPLE - est, b - est);
+    *lo = s[a];
+    *mid = s[est];
+    *hi = s[b];
+}
+
+/* Which keys of n to keep for rank t, given bounds lo <= hi: below lo,
+ * between them (band), or above hi. Updates n (kept count), t (rank in
+ * what is kept) and *below (keys dropped below what is kept). Returns 1
+ * when the band is one value, which is then the k-th key. */
+POLICY_HOT static int narrow(uint64_t *keys, size_t *n, size_t *t, size_t *below, uint64_t lo,
+                             uint64_t hi)
+{
+    size_t lt = 0, le = 0;
+    for (size_t i = 0; i < *n; i++) {
+        lt += keys[i] < lo;
+        le += keys[i] <= hi;
+    }
+    if (*t < lt) {
+        *n = compact(keys, *n, 0, lo - 1); /* lt > 0: some key < lo, so lo > 0 */
+        return 0;
+    }
+    if (*t >= le) {
+        *n = compact(keys, *n, hi + 1, UINT64_MAX); /* le < n: hi < UINT64_MAX */
+        *t -= le;
+        *below += le;
+        return 0;
+    }
+    *t -= lt;
+    *below += lt;
+    if (lo == hi)
+        return 1;
+    *n = compact(keys, *n, lo, hi);
+    return 0;
+}
+
+policy_cut policy_select_cut(uint64_t *keys, size_t n, size_t k)
+{
+    if (k == 0)
+        return (policy_cut){0, 0};
+    if (k >= n)
+        return (policy_cut){UINT64_MAX, n};
+    size_t t = k - 1, below = 0;
+    for (int round = 0; n > SAMPLE && round < MAX_ROUNDS; round++) {
+        uint64_t lo, hi, mid;
+        bounds(keys, n, t, &lo, &hi, &mid);
+        size_t before = n;
+        if (narrow(keys, &n, &t, &below, lo, hi))
+            return (policy_cut){lo, k - below};
+        if (n == before) /* every key between the bounds: split at mid */
+            if (narrow(keys, &n, &t, &below, mid, mid))
+                return (policy_cut){mid, k - below};
+    }
+    nth(keys, n, t);
+    uint64_t v = keys[t];
+    size_t smaller = 0; /* keys[0..t) are <= v: count those below it */
+    for (size_t i = 0; i < t; i++)
+        smaller += keys[i] < v;
+    return (policy_cut){v, k - (below + smaller)};
+}
+
+POLICY_HOT void policy_cut_mark(policy_cut *c, const double *score, double sign, const uint8_t *in,
+                                int in_value, size_t n, int reverse, uint8_t *chosen)
+{
+    uint64_t cut = c->key;
+    uint8_t want = in_value != 0;
+    if (in == NULL)
+        for (size_t i = 0; i < n; i++)
+            chosen[i] = policy_key(sign * score[i]) < cut;
+    else
+        for (size_t i = 0; i < n; i++)
+            chosen[i] = (uint8_t)(((in[i] != 0) == want) & (policy_key(sign * score[i]) < cut));
+    for (size_t j = 0; j < n && c->ties > 0; j++) {
+        size_t i = reverse ? n - 1 - j : j;
+        if ((in == NULL || (in[i] != 0) == want) && policy_key(sign * score[i]) == cut) {
+            chosen[i] = 1;
+            c->ties--;
+        }
+    }
+}

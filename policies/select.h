@@ -1,0 +1,78 @@
+/*
+ * select.h - top-k selection without a sort, for every policy that keeps or
+ * evicts the k best or worst tokens of a list (policy-internal; not part of
+ * policy.h's interface).
+ *
+ * A policy maps each candidate's score to a key (policy_key) whose order is
+ * the order it needs (lower keys first), and asks for the cut of the k
+ * first: the keys below the cut's key are chosen, and of the keys equal to
+ * it the first `ties` in the policy's tie order. policy_cut_mark then
+ * visits the candidates once more, in tie order, and marks the chosen. So
+ * the selection looks at 8-byte keys only, equal keys need no tie-breaking
+ * id, and the chosen set is exactly the first k of a stable sort by key in
+ * tie order, whatever the selection's own order.
+ *
+ * How the policies encode their rules (POLICIES.md "Common notation"):
+ *   top-k, keep higher score, ties to the lower index:
+ *     key policy_key(-score) (sign -1), visit in index order;
+ *   bottom-k, evict lower score, ties to the lower index:
+ *     key policy_key(score) (sign 1), visit in index order;
+ *   bottom-k, ties to the higher index: visit in reverse index order;
+ *   lists flattened head-major (ties to the lower head, then the lower
+ *   index): visit head by head, one policy_cut_mark per head.
+ * Negating a double is exact, so "-score" loses nothing.
+ *
+ * Keys: -0.0 equals +0.0 (as the == of doubles says); NaN comes after every
+ * number, +inf included, whatever its sign bit, so a NaN is never chosen
+ * before a number. (The policies reject non-finite statistics before they
+ * rank anything; this only makes the order total.)
+ */
+#ifndef KVSTASH_POLICIES_SELECT_H
+#define KVSTASH_POLICIES_SELECT_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+/* x as an unsigned integer of the same order (see the top of the file). */
+static inline uint64_t policy_key(double x)
+{
+    int nan = x != x;
+    x += 0.0; /* -0.0 + 0.0 = +0.0: one zero */
+    uint64_t u;
+    memcpy(&u, &x, sizeof u);
+    /* IEEE order as unsigned order: negatives flip every bit, positives
+     * only the sign (branch-free, so that key loops vectorise). */
+    u ^= (0 - (u >> 63)) | (UINT64_C(1) << 63);
+    return u | (0 - (uint64_t)nan); /* NaN: all ones, after everything */
+}
+
+/* The k first of a set of keys: those below `key`, and `ties` of those
+ * equal to it. */
+typedef struct policy_cut {
+    uint64_t key;
+    size_t ties;
+} policy_cut;
+
+/*
+ * The cut of the k first (lowest) of keys[0..n). keys[] is working space:
+ * its order afterwards is unspecified. k = 0 chooses nothing, k >= n
+ * everything. Expected O(n): sampled bounds around the k-th key, then a
+ * counting pass and a branch-free compaction of the keys between them,
+ * repeated on ever fewer keys; allocates nothing.
+ */
+policy_cut policy_select_cut(uint64_t *keys, size_t n, size_t k);
+
+/*
+ * The second visit, over candidates that are an array of doubles:
+ * chosen[i] = whether candidate i, key policy_key(sign·score[i]) (sign -1
+ * for a top-k, 1 for a bottom-k; exact), is chosen by c. Candidate i is
+ * among the cut's keys iff in == NULL or (in[i] != 0) == in_value; the
+ * others get 0. Ties are taken in index order, or from the highest index
+ * down when reverse. Two passes: one over the keys below the cut
+ * (vectorised), one for the ties. chosen must not alias in.
+ */
+void policy_cut_mark(policy_cut *c, const double *score, double sign, const uint8_t *in,
+                     int in_value, size_t n, int reverse, uint8_t *chosen);
+
+#endif
