@@ -57,6 +57,8 @@ struct llm_cache {
     kv_dtype dtype;
     size_t elt;
     uint8_t *conv; /* k and v of one token in the pool's dtype */
+    uint32_t *ids; /* scratch: one list's block ids (usage_now) */
+    size_t ids_cap;
     /* statistics */
     float *probs;         /* [L][Q * ctx]: this query's attention, per list */
     const float **p_last; /* [L * Q] row pointers into probs */
@@ -677,29 +679,96 @@ int cache_token_end(llm_cache *c, const cache_step *s)
 
 /* ---- usage, stats, teardown ------------------------------------------------ */
 
-/* Held tokens and their bytes as stored: a full-precision token costs
- * block_bytes / block_tokens, an INT8 one block_bytes / (INT8 tokens per
- * block) (daemon/tier.h: an INT8 block fills one pool block); a token in the
- * sketch costs nothing more than the sketch's fixed cells, not counted here. */
+/* Whether the sequence can hold bytes its table does not show: sketch cells
+ * (a policy with its own sketch, or victims=sketch) and offloaded victims
+ * (victims=sketch|int8, kept out of the lists). */
+static int holds_beyond_table(const llm_cache *c)
+{
+    if (c->ops->sketch_geometry != NULL)
+        return 1;
+    for (size_t i = 0; i < c->o.nparams; i++)
+        if (strcmp(c->o.params[i].key, "victims") == 0 && strcmp(c->o.params[i].value, "evict"))
+            return 1;
+    return 0;
+}
+
+static int cmp_u32(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Pool blocks list ls holds in tier `tier` (each counted once: a block's
+ * segments need not be adjacent), with ids as scratch (room for nsegs). */
+static uint64_t list_blocks(const list *ls, uint32_t tier, uint32_t *ids)
+{
+    size_t n = 0;
+    for (size_t k = 0; k < ls->nsegs; k++)
+        if (ls->tiers[k] == tier)
+            ids[n++] = ls->segs[k].block;
+    qsort(ids, n, sizeof *ids, cmp_u32);
+    uint64_t distinct = 0;
+    for (size_t i = 0; i < n; i++)
+        distinct += i == 0 || ids[i] != ids[i - 1];
+    return distinct;
+}
+
+/* The sequence's bytes by the daemon's own count (Stats: every tier's pool
+ * blocks, sketch cells, offloaded victims), or -1 when Stats failed. */
+static double daemon_bytes(llm_cache *c)
+{
+    char *js = cache_seq_stats_json(c);
+    if (js == NULL)
+        return -1;
+    json_t *seq = json_loads(js, 0, NULL), *t;
+    free(js);
+    double bytes = 0;
+    size_t i;
+    json_array_foreach(json_object_get(seq, "tiers"), i, t)
+    {
+        json_t *b = json_object_get(t, "bytes");
+        bytes += json_is_integer(b)  ? (double)json_integer_value(b)
+                 : json_is_string(b) ? strtod(json_string_value(b), NULL)
+                                     : 0;
+    }
+    json_decref(seq);
+    return bytes;
+}
+
+/*
+ * Held tokens and their bytes as stored (docs/quality/README.md "How bytes
+ * are counted"): every pool block a list holds counts whole, partly filled
+ * or not, full precision (the pool's dtype) or INT8 (an INT8 block and its
+ * scales fill one pool block: daemon/tier.h). Where the sequence can also
+ * hold sketch cells or offloaded victims, which the table does not show,
+ * the daemon's Stats count is taken instead (one gRPC call per token, so
+ * only there). The plain cache holds fp32 arrays of every token.
+ */
 static void usage_now(llm_cache *c)
 {
-    uint64_t tokens = 0, row = 2ull * c->D * (c->plain ? 4 : c->elt);
+    uint64_t tokens = 0, blocks = 0;
     double bytes = 0;
     if (c->plain) {
         tokens = (uint64_t)(c->pos + 1) * c->L;
-        bytes = (double)tokens * c->KV * row;
+        bytes = (double)tokens * c->KV * 2 * c->D * sizeof(float);
     } else {
-        const kv_layout *lay = c->heads > 1 ? &c->rows : &c->lay;
-        double full = (double)kv_block_bytes(lay) / lay->block_tokens;
-        double int8 = (double)kv_block_bytes(lay) / kv_int8_tokens_per_block(lay);
         for (uint32_t i = 0; i < c->L * c->heads; i++) {
             const list *ls = &c->lists[i];
             tokens += ls->n;
-            for (size_t k = 0; k < ls->nsegs; k++)
-                bytes += ls->segs[k].count * (ls->tiers[k] == KVS_TIER_FULL   ? full
-                                              : ls->tiers[k] == KVS_TIER_INT8 ? int8
-                                                                              : 0.0);
+            if (ls->nsegs > c->ids_cap) {
+                uint32_t *p = realloc(c->ids, ls->nsegs * 2 * sizeof *p);
+                if (p == NULL)
+                    continue; /* out of memory: the figure is low, the run goes on */
+                c->ids = p;
+                c->ids_cap = ls->nsegs * 2;
+            }
+            blocks +=
+                list_blocks(ls, KVS_TIER_FULL, c->ids) + list_blocks(ls, KVS_TIER_INT8, c->ids);
         }
+        bytes = (double)blocks * kv_block_bytes(&c->lay);
+        double d = c->have_seq && holds_beyond_table(c) ? daemon_bytes(c) : -1;
+        if (d >= 0)
+            bytes = d;
     }
     c->usage.tokens = tokens;
     c->usage.bytes = (uint64_t)llround(bytes);
@@ -759,6 +828,7 @@ void cache_free(llm_cache *c)
     free(c->att_scores);
     free(c->tokens);
     free(c->conv);
+    free(c->ids);
     free(c->probs);
     free(c->p_last);
     free(c->score);

@@ -90,7 +90,8 @@ int cache_token_end(llm_cache *c, const cache_step *s);
 /* What the cache held when the last token attended. */
 typedef struct cache_usage {
     uint64_t tokens;  /* summed over the lists of every layer */
-    uint64_t bytes;   /* K + V bytes of those tokens as stored (INT8 ones cost less) */
+    uint64_t bytes;   /* what the sequence holds: whole pool blocks of every tier,
+                       * sketch cells, offloaded victims (cache.c usage_now) */
     uint64_t evicted; /* tokens the policy removed in this sequence so far */
 } cache_usage;
 

@@ -7,7 +7,8 @@
  *   score     per-token negative log-likelihood of a text file's stories
  *             (separated by <|endoftext|>, each BOS-prefixed and truncated
  *             to the model's context); the last line of stdout is one JSON
- *             object: nll, ppl, tokens, stories, kv_bytes_peak, kv_bytes_mean
+ *             object: nll, ppl, tokens, stories, kv_dtype, kv_bytes_peak,
+ *             kv_bytes_mean, kv_bytes_full_mean (docs/quality/README.md)
  *
  * --no-daemon runs the same forward pass with a plain in-process KV array
  * (the reference the tests compare with). `kvstash-llama --help` lists the
@@ -32,9 +33,22 @@
 
 /* --int8 on asks kvstashd to demote every held token but the newest
  * INT8_WINDOW of each list to INT8 (the storage keys of policies/storage.h:
- * int8=on, int8_window=N; --set overrides either). So the same budget holds
- * its older tokens in about a third of the bytes of fp32. */
+ * int8=on, int8_window=N; --set overrides either). An INT8 block fills one
+ * pool block, its scales included, so what that saves depends on the block
+ * size (docs/tiers.md; nothing at 4-token fp16 blocks of stories260K). */
 #define INT8_WINDOW "8"
+
+/* The reference every kv_bytes figure is a share of: an fp16 cache of
+ * every token at the same step (what serving engines keep), whatever the
+ * pool's dtype, so that fp32 pools show their real cost (twice as much)
+ * instead of flattering INT8. docs/quality/README.md "How bytes are
+ * counted". */
+#define FULL_CACHE_ELT_BYTES 2
+
+static const char *dtype_name(kvs_dtype d)
+{
+    return d == KVS_FP32 ? "fp32" : d == KVS_BF16 ? "bf16" : "fp16";
+}
 
 typedef struct opts {
     const char *cmd, *model, *tokenizer, *text, *prompt, *per_token;
@@ -63,7 +77,8 @@ static void usage(FILE *f)
             "(default off)\n"
             "  --socket PATH         kvstashd's socket (default: kvs_default_socket())\n"
             "  --no-daemon           plain in-process KV array instead of kvstashd\n"
-            "  --dtype fp32|fp16|bf16  the pool's element type (default fp32)\n"
+            "  --kv-dtype fp16|bf16|fp32  the element type K and V are stored in, in kvstashd's "
+            "pool (default fp16, what engines keep; --dtype is the same option)\n"
             "  --block-tokens N      the pool's block size (default 4)\n"
             "  --model-name NAME     the pool's model name (default: the file's base name)\n"
             "score:\n"
@@ -194,7 +209,7 @@ static void parse(int argc, char **argv, opts *o)
     o->steps = 256;
     o->batch = 8;
     o->seed = 1;
-    o->c = (cache_opts){.policy = "full", .block_tokens = 4, .dtype = KVS_FP32};
+    o->c = (cache_opts){.policy = "full", .block_tokens = 4, .dtype = KVS_FP16};
     if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0) {
         usage(argc < 2 ? stderr : stdout);
         exit(argc < 2 ? 2 : 0);
@@ -261,7 +276,7 @@ static void parse(int argc, char **argv, opts *o)
             if (strcmp(v, "on") != 0 && strcmp(v, "off") != 0)
                 die(2, "--int8 takes on or off, got '%s'", v);
             o->int8 = strcmp(v, "on") == 0;
-        } else if (strcmp(a, "--dtype") == 0) {
+        } else if (strcmp(a, "--kv-dtype") == 0 || strcmp(a, "--dtype") == 0) {
             if (strcmp(v, "fp32") == 0)
                 o->c.dtype = KVS_FP32;
             else if (strcmp(v, "fp16") == 0)
@@ -269,7 +284,7 @@ static void parse(int argc, char **argv, opts *o)
             else if (strcmp(v, "bf16") == 0)
                 o->c.dtype = KVS_BF16;
             else
-                die(2, "--dtype takes fp32, fp16 or bf16, got '%s'", v);
+                die(2, "%s takes fp16, bf16 or fp32, got '%s'", a, v);
         } else if (strcmp(a, "--set") == 0) {
             size_t k = o->c.nparams;
             if (k == CACHE_MAX_PARAMS || strlen(v) >= sizeof o->set_buf[0])
@@ -343,7 +358,7 @@ typedef struct run {
  * token ls[b]->ids[pos], or `tokens` when given); logits in each lane's st. */
 static void forward(run *r, lane *const *ls, size_t nb, const uint32_t *tokens)
 {
-    llm_state *sts[LLM_MAX_BATCH];
+    llm_state *sts[LLM_MAX_BATCH] = {NULL}; /* zeroed: GCC -O1 + sanitizers warns otherwise */
     uint32_t pos[LLM_MAX_BATCH];
     for (size_t b = 0; b < nb; b++) {
         pos[b] = (uint32_t)ls[b]->pos;
@@ -360,13 +375,13 @@ static void forward(run *r, lane *const *ls, size_t nb, const uint32_t *tokens)
         llm_layer_finish(&r->m, sts, nb, l);
     }
     llm_logits(&r->m, sts, nb);
-    size_t elt = r->o->no_daemon || r->o->c.dtype == KVS_FP32 ? 4 : 2;
     for (size_t b = 0; b < nb; b++) {
         cache_usage u;
         cache_get_usage(ls[b]->cache, &u);
         r->steps++;
         r->bytes_sum += u.bytes;
-        r->full_bytes_sum += (uint64_t)(pos[b] + 1) * r->m.c.n_layers * r->m.c.kv_dim * 2 * elt;
+        r->full_bytes_sum +=
+            (uint64_t)(pos[b] + 1) * r->m.c.n_layers * r->m.c.kv_dim * 2 * FULL_CACHE_ELT_BYTES;
         if (u.bytes > r->bytes_peak)
             r->bytes_peak = u.bytes;
     }
@@ -606,13 +621,15 @@ static int cmd_score(const opts *o)
     double secs = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
     double steps = r.steps ? (double)r.steps : 1.0;
     printf("{\"model\":\"%s\",\"policy\":\"%s\",\"budget\":%u,\"int8\":%s,\"daemon\":%s,"
+           "\"kv_dtype\":\"%s\","
            "\"nll\":%.17g,\"ppl\":%.17g,\"tokens\":%" PRIu64 ",\"stories\":%u,"
            "\"kv_bytes_peak\":%" PRIu64 ",\"kv_bytes_mean\":%.17g,\"kv_bytes_full_mean\":%.17g,"
            "\"evicted\":%" PRIu64 ",\"seconds\":%.3f}\n",
            o->model_name, o->no_daemon ? "none" : o->c.policy, o->budget,
-           o->int8 ? "true" : "false", o->no_daemon ? "false" : "true", mean, exp(mean), tokens,
-           nstories, r.bytes_peak, (double)r.bytes_sum / steps, (double)r.full_bytes_sum / steps,
-           evicted, secs);
+           o->int8 ? "true" : "false", o->no_daemon ? "false" : "true",
+           o->no_daemon ? "fp32" : dtype_name(o->c.dtype), mean, exp(mean), tokens, nstories,
+           r.bytes_peak, (double)r.bytes_sum / steps, (double)r.full_bytes_sum / steps, evicted,
+           secs);
     run_close(&r);
     free(res);
     free(stories);

@@ -4,11 +4,15 @@
 kvstash-llama runs stories260K (../shared/data) with its KV cache in the real
 kvstashd, and again with a plain in-process KV array (--no-daemon):
 
-* with `full`, every per-token log-likelihood through the daemon equals the
-  in-process forward pass within 1e-5;
+* with `full` in fp32 pools, every per-token log-likelihood through the
+  daemon equals the in-process (fp32) forward pass within 1e-5, and the
+  bytes held are the in-process array's plus the partly filled blocks;
+* fp16 pools (the default) give the full-cache perplexity of fp32 ones
+  within 0.1%, in half the bytes;
 * greedy generation from "Once upon a time" is the same text both ways;
 * a policy whose budget covers the whole context gives exactly (bit for bit)
   the `full` result, for one-list and per-head policies;
+* offloaded victims (victims=int8) count in the bytes held;
 * the benchmark script (tests/quality/run.py) on a few stories and policies:
   every perplexity is finite, and it writes its CSV, Markdown and SVG.
 """
@@ -55,23 +59,51 @@ def score(ctx, tmp, name, *policy_args, daemon=True):
     return lps, summary
 
 
+# stories260K: 5 layers, 4 KV heads of 8; a pool block holds 4 tokens.
+LAYERS, KV_DIM, BLOCK_TOKENS = 5, 32, 4
+
+
 def check_full_through_daemon_equals_plain_array(ctx):
     with tempfile.TemporaryDirectory() as tmp:
         ref, rs = score(ctx, tmp, "plain", daemon=False)
-        got, gs = score(ctx, tmp, "full", "--policy", "full")
+        got, gs = score(ctx, tmp, "full", "--policy", "full", "--kv-dtype", "fp32")
         assert rs["tokens"] == gs["tokens"] > 500, (rs, gs)
         assert ref.keys() == got.keys()
         worst = max(abs(ref[k] - got[k]) for k in ref)
         assert worst <= 1e-5, f"largest per-token log-likelihood difference {worst:g}"
-        assert gs["evicted"] == 0 and gs["kv_bytes_mean"] == rs["kv_bytes_mean"]
+        assert gs["evicted"] == 0 and gs["kv_dtype"] == "fp32" and rs["kv_dtype"] == "fp32"
+        # Both are fp32 and "full" is the fp16 cache of every token: twice as
+        # much. The daemon's pool holds whole blocks: at most one partly
+        # filled block per layer more than the plain array, on average half.
+        assert gs["kv_bytes_full_mean"] == rs["kv_bytes_full_mean"]
+        assert rs["kv_bytes_mean"] == 2 * rs["kv_bytes_full_mean"], rs
+        block = BLOCK_TOKENS * KV_DIM * 2 * 4
+        slack = gs["kv_bytes_mean"] - rs["kv_bytes_mean"]
+        assert 0.3 * LAYERS * block < slack < 0.7 * LAYERS * block, (slack, gs, rs)
         ctx.full = (got, gs)
         print(f"     {gs['tokens']} tokens, ppl {gs['ppl']:.4f}, max |diff| {worst:.2e}")
+
+
+def check_fp16_pools_same_perplexity_as_fp32(ctx):
+    """The default pools are fp16: the model's K and V are rounded to fp16 as
+    they are written; the full-cache perplexity stays within 0.1% of fp32
+    pools', and the bytes held are half."""
+    assert hasattr(ctx, "full"), "needs the full run"
+    _, f32 = ctx.full
+    with tempfile.TemporaryDirectory() as tmp:
+        got, f16 = score(ctx, tmp, "fp16", "--policy", "full")
+    assert f16["kv_dtype"] == "fp16" and f16["tokens"] == f32["tokens"], (f16, f32)
+    assert got != ctx.full[0], "fp16 pools scored exactly like fp32: nothing was rounded"
+    rel = abs(f16["ppl"] - f32["ppl"]) / f32["ppl"]
+    assert rel < 1e-3, f"fp16 ppl {f16['ppl']:.6f}, fp32 {f32['ppl']:.6f} ({rel:.2e} apart)"
+    assert f16["kv_bytes_mean"] * 2 == f32["kv_bytes_mean"], (f16, f32)
+    print(f"     fp16 ppl {f16['ppl']:.6f}, fp32 {f32['ppl']:.6f}, {rel:.1e} apart")
 
 
 def check_greedy_generation_same_through_daemon(ctx):
     args = ["generate", "--prompt", "Once upon a time", "--steps", "80"]
     plain = llama(*args, "--no-daemon").stdout
-    daemon = llama(*args, "--socket", ctx.daemon.sock).stdout
+    daemon = llama(*args, "--socket", ctx.daemon.sock, "--kv-dtype", "fp32").stdout
     assert plain.startswith("Once upon a time"), plain
     assert len(plain) > 200, plain
     assert plain == daemon, f"plain:\n{plain}\ndaemon:\n{daemon}"
@@ -84,7 +116,8 @@ def check_budget_covering_context_is_exactly_full(ctx):
     with tempfile.TemporaryDirectory() as tmp:
         for policy, budget in (("h2o", 512), ("snapkv", 600), ("weightedkv", 512),
                                ("streaming", 520), ("tova", 512)):
-            got, gs = score(ctx, tmp, policy, "--policy", policy, "--budget", str(budget))
+            got, gs = score(ctx, tmp, policy, "--policy", policy, "--budget", str(budget),
+                            "--kv-dtype", "fp32")
             assert gs["evicted"] == 0, (policy, gs)
             diff = [k for k in full if full[k] != got[k]]
             assert not diff, f"{policy}: {len(diff)} tokens differ from full, first {diff[0]}"
@@ -95,9 +128,13 @@ def check_int8_tier_through_the_daemon(ctx):
     """--int8 on: kvstashd demotes all but the newest 8 tokens of each list to
     INT8 and the model reads them through the fused dequantising attention:
     the perplexity moves a little (the model sees other values), the bytes
-    the cache holds drop."""
+    the cache holds drop. Counted as stored, an INT8 block's scales take half
+    of a 4-token fp16 block here (8·H·d bytes), so it holds 4 tokens, no more
+    than fp16: only bigger blocks (16 tokens: 28 INT8 tokens a block) and
+    lists that evictions do not fragment save bytes (docs/quality/README.md
+    "How bytes are counted")."""
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["--policy", "h2o", "--budget", "64"]
+        args = ["--policy", "full", "--block-tokens", "16", "--model-name", "stories260K-b16"]
         _, off = score(ctx, tmp, "off", *args)
         _, on = score(ctx, tmp, "on", *args, "--int8", "on")
         assert math.isfinite(on["ppl"]) and on["tokens"] == off["tokens"], (on, off)
@@ -115,6 +152,19 @@ def check_reviver_attends_over_its_sketch(ctx):
         assert math.isfinite(rv["ppl"]) and rv["tokens"] == full["tokens"], (rv, full)
         assert rv["nll"] != full["nll"], "reviver scored exactly like full: nothing was sketched"
         assert rv["kv_bytes_mean"] < full["kv_bytes_mean"], (rv, full)
+
+
+def check_offloaded_victims_are_counted(ctx):
+    """victims=int8 keeps every token h2o evicts in INT8 blocks, out of the
+    attention: the model scores exactly as when they are dropped, but the
+    bytes held (the daemon's count: the table does not show victims) grow
+    past what the held tokens take."""
+    with tempfile.TemporaryDirectory() as tmp:
+        args = ["--policy", "h2o", "--budget", "32"]
+        drop_lp, drop = score(ctx, tmp, "drop", *args)
+        keep_lp, keep = score(ctx, tmp, "keep", *args, "--set", "victims=int8")
+    assert keep_lp == drop_lp and keep["evicted"] == drop["evicted"] > 0, (keep, drop)
+    assert keep["kv_bytes_mean"] > 2 * drop["kv_bytes_mean"], (keep, drop)
 
 
 def check_benchmark_slice_perplexities_finite(ctx):
@@ -152,10 +202,12 @@ def main():
             return 1
     return run_tests("test_quality", [
         check_full_through_daemon_equals_plain_array,
+        check_fp16_pools_same_perplexity_as_fp32,
         check_greedy_generation_same_through_daemon,
         check_budget_covering_context_is_exactly_full,
         check_int8_tier_through_the_daemon,
         check_reviver_attends_over_its_sketch,
+        check_offloaded_victims_are_counted,
         check_benchmark_slice_perplexities_finite,
     ], daemon_kwargs={"pool_mb": 64, "log_level": "info"}, time_limit=280)
 

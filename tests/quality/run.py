@@ -3,8 +3,8 @@
 for every policy (issue 5, docs/quality/README.md).
 
 It starts its own kvstashd on a temporary socket, runs `kvstash-llama score`
-once for the full cache and once per policy x budget x INT8 setting, and
-writes, under --out, NAME.csv, NAME.md (a Markdown table with the exact
+once for the full cache and once per policy x budget x INT8 setting (K/V
+in --kv-dtype pools, fp16 by default), and writes, under --out, NAME.csv, NAME.md (a Markdown table with the exact
 command that made it) and NAME.svg (perplexity against mean KV bytes per
 sequence, one line per policy; written by hand, no plotting library).
 
@@ -54,6 +54,9 @@ def parse_args(argv):
                     help="comma-separated; `full` always runs as the baseline")
     ap.add_argument("--budgets", default="16,32,64,128", help="tokens per layer, comma-separated")
     ap.add_argument("--int8", default="off,on", help="off, on, or off,on")
+    ap.add_argument("--kv-dtype", default="fp16", choices=("fp16", "bf16", "fp32"),
+                    help="the pools' element type (kvstash-llama --kv-dtype; default fp16). "
+                         "Shares are always of an fp16 cache of every token")
     ap.add_argument("--set", action="append", default=[], metavar="POLICY:KEY=VALUE",
                     help="an extra parameter for one policy (repeatable)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
@@ -113,13 +116,20 @@ def score_cmd(args, llama, sock, policy, budget, int8, extra):
     if sock is None:
         cmd += ["--no-daemon"]
     else:
-        cmd += ["--socket", sock, "--policy", policy]
+        cmd += ["--socket", sock, "--kv-dtype", args.kv_dtype, "--policy", policy]
         if budget:
             cmd += ["--budget", str(budget)]
         cmd += ["--int8", int8]
         for kv in extra:
             cmd += ["--set", kv]
     return cmd
+
+
+def kv_fraction(r):
+    """The bytes a run held as a share of an fp16 cache of every token at the
+    same steps (kv_bytes_full_mean: the worker counts it at 2 bytes an
+    element whatever the pool's dtype, so every run has the same one)."""
+    return {"kv_fraction": r["kv_bytes_mean"] / r["kv_bytes_full_mean"]}
 
 
 def run_one(cmd, timeout):
@@ -142,9 +152,9 @@ def run_one(cmd, timeout):
     return {"status": "error", "error": err.replace("kvstash-llama: ", "")}
 
 
-FIELDS = ["model", "policy", "budget", "int8", "status", "ppl", "nll", "tokens", "stories",
-          "kv_bytes_mean", "kv_bytes_peak", "kv_bytes_full_mean", "kv_fraction", "ppl_vs_full",
-          "evicted", "seconds", "error"]
+FIELDS = ["model", "kv_dtype", "policy", "budget", "int8", "status", "ppl", "nll", "tokens",
+          "stories", "kv_bytes_mean", "kv_bytes_peak", "kv_bytes_full_mean", "kv_fraction",
+          "ppl_vs_full", "evicted", "seconds", "error"]
 
 
 def write_csv(path, rows):
@@ -171,11 +181,15 @@ def write_md(path, args, rows, full, budgets, command, seconds):
     out.append(f"Perplexity of `{os.path.basename(args.model)}` on the first "
                f"{full['stories']} stories of `{os.path.basename(args.text)}` "
                f"({full['tokens']} scored tokens), with the KV cache in kvstashd. "
-               "Each cell: perplexity (mean KV bytes per sequence as a share of the full "
-               "cache's). Budgets are tokens per layer (`--budget`, mapped per policy as "
-               "docs/quality/README.md says).\n")
+               f"K and V in {args.kv_dtype} pools. Each cell: perplexity (mean KV bytes "
+               "per sequence as stored, as a share of an fp16 cache of every token at the "
+               "same steps: docs/quality/README.md \"How bytes are counted\"). Budgets are "
+               "tokens per layer (`--budget`, mapped per policy as docs/quality/README.md "
+               "says).\n")
     out.append(f"Full cache: **ppl {full['ppl']:.4f}** (nll {full['nll']:.6f}), mean KV "
-               f"{full['kv_bytes_mean'] / 1024:.1f} KiB, peak "
+               f"{full['kv_bytes_mean'] / 1024:.1f} KiB as stored "
+               f"({100 * full['kv_fraction']:.0f}% of the fp16 cache's "
+               f"{full['kv_bytes_full_mean'] / 1024:.1f} KiB), peak "
                f"{full['kv_bytes_peak'] / 1024:.1f} KiB per sequence.\n")
     for mode in modes:
         out.append(f"\n## INT8 {mode}\n")
@@ -304,6 +318,7 @@ def main(argv):
         stem = os.path.join(args.out, args.name)
         rows = read_csv(stem + ".csv")
         full = next(r for r in rows if r["policy"] == "full")
+        args.kv_dtype = full.get("kv_dtype") or "fp32"  # tables before --kv-dtype were fp32
         rows = [r for r in rows if r["policy"] != "full"]
         write_svg(stem + ".svg", args, rows, full)
         with open(stem + ".md") as f:  # keep how the table was made
@@ -333,6 +348,7 @@ def main(argv):
     d = Daemon(daemon_bin, args.pool_mb)
     try:
         full = run_one(score_cmd(args, llama, d.sock, "full", 0, "off", []), args.timeout)
+        full.update(kv_fraction(full))
         if full["status"] != "ok":
             print(f"run.py: the full-cache run failed: {full['error']}", file=sys.stderr)
             return 1
@@ -348,9 +364,10 @@ def main(argv):
             for fut in concurrent.futures.as_completed(futs):
                 p, b, m = futs[fut]
                 r = fut.result()
-                r.update({"model": args.name, "policy": p, "budget": b, "int8": m})
+                r.update({"model": args.name, "policy": p, "budget": b, "int8": m,
+                          "kv_dtype": args.kv_dtype})
                 if r["status"] == "ok":
-                    r["kv_fraction"] = r["kv_bytes_mean"] / full["kv_bytes_mean"]
+                    r.update(kv_fraction(r))
                     r["ppl_vs_full"] = r["ppl"] / full["ppl"]
                     print(f"{p} budget {b} int8 {m}: ppl {r['ppl']:.4f}, "
                           f"kv {100 * r['kv_fraction']:.0f}% ({r['seconds']:.0f} s)", flush=True)
@@ -362,7 +379,7 @@ def main(argv):
     order = {p: i for i, p in enumerate(args.policies.split(","))}
     rows.sort(key=lambda r: (r["int8"] != "off", order.get(r["policy"], 99), r["budget"]))
     full.update({"model": args.name, "policy": "full", "budget": 0, "int8": "off",
-                 "kv_fraction": 1.0, "ppl_vs_full": 1.0})
+                 "ppl_vs_full": 1.0})
     stem = os.path.join(args.out, args.name)
     write_csv(stem + ".csv", [full] + rows)
     write_md(stem + ".md", args, rows, full, budgets, command, time.monotonic() - t0)

@@ -71,7 +71,7 @@ def test_batched_forward_equals_lanes_alone(model, tok):
     calls = []
 
     def run(lanes_ids):
-        r = Runner(model, make_caches(model, len(lanes_ids)), 4)
+        r = Runner(model, make_caches(model, len(lanes_ids)))
         forward = r.forward
         r.forward = lambda lanes, tokens: calls.append(len(lanes)) or forward(lanes, tokens)
         out = []

@@ -14,7 +14,7 @@ import kvstash
 from kvstash.llama import policies
 from kvstash.llama.checkpoint import Checkpoint
 from kvstash.llama.model import Llama
-from kvstash.llama.pool import ELT_BYTES, TIER_INT8, LayerGather, PoolView
+from kvstash.llama.pool import TIER_INT8, LayerGather, PoolView
 from kvstash.llama.runner import Runner, make_caches
 from kvstash.llama.tokenizer import Tokenizer
 from llama_helpers import (MODEL, TEXT, TOKENIZER, need_c_llama, need_model, score)
@@ -41,8 +41,7 @@ def run_lanes(model: Llama, session, dtype: str, policy: policies.Policy, steps:
     c = model.c
     view = PoolView(session.pool_array(), session.block_bytes, c.n_kv_heads, BLOCK_TOKENS,
                     c.head_size, dtype)
-    run = Runner(model, make_caches(model, 2, session, view, policy), ELT_BYTES[dtype], view,
-                 policy)
+    run = Runner(model, make_caches(model, 2, session, view, policy), view, policy)
     tok = Tokenizer(TOKENIZER, c.vocab_size)
     for i, (ln, text) in enumerate(zip(run.lanes, stories(2))):
         ln.ids = tok.encode(text)

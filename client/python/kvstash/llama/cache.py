@@ -40,7 +40,7 @@ class Usage:
     """What the cache held when the last token attended."""
 
     tokens: int = 0   # summed over the lists of every layer
-    bytes: int = 0    # K + V bytes of those tokens as stored (INT8 ones cost less)
+    bytes: int = 0    # what the sequence holds: whole pool blocks, sketch cells, victims
     evicted: int = 0  # tokens the policy removed in this sequence so far
 
 
@@ -141,10 +141,8 @@ class KvstashCache:
         self.wfill = self.wnext = 0
         self.p_window: List[np.ndarray] = []
         self.vn = np.zeros((self.L, self.KV, self.ctx), dtype=np.float32)
-        # bytes of a held token: full precision, and INT8 (an INT8 block fills one pool block)
-        per = view.block_tokens * (self.KV if policy.per_head else 1)
-        self.full_bytes = view.block_bytes / per
-        self.int8_bytes = view.block_bytes / view.q8[policy.per_head][1]
+        self.block_bytes = view.block_bytes
+        self.beyond_table = policy.holds_beyond_table()
 
     # ---- sequences ----
 
@@ -342,17 +340,30 @@ class KvstashCache:
     # ---- usage ----
 
     def usage(self) -> Usage:
-        """Held tokens and their bytes as stored (cache.c usage_now): a full
-        precision token costs block_bytes / tokens per block, an INT8 one
-        block_bytes / INT8 tokens per block, a sketched one nothing here."""
-        tokens, full, int8 = 0, 0, 0
+        """Held tokens and their bytes as stored (cache.c usage_now): every
+        pool block a list holds counts whole, full precision or INT8 (an
+        INT8 block and its scales fill one pool block); where the sequence
+        can also hold sketch cells or offloaded victims, the daemon's Stats
+        count instead (one call per token, so only there)."""
+        tokens, blocks = 0, 0
         for lt in self.lists:
             tokens += lt.n
-            full += int(np.count_nonzero(lt.tier == TIER_FULL))
-            int8 += int(np.count_nonzero(lt.tier == TIER_INT8))
+            for tier in (TIER_FULL, TIER_INT8):
+                blocks += int(np.unique(lt.block[lt.tier == tier]).shape[0])
         self.usage_.tokens = tokens
-        self.usage_.bytes = int(_llround(full * self.full_bytes + int8 * self.int8_bytes))
+        self.usage_.bytes = blocks * self.block_bytes
+        if self.beyond_table and self.seq is not None:
+            self.usage_.bytes = self._daemon_bytes()
         return self.usage_
+
+    def _daemon_bytes(self) -> int:
+        """The sequence's bytes by the daemon's own count: every tier's pool
+        blocks, sketch cells, offloaded victims."""
+        from ..stats import stats
+        for sq in stats(self.s.socket).get("sequences", []):
+            if int(sq.get("seq_id", -1)) == self.seq.id:
+                return sum(int(t.get("bytes", 0)) for t in sq.get("tiers", []))
+        raise CacheError(f"Stats does not list sequence {self.seq.id}")
 
 
 def _llround(x: float) -> int:

@@ -72,8 +72,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--socket", help="kvstashd's socket (default: the binding's default)")
     p.add_argument("--no-daemon", action="store_true",
                    help="plain in-process KV array instead of kvstashd")
-    p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32",
-                   help="the pool's element type (default fp32)")
+    p.add_argument("--kv-dtype", "--dtype", dest="dtype", choices=("fp16", "bf16", "fp32"),
+                   default="fp16",
+                   help="the element type K and V are stored in, in kvstashd's pool (default "
+                        "fp16, what engines keep; --dtype is the same option)")
     p.add_argument("--block-tokens", type=_u32, default=4, help="the pool's block size (default 4)")
     p.add_argument("--model-name", help="the pool's model name (default: the file's base name)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",

@@ -19,7 +19,7 @@ from . import policies
 from .cache import CacheError
 from .checkpoint import Checkpoint
 from .model import Llama, logprob
-from .pool import ELT_BYTES, PoolView
+from .pool import PoolView
 from .runner import Lane, Runner, make_caches
 from .tokenizer import TOK_BOS, TOK_EOS, Tokenizer
 
@@ -50,9 +50,8 @@ class Setup:
         elif o.device == "cuda":
             device = "cuda"
         self.model.to(device)
-        elt = 4 if o.no_daemon else ELT_BYTES[o.dtype]
         caches = make_caches(self.model, lanes, self.session, view, self.policy)
-        self.run = Runner(self.model, caches, elt, view, self.policy)
+        self.run = Runner(self.model, caches, view, self.policy)
 
     def close(self) -> None:
         try:
@@ -179,7 +178,8 @@ def cmd_score(o: argparse.Namespace) -> int:
     steps = t.steps or 1
     summary = {
         "model": o.model_name, "policy": "none" if o.no_daemon else o.policy,
-        "budget": o.budget, "int8": o.int8, "daemon": not o.no_daemon, "nll": mean,
+        "budget": o.budget, "int8": o.int8, "daemon": not o.no_daemon,
+        "kv_dtype": "fp32" if o.no_daemon else o.dtype, "nll": mean,
         "ppl": math.exp(mean), "tokens": tokens, "stories": len(stories),
         "kv_bytes_peak": t.bytes_peak, "kv_bytes_mean": t.bytes_sum / steps,
         "kv_bytes_full_mean": t.full_bytes_sum / steps, "evicted": evicted,

@@ -37,6 +37,10 @@ POLICIES: Dict[str, Tuple[int, bool]] = {
     "weightedkv": (NEEDS_LAST_ATTN, True),
 }
 
+# Policies with a sketch of their own (policy_ops.sketch_geometry): their
+# sequences hold sketch cells, which the table does not show.
+OWN_SKETCH = ("reviver",)
+
 SNAPKV_WINDOW_DEFAULT = 64  # SNAPKV_PARAM_WINDOW (policies/snapkv_family.h)
 INT8_WINDOW = "8"  # --int8 on: all but the newest 8 tokens of each list in INT8
 
@@ -63,6 +67,11 @@ class Policy:
             if k == key:
                 return v
         return ""
+
+    def holds_beyond_table(self) -> bool:
+        """Whether its sequences can hold bytes the table does not show:
+        sketch cells and offloaded victims (cache.c holds_beyond_table)."""
+        return self.name in OWN_SKETCH or self.param("victims") not in ("", "evict")
 
 
 @dataclass(frozen=True)

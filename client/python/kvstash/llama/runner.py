@@ -43,16 +43,20 @@ class Totals:
     full_bytes_sum: int = 0
 
 
+# The reference of every kv_bytes figure: an fp16 cache of every token at
+# the same step, whatever the pool's dtype (main.c FULL_CACHE_ELT_BYTES).
+FULL_CACHE_ELT_BYTES = 2
+
+
 class Runner:
     """The model, the lanes' caches, and the forward pass."""
 
-    def __init__(self, model: Llama, caches: list, pool_elt: int,
+    def __init__(self, model: Llama, caches: list,
                  view: Optional[PoolView] = None, policy: Optional[policies.Policy] = None):
         self.m = model
         self.c = model.c
         self.lanes = [Lane(cache) for cache in caches]
         self.view = view
-        self.pool_elt = pool_elt  # bytes of an element of the full cache (4 without the daemon)
         self.totals = Totals()
         self.wo64 = None
         if policy is not None and policy.needs & policies.NEEDS_VNORM:
@@ -99,7 +103,7 @@ class Runner:
             u = ln.cache.usage()
             t.steps += 1
             t.bytes_sum += u.bytes
-            t.full_bytes_sum += (pos[b] + 1) * c.n_layers * c.kv_dim * 2 * self.pool_elt
+            t.full_bytes_sum += (pos[b] + 1) * c.n_layers * c.kv_dim * 2 * FULL_CACHE_ELT_BYTES
             t.bytes_peak = max(t.bytes_peak, u.bytes)
         return logits
 
