@@ -77,6 +77,18 @@ def geometry(layers=2, q_heads=4, kv_heads=2, head_dim=8, dtype=pb.DTYPE_FP32,
                        dtype=dtype, block_tokens=block_tokens, rope_theta=rope_theta)
 
 
+def wait_until(pred, timeout, what):
+    """pred()'s first true value, polling every 50 ms; AssertionError naming
+    `what` if none comes within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"{what}: not within {timeout} s")
+
+
 def fd_hello(sock_path, timeout=RPC_TIMEOUT):
     """The fd-socket handshake of docs/protocol.md: connect to PATH.fd
     (SOCK_SEQPACKET), send "HELLO 1", expect "OK <32 hex digits>".

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 
-from kvstash_harness import Daemon, Worker, call, fd_hello, geometry, pb, run_tests
+from kvstash_harness import Daemon, Worker, call, fd_hello, geometry, pb, run_tests, wait_until
 from worker_procs import WorkerProc
 
 PENDING_MS = 1500
@@ -28,16 +28,6 @@ MAX_SESSIONS = 32
 MAX_PENDING = 48
 FD_LIMIT = 64
 CLI = os.environ.get("KVSTASH_CLI", "")
-
-
-def wait_until(pred, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{what}: not within {timeout} s")
 
 
 def closed_by_daemon(s, timeout=0.0):

@@ -35,7 +35,7 @@ import time
 import grpc
 
 from kvstash_harness import (Daemon, Worker, call, expect_status, fd_request, geometry, pb,
-                             run_tests)
+                             run_tests, wait_until)
 
 CLI = os.environ.get("KVSTASH_CLI", "")
 GEOM = dict(layers=2, q_heads=4, kv_heads=2, head_dim=8, block_tokens=16)  # 2 KiB blocks
@@ -71,16 +71,6 @@ print("CLOSED", flush=True)
 sys.stdin.read()  # until stdin closes
 pool[0:4] = b"late"  # a worker may still write after its session ended
 """
-
-
-def wait_until(pred, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{what}: not within {timeout} s")
 
 
 class Victim:
