@@ -971,7 +971,10 @@ static int step_write(kvs_session *s, const kvs_step *st, uint32_t *arrays, uint
                                              s->ring.data_bytes / sizeof(float))
                                  : 0;
     if (used == (size_t)-1) {
-        fail(s, "kvs_seq_step: statistics exceed the ring (%zu bytes)", s->ring.data_bytes);
+        fail(s,
+             "kvs_seq_step: the statistics (%zu bytes) exceed the ring's data area (%zu bytes): "
+             "start kvstashd with a larger --ring-mb",
+             step_floats(&sh, st->tokens) * sizeof(float), s->ring.data_bytes);
         return KVS_ERR_INVALID;
     }
     *bytes = used * sizeof(float);

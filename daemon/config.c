@@ -39,6 +39,10 @@ static const config_option options[] = {
      "largest gRPC reply in MiB a call may build (Append, GetBlockTable, Revive, Inspect); "
      "a call whose reply could be larger is refused before it changes anything (default 64; "
      "4 protects clients that keep gRPC's default receive limit)"},
+    {"ring-mb", CONFIG_COUNT, 1, 4096,
+     "each worker session's step ring in MiB: a decode step's statistics and an append's "
+     "answer must fit (TOVA at 32 layers x 32 query heads reports 4 KiB a token: 128 MiB at "
+     "32k tokens); memory beyond the first 8 MiB is taken as steps use it (default 8)"},
     {"pending-timeout-ms", CONFIG_COUNT, 100, 600000,
      "close an fd-socket connection not attached this long after it connected or its "
      "session ended: HELLO-only peers do not hold --max-sessions (default 5000)"},
@@ -111,6 +115,7 @@ void config_defaults(daemon_config *c)
     c->max_seqs = 65536;
     c->max_daemon_mb = 1024;
     c->max_reply_mb = 64;
+    c->ring_mb = 8;
     c->pending_timeout_ms = 5000;
     c->max_pending = 64;
     c->threads = 2;
@@ -159,6 +164,8 @@ static unsigned long *count_field(daemon_config *c, const char *key)
         return &c->session_max_blocks;
     if (strcmp(key, "max-reply-mb") == 0)
         return &c->max_reply_mb;
+    if (strcmp(key, "ring-mb") == 0)
+        return &c->ring_mb;
     if (strcmp(key, "pending-timeout-ms") == 0)
         return &c->pending_timeout_ms;
     if (strcmp(key, "max-pending") == 0)

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "kvstash_map.h"
+#include "kvstash_ring.h"
 #include "log.h"
 #include "metrics.h"
 #include "ring.h"
@@ -151,7 +152,8 @@ static void handle_ring(fdsock *fs, conn *c)
     int fd = -1;
     size_t bytes = 0;
     status s;
-    status_code rc = store_transport_fd(fs->store, c->id, ring_transport_open, &fd, &bytes, &s);
+    status_code rc = store_transport_fd(fs->store, c->id, ring_transport_open, fs->cfg.ring_bytes,
+                                        &fd, &bytes, &s);
     reply_fd(c, rc, &s, fd, bytes);
 }
 
@@ -399,6 +401,8 @@ status_code fdsock_start(const char *path, store *st, const fdsock_config *cfg, 
     fs->cfg = *cfg;
     if (fs->cfg.max_pending == 0)
         fs->cfg.max_pending = 1;
+    if (fs->cfg.ring_bytes == 0)
+        fs->cfg.ring_bytes = RING_BYTES_DEFAULT;
     fs->listen_fd = -1;
     fs->wake_fd = eventfd(0, EFD_CLOEXEC);
     fs->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);

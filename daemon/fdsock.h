@@ -33,6 +33,7 @@ typedef struct fdsock_config {
     uint32_t pending_timeout_ms; /* close a connection this long without an attached session */
     uint32_t max_pending;        /* connections without one at once; a new one closes the oldest */
     struct metrics *metrics;     /* counters (kvstash_fdsock_shed_total); NULL = none */
+    size_t ring_bytes;           /* each session's ring (--ring-mb); 0 = RING_BYTES_DEFAULT */
 } fdsock_config;
 
 /* Bind `path` (its mode comes from the daemon umask) and start the thread. */

@@ -325,7 +325,8 @@ static int start(const daemon_config *o, daemon_parts *d)
         return -1;
     snprintf(path, sizeof path, "%s.fd", o->socket);
     store_set_lease_timeout(d->store, (uint32_t)o->lease_timeout_ms);
-    fdsock_config fc = {(uint32_t)o->pending_timeout_ms, (uint32_t)o->max_pending, d->metrics};
+    fdsock_config fc = {(uint32_t)o->pending_timeout_ms, (uint32_t)o->max_pending, d->metrics,
+                        (size_t)o->ring_mb << 20};
     if (fdsock_start(path, d->store, &fc, &d->fdsock, &st) != ST_OK) {
         log_error("start_failed", "what=fdsock msg=\"%s\"", st.msg);
         return -1;

@@ -232,6 +232,10 @@ status_code ring_create(store *st, const char *token, size_t bytes, ring **out, 
     ring *rg = calloc(1, sizeof *rg);
     if (rg == NULL)
         return status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
+    if (bytes < 2 * RING_DATA_OFFSET) {
+        free(rg);
+        return status_set(s, ST_INVALID_ARGUMENT, "a ring of %zu bytes has no data area", bytes);
+    }
     rg->store = st;
     snprintf(rg->token, sizeof rg->token, "%s", token);
     rg->bytes = bytes;
@@ -241,7 +245,10 @@ status_code ring_create(store *st, const char *token, size_t bytes, ring **out, 
         status_set(s, ST_INTERNAL, "cannot create the ring memfd: %s", strerror(errno));
         goto fail;
     }
-    rg->hdr = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, rg->fd, 0);
+    /* Populated up to the default size only: this runs under the store's
+     * lock, and a large ring (--ring-mb) is paid for as steps touch it. */
+    int populate = bytes <= RING_BYTES_DEFAULT ? MAP_POPULATE : 0;
+    rg->hdr = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | populate, rg->fd, 0);
     if (rg->hdr == MAP_FAILED) {
         rg->hdr = NULL;
         status_set(s, ST_INTERNAL, "cannot map the ring: %s", strerror(errno));
@@ -331,10 +338,11 @@ static size_t transport_bytes(const void *r)
     return ring_bytes(r);
 }
 
-status_code ring_transport_open(store *st, const char *token, store_transport *out, status *s)
+status_code ring_transport_open(store *st, const char *token, size_t bytes, store_transport *out,
+                                status *s)
 {
     ring *r;
-    if (ring_create(st, token, RING_BYTES_DEFAULT, &r, s) != ST_OK)
+    if (ring_create(st, token, bytes, &r, s) != ST_OK)
         return s->code;
     *out = (store_transport){
         r, transport_close, transport_join, transport_fd, transport_bytes, transport_ended};

@@ -21,8 +21,8 @@
 
 typedef struct ring ring;
 
-/* Create a sealed memfd of `bytes`, map it and start its thread, which acts
- * for the session holding `token`. */
+/* Create a sealed memfd of `bytes` (at least 2 * RING_DATA_OFFSET), map it
+ * and start its thread, which acts for the session holding `token`. */
 status_code ring_create(store *st, const char *token, size_t bytes, ring **out, status *s);
 
 /* The ring's memfd (owned by the ring) and its size. */
@@ -43,11 +43,12 @@ int ring_ended(const ring *r);
 void ring_join(ring *r);
 
 /*
- * store_transport_open for the fd socket's RING: ring_create with
- * RING_BYTES_DEFAULT (proto/kvstash_ring.h); *out is the ring as that
- * session's transport, which the store closes and joins when the session
- * ends (the store never calls ring_* itself).
+ * store_transport_open for the fd socket's RING: ring_create of `bytes`
+ * (--ring-mb; RING_BYTES_DEFAULT in proto/kvstash_ring.h by default); *out is
+ * the ring as that session's transport, which the store closes and joins
+ * when the session ends (the store never calls ring_* itself).
  */
-status_code ring_transport_open(store *st, const char *token, store_transport *out, status *s);
+status_code ring_transport_open(store *st, const char *token, size_t bytes, store_transport *out,
+                                status *s);
 
 #endif

@@ -739,8 +739,8 @@ status_code store_session_open(store *st, pid_t pid, uid_t uid, gid_t gid, int c
     return rc;
 }
 
-status_code store_transport_fd(store *st, int conn_id, store_transport_open open, int *fd,
-                               size_t *bytes, status *s)
+status_code store_transport_fd(store *st, int conn_id, store_transport_open open, size_t want_bytes,
+                               int *fd, size_t *bytes, status *s)
 {
     join_closed(st, 0); /* a cheap moment to reap ended sessions' threads */
     status_code rc = ST_OK;
@@ -752,7 +752,7 @@ status_code store_transport_fd(store *st, int conn_id, store_transport_open open
         se->active_ms = store_now_ms(); /* renews the lease */
     if (se == NULL || !se->attached)
         rc = status_set(s, ST_FAILED_PRECONDITION, "not attached: call Attach first");
-    else if (t->impl == NULL && (rc = open(st, se->token, t, s)) != ST_OK)
+    else if (t->impl == NULL && (rc = open(st, se->token, want_bytes, t, s)) != ST_OK)
         *t = (store_transport){0};
     if (rc == ST_OK && (*fd = fcntl(t->fd(t->impl), F_DUPFD_CLOEXEC, 0)) < 0)
         rc = status_set(s, ST_INTERNAL, "cannot duplicate the ring fd");

@@ -68,10 +68,10 @@ typedef struct store_transport {
     int (*ended)(const void *impl); /* 1 once closed and its thread ended: join() won't wait */
 } store_transport;
 
-/* Creates the transport that acts for the session holding `token`; called
- * with the store's lock held. */
-typedef status_code (*store_transport_open)(store *st, const char *token, store_transport *out,
-                                            status *s);
+/* Creates the transport, of `bytes` bytes, that acts for the session holding
+ * `token`; called with the store's lock held. */
+typedef status_code (*store_transport_open)(store *st, const char *token, size_t bytes,
+                                            store_transport *out, status *s);
 
 /* What Attach returns. */
 typedef struct store_attach_result {
@@ -190,9 +190,10 @@ status_code store_session_open(store *st, pid_t pid, uid_t uid, gid_t gid, int c
                                char token[STORE_TOKEN_LEN + 1], status *s);
 
 /* fd socket RING: a dup of the descriptor of the session's transport, which
- * `open` creates on first use. The caller closes *fd. */
-status_code store_transport_fd(store *st, int conn_id, store_transport_open open, int *fd,
-                               size_t *bytes, status *s);
+ * `open` creates on first use with `want_bytes`; *bytes is its size. The
+ * caller closes *fd. */
+status_code store_transport_fd(store *st, int conn_id, store_transport_open open, size_t want_bytes,
+                               int *fd, size_t *bytes, status *s);
 
 /* fd socket: the connection closed; reclaim its session, if any. */
 void store_session_conn_closed(store *st, int conn_id);

@@ -30,8 +30,9 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-#include "store_operator.h"
+#include "kvstash_ring.h"
 #include "ring.h"
+#include "store_operator.h"
 #include "seq_internal.h"
 #include "store_internal.h"
 #include "store_harness.h"
@@ -488,7 +489,8 @@ static status_code run_ring(fixture *f, status *s)
 {
     int fd = -1;
     size_t bytes;
-    status_code rc = store_transport_fd(f->st, 1, ring_transport_open, &fd, &bytes, s);
+    status_code rc =
+        store_transport_fd(f->st, 1, ring_transport_open, RING_BYTES_DEFAULT, &fd, &bytes, s);
     if (fd >= 0)
         close(fd);
     return rc;

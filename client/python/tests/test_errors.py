@@ -81,6 +81,33 @@ def test_exhausted_beyond_a_tiny_pool(make_daemon):
         assert seq.append(tokens_fit).lists[0].tokens == tokens_fit
 
 
+def test_statistics_past_the_ring_name_ring_mb(make_daemon):
+    """A step's statistics must fit the session's ring (--ring-mb): TOVA's
+    last_attn of 8 query heads over 40,000 tokens is 1.22 MiB. Past a 1 MiB
+    ring the step is refused before it is sent, saying what to raise, and the
+    sequence is as before; a 2 MiB ring takes the same step."""
+    geo = Geometry(layers=1, q_heads=8, kv_heads=1, head_dim=4, block_tokens=16)
+    n, budget = 40000, 30000
+    attn = [np.linspace(1, 2, n, dtype=np.float32)] * geo.q_heads
+    small, large = make_daemon(extra_args=("--ring-mb", "1")), make_daemon(
+        extra_args=("--ring-mb", "2"))
+    with Session.attach("err-ring", geo, socket=small.sock) as s, \
+            s.create_sequence("tova", {"budget": budget}) as seq:
+        t = seq.append(n)
+        with pytest.raises(kvstash.InvalidArgument) as e:
+            seq.step(new_tokens=n, prefill=True, last_attn=attn)
+        msg = str(e.value)
+        assert "--ring-mb" in msg and f"({n * geo.q_heads * 4} bytes)" in msg, msg
+        assert seq.epoch() == t.epoch and seq.table().lists[0].tokens == n
+    with Session.attach("err-ring", geo, socket=large.sock) as s, \
+            s.create_sequence("tova", {"budget": budget}) as seq:
+        seq.append(n)
+        r = seq.step(new_tokens=n, prefill=True, last_attn=attn)
+        assert r.evicted == n - budget
+        # linspace scores: the lowest positions go first.
+        assert seq.table().lists[0].positions.min() == n - budget
+
+
 def test_unavailable_no_daemon():
     with tempfile.TemporaryDirectory() as tmp:
         sock = os.path.join(tmp, "nobody.sock")
