@@ -116,7 +116,8 @@ void bench_daemon_cleanup(void)
     remove_tmp_dir();
 }
 
-int bench_daemon_start(const char *prog, const char *path, int pool_mb, char *sock, size_t socklen)
+int bench_daemon_start(const char *prog, const char *path, int pool_mb, const char *const *extra,
+                       char *sock, size_t socklen)
 {
     prog_name = prog;
     if (mkdtemp(tmp_dir) == NULL) {
@@ -140,7 +141,11 @@ int bench_daemon_start(const char *prog, const char *path, int pool_mb, char *so
             dup2(fd, STDERR_FILENO);
             close(fd);
         }
-        execl(path, path, "--socket", sock, "--pool-mb", pool, "--log-level", "warn", (char *)NULL);
+        const char *argv[BENCH_DAEMON_MAX_EXTRA + 8] = {path, "--socket",    sock,  "--pool-mb",
+                                                        pool, "--log-level", "warn"};
+        for (size_t i = 0; extra != NULL && extra[i] != NULL && i < BENCH_DAEMON_MAX_EXTRA; i++)
+            argv[7 + i] = extra[i];
+        execv(path, (char *const *)argv);
         fprintf(stderr, "exec %s: %s\n", path, strerror(errno));
         _exit(127);
     }

@@ -31,11 +31,16 @@ bench_latency bench_summarize(double *v, size_t n);
  * executable. Returns a static string. */
 const char *bench_default_daemon(void);
 
-/* Start the kvstashd at `path` (--pool-mb pool_mb, --log-level warn, stderr to
- * kvstashd.log) on <tmpdir>/kvstashd.sock, written to sock[socklen]; wait up
- * to 10 s for the socket. Call before anything starts threads (it forks).
- * The daemon gets SIGTERM if this process dies. Returns 0 or -1 (reported). */
-int bench_daemon_start(const char *prog, const char *path, int pool_mb, char *sock, size_t socklen);
+#define BENCH_DAEMON_MAX_EXTRA 8
+
+/* Start the kvstashd at `path` (--pool-mb pool_mb, --log-level warn, then
+ * the NULL-terminated `extra` arguments, at most BENCH_DAEMON_MAX_EXTRA, or
+ * none when NULL; stderr to kvstashd.log) on <tmpdir>/kvstashd.sock, written
+ * to sock[socklen]; wait up to 10 s for the socket. Call before anything
+ * starts threads (it forks). The daemon gets SIGTERM if this process dies.
+ * Returns 0 or -1 (reported). */
+int bench_daemon_start(const char *prog, const char *path, int pool_mb, const char *const *extra,
+                       char *sock, size_t socklen);
 
 /* SIGTERM the daemon and wait up to 10 s (then SIGKILL). Returns its exit
  * status, 0 if none was running, or -1 if it did not exit by itself. */

@@ -547,7 +547,7 @@ int main(int argc, char **argv)
     /* Fork the echo child and the daemon before gRPC starts its threads. */
     failed |= bench_raw(cfg.raw_n, &raw) != 0;
     char sock[PATH_MAX];
-    if (bench_daemon_start("bench_rpc", daemon, POOL_MB, sock, sizeof sock) != 0)
+    if (bench_daemon_start("bench_rpc", daemon, POOL_MB, NULL, sock, sizeof sock) != 0)
         return 1;
     grpc_init();
     failed |= bench_grpc(sock, cfg.grpc_n, &grpc) != 0;

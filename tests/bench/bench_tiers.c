@@ -570,7 +570,7 @@ int main(int argc, char **argv)
            geom.layers, geom.kv_heads, geom.head_dim, geom.block_tokens, kv_kernel_isa());
 
     char sock[PATH_MAX];
-    if (bench_daemon_start("bench_tiers", daemon, POOL_MB, sock, sizeof sock) != 0)
+    if (bench_daemon_start("bench_tiers", daemon, POOL_MB, NULL, sock, sizeof sock) != 0)
         return 1;
     kv_data d = {0};
     if (kv_data_make(&d, cfg.n + WINDOW) != 0) {

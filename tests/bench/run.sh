@@ -4,7 +4,9 @@
 # moves: Revive, demotion, offload), then bench_python_step.py (a decode step
 # through the Python package vs from C), then bench_policy_decision (one policy
 # decision at Llama-3-8B shape vs PyTorch and the read bound; it exits 1 if the
-# kept sets differ). Usage: tests/bench/run.sh [--quick] [--pin CPU]
+# kept sets differ), then bench_step_context (a decode step's cost as the
+# context grows, 32 layers; BENCH_STEP_CONTEXT_ARGS adds its options, e.g.
+# "--head-dim 64" where memory is short). Usage: tests/bench/run.sh [--quick] [--pin CPU]
 # (--pin applies to bench_rpc and bench_python_step). BUILD_DIR picks the build tree (default:
 # build; configured if missing). Exits non-zero if any benchmark fails.
 set -euo pipefail
@@ -15,7 +17,8 @@ build=${BUILD_DIR:-build}
 if [ ! -f "$build/CMakeCache.txt" ]; then
     cmake -S . -B "$build"
 fi
-cmake --build "$build" -j"$(nproc)" --target bench_rpc bench_tiers bench_policy_decision kvstashd
+cmake --build "$build" -j"$(nproc)" --target bench_rpc bench_tiers bench_policy_decision \
+    bench_step_context kvstashd
 
 tiers_args=()
 for a in "$@"; do
@@ -32,4 +35,8 @@ echo
 /usr/bin/python3 tests/bench/bench_python_step.py "$@" --build "$build" || rc=1
 echo
 "$build/tests/bench/bench_policy_decision" "${tiers_args[@]}" || rc=1
+echo
+# shellcheck disable=SC2086 # word splitting of the options is wanted
+"$build/tests/bench/bench_step_context" "${tiers_args[@]}" ${BENCH_STEP_CONTEXT_ARGS:-} \
+    "$build/daemon/kvstashd" || rc=1
 exit "$rc"
