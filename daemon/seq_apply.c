@@ -359,6 +359,26 @@ static int list_rerotate(seq *s, const tier_token *tok, const uint8_t *tier, uin
     return rc;
 }
 
+static int full_run_start(const tier_token *kept, uint32_t i)
+{
+    return kept[i].tier == POLICY_FULL &&
+           (i == 0 || kept[i - 1].block != kept[i].block || kept[i - 1].tier != POLICY_FULL);
+}
+
+/* Distinct blocks of the full-precision tokens, counted with the pool's
+ * marks (cleared again): a step sorts nothing to know it. */
+static uint32_t full_blocks(seq *s, const tier_token *kept, uint32_t n)
+{
+    uint32_t blocks = 0;
+    for (uint32_t i = 0; i < n; i++)
+        if (full_run_start(kept, i))
+            blocks += (uint32_t)pool_mark(s->pool, kept[i].block);
+    for (uint32_t i = 0; i < n; i++)
+        if (full_run_start(kept, i))
+            pool_unmark(s->pool, kept[i].block);
+    return blocks;
+}
+
 /*
  * Conf-KV's contiguous compaction, for any token-level eviction: when the
  * full-precision survivors are spread over more than one block beyond what
@@ -366,18 +386,13 @@ static int list_rerotate(seq *s, const tier_token *tok, const uint8_t *tier, uin
  * tokens really gives memory back; the old blocks are retired by the
  * caller. Skipped, harmlessly, when the pool lacks the blocks.
  */
-static int list_compact(seq *s, seq_list *ly, tier_token *kept, uint32_t n, uint32_t *scratch)
+static int list_compact(seq *s, seq_list *ly, tier_token *kept, uint32_t n)
 {
     uint32_t slots = s->block_slots, nfull = 0;
     for (uint32_t i = 0; i < n; i++)
-        if (kept[i].tier == POLICY_FULL)
-            scratch[nfull++] = kept[i].block;
+        nfull += kept[i].tier == POLICY_FULL;
     uint32_t need = (nfull + slots - 1) / slots;
-    qsort(scratch, nfull, sizeof *scratch, seq_cmp_u32);
-    uint32_t have = 0;
-    for (uint32_t i = 0; i < nfull; i++)
-        have += i == 0 || scratch[i] != scratch[i - 1];
-    if (have <= need + 1 || need > s->pool->nfree || need == 0)
+    if (need == 0 || need > s->pool->nfree || full_blocks(s, kept, n) <= need + 1)
         return 0;
     kv_segment *src = malloc(nfull * sizeof *src), *dst = malloc(nfull * sizeof *dst);
     if (src == NULL || dst == NULL) {
@@ -413,22 +428,27 @@ static int list_compact(seq *s, seq_list *ly, tier_token *kept, uint32_t n, uint
     return 0;
 }
 
-/* Retire the blocks of `before` (sorted) that `after` (sorted) lacks. */
+/* Retire, once each, the blocks of `before` that `after` lacks (both with
+ * repeats, in any order): the pool's marks say which were seen, so a step
+ * sorts nothing. Every mark is cleared again before returning. */
 static int retire_unused(seq *s, seq_list *ly, const uint32_t *before, size_t nb,
                          const uint32_t *after, size_t na, uint64_t epoch)
 {
-    size_t j = 0;
-    for (size_t i = 0; i < nb; i++) {
-        while (j < na && after[j] < before[i])
-            j++;
-        if (j < na && after[j] == before[i])
+    int rc = 0;
+    for (size_t i = 0; i < na; i++)
+        pool_mark(s->pool, after[i]);
+    for (size_t i = 0; i < nb && rc == 0; i++) {
+        if (!pool_mark(s->pool, before[i])) /* used after, or retired already */
             continue;
-        if (seq_retire(s, before[i], epoch) != 0)
-            return -1;
-        if (ly->has_tail && ly->tail_block == before[i])
+        rc = seq_retire(s, before[i], epoch);
+        if (rc == 0 && ly->has_tail && ly->tail_block == before[i])
             ly->has_tail = 0;
     }
-    return 0;
+    for (size_t i = 0; i < na; i++)
+        pool_unmark(s->pool, after[i]);
+    for (size_t i = 0; i < nb; i++)
+        pool_unmark(s->pool, before[i]);
+    return rc;
 }
 
 /* Whether the decision changes anything in this list's storage. */
@@ -457,8 +477,8 @@ static int list_apply(seq *s, uint32_t l, uint32_t k, tier_token *tok, const pol
         return -1;
     *changed = 1;
     /* Blocks used before (at most n + noffloaded + 1 with the tail, three
-     * times: see below), after, and an index list (2n, or noffloaded);
-     * victims add at most n offloaded entries. */
+     * times: see below, and victims add at most n offloaded entries to the
+     * last two), after, and an index list (2n, or noffloaded). */
     size_t cap = 2 * ((size_t)2 * n + ly->noffloaded) + 4;
     uint32_t *scratch = malloc(4 * cap * sizeof *scratch);
     if (scratch == NULL)
@@ -469,7 +489,6 @@ static int list_apply(seq *s, uint32_t l, uint32_t k, tier_token *tok, const pol
     size_t nb = list_fill_block_ids(ly, -1, before);
     if (ly->has_tail)
         before[nb++] = ly->tail_block;
-    nb = seq_sort_unique(before, nb);
     int rc = list_victims(s, ly, l, tok, pos, tier, n, idx);
     if (rc == 0)
         rc = list_victims_quantize(s, ly, idx);
@@ -480,7 +499,7 @@ static int list_apply(seq *s, uint32_t l, uint32_t k, tier_token *tok, const pol
     /* Blocks the victims, moves and re-quantisation took (INT8 blocks,
      * tails for revived tokens) count as used before the demotion, which
      * may empty them again. */
-    nb = seq_sort_unique(before, nb + list_block_set(ly, tok, n, 1, before + nb));
+    nb += list_block_ids(ly, tok, n, 1, before + nb);
     if (rc == 0)
         rc = list_demote(s, tok, tier, n, idx, 0);
     if (rc == 0 && d->rerotate_keys)
@@ -491,14 +510,14 @@ static int list_apply(seq *s, uint32_t l, uint32_t k, tier_token *tok, const pol
             tok[kept++] = tok[i];
     /* Blocks the moves and the demotion took count as used before
      * compaction, which may leave them. */
-    nb = seq_sort_unique(before, nb + list_block_set(ly, tok, kept, 1, before + nb));
+    nb += list_block_ids(ly, tok, kept, 1, before + nb);
     if (rc == 0)
-        rc = list_compact(s, ly, tok, kept, idx);
+        rc = list_compact(s, ly, tok, kept);
     if (rc == 0)
         rc = list_encode(ly, tok, kept);
     if (rc == 0)
         rc =
-            retire_unused(s, ly, before, nb, after, list_block_set(ly, tok, kept, 0, after), epoch);
+            retire_unused(s, ly, before, nb, after, list_block_ids(ly, tok, kept, 0, after), epoch);
     free(scratch);
     return rc;
 }
@@ -546,7 +565,7 @@ static int list_demote_now(seq *s, uint32_t l, uint32_t k, uint64_t epoch, int *
         return -1;
     }
     uint32_t *before = scratch, *after = scratch + cap, *idx = scratch + 2 * cap;
-    size_t nb = list_block_set(ly, tok, n, 1, before);
+    size_t nb = list_block_ids(ly, tok, n, 1, before);
     uint64_t moved = s->moved[0];
     int rc = seq_txn_save_list(s, ly);
     if (rc == 0)
@@ -555,7 +574,7 @@ static int list_demote_now(seq *s, uint32_t l, uint32_t k, uint64_t epoch, int *
         *changed = 1;
         rc = list_encode(ly, tok, n);
         if (rc == 0)
-            rc = retire_unused(s, ly, before, nb, after, list_block_set(ly, tok, n, 0, after),
+            rc = retire_unused(s, ly, before, nb, after, list_block_ids(ly, tok, n, 0, after),
                                epoch);
     }
     free(tok);

@@ -126,10 +126,10 @@ tier_token *list_expand(const seq_list *ly, uint32_t n);
  * block with consecutive slots; sketch runs have no block). */
 int list_encode(seq_list *ly, const tier_token *tok, uint32_t n);
 
-/* Distinct blocks the tokens and the list's offloaded victims use (and the
- * tail block, with_tail), sorted, written from out[0] (room for n +
- * noffloaded + 1). */
-size_t list_block_set(const seq_list *ly, const tier_token *tok, uint32_t n, int with_tail,
+/* The blocks the tokens and the list's offloaded victims use (and the tail
+ * block, with_tail), written from out[0] (room for n + noffloaded + 1):
+ * unsorted, with repeats, though a block's run of tokens gives one id. */
+size_t list_block_ids(const seq_list *ly, const tier_token *tok, uint32_t n, int with_tail,
                       uint32_t *out);
 
 /* A never-written full-precision slot at the list's tail (a new block when

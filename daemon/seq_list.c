@@ -14,15 +14,31 @@ int seq_cmp_u32(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-/* Sort and drop repeats; returns the new count. */
-size_t seq_sort_unique(uint32_t *a, size_t m)
+/* Drop repeats that follow each other; returns the new count. */
+static size_t drop_runs(uint32_t *a, size_t m)
 {
-    qsort(a, m, sizeof *a, seq_cmp_u32);
     size_t d = 0;
     for (size_t i = 0; i < m; i++)
         if (d == 0 || a[d - 1] != a[i])
             a[d++] = a[i];
     return d;
+}
+
+/* Sort and drop repeats; returns the new count. The ids of a list's tokens
+ * come in list order, a block's repeated for each of its tokens and the
+ * blocks mostly ascending: dropping runs first leaves about one id per
+ * block, often sorted already, so a step does not sort one id per token. */
+size_t seq_sort_unique(uint32_t *a, size_t m)
+{
+    m = drop_runs(a, m);
+    size_t i = 1;
+    while (i < m && a[i - 1] < a[i])
+        i++;
+    if (i < m) {
+        qsort(a, m, sizeof *a, seq_cmp_u32);
+        m = drop_runs(a, m);
+    }
+    return m;
 }
 
 /* Call visit(ctx, block) for every block of a list's offloaded victims
@@ -183,21 +199,18 @@ int list_encode(seq_list *ly, const tier_token *tok, uint32_t n)
     return 0;
 }
 
-/* Distinct blocks the tokens and the list's offloaded victims use (and the
- * tail block, with_tail), sorted, written from out[0] (room for n +
- * noffloaded + 1). */
-size_t list_block_set(const seq_list *ly, const tier_token *tok, uint32_t n, int with_tail,
+size_t list_block_ids(const seq_list *ly, const tier_token *tok, uint32_t n, int with_tail,
                       uint32_t *out)
 {
     size_t m = 0;
     for (uint32_t i = 0; i < n; i++)
-        if (tok[i].tier != POLICY_SKETCH)
+        if (tok[i].tier != POLICY_SKETCH && (m == 0 || out[m - 1] != tok[i].block))
             out[m++] = tok[i].block;
     uint32_t *next = out + m;
     m += list_visit_blocks(ly, -1, 0, append_id, &next);
     if (with_tail && ly->has_tail)
         out[m++] = ly->tail_block;
-    return seq_sort_unique(out, m);
+    return m;
 }
 
 /* A never-written full-precision slot at the list's tail (a new block when

@@ -66,11 +66,22 @@ uint32_t ov_mt19937_next(ov_mt19937 *r)
 
 /* ---- score accumulation (§2.3) ------------------------------------------ */
 
+/* Windows up to this many tokens are pooled by one pass per offset. */
+#define OV_MAXPOOL_PASSES 16
+
 void ov_fwd_maxpool(const double *x, size_t n, size_t w, double *y, size_t *dq)
 {
-    if (w <= 1) {
-        if (n > 0)
-            memcpy(y, x, n * sizeof *y);
+    if (n > 0)
+        memcpy(y, x, n * sizeof *y);
+    if (w <= 1)
+        return;
+    if (w <= OV_MAXPOOL_PASSES) {
+        /* Small windows (the default is 7): one pass per offset, which the
+         * compiler vectorises; the deque's branches cost more. The earlier
+         * of equal values stays, as in the deque. */
+        for (size_t j = 1; j < w && j < n; j++)
+            for (size_t k = 0; k + j < n; k++)
+                y[k] = x[k + j] > y[k] ? x[k + j] : y[k];
         return;
     }
     /* Walk i downwards over the window [i, i + w): dq[head..tail) holds
