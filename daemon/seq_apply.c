@@ -379,12 +379,24 @@ static uint32_t full_blocks(seq *s, const tier_token *kept, uint32_t n)
     return blocks;
 }
 
+/* The blocks beyond what they fill that a list's full-precision tokens may
+ * use before they are compacted: one, or a sixteenth of the blocks they
+ * fill on long lists. A compaction copies the whole list, so a long list
+ * that loses a few tokens a step (reviver's swaps, streaming's window)
+ * would otherwise be copied every step; with the slack, each token it loses
+ * costs at most 16 token copies, for at most 1/16 more blocks. */
+static uint32_t compact_slack(uint32_t need)
+{
+    return need / 16 > 1 ? need / 16 : 1;
+}
+
 /*
  * Conf-KV's contiguous compaction, for any token-level eviction: when the
- * full-precision survivors are spread over more than one block beyond what
- * they fill, copy them into fresh blocks (kv_copy_tokens), so that evicting
- * tokens really gives memory back; the old blocks are retired by the
- * caller. Skipped, harmlessly, when the pool lacks the blocks.
+ * full-precision survivors are spread over more blocks than they fill plus
+ * compact_slack(), copy them in list order into fresh blocks
+ * (kv_copy_tokens), so that evicting tokens really gives memory back; the
+ * old blocks are retired by the caller. Skipped, harmlessly, when the pool
+ * lacks the blocks.
  */
 static int list_compact(seq *s, seq_list *ly, tier_token *kept, uint32_t n)
 {
@@ -392,7 +404,7 @@ static int list_compact(seq *s, seq_list *ly, tier_token *kept, uint32_t n)
     for (uint32_t i = 0; i < n; i++)
         nfull += kept[i].tier == POLICY_FULL;
     uint32_t need = (nfull + slots - 1) / slots;
-    if (need == 0 || need > s->pool->nfree || full_blocks(s, kept, n) <= need + 1)
+    if (need == 0 || need > s->pool->nfree || full_blocks(s, kept, n) <= need + compact_slack(need))
         return 0;
     kv_segment *src = malloc(nfull * sizeof *src), *dst = malloc(nfull * sizeof *dst);
     if (src == NULL || dst == NULL) {

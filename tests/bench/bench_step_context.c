@@ -480,8 +480,10 @@ int main(int argc, char **argv)
     for (size_t i = 0; i < cfg.ncontexts; i++)
         max_n = cfg.contexts[i] > max_n ? cfg.contexts[i] : max_n;
 
-    /* The pool: the longest context of every layer's K and V, with a block
-     * per list to spare (per-head lists, the append before an eviction);
+    /* The pool: twice the longest context of every layer's K and V (a
+     * list whose evictions leave holes that compaction cannot close yet,
+     * as reviver's swaps do, holds up to twice its blocks; retired blocks
+     * return only when the worker acks), and a block per list to spare;
      * the ring: one float per held token per query head and layer. */
     size_t block_bytes = (size_t)g->block_tokens * token_kv_bytes(g) * 2;
     size_t blocks = ((size_t)max_n / g->block_tokens + 2) * g->layers * 2;
