@@ -16,7 +16,9 @@
  *   table    kvs_seq_table with positions, when the step changed the table
  *            beyond the append, as kvstash-llama reloads it (client/llama).
  *
- * The worker's K/V writes are done but not timed. Baselines in the same run:
+ * The worker's K/V writes are done but not timed; the prefill steps (chunks of
+ * up to 65,536 tokens, each a step with its statistics) are timed apart.
+ * Baselines in the same run:
  * memcpy of the step's statistics bytes (reading the inputs once: the bound
  * for a policy that reads them all) and an empty ring round trip.
  *
@@ -80,6 +82,8 @@ typedef struct bench_cfg {
 typedef struct step_row {
     uint32_t context;
     double append_us, step_us, table_us, total_us, stats_mib, memcpy_us;
+    double max_ms;        /* the slowest timed step's total */
+    double prefill_ms;    /* the prefill steps (the chunks' kvs_seq_step), summed */
     uint32_t table_steps; /* timed steps that changed the table beyond the append */
     int ran;
 } step_row;
@@ -225,9 +229,10 @@ static void tokens_from_table(worker *w, const kvs_table *t)
 }
 
 /* Create the sequence and prefill N tokens in chunks of PREFILL_CHUNK, each
- * chunk a prefill step with its statistics. */
-static int seq_prefill(worker *w, uint32_t n)
+ * chunk a prefill step with its statistics; *step_ms is the steps' time. */
+static int seq_prefill(worker *w, uint32_t n, double *step_ms)
 {
+    *step_ms = 0;
     char buf[4][24];
     kvs_param p[4];
     size_t np = policy_params(w->p, n, buf, p);
@@ -251,8 +256,10 @@ static int seq_prefill(worker *w, uint32_t n)
         kvs_step st = {.new_tokens = c, .prefill = 1};
         stats_fill(w, held, &st);
         kvs_step_result res;
+        double t0 = bench_now_us();
         if (rc == 0 && (rc = kvs_seq_step(w->s, w->seq, &st, &res)) != 0)
             report_fail(w->s, "kvs_layer_write / kvs_seq_step (prefill)", rc);
+        *step_ms += (bench_now_us() - t0) / 1000.0;
         held += c;
     }
     kvs_table t;
@@ -317,7 +324,7 @@ static int run_context(worker *w, uint32_t n, uint8_t *mc_a, uint8_t *mc_b, step
     const bench_cfg *cfg = w->cfg;
     memset(row, 0, sizeof *row);
     row->context = n;
-    if (seq_prefill(w, n) != 0) {
+    if (seq_prefill(w, n, &row->prefill_ms) != 0) {
         kvs_seq_release(w->s, w->seq);
         return -1;
     }
@@ -342,6 +349,7 @@ static int run_context(worker *w, uint32_t n, uint8_t *mc_a, uint8_t *mc_b, step
         row->step_us = bench_median(t + steps, steps);
         row->table_us = bench_median(t + 2 * steps, steps);
         row->total_us = bench_median(t + 3 * steps, steps);
+        row->max_ms = t[4 * steps - 1] / 1000.0; /* sorted by bench_median */
         row->memcpy_us = bench_median(t + 4 * steps, steps);
         row->stats_mib = (double)max_bytes / 1048576.0;
         row->ran = 1;
@@ -355,17 +363,19 @@ static int run_context(worker *w, uint32_t n, uint8_t *mc_a, uint8_t *mc_b, step
 static void print_row(FILE *f, const char *policy, const step_row *r, int csv)
 {
     if (csv) {
-        fprintf(f, "%s,%" PRIu32 ",%.1f,%.1f,%.1f,%.1f,%.3f,%.1f,%" PRIu32 "\n", policy, r->context,
-                r->append_us, r->step_us, r->table_us, r->total_us, r->stats_mib, r->memcpy_us,
-                r->table_steps);
+        fprintf(f, "%s,%" PRIu32 ",%.1f,%.1f,%.1f,%.1f,%.3f,%.1f,%" PRIu32 ",%.1f,%.1f\n", policy,
+                r->context, r->append_us, r->step_us, r->table_us, r->total_us, r->stats_mib,
+                r->memcpy_us, r->table_steps, r->max_ms, r->prefill_ms);
         return;
     }
     char ratio[16] = "-";
     if (r->memcpy_us > 0)
         snprintf(ratio, sizeof ratio, "%.2f", r->total_us / r->memcpy_us);
-    fprintf(f, "%-10s %8" PRIu32 " %9.1f %10.1f %9.1f %10.1f %9.2f %10.1f %7s %6" PRIu32 "\n",
+    fprintf(f,
+            "%-10s %8" PRIu32 " %9.1f %10.1f %9.1f %10.1f %9.2f %10.1f %7s %6" PRIu32
+            " %8.1f %10.1f\n",
             policy, r->context, r->append_us, r->step_us, r->table_us, r->total_us, r->stats_mib,
-            r->memcpy_us, ratio, r->table_steps);
+            r->memcpy_us, ratio, r->table_steps, r->max_ms, r->prefill_ms);
 }
 
 /* ---- options ----------------------------------------------------------- */
@@ -473,6 +483,10 @@ int main(int argc, char **argv)
         return 2;
     if (daemon == NULL)
         daemon = bench_default_daemon();
+    /* Long steps are measured, not failed: libkvstash's default deadline is
+     * 10 s, and a prefill step of a long context may take longer (the
+     * table says which). */
+    setenv("KVSTASH_RPC_TIMEOUT_MS", "600000", 0);
     signal(SIGPIPE, SIG_IGN);
     atexit(bench_daemon_cleanup);
     const kvs_geometry *g = &cfg.geom;
@@ -509,7 +523,7 @@ int main(int argc, char **argv)
     }
     if (csv)
         fprintf(csv, "policy,context,append_us,step_us,table_us,total_us,stats_mib,memcpy_us,"
-                     "table_steps\n");
+                     "table_steps,max_ms,prefill_ms\n");
     worker w = {.cfg = &cfg};
     uint8_t *mc_a = malloc(stats_max), *mc_b = malloc(stats_max);
     int failed = mc_a == NULL || mc_b == NULL || worker_data_make(&w, max_n) != 0;
@@ -533,8 +547,9 @@ int main(int argc, char **argv)
     }
     if (!failed)
         printf("empty ring round trip: %.1f us (median of 101)\n", bench_median(ping, 101));
-    printf("\n%-10s %8s %9s %10s %9s %10s %9s %10s %7s %6s\n", "policy", "context", "append us",
-           "step us", "table us", "total us", "stats MiB", "memcpy us", "ratio", "tables");
+    printf("\n%-10s %8s %9s %10s %9s %10s %9s %10s %7s %6s %8s %10s\n", "policy", "context",
+           "append us", "step us", "table us", "total us", "stats MiB", "memcpy us", "ratio",
+           "tables", "max ms", "prefill ms");
     for (size_t p = 0; p < cfg.npolicies && !failed; p++) {
         w.p = cfg.policies[p];
         for (size_t c = 0; c < cfg.ncontexts; c++) {
@@ -553,7 +568,8 @@ int main(int argc, char **argv)
     }
     printf("\n(medians; total = append + step + table of the same step; ratio = total over a "
            "memcpy of the step's statistics bytes; tables = timed steps whose table changed "
-           "beyond the append)\n");
+           "beyond the append; max ms = the slowest timed step's total; prefill ms = the prefill "
+           "steps' time, appends and writes excluded)\n");
     if (w.s != NULL && kvs_session_detach(w.s) != 0)
         failed = 1;
     worker_data_free(&w);
