@@ -6,7 +6,8 @@
 # decision at Llama-3-8B shape vs PyTorch and the read bound; it exits 1 if the
 # kept sets differ), then bench_step_context (a decode step's cost as the
 # context grows, 32 layers; BENCH_STEP_CONTEXT_ARGS adds its options, e.g.
-# "--head-dim 64" where memory is short). Usage: tests/bench/run.sh [--quick] [--pin CPU]
+# "--head-dim 64" where memory is short), then bench_many_workers (1-8 worker
+# processes stepping, with and without one reviving and demoting). Usage: tests/bench/run.sh [--quick] [--pin CPU]
 # (--pin applies to bench_rpc and bench_python_step). BUILD_DIR picks the build tree (default:
 # build; configured if missing). Exits non-zero if any benchmark fails.
 set -euo pipefail
@@ -18,7 +19,7 @@ if [ ! -f "$build/CMakeCache.txt" ]; then
     cmake -S . -B "$build"
 fi
 cmake --build "$build" -j"$(nproc)" --target bench_rpc bench_tiers bench_policy_decision \
-    bench_step_context kvstashd
+    bench_step_context bench_many_workers kvstashd
 
 tiers_args=()
 for a in "$@"; do
@@ -39,4 +40,6 @@ echo
 # shellcheck disable=SC2086 # word splitting of the options is wanted
 "$build/tests/bench/bench_step_context" "${tiers_args[@]}" ${BENCH_STEP_CONTEXT_ARGS:-} \
     "$build/daemon/kvstashd" || rc=1
+echo
+"$build/tests/bench/bench_many_workers" "${tiers_args[@]}" "$build/daemon/kvstashd" || rc=1
 exit "$rc"
