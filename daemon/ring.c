@@ -229,13 +229,11 @@ static void *ring_thread(void *arg)
 status_code ring_create(store *st, const char *token, size_t bytes, ring **out, status *s)
 {
     *out = NULL;
+    if (bytes < 2 * RING_DATA_OFFSET)
+        return status_set(s, ST_INVALID_ARGUMENT, "a ring of %zu bytes has no data area", bytes);
     ring *rg = calloc(1, sizeof *rg);
     if (rg == NULL)
         return status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
-    if (bytes < 2 * RING_DATA_OFFSET) {
-        free(rg);
-        return status_set(s, ST_INVALID_ARGUMENT, "a ring of %zu bytes has no data area", bytes);
-    }
     rg->store = st;
     snprintf(rg->token, sizeof rg->token, "%s", token);
     rg->bytes = bytes;

@@ -128,7 +128,9 @@ static int run_worker(const char *sock, int go, int out, uint32_t steps, const u
         qsort(t, steps, sizeof *t, cmp_double);
         r = (worker_result){1, steps, r.elapsed_us, t[steps / 2], t[(size_t)(steps * 0.99)]};
     }
-    if (s != NULL && (seq == 0 || kvs_seq_release(s, seq) == 0) && kvs_session_detach(s) != 0)
+    if (s != NULL && seq != 0 && kvs_seq_release(s, seq) != 0)
+        r.ok = 0;
+    if (s != NULL && kvs_session_detach(s) != 0)
         r.ok = 0;
     free(t);
     return write(out, &r, sizeof r) == (ssize_t)sizeof r && r.ok ? 0 : 1;
