@@ -32,7 +32,7 @@ static int parse_seq_id(const cli *c, const char *text, uint64_t *id)
 
 /* ---- seq show --------------------------------------------------------------------- */
 
-/* 0 fp16, 1 int8, 2 sketch, 3 evicted, 4 offloaded (out of the list, kept revivable). */
+/* 0 full, 1 int8, 2 sketch, 3 evicted, 4 offloaded (out of the list, kept revivable). */
 static int tier_index(const char *tier)
 {
     return strcmp(tier, "int8") == 0        ? 1
@@ -117,13 +117,13 @@ static void print_inspect(const Kvstash__V1__InspectResponse *r, unsigned width)
     for (size_t i = 0; i < r->n_retired; i++)
         printf("%s %u at epoch %" PRIu64, i ? "," : "", r->retired[i]->blocks,
                r->retired[i]->epoch);
-    printf("\n  map: # fp16  8 int8  s sketch  o offloaded  . evicted  : mixed (held tokens by "
+    printf("\n  map: # full  8 int8  s sketch  o offloaded  . evicted  : mixed (held tokens by "
            "the tier they are stored in)\n");
     for (size_t l = 0; l < r->n_layers; l++) {
         const Kvstash__V1__LayerInspect *ly = r->layers[l];
-        uint32_t fp16 = ly->tokens - ly->tokens_int8 - ly->tokens_sketch;
-        printf("  layer %u: %u tokens (fp16 %u, int8 %u, sketch %u) in %u blocks", ly->layer,
-               ly->tokens, fp16, ly->tokens_int8, ly->tokens_sketch, ly->blocks);
+        uint32_t full = ly->tokens - ly->tokens_int8 - ly->tokens_sketch;
+        printf("  layer %u: %u tokens (full %u, int8 %u, sketch %u) in %u blocks", ly->layer,
+               ly->tokens, full, ly->tokens_int8, ly->tokens_sketch, ly->blocks);
         if (ly->tokens > 0)
             printf(", positions %u..%u", ly->first_position, ly->last_position);
         printf("\n");
@@ -147,10 +147,10 @@ static int cmd_show(cli *c)
         "  table epoch and the retired blocks waiting for its worker to acknowledge an\n"
         "  epoch, then per layer (and per KV head for per-head policies) a map of the\n"
         "  positions 0..appended-1: a bar of W cells (default 64) and the runs of\n"
-        "  positions held in fp16, int8 or sketch (the tier each is stored in), offloaded\n"
-        "  (victims=sketch or victims=int8: out of the list, kept in its sketch or as\n"
-        "  INT8, revivable) or evicted (by the policy or an operator; merged-away tokens\n"
-        "  are evicted too).\n"
+        "  positions held in full (full precision, in the pool's dtype), int8 or sketch\n"
+        "  (the tier each is stored in), offloaded (victims=sketch or victims=int8: out\n"
+        "  of the list, kept in its sketch or as INT8, revivable) or evicted (by the\n"
+        "  policy or an operator; merged-away tokens are evicted too).\n"
         "  --max-runs N: runs per list the daemon sends (default 1024).\n"
         "  --json: the Inspect reply with \"maps\" (every run) and \"retired\".\n";
     const char *pos[1], *max_runs = NULL, *width = NULL;
@@ -306,7 +306,7 @@ static const evict_op evict_ops[] = {
      "  Move the held tokens at original positions of sequence ID into their list's\n"
      "  count-sketch (KVReviver): they stay in the list as sketch tokens, which a\n"
      "  worker cannot read in place (the Revive RPC rebuilds their estimate).\n"},
-    {"revive", "fp16", "revived", "to fp16",
+    {"revive", "full", "revived", "to full precision",
      "  Bring the INT8 and sketch tokens at original positions of sequence ID back\n"
      "  to full precision in fresh slots: INT8 ones dequantised, sketch ones as the\n"
      "  sketch's estimate, which leaves the sketch (KVReviver Alg. 3). Evicted\n"

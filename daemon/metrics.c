@@ -299,7 +299,7 @@ void metrics_mass_end(metrics *m, metrics_mass *mm, const policy_ops *p, const m
 /* The gauges of policies, summed over a store snapshot's sequences. */
 typedef struct policy_gauges {
     uint64_t *seqs;   /* [npolicies] */
-    uint64_t *tokens; /* [npolicies * 3]: fp16, int8, sketch */
+    uint64_t *tokens; /* [npolicies * 3]: full, int8, sketch */
 } policy_gauges;
 
 static int policy_gauges_sum(const metrics *m, const snapshot *s, policy_gauges *g)
@@ -413,13 +413,13 @@ static void print_store(FILE *f, const metrics *m, const snapshot *s, const poli
                     (unsigned long long)p->id, p->model, states[k], v[k]);
     }
     head(f, "kvstash_memory_bytes", "gauge",
-         "Memory holding K/V, by tier: fp16 (full precision in the pool's dtype: every block "
+         "Memory holding K/V, by tier: full (full precision in the pool's dtype: every block "
          "not free and not INT8, retired and revive scratch included), int8 (pool blocks "
          "holding INT8 blocks), sketch (count-sketch cells, daemon memory).");
     for (size_t i = 0; i < s->npools; i++) {
         const snapshot_pool *p = &s->pools[i];
         uint64_t used = (uint64_t)(p->blocks_total - p->blocks_free) * p->block_bytes;
-        const char *tier[3] = {"fp16", "int8", "sketch"};
+        const char *tier[3] = {"full", "int8", "sketch"};
         uint64_t v[3] = {used - p->int8_bytes, p->int8_bytes, p->sketch_bytes};
         for (int t = 0; t < 3; t++)
             fprintf(f, "kvstash_memory_bytes{pool=\"%llu\",model=\"%s\",tier=\"%s\"} %llu\n",
@@ -446,7 +446,7 @@ static void print_store(FILE *f, const metrics *m, const snapshot *s, const poli
     head(f, "kvstash_tokens", "gauge",
          "Held tokens summed over layers (and KV-head lists), by policy and by the tier they "
          "are stored in (sketch: in-list sketch tokens and offloaded victims).");
-    const char *tiers[3] = {"fp16", "int8", "sketch"};
+    const char *tiers[3] = {"full", "int8", "sketch"};
     for (size_t i = 0; i < m->npolicies; i++)
         for (int t = 0; t < 3; t++)
             fprintf(f, "kvstash_tokens{policy=\"%s\",tier=\"%s\"} %llu\n", m->policies[i]->name,
@@ -514,12 +514,12 @@ static void print_policy_counter(FILE *f, const metrics *m, const char *name, co
 
 static void print_counters(FILE *f, const metrics *m)
 {
-    static const char *const to[3] = {"int8", "sketch", "fp16"};
-    static const char *const from[3] = {"fp16", "int8", "sketch"};
+    static const char *const to[3] = {"int8", "sketch", "full"};
+    static const char *const from[3] = {"full", "int8", "sketch"};
     print_tier_counter(f, m, "kvstash_tier_moves_total",
                        "Tokens moved between storage tiers (summed over lists), by policy and "
                        "destination: demoted to int8, put into the sketch (offloaded or swapped "
-                       "out), brought back to full precision (fp16 = the pool's dtype).",
+                       "out), brought back to full precision (full: in the pool's dtype).",
                        "to", to, m->moved);
     print_tier_counter(f, m, "kvstash_revived_tokens_total",
                        "Tokens rebuilt by Revive into scratch blocks, by policy and the tier they "

@@ -8,7 +8,9 @@
 #include "pbgrpc.h"
 #include "service.h"
 
-static const char *const tier_names[3] = {"fp16", "int8", "sketch"};
+/* The storage tiers as Stats and Inspect name them, by policy_tier. "full" is
+ * full precision in the pool's dtype (fp16, bf16 or fp32). */
+static const char *const tier_names[3] = {"full", "int8", "sketch"};
 
 /* SequenceStats.tiers from three caller-provided entries: tokens and bytes
  * by storage tier. */

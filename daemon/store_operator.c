@@ -17,13 +17,15 @@ int operator_can_evict(const policy_ops *p)
 }
 
 /* EvictRequest.to's words and the CLI's commands, by policy_tier. */
-static const char *const to_names[4] = {"fp16", "int8", "sketch", "evict"};
+static const char *const to_names[4] = {"full", "int8", "sketch", "evict"};
 static const char *const op_names[4] = {"revive", "demote", "offload", "evict"};
 
 status_code operator_parse_to(const char *to, policy_tier *out, status *s)
 {
     if (to == NULL || to[0] == '\0')
         to = "evict";
+    else if (strcmp(to, "fp16") == 0) /* the full tier's name before it was "full" */
+        to = "full";
     for (int t = POLICY_FULL; t <= POLICY_EVICT; t++)
         if (strcmp(to, to_names[t]) == 0) {
             *out = (policy_tier)t;
@@ -32,8 +34,8 @@ status_code operator_parse_to(const char *to, policy_tier *out, status *s)
     char esc[64];
     log_escape(to, esc, sizeof esc);
     return status_set(s, ST_INVALID_ARGUMENT,
-                      "to must be \"evict\" (or empty), \"int8\", \"sketch\" or \"fp16\", "
-                      "got \"%s\"",
+                      "to must be \"evict\" (or empty), \"int8\", \"sketch\" or \"full\" (or "
+                      "\"fp16\"), got \"%s\"",
                       esc);
 }
 

@@ -665,7 +665,7 @@ static uint32_t sample(const float *logits, uint32_t vocab, double temperature, 
     return vocab - 1;
 }
 
-/* "fp16 40 tok 10.0 KiB, int8 96 tok 8.0 KiB, sketch 0 tok" from a
+/* "full 40 tok 10.0 KiB, int8 96 tok 8.0 KiB, sketch 0 tok" from a
  * SequenceStats JSON object's tiers (summed over layers). */
 static void print_tiers(const char *seq_json)
 {

@@ -119,7 +119,7 @@ static double check_held(const kvs_layer *ly, const uint8_t *k, const uint8_t *v
                         int int8 = ly->segments[s].tier == KVS_TIER_INT8;
                         if (int8 ? err > int8_bound(ly->layer, h, c, isv, upto, got) : err != 0)
                             fail(1, "layer %u position %u (%s) head %u channel %u: %g, wrote %g",
-                                 ly->layer, p, int8 ? "int8" : "fp16", h, c, got, want);
+                                 ly->layer, p, int8 ? "int8" : "full", h, c, got, want);
                         if (int8 && err > worst)
                             worst = err;
                         seen[((size_t)p * 2 + isv) * DIM + h * HEAD_DIM + c] = got;

@@ -9,12 +9,13 @@ streaming the positions its rule keeps, simulated here); the text output is
 checked for the same facts. evict changes a sequence and the worker then
 verifies every token it still holds; watch sees the events of a worker's
 life and of an eviction. demote, offload and revive move a held sequence's
-tokens between the fp16, INT8 and sketch tiers: `seq show` maps and the
-replies say where every position went, and the worker reads its tables after
-each move (INT8 within the quantisation bound). The error cases exit non-zero
-with one line on stderr: daemon not running (3), unknown sequence (4),
-permission denied (5), usage (2), and a daemon refusal (1). `--help` works
-at every level.
+tokens between the full-precision ("full"), INT8 and sketch tiers: `seq show`
+maps and the replies say where every position went, and the worker reads its
+tables after each move (INT8 within the quantisation bound); an Evict with
+to="fp16", the full tier's old name, revives as to="full" does. The error
+cases exit non-zero with one line on stderr: daemon not running (3), unknown
+sequence (4), permission denied (5), usage (2), and a daemon refusal (1).
+`--help` works at every level.
 """
 import contextlib
 import json
@@ -28,8 +29,10 @@ import tempfile
 import threading
 import time
 
+import grpc
+
 from kvstash_harness import Worker as HarnessWorker
-from kvstash_harness import call, pb, run_tests
+from kvstash_harness import call, expect_status, fd_hello, pb, run_tests
 from test_metrics import Scrape, metrics_port
 from worker_procs import GEOMETRY, WorkerProc
 
@@ -111,7 +114,7 @@ def runs_of(held, appended):
     """The position map `seq show` reports for a full-precision list."""
     runs, hs = [], set(held)
     for p in range(appended):
-        tier = "fp16" if p in hs else "evicted"
+        tier = "full" if p in hs else "evicted"
         if runs and runs[-1]["tier"] == tier:
             runs[-1]["count"] += 1
         else:
@@ -180,8 +183,8 @@ def check_status(ctx):
     assert pool["model"] == "cli" and pool["geometry"]["layers"] == LAYERS
     assert pool["blocks_used"] + pool["blocks_free"] + pool["blocks_retired"] + \
         pool["blocks_quarantined"] == pool["blocks_total"]
-    fp16 = [t for t in st["tiers"] if t["tier"] == "fp16"][0]
-    assert fp16["tokens"] == sum(q["tokens"] for q in st["sequences"])
+    full = [t for t in st["tiers"] if t["tier"] == "full"][0]
+    assert full["tokens"] == sum(q["tokens"] for q in st["sequences"])
     assert set(ok_json(ctx, "stats")) == set(st)  # the same reply (uptime moves)
     out = ok_text(ctx, "status")
     assert f"(pid {ctx.daemon.proc.pid})" in out and "serving" in out, out
@@ -215,8 +218,8 @@ def check_seqs(ctx):
             assert q["session_id"] == w.session and q["policy"] == w.policy, q
             assert q["label"] == w.label and q["appended"] == w.tokens, q
             tiers = {t["tier"]: t for t in q["tiers"]}
-            assert set(tiers) == {"fp16", "int8", "sketch"}, q
-            assert tiers["fp16"]["tokens"] == q["tokens"] and tiers["fp16"]["bytes"] == q["bytes"]
+            assert set(tiers) == {"full", "int8", "sketch"}, q
+            assert tiers["full"]["tokens"] == q["tokens"] and tiers["full"]["bytes"] == q["bytes"]
             assert tiers["int8"]["tokens"] == tiers["sketch"]["tokens"] == 0
     for sid in ctx.full.seqs + ctx.h2o.seqs + ctx.victim.seqs:
         assert seqs[sid]["tokens"] == LAYERS * seqs[sid]["appended"], seqs[sid]
@@ -248,13 +251,13 @@ def check_seq_show(ctx):
     assert isinstance(j["retired"], list)
     sid_full = ctx.full.seqs[0]
     j = ok_json(ctx, "seq", "show", str(sid_full))
-    assert all(m["runs"] == [{"first_position": 0, "count": 40, "tier": "fp16"}]
+    assert all(m["runs"] == [{"first_position": 0, "count": 40, "tier": "full"}]
                for m in j["maps"]), j["maps"]
     out = ok_text(ctx, "seq", "show", str(sid))
     gap_end = held[2] - 1
     assert f"seq {sid}: session {ctx.stream.session}, policy streaming" in out, out
     assert "params: n_sink=2 window=10" in out and "table epoch" in out, out
-    assert f"runs: 0-1 fp16, 2-{gap_end} evicted, {held[2]}-59 fp16" in out, out
+    assert f"runs: 0-1 full, 2-{gap_end} evicted, {held[2]}-59 full" in out, out
     assert out.count("    |") == LAYERS, out
     # --max-runs cuts the map and says so.
     j = ok_json(ctx, "seq", "show", str(sid), "--max-runs", "1")
@@ -291,15 +294,15 @@ def check_evict_changes_the_sequence(ctx):
     j = ok_json(ctx, "seq", "show", str(sid))
     assert j["sequence"]["tokens"] == LAYERS * (64 - 8)
     for m in j["maps"]:
-        assert m["runs"] == [{"first_position": 0, "count": 8, "tier": "fp16"},
+        assert m["runs"] == [{"first_position": 0, "count": 8, "tier": "full"},
                              {"first_position": 8, "count": 8, "tier": "evicted"},
-                             {"first_position": 16, "count": 48, "tier": "fp16"}], m
+                             {"first_position": 16, "count": 48, "tier": "full"}], m
     assert j["retired"] == [{"epoch": r["epoch"], "blocks": LAYERS}], j["retired"]
     # One layer, a list and a range, some already gone.
     r = ok_json(ctx, "evict", str(sid), "3,9-10,60-63", "--layer", "1")
     assert (r["evicted"], r["requested"], r["not_held"]) == (5, 5, 2), r
     out = ok_text(ctx, "seq", "show", str(sid))
-    assert "runs: 0-2 fp16, 3 evicted, 4-7 fp16, 8-15 evicted, 16-59 fp16, 60-63 evicted" in out
+    assert "runs: 0-2 full, 3 evicted, 4-7 full, 8-15 evicted, 16-59 full, 60-63 evicted" in out
     out = ok_text(ctx, "evict", str(sid), "0", "--layer", "2")
     assert f"seq {sid}: evicted 1 token(s)" in out, out
     # A streaming sequence's own rule runs first (as at its next step).
@@ -417,14 +420,14 @@ def tier_moves_on_a_full_sequence(ctx, w):
     sid = str(sid)
     assert verify_now(w) == {"checked": LAYERS * 64, "int8": 0, "sketch": 0}
     epoch = ok_json(ctx, "seq", "show", sid)["sequence"]["epoch"]
-    fp16 = tier_runs((0, 63, "fp16"))
+    full = tier_runs((0, 63, "full"))
 
     # demote: 40 tokens a list, an INT8 block's 28 and a partial one, at once.
     r = ok_json(ctx, "demote", sid, "0-39")
     assert r == {"epoch": epoch + 1, "evicted": 0, "requested": LAYERS * 40, "by_policy": 0,
                  "not_held": 0, "moved": LAYERS * 40}, r
     j = ok_json(ctx, "seq", "show", sid)
-    assert all(m["runs"] == tier_runs((0, 39, "int8"), (40, 63, "fp16")) for m in j["maps"]), \
+    assert all(m["runs"] == tier_runs((0, 39, "int8"), (40, 63, "full")) for m in j["maps"]), \
         j["maps"]
     # Blocks 0-4 of each list held positions 0-39: retired; two INT8 blocks took them.
     assert [(ly["tokens_int8"], ly["blocks"]) for ly in j["layers"]] == [(40, 3 + 2)] * LAYERS
@@ -434,20 +437,20 @@ def tier_moves_on_a_full_sequence(ctx, w):
     assert f"seq {sid}: demoted {LAYERS * 2} token(s) to int8, of {LAYERS * 12} held" in out, out
     assert f"({LAYERS * 10} were there already" in out and f"epoch {epoch + 2}" in out, out
 
-    # offload: INT8 and fp16 tokens of layer 1 into its sketch; they stay in the list.
+    # offload: INT8 and full-precision tokens of layer 1 into its sketch; they stay in the list.
     r = ok_json(ctx, "offload", sid, "0-1,40-47", "--layer", "1")
     assert (r["requested"], r["moved"], r["not_held"], r["epoch"]) == (10, 10, 0, epoch + 3), r
     j = ok_json(ctx, "seq", "show", sid)
-    layer1 = tier_runs((0, 1, "sketch"), (2, 39, "int8"), (40, 47, "sketch"), (48, 63, "fp16"))
-    assert [m["runs"] for m in j["maps"]] == [tier_runs((0, 41, "int8"), (42, 63, "fp16")),
+    layer1 = tier_runs((0, 1, "sketch"), (2, 39, "int8"), (40, 47, "sketch"), (48, 63, "full"))
+    assert [m["runs"] for m in j["maps"]] == [tier_runs((0, 41, "int8"), (42, 63, "full")),
                                                 layer1,
-                                                tier_runs((0, 41, "int8"), (42, 63, "fp16"))]
+                                                tier_runs((0, 41, "int8"), (42, 63, "full"))]
     assert j["layers"][1]["tokens"] == 64 and j["layers"][1]["tokens_sketch"] == 10, j["layers"]
     assert verify_now(w) == {"checked": LAYERS * 64, "int8": 42 + 38 + 42, "sketch": 10}
 
-    # revive: sketch estimates (out of the sketch) and INT8 tokens back to fp16.
+    # revive: sketch estimates (out of the sketch) and INT8 tokens back to full precision.
     out = ok_text(ctx, "revive", sid, "0-3,44-45,60-63", "--layer", "1")
-    assert f"seq {sid}: revived 6 token(s) to fp16, of 10 held" in out, out
+    assert f"seq {sid}: revived 6 token(s) to full precision, of 10 held" in out, out
     assert "(4 were there already" in out, out
     # demote a sketch token: it leaves the sketch, then is quantised alone.
     r = ok_json(ctx, "demote", sid, "46", "--layer", "1")
@@ -457,10 +460,10 @@ def tier_moves_on_a_full_sequence(ctx, w):
     assert (r["requested"], r["moved"], r["evicted"]) == (64, 42, 0), r
     j = ok_json(ctx, "seq", "show", sid)
     assert [m["runs"] for m in j["maps"]] == [
-        fp16,
-        tier_runs((0, 3, "fp16"), (4, 39, "int8"), (40, 43, "sketch"), (44, 45, "fp16"),
-                  (46, 46, "int8"), (47, 47, "sketch"), (48, 63, "fp16")),
-        tier_runs((0, 41, "int8"), (42, 63, "fp16"))], j["maps"]
+        full,
+        tier_runs((0, 3, "full"), (4, 39, "int8"), (40, 43, "sketch"), (44, 45, "full"),
+                  (46, 46, "int8"), (47, 47, "sketch"), (48, 63, "full")),
+        tier_runs((0, 41, "int8"), (42, 63, "full"))], j["maps"]
     # Layer 0's three INT8 blocks (two from the first demote, one from the second) go.
     assert j["layers"][0]["tokens_int8"] == 0, j["layers"]
     assert {"epoch": r["epoch"], "blocks": 3} in j["retired"], (r, j["retired"])
@@ -475,9 +478,34 @@ def tier_moves_on_a_full_sequence(ctx, w):
     r = ok_json(ctx, "demote", sid, "0-39", "--layer", "0")
     assert (r["requested"], r["moved"]) == (40, 40), r
     assert ok_json(ctx, "seq", "show", sid)["maps"][0]["runs"] == \
-        tier_runs((0, 39, "int8"), (40, 63, "fp16"))
+        tier_runs((0, 39, "int8"), (40, 63, "full"))
     assert pool_accounted(ctx)
     assert verify_now(w) == {"checked": LAYERS * 64, "int8": 40 + 37 + 42, "sketch": 5}
+    revive_by_the_full_tiers_old_name(ctx, w, sid, full)
+
+
+def revive_by_the_full_tiers_old_name(ctx, w, sid, full):
+    """The full tier was named "fp16" before (issue 15 item 1): Evict's `to`
+    still takes it, for what to="full" does. Layer 0's INT8 positions 0-19 go
+    back by one name, 20-39 by the other."""
+    hello, token = fd_hello(ctx.daemon.sock)  # a session as the CLI's: an operator's
+    md = (("kvstash-token", token),)
+    try:
+        for to, first in (("full", 0), ("fp16", 20)):
+            req = pb.EvictRequest(seq_id=int(sid), to=to, layers=[0],
+                                  ranges=[pb.PositionRange(first=first, count=20)])
+            r = call(ctx.daemon.store.Evict, req, md, f"Evict(to={to!r})")
+            assert (r.requested, r.moved, r.evicted, r.not_held) == (20, 20, 0, 0), (to, r)
+        req = pb.EvictRequest(seq_id=int(sid), to="fp32",
+                              ranges=[pb.PositionRange(first=0, count=1)])
+        msg = expect_status(ctx.daemon.store.Evict, req, grpc.StatusCode.INVALID_ARGUMENT, md,
+                            "Evict(to='fp32')")
+        assert '"full" (or "fp16")' in msg, msg
+    finally:
+        hello.close()
+    assert ok_json(ctx, "seq", "show", sid)["maps"][0]["runs"] == full
+    assert pool_accounted(ctx)
+    assert verify_now(w) == {"checked": LAYERS * 64, "int8": 37 + 42, "sketch": 5}
 
 
 def check_int8_compaction_requantises(ctx):
@@ -531,7 +559,7 @@ def check_tier_moves_after_the_policy_rule(ctx):
             (LAYERS * 12, LAYERS * 12, LAYERS * 4, LAYERS * 4, LAYERS * 4), r
         j = ok_json(ctx, "seq", "show", str(sid))
         assert all(m["runs"] == tier_runs((0, 11, "evicted"), (12, 15, "sketch"),
-                                          (16, 31, "fp16")) for m in j["maps"]), j["maps"]
+                                          (16, 31, "full")) for m in j["maps"]), j["maps"]
         assert verify_now(w) == {"checked": LAYERS * 20, "int8": 0, "sketch": LAYERS * 4}
         assert pool_accounted(ctx)
     result = w.finish()
@@ -632,7 +660,7 @@ def check_seq_show_per_head_lists(ctx):
         assert len(j["maps"]) == g.layers * g.kv_heads, j["maps"]
         assert [(m["layer"], m["head"], m["per_head"]) for m in j["maps"]] == \
             [(l, h, True) for l in range(g.layers) for h in range(g.kv_heads)]
-        assert all(m["runs"] == [{"first_position": 0, "count": 20, "tier": "fp16"}]
+        assert all(m["runs"] == [{"first_position": 0, "count": 20, "tier": "full"}]
                    for m in j["maps"]), j["maps"]
         assert all(ly["tokens"] == 20 * g.kv_heads for ly in j["layers"]), j["layers"]
         out = ok_text(ctx, "seq", "show", str(created.seq_id))

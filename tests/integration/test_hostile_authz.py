@@ -77,7 +77,7 @@ def check_another_sessions_evict_is_denied(ctx):
     bare_sock, bare_token = fd_hello(d.sock)
     try:
         for md in (ctx.b.md, (("kvstash-token", bare_token),)):
-            for to in ("", "evict", "int8", "sketch", "fp16"):
+            for to in ("", "evict", "int8", "sketch", "full", "fp16"):
                 msg = expect_status(d.store.Evict, evict_req(ctx.seq_a, to), C.PERMISSION_DENIED,
                                     md, f"Evict(to={to!r}) of another session's sequence")
                 assert "operator_uids" in msg, msg

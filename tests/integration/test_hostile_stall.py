@@ -129,7 +129,7 @@ def check_offload_does_not_stall_another_model(ctx):
     st = call(d.store.Stats, pb.StatsRequest(with_tiers=True), ctx.big.md)
     mine = [q for q in st.sequences if q.seq_id == ctx.big_seq][0]
     tiers = {t.tier: t.tokens for t in mine.tiers}
-    assert tiers["sketch"] == TOKENS * LAYERS and tiers["fp16"] == 0, str(tiers)
+    assert tiers["sketch"] == TOKENS * LAYERS and tiers["full"] == 0, str(tiers)
 
 
 def check_stats_flood_does_not_slow_table_reads(ctx):

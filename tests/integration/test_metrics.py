@@ -142,8 +142,8 @@ def check_counters_move_as_test_workers_act(ctx):
     held = {q.policy: 0 for q in st.sequences}
     for q in st.sequences:
         held[q.policy] += q.tokens
-    assert s.get("kvstash_tokens", policy="full", tier="fp16") == 2 * LAYERS * 64 == held["full"]
-    assert s.get("kvstash_tokens", policy="streaming", tier="fp16") == held["streaming"]
+    assert s.get("kvstash_tokens", policy="full", tier="full") == 2 * LAYERS * 64 == held["full"]
+    assert s.get("kvstash_tokens", policy="streaming", tier="full") == held["streaming"]
     assert s.get("kvstash_tokens", policy="streaming", tier="int8") == 0
     d_app = (s.get("kvstash_appended_tokens_total", policy="full")
              - base.get("kvstash_appended_tokens_total", policy="full"))
@@ -163,7 +163,7 @@ def check_counters_move_as_test_workers_act(ctx):
                      ("quarantined", pool.blocks_quarantined)):
         assert s.get("kvstash_pool_blocks", state=state, **lab) == v, (state, v)
     assert s.get("kvstash_pool_capacity_bytes", **lab) == pool.bytes_total
-    assert s.get("kvstash_memory_bytes", tier="fp16", **lab) == \
+    assert s.get("kvstash_memory_bytes", tier="full", **lab) == \
         (pool.blocks_total - pool.blocks_free) * pool.block_bytes
     # gRPC: two Attach calls, each in the latency histogram.
     rpc = dict(service="kvstash.v1.Store", method="Attach")

@@ -179,7 +179,7 @@ def check_weightedkv_merges_into_int8_tokens(ctx):
     the bound of the quantisations it saw."""
     params = ["cache_size=40", "n_init=2", "n_recent=4", "int8=on", "int8_window=4"]
     scrape = Scrape(metrics_port(ctx.daemon))
-    back = scrape.get("kvstash_tier_moves_total", policy="weightedkv", to="fp16")
+    back = scrape.get("kvstash_tier_moves_total", policy="weightedkv", to="full")
     trace = os.path.join(ctx.daemon.dir, "weightedkv_int8.jsonl")
     _, result = run_worker(ctx, "weightedkv", params, "last", ["--no-verify-values"], trace)
     assert result["int8_checked"] > 0, result
@@ -187,7 +187,7 @@ def check_weightedkv_merges_into_int8_tokens(ctx):
     assert after.get("kvstash_tier_moves_total", policy="weightedkv", to="int8") > 0, after.text
     # weightedkv never decides an INT8 token back to full precision: these
     # moves are the merges'.
-    assert after.get("kvstash_tier_moves_total", policy="weightedkv", to="fp16") > back, \
+    assert after.get("kvstash_tier_moves_total", policy="weightedkv", to="full") > back, \
         after.text
     print(f"     weightedkv with int8: {result['int8_checked']} INT8 rows verified", flush=True)
 

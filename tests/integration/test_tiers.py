@@ -8,8 +8,9 @@ token (raw bytes exact, INT8 within max|channel|/254 plus fp16 rounding) and
 keeps its own sketch; at the end it revives every layer and checks each
 position against its source tier. This test runs it in several
 configurations and checks the revived counts, the memory accounting of
-Stats (INT8 tokens take fewer bytes than fp16 ones), and that the tier and
-revive counters and the INT8 / sketch error histograms move in /metrics.
+Stats (INT8 tokens take fewer bytes than full-precision ones, tier "full"),
+and that the tier and revive counters and the INT8 / sketch error
+histograms move in /metrics.
 With victims=int8 the victims stay as INT8 and Revive rebuilds them; in a
 pool too small for them, appends keep succeeding because kept victims give
 way first (kvs_test_worker, a daemon of its own).
@@ -68,12 +69,12 @@ def check_int8_victims_revive_every_position(ctx):
     every position, and Stats counts them where they are stored."""
     stats, r = run_worker(ctx, "--int8", "on", "--victims", "int8", "--window", "24")
     assert r["full"] + r["int8"] == LAYERS * TOKENS and r["sketch"] == 0, r
-    # 4 sinks + 24 held per list, 8 of them fp16; the rest INT8 but for the
+    # 4 sinks + 24 held per list, 8 of them full; the rest INT8 but for the
     # victims and held tokens waiting for a whole INT8 block.
     assert r["int8"] >= LAYERS * (TOKENS - 8 - 1 - 2 * INT8_PER_BLOCK), r
     assert 0 < r["max_int8_err"] <= 4 / 254 + 4 * 2 ** -11, r
     t = tiers(stats)
-    assert (t["int8"]["tokens"], t["fp16"]["tokens"], t["sketch"]["tokens"]) == \
+    assert (t["int8"]["tokens"], t["full"]["tokens"], t["sketch"]["tokens"]) == \
         (r["int8"], r["full"], 0), (t, r)
     # Every INT8 block was written whole and keeps all its tokens (victims
     # stay in their blocks), so INT8 bytes are exactly the blocks' worth.
@@ -120,9 +121,9 @@ def check_int8_memory_accounting_shows_the_saving(ctx):
     # were demoted in whole INT8 blocks of 12.
     assert n8 % INT8_PER_BLOCK == 0 and n8 >= LAYERS * (TOKENS - 8 - INT8_PER_BLOCK), t_on
     assert t_on["int8"]["bytes"] == n8 // INT8_PER_BLOCK * BLOCK_BYTES, t_on
-    # Per token: 1024/12 bytes against 1024/8 at fp16, two thirds.
+    # Per token: 1024/12 bytes against 1024/8 in full (fp16 pools), two thirds.
     assert t_on["int8"]["bytes"] * 3 == n8 * TOKEN_BYTES * 2, t_on
-    assert t_off["int8"]["tokens"] == 0 and t_off["fp16"]["tokens"] == LAYERS * TOKENS, t_off
+    assert t_off["int8"]["tokens"] == 0 and t_off["full"]["tokens"] == LAYERS * TOKENS, t_off
     (q_on,), (q_off,) = on["sequences"], off["sequences"]
     assert q_on["bytes"] < q_off["bytes"] * 0.8, (q_on, q_off)
 
@@ -130,13 +131,13 @@ def check_int8_memory_accounting_shows_the_saving(ctx):
 def check_tier_and_revive_counters_move(ctx):
     s = Scrape(metrics_port(ctx.daemon))
     moves = {to: s.get("kvstash_tier_moves_total", policy="streaming", to=to)
-             for to in ("int8", "sketch", "fp16")}
+             for to in ("int8", "sketch", "full")}
     revived = {src: s.get("kvstash_revived_tokens_total", policy="streaming", **{"from": src})
-               for src in ("fp16", "int8", "sketch")}
+               for src in ("full", "int8", "sketch")}
     assert moves["int8"] > 0 and moves["sketch"] > 0, moves
-    assert revived["fp16"] > 0 and revived["int8"] > 0 and revived["sketch"] > 0, revived
+    assert revived["full"] > 0 and revived["int8"] > 0 and revived["sketch"] > 0, revived
     # Nothing of streaming's ever comes back from the sketch into its table.
-    assert moves["fp16"] == 0, moves
+    assert moves["full"] == 0, moves
     # What the moves cost, measured by the daemon against the values it moved:
     # every INT8 demotion within POLICIES.md §5.4's 1/254 of the max; the
     # sketch exact while its buckets did not collide (the --exact run) and

@@ -276,7 +276,7 @@ static void test_evict_drops_positions_and_retires_blocks(void **state)
     assert_non_null(
         strstr(text, "kvstash_evicted_tokens_total{policy=\"full\",by=\"operator\"} 9"));
     assert_non_null(strstr(text, "kvstash_appended_tokens_total{policy=\"full\"} 16"));
-    assert_non_null(strstr(text, "kvstash_tokens{policy=\"full\",tier=\"fp16\"} 23"));
+    assert_non_null(strstr(text, "kvstash_tokens{policy=\"full\",tier=\"full\"} 23"));
     assert_non_null(strstr(text, "kvstash_workers 1\n"));
     free(text);
 }
@@ -314,6 +314,36 @@ static void test_evict_refusals_change_nothing(void **state)
     /* The worker itself may evict from its own sequence. */
     assert_int_equal(operator_evict(f->st, f->token, f->seq_full, one, 1, NULL, 0, &r, &s), ST_OK);
     assert_int_equal(r.evicted, 2);
+}
+
+/* EvictRequest.to: the tiers by name, "" for evict, and "fp16", the full
+ * tier's name before "full" (issue 15 item 1), still taken for it. */
+static void test_evict_to_names(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *to;
+        status_code code;
+        policy_tier tier;
+    } cases[] = {
+        {NULL, ST_OK, POLICY_EVICT},
+        {"", ST_OK, POLICY_EVICT},
+        {"evict", ST_OK, POLICY_EVICT},
+        {"int8", ST_OK, POLICY_INT8},
+        {"sketch", ST_OK, POLICY_SKETCH},
+        {"full", ST_OK, POLICY_FULL},
+        {"fp16", ST_OK, POLICY_FULL},
+        {"fp32", ST_INVALID_ARGUMENT, POLICY_EVICT},
+        {"FULL", ST_INVALID_ARGUMENT, POLICY_EVICT},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        status s = {0};
+        policy_tier t = POLICY_EVICT;
+        assert_int_equal(operator_parse_to(cases[i].to, &t, &s), cases[i].code);
+        assert_int_equal(t, cases[i].tier);
+        if (cases[i].code != ST_OK)
+            assert_non_null(strstr(s.msg, "\"full\" (or \"fp16\")"));
+    }
 }
 
 /* --operator-uids: a list of uids, "none" or "" for none; defaults root
@@ -447,6 +477,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_evict_drops_positions_and_retires_blocks, setup,
                                         teardown),
         cmocka_unit_test_setup_teardown(test_evict_refusals_change_nothing, setup, teardown),
+        cmocka_unit_test(test_evict_to_names),
         cmocka_unit_test(test_config_operator_uids),
         cmocka_unit_test_setup_teardown(test_operators_act_and_see_others, setup, teardown),
         cmocka_unit_test_setup_teardown(test_tenants_get_their_own_pools, setup, teardown),
