@@ -71,8 +71,8 @@ status_code pool_create(uint64_t id, const char *model, const pool_geometry *g, 
     p->geom = *g;
     p->backend = b;
     p->arena.fd = -1;
-    p->layout =
-        (kv_layout){g->kv_heads, g->block_tokens, g->head_dim, (uint32_t)pool_dtype_size(g->dtype)};
+    p->layout = (kv_layout){g->kv_heads, g->block_tokens, g->head_dim,
+                            (uint32_t)pool_dtype_size(g->dtype), 0};
     p->block_bytes = kv_block_bytes(&p->layout);
     size_t count = max_bytes / p->block_bytes;
     if (count > UINT32_MAX)

@@ -28,6 +28,9 @@ typedef struct kv_layout {
     uint32_t block_tokens;
     uint32_t head_dim;
     uint32_t elt_size; /* bytes per element: 2 (fp16, bf16) or 4 (fp32) */
+    /* the INT4 / INT2 tiers' group size ("Low-bit tiers" below); 0 means
+     * KV_LOWBIT_GROUP_DEFAULT. Full-precision and INT8 blocks ignore it. */
+    uint32_t quant_group;
 } kv_layout;
 
 /* A run of `count` consecutive tokens in block `block`, slots first_slot.. */
@@ -137,6 +140,12 @@ void kv_dequantize_group_ref(const int8_t *q, size_t n, float s, float *x);
  *    (kv_dequantize_group_ref), dequantised as it is read: the list is
  *    never copied. For a per-head list, q8 is derived from the per-head
  *    layout (one head of q8.block_tokens rows, one scale per channel).
+ *  - KV_TIER_INT4 / KV_TIER_INT2: likewise, the pool block holds one
+ *    low-bit block ("Low-bit tiers" below) of 4 / 2 bits and layout l with
+ *    block_tokens = kv_lowbit_tokens_per_block(l, bits), at index 0; element
+ *    c of a row is kv_lowbit_value of its code with its group's scale and
+ *    zero point, in fp32. The fast version dequantises such rows into a
+ *    small fp32 tile per chunk and attends over that.
  * The values are those of store.proto's LayerTable.tier (kvs_tier in
  * client/kvstash.h). Any other value (KVS_TIER_SKETCH, say) is a caller
  * error, asserted in debug builds: revive those tokens into the pool first.
@@ -157,7 +166,13 @@ void kv_dequantize_group_ref(const int8_t *q, size_t n, float s, float *x);
  * both within the 2e-6 of the reference. head_dim above 4096 takes the
  * reference.
  */
-typedef enum kv_tier { KV_TIER_FULL = 0, KV_TIER_INT8 = 1 } kv_tier;
+typedef enum kv_tier {
+    KV_TIER_FULL = 0,
+    KV_TIER_INT8 = 1,
+    /* 2 is the sketch (kvs_tier), never attended */
+    KV_TIER_INT4 = 3,
+    KV_TIER_INT2 = 4,
+} kv_tier;
 
 void kv_decode_attention_ref(const kv_layout *l, kv_dtype t, const uint8_t *pool,
                              const kv_segment *segs, size_t nsegs, const uint8_t *tiers,
@@ -282,6 +297,85 @@ void kv_int8_dequantize_ref(const kv_layout *l, const uint8_t *qpool, const kv_s
 void kv_int8_dequantize(const kv_layout *l, const uint8_t *qpool, const kv_segment *qsegs,
                         size_t nqsegs, kv_dtype t, uint8_t *pool, const kv_segment *dst,
                         size_t ndst);
+
+/*
+ * ---- Low-bit tiers: INT4 and INT2 (KIVI, Liu et al. 2024) ----
+ *
+ * A low-bit block holds the K and V of up to T = l->block_tokens tokens of
+ * one layer, all KV heads, as unsigned codes of `bits` = 4 or 2 bits with
+ * an fp16 scale s and zero point z per group, asymmetric (kernels/lowbit.h
+ * is the quantiser: z <= every value <= z + s·(2^bits - 1), code =
+ * rne((x - z) / s), value = code·s + z in fp32). With G = the layout's
+ * quant_group (0: KV_LOWBIT_GROUP_DEFAULT):
+ *  - keys are grouped per channel over G consecutive slots of the block
+ *    (slots [kG, kG + G) form key group k; the last one may be short), the
+ *    outlier channels of keys keeping their own range;
+ *  - values are grouped per token over G consecutive channels (the last
+ *    group of a row may be short).
+ * Only the tokens a block was filled with count: a short fill's groups
+ * cover its tokens alone. With H = kv_heads, d = head_dim, R = ceil(d·bits
+ * / 8) bytes per code row (channel c at bit c·bits of the row, low bits
+ * first), nk = ceil(T / G) key groups and nv = ceil(d / G) value groups:
+ *
+ *   bytes [0, HTR)        K codes [H][T][R]
+ *   bytes [HTR, 2HTR)     V codes [H][T][R]
+ *   bytes [S, S + 4Hnk·d) K params [H][nk]: d fp16 scales, then d zeros
+ *                          (S = 2HTR rounded up to 16)
+ *   then 4HT·nv bytes     V params [H][T]: nv fp16 scales, then nv zeros
+ *
+ * rounded up to a multiple of 16 (kv_lowbit_block_bytes). Quantisation
+ * writes every byte: unused slots, bits, parameters and padding are 0.
+ * Against fp16 tokens (4d bytes a token and head) that is about 1.25d
+ * (INT4) and 0.75d (INT2) bytes at G = 32 and T >> G: 31% and 19%. Like
+ * INT8 blocks, the daemon keeps them in pool blocks (block index 0 of a
+ * low-bit arena at the pool block's start, T =
+ * kv_lowbit_tokens_per_block).
+ */
+#define KV_LOWBIT_GROUP_DEFAULT 32u
+
+/* The layout's group size (quant_group, or the default when 0). */
+uint32_t kv_lowbit_group(const kv_layout *l);
+
+size_t kv_lowbit_block_bytes(const kv_layout *l, uint32_t bits);
+
+/* The largest T >= 1 whose low-bit block fits one pool block of layout l
+ * (kv_block_bytes(l)); 0 when none does. fp16, 8 heads x 128 channels, 16
+ * tokens a pool block, G = 32: 49 (INT4), 83 (INT2). */
+uint32_t kv_lowbit_tokens_per_block(const kv_layout *l, uint32_t bits);
+
+/* Byte offsets from the arena's base: the code row of (block, kv = 0 for K
+ * / 1 for V, head, slot); the K params of (block, head, key group): d
+ * scales then d zeros (fp16); the V params of (block, head, slot): nv
+ * scales then nv zeros. */
+size_t kv_lowbit_code_offset(const kv_layout *l, uint32_t bits, uint32_t block, uint32_t kv,
+                             uint32_t head, uint32_t slot);
+size_t kv_lowbit_key_params_offset(const kv_layout *l, uint32_t bits, uint32_t block, uint32_t head,
+                                   uint32_t key_group);
+size_t kv_lowbit_value_params_offset(const kv_layout *l, uint32_t bits, uint32_t block,
+                                     uint32_t head, uint32_t slot);
+
+/*
+ * kv_lowbit_quantize: as kv_int8_quantize, into low-bit blocks of `bits`
+ * (4 or 2) of layout l: the tokens of `segs` fill qblocks[0], qblocks[1],
+ * ... in list order, l->block_tokens each, from slot 0. The fast version
+ * equals the reference byte for byte.
+ * kv_lowbit_dequantize: as kv_int8_dequantize: the i-th token of qsegs
+ * (slots of low-bit blocks) into the i-th slot of dst, x = code·s + z
+ * stored as type t. The error per value is at most s/2 of its group plus
+ * the fp32 rounding of code·s + z and the rounding of t (lowbit.h).
+ */
+void kv_lowbit_quantize_ref(const kv_layout *l, uint32_t bits, kv_dtype t, const uint8_t *pool,
+                            const kv_segment *segs, size_t nsegs, uint8_t *qpool,
+                            const uint32_t *qblocks, size_t nq);
+void kv_lowbit_quantize(const kv_layout *l, uint32_t bits, kv_dtype t, const uint8_t *pool,
+                        const kv_segment *segs, size_t nsegs, uint8_t *qpool,
+                        const uint32_t *qblocks, size_t nq);
+void kv_lowbit_dequantize_ref(const kv_layout *l, uint32_t bits, const uint8_t *qpool,
+                              const kv_segment *qsegs, size_t nqsegs, kv_dtype t, uint8_t *pool,
+                              const kv_segment *dst, size_t ndst);
+void kv_lowbit_dequantize(const kv_layout *l, uint32_t bits, const uint8_t *qpool,
+                          const kv_segment *qsegs, size_t nqsegs, kv_dtype t, uint8_t *pool,
+                          const kv_segment *dst, size_t ndst);
 
 /*
  * ---- Count sketch (KVReviver's Vague store, POLICIES.md §3.2-3.3) ----
@@ -433,14 +527,21 @@ int kv_copy_tokens_cuda(const kv_layout *l, uint8_t *pool, const kv_segment *src
  * qblocks, delta, tiers and the merge list are host arrays. Pool elements
  * must be aligned to their size (cudaMalloc'd pools are). Limits (else
  * cudaErrorInvalidValue): kv_decode_attention_cuda head_dim <= 512, tiers
- * KV_TIER_FULL or KV_TIER_INT8 only, INT8 segments inside their INT8
- * block; kv_vnorm_l1_cuda head_dim <= 759; kv_heads and q_heads <= 65535. */
+ * KV_TIER_FULL, INT8, INT4 or INT2 only, quantised segments inside their
+ * block; kv_lowbit_* bits 4 or 2; kv_vnorm_l1_cuda head_dim <= 759; kv_heads and q_heads <= 65535.
+ */
 int kv_int8_quantize_cuda(const kv_layout *l, kv_dtype t, const uint8_t *pool,
                           const kv_segment *segs, size_t nsegs, uint8_t *qpool,
                           const uint32_t *qblocks, size_t nq);
 int kv_int8_dequantize_cuda(const kv_layout *l, const uint8_t *qpool, const kv_segment *qsegs,
                             size_t nqsegs, kv_dtype t, uint8_t *pool, const kv_segment *dst,
                             size_t ndst);
+int kv_lowbit_quantize_cuda(const kv_layout *l, uint32_t bits, kv_dtype t, const uint8_t *pool,
+                            const kv_segment *segs, size_t nsegs, uint8_t *qpool,
+                            const uint32_t *qblocks, size_t nq);
+int kv_lowbit_dequantize_cuda(const kv_layout *l, uint32_t bits, const uint8_t *qpool,
+                              const kv_segment *qsegs, size_t nqsegs, kv_dtype t, uint8_t *pool,
+                              const kv_segment *dst, size_t ndst);
 int kv_sketch_insert_cuda(kv_sketch *sk, const kv_layout *l, kv_dtype t, const uint8_t *pool,
                           const kv_segment *segs, size_t nsegs, const uint32_t *h, const int8_t *g);
 int kv_sketch_query_cuda(const kv_sketch *sk, const uint32_t *h, const int8_t *g,

@@ -240,8 +240,8 @@ int cache_kvstash(const llm_model *m, const cache_opts *o, llm_cache **out, char
     c->o = *o;
     c->dtype = (kv_dtype)o->dtype;
     c->elt = o->dtype == KVS_FP32 ? 4 : 2;
-    c->lay = (kv_layout){c->KV, o->block_tokens, c->D, (uint32_t)c->elt};
-    c->rows = (kv_layout){1, o->block_tokens * c->KV, c->D, (uint32_t)c->elt};
+    c->lay = (kv_layout){c->KV, o->block_tokens, c->D, (uint32_t)c->elt, 0};
+    c->rows = (kv_layout){1, o->block_tokens * c->KV, c->D, (uint32_t)c->elt, 0};
     if (resolve_params(c) != 0 || alloc_stats(c) != 0) {
         snprintf(err, errlen, "%s", c->err);
         cache_free(c);
@@ -434,7 +434,7 @@ static void vnorm_new(llm_cache *c, uint32_t l, const float *v)
     if (blk == NULL)
         return;
     memcpy(blk + n, v, n * sizeof *blk);
-    kv_layout one = {c->KV, 1, c->D, 4};
+    kv_layout one = {c->KV, 1, c->D, 4, 0};
     kv_segment seg = {0, 0, 1};
     kv_vnorm_l1(&one, KV_FP32, (const uint8_t *)blk, &seg, 1, llm_wo(c->m, l), (size_t)c->Q * c->D,
                 c->Q, c->m->c.dim, o);

@@ -43,7 +43,9 @@
  * same bits in one segment or many, in the pool layout or in a per-head
  * list's rows. (An INT8 list does not give the bits of its dequantised copy:
  * the scales are applied in another order; both stay within the reference's
- * tolerance.) Large calls split their query heads over threads
+ * tolerance.) INT4 and INT2 rows (kernels.h "Low-bit tiers") are
+ * dequantised into an fp32 tile per step, exactly as the reference reads
+ * them, and attended as fp32 rows. Large calls split their query heads over threads
  * (parallel.h); each head's arithmetic is the same whatever the split.
  */
 #include <assert.h>
@@ -51,6 +53,7 @@
 #include <string.h>
 
 #include "../elt.h"
+#include "../lowbit.h"
 #include "isa.h"
 #include "kernels.h"
 #include "parallel.h"
@@ -61,10 +64,12 @@
 #define ATTN_STATE 64u  /* query heads per walk over the list */
 #define ATTN_HB 4u      /* query heads folded together: a K or V load serves them all */
 #define ATTN_AHEAD 2u   /* steps (a KV head of a chunk) from a row's prefetch to its read */
+#define KV_LOWBIT_ROW_PARAMS 256u /* key parameters of a low-bit row read per pass */
 
 typedef struct attn_job {
     const kv_layout *l;
-    kv_layout q8; /* the INT8 block an INT8 segment's block holds */
+    kv_layout q8;     /* the INT8 block an INT8 segment's block holds */
+    kv_layout q4, q2; /* the INT4 / INT2 blocks */
     kv_dtype t;
     const uint8_t *pool;
     const kv_segment *segs;
@@ -76,6 +81,12 @@ typedef struct attn_job {
     float *out, *probs;
 } attn_job;
 
+/* A token of the current chunk: its tier, block and slot. */
+typedef struct chunk_tok {
+    uint8_t tier;
+    uint32_t block, slot;
+} chunk_tok;
+
 /* Where one token's K and V rows are: elements of type t, or INT8 codes
  * with their blocks' scale rows (ks != NULL). */
 typedef struct attn_row {
@@ -84,6 +95,7 @@ typedef struct attn_row {
 
 /* Offsets inside a block of KV head g's rows at slot 0, per tier. */
 typedef struct head_rows {
+    uint32_t g;                    /* the KV head */
     size_t block_bytes, k, v, row; /* full precision */
     size_t qk, qv, qks, qvs, qrow; /* INT8 */
 } head_rows;
@@ -92,6 +104,7 @@ static head_rows head_rows_of(const attn_job *j, uint32_t g)
 {
     const kv_layout *l = j->l;
     head_rows r;
+    r.g = g;
     r.block_bytes = kv_block_bytes(l);
     r.k = kv_key_offset(l, 0, g, 0);
     r.v = r.k + r.block_bytes / 2;
@@ -114,6 +127,45 @@ static attn_row row_at(const attn_job *j, const head_rows *hr, uint8_t tier, uin
     }
     size_t o = (size_t)slot * hr->qrow;
     return (attn_row){b + hr->qk + o, b + hr->qv + o, b + hr->qks, b + hr->qvs};
+}
+
+static int tier_lowbit(uint8_t tier)
+{
+    return tier == KV_TIER_INT4 || tier == KV_TIER_INT2;
+}
+
+/* The K (v = 0) or V row of KV head g of a low-bit token as d floats:
+ * kv_lowbit_value of each code with its group's parameters. */
+static void lowbit_row_load(const attn_job *j, uint32_t g, const chunk_tok *tok, int v, float *x)
+{
+    uint32_t bits = tok->tier == KV_TIER_INT4 ? 4 : 2;
+    const kv_layout *q = bits == 4 ? &j->q4 : &j->q2;
+    uint32_t G = kv_lowbit_group(q), d = q->head_dim, nv = (d + G - 1) / G, slot = tok->slot;
+    const uint8_t *qb = j->pool + (size_t)tok->block * kv_block_bytes(j->l);
+    const uint8_t *row = qb + kv_lowbit_code_offset(q, bits, 0, (uint32_t)v, g, slot);
+    uint16_t s[2 * KV_LOWBIT_ROW_PARAMS];
+    if (!v) {
+        const uint8_t *p = qb + kv_lowbit_key_params_offset(q, bits, 0, g, slot / G);
+        for (uint32_t c0 = 0; c0 < d; c0 += KV_LOWBIT_ROW_PARAMS) {
+            uint32_t w = d - c0 < KV_LOWBIT_ROW_PARAMS ? d - c0 : KV_LOWBIT_ROW_PARAMS;
+            memcpy(s, p + 2 * (size_t)c0, 2 * (size_t)w);
+            memcpy(s + KV_LOWBIT_ROW_PARAMS, p + 2 * ((size_t)d + c0), 2 * (size_t)w);
+            for (uint32_t c = 0; c < w; c++)
+                x[c0 + c] =
+                    kv_lowbit_value(kv_lowbit_get(row, c0 + c, bits), kv_half_to_float(s[c]),
+                                    kv_half_to_float(s[KV_LOWBIT_ROW_PARAMS + c]));
+        }
+        return;
+    }
+    const uint8_t *p = qb + kv_lowbit_value_params_offset(q, bits, 0, g, slot);
+    for (uint32_t k = 0; k < nv; k++) {
+        uint16_t hs, hz;
+        memcpy(&hs, p + 2 * (size_t)k, 2);
+        memcpy(&hz, p + 2 * ((size_t)nv + k), 2);
+        float sf = kv_half_to_float(hs), zf = kv_half_to_float(hz);
+        for (uint32_t c = k * G; c < d && c < (k + 1) * G; c++)
+            x[c] = kv_lowbit_value(kv_lowbit_get(row, c, bits), sf, zf);
+    }
 }
 
 /* d floats of an INT8 row: code * scale in fp32 (kv_dequantize_group_ref). */
@@ -199,12 +251,6 @@ static void pf_add(const uint8_t **lo, const uint8_t **hi, uint32_t *n, const ui
     hi[(*n)++] = p + bytes;
 }
 
-/* A token of the current chunk: its tier, block and slot. */
-typedef struct chunk_tok {
-    uint8_t tier;
-    uint32_t block, slot;
-} chunk_tok;
-
 #ifndef __AVX2__
 /* ---- generic build: the chunk's rows converted into fp32 tiles ---- */
 
@@ -214,12 +260,15 @@ typedef struct step {
 } step;
 
 /* K (v = 0) or V (v = 1) rows of a chunk into tile [cnt][d]. */
-static void load_tile(const attn_job *j, const attn_row *rows, uint32_t cnt, int v, float *tile)
+static void load_tile(const attn_job *j, const head_rows *hr, const chunk_tok *toks,
+                      const attn_row *rows, uint32_t cnt, int v, float *tile)
 {
     uint32_t d = j->l->head_dim;
     for (uint32_t i = 0; i < cnt; i++) {
         float *x = tile + (size_t)i * d;
-        if (rows[i].ks == NULL)
+        if (tier_lowbit(toks[i].tier))
+            lowbit_row_load(j, hr->g, &toks[i], v, x);
+        else if (rows[i].ks == NULL)
             kv_row_load(v ? rows[i].v : rows[i].k, j->t, d, x);
         else
             int8_row_load(v ? rows[i].v : rows[i].k, v ? rows[i].vs : rows[i].ks, d, x);
@@ -232,9 +281,10 @@ static void step_load(const attn_job *j, const head_rows *hr, const chunk_tok *t
 {
     attn_row rows[ATTN_CHUNK];
     for (uint32_t i = 0; i < cnt; i++)
-        rows[i] = row_at(j, hr, toks[i].tier, toks[i].block, toks[i].slot);
-    load_tile(j, rows, cnt, 0, s->kt);
-    load_tile(j, rows, cnt, 1, s->vt);
+        if (!tier_lowbit(toks[i].tier))
+            rows[i] = row_at(j, hr, toks[i].tier, toks[i].block, toks[i].slot);
+    load_tile(j, hr, toks, rows, cnt, 0, s->kt);
+    load_tile(j, hr, toks, rows, cnt, 1, s->vt);
 }
 
 /* a.b in 8 lanes: lane k sums a[c] * b[c] over channels c = k mod 8 in
@@ -319,8 +369,8 @@ typedef struct step {
     const uint8_t *k[ATTN_CHUNK], *v[ATTN_CHUNK];
     row_run run[ATTN_CHUNK];
     uint32_t nruns;
-    kv_dtype t;
-    float vtail[ATTN_CHUNK][8]; /* the V rows' last d % 8 channels, dequantised */
+    float vtail[ATTN_CHUNK][8];         /* the V rows' last d % 8 channels, dequantised */
+    float lk[ATTN_TILE], lv[ATTN_TILE]; /* low-bit tokens' rows, dequantised (fp32 rows) */
 } step;
 
 /* Channels [c, c + 8) of a row as fp32: fp16 and bf16 widen exactly, an
@@ -346,13 +396,15 @@ ATTN_INLINE __m256 ld8(const uint8_t *row, uint32_t c, int kind)
 
 /* n < 8 elements of a row from channel c, as ld8 gives them (an INT8 row:
  * its codes). */
-static void row_tail(const uint8_t *row, int kind, kv_dtype t, uint32_t c, uint32_t n, float *x)
+static void row_tail(const uint8_t *row, int kind, uint32_t c, uint32_t n, float *x)
 {
     if (kind == ROW_I8)
         for (uint32_t k = 0; k < n; k++)
             x[k] = (float)(int8_t)row[c + k];
+    else if (kind == ROW_F32)
+        kv_row_load(row + (size_t)c * 4, KV_FP32, n, x);
     else
-        kv_row_load(row + (size_t)c * (t == KV_FP32 ? 4 : 2), t, n, x);
+        kv_row_load(row + (size_t)c * 2, kind == ROW_F16 ? KV_FP16 : KV_BF16, n, x);
 }
 
 /* The rows of a KV head (its rows hr) for the chunk's cnt tokens, cut into
@@ -362,11 +414,20 @@ static void step_load(const attn_job *j, const head_rows *hr, const chunk_tok *t
 {
     int full = j->t == KV_FP32 ? ROW_F32 : j->t == KV_FP16 ? ROW_F16 : ROW_BF16;
     uint32_t d = j->l->head_dim, c = d & ~7u;
-    s->t = j->t;
     s->nruns = 0;
     for (uint32_t i = 0; i < cnt; i++) {
-        attn_row r = row_at(j, hr, toks[i].tier, toks[i].block, toks[i].slot);
-        int kind = r.ks != NULL ? ROW_I8 : full;
+        attn_row r;
+        int kind;
+        if (tier_lowbit(toks[i].tier)) {
+            float *k = s->lk + (size_t)i * d, *v = s->lv + (size_t)i * d;
+            lowbit_row_load(j, hr->g, &toks[i], 0, k);
+            lowbit_row_load(j, hr->g, &toks[i], 1, v);
+            r = (attn_row){(const uint8_t *)k, (const uint8_t *)v, NULL, NULL};
+            kind = ROW_F32;
+        } else {
+            r = row_at(j, hr, toks[i].tier, toks[i].block, toks[i].slot);
+            kind = r.ks != NULL ? ROW_I8 : full;
+        }
         s->k[i] = r.k;
         s->v[i] = r.v;
         row_run *last = s->nruns > 0 ? &s->run[s->nruns - 1] : NULL;
@@ -377,7 +438,7 @@ static void step_load(const attn_job *j, const head_rows *hr, const chunk_tok *t
         if (c < d && kind == ROW_I8)
             int8_row_load(r.v + c, r.vs + 4 * (size_t)c, d - c, s->vtail[i]);
         else if (c < d)
-            row_tail(r.v, kind, j->t, c, d - c, s->vtail[i]);
+            row_tail(r.v, kind, c, d - c, s->vtail[i]);
     }
 }
 
@@ -425,7 +486,7 @@ ATTN_INLINE void qk_block(const float *q, uint32_t d, const step *s, uint32_t i0
     }
     for (int t = 0; t < T && c < d; t++) {
         float kb[8], l[8];
-        row_tail(s->k[i0 + t], kind, s->t, c, d - c, kb);
+        row_tail(s->k[i0 + t], kind, c, d - c, kb);
         for (int h = 0; h < H; h++) {
             const float *qh = q + (size_t)h * d + c;
             _mm256_storeu_ps(l, acc[h * 2 + t]);
@@ -719,8 +780,10 @@ static uint32_t next_chunk(const attn_job *j, list_pos *p, uint32_t cap, chunk_t
     while (cnt < cap && p->k < j->nsegs) {
         const kv_segment *sg = &j->segs[p->k];
         uint8_t tier = j->tiers != NULL ? j->tiers[p->k] : KV_TIER_FULL;
-        assert(tier == KV_TIER_FULL || tier == KV_TIER_INT8);
-        assert(tier == KV_TIER_FULL || (uint64_t)sg->first_slot + sg->count <= j->q8.block_tokens);
+        assert(tier == KV_TIER_FULL || tier == KV_TIER_INT8 || tier_lowbit(tier));
+        assert(tier != KV_TIER_INT8 || (uint64_t)sg->first_slot + sg->count <= j->q8.block_tokens);
+        assert(tier != KV_TIER_INT4 || (uint64_t)sg->first_slot + sg->count <= j->q4.block_tokens);
+        assert(tier != KV_TIER_INT2 || (uint64_t)sg->first_slot + sg->count <= j->q2.block_tokens);
         uint32_t m = sg->count - p->s < cap - cnt ? sg->count - p->s : cap - cnt;
         for (uint32_t i = 0; i < m; i++) {
             at[cnt] = (list_pos){p->k, p->s + i};
@@ -754,6 +817,17 @@ static void prefetch_rows(const attn_job *j, const head_rows *hr, const chunk_to
     size_t lines = 0;
     q->n = q->i = 0;
     for (uint32_t i = 0; i < cnt; i++) {
+        if (tier_lowbit(toks[i].tier)) { /* their code rows; the parameters are small */
+            uint32_t bits = toks[i].tier == KV_TIER_INT4 ? 4 : 2;
+            const kv_layout *lq = bits == 4 ? &j->q4 : &j->q2;
+            const uint8_t *qb = j->pool + (size_t)toks[i].block * hr->block_bytes;
+            size_t bytes = ((size_t)lq->head_dim * bits + 7) / 8;
+            pf_add(q->lo, q->hi, &q->n,
+                   qb + kv_lowbit_code_offset(lq, bits, 0, 0, hr->g, toks[i].slot), bytes);
+            pf_add(vlo, vhi, &nv, qb + kv_lowbit_code_offset(lq, bits, 0, 1, hr->g, toks[i].slot),
+                   bytes);
+            continue;
+        }
         attn_row r = row_at(j, hr, toks[i].tier, toks[i].block, toks[i].slot);
         size_t bytes = toks[i].tier == KV_TIER_FULL ? hr->row : hr->qrow;
         if (r.ks != NULL &&
@@ -889,7 +963,8 @@ void KV_FAST(kv_decode_attention)(const kv_layout *l, kv_dtype t, const uint8_t 
     }
     uint32_t group = l->kv_heads ? q_heads / l->kv_heads : 0;
     group = group ? group : 1; /* the contract asks q_heads % kv_heads == 0 */
-    attn_job j = {.l = l, .q8 = *l, .t = t, .pool = pool, .segs = segs, .nsegs = nsegs};
+    attn_job j = {.l = l, .q8 = *l, .q4 = *l, .q2 = *l, .t = t, .pool = pool, .segs = segs};
+    j.nsegs = nsegs;
     j.n = kv_segments_tokens(segs, nsegs);
     j.tiers = tiers;
     j.q = q;
@@ -900,6 +975,8 @@ void KV_FAST(kv_decode_attention)(const kv_layout *l, kv_dtype t, const uint8_t 
     j.out = out;
     j.probs = probs;
     j.q8.block_tokens = kv_int8_tokens_per_block(l);
+    j.q4.block_tokens = kv_lowbit_tokens_per_block(l, 4);
+    j.q2.block_tokens = kv_lowbit_tokens_per_block(l, 2);
     size_t kvh = (q_heads + group - 1) / group, units = kvh * j.batches;
     /* Items of as many units as the states allow, and at least one per
      * thread: results do not depend on how units are grouped. */

@@ -74,6 +74,20 @@ void kv_int8_dequantize(const kv_layout *l, const uint8_t *qpool, const kv_segme
     PICK(kv_int8_dequantize)(l, qpool, qsegs, nqsegs, t, pool, dst, ndst);
 }
 
+void kv_lowbit_quantize(const kv_layout *l, uint32_t bits, kv_dtype t, const uint8_t *pool,
+                        const kv_segment *segs, size_t nsegs, uint8_t *qpool,
+                        const uint32_t *qblocks, size_t nq)
+{
+    PICK(kv_lowbit_quantize)(l, bits, t, pool, segs, nsegs, qpool, qblocks, nq);
+}
+
+void kv_lowbit_dequantize(const kv_layout *l, uint32_t bits, const uint8_t *qpool,
+                          const kv_segment *qsegs, size_t nqsegs, kv_dtype t, uint8_t *pool,
+                          const kv_segment *dst, size_t ndst)
+{
+    PICK(kv_lowbit_dequantize)(l, bits, qpool, qsegs, nqsegs, t, pool, dst, ndst);
+}
+
 void kv_sketch_insert(kv_sketch *sk, const kv_layout *l, kv_dtype t, const uint8_t *pool,
                       const kv_segment *segs, size_t nsegs, const uint32_t *h, const int8_t *g)
 {

@@ -25,11 +25,16 @@
  * kv_int8_tokens_per_block(l), INT8 block 0 at the pool block's start); a
  * lane reads its channels' codes and scales and multiplies them in fp32
  * (__fmul_rn: the product is not fused into the dot product), so the
- * dequantised value is the CPU's. The host checks the tiers and that INT8
- * segments stay inside their INT8 block (else cudaErrorInvalidValue).
+ * dequantised value is the CPU's. INT4 and INT2 segments (kernels.h
+ * "Low-bit tiers") are read the same way: a lane unpacks its channels'
+ * codes and applies their group's fp16 scale and zero point with
+ * kernels/lowbit.h's kv_lowbit_value, the CPU's. The host checks the tiers
+ * and that quantised segments stay inside their block (else
+ * cudaErrorInvalidValue).
  */
 #include <math.h>
 
+#include "../lowbit.h"
 #include "common.cuh"
 
 using namespace kvcuda;
@@ -53,11 +58,60 @@ struct q8geom {
     unsigned tokens;            /* kv_int8_tokens_per_block */
 };
 
-/* K and V element j of (segment sg, kv head, slot) as fp32. */
-__device__ __forceinline__ void load_kv(const geom &g, const q8geom &q8, int t, const uint8_t *pool,
-                                        const dev_seg &sg, unsigned kvh, unsigned slot, unsigned j,
-                                        float *k, float *v)
+/* A low-bit block inside an INT4 / INT2 segment's pool block, as offsets
+ * from the pool block's start (kernels.h "Low-bit tiers"). */
+struct lbgeom {
+    unsigned long long v_codes, k_params, v_params;
+    unsigned tokens, row, group, nk, nv;
+};
+
+lbgeom make_lbgeom(const kv_layout *l, uint32_t bits)
 {
+    kv_layout q = *l;
+    q.block_tokens = kv_lowbit_tokens_per_block(l, bits);
+    lbgeom g;
+    g.v_codes = kv_lowbit_code_offset(&q, bits, 0, 1, 0, 0);
+    g.k_params = kv_lowbit_key_params_offset(&q, bits, 0, 0, 0);
+    g.v_params = kv_lowbit_value_params_offset(&q, bits, 0, 0, 0);
+    g.tokens = q.block_tokens;
+    g.row = (unsigned)(((size_t)l->head_dim * bits + 7) / 8);
+    g.group = kv_lowbit_group(l);
+    g.nk = (q.block_tokens + g.group - 1) / g.group;
+    g.nv = (l->head_dim + g.group - 1) / g.group;
+    return g;
+}
+
+__device__ __forceinline__ float half_at(const uint8_t *p, unsigned long long i)
+{
+    return kv_half_to_float(*reinterpret_cast<const uint16_t *>(p + 2 * i));
+}
+
+/* K and V element j of a low-bit token (kv head, slot) of block qb. */
+__device__ __forceinline__ void load_lowbit(const lbgeom &q, unsigned bits, unsigned dim,
+                                            const uint8_t *qb, unsigned kvh, unsigned slot,
+                                            unsigned j, float *k, float *v)
+{
+    const unsigned long long row = ((unsigned long long)kvh * q.tokens + slot) * q.row;
+    const uint8_t *kp =
+        qb + q.k_params + ((unsigned long long)kvh * q.nk + slot / q.group) * 4ull * dim;
+    const uint8_t *vp = qb + q.v_params + ((unsigned long long)kvh * q.tokens + slot) * 4ull * q.nv;
+    *k = kv_lowbit_value(kv_lowbit_get(qb + row, j, bits), half_at(kp, j), half_at(kp, dim + j));
+    *v = kv_lowbit_value(kv_lowbit_get(qb + q.v_codes + row, j, bits), half_at(vp, j / q.group),
+                         half_at(vp, q.nv + j / q.group));
+}
+
+/* The quantised blocks' geometries a kernel needs. */
+struct tiergeom {
+    q8geom q8;
+    lbgeom q4, q2;
+};
+
+/* K and V element j of (segment sg, kv head, slot) as fp32. */
+__device__ __forceinline__ void load_kv(const geom &g, const tiergeom &tg, int t,
+                                        const uint8_t *pool, const dev_seg &sg, unsigned kvh,
+                                        unsigned slot, unsigned j, float *k, float *v)
+{
+    const q8geom &q8 = tg.q8;
     if (sg.tier == KV_TIER_FULL) {
         const uint8_t *krow = pool + row_offset(g, sg.block, 0, kvh, slot);
         *k = load_elt(krow + j * g.elt, t);
@@ -65,6 +119,11 @@ __device__ __forceinline__ void load_kv(const geom &g, const q8geom &q8, int t, 
         return;
     }
     const uint8_t *qb = pool + sg.block * g.block_bytes;
+    if (sg.tier == KV_TIER_INT4 || sg.tier == KV_TIER_INT2) {
+        const bool four = sg.tier == KV_TIER_INT4;
+        load_lowbit(four ? tg.q4 : tg.q2, four ? 4 : 2, g.dim, qb, kvh, slot, j, k, v);
+        return;
+    }
     const unsigned long long code = ((unsigned long long)kvh * q8.tokens + slot) * g.dim + j;
     const float *ks = reinterpret_cast<const float *>(qb + q8.scales) + (size_t)kvh * g.dim;
     const float *vs = ks + (size_t)g.heads * g.dim;
@@ -95,7 +154,7 @@ __device__ __forceinline__ float warp_sum(float x)
 }
 
 template <int EPL, int GB>
-__global__ void attn_partial(geom g, q8geom q8, int t, const uint8_t *pool, const dev_seg *segs,
+__global__ void attn_partial(geom g, tiergeom tg, int t, const uint8_t *pool, const dev_seg *segs,
                              unsigned nsegs, unsigned long long ntok, unsigned long long chunk,
                              const float *q, unsigned G, float scale, float *part_m, float *part_l,
                              float *part_acc, float *probs, unsigned q_heads)
@@ -132,7 +191,7 @@ __global__ void attn_partial(geom g, q8geom q8, int t, const uint8_t *pool, cons
             unsigned j = lane + 32 * e;
             k[e] = v[e] = 0;
             if (j < d)
-                load_kv(g, q8, t, pool, segs[si], kvh, slot, j, &k[e], &v[e]);
+                load_kv(g, tg, t, pool, segs[si], kvh, slot, j, &k[e], &v[e]);
         }
         for (int gi = 0; gi < GB; gi++) {
             if (gi >= (int)ng)
@@ -220,12 +279,12 @@ __global__ void attn_probs(unsigned long long ntok, const float *stat, float *pr
 }
 
 template <int EPL, int GB>
-void launch_partial(dim3 grid, const geom &g, const q8geom &q8, int t, const uint8_t *pool,
+void launch_partial(dim3 grid, const geom &g, const tiergeom &tg, int t, const uint8_t *pool,
                     const dev_seg *segs, unsigned nsegs, unsigned long long ntok,
                     unsigned long long chunk, const float *q, unsigned G, float scale, float *pm,
                     float *pl, float *pa, float *probs, unsigned q_heads)
 {
-    attn_partial<EPL, GB><<<grid, kWarps * 32>>>(g, q8, t, pool, segs, nsegs, ntok, chunk, q, G,
+    attn_partial<EPL, GB><<<grid, kWarps * 32>>>(g, tg, t, pool, segs, nsegs, ntok, chunk, q, G,
                                                  scale, pm, pl, pa, probs, q_heads);
 }
 
@@ -242,11 +301,16 @@ extern "C" int kv_decode_attention_cuda(const kv_layout *l, kv_dtype t, const ui
         return cudaErrorInvalidValue;
     kv_layout q8l = *l;
     q8l.block_tokens = kv_int8_tokens_per_block(l);
+    const uint32_t slots4 = kv_lowbit_tokens_per_block(l, 4),
+                   slots2 = kv_lowbit_tokens_per_block(l, 2);
     for (size_t i = 0; tiers != nullptr && i < nsegs; i++) {
         if (tiers[i] == KV_TIER_FULL || segs[i].count == 0)
             continue;
-        if (tiers[i] != KV_TIER_INT8 ||
-            (uint64_t)segs[i].first_slot + segs[i].count > q8l.block_tokens)
+        uint32_t slots = tiers[i] == KV_TIER_INT8   ? q8l.block_tokens
+                         : tiers[i] == KV_TIER_INT4 ? slots4
+                         : tiers[i] == KV_TIER_INT2 ? slots2
+                                                    : 0;
+        if ((uint64_t)segs[i].first_slot + segs[i].count > slots)
             return cudaErrorInvalidValue;
     }
     size_t ntok = kv_segments_tokens(segs, nsegs);
@@ -298,28 +362,31 @@ extern "C" int kv_decode_attention_cuda(const kv_layout *l, kv_dtype t, const ui
     float *stat = static_cast<float *>(sc.put(nullptr, 2 * (size_t)q_heads * sizeof(float)));
     if (sc.err == cudaSuccess) {
         geom g = make_geom(l);
-        q8geom q8 = {kv_int8_code_offset(&q8l, 0, 1, 0, 0), kv_int8_scale_offset(&q8l, 0, 0, 0),
-                     q8l.block_tokens};
+        tiergeom tg;
+        tg.q8 = {kv_int8_code_offset(&q8l, 0, 1, 0, 0), kv_int8_scale_offset(&q8l, 0, 0, 0),
+                 q8l.block_tokens};
+        tg.q4 = make_lbgeom(l, 4);
+        tg.q2 = make_lbgeom(l, 2);
         dim3 grid((unsigned)nsplit, l->kv_heads, zg);
         switch (epl) {
         case 1:
-            launch_partial<1, 4>(grid, g, q8, t, pool, d_segs, nds, ntok, chunk, q, G, scale, pm,
+            launch_partial<1, 4>(grid, g, tg, t, pool, d_segs, nds, ntok, chunk, q, G, scale, pm,
                                  pl, pa, probs, q_heads);
             break;
         case 2:
-            launch_partial<2, 4>(grid, g, q8, t, pool, d_segs, nds, ntok, chunk, q, G, scale, pm,
+            launch_partial<2, 4>(grid, g, tg, t, pool, d_segs, nds, ntok, chunk, q, G, scale, pm,
                                  pl, pa, probs, q_heads);
             break;
         case 4:
-            launch_partial<4, 4>(grid, g, q8, t, pool, d_segs, nds, ntok, chunk, q, G, scale, pm,
+            launch_partial<4, 4>(grid, g, tg, t, pool, d_segs, nds, ntok, chunk, q, G, scale, pm,
                                  pl, pa, probs, q_heads);
             break;
         case 8:
-            launch_partial<8, 2>(grid, g, q8, t, pool, d_segs, nds, ntok, chunk, q, G, scale, pm,
+            launch_partial<8, 2>(grid, g, tg, t, pool, d_segs, nds, ntok, chunk, q, G, scale, pm,
                                  pl, pa, probs, q_heads);
             break;
         default:
-            launch_partial<16, 2>(grid, g, q8, t, pool, d_segs, nds, ntok, chunk, q, G, scale, pm,
+            launch_partial<16, 2>(grid, g, tg, t, pool, d_segs, nds, ntok, chunk, q, G, scale, pm,
                                   pl, pa, probs, q_heads);
             break;
         }

@@ -259,7 +259,7 @@ static void check_all(void)
             for (size_t c = 0; c < N_OF(k_heads); c++)
                 for (size_t d = 0; d < N_OF(k_elts); d++)
                     for (size_t e = 0; e < N_OF(k_skews); e++) {
-                        kv_layout l = {k_heads[c], k_block_tokens[b], k_head_dims[a], k_elts[d]};
+                        kv_layout l = {k_heads[c], k_block_tokens[b], k_head_dims[a], k_elts[d], 0};
                         bufs x;
                         bufs_init(&x, l, k_skews[e]);
                         for (int t = 0; t < 3; t++, cases += 3) {

@@ -1,5 +1,5 @@
 /*
- * test_gpu_tiers.c - the CUDA tier kernels (INT8, sketch, RoPE, value norm,
+ * test_gpu_tiers.c - the CUDA tier kernels (INT8, INT4, INT2, sketch, RoPE, value norm,
  * merges, decode attention) against the CPU reference, then their bandwidth
  * against cudaMemcpy device-to-device of the same bytes.
  *
@@ -8,7 +8,7 @@
  * "SKIP: no CUDA device (reason)" and exits 0. Exit 1 on any mismatch or
  * CUDA error; --check-only skips the bandwidth part. Every kernel but the
  * attention must equal the reference byte for byte (kernels.h); the
- * attention, on plain and tiered lists (FULL and INT8 segments), is held to
+ * attention, on plain and tiered lists (FULL, INT8, INT4 and INT2 segments), is held to
  * 1e-5 absolute + 1e-4 relative on outputs and probabilities.
  */
 #include <math.h>
@@ -74,11 +74,52 @@ static void same(const void *a, const void *b, size_t n, const char *what, const
 
 #define NB 5u
 
-/* ---- INT8 ---- */
+/* ---- INT8, INT4, INT2 ---- */
 
-static void check_int8(rng *r, kv_layout l, kv_dtype t)
+static size_t quant_block_bytes(const kv_layout *l, uint32_t bits)
 {
-    size_t pb = NB * kv_block_bytes(&l), qbb = kv_int8_block_bytes(&l);
+    return bits == 8 ? kv_int8_block_bytes(l) : kv_lowbit_block_bytes(l, bits);
+}
+
+static void quantize_ref(const kv_layout *l, uint32_t bits, kv_dtype t, const uint8_t *pool,
+                         const kv_segment *segs, size_t n, uint8_t *q, const uint32_t *qb,
+                         size_t nq)
+{
+    if (bits == 8)
+        kv_int8_quantize_ref(l, t, pool, segs, n, q, qb, nq);
+    else
+        kv_lowbit_quantize_ref(l, bits, t, pool, segs, n, q, qb, nq);
+}
+
+static int quantize_cuda(const kv_layout *l, uint32_t bits, kv_dtype t, const uint8_t *pool,
+                         const kv_segment *segs, size_t n, uint8_t *q, const uint32_t *qb,
+                         size_t nq)
+{
+    return bits == 8 ? kv_int8_quantize_cuda(l, t, pool, segs, n, q, qb, nq)
+                     : kv_lowbit_quantize_cuda(l, bits, t, pool, segs, n, q, qb, nq);
+}
+
+static void dequantize_ref(const kv_layout *l, uint32_t bits, const uint8_t *q,
+                           const kv_segment *qs, size_t nqs, kv_dtype t, uint8_t *o,
+                           const kv_segment *ds, size_t nd)
+{
+    if (bits == 8)
+        kv_int8_dequantize_ref(l, q, qs, nqs, t, o, ds, nd);
+    else
+        kv_lowbit_dequantize_ref(l, bits, q, qs, nqs, t, o, ds, nd);
+}
+
+static int dequantize_cuda(const kv_layout *l, uint32_t bits, const uint8_t *q,
+                           const kv_segment *qs, size_t nqs, kv_dtype t, uint8_t *o,
+                           const kv_segment *ds, size_t nd)
+{
+    return bits == 8 ? kv_int8_dequantize_cuda(l, q, qs, nqs, t, o, ds, nd)
+                     : kv_lowbit_dequantize_cuda(l, bits, q, qs, nqs, t, o, ds, nd);
+}
+
+static void check_quantised(rng *r, kv_layout l, kv_dtype t, uint32_t bits)
+{
+    size_t pb = NB * kv_block_bytes(&l), qbb = quant_block_bytes(&l, bits);
     uint32_t nqa = NB + 1, qblocks[NB + 1];
     uint8_t *pool = xcalloc(pb), *q = xcalloc(nqa * qbb), *q2 = xcalloc(nqa * qbb);
     kv_segment *segs = xcalloc(NB * l.block_tokens * sizeof *segs);
@@ -90,10 +131,14 @@ static void check_int8(rng *r, kv_layout l, kv_dtype t)
     size_t n = gen_disjoint(r, &l, 0, NB, segs), ntok = kv_segments_tokens(segs, n);
     size_t nq = (ntok + l.block_tokens - 1) / l.block_tokens + 1;
     uint8_t *d_pool = dup_to_dev(pool, pb), *d_q = dup_to_dev(q, nqa * qbb);
-    kv_int8_quantize_ref(&l, t, pool, segs, n, q, qblocks, nq);
-    CHECK_CUDA(kv_int8_quantize_cuda(&l, t, d_pool, segs, n, d_q, qblocks, nq));
+    quantize_ref(&l, bits, t, pool, segs, n, q, qblocks, nq);
+    CHECK_CUDA(quantize_cuda(&l, bits, t, d_pool, segs, n, d_q, qblocks, nq));
     to_host(q2, d_q, nqa * qbb);
-    same(q, q2, nqa * qbb, "int8 quantize", &l, t);
+    same(q, q2, nqa * qbb,
+         bits == 8   ? "int8 quantize"
+         : bits == 4 ? "int4 quantize"
+                     : "int2 quantize",
+         &l, t);
 
     /* dequantise those codes into a pool of another dtype */
     kv_dtype to = dtype_of(rng_below(r, 3));
@@ -112,10 +157,10 @@ static void check_int8(rng *r, kv_layout l, kv_dtype t)
         qs[nqs++] = (kv_segment){qblocks[b], 0, c};
         left -= c;
     }
-    kv_int8_dequantize_ref(&lo, q, qs, nqs, to, o1, dsegs, nd);
-    CHECK_CUDA(kv_int8_dequantize_cuda(&lo, d_q, qs, nqs, to, d_o, dsegs, nd));
+    dequantize_ref(&lo, bits, q, qs, nqs, to, o1, dsegs, nd);
+    CHECK_CUDA(dequantize_cuda(&lo, bits, d_q, qs, nqs, to, d_o, dsegs, nd));
     to_host(o2, d_o, ob);
-    same(o1, o2, ob, "int8 dequantize", &lo, to);
+    same(o1, o2, ob, bits == 8 ? "int8 dequantize" : "low-bit dequantize", &lo, to);
 
     CHECK_CUDA(cudaFree(d_pool));
     CHECK_CUDA(cudaFree(d_q));
@@ -382,7 +427,7 @@ static void check_attention(rng *r, kv_layout l, kv_dtype t, uint32_t G, uint32_
     close_enough(o1, o2, (size_t)q_heads * d, "attention out (no probs)", &l, t, ntok);
 
     /* per-head lists: KV head g's rows as a kv_heads = 1 layout */
-    kv_layout ph = {1, l.kv_heads * l.block_tokens, d, l.elt_size};
+    kv_layout ph = {1, l.kv_heads * l.block_tokens, d, l.elt_size, 0};
     kv_segment *hs = xcalloc(n * sizeof *hs);
     for (uint32_t gk = 0; gk < l.kv_heads; gk++) {
         for (size_t s = 0; s < n; s++)
@@ -414,12 +459,11 @@ static void check_attention(rng *r, kv_layout l, kv_dtype t, uint32_t G, uint32_
  * defines); a tier the kernels do not read is refused. */
 static void check_attention_tiered(rng *r, kv_layout l, kv_dtype t, uint32_t G, uint32_t nb)
 {
-    kv_layout rows = {1, l.kv_heads * l.block_tokens, l.head_dim, l.elt_size};
+    kv_layout rows = {1, l.kv_heads * l.block_tokens, l.head_dim, l.elt_size, l.quant_group};
     for (int per_head = 0; per_head < 2; per_head++) {
-        kv_layout pl = per_head ? rows : l, q8 = pl;
-        q8.block_tokens = kv_int8_tokens_per_block(&pl);
+        kv_layout pl = per_head ? rows : l;
         uint32_t q_heads = per_head ? G : G * l.kv_heads, d = l.head_dim;
-        uint32_t tmax = pl.block_tokens > q8.block_tokens ? pl.block_tokens : q8.block_tokens;
+        uint32_t tmax = tier_tokens_max(&pl);
         size_t pb = nb * kv_block_bytes(&pl);
         uint8_t *pool = xcalloc(pb), *tiers = xcalloc((size_t)nb * tmax);
         kv_segment *segs = xcalloc((size_t)nb * tmax * sizeof *segs);
@@ -476,7 +520,11 @@ static void check_all(void)
     for (size_t si = 0; si < KH_SHAPES; si++) {
         kv_dtype t;
         kv_layout l = kh_shape(si, &t);
-        check_int8(&r, l, t);
+        static const uint32_t groups[] = {0, 1, 3, 8};
+        l.quant_group = groups[si % 4];
+        check_quantised(&r, l, t, 8);
+        check_quantised(&r, l, t, 4);
+        check_quantised(&r, l, t, 2);
         check_rope_merge(&r, l, t);
         check_sketch(&r, l, t, rows[si % 4], buckets[(si / 4) % 4]);
         if (si % 3 == 0)

@@ -278,7 +278,7 @@ static inline void *ph_calloc(size_t n, size_t size)
  * V rows. */
 static inline kv_layout ph_layout(uint32_t tokens, uint32_t dim)
 {
-    kv_layout l = {1, tokens, dim, 4};
+    kv_layout l = {1, tokens, dim, 4, 0};
     return l;
 }
 
@@ -378,7 +378,7 @@ static inline void ph_merge_values(float *values, size_t n, size_t dim, const po
 static inline void ph_vnorm_l1(const float *v, const float *wo, uint32_t kv_heads, uint32_t q_heads,
                                uint32_t d, uint32_t hidden, size_t tokens, float *out)
 {
-    kv_layout l = {kv_heads, (uint32_t)tokens, d, 4};
+    kv_layout l = {kv_heads, (uint32_t)tokens, d, 4, 0};
     size_t half = (size_t)kv_heads * tokens * d;
     float *pool = ph_calloc(2 * half, sizeof(float));
     memcpy(pool + half, v, half * sizeof(float)); /* [kv_heads][tokens][d] is the V half */

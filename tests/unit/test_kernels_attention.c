@@ -4,7 +4,7 @@
  * (kernels.h "Pool layout"), on seeded random pools: fp32, fp16 and bf16,
  * all-heads lists with grouped-query attention, per-head row layouts, random
  * segment lists (odd sizes, empty lists), and scores far apart (the online
- * softmax must not overflow). Tiered lists (kernels.h: FULL and INT8
+ * softmax must not overflow). Tiered lists (kernels.h: FULL, INT8, INT4 and INT2
  * segments mixed): the reference equals itself over the same tokens
  * dequantised into an fp32 pool, the fast version is within tolerance of
  * it over both;
@@ -68,7 +68,7 @@ static void fixture_make(rng *r, fixture *f, kv_dtype t, uint32_t kv_heads, uint
 {
     memset(f, 0, sizeof *f);
     f->t = t;
-    f->l = (kv_layout){kv_heads, block_tokens, head_dim, dtype_size(t)};
+    f->l = (kv_layout){kv_heads, block_tokens, head_dim, dtype_size(t), 0};
     f->blocks = 9;
     f->q_heads = kv_heads * group;
     f->pool = malloc(kv_block_bytes(&f->l) * f->blocks);
@@ -235,7 +235,7 @@ static void test_per_head_rows(void **state)
                 check_against_naive(&f, kv_decode_attention_ref, scale, 1e-6);
                 /* The same bytes in the pool layout: row r of the view is
                  * (head r / bt, slot r % bt) of the pool's K part. */
-                kv_layout pool_l = {kvh, bt, d, f.l.elt_size};
+                kv_layout pool_l = {kvh, bt, d, f.l.elt_size, 0};
                 assert_int_equal(kv_block_bytes(&pool_l), kv_block_bytes(&f.l));
                 for (uint32_t row = 0; row < kvh * bt; row++)
                     assert_int_equal(kv_key_offset(&f.l, 2, 0, row),
@@ -362,7 +362,7 @@ static void test_segmentation_invariant(void **state)
     assert_memory_equal(pa, pb, sizeof pa);
     /* Per-head rows: KV head g's tokens are rows g*16 .. g*16+15 of the
      * same blocks seen with one head of 32 rows. */
-    kv_layout rows = {1, 32, 12, 4};
+    kv_layout rows = {1, 32, 12, 4, 0};
     for (uint32_t g = 0; g < 2; g++) {
         kv_segment rs[3] = {{1, g * 16, 7}, {1, g * 16 + 7, 9}, {5, g * 16, 16}};
         float o[3 * 12], p[3 * 32];
@@ -379,7 +379,7 @@ static void test_segmentation_invariant(void **state)
 
 /* A pool of TB blocks and a tiered list over them (gen_tiered). */
 typedef struct tiered {
-    kv_layout l, q8;
+    kv_layout l, q8; /* q8: l with its INT8 blocks' tokens */
     kv_dtype t;
     uint32_t q_heads;
     uint8_t *pool;
@@ -397,8 +397,7 @@ static void tiered_make(rng *r, tiered *f, kv_layout l, kv_dtype t, uint32_t q_h
     f->q_heads = q_heads;
     f->q8 = l;
     f->q8.block_tokens = kv_int8_tokens_per_block(&l);
-    size_t bb = kv_block_bytes(&l),
-           tmax = l.block_tokens > f->q8.block_tokens ? l.block_tokens : f->q8.block_tokens;
+    size_t bb = kv_block_bytes(&l), tmax = tier_tokens_max(&l);
     f->pool = xcalloc(TB * bb);
     f->segs = xcalloc(TB * tmax * sizeof *f->segs);
     f->tiers = xcalloc(TB * tmax);
@@ -420,33 +419,40 @@ static void tiered_free(tiered *f)
 
 /* The same tokens dequantised into fp32: pool block k of layout e holds
  * segment k's tokens at the same slots (INT8 ones through
- * kv_int8_dequantize_ref, full ones through kv_elt_load), and esegs[k] =
+ * kv_int8_dequantize_ref, INT4 / INT2 ones through
+ * kv_lowbit_dequantize_ref, full ones through kv_elt_load), and esegs[k] =
  * {k, first_slot, count}. */
 static uint8_t *dequantised(const tiered *f, kv_layout *e, kv_segment *esegs)
 {
     const kv_layout *l = &f->l;
-    kv_layout q32 = f->q8;
+    kv_layout q32 = *l;
     q32.elt_size = 4;
-    *e = (kv_layout){l->kv_heads,
-                     l->block_tokens > q32.block_tokens ? l->block_tokens : q32.block_tokens,
-                     l->head_dim, 4};
+    q32.block_tokens = tier_tokens_max(l);
+    *e = q32;
     uint8_t *epool = xcalloc(f->nsegs * kv_block_bytes(e));
     uint8_t *scratch = xcalloc(kv_block_bytes(&q32));
     for (size_t k = 0; k < f->nsegs; k++) {
         kv_segment sg = f->segs[k], at0 = {0, sg.first_slot, sg.count};
         esegs[k] = (kv_segment){(uint32_t)k, sg.first_slot, sg.count};
-        if (f->tiers[k] == KV_TIER_INT8)
-            kv_int8_dequantize_ref(&q32, f->pool + sg.block * kv_block_bytes(l), &at0, 1, KV_FP32,
-                                   scratch, &at0, 1);
+        uint8_t tier = f->tiers[k];
+        /* the quantised block's layout (its tokens), and scratch in q32 */
+        kv_layout qt = q32;
+        qt.block_tokens = tier_tokens(l, tier);
+        const uint8_t *qb = f->pool + sg.block * kv_block_bytes(l);
+        if (tier == KV_TIER_INT8)
+            kv_int8_dequantize_ref(&qt, qb, &at0, 1, KV_FP32, scratch, &at0, 1);
+        else if (tier == KV_TIER_INT4 || tier == KV_TIER_INT2)
+            kv_lowbit_dequantize_ref(&qt, tier == KV_TIER_INT4 ? 4 : 2, qb, &at0, 1, KV_FP32,
+                                     scratch, &at0, 1);
         for (uint32_t i = 0; i < sg.count; i++)
             for (uint32_t kv = 0; kv < 2; kv++)
                 for (uint32_t h = 0; h < l->kv_heads; h++)
                     for (uint32_t c = 0; c < l->head_dim; c++) {
                         uint32_t slot = sg.first_slot + i;
                         float x;
-                        if (f->tiers[k] == KV_TIER_INT8)
-                            x = kv_elt_load(scratch + kv_key_offset(&q32, 0, h, slot) +
-                                                (kv ? kv_block_bytes(&q32) / 2 : 0) + 4 * c,
+                        if (tier != KV_TIER_FULL)
+                            x = kv_elt_load(scratch + kv_key_offset(&qt, 0, h, slot) +
+                                                (kv ? kv_block_bytes(&qt) / 2 : 0) + 4 * c,
                                             KV_FP32);
                         else
                             x = kv_elt_load(f->pool + kv_key_offset(l, sg.block, h, slot) +
@@ -467,7 +473,8 @@ static uint8_t *dequantised(const tiered *f, kv_layout *e, kv_segment *esegs)
  * reference, outputs and probabilities, over the tiered list and over its
  * dequantised copy; not bit for bit between the two (its AVX2 build folds
  * the INT8 scales out of its inner loops: attention.c). */
-static size_t g_int8_tokens; /* INT8 tokens checked, so that a test cannot pass vacuously */
+static size_t g_int8_tokens;   /* INT8 tokens checked, so that a test cannot pass vacuously */
+static size_t g_lowbit_tokens; /* INT4 and INT2 tokens checked */
 
 static void check_tiered(const tiered *f)
 {
@@ -477,8 +484,11 @@ static void check_tiered(const tiered *f)
     kv_layout e;
     kv_segment *esegs = xcalloc(f->nsegs * sizeof *esegs);
     uint8_t *epool = dequantised(f, &e, esegs);
-    for (size_t k = 0; k < f->nsegs; k++)
+    for (size_t k = 0; k < f->nsegs; k++) {
         g_int8_tokens += f->tiers[k] == KV_TIER_INT8 ? f->segs[k].count : 0;
+        g_lowbit_tokens +=
+            f->tiers[k] == KV_TIER_INT4 || f->tiers[k] == KV_TIER_INT2 ? f->segs[k].count : 0;
+    }
     float *o[4], *p[4];
     for (int i = 0; i < 4; i++) {
         o[i] = xcalloc(no * sizeof(float));
@@ -514,24 +524,26 @@ static void check_tiered(const tiered *f)
     free(esegs);
 }
 
-/* Mixed FULL / INT8 lists: all-heads lists with GQA and per-head row
- * layouts (kv_heads = 1, the INT8 block then derived from the rows
- * layout), every dtype, odd sizes, INT8 blocks holding more or fewer
- * tokens than a full one. */
+/* Mixed FULL / INT8 / INT4 / INT2 lists: all-heads lists with GQA and
+ * per-head row layouts (kv_heads = 1, the quantised blocks then derived
+ * from the rows layout), every dtype, odd sizes, quantised blocks holding
+ * more or fewer tokens than a full one, low-bit groups of 32, 1, 2 and 5. */
 static void test_tiered_equals_dequantised(void **state)
 {
     (void)state;
     rng r = {23};
-    g_int8_tokens = 0;
+    g_int8_tokens = g_lowbit_tokens = 0;
     static const uint32_t dims[] = {1, 3, 8, 17, 64, 130};
+    static const uint32_t groups[] = {0, 1, 2, 5};
     static const uint32_t tokens[] = {3, 4, 7, 16};
     for (uint32_t dt = 0; dt < 3; dt++)
         for (size_t a = 0; a < N_OF(dims); a++)
             for (size_t b = 0; b < N_OF(tokens); b++) {
                 kv_dtype t = dtype_of(dt);
                 uint32_t kvh = 1 + rng_below(&r, 3), group = 1 + rng_below(&r, 3);
-                kv_layout pool_l = {kvh, tokens[b], dims[a], dtype_size(t)};
-                kv_layout rows_l = {1, kvh * tokens[b], dims[a], dtype_size(t)};
+                uint32_t qg = groups[(a + b) % N_OF(groups)];
+                kv_layout pool_l = {kvh, tokens[b], dims[a], dtype_size(t), qg};
+                kv_layout rows_l = {1, kvh * tokens[b], dims[a], dtype_size(t), qg};
                 tiered f;
                 tiered_make(&r, &f, pool_l, t, kvh * group);
                 check_tiered(&f);
@@ -540,8 +552,8 @@ static void test_tiered_equals_dequantised(void **state)
                 check_tiered(&f);
                 tiered_free(&f);
             }
-    print_message("INT8 tokens read: %zu\n", g_int8_tokens);
-    assert_true(g_int8_tokens > 1000);
+    print_message("INT8 tokens read: %zu, INT4 and INT2: %zu\n", g_int8_tokens, g_lowbit_tokens);
+    assert_true(g_int8_tokens > 1000 && g_lowbit_tokens > 1000);
 }
 
 /* An INT8 block holds kv_int8_tokens_per_block(l) tokens: fp16 8 x 128 x
@@ -550,7 +562,7 @@ static void test_tiered_last_slot(void **state)
 {
     (void)state;
     rng r = {29};
-    kv_layout l = {8, 16, 128, 2};
+    kv_layout l = {8, 16, 128, 2, 0};
     assert_int_equal(kv_int8_tokens_per_block(&l), 28);
     tiered f;
     tiered_make(&r, &f, l, KV_FP16, 16);
@@ -583,7 +595,7 @@ static void test_builds_and_threads_agree(void **state)
     rng r = {31};
     for (int trial = 0; trial < 6; trial++) {
         kv_dtype t = dtype_of((uint32_t)trial);
-        kv_layout l = {2 + (uint32_t)trial % 3, 16, trial % 2 ? 130 : 64, dtype_size(t)};
+        kv_layout l = {2 + (uint32_t)trial % 3, 16, trial % 2 ? 130 : 64, dtype_size(t), 0};
         tiered f;
         tiered_make(&r, &f, l, t, l.kv_heads * (1 + (uint32_t)trial % 4));
         size_t no = (size_t)f.q_heads * l.head_dim, np = (size_t)f.q_heads * f.n;
@@ -613,7 +625,7 @@ static void test_builds_and_threads_agree(void **state)
         tiered_free(&f);
     }
     /* 8 KV heads x 2048 tokens of fp16 x 128: 8 MiB read, split over threads */
-    kv_layout l = {8, 16, 128, 2};
+    kv_layout l = {8, 16, 128, 2, 0};
     fixture f;
     fixture_make(&r, &f, KV_FP16, 8, 4, 16, 128);
     free(f.pool);

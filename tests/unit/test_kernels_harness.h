@@ -119,38 +119,79 @@ static inline size_t gen_exact(rng *r, const kv_layout *l, uint32_t lo, uint32_t
     return i;
 }
 
+/* How many tokens a pool block of layout l holds in this tier (0: the
+ * tier does not fit). */
+static inline uint32_t tier_tokens(const kv_layout *l, uint8_t tier)
+{
+    switch (tier) {
+    case KV_TIER_INT8:
+        return kv_int8_tokens_per_block(l);
+    case KV_TIER_INT4:
+        return kv_lowbit_tokens_per_block(l, 4);
+    case KV_TIER_INT2:
+        return kv_lowbit_tokens_per_block(l, 2);
+    default:
+        return l->block_tokens;
+    }
+}
+
+/* The most tokens a pool block of layout l holds in any tier. */
+static inline uint32_t tier_tokens_max(const kv_layout *l)
+{
+    static const uint8_t tiers[] = {KV_TIER_INT8, KV_TIER_INT4, KV_TIER_INT2};
+    uint32_t m = l->block_tokens;
+    for (size_t i = 0; i < sizeof tiers; i++)
+        m = tier_tokens(l, tiers[i]) > m ? tier_tokens(l, tiers[i]) : m;
+    return m;
+}
+
+/* Quantise one block's worth of random values into pool block `at` in
+ * `tier` (layout q: l with that tier's block_tokens), filling a random
+ * number of its slots (the rest stay empty). */
+static inline void fill_quantised(rng *r, const kv_layout *q, kv_dtype t, uint8_t tier, uint8_t *at)
+{
+    uint8_t *stage = calloc(kv_block_bytes(q) + 1, 1);
+    if (stage == NULL)
+        abort();
+    uint32_t zero = 0;
+    kv_segment filled = {0, 0, 1 + rng_below(r, q->block_tokens)};
+    fill_pool(r, stage, kv_block_bytes(q), t, 1.0f);
+    if (tier == KV_TIER_INT8)
+        kv_int8_quantize_ref(q, t, stage, &filled, 1, at, &zero, 1);
+    else
+        kv_lowbit_quantize_ref(q, tier == KV_TIER_INT4 ? 4 : 2, t, stage, &filled, 1, at, &zero, 1);
+    free(stage);
+}
+
 /*
  * A tiered list (kernels.h kv_decode_attention) over pool blocks [0, nb) of
- * layout l, elements of type t, which the caller has filled: about half the
- * blocks, when an INT8 block fits in one, become INT8 blocks of layout l
- * with block_tokens = kv_int8_tokens_per_block(l) (quantised from random
- * values, some slots left empty: code 0); the list is runs of every block
- * (cut by its tier's block_tokens), shuffled together with their tiers, a
- * random non-empty prefix. segs and tiers need room for nb * max(
- * block_tokens, INT8 block_tokens) runs. Returns the number of runs.
+ * layout l, elements of type t, which the caller has filled: each block
+ * stays full precision or becomes, when it fits, a block of the INT8, INT4
+ * or INT2 tier (tier_tokens; quantised from random values, some slots left
+ * empty), about equally often; the list is runs of every block (cut by its
+ * tier's tokens), shuffled together with their tiers, a random non-empty
+ * prefix. segs and tiers need room for nb * tier_tokens_max(l) runs.
+ * Returns the number of runs.
  */
 static inline size_t gen_tiered(rng *r, const kv_layout *l, kv_dtype t, uint8_t *pool, uint32_t nb,
                                 kv_segment *segs, uint8_t *tiers)
 {
-    kv_layout q8 = *l;
-    q8.block_tokens = kv_int8_tokens_per_block(l);
-    uint8_t *stage = calloc(kv_block_bytes(&q8) + 1, 1);
-    if (stage == NULL)
-        abort();
+    static const uint8_t kinds[] = {KV_TIER_FULL, KV_TIER_INT8, KV_TIER_INT4, KV_TIER_INT2};
     size_t n = 0;
     for (uint32_t b = 0; b < nb; b++) {
-        int int8 = q8.block_tokens > 0 && rng_below(r, 2);
-        if (int8) {
-            uint32_t zero = 0;
-            kv_segment filled = {0, 0, 1 + rng_below(r, q8.block_tokens)};
-            fill_pool(r, stage, kv_block_bytes(&q8), t, 1.0f);
-            kv_int8_quantize_ref(&q8, t, stage, &filled, 1, pool + b * kv_block_bytes(l), &zero, 1);
+        uint8_t tier = kinds[rng_below(r, sizeof kinds)];
+        kv_layout q = *l;
+        q.block_tokens = tier_tokens(l, tier);
+        if (q.block_tokens == 0) {
+            tier = KV_TIER_FULL;
+            q = *l;
         }
-        size_t k = cut_blocks(r, int8 ? &q8 : l, b, b + 1, (int)rng_below(r, 3), segs + n);
-        memset(tiers + n, int8 ? KV_TIER_INT8 : KV_TIER_FULL, k);
+        if (tier != KV_TIER_FULL)
+            fill_quantised(r, &q, t, tier, pool + b * kv_block_bytes(l));
+        size_t k = cut_blocks(r, &q, b, b + 1, (int)rng_below(r, 3), segs + n);
+        memset(tiers + n, tier, k);
         n += k;
     }
-    free(stage);
     for (size_t i = n; i > 1; i--) { /* shuffle runs and tiers together */
         size_t j = rng_below(r, (uint32_t)i);
         kv_segment s = segs[i - 1];

@@ -46,7 +46,7 @@ static void permutation(rng *r, uint32_t *out, uint32_t n)
 static void test_layout(void **state)
 {
     (void)state;
-    kv_layout l = {8, 16, 128, 2};
+    kv_layout l = {8, 16, 128, 2, 0};
     /* codes 2 * 8*16*128 = 32768, scales 8 * 8 * 128 = 8192 */
     assert_int_equal(kv_int8_block_bytes(&l), 40960);
     assert_int_equal(kv_int8_code_offset(&l, 0, 0, 0, 0), 0);
@@ -58,7 +58,7 @@ static void test_layout(void **state)
     assert_int_equal(kv_int8_scale_offset(&l, 0, 0, 1), 32768 + 512);
     assert_int_equal(kv_int8_scale_offset(&l, 1, 1, 0), 40960 + 32768 + 4096);
     /* Odd sizes: scales start 16-aligned and blocks are padded to 16. */
-    kv_layout odd = {3, 7, 5, 2};
+    kv_layout odd = {3, 7, 5, 2, 0};
     size_t codes = 2 * 3 * 7 * 5; /* 210 -> scales at 224 */
     assert_int_equal(kv_int8_scale_offset(&odd, 0, 0, 0), 224);
     assert_int_equal(kv_int8_block_bytes(&odd), 352); /* 224 + 8*3*5 = 344, padded */
@@ -73,13 +73,13 @@ static void test_bytes_saved(void **state)
     (void)state;
     const uint32_t tokens[] = {16, 32, 64};
     for (size_t i = 0; i < 3; i++) {
-        kv_layout l = {8, tokens[i], 128, 2};
+        kv_layout l = {8, tokens[i], 128, 2, 0};
         double ratio = (double)kv_int8_block_bytes(&l) / (double)kv_block_bytes(&l);
         double want = (tokens[i] + 4.0) / (2.0 * tokens[i]);
         print_message("INT8 block / fp16 block at %u tokens: %zu / %zu = %.4f\n", tokens[i],
                       kv_int8_block_bytes(&l), kv_block_bytes(&l), ratio);
         assert_true(ratio == want);
-        kv_layout f32 = {8, tokens[i], 128, 4};
+        kv_layout f32 = {8, tokens[i], 128, 4, 0};
         assert_true((double)kv_int8_block_bytes(&f32) / (double)kv_block_bytes(&f32) == want / 2);
     }
 }
@@ -90,13 +90,13 @@ static void test_bytes_saved(void **state)
 static void test_tokens_per_block(void **state)
 {
     (void)state;
-    kv_layout fp16 = {4, 16, 8, 2}; /* 2048-byte blocks: 64 T + 256 <= 2048 */
+    kv_layout fp16 = {4, 16, 8, 2, 0}; /* 2048-byte blocks: 64 T + 256 <= 2048 */
     assert_int_equal(kv_block_bytes(&fp16), 2048);
     assert_int_equal(kv_int8_tokens_per_block(&fp16), 28);
-    kv_layout llama = {8, 16, 128, 2}, llama32 = {8, 16, 128, 4};
+    kv_layout llama = {8, 16, 128, 2, 0}, llama32 = {8, 16, 128, 4, 0};
     assert_int_equal(kv_int8_tokens_per_block(&llama), 28);
     assert_int_equal(kv_int8_tokens_per_block(&llama32), 60);
-    kv_layout tiny = {1, 2, 1, 2}, one32 = {3, 1, 64, 4};
+    kv_layout tiny = {1, 2, 1, 2, 0}, one32 = {3, 1, 64, 4, 0};
     assert_int_equal(kv_int8_tokens_per_block(&tiny), 0);  /* 8 bytes: the padding alone is 16 */
     assert_int_equal(kv_int8_tokens_per_block(&one32), 0); /* fp32, 1 token: the scales fill it */
     rng r = {14};
@@ -137,7 +137,7 @@ static void test_long_block(void **state)
 {
     (void)state;
     rng r = {15};
-    kv_layout l = {2, 9000, 3, 2};
+    kv_layout l = {2, 9000, 3, 2, 0};
     size_t pb = kv_block_bytes(&l), qb = kv_int8_block_bytes(&l);
     uint8_t *pool = xcalloc(pb), *q1 = xcalloc(qb), *q2 = xcalloc(qb);
     fill_pool(&r, pool, pb, KV_BF16, 5.0f);
@@ -156,7 +156,7 @@ static void test_long_block(void **state)
 static void test_tcf4_block(void **state)
 {
     (void)state;
-    kv_layout l = {1, 3, 1, 4};
+    kv_layout l = {1, 3, 1, 4, 0};
     float pool[6] = {0.5f, -1.27f, 0.01f, 0, 0, 0}; /* K then V (all zero) */
     uint8_t q[64];
     memset(q, 0x55, sizeof q);
@@ -186,7 +186,7 @@ static void test_tcf4_block(void **state)
 static void test_ties_to_even(void **state)
 {
     (void)state;
-    kv_layout l = {1, 8, 1, 4};
+    kv_layout l = {1, 8, 1, 4, 0};
     float pool[16] = {127,  2.5f,  3.5f, -2.5f, -0.5f, 0.5f, 1.5f,    126.5f,
                       -127, -3.5f, 4.5f, -4.5f, 0,     5.5f, -125.5f, 6.5f};
     const int8_t want[16] = {127, 2, 4, -2, 0, 0, 2, 126, -127, -4, 4, -4, 0, 6, -126, 6};
@@ -236,7 +236,7 @@ static void test_tiny_scales(void **state)
                                  1e-30f,    127.0f,    3.0e5f, 0x1p-149f, 0x1p-144f};
     for (uint32_t dt = 0; dt < 2; dt++) {
         kv_dtype t = dt == 0 ? KV_FP32 : KV_BF16;
-        kv_layout l = {1, 16, 64, dtype_size(t)};
+        kv_layout l = {1, 16, 64, dtype_size(t), 0};
         uint8_t *pool = xcalloc(kv_block_bytes(&l));
         size_t qbb = kv_int8_block_bytes(&l);
         uint8_t *q1 = xcalloc(qbb), *q2 = xcalloc(qbb);
@@ -430,7 +430,7 @@ static void test_threads_deterministic(void **state)
 {
     (void)state;
     rng r = {13};
-    kv_layout l = {8, 16, 128, 2};
+    kv_layout l = {8, 16, 128, 2, 0};
     uint32_t nb = 256; /* 16 MiB of fp16 pool: several threads' worth */
     size_t pb = nb * kv_block_bytes(&l), qbb = kv_int8_block_bytes(&l);
     uint8_t *pool = xcalloc(pb), *q1 = xcalloc(nb * qbb), *q2 = xcalloc(nb * qbb);

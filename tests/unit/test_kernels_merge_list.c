@@ -58,7 +58,7 @@ static void test_special_values(void **state)
     (void)state;
     for (int ti = 0; ti < 2; ti++) {
         kv_dtype t = ti ? KV_BF16 : KV_FP16;
-        kv_layout l = {1, 2, 65536 / 2, 2}; /* one block: K, then V of 2 slots */
+        kv_layout l = {1, 2, 65536 / 2, 2, 0}; /* one block: K, then V of 2 slots */
         size_t pb = kv_block_bytes(&l);
         uint8_t *p1 = xcalloc(pb), *p2 = xcalloc(pb);
         /* V rows: slot 0 all patterns, slot 1 all patterns reversed */

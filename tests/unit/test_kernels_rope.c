@@ -44,7 +44,7 @@ static void test_tov3(void **state)
     for (int i = 0; i < 4; i++)
         assert_float_equal(r5[i], at5[i], 1e-6);
     for (int fast = 0; fast < 2; fast++) {
-        kv_layout l = {1, 1, 4, 4};
+        kv_layout l = {1, 1, 4, 4, 0};
         float pool[8] = {0};
         for (int i = 0; i < 4; i++)
             pool[i] = (float)r5[i];
@@ -63,7 +63,7 @@ static void test_tov3(void **state)
  * p_old and p_new. */
 static void check_property(rng *r, kv_dtype t, kv_rope_pairing pairing, double theta, int fast)
 {
-    kv_layout l = {3, 8, 64, dtype_size(t)};
+    kv_layout l = {3, 8, 64, dtype_size(t), 0};
     size_t bb = kv_block_bytes(&l);
     uint8_t *pool = xcalloc(2 * bb);
     double k[64], roped[64], want[64];
@@ -168,7 +168,7 @@ static void test_threads_deterministic(void **state)
 {
     (void)state;
     rng r = {33};
-    kv_layout l = {8, 16, 128, 2};
+    kv_layout l = {8, 16, 128, 2, 0};
     uint32_t nb = 128;
     size_t pb = nb * kv_block_bytes(&l);
     uint8_t *p1 = xcalloc(pb), *p2 = xcalloc(pb);

@@ -127,7 +127,7 @@ static const int8_t KR1_G[4][3] = {{1, -1, 1}, {-1, 1, 1}, {1, 1, -1}, {1, -1, -
 
 /* One head of dim 2, fp32, 4 slots: block 0 holds J0..J3 (K then V);
  * block 1 receives queries. */
-static const kv_layout KR1_L = {1, 4, 2, 4};
+static const kv_layout KR1_L = {1, 4, 2, 4, 0};
 
 static void kr1_pool(float pool[2][2][4][2])
 {
@@ -227,7 +227,7 @@ static void test_tkr1_fast(void **state)
 static void test_even_rows_lower_median(void **state)
 {
     (void)state;
-    kv_layout l = {1, 1, 1, 4};
+    kv_layout l = {1, 1, 1, 4, 0};
     for (uint32_t rows = 2; rows <= 4; rows += 2) {
         float key[4] = {5, -1, 3, 9}, value[4] = {0}, pool[2] = {0, 0};
         int32_t count[4] = {1, 1, 1, 1};
@@ -324,7 +324,7 @@ static void check_list_equals_tokens(rng *r, kv_layout l, kv_dtype t, uint32_t r
     expect_same_sketch(&ka, &kb, "list insert vs one token at a time");
 
     /* Queries into an fp32 pool of one block per token: kv_heads * 1 slot. */
-    kv_layout lo = {l.kv_heads, 1, l.head_dim, 4};
+    kv_layout lo = {l.kv_heads, 1, l.head_dim, 4, 0};
     size_t ob = kv_block_bytes(&lo);
     uint8_t *out = xcalloc(s.ntok * ob), *one_out = xcalloc(ob);
     kv_segment *os = xcalloc(s.ntok * sizeof *os);
@@ -468,7 +468,7 @@ static void test_large_b_exact(void **state)
     (void)state;
     rng r = {24};
     for (int mode = 0; mode < 4; mode++) {
-        kv_layout l = {3, 7, 18, 2};
+        kv_layout l = {3, 7, 18, 2, 0};
         setup s;
         uint32_t rows = 3, buckets = 1u << 16;
         setup_make(&s, &r, l, KV_FP16, rows, buckets);

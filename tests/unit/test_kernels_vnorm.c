@@ -62,7 +62,7 @@ static void test_tck1(void **state)
     float pool[16] = {0}; /* 1 head, 4 slots, dim 2, fp32: K then V */
     const float v[8] = {1, 0, 0, 2, 0.5f, 0.5f, 1, 1};
     memcpy(pool + 8, v, sizeof v);
-    kv_layout l = {1, 4, 2, 4};
+    kv_layout l = {1, 4, 2, 4, 0};
     kv_segment seg = {0, 0, 4};
     const float want[4] = {1.75f, 5.0f, 1.375f, 2.75f};
     for (int fast = 0; fast < 2; fast++) {
@@ -129,7 +129,7 @@ static void test_equals_spec(void **state)
         /* Per-head lists: kv head g's rows as a kv_heads = 1 layout with
          * kv_heads * block_tokens rows per block, and W^O from column
          * g*G*d with the model's row stride. */
-        kv_layout ph = {1, l.kv_heads * l.block_tokens, l.head_dim, l.elt_size};
+        kv_layout ph = {1, l.kv_heads * l.block_tokens, l.head_dim, l.elt_size, 0};
         for (uint32_t g = 0; g < l.kv_heads; g++) {
             kv_segment *hs = xcalloc(n * sizeof *hs);
             for (size_t s = 0; s < n; s++)
@@ -159,7 +159,7 @@ static void test_threads_deterministic(void **state)
 {
     (void)state;
     rng r = {42};
-    kv_layout l = {2, 16, 64, 2};
+    kv_layout l = {2, 16, 64, 2, 0};
     uint32_t nb = 8, q_heads = 8, hidden = 512;
     size_t pb = nb * kv_block_bytes(&l), nw = (size_t)hidden * q_heads * l.head_dim;
     uint8_t *pool = xcalloc(pb);

@@ -29,7 +29,7 @@ typedef struct script_out {
     kv_diff diff; /* block 5 (dequantised) against block 0 (its source) */
 } script_out;
 
-static const kv_layout lay = {HEADS, TOKENS, DIM, 2};
+static const kv_layout lay = {HEADS, TOKENS, DIM, 2, 0};
 
 static void run_script(const kv_ops *ops, uint64_t seed, script_out *r)
 {

@@ -49,7 +49,7 @@ static void test_known_values(void **state)
 static void test_merge_value(void **state)
 {
     (void)state;
-    kv_layout l = {2, 4, 3, 4}; /* 2 heads, 4 slots, dim 3, fp32 */
+    kv_layout l = {2, 4, 3, 4, 0}; /* 2 heads, 4 slots, dim 3, fp32 */
     size_t bb = kv_block_bytes(&l);
     float pool[2 * 2 * 2 * 4 * 3];
     for (size_t i = 0; i < sizeof pool / sizeof pool[0]; i++)

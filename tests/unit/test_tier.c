@@ -23,7 +23,7 @@
 /* 2 KV heads x 16 tokens x 8 channels, fp32: 2048-byte blocks, 60 INT8
  * tokens a block. */
 #define NBLOCKS 16
-static const kv_layout layout = {2, 16, 8, 4};
+static const kv_layout layout = {2, 16, 8, 4, 0};
 
 typedef struct fixture {
     uint8_t *arena;
@@ -90,7 +90,7 @@ static void test_ctx_geometry(void **state)
     assert_int_equal(tier_token_bytes(&f->c), 2 * 2 * 8 * 4);
     /* fp32 blocks of one token cannot hold even one INT8 token with its
      * scales. */
-    kv_layout tiny = {2, 1, 8, 4};
+    kv_layout tiny = {2, 1, 8, 4, 0};
     tier_ctx c;
     assert_int_equal(
         tier_ctx_init(&c, &kv_ops_cpu, f->arena, kv_block_bytes(&tiny), &tiny, KV_FP32), -1);
