@@ -323,7 +323,7 @@ static int cmd_policy(cli *c)
         "  worker must report each step, whether it keeps one token list per KV head,\n"
         "  whether `kvstash evict` works on its sequences, and every parameter as\n"
         "  key=default with its meaning (pass them as CreateSequence params); then the\n"
-        "  storage keys every policy accepts (int8, victims, sketch_*).\n"
+        "  storage keys every policy accepts (demote, int8, victims, sketch_*).\n"
         "  --json: the ListPolicies reply, {\"policies\": [{\"name\", \"summary\",\n"
         "  \"params\": [{\"key\", \"default_value\", \"help\"}], \"needs\", \"per_head\",\n"
         "  \"operator_evict\"}], \"storage_params\": [...]}.\n";

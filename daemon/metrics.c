@@ -29,6 +29,14 @@ static const double mass_bounds[] = {0.001, 0.01, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75
 /* INT8: POLICIES.md §5.4 bounds the error by 1/254 (0.0039) of the group's max. */
 static const double int8_bounds[] = {1e-4, 5e-4, 1e-3, 2e-3, 3e-3, 3.95e-3, 0.01};
 static const double sketch_bounds[] = {0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0};
+/* INT4 / INT2: half a group's step, the step at most the list's range / 15
+ * (or / 3), and the range at most twice the largest |value| */
+static const double int4_bounds[] = {1e-3, 5e-3, 0.01, 0.02, 0.035, 0.05, 0.067, 0.1};
+static const double int2_bounds[] = {0.01, 0.05, 0.1, 0.15, 0.2, 0.25, 0.34, 0.5};
+
+/* Per-policy, per-tier counters: POLICY_TIERS entries a policy, by
+ * policy_tier (the POLICY_EVICT one stays 0). */
+#define TIER_SLOT(pi, t) ((size_t)(pi)*POLICY_TIERS + (size_t)(t))
 
 #define NBOUNDS(a) (sizeof(a) / sizeof((a)[0]))
 
@@ -60,14 +68,15 @@ struct metrics {
     size_t npolicies;
     _Atomic uint64_t *appended;        /* [npolicies] */
     _Atomic uint64_t *evicted;         /* [npolicies * 2]: by policy, by operator */
-    _Atomic uint64_t *moved;           /* [npolicies * 3]: to int8, to sketch, back to full */
-    _Atomic uint64_t *revived;         /* [npolicies * 3]: from full, int8, sketch */
+    _Atomic uint64_t *moved;           /* [TIER_SLOT]: by the tier moved to */
+    _Atomic uint64_t *revived;         /* [TIER_SLOT]: by the tier revived from */
     _Atomic uint64_t *requantized;     /* [npolicies]: INT8 tokens re-quantised by compaction */
     _Atomic uint64_t *victims_dropped; /* [npolicies]: kept victims freed under pressure */
     hist *step_hist;                   /* [npolicies] */
     hist *mass_hist;                   /* [npolicies] */
     hist *int8_hist;                   /* [npolicies] */
     hist *sketch_hist;                 /* [npolicies] */
+    hist *int4_hist, *int2_hist;       /* [npolicies] */
     _Atomic uint64_t reclaimed[NREASONS];
     _Atomic uint64_t shed[METRICS_SHED_COUNT];
     struct MHD_Daemon *http;
@@ -97,17 +106,19 @@ metrics *metrics_create(const rpc_method *methods, size_t nmethods)
     m->rpc_hist = calloc(nmethods + 1, sizeof *m->rpc_hist);
     m->appended = calloc(m->npolicies + 1, sizeof *m->appended);
     m->evicted = calloc(2 * m->npolicies + 1, sizeof *m->evicted);
-    m->moved = calloc(3 * m->npolicies + 1, sizeof *m->moved);
-    m->revived = calloc(3 * m->npolicies + 1, sizeof *m->revived);
+    m->moved = calloc(POLICY_TIERS * m->npolicies + 1, sizeof *m->moved);
+    m->revived = calloc(POLICY_TIERS * m->npolicies + 1, sizeof *m->revived);
     m->requantized = calloc(m->npolicies + 1, sizeof *m->requantized);
     m->victims_dropped = calloc(m->npolicies + 1, sizeof *m->victims_dropped);
     m->step_hist = calloc(m->npolicies + 1, sizeof *m->step_hist);
     m->mass_hist = calloc(m->npolicies + 1, sizeof *m->mass_hist);
     m->int8_hist = calloc(m->npolicies + 1, sizeof *m->int8_hist);
     m->sketch_hist = calloc(m->npolicies + 1, sizeof *m->sketch_hist);
-    if (!m->rpc_count || !m->rpc_hist || !m->appended || !m->evicted || !m->step_hist ||
-        !m->mass_hist || !m->moved || !m->revived || !m->requantized || !m->victims_dropped ||
-        !m->int8_hist || !m->sketch_hist) {
+    m->int4_hist = calloc(m->npolicies + 1, sizeof *m->int4_hist);
+    m->int2_hist = calloc(m->npolicies + 1, sizeof *m->int2_hist);
+    if (!m->int4_hist || !m->int2_hist || !m->rpc_count || !m->rpc_hist || !m->appended ||
+        !m->evicted || !m->step_hist || !m->mass_hist || !m->moved || !m->revived ||
+        !m->requantized || !m->victims_dropped || !m->int8_hist || !m->sketch_hist) {
         metrics_destroy(m);
         return NULL;
     }
@@ -131,6 +142,8 @@ void metrics_destroy(metrics *m)
     free(m->mass_hist);
     free(m->int8_hist);
     free(m->sketch_hist);
+    free(m->int4_hist);
+    free(m->int2_hist);
     free(m);
 }
 
@@ -299,13 +312,13 @@ void metrics_mass_end(metrics *m, metrics_mass *mm, const policy_ops *p, const m
 /* The gauges of policies, summed over a store snapshot's sequences. */
 typedef struct policy_gauges {
     uint64_t *seqs;   /* [npolicies] */
-    uint64_t *tokens; /* [npolicies * 3]: full, int8, sketch */
+    uint64_t *tokens; /* [TIER_SLOT] */
 } policy_gauges;
 
 static int policy_gauges_sum(const metrics *m, const snapshot *s, policy_gauges *g)
 {
     g->seqs = calloc(m->npolicies + 1, sizeof *g->seqs);
-    g->tokens = calloc(3 * m->npolicies + 1, sizeof *g->tokens);
+    g->tokens = calloc(POLICY_TIERS * m->npolicies + 1, sizeof *g->tokens);
     if (g->seqs == NULL || g->tokens == NULL)
         return -1;
     for (size_t i = 0; i < s->nseqs; i++) {
@@ -313,8 +326,8 @@ static int policy_gauges_sum(const metrics *m, const snapshot *s, policy_gauges 
         if (pi < 0)
             continue;
         g->seqs[pi]++;
-        for (int t = 0; t < 3; t++)
-            g->tokens[3 * (size_t)pi + (size_t)t] += s->seqs[i].tier_tokens[t];
+        for (int t = 0; t < POLICY_TIERS; t++)
+            g->tokens[TIER_SLOT(pi, t)] += s->seqs[i].tier_tokens[t];
     }
     return 0;
 }
@@ -414,16 +427,19 @@ static void print_store(FILE *f, const metrics *m, const snapshot *s, const poli
     }
     head(f, "kvstash_memory_bytes", "gauge",
          "Memory holding K/V, by tier: full (full precision in the pool's dtype: every block "
-         "not free and not INT8, retired and revive scratch included), int8 (pool blocks "
-         "holding INT8 blocks), sketch (count-sketch cells, daemon memory).");
+         "not free and not quantised, retired and revive scratch included), int8, int4, int2 "
+         "(pool blocks holding blocks of that tier), sketch (count-sketch cells, daemon "
+         "memory).");
     for (size_t i = 0; i < s->npools; i++) {
         const snapshot_pool *p = &s->pools[i];
         uint64_t used = (uint64_t)(p->blocks_total - p->blocks_free) * p->block_bytes;
-        const char *tier[3] = {"full", "int8", "sketch"};
-        uint64_t v[3] = {used - p->int8_bytes, p->int8_bytes, p->sketch_bytes};
-        for (int t = 0; t < 3; t++)
+        uint64_t v[POLICY_TIERS];
+        memcpy(v, p->tier_bytes, sizeof v);
+        v[POLICY_FULL] = used - v[POLICY_INT8] - v[POLICY_INT4] - v[POLICY_INT2];
+        for (int k = 0; k < POLICY_STORED_TIERS; k++)
             fprintf(f, "kvstash_memory_bytes{pool=\"%llu\",model=\"%s\",tier=\"%s\"} %llu\n",
-                    (unsigned long long)p->id, p->model, tier[t], (unsigned long long)v[t]);
+                    (unsigned long long)p->id, p->model, policy_tier_name(policy_stored_tiers[k]),
+                    (unsigned long long)v[policy_stored_tiers[k]]);
     }
     head(f, "kvstash_quarantined_sessions", "gauge",
          "Sessions that ended without a detach whose blocks wait for their worker's process "
@@ -446,11 +462,11 @@ static void print_store(FILE *f, const metrics *m, const snapshot *s, const poli
     head(f, "kvstash_tokens", "gauge",
          "Held tokens summed over layers (and KV-head lists), by policy and by the tier they "
          "are stored in (sketch: in-list sketch tokens and offloaded victims).");
-    const char *tiers[3] = {"full", "int8", "sketch"};
     for (size_t i = 0; i < m->npolicies; i++)
-        for (int t = 0; t < 3; t++)
+        for (int k = 0; k < POLICY_STORED_TIERS; k++)
             fprintf(f, "kvstash_tokens{policy=\"%s\",tier=\"%s\"} %llu\n", m->policies[i]->name,
-                    tiers[t], (unsigned long long)g->tokens[3 * i + (size_t)t]);
+                    policy_tier_name(policy_stored_tiers[k]),
+                    (unsigned long long)g->tokens[TIER_SLOT(i, policy_stored_tiers[k])]);
 }
 
 void metrics_tiers(metrics *m, const policy_ops *p, const snapshot_tiers *t)
@@ -458,25 +474,28 @@ void metrics_tiers(metrics *m, const policy_ops *p, const snapshot_tiers *t)
     long i = m != NULL ? policy_index(m, p) : -1;
     if (i < 0)
         return;
-    for (size_t k = 0; k < 3; k++)
-        atomic_fetch_add_explicit(&m->moved[3 * (size_t)i + k], t->moved[k], memory_order_relaxed);
+    for (size_t k = 0; k < POLICY_TIERS; k++)
+        atomic_fetch_add_explicit(&m->moved[TIER_SLOT(i, k)], t->moved[k], memory_order_relaxed);
     atomic_fetch_add_explicit(&m->requantized[i], t->requantized, memory_order_relaxed);
     atomic_fetch_add_explicit(&m->victims_dropped[i], t->victims_dropped, memory_order_relaxed);
     for (size_t k = 0; k < t->nobs; k++) {
-        if (t->obs[k].kind == SNAPSHOT_OBS_INT8)
+        if (t->obs[k].kind == POLICY_INT8)
             hist_observe(&m->int8_hist[i], int8_bounds, NBOUNDS(int8_bounds), t->obs[k].value);
+        else if (t->obs[k].kind == POLICY_INT4)
+            hist_observe(&m->int4_hist[i], int4_bounds, NBOUNDS(int4_bounds), t->obs[k].value);
+        else if (t->obs[k].kind == POLICY_INT2)
+            hist_observe(&m->int2_hist[i], int2_bounds, NBOUNDS(int2_bounds), t->obs[k].value);
         else
             hist_observe(&m->sketch_hist[i], sketch_bounds, NBOUNDS(sketch_bounds),
                          t->obs[k].value);
     }
 }
 
-void metrics_revived(metrics *m, const policy_ops *p, const uint32_t by_tier[3])
+void metrics_revived(metrics *m, const policy_ops *p, const uint32_t by_tier[POLICY_TIERS])
 {
     long i = m != NULL ? policy_index(m, p) : -1;
-    for (int t = 0; i >= 0 && t < 3; t++)
-        atomic_fetch_add_explicit(&m->revived[3 * (size_t)i + (size_t)t], by_tier[t],
-                                  memory_order_relaxed);
+    for (int t = 0; i >= 0 && t < POLICY_TIERS; t++)
+        atomic_fetch_add_explicit(&m->revived[TIER_SLOT(i, t)], by_tier[t], memory_order_relaxed);
 }
 
 /* One histogram per policy: name{policy="..."}, with its HELP line. */
@@ -491,15 +510,16 @@ static void print_policy_hist(FILE *f, const metrics *m, const char *name, const
     }
 }
 
-/* One counter per policy and tier: name{policy="...",<label>="<tier>"}. */
+/* One counter per policy and stored tier: name{policy="...",<label>="<tier>"}. */
 static void print_tier_counter(FILE *f, const metrics *m, const char *name, const char *help,
-                               const char *label, const char *const tiers[3], _Atomic uint64_t *v)
+                               const char *label, _Atomic uint64_t *v)
 {
     head(f, name, "counter", help);
     for (size_t i = 0; i < m->npolicies; i++)
-        for (size_t t = 0; t < 3; t++)
+        for (size_t k = 0; k < POLICY_STORED_TIERS; k++)
             fprintf(f, "%s{policy=\"%s\",%s=\"%s\"} %llu\n", name, m->policies[i]->name, label,
-                    tiers[t], (unsigned long long)atomic_load(&v[3 * i + t]));
+                    policy_tier_name(policy_stored_tiers[k]),
+                    (unsigned long long)atomic_load(&v[TIER_SLOT(i, policy_stored_tiers[k])]));
 }
 
 /* One counter per policy: name{policy="..."}. */
@@ -514,17 +534,16 @@ static void print_policy_counter(FILE *f, const metrics *m, const char *name, co
 
 static void print_counters(FILE *f, const metrics *m)
 {
-    static const char *const to[3] = {"int8", "sketch", "full"};
-    static const char *const from[3] = {"full", "int8", "sketch"};
     print_tier_counter(f, m, "kvstash_tier_moves_total",
                        "Tokens moved between storage tiers (summed over lists), by policy and "
-                       "destination: demoted to int8, put into the sketch (offloaded or swapped "
-                       "out), brought back to full precision (full: in the pool's dtype).",
-                       "to", to, m->moved);
+                       "destination: demoted to int8, int4 or int2, put into the sketch "
+                       "(offloaded or swapped out), brought back to full precision (full: in the "
+                       "pool's dtype).",
+                       "to", m->moved);
     print_tier_counter(f, m, "kvstash_revived_tokens_total",
                        "Tokens rebuilt by Revive into scratch blocks, by policy and the tier they "
                        "were stored in.",
-                       "from", from, m->revived);
+                       "from", m->revived);
     print_policy_counter(f, m, "kvstash_appended_tokens_total",
                          "Tokens appended (per layer), by policy.", m->appended);
     print_policy_counter(f, m, "kvstash_int8_requantized_tokens_total",
@@ -559,6 +578,17 @@ static void print_counters(FILE *f, const metrics *m)
         "|dequantised - original| over max |original| of the K and V quantised (POLICIES.md "
         "§5.4 bounds it by 1/254; a re-quantisation's original is the dequantised value).",
         m->int8_hist, int8_bounds, NBOUNDS(int8_bounds));
+    print_policy_hist(
+        f, m, "kvstash_int4_roundtrip_error_ratio",
+        "Per INT4 demotion or re-quantisation (demote=int4; one list, one batch of INT4 "
+        "blocks): max |dequantised - original| over max |original| of the K and V quantised "
+        "(half a group's step: at most about 1/15 of the list's range, in practice far less).",
+        m->int4_hist, int4_bounds, NBOUNDS(int4_bounds));
+    print_policy_hist(
+        f, m, "kvstash_int2_roundtrip_error_ratio",
+        "Per INT2 demotion or re-quantisation (demote=int2), as the INT4 one (half a group's "
+        "step: at most about 1/3 of the list's range).",
+        m->int2_hist, int2_bounds, NBOUNDS(int2_bounds));
     print_policy_hist(
         f, m, "kvstash_sketch_reconstruction_error_ratio",
         "Per insertion into a count-sketch (one list, one step's tokens): ||sketch estimate - "

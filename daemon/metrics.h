@@ -54,7 +54,7 @@ void metrics_tiers(metrics *m, const policy_ops *p, const snapshot_tiers *t);
 
 /* A Revive of a sequence of policy p rebuilt by_tier[t] tokens that were
  * stored in tier t (policy_tier FULL, INT8, SKETCH). */
-void metrics_revived(metrics *m, const policy_ops *p, const uint32_t by_tier[3]);
+void metrics_revived(metrics *m, const policy_ops *p, const uint32_t by_tier[POLICY_TIERS]);
 
 /* One worker step (ring STEP) of a sequence of policy p, served in `seconds`
  * (store_step: the lock wait, the checks, the policy and the table change). */

@@ -66,6 +66,16 @@ status_code seq_create(uint64_t id, uint64_t session_id, pool *pool, const polic
         free(s);
         return st->code;
     }
+    uint8_t demote = policy_host_storage(s->host)->demote;
+    if (demote != POLICY_FULL && tier_block_tokens(&s->tier, demote) == 0) {
+        status_set(st, ST_INVALID_ARGUMENT,
+                   "demote=%s: a block of this pool cannot hold an %s block",
+                   policy_tier_name(demote), demote == POLICY_INT4 ? "INT4" : "INT2");
+        policy_host_destroy(s->host);
+        free(s->lists);
+        free(s);
+        return st->code;
+    }
     *out = s;
     return ST_OK;
 }
@@ -125,12 +135,17 @@ uint32_t seq_heads(const seq *s)
     return s->heads;
 }
 
-uint32_t seq_int8_block_tokens(const seq *s)
+uint32_t seq_block_tokens(const seq *s, uint8_t t)
 {
-    return s->tier.l8.block_tokens;
+    return tier_block_tokens(&s->tier, t);
 }
 
-void seq_moved_totals(const seq *s, uint64_t moved[3])
+uint32_t seq_quant_group(const seq *s)
+{
+    return kv_lowbit_group(&s->list_layout);
+}
+
+void seq_moved_totals(const seq *s, uint64_t moved[POLICY_TIERS])
 {
     memcpy(moved, s->moved, sizeof s->moved);
 }
@@ -248,31 +263,34 @@ void seq_tier_report_clear(seq *s)
     snapshot_tiers_clear(&s->report);
 }
 
-/* Count n tokens moved to tier move t (moved[]) in the totals and the report. */
-void seq_moved(seq *s, int t, uint64_t n)
+/* Count n tokens moved to tier t (moved[]) in the totals and the report. */
+void seq_moved(seq *s, uint8_t t, uint64_t n)
 {
     s->moved[t] += n;
     s->report.moved[t] += n;
 }
 
-void seq_list_tier_tokens(const seq *s, uint32_t layer, uint32_t head, uint32_t tokens[3])
+void seq_list_tier_tokens(const seq *s, uint32_t layer, uint32_t head,
+                          uint32_t tokens[POLICY_TIERS])
 {
     const seq_list *ly = seq_list_at(s, layer, head);
-    tokens[0] = tokens[1] = tokens[2] = 0;
+    memset(tokens, 0, POLICY_TIERS * sizeof *tokens);
     for (size_t i = 0; i < ly->nsegs; i++)
         tokens[ly->seg_tier[i]] += ly->segs[i].count;
 }
 
-void seq_tier_usage(const seq *s, uint64_t tokens[3], uint64_t bytes[3])
+void seq_tier_usage(const seq *s, uint64_t tokens[POLICY_TIERS], uint64_t bytes[POLICY_TIERS])
 {
-    for (int t = 0; t < 3; t++)
+    for (int t = 0; t < POLICY_TIERS; t++)
         tokens[t] = bytes[t] = 0;
     for (size_t k = 0; k < seq_nlists(s); k++) {
         const seq_list *ly = &s->lists[k];
         for (size_t i = 0; i < ly->nsegs; i++)
             tokens[ly->seg_tier[i]] += ly->segs[i].count;
-        for (int t = POLICY_FULL; t <= POLICY_INT8; t++)
-            bytes[t] += (uint64_t)list_count_blocks(ly, t, s->pool) * s->pool->block_bytes;
+        for (int t = 0; t < POLICY_TIERS; t++)
+            if (t == POLICY_FULL || policy_tier_quantised((unsigned)t))
+                bytes[t] +=
+                    (uint64_t)list_count_blocks(ly, (uint8_t)t, s->pool) * s->pool->block_bytes;
         for (size_t j = 0; j < ly->noffloaded; j++)
             tokens[ly->offloaded_at[j].tier]++;
         bytes[POLICY_SKETCH] += tier_sketch_bytes(&ly->sketch);

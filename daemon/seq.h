@@ -62,11 +62,15 @@ uint64_t seq_epoch(const seq *s);    /* the tables' current epoch */
 uint64_t seq_appended(const seq *s); /* tokens ever appended; the next position */
 uint32_t seq_layers(const seq *s);
 uint32_t seq_heads(const seq *s); /* lists per layer: 1, or kv_heads (per-head policy) */
-/* Tokens of an INT8 block in one pool block (tier.h), for tables. */
-uint32_t seq_int8_block_tokens(const seq *s);
-/* Lifetime totals: tokens moved (to INT8, into the sketch, back to full),
+/* Tokens of a block of quantised tier t in one pool block (tier.h; 0: the
+ * tier does not fit), for tables. */
+uint32_t seq_block_tokens(const seq *s, uint8_t t);
+/* The INT4 / INT2 groups' size of its lists (kernels.h "Low-bit tiers"). */
+uint32_t seq_quant_group(const seq *s);
+/* Lifetime totals: tokens moved, by the tier they went to (policy_tier:
+ * demoted to INT8 / INT4 / INT2, into the sketch, back to full);
  * victims=int8 victims dropped under memory pressure. */
-void seq_moved_totals(const seq *s, uint64_t moved[3]);
+void seq_moved_totals(const seq *s, uint64_t moved[POLICY_TIERS]);
 uint64_t seq_victims_dropped(const seq *s);
 /* The blocks retired and not yet acknowledged, with the epoch each waits
  * for; *out is the sequence's (valid until it changes). */
@@ -202,10 +206,10 @@ status_code seq_apply_decision(seq *s, uint32_t l, const policy_decision *d, uin
  * when out of memory. */
 status_code seq_demote_pending(seq *s, uint32_t layer, uint64_t epoch, int *changed, status *st);
 
-/* Storage per tier (POLICY_FULL, _INT8, _SKETCH) over every list: tokens
+/* Storage per tier (by policy_tier, POLICY_TIERS of them) over every list: tokens
  * held and offloaded victims kept, by the tier they are stored in, and
  * bytes (pool blocks of that tier; sketch cells). */
-void seq_tier_usage(const seq *s, uint64_t tokens[3], uint64_t bytes[3]);
+void seq_tier_usage(const seq *s, uint64_t tokens[POLICY_TIERS], uint64_t bytes[POLICY_TIERS]);
 
 /* Limits (store.c, --max-daemon-mb): the daemon memory the sketches of
  * all s's lists would take if every list allocated its sketch (rows x
@@ -227,7 +231,8 @@ void seq_set_sketch_reserved(seq *s, size_t bytes);
 uint64_t seq_append_blocks(const seq *s, uint32_t count);
 
 /* Tokens of list (layer, head) stored in each tier. */
-void seq_list_tier_tokens(const seq *s, uint32_t layer, uint32_t head, uint32_t tokens[3]);
+void seq_list_tier_tokens(const seq *s, uint32_t layer, uint32_t head,
+                          uint32_t tokens[POLICY_TIERS]);
 
 /* What a Revive asks for: positions [first, first + count) (count 0: to
  * the end) of list (layer, head); with skip_evicted, positions evicted

@@ -1,6 +1,6 @@
 /*
  * seq_apply.c - applying a policy's decision to a sequence's lists: tier
- * moves, offloaded victims, INT8 demotion and compaction, value merges, key
+ * moves, offloaded victims, INT8 / INT4 / INT2 demotion and compaction, value merges, key
  * re-rotation, full-precision compaction, retiring emptied blocks (seq.h
  * seq_apply_decision, seq_demote_pending).
  *
@@ -28,7 +28,7 @@ static int stage_error(seq *s, const tier_token *tok, const uint32_t *idx, size_
     return rc;
 }
 
-/* Insert tokens idx[0..m) (FULL or INT8) into the sketch; they become
+/* Insert tokens idx[0..m) (FULL or quantised) into the sketch; they become
  * sketch tokens. */
 static int move_to_sketch(seq *s, seq_list *ly, uint32_t layer, tier_token *tok,
                           const uint32_t *pos, const uint32_t *idx, size_t m)
@@ -45,16 +45,16 @@ static int move_to_sketch(seq *s, seq_list *ly, uint32_t layer, tier_token *tok,
     int rc = tier_sketch_insert(&ly->sketch, &s->tier, p, m, k, v);
     double rel;
     if (rc == 0 && tier_sketch_error(&ly->sketch, &s->tier, p, m, k, v, &rel) == 0)
-        snapshot_tiers_observe(&s->report, SNAPSHOT_OBS_SKETCH, rel);
+        snapshot_tiers_observe(&s->report, POLICY_SKETCH, rel);
     for (size_t i = 0; rc == 0 && i < m; i++)
         tok[idx[i]] = (tier_token){TIER_NO_BLOCK, 0, POLICY_SKETCH};
-    seq_moved(s, 1, rc == 0 ? m : 0);
+    seq_moved(s, POLICY_SKETCH, rc == 0 ? m : 0);
     tier_stage_free(&s->tier, k);
     free(p);
     return rc;
 }
 
-/* Bring token i (SKETCH or INT8) back to a fresh full-precision slot: the
+/* Bring token i (SKETCH or quantised) back to a fresh full-precision slot: the
  * sketch's estimate, deleted from the sketch (KVReviver swap, Alg. 3), or
  * the dequantised values. Leaves it where it is when the pool is full. */
 static int move_to_full(seq *s, seq_list *ly, tier_token *tok, const uint32_t *pos, uint32_t i)
@@ -73,7 +73,7 @@ static int move_to_full(seq *s, seq_list *ly, tier_token *tok, const uint32_t *p
                  : tier_copy(&s->tier, &tok[i], 1, &dst) != 0)
         return -1;
     tok[i] = dst;
-    seq_moved(s, 2, 1);
+    seq_moved(s, POLICY_FULL, 1);
     return 0;
 }
 
@@ -108,15 +108,17 @@ static int list_victims(seq *s, seq_list *ly, uint32_t layer, tier_token *tok, c
     return tier_sketch_delete(&ly->sketch, scratch + n - gone, gone);
 }
 
-/* Whether token i's storage must change for decided tier `want` (INT8
- * demotion is batched separately). */
+/* Whether token i's storage must change for decided tier `want` before
+ * demotion, which is batched separately: a quantised token goes back to
+ * full precision to be kept there, or to be demoted again into another
+ * quantised tier. */
 static int needs_move(uint8_t stored, uint8_t want)
 {
     if (want == POLICY_EVICT)
         return 0;
     if (want == POLICY_SKETCH)
         return stored != POLICY_SKETCH;
-    return stored == POLICY_SKETCH || (want == POLICY_FULL && stored == POLICY_INT8);
+    return stored == POLICY_SKETCH || (policy_tier_quantised(stored) && stored != want);
 }
 
 static int apply_move(seq *s, seq_list *ly, uint32_t layer, tier_token *tok, const uint32_t *pos,
@@ -152,13 +154,14 @@ static int list_moves(seq *s, seq_list *ly, uint32_t layer, tier_token *tok, con
     return m > 0 ? move_to_sketch(s, ly, layer, tok, pos, idx, m) : 0;
 }
 
-/* Quantise tokens idx[0..m) of tok (FULL, or INT8 read back dequantised)
- * into fresh INT8 blocks, an INT8 block's worth to a block and the last
- * one partial; the caller checked that the pool has them. The tokens become
- * INT8 tokens of the new blocks; the round trip's error is observed. */
-static int quantize_fresh(seq *s, tier_token *tok, const uint32_t *idx, size_t m)
+/* Quantise tokens idx[0..m) of tok (FULL, or quantised read back
+ * dequantised) into fresh blocks of quantised tier qt, a block's worth to a
+ * block and the last one partial; the caller checked that the pool has
+ * them. The tokens become qt tokens of the new blocks; the round trip's
+ * error is observed. */
+static int quantize_fresh(seq *s, uint8_t qt, tier_token *tok, const uint32_t *idx, size_t m)
 {
-    uint32_t t8 = s->tier.l8.block_tokens;
+    uint32_t t8 = tier_block_tokens(&s->tier, qt);
     size_t nq = (m + t8 - 1) / t8;
     uint32_t *qb = malloc((nq ? nq : 1) * sizeof *qb);
     uint8_t *k, *v;
@@ -168,38 +171,51 @@ static int quantize_fresh(seq *s, tier_token *tok, const uint32_t *idx, size_t m
     }
     for (size_t b = 0; b < nq; b++)
         pool_alloc_block(s->pool, &qb[b]); /* checked by the caller */
-    int rc = tier_quantize(&s->tier, k, v, m, qb, nq);
+    int rc = tier_quantize(&s->tier, qt, k, v, m, qb, nq);
     for (size_t j = 0; rc == 0 && j < m; j++)
-        tok[idx[j]] = (tier_token){qb[j / t8], (uint32_t)(j % t8), POLICY_INT8};
+        tok[idx[j]] = (tier_token){qb[j / t8], (uint32_t)(j % t8), qt};
     double ratio;
     if (rc == 0 && stage_error(s, tok, idx, m, k, v, &ratio) == 0)
-        snapshot_tiers_observe(&s->report, SNAPSHOT_OBS_INT8, ratio);
+        snapshot_tiers_observe(&s->report, qt, ratio);
     tier_stage_free(&s->tier, k);
     free(qb);
     return rc;
 }
 
-/* INT8 demotion in whole INT8 blocks (POLICIES.md §5.4: a block's scales
- * cover all its tokens and it is written once): the oldest tokens decided
- * INT8 but stored at full precision, as many blocks' worth as there are;
- * with `partial`, all of them, the last INT8 block written partial (its
- * free slots are never filled: an operator's demote wants them now). */
-static int list_demote(seq *s, tier_token *tok, const uint8_t *tier, uint32_t n, uint32_t *scratch,
-                       int partial)
+/* Demotion to quantised tier qt in whole blocks (POLICIES.md §5.4: a
+ * block's scales cover all its tokens and it is written once): the oldest
+ * tokens decided qt but stored at full precision, as many blocks' worth as
+ * there are; with `partial`, all of them, the last block written partial
+ * (its free slots are never filled: an operator's demote wants them now). */
+static int list_demote_to(seq *s, uint8_t qt, tier_token *tok, const uint8_t *tier, uint32_t n,
+                          uint32_t *scratch, int partial)
 {
-    uint32_t t8 = s->tier.l8.block_tokens;
+    uint32_t t8 = tier_block_tokens(&s->tier, qt);
     size_t m = 0;
     for (uint32_t i = 0; i < n; i++)
-        if (tier[i] == POLICY_INT8 && tok[i].tier == POLICY_FULL)
+        if (tier[i] == qt && tok[i].tier == POLICY_FULL)
             scratch[m++] = i;
+    if (t8 == 0)
+        return 0; /* the tier does not fit this pool (seq_create refuses it as demote) */
     size_t nq = partial ? (m + t8 - 1) / t8 : m / t8;
     if (nq == 0 || nq > s->pool->nfree)
         return 0;
     if (!partial)
         m = nq * t8;
-    if (quantize_fresh(s, tok, scratch, m) != 0)
+    if (quantize_fresh(s, qt, tok, scratch, m) != 0)
         return -1;
-    seq_moved(s, 0, m);
+    seq_moved(s, qt, m);
+    return 0;
+}
+
+/* list_demote_to for every quantised tier. */
+static int list_demote(seq *s, tier_token *tok, const uint8_t *tier, uint32_t n, uint32_t *scratch,
+                       int partial)
+{
+    static const uint8_t qtiers[] = {POLICY_INT8, POLICY_INT4, POLICY_INT2};
+    for (size_t q = 0; q < sizeof qtiers; q++)
+        if (list_demote_to(s, qtiers[q], tok, tier, n, scratch, partial) != 0)
+            return -1;
     return 0;
 }
 
@@ -214,27 +230,39 @@ static int list_demote(seq *s, tier_token *tok, const uint8_t *tier, uint32_t n,
  * step's demotion, so a token is quantised at most once a step. Skipped,
  * harmlessly, when the pool lacks the blocks. scratch has room for 2n.
  */
+static int list_requantize_tier(seq *s, uint8_t qt, tier_token *tok, const uint8_t *tier,
+                                uint32_t n, uint32_t *scratch)
+{
+    uint32_t t8 = tier_block_tokens(&s->tier, qt), *blocks = scratch + n;
+    size_t m = 0;
+    for (uint32_t i = 0; i < n; i++)
+        if (tier[i] == qt && tok[i].tier == qt) {
+            blocks[m] = tok[i].block;
+            scratch[m++] = i;
+        }
+    if (m == 0)
+        return 0;
+    size_t need = (m + t8 - 1) / t8, have = seq_sort_unique(blocks, m);
+    if (have <= need + 1 || need > s->pool->nfree)
+        return 0;
+    if (quantize_fresh(s, qt, tok, scratch, m) != 0)
+        return -1;
+    s->requantized += m;
+    s->report.requantized += m;
+    return 0;
+}
+
 static int list_requantize(seq *s, tier_token *tok, const uint8_t *tier, uint32_t n,
                            uint32_t *scratch)
 {
-    uint32_t t8 = s->tier.l8.block_tokens, *blocks = scratch + n;
-    size_t m = 0;
+    static const uint8_t qtiers[] = {POLICY_INT8, POLICY_INT4, POLICY_INT2};
     /* victims=int8 keeps evicted INT8 tokens in their blocks: re-quantising
      * the others would free nothing. */
     if (policy_host_storage(s->host)->victims == POLICY_VICTIMS_INT8)
         return 0;
-    for (uint32_t i = 0; i < n; i++)
-        if (tier[i] == POLICY_INT8 && tok[i].tier == POLICY_INT8) {
-            blocks[m] = tok[i].block;
-            scratch[m++] = i;
-        }
-    size_t need = (m + t8 - 1) / t8, have = seq_sort_unique(blocks, m);
-    if (have <= need + 1 || need > s->pool->nfree)
-        return 0;
-    if (quantize_fresh(s, tok, scratch, m) != 0)
-        return -1;
-    s->requantized += m;
-    s->report.requantized += m;
+    for (size_t q = 0; q < sizeof qtiers; q++)
+        if (list_requantize_tier(s, qtiers[q], tok, tier, n, scratch) != 0)
+            return -1;
     return 0;
 }
 
@@ -257,11 +285,11 @@ static int list_victims_quantize(seq *s, seq_list *ly, uint32_t *scratch)
         seq_grow((void **)&ly->victim_blocks, &ly->victim_blocks_cap, ly->nvictim_blocks + nq,
                  sizeof *ly->victim_blocks) != 0)
         return 0;
-    if (quantize_fresh(s, ly->offloaded_at, scratch, nq * t8) != 0)
+    if (quantize_fresh(s, POLICY_INT8, ly->offloaded_at, scratch, nq * t8) != 0)
         return -1;
     for (size_t b = 0; b < nq; b++)
         ly->victim_blocks[ly->nvictim_blocks++] = ly->offloaded_at[scratch[b * t8]].block;
-    seq_moved(s, 0, nq * t8);
+    seq_moved(s, POLICY_INT8, nq * t8);
     return 0;
 }
 
@@ -294,9 +322,9 @@ uint32_t seq_drop_victim_blocks(seq *s)
 }
 
 /* WeightedKV merges of layer l, before the merged-away tokens leave the
- * table. The merge runs at full precision: an INT8 block is written once,
- * so an INT8 token in a merge is first brought back to a fresh full slot
- * (dequantised; a kept one is demoted again with the next INT8 block). A
+ * table. The merge runs at full precision: a quantised block is written
+ * once, so a quantised token in a merge is first brought back to a fresh
+ * full slot (dequantised; a kept one is demoted again with the next block). A
  * merge is skipped when the pool has no slot for that, or a token is in the
  * sketch (weightedkv keeps none there). */
 static int apply_merges(seq *s, uint32_t l, const policy_decision *d, tier_token *const *toks)
@@ -307,8 +335,10 @@ static int apply_merges(seq *s, uint32_t l, const policy_decision *d, tier_token
         seq_list *ly = seq_list_at(s, l, g->head);
         const uint32_t *pos;
         seq_list_tokens(s, l, g->head, &pos);
-        if ((tok[g->from].tier == POLICY_INT8 && move_to_full(s, ly, tok, pos, g->from) != 0) ||
-            (tok[g->into].tier == POLICY_INT8 && move_to_full(s, ly, tok, pos, g->into) != 0))
+        if ((policy_tier_quantised(tok[g->from].tier) &&
+             move_to_full(s, ly, tok, pos, g->from) != 0) ||
+            (policy_tier_quantised(tok[g->into].tier) &&
+             move_to_full(s, ly, tok, pos, g->into) != 0))
             return -1;
         const tier_token *from = &tok[g->from], *into = &tok[g->into];
         if (from->tier != POLICY_FULL || into->tier != POLICY_FULL)
@@ -466,13 +496,17 @@ static int retire_unused(seq *s, seq_list *ly, const uint32_t *before, size_t nb
 /* Whether the decision changes anything in this list's storage. */
 static int list_untouched(const seq *s, const tier_token *tok, const uint8_t *tier, uint32_t n)
 {
-    uint32_t pending = 0;
+    uint32_t pending[POLICY_TIERS] = {0};
     for (uint32_t i = 0; i < n; i++) {
         if (tier[i] == POLICY_EVICT || needs_move(tok[i].tier, tier[i]))
             return 0;
-        pending += tier[i] == POLICY_INT8 && tok[i].tier == POLICY_FULL;
+        if (policy_tier_quantised(tier[i]) && tok[i].tier == POLICY_FULL)
+            pending[tier[i]]++;
     }
-    return pending < s->tier.l8.block_tokens;
+    for (uint8_t t = 0; t < POLICY_TIERS; t++)
+        if (pending[t] > 0 && pending[t] >= tier_block_tokens(&s->tier, t))
+            return 0;
+    return 1;
 }
 
 /* Apply one list's decided tiers to its storage (seq_apply_decision). */
@@ -578,11 +612,11 @@ static int list_demote_now(seq *s, uint32_t l, uint32_t k, uint64_t epoch, int *
     }
     uint32_t *before = scratch, *after = scratch + cap, *idx = scratch + 2 * cap;
     size_t nb = list_block_ids(ly, tok, n, 1, before);
-    uint64_t moved = s->moved[0];
+    uint64_t moved = s->moved[POLICY_INT8] + s->moved[POLICY_INT4] + s->moved[POLICY_INT2];
     int rc = seq_txn_save_list(s, ly);
     if (rc == 0)
         rc = list_demote(s, tok, tier, n, idx, 1);
-    if (rc == 0 && s->moved[0] != moved) {
+    if (rc == 0 && s->moved[POLICY_INT8] + s->moved[POLICY_INT4] + s->moved[POLICY_INT2] != moved) {
         *changed = 1;
         rc = list_encode(ly, tok, n);
         if (rc == 0)

@@ -11,7 +11,8 @@
 
 typedef struct seq_list {
     kv_segment *segs;
-    uint8_t *seg_tier; /* [nsegs] how segment i is stored: POLICY_FULL, _INT8, _SKETCH */
+    uint8_t
+        *seg_tier; /* [nsegs] how segment i is stored: POLICY_FULL, _INT8, _INT4, _INT2, _SKETCH */
     size_t nsegs, segs_cap;
     uint32_t tail_block;     /* block that new tokens fill first */
     uint32_t tail_next_slot; /* its first never-written slot; slots per block = full */
@@ -42,9 +43,9 @@ typedef struct seq_txn {
     uint64_t generation; /* counts transactions: which lists are saved */
     uint64_t epoch, appended;
     uint32_t unstepped;
-    uint64_t moved[3], requantized, victims_dropped;
+    uint64_t moved[POLICY_TIERS], requantized, victims_dropped;
     size_t nretired;
-    uint64_t report_moved[3], report_requantized, report_victims_dropped;
+    uint64_t report_moved[POLICY_TIERS], report_requantized, report_victims_dropped;
     size_t report_nobs;
     seq_saved_list *lists;
     size_t nlists, lists_cap;
@@ -71,10 +72,10 @@ typedef struct seq {
     seq_list *lists;       /* [nlayers * heads], list of (layer l, head k) at l * heads + k */
     seq_retired *retired;
     size_t nretired, retired_cap;
-    uint64_t moved[3];        /* tokens ever moved: to INT8, into the sketch, back to full */
-    uint64_t requantized;     /* INT8 tokens re-quantised by compaction (§5.4) */
-    uint64_t victims_dropped; /* victims=int8 victims freed under memory pressure */
-    snapshot_tiers report;    /* seq_tier_report */
+    uint64_t moved[POLICY_TIERS]; /* tokens ever moved, by the tier they went to */
+    uint64_t requantized;         /* quantised tokens re-quantised by compaction (§5.4) */
+    uint64_t victims_dropped;     /* victims=int8 victims freed under memory pressure */
+    snapshot_tiers report;        /* seq_tier_report */
     seq_txn txn;
     size_t sketch_reserved; /* daemon memory the store reserved for the sketches (seq.h) */
 } seq;
@@ -138,12 +139,12 @@ int list_take_slot(seq *s, seq_list *ly, tier_token *out);
 
 int list_sketch_ready(seq *s, seq_list *ly, uint32_t layer);
 
-/* Read the FULL / INT8 tokens idx[0..m) of tok into staging buffers. */
+/* Read the FULL / quantised tokens idx[0..m) of tok into staging buffers. */
 int seq_stage_tokens(seq *s, const tier_token *tok, const uint32_t *idx, size_t m, uint8_t **k,
                      uint8_t **v);
 
-/* Count n tokens moved to tier move t (moved[]) in the totals and the report. */
-void seq_moved(seq *s, int t, uint64_t n);
+/* Count n tokens moved to tier t (moved[]) in the totals and the report. */
+void seq_moved(seq *s, uint8_t t, uint64_t n);
 
 /* Keep a victim out of the list, stored at `at`. */
 int list_offload_push(seq_list *ly, uint32_t position, tier_token at);

@@ -33,6 +33,9 @@ int service_layer_table_fill(Kvstash__V1__LayerTable *lt, const store_layer_tabl
     lt->head = src->head;
     lt->tokens = src->tokens;
     lt->int8_block_tokens = src->int8_block_tokens;
+    lt->int4_block_tokens = src->int4_block_tokens;
+    lt->int2_block_tokens = src->int2_block_tokens;
+    lt->quant_group = src->quant_group;
     size_t n = src->nsegs;
     lt->block = malloc((n ? n : 1) * sizeof *lt->block);
     lt->first_slot = malloc((n ? n : 1) * sizeof *lt->first_slot);

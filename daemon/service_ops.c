@@ -139,7 +139,7 @@ status_code service_revive(void *app, const char *token, const ProtobufCMessage 
     if (src == NULL || service_layer_table_fill(&lt, &r.table, -1) != 0) {
         rc = status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
     } else {
-        uint32_t by[3] = {0, 0, 0};
+        uint32_t by[POLICY_TIERS] = {0};
         for (size_t i = 0; i < n; i++)
             by[src[i] = r.src_tier[i]]++;
         out.scratch_id = r.scratch_id;
@@ -149,6 +149,8 @@ status_code service_revive(void *app, const char *token, const ProtobufCMessage 
         out.from_full = by[POLICY_FULL];
         out.from_int8 = by[POLICY_INT8];
         out.from_sketch = by[POLICY_SKETCH];
+        out.from_int4 = by[POLICY_INT4];
+        out.from_int2 = by[POLICY_INT2];
         *resp = pbgrpc_pack(&out.base);
         service_layer_table_clear(&lt);
     }

@@ -8,24 +8,26 @@
 #include "pbgrpc.h"
 #include "service.h"
 
-/* The storage tiers as Stats and Inspect name them, by policy_tier. "full" is
- * full precision in the pool's dtype (fp16, bf16 or fp32). */
-static const char *const tier_names[3] = {"full", "int8", "sketch"};
+/* The storage tiers as Stats and Inspect name them (policy_tier_name, in
+ * policy_stored_tiers order). "full" is full precision in the pool's dtype
+ * (fp16, bf16 or fp32). */
+#define NTIERS POLICY_STORED_TIERS
 
-/* SequenceStats.tiers from three caller-provided entries: tokens and bytes
- * by storage tier. */
+/* SequenceStats.tiers from NTIERS caller-provided entries: tokens and
+ * bytes by storage tier. */
 static void sequence_tiers(const snapshot_seq *q, Kvstash__V1__SequenceStats *out,
                            Kvstash__V1__TierStats *t, Kvstash__V1__TierStats **ptrs)
 {
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < NTIERS; i++) {
+        uint8_t tier = policy_stored_tiers[i];
         kvstash__v1__tier_stats__init(&t[i]);
-        t[i].tier = (char *)tier_names[i];
-        t[i].tokens = q->tier_tokens[i];
-        t[i].bytes = q->tier_bytes[i];
+        t[i].tier = (char *)policy_tier_name(tier);
+        t[i].tokens = q->tier_tokens[tier];
+        t[i].bytes = q->tier_bytes[tier];
         ptrs[i] = &t[i];
     }
     out->tiers = ptrs;
-    out->n_tiers = 3;
+    out->n_tiers = NTIERS;
 }
 
 /* The strings point into q. */
@@ -85,7 +87,7 @@ static void limits_stats(const snapshot *sn, Kvstash__V1__Limits *out)
     out->daemon_memory_bytes = sn->mem_limit;
     out->sketch_reserved_bytes = sn->mem_reserved;
     for (size_t k = 0; k < sn->npools; k++)
-        out->sketch_allocated_bytes += sn->pools[k].sketch_bytes;
+        out->sketch_allocated_bytes += sn->pools[k].tier_bytes[POLICY_SKETCH];
     out->session_max_seqs = sn->session_max_seqs;
     out->session_max_blocks = sn->session_max_blocks;
     out->max_reply_bytes = sn->max_reply;
@@ -96,7 +98,7 @@ typedef struct stats_buf {
     Kvstash__V1__Geometry *geoms;
     Kvstash__V1__SessionStats *sessions, **session_ptrs;
     Kvstash__V1__SequenceStats *seqs, **seq_ptrs;
-    Kvstash__V1__TierStats *seq_tiers, **seq_tier_ptrs; /* 3 per sequence, with_tiers */
+    Kvstash__V1__TierStats *seq_tiers, **seq_tier_ptrs; /* NTIERS per sequence, with_tiers */
     const char **policies;
 } stats_buf;
 
@@ -111,8 +113,8 @@ static int stats_buf_alloc(stats_buf *b, size_t npools, size_t nsessions, size_t
     b->seqs = calloc(nseqs + 1, sizeof *b->seqs);
     b->seq_ptrs = calloc(nseqs + 1, sizeof *b->seq_ptrs);
     b->policies = calloc(npolicies + 1, sizeof *b->policies);
-    b->seq_tiers = calloc(3 * nseqs + 1, sizeof *b->seq_tiers);
-    b->seq_tier_ptrs = calloc(3 * nseqs + 1, sizeof *b->seq_tier_ptrs);
+    b->seq_tiers = calloc(NTIERS * nseqs + 1, sizeof *b->seq_tiers);
+    b->seq_tier_ptrs = calloc(NTIERS * nseqs + 1, sizeof *b->seq_tier_ptrs);
     return b->pools && b->pool_ptrs && b->geoms && b->sessions && b->session_ptrs && b->seqs &&
                    b->seq_ptrs && b->policies && b->seq_tiers && b->seq_tier_ptrs
                ? 0
@@ -152,12 +154,12 @@ static void fill_stats(const snapshot *sn, stats_buf *b, int with_tiers,
     for (size_t i = 0; i < sn->nseqs; i++) {
         sequence_stats(&sn->seqs[i], &b->seqs[i]);
         if (with_tiers)
-            sequence_tiers(&sn->seqs[i], &b->seqs[i], &b->seq_tiers[3 * i],
-                           &b->seq_tier_ptrs[3 * i]);
+            sequence_tiers(&sn->seqs[i], &b->seqs[i], &b->seq_tiers[NTIERS * i],
+                           &b->seq_tier_ptrs[NTIERS * i]);
         b->seq_ptrs[i] = &b->seqs[i];
-        for (int t = 0; t < 3; t++) {
-            total[t].tokens += sn->seqs[i].tier_tokens[t];
-            total[t].bytes += sn->seqs[i].tier_bytes[t];
+        for (int t = 0; t < NTIERS; t++) {
+            total[t].tokens += sn->seqs[i].tier_tokens[policy_stored_tiers[t]];
+            total[t].bytes += sn->seqs[i].tier_bytes[policy_stored_tiers[t]];
         }
     }
     out->n_sequences = sn->nseqs;
@@ -171,11 +173,11 @@ status_code service_stats(void *app, const char *token, const ProtobufCMessage *
     size_t npolicies;
     const policy_ops *const *pol = policy_list(&npolicies);
     Kvstash__V1__StatsResponse out = KVSTASH__V1__STATS_RESPONSE__INIT;
-    Kvstash__V1__TierStats tiers[3];
-    Kvstash__V1__TierStats *tier_ptrs[3];
-    for (int i = 0; i < 3; i++) {
+    Kvstash__V1__TierStats tiers[NTIERS];
+    Kvstash__V1__TierStats *tier_ptrs[NTIERS];
+    for (int i = 0; i < NTIERS; i++) {
         kvstash__v1__tier_stats__init(&tiers[i]);
-        tiers[i].tier = (char *)tier_names[i];
+        tiers[i].tier = (char *)policy_tier_name(policy_stored_tiers[i]);
         tier_ptrs[i] = &tiers[i];
     }
     stats_buf b = {0};
@@ -208,7 +210,7 @@ status_code service_stats(void *app, const char *token, const ProtobufCMessage *
         out.policies = (char **)b.policies;
         out.n_policies = npolicies;
         out.tiers = tier_ptrs;
-        out.n_tiers = 3;
+        out.n_tiers = NTIERS;
         out.events_published = sn.events;
         *resp = pbgrpc_pack(&out.base);
     }
@@ -230,9 +232,11 @@ static void layer_inspect(seq *q, uint32_t layer, Kvstash__V1__LayerInspect *out
         uint32_t n = ly.tokens;
         out->tokens += n;
         out->blocks += seq_list_blocks(q, layer, k);
-        uint32_t by[3];
+        uint32_t by[POLICY_TIERS];
         seq_list_tier_tokens(q, layer, k, by);
         out->tokens_int8 += by[POLICY_INT8];
+        out->tokens_int4 += by[POLICY_INT4];
+        out->tokens_int2 += by[POLICY_INT2];
         out->tokens_sketch += by[POLICY_SKETCH];
         out->offloaded += (uint32_t)ly.noffloaded;
         if (n == 0)
@@ -330,7 +334,7 @@ static void list_map(seq *q, uint32_t l, uint32_t k, size_t cap, inspect_buf *b,
     for (size_t sg = 0; sg < ly.nsegs; sg++)
         for (uint32_t c = 0; c < ly.segs[sg].count && i < ly.tokens; c++, i++) {
             if (map_gap(b, m, cap, &ly, &j, next, pos[i]) != 0 ||
-                map_add(b, m, cap, pos[i], 1, tier_names[ly.seg_tier[sg]]) != 0)
+                map_add(b, m, cap, pos[i], 1, policy_tier_name(ly.seg_tier[sg])) != 0)
                 return;
             next = (uint64_t)pos[i] + 1;
         }
@@ -467,7 +471,7 @@ status_code service_inspect(void *app, const char *token, const ProtobufCMessage
         rc = status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
     if (rc == ST_OK) {
         Kvstash__V1__SequenceStats ss;
-        Kvstash__V1__TierStats tiers[3], *tier_ptrs[3];
+        Kvstash__V1__TierStats tiers[NTIERS], *tier_ptrs[NTIERS];
         Kvstash__V1__Param params[POLICY_MAX_PARAMS];
         Kvstash__V1__Param *param_ptrs[POLICY_MAX_PARAMS];
         snapshot_seq qs;

@@ -14,8 +14,9 @@
 #include "policy.h"
 #include "pool.h"
 
-/* A pool. blocks_retired, int8_bytes and sketch_bytes are summed over its
- * sequences (seq_retired_count, seq_tier_usage). */
+/* A pool. blocks_retired and tier_bytes (quantised tiers and the sketch;
+ * the FULL entry stays 0) are summed over its sequences
+ * (seq_retired_count, seq_tier_usage). */
 typedef struct snapshot_pool {
     uint64_t id;
     char model[65];
@@ -25,7 +26,7 @@ typedef struct snapshot_pool {
     uint32_t blocks_total, blocks_free, blocks_retired;
     uint32_t blocks_quarantined; /* held for ended sessions (pool_hold_begin) */
     uint32_t sessions;           /* attached */
-    uint64_t int8_bytes, sketch_bytes;
+    uint64_t tier_bytes[POLICY_TIERS];
 } snapshot_pool;
 
 /* An attached session; ages in milliseconds at the snapshot's time. */
@@ -41,7 +42,7 @@ typedef struct snapshot_session {
     uint32_t blocks;       /* pool blocks its sequences and revive scratch hold */
 } snapshot_session;
 
-/* A sequence; tier_tokens and tier_bytes by policy_tier FULL, INT8, SKETCH. */
+/* A sequence; tier_tokens and tier_bytes by policy_tier. */
 typedef struct snapshot_seq {
     uint64_t id, session_id, pool_id;
     const policy_ops *policy;
@@ -49,7 +50,7 @@ typedef struct snapshot_seq {
     uint64_t epoch, appended, tokens;
     uint32_t blocks, retired; /* held (tables and retired), retired */
     uint64_t bytes;           /* blocks * block_bytes */
-    uint64_t tier_tokens[3], tier_bytes[3];
+    uint64_t tier_tokens[POLICY_TIERS], tier_bytes[POLICY_TIERS];
     uint64_t sketch_reserved; /* daemon memory reserved for its sketches (--max-daemon-mb) */
 } snapshot_seq;
 
@@ -76,22 +77,20 @@ typedef struct snapshot {
 /* Free a snapshot's arrays (store_snapshot fills it); safe on a zeroed one. */
 void snapshot_free(snapshot *s);
 
-/* A measurement of what a tier move cost. */
-enum {
-    SNAPSHOT_OBS_INT8 = 0,  /* tier_error_ratio of a demotion or re-quantisation */
-    SNAPSHOT_OBS_SKETCH = 1 /* tier_sketch_error of an insertion, right after it */
-};
-
+/* A measurement of what a tier move cost: kind is the tier moved to, a
+ * quantised one (tier_error_ratio of a demotion or re-quantisation) or
+ * POLICY_SKETCH (tier_sketch_error of an insertion, right after it). */
 typedef struct snapshot_obs {
     int kind;
     double value;
 } snapshot_obs;
 
-/* A sequence's tier report: tokens moved (to INT8, into the sketch, back to
- * full precision), INT8 tokens re-quantised, victims dropped under memory
- * pressure, and the measurements, all since the report was last cleared. */
+/* A sequence's tier report: tokens moved, by the tier they went to
+ * (policy_tier), quantised tokens re-quantised, victims dropped under
+ * memory pressure, and the measurements, all since the report was last
+ * cleared. */
 typedef struct snapshot_tiers {
-    uint64_t moved[3];
+    uint64_t moved[POLICY_TIERS];
     uint64_t requantized;
     uint64_t victims_dropped;
     snapshot_obs *obs;

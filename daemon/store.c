@@ -165,8 +165,9 @@ static void snapshot_fill(store *st, uint64_t now, const store_caller *who, snap
         for (size_t k = 0; k < out->npools; k++)
             if (out->pools[k].id == qs->pool_id) {
                 out->pools[k].blocks_retired += qs->retired;
-                out->pools[k].int8_bytes += qs->tier_bytes[POLICY_INT8];
-                out->pools[k].sketch_bytes += qs->tier_bytes[POLICY_SKETCH];
+                for (int t = 0; t < POLICY_TIERS; t++)
+                    if (t != POLICY_FULL)
+                        out->pools[k].tier_bytes[t] += qs->tier_bytes[t];
             }
         for (size_t k = 0; k < out->nsessions; k++)
             if (out->sessions[k].id == qs->session_id)
@@ -1377,6 +1378,15 @@ status_code store_append_within(store *st, const char *token, uint64_t seq_id, i
     return rc;
 }
 
+/* What a worker needs to read a list's quantised segments in place. */
+static void table_tier_geometry(const seq *q, store_layer_table *out)
+{
+    out->int8_block_tokens = seq_block_tokens(q, POLICY_INT8);
+    out->int4_block_tokens = seq_block_tokens(q, POLICY_INT4);
+    out->int2_block_tokens = seq_block_tokens(q, POLICY_INT2);
+    out->quant_group = seq_quant_group(q);
+}
+
 static status_code copy_list(seq *q, int with_positions, store_layer_table *out, status *s)
 {
     seq_list_view ly;
@@ -1384,7 +1394,7 @@ static status_code copy_list(seq *q, int with_positions, store_layer_table *out,
     const uint32_t *pos = ly.positions;
     out->tokens = ly.tokens;
     out->nsegs = ly.nsegs;
-    out->int8_block_tokens = seq_int8_block_tokens(q);
+    table_tier_geometry(q, out);
     out->segs = malloc((ly.nsegs ? ly.nsegs : 1) * sizeof *out->segs);
     out->tiers = malloc(ly.nsegs ? ly.nsegs : 1);
     if (out->segs == NULL || out->tiers == NULL)
@@ -1578,13 +1588,15 @@ status_code store_revive(store *st, const char *token, uint64_t seq_id,
         out->table.head = req->head;
         out->table.per_head = seq_heads(q) > 1;
         out->table.tokens = (uint32_t)ntok;
-        out->table.int8_block_tokens = seq_int8_block_tokens(q);
-        uint32_t by[3] = {0, 0, 0};
+        table_tier_geometry(q, &out->table);
+        uint32_t by[POLICY_TIERS] = {0};
         for (size_t t = 0; t < ntok; t++)
             by[out->src_tier[t]]++;
         metrics_revived(st->metrics, seq_policy(q), by);
-        log_info("revive", "seq=%llu layer=%u head=%u tokens=%zu full=%u int8=%u sketch=%u",
-                 (unsigned long long)seq_id, req->layer, req->head, ntok, by[0], by[1], by[2]);
+        log_info("revive",
+                 "seq=%llu layer=%u head=%u tokens=%zu full=%u int8=%u int4=%u int2=%u sketch=%u",
+                 (unsigned long long)seq_id, req->layer, req->head, ntok, by[POLICY_FULL],
+                 by[POLICY_INT8], by[POLICY_INT4], by[POLICY_INT2], by[POLICY_SKETCH]);
     }
     store_unlock(st);
     free(sc);

@@ -92,7 +92,9 @@ typedef struct store_layer_table {
     kv_segment *segs;
     uint8_t *tiers;             /* [nsegs] policy_tier of each segment; NULL = all full */
     uint32_t int8_block_tokens; /* tokens of an INT8 block in one pool block (tier.h) */
-    uint32_t *positions;        /* NULL unless asked for */
+    uint32_t int4_block_tokens, int2_block_tokens; /* of INT4 and INT2 blocks (0: none fits) */
+    uint32_t quant_group;                          /* the INT4 / INT2 groups' size */
+    uint32_t *positions;                           /* NULL unless asked for */
 } store_layer_table;
 
 typedef struct store_table {

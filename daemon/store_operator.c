@@ -16,9 +16,10 @@ int operator_can_evict(const policy_ops *p)
     return p->needs == 0;
 }
 
-/* EvictRequest.to's words and the CLI's commands, by policy_tier. */
-static const char *const to_names[4] = {"full", "int8", "sketch", "evict"};
-static const char *const op_names[4] = {"revive", "demote", "offload", "evict"};
+/* The CLI's commands, by policy_tier (EvictRequest.to's words are
+ * policy_tier_name). */
+static const char *const op_names[POLICY_TIERS] = {"revive", "demote", "offload",
+                                                   "evict",  "demote", "demote"};
 
 status_code operator_parse_to(const char *to, policy_tier *out, status *s)
 {
@@ -26,16 +27,16 @@ status_code operator_parse_to(const char *to, policy_tier *out, status *s)
         to = "evict";
     else if (strcmp(to, "fp16") == 0) /* the full tier's name before it was "full" */
         to = "full";
-    for (int t = POLICY_FULL; t <= POLICY_EVICT; t++)
-        if (strcmp(to, to_names[t]) == 0) {
+    for (int t = 0; t < POLICY_TIERS; t++)
+        if (strcmp(to, policy_tier_name((unsigned)t)) == 0) {
             *out = (policy_tier)t;
             return ST_OK;
         }
     char esc[64];
     log_escape(to, esc, sizeof esc);
     return status_set(s, ST_INVALID_ARGUMENT,
-                      "to must be \"evict\" (or empty), \"int8\", \"sketch\" or \"full\" (or "
-                      "\"fp16\"), got \"%s\"",
+                      "to must be \"evict\" (or empty), \"int8\", \"int4\", \"int2\", "
+                      "\"sketch\" or \"full\" (or \"fp16\"), got \"%s\"",
                       esc);
 }
 
@@ -200,7 +201,7 @@ static status_code apply_layer(seq *q, uint32_t l, policy_tier to, const operato
     size_t evicted = 0;
     status_code rc = seq_apply_decision(q, l, d, epoch, &evicted, changed, s);
     out->evicted += (uint32_t)evicted;
-    if (rc == ST_OK && to == POLICY_INT8)
+    if (rc == ST_OK && policy_tier_quantised(to))
         rc = seq_demote_pending(q, l, epoch, changed, s);
     if (rc != ST_OK || to == POLICY_EVICT)
         return rc;
@@ -360,7 +361,7 @@ status_code operator_apply(store *st, const char *token, uint64_t seq_id, policy
                            size_t nlayers, operator_evict_result *out, status *s)
 {
     memset(out, 0, sizeof *out);
-    if (to > POLICY_EVICT)
+    if (to >= POLICY_TIERS)
         return status_set(s, ST_INVALID_ARGUMENT, "to is %d, not a tier", (int)to);
     if (nranges > OPERATOR_MAX_RANGES)
         return status_set(s, ST_INVALID_ARGUMENT, "at most %d position ranges, got %zu",

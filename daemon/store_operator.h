@@ -58,9 +58,9 @@ typedef struct operator_evict_result {
 } operator_evict_result;
 
 /* The tier EvictRequest.to names: "" or "evict" POLICY_EVICT, "int8"
- * POLICY_INT8, "sketch" POLICY_SKETCH, "full" (or its old name "fp16", still
- * accepted) POLICY_FULL. Anything else (NULL is "") is INVALID_ARGUMENT
- * naming the accepted values. */
+ * POLICY_INT8, "int4" POLICY_INT4, "int2" POLICY_INT2, "sketch" POLICY_SKETCH, "full" (or its old
+ * name "fp16", still accepted) POLICY_FULL. Anything else (NULL is "") is INVALID_ARGUMENT naming
+ * the accepted values. */
 status_code operator_parse_to(const char *to, policy_tier *out, status *s);
 
 /* Whether operator eviction works on sequences of policy p: only for policies

@@ -11,10 +11,31 @@ int tier_ctx_init(tier_ctx *c, const kv_ops *ops, uint8_t *base, size_t block_by
     c->base = base;
     c->block_bytes = block_bytes;
     c->l = *l;
-    c->l8 = *l;
+    c->l8 = c->l4 = c->l2 = *l;
     c->l8.block_tokens = kv_int8_tokens_per_block(l);
+    c->l4.block_tokens = kv_lowbit_tokens_per_block(l, 4);
+    c->l2.block_tokens = kv_lowbit_tokens_per_block(l, 2);
     c->dtype = dtype;
     return c->l8.block_tokens > 0 ? 0 : -1;
+}
+
+const kv_layout *tier_layout(const tier_ctx *c, uint8_t t)
+{
+    switch (t) {
+    case POLICY_INT8:
+        return &c->l8;
+    case POLICY_INT4:
+        return &c->l4;
+    case POLICY_INT2:
+        return &c->l2;
+    default:
+        return &c->l;
+    }
+}
+
+uint32_t tier_block_tokens(const tier_ctx *c, uint8_t t)
+{
+    return tier_layout(c, t)->block_tokens;
 }
 
 size_t tier_token_bytes(const tier_ctx *c)
@@ -50,41 +71,82 @@ static kv_segment *token_segments(const tier_token *tok, size_t n, size_t *nsegs
     return sg;
 }
 
-/* Dequantise the INT8 tokens of tok (in order) into contiguous k, v of m
- * tokens (device memory), through a staging pool of l8 blocks. */
-static int read_int8(const tier_ctx *c, const tier_token *tok, size_t n, size_t m, uint8_t *k,
-                     uint8_t *v)
+/* The kernels of quantised tier t (INT8, INT4 or INT2), on layout ql. */
+static int quant_dequantize(const tier_ctx *c, uint8_t t, const kv_layout *ql, const uint8_t *qpool,
+                            const kv_segment *q, uint8_t *stage, const kv_segment *out)
+{
+    if (t == POLICY_INT8)
+        return c->ops->int8_dequantize(ql, qpool, q, 1, c->dtype, stage, out, 1);
+    return c->ops->lowbit_dequantize(ql, t == POLICY_INT4 ? 4 : 2, qpool, q, 1, c->dtype, stage,
+                                     out, 1);
+}
+
+static int quant_quantize(const tier_ctx *c, uint8_t t, const kv_layout *ql, const uint8_t *stage,
+                          const kv_segment *sg, uint8_t *qpool)
+{
+    const uint32_t zero = 0;
+    if (t == POLICY_INT8)
+        return c->ops->int8_quantize(ql, c->dtype, stage, sg, 1, qpool, &zero, 1);
+    return c->ops->lowbit_quantize(ql, t == POLICY_INT4 ? 4 : 2, c->dtype, stage, sg, 1, qpool,
+                                   &zero, 1);
+}
+
+/* Dequantise the tokens of tok in quantised tier t (in order) into
+ * contiguous k, v of m tokens (device memory), through a staging pool of
+ * that tier's blocks. */
+static int read_quantised(const tier_ctx *c, uint8_t t, const tier_token *tok, size_t n, size_t m,
+                          uint8_t *k, uint8_t *v)
 {
     const kv_ops *ops = c->ops;
-    uint32_t t8 = c->l8.block_tokens;
-    size_t nblocks = (m + t8 - 1) / t8, bb8 = kv_block_bytes(&c->l8);
-    uint8_t *stage = ops->alloc(nblocks * bb8);
+    const kv_layout *ql = tier_layout(c, t);
+    uint32_t tq = ql->block_tokens;
+    size_t nblocks = (m + tq - 1) / tq, bbq = kv_block_bytes(ql);
+    uint8_t *stage = ops->alloc(nblocks * bbq);
     kv_segment *dst = malloc(m * sizeof *dst);
     int rc = stage != NULL && dst != NULL ? 0 : -1;
-    /* One call per run of consecutive slots of one INT8 block (a pool
-     * block each: the kernel addresses one INT8 arena per call), cut where
-     * the staging block ends. */
+    /* One call per run of consecutive slots of one quantised block (a pool
+     * block each: the kernel addresses one arena per call), cut where the
+     * staging block ends. */
     size_t j = 0;
     for (size_t i = 0; rc == 0 && i < n;) {
-        if (tok[i].tier != POLICY_INT8) {
+        if (tok[i].tier != t) {
             i++;
             continue;
         }
-        uint32_t run = 1, room = t8 - (uint32_t)(j % t8);
-        while (i + run < n && run < room && tok[i + run].tier == POLICY_INT8 &&
+        uint32_t run = 1, room = tq - (uint32_t)(j % tq);
+        while (i + run < n && run < room && tok[i + run].tier == t &&
                tok[i + run].block == tok[i].block && tok[i + run].slot == tok[i].slot + run)
             run++;
-        kv_segment q = {0, tok[i].slot, run}, out = {(uint32_t)(j / t8), (uint32_t)(j % t8), run};
-        rc = ops->int8_dequantize(&c->l8, c->base + (size_t)tok[i].block * c->block_bytes, &q, 1,
-                                  c->dtype, stage, &out, 1);
+        kv_segment q = {0, tok[i].slot, run}, out = {(uint32_t)(j / tq), (uint32_t)(j % tq), run};
+        rc = quant_dequantize(c, t, ql, c->base + (size_t)tok[i].block * c->block_bytes, &q, stage,
+                              &out);
         for (uint32_t r = 0; r < run; r++, j++)
-            dst[j] = (kv_segment){(uint32_t)(j / t8), (uint32_t)(j % t8), 1};
+            dst[j] = (kv_segment){(uint32_t)(j / tq), (uint32_t)(j % tq), 1};
         i += run;
     }
     if (rc == 0)
-        rc = ops->gather(&c->l8, stage, dst, m, k, v);
+        rc = ops->gather(ql, stage, dst, m, k, v);
     ops->free(stage);
     free(dst);
+    return rc;
+}
+
+/* The tokens of tier class t (POLICY_FULL or a quantised tier) of tok into
+ * contiguous k, v of m tokens. */
+static int read_tier(const tier_ctx *c, uint8_t t, const tier_token *tok, size_t n, size_t m,
+                     uint8_t *k, uint8_t *v)
+{
+    if (t != POLICY_FULL)
+        return read_quantised(c, t, tok, n, m, k, v);
+    kv_segment *sf = malloc((m ? m : 1) * sizeof *sf);
+    if (sf == NULL)
+        return -1;
+    size_t j = 0;
+    for (size_t i = 0; i < n; i++)
+        if (tok[i].tier == POLICY_FULL)
+            sf[j++] = (kv_segment){tok[i].block, tok[i].slot, 1};
+    int rc = c->ops->gather(&c->l, c->base, sf, m, k, v);
+    free(sf);
     return rc;
 }
 
@@ -98,63 +160,73 @@ static int read_full(const tier_ctx *c, const tier_token *tok, size_t n, uint8_t
     return rc;
 }
 
-/* Interleave nf full-precision and n8 INT8 staged tokens (K and V halves
- * each [kv_heads][count][head_dim]) back into list order in k, v: per
- * token, one strided copy of its kv_heads rows, K then V. */
-static int interleave(const tier_ctx *c, const tier_token *tok, size_t n, const uint8_t *kf,
-                      const uint8_t *vf, size_t nf, const uint8_t *k8, const uint8_t *v8, size_t n8,
-                      uint8_t *k, uint8_t *v)
+/* The tiers tier_read tells apart, and their count. */
+static const uint8_t read_tiers[] = {POLICY_FULL, POLICY_INT8, POLICY_INT4, POLICY_INT2};
+#define READ_TIERS (sizeof read_tiers)
+
+static size_t read_class(uint8_t t)
 {
-    size_t row = (size_t)c->l.head_dim * c->l.elt_size, fi = 0, qi = 0;
+    for (size_t i = 0; i < READ_TIERS; i++)
+        if (read_tiers[i] == t)
+            return i;
+    return 0;
+}
+
+/* Interleave the staged tokens of each tier (at kc[i], vc[i]: halves
+ * [kv_heads][count[i]][head_dim]) back into list order in k, v: per token,
+ * one strided copy of its kv_heads rows, K then V. */
+static int interleave(const tier_ctx *c, const tier_token *tok, size_t n, uint8_t *const *kc,
+                      uint8_t *const *vc, const size_t *count, uint8_t *k, uint8_t *v)
+{
+    size_t row = (size_t)c->l.head_dim * c->l.elt_size, at[READ_TIERS] = {0};
     int rc = 0;
     for (size_t i = 0; rc == 0 && i < n; i++) {
-        int full = tok[i].tier == POLICY_FULL;
-        size_t at = full ? fi++ : qi++, count = full ? nf : n8;
-        const uint8_t *sk = (full ? kf : k8) + at * row, *sv = (full ? vf : v8) + at * row;
-        rc = c->ops->copy_2d(KV_DEVICE_TO_DEVICE, k + i * row, n * row, sk, count * row, row,
+        size_t cl = read_class(tok[i].tier), a = at[cl]++;
+        const uint8_t *sk = kc[cl] + a * row, *sv = vc[cl] + a * row;
+        rc = c->ops->copy_2d(KV_DEVICE_TO_DEVICE, k + i * row, n * row, sk, count[cl] * row, row,
                              c->l.kv_heads);
         if (rc == 0)
-            rc = c->ops->copy_2d(KV_DEVICE_TO_DEVICE, v + i * row, n * row, sv, count * row, row,
-                                 c->l.kv_heads);
+            rc = c->ops->copy_2d(KV_DEVICE_TO_DEVICE, v + i * row, n * row, sv, count[cl] * row,
+                                 row, c->l.kv_heads);
     }
     return rc;
 }
 
 int tier_read(const tier_ctx *c, const tier_token *tok, size_t n, uint8_t *k, uint8_t *v)
 {
-    size_t nf = 0, n8 = 0;
+    size_t count[READ_TIERS] = {0}, kinds = 0, only = 0;
     for (size_t i = 0; i < n; i++)
-        nf += tok[i].tier == POLICY_FULL, n8 += tok[i].tier == POLICY_INT8;
-    if (n8 == 0)
+        count[read_class(tok[i].tier)]++;
+    for (size_t t = 0; t < READ_TIERS; t++)
+        if (count[t] > 0)
+            kinds++, only = t;
+    if (kinds <= 1 && only == 0)
         return read_full(c, tok, n, k, v);
-    if (nf == 0)
-        return read_int8(c, tok, n, n, k, v);
-    size_t tb = tier_token_bytes(c);
-    uint8_t *buf = tier_stage_alloc(c, nf + n8);
-    kv_segment *sf = malloc(nf * sizeof *sf);
-    int rc = buf != NULL && sf != NULL ? 0 : -1;
-    uint8_t *kf = buf, *vf = kf + nf * tb / 2, *k8 = vf + nf * tb / 2, *v8 = k8 + n8 * tb / 2;
-    size_t j = 0;
-    for (size_t i = 0; rc == 0 && i < n; i++)
-        if (tok[i].tier == POLICY_FULL)
-            sf[j++] = (kv_segment){tok[i].block, tok[i].slot, 1};
+    if (kinds == 1)
+        return read_quantised(c, read_tiers[only], tok, n, n, k, v);
+    size_t half = tier_token_bytes(c) / 2;
+    uint8_t *buf = tier_stage_alloc(c, n), *kc[READ_TIERS], *vc[READ_TIERS];
+    int rc = buf != NULL ? 0 : -1;
+    uint8_t *at = buf;
+    for (size_t t = 0; t < READ_TIERS; t++) {
+        kc[t] = at;
+        vc[t] = at + count[t] * half;
+        at += 2 * count[t] * half;
+        if (rc == 0 && count[t] > 0)
+            rc = read_tier(c, read_tiers[t], tok, n, count[t], kc[t], vc[t]);
+    }
     if (rc == 0)
-        rc = c->ops->gather(&c->l, c->base, sf, nf, kf, vf);
-    if (rc == 0)
-        rc = read_int8(c, tok, n, n8, k8, v8);
-    if (rc == 0)
-        rc = interleave(c, tok, n, kf, vf, nf, k8, v8, n8, k, v);
+        rc = interleave(c, tok, n, kc, vc, count, k, v);
     tier_stage_free(c, buf);
-    free(sf);
     return rc;
 }
 
 int tier_copy(const tier_ctx *c, const tier_token *src, size_t n, const tier_token *dst)
 {
-    size_t n8 = 0;
+    size_t nq = 0;
     for (size_t i = 0; i < n; i++)
-        n8 += src[i].tier == POLICY_INT8;
-    if (n8 == 0) { /* pool to pool, no staging */
+        nq += policy_tier_quantised(src[i].tier);
+    if (nq == 0) { /* pool to pool, no staging */
         size_t nfrom, nto;
         kv_segment *from = token_segments(src, n, &nfrom), *to = token_segments(dst, n, &nto);
         int rc = from != NULL && to != NULL
@@ -183,22 +255,21 @@ int tier_write(const tier_ctx *c, const tier_token *dst, size_t n, const uint8_t
     return rc;
 }
 
-int tier_quantize(const tier_ctx *c, const uint8_t *k, const uint8_t *v, size_t n,
+int tier_quantize(const tier_ctx *c, uint8_t t, const uint8_t *k, const uint8_t *v, size_t n,
                   const uint32_t *qblocks, size_t nq)
 {
-    uint32_t t8 = c->l8.block_tokens;
-    size_t bb8 = kv_block_bytes(&c->l8);
-    uint8_t *stage = c->ops->alloc(nq * bb8);
+    const kv_layout *ql = tier_layout(c, t);
+    uint32_t tq = ql->block_tokens;
+    size_t bbq = kv_block_bytes(ql);
+    uint8_t *stage = c->ops->alloc(nq * bbq);
     kv_segment *sg = malloc(nq * sizeof *sg);
-    int rc = stage != NULL && sg != NULL ? 0 : -1;
+    int rc = stage != NULL && sg != NULL && policy_tier_quantised(t) && tq > 0 ? 0 : -1;
     for (size_t b = 0; rc == 0 && b < nq; b++)
-        sg[b] = (kv_segment){(uint32_t)b, 0, (uint32_t)(b + 1 < nq ? t8 : n - (nq - 1) * t8)};
+        sg[b] = (kv_segment){(uint32_t)b, 0, (uint32_t)(b + 1 < nq ? tq : n - (nq - 1) * tq)};
     if (rc == 0)
-        rc = c->ops->scatter(&c->l8, stage, sg, nq, k, v);
-    const uint32_t zero = 0;
+        rc = c->ops->scatter(ql, stage, sg, nq, k, v);
     for (size_t b = 0; rc == 0 && b < nq; b++)
-        rc = c->ops->int8_quantize(&c->l8, c->dtype, stage, &sg[b], 1,
-                                   c->base + (size_t)qblocks[b] * c->block_bytes, &zero, 1);
+        rc = quant_quantize(c, t, ql, stage, &sg[b], c->base + (size_t)qblocks[b] * c->block_bytes);
     c->ops->free(stage);
     free(sg);
     return rc;

@@ -1,13 +1,16 @@
 /*
  * tier.h - moving one token list's tokens between storage tiers with the
- * kernels: full precision pool slots, INT8 blocks, a count-sketch.
+ * kernels: full precision pool slots, INT8, INT4 and INT2 blocks, a
+ * count-sketch.
  *
- * An INT8 block lives in an ordinary pool block: its first bytes hold one
- * INT8 block (kernels.h "INT8 tier") of layout l8 = the list's layout with
- * block_tokens = kv_int8_tokens_per_block(l), at INT8 block index 0. So the
- * pool needs one allocator, and demoting block_tokens' worth of tokens frees
- * about half of their bytes for any other use (at T = 16 fp16 tokens per
- * block an INT8 block holds 28).
+ * A quantised block lives in an ordinary pool block: its first bytes hold
+ * one INT8 block (kernels.h "INT8 tier") of layout l8 = the list's layout
+ * with block_tokens = kv_int8_tokens_per_block(l), or one INT4 / INT2 block
+ * (kernels.h "Low-bit tiers") of layout l4 / l2 (block_tokens =
+ * kv_lowbit_tokens_per_block), at block index 0. So the pool needs one
+ * allocator, and demoting a block's worth of tokens frees most of their
+ * bytes for any other use (at T = 16 fp16 tokens per block of 8 heads x
+ * 128 channels an INT8 block holds 28, an INT4 one 49, an INT2 one 83).
  *
  * The kernels take one layout for source and destination; tokens change
  * layout through a contiguous staging copy ([kv_heads][n][head_dim] of the
@@ -28,11 +31,12 @@
 
 #define TIER_NO_BLOCK UINT32_MAX /* the block of a token in the sketch */
 
-/* Where one token is stored: a pool slot (FULL), a slot of the INT8 block in
- * pool block `block` (INT8), or the list's sketch (SKETCH, no block). */
+/* Where one token is stored: a pool slot (FULL), a slot of the quantised
+ * block in pool block `block` (INT8, INT4, INT2), or the list's sketch
+ * (SKETCH, no block). */
 typedef struct tier_token {
     uint32_t block, slot;
-    uint8_t tier; /* policy_tier: POLICY_FULL, POLICY_INT8 or POLICY_SKETCH */
+    uint8_t tier; /* policy_tier: POLICY_FULL, _INT8, _INT4, _INT2 or _SKETCH */
 } tier_token;
 
 /* One list's storage: the pool it lives in and its layouts. */
@@ -42,12 +46,19 @@ typedef struct tier_ctx {
     size_t block_bytes; /* of the pool */
     kv_layout l;        /* the list's full-precision block layout */
     kv_layout l8;       /* l with block_tokens = INT8 tokens per pool block */
+    kv_layout l4, l2;   /* the same for INT4 and INT2 (0 tokens: none fits) */
     kv_dtype dtype;
 } tier_ctx;
 
-/* Fill l8 from l; returns -1 when not even one INT8 token fits in a block. */
+/* Fill l8, l4 and l2 from l; returns -1 when not even one INT8 token fits
+ * in a block. */
 int tier_ctx_init(tier_ctx *c, const kv_ops *ops, uint8_t *base, size_t block_bytes,
                   const kv_layout *l, kv_dtype dtype);
+
+/* The layout of tier t's blocks (l for FULL), and the tokens one holds (0:
+ * the tier does not fit this pool's blocks). */
+const kv_layout *tier_layout(const tier_ctx *c, uint8_t t);
+uint32_t tier_block_tokens(const tier_ctx *c, uint8_t t);
 
 /* Bytes of one token's K and V in the contiguous staging layout. */
 size_t tier_token_bytes(const tier_ctx *c);
@@ -58,31 +69,36 @@ size_t tier_token_bytes(const tier_ctx *c);
 uint8_t *tier_stage_alloc(const tier_ctx *c, size_t n);
 void tier_stage_free(const tier_ctx *c, uint8_t *stage);
 
-/* Read n FULL or INT8 tokens into contiguous k and v ([kv_heads][n][head_dim],
- * pool dtype; INT8 tokens dequantised; staging memory). Returns 0, or -1
+/* Read n FULL or quantised tokens into contiguous k and v ([kv_heads][n]
+ * [head_dim], pool dtype; quantised tokens dequantised; staging memory). Returns 0, or -1
  * out of memory or a backend error. Every function below that returns an
  * int fails the same way. */
 int tier_read(const tier_ctx *c, const tier_token *tok, size_t n, uint8_t *k, uint8_t *v);
 
-/* Copy n FULL or INT8 tokens into FULL slots dst (distinct from src):
- * full-precision ones pool to pool (kv_copy_tokens), INT8 ones dequantised
- * through a staging copy. Returns 0, or -1 out of memory. */
+/* Copy n FULL or quantised tokens into FULL slots dst (distinct from src):
+ * full-precision ones pool to pool (kv_copy_tokens), quantised ones
+ * dequantised through a staging copy. Returns 0, or -1 out of memory. */
 int tier_copy(const tier_ctx *c, const tier_token *src, size_t n, const tier_token *dst);
 
 /* Write n contiguous staged tokens into FULL slots (kv_scatter). */
 int tier_write(const tier_ctx *c, const tier_token *dst, size_t n, const uint8_t *k,
                const uint8_t *v);
 
-/* Quantise n contiguous tokens into INT8 blocks qblocks[0..nq) (pool
- * blocks, l8.block_tokens tokens each, the last one partial; POLICIES.md
- * §5.4 scales per block). Returns 0, or -1 out of memory. */
-int tier_quantize(const tier_ctx *c, const uint8_t *k, const uint8_t *v, size_t n,
+/* Quantise n contiguous tokens into blocks qblocks[0..nq) of quantised
+ * tier t (pool blocks, tier_block_tokens(t) tokens each, the last one
+ * partial; INT8: POLICIES.md §5.4 scales per block; INT4 / INT2: groups of
+ * kernels.h "Low-bit tiers"). Returns 0, or -1 out of memory (or t not a
+ * quantised tier that fits). */
+int tier_quantize(const tier_ctx *c, uint8_t t, const uint8_t *k, const uint8_t *v, size_t n,
                   const uint32_t *qblocks, size_t nq);
 
-/* How far n tokens as now stored at `tok` (FULL or INT8) are from the
+/* How far n tokens as now stored at `tok` (FULL or quantised) are from the
  * contiguous originals k, v they were made from: *ratio = max |stored -
  * original| / max |original| (0 when every original is 0): for INT8,
- * POLICIES.md §5.4 bounds it by 1/254. Returns 0 or -1 (out of memory). */
+ * POLICIES.md §5.4 bounds it by 1/254; INT4 / INT2 by about half a
+ * group's range / 15 or / 3 (their groups are smaller, so the ratio to
+ * the list's largest value is smaller still). Returns 0 or -1 (out of
+ * memory). */
 int tier_error_ratio(const tier_ctx *c, const tier_token *tok, size_t n, const uint8_t *k,
                      const uint8_t *v, double *ratio);
 

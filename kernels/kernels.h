@@ -169,9 +169,9 @@ void kv_dequantize_group_ref(const int8_t *q, size_t n, float s, float *x);
 typedef enum kv_tier {
     KV_TIER_FULL = 0,
     KV_TIER_INT8 = 1,
-    /* 2 is the sketch (kvs_tier), never attended */
-    KV_TIER_INT4 = 3,
-    KV_TIER_INT2 = 4,
+    /* 2 is the sketch (kvs_tier), never attended; 3 a policy's "evict" */
+    KV_TIER_INT4 = 4,
+    KV_TIER_INT2 = 5,
 } kv_tier;
 
 void kv_decode_attention_ref(const kv_layout *l, kv_dtype t, const uint8_t *pool,

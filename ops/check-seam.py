@@ -23,6 +23,8 @@ ALLOWED = {
     "kv_int8_block_bytes", "kv_int8_code_offset", "kv_int8_scale_offset",
     "kv_sketch_hash", "kv_sketch_hash_list", "kv_elt_load", "kv_elt_store",
     "kv_ops_find", "kv_shadow_map", "kv_shadow_unmap", "kv_shadow_real",
+    "kv_lowbit_group", "kv_lowbit_tokens_per_block", "kv_lowbit_block_bytes",
+    "kv_lowbit_code_offset", "kv_lowbit_key_params_offset", "kv_lowbit_value_params_offset",
 }
 # Where a device arena is made, lent, imported and released (kernels/devmem.h)
 # and which device kv_ops_cuda runs on (and waiting for it, the ordering

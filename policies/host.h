@@ -29,7 +29,7 @@ const policy_ops *policy_host_ops(const policy_host *h);
 void *policy_host_state(const policy_host *h);    /* the policy's state, for describe() */
 uint32_t policy_host_heads(const policy_host *h); /* lists per layer: 1 or kv_heads */
 
-/* The sequence's storage options (int8, victims, sketch_*; storage.h). */
+/* The sequence's storage options (demote, int8, victims, sketch_*; storage.h). */
 const policy_storage *policy_host_storage(const policy_host *h);
 
 /* The sketch geometry of `layer`: the policy's own (ops->sketch_geometry),

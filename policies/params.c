@@ -51,7 +51,7 @@ static void known_keys(const policy_ops *ops, char *buf, size_t len)
         used += (size_t)n;
     }
     if (used < len)
-        snprintf(buf + used, len - used, "%sand the storage keys int8, victims, sketch_*",
+        snprintf(buf + used, len - used, "%sand the storage keys demote, int8, victims, sketch_*",
                  ops->nparams ? "; " : "");
 }
 

@@ -96,7 +96,34 @@ typedef enum policy_tier {
     POLICY_INT8 = 1,   /* symmetric INT8 (POLICIES.md §5.4) */
     POLICY_SKETCH = 2, /* in the layer's count-sketch (POLICIES.md §3) */
     POLICY_EVICT = 3,  /* decision only: drop the token */
+    POLICY_INT4 = 4,   /* 4-bit groups, KIVI-style (kernels.h "Low-bit tiers") */
+    POLICY_INT2 = 5,   /* 2-bit groups, the same layout */
 } policy_tier;
+
+/* Per-tier counts are arrays of POLICY_TIERS indexed by policy_tier (the
+ * POLICY_EVICT entry stays 0). The stored tiers' values are those of the
+ * wire's LayerTable.tier and of the kernels' kv_tier. */
+#define POLICY_TIERS 6
+
+/* Whether tokens of tier t are quantised in blocks of their own. */
+static inline int policy_tier_quantised(unsigned t)
+{
+    return t == POLICY_INT8 || t == POLICY_INT4 || t == POLICY_INT2;
+}
+
+/* The tiers a token can be stored in, in the order reports list them. */
+#define POLICY_STORED_TIERS 5
+static const uint8_t policy_stored_tiers[POLICY_STORED_TIERS] = {
+    POLICY_FULL, POLICY_INT8, POLICY_INT4, POLICY_INT2, POLICY_SKETCH};
+
+/* The name Stats, metrics, the CLI and operator moves use for tier t:
+ * "full", "int8", "int4", "int2", "sketch" ("evict" for POLICY_EVICT). */
+static inline const char *policy_tier_name(unsigned t)
+{
+    static const char *const names[POLICY_TIERS] = {"full",  "int8", "sketch",
+                                                    "evict", "int4", "int2"};
+    return t < POLICY_TIERS ? names[t] : "?";
+}
 
 /*
  * One layer of a sequence after the step's new tokens were appended.

@@ -11,18 +11,24 @@
 
 static const char *const on_off[] = {"off", "on", NULL};
 static const char *const victim_names[] = {"evict", "sketch", "int8", NULL};
+static const char *const demote_names[] = {"off", "int8", "int4", "int2", NULL};
+static const uint8_t demote_tiers[] = {POLICY_FULL, POLICY_INT8, POLICY_INT4, POLICY_INT2};
 
 /* The storage keys as parsed (policy_params_parse). */
 typedef struct storage_parsed {
-    unsigned int8, victims;
+    unsigned int8, demote, victims;
     uint32_t int8_window, sketch_rows, sketch_buckets, sketch_seed;
 } storage_parsed;
 
 static const policy_param_spec storage_spec[] = {
-    POLICY_PARAM_ONE_OF("int8", "off", "demote held tokens to INT8 (POLICIES.md §5.4): on, off",
-                        on_off, offsetof(storage_parsed, int8)),
+    POLICY_PARAM_ONE_OF("demote", "off",
+                        "demote held tokens but the newest int8_window: off, int8 (POLICIES.md "
+                        "§5.4), int4, int2 (KIVI groups)",
+                        demote_names, offsetof(storage_parsed, demote)),
+    POLICY_PARAM_ONE_OF("int8", "off", "the same as demote=int8: on, off", on_off,
+                        offsetof(storage_parsed, int8)),
     POLICY_PARAM_U32("int8_window", "32",
-                     "newest held tokens per list that int8=on keeps at full precision", 0,
+                     "newest held tokens per list that demotion keeps at full precision", 0,
                      1u << 24, offsetof(storage_parsed, int8_window)),
     POLICY_PARAM_ONE_OF("victims", "evict",
                         "where evicted tokens go: evict (dropped), sketch (offloaded to the list's "
@@ -50,7 +56,12 @@ int policy_storage_parse(const policy_params *p, policy_storage *out, char *err,
     if (policy_params_parse(p, storage_spec, sizeof storage_spec / sizeof storage_spec[0], &r, err,
                             errlen) != 0)
         return -1;
-    out->int8 = (int)r.int8;
+    if (r.int8 && r.demote > 1) {
+        snprintf(err, errlen, "int8=on and demote=%s disagree: give demote alone",
+                 demote_names[r.demote]);
+        return -1;
+    }
+    out->demote = demote_tiers[r.int8 ? 1 : r.demote];
     out->int8_window = r.int8_window;
     out->victims = (policy_victims)r.victims;
     out->sketch_rows = r.sketch_rows;
@@ -71,16 +82,16 @@ void policy_storage_sketch_geometry(const policy_storage *s, uint32_t layer,
 
 uint32_t policy_storage_demote(const policy_storage *s, uint8_t *tier, uint32_t tokens)
 {
-    if (!s->int8)
+    if (s->demote == POLICY_FULL)
         return 0;
     uint32_t held = 0, demoted = 0;
     for (uint32_t i = tokens; i-- > 0;) {
-        if (tier[i] != POLICY_FULL && tier[i] != POLICY_INT8)
+        if (tier[i] != POLICY_FULL && !policy_tier_quantised(tier[i]))
             continue;
         if (held++ < s->int8_window)
             continue;
         if (tier[i] == POLICY_FULL) {
-            tier[i] = POLICY_INT8;
+            tier[i] = s->demote;
             demoted++;
         }
     }

@@ -3,9 +3,15 @@
  * parameters: where a policy's victims go, and INT8 demotion of old tokens
  * (DESIGN.md "Policies compose with the tiers").
  *
- *   int8=on|off        demote held tokens to INT8 (POLICIES.md §5.4), all
- *                      but the newest int8_window of each list
+ *   demote=off|int8|int4|int2
+ *                      demote held tokens to INT8 (POLICIES.md §5.4) or to
+ *                      INT4 / INT2 groups (KIVI; kernels.h "Low-bit
+ *                      tiers"), all but the newest int8_window of each list
+ *   int8=on|off        the same as demote=int8 (the older key; it may not
+ *                      contradict demote)
  *   int8_window=N      newest held tokens per list kept at full precision
+ *                      when demoting, whatever the precision (KIVI's
+ *                      residual window)
  *   victims=evict|sketch|int8
  *                      a token the policy evicts is dropped, or kept out of
  *                      the table but revivable with Revive: offloaded into
@@ -32,7 +38,7 @@ typedef enum policy_victims {
 } policy_victims;
 
 typedef struct policy_storage {
-    int int8;
+    uint8_t demote; /* POLICY_FULL (off), POLICY_INT8, POLICY_INT4 or POLICY_INT2 */
     uint32_t int8_window;
     policy_victims victims;
     uint32_t sketch_rows, sketch_buckets;
@@ -54,10 +60,11 @@ void policy_storage_sketch_geometry(const policy_storage *s, uint32_t layer,
                                     policy_sketch_geometry *out);
 
 /*
- * INT8 demotion of one list after a decision: of the tokens the decision
- * keeps in full precision or INT8 (tier FULL or INT8), the newest
- * int8_window stay as decided and every older FULL one becomes INT8.
- * Returns the number of tokens demoted. No-op when int8 is off.
+ * Demotion of one list after a decision: of the tokens the decision keeps
+ * in full precision or quantised (tier FULL, INT8, INT4 or INT2), the
+ * newest int8_window stay as decided and every older FULL one gets the
+ * demote tier. Returns the number of tokens demoted. No-op when demote is
+ * off.
  */
 uint32_t policy_storage_demote(const policy_storage *s, uint8_t *tier, uint32_t tokens);
 

@@ -73,6 +73,22 @@ static int cpu_int8_quantize(const kv_layout *l, kv_dtype t, const uint8_t *pool
     return 0;
 }
 
+static int cpu_lowbit_quantize(const kv_layout *l, uint32_t bits, kv_dtype t, const uint8_t *pool,
+                               const kv_segment *segs, size_t nsegs, uint8_t *qpool,
+                               const uint32_t *qblocks, size_t nq)
+{
+    kv_lowbit_quantize(l, bits, t, pool, segs, nsegs, qpool, qblocks, nq);
+    return 0;
+}
+
+static int cpu_lowbit_dequantize(const kv_layout *l, uint32_t bits, const uint8_t *qpool,
+                                 const kv_segment *qsegs, size_t nqsegs, kv_dtype t, uint8_t *pool,
+                                 const kv_segment *dst, size_t ndst)
+{
+    kv_lowbit_dequantize(l, bits, qpool, qsegs, nqsegs, t, pool, dst, ndst);
+    return 0;
+}
+
 static int cpu_int8_dequantize(const kv_layout *l, const uint8_t *qpool, const kv_segment *qsegs,
                                size_t nqsegs, kv_dtype t, uint8_t *pool, const kv_segment *dst,
                                size_t ndst)
@@ -152,6 +168,8 @@ const kv_ops kv_ops_cpu = {
     .copy_tokens = cpu_copy_tokens,
     .int8_quantize = cpu_int8_quantize,
     .int8_dequantize = cpu_int8_dequantize,
+    .lowbit_quantize = cpu_lowbit_quantize,
+    .lowbit_dequantize = cpu_lowbit_dequantize,
     .sketch_insert = cpu_sketch_insert,
     .sketch_query = cpu_sketch_query,
     .sketch_revive = cpu_sketch_revive,

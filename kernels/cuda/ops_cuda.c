@@ -184,6 +184,26 @@ static int cuda_int8_quantize(const kv_layout *l, kv_dtype t, const uint8_t *poo
                  "int8_quantize");
 }
 
+static int cuda_lowbit_quantize(const kv_layout *l, uint32_t bits, kv_dtype t, const uint8_t *pool,
+                                const kv_segment *segs, size_t nsegs, uint8_t *qpool,
+                                const uint32_t *qblocks, size_t nq)
+{
+    if (select_device("lowbit_quantize") != 0)
+        return -1;
+    return check(kv_lowbit_quantize_cuda(l, bits, t, pool, segs, nsegs, qpool, qblocks, nq),
+                 "lowbit_quantize");
+}
+
+static int cuda_lowbit_dequantize(const kv_layout *l, uint32_t bits, const uint8_t *qpool,
+                                  const kv_segment *qsegs, size_t nqsegs, kv_dtype t, uint8_t *pool,
+                                  const kv_segment *dst, size_t ndst)
+{
+    if (select_device("lowbit_dequantize") != 0)
+        return -1;
+    return check(kv_lowbit_dequantize_cuda(l, bits, qpool, qsegs, nqsegs, t, pool, dst, ndst),
+                 "lowbit_dequantize");
+}
+
 static int cuda_int8_dequantize(const kv_layout *l, const uint8_t *qpool, const kv_segment *qsegs,
                                 size_t nqsegs, kv_dtype t, uint8_t *pool, const kv_segment *dst,
                                 size_t ndst)
@@ -291,6 +311,8 @@ const kv_ops kv_ops_cuda = {
     .copy_tokens = cuda_copy_tokens,
     .int8_quantize = cuda_int8_quantize,
     .int8_dequantize = cuda_int8_dequantize,
+    .lowbit_quantize = cuda_lowbit_quantize,
+    .lowbit_dequantize = cuda_lowbit_dequantize,
     .sketch_insert = cuda_sketch_insert,
     .sketch_query = cuda_sketch_query,
     .sketch_revive = cuda_sketch_revive,

@@ -194,6 +194,22 @@ static int shadow_int8_quantize(const kv_layout *l, kv_dtype t, const uint8_t *p
                                     dev(qpool, "int8_quantize"), qblocks, nq);
 }
 
+static int shadow_lowbit_quantize(const kv_layout *l, uint32_t bits, kv_dtype t,
+                                  const uint8_t *pool, const kv_segment *segs, size_t nsegs,
+                                  uint8_t *qpool, const uint32_t *qblocks, size_t nq)
+{
+    return kv_ops_cpu.lowbit_quantize(l, bits, t, dev(pool, "lowbit_quantize"), segs, nsegs,
+                                      dev(qpool, "lowbit_quantize"), qblocks, nq);
+}
+
+static int shadow_lowbit_dequantize(const kv_layout *l, uint32_t bits, const uint8_t *qpool,
+                                    const kv_segment *qsegs, size_t nqsegs, kv_dtype t,
+                                    uint8_t *pool, const kv_segment *dst, size_t ndst)
+{
+    return kv_ops_cpu.lowbit_dequantize(l, bits, dev(qpool, "lowbit_dequantize"), qsegs, nqsegs, t,
+                                        dev(pool, "lowbit_dequantize"), dst, ndst);
+}
+
 static int shadow_int8_dequantize(const kv_layout *l, const uint8_t *qpool, const kv_segment *qsegs,
                                   size_t nqsegs, kv_dtype t, uint8_t *pool, const kv_segment *dst,
                                   size_t ndst)
@@ -282,6 +298,8 @@ const kv_ops kv_ops_shadow = {
     .copy_tokens = shadow_copy_tokens,
     .int8_quantize = shadow_int8_quantize,
     .int8_dequantize = shadow_int8_dequantize,
+    .lowbit_quantize = shadow_lowbit_quantize,
+    .lowbit_dequantize = shadow_lowbit_dequantize,
     .sketch_insert = shadow_sketch_insert,
     .sketch_query = shadow_sketch_query,
     .sketch_revive = shadow_sketch_revive,

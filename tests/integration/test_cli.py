@@ -218,9 +218,9 @@ def check_seqs(ctx):
             assert q["session_id"] == w.session and q["policy"] == w.policy, q
             assert q["label"] == w.label and q["appended"] == w.tokens, q
             tiers = {t["tier"]: t for t in q["tiers"]}
-            assert set(tiers) == {"full", "int8", "sketch"}, q
+            assert [t["tier"] for t in q["tiers"]] == ["full", "int8", "int4", "int2", "sketch"], q
             assert tiers["full"]["tokens"] == q["tokens"] and tiers["full"]["bytes"] == q["bytes"]
-            assert tiers["int8"]["tokens"] == tiers["sketch"]["tokens"] == 0
+            assert all(tiers[t]["tokens"] == 0 for t in ("int8", "int4", "int2", "sketch")), q
     for sid in ctx.full.seqs + ctx.h2o.seqs + ctx.victim.seqs:
         assert seqs[sid]["tokens"] == LAYERS * seqs[sid]["appended"], seqs[sid]
     held = streaming_held(60, 6, 2, 10)
@@ -237,7 +237,8 @@ def check_seq_show(ctx):
     j = ok_json(ctx, "seq", "show", str(sid))
     assert j["sequence"]["seq_id"] == sid and j["sequence"]["policy"] == "streaming"
     params = {p["key"]: p["value"] for p in j["params"]}
-    assert params == {"n_sink": "2", "window": "10", "int8": "off", "int8_window": "32",
+    assert params == {"n_sink": "2", "window": "10", "demote": "off", "int8": "off",
+                      "int8_window": "32",
                       "victims": "evict", "sketch_rows": "3", "sketch_buckets": "64",
                       "sketch_seed": "0"}, params
     held = streaming_held(60, 6, 2, 10)
@@ -276,7 +277,8 @@ def check_policy_list(ctx):
     assert {n for n, p in pol.items() if p["operator_evict"]} == {"full", "streaming"}
     assert pol["full"]["params"] == []
     assert [(p["key"], p["default_value"]) for p in j["storage_params"]] == \
-        [("int8", "off"), ("int8_window", "32"), ("victims", "evict"), ("sketch_rows", "3"),
+        [("demote", "off"), ("int8", "off"), ("int8_window", "32"), ("victims", "evict"),
+         ("sketch_rows", "3"),
          ("sketch_buckets", "64"), ("sketch_seed", "0")], j["storage_params"]
     out = ok_text(ctx, "policy", "list")
     assert "n_sink=4" in out and "window=1020" in out and "operator evict: yes" in out, out

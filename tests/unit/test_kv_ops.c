@@ -18,7 +18,7 @@
 #include "ops.h"
 #include "test_kernels_harness.h"
 
-enum { BLOCKS = 6, HEADS = 2, TOKENS = 8, DIM = 16, ROWS = 3, BUCKETS = 5 };
+enum { BLOCKS = 8, HEADS = 2, TOKENS = 8, DIM = 16, ROWS = 3, BUCKETS = 5 };
 
 /* What one run of the script leaves: the pool, a staging pair and the
  * sketch, brought back to the host, and the attention's outputs. */
@@ -68,6 +68,12 @@ static void run_script(const kv_ops *ops, uint64_t seed, script_out *r)
     uint8_t *qpool = pool + 4 * kv_block_bytes(&lay);
     assert_int_equal(ops->int8_quantize(&lay, KV_FP16, pool, q0, 1, qpool, &zero, 1), 0);
     assert_int_equal(ops->int8_dequantize(&lay, qpool, q8, 1, KV_FP16, pool, d5, 1), 0);
+    /* INT4: block 6 holds an INT4 block of block 1's tokens, dequantised
+     * into block 7. */
+    kv_segment q1[] = {{1, 0, TOKENS}}, d7[] = {{7, 0, TOKENS}};
+    uint8_t *lpool = pool + 6 * kv_block_bytes(&lay);
+    assert_int_equal(ops->lowbit_quantize(&lay, 4, KV_FP16, pool, q1, 1, lpool, &zero, 1), 0);
+    assert_int_equal(ops->lowbit_dequantize(&lay, 4, lpool, q8, 1, KV_FP16, pool, d7, 1), 0);
 
     /* RoPE and merges on block 2. */
     kv_segment rs[] = {{2, 0, 4}};
@@ -90,14 +96,14 @@ static void run_script(const kv_ops *ops, uint64_t seed, script_out *r)
     assert_int_equal(ops->sketch_revive(&sk, h, sg, &lay, KV_FP16, pool, one, 1), 0);
     assert_int_equal(ops->sketch_delete(&sk, h + ROWS, sg + ROWS, 1), 0);
 
-    /* Attention of 4 query heads over blocks 2 and 5. */
+    /* Attention of 4 query heads over blocks 2 and 5 and the INT4 block 6. */
     float q[4 * DIM];
     for (size_t i = 0; i < 4 * DIM; i++)
         q[i] = rng_float(&g);
-    kv_segment as[] = {{2, 0, 8}, {5, 0, 8}};
-    const uint8_t tiers[] = {KV_TIER_FULL, KV_TIER_FULL};
+    kv_segment as[] = {{2, 0, 8}, {5, 0, 8}, {6, 0, 8}};
+    const uint8_t tiers[] = {KV_TIER_FULL, KV_TIER_FULL, KV_TIER_INT4};
     assert_int_equal(
-        ops->decode_attention(&lay, KV_FP16, pool, as, 2, tiers, q, 4, 0.25f, r->out, r->probs), 0);
+        ops->decode_attention(&lay, KV_FP16, pool, as, 3, tiers, q, 4, 0.25f, r->out, r->probs), 0);
 
     r->diff = (kv_diff){0, 0, 0, 0};
     size_t bb = kv_block_bytes(&lay);

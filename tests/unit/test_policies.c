@@ -209,10 +209,11 @@ static void test_params_defaults(void **unused)
     assert_int_equal(policy_params_resolve(find("streaming"), NULL, NULL, 0, &p, err, sizeof(err)),
                      0);
     /* The policy's keys, then the storage keys every policy accepts. */
-    assert_int_equal(p.count, 2 + 6);
+    assert_int_equal(p.count, 2 + 7);
     assert_string_equal(p.key[0], "n_sink");
     assert_string_equal(p.key[1], "window");
-    assert_string_equal(p.key[2], "int8");
+    assert_string_equal(p.key[2], "demote");
+    assert_string_equal(policy_params_get(&p, "demote"), "off");
     assert_string_equal(policy_params_get(&p, "int8"), "off");
     assert_string_equal(policy_params_get(&p, "int8_window"), "32");
     assert_string_equal(policy_params_get(&p, "victims"), "evict");
@@ -223,7 +224,7 @@ static void test_params_defaults(void **unused)
     assert_null(policy_params_get(NULL, "window"));
 
     assert_int_equal(policy_params_resolve(find("full"), NULL, NULL, 0, &p, err, sizeof(err)), 0);
-    assert_int_equal(p.count, 6); /* the storage keys */
+    assert_int_equal(p.count, 7); /* the storage keys */
 }
 
 static void test_params_override(void **unused)
@@ -273,10 +274,10 @@ static void test_params_unknown_key(void **unused)
     const char *values[] = {"8", "1"};
     expect_resolve_error(find("streaming"), keys, values, 2,
                          "unknown parameter 'foo' for policy 'streaming' (known: n_sink, window; "
-                         "and the storage keys int8, victims, sketch_*)");
+                         "and the storage keys demote, int8, victims, sketch_*)");
     expect_resolve_error(find("full"), keys, values, 1,
                          "unknown parameter 'window' for policy 'full' (known: and the storage "
-                         "keys int8, victims, sketch_*)");
+                         "keys demote, int8, victims, sketch_*)");
 }
 
 static void test_params_duplicate(void **unused)

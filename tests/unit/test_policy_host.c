@@ -693,22 +693,30 @@ static void test_step_before_any_append(void **unused)
 }
 
 /* Room for merges is at least the tokens of the view, over all heads. */
-/* storage.h: int8=on demotes every held token but the newest int8_window
- * of a list; evicted and sketched tokens do not count toward the window. */
+/* storage.h: demotion (int8=on, demote=int4) turns every held token but
+ * the newest int8_window of a list to the demote tier; evicted and sketched
+ * tokens do not count toward the window. */
 static void test_storage_demote(void **unused)
 {
     (void)unused;
-    policy_storage st = {.int8 = 1, .int8_window = 2};
+    policy_storage st = {.demote = POLICY_INT8, .int8_window = 2};
     uint8_t t[7] = {POLICY_FULL, POLICY_EVICT, POLICY_FULL, POLICY_SKETCH,
                     POLICY_INT8, POLICY_FULL,  POLICY_FULL};
     assert_int_equal(policy_storage_demote(&st, t, 7), 2);
     const uint8_t want[7] = {POLICY_INT8, POLICY_EVICT, POLICY_INT8, POLICY_SKETCH,
                              POLICY_INT8, POLICY_FULL,  POLICY_FULL};
     assert_memory_equal(t, want, 7);
-    st.int8 = 0;
+    st.demote = POLICY_FULL;
     uint8_t u[3] = {POLICY_FULL, POLICY_FULL, POLICY_FULL};
     assert_int_equal(policy_storage_demote(&st, u, 3), 0);
     assert_int_equal(u[0], POLICY_FULL);
+    /* demote=int4: the same rule, INT4 tokens count as held */
+    st.demote = POLICY_INT4;
+    st.int8_window = 1;
+    uint8_t w[4] = {POLICY_FULL, POLICY_INT4, POLICY_FULL, POLICY_FULL};
+    assert_int_equal(policy_storage_demote(&st, w, 4), 2);
+    const uint8_t want4[4] = {POLICY_INT4, POLICY_INT4, POLICY_INT4, POLICY_FULL};
+    assert_memory_equal(w, want4, 4);
 }
 
 /* The storage keys parse strictly and name the offender. */
@@ -723,7 +731,8 @@ static void test_storage_parse(void **unused)
     char err[POLICY_ERR_LEN] = "";
     assert_int_equal(policy_params_resolve(ops, keys, good, 3, &p, err, sizeof err), 0);
     assert_int_equal(policy_storage_parse(&p, &st, err, sizeof err), 0);
-    assert_true(st.int8 && st.int8_window == 5 && st.victims == POLICY_VICTIMS_SKETCH);
+    assert_true(st.demote == POLICY_INT8 && st.int8_window == 5 &&
+                st.victims == POLICY_VICTIMS_SKETCH);
     assert_int_equal(st.sketch_rows, 3);
     assert_int_equal(policy_params_resolve(ops, keys, bad, 3, &p, err, sizeof err), 0);
     assert_int_equal(policy_storage_parse(&p, &st, err, sizeof err), -1);
@@ -736,6 +745,19 @@ static void test_storage_parse(void **unused)
     assert_int_equal(policy_storage_parse(&p, &st, err, sizeof err), -1);
     assert_non_null(
         strstr(err, "parameter victims must be one of evict, sketch, int8, got 'keep'"));
+    /* demote picks the precision; int8=on is demote=int8 and may not
+     * contradict it */
+    const char *dkeys[] = {"demote", "int8"};
+    const char *int4[] = {"int4", "off"}, *both[] = {"int8", "on"}, *clash[] = {"int2", "on"};
+    assert_int_equal(policy_params_resolve(ops, dkeys, int4, 2, &p, err, sizeof err), 0);
+    assert_int_equal(policy_storage_parse(&p, &st, err, sizeof err), 0);
+    assert_int_equal(st.demote, POLICY_INT4);
+    assert_int_equal(policy_params_resolve(ops, dkeys, both, 2, &p, err, sizeof err), 0);
+    assert_int_equal(policy_storage_parse(&p, &st, err, sizeof err), 0);
+    assert_int_equal(st.demote, POLICY_INT8);
+    assert_int_equal(policy_params_resolve(ops, dkeys, clash, 2, &p, err, sizeof err), 0);
+    assert_int_equal(policy_storage_parse(&p, &st, err, sizeof err), -1);
+    assert_non_null(strstr(err, "int8=on and demote=int2 disagree"));
 }
 
 static void test_merges_capacity(void **unused)

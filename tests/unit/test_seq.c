@@ -158,10 +158,25 @@ static float *read_tokens(fx *f, const tier_token *tok, size_t n)
     return host;
 }
 
+/* The error bound of one quantisation of channel c of a K (kv 0) or V row
+ * in tier t (0 at full precision). INT8: POLICIES.md §5.4, s / 2 with s =
+ * max|group| / 127 <= (1 + c) / 127. INT4 / INT2 (kernels.h "Low-bit
+ * tiers"): s / 2 with s = the group's range / L, rounded up in fp16; a K
+ * group is one channel over tokens, |value| <= 1 + c, a V group a token's
+ * 8 channels, |value| <= 8. */
+static double tier_bound(uint8_t t, int kv, uint32_t c)
+{
+    if (t == POLICY_INT8)
+        return (1.0 + c) / 254.0;
+    if (t != POLICY_INT4 && t != POLICY_INT2)
+        return 0;
+    double levels = t == POLICY_INT4 ? 15 : 3, range = kv ? 16.0 : 2.0 * (1 + c);
+    return range / levels / 2 * (1 + 1.0 / 512);
+}
+
 /* Check n tokens of list (l, k) as read_tokens returned them against the
- * values written for positions pos: exact unless tier[i] is INT8, then
- * within POLICIES.md §5.4's bound, s / 2 with s = max|group| / 127 <= (1 +
- * c) / 127 (a little float slack), per quantisation: `rounds` of them
+ * values written for positions pos: exact at full precision, else within
+ * tier_bound (a little float slack) per quantisation: `rounds` of them
  * (re-quantised tokens: 2, the second's group max grown by the first's
  * error). */
 static void check_values(const fx *f, uint32_t l, uint32_t k, const float *kv, const uint32_t *pos,
@@ -176,7 +191,7 @@ static void check_values(const fx *f, uint32_t l, uint32_t k, const float *kv, c
                     uint32_t h = f->heads == 1 ? hh : k;
                     float want = value_of(pos[i], l, h, c, part);
                     float got = kv[part * half + (hh * n + i) * HD + c];
-                    double bound = tier[i] == POLICY_INT8 ? (1.0 + c) / 254.0 * per : 0;
+                    double bound = tier_bound(tier[i], part, c) * per;
                     if (fabs((double)got - want) > bound)
                         fail_msg("layer %u head %u position %u channel %u %s: got %g, want %g "
                                  "(tier %u)",
@@ -204,7 +219,7 @@ static uint32_t check_list_rounds(fx *f, uint32_t l, uint32_t k, int rounds)
         for (uint32_t j = 0; j < v.segs[i].count; j++, t++) {
             tok[t] = (tier_token){v.segs[i].block, v.segs[i].first_slot + j, v.seg_tier[i]};
             tier[t] = v.seg_tier[i];
-            n8 += tier[t] == POLICY_INT8;
+            n8 += policy_tier_quantised(tier[t]);
         }
     }
     float *kv = read_tokens(f, tok, v.tokens);
@@ -341,7 +356,7 @@ static void test_append_writes_and_segments(void **state)
     assert_int_equal(seq_blocks_held(f.s), 6);
     assert_int_equal(seq_tokens_held(f.s), 18);
     assert_int_equal(seq_retired_count(f.s), 0);
-    uint64_t tokens[3], bytes[3];
+    uint64_t tokens[POLICY_TIERS], bytes[POLICY_TIERS];
     seq_tier_usage(f.s, tokens, bytes);
     assert_int_equal(tokens[POLICY_FULL], 18);
     assert_int_equal(tokens[POLICY_INT8] + tokens[POLICY_SKETCH], 0);
@@ -729,11 +744,11 @@ static void test_int8_demotion(void **state)
     const char *const kv[] = {"int8", "on", "int8_window", "4"};
     fx f;
     fx_open(&f, backend_of(state), 64, "full", kv, 2);
-    assert_int_equal(seq_int8_block_tokens(f.s), 12);
+    assert_int_equal(seq_block_tokens(f.s, POLICY_INT8), 12);
     append(&f, 20);
     assert_int_equal(append(&f, 1), 0); /* the step of the 20 ends here */
     assert_int_equal(seq_epoch(f.s), 2);
-    uint64_t tokens[3], bytes[3];
+    uint64_t tokens[POLICY_TIERS], bytes[POLICY_TIERS];
     seq_tier_usage(f.s, tokens, bytes);
     assert_int_equal(tokens[POLICY_FULL], 2 * 9);
     assert_int_equal(tokens[POLICY_INT8], 2 * 12);
@@ -742,24 +757,24 @@ static void test_int8_demotion(void **state)
     assert_int_equal(bytes[POLICY_FULL], 2 * 3 * BLOCK_BYTES);
     assert_int_equal(bytes[POLICY_INT8], 2 * BLOCK_BYTES);
     assert_int_equal(bytes[POLICY_SKETCH], 0);
-    uint64_t moved[3];
+    uint64_t moved[POLICY_TIERS];
     seq_moved_totals(f.s, moved);
-    assert_int_equal(moved[0], 24);
-    assert_int_equal(moved[1] + moved[2], 0);
+    assert_int_equal(moved[POLICY_INT8], 24);
+    assert_int_equal(moved[POLICY_SKETCH] + moved[POLICY_FULL], 0);
     const snapshot_tiers *rep = seq_tier_report(f.s);
-    assert_int_equal(rep->moved[0], 24);
+    assert_int_equal(rep->moved[POLICY_INT8], 24);
     assert_true(rep->nobs >= 1);
     for (size_t i = 0; i < rep->nobs; i++) {
-        assert_int_equal(rep->obs[i].kind, SNAPSHOT_OBS_INT8);
+        assert_int_equal(rep->obs[i].kind, POLICY_INT8);
         assert_true(rep->obs[i].value > 0 && rep->obs[i].value <= 1.0 / 254 + 1e-6);
     }
     seq_tier_report_clear(f.s);
-    assert_int_equal(seq_tier_report(f.s)->moved[0], 0);
+    assert_int_equal(seq_tier_report(f.s)->moved[POLICY_INT8], 0);
     assert_int_equal(seq_tier_report(f.s)->nobs, 0);
     seq_moved_totals(f.s, moved);
-    assert_int_equal(moved[0], 24); /* the lifetime total stays */
+    assert_int_equal(moved[POLICY_INT8], 24); /* the lifetime total stays */
     for (uint32_t l = 0; l < 2; l++) {
-        uint32_t t[3];
+        uint32_t t[POLICY_TIERS];
         seq_list_tier_tokens(f.s, l, 0, t);
         assert_int_equal(t[POLICY_FULL], 9);
         assert_int_equal(t[POLICY_INT8], 12);
@@ -794,6 +809,61 @@ static void test_int8_demotion(void **state)
 }
 
 /*
+ * demote=int4 and demote=int2: the same rule into low-bit blocks of 18 and
+ * 28 tokens (fp32, 2 heads x 8 channels, 4-token pool blocks of 512 bytes;
+ * kernels.h "Low-bit tiers"). 30 (int4) or 40 (int2) tokens with a window
+ * of 4 leave one block's worth to demote at the step: those tokens become
+ * that tier's, one pool block per list, and read back within the tier's
+ * bound; the moves, the measured errors and the bytes are counted by tier.
+ */
+static void check_lowbit_demotion(void **state, const char *tier_name, uint8_t tier,
+                                  uint32_t block_tokens, uint32_t appended)
+{
+    const char *const kv[] = {"demote", tier_name, "int8_window", "4"};
+    fx f;
+    fx_open(&f, backend_of(state), 64, "full", kv, 2);
+    assert_int_equal(seq_block_tokens(f.s, tier), block_tokens);
+    append(&f, appended);
+    assert_int_equal(append(&f, 1), 0); /* the step of the first batch ends here */
+    uint64_t tokens[POLICY_TIERS], bytes[POLICY_TIERS], moved[POLICY_TIERS];
+    seq_tier_usage(f.s, tokens, bytes);
+    assert_int_equal(tokens[tier], 2 * block_tokens);
+    assert_int_equal(tokens[POLICY_INT8], 0);
+    assert_int_equal(tokens[POLICY_FULL], 2 * (appended + 1 - block_tokens));
+    assert_int_equal(bytes[tier], 2 * BLOCK_BYTES);
+    seq_moved_totals(f.s, moved);
+    assert_int_equal(moved[tier], 2 * block_tokens);
+    assert_int_equal(moved[POLICY_INT8] + moved[POLICY_FULL] + moved[POLICY_SKETCH], 0);
+    const snapshot_tiers *rep = seq_tier_report(f.s);
+    assert_true(rep->nobs >= 1);
+    for (size_t i = 0; i < rep->nobs; i++) {
+        assert_int_equal(rep->obs[i].kind, tier);
+        /* half a step of a group (at most 8 / L), against the largest
+         * |value| of a block's worth of tokens (above 4 here) */
+        assert_true(rep->obs[i].value > 0 &&
+                    rep->obs[i].value <= 8.0 / (tier == POLICY_INT4 ? 15 : 3) / 4);
+    }
+    for (uint32_t l = 0; l < 2; l++) {
+        seq_list_view v;
+        seq_list_view_get(f.s, l, 0, &v);
+        assert_int_equal(v.seg_tier[0], tier);
+        assert_int_equal(v.segs[0].count, block_tokens);
+        assert_int_equal(check_list(&f, l, 0), block_tokens);
+    }
+    fx_close(&f);
+}
+
+static void test_int4_demotion(void **state)
+{
+    check_lowbit_demotion(state, "int4", POLICY_INT4, 18, 30);
+}
+
+static void test_int2_demotion(void **state)
+{
+    check_lowbit_demotion(state, "int2", POLICY_INT2, 28, 40);
+}
+
+/*
  * An operator's eviction (seq_policy_layer_step, the decision amended,
  * seq_apply_decision, seq_publish_epoch) with int8=on: 0..35 are three
  * INT8 blocks; keeping every third of them leaves 12 INT8 tokens spread
@@ -809,7 +879,7 @@ static void test_operator_evict_requantizes(void **state)
     fx_open(&f, backend_of(state), 64, "full", kv, 2);
     append(&f, 38);
     append(&f, 1); /* the step of the 38: 0..35 demoted, 3 INT8 blocks */
-    uint32_t t[3];
+    uint32_t t[POLICY_TIERS];
     seq_list_tier_tokens(f.s, 0, 0, t);
     assert_int_equal(t[POLICY_INT8], 36);
     seq_tier_report_clear(f.s);
@@ -837,7 +907,7 @@ static void test_operator_evict_requantizes(void **state)
     assert_int_equal(v.seg_tier[0], POLICY_INT8);
     assert_seg(&v.segs[0], v.segs[0].block, 0, 12);
     assert_int_equal(check_list_rounds(&f, 0, 0, 2), 12);
-    uint64_t tokens[3], bytes[3];
+    uint64_t tokens[POLICY_TIERS], bytes[POLICY_TIERS];
     seq_tier_usage(f.s, tokens, bytes);
     assert_int_equal(bytes[POLICY_INT8], (1 + 3) * BLOCK_BYTES); /* layer 1 keeps its 3 */
     const seq_retired *r;
@@ -923,7 +993,7 @@ static void test_revive_sketch_victims(void **state)
     assert_int_equal(v.noffloaded, 7);
     for (uint32_t j = 0; j < 7; j++)
         assert_int_equal(v.offloaded[j], 1 + j);
-    uint64_t tokens[3], bytes[3];
+    uint64_t tokens[POLICY_TIERS], bytes[POLICY_TIERS];
     seq_tier_usage(f.s, tokens, bytes);
     assert_int_equal(tokens[POLICY_SKETCH], 2 * 7);
     assert_true(bytes[POLICY_SKETCH] > 0);
@@ -1014,7 +1084,7 @@ static void test_revive_int8_victims_and_destroy(void **state)
     fx_open(&f, backend_of(state), 64, "streaming", kv, 3);
     for (int i = 0; i < 30; i++)
         append(&f, 1);
-    uint64_t tokens[3], bytes[3];
+    uint64_t tokens[POLICY_TIERS], bytes[POLICY_TIERS];
     seq_tier_usage(f.s, tokens, bytes);
     assert_int_equal(tokens[POLICY_INT8], 2 * 24);
     assert_int_equal(tokens[POLICY_FULL], 2 * (1 + 5)); /* 1 waiting, 5 held */
@@ -1058,6 +1128,10 @@ int main(void)
         ON_SHADOW(test_per_head_lists_and_step_checks),
         cmocka_unit_test(test_int8_demotion),
         ON_SHADOW(test_int8_demotion),
+        cmocka_unit_test(test_int4_demotion),
+        ON_SHADOW(test_int4_demotion),
+        cmocka_unit_test(test_int2_demotion),
+        ON_SHADOW(test_int2_demotion),
         cmocka_unit_test(test_operator_evict_requantizes),
         ON_SHADOW(test_operator_evict_requantizes),
         cmocka_unit_test(test_revive_sketch_victims),

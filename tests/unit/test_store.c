@@ -362,7 +362,7 @@ static void test_int8_victims_give_way_under_pressure(void **state)
     const char *keys[] = {"n_sink", "window", "victims"}, *values[] = {"0", "8", "int8"};
     uint64_t id = make_seq(f, "streaming", keys, values, 3);
     seq *q = store_find_seq_locked(f->st, id);
-    uint32_t t8 = seq_int8_block_tokens(q);
+    uint32_t t8 = seq_block_tokens(q, POLICY_INT8);
     assert_int_equal(t8, 12); /* 512-byte blocks: 4 fp32 tokens, or 12 INT8 ones + scales */
     store_table w;
     uint64_t ack = 0;

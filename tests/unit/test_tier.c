@@ -87,6 +87,10 @@ static void test_ctx_geometry(void **state)
     assert_int_equal(f->c.l8.block_tokens, kv_int8_tokens_per_block(&layout));
     assert_int_equal(f->c.l8.block_tokens, 60); /* 32T + 128 <= 2048 */
     assert_int_equal(f->c.l8.kv_heads, 2);
+    assert_int_equal(tier_block_tokens(&f->c, POLICY_INT4), kv_lowbit_tokens_per_block(&layout, 4));
+    assert_int_equal(tier_block_tokens(&f->c, POLICY_INT2), kv_lowbit_tokens_per_block(&layout, 2));
+    assert_int_equal(tier_block_tokens(&f->c, POLICY_INT4), 77); /* 16 rows' codes + params */
+    assert_true(tier_layout(&f->c, POLICY_FULL) == &f->c.l);
     assert_int_equal(tier_token_bytes(&f->c), 2 * 2 * 8 * 4);
     /* fp32 blocks of one token cannot hold even one INT8 token with its
      * scales. */
@@ -167,7 +171,7 @@ static void test_quantize_read_within_bound(void **state)
     const uint32_t qblocks[2] = {5, 9};
     uint8_t *in = staged_tokens(f, n);
     size_t half = n * tier_token_bytes(&f->c) / 2;
-    assert_int_equal(tier_quantize(&f->c, in, in + half, n, qblocks, 2), 0);
+    assert_int_equal(tier_quantize(&f->c, POLICY_INT8, in, in + half, n, qblocks, 2), 0);
     tier_token *tok = malloc(n * sizeof *tok);
     for (size_t i = 0; i < n; i++)
         tok[i] = (tier_token){qblocks[i / t8], (uint32_t)(i % t8), POLICY_INT8};
@@ -219,6 +223,118 @@ static void test_quantize_read_within_bound(void **state)
     tier_stage_free(&f->c, out);
     tier_stage_free(&f->c, in);
     free(tok);
+}
+
+/* The range (max - min) of n floats `stride` apart. */
+static double range_of(const float *x, size_t n, size_t stride)
+{
+    double lo = x[0], hi = x[0];
+    for (size_t i = 1; i < n; i++) {
+        lo = fmin(lo, x[i * stride]);
+        hi = fmax(hi, x[i * stride]);
+    }
+    return hi - lo;
+}
+
+/* n staged tokens y read back from low-bit blocks of tq tokens (levels L)
+ * against their originals x: within half a step of each value's group, a
+ * K group one channel over a block's tokens, a V group a token's 8
+ * channels (one group: the default 32 is wider). */
+static void check_lowbit_bound(const float *x, const float *y, size_t n, uint32_t tq, double L)
+{
+    uint32_t d = layout.head_dim;
+    for (size_t part = 0; part < 2; part++)
+        for (uint32_t h = 0; h < layout.kv_heads; h++)
+            for (size_t i = 0; i < n; i++)
+                for (uint32_t c = 0; c < d; c++) {
+                    size_t row0 = (part * layout.kv_heads + h) * n, at = (row0 + i) * d + c;
+                    size_t b0 = i / tq * tq, m = b0 + tq < n ? tq : n - b0;
+                    double range = part == 0 ? range_of(x + (row0 + b0) * d + c, m, d)
+                                             : range_of(x + (row0 + i) * d, d, 1);
+                    double bound = range / L / 2 * (1 + 1.0 / 512) + 1e-6;
+                    if (!(fabs((double)y[at] - x[at]) <= bound))
+                        fail_msg("%s token %zu head %u channel %u: %g, was %g (bound %g)",
+                                 part ? "V" : "K", i, h, c, (double)y[at], (double)x[at], bound);
+                }
+}
+
+/*
+ * INT4 and INT2 blocks next to INT8 and full-precision tokens: quantised
+ * with tier_quantize (a full block and a partial one), read back within
+ * half a group's step (kernels.h "Low-bit tiers": K per channel over the
+ * block's tokens, V per token over its 8 channels), and a list mixing all
+ * four tiers reads each token as it reads alone; copies to full precision
+ * hold the dequantised values.
+ */
+static void test_lowbit_tiers_mixed(void **state)
+{
+    fixture *f = *state;
+    uint32_t t4 = tier_block_tokens(&f->c, POLICY_INT4), t2 = tier_block_tokens(&f->c, POLICY_INT2);
+    size_t n4 = t4 + 5, n2 = 9;
+    const uint32_t q4[2] = {5, 6}, q2[1] = {9};
+    uint8_t *in4 = staged_tokens(f, n4), *in2 = staged_tokens(f, n2);
+    size_t h4 = n4 * tier_token_bytes(&f->c) / 2, h2 = n2 * tier_token_bytes(&f->c) / 2;
+    assert_int_equal(tier_quantize(&f->c, POLICY_INT4, in4, in4 + h4, n4, q4, 2), 0);
+    assert_int_equal(tier_quantize(&f->c, POLICY_INT2, in2, in2 + h2, n2, q2, 1), 0);
+    tier_token *tok4 = malloc(n4 * sizeof *tok4), *tok2 = malloc(n2 * sizeof *tok2);
+    for (size_t i = 0; i < n4; i++)
+        tok4[i] = (tier_token){q4[i / t4], (uint32_t)(i % t4), POLICY_INT4};
+    for (size_t i = 0; i < n2; i++)
+        tok2[i] = (tier_token){q2[0], (uint32_t)i, POLICY_INT2};
+    (void)t2;
+    /* Each value within half a step of its group: the step is at most the
+     * group's range / L, rounded up in fp16. */
+    double r4 = -1, r2 = -1;
+    assert_int_equal(tier_error_ratio(&f->c, tok4, n4, in4, in4 + h4, &r4), 0);
+    assert_int_equal(tier_error_ratio(&f->c, tok2, n2, in2, in2 + h2, &r2), 0);
+    print_message("round trip / max: INT4 %.4f, INT2 %.4f\n", r4, r2);
+    assert_true(r4 > 0 && r2 > r4);
+    uint8_t *o4 = tier_stage_alloc(&f->c, n4);
+    assert_int_equal(tier_read(&f->c, tok4, n4, o4, o4 + h4), 0);
+    check_lowbit_bound((const float *)in4, (const float *)o4, n4, t4, 15);
+
+    /* A list of all four tiers, out of order. */
+    const uint32_t q8[1] = {11};
+    uint8_t *in8 = staged_tokens(f, 4);
+    size_t h8 = 4 * tier_token_bytes(&f->c) / 2;
+    assert_int_equal(tier_quantize(&f->c, POLICY_INT8, in8, in8 + h8, 4, q8, 1), 0);
+    const tier_token full = {12, 3, POLICY_FULL};
+    uint8_t *fin = staged_tokens(f, 1);
+    assert_int_equal(tier_write(&f->c, &full, 1, fin, fin + tier_token_bytes(&f->c) / 2), 0);
+    enum { M = 7 };
+    const tier_token mixed[M] = {tok2[3], tok4[t4 + 2], full,   (tier_token){11, 2, POLICY_INT8},
+                                 tok4[0], tok2[8],      tok4[1]};
+    size_t mhalf = M * tier_token_bytes(&f->c) / 2, ohalf = tier_token_bytes(&f->c) / 2;
+    uint8_t *mo = tier_stage_alloc(&f->c, M), *one = tier_stage_alloc(&f->c, 1);
+    assert_int_equal(tier_read(&f->c, mixed, M, mo, mo + mhalf), 0);
+    for (size_t i = 0; i < M; i++) {
+        assert_int_equal(tier_read(&f->c, &mixed[i], 1, one, one + ohalf), 0);
+        for (uint32_t h = 0; h < layout.kv_heads; h++) {
+            assert_memory_equal(stage_row(f, mo, M, h, i), stage_row(f, one, 1, h, 0), f->row);
+            assert_memory_equal(stage_row(f, mo + mhalf, M, h, i),
+                                stage_row(f, one + ohalf, 1, h, 0), f->row);
+        }
+    }
+    /* INT4 and INT2 to FULL: the copies hold the dequantised values. */
+    const tier_token back[2] = {{13, 0, POLICY_FULL}, {13, 1, POLICY_FULL}};
+    const tier_token from[2] = {tok4[t4 + 4], tok2[0]};
+    uint8_t *a = tier_stage_alloc(&f->c, 2), *b = tier_stage_alloc(&f->c, 2);
+    size_t hb = tier_token_bytes(&f->c);
+    assert_int_equal(tier_copy(&f->c, from, 2, back), 0);
+    assert_int_equal(tier_read(&f->c, from, 2, a, a + hb), 0);
+    assert_int_equal(tier_read(&f->c, back, 2, b, b + hb), 0);
+    assert_memory_equal(a, b, 2 * hb);
+    tier_stage_free(&f->c, a);
+    tier_stage_free(&f->c, b);
+    tier_stage_free(&f->c, mo);
+    tier_stage_free(&f->c, one);
+    tier_stage_free(&f->c, fin);
+    tier_stage_free(&f->c, in8);
+    tier_stage_free(&f->c, o4);
+    tier_stage_free(&f->c, in4);
+    tier_stage_free(&f->c, in2);
+    free(tok4);
+    free(tok2);
 }
 
 static int sketch_cells_zero(const tier_sketch *s, double tol)
@@ -336,6 +452,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_ctx_geometry, setup, teardown),
         cmocka_unit_test_setup_teardown(test_write_read_copy_full, setup, teardown),
         cmocka_unit_test_setup_teardown(test_quantize_read_within_bound, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_lowbit_tiers_mixed, setup, teardown),
         cmocka_unit_test_setup_teardown(test_sketch_exact_with_enough_buckets, setup, teardown),
         cmocka_unit_test_setup_teardown(test_sketch_shared_cell_estimates, setup, teardown),
     };
