@@ -32,13 +32,20 @@ static int parse_seq_id(const cli *c, const char *text, uint64_t *id)
 
 /* ---- seq show --------------------------------------------------------------------- */
 
-/* 0 full, 1 int8, 2 sketch, 3 evicted, 4 offloaded (out of the list, kept revivable). */
+/* 0 full, 1 int8, 2 sketch, 3 evicted, 4 offloaded (out of the list, kept
+ * revivable), 5 int4, 6 int2: a map cell shows the held tier with the most
+ * positions by MAP_MARKS. */
+#define MAP_KINDS 7
+static const char MAP_MARKS[MAP_KINDS + 1] = "#8s.o42";
+
 static int tier_index(const char *tier)
 {
     return strcmp(tier, "int8") == 0        ? 1
            : strcmp(tier, "sketch") == 0    ? 2
            : strcmp(tier, "evicted") == 0   ? 3
            : strcmp(tier, "offloaded") == 0 ? 4
+           : strcmp(tier, "int4") == 0      ? 5
+           : strcmp(tier, "int2") == 0      ? 6
                                             : 0;
 }
 
@@ -56,7 +63,7 @@ static void print_bar(const Kvstash__V1__ListMap *m, uint64_t appended, unsigned
     size_t r = 0;
     for (unsigned j = 0; j < width; j++) {
         uint64_t lo = appended * j / width, hi = appended * (j + 1) / width;
-        uint64_t n[5] = {0, 0, 0, 0, 0}; /* positions of the cell by tier_index */
+        uint64_t n[MAP_KINDS] = {0}; /* positions of the cell by tier_index */
         for (uint64_t p = lo; p < hi && r < m->n_runs;) {
             const Kvstash__V1__TierRun *run = m->runs[r];
             uint64_t end = (uint64_t)run->first_position + run->count;
@@ -66,13 +73,19 @@ static void print_bar(const Kvstash__V1__ListMap *m, uint64_t appended, unsigned
             if (p >= end)
                 r++;
         }
-        uint64_t held = n[0] + n[1] + n[2];
-        if (held == 0)
+        uint64_t held = n[0] + n[1] + n[2] + n[5] + n[6];
+        if (held == 0) {
             bar[j] = n[4] > n[3] ? 'o' : n[3] > 0 ? '.' : ' '; /* ' ': beyond --max-runs */
-        else if (n[3] + n[4] > 0)
+        } else if (n[3] + n[4] > 0) {
             bar[j] = ':';
-        else
-            bar[j] = n[1] > n[0] && n[1] >= n[2] ? '8' : n[2] > n[0] && n[2] > n[1] ? 's' : '#';
+        } else { /* the held tier with the most positions, the first of equals */
+            static const int held_kinds[] = {0, 1, 5, 6, 2};
+            int best = 0;
+            for (size_t k = 1; k < sizeof held_kinds / sizeof held_kinds[0]; k++)
+                if (n[held_kinds[k]] > n[best])
+                    best = held_kinds[k];
+            bar[j] = MAP_MARKS[best];
+        }
     }
     bar[width] = '\0';
     printf("    |%s|\n", bar);
@@ -117,13 +130,16 @@ static void print_inspect(const Kvstash__V1__InspectResponse *r, unsigned width)
     for (size_t i = 0; i < r->n_retired; i++)
         printf("%s %u at epoch %" PRIu64, i ? "," : "", r->retired[i]->blocks,
                r->retired[i]->epoch);
-    printf("\n  map: # full  8 int8  s sketch  o offloaded  . evicted  : mixed (held tokens by "
-           "the tier they are stored in)\n");
+    printf("\n  map: # full  8 int8  4 int4  2 int2  s sketch  o offloaded  . evicted  : mixed "
+           "(held tokens by the tier they are stored in)\n");
     for (size_t l = 0; l < r->n_layers; l++) {
         const Kvstash__V1__LayerInspect *ly = r->layers[l];
-        uint32_t full = ly->tokens - ly->tokens_int8 - ly->tokens_sketch;
-        printf("  layer %u: %u tokens (full %u, int8 %u, sketch %u) in %u blocks", ly->layer,
-               ly->tokens, full, ly->tokens_int8, ly->tokens_sketch, ly->blocks);
+        uint32_t full =
+            ly->tokens - ly->tokens_int8 - ly->tokens_int4 - ly->tokens_int2 - ly->tokens_sketch;
+        printf("  layer %u: %u tokens (full %u, int8 %u, int4 %u, int2 %u, sketch %u) in %u "
+               "blocks",
+               ly->layer, ly->tokens, full, ly->tokens_int8, ly->tokens_int4, ly->tokens_int2,
+               ly->tokens_sketch, ly->blocks);
         if (ly->tokens > 0)
             printf(", positions %u..%u", ly->first_position, ly->last_position);
         printf("\n");
@@ -200,6 +216,7 @@ typedef struct targets {
     size_t nranges, cap;
     uint32_t *layers;
     size_t nlayers;
+    const char *to; /* --to: demote's precision */
 } targets;
 
 static void targets_free(targets *t)
@@ -271,10 +288,16 @@ static int parse_targets(cli *c, const char *help, uint64_t *id, targets *t)
 {
     const char *pos[MAX_POS_ARGS];
     size_t npos;
-    const cli_opt opts[] = {{"layer", 1, NULL, NULL, add_layer, t}};
-    int rc = cli_parse(c, opts, 1, pos, 2, MAX_POS_ARGS, &npos, help);
+    const cli_opt opts[] = {{"layer", 1, NULL, NULL, add_layer, t},
+                            {"to", 1, &t->to, NULL, NULL, NULL}};
+    int rc = cli_parse(c, opts, 2, pos, 2, MAX_POS_ARGS, &npos, help);
     if (rc != CLI_OK)
         return rc;
+    if (t->to != NULL && strcmp(c->cmd, "demote") != 0)
+        return cli_fail(CLI_USAGE, "%s: --to is demote's option", c->cmd);
+    if (t->to != NULL && strcmp(t->to, "int8") != 0 && strcmp(t->to, "int4") != 0 &&
+        strcmp(t->to, "int2") != 0)
+        return cli_fail(CLI_USAGE, "demote: --to wants int8, int4 or int2, got '%s'", t->to);
     if ((rc = parse_seq_id(c, pos[0], id)) != CLI_OK)
         return rc;
     for (size_t i = 1; i < npos && rc == CLI_OK; i++)
@@ -301,14 +324,17 @@ static const evict_op evict_ops[] = {
      "  (symmetric, one scale per INT8 block, K/V, head and channel: POLICIES.md\n"
      "  §5.4), even fewer than an INT8 block holds (the last INT8 block is then\n"
      "  written partial); sketch tokens come out of the sketch first. Workers read\n"
-     "  INT8 tokens in place, dequantised.\n"},
+     "  INT8 tokens in place, dequantised. --to int4|int2: into INT4 / INT2 blocks\n"
+     "  instead (asymmetric groups: kernels.h \"Low-bit tiers\"); tokens of another\n"
+     "  quantised tier come back to full precision first.\n"},
     {"offload", "sketch", "offloaded", "into the sketch",
      "  Move the held tokens at original positions of sequence ID into their list's\n"
      "  count-sketch (KVReviver): they stay in the list as sketch tokens, which a\n"
      "  worker cannot read in place (the Revive RPC rebuilds their estimate).\n"},
     {"revive", "full", "revived", "to full precision",
-     "  Bring the INT8 and sketch tokens at original positions of sequence ID back\n"
-     "  to full precision in fresh slots: INT8 ones dequantised, sketch ones as the\n"
+     "  Bring the quantised and sketch tokens at original positions of sequence ID\n"
+     "  back to full precision in fresh slots: INT8 / INT4 / INT2 ones dequantised,\n"
+     "  sketch ones as the\n"
      "  sketch's estimate, which leaves the sketch (KVReviver Alg. 3). Evicted\n"
      "  positions cannot come back.\n"},
 };
@@ -316,7 +342,7 @@ static const evict_op evict_ops[] = {
 static void evict_help(const evict_op *op, char *help, size_t len)
 {
     snprintf(help, len,
-             "usage: kvstash %s ID POSITIONS... [--layer L]... [--json] [--socket PATH]\n"
+             "usage: kvstash %s ID POSITIONS... [--layer L]... [--to T] [--json] [--socket PATH]\n"
              "%s"
              "  Blocks the tokens leave are retired until the worker acknowledges the new\n"
              "  epoch, and a table.changed event goes out.\n"
@@ -329,8 +355,11 @@ static void evict_help(const evict_op *op, char *help, size_t len)
              op->name, op->what);
 }
 
-static void print_evict(const evict_op *op, uint64_t id, const Kvstash__V1__EvictResponse *r)
+static void print_evict(const evict_op *op, const char *to, uint64_t id,
+                        const Kvstash__V1__EvictResponse *r)
 {
+    char where[32];
+    snprintf(where, sizeof where, "to %s", to != NULL ? to : "");
     printf("seq %" PRIu64 ": ", id);
     if (op->verb == NULL) {
         printf("evicted %u token(s) (%u at the requested positions, %u by the policy's own "
@@ -338,7 +367,7 @@ static void print_evict(const evict_op *op, uint64_t id, const Kvstash__V1__Evic
                r->evicted, r->requested, r->by_policy);
     } else {
         printf("%s %u token(s) %s, of %u held at the requested positions", op->verb, r->moved,
-               op->where, r->requested);
+               to != NULL ? where : op->where, r->requested);
         if (r->moved < r->requested)
             printf(" (%u were there already, or the pool lacks blocks for them)",
                    r->requested - r->moved);
@@ -380,7 +409,7 @@ int cli_cmd_evict(cli *c, const char *name)
         req.n_ranges = t.nranges;
         req.layers = t.layers;
         req.n_layers = t.nlayers;
-        req.to = (char *)op->to;
+        req.to = (char *)(t.to != NULL ? t.to : op->to);
         rc = cli_call(c, "Evict", token, &req.base, &kvstash__v1__evict_response__descriptor,
                       (ProtobufCMessage **)&r);
         close(fd);
@@ -388,7 +417,7 @@ int cli_cmd_evict(cli *c, const char *name)
     if (rc == CLI_OK && c->json)
         rc = cli_print_message(&r->base, 1);
     else if (rc == CLI_OK)
-        print_evict(op, id, r);
+        print_evict(op, t.to, id, r);
     if (r != NULL)
         protobuf_c_message_free_unpacked(&r->base, NULL);
     free(ptrs);

@@ -720,6 +720,32 @@ void kvs_table_free(kvs_table *t)
     memset(t, 0, sizeof *t);
 }
 
+static kv_layout row_layout(const kvs_session *s);
+
+/* The slots a segment of `tier` may name in its block, as this side
+ * computes them from the list's layout (the table must say the same: a
+ * quantised block the daemon claims to be larger would be read past its
+ * pool block); 0 for a tier no segment with a block may have. */
+static uint64_t tier_room(const kvs_session *s, const Kvstash__V1__LayerTable *lt, uint32_t tier)
+{
+    kv_layout lay = lt->per_head ? row_layout(s) : s->layout;
+    lay.quant_group = lt->quant_group;
+    switch (tier) {
+    case KVS_TIER_FULL:
+        return lay.block_tokens;
+    case KVS_TIER_INT8:
+        return lt->int8_block_tokens == kv_int8_tokens_per_block(&lay) ? lt->int8_block_tokens : 0;
+    case KVS_TIER_INT4:
+        return lt->int4_block_tokens == kv_lowbit_tokens_per_block(&lay, 4) ? lt->int4_block_tokens
+                                                                            : 0;
+    case KVS_TIER_INT2:
+        return lt->int2_block_tokens == kv_lowbit_tokens_per_block(&lay, 2) ? lt->int2_block_tokens
+                                                                            : 0;
+    default:
+        return 0;
+    }
+}
+
 /* Check one LayerTable against the pool before anyone writes through it: a
  * bad table from the daemon must not make a worker scribble outside its
  * blocks. */
@@ -731,7 +757,6 @@ static int layer_check(kvs_session *s, const Kvstash__V1__LayerTable *lt, const 
         return KVS_ERR_PROTOCOL;
     }
     uint64_t total = 0;
-    uint64_t slots = (uint64_t)s->geom.block_tokens * (lt->per_head ? s->geom.kv_heads : 1);
     if (lt->n_tier != 0 && lt->n_tier != lt->n_block) {
         fail(s, "%s: layer %" PRIu32 " has %zu segments and %zu tiers", what, lt->layer,
              lt->n_block, lt->n_tier);
@@ -744,12 +769,12 @@ static int layer_check(kvs_session *s, const Kvstash__V1__LayerTable *lt, const 
     }
     for (size_t i = 0; i < lt->n_block; i++) {
         uint32_t tier = lt->n_tier ? lt->tier[i] : KVS_TIER_FULL;
-        uint64_t room = tier == KVS_TIER_INT8 ? lt->int8_block_tokens : slots;
+        uint64_t room = tier_room(s, lt, tier);
         if (tier == KVS_TIER_SKETCH && lt->block[i] == KVS_NO_BLOCK && lt->count[i] > 0) {
             total += lt->count[i];
             continue;
         }
-        if (tier > KVS_TIER_INT8 || lt->block[i] >= s->block_count || lt->count[i] == 0 ||
+        if (room == 0 || lt->block[i] >= s->block_count || lt->count[i] == 0 ||
             (uint64_t)lt->first_slot[i] + lt->count[i] > room) {
             fail(s,
                  "%s: layer %" PRIu32 " segment %zu (block %" PRIu32 ", slots %" PRIu32 "+%" PRIu32
@@ -827,6 +852,9 @@ static int table_fill(kvs_session *s, Kvstash__V1__LayerTable **lts, size_t n, c
         }
         l->tokens = lt->tokens;
         l->int8_block_tokens = lt->int8_block_tokens;
+        l->int4_block_tokens = lt->int4_block_tokens;
+        l->int2_block_tokens = lt->int2_block_tokens;
+        l->quant_group = lt->quant_group;
         l->nsegments = lt->n_block;
         l->segments = lt->n_block > 0 ? seg : NULL;
         for (size_t j = 0; j < lt->n_block; j++)
@@ -1135,17 +1163,33 @@ static int segment_copy(const kvs_session *s, const kv_layout *lay, const kvs_la
            ops->copy_2d(dir, bv, pitch_buf, pv, pitch_pool, width, lay->kv_heads);
 }
 
-/* Dequantise one INT8 segment into a device staging block of the INT8
- * layout, then copy its rows out like a full-precision segment's. */
-static int segment_read_int8(const kvs_session *s, const kv_layout *lay, const kvs_layer *layer,
-                             const kvs_segment *g, size_t tok, uint8_t *stage, uint8_t *k,
-                             uint8_t *v, int dev)
+/* The layout of a quantised segment's block (INT8, INT4, INT2) in a
+ * layer of layout lay. */
+static kv_layout quant_layout(const kv_layout *lay, const kvs_layer *layer, uint32_t tier)
 {
-    kv_layout l8 = *lay;
-    l8.block_tokens = layer->int8_block_tokens;
+    kv_layout q = *lay;
+    q.quant_group = layer->quant_group;
+    q.block_tokens = tier == KVS_TIER_INT8   ? layer->int8_block_tokens
+                     : tier == KVS_TIER_INT4 ? layer->int4_block_tokens
+                                             : layer->int2_block_tokens;
+    return q;
+}
+
+/* Dequantise one quantised segment into a device staging block of its
+ * tier's layout, then copy its rows out like a full-precision segment's. */
+static int segment_read_quantised(const kvs_session *s, const kv_layout *lay,
+                                  const kvs_layer *layer, const kvs_segment *g, size_t tok,
+                                  uint8_t *stage, uint8_t *k, uint8_t *v, int dev)
+{
+    kv_layout l8 = quant_layout(lay, layer, g->tier);
     kv_segment q = {0, g->first_slot, g->count}, d = {0, 0, g->count};
-    if (s->ops->int8_dequantize(&l8, s->pool + (size_t)g->block * s->block_bytes, &q, 1,
-                                (kv_dtype)s->geom.dtype, stage, &d, 1) != 0)
+    const uint8_t *qb = s->pool + (size_t)g->block * s->block_bytes;
+    kv_dtype t = (kv_dtype)s->geom.dtype;
+    int rc = g->tier == KVS_TIER_INT8
+                 ? s->ops->int8_dequantize(&l8, qb, &q, 1, t, stage, &d, 1)
+                 : s->ops->lowbit_dequantize(&l8, g->tier == KVS_TIER_INT4 ? 4 : 2, qb, &q, 1, t,
+                                             stage, &d, 1);
+    if (rc != 0)
         return -1;
     size_t row = (size_t)lay->head_dim * lay->elt_size, width = g->count * row;
     size_t pitch8 = (size_t)l8.block_tokens * row, pitch_buf = layer->tokens * row;
@@ -1167,8 +1211,8 @@ static int layer_tiered(const kvs_layer *layer, uint32_t *sketch)
 }
 
 /* Move a layer between the pool and contiguous k, v (device memory of the
- * backend when `dev`), a segment at a time; INT8 segments (reads only)
- * through one staging block. */
+ * backend when `dev`), a segment at a time; quantised segments (reads
+ * only) through one staging block, as large as the largest tier's. */
 static int layer_io(const kvs_session *s, const kvs_layer *layer, uint8_t *k, uint8_t *v,
                     int to_pool, int dev)
 {
@@ -1181,11 +1225,17 @@ static int layer_io(const kvs_session *s, const kvs_layer *layer, uint8_t *k, ui
         if (g->tier == KVS_TIER_FULL) {
             rc = segment_copy(s, &lay, layer, g, tok, k, v, to_pool, dev);
         } else {
-            kv_layout l8 = lay;
-            l8.block_tokens = layer->int8_block_tokens;
-            if (stage == NULL && (stage = s->ops->alloc(kv_block_bytes(&l8))) == NULL)
-                return KVS_ERR_SYSTEM;
-            rc = segment_read_int8(s, &lay, layer, g, tok, stage, k, v, dev);
+            if (stage == NULL) {
+                size_t most = 0;
+                static const uint32_t quantised[] = {KVS_TIER_INT8, KVS_TIER_INT4, KVS_TIER_INT2};
+                for (size_t t = 0; t < sizeof quantised / sizeof quantised[0]; t++) {
+                    kv_layout lq = quant_layout(&lay, layer, quantised[t]);
+                    most = kv_block_bytes(&lq) > most ? kv_block_bytes(&lq) : most;
+                }
+                if ((stage = s->ops->alloc(most)) == NULL)
+                    return KVS_ERR_SYSTEM;
+            }
+            rc = segment_read_quantised(s, &lay, layer, g, tok, stage, k, v, dev);
         }
         tok += g->count;
     }

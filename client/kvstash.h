@@ -160,6 +160,8 @@ typedef enum kvs_tier {
     KVS_TIER_FULL = 0,   /* slots of a pool block in the pool's dtype */
     KVS_TIER_INT8 = 1,   /* slots of the INT8 block held in pool block `block` */
     KVS_TIER_SKETCH = 2, /* only in the daemon's sketch: kvs_seq_revive rebuilds it */
+    KVS_TIER_INT4 = 4,   /* slots of the INT4 block held in pool block `block` (demote=int4) */
+    KVS_TIER_INT2 = 5,   /* the same in 2 bits (demote=int2); kernels.h "Low-bit tiers" */
 } kvs_tier;
 
 #define KVS_NO_BLOCK UINT32_MAX /* the block of a sketch segment */
@@ -185,8 +187,11 @@ typedef struct kvs_layer {
     int per_head;
     uint32_t head;
     /* Slots of an INT8 block in one pool block (kernels.h
-     * kv_int8_tokens_per_block of the list's layout). */
+     * kv_int8_tokens_per_block of the list's layout), of an INT4 and an INT2
+     * one (kv_lowbit_tokens_per_block; 0: none fits), and the INT4 / INT2
+     * groups' size: the layout's quant_group for kv_decode_attention. */
     uint32_t int8_block_tokens;
+    uint32_t int4_block_tokens, int2_block_tokens, quant_group;
 } kvs_layer;
 
 /*

@@ -361,20 +361,6 @@ static int parse_step(replay *r, arena *a, json_t *s, step_in *in)
     return parse_step_arrays(r, a, s, in);
 }
 
-static const char *tier_name(uint8_t t)
-{
-    switch (t) {
-    case POLICY_FULL:
-        return "full";
-    case POLICY_INT8:
-        return "int8";
-    case POLICY_SKETCH:
-        return "sketch";
-    default:
-        return "evict";
-    }
-}
-
 /* Run the policy on every layer, write the answer, apply the decisions. */
 static int op_step(replay *r, json_t *obj)
 {
@@ -417,7 +403,7 @@ static int op_step(replay *r, json_t *obj)
                     put(&tiers,
                         "%s{\"layer\":%" PRIu32 ",\"head\":%" PRIu32 ",\"position\":%" PRIu32
                         ",\"tier\":\"%s\"}",
-                        tiers.len > 1 ? "," : "", l, k, v->positions[k][i], tier_name(t));
+                        tiers.len > 1 ? "," : "", l, k, v->positions[k][i], policy_tier_name(t));
                 }
             }
             put(&ev, "]");

@@ -144,7 +144,7 @@ void kv_dequantize_group_ref(const int8_t *q, size_t n, float s, float *x);
  *    low-bit block ("Low-bit tiers" below) of 4 / 2 bits and layout l with
  *    block_tokens = kv_lowbit_tokens_per_block(l, bits), at index 0; element
  *    c of a row is kv_lowbit_value of its code with its group's scale and
- *    zero point, in fp32. The fast version dequantises such rows into a
+ *    zero point and its block's shift, in fp32. The fast version dequantises such rows into a
  *    small fp32 tile per chunk and attends over that.
  * The values are those of store.proto's LayerTable.tier (kvs_tier in
  * client/kvstash.h). Any other value (KVS_TIER_SKETCH, say) is a caller
@@ -305,7 +305,8 @@ void kv_int8_dequantize(const kv_layout *l, const uint8_t *qpool, const kv_segme
  * one layer, all KV heads, as unsigned codes of `bits` = 4 or 2 bits with
  * an fp16 scale s and zero point z per group, asymmetric (kernels/lowbit.h
  * is the quantiser: z <= every value <= z + s·(2^bits - 1), code =
- * rne((x - z) / s), value = code·s + z in fp32). With G = the layout's
+ * rne((x - z) / s), value = code·s + z in fp32, both shifted by the
+ * block's power of two). With G = the layout's
  * quant_group (0: KV_LOWBIT_GROUP_DEFAULT):
  *  - keys are grouped per channel over G consecutive slots of the block
  *    (slots [kG, kG + G) form key group k; the last one may be short), the
@@ -322,6 +323,9 @@ void kv_int8_dequantize(const kv_layout *l, const uint8_t *qpool, const kv_segme
  *   bytes [S, S + 4Hnk·d) K params [H][nk]: d fp16 scales, then d zeros
  *                          (S = 2HTR rounded up to 16)
  *   then 4HT·nv bytes     V params [H][T]: nv fp16 scales, then nv zeros
+ *   then 4 bytes          the block's shift e (int32; kernels/lowbit.h:
+ *                          values are stored as x·2^-e, e = 0 unless some
+ *                          |x| of the block passes 32768)
  *
  * rounded up to a multiple of 16 (kv_lowbit_block_bytes). Quantisation
  * writes every byte: unused slots, bits, parameters and padding are 0.
@@ -353,6 +357,8 @@ size_t kv_lowbit_key_params_offset(const kv_layout *l, uint32_t bits, uint32_t b
                                    uint32_t key_group);
 size_t kv_lowbit_value_params_offset(const kv_layout *l, uint32_t bits, uint32_t block,
                                      uint32_t head, uint32_t slot);
+/* The block's shift e: an int32. */
+size_t kv_lowbit_shift_offset(const kv_layout *l, uint32_t bits, uint32_t block);
 
 /*
  * kv_lowbit_quantize: as kv_int8_quantize, into low-bit blocks of `bits`
@@ -360,9 +366,9 @@ size_t kv_lowbit_value_params_offset(const kv_layout *l, uint32_t bits, uint32_t
  * ... in list order, l->block_tokens each, from slot 0. The fast version
  * equals the reference byte for byte.
  * kv_lowbit_dequantize: as kv_int8_dequantize: the i-th token of qsegs
- * (slots of low-bit blocks) into the i-th slot of dst, x = code·s + z
- * stored as type t. The error per value is at most s/2 of its group plus
- * the fp32 rounding of code·s + z and the rounding of t (lowbit.h).
+ * (slots of low-bit blocks) into the i-th slot of dst, x = (code·s + z)·2^e
+ * stored as type t. The error per value is at most s·2^e/2 of its group
+ * plus the fp32 rounding of code·s + z and the rounding of t (lowbit.h).
  */
 void kv_lowbit_quantize_ref(const kv_layout *l, uint32_t bits, kv_dtype t, const uint8_t *pool,
                             const kv_segment *segs, size_t nsegs, uint8_t *qpool,

@@ -11,10 +11,18 @@
  * so that every value of the group lies in [z, z + s·L]; its code is
  * rne((x - z) / s) clamped to [0, L] (0 when s = 0), and the value read
  * back is code·s + z in fp32 (two roundings, no fused multiply-add). The
- * error is then at most s/2 plus the rounding of those fp32 operations,
- * for groups inside fp16's range (|x| <= 65504; beyond it the clamp
- * loses the bound but nothing is undefined). NaN elements are ignored by
- * min and max and get code 0; a group without a number gets s = z = 0.
+ * error is then at most s/2 plus the rounding of those fp32 operations.
+ *
+ * fp16 parameters hold groups up to |x| = 65504. So that any finite
+ * values do, a block is quantised shifted: every x of the block is
+ * multiplied by 2^-e first, and every value read back by 2^e (exact
+ * powers of two: no rounding but below FLT_MIN), with e =
+ * kv_lowbit_shift(max |x| of the block): 0 while the largest |x| is
+ * below 32768, as in every real model's K/V, else the smallest e that
+ * brings it there. The bound becomes s·2^e / 2. NaN elements are ignored
+ * by min and max and get code 0; a group without a number gets s = z = 0;
+ * infinities saturate (the value read back may be infinite, never
+ * undefined).
  */
 #ifndef KVSTASH_KERNELS_LOWBIT_H
 #define KVSTASH_KERNELS_LOWBIT_H
@@ -79,7 +87,25 @@ KV_HD void kv_lowbit_params(float lo, float hi, uint32_t bits, uint16_t *scale, 
     *zero = z;
 }
 
-/* The code of x in a group of scale s and zero point z (as floats). */
+/* The shift e of a block whose largest |x| is amax (>= 0, NaN never):
+ * with amax = m·2^(E-127), m in [1, 2), amax·2^-e <= 2^15 once e >= E -
+ * 141. At most 114 (infinity). */
+KV_HD int32_t kv_lowbit_shift(float amax)
+{
+    uint32_t E = (kv_float_to_bits(amax) >> 23) & 0xffu;
+    return E > 141u ? (int32_t)(E - 141u) : 0;
+}
+
+/* 2^e as a float, e clamped to [-126, 127] (a block's shift is read from
+ * memory a worker can write: any int32 must give a number). */
+KV_HD float kv_lowbit_pow2(int32_t e)
+{
+    e = e < -126 ? -126 : e > 127 ? 127 : e;
+    return kv_bits_to_float((uint32_t)(127 + e) << 23);
+}
+
+/* The code of x (already shifted) in a group of scale s and zero point z
+ * (as floats). */
 KV_HD uint32_t kv_lowbit_code(float x, float s, float z, uint32_t bits)
 {
     float levels = (float)((1u << bits) - 1u);
@@ -98,11 +124,12 @@ KV_HD uint32_t kv_lowbit_code(float x, float s, float z, uint32_t bits)
     return (uint32_t)r;
 }
 
-/* The value code stands for. */
-KV_HD float kv_lowbit_value(uint32_t code, float s, float z)
+/* The value code stands for in a group of scale s and zero point z, in a
+ * block shifted by e (p2 = kv_lowbit_pow2(e)). */
+KV_HD float kv_lowbit_value(uint32_t code, float s, float z, float p2)
 {
     float m = KV_LOWBIT_MUL((float)code, s);
-    return m + z;
+    return KV_LOWBIT_MUL(m + z, p2);
 }
 
 /* Code of channel c in a packed row (bits per code, low bits first). */

@@ -272,7 +272,7 @@ static int decision_valid(const host_layer *ly, uint32_t heads, char *err, size_
     const policy_decision *d = &ly->decision;
     for (uint32_t k = 0; k < heads; k++)
         for (uint32_t i = 0; i < ly->lists[k].tokens; i++)
-            if (d->tier[k][i] > POLICY_EVICT) {
+            if (d->tier[k][i] >= POLICY_TIERS) {
                 snprintf(err, errlen, "invalid tier %u for token %u of list %u", d->tier[k][i], i,
                          k);
                 return -1;

@@ -144,6 +144,9 @@ static void lowbit_row_load(const attn_job *j, uint32_t g, const chunk_tok *tok,
     const uint8_t *qb = j->pool + (size_t)tok->block * kv_block_bytes(j->l);
     const uint8_t *row = qb + kv_lowbit_code_offset(q, bits, 0, (uint32_t)v, g, slot);
     uint16_t s[2 * KV_LOWBIT_ROW_PARAMS];
+    int32_t e;
+    memcpy(&e, qb + kv_lowbit_shift_offset(q, bits, 0), 4);
+    float p2 = kv_lowbit_pow2(e);
     if (!v) {
         const uint8_t *p = qb + kv_lowbit_key_params_offset(q, bits, 0, g, slot / G);
         for (uint32_t c0 = 0; c0 < d; c0 += KV_LOWBIT_ROW_PARAMS) {
@@ -153,7 +156,7 @@ static void lowbit_row_load(const attn_job *j, uint32_t g, const chunk_tok *tok,
             for (uint32_t c = 0; c < w; c++)
                 x[c0 + c] =
                     kv_lowbit_value(kv_lowbit_get(row, c0 + c, bits), kv_half_to_float(s[c]),
-                                    kv_half_to_float(s[KV_LOWBIT_ROW_PARAMS + c]));
+                                    kv_half_to_float(s[KV_LOWBIT_ROW_PARAMS + c]), p2);
         }
         return;
     }
@@ -164,7 +167,7 @@ static void lowbit_row_load(const attn_job *j, uint32_t g, const chunk_tok *tok,
         memcpy(&hz, p + 2 * ((size_t)nv + k), 2);
         float sf = kv_half_to_float(hs), zf = kv_half_to_float(hz);
         for (uint32_t c = k * G; c < d && c < (k + 1) * G; c++)
-            x[c] = kv_lowbit_value(kv_lowbit_get(row, c, bits), sf, zf);
+            x[c] = kv_lowbit_value(kv_lowbit_get(row, c, bits), sf, zf, p2);
     }
 }
 

@@ -53,12 +53,15 @@ static float ref_lowbit_elt(const kv_layout *q, uint32_t bits, const uint8_t *qb
 {
     uint32_t G = kv_lowbit_group(q), d = q->head_dim, nv = (d + G - 1) / G;
     uint32_t code = kv_lowbit_get(qb + kv_lowbit_code_offset(q, bits, 0, kv, g, slot), c, bits);
+    int32_t e;
+    memcpy(&e, qb + kv_lowbit_shift_offset(q, bits, 0), 4);
+    float p2 = kv_lowbit_pow2(e);
     if (kv == 0) {
         const uint8_t *p = qb + kv_lowbit_key_params_offset(q, bits, 0, g, slot / G);
-        return kv_lowbit_value(code, ref_half(p, c), ref_half(p, (size_t)d + c));
+        return kv_lowbit_value(code, ref_half(p, c), ref_half(p, (size_t)d + c), p2);
     }
     const uint8_t *p = qb + kv_lowbit_value_params_offset(q, bits, 0, g, slot);
-    return kv_lowbit_value(code, ref_half(p, c / G), ref_half(p, (size_t)nv + c / G));
+    return kv_lowbit_value(code, ref_half(p, c / G), ref_half(p, (size_t)nv + c / G), p2);
 }
 
 /* Element c of the K (kv = 0) or V (kv = 1) row of (block, KV head g,

@@ -50,6 +50,13 @@ static const uint8_t *next_row(const quant_job *j, kv_cursor *c, uint32_t kv, ui
     return j->pool + (size_t)blk * kv_block_bytes(j->l) + pool_row(j->l, kv, h, slot);
 }
 
+/* x[c] *= p: the block's shift (kernels/lowbit.h). */
+static void shift_row(float *x, uint32_t n, float p)
+{
+    for (uint32_t c = 0; c < n; c++)
+        x[c] = x[c] * p;
+}
+
 static void range_update(const float *x, uint32_t n, float *lo, float *hi)
 {
     for (uint32_t c = 0; c < n; c++) {
@@ -71,9 +78,9 @@ static void pack_codes(const float *x, uint32_t n, const float *s, const float *
 }
 
 /* Key group: n <= G tokens from cursor `start`, channels [c0, c0 + w) of
- * head h, into slots k0.. of block qb. */
+ * head h, into slots k0.. of block qb, shifted by p. */
 static void quant_keys(const quant_job *j, const kv_cursor *start, uint32_t n, uint8_t *qb,
-                       uint32_t h, uint32_t k0, uint32_t c0, uint32_t w)
+                       uint32_t h, uint32_t k0, uint32_t c0, uint32_t w, float p)
 {
     const kv_layout *l = j->l;
     uint32_t G = kv_lowbit_group(l), d = l->head_dim, bits = j->bits;
@@ -86,6 +93,7 @@ static void quant_keys(const quant_job *j, const kv_cursor *start, uint32_t n, u
     kv_cursor cur = *start;
     for (uint32_t i = 0; i < n; i++) {
         kv_row_load(next_row(j, &cur, 0, h) + c0 * e, j->t, w, x);
+        shift_row(x, w, p);
         range_update(x, w, lo, hi);
     }
     uint8_t *par = qb + kv_lowbit_key_params_offset(l, bits, 0, h, k0 / G);
@@ -100,15 +108,16 @@ static void quant_keys(const quant_job *j, const kv_cursor *start, uint32_t n, u
     cur = *start;
     for (uint32_t i = 0; i < n; i++) {
         kv_row_load(next_row(j, &cur, 0, h) + c0 * e, j->t, w, x);
+        shift_row(x, w, p);
         pack_codes(x, w, s, z, 0, bits, qb + kv_lowbit_code_offset(l, bits, 0, 0, h, k0 + i), c0);
     }
 }
 
-/* Value row of head h of the token at `row` into slot i of block qb: per
- * group of G channels, its range then its codes, KV_CHUNK channels at a
- * time. */
+/* Value row of head h of the token at `row` into slot i of block qb,
+ * shifted by p: per group of G channels, its range then its codes,
+ * KV_CHUNK channels at a time. */
 static void quant_value_row(const quant_job *j, const uint8_t *row, uint8_t *qb, uint32_t h,
-                            uint32_t i)
+                            uint32_t i, float p)
 {
     const kv_layout *l = j->l;
     uint32_t G = kv_lowbit_group(l), d = l->head_dim, nv = (d + G - 1) / G, bits = j->bits;
@@ -122,6 +131,7 @@ static void quant_value_row(const quant_job *j, const uint8_t *row, uint8_t *qb,
         for (uint32_t a = 0; a < n; a += KV_CHUNK) {
             uint32_t w = n - a < KV_CHUNK ? n - a : KV_CHUNK;
             kv_row_load(row + (size_t)(c0 + a) * e, j->t, w, x);
+            shift_row(x, w, p);
             for (uint32_t c = 0; c < w; c++) {
                 lo = x[c] < lo ? x[c] : lo;
                 hi = x[c] > hi ? x[c] : hi;
@@ -135,9 +145,36 @@ static void quant_value_row(const quant_job *j, const uint8_t *row, uint8_t *qb,
         for (uint32_t a = 0; a < n; a += KV_CHUNK) {
             uint32_t w = n - a < KV_CHUNK ? n - a : KV_CHUNK;
             kv_row_load(row + (size_t)(c0 + a) * e, j->t, w, x);
+            shift_row(x, w, p);
             pack_codes(x, w, &s, &z, 1, bits, codes, c0 + a);
         }
     }
+}
+
+/* The shift of the block whose m tokens start at cursor `start`: the
+ * largest |x| of their rows, K and V, every head. */
+static int32_t block_shift(const quant_job *j, const kv_cursor *start, uint32_t m)
+{
+    const kv_layout *l = j->l;
+    float x[KV_CHUNK], amax = 0;
+    size_t e = l->elt_size;
+    kv_cursor cur = *start;
+    for (uint32_t i = 0; i < m; i++) {
+        uint32_t blk = 0, slot = 0;
+        kv_cursor_next(&cur, &blk, &slot);
+        const uint8_t *base = j->pool + (size_t)blk * kv_block_bytes(l);
+        for (uint32_t kv = 0; kv < 2; kv++)
+            for (uint32_t h = 0; h < l->kv_heads; h++)
+                for (uint32_t c0 = 0; c0 < l->head_dim; c0 += KV_CHUNK) {
+                    uint32_t w = l->head_dim - c0 < KV_CHUNK ? l->head_dim - c0 : KV_CHUNK;
+                    kv_row_load(base + pool_row(l, kv, h, slot) + c0 * e, j->t, w, x);
+                    for (uint32_t c = 0; c < w; c++) {
+                        float a = fabsf(x[c]);
+                        amax = a > amax ? a : amax;
+                    }
+                }
+    }
+    return kv_lowbit_shift(amax);
 }
 
 static void quant_blocks(void *ctx, size_t lo, size_t hi)
@@ -153,17 +190,20 @@ static void quant_blocks(void *ctx, size_t lo, size_t hi)
         uint32_t m = j->ntok > first ? (uint32_t)(j->ntok - first < T ? j->ntok - first : T) : 0;
         uint8_t *qb = j->qpool + (size_t)j->qblocks[b] * bytes;
         memset(qb, 0, bytes);
+        int32_t shift = block_shift(j, &cur, m);
+        memcpy(qb + kv_lowbit_shift_offset(l, j->bits, 0), &shift, 4);
+        float p = kv_lowbit_pow2(-shift);
         for (uint32_t k0 = 0; k0 < m; k0 += G) { /* key groups, cur at their first token */
             uint32_t n = m - k0 < G ? m - k0 : G;
             for (uint32_t h = 0; h < l->kv_heads; h++)
                 for (uint32_t c0 = 0; c0 < d; c0 += KV_CHUNK)
-                    quant_keys(j, &cur, n, qb, h, k0, c0, d - c0 < KV_CHUNK ? d - c0 : KV_CHUNK);
+                    quant_keys(j, &cur, n, qb, h, k0, c0, d - c0 < KV_CHUNK ? d - c0 : KV_CHUNK, p);
             for (uint32_t i = 0; i < n; i++) { /* the same tokens' values; cur steps past */
                 uint32_t blk = 0, slot = 0;
                 kv_cursor_next(&cur, &blk, &slot);
                 const uint8_t *blk_base = j->pool + (size_t)blk * kv_block_bytes(l);
                 for (uint32_t h = 0; h < l->kv_heads; h++)
-                    quant_value_row(j, blk_base + pool_row(l, 1, h, slot), qb, h, k0 + i);
+                    quant_value_row(j, blk_base + pool_row(l, 1, h, slot), qb, h, k0 + i, p);
             }
         }
     }
@@ -208,6 +248,9 @@ static void dequant_token(const dequant_job *j, uint32_t qb, uint32_t qs, uint32
     uint32_t G = kv_lowbit_group(l), d = l->head_dim, nv = (d + G - 1) / G, bits = j->bits;
     size_t half = kv_block_bytes(l) / 2;
     float buf[KV_CHUNK];
+    int32_t shift;
+    memcpy(&shift, j->qpool + kv_lowbit_shift_offset(l, bits, qb), 4);
+    float p2 = kv_lowbit_pow2(shift);
     for (uint32_t h = 0; h < l->kv_heads; h++) {
         const uint8_t *kp = j->qpool + kv_lowbit_key_params_offset(l, bits, qb, h, qs / G);
         const uint8_t *vp = j->qpool + kv_lowbit_value_params_offset(l, bits, qb, h, qs);
@@ -218,12 +261,12 @@ static void dequant_token(const dequant_job *j, uint32_t qb, uint32_t qs, uint32
             uint32_t w = d - c0 < KV_CHUNK ? d - c0 : KV_CHUNK;
             for (uint32_t c = 0; c < w; c++)
                 buf[c] = kv_lowbit_value(kv_lowbit_get(krow, c0 + c, bits), half_at(kp, c0 + c),
-                                         half_at(kp, (size_t)d + c0 + c));
+                                         half_at(kp, (size_t)d + c0 + c), p2);
             kv_row_store(kout + (size_t)c0 * l->elt_size, j->t, w, buf);
             for (uint32_t c = 0; c < w; c++) {
                 uint32_t g = (c0 + c) / G;
                 buf[c] = kv_lowbit_value(kv_lowbit_get(vrow, c0 + c, bits), half_at(vp, g),
-                                         half_at(vp, (size_t)nv + g));
+                                         half_at(vp, (size_t)nv + g), p2);
             }
             kv_row_store(kout + half + (size_t)c0 * l->elt_size, j->t, w, buf);
         }

@@ -40,10 +40,21 @@ static size_t value_params_start(const kv_layout *l, uint32_t bits)
     return key_params_start(l, bits) + 4 * (size_t)l->kv_heads * key_groups(l) * l->head_dim;
 }
 
+/* The block's shift (an int32) follows the V parameters. */
+static size_t shift_start(const kv_layout *l, uint32_t bits)
+{
+    return value_params_start(l, bits) +
+           4 * (size_t)l->kv_heads * l->block_tokens * value_groups(l);
+}
+
 size_t kv_lowbit_block_bytes(const kv_layout *l, uint32_t bits)
 {
-    size_t v = 4 * (size_t)l->kv_heads * l->block_tokens * value_groups(l);
-    return (value_params_start(l, bits) + v + 15) & ~(size_t)15;
+    return (shift_start(l, bits) + 4 + 15) & ~(size_t)15;
+}
+
+size_t kv_lowbit_shift_offset(const kv_layout *l, uint32_t bits, uint32_t block)
+{
+    return (size_t)block * kv_lowbit_block_bytes(l, bits) + shift_start(l, bits);
 }
 
 size_t kv_lowbit_code_offset(const kv_layout *l, uint32_t bits, uint32_t block, uint32_t kv,

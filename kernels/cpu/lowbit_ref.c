@@ -57,10 +57,29 @@ static void quantize_group(const float *x, size_t n, uint32_t bits, uint16_t *s,
         code[i] = kv_lowbit_code(x[i], kv_half_to_float(*s), kv_half_to_float(*z), bits);
 }
 
-/* The m tokens' keys, per channel over key groups of G slots. */
+/* The block's shift: the largest |x| of its m tokens, K and V, every head. */
+static int32_t block_shift(const kv_layout *l, kv_dtype t, const uint8_t *pool,
+                           const kv_segment *segs, size_t nsegs, size_t first, uint32_t m)
+{
+    float amax = 0;
+    for (uint32_t i = 0; i < m; i++) {
+        uint32_t blk = 0, slot = 0;
+        kv_ref_nth_token(segs, nsegs, first + i, &blk, &slot);
+        for (uint32_t kv = 0; kv < 2; kv++)
+            for (uint32_t h = 0; h < l->kv_heads; h++)
+                for (uint32_t c = 0; c < l->head_dim; c++) {
+                    float a = fabsf(kv_elt_load(pool + pool_elt(l, blk, kv, h, slot, c), t));
+                    amax = a > amax ? a : amax;
+                }
+    }
+    return kv_lowbit_shift(amax);
+}
+
+/* The m tokens' keys, per channel over key groups of G slots, each value
+ * times p (the block's 2^-e). */
 static void quantize_keys(const kv_layout *l, uint32_t bits, kv_dtype t, const uint8_t *pool,
                           const kv_segment *segs, size_t nsegs, size_t first, uint32_t m,
-                          uint8_t *qpool, uint32_t qb, float *x, uint32_t *code)
+                          uint8_t *qpool, uint32_t qb, float p, float *x, uint32_t *code)
 {
     uint32_t G = kv_lowbit_group(l), d = l->head_dim;
     for (uint32_t h = 0; h < l->kv_heads; h++)
@@ -71,7 +90,7 @@ static void quantize_keys(const kv_layout *l, uint32_t bits, kv_dtype t, const u
                 for (uint32_t i = 0; i < n; i++) {
                     uint32_t blk = 0, slot = 0;
                     kv_ref_nth_token(segs, nsegs, first + k0 + i, &blk, &slot);
-                    x[i] = kv_elt_load(pool + pool_elt(l, blk, 0, h, slot, c), t);
+                    x[i] = kv_elt_load(pool + pool_elt(l, blk, 0, h, slot, c), t) * p;
                 }
                 uint16_t s, z;
                 quantize_group(x, n, bits, &s, &z, code);
@@ -84,10 +103,11 @@ static void quantize_keys(const kv_layout *l, uint32_t bits, kv_dtype t, const u
         }
 }
 
-/* The m tokens' values, per token over value groups of G channels. */
+/* The m tokens' values, per token over value groups of G channels, each
+ * value times p. */
 static void quantize_values(const kv_layout *l, uint32_t bits, kv_dtype t, const uint8_t *pool,
                             const kv_segment *segs, size_t nsegs, size_t first, uint32_t m,
-                            uint8_t *qpool, uint32_t qb, float *x, uint32_t *code)
+                            uint8_t *qpool, uint32_t qb, float p, float *x, uint32_t *code)
 {
     uint32_t G = kv_lowbit_group(l), d = l->head_dim, nv = (d + G - 1) / G;
     for (uint32_t h = 0; h < l->kv_heads; h++)
@@ -99,7 +119,7 @@ static void quantize_values(const kv_layout *l, uint32_t bits, kv_dtype t, const
             for (uint32_t c0 = 0; c0 < d; c0 += G) {
                 uint32_t n = d - c0 < G ? d - c0 : G;
                 for (uint32_t c = 0; c < n; c++)
-                    x[c] = kv_elt_load(pool + pool_elt(l, blk, 1, h, slot, c0 + c), t);
+                    x[c] = kv_elt_load(pool + pool_elt(l, blk, 1, h, slot, c0 + c), t) * p;
                 uint16_t s, z;
                 quantize_group(x, n, bits, &s, &z, code);
                 put_half(par + 2 * (size_t)(c0 / G), s);
@@ -128,8 +148,11 @@ void kv_lowbit_quantize_ref(const kv_layout *l, uint32_t bits, kv_dtype t, const
         size_t first = b * T;
         uint32_t m = ntok > first ? (uint32_t)(ntok - first < T ? ntok - first : T) : 0;
         memset(qpool + (size_t)qblocks[b] * bytes, 0, bytes);
-        quantize_keys(l, bits, t, pool, segs, nsegs, first, m, qpool, qblocks[b], x, code);
-        quantize_values(l, bits, t, pool, segs, nsegs, first, m, qpool, qblocks[b], x, code);
+        int32_t e = block_shift(l, t, pool, segs, nsegs, first, m);
+        memcpy(qpool + kv_lowbit_shift_offset(l, bits, qblocks[b]), &e, 4);
+        float p = kv_lowbit_pow2(-e);
+        quantize_keys(l, bits, t, pool, segs, nsegs, first, m, qpool, qblocks[b], p, x, code);
+        quantize_values(l, bits, t, pool, segs, nsegs, first, m, qpool, qblocks[b], p, x, code);
     }
     free(x);
     free(code);
@@ -146,6 +169,9 @@ void kv_lowbit_dequantize_ref(const kv_layout *l, uint32_t bits, const uint8_t *
          kv_ref_nth_token(qsegs, nqsegs, i, &qb, &qs) && kv_ref_nth_token(dst, ndst, i, &db, &ds);
          i++)
         for (uint32_t h = 0; h < l->kv_heads; h++) {
+            int32_t e;
+            memcpy(&e, qpool + kv_lowbit_shift_offset(l, bits, qb), 4);
+            float p2 = kv_lowbit_pow2(e);
             const uint8_t *kp = qpool + kv_lowbit_key_params_offset(l, bits, qb, h, qs / G);
             const uint8_t *vp = qpool + kv_lowbit_value_params_offset(l, bits, qb, h, qs);
             const uint8_t *krow = qpool + kv_lowbit_code_offset(l, bits, qb, 0, h, qs);
@@ -153,11 +179,11 @@ void kv_lowbit_dequantize_ref(const kv_layout *l, uint32_t bits, const uint8_t *
             for (uint32_t c = 0; c < d; c++) {
                 float k = kv_lowbit_value(kv_lowbit_get(krow, c, bits),
                                           kv_half_to_float(get_half(kp + 2 * (size_t)c)),
-                                          kv_half_to_float(get_half(kp + 2 * ((size_t)d + c))));
+                                          kv_half_to_float(get_half(kp + 2 * ((size_t)d + c))), p2);
                 float v =
                     kv_lowbit_value(kv_lowbit_get(vrow, c, bits),
                                     kv_half_to_float(get_half(vp + 2 * (size_t)(c / G))),
-                                    kv_half_to_float(get_half(vp + 2 * ((size_t)nv + c / G))));
+                                    kv_half_to_float(get_half(vp + 2 * ((size_t)nv + c / G))), p2);
                 kv_elt_store(pool + pool_elt(l, db, 0, h, ds, c), t, k);
                 kv_elt_store(pool + pool_elt(l, db, 1, h, ds, c), t, v);
             }

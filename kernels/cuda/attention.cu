@@ -61,7 +61,7 @@ struct q8geom {
 /* A low-bit block inside an INT4 / INT2 segment's pool block, as offsets
  * from the pool block's start (kernels.h "Low-bit tiers"). */
 struct lbgeom {
-    unsigned long long v_codes, k_params, v_params;
+    unsigned long long v_codes, k_params, v_params, shift;
     unsigned tokens, row, group, nk, nv;
 };
 
@@ -73,6 +73,7 @@ lbgeom make_lbgeom(const kv_layout *l, uint32_t bits)
     g.v_codes = kv_lowbit_code_offset(&q, bits, 0, 1, 0, 0);
     g.k_params = kv_lowbit_key_params_offset(&q, bits, 0, 0, 0);
     g.v_params = kv_lowbit_value_params_offset(&q, bits, 0, 0, 0);
+    g.shift = kv_lowbit_shift_offset(&q, bits, 0);
     g.tokens = q.block_tokens;
     g.row = (unsigned)(((size_t)l->head_dim * bits + 7) / 8);
     g.group = kv_lowbit_group(l);
@@ -95,9 +96,11 @@ __device__ __forceinline__ void load_lowbit(const lbgeom &q, unsigned bits, unsi
     const uint8_t *kp =
         qb + q.k_params + ((unsigned long long)kvh * q.nk + slot / q.group) * 4ull * dim;
     const uint8_t *vp = qb + q.v_params + ((unsigned long long)kvh * q.tokens + slot) * 4ull * q.nv;
-    *k = kv_lowbit_value(kv_lowbit_get(qb + row, j, bits), half_at(kp, j), half_at(kp, dim + j));
+    const float p2 = kv_lowbit_pow2(*reinterpret_cast<const int32_t *>(qb + q.shift));
+    *k =
+        kv_lowbit_value(kv_lowbit_get(qb + row, j, bits), half_at(kp, j), half_at(kp, dim + j), p2);
     *v = kv_lowbit_value(kv_lowbit_get(qb + q.v_codes + row, j, bits), half_at(vp, j / q.group),
-                         half_at(vp, q.nv + j / q.group));
+                         half_at(vp, q.nv + j / q.group), p2);
 }
 
 /* The quantised blocks' geometries a kernel needs. */

@@ -2,8 +2,10 @@
  * lowbit.cu - CUDA twins of the INT4 / INT2 tier kernels
  * (kernels/cpu/lowbit.c; kernels.h "Low-bit tiers").
  *
- * Quantise, in three launches: every destination block zeroed (unused
- * slots, bits and padding stay 0, as on the CPU); keys, one thread block
+ * Quantise, in four launches: every destination block zeroed (unused
+ * slots, bits and padding stay 0, as on the CPU); each block's shift
+ * (kernels/lowbit.h: its largest |x|, a max over the block's threads, the
+ * same max as the CPU's in any order); keys, one thread block
  * per (block, head, key group), a thread per byte of the code row: it
  * takes the range of its channels (8 / bits of them) over the group's
  * tokens, writes their parameters, then each token's byte of codes;
@@ -27,7 +29,7 @@ namespace
 
 /* A low-bit block's geometry (offsets from the block's start). */
 struct lbgeom {
-    unsigned long long block_bytes, v_codes, k_params, v_params;
+    unsigned long long block_bytes, v_codes, k_params, v_params, shift;
     unsigned tokens, row, group, nk, nv, bits;
 };
 
@@ -38,6 +40,7 @@ lbgeom make_lbgeom(const kv_layout *l, uint32_t bits)
     q.v_codes = kv_lowbit_code_offset(l, bits, 0, 1, 0, 0);
     q.k_params = kv_lowbit_key_params_offset(l, bits, 0, 0, 0);
     q.v_params = kv_lowbit_value_params_offset(l, bits, 0, 0, 0);
+    q.shift = kv_lowbit_shift_offset(l, bits, 0);
     q.tokens = l->block_tokens;
     q.row = (unsigned)(((size_t)l->head_dim * bits + 7) / 8);
     q.group = kv_lowbit_group(l);
@@ -66,6 +69,46 @@ __device__ __forceinline__ unsigned filled(const lbgeom &q, unsigned b, unsigned
     return ntok > first ? (unsigned)min((unsigned long long)q.tokens, ntok - first) : 0;
 }
 
+/* The block's shift, written at its place in the block: max |x| as float
+ * bits (non-negative floats order as their bits; NaN is skipped as the
+ * CPU's comparison skips it). */
+__global__ void shift_kernel(geom g, lbgeom q, int t, const uint8_t *pool, const token *tok,
+                             unsigned long long ntok, const uint32_t *qblocks, uint8_t *qpool)
+{
+    __shared__ unsigned amax;
+    const unsigned b = blockIdx.x, m = filled(q, b, ntok);
+    if (threadIdx.x == 0)
+        amax = 0;
+    __syncthreads();
+    const unsigned long long per_token = 2ull * g.heads * g.dim, n = m * per_token;
+    unsigned mine = 0;
+    for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
+        const token tk = tok[(unsigned long long)b * q.tokens + i / per_token];
+        const unsigned r = (unsigned)(i % per_token), kv = r / (g.heads * g.dim);
+        const unsigned h = r / g.dim % g.heads, c = r % g.dim;
+        float a = fabsf(load_elt(pool + row_offset(g, tk.block, kv, h, tk.slot) + c * g.elt, t));
+        if (a == a && __float_as_uint(a) > mine)
+            mine = __float_as_uint(a);
+    }
+    atomicMax(&amax, mine);
+    __syncthreads();
+    if (threadIdx.x == 0)
+        *reinterpret_cast<int32_t *>(qpool + qblocks[b] * q.block_bytes + q.shift) =
+            kv_lowbit_shift(__uint_as_float(amax));
+}
+
+/* Element c of a row, shifted by the block's p = 2^-e. */
+__device__ __forceinline__ float shifted(const uint8_t *row, unsigned c, const geom &g, int t,
+                                         float p)
+{
+    return __fmul_rn(load_elt(row + c * g.elt, t), p);
+}
+
+__device__ __forceinline__ float block_p(const lbgeom &q, const uint8_t *qb)
+{
+    return kv_lowbit_pow2(-*reinterpret_cast<const int32_t *>(qb + q.shift));
+}
+
 __global__ void keys_kernel(geom g, lbgeom q, int t, const uint8_t *pool, const token *tok,
                             unsigned long long ntok, const uint32_t *qblocks, uint8_t *qpool)
 {
@@ -76,6 +119,7 @@ __global__ void keys_kernel(geom g, lbgeom q, int t, const uint8_t *pool, const 
     const unsigned n = min(q.group, m - k0), per = 8 / q.bits;
     const unsigned long long first = (unsigned long long)b * q.tokens + k0;
     uint8_t *qb = qpool + qblocks[b] * q.block_bytes;
+    const float p = block_p(q, qb);
     uint8_t *par = qb + q.k_params + ((unsigned long long)head * q.nk + kg) * 4ull * g.dim;
     for (unsigned byte = threadIdx.x; byte < q.row; byte += blockDim.x) {
         float s[4], z[4]; /* per <= 4 channels a byte */
@@ -86,7 +130,7 @@ __global__ void keys_kernel(geom g, lbgeom q, int t, const uint8_t *pool, const 
             float lo = INFINITY, hi = -INFINITY;
             for (unsigned i = 0; i < n; i++) {
                 const token tk = tok[first + i];
-                float x = load_elt(pool + row_offset(g, tk.block, 0, head, tk.slot) + c * g.elt, t);
+                float x = shifted(pool + row_offset(g, tk.block, 0, head, tk.slot), c, g, t, p);
                 lo = x < lo ? x : lo;
                 hi = x > hi ? x : hi;
             }
@@ -103,8 +147,7 @@ __global__ void keys_kernel(geom g, lbgeom q, int t, const uint8_t *pool, const 
             unsigned v = 0;
             for (unsigned k = 0; k < per && byte * per + k < g.dim; k++) {
                 const unsigned c = byte * per + k;
-                v |= kv_lowbit_code(load_elt(row + c * g.elt, t), s[k], z[k], q.bits)
-                     << (k * q.bits);
+                v |= kv_lowbit_code(shifted(row, c, g, t, p), s[k], z[k], q.bits) << (k * q.bits);
             }
             qb[((unsigned long long)head * q.tokens + k0 + i) * q.row + byte] = (uint8_t)v;
         }
@@ -121,11 +164,12 @@ __global__ void values_kernel(geom g, lbgeom q, int t, const uint8_t *pool, cons
     const token tk = tok[(unsigned long long)b * q.tokens + i];
     const uint8_t *row = pool + row_offset(g, tk.block, 1, head, tk.slot);
     uint8_t *qb = qpool + qblocks[b] * q.block_bytes;
+    const float p = block_p(q, qb);
     uint8_t *par = qb + q.v_params + ((unsigned long long)head * q.tokens + i) * 4ull * q.nv;
     for (unsigned k = threadIdx.x; k < q.nv; k += blockDim.x) {
         float lo = INFINITY, hi = -INFINITY;
         for (unsigned c = k * q.group; c < g.dim && c < (k + 1) * q.group; c++) {
-            float x = load_elt(row + c * g.elt, t);
+            float x = shifted(row, c, g, t, p);
             lo = x < lo ? x : lo;
             hi = x > hi ? x : hi;
         }
@@ -143,7 +187,7 @@ __global__ void values_kernel(geom g, lbgeom q, int t, const uint8_t *pool, cons
         unsigned v = 0;
         for (unsigned k = 0; k < per && byte * per + k < g.dim; k++) {
             const unsigned c = byte * per + k, gi = c / q.group;
-            v |= kv_lowbit_code(load_elt(row + c * g.elt, t), params[gi], params[q.nv + gi], q.bits)
+            v |= kv_lowbit_code(shifted(row, c, g, t, p), params[gi], params[q.nv + gi], q.bits)
                  << (k * q.bits);
         }
         out[byte] = (uint8_t)v;
@@ -168,11 +212,12 @@ __global__ void dequantize_kernel(geom g, lbgeom q, int t, const uint8_t *qpool,
     const uint8_t *vp =
         qb + q.v_params + ((unsigned long long)head * q.tokens + s.slot) * 4ull * q.nv;
     uint8_t *out = pool + row_offset(g, d.block, kv, head, d.slot);
+    const float p2 = kv_lowbit_pow2(*reinterpret_cast<const int32_t *>(qb + q.shift));
     for (unsigned c = threadIdx.x; c < g.dim; c += blockDim.x) {
         const unsigned code = kv_lowbit_get(codes, c, q.bits);
-        float x =
-            kv ? kv_lowbit_value(code, half_at(vp, c / q.group), half_at(vp, q.nv + c / q.group))
-               : kv_lowbit_value(code, half_at(kp, c), half_at(kp, g.dim + c));
+        float x = kv ? kv_lowbit_value(code, half_at(vp, c / q.group),
+                                       half_at(vp, q.nv + c / q.group), p2)
+                     : kv_lowbit_value(code, half_at(kp, c), half_at(kp, g.dim + c), p2);
         store_elt(out + c * g.elt, t, x);
     }
 }
@@ -202,6 +247,7 @@ extern "C" int kv_lowbit_quantize_cuda(const kv_layout *l, uint32_t bits, kv_dty
     if (sc.err == cudaSuccess) {
         geom g = make_geom(l);
         zero_kernel<<<(unsigned)nq, kThreads>>>(q, d_qb, qpool);
+        shift_kernel<<<(unsigned)nq, kThreads>>>(g, q, t, pool, d_tok, ntok, d_qb, qpool);
         keys_kernel<<<dim3((unsigned)nq, l->kv_heads, q.nk), kThreads>>>(g, q, t, pool, d_tok, ntok,
                                                                          d_qb, qpool);
         values_kernel<<<dim3((unsigned)nq, l->kv_heads, l->block_tokens), kThreads, shared>>>(

@@ -78,6 +78,7 @@ typedef struct worker {
      * at the last verify, the block of its INT8 slot then, and the INT8
      * quantisations seen (or ROUNDS_LOST) */
     uint8_t *last_tier, *rounds;
+    uint8_t *coarsest; /* the coarsest quantised tier a position went through */
     uint32_t *last_block;
     size_t elt;
 } worker;
@@ -345,18 +346,51 @@ static float int8_bound(const worker *w, uint64_t si, uint32_t l, uint32_t h, ui
     return m / 254.0f * (float)rounds * (1.0f + (float)rounds / 100.0f);
 }
 
+/* Bound of `rounds` INT4 / INT2 round trips (L = 15 or 3 levels) of
+ * channel c of position p: half a group's step, the step at most its range
+ * / L rounded up in fp16 (kernels.h "Low-bit tiers"); a K group is the
+ * channel over some of the positions appended, a V group some channels of
+ * the token (within its whole row's range); the margin as int8_bound's. */
+static float lowbit_bound(const worker *w, uint64_t si, uint32_t l, uint32_t h, uint64_t p,
+                          uint32_t c, int is_v, uint8_t rounds, float levels)
+{
+    const kvs_geometry *g = kvs_session_geometry(w->s);
+    uint64_t n = is_v ? g->head_dim : w->appended;
+    float lo = 0, hi = 0, x;
+    for (uint64_t i = 0; i < n; i++) {
+        if (is_v)
+            value_of(w, si, l, h, p, (uint32_t)i, 1, &x);
+        else
+            value_of(w, si, l, h, i, c, 0, &x);
+        lo = i == 0 || x < lo ? x : lo;
+        hi = i == 0 || x > hi ? x : hi;
+    }
+    float step = (hi - lo) / levels * (1.0f + 1.0f / 512);
+    return step / 2 * (float)rounds * (1.0f + (float)rounds / 100.0f) + 1e-6f;
+}
+
 /* Whether a value read back is right: exact for a token never quantised,
- * within the bound of its INT8 round trips for one that was. */
-static int value_ok(const worker *w, uint64_t si, uint32_t l, uint32_t h, uint32_t c, int is_v,
-                    const uint8_t *got, const uint8_t *want, uint8_t rounds)
+ * within the bound of its round trips (as coarse as the coarsest tier it
+ * went through) for one that was. */
+static int value_ok(const worker *w, uint64_t si, uint32_t l, uint32_t h, uint64_t p, uint32_t c,
+                    int is_v, const uint8_t *got, const uint8_t *want, uint8_t rounds,
+                    uint8_t coarsest)
 {
     if (rounds == 0)
         return memcmp(got, want, w->elt) == 0;
     float g, x;
     memcpy(&g, got, 4);
     memcpy(&x, want, 4);
-    float b = int8_bound(w, si, l, h, c, is_v, rounds); /* (no libm in this worker) */
-    return g - x <= b && x - g <= b;
+    float b = coarsest == KVS_TIER_INT2   ? lowbit_bound(w, si, l, h, p, c, is_v, rounds, 3)
+              : coarsest == KVS_TIER_INT4 ? lowbit_bound(w, si, l, h, p, c, is_v, rounds, 15)
+                                          : int8_bound(w, si, l, h, c, is_v, rounds);
+    return g - x <= b && x - g <= b; /* (no libm in this worker) */
+}
+
+/* Quantised tiers from finest to coarsest: 0 for any other. */
+static int coarseness(uint32_t tier)
+{
+    return tier == KVS_TIER_INT8 ? 1 : tier == KVS_TIER_INT4 ? 2 : tier == KVS_TIER_INT2 ? 3 : 0;
 }
 
 static void print_mismatch(uint64_t id, uint32_t l, uint32_t i, uint32_t p, uint32_t h, uint32_t c,
@@ -395,17 +429,17 @@ static int verify_positions(const worker *w, uint64_t id, uint32_t l, const kvs_
 
 /* What happened to the tokens of a list since the last verify. One now in
  * the sketch loses its values for good (an estimate comes back); one now
- * INT8 that was not, or in another INT8 block than before (re-quantised by
- * compaction, POLICIES.md §5.4), went through one more quantisation, whose
- * error is bounded by the largest value of its INT8 block (a scale per
- * block and channel): if the list holds an estimate outside the sketch,
+ * quantised (INT8, INT4, INT2) that was not, or in another block than
+ * before (re-quantised by compaction, POLICIES.md §5.4), went through one
+ * more quantisation, whose error is bounded by the values of its group (a
+ * scale per block and channel for INT8): if the list holds an estimate outside the sketch,
  * that may be in the block, and the token's values are lost too. The
  * daemon quantises a token at most once a step, and verify_now runs after
  * each operator move, so no round goes unseen. */
 static void track_tiers(worker *w, uint64_t si, uint32_t l, const kvs_layer *ly)
 {
     size_t at = (si * kvs_session_geometry(w->s)->layers + l) * w->o->tokens;
-    uint8_t *last = w->last_tier + at, *rounds = w->rounds + at;
+    uint8_t *last = w->last_tier + at, *rounds = w->rounds + at, *coarsest = w->coarsest + at;
     uint32_t *block = w->last_block + at;
     int estimates = 0;
     for (size_t s = 0, i = 0; s < ly->nsegments; i += ly->segments[s++].count)
@@ -419,9 +453,11 @@ static void track_tiers(worker *w, uint64_t si, uint32_t l, const kvs_layer *ly)
     for (size_t s = 0, i = 0; s < ly->nsegments; i += ly->segments[s++].count)
         for (uint32_t j = 0; j < ly->segments[s].count; j++) {
             uint32_t p = ly->positions[i + j], tier = ly->segments[s].tier;
-            int again = last[p] != KVS_TIER_INT8 || block[p] != ly->segments[s].block;
-            if (tier == KVS_TIER_INT8 && again && rounds[p] != ROUNDS_LOST)
+            int again = last[p] != tier || block[p] != ly->segments[s].block;
+            if (coarseness(tier) > 0 && again && rounds[p] != ROUNDS_LOST)
                 rounds[p] = estimates || rounds[p] == ROUNDS_LOST - 1 ? ROUNDS_LOST : rounds[p] + 1;
+            if (coarseness(tier) > coarseness(coarsest[p]))
+                coarsest[p] = (uint8_t)tier;
             last[p] = (uint8_t)tier;
             block[p] = ly->segments[s].block;
         }
@@ -457,7 +493,8 @@ static int verify_segment(worker *w, uint64_t si, uint64_t id, uint32_t l, const
                     const uint8_t *got =
                         (kv ? v : k) + ((size_t)h * sg.count + j) * row + c * w->elt;
                     value_of(w, si, l, h, p, c, kv, want);
-                    if (!value_ok(w, si, l, h, c, kv, got, want, rounds[p])) {
+                    if (!value_ok(w, si, l, h, p, c, kv, got, want, rounds[p],
+                                  w->coarsest[(si * g->layers + l) * w->o->tokens + p])) {
                         print_mismatch(id, l, t + j, p, h, c, kv, got, want, w->elt);
                         bad++;
                     }
@@ -594,8 +631,9 @@ int main(int argc, char **argv)
     w.seq_ids = xmalloc(o.sequences * sizeof *w.seq_ids);
     w.last_tier = calloc(o.sequences * o.geom.layers * o.tokens + 1, 1);
     w.rounds = calloc(o.sequences * o.geom.layers * o.tokens + 1, 1);
+    w.coarsest = calloc(o.sequences * o.geom.layers * o.tokens + 1, 1);
     w.last_block = calloc(o.sequences * o.geom.layers * o.tokens + 1, sizeof *w.last_block);
-    if (w.last_tier == NULL || w.rounds == NULL || w.last_block == NULL)
+    if (w.last_tier == NULL || w.rounds == NULL || w.last_block == NULL || w.coarsest == NULL)
         die(2, 0, "out of memory");
     for (uint64_t i = 0; i < o.sequences; i++) {
         rc = kvs_seq_create(w.s, o.policy, o.params, o.nparams, o.label, &w.seq_ids[i]);
@@ -643,5 +681,6 @@ int main(int argc, char **argv)
     free(w.last_tier);
     free(w.last_block);
     free(w.rounds);
+    free(w.coarsest);
     return 0;
 }

@@ -2,11 +2,15 @@
  * kvs_tier_worker.c - a worker that drives one sequence through the storage
  * tiers and checks what Revive gives back (issue 4, acceptance 3).
  *
- * It creates a `streaming` sequence with the given storage options (int8,
- * victims, sketch_buckets), appends --tokens tokens one at a time with
- * seeded fp16 K/V, and after every append reads back every held token: full
- * precision tokens must be the bytes written, INT8 tokens within the bound
- * max|channel| / 254 plus fp16 rounding. It keeps its own count-sketch: a
+ * It creates a `streaming` sequence with the given storage options (int8 or
+ * demote, victims, sketch_buckets), appends --tokens tokens one at a time
+ * with seeded fp16 K/V, and after every append reads back every held
+ * token: full precision tokens must be the bytes written, INT8 tokens
+ * within the bound max|channel| / 254 plus fp16 rounding, INT4 / INT2
+ * tokens within half a step of their group (kernels.h "Low-bit tiers": a
+ * K group is a channel over a block's tokens, a V group a token's 16
+ * channels; the step is the group's range / 15 or / 3) plus fp16
+ * rounding. It keeps its own count-sketch: a
  * token that leaves the table was offloaded by the daemon with the values it
  * held then (raw, or dequantised INT8), so the worker inserts exactly those,
  * in the same order (victims=int8 keeps them as INT8 instead, or at full
@@ -18,8 +22,9 @@
  * and a second release that must fail.
  *
  * stdout, last two lines: the daemon's Stats as JSON (taken while the
- * sequence lives), then {"ok":true,"seq":ID,"full":N,"int8":N,"sketch":N,
- * "max_int8_err":E} (revived tokens by source tier, over layers).
+ * sequence lives), then {"ok":true,"seq":ID,"full":N,"int8":N,"int4":N,
+ * "int2":N,"sketch":N,"max_int8_err":E,"max_lowbit_err":E} (revived tokens
+ * by source tier, over layers; the largest errors seen).
  * Exit 0 ok, 1 mismatch, 2 API error, 3 usage.
  */
 #include <inttypes.h>
@@ -42,7 +47,7 @@
 #define ROWS 3
 
 typedef struct opts {
-    const char *socket, *int8;
+    const char *socket, *int8, *demote;
     uint32_t tokens, buckets, window;
     int exact;
     const char *victims; /* evict, sketch or int8 */
@@ -100,6 +105,42 @@ static float int8_bound(uint32_t l, uint32_t h, uint32_t c, int v, uint32_t upto
     return m / 254.0f * 1.0001f + fabsf(got) * 0x1p-11f;
 }
 
+/* The INT4 / INT2 bound (levels L = 15 or 3) of (layer, head, position,
+ * channel): half the step of its group, the step at most the group's range
+ * / L rounded up in fp16; a K group's range is at most the channel's over
+ * every position written so far, a V group's is the token's over its
+ * channels (all 16: the default group of 32 is wider); plus fp16 rounding
+ * of the dequantised value. */
+static float lowbit_bound(uint32_t l, uint32_t h, uint32_t p, uint32_t c, int v, uint32_t upto,
+                          float L, float got)
+{
+    float lo = INFINITY, hi = -INFINITY;
+    for (uint32_t i = 0; i < (v ? HEAD_DIM : upto); i++) {
+        float x = v ? written(l, h, p, i, 1) : written(l, h, i, c, 0);
+        lo = fminf(lo, x);
+        hi = fmaxf(hi, x);
+    }
+    return (hi - lo) / L / 2 * (1.0f + 1.0f / 512) + fabsf(got) * 0x1p-11f + 1e-6f;
+}
+
+/* The bound of a value stored in `tier` (0: full precision, exact). */
+static float tier_bound(uint32_t tier, uint32_t l, uint32_t h, uint32_t p, uint32_t c, int v,
+                        uint32_t upto, float got)
+{
+    switch (tier) {
+    case KVS_TIER_INT8:
+        return int8_bound(l, h, c, v, upto, got);
+    case KVS_TIER_INT4:
+        return lowbit_bound(l, h, p, c, v, upto, 15, got);
+    case KVS_TIER_INT2:
+        return lowbit_bound(l, h, p, c, v, upto, 3, got);
+    default:
+        return 0;
+    }
+}
+
+static double worst_lowbit; /* the largest INT4 / INT2 error seen */
+
 /* Check a list's held tokens (k, v as read) and remember them in `seen`
  * ([pos][2][DIM] fp32: what the daemon holds for each position now). */
 static double check_held(const kvs_layer *ly, const uint8_t *k, const uint8_t *v, float *seen,
@@ -116,12 +157,15 @@ static double check_held(const kvs_layer *ly, const uint8_t *k, const uint8_t *v
                         float got = at16(isv ? v : k, ly->tokens, h, t, c);
                         float want = written(ly->layer, h, p, c, isv);
                         float err = fabsf(got - want);
-                        int int8 = ly->segments[s].tier == KVS_TIER_INT8;
-                        if (int8 ? err > int8_bound(ly->layer, h, c, isv, upto, got) : err != 0)
-                            fail(1, "layer %u position %u (%s) head %u channel %u: %g, wrote %g",
-                                 ly->layer, p, int8 ? "int8" : "full", h, c, got, want);
-                        if (int8 && err > worst)
+                        uint32_t tier = ly->segments[s].tier;
+                        if (err > tier_bound(tier, ly->layer, h, p, c, isv, upto, got))
+                            fail(1,
+                                 "layer %u position %u (tier %u) head %u channel %u: %g, wrote %g",
+                                 ly->layer, p, tier, h, c, got, want);
+                        if (tier == KVS_TIER_INT8 && err > worst)
                             worst = err;
+                        if (tier != KVS_TIER_INT8 && err > worst_lowbit)
+                            worst_lowbit = err;
                         seen[((size_t)p * 2 + isv) * DIM + h * HEAD_DIM + c] = got;
                     }
         }
@@ -192,7 +236,7 @@ static void write_token(kvs_session *s, const kvs_table *w, uint32_t p)
 
 /* Revive a whole layer and check every position by its source tier. */
 static void check_revive(kvs_session *s, uint64_t seq, uint32_t l, const opts *o, sketch *sk,
-                         uint32_t counts[3], double *worst)
+                         uint32_t counts[6], double *worst)
 {
     kvs_revive r;
     api(s, kvs_seq_revive(s, seq, l, 0, 0, 0, 0, &r), "revive");
@@ -206,6 +250,8 @@ static void check_revive(kvs_session *s, uint64_t seq, uint32_t l, const opts *o
         uint32_t p = ly->positions[t], tier = r.source_tier[t];
         if (p != t)
             fail(1, "layer %u: revived token %u has position %u", l, t, p);
+        if (tier >= 6)
+            fail(1, "layer %u: revived token %u has source tier %u", l, t, tier);
         counts[tier]++;
         for (uint32_t h = 0; h < KV_HEADS; h++)
             for (uint32_t c = 0; c < HEAD_DIM; c++)
@@ -213,11 +259,10 @@ static void check_revive(kvs_session *s, uint64_t seq, uint32_t l, const opts *o
                     float got = at16(isv ? v : k, ly->tokens, h, t, c);
                     float want = written(l, h, p, c, isv);
                     float err = fabsf(got - want);
-                    int bad = tier == KVS_TIER_FULL ? err != 0
-                              : tier == KVS_TIER_INT8
-                                  ? err > int8_bound(l, h, c, isv, o->tokens, got)
-                                  : got != sketch_query(sk, o->buckets, p, h * HEAD_DIM + c, isv) ||
-                                        (o->exact && err != 0);
+                    int bad = tier == KVS_TIER_SKETCH
+                                  ? got != sketch_query(sk, o->buckets, p, h * HEAD_DIM + c, isv) ||
+                                        (o->exact && err != 0)
+                                  : err > tier_bound(tier, l, h, p, c, isv, o->tokens, got);
                     if (tier == KVS_TIER_INT8 && err > *worst)
                         *worst = err;
                     if (bad)
@@ -253,7 +298,7 @@ static void check_range_and_release(kvs_session *s, uint64_t seq, uint32_t token
 
 static void parse(int argc, char **argv, opts *o)
 {
-    *o = (opts){NULL, "off", 96, 4096, 16, 0, "sketch"};
+    *o = (opts){NULL, "off", "off", 96, 4096, 16, 0, "sketch"};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (strcmp(a, "--exact") == 0) {
@@ -266,6 +311,8 @@ static void parse(int argc, char **argv, opts *o)
             o->socket = v;
         else if (strcmp(a, "--int8") == 0)
             o->int8 = v;
+        else if (strcmp(a, "--demote") == 0)
+            o->demote = v;
         else if (strcmp(a, "--tokens") == 0)
             o->tokens = (uint32_t)strtoul(v, NULL, 10);
         else if (strcmp(a, "--buckets") == 0)
@@ -295,12 +342,13 @@ int main(int argc, char **argv)
     kvs_param params[] = {{"n_sink", "4"},
                           {"window", win},
                           {"int8", o.int8},
+                          {"demote", o.demote},
                           {"int8_window", "8"},
                           {"victims", o.victims},
                           {"sketch_rows", "3"},
                           {"sketch_buckets", buckets}};
     uint64_t seq;
-    api(s, kvs_seq_create(s, "streaming", params, 7, "tiers", &seq), "create");
+    api(s, kvs_seq_create(s, "streaming", params, 8, "tiers", &seq), "create");
     sketch sk[LAYERS];
     float *seen = calloc((size_t)o.tokens * 2 * DIM, sizeof *seen);
     uint8_t *held = calloc((size_t)LAYERS * o.tokens, 1);
@@ -330,7 +378,7 @@ int main(int argc, char **argv)
         }
         kvs_table_free(&t);
     }
-    uint32_t counts[3] = {0, 0, 0};
+    uint32_t counts[6] = {0};
     if (strcmp(o.victims, "evict") != 0) {
         for (uint32_t l = 0; l < LAYERS; l++)
             check_revive(s, seq, l, &o, &sk[l], counts, &worst);
@@ -350,9 +398,10 @@ int main(int argc, char **argv)
         fail(2, "stats: %s", err);
     printf("%s\n", stats);
     free(stats);
-    printf("{\"ok\":true,\"seq\":%" PRIu64 ",\"full\":%u,\"int8\":%u,\"sketch\":%u,"
-           "\"max_int8_err\":%.9g}\n",
-           seq, counts[0], counts[1], counts[2], worst);
+    printf("{\"ok\":true,\"seq\":%" PRIu64 ",\"full\":%u,\"int8\":%u,\"int4\":%u,"
+           "\"int2\":%u,\"sketch\":%u,\"max_int8_err\":%.9g,\"max_lowbit_err\":%.9g}\n",
+           seq, counts[KVS_TIER_FULL], counts[KVS_TIER_INT8], counts[KVS_TIER_INT4],
+           counts[KVS_TIER_INT2], counts[KVS_TIER_SKETCH], worst, worst_lowbit);
     kvs_session_detach(s);
     for (uint32_t l = 0; l < LAYERS; l++) {
         free(sk[l].key);

@@ -549,6 +549,49 @@ def check_int8_compaction_requantises(ctx):
     assert result["ok"], result
 
 
+def check_demote_to_int4_and_int2(ctx):
+    """`kvstash demote --to int4|int2` (issue 15): positions go into INT4 /
+    INT2 blocks at once, the maps and layers count them, the worker reads
+    them in place within half a group's step (INT4 then INT2: two rounds at
+    INT2's bound), and revive brings them all back to full precision."""
+    w = Worker(ctx.daemon, "cli-lowbit", seed=28, tokens=64, step=16, policy="streaming",
+               params=("n_sink=0", "window=1000"), label="lowbit").ready()
+    with killed_on_failure(w):
+        (sid,) = [str(q.seq_id) for q in ctx.daemon.stats().sequences
+                  if q.session_id == w.session_id()]
+        r = ok_json(ctx, "demote", sid, "0-39", "--to", "int4")
+        assert (r["requested"], r["moved"], r["evicted"]) == (LAYERS * 40, LAYERS * 40, 0), r
+        j = ok_json(ctx, "seq", "show", sid)
+        assert all(m["runs"] == tier_runs((0, 39, "int4"), (40, 63, "full")) for m in j["maps"]), \
+            j["maps"]
+        assert [(ly["tokens_int4"], ly["tokens_int8"]) for ly in j["layers"]] == [(40, 0)] * LAYERS
+        assert verify_now(w) == {"checked": LAYERS * 64, "int8": 0, "sketch": 0}
+        # 30-39 come back from INT4 and go to INT2 with 40-49.
+        out = ok_text(ctx, "demote", sid, "30-49", "--to", "int2")
+        assert f"seq {sid}: demoted {LAYERS * 20} token(s) to int2, of {LAYERS * 20} held" in out, \
+            out
+        j = ok_json(ctx, "seq", "show", sid)
+        assert all(m["runs"] == tier_runs((0, 29, "int4"), (30, 49, "int2"), (50, 63, "full"))
+                   for m in j["maps"]), j["maps"]
+        assert [(ly["tokens_int4"], ly["tokens_int2"]) for ly in j["layers"]] == \
+            [(30, 20)] * LAYERS
+        text = ok_text(ctx, "seq", "show", sid)
+        assert "4 int4  2 int2" in text and "int4 30, int2 20" in text, text
+        tiers = {t["tier"]: t for t in [q for q in ok_json(ctx, "seqs")["sequences"]
+                                        if str(q["seq_id"]) == sid][0]["tiers"]}
+        assert (tiers["int4"]["tokens"], tiers["int2"]["tokens"]) == \
+            (LAYERS * 30, LAYERS * 20), tiers
+        assert verify_now(w) == {"checked": LAYERS * 64, "int8": 0, "sketch": 0}
+        r = ok_json(ctx, "revive", sid, "0-63")
+        assert r["moved"] == LAYERS * 50, r
+        j = ok_json(ctx, "seq", "show", sid)
+        assert all(m["runs"] == tier_runs((0, 63, "full")) for m in j["maps"]), j["maps"]
+        assert verify_now(w) == {"checked": LAYERS * 64, "int8": 0, "sketch": 0}
+        assert pool_accounted(ctx)
+    result = w.finish()
+    assert result["ok"], result
+
+
 def check_tier_moves_after_the_policy_rule(ctx):
     """streaming's rule runs first; requested positions it drops are not held."""
     w = Worker(ctx.daemon, "cli-tiers-stream", seed=26, tokens=32, step=16, policy="streaming",
@@ -629,6 +672,8 @@ def check_errors_usage(ctx):
     fails(ctx, 2, "positions are N, A-B", "evict", "1", "5-2")
     fails(ctx, 2, "missing argument", "evict", "1")
     fails(ctx, 2, "--layer wants a layer number", "evict", "1", "2", "--layer", "x")
+    fails(ctx, 2, "--to wants int8, int4 or int2, got 'int3'", "demote", "1", "2", "--to", "int3")
+    fails(ctx, 2, "--to is demote's option", "evict", "1", "2", "--to", "int4")
     fails(ctx, 2, "--count wants a positive number", "watch", "--count", "0")
     fails(ctx, 2, "--sort wants", "top", "--sort", "size")
     fails(ctx, 2, "unexpected argument", "workers", "extra")
@@ -698,6 +743,7 @@ if __name__ == "__main__":
         check_watch_sees_a_worker_and_an_eviction,
         check_demote_offload_revive,
         check_int8_compaction_requantises,
+        check_demote_to_int4_and_int2,
         check_tier_moves_after_the_policy_rule,
         check_tier_move_refusals,
         check_errors_daemon_not_running,

@@ -27,6 +27,10 @@ from test_metrics import Scrape, metrics_port
 TOKENS = 96
 # kvs_tier_worker's geometry: 2 layers, 2 KV heads, head_dim 16, fp16, 8 tokens per block.
 LAYERS, TOKEN_BYTES, BLOCK_BYTES, INT8_PER_BLOCK = 2, 2 * 2 * 16 * 2, 1024, 12
+# INT4 / INT2 blocks of that layout (kernels.h "Low-bit tiers", groups of 32):
+# 40 and 24 bytes a token plus 128 of key parameters per 32 tokens.
+LOWBIT_PER_BLOCK = {"int4": 22, "int2": 32}
+LEVELS = {"int4": 15, "int2": 3}
 
 
 def run_worker(ctx, *args):
@@ -128,6 +132,42 @@ def check_int8_memory_accounting_shows_the_saving(ctx):
     assert q_on["bytes"] < q_off["bytes"] * 0.8, (q_on, q_off)
 
 
+def check_lowbit_demotion_reads_back_within_bound(ctx):
+    """demote=int4 / int2 (issue 15): the held tokens older than the window
+    become INT4 / INT2 tokens that the worker reads in place through
+    libkvstash within half a step of their group, evicted ones go into the
+    sketch with the values they held then, and Revive rebuilds every
+    position from whichever tier; Stats counts each tier."""
+    for name in ("int4", "int2"):
+        stats, r = run_worker(ctx, "--demote", name, "--victims", "sketch", "--buckets", "7",
+                              "--window", "40")
+        assert sum(r[t] for t in ("full", "int8", "int4", "int2", "sketch")) == \
+            LAYERS * TOKENS, r
+        assert r[name] > 0 and r["int8"] == 0 and r["full"] > 0 and r["sketch"] > 0, r
+        # fp16 values in [-4, 4): a group's range is below 8, half a step
+        # below 8 / L / 2 (plus fp16 rounding); and the tier does round
+        assert 0 < r["max_lowbit_err"] <= 8 / LEVELS[name] / 2 * (1 + 1 / 512) + 4 * 2 ** -11, r
+        t = tiers(stats)
+        assert t[name]["tokens"] > 0 and t[name]["bytes"] > 0, t
+
+
+def check_lowbit_memory_accounting_shows_the_saving(ctx):
+    """Whole INT4 / INT2 blocks of 22 / 32 tokens in 1024-byte pool blocks
+    (8 fp16 tokens, 12 INT8 ones): the sequence's bytes shrink in that
+    order."""
+    seq_bytes = {}
+    for name in ("int8", "int4", "int2"):
+        st, r = run_worker(ctx, "--demote", name, "--window", "1000")
+        assert r["full"] + r[name] == LAYERS * TOKENS, r
+        per = LOWBIT_PER_BLOCK.get(name, INT8_PER_BLOCK)
+        n = tiers(st)[name]["tokens"]
+        assert n % per == 0 and n >= LAYERS * (TOKENS - 8 - per), (name, tiers(st))
+        assert tiers(st)[name]["bytes"] == n // per * BLOCK_BYTES, tiers(st)
+        (q,) = st["sequences"]
+        seq_bytes[name] = q["bytes"]
+    assert seq_bytes["int2"] < seq_bytes["int4"] < seq_bytes["int8"], seq_bytes
+
+
 def check_tier_and_revive_counters_move(ctx):
     s = Scrape(metrics_port(ctx.daemon))
     moves = {to: s.get("kvstash_tier_moves_total", policy="streaming", to=to)
@@ -150,6 +190,15 @@ def check_tier_and_revive_counters_move(ctx):
     exact = s.get("kvstash_sketch_reconstruction_error_ratio_bucket", policy="streaming",
                   le="0.001")
     assert ns > 0 and 0 < exact < ns, (ns, exact)
+    # INT4 / INT2 demotions (check_lowbit_*): counted by tier, each measured
+    # within half a step of a group against the largest value (below 8/L/2
+    # over a max of at least 2 here, so under 2/L)
+    for name in ("int4", "int2"):
+        assert s.get("kvstash_tier_moves_total", policy="streaming", to=name) > 0, name
+        assert s.get("kvstash_revived_tokens_total", policy="streaming", **{"from": name}) > 0
+        n = s.get(f"kvstash_{name}_roundtrip_error_ratio_count", policy="streaming")
+        total = s.get(f"kvstash_{name}_roundtrip_error_ratio_sum", policy="streaming")
+        assert n > 0 and 0 < total < n * 2 / LEVELS[name], (name, n, total)
 
 
 if __name__ == "__main__":
@@ -160,5 +209,7 @@ if __name__ == "__main__":
         check_int8_victims_give_way_under_pressure,
         check_evicted_outright_cannot_be_revived,
         check_int8_memory_accounting_shows_the_saving,
+        check_lowbit_demotion_reads_back_within_bound,
+        check_lowbit_memory_accounting_shows_the_saving,
         check_tier_and_revive_counters_move,
     ], daemon_kwargs={"pool_mb": 32, "extra_args": ["--metrics", "127.0.0.1:0"]}))

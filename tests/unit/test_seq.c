@@ -810,7 +810,7 @@ static void test_int8_demotion(void **state)
 
 /*
  * demote=int4 and demote=int2: the same rule into low-bit blocks of 18 and
- * 28 tokens (fp32, 2 heads x 8 channels, 4-token pool blocks of 512 bytes;
+ * 27 tokens (fp32, 2 heads x 8 channels, 4-token pool blocks of 512 bytes;
  * kernels.h "Low-bit tiers"). 30 (int4) or 40 (int2) tokens with a window
  * of 4 leave one block's worth to demote at the step: those tokens become
  * that tier's, one pool block per list, and read back within the tier's
@@ -860,7 +860,7 @@ static void test_int4_demotion(void **state)
 
 static void test_int2_demotion(void **state)
 {
-    check_lowbit_demotion(state, "int2", POLICY_INT2, 28, 40);
+    check_lowbit_demotion(state, "int2", POLICY_INT2, 27, 40);
 }
 
 /*

@@ -26,14 +26,15 @@ from .geometry import Geometry  # noqa: E402
 from .sequence import Revive, Sequence  # noqa: E402
 from .session import Session, default_socket  # noqa: E402
 from .stats import stats  # noqa: E402
-from .table import (NO_BLOCK, TIER_FULL, TIER_INT8, TIER_SKETCH, LayerList,  # noqa: E402
-                    StepResult, Table)
+from .table import (NO_BLOCK, TIER_FULL, TIER_INT2, TIER_INT4, TIER_INT8,  # noqa: E402
+                    TIER_SKETCH, LayerList, StepResult, Table)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Session", "Sequence", "Revive", "Geometry", "Table", "LayerList", "StepResult", "Event",
-    "Events", "events", "stats", "default_socket", "TIER_FULL", "TIER_INT8", "TIER_SKETCH",
+    "Events", "events", "stats", "default_socket", "TIER_FULL", "TIER_INT8", "TIER_INT4",
+    "TIER_INT2", "TIER_SKETCH",
     "NO_BLOCK", "KvstashError", "InvalidArgument", "NotFound", "PermissionDenied",
     "FailedPrecondition", "ResourceExhausted", "Unavailable", "ProtocolError", "SystemError_",
     "Unsupported",

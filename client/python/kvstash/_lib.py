@@ -42,7 +42,9 @@ class Layer_(ctypes.Structure):
     _fields_ = [("tokens", ctypes.c_uint32), ("nsegments", ctypes.c_size_t),
                 ("segments", ctypes.POINTER(Segment_)), ("positions", c_uint32_p),
                 ("layer", ctypes.c_uint32), ("per_head", ctypes.c_int),
-                ("head", ctypes.c_uint32), ("int8_block_tokens", ctypes.c_uint32)]
+                ("head", ctypes.c_uint32), ("int8_block_tokens", ctypes.c_uint32),
+                ("int4_block_tokens", ctypes.c_uint32), ("int2_block_tokens", ctypes.c_uint32),
+                ("quant_group", ctypes.c_uint32)]
 
 
 class Table_(ctypes.Structure):

@@ -18,6 +18,8 @@ from . import _lib
 TIER_FULL = 0    # slots of a pool block in the pool's dtype
 TIER_INT8 = 1    # slots of the INT8 block held in pool block `block`
 TIER_SKETCH = 2  # only in the daemon's sketch: Sequence.revive rebuilds it
+TIER_INT4 = 4    # slots of the INT4 block held in pool block `block` (demote=int4)
+TIER_INT2 = 5    # the same in 2 bits (demote=int2)
 NO_BLOCK = 0xFFFFFFFF  # the block of a sketch segment
 
 SEGMENT_DTYPE = np.dtype([("block", np.uint32), ("first_slot", np.uint32),
@@ -37,13 +39,15 @@ class LayerList:
     KV head's) segments, in token order.
 
     layer, head, per_head: which list; tokens: how many it holds (for an
-    append, how many to write); int8_block_tokens: slots of an INT8 block;
+    append, how many to write); int8_block_tokens, int4_block_tokens,
+    int2_block_tokens: slots of an INT8, INT4, INT2 block; quant_group: the
+    INT4 / INT2 groups' size;
     segments: structured array (block, first_slot, count, tier);
     positions: uint32 original positions, or None when not asked for.
     """
 
-    __slots__ = ("layer", "head", "per_head", "tokens", "int8_block_tokens", "segments",
-                 "positions", "_c", "_owner")
+    __slots__ = ("layer", "head", "per_head", "tokens", "int8_block_tokens", "int4_block_tokens",
+                 "int2_block_tokens", "quant_group", "segments", "positions", "_c", "_owner")
 
     def __init__(self, c_layer: _lib.Layer_, owner: "Table"):
         self._c = c_layer
@@ -53,6 +57,9 @@ class LayerList:
         self.per_head = bool(c_layer.per_head)
         self.tokens = c_layer.tokens
         self.int8_block_tokens = c_layer.int8_block_tokens
+        self.int4_block_tokens = c_layer.int4_block_tokens
+        self.int2_block_tokens = c_layer.int2_block_tokens
+        self.quant_group = c_layer.quant_group
         n = c_layer.nsegments
         if n:
             raw = ctypes.cast(c_layer.segments, ctypes.POINTER(_lib.Segment_ * n)).contents
@@ -70,7 +77,8 @@ class LayerList:
 
     @property
     def tiers(self) -> np.ndarray:
-        """The tier of each segment (TIER_FULL, TIER_INT8, TIER_SKETCH)."""
+        """The tier of each segment (TIER_FULL, TIER_INT8, TIER_INT4, TIER_INT2,
+        TIER_SKETCH)."""
         return self.segments["tier"]
 
     def __repr__(self) -> str:

@@ -26,7 +26,7 @@ from typing import List, Tuple
 import numpy as np
 import torch
 
-TIER_FULL, TIER_INT8, TIER_SKETCH = 0, 1, 2
+TIER_FULL, TIER_INT8, TIER_SKETCH, TIER_INT4, TIER_INT2 = 0, 1, 2, 4, 5
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 ELT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
@@ -221,6 +221,10 @@ class LayerGather:
                 if full.all():
                     continue
                 assert not (lt.tier == TIER_SKETCH).any(), "sketch tokens must be revived first"
+                if ((lt.tier == TIER_INT4) | (lt.tier == TIER_INT2)).any():
+                    raise NotImplementedError(
+                        "the torch worker reads full-precision and INT8 tokens; this table has "
+                        "INT4/INT2 ones (demote=int4|int2): use kvstash-llama, or demote=int8")
                 q = np.nonzero(~full)[0]
                 if per_head:  # one head of the list's own rows layout: head 0 of q8
                     heads, tok = np.zeros_like(q), q
