@@ -738,8 +738,8 @@ static double daemon_bytes(llm_cache *c)
 /*
  * Held tokens and their bytes as stored (docs/quality/README.md "How bytes
  * are counted"): every pool block a list holds counts whole, partly filled
- * or not, full precision (the pool's dtype) or INT8 (an INT8 block and its
- * scales fill one pool block: daemon/tier.h). Where the sequence can also
+ * or not, full precision (the pool's dtype) or quantised (an INT8, INT4 or
+ * INT2 block and its parameters fill one pool block: daemon/tier.h). Where the sequence can also
  * hold sketch cells or offloaded victims, which the table does not show,
  * the daemon's Stats count is taken instead (one gRPC call per token, so
  * only there). The plain cache holds fp32 arrays of every token.
@@ -762,8 +762,10 @@ static void usage_now(llm_cache *c)
                 c->ids = p;
                 c->ids_cap = ls->nsegs * 2;
             }
-            blocks +=
-                list_blocks(ls, KVS_TIER_FULL, c->ids) + list_blocks(ls, KVS_TIER_INT8, c->ids);
+            static const uint32_t in_pool[] = {KVS_TIER_FULL, KVS_TIER_INT8, KVS_TIER_INT4,
+                                               KVS_TIER_INT2};
+            for (size_t t = 0; t < sizeof in_pool / sizeof in_pool[0]; t++)
+                blocks += list_blocks(ls, in_pool[t], c->ids);
         }
         bytes = (double)blocks * kv_block_bytes(&c->lay);
         double d = c->have_seq && holds_beyond_table(c) ? daemon_bytes(c) : -1;

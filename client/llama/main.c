@@ -31,11 +31,12 @@
 #include "model.h"
 #include "tokenizer.h"
 
-/* --int8 on asks kvstashd to demote every held token but the newest
- * INT8_WINDOW of each list to INT8 (the storage keys of policies/storage.h:
- * int8=on, int8_window=N; --set overrides either). An INT8 block fills one
- * pool block, its scales included, so what that saves depends on the block
- * size (docs/tiers.md; nothing at 4-token fp16 blocks of stories260K). */
+/* --demote int8|int4|int2 (--int8 on: int8) asks kvstashd to demote every
+ * held token but the newest INT8_WINDOW of each list to that tier (the
+ * storage keys of policies/storage.h: demote=T, int8_window=N; --set
+ * overrides either). A quantised block fills one pool block, its
+ * parameters included, so what that saves depends on the block size
+ * (docs/tiers.md; nothing for INT8 at 4-token fp16 blocks of stories260K). */
 #define INT8_WINDOW "8"
 
 /* The reference every kv_bytes figure is a share of: an fp16 cache of
@@ -52,7 +53,8 @@ static const char *dtype_name(kvs_dtype d)
 
 typedef struct opts {
     const char *cmd, *model, *tokenizer, *text, *prompt, *per_token;
-    int no_daemon, int8, quiet;
+    int no_daemon, quiet;
+    const char *demote; /* "off", "int8", "int4", "int2" */
     uint32_t budget, stories, steps, watch, prompt_tokens, batch;
     double temperature;
     uint64_t seed;
@@ -73,8 +75,9 @@ static void usage(FILE *f)
             "  --policy NAME         kvstashd policy (default full)\n"
             "  --set KEY=VALUE       a policy parameter (repeatable; wins over --budget)\n"
             "  --budget N            tokens per layer, mapped to the policy's own parameters\n"
-            "  --int8 on|off         INT8 for all but the newest " INT8_WINDOW " tokens per list "
-            "(default off)\n"
+            "  --demote off|int8|int4|int2  all but the newest " INT8_WINDOW " tokens per list "
+            "in that tier (default off)\n"
+            "  --int8 on|off         the same as --demote int8 / off\n"
             "  --socket PATH         kvstashd's socket (default: kvs_default_socket())\n"
             "  --no-daemon           plain in-process KV array instead of kvstashd\n"
             "  --kv-dtype fp16|bf16|fp32  the element type K and V are stored in, in kvstashd's "
@@ -209,6 +212,7 @@ static void parse(int argc, char **argv, opts *o)
     o->steps = 256;
     o->batch = 8;
     o->seed = 1;
+    o->demote = "off";
     o->c = (cache_opts){.policy = "full", .block_tokens = 4, .dtype = KVS_FP16};
     if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0) {
         usage(argc < 2 ? stderr : stdout);
@@ -275,7 +279,12 @@ static void parse(int argc, char **argv, opts *o)
         } else if (strcmp(a, "--int8") == 0) {
             if (strcmp(v, "on") != 0 && strcmp(v, "off") != 0)
                 die(2, "--int8 takes on or off, got '%s'", v);
-            o->int8 = strcmp(v, "on") == 0;
+            o->demote = strcmp(v, "on") == 0 ? "int8" : "off";
+        } else if (strcmp(a, "--demote") == 0) {
+            if (strcmp(v, "off") != 0 && strcmp(v, "int8") != 0 && strcmp(v, "int4") != 0 &&
+                strcmp(v, "int2") != 0)
+                die(2, "--demote takes off, int8, int4 or int2, got '%s'", v);
+            o->demote = v;
         } else if (strcmp(a, "--kv-dtype") == 0 || strcmp(a, "--dtype") == 0) {
             if (strcmp(v, "fp32") == 0)
                 o->c.dtype = KVS_FP32;
@@ -318,15 +327,17 @@ static void parse(int argc, char **argv, opts *o)
         snprintf(o->model_name, sizeof o->model_name, "%s", name);
     }
     o->c.model_name = o->model_name;
-    if (o->no_daemon && (o->budget || o->int8 || o->c.nparams || strcmp(o->c.policy, "full") != 0))
-        die(2, "--no-daemon runs the full cache only (no --policy, --set, --budget or --int8)");
+    int demote = strcmp(o->demote, "off") != 0;
+    if (o->no_daemon && (o->budget || demote || o->c.nparams || strcmp(o->c.policy, "full") != 0))
+        die(2, "--no-daemon runs the full cache only (no --policy, --set, --budget, --int8 or "
+               "--demote)");
     map_budget(o);
-    static const kvs_param int8_params[] = {{"int8", "on"}, {"int8_window", INT8_WINDOW}};
-    for (size_t i = 0; o->int8 && i < 2; i++)
-        if (!has_param(o, int8_params[i].key)) {
+    const kvs_param demote_params[] = {{"demote", o->demote}, {"int8_window", INT8_WINDOW}};
+    for (size_t i = 0; demote && i < 2; i++)
+        if (!has_param(o, demote_params[i].key)) {
             if (o->c.nparams == CACHE_MAX_PARAMS)
                 die(2, "too many parameters");
-            o->c.params[o->c.nparams++] = int8_params[i];
+            o->c.params[o->c.nparams++] = demote_params[i];
         }
 }
 
@@ -620,16 +631,17 @@ static int cmd_score(const opts *o)
     double mean = tokens ? nll / (double)tokens : 0.0;
     double secs = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
     double steps = r.steps ? (double)r.steps : 1.0;
-    printf("{\"model\":\"%s\",\"policy\":\"%s\",\"budget\":%u,\"int8\":%s,\"daemon\":%s,"
+    printf("{\"model\":\"%s\",\"policy\":\"%s\",\"budget\":%u,\"int8\":%s,\"demote\":\"%s\","
+           "\"daemon\":%s,"
            "\"kv_dtype\":\"%s\","
            "\"nll\":%.17g,\"ppl\":%.17g,\"tokens\":%" PRIu64 ",\"stories\":%u,"
            "\"kv_bytes_peak\":%" PRIu64 ",\"kv_bytes_mean\":%.17g,\"kv_bytes_full_mean\":%.17g,"
            "\"evicted\":%" PRIu64 ",\"seconds\":%.3f}\n",
            o->model_name, o->no_daemon ? "none" : o->c.policy, o->budget,
-           o->int8 ? "true" : "false", o->no_daemon ? "false" : "true",
-           o->no_daemon ? "fp32" : dtype_name(o->c.dtype), mean, exp(mean), tokens, nstories,
-           r.bytes_peak, (double)r.bytes_sum / steps, (double)r.full_bytes_sum / steps, evicted,
-           secs);
+           strcmp(o->demote, "int8") == 0 ? "true" : "false", o->demote,
+           o->no_daemon ? "false" : "true", o->no_daemon ? "fp32" : dtype_name(o->c.dtype), mean,
+           exp(mean), tokens, nstories, r.bytes_peak, (double)r.bytes_sum / steps,
+           (double)r.full_bytes_sum / steps, evicted, secs);
     run_close(&r);
     free(res);
     free(stories);

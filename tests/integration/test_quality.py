@@ -149,19 +149,22 @@ def check_int4_int2_tiers_through_the_daemon(ctx):
     reads them through the fused attention: finite perplexities, close to
     the full cache's for INT4 and further for INT2 (measured on these 3
     stories: full 3.6526, INT8 +0.002%, INT4 -0.16%, INT2 +8.1%), and fewer
-    bytes held than INT8's (INT4 31%, INT2 37% of INT8's here: an INT2 block
-    of 55 tokens waits longer to fill than an INT4 one of 37, so more tokens
-    sit at full precision in these short stories)."""
+    bytes held than INT8's, INT2 fewer than INT4 (as stored, against an fp16
+    cache of every token: full 104%, INT8 69%, INT4 59%, INT2 50%; the
+    newest 8 tokens and those waiting for a whole block stay at full
+    precision, which in short stories is much of the cache)."""
     with tempfile.TemporaryDirectory() as tmp:
         args = ["--policy", "full", "--block-tokens", "16", "--model-name", "stories260K-b16"]
         _, full = score(ctx, tmp, "full", *args)
         _, i8 = score(ctx, tmp, "int8", *args, "--int8", "on")
-        runs = {name: score(ctx, tmp, name, *args, "--set", f"demote={name}", "--set",
-                            "int8_window=8")[1] for name in ("int4", "int2")}
+        runs = {name: score(ctx, tmp, name, *args, "--demote", name)[1]
+                for name in ("int4", "int2")}
         for name, r in runs.items():
             assert math.isfinite(r["ppl"]) and r["tokens"] == full["tokens"], (name, r, full)
             assert r["nll"] != full["nll"], f"{name} scored exactly like full: nothing demoted"
-            assert r["kv_bytes_mean"] < 0.5 * i8["kv_bytes_mean"], (name, r, i8)
+            assert r["demote"] == name, r
+        assert runs["int2"]["kv_bytes_mean"] < runs["int4"]["kv_bytes_mean"] < \
+            0.9 * i8["kv_bytes_mean"], (runs, i8)
         assert abs(runs["int4"]["ppl"] - full["ppl"]) < 0.02 * full["ppl"], (runs, full)
         assert abs(runs["int2"]["ppl"] - full["ppl"]) < 0.2 * full["ppl"], (runs, full)
 

@@ -3,16 +3,17 @@
 for every policy (issue 5, docs/quality/README.md).
 
 It starts its own kvstashd on a temporary socket, runs `kvstash-llama score`
-once for the full cache and once per policy x budget x INT8 setting (K/V
-in --kv-dtype pools, fp16 by default), and writes, under --out, NAME.csv, NAME.md (a Markdown table with the exact
+once for the full cache and once per policy x budget x demotion setting
+(--demote off,int8,int4,int2: all but the newest 8 tokens of each list in
+that tier; K/V in --kv-dtype pools, fp16 by default), and writes, under --out, NAME.csv, NAME.md (a Markdown table with the exact
 command that made it) and NAME.svg (perplexity against mean KV bytes per
 sequence, one line per policy; written by hand, no plotting library).
 
     /usr/bin/python3 tests/quality/run.py --build build --stories 200 \\
         --model ../shared/data/stories260K.bin --name stories260K
 
-A run that fails (for instance --int8 on against a kvstashd without INT8
-storage) is a row with status "error" and its message, not a failed
+A run that fails (for instance --demote int2 against a pool whose blocks
+cannot hold an INT2 block) is a row with status "error" and its message, not a failed
 benchmark; the exit status is 1 only when the full-cache run fails or the
 daemon cannot start. Standard library only.
 """
@@ -53,7 +54,12 @@ def parse_args(argv):
     ap.add_argument("--policies", default=",".join(POLICIES),
                     help="comma-separated; `full` always runs as the baseline")
     ap.add_argument("--budgets", default="16,32,64,128", help="tokens per layer, comma-separated")
-    ap.add_argument("--int8", default="off,on", help="off, on, or off,on")
+    ap.add_argument("--demote", default=None,
+                    help="comma-separated tiers held tokens are demoted to: off, int8, int4, int2 "
+                         "(default off,int8)")
+    ap.add_argument("--int8", default=None, help="off, on, or off,on: --demote off / int8")
+    ap.add_argument("--block-tokens", type=int, default=0,
+                    help="kvstash-llama --block-tokens (0: its default, 4)")
     ap.add_argument("--kv-dtype", default="fp16", choices=("fp16", "bf16", "fp32"),
                     help="the pools' element type (kvstash-llama --kv-dtype; default fp16). "
                          "Shares are always of an fp16 cache of every token")
@@ -108,7 +114,23 @@ class Daemon:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def score_cmd(args, llama, sock, policy, budget, int8, extra):
+DEMOTE_ORDER = ["off", "int8", "int4", "int2"]
+DASH = {"off": "", "int8": "6,3", "int4": "2,2", "int2": "1,3"}
+
+
+def demote_modes(args):
+    """--demote's tiers (--int8's on/off mapped to int8/off), in order."""
+    if args.demote is None:
+        old = (args.int8 or "off,on").split(",")
+        args.demote = ",".join({"on": "int8"}.get(m, m) for m in old)
+    modes = args.demote.split(",")
+    for m in modes:
+        if m not in DEMOTE_ORDER:
+            raise SystemExit(f"run.py: --demote takes off, int8, int4, int2; got {m!r}")
+    return modes
+
+
+def score_cmd(args, llama, sock, policy, budget, demote, extra):
     cmd = [llama, "score", "--model", args.model, "--text", args.text, "--stories",
            str(args.stories), "--batch", str(args.batch), "--quiet"]
     if args.tokenizer:
@@ -117,9 +139,12 @@ def score_cmd(args, llama, sock, policy, budget, int8, extra):
         cmd += ["--no-daemon"]
     else:
         cmd += ["--socket", sock, "--kv-dtype", args.kv_dtype, "--policy", policy]
+        if args.block_tokens:
+            cmd += ["--block-tokens", str(args.block_tokens), "--model-name",
+                    f"{args.name}-b{args.block_tokens}"]
         if budget:
             cmd += ["--budget", str(budget)]
-        cmd += ["--int8", int8]
+        cmd += ["--demote", demote]
         for kv in extra:
             cmd += ["--set", kv]
     return cmd
@@ -152,7 +177,7 @@ def run_one(cmd, timeout):
     return {"status": "error", "error": err.replace("kvstash-llama: ", "")}
 
 
-FIELDS = ["model", "kv_dtype", "policy", "budget", "int8", "status", "ppl", "nll", "tokens",
+FIELDS = ["model", "kv_dtype", "policy", "budget", "demote", "status", "ppl", "nll", "tokens",
           "stories", "kv_bytes_mean", "kv_bytes_peak", "kv_bytes_full_mean", "kv_fraction",
           "ppl_vs_full", "evicted", "seconds", "error"]
 
@@ -175,7 +200,7 @@ def fmt_cell(r):
 
 def write_md(path, args, rows, full, budgets, command, seconds):
     policies = [p for p in args.policies.split(",") if p != "full"]
-    modes = args.int8.split(",")
+    modes = args.demote.split(",")
     out = []
     out.append(f"# Quality: {args.name}\n")
     out.append(f"Perplexity of `{os.path.basename(args.model)}` on the first "
@@ -192,17 +217,18 @@ def write_md(path, args, rows, full, budgets, command, seconds):
                f"{full['kv_bytes_full_mean'] / 1024:.1f} KiB), peak "
                f"{full['kv_bytes_peak'] / 1024:.1f} KiB per sequence.\n")
     for mode in modes:
-        out.append(f"\n## INT8 {mode}\n")
+        out.append(f"\n## demote {mode}\n" if mode != "off" else "\n## all held tokens at full "
+                   "precision\n")
         out.append("| policy | " + " | ".join(f"budget {b}" for b in budgets) + " |")
         out.append("|---|" + "---|" * len(budgets))
         for p in policies:
             cells = []
             for b in budgets:
                 r = next((x for x in rows if x["policy"] == p and x["budget"] == b
-                          and x["int8"] == mode), None)
+                          and x["demote"] == mode), None)
                 cells.append(fmt_cell(r))
             out.append(f"| {p} | " + " | ".join(cells) + " |")
-        errs = [x["error"] for x in rows if x["int8"] == mode and x["status"] != "ok"]
+        errs = [x["error"] for x in rows if x["demote"] == mode and x["status"] != "ok"]
         if errs:
             more = f" (and {len(errs) - 1} more errors like it)" if len(errs) > 1 else ""
             out.append(f"\nerror: `{errs[0]}`{more}")
@@ -277,9 +303,10 @@ def write_svg(path, args, rows, full):
             policies.append(r["policy"])
     for i, p in enumerate(policies):
         color = COLORS[i % len(COLORS)]
-        for mode, dash in (("off", ""), ("on", "6,3")):
+        for mode in DEMOTE_ORDER:
+            dash = DASH[mode]
             pts = sorted((r["kv_bytes_mean"], r["ppl"]) for r in ok
-                         if r["policy"] == p and r["int8"] == mode)
+                         if r["policy"] == p and r["demote"] == mode)
             if not pts:
                 continue
             line = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
@@ -287,7 +314,7 @@ def write_svg(path, args, rows, full):
                      f'stroke-width="1.5" stroke-dasharray="{dash}"/>')
             for x, y in pts:
                 s.append(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.5" fill="{color}"/>')
-            legend.append((p + (" int8" if mode == "on" else ""), color, dash))
+            legend.append((p + ("" if mode == "off" else " " + mode), color, dash))
     for i, (name, color, dash) in enumerate(legend):
         y = T + 10 + i * 16
         s.append(f'<line x1="{W - R + 12}" y1="{y}" x2="{W - R + 36}" y2="{y}" stroke="{color}" '
@@ -308,6 +335,8 @@ def read_csv(path):
                 r[k] = float(r[k]) if r.get(k) else None
             for k in ("budget", "tokens", "stories", "evicted"):
                 r[k] = int(r[k]) if r.get(k) else None
+            if "demote" not in r:  # tables before --demote had an int8 column of off/on
+                r["demote"] = {"on": "int8"}.get(r.get("int8"), "off")
             rows.append(r)
     return rows
 
@@ -325,7 +354,7 @@ def main(argv):
             md = f.read()
         made = md[md.index("\nMade in"):].lstrip("\n") if "\nMade in" in md else ""
         budgets = sorted({r["budget"] for r in rows})
-        args.int8 = ",".join(m for m in ("off", "on") if any(r["int8"] == m for r in rows))
+        args.demote = ",".join(m for m in DEMOTE_ORDER if any(r["demote"] == m for r in rows))
         args.policies = ",".join(dict.fromkeys(r["policy"] for r in rows))
         write_md(stem + ".md", args, rows, full, budgets, made, None)
         print(f"wrote {stem}.svg and {stem}.md")
@@ -337,7 +366,7 @@ def main(argv):
             print(f"run.py: {b} is not an executable (build first)", file=sys.stderr)
             return 1
     budgets = [int(b) for b in args.budgets.split(",") if b]
-    modes = args.int8.split(",")
+    modes = demote_modes(args)
     extra = {}
     for s in args.set:
         pol, _, kv = s.partition(":")
@@ -364,21 +393,22 @@ def main(argv):
             for fut in concurrent.futures.as_completed(futs):
                 p, b, m = futs[fut]
                 r = fut.result()
-                r.update({"model": args.name, "policy": p, "budget": b, "int8": m,
+                r.update({"model": args.name, "policy": p, "budget": b, "demote": m,
                           "kv_dtype": args.kv_dtype})
                 if r["status"] == "ok":
                     r.update(kv_fraction(r))
                     r["ppl_vs_full"] = r["ppl"] / full["ppl"]
-                    print(f"{p} budget {b} int8 {m}: ppl {r['ppl']:.4f}, "
+                    print(f"{p} budget {b} demote {m}: ppl {r['ppl']:.4f}, "
                           f"kv {100 * r['kv_fraction']:.0f}% ({r['seconds']:.0f} s)", flush=True)
                 else:
-                    print(f"{p} budget {b} int8 {m}: error: {r['error']}", flush=True)
+                    print(f"{p} budget {b} demote {m}: error: {r['error']}", flush=True)
                 rows.append(r)
     finally:
         d.stop()
     order = {p: i for i, p in enumerate(args.policies.split(","))}
-    rows.sort(key=lambda r: (r["int8"] != "off", order.get(r["policy"], 99), r["budget"]))
-    full.update({"model": args.name, "policy": "full", "budget": 0, "int8": "off",
+    rows.sort(key=lambda r: (DEMOTE_ORDER.index(r["demote"]), order.get(r["policy"], 99),
+                             r["budget"]))
+    full.update({"model": args.name, "policy": "full", "budget": 0, "demote": "off",
                  "ppl_vs_full": 1.0})
     stem = os.path.join(args.out, args.name)
     write_csv(stem + ".csv", [full] + rows)
