@@ -94,6 +94,21 @@ def test_policy_perplexity_within_0_1_percent(daemon, full_reference, tmp_path, 
     assert t["kv_bytes_mean"] < t["kv_bytes_full_mean"] / 2
 
 
+@pytest.mark.parametrize("demote", ["int4", "int2"])
+def test_lowbit_tiers_score_like_c_worker(daemon, tmp_path, demote):
+    """demote=int4 / int2 (issue 15): the torch worker reads the low-bit
+    blocks in torch, the C worker through the fused attention; their
+    perplexities agree as for INT8, and the bytes as stored agree too."""
+    args = ("--socket", daemon.sock, "--policy", "h2o", "--budget", "32", "--demote", demote)
+    _, c = score("c", str(tmp_path), "h2o-" + demote, STORIES, *args)
+    _, t = score("torch", str(tmp_path), "h2o-" + demote, STORIES, *args)
+    assert t["tokens"] == c["tokens"] and t["demote"] == c["demote"] == demote
+    rel = abs(t["ppl"] - c["ppl"]) / c["ppl"]
+    assert rel <= POLICY_TOLERANCE, (f"{demote}: torch ppl {t['ppl']:.6f}, C ppl {c['ppl']:.6f} "
+                                     f"({rel:.2e} apart)")
+    assert t["kv_bytes_mean"] == c["kv_bytes_mean"] < t["kv_bytes_full_mean"] / 2, (t, c)
+
+
 def test_lanes_reused_score_like_c_worker(daemon, tmp_path):
     """Five stories on two lanes: each lane runs several sequences in turn,
     and a story's scores must not depend on the one before it in its lane

@@ -114,13 +114,13 @@ def test_budget_mapping_is_kvstash_llamas():
         policies.budget_params("ov_block", 32, 16)
     assert policies.budget_params("confkv", 32, 4) == [
         ("budget_tight", "32"), ("budget_loose", "64"), ("protect", "8"), ("fp16_window", "16")]
-    p = policies.resolve("criticalkv", [("window", "5")], 32, True, 4, 512)
-    assert p.params == [("window", "5"), ("budget", "32"), ("int8", "on"),
+    p = policies.resolve("criticalkv", [("window", "5")], 32, "int8", 4, 512)
+    assert p.params == [("window", "5"), ("budget", "32"), ("demote", "int8"),
                         ("int8_window", "8")]
     assert p.window == 5 and p.per_head and p.needs & policies.NEEDS_VNORM
-    assert policies.resolve("snapkv", [], 0, False, 4, 40).window == 40  # capped at the context
+    assert policies.resolve("snapkv", [], 0, "off", 4, 40).window == 40  # capped at the context
     with pytest.raises(policies.PolicyError, match="keeps every token"):
-        policies.resolve("full", [], 32, False, 4, 512)
+        policies.resolve("full", [], 32, "off", 4, 512)
 
 
 def test_confidence_of_logits():

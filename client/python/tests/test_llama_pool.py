@@ -1,6 +1,6 @@
 """The PyTorch worker's cache against the real kvstashd, in process: what
 the worker gathers from the pool's views by the block table (full-precision
-blocks of every dtype, INT8 blocks dequantised in torch) is exactly what
+blocks of every dtype, INT8, INT4 and INT2 blocks dequantised in torch) is exactly what
 libkvstash's kvs_layer_read copies out of the same lists (Sequence.read),
 for one-list and per-head policies; the worker's copy of each table follows
 the daemon's; and sketched tokens are revived for attention (reviver),
@@ -14,7 +14,7 @@ import kvstash
 from kvstash.llama import policies
 from kvstash.llama.checkpoint import Checkpoint
 from kvstash.llama.model import Llama
-from kvstash.llama.pool import TIER_INT8, LayerGather, PoolView
+from kvstash.llama.pool import TIER_INT2, TIER_INT4, TIER_INT8, LayerGather, PoolView
 from kvstash.llama.runner import Runner, make_caches
 from kvstash.llama.tokenizer import Tokenizer
 from llama_helpers import (MODEL, TEXT, TOKENIZER, need_c_llama, need_model, score)
@@ -72,11 +72,33 @@ CASES = [("h2o", 32, 60), ("snapkv", 96, 130)]
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("policy_name,budget,steps", CASES)
 def test_gather_by_table_equals_layer_read(daemon, model, dtype, policy_name, budget, steps):
+    check_gather(daemon, model, dtype, policy_name, budget, steps, "int8")
+
+
+# demote=int4 / int2 (issue 15): INT4 blocks of stories260K's 4-token pool
+# blocks hold 18 (fp32) or 7 (fp16) tokens, INT2 ones 27 or 11; a per-head
+# list's (16 rows of one head) 70 / 110 rows at fp32. Each budget leaves a
+# block's worth past the newest 8 of a list.
+LOWBIT_CASES = [("h2o", 48, 80, "int4"), ("h2o", 48, 80, "int2"), ("snapkv", 96, 130, "int4"),
+                ("snapkv", 136, 170, "int2")]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+@pytest.mark.parametrize("policy_name,budget,steps,demote", LOWBIT_CASES)
+def test_gather_lowbit_equals_layer_read(daemon, model, dtype, policy_name, budget, steps, demote):
+    check_gather(daemon, model, dtype, policy_name, budget, steps, demote)
+
+
+def check_gather(daemon, model, dtype, policy_name, budget, steps, demote):
+    """Two lanes run; every list of every layer gathered by the block table
+    equals kvs_layer_read's copy, bit for bit in the pool's dtype, and some
+    tokens were in the `demote` tier."""
     c = model.c
     geo = kvstash.Geometry(layers=c.n_layers, q_heads=c.n_heads, kv_heads=c.n_kv_heads,
                            head_dim=c.head_size, block_tokens=BLOCK_TOKENS, dtype=dtype,
                            rope_theta=10000.0)
-    policy = policies.resolve(policy_name, [], budget, True, BLOCK_TOKENS, c.seq_len)
+    policy = policies.resolve(policy_name, [], budget, demote, BLOCK_TOKENS, c.seq_len)
+    tier = {"int8": TIER_INT8, "int4": TIER_INT4, "int2": TIER_INT2}[demote]
     with kvstash.Session.attach(model=f"gather-{dtype}", geometry=geo, socket=daemon.sock,
                                 worker_name="test-llama-pool") as s:
         run, view = run_lanes(model, s, dtype, policy, steps)
@@ -96,8 +118,7 @@ def test_gather_by_table_equals_layer_read(daemon, model, dtype, policy_name, bu
                     lst = table.lists[layer * heads + h]
                     mine = cache.lists[layer * heads + h]
                     assert np.array_equal(mine.pos, lst.positions)
-                    int8_tokens += int(lst.segments["count"][lst.segments["tier"] ==
-                                                             TIER_INT8].sum())
+                    int8_tokens += int(lst.segments["count"][lst.segments["tier"] == tier].sum())
                     k_read, v_read = cache.seq.read(lst)
                     n = lst.tokens
                     kv = [h] if policy.per_head else range(c.n_kv_heads)
@@ -107,9 +128,9 @@ def test_gather_by_table_equals_layer_read(daemon, model, dtype, policy_name, bu
                         want_v = v_read if policy.per_head else v_read[g_]
                         assert np.array_equal(as_pool_dtype(keys[b, g_, :n], dtype), want_k)
                         assert np.array_equal(as_pool_dtype(values[b, g_, :n], dtype), want_v)
-        # The budget evicted and older tokens were INT8.
+        # The budget evicted and older tokens were in the demote tier.
         assert all(cache.usage_.evicted > 0 for cache in caches)
-        assert int8_tokens > 0, "no INT8 segment: the dequantisation was not exercised"
+        assert int8_tokens > 0, f"no {demote} segment: the dequantisation was not exercised"
         run.close()
 
 
@@ -125,7 +146,7 @@ def test_revived_sketch_tokens_score_like_c_worker(daemon, tmp_path, model):
     geo = kvstash.Geometry(layers=model.c.n_layers, q_heads=model.c.n_heads,
                            kv_heads=model.c.n_kv_heads, head_dim=model.c.head_size,
                            block_tokens=BLOCK_TOKENS, dtype="fp32", rope_theta=10000.0)
-    policy = policies.resolve("reviver", [], 32, False, BLOCK_TOKENS, model.c.seq_len)
+    policy = policies.resolve("reviver", [], 32, "off", BLOCK_TOKENS, model.c.seq_len)
     with kvstash.Session.attach(model="revive", geometry=geo, socket=daemon.sock) as s:
         run, _ = run_lanes(model, s, "fp32", policy, 60)
         assert sum(ln.cache.revived_lists for ln in run.lanes) > 0, "no sketch token revived"

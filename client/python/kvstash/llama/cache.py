@@ -28,7 +28,8 @@ import torch
 
 from . import policies
 from .checkpoint import Config
-from .pool import TIER_FULL, TIER_INT8, TIER_SKETCH, ListTokens, PoolView, new_rows
+from .pool import (TIER_FULL, TIER_INT2, TIER_INT4, TIER_INT8, TIER_SKETCH, ListTokens, PoolView,
+                   new_rows)
 
 
 class CacheError(RuntimeError):
@@ -341,14 +342,15 @@ class KvstashCache:
 
     def usage(self) -> Usage:
         """Held tokens and their bytes as stored (cache.c usage_now): every
-        pool block a list holds counts whole, full precision or INT8 (an
-        INT8 block and its scales fill one pool block); where the sequence
+        pool block a list holds counts whole, full precision or quantised
+        (an INT8, INT4 or INT2 block and its parameters fill one pool
+        block); where the sequence
         can also hold sketch cells or offloaded victims, the daemon's Stats
         count instead (one call per token, so only there)."""
         tokens, blocks = 0, 0
         for lt in self.lists:
             tokens += lt.n
-            for tier in (TIER_FULL, TIER_INT8):
+            for tier in (TIER_FULL, TIER_INT8, TIER_INT4, TIER_INT2):
                 blocks += int(np.unique(lt.block[lt.tier == tier]).shape[0])
         self.usage_.tokens = tokens
         self.usage_.bytes = blocks * self.block_bytes

@@ -67,8 +67,10 @@ def parser() -> argparse.ArgumentParser:
                    metavar="KEY=VALUE", help="a policy parameter (repeatable; wins over --budget)")
     p.add_argument("--budget", type=_u32, default=0,
                    help="tokens per layer, mapped to the policy's own parameters")
-    p.add_argument("--int8", choices=("on", "off"), default="off",
-                   help="INT8 for all but the newest 8 tokens per list (default off)")
+    p.add_argument("--demote", choices=("off", "int8", "int4", "int2"), default=None,
+                   help="all but the newest 8 tokens per list in that tier (default off)")
+    p.add_argument("--int8", choices=("on", "off"), default=None,
+                   help="the same as --demote int8 / off")
     p.add_argument("--socket", help="kvstashd's socket (default: the binding's default)")
     p.add_argument("--no-daemon", action="store_true",
                    help="plain in-process KV array instead of kvstashd")
@@ -112,10 +114,11 @@ def check(o: argparse.Namespace) -> None:
         o.tokenizer = os.path.join(os.path.dirname(o.model), "tok512.bin")
     if o.model_name is None:
         o.model_name = os.path.basename(o.model).split(".", 1)[0]
-    o.int8 = o.int8 == "on"
-    if o.no_daemon and (o.budget or o.int8 or o.sets or o.policy != "full"):
-        raise UsageError("--no-daemon runs the full cache only (no --policy, --set, --budget "
-                         "or --int8)")
+    if o.demote is None:
+        o.demote = "int8" if o.int8 == "on" else "off"
+    if o.no_daemon and (o.budget or o.demote != "off" or o.sets or o.policy != "full"):
+        raise UsageError("--no-daemon runs the full cache only (no --policy, --set, --budget, "
+                         "--int8 or --demote)")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -123,7 +126,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         o = parser().parse_args(argv)
         check(o)
         if not o.no_daemon:  # the --budget mapping's and the parameters' usage errors
-            policies.resolve(o.policy, o.sets, o.budget, o.int8, o.block_tokens, 1 << 20)
+            policies.resolve(o.policy, o.sets, o.budget, o.demote, o.block_tokens, 1 << 20)
     except (UsageError, policies.PolicyError) as e:
         print(f"kvstash-torch: {e}", file=sys.stderr)
         return 2

@@ -40,7 +40,7 @@ class Setup:
         self.policy = None
         view = None
         if not o.no_daemon:
-            self.policy = policies.resolve(o.policy, o.sets, o.budget, o.int8, o.block_tokens,
+            self.policy = policies.resolve(o.policy, o.sets, o.budget, o.demote, o.block_tokens,
                                            self.model.c.seq_len)
             self.session = attach(o, self.model)
             s = self.session
@@ -178,7 +178,8 @@ def cmd_score(o: argparse.Namespace) -> int:
     steps = t.steps or 1
     summary = {
         "model": o.model_name, "policy": "none" if o.no_daemon else o.policy,
-        "budget": o.budget, "int8": o.int8, "daemon": not o.no_daemon,
+        "budget": o.budget, "int8": o.demote == "int8", "demote": o.demote,
+        "daemon": not o.no_daemon,
         "kv_dtype": "fp32" if o.no_daemon else o.dtype, "nll": mean,
         "ppl": math.exp(mean), "tokens": tokens, "stories": len(stories),
         "kv_bytes_peak": t.bytes_peak, "kv_bytes_mean": t.bytes_sum / steps,

@@ -42,7 +42,7 @@ POLICIES: Dict[str, Tuple[int, bool]] = {
 OWN_SKETCH = ("reviver",)
 
 SNAPKV_WINDOW_DEFAULT = 64  # SNAPKV_PARAM_WINDOW (policies/snapkv_family.h)
-INT8_WINDOW = "8"  # --int8 on: all but the newest 8 tokens of each list in INT8
+INT8_WINDOW = "8"  # --demote T: all but the newest 8 tokens of each list in tier T
 
 
 class PolicyError(ValueError):
@@ -117,18 +117,19 @@ def budget_params(policy: str, budget: int, block_tokens: int) -> List[Tuple[str
     raise PolicyError(f"--budget: no mapping for policy {policy}; use --set")
 
 
-def resolve(name: str, sets: List[Tuple[str, str]], budget: int, int8: bool,
+def resolve(name: str, sets: List[Tuple[str, str]], budget: int, demote: str,
             block_tokens: int, context: int) -> Policy:
     """The parameters kvstash-llama would send: --set first (they win), then
-    the --budget mapping's keys not set, then int8=on, int8_window=8."""
+    the --budget mapping's keys not set, then demote=T, int8_window=8 unless
+    demote is "off"."""
     if name not in POLICIES:
         raise PolicyError(f"unknown policy '{name}' (kvstash policy list)")
     needs, per_head = POLICIES[name]
     params = list(sets)
     keys = {k for k, _ in params}
     extra = budget_params(name, budget, block_tokens) if budget else []
-    if int8:
-        extra += [("int8", "on"), ("int8_window", INT8_WINDOW)]
+    if demote != "off":
+        extra += [("demote", demote), ("int8_window", INT8_WINDOW)]
     for k, v in extra:
         if k not in keys:
             params.append((k, v))

@@ -20,6 +20,11 @@ kvs_layer_read copy in between. The layouts are kernels/kernels.h's:
   [H][T8][d], V codes, then at S = roundup16(2 H T8 d) the fp32 scales
   [K/V][H][d]. An element is code * scale in fp32 (kv_dequantize_group_ref),
   as the tiered kv_decode_attention reads it.
+* an INT4 / INT2 segment's block holds one low-bit block at its start
+  (kernels.h "Low-bit tiers", lowbit_geometry below): packed codes, fp16
+  scales and zero points per group of 32 (keys per channel over tokens,
+  values per token over channels) and the block's power-of-two shift e. An
+  element is (code * scale + zero) * 2^e in fp32, as the kernels read it.
 """
 from typing import List, Tuple
 
@@ -46,6 +51,34 @@ def int8_tokens_per_block(heads: int, block_tokens: int, head_dim: int, elt: int
     while t > 0 and int8_block_bytes(heads, t, head_dim) > room:
         t -= 1
     return t
+
+
+LOWBIT_GROUP = 32  # KV_LOWBIT_GROUP_DEFAULT: kvstashd's pools use the default
+
+
+def lowbit_layout(heads: int, tokens: int, head_dim: int, bits: int,
+                  group: int = LOWBIT_GROUP) -> dict:
+    """The offsets of a low-bit block of `tokens` (kv_lowbit_* of kernels.h)."""
+    R = (head_dim * bits + 7) // 8
+    codes = heads * tokens * R
+    kstart = (2 * codes + 15) & ~15
+    nk, nv = -(-tokens // group), -(-head_dim // group)
+    vstart = kstart + 4 * heads * nk * head_dim
+    shift = vstart + 4 * heads * tokens * nv
+    return {"T": tokens, "R": R, "codes": codes, "kstart": kstart, "nk": nk, "nv": nv,
+            "vstart": vstart, "shift": shift, "bytes": (shift + 4 + 15) & ~15,
+            "group": group, "bits": bits}
+
+
+def lowbit_geometry(heads: int, block_tokens: int, head_dim: int, elt: int, bits: int) -> dict:
+    """kv_lowbit_tokens_per_block: the largest low-bit block of the list's
+    layout that fits one pool block, with its offsets."""
+    room = 2 * heads * block_tokens * head_dim * elt
+    per = (2 * heads * head_dim * bits + 7) // 8
+    t = room // per + 1 if per else 1
+    while t > 0 and lowbit_layout(heads, t, head_dim, bits)["bytes"] > room:
+        t -= 1
+    return lowbit_layout(heads, t, head_dim, bits)
 
 
 class ListTokens:
@@ -133,6 +166,12 @@ class PoolView:
             T = block_tokens * kv_heads if per_head else block_tokens
             T8 = int8_tokens_per_block(H, T, head_dim, self.elt)
             self.q8[per_head] = (H, T8, (2 * H * T8 * head_dim + 15) & ~15)
+        self.raw = raw
+        # INT4 / INT2 blocks per list kind and bits
+        self.qlow = {(per_head, bits): lowbit_geometry(1 if per_head else kv_heads,
+                                                       block_tokens * (kv_heads if per_head else 1),
+                                                       head_dim, self.elt, bits)
+                     for per_head in (False, True) for bits in (4, 2)}
 
     def index(self, a: np.ndarray) -> torch.Tensor:
         """A numpy index array as a tensor on the pool's device."""
@@ -179,6 +218,40 @@ class PoolView:
         return k, v
 
 
+    def _bytes(self, offsets: np.ndarray, n: int) -> torch.Tensor:
+        """[m, n] uint8: n bytes of the pool from each offset."""
+        idx = self.index(offsets[:, None] + np.arange(n, dtype=np.int64)[None, :])
+        return self.raw[idx.reshape(-1)].view(offsets.shape[0], n)
+
+    def lowbit_dequant(self, blocks: np.ndarray, slots: np.ndarray, head: np.ndarray,
+                       per_head: bool, bits: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """K and V [m, head_dim] fp32 of INT4 / INT2 tokens (block, slot, head
+        of the low-bit layout): (code * scale + zero) * 2^e, as
+        kv_lowbit_value reads them."""
+        g = self.qlow[(per_head, bits)]
+        d, T, G, R, nv = self.head_dim, g["T"], g["group"], g["R"], g["nv"]
+        base = blocks.astype(np.int64) * self.block_bytes
+        row = (head.astype(np.int64) * T + slots) * R
+        kp = base + g["kstart"] + (head.astype(np.int64) * g["nk"] + slots // G) * 4 * d
+        vp = base + g["vstart"] + (head.astype(np.int64) * T + slots) * 4 * nv
+        shift = self._bytes(base + g["shift"], 4).contiguous().view(torch.int32).clamp(-126, 127)
+        p2 = torch.ldexp(torch.ones_like(shift, dtype=torch.float32), shift)  # 2^e, exact
+
+        def codes(off):
+            x = self._bytes(off, R).to(torch.int32)
+            parts = [(x >> s) & ((1 << bits) - 1) for s in range(0, 8, bits)]
+            return torch.stack(parts, dim=-1).reshape(x.shape[0], -1)[:, :d].float()
+
+        def halves(off, n):
+            return self._bytes(off, 2 * n).contiguous().view(torch.float16).float()
+
+        cols = torch.arange(d, device=self.device) // G
+        k = (codes(base + row) * halves(kp, d) + halves(kp + 2 * d, d)) * p2
+        vs, vz = halves(vp, nv)[:, cols], halves(vp + 2 * nv, nv)[:, cols]
+        v = (codes(base + g["codes"] + row) * vs + vz) * p2
+        return k, v
+
+
 class LayerGather:
     """The padded K/V of one layer for a batch of lanes: rows (b, g) hold the
     tokens of the list lane b's KV head g reads, in table order.
@@ -207,6 +280,7 @@ class LayerGather:
         idx = np.zeros((self.B, KV, N), dtype=np.int64)
         int8_at: List[np.ndarray] = []  # flat (b, g, i) indices of INT8 tokens
         int8_src: List[np.ndarray] = []  # their int8_rows
+        low: List[Tuple[np.ndarray, torch.Tensor, torch.Tensor]] = []  # INT4 / INT2: at, k, v
         heads_all = np.arange(KV, dtype=np.int64)
         for lane, lists, per_head in self.entries:
             for g in (range(KV) if per_head else [0]):
@@ -221,11 +295,20 @@ class LayerGather:
                 if full.all():
                     continue
                 assert not (lt.tier == TIER_SKETCH).any(), "sketch tokens must be revived first"
-                if ((lt.tier == TIER_INT4) | (lt.tier == TIER_INT2)).any():
-                    raise NotImplementedError(
-                        "the torch worker reads full-precision and INT8 tokens; this table has "
-                        "INT4/INT2 ones (demote=int4|int2): use kvstash-llama, or demote=int8")
-                q = np.nonzero(~full)[0]
+                for tier, bits in ((TIER_INT4, 4), (TIER_INT2, 2)):
+                    q = np.nonzero(lt.tier == tier)[0]
+                    if q.shape[0] == 0:
+                        continue
+                    if per_head:
+                        heads, tok, at = np.zeros_like(q), q, (lane * KV + g) * N + q
+                    else:
+                        heads, tok = np.repeat(heads_all, q.shape[0]), np.tile(q, KV)
+                        at = (lane * KV + heads) * N + tok
+                    k4, v4 = v.lowbit_dequant(lt.block[tok], lt.slot[tok], heads, per_head, bits)
+                    low.append((at, k4, v4))
+                q = np.nonzero(lt.tier == TIER_INT8)[0]
+                if q.shape[0] == 0:
+                    continue
                 if per_head:  # one head of the list's own rows layout: head 0 of q8
                     heads, tok = np.zeros_like(q), q
                     int8_at.append((lane * KV + g) * N + q)
@@ -241,6 +324,10 @@ class LayerGather:
             at = v.index(np.concatenate(int8_at))
             keys.view(-1, d).index_copy_(0, at, k8)
             values.view(-1, d).index_copy_(0, at, v8)
+        for at_np, k4, v4 in low:
+            at = v.index(at_np)
+            keys.view(-1, d).index_copy_(0, at, k4)
+            values.view(-1, d).index_copy_(0, at, v4)
         lengths_t = v.index(lengths)
         valid = torch.arange(N, device=v.device).view(1, 1, N) < lengths_t.view(self.B, KV, 1)
         keys = keys.masked_fill(~valid[..., None], 0.0)
