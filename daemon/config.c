@@ -39,6 +39,10 @@ static const config_option options[] = {
      "largest gRPC reply in MiB a call may build (Append, GetBlockTable, Revive, Inspect); "
      "a call whose reply could be larger is refused before it changes anything (default 64; "
      "4 protects clients that keep gRPC's default receive limit)"},
+    {"quant-group", CONFIG_COUNT, 1, 4096,
+     "tokens (keys) and channels (values) of a group of the INT4 / INT2 tiers "
+     "(demote=int4|int2; kernels.h \"Low-bit tiers\"): smaller groups, less error and more "
+     "bytes of scales (default 32)"},
     {"ring-mb", CONFIG_COUNT, 1, 4096,
      "each worker session's step ring in MiB: a decode step's statistics and an append's "
      "answer must fit (TOVA at 32 layers x 32 query heads reports 4 KiB a token: 128 MiB at "
@@ -116,6 +120,7 @@ void config_defaults(daemon_config *c)
     c->max_daemon_mb = 1024;
     c->max_reply_mb = 64;
     c->ring_mb = 8;
+    c->quant_group = 32;
     c->pending_timeout_ms = 5000;
     c->max_pending = 64;
     c->threads = 2;
@@ -166,6 +171,8 @@ static unsigned long *count_field(daemon_config *c, const char *key)
         return &c->max_reply_mb;
     if (strcmp(key, "ring-mb") == 0)
         return &c->ring_mb;
+    if (strcmp(key, "quant-group") == 0)
+        return &c->quant_group;
     if (strcmp(key, "pending-timeout-ms") == 0)
         return &c->pending_timeout_ms;
     if (strcmp(key, "max-pending") == 0)

@@ -33,7 +33,8 @@ typedef struct daemon_config {
     /* Limits (store_config; docs/reliability.md); 0 = none, but for
      * max_reply_mb. */
     unsigned long max_daemon_mb, session_max_seqs, session_max_blocks, max_reply_mb;
-    unsigned long ring_mb; /* each session's step ring (ring.h) */
+    unsigned long ring_mb;     /* each session's step ring (ring.h) */
+    unsigned long quant_group; /* the INT4 / INT2 tiers' group size (kernels.h) */
     char log_level[8];
     char backend[16];     /* backend.h: "host" (default), "shadow" (tests) or "cuda" */
     char cuda_device[48]; /* --backend cuda: "N" or "GPU-<uuid>" (default "0") */

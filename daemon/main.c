@@ -308,7 +308,8 @@ static int start(const daemon_config *o, daemon_parts *d)
                         .session_max_seqs = (uint32_t)o->session_max_seqs,
                         .session_max_blocks = (uint32_t)o->session_max_blocks,
                         .max_reply_bytes = (size_t)o->max_reply_mb << 20,
-                        .lease_end_quarantine = config_lease_end_quarantine(o)};
+                        .lease_end_quarantine = config_lease_end_quarantine(o),
+                        .quant_group = (uint32_t)o->quant_group};
     char path[PATH_MAX + 16];
     status st;
     snprintf(path, sizeof path, "ipc://%s.events", o->socket);

@@ -911,6 +911,7 @@ static status_code find_or_create_pool(store *st, const char *tenant, const char
                     st->cfg.backend ? st->cfg.backend : &backend_host, out, s) != ST_OK)
         return s->code;
     st->next_pool_id++;
+    (*out)->layout.quant_group = st->cfg.quant_group;
     st->pools[free_slot] = *out;
     snprintf((*out)->tenant, sizeof(*out)->tenant, "%s", tenant);
     log_info("pool_created", "pool=%llu model=%s tenant=%s blocks=%u block_bytes=%zu",

@@ -45,6 +45,9 @@ typedef struct store_config {
      * ended without a detach out of reuse until its worker's process has
      * exited (store_quarantine_reap); 0 frees them at once. */
     int lease_end_quarantine;
+    /* The INT4 / INT2 tiers' group size of every pool (kernels.h "Low-bit
+     * tiers"; 0 = KV_LOWBIT_GROUP_DEFAULT); tables carry it to workers. */
+    uint32_t quant_group;
 } store_config;
 
 typedef struct store store;

@@ -312,6 +312,9 @@ static int table_reload(llm_cache *c)
         ls->nsegs = ly->nsegments;
         memcpy(ls->pos, ly->positions, ly->tokens * sizeof *ls->pos);
         ls->n = ly->tokens;
+        /* the daemon's INT4 / INT2 group size (--quant-group): the
+         * attention reads low-bit blocks with it */
+        c->lay.quant_group = c->rows.quant_group = ly->quant_group;
     }
     c->epoch = t.epoch;
     kvs_table_free(&t);

@@ -89,7 +89,16 @@ def test_gather_lowbit_equals_layer_read(daemon, model, dtype, policy_name, budg
     check_gather(daemon, model, dtype, policy_name, budget, steps, demote)
 
 
-def check_gather(daemon, model, dtype, policy_name, budget, steps, demote):
+def test_gather_lowbit_at_another_quant_group(make_daemon, model):
+    """kvstashd --quant-group 8: the tables say so, and the torch gather reads
+    the INT2 blocks with groups of 8 (per-head lists too), still equal to
+    kvs_layer_read."""
+    d = make_daemon(extra_args=["--quant-group", "8"])
+    check_gather(d, model, "fp32", "h2o", 48, 80, "int2", group=8)
+    check_gather(d, model, "fp16", "snapkv", 96, 130, "int2", group=8)
+
+
+def check_gather(daemon, model, dtype, policy_name, budget, steps, demote, group=32):
     """Two lanes run; every list of every layer gathered by the block table
     equals kvs_layer_read's copy, bit for bit in the pool's dtype, and some
     tokens were in the `demote` tier."""
@@ -117,6 +126,7 @@ def check_gather(daemon, model, dtype, policy_name, budget, steps, demote):
                 for h in range(heads):
                     lst = table.lists[layer * heads + h]
                     mine = cache.lists[layer * heads + h]
+                    assert lst.quant_group == group and view.quant_group == group
                     assert np.array_equal(mine.pos, lst.positions)
                     int8_tokens += int(lst.segments["count"][lst.segments["tier"] == tier].sum())
                     k_read, v_read = cache.seq.read(lst)

@@ -185,6 +185,8 @@ class KvstashCache:
         for i, ly in enumerate(lists):
             seg = ly.segments
             self.sketched[i] = int(seg["count"][seg["tier"] == TIER_SKETCH].sum())
+            if ly.quant_group:  # the daemon's --quant-group: how its INT4 / INT2 blocks read
+                self.view.set_quant_group(ly.quant_group)
         self.epoch = t.epoch
 
     def _extend(self, w) -> None:

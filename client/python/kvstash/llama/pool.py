@@ -53,7 +53,7 @@ def int8_tokens_per_block(heads: int, block_tokens: int, head_dim: int, elt: int
     return t
 
 
-LOWBIT_GROUP = 32  # KV_LOWBIT_GROUP_DEFAULT: kvstashd's pools use the default
+LOWBIT_GROUP = 32  # KV_LOWBIT_GROUP_DEFAULT, until a table says kvstashd's (--quant-group)
 
 
 def lowbit_layout(heads: int, tokens: int, head_dim: int, bits: int,
@@ -70,15 +70,16 @@ def lowbit_layout(heads: int, tokens: int, head_dim: int, bits: int,
             "group": group, "bits": bits}
 
 
-def lowbit_geometry(heads: int, block_tokens: int, head_dim: int, elt: int, bits: int) -> dict:
+def lowbit_geometry(heads: int, block_tokens: int, head_dim: int, elt: int, bits: int,
+                    group: int = LOWBIT_GROUP) -> dict:
     """kv_lowbit_tokens_per_block: the largest low-bit block of the list's
     layout that fits one pool block, with its offsets."""
     room = 2 * heads * block_tokens * head_dim * elt
     per = (2 * heads * head_dim * bits + 7) // 8
     t = room // per + 1 if per else 1
-    while t > 0 and lowbit_layout(heads, t, head_dim, bits)["bytes"] > room:
+    while t > 0 and lowbit_layout(heads, t, head_dim, bits, group)["bytes"] > room:
         t -= 1
-    return lowbit_layout(heads, t, head_dim, bits)
+    return lowbit_layout(heads, t, head_dim, bits, group)
 
 
 class ListTokens:
@@ -167,11 +168,20 @@ class PoolView:
             T8 = int8_tokens_per_block(H, T, head_dim, self.elt)
             self.q8[per_head] = (H, T8, (2 * H * T8 * head_dim + 15) & ~15)
         self.raw = raw
-        # INT4 / INT2 blocks per list kind and bits
-        self.qlow = {(per_head, bits): lowbit_geometry(1 if per_head else kv_heads,
-                                                       block_tokens * (kv_heads if per_head else 1),
-                                                       head_dim, self.elt, bits)
+        self.quant_group = 0
+        self.set_quant_group(LOWBIT_GROUP)
+
+    def set_quant_group(self, group: int) -> None:
+        """The INT4 / INT2 blocks' geometry per list kind and bits, for
+        groups of `group` (the tables' quant_group)."""
+        if group == self.quant_group:
+            return
+        kv, T, d = self.kv_heads, self.block_tokens, self.head_dim
+        self.qlow = {(per_head, bits): lowbit_geometry(1 if per_head else kv,
+                                                       T * (kv if per_head else 1), d, self.elt,
+                                                       bits, group)
                      for per_head in (False, True) for bits in (4, 2)}
+        self.quant_group = group
 
     def index(self, a: np.ndarray) -> torch.Tensor:
         """A numpy index array as a tensor on the pool's device."""
