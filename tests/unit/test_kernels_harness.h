@@ -85,6 +85,18 @@ static inline size_t cut_blocks(rng *r, const kv_layout *l, uint32_t lo, uint32_
     return n;
 }
 
+/* A random permutation of [0, n) in out. */
+static inline void permutation(rng *r, uint32_t *out, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++)
+        out[i] = i;
+    for (uint32_t i = n; i > 1; i--) {
+        uint32_t j = rng_below(r, i), x = out[i - 1];
+        out[i - 1] = out[j];
+        out[j] = x;
+    }
+}
+
 static inline void shuffle_segs(rng *r, kv_segment *segs, size_t n)
 {
     for (size_t i = n; i > 1; i--) {

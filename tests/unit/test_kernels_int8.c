@@ -31,18 +31,6 @@ static void expect_bytes(const uint8_t *a, const uint8_t *b, size_t n, const kv_
                      i, n, a[i], b[i], l->kv_heads, l->block_tokens, l->head_dim, dtype_name(t));
 }
 
-/* A random permutation of [0, n) in out. */
-static void permutation(rng *r, uint32_t *out, uint32_t n)
-{
-    for (uint32_t i = 0; i < n; i++)
-        out[i] = i;
-    for (uint32_t i = n; i > 1; i--) {
-        uint32_t j = rng_below(r, i), x = out[i - 1];
-        out[i - 1] = out[j];
-        out[j] = x;
-    }
-}
-
 static void test_layout(void **state)
 {
     (void)state;

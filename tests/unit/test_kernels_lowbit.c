@@ -38,17 +38,6 @@ static void expect_bytes(const uint8_t *a, const uint8_t *b, size_t n, const kv_
                      kv_lowbit_group(l), bits);
 }
 
-static void permutation(rng *r, uint32_t *out, uint32_t n)
-{
-    for (uint32_t i = 0; i < n; i++)
-        out[i] = i;
-    for (uint32_t i = n; i > 1; i--) {
-        uint32_t j = rng_below(r, i), x = out[i - 1];
-        out[i - 1] = out[j];
-        out[j] = x;
-    }
-}
-
 static float half_at(const uint8_t *p, size_t i)
 {
     uint16_t h;

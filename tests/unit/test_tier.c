@@ -134,6 +134,40 @@ static void test_write_read_copy_full(void **state)
     tier_stage_free(&f->c, out);
 }
 
+/* Read a list of m tokens of any tiers in one call: each token reads back
+ * as it reads alone, in list order. Returns the staged read (free with
+ * tier_stage_free). */
+static uint8_t *read_mixed(fixture *f, const tier_token *mixed, size_t m)
+{
+    size_t mhalf = m * tier_token_bytes(&f->c) / 2, ohalf = tier_token_bytes(&f->c) / 2;
+    uint8_t *mo = tier_stage_alloc(&f->c, m), *one = tier_stage_alloc(&f->c, 1);
+    assert_int_equal(tier_read(&f->c, mixed, m, mo, mo + mhalf), 0);
+    for (size_t i = 0; i < m; i++) {
+        assert_int_equal(tier_read(&f->c, &mixed[i], 1, one, one + ohalf), 0);
+        for (uint32_t h = 0; h < layout.kv_heads; h++) {
+            assert_memory_equal(stage_row(f, mo, m, h, i), stage_row(f, one, 1, h, 0), f->row);
+            assert_memory_equal(stage_row(f, mo + mhalf, m, h, i),
+                                stage_row(f, one + ohalf, 1, h, 0), f->row);
+        }
+    }
+    tier_stage_free(&f->c, one);
+    return mo;
+}
+
+/* Quantised tokens `from` copied to FULL slots `back` (two of each) hold
+ * their dequantised values. */
+static void expect_copies_dequantised(fixture *f, const tier_token *from, const tier_token *back)
+{
+    uint8_t *a = tier_stage_alloc(&f->c, 2), *b = tier_stage_alloc(&f->c, 2);
+    size_t h2 = tier_token_bytes(&f->c);
+    assert_int_equal(tier_copy(&f->c, from, 2, back), 0);
+    assert_int_equal(tier_read(&f->c, from, 2, a, a + h2), 0);
+    assert_int_equal(tier_read(&f->c, back, 2, b, b + h2), 0);
+    assert_memory_equal(a, b, 2 * h2);
+    tier_stage_free(&f->c, a);
+    tier_stage_free(&f->c, b);
+}
+
 /* POLICIES.md §5.4: per (INT8 block, K/V, head, channel) group, s = max|x|
  * / 127 and codes round(x / s): every value comes back within s / 2. */
 static void check_int8_bound(const fixture *f, const float *x, const float *y, size_t n,
@@ -190,18 +224,7 @@ static void test_quantize_read_within_bound(void **state)
     size_t fhalf = 3 * tier_token_bytes(&f->c) / 2;
     assert_int_equal(tier_write(&f->c, full, 3, fin, fin + fhalf), 0);
     const tier_token mixed[M] = {tok[0], full[0], tok[t8 + 3], full[1], full[2], tok[7]};
-    size_t mhalf = M * tier_token_bytes(&f->c) / 2;
-    uint8_t *mo = tier_stage_alloc(&f->c, M), *one = tier_stage_alloc(&f->c, 1);
-    size_t ohalf = tier_token_bytes(&f->c) / 2;
-    assert_int_equal(tier_read(&f->c, mixed, M, mo, mo + mhalf), 0);
-    for (size_t i = 0; i < M; i++) {
-        assert_int_equal(tier_read(&f->c, &mixed[i], 1, one, one + ohalf), 0);
-        for (uint32_t h = 0; h < layout.kv_heads; h++) {
-            assert_memory_equal(stage_row(f, mo, M, h, i), stage_row(f, one, 1, h, 0), f->row);
-            assert_memory_equal(stage_row(f, mo + mhalf, M, h, i),
-                                stage_row(f, one + ohalf, 1, h, 0), f->row);
-        }
-    }
+    uint8_t *mo = read_mixed(f, mixed, M);
     /* full[1] is mixed[3]: its exact original. */
     for (uint32_t h = 0; h < layout.kv_heads; h++)
         assert_memory_equal(stage_row(f, mo, M, h, 3), stage_row(f, fin, 3, h, 1), f->row);
@@ -209,16 +232,8 @@ static void test_quantize_read_within_bound(void **state)
     /* INT8 to FULL: the copies hold the dequantised values. */
     const tier_token back[2] = {{13, 0, POLICY_FULL}, {13, 1, POLICY_FULL}};
     const tier_token from[2] = {tok[2], tok[t8 + 9]};
-    uint8_t *a = tier_stage_alloc(&f->c, 2), *b = tier_stage_alloc(&f->c, 2);
-    size_t h2 = tier_token_bytes(&f->c);
-    assert_int_equal(tier_copy(&f->c, from, 2, back), 0);
-    assert_int_equal(tier_read(&f->c, from, 2, a, a + h2), 0);
-    assert_int_equal(tier_read(&f->c, back, 2, b, b + h2), 0);
-    assert_memory_equal(a, b, 2 * h2);
-    tier_stage_free(&f->c, a);
-    tier_stage_free(&f->c, b);
+    expect_copies_dequantised(f, from, back);
     tier_stage_free(&f->c, mo);
-    tier_stage_free(&f->c, one);
     tier_stage_free(&f->c, fin);
     tier_stage_free(&f->c, out);
     tier_stage_free(&f->c, in);
@@ -304,30 +319,11 @@ static void test_lowbit_tiers_mixed(void **state)
     enum { M = 7 };
     const tier_token mixed[M] = {tok2[3], tok4[t4 + 2], full,   (tier_token){11, 2, POLICY_INT8},
                                  tok4[0], tok2[8],      tok4[1]};
-    size_t mhalf = M * tier_token_bytes(&f->c) / 2, ohalf = tier_token_bytes(&f->c) / 2;
-    uint8_t *mo = tier_stage_alloc(&f->c, M), *one = tier_stage_alloc(&f->c, 1);
-    assert_int_equal(tier_read(&f->c, mixed, M, mo, mo + mhalf), 0);
-    for (size_t i = 0; i < M; i++) {
-        assert_int_equal(tier_read(&f->c, &mixed[i], 1, one, one + ohalf), 0);
-        for (uint32_t h = 0; h < layout.kv_heads; h++) {
-            assert_memory_equal(stage_row(f, mo, M, h, i), stage_row(f, one, 1, h, 0), f->row);
-            assert_memory_equal(stage_row(f, mo + mhalf, M, h, i),
-                                stage_row(f, one + ohalf, 1, h, 0), f->row);
-        }
-    }
+    tier_stage_free(&f->c, read_mixed(f, mixed, M));
     /* INT4 and INT2 to FULL: the copies hold the dequantised values. */
     const tier_token back[2] = {{13, 0, POLICY_FULL}, {13, 1, POLICY_FULL}};
     const tier_token from[2] = {tok4[t4 + 4], tok2[0]};
-    uint8_t *a = tier_stage_alloc(&f->c, 2), *b = tier_stage_alloc(&f->c, 2);
-    size_t hb = tier_token_bytes(&f->c);
-    assert_int_equal(tier_copy(&f->c, from, 2, back), 0);
-    assert_int_equal(tier_read(&f->c, from, 2, a, a + hb), 0);
-    assert_int_equal(tier_read(&f->c, back, 2, b, b + hb), 0);
-    assert_memory_equal(a, b, 2 * hb);
-    tier_stage_free(&f->c, a);
-    tier_stage_free(&f->c, b);
-    tier_stage_free(&f->c, mo);
-    tier_stage_free(&f->c, one);
+    expect_copies_dequantised(f, from, back);
     tier_stage_free(&f->c, fin);
     tier_stage_free(&f->c, in8);
     tier_stage_free(&f->c, o4);
