@@ -134,8 +134,35 @@ static int tier_lowbit(uint8_t tier)
     return tier == KV_TIER_INT4 || tier == KV_TIER_INT2;
 }
 
-/* The K (v = 0) or V row of KV head g of a low-bit token as d floats:
- * kv_lowbit_value of each code with its group's parameters. */
+/* n codes of `bits` bits, packed low bits first from channel 0, one a byte
+ * (n a multiple of 8 / bits within the row's bytes). */
+static void lowbit_unpack(const uint8_t *restrict row, uint32_t n, uint32_t bits,
+                          uint8_t *restrict codes)
+{
+    uint32_t mask = (1u << bits) - 1u, shift = bits == 4 ? 1 : 2, lanes = bits == 4 ? 1 : 3;
+    for (uint32_t c = 0; c < n; c++)
+        codes[c] = (uint8_t)((uint32_t)row[c >> shift] >> ((c & lanes) * bits) & mask);
+}
+
+/* x[c] = kv_lowbit_value(codes[c], s[c], z[c], p2) for n channels: the same
+ * operations (code·s, + z, ·2^e; no fused multiply-add: ISO C), in a loop
+ * that vectorises. */
+static void lowbit_values(const uint8_t *restrict codes, const float *restrict s,
+                          const float *restrict z, float p2, uint32_t n, float *restrict x)
+{
+    for (uint32_t c = 0; c < n; c++) {
+        float m = (float)codes[c] * s[c];
+        x[c] = (m + z[c]) * p2;
+    }
+}
+
+/*
+ * The K (v = 0) or V row of KV head g of a low-bit token as d floats:
+ * kv_lowbit_value of each code with its group's parameters, by chunks of
+ * KV_LOWBIT_ROW_PARAMS channels: codes unpacked a byte each, the fp16
+ * parameters widened with kv_row_load (F16C in the AVX2 build), then one
+ * vector loop.
+ */
 static void lowbit_row_load(const attn_job *j, uint32_t g, const chunk_tok *tok, int v, float *x)
 {
     uint32_t bits = tok->tier == KV_TIER_INT4 ? 4 : 2;
@@ -143,31 +170,34 @@ static void lowbit_row_load(const attn_job *j, uint32_t g, const chunk_tok *tok,
     uint32_t G = kv_lowbit_group(q), d = q->head_dim, nv = (d + G - 1) / G, slot = tok->slot;
     const uint8_t *qb = j->pool + (size_t)tok->block * kv_block_bytes(j->l);
     const uint8_t *row = qb + kv_lowbit_code_offset(q, bits, 0, (uint32_t)v, g, slot);
-    uint16_t s[2 * KV_LOWBIT_ROW_PARAMS];
+    uint8_t codes[KV_LOWBIT_ROW_PARAMS + 4];
+    float s[KV_LOWBIT_ROW_PARAMS], z[KV_LOWBIT_ROW_PARAMS];
     int32_t e;
     memcpy(&e, qb + kv_lowbit_shift_offset(q, bits, 0), 4);
     float p2 = kv_lowbit_pow2(e);
-    if (!v) {
-        const uint8_t *p = qb + kv_lowbit_key_params_offset(q, bits, 0, g, slot / G);
-        for (uint32_t c0 = 0; c0 < d; c0 += KV_LOWBIT_ROW_PARAMS) {
-            uint32_t w = d - c0 < KV_LOWBIT_ROW_PARAMS ? d - c0 : KV_LOWBIT_ROW_PARAMS;
-            memcpy(s, p + 2 * (size_t)c0, 2 * (size_t)w);
-            memcpy(s + KV_LOWBIT_ROW_PARAMS, p + 2 * ((size_t)d + c0), 2 * (size_t)w);
-            for (uint32_t c = 0; c < w; c++)
-                x[c0 + c] =
-                    kv_lowbit_value(kv_lowbit_get(row, c0 + c, bits), kv_half_to_float(s[c]),
-                                    kv_half_to_float(s[KV_LOWBIT_ROW_PARAMS + c]), p2);
+    const uint8_t *kp = qb + kv_lowbit_key_params_offset(q, bits, 0, g, slot / G);
+    const uint8_t *vp = qb + kv_lowbit_value_params_offset(q, bits, 0, g, slot);
+    for (uint32_t c0 = 0; c0 < d; c0 += KV_LOWBIT_ROW_PARAMS) {
+        uint32_t w = d - c0 < KV_LOWBIT_ROW_PARAMS ? d - c0 : KV_LOWBIT_ROW_PARAMS;
+        uint32_t per = 8 / bits, nbytes = (w + per - 1) / per;
+        lowbit_unpack(row + (size_t)c0 * bits / 8, nbytes * per, bits, codes);
+        if (!v) {
+            kv_row_load(kp + 2 * (size_t)c0, KV_FP16, w, s);
+            kv_row_load(kp + 2 * ((size_t)d + c0), KV_FP16, w, z);
+        } else {
+            for (uint32_t c = 0; c < w;) { /* each group's parameters over its channels */
+                uint32_t k = (c0 + c) / G, end = (k + 1) * G - c0;
+                uint16_t hs, hz;
+                memcpy(&hs, vp + 2 * (size_t)k, 2);
+                memcpy(&hz, vp + 2 * ((size_t)nv + k), 2);
+                float sf = kv_half_to_float(hs), zf = kv_half_to_float(hz);
+                for (end = end < w ? end : w; c < end; c++) {
+                    s[c] = sf;
+                    z[c] = zf;
+                }
+            }
         }
-        return;
-    }
-    const uint8_t *p = qb + kv_lowbit_value_params_offset(q, bits, 0, g, slot);
-    for (uint32_t k = 0; k < nv; k++) {
-        uint16_t hs, hz;
-        memcpy(&hs, p + 2 * (size_t)k, 2);
-        memcpy(&hz, p + 2 * ((size_t)nv + k), 2);
-        float sf = kv_half_to_float(hs), zf = kv_half_to_float(hz);
-        for (uint32_t c = k * G; c < d && c < (k + 1) * G; c++)
-            x[c] = kv_lowbit_value(kv_lowbit_get(row, c, bits), sf, zf, p2);
+        lowbit_values(codes, s, z, p2, w, x + c0);
     }
 }
 

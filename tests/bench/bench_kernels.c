@@ -189,9 +189,11 @@ typedef struct ctx {
     uint32_t q_heads, hidden;
     kv_merge *merges;
     size_t nmerges;
-    kv_segment *qsegs; /* INT8 blocks held in pool2's blocks (kernels.h tiers) */
+    kv_segment *qsegs; /* quantised blocks held in pool2's blocks (kernels.h tiers) */
     uint8_t *tiers;
     size_t nqsegs;
+    uint32_t bits; /* the low-bit kernels' (4 or 2) */
+    uint8_t *lpool;
 } ctx;
 
 static void k_gather(void *p)
@@ -223,6 +225,20 @@ static void k_dequant(void *p)
 {
     ctx *c = p;
     kv_int8_dequantize(&c->l, c->qpool, c->segs, c->nsegs, KV_FP16, c->pool2, c->segs, c->nsegs);
+}
+
+static void k_lowbit_quant(void *p)
+{
+    ctx *c = p;
+    kv_lowbit_quantize(&c->l, c->bits, KV_FP16, c->pool, c->segs, c->nsegs, c->lpool, c->qblocks,
+                       c->nb);
+}
+
+static void k_lowbit_dequant(void *p)
+{
+    ctx *c = p;
+    kv_lowbit_dequantize(&c->l, c->bits, c->lpool, c->segs, c->nsegs, KV_FP16, c->pool2, c->segs,
+                         c->nsegs);
 }
 
 static void k_insert(void *p)
@@ -271,26 +287,31 @@ static void k_attention(void *p)
                         0.08838834764f, c->out, NULL);
 }
 
-static void k_attention_int8(void *p)
+static void k_attention_tiered(void *p)
 {
     ctx *c = p;
     kv_decode_attention(&c->l, KV_FP16, c->pool2, c->qsegs, c->nqsegs, c->tiers, c->q, c->q_heads,
                         0.08838834764f, c->out, NULL);
 }
 
-/* The same tokens as INT8 blocks, one in each of pool2's first blocks (the
- * daemon's storage, kernels.h kv_int8_tokens_per_block): INT8 segment i
- * holds tokens [i * T8, (i + 1) * T8) of the list. Returns the bytes the
- * attention then reads: the INT8 blocks. */
-static double make_int8_list(ctx *c)
+/* The same tokens as blocks of quantised tier `tier`, one in each of
+ * pool2's first blocks (the daemon's storage, kernels.h
+ * kv_int8_tokens_per_block, kv_lowbit_tokens_per_block): segment i holds
+ * tokens [i * T, (i + 1) * T) of the list. Returns the bytes the attention
+ * then reads: the quantised blocks. */
+static double make_quant_list(ctx *c, uint8_t tier)
 {
+    uint32_t bits = tier == KV_TIER_INT4 ? 4 : 2;
     kv_layout q8 = c->l;
-    q8.block_tokens = kv_int8_tokens_per_block(&c->l);
+    q8.block_tokens = tier == KV_TIER_INT8 ? kv_int8_tokens_per_block(&c->l)
+                                           : kv_lowbit_tokens_per_block(&c->l, bits);
     size_t nq = (c->ntok + q8.block_tokens - 1) / q8.block_tokens, bb = kv_block_bytes(&c->l);
     uint8_t *flat_k = c->flat_k, *flat_v = c->flat_v;
     kv_gather(&c->l, c->pool, c->segs, c->nsegs, flat_k, flat_v); /* the list, contiguous */
     kv_layout stage_l = q8; /* fp16 rows, T8 slots: the quantiser's source */
     uint8_t *stage = xmalloc(kv_block_bytes(&stage_l));
+    free(c->qsegs);
+    free(c->tiers);
     c->qsegs = xmalloc(nq * sizeof *c->qsegs);
     c->tiers = xmalloc(nq);
     for (size_t i = 0; i < nq; i++) {
@@ -305,13 +326,17 @@ static double make_int8_list(ctx *c)
                    flat_v + src * row, m * row);
         }
         kv_segment all = {0, 0, m};
-        kv_int8_quantize(&q8, KV_FP16, stage, &all, 1, c->pool2 + i * bb, &zero, 1);
+        if (tier == KV_TIER_INT8)
+            kv_int8_quantize(&q8, KV_FP16, stage, &all, 1, c->pool2 + i * bb, &zero, 1);
+        else
+            kv_lowbit_quantize(&q8, bits, KV_FP16, stage, &all, 1, c->pool2 + i * bb, &zero, 1);
         c->qsegs[i] = (kv_segment){(uint32_t)i, 0, m};
-        c->tiers[i] = KV_TIER_INT8;
+        c->tiers[i] = tier;
     }
     c->nqsegs = nq;
     free(stage);
-    return (double)nq * (double)kv_int8_block_bytes(&q8);
+    return (double)nq * (double)(tier == KV_TIER_INT8 ? kv_int8_block_bytes(&q8)
+                                                      : kv_lowbit_block_bytes(&q8, bits));
 }
 
 /* Time fn single-threaded (CPU time) and threaded (wall clock) against
@@ -375,6 +400,7 @@ int main(int argc, char **argv)
     c.pool = xmalloc(pb);
     c.pool2 = xmalloc(pb);
     c.qpool = xmalloc(c.nb * qbb);
+    c.lpool = xmalloc(c.nb * kv_lowbit_block_bytes(l, 4));
     c.flat_k = xmalloc(pb / 2);
     c.flat_v = xmalloc(pb / 2);
     for (size_t i = 0; i < pb / 2; i++)
@@ -406,6 +432,13 @@ int main(int argc, char **argv)
     report("copy_tokens", &c, k_copy, fp, 0, "(half the blocks)");
     report("int8_quantize", &c, k_quant, fp + q8, 1, NULL);
     report("int8_dequantize", &c, k_dequant, fp + q8, 1, "(into fp16)");
+    for (c.bits = 4; c.bits >= 2; c.bits -= 2) {
+        double ql = (double)c.nb * (double)kv_lowbit_block_bytes(l, c.bits);
+        report(c.bits == 4 ? "int4_quantize" : "int2_quantize", &c, k_lowbit_quant, fp + ql, 1,
+               "(16-token blocks: groups of 16 keys)");
+        report(c.bits == 4 ? "int4_dequantize" : "int2_dequantize", &c, k_lowbit_dequant, fp + ql,
+               1, "(into fp16)");
+    }
 
     /* sketch: r = 3 rows x 64 buckets, every token inserted / queried */
     uint32_t rows = 3, buckets = 64;
@@ -463,8 +496,14 @@ int main(int argc, char **argv)
         c.q[i] = frand();
     report("decode_attention", &c, k_attention, fp, 1,
            "(32 query heads over every token: K and V read once)");
-    double q8list = make_int8_list(&c);
-    report("decode_attention int8", &c, k_attention_int8, q8list, 1,
+    double q8list = make_quant_list(&c, KV_TIER_INT8);
+    report("decode_attention int8", &c, k_attention_tiered, q8list, 1,
            "(the same tokens as INT8 blocks in pool blocks, 28 a block)");
+    double q4list = make_quant_list(&c, KV_TIER_INT4);
+    report("decode_attention int4", &c, k_attention_tiered, q4list, 1,
+           "(as INT4 blocks, 49 a block: rows dequantised into a tile)");
+    double q2list = make_quant_list(&c, KV_TIER_INT2);
+    report("decode_attention int2", &c, k_attention_tiered, q2list, 1,
+           "(as INT2 blocks, 83 a block)");
     return 0;
 }
