@@ -235,6 +235,7 @@ def check_benchmark_slice_perplexities_finite(ctx):
         with open(os.path.join(out, "slice.md")) as f:
             md = f.read()
         assert "| streaming |" in md and "tests/quality/run.py" in md, md
+        assert "## Pareto" in md and "| ≤ 50% |" in md, md
         with open(os.path.join(out, "slice.svg")) as f:
             svg = f.read()
         assert svg.startswith("<svg") and svg.count("<polyline") == len(policies), svg[:300]

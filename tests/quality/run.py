@@ -198,6 +198,27 @@ def fmt_cell(r):
     return "%.3f (%.0f%%)" % (r["ppl"], 100 * r["kv_fraction"])
 
 
+PARETO_SHARES = (0.5, 0.25, 0.125, 0.0625)
+
+
+def pareto_lines(rows, full):
+    """The best perplexity at or under each share of the fp16 cache's bytes
+    (issue 15), with the cell that gets it: Markdown table lines."""
+    out = ["| bytes, share of the fp16 cache | best perplexity | vs full | cell (policy, budget, "
+           "demote) | its share |", "|---|---|---|---|---|"]
+    ok = [r for r in rows if r["status"] == "ok"]
+    for share in PARETO_SHARES:
+        fit = [r for r in ok if r["kv_fraction"] <= share]
+        if not fit:
+            out.append(f"| ≤ {100 * share:g}% | none | | | |")
+            continue
+        b = min(fit, key=lambda r: r["ppl"])
+        out.append(f"| ≤ {100 * share:g}% | {b['ppl']:.4f} | "
+                   f"{100 * (b['ppl'] / full['ppl'] - 1):+.2f}% | {b['policy']}, {b['budget']}, "
+                   f"{b['demote']} | {100 * b['kv_fraction']:.1f}% |")
+    return out
+
+
 def write_md(path, args, rows, full, budgets, command, seconds):
     policies = [p for p in args.policies.split(",") if p != "full"]
     modes = args.demote.split(",")
@@ -216,6 +237,8 @@ def write_md(path, args, rows, full, budgets, command, seconds):
                f"({100 * full['kv_fraction']:.0f}% of the fp16 cache's "
                f"{full['kv_bytes_full_mean'] / 1024:.1f} KiB), peak "
                f"{full['kv_bytes_peak'] / 1024:.1f} KiB per sequence.\n")
+    out.append("\n## Pareto: the best cell at each memory share\n")
+    out += pareto_lines(rows, full)
     for mode in modes:
         out.append(f"\n## demote {mode}\n" if mode != "off" else "\n## all held tokens at full "
                    "precision\n")
