@@ -138,6 +138,7 @@ def check_int8_tier_through_the_daemon(ctx):
         args = ["--policy", "full", "--block-tokens", "16", "--model-name", "stories260K-b16"]
         _, off = score(ctx, tmp, "off", *args)
         _, on = score(ctx, tmp, "on", *args, "--int8", "on")
+        ctx.b16 = {"full": off, "int8": on}  # the runs the next checks compare with
         assert math.isfinite(on["ppl"]) and on["tokens"] == off["tokens"], (on, off)
         assert on["nll"] != off["nll"], "INT8 on scored exactly like off: nothing was demoted"
         assert abs(on["ppl"] - off["ppl"]) < 0.05 * off["ppl"], (on["ppl"], off["ppl"])
@@ -154,12 +155,13 @@ def check_int4_int2_tiers_through_the_daemon(ctx):
     cache of every token: full 104%, INT8 69%, INT4 59%, INT2 50%; the
     newest 8 tokens and those waiting for a whole block stay at full
     precision, which in short stories is much of the cache)."""
+    assert hasattr(ctx, "b16"), "needs the INT8 check's runs"
+    full, i8 = ctx.b16["full"], ctx.b16["int8"]
     with tempfile.TemporaryDirectory() as tmp:
         args = ["--policy", "full", "--block-tokens", "16", "--model-name", "stories260K-b16"]
-        _, full = score(ctx, tmp, "full", *args)
-        _, i8 = score(ctx, tmp, "int8", *args, "--int8", "on")
         runs = {name: score(ctx, tmp, name, *args, "--demote", name)[1]
                 for name in ("int4", "int2")}
+        ctx.b16.update(runs)
         for name, r in runs.items():
             assert math.isfinite(r["ppl"]) and r["tokens"] == full["tokens"], (name, r, full)
             assert r["nll"] != full["nll"], f"{name} scored exactly like full: nothing demoted"
@@ -175,13 +177,14 @@ def check_quant_group_is_a_pool_parameter(ctx):
     (values) cost more bytes in scales and lose less than the default 32's
     (measured: ppl 3.6584 against 3.9477, 55% of the bytes against 50%); the
     worker reads the group size from the tables."""
+    assert "int2" in getattr(ctx, "b16", {}), "needs the INT2 run at the default group"
+    g32 = ctx.b16["int2"]
     d = Daemon(pool_mb=64, extra_args=["--quant-group", "8"])
     d.start()
     try:
         with tempfile.TemporaryDirectory() as tmp:
             args = ["--policy", "full", "--block-tokens", "16", "--model-name", "stories260K-b16",
                     "--demote", "int2"]
-            _, g32 = score(ctx, tmp, "g32", *args)
             _, g8 = score(SimpleNamespace(daemon=d), tmp, "g8", *args)
     finally:
         d.stop()

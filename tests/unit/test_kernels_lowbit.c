@@ -246,12 +246,11 @@ static void test_fast_equals_ref(void **state)
         uint8_t *pool = xcalloc(NB * kv_block_bytes(&l));
         kv_segment *segs = xcalloc(NB * l.block_tokens * sizeof *segs);
         kv_segment *dsegs = xcalloc(NB * l.block_tokens * sizeof *dsegs);
-        for (size_t g = 0; g < KH_N(k_groups); g++)
-            for (size_t b = 0; b < KH_N(k_bits); b++) {
-                l.quant_group = k_groups[g];
-                check_quantize(&r, &l, k_bits[b], t, pool, segs);
-                check_dequantize(&r, &l, k_bits[b], segs, dsegs);
-            }
+        l.quant_group = k_groups[(si / 2) % KH_N(k_groups)]; /* a group size per shape */
+        for (size_t b = 0; b < KH_N(k_bits); b++) {
+            check_quantize(&r, &l, k_bits[b], t, pool, segs);
+            check_dequantize(&r, &l, k_bits[b], segs, dsegs);
+        }
         free(pool);
         free(segs);
         free(dsegs);
