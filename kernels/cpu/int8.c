@@ -353,9 +353,10 @@ typedef struct dequant_job {
 
 /* n tokens from INT8 (qb, qs..) to pool (db, ds..): per (kv, head, chunk)
  * the scales are read once for the whole run. */
-static void dequant_run(const dequant_job *j, uint32_t qb, uint32_t qs, uint32_t db, uint32_t ds,
+static void dequant_run(const void *ctx, uint32_t qb, uint32_t qs, uint32_t db, uint32_t ds,
                         uint32_t n)
 {
+    const dequant_job *j = ctx;
     const kv_layout *l = j->l;
     size_t half = kv_block_bytes(l) / 2;
     float s[KV_CHUNK], buf[KV_CHUNK];
@@ -380,22 +381,7 @@ static void dequant_run(const dequant_job *j, uint32_t qb, uint32_t qs, uint32_t
 static void dequant_tokens(void *ctx, size_t lo, size_t hi)
 {
     const dequant_job *j = ctx;
-    kv_cursor src, dst;
-    kv_cursor_init(&src, j->qsegs, j->nqsegs, lo);
-    kv_cursor_init(&dst, j->dst, j->ndst, lo);
-    for (size_t i = lo; i < hi;) {
-        uint32_t qb, qs, db, ds;
-        uint32_t ns = kv_cursor_run(&src, &qb, &qs), nd = kv_cursor_run(&dst, &db, &ds);
-        if (ns == 0 || nd == 0)
-            return;
-        uint32_t n = ns < nd ? ns : nd;
-        if (n > hi - i)
-            n = (uint32_t)(hi - i);
-        dequant_run(j, qb, qs, db, ds, n);
-        kv_cursor_skip(&src, n);
-        kv_cursor_skip(&dst, n);
-        i += n;
-    }
+    kv_walk_pairs(j->qsegs, j->nqsegs, j->dst, j->ndst, lo, hi, dequant_run, j);
 }
 
 void KV_FAST(kv_int8_dequantize)(const kv_layout *l, const uint8_t *qpool, const kv_segment *qsegs,

@@ -273,16 +273,18 @@ static void dequant_token(const dequant_job *j, uint32_t qb, uint32_t qs, uint32
     }
 }
 
+/* A run of n tokens (kv_walk_pairs), one at a time. */
+static void dequant_run(const void *ctx, uint32_t qb, uint32_t qs, uint32_t db, uint32_t ds,
+                        uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++)
+        dequant_token(ctx, qb, qs + i, db, ds + i);
+}
+
 static void dequant_tokens(void *ctx, size_t lo, size_t hi)
 {
     const dequant_job *j = ctx;
-    kv_cursor src, dst;
-    kv_cursor_init(&src, j->qsegs, j->nqsegs, lo);
-    kv_cursor_init(&dst, j->dst, j->ndst, lo);
-    uint32_t qb, qs, db, ds;
-    for (size_t i = lo; i < hi && kv_cursor_next(&src, &qb, &qs) && kv_cursor_next(&dst, &db, &ds);
-         i++)
-        dequant_token(j, qb, qs, db, ds);
+    kv_walk_pairs(j->qsegs, j->nqsegs, j->dst, j->ndst, lo, hi, dequant_run, j);
 }
 
 void KV_FAST(kv_lowbit_dequantize)(const kv_layout *l, uint32_t bits, const uint8_t *qpool,

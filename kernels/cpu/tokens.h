@@ -67,6 +67,34 @@ static inline void kv_cursor_skip(kv_cursor *c, uint32_t n)
     c->used += n;
 }
 
+/* Tokens [lo, hi) of two lists of the same length, in runs that stay in
+ * one segment of each: fn(ctx, block and first slot in `a`, the same in
+ * `b`, run length), in list order. For kernels that move the i-th token
+ * of one list to the i-th slot of another (dequantisation). */
+typedef void (*kv_pair_run_fn)(const void *ctx, uint32_t ablock, uint32_t aslot, uint32_t bblock,
+                               uint32_t bslot, uint32_t n);
+
+static inline void kv_walk_pairs(const kv_segment *a, size_t na, const kv_segment *b, size_t nb,
+                                 size_t lo, size_t hi, kv_pair_run_fn fn, const void *ctx)
+{
+    kv_cursor ca, cb;
+    kv_cursor_init(&ca, a, na, lo);
+    kv_cursor_init(&cb, b, nb, lo);
+    for (size_t i = lo; i < hi;) {
+        uint32_t ab, as, bb, bs;
+        uint32_t ra = kv_cursor_run(&ca, &ab, &as), rb = kv_cursor_run(&cb, &bb, &bs);
+        if (ra == 0 || rb == 0)
+            return;
+        uint32_t n = ra < rb ? ra : rb;
+        if (n > hi - i)
+            n = (uint32_t)(hi - i);
+        fn(ctx, ab, as, bb, bs, n);
+        kv_cursor_skip(&ca, n);
+        kv_cursor_skip(&cb, n);
+        i += n;
+    }
+}
+
 /* Bytes of one K or V row of the pool: one head, one slot. */
 static inline size_t kv_row_bytes(const kv_layout *l)
 {

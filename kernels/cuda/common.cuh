@@ -149,6 +149,28 @@ inline token *expand(const kv_segment *segs, size_t nsegs, size_t n)
 
 constexpr unsigned kThreads = 128;
 
+/* The i-th token of qsegs moved to the i-th of dst, n of them: both lists
+ * expanded and uploaded, launch(d_src, d_dst) called, the scratch freed.
+ * Returns 0 or the first CUDA error (out of memory included). */
+template <class Launch>
+int with_token_pairs(const kv_segment *qsegs, size_t nqsegs, const kv_segment *dst, size_t ndst,
+                     size_t n, Launch launch)
+{
+    token *src = expand(qsegs, nqsegs, n), *dt = expand(dst, ndst, n);
+    int err = cudaErrorMemoryAllocation;
+    if (src != nullptr && dt != nullptr) {
+        scratch sc;
+        const token *d_src = static_cast<const token *>(sc.put(src, n * sizeof(token)));
+        const token *d_dst = static_cast<const token *>(sc.put(dt, n * sizeof(token)));
+        if (sc.err == cudaSuccess)
+            launch(d_src, d_dst);
+        err = sc.finish();
+    }
+    free(src);
+    free(dt);
+    return err;
+}
+
 inline unsigned blocks_for(size_t n, unsigned per)
 {
     return (unsigned)((n + per - 1) / per);

@@ -270,20 +270,9 @@ extern "C" int kv_lowbit_dequantize_cuda(const kv_layout *l, uint32_t bits, cons
         return cudaSuccess;
     if (n > 0x7fffffffu || l->kv_heads > 65535u)
         return cudaErrorInvalidValue;
-    token *src = expand(qsegs, nqsegs, n), *dt = expand(dst, ndst, n);
-    int err = cudaErrorMemoryAllocation;
-    if (src != nullptr && dt != nullptr) {
-        scratch sc;
-        const token *d_src = static_cast<const token *>(sc.put(src, n * sizeof(token)));
-        const token *d_dst = static_cast<const token *>(sc.put(dt, n * sizeof(token)));
-        if (sc.err == cudaSuccess) {
-            dim3 grid((unsigned)n, l->kv_heads, 2);
-            dequantize_kernel<<<grid, kThreads>>>(make_geom(l), make_lbgeom(l, bits), t, qpool,
-                                                  d_src, d_dst, pool);
-        }
-        err = sc.finish();
-    }
-    free(src);
-    free(dt);
-    return err;
+    return with_token_pairs(qsegs, nqsegs, dst, ndst, n, [&](const token *s, const token *d) {
+        dim3 grid((unsigned)n, l->kv_heads, 2);
+        dequantize_kernel<<<grid, kThreads>>>(make_geom(l), make_lbgeom(l, bits), t, qpool, s, d,
+                                              pool);
+    });
 }
