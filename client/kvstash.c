@@ -722,28 +722,23 @@ void kvs_table_free(kvs_table *t)
 
 static kv_layout row_layout(const kvs_session *s);
 
-/* The slots a segment of `tier` may name in its block, as this side
- * computes them from the list's layout (the table must say the same: a
- * quantised block the daemon claims to be larger would be read past its
- * pool block); 0 for a tier no segment with a block may have. */
-static uint64_t tier_room(const kvs_session *s, const Kvstash__V1__LayerTable *lt, uint32_t tier)
+/* The slots a segment of each tier (room[tier], KVS_TIER_INT2 + 1 of them)
+ * may name in its block, as this side computes them from the list's layout
+ * (the table must say the same: a quantised block the daemon claims to be
+ * larger would be read past its pool block); 0 for a tier no segment with
+ * a block may have. Once per list, not per segment. */
+static void tier_rooms(const kvs_session *s, const Kvstash__V1__LayerTable *lt, uint64_t *room)
 {
     kv_layout lay = lt->per_head ? row_layout(s) : s->layout;
     lay.quant_group = lt->quant_group;
-    switch (tier) {
-    case KVS_TIER_FULL:
-        return lay.block_tokens;
-    case KVS_TIER_INT8:
-        return lt->int8_block_tokens == kv_int8_tokens_per_block(&lay) ? lt->int8_block_tokens : 0;
-    case KVS_TIER_INT4:
-        return lt->int4_block_tokens == kv_lowbit_tokens_per_block(&lay, 4) ? lt->int4_block_tokens
-                                                                            : 0;
-    case KVS_TIER_INT2:
-        return lt->int2_block_tokens == kv_lowbit_tokens_per_block(&lay, 2) ? lt->int2_block_tokens
-                                                                            : 0;
-    default:
-        return 0;
-    }
+    memset(room, 0, (KVS_TIER_INT2 + 1) * sizeof *room);
+    room[KVS_TIER_FULL] = lay.block_tokens;
+    room[KVS_TIER_INT8] =
+        lt->int8_block_tokens == kv_int8_tokens_per_block(&lay) ? lt->int8_block_tokens : 0;
+    room[KVS_TIER_INT4] =
+        lt->int4_block_tokens == kv_lowbit_tokens_per_block(&lay, 4) ? lt->int4_block_tokens : 0;
+    room[KVS_TIER_INT2] =
+        lt->int2_block_tokens == kv_lowbit_tokens_per_block(&lay, 2) ? lt->int2_block_tokens : 0;
 }
 
 /* Check one LayerTable against the pool before anyone writes through it: a
@@ -767,9 +762,11 @@ static int layer_check(kvs_session *s, const Kvstash__V1__LayerTable *lt, const 
              lt->head, s->geom.kv_heads);
         return KVS_ERR_PROTOCOL;
     }
+    uint64_t rooms[KVS_TIER_INT2 + 1];
+    tier_rooms(s, lt, rooms);
     for (size_t i = 0; i < lt->n_block; i++) {
         uint32_t tier = lt->n_tier ? lt->tier[i] : KVS_TIER_FULL;
-        uint64_t room = tier_room(s, lt, tier);
+        uint64_t room = tier <= KVS_TIER_INT2 ? rooms[tier] : 0;
         if (tier == KVS_TIER_SKETCH && lt->block[i] == KVS_NO_BLOCK && lt->count[i] > 0) {
             total += lt->count[i];
             continue;
