@@ -14,12 +14,16 @@ typedef struct host_list {
     uint8_t *tier;
     uint32_t tokens, cap;
     uint8_t *next_tier; /* the pending decision for this list */
+    /* demote_keep only: the attention each token has received, summed over
+     * steps and query heads (storage.h), NULL otherwise. */
+    float *attn;
     /* Transactions: the token count at begin (appends only add after it),
      * and, once the layer was stepped, the first begin_tokens entries as
      * they were (arrays of exactly that many, swapped in by rollback). */
     uint32_t begin_tokens;
     uint32_t *saved_pos;
     uint8_t *saved_tier;
+    float *saved_attn;
 } host_list;
 
 typedef struct host_layer {
@@ -51,7 +55,16 @@ struct policy_host {
     /* Transactions: open, and the counters at begin. */
     int txn;
     uint64_t begin_appended, begin_steps;
+    /* demote_keep: the lists' mean attention and the demotion's scratch. */
+    double *importance;
+    void *demote_scratch;
+    uint32_t grade_cap;
 };
+
+static int graded(const policy_host *h)
+{
+    return h->storage.demote != POLICY_FULL && h->storage.demote_keep > 0;
+}
 
 static void layer_free(host_layer *ly, uint32_t heads)
 {
@@ -61,6 +74,8 @@ static void layer_free(host_layer *ly, uint32_t heads)
         free(ly->lists[h].next_tier);
         free(ly->lists[h].saved_pos);
         free(ly->lists[h].saved_tier);
+        free(ly->lists[h].attn);
+        free(ly->lists[h].saved_attn);
     }
     free(ly->lists);
     free(ly->tokens);
@@ -130,6 +145,8 @@ void policy_host_destroy(policy_host *h)
     for (uint32_t l = 0; h->layers != NULL && l < h->geom.layers; l++)
         layer_free(&h->layers[l], h->heads);
     free(h->layers);
+    free(h->importance);
+    free(h->demote_scratch);
     free(h);
 }
 
@@ -165,7 +182,7 @@ const uint32_t *policy_host_tier_order(const policy_host *h, uint32_t layer, siz
     return h->ops->tier_order ? h->ops->tier_order(h->state, layer, n) : NULL;
 }
 
-static int list_reserve(host_list *li, uint32_t need)
+static int list_reserve(host_list *li, uint32_t need, int with_attn)
 {
     if (need <= li->cap)
         return 0;
@@ -186,6 +203,12 @@ static int list_reserve(host_list *li, uint32_t need)
     if (next == NULL)
         return -1;
     li->next_tier = next;
+    if (with_attn) {
+        float *attn = realloc(li->attn, cap * sizeof *attn);
+        if (attn == NULL)
+            return -1;
+        li->attn = attn;
+    }
     li->cap = cap;
     return 0;
 }
@@ -213,7 +236,8 @@ int policy_host_append(policy_host *h, uint32_t n)
      * instead of some layers a step ahead of the others. */
     for (uint32_t l = 0; l < h->geom.layers; l++)
         for (uint32_t k = 0; k < h->heads; k++)
-            if (list_reserve(&h->layers[l].lists[k], h->layers[l].lists[k].tokens + n) != 0)
+            if (list_reserve(&h->layers[l].lists[k], h->layers[l].lists[k].tokens + n, graded(h)) !=
+                0)
                 return -1;
     for (uint32_t l = 0; l < h->geom.layers; l++) {
         host_layer *ly = &h->layers[l];
@@ -222,6 +246,8 @@ int policy_host_append(policy_host *h, uint32_t n)
             for (uint32_t i = 0; i < n; i++) {
                 li->pos[li->tokens + i] = (uint32_t)(h->appended + i);
                 li->tier[li->tokens + i] = POLICY_FULL;
+                if (li->attn != NULL)
+                    li->attn[li->tokens + i] = 0;
             }
             li->tokens += n;
         }
@@ -303,8 +329,10 @@ static void layer_drop_saved(host_layer *ly, uint32_t heads)
     for (uint32_t k = 0; k < heads; k++) {
         free(ly->lists[k].saved_pos);
         free(ly->lists[k].saved_tier);
+        free(ly->lists[k].saved_attn);
         ly->lists[k].saved_pos = NULL;
         ly->lists[k].saved_tier = NULL;
+        ly->lists[k].saved_attn = NULL;
     }
 }
 
@@ -320,6 +348,10 @@ static int layer_save(policy_host *h, host_layer *ly, uint32_t layer)
         li->saved_pos = policy_array_copy(li->pos, n, n, sizeof *li->pos);
         li->saved_tier = policy_array_copy(li->tier, n, n, sizeof *li->tier);
         ok = li->saved_pos != NULL && li->saved_tier != NULL;
+        if (ok && li->attn != NULL) {
+            li->saved_attn = policy_array_copy(li->attn, n, n, sizeof *li->attn);
+            ok = li->saved_attn != NULL;
+        }
     }
     void *copy = NULL;
     if (ok && h->ops->save != NULL)
@@ -364,9 +396,14 @@ void policy_host_rollback(policy_host *h)
                 free(li->tier);
                 li->pos = li->saved_pos;
                 li->tier = li->saved_tier;
+                if (li->attn != NULL) {
+                    free(li->attn);
+                    li->attn = li->saved_attn;
+                }
                 li->cap = li->begin_tokens;
                 li->saved_pos = NULL;
                 li->saved_tier = NULL;
+                li->saved_attn = NULL;
             }
             li->tokens = li->begin_tokens; /* drops what was appended since */
         }
@@ -396,6 +433,64 @@ void policy_host_end(policy_host *h)
     h->txn = 0;
 }
 
+/* The attention list k's tokens got in this step, summed over the list's
+ * query heads: the summed score, else the last query's, else the window's
+ * mean (storage.h demote_keep). NULL arrays add nothing. */
+static void list_observe_attention(const policy_host *h, host_list *li, uint32_t k,
+                                   const policy_stats *st)
+{
+    if (st->score != NULL && h->heads == 1) {
+        for (uint32_t i = 0; i < li->tokens; i++)
+            li->attn[i] += st->score[i];
+        return;
+    }
+    const float *const *rows = st->last_attn != NULL ? st->last_attn : st->window_attn;
+    if (rows == NULL)
+        return;
+    uint32_t group = h->heads == 1 ? h->geom.q_heads : h->geom.q_heads / h->geom.kv_heads;
+    for (uint32_t q = k * group; q < (k + 1) * group; q++)
+        for (uint32_t i = 0; i < li->tokens; i++)
+            li->attn[i] += rows[q][i];
+}
+
+static void layer_observe_attention(policy_host *h, host_layer *ly, const policy_stats *stats)
+{
+    for (uint32_t k = 0; k < h->heads; k++)
+        if (ly->lists[k].attn != NULL)
+            list_observe_attention(h, &ly->lists[k], k, stats);
+}
+
+/* The storage options' demotion of the pending decision (storage.h); with
+ * demote_keep, by each token's mean attention over the queries since it
+ * arrived (ZipCache's normalised score: older tokens have had more
+ * queries). */
+static int layer_demote(policy_host *h, host_layer *ly)
+{
+    for (uint32_t k = 0; k < h->heads; k++) {
+        host_list *li = &ly->lists[k];
+        if (!graded(h) || li->attn == NULL) {
+            policy_storage_demote(&h->storage, li->next_tier, li->tokens, NULL, NULL);
+            continue;
+        }
+        if (li->tokens > h->grade_cap) {
+            double *imp = realloc(h->importance, li->tokens * sizeof *imp);
+            if (imp != NULL)
+                h->importance = imp;
+            void *scratch = realloc(h->demote_scratch, policy_storage_demote_scratch(li->tokens));
+            if (scratch != NULL)
+                h->demote_scratch = scratch;
+            if (imp == NULL || scratch == NULL)
+                return -1;
+            h->grade_cap = li->tokens;
+        }
+        for (uint32_t i = 0; i < li->tokens; i++)
+            h->importance[i] = li->attn[i] / (double)(h->appended - li->pos[i]);
+        policy_storage_demote(&h->storage, li->next_tier, li->tokens, h->importance,
+                              h->demote_scratch);
+    }
+    return 0;
+}
+
 int policy_host_step(policy_host *h, uint32_t layer, const policy_stats *stats,
                      const policy_decision **decision, char *err, size_t errlen)
 {
@@ -419,8 +514,12 @@ int policy_host_step(policy_host *h, uint32_t layer, const policy_stats *stats,
         return -1;
     if (decision_valid(ly, h->heads, err, errlen) != 0)
         return -1;
-    for (uint32_t k = 0; k < h->heads; k++)
-        policy_storage_demote(&h->storage, ly->decision_tiers[k], ly->lists[k].tokens);
+    if (graded(h))
+        layer_observe_attention(h, ly, stats);
+    if (layer_demote(h, ly) != 0) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
     ly->pending = 1;
     *decision = &ly->decision;
     return 0;
@@ -442,6 +541,8 @@ size_t policy_host_commit(policy_host *h, uint32_t layer)
             }
             li->pos[out] = li->pos[i];
             li->tier[out] = li->next_tier[i];
+            if (li->attn != NULL)
+                li->attn[out] = li->attn[i];
             out++;
         }
         li->tokens = out;

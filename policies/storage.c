@@ -8,6 +8,7 @@
 /* The per-layer seed derivation shared with reviver and the kernels (pure
  * integer functions; kernels/sketch_hash.h says why a policy includes it). */
 #include "../kernels/sketch_hash.h"
+#include "select.h"
 
 static const char *const on_off[] = {"off", "on", NULL};
 static const char *const victim_names[] = {"evict", "sketch", "int8", NULL};
@@ -18,6 +19,7 @@ static const uint8_t demote_tiers[] = {POLICY_FULL, POLICY_INT8, POLICY_INT4, PO
 typedef struct storage_parsed {
     unsigned int8, demote, victims;
     uint32_t int8_window, sketch_rows, sketch_buckets, sketch_seed;
+    double demote_keep;
 } storage_parsed;
 
 static const policy_param_spec storage_spec[] = {
@@ -30,6 +32,10 @@ static const policy_param_spec storage_spec[] = {
     POLICY_PARAM_U32("int8_window", "32",
                      "newest held tokens per list that demotion keeps at full precision", 0,
                      1u << 24, offsetof(storage_parsed, int8_window)),
+    POLICY_PARAM_F64("demote_keep", "0",
+                     "share (0..1) of the held tokens older than int8_window that demotion keeps "
+                     "at full precision: the most attended ones (ZipCache); 0: by age alone",
+                     0, 1, offsetof(storage_parsed, demote_keep)),
     POLICY_PARAM_ONE_OF("victims", "evict",
                         "where evicted tokens go: evict (dropped), sketch (offloaded to the list's "
                         "count-sketch, revivable), int8 (kept as INT8 out of the table, revivable; "
@@ -63,6 +69,7 @@ int policy_storage_parse(const policy_params *p, policy_storage *out, char *err,
     }
     out->demote = demote_tiers[r.int8 ? 1 : r.demote];
     out->int8_window = r.int8_window;
+    out->demote_keep = r.demote_keep;
     out->victims = (policy_victims)r.victims;
     out->sketch_rows = r.sketch_rows;
     out->sketch_buckets = r.sketch_buckets;
@@ -80,20 +87,68 @@ void policy_storage_sketch_geometry(const policy_storage *s, uint32_t layer,
     out->value_mean = 0;
 }
 
-uint32_t policy_storage_demote(const policy_storage *s, uint8_t *tier, uint32_t tokens)
+size_t policy_storage_demote_scratch(uint32_t tokens)
+{
+    return (size_t)tokens * (sizeof(uint64_t) + 2);
+}
+
+static int held(uint8_t tier)
+{
+    return tier == POLICY_FULL || policy_tier_quantised(tier);
+}
+
+/* demote_keep: the FULL candidates (in[i]) beyond the share that may stay
+ * FULL are demoted, lowest importance first, ties to the older (lower
+ * index): a bottom-k in index order (select.h). */
+static uint32_t demote_least_important(const policy_storage *s, uint8_t *tier, uint32_t tokens,
+                                       const double *importance, uint8_t *in, uint32_t candidates,
+                                       uint32_t full, void *scratch)
+{
+    uint32_t keep = (uint32_t)(s->demote_keep * candidates);
+    if (full <= keep)
+        return 0;
+    uint64_t *keys = scratch;
+    uint8_t *chosen = (uint8_t *)(keys + tokens);
+    size_t m = 0;
+    for (uint32_t i = 0; i < tokens; i++)
+        if (in[i])
+            keys[m++] = policy_key(importance[i]);
+    policy_cut cut = policy_select_cut(keys, m, full - keep);
+    policy_cut_mark(&cut, importance, 1.0, in, 1, tokens, 0, chosen);
+    uint32_t demoted = 0;
+    for (uint32_t i = 0; i < tokens; i++)
+        if (chosen[i]) {
+            tier[i] = s->demote;
+            demoted++;
+        }
+    return demoted;
+}
+
+uint32_t policy_storage_demote(const policy_storage *s, uint8_t *tier, uint32_t tokens,
+                               const double *importance, void *scratch)
 {
     if (s->demote == POLICY_FULL)
         return 0;
-    uint32_t held = 0, demoted = 0;
+    int graded = s->demote_keep > 0 && tokens > 0;
+    uint8_t *in = graded ? (uint8_t *)scratch + (size_t)tokens * (sizeof(uint64_t) + 1) : NULL;
+    uint32_t seen = 0, candidates = 0, full = 0, demoted = 0;
     for (uint32_t i = tokens; i-- > 0;) {
-        if (tier[i] != POLICY_FULL && !policy_tier_quantised(tier[i]))
+        if (graded)
+            in[i] = 0;
+        if (!held(tier[i]) || seen++ < s->int8_window)
             continue;
-        if (held++ < s->int8_window)
+        candidates++;
+        if (tier[i] != POLICY_FULL)
             continue;
-        if (tier[i] == POLICY_FULL) {
+        if (graded) {
+            in[i] = 1;
+            full++;
+        } else {
             tier[i] = s->demote;
             demoted++;
         }
     }
-    return demoted;
+    return graded
+               ? demote_least_important(s, tier, tokens, importance, in, candidates, full, scratch)
+               : demoted;
 }

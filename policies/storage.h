@@ -12,6 +12,15 @@
  *   int8_window=N      newest held tokens per list kept at full precision
  *                      when demoting, whatever the precision (KIVI's
  *                      residual window)
+ *   demote_keep=F      precision by importance (ZipCache): of the held
+ *                      tokens older than the window, the share F (0..1)
+ *                      with the highest mean attention stays at full
+ *                      precision and only the rest is demoted. The mean
+ *                      attention of a token is what the worker's step
+ *                      statistics gave it (score, else last_attn, else
+ *                      window_attn, summed over the list's query heads)
+ *                      over the queries since it arrived; a step without
+ *                      them adds nothing. 0 (the default): by age alone
  *   victims=evict|sketch|int8
  *                      a token the policy evicts is dropped, or kept out of
  *                      the table but revivable with Revive: offloaded into
@@ -40,6 +49,7 @@ typedef enum policy_victims {
 typedef struct policy_storage {
     uint8_t demote; /* POLICY_FULL (off), POLICY_INT8, POLICY_INT4 or POLICY_INT2 */
     uint32_t int8_window;
+    double demote_keep;
     policy_victims victims;
     uint32_t sketch_rows, sketch_buckets;
     uint64_t sketch_seed;
@@ -62,10 +72,16 @@ void policy_storage_sketch_geometry(const policy_storage *s, uint32_t layer,
 /*
  * Demotion of one list after a decision: of the tokens the decision keeps
  * in full precision or quantised (tier FULL, INT8, INT4 or INT2), the
- * newest int8_window stay as decided and every older FULL one gets the
- * demote tier. Returns the number of tokens demoted. No-op when demote is
- * off.
+ * newest int8_window stay as decided. Of the older ones (the candidates),
+ * floor(demote_keep x candidates) may stay FULL: the FULL candidates with
+ * the highest importance[] (ties: the newer stays), the other FULL ones get
+ * the demote tier. A token once demoted is not promoted back by this rule.
+ * importance may be NULL when demote_keep is 0; scratch has room for
+ * policy_storage_demote_scratch(tokens) bytes (unused when demote_keep is
+ * 0). Returns the number of tokens demoted. No-op when demote is off.
  */
-uint32_t policy_storage_demote(const policy_storage *s, uint8_t *tier, uint32_t tokens);
+uint32_t policy_storage_demote(const policy_storage *s, uint8_t *tier, uint32_t tokens,
+                               const double *importance, void *scratch);
+size_t policy_storage_demote_scratch(uint32_t tokens);
 
 #endif

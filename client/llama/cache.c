@@ -207,6 +207,12 @@ static int resolve_params(llm_cache *c)
     if (policy_params_resolve(c->ops, keys, values, n, &c->params, err, sizeof err))
         return fail(c, "%s", err);
     c->needs = c->ops->needs;
+    /* demote_keep grades precision by attention (policies/storage.h), which
+     * the steps must carry even for a policy that needs none. */
+    for (size_t i = 0; i < c->o.nparams; i++)
+        if (strcmp(c->o.params[i].key, "demote_keep") == 0 &&
+            strtod(c->o.params[i].value, NULL) > 0)
+            c->needs |= c->ops->per_head ? POLICY_NEEDS_LAST_ATTN : POLICY_NEEDS_SCORE;
     c->heads = c->ops->per_head ? c->KV : 1;
     /* The SnapKV family's observation window (streaming's `window` is its
      * recent window, not this). More queries than the context cannot be. */

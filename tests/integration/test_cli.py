@@ -238,7 +238,7 @@ def check_seq_show(ctx):
     assert j["sequence"]["seq_id"] == sid and j["sequence"]["policy"] == "streaming"
     params = {p["key"]: p["value"] for p in j["params"]}
     assert params == {"n_sink": "2", "window": "10", "demote": "off", "int8": "off",
-                      "int8_window": "32",
+                      "int8_window": "32", "demote_keep": "0",
                       "victims": "evict", "sketch_rows": "3", "sketch_buckets": "64",
                       "sketch_seed": "0"}, params
     held = streaming_held(60, 6, 2, 10)
@@ -277,7 +277,8 @@ def check_policy_list(ctx):
     assert {n for n, p in pol.items() if p["operator_evict"]} == {"full", "streaming"}
     assert pol["full"]["params"] == []
     assert [(p["key"], p["default_value"]) for p in j["storage_params"]] == \
-        [("demote", "off"), ("int8", "off"), ("int8_window", "32"), ("victims", "evict"),
+        [("demote", "off"), ("int8", "off"), ("int8_window", "32"), ("demote_keep", "0"),
+         ("victims", "evict"),
          ("sketch_rows", "3"),
          ("sketch_buckets", "64"), ("sketch_seed", "0")], j["storage_params"]
     out = ok_text(ctx, "policy", "list")

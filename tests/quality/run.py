@@ -52,12 +52,18 @@ def parse_args(argv):
     ap.add_argument("--text", default=os.path.join(shared, "data", "tinystories_val_dev.txt"))
     ap.add_argument("--stories", type=int, default=200)
     ap.add_argument("--policies", default=",".join(POLICIES),
-                    help="comma-separated; `full` always runs as the baseline")
+                    help="comma-separated; `full` always runs as the baseline and, when "
+                    "listed, once more per --demote tier other than off: the whole cache "
+                    "demoted, nothing evicted (KIVI's setting)")
     ap.add_argument("--budgets", default="16,32,64,128", help="tokens per layer, comma-separated")
     ap.add_argument("--demote", default=None,
                     help="comma-separated tiers held tokens are demoted to: off, int8, int4, int2 "
                          "(default off,int8)")
     ap.add_argument("--int8", default=None, help="off, on, or off,on: --demote off / int8")
+    ap.add_argument("--demote-keep", default="0",
+                    help="comma-separated shares for the storage option demote_keep (precision "
+                    "by importance: that share of the demotable tokens, the most attended, stays "
+                    "at full precision), each run with every --demote tier but off (default 0)")
     ap.add_argument("--block-tokens", type=int, default=0,
                     help="kvstash-llama --block-tokens (0: its default, 4)")
     ap.add_argument("--kv-dtype", default="fp16", choices=("fp16", "bf16", "fp32"),
@@ -130,7 +136,32 @@ def demote_modes(args):
     return modes
 
 
-def score_cmd(args, llama, sock, policy, budget, demote, extra):
+def settings(args):
+    """The grid's precision settings: (demote tier, demote_keep) pairs, off
+    once and every other tier with each --demote-keep share."""
+    keeps = [float(k) for k in args.demote_keep.split(",")]
+    if any(not 0 <= k <= 1 for k in keeps):
+        raise SystemExit(f"run.py: --demote-keep takes shares in [0, 1]; got {args.demote_keep}")
+    return [(m, k) for m in demote_modes(args) for k in keeps if m != "off" or k == 0]
+
+
+def setting(r):
+    return (r["demote"], r.get("demote_keep") or 0.0)
+
+
+def setting_label(st):
+    return st[0] if not st[1] else f"{st[0]}, keep {st[1]:g}"
+
+
+def setting_order(st):
+    return (DEMOTE_ORDER.index(st[0]), st[1])
+
+
+def row_settings(rows):
+    return sorted({setting(r) for r in rows}, key=setting_order)
+
+
+def score_cmd(args, llama, sock, policy, budget, demote, extra, keep=0.0):
     cmd = [llama, "score", "--model", args.model, "--text", args.text, "--stories",
            str(args.stories), "--batch", str(args.batch), "--quiet"]
     if args.tokenizer:
@@ -145,6 +176,8 @@ def score_cmd(args, llama, sock, policy, budget, demote, extra):
         if budget:
             cmd += ["--budget", str(budget)]
         cmd += ["--demote", demote]
+        if keep:
+            cmd += ["--set", f"demote_keep={keep:g}"]
         for kv in extra:
             cmd += ["--set", kv]
     return cmd
@@ -177,7 +210,7 @@ def run_one(cmd, timeout):
     return {"status": "error", "error": err.replace("kvstash-llama: ", "")}
 
 
-FIELDS = ["model", "kv_dtype", "policy", "budget", "demote", "status", "ppl", "nll", "tokens",
+FIELDS = ["model", "kv_dtype", "policy", "budget", "demote", "demote_keep", "status", "ppl", "nll", "tokens",
           "stories", "kv_bytes_mean", "kv_bytes_peak", "kv_bytes_full_mean", "kv_fraction",
           "ppl_vs_full", "evicted", "seconds", "error"]
 
@@ -215,13 +248,31 @@ def pareto_lines(rows, full):
         b = min(fit, key=lambda r: r["ppl"])
         out.append(f"| ≤ {100 * share:g}% | {b['ppl']:.4f} | "
                    f"{100 * (b['ppl'] / full['ppl'] - 1):+.2f}% | {b['policy']}, {b['budget']}, "
-                   f"{b['demote']} | {100 * b['kv_fraction']:.1f}% |")
+                   f"{setting_label(setting(b))} | {100 * b['kv_fraction']:.1f}% |")
+    return out
+
+
+def full_demoted_lines(rows, full):
+    """The whole cache, nothing evicted, demoted to each tier: Markdown lines
+    (none when the grid did not list `full`)."""
+    demoted = [r for r in rows if r["policy"] == "full"]
+    if not demoted:
+        return []
+    out = ["\n## The whole cache demoted (policy full, nothing evicted)\n",
+           "| demote | perplexity | vs full | share of the fp16 cache |", "|---|---|---|---|"]
+    for r in sorted(demoted, key=lambda r: setting_order(setting(r))):
+        label = setting_label(setting(r))
+        if r["status"] != "ok":
+            out.append(f"| {label} | error: `{r['error']}` | | |")
+            continue
+        out.append(f"| {label} | {r['ppl']:.4f} | {100 * (r['ppl'] / full['ppl'] - 1):+.2f}% "
+                   f"| {100 * r['kv_fraction']:.1f}% |")
     return out
 
 
 def write_md(path, args, rows, full, budgets, command, seconds):
     policies = [p for p in args.policies.split(",") if p != "full"]
-    modes = args.demote.split(",")
+    modes = row_settings(rows)
     out = []
     out.append(f"# Quality: {args.name}\n")
     out.append(f"Perplexity of `{os.path.basename(args.model)}` on the first "
@@ -239,19 +290,20 @@ def write_md(path, args, rows, full, budgets, command, seconds):
                f"{full['kv_bytes_peak'] / 1024:.1f} KiB per sequence.\n")
     out.append("\n## Pareto: the best cell at each memory share\n")
     out += pareto_lines(rows, full)
+    out += full_demoted_lines(rows, full)
     for mode in modes:
-        out.append(f"\n## demote {mode}\n" if mode != "off" else "\n## all held tokens at full "
-                   "precision\n")
+        out.append(f"\n## demote {setting_label(mode)}\n" if mode[0] != "off"
+                   else "\n## all held tokens at full precision\n")
         out.append("| policy | " + " | ".join(f"budget {b}" for b in budgets) + " |")
         out.append("|---|" + "---|" * len(budgets))
         for p in policies:
             cells = []
             for b in budgets:
                 r = next((x for x in rows if x["policy"] == p and x["budget"] == b
-                          and x["demote"] == mode), None)
+                          and setting(x) == mode), None)
                 cells.append(fmt_cell(r))
             out.append(f"| {p} | " + " | ".join(cells) + " |")
-        errs = [x["error"] for x in rows if x["demote"] == mode and x["status"] != "ok"]
+        errs = [x["error"] for x in rows if setting(x) == mode and x["status"] != "ok"]
         if errs:
             more = f" (and {len(errs) - 1} more errors like it)" if len(errs) > 1 else ""
             out.append(f"\nerror: `{errs[0]}`{more}")
@@ -273,7 +325,9 @@ def write_svg(path, args, rows, full):
     ok = [r for r in rows if r["status"] == "ok"]
     if not ok:
         return
-    W, H, L, R, T, B = 760, 480, 70, 170, 40, 50
+    W, L, R, T, B = 760, 70, 190, 40, 50
+    entries = 2 + len({(r["policy"], setting(r)) for r in ok})  # the legend's lines, at most
+    H = max(480, T + 26 + 16 * entries)
     xs = [r["kv_bytes_mean"] for r in ok] + [full["kv_bytes_mean"]]
     ys = [r["ppl"] for r in ok] + [full["ppl"]]
     x0, x1 = math.log10(min(xs)) - 0.05, math.log10(max(xs)) + 0.05
@@ -320,24 +374,37 @@ def write_svg(path, args, rows, full):
              'stroke-dasharray="2,3"/>')
     s.append(f'<circle cx="{fx:.1f}" cy="{fy:.1f}" r="4" fill="black"/>')
     legend = [("full", "black", "")]
+    demoted = sorted((r["kv_bytes_mean"], r["ppl"]) for r in ok if r["policy"] == "full")
+    if demoted:
+        line = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in demoted + [(full["kv_bytes_mean"],
+                                                                            full["ppl"])])
+        s.append(f'<polyline points="{line}" fill="none" stroke="black" stroke-width="1.5"/>')
+        for x, y in demoted:
+            s.append(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="black"/>')
+        legend.append(("full, demoted", "black", ""))
     policies = []
     for r in ok:
+        if r["policy"] == "full":
+            continue
         if r["policy"] not in policies:
             policies.append(r["policy"])
     for i, p in enumerate(policies):
         color = COLORS[i % len(COLORS)]
-        for mode in DEMOTE_ORDER:
-            dash = DASH[mode]
+        for mode in row_settings(ok):
+            dash = DASH[mode[0]]
             pts = sorted((r["kv_bytes_mean"], r["ppl"]) for r in ok
-                         if r["policy"] == p and r["demote"] == mode)
+                         if r["policy"] == p and setting(r) == mode)
             if not pts:
                 continue
             line = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
             s.append(f'<polyline points="{line}" fill="none" stroke="{color}" '
-                     f'stroke-width="1.5" stroke-dasharray="{dash}"/>')
-            for x, y in pts:
-                s.append(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.5" fill="{color}"/>')
-            legend.append((p + ("" if mode == "off" else " " + mode), color, dash))
+                     f'stroke-width="{2.5 if mode[1] else 1.5}" stroke-dasharray="{dash}"/>')
+            for x, y in pts:  # squares: graded by importance (demote_keep)
+                s.append(f'<rect x="{px(x) - 3:.1f}" y="{py(y) - 3:.1f}" width="6" height="6" '
+                         f'fill="{color}"/>' if mode[1] else
+                         f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.5" fill="{color}"/>')
+            legend.append((p + ("" if mode[0] == "off" else " " + setting_label(mode)), color,
+                           dash))
     for i, (name, color, dash) in enumerate(legend):
         y = T + 10 + i * 16
         s.append(f'<line x1="{W - R + 12}" y1="{y}" x2="{W - R + 36}" y2="{y}" stroke="{color}" '
@@ -356,6 +423,7 @@ def read_csv(path):
             for k in ("ppl", "nll", "kv_bytes_mean", "kv_bytes_peak", "kv_bytes_full_mean",
                       "kv_fraction", "ppl_vs_full", "seconds"):
                 r[k] = float(r[k]) if r.get(k) else None
+            r["demote_keep"] = float(r.get("demote_keep") or 0)
             for k in ("budget", "tokens", "stories", "evicted"):
                 r[k] = int(r[k]) if r.get(k) else None
             if "demote" not in r:  # tables before --demote had an int8 column of off/on
@@ -369,15 +437,14 @@ def main(argv):
     if args.replot:
         stem = os.path.join(args.out, args.name)
         rows = read_csv(stem + ".csv")
-        full = next(r for r in rows if r["policy"] == "full")
+        full = next(r for r in rows if r["policy"] == "full" and r["demote"] == "off")
         args.kv_dtype = full.get("kv_dtype") or "fp32"  # tables before --kv-dtype were fp32
-        rows = [r for r in rows if r["policy"] != "full"]
+        rows = [r for r in rows if r is not full]
         write_svg(stem + ".svg", args, rows, full)
         with open(stem + ".md") as f:  # keep how the table was made
             md = f.read()
         made = md[md.index("\nMade in"):].lstrip("\n") if "\nMade in" in md else ""
-        budgets = sorted({r["budget"] for r in rows})
-        args.demote = ",".join(m for m in DEMOTE_ORDER if any(r["demote"] == m for r in rows))
+        budgets = sorted({r["budget"] for r in rows if r["policy"] != "full"})
         args.policies = ",".join(dict.fromkeys(r["policy"] for r in rows))
         write_md(stem + ".md", args, rows, full, budgets, made, None)
         print(f"wrote {stem}.svg and {stem}.md")
@@ -389,7 +456,7 @@ def main(argv):
             print(f"run.py: {b} is not an executable (build first)", file=sys.stderr)
             return 1
     budgets = [int(b) for b in args.budgets.split(",") if b]
-    modes = demote_modes(args)
+    modes = settings(args)
     extra = {}
     for s in args.set:
         pol, _, kv = s.partition(":")
@@ -408,30 +475,33 @@ def main(argv):
               flush=True)
         jobs = [(p, b, m) for m in modes for p in args.policies.split(",") if p != "full"
                 for b in budgets]
+        if "full" in args.policies.split(","):
+            jobs = [("full", 0, m) for m in modes if m[0] != "off"] + jobs
         rows = []
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as ex:
-            futs = {ex.submit(run_one, score_cmd(args, llama, d.sock, p, b, m,
-                                                 extra.get(p, [])), args.timeout): (p, b, m)
+            futs = {ex.submit(run_one, score_cmd(args, llama, d.sock, p, b, m[0],
+                                                 extra.get(p, []), m[1]), args.timeout): (p, b, m)
                     for p, b, m in jobs}
             for fut in concurrent.futures.as_completed(futs):
                 p, b, m = futs[fut]
                 r = fut.result()
-                r.update({"model": args.name, "policy": p, "budget": b, "demote": m,
-                          "kv_dtype": args.kv_dtype})
+                r.update({"model": args.name, "policy": p, "budget": b, "demote": m[0],
+                          "demote_keep": m[1], "kv_dtype": args.kv_dtype})
+                cell = f"{p} budget {b} demote {setting_label(m)}"
                 if r["status"] == "ok":
                     r.update(kv_fraction(r))
                     r["ppl_vs_full"] = r["ppl"] / full["ppl"]
-                    print(f"{p} budget {b} demote {m}: ppl {r['ppl']:.4f}, "
-                          f"kv {100 * r['kv_fraction']:.0f}% ({r['seconds']:.0f} s)", flush=True)
+                    print(f"{cell}: ppl {r['ppl']:.4f}, kv {100 * r['kv_fraction']:.0f}% "
+                          f"({r['seconds']:.0f} s)", flush=True)
                 else:
-                    print(f"{p} budget {b} demote {m}: error: {r['error']}", flush=True)
+                    print(f"{cell}: error: {r['error']}", flush=True)
                 rows.append(r)
     finally:
         d.stop()
     order = {p: i for i, p in enumerate(args.policies.split(","))}
-    rows.sort(key=lambda r: (DEMOTE_ORDER.index(r["demote"]), order.get(r["policy"], 99),
-                             r["budget"]))
+    rows.sort(key=lambda r: (setting_order(setting(r)), order.get(r["policy"], 99), r["budget"]))
     full.update({"model": args.name, "policy": "full", "budget": 0, "demote": "off",
+                 "demote_keep": 0.0,
                  "ppl_vs_full": 1.0})
     stem = os.path.join(args.out, args.name)
     write_csv(stem + ".csv", [full] + rows)

@@ -209,13 +209,14 @@ static void test_params_defaults(void **unused)
     assert_int_equal(policy_params_resolve(find("streaming"), NULL, NULL, 0, &p, err, sizeof(err)),
                      0);
     /* The policy's keys, then the storage keys every policy accepts. */
-    assert_int_equal(p.count, 2 + 7);
+    assert_int_equal(p.count, 2 + 8);
     assert_string_equal(p.key[0], "n_sink");
     assert_string_equal(p.key[1], "window");
     assert_string_equal(p.key[2], "demote");
     assert_string_equal(policy_params_get(&p, "demote"), "off");
     assert_string_equal(policy_params_get(&p, "int8"), "off");
     assert_string_equal(policy_params_get(&p, "int8_window"), "32");
+    assert_string_equal(policy_params_get(&p, "demote_keep"), "0");
     assert_string_equal(policy_params_get(&p, "victims"), "evict");
     assert_string_equal(policy_params_get(&p, "n_sink"), "4");
     assert_string_equal(policy_params_get(&p, "window"), "1020");
@@ -224,7 +225,7 @@ static void test_params_defaults(void **unused)
     assert_null(policy_params_get(NULL, "window"));
 
     assert_int_equal(policy_params_resolve(find("full"), NULL, NULL, 0, &p, err, sizeof(err)), 0);
-    assert_int_equal(p.count, 7); /* the storage keys */
+    assert_int_equal(p.count, 8); /* the storage keys */
 }
 
 static void test_params_override(void **unused)

@@ -702,21 +702,110 @@ static void test_storage_demote(void **unused)
     policy_storage st = {.demote = POLICY_INT8, .int8_window = 2};
     uint8_t t[7] = {POLICY_FULL, POLICY_EVICT, POLICY_FULL, POLICY_SKETCH,
                     POLICY_INT8, POLICY_FULL,  POLICY_FULL};
-    assert_int_equal(policy_storage_demote(&st, t, 7), 2);
+    assert_int_equal(policy_storage_demote(&st, t, 7, NULL, NULL), 2);
     const uint8_t want[7] = {POLICY_INT8, POLICY_EVICT, POLICY_INT8, POLICY_SKETCH,
                              POLICY_INT8, POLICY_FULL,  POLICY_FULL};
     assert_memory_equal(t, want, 7);
     st.demote = POLICY_FULL;
     uint8_t u[3] = {POLICY_FULL, POLICY_FULL, POLICY_FULL};
-    assert_int_equal(policy_storage_demote(&st, u, 3), 0);
+    assert_int_equal(policy_storage_demote(&st, u, 3, NULL, NULL), 0);
     assert_int_equal(u[0], POLICY_FULL);
     /* demote=int4: the same rule, INT4 tokens count as held */
     st.demote = POLICY_INT4;
     st.int8_window = 1;
     uint8_t w[4] = {POLICY_FULL, POLICY_INT4, POLICY_FULL, POLICY_FULL};
-    assert_int_equal(policy_storage_demote(&st, w, 4), 2);
+    assert_int_equal(policy_storage_demote(&st, w, 4, NULL, NULL), 2);
     const uint8_t want4[4] = {POLICY_INT4, POLICY_INT4, POLICY_INT4, POLICY_FULL};
     assert_memory_equal(w, want4, 4);
+}
+
+/* demote_keep: of the candidates (held, older than the window), the share
+ * with the highest importance stays FULL; the lowest are demoted, ties to
+ * the older; tokens already quantised count as candidates but never come
+ * back. */
+static void test_storage_demote_keep(void **unused)
+{
+    (void)unused;
+    policy_storage st = {.demote = POLICY_INT4, .int8_window = 2, .demote_keep = 0.5};
+    const double imp[10] = {5, 1, 7, 0.5, 3, 3, 9, 2, 0, 0};
+    uint8_t t[10];
+    memset(t, POLICY_FULL, sizeof t);
+    void *scratch = malloc(policy_storage_demote_scratch(10));
+    assert_non_null(scratch);
+    /* 8 candidates, 4 stay: 0.5, 1, 2 and the older of the two 3s go */
+    assert_int_equal(policy_storage_demote(&st, t, 10, imp, scratch), 4);
+    const uint8_t want[10] = {POLICY_FULL, POLICY_INT4, POLICY_FULL, POLICY_INT4, POLICY_INT4,
+                              POLICY_FULL, POLICY_FULL, POLICY_INT4, POLICY_FULL, POLICY_FULL};
+    assert_memory_equal(t, want, 10);
+    /* already at the share: nothing more; the window is not a candidate */
+    assert_int_equal(policy_storage_demote(&st, t, 10, imp, scratch), 0);
+    /* token 0 already quantised and an evicted one: 7 candidates, 3 stay */
+    memset(t, POLICY_FULL, sizeof t);
+    t[0] = POLICY_INT4;
+    t[6] = POLICY_EVICT;
+    assert_int_equal(policy_storage_demote(&st, t, 10, imp, scratch), 3);
+    const uint8_t want2[10] = {POLICY_INT4, POLICY_INT4,  POLICY_FULL, POLICY_INT4, POLICY_FULL,
+                               POLICY_FULL, POLICY_EVICT, POLICY_INT4, POLICY_FULL, POLICY_FULL};
+    assert_memory_equal(t, want2, 10);
+    /* demote_keep 1 keeps everything; 0 is the age rule */
+    memset(t, POLICY_FULL, sizeof t);
+    st.demote_keep = 1;
+    assert_int_equal(policy_storage_demote(&st, t, 10, imp, scratch), 0);
+    st.demote_keep = 0;
+    assert_int_equal(policy_storage_demote(&st, t, 10, NULL, NULL), 8);
+    free(scratch);
+}
+
+/* One step of the full policy on layer 0 with score[] and commit. */
+static const policy_decision *step_scored(policy_host *h, const float *score)
+{
+    policy_stats st = {.score = score, .score_queries = 1, .confidence = -1};
+    const policy_decision *d = NULL;
+    char err[POLICY_ERR_LEN] = "";
+    assert_int_equal(policy_host_step(h, 0, &st, &d, err, sizeof err), 0);
+    return d;
+}
+
+/* The host grades by mean attention: the attention a token received over
+ * the steps, over the queries since it arrived (appended - position). The
+ * second step demotes token 1, which the plain sum would rank above tokens
+ * 3 and 4; a rolled-back step's attention does not count. */
+static void test_host_demote_keep(void **unused)
+{
+    (void)unused;
+    const policy_ops *ops = policy_find("full");
+    const char *keys[] = {"demote", "int8_window", "demote_keep"};
+    const char *vals[] = {"int4", "1", "0.5"};
+    policy_params p;
+    char err[POLICY_ERR_LEN] = "";
+    assert_int_equal(policy_params_resolve(ops, keys, vals, 3, &p, err, sizeof err), 0);
+    policy_geometry g = {
+        .layers = 1, .q_heads = 2, .kv_heads = 1, .head_dim = 4, .block_tokens = 4};
+    policy_host *h = NULL;
+    assert_int_equal(policy_host_create(ops, &p, &g, &h, err, sizeof err), 0);
+    assert_int_equal(policy_host_append(h, 5), 0);
+    /* means 0.1/5, 0.9/4, 0.2/3, 0.8/2; token 4 is the window */
+    const float s1[5] = {0.1f, 0.9f, 0.2f, 0.8f, 0.5f};
+    const policy_decision *d = step_scored(h, s1);
+    const uint8_t want1[5] = {POLICY_INT4, POLICY_FULL, POLICY_INT4, POLICY_FULL, POLICY_FULL};
+    assert_memory_equal(d->tier[0], want1, 5);
+    policy_host_commit(h, 0);
+    assert_int_equal(policy_host_append(h, 1), 0);
+    /* a step that is rolled back: its attention would keep token 1 */
+    policy_host_begin(h);
+    const float huge[6] = {0, 100, 0, 0, 0, 0};
+    step_scored(h, huge);
+    policy_host_commit(h, 0);
+    policy_host_rollback(h);
+    assert_int_equal(policy_host_append(h, 1), 0);
+    /* 6 candidates, 3 may stay FULL; of FULL tokens 1, 3, 4, 5 the means
+     * 0.9/6, 0.8/4, 0.5/3, 0.6/2 demote token 1 (the sums would demote 4) */
+    const float s2[7] = {0, 0, 0, 0, 0, 0.6f, 1};
+    d = step_scored(h, s2);
+    const uint8_t want2[7] = {POLICY_INT4, POLICY_INT4, POLICY_INT4, POLICY_FULL,
+                              POLICY_FULL, POLICY_FULL, POLICY_FULL};
+    assert_memory_equal(d->tier[0], want2, 7);
+    policy_host_destroy(h);
 }
 
 /* The storage keys parse strictly and name the offender. */
@@ -803,6 +892,8 @@ int main(void)
         cmocka_unit_test(test_step_before_any_append),
         cmocka_unit_test(test_merges_capacity),
         cmocka_unit_test(test_storage_demote),
+        cmocka_unit_test(test_storage_demote_keep),
+        cmocka_unit_test(test_host_demote_keep),
         cmocka_unit_test(test_storage_parse),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -892,7 +892,7 @@ static void test_config_defaults(void **unused)
         {"snapkv_window", "8"},  {"kvcrush_budget", "0"},     {"kvcrush_anchor", "random"},
         {"kvcrush_seed", "0"},   {"rope_theta", "10000"},     {"head_size", "0"},
         {"apply_rotation", "0"}, {"rope_pairing", "half"}};
-    assert_int_equal(p.count, sizeof want / sizeof want[0] + 7); /* + storage keys */
+    assert_int_equal(p.count, sizeof want / sizeof want[0] + 8); /* + storage keys */
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++)
         assert_string_equal(policy_params_get(&p, want[i][0]), want[i][1]);
     for (size_t i = 0; i < ops->nparams; i++)

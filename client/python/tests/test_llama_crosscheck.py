@@ -109,6 +109,19 @@ def test_lowbit_tiers_score_like_c_worker(daemon, tmp_path, demote):
     assert t["kv_bytes_mean"] == c["kv_bytes_mean"] < t["kv_bytes_full_mean"] / 2, (t, c)
 
 
+def test_demote_keep_scores_like_c_worker(daemon, tmp_path):
+    """demote_keep (issue 15 item 3): precision by attention needs the
+    worker's attention even under `full`, which needs none; both workers send
+    it, so kvstashd keeps the same tokens at full precision for both."""
+    args = ("--socket", daemon.sock, "--policy", "full", "--demote", "int2", "--set",
+            "demote_keep=0.25")
+    _, c = score("c", str(tmp_path), "keep", STORIES, *args)
+    _, t = score("torch", str(tmp_path), "keep", STORIES, *args)
+    rel = abs(t["ppl"] - c["ppl"]) / c["ppl"]
+    assert rel <= POLICY_TOLERANCE, f"torch ppl {t['ppl']:.6f}, C ppl {c['ppl']:.6f}"
+    assert t["kv_bytes_mean"] == c["kv_bytes_mean"], (t, c)
+
+
 def test_lanes_reused_score_like_c_worker(daemon, tmp_path):
     """Five stories on two lanes: each lane runs several sequences in turn,
     and a story's scores must not depend on the one before it in its lane

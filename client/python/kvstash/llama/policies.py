@@ -134,6 +134,15 @@ def resolve(name: str, sets: List[Tuple[str, str]], budget: int, demote: str,
         if k not in keys:
             params.append((k, v))
             keys.add(k)
+    # demote_keep grades precision by attention (policies/storage.h): the
+    # steps carry it even for a policy that needs none, as kvstash-llama's do.
+    keep = next((v for k, v in params if k == "demote_keep"), "0")
+    try:
+        graded = float(keep) > 0
+    except ValueError:
+        graded = False  # kvstashd names the bad value
+    if graded:
+        needs |= NEEDS_LAST_ATTN if per_head else NEEDS_SCORE
     p = Policy(name, params, needs, per_head, 1, ConfidenceWeights())
     if needs & NEEDS_WINDOW_ATTN:
         raw = p.param("window") or str(SNAPKV_WINDOW_DEFAULT)
