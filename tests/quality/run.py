@@ -142,7 +142,8 @@ def settings(args):
     keeps = [float(k) for k in args.demote_keep.split(",")]
     if any(not 0 <= k <= 1 for k in keeps):
         raise SystemExit(f"run.py: --demote-keep takes shares in [0, 1]; got {args.demote_keep}")
-    return [(m, k) for m in demote_modes(args) for k in keeps if m != "off" or k == 0]
+    return list(dict.fromkeys((m, 0.0 if m == "off" else k) for m in demote_modes(args)
+                              for k in keeps))
 
 
 def setting(r):
