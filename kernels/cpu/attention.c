@@ -135,13 +135,28 @@ static int tier_lowbit(uint8_t tier)
 }
 
 /* n codes of `bits` bits, packed low bits first from channel 0, one a byte
- * (n a multiple of 8 / bits within the row's bytes). */
+ * (n a multiple of 8 / bits within the row's bytes). A loop per width with
+ * constant shifts: the generic one (a shift by (c & lanes) * bits) was most
+ * of a low-bit attention's time. */
+#define LOWBIT_CODES (KV_LOWBIT_ROW_PARAMS + 4) /* a chunk's codes, rounded up to a byte */
+
 static void lowbit_unpack(const uint8_t *restrict row, uint32_t n, uint32_t bits,
-                          uint8_t *restrict codes)
+                          uint8_t codes[restrict LOWBIT_CODES])
 {
-    uint32_t mask = (1u << bits) - 1u, shift = bits == 4 ? 1 : 2, lanes = bits == 4 ? 1 : 3;
-    for (uint32_t c = 0; c < n; c++)
-        codes[c] = (uint8_t)((uint32_t)row[c >> shift] >> ((c & lanes) * bits) & mask);
+    n = n < LOWBIT_CODES ? n : LOWBIT_CODES; /* the callers' bound, spelled out for the compiler */
+    if (bits == 4) {
+        for (uint32_t i = 0; i < n / 2; i++) {
+            codes[2 * i] = row[i] & 15u;
+            codes[2 * i + 1] = row[i] >> 4;
+        }
+        return;
+    }
+    for (uint32_t i = 0; i < n / 4; i++) {
+        codes[4 * i] = row[i] & 3u;
+        codes[4 * i + 1] = (row[i] >> 2) & 3u;
+        codes[4 * i + 2] = (row[i] >> 4) & 3u;
+        codes[4 * i + 3] = row[i] >> 6;
+    }
 }
 
 /* x[c] = kv_lowbit_value(codes[c], s[c], z[c], p2) for n channels: the same
@@ -170,7 +185,7 @@ static void lowbit_row_load(const attn_job *j, uint32_t g, const chunk_tok *tok,
     uint32_t G = kv_lowbit_group(q), d = q->head_dim, nv = (d + G - 1) / G, slot = tok->slot;
     const uint8_t *qb = j->pool + (size_t)tok->block * kv_block_bytes(j->l);
     const uint8_t *row = qb + kv_lowbit_code_offset(q, bits, 0, (uint32_t)v, g, slot);
-    uint8_t codes[KV_LOWBIT_ROW_PARAMS + 4];
+    uint8_t codes[LOWBIT_CODES];
     float s[KV_LOWBIT_ROW_PARAMS], z[KV_LOWBIT_ROW_PARAMS];
     int32_t e;
     memcpy(&e, qb + kv_lowbit_shift_offset(q, bits, 0), 4);
