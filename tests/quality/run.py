@@ -293,6 +293,8 @@ def write_md(path, args, rows, full, budgets, command, seconds):
     out += pareto_lines(rows, full)
     out += full_demoted_lines(rows, full)
     for mode in modes:
+        if not any(setting(r) == mode and r["policy"] != "full" for r in rows):
+            continue  # the whole cache's rows only: in the section above
         out.append(f"\n## demote {setting_label(mode)}\n" if mode[0] != "off"
                    else "\n## all held tokens at full precision\n")
         out.append("| policy | " + " | ".join(f"budget {b}" for b in budgets) + " |")
