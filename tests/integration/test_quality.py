@@ -13,6 +13,8 @@ kvstashd, and again with a plain in-process KV array (--no-daemon):
 * a policy whose budget covers the whole context gives exactly (bit for bit)
   the `full` result, for one-list and per-head policies;
 * offloaded victims (victims=int8) count in the bytes held;
+* INT4 / INT2 tiers score finitely in fewer bytes than INT8, and precision
+  by importance (demote_keep) beats a wider window at no more bytes;
 * the benchmark script (tests/quality/run.py) on a few stories and policies:
   every perplexity is finite, and it writes its CSV, Markdown and SVG.
 """
