@@ -266,6 +266,24 @@ typedef struct seq_revived {
  */
 status_code seq_revive(seq *s, const seq_revive_request *req, seq_revived *out, status *st);
 
+/*
+ * seq_revive in three parts, so that the copy can run without the store's
+ * lock (issue 16 §3: a Revive must not stall other sequences):
+ * seq_revive_plan checks the request as seq_revive does, takes the scratch
+ * blocks from the pool and chooses the sources; seq_revive_fill copies,
+ * reading only s's lists and the pool's memory and writing only the plan's
+ * blocks, so it may run while other sequences change, as long as nothing
+ * changes s or frees its pool meanwhile; seq_revive_finish hands out the
+ * result (fill_rc 0) or gives the blocks back (the fill failed: out of
+ * memory), and frees the job. Plan and finish need what guards the pool.
+ */
+typedef struct seq_revive_job seq_revive_job;
+status_code seq_revive_plan(seq *s, const seq_revive_request *req, seq_revive_job **job,
+                            status *st);
+size_t seq_revive_blocks(const seq_revive_job *job); /* the scratch blocks it took */
+int seq_revive_fill(seq_revive_job *job);
+status_code seq_revive_finish(seq_revive_job *job, int fill_rc, seq_revived *out, status *st);
+
 /* The tier report: the tier moves (moved[], requantized, victims_dropped)
  * and their measurements since the last seq_tier_report_clear. The store
  * hands it to metrics_tiers (metrics.h), then clears it. */

@@ -70,14 +70,30 @@ static int revive_fill(seq *s, seq_list *ly, const tier_token *src, const uint32
     return 0;
 }
 
-status_code seq_revive(seq *s, const seq_revive_request *req, seq_revived *out, status *st)
+/* A Revive between seq_revive_plan and seq_revive_finish: what to read
+ * (src, in position order at[]) and where to write it (dst, in the blocks
+ * of `out`, which the plan allocated). */
+struct seq_revive_job {
+    seq *s;
+    seq_list *ly;
+    tier_token *src, *dst;
+    seq_revived out;
+};
+
+static void job_free(seq_revive_job *j)
 {
-    memset(out, 0, sizeof *out);
+    free(j->src);
+    free(j->dst);
+    free(j->out.segs), free(j->out.positions), free(j->out.src_tier), free(j->out.blocks);
+    free(j);
+}
+
+/* The request's checks, with the positions to revive counted: *m tokens,
+ * in *need blocks. */
+static status_code revive_check(seq *s, const seq_revive_request *req, uint32_t *n,
+                                const uint32_t **lpos, size_t *m, uint32_t *need, status *st)
+{
     uint32_t layer = req->layer, head = req->head, first = req->first, count = req->count;
-    int skip_evicted = req->skip_evicted;
-    kv_segment **segs = &out->segs;
-    uint32_t **pos = &out->positions, **blocks = &out->blocks;
-    uint8_t **src_tier = &out->src_tier;
     if (layer >= s->nlayers || head >= s->heads)
         return status_set(st, ST_INVALID_ARGUMENT,
                           "list (layer %u, head %u) does not exist: the sequence has %u layers "
@@ -96,11 +112,11 @@ status_code seq_revive(seq *s, const seq_revive_request *req, seq_revived *out, 
                           "positions %u..%llu are not in the sequence (positions 0..%llu exist)",
                           first, (unsigned long long)end - 1, (unsigned long long)s->appended - 1);
     seq_list *ly = seq_list_at(s, layer, head);
-    const uint32_t *lpos;
-    uint32_t n = seq_list_tokens(s, layer, head, &lpos), gap_first = 0, gap_count;
-    uint32_t missing = revive_gaps(lpos, n, ly->offloaded, ly->noffloaded, first, (uint32_t)end,
+    uint32_t gap_first = 0, gap_count;
+    *n = seq_list_tokens(s, layer, head, lpos);
+    uint32_t missing = revive_gaps(*lpos, *n, ly->offloaded, ly->noffloaded, first, (uint32_t)end,
                                    &gap_first, &gap_count);
-    if (missing > 0 && !skip_evicted)
+    if (missing > 0 && !req->skip_evicted)
         return status_set(st, ST_FAILED_PRECONDITION,
                           "%u of positions %u..%llu of layer %u were evicted outright, not "
                           "offloaded (first: %u..%u); nothing can revive them (create the "
@@ -108,46 +124,93 @@ status_code seq_revive(seq *s, const seq_revive_request *req, seq_revived *out, 
                           "tokens, or ask with skip_evicted)",
                           missing, first, (unsigned long long)end - 1, layer, gap_first,
                           gap_first + gap_count - 1);
-    size_t m = (size_t)(end - first) - missing;
-    uint32_t slots = s->block_slots, need = (uint32_t)((m + slots - 1) / slots);
-    if (need > s->pool->nfree)
+    *m = (size_t)(end - first) - missing;
+    *need = (uint32_t)((*m + s->block_slots - 1) / s->block_slots);
+    if (*need > s->pool->nfree)
         return status_set(st, ST_RESOURCE_EXHAUSTED,
-                          "reviving %zu tokens needs %u free blocks; pool '%s' has %u", m, need,
+                          "reviving %zu tokens needs %u free blocks; pool '%s' has %u", *m, *need,
                           s->pool->model, s->pool->nfree);
-    tier_token *tok = list_expand(ly, n), *dst = malloc((m ? m : 1) * sizeof *dst);
-    tier_token *src = malloc((m ? m : 1) * sizeof *src);
-    *pos = malloc((m ? m : 1) * sizeof **pos);
-    *src_tier = malloc(m ? m : 1);
-    *blocks = malloc((need ? need : 1) * sizeof **blocks);
-    *segs = malloc((need ? need : 1) * sizeof **segs);
-    int rc = tok && dst && src && *pos && *src_tier && *blocks && *segs ? 0 : -1;
-    /* A failure gives the blocks back where they were (the free stack's
-     * order too: the same call run again takes the same blocks). */
-    pool_savepoint(s->pool);
-    if (rc == 0) {
-        revive_select(ly, lpos, tok, n, first, (uint32_t)end, src, *pos);
-        for (uint32_t b = 0; b < need; b++) {
-            pool_alloc_block(s->pool, &(*blocks)[b]); /* checked above */
-            (*segs)[b] = (kv_segment){(*blocks)[b], 0,
-                                      b + 1 < need ? slots : (uint32_t)(m - (size_t)b * slots)};
-        }
-        for (size_t j = 0; j < m; j++) {
-            dst[j] = (tier_token){(*blocks)[j / slots], (uint32_t)(j % slots), POLICY_FULL};
-            (*src_tier)[j] = src[j].tier;
-        }
-        rc = revive_fill(s, ly, src, *pos, m, dst);
+    return ST_OK;
+}
+
+status_code seq_revive_plan(seq *s, const seq_revive_request *req, seq_revive_job **out, status *st)
+{
+    *out = NULL;
+    uint32_t n = 0, need = 0;
+    const uint32_t *lpos = NULL;
+    size_t m = 0;
+    if (revive_check(s, req, &n, &lpos, &m, &need, st) != ST_OK)
+        return st->code;
+    seq_revive_job *j = calloc(1, sizeof *j);
+    seq_list *ly = seq_list_at(s, req->layer, req->head);
+    tier_token *tok = list_expand(ly, n);
+    if (j != NULL) {
+        *j = (seq_revive_job){.s = s, .ly = ly};
+        j->src = malloc((m ? m : 1) * sizeof *j->src);
+        j->dst = malloc((m ? m : 1) * sizeof *j->dst);
+        j->out.positions = malloc((m ? m : 1) * sizeof *j->out.positions);
+        j->out.src_tier = malloc(m ? m : 1);
+        j->out.blocks = malloc((need ? need : 1) * sizeof *j->out.blocks);
+        j->out.segs = malloc((need ? need : 1) * sizeof *j->out.segs);
     }
-    free(tok);
-    free(dst);
-    free(src);
-    if (rc != 0) {
-        pool_rollback(s->pool);
-        free(*segs), free(*pos), free(*src_tier), free(*blocks);
-        *segs = NULL, *pos = NULL, *src_tier = NULL, *blocks = NULL;
+    if (j == NULL || tok == NULL || !j->src || !j->dst || !j->out.positions || !j->out.src_tier ||
+        !j->out.blocks || !j->out.segs) {
+        free(tok);
+        if (j != NULL)
+            job_free(j);
         return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
     }
-    pool_release(s->pool);
-    out->nsegs = out->nblocks = need;
-    out->ntokens = m;
+    uint32_t end = req->count == 0 ? (uint32_t)s->appended : req->first + req->count;
+    revive_select(ly, lpos, tok, n, req->first, end, j->src, j->out.positions);
+    free(tok);
+    uint32_t slots = s->block_slots;
+    for (uint32_t b = 0; b < need; b++) {
+        pool_alloc_block(s->pool, &j->out.blocks[b]); /* counted by revive_check */
+        j->out.segs[b] = (kv_segment){j->out.blocks[b], 0,
+                                      b + 1 < need ? slots : (uint32_t)(m - (size_t)b * slots)};
+    }
+    for (size_t t = 0; t < m; t++) {
+        j->dst[t] = (tier_token){j->out.blocks[t / slots], (uint32_t)(t % slots), POLICY_FULL};
+        j->out.src_tier[t] = j->src[t].tier;
+    }
+    j->out.nsegs = j->out.nblocks = need;
+    j->out.ntokens = m;
+    *out = j;
     return ST_OK;
+}
+
+size_t seq_revive_blocks(const seq_revive_job *j)
+{
+    return j->out.nblocks;
+}
+
+int seq_revive_fill(seq_revive_job *j)
+{
+    return revive_fill(j->s, j->ly, j->src, j->out.positions, j->out.ntokens, j->dst);
+}
+
+status_code seq_revive_finish(seq_revive_job *j, int fill_rc, seq_revived *out, status *st)
+{
+    memset(out, 0, sizeof *out);
+    if (fill_rc != 0) {
+        /* Pushed back in reverse, the blocks lie on the free stack as before
+         * the plan took them, unless the pool moved meanwhile. */
+        for (size_t b = j->out.nblocks; b-- > 0;)
+            pool_free_block(j->s->pool, j->out.blocks[b]);
+        job_free(j);
+        return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    *out = j->out;
+    j->out = (seq_revived){0};
+    job_free(j);
+    return ST_OK;
+}
+
+status_code seq_revive(seq *s, const seq_revive_request *req, seq_revived *out, status *st)
+{
+    seq_revive_job *j;
+    memset(out, 0, sizeof *out);
+    if (seq_revive_plan(s, req, &j, st) != ST_OK)
+        return st->code;
+    return seq_revive_finish(j, seq_revive_fill(j), out, st);
 }

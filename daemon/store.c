@@ -52,6 +52,7 @@ store *store_create(const store_config *cfg, events *ev)
         return NULL;
     }
     pthread_mutex_init(&st->lock, NULL);
+    pthread_cond_init(&st->moved, NULL);
     pthread_mutex_init(&st->snap_lock, NULL);
     uid_t defaults[2] = {0, geteuid()};
     store_set_operators(st, defaults, 2);
@@ -282,6 +283,53 @@ static int snapshot_build(store *st, snapshot *out, uint64_t *gen)
 void store_lock(store *st)
 {
     pthread_mutex_lock(&st->lock);
+}
+
+static int seq_moving(const store *st, uint64_t seq_id)
+{
+    for (size_t i = 0; i < st->nmoving; i++)
+        if (st->moving[i] == seq_id)
+            return 1;
+    return 0;
+}
+
+void store_lock_seq(store *st, uint64_t seq_id)
+{
+    pthread_mutex_lock(&st->lock);
+    while (seq_moving(st, seq_id))
+        pthread_cond_wait(&st->moved, &st->lock);
+}
+
+/* store_lock for a call that may end sessions or release sequences of
+ * any session: waits until no Revive copies without the lock. */
+static void lock_no_moves(store *st)
+{
+    pthread_mutex_lock(&st->lock);
+    st->move_waiters++;
+    while (st->nmoving > 0)
+        pthread_cond_wait(&st->moved, &st->lock);
+    st->move_waiters--;
+}
+
+/* Lock held: whether a Revive of seq_id may copy without the lock; if so,
+ * the sequence is marked moving until move_end. */
+static int move_begin(store *st, uint64_t seq_id)
+{
+    if (st->move_waiters > 0 || st->nmoving == STORE_MAX_MOVES)
+        return 0;
+    st->moving[st->nmoving++] = seq_id;
+    return 1;
+}
+
+/* Lock held: seq_id's copy is done; wake whoever waits for it. */
+static void move_end(store *st, uint64_t seq_id)
+{
+    for (size_t i = 0; i < st->nmoving; i++)
+        if (st->moving[i] == seq_id) {
+            st->moving[i] = st->moving[--st->nmoving];
+            break;
+        }
+    pthread_cond_broadcast(&st->moved);
 }
 
 /* Every unlock after which a snapshot may show something else bumps the
@@ -621,7 +669,7 @@ void store_destroy(store *st)
 {
     if (st == NULL)
         return;
-    pthread_mutex_lock(&st->lock);
+    lock_no_moves(st);
     while (st->sessions != NULL)
         session_end(st, st->sessions, "shutdown", 0);
     while (st->quarantined != NULL)
@@ -633,6 +681,7 @@ void store_destroy(store *st)
     free(st->pools);
     snapshot_free(&st->snap);
     pthread_mutex_destroy(&st->snap_lock);
+    pthread_cond_destroy(&st->moved);
     pthread_mutex_destroy(&st->lock);
     free(st);
 }
@@ -782,7 +831,7 @@ void store_set_lease_timeout(store *st, uint32_t ms)
 uint32_t store_expire_leases(store *st)
 {
     uint32_t n = 0;
-    pthread_mutex_lock(&st->lock);
+    lock_no_moves(st);
     uint64_t now = store_now_ms();
     for (session *se = st->sessions, *next; se != NULL; se = next) {
         next = se->next; /* session_end frees se */
@@ -835,7 +884,7 @@ uint32_t store_quarantine_reap(store *st)
 
 void store_session_conn_closed(store *st, int conn_id)
 {
-    pthread_mutex_lock(&st->lock);
+    lock_no_moves(st);
     session *se = find_session_by_conn(st, conn_id);
     if (se != NULL)
         session_end(st, se, "fd-closed", 1);
@@ -986,7 +1035,7 @@ status_code store_lease_begin(store *st, const char *token, uint64_t *session_id
 
 void store_lease_end(store *st, uint64_t session_id)
 {
-    pthread_mutex_lock(&st->lock);
+    lock_no_moves(st);
     session *se = find_session_by_id(st, session_id);
     if (se != NULL)
         session_end(st, se, "lease-ended", 1);
@@ -995,7 +1044,7 @@ void store_lease_end(store *st, uint64_t session_id)
 
 status_code store_detach(store *st, const char *token, uint32_t *released, status *s)
 {
-    pthread_mutex_lock(&st->lock);
+    lock_no_moves(st);
     session *se;
     status_code rc = need_session(st, token, 1, &se, s);
     if (rc == ST_OK) {
@@ -1310,7 +1359,7 @@ status_code store_append_within(store *st, const char *token, uint64_t seq_id, i
                                 store_table *writes, status *s)
 {
     memset(writes, 0, sizeof *writes);
-    pthread_mutex_lock(&st->lock);
+    store_lock_seq(st, seq_id);
     session *se;
     size_t i = 0;
     status_code rc = need_session(st, token, 1, &se, s);
@@ -1418,7 +1467,7 @@ status_code store_get_table(store *st, const char *token, uint64_t seq_id, uint6
                             int with_positions, store_table *out, status *s)
 {
     memset(out, 0, sizeof *out);
-    pthread_mutex_lock(&st->lock);
+    store_lock_seq(st, seq_id);
     seq *q;
     status_code rc = own_seq_acked(st, token, seq_id, ack_epoch, &q, s);
     if (rc == ST_OK)
@@ -1439,7 +1488,7 @@ status_code store_get_table(store *st, const char *token, uint64_t seq_id, uint6
 status_code store_seq_release(store *st, const char *token, uint64_t seq_id, uint32_t *blocks_freed,
                               status *s)
 {
-    pthread_mutex_lock(&st->lock);
+    store_lock_seq(st, seq_id);
     session *se;
     size_t i = 0;
     status_code rc = need_session(st, token, 1, &se, s);
@@ -1491,7 +1540,7 @@ status_code store_step(store *st, const char *token, uint64_t seq_id, uint64_t a
                        const seq_step_input *in, uint64_t *epoch, uint32_t *evicted, status *s)
 {
     uint64_t t0 = st->metrics != NULL ? store_now_ns() : 0;
-    pthread_mutex_lock(&st->lock);
+    store_lock_seq(st, seq_id);
     seq *q;
     status_code rc = own_seq_acked(st, token, seq_id, ack_epoch, &q, s);
     if (rc == ST_OK) {
@@ -1527,7 +1576,7 @@ status_code store_step(store *st, const char *token, uint64_t seq_id, uint64_t a
 status_code store_epoch(store *st, const char *token, uint64_t seq_id, uint64_t ack_epoch,
                         uint64_t *epoch, status *s)
 {
-    pthread_mutex_lock(&st->lock);
+    store_lock_seq(st, seq_id);
     seq *q;
     status_code rc = own_seq_acked(st, token, seq_id, ack_epoch, &q, s);
     if (rc == ST_OK)
@@ -1546,13 +1595,63 @@ void store_revive_result_free(store_revive_result *r)
     memset(r, 0, sizeof *r);
 }
 
+/* Lock held: plan q's Revive and check it against the session's quota. */
+static status_code revive_plan(store *st, session *se, seq *q, const seq_revive_request *req,
+                               seq_revive_job **job, status *s)
+{
+    *job = NULL;
+    if (check_revive_reply(st, q, req, s) != ST_OK || seq_revive_plan(q, req, job, s) != ST_OK)
+        return s->code;
+    status_code rc = check_session_blocks(st, se, seq_revive_blocks(*job), "this Revive", s);
+    if (rc != ST_OK) {
+        seq_revived rv;
+        seq_revive_finish(*job, -1, &rv, &(status){0}); /* the blocks back to the pool */
+        *job = NULL;
+    }
+    return rc;
+}
+
+/* Lock held: the revived blocks become scratch `sc` of session se, and
+ * the reply's table describes them. */
+static void revive_publish(store *st, session *se, seq *q, const seq_revive_request *req,
+                           seq_revived *rv, store_scratch *sc, store_revive_result *out)
+{
+    out->table.segs = rv->segs;
+    out->table.nsegs = rv->nsegs;
+    out->table.positions = rv->positions;
+    out->src_tier = rv->src_tier;
+    *sc = (store_scratch){.id = st->next_scratch_id++,
+                          .blocks = rv->blocks,
+                          .nblocks = rv->nblocks,
+                          .next = se->scratch};
+    se->scratch = sc;
+    out->scratch_id = sc->id;
+    out->table.layer = req->layer;
+    out->table.head = req->head;
+    out->table.per_head = seq_heads(q) > 1;
+    out->table.tokens = (uint32_t)rv->ntokens;
+    table_tier_geometry(q, &out->table);
+    uint32_t by[POLICY_TIERS] = {0};
+    for (size_t t = 0; t < rv->ntokens; t++)
+        by[out->src_tier[t]]++;
+    metrics_revived(st->metrics, seq_policy(q), by);
+    log_info("revive",
+             "seq=%llu layer=%u head=%u tokens=%zu full=%u int8=%u int4=%u int2=%u sketch=%u",
+             (unsigned long long)seq_id_of(q), req->layer, req->head, rv->ntokens, by[POLICY_FULL],
+             by[POLICY_INT8], by[POLICY_INT4], by[POLICY_INT2], by[POLICY_SKETCH]);
+}
+
+/* The copy runs without the store's lock (issue 16 §3): the sequence is
+ * marked moving, so nothing changes it and no session ends meanwhile
+ * (store_lock_seq, lock_no_moves), while every other sequence steps. */
 status_code store_revive(store *st, const char *token, uint64_t seq_id,
                          const seq_revive_request *req, store_revive_result *out, status *s)
 {
     memset(out, 0, sizeof *out);
-    pthread_mutex_lock(&st->lock);
+    store_lock_seq(st, seq_id);
     session *se;
-    size_t i = 0, ntok = 0;
+    size_t i = 0;
+    seq_revive_job *job = NULL;
     store_scratch *sc = calloc(1, sizeof *sc);
     status_code rc = sc == NULL ? status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory") : ST_OK;
     if (rc == ST_OK)
@@ -1560,44 +1659,24 @@ status_code store_revive(store *st, const char *token, uint64_t seq_id,
     if (rc == ST_OK)
         rc = need_own_seq(st, se, seq_id, &i, s);
     seq *q = rc == ST_OK ? st->seqs[i] : NULL;
-    seq_revived rv;
     if (rc == ST_OK)
-        rc = check_revive_reply(st, q, req, s);
-    if (rc == ST_OK)
-        rc = seq_revive(q, req, &rv, s);
-    /* The scratch is the session's only once it passes the quota. */
-    if (rc == ST_OK && (rc = check_session_blocks(st, se, rv.nblocks, "this Revive", s)) != ST_OK) {
-        *sc = (store_scratch){.blocks = rv.blocks, .nblocks = rv.nblocks};
-        scratch_free(seq_pool(q), sc); /* the blocks back to the pool, sc too */
-        sc = NULL;
-        store_revive_result_free(&(store_revive_result){
-            .table = {.segs = rv.segs, .positions = rv.positions}, .src_tier = rv.src_tier});
-    }
+        rc = revive_plan(st, se, q, req, &job, s);
     if (rc == ST_OK) {
-        out->table.segs = rv.segs;
-        out->table.nsegs = rv.nsegs;
-        out->table.positions = rv.positions;
-        out->src_tier = rv.src_tier;
-        ntok = rv.ntokens;
-        sc->blocks = rv.blocks;
-        sc->nblocks = rv.nblocks;
-        sc->id = out->scratch_id = st->next_scratch_id++;
-        sc->next = se->scratch;
-        se->scratch = sc;
-        sc = NULL;
-        out->table.layer = req->layer;
-        out->table.head = req->head;
-        out->table.per_head = seq_heads(q) > 1;
-        out->table.tokens = (uint32_t)ntok;
-        table_tier_geometry(q, &out->table);
-        uint32_t by[POLICY_TIERS] = {0};
-        for (size_t t = 0; t < ntok; t++)
-            by[out->src_tier[t]]++;
-        metrics_revived(st->metrics, seq_policy(q), by);
-        log_info("revive",
-                 "seq=%llu layer=%u head=%u tokens=%zu full=%u int8=%u int4=%u int2=%u sketch=%u",
-                 (unsigned long long)seq_id, req->layer, req->head, ntok, by[POLICY_FULL],
-                 by[POLICY_INT8], by[POLICY_INT4], by[POLICY_INT2], by[POLICY_SKETCH]);
+        int fill_rc;
+        if (move_begin(st, seq_id)) {
+            store_unlock(st);
+            fill_rc = seq_revive_fill(job);
+            pthread_mutex_lock(&st->lock);
+            move_end(st, seq_id);
+        } else {
+            fill_rc = seq_revive_fill(job);
+        }
+        seq_revived rv;
+        rc = seq_revive_finish(job, fill_rc, &rv, s);
+        if (rc == ST_OK) {
+            revive_publish(st, se, q, req, &rv, sc, out);
+            sc = NULL;
+        }
     }
     store_unlock(st);
     free(sc);

@@ -186,6 +186,11 @@ void store_report_tiers(store *st, seq *q);
 void store_lock(store *st);
 void store_unlock(store *st);
 
+/* store_lock for a call that changes sequence seq_id: it also waits until
+ * no Revive copies out of that sequence without the lock (store_revive),
+ * so the copy reads the sequence as it was planned. */
+void store_lock_seq(store *st, uint64_t seq_id);
+
 /* fd socket: a peer identified by SO_PEERCRED gets a session and its token.
  * With store_config.lease_end_quarantine the store opens a pidfd of `pid`
  * here, while the peer that just spoke surely lives (no pid reuse); where

@@ -59,8 +59,21 @@ struct session {
     struct session *next;
 };
 
+/* Revives that copy without the lock at once (store_revive); more wait
+ * for the lock as before. */
+#define STORE_MAX_MOVES 16
+
 struct store {
     pthread_mutex_t lock;
+    /* The sequences whose Revive copies without the lock (store_revive):
+     * nothing changes them (store_lock_seq), and no session ends
+     * (lock_no_moves), until `moved` says their copy is done. While a
+     * thread waits for no moves at all (move_waiters), Revives copy under
+     * the lock, so that such a wait ends. */
+    uint64_t moving[STORE_MAX_MOVES];
+    size_t nmoving;
+    uint32_t move_waiters;
+    pthread_cond_t moved;
     store_config cfg;
     events *events; /* may be NULL */
     /* Counters for /metrics (metrics.h); NULL = none. Set once before the

@@ -325,7 +325,7 @@ static status_code between_chunks(store *st, const char *token, uint64_t seq_id,
 {
     store_unlock(st);
     nanosleep(&(struct timespec){0, OPERATOR_CHUNK_PAUSE_NS}, NULL);
-    store_lock(st);
+    store_lock_seq(st, seq_id);
     session *caller = NULL;
     if (!st->serving)
         return status_set(s, ST_UNAVAILABLE, "kvstashd is shutting down");
@@ -372,7 +372,7 @@ status_code operator_apply(store *st, const char *token, uint64_t seq_id, policy
     if (nranges > 0)
         memcpy(r, ranges, nranges * sizeof *r);
     uint8_t *chosen = NULL;
-    store_lock(st);
+    store_lock_seq(st, seq_id);
     seq *q = NULL;
     status_code rc = check_all(st, token, seq_id, to, r, nranges, layers, nlayers, &q, s);
     if (rc == ST_OK && (chosen = calloc(seq_layers(q), 1)) == NULL)

@@ -18,8 +18,12 @@
  * every layer and checks each
  * position by the tier it came from: raw byte-exact, INT8 within the bound,
  * sketch equal to its own sketch's query (and, with --exact, to the bytes
- * written: no collisions). Then a range revive, the release of the scratch,
- * and a second release that must fail.
+ * written: no collisions). With --rounds N it then prints REVIVING and,
+ * until N rounds are done or its stdin ends, appends one more token (a
+ * step that demotes one) and revives and checks every layer again
+ * (test_concurrent_workers runs it so beside workers that step). Then a
+ * range revive, the release of the scratch, and a second release that
+ * must fail.
  *
  * stdout, last two lines: the daemon's Stats as JSON (taken while the
  * sequence lives), then {"ok":true,"seq":ID,"full":N,"int8":N,"int4":N,
@@ -29,10 +33,12 @@
  */
 #include <inttypes.h>
 #include <math.h>
+#include <poll.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "kernels.h"
 #include "kvstash.h"
@@ -49,6 +55,7 @@
 typedef struct opts {
     const char *socket, *int8, *demote;
     uint32_t tokens, buckets, window;
+    uint32_t rounds; /* --rounds: at most this many more appends and revives */
     int exact;
     const char *victims; /* evict, sketch or int8 */
 } opts;
@@ -235,14 +242,14 @@ static void write_token(kvs_session *s, const kvs_table *w, uint32_t p)
 }
 
 /* Revive a whole layer and check every position by its source tier. */
-static void check_revive(kvs_session *s, uint64_t seq, uint32_t l, const opts *o, sketch *sk,
-                         uint32_t counts[6], double *worst)
+static void check_revive(kvs_session *s, uint64_t seq, uint32_t l, uint32_t n, const opts *o,
+                         sketch *sk, uint32_t counts[6], double *worst)
 {
     kvs_revive r;
     api(s, kvs_seq_revive(s, seq, l, 0, 0, 0, 0, &r), "revive");
     const kvs_layer *ly = r.layer;
-    if (ly->tokens != o->tokens)
-        fail(1, "layer %u: revived %u positions of %u", l, ly->tokens, o->tokens);
+    if (ly->tokens != n)
+        fail(1, "layer %u: revived %u positions of %u", l, ly->tokens, n);
     size_t bytes = (size_t)KV_HEADS * ly->tokens * HEAD_DIM * 2;
     uint8_t *k = malloc(bytes), *v = malloc(bytes);
     api(s, kvs_layer_read(s, ly, k, v), "read revived");
@@ -262,7 +269,7 @@ static void check_revive(kvs_session *s, uint64_t seq, uint32_t l, const opts *o
                     int bad = tier == KVS_TIER_SKETCH
                                   ? got != sketch_query(sk, o->buckets, p, h * HEAD_DIM + c, isv) ||
                                         (o->exact && err != 0)
-                                  : err > tier_bound(tier, l, h, p, c, isv, o->tokens, got);
+                                  : err > tier_bound(tier, l, h, p, c, isv, n, got);
                     if (tier == KVS_TIER_INT8 && err > *worst)
                         *worst = err;
                     if (bad)
@@ -298,7 +305,7 @@ static void check_range_and_release(kvs_session *s, uint64_t seq, uint32_t token
 
 static void parse(int argc, char **argv, opts *o)
 {
-    *o = (opts){NULL, "off", "off", 96, 4096, 16, 0, "sketch"};
+    *o = (opts){NULL, "off", "off", 96, 4096, 16, 0, 0, "sketch"};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (strcmp(a, "--exact") == 0) {
@@ -319,6 +326,8 @@ static void parse(int argc, char **argv, opts *o)
             o->buckets = (uint32_t)strtoul(v, NULL, 10);
         else if (strcmp(a, "--window") == 0)
             o->window = (uint32_t)strtoul(v, NULL, 10);
+        else if (strcmp(a, "--rounds") == 0)
+            o->rounds = (uint32_t)strtoul(v, NULL, 10);
         else if (strcmp(a, "--victims") == 0)
             o->victims = v;
         else
@@ -327,71 +336,115 @@ static void parse(int argc, char **argv, opts *o)
     }
 }
 
+/* One sequence and what the worker knows of it: per layer, what the daemon
+ * holds for each position (seen) and whether the table holds it (held),
+ * and its own sketch; room for cap positions. */
+typedef struct run {
+    kvs_session *s;
+    uint64_t seq;
+    const opts *o;
+    uint32_t cap;
+    sketch sk[LAYERS];
+    float *seen[LAYERS];
+    uint8_t *held[LAYERS];
+    double worst;
+} run;
+
+/* Append position p, write it, and check every held token of every layer. */
+static void append_checked(run *r, uint32_t p)
+{
+    kvs_table w, t;
+    api(r->s, kvs_seq_append(r->s, r->seq, 1, &w), "append");
+    write_token(r->s, &w, p);
+    kvs_table_free(&w);
+    api(r->s, kvs_seq_table(r->s, r->seq, 1, &t), "table");
+    for (uint32_t l = 0; l < LAYERS; l++) {
+        const kvs_layer *ly = &t.layer[l];
+        track_offloads(ly, r->held[l], r->seen[l],
+                       strcmp(r->o->victims, "sketch") == 0 ? &r->sk[l] : NULL, r->o->buckets,
+                       p + 1);
+        size_t bytes = (size_t)KV_HEADS * ly->tokens * HEAD_DIM * 2;
+        uint8_t *k = malloc(bytes + 1), *v = malloc(bytes + 1);
+        api(r->s, kvs_layer_read(r->s, ly, k, v), "read");
+        double e = check_held(ly, k, v, r->seen[l], p + 1);
+        r->worst = e > r->worst ? e : r->worst;
+        free(k);
+        free(v);
+    }
+    kvs_table_free(&t);
+}
+
+/* Whether stdin has ended (never waits). */
+static int stdin_ended(void)
+{
+    struct pollfd pf = {0, POLLIN, 0};
+    char c;
+    return poll(&pf, 1, 0) > 0 && ((pf.revents & POLLHUP) || read(0, &c, 1) <= 0);
+}
+
+/* Revive every layer (then, with --rounds, append and revive again): the
+ * source tiers of the first round's tokens are counted. Returns the
+ * positions appended in all. */
+static uint32_t revive_rounds(run *r, uint32_t counts[6])
+{
+    uint32_t n = r->o->tokens;
+    if (r->o->rounds > 0) {
+        printf("REVIVING\n");
+        fflush(stdout);
+    }
+    for (uint32_t round = 0; round <= r->o->rounds; round++) {
+        if (round > 0) {
+            if (stdin_ended())
+                break;
+            append_checked(r, n++);
+        }
+        uint32_t each[6] = {0};
+        for (uint32_t l = 0; l < LAYERS; l++)
+            check_revive(r->s, r->seq, l, n, r->o, &r->sk[l], round == 0 ? counts : each,
+                         &r->worst);
+    }
+    return n;
+}
+
 int main(int argc, char **argv)
 {
     opts o;
     parse(argc, argv, &o);
     kvs_geometry g = {LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_TOKENS, KVS_FP16, 0};
-    kvs_session *s;
+    run r = {.o = &o, .cap = o.tokens + o.rounds};
     char err[512];
-    if (kvs_session_attach(o.socket, "tiers", &g, "kvs_tier_worker", &s, err, sizeof err) != 0)
+    if (kvs_session_attach(o.socket, "tiers", &g, "kvs_tier_worker", &r.s, err, sizeof err) != 0)
         fail(2, "attach: %s", err);
+    kvs_session *s = r.s;
     char win[16], buckets[16];
     snprintf(win, sizeof win, "%u", o.window);
     snprintf(buckets, sizeof buckets, "%u", o.buckets);
-    kvs_param params[] = {{"n_sink", "4"},
-                          {"window", win},
-                          {"int8", o.int8},
-                          {"demote", o.demote},
-                          {"int8_window", "8"},
-                          {"victims", o.victims},
-                          {"sketch_rows", "3"},
-                          {"sketch_buckets", buckets}};
-    uint64_t seq;
-    api(s, kvs_seq_create(s, "streaming", params, 8, "tiers", &seq), "create");
-    sketch sk[LAYERS];
-    float *seen = calloc((size_t)o.tokens * 2 * DIM, sizeof *seen);
-    uint8_t *held = calloc((size_t)LAYERS * o.tokens, 1);
-    double worst = 0;
-    for (uint32_t l = 0; l < LAYERS; l++)
-        sk[l] = (sketch){calloc((size_t)ROWS * o.buckets * DIM, sizeof(float)),
-                         calloc((size_t)ROWS * o.buckets * DIM, sizeof(float)),
-                         kv_sketch_layer_seed(0, l)};
-    float *seen_l[LAYERS] = {seen, calloc((size_t)o.tokens * 2 * DIM, sizeof *seen)};
-    for (uint32_t p = 0; p < o.tokens; p++) {
-        kvs_table w, t;
-        api(s, kvs_seq_append(s, seq, 1, &w), "append");
-        write_token(s, &w, p);
-        kvs_table_free(&w);
-        api(s, kvs_seq_table(s, seq, 1, &t), "table");
-        for (uint32_t l = 0; l < LAYERS; l++) {
-            const kvs_layer *ly = &t.layer[l];
-            track_offloads(ly, held + (size_t)l * o.tokens, seen_l[l],
-                           strcmp(o.victims, "sketch") == 0 ? &sk[l] : NULL, o.buckets, p + 1);
-            size_t bytes = (size_t)KV_HEADS * ly->tokens * HEAD_DIM * 2;
-            uint8_t *k = malloc(bytes + 1), *v = malloc(bytes + 1);
-            api(s, kvs_layer_read(s, ly, k, v), "read");
-            double e = check_held(ly, k, v, seen_l[l], p + 1);
-            worst = e > worst ? e : worst;
-            free(k);
-            free(v);
-        }
-        kvs_table_free(&t);
+    kvs_param params[] = {{"n_sink", "4"},      {"window", win},
+                          {"int8", o.int8},     {"demote", o.demote},
+                          {"int8_window", "8"}, {"victims", o.victims},
+                          {"sketch_rows", "3"}, {"sketch_buckets", buckets}};
+    api(s, kvs_seq_create(s, "streaming", params, 8, "tiers", &r.seq), "create");
+    for (uint32_t l = 0; l < LAYERS; l++) {
+        r.sk[l] = (sketch){calloc((size_t)ROWS * o.buckets * DIM, sizeof(float)),
+                           calloc((size_t)ROWS * o.buckets * DIM, sizeof(float)),
+                           kv_sketch_layer_seed(0, l)};
+        r.seen[l] = calloc((size_t)r.cap * 2 * DIM, sizeof(float));
+        r.held[l] = calloc(r.cap, 1);
     }
+    for (uint32_t p = 0; p < o.tokens; p++)
+        append_checked(&r, p);
     uint32_t counts[6] = {0};
     if (strcmp(o.victims, "evict") != 0) {
-        for (uint32_t l = 0; l < LAYERS; l++)
-            check_revive(s, seq, l, &o, &sk[l], counts, &worst);
-        check_range_and_release(s, seq, o.tokens);
+        check_range_and_release(s, r.seq, revive_rounds(&r, counts));
     } else { /* victims dropped: Revive must say so, unless told to skip */
-        kvs_revive r;
-        if (kvs_seq_revive(s, seq, 0, 0, 0, 0, 0, &r) != KVS_ERR_PRECONDITION ||
+        kvs_revive rv;
+        if (kvs_seq_revive(s, r.seq, 0, 0, 0, 0, 0, &rv) != KVS_ERR_PRECONDITION ||
             strstr(kvs_session_error(s), "evicted outright") == NULL)
             fail(1, "reviving evicted positions: %s", kvs_session_error(s));
-        api(s, kvs_seq_revive(s, seq, 0, 0, 0, 0, 1, &r), "revive skip_evicted");
-        for (uint32_t t = 0; t < r.layer->tokens; t++)
-            counts[r.source_tier[t]]++;
-        api(s, kvs_revive_release(s, &r), "release");
+        api(s, kvs_seq_revive(s, r.seq, 0, 0, 0, 0, 1, &rv), "revive skip_evicted");
+        for (uint32_t t = 0; t < rv.layer->tokens; t++)
+            counts[rv.source_tier[t]]++;
+        api(s, kvs_revive_release(s, &rv), "release");
     }
     char *stats;
     if (kvs_stats_json(o.socket, &stats, err, sizeof err) != 0)
@@ -400,15 +453,14 @@ int main(int argc, char **argv)
     free(stats);
     printf("{\"ok\":true,\"seq\":%" PRIu64 ",\"full\":%u,\"int8\":%u,\"int4\":%u,"
            "\"int2\":%u,\"sketch\":%u,\"max_int8_err\":%.9g,\"max_lowbit_err\":%.9g}\n",
-           seq, counts[KVS_TIER_FULL], counts[KVS_TIER_INT8], counts[KVS_TIER_INT4],
-           counts[KVS_TIER_INT2], counts[KVS_TIER_SKETCH], worst, worst_lowbit);
+           r.seq, counts[KVS_TIER_FULL], counts[KVS_TIER_INT8], counts[KVS_TIER_INT4],
+           counts[KVS_TIER_INT2], counts[KVS_TIER_SKETCH], r.worst, worst_lowbit);
     kvs_session_detach(s);
     for (uint32_t l = 0; l < LAYERS; l++) {
-        free(sk[l].key);
-        free(sk[l].value);
+        free(r.sk[l].key);
+        free(r.sk[l].value);
+        free(r.seen[l]);
+        free(r.held[l]);
     }
-    free(seen_l[1]);
-    free(seen);
-    free(held);
     return 0;
 }

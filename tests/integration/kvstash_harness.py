@@ -307,8 +307,12 @@ class Worker:
 def run_tests(name, checks, daemon_kwargs=None, time_limit=240):
     """Start a daemon, run every check(ctx) in order, stop the daemon (itself
     a check), print a summary and return the exit status (0 = all passed).
-    ctx is a plain namespace with .daemon; checks may store state on it."""
+    ctx is a plain namespace with .daemon; checks may store state on it.
+    Under ctest, the watchdog fires 20 s before ctest's TIMEOUT
+    (KVSTASH_TEST_TIMEOUT, tests/CMakeLists.txt), whatever time_limit says."""
     ctx_daemons = []
+    if os.environ.get("KVSTASH_TEST_TIMEOUT"):
+        time_limit = max(10, int(os.environ["KVSTASH_TEST_TIMEOUT"]) - 20)
 
     def overtime():  # stop before ctest's TIMEOUT kills us and orphans the daemon
         print(f"FAIL {name}: still running after {time_limit} s; stacks:", flush=True)
@@ -342,10 +346,11 @@ def run_tests(name, checks, daemon_kwargs=None, time_limit=240):
 
     def run_one(title, fn):
         nonlocal passed, failed
+        began = time.monotonic()
         try:
             fn()
             passed += 1
-            print(f"ok   {title}", flush=True)
+            print(f"ok   {title} ({time.monotonic() - began:.1f} s)", flush=True)
         except AssertionError as e:
             failed += 1
             print(f"FAIL {title}: {e}", flush=True)

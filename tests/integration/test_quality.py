@@ -288,7 +288,7 @@ def main():
         check_reviver_attends_over_its_sketch,
         check_offloaded_victims_are_counted,
         check_benchmark_slice_perplexities_finite,
-    ], daemon_kwargs={"pool_mb": 64, "log_level": "info"}, time_limit=280)
+    ], daemon_kwargs={"pool_mb": 64, "log_level": "info"}, time_limit=570)
 
 
 if __name__ == "__main__":
