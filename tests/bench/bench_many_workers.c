@@ -10,13 +10,14 @@
  * latency is those three, from the worker. With the mover, one more process
  * loops over a Revive of 4,096 INT8 tokens of one layer (and its release)
  * and the creation of a 1,024-token `full int8=on int8_window=0` sequence
- * whose prefill step demotes it all, released again, until the workers end.
+ * whose prefill step demotes it all, released again, until the workers end;
+ * --mover revive or --mover demote runs only that half of its loop.
  *
  * Figures: aggregate steps per second (all workers' steps over the slowest
  * worker's time), the median of the workers' p50 and the worst worker's
  * p99; the baselines are the same N without the mover and N = 1.
  *
- * Usage: bench_many_workers [--quick] [PATH_TO_KVSTASHD]
+ * Usage: bench_many_workers [--quick] [--mover both|revive|demote] [PATH_TO_KVSTASHD]
  * Exits non-zero only if a part could not run.
  */
 #include <fcntl.h>
@@ -136,6 +137,10 @@ static int run_worker(const char *sock, int go, int out, uint32_t steps, const u
     return write(out, &r, sizeof r) == (ssize_t)sizeof r && r.ok ? 0 : 1;
 }
 
+/* What the mover's loop does (--mover). */
+enum { MOVE_REVIVE = 1, MOVE_DEMOTE = 2 };
+static int mover_does = MOVE_REVIVE | MOVE_DEMOTE;
+
 /* The mover: revives and demotes until `stop` becomes readable (EOF). */
 static int run_mover(const char *sock, int go, int stop, const uint8_t *kv)
 {
@@ -153,22 +158,26 @@ static int run_mover(const char *sock, int go, int stop, const uint8_t *kv)
     uint64_t loops = 0;
     while (rc == 0 && read(stop, &c, 1) != 0) { /* non-blocking: EAGAIN until the end */
         kvs_revive rv;
-        if ((rc = kvs_seq_revive(s, big, 0, 0, 0, MOVER_TOKENS, 0, &rv)) != 0) {
+        if ((mover_does & MOVE_REVIVE) &&
+            (rc = kvs_seq_revive(s, big, 0, 0, 0, MOVER_TOKENS, 0, &rv)) != 0) {
             fail(s, "kvs_seq_revive", rc);
             break;
         }
-        if ((rc = kvs_revive_release(s, &rv)) != 0) {
+        if ((mover_does & MOVE_REVIVE) && (rc = kvs_revive_release(s, &rv)) != 0) {
             fail(s, "kvs_revive_release", rc);
             break;
         }
         uint64_t seq;
-        if ((rc = kvs_seq_create(s, "full", p8, 2, "bench-many-demote", &seq)) != 0) {
+        if ((mover_does & MOVE_DEMOTE) &&
+            (rc = kvs_seq_create(s, "full", p8, 2, "bench-many-demote", &seq)) != 0) {
             fail(s, "kvs_seq_create", rc);
             break;
         }
-        rc = append_write_step(s, seq, PREFILL, 1, kv);
-        if (kvs_seq_release(s, seq) != 0)
-            rc = -1;
+        if (mover_does & MOVE_DEMOTE) {
+            rc = append_write_step(s, seq, PREFILL, 1, kv);
+            if (kvs_seq_release(s, seq) != 0)
+                rc = -1;
+        }
         loops++;
     }
     if (s != NULL && kvs_session_detach(s) != 0)
@@ -251,8 +260,20 @@ int main(int argc, char **argv)
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--quick") == 0) {
             steps = 50;
+        } else if (strcmp(argv[i], "--mover") == 0 && i + 1 < argc) {
+            const char *m = argv[++i];
+            mover_does = strcmp(m, "revive") == 0   ? MOVE_REVIVE
+                         : strcmp(m, "demote") == 0 ? MOVE_DEMOTE
+                         : strcmp(m, "both") == 0   ? MOVE_REVIVE | MOVE_DEMOTE
+                                                    : 0;
+            if (mover_does == 0) {
+                fprintf(stderr, "bench_many_workers: --mover is both, revive or demote, not %s\n",
+                        m);
+                return 2;
+            }
         } else if (argv[i][0] == '-') {
-            fprintf(stderr, "usage: %s [--quick] [PATH_TO_KVSTASHD]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--quick] [--mover both|revive|demote] [PATH_TO_KVSTASHD]\n",
+                    argv[0]);
             return 2;
         } else {
             daemon = argv[i];
@@ -263,8 +284,11 @@ int main(int argc, char **argv)
     signal(SIGPIPE, SIG_IGN);
     atexit(bench_daemon_cleanup);
     printf("bench_many_workers: %u layers, %u query / %u KV heads x %u, fp16; streaming, %u "
-           "tokens held; %u decode steps per worker; %ld CPUs; kernels %s\n",
+           "tokens held; %u decode steps per worker; mover: %s; %ld CPUs; kernels %s\n",
            geom.layers, geom.q_heads, geom.kv_heads, geom.head_dim, PREFILL, steps,
+           mover_does == MOVE_REVIVE   ? "revive"
+           : mover_does == MOVE_DEMOTE ? "demote"
+                                       : "revive and demote",
            sysconf(_SC_NPROCESSORS_ONLN), kv_kernel_isa());
     fflush(stdout);
     char sock[PATH_MAX];

@@ -137,13 +137,42 @@ static void test_elts_diff(void **state)
     unsetenv("KVSTASH_KERNEL_ISA");
 }
 
+/* Both ISA builds of kv_elts_diff give the same four sums, bit for bit
+ * (kernels/cpu/isa.h), over chunk edges and odd tails. */
+static void test_elts_diff_builds_agree(void **state)
+{
+    (void)state;
+    static const size_t lengths[] = {3, 8, 100, 512, 1029, 4096};
+    static uint8_t got[4096 * 4], ref[4096 * 4];
+    uint64_t seed = 99;
+    for (kv_dtype t = KV_FP16; t <= KV_FP32; t++)
+        for (size_t li = 0; li < sizeof lengths / sizeof lengths[0]; li++) {
+            size_t n = lengths[li], elt = t == KV_FP32 ? 4 : 2;
+            for (size_t i = 0; i < n; i++) {
+                seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+                float x = (float)((double)(seed >> 40) / (double)(1ull << 24) * 200.0 - 100.0);
+                kv_elt_store(ref + i * elt, t, x);
+                kv_elt_store(got + i * elt, t, x * (1.0f + (float)(seed & 0xff) / 4096.0f));
+            }
+            kv_diff a = {0, 0, 0, 0}, b = {0, 0, 0, 0};
+            setenv("KVSTASH_KERNEL_ISA", "generic", 1);
+            kv_elts_diff(got, ref, t, n, &a);
+            unsetenv("KVSTASH_KERNEL_ISA");
+            kv_elts_diff(got, ref, t, n, &b);
+            if (a.max_diff != b.max_diff || a.max_ref != b.max_ref || a.sq_diff != b.sq_diff ||
+                a.sq_ref != b.sq_ref)
+                fail_msg("dtype %d n %zu: generic %a %a %a %a, %s %a %a %a %a", (int)t, n,
+                         a.max_diff, a.max_ref, a.sq_diff, a.sq_ref, kv_kernel_isa(), b.max_diff,
+                         b.max_ref, b.sq_diff, b.sq_ref);
+        }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_load_every_16_bit_pattern),
-        cmocka_unit_test(test_store_boundaries),
-        cmocka_unit_test(test_store_dense_stride),
-        cmocka_unit_test(test_elts_diff),
+        cmocka_unit_test(test_load_every_16_bit_pattern), cmocka_unit_test(test_store_boundaries),
+        cmocka_unit_test(test_store_dense_stride),        cmocka_unit_test(test_elts_diff),
+        cmocka_unit_test(test_elts_diff_builds_agree),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
