@@ -1035,6 +1035,53 @@ static void test_revive_sketch_victims(void **state)
     fx_close(&f);
 }
 
+/*
+ * seq_revive in parts, as the store runs it without its lock: blocks taken
+ * from the pool between the plan and the fill (another sequence's step)
+ * change nothing of what the fill writes, and a failed fill gives the
+ * plan's blocks back so that the free stack is exactly as before.
+ */
+static void test_revive_in_parts(void **state)
+{
+    const char *const kv[] = {"n_sink",  "1",      "window",         "3",
+                              "victims", "sketch", "sketch_buckets", "4096"};
+    fx f;
+    fx_open(&f, backend_of(state), 64, "streaming", kv, 4);
+    for (int i = 0; i < 12; i++)
+        append(&f, 1);
+    uint32_t nfree = f.p->nfree, *stack = malloc(nfree * sizeof *stack);
+    assert_non_null(stack);
+    status st;
+    seq_revive_job *job;
+    seq_revived out;
+    assert_int_equal(seq_revive_plan(f.s, &(seq_revive_request){1, 0, 0, 0, 0}, &job, &st), ST_OK);
+    assert_int_equal(seq_revive_blocks(job), 3);
+    assert_int_equal(f.p->nfree, nfree - 3);
+    uint32_t other[3];
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(pool_alloc_block(f.p, &other[i]), 0);
+    assert_int_equal(seq_revive_finish(job, seq_revive_fill(job), &out, &st), ST_OK);
+    assert_int_equal(out.ntokens, 12);
+    for (uint32_t p = 0; p < 12; p++)
+        assert_int_equal(out.src_tier[p], p >= 1 && p <= 7 ? POLICY_SKETCH : POLICY_FULL);
+    check_revived(&f, 1, 0, &out);
+    revived_free(&f, &out);
+    for (int i = 3; i-- > 0;)
+        pool_free_block(f.p, other[i]);
+    assert_int_equal(f.p->nfree, nfree);
+
+    memcpy(stack, f.p->free_stack, nfree * sizeof *stack);
+    assert_int_equal(seq_revive_plan(f.s, &(seq_revive_request){0, 0, 2, 5, 0}, &job, &st), ST_OK);
+    assert_int_equal(f.p->nfree, nfree - 2);
+    memset(&out, 0xff, sizeof out);
+    assert_int_equal(seq_revive_finish(job, -1, &out, &st), ST_RESOURCE_EXHAUSTED);
+    assert_revived_empty(&out);
+    assert_int_equal(f.p->nfree, nfree);
+    assert_memory_equal(f.p->free_stack, stack, nfree * sizeof *stack);
+    free(stack);
+    fx_close(&f);
+}
+
 /* victims=evict: Revive refuses positions evicted outright, naming the
  * first run, or leaves them out with skip_evicted. */
 static void test_revive_evicted_outright(void **state)
@@ -1137,6 +1184,8 @@ int main(void)
         cmocka_unit_test(test_revive_sketch_victims),
         ON_SHADOW(test_revive_sketch_victims),
         cmocka_unit_test(test_revive_evicted_outright),
+        cmocka_unit_test(test_revive_in_parts),
+        ON_SHADOW(test_revive_in_parts),
         cmocka_unit_test(test_revive_int8_victims_and_destroy),
         ON_SHADOW(test_revive_int8_victims_and_destroy),
     };
