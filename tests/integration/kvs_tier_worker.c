@@ -241,7 +241,8 @@ static void write_token(kvs_session *s, const kvs_table *w, uint32_t p)
     }
 }
 
-/* Revive a whole layer and check every position by its source tier. */
+/* Revive a whole layer and check every position by its source tier,
+ * counted in counts[tier] unless counts is NULL. */
 static void check_revive(kvs_session *s, uint64_t seq, uint32_t l, uint32_t n, const opts *o,
                          sketch *sk, uint32_t counts[6], double *worst)
 {
@@ -259,7 +260,8 @@ static void check_revive(kvs_session *s, uint64_t seq, uint32_t l, uint32_t n, c
             fail(1, "layer %u: revived token %u has position %u", l, t, p);
         if (tier >= 6)
             fail(1, "layer %u: revived token %u has source tier %u", l, t, tier);
-        counts[tier]++;
+        if (counts != NULL)
+            counts[tier]++;
         for (uint32_t h = 0; h < KV_HEADS; h++)
             for (uint32_t c = 0; c < HEAD_DIM; c++)
                 for (int isv = 0; isv < 2; isv++) {
@@ -398,9 +400,8 @@ static uint32_t revive_rounds(run *r, uint32_t counts[6])
                 break;
             append_checked(r, n++);
         }
-        uint32_t each[6] = {0};
         for (uint32_t l = 0; l < LAYERS; l++)
-            check_revive(r->s, r->seq, l, n, r->o, &r->sk[l], round == 0 ? counts : each,
+            check_revive(r->s, r->seq, l, n, r->o, &r->sk[l], round == 0 ? counts : NULL,
                          &r->worst);
     }
     return n;

@@ -971,6 +971,17 @@ static void revive_ok(fx *f, seq_revive_request req, seq_revived *out)
     check_revived(f, req.layer, req.head, out);
 }
 
+/* Streaming (1 sink, window 3), victims=sketch with 4096 buckets, 12
+ * tokens appended: 0 and 8..11 held, 1..7 offloaded to the sketch. */
+static void open_sketch_victims(fx *f, void **state)
+{
+    const char *const kv[] = {"n_sink",  "1",      "window",         "3",
+                              "victims", "sketch", "sketch_buckets", "4096"};
+    fx_open(f, backend_of(state), 64, "streaming", kv, 4);
+    for (int i = 0; i < 12; i++)
+        append(f, 1);
+}
+
 /*
  * Streaming (1 sink, window 3) with victims=sketch and buckets enough that
  * 7 victims share no cell in two of three rows: a Revive of the whole list
@@ -980,12 +991,8 @@ static void revive_ok(fx *f, seq_revive_request req, seq_revived *out)
  */
 static void test_revive_sketch_victims(void **state)
 {
-    const char *const kv[] = {"n_sink",  "1",      "window",         "3",
-                              "victims", "sketch", "sketch_buckets", "4096"};
     fx f;
-    fx_open(&f, backend_of(state), 64, "streaming", kv, 4);
-    for (int i = 0; i < 12; i++)
-        append(&f, 1);
+    open_sketch_victims(&f, state);
     /* Held 0, 8..11; victims 1..7 offloaded. */
     seq_list_view v;
     seq_list_view_get(f.s, 1, 0, &v);
@@ -1043,12 +1050,8 @@ static void test_revive_sketch_victims(void **state)
  */
 static void test_revive_in_parts(void **state)
 {
-    const char *const kv[] = {"n_sink",  "1",      "window",         "3",
-                              "victims", "sketch", "sketch_buckets", "4096"};
     fx f;
-    fx_open(&f, backend_of(state), 64, "streaming", kv, 4);
-    for (int i = 0; i < 12; i++)
-        append(&f, 1);
+    open_sketch_victims(&f, state);
     uint32_t nfree = f.p->nfree, *stack = malloc(nfree * sizeof *stack);
     assert_non_null(stack);
     status st;
