@@ -183,6 +183,11 @@ status_code seq_policy_layer_step(seq *s, uint32_t l, const policy_decision **d,
     return ST_OK;
 }
 
+void seq_set_demote_after_step(seq *s, int on)
+{
+    s->demote_after_step = on;
+}
+
 void seq_publish_epoch(seq *s, uint64_t epoch)
 {
     s->epoch = epoch;
@@ -387,6 +392,7 @@ static status_code seq_run_policy(seq *s, const seq_step_input *in, uint64_t epo
     size_t total = 0;
     int changed = 0;
     int data = in->data != NULL;
+    s->stepping = 1;
     for (uint32_t l = 0; l < s->nlayers && rc == ST_OK; l++) {
         policy_stats ps = {.new_tokens = in->new_tokens ? in->new_tokens : s->unstepped,
                            .prefill = in->prefill,
@@ -410,6 +416,7 @@ static status_code seq_run_policy(seq *s, const seq_step_input *in, uint64_t epo
         else
             rc = seq_apply_decision(s, l, d, epoch, &total, &changed, st);
     }
+    s->stepping = 0;
     free(tokens);
     free(rows);
     if (rc != ST_OK) /* the caller rolls back */

@@ -206,6 +206,32 @@ status_code seq_apply_decision(seq *s, uint32_t l, const policy_decision *d, uin
  * when out of memory. */
 status_code seq_demote_pending(seq *s, uint32_t layer, uint64_t epoch, int *changed, status *st);
 
+/*
+ * Demotion after the step (issue 16 §3: a step that demotes must not hold
+ * up other sequences). With it on, the store's choice, a step (seq_step,
+ * or the one seq_append ends) quantises nothing: what it would demote
+ * stays at full precision, as when the pool lacks the blocks, and the
+ * caller demotes it right after, in three parts. seq_demote_plan takes
+ * the blocks (*job NULL: nothing is due); seq_demote_fill quantises,
+ * reading only s's pool memory and writing only the plan's blocks, so it
+ * may run while other sequences change, as long as nothing changes s or
+ * frees its pool meanwhile; seq_demote_finish publishes the demoted lists,
+ * retiring the blocks they left at `epoch` (an epoch the worker has not
+ * seen: the step's own when the step changed the tables, else the next),
+ * or gives the blocks back (fill_rc != 0, or out of memory: the tokens stay
+ * at full precision, due again at the next step), and frees the job. Plan
+ * and finish need what guards the pool. The quantised tokens, their blocks'
+ * contents and the epochs are those the step would have given, but for
+ * where blocks lie: full-precision compaction ran before the demotion.
+ * seq_demote_due runs all three.
+ */
+void seq_set_demote_after_step(seq *s, int on);
+typedef struct seq_demote_job seq_demote_job;
+status_code seq_demote_plan(seq *s, uint64_t epoch, seq_demote_job **job, status *st);
+int seq_demote_fill(seq_demote_job *job);
+status_code seq_demote_finish(seq_demote_job *job, int fill_rc, status *st);
+status_code seq_demote_due(seq *s, uint64_t epoch, status *st);
+
 /* Storage per tier (by policy_tier, POLICY_TIERS of them) over every list: tokens
  * held and offloaded victims kept, by the tier they are stored in, and
  * bytes (pool blocks of that tier; sketch cells). */

@@ -14,20 +14,6 @@
 
 #include "seq_internal.h"
 
-/* tier_error_ratio of tokens idx[0..m) of tok against the staged k, v. */
-static int stage_error(seq *s, const tier_token *tok, const uint32_t *idx, size_t m,
-                       const uint8_t *k, const uint8_t *v, double *ratio)
-{
-    tier_token *sel = malloc((m ? m : 1) * sizeof *sel);
-    if (sel == NULL)
-        return -1;
-    for (size_t i = 0; i < m; i++)
-        sel[i] = tok[idx[i]];
-    int rc = tier_error_ratio(&s->tier, sel, m, k, v, ratio);
-    free(sel);
-    return rc;
-}
-
 /* Insert tokens idx[0..m) (FULL or quantised) into the sketch; they become
  * sketch tokens. */
 static int move_to_sketch(seq *s, seq_list *ly, uint32_t layer, tier_token *tok,
@@ -154,30 +140,21 @@ static int list_moves(seq *s, seq_list *ly, uint32_t layer, tier_token *tok, con
     return m > 0 ? move_to_sketch(s, ly, layer, tok, pos, idx, m) : 0;
 }
 
-/* Quantise tokens idx[0..m) of tok (FULL, or quantised read back
- * dequantised) into fresh blocks of quantised tier qt, a block's worth to a
- * block and the last one partial; the caller checked that the pool has
- * them. The tokens become qt tokens of the new blocks; the round trip's
- * error is observed. */
+/* seq_quantize_into fresh blocks of quantised tier qt, which the caller
+ * checked the pool has; the round trip's error is observed. */
 static int quantize_fresh(seq *s, uint8_t qt, tier_token *tok, const uint32_t *idx, size_t m)
 {
     uint32_t t8 = tier_block_tokens(&s->tier, qt);
     size_t nq = (m + t8 - 1) / t8;
     uint32_t *qb = malloc((nq ? nq : 1) * sizeof *qb);
-    uint8_t *k, *v;
-    if (qb == NULL || seq_stage_tokens(s, tok, idx, m, &k, &v) != 0) {
-        free(qb);
+    if (qb == NULL)
         return -1;
-    }
     for (size_t b = 0; b < nq; b++)
         pool_alloc_block(s->pool, &qb[b]); /* checked by the caller */
-    int rc = tier_quantize(&s->tier, qt, k, v, m, qb, nq);
-    for (size_t j = 0; rc == 0 && j < m; j++)
-        tok[idx[j]] = (tier_token){qb[j / t8], (uint32_t)(j % t8), qt};
     double ratio;
-    if (rc == 0 && stage_error(s, tok, idx, m, k, v, &ratio) == 0)
+    int rc = seq_quantize_into(s, qt, tok, idx, m, qb, nq, &ratio);
+    if (rc == 0 && ratio >= 0)
         snapshot_tiers_observe(&s->report, qt, ratio);
-    tier_stage_free(&s->tier, k);
     free(qb);
     return rc;
 }
@@ -186,9 +163,11 @@ static int quantize_fresh(seq *s, uint8_t qt, tier_token *tok, const uint32_t *i
  * block's scales cover all its tokens and it is written once): the oldest
  * tokens decided qt but stored at full precision, as many blocks' worth as
  * there are; with `partial`, all of them, the last block written partial
- * (its free slots are never filled: an operator's demote wants them now). */
-static int list_demote_to(seq *s, uint8_t qt, tier_token *tok, const uint8_t *tier, uint32_t n,
-                          uint32_t *scratch, int partial)
+ * (its free slots are never filled: an operator's demote wants them now).
+ * A step of a sequence that demotes after its steps only notes that the
+ * list is due (seq_demote_plan). */
+static int list_demote_to(seq *s, seq_list *ly, uint8_t qt, tier_token *tok, const uint8_t *tier,
+                          uint32_t n, uint32_t *scratch, int partial)
 {
     uint32_t t8 = tier_block_tokens(&s->tier, qt);
     size_t m = 0;
@@ -200,6 +179,10 @@ static int list_demote_to(seq *s, uint8_t qt, tier_token *tok, const uint8_t *ti
     size_t nq = partial ? (m + t8 - 1) / t8 : m / t8;
     if (nq == 0 || nq > s->pool->nfree)
         return 0;
+    if (s->stepping && s->demote_after_step) {
+        ly->demote_due = 1;
+        return 0;
+    }
     if (!partial)
         m = nq * t8;
     if (quantize_fresh(s, qt, tok, scratch, m) != 0)
@@ -209,12 +192,12 @@ static int list_demote_to(seq *s, uint8_t qt, tier_token *tok, const uint8_t *ti
 }
 
 /* list_demote_to for every quantised tier. */
-static int list_demote(seq *s, tier_token *tok, const uint8_t *tier, uint32_t n, uint32_t *scratch,
-                       int partial)
+static int list_demote(seq *s, seq_list *ly, tier_token *tok, const uint8_t *tier, uint32_t n,
+                       uint32_t *scratch, int partial)
 {
     static const uint8_t qtiers[] = {POLICY_INT8, POLICY_INT4, POLICY_INT2};
     for (size_t q = 0; q < sizeof qtiers; q++)
-        if (list_demote_to(s, qtiers[q], tok, tier, n, scratch, partial) != 0)
+        if (list_demote_to(s, ly, qtiers[q], tok, tier, n, scratch, partial) != 0)
             return -1;
     return 0;
 }
@@ -421,14 +404,14 @@ static uint32_t compact_slack(uint32_t need)
 }
 
 /*
- * Conf-KV's contiguous compaction, for any token-level eviction: when the
+ * seq_internal.h. Conf-KV's contiguous compaction, for any token-level eviction: when the
  * full-precision survivors are spread over more blocks than they fill plus
  * compact_slack(), copy them in list order into fresh blocks
  * (kv_copy_tokens), so that evicting tokens really gives memory back; the
  * old blocks are retired by the caller. Skipped, harmlessly, when the pool
  * lacks the blocks.
  */
-static int list_compact(seq *s, seq_list *ly, tier_token *kept, uint32_t n)
+int list_compact(seq *s, seq_list *ly, tier_token *kept, uint32_t n)
 {
     uint32_t slots = s->block_slots, nfull = 0;
     for (uint32_t i = 0; i < n; i++)
@@ -470,11 +453,10 @@ static int list_compact(seq *s, seq_list *ly, tier_token *kept, uint32_t n)
     return 0;
 }
 
-/* Retire, once each, the blocks of `before` that `after` lacks (both with
- * repeats, in any order): the pool's marks say which were seen, so a step
- * sorts nothing. Every mark is cleared again before returning. */
-static int retire_unused(seq *s, seq_list *ly, const uint32_t *before, size_t nb,
-                         const uint32_t *after, size_t na, uint64_t epoch)
+/* seq_internal.h. The pool's marks say which blocks were seen, so a step
+ * sorts nothing; every mark is cleared again before returning. */
+int list_retire_unused(seq *s, seq_list *ly, const uint32_t *before, size_t nb,
+                       const uint32_t *after, size_t na, uint64_t epoch)
 {
     int rc = 0;
     for (size_t i = 0; i < na; i++)
@@ -547,7 +529,7 @@ static int list_apply(seq *s, uint32_t l, uint32_t k, tier_token *tok, const pol
      * may empty them again. */
     nb += list_block_ids(ly, tok, n, 1, before + nb);
     if (rc == 0)
-        rc = list_demote(s, tok, tier, n, idx, 0);
+        rc = list_demote(s, ly, tok, tier, n, idx, 0);
     if (rc == 0 && d->rerotate_keys)
         rc = list_rerotate(s, tok, tier, n, d);
     uint32_t kept = 0;
@@ -562,8 +544,8 @@ static int list_apply(seq *s, uint32_t l, uint32_t k, tier_token *tok, const pol
     if (rc == 0)
         rc = list_encode(ly, tok, kept);
     if (rc == 0)
-        rc =
-            retire_unused(s, ly, before, nb, after, list_block_ids(ly, tok, kept, 0, after), epoch);
+        rc = list_retire_unused(s, ly, before, nb, after, list_block_ids(ly, tok, kept, 0, after),
+                                epoch);
     free(scratch);
     return rc;
 }
@@ -615,13 +597,13 @@ static int list_demote_now(seq *s, uint32_t l, uint32_t k, uint64_t epoch, int *
     uint64_t moved = s->moved[POLICY_INT8] + s->moved[POLICY_INT4] + s->moved[POLICY_INT2];
     int rc = seq_txn_save_list(s, ly);
     if (rc == 0)
-        rc = list_demote(s, tok, tier, n, idx, 1);
+        rc = list_demote(s, ly, tok, tier, n, idx, 1);
     if (rc == 0 && s->moved[POLICY_INT8] + s->moved[POLICY_INT4] + s->moved[POLICY_INT2] != moved) {
         *changed = 1;
         rc = list_encode(ly, tok, n);
         if (rc == 0)
-            rc = retire_unused(s, ly, before, nb, after, list_block_ids(ly, tok, n, 0, after),
-                               epoch);
+            rc = list_retire_unused(s, ly, before, nb, after, list_block_ids(ly, tok, n, 0, after),
+                                    epoch);
     }
     free(tok);
     free(scratch);

@@ -31,6 +31,9 @@ typedef struct seq_list {
     uint32_t *victim_blocks;
     size_t nvictim_blocks, victim_blocks_cap;
     uint64_t saved_generation; /* the transaction that saved it last (seq_txn.c) */
+    /* A step left a whole quantised block's worth of tokens decided
+     * quantised but stored at full precision, for seq_demote_plan. */
+    uint8_t demote_due;
 } seq_list;
 
 typedef struct seq_saved_list seq_saved_list;
@@ -78,6 +81,8 @@ typedef struct seq {
     snapshot_tiers report;        /* seq_tier_report */
     seq_txn txn;
     size_t sketch_reserved; /* daemon memory the store reserved for the sketches (seq.h) */
+    int demote_after_step;  /* seq.h seq_set_demote_after_step */
+    int stepping;           /* inside seq_run_policy: a step, not an operator's move */
 } seq;
 
 static inline size_t seq_nlists(const seq *s)
@@ -145,6 +150,27 @@ int seq_stage_tokens(seq *s, const tier_token *tok, const uint32_t *idx, size_t 
 
 /* Count n tokens moved to tier t (moved[]) in the totals and the report. */
 void seq_moved(seq *s, uint8_t t, uint64_t n);
+
+/* Quantise tokens idx[0..m) of tok (FULL, or quantised read back
+ * dequantised) into blocks qb[0..nq) of quantised tier qt, a block's worth
+ * to a block and the last one partial: the tokens become qt tokens of those
+ * blocks, and *ratio is the round trip's error (-1 when it could not be
+ * measured). Reads s's pool memory, writes only qb's blocks and tok; the
+ * caller took the blocks. */
+int seq_quantize_into(seq *s, uint8_t qt, tier_token *tok, const uint32_t *idx, size_t m,
+                      const uint32_t *qb, size_t nq, double *ratio);
+
+/* Copy a list's full-precision tokens of kept[0..n) (its tokens, as they
+ * will be) into fresh blocks when they are spread over too many
+ * (seq_apply.c); kept[] then names the copies. Skipped when the pool lacks
+ * the blocks. Returns -1 when out of memory or on a device error. */
+int list_compact(seq *s, seq_list *ly, tier_token *kept, uint32_t n);
+
+/* Retire at `epoch`, once each, the blocks of `before` that `after` lacks
+ * (both with repeats, in any order): the blocks a list used before a change
+ * and does not use after. The tail is forgotten when it goes. */
+int list_retire_unused(seq *s, seq_list *ly, const uint32_t *before, size_t nb,
+                       const uint32_t *after, size_t na, uint64_t epoch);
 
 /* Keep a victim out of the list, stored at `at`. */
 int list_offload_push(seq_list *ly, uint32_t position, tier_token at);

@@ -258,6 +258,37 @@ int seq_stage_tokens(seq *s, const tier_token *tok, const uint32_t *idx, size_t 
     return rc;
 }
 
+/* tier_error_ratio of tokens idx[0..m) of tok against the staged k, v. */
+static int stage_error(seq *s, const tier_token *tok, const uint32_t *idx, size_t m,
+                       const uint8_t *k, const uint8_t *v, double *ratio)
+{
+    tier_token *sel = malloc((m ? m : 1) * sizeof *sel);
+    if (sel == NULL)
+        return -1;
+    for (size_t i = 0; i < m; i++)
+        sel[i] = tok[idx[i]];
+    int rc = tier_error_ratio(&s->tier, sel, m, k, v, ratio);
+    free(sel);
+    return rc;
+}
+
+int seq_quantize_into(seq *s, uint8_t qt, tier_token *tok, const uint32_t *idx, size_t m,
+                      const uint32_t *qb, size_t nq, double *ratio)
+{
+    uint32_t t8 = tier_block_tokens(&s->tier, qt);
+    uint8_t *k, *v;
+    *ratio = -1;
+    if (seq_stage_tokens(s, tok, idx, m, &k, &v) != 0)
+        return -1;
+    int rc = tier_quantize(&s->tier, qt, k, v, m, qb, nq);
+    for (size_t j = 0; rc == 0 && j < m; j++)
+        tok[idx[j]] = (tier_token){qb[j / t8], (uint32_t)(j % t8), qt};
+    if (rc == 0 && stage_error(s, tok, idx, m, k, v, ratio) != 0)
+        *ratio = -1;
+    tier_stage_free(&s->tier, k);
+    return rc;
+}
+
 /* Keep a victim out of the list, stored at `at`. */
 int list_offload_push(seq_list *ly, uint32_t position, tier_token at)
 {

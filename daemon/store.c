@@ -332,6 +332,43 @@ static void move_end(store *st, uint64_t seq_id)
     pthread_cond_broadcast(&st->moved);
 }
 
+/* Lock held (store_lock_seq): run a copy of seq_id's that writes only
+ * blocks it took and reads only seq_id's memory, without the lock when it
+ * may (move_begin), so that no other sequence waits for it (issue 16 §3);
+ * returns the copy's result, the lock held again. */
+static int copy_unlocked(store *st, uint64_t seq_id, int (*copy)(void *), void *job)
+{
+    if (!move_begin(st, seq_id))
+        return copy(job);
+    store_unlock(st);
+    int rc = copy(job);
+    pthread_mutex_lock(&st->lock);
+    move_end(st, seq_id);
+    return rc;
+}
+
+/* Lock held: quantise what q's step (or append) left due, the lock let go
+ * meanwhile (seq.h seq_demote_plan). epoch0 is q's epoch before the call:
+ * a call that changed the tables published an epoch the worker has not
+ * seen yet, which the demotion shares; else it takes the next. A demotion
+ * that cannot run is due again at the next step: the call still succeeds. */
+static int demote_fill(void *job)
+{
+    return seq_demote_fill(job);
+}
+
+static void demote_due(store *st, seq *q, uint64_t epoch0)
+{
+    uint64_t epoch = seq_epoch(q) > epoch0 ? seq_epoch(q) : seq_epoch(q) + 1;
+    seq_demote_job *job;
+    status s = {0};
+    if (seq_demote_plan(q, epoch, &job, &s) == ST_OK && job != NULL)
+        seq_demote_finish(job, copy_unlocked(st, seq_id_of(q), demote_fill, job), &s);
+    if (s.code != ST_OK)
+        log_warn("demote_deferred", "seq=%llu reason=\"%s\"", (unsigned long long)seq_id_of(q),
+                 s.msg);
+}
+
 /* Every unlock after which a snapshot may show something else bumps the
  * generation (store_snapshot_for); the reads unlock without. */
 void store_unlock(store *st)
@@ -1290,6 +1327,8 @@ status_code store_seq_create(store *st, const char *token, const store_seq_reque
     }
     if (rc == ST_OK)
         rc = seq_create(st->next_seq_id, se->id, se->pool, ops, params, label, &q, s);
+    if (rc == ST_OK)
+        seq_set_demote_after_step(q, 1); /* its quantisation without the lock (demote_due) */
     /* A sequence whose own configuration fills sketches reserves their worst
      * case now, or is never seen (others reserve at an operator's offload). */
     if (rc == ST_OK && seq_sketches(q) && (rc = store_sketch_reserve_locked(st, q, s)) != ST_OK) {
@@ -1394,8 +1433,10 @@ status_code store_append_within(store *st, const char *token, uint64_t seq_id, i
     }
     if (rc == ST_OK) {
         uint32_t first = (uint32_t)seq_appended(q);
-        uint64_t dropped = seq_victims_dropped(q);
+        uint64_t dropped = seq_victims_dropped(q), epoch0 = seq_epoch(q);
         rc = seq_append(q, count, segs, nsegs, &writes->evicted, s);
+        if (rc == ST_OK)
+            demote_due(st, q, epoch0);
         if (seq_victims_dropped(q) != dropped)
             log_warn("victims_dropped",
                      "seq=%llu tokens=%llu reason=pool-pressure pool=%llu free=%u",
@@ -1550,7 +1591,10 @@ status_code store_step(store *st, const char *token, uint64_t seq_id, uint64_t a
         if (st->metrics != NULL && in->data != NULL && lists_view(q, &before) == 0)
             mm = metrics_mass_begin(st->metrics, &before, in->arrays, in->data, in->nfloats);
         lists_view_free(&before);
+        uint64_t epoch0 = seq_epoch(q);
         rc = seq_step(q, in, evicted, s);
+        if (rc == ST_OK)
+            demote_due(st, q, epoch0);
         if (mm != NULL && lists_view(q, &after) == 0)
             metrics_mass_end(st->metrics, mm, seq_policy(q), &after, rc == ST_OK);
         else
@@ -1641,6 +1685,11 @@ static void revive_publish(store *st, session *se, seq *q, const seq_revive_requ
              by[POLICY_INT8], by[POLICY_INT4], by[POLICY_INT2], by[POLICY_SKETCH]);
 }
 
+static int revive_fill(void *job)
+{
+    return seq_revive_fill(job);
+}
+
 /* The copy runs without the store's lock (issue 16 §3): the sequence is
  * marked moving, so nothing changes it and no session ends meanwhile
  * (store_lock_seq, lock_no_moves), while every other sequence steps. */
@@ -1662,17 +1711,8 @@ status_code store_revive(store *st, const char *token, uint64_t seq_id,
     if (rc == ST_OK)
         rc = revive_plan(st, se, q, req, &job, s);
     if (rc == ST_OK) {
-        int fill_rc;
-        if (move_begin(st, seq_id)) {
-            store_unlock(st);
-            fill_rc = seq_revive_fill(job);
-            pthread_mutex_lock(&st->lock);
-            move_end(st, seq_id);
-        } else {
-            fill_rc = seq_revive_fill(job);
-        }
         seq_revived rv;
-        rc = seq_revive_finish(job, fill_rc, &rv, s);
+        rc = seq_revive_finish(job, copy_unlocked(st, seq_id, revive_fill, job), &rv, s);
         if (rc == ST_OK) {
             revive_publish(st, se, q, req, &rv, sc, out);
             sc = NULL;

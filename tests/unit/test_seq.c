@@ -199,35 +199,49 @@ static void check_values(const fx *f, uint32_t l, uint32_t k, const float *kv, c
                 }
 }
 
-/* The list's segments cover exactly its tokens, none in the sketch, and
- * every token reads back what was written for its position (INT8 ones
- * within the bound of `rounds` quantisations). Returns the INT8 tokens. */
+/* List (l, k) as stored, checked to have its segments cover exactly its
+ * tokens, none in the sketch: the tokens read back (read_tokens) and each
+ * one's tier (*tier), malloc'd; NULL when it holds none. */
+static float *list_read(fx *f, uint32_t l, uint32_t k, seq_list_view *v, uint8_t **tier)
+{
+    seq_list_view_get(f->s, l, k, v);
+    assert_int_equal(kv_segments_tokens(v->segs, v->nsegs), v->tokens);
+    *tier = NULL;
+    if (v->tokens == 0)
+        return NULL;
+    tier_token *tok = malloc(v->tokens * sizeof *tok);
+    *tier = malloc(v->tokens);
+    assert_non_null(tok);
+    assert_non_null(*tier);
+    uint32_t t = 0;
+    for (size_t i = 0; i < v->nsegs; i++) {
+        assert_int_not_equal(v->seg_tier[i], POLICY_SKETCH);
+        for (uint32_t j = 0; j < v->segs[i].count; j++, t++) {
+            tok[t] = (tier_token){v->segs[i].block, v->segs[i].first_slot + j, v->seg_tier[i]};
+            (*tier)[t] = v->seg_tier[i];
+        }
+    }
+    float *kv = read_tokens(f, tok, v->tokens);
+    free(tok);
+    return kv;
+}
+
+/* Every token of the list reads back what was written for its position
+ * (list_read; quantised ones within the bound of `rounds` quantisations).
+ * Returns the quantised tokens. */
 static uint32_t check_list_rounds(fx *f, uint32_t l, uint32_t k, int rounds)
 {
     seq_list_view v;
-    seq_list_view_get(f->s, l, k, &v);
-    assert_int_equal(kv_segments_tokens(v.segs, v.nsegs), v.tokens);
-    if (v.tokens == 0)
-        return 0;
-    tier_token *tok = malloc(v.tokens * sizeof *tok);
-    uint8_t *tier = malloc(v.tokens);
-    assert_non_null(tok);
-    assert_non_null(tier);
-    uint32_t t = 0, n8 = 0;
-    for (size_t i = 0; i < v.nsegs; i++) {
-        assert_int_not_equal(v.seg_tier[i], POLICY_SKETCH);
-        for (uint32_t j = 0; j < v.segs[i].count; j++, t++) {
-            tok[t] = (tier_token){v.segs[i].block, v.segs[i].first_slot + j, v.seg_tier[i]};
-            tier[t] = v.seg_tier[i];
-            n8 += policy_tier_quantised(tier[t]);
-        }
-    }
-    float *kv = read_tokens(f, tok, v.tokens);
-    check_values(f, l, k, kv, v.positions, tier, v.tokens, rounds);
+    uint8_t *tier;
+    float *kv = list_read(f, l, k, &v, &tier);
+    uint32_t nq = 0;
+    for (uint32_t t = 0; t < v.tokens; t++)
+        nq += policy_tier_quantised(tier[t]);
+    if (v.tokens > 0)
+        check_values(f, l, k, kv, v.positions, tier, v.tokens, rounds);
     free(kv);
-    free(tok);
     free(tier);
-    return n8;
+    return nq;
 }
 
 static uint32_t check_list(fx *f, uint32_t l, uint32_t k)
@@ -808,6 +822,100 @@ static void test_int8_demotion(void **state)
     fx_close(&f);
 }
 
+/* Sequences a and b hold the same: epoch, tokens and bytes by tier,
+ * moves, retired blocks (with their epochs), and per list the positions,
+ * tiers and values, bit for bit (where the blocks lie may differ). */
+static void assert_same_seq(fx *a, fx *b)
+{
+    assert_int_equal(seq_epoch(a->s), seq_epoch(b->s));
+    uint64_t ta[POLICY_TIERS], ba[POLICY_TIERS], tb[POLICY_TIERS], bb[POLICY_TIERS];
+    seq_tier_usage(a->s, ta, ba);
+    seq_tier_usage(b->s, tb, bb);
+    assert_memory_equal(ta, tb, sizeof ta);
+    assert_memory_equal(ba, bb, sizeof ba);
+    seq_moved_totals(a->s, ta);
+    seq_moved_totals(b->s, tb);
+    assert_memory_equal(ta, tb, sizeof ta);
+    const seq_retired *ra, *rb;
+    size_t nr = seq_retired_blocks(a->s, &ra);
+    assert_int_equal(seq_retired_blocks(b->s, &rb), nr);
+    for (size_t i = 0; i < nr; i++)
+        assert_int_equal(ra[i].epoch, rb[i].epoch);
+    assert_int_equal(seq_blocks_held(a->s), seq_blocks_held(b->s));
+    for (uint32_t l = 0; l < seq_layers(a->s); l++) {
+        seq_list_view va, vb;
+        uint8_t *tier_a, *tier_b;
+        float *kva = list_read(a, l, 0, &va, &tier_a), *kvb = list_read(b, l, 0, &vb, &tier_b);
+        assert_int_equal(va.tokens, vb.tokens);
+        assert_memory_equal(va.positions, vb.positions, va.tokens * sizeof *va.positions);
+        assert_memory_equal(tier_a, tier_b, va.tokens);
+        assert_memory_equal(kva, kvb, va.tokens * tier_token_bytes(&a->tier));
+        free(kva), free(kvb), free(tier_a), free(tier_b);
+    }
+}
+
+/*
+ * seq_set_demote_after_step (issue 16 §3): the steps of test_int8_demotion
+ * quantise nothing; the demotion each leaves due runs in parts (blocks
+ * others take between plan and fill change nothing it writes), and then
+ * the sequence holds exactly what the same steps give when they demote
+ * themselves. A failed fill leaves the pool's free stack as it was and the
+ * tokens at full precision, still due.
+ */
+static void test_demotion_after_step(void **state)
+{
+    const char *const kv[] = {"int8", "on", "int8_window", "4"};
+    fx in, f;
+    fx_open(&in, backend_of(state), 64, "full", kv, 2);
+    fx_open(&f, backend_of(state), 64, "full", kv, 2);
+    seq_set_demote_after_step(f.s, 1);
+    status st;
+    seq_demote_job *job;
+    for (int round = 0; round < 2; round++) {
+        int64_t n = round == 0 ? 20 : 7;
+        append(&in, n);
+        append(&in, 1); /* the step of the n ends here */
+        append(&f, n);
+        assert_int_equal(append(&f, 1), 0);
+        uint64_t tokens[POLICY_TIERS], bytes[POLICY_TIERS];
+        seq_tier_usage(f.s, tokens, bytes);
+        assert_int_equal(tokens[POLICY_INT8], (uint64_t)2 * 12 * round);
+        uint32_t nfree = f.p->nfree;
+        assert_int_equal(seq_demote_plan(f.s, seq_epoch(f.s), &job, &st), ST_OK);
+        assert_non_null(job);
+        assert_int_equal(f.p->nfree, nfree - 2); /* one INT8 block per list */
+        if (round == 1) {
+            uint32_t *stack = malloc(nfree * sizeof *stack);
+            assert_non_null(stack);
+            assert_int_equal(seq_demote_finish(job, -1, &st), ST_RESOURCE_EXHAUSTED);
+            assert_int_equal(f.p->nfree, nfree);
+            memcpy(stack, f.p->free_stack, nfree * sizeof *stack);
+            seq_tier_usage(f.s, tokens, bytes);
+            assert_int_equal(tokens[POLICY_INT8], 2 * 12);
+            assert_int_equal(seq_demote_plan(f.s, seq_epoch(f.s), &job, &st), ST_OK);
+            assert_non_null(job); /* still due */
+            assert_int_equal(seq_demote_finish(job, -1, &st), ST_RESOURCE_EXHAUSTED);
+            assert_memory_equal(f.p->free_stack, stack, nfree * sizeof *stack);
+            free(stack);
+            assert_int_equal(seq_demote_plan(f.s, seq_epoch(f.s), &job, &st), ST_OK);
+        }
+        uint32_t other[3];
+        for (int i = 0; i < 3; i++)
+            assert_int_equal(pool_alloc_block(f.p, &other[i]), 0);
+        assert_int_equal(seq_demote_finish(job, seq_demote_fill(job), &st), ST_OK);
+        for (int i = 3; i-- > 0;)
+            pool_free_block(f.p, other[i]);
+        assert_same_seq(&in, &f);
+        for (uint32_t l = 0; l < 2; l++)
+            assert_int_equal(check_list(&f, l, 0), 12 * (round + 1));
+        assert_int_equal(seq_demote_plan(f.s, seq_epoch(f.s), &job, &st), ST_OK);
+        assert_null(job); /* nothing due */
+    }
+    assert_int_equal(seq_tier_report(f.s)->moved[POLICY_INT8], 48);
+    fx_close(&in);
+    fx_close(&f);
+}
+
 /*
  * demote=int4 and demote=int2: the same rule into low-bit blocks of 18 and
  * 27 tokens (fp32, 2 heads x 8 channels, 4-token pool blocks of 512 bytes;
@@ -1178,6 +1286,8 @@ int main(void)
         ON_SHADOW(test_per_head_lists_and_step_checks),
         cmocka_unit_test(test_int8_demotion),
         ON_SHADOW(test_int8_demotion),
+        cmocka_unit_test(test_demotion_after_step),
+        ON_SHADOW(test_demotion_after_step),
         cmocka_unit_test(test_int4_demotion),
         ON_SHADOW(test_int4_demotion),
         cmocka_unit_test(test_int2_demotion),
