@@ -392,7 +392,6 @@ static status_code seq_run_policy(seq *s, const seq_step_input *in, uint64_t epo
     size_t total = 0;
     int changed = 0;
     int data = in->data != NULL;
-    s->stepping = 1;
     for (uint32_t l = 0; l < s->nlayers && rc == ST_OK; l++) {
         policy_stats ps = {.new_tokens = in->new_tokens ? in->new_tokens : s->unstepped,
                            .prefill = in->prefill,
@@ -416,7 +415,6 @@ static status_code seq_run_policy(seq *s, const seq_step_input *in, uint64_t epo
         else
             rc = seq_apply_decision(s, l, d, epoch, &total, &changed, st);
     }
-    s->stepping = 0;
     free(tokens);
     free(rows);
     if (rc != ST_OK) /* the caller rolls back */
@@ -502,10 +500,13 @@ status_code seq_step(seq *s, const seq_step_input *in, uint32_t *evicted, status
     if (seq_step_check(s, in, st) != ST_OK)
         return st->code;
     seq_begin(s);
-    if (seq_run_policy(s, in, s->epoch + 1, evicted, st) != ST_OK) {
+    s->stepping = 1;
+    status_code rc = seq_run_policy(s, in, s->epoch + 1, evicted, st);
+    s->stepping = 0;
+    if (rc != ST_OK) {
         seq_rollback(s);
         *evicted = 0;
-        return st->code;
+        return rc;
     }
     seq_end(s);
     return ST_OK;

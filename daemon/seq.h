@@ -208,10 +208,13 @@ status_code seq_demote_pending(seq *s, uint32_t layer, uint64_t epoch, int *chan
 
 /*
  * Demotion after the step (issue 16 §3: a step that demotes must not hold
- * up other sequences). With it on, the store's choice, a step (seq_step,
- * or the one seq_append ends) quantises nothing: what it would demote
- * stays at full precision, as when the pool lacks the blocks, and the
- * caller demotes it right after, in three parts. seq_demote_plan takes
+ * up other sequences). With it on, the store's choice, seq_step quantises
+ * nothing: what it would demote (and victims=int8's victims) stays at full
+ * precision, as when the pool lacks the blocks, and the caller demotes it
+ * right after, in three parts. The step an Append ends (seq_append)
+ * still quantises in place, before the new tokens take their blocks, so
+ * that under memory pressure the victims it quantises are there to give
+ * way (append_fits). seq_demote_plan takes
  * the blocks (*job NULL: nothing is due); seq_demote_fill quantises,
  * reading only s's pool memory and writing only the plan's blocks, so it
  * may run while other sequences change, as long as nothing changes s or

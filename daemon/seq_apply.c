@@ -268,6 +268,10 @@ static int list_victims_quantize(seq *s, seq_list *ly, uint32_t *scratch)
         seq_grow((void **)&ly->victim_blocks, &ly->victim_blocks_cap, ly->nvictim_blocks + nq,
                  sizeof *ly->victim_blocks) != 0)
         return 0;
+    if (s->stepping && s->demote_after_step) { /* seq_demote_plan quantises them */
+        ly->demote_due = 1;
+        return 0;
+    }
     if (quantize_fresh(s, POLICY_INT8, ly->offloaded_at, scratch, nq * t8) != 0)
         return -1;
     for (size_t b = 0; b < nq; b++)

@@ -5,11 +5,12 @@
  *
  * The plan takes what list_demote_to would take in the step (the oldest
  * tokens decided quantised but stored at full precision, whole blocks'
- * worth, POLICIES.md §5.4), the fill quantises into a copy of each list's
- * tokens, and the finish publishes the copies as the lists, in a
- * transaction of its own. The fill reads only the pool's memory of the
- * planned tokens and writes only the planned blocks, which is why it may
- * run while other sequences change.
+ * worth, POLICIES.md §5.4) and what list_victims_quantize would (victims=int8:
+ * the victims still at full precision, whole INT8 blocks' worth), the fill
+ * quantises into copies of each list's tokens and victims, and the finish
+ * publishes the copies as the lists, in a transaction of its own. The fill reads only the pool's
+ * memory of the planned tokens and writes only the planned blocks, which is why it may run while
+ * other sequences change.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -29,6 +30,12 @@ typedef struct demote_list {
     uint32_t *idx, *qb;
     size_t m[DEMOTE_TIERS], nq[DEMOTE_TIERS];
     double ratio[DEMOTE_TIERS];
+    /* victims=int8: the victims as they will be, the ones to quantise
+     * (indices into the list's offloaded_at) and their INT8 blocks */
+    tier_token *vdst;
+    uint32_t *vidx, *vqb;
+    size_t vm, vnq;
+    double vratio;
 } demote_list;
 
 struct seq_demote_job {
@@ -43,6 +50,7 @@ static void job_free(seq_demote_job *j)
     for (size_t i = 0; i < j->nlists; i++) {
         demote_list *d = &j->lists[i];
         free(d->tok), free(d->dst), free(d->idx), free(d->qb);
+        free(d->vdst), free(d->vidx), free(d->vqb);
     }
     free(j->lists);
     free(j);
@@ -54,12 +62,45 @@ static void give_back(seq_demote_job *j)
 {
     for (size_t i = j->nlists; i-- > 0;) {
         demote_list *d = &j->lists[i];
+        for (size_t b = d->vnq; b-- > 0;)
+            pool_free_block(j->s->pool, d->vqb[b]);
         size_t nq = 0;
         for (size_t q = 0; q < DEMOTE_TIERS; q++)
             nq += d->nq[q];
         while (nq-- > 0)
             pool_free_block(j->s->pool, d->qb[nq]);
     }
+}
+
+/* victims=int8: list d's victims still at full precision, in whole INT8
+ * blocks (the rest wait in their slots), with their blocks taken; as
+ * list_victims_quantize in the step. Returns the blocks, or -1. */
+static long plan_victims(seq *s, demote_list *d)
+{
+    const seq_list *ly = d->ly;
+    uint32_t t8 = s->tier.l8.block_tokens;
+    size_t m = 0, noff = ly->noffloaded;
+    if (t8 == 0 || noff < t8)
+        return 0;
+    d->vidx = malloc(noff * sizeof *d->vidx);
+    if (d->vidx == NULL)
+        return -1;
+    for (size_t j = 0; j < noff; j++)
+        if (ly->offloaded_at[j].tier == POLICY_FULL)
+            d->vidx[m++] = (uint32_t)j;
+    size_t nq = m / t8;
+    if (nq == 0 || nq > s->pool->nfree)
+        return 0;
+    d->vdst = malloc(noff * sizeof *d->vdst);
+    d->vqb = malloc(nq * sizeof *d->vqb);
+    if (d->vdst == NULL || d->vqb == NULL)
+        return -1;
+    memcpy(d->vdst, ly->offloaded_at, noff * sizeof *d->vdst);
+    for (size_t b = 0; b < nq; b++)
+        pool_alloc_block(s->pool, &d->vqb[b]);
+    d->vm = nq * t8;
+    d->vnq = nq;
+    return (long)nq;
 }
 
 /* Choose list d's tokens to demote, tier by tier, and take their blocks
@@ -96,7 +137,8 @@ static long plan_list(seq *s, uint32_t l, uint32_t k, demote_list *d)
         at += d->m[q];
         taken += nq;
     }
-    return (long)taken;
+    long vt = plan_victims(s, d);
+    return vt < 0 ? -1 : (long)taken + vt;
 }
 
 status_code seq_demote_plan(seq *s, uint64_t epoch, seq_demote_job **out, status *st)
@@ -146,6 +188,9 @@ int seq_demote_fill(seq_demote_job *j)
             at += d->m[q];
             b += d->nq[q];
         }
+        if (d->vm > 0 && seq_quantize_into(j->s, POLICY_INT8, d->vdst, d->vidx, d->vm, d->vqb,
+                                           d->vnq, &d->vratio) != 0)
+            return -1;
     }
     return 0;
 }
@@ -162,9 +207,19 @@ static int publish_list(seq *s, demote_list *d, uint64_t epoch)
         return -1;
     }
     size_t nb = list_block_ids(ly, d->tok, d->n, 1, before);
+    int rc = d->vnq > 0 ? seq_grow((void **)&ly->victim_blocks, &ly->victim_blocks_cap,
+                                   ly->nvictim_blocks + d->vnq, sizeof *ly->victim_blocks)
+                        : 0;
+    if (rc == 0 && d->vnq > 0) {
+        memcpy(ly->offloaded_at, d->vdst, ly->noffloaded * sizeof *ly->offloaded_at);
+        memcpy(ly->victim_blocks + ly->nvictim_blocks, d->vqb, d->vnq * sizeof *d->vqb);
+        ly->nvictim_blocks += d->vnq;
+        seq_moved(s, POLICY_INT8, d->vm);
+    }
     /* The step compacted before the demotion left its holes: as in the
      * step's own order (list_apply), the survivors are compacted after. */
-    int rc = list_compact(s, ly, d->dst, d->n);
+    if (rc == 0)
+        rc = list_compact(s, ly, d->dst, d->n);
     if (rc == 0)
         rc = list_encode(ly, d->dst, d->n);
     if (rc == 0)
@@ -198,10 +253,14 @@ status_code seq_demote_finish(seq_demote_job *j, int fill_rc, status *st)
         job_free(j);
         return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
     }
-    for (size_t i = 0; i < j->nlists; i++)
+    for (size_t i = 0; i < j->nlists; i++) {
+        const demote_list *d = &j->lists[i];
         for (size_t q = 0; q < DEMOTE_TIERS; q++)
-            if (j->lists[i].m[q] > 0 && j->lists[i].ratio[q] >= 0)
-                snapshot_tiers_observe(&s->report, demote_tiers[q], j->lists[i].ratio[q]);
+            if (d->m[q] > 0 && d->ratio[q] >= 0)
+                snapshot_tiers_observe(&s->report, demote_tiers[q], d->ratio[q]);
+        if (d->vm > 0 && d->vratio >= 0)
+            snapshot_tiers_observe(&s->report, POLICY_INT8, d->vratio);
+    }
     job_free(j);
     return ST_OK;
 }

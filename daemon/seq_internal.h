@@ -82,7 +82,7 @@ typedef struct seq {
     seq_txn txn;
     size_t sketch_reserved; /* daemon memory the store reserved for the sketches (seq.h) */
     int demote_after_step;  /* seq.h seq_set_demote_after_step */
-    int stepping;           /* inside seq_run_policy: a step, not an operator's move */
+    int stepping;           /* inside seq_step (not an Append's step, nor an operator's move) */
 } seq;
 
 static inline size_t seq_nlists(const seq *s)

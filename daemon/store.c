@@ -347,11 +347,11 @@ static int copy_unlocked(store *st, uint64_t seq_id, int (*copy)(void *), void *
     return rc;
 }
 
-/* Lock held: quantise what q's step (or append) left due, the lock let go
- * meanwhile (seq.h seq_demote_plan). epoch0 is q's epoch before the call:
- * a call that changed the tables published an epoch the worker has not
- * seen yet, which the demotion shares; else it takes the next. A demotion
- * that cannot run is due again at the next step: the call still succeeds. */
+/* Lock held: quantise what q's step left due, the lock let go meanwhile
+ * (seq.h seq_demote_plan). epoch0 is q's epoch before the step: a step
+ * that changed the tables published an epoch the worker has not seen yet,
+ * which the demotion shares; else it takes the next. A demotion that cannot
+ * run waits for the next step: the step still succeeds. */
 static int demote_fill(void *job)
 {
     return seq_demote_fill(job);
@@ -1433,10 +1433,8 @@ status_code store_append_within(store *st, const char *token, uint64_t seq_id, i
     }
     if (rc == ST_OK) {
         uint32_t first = (uint32_t)seq_appended(q);
-        uint64_t dropped = seq_victims_dropped(q), epoch0 = seq_epoch(q);
+        uint64_t dropped = seq_victims_dropped(q);
         rc = seq_append(q, count, segs, nsegs, &writes->evicted, s);
-        if (rc == ST_OK)
-            demote_due(st, q, epoch0);
         if (seq_victims_dropped(q) != dropped)
             log_warn("victims_dropped",
                      "seq=%llu tokens=%llu reason=pool-pressure pool=%llu free=%u",

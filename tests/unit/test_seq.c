@@ -822,6 +822,17 @@ static void test_int8_demotion(void **state)
     fx_close(&f);
 }
 
+/* seq_step without statistics (full, streaming need none): the step an
+ * Append would end, ended now; it must succeed. */
+static void step_silent(fx *f)
+{
+    status st;
+    uint32_t evicted;
+    seq_step_input in = {.confidence = -1.0};
+    if (seq_step(f->s, &in, &evicted, &st) != ST_OK)
+        fail_msg("seq_step: %s", st.msg);
+}
+
 /* Sequences a and b hold the same: epoch, tokens and bytes by tier,
  * moves, retired blocks (with their epochs), and per list the positions,
  * tiers and values, bit for bit (where the blocks lie may differ). */
@@ -855,8 +866,8 @@ static void assert_same_seq(fx *a, fx *b)
 }
 
 /*
- * seq_set_demote_after_step (issue 16 §3): the steps of test_int8_demotion
- * quantise nothing; the demotion each leaves due runs in parts (blocks
+ * seq_set_demote_after_step (issue 16 §3): steps (seq_step) over the tokens
+ * of test_int8_demotion quantise nothing; the demotion each leaves due runs in parts (blocks
  * others take between plan and fill change nothing it writes), and then
  * the sequence holds exactly what the same steps give when they demote
  * themselves. A failed fill leaves the pool's free stack as it was and the
@@ -872,11 +883,11 @@ static void test_demotion_after_step(void **state)
     status st;
     seq_demote_job *job;
     for (int round = 0; round < 2; round++) {
-        int64_t n = round == 0 ? 20 : 7;
+        int64_t n = round == 0 ? 21 : 8;
         append(&in, n);
-        append(&in, 1); /* the step of the n ends here */
+        step_silent(&in);
         append(&f, n);
-        assert_int_equal(append(&f, 1), 0);
+        step_silent(&f);
         uint64_t tokens[POLICY_TIERS], bytes[POLICY_TIERS];
         seq_tier_usage(f.s, tokens, bytes);
         assert_int_equal(tokens[POLICY_INT8], (uint64_t)2 * 12 * round);
@@ -1032,11 +1043,12 @@ static void test_operator_evict_requantizes(void **state)
 
 /* Read what a Revive rebuilt (full precision, list layout, in the caller's
  * blocks) and check it against the values written for its positions. */
-static void check_revived(fx *f, uint32_t l, uint32_t k, const seq_revived *out)
+/* A Revive's scratch read back (read_tokens); NULL when it has no token. */
+static float *revived_values(fx *f, const seq_revived *out)
 {
     assert_int_equal(kv_segments_tokens(out->segs, out->nsegs), out->ntokens);
     if (out->ntokens == 0)
-        return;
+        return NULL;
     tier_token *tok = malloc(out->ntokens * sizeof *tok);
     assert_non_null(tok);
     size_t t = 0;
@@ -1044,9 +1056,16 @@ static void check_revived(fx *f, uint32_t l, uint32_t k, const seq_revived *out)
         for (uint32_t j = 0; j < out->segs[i].count; j++)
             tok[t++] = (tier_token){out->segs[i].block, out->segs[i].first_slot + j, POLICY_FULL};
     float *kv = read_tokens(f, tok, out->ntokens);
-    check_values(f, l, k, kv, out->positions, out->src_tier, out->ntokens, 1);
-    free(kv);
     free(tok);
+    return kv;
+}
+
+static void check_revived(fx *f, uint32_t l, uint32_t k, const seq_revived *out)
+{
+    float *kv = revived_values(f, out);
+    if (kv != NULL)
+        check_values(f, l, k, kv, out->positions, out->src_tier, out->ntokens, 1);
+    free(kv);
 }
 
 static void revived_free(fx *f, seq_revived *out)
@@ -1265,6 +1284,47 @@ static void test_revive_int8_victims_and_destroy(void **state)
     pool_destroy(f.p);
 }
 
+/*
+ * victims=int8 with seq_set_demote_after_step: steps (seq_step) leave their
+ * victims at full precision and seq_demote_due quantises them after each
+ * (test_revive_int8_victims_and_destroy's 30 tokens, a step after each); after every one the
+ * sequence holds what the steps give when they quantise themselves, and a
+ * Revive of all positions reads the same values, bit for bit.
+ */
+static void test_int8_victims_after_step(void **state)
+{
+    const char *const kv[] = {"n_sink", "0", "window", "4", "victims", "int8"};
+    fx in, f;
+    fx_open(&in, backend_of(state), 64, "streaming", kv, 3);
+    fx_open(&f, backend_of(state), 64, "streaming", kv, 3);
+    seq_set_demote_after_step(f.s, 1);
+    status st;
+    for (int i = 0; i < 30; i++) {
+        append(&in, 1);
+        step_silent(&in);
+        append(&f, 1);
+        step_silent(&f);
+        assert_int_equal(seq_demote_due(f.s, seq_epoch(f.s), &st), ST_OK);
+        assert_same_seq(&in, &f);
+    }
+    uint64_t tokens[POLICY_TIERS], bytes[POLICY_TIERS];
+    seq_tier_usage(f.s, tokens, bytes);
+    assert_int_equal(tokens[POLICY_INT8], 2 * 24);
+    seq_revived a, b;
+    revive_ok(&in, (seq_revive_request){1, 0, 0, 0, 0}, &a);
+    revive_ok(&f, (seq_revive_request){1, 0, 0, 0, 0}, &b);
+    assert_int_equal(a.ntokens, 30);
+    assert_int_equal(b.ntokens, 30);
+    assert_memory_equal(a.src_tier, b.src_tier, 30);
+    float *va = revived_values(&in, &a), *vb = revived_values(&f, &b);
+    assert_memory_equal(va, vb, 30 * tier_token_bytes(&f.tier));
+    free(va), free(vb);
+    revived_free(&in, &a);
+    revived_free(&f, &b);
+    fx_close(&in);
+    fx_close(&f);
+}
+
 /* A test again on the shadow backend, named so. */
 #define ON_SHADOW(f)                                                                               \
     {                                                                                              \
@@ -1301,6 +1361,8 @@ int main(void)
         ON_SHADOW(test_revive_in_parts),
         cmocka_unit_test(test_revive_int8_victims_and_destroy),
         ON_SHADOW(test_revive_int8_victims_and_destroy),
+        cmocka_unit_test(test_int8_victims_after_step),
+        ON_SHADOW(test_int8_victims_after_step),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
