@@ -347,16 +347,16 @@ static int copy_unlocked(store *st, uint64_t seq_id, int (*copy)(void *), void *
     return rc;
 }
 
-/* Lock held: quantise what q's step left due, the lock let go meanwhile
- * (seq.h seq_demote_plan). epoch0 is q's epoch before the step: a step
- * that changed the tables published an epoch the worker has not seen yet,
- * which the demotion shares; else it takes the next. A demotion that cannot
- * run waits for the next step: the step still succeeds. */
 static int demote_fill(void *job)
 {
     return seq_demote_fill(job);
 }
 
+/* Lock held: quantise what q's step left due, the lock let go meanwhile
+ * (seq.h seq_demote_plan). epoch0 is q's epoch before the step: a step
+ * that changed the tables published an epoch the worker has not seen yet,
+ * which the demotion shares; else it takes the next. A demotion that cannot
+ * run waits for the next step: the step still succeeds. */
 static void demote_due(store *st, seq *q, uint64_t epoch0)
 {
     uint64_t epoch = seq_epoch(q) > epoch0 ? seq_epoch(q) : seq_epoch(q) + 1;
