@@ -26,6 +26,10 @@ static void usage(FILE *f)
             "  seq show ID         one sequence: per layer, a map of which positions are\n"
             "                      full / int8 / int4 / int2 / sketch / evicted, and its\n"
             "                      epochs\n"
+            "  seq export ID       write a sequence to the remote tier (kvstashd --remote);\n"
+            "                      prints the uid another kvstashd imports\n"
+            "  seq import UID --session ID\n"
+            "                      rebuild an export as a worker session's sequence\n"
             "  policy list         the policies, their statistics, parameters and defaults\n"
             "  evict ID POSITIONS  drop positions from a sequence by hand (for debugging)\n"
             "  demote, offload, revive ID POSITIONS\n"
@@ -131,6 +135,32 @@ static void print_backend(const Kvstash__V1__StatsResponse *st)
                st->quarantined_sessions, st->quarantined_blocks);
 }
 
+/* The remote tier (kvstashd --remote), as kvstashd last saw it; nothing
+ * without one. */
+static void print_remote(const Kvstash__V1__StatsResponse *st)
+{
+    const Kvstash__V1__RemoteTierStats *r = st->remote;
+    if (r == NULL)
+        return;
+    char b1[32], b2[32], age[32];
+    printf("remote: %s %s, namespace %s: %s, %u of %u nodes up, %u of 16384 slots\n",
+           r->backend[0] ? r->backend : "(not connected)", r->seeds, r->key_namespace,
+           r->healthy ? "healthy" : "UNHEALTHY", r->nodes_up, r->nodes, r->slots_covered);
+    if (r->last_ok_age_ms < 0)
+        snprintf(age, sizeof age, "never");
+    else {
+        cli_duration((uint64_t)r->last_ok_age_ms, age, sizeof age - 4);
+        strcat(age, " ago");
+    }
+    printf("  %" PRIu64 " calls, %" PRIu64 " failed (%" PRIu64 " timeouts), %" PRIu64
+           " redirects, %" PRIu64 " topology reloads; %s written, %s read; last ok %s\n",
+           r->calls, r->errors, r->timeouts, r->redirects, r->refreshes,
+           cli_bytes(r->bytes_written, b1, sizeof b1), cli_bytes(r->bytes_read, b2, sizeof b2),
+           age);
+    if (!r->healthy && r->last_error[0] != '\0')
+        printf("  last error: %s\n", r->last_error);
+}
+
 static void print_status(const Kvstash__V1__StatsResponse *st)
 {
     char b1[32];
@@ -153,6 +183,7 @@ static void print_status(const Kvstash__V1__StatsResponse *st)
      * workers stuck between HELLO and Attach (kvstashd --pending-timeout-ms). */
     printf("pending workers: %u (connected, not attached yet)\n", st->pending_sessions);
     print_limits(st);
+    print_remote(st);
 }
 
 static int cmd_status(cli *c, int always_json)
@@ -162,7 +193,8 @@ static int cmd_status(cli *c, int always_json)
         "  kvstashd's version, pid, uptime and backend (device, IPC kind), whether it is\n"
         "  serving, its lease-end mode and quarantined blocks, its policies, each pool\n"
         "  (geometry, blocks total/free/used/retired/quarantined, memory) and\n"
-        "  held tokens and bytes by tier. --json prints the whole Stats reply (with\n"
+        "  held tokens and bytes by tier, and the remote tier's health (kvstashd\n"
+        "  --remote). --json prints the whole Stats reply (with\n"
         "  workers and sequences); `kvstash stats` is the same as status --json.\n";
     int rc = cli_parse(c, NULL, 0, NULL, 0, 0, NULL, help);
     if (rc != CLI_OK)

@@ -94,6 +94,11 @@ int cli_token(const cli *c, int *fd, char token[33]); /* FDSOCK_TOKEN_LEN + 1 */
 int cli_call_view(const cli *c, const char *method, const ProtobufCMessage *req,
                   const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp);
 
+/* cli_call with a session token from cli_token, so that kvstashd knows our
+ * uid (an operator's acts on any session's sequences). */
+int cli_call_as_us(const cli *c, const char *method, const ProtobufCMessage *req,
+                   const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp);
+
 /* Stats (with per-sequence tiers when with_tiers); errors as cli_call. */
 int cli_stats(const cli *c, int with_tiers, Kvstash__V1__StatsResponse **out);
 

@@ -227,6 +227,10 @@ int cli_call(const cli *c, const char *method, const char *token, const Protobuf
     case KVS_OK:
         return CLI_OK;
     case KVS_ERR_UNAVAILABLE:
+        /* kvstashd answered, for its remote store (kvstashd --remote): it is
+         * the cluster that does not. */
+        if (strncmp(err, "remote tier: ", 13) == 0)
+            return cli_fail(CLI_ERROR, "%s refused: %s", method, err);
         return cli_fail(CLI_UNREACHABLE, "kvstashd at %s did not answer %s: %s",
                         c->addr != NULL ? c->addr : c->socket, method, err);
     case KVS_ERR_NOT_FOUND:
@@ -263,6 +267,12 @@ int cli_call_view(const cli *c, const char *method, const ProtobufCMessage *req,
      * handshake (and its place under --max-sessions). */
     if (stat(c->socket, &st) != 0 || st.st_uid == geteuid())
         return cli_call(c, method, NULL, req, desc, resp);
+    return cli_call_as_us(c, method, req, desc, resp);
+}
+
+int cli_call_as_us(const cli *c, const char *method, const ProtobufCMessage *req,
+                   const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp)
+{
     int fd = -1;
     char token[FDSOCK_TOKEN_LEN + 1];
     *resp = NULL;

@@ -193,19 +193,107 @@ static int cmd_show(cli *c)
     return rc;
 }
 
+static int cmd_export(cli *c)
+{
+    static const char help[] =
+        "usage: kvstash seq export ID [--json] [--socket PATH]\n"
+        "  Write sequence ID to kvstashd's remote tier (kvstashd --remote: a Redis\n"
+        "  Cluster; docs/remote.md) and print the uid that names the export: another\n"
+        "  kvstashd on the same cluster and namespace imports it (kvstash seq import)\n"
+        "  for a worker there to continue decoding. The sequence stays here: release it\n"
+        "  to move it. Sequences of full, streaming and tova move for now (other\n"
+        "  policies keep state that export does not carry yet).\n"
+        "  --json: the ExportSequence reply (uid, bytes, values, blocks, tokens, ttl_s).\n";
+    const char *pos[1];
+    int rc = cli_parse(c, NULL, 0, pos, 1, 1, NULL, help);
+    if (rc != CLI_OK)
+        return rc < 0 ? CLI_OK : rc;
+    uint64_t id;
+    if ((rc = parse_seq_id(c, pos[0], &id)) != CLI_OK)
+        return rc;
+    Kvstash__V1__ExportSequenceRequest req = KVSTASH__V1__EXPORT_SEQUENCE_REQUEST__INIT;
+    req.seq_id = id;
+    Kvstash__V1__ExportSequenceResponse *r;
+    if ((rc = cli_call_as_us(c, "ExportSequence", &req.base,
+                             &kvstash__v1__export_sequence_response__descriptor,
+                             (ProtobufCMessage **)&r)) != CLI_OK)
+        return rc;
+    char b1[32];
+    if (c->json)
+        rc = cli_print_message(&r->base, 1);
+    else
+        printf("%s\nexported sequence %" PRIu64 ": %" PRIu64 " tokens in %u blocks, %s in %u "
+               "values under %s, for %u s\n",
+               r->uid, id, r->tokens, r->blocks, cli_bytes(r->bytes, b1, sizeof b1), r->values,
+               r->key_prefix, r->ttl_s);
+    protobuf_c_message_free_unpacked(&r->base, NULL);
+    return rc;
+}
+
+static int cmd_import(cli *c)
+{
+    static const char help[] =
+        "usage: kvstash seq import UID --session ID [--json] [--socket PATH]\n"
+        "  Rebuild the export UID (kvstash seq export on another kvstashd) from the\n"
+        "  remote tier as a sequence of worker session ID (kvstash workers), whose pool\n"
+        "  must have the export's geometry and tenant; an operator's uid may import\n"
+        "  into any session. Prints the new sequence's id. Workers import their own\n"
+        "  with kvs_seq_import.\n"
+        "  --json: the ImportSequence reply (seq_id, epoch, appended, policy, params).\n";
+    const char *pos[1], *session = NULL;
+    const cli_opt opts[] = {{"session", 1, &session, NULL, NULL, NULL}};
+    int rc = cli_parse(c, opts, 1, pos, 1, 1, NULL, help);
+    if (rc != CLI_OK)
+        return rc < 0 ? CLI_OK : rc;
+    uint64_t sid;
+    if (session == NULL || cli_uint(session, UINT64_MAX, &sid) != 0 || sid == 0)
+        return cli_fail(CLI_USAGE,
+                        "seq import: --session wants the worker session to import into "
+                        "(kvstash workers lists them), got '%s'",
+                        session != NULL ? session : "nothing");
+    Kvstash__V1__ImportSequenceRequest req = KVSTASH__V1__IMPORT_SEQUENCE_REQUEST__INIT;
+    req.uid = (char *)pos[0];
+    req.session_id = sid;
+    Kvstash__V1__ImportSequenceResponse *r;
+    if ((rc = cli_call_as_us(c, "ImportSequence", &req.base,
+                             &kvstash__v1__import_sequence_response__descriptor,
+                             (ProtobufCMessage **)&r)) != CLI_OK)
+        return rc;
+    char b1[32];
+    if (c->json)
+        rc = cli_print_message(&r->base, 1);
+    else
+        printf("imported %s as sequence %" PRIu64 " of session %" PRIu64 ": policy %s, %" PRIu64
+               " tokens appended, %u blocks, %s read\n",
+               pos[0], r->seq_id, sid, r->policy, r->appended, r->blocks,
+               cli_bytes(r->bytes, b1, sizeof b1));
+    protobuf_c_message_free_unpacked(&r->base, NULL);
+    return rc;
+}
+
 int cli_cmd_seq(cli *c)
 {
-    static const char help[] = "usage: kvstash seq show ID [--json] (kvstash seq show --help)\n";
-    if (c->argc > 0 && strcmp(c->argv[0], "show") == 0) {
-        c->cmd = "seq show";
-        c->argc--;
-        c->argv++;
-        return cmd_show(c);
-    }
+    static const char help[] = "usage: kvstash seq show ID | export ID | import UID --session ID\n"
+                               "  (kvstash seq SUBCOMMAND --help)\n";
+    static const struct {
+        const char *name, *cmd;
+        int (*run)(cli *c);
+    } subs[] = {{"show", "seq show", cmd_show},
+                {"export", "seq export", cmd_export},
+                {"import", "seq import", cmd_import}};
+    for (size_t i = 0; c->argc > 0 && i < sizeof subs / sizeof subs[0]; i++)
+        if (strcmp(c->argv[0], subs[i].name) == 0) {
+            c->cmd = subs[i].cmd;
+            c->argc--;
+            c->argv++;
+            return subs[i].run(c);
+        }
     int rc = cli_parse(c, NULL, 0, NULL, 0, 0, NULL, help);
     if (rc != CLI_OK)
         return rc < 0 ? CLI_OK : rc;
-    return cli_fail(CLI_USAGE, "seq wants a subcommand: show ID (try kvstash seq --help)");
+    return cli_fail(CLI_USAGE,
+                    "seq wants a subcommand: show ID, export ID or import UID --session ID (try "
+                    "kvstash seq --help)");
 }
 
 /* ---- positions and layers ------------------------------------------------------- */
@@ -399,21 +487,16 @@ int cli_cmd_evict(cli *c, const char *name)
     }
     for (size_t i = 0; i < t.nranges; i++)
         ptrs[i] = &t.ranges[i];
-    int fd = -1;
-    char token[FDSOCK_TOKEN_LEN + 1];
     Kvstash__V1__EvictResponse *r = NULL;
-    if ((rc = cli_token(c, &fd, token)) == CLI_OK) {
-        Kvstash__V1__EvictRequest req = KVSTASH__V1__EVICT_REQUEST__INIT;
-        req.seq_id = id;
-        req.ranges = ptrs;
-        req.n_ranges = t.nranges;
-        req.layers = t.layers;
-        req.n_layers = t.nlayers;
-        req.to = (char *)(t.to != NULL ? t.to : op->to);
-        rc = cli_call(c, "Evict", token, &req.base, &kvstash__v1__evict_response__descriptor,
-                      (ProtobufCMessage **)&r);
-        close(fd);
-    }
+    Kvstash__V1__EvictRequest req = KVSTASH__V1__EVICT_REQUEST__INIT;
+    req.seq_id = id;
+    req.ranges = ptrs;
+    req.n_ranges = t.nranges;
+    req.layers = t.layers;
+    req.n_layers = t.nlayers;
+    req.to = (char *)(t.to != NULL ? t.to : op->to);
+    rc = cli_call_as_us(c, "Evict", &req.base, &kvstash__v1__evict_response__descriptor,
+                        (ProtobufCMessage **)&r);
     if (rc == CLI_OK && c->json)
         rc = cli_print_message(&r->base, 1);
     else if (rc == CLI_OK)

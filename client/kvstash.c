@@ -694,6 +694,51 @@ int kvs_seq_create(kvs_session *s, const char *policy, const kvs_param *params, 
     return KVS_OK;
 }
 
+int kvs_seq_export(kvs_session *s, uint64_t seq_id, char uid[KVS_EXPORT_UID_LEN + 1])
+{
+    if (s == NULL)
+        return KVS_ERR_INVALID;
+    if (uid == NULL) {
+        fail(s, "kvs_seq_export: uid is required");
+        return KVS_ERR_INVALID;
+    }
+    Kvstash__V1__ExportSequenceRequest req = KVSTASH__V1__EXPORT_SEQUENCE_REQUEST__INIT;
+    req.seq_id = seq_id;
+    ProtobufCMessage *resp;
+    int rc = session_rpc(s, "ExportSequence", &req.base,
+                         &kvstash__v1__export_sequence_response__descriptor, &resp);
+    if (rc != KVS_OK)
+        return rc;
+    const Kvstash__V1__ExportSequenceResponse *r = (const void *)resp;
+    snprintf(uid, KVS_EXPORT_UID_LEN + 1, "%s", r->uid);
+    protobuf_c_message_free_unpacked(resp, NULL);
+    return KVS_OK;
+}
+
+int kvs_seq_import(kvs_session *s, const char *uid, uint64_t *seq_id, uint64_t *appended)
+{
+    if (s == NULL)
+        return KVS_ERR_INVALID;
+    if (uid == NULL || seq_id == NULL) {
+        fail(s, "kvs_seq_import: uid and seq_id are required");
+        return KVS_ERR_INVALID;
+    }
+    Kvstash__V1__ImportSequenceRequest req = KVSTASH__V1__IMPORT_SEQUENCE_REQUEST__INIT;
+    req.uid = (char *)uid;
+    ProtobufCMessage *resp;
+    int rc = session_rpc(s, "ImportSequence", &req.base,
+                         &kvstash__v1__import_sequence_response__descriptor, &resp);
+    if (rc != KVS_OK)
+        return rc;
+    const Kvstash__V1__ImportSequenceResponse *r = (const void *)resp;
+    *seq_id = r->seq_id;
+    if (appended != NULL)
+        *appended = r->appended;
+    epoch_seen(s, r->seq_id, r->epoch);
+    protobuf_c_message_free_unpacked(resp, NULL);
+    return KVS_OK;
+}
+
 int kvs_seq_release(kvs_session *s, uint64_t seq_id)
 {
     if (s == NULL)

@@ -155,6 +155,22 @@ int kvs_seq_create(kvs_session *s, const char *policy, const kvs_param *params, 
 
 int kvs_seq_release(kvs_session *s, uint64_t seq_id);
 
+/*
+ * Moving a sequence to another kvstashd through their shared remote tier
+ * (kvstashd --remote; docs/remote.md "Export and import").
+ * kvs_seq_export writes sequence seq_id to the remote tier and puts in uid
+ * the 32 hex digits that name the export; the sequence stays here (release
+ * it to move it). kvs_seq_import rebuilds an export in this session (a pool
+ * of the same geometry and tenant): *seq_id is the new sequence, read its
+ * table as any other, and *appended the tokens appended so far (the next
+ * token's position). KVS_ERR_PRECONDITION without a remote tier, for a
+ * policy export cannot carry yet, or for another geometry; KVS_ERR_NOT_FOUND
+ * for an unknown uid; the daemon's message says which (kvs_last_error).
+ */
+#define KVS_EXPORT_UID_LEN 32
+int kvs_seq_export(kvs_session *s, uint64_t seq_id, char uid[KVS_EXPORT_UID_LEN + 1]);
+int kvs_seq_import(kvs_session *s, const char *uid, uint64_t *seq_id, uint64_t *appended);
+
 /* How a segment is stored (store.proto LayerTable.tier). */
 typedef enum kvs_tier {
     KVS_TIER_FULL = 0,   /* slots of a pool block in the pool's dtype */

@@ -12,6 +12,7 @@
 
 #include "backend.h"
 #include "log.h"
+#include "remote_value.h"
 
 /* The longest socket path: a sockaddr_un's, less ".events" and its NUL. */
 #define CONFIG_SOCKET_MAX (sizeof(((struct sockaddr_un *)0)->sun_path) - 8)
@@ -91,6 +92,20 @@ static const config_option options[] = {
      "and revive any worker's sequences and see every sequence's label and parameters; "
      "other sessions act on and see only their own (default: root and kvstashd's uid; "
      "\"none\" for nobody)"},
+    {"remote", CONFIG_NODES, 0, 0,
+     "the remote tier (docs/remote.md): some nodes of a Redis Cluster as "
+     "host:port[,host:port...]; kvstashd finds the rest and keeps serving its local tiers "
+     "when the cluster is down (default none)"},
+    {"remote-namespace", CONFIG_NAME, 0, 0,
+     "the remote tier's key prefix for this deployment: daemons that share sequences share "
+     "it (default kvstash)"},
+    {"remote-ttl-s", CONFIG_COUNT, 0, 30u * 86400u,
+     "seconds a value written to the remote tier lives; 0 = until deleted (default 86400)"},
+    {"remote-timeout-ms", CONFIG_COUNT, 10, 600000,
+     "how long the remote tier waits for one node's answer (default 500)"},
+    {"remote-probe-ms", CONFIG_COUNT, 0, 3600000,
+     "how often the remote tier asks every node whether it answers, for Stats, /metrics and "
+     "/healthz; 0 = never (default 5000)"},
     {"tls-cert", CONFIG_FILE, 0, 0,
      "PEM certificate chain that --listen presents: with tls-key and tls-client-ca, TCP "
      "speaks only TLS and is allowed beyond loopback (default none)"},
@@ -129,6 +144,10 @@ void config_defaults(daemon_config *c)
     snprintf(c->cuda_device, sizeof c->cuda_device, "0");
     snprintf(c->cuda_ipc, sizeof c->cuda_ipc, "auto");
     snprintf(c->lease_end, sizeof c->lease_end, "auto");
+    snprintf(c->remote_namespace, sizeof c->remote_namespace, "kvstash");
+    c->remote_ttl_s = 86400;
+    c->remote_timeout_ms = 500;
+    c->remote_probe_ms = 5000;
     c->operator_uids[c->n_operator_uids++] = 0;
     if (geteuid() != 0)
         c->operator_uids[c->n_operator_uids++] = geteuid();
@@ -179,6 +198,12 @@ static unsigned long *count_field(daemon_config *c, const char *key)
         return &c->max_pending;
     if (strcmp(key, "lease-timeout-ms") == 0)
         return &c->lease_timeout_ms;
+    if (strcmp(key, "remote-ttl-s") == 0)
+        return &c->remote_ttl_s;
+    if (strcmp(key, "remote-timeout-ms") == 0)
+        return &c->remote_timeout_ms;
+    if (strcmp(key, "remote-probe-ms") == 0)
+        return &c->remote_probe_ms;
     return &c->drain_ms;
 }
 
@@ -294,6 +319,34 @@ static int set_text(char *dst, size_t len, const char *key, const char *v, char 
     return 0;
 }
 
+/* "host:port[,host:port...]" with ports 1-65535 (whether the hosts answer
+ * is kvstashd's start's to find out), or "" / "off" for none. */
+static int set_nodes(char *dst, size_t len, const char *key, const char *v, char *err,
+                     size_t errlen)
+{
+    if (strcmp(v, "off") == 0)
+        v = "";
+    for (const char *p = v; *p != '\0';) {
+        const char *end = strchr(p, ',');
+        size_t n = end != NULL ? (size_t)(end - p) : strlen(p);
+        const char *colon = memrchr(p, ':', n);
+        char *pend = NULL;
+        unsigned long port = colon != NULL ? strtoul(colon + 1, &pend, 10) : 0;
+        if (colon == NULL || colon == p || colon + 1 == p + n || pend != p + n || port == 0 ||
+            port > 65535 || colon[1] == '-' || colon[1] == '+' || colon[1] == ' ') {
+            snprintf(err, errlen, "%s must be host:port[,host:port...], got '%.*s' in '%.64s'", key,
+                     (int)(n < 64 ? n : 64), p, v);
+            return -1;
+        }
+        p = end != NULL ? end + 1 : p + n;
+        if (end != NULL && *p == '\0') {
+            snprintf(err, errlen, "%s ends with a comma: '%.64s'", key, v);
+            return -1;
+        }
+    }
+    return set_text(dst, len, key, v, err, errlen);
+}
+
 int config_set(daemon_config *c, const char *key, const char *value, char *err, size_t errlen)
 {
     const config_option *o = find_option(key);
@@ -383,6 +436,16 @@ int config_set(daemon_config *c, const char *key, const char *value, char *err, 
         char *dst = file_field(c, o->key, &len);
         return set_text(dst, len, o->key, strcmp(value, "off") == 0 ? "" : value, err, errlen);
     }
+    case CONFIG_NODES:
+        return set_nodes(c->remote, sizeof c->remote, o->key, value, err, errlen);
+    case CONFIG_NAME:
+        if (!remote_name_valid(value, sizeof c->remote_namespace - 1)) {
+            snprintf(err, errlen, "%s must be 1 to %zu of A-Z a-z 0-9 _ . -, got '%.64s'", o->key,
+                     sizeof c->remote_namespace - 1, value);
+            return -1;
+        }
+        return set_text(c->remote_namespace, sizeof c->remote_namespace, o->key, value, err,
+                        errlen);
     }
     return -1;
 }
@@ -479,6 +542,12 @@ void config_print(const daemon_config *c, const char *source, FILE *f)
             fprintf(f, "%s = %s\n", key, file_field((daemon_config *)c, o->key, &len));
             break;
         }
+        case CONFIG_NODES:
+            fprintf(f, "%s = %s\n", key, c->remote);
+            break;
+        case CONFIG_NAME:
+            fprintf(f, "%s = %s\n", key, c->remote_namespace);
+            break;
         }
     }
 }

@@ -52,6 +52,12 @@ typedef struct daemon_config {
      * default root and the daemon's uid. */
     uid_t operator_uids[CONFIG_MAX_UIDS];
     size_t n_operator_uids;
+    /* The remote tier (remote_tier.h, docs/remote.md): some of the Redis
+     * Cluster's nodes ("" = none), the deployment's key namespace, the
+     * values' time to live, a node's timeout and the probes' period. */
+    char remote[192];
+    char remote_namespace[65];
+    unsigned long remote_ttl_s, remote_timeout_ms, remote_probe_ms;
     /* TLS on --listen (rpc.h rpc_tls): PEM paths, all three or none. */
     char tls_cert[PATH_MAX], tls_key[PATH_MAX], tls_client_ca[PATH_MAX];
 } daemon_config;
@@ -68,7 +74,9 @@ typedef enum config_kind {
     CONFIG_CUDA_IPC,    /* auto, vmm or legacy */
     CONFIG_LEASE_END,   /* auto, free or quarantine */
     CONFIG_UIDS,        /* a list of uids: "0,1000"; "" or "none" for none */
-    CONFIG_FILE         /* a file's path; "" or "off" for none */
+    CONFIG_FILE,        /* a file's path; "" or "off" for none */
+    CONFIG_NODES,       /* host:port[,host:port...]; "" or "off" for none */
+    CONFIG_NAME         /* 1-64 of A-Z a-z 0-9 _ . - */
 } config_kind;
 
 typedef struct config_option {

@@ -23,6 +23,7 @@
 #include "fdsock.h"
 #include "log.h"
 #include "metrics.h"
+#include "remote_tier.h"
 #include "rpc.h"
 #include "service.h"
 #include "store.h"
@@ -62,6 +63,8 @@ static void usage(FILE *out)
                           : opt[i].kind == CONFIG_CUDA_IPC    ? " auto|vmm|legacy"
                           : opt[i].kind == CONFIG_UIDS        ? " UID,..."
                           : opt[i].kind == CONFIG_FILE        ? " FILE"
+                          : opt[i].kind == CONFIG_NODES       ? " HOST:PORT,..."
+                          : opt[i].kind == CONFIG_NAME        ? " NAME"
                                                               : " N";
         fprintf(out, "  --%s%s\n", opt[i].key, arg);
         print_wrapped(out, opt[i].help);
@@ -256,8 +259,9 @@ typedef struct daemon_parts {
     events *events;
     fdsock *fdsock;
     rpc_server *rpc;
-    metrics *metrics;   /* NULL without --metrics */
-    const rpc_tls *tls; /* NULL: plain TCP (or none); read by main before start */
+    metrics *metrics;    /* NULL without --metrics */
+    remote_tier *remote; /* NULL without --remote */
+    const rpc_tls *tls;  /* NULL: plain TCP (or none); read by main before start */
 } daemon_parts;
 
 /* metrics_source: /metrics and /healthz read the store through these. */
@@ -269,6 +273,11 @@ static int source_snapshot(void *st, snapshot *out)
 static int source_serving(void *st)
 {
     return store_serving(st);
+}
+
+static void source_remote(void *st, remote_tier_status *out)
+{
+    store_remote_status(st, out);
 }
 
 /* Counters, and the HTTP endpoint, when --metrics asks for them. */
@@ -284,7 +293,7 @@ static int start_metrics(const daemon_config *o, daemon_parts *d)
         return -1;
     }
     store_set_metrics(d->store, d->metrics);
-    metrics_source source = {d->store, source_snapshot, source_serving};
+    metrics_source source = {d->store, source_snapshot, source_serving, source_remote};
     if (metrics_http_start(d->metrics, &source, o->metrics, o->metrics_allow_remote, &st) !=
         ST_OK) {
         log_error("start_failed", "what=metrics msg=\"%s\"", st.msg);
@@ -293,6 +302,26 @@ static int start_metrics(const daemon_config *o, daemon_parts *d)
     const char *colon = strrchr(o->metrics, ':');
     log_info("metrics_listening", "addr=%.*s:%u", (int)(colon - o->metrics), o->metrics,
              metrics_http_port(d->metrics));
+    return 0;
+}
+
+/* The remote tier, when --remote names a cluster: bad settings stop the
+ * start, a cluster that does not answer does not (remote_tier.h). */
+static int start_remote(const daemon_config *o, daemon_parts *d)
+{
+    if (o->remote[0] == '\0')
+        return 0;
+    remote_tier_config rc = {.seeds = o->remote,
+                             .ns = o->remote_namespace,
+                             .ttl_s = (uint32_t)o->remote_ttl_s,
+                             .timeout_ms = (uint32_t)o->remote_timeout_ms,
+                             .probe_ms = (uint32_t)o->remote_probe_ms};
+    status st;
+    if (remote_tier_open(&rc, &d->remote, &st) != ST_OK) {
+        log_error("start_failed", "what=remote msg=\"%s\"", st.msg);
+        return -1;
+    }
+    store_set_remote(d->store, d->remote);
     return 0;
 }
 
@@ -322,6 +351,8 @@ static int start(const daemon_config *o, daemon_parts *d)
         return -1;
     }
     store_set_operators(d->store, o->operator_uids, o->n_operator_uids);
+    if (start_remote(o, d) != 0)
+        return -1;
     if (start_metrics(o, d) != 0)
         return -1;
     snprintf(path, sizeof path, "%s.fd", o->socket);
@@ -355,6 +386,7 @@ static void stop(daemon_parts *d)
     fdsock_stop(d->fdsock);
     metrics_http_stop(d->metrics); /* a scrape reads the store */
     store_destroy(d->store);
+    remote_tier_close(d->remote);
     metrics_destroy(d->metrics);
     events_close(d->events);
 }

@@ -649,6 +649,53 @@ static void print_rpc(FILE *f, const metrics *m)
     }
 }
 
+/* The remote tier as last seen (a call, or the probe): only with --remote. */
+static void print_remote(FILE *f, const remote_tier_status *r)
+{
+    if (!r->configured)
+        return;
+    const remote_health *h = &r->health;
+    head(f, "kvstash_remote_healthy", "gauge",
+         "1 when the remote tier's last call or probe succeeded and every slot has a node; "
+         "kvstashd serves its local tiers either way.");
+    fprintf(f, "kvstash_remote_healthy %d\n", h->ok ? 1 : 0);
+    head(f, "kvstash_remote_nodes", "gauge",
+         "Masters of the remote cluster in the last topology (state=\"total\") and those "
+         "that answered last (state=\"up\").");
+    fprintf(f, "kvstash_remote_nodes{state=\"total\"} %u\nkvstash_remote_nodes{state=\"up\"} %u\n",
+            h->nodes, h->nodes_up);
+    head(f, "kvstash_remote_slots_covered", "gauge", "Slots of 16384 with a master.");
+    fprintf(f, "kvstash_remote_slots_covered %u\n", h->slots_covered);
+    head(f, "kvstash_remote_last_ok_age_seconds", "gauge",
+         "Seconds since a remote call or probe last succeeded (-1: never).");
+    if (r->last_ok_age_ms == UINT64_MAX)
+        fprintf(f, "kvstash_remote_last_ok_age_seconds -1\n");
+    else
+        fprintf(f, "kvstash_remote_last_ok_age_seconds %.3f\n", (double)r->last_ok_age_ms / 1e3);
+    const struct {
+        const char *name, *help;
+        uint64_t v;
+    } counters[] = {
+        {"kvstash_remote_calls_total", "Calls made to the remote store.", h->calls},
+        {"kvstash_remote_errors_total", "Remote calls that failed.", h->errors},
+        {"kvstash_remote_timeouts_total", "Remote calls that failed for a node's timeout.",
+         h->timeouts},
+        {"kvstash_remote_redirects_total", "MOVED and ASK answers followed.", h->redirects},
+        {"kvstash_remote_refreshes_total", "Reloads of the cluster's topology.", h->refreshes},
+        {"kvstash_remote_written_bytes_total", "Value bytes written to the remote store.",
+         h->bytes_written},
+        {"kvstash_remote_read_bytes_total", "Value bytes read from the remote store.",
+         h->bytes_read},
+        {"kvstash_remote_probes_total", "Probes of every node (--remote-probe-ms).", r->probes},
+        {"kvstash_remote_probe_failures_total", "Probes that found a node or slot missing.",
+         r->probe_failures},
+    };
+    for (size_t i = 0; i < sizeof counters / sizeof counters[0]; i++) {
+        head(f, counters[i].name, "counter", counters[i].help);
+        fprintf(f, "%s %llu\n", counters[i].name, (unsigned long long)counters[i].v);
+    }
+}
+
 char *metrics_render(metrics *m, const snapshot *s, size_t *len)
 {
     policy_gauges g;
@@ -659,6 +706,7 @@ char *metrics_render(metrics *m, const snapshot *s, size_t *len)
         print_store(f, m, s, &g);
         print_counters(f, m);
         print_rpc(f, m);
+        print_remote(f, &s->remote);
         if (fclose(f) != 0) {
             free(buf);
             buf = NULL;
@@ -694,6 +742,26 @@ static enum MHD_Result reply_text(struct MHD_Connection *c, unsigned code, const
                  "text/plain; charset=utf-8");
 }
 
+/* /healthz: serving or not, and the remote tier's line when there is one. */
+static enum MHD_Result reply_health(struct MHD_Connection *c, metrics *m)
+{
+    int serving = m->source.serving(m->source.ctx);
+    remote_tier_status r = {0};
+    if (m->source.remote != NULL)
+        m->source.remote(m->source.ctx, &r);
+    if (!r.configured)
+        return serving ? reply_text(c, 200, "serving\n") : reply_text(c, 503, "shutting down\n");
+    char *body = NULL;
+    int n = asprintf(&body, "%s\nremote: %s%s%s\n", serving ? "serving" : "shutting down",
+                     r.health.ok ? "healthy" : "unhealthy",
+                     r.health.ok || r.health.last_error[0] == '\0' ? "" : ": ",
+                     r.health.ok ? "" : r.health.last_error);
+    if (n < 0)
+        return reply_text(c, 500, "out of memory\n");
+    return reply(c, serving ? 200 : 503, body, (size_t)n, MHD_RESPMEM_MUST_FREE,
+                 "text/plain; charset=utf-8");
+}
+
 static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *url,
                               const char *method, const char *version, const char *upload,
                               size_t *upload_size, void **con_cls)
@@ -719,8 +787,7 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
                      "text/plain; version=0.0.4; charset=utf-8");
     }
     if (strcmp(url, "/healthz") == 0)
-        return m->source.serving(m->source.ctx) ? reply_text(c, 200, "serving\n")
-                                                : reply_text(c, 503, "shutting down\n");
+        return reply_health(c, m);
     return reply_text(c, 404, "kvstashd serves /metrics and /healthz\n");
 }
 

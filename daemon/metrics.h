@@ -105,19 +105,23 @@ char *metrics_render(metrics *m, const snapshot *s, size_t *len);
 
 /* Where the endpoint reads the store: a snapshot per scrape (0, or -1 when
  * out of memory; *out must be freeable with snapshot_free either way), and
- * whether it is serving, for /healthz. Called from the HTTP thread. */
+ * whether it is serving, and the remote tier's state (never waiting for the
+ * network; configured 0 without one), for /healthz. Called from the HTTP
+ * thread. */
 typedef struct metrics_source {
     void *ctx;
     int (*snapshot)(void *ctx, snapshot *out);
     int (*serving)(void *ctx);
+    void (*remote)(void *ctx, remote_tier_status *out);
 } metrics_source;
 
 /*
  * Serve GET /metrics (and GET /healthz: 200 "serving" or 503 "shutting
- * down") on `addr`, "HOST:PORT" with HOST an IPv4 address, "[IPv6]" or
- * "localhost"; PORT 0 picks a free port (metrics_http_port tells which).
- * A HOST that is not loopback is refused (INVALID_ARGUMENT) unless
- * allow_remote: the endpoint has no authentication and no TLS.
+ * down", then, with a remote tier, a line "remote: healthy" or "remote:
+ * unhealthy: <last error>": kvstashd serves its local tiers either way) on `addr`, "HOST:PORT" with
+ * HOST an IPv4 address, "[IPv6]" or "localhost"; PORT 0 picks a free port (metrics_http_port tells
+ * which). A HOST that is not loopback is refused (INVALID_ARGUMENT) unless allow_remote: the
+ * endpoint has no authentication and no TLS.
  */
 status_code metrics_http_start(metrics *m, const metrics_source *source, const char *addr,
                                int allow_remote, status *s);

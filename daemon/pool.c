@@ -121,6 +121,26 @@ void pool_destroy(pool *p)
     free(p);
 }
 
+int pool_read_blocks(const pool *p, const uint32_t *blocks, size_t n, uint8_t *host)
+{
+    const kv_ops *ops = p->backend->ops;
+    for (size_t i = 0; i < n; i++)
+        if (ops->copy(KV_DEVICE_TO_HOST, host + i * p->block_bytes,
+                      p->base + (size_t)blocks[i] * p->block_bytes, p->block_bytes) != 0)
+            return -1;
+    return 0;
+}
+
+int pool_write_blocks(pool *p, const uint32_t *blocks, size_t n, const uint8_t *host)
+{
+    const kv_ops *ops = p->backend->ops;
+    for (size_t i = 0; i < n; i++)
+        if (ops->copy(KV_HOST_TO_DEVICE, p->base + (size_t)blocks[i] * p->block_bytes,
+                      host + i * p->block_bytes, p->block_bytes) != 0)
+            return -1;
+    return 0;
+}
+
 status_code pool_share(const pool *p, backend_share *sh, status *st)
 {
     return p->backend->arena_share(&p->arena, sh, st);

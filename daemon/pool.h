@@ -116,6 +116,12 @@ void pool_release(pool *p);
 int pool_mark(pool *p, uint32_t block);
 void pool_unmark(pool *p, uint32_t block);
 
+/* Copy n blocks' whole bytes, blocks[i] to or from host[i * block_bytes],
+ * through the backend's memory operations (a sequence's export and
+ * import, seq.h seq_export). Returns 0, or -1 on a backend error. */
+int pool_read_blocks(const pool *p, const uint32_t *blocks, size_t n, uint8_t *host);
+int pool_write_blocks(pool *p, const uint32_t *blocks, size_t n, const uint8_t *host);
+
 /* Whether two geometries describe the same cache. */
 int pool_geometry_equal(const pool_geometry *a, const pool_geometry *b);
 

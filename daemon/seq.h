@@ -323,4 +323,68 @@ void seq_tier_report_clear(seq *s);
  * layout: proto/kvstash_step.h); (size_t)-1 when out of memory. */
 size_t seq_step_floats(seq *s, unsigned arrays);
 
+/*
+ * A sequence as plain data, to move it to another daemon (issue 17,
+ * docs/remote.md "Export and import"): everything seq_import needs to
+ * rebuild it in another pool of the same geometry, but the bytes of its
+ * blocks, which the caller copies. The export numbers the blocks it names
+ * 0 .. nblocks-1 (blocks[i] is this pool's id of export block i; a block
+ * belongs to one list and holds one tier); every tier_token and block
+ * index below is in that numbering. Retired blocks are not part of it
+ * (the worker's old tables are this daemon's business).
+ */
+typedef struct seq_export_list {
+    uint32_t ntokens;
+    uint32_t *positions; /* [ntokens] ascending: the host's list */
+    uint8_t *tiers;      /* [ntokens] the host's tiers (what the policy decided) */
+    float *attn;         /* [ntokens] demote_keep's attention; NULL when the policy has none */
+    tier_token *at;      /* [ntokens] where each is stored (block: export index) */
+    size_t nvictims;
+    uint32_t *victims;     /* [nvictims] offloaded positions, ascending */
+    tier_token *victim_at; /* [nvictims] where each is kept (block: export index) */
+    size_t nvictim_blocks;
+    uint32_t *victim_blocks; /* [nvictim_blocks] export indices, oldest first */
+    int has_tail;
+    uint32_t tail_block; /* export index */
+    uint32_t tail_next_slot;
+    uint8_t demote_due;
+} seq_export_list;
+
+typedef struct seq_export {
+    char policy[64];
+    policy_params params; /* resolved; keys point into the policy's static specs */
+    char label[129];
+    uint64_t appended;  /* tokens ever appended */
+    uint32_t unstepped; /* appended since the policy's last step */
+    uint64_t host_steps;
+    uint64_t moved[POLICY_TIERS], requantized, victims_dropped;
+    uint32_t layers, heads; /* lists: layers * heads, list (l, k) at l * heads + k */
+    seq_export_list *lists;
+    size_t nblocks;
+    uint32_t *blocks;     /* [nblocks] this pool's block ids */
+    uint8_t *block_tier;  /* [nblocks] the tier its slots hold */
+    uint32_t *block_list; /* [nblocks] the list it belongs to */
+} seq_export;
+
+/* Describe s (its lists, victims, tails, counters) into *out. Refuses
+ * with FAILED_PRECONDITION what it cannot carry yet: a policy that keeps
+ * state of its own (policy_ops.save: h2o, snapkv, ... ; full, streaming
+ * and tova keep none), tokens or victims in a sketch. RESOURCE_EXHAUSTED
+ * when out of memory. *out is the caller's: seq_export_free. */
+status_code seq_export_describe(seq *s, seq_export *out, status *st);
+void seq_export_free(seq_export *x);
+
+/*
+ * Rebuild a sequence on `pool` from x: a new sequence (seq_create with x's
+ * policy and parameters) whose lists, victims, tails and counters are x's,
+ * with export block i at pool block blocks[i] (taken by the caller from
+ * `pool`, their bytes already written; on success the sequence owns them,
+ * on failure the caller still does). Checks x against itself (positions
+ * ascending and below appended, every token's block of its list and tier,
+ * slots in range, no slot used twice) and the pool's geometry:
+ * INVALID_ARGUMENT naming what is wrong, nothing created. Epoch 1.
+ */
+status_code seq_import(uint64_t id, uint64_t session_id, pool *pool, const seq_export *x,
+                       const uint32_t *blocks, seq **out, status *st);
+
 #endif

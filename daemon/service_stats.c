@@ -81,6 +81,37 @@ static void session_stats(const snapshot_session *se, Kvstash__V1__SessionStats 
 }
 
 /* The limits and their use; sketch cells allocated over every pool. */
+/* The remote tier as last seen; NULL when there is none. */
+static Kvstash__V1__RemoteTierStats *remote_stats(snapshot *sn, Kvstash__V1__RemoteTierStats *out)
+{
+    remote_tier_status *r = &sn->remote;
+    if (!r->configured)
+        return NULL;
+    kvstash__v1__remote_tier_stats__init(out);
+    out->backend = r->backend;
+    out->seeds = r->seeds;
+    out->key_namespace = r->ns;
+    out->healthy = r->health.ok;
+    out->connected = r->connected;
+    out->nodes = r->health.nodes;
+    out->nodes_up = r->health.nodes_up;
+    out->slots_covered = r->health.slots_covered;
+    out->calls = r->health.calls;
+    out->errors = r->health.errors;
+    out->timeouts = r->health.timeouts;
+    out->redirects = r->health.redirects;
+    out->refreshes = r->health.refreshes;
+    out->bytes_written = r->health.bytes_written;
+    out->bytes_read = r->health.bytes_read;
+    out->probes = r->probes;
+    out->probe_failures = r->probe_failures;
+    out->last_error = r->health.last_error;
+    out->last_ok_age_ms = r->last_ok_age_ms == UINT64_MAX ? -1 : (int64_t)r->last_ok_age_ms;
+    out->ttl_s = r->ttl_s;
+    out->timeout_ms = r->timeout_ms;
+    return out;
+}
+
 static void limits_stats(const snapshot *sn, Kvstash__V1__Limits *out)
 {
     kvstash__v1__limits__init(out);
@@ -183,6 +214,7 @@ status_code service_stats(void *app, const char *token, const ProtobufCMessage *
     stats_buf b = {0};
     snapshot sn = {0};
     Kvstash__V1__Limits limits;
+    Kvstash__V1__RemoteTierStats remote;
     store_caller who; /* others' sessions and sequences are operators' to see */
     if (store_identify(app, token, &who, st) != ST_OK)
         return st->code;
@@ -204,6 +236,7 @@ status_code service_stats(void *app, const char *token, const ProtobufCMessage *
         out.pending_sessions = sn.pending;
         limits_stats(&sn, &limits);
         out.limits = &limits;
+        out.remote = remote_stats(&sn, &remote);
         fill_stats(&sn, &b, req->with_tiers, &out, tiers);
         for (size_t i = 0; i < npolicies; i++)
             b.policies[i] = pol[i]->name;

@@ -13,6 +13,7 @@
 
 #include "policy.h"
 #include "pool.h"
+#include "remote_tier.h"
 
 /* A pool. blocks_retired and tier_bytes (quantised tiers and the sketch;
  * the FULL entry stays 0) are summed over its sequences
@@ -72,6 +73,7 @@ typedef struct snapshot {
      * sequences reserved of it, the per-session quotas (0 = none). */
     uint64_t mem_limit, mem_reserved, max_reply;
     uint32_t session_max_seqs, session_max_blocks;
+    remote_tier_status remote; /* configured 0: no remote tier */
 } snapshot;
 
 /* Free a snapshot's arrays (store_snapshot fills it); safe on a zeroed one. */

@@ -24,6 +24,8 @@ const char *status_name(status_code code)
         return "UNKNOWN";
     case ST_INVALID_ARGUMENT:
         return "INVALID_ARGUMENT";
+    case ST_DEADLINE_EXCEEDED:
+        return "DEADLINE_EXCEEDED";
     case ST_NOT_FOUND:
         return "NOT_FOUND";
     case ST_ALREADY_EXISTS:
@@ -40,6 +42,8 @@ const char *status_name(status_code code)
         return "INTERNAL";
     case ST_UNAVAILABLE:
         return "UNAVAILABLE";
+    case ST_DATA_LOSS:
+        return "DATA_LOSS";
     case ST_UNAUTHENTICATED:
         return "UNAUTHENTICATED";
     }

@@ -15,6 +15,7 @@ typedef enum status_code {
     ST_CANCELLED = 1,
     ST_UNKNOWN = 2,
     ST_INVALID_ARGUMENT = 3,
+    ST_DEADLINE_EXCEEDED = 4,
     ST_NOT_FOUND = 5,
     ST_ALREADY_EXISTS = 6,
     ST_PERMISSION_DENIED = 7,
@@ -23,6 +24,7 @@ typedef enum status_code {
     ST_UNIMPLEMENTED = 12,
     ST_INTERNAL = 13,
     ST_UNAVAILABLE = 14,
+    ST_DATA_LOSS = 15,
     ST_UNAUTHENTICATED = 16,
 } status_code;
 

@@ -64,6 +64,16 @@ void store_set_metrics(store *st, struct metrics *m)
     st->metrics = m;
 }
 
+void store_set_remote(store *st, remote_tier *r)
+{
+    st->remote = r;
+}
+
+void store_remote_status(store *st, remote_tier_status *out)
+{
+    remote_tier_status_get(st->remote, out);
+}
+
 void store_set_operators(store *st, const uid_t *uids, size_t n)
 {
     st->noperators = 0;
@@ -237,8 +247,10 @@ int store_snapshot_for(store *st, const store_caller *who, snapshot *out)
     }
     if (rc == 0)
         rc = snapshot_copy_for(&st->snap, who, store_now_ms() - st->snap_ms, out);
-    if (rc == 0)
+    if (rc == 0) {
         out->events = events_count(st->events);
+        remote_tier_status_get(st->remote, &out->remote); /* never waits for the network */
+    }
     pthread_mutex_unlock(&st->snap_lock);
     return rc;
 }
@@ -313,7 +325,7 @@ static void lock_no_moves(store *st)
 
 /* Lock held: whether a Revive of seq_id may copy without the lock; if so,
  * the sequence is marked moving until move_end. */
-static int move_begin(store *st, uint64_t seq_id)
+int store_move_begin(store *st, uint64_t seq_id)
 {
     if (st->move_waiters > 0 || st->nmoving == STORE_MAX_MOVES)
         return 0;
@@ -322,7 +334,7 @@ static int move_begin(store *st, uint64_t seq_id)
 }
 
 /* Lock held: seq_id's copy is done; wake whoever waits for it. */
-static void move_end(store *st, uint64_t seq_id)
+void store_move_end(store *st, uint64_t seq_id)
 {
     for (size_t i = 0; i < st->nmoving; i++)
         if (st->moving[i] == seq_id) {
@@ -338,12 +350,12 @@ static void move_end(store *st, uint64_t seq_id)
  * returns the copy's result, the lock held again. */
 static int copy_unlocked(store *st, uint64_t seq_id, int (*copy)(void *), void *job)
 {
-    if (!move_begin(st, seq_id))
+    if (!store_move_begin(st, seq_id))
         return copy(job);
     store_unlock(st);
     int rc = copy(job);
     pthread_mutex_lock(&st->lock);
-    move_end(st, seq_id);
+    store_move_end(st, seq_id);
     return rc;
 }
 
@@ -422,8 +434,8 @@ static session *find_session_by_id(store *st, uint64_t id)
     return se;
 }
 
-static status_code need_session(store *st, const char *token, int attached, session **out,
-                                status *s)
+status_code store_need_session_locked(store *st, const char *token, int attached, session **out,
+                                      status *s)
 {
     *out = NULL;
     if (!st->serving)
@@ -1026,7 +1038,7 @@ status_code store_attach_tenant(store *st, const char *token, const char *tenant
     pthread_mutex_lock(&st->lock);
     session *se;
     pool *p = NULL;
-    status_code rc = need_session(st, token, 0, &se, s);
+    status_code rc = store_need_session_locked(st, token, 0, &se, s);
     if (rc == ST_OK && se->attached)
         rc = status_set(s, ST_FAILED_PRECONDITION,
                         "session %llu is already attached; a token attaches once",
@@ -1057,7 +1069,7 @@ status_code store_lease_begin(store *st, const char *token, uint64_t *session_id
 {
     pthread_mutex_lock(&st->lock);
     session *se;
-    status_code rc = need_session(st, token, 1, &se, s);
+    status_code rc = store_need_session_locked(st, token, 1, &se, s);
     if (rc == ST_OK && se->lease_open)
         rc = status_set(s, ST_FAILED_PRECONDITION, "session %llu already holds its lease",
                         (unsigned long long)se->id);
@@ -1083,7 +1095,7 @@ status_code store_detach(store *st, const char *token, uint32_t *released, statu
 {
     lock_no_moves(st);
     session *se;
-    status_code rc = need_session(st, token, 1, &se, s);
+    status_code rc = store_need_session_locked(st, token, 1, &se, s);
     if (rc == ST_OK) {
         *released = 0;
         for (size_t i = 0; i < st->nseqs; i++)
@@ -1144,8 +1156,8 @@ static uint64_t session_blocks(store *st, const session *se)
 
 /* RESOURCE_EXHAUSTED when `more` blocks would take se past
  * --session-max-blocks. */
-static status_code check_session_blocks(store *st, const session *se, uint64_t more,
-                                        const char *what, status *s)
+status_code store_check_session_blocks_locked(store *st, const session *se, uint64_t more,
+                                              const char *what, status *s)
 {
     uint32_t quota = st->cfg.session_max_blocks;
     if (quota == 0 || more == 0)
@@ -1307,28 +1319,11 @@ status_code store_seq_create(store *st, const char *token, const store_seq_reque
     pthread_mutex_lock(&st->lock);
     session *se;
     seq *q = NULL;
-    status_code rc = need_session(st, token, 1, &se, s);
-    if (rc == ST_OK && st->nseqs >= st->cfg.max_seqs)
-        rc = status_set(s, ST_RESOURCE_EXHAUSTED, "too many sequences (%u)", st->cfg.max_seqs);
-    if (rc == ST_OK && st->cfg.session_max_seqs != 0 && se->nseqs >= st->cfg.session_max_seqs)
-        rc = status_set(s, ST_RESOURCE_EXHAUSTED,
-                        "session %llu holds %u sequences, --session-max-seqs: release one, or "
-                        "raise it",
-                        (unsigned long long)se->id, se->nseqs);
-    if (rc == ST_OK && st->nseqs == st->seqs_cap) {
-        size_t cap = st->seqs_cap ? st->seqs_cap * 2 : 16;
-        seq **grown = realloc(st->seqs, cap * sizeof *grown);
-        if (grown == NULL)
-            rc = status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
-        else {
-            st->seqs = grown;
-            st->seqs_cap = cap;
-        }
-    }
+    status_code rc = store_need_session_locked(st, token, 1, &se, s);
+    if (rc == ST_OK)
+        rc = store_seq_room_locked(st, se, s);
     if (rc == ST_OK)
         rc = seq_create(st->next_seq_id, se->id, se->pool, ops, params, label, &q, s);
-    if (rc == ST_OK)
-        seq_set_demote_after_step(q, 1); /* its quantisation without the lock (demote_due) */
     /* A sequence whose own configuration fills sketches reserves their worst
      * case now, or is never seen (others reserve at an operator's offload). */
     if (rc == ST_OK && seq_sketches(q) && (rc = store_sketch_reserve_locked(st, q, s)) != ST_OK) {
@@ -1336,19 +1331,46 @@ status_code store_seq_create(store *st, const char *token, const store_seq_reque
         q = NULL;
     }
     if (rc == ST_OK) {
-        st->next_seq_id++;
-        st->seqs[st->nseqs++] = q;
-        se->nseqs++;
+        store_seq_add_locked(st, se, q, "seq.created");
         out->seq_id = seq_id_of(q);
         out->epoch = seq_epoch(q);
-        events_publish(st->events, "seq.created",
-                       json_pack("{sI sI ss}", "session", (json_int_t)se->id, "seq",
-                                 (json_int_t)seq_id_of(q), "policy", ops->name));
-        log_debug("seq_created", "session=%llu seq=%llu policy=%s", (unsigned long long)se->id,
-                  (unsigned long long)seq_id_of(q), ops->name);
     }
     store_unlock(st);
     return rc;
+}
+
+status_code store_seq_room_locked(store *st, const session *se, status *s)
+{
+    if (st->nseqs >= st->cfg.max_seqs)
+        return status_set(s, ST_RESOURCE_EXHAUSTED, "too many sequences (%u)", st->cfg.max_seqs);
+    if (st->cfg.session_max_seqs != 0 && se->nseqs >= st->cfg.session_max_seqs)
+        return status_set(s, ST_RESOURCE_EXHAUSTED,
+                          "session %llu holds %u sequences, --session-max-seqs: release one, or "
+                          "raise it",
+                          (unsigned long long)se->id, se->nseqs);
+    if (st->nseqs == st->seqs_cap) {
+        size_t cap = st->seqs_cap ? st->seqs_cap * 2 : 16;
+        seq **grown = realloc(st->seqs, cap * sizeof *grown);
+        if (grown == NULL)
+            return status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
+        st->seqs = grown;
+        st->seqs_cap = cap;
+    }
+    return ST_OK;
+}
+
+void store_seq_add_locked(store *st, session *se, seq *q, const char *event)
+{
+    seq_set_demote_after_step(q, 1); /* its quantisation without the lock (demote_due) */
+    if (seq_id_of(q) >= st->next_seq_id)
+        st->next_seq_id = seq_id_of(q) + 1;
+    st->seqs[st->nseqs++] = q;
+    se->nseqs++;
+    events_publish(st->events, event,
+                   json_pack("{sI sI ss}", "session", (json_int_t)se->id, "seq",
+                             (json_int_t)seq_id_of(q), "policy", seq_policy(q)->name));
+    log_debug("seq_created", "session=%llu seq=%llu policy=%s event=%s", (unsigned long long)se->id,
+              (unsigned long long)seq_id_of(q), seq_policy(q)->name, event);
 }
 
 /* Look up the caller's own sequence and ack its epoch; lock held. */
@@ -1357,7 +1379,7 @@ static status_code own_seq_acked(store *st, const char *token, uint64_t seq_id, 
 {
     session *se;
     size_t i = 0;
-    status_code rc = need_session(st, token, 1, &se, s);
+    status_code rc = store_need_session_locked(st, token, 1, &se, s);
     if (rc == ST_OK)
         rc = need_own_seq(st, se, seq_id, &i, s);
     if (rc == ST_OK) {
@@ -1401,7 +1423,7 @@ status_code store_append_within(store *st, const char *token, uint64_t seq_id, i
     store_lock_seq(st, seq_id);
     session *se;
     size_t i = 0;
-    status_code rc = need_session(st, token, 1, &se, s);
+    status_code rc = store_need_session_locked(st, token, 1, &se, s);
     if (rc == ST_OK)
         rc = need_own_seq(st, se, seq_id, &i, s);
     seq *q = rc == ST_OK ? st->seqs[i] : NULL;
@@ -1429,7 +1451,8 @@ status_code store_append_within(store *st, const char *token, uint64_t seq_id, i
     if (rc == ST_OK) {
         /* The ack first: the blocks it frees no longer count to the quota. */
         seq_ack(q, ack_epoch);
-        rc = check_session_blocks(st, se, seq_append_blocks(q, (uint32_t)count), "this Append", s);
+        rc = store_check_session_blocks_locked(st, se, seq_append_blocks(q, (uint32_t)count),
+                                               "this Append", s);
     }
     if (rc == ST_OK) {
         uint32_t first = (uint32_t)seq_appended(q);
@@ -1530,7 +1553,7 @@ status_code store_seq_release(store *st, const char *token, uint64_t seq_id, uin
     store_lock_seq(st, seq_id);
     session *se;
     size_t i = 0;
-    status_code rc = need_session(st, token, 1, &se, s);
+    status_code rc = store_need_session_locked(st, token, 1, &se, s);
     if (rc == ST_OK)
         rc = need_own_seq(st, se, seq_id, &i, s);
     if (rc == ST_OK) {
@@ -1644,7 +1667,8 @@ static status_code revive_plan(store *st, session *se, seq *q, const seq_revive_
     *job = NULL;
     if (check_revive_reply(st, q, req, s) != ST_OK || seq_revive_plan(q, req, job, s) != ST_OK)
         return s->code;
-    status_code rc = check_session_blocks(st, se, seq_revive_blocks(*job), "this Revive", s);
+    status_code rc =
+        store_check_session_blocks_locked(st, se, seq_revive_blocks(*job), "this Revive", s);
     if (rc != ST_OK) {
         seq_revived rv;
         seq_revive_finish(*job, -1, &rv, &(status){0}); /* the blocks back to the pool */
@@ -1702,7 +1726,7 @@ status_code store_revive(store *st, const char *token, uint64_t seq_id,
     store_scratch *sc = calloc(1, sizeof *sc);
     status_code rc = sc == NULL ? status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory") : ST_OK;
     if (rc == ST_OK)
-        rc = need_session(st, token, 1, &se, s);
+        rc = store_need_session_locked(st, token, 1, &se, s);
     if (rc == ST_OK)
         rc = need_own_seq(st, se, seq_id, &i, s);
     seq *q = rc == ST_OK ? st->seqs[i] : NULL;
@@ -1726,7 +1750,7 @@ status_code store_scratch_release(store *st, const char *token, uint64_t scratch
 {
     pthread_mutex_lock(&st->lock);
     session *se;
-    status_code rc = need_session(st, token, 1, &se, s);
+    status_code rc = store_need_session_locked(st, token, 1, &se, s);
     if (rc == ST_OK) {
         store_scratch **pp = &se->scratch;
         while (*pp != NULL && (*pp)->id != scratch_id)

@@ -121,6 +121,48 @@ store *store_create(const store_config *cfg, events *events);
  * anyone: the hooks read it without the lock. */
 void store_set_metrics(store *st, struct metrics *m);
 
+/* The remote tier (remote_tier.h; NULL = none), which main.c opens and
+ * closes after store_destroy. Only before the store serves anyone. */
+void store_set_remote(store *st, struct remote_tier *r);
+
+/*
+ * Export and import (docs/remote.md "Export and import"; the remote tier,
+ * store_set_remote). store_seq_export writes sequence seq_id (the caller's
+ * own, or any with an operator's uid) to the remote tier under a fresh
+ * uid: the sequence is marked moving while its blocks are copied (its own
+ * calls wait; no other sequence does), the remote writes run without the
+ * lock, the manifest last. store_seq_import reads uid's manifest and
+ * values (without the lock) and rebuilds the sequence in the session
+ * session_id (0: the caller's; another's needs an operator's uid), whose
+ * pool must have the export's geometry and tenant. Errors: those of
+ * seq_export_describe and seq_import, the remote tier's (remote_store.h),
+ * FAILED_PRECONDITION without a remote tier, NOT_FOUND for a uid without a
+ * manifest, DATA_LOSS for a missing or corrupt value, RESOURCE_EXHAUSTED
+ * for the pool's blocks or a quota.
+ */
+typedef struct store_export_result {
+    char uid[REMOTE_UID_LEN + 1];
+    char key_prefix[REMOTE_KEY_CAP];
+    uint64_t bytes, tokens;
+    uint32_t values, blocks, ttl_s;
+} store_export_result;
+
+typedef struct store_import_result {
+    uint64_t seq_id, epoch, appended, bytes;
+    uint32_t blocks;
+    const policy_ops *policy;
+    policy_params params;
+} store_import_result;
+
+status_code store_seq_export(store *st, const char *token, uint64_t seq_id,
+                             store_export_result *out, status *s);
+status_code store_seq_import(store *st, const char *token, const char *uid, uint64_t session_id,
+                             store_import_result *out, status *s);
+
+/* The remote tier as last seen (remote_tier_status_get): no lock, no wait
+ * for the network; configured 0 without one. */
+void store_remote_status(store *st, remote_tier_status *out);
+
 #define STORE_MAX_OPERATORS 16
 
 /* The uids whose sessions are operators' (kvstashd --operator-uids): they

@@ -79,6 +79,9 @@ struct store {
     /* Counters for /metrics (metrics.h); NULL = none. Set once before the
      * store serves anyone (main.c), never changed afterwards. */
     struct metrics *metrics;
+    /* The remote tier (store_set_remote); NULL = none. Set once before the
+     * store serves anyone. Its calls never run under the lock. */
+    remote_tier *remote;
     /* The operators' uids (store_set_operators): set before the store serves
      * anyone, read without the lock. */
     uid_t operators[STORE_MAX_OPERATORS];
@@ -120,6 +123,29 @@ session *store_find_session_id_locked(store *st, uint64_t id);
  * RESOURCE_EXHAUSTED naming the bytes needed, those left and
  * --max-daemon-mb when they do not fit. Released with q. */
 status_code store_sketch_reserve_locked(store *st, seq *q, status *s);
+
+/* Lock held: the session holding `token`, attached when `attached`
+ * (renewing its lease); UNAVAILABLE while shutting down, UNAUTHENTICATED,
+ * FAILED_PRECONDITION. */
+status_code store_need_session_locked(store *st, const char *token, int attached, session **out,
+                                      status *s);
+
+/* Lock held: RESOURCE_EXHAUSTED when `more` blocks would take se past
+ * --session-max-blocks (`what` names the call in the message). */
+status_code store_check_session_blocks_locked(store *st, const session *se, uint64_t more,
+                                              const char *what, status *s);
+
+/* Lock held: room for one more sequence of se (--max-seqs,
+ * --session-max-seqs, the array); then store_seq_add_locked adds q (made
+ * with id st->next_seq_id), publishing `event` ("seq.created"). */
+status_code store_seq_room_locked(store *st, const session *se, status *s);
+void store_seq_add_locked(store *st, session *se, seq *q, const char *event);
+
+/* Lock held: whether seq_id may copy without the lock; if so it is marked
+ * moving (its own calls and calls that end sessions wait) until
+ * store_move_end, which wakes them. */
+int store_move_begin(store *st, uint64_t seq_id);
+void store_move_end(store *st, uint64_t seq_id);
 
 /* Whether uid is an operator's (store_set_operators). */
 int store_is_operator(const store *st, uid_t uid);

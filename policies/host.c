@@ -257,6 +257,85 @@ int policy_host_append(policy_host *h, uint32_t n)
     return 0;
 }
 
+int policy_host_portable(const policy_host *h)
+{
+    return h->ops->save == NULL;
+}
+
+uint64_t policy_host_appended(const policy_host *h)
+{
+    return h->appended;
+}
+
+uint64_t policy_host_steps(const policy_host *h)
+{
+    return h->steps;
+}
+
+const float *policy_host_attn(const policy_host *h, uint32_t layer, uint32_t head)
+{
+    return h->layers[layer].lists[head].attn;
+}
+
+static int image_check(const policy_host_list_image *li, uint64_t appended, char *err,
+                       size_t errlen)
+{
+    for (uint32_t i = 0; i < li->tokens; i++) {
+        if (li->pos[i] >= appended || (i > 0 && li->pos[i] <= li->pos[i - 1])) {
+            snprintf(err, errlen, "position %u at %u is not ascending below %llu", li->pos[i], i,
+                     (unsigned long long)appended);
+            return -1;
+        }
+        if (li->tier[i] >= POLICY_TIERS || li->tier[i] == POLICY_EVICT) {
+            snprintf(err, errlen, "position %u has tier %u, not a stored tier", li->pos[i],
+                     li->tier[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+int policy_host_restore(policy_host *h, uint64_t appended, uint64_t steps,
+                        const policy_host_list_image *lists, char *err, size_t errlen)
+{
+    if (!policy_host_portable(h)) {
+        snprintf(err, errlen, "policy %s keeps state of its own: its lists alone do not restore it",
+                 h->ops->name);
+        return -1;
+    }
+    if (h->appended != 0 || h->txn || appended > UINT32_MAX) {
+        snprintf(err, errlen, "restore needs a fresh host and at most 2^32-1 tokens");
+        return -1;
+    }
+    size_t nlists = (size_t)h->geom.layers * h->heads;
+    for (size_t i = 0; i < nlists; i++) {
+        host_list *li = &h->layers[i / h->heads].lists[i % h->heads];
+        if (image_check(&lists[i], appended, err, errlen) != 0)
+            return -1;
+        if (list_reserve(li, lists[i].tokens, graded(h)) != 0) {
+            snprintf(err, errlen, "out of memory");
+            return -1; /* reserved lists stay empty: the host is as it was */
+        }
+    }
+    for (size_t i = 0; i < nlists; i++) {
+        host_list *li = &h->layers[i / h->heads].lists[i % h->heads];
+        const policy_host_list_image *im = &lists[i];
+        if (im->tokens > 0) {
+            memcpy(li->pos, im->pos, im->tokens * sizeof *li->pos);
+            memcpy(li->tier, im->tier, im->tokens);
+        }
+        if (li->attn != NULL)
+            for (uint32_t t = 0; t < im->tokens; t++)
+                li->attn[t] = im->attn != NULL ? im->attn[t] : 0.0f;
+        li->tokens = im->tokens;
+    }
+    for (uint32_t l = 0; l < h->geom.layers; l++)
+        h->layers[l].pending = 0;
+    h->appended = appended;
+    h->steps = steps;
+    return 0;
+}
+
 const policy_layer_view *policy_host_view(policy_host *h, uint32_t layer)
 {
     host_layer *ly = &h->layers[layer];

@@ -83,4 +83,36 @@ void policy_host_begin(policy_host *h);
 void policy_host_rollback(policy_host *h);
 void policy_host_end(policy_host *h); /* keep the changes, drop the saved copies */
 
+/*
+ * Moving a sequence to another daemon (issue 17): its host's counters and
+ * lists out of one host and into a fresh one of the same policy,
+ * parameters and geometry. Only policies whose step keeps no per-layer
+ * state of their own (ops->save NULL: their state is their parameters)
+ * can move this way; policy_host_portable says whether h's can.
+ */
+int policy_host_portable(const policy_host *h);
+uint64_t policy_host_appended(const policy_host *h);
+uint64_t policy_host_steps(const policy_host *h);
+/* demote_keep's attention of list (layer, head), parallel to its view;
+ * NULL when the storage options keep none. */
+const float *policy_host_attn(const policy_host *h, uint32_t layer, uint32_t head);
+
+/* One list as restore takes it: positions ascending and below appended,
+ * stored tiers (not EVICT), attention when the host keeps it (else
+ * ignored; NULL: zeros). */
+typedef struct policy_host_list_image {
+    uint32_t tokens;
+    const uint32_t *pos;
+    const uint8_t *tier;
+    const float *attn;
+} policy_host_list_image;
+
+/* Set a fresh host (nothing appended, no transaction open) to `appended`
+ * tokens, `steps` steps and lists[l * heads + k] for every layer l and
+ * list k. Returns 0, or -1 with err naming what is wrong (a host that is
+ * not portable or not fresh, a list out of order, a tier that is not
+ * stored, out of memory); the host is then as it was. */
+int policy_host_restore(policy_host *h, uint64_t appended, uint64_t steps,
+                        const policy_host_list_image *lists, char *err, size_t errlen);
+
 #endif

@@ -380,6 +380,85 @@ int cache_seq_begin(llm_cache *c, const char *label)
     return 0;
 }
 
+/* The policy the daemon's Stats name for the open sequence, into out
+ * (empty when Stats did not answer). */
+static void seq_policy(llm_cache *c, char *out, size_t len)
+{
+    out[0] = '\0';
+    char *js = cache_seq_stats_json(c);
+    if (js == NULL)
+        return;
+    json_t *seq = json_loads(js, 0, NULL);
+    free(js);
+    const char *p = json_string_value(json_object_get(seq, "policy"));
+    snprintf(out, len, "%s", p ? p : "");
+    json_decref(seq);
+}
+
+int cache_seq_export(llm_cache *c, char uid[KVS_EXPORT_UID_LEN + 1])
+{
+    uid[0] = '\0';
+    if (c->plain)
+        return fail(c, "the in-process cache (--no-daemon) has no sequence to export");
+    if (!c->have_seq)
+        return fail(c, "no sequence is open to export");
+    if (kvs_seq_export(c->s, c->seq, uid) != KVS_OK)
+        return fail(c, "ExportSequence: %s", kvs_session_error(c->s));
+    return 0;
+}
+
+int cache_seq_import(llm_cache *c, const char *uid, uint32_t *appended)
+{
+    *appended = 0;
+    if (c->plain)
+        return fail(c, "the in-process cache (--no-daemon) cannot import a sequence");
+    if (c->have_seq)
+        return fail(c, "a sequence is already open");
+    /* window_attn is a mean over the last queries by position, vnorm is
+     * computed as each token is written: both are the worker's memory of
+     * the tokens before the import, which it does not have. */
+    if (c->needs & (POLICY_NEEDS_WINDOW_ATTN | POLICY_NEEDS_VNORM))
+        return fail(c,
+                    "policy %s's steps carry the worker's statistics of earlier tokens "
+                    "(observation window, value norms): an imported sequence cannot continue",
+                    c->o.policy);
+    uint64_t seq, n;
+    if (kvs_seq_import(c->s, uid, &seq, &n) != KVS_OK)
+        return fail(c, "ImportSequence %s: %s", uid, kvs_session_error(c->s));
+    /* As cache_seq_begin, with the imported sequence. */
+    c->seq = seq;
+    c->have_seq = 1;
+    c->usage = (cache_usage){0, 0, 0};
+    c->pos = n > 0 ? (uint32_t)(n - 1) : 0; /* the last token appended */
+    c->wfill = c->wnext = 0;
+    kvs_table_free(&c->writes);
+    for (uint32_t i = 0; i < c->L * c->heads; i++)
+        c->lists[i].n = 0, c->lists[i].nsegs = 0;
+    c->epoch = UINT64_MAX;
+    if (n >= c->ctx) {
+        fail(c, "the imported sequence has %" PRIu64 " tokens; the model's context is %u", n,
+             c->ctx);
+        goto release;
+    }
+    char policy[64];
+    seq_policy(c, policy, sizeof policy);
+    if (policy[0] != '\0' && strcmp(policy, c->o.policy) != 0) {
+        fail(c, "the imported sequence runs policy %s, not %s (--policy %s)", policy, c->o.policy,
+             policy);
+        goto release;
+    }
+    /* The lists, their positions and the epoch, as the daemon holds them
+     * (also checks the lists per layer against the policy). */
+    if (table_reload(c) != 0)
+        goto release;
+    *appended = (uint32_t)n;
+    return 0;
+release:
+    c->have_seq = 0;
+    kvs_seq_release(c->s, c->seq); /* best effort: c->err keeps the reason */
+    return -1;
+}
+
 int cache_seq_end(llm_cache *c)
 {
     if (c->plain || !c->have_seq)

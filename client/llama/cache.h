@@ -62,6 +62,23 @@ int cache_seq_begin(llm_cache *c, const char *label);
 /* Release the sequence. */
 int cache_seq_end(llm_cache *c);
 
+/*
+ * Moving a sequence to another kvstashd (kvs_seq_export / kvs_seq_import,
+ * through their shared remote tier). cache_seq_export writes the open
+ * sequence to the remote tier and puts its name in uid; the sequence stays
+ * open (release it with cache_seq_end). cache_seq_import opens the export
+ * `uid` instead of a new sequence (none may be open): *appended is the
+ * tokens it had appended, i.e. the position of the next cache_token_begin.
+ * The cache re-reads the table (lists, positions, epoch) from the daemon and
+ * counts `evicted` from the import on. The sequence's policy must be this
+ * cache's (the statistics the steps carry depend on it), and the worker's
+ * statistics must not depend on earlier queries: policies that need the
+ * observation window's attention or value norms are refused (their history
+ * is the worker's, and does not move). Both fail on the plain cache.
+ */
+int cache_seq_export(llm_cache *c, char uid[KVS_EXPORT_UID_LEN + 1]);
+int cache_seq_import(llm_cache *c, const char *uid, uint32_t *appended);
+
 /* Room for the token at position pos (positions are 0, 1, 2, ...). */
 int cache_token_begin(llm_cache *c, uint32_t pos);
 

@@ -10,6 +10,15 @@
  *             object: nll, ppl, tokens, stories, kv_dtype, kv_bytes_peak,
  *             kv_bytes_mean, kv_bytes_full_mean (docs/quality/README.md)
  *
+ * score --export-at K / --import-file (one story; issue 17): a story scored
+ * part here, part on another kvstashd, the sequence moving between them
+ * through their remote tier (kvs_seq_export / kvs_seq_import). Step p feeds
+ * token p and predicts token p + 1, which --per-token reports as position
+ * p + 1. --export-at K runs steps 0..K-1 (the cache then holds positions
+ * 0..K-1; --per-token lines 1..K), exports the sequence and writes "uid K"
+ * to --export-file; --import-file imports it and runs steps K..n-2 (lines
+ * K+1..n-1, n the story's tokens). Together: an uninterrupted run's lines.
+ *
  * --no-daemon runs the same forward pass with a plain in-process KV array
  * (the reference the tests compare with). `kvstash-llama --help` lists the
  * options; docs/quality/README.md explains --budget per policy.
@@ -54,6 +63,10 @@ static const char *dtype_name(kvs_dtype d)
 typedef struct opts {
     const char *cmd, *model, *tokenizer, *text, *prompt, *per_token;
     int no_daemon, quiet;
+    /* --export-at K --export-file PATH, --import-file PATH */
+    const char *export_file, *import_file;
+    uint32_t export_at;
+    int has_export_at, batch_set;
     const char *demote; /* "off", "int8", "int4", "int2" */
     uint32_t budget, stories, steps, watch, prompt_tokens, batch;
     double temperature;
@@ -94,6 +107,14 @@ static void usage(FILE *f)
             "  --batch B             stories scored side by side, each its own sequence "
             "(default 8)\n"
             "  --quiet               no per-story lines on stderr\n"
+            "  --export-at K         score one story's steps 0..K-1 (lines 1..K), then export "
+            "the sequence to kvstashd's remote tier and write \"uid K\" to --export-file\n"
+            "  --export-file PATH    where --export-at writes the export's uid and K\n"
+            "  --import-file PATH    import the export PATH names (\"uid K\") instead of "
+            "starting the story, and score its steps K.. (lines K+1..); with --export-at K2, "
+            "export again at K2\n"
+            "                        (both: one story, --stories 1, --batch 1, through "
+            "kvstashd)\n"
             "generate:\n"
             "  --prompt TEXT         (default \"Once upon a time\")\n"
             "  --steps N             tokens to generate at most (default 256)\n"
@@ -190,6 +211,26 @@ static void map_budget(opts *o)
     }
 }
 
+/* --export-at / --export-file / --import-file: what can work. The story's
+ * length is checked once it is tokenized (lane_start). */
+static void check_moving(opts *o)
+{
+    int moving = o->has_export_at || o->export_file != NULL || o->import_file != NULL;
+    if (!moving)
+        return;
+    if (o->has_export_at != (o->export_file != NULL))
+        die(2, "--export-at K and --export-file PATH go together");
+    if (strcmp(o->cmd, "score") != 0)
+        die(2, "--export-at and --import-file are options of score, not %s", o->cmd);
+    if (o->no_daemon)
+        die(2, "--export-at and --import-file move a kvstashd sequence: not with --no-daemon");
+    if (o->has_export_at && o->export_at == 0)
+        die(2, "--export-at must be at least 1 (the tokens fed before the export)");
+    if (o->batch_set && o->batch != 1)
+        die(2, "--export-at and --import-file score one story: --batch 1, not %u", o->batch);
+    o->batch = 1;
+}
+
 /* The directory part of path, with a trailing '/', or "" */
 static void dir_of(const char *path, char *out, size_t len)
 {
@@ -258,7 +299,13 @@ static void parse(int argc, char **argv, opts *o)
         else if (strcmp(a, "--steps") == 0)
             o->steps = parse_u32(a, v);
         else if (strcmp(a, "--batch") == 0)
-            o->batch = parse_u32(a, v);
+            o->batch = parse_u32(a, v), o->batch_set = 1;
+        else if (strcmp(a, "--export-at") == 0)
+            o->export_at = parse_u32(a, v), o->has_export_at = 1;
+        else if (strcmp(a, "--export-file") == 0)
+            o->export_file = v;
+        else if (strcmp(a, "--import-file") == 0)
+            o->import_file = v;
         else if (strcmp(a, "--watch") == 0)
             o->watch = parse_u32(a, v);
         else if (strcmp(a, "--prompt-tokens") == 0)
@@ -310,6 +357,7 @@ static void parse(int argc, char **argv, opts *o)
     }
     if (o->batch == 0 || o->batch > LLM_MAX_BATCH)
         die(2, "--batch must be in 1..%d", LLM_MAX_BATCH);
+    check_moving(o);
     if (o->c.block_tokens == 0 || o->c.block_tokens > 4096)
         die(2, "--block-tokens must be in 1..4096");
     if (o->tokenizer == NULL) {
@@ -351,6 +399,7 @@ typedef struct lane {
     uint32_t story;
     uint32_t *ids;
     long n, pos;
+    long first, end; /* steps first..end-1 run here (0 and n-1 but when moving) */
     double nll;
     double *lp; /* per-token log-probabilities, for --per-token */
 } lane;
@@ -511,12 +560,83 @@ static char *next_story(char **cursor)
  * lane finished first. */
 typedef struct story_result {
     double nll;
-    uint64_t tokens, evicted;
+    uint64_t first, tokens, evicted; /* lp[first..first+tokens-1] were scored */
     double *lp;
 } story_result;
 
+/* What --import-file names. */
+typedef struct import_ref {
+    char uid[KVS_EXPORT_UID_LEN + 1];
+    uint32_t at;
+} import_ref;
+
+/* Read "uid K" from path (exit 1 if it cannot be read, 2 if it is not that). */
+static void read_import(const char *path, import_ref *ir)
+{
+    char *text = read_file(path), uid[64], extra[2];
+    unsigned long at = 0;
+    int n = sscanf(text, "%63s %lu %1s", uid, &at, extra);
+    size_t len = n >= 1 ? strlen(uid) : 0;
+    int hex = len == KVS_EXPORT_UID_LEN && strspn(uid, "0123456789abcdef") == len;
+    free(text);
+    if (n != 2 || !hex || at == 0 || at > UINT32_MAX)
+        die(2,
+            "--import-file %s: expected one line \"UID K\" (32 hex digits, K >= 1), as "
+            "--export-file writes",
+            path);
+    memcpy(ir->uid, uid, len + 1);
+    ir->at = (uint32_t)at;
+}
+
+/* Write "uid K" to path, replacing it whole (a reader never sees half). */
+static void write_export(const char *path, const char *uid, uint32_t at)
+{
+    char tmp[4200];
+    if (snprintf(tmp, sizeof tmp, "%s.tmp", path) >= (int)sizeof tmp)
+        die(2, "--export-file: path too long");
+    FILE *f = fopen(tmp, "w");
+    int ok = f != NULL && fprintf(f, "%s %u\n", uid, at) > 0;
+    ok = f != NULL && fclose(f) == 0 && ok;
+    if (!ok || rename(tmp, path) != 0) {
+        int e = errno;
+        remove(tmp);
+        die(1, "cannot write %s: %s", path, strerror(e));
+    }
+}
+
+/* Steps first..end-1 of the story: all of them, or where the moving options
+ * say (exit 2 when they do not fit the story). */
+static void lane_range(const opts *o, lane *ln, const import_ref *ir)
+{
+    long n = ln->n, lo = o->prompt_tokens > 1 ? o->prompt_tokens : 1;
+    ln->first = 0;
+    ln->end = n - 1;
+    if (!o->has_export_at && o->import_file == NULL)
+        return;
+    /* A cut after step K-1 needs a step there (not inside a prompt: its
+     * tokens but the last are appended without one) and a step after it. */
+    if (ir != NULL) {
+        if ((long)ir->at < lo || (long)ir->at > n - 2)
+            die(2,
+                "--import-file %s: K = %u, but story %u has %ld tokens%s: K must be in "
+                "%ld..%ld",
+                o->import_file, ir->at, ln->story, n, o->prompt_tokens > 1 ? " and a prompt" : "",
+                lo, n - 2);
+        ln->first = ir->at;
+    }
+    if (o->has_export_at) {
+        long min = ir != NULL ? (long)ir->at + 1 : lo;
+        if ((long)o->export_at < min || (long)o->export_at > n - 2)
+            die(2, "--export-at %u: story %u has %ld tokens%s%s: K must be in %ld..%ld",
+                o->export_at, ln->story, n, o->prompt_tokens > 1 ? " and a prompt" : "",
+                ir != NULL ? " and the import is at its own K" : "", min, n - 2);
+        ln->end = o->export_at;
+    }
+}
+
 /* Give an idle lane the next story; returns 0 when none is left. */
-static int lane_start(run *r, lane *ln, char **stories, uint32_t *next, uint32_t nstories)
+static int lane_start(run *r, lane *ln, char **stories, uint32_t *next, uint32_t nstories,
+                      const import_ref *ir)
 {
     uint32_t ctx = r->m.c.seq_len;
     while (*next < nstories) {
@@ -528,12 +648,24 @@ static int lane_start(run *r, lane *ln, char **stories, uint32_t *next, uint32_t
             die(1, "out of memory");
         ln->n = n > (long)ctx ? (long)ctx : n;
         ln->story = (*next)++;
+        lane_range(r->o, ln, ir); /* before: a moved story must have its steps */
         if (ln->n < 2)
             continue; /* nothing to predict */
-        char label[32];
-        snprintf(label, sizeof label, "story %u", ln->story);
-        seq_begin(ln, label);
-        ln->pos = 0;
+        if (ir != NULL) {
+            uint32_t appended;
+            if (cache_seq_import(ln->cache, ir->uid, &appended) != 0)
+                die(1, "%s", cache_error(ln->cache));
+            if (appended != ir->at)
+                die(1,
+                    "import %s: the sequence has %u tokens appended, but %s says K = %u "
+                    "(the file does not describe this export)",
+                    ir->uid, appended, r->o->import_file, ir->at);
+        } else {
+            char label[32];
+            snprintf(label, sizeof label, "story %u", ln->story);
+            seq_begin(ln, label);
+        }
+        ln->pos = ln->first;
         ln->nll = 0;
         free(ln->lp);
         ln->lp = malloc((size_t)ln->n * sizeof *ln->lp);
@@ -549,11 +681,21 @@ static void lane_finish(run *r, lane *ln, story_result *res)
 {
     cache_usage u;
     cache_get_usage(ln->cache, &u);
+    if (r->o->has_export_at) {
+        /* The cache holds positions 0..K-1, the step of K-1 done. */
+        char uid[KVS_EXPORT_UID_LEN + 1];
+        if (cache_seq_export(ln->cache, uid) != 0)
+            die(1, "%s", cache_error(ln->cache));
+        write_export(r->o->export_file, uid, (uint32_t)ln->end);
+        if (!r->o->quiet)
+            fprintf(stderr, "story %u: exported at K = %ld as %s\n", ln->story, ln->end, uid);
+    }
     if (cache_seq_end(ln->cache) != 0)
         die(1, "%s", cache_error(ln->cache));
     story_result *sr = &res[ln->story];
     sr->nll = ln->nll;
-    sr->tokens = (uint64_t)(ln->n - 1);
+    sr->first = (uint64_t)ln->first;
+    sr->tokens = (uint64_t)(ln->end - ln->first);
     sr->evicted = u.evicted;
     sr->lp = ln->lp;
     ln->lp = NULL;
@@ -583,6 +725,13 @@ static int cmd_score(const opts *o)
     story_result *res = calloc(nstories ? nstories : 1, sizeof *res);
     if (stories == NULL || res == NULL)
         die(1, "out of memory");
+    import_ref ir, *irp = NULL;
+    if (o->has_export_at || o->import_file != NULL) {
+        if (nstories != 1)
+            die(2, "--export-at and --import-file score one story: --stories 1, not %u", nstories);
+        if (o->import_file != NULL)
+            read_import(o->import_file, irp = &ir);
+    }
     run_open(&r, o, o->batch < nstories ? o->batch : (nstories ? nstories : 1));
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -592,13 +741,13 @@ static int cmd_score(const opts *o)
         size_t nb = 0;
         for (size_t i = 0; i < r.nlanes; i++) {
             lane *ln = &r.lanes[i];
-            if (ln->busy || lane_start(&r, ln, stories, &next, nstories))
+            if (ln->busy || lane_start(&r, ln, stories, &next, nstories, irp))
                 active[nb++] = ln;
         }
         if (nb == 0)
             break;
         /* Positions 0..n-2 predict tokens 1..n-1; the last token's own
-         * prediction is past the story. */
+         * prediction is past the story. A moved story runs first..end-1. */
         forward(&r, active, nb, NULL);
         for (size_t b = 0; b < nb; b++) {
             lane *ln = active[b];
@@ -608,7 +757,7 @@ static int cmd_score(const opts *o)
             int in_prompt = (uint32_t)ln->pos + 1 < o->prompt_tokens;
             int ends_prompt = (uint32_t)ln->pos + 1 == o->prompt_tokens;
             end_token(ln, ends_prompt, in_prompt);
-            if (++ln->pos + 1 >= ln->n)
+            if (++ln->pos >= ln->end)
                 lane_finish(&r, ln, res);
         }
     }
@@ -622,7 +771,7 @@ static int cmd_score(const opts *o)
         nll += res[i].nll;
         tokens += res[i].tokens;
         evicted += res[i].evicted;
-        for (uint64_t k = 0; pt != NULL && k < res[i].tokens; k++)
+        for (uint64_t k = res[i].first; pt != NULL && k < res[i].first + res[i].tokens; k++)
             fprintf(pt, "%u %" PRIu64 " %.17g\n", i, k + 1, res[i].lp[k]);
         free(res[i].lp);
     }

@@ -20,6 +20,7 @@ import os
 import re
 import struct
 import sys
+import zlib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -183,6 +184,51 @@ def config_seeds():
     }
 
 
+# fuzz_remote_value: [mode] then a value (daemon/remote_value.h): a 64-byte
+# little-endian header, u32 positions, payload; CRC-32 at offset 60 over the
+# whole value with those 4 bytes as zero. Mode bit 0: the target recomputes
+# the checksum, so seeds with bit 0 set may carry a stale one.
+RV_HEADER = struct.Struct("<4sHHBBBBIIIIIfIIIIQI")
+TOKENS, SKETCH, MANIFEST = 1, 2, 3
+T_FULL, T_INT8, T_SKETCH, T_INT4, T_INT2 = 0, 1, 2, 4, 5
+FP16, BF16, FP32 = 1, 2, 3
+
+
+def remote_value(kind, tier, positions=(), payload=b"", dtype=FP16, layer=1, head=0,
+                 geom=(2, 4, 2, 8, 4, 10000.0), quant_group=0, crc=True):
+    layers, q_heads, kv_heads, head_dim, block_tokens, theta = geom
+    fields = [b"KVSR", 1, 64, kind, tier, dtype, 0, layers, q_heads, kv_heads, head_dim,
+              block_tokens, theta, quant_group, layer, head, len(positions), len(payload), 0]
+    body = struct.pack(f"<{len(positions)}I", *positions) + payload
+    value = RV_HEADER.pack(*fields) + body
+    if crc:
+        fields[-1] = zlib.crc32(value)
+        value = RV_HEADER.pack(*fields) + body
+    return value
+
+
+def remote_value_seeds():
+    manifest = b'{"seq_uid":"0123456789abcdef0123456789abcdef","tokens":7}'
+    seeds = {
+        "full": remote_value(TOKENS, T_FULL, [0, 1, 2, 5], bytes(range(64))),
+        "int8": remote_value(TOKENS, T_INT8, [3, 9], bytes(40), dtype=BF16),
+        "int4": remote_value(TOKENS, T_INT4, [4, 5, 6], b"\x12" * 24, quant_group=32),
+        "int2": remote_value(TOKENS, T_INT2, [7], b"\xe4" * 12, quant_group=2, dtype=FP32),
+        "sketch": remote_value(SKETCH, T_SKETCH, [10, 11, 30], bytes(range(48))),
+        "manifest": remote_value(MANIFEST, T_FULL, [], manifest, layer=0),
+        "empty": remote_value(TOKENS, T_FULL),
+        "truncated": remote_value(TOKENS, T_FULL, [0, 1, 2, 5], bytes(64))[:90],
+        "stale-crc": remote_value(TOKENS, T_INT8, [1, 2], b"ab", crc=False),
+        "descending": remote_value(TOKENS, T_FULL, [5, 4], b"", crc=False),
+        "trailing": remote_value(SKETCH, T_SKETCH, [1], b"cell") + b"\x00",
+    }
+    # Byte 0 is the mode: 0 decodes as is, 1 reseals first.
+    out = {name: b"\x00" + v for name, v in seeds.items()}
+    for name in ("stale-crc", "descending"):
+        out["reseal-" + name] = b"\x01" + seeds[name]
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--stubs", default=os.path.join(ROOT, "build", "tests", "py"))
@@ -203,6 +249,7 @@ def main():
         "fuzz_fdsock": fdsock_seeds(),
         "fuzz_replay": replay_seeds(),
         "fuzz_config": config_seeds(),
+        "fuzz_remote_value": remote_value_seeds(),
     }
     for target, seeds in all_seeds.items():
         for name, data in seeds.items():

@@ -1,0 +1,219 @@
+/*
+ * migrate.h - a sequence image (seq.h seq_export) as remote values and back
+ * (issue 17, docs/remote.md "Export and import").
+ *
+ * Pure and I/O-free: encoding builds values in memory, decoding reads the
+ * caller's bytes; the caller writes and reads the remote store
+ * (remote_store.h) and takes and fills pool blocks. Thread-safe: no state.
+ *
+ * One export is one seq_uid's keys (remote_value.h remote_key, all in one
+ * hash slot): a data value per (list, tier) that has blocks, then the
+ * manifest. A reader fetches the manifest, decodes it into a plan
+ * (migrate_decode_manifest), fetches the data values the plan names, and
+ * decodes each into a host copy of the export's blocks (migrate_decode_data).
+ *
+ * Data values: key part "l<layer>.h<head>.<tier>" (tier: policy_tier_name,
+ * "full", "int8", "int4", "int2"; head 0 for all-heads lists), kind
+ * REMOTE_VALUE_TOKENS, tier, layer and head of the list; positions: the
+ * list's held tokens stored in that tier (at[j].tier), ascending (none when
+ * its blocks hold only victims); payload: the list's export blocks of that
+ * tier, raw, in ascending export-index order, block_bytes each.
+ *
+ * The manifest: key part "manifest", kind REMOTE_VALUE_MANIFEST, no
+ * positions, payload one JSON object (UTF-8, compact). Its header carries
+ * the pool geometry. Every field is required, none other is allowed (a new
+ * field is a new format). Integers are JSON integers (never reals),
+ * unsigned; "runs" below are flat arrays of ints:
+ *
+ *   format          1
+ *   ns, tenant, uid the ids of the keys (remote_key): every data key is
+ *                   built from them
+ *   policy          policy name, 1..63 bytes
+ *   params          [[key, value], ...] the resolved parameters, in order
+ *                   (at most POLICY_MAX_PARAMS; each string 1..63 / 0..63
+ *                   bytes)
+ *   label           0..128 bytes
+ *   appended        tokens ever appended, <= 2^32
+ *   unstepped, host_steps, requantized, victims_dropped   counters
+ *   moved           [POLICY_TIERS] counters, by policy_tier
+ *   layers, heads   >= 1; lists = layers * heads
+ *   block_bytes     bytes of one pool block (kv_block_bytes of the geometry)
+ *   quant_group     the INT4/INT2 group size of the writer's pool (must be
+ *                   the reader's when an int4 or int2 value is present)
+ *   nblocks         export blocks, numbered 0 .. nblocks-1
+ *   data            [{key, list, tier, size, crc, blocks}, ...]: one per data
+ *                   value. key: remote_key(ns, tenant, uid, its part), the
+ *                   only key it may have; list: layer * heads + head; tier: 0 full,
+ *                   1 int8, 4 int4, 5 int2 (policy_tier); size: the value's
+ *                   bytes; crc: zlib crc32 of them; blocks: the export
+ *                   indices its payload holds, strictly ascending, listed
+ *                   one by one. Every export block is in exactly one entry,
+ *                   whose list and tier are the block's.
+ *   lists           [layers * heads] objects, list (l, k) at l * heads + k:
+ *     ntokens       held tokens
+ *     positions     runs [start, count, ...] (count >= 1, ascending, not
+ *                   overlapping, start + count <= appended): the positions
+ *     tiers         runs [tier, count, ...]: the host's decided tiers
+ *     attn          null, or base64 (RFC 4648, padded) of ntokens IEEE-754
+ *                   binary32 little-endian: exact, at 4/3 characters a byte
+ *     at            runs [block, slot, count, ...]: at[j] for count tokens
+ *                   is (block, slot + i); a token's storage tier is its
+ *                   block's (no sketch in format 1)
+ *     nvictims      offloaded victims
+ *     victims       runs [start, count, ...] as positions
+ *     victim_at     runs [block, slot, count, ...] as at
+ *     victim_blocks [export index, ...] oldest first
+ *     tail          null (decoded: has_tail 0, tail_block and
+ *                   tail_next_slot 0), or [block, next_slot]
+ *     demote_due    0..255
+ *
+ * For example (abridged):
+ *
+ *   {"format":1,"ns":"prod","tenant":"t7","uid":"9f2c…","policy":"tova",
+ *    "params":[["window","64"]],"label":"chat 12","appended":40,"unstepped":0,
+ *    ...,"nblocks":3,"data":[{"key":"kvs:prod:{t7:9f2c…}:l0.h0.full","list":0,
+ *    "tier":0,"size":16512,"crc":3735928559,"blocks":[0,2]},...],
+ *    "lists":[{"ntokens":20,"positions":[0,16,30,4],"tiers":[0,20],
+ *    "attn":null,"at":[0,0,16,2,0,4],"nvictims":0,"victims":[],
+ *    "victim_at":[],"victim_blocks":[],"tail":[2,4],"demote_due":0},...]}
+ *
+ * Bounds the decoder applies before allocating (checking the image is
+ * seq_import's): ntokens + nvictims <= appended <= 2^32, and <= the list's
+ * blocks times 2 * block_bytes / head_dim (a token's K and V row of one head
+ * take at least 2 bits a channel); nblocks is the count of blocks the data
+ * entries list (so at most the manifest's length).
+ */
+#ifndef KVSTASH_MIGRATE_H
+#define KVSTASH_MIGRATE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "pool.h"
+#include "remote_store.h"
+#include "remote_value.h"
+#include "seq.h"
+#include "status.h"
+
+#define MIGRATE_FORMAT 1
+#define MIGRATE_MANIFEST_PART "manifest"
+
+/* ---- encode -------------------------------------------------------------- */
+
+/* An export's values, in the order to write them: data values, then the
+ * manifest, kv[n - 1] (the commit point: a reader that finds the manifest
+ * finds every value it names). kv[i].key and kv[i].val are malloc'd and
+ * owned here: migrate_values_free. */
+typedef struct migrate_values {
+    remote_kv *kv;
+    size_t n;
+    size_t bytes; /* the values' bytes in all */
+} migrate_values;
+
+/*
+ * Encode export x of a pool of geometry g (INT4/INT2 group size
+ * quant_group: kv_lowbit_group, 0 meaning KV_LOWBIT_GROUP_DEFAULT as in
+ * kv_layout; blocks of block_bytes bytes, kv_block_bytes) under the keys
+ * of (ns, tenant, uid): bytes holds x->nblocks * block_bytes bytes, export
+ * block i at i * block_bytes (NULL when nblocks is 0). Reads x and bytes,
+ * copies what it keeps. Checks of x what the encoding needs (indices in
+ * range, each token's and victim's block of its list and of its tier,
+ * positions strictly ascending, counters below 2^63, strings that fit and
+ * are UTF-8) and refuses a token or victim in the sketch (format 1 cannot
+ * carry one). *out is zeroed first and set on success only.
+ * Errors: ST_INVALID_ARGUMENT naming what is wrong (in x, a name
+ * remote_key refuses, block_bytes not the geometry's);
+ * ST_RESOURCE_EXHAUSTED when out of memory.
+ */
+status_code migrate_encode(const seq_export *x, const pool_geometry *g, uint32_t quant_group,
+                           size_t block_bytes, const uint8_t *bytes, const char *ns,
+                           const char *tenant, const char *uid, migrate_values *out, status *st);
+
+/* Free the keys and values and zero v (a zeroed v is fine). */
+void migrate_values_free(migrate_values *v);
+
+/* ---- decode -------------------------------------------------------------- */
+
+/* One data value to fetch. */
+typedef struct migrate_data {
+    char *key;        /* its full key (owned by the plan) */
+    uint32_t list;    /* layer * heads + head */
+    uint8_t tier;     /* policy_tier: FULL, INT8, INT4 or INT2 */
+    size_t size;      /* the bytes it must have */
+    uint32_t crc;     /* zlib crc32 of those bytes */
+    uint32_t *blocks; /* [nblocks] export blocks its payload fills, in order (owned) */
+    size_t nblocks;
+    uint32_t ntokens; /* positions it carries: the list's held tokens of its tier */
+} migrate_data;
+
+/*
+ * What a manifest says. image is the sequence, but the bytes of its
+ * blocks: its arrays are each one malloc, as seq_export_free frees them
+ * (per list positions, tiers, attn, at, victims, victim_at, victim_blocks;
+ * lists; block_tier, block_list; NULL when empty); image.blocks is NULL
+ * (the writer's pool ids mean nothing here: the importer takes its own
+ * blocks); image.params.key[i] points to param_keys[i], strings the plan
+ * owns. Everything dies with migrate_plan_free (never seq_export_free the
+ * image as well): seq_import must resolve the parameters against the
+ * policy (whose keys are static) rather than keep these pointers.
+ */
+typedef struct migrate_plan {
+    seq_export image;
+    char *param_keys[POLICY_MAX_PARAMS];
+    char ns[REMOTE_NAME_MAX + 1], tenant[REMOTE_NAME_MAX + 1], uid[REMOTE_NAME_MAX + 1];
+    pool_geometry geom;   /* the reader's, as passed */
+    uint32_t quant_group; /* the reader's, as passed (0 made KV_LOWBIT_GROUP_DEFAULT) */
+    size_t block_bytes;   /* a host copy of the blocks is image.nblocks * block_bytes bytes */
+    migrate_data *data;   /* [ndata] the values to fetch (owned) */
+    char **data_keys;     /* [ndata] data[i].key, as remote_get takes keys */
+    size_t ndata;
+} migrate_plan;
+
+/*
+ * Decode the manifest value buf[0..len) for a pool of geometry g whose
+ * INT4/INT2 group size is quant_group (as migrate_encode's). Whether it
+ * is the manifest asked for is migrate_plan_check_origin's. *out is zeroed
+ * first, and holds nothing to free on failure. Never reads outside buf,
+ * and allocates only what the bounds above allow. Errors:
+ *   ST_DATA_LOSS            a value that does not decode (remote_value_decode),
+ *                           is not a manifest, JSON that does not parse, a
+ *                           field missing, mistyped, unexpected or out of
+ *                           range (named: "manifest: lists[3].at: ..."), data
+ *                           entries that do not match the lists (sizes,
+ *                           keys, blocks listed twice)
+ *   ST_FAILED_PRECONDITION  written for another geometry (the header's,
+ *                           remote_value_check_geometry; block_bytes; the
+ *                           quant_group when INT4/INT2 data is present), or
+ *                           another format version
+ *   ST_RESOURCE_EXHAUSTED   out of memory
+ */
+status_code migrate_decode_manifest(const void *buf, size_t len, const pool_geometry *g,
+                                    uint32_t quant_group, migrate_plan *out, status *st);
+
+/*
+ * Whether the plan's keys are those of (ns, tenant, uid): a reader checks
+ * that the manifest it fetched names the export it asked for (a manifest
+ * copied under another key is stale). ST_OK or ST_DATA_LOSS naming the id
+ * that differs.
+ */
+status_code migrate_plan_check_origin(const migrate_plan *p, const char *ns, const char *tenant,
+                                      const char *uid, status *st);
+
+/*
+ * Check data value p->data[i] as fetched, buf[0..len), and copy its
+ * blocks into bytes (p->image.nblocks * p->block_bytes bytes) at their
+ * export indices; nothing is written on failure. A value that is missing is the caller's
+ * ST_NOT_FOUND. Errors: ST_INVALID_ARGUMENT for i out of range; else
+ * ST_DATA_LOSS naming the key and what differs: size or crc against the
+ * manifest (truncated, stale, another value), a value that does not
+ * decode, another geometry, kind, tier, layer or head, or positions other
+ * than the list's held tokens of that tier.
+ */
+status_code migrate_decode_data(const migrate_plan *p, size_t i, const void *buf, size_t len,
+                                uint8_t *bytes, status *st);
+
+/* Free everything the plan owns (the image's arrays included) and zero it;
+ * a zeroed plan is fine. */
+void migrate_plan_free(migrate_plan *p);
+
+#endif

@@ -1,0 +1,1057 @@
+/*
+ * bench_remote.c - the remote tier (issue 17) on a real Redis Cluster, each
+ * figure against a baseline measured in the same run (docs/bench.md).
+ *
+ *   (1) Store bandwidth: for value sizes an export writes (one data value is
+ *       one list's blocks of one tier: a 4k-token layer of Llama-3-8B shape
+ *       at fp16 is 16 MiB), N values put and then got with our client
+ *       (redis_cluster_open, remote_put / remote_get: one pipelined call of
+ *       N keys with distinct hash tags, N / masters on each master), against
+ *       the plainest client possible: raw RESP SET / GET pipelines written
+ *       with hiredis (redisAppendCommandArgv, then redisBufferWrite, then
+ *       redisGetReply) straight to each key's master, no routing or retry
+ *       logic, the same keys, values and connection count. redis-benchmark
+ *       --cluster (-c masters -P N/masters, the same shape) runs too and its
+ *       MB/s are printed for reference only: with values of 1 MiB and more
+ *       its pipelined SETs are several times slower than the raw pipeline
+ *       on the same cluster (its own client, not the server), so a ratio
+ *       against it would flatter ours.
+ *   (2) Migration: two kvstashd with --remote on that cluster, a worker
+ *       session on each (Llama-3-8B: 32 layers x 8 KV heads x 128, fp16,
+ *       16-token blocks), a `full` sequence of 4,096 tokens written on A;
+ *       kvs_seq_export on A and kvs_seq_import on B (wall clock, median),
+ *       against a memcpy of the same bytes and against putting and getting
+ *       the same bytes (one value per layer, under one hash tag as an export
+ *       is) with our client directly: the export's and import's own work
+ *       (blocks out of and into the pool, encoding, crc32) shows as a ratio.
+ *       The import is checked once: every layer read back on B
+ *       (kvs_seq_table, kvs_layer_read) equals what was written on A.
+ *
+ * Ratios are speeds: baseline time over ours (1.0 = as fast; goal for (1):
+ * >= 0.7). MB are 10^6 bytes.
+ *
+ * The cluster (3 masters, no replicas) is started with tests/remote/cluster.py
+ * ($KVSTASH_CLUSTER_PY, default the source tree's) with --owner this process,
+ * and stopped at exit, on SIGINT / SIGTERM / SIGHUP, and by cluster.py's own
+ * watchdog if this process is killed; the daemons die with it (PDEATHSIG).
+ *
+ * Usage: bench_remote [--quick] [--layers N] [--tokens N] [PATH_TO_KVSTASHD]
+ * --quick: small sizes, one repetition (ctest bench/remote_quick): checks that
+ * everything runs and round-trips, never a speed. The daemon path defaults to
+ * $KVSTASHD, then ../../daemon/kvstashd next to this binary. Exits 1 if a
+ * part fails or data does not round-trip; a ratio never fails it.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <hiredis/hiredis.h>
+
+#include "bench_daemon.h"
+#include "kvstash.h"
+#include "redis_cluster.h"
+#include "remote_store.h"
+#include "remote_value.h"
+#include "status.h"
+
+#ifndef KVSTASH_CLUSTER_PY
+#define KVSTASH_CLUSTER_PY "tests/remote/cluster.py"
+#endif
+
+#define PROG "bench_remote"
+#define MAX_MASTERS 8
+#define MAX_SIZES 4
+#define TIMEOUT_MS 30000 /* our client's and the raw one's per-read/write bound */
+#define MB 1e6
+
+typedef struct store_size {
+    size_t bytes; /* of one value */
+    size_t n;     /* values per call */
+} store_size;
+
+typedef struct bench_cfg {
+    int quick;
+    int reps; /* timed repetitions (median); full runs add an untimed warm-up */
+    store_size sizes[MAX_SIZES];
+    size_t nsizes;
+    kvs_geometry geom;
+    uint32_t tokens;
+    const char *daemon;
+} bench_cfg;
+
+/* ---- the process's resources, for the cleanup paths ---------------------- */
+
+static char g_tmp[] = "/tmp/kvstash-bench-remote.XXXXXX";
+static int g_tmp_made;
+static char g_cluster_dir[PATH_MAX];
+static const char *g_py;
+static int g_cluster_started;
+static pid_t g_daemons[2] = {-1, -1};
+static volatile sig_atomic_t g_in_signal;
+
+/* `python3 cluster.py stop DIR`, with fork and exec only (a signal handler
+ * calls it). */
+static void cluster_stop_raw(void)
+{
+    if (!g_cluster_started)
+        return;
+    pid_t p = fork();
+    if (p == 0) {
+        int fd = open("/dev/null", O_WRONLY);
+        if (fd >= 0)
+            dup2(fd, STDOUT_FILENO);
+        char *const argv[] = {"python3", (char *)g_py, "stop", g_cluster_dir, NULL};
+        execvp("python3", argv);
+        _exit(127);
+    }
+    if (p > 0)
+        while (waitpid(p, NULL, 0) < 0 && errno == EINTR)
+            ;
+    g_cluster_started = 0;
+}
+
+static void daemons_kill_raw(int sig)
+{
+    for (int i = 0; i < 2; i++)
+        if (g_daemons[i] > 0)
+            kill(g_daemons[i], sig);
+}
+
+static void on_signal(int sig)
+{
+    if (g_in_signal)
+        _exit(128 + sig);
+    g_in_signal = 1;
+    daemons_kill_raw(SIGKILL);
+    cluster_stop_raw();
+    _exit(128 + sig);
+}
+
+static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw)
+{
+    (void)sb, (void)flag, (void)ftw;
+    remove(path);
+    return 0;
+}
+
+/* SIGTERM the daemon i and wait up to 10 s; its exit status (-1: killed). */
+static int daemon_stop(int i)
+{
+    pid_t pid = g_daemons[i];
+    if (pid <= 0)
+        return 0;
+    kill(pid, SIGTERM);
+    int status = 0;
+    for (int t = 0; t < 1000; t++) {
+        if (waitpid(pid, &status, WNOHANG) == pid) {
+            g_daemons[i] = -1;
+            return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+        }
+        usleep(10000);
+    }
+    fprintf(stderr, PROG ": kvstashd %d ignored SIGTERM for 10 s; killing it\n", (int)pid);
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    g_daemons[i] = -1;
+    return -1;
+}
+
+static void cleanup(void)
+{
+    daemon_stop(0);
+    daemon_stop(1);
+    cluster_stop_raw();
+    if (g_tmp_made) {
+        nftw(g_tmp, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+        g_tmp_made = 0;
+    }
+}
+
+/* ---- the cluster ---------------------------------------------------------- */
+
+/* Run `python3 cluster.py ARGS`, its stdout and stderr into out. 0 if it exited 0. */
+static int cluster_py(char *out, size_t len, const char *args)
+{
+    char cmd[3 * PATH_MAX];
+    snprintf(cmd, sizeof cmd, "python3 '%s' %s 2>&1", g_py, args);
+    out[0] = '\0';
+    FILE *p = popen(cmd, "r");
+    if (p == NULL) {
+        snprintf(out, len, "popen: %s", strerror(errno));
+        return -1;
+    }
+    size_t n = fread(out, 1, len - 1, p);
+    out[n] = '\0';
+    int rc = pclose(p);
+    return rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0 ? 0 : -1;
+}
+
+/* "PORTS a,b,c" in text into ports; returns the count. */
+static int parse_ports(const char *text, int *ports, int max)
+{
+    const char *p = strstr(text, "PORTS ");
+    if (p == NULL)
+        return 0;
+    p += 6;
+    int n = 0;
+    while (n < max && *p >= '0' && *p <= '9') {
+        char *end;
+        ports[n++] = (int)strtol(p, &end, 10);
+        p = end;
+        if (*p == ',')
+            p++;
+    }
+    return n;
+}
+
+/* The cluster's map, asked of one node with hiredis: owner[slot] = port. */
+static int slots_owners(int port, int *owner, int *masters, int *nmasters)
+{
+    struct timeval tv = {5, 0};
+    redisContext *c = redisConnectWithTimeout("127.0.0.1", port, tv);
+    if (c == NULL || c->err) {
+        fprintf(stderr, PROG ": connect 127.0.0.1:%d: %s\n", port, c ? c->errstr : "no memory");
+        redisFree(c);
+        return -1;
+    }
+    redisReply *r = redisCommand(c, "CLUSTER SLOTS");
+    int rc = -1;
+    *nmasters = 0;
+    for (int s = 0; s < REDIS_CLUSTER_SLOTS; s++)
+        owner[s] = -1;
+    if (r != NULL && r->type == REDIS_REPLY_ARRAY) {
+        rc = 0;
+        for (size_t i = 0; i < r->elements; i++) {
+            redisReply *e = r->element[i];
+            if (e->type != REDIS_REPLY_ARRAY || e->elements < 3 ||
+                e->element[2]->type != REDIS_REPLY_ARRAY || e->element[2]->elements < 2) {
+                rc = -1;
+                break;
+            }
+            int p = (int)e->element[2]->element[1]->integer;
+            for (long long s = e->element[0]->integer; s <= e->element[1]->integer; s++)
+                if (s >= 0 && s < REDIS_CLUSTER_SLOTS)
+                    owner[s] = p;
+            int known = 0;
+            for (int m = 0; m < *nmasters; m++)
+                known |= masters[m] == p;
+            if (!known && *nmasters < MAX_MASTERS)
+                masters[(*nmasters)++] = p;
+        }
+    }
+    for (int s = 0; rc == 0 && s < REDIS_CLUSTER_SLOTS; s++)
+        if (owner[s] < 0)
+            rc = -1;
+    if (rc != 0)
+        fprintf(stderr, PROG ": CLUSTER SLOTS on port %d: no full map\n", port);
+    freeReplyObject(r);
+    redisFree(c);
+    return rc;
+}
+
+/* ---- the daemons ---------------------------------------------------------- */
+
+/* Start kvstashd i on <tmp>/kvstashd-<i>.sock with the remote tier. */
+static int daemon_start(int i, const char *path, int pool_mb, const char *seeds, const char *ns,
+                        char *sock, size_t socklen)
+{
+    char log[PATH_MAX], pool[16];
+    snprintf(sock, socklen, "%s/kvstashd-%c.sock", g_tmp, 'a' + i);
+    snprintf(log, sizeof log, "%s/kvstashd-%c.log", g_tmp, 'a' + i);
+    snprintf(pool, sizeof pool, "%d", pool_mb);
+    pid_t pid = fork();
+    if (pid < 0) {
+        perror("fork");
+        return -1;
+    }
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGTERM);
+        int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        if (fd >= 0) {
+            dup2(fd, STDERR_FILENO);
+            close(fd);
+        }
+        const char *argv[] = {
+            path,    "--socket", sock,  "--pool-mb",          pool, "--log-level",
+            "warn",  "--remote", seeds, "--remote-namespace", ns,   "--remote-timeout-ms",
+            "30000", NULL};
+        execv(path, (char *const *)argv);
+        fprintf(stderr, "exec %s: %s\n", path, strerror(errno));
+        _exit(127);
+    }
+    g_daemons[i] = pid;
+    for (int t = 0; t < 1000; t++) {
+        struct stat st;
+        if (stat(sock, &st) == 0 && S_ISSOCK(st.st_mode))
+            return 0;
+        int status;
+        if (waitpid(pid, &status, WNOHANG) == pid) {
+            g_daemons[i] = -1;
+            fprintf(stderr, PROG ": %s exited (status %d) before creating %s (log: %s)\n", path,
+                    WIFEXITED(status) ? WEXITSTATUS(status) : -1, sock, log);
+            return -1;
+        }
+        usleep(10000);
+    }
+    fprintf(stderr, PROG ": %s did not create %s within 10 s\n", path, sock);
+    return -1;
+}
+
+/* ---- data ----------------------------------------------------------------- */
+
+/* Deterministic bytes for (seed): finite fp16 values (|x| < 1). */
+static void fill(uint8_t *p, size_t len, uint64_t seed)
+{
+    uint64_t x = seed * 0x9e3779b97f4a7c15ull + 0x2545f4914f6cdd1dull;
+    size_t i = 0;
+    for (; i + 8 <= len; i += 8) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        uint64_t w = x & 0x3bff3bff3bff3bffull;
+        memcpy(p + i, &w, 8);
+    }
+    for (; i < len; i++)
+        p[i] = (uint8_t)(seed + i);
+}
+
+static double mbps(size_t bytes, double us)
+{
+    return us > 0 ? (double)bytes / MB / (us / 1e6) : 0;
+}
+
+static void report_status(const char *what, const status *st)
+{
+    fprintf(stderr, PROG ": %s: %s: %s\n", what, status_name(st->code), st->msg);
+}
+
+static void report_kvs(kvs_session *s, const char *what, int rc)
+{
+    fprintf(stderr, PROG ": %s: %s: %s\n", what, kvs_strerror(rc), s ? kvs_session_error(s) : "");
+}
+
+/* ---- (1) store bandwidth -------------------------------------------------- */
+
+typedef struct raw_client {
+    int nmasters;
+    int ports[MAX_MASTERS];
+    redisContext *c[MAX_MASTERS];
+} raw_client;
+
+static int raw_open(raw_client *rc, const int *masters, int nmasters)
+{
+    memset(rc, 0, sizeof *rc);
+    rc->nmasters = nmasters;
+    struct timeval tv = {TIMEOUT_MS / 1000, 0};
+    for (int m = 0; m < nmasters; m++) {
+        rc->ports[m] = masters[m];
+        rc->c[m] = redisConnectWithTimeout("127.0.0.1", masters[m], tv);
+        if (rc->c[m] == NULL || rc->c[m]->err || redisSetTimeout(rc->c[m], tv) != REDIS_OK) {
+            fprintf(stderr, PROG ": raw connect 127.0.0.1:%d: %s\n", masters[m],
+                    rc->c[m] ? rc->c[m]->errstr : "no memory");
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static void raw_close(raw_client *rc)
+{
+    for (int m = 0; m < rc->nmasters; m++)
+        if (rc->c[m] != NULL)
+            redisFree(rc->c[m]);
+    memset(rc, 0, sizeof *rc);
+}
+
+/* The baseline: SET (vals) or GET of every key, one pipeline per master
+ * (node_of[i] is key i's master): append them all, write them all, then
+ * read every reply. For GET, replies must be strings of `size` bytes. */
+static int raw_run(raw_client *rc, char **keys, const int *node_of, size_t n, const uint8_t *vals,
+                   size_t size)
+{
+    int bad = 0;
+    for (int m = 0; m < rc->nmasters; m++) {
+        redisContext *c = rc->c[m];
+        for (size_t i = 0; i < n; i++) {
+            if (node_of[i] != m)
+                continue;
+            const char *argv[3] = {vals ? "SET" : "GET", keys[i],
+                                   vals ? (const char *)vals + i * size : NULL};
+            size_t lens[3] = {3, strlen(keys[i]), size};
+            if (redisAppendCommandArgv(c, vals ? 3 : 2, argv, lens) != REDIS_OK)
+                return -1;
+        }
+        int done = 0;
+        while (!done)
+            if (redisBufferWrite(c, &done) != REDIS_OK) {
+                fprintf(stderr, PROG ": raw write to %d: %s\n", rc->ports[m], c->errstr);
+                return -1;
+            }
+    }
+    for (int m = 0; m < rc->nmasters; m++)
+        for (size_t i = 0; i < n; i++) {
+            if (node_of[i] != m)
+                continue;
+            redisReply *r = NULL;
+            if (redisGetReply(rc->c[m], (void **)&r) != REDIS_OK || r == NULL) {
+                fprintf(stderr, PROG ": raw read from %d: %s\n", rc->ports[m], rc->c[m]->errstr);
+                return -1;
+            }
+            if (vals ? r->type != REDIS_REPLY_STATUS
+                     : r->type != REDIS_REPLY_STRING || r->len != size)
+                bad++;
+            freeReplyObject(r);
+        }
+    if (bad)
+        fprintf(stderr, PROG ": raw %s: %d unexpected replies\n", vals ? "SET" : "GET", bad);
+    return bad ? -1 : 0;
+}
+
+/* redis-benchmark --cluster's SET and GET rates (requests per second) for
+ * values of `size` bytes, as our client's shape: one connection and one
+ * pipeline of n / masters per master. 0 when it did not run. */
+static int rb_run(int port, size_t size, size_t n, int nmasters, double *set_rps, double *get_rps)
+{
+    *set_rps = *get_rps = 0;
+    char cmd[512];
+    size_t pipe = (n + (size_t)nmasters - 1) / (size_t)nmasters;
+    snprintf(cmd, sizeof cmd,
+             "redis-benchmark --cluster -h 127.0.0.1 -p %d -t set,get -d %zu -n %zu -c %d -P %zu "
+             "--csv 2>&1",
+             port, size, n, nmasters, pipe);
+    FILE *p = popen(cmd, "r");
+    if (p == NULL)
+        return -1;
+    char line[512];
+    while (fgets(line, sizeof line, p) != NULL) {
+        double v;
+        if (sscanf(line, "\"SET\",\"%lf\"", &v) == 1)
+            *set_rps = v;
+        else if (sscanf(line, "\"GET\",\"%lf\"", &v) == 1)
+            *get_rps = v;
+    }
+    int rc = pclose(p);
+    return rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0 && *set_rps > 0 && *get_rps > 0 ? 0
+                                                                                             : -1;
+}
+
+typedef struct store_row {
+    store_size sz;
+    double put_us, get_us, set_us, rget_us; /* medians: ours put/get, raw SET/GET */
+    double rb_set, rb_get;                  /* redis-benchmark MB/s (0: did not run) */
+    int ok;
+} store_row;
+
+/* Keys bench:{<i>.<t>} with t chosen so that key i lands on master i % nmasters. */
+static char **spread_keys(size_t n, const int *owner, const int *masters, int nmasters,
+                          int *node_of)
+{
+    char **keys = calloc(n, sizeof *keys);
+    if (keys == NULL)
+        return NULL;
+    for (size_t i = 0; i < n; i++) {
+        int want = (int)(i % (size_t)nmasters);
+        char k[64];
+        for (unsigned t = 0;; t++) {
+            snprintf(k, sizeof k, "bench:{%zu.%u}:v", i, t);
+            if (owner[redis_cluster_key_slot(k, strlen(k))] == masters[want])
+                break;
+        }
+        keys[i] = strdup(k);
+        node_of[i] = want;
+        if (keys[i] == NULL)
+            return NULL; /* the process exits on it */
+    }
+    return keys;
+}
+
+static int store_size_run(const bench_cfg *cfg, remote_store *rs, raw_client *raw, const int *owner,
+                          const int *masters, int nmasters, store_row *row)
+{
+    size_t n = row->sz.n, size = row->sz.bytes;
+    int *node_of = calloc(n, sizeof *node_of);
+    char **keys = node_of ? spread_keys(n, owner, masters, nmasters, node_of) : NULL;
+    uint8_t *vals = malloc(n * size);
+    remote_kv *kv = calloc(n, sizeof *kv);
+    remote_buf *out = calloc(n, sizeof *out);
+    double put[8], get[8], set[8], rget[8];
+    int rc = 0;
+    if (keys == NULL || vals == NULL || kv == NULL || out == NULL) {
+        fprintf(stderr, PROG ": out of memory for %zu values of %zu bytes\n", n, size);
+        rc = -1;
+    }
+    for (size_t i = 0; rc == 0 && i < n; i++) {
+        fill(vals + i * size, size, (uint64_t)size * 131 + i);
+        kv[i] = (remote_kv){keys[i], vals + i * size, size};
+    }
+    int first = cfg->quick ? 0 : -1; /* -1: the warm-up */
+    for (int r = first; rc == 0 && r < cfg->reps; r++) {
+        status st;
+        double t0 = bench_now_us();
+        if (remote_put(rs, kv, n, 0, &st) != ST_OK) {
+            report_status("remote_put", &st);
+            rc = -1;
+            break;
+        }
+        double t1 = bench_now_us();
+        if (remote_get(rs, (const char *const *)keys, n, out, &st) != ST_OK) {
+            report_status("remote_get", &st);
+            rc = -1;
+            break;
+        }
+        double t2 = bench_now_us();
+        for (size_t i = 0; i < n; i++)
+            if (!out[i].found || out[i].len != size ||
+                memcmp(out[i].data, vals + i * size, size) != 0) {
+                fprintf(stderr, PROG ": value %s (%zu bytes) did not round-trip\n", keys[i], size);
+                rc = -1;
+                break;
+            }
+        remote_bufs_free(out, n);
+        if (rc == 0 && remote_del(rs, (const char *const *)keys, n, &st) != ST_OK) {
+            report_status("remote_del", &st);
+            rc = -1;
+        }
+        if (rc != 0)
+            break;
+        double t3 = bench_now_us();
+        if (raw_run(raw, keys, node_of, n, vals, size) != 0) {
+            rc = -1;
+            break;
+        }
+        double t4 = bench_now_us();
+        if (raw_run(raw, keys, node_of, n, NULL, size) != 0) {
+            rc = -1;
+            break;
+        }
+        double t5 = bench_now_us();
+        if (remote_del(rs, (const char *const *)keys, n, &st) != ST_OK) {
+            report_status("remote_del", &st);
+            rc = -1;
+            break;
+        }
+        if (r >= 0) {
+            put[r] = t1 - t0, get[r] = t2 - t1;
+            set[r] = t4 - t3, rget[r] = t5 - t4;
+        }
+    }
+    if (rc == 0) {
+        row->put_us = bench_median(put, (size_t)cfg->reps);
+        row->get_us = bench_median(get, (size_t)cfg->reps);
+        row->set_us = bench_median(set, (size_t)cfg->reps);
+        row->rget_us = bench_median(rget, (size_t)cfg->reps);
+        row->ok = 1;
+    }
+    free(vals), free(kv), free(out), free(node_of);
+    for (size_t i = 0; keys != NULL && i < n; i++)
+        free(keys[i]);
+    free(keys);
+    if (rc == 0 && system("command -v redis-benchmark >/dev/null 2>&1") == 0) {
+        double s[8], g[8];
+        int runs = 0;
+        for (int r = 0; r < cfg->reps; r++) {
+            if (rb_run(masters[0], size, n, nmasters, &s[runs], &g[runs]) != 0) {
+                fprintf(stderr, PROG ": redis-benchmark -d %zu -n %zu failed\n", size, n);
+                break;
+            }
+            runs++;
+        }
+        if (runs == cfg->reps) {
+            row->rb_set = bench_median(s, (size_t)runs) * (double)size / MB;
+            row->rb_get = bench_median(g, (size_t)runs) * (double)size / MB;
+        }
+    }
+    return rc;
+}
+
+static void size_name(size_t bytes, char *buf, size_t len)
+{
+    if (bytes >= (1u << 20) && bytes % (1u << 20) == 0)
+        snprintf(buf, len, "%zu MiB", bytes >> 20);
+    else if (bytes >= 1024 && bytes % 1024 == 0)
+        snprintf(buf, len, "%zu KiB", bytes >> 10);
+    else
+        snprintf(buf, len, "%zu B", bytes);
+}
+
+static void rb_cell(double rb, double ours_mbps, char *buf, size_t len)
+{
+    if (rb > 0)
+        snprintf(buf, len, "%7.0f %5.2f", rb, ours_mbps / rb);
+    else
+        snprintf(buf, len, "%13s", "-");
+}
+
+static void store_print(const store_row *rows, size_t n, int nmasters)
+{
+    printf("\n(1) store bandwidth, %d masters, one pipelined call of N values (MB/s = 10^6 B/s; "
+           "ratio = ours / baseline)\n",
+           nmasters);
+    printf("%-8s %5s | %8s %8s %6s | %8s %8s %6s | %-13s %-13s\n", "size", "N", "put", "raw SET",
+           "ratio", "get", "raw GET", "ratio", "r-bench SET", "r-bench GET");
+    double worst = 1e9;
+    for (size_t i = 0; i < n; i++) {
+        const store_row *r = &rows[i];
+        char name[32];
+        size_name(r->sz.bytes, name, sizeof name);
+        if (!r->ok) {
+            printf("%-8s %5zu | (did not run)\n", name, r->sz.n);
+            continue;
+        }
+        size_t total = r->sz.bytes * r->sz.n;
+        double put = mbps(total, r->put_us), set = mbps(total, r->set_us);
+        double get = mbps(total, r->get_us), rget = mbps(total, r->rget_us);
+        char rbs[32], rbg[32];
+        rb_cell(r->rb_set, put, rbs, sizeof rbs);
+        rb_cell(r->rb_get, get, rbg, sizeof rbg);
+        printf("%-8s %5zu | %8.0f %8.0f %6.2f | %8.0f %8.0f %6.2f | %s %s\n", name, r->sz.n, put,
+               set, put / set, get, rget, get / rget, rbs, rbg);
+        worst = put / set < worst ? put / set : worst;
+        worst = get / rget < worst ? get / rget : worst;
+    }
+    printf("ratios against raw hiredis pipelines (goal >= 0.7): lowest %.2f\n", worst);
+    printf("(r-bench: redis-benchmark --cluster -c masters -P N/masters, MB/s and ours over it; "
+           "reference only)\n");
+}
+
+/* ---- (2) migration -------------------------------------------------------- */
+
+typedef struct mig_result {
+    double memcpy_us, put_us, get_us, export_us, import_us;
+    size_t bytes, values, value_bytes;
+    int ok;
+} mig_result;
+
+static size_t layer_kv_bytes(const kvs_geometry *g, uint32_t tokens)
+{
+    return (size_t)g->kv_heads * tokens * g->head_dim * 2; /* K (or V) of one layer, fp16 */
+}
+
+/* Delete export uid's keys (a `full` sequence: one data value per layer). */
+static int export_delete(remote_store *rs, const char *ns, const char *uid, uint32_t layers,
+                         int check)
+{
+    char **keys = calloc(layers + 1, sizeof *keys);
+    status st;
+    int rc = keys ? 0 : -1;
+    for (uint32_t l = 0; rc == 0 && l <= layers; l++) {
+        char part[32];
+        if (l < layers)
+            snprintf(part, sizeof part, "l%u.h0.full", l);
+        else
+            snprintf(part, sizeof part, "manifest");
+        keys[l] = malloc(REMOTE_KEY_CAP);
+        if (keys[l] == NULL ||
+            remote_key(keys[l], REMOTE_KEY_CAP, ns, "default", uid, part, &st) != ST_OK)
+            rc = -1;
+    }
+    if (rc == 0 && check) { /* the keys are the export's: they exist */
+        remote_buf b[2] = {{0}};
+        const char *k2[2] = {keys[0], keys[layers]};
+        if (remote_get(rs, k2, 2, b, &st) != ST_OK || !b[0].found || !b[1].found) {
+            fprintf(stderr, PROG ": export %s's keys are not where expected (%s)\n", uid,
+                    keys[layers]);
+            rc = -1;
+        }
+        remote_bufs_free(b, 2);
+    }
+    if (rc == 0 && remote_del(rs, (const char *const *)keys, layers + 1, &st) != ST_OK) {
+        report_status("remote_del (export)", &st);
+        rc = -1;
+    }
+    for (uint32_t l = 0; keys != NULL && l <= layers; l++)
+        free(keys[l]);
+    free(keys);
+    return rc;
+}
+
+/* Every layer of seq on s equals what layer_fill wrote. */
+static int verify_layers(kvs_session *s, uint64_t seq, const kvs_geometry *g, uint32_t tokens,
+                         uint8_t *k, uint8_t *v, uint8_t *ek, uint8_t *ev)
+{
+    kvs_table t = {0};
+    int rc = kvs_seq_table(s, seq, 0, &t);
+    if (rc != KVS_OK) {
+        report_kvs(s, "kvs_seq_table (B)", rc);
+        return -1;
+    }
+    size_t lb = layer_kv_bytes(g, tokens);
+    int bad = t.layers != g->layers || t.heads != 1;
+    for (uint32_t l = 0; !bad && l < g->layers; l++) {
+        if (t.layer[l].tokens != tokens) {
+            fprintf(stderr, PROG ": imported layer %u holds %u tokens, not %u\n", l,
+                    t.layer[l].tokens, tokens);
+            bad = 1;
+            break;
+        }
+        if ((rc = kvs_layer_read(s, &t.layer[l], k, v)) != KVS_OK) {
+            report_kvs(s, "kvs_layer_read (B)", rc);
+            bad = 1;
+            break;
+        }
+        fill(ek, lb, 2ull * l), fill(ev, lb, 2ull * l + 1);
+        if (memcmp(k, ek, lb) != 0 || memcmp(v, ev, lb) != 0) {
+            fprintf(stderr, PROG ": layer %u read on B differs from what A wrote\n", l);
+            bad = 1;
+        }
+    }
+    kvs_table_free(&t);
+    return bad ? -1 : 0;
+}
+
+static int migration_run(const bench_cfg *cfg, remote_store *rs, const char *ns, const char *sock_a,
+                         const char *sock_b, mig_result *res)
+{
+    const kvs_geometry *g = &cfg->geom;
+    size_t lb = layer_kv_bytes(g, cfg->tokens);
+    kvs_session *sa = NULL, *sb = NULL;
+    uint8_t *k = malloc(lb), *v = malloc(lb), *ek = malloc(lb), *ev = malloc(lb);
+    uint8_t *src = NULL, *dst = NULL;
+    remote_kv *kv = NULL;
+    remote_buf *out = NULL;
+    char **keys = NULL;
+    char err[512];
+    int rc = k && v && ek && ev ? 0 : -1, krc;
+    uint64_t seq_a = 0;
+    memset(res, 0, sizeof *res);
+    if (rc == 0 && (krc = kvs_session_attach_tenant(sock_a, "", "llama-3-8b-bench", g, PROG "-a",
+                                                    &sa, err, sizeof err)) != KVS_OK) {
+        fprintf(stderr, PROG ": attach A: %s: %s\n", kvs_strerror(krc), err);
+        rc = -1;
+    }
+    if (rc == 0 && (krc = kvs_session_attach_tenant(sock_b, "", "llama-3-8b-bench", g, PROG "-b",
+                                                    &sb, err, sizeof err)) != KVS_OK) {
+        fprintf(stderr, PROG ": attach B: %s: %s\n", kvs_strerror(krc), err);
+        rc = -1;
+    }
+    if (rc == 0 && (krc = kvs_seq_create(sa, "full", NULL, 0, PROG, &seq_a)) != KVS_OK) {
+        report_kvs(sa, "kvs_seq_create (A)", krc);
+        rc = -1;
+    }
+    kvs_table w = {0};
+    if (rc == 0 && (krc = kvs_seq_append(sa, seq_a, cfg->tokens, &w)) != KVS_OK) {
+        report_kvs(sa, "kvs_seq_append (A)", krc);
+        rc = -1;
+    }
+    for (uint32_t l = 0; rc == 0 && l < g->layers; l++) {
+        fill(k, lb, 2ull * l), fill(v, lb, 2ull * l + 1);
+        if (w.layers != g->layers || w.layer[l].tokens != cfg->tokens) {
+            fprintf(stderr, PROG ": the append gave %u layers, layer %u %u tokens\n", w.layers, l,
+                    w.layers == g->layers ? w.layer[l].tokens : 0);
+            rc = -1;
+        } else if ((krc = kvs_layer_write(sa, &w.layer[l], k, v)) != KVS_OK) {
+            report_kvs(sa, "kvs_layer_write (A)", krc);
+            rc = -1;
+        }
+    }
+    kvs_table_free(&w);
+
+    /* The baselines' data: one value per layer of a list's bytes, under one hash tag. */
+    size_t vb = 2 * lb, n = g->layers;
+    res->bytes = vb * n, res->values = n, res->value_bytes = vb;
+    if (rc == 0) {
+        src = malloc(res->bytes), dst = malloc(res->bytes);
+        kv = calloc(n, sizeof *kv), out = calloc(n, sizeof *out), keys = calloc(n, sizeof *keys);
+        if (src == NULL || dst == NULL || kv == NULL || out == NULL || keys == NULL) {
+            fprintf(stderr, PROG ": out of memory for 2 x %zu bytes\n", res->bytes);
+            rc = -1;
+        }
+    }
+    for (size_t i = 0; rc == 0 && i < n; i++) {
+        char key[REMOTE_KEY_CAP];
+        snprintf(key, sizeof key, "kvs:%s:{default:direct}:l%zu", ns, i);
+        if ((keys[i] = strdup(key)) == NULL)
+            rc = -1;
+        else
+            kv[i] = (remote_kv){keys[i], src + i * vb, vb};
+    }
+    if (rc == 0) {
+        fill(src, res->bytes, 77);
+        memset(dst, 1, res->bytes); /* fault it in */
+    }
+    double mc[8], put[8], get[8], ex[8], im[8];
+    int first = cfg->quick ? 0 : -1; /* -1: the warm-up */
+    for (int r = first; rc == 0 && r < cfg->reps; r++) {
+        status st;
+        double t0 = bench_now_us();
+        memcpy(dst, src, res->bytes);
+        double t1 = bench_now_us();
+        if (memcmp(dst, src, 4096) != 0)
+            rc = -1;
+        double t2 = bench_now_us();
+        if (rc == 0 && remote_put(rs, kv, n, 0, &st) != ST_OK) {
+            report_status("remote_put (direct)", &st);
+            rc = -1;
+        }
+        double t3 = bench_now_us();
+        if (rc == 0 && remote_get(rs, (const char *const *)keys, n, out, &st) != ST_OK) {
+            report_status("remote_get (direct)", &st);
+            rc = -1;
+        }
+        double t4 = bench_now_us();
+        for (size_t i = 0; rc == 0 && i < n; i++)
+            if (!out[i].found || out[i].len != vb || memcmp(out[i].data, src + i * vb, vb) != 0) {
+                fprintf(stderr, PROG ": direct value %s did not round-trip\n", keys[i]);
+                rc = -1;
+            }
+        remote_bufs_free(out, n);
+        if (rc == 0 && remote_del(rs, (const char *const *)keys, n, &st) != ST_OK) {
+            report_status("remote_del (direct)", &st);
+            rc = -1;
+        }
+        char uid[KVS_EXPORT_UID_LEN + 1] = "";
+        uint64_t seq_b = 0, appended = 0;
+        double t5 = bench_now_us();
+        if (rc == 0 && (krc = kvs_seq_export(sa, seq_a, uid)) != KVS_OK) {
+            report_kvs(sa, "kvs_seq_export (A)", krc);
+            rc = -1;
+        }
+        double t6 = bench_now_us();
+        if (rc == 0 && (krc = kvs_seq_import(sb, uid, &seq_b, &appended)) != KVS_OK) {
+            report_kvs(sb, "kvs_seq_import (B)", krc);
+            rc = -1;
+        }
+        double t7 = bench_now_us();
+        if (rc == 0 && appended != cfg->tokens) {
+            fprintf(stderr, PROG ": the import says %" PRIu64 " tokens appended, not %u\n",
+                    appended, cfg->tokens);
+            rc = -1;
+        }
+        if (rc == 0 && r == first)
+            rc = verify_layers(sb, seq_b, g, cfg->tokens, k, v, ek, ev);
+        if (seq_b != 0 && (krc = kvs_seq_release(sb, seq_b)) != KVS_OK) {
+            report_kvs(sb, "kvs_seq_release (B)", krc);
+            rc = -1;
+        }
+        if (uid[0] != '\0' && export_delete(rs, ns, uid, g->layers, r == first) != 0)
+            rc = -1;
+        if (rc == 0 && r >= 0) {
+            mc[r] = t1 - t0, put[r] = t3 - t2, get[r] = t4 - t3;
+            ex[r] = t6 - t5, im[r] = t7 - t6;
+        }
+    }
+    if (rc == 0) {
+        size_t reps = (size_t)cfg->reps;
+        res->memcpy_us = bench_median(mc, reps), res->put_us = bench_median(put, reps);
+        res->get_us = bench_median(get, reps), res->export_us = bench_median(ex, reps);
+        res->import_us = bench_median(im, reps);
+        res->ok = 1;
+    }
+    if (sa != NULL && seq_a != 0 && (krc = kvs_seq_release(sa, seq_a)) != KVS_OK) {
+        report_kvs(sa, "kvs_seq_release (A)", krc);
+        rc = -1;
+    }
+    if (sa != NULL && kvs_session_detach(sa) != KVS_OK)
+        rc = -1;
+    if (sb != NULL && kvs_session_detach(sb) != KVS_OK)
+        rc = -1;
+    for (size_t i = 0; keys != NULL && i < n; i++)
+        free(keys[i]);
+    free(keys), free(kv), free(out), free(src), free(dst);
+    free(k), free(v), free(ek), free(ev);
+    return rc;
+}
+
+static void migration_print(const bench_cfg *cfg, const mig_result *r)
+{
+    const kvs_geometry *g = &cfg->geom;
+    printf("\n(2) migration of a `full` sequence: %u tokens x %u layers x %u KV heads x %u "
+           "fp16, %u-token blocks: %.1f MiB of K+V in %zu data values of %.1f MiB (one hash "
+           "slot: one master), median of %d\n",
+           cfg->tokens, g->layers, g->kv_heads, g->head_dim, g->block_tokens,
+           (double)r->bytes / (1 << 20), r->values, (double)r->value_bytes / (1 << 20), cfg->reps);
+    if (!r->ok) {
+        printf("(did not run)\n");
+        return;
+    }
+    printf("%-44s %10s %8s\n", "", "ms", "MB/s");
+    printf("%-44s %10.1f %8.0f\n", "memcpy of the same bytes", r->memcpy_us / 1e3,
+           mbps(r->bytes, r->memcpy_us));
+    printf("%-44s %10.1f %8.0f\n", "remote_put of the same bytes (our client)", r->put_us / 1e3,
+           mbps(r->bytes, r->put_us));
+    printf("%-44s %10.1f %8.0f\n", "kvs_seq_export on A", r->export_us / 1e3,
+           mbps(r->bytes, r->export_us));
+    printf("%-44s %10.1f %8.0f\n", "remote_get of the same bytes (our client)", r->get_us / 1e3,
+           mbps(r->bytes, r->get_us));
+    printf("%-44s %10.1f %8.0f\n", "kvs_seq_import on B", r->import_us / 1e3,
+           mbps(r->bytes, r->import_us));
+    printf("ratios (baseline time over ours): export/put %.2f, import/get %.2f, export/memcpy "
+           "%.3f, import/memcpy %.3f; migration (export + import) %.1f ms\n",
+           r->put_us / r->export_us, r->get_us / r->import_us, r->memcpy_us / r->export_us,
+           r->memcpy_us / r->import_us, (r->export_us + r->import_us) / 1e3);
+}
+
+/* ---- main ------------------------------------------------------------------ */
+
+static int parse_u32(const char *s, uint32_t *out)
+{
+    char *end;
+    errno = 0;
+    unsigned long v = strtoul(s, &end, 10);
+    if (errno || *end || v == 0 || v > 65536)
+        return -1;
+    *out = (uint32_t)v;
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    bench_cfg cfg = {.reps = 3,
+                     .sizes = {{64u << 10, 1536}, {1u << 20, 192}, {16u << 20, 24}},
+                     .nsizes = 3,
+                     .geom = {.layers = 32,
+                              .q_heads = 32,
+                              .kv_heads = 8,
+                              .head_dim = 128,
+                              .block_tokens = 16,
+                              .dtype = KVS_FP16},
+                     .tokens = 4096};
+    uint32_t layers = 0, tokens = 0;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--quick") == 0) {
+            cfg.quick = 1;
+        } else if (strcmp(argv[i], "--layers") == 0 && i + 1 < argc) {
+            if (parse_u32(argv[++i], &layers) != 0)
+                goto usage;
+        } else if (strcmp(argv[i], "--tokens") == 0 && i + 1 < argc) {
+            if (parse_u32(argv[++i], &tokens) != 0)
+                goto usage;
+        } else if (argv[i][0] != '-' && cfg.daemon == NULL) {
+            cfg.daemon = argv[i];
+        } else {
+            goto usage;
+        }
+    }
+    if (cfg.quick) {
+        cfg.reps = 1;
+        cfg.sizes[0] = (store_size){64u << 10, 48};
+        cfg.sizes[1] = (store_size){1u << 20, 12};
+        cfg.nsizes = 2;
+        cfg.geom = (kvs_geometry){.layers = 2,
+                                  .q_heads = 2,
+                                  .kv_heads = 2,
+                                  .head_dim = 16,
+                                  .block_tokens = 16,
+                                  .dtype = KVS_FP16};
+        cfg.tokens = 256;
+    }
+    if (layers)
+        cfg.geom.layers = layers;
+    if (tokens)
+        cfg.tokens = tokens;
+    if (cfg.daemon == NULL)
+        cfg.daemon = bench_default_daemon();
+    g_py = getenv("KVSTASH_CLUSTER_PY");
+    if (g_py == NULL || g_py[0] == '\0')
+        g_py = KVSTASH_CLUSTER_PY;
+    setenv("KVSTASH_RPC_TIMEOUT_MS", "300000", 0); /* an export of 512 MiB on a busy machine */
+
+    if (mkdtemp(g_tmp) == NULL) {
+        perror("mkdtemp");
+        return 1;
+    }
+    g_tmp_made = 1;
+    snprintf(g_cluster_dir, sizeof g_cluster_dir, "%s/cluster", g_tmp);
+    atexit(cleanup);
+    struct sigaction sa = {0};
+    sa.sa_handler = on_signal;
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGHUP, &sa, NULL);
+
+    /* The cluster, then the daemons, before anything starts threads. */
+    char out[4096], args[2 * PATH_MAX];
+    snprintf(args, sizeof args, "start '%s' --masters 3 --replicas 0 --owner %d", g_cluster_dir,
+             (int)getpid());
+    g_cluster_started = 1; /* stop is safe whatever start got to */
+    if (cluster_py(out, sizeof out, args) != 0) {
+        fprintf(stderr,
+                PROG ": cluster.py start failed (redis-server and redis-cli must be "
+                     "installed: ops/setup.sh): %s\n",
+                out);
+        return 1;
+    }
+    int ports[MAX_MASTERS], masters[MAX_MASTERS], nmasters = 0;
+    static int owner[REDIS_CLUSTER_SLOTS];
+    int nports = parse_ports(out, ports, MAX_MASTERS);
+    if (nports < 3 || slots_owners(ports[0], owner, masters, &nmasters) != 0) {
+        fprintf(stderr, PROG ": cluster.py start: %s\n", out);
+        return 1;
+    }
+    char seeds[128], ns[32];
+    snprintf(seeds, sizeof seeds, "127.0.0.1:%d,127.0.0.1:%d", ports[0], ports[1]);
+    snprintf(ns, sizeof ns, "bench%d", (int)getpid());
+    size_t mig_bytes = 2 * layer_kv_bytes(&cfg.geom, cfg.tokens) * cfg.geom.layers;
+    int pool_mb = (int)(mig_bytes >> 20) + (int)(mig_bytes >> 24) + 32;
+    char sock_a[PATH_MAX], sock_b[PATH_MAX];
+    if (daemon_start(0, cfg.daemon, pool_mb, seeds, ns, sock_a, sizeof sock_a) != 0 ||
+        daemon_start(1, cfg.daemon, pool_mb, seeds, ns, sock_b, sizeof sock_b) != 0)
+        return 1;
+
+    char rv[128] = "?";
+    FILE *p = popen("redis-server --version 2>/dev/null", "r");
+    if (p != NULL) {
+        if (fgets(rv, sizeof rv, p) != NULL)
+            rv[strcspn(rv, "\n")] = '\0';
+        pclose(p);
+    }
+    printf(PROG ": %s run, %ld CPUs, %s; cluster of %d masters (no replicas) on 127.0.0.1:%d,...; "
+                "median of %d%s\n",
+           cfg.quick ? "quick" : "full", sysconf(_SC_NPROCESSORS_ONLN), rv, nmasters, ports[0],
+           cfg.reps, cfg.quick ? "" : " after a warm-up");
+    fflush(stdout);
+
+    remote_store *rs = NULL;
+    status st;
+    if (redis_cluster_open(seeds, TIMEOUT_MS, &rs, &st) != ST_OK) {
+        report_status("redis_cluster_open", &st);
+        return 1;
+    }
+    if (remote_ping(rs, &st) != ST_OK) { /* connects to every master, as raw_open does */
+        report_status("remote_ping", &st);
+        return 1;
+    }
+    raw_client raw;
+    int failed = raw_open(&raw, masters, nmasters) != 0;
+
+    store_row rows[MAX_SIZES];
+    memset(rows, 0, sizeof rows);
+    for (size_t i = 0; !failed && i < cfg.nsizes; i++) {
+        rows[i].sz = cfg.sizes[i];
+        if (store_size_run(&cfg, rs, &raw, owner, masters, nmasters, &rows[i]) != 0)
+            failed = 1;
+    }
+    raw_close(&raw);
+    store_print(rows, cfg.nsizes, nmasters);
+    fflush(stdout);
+
+    mig_result mig = {0};
+    if (migration_run(&cfg, rs, ns, sock_a, sock_b, &mig) != 0)
+        failed = 1;
+    migration_print(&cfg, &mig);
+    remote_close(rs);
+
+    for (int i = 0; i < 2; i++) {
+        int ds = daemon_stop(i);
+        if (ds != 0) {
+            fprintf(stderr, PROG ": kvstashd %c exited with status %d\n", 'a' + i, ds);
+            failed = 1;
+        }
+    }
+    if (failed)
+        fprintf(stderr, PROG ": some parts failed (see above)\n");
+    return failed ? 1 : 0;
+
+usage:
+    fprintf(stderr, "usage: %s [--quick] [--layers N] [--tokens N] [PATH_TO_KVSTASHD]\n", argv[0]);
+    return 2;
+}
