@@ -558,6 +558,24 @@ done:
 
 /* The manifest's JSON (migrate.h); takes entries (freed on failure too).
  * NULL when out of memory. */
+/* Each layer's policy state as a base64 string; [] for a policy without. */
+static json_t *states_array(const seq_export *x)
+{
+    json_t *a = json_array();
+    for (uint32_t l = 0; a != NULL && x->states != NULL && l < x->layers; l++) {
+        char *s = malloc(b64_len(x->state_len[l]) + 1);
+        if (s != NULL)
+            b64_encode(x->states[l], x->state_len[l], s);
+        int bad = s == NULL || json_array_append_new(a, json_string(s)) != 0;
+        free(s);
+        if (bad) {
+            json_decref(a);
+            return NULL;
+        }
+    }
+    return a;
+}
+
 static json_t *build_manifest(const seq_export *x, const char *ns, const char *tenant,
                               const char *uid, size_t block_bytes, uint32_t quant_group,
                               json_t *entries)
@@ -593,7 +611,8 @@ static json_t *build_manifest(const seq_export *x, const char *ns, const char *t
            json_object_set_new(o, "block_bytes", json_integer((json_int_t)block_bytes)) |
            json_object_set_new(o, "quant_group", json_integer(quant_group)) |
            json_object_set_new(o, "nblocks", json_integer((json_int_t)x->nblocks)) |
-           json_object_set_new(o, "data", entries) | json_object_set_new(o, "lists", lists);
+           json_object_set_new(o, "data", entries) | json_object_set_new(o, "lists", lists) |
+           json_object_set_new(o, "states", states_array(x));
     if (bad) {
         json_decref(o);
         return NULL;
@@ -746,13 +765,49 @@ status_code migrate_decode_manifest(const void *buf, size_t len, const pool_geom
     return rc;
 }
 
+/* "states": [] (a policy without state), or one base64 string a layer:
+ * the bytes are the policy's to check (import_layer); here only their
+ * encoding, and their size, which the manifest's own length bounds. */
+static status_code parse_states(json_t *root, seq_export *x, status *st)
+{
+    json_t *a;
+    if (get(root, "", "states", &a, st) || array_of(a, "states", 1, st))
+        return st->code;
+    size_t n = json_array_size(a);
+    if (n == 0)
+        return ST_OK;
+    if (n != x->layers)
+        return status_set(st, ST_DATA_LOSS, "manifest: states has %zu entries for %u layers", n,
+                          x->layers);
+    x->states = calloc(n, sizeof *x->states);
+    x->state_len = calloc(n, sizeof *x->state_len);
+    if (x->states == NULL || x->state_len == NULL)
+        return status_set(st, ST_RESOURCE_EXHAUSTED, "manifest: out of memory");
+    for (size_t l = 0; l < n; l++) {
+        json_t *j = json_array_get(a, l);
+        size_t len = json_is_string(j) ? json_string_length(j) : 1;
+        const char *s = json_is_string(j) ? json_string_value(j) : "";
+        size_t pad = len >= 2 && s[len - 1] == '=' ? (s[len - 2] == '=' ? 2 : 1) : 0;
+        size_t bytes = len / 4 * 3 - (len % 4 == 0 ? pad : 0);
+        x->states[l] = malloc(bytes ? bytes : 1);
+        if (x->states[l] == NULL)
+            return status_set(st, ST_RESOURCE_EXHAUSTED, "manifest: out of memory");
+        x->state_len[l] = bytes;
+        if (!json_is_string(j) || len % 4 != 0 || b64_decode(s, len, x->states[l], bytes) != 0)
+            return status_set(st, ST_DATA_LOSS, "manifest: states[%zu] is not base64 (RFC 4648)",
+                              l);
+    }
+    return ST_OK;
+}
+
 static status_code parse_manifest(json_t *root, migrate_plan *p, status *st)
 {
     static const char *const names[] = {"format",          "ns",         "tenant", "uid",
                                         "policy",          "params",     "label",  "appended",
                                         "unstepped",       "host_steps", "moved",  "requantized",
                                         "victims_dropped", "layers",     "heads",  "block_bytes",
-                                        "quant_group",     "nblocks",    "data",   "lists"};
+                                        "quant_group",     "nblocks",    "data",   "lists",
+                                        "states"};
     seq_export *x = &p->image;
     uint64_t v, qg;
     json_t *lists;
@@ -795,6 +850,8 @@ static status_code parse_manifest(json_t *root, migrate_plan *p, status *st)
     for (uint32_t li = 0; li < nlists && rc == ST_OK; li++)
         rc = parse_list(json_array_get(lists, li), li, p, list_blocks[li], st);
     free(list_blocks);
+    if (rc == ST_OK)
+        rc = parse_states(root, x, st);
     if (rc == ST_OK)
         rc = finish_data(p, st);
     return rc;

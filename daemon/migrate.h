@@ -66,6 +66,9 @@
  *     tail          null (decoded: has_tail 0, tail_block and
  *                   tail_next_slot 0), or [block, next_slot]
  *     demote_due    0..255
+ *   states          [] for a policy without per-layer state, else [layers]
+ *                   base64 strings: each layer's state as the policy wrote
+ *                   it (policy_ops.export_layer); import_layer checks them
  *
  * For example (abridged):
  *

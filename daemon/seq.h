@@ -360,17 +360,22 @@ typedef struct seq_export {
     uint64_t moved[POLICY_TIERS], requantized, victims_dropped;
     uint32_t layers, heads; /* lists: layers * heads, list (l, k) at l * heads + k */
     seq_export_list *lists;
+    /* [layers] each layer's policy state (policy_host_export_state: the
+     * policy's own bytes), state_len[l] bytes; NULL for a policy that keeps
+     * none (no export_layer). */
+    uint8_t **states;
+    size_t *state_len;
     size_t nblocks;
     uint32_t *blocks;     /* [nblocks] this pool's block ids */
     uint8_t *block_tier;  /* [nblocks] the tier its slots hold */
     uint32_t *block_list; /* [nblocks] the list it belongs to */
 } seq_export;
 
-/* Describe s (its lists, victims, tails, counters) into *out. Refuses
- * with FAILED_PRECONDITION what it cannot carry yet: a policy that keeps
- * state of its own (policy_ops.save: h2o, snapkv, ... ; full, streaming
- * and tova keep none), tokens or victims in a sketch. RESOURCE_EXHAUSTED
- * when out of memory. *out is the caller's: seq_export_free. */
+/* Describe s (its lists, victims, tails, counters, its policy's state)
+ * into *out. Refuses with FAILED_PRECONDITION what it cannot carry yet: a
+ * policy whose state cannot be written out (policy_host_portable), tokens
+ * or victims in a sketch. RESOURCE_EXHAUSTED when out of memory. *out is
+ * the caller's: seq_export_free. */
 status_code seq_export_describe(seq *s, seq_export *out, status *st);
 void seq_export_free(seq_export *x);
 

@@ -21,6 +21,9 @@ void seq_export_free(seq_export *x)
         free(e->victims), free(e->victim_at), free(e->victim_blocks);
     }
     free(x->lists);
+    for (size_t l = 0; x->states != NULL && l < x->layers; l++)
+        free(x->states[l]);
+    free(x->states), free(x->state_len);
     free(x->blocks), free(x->block_tier), free(x->block_list);
     memset(x, 0, sizeof *x);
 }
@@ -135,13 +138,25 @@ static int describe_list(seq *s, uint32_t l, uint32_t k, numbering *nb, seq_expo
     return rc;
 }
 
+/* Every layer's policy state (policy_host_export_state). 0 or -1. */
+static int describe_states(seq *s, seq_export *out)
+{
+    out->states = calloc(s->nlayers, sizeof *out->states);
+    out->state_len = calloc(s->nlayers, sizeof *out->state_len);
+    if (out->states == NULL || out->state_len == NULL)
+        return -1;
+    for (uint32_t l = 0; l < s->nlayers; l++)
+        if ((out->states[l] = policy_host_export_state(s->host, l, &out->state_len[l])) == NULL)
+            return -1;
+    return 0;
+}
+
 status_code seq_export_describe(seq *s, seq_export *out, status *st)
 {
     memset(out, 0, sizeof *out);
     if (!policy_host_portable(s->host))
         return status_set(st, ST_FAILED_PRECONDITION,
-                          "policy %s keeps state of its own that export does not carry yet; "
-                          "sequences of full, streaming and tova can move",
+                          "policy %s keeps state of its own that it cannot write out yet",
                           s->policy->name);
     for (size_t i = 0; i < seq_nlists(s); i++)
         if (list_has_sketch(&s->lists[i]))
@@ -166,6 +181,8 @@ status_code seq_export_describe(seq *s, seq_export *out, status *st)
         for (uint32_t k = 0; rc == 0 && k < s->heads; k++)
             rc = describe_list(s, l, k, &nb, &out->lists[l * s->heads + k]);
     free(nb.index);
+    if (rc == 0 && s->policy->export_layer != NULL)
+        rc = describe_states(s, out);
     if (rc == 0)
         return ST_OK;
     seq_export_free(out);
@@ -315,14 +332,21 @@ static status_code restore_host(seq *s, const seq_export *x, status *st)
 {
     size_t n = seq_nlists(s);
     policy_host_list_image *im = calloc(n, sizeof *im);
-    if (im == NULL)
+    policy_host_state_image *states = x->states != NULL ? calloc(s->nlayers, sizeof *states) : NULL;
+    if (im == NULL || (x->states != NULL && states == NULL)) {
+        free(im);
+        free(states);
         return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
+    }
     for (size_t i = 0; i < n; i++)
         im[i] = (policy_host_list_image){x->lists[i].ntokens, x->lists[i].positions,
                                          x->lists[i].tiers, x->lists[i].attn};
+    for (uint32_t l = 0; states != NULL && l < s->nlayers; l++)
+        states[l] = (policy_host_state_image){x->states[l], x->state_len[l]};
     char err[POLICY_ERR_LEN] = "";
-    int rc = policy_host_restore(s->host, x->appended, x->host_steps, im, err, sizeof err);
+    int rc = policy_host_restore(s->host, x->appended, x->host_steps, im, states, err, sizeof err);
     free(im);
+    free(states);
     return rc == 0 ? ST_OK : status_set(st, ST_INVALID_ARGUMENT, "import: %s", err);
 }
 

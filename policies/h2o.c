@@ -268,6 +268,190 @@ static void h2o_discard(void *saved)
     free(saved);
 }
 
+/* ---- moving a sequence (ops->export_layer / import_layer) ---------------
+ *
+ * A layer's state as bytes, little-endian, version 1:
+ *   0  "h2o", then the version byte (1)
+ *   4  u32 layer, layers, budget, recent, sinks: what the bytes were
+ *      written for, checked against the importing state (same parameters
+ *      and geometry, as policy.h requires)
+ *  24  u32 n, the tracked tokens (<= budget: every step ends within it)
+ *  28  n x u32 original positions, strictly ascending
+ *      n x u64 accumulated scores, each a double's IEEE bits (finite)
+ * The score is the only thing step() carries from one step to the next;
+ * the positions pair it with the host's list. h2o has no state that is
+ * not per layer. */
+
+#define H2O_STATE_VERSION 1
+#define H2O_STATE_ECHO 5                            /* layer, layers, budget, recent, sinks */
+#define H2O_STATE_HEAD (4 + 4 * H2O_STATE_ECHO + 4) /* magic+version, echo, n */
+#define H2O_STATE_TOKEN (4 + 8)                     /* a position and a score */
+
+static const char *const h2o_echo_names[H2O_STATE_ECHO] = {"layer", "layers", "budget", "recent",
+                                                           "sinks"};
+
+static void put_u32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static uint32_t get_u32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+/* A double as its exact bits, so that the round trip is bit for bit. */
+static void put_f64(uint8_t *p, double d)
+{
+    uint64_t v;
+    memcpy(&v, &d, sizeof v);
+    put_u32(p, (uint32_t)v);
+    put_u32(p + 4, (uint32_t)(v >> 32));
+}
+
+static double get_f64(const uint8_t *p)
+{
+    uint64_t v = (uint64_t)get_u32(p) | (uint64_t)get_u32(p + 4) << 32;
+    double d;
+    memcpy(&d, &v, sizeof d);
+    return d;
+}
+
+static void state_echo(const h2o_state *st, uint32_t layer, uint32_t echo[H2O_STATE_ECHO])
+{
+    echo[0] = layer;
+    echo[1] = st->layers;
+    echo[2] = st->budget;
+    echo[3] = st->recent;
+    echo[4] = st->sinks;
+}
+
+static void *h2o_export_layer(const void *state, uint32_t layer, size_t *len)
+{
+    const h2o_state *st = state;
+    const h2o_layer *ly = &st->ly[layer];
+    size_t total = H2O_STATE_HEAD + (size_t)ly->n * H2O_STATE_TOKEN;
+    uint8_t *b = malloc(total);
+    if (b == NULL)
+        return NULL;
+    memcpy(b, "h2o", 3);
+    b[3] = H2O_STATE_VERSION;
+    uint32_t echo[H2O_STATE_ECHO];
+    state_echo(st, layer, echo);
+    for (int i = 0; i < H2O_STATE_ECHO; i++)
+        put_u32(b + 4 + 4 * i, echo[i]);
+    put_u32(b + H2O_STATE_HEAD - 4, ly->n);
+    uint8_t *pos = b + H2O_STATE_HEAD, *score = pos + (size_t)ly->n * 4;
+    for (uint32_t i = 0; i < ly->n; i++) {
+        put_u32(pos + (size_t)i * 4, ly->pos[i]);
+        put_f64(score + (size_t)i * 8, ly->score[i]);
+    }
+    *len = total;
+    return b;
+}
+
+/* The header of layer's bytes against st; *n receives the token count,
+ * which the exact length then confirms. */
+static int state_head_check(const h2o_state *st, uint32_t layer, const uint8_t *b, size_t len,
+                            uint32_t *n, char *err, size_t errlen)
+{
+    if (len < H2O_STATE_HEAD) {
+        policy_set_err(err, errlen, "h2o state: %zu bytes are shorter than its %d-byte header", len,
+                       H2O_STATE_HEAD);
+        return -1;
+    }
+    if (memcmp(b, "h2o", 3) != 0) {
+        policy_set_err(err, errlen, "h2o state: bad magic (not h2o's layer state)");
+        return -1;
+    }
+    if (b[3] != H2O_STATE_VERSION) {
+        policy_set_err(err, errlen, "h2o state: version %u, this build reads version %d",
+                       (unsigned)b[3], H2O_STATE_VERSION);
+        return -1;
+    }
+    uint32_t echo[H2O_STATE_ECHO];
+    state_echo(st, layer, echo);
+    for (int i = 0; i < H2O_STATE_ECHO; i++) {
+        uint32_t v = get_u32(b + 4 + 4 * i);
+        if (v != echo[i]) {
+            policy_set_err(err, errlen, "h2o state: written for %s %u, this sequence has %u",
+                           h2o_echo_names[i], v, echo[i]);
+            return -1;
+        }
+    }
+    *n = get_u32(b + H2O_STATE_HEAD - 4);
+    if (*n > st->budget) { /* also bounds the allocation below */
+        policy_set_err(err, errlen,
+                       "h2o state: %u tokens exceed the budget of %u (a step never ends above it)",
+                       *n, st->budget);
+        return -1;
+    }
+    size_t want = H2O_STATE_HEAD + (size_t)*n * H2O_STATE_TOKEN;
+    if (len != want) {
+        policy_set_err(err, errlen, "h2o state: %zu bytes, but %u tokens take exactly %zu", len, *n,
+                       want);
+        return -1;
+    }
+    return 0;
+}
+
+/* Positions as a host's list holds them (ascending, distinct) and scores
+ * that step() could have summed (finite). */
+static int state_tokens_check(const uint8_t *pos, const uint8_t *score, uint32_t n, char *err,
+                              size_t errlen)
+{
+    for (uint32_t i = 1; i < n; i++) {
+        if (get_u32(pos + (size_t)i * 4) <= get_u32(pos + (size_t)(i - 1) * 4)) {
+            policy_set_err(err, errlen, "h2o state: position of token %u does not ascend", i);
+            return -1;
+        }
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        if (!isfinite(get_f64(score + (size_t)i * 8))) {
+            policy_set_err(err, errlen, "h2o state: score of token %u is not finite", i);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Everything is checked and allocated before the layer is swapped in, so
+ * a refusal leaves the state as it was. */
+static int h2o_import_layer(void *state, uint32_t layer, const void *buf, size_t len, char *err,
+                            size_t errlen)
+{
+    h2o_state *st = state;
+    const uint8_t *b = buf;
+    uint32_t n;
+    if (layer >= st->layers) {
+        policy_set_err(err, errlen, "h2o state: layer %u of %u", layer, st->layers);
+        return -1;
+    }
+    if (state_head_check(st, layer, b, len, &n, err, errlen) != 0)
+        return -1;
+    const uint8_t *pos = b + H2O_STATE_HEAD, *score = pos + (size_t)n * 4;
+    if (state_tokens_check(pos, score, n, err, errlen) != 0)
+        return -1;
+    /* Arrays of exactly n, as save() makes them. */
+    h2o_layer ly = {.n = n, .cap = n};
+    ly.pos = policy_array_copy(NULL, 0, n, sizeof *ly.pos);
+    ly.score = policy_array_copy(NULL, 0, n, sizeof *ly.score);
+    ly.scratch = policy_array_copy(NULL, 0, n, sizeof *ly.scratch);
+    if (!ly.pos || !ly.score || !ly.scratch) {
+        layer_free(&ly);
+        policy_set_err(err, errlen, "h2o state: out of memory for %u tokens", n);
+        return -1;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        ly.pos[i] = get_u32(pos + (size_t)i * 4);
+        ly.score[i] = get_f64(score + (size_t)i * 8);
+    }
+    layer_free(&st->ly[layer]);
+    st->ly[layer] = ly;
+    return 0;
+}
+
 static char *h2o_describe(void *state, uint32_t layer)
 {
     const h2o_state *st = state;
@@ -301,4 +485,6 @@ const policy_ops policy_h2o = {
     .save = h2o_save,
     .restore = h2o_restore,
     .discard = h2o_discard,
+    .export_layer = h2o_export_layer,
+    .import_layer = h2o_import_layer,
 };

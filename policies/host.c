@@ -259,7 +259,15 @@ int policy_host_append(policy_host *h, uint32_t n)
 
 int policy_host_portable(const policy_host *h)
 {
-    return h->ops->save == NULL;
+    return h->ops->save == NULL || (h->ops->export_layer != NULL && h->ops->import_layer != NULL);
+}
+
+void *policy_host_export_state(const policy_host *h, uint32_t layer, size_t *len)
+{
+    *len = 0;
+    if (h->ops->export_layer == NULL)
+        return malloc(1);
+    return h->ops->export_layer(h->state, layer, len);
 }
 
 uint64_t policy_host_appended(const policy_host *h)
@@ -296,11 +304,17 @@ static int image_check(const policy_host_list_image *li, uint64_t appended, char
 }
 
 int policy_host_restore(policy_host *h, uint64_t appended, uint64_t steps,
-                        const policy_host_list_image *lists, char *err, size_t errlen)
+                        const policy_host_list_image *lists,
+                        const policy_host_state_image *states, char *err, size_t errlen)
 {
     if (!policy_host_portable(h)) {
-        snprintf(err, errlen, "policy %s keeps state of its own: its lists alone do not restore it",
+        snprintf(err, errlen, "policy %s keeps state of its own that it cannot write out",
                  h->ops->name);
+        return -1;
+    }
+    if ((h->ops->import_layer != NULL) != (states != NULL)) {
+        snprintf(err, errlen, "policy %s %s per-layer state", h->ops->name,
+                 states != NULL ? "keeps no" : "needs its");
         return -1;
     }
     if (h->appended != 0 || h->txn || appended > UINT32_MAX) {
@@ -333,6 +347,14 @@ int policy_host_restore(policy_host *h, uint64_t appended, uint64_t steps,
         h->layers[l].pending = 0;
     h->appended = appended;
     h->steps = steps;
+    for (uint32_t l = 0; states != NULL && l < h->geom.layers; l++) {
+        char perr[POLICY_ERR_LEN] = "";
+        if (h->ops->import_layer(h->state, l, states[l].buf, states[l].len, perr, sizeof perr) !=
+            0) {
+            snprintf(err, errlen, "layer %u's %s state: %s", l, h->ops->name, perr);
+            return -1;
+        }
+    }
     return 0;
 }
 

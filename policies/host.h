@@ -84,13 +84,18 @@ void policy_host_rollback(policy_host *h);
 void policy_host_end(policy_host *h); /* keep the changes, drop the saved copies */
 
 /*
- * Moving a sequence to another daemon (issue 17): its host's counters and
- * lists out of one host and into a fresh one of the same policy,
- * parameters and geometry. Only policies whose step keeps no per-layer
- * state of their own (ops->save NULL: their state is their parameters)
- * can move this way; policy_host_portable says whether h's can.
+ * Moving a sequence to another daemon (issue 17): its host's counters,
+ * lists and policy state out of one host and into a fresh one of the same
+ * policy, parameters and geometry. A policy moves when its step keeps no
+ * per-layer state (ops->save NULL: its state is its parameters) or it can
+ * write and read that state (ops->export_layer and import_layer);
+ * policy_host_portable says whether h's can.
  */
 int policy_host_portable(const policy_host *h);
+/* Layer's policy state as bytes (ops->export_layer; malloc'd, the caller
+ * frees), *len their count: 0 bytes (not NULL) for a policy without state.
+ * NULL when out of memory. */
+void *policy_host_export_state(const policy_host *h, uint32_t layer, size_t *len);
 uint64_t policy_host_appended(const policy_host *h);
 uint64_t policy_host_steps(const policy_host *h);
 /* demote_keep's attention of list (layer, head), parallel to its view;
@@ -107,12 +112,21 @@ typedef struct policy_host_list_image {
     const float *attn;
 } policy_host_list_image;
 
+/* One layer's policy state as policy_host_export_state wrote it. */
+typedef struct policy_host_state_image {
+    const void *buf;
+    size_t len;
+} policy_host_state_image;
+
 /* Set a fresh host (nothing appended, no transaction open) to `appended`
- * tokens, `steps` steps and lists[l * heads + k] for every layer l and
- * list k. Returns 0, or -1 with err naming what is wrong (a host that is
- * not portable or not fresh, a list out of order, a tier that is not
- * stored, out of memory); the host is then as it was. */
+ * tokens, `steps` steps, lists[l * heads + k] for every layer l and list
+ * k, and states[l] as every layer's policy state (NULL: no state, for a
+ * policy without). Returns 0, or -1 with err naming what is wrong (a host
+ * that is not portable or not fresh, a list out of order, a tier that is
+ * not stored, state the policy refuses, out of memory); the host must then
+ * be destroyed. */
 int policy_host_restore(policy_host *h, uint64_t appended, uint64_t steps,
-                        const policy_host_list_image *lists, char *err, size_t errlen);
+                        const policy_host_list_image *lists,
+                        const policy_host_state_image *states, char *err, size_t errlen);
 
 #endif

@@ -1051,6 +1051,261 @@ static void ov_restore(void *state, uint32_t layer, void *saved)
     free(c);
 }
 
+/* ---- moving a sequence (ops->export_layer / import_layer) ----------------
+ *
+ * A layer's state as bytes, little-endian, version 1:
+ *     0  "ovb", then the version byte (1)
+ *     4  u32 layer, layers, block size, start_size, snapkv_window,
+ *        aggregation (0 sum, 1 norm_sum): what the bytes were written for,
+ *        checked against the importing state (same parameters and geometry,
+ *        as policy.h requires)
+ *    28  u32 nreg (<= snapkv_window), u32 reg_nsnap, u64 reg_step
+ *    44  u32 mt19937 index (<= 624), then its 624 u32 words
+ *  2544  u64 tracked tokens (len)
+ *  2552  len x u64 accumulated scores, each a double's IEEE bits (finite)
+ *        len x u64 counters (>= 1, never rising along the list)
+ * nreg, reg_* and the rng are sequence-wide: every layer's bytes carry
+ * them, as save() does. Counters go in both modes (step() keeps them in
+ * both, as save() copies them). Not carried: gen, which only orders
+ * save()'s copies, and ov_block_apply_next()'s one-shot request, which
+ * only `kvstash replay` makes, never a daemon's sequence. */
+
+#define OV_STATE_VERSION 1
+#define OV_STATE_ECHO 6    /* layer, layers, block size, start_size, snapkv_window, aggregation */
+#define OV_STATE_WIDE 28   /* offset of nreg */
+#define OV_STATE_RNG 44    /* offset of the mt19937 index */
+#define OV_STATE_HEAD 2552 /* ... the rng's words and len */
+#define OV_STATE_TOKEN 16  /* a score and a counter */
+_Static_assert(OV_STATE_HEAD == OV_STATE_RNG + 4 + 4 * 624 + 8, "the header's layout");
+
+static const char *const ov_echo_names[OV_STATE_ECHO] = {
+    "layer", "layers", "block size", "start_size", "snapkv_window", "aggregation"};
+
+static void put_u32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static void put_u64(uint8_t *p, uint64_t v)
+{
+    put_u32(p, (uint32_t)v);
+    put_u32(p + 4, (uint32_t)(v >> 32));
+}
+
+static uint32_t get_u32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static uint64_t get_u64(const uint8_t *p)
+{
+    return (uint64_t)get_u32(p) | (uint64_t)get_u32(p + 4) << 32;
+}
+
+/* A double as its exact bits, so that the round trip is bit for bit. */
+static uint64_t f64_bits(double d)
+{
+    uint64_t v;
+    memcpy(&v, &d, sizeof v);
+    return v;
+}
+
+static double bits_f64(uint64_t v)
+{
+    double d;
+    memcpy(&d, &v, sizeof d);
+    return d;
+}
+
+static void state_echo(const ov_block *st, uint32_t layer, uint32_t echo[OV_STATE_ECHO])
+{
+    echo[0] = layer;
+    echo[1] = st->layers;
+    echo[2] = st->B;
+    echo[3] = st->start;
+    echo[4] = st->snap_w;
+    echo[5] = (uint32_t)st->norm_sum;
+}
+
+static void *ov_export_layer(const void *state, uint32_t layer, size_t *len)
+{
+    const ov_block *st = state;
+    const ov_layer *L = &st->ly[layer];
+    size_t total = OV_STATE_HEAD + L->len * OV_STATE_TOKEN;
+    uint8_t *b = malloc(total);
+    if (b == NULL)
+        return NULL;
+    memcpy(b, "ovb", 3);
+    b[3] = OV_STATE_VERSION;
+    uint32_t echo[OV_STATE_ECHO];
+    state_echo(st, layer, echo);
+    for (int i = 0; i < OV_STATE_ECHO; i++)
+        put_u32(b + 4 + 4 * i, echo[i]);
+    put_u32(b + OV_STATE_WIDE, st->nreg);
+    put_u32(b + OV_STATE_WIDE + 4, st->reg_nsnap);
+    put_u64(b + OV_STATE_WIDE + 8, st->reg_step);
+    put_u32(b + OV_STATE_RNG, st->rng.idx);
+    for (int i = 0; i < 624; i++)
+        put_u32(b + OV_STATE_RNG + 4 + 4 * i, st->rng.mt[i]);
+    put_u64(b + OV_STATE_HEAD - 8, L->len);
+    uint8_t *acc = b + OV_STATE_HEAD, *cnt = acc + L->len * 8;
+    for (size_t i = 0; i < L->len; i++) {
+        put_u64(acc + i * 8, f64_bits(L->acc[i]));
+        put_u64(cnt + i * 8, L->cnt[i]);
+    }
+    *len = total;
+    return b;
+}
+
+/* Magic, version and what the bytes were written for, against st. */
+static int state_head_check(const ov_block *st, uint32_t layer, const uint8_t *b, size_t len,
+                            char *err, size_t errlen)
+{
+    if (len < OV_STATE_HEAD) {
+        policy_set_err(err, errlen, "ov_block state: %zu bytes are shorter than its %d-byte header",
+                       len, OV_STATE_HEAD);
+        return -1;
+    }
+    if (memcmp(b, "ovb", 3) != 0) {
+        policy_set_err(err, errlen, "ov_block state: bad magic (not ov_block's layer state)");
+        return -1;
+    }
+    if (b[3] != OV_STATE_VERSION) {
+        policy_set_err(err, errlen, "ov_block state: version %u, this build reads version %d",
+                       (unsigned)b[3], OV_STATE_VERSION);
+        return -1;
+    }
+    uint32_t echo[OV_STATE_ECHO];
+    state_echo(st, layer, echo);
+    for (int i = 0; i < OV_STATE_ECHO; i++) {
+        uint32_t v = get_u32(b + 4 + 4 * i);
+        if (v != echo[i]) {
+            policy_set_err(err, errlen,
+                           "ov_block state: written for %s %" PRIu32 ", this sequence has %" PRIu32,
+                           ov_echo_names[i], v, echo[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The sequence-wide part: nreg within the window (snapkv_count() never
+ * passes it) and an mt19937 index the generator can hold. */
+static int state_wide_check(const ov_block *st, const uint8_t *b, char *err, size_t errlen)
+{
+    uint32_t nreg = get_u32(b + OV_STATE_WIDE), idx = get_u32(b + OV_STATE_RNG);
+    if (nreg > st->snap_w) {
+        policy_set_err(err, errlen,
+                       "ov_block state: %" PRIu32 " SnapKV scores registered exceed "
+                       "snapkv_window %" PRIu32,
+                       nreg, st->snap_w);
+        return -1;
+    }
+    if (idx > 624) {
+        policy_set_err(err, errlen, "ov_block state: mt19937 index %" PRIu32 " is beyond 624", idx);
+        return -1;
+    }
+    return 0;
+}
+
+/* The tracked count against the length: *n receives it. A list holds at
+ * most 2^32 - 1 tokens, start area included, which also bounds the
+ * arithmetic; the exact length bounds the allocation by the bytes. */
+static int state_len_check(const ov_block *st, const uint8_t *b, size_t len, size_t *n, char *err,
+                           size_t errlen)
+{
+    uint64_t tracked = get_u64(b + OV_STATE_HEAD - 8);
+    if (tracked > (uint64_t)UINT32_MAX - st->start) {
+        policy_set_err(err, errlen,
+                       "ov_block state: %" PRIu64 " tracked tokens after a start area of %" PRIu32
+                       " exceed a list's 2^32 - 1",
+                       tracked, st->start);
+        return -1;
+    }
+    uint64_t want = OV_STATE_HEAD + tracked * OV_STATE_TOKEN;
+    if ((uint64_t)len != want) {
+        policy_set_err(err, errlen,
+                       "ov_block state: %zu bytes, but %" PRIu64 " tracked tokens take exactly "
+                       "%" PRIu64,
+                       len, tracked, want);
+        return -1;
+    }
+    *n = (size_t)tracked;
+    return 0;
+}
+
+/* Scores that layer_check() would have let in (finite) and counters as
+ * layer_register() leaves them: each at least 1 (NORM_SUM divides by
+ * them) and none above its predecessor (older tokens were scored at least
+ * as often). */
+static int state_tokens_check(const uint8_t *acc, const uint8_t *cnt, size_t n, char *err,
+                              size_t errlen)
+{
+    for (size_t i = 0; i < n; i++) {
+        if (!isfinite(bits_f64(get_u64(acc + i * 8)))) {
+            policy_set_err(err, errlen, "ov_block state: score %zu is not finite", i);
+            return -1;
+        }
+        uint64_t c = get_u64(cnt + i * 8);
+        if (c == 0 || (i > 0 && c > get_u64(cnt + (i - 1) * 8))) {
+            policy_set_err(err, errlen,
+                           "ov_block state: counter %zu (%" PRIu64 ") is 0 or above the one "
+                           "before it",
+                           i, c);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Everything is checked and allocated before the layer is swapped in, so
+ * a refusal leaves the state as it was. */
+static int ov_import_layer(void *state, uint32_t layer, const void *buf, size_t len, char *err,
+                           size_t errlen)
+{
+    ov_block *st = state;
+    const uint8_t *b = buf;
+    size_t n;
+    if (layer >= st->layers) {
+        policy_set_err(err, errlen, "ov_block state: layer %" PRIu32 " of %" PRIu32, layer,
+                       st->layers);
+        return -1;
+    }
+    if (state_head_check(st, layer, b, len, err, errlen) != 0 ||
+        state_wide_check(st, b, err, errlen) != 0 ||
+        state_len_check(st, b, len, &n, err, errlen) != 0)
+        return -1;
+    const uint8_t *acc = b + OV_STATE_HEAD, *cnt = acc + n * 8;
+    if (state_tokens_check(acc, cnt, n, err, errlen) != 0)
+        return -1;
+    /* Arrays of exactly n, as save() makes them. */
+    ov_layer L = {.len = n, .cap = n};
+    L.acc = policy_array_copy(NULL, 0, n, sizeof *L.acc);
+    L.cnt = policy_array_copy(NULL, 0, n, sizeof *L.cnt);
+    if (L.acc == NULL || L.cnt == NULL) {
+        free(L.acc);
+        free(L.cnt);
+        policy_set_err(err, errlen, "ov_block state: out of memory for %zu tokens", n);
+        return -1;
+    }
+    for (size_t i = 0; i < n; i++) {
+        L.acc[i] = bits_f64(get_u64(acc + i * 8));
+        L.cnt[i] = get_u64(cnt + i * 8);
+    }
+    free(st->ly[layer].acc);
+    free(st->ly[layer].cnt);
+    st->ly[layer] = L;
+    st->gen++; /* the sequence-wide part changes */
+    st->nreg = get_u32(b + OV_STATE_WIDE);
+    st->reg_nsnap = get_u32(b + OV_STATE_WIDE + 4);
+    st->reg_step = get_u64(b + OV_STATE_WIDE + 8);
+    st->rng.idx = get_u32(b + OV_STATE_RNG);
+    for (int i = 0; i < 624; i++)
+        st->rng.mt[i] = get_u32(b + OV_STATE_RNG + 4 + 4 * i);
+    return 0;
+}
+
 /* ---- describe ------------------------------------------------------------ */
 
 static char *ov_describe(void *state, uint32_t layer)
@@ -1095,4 +1350,6 @@ const policy_ops policy_ov_block = {
     .save = ov_save,
     .restore = ov_restore,
     .discard = ov_discard,
+    .export_layer = ov_export_layer,
+    .import_layer = ov_import_layer,
 };

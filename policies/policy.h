@@ -277,6 +277,24 @@ typedef struct policy_ops {
     void (*restore)(void *state, uint32_t layer, void *saved);
     /* Free a copy that was not needed (the transaction kept its changes). */
     void (*discard)(void *saved);
+
+    /* Optional, for policies with per-layer state (save != NULL), to move a
+     * sequence to another daemon (issue 17, docs/remote.md "Export and
+     * import"): layer's state as bytes in the policy's own little-endian
+     * format, and back. export_layer returns the bytes (malloc'd, the
+     * caller frees; *len their count), or NULL when out of memory. State
+     * that is not per layer (an RNG, a counter) goes into every layer's
+     * bytes, as with save. import_layer sets layer's state, in a state just
+     * made by create() with the same parameters and geometry, to what the
+     * bytes say, after checking every count and value in them against the
+     * geometry and against themselves (the bytes come over the network):
+     * 0, or -1 with err naming what is wrong, the state unchanged. A policy
+     * reads back exactly what it wrote: a sequence exported, imported and
+     * stepped on decides as the original would have. Without the pair, a
+     * policy with save cannot move (FAILED_PRECONDITION). */
+    void *(*export_layer)(const void *state, uint32_t layer, size_t *len);
+    int (*import_layer)(void *state, uint32_t layer, const void *buf, size_t len, char *err,
+                        size_t errlen);
 } policy_ops;
 
 /* The registry: look a policy up by name (NULL if unknown). */

@@ -16,7 +16,7 @@ another host.
   which tier (full, int8) as on A. The worker on A still verifies every
   token it holds. (kvstash-llama proves the imported K/V decode to the same
   log-likelihoods: test_llama_remote.)
-* Refusals: a policy with state of its own (h2o), an unknown uid, a malformed
+* Refusals: tokens in a sketch (victims=sketch), an unknown uid, a malformed
   uid, a daemon without --remote: each a precise error, nothing changed.
 * Faults: a value corrupted or deleted in the cluster makes the import fail
   with DATA_LOSS (never wrong K/V); a full cluster (maxmemory) refuses the
@@ -190,9 +190,10 @@ def check_export_and_import_between_daemons(ctx):
 
 
 def check_export_refusals(ctx):
-    w = Worker(ctx.daemon, "rem-h2o", 14, 32, policy="h2o", params=["budget=16"]).ready()
+    w = Worker(ctx.daemon, "rem-sketch", 14, 48, policy="streaming",
+               params=["n_sink=4", "window=16", "victims=sketch"]).ready()
     q = seq_of(ctx.daemon, session_of(w))
-    fails(ctx, 1, "policy h2o keeps state of its own", "seq", "export", str(q))
+    fails(ctx, 1, "has tokens in a sketch", "seq", "export", str(q))
     w.finish()
     b_session = session_of(ctx.b1)
     fails(ctx.b.sock, 4, "no exported sequence 0123456789abcdef0123456789abcdef",

@@ -402,4 +402,187 @@ static inline void ph_rope_rerotate(float *key, uint32_t d, int32_t delta, doubl
     free(pool);
 }
 
+/* ---- moving a host (policy_host_restore) -------------------------------------- */
+
+/* The statistics ops->needs, random, for every layer's lists as they are
+ * now; arrays owned by *b (ph_stats_free). */
+typedef struct ph_stats_buf {
+    policy_stats st;
+    float *score, *rows;
+    const float **last, **window, **vnorm;
+} ph_stats_buf;
+
+static inline void ph_stats_free(ph_stats_buf *b)
+{
+    free(b->score), free(b->rows), free(b->last), free(b->window), free(b->vnorm);
+    memset(b, 0, sizeof *b);
+}
+
+static inline void ph_stats_random(policy_host *h, uint32_t layer, const policy_geometry *g,
+                                   uint32_t new_tokens, int prefill, uint64_t *rng,
+                                   ph_stats_buf *b)
+{
+    const policy_ops *ops = policy_host_ops(h);
+    const policy_layer_view *v = policy_host_view(h, layer);
+    uint32_t per = g->q_heads / g->kv_heads, most = 1;
+    for (uint32_t k = 0; k < v->heads; k++)
+        most = v->tokens[k] > most ? v->tokens[k] : most;
+    memset(b, 0, sizeof *b);
+    b->st = (policy_stats){.new_tokens = new_tokens, .prefill = prefill, .confidence = -1};
+    size_t nrows = (size_t)(g->q_heads * 2 + g->kv_heads);
+    b->rows = ph_calloc(nrows * most, sizeof *b->rows);
+    b->score = ph_calloc(most, sizeof *b->score);
+    b->last = ph_calloc(g->q_heads, sizeof *b->last);
+    b->window = ph_calloc(g->q_heads, sizeof *b->window);
+    b->vnorm = ph_calloc(g->kv_heads, sizeof *b->vnorm);
+    for (size_t i = 0; i < nrows * most; i++)
+        b->rows[i] = ph_uniform(rng, 0.0f, 1.0f);
+    for (uint32_t i = 0; i < most; i++)
+        b->score[i] = ph_uniform(rng, 0.0f, 4.0f);
+    for (uint32_t q = 0; q < g->q_heads; q++) {
+        b->last[q] = b->rows + (size_t)q * most;
+        b->window[q] = b->rows + (size_t)(g->q_heads + q) * most;
+    }
+    for (uint32_t k = 0; k < g->kv_heads; k++)
+        b->vnorm[k] = b->rows + (size_t)(2 * g->q_heads + k) * most;
+    (void)per;
+    if (ops->needs & POLICY_NEEDS_SCORE) {
+        b->st.score = b->score;
+        b->st.score_queries = 1;
+    }
+    if (ops->needs & POLICY_NEEDS_LAST_ATTN)
+        b->st.last_attn = b->last;
+    if (ops->needs & POLICY_NEEDS_WINDOW_ATTN) {
+        b->st.window_attn = b->window;
+        b->st.window_queries = 8;
+    }
+    if (ops->needs & POLICY_NEEDS_VNORM)
+        b->st.vnorm = b->vnorm;
+    if (ops->needs & POLICY_NEEDS_CONFIDENCE)
+        b->st.confidence = ph_uniform(rng, 0.0f, 1.0f);
+}
+
+/* One round on h: append n tokens, step and commit every layer with
+ * statistics drawn from *rng. Returns the tokens evicted. */
+static inline size_t ph_round(policy_host *h, const policy_geometry *g, uint32_t n, int prefill,
+                              uint64_t *rng)
+{
+    if (policy_host_append(h, n) != 0)
+        fail_msg("append of %u failed", n);
+    size_t evicted = 0;
+    for (uint32_t l = 0; l < g->layers; l++) {
+        ph_stats_buf b;
+        ph_stats_random(h, l, g, n, prefill, rng, &b);
+        evicted += ph_step(h, l, &b.st);
+        ph_stats_free(&b);
+    }
+    return evicted;
+}
+
+/* A fresh host of the same policy with a's counters, lists and state
+ * (policy_host_restore); fails the test when a is not portable or the
+ * restore refuses. */
+static inline policy_host *ph_moved(policy_host *a, const char *policy, const char *const *kv,
+                                    policy_geometry g)
+{
+    uint32_t heads = policy_host_heads(a), nl = g.layers * heads;
+    policy_host_list_image *im = ph_calloc(nl, sizeof *im);
+    policy_host_state_image *states = ph_calloc(g.layers, sizeof *states);
+    void **bufs = ph_calloc(g.layers, sizeof *bufs);
+    for (uint32_t l = 0; l < g.layers; l++) {
+        const policy_layer_view *v = policy_host_view(a, l);
+        for (uint32_t k = 0; k < heads; k++)
+            im[l * heads + k] = (policy_host_list_image){
+                v->tokens[k], v->positions[k], v->tier[k], policy_host_attn(a, l, k)};
+        bufs[l] = policy_host_export_state(a, l, &states[l].len);
+        assert_non_null(bufs[l]);
+        states[l].buf = bufs[l];
+    }
+    policy_host *b = ph_host(policy, kv, g);
+    char err[POLICY_ERR_LEN] = "";
+    const policy_ops *ops = policy_host_ops(a);
+    if (policy_host_restore(b, policy_host_appended(a), policy_host_steps(a), im,
+                            ops->import_layer != NULL ? states : NULL, err, sizeof err) != 0)
+        fail_msg("restore of %s failed: %s", policy, err);
+    for (uint32_t l = 0; l < g.layers; l++)
+        free(bufs[l]);
+    free(bufs), free(states), free(im);
+    return b;
+}
+
+/* The same lists, tiers and (when the policy describes it) state. */
+static inline void ph_expect_same_hosts(policy_host *a, policy_host *b, policy_geometry g,
+                                        const char *when)
+{
+    const policy_ops *ops = policy_host_ops(a);
+    for (uint32_t l = 0; l < g.layers; l++) {
+        const policy_layer_view *va = policy_host_view(a, l), *vb = policy_host_view(b, l);
+        for (uint32_t k = 0; k < va->heads; k++) {
+            if (va->tokens[k] != vb->tokens[k])
+                fail_msg("%s: layer %u list %u holds %u tokens, the moved one %u", when, l, k,
+                         va->tokens[k], vb->tokens[k]);
+            for (uint32_t i = 0; i < va->tokens[k]; i++)
+                if (va->positions[k][i] != vb->positions[k][i] || va->tier[k][i] != vb->tier[k][i])
+                    fail_msg("%s: layer %u list %u token %u differs", when, l, k, i);
+        }
+        if (ops->describe != NULL) {
+            char *da = ops->describe(policy_host_state(a), l);
+            char *db = ops->describe(policy_host_state(b), l);
+            if (da != NULL && db != NULL && strcmp(da, db) != 0)
+                fail_msg("%s: layer %u's state differs:\n%s\n%s", when, l, da, db);
+            free(da), free(db);
+        }
+    }
+}
+
+/*
+ * The property a policy's export_layer / import_layer must have: a host
+ * moved after some rounds (policy_host_restore) holds the same lists and
+ * state, and stepped on with the same statistics as the original decides
+ * exactly as it does. `rounds` rounds of 1..8 tokens after a prefill of
+ * `prefill` tokens, then the move, then as many again on both. Also: the
+ * policy refuses state bytes cut short by one, or with one byte changed
+ * where that makes them impossible (import_layer must check, not trust).
+ */
+static inline void ph_check_portable(const char *policy, const char *const *kv, policy_geometry g,
+                                     uint32_t prefill, uint32_t rounds, uint64_t seed)
+{
+    uint64_t rng = seed;
+    policy_host *a = ph_host(policy, kv, g);
+    if (!policy_host_portable(a))
+        fail_msg("policy %s cannot move (no export_layer / import_layer)", policy);
+    ph_round(a, &g, prefill, 1, &rng);
+    for (uint32_t r = 0; r < rounds; r++)
+        ph_round(a, &g, 1 + ph_below(&rng, 8), 0, &rng);
+    policy_host *b = ph_moved(a, policy, kv, g);
+    ph_expect_same_hosts(a, b, g, "after the move");
+    size_t evicted = 0;
+    for (uint32_t r = 0; r < rounds; r++) {
+        uint32_t n = 1 + ph_below(&rng, 8);
+        uint64_t fork = rng;
+        evicted += ph_round(a, &g, n, 0, &rng);
+        ph_round(b, &g, n, 0, &fork);
+        ph_expect_same_hosts(a, b, g, "stepping on after the move");
+    }
+    if (evicted == 0)
+        fail_msg("%s evicted nothing after the move: the check proves little", policy);
+    /* Truncated state is refused. */
+    if (policy_host_ops(a)->import_layer != NULL) {
+        size_t len;
+        void *buf = policy_host_export_state(a, 0, &len);
+        assert_non_null(buf);
+        policy_host *c = ph_host(policy, kv, g);
+        char err[POLICY_ERR_LEN] = "";
+        if (len > 0 && policy_host_ops(c)->import_layer(policy_host_state(c), 0, buf, len - 1, err,
+                                                        sizeof err) == 0)
+            fail_msg("%s accepted its layer state cut short by a byte", policy);
+        if (len > 0 && err[0] == '\0')
+            fail_msg("%s refused cut-short state without saying why", policy);
+        free(buf);
+        policy_host_destroy(c);
+    }
+    policy_host_destroy(a);
+    policy_host_destroy(b);
+}
+
 #endif

@@ -217,6 +217,17 @@ static void build(seq_export *out, uint64_t seed)
     static const uint32_t order[NLISTS] = {2, 0, 3, 1};
     for (size_t i = 0; i < NLISTS; i++)
         build_list(&b, order[i], &specs[order[i]]);
+    /* A policy's per-layer state: bytes of any value, one layer empty. */
+    x->states = calloc(x->layers, sizeof *x->states);
+    x->state_len = calloc(x->layers, sizeof *x->state_len);
+    assert_true(x->states != NULL && x->state_len != NULL);
+    for (uint32_t l = 0; l < x->layers; l++) {
+        x->state_len[l] = l == 0 ? 0 : 1 + rng_next(&b.rng) % 100;
+        x->states[l] = malloc(x->state_len[l] + 1);
+        assert_non_null(x->states[l]);
+        for (size_t i = 0; i < x->state_len[l]; i++)
+            x->states[l][i] = (uint8_t)rng_next(&b.rng);
+    }
     *out = b.x;
 }
 
@@ -234,6 +245,10 @@ static void export_free(seq_export *x)
         free(ls->victim_blocks);
     }
     free(x->lists);
+    for (uint32_t l = 0; x->states != NULL && l < x->layers; l++)
+        free(x->states[l]);
+    free(x->states);
+    free(x->state_len);
     free(x->blocks);
     free(x->block_tier);
     free(x->block_list);
@@ -277,6 +292,12 @@ static void assert_export_equal(const seq_export *a, const seq_export *d)
     assert_int_equal(a->heads, d->heads);
     assert_int_equal(a->nblocks, d->nblocks);
     assert_null(d->blocks); /* the writer's pool ids stay there */
+    assert_int_equal(a->states == NULL, d->states == NULL);
+    for (uint32_t l = 0; a->states != NULL && l < a->layers; l++) {
+        assert_int_equal(a->state_len[l], d->state_len[l]);
+        if (a->state_len[l] > 0)
+            assert_memory_equal(a->states[l], d->states[l], a->state_len[l]);
+    }
     if (a->nblocks > 0) {
         assert_memory_equal(a->block_tier, d->block_tier, a->nblocks);
         assert_memory_equal(a->block_list, d->block_list, a->nblocks * sizeof *a->block_list);
@@ -727,7 +748,7 @@ static void test_manifest_fields(void **state)
         assert_non_null(strstr(st.msg, "extra"));
         json_decref(one);
     }
-    assert_int_equal(tried, 20 + 6 + 11);
+    assert_int_equal(tried, 21 + 6 + 11);
     json_decref(root);
     fixture_free(&f);
 }

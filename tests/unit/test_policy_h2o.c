@@ -5,7 +5,9 @@
  * exact), the "half" default of recent, invalid configurations, and
  * properties through the host on seeded random scores: held <= budget after
  * every step, sinks and the `recent` newest never evicted, the evicted set
- * equals a sort-based oracle, same input gives same output.
+ * equals a sort-based oracle, same input gives same output. Moving a
+ * sequence: export/import of the layer state round-trips and decides as
+ * the original, and import refuses spoiled bytes without a change.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -320,6 +322,110 @@ static void test_property_deterministic(void **unused)
     free(b);
 }
 
+/* A sequence moved to another daemon (export_layer / import_layer through
+ * the host) holds and decides exactly as the original. */
+static void test_moves_to_another_host(void **unused)
+{
+    (void)unused;
+    const char *kv1[] = {"budget=16", "sinks=2", NULL}; /* recent: half */
+    ph_check_portable("h2o", kv1, ph_geom(3, 4, 2), 40, 10, 11);
+    const char *kv2[] = {"budget=12", "recent=3", "demote=int8", "int8_window=4", NULL};
+    ph_check_portable("h2o", kv2, ph_geom(2, 4, 2), 30, 12, 12);
+    const char *kv3[] = {"budget=5", "recent=0", NULL}; /* a prefill under the budget */
+    ph_check_portable("h2o", kv3, ph_geom(2, 2, 2), 3, 20, 13);
+}
+
+/* One way to spoil valid state bytes: `width` bytes at `off` set to
+ * `value` (little-endian; width 0: none), `extra` bytes more or fewer. */
+typedef struct bad_bytes {
+    const char *what;
+    size_t off;
+    unsigned width;
+    uint64_t value;
+    int extra;
+    const char *word; /* in the refusal's message */
+} bad_bytes;
+
+/* import_layer of the spoiled bytes refuses with `word` in err and leaves
+ * layer's state (its describe()) as it was. */
+static void expect_refused(policy_host *h, uint32_t layer, const uint8_t *good, size_t len,
+                           const bad_bytes *b)
+{
+    const policy_ops *ops = policy_host_ops(h);
+    size_t n = (size_t)((ptrdiff_t)len + b->extra);
+    uint8_t *buf = calloc(n + 1, 1);
+    assert_non_null(buf);
+    memcpy(buf, good, n < len ? n : len);
+    for (unsigned i = 0; i < b->width; i++)
+        buf[b->off + i] = (uint8_t)(b->value >> (8 * i));
+    char *before = ops->describe(policy_host_state(h), layer);
+    char err[POLICY_ERR_LEN] = "";
+    if (ops->import_layer(policy_host_state(h), layer, buf, n, err, sizeof err) == 0)
+        fail_msg("%s: accepted", b->what);
+    if (strstr(err, b->word) == NULL)
+        fail_msg("%s: '%s' does not say '%s'", b->what, err, b->word);
+    char *after = ops->describe(policy_host_state(h), layer);
+    assert_string_equal(before, after);
+    free(before), free(after), free(buf);
+}
+
+static uint32_t le32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+/* import_layer checks the bytes (h2o.c's format, version 1) rather than
+ * trusting them: each spoiled copy is refused and changes nothing. */
+static void test_import_refuses_bad_bytes(void **unused)
+{
+    (void)unused;
+    const char *kv[] = {"budget=8", "recent=2", "sinks=1", NULL};
+    policy_geometry g = ph_geom(2, 2, 1);
+    uint64_t r = 5;
+    policy_host *a = ph_host("h2o", kv, g);
+    ph_round(a, &g, 20, 1, &r);
+    ph_round(a, &g, 3, 0, &r);
+    size_t len;
+    uint8_t *good = policy_host_export_state(a, 1, &len);
+    assert_non_null(good);
+    uint32_t n = le32(good + 24);
+    assert_int_equal(n, 8);
+    assert_int_equal(len, 28 + 12 * (size_t)n);
+    /* Into a host that holds layer 1's state already, so that "unchanged"
+     * means something. */
+    policy_host *c = ph_host("h2o", kv, g);
+    char err[POLICY_ERR_LEN] = "";
+    assert_int_equal(
+        policy_host_ops(c)->import_layer(policy_host_state(c), 1, good, len, err, sizeof err), 0);
+    size_t score0 = 28 + 4 * (size_t)n, pos1 = 28 + 4;
+    const bad_bytes cases[] = {
+        {"magic", 0, 1, 'H', 0, "magic"},
+        {"version", 3, 1, 2, 0, "version 2"},
+        {"other budget", 12, 4, 9, 0, "budget 9"},
+        {"count short of the length", 24, 4, n - 1, 0, "bytes"},
+        {"count over the budget", 24, 4, 9, 0, "budget"},
+        {"trailing byte", 0, 0, 0, 1, "bytes"},
+        {"cut short", 0, 0, 0, -1, "bytes"},
+        {"header only", 0, 0, 0, -(int)(len - 20), "header"},
+        {"NaN score", score0, 8, 0x7ff8000000000000ull, 0, "finite"},
+        {"infinite score", score0 + 8, 8, 0x7ff0000000000000ull, 0, "finite"},
+        {"positions out of order", pos1, 4, le32(good + 28), 0, "ascend"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        expect_refused(c, 1, good, len, &cases[i]);
+    /* Layer 1's bytes are not layer 0's. */
+    bad_bytes other = {"another layer", 0, 0, 0, 0, "layer 1"};
+    expect_refused(c, 0, good, len, &other);
+    /* And what it did accept is the original's state. */
+    char *da = policy_host_ops(a)->describe(policy_host_state(a), 1);
+    char *dc = policy_host_ops(c)->describe(policy_host_state(c), 1);
+    assert_string_equal(da, dc);
+    free(da), free(dc);
+    free(good);
+    policy_host_destroy(a);
+    policy_host_destroy(c);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -331,6 +437,8 @@ int main(void)
         cmocka_unit_test(test_uncommitted_decision_detected),
         cmocka_unit_test(test_property_random),
         cmocka_unit_test(test_property_deterministic),
+        cmocka_unit_test(test_moves_to_another_host),
+        cmocka_unit_test(test_import_refuses_bad_bytes),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

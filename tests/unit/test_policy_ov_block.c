@@ -8,7 +8,9 @@
  * host the way the daemon drives the policy. Then the §2.3 registration and
  * counter rules, the forward max-pool, the tie rule, every KVCrush anchor,
  * the rotation plan bounds, invalid configurations, and seeded property
- * tests through the host (occupancy bound, protected areas, determinism).
+ * tests through the host (occupancy bound, protected areas, determinism),
+ * and moving a sequence (export/import of the layer state round-trips and
+ * decides as the original; import refuses spoiled bytes without a change).
  */
 #include <math.h>
 #include <setjmp.h>
@@ -1106,6 +1108,132 @@ static void test_property_random_runs(void **unused)
     }
 }
 
+/* ---- moving a sequence (export_layer / import_layer) ---- */
+
+/* A sequence moved to another daemon holds and decides exactly as the
+ * original: the accumulators and counters (both aggregations), the SnapKV
+ * window's count (still filling at the move in the first configuration)
+ * and the KVCrush rng (the second: under NORM_SUM the victims' raw scores
+ * differ, so the random anchor picks which victim stays). */
+static void test_moves_to_another_host(void **unused)
+{
+    (void)unused;
+    const char *k1[] = {"start_size=4", "recent_size=8", "max_cache_size=24", NULL};
+    ph_check_portable("ov_block", k1, geom(3, 4), 40, 5, 21);
+    const char *k2[] = {"start_size=4",      "recent_size=8",
+                        "max_cache_size=28", "aggregation=norm_sum",
+                        "kvcrush_budget=2",  "kvcrush_anchor=random",
+                        "kvcrush_seed=5",    "snapkv_window=0",
+                        "apply_rotation=1",  NULL};
+    ph_check_portable("ov_block", k2, geom(2, 4), 30, 12, 22);
+    const char *k3[] = {"start_size=8",      "recent_size=4",
+                        "max_cache_size=32", "aggregation=sum",
+                        "kvcrush_budget=2",  "kvcrush_anchor=mean",
+                        "max_pool_window=1", "snapkv_window=3",
+                        "demote=int8",       NULL};
+    ph_check_portable("ov_block", k3, geom(2, 4), 50, 10, 23);
+}
+
+/* One way to spoil valid state bytes: `width` bytes at `off` set to
+ * `value` (little-endian; width 0: none), `extra` bytes more or fewer. */
+typedef struct bad_bytes {
+    const char *what;
+    size_t off;
+    unsigned width;
+    uint64_t value;
+    int extra;
+    const char *word; /* in the refusal's message */
+} bad_bytes;
+
+/* import_layer of the spoiled bytes refuses with `word` in err and leaves
+ * the state as it was: layer's describe() and the sequence-wide count. */
+static void expect_refused(policy_host *h, uint32_t layer, const uint8_t *good, size_t len,
+                           const bad_bytes *b)
+{
+    const policy_ops *ops = policy_host_ops(h);
+    size_t n = (size_t)((ptrdiff_t)len + b->extra);
+    uint8_t *buf = calloc(n + 1, 1);
+    assert_non_null(buf);
+    memcpy(buf, good, n < len ? n : len);
+    for (unsigned i = 0; i < b->width; i++)
+        buf[b->off + i] = (uint8_t)(b->value >> (8 * i));
+    char *before = ops->describe(state(h), layer);
+    uint32_t nreg = ov_block_snapkv_registered(state(h));
+    char err[POLICY_ERR_LEN] = "";
+    if (ops->import_layer(state(h), layer, buf, n, err, sizeof err) == 0)
+        fail_msg("%s: accepted", b->what);
+    if (strstr(err, b->word) == NULL)
+        fail_msg("%s: '%s' does not say '%s'", b->what, err, b->word);
+    char *after = ops->describe(state(h), layer);
+    assert_string_equal(before, after);
+    assert_int_equal(ov_block_snapkv_registered(state(h)), nreg);
+    free(before), free(after), free(buf);
+}
+
+static uint64_t le64(const uint8_t *p)
+{
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--)
+        v = v << 8 | p[i];
+    return v;
+}
+
+/* import_layer checks the bytes (ov_block.c's format, version 1) rather
+ * than trusting them: each spoiled copy is refused and changes nothing. */
+static void test_import_refuses_bad_bytes(void **unused)
+{
+    (void)unused;
+    const char *kv[] = {"start_size=4", "recent_size=8", "max_cache_size=24", NULL};
+    policy_geometry g = geom(2, 4);
+    uint64_t r = 9;
+    policy_host *a = ph_host("ov_block", kv, g);
+    ph_round(a, &g, 40, 1, &r);
+    ph_round(a, &g, 3, 0, &r);
+    size_t len;
+    uint8_t *good = policy_host_export_state(a, 1, &len);
+    assert_non_null(good);
+    size_t n = ov_block_tracked(state(a), 1), acc = 2552, cnt = acc + 8 * n;
+    assert_true(n >= 2);
+    assert_int_equal(len, acc + 16 * n);
+    assert_int_equal(le64(good + 2544), n);
+    /* Into a host that holds layer 1's state already (and nreg 2), so that
+     * "unchanged" means something. */
+    policy_host *c = ph_host("ov_block", kv, g);
+    char err[POLICY_ERR_LEN] = "";
+    assert_int_equal(policy_host_ops(c)->import_layer(state(c), 1, good, len, err, sizeof err), 0);
+    assert_int_equal(ov_block_snapkv_registered(state(c)), 2);
+    const bad_bytes cases[] = {
+        {"magic", 1, 1, 'V', 0, "magic"},
+        {"version", 3, 1, 7, 0, "version 7"},
+        {"other block size", 12, 4, 8, 0, "block size 8"},
+        {"other aggregation", 24, 4, 0, 0, "aggregation 0"},
+        {"nreg beyond the window", 28, 4, 9, 0, "snapkv_window"},
+        {"rng index beyond 624", 44, 4, 625, 0, "mt19937"},
+        {"count short of the length", 2544, 8, n - 1, 0, "bytes"},
+        {"count beyond a list", 2544, 8, 1ull << 40, 0, "2^32"},
+        {"trailing byte", 0, 0, 0, 1, "bytes"},
+        {"cut short", 0, 0, 0, -1, "bytes"},
+        {"header only", 0, 0, 0, -(int)(len - 100), "header"},
+        {"NaN score", acc, 8, 0x7ff8000000000000ull, 0, "finite"},
+        {"infinite score", acc + 8, 8, 0xfff0000000000000ull, 0, "finite"},
+        {"zero counter", cnt + 8 * (n - 1), 8, 0, 0, "counter"},
+        {"rising counter", cnt + 8, 8, le64(good + cnt) + 1, 0, "counter 1"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        expect_refused(c, 1, good, len, &cases[i]);
+    /* Layer 1's bytes are not layer 0's. */
+    bad_bytes other = {"another layer", 0, 0, 0, 0, "layer 1"};
+    expect_refused(c, 0, good, len, &other);
+    /* And what it did accept is the original's state. */
+    char *da = policy_host_ops(a)->describe(state(a), 1);
+    char *dc = policy_host_ops(c)->describe(state(c), 1);
+    assert_string_equal(da, dc);
+    free(da), free(dc);
+    free(good);
+    policy_host_destroy(a);
+    policy_host_destroy(c);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1143,6 +1271,8 @@ int main(void)
         cmocka_unit_test(test_step_snapkv_counts_once_per_step),
         cmocka_unit_test(test_describe),
         cmocka_unit_test(test_property_random_runs),
+        cmocka_unit_test(test_moves_to_another_host),
+        cmocka_unit_test(test_import_refuses_bad_bytes),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -233,6 +233,17 @@ static void test_property_deterministic(void **unused)
     free(b);
 }
 
+/* TOVA keeps no state beyond its lists: a host restored from them steps on
+ * exactly as the original (the daemon's export and import). */
+static void test_moves_to_another_host(void **unused)
+{
+    (void)unused;
+    const char *kv[] = {"budget=24", NULL};
+    ph_check_portable("tova", kv, ph_geom(2, 4, 2), 20, 12, 7);
+    const char *kv8[] = {"budget=24", "demote=int8", "int8_window=8", NULL};
+    ph_check_portable("tova", kv8, ph_geom(2, 4, 2), 30, 10, 8);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -240,6 +251,7 @@ int main(void)
         cmocka_unit_test(test_gqa_all_heads),
         cmocka_unit_test(test_missing_stats_and_invalid),
         cmocka_unit_test(test_property_random),
+        cmocka_unit_test(test_moves_to_another_host),
         cmocka_unit_test(test_property_deterministic),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
