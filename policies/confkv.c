@@ -469,6 +469,16 @@ static int check_stats(const confkv_state *s, const confkv_layer *ly, uint32_t n
     return 0;
 }
 
+/* Step 3's B_l for confidence c: B_t, or its pyramidal share (§5.5). */
+static uint32_t step_budget(const confkv_state *s, uint32_t layer, double c)
+{
+    uint32_t budget = confkv_budget(c, s->cfg.tau, s->cfg.tight, s->cfg.loose);
+    if (s->cfg.pyramid)
+        budget = confkv_layer_budget(budget, layer, s->layers, s->cfg.rho_top, s->cfg.rho_bottom,
+                                     s->cfg.protect);
+    return budget;
+}
+
 static int confkv_step(void *state, const policy_layer_view *view, const policy_stats *stats,
                        policy_decision *d, char *err, size_t errlen)
 {
@@ -493,10 +503,7 @@ static int confkv_step(void *state, const policy_layer_view *view, const policy_
     update_ema(s, ly, stats);
     if (stats->prefill)
         return 0; /* §5.3: prefill keeps everything */
-    uint32_t budget = confkv_budget(stats->confidence, s->cfg.tau, s->cfg.tight, s->cfg.loose);
-    if (s->cfg.pyramid)
-        budget = confkv_layer_budget(budget, view->layer, s->layers, s->cfg.rho_top,
-                                     s->cfg.rho_bottom, s->cfg.protect);
+    uint32_t budget = step_budget(s, view->layer, stats->confidence);
     ly->decided = 1;
     ly->confidence = stats->confidence;
     ly->budget = budget;
@@ -540,6 +547,121 @@ static void confkv_discard(void *saved)
     if (saved != NULL)
         free(((confkv_layer *)saved)->ema);
     free(saved);
+}
+
+/* ---- moving a sequence (issue 17; the format in confkv.h) ---------------- */
+
+/* ops->export_layer: everything step() and describe() read of the layer
+ * (the config and the scratch come from create() on the other side). */
+static void *confkv_export_layer(const void *state, uint32_t layer, size_t *len)
+{
+    const confkv_layer *ly = &((const confkv_state *)state)->ly[layer];
+    *len = CONFKV_STATE_HEAD + (size_t)ly->n * 8;
+    uint8_t *buf = malloc(*len);
+    if (buf == NULL) {
+        *len = 0;
+        return NULL;
+    }
+    uint8_t *p = policy_put_le(buf, CONFKV_STATE_MAGIC, 4);
+    p = policy_put_le(p, CONFKV_STATE_VERSION, 1);
+    p = policy_put_le(p, ly->decided != 0, 1);
+    p = policy_put_le(p, ly->budget, 4);
+    p = policy_put_le(p, policy_f64_bits(ly->confidence), 8);
+    p = policy_put_le(p, ly->n, 4);
+    for (uint32_t i = 0; i < ly->n; i++)
+        p = policy_put_le(p, policy_f64_bits(ly->ema[i]), 8);
+    return buf;
+}
+
+/* The last decode step's fields: what that step could have left, i.e. the
+ * daemon's confidence range and the budget step_budget() gives for it; a
+ * layer no decode step ran on has create()'s zeros. */
+static int import_decided(const confkv_state *s, uint32_t layer, const confkv_layer *ly, char *err,
+                          size_t errlen)
+{
+    if (!ly->decided) {
+        if (ly->budget == 0 && policy_f64_bits(ly->confidence) == 0)
+            return 0;
+        policy_set_err(err, errlen, "a layer without a decode step has no budget or confidence");
+        return -1;
+    }
+    if (!(ly->confidence >= 0.0 && ly->confidence <= 1.0)) {
+        policy_set_err(err, errlen, "confidence %g is not in [0, 1]", ly->confidence);
+        return -1;
+    }
+    uint32_t want = step_budget(s, layer, ly->confidence);
+    if (ly->budget != want) {
+        policy_set_err(err, errlen, "budget %u is not the %u that confidence %.9g gives",
+                       ly->budget, want, ly->confidence);
+        return -1;
+    }
+    return 0;
+}
+
+/* The header of a layer's bytes, checked against the policy, itself and
+ * the length; ly receives its fields (ema not read yet). */
+static int import_head(const confkv_state *s, uint32_t layer, const uint8_t *p, size_t len,
+                       confkv_layer *ly, char *err, size_t errlen)
+{
+    if (len < CONFKV_STATE_HEAD) {
+        policy_set_err(err, errlen, "%zu bytes, shorter than the %u-byte header", len,
+                       CONFKV_STATE_HEAD);
+        return -1;
+    }
+    if (policy_get_le(p, 4) != CONFKV_STATE_MAGIC || p[4] != CONFKV_STATE_VERSION) {
+        policy_set_err(err, errlen, "not confkv state version %u (magic %08x, version %u)",
+                       CONFKV_STATE_VERSION, (unsigned)policy_get_le(p, 4), p[4]);
+        return -1;
+    }
+    if (p[5] > 1) {
+        policy_set_err(err, errlen, "decided flag %u is not 0 or 1", p[5]);
+        return -1;
+    }
+    *ly = (confkv_layer){.decided = p[5],
+                         .budget = (uint32_t)policy_get_le(p + 6, 4),
+                         .confidence = policy_bits_f64(policy_get_le(p + 10, 8)),
+                         .n = (uint32_t)policy_get_le(p + 18, 4)};
+    /* Exact length: the one bound on n, checked before n sizes anything. */
+    if ((len - CONFKV_STATE_HEAD) % 8 != 0 || (len - CONFKV_STATE_HEAD) / 8 != ly->n) {
+        policy_set_err(err, errlen, "%u tokens need %zu bytes of EMA, got %zu", ly->n,
+                       (size_t)ly->n * 8, len - CONFKV_STATE_HEAD);
+        return -1;
+    }
+    return import_decided(s, layer, ly, err, errlen);
+}
+
+/* ops->import_layer: check everything, then swap the new EMA in. */
+static int confkv_import_layer(void *state, uint32_t layer, const void *buf, size_t len, char *err,
+                               size_t errlen)
+{
+    confkv_state *s = state;
+    const uint8_t *p = buf;
+    confkv_layer ly;
+    if (layer >= s->layers) {
+        policy_set_err(err, errlen, "layer %u out of range (%u layers)", layer, s->layers);
+        return -1;
+    }
+    if (import_head(s, layer, p, len, &ly, err, errlen) != 0)
+        return -1;
+    ly.ema = policy_array_copy(NULL, 0, ly.n, sizeof *ly.ema);
+    ly.cap = ly.n;
+    if (ly.ema == NULL) {
+        policy_set_err(err, errlen, "out of memory in policy 'confkv'");
+        return -1;
+    }
+    for (uint32_t i = 0; i < ly.n; i++) {
+        ly.ema[i] = policy_bits_f64(policy_get_le(p + CONFKV_STATE_HEAD + (size_t)i * 8, 8));
+        /* Stats are finite (the daemon checks them), so is every EMA; a
+         * NaN would make the ranking's min-max and order meaningless. */
+        if (!isfinite(ly.ema[i])) {
+            policy_set_err(err, errlen, "EMA of token %u is not finite", i);
+            free(ly.ema);
+            return -1;
+        }
+    }
+    free(s->ly[layer].ema);
+    s->ly[layer] = ly;
+    return 0;
 }
 
 int confkv_layer_ema(const void *state, uint32_t layer, const double **ema, uint32_t *n)
@@ -588,4 +710,6 @@ const policy_ops policy_confkv = {
     .save = confkv_save,
     .restore = confkv_restore,
     .discard = confkv_discard,
+    .export_layer = confkv_export_layer,
+    .import_layer = confkv_import_layer,
 };

@@ -117,4 +117,23 @@ int confkv_config_parse(const policy_params *p, confkv_config *out, char *err, s
  */
 int confkv_layer_ema(const void *state, uint32_t layer, const double **ema, uint32_t *n);
 
+/*
+ * A layer's state as ops->export_layer writes it and import_layer reads it
+ * (moving a sequence to another daemon, policy.h), little-endian:
+ *   0  u32  CONFKV_STATE_MAGIC ("cfkv")
+ *   4  u8   CONFKV_STATE_VERSION
+ *   5  u8   decided: 1 once a decode step ran on the layer, else 0
+ *   6  u32  budget B_l of the last decode step (0 when not decided)
+ *  10  f64  confidence of the last decode step, its IEEE bits (0 likewise)
+ *  18  u32  n: tokens the policy tracks
+ *  22  f64  ema[n], their IEEE bits, in list order
+ * import_layer refuses another magic or version, a decided flag other than
+ * 0/1, a length other than 22 + 8n, a confidence outside [0, 1] or a budget
+ * that the parameters do not give for it, a budget or confidence on an
+ * undecided layer, and a non-finite EMA.
+ */
+#define CONFKV_STATE_MAGIC 0x766b6663u /* "cfkv" */
+#define CONFKV_STATE_VERSION 1u
+#define CONFKV_STATE_HEAD 22u
+
 #endif

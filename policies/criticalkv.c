@@ -42,4 +42,6 @@ const policy_ops policy_criticalkv = {
     .save = snapkv_family_save,
     .restore = snapkv_family_restore,
     .discard = snapkv_family_discard,
+    .export_layer = snapkv_family_export_layer,
+    .import_layer = snapkv_family_import_layer,
 };

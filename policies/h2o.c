@@ -290,34 +290,6 @@ static void h2o_discard(void *saved)
 static const char *const h2o_echo_names[H2O_STATE_ECHO] = {"layer", "layers", "budget", "recent",
                                                            "sinks"};
 
-static void put_u32(uint8_t *p, uint32_t v)
-{
-    for (int i = 0; i < 4; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static uint32_t get_u32(const uint8_t *p)
-{
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-
-/* A double as its exact bits, so that the round trip is bit for bit. */
-static void put_f64(uint8_t *p, double d)
-{
-    uint64_t v;
-    memcpy(&v, &d, sizeof v);
-    put_u32(p, (uint32_t)v);
-    put_u32(p + 4, (uint32_t)(v >> 32));
-}
-
-static double get_f64(const uint8_t *p)
-{
-    uint64_t v = (uint64_t)get_u32(p) | (uint64_t)get_u32(p + 4) << 32;
-    double d;
-    memcpy(&d, &v, sizeof d);
-    return d;
-}
-
 static void state_echo(const h2o_state *st, uint32_t layer, uint32_t echo[H2O_STATE_ECHO])
 {
     echo[0] = layer;
@@ -340,12 +312,12 @@ static void *h2o_export_layer(const void *state, uint32_t layer, size_t *len)
     uint32_t echo[H2O_STATE_ECHO];
     state_echo(st, layer, echo);
     for (int i = 0; i < H2O_STATE_ECHO; i++)
-        put_u32(b + 4 + 4 * i, echo[i]);
-    put_u32(b + H2O_STATE_HEAD - 4, ly->n);
+        policy_put_le(b + 4 + 4 * i, echo[i], 4);
+    policy_put_le(b + H2O_STATE_HEAD - 4, ly->n, 4);
     uint8_t *pos = b + H2O_STATE_HEAD, *score = pos + (size_t)ly->n * 4;
     for (uint32_t i = 0; i < ly->n; i++) {
-        put_u32(pos + (size_t)i * 4, ly->pos[i]);
-        put_f64(score + (size_t)i * 8, ly->score[i]);
+        policy_put_le(pos + (size_t)i * 4, ly->pos[i], 4);
+        policy_put_le(score + (size_t)i * 8, policy_f64_bits(ly->score[i]), 8);
     }
     *len = total;
     return b;
@@ -373,14 +345,14 @@ static int state_head_check(const h2o_state *st, uint32_t layer, const uint8_t *
     uint32_t echo[H2O_STATE_ECHO];
     state_echo(st, layer, echo);
     for (int i = 0; i < H2O_STATE_ECHO; i++) {
-        uint32_t v = get_u32(b + 4 + 4 * i);
+        uint32_t v = (uint32_t)policy_get_le(b + 4 + 4 * i, 4);
         if (v != echo[i]) {
             policy_set_err(err, errlen, "h2o state: written for %s %u, this sequence has %u",
                            h2o_echo_names[i], v, echo[i]);
             return -1;
         }
     }
-    *n = get_u32(b + H2O_STATE_HEAD - 4);
+    *n = (uint32_t)policy_get_le(b + H2O_STATE_HEAD - 4, 4);
     if (*n > st->budget) { /* also bounds the allocation below */
         policy_set_err(err, errlen,
                        "h2o state: %u tokens exceed the budget of %u (a step never ends above it)",
@@ -402,13 +374,14 @@ static int state_tokens_check(const uint8_t *pos, const uint8_t *score, uint32_t
                               size_t errlen)
 {
     for (uint32_t i = 1; i < n; i++) {
-        if (get_u32(pos + (size_t)i * 4) <= get_u32(pos + (size_t)(i - 1) * 4)) {
+        if ((uint32_t)policy_get_le(pos + (size_t)i * 4, 4) <=
+            (uint32_t)policy_get_le(pos + (size_t)(i - 1) * 4, 4)) {
             policy_set_err(err, errlen, "h2o state: position of token %u does not ascend", i);
             return -1;
         }
     }
     for (uint32_t i = 0; i < n; i++) {
-        if (!isfinite(get_f64(score + (size_t)i * 8))) {
+        if (!isfinite(policy_bits_f64(policy_get_le(score + (size_t)i * 8, 8)))) {
             policy_set_err(err, errlen, "h2o state: score of token %u is not finite", i);
             return -1;
         }
@@ -444,8 +417,8 @@ static int h2o_import_layer(void *state, uint32_t layer, const void *buf, size_t
         return -1;
     }
     for (uint32_t i = 0; i < n; i++) {
-        ly.pos[i] = get_u32(pos + (size_t)i * 4);
-        ly.score[i] = get_f64(score + (size_t)i * 8);
+        ly.pos[i] = (uint32_t)policy_get_le(pos + (size_t)i * 4, 4);
+        ly.score[i] = policy_bits_f64(policy_get_le(score + (size_t)i * 8, 8));
     }
     layer_free(&st->ly[layer]);
     st->ly[layer] = ly;

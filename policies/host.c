@@ -304,8 +304,8 @@ static int image_check(const policy_host_list_image *li, uint64_t appended, char
 }
 
 int policy_host_restore(policy_host *h, uint64_t appended, uint64_t steps,
-                        const policy_host_list_image *lists,
-                        const policy_host_state_image *states, char *err, size_t errlen)
+                        const policy_host_list_image *lists, const policy_host_state_image *states,
+                        char *err, size_t errlen)
 {
     if (!policy_host_portable(h)) {
         snprintf(err, errlen, "policy %s keeps state of its own that it cannot write out",

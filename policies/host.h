@@ -126,7 +126,7 @@ typedef struct policy_host_state_image {
  * not stored, state the policy refuses, out of memory); the host must then
  * be destroyed. */
 int policy_host_restore(policy_host *h, uint64_t appended, uint64_t steps,
-                        const policy_host_list_image *lists,
-                        const policy_host_state_image *states, char *err, size_t errlen);
+                        const policy_host_list_image *lists, const policy_host_state_image *states,
+                        char *err, size_t errlen);
 
 #endif

@@ -1081,43 +1081,6 @@ _Static_assert(OV_STATE_HEAD == OV_STATE_RNG + 4 + 4 * 624 + 8, "the header's la
 static const char *const ov_echo_names[OV_STATE_ECHO] = {
     "layer", "layers", "block size", "start_size", "snapkv_window", "aggregation"};
 
-static void put_u32(uint8_t *p, uint32_t v)
-{
-    for (int i = 0; i < 4; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static void put_u64(uint8_t *p, uint64_t v)
-{
-    put_u32(p, (uint32_t)v);
-    put_u32(p + 4, (uint32_t)(v >> 32));
-}
-
-static uint32_t get_u32(const uint8_t *p)
-{
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-
-static uint64_t get_u64(const uint8_t *p)
-{
-    return (uint64_t)get_u32(p) | (uint64_t)get_u32(p + 4) << 32;
-}
-
-/* A double as its exact bits, so that the round trip is bit for bit. */
-static uint64_t f64_bits(double d)
-{
-    uint64_t v;
-    memcpy(&v, &d, sizeof v);
-    return v;
-}
-
-static double bits_f64(uint64_t v)
-{
-    double d;
-    memcpy(&d, &v, sizeof d);
-    return d;
-}
-
 static void state_echo(const ov_block *st, uint32_t layer, uint32_t echo[OV_STATE_ECHO])
 {
     echo[0] = layer;
@@ -1141,18 +1104,18 @@ static void *ov_export_layer(const void *state, uint32_t layer, size_t *len)
     uint32_t echo[OV_STATE_ECHO];
     state_echo(st, layer, echo);
     for (int i = 0; i < OV_STATE_ECHO; i++)
-        put_u32(b + 4 + 4 * i, echo[i]);
-    put_u32(b + OV_STATE_WIDE, st->nreg);
-    put_u32(b + OV_STATE_WIDE + 4, st->reg_nsnap);
-    put_u64(b + OV_STATE_WIDE + 8, st->reg_step);
-    put_u32(b + OV_STATE_RNG, st->rng.idx);
+        policy_put_le(b + 4 + 4 * i, echo[i], 4);
+    policy_put_le(b + OV_STATE_WIDE, st->nreg, 4);
+    policy_put_le(b + OV_STATE_WIDE + 4, st->reg_nsnap, 4);
+    policy_put_le(b + OV_STATE_WIDE + 8, st->reg_step, 8);
+    policy_put_le(b + OV_STATE_RNG, st->rng.idx, 4);
     for (int i = 0; i < 624; i++)
-        put_u32(b + OV_STATE_RNG + 4 + 4 * i, st->rng.mt[i]);
-    put_u64(b + OV_STATE_HEAD - 8, L->len);
+        policy_put_le(b + OV_STATE_RNG + 4 + 4 * i, st->rng.mt[i], 4);
+    policy_put_le(b + OV_STATE_HEAD - 8, L->len, 8);
     uint8_t *acc = b + OV_STATE_HEAD, *cnt = acc + L->len * 8;
     for (size_t i = 0; i < L->len; i++) {
-        put_u64(acc + i * 8, f64_bits(L->acc[i]));
-        put_u64(cnt + i * 8, L->cnt[i]);
+        policy_put_le(acc + i * 8, policy_f64_bits(L->acc[i]), 8);
+        policy_put_le(cnt + i * 8, L->cnt[i], 8);
     }
     *len = total;
     return b;
@@ -1179,7 +1142,7 @@ static int state_head_check(const ov_block *st, uint32_t layer, const uint8_t *b
     uint32_t echo[OV_STATE_ECHO];
     state_echo(st, layer, echo);
     for (int i = 0; i < OV_STATE_ECHO; i++) {
-        uint32_t v = get_u32(b + 4 + 4 * i);
+        uint32_t v = (uint32_t)policy_get_le(b + 4 + 4 * i, 4);
         if (v != echo[i]) {
             policy_set_err(err, errlen,
                            "ov_block state: written for %s %" PRIu32 ", this sequence has %" PRIu32,
@@ -1194,7 +1157,8 @@ static int state_head_check(const ov_block *st, uint32_t layer, const uint8_t *b
  * passes it) and an mt19937 index the generator can hold. */
 static int state_wide_check(const ov_block *st, const uint8_t *b, char *err, size_t errlen)
 {
-    uint32_t nreg = get_u32(b + OV_STATE_WIDE), idx = get_u32(b + OV_STATE_RNG);
+    uint32_t nreg = (uint32_t)policy_get_le(b + OV_STATE_WIDE, 4),
+             idx = (uint32_t)policy_get_le(b + OV_STATE_RNG, 4);
     if (nreg > st->snap_w) {
         policy_set_err(err, errlen,
                        "ov_block state: %" PRIu32 " SnapKV scores registered exceed "
@@ -1215,7 +1179,7 @@ static int state_wide_check(const ov_block *st, const uint8_t *b, char *err, siz
 static int state_len_check(const ov_block *st, const uint8_t *b, size_t len, size_t *n, char *err,
                            size_t errlen)
 {
-    uint64_t tracked = get_u64(b + OV_STATE_HEAD - 8);
+    uint64_t tracked = policy_get_le(b + OV_STATE_HEAD - 8, 8);
     if (tracked > (uint64_t)UINT32_MAX - st->start) {
         policy_set_err(err, errlen,
                        "ov_block state: %" PRIu64 " tracked tokens after a start area of %" PRIu32
@@ -1243,12 +1207,12 @@ static int state_tokens_check(const uint8_t *acc, const uint8_t *cnt, size_t n, 
                               size_t errlen)
 {
     for (size_t i = 0; i < n; i++) {
-        if (!isfinite(bits_f64(get_u64(acc + i * 8)))) {
+        if (!isfinite(policy_bits_f64(policy_get_le(acc + i * 8, 8)))) {
             policy_set_err(err, errlen, "ov_block state: score %zu is not finite", i);
             return -1;
         }
-        uint64_t c = get_u64(cnt + i * 8);
-        if (c == 0 || (i > 0 && c > get_u64(cnt + (i - 1) * 8))) {
+        uint64_t c = policy_get_le(cnt + i * 8, 8);
+        if (c == 0 || (i > 0 && c > policy_get_le(cnt + (i - 1) * 8, 8))) {
             policy_set_err(err, errlen,
                            "ov_block state: counter %zu (%" PRIu64 ") is 0 or above the one "
                            "before it",
@@ -1290,19 +1254,19 @@ static int ov_import_layer(void *state, uint32_t layer, const void *buf, size_t 
         return -1;
     }
     for (size_t i = 0; i < n; i++) {
-        L.acc[i] = bits_f64(get_u64(acc + i * 8));
-        L.cnt[i] = get_u64(cnt + i * 8);
+        L.acc[i] = policy_bits_f64(policy_get_le(acc + i * 8, 8));
+        L.cnt[i] = policy_get_le(cnt + i * 8, 8);
     }
     free(st->ly[layer].acc);
     free(st->ly[layer].cnt);
     st->ly[layer] = L;
     st->gen++; /* the sequence-wide part changes */
-    st->nreg = get_u32(b + OV_STATE_WIDE);
-    st->reg_nsnap = get_u32(b + OV_STATE_WIDE + 4);
-    st->reg_step = get_u64(b + OV_STATE_WIDE + 8);
-    st->rng.idx = get_u32(b + OV_STATE_RNG);
+    st->nreg = (uint32_t)policy_get_le(b + OV_STATE_WIDE, 4);
+    st->reg_nsnap = (uint32_t)policy_get_le(b + OV_STATE_WIDE + 4, 4);
+    st->reg_step = policy_get_le(b + OV_STATE_WIDE + 8, 8);
+    st->rng.idx = (uint32_t)policy_get_le(b + OV_STATE_RNG, 4);
     for (int i = 0; i < 624; i++)
-        st->rng.mt[i] = get_u32(b + OV_STATE_RNG + 4 + 4 * i);
+        st->rng.mt[i] = (uint32_t)policy_get_le(b + OV_STATE_RNG + 4 + 4 * i, 4);
     return 0;
 }
 

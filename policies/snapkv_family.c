@@ -749,22 +749,20 @@ POLICY_HOT static int record_compression(snapkv_state *st, const policy_layer_vi
         uint32_t kept = 0;
         for (uint32_t i = 0; i < w->len[g]; i++)
             kept += w->keep[g][i];
+        /* All four first: a failure must leave the record's arrays and its
+         * `kept` in step (describe, save and export read kept entries). */
         size_t n = kept ? kept : 1;
-        uint32_t *pos = realloc(hr->pos, n * sizeof *pos);
-        if (pos == NULL)
+        uint32_t *pos = malloc(n * sizeof *pos);
+        float *score = malloc(n * sizeof *score), *z = malloc(n * sizeof *z);
+        uint8_t *force = malloc(n);
+        if (pos == NULL || score == NULL || z == NULL || force == NULL) {
+            free(pos), free(score), free(z), free(force);
             return -1;
+        }
+        free(hr->pos), free(hr->score), free(hr->z), free(hr->force);
         hr->pos = pos;
-        float *score = realloc(hr->score, n * sizeof *score);
-        if (score == NULL)
-            return -1;
         hr->score = score;
-        float *z = realloc(hr->z, n * sizeof *z);
-        if (z == NULL)
-            return -1;
         hr->z = z;
-        uint8_t *force = realloc(hr->force, n);
-        if (force == NULL)
-            return -1;
         hr->force = force;
         hr->held = w->len[g];
         hr->prefix = w->prefix[g];
@@ -971,6 +969,278 @@ void snapkv_family_restore(void *state, uint32_t layer, void *saved)
     record_free(&st->rec[layer], st->kv_heads);
     st->rec[layer] = c->rec;
     free(c);
+}
+
+/* ---- moving a sequence (policy.h export_layer / import_layer) ---- */
+
+/* The byte format is in snapkv_family.h; these sizes follow it. */
+static const uint8_t wire_magic[4] = {'S', 'K', 'V', 'F'};
+#define WIRE_HEADER 31u /* magic .. last_step */
+#define WIRE_HEAD 16u   /* held, prefix, kept, forced */
+#define WIRE_ENTRY 13u  /* position, score, stage-2 score, is_forced */
+
+static uint8_t *export_head_entries(uint8_t *p, const snapkv_head_record *hr)
+{
+    for (uint32_t k = 0; k < hr->kept; k++)
+        p = policy_put_le(p, hr->pos[k], 4);
+    for (uint32_t k = 0; k < hr->kept; k++)
+        p = policy_put_le(p, policy_f32_bits(hr->score[k]), 4);
+    for (uint32_t k = 0; k < hr->kept; k++)
+        p = policy_put_le(p, policy_f32_bits(hr->z[k]), 4);
+    for (uint32_t k = 0; k < hr->kept; k++)
+        p = policy_put_le(p, hr->force[k], 1);
+    return p;
+}
+
+void *snapkv_family_export_layer(const void *state, uint32_t layer, size_t *len)
+{
+    const snapkv_state *st = state;
+    const snapkv_layer_record *r = &st->rec[layer];
+    size_t elen = strlen(r->event); /* < sizeof r->event: fits the byte */
+    size_t n = WIRE_HEADER + elen + (size_t)WIRE_HEAD * st->kv_heads;
+    for (uint32_t g = 0; g < st->kv_heads; g++)
+        n += (size_t)WIRE_ENTRY * r->heads[g].kept;
+    uint8_t *buf = malloc(n);
+    if (buf == NULL)
+        return NULL;
+    uint8_t *p = buf;
+    memcpy(p, wire_magic, sizeof wire_magic);
+    p += sizeof wire_magic;
+    p = policy_put_le(p, SNAPKV_WIRE_VERSION, 1);
+    p = policy_put_le(p, (uint64_t)st->cfg.variant, 1);
+    p = policy_put_le(p, elen, 1);
+    p = policy_put_le(p, st->kv_heads, 4);
+    p = policy_put_le(p, layer, 4);
+    p = policy_put_le(p, r->compressions, 8);
+    p = policy_put_le(p, r->last_step, 8);
+    memcpy(p, r->event, elen);
+    p += elen;
+    for (uint32_t g = 0; g < st->kv_heads; g++) {
+        const snapkv_head_record *hr = &r->heads[g];
+        p = policy_put_le(p, hr->held, 4);
+        p = policy_put_le(p, hr->prefix, 4);
+        p = policy_put_le(p, hr->kept, 4);
+        p = policy_put_le(p, hr->forced, 4);
+    }
+    for (uint32_t g = 0; g < st->kv_heads; g++)
+        p = export_head_entries(p, &r->heads[g]);
+    *len = n;
+    return buf;
+}
+
+/* Bytes being read: every read checks that they hold it (they come over
+ * the network); a read past the end yields zeros and marks the reader. */
+typedef struct wire_in {
+    const uint8_t *p;
+    size_t left;
+    int ran_out;
+} wire_in;
+
+static const uint8_t *wire_take(wire_in *in, size_t n)
+{
+    if (in->left < n) {
+        in->ran_out = 1;
+        in->left = 0;
+        return NULL;
+    }
+    const uint8_t *at = in->p;
+    in->p += n;
+    in->left -= n;
+    return at;
+}
+
+/* n little-endian bytes as an unsigned number. */
+static uint64_t wire_get(wire_in *in, size_t n)
+{
+    const uint8_t *b = wire_take(in, n);
+    return b != NULL ? policy_get_le(b, (unsigned)n) : 0;
+}
+
+static float wire_get_f32(wire_in *in)
+{
+    return policy_bits_f32((uint32_t)wire_get(in, 4));
+}
+
+/* The fixed header and the event text into rec (heads untouched), checked
+ * against this state's variant, kv_heads and the layer being imported. */
+static int import_header(const snapkv_state *st, uint32_t layer, wire_in *in,
+                         snapkv_layer_record *rec, char *err, size_t errlen)
+{
+    const uint8_t *magic = wire_take(in, sizeof wire_magic);
+    uint64_t version = wire_get(in, 1), variant = wire_get(in, 1), elen = wire_get(in, 1);
+    uint64_t heads = wire_get(in, 4), from_layer = wire_get(in, 4);
+    rec->compressions = wire_get(in, 8);
+    rec->last_step = wire_get(in, 8);
+    const uint8_t *event = wire_take(in, elen);
+    if (in->ran_out) {
+        policy_set_err(err, errlen, "state is cut short in its header");
+        return -1;
+    }
+    if (memcmp(magic, wire_magic, sizeof wire_magic) != 0) {
+        policy_set_err(err, errlen, "not SnapKV-family state (bad magic)");
+        return -1;
+    }
+    if (version != SNAPKV_WIRE_VERSION) {
+        policy_set_err(err, errlen, "state format version %u, this daemon reads %u",
+                       (unsigned)version, (unsigned)SNAPKV_WIRE_VERSION);
+        return -1;
+    }
+    if (variant != (uint64_t)st->cfg.variant) {
+        size_t known = sizeof variant_name / sizeof *variant_name;
+        policy_set_err(err, errlen, "state written by policy %s, not %s",
+                       variant < known ? variant_name[variant] : "(unknown)",
+                       variant_name[st->cfg.variant]);
+        return -1;
+    }
+    if (heads != st->kv_heads || from_layer != layer) {
+        policy_set_err(err, errlen, "state of layer %u with kv_heads %u, expected layer %u with %u",
+                       (unsigned)from_layer, (unsigned)heads, layer, st->kv_heads);
+        return -1;
+    }
+    /* Written as the text before its NUL: a NUL inside, or no room for one,
+     * is not something export wrote. */
+    if (elen >= sizeof rec->event || memchr(event, '\0', elen) != NULL) {
+        policy_set_err(err, errlen, "event text of %u bytes is not a text under %zu bytes",
+                       (unsigned)elen, sizeof rec->event);
+        return -1;
+    }
+    memcpy(rec->event, event, elen);
+    rec->event[elen] = '\0';
+    return 0;
+}
+
+/* A head's counts as record_compression() leaves them. */
+static int check_head_counts(const snapkv_head_record *hr, uint32_t g, uint64_t compressions,
+                             char *err, size_t errlen)
+{
+    if (hr->prefix > hr->held || hr->kept > hr->held || hr->forced > hr->held) {
+        policy_set_err(err, errlen, "head %u: prefix %u, kept %u or forced %u exceeds held %u", g,
+                       hr->prefix, hr->kept, hr->forced, hr->held);
+        return -1;
+    }
+    if (compressions == 0 && hr->held != 0) {
+        policy_set_err(err, errlen, "head %u has a record but the layer never compressed", g);
+        return -1;
+    }
+    return 0;
+}
+
+/* The heads' counts into rec->heads (no arrays yet). The bytes left must
+ * then be exactly the entries the counts announce: checked before any
+ * allocation, so no count is trusted for one. */
+static int import_counts(const snapkv_state *st, wire_in *in, snapkv_layer_record *rec, char *err,
+                         size_t errlen)
+{
+    for (uint32_t g = 0; g < st->kv_heads; g++) {
+        snapkv_head_record *hr = &rec->heads[g];
+        hr->held = (uint32_t)wire_get(in, 4);
+        hr->prefix = (uint32_t)wire_get(in, 4);
+        hr->kept = (uint32_t)wire_get(in, 4);
+        hr->forced = (uint32_t)wire_get(in, 4);
+    }
+    if (in->ran_out) {
+        policy_set_err(err, errlen, "state is cut short in its head counts");
+        return -1;
+    }
+    uint64_t need = 0; /* stops growing past in->left: no overflow */
+    for (uint32_t g = 0; g < st->kv_heads && need <= in->left; g++) {
+        if (check_head_counts(&rec->heads[g], g, rec->compressions, err, errlen) != 0)
+            return -1;
+        need += (uint64_t)WIRE_ENTRY * rec->heads[g].kept;
+    }
+    if (need != in->left) {
+        policy_set_err(err, errlen, "state has %zu bytes of entries, its counts need %s%llu",
+                       in->left, need > in->left ? "at least " : "", (unsigned long long)need);
+        return -1;
+    }
+    return 0;
+}
+
+/* A head's entries as record_kept() writes them (format in the header). */
+static int check_entries(const snapkv_state *st, const snapkv_head_record *hr, uint32_t g,
+                         char *err, size_t errlen)
+{
+    /* A stage-2 score is the float of a product of doubles: it can be
+     * infinite, never NaN; the other variants write 0. */
+    int critical = variant_critical(st->cfg.variant);
+    uint32_t forced = 0;
+    for (uint32_t k = 0; k < hr->kept; k++) {
+        const char *bad = NULL;
+        if (k > 0 && hr->pos[k] <= hr->pos[k - 1])
+            bad = "position not above the previous one";
+        else if (!isfinite(hr->score[k]))
+            bad = "score not a finite number";
+        else if (critical ? isnan(hr->z[k]) : hr->z[k] != 0.0f)
+            bad = critical ? "stage-2 score is NaN" : "stage-2 score not 0 (no stage 2)";
+        else if (hr->force[k] > 1)
+            bad = "is_forced not 0 or 1";
+        if (bad != NULL) {
+            policy_set_err(err, errlen, "head %u entry %u: %s", g, k, bad);
+            return -1;
+        }
+        forced += hr->force[k];
+    }
+    if (forced > hr->forced) {
+        policy_set_err(err, errlen, "head %u: %u kept tokens forced, of %u forced in all", g,
+                       forced, hr->forced);
+        return -1;
+    }
+    return 0;
+}
+
+/* Allocate a head's arrays (as record_compression() sizes them), read its
+ * entries and check them. The arrays belong to hr even on failure. */
+static int import_entries(const snapkv_state *st, wire_in *in, snapkv_head_record *hr, uint32_t g,
+                          char *err, size_t errlen)
+{
+    size_t n = hr->kept ? hr->kept : 1;
+    hr->pos = malloc(n * sizeof *hr->pos);
+    hr->score = malloc(n * sizeof *hr->score);
+    hr->z = malloc(n * sizeof *hr->z);
+    hr->force = malloc(n);
+    if (!hr->pos || !hr->score || !hr->z || !hr->force) {
+        policy_set_err(err, errlen, "out of memory");
+        return -1;
+    }
+    for (uint32_t k = 0; k < hr->kept; k++)
+        hr->pos[k] = (uint32_t)wire_get(in, 4);
+    for (uint32_t k = 0; k < hr->kept; k++)
+        hr->score[k] = wire_get_f32(in);
+    for (uint32_t k = 0; k < hr->kept; k++)
+        hr->z[k] = wire_get_f32(in);
+    for (uint32_t k = 0; k < hr->kept; k++)
+        hr->force[k] = (uint8_t)wire_get(in, 1);
+    return check_entries(st, hr, g, err, errlen);
+}
+
+int snapkv_family_import_layer(void *state, uint32_t layer, const void *buf, size_t len, char *err,
+                               size_t errlen)
+{
+    snapkv_state *st = state;
+    if (layer >= st->layers) {
+        policy_set_err(err, errlen, "no layer %u (%u layers)", layer, st->layers);
+        return -1;
+    }
+    wire_in in = {buf, len, 0};
+    snapkv_layer_record rec = {0};
+    if (import_header(st, layer, &in, &rec, err, errlen) != 0)
+        return -1;
+    rec.heads = calloc(st->kv_heads, sizeof *rec.heads);
+    if (rec.heads == NULL) {
+        policy_set_err(err, errlen, "out of memory");
+        return -1;
+    }
+    int rc = import_counts(st, &in, &rec, err, errlen);
+    for (uint32_t g = 0; rc == 0 && g < st->kv_heads; g++)
+        rc = import_entries(st, &in, &rec.heads[g], g, err, errlen);
+    if (rc != 0) {
+        record_free(&rec, st->kv_heads);
+        return -1;
+    }
+    /* Everything checked: only now does the layer's record change. */
+    record_free(&st->rec[layer], st->kv_heads);
+    st->rec[layer] = rec;
+    return 0;
 }
 
 /* ---- describe ---- */

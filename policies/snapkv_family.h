@@ -226,4 +226,38 @@ int snapkv_family_save(const void *state, uint32_t layer, void **saved);
 void snapkv_family_restore(void *state, uint32_t layer, void *saved);
 void snapkv_family_discard(void *saved);
 
+/*
+ * ops->export_layer and ops->import_layer (policy.h): the layer's record,
+ * as save() copies it, in bytes. The configuration and geometry are not in
+ * them (the importing side creates the state from the same parameters);
+ * nothing is outside the per-layer record. Little-endian, version 1:
+ *
+ *   offset  size  field
+ *        0     4  magic "SKVF"
+ *        4     1  version (1)
+ *        5     1  variant (snapkv_variant of the policy that wrote them)
+ *        6     1  E = length of the event text (< 192, no NUL byte)
+ *        7     4  kv_heads
+ *       11     4  layer
+ *       15     8  compressions
+ *       23     8  last_step
+ *       31     E  event text
+ *   then kv_heads x 16 bytes: held, prefix, kept, forced (u32 each;
+ *       prefix, kept, forced <= held; all 0 before any compression)
+ *   then per head, kept entries of each array in turn: positions (u32,
+ *       strictly ascending), scores (f32 bits, finite), stage-2 scores (f32
+ *       bits; not NaN for the criticalkv variants, 0 for the others),
+ *       is_forced (u8, 0 or 1; at most `forced` of them 1).
+ *
+ * The length is exactly 31 + E + 16·kv_heads + 13·Σ kept. export returns
+ * the bytes (malloc'd; the caller frees) or NULL when out of memory.
+ * import refuses (-1, err names the field) bytes that break any rule above,
+ * or were written by another variant, for another layer or kv_heads; the
+ * state is then unchanged (the new record is built aside, then swapped in).
+ */
+#define SNAPKV_WIRE_VERSION 1
+void *snapkv_family_export_layer(const void *state, uint32_t layer, size_t *len);
+int snapkv_family_import_layer(void *state, uint32_t layer, const void *buf, size_t len, char *err,
+                               size_t errlen);
+
 #endif

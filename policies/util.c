@@ -39,3 +39,46 @@ void *policy_array_copy(const void *src, size_t used, size_t room, size_t size)
         memcpy(a, src, used * size);
     return a;
 }
+
+uint8_t *policy_put_le(uint8_t *p, uint64_t v, unsigned n)
+{
+    for (unsigned i = 0; i < n; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+    return p + n;
+}
+
+uint64_t policy_get_le(const uint8_t *p, unsigned n)
+{
+    uint64_t v = 0;
+    for (unsigned i = n; i-- > 0;)
+        v = v << 8 | p[i];
+    return v;
+}
+
+uint64_t policy_f64_bits(double d)
+{
+    uint64_t u;
+    memcpy(&u, &d, sizeof u);
+    return u;
+}
+
+double policy_bits_f64(uint64_t u)
+{
+    double d;
+    memcpy(&d, &u, sizeof d);
+    return d;
+}
+
+uint32_t policy_f32_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+float policy_bits_f32(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}

@@ -6,6 +6,7 @@
 #define KVSTASH_POLICIES_UTIL_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 /*
  * Hot loops over a decision's lists (pooling, keys, compactions, sums) are
@@ -45,5 +46,19 @@ size_t policy_first_outside(const float *a, size_t n, float lo);
  * of memory. The caller frees.
  */
 void *policy_array_copy(const void *src, size_t used, size_t room, size_t size);
+
+/*
+ * A policy's exported layer state (policy_ops.export_layer) is its own
+ * little-endian bytes: policy_put_le writes v's low n (1..8) bytes at p and
+ * returns p + n; policy_get_le reads them back. Floats and doubles travel
+ * as their exact bits, so that a moved sequence decides bit for bit as the
+ * original would have.
+ */
+uint8_t *policy_put_le(uint8_t *p, uint64_t v, unsigned n);
+uint64_t policy_get_le(const uint8_t *p, unsigned n);
+uint64_t policy_f64_bits(double d);
+double policy_bits_f64(uint64_t u);
+uint32_t policy_f32_bits(float f);
+float policy_bits_f32(uint32_t u);
 
 #endif

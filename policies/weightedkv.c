@@ -43,6 +43,7 @@
 #include "weightedkv.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -553,6 +554,150 @@ static void wkv_restore(void *state, uint32_t layer, void *saved)
     free(c);
 }
 
+/* ---- moving a sequence (issue 17; the format in weightedkv.h) ------------ */
+
+/* Doubles travel as their IEEE bits: the round trip is exact. */
+static uint8_t *put_f64s(uint8_t *p, const double *x, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++)
+        p = policy_put_le(p, policy_f64_bits(x[i]), 8);
+    return p;
+}
+
+/* ops->export_layer: the layer's kv_heads accumulators, as save copies them
+ * (the config and the scratch come from create() on the other side). */
+static void *wkv_export_layer(const void *state, uint32_t layer, size_t *len)
+{
+    const wkv_state *s = state;
+    const wkv_head *hd = &s->heads[(size_t)layer * s->kv_heads];
+    *len = WKV_STATE_HEAD + 4 * (size_t)s->kv_heads;
+    for (uint32_t k = 0; k < s->kv_heads; k++)
+        *len += 16 * (size_t)hd[k].n;
+    uint8_t *buf = malloc(*len);
+    if (buf == NULL) {
+        *len = 0;
+        return NULL;
+    }
+    uint8_t *p = policy_put_le(buf, WKV_STATE_MAGIC, 4);
+    p = policy_put_le(p, WKV_STATE_VERSION, 1);
+    p = policy_put_le(p, s->kv_heads, 4);
+    for (uint32_t k = 0; k < s->kv_heads; k++)
+        p = policy_put_le(p, hd[k].n, 4);
+    for (uint32_t k = 0; k < s->kv_heads; k++) {
+        p = put_f64s(p, hd[k].a, hd[k].n);
+        p = put_f64s(p, hd[k].c, hd[k].n);
+    }
+    return buf;
+}
+
+/* The header and the counts, checked against the geometry, the parameters
+ * and the length before any count sizes an allocation. */
+static int import_check(const wkv_state *s, uint32_t layer, const uint8_t *p, size_t len, char *err,
+                        size_t errlen)
+{
+    if (layer >= s->layers) {
+        policy_set_err(err, errlen, "layer %u out of range (%u layers)", layer, s->layers);
+        return -1;
+    }
+    uint64_t need = WKV_STATE_HEAD + 4 * (uint64_t)s->kv_heads;
+    if (len < WKV_STATE_HEAD) {
+        policy_set_err(err, errlen, "%zu bytes, shorter than the %u-byte header", len,
+                       WKV_STATE_HEAD);
+        return -1;
+    }
+    if (policy_get_le(p, 4) != WKV_STATE_MAGIC || p[4] != WKV_STATE_VERSION) {
+        policy_set_err(err, errlen, "not weightedkv state version %u (magic %08x, version %u)",
+                       WKV_STATE_VERSION, (unsigned)policy_get_le(p, 4), p[4]);
+        return -1;
+    }
+    if (policy_get_le(p + 5, 4) != s->kv_heads) {
+        policy_set_err(err, errlen, "state of %u KV heads, the geometry has %u",
+                       (unsigned)policy_get_le(p + 5, 4), s->kv_heads);
+        return -1;
+    }
+    if (len < need) {
+        policy_set_err(err, errlen, "%zu bytes, too short for the counts of %u heads", len,
+                       s->kv_heads);
+        return -1;
+    }
+    for (uint32_t k = 0; k < s->kv_heads; k++) {
+        uint32_t n = (uint32_t)policy_get_le(p + WKV_STATE_HEAD + 4 * (size_t)k, 4);
+        /* Every step ends with at most m entries (§4.1): more is not state
+         * this policy can have. */
+        if (n > s->cfg.cache_size) {
+            policy_set_err(err, errlen, "head %u holds %u entries, more than cache_size %u", k, n,
+                           s->cfg.cache_size);
+            return -1;
+        }
+        need += 16 * (uint64_t)n;
+    }
+    if ((uint64_t)len != need) {
+        policy_set_err(err, errlen, "the counts need %llu bytes, got %zu", (unsigned long long)need,
+                       len);
+        return -1;
+    }
+    return 0;
+}
+
+/* n doubles (their IEEE bits) at *p into x; advances *p. */
+static void get_f64s(const uint8_t **p, double *x, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++, *p += 8)
+        x[i] = policy_bits_f64(policy_get_le(*p, 8));
+}
+
+/* One head's a[n] and c[n] at *p into hd (arrays of exactly n, as save
+ * makes them). Stats are finite (the daemon checks them), so every a is;
+ * every entry was counted when it came (accumulate), so c >= 1 and
+ * w = a/c is finite. */
+static int import_head(wkv_head *hd, uint32_t k, uint32_t n, const uint8_t **p, char *err,
+                       size_t errlen)
+{
+    hd->n = hd->cap = n;
+    hd->a = policy_array_copy(NULL, 0, n, sizeof *hd->a);
+    hd->c = policy_array_copy(NULL, 0, n, sizeof *hd->c);
+    if (hd->a == NULL || hd->c == NULL) {
+        policy_set_err(err, errlen, "out of memory in policy 'weightedkv'");
+        return -1;
+    }
+    get_f64s(p, hd->a, n);
+    get_f64s(p, hd->c, n);
+    for (uint32_t i = 0; i < n; i++)
+        if (!isfinite(hd->a[i]) || !(hd->c[i] >= 1.0 && isfinite(hd->c[i]))) {
+            policy_set_err(err, errlen, "head %u entry %u: a = %g, c = %g (a finite, c >= 1)", k, i,
+                           hd->a[i], hd->c[i]);
+            return -1;
+        }
+    return 0;
+}
+
+/* ops->import_layer: check, read into a saved layer, and swap it in as
+ * restore() does. */
+static int wkv_import_layer(void *state, uint32_t layer, const void *buf, size_t len, char *err,
+                            size_t errlen)
+{
+    wkv_state *s = state;
+    const uint8_t *p = buf;
+    if (import_check(s, layer, p, len, err, errlen) != 0)
+        return -1;
+    wkv_saved *c = calloc(1, sizeof *c + s->kv_heads * sizeof c->head[0]);
+    if (c == NULL) {
+        policy_set_err(err, errlen, "out of memory in policy 'weightedkv'");
+        return -1;
+    }
+    c->heads = s->kv_heads;
+    const uint8_t *at = p + WKV_STATE_HEAD + 4 * (size_t)s->kv_heads;
+    for (uint32_t k = 0; k < s->kv_heads; k++) {
+        uint32_t n = (uint32_t)policy_get_le(p + WKV_STATE_HEAD + 4 * (size_t)k, 4);
+        if (import_head(&c->head[k], k, n, &at, err, errlen) != 0) {
+            wkv_discard(c);
+            return -1;
+        }
+    }
+    wkv_restore(s, layer, c);
+    return 0;
+}
+
 /* ---- describe ------------------------------------------------------------ */
 
 static void text_array(policy_text *t, const char *name, const double *x, uint32_t n)
@@ -597,4 +742,6 @@ const policy_ops policy_weightedkv = {
     .save = wkv_save,
     .restore = wkv_restore,
     .discard = wkv_discard,
+    .export_layer = wkv_export_layer,
+    .import_layer = wkv_import_layer,
 };

@@ -82,4 +82,22 @@ void wkv_flatten(const policy_merge *plan, size_t k, size_t n, policy_merge *out
 int weightedkv_head_state(const void *state, uint32_t layer, uint32_t head, const double **a,
                           const double **c, uint32_t *n);
 
+/*
+ * A layer's state as ops->export_layer writes it and import_layer reads it
+ * (moving a sequence to another daemon, policy.h), little-endian:
+ *   0  u32  WKV_STATE_MAGIC ("wkvs")
+ *   4  u8   WKV_STATE_VERSION
+ *   5  u32  H: KV heads
+ *   9  u32  n[H]: entries of each head
+ *   then for each head k in order: f64 a[n[k]], then f64 c[n[k]], their
+ *   IEEE bits, in list order.
+ * import_layer refuses another magic or version, H other than the
+ * geometry's kv_heads, an n above cache_size (no step leaves more), a
+ * length other than 9 + 4H + 16·Σn, a non-finite a, and a c that is not
+ * finite and >= 1.
+ */
+#define WKV_STATE_MAGIC 0x73766b77u /* "wkvs" */
+#define WKV_STATE_VERSION 1u
+#define WKV_STATE_HEAD 9u
+
 #endif

@@ -7,11 +7,14 @@ kvstashd on it (same --remote-namespace), A and B. kvstash-llama scores
 story 0 of ../shared/data/tinystories_val_dev.txt (171 tokens) with
 stories260K:
 
-* for `full`, `streaming`, `tova`, `h2o` and `ov_block` (budget 32: they evict long before the
-  cut): an uninterrupted run on A; then `score --export-at K` on A (steps
-  0..K-1, per-token lines 1..K) and `score --import-file` on B (steps
-  K..169, lines K+1..170). The two runs' lines, concatenated, are the
-  uninterrupted run's, bit for bit (%.17g);
+* for `full`, `streaming`, `tova`, `h2o`, `ov_block`, `confkv` and
+  `weightedkv` (budget 32: they evict long before the cut), and `streaming`
+  and `full` demoting to INT8 / INT4: an uninterrupted run on A; then
+  `score --export-at K` on A (steps 0..K-1, per-token lines 1..K) and
+  `score --import-file` on B (steps K..169, lines K+1..170). The two runs'
+  lines, concatenated, are the uninterrupted run's, bit for bit (%.17g): the
+  blocks of every tier and the policy's own state (h2o's scores, confkv's
+  EMA, weightedkv's accumulators, ov_block's scores and RNG) moved exactly;
 * two hops (tova): A to B at 50, B back to A at 120 (import and export in
   one run), the same lines again;
 * refusals: reviver's export (its state and sketch cannot move yet), a uid never
@@ -51,6 +54,8 @@ CASES = [  # name, policy, its options, K
     # Policies with state of their own carry it (policy_ops.export_layer).
     ("h2o", "h2o", ["--budget", BUDGET], 80),
     ("ov_block", "ov_block", ["--budget", BUDGET], 90),
+    ("confkv", "confkv", ["--budget", BUDGET], 80),      # INT8 tiers, its EMA
+    ("weightedkv", "weightedkv", ["--budget", BUDGET], 80),  # per-head lists, merged values
 ]
 
 

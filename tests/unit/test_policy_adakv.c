@@ -256,6 +256,23 @@ static void test_budget_extension(void **s)
     policy_host_destroy(h);
 }
 
+/* ---- moving a sequence ---- */
+
+/* A host moved to another daemon (export_layer / import_layer) after the
+ * prompt and some decode steps holds the same lists and records, and steps
+ * on exactly as the original. budget > 0 so that decode steps evict too
+ * (the ratio rule compresses only at the end of the prompt); window = 8, the
+ * window_queries of the harness's statistics. */
+static void test_moves_to_another_daemon(void **s)
+{
+    (void)s;
+    const char *kv[] = {"window=8", "budget=20", NULL};
+    ph_check_portable("adakv", kv, ph_geom(2, 4, 2), 40, 12, 7);
+    const char *kv_safe[] = {"window=8", "budget=16", "alpha_safeguard=0.5", "window_pad=max",
+                             NULL};
+    ph_check_portable("adakv", kv_safe, ph_geom(3, 8, 4), 30, 10, 8);
+}
+
 static void test_invalid_configs(void **s)
 {
     (void)s;
@@ -289,6 +306,7 @@ int main(void)
         cmocka_unit_test(test_head_compression),
         cmocka_unit_test(test_keep_highest_score),
         cmocka_unit_test(test_budget_extension),
+        cmocka_unit_test(test_moves_to_another_daemon),
         cmocka_unit_test(test_invalid_configs),
         cmocka_unit_test(test_registry),
     };

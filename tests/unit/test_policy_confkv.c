@@ -592,6 +592,105 @@ static void test_random_properties(void **unused)
     assert_true(run_random(1, 0) != run_random(2, 0));
 }
 
+/* ---- moving a sequence (export_layer / import_layer) ---- */
+
+/* Moved mid-run, the host decides as the original: tight/loose budgets,
+ * the pyramid over three layers, and attention-only ranking with no FP16
+ * window (every configuration evicts on each decode step). */
+static void test_portable(void **unused)
+{
+    (void)unused;
+    const char *small[] = {"budget_tight=8", "budget_loose=16", "protect=2", "fp16_window=4", NULL};
+    ph_check_portable("confkv", small, geom(2, 4), 24, 12, 1);
+    const char *pyramid[] = {"budget_tight=12", "budget_loose=20", "protect=3", "fp16_window=6",
+                             "pyramid=1",       "tau=0.5",         NULL};
+    ph_check_portable("confkv", pyramid, geom(3, 2), 40, 10, 2);
+    const char *attention[] = {
+        "budget_tight=6", "budget_loose=6", "protect=1",        "fp16_window=0",
+        "lambda=1",       "gamma=0.5",      "margin_mode=tanh", NULL};
+    ph_check_portable("confkv", attention, geom(1, 1), 10, 16, 3);
+}
+
+/* One impossible change to a layer's bytes (the format in confkv.h): the
+ * `bytes` low bytes of value at offset `at` (none when bytes = 0), `extra`
+ * zero bytes appended, and a word the refusal must contain. */
+typedef struct tamper {
+    size_t at;
+    uint64_t value;
+    unsigned bytes;
+    size_t extra;
+    const char *word;
+} tamper;
+
+/* Each tamper is refused with a message, leaving the state as it was. */
+static void expect_refused(policy_host *h, const uint8_t *buf, size_t len, const tamper *t,
+                           size_t n)
+{
+    const policy_ops *ops = policy_host_ops(h);
+    void *state = policy_host_state(h);
+    char *before = ops->describe(state, 0);
+    for (size_t i = 0; i < n; i++) {
+        uint8_t *bad = calloc(len + t[i].extra, 1);
+        assert_non_null(bad);
+        memcpy(bad, buf, len);
+        for (unsigned b = 0; b < t[i].bytes; b++)
+            bad[t[i].at + b] = (uint8_t)(t[i].value >> (8 * b));
+        char err[POLICY_ERR_LEN] = "";
+        if (ops->import_layer(state, 0, bad, len + t[i].extra, err, sizeof err) == 0)
+            fail_msg("tamper %zu accepted", i + 1);
+        if (strstr(err, t[i].word) == NULL)
+            fail_msg("tamper %zu: '%s' does not say '%s'", i + 1, err, t[i].word);
+        char *after = ops->describe(state, 0);
+        assert_string_equal(before, after);
+        free(after);
+        free(bad);
+    }
+    free(before);
+}
+
+static void test_import_refuses(void **unused)
+{
+    (void)unused;
+    const char *kv[] = {"budget_tight=8", "budget_loose=16", "protect=2", NULL};
+    policy_geometry g = geom(1, 2);
+    policy_host *a = ph_host("confkv", kv, g);
+    uint64_t rng = 9;
+    ph_round(a, &g, 20, 1, &rng);
+    ph_round(a, &g, 3, 0, &rng); /* decided: a budget and a confidence */
+    size_t len;
+    uint8_t *buf = policy_host_export_state(a, 0, &len);
+    assert_non_null(buf);
+    uint32_t n = policy_host_view(a, 0)->tokens[0];
+    assert_true(n > 3); /* case 7 below changes token 3 */
+    assert_int_equal(len, CONFKV_STATE_HEAD + 8 * (size_t)n);
+    /* A state with content first, so that "unchanged" means something. */
+    policy_host *b = ph_host("confkv", kv, g);
+    char err[POLICY_ERR_LEN] = "";
+    assert_int_equal(
+        policy_host_ops(b)->import_layer(policy_host_state(b), 0, buf, len, err, sizeof err), 0);
+    const uint64_t nan_bits = 0x7ff8000000000000ull, inf_bits = 0x7ff0000000000000ull;
+    const tamper cases[] = {
+        {0, 'x', 1, 0, "magic"},             /* 1: wrong magic */
+        {4, 2, 1, 0, "version"},             /* 2: a future version */
+        {5, 2, 1, 0, "decided"},             /* 3: the flag is 0 or 1 */
+        {18, n - 1, 4, 0, "need"},           /* 4: n disagrees with the length */
+        {18, UINT32_MAX, 4, 0, "need"},      /* 5: an n no allocation may trust */
+        {0, 0, 0, 1, "need"},                /* 6: a trailing byte */
+        {22 + 8 * 3, nan_bits, 8, 0, "EMA"}, /* 7: a NaN EMA */
+        {10, inf_bits, 8, 0, "confidence"},  /* 8: confidence not finite */
+        {6, 7, 4, 0, "budget"},              /* 9: no confidence gives budget 7 */
+    };
+    expect_refused(b, buf, len, cases, PH_N(cases));
+    /* Shorter than the header: refused before reading it. */
+    assert_int_equal(policy_host_ops(b)->import_layer(policy_host_state(b), 0, buf,
+                                                      CONFKV_STATE_HEAD - 1, err, sizeof err),
+                     -1);
+    assert_non_null(strstr(err, "header"));
+    free(buf);
+    policy_host_destroy(a);
+    policy_host_destroy(b);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -612,6 +711,8 @@ int main(void)
         cmocka_unit_test(test_invalid_configs),
         cmocka_unit_test(test_defaults),
         cmocka_unit_test(test_random_properties),
+        cmocka_unit_test(test_portable),
+        cmocka_unit_test(test_import_refuses),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -353,6 +353,106 @@ static void test_budget_reference_mode(void **s)
     policy_host_destroy(h);
 }
 
+/* ---- moving a sequence ---- */
+
+/* A host moved to another daemon (export_layer / import_layer) after the
+ * prompt and some decode steps holds the same lists and records, and steps
+ * on exactly as the original. budget > 0 so that decode steps evict too
+ * (the ratio rule compresses only at the end of the prompt); window = 8, the
+ * window_queries of the harness's statistics. */
+static void test_moves_to_another_daemon(void **s)
+{
+    (void)s;
+    const char *kv[] = {"window=8", "budget=24", NULL};
+    ph_check_portable("criticalkv", kv, ph_geom(2, 4, 2), 40, 12, 7);
+    const char *kv_protect[] = {"window=8", "budget=20", "first_stage_ratio=0.25",
+                                "protect_window=1", NULL};
+    ph_check_portable("criticalkv", kv_protect, ph_geom(3, 8, 2), 30, 10, 8);
+}
+
+/* One way to spoil a layer's exported state (format in snapkv_family.h):
+ * `width` bytes at `at` set to value, little-endian, and `extra` zero
+ * bytes appended. The refusal must name `word`. */
+typedef struct spoil {
+    const char *what;
+    size_t at, width;
+    uint32_t value;
+    size_t extra;
+    const char *word;
+} spoil;
+
+static uint32_t le32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+/* Import one spoiled copy of good into layer 0 of state: refused, with a
+ * message, and the layer's record (describe) as it was. */
+static void expect_spoil_refused(const policy_ops *ops, void *state, const uint8_t *good,
+                                 size_t len, const spoil *sp, size_t id, const char *before)
+{
+    uint8_t *bad = ph_calloc(len + sp->extra, 1);
+    memcpy(bad, good, len);
+    for (size_t b = 0; b < sp->width; b++)
+        bad[sp->at + b] = (uint8_t)(sp->value >> (8 * b));
+    char err[POLICY_ERR_LEN] = "";
+    if (ops->import_layer(state, 0, bad, len + sp->extra, err, sizeof err) == 0)
+        fail_msg("case %zu (%s): accepted", id, sp->what);
+    if (strstr(err, sp->word) == NULL)
+        fail_msg("case %zu (%s): message '%s' does not name '%s'", id, sp->what, err, sp->word);
+    char *after = ops->describe(state, 0);
+    if (strcmp(after, before) != 0)
+        fail_msg("case %zu (%s): the refused import changed the state:\n%s", id, sp->what, after);
+    free(after);
+    free(bad);
+}
+
+/* import_layer checks what comes over the network: a wrong magic, version,
+ * variant, kv_heads or layer, counts that disagree with the length, trailing
+ * bytes and non-finite scores are refused, and the layer keeps the record it
+ * had (here one imported before, so that there are arrays to keep). */
+static void test_import_refuses_bad_state(void **s)
+{
+    (void)s;
+    const char *kv[] = {"window=8", NULL};
+    policy_geometry g = ph_geom(2, 4, 2);
+    uint64_t rng = 5;
+    policy_host *a = ph_host("criticalkv", kv, g);
+    ph_round(a, &g, 40, 1, &rng); /* the end of the prompt: 20 of 40 kept per head */
+    size_t len;
+    uint8_t *good = policy_host_export_state(a, 0, &len);
+    assert_non_null(good);
+    policy_host *b = ph_host("criticalkv", kv, g);
+    const policy_ops *ops = policy_host_ops(b);
+    void *state = policy_host_state(b);
+    char err[POLICY_ERR_LEN] = "";
+    assert_int_equal(ops->import_layer(state, 0, good, len, err, sizeof err), 0);
+    char *before = ops->describe(state, 0), *orig = ops->describe(policy_host_state(a), 0);
+    assert_string_equal(before, orig);
+
+    size_t counts = 31 + good[6], entries = counts + 16 * (size_t)g.kv_heads;
+    uint32_t kept0 = le32(good + counts + 8);
+    assert_int_equal(kept0, 20);
+    const spoil cases[] = {
+        {"magic", 0, 1, 'X', 0, "magic"},
+        {"version", 4, 1, SNAPKV_WIRE_VERSION + 1, 0, "version"},
+        {"variant", 5, 1, SNAPKV_CRITICAL_ADA, 0, "criticalkv_ada"},
+        {"kv_heads", 7, 4, 3, 0, "kv_heads"},
+        {"layer", 11, 4, 1, 0, "layer"},
+        {"head 0 kept + 1", counts + 8, 4, kept0 + 1, 0, "entries"},
+        {"head 0 kept - 1", counts + 8, 4, kept0 - 1, 0, "entries"},
+        {"trailing byte", 0, 0, 0, 1, "entries"},
+        {"NaN score", entries + 4 * (size_t)kept0, 4, 0x7fc00000u, 0, "score"},
+        {"infinite score", entries + 4 * (size_t)kept0, 4, 0xff800000u, 0, "score"},
+        {"NaN stage-2 score", entries + 8 * (size_t)kept0, 4, 0x7fc00000u, 0, "stage-2"},
+    };
+    for (size_t i = 0; i < PH_N(cases); i++)
+        expect_spoil_refused(ops, state, good, len, &cases[i], i + 1, before);
+    free(before), free(orig), free(good);
+    policy_host_destroy(a);
+    policy_host_destroy(b);
+}
+
 static void test_invalid_configs(void **s)
 {
     (void)s;
@@ -398,6 +498,8 @@ int main(void)
         cmocka_unit_test(test_matches_reference),
         cmocka_unit_test(test_budget_protect_window),
         cmocka_unit_test(test_budget_reference_mode),
+        cmocka_unit_test(test_moves_to_another_daemon),
+        cmocka_unit_test(test_import_refuses_bad_state),
         cmocka_unit_test(test_invalid_configs),
         cmocka_unit_test(test_registry),
     };

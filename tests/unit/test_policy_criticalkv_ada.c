@@ -294,6 +294,24 @@ static void test_stage1_size_through_host(void **s)
     policy_host_destroy(h);
 }
 
+/* ---- moving a sequence ---- */
+
+/* A host moved to another daemon (export_layer / import_layer) after the
+ * prompt and some decode steps holds the same lists and records, and steps
+ * on exactly as the original. budget > 0 so that decode steps evict too
+ * (the ratio rule compresses only at the end of the prompt); window = 8, the
+ * window_queries of the harness's statistics. */
+static void test_moves_to_another_daemon(void **s)
+{
+    (void)s;
+    const char *kv[] = {"window=8", "budget=24", NULL};
+    ph_check_portable("criticalkv_ada", kv, ph_geom(2, 4, 2), 40, 12, 7);
+    const char *kv_max[] = {
+        "window=8", "budget=18", "pooling=max", "first_stage_ratio=0.7", "alpha_safeguard=0.3",
+        NULL};
+    ph_check_portable("criticalkv_ada", kv_max, ph_geom(3, 8, 4), 30, 10, 8);
+}
+
 static void test_invalid_configs(void **s)
 {
     (void)s;
@@ -330,6 +348,7 @@ int main(void)
         cmocka_unit_test(test_budget_extension),
         cmocka_unit_test(test_stage1_size_float32),
         cmocka_unit_test(test_stage1_size_through_host),
+        cmocka_unit_test(test_moves_to_another_daemon),
         cmocka_unit_test(test_invalid_configs),
         cmocka_unit_test(test_registry),
     };

@@ -401,6 +401,23 @@ static void test_deterministic(void **s)
     free(d3);
 }
 
+/* ---- moving a sequence ---- */
+
+/* A host moved to another daemon (export_layer / import_layer) after the
+ * prompt and some decode steps holds the same lists and records, and steps
+ * on exactly as the original. budget > 0 so that decode steps evict too
+ * (the ratio rule compresses only at the end of the prompt); window = 8, the
+ * window_queries of the harness's statistics. */
+static void test_moves_to_another_daemon(void **s)
+{
+    (void)s;
+    const char *kv[] = {"window=8", "budget=24", NULL};
+    ph_check_portable("snapkv", kv, ph_geom(2, 4, 2), 40, 12, 7);
+    const char *kv_max[] = {"window=8", "budget=20",        "pooling=max",
+                            "kernel=7", "protect_window=1", NULL};
+    ph_check_portable("snapkv", kv_max, ph_geom(3, 8, 2), 30, 10, 8);
+}
+
 /* ---- refusals ---- */
 
 static void test_invalid_configs(void **s)
@@ -484,6 +501,7 @@ int main(void)
         cmocka_unit_test(test_keep_highest_score),
         cmocka_unit_test(test_budget_extension),
         cmocka_unit_test(test_deterministic),
+        cmocka_unit_test(test_moves_to_another_daemon),
         cmocka_unit_test(test_invalid_configs),
         cmocka_unit_test(test_bad_stats),
         cmocka_unit_test(test_registry),

@@ -816,6 +816,107 @@ static void test_random_properties(void **unused)
     assert_true(run_random(1, 1) != run_random(2, 1));
 }
 
+/* ---- moving a sequence (export_layer / import_layer) ---- */
+
+/* Moved mid-run, the host decides as the original: GQA with two KV heads
+ * over two layers, MHA with literal_overwrite, and the Eviction ablation
+ * (merge=0) over three layers. Each merges on every decode step. */
+static void test_portable(void **unused)
+{
+    (void)unused;
+    const char *gqa[] = {"cache_size=8", "n_init=1", "n_recent=2", NULL};
+    ph_check_portable("weightedkv", gqa, geom(2, 4, 2), 20, 12, 1);
+    const char *literal[] = {"cache_size=12", "n_init=2", "n_recent=3", "literal_overwrite=1",
+                             NULL};
+    ph_check_portable("weightedkv", literal, geom(1, 2, 2), 30, 10, 2);
+    const char *evict[] = {"cache_size=6", "n_init=0", "n_recent=1", "merge=0", NULL};
+    ph_check_portable("weightedkv", evict, geom(3, 8, 2), 9, 16, 3);
+}
+
+/* One impossible change to a layer's bytes (the format in weightedkv.h):
+ * the `bytes` low bytes of value at offset `at` (none when bytes = 0),
+ * `extra` zero bytes appended, and a word the refusal must contain. */
+typedef struct tamper {
+    size_t at;
+    uint64_t value;
+    unsigned bytes;
+    size_t extra;
+    const char *word;
+} tamper;
+
+/* Each tamper is refused with a message, leaving the state as it was. */
+static void expect_refused(policy_host *h, const uint8_t *buf, size_t len, const tamper *t,
+                           size_t n)
+{
+    const policy_ops *ops = policy_host_ops(h);
+    void *state = policy_host_state(h);
+    char *before = ops->describe(state, 0);
+    for (size_t i = 0; i < n; i++) {
+        uint8_t *bad = calloc(len + t[i].extra, 1);
+        assert_non_null(bad);
+        memcpy(bad, buf, len);
+        for (unsigned b = 0; b < t[i].bytes; b++)
+            bad[t[i].at + b] = (uint8_t)(t[i].value >> (8 * b));
+        char err[POLICY_ERR_LEN] = "";
+        if (ops->import_layer(state, 0, bad, len + t[i].extra, err, sizeof err) == 0)
+            fail_msg("tamper %zu accepted", i + 1);
+        if (strstr(err, t[i].word) == NULL)
+            fail_msg("tamper %zu: '%s' does not say '%s'", i + 1, err, t[i].word);
+        char *after = ops->describe(state, 0);
+        assert_string_equal(before, after);
+        free(after);
+        free(bad);
+    }
+    free(before);
+}
+
+static void test_import_refuses(void **unused)
+{
+    (void)unused;
+    const char *kv[] = {"cache_size=8", "n_init=1", "n_recent=2", NULL};
+    policy_geometry g = geom(1, 4, 2);
+    policy_host *a = ph_host("weightedkv", kv, g);
+    uint64_t rng = 9;
+    ph_round(a, &g, 20, 1, &rng);
+    ph_round(a, &g, 3, 0, &rng);
+    size_t len;
+    uint8_t *buf = policy_host_export_state(a, 0, &len);
+    assert_non_null(buf);
+    /* Both heads at m = 8: header, counts, then a[8], c[8] per head. */
+    enum { N = 8, COUNTS = WKV_STATE_HEAD, A0 = COUNTS + 8, C0 = A0 + 8 * N };
+    assert_int_equal(len, WKV_STATE_HEAD + 2 * 4 + 2 * 16 * N);
+    /* A state with content first, so that "unchanged" means something. */
+    policy_host *b = ph_host("weightedkv", kv, g);
+    char err[POLICY_ERR_LEN] = "";
+    assert_int_equal(
+        policy_host_ops(b)->import_layer(policy_host_state(b), 0, buf, len, err, sizeof err), 0);
+    const uint64_t nan_bits = 0x7ff8000000000000ull, inf_bits = 0x7ff0000000000000ull;
+    const tamper cases[] = {
+        {3, 'x', 1, 0, "magic"},                          /* 1: wrong magic */
+        {4, 2, 1, 0, "version"},                          /* 2: a future version */
+        {5, 3, 4, 0, "KV heads"},                         /* 3: not the geometry's kv_heads */
+        {COUNTS, N - 1, 4, 0, "need"},                    /* 4: a count against the length */
+        {COUNTS + 4, UINT32_MAX, 4, 0, "cache_size"},     /* 5: an n no allocation may trust */
+        {COUNTS + 4, N + 1, 4, 0, "cache_size"},          /* 6: more than a step leaves */
+        {0, 0, 0, 1, "need"},                             /* 7: a trailing byte */
+        {A0 + 8 * 2, nan_bits, 8, 0, "entry 2"},          /* 8: a NaN accumulator */
+        {C0 + 8 * 5, inf_bits, 8, 0, "entry 5"},          /* 9: an infinite count */
+        {C0 + 16 * N + 8 * 7, 0, 8, 0, "head 1 entry 7"}, /* 10: c = 0 (w = a/0) */
+    };
+    expect_refused(b, buf, len, cases, PH_N(cases));
+    /* Cut inside the header, and inside the counts: refused before reading. */
+    const policy_ops *ops = policy_host_ops(b);
+    assert_int_equal(
+        ops->import_layer(policy_host_state(b), 0, buf, WKV_STATE_HEAD - 1, err, sizeof err), -1);
+    assert_non_null(strstr(err, "header"));
+    assert_int_equal(
+        ops->import_layer(policy_host_state(b), 0, buf, WKV_STATE_HEAD + 6, err, sizeof err), -1);
+    assert_non_null(strstr(err, "counts"));
+    free(buf);
+    policy_host_destroy(a);
+    policy_host_destroy(b);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -835,6 +936,8 @@ int main(void)
         cmocka_unit_test(test_flatten_equals_plan),
         cmocka_unit_test(test_prefill_chains_through_host),
         cmocka_unit_test(test_random_properties),
+        cmocka_unit_test(test_portable),
+        cmocka_unit_test(test_import_refuses),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
