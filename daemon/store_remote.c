@@ -307,6 +307,12 @@ static status_code import_publish(store *st, const import_target *t, const migra
         return rc;
     }
     free(blocks);
+    /* As at CreateSequence: a sequence whose own configuration fills
+     * sketches (victims=sketch) reserves their worst case now. */
+    if (seq_sketches(q) && store_sketch_reserve_locked(st, q, s) != ST_OK) {
+        seq_destroy(q); /* its blocks with it */
+        return s->code;
+    }
     store_seq_add_locked(st, se, q, "seq.imported");
     out->seq_id = seq_id_of(q);
     out->epoch = seq_epoch(q);

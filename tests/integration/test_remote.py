@@ -195,6 +195,16 @@ def check_export_refusals(ctx):
     q = seq_of(ctx.daemon, session_of(w))
     fails(ctx, 1, "has tokens in a sketch", "seq", "export", str(q))
     w.finish()
+    # Before anything went to its sketch it moves, and reserves its sketches'
+    # worst case on the importing daemon as a new sequence would.
+    w = Worker(ctx.daemon, "rem-sketch2", 14, 8, policy="streaming",
+               params=["n_sink=4", "window=16", "victims=sketch"]).ready()
+    j = export(ctx, seq_of(ctx.daemon, session_of(w)))
+    imported = ok_json(ctx.b.sock, "seq", "import", j["uid"], "--session",
+                       str(session_of(ctx.b1)))
+    (q,) = [s for s in ctx.b.stats().sequences if s.seq_id == int(imported["seq_id"])]
+    assert q.sketch_reserved_bytes > 0 and q.appended == 8, q
+    w.finish()
     b_session = session_of(ctx.b1)
     fails(ctx.b.sock, 4, "no exported sequence 0123456789abcdef0123456789abcdef",
           "seq", "import", "0123456789abcdef0123456789abcdef", "--session", str(b_session))
@@ -225,8 +235,9 @@ def check_corrupt_or_missing_value_is_data_loss(ctx):
     data = [k for k in keys_of(j["uid"]) if not k.endswith(":manifest")]
     cluster.call(owner_port(data[-1]), "DEL", data[-1])
     fails(ctx.b.sock, 1, "is missing", "seq", "import", j["uid"], "--session", str(b_session))
-    # Nothing was imported by either.
-    assert len([s for s in ctx.b.stats().sequences if s.session_id == b_session]) == 3
+    # Nothing was imported by either (the worker's own, two moved, one with
+    # a sketch reserved).
+    assert len([s for s in ctx.b.stats().sequences if s.session_id == b_session]) == 4
 
 
 def check_full_cluster_refuses_the_export(ctx):
