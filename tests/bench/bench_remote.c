@@ -10,12 +10,15 @@
  *       the plainest client possible: raw RESP SET / GET pipelines written
  *       with hiredis (redisAppendCommandArgv, then redisBufferWrite, then
  *       redisGetReply) straight to each key's master, no routing or retry
- *       logic, the same keys, values and connection count. redis-benchmark
- *       --cluster (-c masters -P N/masters, the same shape) runs too and its
- *       MB/s are printed for reference only: with values of 1 MiB and more
- *       its pipelined SETs are several times slower than the raw pipeline
- *       on the same cluster (its own client, not the server), so a ratio
- *       against it would flatter ours.
+ *       logic, the same keys, values and connection count; its GET keeps
+ *       the N replies until the end, as ours returns N values. The keys are
+ *       deleted between calls, and the two clients take turns going first.
+ *       redis-benchmark --cluster (-c masters -P N/masters, the same shape;
+ *       one key per master, overwritten) runs too and its MB/s are printed
+ *       for reference only: its pipelined SETs of large values ran at a
+ *       third to a half of the raw pipeline's rate on the same cluster (its
+ *       client, then: the server is the same), so a ratio against it would
+ *       flatter ours.
  *   (2) Migration: two kvstashd with --remote on that cluster, a worker
  *       session on each (Llama-3-8B: 32 layers x 8 KV heads x 128, fp16,
  *       16-token blocks), a `full` sequence of 4,096 tokens written on A;
@@ -135,6 +138,17 @@ static void on_signal(int sig)
     g_in_signal = 1;
     daemons_kill_raw(SIGKILL);
     cluster_stop_raw();
+    if (g_tmp_made) { /* rm -rf the temporary directory (nftw is not async-signal-safe) */
+        pid_t p = fork();
+        if (p == 0) {
+            char *const argv[] = {"rm", "-rf", g_tmp, NULL};
+            execvp("rm", argv);
+            _exit(127);
+        }
+        if (p > 0)
+            while (waitpid(p, NULL, 0) < 0 && errno == EINTR)
+                ;
+    }
     _exit(128 + sig);
 }
 
@@ -374,9 +388,11 @@ static void raw_close(raw_client *rc)
 
 /* The baseline: SET (vals) or GET of every key, one pipeline per master
  * (node_of[i] is key i's master): append them all, write them all, then
- * read every reply. For GET, replies must be strings of `size` bytes. */
+ * read every reply. For GET, replies must be strings of `size` bytes, and
+ * they are kept in got[i] (the caller frees them after timing: like ours,
+ * the call ends with the N values in memory). */
 static int raw_run(raw_client *rc, char **keys, const int *node_of, size_t n, const uint8_t *vals,
-                   size_t size)
+                   size_t size, redisReply **got)
 {
     int bad = 0;
     for (int m = 0; m < rc->nmasters; m++) {
@@ -409,7 +425,10 @@ static int raw_run(raw_client *rc, char **keys, const int *node_of, size_t n, co
             if (vals ? r->type != REDIS_REPLY_STATUS
                      : r->type != REDIS_REPLY_STRING || r->len != size)
                 bad++;
-            freeReplyObject(r);
+            if (vals == NULL)
+                got[i] = r;
+            else
+                freeReplyObject(r);
         }
     if (bad)
         fprintf(stderr, PROG ": raw %s: %d unexpected replies\n", vals ? "SET" : "GET", bad);
@@ -474,74 +493,106 @@ static char **spread_keys(size_t n, const int *owner, const int *masters, int nm
     return keys;
 }
 
+/* The N values of one size and what both clients need of them. */
+typedef struct store_data {
+    size_t n, size;
+    char **keys;
+    int *node_of; /* key i's master, an index into masters */
+    uint8_t *vals;
+    remote_kv *kv;
+    remote_buf *out;
+    redisReply **got;
+} store_data;
+
+/* Ours: one remote_put of the N values, one remote_get of them (timed into
+ * us[0], us[1]), checked, then deleted. */
+static int ours_once(remote_store *rs, store_data *d, double us[2])
+{
+    status st;
+    double t0 = bench_now_us();
+    if (remote_put(rs, d->kv, d->n, 0, &st) != ST_OK) {
+        report_status("remote_put", &st);
+        return -1;
+    }
+    double t1 = bench_now_us();
+    if (remote_get(rs, (const char *const *)d->keys, d->n, d->out, &st) != ST_OK) {
+        report_status("remote_get", &st);
+        return -1;
+    }
+    double t2 = bench_now_us();
+    int rc = 0;
+    for (size_t i = 0; rc == 0 && i < d->n; i++)
+        if (!d->out[i].found || d->out[i].len != d->size ||
+            memcmp(d->out[i].data, d->vals + i * d->size, d->size) != 0) {
+            fprintf(stderr, PROG ": value %s (%zu bytes) did not round-trip\n", d->keys[i],
+                    d->size);
+            rc = -1;
+        }
+    remote_bufs_free(d->out, d->n);
+    if (rc == 0 && remote_del(rs, (const char *const *)d->keys, d->n, &st) != ST_OK) {
+        report_status("remote_del", &st);
+        rc = -1;
+    }
+    us[0] = t1 - t0, us[1] = t2 - t1;
+    return rc;
+}
+
+/* The baseline: the same with raw pipelines (deleted with our client). */
+static int raw_once(raw_client *raw, remote_store *rs, store_data *d, double us[2])
+{
+    double t0 = bench_now_us();
+    if (raw_run(raw, d->keys, d->node_of, d->n, d->vals, d->size, NULL) != 0)
+        return -1;
+    double t1 = bench_now_us();
+    int rc = raw_run(raw, d->keys, d->node_of, d->n, NULL, d->size, d->got);
+    double t2 = bench_now_us();
+    for (size_t i = 0; i < d->n; i++) {
+        if (rc == 0 && memcmp(d->got[i]->str, d->vals + i * d->size, d->size) != 0) {
+            fprintf(stderr, PROG ": raw GET of %s: not the value set\n", d->keys[i]);
+            rc = -1;
+        }
+        if (d->got[i] != NULL)
+            freeReplyObject(d->got[i]);
+        d->got[i] = NULL;
+    }
+    status st;
+    if (rc == 0 && remote_del(rs, (const char *const *)d->keys, d->n, &st) != ST_OK) {
+        report_status("remote_del", &st);
+        rc = -1;
+    }
+    us[0] = t1 - t0, us[1] = t2 - t1;
+    return rc;
+}
+
 static int store_size_run(const bench_cfg *cfg, remote_store *rs, raw_client *raw, const int *owner,
                           const int *masters, int nmasters, store_row *row)
 {
-    size_t n = row->sz.n, size = row->sz.bytes;
-    int *node_of = calloc(n, sizeof *node_of);
-    char **keys = node_of ? spread_keys(n, owner, masters, nmasters, node_of) : NULL;
-    uint8_t *vals = malloc(n * size);
-    remote_kv *kv = calloc(n, sizeof *kv);
-    remote_buf *out = calloc(n, sizeof *out);
+    store_data d = {.n = row->sz.n, .size = row->sz.bytes};
+    size_t n = d.n, size = d.size;
+    d.node_of = calloc(n, sizeof *d.node_of);
+    d.keys = d.node_of ? spread_keys(n, owner, masters, nmasters, d.node_of) : NULL;
+    d.vals = malloc(n * size);
+    d.kv = calloc(n, sizeof *d.kv);
+    d.out = calloc(n, sizeof *d.out);
+    d.got = calloc(n, sizeof *d.got);
     double put[8], get[8], set[8], rget[8];
     int rc = 0;
-    if (keys == NULL || vals == NULL || kv == NULL || out == NULL) {
+    if (d.keys == NULL || d.vals == NULL || d.kv == NULL || d.out == NULL || d.got == NULL) {
         fprintf(stderr, PROG ": out of memory for %zu values of %zu bytes\n", n, size);
         rc = -1;
     }
     for (size_t i = 0; rc == 0 && i < n; i++) {
-        fill(vals + i * size, size, (uint64_t)size * 131 + i);
-        kv[i] = (remote_kv){keys[i], vals + i * size, size};
+        fill(d.vals + i * size, size, (uint64_t)size * 131 + i);
+        d.kv[i] = (remote_kv){d.keys[i], d.vals + i * size, size};
     }
-    int first = cfg->quick ? 0 : -1; /* -1: the warm-up */
-    for (int r = first; rc == 0 && r < cfg->reps; r++) {
-        status st;
-        double t0 = bench_now_us();
-        if (remote_put(rs, kv, n, 0, &st) != ST_OK) {
-            report_status("remote_put", &st);
-            rc = -1;
-            break;
-        }
-        double t1 = bench_now_us();
-        if (remote_get(rs, (const char *const *)keys, n, out, &st) != ST_OK) {
-            report_status("remote_get", &st);
-            rc = -1;
-            break;
-        }
-        double t2 = bench_now_us();
-        for (size_t i = 0; i < n; i++)
-            if (!out[i].found || out[i].len != size ||
-                memcmp(out[i].data, vals + i * size, size) != 0) {
-                fprintf(stderr, PROG ": value %s (%zu bytes) did not round-trip\n", keys[i], size);
-                rc = -1;
-                break;
-            }
-        remote_bufs_free(out, n);
-        if (rc == 0 && remote_del(rs, (const char *const *)keys, n, &st) != ST_OK) {
-            report_status("remote_del", &st);
-            rc = -1;
-        }
-        if (rc != 0)
-            break;
-        double t3 = bench_now_us();
-        if (raw_run(raw, keys, node_of, n, vals, size) != 0) {
-            rc = -1;
-            break;
-        }
-        double t4 = bench_now_us();
-        if (raw_run(raw, keys, node_of, n, NULL, size) != 0) {
-            rc = -1;
-            break;
-        }
-        double t5 = bench_now_us();
-        if (remote_del(rs, (const char *const *)keys, n, &st) != ST_OK) {
-            report_status("remote_del", &st);
-            rc = -1;
-            break;
-        }
-        if (r >= 0) {
-            put[r] = t1 - t0, get[r] = t2 - t1;
-            set[r] = t4 - t3, rget[r] = t5 - t4;
+    /* -1: the warm-up; the two clients take turns going first. */
+    for (int r = cfg->quick ? 0 : -1; rc == 0 && r < cfg->reps; r++) {
+        double ours[2] = {0, 0}, base[2] = {0, 0};
+        for (int turn = 0; rc == 0 && turn < 2; turn++)
+            rc = (turn == (r & 1)) ? ours_once(rs, &d, ours) : raw_once(raw, rs, &d, base);
+        if (rc == 0 && r >= 0) {
+            put[r] = ours[0], get[r] = ours[1];
+            set[r] = base[0], rget[r] = base[1];
         }
     }
     if (rc == 0) {
@@ -551,10 +602,10 @@ static int store_size_run(const bench_cfg *cfg, remote_store *rs, raw_client *ra
         row->rget_us = bench_median(rget, (size_t)cfg->reps);
         row->ok = 1;
     }
-    free(vals), free(kv), free(out), free(node_of);
-    for (size_t i = 0; keys != NULL && i < n; i++)
-        free(keys[i]);
-    free(keys);
+    free(d.vals), free(d.kv), free(d.out), free(d.got), free(d.node_of);
+    for (size_t i = 0; d.keys != NULL && i < n; i++)
+        free(d.keys[i]);
+    free(d.keys);
     if (rc == 0 && system("command -v redis-benchmark >/dev/null 2>&1") == 0) {
         double s[8], g[8];
         int runs = 0;
@@ -591,7 +642,7 @@ static void rb_cell(double rb, double ours_mbps, char *buf, size_t len)
         snprintf(buf, len, "%13s", "-");
 }
 
-static void store_print(const store_row *rows, size_t n, int nmasters)
+static void store_print(const store_row *rows, size_t n, int nmasters, int quick)
 {
     printf("\n(1) store bandwidth, %d masters, one pipelined call of N values (MB/s = 10^6 B/s; "
            "ratio = ours / baseline)\n",
@@ -618,7 +669,8 @@ static void store_print(const store_row *rows, size_t n, int nmasters)
         worst = put / set < worst ? put / set : worst;
         worst = get / rget < worst ? get / rget : worst;
     }
-    printf("ratios against raw hiredis pipelines (goal >= 0.7): lowest %.2f\n", worst);
+    printf("ratios against raw hiredis pipelines (goal >= 0.7): lowest %.2f%s\n", worst,
+           quick ? " (--quick: one cold repetition of a few MB, not a measurement)" : "");
     printf("(r-bench: redis-benchmark --cluster -c masters -P N/masters, MB/s and ours over it; "
            "reference only)\n");
 }
@@ -864,11 +916,14 @@ static int migration_run(const bench_cfg *cfg, remote_store *rs, const char *ns,
 static void migration_print(const bench_cfg *cfg, const mig_result *r)
 {
     const kvs_geometry *g = &cfg->geom;
+    char total[32], value[32];
+    size_name(r->bytes, total, sizeof total);
+    size_name(r->value_bytes, value, sizeof value);
     printf("\n(2) migration of a `full` sequence: %u tokens x %u layers x %u KV heads x %u "
-           "fp16, %u-token blocks: %.1f MiB of K+V in %zu data values of %.1f MiB (one hash "
-           "slot: one master), median of %d\n",
-           cfg->tokens, g->layers, g->kv_heads, g->head_dim, g->block_tokens,
-           (double)r->bytes / (1 << 20), r->values, (double)r->value_bytes / (1 << 20), cfg->reps);
+           "fp16, %u-token blocks: %s of K+V in %zu data values of %s (one hash slot: one "
+           "master), median of %d\n",
+           cfg->tokens, g->layers, g->kv_heads, g->head_dim, g->block_tokens, total, r->values,
+           value, cfg->reps);
     if (!r->ok) {
         printf("(did not run)\n");
         return;
@@ -1031,7 +1086,7 @@ int main(int argc, char **argv)
             failed = 1;
     }
     raw_close(&raw);
-    store_print(rows, cfg.nsizes, nmasters);
+    store_print(rows, cfg.nsizes, nmasters, cfg.quick);
     fflush(stdout);
 
     mig_result mig = {0};

@@ -7,7 +7,10 @@
 # kept sets differ), then bench_step_context (a decode step's cost as the
 # context grows, 32 layers; BENCH_STEP_CONTEXT_ARGS adds its options, e.g.
 # "--head-dim 64" where memory is short), then bench_many_workers (1-8 worker
-# processes stepping, with and without one reviving and demoting). Usage: tests/bench/run.sh [--quick] [--pin CPU]
+# processes stepping, with and without one reviving and demoting), then
+# bench_remote (the remote tier on a Redis Cluster it starts: store bandwidth
+# against raw hiredis pipelines, sequence export/import against memcpy and our
+# client; needs redis-server and redis-cli). Usage: tests/bench/run.sh [--quick] [--pin CPU]
 # (--pin applies to bench_rpc and bench_python_step). BUILD_DIR picks the build tree (default:
 # build; configured if missing). Exits non-zero if any benchmark fails.
 set -euo pipefail
@@ -19,7 +22,7 @@ if [ ! -f "$build/CMakeCache.txt" ]; then
     cmake -S . -B "$build"
 fi
 cmake --build "$build" -j"$(nproc)" --target bench_rpc bench_tiers bench_policy_decision \
-    bench_step_context bench_many_workers kvstashd
+    bench_step_context bench_many_workers bench_remote kvstashd
 
 tiers_args=()
 for a in "$@"; do
@@ -42,4 +45,6 @@ echo
     "$build/daemon/kvstashd" || rc=1
 echo
 "$build/tests/bench/bench_many_workers" "${tiers_args[@]}" "$build/daemon/kvstashd" || rc=1
+echo
+"$build/tests/bench/bench_remote" "${tiers_args[@]}" "$build/daemon/kvstashd" || rc=1
 exit "$rc"

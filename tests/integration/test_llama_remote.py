@@ -17,7 +17,7 @@ stories260K:
   EMA, weightedkv's accumulators, ov_block's scores and RNG) moved exactly;
 * two hops (tova): A to B at 50, B back to A at 120 (import and export in
   one run), the same lines again;
-* refusals: reviver's export (its state and sketch cannot move yet), a uid never
+* refusals: reviver's export (its sketch cannot move yet), a uid never
   exported, a file whose K is not the export's, a policy that is not the
   export's; and the options that cannot work (exit 2).
 """
@@ -165,9 +165,9 @@ def check_two_hops(ctx):
 
 def check_refusals(ctx):
     x = os.path.join(ctx.tmp, "reviver.x")
-    # reviver's state (and its tokens in a count-sketch) cannot be carried
-    # yet: the daemon says so, naming it, and nothing is written.
-    fails(ctx.daemon, 1, ["ExportSequence", "reviver"], "--policy", "reviver", "--budget",
+    # reviver's tokens in its count-sketch cannot be carried yet: the daemon
+    # says so and nothing is written.
+    fails(ctx.daemon, 1, ["ExportSequence", "sketch"], "--policy", "reviver", "--budget",
           BUDGET, "--export-at", "80", "--export-file", x)
     assert not os.path.exists(x)
     bad = os.path.join(ctx.tmp, "unknown.x")

@@ -17,6 +17,7 @@
 #include <cmocka.h>
 
 #include "snapkv_harness.h"
+#include "util.h"
 
 static void expect_fvec(const float *got, const double *want, size_t n, double tol)
 {
@@ -381,11 +382,6 @@ typedef struct spoil {
     const char *word;
 } spoil;
 
-static uint32_t le32(const uint8_t *p)
-{
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-
 /* Import one spoiled copy of good into layer 0 of state: refused, with a
  * message, and the layer's record (describe) as it was. */
 static void expect_spoil_refused(const policy_ops *ops, void *state, const uint8_t *good,
@@ -431,7 +427,7 @@ static void test_import_refuses_bad_state(void **s)
     assert_string_equal(before, orig);
 
     size_t counts = 31 + good[6], entries = counts + 16 * (size_t)g.kv_heads;
-    uint32_t kept0 = le32(good + counts + 8);
+    uint32_t kept0 = (uint32_t)policy_get_le(good + counts + 8, 4);
     assert_int_equal(kept0, 20);
     const spoil cases[] = {
         {"magic", 0, 1, 'X', 0, "magic"},

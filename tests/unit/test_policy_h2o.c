@@ -20,6 +20,7 @@
 #include <cmocka.h>
 
 #include "policy_harness.h"
+#include "util.h"
 
 /* The harness's seeded stream, as the property tests draw it. */
 static uint64_t rng_state;
@@ -369,11 +370,6 @@ static void expect_refused(policy_host *h, uint32_t layer, const uint8_t *good, 
     free(before), free(after), free(buf);
 }
 
-static uint32_t le32(const uint8_t *p)
-{
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-
 /* import_layer checks the bytes (h2o.c's format, version 1) rather than
  * trusting them: each spoiled copy is refused and changes nothing. */
 static void test_import_refuses_bad_bytes(void **unused)
@@ -388,7 +384,7 @@ static void test_import_refuses_bad_bytes(void **unused)
     size_t len;
     uint8_t *good = policy_host_export_state(a, 1, &len);
     assert_non_null(good);
-    uint32_t n = le32(good + 24);
+    uint32_t n = (uint32_t)policy_get_le(good + 24, 4);
     assert_int_equal(n, 8);
     assert_int_equal(len, 28 + 12 * (size_t)n);
     /* Into a host that holds layer 1's state already, so that "unchanged"
@@ -409,7 +405,7 @@ static void test_import_refuses_bad_bytes(void **unused)
         {"header only", 0, 0, 0, -(int)(len - 20), "header"},
         {"NaN score", score0, 8, 0x7ff8000000000000ull, 0, "finite"},
         {"infinite score", score0 + 8, 8, 0x7ff0000000000000ull, 0, "finite"},
-        {"positions out of order", pos1, 4, le32(good + 28), 0, "ascend"},
+        {"positions out of order", pos1, 4, (uint32_t)policy_get_le(good + 28, 4), 0, "ascend"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
         expect_refused(c, 1, good, len, &cases[i]);

@@ -25,6 +25,7 @@
 
 #include "ov_block.h"
 #include "policy_harness.h"
+#include "util.h"
 
 #define EPS 1e-4
 
@@ -1170,14 +1171,6 @@ static void expect_refused(policy_host *h, uint32_t layer, const uint8_t *good, 
     free(before), free(after), free(buf);
 }
 
-static uint64_t le64(const uint8_t *p)
-{
-    uint64_t v = 0;
-    for (int i = 7; i >= 0; i--)
-        v = v << 8 | p[i];
-    return v;
-}
-
 /* import_layer checks the bytes (ov_block.c's format, version 1) rather
  * than trusting them: each spoiled copy is refused and changes nothing. */
 static void test_import_refuses_bad_bytes(void **unused)
@@ -1195,7 +1188,7 @@ static void test_import_refuses_bad_bytes(void **unused)
     size_t n = ov_block_tracked(state(a), 1), acc = 2552, cnt = acc + 8 * n;
     assert_true(n >= 2);
     assert_int_equal(len, acc + 16 * n);
-    assert_int_equal(le64(good + 2544), n);
+    assert_int_equal(policy_get_le(good + 2544, 8), n);
     /* Into a host that holds layer 1's state already (and nreg 2), so that
      * "unchanged" means something. */
     policy_host *c = ph_host("ov_block", kv, g);
@@ -1217,7 +1210,7 @@ static void test_import_refuses_bad_bytes(void **unused)
         {"NaN score", acc, 8, 0x7ff8000000000000ull, 0, "finite"},
         {"infinite score", acc + 8, 8, 0xfff0000000000000ull, 0, "finite"},
         {"zero counter", cnt + 8 * (n - 1), 8, 0, 0, "counter"},
-        {"rising counter", cnt + 8, 8, le64(good + cnt) + 1, 0, "counter 1"},
+        {"rising counter", cnt + 8, 8, policy_get_le(good + cnt, 8) + 1, 0, "counter 1"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
         expect_refused(c, 1, good, len, &cases[i]);

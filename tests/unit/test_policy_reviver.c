@@ -16,6 +16,10 @@
  *   raw, tiers and operations equal a literal linear-scan transcription of
  *   §3.5, same input gives same output, and a simulated daemon that applies
  *   the operations to a sketch revives exact K/V when no buckets collide.
+ * - Moving a sequence (export_layer / import_layer): three configurations
+ *   moved mid-run decide, describe and order their operations exactly as
+ *   the original, every round's bytes re-import to the same bytes; a table
+ *   of spoiled bytes is refused, named, and leaves the layer unchanged.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -28,6 +32,7 @@
 #include <cmocka.h>
 
 #include "policy_harness.h"
+#include "util.h"
 #include "reviver.h"
 #include "sketch_hash.h"
 
@@ -986,6 +991,337 @@ static void test_property_daemon_simulation(void **unused)
     policy_host_destroy(h);
 }
 
+/* ---- moving a sequence (export_layer / import_layer) ---- */
+
+/* Sketch and revive changes of one round (ph_round's append, statistics and
+ * steps, drawn the same way), counted from each decision against the view
+ * it was made on. reviver never evicts, so ph_round's count stays 0. */
+typedef struct moves {
+    size_t sketched, revived;
+} moves;
+
+static moves round_moves(policy_host *h, const policy_geometry *g, uint32_t n, int prefill,
+                         uint64_t *rng)
+{
+    moves m = {0, 0};
+    if (policy_host_append(h, n) != 0)
+        fail_msg("append of %u failed", n);
+    for (uint32_t l = 0; l < g->layers; l++) {
+        ph_stats_buf b;
+        ph_stats_random(h, l, g, n, prefill, rng, &b);
+        const policy_decision *d = ph_decide(h, l, &b.st);
+        const policy_layer_view *v = policy_host_view(h, l);
+        for (uint32_t i = 0; i < v->tokens[0]; i++) {
+            /* Older tokens may be INT8 (demote=int8) when they go. */
+            m.sketched += v->tier[0][i] != POLICY_SKETCH && d->tier[0][i] == POLICY_SKETCH;
+            m.revived += v->tier[0][i] == POLICY_SKETCH && d->tier[0][i] != POLICY_SKETCH;
+        }
+        assert_int_equal(policy_host_commit(h, l), 0); /* never evicts */
+        ph_stats_free(&b);
+    }
+    return m;
+}
+
+/* Every layer of h exported, imported into a fresh state of the same
+ * parameters and exported again gives the same bytes (import accepts
+ * every state a step leaves, and reads back what export wrote). */
+static void expect_reexport_equal(policy_host *h, const char *const *kv, policy_geometry g)
+{
+    policy_host *c = ph_host("reviver", kv, g);
+    const policy_ops *ops = policy_host_ops(h);
+    for (uint32_t l = 0; l < g.layers; l++) {
+        size_t len, len2;
+        uint8_t *buf = policy_host_export_state(h, l, &len);
+        assert_non_null(buf);
+        char err[POLICY_ERR_LEN] = "";
+        if (ops->import_layer(policy_host_state(c), l, buf, len, err, sizeof err) != 0)
+            fail_msg("layer %u's own state refused: %s", l, err);
+        uint8_t *again = policy_host_export_state(c, l, &len2);
+        assert_non_null(again);
+        assert_int_equal(len, len2);
+        assert_memory_equal(buf, again, len);
+        free(buf), free(again);
+    }
+    policy_host_destroy(c);
+}
+
+/* The last step's operations and their order (tier_order) of a and b. */
+static void expect_same_ops(policy_host *a, policy_host *b, uint32_t layers)
+{
+    const policy_ops *ops = policy_host_ops(a);
+    for (uint32_t l = 0; l < layers; l++) {
+        size_t na, nb, ta, tb;
+        const reviver_op *oa = reviver_layer_ops(policy_host_state(a), l, &na);
+        const reviver_op *ob = reviver_layer_ops(policy_host_state(b), l, &nb);
+        assert_int_equal(na, nb);
+        if (na > 0)
+            assert_memory_equal(oa, ob, na * sizeof *oa);
+        const uint32_t *xa = ops->tier_order(policy_host_state(a), l, &ta);
+        const uint32_t *xb = ops->tier_order(policy_host_state(b), l, &tb);
+        assert_int_equal(ta, tb);
+        if (ta > 0)
+            assert_memory_equal(xa, xb, ta * sizeof *xa);
+    }
+}
+
+/*
+ * ph_check_portable with what only reviver has: the same rounds, move
+ * (ph_moved) and comparisons (ph_expect_same_hosts), plus the operation
+ * logs and tier_order (the order the daemon applies sketch swaps in), and
+ * every round's state of every layer re-imported byte for byte; sketch
+ * and revive changes counted apart.
+ */
+static moves check_portable(const char *const *kv, policy_geometry g, uint32_t prefill,
+                            uint32_t rounds, uint64_t seed)
+{
+    uint64_t rng = seed;
+    policy_host *a = ph_host("reviver", kv, g);
+    assert_true(policy_host_portable(a));
+    round_moves(a, &g, prefill, 1, &rng);
+    for (uint32_t r = 0; r < rounds; r++) {
+        round_moves(a, &g, 1 + ph_below(&rng, 8), 0, &rng);
+        expect_reexport_equal(a, kv, g);
+    }
+    policy_host *b = ph_moved(a, "reviver", kv, g);
+    ph_expect_same_hosts(a, b, g, "after the move");
+    expect_same_ops(a, b, g.layers);
+    moves after = {0, 0};
+    for (uint32_t r = 0; r < rounds; r++) {
+        uint32_t n = 1 + ph_below(&rng, 8);
+        uint64_t fork = rng;
+        moves m = round_moves(a, &g, n, 0, &rng);
+        round_moves(b, &g, n, 0, &fork);
+        ph_expect_same_hosts(a, b, g, "stepping on after the move");
+        expect_same_ops(a, b, g.layers);
+        expect_reexport_equal(b, kv, g);
+        after.sketched += m.sketched;
+        after.revived += m.revived;
+    }
+    if (after.sketched == 0)
+        fail_msg("nothing was sketched after the move: the check proves little");
+    /* Truncated state is refused, with a reason. */
+    size_t len;
+    void *buf = policy_host_export_state(a, 0, &len);
+    assert_non_null(buf);
+    policy_host *c = ph_host("reviver", kv, g);
+    char err[POLICY_ERR_LEN] = "";
+    assert_int_not_equal(
+        policy_host_ops(c)->import_layer(policy_host_state(c), 0, buf, len - 1, err, sizeof err),
+        0);
+    assert_true(err[0] != '\0');
+    free(buf);
+    policy_host_destroy(c);
+    policy_host_destroy(a);
+    policy_host_destroy(b);
+    return after;
+}
+
+static void test_moves_to_another_host(void **unused)
+{
+    (void)unused;
+    /* Defaults but a small M: R_b = C_b = 18, slack 18, b = 1 (r = 3). */
+    const char *kv1[] = {"budget=40", NULL};
+    moves m1 = check_portable(kv1, ph_geom(3, 4, 2), 40, 30, 21);
+    /* slack 0 (spill every step), RR 1.0, mean estimates, own seed and b. */
+    const char *kv2[] = {"budget=20",
+                         "slack=0",
+                         "replace_rate=1.0",
+                         "vague_share=0.2",
+                         "candidate_share=0.4",
+                         "recent_share=0.4",
+                         "key_estimate=mean",
+                         "value_estimate=mean",
+                         "buckets=7",
+                         "seed=99",
+                         NULL};
+    moves m2 = check_portable(kv2, ph_geom(2, 2, 1), 30, 40, 22);
+    /* No Candidate (C_b = 0): every spilled token goes straight to the
+     * sketch; a prefill under the budget; demotion on top. */
+    const char *kv3[] = {"budget=16",
+                         "candidate_share=0",
+                         "recent_share=0.75",
+                         "vague_share=0.25",
+                         "demote=int8",
+                         "int8_window=4",
+                         NULL};
+    moves m3 = check_portable(kv3, ph_geom(2, 2, 2), 5, 30, 23);
+    ph_check_portable("reviver", kv1, ph_geom(3, 4, 2), 40, 30, 24); /* the generic property */
+    /* The swap path ran after the move where a Candidate exists. */
+    assert_true(m1.revived > 0);
+    assert_true(m2.revived > 0);
+    assert_int_equal(m3.revived, 0);
+}
+
+/* One way to spoil valid state bytes: `width` bytes at `off` set to
+ * `value` (little-endian; width 0: none), `extra` bytes more or fewer. */
+typedef struct bad_bytes {
+    const char *what;
+    size_t off;
+    unsigned width;
+    uint64_t value;
+    int extra;
+    const char *word; /* in the refusal's message */
+} bad_bytes;
+
+/* import_layer of the spoiled bytes refuses with `word` in err and leaves
+ * layer's state (its describe() and its bytes) as it was. */
+static void expect_refused(policy_host *h, uint32_t layer, const uint8_t *good, size_t len,
+                           const bad_bytes *b)
+{
+    const policy_ops *ops = policy_host_ops(h);
+    size_t n = (size_t)((ptrdiff_t)len + b->extra);
+    uint8_t *buf = calloc(n + 1, 1);
+    assert_non_null(buf);
+    memcpy(buf, good, n < len ? n : len);
+    for (unsigned i = 0; i < b->width; i++)
+        buf[b->off + i] = (uint8_t)(b->value >> (8 * i));
+    char *before = describe(h, layer);
+    size_t blen, alen;
+    uint8_t *bbytes = policy_host_export_state(h, layer, &blen);
+    char err[POLICY_ERR_LEN] = "";
+    if (ops->import_layer(policy_host_state(h), layer, buf, n, err, sizeof err) == 0)
+        fail_msg("%s: accepted", b->what);
+    if (strstr(err, b->word) == NULL)
+        fail_msg("%s: '%s' does not say '%s'", b->what, err, b->word);
+    char *after = describe(h, layer);
+    assert_string_equal(before, after);
+    uint8_t *abytes = policy_host_export_state(h, layer, &alen);
+    assert_non_null(bbytes), assert_non_null(abytes);
+    assert_int_equal(blen, alen);
+    assert_memory_equal(bbytes, abytes, blen);
+    free(before), free(after), free(buf), free(bbytes), free(abytes);
+}
+
+/* reviver.c's format, version 1: the offsets the cases below spoil. */
+enum {
+    RV_OFF_VERSION = 4,
+    RV_OFF_LAYER = 5,
+    RV_OFF_BUDGET = 13,
+    RV_OFF_SLACK = 21,
+    RV_OFF_RATE = 29,
+    RV_OFF_SEED = 45,
+    RV_OFF_KEY_EST = 53,
+    RV_OFF_N = 55,
+    RV_OFF_NOPS = 59,
+    RV_HEAD = 63,
+};
+
+/* The index of the first token of store s in the exported bytes (n if none);
+ * from: search from there. */
+static uint32_t find_store(const uint8_t *b, uint32_t n, uint8_t s, uint32_t from)
+{
+    const uint8_t *loc = b + RV_HEAD + 12 * (size_t)n;
+    uint32_t i = from;
+    while (i < n && loc[i] != s)
+        i++;
+    return i;
+}
+
+/* import_layer checks the bytes rather than trusting them: each spoiled
+ * copy is refused, names what is wrong and changes nothing. */
+static void test_import_refuses_bad_bytes(void **unused)
+{
+    (void)unused;
+    /* M = 20: R_b = 8, slack 0, C_b = 8, r = 1, b = 4. */
+    const char *kv[] = {"budget=20",        "slack=0", "vague_share=0.2", "candidate_share=0.4",
+                        "recent_share=0.4", "rows=1",  "buckets=4",       NULL};
+    policy_geometry g = ph_geom(2, 2, 1);
+    uint64_t r = 5;
+    policy_host *a = ph_host("reviver", kv, g);
+    round_moves(a, &g, 20, 1, &r);
+    /* Step on until layer 1's last step revived something. */
+    size_t nops = 0;
+    const reviver_op *ops = NULL;
+    int revive = 0;
+    for (int k = 0; k < 200 && !revive; k++) {
+        round_moves(a, &g, 1 + ph_below(&r, 3), 0, &r);
+        ops = reviver_layer_ops(policy_host_state(a), 1, &nops);
+        for (size_t i = 0; i < nops; i++)
+            revive |= ops[i].kind == REVIVER_OP_REVIVE;
+    }
+    assert_true(revive);
+    size_t len;
+    uint8_t *good = policy_host_export_state(a, 1, &len);
+    assert_non_null(good);
+    uint32_t n = (uint32_t)policy_get_le(good + RV_OFF_N, 4);
+    assert_int_equal((uint32_t)policy_get_le(good + RV_OFF_NOPS, 4), nops);
+    assert_int_equal(len, RV_HEAD + 13 * (size_t)n + 5 * nops);
+    assert_memory_equal(good, "rviv\1", 5);
+    /* Into a host that holds layer 1's state already, so that "unchanged"
+     * means something. */
+    policy_host *c = ph_host("reviver", kv, g);
+    char err[POLICY_ERR_LEN] = "";
+    assert_int_equal(
+        policy_host_ops(c)->import_layer(policy_host_state(c), 1, good, len, err, sizeof err), 0);
+    size_t pos = RV_HEAD, score = pos + 4 * (size_t)n, loc = score + 8 * (size_t)n;
+    size_t op_index = loc + n, op_kind = op_index + 4 * nops;
+    /* Where the stores are: Recent is the tail; C and V are full. */
+    uint32_t first_c = find_store(good, n, REVIVER_CANDIDATE, 0);
+    uint32_t first_v = find_store(good, n, REVIVER_VAGUE, 0);
+    uint32_t first_r = find_store(good, n, REVIVER_RECENT, 0);
+    assert_true(first_c < n && first_v < n && first_r >= 1 && first_r + 2 <= n);
+    assert_int_equal(n - first_r, 8); /* |R| = R_b: slack 0 */
+    size_t first_revive = 0;
+    while (ops[first_revive].kind != REVIVER_OP_REVIVE)
+        first_revive++;
+    const bad_bytes cases[] = {
+        {"magic", 0, 1, 'R', 0, "magic"},
+        {"version", RV_OFF_VERSION, 1, 2, 0, "version 2"},
+        {"other budget", RV_OFF_BUDGET, 4, 21, 0, "budget 21"},
+        {"other slack", RV_OFF_SLACK, 4, 1, 0, "slack 1"},
+        {"other replace_rate", RV_OFF_RATE, 8, policy_f64_bits(1.5), 0, "replace_rate 1.5"},
+        {"other seed", RV_OFF_SEED, 8, 7, 0, "seed 7"},
+        {"other key_estimate", RV_OFF_KEY_EST, 1, 1, 0, "key_estimate 1"},
+        {"count short of the length", RV_OFF_N, 4, n - 1, 0, "bytes"},
+        {"more operations than tokens", RV_OFF_NOPS, 4, n + 1, 0, "operations for"},
+        {"operations short of the length", RV_OFF_NOPS, 4, nops - 1, 0, "bytes"},
+        {"trailing byte", 0, 0, 0, 1, "bytes"},
+        {"cut short", 0, 0, 0, -1, "bytes"},
+        {"header only", 0, 0, 0, -(int)(len - (RV_HEAD - 1)), "header"},
+        {"NaN score", score, 8, 0x7ff8000000000000ull, 0, "finite"},
+        {"infinite score", score + 8, 8, 0x7ff0000000000000ull, 0, "finite"},
+        {"negative score", score + 16, 8, policy_f64_bits(-1.0), 0, ">= 0"},
+        {"positions out of order", pos + 4, 4, (uint32_t)policy_get_le(good + pos, 4), 0, "ascend"},
+        {"no such store", loc, 1, 3, 0, "store 3"},
+        {"Recent not the newest", loc + n - 1, 1, REVIVER_VAGUE, 0, "newest"},
+        {"Recent over R_b + slack", loc + first_r - 1, 1, REVIVER_RECENT, 0, "Recent holds 9"},
+        {"Candidate over C_b", loc + first_v, 1, REVIVER_CANDIDATE, 0, "Candidate holds 9"},
+        {"a swap left undone", score + 8 * (size_t)first_v, 8, policy_f64_bits(1e300), 0, "swap"},
+        {"operation on no token", op_index, 4, n, 0, "indexes no token"},
+        {"operation of no kind", op_kind, 1, 2, 0, "no kind"},
+        {"a token moved twice", op_index + 4 * first_revive + 4, 4, ops[first_revive].index, 0,
+         "second time"},
+        {"an operation's token in the wrong store", op_index, 4, n - 1, 0, "other store"},
+        {"operations out of order", op_kind + first_revive + 1, 1, REVIVER_OP_REVIVE, 0,
+         "out of order"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        expect_refused(c, 1, good, len, &cases[i]);
+    /* A revive without its sketch: the last operation dropped. */
+    uint8_t *cut = malloc(len);
+    assert_non_null(cut);
+    memcpy(cut, good, op_index + 4 * (nops - 1));
+    memcpy(cut + op_index + 4 * (nops - 1), good + op_kind, nops - 1);
+    cut[RV_OFF_NOPS] = (uint8_t)(nops - 1); /* nops < 256 */
+    bad_bytes unpaired = {"a revive without its sketch", 0, 0, 0, 0, "no sketch after it"};
+    expect_refused(c, 1, cut, len - 5, &unpaired);
+    free(cut);
+    /* Layer 1's bytes are not layer 0's; no layer 2. */
+    bad_bytes other = {"another layer", 0, 0, 0, 0, "layer 1"};
+    expect_refused(c, 0, good, len, &other);
+    char err2[POLICY_ERR_LEN] = "";
+    assert_int_not_equal(
+        policy_host_ops(c)->import_layer(policy_host_state(c), 2, good, len, err2, sizeof err2), 0);
+    assert_non_null(strstr(err2, "layer 2 of 2"));
+    /* And what it did accept is the original's state. */
+    char *da = describe(a, 1), *dc = describe(c, 1);
+    assert_string_equal(da, dc);
+    free(da), free(dc);
+    free(good);
+    policy_host_destroy(a);
+    policy_host_destroy(c);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1009,6 +1345,8 @@ int main(void)
         cmocka_unit_test(test_property_matches_oracle),
         cmocka_unit_test(test_property_deterministic),
         cmocka_unit_test(test_property_daemon_simulation),
+        cmocka_unit_test(test_moves_to_another_host),
+        cmocka_unit_test(test_import_refuses_bad_bytes),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
