@@ -490,6 +490,313 @@ static void reviver_discard(void *saved)
     free(saved);
 }
 
+/* ---- moving a sequence (ops->export_layer / import_layer) ---------------
+ *
+ * A layer's state as bytes, little-endian, version 1:
+ *   0  "rviv", then the version byte (1)
+ *   5  the echo, what the bytes were written for, checked against the
+ *      importing state (same parameters and geometry, as policy.h
+ *      requires): u32 layer, layers, budget M, R_b, slack, C_b;
+ *      u64 replace_rate's bits; u32 rows, buckets; u64 seed;
+ *      u8 key_estimate, value_estimate (0 sum, 1 mean)
+ *  55  u32 n, the tracked tokens; u32 nops, the last step's operations
+ *  63  n x u32 original positions, strictly ascending
+ *      n x u64 accumulated scores, each a double's IEEE bits (finite, >= 0)
+ *      n x u8 store (reviver_loc)
+ *      nops x u32 operation's token index (< n), nops x u8 its kind
+ * That is what save() copies: step() reads the positions, scores and
+ * stores; describe() and tier_order() read the operations (tier_order's
+ * array is the operations' indices, rebuilt on import). Everything else
+ * (budgets, sketch geometry) comes from create(); reviver has no state
+ * that is not per layer. Import also refuses stores and operations that
+ * no step could have left (Recent not the newest tokens, a store over its
+ * budget, a swap step 4 would still make, a token moved twice). */
+
+#define RV_STATE_VERSION 1
+#define RV_STATE_ECHO 12
+#define RV_STATE_HEAD 63   /* magic, version, echo (50 bytes), n, nops */
+#define RV_STATE_TOKEN 13u /* position, score, store */
+#define RV_STATE_OP 5u     /* index, kind */
+
+typedef struct rv_echo {
+    const char *name;
+    uint64_t value;
+    unsigned width; /* bytes */
+    int f64;        /* value holds a double's bits */
+} rv_echo;
+
+static void state_echo(const reviver_state *st, uint32_t layer, rv_echo e[RV_STATE_ECHO])
+{
+    const rv_echo all[RV_STATE_ECHO] = {
+        {"layer", layer, 4, 0},
+        {"layers", st->layers, 4, 0},
+        {"budget", st->budget, 4, 0},
+        {"recent budget", st->budgets.recent, 4, 0},
+        {"slack", st->budgets.slack, 4, 0},
+        {"candidate budget", st->budgets.candidate, 4, 0},
+        {"replace_rate", policy_f64_bits(st->budgets.replace_rate), 8, 1},
+        {"rows", st->rows, 4, 0},
+        {"buckets", st->buckets, 4, 0},
+        {"seed", st->seed, 8, 0},
+        {"key_estimate", (uint64_t)st->key_estimate, 1, 0},
+        {"value_estimate", (uint64_t)st->value_estimate, 1, 0},
+    };
+    memcpy(e, all, sizeof all);
+}
+
+/* The exact byte count of a layer of n tokens and nops operations (64-bit:
+ * no wrap for any pair of u32 counts). */
+static uint64_t state_bytes(uint32_t n, uint32_t nops)
+{
+    return RV_STATE_HEAD + (uint64_t)n * RV_STATE_TOKEN + (uint64_t)nops * RV_STATE_OP;
+}
+
+static void *reviver_export_layer(const void *state, uint32_t layer, size_t *len)
+{
+    const reviver_state *st = state;
+    const reviver_layer *ly = &st->ly[layer];
+    uint32_t nops = (uint32_t)ly->nops; /* <= n (reviver_compress) */
+    size_t total = (size_t)state_bytes(ly->n, nops);
+    uint8_t *b = malloc(total);
+    if (b == NULL)
+        return NULL;
+    memcpy(b, "rviv", 4);
+    uint8_t *p = policy_put_le(b + 4, RV_STATE_VERSION, 1);
+    rv_echo e[RV_STATE_ECHO];
+    state_echo(st, layer, e);
+    for (int i = 0; i < RV_STATE_ECHO; i++)
+        p = policy_put_le(p, e[i].value, e[i].width);
+    p = policy_put_le(p, ly->n, 4);
+    p = policy_put_le(p, nops, 4);
+    for (uint32_t i = 0; i < ly->n; i++)
+        p = policy_put_le(p, ly->pos[i], 4);
+    for (uint32_t i = 0; i < ly->n; i++)
+        p = policy_put_le(p, policy_f64_bits(ly->score[i]), 8);
+    for (uint32_t i = 0; i < ly->n; i++)
+        p = policy_put_le(p, ly->loc[i], 1);
+    for (uint32_t i = 0; i < nops; i++)
+        p = policy_put_le(p, ly->ops[i].index, 4);
+    for (uint32_t i = 0; i < nops; i++)
+        p = policy_put_le(p, ly->ops[i].kind, 1);
+    *len = total;
+    return b;
+}
+
+/* The header of layer's bytes against st; *n and *nops receive the
+ * counts, which the exact length then confirms. */
+static int state_head_check(const reviver_state *st, uint32_t layer, const uint8_t *b, size_t len,
+                            uint32_t *n, uint32_t *nops, char *err, size_t errlen)
+{
+    if (len < RV_STATE_HEAD) {
+        policy_set_err(err, errlen, "reviver state: %zu bytes are shorter than its %d-byte header",
+                       len, RV_STATE_HEAD);
+        return -1;
+    }
+    if (memcmp(b, "rviv", 4) != 0) {
+        policy_set_err(err, errlen, "reviver state: bad magic (not reviver's layer state)");
+        return -1;
+    }
+    if (b[4] != RV_STATE_VERSION) {
+        policy_set_err(err, errlen, "reviver state: version %u, this build reads version %d",
+                       (unsigned)b[4], RV_STATE_VERSION);
+        return -1;
+    }
+    rv_echo e[RV_STATE_ECHO];
+    state_echo(st, layer, e);
+    const uint8_t *p = b + 5;
+    for (int i = 0; i < RV_STATE_ECHO; p += e[i].width, i++) {
+        uint64_t v = policy_get_le(p, e[i].width);
+        if (v == e[i].value)
+            continue;
+        if (e[i].f64)
+            policy_set_err(err, errlen,
+                           "reviver state: written for %s %.17g, this sequence has %.17g",
+                           e[i].name, policy_bits_f64(v), policy_bits_f64(e[i].value));
+        else
+            policy_set_err(err, errlen,
+                           "reviver state: written for %s %llu, this sequence has %llu", e[i].name,
+                           (unsigned long long)v, (unsigned long long)e[i].value);
+        return -1;
+    }
+    *n = (uint32_t)policy_get_le(p, 4);
+    *nops = (uint32_t)policy_get_le(p + 4, 4);
+    if (*nops > *n) {
+        policy_set_err(err, errlen,
+                       "reviver state: %u operations for %u tokens (a step moves a token at most "
+                       "once)",
+                       *nops, *n);
+        return -1;
+    }
+    /* The one bound on n, checked before n sizes anything. */
+    uint64_t want = state_bytes(*n, *nops);
+    if ((uint64_t)len != want) {
+        policy_set_err(err, errlen,
+                       "reviver state: %zu bytes, but %u tokens and %u operations take exactly "
+                       "%llu",
+                       len, *n, *nops, (unsigned long long)want);
+        return -1;
+    }
+    return 0;
+}
+
+/* Decode the tokens into ly (arrays of n) and check each: positions as a
+ * host's list holds them (ascending, distinct), scores step() could have
+ * summed (finite, >= 0), a store that exists. */
+static int state_tokens_read(const uint8_t *p, reviver_layer *ly, char *err, size_t errlen)
+{
+    uint32_t n = ly->n;
+    const uint8_t *pos = p, *score = pos + (size_t)n * 4, *loc = score + (size_t)n * 8;
+    for (uint32_t i = 0; i < n; i++) {
+        ly->pos[i] = (uint32_t)policy_get_le(pos + (size_t)i * 4, 4);
+        ly->score[i] = policy_bits_f64(policy_get_le(score + (size_t)i * 8, 8));
+        ly->loc[i] = loc[i];
+        if (i > 0 && ly->pos[i] <= ly->pos[i - 1]) {
+            policy_set_err(err, errlen, "reviver state: position of token %u does not ascend", i);
+            return -1;
+        }
+        if (!isfinite(ly->score[i]) || ly->score[i] < 0) {
+            policy_set_err(err, errlen,
+                           "reviver state: score of token %u is %g, not finite and >= 0", i,
+                           ly->score[i]);
+            return -1;
+        }
+        if (ly->loc[i] > REVIVER_VAGUE) {
+            policy_set_err(err, errlen,
+                           "reviver state: store %u of token %u is not recent (0), candidate (1) "
+                           "or vague (2)",
+                           (unsigned)ly->loc[i], i);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The stores as compress (§3.5) leaves them: Recent is the newest tokens
+ * (a FIFO: steps 1-2), at most R_b + slack of them; Candidate within C_b
+ * (step 3); and no swap left that step 4 would make. */
+static int state_stores_check(const reviver_state *st, const reviver_layer *ly, char *err,
+                              size_t errlen)
+{
+    uint32_t count[3] = {0, 0, 0};
+    uint32_t c_min = UINT32_MAX, v_max = UINT32_MAX;
+    for (uint32_t i = 0; i < ly->n; i++) {
+        uint8_t s = ly->loc[i];
+        if (i > 0 && ly->loc[i - 1] == REVIVER_RECENT && s != REVIVER_RECENT) {
+            policy_set_err(err, errlen,
+                           "reviver state: token %u is Recent but token %u after it is not (Recent "
+                           "holds the newest tokens)",
+                           i - 1, i);
+            return -1;
+        }
+        count[s]++;
+        if (s == REVIVER_CANDIDATE && (c_min == UINT32_MAX || c_before(ly->score, i, c_min)))
+            c_min = i;
+        if (s == REVIVER_VAGUE && (v_max == UINT32_MAX || v_before(ly->score, i, v_max)))
+            v_max = i;
+    }
+    const reviver_budgets *b = &st->budgets;
+    if ((uint64_t)count[REVIVER_RECENT] > (uint64_t)b->recent + b->slack) {
+        policy_set_err(err, errlen, "reviver state: Recent holds %u tokens, over R_b %u + slack %u",
+                       count[REVIVER_RECENT], b->recent, b->slack);
+        return -1;
+    }
+    if (count[REVIVER_CANDIDATE] > b->candidate) {
+        policy_set_err(err, errlen, "reviver state: Candidate holds %u tokens, over its budget %u",
+                       count[REVIVER_CANDIDATE], b->candidate);
+        return -1;
+    }
+    if (c_min != UINT32_MAX && v_max != UINT32_MAX &&
+        ly->score[c_min] * b->replace_rate < ly->score[v_max]) {
+        policy_set_err(err, errlen,
+                       "reviver state: Candidate's minimum score %.9g x replace_rate %g is below "
+                       "the sketch's maximum %.9g (a swap step 4 would have made)",
+                       ly->score[c_min], b->replace_rate, ly->score[v_max]);
+        return -1;
+    }
+    return 0;
+}
+
+/* Decode the operations into ly->ops and ly->scratch[0..nops) (the order
+ * tier_order() hands out) and check them against the stores: each token
+ * at most once, a SKETCH's token now in the sketch, a REVIVE's in
+ * Candidate, in §3.5's order: step 3's SKETCHes, then (REVIVE, SKETCH)
+ * pairs. ly->scratch[nops..nops+n) serves as the seen-marks. */
+static int state_ops_read(const uint8_t *p, reviver_layer *ly, char *err, size_t errlen)
+{
+    uint32_t n = ly->n, nops = (uint32_t)ly->nops;
+    uint32_t *seen = ly->scratch + nops; /* nops <= n: within the 2n */
+    memset(seen, 0, (size_t)n * sizeof *seen);
+    uint32_t swaps = UINT32_MAX; /* the first REVIVE's index */
+    for (uint32_t i = 0; i < nops; i++) {
+        uint32_t j = (uint32_t)policy_get_le(p + (size_t)i * 4, 4);
+        uint32_t kind = p[(size_t)nops * 4 + i];
+        ly->ops[i] = (reviver_op){j, kind};
+        ly->scratch[i] = j;
+        if (kind == REVIVER_OP_REVIVE && swaps == UINT32_MAX)
+            swaps = i;
+        uint32_t want =
+            swaps == UINT32_MAX || (i - swaps) % 2 ? REVIVER_OP_SKETCH : REVIVER_OP_REVIVE;
+        const char *bad = NULL;
+        if (j >= n)
+            bad = "indexes no token";
+        else if (kind != want)
+            bad = kind > REVIVER_OP_REVIVE ? "has no kind (0 sketch, 1 revive)"
+                                           : "is out of order (step 3's sketches, then "
+                                             "revive-sketch pairs)";
+        else if (seen[j]++)
+            bad = "moves a token a second time";
+        else if (ly->loc[j] != (kind == REVIVER_OP_SKETCH ? REVIVER_VAGUE : REVIVER_CANDIDATE))
+            bad = "left its token in the other store";
+        if (bad != NULL) {
+            policy_set_err(err, errlen, "reviver state: operation %u (token %u, kind %u) %s", i, j,
+                           kind, bad);
+            return -1;
+        }
+    }
+    if (swaps != UINT32_MAX && (nops - swaps) % 2) {
+        policy_set_err(err, errlen, "reviver state: the last revive has no sketch after it");
+        return -1;
+    }
+    return 0;
+}
+
+/* Everything is checked and allocated before the layer is swapped in, so
+ * a refusal leaves the state as it was. The arrays are sized for exactly
+ * n tokens, as save() makes them. */
+static int reviver_import_layer(void *state, uint32_t layer, const void *buf, size_t len, char *err,
+                                size_t errlen)
+{
+    reviver_state *st = state;
+    const uint8_t *b = buf;
+    uint32_t n, nops;
+    if (layer >= st->layers) {
+        policy_set_err(err, errlen, "reviver state: layer %u of %u", layer, st->layers);
+        return -1;
+    }
+    if (state_head_check(st, layer, b, len, &n, &nops, err, errlen) != 0)
+        return -1;
+    reviver_layer ly = {.n = n, .cap = n, .nops = nops};
+    ly.pos = policy_array_copy(NULL, 0, n, sizeof *ly.pos);
+    ly.score = policy_array_copy(NULL, 0, n, sizeof *ly.score);
+    ly.loc = policy_array_copy(NULL, 0, n, sizeof *ly.loc);
+    ly.scratch = policy_array_copy(NULL, 0, 2 * (size_t)n, sizeof *ly.scratch);
+    ly.ops = policy_array_copy(NULL, 0, n, sizeof *ly.ops);
+    if (!ly.pos || !ly.score || !ly.loc || !ly.scratch || !ly.ops) {
+        policy_set_err(err, errlen, "reviver state: out of memory for %u tokens", n);
+        goto fail;
+    }
+    const uint8_t *tokens = b + RV_STATE_HEAD, *ops = tokens + (size_t)n * RV_STATE_TOKEN;
+    if (state_tokens_read(tokens, &ly, err, errlen) != 0 ||
+        state_stores_check(st, &ly, err, errlen) != 0 || state_ops_read(ops, &ly, err, errlen) != 0)
+        goto fail;
+    layer_free(&st->ly[layer]);
+    st->ly[layer] = ly;
+    return 0;
+fail:
+    layer_free(&ly);
+    return -1;
+}
+
 /* The layer's sketch: rows x buckets, hashed with the layer's seed
  * (kernels/sketch_hash.h), each half's estimate as configured (§3.8). */
 static int reviver_sketch_geometry(const void *state, uint32_t layer, policy_sketch_geometry *out)
@@ -580,4 +887,6 @@ const policy_ops policy_reviver = {
     .save = reviver_save,
     .restore = reviver_restore,
     .discard = reviver_discard,
+    .export_layer = reviver_export_layer,
+    .import_layer = reviver_import_layer,
 };

@@ -23,6 +23,10 @@
  * of §3.5 (the pops, then per swap: revive, then sketch); a daemon that
  * applies them in that order (ops->tier_order) reproduces the paper exactly.
  *
+ * The policy's per-layer state (stores, scores, the last step's operations)
+ * moves with its sequence (ops->export_layer / import_layer; the byte
+ * format and what import refuses are described in reviver.c).
+ *
  * Nothing here allocates; nothing keeps global state.
  */
 #ifndef KVSTASH_POLICIES_REVIVER_H
