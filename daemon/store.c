@@ -553,7 +553,7 @@ static uint32_t release_seq_at(store *st, size_t i)
 /* A pool goes when no session is attached to it and no quarantine holds
  * its blocks: a worker of a quarantined session may still write into the
  * arena (docs/reliability.md, "Lease end"). */
-static void drop_pool_if_unused(store *st, pool *p)
+void store_drop_pool_if_unused_locked(store *st, pool *p)
 {
     if (p == NULL || p->sessions > 0 || p->holds > 0)
         return;
@@ -627,7 +627,7 @@ static void quarantine_release(store *st, session *se, const char *why)
              se->held_count, (unsigned long long)held_ms);
     close(se->pidfd);
     free(se);
-    drop_pool_if_unused(st, p);
+    store_drop_pool_if_unused_locked(st, p);
 }
 
 /* Release everything a session holds and forget it. A session that ends
@@ -680,7 +680,7 @@ static void session_end(store *st, session *se, const char *reason, int may_quar
                  (unsigned long long)se->id, (int)se->pid, reason, nseqs, blocks);
         if (hold)
             quarantine_enter(st, se, reason);
-        drop_pool_if_unused(st, se->pool);
+        store_drop_pool_if_unused_locked(st, se->pool);
     }
     if (hold)
         return;

@@ -141,6 +141,10 @@ status_code store_check_session_blocks_locked(store *st, const session *se, uint
 status_code store_seq_room_locked(store *st, const session *se, status *s);
 void store_seq_add_locked(store *st, session *se, seq *q, const char *event);
 
+/* Lock held: destroy p when no session is attached to it and nothing
+ * holds it (p->holds: a quarantine, an import writing its blocks). */
+void store_drop_pool_if_unused_locked(store *st, pool *p);
+
 /* Lock held: whether seq_id may copy without the lock; if so it is marked
  * moving (its own calls and calls that end sessions wait) until
  * store_move_end, which wakes them. */

@@ -5,8 +5,10 @@
  * Neither call holds the store's lock while it waits for the remote store:
  * an export copies the sequence's blocks to host memory with the sequence
  * marked moving (only its own calls wait), then encodes and writes without
- * the lock; an import reads and checks every value without the lock, then
- * takes the lock to take blocks, write them and publish the sequence.
+ * the lock; an import reads and checks every value without the lock, takes
+ * the lock to take blocks, writes them without it (the pool held, so that
+ * it outlives a session that ends meanwhile) and takes it again to build
+ * and publish the sequence.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -273,13 +275,14 @@ static status_code import_fetch(store *st, const import_target *t, const char *u
     return rc;
 }
 
-/* Lock held: the target session again (it may have gone meanwhile), the
- * quotas, the blocks; then the sequence, published. */
-static status_code import_publish(store *st, const import_target *t, const migrate_plan *plan,
-                                  const uint8_t *bytes, store_import_result *out, status *s)
+/* Lock held: the target session again (it may have gone meanwhile), its
+ * quotas and the pool's blocks, taken. The pool is held (p->holds) so
+ * that it outlives the session while the blocks are written without the
+ * lock; import_publish lets it go. */
+static status_code import_take(store *st, const import_target *t, const seq_export *x,
+                               pool **pool_out, uint32_t **blocks_out, status *s)
 {
     session *se = store_find_session_id_locked(st, t->session_id);
-    const seq_export *x = &plan->image;
     if (se == NULL || !se->attached || se->pool->id != t->pool_id)
         return status_set(s, ST_NOT_FOUND, "session %llu ended during the import",
                           (unsigned long long)t->session_id);
@@ -296,14 +299,36 @@ static status_code import_publish(store *st, const import_target *t, const migra
         return status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
     for (size_t i = 0; i < x->nblocks; i++)
         pool_alloc_block(p, &blocks[i]);
+    p->holds++;
+    *pool_out = p;
+    *blocks_out = blocks;
+    return ST_OK;
+}
+
+/* Lock held, the blocks written (write_rc 0) or not: the sequence built
+ * and published in the session, if it is still there; else the blocks go
+ * back (and the pool, if nothing else keeps it). */
+static status_code import_publish(store *st, const import_target *t, const migrate_plan *plan,
+                                  pool *p, uint32_t *blocks, int write_rc, store_import_result *out,
+                                  status *s)
+{
+    const seq_export *x = &plan->image;
+    p->holds--;
+    session *se = store_find_session_id_locked(st, t->session_id);
     seq *q = NULL;
-    status_code rc = pool_write_blocks(p, blocks, x->nblocks, bytes) == 0
-                         ? seq_import(st->next_seq_id, se->id, p, x, blocks, &q, s)
-                         : status_set(s, ST_INTERNAL, "writing the imported blocks failed");
+    status_code rc = ST_OK;
+    if (se == NULL || !se->attached || se->pool != p)
+        rc = status_set(s, ST_NOT_FOUND, "session %llu ended during the import",
+                        (unsigned long long)t->session_id);
+    else if (write_rc != 0)
+        rc = status_set(s, ST_INTERNAL, "writing the imported blocks failed");
+    else
+        rc = seq_import(st->next_seq_id, se->id, p, x, blocks, &q, s);
     if (rc != ST_OK) {
         for (size_t i = x->nblocks; i-- > 0;)
             pool_free_block(p, blocks[i]);
         free(blocks);
+        store_drop_pool_if_unused_locked(st, p);
         return rc;
     }
     free(blocks);
@@ -340,9 +365,18 @@ status_code store_seq_import(store *st, const char *token, const char *uid, uint
     migrate_plan plan = {0};
     uint8_t *bytes = NULL;
     status_code rc = import_fetch(st, &t, uid, &plan, &bytes, &out->bytes, s);
+    pool *p = NULL;
+    uint32_t *blocks = NULL;
     if (rc == ST_OK) {
         pthread_mutex_lock(&st->lock);
-        rc = import_publish(st, &t, &plan, bytes, out, s);
+        rc = import_take(st, &t, &plan.image, &p, &blocks, s);
+        store_unlock(st);
+    }
+    if (rc == ST_OK) {
+        /* Blocks nobody else can see yet: written without the lock. */
+        int write_rc = pool_write_blocks(p, blocks, plan.image.nblocks, bytes);
+        pthread_mutex_lock(&st->lock);
+        rc = import_publish(st, &t, &plan, p, blocks, write_rc, out, s);
         store_unlock(st);
     }
     if (rc == ST_OK)
