@@ -607,4 +607,45 @@ static inline void ph_check_portable(const char *policy, const char *const *kv, 
     policy_host_destroy(b);
 }
 
+/* One way to spoil a policy's valid layer state, which import_layer must
+ * refuse: `width` bytes at `off` set to `value` (little-endian; width 0:
+ * none), then `extra` bytes more (zeros) or fewer (cut); `word` is what
+ * the refusal's message must say. */
+typedef struct ph_spoil {
+    const char *what;
+    size_t off;
+    unsigned width;
+    uint64_t value;
+    int extra;
+    const char *word;
+} ph_spoil;
+
+/* import_layer of b's spoiling of good[0..len) into h's layer refuses,
+ * naming b->word, and leaves the state as it was: the layer's describe()
+ * and its exported bytes (which carry any state that is not per layer). */
+static inline void ph_expect_refused(policy_host *h, uint32_t layer, const uint8_t *good,
+                                     size_t len, const ph_spoil *b)
+{
+    const policy_ops *ops = policy_host_ops(h);
+    size_t n = (size_t)((ptrdiff_t)len + b->extra), blen, alen;
+    uint8_t *buf = ph_calloc(n + 1, 1);
+    memcpy(buf, good, n < len ? n : len);
+    for (unsigned i = 0; i < b->width; i++)
+        buf[b->off + i] = (uint8_t)(b->value >> (8 * i));
+    char *before = ops->describe(policy_host_state(h), layer);
+    uint8_t *bbytes = policy_host_export_state(h, layer, &blen);
+    char err[POLICY_ERR_LEN] = "";
+    if (ops->import_layer(policy_host_state(h), layer, buf, n, err, sizeof err) == 0)
+        fail_msg("%s: accepted", b->what);
+    if (strstr(err, b->word) == NULL)
+        fail_msg("%s: '%s' does not say '%s'", b->what, err, b->word);
+    char *after = ops->describe(policy_host_state(h), layer);
+    uint8_t *abytes = policy_host_export_state(h, layer, &alen);
+    assert_non_null(bbytes);
+    assert_non_null(abytes);
+    if (strcmp(before, after) != 0 || blen != alen || memcmp(bbytes, abytes, blen) != 0)
+        fail_msg("%s: the refused import changed the state", b->what);
+    free(before), free(after), free(buf), free(bbytes), free(abytes);
+}
+
 #endif

@@ -611,43 +611,6 @@ static void test_portable(void **unused)
     ph_check_portable("confkv", attention, geom(1, 1), 10, 16, 3);
 }
 
-/* One impossible change to a layer's bytes (the format in confkv.h): the
- * `bytes` low bytes of value at offset `at` (none when bytes = 0), `extra`
- * zero bytes appended, and a word the refusal must contain. */
-typedef struct tamper {
-    size_t at;
-    uint64_t value;
-    unsigned bytes;
-    size_t extra;
-    const char *word;
-} tamper;
-
-/* Each tamper is refused with a message, leaving the state as it was. */
-static void expect_refused(policy_host *h, const uint8_t *buf, size_t len, const tamper *t,
-                           size_t n)
-{
-    const policy_ops *ops = policy_host_ops(h);
-    void *state = policy_host_state(h);
-    char *before = ops->describe(state, 0);
-    for (size_t i = 0; i < n; i++) {
-        uint8_t *bad = calloc(len + t[i].extra, 1);
-        assert_non_null(bad);
-        memcpy(bad, buf, len);
-        for (unsigned b = 0; b < t[i].bytes; b++)
-            bad[t[i].at + b] = (uint8_t)(t[i].value >> (8 * b));
-        char err[POLICY_ERR_LEN] = "";
-        if (ops->import_layer(state, 0, bad, len + t[i].extra, err, sizeof err) == 0)
-            fail_msg("tamper %zu accepted", i + 1);
-        if (strstr(err, t[i].word) == NULL)
-            fail_msg("tamper %zu: '%s' does not say '%s'", i + 1, err, t[i].word);
-        char *after = ops->describe(state, 0);
-        assert_string_equal(before, after);
-        free(after);
-        free(bad);
-    }
-    free(before);
-}
-
 static void test_import_refuses(void **unused)
 {
     (void)unused;
@@ -669,18 +632,19 @@ static void test_import_refuses(void **unused)
     assert_int_equal(
         policy_host_ops(b)->import_layer(policy_host_state(b), 0, buf, len, err, sizeof err), 0);
     const uint64_t nan_bits = 0x7ff8000000000000ull, inf_bits = 0x7ff0000000000000ull;
-    const tamper cases[] = {
-        {0, 'x', 1, 0, "magic"},             /* 1: wrong magic */
-        {4, 2, 1, 0, "version"},             /* 2: a future version */
-        {5, 2, 1, 0, "decided"},             /* 3: the flag is 0 or 1 */
-        {18, n - 1, 4, 0, "need"},           /* 4: n disagrees with the length */
-        {18, UINT32_MAX, 4, 0, "need"},      /* 5: an n no allocation may trust */
-        {0, 0, 0, 1, "need"},                /* 6: a trailing byte */
-        {22 + 8 * 3, nan_bits, 8, 0, "EMA"}, /* 7: a NaN EMA */
-        {10, inf_bits, 8, 0, "confidence"},  /* 8: confidence not finite */
-        {6, 7, 4, 0, "budget"},              /* 9: no confidence gives budget 7 */
+    const ph_spoil cases[] = {
+        {"wrong magic", 0, 1, 'x', 0, "magic"},
+        {"a future version", 4, 1, 2, 0, "version"},
+        {"the flag is 0 or 1", 5, 1, 2, 0, "decided"},
+        {"n disagrees with the length", 18, 4, n - 1, 0, "need"},
+        {"an n no allocation may trust", 18, 4, UINT32_MAX, 0, "need"},
+        {"a trailing byte", 0, 0, 0, 1, "need"},
+        {"a NaN EMA", 22 + 8 * 3, 8, nan_bits, 0, "EMA"},
+        {"confidence not finite", 10, 8, inf_bits, 0, "confidence"},
+        {"no confidence gives budget 7", 6, 4, 7, 0, "budget"},
     };
-    expect_refused(b, buf, len, cases, PH_N(cases));
+    for (size_t i = 0; i < PH_N(cases); i++)
+        ph_expect_refused(b, 0, buf, len, &cases[i]);
     /* Shorter than the header: refused before reading it. */
     assert_int_equal(policy_host_ops(b)->import_layer(policy_host_state(b), 0, buf,
                                                       CONFKV_STATE_HEAD - 1, err, sizeof err),

@@ -371,38 +371,6 @@ static void test_moves_to_another_daemon(void **s)
     ph_check_portable("criticalkv", kv_protect, ph_geom(3, 8, 2), 30, 10, 8);
 }
 
-/* One way to spoil a layer's exported state (format in snapkv_family.h):
- * `width` bytes at `at` set to value, little-endian, and `extra` zero
- * bytes appended. The refusal must name `word`. */
-typedef struct spoil {
-    const char *what;
-    size_t at, width;
-    uint32_t value;
-    size_t extra;
-    const char *word;
-} spoil;
-
-/* Import one spoiled copy of good into layer 0 of state: refused, with a
- * message, and the layer's record (describe) as it was. */
-static void expect_spoil_refused(const policy_ops *ops, void *state, const uint8_t *good,
-                                 size_t len, const spoil *sp, size_t id, const char *before)
-{
-    uint8_t *bad = ph_calloc(len + sp->extra, 1);
-    memcpy(bad, good, len);
-    for (size_t b = 0; b < sp->width; b++)
-        bad[sp->at + b] = (uint8_t)(sp->value >> (8 * b));
-    char err[POLICY_ERR_LEN] = "";
-    if (ops->import_layer(state, 0, bad, len + sp->extra, err, sizeof err) == 0)
-        fail_msg("case %zu (%s): accepted", id, sp->what);
-    if (strstr(err, sp->word) == NULL)
-        fail_msg("case %zu (%s): message '%s' does not name '%s'", id, sp->what, err, sp->word);
-    char *after = ops->describe(state, 0);
-    if (strcmp(after, before) != 0)
-        fail_msg("case %zu (%s): the refused import changed the state:\n%s", id, sp->what, after);
-    free(after);
-    free(bad);
-}
-
 /* import_layer checks what comes over the network: a wrong magic, version,
  * variant, kv_heads or layer, counts that disagree with the length, trailing
  * bytes and non-finite scores are refused, and the layer keeps the record it
@@ -429,7 +397,7 @@ static void test_import_refuses_bad_state(void **s)
     size_t counts = 31 + good[6], entries = counts + 16 * (size_t)g.kv_heads;
     uint32_t kept0 = (uint32_t)policy_get_le(good + counts + 8, 4);
     assert_int_equal(kept0, 20);
-    const spoil cases[] = {
+    const ph_spoil cases[] = {
         {"magic", 0, 1, 'X', 0, "magic"},
         {"version", 4, 1, SNAPKV_WIRE_VERSION + 1, 0, "version"},
         {"variant", 5, 1, SNAPKV_CRITICAL_ADA, 0, "criticalkv_ada"},
@@ -443,7 +411,7 @@ static void test_import_refuses_bad_state(void **s)
         {"NaN stage-2 score", entries + 8 * (size_t)kept0, 4, 0x7fc00000u, 0, "stage-2"},
     };
     for (size_t i = 0; i < PH_N(cases); i++)
-        expect_spoil_refused(ops, state, good, len, &cases[i], i + 1, before);
+        ph_expect_refused(b, 0, good, len, &cases[i]);
     free(before), free(orig), free(good);
     policy_host_destroy(a);
     policy_host_destroy(b);

@@ -336,43 +336,9 @@ static void test_moves_to_another_host(void **unused)
     ph_check_portable("h2o", kv3, ph_geom(2, 2, 2), 3, 20, 13);
 }
 
-/* One way to spoil valid state bytes: `width` bytes at `off` set to
- * `value` (little-endian; width 0: none), `extra` bytes more or fewer. */
-typedef struct bad_bytes {
-    const char *what;
-    size_t off;
-    unsigned width;
-    uint64_t value;
-    int extra;
-    const char *word; /* in the refusal's message */
-} bad_bytes;
-
-/* import_layer of the spoiled bytes refuses with `word` in err and leaves
- * layer's state (its describe()) as it was. */
-static void expect_refused(policy_host *h, uint32_t layer, const uint8_t *good, size_t len,
-                           const bad_bytes *b)
-{
-    const policy_ops *ops = policy_host_ops(h);
-    size_t n = (size_t)((ptrdiff_t)len + b->extra);
-    uint8_t *buf = calloc(n + 1, 1);
-    assert_non_null(buf);
-    memcpy(buf, good, n < len ? n : len);
-    for (unsigned i = 0; i < b->width; i++)
-        buf[b->off + i] = (uint8_t)(b->value >> (8 * i));
-    char *before = ops->describe(policy_host_state(h), layer);
-    char err[POLICY_ERR_LEN] = "";
-    if (ops->import_layer(policy_host_state(h), layer, buf, n, err, sizeof err) == 0)
-        fail_msg("%s: accepted", b->what);
-    if (strstr(err, b->word) == NULL)
-        fail_msg("%s: '%s' does not say '%s'", b->what, err, b->word);
-    char *after = ops->describe(policy_host_state(h), layer);
-    assert_string_equal(before, after);
-    free(before), free(after), free(buf);
-}
-
 /* import_layer checks the bytes (h2o.c's format, version 1) rather than
  * trusting them: each spoiled copy is refused and changes nothing. */
-static void test_import_refuses_bad_bytes(void **unused)
+static void test_import_refuses_ph_spoil(void **unused)
 {
     (void)unused;
     const char *kv[] = {"budget=8", "recent=2", "sinks=1", NULL};
@@ -394,7 +360,7 @@ static void test_import_refuses_bad_bytes(void **unused)
     assert_int_equal(
         policy_host_ops(c)->import_layer(policy_host_state(c), 1, good, len, err, sizeof err), 0);
     size_t score0 = 28 + 4 * (size_t)n, pos1 = 28 + 4;
-    const bad_bytes cases[] = {
+    const ph_spoil cases[] = {
         {"magic", 0, 1, 'H', 0, "magic"},
         {"version", 3, 1, 2, 0, "version 2"},
         {"other budget", 12, 4, 9, 0, "budget 9"},
@@ -408,10 +374,10 @@ static void test_import_refuses_bad_bytes(void **unused)
         {"positions out of order", pos1, 4, (uint32_t)policy_get_le(good + 28, 4), 0, "ascend"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
-        expect_refused(c, 1, good, len, &cases[i]);
+        ph_expect_refused(c, 1, good, len, &cases[i]);
     /* Layer 1's bytes are not layer 0's. */
-    bad_bytes other = {"another layer", 0, 0, 0, 0, "layer 1"};
-    expect_refused(c, 0, good, len, &other);
+    ph_spoil other = {"another layer", 0, 0, 0, 0, "layer 1"};
+    ph_expect_refused(c, 0, good, len, &other);
     /* And what it did accept is the original's state. */
     char *da = policy_host_ops(a)->describe(policy_host_state(a), 1);
     char *dc = policy_host_ops(c)->describe(policy_host_state(c), 1);
@@ -434,7 +400,7 @@ int main(void)
         cmocka_unit_test(test_property_random),
         cmocka_unit_test(test_property_deterministic),
         cmocka_unit_test(test_moves_to_another_host),
-        cmocka_unit_test(test_import_refuses_bad_bytes),
+        cmocka_unit_test(test_import_refuses_ph_spoil),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

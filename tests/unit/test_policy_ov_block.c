@@ -1135,45 +1135,9 @@ static void test_moves_to_another_host(void **unused)
     ph_check_portable("ov_block", k3, geom(2, 4), 50, 10, 23);
 }
 
-/* One way to spoil valid state bytes: `width` bytes at `off` set to
- * `value` (little-endian; width 0: none), `extra` bytes more or fewer. */
-typedef struct bad_bytes {
-    const char *what;
-    size_t off;
-    unsigned width;
-    uint64_t value;
-    int extra;
-    const char *word; /* in the refusal's message */
-} bad_bytes;
-
-/* import_layer of the spoiled bytes refuses with `word` in err and leaves
- * the state as it was: layer's describe() and the sequence-wide count. */
-static void expect_refused(policy_host *h, uint32_t layer, const uint8_t *good, size_t len,
-                           const bad_bytes *b)
-{
-    const policy_ops *ops = policy_host_ops(h);
-    size_t n = (size_t)((ptrdiff_t)len + b->extra);
-    uint8_t *buf = calloc(n + 1, 1);
-    assert_non_null(buf);
-    memcpy(buf, good, n < len ? n : len);
-    for (unsigned i = 0; i < b->width; i++)
-        buf[b->off + i] = (uint8_t)(b->value >> (8 * i));
-    char *before = ops->describe(state(h), layer);
-    uint32_t nreg = ov_block_snapkv_registered(state(h));
-    char err[POLICY_ERR_LEN] = "";
-    if (ops->import_layer(state(h), layer, buf, n, err, sizeof err) == 0)
-        fail_msg("%s: accepted", b->what);
-    if (strstr(err, b->word) == NULL)
-        fail_msg("%s: '%s' does not say '%s'", b->what, err, b->word);
-    char *after = ops->describe(state(h), layer);
-    assert_string_equal(before, after);
-    assert_int_equal(ov_block_snapkv_registered(state(h)), nreg);
-    free(before), free(after), free(buf);
-}
-
 /* import_layer checks the bytes (ov_block.c's format, version 1) rather
  * than trusting them: each spoiled copy is refused and changes nothing. */
-static void test_import_refuses_bad_bytes(void **unused)
+static void test_import_refuses_ph_spoil(void **unused)
 {
     (void)unused;
     const char *kv[] = {"start_size=4", "recent_size=8", "max_cache_size=24", NULL};
@@ -1195,7 +1159,7 @@ static void test_import_refuses_bad_bytes(void **unused)
     char err[POLICY_ERR_LEN] = "";
     assert_int_equal(policy_host_ops(c)->import_layer(state(c), 1, good, len, err, sizeof err), 0);
     assert_int_equal(ov_block_snapkv_registered(state(c)), 2);
-    const bad_bytes cases[] = {
+    const ph_spoil cases[] = {
         {"magic", 1, 1, 'V', 0, "magic"},
         {"version", 3, 1, 7, 0, "version 7"},
         {"other block size", 12, 4, 8, 0, "block size 8"},
@@ -1213,10 +1177,10 @@ static void test_import_refuses_bad_bytes(void **unused)
         {"rising counter", cnt + 8, 8, policy_get_le(good + cnt, 8) + 1, 0, "counter 1"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
-        expect_refused(c, 1, good, len, &cases[i]);
+        ph_expect_refused(c, 1, good, len, &cases[i]);
     /* Layer 1's bytes are not layer 0's. */
-    bad_bytes other = {"another layer", 0, 0, 0, 0, "layer 1"};
-    expect_refused(c, 0, good, len, &other);
+    ph_spoil other = {"another layer", 0, 0, 0, 0, "layer 1"};
+    ph_expect_refused(c, 0, good, len, &other);
     /* And what it did accept is the original's state. */
     char *da = policy_host_ops(a)->describe(state(a), 1);
     char *dc = policy_host_ops(c)->describe(state(c), 1);
@@ -1265,7 +1229,7 @@ int main(void)
         cmocka_unit_test(test_describe),
         cmocka_unit_test(test_property_random_runs),
         cmocka_unit_test(test_moves_to_another_host),
-        cmocka_unit_test(test_import_refuses_bad_bytes),
+        cmocka_unit_test(test_import_refuses_ph_spoil),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1152,46 +1152,6 @@ static void test_moves_to_another_host(void **unused)
     assert_int_equal(m3.revived, 0);
 }
 
-/* One way to spoil valid state bytes: `width` bytes at `off` set to
- * `value` (little-endian; width 0: none), `extra` bytes more or fewer. */
-typedef struct bad_bytes {
-    const char *what;
-    size_t off;
-    unsigned width;
-    uint64_t value;
-    int extra;
-    const char *word; /* in the refusal's message */
-} bad_bytes;
-
-/* import_layer of the spoiled bytes refuses with `word` in err and leaves
- * layer's state (its describe() and its bytes) as it was. */
-static void expect_refused(policy_host *h, uint32_t layer, const uint8_t *good, size_t len,
-                           const bad_bytes *b)
-{
-    const policy_ops *ops = policy_host_ops(h);
-    size_t n = (size_t)((ptrdiff_t)len + b->extra);
-    uint8_t *buf = calloc(n + 1, 1);
-    assert_non_null(buf);
-    memcpy(buf, good, n < len ? n : len);
-    for (unsigned i = 0; i < b->width; i++)
-        buf[b->off + i] = (uint8_t)(b->value >> (8 * i));
-    char *before = describe(h, layer);
-    size_t blen, alen;
-    uint8_t *bbytes = policy_host_export_state(h, layer, &blen);
-    char err[POLICY_ERR_LEN] = "";
-    if (ops->import_layer(policy_host_state(h), layer, buf, n, err, sizeof err) == 0)
-        fail_msg("%s: accepted", b->what);
-    if (strstr(err, b->word) == NULL)
-        fail_msg("%s: '%s' does not say '%s'", b->what, err, b->word);
-    char *after = describe(h, layer);
-    assert_string_equal(before, after);
-    uint8_t *abytes = policy_host_export_state(h, layer, &alen);
-    assert_non_null(bbytes), assert_non_null(abytes);
-    assert_int_equal(blen, alen);
-    assert_memory_equal(bbytes, abytes, blen);
-    free(before), free(after), free(buf), free(bbytes), free(abytes);
-}
-
 /* reviver.c's format, version 1: the offsets the cases below spoil. */
 enum {
     RV_OFF_VERSION = 4,
@@ -1219,7 +1179,7 @@ static uint32_t find_store(const uint8_t *b, uint32_t n, uint8_t s, uint32_t fro
 
 /* import_layer checks the bytes rather than trusting them: each spoiled
  * copy is refused, names what is wrong and changes nothing. */
-static void test_import_refuses_bad_bytes(void **unused)
+static void test_import_refuses_ph_spoil(void **unused)
 {
     (void)unused;
     /* M = 20: R_b = 8, slack 0, C_b = 8, r = 1, b = 4. */
@@ -1264,7 +1224,7 @@ static void test_import_refuses_bad_bytes(void **unused)
     size_t first_revive = 0;
     while (ops[first_revive].kind != REVIVER_OP_REVIVE)
         first_revive++;
-    const bad_bytes cases[] = {
+    const ph_spoil cases[] = {
         {"magic", 0, 1, 'R', 0, "magic"},
         {"version", RV_OFF_VERSION, 1, 2, 0, "version 2"},
         {"other budget", RV_OFF_BUDGET, 4, 21, 0, "budget 21"},
@@ -1296,19 +1256,19 @@ static void test_import_refuses_bad_bytes(void **unused)
          "out of order"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
-        expect_refused(c, 1, good, len, &cases[i]);
+        ph_expect_refused(c, 1, good, len, &cases[i]);
     /* A revive without its sketch: the last operation dropped. */
     uint8_t *cut = malloc(len);
     assert_non_null(cut);
     memcpy(cut, good, op_index + 4 * (nops - 1));
     memcpy(cut + op_index + 4 * (nops - 1), good + op_kind, nops - 1);
     cut[RV_OFF_NOPS] = (uint8_t)(nops - 1); /* nops < 256 */
-    bad_bytes unpaired = {"a revive without its sketch", 0, 0, 0, 0, "no sketch after it"};
-    expect_refused(c, 1, cut, len - 5, &unpaired);
+    ph_spoil unpaired = {"a revive without its sketch", 0, 0, 0, 0, "no sketch after it"};
+    ph_expect_refused(c, 1, cut, len - 5, &unpaired);
     free(cut);
     /* Layer 1's bytes are not layer 0's; no layer 2. */
-    bad_bytes other = {"another layer", 0, 0, 0, 0, "layer 1"};
-    expect_refused(c, 0, good, len, &other);
+    ph_spoil other = {"another layer", 0, 0, 0, 0, "layer 1"};
+    ph_expect_refused(c, 0, good, len, &other);
     char err2[POLICY_ERR_LEN] = "";
     assert_int_not_equal(
         policy_host_ops(c)->import_layer(policy_host_state(c), 2, good, len, err2, sizeof err2), 0);
@@ -1346,7 +1306,7 @@ int main(void)
         cmocka_unit_test(test_property_deterministic),
         cmocka_unit_test(test_property_daemon_simulation),
         cmocka_unit_test(test_moves_to_another_host),
-        cmocka_unit_test(test_import_refuses_bad_bytes),
+        cmocka_unit_test(test_import_refuses_ph_spoil),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -833,43 +833,6 @@ static void test_portable(void **unused)
     ph_check_portable("weightedkv", evict, geom(3, 8, 2), 9, 16, 3);
 }
 
-/* One impossible change to a layer's bytes (the format in weightedkv.h):
- * the `bytes` low bytes of value at offset `at` (none when bytes = 0),
- * `extra` zero bytes appended, and a word the refusal must contain. */
-typedef struct tamper {
-    size_t at;
-    uint64_t value;
-    unsigned bytes;
-    size_t extra;
-    const char *word;
-} tamper;
-
-/* Each tamper is refused with a message, leaving the state as it was. */
-static void expect_refused(policy_host *h, const uint8_t *buf, size_t len, const tamper *t,
-                           size_t n)
-{
-    const policy_ops *ops = policy_host_ops(h);
-    void *state = policy_host_state(h);
-    char *before = ops->describe(state, 0);
-    for (size_t i = 0; i < n; i++) {
-        uint8_t *bad = calloc(len + t[i].extra, 1);
-        assert_non_null(bad);
-        memcpy(bad, buf, len);
-        for (unsigned b = 0; b < t[i].bytes; b++)
-            bad[t[i].at + b] = (uint8_t)(t[i].value >> (8 * b));
-        char err[POLICY_ERR_LEN] = "";
-        if (ops->import_layer(state, 0, bad, len + t[i].extra, err, sizeof err) == 0)
-            fail_msg("tamper %zu accepted", i + 1);
-        if (strstr(err, t[i].word) == NULL)
-            fail_msg("tamper %zu: '%s' does not say '%s'", i + 1, err, t[i].word);
-        char *after = ops->describe(state, 0);
-        assert_string_equal(before, after);
-        free(after);
-        free(bad);
-    }
-    free(before);
-}
-
 static void test_import_refuses(void **unused)
 {
     (void)unused;
@@ -891,19 +854,20 @@ static void test_import_refuses(void **unused)
     assert_int_equal(
         policy_host_ops(b)->import_layer(policy_host_state(b), 0, buf, len, err, sizeof err), 0);
     const uint64_t nan_bits = 0x7ff8000000000000ull, inf_bits = 0x7ff0000000000000ull;
-    const tamper cases[] = {
-        {3, 'x', 1, 0, "magic"},                          /* 1: wrong magic */
-        {4, 2, 1, 0, "version"},                          /* 2: a future version */
-        {5, 3, 4, 0, "KV heads"},                         /* 3: not the geometry's kv_heads */
-        {COUNTS, N - 1, 4, 0, "need"},                    /* 4: a count against the length */
-        {COUNTS + 4, UINT32_MAX, 4, 0, "cache_size"},     /* 5: an n no allocation may trust */
-        {COUNTS + 4, N + 1, 4, 0, "cache_size"},          /* 6: more than a step leaves */
-        {0, 0, 0, 1, "need"},                             /* 7: a trailing byte */
-        {A0 + 8 * 2, nan_bits, 8, 0, "entry 2"},          /* 8: a NaN accumulator */
-        {C0 + 8 * 5, inf_bits, 8, 0, "entry 5"},          /* 9: an infinite count */
-        {C0 + 16 * N + 8 * 7, 0, 8, 0, "head 1 entry 7"}, /* 10: c = 0 (w = a/0) */
+    const ph_spoil cases[] = {
+        {"wrong magic", 3, 1, 'x', 0, "magic"},
+        {"a future version", 4, 1, 2, 0, "version"},
+        {"not the geometry's kv_heads", 5, 4, 3, 0, "KV heads"},
+        {"a count against the length", COUNTS, 4, N - 1, 0, "need"},
+        {"an n no allocation may trust", COUNTS + 4, 4, UINT32_MAX, 0, "cache_size"},
+        {"more than a step leaves", COUNTS + 4, 4, N + 1, 0, "cache_size"},
+        {"a trailing byte", 0, 0, 0, 1, "need"},
+        {"a NaN accumulator", A0 + 8 * 2, 8, nan_bits, 0, "entry 2"},
+        {"an infinite count", C0 + 8 * 5, 8, inf_bits, 0, "entry 5"},
+        {"c = 0 (w = a/0)", C0 + 16 * N + 8 * 7, 8, 0, 0, "head 1 entry 7"},
     };
-    expect_refused(b, buf, len, cases, PH_N(cases));
+    for (size_t i = 0; i < PH_N(cases); i++)
+        ph_expect_refused(b, 0, buf, len, &cases[i]);
     /* Cut inside the header, and inside the counts: refused before reading. */
     const policy_ops *ops = policy_host_ops(b);
     assert_int_equal(
