@@ -7,6 +7,7 @@
  * scales), so copying blocks whole carries every tier bit for bit, and the
  * importing daemon's worker reads exactly what the exporting one did.
  */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -344,10 +345,14 @@ static status_code restore_host(seq *s, const seq_export *x, status *st)
     for (uint32_t l = 0; states != NULL && l < s->nlayers; l++)
         states[l] = (policy_host_state_image){x->states[l], x->state_len[l]};
     char err[POLICY_ERR_LEN] = "";
+    errno = 0; /* out of memory leaves ENOMEM, as malloc sets it; the rest is the image's */
     int rc = policy_host_restore(s->host, x->appended, x->host_steps, im, states, err, sizeof err);
+    int oom = rc != 0 && errno == ENOMEM;
     free(im);
     free(states);
-    return rc == 0 ? ST_OK : status_set(st, ST_INVALID_ARGUMENT, "import: %s", err);
+    if (rc == 0)
+        return ST_OK;
+    return status_set(st, oom ? ST_RESOURCE_EXHAUSTED : ST_INVALID_ARGUMENT, "import: %s", err);
 }
 
 status_code seq_import(uint64_t id, uint64_t session_id, pool *pool, const seq_export *x,

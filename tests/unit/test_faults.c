@@ -669,6 +669,64 @@ static status_code run_step(fixture *f, status *s)
     return step(f, s);
 }
 
+/* After a step: lists cut down, the policy's own state, INT8 blocks. */
+static void prep_h2o_stepped(fixture *f)
+{
+    prep_h2o(f);
+    status s;
+    must(step(f, &s), &s, "step");
+}
+
+static void prep_h2o_int8_stepped(fixture *f)
+{
+    prep_h2o_int8(f);
+    status s;
+    must(step(f, &s), &s, "step");
+}
+
+static void prep_weightedkv_stepped(fixture *f)
+{
+    prep_weightedkv(f);
+    status s;
+    must(step(f, &s), &s, "step");
+}
+
+/* Export and import (seq.h seq_export_describe, seq_import), as the store
+ * runs them for ExportSequence and ImportSequence but for the remote store:
+ * the sequence described, its blocks copied into blocks of the same pool,
+ * rebuilt there and dropped again. A failure anywhere leaves the sequence
+ * and the pool as they were; so does success, the copy being dropped. */
+static status_code run_move(fixture *f, status *s)
+{
+    seq *q = the_seq(f), *copy = NULL;
+    pool *p = seq_pool(q);
+    seq_export x;
+    status_code rc = seq_export_describe(q, &x, s);
+    if (rc != ST_OK)
+        return rc;
+    uint32_t *blocks = malloc((x.nblocks ? x.nblocks : 1) * sizeof *blocks);
+    uint8_t *bytes = malloc(x.nblocks ? x.nblocks * p->block_bytes : 1);
+    if (blocks == NULL || bytes == NULL || x.nblocks > p->nfree) {
+        rc = status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
+    } else {
+        for (size_t i = 0; i < x.nblocks; i++)
+            pool_alloc_block(p, &blocks[i]);
+        assert_int_equal(pool_read_blocks(p, x.blocks, x.nblocks, bytes), 0);
+        assert_int_equal(pool_write_blocks(p, blocks, x.nblocks, bytes), 0);
+        rc = seq_import(f->seq_id + 100, seq_session_id(q), p, &x, blocks, &copy, s);
+        if (rc != ST_OK) /* the blocks are still ours */
+            for (size_t i = x.nblocks; i-- > 0;)
+                pool_free_block(p, blocks[i]);
+        else
+            assert_int_equal(seq_appended(copy), seq_appended(q));
+        seq_destroy(copy); /* its blocks with it */
+    }
+    free(blocks);
+    free(bytes);
+    seq_export_free(&x);
+    return rc;
+}
+
 /* Stats and /metrics: a snapshot copied out under the lock (service_stats.c
  * answers RESOURCE_EXHAUSTED when it fails). */
 static status_code run_snapshot(fixture *f, status *s)
@@ -820,6 +878,9 @@ static const fault_case cases[] = {
     {"step: confkv", prep_confkv, run_step},
     {"step: tova", prep_tova, run_step},
     {"step: criticalkv", prep_criticalkv, run_step},
+    {"move: h2o", prep_h2o_stepped, run_move},
+    {"move: weightedkv (per head)", prep_weightedkv_stepped, run_move},
+    {"move: h2o int8=on", prep_h2o_int8_stepped, run_move},
     {"get_table", prep_operator, run_get_table},
     {"stats snapshot", prep_revive_sketch, run_snapshot},
     {"release: victims", prep_revive_int8, run_release},
