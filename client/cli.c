@@ -30,6 +30,7 @@ static void usage(FILE *f)
             "                      prints the uid another kvstashd imports\n"
             "  seq import UID --session ID\n"
             "                      rebuild an export as a worker session's sequence\n"
+            "  seq spill ID        move a sequence's revivable victims to the remote tier\n"
             "  policy list         the policies, their statistics, parameters and defaults\n"
             "  evict ID POSITIONS  drop positions from a sequence by hand (for debugging)\n"
             "  demote, offload, revive ID POSITIONS\n"

@@ -230,6 +230,43 @@ static int cmd_export(cli *c)
     return rc;
 }
 
+static int cmd_spill(cli *c)
+{
+    static const char help[] =
+        "usage: kvstash seq spill ID [--json] [--socket PATH]\n"
+        "  Move sequence ID's victim blocks (victims=int8: the evicted tokens it keeps\n"
+        "  revivable) to kvstashd's remote tier (kvstashd --remote; docs/remote.md) and\n"
+        "  give their pool blocks back. Revive still brings the victims back, fetching\n"
+        "  them from the remote tier. A sequence without victim blocks spills nothing.\n"
+        "  --json: the SpillSequence reply (uid, blocks, tokens, bytes, dropped,\n"
+        "  spilled_tokens).\n";
+    const char *pos[1];
+    int rc = cli_parse(c, NULL, 0, pos, 1, 1, NULL, help);
+    if (rc != CLI_OK)
+        return rc < 0 ? CLI_OK : rc;
+    uint64_t id;
+    if ((rc = parse_seq_id(c, pos[0], &id)) != CLI_OK)
+        return rc;
+    Kvstash__V1__SpillSequenceRequest req = KVSTASH__V1__SPILL_SEQUENCE_REQUEST__INIT;
+    req.seq_id = id;
+    Kvstash__V1__SpillSequenceResponse *r;
+    if ((rc = cli_call_as_us(c, "SpillSequence", &req.base,
+                             &kvstash__v1__spill_sequence_response__descriptor,
+                             (ProtobufCMessage **)&r)) != CLI_OK)
+        return rc;
+    char b1[32];
+    if (c->json)
+        rc = cli_print_message(&r->base, 1);
+    else
+        printf("spilled sequence %" PRIu64 ": %" PRIu64 " victims in %u blocks, %s in %u values "
+               "under %s, for %u s (%u dropped meanwhile); %" PRIu64
+               " victims are in the remote tier\n",
+               id, r->tokens, r->blocks, cli_bytes(r->bytes, b1, sizeof b1), r->values,
+               r->key_prefix, r->ttl_s, r->dropped, r->spilled_tokens);
+    protobuf_c_message_free_unpacked(&r->base, NULL);
+    return rc;
+}
+
 static int cmd_import(cli *c)
 {
     static const char help[] =
@@ -273,14 +310,16 @@ static int cmd_import(cli *c)
 
 int cli_cmd_seq(cli *c)
 {
-    static const char help[] = "usage: kvstash seq show ID | export ID | import UID --session ID\n"
+    static const char help[] = "usage: kvstash seq show ID | export ID | import UID --session ID "
+                               "| spill ID\n"
                                "  (kvstash seq SUBCOMMAND --help)\n";
     static const struct {
         const char *name, *cmd;
         int (*run)(cli *c);
     } subs[] = {{"show", "seq show", cmd_show},
                 {"export", "seq export", cmd_export},
-                {"import", "seq import", cmd_import}};
+                {"import", "seq import", cmd_import},
+                {"spill", "seq spill", cmd_spill}};
     for (size_t i = 0; c->argc > 0 && i < sizeof subs / sizeof subs[0]; i++)
         if (strcmp(c->argv[0], subs[i].name) == 0) {
             c->cmd = subs[i].cmd;
@@ -292,7 +331,8 @@ int cli_cmd_seq(cli *c)
     if (rc != CLI_OK)
         return rc < 0 ? CLI_OK : rc;
     return cli_fail(CLI_USAGE,
-                    "seq wants a subcommand: show ID, export ID or import UID --session ID (try "
+                    "seq wants a subcommand: show ID, export ID, import UID --session ID or "
+                    "spill ID (try "
                     "kvstash seq --help)");
 }
 

@@ -1471,3 +1471,65 @@ static status_code runs_at(json_t *a, const char *what, const migrate_plan *p, t
                           n);
     return ST_OK;
 }
+
+/* ---- spilled victims --------------------------------------------------- */
+
+status_code migrate_encode_spill(const pool_geometry *g, uint32_t quant_group,
+                                 const seq_spill_block *b, const uint8_t *block, size_t block_bytes,
+                                 const char *ns, const char *tenant, const char *uid,
+                                 remote_kv *out, status *st)
+{
+    *out = (remote_kv){0};
+    char part[12], *key = malloc(REMOTE_KEY_CAP);
+    seq_spill_key_part(b->part, part);
+    if (key == NULL)
+        return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
+    if (remote_key(key, REMOTE_KEY_CAP, ns, tenant, uid, part, st) != ST_OK) {
+        free(key);
+        return st->code;
+    }
+    remote_value_header h = header_of(g, REMOTE_VALUE_TOKENS, b->tier, quant_group, b->layer,
+                                      b->head, (uint32_t)b->npositions, block_bytes);
+    size_t size = remote_value_size(&h);
+    uint8_t *val = size == SIZE_MAX ? NULL : malloc(size);
+    if (val == NULL) {
+        free(key);
+        return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory for a %zu-byte value", size);
+    }
+    if (remote_value_encode(&h, b->positions, block, val, size, st) != ST_OK) {
+        free(val);
+        free(key);
+        return restate(st, ST_INVALID_ARGUMENT, part);
+    }
+    *out = (remote_kv){key, val, size};
+    return ST_OK;
+}
+
+status_code migrate_decode_spill(const void *buf, size_t len, const char *key,
+                                 const pool_geometry *g, uint32_t quant_group,
+                                 const seq_remote_part *want, size_t block_bytes,
+                                 const uint8_t **payload, status *st)
+{
+    remote_value_header h;
+    const uint8_t *pos, *pl;
+    if (remote_value_decode(buf, len, &h, &pos, &pl, st) != ST_OK ||
+        remote_value_check_geometry(&h, g, quant_group, st) != ST_OK)
+        return restate(st, ST_DATA_LOSS, key);
+    if (h.kind != REMOTE_VALUE_TOKENS || h.tier != want->tier || h.layer != want->layer ||
+        h.head != want->head || h.ntokens != want->npositions || h.payload_len != block_bytes)
+        return status_set(st, ST_DATA_LOSS,
+                          "%s: kind %u tier %s layer %u head %u, %u positions, %llu payload "
+                          "bytes; the sequence wants tokens, %s, %u, %u, %zu, %zu",
+                          key, h.kind, policy_tier_name(h.tier), h.layer, h.head, h.ntokens,
+                          (unsigned long long)h.payload_len, policy_tier_name(want->tier),
+                          want->layer, want->head, want->npositions, block_bytes);
+    for (size_t k = 0; k < want->npositions; k++) {
+        uint32_t got = remote_value_position(pos, k);
+        if (got != want->positions[k])
+            return status_set(st, ST_DATA_LOSS,
+                              "%s: position %zu is %u, the sequence's victim there is %u", key, k,
+                              got, want->positions[k]);
+    }
+    *payload = pl;
+    return ST_OK;
+}

@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -32,6 +33,11 @@ struct remote_tier {
     int stopping;
     int probing; /* the thread runs */
     pthread_t probe_thread;
+    /* Keys to delete (remote_tier_forget), under probe_mu: the probe
+     * thread deletes them after its next probe. */
+    char **forget;
+    size_t nforget, forget_cap;
+    uint64_t forget_dropped; /* keys not queued: the queue was full */
 };
 
 static uint64_t now_ms(void)
@@ -119,6 +125,58 @@ status_code remote_tier_probe(remote_tier *t, status *st)
     return rc;
 }
 
+static void forget_free(char **keys, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        free(keys[i]);
+    free(keys);
+}
+
+int remote_tier_forget(remote_tier *t, const char *const *keys, size_t n)
+{
+    if (t == NULL || !t->probing)
+        return -1;
+    pthread_mutex_lock(&t->probe_mu);
+    size_t queued = 0;
+    if (t->nforget + n <= REMOTE_FORGET_MAX && t->nforget + n > t->forget_cap) {
+        size_t cap = t->forget_cap ? t->forget_cap : 64;
+        while (cap < t->nforget + n)
+            cap *= 2;
+        char **a = realloc(t->forget, cap * sizeof *a);
+        if (a != NULL)
+            t->forget = a, t->forget_cap = cap;
+    }
+    while (queued < n && t->nforget < t->forget_cap &&
+           (t->forget[t->nforget] = strdup(keys[queued])))
+        t->nforget++, queued++;
+    t->forget_dropped += n - queued;
+    pthread_mutex_unlock(&t->probe_mu);
+    return queued == n ? 0 : -1;
+}
+
+/* Delete the keys remote_tier_forget queued (probe thread, probe_mu not
+ * held). A failure leaves them to their time to live. */
+static void forget_run(remote_tier *t)
+{
+    pthread_mutex_lock(&t->probe_mu);
+    char **keys = t->forget;
+    size_t n = t->nforget;
+    t->forget = NULL;
+    t->nforget = t->forget_cap = 0;
+    pthread_mutex_unlock(&t->probe_mu);
+    if (n == 0)
+        return;
+    status st = {ST_OK, ""};
+    remote_store *r = remote_tier_acquire(t, &st);
+    status_code rc = r != NULL ? remote_del(r, (const char *const *)keys, n, &st) : st.code;
+    if (r != NULL)
+        remote_tier_note(t, &st, rc);
+    if (rc != ST_OK)
+        log_warn("remote_forget_failed", "keys=%zu code=%s msg=\"%s\" (they expire with their ttl)",
+                 n, status_name(rc), st.msg);
+    forget_free(keys, n);
+}
+
 static void *probe_main(void *arg)
 {
     remote_tier *t = arg;
@@ -132,6 +190,8 @@ static void *probe_main(void *arg)
         status_code rc = remote_tier_probe(t, &st);
         if (rc != ST_OK && was_ok)
             log_warn("remote_unhealthy", "code=%s msg=\"%s\"", status_name(rc), st.msg);
+        if (rc == ST_OK)
+            forget_run(t);
         pthread_mutex_lock(&t->probe_mu);
         struct timespec until;
         clock_gettime(CLOCK_MONOTONIC, &until);
@@ -228,6 +288,9 @@ void remote_tier_close(remote_tier *t)
         pthread_mutex_unlock(&t->probe_mu);
         pthread_join(t->probe_thread, NULL);
     }
+    if (t->nforget > 0)
+        log_info("remote_forget_left", "keys=%zu (they expire with their ttl)", t->nforget);
+    forget_free(t->forget, t->nforget);
     remote_close(t->store);
     pthread_cond_destroy(&t->probe_cv);
     pthread_mutex_destroy(&t->probe_mu);

@@ -72,6 +72,14 @@ void remote_tier_note(remote_tier *t, const status *st, status_code code);
 /* Probe now: connect if needed and ask every node (remote_store ping). */
 status_code remote_tier_probe(remote_tier *t, status *st);
 
+/* Delete keys in the background: copies them to a queue that the probe
+ * thread deletes after its next successful probe (a sequence whose spilled
+ * victims die with it; the caller may hold any lock). 0, or -1 when they
+ * were not all queued (no probe thread, out of memory, more than
+ * REMOTE_FORGET_MAX waiting): those expire with their time to live. */
+#define REMOTE_FORGET_MAX 65536
+int remote_tier_forget(remote_tier *t, const char *const *keys, size_t n);
+
 /* The settings the tier runs under (the namespace and time to live that
  * callers write keys and values with). */
 const char *remote_tier_namespace(const remote_tier *t);

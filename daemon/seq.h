@@ -313,6 +313,84 @@ size_t seq_revive_blocks(const seq_revive_job *job); /* the scratch blocks it to
 int seq_revive_fill(seq_revive_job *job);
 status_code seq_revive_finish(seq_revive_job *job, int fill_rc, seq_revived *out, status *st);
 
+/*
+ * What a Revive needs from the remote tier (seq_revive_plan, for victims a
+ * spill sent there): one spilled block per part, read into a scratch block
+ * the plan took. Between plan and fill, the caller fetches each part's value
+ * (remote_value.h: kind TOKENS, `tier`, list (layer, head), the positions
+ * below, payload one pool block) and hands its payload to
+ * seq_revive_supply, which writes it into that block (-1: a backend error,
+ * or len not one block). Parts not supplied leave fill's result undefined,
+ * so a caller that cannot fetch one ends with seq_revive_finish(fill_rc
+ * -1).
+ */
+typedef struct seq_remote_part {
+    uint32_t part; /* the key's part: "v<part>" (seq_spill_key_part) */
+    uint8_t tier;  /* of its slots */
+    uint32_t layer, head;
+    const uint32_t *positions; /* [npositions] the victims it holds, ascending */
+    size_t npositions;
+} seq_remote_part;
+size_t seq_revive_remote(const seq_revive_job *job, const seq_remote_part **parts);
+int seq_revive_supply(seq_revive_job *job, size_t i, const uint8_t *payload, size_t len);
+/* The sequence a job reads (for its remote keys). */
+seq *seq_revive_seq(const seq_revive_job *job);
+
+/*
+ * Spilling victims to the remote tier (issue 17; docs/remote.md "Spill and
+ * revive"). victims=int8 keeps victims in whole INT8 blocks that are
+ * written once and never in a table; such blocks can leave the pool: the
+ * victims stay offloaded (Revive brings them back, seq_revive_remote), but
+ * their bytes live in the remote tier under part "v<part>" of the
+ * sequence's remote uid. In three steps, like an export: seq_spill_plan
+ * (lock held) names every victim block with a fresh part number;
+ * the caller copies the blocks (pool_read_blocks), writes the values
+ * without the lock, then seq_spill_commit (lock held) frees each planned
+ * block whose victims are still the plan's (memory pressure may have
+ * dropped one meanwhile: seq_drop_victim_blocks) and marks its victims
+ * remote. A spilled victim's tier_token keeps its tier and slot; its block
+ * is SEQ_REMOTE_BLOCK | part.
+ */
+#define SEQ_REMOTE_BLOCK 0x80000000u
+#define SEQ_REMOTE_UID_CAP 33 /* remote_value.h REMOTE_UID_LEN + 1 */
+
+typedef struct seq_spill_block {
+    uint32_t layer, head;
+    uint32_t block; /* the pool block */
+    uint8_t tier;
+    uint32_t part;
+    uint32_t *positions; /* [npositions] its victims, ascending */
+    size_t npositions;
+    int committed; /* set by seq_spill_commit: the block left the pool */
+} seq_spill_block;
+
+typedef struct seq_spill {
+    seq_spill_block *blocks;
+    size_t n;
+    uint32_t *ids; /* [n] blocks[i].block, as pool_read_blocks takes them */
+} seq_spill;
+
+/* The remote uid of s's spilled parts ("" before the first spill); the
+ * caller sets it once (remote_value.h remote_uid_new). */
+const char *seq_remote_uid(const seq *s);
+void seq_set_remote_uid(seq *s, const char *uid);
+/* Parts ever planned: keys "v0" .. "v<n-1>" may exist. */
+uint32_t seq_spill_parts(const seq *s);
+/* Victims and blocks now in the remote tier. */
+uint64_t seq_spilled_tokens(const seq *s);
+uint64_t seq_spilled_blocks(const seq *s);
+/* Part number p's key part, "v<p>", into out (room for 12). */
+void seq_spill_key_part(uint32_t part, char out[12]);
+
+/* Plan a spill of every victim block of s (*out zeroed first; n 0 when
+ * there is none). RESOURCE_EXHAUSTED when out of memory; FAILED_PRECONDITION
+ * when the part numbers ran out. */
+status_code seq_spill_plan(seq *s, seq_spill *out, status *st);
+/* Free the planned blocks whose victims are still the plan's; sets their
+ * `committed`. Needs no memory and cannot fail. */
+void seq_spill_commit(seq *s, seq_spill *p);
+void seq_spill_free(seq_spill *p);
+
 /* The tier report: the tier moves (moved[], requantized, victims_dropped)
  * and their measurements since the last seq_tier_report_clear. The store
  * hands it to metrics_tiers (metrics.h), then clears it. */

@@ -164,6 +164,11 @@ status_code seq_export_describe(seq *s, seq_export *out, status *st)
             return status_set(st, ST_FAILED_PRECONDITION,
                               "layer %zu has tokens in a sketch, which export does not carry yet",
                               i / s->heads);
+    if (s->spilled_tokens > 0)
+        return status_set(st, ST_FAILED_PRECONDITION,
+                          "%llu victims are spilled to the remote tier (seq spill), which "
+                          "export does not carry yet",
+                          (unsigned long long)s->spilled_tokens);
     snprintf(out->policy, sizeof out->policy, "%s", s->policy->name);
     out->params = s->params;
     snprintf(out->label, sizeof out->label, "%s", s->label);

@@ -36,6 +36,14 @@ typedef struct seq_list {
     uint8_t demote_due;
 } seq_list;
 
+/* Whether a victim is stored in the remote tier (seq.h SEQ_REMOTE_BLOCK:
+ * its block names a spilled part, not a pool block). */
+static inline int tier_token_remote(const tier_token *t)
+{
+    return t->tier != POLICY_SKETCH && t->block != TIER_NO_BLOCK &&
+           (t->block & SEQ_REMOTE_BLOCK) != 0;
+}
+
 typedef struct seq_saved_list seq_saved_list;
 typedef struct seq_saved_tokens seq_saved_tokens;
 
@@ -83,6 +91,12 @@ typedef struct seq {
     size_t sketch_reserved; /* daemon memory the store reserved for the sketches (seq.h) */
     int demote_after_step;  /* seq.h seq_set_demote_after_step */
     int stepping;           /* inside seq_step (not an Append's step, nor an operator's move) */
+    /* The remote tier (seq.h "Spilling victims"): the uid of its keys ("" until
+     * the first spill), the parts ever planned (numbered 0 .. spill_parts-1,
+     * some never written), the victims now stored there. */
+    char remote_uid[SEQ_REMOTE_UID_CAP];
+    uint32_t spill_parts;
+    uint64_t spilled_tokens, spilled_blocks;
 } seq;
 
 static inline size_t seq_nlists(const seq *s)

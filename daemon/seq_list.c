@@ -43,7 +43,8 @@ size_t seq_sort_unique(uint32_t *a, size_t m)
 
 /* Call visit(ctx, block) for every block of a list's offloaded victims
  * and (with segments) its segments stored in `tier` (any tier with a block
- * when tier < 0), with repeats; returns the sum of what visit returned. */
+ * when tier < 0), with repeats (victims spilled to the remote tier have no
+ * pool block); returns the sum of what visit returned. */
 static size_t list_visit_blocks(const seq_list *ly, int tier, int segments,
                                 int (*visit)(void *, uint32_t), void *ctx)
 {
@@ -53,7 +54,7 @@ static size_t list_visit_blocks(const seq_list *ly, int tier, int segments,
             sum += (size_t)visit(ctx, ly->segs[i].block);
     for (size_t j = 0; j < ly->noffloaded; j++) {
         const tier_token *at = &ly->offloaded_at[j];
-        if (at->tier != POLICY_SKETCH && (tier < 0 || at->tier == tier))
+        if (at->tier != POLICY_SKETCH && !tier_token_remote(at) && (tier < 0 || at->tier == tier))
             sum += (size_t)visit(ctx, at->block);
     }
     return sum;
@@ -103,7 +104,7 @@ void list_free_blocks(seq_list *ly, pool *p)
         if (ly->seg_tier[i] != POLICY_SKETCH)
             a[na++] = ly->segs[i].block;
     for (size_t j = 0; j < ly->noffloaded; j++)
-        if (ly->offloaded_at[j].tier != POLICY_SKETCH)
+        if (ly->offloaded_at[j].tier != POLICY_SKETCH && !tier_token_remote(&ly->offloaded_at[j]))
             b[nb++] = ly->offloaded_at[j].block;
     na = na ? seq_sort_unique(a, na) : 0; /* a or b may be NULL when empty */
     nb = nb ? seq_sort_unique(b, nb) : 0;

@@ -78,10 +78,19 @@ struct seq_revive_job {
     seq_list *ly;
     tier_token *src, *dst;
     seq_revived out;
+    /* Spilled victims to fetch (seq_revive_remote): part i is read into
+     * pool block stage[i], which the job owns and finish frees. */
+    seq_remote_part *remote;
+    uint32_t *stage;
+    uint32_t **remote_pos;
+    size_t nremote;
 };
 
 static void job_free(seq_revive_job *j)
 {
+    for (size_t i = 0; i < j->nremote; i++)
+        free(j->remote_pos[i]);
+    free(j->remote), free(j->stage), free(j->remote_pos);
     free(j->src);
     free(j->dst);
     free(j->out.segs), free(j->out.positions), free(j->out.src_tier), free(j->out.blocks);
@@ -133,6 +142,76 @@ static status_code revive_check(seq *s, const seq_revive_request *req, uint32_t 
     return ST_OK;
 }
 
+/* The distinct spilled parts among src[0..m), in order of first use. */
+static size_t remote_parts(const tier_token *src, size_t m, uint32_t *parts)
+{
+    size_t np = 0;
+    for (size_t t = 0; t < m; t++) {
+        if (!tier_token_remote(&src[t]))
+            continue;
+        uint32_t part = src[t].block & ~SEQ_REMOTE_BLOCK;
+        size_t i = 0;
+        while (i < np && parts[i] != part)
+            i++;
+        if (i == np)
+            parts[np++] = part;
+    }
+    return np;
+}
+
+/* The spilled parts j's tokens need: each gets a staging block (beyond the
+ * `need` scratch blocks) and the positions its value must carry; the
+ * tokens then read from the staging blocks as from any INT8 block. */
+static status_code plan_remote(seq_revive_job *j, const seq_revive_request *req, size_t m,
+                               uint32_t need, status *st)
+{
+    seq *s = j->s;
+    uint32_t *parts = malloc((m ? m : 1) * sizeof *parts);
+    if (parts == NULL)
+        return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
+    size_t np = remote_parts(j->src, m, parts);
+    if (np == 0) {
+        free(parts);
+        return ST_OK;
+    }
+    if (np > s->pool->nfree) { /* the scratch blocks are taken */
+        free(parts);
+        return status_set(st, ST_RESOURCE_EXHAUSTED,
+                          "reviving %zu tokens needs %u free blocks and %zu more to read "
+                          "spilled victims into; pool '%s' has %u",
+                          m, need, np, s->pool->model, s->pool->nfree);
+    }
+    j->remote = calloc(np, sizeof *j->remote);
+    j->stage = calloc(np, sizeof *j->stage);
+    j->remote_pos = calloc(np, sizeof *j->remote_pos);
+    int ok = j->remote != NULL && j->stage != NULL && j->remote_pos != NULL;
+    const seq_list *ly = j->ly;
+    for (size_t i = 0; ok && i < np; i++) {
+        uint32_t ref = SEQ_REMOTE_BLOCK | parts[i], *pos;
+        ok = (pos = j->remote_pos[i] = malloc(ly->noffloaded * sizeof *pos)) != NULL;
+        seq_remote_part *rp = &j->remote[i];
+        *rp = (seq_remote_part){parts[i], POLICY_INT8, req->layer, req->head, pos, 0};
+        for (size_t v = 0; ok && v < ly->noffloaded; v++)
+            if (tier_token_remote(&ly->offloaded_at[v]) && ly->offloaded_at[v].block == ref) {
+                rp->tier = ly->offloaded_at[v].tier;
+                pos[rp->npositions++] = ly->offloaded[v];
+            }
+    }
+    if (!ok) {
+        free(parts);
+        return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    j->nremote = np;
+    for (size_t i = 0; i < np; i++)
+        pool_alloc_block(s->pool, &j->stage[i]); /* counted above */
+    for (size_t t = 0; t < m; t++)
+        for (size_t i = 0; tier_token_remote(&j->src[t]) && i < np; i++)
+            if ((j->src[t].block & ~SEQ_REMOTE_BLOCK) == parts[i])
+                j->src[t].block = j->stage[i];
+    free(parts);
+    return ST_OK;
+}
+
 status_code seq_revive_plan(seq *s, const seq_revive_request *req, seq_revive_job **out, status *st)
 {
     *out = NULL;
@@ -173,6 +252,12 @@ status_code seq_revive_plan(seq *s, const seq_revive_request *req, seq_revive_jo
         j->dst[t] = (tier_token){j->out.blocks[t / slots], (uint32_t)(t % slots), POLICY_FULL};
         j->out.src_tier[t] = j->src[t].tier;
     }
+    if (plan_remote(j, req, m, need, st) != ST_OK) {
+        for (uint32_t b = need; b-- > 0;)
+            pool_free_block(s->pool, j->out.blocks[b]);
+        job_free(j);
+        return st->code;
+    }
     j->out.nsegs = j->out.nblocks = need;
     j->out.ntokens = m;
     *out = j;
@@ -184,6 +269,24 @@ size_t seq_revive_blocks(const seq_revive_job *j)
     return j->out.nblocks;
 }
 
+size_t seq_revive_remote(const seq_revive_job *j, const seq_remote_part **parts)
+{
+    *parts = j->remote;
+    return j->nremote;
+}
+
+int seq_revive_supply(seq_revive_job *j, size_t i, const uint8_t *payload, size_t len)
+{
+    if (i >= j->nremote || len != j->s->pool->block_bytes)
+        return -1;
+    return pool_write_blocks(j->s->pool, &j->stage[i], 1, payload);
+}
+
+seq *seq_revive_seq(const seq_revive_job *j)
+{
+    return j->s;
+}
+
 int seq_revive_fill(seq_revive_job *j)
 {
     return revive_fill(j->s, j->ly, j->src, j->out.positions, j->out.ntokens, j->dst);
@@ -192,6 +295,8 @@ int seq_revive_fill(seq_revive_job *j)
 status_code seq_revive_finish(seq_revive_job *j, int fill_rc, seq_revived *out, status *st)
 {
     memset(out, 0, sizeof *out);
+    for (size_t i = j->nremote; i-- > 0;)
+        pool_free_block(j->s->pool, j->stage[i]);
     if (fill_rc != 0) {
         /* Pushed back in reverse, the blocks lie on the free stack as before
          * the plan took them, unless the pool moved meanwhile. */
@@ -212,5 +317,12 @@ status_code seq_revive(seq *s, const seq_revive_request *req, seq_revived *out, 
     memset(out, 0, sizeof *out);
     if (seq_revive_plan(s, req, &j, st) != ST_OK)
         return st->code;
+    if (j->nremote > 0) {
+        seq_revive_finish(j, -1, out, st);
+        return status_set(st, ST_FAILED_PRECONDITION,
+                          "victims of layer %u are spilled to the remote tier: only the "
+                          "store's Revive fetches them",
+                          req->layer);
+    }
     return seq_revive_finish(j, seq_revive_fill(j), out, st);
 }

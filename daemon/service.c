@@ -308,11 +308,15 @@ static const rpc_method methods[] = {
      NULL, 0},
     {"/kvstash.v1.Store/ReleaseScratch", &kvstash__v1__release_scratch_request__descriptor,
      service_release_scratch, NULL, NULL, 0},
-    /* Both wait for the remote store: threads of their own. */
+    /* These wait for the remote store: threads of their own. (A Revive of
+     * spilled victims waits too, at most --remote-timeout-ms a node, on a
+     * thread of the pool: most Revives never do.) */
     {"/kvstash.v1.Store/ExportSequence", &kvstash__v1__export_sequence_request__descriptor,
      service_export_sequence, NULL, NULL, 1},
     {"/kvstash.v1.Store/ImportSequence", &kvstash__v1__import_sequence_request__descriptor,
      service_import_sequence, NULL, NULL, 1},
+    {"/kvstash.v1.Store/SpillSequence", &kvstash__v1__spill_sequence_request__descriptor,
+     service_spill_sequence, NULL, NULL, 1},
     {"/grpc.health.v1.Health/Check", &grpc__health__v1__health_check_request__descriptor,
      do_health_check, NULL, NULL, 0},
 };

@@ -28,12 +28,15 @@ status_code service_list_policies(void *app, const char *token, const ProtobufCM
 status_code service_evict(void *app, const char *token, const ProtobufCMessage *m,
                           grpc_byte_buffer **resp, status *st);
 
-/* ExportSequence and ImportSequence (service_remote.c): a sequence to the
- * remote tier and back (store_seq_export, store_seq_import). */
+/* ExportSequence, ImportSequence and SpillSequence (service_remote.c): a
+ * sequence, or its victims, to the remote tier and back (store_seq_export,
+ * store_seq_import, store_seq_spill). */
 status_code service_export_sequence(void *app, const char *token, const ProtobufCMessage *m,
                                     grpc_byte_buffer **resp, status *st);
 status_code service_import_sequence(void *app, const char *token, const ProtobufCMessage *m,
                                     grpc_byte_buffer **resp, status *st);
+status_code service_spill_sequence(void *app, const char *token, const ProtobufCMessage *m,
+                                   grpc_byte_buffer **resp, status *st);
 
 /* Revive and ReleaseScratch (service_ops.c): need the owning session. */
 status_code service_revive(void *app, const char *token, const ProtobufCMessage *m,

@@ -1,5 +1,6 @@
-/* ExportSequence and ImportSequence: a sequence to the remote tier and back
- * (store_seq_export, store_seq_import; docs/remote.md). */
+/* ExportSequence, ImportSequence and SpillSequence: a sequence, or its
+ * victims, to the remote tier and back (store_seq_export, store_seq_import,
+ * store_seq_spill; docs/remote.md). */
 #include <stdlib.h>
 
 #include "kvstash/v1/store.pb-c.h"
@@ -48,6 +49,28 @@ status_code service_import_sequence(void *app, const char *token, const Protobuf
     out.n_params = r.params.count;
     out.bytes = r.bytes;
     out.blocks = r.blocks;
+    *resp = pbgrpc_pack(&out.base);
+    return ST_OK;
+}
+
+status_code service_spill_sequence(void *app, const char *token, const ProtobufCMessage *m,
+                                   grpc_byte_buffer **resp, status *st)
+{
+    const Kvstash__V1__SpillSequenceRequest *req = (const void *)m;
+    store_spill_result r;
+    if (store_seq_spill(app, token, req->seq_id, &r, st) != ST_OK)
+        return st->code;
+    Kvstash__V1__SpillSequenceResponse out = KVSTASH__V1__SPILL_SEQUENCE_RESPONSE__INIT;
+    out.uid = r.uid;
+    out.blocks = r.blocks;
+    out.tokens = r.tokens;
+    out.bytes = r.bytes;
+    out.values = r.values;
+    out.ttl_s = r.ttl_s;
+    out.dropped = r.dropped;
+    out.spilled_tokens = r.spilled_tokens;
+    out.spilled_blocks = r.spilled_blocks;
+    out.key_prefix = r.key_prefix;
     *resp = pbgrpc_pack(&out.base);
     return ST_OK;
 }

@@ -44,6 +44,8 @@ static void sequence_stats(const snapshot_seq *q, Kvstash__V1__SequenceStats *ou
     out->blocks = q->blocks;
     out->bytes = q->bytes;
     out->sketch_reserved_bytes = q->sketch_reserved;
+    out->spilled_tokens = q->spilled_tokens;
+    out->spilled_bytes = q->spilled_bytes;
 }
 
 static void pool_stats(const snapshot_pool *p, Kvstash__V1__PoolStats *out,

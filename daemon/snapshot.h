@@ -53,6 +53,7 @@ typedef struct snapshot_seq {
     uint64_t bytes;           /* blocks * block_bytes */
     uint64_t tier_tokens[POLICY_TIERS], tier_bytes[POLICY_TIERS];
     uint64_t sketch_reserved; /* daemon memory reserved for its sketches (--max-daemon-mb) */
+    uint64_t spilled_tokens, spilled_bytes; /* victims in the remote tier (seq.h) */
 } snapshot_seq;
 
 typedef struct snapshot {

@@ -119,6 +119,8 @@ void store_seq_snapshot(seq *q, snapshot_seq *out)
                           .retired = (uint32_t)seq_retired_count(q)};
     out->bytes = (uint64_t)out->blocks * seq_pool(q)->block_bytes;
     out->sketch_reserved = seq_sketch_reserved(q);
+    out->spilled_tokens = seq_spilled_tokens(q);
+    out->spilled_bytes = seq_spilled_blocks(q) * seq_pool(q)->block_bytes;
     snprintf(out->label, sizeof out->label, "%s", seq_label(q));
     seq_tier_usage(q, out->tier_tokens, out->tier_bytes);
 }
@@ -546,6 +548,7 @@ static uint32_t release_seq_at(store *st, size_t i)
     uint32_t blocks = seq_blocks_held(q);
     st->sketch_reserved -= seq_sketch_reserved(q);
     st->seqs[i] = st->seqs[--st->nseqs];
+    store_spill_forget_locked(st, q);
     seq_destroy(q);
     return blocks;
 }
@@ -1707,9 +1710,30 @@ static void revive_publish(store *st, session *se, seq *q, const seq_revive_requ
              by[POLICY_INT8], by[POLICY_INT4], by[POLICY_INT2], by[POLICY_SKETCH]);
 }
 
-static int revive_fill(void *job)
+/* Lock held: fetch what a Revive needs from the remote tier and copy,
+ * both without the lock when the sequence can be marked moving; *fill_rc
+ * is the copy's (-1 when the fetch failed: its status is the result). A
+ * Revive that needs the remote tier never waits for it under the lock. */
+static status_code revive_copy(store *st, uint64_t seq_id, seq_revive_job *job, int *fill_rc,
+                               status *s)
 {
-    return seq_revive_fill(job);
+    const seq_remote_part *parts;
+    int remote = seq_revive_remote(job, &parts) > 0;
+    if (!store_move_begin(st, seq_id)) {
+        *fill_rc = remote ? -1 : seq_revive_fill(job);
+        return remote ? status_set(s, ST_UNAVAILABLE,
+                                   "%d copies run without the lock already; this Revive needs "
+                                   "the remote tier and does not wait for it under the lock: "
+                                   "retry",
+                                   STORE_MAX_MOVES)
+                      : ST_OK;
+    }
+    store_unlock(st);
+    status_code rc = store_revive_fetch(st, job, s);
+    *fill_rc = rc == ST_OK ? seq_revive_fill(job) : -1;
+    pthread_mutex_lock(&st->lock);
+    store_move_end(st, seq_id);
+    return rc;
 }
 
 /* The copy runs without the store's lock (issue 16 §3): the sequence is
@@ -1734,7 +1758,12 @@ status_code store_revive(store *st, const char *token, uint64_t seq_id,
         rc = revive_plan(st, se, q, req, &job, s);
     if (rc == ST_OK) {
         seq_revived rv;
-        rc = seq_revive_finish(job, copy_unlocked(st, seq_id, revive_fill, job), &rv, s);
+        status fs = {ST_OK, ""};
+        int fill_rc;
+        status_code frc = revive_copy(st, seq_id, job, &fill_rc, &fs);
+        rc = seq_revive_finish(job, fill_rc, &rv, s);
+        if (frc != ST_OK)
+            *s = fs, rc = frc;
         if (rc == ST_OK) {
             revive_publish(st, se, q, req, &rv, sc, out);
             sc = NULL;

@@ -151,6 +151,33 @@ void store_drop_pool_if_unused_locked(store *st, pool *p);
 int store_move_begin(store *st, uint64_t seq_id);
 void store_move_end(store *st, uint64_t seq_id);
 
+/* The remote tier's helpers (store_remote.c), shared by export, import,
+ * spill and revive. The tenant part of p's remote keys ("default" for the
+ * tenantless); FAILED_PRECONDITION without a remote tier; write kv[0..n)
+ * with the tier's time to live, or read n keys, recording the outcome in
+ * the tier's status, a failure's message prefixed "remote tier: CODE: ".
+ * None takes the store's lock: call them without it. */
+const char *store_remote_tenant(const pool *p);
+status_code store_need_remote(const store *st, status *s);
+status_code store_remote_write(remote_tier *t, const remote_kv *kv, size_t n, status *s);
+status_code store_remote_read(remote_tier *t, const char *const *keys, size_t n, remote_buf *out,
+                              status *s);
+
+/* Lock held: sequence seq_id, which the caller's session may move to the
+ * remote tier (`what`: "export", "spill"): its own, or any for an
+ * operator. NOT_FOUND, PERMISSION_DENIED, or the session's errors. */
+status_code store_remote_seq_locked(store *st, const char *token, uint64_t seq_id, const char *what,
+                                    seq **out, status *s);
+
+/* Lock held: queue the deletion of q's spilled values (store_spill.c),
+ * when it has any, before it is destroyed. */
+void store_spill_forget_locked(store *st, seq *q);
+
+/* Without the lock, q marked moving: fetch the spilled victims a Revive
+ * needs (seq_revive_remote) and supply them to the job. ST_OK, or the
+ * remote tier's error (DATA_LOSS for a missing or corrupt value). */
+status_code store_revive_fetch(store *st, seq_revive_job *job, status *s);
+
 /* Whether uid is an operator's (store_set_operators). */
 int store_is_operator(const store *st, uid_t uid);
 

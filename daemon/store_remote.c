@@ -20,12 +20,12 @@
 
 /* The tenant part of remote keys: the pool's tenant, "default" for the
  * tenantless (remote_value.h: keys carry ids, never user text). */
-static const char *key_tenant(const pool *p)
+const char *store_remote_tenant(const pool *p)
 {
     return p->tenant[0] != '\0' ? p->tenant : "default";
 }
 
-static status_code need_remote(const store *st, status *s)
+status_code store_need_remote(const store *st, status *s)
 {
     if (st->remote != NULL)
         return ST_OK;
@@ -46,7 +46,7 @@ static status_code remote_failed(status *s)
 
 /* Write kv[0..n) with the remote tier's time to live, recording the outcome
  * in its status. */
-static status_code remote_write(remote_tier *t, const remote_kv *kv, size_t n, status *s)
+status_code store_remote_write(remote_tier *t, const remote_kv *kv, size_t n, status *s)
 {
     remote_store *r = remote_tier_acquire(t, s);
     if (r == NULL)
@@ -56,8 +56,8 @@ static status_code remote_write(remote_tier *t, const remote_kv *kv, size_t n, s
     return rc == ST_OK ? ST_OK : remote_failed(s);
 }
 
-static status_code remote_read(remote_tier *t, const char *const *keys, size_t n, remote_buf *out,
-                               status *s)
+status_code store_remote_read(remote_tier *t, const char *const *keys, size_t n, remote_buf *out,
+                              status *s)
 {
     remote_store *r = remote_tier_acquire(t, s);
     if (r == NULL)
@@ -90,7 +90,7 @@ static status_code export_copy(store *st, seq *q, export_job *j, status *s)
     j->geom = p->geom;
     j->quant_group = seq_quant_group(q);
     j->block_bytes = p->block_bytes;
-    snprintf(j->tenant, sizeof j->tenant, "%s", key_tenant(p));
+    snprintf(j->tenant, sizeof j->tenant, "%s", store_remote_tenant(p));
     for (size_t i = 0; i < (size_t)j->x.layers * j->x.heads; i++)
         j->tokens += j->x.lists[i].ntokens;
     if (j->x.nblocks > SIZE_MAX / (j->block_bytes ? j->block_bytes : 1) ||
@@ -111,10 +111,9 @@ static status_code export_copy(store *st, seq *q, export_job *j, status *s)
                                 (unsigned long long)id);
 }
 
-static status_code export_take(store *st, const char *token, uint64_t seq_id, export_job *j,
-                               status *s)
+status_code store_remote_seq_locked(store *st, const char *token, uint64_t seq_id, const char *what,
+                                    seq **out, status *s)
 {
-    store_lock_seq(st, seq_id);
     session *caller;
     seq *q = NULL;
     status_code rc = store_need_session_locked(st, token, 0, &caller, s);
@@ -122,11 +121,21 @@ static status_code export_take(store *st, const char *token, uint64_t seq_id, ex
         rc = status_set(s, ST_NOT_FOUND, "no sequence %llu", (unsigned long long)seq_id);
     if (rc == ST_OK && seq_session_id(q) != caller->id && !store_is_operator(st, caller->uid))
         rc = status_set(s, ST_PERMISSION_DENIED,
-                        "session %llu (uid %u) may not export sequence %llu: it belongs to "
+                        "session %llu (uid %u) may not %s sequence %llu: it belongs to "
                         "another session, and only uids in kvstashd's operator_uids act on "
                         "other sessions' sequences",
-                        (unsigned long long)caller->id, (unsigned)caller->uid,
+                        (unsigned long long)caller->id, (unsigned)caller->uid, what,
                         (unsigned long long)seq_id);
+    *out = rc == ST_OK ? q : NULL;
+    return rc;
+}
+
+static status_code export_take(store *st, const char *token, uint64_t seq_id, export_job *j,
+                               status *s)
+{
+    store_lock_seq(st, seq_id);
+    seq *q;
+    status_code rc = store_remote_seq_locked(st, token, seq_id, "export", &q, s);
     if (rc == ST_OK)
         rc = export_copy(st, q, j, s);
     store_unlock(st);
@@ -137,7 +146,7 @@ status_code store_seq_export(store *st, const char *token, uint64_t seq_id,
                              store_export_result *out, status *s)
 {
     memset(out, 0, sizeof *out);
-    if (need_remote(st, s) != ST_OK || remote_uid_new(out->uid, s) != ST_OK)
+    if (store_need_remote(st, s) != ST_OK || remote_uid_new(out->uid, s) != ST_OK)
         return s->code;
     export_job j = {0};
     migrate_values v = {0};
@@ -150,9 +159,9 @@ status_code store_seq_export(store *st, const char *token, uint64_t seq_id,
     j.bytes = NULL;
     /* The manifest last: a reader that finds it finds every value it names. */
     if (rc == ST_OK && v.n > 1)
-        rc = remote_write(st->remote, v.kv, v.n - 1, s);
+        rc = store_remote_write(st->remote, v.kv, v.n - 1, s);
     if (rc == ST_OK)
-        rc = remote_write(st->remote, v.kv + v.n - 1, 1, s);
+        rc = store_remote_write(st->remote, v.kv + v.n - 1, 1, s);
     if (rc == ST_OK) {
         for (size_t i = 0; i < v.n; i++)
             out->bytes += v.kv[i].len;
@@ -220,7 +229,7 @@ static status_code import_target_get(store *st, const char *token, uint64_t sess
                              .geom = se->pool->geom,
                              .quant_group = kv_lowbit_group(&se->pool->layout),
                              .block_bytes = se->pool->block_bytes};
-        snprintf(t->tenant, sizeof t->tenant, "%s", key_tenant(se->pool));
+        snprintf(t->tenant, sizeof t->tenant, "%s", store_remote_tenant(se->pool));
     }
     store_unlock(st);
     return rc;
@@ -236,7 +245,7 @@ static status_code import_fetch(store *st, const import_target *t, const char *u
         return s->code;
     const char *keys[1] = {key};
     remote_buf m = {0};
-    if (remote_read(st->remote, keys, 1, &m, s) != ST_OK)
+    if (store_remote_read(st->remote, keys, 1, &m, s) != ST_OK)
         return s->code;
     status_code rc = ST_OK;
     if (!m.found)
@@ -258,7 +267,8 @@ static status_code import_fetch(store *st, const import_target *t, const char *u
     if (vals == NULL || *bytes == NULL)
         rc = status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory for %zu blocks", nb);
     if (rc == ST_OK && plan->ndata > 0)
-        rc = remote_read(st->remote, (const char *const *)plan->data_keys, plan->ndata, vals, s);
+        rc = store_remote_read(st->remote, (const char *const *)plan->data_keys, plan->ndata, vals,
+                               s);
     for (size_t i = 0; rc == ST_OK && i < plan->ndata; i++) {
         if (!vals[i].found)
             rc = status_set(s, ST_DATA_LOSS,
@@ -352,7 +362,7 @@ status_code store_seq_import(store *st, const char *token, const char *uid, uint
                              store_import_result *out, status *s)
 {
     memset(out, 0, sizeof *out);
-    if (need_remote(st, s) != ST_OK)
+    if (store_need_remote(st, s) != ST_OK)
         return s->code;
     if (strlen(uid) != REMOTE_UID_LEN || strspn(uid, "0123456789abcdef") != REMOTE_UID_LEN)
         return status_set(s, ST_INVALID_ARGUMENT,

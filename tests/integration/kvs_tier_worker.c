@@ -21,7 +21,10 @@
  * written: no collisions). With --rounds N it then prints REVIVING and,
  * until N rounds are done or its stdin ends, appends one more token (a
  * step that demotes one) and revives and checks every layer again
- * (test_concurrent_workers runs it so beside workers that step). Then a
+ * (test_concurrent_workers runs it so beside workers that step); with
+ * --on-input each of those rounds waits for a line on stdin first, and
+ * prints ROUND N when its revives passed (test_remote_spill spills the
+ * victims between rounds). Then a
  * range revive, the release of the scratch, and a second release that
  * must fail.
  *
@@ -58,6 +61,7 @@ typedef struct opts {
     uint32_t rounds; /* --rounds: at most this many more appends and revives */
     int exact;
     const char *victims; /* evict, sketch or int8 */
+    int on_input;        /* --on-input: each round after the first waits for a line on stdin */
 } opts;
 
 typedef struct sketch {
@@ -307,11 +311,11 @@ static void check_range_and_release(kvs_session *s, uint64_t seq, uint32_t token
 
 static void parse(int argc, char **argv, opts *o)
 {
-    *o = (opts){NULL, "off", "off", 96, 4096, 16, 0, 0, "sketch"};
+    *o = (opts){NULL, "off", "off", 96, 4096, 16, 0, 0, "sketch", 0};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (strcmp(a, "--exact") == 0) {
-            o->exact = 1;
+        if (strcmp(a, "--exact") == 0 || strcmp(a, "--on-input") == 0) {
+            *(a[2] == 'e' ? &o->exact : &o->on_input) = 1;
             continue;
         }
         if (v == NULL)
@@ -376,9 +380,14 @@ static void append_checked(run *r, uint32_t p)
     kvs_table_free(&t);
 }
 
-/* Whether stdin has ended (never waits). */
-static int stdin_ended(void)
+/* Whether stdin has ended: never waits, or with --on-input waits for a
+ * line (a test that acts on the sequence between rounds). */
+static int stdin_ended(const opts *o)
 {
+    if (o->on_input) {
+        char line[64];
+        return fgets(line, sizeof line, stdin) == NULL;
+    }
     struct pollfd pf = {0, POLLIN, 0};
     char c;
     return poll(&pf, 1, 0) > 0 && ((pf.revents & POLLHUP) || read(0, &c, 1) <= 0);
@@ -396,13 +405,19 @@ static uint32_t revive_rounds(run *r, uint32_t counts[6])
     }
     for (uint32_t round = 0; round <= r->o->rounds; round++) {
         if (round > 0) {
-            if (stdin_ended())
+            if (stdin_ended(r->o))
                 break;
             append_checked(r, n++);
         }
+        uint32_t by[6] = {0};
         for (uint32_t l = 0; l < LAYERS; l++)
-            check_revive(r->s, r->seq, l, n, r->o, &r->sk[l], round == 0 ? counts : NULL,
-                         &r->worst);
+            check_revive(r->s, r->seq, l, n, r->o, &r->sk[l], round == 0 ? counts : by, &r->worst);
+        if (r->o->on_input) {
+            printf("ROUND %u seq=%" PRIu64 " int8=%u full=%u\n", round, r->seq,
+                   round ? by[KVS_TIER_INT8] : counts[KVS_TIER_INT8],
+                   round ? by[KVS_TIER_FULL] : counts[KVS_TIER_FULL]);
+            fflush(stdout);
+        }
     }
     return n;
 }

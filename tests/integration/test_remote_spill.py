@@ -1,0 +1,287 @@
+"""Spill and revive through the remote tier (issue 17; docs/remote.md
+"Spill and revive") against a real Redis Cluster.
+
+The test starts a 3-master Redis Cluster with a replica each on loopback
+ports (tests/remote/cluster.py) and kvstashd with --remote. The workers are
+kvs_tier_worker: a streaming sequence with victims=int8 (evicted tokens kept
+revivable in INT8 blocks) of seeded fp16 K/V; between rounds (--on-input)
+the test acts, then the worker appends a token and revives every layer,
+checking every position against what it wrote (INT8 within its bound).
+
+* Spill: `kvstash seq spill` moves the victim blocks to the cluster: the
+  pool gets exactly those blocks back, Stats counts the spilled victims and
+  bytes, the values live in one slot with the daemon's time to live; the
+  next round's Revive brings every victim back from the cluster (the
+  worker's checks pass, the remote tier read bytes). A spill with nothing
+  to spill spills nothing; export refuses a sequence with spilled victims;
+  when the sequence ends, its values are deleted.
+* Faults: a spilled value corrupted or deleted in the cluster makes the
+  Revive fail with DATA_LOSS (never wrong K/V) and the daemon serves on; a
+  full cluster (maxmemory) refuses the spill as RESOURCE_EXHAUSTED and
+  nothing changes (the victims revive from the pool); a slow cluster makes
+  the spill fail with DEADLINE_EXCEEDED, nothing changed; a master killed
+  after the spill is replaced by its replica and the Revive finds the
+  victims there; a daemon without --remote refuses.
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from kvstash_harness import Daemon, run_tests, wait_until
+from test_cli import fails, ok_json
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "remote"))
+import cluster  # noqa: E402  tests/remote/cluster.py
+
+TIER_WORKER = os.environ.get("KVSTASH_TIER_WORKER", "")
+CLUSTER_DIR = tempfile.mkdtemp(prefix="kvstash-redis.")
+NAMESPACE = f"s{os.getpid()}"
+PORTS = []
+
+
+def remote_args(extra=()):
+    seeds = ",".join(f"127.0.0.1:{p}" for p in PORTS[:2])
+    return ["--remote", seeds, "--remote-namespace", NAMESPACE, "--remote-probe-ms", "200",
+            "--remote-timeout-ms", "500", *extra]
+
+
+class TierWorker:
+    """kvs_tier_worker, one round per line written to its stdin."""
+
+    def __init__(self, daemon, rounds=4, tokens=200):
+        self.proc = subprocess.Popen(
+            [TIER_WORKER, "--socket", daemon.sock, "--victims", "int8", "--tokens", str(tokens),
+             "--window", "16", "--rounds", str(rounds), "--on-input"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines = []
+        self.cv = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.seq, self.int8 = self.wait_round(0)
+
+    def _read(self):
+        for line in self.proc.stdout:
+            with self.cv:
+                self.lines.append(line.strip())
+                self.cv.notify_all()
+        with self.cv:
+            self.lines.append(None)
+            self.cv.notify_all()
+
+    def wait_round(self, n, timeout=60):
+        """(seq, int8 victims and tokens revived) of ROUND n."""
+        want = f"ROUND {n} "
+        with self.cv:
+            ok = self.cv.wait_for(lambda: None in self.lines or
+                                  any(l and l.startswith(want) for l in self.lines), timeout)
+            line = next((l for l in self.lines if l and l.startswith(want)), None)
+        if line is None:
+            self.proc.wait(timeout=10)
+            raise AssertionError(f"kvs_tier_worker: no {want.strip()} (waited: {ok}), exit "
+                                 f"{self.proc.returncode}: {self.proc.stderr.read()[-2000:]}")
+        f = dict(kv.split("=") for kv in line.split()[2:])
+        return int(f["seq"]), int(f["int8"])
+
+    def step(self):
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def finish(self, code=0):
+        """Close stdin; the worker's exit code must be `code`. Returns stderr."""
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+        err = self.proc.stderr.read()
+        assert self.proc.returncode == code, \
+            f"kvs_tier_worker: exit {self.proc.returncode}, want {code}: {err[-2000:]}"
+        if code == 0:
+            with self.cv:
+                done = [l for l in self.lines if l and l.startswith("{\"ok\"")]
+            assert done and json.loads(done[-1])["ok"], self.lines[-3:]
+        return err
+
+
+def seq_stats(daemon, seq_id):
+    (q,) = [s for s in daemon.stats().sequences if s.seq_id == seq_id]
+    return q
+
+
+def blocks_free(daemon):
+    (p,) = daemon.stats().pools
+    return p.blocks_free, p.block_bytes
+
+
+def spill(ctx, seq_id, daemon=None):
+    return ok_json((daemon or ctx.daemon).sock, "seq", "spill", str(seq_id))
+
+
+def keys_of(uid):
+    found = []
+    for p in cluster.masters(CLUSTER_DIR):
+        found += [k.decode() if isinstance(k, bytes) else k
+                  for k in cluster.call(p, "KEYS", f"kvs:{NAMESPACE}:{{default:{uid}}}:*")]
+    return sorted(found)
+
+
+def owner_port(key):
+    return cluster.owner(CLUSTER_DIR, cluster.key_slot(key))
+
+
+# ---- checks ------------------------------------------------------------------
+
+
+def check_spill_frees_blocks_and_revive_fetches(ctx):
+    w = TierWorker(ctx.daemon)
+    assert w.int8 > 0, "round 0 revived no INT8 victim"
+    free0, block_bytes = blocks_free(ctx.daemon)
+    read0 = ctx.daemon.stats().remote.bytes_read
+    j = spill(ctx, w.seq)
+    blocks, tokens = int(j["blocks"]), int(j["tokens"])
+    assert blocks > 0 and tokens > 0 and int(j["values"]) == blocks, j
+    assert int(j["spilled_tokens"]) == tokens and int(j.get("dropped", 0)) == 0, j
+    assert j["key_prefix"] == f"kvs:{NAMESPACE}:{{default:{j['uid']}}}:", j
+    free1, _ = blocks_free(ctx.daemon)
+    assert free1 == free0 + blocks, (free0, free1, blocks)
+    q = seq_stats(ctx.daemon, w.seq)
+    assert q.spilled_tokens == tokens and q.spilled_bytes == blocks * block_bytes, q
+    keys = keys_of(j["uid"])
+    assert len(keys) == blocks and all(k.startswith(j["key_prefix"] + "v") for k in keys), keys
+    assert len({cluster.key_slot(k) for k in keys}) == 1, keys
+    ttl = cluster.call(owner_port(keys[0]), "TTL", keys[0])
+    assert 86000 < ttl <= 86400, ttl
+    # The next round revives every layer: the spilled victims come back from
+    # the cluster, and the worker checks each against what it wrote.
+    w.step()
+    _, int8 = w.wait_round(1)
+    assert int8 >= w.int8, (int8, w.int8)
+    assert ctx.daemon.stats().remote.bytes_read > read0
+    # Spilled victims stay where they are: spilling again moves only new
+    # victim blocks, and export cannot carry the sequence.
+    j2 = spill(ctx, w.seq)
+    assert j2["uid"] == j["uid"] and int(j2.get("spilled_tokens", 0)) >= tokens, j2
+    fails(ctx, 1, "spilled to the remote tier", "seq", "export", str(w.seq))
+    w.step()
+    w.wait_round(2)
+    w.finish()
+    # The sequence ended: its values are deleted after the next probe.
+    wait_until(lambda: keys_of(j["uid"]) == [], 20, "the ended sequence's values to go")
+
+
+def check_nothing_to_spill(ctx):
+    w = TierWorker(ctx.daemon, tokens=12)  # within the window: no victim yet
+    j = spill(ctx, w.seq)
+    assert int(j.get("blocks", 0)) == 0 and int(j.get("spilled_tokens", 0)) == 0, j
+    fails(ctx, 4, "no sequence 999999", "seq", "spill", "999999")
+    fails(ctx, 2, "seq spill", "seq", "spill", "not-a-number")
+    w.finish()
+
+
+def check_corrupt_or_missing_value_is_data_loss(ctx):
+    for how, needle in (("corrupt", "checksum"), ("missing", "is missing")):
+        w = TierWorker(ctx.daemon)
+        j = spill(ctx, w.seq)
+        key = keys_of(j["uid"])[0]
+        if how == "corrupt":
+            cluster.call(owner_port(key), "SETRANGE", key, "200", "X")  # a payload byte
+        else:
+            cluster.call(owner_port(key), "DEL", key)
+        w.step()
+        err = w.finish(code=2)
+        assert "remote tier" in err and needle in err, (needle, err)
+    assert ctx.daemon.stats().serving  # and the daemon serves on
+
+
+def check_full_cluster_refuses_the_spill(ctx):
+    w = TierWorker(ctx.daemon)
+    free0, _ = blocks_free(ctx.daemon)
+    cluster.set_maxmemory(CLUSTER_DIR, 1)
+    try:
+        fails(ctx, 1, "remote tier: RESOURCE_EXHAUSTED", "seq", "spill", str(w.seq))
+    finally:
+        cluster.set_maxmemory(CLUSTER_DIR, 0)
+    assert blocks_free(ctx.daemon)[0] == free0
+    assert seq_stats(ctx.daemon, w.seq).spilled_tokens == 0
+    w.step()
+    w.wait_round(1)  # the victims revive from the pool
+    assert int(spill(ctx, w.seq)["blocks"]) > 0
+    w.step()
+    w.wait_round(2)
+    w.finish()
+
+
+def check_slow_cluster_times_out(ctx):
+    w = TierWorker(ctx.daemon)
+    free0, _ = blocks_free(ctx.daemon)
+    # Longer than the probe that may hold the client when the spill comes
+    # (every master's timeout, then a refresh), and than the spill's own.
+    sleepers = [threading.Thread(target=cluster.call, args=(p, "DEBUG", "SLEEP", "6"),
+                                 kwargs={"timeout": 15})
+                for p in cluster.masters(CLUSTER_DIR)]
+    for t in sleepers:
+        t.start()
+    time.sleep(0.2)
+    try:
+        fails(ctx, 1, "remote tier: DEADLINE_EXCEEDED", "seq", "spill", str(w.seq))
+    finally:
+        for t in sleepers:
+            t.join()
+    assert blocks_free(ctx.daemon)[0] == free0
+    assert seq_stats(ctx.daemon, w.seq).spilled_tokens == 0
+    w.step()
+    w.wait_round(1)
+    w.finish()
+
+
+def check_killed_master_fails_over(ctx):
+    w = TierWorker(ctx.daemon)
+    j = spill(ctx, w.seq)
+    key = keys_of(j["uid"])[0]
+    cluster.sync_replicas(CLUSTER_DIR)
+    dead = owner_port(key)
+    cluster.kill(CLUSTER_DIR, dead)
+    cluster.wait_failover(CLUSTER_DIR, dead, timeout=30)
+    wait_until(lambda: ctx.daemon.stats().remote.healthy, 30, "the remote tier to be healthy")
+    w.step()
+    _, int8 = w.wait_round(1)  # from the promoted replica
+    assert int8 >= w.int8
+    w.finish()
+
+
+def check_without_remote_tier(ctx):
+    plain = Daemon(pool_mb=16).start()
+    try:
+        w = TierWorker(plain)
+        fails(plain.sock, 1, "runs without a remote tier", "seq", "spill", str(w.seq))
+        w.step()
+        w.wait_round(1)
+        w.finish()
+    finally:
+        plain.stop()
+
+
+def main():
+    global PORTS
+    try:
+        PORTS = cluster.start(CLUSTER_DIR, masters_n=3, replicas_n=1, owner_pid=os.getpid())
+    except Exception as e:  # noqa: BLE001 - a cluster that cannot start fails the test
+        print(f"FAIL cluster start: {e} (ops/setup.sh installs redis-server)")
+        print("test_remote_spill: 0 passed, 1 failed")
+        return 1
+    try:
+        return run_tests("test_remote_spill", [
+            check_spill_frees_blocks_and_revive_fetches,
+            check_nothing_to_spill,
+            check_corrupt_or_missing_value_is_data_loss,
+            check_full_cluster_refuses_the_spill,
+            check_slow_cluster_times_out,
+            check_killed_master_fails_over,
+            check_without_remote_tier,
+        ], daemon_kwargs={"pool_mb": 16, "extra_args": remote_args()})
+    finally:
+        cluster.stop(CLUSTER_DIR)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
