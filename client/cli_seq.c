@@ -234,12 +234,13 @@ static int cmd_spill(cli *c)
 {
     static const char help[] =
         "usage: kvstash seq spill ID [--json] [--socket PATH]\n"
-        "  Move sequence ID's victim blocks (victims=int8: the evicted tokens it keeps\n"
-        "  revivable) to kvstashd's remote tier (kvstashd --remote; docs/remote.md) and\n"
-        "  give their pool blocks back. Revive still brings the victims back, fetching\n"
-        "  them from the remote tier. A sequence without victim blocks spills nothing.\n"
-        "  --json: the SpillSequence reply (uid, blocks, tokens, bytes, dropped,\n"
-        "  spilled_tokens).\n";
+        "  Move the evicted tokens sequence ID keeps revivable to kvstashd's remote tier\n"
+        "  (kvstashd --remote; docs/remote.md): its victim blocks (victims=int8) go back\n"
+        "  to the pool, its victims-only count-sketches (victims=sketch) are freed (new\n"
+        "  victims start fresh ones). Revive still brings the victims back, fetching\n"
+        "  them from the remote tier. A sequence without such victims spills nothing.\n"
+        "  --json: the SpillSequence reply (uid, blocks, sketches, tokens, bytes,\n"
+        "  dropped, spilled_tokens).\n";
     const char *pos[1];
     int rc = cli_parse(c, NULL, 0, pos, 1, 1, NULL, help);
     if (rc != CLI_OK)
@@ -258,10 +259,10 @@ static int cmd_spill(cli *c)
     if (c->json)
         rc = cli_print_message(&r->base, 1);
     else
-        printf("spilled sequence %" PRIu64 ": %" PRIu64 " victims in %u blocks, %s in %u values "
-               "under %s, for %u s (%u dropped meanwhile); %" PRIu64
+        printf("spilled sequence %" PRIu64 ": %" PRIu64 " victims in %u blocks and %u sketches, "
+               "%s in %u values under %s, for %u s (%u changed meanwhile, kept); %" PRIu64
                " victims are in the remote tier\n",
-               id, r->tokens, r->blocks, cli_bytes(r->bytes, b1, sizeof b1), r->values,
+               id, r->tokens, r->blocks, r->sketches, cli_bytes(r->bytes, b1, sizeof b1), r->values,
                r->key_prefix, r->ttl_s, r->dropped, r->spilled_tokens);
     protobuf_c_message_free_unpacked(&r->base, NULL);
     return rc;

@@ -1474,10 +1474,15 @@ static status_code runs_at(json_t *a, const char *what, const migrate_plan *p, t
 
 /* ---- spilled victims --------------------------------------------------- */
 
+/* A spilled part's kind: sketch cells, or a block of tokens. */
+static uint8_t spill_kind(uint8_t tier)
+{
+    return tier == POLICY_SKETCH ? REMOTE_VALUE_SKETCH : REMOTE_VALUE_TOKENS;
+}
+
 status_code migrate_encode_spill(const pool_geometry *g, uint32_t quant_group,
-                                 const seq_spill_block *b, const uint8_t *block, size_t block_bytes,
-                                 const char *ns, const char *tenant, const char *uid,
-                                 remote_kv *out, status *st)
+                                 const seq_spill_block *b, const uint8_t *bytes, const char *ns,
+                                 const char *tenant, const char *uid, remote_kv *out, status *st)
 {
     *out = (remote_kv){0};
     char part[12], *key = malloc(REMOTE_KEY_CAP);
@@ -1488,15 +1493,15 @@ status_code migrate_encode_spill(const pool_geometry *g, uint32_t quant_group,
         free(key);
         return st->code;
     }
-    remote_value_header h = header_of(g, REMOTE_VALUE_TOKENS, b->tier, quant_group, b->layer,
-                                      b->head, (uint32_t)b->npositions, block_bytes);
+    remote_value_header h = header_of(g, spill_kind(b->tier), b->tier, quant_group, b->layer,
+                                      b->head, (uint32_t)b->npositions, b->bytes);
     size_t size = remote_value_size(&h);
     uint8_t *val = size == SIZE_MAX ? NULL : malloc(size);
     if (val == NULL) {
         free(key);
         return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory for a %zu-byte value", size);
     }
-    if (remote_value_encode(&h, b->positions, block, val, size, st) != ST_OK) {
+    if (remote_value_encode(&h, b->positions, bytes, val, size, st) != ST_OK) {
         free(val);
         free(key);
         return restate(st, ST_INVALID_ARGUMENT, part);
@@ -1507,22 +1512,22 @@ status_code migrate_encode_spill(const pool_geometry *g, uint32_t quant_group,
 
 status_code migrate_decode_spill(const void *buf, size_t len, const char *key,
                                  const pool_geometry *g, uint32_t quant_group,
-                                 const seq_remote_part *want, size_t block_bytes,
-                                 const uint8_t **payload, status *st)
+                                 const seq_remote_part *want, const uint8_t **payload, status *st)
 {
     remote_value_header h;
     const uint8_t *pos, *pl;
     if (remote_value_decode(buf, len, &h, &pos, &pl, st) != ST_OK ||
         remote_value_check_geometry(&h, g, quant_group, st) != ST_OK)
         return restate(st, ST_DATA_LOSS, key);
-    if (h.kind != REMOTE_VALUE_TOKENS || h.tier != want->tier || h.layer != want->layer ||
-        h.head != want->head || h.ntokens != want->npositions || h.payload_len != block_bytes)
+    if (h.kind != spill_kind(want->tier) || h.tier != want->tier || h.layer != want->layer ||
+        h.head != want->head || h.ntokens != want->npositions || h.payload_len != want->bytes)
         return status_set(st, ST_DATA_LOSS,
                           "%s: kind %u tier %s layer %u head %u, %u positions, %llu payload "
-                          "bytes; the sequence wants tokens, %s, %u, %u, %zu, %zu",
+                          "bytes; the sequence wants kind %u, %s, %u, %u, %zu, %zu",
                           key, h.kind, policy_tier_name(h.tier), h.layer, h.head, h.ntokens,
-                          (unsigned long long)h.payload_len, policy_tier_name(want->tier),
-                          want->layer, want->head, want->npositions, block_bytes);
+                          (unsigned long long)h.payload_len, spill_kind(want->tier),
+                          policy_tier_name(want->tier), want->layer, want->head, want->npositions,
+                          want->bytes);
     for (size_t k = 0; k < want->npositions; k++) {
         uint32_t got = remote_value_position(pos, k);
         if (got != want->positions[k])

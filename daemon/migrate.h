@@ -222,27 +222,28 @@ void migrate_plan_free(migrate_plan *p);
 /* ---- spilled victims --------------------------------------------------- */
 
 /*
- * A spilled victim block (seq.h "Spilling victims") is one value under key
- * part "v<part>" (seq_spill_key_part) of the sequence's remote uid: kind
- * REMOTE_VALUE_TOKENS, the block's tier, its list's layer and head, the
- * positions of the victims it holds (ascending), payload the pool block's
- * block_bytes bytes, raw. No manifest: the daemon that spilled it keeps
- * the rest (which victims are where) and is the only reader.
+ * A spilled victim block or sketch (seq.h "Spilling victims") is one value
+ * under key part "v<part>" (seq_spill_key_part) of the sequence's remote
+ * uid: kind REMOTE_VALUE_TOKENS with the block's tier, or
+ * REMOTE_VALUE_SKETCH; its list's layer and head; the positions of the
+ * victims it holds (ascending); payload the pool block's bytes, or the
+ * sketch's cells (tier.h tier_sketch_save), raw. No manifest: the daemon
+ * that spilled it keeps the rest (which victims are where, the sketch's
+ * geometry) and is its only reader.
  *
- * migrate_encode_spill builds b's value from its block's bytes (*out's key
+ * migrate_encode_spill builds b's value from its b->bytes bytes (*out's key
  * and value malloc'd, the caller's: free both). migrate_decode_spill checks
  * a fetched value buf[0..len) of `key` against the part the sequence
- * expects and points *payload at the block's bytes inside buf: DATA_LOSS
- * naming the key and what differs (a value that does not decode or fails
- * its checksum, another geometry, kind, tier, list, positions or size).
+ * expects and points *payload at its want->bytes bytes inside buf:
+ * DATA_LOSS naming the key and what differs (a value that does not decode
+ * or fails its checksum, another geometry, kind, tier, list, positions or
+ * size).
  */
 status_code migrate_encode_spill(const pool_geometry *g, uint32_t quant_group,
-                                 const seq_spill_block *b, const uint8_t *block, size_t block_bytes,
-                                 const char *ns, const char *tenant, const char *uid,
-                                 remote_kv *out, status *st);
+                                 const seq_spill_block *b, const uint8_t *bytes, const char *ns,
+                                 const char *tenant, const char *uid, remote_kv *out, status *st);
 status_code migrate_decode_spill(const void *buf, size_t len, const char *key,
                                  const pool_geometry *g, uint32_t quant_group,
-                                 const seq_remote_part *want, size_t block_bytes,
-                                 const uint8_t **payload, status *st);
+                                 const seq_remote_part *want, const uint8_t **payload, status *st);
 
 #endif

@@ -319,17 +319,19 @@ status_code seq_revive_finish(seq_revive_job *job, int fill_rc, seq_revived *out
  * the plan took. Between plan and fill, the caller fetches each part's value
  * (remote_value.h: kind TOKENS, `tier`, list (layer, head), the positions
  * below, payload one pool block) and hands its payload to
- * seq_revive_supply, which writes it into that block (-1: a backend error,
- * or len not one block). Parts not supplied leave fill's result undefined,
+ * seq_revive_supply, which writes it into that block, or into a sketch of
+ * the list's geometry for a spilled sketch (-1: a backend error, or len
+ * not the part's bytes). Parts not supplied leave fill's result undefined,
  * so a caller that cannot fetch one ends with seq_revive_finish(fill_rc
  * -1).
  */
 typedef struct seq_remote_part {
     uint32_t part; /* the key's part: "v<part>" (seq_spill_key_part) */
-    uint8_t tier;  /* of its slots */
+    uint8_t tier;  /* of its slots; POLICY_SKETCH: sketch cells */
     uint32_t layer, head;
     const uint32_t *positions; /* [npositions] the victims it holds, ascending */
     size_t npositions;
+    size_t bytes; /* its payload: one pool block, or the list's sketch cells */
 } seq_remote_part;
 size_t seq_revive_remote(const seq_revive_job *job, const seq_remote_part **parts);
 int seq_revive_supply(seq_revive_job *job, size_t i, const uint8_t *payload, size_t len);
@@ -338,36 +340,43 @@ seq *seq_revive_seq(const seq_revive_job *job);
 
 /*
  * Spilling victims to the remote tier (issue 17; docs/remote.md "Spill and
- * revive"). victims=int8 keeps victims in whole INT8 blocks that are
- * written once and never in a table; such blocks can leave the pool: the
+ * revive"). Victims are kept out of the lists, never in a table:
+ * victims=int8 keeps them in whole INT8 blocks written once, victims=sketch
+ * in the list's count-sketch. Both can leave for the remote tier: the
  * victims stay offloaded (Revive brings them back, seq_revive_remote), but
- * their bytes live in the remote tier under part "v<part>" of the
- * sequence's remote uid. In three steps, like an export: seq_spill_plan
- * (lock held) names every victim block with a fresh part number;
- * the caller copies the blocks (pool_read_blocks), writes the values
- * without the lock, then seq_spill_commit (lock held) frees each planned
- * block whose victims are still the plan's (memory pressure may have
- * dropped one meanwhile: seq_drop_victim_blocks) and marks its victims
- * remote. A spilled victim's tier_token keeps its tier and slot; its block
- * is SEQ_REMOTE_BLOCK | part.
+ * their bytes live there under part "v<part>" of the sequence's remote
+ * uid: a victim block, or a list's sketch cells (only a list whose sketch
+ * holds victims alone: a sketch the policy reads on its steps stays). A
+ * spilled sketch is frozen there; the list's next victims go into a fresh
+ * sketch, and a victim is read back from the sketch it went into. In
+ * three steps, like an export: seq_spill_plan (lock held) names every
+ * victim block and such sketch with a fresh part number; seq_spill_read
+ * copies them into host memory (with nothing changing s, the lock may be
+ * let go); the caller writes the values without the lock, then
+ * seq_spill_commit (lock held) frees each planned block or sketch whose
+ * victims are still the plan's (memory pressure may have dropped a block
+ * meanwhile: seq_drop_victim_blocks; a step may have added victims to a
+ * sketch) and marks its victims remote. A spilled victim's tier_token
+ * keeps its tier and slot; its block is SEQ_REMOTE_BLOCK | part.
  */
 #define SEQ_REMOTE_BLOCK 0x80000000u
 #define SEQ_REMOTE_UID_CAP 33 /* remote_value.h REMOTE_UID_LEN + 1 */
 
 typedef struct seq_spill_block {
     uint32_t layer, head;
-    uint32_t block; /* the pool block */
-    uint8_t tier;
+    uint32_t block; /* the pool block; TIER_NO_BLOCK for a sketch */
+    uint8_t tier;   /* of its slots; POLICY_SKETCH: the list's sketch cells */
     uint32_t part;
     uint32_t *positions; /* [npositions] its victims, ascending */
     size_t npositions;
-    int committed; /* set by seq_spill_commit: the block left the pool */
+    size_t offset, bytes; /* its bytes in seq_spill_read's host copy */
+    int committed;        /* set by seq_spill_commit: the block or cells left */
 } seq_spill_block;
 
 typedef struct seq_spill {
     seq_spill_block *blocks;
     size_t n;
-    uint32_t *ids; /* [n] blocks[i].block, as pool_read_blocks takes them */
+    size_t bytes; /* of seq_spill_read's host copy */
 } seq_spill;
 
 /* The remote uid of s's spilled parts ("" before the first spill); the
@@ -376,16 +385,21 @@ const char *seq_remote_uid(const seq *s);
 void seq_set_remote_uid(seq *s, const char *uid);
 /* Parts ever planned: keys "v0" .. "v<n-1>" may exist. */
 uint32_t seq_spill_parts(const seq *s);
-/* Victims and blocks now in the remote tier. */
+/* Victims now in the remote tier, the pool blocks they left, and the
+ * bytes of their parts there (blocks and sketch cells). */
 uint64_t seq_spilled_tokens(const seq *s);
 uint64_t seq_spilled_blocks(const seq *s);
+uint64_t seq_spilled_bytes(const seq *s);
 /* Part number p's key part, "v<p>", into out (room for 12). */
 void seq_spill_key_part(uint32_t part, char out[12]);
 
-/* Plan a spill of every victim block of s (*out zeroed first; n 0 when
- * there is none). RESOURCE_EXHAUSTED when out of memory; FAILED_PRECONDITION
+/* Plan a spill of every victim block and victims-only sketch of s (*out
+ * zeroed first; n 0 when there is none). RESOURCE_EXHAUSTED when out of memory; FAILED_PRECONDITION
  * when the part numbers ran out. */
 status_code seq_spill_plan(seq *s, seq_spill *out, status *st);
+/* Copy the plan's blocks and sketches into host[0..p->bytes). 0, or -1 (a
+ * backend error). */
+int seq_spill_read(seq *s, const seq_spill *p, uint8_t *host);
 /* Free the planned blocks whose victims are still the plan's; sets their
  * `committed`. Needs no memory and cannot fail. */
 void seq_spill_commit(seq *s, seq_spill *p);

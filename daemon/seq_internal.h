@@ -37,11 +37,17 @@ typedef struct seq_list {
 } seq_list;
 
 /* Whether a victim is stored in the remote tier (seq.h SEQ_REMOTE_BLOCK:
- * its block names a spilled part, not a pool block). */
+ * its block names a spilled part, not a pool block; a sketch victim's is
+ * TIER_NO_BLOCK while it is in the list's sketch). */
 static inline int tier_token_remote(const tier_token *t)
 {
-    return t->tier != POLICY_SKETCH && t->block != TIER_NO_BLOCK &&
-           (t->block & SEQ_REMOTE_BLOCK) != 0;
+    return t->block != TIER_NO_BLOCK && (t->block & SEQ_REMOTE_BLOCK) != 0;
+}
+
+/* Whether a victim is in the list's own sketch (not a spilled one). */
+static inline int tier_token_local_sketch(const tier_token *t)
+{
+    return t->tier == POLICY_SKETCH && t->block == TIER_NO_BLOCK;
 }
 
 typedef struct seq_saved_list seq_saved_list;
@@ -96,7 +102,7 @@ typedef struct seq {
      * some never written), the victims now stored there. */
     char remote_uid[SEQ_REMOTE_UID_CAP];
     uint32_t spill_parts;
-    uint64_t spilled_tokens, spilled_blocks;
+    uint64_t spilled_tokens, spilled_blocks, spilled_bytes;
 } seq;
 
 static inline size_t seq_nlists(const seq *s)

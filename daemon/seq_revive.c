@@ -49,22 +49,29 @@ static size_t revive_select(const seq_list *ly, const uint32_t *pos, const tier_
     return m;
 }
 
+/* Where a revived token is read from: pool blocks (-2), the list's sketch
+ * (-1), or spilled sketch i that the job fetched (i; plan_remote). */
+static int64_t revive_source(const tier_token *t)
+{
+    if (t->tier != POLICY_SKETCH)
+        return -2;
+    return t->block == TIER_NO_BLOCK ? -1 : (int64_t)t->block;
+}
+
 /* Write the revived tokens into dst: FULL / INT8 tokens read back, sketch
- * tokens queried. */
-static int revive_fill(seq *s, seq_list *ly, const tier_token *src, const uint32_t *at, size_t m,
-                       const tier_token *dst)
+ * tokens queried (from the list's sketch, or a spilled one, sk[i]). */
+static int revive_fill(seq *s, seq_list *ly, tier_sketch *sk, const tier_token *src,
+                       const uint32_t *at, size_t m, const tier_token *dst)
 {
     for (size_t a = 0; a < m;) {
-        int sketch = src[a].tier == POLICY_SKETCH;
+        int64_t from = revive_source(&src[a]);
         size_t b = a;
-        while (b < m && (src[b].tier == POLICY_SKETCH) == sketch)
+        while (b < m && revive_source(&src[b]) == from)
             b++;
-        if (sketch) {
-            if (tier_sketch_read(&ly->sketch, &s->tier, s->pool->base, at + a, b - a, dst + a, 0))
-                return -1;
-        } else if (tier_copy(&s->tier, src + a, b - a, dst + a) != 0) {
+        if (from == -2 ? tier_copy(&s->tier, src + a, b - a, dst + a) != 0
+                       : tier_sketch_read(from == -1 ? &ly->sketch : &sk[from], &s->tier,
+                                          s->pool->base, at + a, b - a, dst + a, 0) != 0)
             return -1;
-        }
         a = b;
     }
     return 0;
@@ -79,18 +86,31 @@ struct seq_revive_job {
     tier_token *src, *dst;
     seq_revived out;
     /* Spilled victims to fetch (seq_revive_remote): part i is read into
-     * pool block stage[i], which the job owns and finish frees. */
+     * pool block stage[i] (TIER_NO_BLOCK for a sketch), or into sketch
+     * stage_sk[i]; the job owns both, finish frees them. */
     seq_remote_part *remote;
     uint32_t *stage;
+    tier_sketch *stage_sk;
     uint32_t **remote_pos;
     size_t nremote;
 };
+
+/* Give back what the job staged spilled parts in. */
+static void job_unstage(seq_revive_job *j)
+{
+    for (size_t i = j->nremote; i-- > 0;) {
+        if (j->stage[i] != TIER_NO_BLOCK)
+            pool_free_block(j->s->pool, j->stage[i]);
+        j->stage[i] = TIER_NO_BLOCK;
+        tier_sketch_free(&j->stage_sk[i]);
+    }
+}
 
 static void job_free(seq_revive_job *j)
 {
     for (size_t i = 0; i < j->nremote; i++)
         free(j->remote_pos[i]);
-    free(j->remote), free(j->stage), free(j->remote_pos);
+    free(j->remote), free(j->stage), free(j->stage_sk), free(j->remote_pos);
     free(j->src);
     free(j->dst);
     free(j->out.segs), free(j->out.positions), free(j->out.src_tier), free(j->out.blocks);
@@ -159,9 +179,42 @@ static size_t remote_parts(const tier_token *src, size_t m, uint32_t *parts)
     return np;
 }
 
-/* The spilled parts j's tokens need: each gets a staging block (beyond the
- * `need` scratch blocks) and the positions its value must carry; the
- * tokens then read from the staging blocks as from any INT8 block. */
+/* Spilled sketches one Revive may stage at once (each as large as the
+ * list's sketch): a wider range asks for a narrower one. */
+#define REVIVE_MAX_SKETCHES 4
+
+/* Part i's description: its tier, the positions its value must carry, its
+ * payload's size. 0, or -1 out of memory. */
+static int describe_part(seq_revive_job *j, size_t i, uint32_t part, const seq_revive_request *req)
+{
+    const seq_list *ly = j->ly;
+    uint32_t ref = SEQ_REMOTE_BLOCK | part, *pos;
+    if ((pos = j->remote_pos[i] = malloc((ly->noffloaded ? ly->noffloaded : 1) * sizeof *pos)) ==
+        NULL)
+        return -1;
+    seq_remote_part *rp = &j->remote[i];
+    *rp = (seq_remote_part){part, POLICY_INT8, req->layer, req->head, pos, 0, 0};
+    for (size_t v = 0; v < ly->noffloaded; v++)
+        if (ly->offloaded_at[v].block == ref) {
+            rp->tier = ly->offloaded_at[v].tier;
+            pos[rp->npositions++] = ly->offloaded[v];
+        }
+    rp->bytes = j->s->pool->block_bytes;
+    if (rp->tier == POLICY_SKETCH) {
+        policy_sketch_geometry g;
+        policy_host_sketch_geometry(j->s->host, req->layer, &g);
+        if (tier_sketch_init(&j->stage_sk[i], &j->s->tier, &g) != 0)
+            return -1;
+        rp->bytes = tier_sketch_bytes(&j->stage_sk[i]);
+    }
+    return 0;
+}
+
+/* The spilled parts j's tokens need: a victim block gets a staging block
+ * (beyond the `need` scratch blocks), a sketch a staging sketch of the
+ * list's geometry; each part's value must carry its positions. The tokens
+ * then read from the staging block as from any INT8 block, or from the
+ * staging sketch (revive_source). */
 static status_code plan_remote(seq_revive_job *j, const seq_revive_request *req, size_t m,
                                uint32_t need, status *st)
 {
@@ -169,47 +222,42 @@ static status_code plan_remote(seq_revive_job *j, const seq_revive_request *req,
     uint32_t *parts = malloc((m ? m : 1) * sizeof *parts);
     if (parts == NULL)
         return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
-    size_t np = remote_parts(j->src, m, parts);
-    if (np == 0) {
-        free(parts);
-        return ST_OK;
-    }
-    if (np > s->pool->nfree) { /* the scratch blocks are taken */
-        free(parts);
-        return status_set(st, ST_RESOURCE_EXHAUSTED,
-                          "reviving %zu tokens needs %u free blocks and %zu more to read "
-                          "spilled victims into; pool '%s' has %u",
-                          m, need, np, s->pool->model, s->pool->nfree);
-    }
-    j->remote = calloc(np, sizeof *j->remote);
-    j->stage = calloc(np, sizeof *j->stage);
-    j->remote_pos = calloc(np, sizeof *j->remote_pos);
-    int ok = j->remote != NULL && j->stage != NULL && j->remote_pos != NULL;
-    const seq_list *ly = j->ly;
+    size_t np = remote_parts(j->src, m, parts), nblocks = 0, nsketches = 0;
+    j->remote = calloc(np ? np : 1, sizeof *j->remote);
+    j->stage = malloc((np ? np : 1) * sizeof *j->stage);
+    j->stage_sk = calloc(np ? np : 1, sizeof *j->stage_sk);
+    j->remote_pos = calloc(np ? np : 1, sizeof *j->remote_pos);
+    int ok = j->remote != NULL && j->stage != NULL && j->stage_sk != NULL && j->remote_pos != NULL;
+    for (size_t i = 0; ok && i < np; i++)
+        j->stage[i] = TIER_NO_BLOCK;
+    j->nremote = ok ? np : 0;
     for (size_t i = 0; ok && i < np; i++) {
-        uint32_t ref = SEQ_REMOTE_BLOCK | parts[i], *pos;
-        ok = (pos = j->remote_pos[i] = malloc(ly->noffloaded * sizeof *pos)) != NULL;
-        seq_remote_part *rp = &j->remote[i];
-        *rp = (seq_remote_part){parts[i], POLICY_INT8, req->layer, req->head, pos, 0};
-        for (size_t v = 0; ok && v < ly->noffloaded; v++)
-            if (tier_token_remote(&ly->offloaded_at[v]) && ly->offloaded_at[v].block == ref) {
-                rp->tier = ly->offloaded_at[v].tier;
-                pos[rp->npositions++] = ly->offloaded[v];
-            }
+        ok = describe_part(j, i, parts[i], req) == 0;
+        nsketches += j->remote[i].tier == POLICY_SKETCH;
     }
-    if (!ok) {
-        free(parts);
-        return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
-    }
-    j->nremote = np;
-    for (size_t i = 0; i < np; i++)
-        pool_alloc_block(s->pool, &j->stage[i]); /* counted above */
-    for (size_t t = 0; t < m; t++)
+    nblocks = np - nsketches;
+    status_code rc = ok ? ST_OK : status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
+    if (rc == ST_OK && nsketches > REVIVE_MAX_SKETCHES)
+        rc = status_set(st, ST_RESOURCE_EXHAUSTED,
+                        "positions %u.. of layer %u lie in %zu spilled sketches; a Revive reads "
+                        "at most %d at once: ask for fewer positions (first, count)",
+                        req->first, req->layer, nsketches, REVIVE_MAX_SKETCHES);
+    if (rc == ST_OK && nblocks > s->pool->nfree) /* the scratch blocks are taken */
+        rc = status_set(st, ST_RESOURCE_EXHAUSTED,
+                        "reviving %zu tokens needs %u free blocks and %zu more to read "
+                        "spilled victims into; pool '%s' has %u",
+                        m, need, nblocks, s->pool->model, s->pool->nfree);
+    for (size_t i = 0; rc == ST_OK && i < np; i++)
+        if (j->remote[i].tier != POLICY_SKETCH)
+            pool_alloc_block(s->pool, &j->stage[i]); /* counted above */
+    for (size_t t = 0; rc == ST_OK && t < m; t++)
         for (size_t i = 0; tier_token_remote(&j->src[t]) && i < np; i++)
             if ((j->src[t].block & ~SEQ_REMOTE_BLOCK) == parts[i])
-                j->src[t].block = j->stage[i];
+                j->src[t].block = j->remote[i].tier == POLICY_SKETCH ? (uint32_t)i : j->stage[i];
     free(parts);
-    return ST_OK;
+    if (rc != ST_OK)
+        job_unstage(j);
+    return rc;
 }
 
 status_code seq_revive_plan(seq *s, const seq_revive_request *req, seq_revive_job **out, status *st)
@@ -277,8 +325,10 @@ size_t seq_revive_remote(const seq_revive_job *j, const seq_remote_part **parts)
 
 int seq_revive_supply(seq_revive_job *j, size_t i, const uint8_t *payload, size_t len)
 {
-    if (i >= j->nremote || len != j->s->pool->block_bytes)
+    if (i >= j->nremote || len != j->remote[i].bytes)
         return -1;
+    if (j->remote[i].tier == POLICY_SKETCH)
+        return tier_sketch_load(&j->stage_sk[i], payload);
     return pool_write_blocks(j->s->pool, &j->stage[i], 1, payload);
 }
 
@@ -289,14 +339,13 @@ seq *seq_revive_seq(const seq_revive_job *j)
 
 int seq_revive_fill(seq_revive_job *j)
 {
-    return revive_fill(j->s, j->ly, j->src, j->out.positions, j->out.ntokens, j->dst);
+    return revive_fill(j->s, j->ly, j->stage_sk, j->src, j->out.positions, j->out.ntokens, j->dst);
 }
 
 status_code seq_revive_finish(seq_revive_job *j, int fill_rc, seq_revived *out, status *st)
 {
     memset(out, 0, sizeof *out);
-    for (size_t i = j->nremote; i-- > 0;)
-        pool_free_block(j->s->pool, j->stage[i]);
+    job_unstage(j);
     if (fill_rc != 0) {
         /* Pushed back in reverse, the blocks lie on the free stack as before
          * the plan took them, unless the pool moved meanwhile. */

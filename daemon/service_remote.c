@@ -71,6 +71,7 @@ status_code service_spill_sequence(void *app, const char *token, const ProtobufC
     out.spilled_tokens = r.spilled_tokens;
     out.spilled_blocks = r.spilled_blocks;
     out.key_prefix = r.key_prefix;
+    out.sketches = r.sketches;
     *resp = pbgrpc_pack(&out.base);
     return ST_OK;
 }

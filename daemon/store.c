@@ -120,7 +120,7 @@ void store_seq_snapshot(seq *q, snapshot_seq *out)
     out->bytes = (uint64_t)out->blocks * seq_pool(q)->block_bytes;
     out->sketch_reserved = seq_sketch_reserved(q);
     out->spilled_tokens = seq_spilled_tokens(q);
-    out->spilled_bytes = seq_spilled_blocks(q) * seq_pool(q)->block_bytes;
+    out->spilled_bytes = seq_spilled_bytes(q);
     snprintf(out->label, sizeof out->label, "%s", seq_label(q));
     seq_tier_usage(q, out->tier_tokens, out->tier_bytes);
 }

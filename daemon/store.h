@@ -161,14 +161,16 @@ status_code store_seq_import(store *st, const char *token, const char *uid, uint
 
 /*
  * Spill (issue 17; docs/remote.md "Spill and revive"): move sequence
- * seq_id's victim blocks (victims=int8: the victims kept revivable, never
- * in a table) to the remote tier and give their pool blocks back. Its own
- * sequence, or any with an operator's uid. The blocks are copied with the
+ * seq_id's revivable victims (seq.h "Spilling victims": victim blocks of
+ * victims=int8, victims-only sketches of victims=sketch) to the remote
+ * tier and give their pool blocks and sketch cells back. Its own
+ * sequence, or any with an operator's uid. They are copied with the
  * sequence marked moving, written without the lock, then freed: a block
- * that memory pressure dropped meanwhile is not, and its value is deleted.
- * The victims stay revivable: store_revive fetches them back (without the
- * lock), DATA_LOSS when their value is missing or corrupt. A sequence
- * without victim blocks spills nothing (OK, zero blocks). Errors: those of
+ * that memory pressure dropped meanwhile, or a sketch a step added to, is
+ * not, and its value is deleted. The victims stay revivable: store_revive
+ * fetches them back (without the lock), DATA_LOSS when their value is
+ * missing or corrupt. A sequence without such victims spills nothing (OK,
+ * zero blocks). Errors: those of
  * export's lookup, FAILED_PRECONDITION without a remote tier, the remote
  * tier's (remote_store.h), RESOURCE_EXHAUSTED when out of memory.
  */
@@ -177,7 +179,8 @@ typedef struct store_spill_result {
     char key_prefix[REMOTE_KEY_CAP];
     uint64_t bytes, tokens;         /* this call's values' bytes, the victims they hold */
     uint32_t blocks, values, ttl_s; /* pool blocks freed, values written */
-    uint32_t dropped;               /* blocks memory pressure dropped before the spill ended */
+    uint32_t sketches;              /* lists' sketches freed */
+    uint32_t dropped;               /* blocks dropped, sketches changed, before the spill ended */
     uint64_t spilled_tokens;        /* the sequence's victims now in the remote tier */
     uint64_t spilled_blocks;
 } store_spill_result;

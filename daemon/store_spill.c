@@ -21,14 +21,13 @@ typedef struct spill_job {
     seq_spill plan;
     pool_geometry geom;
     uint32_t quant_group;
-    size_t block_bytes;
-    uint8_t *bytes; /* plan.n blocks */
+    uint8_t *bytes; /* plan.bytes: the blocks and sketches (seq_spill_read) */
     char tenant[65], uid[REMOTE_UID_LEN + 1];
 } spill_job;
 
-/* Lock held (store_lock_seq): plan q's spill and copy its blocks, without
- * the lock when the sequence may be marked moving (victim blocks are
- * written once: the copy is what the commit frees). */
+/* Lock held (store_lock_seq): plan q's spill and copy its blocks and
+ * sketches, without the lock when the sequence may be marked moving (the
+ * commit frees only what did not change since). */
 static status_code spill_copy(store *st, seq *q, spill_job *j, status *s)
 {
     if (seq_remote_uid(q)[0] == '\0') {
@@ -43,17 +42,15 @@ static status_code spill_copy(store *st, seq *q, spill_job *j, status *s)
     pool *p = seq_pool(q);
     j->geom = p->geom;
     j->quant_group = seq_quant_group(q);
-    j->block_bytes = p->block_bytes;
     snprintf(j->tenant, sizeof j->tenant, "%s", store_remote_tenant(p));
-    if (j->plan.n > SIZE_MAX / j->block_bytes ||
-        (j->bytes = malloc(j->plan.n * j->block_bytes)) == NULL)
-        return status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory for %zu blocks of %zu bytes",
-                          j->plan.n, j->block_bytes);
+    if ((j->bytes = malloc(j->plan.bytes)) == NULL)
+        return status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory for %zu bytes of victims",
+                          j->plan.bytes);
     uint64_t id = seq_id_of(q);
     int unlocked = store_move_begin(st, id);
     if (unlocked)
         store_unlock(st);
-    int rc = pool_read_blocks(p, j->plan.ids, j->plan.n, j->bytes);
+    int rc = seq_spill_read(q, &j->plan, j->bytes);
     if (unlocked) {
         pthread_mutex_lock(&st->lock);
         store_move_end(st, id);
@@ -81,8 +78,8 @@ static status_code spill_encode(store *st, const spill_job *j, remote_kv **kv, s
     const char *ns = remote_tier_namespace(st->remote);
     for (size_t i = 0; i < j->plan.n; i++)
         if (migrate_encode_spill(&j->geom, j->quant_group, &j->plan.blocks[i],
-                                 j->bytes + i * j->block_bytes, j->block_bytes, ns, j->tenant,
-                                 j->uid, &(*kv)[i], s) != ST_OK)
+                                 j->bytes + j->plan.blocks[i].offset, ns, j->tenant, j->uid,
+                                 &(*kv)[i], s) != ST_OK)
             return s->code;
     return ST_OK;
 }
@@ -103,7 +100,10 @@ static void spill_commit(store *st, uint64_t seq_id, spill_job *j, const remote_
             remote_tier_forget(st->remote, &kv[i].key, 1);
             continue;
         }
-        out->blocks++;
+        if (b->block == TIER_NO_BLOCK)
+            out->sketches++;
+        else
+            out->blocks++;
         out->values++;
         out->tokens += b->npositions;
         out->bytes += kv[i].len;
@@ -146,9 +146,10 @@ status_code store_seq_spill(store *st, const char *token, uint64_t seq_id, store
                  "kvs:%s:{%s:%s}:", remote_tier_namespace(st->remote), j.tenant, j.uid);
         out->ttl_s = remote_tier_ttl(st->remote);
         log_info("seq_spilled",
-                 "seq=%llu uid=%s blocks=%u tokens=%llu bytes=%llu dropped=%u spilled_tokens=%llu",
-                 (unsigned long long)seq_id, j.uid, out->blocks, (unsigned long long)out->tokens,
-                 (unsigned long long)out->bytes, out->dropped,
+                 "seq=%llu uid=%s blocks=%u sketches=%u tokens=%llu bytes=%llu dropped=%u "
+                 "spilled_tokens=%llu",
+                 (unsigned long long)seq_id, j.uid, out->blocks, out->sketches,
+                 (unsigned long long)out->tokens, (unsigned long long)out->bytes, out->dropped,
                  (unsigned long long)out->spilled_tokens);
     }
     kv_free(kv, j.plan.n);
@@ -221,10 +222,9 @@ status_code store_revive_fetch(store *st, seq_revive_job *job, status *s)
                             "deleted): %zu spilled victims of layer %u are lost",
                             keys[i], parts[i].npositions, parts[i].layer);
         else if (migrate_decode_spill(bufs[i].data, bufs[i].len, keys[i], &p->geom,
-                                      seq_quant_group(q), &parts[i], p->block_bytes, &payload,
-                                      s) != ST_OK)
+                                      seq_quant_group(q), &parts[i], &payload, s) != ST_OK)
             rc = remote_data_loss(s);
-        else if (seq_revive_supply(job, i, payload, p->block_bytes) != 0)
+        else if (seq_revive_supply(job, i, payload, parts[i].bytes) != 0)
             rc = status_set(s, ST_INTERNAL, "writing spilled victims into the pool failed");
     }
     if (bufs != NULL)

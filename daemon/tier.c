@@ -461,3 +461,30 @@ int tier_sketch_error(const tier_sketch *s, const tier_ctx *c, const uint32_t *p
     free(h);
     return rc;
 }
+
+/* The three arrays one after another, as tier_sketch_bytes counts them:
+ * saved into `out`, or loaded from `in` (the other NULL). */
+static int sketch_copy(const tier_sketch *s, uint8_t *out, const uint8_t *in)
+{
+    size_t cells = (size_t)s->sk.rows * s->sk.buckets, fl = cells * s->sk.dim * sizeof(float);
+    void *dev[3] = {s->sk.key, s->sk.value, s->sk.count};
+    size_t len[3] = {fl, fl, cells * sizeof(int32_t)}, off = 0;
+    for (int i = 0; i < 3; i++) {
+        int rc = out != NULL ? s->ops->copy(KV_DEVICE_TO_HOST, out + off, dev[i], len[i])
+                             : s->ops->copy(KV_HOST_TO_DEVICE, dev[i], in + off, len[i]);
+        if (rc != 0)
+            return -1;
+        off += len[i];
+    }
+    return 0;
+}
+
+int tier_sketch_save(const tier_sketch *s, uint8_t *host)
+{
+    return s->sk.key == NULL ? -1 : sketch_copy(s, host, NULL);
+}
+
+int tier_sketch_load(tier_sketch *s, const uint8_t *host)
+{
+    return s->sk.key == NULL ? -1 : sketch_copy(s, NULL, host);
+}

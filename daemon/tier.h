@@ -134,6 +134,13 @@ int tier_sketch_read(tier_sketch *s, const tier_ctx *c, uint8_t *base, const uin
 int tier_sketch_error(const tier_sketch *s, const tier_ctx *c, const uint32_t *pos, size_t n,
                       const uint8_t *k, const uint8_t *v, double *rel);
 
+/* The cells as bytes (key floats, value floats, counts: tier_sketch_bytes
+ * of them, the device's byte order) into host memory, and back into an
+ * allocated sketch of the same geometry: the remote tier's value of a
+ * spilled sketch (seq.h "Spilling victims"). Return 0 or -1. */
+int tier_sketch_save(const tier_sketch *s, uint8_t *host);
+int tier_sketch_load(tier_sketch *s, const uint8_t *host);
+
 /* Delete the estimates of the tokens at pos (dropping them for good). */
 int tier_sketch_delete(tier_sketch *s, const uint32_t *pos, size_t n);
 

@@ -413,9 +413,9 @@ static uint32_t revive_rounds(run *r, uint32_t counts[6])
         for (uint32_t l = 0; l < LAYERS; l++)
             check_revive(r->s, r->seq, l, n, r->o, &r->sk[l], round == 0 ? counts : by, &r->worst);
         if (r->o->on_input) {
-            printf("ROUND %u seq=%" PRIu64 " int8=%u full=%u\n", round, r->seq,
-                   round ? by[KVS_TIER_INT8] : counts[KVS_TIER_INT8],
-                   round ? by[KVS_TIER_FULL] : counts[KVS_TIER_FULL]);
+            const uint32_t *c = round ? by : counts;
+            printf("ROUND %u seq=%" PRIu64 " int8=%u sketch=%u full=%u\n", round, r->seq,
+                   c[KVS_TIER_INT8], c[KVS_TIER_SKETCH], c[KVS_TIER_FULL]);
             fflush(stdout);
         }
     }

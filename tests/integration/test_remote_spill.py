@@ -8,6 +8,11 @@ revivable in INT8 blocks) of seeded fp16 K/V; between rounds (--on-input)
 the test acts, then the worker appends a token and revives every layer,
 checking every position against what it wrote (INT8 within its bound).
 
+* Sketches: with victims=sketch the spill moves each layer's count-sketch
+  (victims only) to the cluster and frees it; new victims start fresh
+  sketches, which a second spill takes too; every Revive reads each victim
+  from the sketch it went into, and the worker checks the estimates (with
+  --exact, equal to what it wrote).
 * Spill: `kvstash seq spill` moves the victim blocks to the cluster: the
   pool gets exactly those blocks back, Stats counts the spilled victims and
   bytes, the values live in one slot with the daemon's time to live; the
@@ -52,15 +57,16 @@ def remote_args(extra=()):
 class TierWorker:
     """kvs_tier_worker, one round per line written to its stdin."""
 
-    def __init__(self, daemon, rounds=4, tokens=200):
+    def __init__(self, daemon, rounds=4, tokens=200, victims="int8"):
+        exact = ["--exact"] if victims == "sketch" else []
         self.proc = subprocess.Popen(
-            [TIER_WORKER, "--socket", daemon.sock, "--victims", "int8", "--tokens", str(tokens),
-             "--window", "16", "--rounds", str(rounds), "--on-input"],
+            [TIER_WORKER, "--socket", daemon.sock, "--victims", victims, "--tokens", str(tokens),
+             "--window", "16", "--rounds", str(rounds), "--on-input", *exact],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.lines = []
         self.cv = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
-        self.seq, self.int8 = self.wait_round(0)
+        self.seq, self.int8, self.sketch = self.wait_round(0)
 
     def _read(self):
         for line in self.proc.stdout:
@@ -72,7 +78,7 @@ class TierWorker:
             self.cv.notify_all()
 
     def wait_round(self, n, timeout=60):
-        """(seq, int8 victims and tokens revived) of ROUND n."""
+        """(seq, tokens revived from INT8, from a sketch) of ROUND n."""
         want = f"ROUND {n} "
         with self.cv:
             ok = self.cv.wait_for(lambda: None in self.lines or
@@ -83,7 +89,7 @@ class TierWorker:
             raise AssertionError(f"kvs_tier_worker: no {want.strip()} (waited: {ok}), exit "
                                  f"{self.proc.returncode}: {self.proc.stderr.read()[-2000:]}")
         f = dict(kv.split("=") for kv in line.split()[2:])
-        return int(f["seq"]), int(f["int8"])
+        return int(f["seq"]), int(f["int8"]), int(f["sketch"])
 
     def step(self):
         self.proc.stdin.write("go\n")
@@ -97,7 +103,8 @@ class TierWorker:
         assert self.proc.returncode == code, \
             f"kvs_tier_worker: exit {self.proc.returncode}, want {code}: {err[-2000:]}"
         if code == 0:
-            with self.cv:
+            with self.cv:  # every line read
+                self.cv.wait_for(lambda: None in self.lines, 10)
                 done = [l for l in self.lines if l and l.startswith("{\"ok\"")]
             assert done and json.loads(done[-1])["ok"], self.lines[-3:]
         return err
@@ -154,7 +161,7 @@ def check_spill_frees_blocks_and_revive_fetches(ctx):
     # The next round revives every layer: the spilled victims come back from
     # the cluster, and the worker checks each against what it wrote.
     w.step()
-    _, int8 = w.wait_round(1)
+    _, int8, _ = w.wait_round(1)
     assert int8 >= w.int8, (int8, w.int8)
     assert ctx.daemon.stats().remote.bytes_read > read0
     # Spilled victims stay where they are: spilling again moves only new
@@ -166,6 +173,34 @@ def check_spill_frees_blocks_and_revive_fetches(ctx):
     w.wait_round(2)
     w.finish()
     # The sequence ended: its values are deleted after the next probe.
+    wait_until(lambda: keys_of(j["uid"]) == [], 20, "the ended sequence's values to go")
+
+
+def check_sketches_spill_and_revive(ctx):
+    # victims=sketch: each layer's count-sketch holds only victims; the
+    # spill freezes it in the cluster and frees it, new victims start a
+    # fresh one, and a Revive reads each victim from the sketch it went
+    # into (the worker checks every estimate: with --exact, the bytes it
+    # wrote).
+    w = TierWorker(ctx.daemon, victims="sketch")
+    assert w.sketch > 0, "round 0 revived nothing from a sketch"
+    j = spill(ctx, w.seq)
+    assert int(j.get("blocks", 0)) == 0 and int(j["sketches"]) == 2, j  # one list a layer
+    assert int(j["tokens"]) > 0 and int(j["values"]) == 2, j
+    q = seq_stats(ctx.daemon, w.seq)
+    assert q.spilled_tokens == int(j["tokens"]) and q.spilled_bytes > 0, q
+    w.step()
+    _, _, sketch = w.wait_round(1)
+    assert sketch >= w.sketch, (sketch, w.sketch)
+    # The round's victims went into fresh sketches: a second spill takes
+    # them, and the next Revive reads from both spilled generations.
+    j2 = spill(ctx, w.seq)
+    assert int(j2["sketches"]) == 2 and int(j2["spilled_tokens"]) > int(j["tokens"]), j2
+    w.step()
+    _, _, sketch = w.wait_round(2)
+    assert sketch > w.sketch
+    assert len(keys_of(j["uid"])) == 4
+    w.finish()
     wait_until(lambda: keys_of(j["uid"]) == [], 20, "the ended sequence's values to go")
 
 
@@ -244,7 +279,7 @@ def check_killed_master_fails_over(ctx):
     cluster.wait_failover(CLUSTER_DIR, dead, timeout=30)
     wait_until(lambda: ctx.daemon.stats().remote.healthy, 30, "the remote tier to be healthy")
     w.step()
-    _, int8 = w.wait_round(1)  # from the promoted replica
+    _, int8, _ = w.wait_round(1)  # from the promoted replica
     assert int8 >= w.int8
     w.finish()
 
@@ -272,6 +307,7 @@ def main():
     try:
         return run_tests("test_remote_spill", [
             check_spill_frees_blocks_and_revive_fetches,
+            check_sketches_spill_and_revive,
             check_nothing_to_spill,
             check_corrupt_or_missing_value_is_data_loss,
             check_full_cluster_refuses_the_spill,
