@@ -649,12 +649,25 @@ static void print_rpc(FILE *f, const metrics *m)
     }
 }
 
-/* The remote tier as last seen (a call, or the probe): only with --remote. */
-static void print_remote(FILE *f, const remote_tier_status *r)
+/* The remote tier as last seen (a call, or the probe), and what the
+ * sequences spilled there: only with --remote. */
+static void print_remote(FILE *f, const snapshot *s)
 {
+    const remote_tier_status *r = &s->remote;
     if (!r->configured)
         return;
     const remote_health *h = &r->health;
+    uint64_t spilled_tokens = 0, spilled_bytes = 0;
+    for (size_t i = 0; i < s->nseqs; i++) {
+        spilled_tokens += s->seqs[i].spilled_tokens;
+        spilled_bytes += s->seqs[i].spilled_bytes;
+    }
+    head(f, "kvstash_remote_spilled_tokens", "gauge",
+         "Victims of live sequences spilled to the remote tier (kvstash seq spill).");
+    fprintf(f, "kvstash_remote_spilled_tokens %llu\n", (unsigned long long)spilled_tokens);
+    head(f, "kvstash_remote_spilled_bytes", "gauge",
+         "Bytes of their victim blocks and sketch cells in the remote tier.");
+    fprintf(f, "kvstash_remote_spilled_bytes %llu\n", (unsigned long long)spilled_bytes);
     head(f, "kvstash_remote_healthy", "gauge",
          "1 when the remote tier's last call or probe succeeded and every slot has a node; "
          "kvstashd serves its local tiers either way.");
@@ -706,7 +719,7 @@ char *metrics_render(metrics *m, const snapshot *s, size_t *len)
         print_store(f, m, s, &g);
         print_counters(f, m);
         print_rpc(f, m);
-        print_remote(f, &s->remote);
+        print_remote(f, s);
         if (fclose(f) != 0) {
             free(buf);
             buf = NULL;

@@ -14,8 +14,8 @@ checking every position against what it wrote (INT8 within its bound).
   from the sketch it went into, and the worker checks the estimates (with
   --exact, equal to what it wrote).
 * Spill: `kvstash seq spill` moves the victim blocks to the cluster: the
-  pool gets exactly those blocks back, Stats counts the spilled victims and
-  bytes, the values live in one slot with the daemon's time to live; the
+  pool gets exactly those blocks back, Stats and /metrics count the spilled
+  victims and bytes, the values live in one slot with the daemon's time to live; the
   next round's Revive brings every victim back from the cluster (the
   worker's checks pass, the remote tier read bytes). A spill with nothing
   to spill spills nothing; export refuses a sequence with spilled victims;
@@ -38,6 +38,7 @@ import time
 
 from kvstash_harness import Daemon, run_tests, wait_until
 from test_cli import fails, ok_json
+from test_metrics import Scrape, metrics_port
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "remote"))
 import cluster  # noqa: E402  tests/remote/cluster.py
@@ -153,6 +154,9 @@ def check_spill_frees_blocks_and_revive_fetches(ctx):
     assert free1 == free0 + blocks, (free0, free1, blocks)
     q = seq_stats(ctx.daemon, w.seq)
     assert q.spilled_tokens == tokens and q.spilled_bytes == blocks * block_bytes, q
+    m = Scrape(metrics_port(ctx.daemon))
+    assert m.get("kvstash_remote_spilled_tokens") == tokens, m.get("kvstash_remote_spilled_tokens")
+    assert m.get("kvstash_remote_spilled_bytes") == blocks * block_bytes
     keys = keys_of(j["uid"])
     assert len(keys) == blocks and all(k.startswith(j["key_prefix"] + "v") for k in keys), keys
     assert len({cluster.key_slot(k) for k in keys}) == 1, keys
@@ -314,7 +318,8 @@ def main():
             check_slow_cluster_times_out,
             check_killed_master_fails_over,
             check_without_remote_tier,
-        ], daemon_kwargs={"pool_mb": 16, "extra_args": remote_args()})
+        ], daemon_kwargs={"pool_mb": 16,
+                          "extra_args": remote_args(["--metrics", "127.0.0.1:0"])})
     finally:
         cluster.stop(CLUSTER_DIR)
 
