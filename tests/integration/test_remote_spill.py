@@ -26,7 +26,9 @@ checking every position against what it wrote (INT8 within its bound).
   nothing changes (the victims revive from the pool); a slow cluster makes
   the spill fail with DEADLINE_EXCEEDED, nothing changed; a master killed
   after the spill is replaced by its replica and the Revive finds the
-  victims there; a daemon without --remote refuses.
+  victims there; a master killed while a Revive reads from it fails that
+  Revive with UNAVAILABLE or DEADLINE_EXCEEDED, and after the failover
+  spill and revive work again; a daemon without --remote refuses.
 """
 import json
 import os
@@ -286,6 +288,49 @@ def check_killed_master_fails_over(ctx):
     _, int8, _ = w.wait_round(1)  # from the promoted replica
     assert int8 >= w.int8
     w.finish()
+    rejoin(dead)
+
+
+def rejoin(dead):
+    """The killed node back, as a replica of the master that replaced it."""
+    cluster.restart(CLUSTER_DIR, dead)
+    wait_until(lambda: cluster._replicas_linked(CLUSTER_DIR, 1), 30,
+               f"port {dead} to rejoin as a replica")
+    cluster.wait_ok(CLUSTER_DIR)
+
+
+def check_master_killed_during_revive(ctx):
+    # The Revive is fetching from the master when it dies (it hangs in DEBUG
+    # SLEEP first, so that the read is in flight): the Revive fails with the
+    # remote tier's code, the worker's other calls were never held up, and
+    # once the replica took over, spill and revive work again.
+    w = TierWorker(ctx.daemon)
+    j = spill(ctx, w.seq)
+    dead = owner_port(keys_of(j["uid"])[0])
+    cluster.sync_replicas(CLUSTER_DIR)
+
+    def hang():
+        try:
+            cluster.call(dead, "DEBUG", "SLEEP", "3", timeout=10)
+        except Exception:  # noqa: BLE001 - killed while sleeping, as intended
+            pass
+    sleeper = threading.Thread(target=hang)
+    sleeper.start()
+    time.sleep(0.2)
+    w.step()
+    time.sleep(0.2)
+    cluster.kill(CLUSTER_DIR, dead)
+    sleeper.join()
+    err = w.finish(code=2)
+    assert "remote tier: " in err and ("UNAVAILABLE" in err or "DEADLINE_EXCEEDED" in err), err
+    cluster.wait_failover(CLUSTER_DIR, dead, timeout=30)
+    wait_until(lambda: ctx.daemon.stats().remote.healthy, 30, "the remote tier to be healthy")
+    w = TierWorker(ctx.daemon)
+    assert int(spill(ctx, w.seq)["blocks"]) > 0
+    w.step()
+    w.wait_round(1)
+    w.finish()
+    rejoin(dead)
 
 
 def check_without_remote_tier(ctx):
@@ -317,6 +362,7 @@ def main():
             check_full_cluster_refuses_the_spill,
             check_slow_cluster_times_out,
             check_killed_master_fails_over,
+            check_master_killed_during_revive,
             check_without_remote_tier,
         ], daemon_kwargs={"pool_mb": 16,
                           "extra_args": remote_args(["--metrics", "127.0.0.1:0"])})
