@@ -22,7 +22,9 @@ another host.
   with DATA_LOSS (never wrong K/V); a full cluster (maxmemory) refuses the
   export as RESOURCE_EXHAUSTED; a slow cluster (DEBUG SLEEP) makes the
   export fail with DEADLINE_EXCEEDED while another worker of the same daemon
-  appends and steps undisturbed; a killed master is replaced by its replica
+  appends and steps undisturbed; a master killed while an import reads from
+  it fails the import (UNAVAILABLE or DEADLINE_EXCEEDED, nothing imported),
+  which works again after the failover; a killed master is replaced by its replica
   and the daemon recovers (probe failure, then healthy, export and import
   again); the whole cluster down leaves the daemon serving its workers,
   unhealthy in Stats, /metrics and /healthz, until the nodes come back.
@@ -273,6 +275,49 @@ def check_slow_cluster_times_out_without_stalling_others(ctx):
     wait_healthy(ctx.daemon)
 
 
+def check_master_killed_during_import(ctx):
+    # The import is reading from the master when it dies (it hangs in DEBUG
+    # SLEEP first, so that the read is in flight): the import fails with the
+    # remote tier's code and imports nothing; after the failover it works.
+    q = seq_of(ctx.daemon, session_of(ctx.a1))
+    j = export(ctx, q)
+    cluster.sync_replicas(CLUSTER_DIR)
+    dead = owner_port(keys_of(j["uid"])[0])
+    b_session = session_of(ctx.b1)
+    before = len([s for s in ctx.b.stats().sequences if s.session_id == b_session])
+
+    def hang():
+        try:
+            cluster.call(dead, "DEBUG", "SLEEP", "3", timeout=10)
+        except Exception:  # noqa: BLE001 - killed while sleeping, as intended
+            pass
+    sleeper = threading.Thread(target=hang)
+    sleeper.start()
+    time.sleep(0.2)
+    box = {}
+    importer = threading.Thread(target=lambda: box.update(r=run(
+        ctx.b.sock, "seq", "import", j["uid"], "--session", str(b_session))))
+    importer.start()
+    time.sleep(0.2)
+    cluster.kill(CLUSTER_DIR, dead)
+    importer.join()
+    sleeper.join()
+    rc, _, err = box["r"]
+    assert rc == 1 and "remote tier: " in err and \
+        ("UNAVAILABLE" in err or "DEADLINE_EXCEEDED" in err), (rc, err)
+    assert len([s for s in ctx.b.stats().sequences if s.session_id == b_session]) == before
+    cluster.wait_failover(CLUSTER_DIR, dead, timeout=30)
+    wait_healthy(ctx.b)
+    imported = ok_json(ctx.b.sock, "seq", "import", j["uid"], "--session", str(b_session))
+    assert maps_of(inspect(ctx.b, int(imported["seq_id"]))) == maps_of(inspect(ctx.daemon, q))
+    # The node back, as a replica of the master that replaced it.
+    cluster.restart(CLUSTER_DIR, dead)
+    wait_until(lambda: cluster._replicas_linked(CLUSTER_DIR, 1), 30,
+               f"port {dead} to rejoin as a replica")
+    cluster.wait_ok(CLUSTER_DIR)
+    wait_healthy(ctx.daemon)
+
+
 def check_killed_master_fails_over(ctx):
     q = seq_of(ctx.daemon, session_of(ctx.a1))
     probes = remote_stats(ctx.daemon).probe_failures
@@ -353,6 +398,7 @@ def main():
             check_corrupt_or_missing_value_is_data_loss,
             check_full_cluster_refuses_the_export,
             check_slow_cluster_times_out_without_stalling_others,
+            check_master_killed_during_import,
             check_killed_master_fails_over,
             check_cluster_down_daemon_keeps_serving,
             check_bad_flags,
