@@ -106,6 +106,10 @@ static const config_option options[] = {
     {"remote-probe-ms", CONFIG_COUNT, 0, 3600000,
      "how often the remote tier asks every node whether it answers, for Stats, /metrics and "
      "/healthz; 0 = never (default 5000)"},
+    {"remote-spill-below", CONFIG_COUNT, 0, 100,
+     "percent of a pool's blocks: when fewer are free, kvstashd spills its sequences' "
+     "revivable victims to the remote tier on its own (kvstash seq spill), instead of "
+     "dropping them when the pool runs out; 0 = never (default 0; needs remote)"},
     {"tls-cert", CONFIG_FILE, 0, 0,
      "PEM certificate chain that --listen presents: with tls-key and tls-client-ca, TCP "
      "speaks only TLS and is allowed beyond loopback (default none)"},
@@ -204,6 +208,8 @@ static unsigned long *count_field(daemon_config *c, const char *key)
         return &c->remote_timeout_ms;
     if (strcmp(key, "remote-probe-ms") == 0)
         return &c->remote_probe_ms;
+    if (strcmp(key, "remote-spill-below") == 0)
+        return &c->remote_spill_below;
     return &c->drain_ms;
 }
 
@@ -571,6 +577,13 @@ int config_check(const daemon_config *c, char *err, size_t errlen)
     }
     if (n == 3 && c->listen[0] == '\0') {
         snprintf(err, errlen, "tls-cert, tls-key and tls-client-ca are for --listen, which is off");
+        return -1;
+    }
+    if (c->remote_spill_below > 0 && c->remote[0] == '\0') {
+        snprintf(err, errlen,
+                 "remote-spill-below=%lu spills to the remote tier, which is off: set remote "
+                 "(a Redis Cluster) or remote-spill-below=0",
+                 c->remote_spill_below);
         return -1;
     }
     return 0;

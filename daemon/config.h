@@ -58,6 +58,9 @@ typedef struct daemon_config {
     char remote[192];
     char remote_namespace[65];
     unsigned long remote_ttl_s, remote_timeout_ms, remote_probe_ms;
+    /* Spill on its own (spiller.h) below this percent of a pool's blocks
+     * free; 0 = never. */
+    unsigned long remote_spill_below;
     /* TLS on --listen (rpc.h rpc_tls): PEM paths, all three or none. */
     char tls_cert[PATH_MAX], tls_key[PATH_MAX], tls_client_ca[PATH_MAX];
 } daemon_config;

@@ -24,6 +24,7 @@
 #include "log.h"
 #include "metrics.h"
 #include "remote_tier.h"
+#include "spiller.h"
 #include "rpc.h"
 #include "service.h"
 #include "store.h"
@@ -261,6 +262,7 @@ typedef struct daemon_parts {
     rpc_server *rpc;
     metrics *metrics;    /* NULL without --metrics */
     remote_tier *remote; /* NULL without --remote */
+    spiller *spiller;    /* NULL without --remote-spill-below */
     const rpc_tls *tls;  /* NULL: plain TCP (or none); read by main before start */
 } daemon_parts;
 
@@ -322,6 +324,9 @@ static int start_remote(const daemon_config *o, daemon_parts *d)
         return -1;
     }
     store_set_remote(d->store, d->remote);
+    if (o->remote_spill_below > 0 &&
+        (d->spiller = spiller_start(d->store, (uint32_t)o->remote_spill_below)) == NULL)
+        return -1;
     return 0;
 }
 
@@ -382,6 +387,7 @@ static int start(const daemon_config *o, daemon_parts *d)
 static void stop(daemon_parts *d)
 {
     store_begin_shutdown(d->store);
+    spiller_stop(d->spiller);
     rpc_server_stop(d->rpc); /* ends every lease: sessions are reclaimed */
     fdsock_stop(d->fdsock);
     metrics_http_stop(d->metrics); /* a scrape reads the store */

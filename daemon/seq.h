@@ -383,6 +383,9 @@ typedef struct seq_spill {
  * caller sets it once (remote_value.h remote_uid_new). */
 const char *seq_remote_uid(const seq *s);
 void seq_set_remote_uid(seq *s, const char *uid);
+/* Victim blocks and victims-only sketches s holds in memory: what a spill
+ * would take now. */
+size_t seq_spill_candidates(const seq *s);
 /* Parts ever planned: keys "v0" .. "v<n-1>" may exist. */
 uint32_t seq_spill_parts(const seq *s);
 /* Victims now in the remote tier, the pool blocks they left, and the

@@ -102,12 +102,18 @@ static int plan_add(seq_spill *p, seq *s, uint32_t l, uint32_t k, uint32_t b)
     return 0;
 }
 
-status_code seq_spill_plan(seq *s, seq_spill *out, status *st)
+size_t seq_spill_candidates(const seq *s)
 {
-    memset(out, 0, sizeof *out);
     size_t n = 0;
     for (size_t i = 0; i < seq_nlists(s); i++)
         n += s->lists[i].nvictim_blocks + (size_t)sketch_spillable(&s->lists[i]);
+    return n;
+}
+
+status_code seq_spill_plan(seq *s, seq_spill *out, status *st)
+{
+    memset(out, 0, sizeof *out);
+    size_t n = seq_spill_candidates(s);
     if (n == 0)
         return ST_OK;
     if (n > (size_t)(SEQ_REMOTE_BLOCK - 1) - s->spill_parts)

@@ -188,6 +188,15 @@ typedef struct store_spill_result {
 status_code store_seq_spill(store *st, const char *token, uint64_t seq_id, store_spill_result *out,
                             status *s);
 
+/* Spill on its own (spiller.h): every sequence with revivable victims in
+ * memory in a pool with fewer than below_pct percent of its blocks free,
+ * as store_seq_spill for an operator. Skipped while shutting down. The
+ * counts of what went are summed into *sum; returns the sequences that
+ * failed (*first_error: the first one's status). Waits for the remote
+ * tier without the lock. */
+uint32_t store_spill_pressured(store *st, uint32_t below_pct, store_spill_result *sum,
+                               status *first_error);
+
 /* The remote tier as last seen (remote_tier_status_get): no lock, no wait
  * for the network; configured 0 without one. */
 void store_remote_status(store *st, remote_tier_status *out);

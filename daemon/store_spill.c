@@ -114,8 +114,10 @@ static void spill_commit(store *st, uint64_t seq_id, spill_job *j, const remote_
     }
 }
 
-status_code store_seq_spill(store *st, const char *token, uint64_t seq_id, store_spill_result *out,
-                            status *s)
+/* Spill seq_id for the caller holding `token`, or for the daemon itself
+ * (token NULL: memory pressure). */
+static status_code spill_seq(store *st, const char *token, uint64_t seq_id, store_spill_result *out,
+                             status *s)
 {
     memset(out, 0, sizeof *out);
     if (store_need_remote(st, s) != ST_OK)
@@ -123,8 +125,12 @@ status_code store_seq_spill(store *st, const char *token, uint64_t seq_id, store
     spill_job j = {0};
     remote_kv *kv = NULL;
     store_lock_seq(st, seq_id);
-    seq *q;
-    status_code rc = store_remote_seq_locked(st, token, seq_id, "spill", &q, s);
+    seq *q = token == NULL ? store_find_seq_locked(st, seq_id) : NULL;
+    status_code rc = ST_OK;
+    if (token != NULL)
+        rc = store_remote_seq_locked(st, token, seq_id, "spill", &q, s);
+    else if (q == NULL)
+        rc = status_set(s, ST_NOT_FOUND, "no sequence %llu", (unsigned long long)seq_id);
     if (rc == ST_OK)
         rc = spill_copy(st, q, &j, s);
     if (rc == ST_OK && j.plan.n == 0) {
@@ -155,6 +161,61 @@ status_code store_seq_spill(store *st, const char *token, uint64_t seq_id, store
     kv_free(kv, j.plan.n);
     seq_spill_free(&j.plan);
     return rc;
+}
+
+status_code store_seq_spill(store *st, const char *token, uint64_t seq_id, store_spill_result *out,
+                            status *s)
+{
+    return spill_seq(st, token, seq_id, out, s);
+}
+
+/* Lock held: the sequences to spill for memory pressure, into *ids (*n of
+ * them; malloc'd, the caller frees). -1 out of memory. */
+static int pressured_seqs(store *st, uint32_t below_pct, uint64_t **ids, size_t *n)
+{
+    *n = 0;
+    *ids = malloc((st->nseqs ? st->nseqs : 1) * sizeof **ids);
+    if (*ids == NULL)
+        return -1;
+    for (size_t i = 0; st->serving && i < st->nseqs; i++) {
+        seq *q = st->seqs[i];
+        const pool *p = seq_pool(q);
+        if ((uint64_t)p->nfree * 100 < (uint64_t)below_pct * p->block_count &&
+            seq_spill_candidates(q) > 0)
+            (*ids)[(*n)++] = seq_id_of(q);
+    }
+    return 0;
+}
+
+uint32_t store_spill_pressured(store *st, uint32_t below_pct, store_spill_result *sum,
+                               status *first_error)
+{
+    memset(sum, 0, sizeof *sum);
+    uint64_t *ids;
+    size_t n;
+    pthread_mutex_lock(&st->lock);
+    int rc = pressured_seqs(st, below_pct, &ids, &n);
+    pthread_mutex_unlock(&st->lock);
+    if (rc != 0)
+        return 0;
+    uint32_t failed = 0;
+    for (size_t i = 0; i < n; i++) {
+        store_spill_result r;
+        status s = {ST_OK, ""};
+        if (spill_seq(st, NULL, ids[i], &r, &s) != ST_OK) {
+            if (failed++ == 0)
+                *first_error = s;
+            continue;
+        }
+        sum->blocks += r.blocks;
+        sum->sketches += r.sketches;
+        sum->tokens += r.tokens;
+        sum->bytes += r.bytes;
+        sum->values += r.values;
+        sum->dropped += r.dropped;
+    }
+    free(ids);
+    return failed;
 }
 
 void store_spill_forget_locked(store *st, seq *q)

@@ -20,6 +20,8 @@ checking every position against what it wrote (INT8 within its bound).
   worker's checks pass, the remote tier read bytes). A spill with nothing
   to spill spills nothing; export refuses a sequence with spilled victims;
   when the sequence ends, its values are deleted.
+* On its own: with --remote-spill-below, memory pressure spills the
+  victims without being asked, and they revive from the cluster.
 * Faults: a spilled value corrupted or deleted in the cluster makes the
   Revive fail with DATA_LOSS (never wrong K/V) and the daemon serves on; a
   full cluster (maxmemory) refuses the spill as RESOURCE_EXHAUSTED and
@@ -210,6 +212,24 @@ def check_sketches_spill_and_revive(ctx):
     wait_until(lambda: keys_of(j["uid"]) == [], 20, "the ended sequence's values to go")
 
 
+def check_memory_pressure_spills_on_its_own(ctx):
+    # --remote-spill-below 95: once fewer than 95% of the pool's 1024 blocks
+    # are free, kvstashd spills the victims itself; the worker's next round
+    # revives them from the cluster and checks them.
+    d = Daemon(pool_mb=1, extra_args=remote_args(["--remote-spill-below", "95"])).start()
+    try:
+        w = TierWorker(d, tokens=400)
+        wait_until(lambda: seq_stats(d, w.seq).spilled_tokens > 0, 20,
+                   "kvstashd to spill the victims on its own")
+        w.step()
+        _, int8, _ = w.wait_round(1)
+        assert int8 >= w.int8
+        w.finish()
+        assert "spill_pressured" in d.log(), d.log_tail()
+    finally:
+        d.stop()
+
+
 def check_nothing_to_spill(ctx):
     w = TierWorker(ctx.daemon, tokens=12)  # within the window: no victim yet
     j = spill(ctx, w.seq)
@@ -357,6 +377,7 @@ def main():
         return run_tests("test_remote_spill", [
             check_spill_frees_blocks_and_revive_fetches,
             check_sketches_spill_and_revive,
+            check_memory_pressure_spills_on_its_own,
             check_nothing_to_spill,
             check_corrupt_or_missing_value_is_data_loss,
             check_full_cluster_refuses_the_spill,
