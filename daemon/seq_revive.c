@@ -200,12 +200,26 @@ static int describe_part(seq_revive_job *j, size_t i, uint32_t part, const seq_r
             pos[rp->npositions++] = ly->offloaded[v];
         }
     rp->bytes = j->s->pool->block_bytes;
-    if (rp->tier == POLICY_SKETCH) {
+    if (rp->tier == POLICY_SKETCH) { /* tier_sketch_init's cells */
         policy_sketch_geometry g;
+        const kv_layout *l = &j->s->tier.l;
         policy_host_sketch_geometry(j->s->host, req->layer, &g);
-        if (tier_sketch_init(&j->stage_sk[i], &j->s->tier, &g) != 0)
+        rp->bytes = tier_sketch_bytes_for(g.rows, g.buckets, (size_t)l->kv_heads * l->head_dim);
+    }
+    return 0;
+}
+
+/* A staging sketch of the list's geometry for each spilled sketch part. */
+static int stage_sketches(seq_revive_job *j)
+{
+    for (size_t i = 0; i < j->nremote; i++) {
+        if (j->remote[i].tier != POLICY_SKETCH)
+            continue;
+        policy_sketch_geometry g;
+        policy_host_sketch_geometry(j->s->host, j->remote[i].layer, &g);
+        if (tier_sketch_init(&j->stage_sk[i], &j->s->tier, &g) != 0 ||
+            tier_sketch_bytes(&j->stage_sk[i]) != j->remote[i].bytes)
             return -1;
-        rp->bytes = tier_sketch_bytes(&j->stage_sk[i]);
     }
     return 0;
 }
@@ -242,6 +256,9 @@ static status_code plan_remote(seq_revive_job *j, const seq_revive_request *req,
                         "positions %u.. of layer %u lie in %zu spilled sketches; a Revive reads "
                         "at most %d at once: ask for fewer positions (first, count)",
                         req->first, req->layer, nsketches, REVIVE_MAX_SKETCHES);
+    if (rc == ST_OK && nsketches > 0 && stage_sketches(j) != 0)
+        rc = status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory for %zu staging sketches",
+                        nsketches);
     if (rc == ST_OK && nblocks > s->pool->nfree) /* the scratch blocks are taken */
         rc = status_set(st, ST_RESOURCE_EXHAUSTED,
                         "reviving %zu tokens needs %u free blocks and %zu more to read "

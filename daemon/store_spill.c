@@ -60,27 +60,20 @@ static status_code spill_copy(store *st, seq *q, spill_job *j, status *s)
                                 (unsigned long long)id);
 }
 
-static void kv_free(remote_kv *kv, size_t n)
+/* Without the lock: j's values, in plan order (v->n of them, freed with
+ * migrate_values_free). */
+static status_code spill_encode(store *st, const spill_job *j, migrate_values *v, status *s)
 {
-    for (size_t i = 0; kv != NULL && i < n; i++) {
-        free((void *)kv[i].key);
-        free((void *)kv[i].val);
-    }
-    free(kv);
-}
-
-/* Without the lock: j's values, in plan order (*kv: n of them). */
-static status_code spill_encode(store *st, const spill_job *j, remote_kv **kv, status *s)
-{
-    *kv = calloc(j->plan.n, sizeof **kv);
-    if (*kv == NULL)
+    if ((v->kv = calloc(j->plan.n, sizeof *v->kv)) == NULL)
         return status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
     const char *ns = remote_tier_namespace(st->remote);
-    for (size_t i = 0; i < j->plan.n; i++)
-        if (migrate_encode_spill(&j->geom, j->quant_group, &j->plan.blocks[i],
-                                 j->bytes + j->plan.blocks[i].offset, ns, j->tenant, j->uid,
-                                 &(*kv)[i], s) != ST_OK)
+    for (; v->n < j->plan.n; v->n++) {
+        if (migrate_encode_spill(&j->geom, j->quant_group, &j->plan.blocks[v->n],
+                                 j->bytes + j->plan.blocks[v->n].offset, ns, j->tenant, j->uid,
+                                 &v->kv[v->n], s) != ST_OK)
             return s->code;
+        v->bytes += v->kv[v->n].len;
+    }
     return ST_OK;
 }
 
@@ -123,7 +116,7 @@ static status_code spill_seq(store *st, const char *token, uint64_t seq_id, stor
     if (store_need_remote(st, s) != ST_OK)
         return s->code;
     spill_job j = {0};
-    remote_kv *kv = NULL;
+    migrate_values v = {0};
     store_lock_seq(st, seq_id);
     seq *q = token == NULL ? store_find_seq_locked(st, seq_id) : NULL;
     status_code rc = ST_OK;
@@ -138,12 +131,12 @@ static status_code spill_seq(store *st, const char *token, uint64_t seq_id, stor
         out->spilled_blocks = seq_spilled_blocks(q);
     }
     store_unlock(st);
-    if (rc == ST_OK && j.plan.n > 0 && (rc = spill_encode(st, &j, &kv, s)) == ST_OK)
-        rc = store_remote_write(st->remote, kv, j.plan.n, s);
+    if (rc == ST_OK && j.plan.n > 0 && (rc = spill_encode(st, &j, &v, s)) == ST_OK)
+        rc = store_remote_write(st->remote, v.kv, v.n, s);
     free(j.bytes);
     if (rc == ST_OK && j.plan.n > 0) {
         store_lock_seq(st, seq_id);
-        spill_commit(st, seq_id, &j, kv, out);
+        spill_commit(st, seq_id, &j, v.kv, out);
         store_unlock(st);
     }
     if (rc == ST_OK) {
@@ -158,7 +151,7 @@ static status_code spill_seq(store *st, const char *token, uint64_t seq_id, stor
                  (unsigned long long)out->tokens, (unsigned long long)out->bytes, out->dropped,
                  (unsigned long long)out->spilled_tokens);
     }
-    kv_free(kv, j.plan.n);
+    migrate_values_free(&v);
     seq_spill_free(&j.plan);
     return rc;
 }

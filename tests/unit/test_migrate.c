@@ -1086,6 +1086,134 @@ static void test_fuzz_manifest(void **state)
     fixture_free(&f);
 }
 
+/* ---- spilled victims ------------------------------------------------------ */
+
+/* A spilled part as seq_spill_plan names it: 5 victims of list (1, 1) in
+ * an INT8 block (bb() bytes), or a sketch's cells (tier POLICY_SKETCH,
+ * 1000 bytes), part 17; *want is what the sequence expects when it fetches
+ * it back (seq_revive_remote), pointing at the same positions. */
+static const uint32_t spill_pos[5] = {3, 9, 10, 41, 77};
+
+static seq_spill_block spill_block(uint8_t tier, seq_remote_part *want)
+{
+    size_t bytes = tier == POLICY_SKETCH ? 1000 : bb();
+    seq_spill_block b = {1,    1,  tier == POLICY_SKETCH ? TIER_NO_BLOCK : 42u,
+                         tier, 17, (uint32_t *)spill_pos,
+                         5,    0,  bytes,
+                         0};
+    *want = (seq_remote_part){17, tier, 1, 1, spill_pos, 5, bytes};
+    return b;
+}
+
+/* Decoding value kv as want expects must fail with DATA_LOSS naming the
+ * key (and `words`, when given). */
+static void spill_refused(const remote_kv *kv, const void *buf, size_t len, const pool_geometry *g,
+                          const seq_remote_part *want, const char *words)
+{
+    status st;
+    const uint8_t *payload = NULL;
+    status_code rc = migrate_decode_spill(buf, len, kv->key, g, QG, want, &payload, &st);
+    if (rc != ST_DATA_LOSS)
+        fail_msg("%s: %s (%s), want DATA_LOSS", words ? words : "", status_name(rc),
+                 rc == ST_OK ? "" : st.msg);
+    assert_non_null(strstr(st.msg, kv->key));
+    if (words != NULL && strstr(st.msg, words) == NULL)
+        fail_msg("'%s' does not say '%s'", st.msg, words);
+    assert_null(payload);
+}
+
+/* migrate_encode_spill / migrate_decode_spill: a victim block and a
+ * sketch round trip under key part "v<part>" (payload: the bytes, in
+ * place in the fetched value); everything that differs from what the
+ * sequence expects is DATA_LOSS naming the key: a flipped byte, a
+ * truncation, another geometry, kind, tier, layer, head, positions or
+ * size. */
+static void test_spill_values(void **state)
+{
+    (void)state;
+    const uint8_t tiers[] = {POLICY_INT8, POLICY_SKETCH};
+    remote_kv kv[2];
+    seq_remote_part want[2];
+    uint8_t *bytes[2];
+    status st;
+    for (size_t t = 0; t < 2; t++) {
+        seq_spill_block b = spill_block(tiers[t], &want[t]);
+        bytes[t] = random_bytes(b.bytes, 40 + t);
+        assert_int_equal(
+            migrate_encode_spill(&geom, QG, &b, bytes[t], NS, TENANT, UID, &kv[t], &st), ST_OK);
+        assert_string_equal(kv[t].key, "kvs:" NS ":{" TENANT ":" UID "}:v17");
+        assert_int_equal(kv[t].len, REMOTE_VALUE_HEADER_LEN + 4 * 5 + b.bytes);
+        const uint8_t *payload = NULL;
+        assert_int_equal(migrate_decode_spill(kv[t].val, kv[t].len, kv[t].key, &geom, QG, &want[t],
+                                              &payload, &st),
+                         ST_OK);
+        assert_ptr_equal(payload, (const uint8_t *)kv[t].val + REMOTE_VALUE_HEADER_LEN + 4 * 5);
+        assert_memory_equal(payload, bytes[t], b.bytes);
+        /* The header says what it is. */
+        remote_value_header h;
+        assert_int_equal(remote_value_decode(kv[t].val, kv[t].len, &h, NULL, &payload, &st), ST_OK);
+        assert_int_equal(h.kind,
+                         tiers[t] == POLICY_SKETCH ? REMOTE_VALUE_SKETCH : REMOTE_VALUE_TOKENS);
+        assert_int_equal(h.tier, tiers[t]);
+        assert_int_equal(h.layer, 1);
+        assert_int_equal(h.head, 1);
+        assert_int_equal(h.ntokens, 5);
+    }
+    for (size_t t = 0; t < 2; t++) {
+        const remote_kv *k = &kv[t];
+        /* A flipped byte: payload, position, header; a truncation. */
+        const size_t at[] = {k->len - 1, REMOTE_VALUE_HEADER_LEN + 4 * 5,
+                             REMOTE_VALUE_HEADER_LEN + 1, 40};
+        for (size_t i = 0; i < sizeof at / sizeof at[0]; i++) {
+            uint8_t *c = flipped(k, at[i], 0x10);
+            spill_refused(k, c, k->len, &geom, &want[t], NULL);
+            free(c);
+        }
+        spill_refused(k, k->val, k->len - 1, &geom, &want[t], NULL);
+        spill_refused(k, k->val, REMOTE_VALUE_HEADER_LEN, &geom, &want[t], NULL);
+        /* Another geometry: the value was written for head_dim 8. */
+        pool_geometry g = geom;
+        g.head_dim = 16;
+        spill_refused(k, k->val, k->len, &g, &want[t], "head_dim");
+        g = geom;
+        g.dtype = POOL_BF16;
+        spill_refused(k, k->val, k->len, &g, &want[t], "dtype");
+        /* Another list, size, positions. */
+        seq_remote_part w = want[t];
+        w.layer = 0;
+        spill_refused(k, k->val, k->len, &geom, &w, "layer 1");
+        w = want[t];
+        w.head = 0;
+        spill_refused(k, k->val, k->len, &geom, &w, "head 1");
+        w = want[t];
+        w.bytes--;
+        spill_refused(k, k->val, k->len, &geom, &w, "payload bytes");
+        w = want[t];
+        w.npositions = 4;
+        spill_refused(k, k->val, k->len, &geom, &w, "5 positions");
+        const uint32_t other[5] = {3, 9, 11, 41, 77};
+        w = want[t];
+        w.positions = other;
+        spill_refused(k, k->val, k->len, &geom, &w, "position 2 is 10");
+    }
+    /* Another tier of tokens; a sketch where tokens are expected and the
+     * other way round (kind and tier). */
+    seq_remote_part w = want[0];
+    w.tier = POLICY_FULL;
+    spill_refused(&kv[0], kv[0].val, kv[0].len, &geom, &w, "tier int8");
+    w = want[0];
+    w.tier = POLICY_SKETCH;
+    spill_refused(&kv[0], kv[0].val, kv[0].len, &geom, &w, "kind 1");
+    w = want[1];
+    w.tier = POLICY_INT8;
+    spill_refused(&kv[1], kv[1].val, kv[1].len, &geom, &w, "kind 2");
+    for (size_t t = 0; t < 2; t++) {
+        free((void *)kv[t].key);
+        free((void *)kv[t].val);
+        free(bytes[t]);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1100,6 +1228,7 @@ int main(void)
         cmocka_unit_test(test_geometry),
         cmocka_unit_test(test_encode_refuses),
         cmocka_unit_test(test_fuzz_manifest),
+        cmocka_unit_test(test_spill_values),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
