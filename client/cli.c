@@ -293,7 +293,7 @@ static int cmd_seqs(cli *c)
         "  Every sequence: id, owning session, policy, length (tokens ever appended),\n"
         "  tokens held (summed over layers) and how many are stored in each tier\n"
         "  (full / int8 / int4 / int2 / sketch; offloaded victims count as sketch),\n"
-        "  blocks, bytes,\n"
+        "  victims spilled to the remote tier (kvstash seq spill), blocks, bytes,\n"
         "  table epoch and label.\n"
         "  --json: {\"sequences\": [SequenceStats with \"tiers\"...]}.\n";
     int rc = cli_parse(c, NULL, 0, NULL, 0, 0, NULL, help);
@@ -309,17 +309,17 @@ static int cmd_seqs(cli *c)
         rc = cli_print_json(json_pack("{so}", "sequences", arr), 1);
     } else {
         char b1[32];
-        printf("%6s %7s %-14s %9s %9s %9s %7s %7s %7s %7s %6s %10s %6s  %s\n", "SEQ", "SESSION",
-               "POLICY", "APPENDED", "TOKENS", "FULL", "INT8", "INT4", "INT2", "SKETCH", "BLOCKS",
-               "BYTES", "EPOCH", "LABEL");
+        printf("%6s %7s %-14s %9s %9s %9s %7s %7s %7s %7s %7s %6s %10s %6s  %s\n", "SEQ", "SESSION",
+               "POLICY", "APPENDED", "TOKENS", "FULL", "INT8", "INT4", "INT2", "SKETCH", "REMOTE",
+               "BLOCKS", "BYTES", "EPOCH", "LABEL");
         for (size_t i = 0; i < st->n_sequences; i++) {
             const Kvstash__V1__SequenceStats *q = st->sequences[i];
             printf("%6" PRIu64 " %7" PRIu64 " %-14s %9" PRIu64 " %9" PRIu64 " %9" PRIu64
-                   " %7" PRIu64 " %7" PRIu64 " %7" PRIu64 " %7" PRIu64 " %6u %10s %6" PRIu64
-                   "  %s\n",
+                   " %7" PRIu64 " %7" PRIu64 " %7" PRIu64 " %7" PRIu64 " %7" PRIu64
+                   " %6u %10s %6" PRIu64 "  %s\n",
                    q->seq_id, q->session_id, q->policy, q->appended, q->tokens,
                    tier_tokens(q, "full"), tier_tokens(q, "int8"), tier_tokens(q, "int4"),
-                   tier_tokens(q, "int2"), tier_tokens(q, "sketch"), q->blocks,
+                   tier_tokens(q, "int2"), tier_tokens(q, "sketch"), q->spilled_tokens, q->blocks,
                    cli_bytes(q->bytes, b1, sizeof b1), q->epoch, q->label);
         }
         if (st->n_sequences == 0)

@@ -41,7 +41,7 @@ import threading
 import time
 
 from kvstash_harness import Daemon, run_tests, wait_until
-from test_cli import fails, ok_json
+from test_cli import fails, ok_json, ok_text
 from test_metrics import Scrape, metrics_port
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "remote"))
@@ -161,6 +161,9 @@ def check_spill_frees_blocks_and_revive_fetches(ctx):
     m = Scrape(metrics_port(ctx.daemon))
     assert m.get("kvstash_remote_spilled_tokens") == tokens, m.get("kvstash_remote_spilled_tokens")
     assert m.get("kvstash_remote_spilled_bytes") == blocks * block_bytes
+    head, *rows = ok_text(ctx, "seqs").splitlines()
+    (row,) = [r.split() for r in rows if r.split()[0] == str(w.seq)]
+    assert row[head.split().index("REMOTE")] == str(tokens), (head, row)
     keys = keys_of(j["uid"])
     assert len(keys) == blocks and all(k.startswith(j["key_prefix"] + "v") for k in keys), keys
     assert len({cluster.key_slot(k) for k in keys}) == 1, keys
