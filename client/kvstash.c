@@ -84,6 +84,8 @@ const char *kvs_strerror(int err)
         return "protocol error";
     case KVS_ERR_SYSTEM:
         return "system error";
+    case KVS_ERR_DATA_LOSS:
+        return "data lost in the remote tier";
     default:
         return "unknown error";
     }
@@ -735,6 +737,34 @@ int kvs_seq_import(kvs_session *s, const char *uid, uint64_t *seq_id, uint64_t *
     if (appended != NULL)
         *appended = r->appended;
     epoch_seen(s, r->seq_id, r->epoch);
+    protobuf_c_message_free_unpacked(resp, NULL);
+    return KVS_OK;
+}
+
+int kvs_seq_spill(kvs_session *s, uint64_t seq_id, kvs_spill *out)
+{
+    if (s == NULL)
+        return KVS_ERR_INVALID;
+    if (out == NULL) {
+        fail(s, "kvs_seq_spill: out is required");
+        return KVS_ERR_INVALID;
+    }
+    Kvstash__V1__SpillSequenceRequest req = KVSTASH__V1__SPILL_SEQUENCE_REQUEST__INIT;
+    req.seq_id = seq_id;
+    ProtobufCMessage *resp;
+    int rc = session_rpc(s, "SpillSequence", &req.base,
+                         &kvstash__v1__spill_sequence_response__descriptor, &resp);
+    if (rc != KVS_OK)
+        return rc;
+    const Kvstash__V1__SpillSequenceResponse *r = (const void *)resp;
+    *out = (kvs_spill){.blocks = r->blocks,
+                       .values = r->values,
+                       .sketches = r->sketches,
+                       .dropped = r->dropped,
+                       .tokens = r->tokens,
+                       .bytes = r->bytes,
+                       .spilled_tokens = r->spilled_tokens};
+    snprintf(out->uid, sizeof out->uid, "%s", r->uid);
     protobuf_c_message_free_unpacked(resp, NULL);
     return KVS_OK;
 }

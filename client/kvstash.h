@@ -39,6 +39,7 @@ typedef enum kvs_err {
     KVS_ERR_UNAVAILABLE = -6,  /* daemon not running, or shutting down */
     KVS_ERR_PROTOCOL = -7,     /* unexpected reply, or any other gRPC status */
     KVS_ERR_SYSTEM = -8,       /* a local system call failed (errno in the message) */
+    KVS_ERR_DATA_LOSS = -9,    /* DATA_LOSS: a value in the remote tier is missing or corrupt */
 } kvs_err;
 
 /* A static description of an error code. */
@@ -170,6 +171,34 @@ int kvs_seq_release(kvs_session *s, uint64_t seq_id);
 #define KVS_EXPORT_UID_LEN 32
 int kvs_seq_export(kvs_session *s, uint64_t seq_id, char uid[KVS_EXPORT_UID_LEN + 1]);
 int kvs_seq_import(kvs_session *s, const char *uid, uint64_t *seq_id, uint64_t *appended);
+
+/*
+ * Spilling a sequence's victims to the remote tier (kvstashd --remote;
+ * docs/remote.md "Spill and revive"). kvs_seq_spill moves the evicted
+ * tokens sequence seq_id keeps revivable (its victim blocks, victims=int8;
+ * store.proto SpillSequence says what else) to the remote tier and gives
+ * their memory back; kvs_seq_revive still brings those victims back,
+ * fetching them from the remote tier (it fails with KVS_ERR_DATA_LOSS when
+ * a spilled value is missing or corrupt). A
+ * sequence without such victims spills nothing (out->values 0). On success
+ * *out says what moved (store.proto SpillSequenceResponse).
+ * KVS_ERR_PRECONDITION without a remote tier; KVS_ERR_NOT_FOUND for an
+ * unknown sequence, KVS_ERR_PERMISSION for another worker's; the remote
+ * tier's own errors (KVS_ERR_EXHAUSTED when it is full, KVS_ERR_UNAVAILABLE
+ * when it does not answer in time), and then nothing moved. The daemon's
+ * message says which (kvs_session_error).
+ */
+typedef struct kvs_spill {
+    uint32_t blocks;         /* pool blocks freed by this call */
+    uint32_t values;         /* remote values (keys) written */
+    uint32_t sketches;       /* lists' victims-only sketches freed by this call */
+    uint32_t dropped;        /* victims' blocks dropped or changed meanwhile: not spilled */
+    uint64_t tokens;         /* victims this call spilled */
+    uint64_t bytes;          /* value bytes written */
+    uint64_t spilled_tokens; /* the sequence's victims now in the remote tier, in all */
+    char uid[KVS_EXPORT_UID_LEN + 1]; /* the sequence's remote uid ("" if it never spilled) */
+} kvs_spill;
+int kvs_seq_spill(kvs_session *s, uint64_t seq_id, kvs_spill *out);
 
 /* How a segment is stored (store.proto LayerTable.tier). */
 typedef enum kvs_tier {

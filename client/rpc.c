@@ -98,6 +98,8 @@ int rpc_code_to_err(int code)
     case GRPC_STATUS_UNAVAILABLE:
     case GRPC_STATUS_DEADLINE_EXCEEDED:
         return KVS_ERR_UNAVAILABLE;
+    case GRPC_STATUS_DATA_LOSS:
+        return KVS_ERR_DATA_LOSS;
     default:
         return KVS_ERR_PROTOCOL;
     }

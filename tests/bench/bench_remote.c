@@ -29,6 +29,17 @@
  *       (blocks out of and into the pool, encoding, crc32) shows as a ratio.
  *       The import is checked once: every layer read back on B
  *       (kvs_seq_table, kvs_layer_read) equals what was written on A.
+ *   (3) Spill and revive: on A, a `streaming` sequence (n_sink=4, window=64,
+ *       victims=int8) of that geometry and length, appended and stepped 256
+ *       tokens at a time (--quick: window 16, 64 at a time), so that most
+ *       tokens of each layer are INT8 victims; kvs_seq_spill (wall clock) against a raw SET
+ * pipeline of as many values of the mean spilled value's size, under the spill's own hash tag (its
+ * slot: one master, as the spill); and kvs_seq_revive + kvs_revive_release of every layer over
+ * every position, before the spill (victims in the pool) and after it (fetched from the cluster):
+ *       the difference, the remote part, against a raw GET pipeline of those
+ *       values. A fresh sequence per repetition. Checked: the spill freed
+ *       blocks, every revive gives every position of every layer, and (once)
+ *       the last layer revived after the spill equals it revived before.
  *
  * Ratios are speeds: baseline time over ours (1.0 = as fast; goal for (1):
  * >= 0.7). MB are 10^6 bytes.
@@ -913,6 +924,356 @@ static int migration_run(const bench_cfg *cfg, remote_store *rs, const char *ns,
     return rc;
 }
 
+/* ---- (3) spill and revive ------------------------------------------------- */
+
+#define SPILL_SINKS 4
+
+typedef struct spill_result {
+    uint32_t window, chunk;
+    kvs_spill reply;                  /* the last timed repetition's */
+    size_t value_bytes;               /* reply.bytes / reply.values: the baselines' value size */
+    uint64_t int8_before, int8_after; /* revived tokens that were INT8 victims (all layers) */
+    /* medians: the spill, revive of every layer before and after it, their
+     * difference (the remote part), raw SET and GET of the baseline values */
+    double spill_us, before_us, after_us, remote_us, set_us, get_us;
+    int ok;
+} spill_result;
+
+/* A `streaming` sequence with victims=int8 on s, cfg->tokens tokens
+ * appended, written and stepped `chunk` at a time (each step evicts all but
+ * the sinks and the window: the evicted become INT8 victims). */
+static int spill_seq_build(kvs_session *s, const bench_cfg *cfg, uint32_t window, uint32_t chunk,
+                           uint8_t *k, uint8_t *v, uint64_t *seq)
+{
+    const kvs_geometry *g = &cfg->geom;
+    char sinks[16], win[16];
+    snprintf(sinks, sizeof sinks, "%u", SPILL_SINKS);
+    snprintf(win, sizeof win, "%u", window);
+    const kvs_param params[] = {{"n_sink", sinks}, {"window", win}, {"victims", "int8"}};
+    int krc = kvs_seq_create(s, "streaming", params, 3, PROG "-spill", seq);
+    if (krc != KVS_OK) {
+        report_kvs(s, "kvs_seq_create (streaming)", krc);
+        return -1;
+    }
+    const kvs_step step = {.confidence = -1}; /* streaming needs no statistics */
+    int rc = 0;
+    for (uint32_t at = 0; rc == 0 && at < cfg->tokens; at += chunk) {
+        uint32_t n = cfg->tokens - at < chunk ? cfg->tokens - at : chunk;
+        size_t lb = layer_kv_bytes(g, n);
+        kvs_table w = {0};
+        if ((krc = kvs_seq_append(s, *seq, n, &w)) != KVS_OK) {
+            report_kvs(s, "kvs_seq_append (streaming)", krc);
+            return -1;
+        }
+        for (uint32_t l = 0; rc == 0 && l < g->layers; l++) {
+            uint64_t seed = ((uint64_t)at << 20) + 2ull * l;
+            fill(k, lb, seed), fill(v, lb, seed + 1);
+            if (w.layers != g->layers || w.layer[l].tokens != n) {
+                fprintf(stderr, PROG ": the append gave %u layers, layer %u %u tokens, not %u\n",
+                        w.layers, l, w.layers == g->layers ? w.layer[l].tokens : 0, n);
+                rc = -1;
+            } else if ((krc = kvs_layer_write(s, &w.layer[l], k, v)) != KVS_OK) {
+                report_kvs(s, "kvs_layer_write (streaming)", krc);
+                rc = -1;
+            }
+        }
+        kvs_table_free(&w);
+        if (rc == 0 && (krc = kvs_seq_step(s, *seq, &step, NULL)) != KVS_OK) {
+            report_kvs(s, "kvs_seq_step (streaming)", krc);
+            rc = -1;
+        }
+    }
+    return rc;
+}
+
+/* Revive every layer of seq over all its positions, releasing each scratch
+ * at once, timed into *us; tokens[l]: what layer l gave, *int8: how many
+ * of them were INT8 victims. */
+static int revive_all(kvs_session *s, uint64_t seq, uint32_t layers, uint32_t *tokens,
+                      uint64_t *int8, double *us)
+{
+    *int8 = 0;
+    double t0 = bench_now_us();
+    for (uint32_t l = 0; l < layers; l++) {
+        kvs_revive r;
+        int krc = kvs_seq_revive(s, seq, l, 0, 0, 0, 0, &r);
+        if (krc != KVS_OK) {
+            report_kvs(s, "kvs_seq_revive", krc);
+            return -1;
+        }
+        tokens[l] = r.layer->tokens;
+        *int8 += r.from_int8;
+        if ((krc = kvs_revive_release(s, &r)) != KVS_OK) {
+            report_kvs(s, "kvs_revive_release", krc);
+            return -1;
+        }
+    }
+    *us = bench_now_us() - t0;
+    return 0;
+}
+
+/* Revive layer l of seq over all its `tokens` positions and read it into k, v. */
+static int revive_read(kvs_session *s, uint64_t seq, uint32_t l, uint32_t tokens, uint8_t *k,
+                       uint8_t *v)
+{
+    kvs_revive r;
+    int krc = kvs_seq_revive(s, seq, l, 0, 0, 0, 0, &r);
+    if (krc != KVS_OK) {
+        report_kvs(s, "kvs_seq_revive (read)", krc);
+        return -1;
+    }
+    int rc = 0;
+    if (r.layer->tokens != tokens) {
+        fprintf(stderr, PROG ": layer %u revived %u positions of %u\n", l, r.layer->tokens, tokens);
+        rc = -1;
+    } else if ((krc = kvs_layer_read(s, r.layer, k, v)) != KVS_OK) {
+        report_kvs(s, "kvs_layer_read (revived)", krc);
+        rc = -1;
+    }
+    if ((krc = kvs_revive_release(s, &r)) != KVS_OK) {
+        report_kvs(s, "kvs_revive_release", krc);
+        rc = -1;
+    }
+    return rc;
+}
+
+/* The spill's first value (part v0) is where its key says: under the
+ * spill's hash tag, which the baseline's keys share. */
+static int spill_key_check(remote_store *rs, const char *ns, const char *uid)
+{
+    char key[REMOTE_KEY_CAP];
+    const char *kp = key;
+    remote_buf b = {0};
+    status st;
+    if (remote_key(key, sizeof key, ns, "default", uid, "v0", &st) != ST_OK ||
+        remote_get(rs, &kp, 1, &b, &st) != ST_OK) {
+        report_status("remote_get (spilled value)", &st);
+        return -1;
+    }
+    int found = b.found;
+    remote_bufs_free(&b, 1);
+    if (!found)
+        fprintf(stderr, PROG ": spilled value %s is not in the cluster\n", key);
+    return found ? 0 : -1;
+}
+
+/* The baseline of a spill: n values of `size` bytes under the spill's hash
+ * tag ({default:uid}: its slot, so its master), one raw SET pipeline then
+ * one raw GET pipeline (us[0], us[1]), checked, then deleted. */
+static int spill_baseline(raw_client *raw, remote_store *rs, const char *ns, const char *uid,
+                          const int *owner, size_t n, size_t size, double us[2])
+{
+    char **keys = calloc(n, sizeof *keys);
+    int *node_of = calloc(n, sizeof *node_of);
+    redisReply **got = calloc(n, sizeof *got);
+    uint8_t *vals = malloc(n * size);
+    status st;
+    size_t built = 0; /* keys[0 .. built) exist */
+    int rc = keys && node_of && got && vals ? 0 : -1;
+    if (rc != 0)
+        fprintf(stderr, PROG ": out of memory for %zu values of %zu bytes\n", n, size);
+    for (size_t i = 0; rc == 0 && i < n; i++) {
+        char part[32];
+        snprintf(part, sizeof part, "raw.%zu", i);
+        if ((keys[i] = malloc(REMOTE_KEY_CAP)) == NULL ||
+            remote_key(keys[i], REMOTE_KEY_CAP, ns, "default", uid, part, &st) != ST_OK) {
+            fprintf(stderr, PROG ": baseline key %zu\n", i);
+            rc = -1;
+            break;
+        }
+        built = i + 1;
+        int port = owner[redis_cluster_key_slot(keys[i], strlen(keys[i]))];
+        node_of[i] = -1;
+        for (int m = 0; m < raw->nmasters; m++)
+            if (raw->ports[m] == port)
+                node_of[i] = m;
+        if (node_of[i] < 0) {
+            fprintf(stderr, PROG ": no raw connection to the master of %s\n", keys[i]);
+            rc = -1;
+        }
+        fill(vals + i * size, size, 991 + i);
+    }
+    double t0 = bench_now_us();
+    if (rc == 0)
+        rc = raw_run(raw, keys, node_of, n, vals, size, NULL);
+    double t1 = bench_now_us();
+    if (rc == 0)
+        rc = raw_run(raw, keys, node_of, n, NULL, size, got);
+    double t2 = bench_now_us();
+    for (size_t i = 0; got != NULL && i < n; i++) {
+        if (rc == 0 && memcmp(got[i]->str, vals + i * size, size) != 0) {
+            fprintf(stderr, PROG ": raw GET of %s: not the value set\n", keys[i]);
+            rc = -1;
+        }
+        if (got[i] != NULL)
+            freeReplyObject(got[i]);
+    }
+    if (built > 0 && remote_del(rs, (const char *const *)keys, built, &st) != ST_OK) {
+        report_status("remote_del (spill baseline)", &st);
+        rc = -1;
+    }
+    us[0] = t1 - t0, us[1] = t2 - t1;
+    for (size_t i = 0; keys != NULL && i < n; i++)
+        free(keys[i]);
+    free(keys), free(node_of), free(got), free(vals);
+    return rc;
+}
+
+/* Both revives gave every position of every layer. */
+static int revive_counts_check(const uint32_t *before, const uint32_t *after, uint32_t layers,
+                               uint32_t tokens)
+{
+    for (uint32_t l = 0; l < layers; l++)
+        if (before[l] != tokens || after[l] != tokens) {
+            fprintf(stderr,
+                    PROG ": layer %u revived %u positions before the spill and %u after, of %u\n",
+                    l, before[l], after[l], tokens);
+            return -1;
+        }
+    return 0;
+}
+
+/* One repetition: a fresh sequence, revived, spilled, revived, then the
+ * baselines; checked, and (first) its last layer compared across the spill. */
+static int spill_once(const bench_cfg *cfg, kvs_session *s, remote_store *rs, raw_client *raw,
+                      const char *ns, const int *owner, int first, spill_result *res,
+                      uint8_t *bufs[4], uint32_t *before, uint32_t *after, double us[5])
+{
+    const kvs_geometry *g = &cfg->geom;
+    uint32_t last = g->layers - 1;
+    uint64_t seq = 0;
+    int krc, rc = spill_seq_build(s, cfg, res->window, res->chunk, bufs[0], bufs[1], &seq);
+    if (rc == 0 && first)
+        rc = revive_read(s, seq, last, cfg->tokens, bufs[0], bufs[1]);
+    if (rc == 0)
+        rc = revive_all(s, seq, g->layers, before, &res->int8_before, &us[1]);
+    kvs_spill *sp = &res->reply;
+    memset(sp, 0, sizeof *sp);
+    double t0 = bench_now_us();
+    if (rc == 0 && (krc = kvs_seq_spill(s, seq, sp)) != KVS_OK) {
+        report_kvs(s, "kvs_seq_spill", krc);
+        rc = -1;
+    }
+    us[0] = bench_now_us() - t0;
+    if (rc == 0 && (sp->blocks == 0 || sp->values == 0 || sp->spilled_tokens != sp->tokens)) {
+        fprintf(stderr,
+                PROG ": the spill freed %u blocks, wrote %u values, %" PRIu64
+                     " victims of which %" PRIu64 " are remote (%u dropped)\n",
+                sp->blocks, sp->values, sp->tokens, sp->spilled_tokens, sp->dropped);
+        rc = -1;
+    }
+    if (rc == 0)
+        rc = revive_all(s, seq, g->layers, after, &res->int8_after, &us[2]);
+    if (rc == 0)
+        rc = revive_counts_check(before, after, g->layers, cfg->tokens);
+    if (rc == 0 && first)
+        rc = revive_read(s, seq, last, cfg->tokens, bufs[2], bufs[3]);
+    if (rc == 0 && first) {
+        size_t lb = layer_kv_bytes(g, cfg->tokens);
+        if (memcmp(bufs[0], bufs[2], lb) != 0 || memcmp(bufs[1], bufs[3], lb) != 0) {
+            fprintf(stderr, PROG ": layer %u revived after the spill differs from before it\n",
+                    last);
+            rc = -1;
+        }
+    }
+    if (rc == 0 && first)
+        rc = spill_key_check(rs, ns, sp->uid);
+    if (rc == 0) {
+        res->value_bytes = sp->bytes / sp->values;
+        rc = spill_baseline(raw, rs, ns, sp->uid, owner, sp->values, res->value_bytes, &us[3]);
+    }
+    if (seq != 0 && (krc = kvs_seq_release(s, seq)) != KVS_OK) {
+        report_kvs(s, "kvs_seq_release (streaming)", krc);
+        rc = -1;
+    }
+    return rc;
+}
+
+static int spill_run(const bench_cfg *cfg, remote_store *rs, raw_client *raw, const char *ns,
+                     const char *sock, const int *owner, spill_result *res)
+{
+    const kvs_geometry *g = &cfg->geom;
+    size_t lb = layer_kv_bytes(g, cfg->tokens);
+    memset(res, 0, sizeof *res);
+    res->window = cfg->quick ? 16 : 64;
+    res->chunk = cfg->quick ? 64 : 256;
+    uint8_t *bufs[4] = {malloc(lb), malloc(lb), malloc(lb), malloc(lb)};
+    uint32_t *before = calloc(g->layers, sizeof *before);
+    uint32_t *after = calloc(g->layers, sizeof *after);
+    kvs_session *s = NULL;
+    char err[512];
+    int rc = bufs[0] && bufs[1] && bufs[2] && bufs[3] && before && after ? 0 : -1, krc;
+    if (rc == 0 && (krc = kvs_session_attach_tenant(sock, "", "llama-3-8b-bench", g, PROG "-spill",
+                                                    &s, err, sizeof err)) != KVS_OK) {
+        fprintf(stderr, PROG ": attach A (spill): %s: %s\n", kvs_strerror(krc), err);
+        rc = -1;
+    }
+    double sp[8], bf[8], af[8], rm[8], set[8], get[8];
+    int first = cfg->quick ? 0 : -1; /* -1: the warm-up */
+    for (int r = first; rc == 0 && r < cfg->reps; r++) {
+        double us[5] = {0}; /* spill, revive before, revive after, raw SET, raw GET */
+        rc = spill_once(cfg, s, rs, raw, ns, owner, r == first, res, bufs, before, after, us);
+        if (rc == 0 && r >= 0) {
+            sp[r] = us[0], bf[r] = us[1], af[r] = us[2], rm[r] = us[2] - us[1];
+            set[r] = us[3], get[r] = us[4];
+        }
+    }
+    if (rc == 0) {
+        size_t reps = (size_t)cfg->reps;
+        res->spill_us = bench_median(sp, reps), res->before_us = bench_median(bf, reps);
+        res->after_us = bench_median(af, reps), res->remote_us = bench_median(rm, reps);
+        res->set_us = bench_median(set, reps), res->get_us = bench_median(get, reps);
+        res->ok = 1;
+    }
+    if (s != NULL && kvs_session_detach(s) != KVS_OK)
+        rc = -1;
+    for (int i = 0; i < 4; i++)
+        free(bufs[i]);
+    free(before), free(after);
+    return rc;
+}
+
+static void spill_print(const bench_cfg *cfg, const spill_result *r)
+{
+    const kvs_geometry *g = &cfg->geom;
+    const kvs_spill *sp = &r->reply;
+    printf("\n(3) spill and revive of a `streaming` sequence (n_sink=%u, window=%u, "
+           "victims=int8): %u tokens x %u layers x %u KV heads x %u fp16, %u-token blocks, "
+           "appended and stepped %u at a time, median of %d\n",
+           SPILL_SINKS, r->window, cfg->tokens, g->layers, g->kv_heads, g->head_dim,
+           g->block_tokens, r->chunk, cfg->reps);
+    if (!r->ok) {
+        printf("(did not run)\n");
+        return;
+    }
+    char total[32];
+    if (sp->bytes >= 1000000)
+        snprintf(total, sizeof total, "%.1f MB", (double)sp->bytes / MB);
+    else
+        snprintf(total, sizeof total, "%" PRIu64 " bytes", sp->bytes);
+    printf("spilled: %" PRIu64 " victims (%" PRIu64 " per layer) from %u pool blocks, %s in %u "
+           "values of %zu bytes on average (one hash slot: one master); revived from INT8: "
+           "%" PRIu64 " before, %" PRIu64 " after\n",
+           sp->tokens, sp->tokens / g->layers, sp->blocks, total, sp->values, r->value_bytes,
+           r->int8_before, r->int8_after);
+    size_t bytes = sp->bytes;
+    printf("%-52s %10s %8s\n", "", "ms", "MB/s");
+    printf("%-52s %10.1f %8.0f\n", "kvs_seq_spill", r->spill_us / 1e3, mbps(bytes, r->spill_us));
+    printf("%-52s %10.1f %8.0f\n", "raw SET pipeline of as many values (same slot)",
+           r->set_us / 1e3, mbps(bytes, r->set_us));
+    printf("%-52s %10.1f\n", "revive + release, every layer, before the spill", r->before_us / 1e3);
+    printf("%-52s %10.1f\n", "revive + release, every layer, after the spill", r->after_us / 1e3);
+    printf("%-52s %10.1f %8.0f\n", "  after - before: the remote part", r->remote_us / 1e3,
+           mbps(bytes, r->remote_us));
+    printf("%-52s %10.1f %8.0f\n", "raw GET pipeline of those values", r->get_us / 1e3,
+           mbps(bytes, r->get_us));
+    printf("ratios (baseline time over ours; goal >= 0.7): spill / raw SET %.2f, revive's "
+           "remote part / raw GET %.2f; revive after / before %.2f%s\n",
+           r->set_us / r->spill_us, r->remote_us > 0 ? r->get_us / r->remote_us : 0,
+           r->after_us / r->before_us,
+           cfg->quick ? " (--quick: one cold repetition, not a measurement)" : "");
+}
+
 static void migration_print(const bench_cfg *cfg, const mig_result *r)
 {
     const kvs_geometry *g = &cfg->geom;
@@ -1076,7 +1437,7 @@ int main(int argc, char **argv)
         return 1;
     }
     raw_client raw;
-    int failed = raw_open(&raw, masters, nmasters) != 0;
+    int raw_ok = raw_open(&raw, masters, nmasters) == 0, failed = !raw_ok;
 
     store_row rows[MAX_SIZES];
     memset(rows, 0, sizeof rows);
@@ -1085,7 +1446,6 @@ int main(int argc, char **argv)
         if (store_size_run(&cfg, rs, &raw, owner, masters, nmasters, &rows[i]) != 0)
             failed = 1;
     }
-    raw_close(&raw);
     store_print(rows, cfg.nsizes, nmasters, cfg.quick);
     fflush(stdout);
 
@@ -1093,6 +1453,13 @@ int main(int argc, char **argv)
     if (migration_run(&cfg, rs, ns, sock_a, sock_b, &mig) != 0)
         failed = 1;
     migration_print(&cfg, &mig);
+    fflush(stdout);
+
+    spill_result spill = {0};
+    if (raw_ok && spill_run(&cfg, rs, &raw, ns, sock_a, owner, &spill) != 0)
+        failed = 1;
+    spill_print(&cfg, &spill);
+    raw_close(&raw);
     remote_close(rs);
 
     for (int i = 0; i < 2; i++) {

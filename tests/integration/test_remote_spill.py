@@ -253,7 +253,8 @@ def check_corrupt_or_missing_value_is_data_loss(ctx):
             cluster.call(owner_port(key), "DEL", key)
         w.step()
         err = w.finish(code=2)
-        assert "remote tier" in err and needle in err, (needle, err)
+        # libkvstash's KVS_ERR_DATA_LOSS, the daemon's message behind it
+        assert "data lost in the remote tier (remote tier: " in err and needle in err, (needle, err)
     assert ctx.daemon.stats().serving  # and the daemon serves on
 
 

@@ -18,7 +18,7 @@ import pkgutil
 # live in another directory named kvstash: let them be found as subpackages.
 __path__ = pkgutil.extend_path(__path__, __name__)
 
-from .errors import (FailedPrecondition, InvalidArgument, KvstashError,  # noqa: E402
+from .errors import (DataLoss, FailedPrecondition, InvalidArgument, KvstashError,  # noqa: E402
                      NotFound, PermissionDenied, ProtocolError, ResourceExhausted, SystemError_,
                      Unavailable, Unsupported)
 from .events import Event, Events, events  # noqa: E402
@@ -37,5 +37,5 @@ __all__ = [
     "TIER_INT2", "TIER_SKETCH",
     "NO_BLOCK", "KvstashError", "InvalidArgument", "NotFound", "PermissionDenied",
     "FailedPrecondition", "ResourceExhausted", "Unavailable", "ProtocolError", "SystemError_",
-    "Unsupported",
+    "DataLoss", "Unsupported",
 ]

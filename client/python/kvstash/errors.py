@@ -18,6 +18,7 @@ KVS_ERR_EXHAUSTED = -5
 KVS_ERR_UNAVAILABLE = -6
 KVS_ERR_PROTOCOL = -7
 KVS_ERR_SYSTEM = -8
+KVS_ERR_DATA_LOSS = -9
 
 
 class KvstashError(Exception):
@@ -74,6 +75,12 @@ class SystemError_(KvstashError):
     code = KVS_ERR_SYSTEM
 
 
+class DataLoss(KvstashError):
+    """KVS_ERR_DATA_LOSS: a value in the remote tier is missing or corrupt
+    (a spilled victim or an export: expired, flushed, damaged)."""
+    code = KVS_ERR_DATA_LOSS
+
+
 class Unsupported(KvstashError):
     """What the binding cannot do here, e.g. a numpy view of a pool that is
     not host memory (the shadow backend). Not a kvs_err: code is None."""
@@ -81,7 +88,8 @@ class Unsupported(KvstashError):
 
 BY_CODE: Dict[int, Type[KvstashError]] = {
     cls.code: cls for cls in (InvalidArgument, NotFound, PermissionDenied, FailedPrecondition,
-                              ResourceExhausted, Unavailable, ProtocolError, SystemError_)
+                              ResourceExhausted, Unavailable, ProtocolError, SystemError_,
+                              DataLoss)
 }
 
 

@@ -1,12 +1,14 @@
 """fake_kvstashd.py - a stand-in daemon that misbehaves on purpose, for the
-error paths a real kvstashd never takes: libkvstash's KVS_ERR_PROTOCOL and
-KVS_ERR_SYSTEM.
+error paths a real kvstashd never takes (or takes only with a remote tier
+that lost a value): libkvstash's KVS_ERR_PROTOCOL, KVS_ERR_SYSTEM and
+KVS_ERR_DATA_LOSS.
 
 argv: SOCKET MODE. It serves the fd socket (SOCKET.fd: HELLO, MAP, as
 docs/protocol.md says) and the gRPC Store's Attach on SOCKET (Python's
 grpcio), prints READY, and runs until killed. MODE:
-  data-loss      Attach fails with gRPC DATA_LOSS, a status libkvstash maps
+  aborted        Attach fails with gRPC ABORTED, a status libkvstash maps
                  to no other kvs_err (PROTOCOL), with a message of its own
+  data-loss      Attach fails with gRPC DATA_LOSS (DATA_LOSS)
   readonly-pool  Attach succeeds; MAP hands over a read-only file, so the
                  worker's mmap(PROT_WRITE, MAP_SHARED) fails (SYSTEM)
 """
@@ -23,6 +25,7 @@ from kvstash.v1 import store_pb2 as pb
 from kvstash.v1 import store_pb2_grpc as pb_grpc
 
 DATA_LOSS_MESSAGE = "fake kvstashd: the pool went missing (DATA_LOSS on purpose)"
+ABORTED_MESSAGE = "fake kvstashd: gave up (ABORTED on purpose)"
 POOL_BLOCKS = 4
 
 
@@ -34,6 +37,8 @@ class Store(pb_grpc.StoreServicer):
     def Attach(self, request, context):
         if self.mode == "data-loss":
             context.abort(grpc.StatusCode.DATA_LOSS, DATA_LOSS_MESSAGE)
+        if self.mode == "aborted":
+            context.abort(grpc.StatusCode.ABORTED, ABORTED_MESSAGE)
         g = request.geometry
         elt = 4 if g.dtype == pb.DTYPE_FP32 else 2
         block_bytes = 2 * g.kv_heads * g.block_tokens * g.head_dim * elt

@@ -18,7 +18,8 @@ GEO = Geometry(layers=2, q_heads=4, kv_heads=2, head_dim=8, block_tokens=4)
 def test_classes_carry_the_kvs_err_codes():
     codes = {kvstash.InvalidArgument: -1, kvstash.NotFound: -2, kvstash.PermissionDenied: -3,
              kvstash.FailedPrecondition: -4, kvstash.ResourceExhausted: -5,
-             kvstash.Unavailable: -6, kvstash.ProtocolError: -7, kvstash.SystemError_: -8}
+             kvstash.Unavailable: -6, kvstash.ProtocolError: -7, kvstash.SystemError_: -8,
+             kvstash.DataLoss: -9}
     for cls, code in codes.items():
         assert issubclass(cls, kvstash.KvstashError) and cls.code == code
         assert cls("m").code == code
@@ -142,11 +143,23 @@ def fake_daemon(mode):
 
 
 def test_protocol_unexpected_grpc_status():
-    proc, sock = fake_daemon("data-loss")
+    proc, sock = fake_daemon("aborted")
     try:
         with pytest.raises(kvstash.ProtocolError) as e:
             Session.attach("m", GEO, socket=sock)
         assert e.value.code == -7
+        assert "gave up (ABORTED on purpose)" in str(e.value), str(e.value)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_data_loss():
+    proc, sock = fake_daemon("data-loss")
+    try:
+        with pytest.raises(kvstash.DataLoss) as e:
+            Session.attach("m", GEO, socket=sock)
+        assert e.value.code == -9
         assert "the pool went missing (DATA_LOSS on purpose)" in str(e.value), str(e.value)
     finally:
         proc.kill()
