@@ -4,8 +4,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <zlib.h>
 
+#include "checksum.h"
 #include "kernels.h"
 #include "policy.h"
 
@@ -22,7 +22,10 @@ static const uint8_t block_tiers[BLOCK_TIERS] = {POLICY_FULL, POLICY_INT8, POLIC
 /* common */
 static int tier_index(unsigned t);
 static int lowbit(unsigned t);
+static uint8_t value_kind(uint8_t tier);
 static size_t geometry_block_bytes(const pool_geometry *g);
+static size_t sketch_cell_bytes(const pool_geometry *g, uint32_t heads);
+static uint32_t sketch_tokens(const seq_export_list *ls);
 static uint64_t slots_max(const pool_geometry *g, size_t block_bytes);
 static uint64_t list_cap(uint64_t blocks, uint64_t slots);
 static void data_part(char *out, uint32_t list, uint32_t heads, uint8_t tier);
@@ -40,23 +43,23 @@ static size_t group_of(const seq_export *x, size_t b);
 static status_code encode_manifest(const seq_export *x, const pool_geometry *g,
                                    uint32_t quant_group, size_t block_bytes, const char *ns,
                                    const char *tenant, const char *uid, const char *key,
-                                   json_t *entries, remote_kv *kv, status *st);
+                                   json_t *entries, json_t *sketches, remote_kv *kv, status *st);
 static status_code check_export(const seq_export *x, const pool_geometry *g, size_t block_bytes,
                                 status *st);
 static status_code check_list(const seq_export *x, uint32_t li, uint64_t nblocks_of_list,
-                              uint64_t slots, status *st);
+                              uint64_t slots, size_t cell, status *st);
 static status_code check_at(const seq_export *x, uint32_t li, const char *what, size_t j,
                             const tier_token *at, status *st);
 static int utf8_ok(const char *s);
 static status_code encode_data(const seq_export *x, const pool_geometry *g, uint32_t quant_group,
                                size_t block_bytes, const uint8_t *bytes, const char *ns,
                                const char *tenant, const char *uid, uint32_t li, uint8_t tier,
-                               const uint32_t *blocks, size_t nb, remote_kv *kv, json_t *entries,
+                               const uint32_t *blocks, size_t nb, remote_kv *kv, json_t **entry,
                                status *st);
 static json_t *build_manifest(const seq_export *x, const char *ns, const char *tenant,
                               const char *uid, size_t block_bytes, uint32_t quant_group,
-                              json_t *entries);
-static json_t *build_list(const seq_export_list *ls);
+                              json_t *entries, json_t *sketches);
+static json_t *build_list(const seq_export_list *ls, json_t *sketch);
 static json_t *runs_of_positions(const uint32_t *pos, size_t n);
 static json_t *runs_of_tiers(const uint8_t *t, size_t n);
 static json_t *runs_of_at(const tier_token *at, size_t n);
@@ -73,6 +76,8 @@ static status_code parse_list(json_t *o, uint32_t li, migrate_plan *p, uint64_t 
                               status *st);
 static status_code parse_attn(json_t *j, const char *where, seq_export_list *ls, status *st);
 static status_code parse_list_rest(json_t *o, const char *where, seq_export_list *ls, status *st);
+static status_code parse_sketch(json_t *j, const char *where, uint32_t li, migrate_plan *p,
+                                status *st);
 static const char *path(char *buf, const char *where, const char *name);
 static status_code finish_data(migrate_plan *p, status *st);
 static status_code fields(json_t *o, const char *where, const char *const *names, size_t n,
@@ -92,6 +97,8 @@ static status_code runs_positions(json_t *a, const char *what, uint64_t limit, u
 static status_code runs_tiers(json_t *a, const char *what, uint8_t *out, size_t n, status *st);
 static status_code runs_at(json_t *a, const char *what, const migrate_plan *p, tier_token *out,
                            size_t n, status *st);
+static status_code decode_sketch(migrate_plan *p, const migrate_data *d, const uint8_t *payload,
+                                 status *st);
 
 /* ---- common --------------------------------------------------------------- */
 
@@ -106,6 +113,31 @@ static int tier_index(unsigned t)
 static int lowbit(unsigned t)
 {
     return t == POLICY_INT4 || t == POLICY_INT2;
+}
+
+/* A data value's kind: sketch cells, or blocks of tokens. */
+static uint8_t value_kind(uint8_t tier)
+{
+    return tier == POLICY_SKETCH ? REMOTE_VALUE_SKETCH : REMOTE_VALUE_TOKENS;
+}
+
+/* Bytes of one cell of a list's sketch (tier_sketch_bytes_for of one
+ * cell): a list of per-head lists (heads > 1) holds one head's rows, an
+ * all-heads list every head's (seq.c list_layout). A list's sketch is a
+ * positive multiple of it. */
+static size_t sketch_cell_bytes(const pool_geometry *g, uint32_t heads)
+{
+    size_t dim = (size_t)(heads > 1 ? 1 : g->kv_heads) * g->head_dim;
+    return tier_sketch_bytes_for(1, 1, dim);
+}
+
+/* The list's held tokens in its sketch. */
+static uint32_t sketch_tokens(const seq_export_list *ls)
+{
+    uint32_t n = 0;
+    for (uint32_t j = 0; j < ls->ntokens; j++)
+        n += ls->at[j].tier == POLICY_SKETCH;
+    return n;
 }
 
 static size_t geometry_block_bytes(const pool_geometry *g)
@@ -244,30 +276,46 @@ status_code migrate_encode(const seq_export *x, const pool_geometry *g, uint32_t
     if (x->nblocks > 0 && bytes == NULL)
         return status_set(st, ST_INVALID_ARGUMENT, "migrate: %zu blocks but no bytes", x->nblocks);
 
-    size_t ngroups = (size_t)x->layers * x->heads * BLOCK_TIERS, nvalues = 1;
+    size_t nlists = (size_t)x->layers * x->heads, ngroups = nlists * BLOCK_TIERS, nvalues = 1;
     size_t *end = calloc(ngroups, sizeof *end);
     uint32_t *order = malloc((x->nblocks ? x->nblocks : 1) * sizeof *order);
-    json_t *entries = json_array();
+    json_t *entries = json_array(), *sketches = json_array();
     status_code rc = ST_OK;
-    if (end == NULL || order == NULL || entries == NULL)
+    if (end == NULL || order == NULL || entries == NULL || sketches == NULL)
         goto oom;
     group_blocks(x, end, order);
     for (size_t k = 0; k < ngroups; k++)
         nvalues += end[k] > (k ? end[k - 1] : 0);
+    for (size_t li = 0; li < nlists; li++)
+        nvalues += x->lists[li].sketch_bytes > 0;
     if ((out->kv = calloc(nvalues, sizeof *out->kv)) == NULL)
         goto oom;
     for (size_t k = 0; k < ngroups && rc == ST_OK; k++) {
         size_t start = k ? end[k - 1] : 0;
         if (end[k] == start)
             continue;
+        json_t *e = NULL;
         rc = encode_data(x, g, quant_group, block_bytes, bytes, ns, tenant, uid,
                          (uint32_t)(k / BLOCK_TIERS), block_tiers[k % BLOCK_TIERS], order + start,
-                         end[k] - start, &out->kv[out->n], entries, st);
+                         end[k] - start, &out->kv[out->n], &e, st);
         out->n += rc == ST_OK;
+        if (rc == ST_OK && json_array_append_new(entries, e) != 0)
+            goto oom;
+    }
+    /* Each list's sketch: a value of its own, named by the list's entry. */
+    for (size_t li = 0; li < nlists && rc == ST_OK; li++) {
+        json_t *e = json_null();
+        if (x->lists[li].sketch_bytes > 0) {
+            rc = encode_data(x, g, quant_group, block_bytes, bytes, ns, tenant, uid, (uint32_t)li,
+                             POLICY_SKETCH, NULL, 0, &out->kv[out->n], &e, st);
+            out->n += rc == ST_OK;
+        }
+        if (rc == ST_OK && json_array_append_new(sketches, e) != 0)
+            goto oom;
     }
     if (rc == ST_OK) {
         rc = encode_manifest(x, g, quant_group, block_bytes, ns, tenant, uid, key, entries,
-                             &out->kv[out->n], st);
+                             sketches, &out->kv[out->n], st);
         entries = NULL; /* taken */
         out->n += rc == ST_OK;
     }
@@ -277,6 +325,7 @@ oom:
                     x->nblocks);
 done:
     json_decref(entries);
+    json_decref(sketches);
     free(order);
     free(end);
     for (size_t i = 0; i < out->n; i++)
@@ -315,9 +364,9 @@ static size_t group_of(const seq_export *x, size_t b)
 static status_code encode_manifest(const seq_export *x, const pool_geometry *g,
                                    uint32_t quant_group, size_t block_bytes, const char *ns,
                                    const char *tenant, const char *uid, const char *key,
-                                   json_t *entries, remote_kv *kv, status *st)
+                                   json_t *entries, json_t *sketches, remote_kv *kv, status *st)
 {
-    json_t *root = build_manifest(x, ns, tenant, uid, block_bytes, quant_group, entries);
+    json_t *root = build_manifest(x, ns, tenant, uid, block_bytes, quant_group, entries, sketches);
     size_t tlen = root ? json_dumpb(root, NULL, 0, JSON_COMPACT) : 0;
     remote_value_header h = header_of(g, REMOTE_VALUE_MANIFEST, POLICY_FULL, 0, 0, 0, 0, tlen);
     size_t size = remote_value_size(&h);
@@ -414,22 +463,29 @@ static status_code check_export(const seq_export *x, const pool_geometry *g, siz
             per_list[x->block_list[b]]++;
     }
     uint64_t slots = slots_max(g, block_bytes);
+    size_t cell = sketch_cell_bytes(g, x->heads);
     for (uint32_t li = 0; li < nlists && rc == ST_OK; li++)
-        rc = check_list(x, li, per_list[li], slots, st);
+        rc = check_list(x, li, per_list[li], slots, cell, st);
     free(per_list);
     return rc;
 }
 
 static status_code check_list(const seq_export *x, uint32_t li, uint64_t nblocks_of_list,
-                              uint64_t slots, status *st)
+                              uint64_t slots, size_t cell, status *st)
 {
     const seq_export_list *ls = &x->lists[li];
     if ((ls->ntokens > 0 && (ls->positions == NULL || ls->tiers == NULL || ls->at == NULL)) ||
         (ls->nvictims > 0 && (ls->victims == NULL || ls->victim_at == NULL)) ||
-        (ls->nvictim_blocks > 0 && ls->victim_blocks == NULL))
+        (ls->nvictim_blocks > 0 && ls->victim_blocks == NULL) ||
+        (ls->sketch_bytes > 0 && ls->sketch == NULL))
         return status_set(st, ST_INVALID_ARGUMENT, "migrate: list %u: an array is NULL", li);
+    if (ls->sketch_bytes % cell != 0 || ls->sketch_bytes > JSON_INT_MAX / 2)
+        return status_set(st, ST_INVALID_ARGUMENT,
+                          "migrate: list %u: a sketch of %zu bytes, not cells of %zu", li,
+                          ls->sketch_bytes, cell);
+    /* A sketch holds any number of tokens: only appended bounds its list. */
     uint64_t held = (uint64_t)ls->ntokens + ls->nvictims;
-    if (held > x->appended || held > list_cap(nblocks_of_list, slots))
+    if (held > x->appended || (ls->sketch_bytes == 0 && held > list_cap(nblocks_of_list, slots)))
         return status_set(st, ST_INVALID_ARGUMENT,
                           "migrate: list %u: %u tokens and %zu victims, %llu appended, %llu "
                           "blocks",
@@ -465,11 +521,14 @@ static status_code check_list(const seq_export *x, uint32_t li, uint64_t nblocks
 static status_code check_at(const seq_export *x, uint32_t li, const char *what, size_t j,
                             const tier_token *at, status *st)
 {
-    if (at->tier == POLICY_SKETCH)
-        return status_set(st, ST_INVALID_ARGUMENT,
-                          "migrate: list %u: %s %zu is in the sketch: an export cannot carry "
-                          "sketches",
-                          li, what, j);
+    if (at->tier == POLICY_SKETCH) {
+        if (x->lists[li].sketch_bytes == 0 || at->block != MIGRATE_SKETCH_BLOCK || at->slot != 0)
+            return status_set(st, ST_INVALID_ARGUMENT,
+                              "migrate: list %u: %s %zu is in the sketch at block %u slot %u: "
+                              "want a list with a sketch, block TIER_NO_BLOCK, slot 0",
+                              li, what, j, at->block, at->slot);
+        return ST_OK;
+    }
     if (at->block >= x->nblocks || x->block_list[at->block] != li ||
         x->block_tier[at->block] != at->tier || at->slot == UINT32_MAX)
         return status_set(st, ST_INVALID_ARGUMENT,
@@ -493,11 +552,13 @@ static int utf8_ok(const char *s)
 }
 
 /* The data value of list li's blocks of `tier` (their export indices
- * blocks[0..nb), ascending) into *kv, and its manifest entry. */
+ * blocks[0..nb), ascending), or of its sketch (tier POLICY_SKETCH, no
+ * blocks), into *kv, and its manifest entry into *entry (a new reference):
+ * {key, list, tier, size, crc, blocks}, or a sketch's {key, size, crc}. */
 static status_code encode_data(const seq_export *x, const pool_geometry *g, uint32_t quant_group,
                                size_t block_bytes, const uint8_t *bytes, const char *ns,
                                const char *tenant, const char *uid, uint32_t li, uint8_t tier,
-                               const uint32_t *blocks, size_t nb, remote_kv *kv, json_t *entries,
+                               const uint32_t *blocks, size_t nb, remote_kv *kv, json_t **entry,
                                status *st)
 {
     const seq_export_list *ls = &x->lists[li];
@@ -514,8 +575,10 @@ static status_code encode_data(const seq_export *x, const pool_geometry *g, uint
     char part[PART_CAP], key[REMOTE_KEY_CAP];
     data_part(part, li, x->heads, tier);
     /* nb * block_bytes <= nblocks * block_bytes, the caller's buffer. */
-    remote_value_header h = header_of(g, REMOTE_VALUE_TOKENS, tier, quant_group, li / x->heads,
-                                      li % x->heads, npos, (uint64_t)nb * block_bytes);
+    int sketch = tier == POLICY_SKETCH;
+    uint64_t plen = sketch ? ls->sketch_bytes : (uint64_t)nb * block_bytes;
+    remote_value_header h =
+        header_of(g, value_kind(tier), tier, quant_group, li / x->heads, li % x->heads, npos, plen);
     size_t size = remote_value_size(&h);
     uint8_t *val = NULL;
     status_code rc = remote_key(key, sizeof key, ns, tenant, uid, part, st);
@@ -526,6 +589,8 @@ static status_code encode_data(const seq_export *x, const pool_geometry *g, uint
         goto done;
     }
     uint8_t *payload = val + remote_value_payload_offset(&h);
+    if (sketch)
+        memcpy(payload, ls->sketch, ls->sketch_bytes);
     for (size_t k = 0; k < nb; k++)
         memcpy(payload + k * block_bytes, bytes + (size_t)blocks[k] * block_bytes, block_bytes);
     rc = remote_value_encode(&h, pos, payload, val, size, st);
@@ -533,22 +598,27 @@ static status_code encode_data(const seq_export *x, const pool_geometry *g, uint
         restate(st, ST_INVALID_ARGUMENT, part);
         goto done;
     }
-    json_t *e = json_object(), *jb = json_array();
+    json_t *e = json_object();
     int bad = json_object_set_new(e, "key", json_string(key)) |
-              json_object_set_new(e, "list", json_integer(li)) |
-              json_object_set_new(e, "tier", json_integer(tier)) |
               json_object_set_new(e, "size", json_integer((json_int_t)size)) |
-              json_object_set_new(e, "crc", json_integer((json_int_t)crc32_z(0L, val, size)));
-    for (size_t k = 0; k < nb && !bad; k++)
-        bad |= jpush(jb, blocks[k]);
-    bad |= json_object_set_new(e, "blocks", jb) | json_array_append_new(entries, e);
+              json_object_set_new(e, "crc", json_integer((json_int_t)checksum_crc32(0, val, size)));
+    if (!sketch) {
+        json_t *jb = json_array();
+        for (size_t k = 0; k < nb && !bad; k++)
+            bad |= jpush(jb, blocks[k]);
+        bad |= json_object_set_new(e, "list", json_integer(li)) |
+               json_object_set_new(e, "tier", json_integer(tier)) |
+               json_object_set_new(e, "blocks", jb);
+    }
     char *k = strdup(key);
     if (bad || k == NULL) {
+        json_decref(e);
         free(k);
         rc = status_set(st, ST_RESOURCE_EXHAUSTED, "migrate: out of memory for %s", part);
         goto done;
     }
     *kv = (remote_kv){k, val, size};
+    *entry = e;
     val = NULL;
 done:
     free(val);
@@ -578,7 +648,7 @@ static json_t *states_array(const seq_export *x)
 
 static json_t *build_manifest(const seq_export *x, const char *ns, const char *tenant,
                               const char *uid, size_t block_bytes, uint32_t quant_group,
-                              json_t *entries)
+                              json_t *entries, json_t *sketches)
 {
     json_t *o = json_object(), *params = json_array(), *moved = json_array(), *lists = json_array();
     int bad = 0;
@@ -592,7 +662,8 @@ static json_t *build_manifest(const seq_export *x, const char *ns, const char *t
         bad |= jpush(moved, x->moved[t]);
     size_t nlists = (size_t)x->layers * x->heads;
     for (size_t li = 0; li < nlists && !bad; li++)
-        bad |= json_array_append_new(lists, build_list(&x->lists[li]));
+        bad |=
+            json_array_append_new(lists, build_list(&x->lists[li], json_array_get(sketches, li)));
     bad |= json_object_set_new(o, "format", json_integer(MIGRATE_FORMAT)) |
            json_object_set_new(o, "ns", json_string(ns)) |
            json_object_set_new(o, "tenant", json_string(tenant)) |
@@ -620,7 +691,8 @@ static json_t *build_manifest(const seq_export *x, const char *ns, const char *t
     return o;
 }
 
-static json_t *build_list(const seq_export_list *ls)
+/* List ls's object; sketch (borrowed) its sketch's entry, or null. */
+static json_t *build_list(const seq_export_list *ls, json_t *sketch)
 {
     json_t *o = json_object(), *tail = json_null();
     int bad = 0;
@@ -641,7 +713,8 @@ static json_t *build_list(const seq_export_list *ls)
            json_object_set_new(o, "victims", runs_of_positions(ls->victims, ls->nvictims)) |
            json_object_set_new(o, "victim_at", runs_of_at(ls->victim_at, ls->nvictims)) |
            json_object_set_new(o, "victim_blocks", vb) | json_object_set_new(o, "tail", tail) |
-           json_object_set_new(o, "demote_due", json_integer(ls->demote_due));
+           json_object_set_new(o, "demote_due", json_integer(ls->demote_due)) |
+           json_object_set(o, "sketch", sketch ? sketch : json_null());
     if (bad) {
         json_decref(o);
         return NULL;
@@ -689,14 +762,16 @@ static json_t *runs_of_tiers(const uint8_t *t, size_t n)
 }
 
 /* [block, slot, count, ...]: count tokens at consecutive slots of block
- * (slots below UINT32_MAX: check_at). */
+ * (slots below UINT32_MAX: check_at), or count tokens in the sketch
+ * [MIGRATE_SKETCH_BLOCK, 0, count]. */
 static json_t *runs_of_at(const tier_token *at, size_t n)
 {
     json_t *a = json_array();
     int bad = 0;
     for (size_t j = 0, r; j < n && !bad; j += r) {
+        int sk = at[j].block == MIGRATE_SKETCH_BLOCK;
         for (r = 1; j + r < n && at[j + r].block == at[j].block &&
-                    at[j + r].slot == (uint64_t)at[j].slot + r;
+                    (sk || at[j + r].slot == (uint64_t)at[j].slot + r);
              r++)
             ;
         bad |= jpush(a, at[j].block) | jpush(a, at[j].slot) | jpush(a, r);
@@ -864,10 +939,11 @@ static status_code parse_identity(json_t *root, migrate_plan *p, status *st)
     uint64_t v;
     if (get_uint(root, "", "format", JSON_INT_MAX, &v, st))
         return st->code;
-    if (v != MIGRATE_FORMAT)
+    if (v < MIGRATE_FORMAT_OLDEST || v > MIGRATE_FORMAT)
         return status_set(st, ST_FAILED_PRECONDITION,
-                          "manifest: format %llu, this kvstashd reads format %d",
-                          (unsigned long long)v, MIGRATE_FORMAT);
+                          "manifest: format %llu, this kvstashd reads formats %d to %d",
+                          (unsigned long long)v, MIGRATE_FORMAT_OLDEST, MIGRATE_FORMAT);
+    p->format = (uint32_t)v;
     if (get_string(root, "", "ns", REMOTE_NAME_MAX, p->ns, st) ||
         get_string(root, "", "tenant", REMOTE_NAME_MAX, p->tenant, st) ||
         get_string(root, "", "uid", REMOTE_NAME_MAX, p->uid, st))
@@ -951,8 +1027,9 @@ static status_code parse_data(json_t *root, migrate_plan *p, uint64_t *list_bloc
     size_t nd = json_array_size(a);
     if (nd > nlists * BLOCK_TIERS)
         return status_set(st, ST_DATA_LOSS, "manifest: %zu data values for %zu lists", nd, nlists);
-    p->data = calloc(nd ? nd : 1, sizeof *p->data);
-    p->data_keys = calloc(nd ? nd : 1, sizeof *p->data_keys);
+    /* Room for a sketch a list too (parse_sketch appends them). */
+    p->data = calloc(nd + nlists, sizeof *p->data);
+    p->data_keys = calloc(nd + nlists, sizeof *p->data_keys);
     uint8_t *seen = calloc(nlists * BLOCK_TIERS, 1);
     status_code rc = ST_OK;
     if (p->data == NULL || p->data_keys == NULL || seen == NULL) {
@@ -1066,19 +1143,24 @@ static status_code parse_entry(json_t *e, size_t i, migrate_plan *p, uint8_t *se
 static status_code parse_list(json_t *o, uint32_t li, migrate_plan *p, uint64_t list_blocks,
                               status *st)
 {
+    /* Format 1 has no "sketch" (the last name). */
     static const char *const names[] = {
-        "ntokens", "positions", "tiers",         "attn", "at",        "nvictims",
-        "victims", "victim_at", "victim_blocks", "tail", "demote_due"};
+        "ntokens", "positions", "tiers",         "attn", "at",         "nvictims",
+        "victims", "victim_at", "victim_blocks", "tail", "demote_due", "sketch"};
+    size_t nnames = sizeof names / sizeof names[0] - (p->format < 2);
     seq_export_list *ls = &p->image.lists[li];
     char where[32];
     uint64_t nt, nv;
     snprintf(where, sizeof where, "lists[%u]", li);
-    if (fields(o, where, names, sizeof names / sizeof names[0], st) ||
-        get_uint(o, where, "ntokens", UINT32_MAX, &nt, st) ||
+    if (fields(o, where, names, nnames, st) || get_uint(o, where, "ntokens", UINT32_MAX, &nt, st) ||
         get_uint(o, where, "nvictims", UINT32_MAX, &nv, st))
         return st->code;
-    /* The bounds before anything is allocated (migrate.h). */
-    uint64_t cap = list_cap(list_blocks, slots_max(&p->geom, p->block_bytes));
+    json_t *sketch = p->format >= 2 ? json_object_get(o, "sketch") : NULL;
+    int has_sketch = sketch != NULL && !json_is_null(sketch);
+    /* The bounds before anything is allocated (migrate.h): a sketch holds
+     * any number of tokens, so only appended bounds a list with one. */
+    uint64_t cap =
+        has_sketch ? UINT64_MAX : list_cap(list_blocks, slots_max(&p->geom, p->block_bytes));
     if (nt + nv > p->image.appended || nt + nv > cap)
         return status_set(st, ST_DATA_LOSS,
                           "manifest: %s: %llu tokens and %llu victims, but %llu appended and "
@@ -1112,7 +1194,63 @@ static status_code parse_list(json_t *o, uint32_t li, migrate_plan *p, uint64_t 
                 nv, st) ||
         parse_attn(json_object_get(o, "attn"), where, ls, st))
         return st->code;
+    for (size_t pass = 0; pass < 2 && !has_sketch; pass++) {
+        const tier_token *at = pass ? ls->victim_at : ls->at;
+        for (size_t j = 0; j < (pass ? ls->nvictims : ls->ntokens); j++)
+            if (at[j].tier == POLICY_SKETCH)
+                return status_set(st, ST_DATA_LOSS,
+                                  "manifest: %s.%s[%zu] is in the sketch, but %s.sketch is null",
+                                  where, pass ? "victim_at" : "at", j, where);
+    }
+    if (has_sketch && parse_sketch(sketch, where, li, p, st) != ST_OK)
+        return st->code;
     return parse_list_rest(o, where, ls, st);
+}
+
+/* A list's "sketch": {key, size, crc}, the list's sketch value, as a data
+ * value the plan fetches (appended to p->data, tier POLICY_SKETCH, no
+ * blocks); its payload, what the size leaves after the header and the
+ * positions of the list's held sketch tokens, is whole cells. */
+static status_code parse_sketch(json_t *j, const char *where, uint32_t li, migrate_plan *p,
+                                status *st)
+{
+    static const char *const names[] = {"key", "size", "crc"};
+    seq_export_list *ls = &p->image.lists[li];
+    char w[48], part[PART_CAP], want[REMOTE_KEY_CAP], key[REMOTE_KEY_CAP];
+    uint64_t size, crc;
+    path(w, where, "sketch");
+    if (fields(j, w, names, sizeof names / sizeof names[0], st) ||
+        get_string(j, w, "key", sizeof key - 1, key, st) ||
+        get_uint(j, w, "size", JSON_INT_MAX, &size, st) ||
+        get_uint(j, w, "crc", UINT32_MAX, &crc, st))
+        return st->code;
+    data_part(part, li, p->image.heads, POLICY_SKETCH);
+    if (remote_key(want, sizeof want, p->ns, p->tenant, p->uid, part, st) != ST_OK)
+        return restate(st, ST_DATA_LOSS, "manifest");
+    if (strcmp(key, want) != 0)
+        return status_set(st, ST_DATA_LOSS,
+                          "manifest: %s.key is not the key of %s under the manifest's ns, "
+                          "tenant and uid",
+                          w, part);
+    uint32_t n = sketch_tokens(ls);
+    uint64_t head = REMOTE_VALUE_HEADER_LEN + 4 * (uint64_t)n;
+    size_t cell = sketch_cell_bytes(&p->geom, p->image.heads);
+    if (size <= head || (size - head) % cell != 0 || size > SIZE_MAX)
+        return status_set(st, ST_DATA_LOSS,
+                          "manifest: %s.size is %llu: not the header, %u positions and cells of "
+                          "%zu bytes",
+                          w, (unsigned long long)size, n, cell);
+    migrate_data *d = &p->data[p->ndata];
+    *d = (migrate_data){.list = li,
+                        .tier = POLICY_SKETCH,
+                        .size = (size_t)size,
+                        .crc = (uint32_t)crc,
+                        .ntokens = n};
+    if ((d->key = strdup(want)) == NULL)
+        return status_set(st, ST_RESOURCE_EXHAUSTED, "manifest: out of memory");
+    p->data_keys[p->ndata++] = d->key;
+    ls->sketch_bytes = (size_t)(size - head);
+    return ST_OK;
 }
 
 /* attn: null, or base64 of ntokens binary32 (migrate.h). */
@@ -1194,6 +1332,8 @@ static status_code finish_data(migrate_plan *p, status *st)
 {
     for (size_t i = 0; i < p->ndata; i++) {
         migrate_data *d = &p->data[i];
+        if (d->tier == POLICY_SKETCH) /* checked as parsed */
+            continue;
         const seq_export_list *ls = &p->image.lists[d->list];
         uint32_t n = 0;
         for (uint32_t j = 0; j < ls->ntokens; j++)
@@ -1224,7 +1364,7 @@ status_code migrate_plan_check_origin(const migrate_plan *p, const char *ns, con
     return ST_OK;
 }
 
-status_code migrate_decode_data(const migrate_plan *p, size_t i, const void *buf, size_t len,
+status_code migrate_decode_data(migrate_plan *p, size_t i, const void *buf, size_t len,
                                 uint8_t *bytes, status *st)
 {
     if (i >= p->ndata)
@@ -1236,7 +1376,7 @@ status_code migrate_decode_data(const migrate_plan *p, size_t i, const void *buf
         return status_set(st, ST_DATA_LOSS,
                           "%s: %zu bytes, the manifest says %zu (truncated, or stale)", d->key, len,
                           d->size);
-    uint32_t crc = (uint32_t)crc32_z(0L, buf, len);
+    uint32_t crc = checksum_crc32(0, buf, len);
     if (crc != d->crc)
         return status_set(st, ST_DATA_LOSS,
                           "%s: crc 0x%08x, the manifest says 0x%08x (stale, or another value)",
@@ -1247,14 +1387,16 @@ status_code migrate_decode_data(const migrate_plan *p, size_t i, const void *buf
         return restate(st, ST_DATA_LOSS, d->key);
     if (remote_value_check_geometry(&h, &p->geom, p->quant_group, st) != ST_OK)
         return restate(st, ST_DATA_LOSS, d->key);
-    if (h.kind != REMOTE_VALUE_TOKENS || h.tier != d->tier || h.layer != layer || h.head != head ||
-        h.ntokens != d->ntokens || h.payload_len != (uint64_t)d->nblocks * p->block_bytes)
+    int sketch = d->tier == POLICY_SKETCH;
+    size_t plen = sketch ? ls->sketch_bytes : d->nblocks * p->block_bytes;
+    if (h.kind != value_kind(d->tier) || h.tier != d->tier || h.layer != layer || h.head != head ||
+        h.ntokens != d->ntokens || h.payload_len != plen)
         return status_set(st, ST_DATA_LOSS,
                           "%s: kind %u tier %s layer %u head %u, %u positions, %llu payload "
-                          "bytes; the manifest wants tokens, %s, %u, %u, %u, %zu",
+                          "bytes; the manifest wants kind %u, %s, %u, %u, %u, %zu",
                           d->key, h.kind, policy_tier_name(h.tier), h.layer, h.head, h.ntokens,
-                          (unsigned long long)h.payload_len, policy_tier_name(d->tier), layer, head,
-                          d->ntokens, d->nblocks * p->block_bytes);
+                          (unsigned long long)h.payload_len, value_kind(d->tier),
+                          policy_tier_name(d->tier), layer, head, d->ntokens, plen);
     for (uint32_t j = 0, k = 0; j < ls->ntokens; j++) {
         if (ls->at[j].tier != d->tier)
             continue;
@@ -1264,9 +1406,27 @@ status_code migrate_decode_data(const migrate_plan *p, size_t i, const void *buf
                               d->key, k, got, ls->positions[j]);
         k++;
     }
+    if (sketch)
+        return decode_sketch(p, d, payload, st);
     for (size_t k = 0; k < d->nblocks; k++)
         memcpy(bytes + (size_t)d->blocks[k] * p->block_bytes, payload + k * p->block_bytes,
                p->block_bytes);
+    return ST_OK;
+}
+
+/* A list's sketch value, checked: its cells into the image (a fetched
+ * value of that size exists, so the copy is bounded by what was read). */
+static status_code decode_sketch(migrate_plan *p, const migrate_data *d, const uint8_t *payload,
+                                 status *st)
+{
+    seq_export_list *ls = &p->image.lists[d->list];
+    uint8_t *cells = malloc(ls->sketch_bytes);
+    if (cells == NULL)
+        return status_set(st, ST_RESOURCE_EXHAUSTED, "%s: out of memory for %zu bytes", d->key,
+                          ls->sketch_bytes);
+    memcpy(cells, payload, ls->sketch_bytes);
+    free(ls->sketch);
+    ls->sketch = cells;
     return ST_OK;
 }
 
@@ -1452,11 +1612,14 @@ static status_code runs_at(json_t *a, const char *what, const migrate_plan *p, t
             elem_uint(a, i + 1, what, UINT32_MAX, &slot, st) ||
             elem_uint(a, i + 2, what, n, &count, st))
             return st->code;
-        const char *why = b >= p->image.nblocks       ? "names a block past nblocks"
-                          : count == 0                ? "is empty"
-                          : count > n - k             ? "holds more than the count"
-                          : slot + count > UINT32_MAX ? "runs past slot 2^32 - 2"
-                                                      : NULL;
+        /* Format 2: [MIGRATE_SKETCH_BLOCK, 0, count] are tokens in the sketch. */
+        int sketch = p->format >= 2 && b == MIGRATE_SKETCH_BLOCK;
+        const char *why = sketch && slot != 0                ? "is in the sketch at a slot not 0"
+                          : !sketch && b >= p->image.nblocks ? "names a block past nblocks"
+                          : count == 0                       ? "is empty"
+                          : count > n - k                    ? "holds more than the count"
+                          : slot + count > UINT32_MAX        ? "runs past slot 2^32 - 2"
+                                                             : NULL;
         if (why != NULL)
             return status_set(st, ST_DATA_LOSS,
                               "manifest: %s: run %zu [%llu, %llu, %llu] %s (%zu blocks, %zu "
@@ -1464,7 +1627,9 @@ static status_code runs_at(json_t *a, const char *what, const migrate_plan *p, t
                               what, i / 3, (unsigned long long)b, (unsigned long long)slot,
                               (unsigned long long)count, why, p->image.nblocks, n);
         for (uint64_t c = 0; c < count; c++)
-            out[k++] = (tier_token){(uint32_t)b, (uint32_t)(slot + c), p->image.block_tier[b]};
+            out[k++] =
+                sketch ? (tier_token){TIER_NO_BLOCK, 0, POLICY_SKETCH}
+                       : (tier_token){(uint32_t)b, (uint32_t)(slot + c), p->image.block_tier[b]};
     }
     if (k != n)
         return status_set(st, ST_DATA_LOSS, "manifest: %s: %zu places, the count is %zu", what, k,
@@ -1473,12 +1638,6 @@ static status_code runs_at(json_t *a, const char *what, const migrate_plan *p, t
 }
 
 /* ---- spilled victims --------------------------------------------------- */
-
-/* A spilled part's kind: sketch cells, or a block of tokens. */
-static uint8_t spill_kind(uint8_t tier)
-{
-    return tier == POLICY_SKETCH ? REMOTE_VALUE_SKETCH : REMOTE_VALUE_TOKENS;
-}
 
 status_code migrate_encode_spill(const pool_geometry *g, uint32_t quant_group,
                                  const seq_spill_block *b, const uint8_t *bytes, const char *ns,
@@ -1493,7 +1652,7 @@ status_code migrate_encode_spill(const pool_geometry *g, uint32_t quant_group,
         free(key);
         return st->code;
     }
-    remote_value_header h = header_of(g, spill_kind(b->tier), b->tier, quant_group, b->layer,
+    remote_value_header h = header_of(g, value_kind(b->tier), b->tier, quant_group, b->layer,
                                       b->head, (uint32_t)b->npositions, b->bytes);
     size_t size = remote_value_size(&h);
     uint8_t *val = size == SIZE_MAX ? NULL : malloc(size);
@@ -1519,13 +1678,13 @@ status_code migrate_decode_spill(const void *buf, size_t len, const char *key,
     if (remote_value_decode(buf, len, &h, &pos, &pl, st) != ST_OK ||
         remote_value_check_geometry(&h, g, quant_group, st) != ST_OK)
         return restate(st, ST_DATA_LOSS, key);
-    if (h.kind != spill_kind(want->tier) || h.tier != want->tier || h.layer != want->layer ||
+    if (h.kind != value_kind(want->tier) || h.tier != want->tier || h.layer != want->layer ||
         h.head != want->head || h.ntokens != want->npositions || h.payload_len != want->bytes)
         return status_set(st, ST_DATA_LOSS,
                           "%s: kind %u tier %s layer %u head %u, %u positions, %llu payload "
                           "bytes; the sequence wants kind %u, %s, %u, %u, %zu, %zu",
                           key, h.kind, policy_tier_name(h.tier), h.layer, h.head, h.ntokens,
-                          (unsigned long long)h.payload_len, spill_kind(want->tier),
+                          (unsigned long long)h.payload_len, value_kind(want->tier),
                           policy_tier_name(want->tier), want->layer, want->head, want->npositions,
                           want->bytes);
     for (size_t k = 0; k < want->npositions; k++) {

@@ -7,10 +7,11 @@
  * (remote_store.h) and takes and fills pool blocks. Thread-safe: no state.
  *
  * One export is one seq_uid's keys (remote_value.h remote_key, all in one
- * hash slot): a data value per (list, tier) that has blocks, then the
- * manifest. A reader fetches the manifest, decodes it into a plan
- * (migrate_decode_manifest), fetches the data values the plan names, and
- * decodes each into a host copy of the export's blocks (migrate_decode_data).
+ * hash slot): a data value per (list, tier) that has blocks, a sketch value
+ * per list that has a count-sketch, then the manifest. A reader fetches the
+ * manifest, decodes it into a plan (migrate_decode_manifest), fetches the
+ * data and sketch values the plan names, and decodes each into a host copy
+ * of the export's blocks, or of a list's sketch cells (migrate_decode_data).
  *
  * Data values: key part "l<layer>.h<head>.<tier>" (tier: policy_tier_name,
  * "full", "int8", "int4", "int2"; head 0 for all-heads lists), kind
@@ -19,13 +20,24 @@
  * its blocks hold only victims); payload: the list's export blocks of that
  * tier, raw, in ascending export-index order, block_bytes each.
  *
+ * Sketch values (format 2): key part "l<layer>.h<head>.sketch", kind
+ * REMOTE_VALUE_SKETCH, tier POLICY_SKETCH, layer and head of the list;
+ * positions: the list's held tokens in the sketch, ascending (none when it
+ * holds only victims, or nothing); payload: the sketch's cells as
+ * tier_sketch_save writes them (key floats, value floats, counts), whole
+ * cells of tier_sketch_bytes_for(1, 1, dim) bytes, dim the list's floats a
+ * row (head_dim for per-head lists, kv_heads * head_dim else). Their
+ * geometry (rows, buckets) is the policy's, from its parameters:
+ * seq_import checks the size against it.
+ *
  * The manifest: key part "manifest", kind REMOTE_VALUE_MANIFEST, no
  * positions, payload one JSON object (UTF-8, compact). Its header carries
  * the pool geometry. Every field is required, none other is allowed (a new
  * field is a new format). Integers are JSON integers (never reals),
  * unsigned; "runs" below are flat arrays of ints:
  *
- *   format          1
+ *   format          2 (written); 1 is still read: a format 1 manifest is
+ *                   format 2 without lists[].sketch and without sketch runs
  *   ns, tenant, uid the ids of the keys (remote_key): every data key is
  *                   built from them
  *   policy          policy name, 1..63 bytes
@@ -45,7 +57,7 @@
  *                   value. key: remote_key(ns, tenant, uid, its part), the
  *                   only key it may have; list: layer * heads + head; tier: 0 full,
  *                   1 int8, 4 int4, 5 int2 (policy_tier); size: the value's
- *                   bytes; crc: zlib crc32 of them; blocks: the export
+ *                   bytes; crc: CRC-32 (checksum.h) of them; blocks: the export
  *                   indices its payload holds, strictly ascending, listed
  *                   one by one. Every export block is in exactly one entry,
  *                   whose list and tier are the block's.
@@ -58,7 +70,10 @@
  *                   binary32 little-endian: exact, at 4/3 characters a byte
  *     at            runs [block, slot, count, ...]: at[j] for count tokens
  *                   is (block, slot + i); a token's storage tier is its
- *                   block's (no sketch in format 1)
+ *                   block's; a run [4294967295, 0, count] (block
+ *                   MIGRATE_SKETCH_BLOCK, slot 0) is count tokens in the
+ *                   list's sketch, each (TIER_NO_BLOCK, 0, POLICY_SKETCH)
+ *                   (format 2, and only in a list whose sketch is not null)
  *     nvictims      offloaded victims
  *     victims       runs [start, count, ...] as positions
  *     victim_at     runs [block, slot, count, ...] as at
@@ -66,25 +81,35 @@
  *     tail          null (decoded: has_tail 0, tail_block and
  *                   tail_next_slot 0), or [block, next_slot]
  *     demote_due    0..255
+ *     sketch        null, or {key, size, crc}: the list's sketch value
+ *                   (its key the only one it may have, its bytes and zlib
+ *                   crc32 as data entries'); size - 64 - 4 * (held tokens in
+ *                   the sketch) is the sketch's bytes (image sketch_bytes), a
+ *                   positive multiple of a cell's. Format 2 only.
  *   states          [] for a policy without per-layer state, else [layers]
  *                   base64 strings: each layer's state as the policy wrote
  *                   it (policy_ops.export_layer); import_layer checks them
  *
  * For example (abridged):
  *
- *   {"format":1,"ns":"prod","tenant":"t7","uid":"9f2c…","policy":"tova",
+ *   {"format":2,"ns":"prod","tenant":"t7","uid":"9f2c…","policy":"tova",
  *    "params":[["window","64"]],"label":"chat 12","appended":40,"unstepped":0,
  *    ...,"nblocks":3,"data":[{"key":"kvs:prod:{t7:9f2c…}:l0.h0.full","list":0,
  *    "tier":0,"size":16512,"crc":3735928559,"blocks":[0,2]},...],
  *    "lists":[{"ntokens":20,"positions":[0,16,30,4],"tiers":[0,20],
  *    "attn":null,"at":[0,0,16,2,0,4],"nvictims":0,"victims":[],
- *    "victim_at":[],"victim_blocks":[],"tail":[2,4],"demote_due":0},...]}
+ *    "victim_at":[],"victim_blocks":[],"tail":[2,4],"demote_due":0,
+ *    "sketch":null},...]}
  *
  * Bounds the decoder applies before allocating (checking the image is
- * seq_import's): ntokens + nvictims <= appended <= 2^32, and <= the list's
- * blocks times 2 * block_bytes / head_dim (a token's K and V row of one head
- * take at least 2 bits a channel); nblocks is the count of blocks the data
- * entries list (so at most the manifest's length).
+ * seq_import's): ntokens + nvictims <= appended <= 2^32, and, for a list
+ * without a sketch, <= the list's blocks times 2 * block_bytes / head_dim
+ * (a token's K and V row of one head take at least 2 bits a channel; a
+ * sketch holds any number of tokens in its fixed cells, so a list with one
+ * is bounded by appended only, as on the daemon that wrote it); nblocks is
+ * the count of blocks the data entries list (so at most the manifest's
+ * length). A sketch's cells are allocated only when its value, fetched, has
+ * the size the manifest says (migrate_decode_data).
  */
 #ifndef KVSTASH_MIGRATE_H
 #define KVSTASH_MIGRATE_H
@@ -98,7 +123,10 @@
 #include "seq.h"
 #include "status.h"
 
-#define MIGRATE_FORMAT 1
+#define MIGRATE_FORMAT 2        /* written */
+#define MIGRATE_FORMAT_OLDEST 1 /* the oldest read: exports live --remote-ttl-s */
+/* The block of an `at` / `victim_at` run of tokens in the sketch. */
+#define MIGRATE_SKETCH_BLOCK 4294967295u /* TIER_NO_BLOCK */
 #define MIGRATE_MANIFEST_PART "manifest"
 
 /* ---- encode -------------------------------------------------------------- */
@@ -122,8 +150,10 @@ typedef struct migrate_values {
  * copies what it keeps. Checks of x what the encoding needs (indices in
  * range, each token's and victim's block of its list and of its tier,
  * positions strictly ascending, counters below 2^63, strings that fit and
- * are UTF-8) and refuses a token or victim in the sketch (format 1 cannot
- * carry one). *out is zeroed first and set on success only.
+ * are UTF-8, sketch tokens only in a list with a sketch, as TIER_NO_BLOCK
+ * slot 0, a sketch of whole cells). x's lists' sketch cells (sketch_bytes
+ * of them) become their sketch values. *out is zeroed first and set on
+ * success only.
  * Errors: ST_INVALID_ARGUMENT naming what is wrong (in x, a name
  * remote_key refuses, block_bytes not the geometry's);
  * ST_RESOURCE_EXHAUSTED when out of memory.
@@ -137,13 +167,14 @@ void migrate_values_free(migrate_values *v);
 
 /* ---- decode -------------------------------------------------------------- */
 
-/* One data value to fetch. */
+/* One data value to fetch: blocks of one tier of a list, or (tier
+ * POLICY_SKETCH, no blocks) the list's sketch. */
 typedef struct migrate_data {
     char *key;        /* its full key (owned by the plan) */
     uint32_t list;    /* layer * heads + head */
-    uint8_t tier;     /* policy_tier: FULL, INT8, INT4 or INT2 */
+    uint8_t tier;     /* policy_tier: FULL, INT8, INT4, INT2, or SKETCH */
     size_t size;      /* the bytes it must have */
-    uint32_t crc;     /* zlib crc32 of those bytes */
+    uint32_t crc;     /* CRC-32 (checksum.h) of those bytes */
     uint32_t *blocks; /* [nblocks] export blocks its payload fills, in order (owned) */
     size_t nblocks;
     uint32_t ntokens; /* positions it carries: the list's held tokens of its tier */
@@ -152,8 +183,10 @@ typedef struct migrate_data {
 /*
  * What a manifest says. image is the sequence, but the bytes of its
  * blocks: its arrays are each one malloc, as seq_export_free frees them
- * (per list positions, tiers, attn, at, victims, victim_at, victim_blocks;
- * lists; block_tier, block_list; NULL when empty); image.blocks is NULL
+ * (per list positions, tiers, attn, at, victims, victim_at, victim_blocks,
+ * sketch; lists; block_tier, block_list; NULL when empty); a list's
+ * sketch_bytes is set by the manifest, its sketch (the cells) by
+ * migrate_decode_data of its sketch value, NULL until then; image.blocks is NULL
  * (the writer's pool ids mean nothing here: the importer takes its own
  * blocks); image.params.key[i] points to param_keys[i], strings the plan
  * owns. Everything dies with migrate_plan_free (never seq_export_free the
@@ -167,9 +200,10 @@ typedef struct migrate_plan {
     pool_geometry geom;   /* the reader's, as passed */
     uint32_t quant_group; /* the reader's, as passed (0 made KV_LOWBIT_GROUP_DEFAULT) */
     size_t block_bytes;   /* a host copy of the blocks is image.nblocks * block_bytes bytes */
-    migrate_data *data;   /* [ndata] the values to fetch (owned) */
+    migrate_data *data;   /* [ndata] the values to fetch (owned): data entries, then sketches */
     char **data_keys;     /* [ndata] data[i].key, as remote_get takes keys */
     size_t ndata;
+    uint32_t format; /* the manifest's (MIGRATE_FORMAT_OLDEST .. MIGRATE_FORMAT) */
 } migrate_plan;
 
 /*
@@ -187,7 +221,7 @@ typedef struct migrate_plan {
  *   ST_FAILED_PRECONDITION  written for another geometry (the header's,
  *                           remote_value_check_geometry; block_bytes; the
  *                           quant_group when INT4/INT2 data is present), or
- *                           another format version
+ *                           a format version this reader does not read
  *   ST_RESOURCE_EXHAUSTED   out of memory
  */
 status_code migrate_decode_manifest(const void *buf, size_t len, const pool_geometry *g,
@@ -205,14 +239,16 @@ status_code migrate_plan_check_origin(const migrate_plan *p, const char *ns, con
 /*
  * Check data value p->data[i] as fetched, buf[0..len), and copy its
  * blocks into bytes (p->image.nblocks * p->block_bytes bytes) at their
- * export indices; nothing is written on failure. A value that is missing is the caller's
- * ST_NOT_FOUND. Errors: ST_INVALID_ARGUMENT for i out of range; else
- * ST_DATA_LOSS naming the key and what differs: size or crc against the
- * manifest (truncated, stale, another value), a value that does not
- * decode, another geometry, kind, tier, layer or head, or positions other
- * than the list's held tokens of that tier.
+ * export indices, or a sketch value's cells into a malloc'd
+ * p->image.lists[list].sketch (the plan's); nothing is written on failure.
+ * A value that is missing is the caller's ST_NOT_FOUND. Errors:
+ * ST_INVALID_ARGUMENT for i out of range; ST_RESOURCE_EXHAUSTED out of
+ * memory (a sketch); else ST_DATA_LOSS naming the key and what differs:
+ * size or crc against the manifest (truncated, stale, another value), a
+ * value that does not decode, another geometry, kind, tier, layer or head,
+ * or positions other than the list's held tokens of that tier.
  */
-status_code migrate_decode_data(const migrate_plan *p, size_t i, const void *buf, size_t len,
+status_code migrate_decode_data(migrate_plan *p, size_t i, const void *buf, size_t len,
                                 uint8_t *bytes, status *st);
 
 /* Free everything the plan owns (the image's arrays included) and zero it;

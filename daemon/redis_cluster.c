@@ -24,9 +24,10 @@
 
 #include "log.h"
 
-#define RC_HOST_MAX 256   /* a node's host, NUL included */
-#define RC_MAX_NODES 1024 /* the table's bound (the slot map holds int16_t) */
-#define RC_MAX_ROUNDS 64  /* rounds of one call: a guard, redirects bound it first */
+#define RC_HOST_MAX 256           /* a node's host, NUL included */
+#define RC_MAX_NODES 1024         /* the table's bound (the slot map holds int16_t) */
+#define RC_MAX_ROUNDS 64          /* rounds of one call: a guard, redirects bound it first */
+#define RC_FLUSH_BYTES (1u << 20) /* a pipeline goes out in writes of about this */
 
 typedef enum rc_op { RC_PUT, RC_GET, RC_DEL } rc_op;
 
@@ -669,7 +670,26 @@ static void on_reply(rc_call *c, int j, size_t i, const redisReply *r)
     c->pending--;
 }
 
-/* Send node j the commands of its keys and flush them. */
+/* Write what node j's connection holds; -1 (the round failed for j) on an
+ * I/O error. */
+static int node_flush(rc_call *c, int j)
+{
+    status st;
+    int done = 0;
+    while (!done)
+        if (redisBufferWrite(c->rc->nodes[j].ctx, &done) != REDIS_OK) {
+            node_io_error(c->rc, j, errno, &st);
+            round_node_failed(c, j, &st);
+            return -1;
+        }
+    return 0;
+}
+
+/* Send node j the commands of its keys. The pipeline goes out every
+ * RC_FLUSH_BYTES rather than at the end: hiredis keeps it in one buffer
+ * that doubles as it grows, and a 300-MB spill spent most of its time
+ * copying it (docs/bench.md "Spill and revive"). The replies wait for
+ * round_read either way. */
 static void round_send(rc_call *c, int j)
 {
     redis_cluster *rc = c->rc;
@@ -679,21 +699,20 @@ static void round_send(rc_call *c, int j)
         return;
     }
     redisContext *ctx = rc->nodes[j].ctx;
-    for (size_t i = 0; i < c->n; i++)
-        if (c->k[i].node == j && append_key(c, ctx, i) != 0) {
+    for (size_t i = 0; i < c->n; i++) {
+        if (c->k[i].node != j)
+            continue;
+        if (append_key(c, ctx, i) != 0) {
             status_set(&st, ST_INTERNAL, "out of memory for a pipeline to node %s:%d",
                        rc->nodes[j].host, rc->nodes[j].port);
             node_drop(&rc->nodes[j]); /* a half-built pipeline cannot be sent */
             round_node_failed(c, j, &st);
             return;
         }
-    int done = 0;
-    while (!done)
-        if (redisBufferWrite(ctx, &done) != REDIS_OK) {
-            node_io_error(rc, j, errno, &st);
-            round_node_failed(c, j, &st);
+        if (sdslen(ctx->obuf) >= RC_FLUSH_BYTES && node_flush(c, j) != 0)
             return;
-        }
+    }
+    node_flush(c, j);
 }
 
 /* Read node j's replies, one per key sent (two after an ASK). */

@@ -5,8 +5,8 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/random.h>
-#include <zlib.h>
 
+#include "checksum.h"
 #include "policy.h"
 
 /* Wire offsets (remote_value.h). */
@@ -176,11 +176,9 @@ static uint64_t get64(const uint8_t *p)
 static uint32_t value_crc(const uint8_t *v, size_t len)
 {
     static const uint8_t zero[4];
-    uLong c = crc32_z(0L, Z_NULL, 0);
-    c = crc32_z(c, v, OFF_CRC);
-    c = crc32_z(c, zero, sizeof zero);
-    c = crc32_z(c, v + REMOTE_VALUE_HEADER_LEN, len - REMOTE_VALUE_HEADER_LEN);
-    return (uint32_t)c;
+    uint32_t c = checksum_crc32(0, v, OFF_CRC);
+    c = checksum_crc32(c, zero, sizeof zero);
+    return checksum_crc32(c, v + REMOTE_VALUE_HEADER_LEN, len - REMOTE_VALUE_HEADER_LEN);
 }
 
 /* The constraints of remote_value.h on a header's fields: 0, or -1 with

@@ -46,7 +46,7 @@
  *         44    4 head
  *         48    4 ntokens
  *         52    8 payload_len
- *         60    4 CRC-32 (zlib crc32_z) of the whole value, these 4 bytes as 0
+ *         60    4 CRC-32 (zlib's crc32_z; checksum.h) of the whole value, these 4 bytes as 0
  *         64  4*n positions, u32 each, strictly ascending
  *     64+4*n  len payload
  *

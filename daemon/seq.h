@@ -443,6 +443,12 @@ typedef struct seq_export_list {
     uint32_t tail_block; /* export index */
     uint32_t tail_next_slot;
     uint8_t demote_due;
+    /* The list's count-sketch (tier.h tier_sketch), 0 bytes when it has none:
+     * its cells as tier_sketch_save writes them (key floats, value floats,
+     * counts), sketch_bytes of them. A token or victim in it has tier
+     * POLICY_SKETCH, block TIER_NO_BLOCK and slot 0. */
+    size_t sketch_bytes;
+    uint8_t *sketch; /* [sketch_bytes]; describe allocates it, seq_export_read_sketches fills it */
 } seq_export_list;
 
 typedef struct seq_export {
@@ -466,12 +472,19 @@ typedef struct seq_export {
     uint32_t *block_list; /* [nblocks] the list it belongs to */
 } seq_export;
 
-/* Describe s (its lists, victims, tails, counters, its policy's state)
- * into *out. Refuses with FAILED_PRECONDITION what it cannot carry yet: a
- * policy whose state cannot be written out (policy_host_portable), tokens
- * or victims in a sketch. RESOURCE_EXHAUSTED when out of memory. *out is
- * the caller's: seq_export_free. */
+/* Describe s (its lists, victims, tails, counters, its policy's state,
+ * which lists have a sketch and its size) into *out. Refuses with
+ * FAILED_PRECONDITION what it cannot carry yet: a policy whose state cannot
+ * be written out (policy_host_portable), victims spilled to the remote tier.
+ * RESOURCE_EXHAUSTED when out of memory. *out is the caller's:
+ * seq_export_free. The sketches' host buffers are allocated but not
+ * filled: seq_export_read_sketches, as the blocks' bytes are the caller's
+ * (pool_read_blocks). */
 status_code seq_export_describe(seq *s, seq_export *out, status *st);
+/* Copy s's sketch cells into x's lists (x: s's seq_export_describe, s not
+ * changed since). Reads only s's memory: the store runs it with
+ * pool_read_blocks, s marked moving. 0, or -1 (a backend error). */
+int seq_export_read_sketches(seq *s, seq_export *x);
 void seq_export_free(seq_export *x);
 
 /*
@@ -479,10 +492,15 @@ void seq_export_free(seq_export *x);
  * policy and parameters) whose lists, victims, tails and counters are x's,
  * with export block i at pool block blocks[i] (taken by the caller from
  * `pool`, their bytes already written; on success the sequence owns them,
- * on failure the caller still does). Checks x against itself (positions
- * ascending and below appended, every token's block of its list and tier,
- * slots in range, no slot used twice) and the pool's geometry:
- * INVALID_ARGUMENT naming what is wrong, nothing created. Epoch 1.
+ * on failure the caller still does), and each list's sketch allocated with
+ * the policy's geometry (list_sketch_ready) and x's cells loaded into it
+ * (tier_sketch_load). Checks x against itself (positions ascending and
+ * below appended, every token's block of its list and tier, slots in range,
+ * no slot used twice, sketch tokens only in a list with a sketch) and the
+ * pool's geometry (a sketch's size is the one its policy's geometry makes
+ * here): INVALID_ARGUMENT naming what is wrong, nothing created;
+ * RESOURCE_EXHAUSTED when out of memory. Epoch 1. Reserving the sketches'
+ * daemon memory is the caller's (store_sketch_reserve_locked).
  */
 status_code seq_import(uint64_t id, uint64_t session_id, pool *pool, const seq_export *x,
                        const uint32_t *blocks, seq **out, status *st);

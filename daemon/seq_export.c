@@ -20,6 +20,7 @@ void seq_export_free(seq_export *x)
         seq_export_list *e = &x->lists[i];
         free(e->positions), free(e->tiers), free(e->attn), free(e->at);
         free(e->victims), free(e->victim_at), free(e->victim_blocks);
+        free(e->sketch);
     }
     free(x->lists);
     for (size_t l = 0; x->states != NULL && l < x->layers; l++)
@@ -69,10 +70,15 @@ static long number_block(numbering *nb, uint32_t b, uint32_t list, uint8_t tier)
     return (long)i;
 }
 
-/* Rename the blocks of n tokens to export indices. */
+/* Rename the blocks of n tokens to export indices; a token in the sketch
+ * has none (TIER_NO_BLOCK, slot 0: seq.h seq_export_list). */
 static int number_tokens(numbering *nb, tier_token *t, size_t n, uint32_t list)
 {
     for (size_t i = 0; i < n; i++) {
+        if (t[i].tier == POLICY_SKETCH) {
+            t[i] = (tier_token){TIER_NO_BLOCK, 0, POLICY_SKETCH};
+            continue;
+        }
         long e = number_block(nb, t[i].block, list, t[i].tier);
         if (e < 0)
             return (int)e;
@@ -87,19 +93,6 @@ static void *dup_array(const void *src, size_t n, size_t elt)
     if (d != NULL && n > 0)
         memcpy(d, src, n * elt);
     return d;
-}
-
-static int list_has_sketch(const seq_list *ly)
-{
-    if (ly->sketch.sk.key != NULL)
-        return 1;
-    for (size_t i = 0; i < ly->nsegs; i++)
-        if (ly->seg_tier[i] == POLICY_SKETCH)
-            return 1;
-    for (size_t j = 0; j < ly->noffloaded; j++)
-        if (ly->offloaded_at[j].tier == POLICY_SKETCH)
-            return 1;
-    return 0;
 }
 
 /* List (l, k) into e, its blocks numbered. 0, -1 out of memory, -2 broken. */
@@ -136,6 +129,10 @@ static int describe_list(seq *s, uint32_t l, uint32_t k, numbering *nb, seq_expo
     e->tail_block = e->has_tail ? nb->index[ly->tail_block] - 1 : 0;
     e->tail_next_slot = e->has_tail ? ly->tail_next_slot : 0;
     e->demote_due = ly->demote_due;
+    /* The cells' host copy, filled by seq_export_read_sketches. */
+    e->sketch_bytes = tier_sketch_bytes(&ly->sketch);
+    if (rc == 0 && e->sketch_bytes > 0 && (e->sketch = malloc(e->sketch_bytes)) == NULL)
+        rc = -1;
     return rc;
 }
 
@@ -159,11 +156,6 @@ status_code seq_export_describe(seq *s, seq_export *out, status *st)
         return status_set(st, ST_FAILED_PRECONDITION,
                           "policy %s keeps state of its own that it cannot write out yet",
                           s->policy->name);
-    for (size_t i = 0; i < seq_nlists(s); i++)
-        if (list_has_sketch(&s->lists[i]))
-            return status_set(st, ST_FAILED_PRECONDITION,
-                              "layer %zu has tokens in a sketch, which export does not carry yet",
-                              i / s->heads);
     if (s->spilled_tokens > 0)
         return status_set(st, ST_FAILED_PRECONDITION,
                           "%llu victims are spilled to the remote tier (seq spill), which "
@@ -198,6 +190,19 @@ status_code seq_export_describe(seq *s, seq_export *out, status *st)
                                  (unsigned long long)s->id);
 }
 
+int seq_export_read_sketches(seq *s, seq_export *x)
+{
+    for (size_t i = 0; i < seq_nlists(s); i++) {
+        seq_export_list *e = &x->lists[i];
+        if (e->sketch_bytes == 0)
+            continue;
+        if (e->sketch_bytes != tier_sketch_bytes(&s->lists[i].sketch) || e->sketch == NULL ||
+            tier_sketch_save(&s->lists[i].sketch, e->sketch) != 0)
+            return -1;
+    }
+    return 0;
+}
+
 /* ---- import ----------------------------------------------------------------- */
 
 /* Slots of a block of tier t in s's lists (0: not a tier blocks hold). */
@@ -222,8 +227,17 @@ static status_code check_tokens(const seq *s, const seq_export *x, uint32_t list
                                 const tier_token *t, size_t n, slot_map *m, const char *what,
                                 status *st)
 {
+    const seq_export_list *e = &x->lists[list];
     for (size_t i = 0; i < n; i++) {
         uint32_t b = t[i].block, slots = tier_slots(s, t[i].tier);
+        if (t[i].tier == POLICY_SKETCH) {
+            if (e->sketch_bytes == 0 || b != TIER_NO_BLOCK || t[i].slot != 0)
+                return status_set(st, ST_INVALID_ARGUMENT,
+                                  "import: list %u %s %zu is in a sketch (block %u slot %u), "
+                                  "but the list has none, or not as TIER_NO_BLOCK slot 0",
+                                  list, what, i, b, t[i].slot);
+            continue;
+        }
         if (b >= x->nblocks || x->block_list[b] != list || x->block_tier[b] != t[i].tier ||
             t[i].slot >= slots)
             return status_set(st, ST_INVALID_ARGUMENT,
@@ -242,10 +256,25 @@ static status_code check_tokens(const seq *s, const seq_export *x, uint32_t list
     return ST_OK;
 }
 
+/* The size of list's sketch as s's policy makes it (tier_sketch_init's). */
+static size_t sketch_bytes_here(const seq *s, uint32_t list)
+{
+    policy_sketch_geometry g;
+    policy_host_sketch_geometry(s->host, list / s->heads, &g);
+    return tier_sketch_bytes_for(g.rows, g.buckets,
+                                 (size_t)s->list_layout.kv_heads * s->list_layout.head_dim);
+}
+
 static status_code check_list(const seq *s, const seq_export *x, uint32_t list, slot_map *m,
                               status *st)
 {
     const seq_export_list *e = &x->lists[list];
+    if (e->sketch_bytes > 0 && (e->sketch == NULL || e->sketch_bytes != sketch_bytes_here(s, list)))
+        return status_set(st, ST_INVALID_ARGUMENT,
+                          "import: list %u's sketch has %zu bytes%s, policy %s's sketch geometry "
+                          "makes %zu here",
+                          list, e->sketch_bytes, e->sketch == NULL ? " (not read)" : "",
+                          s->policy->name, sketch_bytes_here(s, list));
     if (check_tokens(s, x, list, e->at, e->ntokens, m, "token", st) != ST_OK ||
         check_tokens(s, x, list, e->victim_at, e->nvictims, m, "victim", st) != ST_OK)
         return st->code;
@@ -303,20 +332,27 @@ static status_code check_image(const seq *s, const seq_export *x, status *st)
 
 /* The lists' storage from the image, blocks renamed to the pool's. On
  * failure the lists may hold some of it: the caller empties them. */
-static int build_list(seq *s, const seq_export_list *e, const uint32_t *blocks, seq_list *ly)
+static int build_list(seq *s, const seq_export_list *e, const uint32_t *blocks, uint32_t layer,
+                      seq_list *ly)
 {
+    /* The sketch first: its cells as they were, for the tokens below. */
+    if (e->sketch_bytes > 0 &&
+        (list_sketch_ready(s, ly, layer) != 0 || tier_sketch_load(&ly->sketch, e->sketch) != 0))
+        return -1;
     tier_token *at = dup_array(e->at, e->ntokens, sizeof *at);
     if (at == NULL)
         return -1;
     for (uint32_t i = 0; i < e->ntokens; i++)
-        at[i].block = blocks[at[i].block];
+        if (at[i].tier != POLICY_SKETCH)
+            at[i].block = blocks[at[i].block];
     int rc = list_encode(ly, at, e->ntokens);
     free(at);
     if (rc != 0)
         return -1;
     for (size_t j = 0; j < e->nvictims; j++) {
         tier_token v = e->victim_at[j];
-        v.block = blocks[v.block];
+        if (v.tier != POLICY_SKETCH)
+            v.block = blocks[v.block];
         if (list_offload_push(ly, e->victims[j], v) != 0)
             return -1;
     }
@@ -330,7 +366,6 @@ static int build_list(seq *s, const seq_export_list *e, const uint32_t *blocks, 
     ly->tail_block = e->has_tail ? blocks[e->tail_block] : 0;
     ly->tail_next_slot = e->tail_next_slot;
     ly->demote_due = e->demote_due;
-    (void)s;
     return 0;
 }
 
@@ -384,8 +419,8 @@ status_code seq_import(uint64_t id, uint64_t session_id, pool *pool, const seq_e
     if (rc == ST_OK)
         rc = restore_host(s, x, st);
     for (size_t i = 0; rc == ST_OK && i < seq_nlists(s); i++)
-        if (build_list(s, &x->lists[i], blocks, &s->lists[i]) != 0)
-            rc = status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
+        if (build_list(s, &x->lists[i], blocks, (uint32_t)(i / s->heads), &s->lists[i]) != 0)
+            rc = status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory for list %zu", i);
     if (rc != ST_OK) {
         for (size_t i = 0; i < seq_nlists(s); i++) /* the blocks stay the caller's */
             s->lists[i].nsegs = s->lists[i].noffloaded = s->lists[i].nvictim_blocks = 0;

@@ -80,8 +80,8 @@ typedef struct export_job {
     uint64_t tokens;
 } export_job;
 
-/* Lock held (store_lock_seq): describe q and copy its blocks, without the
- * lock when the sequence may be marked moving. */
+/* Lock held (store_lock_seq): describe q and copy its blocks and sketch
+ * cells, without the lock when the sequence may be marked moving. */
 static status_code export_copy(store *st, seq *q, export_job *j, status *s)
 {
     if (seq_export_describe(q, &j->x, s) != ST_OK)
@@ -102,12 +102,14 @@ static status_code export_copy(store *st, seq *q, export_job *j, status *s)
     if (unlocked)
         store_unlock(st);
     int rc = pool_read_blocks(p, j->x.blocks, j->x.nblocks, j->bytes);
+    if (rc == 0)
+        rc = seq_export_read_sketches(q, &j->x);
     if (unlocked) {
         pthread_mutex_lock(&st->lock);
         store_move_end(st, id);
     }
     return rc == 0 ? ST_OK
-                   : status_set(s, ST_INTERNAL, "reading sequence %llu's blocks failed",
+                   : status_set(s, ST_INTERNAL, "reading sequence %llu's blocks or sketches failed",
                                 (unsigned long long)id);
 }
 
@@ -315,6 +317,15 @@ static status_code import_take(store *st, const import_target *t, const seq_expo
     return ST_OK;
 }
 
+/* Whether an image has a sketch (tokens or victims in one, or cells). */
+static int image_has_sketch(const seq_export *x)
+{
+    for (size_t i = 0; i < (size_t)x->layers * x->heads; i++)
+        if (x->lists[i].sketch_bytes > 0)
+            return 1;
+    return 0;
+}
+
 /* Lock held, the blocks written (write_rc 0) or not: the sequence built
  * and published in the session, if it is still there; else the blocks go
  * back (and the pool, if nothing else keeps it). */
@@ -343,8 +354,11 @@ static status_code import_publish(store *st, const import_target *t, const migra
     }
     free(blocks);
     /* As at CreateSequence: a sequence whose own configuration fills
-     * sketches (victims=sketch) reserves their worst case now. */
-    if (seq_sketches(q) && store_sketch_reserve_locked(st, q, s) != ST_OK) {
+     * sketches (victims=sketch, reviver) reserves their worst case now; so
+     * does one that came with sketches of an operator's offload, as that
+     * offload did (store_operator.c). */
+    if ((seq_sketches(q) || image_has_sketch(x)) &&
+        store_sketch_reserve_locked(st, q, s) != ST_OK) {
         seq_destroy(q); /* its blocks with it */
         return s->code;
     }

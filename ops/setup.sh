@@ -49,7 +49,7 @@ packages=(
     tmux valgrind
     openssl util-linux # openssl: test_tls makes its CA; setpriv (util-linux): test_hostile_authz
     clang libclang-rt-14-dev # libFuzzer (tests/fuzz): clang-14's runtime is a separate package
-    libhiredis-dev zlib1g-dev redis-server redis-tools # the remote tier (docs/remote.md); its tests start a Redis Cluster
+    libhiredis-dev libisal-dev zlib1g-dev redis-server redis-tools # the remote tier (docs/remote.md): Redis Cluster, CRC-32 (ISA-L; zlib checks it in the tests)
 )
 
 missing=()

@@ -16,8 +16,12 @@ another host.
   which tier (full, int8) as on A. The worker on A still verifies every
   token it holds. (kvstash-llama proves the imported K/V decode to the same
   log-likelihoods: test_llama_remote.)
-* Refusals: tokens in a sketch (victims=sketch), an unknown uid, a malformed
-  uid, a daemon without --remote: each a precise error, nothing changed.
+* Sketches: a sequence whose victims are in its count-sketches
+  (victims=sketch) moves with them (format 2: a sketch value per list): B
+  holds the same map and appended count, and reserves its sketches' memory.
+* Refusals: victims spilled to the remote tier (seq spill), an unknown uid,
+  a malformed uid, a daemon without --remote: each a precise error, nothing
+  changed.
 * Faults: a value corrupted or deleted in the cluster makes the import fail
   with DATA_LOSS (never wrong K/V); a full cluster (maxmemory) refuses the
   export as RESOURCE_EXHAUSTED; a slow cluster (DEBUG SLEEP) makes the
@@ -192,10 +196,27 @@ def check_export_and_import_between_daemons(ctx):
 
 
 def check_export_refusals(ctx):
+    # Victims in the sketches (victims=sketch) move with them: the same map
+    # on B, a sketch value per list, the sketches' memory reserved there.
     w = Worker(ctx.daemon, "rem-sketch", 14, 48, policy="streaming",
                params=["n_sink=4", "window=16", "victims=sketch"]).ready()
     q = seq_of(ctx.daemon, session_of(w))
-    fails(ctx, 1, "has tokens in a sketch", "seq", "export", str(q))
+    before = inspect(ctx.daemon, q)
+    j = export(ctx, q)
+    assert sum(k.endswith(".sketch") for k in keys_of(j["uid"])) == len(before.layers), \
+        keys_of(j["uid"])
+    imported = ok_json(ctx.b.sock, "seq", "import", j["uid"], "--session",
+                       str(session_of(ctx.b1)))
+    r = inspect(ctx.b, int(imported["seq_id"]))
+    assert int(imported["appended"]) == before.sequence.appended == r.sequence.appended == 48, \
+        (imported, r.sequence)
+    assert maps_of(r) == maps_of(before), f"maps differ:\n{maps_of(before)}\n{maps_of(r)}"
+    (moved,) = [s for s in ctx.b.stats().sequences if s.seq_id == int(imported["seq_id"])]
+    assert moved.sketch_reserved_bytes > 0, moved
+    # Once its victims are spilled to the remote tier it cannot move (yet).
+    spilled = ok_json(ctx, "seq", "spill", str(q))
+    assert int(spilled["spilled_tokens"]) > 0, spilled
+    fails(ctx, 1, "spilled to the remote tier", "seq", "export", str(q))
     w.finish()
     # Before anything went to its sketch it moves, and reserves its sketches'
     # worst case on the importing daemon as a new sequence would.
@@ -237,9 +258,9 @@ def check_corrupt_or_missing_value_is_data_loss(ctx):
     data = [k for k in keys_of(j["uid"]) if not k.endswith(":manifest")]
     cluster.call(owner_port(data[-1]), "DEL", data[-1])
     fails(ctx.b.sock, 1, "is missing", "seq", "import", j["uid"], "--session", str(b_session))
-    # Nothing was imported by either (the worker's own, two moved, one with
-    # a sketch reserved).
-    assert len([s for s in ctx.b.stats().sequences if s.session_id == b_session]) == 4
+    # Nothing was imported by either (the worker's own, two moved, two with
+    # sketches reserved).
+    assert len([s for s in ctx.b.stats().sequences if s.session_id == b_session]) == 5
 
 
 def check_full_cluster_refuses_the_export(ctx):

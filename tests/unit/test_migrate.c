@@ -65,7 +65,13 @@ typedef struct list_spec {
     int attn, tail;
     int victims_alone; /* victims in a FULL block of their own, else INT8 blocks / FULL slots */
     uint8_t demote_due;
+    uint32_t sketch_cells; /* the list's sketch: 0 none */
+    int sketch_victims;    /* victims in the sketch (victims=sketch) */
 } list_spec;
+
+/* A sketch cell of a per-head list: key and value rows of head_dim floats
+ * and a count (tier_sketch_bytes_for(1, 1, head_dim)). */
+#define CELL (2 * 4 * 8 + 4)
 
 typedef struct builder {
     seq_export x;
@@ -94,6 +100,8 @@ static uint32_t add_block(builder *b, uint32_t list, uint8_t tier)
  * tokens, 1: victims' own), opening a block when it is full. */
 static tier_token place(builder *b, uint32_t list, uint8_t tier, int own)
 {
+    if (tier == POLICY_SKETCH) /* no block: seq.h seq_export_list */
+        return (tier_token){TIER_NO_BLOCK, 0, POLICY_SKETCH};
     uint32_t *open = &b->open[list][tier][own], *next = &b->next[list][tier][own];
     if (*open == UINT32_MAX || *next == tier_slots[tier]) {
         *open = add_block(b, list, tier);
@@ -150,9 +158,10 @@ static void build_list(builder *b, uint32_t li, const list_spec *sp)
         uint64_t r = rng_next(&b->rng);
         if (victim[i]) {
             ls->victims[v] = all[i];
-            ls->victim_at[v++] = sp->victims_alone ? place(b, li, POLICY_FULL, 1)
-                                 : r & 1           ? place(b, li, POLICY_INT8, 1)
-                                                   : place(b, li, POLICY_FULL, 0);
+            ls->victim_at[v++] = sp->sketch_victims  ? place(b, li, POLICY_SKETCH, 1)
+                                 : sp->victims_alone ? place(b, li, POLICY_FULL, 1)
+                                 : r & 1             ? place(b, li, POLICY_INT8, 1)
+                                                     : place(b, li, POLICY_FULL, 0);
             continue;
         }
         uint8_t t = sp->tiers[r % 2];
@@ -172,10 +181,19 @@ static void build_list(builder *b, uint32_t li, const list_spec *sp)
         ls->tail_next_slot = b->next[li][POLICY_FULL][0];
     }
     ls->demote_due = sp->demote_due;
+    if (sp->sketch_cells > 0) {
+        ls->sketch_bytes = (size_t)sp->sketch_cells * CELL;
+        ls->sketch = malloc(ls->sketch_bytes);
+        assert_non_null(ls->sketch);
+        for (size_t i = 0; i < ls->sketch_bytes; i++)
+            ls->sketch[i] = (uint8_t)rng_next(&b->rng);
+    }
 }
 
-/* The synthetic export of `seed`. */
-static void build(seq_export *out, uint64_t seed)
+/* The synthetic export of `seed`; `sketched`: with count-sketches (list
+ * 0 holds tokens in one, list 1 has an empty one, list 2's victims are in
+ * one, list 3 has none). */
+static void build_with(seq_export *out, uint64_t seed, int sketched)
 {
     builder b;
     memset(&b, 0, sizeof b);
@@ -207,12 +225,19 @@ static void build(seq_export *out, uint64_t seed)
     x->lists = calloc(NLISTS, sizeof *x->lists);
     assert_non_null(x->lists);
     uint32_t r = (uint32_t)(rng_next(&b.rng) % 16);
-    const list_spec specs[NLISTS] = {
-        {30 + r, 7, {POLICY_FULL, POLICY_INT8}, 1, 1, 0, 0},
-        {0, 0, {POLICY_FULL, POLICY_FULL}, 0, 0, 0, 0},
-        {20 + r / 2, 0, {POLICY_FULL, POLICY_INT4}, 0, 1, 0, 1},
-        {10, 5, {POLICY_INT8, POLICY_INT2}, 1, 0, 1, 3},
+    const list_spec plain[NLISTS] = {
+        {30 + r, 7, {POLICY_FULL, POLICY_INT8}, 1, 1, 0, 0, 0, 0},
+        {0, 0, {POLICY_FULL, POLICY_FULL}, 0, 0, 0, 0, 0, 0},
+        {20 + r / 2, 0, {POLICY_FULL, POLICY_INT4}, 0, 1, 0, 1, 0, 0},
+        {10, 5, {POLICY_INT8, POLICY_INT2}, 1, 0, 1, 3, 0, 0},
     };
+    const list_spec with_sketch[NLISTS] = {
+        {30 + r, 7, {POLICY_FULL, POLICY_SKETCH}, 1, 1, 0, 0, 12 + r, 0},
+        {0, 0, {POLICY_FULL, POLICY_FULL}, 0, 0, 0, 0, 3, 0},
+        {20 + r / 2, 9, {POLICY_FULL, POLICY_INT4}, 0, 1, 0, 1, 6, 1},
+        {10, 5, {POLICY_INT8, POLICY_INT2}, 1, 0, 1, 3, 0, 0},
+    };
+    const list_spec *specs = sketched ? with_sketch : plain;
     /* Lists out of order, so that export indices interleave lists. */
     static const uint32_t order[NLISTS] = {2, 0, 3, 1};
     for (size_t i = 0; i < NLISTS; i++)
@@ -231,6 +256,11 @@ static void build(seq_export *out, uint64_t seed)
     *out = b.x;
 }
 
+static void build(seq_export *out, uint64_t seed)
+{
+    build_with(out, seed, 0);
+}
+
 /* The synthetic export's arrays (each one malloc), or a decoded one's. */
 static void export_free(seq_export *x)
 {
@@ -243,6 +273,7 @@ static void export_free(seq_export *x)
         free(ls->victims);
         free(ls->victim_at);
         free(ls->victim_blocks);
+        free(ls->sketch);
     }
     free(x->lists);
     for (uint32_t l = 0; x->states != NULL && l < x->layers; l++)
@@ -325,6 +356,13 @@ static void assert_export_equal(const seq_export *a, const seq_export *d)
         assert_int_equal(x->tail_block, y->tail_block);
         assert_int_equal(x->tail_next_slot, y->tail_next_slot);
         assert_int_equal(x->demote_due, y->demote_due);
+        assert_int_equal(x->sketch_bytes, y->sketch_bytes);
+        if (x->sketch_bytes > 0) { /* byte for byte */
+            assert_non_null(y->sketch);
+            assert_memory_equal(x->sketch, y->sketch, x->sketch_bytes);
+        } else {
+            assert_null(y->sketch);
+        }
     }
 }
 
@@ -454,11 +492,16 @@ typedef struct fixture {
     migrate_values v;
 } fixture;
 
-static void fixture_make(fixture *f, uint64_t seed, const char *uid)
+static void fixture_make_with(fixture *f, uint64_t seed, const char *uid, int sketched)
 {
-    build(&f->x, seed);
+    build_with(&f->x, seed, sketched);
     f->bytes = random_bytes(f->x.nblocks * bb(), seed * 31 + 7);
     encode(&f->x, f->bytes, uid, &f->v);
+}
+
+static void fixture_make(fixture *f, uint64_t seed, const char *uid)
+{
+    fixture_make_with(f, seed, uid, 0);
 }
 
 static void fixture_free(fixture *f)
@@ -571,13 +614,12 @@ static void test_empty(void **state)
 
 /* ---- corruption ------------------------------------------------------------ */
 
-/* A flipped byte (header, positions, payload) or a truncation of any value:
- * DATA_LOSS. */
-static void test_flip_and_truncate(void **state)
+/* A flipped byte (header, positions, payload) or a truncation of any value
+ * (sketch values too): DATA_LOSS. */
+static void flip_and_truncate(int sketched)
 {
-    (void)state;
     fixture f;
-    fixture_make(&f, 5, UID);
+    fixture_make_with(&f, 5, UID, sketched);
     const migrate_values *v = &f.v;
     migrate_plan good;
     status st;
@@ -626,12 +668,20 @@ static void test_flip_and_truncate(void **state)
     fixture_free(&f);
 }
 
-/* Data value j given for data value i: DATA_LOSS, naming the key. */
-static void test_swapped(void **state)
+static void test_flip_and_truncate(void **state)
 {
     (void)state;
+    flip_and_truncate(0);
+    flip_and_truncate(1);
+}
+
+/* Data value j given for data value i (a sketch value for another list's
+ * sketch or for blocks, and the other way round): DATA_LOSS, naming the
+ * key. */
+static void swapped(int sketched)
+{
     fixture f;
-    fixture_make(&f, 6, UID);
+    fixture_make_with(&f, 6, UID, sketched);
     migrate_plan p;
     status st;
     const remote_kv *m = manifest_of(&f.v);
@@ -650,6 +700,13 @@ static void test_swapped(void **state)
     free(bytes);
     migrate_plan_free(&p);
     fixture_free(&f);
+}
+
+static void test_swapped(void **state)
+{
+    (void)state;
+    swapped(0);
+    swapped(1);
 }
 
 /* Values of another export: DATA_LOSS. */
@@ -748,7 +805,7 @@ static void test_manifest_fields(void **state)
         assert_non_null(strstr(st.msg, "extra"));
         json_decref(one);
     }
-    assert_int_equal(tried, 21 + 6 + 11);
+    assert_int_equal(tried, 21 + 6 + 12);
     json_decref(root);
     fixture_free(&f);
 }
@@ -837,7 +894,7 @@ static void test_inconsistent(void **state)
            *size = json_integer((json_int_t)p.data[0].size + 4),
            *list = json_integer(p.data[0].list ^ 1), *far = json_pack("[i,i,i]", 1000, 0, 1),
            *uid = json_string(UID2), *reversed = json_pack("[i,i,i,i]", 50, 1, 10, 1),
-           *attn = json_string("AAAA"), *two = json_integer(2), *d256 = json_integer(256),
+           *attn = json_string("AAAA"), *two = json_integer(3), *d256 = json_integer(256),
            *more = json_integer((json_int_t)p.image.nblocks + 1);
     /* lists[0]'s first position one lower: a valid list, not the data's. */
     json_t *shifted = json_array();
@@ -1001,6 +1058,301 @@ static void test_encode_refuses(void **state)
     export_free(&x);
 }
 
+/* ---- sketches (format 2) --------------------------------------------------- */
+
+/* A manifest's JSON (the value's payload), parsed; the caller decrefs. */
+static json_t *manifest_json(const remote_kv *m)
+{
+    remote_value_header h;
+    const uint8_t *payload;
+    status st;
+    assert_int_equal(remote_value_decode(m->val, m->len, &h, NULL, &payload, &st), ST_OK);
+    json_t *root = json_loadb((const char *)payload, (size_t)h.payload_len, 0, NULL);
+    assert_non_null(root);
+    return root;
+}
+
+/* Sketch tokens (held and victims) and sketches round trip: one sketch
+ * value per list with a sketch (kind sketch, key part l<l>.h<h>.sketch,
+ * positions: the list's held sketch tokens, payload: the cells), the
+ * manifest naming it, sketch runs [4294967295, 0, count]; decoded, the
+ * image equals the original field by field, the blocks and every sketch's
+ * cells byte for byte. */
+static void test_round_trip_sketch(void **state)
+{
+    (void)state;
+    for (uint64_t seed = 1; seed <= 12; seed++) {
+        fixture f;
+        fixture_make_with(&f, seed, UID, 1);
+        const migrate_values *v = &f.v;
+        uint8_t has[NLISTS][POLICY_TIERS] = {{0}};
+        size_t groups = 0;
+        for (size_t b = 0; b < f.x.nblocks; b++)
+            groups += !has[f.x.block_list[b]][f.x.block_tier[b]]++;
+        assert_int_equal(v->n, groups + 3 + 1); /* lists 0, 1, 2 have sketches */
+        size_t sketches = 0;
+        for (size_t i = 0; i + 1 < v->n; i++) {
+            status st;
+            remote_value_header h;
+            const uint8_t *pos, *payload;
+            assert_int_equal(
+                remote_value_decode(v->kv[i].val, v->kv[i].len, &h, &pos, &payload, &st), ST_OK);
+            if (h.kind != REMOTE_VALUE_SKETCH) {
+                assert_int_equal(h.kind, REMOTE_VALUE_TOKENS);
+                continue;
+            }
+            sketches++;
+            const seq_export_list *ls = &f.x.lists[h.layer * geom.kv_heads + h.head];
+            char want[64];
+            snprintf(want, sizeof want, "l%u.h%u.sketch", h.layer, h.head);
+            assert_string_equal(strrchr(v->kv[i].key, ':') + 1, want);
+            assert_int_equal(h.tier, POLICY_SKETCH);
+            assert_int_equal(h.payload_len, ls->sketch_bytes);
+            assert_memory_equal(payload, ls->sketch, ls->sketch_bytes);
+            uint32_t k = 0;
+            for (uint32_t j = 0; j < ls->ntokens; j++)
+                if (ls->at[j].tier == POLICY_SKETCH)
+                    assert_int_equal(remote_value_position(pos, k++), ls->positions[j]);
+            assert_int_equal(h.ntokens, k);
+        }
+        assert_int_equal(sketches, 3);
+        /* The manifest: format 2, list 0's held sketch tokens as sentinel runs,
+         * list 2's victims, list 3 without a sketch. */
+        json_t *root = manifest_json(manifest_of(v));
+        assert_int_equal(json_integer_value(json_object_get(root, "format")), 2);
+        json_t *lists = json_object_get(root, "lists");
+        int sentinel = 0;
+        json_t *at = json_object_get(json_array_get(lists, 0), "at");
+        for (size_t i = 0; i < json_array_size(at); i += 3)
+            if (json_integer_value(json_array_get(at, i)) == 4294967295ll) {
+                assert_int_equal(json_integer_value(json_array_get(at, i + 1)), 0);
+                sentinel++;
+            }
+        assert_true(sentinel > 0);
+        json_t *vat = json_object_get(json_array_get(lists, 2), "victim_at");
+        assert_int_equal(json_array_size(vat), 3); /* one run: every victim */
+        assert_int_equal(json_integer_value(json_array_get(vat, 0)), 4294967295ll);
+        assert_int_equal(json_integer_value(json_array_get(vat, 2)), 9);
+        assert_true(json_is_object(json_object_get(json_array_get(lists, 1), "sketch")));
+        assert_true(json_is_null(json_object_get(json_array_get(lists, 3), "sketch")));
+        json_decref(root);
+
+        migrate_plan p;
+        uint8_t *bytes;
+        status st;
+        status_code rc =
+            decode_all(v, manifest_of(v)->val, manifest_of(v)->len, QG, &p, &bytes, &st);
+        if (rc != ST_OK)
+            fail_msg("seed %llu: %s", (unsigned long long)seed, st.msg);
+        assert_int_equal(p.format, 2);
+        assert_int_equal(p.ndata, v->n - 1);
+        assert_export_equal(&f.x, &p.image);
+        assert_memory_equal(bytes, f.bytes, f.x.nblocks * bb());
+        free(bytes);
+        migrate_plan_free(&p);
+        fixture_free(&f);
+    }
+}
+
+/* lists[li].sketch of the manifest m, with field set to value (stolen). */
+typedef struct sketch_edit {
+    size_t li;
+    const char *field;
+    json_t *value;
+} sketch_edit;
+
+static void apply_sketch_edit(json_t *root, void *arg)
+{
+    const sketch_edit *e = arg;
+    json_t *sk = json_object_get(json_array_get(json_object_get(root, "lists"), e->li), "sketch");
+    assert_true(json_is_object(sk));
+    assert_int_equal(json_object_set(sk, e->field, e->value), 0);
+}
+
+static status_code try_sketch_edit(const migrate_values *v, sketch_edit *e, status *st)
+{
+    size_t len;
+    uint8_t *m = remanifest(manifest_of(v), apply_sketch_edit, e, &len), *bytes;
+    migrate_plan p;
+    status_code rc = decode_all(v, m, len, QG, &p, &bytes, st);
+    migrate_plan_free(&p);
+    free(bytes);
+    free(m);
+    json_decref(e->value);
+    return rc;
+}
+
+/* A sketch entry of another size, crc or key, a sketch token in a list
+ * whose sketch is null (held or victim), a sketch run at a slot other
+ * than 0, the sentinel in a format 1 manifest: DATA_LOSS naming the field
+ * or the key. */
+static void test_sketch_refused(void **state)
+{
+    (void)state;
+    fixture f;
+    fixture_make_with(&f, 21, UID, 1);
+    status st;
+    migrate_plan p;
+    const remote_kv *m = manifest_of(&f.v);
+    assert_int_equal(migrate_decode_manifest(m->val, m->len, &geom, QG, &p, &st), ST_OK);
+    const migrate_data *d0 = NULL, *d1 = NULL;
+    for (size_t i = 0; i < p.ndata; i++)
+        if (p.data[i].tier == POLICY_SKETCH)
+            *(p.data[i].list == 0 ? &d0 : &d1) = &p.data[i];
+    assert_non_null(d0);
+    assert_non_null(d1);
+    const struct {
+        size_t li;
+        const char *field;
+        json_t *value;
+        const char *says;
+    } cases[] = {
+        /* Not whole cells: the manifest itself is wrong. */
+        {0, "size", json_integer((json_int_t)d0->size + 1), "lists[0].sketch.size"},
+        {0, "size", json_integer(REMOTE_VALUE_HEADER_LEN), "lists[0].sketch.size"},
+        /* Whole cells, but not the value's size: the value is refused. */
+        {0, "size", json_integer((json_int_t)d0->size + CELL), "manifest says"},
+        {0, "crc", json_integer((json_int_t)(d0->crc ^ 1)), "manifest says"},
+        {0, "key", json_string(d1->key), "lists[0].sketch.key"},
+        {0, "key", json_string("kvs:" NS ":{" TENANT ":" UID "}:l0.h0.int8"),
+         "lists[0].sketch.key"},
+        {0, "extra", json_integer(1), "unexpected field"},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        sketch_edit e = {cases[c].li, cases[c].field, cases[c].value};
+        status_code rc = try_sketch_edit(&f.v, &e, &st);
+        if (rc != ST_DATA_LOSS || strstr(st.msg, cases[c].says) == NULL)
+            fail_msg("case %zu: %s %s", c, status_name(rc), st.msg);
+    }
+    /* Another list's sketch value fetched for list 0's: refused by its key. */
+    for (size_t i = 0; i + 1 < f.v.n; i++)
+        if (strcmp(f.v.kv[i].key, d1->key) == 0) {
+            uint8_t *b = malloc(f.x.nblocks * bb());
+            assert_non_null(b);
+            assert_int_equal(migrate_decode_data(&p, (size_t)(d0 - p.data), f.v.kv[i].val,
+                                                 f.v.kv[i].len, b, &st),
+                             ST_DATA_LOSS);
+            assert_non_null(strstr(st.msg, d0->key));
+            free(b);
+        }
+    assert_null(p.image.lists[0].sketch); /* nothing written */
+    migrate_plan_free(&p);
+
+    /* Sketch tokens where the sketch is null: list 0's held ones, list 2's
+     * victims; list 3 (no sketch) given a sketch run. */
+    json_t *null = json_null(), *one = json_pack("[I,i,i]", (json_int_t)4294967295ll, 0, 10),
+           *slot1 = json_pack("[I,i,i]", (json_int_t)4294967295ll, 1, 9);
+    const struct {
+        edit e[2];
+        const char *says;
+    } nulls[] = {
+        {{{"lists", 0, "sketch", null}, {0}}, "lists[0].at["},
+        {{{"lists", 2, "sketch", null}, {0}}, "lists[2].victim_at[0] is in the sketch"},
+        {{{"lists", 3, "at", one}, {0}}, "lists[3].at[0] is in the sketch, but lists[3].sketch"},
+        {{{"lists", 2, "victim_at", slot1}, {0}}, "a slot not 0"},
+    };
+    for (size_t c = 0; c < sizeof nulls / sizeof nulls[0]; c++) {
+        status_code rc = try_edits(&f.v, nulls[c].e, &st);
+        if (rc != ST_DATA_LOSS || strstr(st.msg, nulls[c].says) == NULL)
+            fail_msg("case %zu: %s %s", c, status_name(rc), st.msg);
+    }
+    json_decref(one);
+    json_decref(slot1);
+    fixture_free(&f);
+}
+
+/* Format 1 (no lists[].sketch, no sketch runs): what an older kvstashd
+ * wrote, still read while its exports live (--remote-ttl-s). */
+static void drop_sketches(json_t *root, void *arg)
+{
+    json_t *lists = json_object_get(root, "lists");
+    for (size_t i = 0; i < json_array_size(lists); i++)
+        assert_int_equal(json_object_del(json_array_get(lists, i), "sketch"), 0);
+    json_object_set_new(root, "format", json_integer(arg ? *(int *)arg : 1));
+}
+
+static void test_format_1(void **state)
+{
+    (void)state;
+    fixture f;
+    fixture_make(&f, 22, UID);
+    size_t len;
+    uint8_t *m = remanifest(manifest_of(&f.v), drop_sketches, NULL, &len), *bytes;
+    migrate_plan p;
+    status st;
+    status_code rc = decode_all(&f.v, m, len, QG, &p, &bytes, &st);
+    if (rc != ST_OK)
+        fail_msg("format 1: %s", st.msg);
+    assert_int_equal(p.format, 1);
+    assert_export_equal(&f.x, &p.image);
+    assert_memory_equal(bytes, f.bytes, f.x.nblocks * bb());
+    free(bytes);
+    migrate_plan_free(&p);
+    free(m);
+    /* Format 2 without lists[].sketch is a broken format 2 manifest. */
+    int two = 2;
+    m = remanifest(manifest_of(&f.v), drop_sketches, &two, &len);
+    assert_int_equal(decode_all(&f.v, m, len, QG, &p, &bytes, &st), ST_DATA_LOSS);
+    assert_non_null(strstr(st.msg, "lists[0].sketch missing"));
+    free(bytes);
+    migrate_plan_free(&p);
+    free(m);
+    /* Format 1 with a sketch field, or a sketch run: not format 1. */
+    json_t *fmt1 = json_integer(1);
+    edit with_field[] = {{NULL, 0, "format", fmt1}, {0}};
+    assert_int_equal(try_edits(&f.v, with_field, &st), ST_DATA_LOSS);
+    assert_non_null(strstr(st.msg, "unexpected field \"sketch\""));
+    fixture_free(&f);
+    fixture_make_with(&f, 23, UID, 1);
+    m = remanifest(manifest_of(&f.v), drop_sketches, NULL, &len);
+    assert_int_equal(decode_all(&f.v, m, len, QG, &p, &bytes, &st), ST_DATA_LOSS);
+    assert_non_null(strstr(st.msg, "past nblocks")); /* the sentinel is no block */
+    free(bytes);
+    migrate_plan_free(&p);
+    free(m);
+    json_decref(fmt1);
+    fixture_free(&f);
+}
+
+/* What the encoder refuses of sketches: INVALID_ARGUMENT. */
+static void test_encode_refuses_sketch(void **state)
+{
+    (void)state;
+    seq_export x;
+    build_with(&x, 24, 1);
+    uint8_t *bytes = random_bytes(x.nblocks * bb(), 3);
+    migrate_values v;
+    status st;
+    seq_export_list *l0 = &x.lists[0], *l3 = &x.lists[3];
+    l0->sketch_bytes--; /* not whole cells */
+    assert_int_equal(migrate_encode(&x, &geom, QG, bb(), bytes, NS, TENANT, UID, &v, &st),
+                     ST_INVALID_ARGUMENT);
+    assert_non_null(strstr(st.msg, "cells"));
+    l0->sketch_bytes++;
+    uint8_t *cells = l0->sketch;
+    l0->sketch = NULL; /* cells not read */
+    assert_int_equal(migrate_encode(&x, &geom, QG, bb(), bytes, NS, TENANT, UID, &v, &st),
+                     ST_INVALID_ARGUMENT);
+    l0->sketch = cells;
+    size_t j = 0;
+    while (l0->at[j].tier != POLICY_SKETCH)
+        j++;
+    l0->at[j].slot = 1;
+    assert_int_equal(migrate_encode(&x, &geom, QG, bb(), bytes, NS, TENANT, UID, &v, &st),
+                     ST_INVALID_ARGUMENT);
+    l0->at[j].slot = 0;
+    tier_token keep = l3->at[0];
+    l3->at[0] = (tier_token){TIER_NO_BLOCK, 0, POLICY_SKETCH}; /* list 3 has no sketch */
+    assert_int_equal(migrate_encode(&x, &geom, QG, bb(), bytes, NS, TENANT, UID, &v, &st),
+                     ST_INVALID_ARGUMENT);
+    assert_non_null(strstr(st.msg, "list 3"));
+    l3->at[0] = keep;
+    assert_int_equal(migrate_encode(&x, &geom, QG, bb(), bytes, NS, TENANT, UID, &v, &st), ST_OK);
+    migrate_values_free(&v);
+    free(bytes);
+    export_free(&x);
+}
+
 /* ---- random mutations ---------------------------------------------------- */
 
 typedef struct fuzz_arg {
@@ -1040,11 +1392,10 @@ static void mutate_int(json_t *root, void *arg)
 
 /* Any outcome but a crash, and success only with every data value
  * consistent: run under ASan, this is the decoder's bounds check. */
-static void test_fuzz_manifest(void **state)
+static void fuzz_manifest(int sketched)
 {
-    (void)state;
     fixture f;
-    fixture_make(&f, 14, UID);
+    fixture_make_with(&f, 14, UID, sketched);
     const remote_kv *m = manifest_of(&f.v);
     fuzz_arg a = {2024};
     size_t ok = 0;
@@ -1084,6 +1435,13 @@ static void test_fuzz_manifest(void **state)
     /* Some mutations change nothing that matters (a counter): those decode. */
     assert_true(ok > 0);
     fixture_free(&f);
+}
+
+static void test_fuzz_manifest(void **state)
+{
+    (void)state;
+    fuzz_manifest(0);
+    fuzz_manifest(1);
 }
 
 /* ---- spilled victims ------------------------------------------------------ */
@@ -1229,6 +1587,10 @@ int main(void)
         cmocka_unit_test(test_encode_refuses),
         cmocka_unit_test(test_fuzz_manifest),
         cmocka_unit_test(test_spill_values),
+        cmocka_unit_test(test_round_trip_sketch),
+        cmocka_unit_test(test_sketch_refused),
+        cmocka_unit_test(test_format_1),
+        cmocka_unit_test(test_encode_refuses_sketch),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -24,6 +24,7 @@
 #include <stdlib.h>
 
 #include "backend.h"
+#include "migrate.h"
 #include "pool.h"
 #include "seq.h"
 #include "tier.h"
@@ -1325,6 +1326,212 @@ static void test_int8_victims_after_step(void **state)
     fx_close(&f);
 }
 
+/* ---- export and import with sketches (seq.h seq_export) ------------------ */
+
+/* from's sequence moved as two daemons move it: described, its blocks and
+ * sketch cells read, encoded (migrate_encode), decoded (migrate.h: the
+ * manifest, then every data and sketch value) and imported into *to, a
+ * new pool of the same geometry on the same backend. */
+static void move_to(fx *from, fx *to, void **state)
+{
+    memset(to, 0, sizeof *to);
+    status st;
+    pool_geometry g = geom;
+    assert_int_equal(pool_geometry_check(&g, &st), ST_OK);
+    if (pool_create(2, "m", &g, 64 * BLOCK_BYTES, backend_of(state), &to->p, &st) != ST_OK)
+        fail_msg("pool_create: %s", st.msg);
+    seq_export x;
+    if (seq_export_describe(from->s, &x, &st) != ST_OK)
+        fail_msg("describe: %s", st.msg);
+    assert_int_equal(seq_export_read_sketches(from->s, &x), 0);
+    uint8_t *bytes = malloc(x.nblocks * BLOCK_BYTES + 1);
+    assert_non_null(bytes);
+    assert_int_equal(pool_read_blocks(from->p, x.blocks, x.nblocks, bytes), 0);
+    migrate_values v;
+    if (migrate_encode(&x, &from->p->geom, 0, BLOCK_BYTES, bytes, "ns", "t", "0123456789abcdef", &v,
+                       &st) != ST_OK)
+        fail_msg("encode: %s", st.msg);
+    seq_export_free(&x);
+    free(bytes);
+    migrate_plan plan;
+    const remote_kv *m = &v.kv[v.n - 1];
+    if (migrate_decode_manifest(m->val, m->len, &to->p->geom, 0, &plan, &st) != ST_OK)
+        fail_msg("decode: %s", st.msg);
+    assert_int_equal(plan.ndata, v.n - 1);
+    bytes = malloc(plan.image.nblocks * BLOCK_BYTES + 1);
+    assert_non_null(bytes);
+    for (size_t i = 0; i < plan.ndata; i++)
+        for (size_t j = 0; j + 1 < v.n; j++)
+            if (strcmp(v.kv[j].key, plan.data[i].key) == 0 &&
+                migrate_decode_data(&plan, i, v.kv[j].val, v.kv[j].len, bytes, &st) != ST_OK)
+                fail_msg("decode %s: %s", plan.data[i].key, st.msg);
+    uint32_t *blocks = malloc((plan.image.nblocks + 1) * sizeof *blocks);
+    assert_non_null(blocks);
+    for (size_t i = 0; i < plan.image.nblocks; i++)
+        assert_int_equal(pool_alloc_block(to->p, &blocks[i]), 0);
+    assert_int_equal(pool_write_blocks(to->p, blocks, plan.image.nblocks, bytes), 0);
+    if (seq_import(8, 3, to->p, &plan.image, blocks, &to->s, &st) != ST_OK)
+        fail_msg("import: %s", st.msg);
+    free(blocks);
+    free(bytes);
+    migrate_plan_free(&plan);
+    migrate_values_free(&v);
+    to->ops = from->ops;
+    to->heads = from->heads;
+    to->lheads = from->lheads;
+    kv_layout ll = from->tier.l;
+    assert_int_equal(
+        tier_ctx_init(&to->tier, to->ops, to->p->base, to->p->block_bytes, &ll, (kv_dtype)g.dtype),
+        0);
+}
+
+/* The two sequences' lists are the same (positions, victims, tiers by
+ * token) and a Revive of every list rebuilds bit-identical values (the
+ * sketch estimates included) from the same tiers. Returns the tokens
+ * revived from a sketch. */
+static size_t assert_same(fx *a, fx *b)
+{
+    assert_int_equal(seq_appended(a->s), seq_appended(b->s));
+    uint64_t ta[POLICY_TIERS], ba[POLICY_TIERS], tb[POLICY_TIERS], bb[POLICY_TIERS];
+    seq_tier_usage(a->s, ta, ba);
+    seq_tier_usage(b->s, tb, bb);
+    assert_memory_equal(ta, tb, sizeof ta);
+    assert_int_equal(ba[POLICY_SKETCH], bb[POLICY_SKETCH]);
+    size_t sketched = 0;
+    for (uint32_t l = 0; l < seq_layers(a->s); l++)
+        for (uint32_t k = 0; k < a->heads; k++) {
+            seq_list_view va, vb;
+            seq_list_view_get(a->s, l, k, &va);
+            seq_list_view_get(b->s, l, k, &vb);
+            assert_int_equal(va.tokens, vb.tokens);
+            assert_int_equal(va.noffloaded, vb.noffloaded);
+            if (va.tokens > 0)
+                assert_memory_equal(va.positions, vb.positions, va.tokens * sizeof(uint32_t));
+            if (va.noffloaded > 0)
+                assert_memory_equal(va.offloaded, vb.offloaded, va.noffloaded * sizeof(uint32_t));
+            seq_revived ra, rb;
+            status st;
+            seq_revive_request req = {l, k, 0, 0, 1};
+            assert_int_equal(seq_revive(a->s, &req, &ra, &st), ST_OK);
+            assert_int_equal(seq_revive(b->s, &req, &rb, &st), ST_OK);
+            assert_int_equal(ra.ntokens, rb.ntokens);
+            if (ra.ntokens > 0) {
+                assert_memory_equal(ra.positions, rb.positions, ra.ntokens * sizeof(uint32_t));
+                assert_memory_equal(ra.src_tier, rb.src_tier, ra.ntokens);
+                float *xa = revived_values(a, &ra), *xb = revived_values(b, &rb);
+                /* Bit for bit: the same cells, hashes and estimates. */
+                assert_memory_equal(xa, xb, 2 * ra.ntokens * a->lheads * HD * sizeof(float));
+                free(xa);
+                free(xb);
+            }
+            for (size_t i = 0; i < ra.ntokens; i++)
+                sketched += ra.src_tier[i] == POLICY_SKETCH;
+            revived_free(a, &ra);
+            revived_free(b, &rb);
+        }
+    return sketched;
+}
+
+/*
+ * A victims=sketch sequence (streaming, 7 victims a list in the sketch)
+ * moved to another pool: the same lists, the same sketch bytes, and a
+ * Revive rebuilds the same estimates bit for bit; both continue (appends
+ * offload more victims into the sketches) and stay the same. An image whose
+ * sketch was not read, or whose size is not this policy's geometry, is
+ * refused with nothing created.
+ */
+static void test_move_sketch_victims(void **state)
+{
+    fx a, b;
+    open_sketch_victims(&a, state);
+    move_to(&a, &b, state);
+    assert_int_equal(assert_same(&a, &b), 2 * 7);
+    for (int i = 0; i < 6; i++) {
+        append(&a, 1);
+        append(&b, 1);
+    }
+    assert_int_equal(assert_same(&a, &b), 2 * 13);
+
+    /* Refused: cells not read, cells of another geometry. */
+    seq_export x;
+    status st;
+    assert_int_equal(seq_export_describe(a.s, &x, &st), ST_OK);
+    assert_true(x.lists[0].sketch_bytes > 0);
+    uint32_t nfree = b.p->nfree;
+    uint32_t *blocks = malloc((x.nblocks + 1) * sizeof *blocks);
+    assert_non_null(blocks);
+    for (size_t i = 0; i < x.nblocks; i++)
+        assert_int_equal(pool_alloc_block(b.p, &blocks[i]), 0);
+    seq *c = NULL;
+    uint8_t *cells = x.lists[1].sketch;
+    x.lists[1].sketch = NULL;
+    assert_int_equal(seq_import(9, 3, b.p, &x, blocks, &c, &st), ST_INVALID_ARGUMENT);
+    assert_non_null(strstr(st.msg, "sketch"));
+    x.lists[1].sketch = cells;
+    assert_int_equal(seq_export_read_sketches(a.s, &x), 0);
+    x.lists[1].sketch_bytes -= 68; /* a cell fewer: not streaming's 3 x 4096 */
+    assert_int_equal(seq_import(9, 3, b.p, &x, blocks, &c, &st), ST_INVALID_ARGUMENT);
+    assert_non_null(strstr(st.msg, "geometry"));
+    x.lists[1].sketch_bytes += 68;
+    x.lists[1].sketch_bytes = 0; /* victims in the sketch, no sketch */
+    assert_int_equal(seq_import(9, 3, b.p, &x, blocks, &c, &st), ST_INVALID_ARGUMENT);
+    assert_null(c);
+    for (size_t i = 0; i < x.nblocks; i++)
+        pool_free_block(b.p, blocks[i]);
+    assert_int_equal(b.p->nfree, nfree);
+    free(blocks);
+    seq_export_free(&x);
+    fx_close(&a);
+    fx_close(&b);
+}
+
+/*
+ * A reviver sequence that has sketched (budget 8: Recent and Candidate of
+ * 3, the rest to the Vague store; steps with no statistics) moved to
+ * another pool: the same lists and tiers, bit-identical revived estimates,
+ * and, stepped on with the same appends, the same decisions (swap-backs
+ * and sketching from the moved sketch and state) and estimates.
+ */
+/* One token appended and a step with attention scores that depend only on
+ * the round and the index: the same for two sequences with the same lists. */
+static void append_step(fx *f, uint32_t round)
+{
+    append(f, 1);
+    size_t n = seq_step_floats(f->s, POLICY_NEEDS_SCORE);
+    assert_true(n != (size_t)-1);
+    float *data = malloc((n + 1) * sizeof *data);
+    assert_non_null(data);
+    for (size_t i = 0; i < n; i++)
+        data[i] = (float)((i * 7 + round * 3) % 11) / 11.0f;
+    seq_step_input in = {POLICY_NEEDS_SCORE, 0, 0, 1, 0, 0, data, n};
+    uint32_t evicted;
+    status st;
+    if (seq_step(f->s, &in, &evicted, &st) != ST_OK)
+        fail_msg("step: %s", st.msg);
+    free(data);
+}
+
+static void test_move_reviver(void **state)
+{
+    const char *const kv[] = {"budget", "8", "slack", "0", "buckets", "16"};
+    fx a, b;
+    fx_open(&a, backend_of(state), 64, "reviver", kv, 3);
+    for (uint32_t i = 0; i < 24; i++)
+        append_step(&a, i);
+    uint64_t tokens[POLICY_TIERS], bytes[POLICY_TIERS];
+    seq_tier_usage(a.s, tokens, bytes);
+    assert_true(tokens[POLICY_SKETCH] > 0);
+    move_to(&a, &b, state);
+    assert_true(assert_same(&a, &b) > 0);
+    for (uint32_t i = 24; i < 34; i++) {
+        append_step(&a, i);
+        append_step(&b, i);
+    }
+    assert_true(assert_same(&a, &b) > 0);
+    fx_close(&a);
+    fx_close(&b);
+}
+
 /* A test again on the shadow backend, named so. */
 #define ON_SHADOW(f)                                                                               \
     {                                                                                              \
@@ -1363,6 +1570,10 @@ int main(void)
         ON_SHADOW(test_revive_int8_victims_and_destroy),
         cmocka_unit_test(test_int8_victims_after_step),
         ON_SHADOW(test_int8_victims_after_step),
+        cmocka_unit_test(test_move_sketch_victims),
+        ON_SHADOW(test_move_sketch_victims),
+        cmocka_unit_test(test_move_reviver),
+        ON_SHADOW(test_move_reviver),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
