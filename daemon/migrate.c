@@ -59,7 +59,7 @@ static status_code encode_data(const seq_export *x, const pool_geometry *g, uint
 static json_t *build_manifest(const seq_export *x, const char *ns, const char *tenant,
                               const char *uid, size_t block_bytes, uint32_t quant_group,
                               json_t *entries, json_t *sketches);
-static json_t *build_list(const seq_export_list *ls, json_t *sketch);
+static json_t *build_list(const seq_export_list *ls, int format, json_t *sketch);
 static json_t *runs_of_positions(const uint32_t *pos, size_t n);
 static json_t *runs_of_tiers(const uint8_t *t, size_t n);
 static json_t *runs_of_at(const tier_token *at, size_t n);
@@ -660,11 +660,17 @@ static json_t *build_manifest(const seq_export *x, const char *ns, const char *t
     }
     for (size_t t = 0; t < POLICY_TIERS; t++)
         bad |= jpush(moved, x->moved[t]);
+    /* Format 1 when no list has a sketch: a daemon not upgraded yet still
+     * imports it (a rolling upgrade). */
     size_t nlists = (size_t)x->layers * x->heads;
+    int format = 1;
+    for (size_t li = 0; li < nlists; li++)
+        if (json_is_object(json_array_get(sketches, li)))
+            format = MIGRATE_FORMAT;
     for (size_t li = 0; li < nlists && !bad; li++)
-        bad |=
-            json_array_append_new(lists, build_list(&x->lists[li], json_array_get(sketches, li)));
-    bad |= json_object_set_new(o, "format", json_integer(MIGRATE_FORMAT)) |
+        bad |= json_array_append_new(
+            lists, build_list(&x->lists[li], format, json_array_get(sketches, li)));
+    bad |= json_object_set_new(o, "format", json_integer(format)) |
            json_object_set_new(o, "ns", json_string(ns)) |
            json_object_set_new(o, "tenant", json_string(tenant)) |
            json_object_set_new(o, "uid", json_string(uid)) |
@@ -691,8 +697,9 @@ static json_t *build_manifest(const seq_export *x, const char *ns, const char *t
     return o;
 }
 
-/* List ls's object; sketch (borrowed) its sketch's entry, or null. */
-static json_t *build_list(const seq_export_list *ls, json_t *sketch)
+/* List ls's object in `format`; sketch (borrowed) its sketch's entry, or
+ * null (format 2 only). */
+static json_t *build_list(const seq_export_list *ls, int format, json_t *sketch)
 {
     json_t *o = json_object(), *tail = json_null();
     int bad = 0;
@@ -713,8 +720,9 @@ static json_t *build_list(const seq_export_list *ls, json_t *sketch)
            json_object_set_new(o, "victims", runs_of_positions(ls->victims, ls->nvictims)) |
            json_object_set_new(o, "victim_at", runs_of_at(ls->victim_at, ls->nvictims)) |
            json_object_set_new(o, "victim_blocks", vb) | json_object_set_new(o, "tail", tail) |
-           json_object_set_new(o, "demote_due", json_integer(ls->demote_due)) |
-           json_object_set(o, "sketch", sketch ? sketch : json_null());
+           json_object_set_new(o, "demote_due", json_integer(ls->demote_due));
+    if (format >= 2)
+        bad |= json_object_set(o, "sketch", sketch ? sketch : json_null());
     if (bad) {
         json_decref(o);
         return NULL;

@@ -36,8 +36,10 @@
  * field is a new format). Integers are JSON integers (never reals),
  * unsigned; "runs" below are flat arrays of ints:
  *
- *   format          2 (written); 1 is still read: a format 1 manifest is
- *                   format 2 without lists[].sketch and without sketch runs
+ *   format          2 when a list has a sketch, else 1 (what a daemon
+ *                   from before format 2 imports: a rolling upgrade); a
+ *                   format 1 manifest is format 2 without lists[].sketch
+ *                   and without sketch runs
  *   ns, tenant, uid the ids of the keys (remote_key): every data key is
  *                   built from them
  *   policy          policy name, 1..63 bytes
@@ -123,7 +125,7 @@
 #include "seq.h"
 #include "status.h"
 
-#define MIGRATE_FORMAT 2        /* written */
+#define MIGRATE_FORMAT 2        /* written when a list has a sketch; else 1 */
 #define MIGRATE_FORMAT_OLDEST 1 /* the oldest read: exports live --remote-ttl-s */
 /* The block of an `at` / `victim_at` run of tokens in the sketch. */
 #define MIGRATE_SKETCH_BLOCK 4294967295u /* TIER_NO_BLOCK */
