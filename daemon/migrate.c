@@ -73,7 +73,7 @@ static status_code parse_params(json_t *root, migrate_plan *p, status *st);
 static status_code parse_data(json_t *root, migrate_plan *p, uint64_t *list_blocks, status *st);
 static status_code parse_entry(json_t *e, size_t i, migrate_plan *p, uint8_t *seen, status *st);
 static status_code parse_list(json_t *o, uint32_t li, migrate_plan *p, uint64_t list_blocks,
-                              status *st);
+                              uint64_t *sketch_budget, status *st);
 static status_code parse_attn(json_t *j, const char *where, seq_export_list *ls, status *st);
 static status_code parse_list_rest(json_t *o, const char *where, seq_export_list *ls, status *st);
 static status_code parse_sketch(json_t *j, const char *where, uint32_t li, migrate_plan *p,
@@ -930,8 +930,9 @@ static status_code parse_manifest(json_t *root, migrate_plan *p, status *st)
             rc = status_set(st, ST_FAILED_PRECONDITION,
                             "manifest: written for quant_group %llu, this pool has %u",
                             (unsigned long long)qg, p->quant_group);
+    uint64_t sketch_budget = MIGRATE_MAX_SKETCH_TOKENS;
     for (uint32_t li = 0; li < nlists && rc == ST_OK; li++)
-        rc = parse_list(json_array_get(lists, li), li, p, list_blocks[li], st);
+        rc = parse_list(json_array_get(lists, li), li, p, list_blocks[li], &sketch_budget, st);
     free(list_blocks);
     if (rc == ST_OK)
         rc = parse_states(root, x, st);
@@ -1149,7 +1150,7 @@ static status_code parse_entry(json_t *e, size_t i, migrate_plan *p, uint8_t *se
 }
 
 static status_code parse_list(json_t *o, uint32_t li, migrate_plan *p, uint64_t list_blocks,
-                              status *st)
+                              uint64_t *sketch_budget, status *st)
 {
     /* Format 1 has no "sketch" (the last name). */
     static const char *const names[] = {
@@ -1175,6 +1176,15 @@ static status_code parse_list(json_t *o, uint32_t li, migrate_plan *p, uint64_t 
                           "%llu blocks",
                           where, (unsigned long long)nt, (unsigned long long)nv,
                           (unsigned long long)p->image.appended, (unsigned long long)list_blocks);
+    /* ...and what all lists with a sketch hold together, MIGRATE_MAX_SKETCH_TOKENS. */
+    if (has_sketch && nt + nv > *sketch_budget)
+        return status_set(st, ST_DATA_LOSS,
+                          "manifest: %s: %llu tokens and %llu victims take the lists with a "
+                          "sketch past %u tokens in all",
+                          where, (unsigned long long)nt, (unsigned long long)nv,
+                          (unsigned)MIGRATE_MAX_SKETCH_TOKENS);
+    if (has_sketch)
+        *sketch_budget -= nt + nv;
     ls->ntokens = (uint32_t)nt;
     ls->nvictims = (size_t)nv;
     if (nt > 0) {

@@ -108,7 +108,8 @@
  * without a sketch, <= the list's blocks times 2 * block_bytes / head_dim
  * (a token's K and V row of one head take at least 2 bits a channel; a
  * sketch holds any number of tokens in its fixed cells, so a list with one
- * is bounded by appended only, as on the daemon that wrote it); nblocks is
+ * is bounded by appended, and the lists with one together by
+ * MIGRATE_MAX_SKETCH_TOKENS); nblocks is
  * the count of blocks the data entries list (so at most the manifest's
  * length). A sketch's cells are allocated only when its value, fetched, has
  * the size the manifest says (migrate_decode_data).
@@ -129,6 +130,11 @@
 #define MIGRATE_FORMAT_OLDEST 1 /* the oldest read: exports live --remote-ttl-s */
 /* The block of an `at` / `victim_at` run of tokens in the sketch. */
 #define MIGRATE_SKETCH_BLOCK 4294967295u /* TIER_NO_BLOCK */
+/* Tokens and victims the lists with a sketch may hold in all: no block
+ * bounds them, so a manifest that claims billions would otherwise make the
+ * decoder allocate for them (2^26: a 128k-token sequence's 32 layers x 8
+ * per-head lists is 2^25). */
+#define MIGRATE_MAX_SKETCH_TOKENS (1u << 26)
 #define MIGRATE_MANIFEST_PART "manifest"
 
 /* ---- encode -------------------------------------------------------------- */

@@ -858,6 +858,21 @@ static void test_absurd_counts(void **state)
     json_decref(blocks);
     json_decref(tail);
     fixture_free(&f);
+    /* A list with a sketch has no blocks to bound it: 2^31 tokens claimed
+     * there are refused by the sketch lists' budget, before allocating. */
+    fixture_make_with(&f, 24, UID, 1);
+    big = json_integer(1ll << 31), huge = json_integer(1ll << 32);
+    run = json_pack("[i,I]", 0, (json_int_t)1 << 31);
+    edit sk[] = {{NULL, 0, "appended", huge},
+                 {"lists", 0, "ntokens", big},
+                 {"lists", 0, "positions", run},
+                 {0}};
+    assert_int_equal(try_edits(&f.v, sk, &st), ST_DATA_LOSS);
+    assert_non_null(strstr(st.msg, "tokens in all"));
+    json_decref(big);
+    json_decref(huge);
+    json_decref(run);
+    fixture_free(&f);
 }
 
 /* Manifests that parse but contradict themselves or the data. */
