@@ -1087,12 +1087,28 @@ done:
     return rc;
 }
 
+/* Whether `key`, the key of data entry `where`, is part's under the
+ * manifest's ns, tenant and uid (the only key it may have). */
+static status_code check_data_key(const migrate_plan *p, const char *where, const char *key,
+                                  const char *part, status *st)
+{
+    char want[REMOTE_KEY_CAP];
+    if (remote_key(want, sizeof want, p->ns, p->tenant, p->uid, part, st) != ST_OK)
+        return restate(st, ST_DATA_LOSS, "manifest");
+    if (strcmp(key, want) != 0)
+        return status_set(st, ST_DATA_LOSS,
+                          "manifest: %s.key is not the key of %s under the manifest's ns, "
+                          "tenant and uid",
+                          where, part);
+    return ST_OK;
+}
+
 static status_code parse_entry(json_t *e, size_t i, migrate_plan *p, uint8_t *seen, status *st)
 {
     static const char *const names[] = {"key", "list", "tier", "size", "crc", "blocks"};
     const seq_export *x = &p->image;
     migrate_data *d = &p->data[i];
-    char where[32], bwhat[48], part[PART_CAP], want[REMOTE_KEY_CAP], key[REMOTE_KEY_CAP];
+    char where[32], bwhat[48], part[PART_CAP], key[REMOTE_KEY_CAP];
     uint64_t list, tier, size, crc;
     json_t *a;
     snprintf(where, sizeof where, "data[%zu]", i);
@@ -1113,20 +1129,15 @@ static status_code parse_entry(json_t *e, size_t i, migrate_plan *p, uint8_t *se
         return status_set(st, ST_DATA_LOSS, "manifest: %s: a second value for list %llu tier %s",
                           where, (unsigned long long)list, policy_tier_name((unsigned)tier));
     data_part(part, (uint32_t)list, x->heads, (uint8_t)tier);
-    if (remote_key(want, sizeof want, p->ns, p->tenant, p->uid, part, st) != ST_OK)
-        return restate(st, ST_DATA_LOSS, "manifest");
-    if (strcmp(key, want) != 0)
-        return status_set(st, ST_DATA_LOSS,
-                          "manifest: %s.key is not the key of %s under the manifest's ns, "
-                          "tenant and uid",
-                          where, part);
+    if (check_data_key(p, where, key, part, st) != ST_OK)
+        return st->code;
     size_t nb = json_array_size(a);
     if (nb == 0 || size > SIZE_MAX)
         return status_set(st, ST_DATA_LOSS, "manifest: %s: %zu blocks, %llu bytes", where, nb,
                           (unsigned long long)size);
     *d = (migrate_data){
         .list = (uint32_t)list, .tier = (uint8_t)tier, .size = (size_t)size, .crc = (uint32_t)crc};
-    d->key = strdup(want);
+    d->key = strdup(key);
     d->blocks = malloc(nb * sizeof *d->blocks);
     if (d->key == NULL || d->blocks == NULL) {
         free(d->key);
@@ -1234,7 +1245,7 @@ static status_code parse_sketch(json_t *j, const char *where, uint32_t li, migra
 {
     static const char *const names[] = {"key", "size", "crc"};
     seq_export_list *ls = &p->image.lists[li];
-    char w[48], part[PART_CAP], want[REMOTE_KEY_CAP], key[REMOTE_KEY_CAP];
+    char w[48], part[PART_CAP], key[REMOTE_KEY_CAP];
     uint64_t size, crc;
     path(w, where, "sketch");
     if (fields(j, w, names, sizeof names / sizeof names[0], st) ||
@@ -1243,13 +1254,8 @@ static status_code parse_sketch(json_t *j, const char *where, uint32_t li, migra
         get_uint(j, w, "crc", UINT32_MAX, &crc, st))
         return st->code;
     data_part(part, li, p->image.heads, POLICY_SKETCH);
-    if (remote_key(want, sizeof want, p->ns, p->tenant, p->uid, part, st) != ST_OK)
-        return restate(st, ST_DATA_LOSS, "manifest");
-    if (strcmp(key, want) != 0)
-        return status_set(st, ST_DATA_LOSS,
-                          "manifest: %s.key is not the key of %s under the manifest's ns, "
-                          "tenant and uid",
-                          w, part);
+    if (check_data_key(p, w, key, part, st) != ST_OK)
+        return st->code;
     uint32_t n = sketch_tokens(ls);
     uint64_t head = REMOTE_VALUE_HEADER_LEN + 4 * (uint64_t)n;
     size_t cell = sketch_cell_bytes(&p->geom, p->image.heads);
@@ -1264,7 +1270,7 @@ static status_code parse_sketch(json_t *j, const char *where, uint32_t li, migra
                         .size = (size_t)size,
                         .crc = (uint32_t)crc,
                         .ntokens = n};
-    if ((d->key = strdup(want)) == NULL)
+    if ((d->key = strdup(key)) == NULL)
         return status_set(st, ST_RESOURCE_EXHAUSTED, "manifest: out of memory");
     p->data_keys[p->ndata++] = d->key;
     ls->sketch_bytes = (size_t)(size - head);

@@ -346,11 +346,7 @@ void store_move_end(store *st, uint64_t seq_id)
     pthread_cond_broadcast(&st->moved);
 }
 
-/* Lock held (store_lock_seq): run a copy of seq_id's that writes only
- * blocks it took and reads only seq_id's memory, without the lock when it
- * may (move_begin), so that no other sequence waits for it (issue 16 §3);
- * returns the copy's result, the lock held again. */
-static int copy_unlocked(store *st, uint64_t seq_id, int (*copy)(void *), void *job)
+int store_copy_unlocked(store *st, uint64_t seq_id, int (*copy)(void *), void *job)
 {
     if (!store_move_begin(st, seq_id))
         return copy(job);
@@ -377,7 +373,7 @@ static void demote_due(store *st, seq *q, uint64_t epoch0)
     seq_demote_job *job;
     status s = {0};
     if (seq_demote_plan(q, epoch, &job, &s) == ST_OK && job != NULL)
-        seq_demote_finish(job, copy_unlocked(st, seq_id_of(q), demote_fill, job), &s);
+        seq_demote_finish(job, store_copy_unlocked(st, seq_id_of(q), demote_fill, job), &s);
     if (s.code != ST_OK)
         log_warn("demote_deferred", "seq=%llu reason=\"%s\"", (unsigned long long)seq_id_of(q),
                  s.msg);

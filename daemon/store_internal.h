@@ -178,6 +178,12 @@ void store_spill_forget_locked(store *st, seq *q);
  * remote tier's error (DATA_LOSS for a missing or corrupt value). */
 status_code store_revive_fetch(store *st, seq_revive_job *job, status *s);
 
+/* Lock held (store_lock_seq): run copy(job), a copy of seq_id's that
+ * writes only memory it took and reads only seq_id's, without the lock
+ * when it may (store_move_begin), so that no other sequence waits for it
+ * (issue 16 §3); returns copy's result, the lock held again. */
+int store_copy_unlocked(store *st, uint64_t seq_id, int (*copy)(void *), void *job);
+
 /* Whether uid is an operator's (store_set_operators). */
 int store_is_operator(const store *st, uid_t uid);
 

@@ -78,7 +78,16 @@ typedef struct export_job {
     uint8_t *bytes; /* x.nblocks blocks */
     char tenant[65];
     uint64_t tokens;
+    seq *q; /* the sequence, while its copy runs */
 } export_job;
+
+/* The copy of an export: its blocks and sketch cells to host memory. */
+static int export_read(void *arg)
+{
+    export_job *j = arg;
+    int rc = pool_read_blocks(seq_pool(j->q), j->x.blocks, j->x.nblocks, j->bytes);
+    return rc == 0 ? seq_export_read_sketches(j->q, &j->x) : rc;
+}
 
 /* Lock held (store_lock_seq): describe q and copy its blocks and sketch
  * cells, without the lock when the sequence may be marked moving. */
@@ -97,20 +106,12 @@ static status_code export_copy(store *st, seq *q, export_job *j, status *s)
         (j->bytes = malloc(j->x.nblocks ? j->x.nblocks * j->block_bytes : 1)) == NULL)
         return status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory for %zu blocks of %zu bytes",
                           j->x.nblocks, j->block_bytes);
+    j->q = q;
     uint64_t id = seq_id_of(q);
-    int unlocked = store_move_begin(st, id);
-    if (unlocked)
-        store_unlock(st);
-    int rc = pool_read_blocks(p, j->x.blocks, j->x.nblocks, j->bytes);
-    if (rc == 0)
-        rc = seq_export_read_sketches(q, &j->x);
-    if (unlocked) {
-        pthread_mutex_lock(&st->lock);
-        store_move_end(st, id);
-    }
-    return rc == 0 ? ST_OK
-                   : status_set(s, ST_INTERNAL, "reading sequence %llu's blocks or sketches failed",
-                                (unsigned long long)id);
+    return store_copy_unlocked(st, id, export_read, j) == 0
+               ? ST_OK
+               : status_set(s, ST_INTERNAL, "reading sequence %llu's blocks or sketches failed",
+                            (unsigned long long)id);
 }
 
 status_code store_remote_seq_locked(store *st, const char *token, uint64_t seq_id, const char *what,

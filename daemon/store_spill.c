@@ -23,7 +23,15 @@ typedef struct spill_job {
     uint32_t quant_group;
     uint8_t *bytes; /* plan.bytes: the blocks and sketches (seq_spill_read) */
     char tenant[65], uid[REMOTE_UID_LEN + 1];
+    seq *q; /* the sequence, while its copy runs */
 } spill_job;
+
+/* The copy of a spill: the planned blocks and sketches to host memory. */
+static int spill_read(void *arg)
+{
+    spill_job *j = arg;
+    return seq_spill_read(j->q, &j->plan, j->bytes);
+}
 
 /* Lock held (store_lock_seq): plan q's spill and copy its blocks and
  * sketches, without the lock when the sequence may be marked moving (the
@@ -46,18 +54,12 @@ static status_code spill_copy(store *st, seq *q, spill_job *j, status *s)
     if ((j->bytes = malloc(j->plan.bytes)) == NULL)
         return status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory for %zu bytes of victims",
                           j->plan.bytes);
+    j->q = q;
     uint64_t id = seq_id_of(q);
-    int unlocked = store_move_begin(st, id);
-    if (unlocked)
-        store_unlock(st);
-    int rc = seq_spill_read(q, &j->plan, j->bytes);
-    if (unlocked) {
-        pthread_mutex_lock(&st->lock);
-        store_move_end(st, id);
-    }
-    return rc == 0 ? ST_OK
-                   : status_set(s, ST_INTERNAL, "reading sequence %llu's victim blocks failed",
-                                (unsigned long long)id);
+    return store_copy_unlocked(st, id, spill_read, j) == 0
+               ? ST_OK
+               : status_set(s, ST_INTERNAL, "reading sequence %llu's victim blocks failed",
+                            (unsigned long long)id);
 }
 
 /* Without the lock: j's values, in plan order (v->n of them, freed with

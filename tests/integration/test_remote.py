@@ -109,11 +109,7 @@ def export(ctx, seq_id):
 
 def keys_of(uid):
     """Every key of export uid, from every master (one slot: one master)."""
-    found = []
-    for p in cluster.masters(CLUSTER_DIR):
-        found += [k.decode() if isinstance(k, bytes) else k
-                  for k in cluster.call(p, "KEYS", f"kvs:{NAMESPACE}:{{default:{uid}}}:*")]
-    return sorted(found)
+    return cluster.keys(CLUSTER_DIR, f"kvs:{NAMESPACE}:{{default:{uid}}}:*")
 
 
 def owner_port(key):
@@ -307,13 +303,7 @@ def check_master_killed_during_import(ctx):
     b_session = session_of(ctx.b1)
     before = len([s for s in ctx.b.stats().sequences if s.session_id == b_session])
 
-    def hang():
-        try:
-            cluster.call(dead, "DEBUG", "SLEEP", "3", timeout=10)
-        except Exception:  # noqa: BLE001 - killed while sleeping, as intended
-            pass
-    sleeper = threading.Thread(target=hang)
-    sleeper.start()
+    sleeper = cluster.hang(dead, 3)
     time.sleep(0.2)
     box = {}
     importer = threading.Thread(target=lambda: box.update(r=run(
@@ -331,11 +321,7 @@ def check_master_killed_during_import(ctx):
     wait_healthy(ctx.b)
     imported = ok_json(ctx.b.sock, "seq", "import", j["uid"], "--session", str(b_session))
     assert maps_of(inspect(ctx.b, int(imported["seq_id"]))) == maps_of(inspect(ctx.daemon, q))
-    # The node back, as a replica of the master that replaced it.
-    cluster.restart(CLUSTER_DIR, dead)
-    wait_until(lambda: cluster._replicas_linked(CLUSTER_DIR, 1), 30,
-               f"port {dead} to rejoin as a replica")
-    cluster.wait_ok(CLUSTER_DIR)
+    cluster.rejoin(CLUSTER_DIR, dead)
     wait_healthy(ctx.daemon)
 
 

@@ -130,11 +130,7 @@ def spill(ctx, seq_id, daemon=None):
 
 
 def keys_of(uid):
-    found = []
-    for p in cluster.masters(CLUSTER_DIR):
-        found += [k.decode() if isinstance(k, bytes) else k
-                  for k in cluster.call(p, "KEYS", f"kvs:{NAMESPACE}:{{default:{uid}}}:*")]
-    return sorted(found)
+    return cluster.keys(CLUSTER_DIR, f"kvs:{NAMESPACE}:{{default:{uid}}}:*")
 
 
 def owner_port(key):
@@ -316,11 +312,7 @@ def check_killed_master_fails_over(ctx):
 
 
 def rejoin(dead):
-    """The killed node back, as a replica of the master that replaced it."""
-    cluster.restart(CLUSTER_DIR, dead)
-    wait_until(lambda: cluster._replicas_linked(CLUSTER_DIR, 1), 30,
-               f"port {dead} to rejoin as a replica")
-    cluster.wait_ok(CLUSTER_DIR)
+    cluster.rejoin(CLUSTER_DIR, dead)
 
 
 def check_master_killed_during_revive(ctx):
@@ -333,13 +325,7 @@ def check_master_killed_during_revive(ctx):
     dead = owner_port(keys_of(j["uid"])[0])
     cluster.sync_replicas(CLUSTER_DIR)
 
-    def hang():
-        try:
-            cluster.call(dead, "DEBUG", "SLEEP", "3", timeout=10)
-        except Exception:  # noqa: BLE001 - killed while sleeping, as intended
-            pass
-    sleeper = threading.Thread(target=hang)
-    sleeper.start()
+    sleeper = cluster.hang(dead, 3)
     time.sleep(0.2)
     w.step()
     time.sleep(0.2)

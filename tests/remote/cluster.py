@@ -37,6 +37,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 NODE_TIMEOUT_MS = 1000  # failover within a few seconds
@@ -439,6 +440,36 @@ def stop(d):
         pass
     if errors:
         raise ClusterError("; ".join(errors))
+
+
+def keys(d, pattern):
+    """Every key matching pattern, from every master, sorted (str)."""
+    found = []
+    for p in masters(d):
+        found += [k.decode() if isinstance(k, bytes) else k for k in call(p, "KEYS", pattern)]
+    return sorted(found)
+
+
+def hang(port, seconds):
+    """Start a thread that makes the node on port sleep (DEBUG SLEEP), so
+    that a call to it is in flight when a test kills it; returns the
+    thread (join it). A node killed while it sleeps is what the test wants."""
+    def sleep():
+        try:
+            call(port, "DEBUG", "SLEEP", str(seconds), timeout=seconds + 7)
+        except Exception:  # noqa: BLE001 - killed while sleeping, as intended
+            pass
+    t = threading.Thread(target=sleep)
+    t.start()
+    return t
+
+
+def rejoin(d, port, timeout=30):
+    """The node on port, killed, back: as a replica of the master that
+    replaced it; the cluster ok again."""
+    restart(d, port)
+    _until("port %d to rejoin as a replica" % port, lambda: _replicas_linked(d, 1), timeout)
+    wait_ok(d)
 
 
 def wait_failover(d, dead, timeout=30):
