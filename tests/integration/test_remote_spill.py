@@ -30,7 +30,8 @@ checking every position against what it wrote (INT8 within its bound).
   after the spill is replaced by its replica and the Revive finds the
   victims there; a master killed while a Revive reads from it fails that
   Revive with UNAVAILABLE or DEADLINE_EXCEEDED, and after the failover
-  spill and revive work again; a daemon without --remote refuses.
+  spill and revive work again; a master killed while a spill writes to it
+  fails the spill and changes nothing; a daemon without --remote refuses.
 """
 import json
 import os
@@ -41,7 +42,7 @@ import threading
 import time
 
 from kvstash_harness import Daemon, run_tests, wait_until
-from test_cli import fails, ok_json, ok_text
+from test_cli import fails, ok_json, ok_text, run
 from test_metrics import Scrape, metrics_port
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "remote"))
@@ -343,6 +344,47 @@ def check_master_killed_during_revive(ctx):
     rejoin(dead)
 
 
+def check_master_killed_during_spill(ctx):
+    # A first spill gives the sequence its keys' slot; a dozen rounds later
+    # new victim blocks wait, and the slot's master hangs (DEBUG SLEEP) so
+    # that the second spill's write is in flight when it is killed. That
+    # spill fails with the remote tier's code and changes nothing (the
+    # victims revive from the pool); after the failover it works.
+    w = TierWorker(ctx.daemon, rounds=20)
+    j = spill(ctx, w.seq)
+    dead = owner_port(keys_of(j["uid"])[0])
+    for r in range(1, 15):
+        w.step()
+        w.wait_round(r)
+    before = seq_stats(ctx.daemon, w.seq).spilled_tokens
+    free0, _ = blocks_free(ctx.daemon)
+    cluster.sync_replicas(CLUSTER_DIR)
+    sleeper = cluster.hang(dead, 3)
+    time.sleep(0.2)
+    box = {}
+    spiller = threading.Thread(target=lambda: box.update(
+        r=run(ctx.daemon.sock, "seq", "spill", str(w.seq))))
+    spiller.start()
+    time.sleep(0.3)
+    cluster.kill(CLUSTER_DIR, dead)
+    spiller.join()
+    sleeper.join()
+    rc, _, err = box["r"]
+    assert rc == 1 and "remote tier: " in err and \
+        ("UNAVAILABLE" in err or "DEADLINE_EXCEEDED" in err), (rc, err)
+    assert blocks_free(ctx.daemon)[0] == free0
+    assert seq_stats(ctx.daemon, w.seq).spilled_tokens == before
+    cluster.wait_failover(CLUSTER_DIR, dead, timeout=30)
+    wait_until(lambda: ctx.daemon.stats().remote.healthy, 30, "the remote tier to be healthy")
+    w.step()
+    w.wait_round(15)  # every victim still revives (the first spill's from the replica)
+    assert int(spill(ctx, w.seq)["spilled_tokens"]) > before
+    w.step()
+    w.wait_round(16)
+    w.finish()
+    rejoin(dead)
+
+
 def check_without_remote_tier(ctx):
     plain = Daemon(pool_mb=16).start()
     try:
@@ -374,6 +416,7 @@ def main():
             check_slow_cluster_times_out,
             check_killed_master_fails_over,
             check_master_killed_during_revive,
+            check_master_killed_during_spill,
             check_without_remote_tier,
         ], daemon_kwargs={"pool_mb": 16,
                           "extra_args": remote_args(["--metrics", "127.0.0.1:0"])})

@@ -4,15 +4,16 @@
  * (n = 0, 1, 2, ...) until it runs without reaching the failure. A call that
  * fails must answer RESOURCE_EXHAUSTED and leave the store exactly as it was:
  * the sequences (epoch, lists, segments, tiers, positions, offloaded
- * victims, sketch cells, retired blocks, counters), their policy hosts, the
- * sessions and their scratch, the pool's free blocks and the bytes of every
- * block in use. And as if it had not run: the same call, run again with
- * nothing failing, must lead to exactly the state it leads to on a store
- * that never saw the failure (so the policies' own state, which no snapshot
- * reads, was put back too). A call that absorbs a failure (a metric it
- * skips) must succeed with every block accounted for. Each case runs twice:
- * the n-th allocation alone fails (transient), and every allocation from
- * the n-th on fails (persistent). FAULTS_CASE="step*" runs only some cases.
+ * victims, sketch cells, retired blocks, counters, spilled parts), their
+ * policy hosts, the sessions and their scratch, the pool's free blocks and
+ * the bytes of every block in use. And as if it had not run: the same
+ * call, run again with nothing failing, must lead to exactly the state it
+ * leads to on a store that never saw the failure (so the policies' own
+ * state, which no snapshot reads, was put back too). A call that absorbs a
+ * failure (a metric it skips) must succeed with every block accounted for.
+ * Each case runs twice: the n-th allocation alone fails (transient), and
+ * every allocation from the n-th on fails (persistent). FAULTS_CASE="step*"
+ * runs only some cases.
  *
  * The test links with -Wl,--wrap=malloc,--wrap=calloc,--wrap=realloc
  * (tests/CMakeLists.txt): the daemon's static libraries call the wrappers
@@ -43,11 +44,13 @@ void *__real_malloc(size_t n);
 void *__real_calloc(size_t n, size_t size);
 void *__real_realloc(void *p, size_t n);
 
-static struct {
+typedef struct fault_state {
     long countdown;  /* allocations that succeed before one fails; -1: off */
     int persistent;  /* after the first failure, every later one fails too */
     unsigned failed; /* allocations failed since armed */
-} faults = {-1, 0, 0};
+} fault_state;
+
+static fault_state faults = {-1, 0, 0};
 
 static int fault_now(void)
 {
@@ -98,6 +101,21 @@ static unsigned faults_disarm(void)
     return faults.failed;
 }
 
+/* A run's own checks in the middle of the call: allocations that are not
+ * the call's (faults_pause) and must not count, then the countdown as it
+ * was (faults_resume). */
+static fault_state faults_pause(void)
+{
+    fault_state saved = faults;
+    faults.countdown = -1;
+    return saved;
+}
+
+static void faults_resume(fault_state saved)
+{
+    faults = saved;
+}
+
 /* ---- a store to fail in ------------------------------------------------- */
 
 /* 2 layers, 2 KV heads, head_dim 8, 4 fp32 tokens a block: 512-byte blocks,
@@ -113,6 +131,18 @@ typedef struct fixture {
     float *stats; /* a step's statistics, made before the countdown starts */
     size_t nstats;
     unsigned arrays;
+    /* prep_spilled_*: the parts a spill wrote, as the remote tier keeps
+     * them, and the Revive of layer 0 before the spill (positions, source
+     * tiers, K/V as tier_read reads them). */
+    struct {
+        uint32_t part;
+        uint8_t *bytes;
+        size_t len;
+    } parts[16];
+    size_t nparts;
+    uint32_t *want_pos;
+    uint8_t *want_tier, *want_kv;
+    size_t want_n;
 } fixture;
 
 static void must(status_code rc, const status *s, const char *what)
@@ -217,6 +247,11 @@ static void close_store(fixture *f)
 {
     store_destroy(f->st);
     free(f->stats);
+    for (size_t i = 0; i < f->nparts; i++)
+        free(f->parts[i].bytes);
+    free(f->want_pos);
+    free(f->want_tier);
+    free(f->want_kv);
 }
 
 /* ---- snapshots ------------------------------------------------------------ */
@@ -341,6 +376,11 @@ static void snap_seq(snap *s, seq *q)
     put(s, q->moved, sizeof q->moved);
     PUT(s, q->requantized);
     PUT(s, q->victims_dropped);
+    section(s, "seq: spilled parts and victims");
+    PUT(s, q->spill_parts);
+    PUT(s, q->spilled_tokens);
+    PUT(s, q->spilled_blocks);
+    PUT(s, q->spilled_bytes);
     for (uint32_t l = 0; l < q->nlayers; l++)
         for (uint32_t k = 0; k < q->heads; k++)
             snap_list(s, q, l, k);
@@ -691,6 +731,22 @@ static void prep_weightedkv_stepped(fixture *f)
     must(step(f, &s), &s, "step");
 }
 
+/* Every list of b has a's sketch cells (an import of a's export). */
+static void assert_same_sketches(seq *a, seq *b)
+{
+    for (size_t i = 0; i < seq_nlists(a); i++) {
+        const tier_sketch *x = &a->lists[i].sketch, *y = &b->lists[i].sketch;
+        size_t bytes = tier_sketch_bytes(x);
+        assert_int_equal(tier_sketch_bytes(y), bytes);
+        if (bytes == 0)
+            continue;
+        size_t cells = (size_t)x->sk.rows * x->sk.buckets, fl = cells * x->sk.dim * sizeof(float);
+        assert_memory_equal(x->sk.key, y->sk.key, fl);
+        assert_memory_equal(x->sk.value, y->sk.value, fl);
+        assert_memory_equal(x->sk.count, y->sk.count, cells * sizeof(int32_t));
+    }
+}
+
 /* Export and import (seq.h seq_export_describe, seq_import), as the store
  * runs them for ExportSequence and ImportSequence but for the remote store:
  * the sequence described, its blocks copied into blocks of the same pool,
@@ -712,13 +768,16 @@ static status_code run_move(fixture *f, status *s)
         for (size_t i = 0; i < x.nblocks; i++)
             pool_alloc_block(p, &blocks[i]);
         assert_int_equal(pool_read_blocks(p, x.blocks, x.nblocks, bytes), 0);
+        assert_int_equal(seq_export_read_sketches(q, &x), 0); /* as store_remote.c */
         assert_int_equal(pool_write_blocks(p, blocks, x.nblocks, bytes), 0);
         rc = seq_import(f->seq_id + 100, seq_session_id(q), p, &x, blocks, &copy, s);
-        if (rc != ST_OK) /* the blocks are still ours */
+        if (rc != ST_OK) { /* the blocks are still ours */
             for (size_t i = x.nblocks; i-- > 0;)
                 pool_free_block(p, blocks[i]);
-        else
+        } else {
             assert_int_equal(seq_appended(copy), seq_appended(q));
+            assert_same_sketches(q, copy);
+        }
         seq_destroy(copy); /* its blocks with it */
     }
     free(blocks);
@@ -854,6 +913,223 @@ static status_code run_operator_revive_int8(fixture *f, status *s)
     return run_operator(f, POLICY_FULL, 0, 12, s);
 }
 
+/* victims=sketch with victims in the sketch (export carries its cells);
+ * reviver after a step, its own sketch holding tokens of the lists. */
+static void prep_move_sketch(fixture *f)
+{
+    prep_revive_sketch(f);
+    assert_true(tier_sketch_bytes(&the_seq(f)->lists[0].sketch) > 0);
+}
+
+static void prep_reviver_stepped(fixture *f)
+{
+    prep_reviver(f);
+    status s;
+    must(step(f, &s), &s, "step");
+    seq *q = the_seq(f);
+    uint32_t tokens[POLICY_TIERS];
+    seq_list_tier_tokens(q, 0, 0, tokens);
+    assert_true(tokens[POLICY_SKETCH] > 0);
+}
+
+/* Spill (seq.h "Spilling victims to the remote tier"): victims=int8 with
+ * two INT8 victim blocks a list; victims=sketch with victims in each
+ * list's sketch. */
+static void prep_spill_int8(fixture *f)
+{
+    prep_pool(f);
+    new_seq(f, "streaming", kv_int8_victims, 3);
+    while (the_seq(f)->lists[0].nvictim_blocks < 2)
+        append_each(f, 1);
+    ack_all(f);
+    assert_int_equal(seq_spill_candidates(the_seq(f)), 4);
+}
+
+static void prep_spill_sketch(fixture *f)
+{
+    prep_revive_sketch(f);
+    assert_int_equal(seq_spill_candidates(the_seq(f)), 2);
+}
+
+/* The spill store_spill.c runs: plan; the host copy (the store's own
+ * buffer, not the call's: taken with the countdown paused, since a plan
+ * that stands has numbered its parts, and a spill abandoned after it
+ * wastes them, as the header says); read; the values "written" (kept by
+ * the fixture with keep); commit, which needs no memory: it runs with
+ * every allocation failing and must try none, and commits every part
+ * (nothing changed meanwhile). */
+static status_code spill(fixture *f, int keep, status *s)
+{
+    seq *q = the_seq(f);
+    uint32_t parts = seq_spill_parts(q);
+    seq_spill p;
+    status_code rc = seq_spill_plan(q, &p, s);
+    if (rc != ST_OK) {
+        assert_int_equal(seq_spill_parts(q), parts); /* a failed plan wastes no part */
+        return rc;
+    }
+    assert_true(p.n > 0);
+    assert_int_equal(seq_spill_parts(q), parts + p.n);
+    fault_state saved = faults_pause();
+    uint8_t *host = malloc(p.bytes);
+    assert_non_null(host);
+    faults_resume(saved);
+    if (seq_spill_read(q, &p, host) != 0) {
+        rc = status_set(s, ST_RESOURCE_EXHAUSTED, "reading the victims failed");
+    } else {
+        saved = faults_pause();
+        faults_arm(0, 1);
+        seq_spill_commit(q, &p);
+        unsigned tried = faults_disarm();
+        faults_resume(saved);
+        if (tried > 0)
+            fail_msg("%s: seq_spill_commit tried %u allocations", current, tried);
+        for (size_t i = 0; i < p.n; i++)
+            assert_int_equal(p.blocks[i].committed, 1);
+        for (size_t i = 0; keep && i < p.n; i++) {
+            assert_true(f->nparts < sizeof f->parts / sizeof f->parts[0]);
+            uint8_t *v = malloc(p.blocks[i].bytes);
+            assert_non_null(v);
+            memcpy(v, host + p.blocks[i].offset, p.blocks[i].bytes);
+            f->parts[f->nparts].part = p.blocks[i].part;
+            f->parts[f->nparts].bytes = v;
+            f->parts[f->nparts++].len = p.blocks[i].bytes;
+        }
+    }
+    saved = faults_pause();
+    free(host);
+    faults_resume(saved);
+    seq_spill_free(&p);
+    return rc;
+}
+
+static status_code run_spill(fixture *f, status *s)
+{
+    return spill(f, 0, s);
+}
+
+/* Revive after a spill: layer 0's positions, the spilled ones fetched. */
+static const seq_revive_request revive_layer0 = {0, 0, 0, 0, 0};
+
+/* The K/V of what a Revive rebuilt, as tier_read reads them (malloc'd). */
+static uint8_t *revived_kv(seq *q, const seq_revived *out)
+{
+    size_t n = out->ntokens, bytes = n * tier_token_bytes(&q->tier), t = 0;
+    tier_token *tok = malloc((n ? n : 1) * sizeof *tok);
+    uint8_t *stage = tier_stage_alloc(&q->tier, n), *kv = malloc(bytes ? bytes : 1);
+    assert_non_null(tok);
+    assert_non_null(stage);
+    assert_non_null(kv);
+    for (size_t i = 0; i < out->nsegs; i++)
+        for (uint32_t j = 0; j < out->segs[i].count; j++)
+            tok[t++] = (tier_token){out->segs[i].block, out->segs[i].first_slot + j, POLICY_FULL};
+    assert_int_equal(t, n);
+    assert_int_equal(tier_read(&q->tier, tok, n, stage, stage + bytes / 2), 0);
+    assert_int_equal(q->pool->backend->ops->copy(KV_DEVICE_TO_HOST, kv, stage, bytes), 0);
+    tier_stage_free(&q->tier, stage);
+    free(tok);
+    return kv;
+}
+
+/* Give a Revive's scratch blocks back, scribbled over first (so that a
+ * later Revive into the same blocks shows what it wrote, not what this
+ * one did), in reverse: the free stack as before the Revive. */
+static void revived_release(seq *q, seq_revived *out)
+{
+    pool *p = seq_pool(q);
+    for (size_t b = out->nblocks; b-- > 0;) {
+        memset(p->base + (size_t)out->blocks[b] * p->block_bytes, 0x5a, p->block_bytes);
+        pool_free_block(p, out->blocks[b]);
+    }
+    free(out->segs);
+    free(out->positions);
+    free(out->src_tier);
+    free(out->blocks);
+}
+
+/* After prep: the Revive of layer 0 taken before any spill (what a Revive
+ * after it must give), then a spill whose values the fixture keeps. */
+static void prep_spilled(fixture *f, void (*prep)(fixture *f))
+{
+    prep(f);
+    seq *q = the_seq(f);
+    seq_revived out;
+    status s;
+    must(seq_revive(q, &revive_layer0, &out, &s), &s, "revive before the spill");
+    f->want_n = out.ntokens;
+    assert_non_null(f->want_pos = malloc(out.ntokens * sizeof *f->want_pos));
+    assert_non_null(f->want_tier = malloc(out.ntokens));
+    memcpy(f->want_pos, out.positions, out.ntokens * sizeof *f->want_pos);
+    memcpy(f->want_tier, out.src_tier, out.ntokens);
+    f->want_kv = revived_kv(q, &out);
+    revived_release(q, &out);
+    must(spill(f, 1, &s), &s, "spill");
+    assert_true(seq_spilled_tokens(q) > 0);
+}
+
+static void prep_spilled_int8(fixture *f)
+{
+    prep_spilled(f, prep_spill_int8);
+}
+
+static void prep_spilled_sketch(fixture *f)
+{
+    prep_spilled(f, prep_spill_sketch);
+}
+
+/* The Revive the store runs for spilled victims: plan, each remote part
+ * supplied with the bytes the spill wrote under its number, fill, finish
+ * (with -1 when a supply or the fill failed). A failure gives every block
+ * back, the free stack exactly as before the plan; a success rebuilds
+ * what the Revive before the spill did, bit for bit. */
+static status_code run_revive_spilled(fixture *f, status *s)
+{
+    seq *q = the_seq(f);
+    pool *p = seq_pool(q);
+    uint32_t nfree = p->nfree, stack[128];
+    assert_true(nfree <= 128);
+    memcpy(stack, p->free_stack, nfree * sizeof *stack);
+    seq_revive_job *job;
+    seq_revived out;
+    status_code rc = seq_revive_plan(q, &revive_layer0, &job, s);
+    if (rc == ST_OK) {
+        const seq_remote_part *rp;
+        size_t n = seq_revive_remote(job, &rp);
+        assert_true(n > 0);
+        int fill = 0;
+        for (size_t i = 0; fill == 0 && i < n; i++) {
+            size_t j = 0;
+            while (j < f->nparts && f->parts[j].part != rp[i].part)
+                j++;
+            if (j == f->nparts)
+                fail_msg("%s: part %u was never written", current, rp[i].part);
+            fill = seq_revive_supply(job, i, f->parts[j].bytes, f->parts[j].len);
+        }
+        if (fill == 0)
+            fill = seq_revive_fill(job);
+        rc = seq_revive_finish(job, fill, &out, s);
+    }
+    if (rc != ST_OK) {
+        if (p->nfree != nfree || memcmp(p->free_stack, stack, nfree * sizeof *stack) != 0)
+            fail_msg("%s: a failed Revive left %u free blocks (%u before) or the free stack "
+                     "in another order",
+                     current, p->nfree, nfree);
+        return rc;
+    }
+    fault_state saved = faults_pause();
+    if (out.ntokens != f->want_n ||
+        memcmp(out.positions, f->want_pos, f->want_n * sizeof *f->want_pos) != 0 ||
+        memcmp(out.src_tier, f->want_tier, f->want_n) != 0)
+        fail_msg("%s: revived other positions or tiers than before the spill", current);
+    uint8_t *kv = revived_kv(q, &out);
+    if (memcmp(kv, f->want_kv, f->want_n * tier_token_bytes(&q->tier)) != 0)
+        fail_msg("%s: revived other K/V than before the spill", current);
+    free(kv);
+    revived_release(q, &out);
+    faults_resume(saved);
+    return ST_OK;
+}
+
 static const fault_case cases[] = {
     {"session_open", prep_session, run_session_open},
     {"attach: new pool", prep_session, run_attach},
@@ -881,6 +1157,12 @@ static const fault_case cases[] = {
     {"move: h2o", prep_h2o_stepped, run_move},
     {"move: weightedkv (per head)", prep_weightedkv_stepped, run_move},
     {"move: h2o int8=on", prep_h2o_int8_stepped, run_move},
+    {"move: streaming victims=sketch", prep_move_sketch, run_move},
+    {"move: reviver sketched", prep_reviver_stepped, run_move},
+    {"spill: victims=int8", prep_spill_int8, run_spill},
+    {"spill: victims=sketch", prep_spill_sketch, run_spill},
+    {"revive: spilled int8 victims", prep_spilled_int8, run_revive_spilled},
+    {"revive: spilled sketch victims", prep_spilled_sketch, run_revive_spilled},
     {"get_table", prep_operator, run_get_table},
     {"stats snapshot", prep_revive_sketch, run_snapshot},
     {"release: victims", prep_revive_int8, run_release},
@@ -902,6 +1184,7 @@ static void reference(const fault_case *c, snap *out)
     fixture g;
     c->prepare(&g);
     status s;
+    snprintf(current, sizeof current, "%s, nothing failing", c->name);
     must(c->run(&g, &s), &s, c->name);
     snap_take(&g, out);
     close_store(&g);
