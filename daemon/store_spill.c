@@ -133,8 +133,10 @@ static status_code spill_seq(store *st, const char *token, uint64_t seq_id, stor
         out->spilled_blocks = seq_spilled_blocks(q);
     }
     store_unlock(st);
-    if (rc == ST_OK && j.plan.n > 0 && (rc = spill_encode(st, &j, &v, s)) == ST_OK)
-        rc = store_remote_write(st->remote, v.kv, v.n, s);
+    if (rc == ST_OK && j.plan.n > 0 && (rc = spill_encode(st, &j, &v, s)) == ST_OK &&
+        (rc = store_remote_write(st->remote, v.kv, v.n, s)) != ST_OK)
+        for (size_t i = 0; i < v.n; i++) /* some may have been written */
+            remote_tier_forget(st->remote, &v.kv[i].key, 1);
     free(j.bytes);
     if (rc == ST_OK && j.plan.n > 0) {
         store_lock_seq(st, seq_id);
