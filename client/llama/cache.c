@@ -2,12 +2,14 @@
  * cache.c - kvstash-llama's KV cache: kvstashd through libkvstash, or the
  * plain in-process reference (cache.h).
  */
+#include <errno.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <zlib.h>
 
 #include <jansson.h>
 
@@ -37,7 +39,8 @@ struct llm_cache {
     uint32_t L, Q, KV, G, D, ctx;
     float scale;
     cache_usage usage;
-    uint32_t pos; /* the current token's position */
+    uint32_t pos;      /* the current token's position */
+    uint32_t appended; /* tokens the sequence has appended (positions 0..appended-1) */
 
     /* plain: [layer][position][kv_dim] */
     float *pk, *pv, *att_scores;
@@ -359,6 +362,7 @@ int cache_seq_begin(llm_cache *c, const char *label)
 {
     c->usage = (cache_usage){0, 0, 0};
     c->pos = 0;
+    c->appended = 0;
     if (c->plain)
         return 0;
     if (c->have_seq)
@@ -395,19 +399,289 @@ static void seq_policy(llm_cache *c, char *out, size_t len)
     json_decref(seq);
 }
 
-int cache_seq_export(llm_cache *c, char uid[KVS_EXPORT_UID_LEN + 1])
+/* ---- worker state ---------------------------------------------------------- */
+
+/*
+ * The worker's statistics of a sequence that later steps read, in a file
+ * beside the export (cache.h "The worker's own state"). Everything else the
+ * steps carry is computed from the current query (score, last_attn,
+ * confidence) or is the daemon's (the table, the policy's state).
+ *
+ * Format, version 1, every integer and float little-endian (floats as their
+ * IEEE-754 binary32 bits, so they come back bit for bit):
+ *
+ *   offset  size  field
+ *        0     8  magic "KVSLLWS\0"
+ *        8     4  version = 1
+ *       12     4  what it holds: bit 0 the observation window, bit 1 value norms
+ *       16     4  L    layers              \
+ *       20     4  Q    query heads          | the model's: checked on load
+ *       24     4  KV   KV heads             |
+ *       28     4  ctx  context (positions) /
+ *       32     4  W    observation window (queries; 1 when bit 0 is clear)
+ *       36     4  wfill  queries the window holds (0..W)
+ *       40     4  wnext  the window's slot for the next query (0..W-1)
+ *       44     4  n    tokens appended: rows below hold positions 0..n-1
+ *       48    32  the export's uid (32 hex digits, no NUL)
+ *       80    64  the policy's name, NUL-padded
+ *      144    64  the pool's model name, NUL-padded
+ *      208        bit 0: whist [L][Q][W][n] (each query's attention by
+ *                 position), then wsum [L][Q][n] (their running sums: kept
+ *                 as summed, not recomputed, whose rounding would differ)
+ *                 bit 1: vn [L][KV][n] (each token's ‖V·W^O‖₁ by position)
+ *    end-4     4  CRC-32 (zlib's crc32_z) of every byte before it
+ *
+ * Positions n.. hold nothing yet: zero in the window's arrays (a sequence
+ * starts them zeroed and only held positions, all below n, are added), and
+ * written before they are read in vn. The file's size is exactly what its
+ * header implies.
+ */
+#define WS_MAGIC "KVSLLWS"
+#define WS_VERSION 1u
+#define WS_WINDOW 1u
+#define WS_VNORM 2u
+#define WS_NAME 64
+#define WS_HEADER (48 + KVS_EXPORT_UID_LEN + 2 * WS_NAME)
+
+static void put_u32(uint8_t *p, uint32_t x)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(x >> (8 * i));
+}
+
+static uint32_t get_u32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+/* The trailer's checksum of p[0..n). */
+static uint32_t ws_crc(const uint8_t *p, size_t n)
+{
+    return (uint32_t)crc32_z(0L, p, n);
+}
+
+/* rows of `row` floats, `stride` apart, into p as binary32 bits; returns the end */
+static uint8_t *put_rows(uint8_t *p, const float *x, size_t rows, size_t stride, size_t row)
+{
+    for (size_t r = 0; r < rows; r++)
+        for (size_t i = 0; i < row; i++, p += 4) {
+            uint32_t u;
+            memcpy(&u, &x[r * stride + i], 4);
+            put_u32(p, u);
+        }
+    return p;
+}
+
+/* the inverse of put_rows, zeroing each row's positions row..stride-1 */
+static const uint8_t *get_rows(const uint8_t *p, float *x, size_t rows, size_t stride, size_t row)
+{
+    for (size_t r = 0; r < rows; r++) {
+        for (size_t i = 0; i < row; i++, p += 4) {
+            uint32_t u = get_u32(p);
+            memcpy(&x[r * stride + i], &u, 4);
+        }
+        memset(x + r * stride + row, 0, (stride - row) * sizeof *x);
+    }
+    return p;
+}
+
+static uint32_t ws_flags(const llm_cache *c)
+{
+    return (c->needs & POLICY_NEEDS_WINDOW_ATTN ? WS_WINDOW : 0) |
+           (c->needs & POLICY_NEEDS_VNORM ? WS_VNORM : 0);
+}
+
+int cache_has_worker_state(const llm_cache *c)
+{
+    return !c->plain && ws_flags(c) != 0;
+}
+
+/* The file's size for this cache's dimensions, `flags` and n positions. */
+static size_t ws_size(const llm_cache *c, uint32_t flags, uint32_t n)
+{
+    size_t L = c->L, Q = c->Q, size = WS_HEADER + 4;
+    if (flags & WS_WINDOW)
+        size += (L * Q * c->window + L * Q) * n * 4;
+    if (flags & WS_VNORM)
+        size += L * c->KV * n * 4;
+    return size;
+}
+
+static void put_name(uint8_t *p, const char *s)
+{
+    memset(p, 0, WS_NAME);
+    memcpy(p, s, strnlen(s, WS_NAME - 1));
+}
+
+/* Write the open sequence's worker state (export uid) to path, through
+ * path.tmp and a rename: a reader sees the old file or the new one. */
+static int ws_write(llm_cache *c, const char *uid, const char *path)
+{
+    uint32_t flags = ws_flags(c), n = c->appended;
+    size_t size = ws_size(c, flags, n), LQ = (size_t)c->L * c->Q, T = c->ctx;
+    size_t plen = strlen(path) + 5;
+    uint8_t *buf = malloc(size);
+    char *tmp = malloc(plen);
+    if (buf == NULL || tmp == NULL) {
+        free(buf);
+        free(tmp);
+        return fail(c, "out of memory for the worker state (%zu bytes)", size);
+    }
+    memcpy(buf, WS_MAGIC, 8);
+    const uint32_t hdr[] = {WS_VERSION, flags,     c->L,     c->Q,     c->KV,
+                            c->ctx,     c->window, c->wfill, c->wnext, n};
+    for (size_t i = 0; i < sizeof hdr / sizeof hdr[0]; i++)
+        put_u32(buf + 8 + 4 * i, hdr[i]);
+    memcpy(buf + 48, uid, KVS_EXPORT_UID_LEN);
+    put_name(buf + 48 + KVS_EXPORT_UID_LEN, c->o.policy);
+    put_name(buf + 48 + KVS_EXPORT_UID_LEN + WS_NAME, c->o.model_name ? c->o.model_name : "");
+    uint8_t *p = buf + WS_HEADER;
+    if (flags & WS_WINDOW) {
+        p = put_rows(p, c->whist, LQ * c->window, T, n);
+        p = put_rows(p, c->wsum, LQ, T, n);
+    }
+    if (flags & WS_VNORM)
+        p = put_rows(p, c->vn, (size_t)c->L * c->KV, T, n);
+    put_u32(p, ws_crc(buf, size - 4));
+    snprintf(tmp, plen, "%s.tmp", path);
+    FILE *f = fopen(tmp, "wb");
+    int ok = f != NULL && fwrite(buf, 1, size, f) == size;
+    ok = f != NULL && fclose(f) == 0 && ok;
+    ok = ok && rename(tmp, path) == 0;
+    int e = errno;
+    free(buf);
+    if (!ok) {
+        remove(tmp);
+        free(tmp);
+        return fail(c, "cannot write the worker state %s: %s", path, strerror(e));
+    }
+    free(tmp);
+    return 0;
+}
+
+/* A worker state file read and checked (ws_read), not yet applied. */
+typedef struct ws_file {
+    uint8_t *buf;
+    size_t len;
+    uint32_t flags, wfill, wnext, n;
+} ws_file;
+
+static int ws_fail(llm_cache *c, ws_file *w, const char *path, const char *fmt, ...)
+{
+    char why[384];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, sizeof why, fmt, ap);
+    va_end(ap);
+    free(w->buf);
+    w->buf = NULL;
+    return fail(c, "worker state %s: %s", path, why);
+}
+
+/* Read path whole into w and check it is the worker state of export uid
+ * for this cache (model, policy, window), intact. */
+static int ws_read(llm_cache *c, const char *path, const char *uid, ws_file *w)
+{
+    memset(w, 0, sizeof *w);
+    FILE *f = fopen(path, "rb");
+    if (f == NULL)
+        return ws_fail(c, w, path,
+                       "%s (policy %s's steps carry the worker's statistics of earlier tokens: "
+                       "the export writes them there, beside the export file)",
+                       strerror(errno), c->o.policy);
+    size_t cap = 1 << 16;
+    w->buf = malloc(cap);
+    for (size_t got; w->buf != NULL && (got = fread(w->buf + w->len, 1, cap - w->len, f)) > 0;) {
+        if ((w->len += got) == cap) {
+            uint8_t *p = realloc(w->buf, cap *= 2);
+            if (p == NULL)
+                free(w->buf);
+            w->buf = p;
+        }
+    }
+    int rerr = ferror(f);
+    fclose(f);
+    if (w->buf == NULL)
+        return ws_fail(c, w, path, "out of memory");
+    if (rerr)
+        return ws_fail(c, w, path, "read error");
+    const uint8_t *b = w->buf;
+    if (w->len < WS_HEADER + 4 || memcmp(b, WS_MAGIC, 8) != 0)
+        return ws_fail(c, w, path, "not a kvstash-llama worker state file");
+    if (get_u32(b + 8) != WS_VERSION)
+        return ws_fail(c, w, path, "format version %u, this worker reads %u", get_u32(b + 8),
+                       WS_VERSION);
+    if (get_u32(b + w->len - 4) != ws_crc(b, w->len - 4))
+        return ws_fail(c, w, path, "checksum mismatch (the file is corrupted or truncated)");
+    char policy[WS_NAME], model[WS_NAME];
+    snprintf(policy, sizeof policy, "%.*s", WS_NAME - 1, (const char *)b + 48 + KVS_EXPORT_UID_LEN);
+    snprintf(model, sizeof model, "%.*s", WS_NAME - 1,
+             (const char *)b + 48 + KVS_EXPORT_UID_LEN + WS_NAME);
+    w->flags = get_u32(b + 12);
+    uint32_t L = get_u32(b + 16), Q = get_u32(b + 20), KV = get_u32(b + 24), T = get_u32(b + 28),
+             W = get_u32(b + 32);
+    w->wfill = get_u32(b + 36);
+    w->wnext = get_u32(b + 40);
+    w->n = get_u32(b + 44);
+    if (memcmp(b + 48, uid, KVS_EXPORT_UID_LEN) != 0)
+        return ws_fail(c, w, path, "written for export %.*s, not %s", KVS_EXPORT_UID_LEN,
+                       (const char *)b + 48, uid);
+    if (strcmp(policy, c->o.policy) != 0 || w->flags != ws_flags(c))
+        return ws_fail(c, w, path, "written for policy %s, not %s", policy, c->o.policy);
+    const char *mine = c->o.model_name ? c->o.model_name : "";
+    if (L != c->L || Q != c->Q || KV != c->KV || T != c->ctx || strncmp(model, mine, WS_NAME - 1))
+        return ws_fail(c, w, path,
+                       "written for model %s (%u layers, %u heads, %u KV heads, context %u), "
+                       "not %s (%u, %u, %u, %u)",
+                       model, L, Q, KV, T, mine, c->L, c->Q, c->KV, c->ctx);
+    if (W != c->window)
+        return ws_fail(c, w, path, "written for an observation window of %u queries, not %u", W,
+                       c->window);
+    if (w->n >= c->ctx || w->wfill > W || w->wnext >= W)
+        return ws_fail(c, w, path, "n %u, wfill %u, wnext %u out of range", w->n, w->wfill,
+                       w->wnext);
+    size_t want = ws_size(c, w->flags, w->n);
+    if (w->len != want)
+        return ws_fail(c, w, path, "%zu bytes, its header says %zu", w->len, want);
+    return 0;
+}
+
+/* Make w the open sequence's worker state; frees w's buffer. */
+static void ws_apply(llm_cache *c, ws_file *w)
+{
+    size_t LQ = (size_t)c->L * c->Q, T = c->ctx;
+    const uint8_t *p = w->buf + WS_HEADER;
+    if (w->flags & WS_WINDOW) {
+        p = get_rows(p, c->whist, LQ * c->window, T, w->n);
+        p = get_rows(p, c->wsum, LQ, T, w->n);
+        c->wfill = w->wfill;
+        c->wnext = w->wnext;
+    }
+    if (w->flags & WS_VNORM)
+        get_rows(p, c->vn, (size_t)c->L * c->KV, T, w->n);
+    free(w->buf);
+    w->buf = NULL;
+}
+
+/* ---- moving a sequence ------------------------------------------------------ */
+
+int cache_seq_export(llm_cache *c, const char *worker_path, char uid[KVS_EXPORT_UID_LEN + 1])
 {
     uid[0] = '\0';
     if (c->plain)
         return fail(c, "the in-process cache (--no-daemon) has no sequence to export");
     if (!c->have_seq)
         return fail(c, "no sequence is open to export");
+    if (cache_has_worker_state(c) && worker_path == NULL)
+        return fail(c, "policy %s's worker state needs a file to go to", c->o.policy);
     if (kvs_seq_export(c->s, c->seq, uid) != KVS_OK)
         return fail(c, "ExportSequence: %s", kvs_session_error(c->s));
+    if (cache_has_worker_state(c))
+        return ws_write(c, uid, worker_path);
     return 0;
 }
 
-int cache_seq_import(llm_cache *c, const char *uid, uint32_t *appended)
+int cache_seq_import(llm_cache *c, const char *uid, const char *worker_path, uint32_t *appended)
 {
     *appended = 0;
     if (c->plain)
@@ -415,21 +689,29 @@ int cache_seq_import(llm_cache *c, const char *uid, uint32_t *appended)
     if (c->have_seq)
         return fail(c, "a sequence is already open");
     /* window_attn is a mean over the last queries by position, vnorm is
-     * computed as each token is written: both are the worker's memory of
-     * the tokens before the import, which it does not have. */
-    if (c->needs & (POLICY_NEEDS_WINDOW_ATTN | POLICY_NEEDS_VNORM))
-        return fail(c,
-                    "policy %s's steps carry the worker's statistics of earlier tokens "
-                    "(observation window, value norms): an imported sequence cannot continue",
-                    c->o.policy);
+     * computed as each token is written: the exporting worker's memory of
+     * the tokens before the export, read back before anything is imported. */
+    ws_file w = {0};
+    if (cache_has_worker_state(c)) {
+        if (worker_path == NULL)
+            return fail(c,
+                        "policy %s's steps carry the worker's statistics of earlier tokens: "
+                        "importing needs the worker state the export wrote",
+                        c->o.policy);
+        if (ws_read(c, worker_path, uid, &w) != 0)
+            return -1;
+    }
     uint64_t seq, n;
-    if (kvs_seq_import(c->s, uid, &seq, &n) != KVS_OK)
+    if (kvs_seq_import(c->s, uid, &seq, &n) != KVS_OK) {
+        free(w.buf);
         return fail(c, "ImportSequence %s: %s", uid, kvs_session_error(c->s));
+    }
     /* As cache_seq_begin, with the imported sequence. */
     c->seq = seq;
     c->have_seq = 1;
     c->usage = (cache_usage){0, 0, 0};
     c->pos = n > 0 ? (uint32_t)(n - 1) : 0; /* the last token appended */
+    c->appended = n < c->ctx ? (uint32_t)n : c->ctx;
     c->wfill = c->wnext = 0;
     kvs_table_free(&c->writes);
     for (uint32_t i = 0; i < c->L * c->heads; i++)
@@ -447,13 +729,21 @@ int cache_seq_import(llm_cache *c, const char *uid, uint32_t *appended)
              policy);
         goto release;
     }
+    if (w.buf != NULL && w.n != n) {
+        fail(c, "worker state %s: written at %u tokens, but the export has %" PRIu64, worker_path,
+             w.n, n);
+        goto release;
+    }
     /* The lists, their positions and the epoch, as the daemon holds them
      * (also checks the lists per layer against the policy). */
     if (table_reload(c) != 0)
         goto release;
+    if (w.buf != NULL)
+        ws_apply(c, &w);
     *appended = (uint32_t)n;
     return 0;
 release:
+    free(w.buf);
     c->have_seq = 0;
     kvs_seq_release(c->s, c->seq); /* best effort: c->err keeps the reason */
     return -1;
@@ -484,6 +774,7 @@ int cache_token_begin(llm_cache *c, uint32_t pos)
     if (c->writes.heads != c->heads)
         return fail(c, "Append answered %u lists per layer, policy %s wants %u", c->writes.heads,
                     c->o.policy, c->heads);
+    c->appended = pos + 1;
     c->usage.evicted += c->writes.evicted;
     /* An append is one epoch; anything more (a silent step evicted) means
      * the table changed under us: read it again. */

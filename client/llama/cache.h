@@ -71,13 +71,23 @@ int cache_seq_end(llm_cache *c);
  * tokens it had appended, i.e. the position of the next cache_token_begin.
  * The cache re-reads the table (lists, positions, epoch) from the daemon and
  * counts `evicted` from the import on. The sequence's policy must be this
- * cache's (the statistics the steps carry depend on it), and the worker's
- * statistics must not depend on earlier queries: policies that need the
- * observation window's attention or value norms are refused (their history
- * is the worker's, and does not move). Both fail on the plain cache.
+ * cache's (the statistics the steps carry depend on it). Both fail on the
+ * plain cache.
+ *
+ * The worker's own state: the daemon moves the policy's state, but the
+ * statistics of the SnapKV family (the observation window's queries) and of
+ * criticalkv (value norms) are kept here, over earlier tokens. When the
+ * policy needs them (cache_has_worker_state), cache_seq_export also writes
+ * them to the file worker_path (replacing it whole; format in cache.c
+ * "worker state"), and cache_seq_import reads them back from worker_path,
+ * after checking it describes export `uid` of this model, policy and window,
+ * and before importing anything: a missing, corrupted or mismatching file
+ * fails with nothing imported. worker_path is not used (may be NULL) for
+ * other policies.
  */
-int cache_seq_export(llm_cache *c, char uid[KVS_EXPORT_UID_LEN + 1]);
-int cache_seq_import(llm_cache *c, const char *uid, uint32_t *appended);
+int cache_has_worker_state(const llm_cache *c);
+int cache_seq_export(llm_cache *c, const char *worker_path, char uid[KVS_EXPORT_UID_LEN + 1]);
+int cache_seq_import(llm_cache *c, const char *uid, const char *worker_path, uint32_t *appended);
 
 /* Room for the token at position pos (positions are 0, 1, 2, ...). */
 int cache_token_begin(llm_cache *c, uint32_t pos);

@@ -18,6 +18,10 @@
  * 0..K-1; --per-token lines 1..K), exports the sequence and writes "uid K"
  * to --export-file; --import-file imports it and runs steps K..n-2 (lines
  * K+1..n-1, n the story's tokens). Together: an uninterrupted run's lines.
+ * Policies whose steps carry the worker's statistics of earlier tokens (the
+ * SnapKV family's observation window, criticalkv's value norms) also move
+ * the worker's state: --export-at writes it to PATH.worker beside the
+ * export file, --import-file reads it from there (cache.h).
  *
  * --no-daemon runs the same forward pass with a plain in-process KV array
  * (the reference the tests compare with). `kvstash-llama --help` lists the
@@ -109,7 +113,8 @@ static void usage(FILE *f)
             "  --quiet               no per-story lines on stderr\n"
             "  --export-at K         score one story's steps 0..K-1 (lines 1..K), then export "
             "the sequence to kvstashd's remote tier and write \"uid K\" to --export-file\n"
-            "  --export-file PATH    where --export-at writes the export's uid and K\n"
+            "  --export-file PATH    where --export-at writes the export's uid and K (and "
+            "PATH.worker, the worker's statistics, for the SnapKV family and criticalkv)\n"
             "  --import-file PATH    import the export PATH names (\"uid K\") instead of "
             "starting the story, and score its steps K.. (lines K+1..); with --export-at K2, "
             "export again at K2\n"
@@ -570,6 +575,13 @@ typedef struct import_ref {
     uint32_t at;
 } import_ref;
 
+/* PATH.worker: the worker's state of the export PATH names (cache.h). */
+static void worker_path(const char *path, char *out, size_t len)
+{
+    if (snprintf(out, len, "%s.worker", path) >= (int)len)
+        die(2, "%s: path too long", path);
+}
+
 /* Read "uid K" from path (exit 1 if it cannot be read, 2 if it is not that). */
 static void read_import(const char *path, import_ref *ir)
 {
@@ -653,7 +665,9 @@ static int lane_start(run *r, lane *ln, char **stories, uint32_t *next, uint32_t
             continue; /* nothing to predict */
         if (ir != NULL) {
             uint32_t appended;
-            if (cache_seq_import(ln->cache, ir->uid, &appended) != 0)
+            char wp[4200];
+            worker_path(r->o->import_file, wp, sizeof wp);
+            if (cache_seq_import(ln->cache, ir->uid, wp, &appended) != 0)
                 die(1, "%s", cache_error(ln->cache));
             if (appended != ir->at)
                 die(1,
@@ -683,8 +697,11 @@ static void lane_finish(run *r, lane *ln, story_result *res)
     cache_get_usage(ln->cache, &u);
     if (r->o->has_export_at) {
         /* The cache holds positions 0..K-1, the step of K-1 done. */
-        char uid[KVS_EXPORT_UID_LEN + 1];
-        if (cache_seq_export(ln->cache, uid) != 0)
+        char uid[KVS_EXPORT_UID_LEN + 1], wp[4200];
+        worker_path(r->o->export_file, wp, sizeof wp);
+        /* the worker state first: once the export file names the export,
+         * everything an import needs is there */
+        if (cache_seq_export(ln->cache, wp, uid) != 0)
             die(1, "%s", cache_error(ln->cache));
         write_export(r->o->export_file, uid, (uint32_t)ln->end);
         if (!r->o->quiet)

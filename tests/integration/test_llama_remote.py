@@ -18,10 +18,19 @@ stories260K:
 * `reviver` likewise: its tokens in the count-sketch (the Vague store) move
   as the sketch's cells (format 2), and the importing daemon's swap-backs
   revive the same estimates;
-* two hops (tova): A to B at 50, B back to A at 120 (import and export in
-  one run), the same lines again;
+* `snapkv`, `adakv`, `criticalkv` and `criticalkv_ada` (budget 32, window
+  8), and `snapkv` after a 40-token prompt: their steps carry the worker's
+  statistics of earlier tokens (the observation window's queries; criticalkv's
+  value norms), which kvstash-llama moves itself, in PATH.worker beside the
+  export file (client/llama/cache.c "worker state"), next to the daemon's
+  compression records. They evict before the cut and after it;
+* two hops (tova, and criticalkv_ada: worker state read and written again in
+  one run): A to B at 50, B back to A at 120 (import and export in one run),
+  the same lines again;
 * refusals: a uid never exported, a file whose K is not the export's, a
-  policy that is not the export's; and the options that cannot work (exit 2).
+  policy that is not the export's; a worker state that is missing, corrupted,
+  truncated, of another export or of another window (nothing imported); and
+  the options that cannot work (exit 2).
 """
 import json
 import os
@@ -44,6 +53,8 @@ CLUSTER_DIR = tempfile.mkdtemp(prefix="kvstash-redis.")
 NAMESPACE = f"t{os.getpid()}"
 PORTS = []
 KEEPS_ALL = ("full", "reviver")  # never evict: reviver sketches instead (its Vague store)
+# Steps carry the worker's own statistics of earlier tokens: PATH.worker moves them.
+WORKER_STATE = ("snapkv", "adakv", "criticalkv", "criticalkv_ada")
 STORY_TOKENS = 171  # story 0: BOS and 170 tokens, 170 scored
 BUDGET = "32"
 CASES = [  # name, policy, its options, K
@@ -60,6 +71,14 @@ CASES = [  # name, policy, its options, K
     ("confkv", "confkv", ["--budget", BUDGET], 80),      # INT8 tiers, its EMA
     ("weightedkv", "weightedkv", ["--budget", BUDGET], 80),  # per-head lists, merged values
     ("reviver", "reviver", ["--budget", BUDGET], 80),  # tokens in its count-sketch
+    # The worker's observation window (and value norms) move in PATH.worker.
+    ("snapkv", "snapkv", ["--budget", BUDGET], 80),
+    ("adakv", "adakv", ["--budget", BUDGET], 80),  # per-head lists
+    ("criticalkv", "criticalkv", ["--budget", BUDGET], 80),  # and value norms
+    ("criticalkv_ada", "criticalkv_ada", ["--budget", BUDGET], 80),
+    # A prompt's queries fill the window without steps (deferred), then the
+    # prefill step compresses.
+    ("snapkv-prompt", "snapkv", ["--budget", BUDGET, "--prompt-tokens", "40"], 80),
 ]
 
 
@@ -131,6 +150,7 @@ def check_moved_story_scores_as_uninterrupted(ctx):
                "--export-file", base + ".x")
         uid, got_k = export_file(base + ".x")
         assert got_k == k, (policy, got_k, k)
+        assert os.path.exists(base + ".x.worker") == (policy in WORKER_STATE), policy
         if "--demote" in opts:  # quantised tokens were read before the export
             i = opts.index("--demote")
             plain = ok(ctx.daemon, "--policy", policy, *opts[:i], *opts[i + 2:], "--export-at",
@@ -144,6 +164,8 @@ def check_moved_story_scores_as_uninterrupted(ctx):
             assert sketches, (policy, uid)
         b = ok(ctx.b, *args, "--per-token", base + ".b", "--import-file", base + ".x")
         assert b["tokens"] == STORY_TOKENS - 1 - k, (policy, b)
+        # ... and after the import: the moved state is used, not just carried.
+        assert (b["evicted"] > 0) == (policy not in KEEPS_ALL), (policy, b)
         got_a, got_b = lines(base + ".a"), lines(base + ".b")
         assert positions(got_a) == list(range(1, k + 1)), policy
         assert positions(got_b) == list(range(k + 1, STORY_TOKENS)), policy
@@ -156,19 +178,54 @@ def check_moved_story_scores_as_uninterrupted(ctx):
 
 def check_two_hops(ctx):
     """A to B at 50, B (import and export in one run) back to A at 120."""
-    base = os.path.join(ctx.tmp, "hops")
-    args = ["--policy", "tova", "--budget", BUDGET]
-    ref = lines(os.path.join(ctx.tmp, "tova.0"))
-    ok(ctx.daemon, *args, "--per-token", base + ".1", "--export-at", "50",
-       "--export-file", base + ".x1")
-    ok(ctx.b, *args, "--per-token", base + ".2", "--import-file", base + ".x1",
-       "--export-at", "120", "--export-file", base + ".x2")
-    assert export_file(base + ".x2")[1] == 120
-    ok(ctx.daemon, *args, "--per-token", base + ".3", "--import-file", base + ".x2")
-    got = lines(base + ".1") + lines(base + ".2") + lines(base + ".3")
-    assert positions(got) == list(range(1, STORY_TOKENS)), positions(got)
-    diff = [(x, y) for x, y in zip(ref, got) if x != y]
-    assert not diff, f"{len(diff)} lines differ, first {diff[0]}"
+    for policy in ("tova", "criticalkv_ada"):
+        base = os.path.join(ctx.tmp, "hops-" + policy)
+        args = ["--policy", policy, "--budget", BUDGET]
+        ref = lines(os.path.join(ctx.tmp, policy + ".0"))
+        ok(ctx.daemon, *args, "--per-token", base + ".1", "--export-at", "50",
+           "--export-file", base + ".x1")
+        ok(ctx.b, *args, "--per-token", base + ".2", "--import-file", base + ".x1",
+           "--export-at", "120", "--export-file", base + ".x2")
+        assert export_file(base + ".x2")[1] == 120
+        ok(ctx.daemon, *args, "--per-token", base + ".3", "--import-file", base + ".x2")
+        got = lines(base + ".1") + lines(base + ".2") + lines(base + ".3")
+        assert positions(got) == list(range(1, STORY_TOKENS)), (policy, positions(got))
+        diff = [(x, y) for x, y in zip(ref, got) if x != y]
+        assert not diff, f"{policy}: {len(diff)} lines differ, first {diff[0]}"
+
+
+def check_worker_state_refusals(ctx):
+    """A SnapKV-family import without its worker state, or with one that is
+    not its own, fails (exit 1, the file named and why) before importing."""
+    src = ctx.exports["snapkv"]
+    args = ["--policy", "snapkv", "--budget", BUDGET]
+    with open(src + ".worker", "rb") as f:
+        good = f.read()
+    x = os.path.join(ctx.tmp, "ws.x")
+    shutil.copy(src, x)  # the export file, without its .worker
+    fails(ctx.b, 1, [f"worker state {x}.worker", "No such file", "policy snapkv"], *args,
+          "--import-file", x)
+    flipped = bytearray(good)
+    flipped[len(good) // 2] ^= 0x01  # a bit of the window's history
+    cases = [(bytes(flipped), ["checksum mismatch", "corrupted"]),
+             (good[:-100], ["checksum mismatch", "truncated"]),
+             (b"not a worker state file", ["not a kvstash-llama worker state file"])]
+    with open(ctx.exports["criticalkv"] + ".worker", "rb") as f:
+        other = f.read()  # an intact file, of another export and policy
+    cases.append((other, ["written for export"]))
+    for data, needles in cases:
+        with open(x + ".worker", "wb") as f:
+            f.write(data)
+        fails(ctx.b, 1, [f"worker state {x}.worker", *needles], *args, "--import-file", x)
+    # The right file for another window (the statistics' shape differs).
+    with open(x + ".worker", "wb") as f:
+        f.write(good)
+    fails(ctx.b, 1, ["observation window of 8 queries, not 4"], *args, "--set", "window=4",
+          "--import-file", x)
+    assert not ctx.b.stats().sequences, "an import refused for its worker state left a sequence"
+    # The export itself is untouched: with its own file it imports as before.
+    ok(ctx.b, *args, "--per-token", x + ".b", "--import-file", x)
+    assert lines(x + ".b") == lines(os.path.join(ctx.tmp, "snapkv.b"))
 
 
 def check_refusals(ctx):
@@ -237,6 +294,7 @@ def main():
             check_moved_story_scores_as_uninterrupted,
             check_two_hops,
             check_refusals,
+            check_worker_state_refusals,
             check_nothing_left_open,
         ], daemon_kwargs={"pool_mb": 16, "extra_args": remote_args()})
     finally:
