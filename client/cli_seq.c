@@ -201,8 +201,8 @@ static int cmd_export(cli *c)
         "  Cluster; docs/remote.md) and print the uid that names the export: another\n"
         "  kvstashd on the same cluster and namespace imports it (kvstash seq import)\n"
         "  for a worker there to continue decoding. The sequence stays here: release it\n"
-        "  to move it. Sequences move with their policy's state, but not yet with\n"
-        "  tokens in a count-sketch (reviver, victims=sketch).\n"
+        "  to move it. Sequences move with every tier (count-sketches included) and\n"
+        "  their policy's state, but not yet with victims spilled (kvstash seq spill).\n"
         "  --json: the ExportSequence reply (uid, bytes, values, blocks, tokens, ttl_s).\n";
     const char *pos[1];
     int rc = cli_parse(c, NULL, 0, pos, 1, 1, NULL, help);

@@ -164,9 +164,11 @@ int kvs_seq_release(kvs_session *s, uint64_t seq_id);
  * it to move it). kvs_seq_import rebuilds an export in this session (a pool
  * of the same geometry and tenant): *seq_id is the new sequence, read its
  * table as any other, and *appended the tokens appended so far (the next
- * token's position). KVS_ERR_PRECONDITION without a remote tier, for a
- * policy export cannot carry yet, or for another geometry; KVS_ERR_NOT_FOUND
- * for an unknown uid; the daemon's message says which (kvs_last_error).
+ * token's position). KVS_ERR_PRECONDITION without a remote tier, for what
+ * export cannot carry yet (victims spilled with kvs_seq_spill), or for
+ * another geometry; KVS_ERR_NOT_FOUND for an unknown uid; KVS_ERR_DATA_LOSS
+ * for a value missing or corrupt; the daemon's message says which
+ * (kvs_last_error).
  */
 #define KVS_EXPORT_UID_LEN 32
 int kvs_seq_export(kvs_session *s, uint64_t seq_id, char uid[KVS_EXPORT_UID_LEN + 1]);
