@@ -1391,6 +1391,20 @@ status_code migrate_plan_check_origin(const migrate_plan *p, const char *ns, con
 status_code migrate_decode_data(migrate_plan *p, size_t i, const void *buf, size_t len,
                                 uint8_t *bytes, status *st)
 {
+    const uint8_t *blocks;
+    if (migrate_check_data(p, i, buf, len, &blocks, st) != ST_OK)
+        return st->code;
+    const migrate_data *d = &p->data[i];
+    for (size_t k = 0; blocks != NULL && k < d->nblocks; k++)
+        memcpy(bytes + (size_t)d->blocks[k] * p->block_bytes, blocks + k * p->block_bytes,
+               p->block_bytes);
+    return ST_OK;
+}
+
+status_code migrate_check_data(migrate_plan *p, size_t i, const void *buf, size_t len,
+                               const uint8_t **blocks, status *st)
+{
+    *blocks = NULL;
     if (i >= p->ndata)
         return status_set(st, ST_INVALID_ARGUMENT, "migrate: data value %zu of %zu", i, p->ndata);
     const migrate_data *d = &p->data[i];
@@ -1432,9 +1446,7 @@ status_code migrate_decode_data(migrate_plan *p, size_t i, const void *buf, size
     }
     if (sketch)
         return decode_sketch(p, d, payload, st);
-    for (size_t k = 0; k < d->nblocks; k++)
-        memcpy(bytes + (size_t)d->blocks[k] * p->block_bytes, payload + k * p->block_bytes,
-               p->block_bytes);
+    *blocks = payload;
     return ST_OK;
 }
 

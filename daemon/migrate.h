@@ -259,6 +259,13 @@ status_code migrate_plan_check_origin(const migrate_plan *p, const char *ns, con
 status_code migrate_decode_data(migrate_plan *p, size_t i, const void *buf, size_t len,
                                 uint8_t *bytes, status *st);
 
+/* migrate_decode_data without the copy of blocks: *blocks points into buf
+ * at the value's blocks, p->data[i].blocks[k] at k * p->block_bytes (NULL
+ * for a sketch value, whose cells go to the image as above), for a caller
+ * that writes them straight into pool blocks. The same checks and errors. */
+status_code migrate_check_data(migrate_plan *p, size_t i, const void *buf, size_t len,
+                               const uint8_t **blocks, status *st);
+
 /* Free everything the plan owns (the image's arrays included) and zero it;
  * a zeroed plan is fine. */
 void migrate_plan_free(migrate_plan *p);

@@ -5,10 +5,10 @@
  * Neither call holds the store's lock while it waits for the remote store:
  * an export copies the sequence's blocks to host memory with the sequence
  * marked moving (only its own calls wait), then encodes and writes without
- * the lock; an import reads and checks every value without the lock, takes
- * the lock to take blocks, writes them without it (the pool held, so that
- * it outlives a session that ends meanwhile) and takes it again to build
- * and publish the sequence.
+ * the lock; an import reads the manifest, takes the lock to take blocks,
+ * reads, checks and writes every value into them without it (the pool
+ * held, so that it outlives a session that ends meanwhile) and takes it
+ * again to build and publish the sequence.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -238,9 +238,9 @@ static status_code import_target_get(store *st, const char *token, uint64_t sess
     return rc;
 }
 
-/* The manifest, then every value it names, checked into plan and bytes. */
-static status_code import_fetch(store *st, const import_target *t, const char *uid,
-                                migrate_plan *plan, uint8_t **bytes, uint64_t *read, status *s)
+/* The manifest, checked into plan. */
+static status_code import_manifest(store *st, const import_target *t, const char *uid,
+                                   migrate_plan *plan, uint64_t *read, status *s)
 {
     char key[REMOTE_KEY_CAP];
     const char *ns = remote_tier_namespace(st->remote);
@@ -262,29 +262,43 @@ static status_code import_fetch(store *st, const import_target *t, const char *u
         rc = migrate_plan_check_origin(plan, ns, t->tenant, uid, s);
     *read = m.len;
     remote_bufs_free(&m, 1);
-    if (rc != ST_OK)
-        return rc;
-    size_t nb = plan->image.nblocks;
+    return rc;
+}
+
+/* Every value the plan names, checked, its blocks written straight into
+ * the pool blocks the import took (blocks[export index]): nobody else can
+ * see them yet, so without the lock; a sketch's cells go to the image. */
+static status_code import_values(store *st, const char *uid, migrate_plan *plan, pool *p,
+                                 const uint32_t *blocks, uint64_t *read, status *s)
+{
     remote_buf *vals = calloc(plan->ndata ? plan->ndata : 1, sizeof *vals);
-    *bytes = malloc(nb ? nb * t->block_bytes : 1);
-    if (vals == NULL || *bytes == NULL)
-        rc = status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory for %zu blocks", nb);
+    uint32_t *ids = malloc((plan->image.nblocks ? plan->image.nblocks : 1) * sizeof *ids);
+    status_code rc = vals && ids ? ST_OK : status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
     if (rc == ST_OK && plan->ndata > 0)
         rc = store_remote_read(st->remote, (const char *const *)plan->data_keys, plan->ndata, vals,
                                s);
     for (size_t i = 0; rc == ST_OK && i < plan->ndata; i++) {
+        const uint8_t *payload = NULL;
+        const migrate_data *d = &plan->data[i];
+        *read += vals[i].len;
         if (!vals[i].found)
             rc = status_set(s, ST_DATA_LOSS,
                             "value %s of export %s is missing (expired, or lost in a failover "
                             "before it replicated): export the sequence again",
                             plan->data_keys[i], uid);
-        else
-            rc = migrate_decode_data(plan, i, vals[i].data, vals[i].len, *bytes, s);
-        *read += vals[i].len;
+        else if (migrate_check_data(plan, i, vals[i].data, vals[i].len, &payload, s) != ST_OK)
+            rc = s->code;
+        for (size_t k = 0; rc == ST_OK && payload != NULL && k < d->nblocks; k++)
+            ids[k] = blocks[d->blocks[k]];
+        if (rc == ST_OK && payload != NULL && pool_write_blocks(p, ids, d->nblocks, payload) != 0)
+            rc = status_set(s, ST_INTERNAL, "writing the imported blocks failed");
+        free(vals[i].data); /* the peak is what was fetched, not twice it */
+        vals[i].data = NULL;
     }
     if (vals != NULL)
         remote_bufs_free(vals, plan->ndata);
     free(vals);
+    free(ids);
     return rc;
 }
 
@@ -327,23 +341,23 @@ static int image_has_sketch(const seq_export *x)
     return 0;
 }
 
-/* Lock held, the blocks written (write_rc 0) or not: the sequence built
- * and published in the session, if it is still there; else the blocks go
- * back (and the pool, if nothing else keeps it). */
+/* Lock held, the blocks written (rc ST_OK) or not (rc and *s the
+ * failure): the sequence built and published in the session, if it is
+ * still there; else the blocks go back (and the pool, if nothing else
+ * keeps it). */
 static status_code import_publish(store *st, const import_target *t, const migrate_plan *plan,
-                                  pool *p, uint32_t *blocks, int write_rc, store_import_result *out,
-                                  status *s)
+                                  pool *p, uint32_t *blocks, status_code rc,
+                                  store_import_result *out, status *s)
 {
     const seq_export *x = &plan->image;
     p->holds--;
     session *se = store_find_session_id_locked(st, t->session_id);
     seq *q = NULL;
-    status_code rc = ST_OK;
-    if (se == NULL || !se->attached || se->pool != p)
+    if (rc != ST_OK)
+        ; /* the values' failure stands */
+    else if (se == NULL || !se->attached || se->pool != p)
         rc = status_set(s, ST_NOT_FOUND, "session %llu ended during the import",
                         (unsigned long long)t->session_id);
-    else if (write_rc != 0)
-        rc = status_set(s, ST_INTERNAL, "writing the imported blocks failed");
     else
         rc = seq_import(st->next_seq_id, se->id, p, x, blocks, &q, s);
     if (rc != ST_OK) {
@@ -388,8 +402,7 @@ status_code store_seq_import(store *st, const char *token, const char *uid, uint
     if (import_target_get(st, token, session_id, &t, s) != ST_OK)
         return s->code;
     migrate_plan plan = {0};
-    uint8_t *bytes = NULL;
-    status_code rc = import_fetch(st, &t, uid, &plan, &bytes, &out->bytes, s);
+    status_code rc = import_manifest(st, &t, uid, &plan, &out->bytes, s);
     pool *p = NULL;
     uint32_t *blocks = NULL;
     if (rc == ST_OK) {
@@ -398,17 +411,15 @@ status_code store_seq_import(store *st, const char *token, const char *uid, uint
         store_unlock(st);
     }
     if (rc == ST_OK) {
-        /* Blocks nobody else can see yet: written without the lock. */
-        int write_rc = pool_write_blocks(p, blocks, plan.image.nblocks, bytes);
+        rc = import_values(st, uid, &plan, p, blocks, &out->bytes, s);
         pthread_mutex_lock(&st->lock);
-        rc = import_publish(st, &t, &plan, p, blocks, write_rc, out, s);
+        rc = import_publish(st, &t, &plan, p, blocks, rc, out, s);
         store_unlock(st);
     }
     if (rc == ST_OK)
         log_info("seq_imported", "seq=%llu uid=%s session=%llu blocks=%u bytes=%llu",
                  (unsigned long long)out->seq_id, uid, (unsigned long long)t.session_id,
                  out->blocks, (unsigned long long)out->bytes);
-    free(bytes);
     migrate_plan_free(&plan);
     return rc;
 }
