@@ -193,6 +193,23 @@ static int cmd_show(cli *c)
     return rc;
 }
 
+/* A subcommand whose one argument is a sequence id: parse it into
+ * *seq_id of req, then call `method` as us (cli_call_as_us). Returns
+ * cli_parse's negative "help printed", a CLI error, or CLI_OK with *resp
+ * the caller's to free. */
+static int call_on_seq(cli *c, const char *help, const char *method, ProtobufCMessage *req,
+                       uint64_t *seq_id, const ProtobufCMessageDescriptor *resp_desc,
+                       ProtobufCMessage **resp)
+{
+    const char *pos[1];
+    int rc = cli_parse(c, NULL, 0, pos, 1, 1, NULL, help);
+    if (rc != CLI_OK)
+        return rc;
+    if ((rc = parse_seq_id(c, pos[0], seq_id)) != CLI_OK)
+        return rc;
+    return cli_call_as_us(c, method, req, resp_desc, resp);
+}
+
 static int cmd_export(cli *c)
 {
     static const char help[] =
@@ -204,20 +221,14 @@ static int cmd_export(cli *c)
         "  to move it. Sequences move with every tier (count-sketches included) and\n"
         "  their policy's state, but not yet with victims spilled (kvstash seq spill).\n"
         "  --json: the ExportSequence reply (uid, bytes, values, blocks, tokens, ttl_s).\n";
-    const char *pos[1];
-    int rc = cli_parse(c, NULL, 0, pos, 1, 1, NULL, help);
+    Kvstash__V1__ExportSequenceRequest req = KVSTASH__V1__EXPORT_SEQUENCE_REQUEST__INIT;
+    Kvstash__V1__ExportSequenceResponse *r;
+    int rc =
+        call_on_seq(c, help, "ExportSequence", &req.base, &req.seq_id,
+                    &kvstash__v1__export_sequence_response__descriptor, (ProtobufCMessage **)&r);
     if (rc != CLI_OK)
         return rc < 0 ? CLI_OK : rc;
-    uint64_t id;
-    if ((rc = parse_seq_id(c, pos[0], &id)) != CLI_OK)
-        return rc;
-    Kvstash__V1__ExportSequenceRequest req = KVSTASH__V1__EXPORT_SEQUENCE_REQUEST__INIT;
-    req.seq_id = id;
-    Kvstash__V1__ExportSequenceResponse *r;
-    if ((rc = cli_call_as_us(c, "ExportSequence", &req.base,
-                             &kvstash__v1__export_sequence_response__descriptor,
-                             (ProtobufCMessage **)&r)) != CLI_OK)
-        return rc;
+    uint64_t id = req.seq_id;
     char b1[32];
     if (c->json)
         rc = cli_print_message(&r->base, 1);
@@ -241,20 +252,14 @@ static int cmd_spill(cli *c)
         "  them from the remote tier. A sequence without such victims spills nothing.\n"
         "  --json: the SpillSequence reply (uid, blocks, sketches, tokens, bytes,\n"
         "  dropped, spilled_tokens).\n";
-    const char *pos[1];
-    int rc = cli_parse(c, NULL, 0, pos, 1, 1, NULL, help);
+    Kvstash__V1__SpillSequenceRequest req = KVSTASH__V1__SPILL_SEQUENCE_REQUEST__INIT;
+    Kvstash__V1__SpillSequenceResponse *r;
+    int rc =
+        call_on_seq(c, help, "SpillSequence", &req.base, &req.seq_id,
+                    &kvstash__v1__spill_sequence_response__descriptor, (ProtobufCMessage **)&r);
     if (rc != CLI_OK)
         return rc < 0 ? CLI_OK : rc;
-    uint64_t id;
-    if ((rc = parse_seq_id(c, pos[0], &id)) != CLI_OK)
-        return rc;
-    Kvstash__V1__SpillSequenceRequest req = KVSTASH__V1__SPILL_SEQUENCE_REQUEST__INIT;
-    req.seq_id = id;
-    Kvstash__V1__SpillSequenceResponse *r;
-    if ((rc = cli_call_as_us(c, "SpillSequence", &req.base,
-                             &kvstash__v1__spill_sequence_response__descriptor,
-                             (ProtobufCMessage **)&r)) != CLI_OK)
-        return rc;
+    uint64_t id = req.seq_id;
     char b1[32];
     if (c->json)
         rc = cli_print_message(&r->base, 1);

@@ -40,30 +40,24 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
 import grpc
 
-from kvstash_harness import Daemon, call, pb, run_tests, wait_until
+from kvstash_harness import Daemon, call, pb, wait_until
+from remote_cluster import RemoteCluster, cluster
 from test_cli import Worker, fails, ok_json, run
 from test_metrics import Scrape, http_get, metrics_port
 from worker_procs import GEOMETRY, WorkerProc
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "remote"))
-import cluster  # noqa: E402  tests/remote/cluster.py
-
 KVSTASHD = os.environ.get("KVSTASHD", "")
-CLUSTER_DIR = tempfile.mkdtemp(prefix="kvstash-redis.")
-NAMESPACE = f"t{os.getpid()}"
-PORTS = []
-
-
-def remote_args(extra=()):
-    seeds = ",".join(f"127.0.0.1:{p}" for p in PORTS[:2])
-    return ["--remote", seeds, "--remote-namespace", NAMESPACE, "--remote-probe-ms", "200",
-            "--remote-timeout-ms", "500", *extra]
+RC = RemoteCluster("t")
+CLUSTER_DIR = RC.dir
+NAMESPACE = RC.ns
+remote_args = RC.args
+keys_of = RC.keys_of
+owner_port = RC.owner_port
 
 
 def remote_stats(daemon):
@@ -107,13 +101,6 @@ def export(ctx, seq_id):
     return j
 
 
-def keys_of(uid):
-    """Every key of export uid, from every master (one slot: one master)."""
-    return cluster.keys(CLUSTER_DIR, f"kvs:{NAMESPACE}:{{default:{uid}}}:*")
-
-
-def owner_port(key):
-    return cluster.owner(CLUSTER_DIR, cluster.key_slot(key))
 
 
 # ---- checks ------------------------------------------------------------------
@@ -126,7 +113,7 @@ def check_setup(ctx):
 def check_stats_show_the_cluster_healthy(ctx):
     r = wait_healthy(ctx.daemon)
     assert (r.backend, r.nodes, r.nodes_up, r.slots_covered) == ("redis-cluster", 3, 3, 16384), r
-    assert r.key_namespace == NAMESPACE and r.seeds.startswith(f"127.0.0.1:{PORTS[0]}"), r
+    assert r.key_namespace == NAMESPACE and r.seeds.startswith(f"127.0.0.1:{RC.ports[0]}"), r
     assert r.ttl_s == 86400 and r.timeout_ms == 500 and r.probes > 0, r
     assert r.last_ok_age_ms >= 0 and r.last_error == "", r
 
@@ -143,7 +130,7 @@ def check_metrics_healthz_and_status(ctx):
     assert (status, body) == (200, "serving\nremote: healthy\n"), (status, body)
     rc, out, err = run(ctx, "status")
     assert rc == 0, err
-    assert (f"remote: redis-cluster 127.0.0.1:{PORTS[0]}" in out and
+    assert (f"remote: redis-cluster 127.0.0.1:{RC.ports[0]}" in out and
             f"namespace {NAMESPACE}: healthy, 3 of 3 nodes up, 16384 of 16384 slots" in out), out
 
 
@@ -388,32 +375,21 @@ def check_workers_finish(ctx):
 
 
 def main():
-    global PORTS
-    try:
-        PORTS = cluster.start(CLUSTER_DIR, masters_n=3, replicas_n=1, owner_pid=os.getpid())
-    except Exception as e:  # noqa: BLE001 - a cluster that cannot start fails the test
-        print(f"FAIL cluster start: {e} (ops/setup.sh installs redis-server)")
-        print("test_remote: 0 passed, 1 failed")
-        return 1
-    try:
-        return run_tests("test_remote", [
-            check_setup,
-            check_stats_show_the_cluster_healthy,
-            check_metrics_healthz_and_status,
-            check_export_and_import_between_daemons,
-            check_export_refusals,
-            check_corrupt_or_missing_value_is_data_loss,
-            check_full_cluster_refuses_the_export,
-            check_slow_cluster_times_out_without_stalling_others,
-            check_master_killed_during_import,
-            check_killed_master_fails_over,
-            check_cluster_down_daemon_keeps_serving,
-            check_bad_flags,
-            check_workers_finish,
-        ], daemon_kwargs={"pool_mb": 16,
-                          "extra_args": remote_args(["--metrics", "127.0.0.1:0"])})
-    finally:
-        cluster.stop(CLUSTER_DIR)
+    return RC.run("test_remote", [
+        check_setup,
+        check_stats_show_the_cluster_healthy,
+        check_metrics_healthz_and_status,
+        check_export_and_import_between_daemons,
+        check_export_refusals,
+        check_corrupt_or_missing_value_is_data_loss,
+        check_full_cluster_refuses_the_export,
+        check_slow_cluster_times_out_without_stalling_others,
+        check_master_killed_during_import,
+        check_killed_master_fails_over,
+        check_cluster_down_daemon_keeps_serving,
+        check_bad_flags,
+        check_workers_finish,
+    ], ["--metrics", "127.0.0.1:0"])
 
 
 if __name__ == "__main__":

@@ -37,27 +37,21 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
-from kvstash_harness import Daemon, run_tests, wait_until
+from kvstash_harness import Daemon, wait_until
+from remote_cluster import RemoteCluster, cluster
 from test_cli import fails, ok_json, ok_text, run
 from test_metrics import Scrape, metrics_port
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "remote"))
-import cluster  # noqa: E402  tests/remote/cluster.py
-
 TIER_WORKER = os.environ.get("KVSTASH_TIER_WORKER", "")
-CLUSTER_DIR = tempfile.mkdtemp(prefix="kvstash-redis.")
-NAMESPACE = f"s{os.getpid()}"
-PORTS = []
-
-
-def remote_args(extra=()):
-    seeds = ",".join(f"127.0.0.1:{p}" for p in PORTS[:2])
-    return ["--remote", seeds, "--remote-namespace", NAMESPACE, "--remote-probe-ms", "200",
-            "--remote-timeout-ms", "500", *extra]
+RC = RemoteCluster("s")
+CLUSTER_DIR = RC.dir
+NAMESPACE = RC.ns
+remote_args = RC.args
+keys_of = RC.keys_of
+owner_port = RC.owner_port
 
 
 class TierWorker:
@@ -130,12 +124,6 @@ def spill(ctx, seq_id, daemon=None):
     return ok_json((daemon or ctx.daemon).sock, "seq", "spill", str(seq_id))
 
 
-def keys_of(uid):
-    return cluster.keys(CLUSTER_DIR, f"kvs:{NAMESPACE}:{{default:{uid}}}:*")
-
-
-def owner_port(key):
-    return cluster.owner(CLUSTER_DIR, cluster.key_slot(key))
 
 
 # ---- checks ------------------------------------------------------------------
@@ -398,30 +386,19 @@ def check_without_remote_tier(ctx):
 
 
 def main():
-    global PORTS
-    try:
-        PORTS = cluster.start(CLUSTER_DIR, masters_n=3, replicas_n=1, owner_pid=os.getpid())
-    except Exception as e:  # noqa: BLE001 - a cluster that cannot start fails the test
-        print(f"FAIL cluster start: {e} (ops/setup.sh installs redis-server)")
-        print("test_remote_spill: 0 passed, 1 failed")
-        return 1
-    try:
-        return run_tests("test_remote_spill", [
-            check_spill_frees_blocks_and_revive_fetches,
-            check_sketches_spill_and_revive,
-            check_memory_pressure_spills_on_its_own,
-            check_nothing_to_spill,
-            check_corrupt_or_missing_value_is_data_loss,
-            check_full_cluster_refuses_the_spill,
-            check_slow_cluster_times_out,
-            check_killed_master_fails_over,
-            check_master_killed_during_revive,
-            check_master_killed_during_spill,
-            check_without_remote_tier,
-        ], daemon_kwargs={"pool_mb": 16,
-                          "extra_args": remote_args(["--metrics", "127.0.0.1:0"])})
-    finally:
-        cluster.stop(CLUSTER_DIR)
+    return RC.run("test_remote_spill", [
+        check_spill_frees_blocks_and_revive_fetches,
+        check_sketches_spill_and_revive,
+        check_memory_pressure_spills_on_its_own,
+        check_nothing_to_spill,
+        check_corrupt_or_missing_value_is_data_loss,
+        check_full_cluster_refuses_the_spill,
+        check_slow_cluster_times_out,
+        check_killed_master_fails_over,
+        check_master_killed_during_revive,
+        check_master_killed_during_spill,
+        check_without_remote_tier,
+    ], ["--metrics", "127.0.0.1:0"])
 
 
 if __name__ == "__main__":
