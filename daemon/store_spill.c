@@ -168,17 +168,26 @@ status_code store_seq_spill(store *st, const char *token, uint64_t seq_id, store
 
 /* Lock held: the sequences to spill for memory pressure, into *ids (*n of
  * them; malloc'd, the caller frees). -1 out of memory. */
+static int pool_pressured(const pool *p, uint32_t below_pct)
+{
+    return (uint64_t)p->nfree * 100 < (uint64_t)below_pct * p->block_count;
+}
+
 static int pressured_seqs(store *st, uint32_t below_pct, uint64_t **ids, size_t *n)
 {
     *n = 0;
-    *ids = malloc((st->nseqs ? st->nseqs : 1) * sizeof **ids);
-    if (*ids == NULL)
+    *ids = NULL;
+    /* Every 50 ms under the lock: the sequences only when a pool asks. */
+    int any = 0;
+    for (uint32_t i = 0; i < st->cfg.max_pools && !any; i++)
+        any = st->pools[i] != NULL && pool_pressured(st->pools[i], below_pct);
+    if (!any || !st->serving)
+        return 0;
+    if ((*ids = malloc((st->nseqs ? st->nseqs : 1) * sizeof **ids)) == NULL)
         return -1;
-    for (size_t i = 0; st->serving && i < st->nseqs; i++) {
+    for (size_t i = 0; i < st->nseqs; i++) {
         seq *q = st->seqs[i];
-        const pool *p = seq_pool(q);
-        if ((uint64_t)p->nfree * 100 < (uint64_t)below_pct * p->block_count &&
-            seq_spill_candidates(q) > 0)
+        if (pool_pressured(seq_pool(q), below_pct) && seq_spill_candidates(q) > 0)
             (*ids)[(*n)++] = seq_id_of(q);
     }
     return 0;
