@@ -19,23 +19,33 @@
 static int move_to_sketch(seq *s, seq_list *ly, uint32_t layer, tier_token *tok,
                           const uint32_t *pos, const uint32_t *idx, size_t m)
 {
-    uint8_t *k, *v;
+    uint32_t sidx[TIER_ERROR_SAMPLE], spos[TIER_ERROR_SAMPLE];
+    size_t ns;
+    uint8_t *orig;
     uint32_t *p = malloc((m ? m : 1) * sizeof *p);
-    if (p == NULL || seq_txn_save_sketch(s, ly) != 0 || list_sketch_ready(s, ly, layer) != 0 ||
-        seq_stage_tokens(s, tok, idx, m, &k, &v) != 0) {
+    tier_token *src = malloc((m ? m : 1) * sizeof *src);
+    for (size_t i = 0; p != NULL && src != NULL && i < m; i++) {
+        p[i] = pos[idx[i]];
+        src[i] = tok[idx[i]];
+    }
+    if (p == NULL || src == NULL || seq_txn_save_sketch(s, ly, p, m) != 0 ||
+        list_sketch_ready(s, ly, layer) != 0 ||
+        seq_stage_error_sample(s, tok, idx, m, sidx, &ns, &orig) != 0) {
         free(p);
+        free(src);
         return -1;
     }
-    for (size_t i = 0; i < m; i++)
-        p[i] = pos[idx[i]];
-    int rc = tier_sketch_insert(&ly->sketch, &s->tier, p, m, k, v);
+    for (size_t i = 0; i < ns; i++)
+        spos[i] = pos[sidx[i]];
+    int rc = tier_sketch_insert(&ly->sketch, &s->tier, p, src, m);
     double rel;
-    if (rc == 0 && tier_sketch_error(&ly->sketch, &s->tier, p, m, k, v, &rel) == 0)
+    if (rc == 0 && tier_sketch_error(&ly->sketch, &s->tier, spos, ns, orig, &rel) == 0)
         snapshot_tiers_observe(&s->report, POLICY_SKETCH, rel);
     for (size_t i = 0; rc == 0 && i < m; i++)
         tok[idx[i]] = (tier_token){TIER_NO_BLOCK, 0, POLICY_SKETCH};
     seq_moved(s, POLICY_SKETCH, rc == 0 ? m : 0);
-    tier_stage_free(&s->tier, k);
+    tier_stage_free(&s->tier, orig);
+    free(src);
     free(p);
     return rc;
 }
@@ -47,7 +57,7 @@ static int move_to_full(seq *s, seq_list *ly, tier_token *tok, const uint32_t *p
 {
     tier_token dst;
     int in_tail = list_tail_usable(ly, s->block_slots), sketched = tok[i].tier == POLICY_SKETCH;
-    if (seq_txn_save_list(s, ly) != 0 || (sketched && seq_txn_save_sketch(s, ly) != 0))
+    if (seq_txn_save_list(s, ly) != 0 || (sketched && seq_txn_save_sketch(s, ly, &pos[i], 1) != 0))
         return -1;
     if (list_take_slot(s, ly, &dst) != 0)
         return 0;
@@ -89,7 +99,7 @@ static int list_victims(seq *s, seq_list *ly, uint32_t layer, tier_token *tok, c
         return -1;
     if (gone == 0)
         return 0;
-    if (seq_txn_save_sketch(s, ly) != 0)
+    if (seq_txn_save_sketch(s, ly, scratch + n - gone, gone) != 0)
         return -1;
     return tier_sketch_delete(&ly->sketch, scratch + n - gone, gone);
 }

@@ -164,9 +164,12 @@ int list_take_slot(seq *s, seq_list *ly, tier_token *out);
 
 int list_sketch_ready(seq *s, seq_list *ly, uint32_t layer);
 
-/* Read the FULL / quantised tokens idx[0..m) of tok into staging buffers. */
-int seq_stage_tokens(seq *s, const tier_token *tok, const uint32_t *idx, size_t m, uint8_t **k,
-                     uint8_t **v);
+/* The move-error sample of tokens idx[0..m) of tok (tier.h
+ * tier_error_sample), FULL or quantised, before they move: their indices
+ * into tok in sidx[0..*ns), their values staged into *stage (free with
+ * tier_stage_free). Returns 0, or -1 out of memory. */
+int seq_stage_error_sample(seq *s, const tier_token *tok, const uint32_t *idx, size_t m,
+                           uint32_t sidx[TIER_ERROR_SAMPLE], size_t *ns, uint8_t **stage);
 
 /* Count n tokens moved to tier t (moved[]) in the totals and the report. */
 void seq_moved(seq *s, uint8_t t, uint64_t n);
@@ -200,11 +203,12 @@ int list_offload_push(seq_list *ly, uint32_t position, tier_token at);
 uint32_t seq_drop_victim_blocks(seq *s);
 
 /* Save, in the running transaction (nothing outside one), what is about
- * to change: list ly (once per transaction), its sketch cells (once), the
- * bytes of n full-precision token slots written in place. Each returns 0, or -1 when out
+ * to change: list ly (once per transaction), the cells of its sketch that
+ * positions pos[0..n) touch (or the whole sketch, seq_txn.c), the bytes of
+ * n full-precision token slots written in place. Each returns 0, or -1 when out
  * of memory (nothing changed: the caller fails before its change). */
 int seq_txn_save_list(seq *s, seq_list *ly);
-int seq_txn_save_sketch(seq *s, seq_list *ly);
+int seq_txn_save_sketch(seq *s, seq_list *ly, const uint32_t *pos, size_t n);
 int seq_txn_save_tokens(seq *s, const tier_token *at, size_t n);
 
 /* Free what the transaction keeps between calls (seq_destroy). */

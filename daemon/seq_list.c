@@ -237,56 +237,56 @@ int list_sketch_ready(seq *s, seq_list *ly, uint32_t layer)
     return tier_sketch_init(&ly->sketch, &s->tier, &g);
 }
 
-/* Read the FULL / INT8 tokens idx[0..m) of tok into staging buffers. */
-int seq_stage_tokens(seq *s, const tier_token *tok, const uint32_t *idx, size_t m, uint8_t **k,
-                     uint8_t **v)
+int seq_stage_error_sample(seq *s, const tier_token *tok, const uint32_t *idx, size_t m,
+                           uint32_t sidx[TIER_ERROR_SAMPLE], size_t *ns, uint8_t **stage)
 {
-    size_t half = (m ? m : 1) * tier_token_bytes(&s->tier) / 2;
-    tier_token *sel = malloc((m ? m : 1) * sizeof *sel);
-    *k = tier_stage_alloc(&s->tier, m);
-    if (sel == NULL || *k == NULL) {
-        free(sel);
-        tier_stage_free(&s->tier, *k);
-        return -1;
+    tier_token sel[TIER_ERROR_SAMPLE];
+    *ns = tier_error_sample(m, sidx);
+    for (size_t i = 0; i < *ns; i++) {
+        sidx[i] = idx[sidx[i]];
+        sel[i] = tok[sidx[i]];
     }
-    *v = *k + half;
-    for (size_t i = 0; i < m; i++)
-        sel[i] = tok[idx[i]];
-    int rc = tier_read(&s->tier, sel, m, *k, *v);
-    free(sel);
-    if (rc != 0)
-        tier_stage_free(&s->tier, *k);
-    return rc;
+    *stage = tier_stage_alloc(&s->tier, *ns);
+    size_t half = *ns * tier_token_bytes(&s->tier) / 2;
+    if (*stage != NULL && tier_read(&s->tier, sel, *ns, *stage, *stage + half) == 0)
+        return 0;
+    tier_stage_free(&s->tier, *stage);
+    *stage = NULL;
+    return -1;
 }
 
-/* tier_error_ratio of tokens idx[0..m) of tok against the staged k, v. */
+/* tier_error_ratio of tokens idx[0..m) of tok against their staged
+ * originals. */
 static int stage_error(seq *s, const tier_token *tok, const uint32_t *idx, size_t m,
-                       const uint8_t *k, const uint8_t *v, double *ratio)
+                       const uint8_t *stage, double *ratio)
 {
-    tier_token *sel = malloc((m ? m : 1) * sizeof *sel);
-    if (sel == NULL)
-        return -1;
+    tier_token sel[TIER_ERROR_SAMPLE];
     for (size_t i = 0; i < m; i++)
         sel[i] = tok[idx[i]];
-    int rc = tier_error_ratio(&s->tier, sel, m, k, v, ratio);
-    free(sel);
-    return rc;
+    return tier_error_ratio(&s->tier, sel, m, stage, ratio);
 }
 
 int seq_quantize_into(seq *s, uint8_t qt, tier_token *tok, const uint32_t *idx, size_t m,
                       const uint32_t *qb, size_t nq, double *ratio)
 {
-    uint32_t t8 = tier_block_tokens(&s->tier, qt);
-    uint8_t *k, *v;
+    uint32_t t8 = tier_block_tokens(&s->tier, qt), sidx[TIER_ERROR_SAMPLE];
+    size_t ns;
+    uint8_t *orig;
+    tier_token *src = malloc((m ? m : 1) * sizeof *src);
     *ratio = -1;
-    if (seq_stage_tokens(s, tok, idx, m, &k, &v) != 0)
+    if (src == NULL || seq_stage_error_sample(s, tok, idx, m, sidx, &ns, &orig) != 0) {
+        free(src);
         return -1;
-    int rc = tier_quantize(&s->tier, qt, k, v, m, qb, nq);
+    }
+    for (size_t j = 0; j < m; j++)
+        src[j] = tok[idx[j]];
+    int rc = tier_quantize(&s->tier, qt, src, m, qb, nq);
     for (size_t j = 0; rc == 0 && j < m; j++)
         tok[idx[j]] = (tier_token){qb[j / t8], (uint32_t)(j % t8), qt};
-    if (rc == 0 && stage_error(s, tok, idx, m, k, v, ratio) != 0)
+    if (rc == 0 && stage_error(s, tok, sidx, ns, orig, ratio) != 0)
         *ratio = -1;
-    tier_stage_free(&s->tier, k);
+    tier_stage_free(&s->tier, orig);
+    free(src);
     return rc;
 }
 

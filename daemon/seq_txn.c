@@ -11,9 +11,12 @@
  *   - the counters, at begin (no allocation);
  *   - a list (segments, tail, offloaded victims, victim blocks), before its
  *     first change (seq_txn_save_list): a copy of its arrays;
- *   - a list's sketch cells, before the first write to them
- *     (seq_txn_save_sketch): a copy in the backend's memory, or "none"
- *     when the sketch did not exist;
+ *   - a list's sketch cells, before each write to them
+ *     (seq_txn_save_sketch): the cells the write's positions touch, copied
+ *     in the backend's memory, while they add up to less than half the
+ *     sketch (a decode step's victim or revived token touches `rows`
+ *     cells); past that, a copy of the whole sketch, after which nothing
+ *     more is saved; "none" when the sketch did not exist;
  *   - token slots written in place in blocks the call did not take (value
  *     merges, key re-rotation, a revived token in the tail block), before
  *     the write (seq_txn_save_tokens): their bytes, staged;
@@ -27,11 +30,21 @@
 
 #include "seq_internal.h"
 
+/* Cells of a list's sketch as they were before one write. */
+typedef struct seq_saved_cells {
+    uint32_t *cell;
+    size_t n;
+    uint8_t *save; /* tier_sketch_cells_save */
+} seq_saved_cells;
+
 /* A list as it was before the call changed it, its arrays copied. */
 struct seq_saved_list {
     seq_list *at;
     seq_list was;
     int sketch_saved; /* was.sketch is the sketch as it was: a copy, or none */
+    /* Cell saves, oldest first, all older than the whole copy if any. */
+    seq_saved_cells *cells;
+    size_t ncells, cells_cap, cells_saved; /* cells_saved: cells in all of them */
 };
 
 /* Bytes of full-precision token slots as they were, staged: one segment a
@@ -98,6 +111,8 @@ int seq_txn_save_list(seq *s, seq_list *ly)
     seq_saved_list *sv = &t->lists[t->nlists];
     sv->at = ly;
     sv->was = *ly;
+    sv->cells = NULL;
+    sv->ncells = sv->cells_cap = sv->cells_saved = 0;
     seq_list *w = &sv->was;
     w->segs = NULL, w->seg_tier = NULL, w->offloaded = NULL, w->offloaded_at = NULL;
     w->victim_blocks = NULL;
@@ -131,7 +146,26 @@ static seq_saved_list *saved_list_of(seq_txn *t, const seq_list *ly)
     return NULL;
 }
 
-int seq_txn_save_sketch(seq *s, seq_list *ly)
+/* Save the cells that positions pos[0..n) touch in ly's existing sketch. */
+static int save_cells(seq_saved_list *sv, const tier_sketch *now, const uint32_t *pos, size_t n)
+{
+    size_t nc = n * now->sk.rows;
+    if (seq_grow((void **)&sv->cells, &sv->cells_cap, sv->ncells + 1, sizeof *sv->cells) != 0)
+        return -1;
+    seq_saved_cells *e = &sv->cells[sv->ncells];
+    e->n = nc;
+    e->cell = malloc((nc ? nc : 1) * sizeof *e->cell);
+    if (e->cell == NULL || tier_sketch_cells(now, pos, n, e->cell) != 0 ||
+        tier_sketch_cells_save(now, e->cell, nc, &e->save) != 0) {
+        free(e->cell);
+        return -1;
+    }
+    sv->ncells++;
+    sv->cells_saved += nc;
+    return 0;
+}
+
+int seq_txn_save_sketch(seq *s, seq_list *ly, const uint32_t *pos, size_t n)
 {
     if (!txn_active(s))
         return 0;
@@ -140,6 +174,9 @@ int seq_txn_save_sketch(seq *s, seq_list *ly)
     seq_saved_list *sv = saved_list_of(&s->txn, ly);
     if (sv->sketch_saved)
         return 0;
+    size_t total = (size_t)ly->sketch.sk.rows * ly->sketch.sk.buckets;
+    if (2 * (sv->cells_saved + n * ly->sketch.sk.rows) < total)
+        return save_cells(sv, &ly->sketch, pos, n);
     const tier_sketch *now = &ly->sketch;
     tier_sketch *copy = &sv->was.sketch;
     size_t cells = (size_t)now->sk.rows * now->sk.buckets, vec = cells * now->sk.dim;
@@ -190,8 +227,14 @@ static void txn_clear(seq *s)
 {
     seq_txn *t = &s->txn;
     for (size_t i = 0; i < t->nlists; i++) {
-        list_arrays_free(&t->lists[i].was);
-        tier_sketch_free(&t->lists[i].was.sketch);
+        seq_saved_list *sv = &t->lists[i];
+        list_arrays_free(&sv->was);
+        tier_sketch_free(&sv->was.sketch);
+        for (size_t j = 0; j < sv->ncells; j++) {
+            free(sv->cells[j].cell);
+            s->tier.ops->free(sv->cells[j].save);
+        }
+        free(sv->cells);
     }
     for (size_t i = 0; i < t->ntokens; i++) {
         free(t->tokens[i].at);
@@ -226,6 +269,9 @@ void seq_rollback(seq *s)
             tier_sketch_free(&sketch);
             sketch = sv->was.sketch;
         }
+        for (size_t j = sv->ncells; j-- > 0;)
+            tier_sketch_cells_restore(&sketch, sv->cells[j].cell, sv->cells[j].n,
+                                      sv->cells[j].save);
         list_arrays_free(ly);
         *ly = sv->was;
         ly->sketch = sketch;

@@ -255,23 +255,58 @@ int tier_write(const tier_ctx *c, const tier_token *dst, size_t n, const uint8_t
     return rc;
 }
 
-int tier_quantize(const tier_ctx *c, uint8_t t, const uint8_t *k, const uint8_t *v, size_t n,
+static int all_full(const tier_token *tok, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (tok[i].tier != POLICY_FULL)
+            return 0;
+    return 1;
+}
+
+/* Tokens src[0..cnt) into slots 0..cnt of `block`, a staging block of
+ * layout ql (cnt <= its block_tokens). A whole block of full-precision
+ * tokens is one gather: its [kv_heads][cnt][head_dim] K and V are the
+ * block's layout. Anything else is read contiguously into *rows
+ * (allocated on first use, a block's worth) and scattered. */
+static int stage_block(const tier_ctx *c, const kv_layout *ql, const tier_token *src, size_t cnt,
+                       uint8_t *block, uint8_t **rows)
+{
+    if (cnt == ql->block_tokens && all_full(src, cnt)) {
+        size_t ns;
+        kv_segment *sg = token_segments(src, cnt, &ns);
+        int rc = sg != NULL
+                     ? c->ops->gather(&c->l, c->base, sg, ns, block, block + kv_block_bytes(ql) / 2)
+                     : -1;
+        free(sg);
+        return rc;
+    }
+    if (*rows == NULL && (*rows = tier_stage_alloc(c, ql->block_tokens)) == NULL)
+        return -1;
+    size_t half = cnt * tier_token_bytes(c) / 2;
+    kv_segment all = {0, 0, (uint32_t)cnt};
+    int rc = tier_read(c, src, cnt, *rows, *rows + half);
+    return rc == 0 ? c->ops->scatter(ql, block, &all, 1, *rows, *rows + half) : rc;
+}
+
+int tier_quantize(const tier_ctx *c, uint8_t t, const tier_token *src, size_t n,
                   const uint32_t *qblocks, size_t nq)
 {
     const kv_layout *ql = tier_layout(c, t);
     uint32_t tq = ql->block_tokens;
-    size_t bbq = kv_block_bytes(ql);
-    uint8_t *stage = c->ops->alloc(nq * bbq);
-    kv_segment *sg = malloc(nq * sizeof *sg);
-    int rc = stage != NULL && sg != NULL && policy_tier_quantised(t) && tq > 0 ? 0 : -1;
-    for (size_t b = 0; rc == 0 && b < nq; b++)
-        sg[b] = (kv_segment){(uint32_t)b, 0, (uint32_t)(b + 1 < nq ? tq : n - (nq - 1) * tq)};
-    if (rc == 0)
-        rc = c->ops->scatter(ql, stage, sg, nq, k, v);
-    for (size_t b = 0; rc == 0 && b < nq; b++)
-        rc = quant_quantize(c, t, ql, stage, &sg[b], c->base + (size_t)qblocks[b] * c->block_bytes);
-    c->ops->free(stage);
-    free(sg);
+    if (!policy_tier_quantised(t) || tq == 0)
+        return -1;
+    uint8_t *block = c->ops->alloc(kv_block_bytes(ql)), *rows = NULL;
+    int rc = block != NULL ? 0 : -1;
+    for (size_t b = 0; rc == 0 && b < nq; b++) {
+        size_t j0 = b * tq, cnt = n - j0 < tq ? n - j0 : tq;
+        kv_segment sg = {0, 0, (uint32_t)cnt};
+        rc = stage_block(c, ql, src + j0, cnt, block, &rows);
+        if (rc == 0)
+            rc =
+                quant_quantize(c, t, ql, block, &sg, c->base + (size_t)qblocks[b] * c->block_bytes);
+    }
+    c->ops->free(block);
+    tier_stage_free(c, rows);
     return rc;
 }
 
@@ -349,34 +384,35 @@ static int sketch_hash(const tier_sketch *s, const uint32_t *pos, size_t n, uint
     return 0;
 }
 
-int tier_sketch_insert(tier_sketch *s, const tier_ctx *c, const uint32_t *pos, size_t n,
-                       const uint8_t *k, const uint8_t *v)
+int tier_sketch_insert(tier_sketch *s, const tier_ctx *c, const uint32_t *pos,
+                       const tier_token *src, size_t n)
 {
     if (n == 0)
         return 0;
-    /* The kernel reads one block of n tokens of the list's layout: K then
-     * V. Staged tokens (tier_stage_alloc) are already laid out so. */
-    kv_layout one = c->l;
-    one.block_tokens = (uint32_t)n;
-    size_t half = n * tier_token_bytes(c) / 2;
-    uint8_t *stage = v == k + half ? NULL : tier_stage_alloc(c, n);
-    const uint8_t *block = stage != NULL ? stage : k;
     uint32_t *h;
     int8_t *g;
-    if ((v != k + half && stage == NULL) || sketch_hash(s, pos, n, &h, &g) != 0) {
-        tier_stage_free(c, stage);
+    if (sketch_hash(s, pos, n, &h, &g) != 0)
         return -1;
-    }
-    int rc = 0;
-    if (stage != NULL) {
-        rc = c->ops->copy(KV_DEVICE_TO_DEVICE, stage, k, half);
+    int rc = -1;
+    if (all_full(src, n)) {
+        size_t ns;
+        kv_segment *sg = token_segments(src, n, &ns);
+        if (sg != NULL)
+            rc = c->ops->sketch_insert(&s->sk, &c->l, c->dtype, c->base, sg, ns, h, g);
+        free(sg);
+    } else {
+        /* The kernel reads one block of n tokens of the list's layout: K
+         * then V, as tier_read stages them. */
+        kv_layout one = c->l;
+        one.block_tokens = (uint32_t)n;
+        kv_segment all = {0, 0, (uint32_t)n};
+        uint8_t *stage = tier_stage_alloc(c, n);
+        if (stage != NULL)
+            rc = tier_read(c, src, n, stage, stage + n * tier_token_bytes(c) / 2);
         if (rc == 0)
-            rc = c->ops->copy(KV_DEVICE_TO_DEVICE, stage + half, v, half);
+            rc = c->ops->sketch_insert(&s->sk, &one, c->dtype, stage, &all, 1, h, g);
+        tier_stage_free(c, stage);
     }
-    kv_segment all = {0, 0, (uint32_t)n};
-    if (rc == 0)
-        rc = c->ops->sketch_insert(&s->sk, &one, c->dtype, block, &all, 1, h, g);
-    tier_stage_free(c, stage);
     free(h);
     return rc;
 }
@@ -412,25 +448,84 @@ int tier_sketch_delete(tier_sketch *s, const uint32_t *pos, size_t n)
     return rc;
 }
 
-/* Compare n staged tokens `got` (K then V halves) with the originals k, v,
- * all device memory, on the device: only the sums reach the host. */
-static int staged_diff(const tier_ctx *c, const uint8_t *got, const uint8_t *k, const uint8_t *v,
-                       size_t n, kv_diff *d)
+/* Compare n staged tokens `got` with n staged originals `ref` (K then V
+ * halves each), device memory, on the device: only the sums reach the
+ * host. */
+static int staged_diff(const tier_ctx *c, const uint8_t *got, const uint8_t *ref, size_t n,
+                       kv_diff *d)
 {
     size_t half = n * tier_token_bytes(c) / 2, elems = half / c->l.elt_size;
-    int rc = c->ops->diff(got, k, c->dtype, elems, d);
-    return rc == 0 ? c->ops->diff(got + half, v, c->dtype, elems, d) : rc;
+    int rc = c->ops->diff(got, ref, c->dtype, elems, d);
+    return rc == 0 ? c->ops->diff(got + half, ref + half, c->dtype, elems, d) : rc;
 }
 
-int tier_error_ratio(const tier_ctx *c, const tier_token *tok, size_t n, const uint8_t *k,
-                     const uint8_t *v, double *ratio)
+int tier_sketch_cells(const tier_sketch *s, const uint32_t *pos, size_t n, uint32_t *cells)
+{
+    uint32_t *h;
+    int8_t *g;
+    if (sketch_hash(s, pos, n, &h, &g) != 0)
+        return -1;
+    for (size_t k = 0; k < n; k++)
+        for (uint32_t i = 0; i < s->sk.rows; i++)
+            cells[k * s->sk.rows + i] = i * s->sk.buckets + h[k * s->sk.rows + i];
+    free(h);
+    return 0;
+}
+
+/* Copy cells[0..nc) out of the sketch into `save` ([nc] key rows, [nc]
+ * value rows, [nc] counts), or back (to_save 0). */
+static int sketch_cells_copy(const tier_sketch *s, const uint32_t *cells, size_t nc, uint8_t *save,
+                             int to_save)
+{
+    size_t row = s->sk.dim * sizeof(float);
+    int rc = 0;
+    for (size_t j = 0; rc == 0 && j < nc; j++) {
+        uint8_t *cell[3] = {(uint8_t *)(s->sk.key + (size_t)cells[j] * s->sk.dim),
+                            (uint8_t *)(s->sk.value + (size_t)cells[j] * s->sk.dim),
+                            (uint8_t *)(s->sk.count + cells[j])};
+        uint8_t *saved[3] = {save + j * row, save + (nc + j) * row,
+                             save + 2 * nc * row + j * sizeof(int32_t)};
+        const size_t bytes[3] = {row, row, sizeof(int32_t)};
+        for (int a = 0; rc == 0 && a < 3; a++)
+            rc = s->ops->copy(KV_DEVICE_TO_DEVICE, to_save ? saved[a] : cell[a],
+                              to_save ? cell[a] : saved[a], bytes[a]);
+    }
+    return rc;
+}
+
+int tier_sketch_cells_save(const tier_sketch *s, const uint32_t *cells, size_t nc, uint8_t **save)
+{
+    *save = s->ops->alloc(nc * (2 * s->sk.dim * sizeof(float) + sizeof(int32_t)) + 1);
+    if (*save != NULL && sketch_cells_copy(s, cells, nc, *save, 1) == 0)
+        return 0;
+    s->ops->free(*save);
+    *save = NULL;
+    return -1;
+}
+
+void tier_sketch_cells_restore(tier_sketch *s, const uint32_t *cells, size_t nc,
+                               const uint8_t *save)
+{
+    sketch_cells_copy(s, cells, nc, (uint8_t *)save, 0);
+}
+
+size_t tier_error_sample(size_t n, uint32_t idx[TIER_ERROR_SAMPLE])
+{
+    size_t m = n < TIER_ERROR_SAMPLE ? n : TIER_ERROR_SAMPLE;
+    for (size_t i = 0; i < m; i++)
+        idx[i] = (uint32_t)(i * n / m);
+    return m;
+}
+
+int tier_error_ratio(const tier_ctx *c, const tier_token *tok, size_t n, const uint8_t *stage,
+                     double *ratio)
 {
     size_t half = n * tier_token_bytes(c) / 2;
     uint8_t *got = tier_stage_alloc(c, n);
     kv_diff d = {0, 0, 0, 0};
     int rc = got != NULL ? tier_read(c, tok, n, got, got + half) : -1;
     if (rc == 0)
-        rc = staged_diff(c, got, k, v, n, &d);
+        rc = staged_diff(c, got, stage, n, &d);
     if (rc == 0)
         *ratio = d.max_ref > 0 ? d.max_diff / d.max_ref : 0;
     tier_stage_free(c, got);
@@ -438,27 +533,26 @@ int tier_error_ratio(const tier_ctx *c, const tier_token *tok, size_t n, const u
 }
 
 int tier_sketch_error(const tier_sketch *s, const tier_ctx *c, const uint32_t *pos, size_t n,
-                      const uint8_t *k, const uint8_t *v, double *rel)
+                      const uint8_t *stage, double *rel)
 {
-    /* Query into a staging block of n tokens, laid out like k and v. */
+    /* Query into a staging block of n tokens, laid out like the originals. */
     kv_layout one = c->l;
     one.block_tokens = (uint32_t)n;
-    uint8_t *stage = tier_stage_alloc(c, n);
+    uint8_t *got = tier_stage_alloc(c, n);
     uint32_t *h;
     int8_t *g;
-    if (stage == NULL || sketch_hash(s, pos, n, &h, &g) != 0) {
-        tier_stage_free(c, stage);
-        return -1;
-    }
-    kv_segment all = {0, 0, (uint32_t)n};
     kv_diff d = {0, 0, 0, 0};
-    int rc = c->ops->sketch_query(&s->sk, h, g, &one, c->dtype, stage, &all, 1);
+    kv_segment all = {0, 0, (uint32_t)n};
+    int rc = -1;
+    if (got != NULL && sketch_hash(s, pos, n, &h, &g) == 0) {
+        rc = c->ops->sketch_query(&s->sk, h, g, &one, c->dtype, got, &all, 1);
+        free(h);
+    }
     if (rc == 0)
-        rc = staged_diff(c, stage, k, v, n, &d);
+        rc = staged_diff(c, got, stage, n, &d);
     if (rc == 0)
         *rel = d.sq_ref > 0 ? sqrt(d.sq_diff / d.sq_ref) : 0;
-    tier_stage_free(c, stage);
-    free(h);
+    tier_stage_free(c, got);
     return rc;
 }
 

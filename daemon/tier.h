@@ -84,23 +84,39 @@ int tier_copy(const tier_ctx *c, const tier_token *src, size_t n, const tier_tok
 int tier_write(const tier_ctx *c, const tier_token *dst, size_t n, const uint8_t *k,
                const uint8_t *v);
 
-/* Quantise n contiguous tokens into blocks qblocks[0..nq) of quantised
- * tier t (pool blocks, tier_block_tokens(t) tokens each, the last one
- * partial; INT8: POLICIES.md §5.4 scales per block; INT4 / INT2: groups of
- * kernels.h "Low-bit tiers"). Returns 0, or -1 out of memory (or t not a
- * quantised tier that fits). */
-int tier_quantize(const tier_ctx *c, uint8_t t, const uint8_t *k, const uint8_t *v, size_t n,
+/* Quantise the n FULL or quantised tokens `src` (in order; they stay where
+ * they are) into blocks qblocks[0..nq) of quantised tier t (pool blocks,
+ * tier_block_tokens(t) tokens each, the last one partial; INT8: POLICIES.md
+ * §5.4 scales per block; INT4 / INT2: groups of kernels.h "Low-bit
+ * tiers"). A whole block of full-precision tokens is gathered straight
+ * into the kernel's staging block; the others are read through a
+ * contiguous copy. Returns 0, or -1 out of memory (or t not a quantised
+ * tier that fits). */
+int tier_quantize(const tier_ctx *c, uint8_t t, const tier_token *src, size_t n,
                   const uint32_t *qblocks, size_t nq);
 
+/*
+ * The move-error metrics below feed one histogram observation per move
+ * (README "Metrics"). A move compares a sample of its tokens: at most
+ * TIER_ERROR_SAMPLE, evenly spaced through it, the first included, all of
+ * them when it has no more. The sample estimates the observation well;
+ * comparing every token cost more than the move itself (docs/bench.md
+ * "Tier moves"). tier_error_sample writes the sample's indices into idx
+ * and returns their number.
+ */
+#define TIER_ERROR_SAMPLE 32
+size_t tier_error_sample(size_t n, uint32_t idx[TIER_ERROR_SAMPLE]);
+
 /* How far n tokens as now stored at `tok` (FULL or quantised) are from the
- * contiguous originals k, v they were made from: *ratio = max |stored -
- * original| / max |original| (0 when every original is 0): for INT8,
+ * staged originals they were made from (`stage`, K then V as
+ * tier_stage_alloc lays them out): *ratio = max |stored - original| /
+ * max |original| (0 when every original is 0): for INT8,
  * POLICIES.md §5.4 bounds it by 1/254; INT4 / INT2 by about half a
  * group's range / 15 or / 3 (their groups are smaller, so the ratio to
  * the list's largest value is smaller still). Returns 0 or -1 (out of
  * memory). */
-int tier_error_ratio(const tier_ctx *c, const tier_token *tok, size_t n, const uint8_t *k,
-                     const uint8_t *v, double *ratio);
+int tier_error_ratio(const tier_ctx *c, const tier_token *tok, size_t n, const uint8_t *stage,
+                     double *ratio);
 
 /* A list's count-sketch (kernels.h kv_sketch) with its hash family. */
 typedef struct tier_sketch {
@@ -117,9 +133,11 @@ size_t tier_sketch_bytes(const tier_sketch *s); /* 0 when not allocated */
  * (tier_sketch_init); SIZE_MAX when that overflows. */
 size_t tier_sketch_bytes_for(uint32_t rows, uint32_t buckets, size_t dim);
 
-/* Insert n contiguous tokens at original positions pos (Alg. 1). */
-int tier_sketch_insert(tier_sketch *s, const tier_ctx *c, const uint32_t *pos, size_t n,
-                       const uint8_t *k, const uint8_t *v);
+/* Insert the n FULL or quantised tokens `src` (they stay where they are)
+ * at original positions pos (Alg. 1): full-precision ones straight from
+ * the pool, quantised ones through a dequantised copy. */
+int tier_sketch_insert(tier_sketch *s, const tier_ctx *c, const uint32_t *pos,
+                       const tier_token *src, size_t n);
 
 /* Query the tokens at pos into FULL slots dst of the pool at `base` (the
  * list's pool, or any with c's layout); with `remove`, delete each estimate
@@ -127,12 +145,26 @@ int tier_sketch_insert(tier_sketch *s, const tier_ctx *c, const uint32_t *pos, s
 int tier_sketch_read(tier_sketch *s, const tier_ctx *c, uint8_t *base, const uint32_t *pos,
                      size_t n, const tier_token *dst, int remove);
 
-/* The sketch's current estimate of the tokens at pos against their
- * contiguous originals k, v: *rel = ||estimate - original||_2 /
- * ||original||_2 over all of them (0 when the originals are 0). The sketch
- * is not changed. Returns 0 or -1. */
+/*
+ * A transaction's undo of a few cells (seq_txn.c), cheaper than a copy of
+ * the whole sketch when a step moves a few tokens: tier_sketch_cells names
+ * the cells that positions pos[0..n) touch (rows each, into cells[0..n *
+ * rows)); tier_sketch_cells_save copies those cells (key row, value row,
+ * count) into new device memory *save (free with ops->free), and
+ * tier_sketch_cells_restore writes them back. Save returns 0 or -1 (out
+ * of memory); restore cannot fail on memory.
+ */
+int tier_sketch_cells(const tier_sketch *s, const uint32_t *pos, size_t n, uint32_t *cells);
+int tier_sketch_cells_save(const tier_sketch *s, const uint32_t *cells, size_t nc, uint8_t **save);
+void tier_sketch_cells_restore(tier_sketch *s, const uint32_t *cells, size_t nc,
+                               const uint8_t *save);
+
+/* The sketch's current estimate of the tokens at pos against their staged
+ * originals (`stage`, as tier_error_ratio's): *rel = ||estimate -
+ * original||_2 / ||original||_2 (0 when the originals are 0). The sketch is not changed. Returns
+ * 0 or -1. */
 int tier_sketch_error(const tier_sketch *s, const tier_ctx *c, const uint32_t *pos, size_t n,
-                      const uint8_t *k, const uint8_t *v, double *rel);
+                      const uint8_t *stage, double *rel);
 
 /* The cells as bytes (key floats, value floats, counts: tier_sketch_bytes
  * of them, the device's byte order) into host memory, and back into an

@@ -15,7 +15,10 @@
  *       larger than the run: nothing is evicted) with int8=off and int8=on
  *       (int8_window 32). With int8=on every INT8 block's worth of steps one
  *       step quantises a whole INT8 block per layer; its extra time over the
- *       other steps of the same run is the demotion's cost.
+ *       other steps of the same run is the demotion's cost. And with
+ *       victims=sketch (window 64 after the same prefill): every step
+ *       offloads one token per layer into the sketch, against the int8=off
+ *       step of the same run.
  *   (c) eviction during a step: one kvs_seq_step of `streaming` (n_sink 0,
  *       window 64) after N + 64 tokens were appended evicts N tokens per
  *       layer, with victims=evict (dropped), sketch and int8; the extra time
@@ -342,15 +345,20 @@ typedef struct step_run {
     int ran;
 } step_run;
 
-static int demote_run(kvs_session *s, uint32_t steps, int int8_on, const kv_data *d, step_run *out)
+enum { RUN_INT8_OFF, RUN_INT8_ON, RUN_VICTIMS_SKETCH };
+
+/* The decode steps of (b) on `streaming` configured as `run` says. */
+static int demote_run(kvs_session *s, uint32_t steps, int run, const kv_data *d, step_run *out)
 {
+    const int int8_on = run == RUN_INT8_ON, offload = run == RUN_VICTIMS_SKETCH;
     const kvs_param p[] = {{"n_sink", "4"},
-                           {"window", "1048576"},
+                           {"window", offload ? "64" : "1048576"},
+                           {"victims", offload ? "sketch" : "evict"},
                            {"int8", int8_on ? "on" : "off"},
                            {"int8_window", INT8_WINDOW}};
     uint64_t seq;
     memset(out, 0, sizeof *out);
-    if (seq_fill(s, "streaming", p, 4, PREFILL, d, &seq, NULL, NULL) != 0)
+    if (seq_fill(s, "streaming", p, 5, PREFILL, d, &seq, NULL, NULL) != 0)
         return -1;
     double *ta = malloc(steps * sizeof *ta), *tp = malloc(steps * sizeof *tp);
     double *td = malloc(steps * sizeof *td);
@@ -375,11 +383,11 @@ static int demote_run(kvs_session *s, uint32_t steps, int int8_on, const kv_data
             report_fail(s, "kvs_seq_step", rc);
         double t3 = bench_now_us();
         ta[i] = t1 - t0;
-        if (rc == 0 && res.evicted != 0) {
+        if (rc == 0 && res.evicted != 0 && !offload) {
             fprintf(stderr, "bench_tiers: streaming evicted %u tokens in (b)\n", res.evicted);
             rc = KVS_ERR_PROTOCOL;
         }
-        if (res.epoch > w.epoch) /* the step changed the table: it demoted */
+        if (res.epoch > w.epoch && !offload) /* the step changed the table: it demoted */
             td[nd++] = t3 - t2;
         else
             tp[np++] = t3 - t2;
@@ -505,7 +513,8 @@ static double extra_ratio(double extra_us, double memcpy_us)
     return extra_us > 0 && memcpy_us > 0 ? memcpy_us / extra_us : 0;
 }
 
-static void print_demotion(const step_run *off, const step_run *on, double mc_us)
+static void print_demotion(const step_run *off, const step_run *on, const step_run *sk,
+                           double mc_us)
 {
     printf("\n%-44s %7s %9s %9s\n", "decode step through the ring (1 token)", "n", "p50 us",
            "mean us");
@@ -516,6 +525,8 @@ static void print_demotion(const step_run *off, const step_run *on, double mc_us
     char what[64];
     snprintf(what, sizeof what, "int8=on:  kvs_seq_step, demotes %u x %u tok", on->t8, geom.layers);
     print_step(what, &on->demote);
+    snprintf(what, sizeof what, "victims=sketch: kvs_seq_step, 1 victim x %u", geom.layers);
+    print_step(what, &sk->plain);
     size_t tokens = (size_t)on->t8 * geom.layers, bytes = tokens * layer_token_bytes();
     double extra = on->demote.p50_us - on->plain.p50_us;
     printf("demotion: +%.1f us a demoting step (p50 over the same run's other steps) = %.0f ns "
@@ -523,6 +534,8 @@ static void print_demotion(const step_run *off, const step_run *on, double mc_us
            "%.2f GB/s (%.1f us); %" PRIu64 " INT8 tokens at the end\n",
            extra, extra * 1e3 / (double)tokens, gbs(bytes, extra), bytes >> 10, gbs(bytes, mc_us),
            mc_us, on->int8_tokens);
+    printf("offload: a victims=sketch step costs %.2fx an int8=off step (p50, same run)\n",
+           sk->plain.p50_us / off->plain.p50_us);
 }
 
 static void print_evict(const bench_cfg *cfg, const double *us)
@@ -580,7 +593,7 @@ int main(int argc, char **argv)
     }
     revive_row rows[RV_ROWS];
     memset(rows, 0, sizeof rows);
-    step_run off = {0}, on = {0};
+    step_run off = {0}, on = {0}, sk = {0};
     double ev_us[EV_MODES + 1] = {0}, demote_mc_us = 0;
     int failed = 0;
     kvs_session *s = NULL;
@@ -591,8 +604,9 @@ int main(int argc, char **argv)
         failed = 1;
     } else {
         failed |= bench_revive(s, &cfg, &d, rows) != 0;
-        failed |= demote_run(s, cfg.steps, 0, &d, &off) != 0;
-        failed |= demote_run(s, cfg.steps, 1, &d, &on) != 0;
+        failed |= demote_run(s, cfg.steps, RUN_INT8_OFF, &d, &off) != 0;
+        failed |= demote_run(s, cfg.steps, RUN_INT8_ON, &d, &on) != 0;
+        failed |= demote_run(s, cfg.steps, RUN_VICTIMS_SKETCH, &d, &sk) != 0;
         if (on.ran)
             demote_mc_us =
                 memcpy_us((size_t)on.t8 * geom.layers * layer_token_bytes(), MEMCPY_SMALL_REPS);
@@ -611,8 +625,8 @@ int main(int argc, char **argv)
            "full/i8/sk", "revive us", "read us", "rel. us", "total us", "GB/s", "memcpy", "ratio");
     for (int i = 0; i < RV_ROWS; i++)
         print_revive(&rows[i]);
-    if (off.ran && on.ran)
-        print_demotion(&off, &on, demote_mc_us);
+    if (off.ran && on.ran && sk.ran)
+        print_demotion(&off, &on, &sk, demote_mc_us);
     if (ev_us[EV_MODES] > 0)
         print_evict(&cfg, ev_us);
 

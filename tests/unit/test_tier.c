@@ -134,6 +134,44 @@ static void test_write_read_copy_full(void **state)
     tier_stage_free(&f->c, out);
 }
 
+/* A move's error metric compares an evenly spaced sample of its tokens
+ * (tier.h TIER_ERROR_SAMPLE): all of a small move; of a large one, the
+ * first token and then every n / 32nd, increasing, inside the move. */
+static void test_error_sample(void **state)
+{
+    (void)state;
+    uint32_t idx[TIER_ERROR_SAMPLE];
+    assert_int_equal(tier_error_sample(0, idx), 0);
+    assert_int_equal(tier_error_sample(5, idx), 5);
+    for (uint32_t i = 0; i < 5; i++)
+        assert_int_equal(idx[i], i);
+    assert_int_equal(tier_error_sample(TIER_ERROR_SAMPLE, idx), TIER_ERROR_SAMPLE);
+    assert_int_equal(idx[TIER_ERROR_SAMPLE - 1], TIER_ERROR_SAMPLE - 1);
+    assert_int_equal(tier_error_sample(100, idx), TIER_ERROR_SAMPLE);
+    const uint32_t want[6] = {0, 3, 6, 9, 12, 15}; /* i * 100 / 32 */
+    for (uint32_t i = 0; i < 6; i++)
+        assert_int_equal(idx[i], want[i]);
+    assert_int_equal(idx[TIER_ERROR_SAMPLE - 1], 96);
+    assert_int_equal(tier_error_sample(1000000, idx), TIER_ERROR_SAMPLE);
+    assert_int_equal(idx[1], 31250);
+    for (uint32_t i = 1; i < TIER_ERROR_SAMPLE; i++)
+        assert_true(idx[i] > idx[i - 1] && idx[i] < 1000000);
+}
+
+/* Staged tokens written to consecutive FULL slots from block `first`:
+ * what tier_quantize and tier_sketch_insert take. Free with free(). */
+static tier_token *full_tokens(fixture *f, uint32_t first, const uint8_t *in, size_t n)
+{
+    tier_token *tok = malloc(n * sizeof *tok);
+    assert_non_null(tok);
+    for (size_t i = 0; i < n; i++)
+        tok[i] = (tier_token){first + (uint32_t)(i / layout.block_tokens),
+                              (uint32_t)(i % layout.block_tokens), POLICY_FULL};
+    size_t half = n * tier_token_bytes(&f->c) / 2;
+    assert_int_equal(tier_write(&f->c, tok, n, in, in + half), 0);
+    return tok;
+}
+
 /* Read a list of m tokens of any tiers in one call: each token reads back
  * as it reads alone, in list order. Returns the staged read (free with
  * tier_stage_free). */
@@ -205,7 +243,9 @@ static void test_quantize_read_within_bound(void **state)
     const uint32_t qblocks[2] = {5, 9};
     uint8_t *in = staged_tokens(f, n);
     size_t half = n * tier_token_bytes(&f->c) / 2;
-    assert_int_equal(tier_quantize(&f->c, POLICY_INT8, in, in + half, n, qblocks, 2), 0);
+    tier_token *src = full_tokens(f, 0, in, n); /* blocks 0..4 */
+    assert_int_equal(tier_quantize(&f->c, POLICY_INT8, src, n, qblocks, 2), 0);
+    free(src);
     tier_token *tok = malloc(n * sizeof *tok);
     for (size_t i = 0; i < n; i++)
         tok[i] = (tier_token){qblocks[i / t8], (uint32_t)(i % t8), POLICY_INT8};
@@ -213,7 +253,7 @@ static void test_quantize_read_within_bound(void **state)
     assert_int_equal(tier_read(&f->c, tok, n, out, out + half), 0);
     check_int8_bound(f, (const float *)in, (const float *)out, n, t8);
     double ratio = -1;
-    assert_int_equal(tier_error_ratio(&f->c, tok, n, in, in + half, &ratio), 0);
+    assert_int_equal(tier_error_ratio(&f->c, tok, n, in, &ratio), 0);
     assert_true(ratio > 0 && ratio <= 1.0 / 254 * (1 + 1e-6));
 
     /* A mixed list (INT8, FULL, INT8, ...): each token reads back as it
@@ -286,11 +326,14 @@ static void test_lowbit_tiers_mixed(void **state)
     fixture *f = *state;
     uint32_t t4 = tier_block_tokens(&f->c, POLICY_INT4), t2 = tier_block_tokens(&f->c, POLICY_INT2);
     size_t n4 = t4 + 5, n2 = 9;
-    const uint32_t q4[2] = {5, 6}, q2[1] = {9};
+    const uint32_t q4[2] = {14, 15}, q2[1] = {9};
     uint8_t *in4 = staged_tokens(f, n4), *in2 = staged_tokens(f, n2);
-    size_t h4 = n4 * tier_token_bytes(&f->c) / 2, h2 = n2 * tier_token_bytes(&f->c) / 2;
-    assert_int_equal(tier_quantize(&f->c, POLICY_INT4, in4, in4 + h4, n4, q4, 2), 0);
-    assert_int_equal(tier_quantize(&f->c, POLICY_INT2, in2, in2 + h2, n2, q2, 1), 0);
+    size_t h4 = n4 * tier_token_bytes(&f->c) / 2;
+    tier_token *src4 = full_tokens(f, 0, in4, n4), *src2 = full_tokens(f, 7, in2, n2);
+    assert_int_equal(tier_quantize(&f->c, POLICY_INT4, src4, n4, q4, 2), 0);
+    assert_int_equal(tier_quantize(&f->c, POLICY_INT2, src2, n2, q2, 1), 0);
+    free(src4);
+    free(src2);
     tier_token *tok4 = malloc(n4 * sizeof *tok4), *tok2 = malloc(n2 * sizeof *tok2);
     for (size_t i = 0; i < n4; i++)
         tok4[i] = (tier_token){q4[i / t4], (uint32_t)(i % t4), POLICY_INT4};
@@ -300,8 +343,8 @@ static void test_lowbit_tiers_mixed(void **state)
     /* Each value within half a step of its group: the step is at most the
      * group's range / L, rounded up in fp16. */
     double r4 = -1, r2 = -1;
-    assert_int_equal(tier_error_ratio(&f->c, tok4, n4, in4, in4 + h4, &r4), 0);
-    assert_int_equal(tier_error_ratio(&f->c, tok2, n2, in2, in2 + h2, &r2), 0);
+    assert_int_equal(tier_error_ratio(&f->c, tok4, n4, in4, &r4), 0);
+    assert_int_equal(tier_error_ratio(&f->c, tok2, n2, in2, &r2), 0);
     print_message("round trip / max: INT4 %.4f, INT2 %.4f\n", r4, r2);
     assert_true(r4 > 0 && r2 > r4);
     uint8_t *o4 = tier_stage_alloc(&f->c, n4);
@@ -311,8 +354,9 @@ static void test_lowbit_tiers_mixed(void **state)
     /* A list of all four tiers, out of order. */
     const uint32_t q8[1] = {11};
     uint8_t *in8 = staged_tokens(f, 4);
-    size_t h8 = 4 * tier_token_bytes(&f->c) / 2;
-    assert_int_equal(tier_quantize(&f->c, POLICY_INT8, in8, in8 + h8, 4, q8, 1), 0);
+    tier_token *src8 = full_tokens(f, 8, in8, 4);
+    assert_int_equal(tier_quantize(&f->c, POLICY_INT8, src8, 4, q8, 1), 0);
+    free(src8);
     const tier_token full = {12, 3, POLICY_FULL};
     uint8_t *fin = staged_tokens(f, 1);
     assert_int_equal(tier_write(&f->c, &full, 1, fin, fin + tier_token_bytes(&f->c) / 2), 0);
@@ -359,10 +403,12 @@ static void test_sketch_exact_with_enough_buckets(void **state)
     assert_true(sketch_cells_zero(&s, 0));
     uint8_t *in = staged_tokens(f, N);
     size_t half = N * tier_token_bytes(&f->c) / 2;
-    assert_int_equal(tier_sketch_insert(&s, &f->c, pos, N, in, in + half), 0);
+    tier_token *src = full_tokens(f, 0, in, N);
+    assert_int_equal(tier_sketch_insert(&s, &f->c, pos, src, N), 0);
+    free(src);
     assert_false(sketch_cells_zero(&s, 0));
     double rel = -1;
-    assert_int_equal(tier_sketch_error(&s, &f->c, pos, N, in, in + half, &rel), 0);
+    assert_int_equal(tier_sketch_error(&s, &f->c, pos, N, in, &rel), 0);
     assert_true(rel == 0);
     /* Query into pool slots: exact, and the sketch keeps them. */
     tier_token dst[N];
@@ -389,7 +435,7 @@ static void test_sketch_exact_with_enough_buckets(void **state)
             for (size_t i = 0; i < N / 2; i++)
                 memcpy((uint8_t *)stage_row(f, rest + part * rhalf, N / 2, h, i),
                        stage_row(f, in + part * half, N, h, N / 2 + i), f->row);
-    assert_int_equal(tier_sketch_error(&s, &f->c, pos + N / 2, N / 2, rest, rest + rhalf, &rel), 0);
+    assert_int_equal(tier_sketch_error(&s, &f->c, pos + N / 2, N / 2, rest, &rel), 0);
     assert_true(rel == 0);
     /* Deleting the rest empties every cell (up to fp32 rounding where two
      * tokens shared one). */
@@ -414,7 +460,9 @@ static void test_sketch_shared_cell_estimates(void **state)
     assert_int_equal(tier_sketch_init(&s, &f->c, &g), 0);
     uint8_t *in = staged_tokens(f, 2);
     size_t half = tier_token_bytes(&f->c);
-    assert_int_equal(tier_sketch_insert(&s, &f->c, pos, 2, in, in + half), 0);
+    tier_token *src = full_tokens(f, 0, in, 2);
+    assert_int_equal(tier_sketch_insert(&s, &f->c, pos, src, 2), 0);
+    free(src);
     assert_int_equal(s.sk.count[0], 2);
     uint32_t hb[2];
     int8_t sg[2];
@@ -435,7 +483,7 @@ static void test_sketch_shared_cell_estimates(void **state)
             assert_float_equal(vo[o], sg[0] * (sg[0] * v[a] + sg[1] * v[b]), 1e-5);
         }
     double rel = 0;
-    assert_int_equal(tier_sketch_error(&s, &f->c, pos, 2, in, in + half, &rel), 0);
+    assert_int_equal(tier_sketch_error(&s, &f->c, pos, 2, in, &rel), 0);
     assert_true(rel > 0.1); /* two random tokens in one cell are far apart */
     tier_sketch_free(&s);
     tier_stage_free(&f->c, out);
@@ -447,6 +495,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_ctx_geometry, setup, teardown),
         cmocka_unit_test_setup_teardown(test_write_read_copy_full, setup, teardown),
+        cmocka_unit_test(test_error_sample),
         cmocka_unit_test_setup_teardown(test_quantize_read_within_bound, setup, teardown),
         cmocka_unit_test_setup_teardown(test_lowbit_tiers_mixed, setup, teardown),
         cmocka_unit_test_setup_teardown(test_sketch_exact_with_enough_buckets, setup, teardown),
