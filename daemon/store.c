@@ -56,6 +56,10 @@ store *store_create(const store_config *cfg, events *ev)
     pthread_mutex_init(&st->snap_lock, NULL);
     uid_t defaults[2] = {0, geteuid()};
     store_set_operators(st, defaults, 2);
+    if (store_demoter_start(st) != 0) {
+        store_destroy(st);
+        return NULL;
+    }
     return st;
 }
 
@@ -325,6 +329,12 @@ static void lock_no_moves(store *st)
     st->move_waiters--;
 }
 
+void store_quiesce(store *st)
+{
+    lock_no_moves(st);
+    pthread_mutex_unlock(&st->lock);
+}
+
 /* Lock held: whether a Revive of seq_id may copy without the lock; if so,
  * the sequence is marked moving until move_end. */
 int store_move_begin(store *st, uint64_t seq_id)
@@ -362,17 +372,20 @@ static int demote_fill(void *job)
     return seq_demote_fill(job);
 }
 
-/* Lock held: quantise what q's step left due, the lock let go meanwhile
- * (seq.h seq_demote_plan). epoch0 is q's epoch before the step: a step
- * that changed the tables published an epoch the worker has not seen yet,
- * which the demotion shares; else it takes the next. A demotion that cannot
- * run waits for the next step: the step still succeeds. */
+/* Lock held: what q's step left due is quantised without the lock (seq.h
+ * seq_demote_plan): by the demoter after the step's reply, published at
+ * the epoch after the one the reply gives (store_demote.c); or, when the
+ * demoter cannot take it, now, sharing the step's epoch when the step
+ * changed the tables (epoch0: q's epoch before the step). A demotion that
+ * cannot run waits for the next step: the step still succeeds. */
 static void demote_due(store *st, seq *q, uint64_t epoch0)
 {
-    uint64_t epoch = seq_epoch(q) > epoch0 ? seq_epoch(q) : seq_epoch(q) + 1;
+    int later = st->demoter_running && st->move_waiters == 0 && st->nmoving < STORE_MAX_MOVES;
+    uint64_t epoch = !later && seq_epoch(q) > epoch0 ? seq_epoch(q) : seq_epoch(q) + 1;
     seq_demote_job *job;
     status s = {0};
-    if (seq_demote_plan(q, epoch, &job, &s) == ST_OK && job != NULL)
+    if (seq_demote_plan(q, epoch, &job, &s) == ST_OK && job != NULL &&
+        !(later && store_demote_later(st, q, job)))
         seq_demote_finish(job, store_copy_unlocked(st, seq_id_of(q), demote_fill, job), &s);
     if (s.code != ST_OK)
         log_warn("demote_deferred", "seq=%llu reason=\"%s\"", (unsigned long long)seq_id_of(q),
@@ -717,6 +730,7 @@ void store_destroy(store *st)
 {
     if (st == NULL)
         return;
+    store_demoter_stop(st);
     lock_no_moves(st);
     while (st->sessions != NULL)
         session_end(st, st->sessions, "shutdown", 0);

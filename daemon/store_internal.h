@@ -63,6 +63,11 @@ struct session {
  * for the lock as before. */
 #define STORE_MAX_MOVES 16
 
+typedef struct store_demotion {
+    seq *q;
+    seq_demote_job *job;
+} store_demotion;
+
 struct store {
     pthread_mutex_t lock;
     /* The sequences whose Revive copies without the lock (store_revive):
@@ -74,6 +79,14 @@ struct store {
     size_t nmoving;
     uint32_t move_waiters;
     pthread_cond_t moved;
+    /* Demotions that steps left due, quantised by the demoter thread after
+     * the step's reply (store_demote.c): a FIFO of at most STORE_MAX_MOVES
+     * jobs, each with its sequence marked moving. */
+    store_demotion *demotions;
+    size_t ndemotions, demotions_head;
+    int demoter_running, demoter_stop;
+    pthread_cond_t demote_wake;
+    pthread_t demoter;
     store_config cfg;
     events *events; /* may be NULL */
     /* Counters for /metrics (metrics.h); NULL = none. Set once before the
@@ -183,6 +196,19 @@ status_code store_revive_fetch(store *st, seq_revive_job *job, status *s);
  * when it may (store_move_begin), so that no other sequence waits for it
  * (issue 16 §3); returns copy's result, the lock held again. */
 int store_copy_unlocked(store *st, uint64_t seq_id, int (*copy)(void *), void *job);
+
+/*
+ * The demoter (store_demote.c): a step's demotion off the step's critical
+ * path (issue 16 §4). store_demoter_start runs the thread (store_create;
+ * returns 0 or -1) and store_demoter_stop lets it finish what is queued
+ * and joins it (store_destroy, before anything waits for moves).
+ * store_demote_later, lock held, queues q's planned demotion and marks q
+ * moving until the demoter has published it; 0 when it cannot (no room,
+ * or a thread waits for no moves: the caller demotes now).
+ */
+int store_demoter_start(store *st);
+void store_demoter_stop(store *st);
+int store_demote_later(store *st, seq *q, seq_demote_job *job);
 
 /* Whether uid is an operator's (store_set_operators). */
 int store_is_operator(const store *st, uid_t uid);

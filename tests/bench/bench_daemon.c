@@ -45,12 +45,13 @@ double bench_median(double *v, size_t n)
 
 bench_latency bench_summarize(double *v, size_t n)
 {
-    bench_latency l = {n, 0, 0};
+    bench_latency l = {n, 0, 0, 0};
     double sum = 0;
     for (size_t i = 0; i < n; i++)
         sum += v[i];
-    l.p50_us = bench_median(v, n);
+    l.p50_us = bench_median(v, n); /* sorts v */
     l.mean_us = n ? sum / (double)n : 0;
+    l.p99_us = n ? v[(n - 1) * 99 / 100] : 0;
     return l;
 }
 

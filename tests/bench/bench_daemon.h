@@ -15,7 +15,7 @@
 /* Latency of n calls, in microseconds. */
 typedef struct bench_latency {
     size_t n;
-    double p50_us, mean_us;
+    double p50_us, mean_us, p99_us;
 } bench_latency;
 
 /* CLOCK_MONOTONIC in microseconds. */
@@ -24,7 +24,7 @@ double bench_now_us(void);
 /* Sorts v[0..n) in place; returns its median (v[n / 2]; 0 when n is 0). */
 double bench_median(double *v, size_t n);
 
-/* Sorts v[0..n) in place; fills p50 and mean. */
+/* Sorts v[0..n) in place; fills p50, p99 and mean. */
 bench_latency bench_summarize(double *v, size_t n);
 
 /* The kvstashd to start: $KVSTASHD, else ../../daemon/kvstashd next to this

@@ -390,6 +390,7 @@ static void snap_take(fixture *f, snap *s)
 {
     memset(s, 0, sizeof *s);
     store *st = f->st;
+    store_quiesce(st);
     section(s, "store: sequences and ids");
     PUT(s, st->nseqs);
     PUT(s, st->next_seq_id);
@@ -1244,6 +1245,7 @@ static long drive(const fault_case *c, int persistent, tally *t)
         snprintf(current, sizeof current, "%s, allocation %ld (%s)", c->name, n, mode);
         faults_arm(n, persistent);
         status_code rc = c->run(&f, &s);
+        store_quiesce(f.st); /* a step's demotion runs after its reply */
         unsigned failed = faults_disarm();
         const char *why = NULL;
         char msg[480];

@@ -414,6 +414,53 @@ static void test_int8_victims_give_way_under_pressure(void **state)
     assert_int_equal(q->lists[0].noffloaded, kept + 1);
 }
 
+/* Tokens of tier t in layer 0 of a table. */
+static uint32_t table_tier_tokens(const store_table *t, uint8_t tier)
+{
+    uint32_t n = 0;
+    for (size_t j = 0; j < t->lists[0].nsegs; j++)
+        if ((t->lists[0].tiers != NULL ? t->lists[0].tiers[j] : POLICY_FULL) == tier)
+            n += t->lists[0].segs[j].count;
+    return n;
+}
+
+/* A step's demotion runs after the step's reply (store_demote.c): the
+ * reply gives the step's own epoch; the sequence's next call waits for
+ * the demotion and sees it at the next epoch, and the blocks the demoted
+ * tokens left stay retired until the worker acks that epoch. */
+static void test_demotion_after_the_reply(void **state)
+{
+    fixture *f = *state;
+    const char *keys[] = {"n_sink", "window", "int8", "int8_window"};
+    const char *values[] = {"4", "1048576", "on", "4"};
+    uint64_t id = make_seq(f, "streaming", keys, values, 4);
+    store_table w, t;
+    status s;
+    append(f, id, 40, 0, &w);
+    uint64_t ack = w.epoch;
+    store_table_free(&w);
+    seq_step_input in = {.new_tokens = 40, .prefill = 1, .confidence = -1};
+    uint64_t epoch;
+    uint32_t evicted;
+    assert_int_equal(store_step(f->st, f->token, id, ack, &in, &epoch, &evicted, &s), ST_OK);
+    assert_int_equal(evicted, 0);
+    assert_int_equal(store_get_table(f->st, f->token, id, epoch, 0, &t, &s), ST_OK);
+    assert_true(t.epoch == epoch + 1); /* published after the reply */
+    seq *q = store_find_seq_locked(f->st, id);
+    uint32_t t8 = seq_block_tokens(q, POLICY_INT8); /* 12: the 36 older than the window */
+    assert_int_equal(table_tier_tokens(&t, POLICY_INT8), 36 / t8 * t8);
+    assert_int_equal(table_tier_tokens(&t, POLICY_FULL), 40 - 36 / t8 * t8);
+    const seq_retired *r;
+    size_t nr = seq_retired_blocks(q, &r);
+    assert_true(nr > 0);
+    for (size_t i = 0; i < nr; i++)
+        assert_true(r[i].epoch == t.epoch);
+    uint64_t now;
+    assert_int_equal(store_epoch(f->st, f->token, id, t.epoch, &now, &s), ST_OK);
+    assert_int_equal(seq_retired_blocks(q, &r), 0);
+    store_table_free(&t);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -426,6 +473,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_sessions_and_ownership, setup, teardown),
         cmocka_unit_test_setup_teardown(test_reclaim_frees_everything, setup, teardown),
         cmocka_unit_test_setup_teardown(test_bad_geometry_and_policy, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_demotion_after_the_reply, setup, teardown),
         cmocka_unit_test_setup_teardown(test_int8_victims_give_way_under_pressure, setup_small,
                                         teardown),
     };
