@@ -172,6 +172,77 @@ static void serve_step(ring *rg, const ring_request *q, ring_response *r)
         respond(r, ST_OK, "");
 }
 
+/* The request struct a REVIVE or RELEASE_SCRATCH put at the start of the
+ * data area, copied out once; 0 when data_bytes does not say its size. */
+static int request_copy(const ring *rg, const ring_request *q, void *out, size_t size)
+{
+    if (q->data_bytes != size || size > rg->data_bytes)
+        return 0;
+    memcpy(out, rg->data, size);
+    return 1;
+}
+
+/* REVIVE: store_revive, as gRPC's Revive; the answer to the data area
+ * (proto/kvstash_ring.h), or refused with the scratch released when it
+ * would not fit. */
+static void serve_revive(ring *rg, const ring_request *q, ring_response *r)
+{
+    ring_revive_request in;
+    if (!request_copy(rg, q, &in, sizeof in)) {
+        respond(r, ST_INVALID_ARGUMENT, "data_bytes is not the size of a ring_revive_request");
+        return;
+    }
+    seq_revive_request rq = {in.layer, in.head, in.first, in.count, in.skip_evicted != 0};
+    store_revive_result out;
+    status s;
+    if (store_revive(rg->store, rg->token, q->seq_id, &rq, &out, &s) != ST_OK) {
+        respond(r, s.code, s.msg);
+        return;
+    }
+    const store_layer_table *t = &out.table;
+    size_t need = sizeof(ring_revive_reply) + t->nsegs * 12 + (size_t)t->tokens * 5;
+    if (need > rg->data_bytes) {
+        uint32_t freed;
+        store_scratch_release(rg->store, rg->token, out.scratch_id, &freed, &s);
+        respond(r, ST_RESOURCE_EXHAUSTED, "revive reply exceeds the ring; use gRPC's Revive");
+    } else {
+        ring_revive_reply h = {
+            out.scratch_id, t->layer,           t->head, (uint32_t)(t->per_head != 0),
+            t->tokens,      (uint32_t)t->nsegs, 0};
+        uint8_t *p = rg->data;
+        memcpy(p, &h, sizeof h);
+        uint32_t *u = (uint32_t *)(p + sizeof h);
+        for (size_t i = 0; i < t->nsegs; i++) {
+            u[i] = t->segs[i].block;
+            u[t->nsegs + i] = t->segs[i].first_slot;
+            u[2 * t->nsegs + i] = t->segs[i].count;
+        }
+        u += 3 * t->nsegs;
+        memcpy(u, t->positions, (size_t)t->tokens * sizeof *u);
+        memcpy(u + t->tokens, out.src_tier, t->tokens);
+        r->nsegments = (uint32_t)t->nsegs;
+        respond(r, ST_OK, "");
+    }
+    store_revive_result_free(&out);
+}
+
+/* RELEASE_SCRATCH: store_scratch_release; the blocks freed to the data
+ * area. */
+static void serve_release(ring *rg, const ring_request *q, ring_response *r)
+{
+    uint64_t scratch_id;
+    uint32_t freed;
+    status s;
+    if (!request_copy(rg, q, &scratch_id, sizeof scratch_id))
+        respond(r, ST_INVALID_ARGUMENT, "data_bytes is not the size of a scratch id");
+    else if (store_scratch_release(rg->store, rg->token, scratch_id, &freed, &s) != ST_OK)
+        respond(r, s.code, s.msg);
+    else {
+        memcpy(rg->data, &freed, sizeof freed);
+        respond(r, ST_OK, "");
+    }
+}
+
 static void serve(ring *rg)
 {
     ring_request q;
@@ -194,6 +265,12 @@ static void serve(ring *rg)
         break;
     case RING_OP_STEP:
         serve_step(rg, &q, &r);
+        break;
+    case RING_OP_REVIVE:
+        serve_revive(rg, &q, &r);
+        break;
+    case RING_OP_RELEASE_SCRATCH:
+        serve_release(rg, &q, &r);
         break;
     default:
         respond(&r, ST_INVALID_ARGUMENT, "unknown ring op");

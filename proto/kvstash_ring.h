@@ -39,7 +39,31 @@ typedef enum ring_op {
     RING_OP_APPEND = 2, /* room for `count` tokens; writes go to the data area */
     RING_OP_STEP = 3,   /* the step's statistics are in the data area */
     RING_OP_EPOCH = 4,  /* only report the sequence's table epoch */
+    RING_OP_REVIVE = 5, /* Revive: ring_revive_request in, ring_revive_reply out (data area) */
+    RING_OP_RELEASE_SCRATCH = 6, /* ReleaseScratch: a uint64 scratch id in, uint32 freed out */
 } ring_op;
+
+/*
+ * REVIVE and RELEASE_SCRATCH carry gRPC's Revive and ReleaseScratch
+ * (store.proto) through the ring, for a worker that revives a few tokens a
+ * step: a round trip of microseconds, not gRPC's 100. The request is the
+ * struct below at the start of the data area (data_bytes its size); the
+ * REVIVE answer is a ring_revive_reply there, followed by uint32
+ * block[nsegments], first_slot[nsegments], count[nsegments],
+ * positions[tokens], then uint8 source_tier[tokens] (policy tiers). An
+ * answer that would not fit the data area is refused (RESOURCE_EXHAUSTED)
+ * and its scratch released: use gRPC's Revive.
+ */
+typedef struct ring_revive_request {
+    uint32_t layer, head, first, count; /* count 0: to the end of the list */
+    uint32_t skip_evicted;
+} ring_revive_request;
+
+typedef struct ring_revive_reply {
+    uint64_t scratch_id;
+    uint32_t layer, head, per_head, tokens, nsegments;
+    uint32_t pad;
+} ring_revive_reply;
 
 typedef struct ring_request {
     uint32_t op;

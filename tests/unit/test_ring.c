@@ -43,6 +43,10 @@ typedef struct fixture {
 
 static const pool_geometry geom = {2, 4, 2, 8, 4, POOL_FP32, 0};
 
+/* The ring's size for the next setup: RING_TEST_BYTES unless a test's setup
+ * says otherwise. */
+static size_t ring_size = RING_TEST_BYTES;
+
 static int setup_policy(void **state, const char *policy, const char *const *keys,
                         const char *const *values, size_t n)
 {
@@ -55,14 +59,14 @@ static int setup_policy(void **state, const char *policy, const char *const *key
     store_attach_result ar;
     assert_int_equal(store_attach(f.st, f.token, "m", &geom, "w", &ar, &s), ST_OK);
     assert_int_equal(seq_create_for(f.st, f.token, policy, keys, values, n, &f.seq_id, &s), ST_OK);
-    if (ring_create(f.st, f.token, RING_TEST_BYTES, &f.r, &s) != ST_OK)
+    if (ring_create(f.st, f.token, ring_size, &f.r, &s) != ST_OK)
         fail_msg("ring_create: %s", s.msg);
-    assert_int_equal(ring_bytes(f.r), RING_TEST_BYTES);
+    assert_int_equal(ring_bytes(f.r), ring_size);
     int fd = fcntl(ring_fd(f.r), F_DUPFD_CLOEXEC, 0);
     assert_true(fd >= 0);
     char err[256];
     assert_int_equal(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, f.peer), 0);
-    if (ring_client_open(&f.rc, fd, RING_TEST_BYTES, f.peer[0], err, sizeof err) != KVS_OK)
+    if (ring_client_open(&f.rc, fd, ring_size, f.peer[0], err, sizeof err) != KVS_OK)
         fail_msg("ring_client_open: %s", err);
     *state = &f;
     return 0;
@@ -71,6 +75,15 @@ static int setup_policy(void **state, const char *policy, const char *const *key
 static int setup(void **state)
 {
     return setup_policy(state, "full", NULL, NULL, 0);
+}
+
+/* The smallest ring: a 4 KiB data area. */
+static int setup_small_ring(void **state)
+{
+    ring_size = 2 * RING_DATA_OFFSET;
+    int rc = setup_policy(state, "full", NULL, NULL, 0);
+    ring_size = RING_TEST_BYTES;
+    return rc;
 }
 
 static int setup_h2o(void **state)
@@ -160,6 +173,115 @@ static void test_append_answers_the_table(void **state)
     assert_int_equal(call(f, &q, &r), ST_OK);
     assert_int_equal(r.first_position, 6);
     assert_int_equal(r.epoch, 2);
+}
+
+/* Free blocks of the fixture's pool (Stats' view). */
+static uint32_t pool_free(fixture *f)
+{
+    snapshot sn;
+    assert_int_equal(store_snapshot(f->st, &sn), 0);
+    uint32_t n = sn.pools[0].blocks_free;
+    snapshot_free(&sn);
+    return n;
+}
+
+/* A REVIVE request in the data area, then the call; the answer's code. */
+static int32_t call_revive(fixture *f, uint64_t seq, ring_revive_request in, ring_response *r)
+{
+    memcpy(f->rc.data, &in, sizeof in);
+    return call(f, &(ring_request){.op = RING_OP_REVIVE, .seq_id = seq, .data_bytes = sizeof in},
+                r);
+}
+
+static int32_t call_release(fixture *f, uint64_t scratch_id, ring_response *r)
+{
+    memcpy(f->rc.data, &scratch_id, sizeof scratch_id);
+    return call(f, &(ring_request){.op = RING_OP_RELEASE_SCRATCH, .data_bytes = sizeof scratch_id},
+                r);
+}
+
+/* REVIVE answers what store_revive gives (the scratch's segments, the
+ * positions, the source tiers) in the data area; RELEASE_SCRATCH frees the
+ * scratch, once. Bad requests change nothing. */
+static void test_revive_and_release(void **state)
+{
+    fixture *f = *state;
+    ring_response r;
+    assert_int_equal(
+        call(f, &(ring_request){.op = RING_OP_APPEND, .seq_id = f->seq_id, .count = 10}, &r),
+        ST_OK);
+    uint32_t free_before = pool_free(f);
+    assert_int_equal(call_revive(f, f->seq_id, (ring_revive_request){1, 0, 3, 6, 0}, &r), ST_OK);
+    ring_revive_reply h;
+    memcpy(&h, f->rc.data, sizeof h);
+    assert_true(h.scratch_id != 0);
+    assert_int_equal(h.layer, 1);
+    assert_int_equal(h.per_head, 0);
+    assert_int_equal(h.tokens, 6);
+    assert_int_equal(r.nsegments, h.nsegments);
+    const uint32_t *u = (const uint32_t *)(f->rc.data + sizeof h);
+    uint32_t total = 0;
+    for (uint32_t i = 0; i < h.nsegments; i++) {
+        assert_true(u[i] < 1u << 20); /* a pool block */
+        assert_true(u[h.nsegments + i] + u[2 * h.nsegments + i] <= geom.block_tokens);
+        total += u[2 * h.nsegments + i];
+    }
+    assert_int_equal(total, 6);
+    const uint32_t *pos = u + 3 * h.nsegments;
+    const uint8_t *src = (const uint8_t *)(pos + h.tokens);
+    for (uint32_t i = 0; i < 6; i++) {
+        assert_int_equal(pos[i], 3 + i);
+        assert_int_equal(src[i], POLICY_FULL);
+    }
+    assert_int_equal(pool_free(f), free_before - h.nsegments);
+    assert_int_equal(call_release(f, h.scratch_id, &r), ST_OK);
+    uint32_t freed;
+    memcpy(&freed, f->rc.data, sizeof freed);
+    assert_int_equal(freed, h.nsegments);
+    assert_int_equal(pool_free(f), free_before);
+    assert_int_equal(call_release(f, h.scratch_id, &r), ST_NOT_FOUND);
+
+    /* Garbage: the store's errors, the ring's own, nothing taken. */
+    assert_int_equal(call_revive(f, 999, (ring_revive_request){0, 0, 0, 1, 0}, &r), ST_NOT_FOUND);
+    assert_int_equal(call_revive(f, f->seq_id, (ring_revive_request){7, 0, 0, 1, 0}, &r),
+                     ST_INVALID_ARGUMENT);
+    assert_int_equal(
+        call_revive(f, f->seq_id, (ring_revive_request){0, 0, UINT32_MAX, UINT32_MAX, 1}, &r),
+        ST_INVALID_ARGUMENT);
+    assert_int_equal(call(f,
+                          &(ring_request){.op = RING_OP_REVIVE,
+                                          .seq_id = f->seq_id,
+                                          .data_bytes = sizeof(ring_revive_request) + 1},
+                          &r),
+                     ST_INVALID_ARGUMENT);
+    assert_non_null(strstr(r.msg, "ring_revive_request"));
+    assert_int_equal(
+        call(f,
+             &(ring_request){.op = RING_OP_REVIVE, .seq_id = f->seq_id, .data_bytes = UINT64_MAX},
+             &r),
+        ST_INVALID_ARGUMENT);
+    assert_int_equal(call(f, &(ring_request){.op = RING_OP_RELEASE_SCRATCH, .data_bytes = 4}, &r),
+                     ST_INVALID_ARGUMENT);
+    assert_int_equal(call_release(f, UINT64_MAX, &r), ST_NOT_FOUND);
+    assert_int_equal(pool_free(f), free_before);
+}
+
+/* A REVIVE whose answer would not fit the data area is refused, and the
+ * scratch it made is given back. */
+static void test_revive_too_large_for_the_ring(void **state)
+{
+    fixture *f = *state;
+    ring_response r;
+    store_table w; /* an append whose own answer needs gRPC's room */
+    status s;
+    assert_int_equal(store_append(f->st, f->token, f->seq_id, 1000, 0, &w, &s), ST_OK);
+    store_table_free(&w);
+    uint32_t free_before = pool_free(f);
+    assert_int_equal(call_revive(f, f->seq_id, (ring_revive_request){0, 0, 0, 1000, 0}, &r),
+                     ST_RESOURCE_EXHAUSTED);
+    assert_non_null(strstr(r.msg, "use gRPC's Revive"));
+    assert_int_equal(pool_free(f), free_before);
+    assert_int_equal(call_revive(f, f->seq_id, (ring_revive_request){0, 0, 0, 100, 0}, &r), ST_OK);
 }
 
 /* STEP copies the statistics out of the data area and hands them to the
@@ -368,6 +490,9 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_header_and_ping, setup, teardown),
         cmocka_unit_test_setup_teardown(test_append_answers_the_table, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_revive_and_release, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_revive_too_large_for_the_ring, setup_small_ring,
+                                        teardown),
         cmocka_unit_test_setup_teardown(test_step_statistics, setup_h2o, teardown),
         cmocka_unit_test_setup_teardown(test_sleeping_thread_is_woken, setup, teardown),
         cmocka_unit_test_setup_teardown(test_closed_ring_is_unavailable, setup, teardown),
