@@ -28,8 +28,9 @@
 #include "pool.h"
 #include "seq.h"
 #include "tier.h"
-/* White-box, in test_append_check only: positions near 2^32 cannot be
- * reached by appending in a unit test's time; nothing else reads it. */
+/* White-box, in test_append_check (positions near 2^32 cannot be reached
+ * by appending in a unit test's time) and test_sketch_undo (a call's
+ * journal of sketch cells, which no call makes in both forms by itself). */
 #include "seq_internal.h"
 
 /* 2 layers, 4 query heads over 2 KV heads, head_dim 8, 4 tokens a block,
@@ -1532,6 +1533,54 @@ static void test_move_reviver(void **state)
     fx_close(&b);
 }
 
+/* A list's sketch cells as bytes (tier_sketch_save). */
+static uint8_t *sketch_bytes(const seq_list *ly)
+{
+    uint8_t *b = malloc(tier_sketch_bytes(&ly->sketch));
+    assert_non_null(b);
+    assert_int_equal(tier_sketch_save(&ly->sketch, b), 0);
+    return b;
+}
+
+/*
+ * A call's undo of a sketch (seq_txn_save_sketch): the cells a few
+ * positions touch, saved one write at a time, then, past half the sketch,
+ * one copy of the whole; a rollback puts back the copy and then the older
+ * cells, so every byte is as before the call. With cells only, the same.
+ */
+static void test_sketch_undo(void **state)
+{
+    fx f;
+    open_sketch_victims(&f, state);
+    seq_list *ly = &f.s->lists[0];
+    size_t bytes = tier_sketch_bytes(&ly->sketch);
+    uint8_t *was = sketch_bytes(ly);
+    uint32_t few[2] = {1, 5}, many[3000];
+    for (uint32_t i = 0; i < 3000; i++)
+        many[i] = 100 + i; /* 9,000 cells: past half of 3 x 4096 */
+    for (int whole = 0; whole < 2; whole++) {
+        seq_begin(f.s);
+        assert_int_equal(seq_txn_save_sketch(f.s, ly, few, 2), 0);
+        assert_int_equal(tier_sketch_delete(&ly->sketch, few, 2), 0);
+        if (whole) {
+            assert_int_equal(seq_txn_save_sketch(f.s, ly, many, 3000), 0);
+            assert_int_equal(tier_sketch_delete(&ly->sketch, many, 3000), 0);
+        } else {
+            assert_int_equal(seq_txn_save_sketch(f.s, ly, few + 1, 1), 0);
+            assert_int_equal(tier_sketch_delete(&ly->sketch, few + 1, 1), 0);
+        }
+        uint8_t *changed = sketch_bytes(ly);
+        assert_memory_not_equal(changed, was, bytes);
+        free(changed);
+        seq_rollback(f.s);
+        uint8_t *now = sketch_bytes(ly);
+        assert_memory_equal(now, was, bytes);
+        free(now);
+    }
+    free(was);
+    fx_close(&f);
+}
+
 /* A test again on the shadow backend, named so. */
 #define ON_SHADOW(f)                                                                               \
     {                                                                                              \
@@ -1573,6 +1622,8 @@ int main(void)
         cmocka_unit_test(test_move_sketch_victims),
         ON_SHADOW(test_move_sketch_victims),
         cmocka_unit_test(test_move_reviver),
+        cmocka_unit_test(test_sketch_undo),
+        ON_SHADOW(test_sketch_undo),
         ON_SHADOW(test_move_reviver),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
