@@ -12,11 +12,12 @@
  *   - a list (segments, tail, offloaded victims, victim blocks), before its
  *     first change (seq_txn_save_list): a copy of its arrays;
  *   - a list's sketch cells, before each write to them
- *     (seq_txn_save_sketch): the cells the write's positions touch, copied
- *     in the backend's memory, while they add up to less than half the
+ *     (seq_txn_save_sketch): on host memory, the cells the write's
+ *     positions touch, copied, while they add up to less than half the
  *     sketch (a decode step's victim or revived token touches `rows`
- *     cells); past that, a copy of the whole sketch, after which nothing
- *     more is saved; "none" when the sketch did not exist;
+ *     cells); past that, or on a device (where three copy calls a cell
+ *     cost more than one of the whole), a copy of the whole sketch, after
+ *     which nothing more is saved; "none" when the sketch did not exist;
  *   - token slots written in place in blocks the call did not take (value
  *     merges, key re-rotation, a revived token in the tail block), before
  *     the write (seq_txn_save_tokens): their bytes, staged;
@@ -174,8 +175,10 @@ int seq_txn_save_sketch(seq *s, seq_list *ly, const uint32_t *pos, size_t n)
     seq_saved_list *sv = saved_list_of(&s->txn, ly);
     if (sv->sketch_saved)
         return 0;
+    /* Cells one by one where copies are memcpys; on a device three calls
+     * a cell would cost more than one copy of the whole. */
     size_t total = (size_t)ly->sketch.sk.rows * ly->sketch.sk.buckets;
-    if (2 * (sv->cells_saved + n * ly->sketch.sk.rows) < total)
+    if (ly->sketch.ops->host_memory && 2 * (sv->cells_saved + n * ly->sketch.sk.rows) < total)
         return save_cells(sv, &ly->sketch, pos, n);
     const tier_sketch *now = &ly->sketch;
     tier_sketch *copy = &sv->was.sketch;

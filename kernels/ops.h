@@ -56,6 +56,10 @@ typedef enum kv_copy_dir {
 
 typedef struct kv_ops {
     const char *name; /* "cpu", "shadow", "cuda" */
+    /* 1 when device memory is host memory (cpu, shadow): a copy is a
+     * memcpy, so many small ones cost what their bytes cost; on a device
+     * each is a call of microseconds. */
+    int host_memory;
 
     /* Device memory of `bytes` (> 0), uninitialised; NULL when out of
      * memory. free(NULL) does nothing. */

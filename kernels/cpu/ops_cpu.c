@@ -158,6 +158,7 @@ static int cpu_decode_attention(const kv_layout *l, kv_dtype t, const uint8_t *p
 
 const kv_ops kv_ops_cpu = {
     .name = "cpu",
+    .host_memory = 1,
     .alloc = cpu_alloc,
     .free = cpu_free,
     .fill = cpu_fill,

@@ -288,6 +288,7 @@ static int shadow_decode_attention(const kv_layout *l, kv_dtype t, const uint8_t
 
 const kv_ops kv_ops_shadow = {
     .name = "shadow",
+    .host_memory = 1,
     .alloc = shadow_alloc,
     .free = shadow_free,
     .fill = shadow_fill,
