@@ -36,14 +36,11 @@ another host.
   (exit 2, the option named), and starts with a cluster that does not
   answer (unhealthy, UNAVAILABLE).
 """
-import json
 import os
 import subprocess
 import sys
 import threading
 import time
-
-import grpc
 
 from kvstash_harness import Daemon, call, pb, wait_until
 from remote_cluster import RemoteCluster, cluster
@@ -290,19 +287,8 @@ def check_master_killed_during_import(ctx):
     b_session = session_of(ctx.b1)
     before = len([s for s in ctx.b.stats().sequences if s.session_id == b_session])
 
-    sleeper = cluster.hang(dead, 3)
-    time.sleep(0.2)
-    box = {}
-    importer = threading.Thread(target=lambda: box.update(r=run(
-        ctx.b.sock, "seq", "import", j["uid"], "--session", str(b_session))))
-    importer.start()
-    time.sleep(0.2)
-    cluster.kill(CLUSTER_DIR, dead)
-    importer.join()
-    sleeper.join()
-    rc, _, err = box["r"]
-    assert rc == 1 and "remote tier: " in err and \
-        ("UNAVAILABLE" in err or "DEADLINE_EXCEEDED" in err), (rc, err)
+    RC.cli_in_flight(dead, run, ctx.b.sock, "seq", "import", j["uid"], "--session",
+                     str(b_session))
     assert len([s for s in ctx.b.stats().sequences if s.session_id == b_session]) == before
     cluster.wait_failover(CLUSTER_DIR, dead, timeout=30)
     wait_healthy(ctx.b)

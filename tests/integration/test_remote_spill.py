@@ -41,7 +41,7 @@ import threading
 import time
 
 from kvstash_harness import Daemon, wait_until
-from remote_cluster import RemoteCluster, cluster
+from remote_cluster import RemoteCluster, assert_remote_down, cluster
 from test_cli import fails, ok_json, ok_text, run
 from test_metrics import Scrape, metrics_port
 
@@ -314,14 +314,7 @@ def check_master_killed_during_revive(ctx):
     dead = owner_port(keys_of(j["uid"])[0])
     cluster.sync_replicas(CLUSTER_DIR)
 
-    sleeper = cluster.hang(dead, 3)
-    time.sleep(0.2)
-    w.step()
-    time.sleep(0.2)
-    cluster.kill(CLUSTER_DIR, dead)
-    sleeper.join()
-    err = w.finish(code=2)
-    assert "remote tier: " in err and ("UNAVAILABLE" in err or "DEADLINE_EXCEEDED" in err), err
+    assert_remote_down(RC.kill_in_flight(dead, lambda: (w.step(), lambda: w.finish(code=2))[1]))
     cluster.wait_failover(CLUSTER_DIR, dead, timeout=30)
     wait_until(lambda: ctx.daemon.stats().remote.healthy, 30, "the remote tier to be healthy")
     w = TierWorker(ctx.daemon)
@@ -347,19 +340,7 @@ def check_master_killed_during_spill(ctx):
     before = seq_stats(ctx.daemon, w.seq).spilled_tokens
     free0, _ = blocks_free(ctx.daemon)
     cluster.sync_replicas(CLUSTER_DIR)
-    sleeper = cluster.hang(dead, 3)
-    time.sleep(0.2)
-    box = {}
-    spiller = threading.Thread(target=lambda: box.update(
-        r=run(ctx.daemon.sock, "seq", "spill", str(w.seq))))
-    spiller.start()
-    time.sleep(0.3)
-    cluster.kill(CLUSTER_DIR, dead)
-    spiller.join()
-    sleeper.join()
-    rc, _, err = box["r"]
-    assert rc == 1 and "remote tier: " in err and \
-        ("UNAVAILABLE" in err or "DEADLINE_EXCEEDED" in err), (rc, err)
+    RC.cli_in_flight(dead, run, ctx.daemon.sock, "seq", "spill", str(w.seq), pause=0.3)
     assert blocks_free(ctx.daemon)[0] == free0
     assert seq_stats(ctx.daemon, w.seq).spilled_tokens == before
     cluster.wait_failover(CLUSTER_DIR, dead, timeout=30)

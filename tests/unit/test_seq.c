@@ -24,6 +24,7 @@
 #include <stdlib.h>
 
 #include "backend.h"
+#include "backend_harness.h"
 #include "migrate.h"
 #include "pool.h"
 #include "seq.h"
@@ -48,12 +49,6 @@ typedef struct fx {
     uint32_t heads;  /* lists per layer */
     uint32_t lheads; /* KV heads in one list's block: kv_heads, or 1 per head */
 } fx;
-
-/* The backend a test runs on: its prestate, host when none. */
-static const backend *backend_of(void **state)
-{
-    return *state != NULL ? (const backend *)*state : &backend_host;
-}
 
 /* A pool of `blocks` blocks on backend b and a sequence of `policy` with
  * key/value pairs kv[0..2 * npairs). */
@@ -1580,12 +1575,6 @@ static void test_sketch_undo(void **state)
     free(was);
     fx_close(&f);
 }
-
-/* A test again on the shadow backend, named so. */
-#define ON_SHADOW(f)                                                                               \
-    {                                                                                              \
-#f "/shadow", f, NULL, NULL, (void *)&backend_shadow                                       \
-    }
 
 int main(void)
 {

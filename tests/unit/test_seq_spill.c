@@ -27,6 +27,7 @@
 #include <stdlib.h>
 
 #include "backend.h"
+#include "backend_harness.h"
 #include "pool.h"
 #include "seq.h"
 #include "tier.h"
@@ -48,11 +49,6 @@ typedef struct fx {
     const kv_ops *ops;
     tier_ctx tier;
 } fx;
-
-static const backend *backend_of(void **state)
-{
-    return *state != NULL ? (const backend *)*state : &backend_host;
-}
 
 /* A pool of 64 blocks and a streaming sequence with key/value pairs
  * kv[0..2 * npairs). */
@@ -339,6 +335,20 @@ static void revive_remote_ok(fx *f, const remote *r, seq_revive_request req, seq
     status st;
     if (revive_remote(f, r, req, out, nremote, &st) != ST_OK)
         fail_msg("revive: %s", st.msg);
+}
+
+/* A Revive of layer req.layer that fetched want_remote spilled parts and
+ * rebuilt want_tokens tokens, each with the values written. */
+static void revive_checked(fx *f, const remote *r, seq_revive_request req, size_t want_remote,
+                           uint32_t want_tokens)
+{
+    seq_revived out;
+    size_t nremote;
+    revive_remote_ok(f, r, req, &out, &nremote);
+    assert_int_equal(nremote, want_remote);
+    assert_int_equal(out.ntokens, want_tokens);
+    check_values(f, req.layer, &out);
+    revived_free(f, &out);
 }
 
 /* Two Revives gave the same tokens: positions, source tiers, bytes. */
@@ -716,13 +726,7 @@ static void test_sketch_changed_meanwhile(void **state)
     assert_int_equal(r.v[0].npositions, 8);
     assert_int_equal(r.v[0].part, LISTS); /* parts 0, 1 were planned, never written */
     assert_int_equal(seq_spilled_tokens(f.s), LISTS * 8);
-    seq_revived out;
-    size_t nremote;
-    revive_remote_ok(&f, &r, (seq_revive_request){1, 0, 0, 0, 0}, &out, &nremote);
-    assert_int_equal(nremote, 1);
-    assert_int_equal(out.ntokens, 13);
-    check_values(&f, 1, &out);
-    revived_free(&f, &out);
+    revive_checked(&f, &r, (seq_revive_request){1, 0, 0, 0, 0}, 1, 13);
     remote_free(&r);
     fx_close(&f);
 }
@@ -784,11 +788,7 @@ static void test_sketch_revive_limit(void **state)
         ST_RESOURCE_EXHAUSTED);
     assert_non_null(strstr(st.msg, "spilled sketches"));
     assert_int_equal(f.p->nfree, nfree);
-    revive_remote_ok(&f, &r, (seq_revive_request){0, 0, 8, 0, 0}, &out, &nremote);
-    assert_int_equal(nremote, 4);
-    assert_int_equal(out.ntokens, 28 - 8);
-    check_values(&f, 0, &out);
-    revived_free(&f, &out);
+    revive_checked(&f, &r, (seq_revive_request){0, 0, 8, 0, 0}, 4, 28 - 8);
     assert_int_equal(f.p->nfree, nfree);
     remote_free(&r);
     fx_close(&f);
@@ -937,12 +937,6 @@ static void test_destroy_spilled(void **state)
     remote_free(&r);
     fx_close(&f);
 }
-
-/* A test again on the shadow backend, named so. */
-#define ON_SHADOW(f)                                                                               \
-    {                                                                                              \
-#f "/shadow", f, NULL, NULL, (void *)&backend_shadow                                       \
-    }
 
 int main(void)
 {

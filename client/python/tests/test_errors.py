@@ -132,50 +132,40 @@ def test_unavailable_after_the_daemon_stopped(make_daemon):
     d.proc = None  # nothing left to stop
 
 
-def fake_daemon(mode):
+def attach_to_fake_daemon(mode, cls):
+    """Session.attach against tests' fake_kvstashd.py in `mode`: the error
+    it raises, which must be a `cls`."""
     tmp = tempfile.mkdtemp(prefix="kvstash-fake.")
     sock = os.path.join(tmp, "fake.sock")
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, "fake_kvstashd.py"), sock, mode],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    assert line.strip() == "READY", (line, proc.poll(), proc.stderr.read())
-    return proc, sock
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "READY", (line, proc.poll(), proc.stderr.read())
+        with pytest.raises(cls) as e:
+            Session.attach("m", GEO, socket=sock)
+        return e.value
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_protocol_unexpected_grpc_status():
-    proc, sock = fake_daemon("aborted")
-    try:
-        with pytest.raises(kvstash.ProtocolError) as e:
-            Session.attach("m", GEO, socket=sock)
-        assert e.value.code == -7
-        assert "gave up (ABORTED on purpose)" in str(e.value), str(e.value)
-    finally:
-        proc.kill()
-        proc.wait()
+    e = attach_to_fake_daemon("aborted", kvstash.ProtocolError)
+    assert e.code == -7
+    assert "gave up (ABORTED on purpose)" in str(e), str(e)
 
 
 def test_data_loss():
-    proc, sock = fake_daemon("data-loss")
-    try:
-        with pytest.raises(kvstash.DataLoss) as e:
-            Session.attach("m", GEO, socket=sock)
-        assert e.value.code == -9
-        assert "the pool went missing (DATA_LOSS on purpose)" in str(e.value), str(e.value)
-    finally:
-        proc.kill()
-        proc.wait()
+    e = attach_to_fake_daemon("data-loss", kvstash.DataLoss)
+    assert e.code == -9
+    assert "the pool went missing (DATA_LOSS on purpose)" in str(e), str(e)
 
 
 def test_system_pool_cannot_be_mapped():
-    proc, sock = fake_daemon("readonly-pool")
-    try:
-        with pytest.raises(kvstash.SystemError_) as e:
-            Session.attach("m", GEO, socket=sock)
-        assert e.value.code == -8
-        assert str(e.value).startswith("mmap of the ") and "Permission denied" in str(e.value)
-    finally:
-        proc.kill()
-        proc.wait()
+    e = attach_to_fake_daemon("readonly-pool", kvstash.SystemError_)
+    assert e.code == -8
+    assert str(e).startswith("mmap of the ") and "Permission denied" in str(e), str(e)
 
 
 def test_unsupported_pool_views_on_the_shadow_backend(make_daemon):
