@@ -24,7 +24,7 @@
 #include <stdlib.h>
 
 #include "backend.h"
-#include "backend_harness.h"
+#include "seq_harness.h"
 #include "migrate.h"
 #include "pool.h"
 #include "seq.h"
@@ -1065,16 +1065,6 @@ static void check_revived(fx *f, uint32_t l, uint32_t k, const seq_revived *out)
     free(kv);
 }
 
-static void revived_free(fx *f, seq_revived *out)
-{
-    for (size_t i = 0; i < out->nblocks; i++)
-        pool_free_block(f->p, out->blocks[i]);
-    free(out->segs);
-    free(out->positions);
-    free(out->src_tier);
-    free(out->blocks);
-}
-
 static void assert_revived_empty(const seq_revived *out)
 {
     assert_null(out->segs);
@@ -1142,8 +1132,8 @@ static void test_revive_sketch_victims(void **state)
     assert_int_equal(b.positions[0], 3);
     seq_tier_usage(f.s, tokens, bytes);
     assert_int_equal(tokens[POLICY_SKETCH], 2 * 7);
-    revived_free(&f, &a);
-    revived_free(&f, &b);
+    revived_free(f.p, &a);
+    revived_free(f.p, &b);
     assert_int_equal(f.p->nfree, nfree);
 
     status st;
@@ -1192,7 +1182,7 @@ static void test_revive_in_parts(void **state)
     for (uint32_t p = 0; p < 12; p++)
         assert_int_equal(out.src_tier[p], p >= 1 && p <= 7 ? POLICY_SKETCH : POLICY_FULL);
     check_revived(&f, 1, 0, &out);
-    revived_free(&f, &out);
+    revived_free(f.p, &out);
     for (int i = 3; i-- > 0;)
         pool_free_block(f.p, other[i]);
     assert_int_equal(f.p->nfree, nfree);
@@ -1234,12 +1224,12 @@ static void test_revive_evicted_outright(void **state)
     assert_memory_equal(a.positions, held, sizeof held);
     for (size_t i = 0; i < 5; i++)
         assert_int_equal(a.src_tier[i], POLICY_FULL);
-    revived_free(&f, &a);
+    revived_free(f.p, &a);
     /* Only evicted positions: nothing to rebuild, no block taken. */
     revive_ok(&f, (seq_revive_request){0, 0, 2, 5, 1}, &a);
     assert_int_equal(a.ntokens, 0);
     assert_int_equal(a.nblocks, 0);
-    revived_free(&f, &a);
+    revived_free(f.p, &a);
     assert_int_equal(f.p->nfree, nfree);
     fx_close(&f);
 }
@@ -1276,7 +1266,7 @@ static void test_revive_int8_victims_and_destroy(void **state)
     assert_int_equal(scratch, 8);
     seq_destroy(f.s);
     assert_int_equal(f.p->nfree, f.p->block_count - scratch);
-    revived_free(&f, &a);
+    revived_free(f.p, &a);
     assert_int_equal(f.p->nfree, f.p->block_count);
     pool_destroy(f.p);
 }
@@ -1316,8 +1306,8 @@ static void test_int8_victims_after_step(void **state)
     float *va = revived_values(&in, &a), *vb = revived_values(&f, &b);
     assert_memory_equal(va, vb, 30 * tier_token_bytes(&f.tier));
     free(va), free(vb);
-    revived_free(&in, &a);
-    revived_free(&f, &b);
+    revived_free(in.p, &a);
+    revived_free(f.p, &b);
     fx_close(&in);
     fx_close(&f);
 }
@@ -1422,8 +1412,8 @@ static size_t assert_same(fx *a, fx *b)
             }
             for (size_t i = 0; i < ra.ntokens; i++)
                 sketched += ra.src_tier[i] == POLICY_SKETCH;
-            revived_free(a, &ra);
-            revived_free(b, &rb);
+            revived_free(a->p, &ra);
+            revived_free(b->p, &rb);
         }
     return sketched;
 }

@@ -27,7 +27,7 @@
 #include <stdlib.h>
 
 #include "backend.h"
-#include "backend_harness.h"
+#include "seq_harness.h"
 #include "pool.h"
 #include "seq.h"
 #include "tier.h"
@@ -181,17 +181,6 @@ static void check_values(fx *f, uint32_t l, const seq_revived *out)
                                  out->positions[i], h, c, got, want);
                 }
     free(kv);
-}
-
-static void revived_free(fx *f, seq_revived *out)
-{
-    for (size_t i = 0; i < out->nblocks; i++)
-        pool_free_block(f->p, out->blocks[i]);
-    free(out->segs);
-    free(out->positions);
-    free(out->src_tier);
-    free(out->blocks);
-    memset(out, 0, sizeof *out);
 }
 
 /* A one-shot (local) Revive that must succeed. */
@@ -348,7 +337,7 @@ static void revive_checked(fx *f, const remote *r, seq_revive_request req, size_
     assert_int_equal(nremote, want_remote);
     assert_int_equal(out.ntokens, want_tokens);
     check_values(f, req.layer, &out);
-    revived_free(f, &out);
+    revived_free(f->p, &out);
 }
 
 /* Two Revives gave the same tokens: positions, source tiers, bytes. */
@@ -503,16 +492,16 @@ static void test_int8_spill_revive(void **state)
     revive_remote_ok(&f, &r, (seq_revive_request){0, 0, 0, 0, 0}, &after, &nremote);
     assert_int_equal(nremote, 2);
     assert_same_revive(&f, &before, &after);
-    revived_free(&f, &after);
-    revived_free(&f, &before);
+    revived_free(f.p, &after);
+    revived_free(f.p, &before);
     assert_int_equal(f.p->nfree, nfree1 - before1.nblocks);
     /* Layer 1, 20..27: its second block only, the waiting and held. */
     revive_remote_ok(&f, &r, (seq_revive_request){1, 0, 20, 8, 0}, &after, &nremote);
     assert_int_equal(nremote, 1);
     assert_same_revive(&f, &before1, &after);
     check_values(&f, 1, &after);
-    revived_free(&f, &after);
-    revived_free(&f, &before1);
+    revived_free(f.p, &after);
+    revived_free(f.p, &before1);
     assert_int_equal(f.p->nfree, nfree1);
 
     /* The one-shot Revive cannot fetch: refused, nothing taken. */
@@ -527,7 +516,7 @@ static void test_int8_spill_revive(void **state)
     revive_local(&f, (seq_revive_request){0, 0, 24, 0, 0}, &after);
     assert_int_equal(after.ntokens, 6);
     check_values(&f, 0, &after);
-    revived_free(&f, &after);
+    revived_free(f.p, &after);
     assert_int_equal(f.p->nfree, nfree1);
     remote_free(&r);
     fx_close(&f);
@@ -580,7 +569,7 @@ static void test_dropped_meanwhile(void **state)
     assert_int_equal(out.ntokens, 18);
     assert_int_equal(out.positions[0], 12);
     check_values(&f, 1, &out);
-    revived_free(&f, &out);
+    revived_free(f.p, &out);
     remote_free(&r);
     for (int i = 0; i < LISTS; i++)
         pool_free_block(f.p, other[i]);
@@ -638,8 +627,8 @@ static void test_sketch_spill_revive(void **state)
     revive_remote_ok(&f, &r, (seq_revive_request){0, 0, 0, 0, 0}, &b, &nremote);
     assert_int_equal(nremote, 1);
     assert_same_revive(&f, &a, &b);
-    revived_free(&f, &a);
-    revived_free(&f, &b);
+    revived_free(f.p, &a);
+    revived_free(f.p, &b);
 
     /* 12..17: victims 8..13 go into a fresh sketch. */
     appends(&f, 6);
@@ -677,8 +666,8 @@ static void test_sketch_spill_revive(void **state)
         assert_token_equal(vb, b.ntokens, t, vc, c.ntokens, t);
     free(vb);
     free(vc);
-    revived_free(&f, &b);
-    revived_free(&f, &c);
+    revived_free(f.p, &b);
+    revived_free(f.p, &c);
     assert_int_equal(f.p->nfree, nfree0);
     /* A sketch part refuses a payload of another size. */
     seq_revive_job *job;
@@ -759,7 +748,7 @@ static void test_no_room_to_stage(void **state)
     revive_remote_ok(&f, &r, (seq_revive_request){0, 0, 0, 0, 0}, &out, &nremote);
     assert_int_equal(nremote, 2);
     check_values(&f, 0, &out);
-    revived_free(&f, &out);
+    revived_free(f.p, &out);
     while (ntaken > 0)
         pool_free_block(f.p, taken[--ntaken]);
     remote_free(&r);
@@ -933,7 +922,7 @@ static void test_destroy_spilled(void **state)
     for (uint32_t t = 0; t < 54; t++)
         assert_int_equal(out.positions[t], t);
     check_values(&f, 0, &out);
-    revived_free(&f, &out);
+    revived_free(f.p, &out);
     remote_free(&r);
     fx_close(&f);
 }
