@@ -329,12 +329,6 @@ static void lock_no_moves(store *st)
     st->move_waiters--;
 }
 
-void store_quiesce(store *st)
-{
-    lock_no_moves(st);
-    pthread_mutex_unlock(&st->lock);
-}
-
 /* Lock held: whether a Revive of seq_id may copy without the lock; if so,
  * the sequence is marked moving until move_end. */
 int store_move_begin(store *st, uint64_t seq_id)

@@ -263,11 +263,6 @@ void store_seq_snapshot(seq *q, snapshot_seq *out);
 /* Under store_lock: hand q's tier report to the metrics and clear it. */
 void store_report_tiers(store *st, seq *q);
 
-/* Wait until no sequence is moving: no Revive copies without the lock and
- * no step's demotion is queued or running (store_demote.c). What the
- * caller then inspects is at rest, unless other calls run meanwhile. */
-void store_quiesce(store *st);
-
 void store_lock(store *st);
 void store_unlock(store *st);
 
