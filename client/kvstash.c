@@ -1141,16 +1141,8 @@ int kvs_ring_ping(kvs_session *s)
     return ring_call(s, "Ping", &r);
 }
 
-int kvs_seq_table(kvs_session *s, uint64_t seq_id, int with_positions, kvs_table *out)
+static int table_grpc(kvs_session *s, uint64_t seq_id, int with_positions, kvs_table *out)
 {
-    if (out != NULL)
-        memset(out, 0, sizeof *out);
-    if (s == NULL)
-        return KVS_ERR_INVALID;
-    if (out == NULL) {
-        fail(s, "kvs_seq_table: out is required");
-        return KVS_ERR_INVALID;
-    }
     Kvstash__V1__GetBlockTableRequest req = KVSTASH__V1__GET_BLOCK_TABLE_REQUEST__INIT;
     req.seq_id = seq_id;
     req.with_positions = with_positions != 0;
@@ -1162,20 +1154,135 @@ int kvs_seq_table(kvs_session *s, uint64_t seq_id, int with_positions, kvs_table
         return rc;
     const Kvstash__V1__GetBlockTableResponse *r = (const Kvstash__V1__GetBlockTableResponse *)resp;
     rc = table_fill(s, r->layers, r->n_layers, "GetBlockTable", out);
-    if (rc == KVS_OK) {
+    if (rc == KVS_OK)
         out->epoch = r->epoch;
-        epoch_seen(s, seq_id, r->epoch);
-        for (uint32_t l = 0; with_positions && l < out->layers; l++) {
-            if (out->layer[l].tokens > 0 && out->layer[l].positions == NULL) {
-                fail(s, "GetBlockTable: layer %" PRIu32 " came without positions", l);
-                kvs_table_free(out);
-                rc = KVS_ERR_PROTOCOL;
-                break;
-            }
-        }
-    }
     protobuf_c_message_free_unpacked(resp, NULL);
     return rc;
+}
+
+/* A ring TABLE answer (proto/kvstash_ring.h) of `bytes` at a, copied out of
+ * the shared ring, as LayerTables lts[nlists] over it for table_fill's
+ * checks (tier[nsegments]: the tiers widened). -1 when it is malformed. */
+static int table_ring_parse(const uint8_t *a, uint64_t bytes, uint32_t nlists, uint64_t nsegments,
+                            Kvstash__V1__LayerTable *lts, uint32_t *tier)
+{
+    uint64_t at = sizeof(ring_table_reply), seen = 0;
+    for (uint32_t l = 0; l < nlists; l++) {
+        ring_table_list h;
+        if (bytes - at < sizeof h)
+            return -1;
+        memcpy(&h, a + at, sizeof h);
+        at += sizeof h;
+        uint64_t words = 3 * (uint64_t)h.nsegments + h.npositions;
+        uint64_t need = words * sizeof(uint32_t) + ((uint64_t)h.nsegments + 3) / 4 * 4;
+        if (bytes - at < need || h.nsegments > nsegments - seen)
+            return -1;
+        const uint32_t *u = (const uint32_t *)(a + at);
+        const uint8_t *t8 = (const uint8_t *)(u + words);
+        Kvstash__V1__LayerTable *lt = &lts[l];
+        kvstash__v1__layer_table__init(lt);
+        lt->layer = h.layer;
+        lt->head = h.head;
+        lt->per_head = h.per_head != 0;
+        lt->tokens = h.tokens;
+        lt->int8_block_tokens = h.int8_block_tokens;
+        lt->int4_block_tokens = h.int4_block_tokens;
+        lt->int2_block_tokens = h.int2_block_tokens;
+        lt->quant_group = h.quant_group;
+        lt->n_block = lt->n_first_slot = lt->n_count = lt->n_tier = h.nsegments;
+        lt->block = (uint32_t *)u;
+        lt->first_slot = (uint32_t *)u + h.nsegments;
+        lt->count = (uint32_t *)u + 2 * (size_t)h.nsegments;
+        lt->n_positions = h.npositions;
+        lt->positions = (uint32_t *)u + 3 * (size_t)h.nsegments;
+        lt->tier = tier + seen;
+        for (uint32_t i = 0; i < h.nsegments; i++)
+            lt->tier[i] = t8[i];
+        seen += h.nsegments;
+        at += need;
+    }
+    return seen == nsegments ? 0 : -1;
+}
+
+/* GetBlockTable through the ring (RING_OP_TABLE): a memcpy where gRPC
+ * packs and unpacks a varint a position. KVS_ERR_EXHAUSTED when the table
+ * would not fit the data area: the caller asks gRPC. */
+static int table_ring(kvs_session *s, uint64_t seq_id, int with_positions, kvs_table *out)
+{
+    ring_request *q = &s->ring.hdr->req;
+    ring_table_request in = {with_positions != 0, 0};
+    memset(q, 0, sizeof *q);
+    q->op = RING_OP_TABLE;
+    q->seq_id = seq_id;
+    q->ack_epoch = epoch_get(s, seq_id);
+    q->data_bytes = sizeof in;
+    memcpy(s->ring.data, &in, sizeof in);
+    ring_response r;
+    int rc = ring_call(s, "GetBlockTable", &r);
+    if (rc != KVS_OK)
+        return rc;
+    ring_table_reply h;
+    memcpy(&h, s->ring.data, sizeof h);
+    if (h.bytes < sizeof h || h.bytes > s->ring.data_bytes ||
+        h.nlists > (h.bytes - sizeof h) / sizeof(ring_table_list)) {
+        fail(s,
+             "GetBlockTable: kvstashd's answer on the ring says %" PRIu64 " bytes and %" PRIu32
+             " lists",
+             h.bytes, h.nlists);
+        return KVS_ERR_PROTOCOL;
+    }
+    uint8_t *a = malloc(h.bytes);
+    Kvstash__V1__LayerTable *lts = malloc((h.nlists ? h.nlists : 1) * sizeof *lts);
+    Kvstash__V1__LayerTable **ptrs = malloc((h.nlists ? h.nlists : 1) * sizeof *ptrs);
+    uint32_t *tier = malloc((r.nsegments ? r.nsegments : 1) * sizeof *tier);
+    if (a == NULL || lts == NULL || ptrs == NULL || tier == NULL) {
+        fail(s, "GetBlockTable: out of memory for a %" PRIu64 "-byte table", h.bytes);
+        rc = KVS_ERR_SYSTEM;
+    } else {
+        memcpy(a, s->ring.data, h.bytes); /* checked only after it is ours */
+        if (table_ring_parse(a, h.bytes, h.nlists, r.nsegments, lts, tier) != 0) {
+            fail(s, "GetBlockTable: kvstashd's answer on the ring is malformed");
+            rc = KVS_ERR_PROTOCOL;
+        } else {
+            for (uint32_t l = 0; l < h.nlists; l++)
+                ptrs[l] = &lts[l];
+            rc = table_fill(s, ptrs, h.nlists, "GetBlockTable", out);
+            out->epoch = r.epoch;
+        }
+    }
+    free(a);
+    free(lts);
+    free(ptrs);
+    free(tier);
+    return rc;
+}
+
+int kvs_seq_table(kvs_session *s, uint64_t seq_id, int with_positions, kvs_table *out)
+{
+    if (out != NULL)
+        memset(out, 0, sizeof *out);
+    if (s == NULL)
+        return KVS_ERR_INVALID;
+    if (out == NULL) {
+        fail(s, "kvs_seq_table: out is required");
+        return KVS_ERR_INVALID;
+    }
+    /* The ring, unless the table does not fit its data area (or the daemon
+     * lacked the memory to build it): then gRPC, whose answer stands. */
+    int rc = table_ring(s, seq_id, with_positions, out);
+    if (rc == KVS_ERR_EXHAUSTED)
+        rc = table_grpc(s, seq_id, with_positions, out);
+    if (rc != KVS_OK)
+        return rc;
+    epoch_seen(s, seq_id, out->epoch);
+    for (uint32_t l = 0; with_positions && l < out->layers; l++) {
+        if (out->layer[l].tokens > 0 && out->layer[l].positions == NULL) {
+            fail(s, "GetBlockTable: layer %" PRIu32 " came without positions", l);
+            kvs_table_free(out);
+            return KVS_ERR_PROTOCOL;
+        }
+    }
+    return KVS_OK;
 }
 
 /* ---- K/V access ---- */

@@ -65,16 +65,17 @@ static void sleep_ms(long ms)
     nanosleep(&ts, NULL);
 }
 
-/* Start kvstashd on a socket in a new temporary directory and wait until it
- * answers Stats. */
-static int daemon_start(const char *exe, daemon_proc *d)
+/* Start kvstashd on a socket in a new temporary directory with a pool and
+ * session rings of the sizes given (MiB) and wait until it answers Stats. */
+static int daemon_start_sized(const char *exe, daemon_proc *d, const char *pool_mb,
+                              const char *ring_mb)
 {
     snprintf(d->dir, sizeof d->dir, "/tmp/kvstest.XXXXXX");
     if (mkdtemp(d->dir) == NULL)
         return -1;
     snprintf(d->sock, sizeof d->sock, "%s/run/kvstashd.sock", d->dir);
-    char *argv[] = {(char *)exe, "--socket",    d->sock, "--pool-mb",
-                    "4",         "--log-level", "warn",  NULL};
+    char *argv[] = {(char *)exe, "--socket",      d->sock,       "--pool-mb", (char *)pool_mb,
+                    "--ring-mb", (char *)ring_mb, "--log-level", "warn",      NULL};
     if (posix_spawn(&d->pid, exe, NULL, NULL, argv, environ) != 0)
         return -1;
     for (int i = 0; i < 100; i++) {
@@ -86,6 +87,11 @@ static int daemon_start(const char *exe, daemon_proc *d)
         sleep_ms(50);
     }
     return -1;
+}
+
+static int daemon_start(const char *exe, daemon_proc *d)
+{
+    return daemon_start_sized(exe, d, "4", "8");
 }
 
 static void daemon_stop(daemon_proc *d)
@@ -418,6 +424,65 @@ static void test_deadline(daemon_proc *d, kvs_session *a)
 
 /* The daemon stops under an attached session: calls fail cleanly and
  * detach still frees everything. */
+/* Whether table a's layer l and b's hold the same segments. */
+static int same_segments(const kvs_table *a, const kvs_table *b, uint32_t l)
+{
+    const kvs_layer *x = &a->layer[l], *y = &b->layer[l];
+    if (x->tokens != y->tokens || x->nsegments != y->nsegments)
+        return 0;
+    for (size_t i = 0; i < x->nsegments; i++)
+        if (x->segments[i].block != y->segments[i].block ||
+            x->segments[i].first_slot != y->segments[i].first_slot ||
+            x->segments[i].count != y->segments[i].count ||
+            x->segments[i].tier != y->segments[i].tier)
+            return 0;
+    return 1;
+}
+
+/* kvs_seq_table reads the table through the session's ring, and through
+ * gRPC when it would not fit the ring's data area: a 1 MiB ring holds a
+ * 100,000-token sequence's segments (2 x 25,000) but not its positions
+ * too; both answers are the sequence's table. */
+static void test_table_beyond_the_ring(const char *exe)
+{
+    daemon_proc d = {0};
+    if (daemon_start_sized(exe, &d, "64", "1") != 0) {
+        CHECK(0, "cannot start kvstashd with --ring-mb 1");
+        daemon_stop(&d);
+        return;
+    }
+    kvs_session *s = attach(d.sock, "big");
+    uint64_t id;
+    int rc = s != NULL ? kvs_seq_create(s, "full", NULL, 0, NULL, &id) : KVS_ERR_INVALID;
+    for (int i = 0; rc == KVS_OK && i < 2; i++) {
+        kvs_table w;
+        rc = kvs_seq_append(s, id, 50000, &w);
+        kvs_table_free(&w);
+    }
+    kvs_table ring = {0}, rpc = {0};
+    if (rc == KVS_OK)
+        rc = kvs_seq_table(s, id, 0, &ring);
+    if (rc == KVS_OK)
+        rc = kvs_seq_table(s, id, 1, &rpc);
+    CHECK_RC(rc, KVS_OK, s);
+    for (uint32_t l = 0; rc == KVS_OK && l < ring.layers; l++) {
+        CHECK(ring.layer[l].tokens == 100000 && ring.layer[l].nsegments == 25000,
+              "layer %u: %u tokens in %zu segments", l, ring.layer[l].tokens,
+              ring.layer[l].nsegments);
+        CHECK(ring.layer[l].positions == NULL, "layer %u has positions unasked", l);
+        CHECK(same_segments(&ring, &rpc, l), "layer %u: the two tables differ", l);
+        uint32_t bad = 0;
+        for (uint32_t i = 0; i < rpc.layer[l].tokens; i++)
+            bad += rpc.layer[l].positions[i] != i;
+        CHECK(bad == 0, "layer %u: %u positions wrong", l, bad);
+    }
+    kvs_table_free(&ring);
+    kvs_table_free(&rpc);
+    if (s != NULL)
+        CHECK_RC(kvs_session_detach(s), KVS_OK, (kvs_session *)NULL);
+    daemon_stop(&d);
+}
+
 static void test_shutdown(const char *exe)
 {
     daemon_proc d = {0};
@@ -470,6 +535,7 @@ int main(int argc, char **argv)
     if (b != NULL)
         CHECK_RC(kvs_session_detach(b), KVS_OK, (kvs_session *)NULL);
     daemon_stop(&d);
+    test_table_beyond_the_ring(argv[1]);
     test_shutdown(argv[1]);
     printf("%s: %d checks, %d failed\n", failures ? "FAILED" : "ok", checks, failures);
     return failures ? 1 : 0;

@@ -226,6 +226,90 @@ static void serve_revive(ring *rg, const ring_request *q, ring_response *r)
     store_revive_result_free(&out);
 }
 
+/* The bytes one list takes in a TABLE answer (proto/kvstash_ring.h). */
+static size_t table_list_bytes(const store_layer_table *t)
+{
+    size_t npos = t->positions != NULL ? t->tokens : 0;
+    return sizeof(ring_table_list) + (3 * t->nsegs + npos) * sizeof(uint32_t) +
+           (t->nsegs + 3) / 4 * 4;
+}
+
+/* One list of a TABLE answer at p; returns the end. */
+static uint8_t *table_list_put(uint8_t *p, const store_layer_table *t)
+{
+    uint32_t n = (uint32_t)t->nsegs, npos = t->positions != NULL ? t->tokens : 0;
+    ring_table_list h = {t->layer,
+                         t->head,
+                         (uint32_t)(t->per_head != 0),
+                         t->tokens,
+                         n,
+                         npos,
+                         t->int8_block_tokens,
+                         t->int4_block_tokens,
+                         t->int2_block_tokens,
+                         t->quant_group};
+    memcpy(p, &h, sizeof h);
+    uint32_t *u = (uint32_t *)(p + sizeof h);
+    for (uint32_t i = 0; i < n; i++) {
+        u[i] = t->segs[i].block;
+        u[n + i] = t->segs[i].first_slot;
+        u[2 * n + i] = t->segs[i].count;
+    }
+    u += 3 * (size_t)n;
+    if (npos > 0)
+        memcpy(u, t->positions, (size_t)npos * sizeof *u);
+    uint8_t *tier = (uint8_t *)(u + npos);
+    for (uint32_t i = 0; i < n; i++)
+        tier[i] = t->tiers != NULL ? t->tiers[i] : POLICY_FULL;
+    return tier + (n + 3) / 4 * 4;
+}
+
+/* TABLE: store_get_table, as gRPC's GetBlockTable, refused before it is
+ * built when it could not fit the data area. */
+static void serve_table(ring *rg, const ring_request *q, ring_response *r)
+{
+    ring_table_request in;
+    if (!request_copy(rg, q, &in, sizeof in)) {
+        respond(r, ST_INVALID_ARGUMENT, "data_bytes is not the size of a ring_table_request");
+        return;
+    }
+    /* A list: its header and at most 3 bytes of padding; a segment: three
+     * uint32 and a tier byte. */
+    store_reply_form f = {.limit = rg->data_bytes,
+                          .fixed_bytes = sizeof(ring_table_reply),
+                          .list_bytes = sizeof(ring_table_list) + 3,
+                          .segment_bytes = 13,
+                          .position_bytes = 4,
+                          .limit_name = "the ring's data area (--ring-mb)"};
+    store_table t;
+    status s;
+    if (store_get_table_within(rg->store, rg->token, q->seq_id, q->ack_epoch,
+                               in.with_positions != 0, &f, &t, &s) != ST_OK) {
+        respond(r, s.code, s.msg);
+        return;
+    }
+    /* The bound above is what is written (the same lists, under the same
+     * lock); checked again, as the data area's end is not negotiable. */
+    size_t need = sizeof(ring_table_reply);
+    for (uint32_t l = 0; l < t.nlists; l++)
+        need += table_list_bytes(&t.lists[l]);
+    if (need > rg->data_bytes) {
+        respond(r, ST_RESOURCE_EXHAUSTED, "table exceeds the ring; use GetBlockTable");
+        store_table_free(&t);
+        return;
+    }
+    ring_table_reply h = {need, t.nlists, 0};
+    memcpy(rg->data, &h, sizeof h);
+    uint8_t *p = rg->data + sizeof h;
+    for (uint32_t l = 0; l < t.nlists; l++) {
+        p = table_list_put(p, &t.lists[l]);
+        r->nsegments += (uint32_t)t.lists[l].nsegs;
+    }
+    r->epoch = t.epoch;
+    respond(r, ST_OK, "");
+    store_table_free(&t);
+}
+
 /* RELEASE_SCRATCH: store_scratch_release; the blocks freed to the data
  * area. */
 static void serve_release(ring *rg, const ring_request *q, ring_response *r)
@@ -271,6 +355,9 @@ static void serve(ring *rg)
         break;
     case RING_OP_RELEASE_SCRATCH:
         serve_release(rg, &q, &r);
+        break;
+    case RING_OP_TABLE:
+        serve_table(rg, &q, &r);
         break;
     default:
         respond(&r, ST_INVALID_ARGUMENT, "unknown ring op");

@@ -1190,13 +1190,10 @@ static uint64_t varint_bytes(uint64_t v)
     return n;
 }
 
-/* The most bytes a LayerTable message (service.c fills it) takes with
- * nsegs segments and, when positioned, `tokens` positions up to max_pos:
- * its scalar fields and field headers (at most 64 bytes), three packed
- * varints of at most 5 bytes and a tier per segment, a varint a position. */
-static uint64_t list_reply_bytes(uint64_t nsegs, uint64_t tokens, uint64_t max_pos)
+/* The most bytes a position up to max_pos takes in form f. */
+static uint64_t position_bytes(const store_reply_form *f, uint64_t max_pos)
 {
-    return 64 + nsegs * (3 * 5 + 1) + tokens * varint_bytes(max_pos);
+    return f->position_bytes != 0 ? f->position_bytes : varint_bytes(max_pos);
 }
 
 /* An Append's reply bound in form f: the new tokens of every list, their
@@ -1208,7 +1205,7 @@ static uint64_t append_reply_bytes(const seq *q, uint32_t count, const store_rep
     uint64_t segs = seq_append_blocks(q, count) + nlists;
     uint64_t max_pos = seq_appended(q) + count;
     return f->fixed_bytes + nlists * f->list_bytes + segs * f->segment_bytes +
-           (f->positions ? nlists * count * varint_bytes(max_pos) : 0);
+           (f->positions ? nlists * count * position_bytes(f, max_pos) : 0);
 }
 
 /* RESOURCE_EXHAUSTED when an Append of count tokens to q would build a reply
@@ -1247,28 +1244,29 @@ store_reply_form store_reply_rpc(const store *st)
                               .limit_name = "--max-reply-mb"};
 }
 
-/* RESOURCE_EXHAUSTED when a GetBlockTable of q would build a reply above
- * --max-reply-mb (its positions, mostly). */
-static status_code check_table_reply(store *st, seq *q, int with_positions, status *s)
+/* RESOURCE_EXHAUSTED when a table of q in form f could pass f's limit (its
+ * positions, mostly). */
+static status_code check_table_reply(seq *q, int with_positions, const store_reply_form *f,
+                                     status *s)
 {
-    uint64_t limit = st->cfg.max_reply_bytes, bytes = 64;
-    if (limit == 0)
+    uint64_t bytes = f->fixed_bytes, per_pos = position_bytes(f, seq_appended(q));
+    if (f->limit == 0)
         return ST_OK;
     for (uint32_t l = 0; l < seq_layers(q); l++)
         for (uint32_t k = 0; k < seq_heads(q); k++) {
             seq_list_view v;
             seq_list_view_get(q, l, k, &v);
-            bytes += list_reply_bytes(v.nsegs, with_positions ? v.tokens : 0, seq_appended(q));
+            bytes += f->list_bytes + v.nsegs * f->segment_bytes +
+                     (with_positions ? v.tokens * per_pos : 0);
         }
-    if (bytes <= limit)
+    if (bytes <= f->limit)
         return ST_OK;
     return status_set(s, ST_RESOURCE_EXHAUSTED,
-                      "the block table of sequence %llu could take %llu bytes, over "
-                      "--max-reply-mb (%llu bytes)%s",
-                      (unsigned long long)seq_id_of(q), (unsigned long long)bytes,
-                      (unsigned long long)limit,
-                      with_positions ? ": ask without positions, or raise --max-reply-mb"
-                                     : ": raise --max-reply-mb");
+                      "the block table of sequence %llu could take %llu bytes, over %s (%llu "
+                      "bytes): %sraise %s",
+                      (unsigned long long)seq_id_of(q), (unsigned long long)bytes, f->limit_name,
+                      (unsigned long long)f->limit,
+                      with_positions ? "ask without positions, or " : "", f->limit_name);
 }
 
 /* RESOURCE_EXHAUSTED when a Revive's reply (the scratch table with a
@@ -1535,12 +1533,20 @@ static status_code copy_list(seq *q, int with_positions, store_layer_table *out,
 status_code store_get_table(store *st, const char *token, uint64_t seq_id, uint64_t ack_epoch,
                             int with_positions, store_table *out, status *s)
 {
+    store_reply_form f = store_reply_rpc(st);
+    return store_get_table_within(st, token, seq_id, ack_epoch, with_positions, &f, out, s);
+}
+
+status_code store_get_table_within(store *st, const char *token, uint64_t seq_id,
+                                   uint64_t ack_epoch, int with_positions,
+                                   const store_reply_form *form, store_table *out, status *s)
+{
     memset(out, 0, sizeof *out);
     store_lock_seq(st, seq_id);
     seq *q;
     status_code rc = own_seq_acked(st, token, seq_id, ack_epoch, &q, s);
     if (rc == ST_OK)
-        rc = check_table_reply(st, q, with_positions, s);
+        rc = check_table_reply(q, with_positions, form, s);
     if (rc == ST_OK)
         rc = table_alloc(out, q, s);
     if (rc == ST_OK) {

@@ -373,19 +373,22 @@ status_code store_seq_create(store *st, const char *token, const store_seq_reque
 status_code store_append(store *st, const char *token, uint64_t seq_id, int64_t count,
                          uint64_t ack_epoch, store_table *writes, status *s);
 
-/* How a caller encodes an Append's reply, so that one that could not fit is
- * refused before the append: at most `limit` bytes (0 = no limit), with
- * fixed_bytes, list_bytes a list and at most segment_bytes a segment, and
- * with positions a varint position per token and list (protobuf).
+/* How a caller encodes a reply that holds lists (an Append's, a table's),
+ * so that one that could not fit is refused before anything changes or is
+ * built: at most `limit` bytes (0 = no limit), with fixed_bytes,
+ * list_bytes a list and at most segment_bytes a segment, and, where the
+ * reply has positions (an Append's when `positions`, a table's when asked
+ * for), position_bytes a position, or a varint (protobuf) when 0.
  * limit_name says in the refusal what sets the limit. */
 typedef struct store_reply_form {
     uint64_t limit;
-    uint32_t fixed_bytes, list_bytes, segment_bytes;
+    uint32_t fixed_bytes, list_bytes, segment_bytes, position_bytes;
     int positions;
     const char *limit_name;
 } store_reply_form;
 
-/* The form of a gRPC AppendResponse under store_config.max_reply_bytes. */
+/* The form of gRPC's AppendResponse and GetBlockTableResponse under
+ * store_config.max_reply_bytes. */
 store_reply_form store_reply_rpc(const store *st);
 
 /* store_append for a caller whose reply takes `form` (the ring's data area). */
@@ -393,8 +396,17 @@ status_code store_append_within(store *st, const char *token, uint64_t seq_id, i
                                 uint64_t ack_epoch, const store_reply_form *form,
                                 store_table *writes, status *s);
 
+/* The sequence's whole table (GetBlockTable), after acking ack_epoch;
+ * RESOURCE_EXHAUSTED, before it is built, when it could pass the limit of a
+ * gRPC reply. */
 status_code store_get_table(store *st, const char *token, uint64_t seq_id, uint64_t ack_epoch,
                             int with_positions, store_table *out, status *s);
+
+/* store_get_table for a caller whose reply takes `form` (the ring's data
+ * area). */
+status_code store_get_table_within(store *st, const char *token, uint64_t seq_id,
+                                   uint64_t ack_epoch, int with_positions,
+                                   const store_reply_form *form, store_table *out, status *s);
 
 status_code store_seq_release(store *st, const char *token, uint64_t seq_id, uint32_t *blocks_freed,
                               status *s);

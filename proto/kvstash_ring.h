@@ -41,6 +41,7 @@ typedef enum ring_op {
     RING_OP_EPOCH = 4,  /* only report the sequence's table epoch */
     RING_OP_REVIVE = 5, /* Revive: ring_revive_request in, ring_revive_reply out (data area) */
     RING_OP_RELEASE_SCRATCH = 6, /* ReleaseScratch: a uint64 scratch id in, uint32 freed out */
+    RING_OP_TABLE = 7, /* GetBlockTable: ring_table_request in, the table out (data area) */
 } ring_op;
 
 /*
@@ -64,6 +65,36 @@ typedef struct ring_revive_reply {
     uint32_t layer, head, per_head, tokens, nsegments;
     uint32_t pad;
 } ring_revive_reply;
+
+/*
+ * TABLE carries gRPC's GetBlockTable through the ring: a worker whose
+ * policy evicts every step reloads its table every step, and at 32k tokens
+ * the table's positions through protobuf and gRPC cost as much as the step
+ * (docs/bench.md, "A table through the ring"). The request is seq_id and
+ * ack_epoch in ring_request and a ring_table_request at the start of the
+ * data area; the epoch is in ring_response. The answer is a
+ * ring_table_reply in the data area, then for each list (layer-major, as
+ * GetBlockTable's layers) a ring_table_list followed by uint32
+ * block[nsegments], first_slot[nsegments], count[nsegments],
+ * positions[npositions], then uint8 tier[nsegments] (policy tiers), padded
+ * to 4 bytes. A table that would not fit the data area is refused
+ * (RESOURCE_EXHAUSTED) before anything is built: use gRPC's GetBlockTable.
+ */
+typedef struct ring_table_request {
+    uint32_t with_positions;
+    uint32_t pad;
+} ring_table_request;
+
+typedef struct ring_table_reply {
+    uint64_t bytes; /* of the whole answer, this struct included */
+    uint32_t nlists;
+    uint32_t pad;
+} ring_table_reply;
+
+typedef struct ring_table_list {
+    uint32_t layer, head, per_head, tokens, nsegments, npositions;
+    uint32_t int8_block_tokens, int4_block_tokens, int2_block_tokens, quant_group;
+} ring_table_list;
 
 typedef struct ring_request {
     uint32_t op;

@@ -284,6 +284,112 @@ static void test_revive_too_large_for_the_ring(void **state)
     assert_int_equal(call_revive(f, f->seq_id, (ring_revive_request){0, 0, 0, 100, 0}, &r), ST_OK);
 }
 
+/* A TABLE request for seq, with or without positions, then the call. */
+static int32_t call_table(fixture *f, uint64_t seq, int with_positions, ring_response *r)
+{
+    ring_table_request in = {(uint32_t)with_positions, 0};
+    memcpy(f->rc.data, &in, sizeof in);
+    return call(f, &(ring_request){.op = RING_OP_TABLE, .seq_id = seq, .data_bytes = sizeof in}, r);
+}
+
+/* The TABLE answer in the data area is t, list for list: header, segments,
+ * positions when asked for, tiers. */
+static void assert_ring_table(fixture *f, const ring_response *r, const store_table *t,
+                              int with_positions)
+{
+    ring_table_reply h;
+    memcpy(&h, f->rc.data, sizeof h);
+    assert_int_equal(h.nlists, t->nlists);
+    assert_int_equal(r->epoch, t->epoch);
+    const uint8_t *p = f->rc.data + sizeof h;
+    size_t nsegs = 0;
+    for (uint32_t l = 0; l < t->nlists; l++) {
+        const store_layer_table *want = &t->lists[l];
+        ring_table_list lh;
+        memcpy(&lh, p, sizeof lh);
+        assert_int_equal(lh.layer, want->layer);
+        assert_int_equal(lh.tokens, want->tokens);
+        assert_int_equal(lh.nsegments, want->nsegs);
+        assert_int_equal(lh.npositions, with_positions ? want->tokens : 0);
+        assert_int_equal(lh.int8_block_tokens, want->int8_block_tokens);
+        const uint32_t *u = (const uint32_t *)(p + sizeof lh);
+        for (uint32_t i = 0; i < lh.nsegments; i++) {
+            assert_int_equal(u[i], want->segs[i].block);
+            assert_int_equal(u[lh.nsegments + i], want->segs[i].first_slot);
+            assert_int_equal(u[2 * lh.nsegments + i], want->segs[i].count);
+        }
+        u += 3 * lh.nsegments;
+        for (uint32_t i = 0; i < lh.npositions; i++)
+            assert_int_equal(u[i], want->positions[i]);
+        const uint8_t *tier = (const uint8_t *)(u + lh.npositions);
+        for (uint32_t i = 0; i < lh.nsegments; i++)
+            assert_int_equal(tier[i], want->tiers[i]);
+        p = tier + (lh.nsegments + 3) / 4 * 4;
+        nsegs += lh.nsegments;
+    }
+    assert_int_equal(h.bytes, (uint64_t)(p - f->rc.data));
+    assert_int_equal(r->nsegments, nsegs);
+}
+
+/* TABLE answers what GetBlockTable gives, tiers and positions included;
+ * bad requests are refused. */
+static void test_table_through_the_ring(void **state)
+{
+    fixture *f = *state;
+    /* 30 tokens, all but the 2 newest demoted to INT8 (12 a block). */
+    const char *keys[] = {"int8", "int8_window"}, *values[] = {"on", "2"};
+    uint64_t id;
+    status s;
+    assert_int_equal(seq_create_for(f->st, f->token, "full", keys, values, 2, &id, &s), ST_OK);
+    store_table w;
+    assert_int_equal(store_append(f->st, f->token, id, 30, 0, &w, &s), ST_OK);
+    store_table_free(&w);
+    seq_step_input in = {.new_tokens = 30, .prefill = 1, .confidence = -1};
+    uint64_t epoch;
+    uint32_t evicted;
+    assert_int_equal(store_step(f->st, f->token, id, 0, &in, &epoch, &evicted, &s), ST_OK);
+    for (int with_positions = 0; with_positions <= 1; with_positions++) {
+        ring_response r;
+        assert_int_equal(call_table(f, id, with_positions, &r), ST_OK);
+        store_table t;
+        assert_int_equal(store_get_table(f->st, f->token, id, 0, with_positions, &t, &s), ST_OK);
+        int int8 = 0;
+        for (size_t i = 0; i < t.lists[0].nsegs; i++)
+            int8 += t.lists[0].tiers[i] == POLICY_INT8;
+        assert_true(int8 > 0); /* the tiers are worth comparing */
+        assert_ring_table(f, &r, &t, with_positions);
+        store_table_free(&t);
+    }
+    ring_response r;
+    assert_int_equal(call_table(f, 999, 1, &r), ST_NOT_FOUND);
+    assert_int_equal(call(f,
+                          &(ring_request){.op = RING_OP_TABLE,
+                                          .seq_id = id,
+                                          .data_bytes = sizeof(ring_table_request) - 1},
+                          &r),
+                     ST_INVALID_ARGUMENT);
+    assert_non_null(strstr(r.msg, "ring_table_request"));
+}
+
+/* A TABLE that would not fit the data area is refused, and says what sets
+ * the limit; without positions the same table fits. */
+static void test_table_too_large_for_the_ring(void **state)
+{
+    fixture *f = *state;
+    store_table w;
+    status s;
+    assert_int_equal(store_append(f->st, f->token, f->seq_id, 300, 0, &w, &s), ST_OK);
+    store_table_free(&w);
+    ring_response r;
+    assert_int_equal(call_table(f, f->seq_id, 1, &r), ST_RESOURCE_EXHAUSTED);
+    assert_non_null(strstr(r.msg, "--ring-mb"));
+    assert_int_equal(call_table(f, f->seq_id, 0, &r), ST_OK);
+    store_table t;
+    assert_int_equal(store_get_table(f->st, f->token, f->seq_id, 0, 0, &t, &s), ST_OK);
+    assert_ring_table(f, &r, &t, 0);
+    store_table_free(&t);
+}
+
 /* STEP copies the statistics out of the data area and hands them to the
  * store: h2o keeps the 2 newest tokens and the 2 heaviest of the others. */
 static void test_step_statistics(void **state)
@@ -492,6 +598,9 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_append_answers_the_table, setup, teardown),
         cmocka_unit_test_setup_teardown(test_revive_and_release, setup, teardown),
         cmocka_unit_test_setup_teardown(test_revive_too_large_for_the_ring, setup_small_ring,
+                                        teardown),
+        cmocka_unit_test_setup_teardown(test_table_through_the_ring, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_table_too_large_for_the_ring, setup_small_ring,
                                         teardown),
         cmocka_unit_test_setup_teardown(test_step_statistics, setup_h2o, teardown),
         cmocka_unit_test_setup_teardown(test_sleeping_thread_is_woken, setup, teardown),
