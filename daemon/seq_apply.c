@@ -564,12 +564,108 @@ static int list_apply(seq *s, uint32_t l, uint32_t k, tier_token *tok, const pol
     return rc;
 }
 
+/*
+ * The common step, without a token array: a list stored all at full
+ * precision, no victims kept, whose decision only keeps (FULL) and evicts.
+ * What list_apply does then comes down to cutting the evicted tokens out
+ * of the segments and retiring the blocks left empty, so it is done on the
+ * segments: one pass over the decision's bytes and one over the segments,
+ * where list_apply makes a dozen passes over a 12-byte entry per token
+ * (issue 16 §2: a streaming step at 32k tokens × 32 layers). The result is
+ * the same segments and retired blocks as list_apply's. Returns 1 when it
+ * does not apply (a tier to move, victims to keep, or a compaction due,
+ * which list_apply does), else 0 or -1 (out of memory).
+ */
+static int list_apply_evictions(seq *s, uint32_t l, uint32_t k, const policy_decision *d,
+                                uint64_t epoch, int *changed)
+{
+    seq_list *ly = seq_list_at(s, l, k);
+    uint32_t n = seq_list_tokens(s, l, k, NULL), nevict = 0, other = 0;
+    const uint8_t *tier = d->tier[k];
+    if (ly->noffloaded > 0 || policy_host_storage(s->host)->victims != POLICY_VICTIMS_EVICT)
+        return 1;
+    for (uint32_t i = 0; i < n; i++) {
+        nevict += tier[i] == POLICY_EVICT;
+        other += tier[i] != POLICY_EVICT && tier[i] != POLICY_FULL;
+    }
+    for (size_t i = 0; i < ly->nsegs; i++)
+        other += ly->seg_tier[i] != POLICY_FULL;
+    if (other > 0)
+        return 1;
+    if (nevict == 0)
+        return 0; /* list_untouched */
+    /* The kept runs of each segment, merged as list_encode merges; an
+     * evicted run splits a segment in two at most once per evicted token. */
+    size_t cap = ly->nsegs + nevict, out = 0, nb = 0;
+    kv_segment *segs = malloc(cap * sizeof *segs);
+    uint32_t *ids = malloc((ly->nsegs + 1 + cap) * sizeof *ids); /* before (tail too), after */
+    if (segs == NULL || ids == NULL) {
+        free(segs);
+        free(ids);
+        return -1;
+    }
+    uint32_t *before = ids, *after = ids + ly->nsegs + 1;
+    uint32_t i = 0, kept = 0;
+    for (size_t j = 0; j < ly->nsegs && i < n; j++) {
+        kv_segment g = ly->segs[j];
+        before[nb++] = g.block;
+        for (uint32_t t = 0; t < g.count && i < n; t++, i++) {
+            if (tier[i] == POLICY_EVICT)
+                continue;
+            kv_segment *last = out ? &segs[out - 1] : NULL;
+            if (last != NULL && last->block == g.block &&
+                last->first_slot + last->count == g.first_slot + t)
+                last->count++;
+            else
+                segs[out++] = (kv_segment){g.block, g.first_slot + t, 1};
+            kept++;
+        }
+    }
+    for (size_t j = 0; j < out; j++)
+        after[j] = segs[j].block;
+    /* list_compact's rule, on the blocks the kept tokens use. */
+    uint32_t need = (kept + s->block_slots - 1) / s->block_slots, blocks = 0;
+    for (size_t j = 0; j < out; j++)
+        blocks += (uint32_t)pool_mark(s->pool, after[j]);
+    for (size_t j = 0; j < out; j++)
+        pool_unmark(s->pool, after[j]);
+    int rc = need > 0 && need <= s->pool->nfree && blocks > need + compact_slack(need) ? 1 : 0;
+    if (rc == 0 && (seq_txn_save_list(s, ly) != 0 || list_reserve(ly, out ? out : 1) != 0))
+        rc = -1;
+    if (rc == 0) {
+        *changed = 1;
+        if (ly->has_tail)
+            before[nb++] = ly->tail_block;
+        memcpy(ly->segs, segs, out * sizeof *segs);
+        memset(ly->seg_tier, POLICY_FULL, out);
+        ly->nsegs = out;
+        rc = list_retire_unused(s, ly, before, nb, after, out, epoch);
+    }
+    free(segs);
+    free(ids);
+    return rc;
+}
+
 status_code seq_apply_decision(seq *s, uint32_t l, const policy_decision *d, uint64_t epoch,
                                size_t *evicted, int *changed, status *st)
 {
     tier_token **toks = calloc(s->heads, sizeof *toks);
     int rc = toks == NULL ? -1 : 0;
+    /* Lists the common step leaves to list_apply: all of them when there
+     * are merges, which work on the token arrays of the layer's lists. */
+    uint8_t *general = malloc(s->heads);
+    rc = general == NULL ? -1 : rc;
     for (uint32_t k = 0; rc == 0 && k < s->heads; k++) {
+        general[k] = 1;
+        if (d->nmerges == 0 && !d->rerotate_keys) {
+            int r = list_apply_evictions(s, l, k, d, epoch, changed);
+            rc = r < 0 ? -1 : 0;
+            general[k] = r == 1;
+        }
+    }
+    for (uint32_t k = 0; rc == 0 && k < s->heads; k++) {
+        if (!general[k])
+            continue;
         toks[k] = list_expand(seq_list_at(s, l, k), seq_list_tokens(s, l, k, NULL));
         rc = toks[k] == NULL ? -1 : 0;
     }
@@ -577,10 +673,12 @@ status_code seq_apply_decision(seq *s, uint32_t l, const policy_decision *d, uin
         rc = apply_merges(s, l, d, toks);
     *changed |= d->nmerges > 0;
     for (uint32_t k = 0; rc == 0 && k < s->heads; k++)
-        rc = list_apply(s, l, k, toks[k], d, epoch, changed);
+        if (general[k])
+            rc = list_apply(s, l, k, toks[k], d, epoch, changed);
     for (uint32_t k = 0; toks != NULL && k < s->heads; k++)
         free(toks[k]);
     free(toks);
+    free(general);
     if (rc != 0)
         return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
     *evicted += policy_host_commit(s->host, l);
