@@ -564,6 +564,42 @@ static int list_apply(seq *s, uint32_t l, uint32_t k, tier_token *tok, const pol
     return rc;
 }
 
+/* Whether the decision's n tiers only keep at full precision or evict
+ * (*nevict of them), eight at a time: a tier byte must be 0 or 3, its two
+ * low bits equal and no other set. */
+static int keeps_or_evicts(const uint8_t *tier, uint32_t n, uint32_t *nevict)
+{
+    _Static_assert(POLICY_FULL == 0 && POLICY_EVICT == 3, "keeps_or_evicts' bit test");
+    const uint64_t lo = 0x0101010101010101ull;
+    uint64_t bad = 0, evict = 0;
+    uint32_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, tier + i, sizeof w);
+        bad |= (w & ~(3 * lo)) | ((w ^ (w >> 1)) & lo);
+        evict += (uint64_t)__builtin_popcountll(w & lo);
+    }
+    for (; i < n; i++) {
+        bad |= tier[i] != POLICY_FULL && tier[i] != POLICY_EVICT;
+        evict += tier[i] == POLICY_EVICT;
+    }
+    *nevict = (uint32_t)evict;
+    return bad == 0;
+}
+
+/* Append run g to segs[0..n), joined to the last segment when it
+ * continues it, as list_encode joins tokens; returns the new count. */
+static size_t runs_push(kv_segment *segs, size_t n, kv_segment g)
+{
+    kv_segment *last = n > 0 ? &segs[n - 1] : NULL;
+    if (last != NULL && last->block == g.block && last->first_slot + last->count == g.first_slot) {
+        last->count += g.count;
+        return n;
+    }
+    segs[n] = g;
+    return n + 1;
+}
+
 /*
  * The common step, without a token array: a list stored all at full
  * precision, no victims kept, whose decision only keeps (FULL) and evicts.
@@ -580,18 +616,14 @@ static int list_apply_evictions(seq *s, uint32_t l, uint32_t k, const policy_dec
                                 uint64_t epoch, int *changed)
 {
     seq_list *ly = seq_list_at(s, l, k);
-    uint32_t n = seq_list_tokens(s, l, k, NULL), nevict = 0, other = 0;
+    uint32_t n = seq_list_tokens(s, l, k, NULL), nevict;
     const uint8_t *tier = d->tier[k];
-    if (ly->noffloaded > 0 || policy_host_storage(s->host)->victims != POLICY_VICTIMS_EVICT)
+    if (ly->noffloaded > 0 || policy_host_storage(s->host)->victims != POLICY_VICTIMS_EVICT ||
+        !keeps_or_evicts(tier, n, &nevict))
         return 1;
-    for (uint32_t i = 0; i < n; i++) {
-        nevict += tier[i] == POLICY_EVICT;
-        other += tier[i] != POLICY_EVICT && tier[i] != POLICY_FULL;
-    }
     for (size_t i = 0; i < ly->nsegs; i++)
-        other += ly->seg_tier[i] != POLICY_FULL;
-    if (other > 0)
-        return 1;
+        if (ly->seg_tier[i] != POLICY_FULL)
+            return 1;
     if (nevict == 0)
         return 0; /* list_untouched */
     /* The kept runs of each segment, merged as list_encode merges; an
@@ -608,18 +640,18 @@ static int list_apply_evictions(seq *s, uint32_t l, uint32_t k, const policy_dec
     uint32_t i = 0, kept = 0;
     for (size_t j = 0; j < ly->nsegs && i < n; j++) {
         kv_segment g = ly->segs[j];
+        uint32_t c = g.count < n - i ? g.count : n - i;
         before[nb++] = g.block;
-        for (uint32_t t = 0; t < g.count && i < n; t++, i++) {
-            if (tier[i] == POLICY_EVICT)
-                continue;
-            kv_segment *last = out ? &segs[out - 1] : NULL;
-            if (last != NULL && last->block == g.block &&
-                last->first_slot + last->count == g.first_slot + t)
-                last->count++;
-            else
-                segs[out++] = (kv_segment){g.block, g.first_slot + t, 1};
-            kept++;
+        /* Most segments lose nothing: one memchr, not a test a token. */
+        for (uint32_t t = 0; t < c;) {
+            const uint8_t *e = memchr(tier + i + t, POLICY_EVICT, c - t);
+            uint32_t run = e != NULL ? (uint32_t)(e - (tier + i + t)) : c - t;
+            if (run > 0)
+                out = runs_push(segs, out, (kv_segment){g.block, g.first_slot + t, run});
+            kept += run;
+            t += run + (e != NULL);
         }
+        i += c;
     }
     for (size_t j = 0; j < out; j++)
         after[j] = segs[j].block;

@@ -397,13 +397,18 @@ static int layer_prepare_decision(host_layer *ly, uint32_t heads)
 static int decision_valid(const host_layer *ly, uint32_t heads, char *err, size_t errlen)
 {
     const policy_decision *d = &ly->decision;
-    for (uint32_t k = 0; k < heads; k++)
-        for (uint32_t i = 0; i < ly->lists[k].tokens; i++)
-            if (d->tier[k][i] >= POLICY_TIERS) {
-                snprintf(err, errlen, "invalid tier %u for token %u of list %u", d->tier[k][i], i,
-                         k);
+    for (uint32_t k = 0; k < heads; k++) {
+        const uint8_t *t = d->tier[k];
+        uint32_t n = ly->lists[k].tokens;
+        int bad = 0;
+        for (uint32_t i = 0; i < n; i++) /* no early exit: vectorised */
+            bad |= t[i] >= POLICY_TIERS;
+        for (uint32_t i = 0; bad && i < n; i++)
+            if (t[i] >= POLICY_TIERS) {
+                snprintf(err, errlen, "invalid tier %u for token %u of list %u", t[i], i, k);
                 return -1;
             }
+    }
     if (d->nmerges > d->merges_cap) {
         snprintf(err, errlen, "%zu merges exceed the capacity %zu", d->nmerges, d->merges_cap);
         return -1;
@@ -634,17 +639,20 @@ size_t policy_host_commit(policy_host *h, uint32_t layer)
     size_t evicted = 0;
     for (uint32_t k = 0; k < h->heads; k++) {
         host_list *li = &ly->lists[k];
-        uint32_t out = 0;
-        for (uint32_t i = 0; i < li->tokens; i++) {
-            if (li->next_tier[i] == POLICY_EVICT) {
-                evicted++;
-                continue;
+        uint32_t out = 0, i = 0, n = li->tokens;
+        /* Run by run of kept tokens: a decode step evicts a few of many. */
+        while (i < n) {
+            const uint8_t *e = memchr(li->next_tier + i, POLICY_EVICT, n - i);
+            uint32_t end = e != NULL ? (uint32_t)(e - li->next_tier) : n;
+            memcpy(li->tier + out, li->next_tier + i, end - i);
+            if (out != i) {
+                memmove(li->pos + out, li->pos + i, (end - i) * sizeof *li->pos);
+                if (li->attn != NULL)
+                    memmove(li->attn + out, li->attn + i, (end - i) * sizeof *li->attn);
             }
-            li->pos[out] = li->pos[i];
-            li->tier[out] = li->next_tier[i];
-            if (li->attn != NULL)
-                li->attn[out] = li->attn[i];
-            out++;
+            out += end - i;
+            for (i = end; i < n && li->next_tier[i] == POLICY_EVICT; i++)
+                evicted++;
         }
         li->tokens = out;
     }

@@ -1560,8 +1560,8 @@ static void test_evictions_on_the_segments(void **state)
             int moved = 0;
             for (uint32_t p = 0; p < 64; p++)
                 if (after.block[p] != UINT32_MAX)
-                    moved |= after.block[p] != before[l].block[p] ||
-                             after.slot[p] != before[l].slot[p];
+                    moved |=
+                        after.block[p] != before[l].block[p] || after.slot[p] != before[l].slot[p];
             kept_in_place += !moved && evicted > 0;
             compacted += moved;
             check_list(&f, l, 0);
@@ -1584,8 +1584,7 @@ static void test_evictions_on_the_segments(void **state)
                 for (size_t i = nretired; i < nr; i++)
                     found |= r[i].block == b && r[i].epoch == seq_epoch(f.s);
                 if (!found)
-                    fail_msg("round %u layer %u: block %u left the list, not retired", round, l,
-                             b);
+                    fail_msg("round %u layer %u: block %u left the list, not retired", round, l, b);
             }
         }
         const seq_retired *r;
