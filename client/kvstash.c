@@ -1160,11 +1160,14 @@ static int table_grpc(kvs_session *s, uint64_t seq_id, int with_positions, kvs_t
     return rc;
 }
 
-/* A ring TABLE answer (proto/kvstash_ring.h) of `bytes` at a, copied out of
- * the shared ring, as LayerTables lts[nlists] over it for table_fill's
- * checks (tier[nsegments]: the tiers widened). -1 when it is malformed. */
+/* A ring TABLE answer (proto/kvstash_ring.h) of `bytes` at a, in the
+ * shared ring, as LayerTables lts[nlists] for table_fill's checks. What is
+ * checked (headers, segments, tiers) is copied out first, into u[3 *
+ * nsegments] and tier[nsegments]; the positions, which are data, not
+ * checked, are read once, straight from the ring into the caller's table.
+ * -1 when it is malformed. */
 static int table_ring_parse(const uint8_t *a, uint64_t bytes, uint32_t nlists, uint64_t nsegments,
-                            Kvstash__V1__LayerTable *lts, uint32_t *tier)
+                            Kvstash__V1__LayerTable *lts, uint32_t *u, uint32_t *tier)
 {
     uint64_t at = sizeof(ring_table_reply), seen = 0;
     for (uint32_t l = 0; l < nlists; l++) {
@@ -1173,12 +1176,13 @@ static int table_ring_parse(const uint8_t *a, uint64_t bytes, uint32_t nlists, u
             return -1;
         memcpy(&h, a + at, sizeof h);
         at += sizeof h;
-        uint64_t words = 3 * (uint64_t)h.nsegments + h.npositions;
-        uint64_t need = words * sizeof(uint32_t) + ((uint64_t)h.nsegments + 3) / 4 * 4;
-        if (bytes - at < need || h.nsegments > nsegments - seen)
+        uint64_t n = h.nsegments, words = 3 * n + h.npositions;
+        uint64_t need = words * sizeof(uint32_t) + (n + 3) / 4 * 4;
+        if (bytes - at < need || n > nsegments - seen)
             return -1;
-        const uint32_t *u = (const uint32_t *)(a + at);
-        const uint8_t *t8 = (const uint8_t *)(u + words);
+        const uint8_t *t8 = a + at + words * sizeof(uint32_t);
+        uint32_t *seg = u + 3 * seen;
+        memcpy(seg, a + at, 3 * n * sizeof *seg);
         Kvstash__V1__LayerTable *lt = &lts[l];
         kvstash__v1__layer_table__init(lt);
         lt->layer = h.layer;
@@ -1189,16 +1193,16 @@ static int table_ring_parse(const uint8_t *a, uint64_t bytes, uint32_t nlists, u
         lt->int4_block_tokens = h.int4_block_tokens;
         lt->int2_block_tokens = h.int2_block_tokens;
         lt->quant_group = h.quant_group;
-        lt->n_block = lt->n_first_slot = lt->n_count = lt->n_tier = h.nsegments;
-        lt->block = (uint32_t *)u;
-        lt->first_slot = (uint32_t *)u + h.nsegments;
-        lt->count = (uint32_t *)u + 2 * (size_t)h.nsegments;
+        lt->n_block = lt->n_first_slot = lt->n_count = lt->n_tier = n;
+        lt->block = seg;
+        lt->first_slot = seg + n;
+        lt->count = seg + 2 * n;
         lt->n_positions = h.npositions;
-        lt->positions = (uint32_t *)u + 3 * (size_t)h.nsegments;
+        lt->positions = (uint32_t *)(a + at + 3 * n * sizeof(uint32_t));
         lt->tier = tier + seen;
-        for (uint32_t i = 0; i < h.nsegments; i++)
+        for (uint64_t i = 0; i < n; i++)
             lt->tier[i] = t8[i];
-        seen += h.nsegments;
+        seen += n;
         at += need;
     }
     return seen == nsegments ? 0 : -1;
@@ -1224,36 +1228,32 @@ static int table_ring(kvs_session *s, uint64_t seq_id, int with_positions, kvs_t
     ring_table_reply h;
     memcpy(&h, s->ring.data, sizeof h);
     if (h.bytes < sizeof h || h.bytes > s->ring.data_bytes ||
-        h.nlists > (h.bytes - sizeof h) / sizeof(ring_table_list)) {
+        h.nlists > (h.bytes - sizeof h) / sizeof(ring_table_list) ||
+        r.nsegments > (h.bytes - sizeof h) / 13) {
         fail(s,
-             "GetBlockTable: kvstashd's answer on the ring says %" PRIu64 " bytes and %" PRIu32
-             " lists",
-             h.bytes, h.nlists);
+             "GetBlockTable: kvstashd's answer on the ring says %" PRIu64 " bytes, %" PRIu32
+             " lists and %" PRIu32 " segments",
+             h.bytes, h.nlists, r.nsegments);
         return KVS_ERR_PROTOCOL;
     }
-    uint8_t *a = malloc(h.bytes);
     Kvstash__V1__LayerTable *lts = malloc((h.nlists ? h.nlists : 1) * sizeof *lts);
     Kvstash__V1__LayerTable **ptrs = malloc((h.nlists ? h.nlists : 1) * sizeof *ptrs);
-    uint32_t *tier = malloc((r.nsegments ? r.nsegments : 1) * sizeof *tier);
-    if (a == NULL || lts == NULL || ptrs == NULL || tier == NULL) {
+    uint32_t *u = malloc((4 * (size_t)r.nsegments + 1) * sizeof *u), *tier = u + 3 * r.nsegments;
+    if (lts == NULL || ptrs == NULL || u == NULL) {
         fail(s, "GetBlockTable: out of memory for a %" PRIu64 "-byte table", h.bytes);
         rc = KVS_ERR_SYSTEM;
+    } else if (table_ring_parse(s->ring.data, h.bytes, h.nlists, r.nsegments, lts, u, tier) != 0) {
+        fail(s, "GetBlockTable: kvstashd's answer on the ring is malformed");
+        rc = KVS_ERR_PROTOCOL;
     } else {
-        memcpy(a, s->ring.data, h.bytes); /* checked only after it is ours */
-        if (table_ring_parse(a, h.bytes, h.nlists, r.nsegments, lts, tier) != 0) {
-            fail(s, "GetBlockTable: kvstashd's answer on the ring is malformed");
-            rc = KVS_ERR_PROTOCOL;
-        } else {
-            for (uint32_t l = 0; l < h.nlists; l++)
-                ptrs[l] = &lts[l];
-            rc = table_fill(s, ptrs, h.nlists, "GetBlockTable", out);
-            out->epoch = r.epoch;
-        }
+        for (uint32_t l = 0; l < h.nlists; l++)
+            ptrs[l] = &lts[l];
+        rc = table_fill(s, ptrs, h.nlists, "GetBlockTable", out);
+        out->epoch = r.epoch;
     }
-    free(a);
     free(lts);
     free(ptrs);
-    free(tier);
+    free(u);
     return rc;
 }
 
