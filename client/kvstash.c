@@ -1238,18 +1238,20 @@ static int table_ring(kvs_session *s, uint64_t seq_id, int with_positions, kvs_t
     }
     Kvstash__V1__LayerTable *lts = malloc((h.nlists ? h.nlists : 1) * sizeof *lts);
     Kvstash__V1__LayerTable **ptrs = malloc((h.nlists ? h.nlists : 1) * sizeof *ptrs);
-    uint32_t *u = malloc((4 * (size_t)r.nsegments + 1) * sizeof *u), *tier = u + 3 * r.nsegments;
+    uint32_t *u = malloc((4 * (size_t)r.nsegments + 1) * sizeof *u); /* segments, then tiers */
     if (lts == NULL || ptrs == NULL || u == NULL) {
         fail(s, "GetBlockTable: out of memory for a %" PRIu64 "-byte table", h.bytes);
         rc = KVS_ERR_SYSTEM;
-    } else if (table_ring_parse(s->ring.data, h.bytes, h.nlists, r.nsegments, lts, u, tier) != 0) {
+    } else if (table_ring_parse(s->ring.data, h.bytes, h.nlists, r.nsegments, lts, u,
+                                u + 3 * (size_t)r.nsegments) != 0) {
         fail(s, "GetBlockTable: kvstashd's answer on the ring is malformed");
         rc = KVS_ERR_PROTOCOL;
     } else {
         for (uint32_t l = 0; l < h.nlists; l++)
             ptrs[l] = &lts[l];
         rc = table_fill(s, ptrs, h.nlists, "GetBlockTable", out);
-        out->epoch = r.epoch;
+        if (rc == KVS_OK)
+            out->epoch = r.epoch;
     }
     free(lts);
     free(ptrs);

@@ -107,7 +107,7 @@ def rpc_seeds(pb, health_pb):
 # fuzz_ring: struct ring_request (proto/kvstash_ring.h), little-endian, 64 bytes.
 RING_REQ = struct.Struct("<IIQQqIIIIdQ")
 FIX_SEQ, FIX_ACK, FIX_LEN = 1, 2, 4
-PING, APPEND, STEP, EPOCH = 1, 2, 3, 4
+PING, APPEND, STEP, EPOCH, REVIVE, RELEASE_SCRATCH, TABLE = 1, 2, 3, 4, 5, 6, 7
 STEP_SCORE = 1
 
 
@@ -130,6 +130,14 @@ def ring_seeds():
         "step-full": b"\x00" + ring_record(fix, STEP),
         "scribble": b"\x00" + ring_record(fix | 8 | 16, EPOCH) + ring_record(fix | 8, APPEND, count=1),
         "bad-op": b"\x00" + ring_record(0, 99),
+        # ring_revive_request {layer, head, first, count, skip_evicted}; the
+        # scratch id 1 of the first revive, released.
+        "revive-release": b"\x00" + ring_record(fix, REVIVE, data=struct.pack("<5I", 0, 0, 0, 2, 0))
+        + ring_record(fix, RELEASE_SCRATCH, data=struct.pack("<Q", 1)),
+        # ring_table_request {with_positions, pad}, after an append.
+        "append-table": b"\x00" + ring_record(fix, APPEND, count=3)
+        + ring_record(fix, TABLE, data=struct.pack("<2I", 1, 0))
+        + ring_record(fix, TABLE, data=struct.pack("<2I", 0, 0)),
     }
 
 
