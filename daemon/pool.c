@@ -205,16 +205,3 @@ void pool_release(pool *p)
 {
     p->sp_active = 0;
 }
-
-int pool_mark(pool *p, uint32_t block)
-{
-    uint8_t bit = (uint8_t)(1u << (block % 8)), *byte = &p->marks[block / 8];
-    int was_clear = !(*byte & bit);
-    *byte |= bit;
-    return was_clear;
-}
-
-void pool_unmark(pool *p, uint32_t block)
-{
-    p->marks[block / 8] &= (uint8_t) ~(1u << (block % 8));
-}

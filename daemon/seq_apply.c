@@ -467,14 +467,13 @@ int list_compact(seq *s, seq_list *ly, tier_token *kept, uint32_t n)
     return 0;
 }
 
-/* seq_internal.h. The pool's marks say which blocks were seen, so a step
- * sorts nothing; every mark is cleared again before returning. */
-int list_retire_unused(seq *s, seq_list *ly, const uint32_t *before, size_t nb,
-                       const uint32_t *after, size_t na, uint64_t epoch)
+/* list_retire_unused with the blocks used after already marked (the caller
+ * clears those marks): the blocks of before[] not marked are retired, each
+ * once; their marks are cleared again. */
+static int list_retire_unmarked(seq *s, seq_list *ly, const uint32_t *before, size_t nb,
+                                uint64_t epoch)
 {
     int rc = 0;
-    for (size_t i = 0; i < na; i++)
-        pool_mark(s->pool, after[i]);
     for (size_t i = 0; i < nb && rc == 0; i++) {
         if (!pool_mark(s->pool, before[i])) /* used after, or retired already */
             continue;
@@ -482,10 +481,21 @@ int list_retire_unused(seq *s, seq_list *ly, const uint32_t *before, size_t nb,
         if (rc == 0 && ly->has_tail && ly->tail_block == before[i])
             ly->has_tail = 0;
     }
-    for (size_t i = 0; i < na; i++)
-        pool_unmark(s->pool, after[i]);
     for (size_t i = 0; i < nb; i++)
         pool_unmark(s->pool, before[i]);
+    return rc;
+}
+
+/* seq_internal.h. The pool's marks say which blocks were seen, so a step
+ * sorts nothing; every mark is cleared again before returning. */
+int list_retire_unused(seq *s, seq_list *ly, const uint32_t *before, size_t nb,
+                       const uint32_t *after, size_t na, uint64_t epoch)
+{
+    for (size_t i = 0; i < na; i++)
+        pool_mark(s->pool, after[i]);
+    int rc = list_retire_unmarked(s, ly, before, nb, epoch);
+    for (size_t i = 0; i < na; i++)
+        pool_unmark(s->pool, after[i]);
     return rc;
 }
 
@@ -653,14 +663,13 @@ static int list_apply_evictions(seq *s, uint32_t l, uint32_t k, const policy_dec
         }
         i += c;
     }
+    /* The blocks the kept tokens use, marked (until the end) and counted:
+     * list_compact's rule, then what list_retire_unused needs marked. */
     for (size_t j = 0; j < out; j++)
         after[j] = segs[j].block;
-    /* list_compact's rule, on the blocks the kept tokens use. */
     uint32_t need = (kept + s->block_slots - 1) / s->block_slots, blocks = 0;
     for (size_t j = 0; j < out; j++)
         blocks += (uint32_t)pool_mark(s->pool, after[j]);
-    for (size_t j = 0; j < out; j++)
-        pool_unmark(s->pool, after[j]);
     int rc = need > 0 && need <= s->pool->nfree && blocks > need + compact_slack(need) ? 1 : 0;
     if (rc == 0 && (seq_txn_save_list(s, ly) != 0 || list_reserve(ly, out ? out : 1) != 0))
         rc = -1;
@@ -671,8 +680,10 @@ static int list_apply_evictions(seq *s, uint32_t l, uint32_t k, const policy_dec
         memcpy(ly->segs, segs, out * sizeof *segs);
         memset(ly->seg_tier, POLICY_FULL, out);
         ly->nsegs = out;
-        rc = list_retire_unused(s, ly, before, nb, after, out, epoch);
+        rc = list_retire_unmarked(s, ly, before, nb, epoch);
     }
+    for (size_t j = 0; j < out; j++)
+        pool_unmark(s->pool, after[j]);
     free(segs);
     free(ids);
     return rc;
