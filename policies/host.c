@@ -365,7 +365,10 @@ const policy_layer_view *policy_host_view(policy_host *h, uint32_t layer)
     return &ly->view;
 }
 
-static int layer_prepare_decision(host_layer *ly, uint32_t heads)
+/* The layer's decision preset to its current tiers; room for a merge a
+ * token only for a policy that merges (20 bytes a token and layer the
+ * others never use), grown by doubling, as the lists grow a token a step. */
+static int layer_prepare_decision(host_layer *ly, uint32_t heads, int merges)
 {
     size_t total = 0;
     for (uint32_t k = 0; k < heads; k++) {
@@ -376,12 +379,15 @@ static int layer_prepare_decision(host_layer *ly, uint32_t heads)
             memcpy(li->next_tier, li->tier, li->tokens);
         total += li->tokens;
     }
-    if (total > ly->merges_cap) {
-        policy_merge *m = realloc(ly->merges, total * sizeof *m);
+    if (merges && total > ly->merges_cap) {
+        size_t cap = ly->merges_cap ? ly->merges_cap : 16;
+        while (cap < total)
+            cap *= 2;
+        policy_merge *m = realloc(ly->merges, cap * sizeof *m);
         if (m == NULL)
             return -1;
         ly->merges = m;
-        ly->merges_cap = total;
+        ly->merges_cap = cap;
     }
     ly->decision.merges = ly->merges;
     ly->decision.merges_cap = ly->merges_cap;
@@ -612,7 +618,7 @@ int policy_host_step(policy_host *h, uint32_t layer, const policy_stats *stats,
     if (layer == 0)
         h->steps++;
     layer_refresh(ly, h->heads, h->appended, h->steps);
-    if (layer_prepare_decision(ly, h->heads) != 0) {
+    if (layer_prepare_decision(ly, h->heads, h->ops->merges) != 0) {
         snprintf(err, errlen, "out of memory");
         return -1;
     }

@@ -180,8 +180,10 @@ typedef struct policy_merge {
 
 /*
  * The policy's answer for one layer. tier[h][i] comes preset to the view's
- * current tier; the policy changes the entries it wants changed. merges has
- * room for `merges_cap` entries (at least the total tokens of the view).
+ * current tier; the policy changes the entries it wants changed. For a
+ * policy whose ops.merges is set, merges has room for `merges_cap` entries
+ * (at least the total tokens of the view); for the others it is NULL and
+ * merges_cap 0.
  * rerotate_keys asks the daemon to re-rotate the keys of tokens whose index
  * in the list shrank by the eviction (OpenVINO §2.8, kvpress
  * KeyRerotationPress): a token moved from index i to j gets RoPE at j - i
@@ -224,6 +226,7 @@ typedef struct policy_ops {
     size_t nparams;
     unsigned needs; /* POLICY_NEEDS_* */
     int per_head;   /* decides per KV head (views have heads == kv_heads) */
+    int merges;     /* its decisions may merge tokens (policy_decision.merges) */
 
     /* Build the per-sequence state from resolved parameters. Returns 0, or -1
      * with a message in err naming the offending parameter. *state (may be

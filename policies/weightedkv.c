@@ -735,6 +735,7 @@ const policy_ops policy_weightedkv = {
     .nparams = sizeof(wkv_params) / sizeof(wkv_params[0]),
     .needs = POLICY_NEEDS_LAST_ATTN,
     .per_head = 1,
+    .merges = 1,
     .create = wkv_create,
     .step = wkv_step,
     .describe = wkv_describe,

@@ -190,6 +190,7 @@ static const policy_ops fake_mod3 = {
     .summary = "evict p % 3 == 0, INT8 for p % 3 == 1",
     .params = fake_params,
     .nparams = 1,
+    .merges = 1, /* fake_observe checks the room */
     .create = fake_create,
     .step = fake_mod3_step,
     .destroy = fake_destroy,
@@ -201,6 +202,7 @@ static const policy_ops fake_head = {
     .params = fake_params,
     .nparams = 1,
     .per_head = 1,
+    .merges = 1, /* fake_observe checks the room */
     .create = fake_create,
     .step = fake_head_step,
     .destroy = fake_destroy,
@@ -212,6 +214,7 @@ static const policy_ops fake_score = {
     .params = fake_params,
     .nparams = 1,
     .needs = POLICY_NEEDS_SCORE,
+    .merges = 1, /* fake_observe checks the room */
     .create = fake_create,
     .step = fake_score_step,
     .destroy = fake_destroy,
@@ -222,6 +225,7 @@ static const policy_ops fake_fail = {
     .summary = "create always fails",
     .params = fake_params,
     .nparams = 1,
+    .merges = 1, /* fake_observe checks the room */
     .create = fail_create,
     .step = fake_mod3_step,
     .destroy = fake_destroy,
@@ -875,6 +879,37 @@ static void test_merges_capacity(void **unused)
     }
 }
 
+/* A policy that does not merge gets no room for merges (20 bytes a token
+ * and layer otherwise), and a decision that merges anyway is refused. */
+static int plain_step(void *state, const policy_layer_view *v, const policy_stats *stats,
+                      policy_decision *d, char *err, size_t errlen)
+{
+    (void)state, (void)v, (void)stats, (void)err, (void)errlen;
+    assert_null(d->merges);
+    assert_int_equal(d->merges_cap, 0);
+    d->nmerges = v->tokens[0] > 5; /* past 5 tokens, one merge it has no room for */
+    return 0;
+}
+
+static void test_merges_only_for_policies_that_merge(void **unused)
+{
+    (void)unused;
+    policy_ops plain = fake_mod3;
+    plain.step = plain_step;
+    plain.merges = 0;
+    policy_host *h = host_new(&plain, 2, 8);
+    policy_stats stats = {.confidence = -1.0};
+    assert_int_equal(policy_host_append(h, 5), 0);
+    step_ok(h, 0, &stats);
+    assert_int_equal(policy_host_commit(h, 0), 0);
+    assert_int_equal(policy_host_append(h, 1), 0);
+    const policy_decision *d;
+    char err[POLICY_ERR_LEN] = "";
+    assert_int_equal(policy_host_step(h, 0, &stats, &d, err, sizeof err), -1);
+    assert_non_null(strstr(err, "merges exceed the capacity 0"));
+    policy_host_destroy(h);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -891,6 +926,7 @@ int main(void)
         cmocka_unit_test(test_step_failure),
         cmocka_unit_test(test_step_before_any_append),
         cmocka_unit_test(test_merges_capacity),
+        cmocka_unit_test(test_merges_only_for_policies_that_merge),
         cmocka_unit_test(test_storage_demote),
         cmocka_unit_test(test_storage_demote_keep),
         cmocka_unit_test(test_host_demote_keep),
