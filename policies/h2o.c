@@ -216,14 +216,20 @@ static int h2o_step(void *state, const policy_layer_view *view, const policy_sta
     policy_cut_mark(&cut, ly->score + first, 1.0, NULL, 1, m, 0, evict);
     for (uint32_t i = 0; i < m; i++)
         d->tier[0][first + i] = evict[i] ? (uint8_t)POLICY_EVICT : d->tier[0][first + i];
-    /* Compact the per-token state exactly as the host compacts the list. */
+    /* Compact the per-token state exactly as the host compacts the list:
+     * run by run of kept tokens (a decode step evicts one of many). */
     uint32_t out = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        if (d->tier[0][i] == POLICY_EVICT)
-            continue;
-        ly->pos[out] = ly->pos[i];
-        ly->score[out] = ly->score[i];
-        out++;
+    for (uint32_t i = 0; i < n;) {
+        const uint8_t *e = memchr(d->tier[0] + i, POLICY_EVICT, n - i);
+        uint32_t end = e != NULL ? (uint32_t)(e - d->tier[0]) : n;
+        if (out != i) {
+            memmove(ly->pos + out, ly->pos + i, (end - i) * sizeof *ly->pos);
+            memmove(ly->score + out, ly->score + i, (end - i) * sizeof *ly->score);
+        }
+        out += end - i;
+        i = end;
+        while (i < n && d->tier[0][i] == POLICY_EVICT)
+            i++;
     }
     ly->n = out;
     return 0;
