@@ -22,8 +22,9 @@ Standard library only; a module and a command line:
     cluster.py cmd DIR PORT ARG...                       one command, its reply printed
 
 Servers run daemonized (--daemonize yes) with their pidfiles, logs, and
-cluster configs in DIR, on random free ports in 20000-29999 (the cluster bus
-on port+10000), bound to 127.0.0.1 only. Every wait is bounded; `stop`
+cluster configs in DIR, on random free ports below the kernel's ephemeral
+ports with their cluster bus (port+10000) too (10000-22767 on Linux's
+default range), bound to 127.0.0.1 only. Every wait is bounded; `stop`
 always cleans up, whatever state DIR is in. Errors: exit status 1 and one
 line on stderr (ClusterError in Python).
 """
@@ -178,16 +179,32 @@ def _port_free(port):
     return True
 
 
+def _port_range():
+    """Where a node's port and its bus port (port+10000) both lie below the
+    kernel's ephemeral ports. A bus port among them can be taken, while its
+    node is down, as the local port of any connection on the machine, and
+    the node then cannot restart (bind: Address already in use; a CI run
+    of test_remote met it)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        lo = 32768
+    hi = min(lo - 10000, 30000)
+    return (10000, hi) if hi - 10000 >= 2000 else (20000, 30000)
+
+
 def _pick_ports(n, taken=()):
     rng = random.Random(os.getpid() ^ time.time_ns())
+    lo, hi = _port_range()
     ports = []
     for _ in range(2000):
-        p = rng.randrange(20000, 30000)
+        p = rng.randrange(lo, hi)
         if p not in ports and p not in taken and _port_free(p):
             ports.append(p)
             if len(ports) == n:
                 return ports
-    raise ClusterError("no %d free ports (with port+10000) in 20000-29999" % n)
+    raise ClusterError("no %d free ports (with port+10000) in %d-%d" % (n, lo, hi - 1))
 
 
 def _server_args(d, port, cluster):
@@ -420,9 +437,18 @@ def kill(d, port):
 
 
 def restart(d, port):
-    """Start the node on port again (same config file, so same identity)."""
+    """Start the node on port again (same config file, so same identity).
+    A node that does not answer: the end of its log in the error."""
     _launch(d, port)
-    _wait_ping(port)
+    try:
+        _wait_ping(port)
+    except ClusterError as e:
+        try:
+            with open(os.path.join(d, "redis-%d.log" % port), errors="replace") as f:
+                tail = f.read()[-300:].strip()
+        except OSError:
+            tail = "(no log)"
+        raise ClusterError("%s; its log ends: %s" % (e, tail)) from None
 
 
 def stop(d):
