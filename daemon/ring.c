@@ -182,6 +182,23 @@ static int request_copy(const ring *rg, const ring_request *q, void *out, size_t
     return 1;
 }
 
+/* A layer table's arrays as the REVIVE and TABLE answers hold them
+ * (proto/kvstash_ring.h): uint32 block[n], first_slot[n], count[n], then
+ * its first npos positions; returns the end. */
+static uint8_t *table_arrays_put(uint8_t *p, const store_layer_table *t, uint32_t npos)
+{
+    uint32_t *u = (uint32_t *)p;
+    size_t n = t->nsegs;
+    for (size_t i = 0; i < n; i++) {
+        u[i] = t->segs[i].block;
+        u[n + i] = t->segs[i].first_slot;
+        u[2 * n + i] = t->segs[i].count;
+    }
+    if (npos > 0)
+        memcpy(u + 3 * n, t->positions, (size_t)npos * sizeof *u);
+    return (uint8_t *)(u + 3 * n + npos);
+}
+
 /* REVIVE: store_revive, as gRPC's Revive; the answer to the data area
  * (proto/kvstash_ring.h), or refused with the scratch released when it
  * would not fit. */
@@ -211,15 +228,8 @@ static void serve_revive(ring *rg, const ring_request *q, ring_response *r)
             t->tokens,      (uint32_t)t->nsegs, 0};
         uint8_t *p = rg->data;
         memcpy(p, &h, sizeof h);
-        uint32_t *u = (uint32_t *)(p + sizeof h);
-        for (size_t i = 0; i < t->nsegs; i++) {
-            u[i] = t->segs[i].block;
-            u[t->nsegs + i] = t->segs[i].first_slot;
-            u[2 * t->nsegs + i] = t->segs[i].count;
-        }
-        u += 3 * t->nsegs;
-        memcpy(u, t->positions, (size_t)t->tokens * sizeof *u);
-        memcpy(u + t->tokens, out.src_tier, t->tokens);
+        uint8_t *end = table_arrays_put(p + sizeof h, t, t->tokens);
+        memcpy(end, out.src_tier, t->tokens);
         r->nsegments = (uint32_t)t->nsegs;
         respond(r, ST_OK, "");
     }
@@ -249,16 +259,7 @@ static uint8_t *table_list_put(uint8_t *p, const store_layer_table *t)
                          t->int2_block_tokens,
                          t->quant_group};
     memcpy(p, &h, sizeof h);
-    uint32_t *u = (uint32_t *)(p + sizeof h);
-    for (uint32_t i = 0; i < n; i++) {
-        u[i] = t->segs[i].block;
-        u[n + i] = t->segs[i].first_slot;
-        u[2 * n + i] = t->segs[i].count;
-    }
-    u += 3 * (size_t)n;
-    if (npos > 0)
-        memcpy(u, t->positions, (size_t)npos * sizeof *u);
-    uint8_t *tier = (uint8_t *)(u + npos);
+    uint8_t *tier = table_arrays_put(p + sizeof h, t, npos);
     for (uint32_t i = 0; i < n; i++)
         tier[i] = t->tiers != NULL ? t->tiers[i] : POLICY_FULL;
     return tier + (n + 3) / 4 * 4;
