@@ -10,6 +10,7 @@
  * the whole call back. Nothing here undoes its own work.
  */
 #include <stdlib.h>
+#include <sys/types.h>
 #include <string.h>
 
 #include "seq_internal.h"
@@ -610,34 +611,120 @@ static size_t runs_push(kv_segment *segs, size_t n, kv_segment g)
     return n + 1;
 }
 
-/*
- * The common step, without a token array: a list stored all at full
- * precision, no victims kept, whose decision only keeps (FULL) and evicts.
- * What list_apply does then comes down to cutting the evicted tokens out
- * of the segments and retiring the blocks left empty, so it is done on the
- * segments: one pass over the decision's bytes and one over the segments,
- * where list_apply makes a dozen passes over a 12-byte entry per token
- * (issue 16 §2: a streaming step at 32k tokens × 32 layers). The result is
- * the same segments and retired blocks as list_apply's. Returns 1 when it
- * does not apply (a tier to move, victims to keep, or a compaction due,
- * which list_apply does), else 0 or -1 (out of memory).
- */
-static int list_apply_evictions(seq *s, uint32_t l, uint32_t k, const policy_decision *d,
-                                uint64_t epoch, int *changed)
+/* One cut of list_cut_in_place: `take` tokens from token t of segment j. */
+typedef struct seg_cut {
+    size_t seg;
+    uint32_t t, take;
+} seg_cut;
+
+/* The cuts that remove the evicted tokens of tier[0..n) from the list's
+ * segments, in segment order, into cuts[] (room for nevict); the segments
+ * are only read. Returns the count, or -1 when the segments hold fewer
+ * than the decision's tokens (list_apply then decides). */
+static ssize_t list_plan_cuts(const seq_list *ly, const uint8_t *tier, uint32_t n, seg_cut *cuts)
 {
-    seq_list *ly = seq_list_at(s, l, k);
-    uint32_t n = seq_list_tokens(s, l, k, NULL), nevict;
-    const uint8_t *tier = d->tier[k];
-    if (ly->noffloaded > 0 || policy_host_storage(s->host)->victims != POLICY_VICTIMS_EVICT ||
-        !keeps_or_evicts(tier, n, &nevict))
-        return 1;
-    for (size_t i = 0; i < ly->nsegs; i++)
-        if (ly->seg_tier[i] != POLICY_FULL)
-            return 1;
-    if (nevict == 0)
-        return 0; /* list_untouched */
-    /* The kept runs of each segment, merged as list_encode merges; an
-     * evicted run splits a segment in two at most once per evicted token. */
+    size_t j = 0, ncuts = 0;
+    uint32_t base = 0; /* the index of segment j's first token */
+    for (uint32_t a = 0; a < n;) {
+        const uint8_t *e = memchr(tier + a, POLICY_EVICT, n - a);
+        if (e == NULL)
+            break;
+        a = (uint32_t)(e - tier);
+        uint32_t b = a;
+        while (b < n && tier[b] == POLICY_EVICT)
+            b++;
+        while (a < b) { /* the run [a, b), segment by segment */
+            while (j < ly->nsegs && base + ly->segs[j].count <= a)
+                base += ly->segs[j++].count;
+            if (j == ly->nsegs)
+                return -1;
+            uint32_t t = a - base, left = ly->segs[j].count - t;
+            uint32_t take = b - a < left ? b - a : left;
+            cuts[ncuts++] = (seg_cut){j, t, take};
+            a += take;
+        }
+    }
+    return (ssize_t)ncuts;
+}
+
+/* Apply one cut (segments after cut->seg move; the segments are all at
+ * full precision). A block whose only segment goes is put in gone[]. */
+static void list_apply_cut(seq_list *ly, const seg_cut *c, uint32_t *gone, size_t *ngone)
+{
+    kv_segment *g = &ly->segs[c->seg];
+    size_t after = ly->nsegs - c->seg - 1;
+    if (c->t == 0 && c->take == g->count) {
+        gone[(*ngone)++] = g->block;
+        memmove(g, g + 1, after * sizeof *g);
+        ly->nsegs--;
+    } else if (c->t == 0) {
+        g->first_slot += c->take;
+        g->count -= c->take;
+    } else if (c->t + c->take == g->count) {
+        g->count -= c->take;
+    } else { /* from the middle: the segment splits in two */
+        memmove(g + 2, g + 1, after * sizeof *g);
+        g[1] = (kv_segment){g->block, g->first_slot + c->t + c->take, g->count - c->t - c->take};
+        g->count = c->t;
+        ly->seg_tier[ly->nsegs++] = POLICY_FULL;
+    }
+}
+
+/* Whether a segment of the list uses block b. */
+static int list_uses_block(const seq_list *ly, uint32_t b)
+{
+    int used = 0;
+    for (size_t j = 0; j < ly->nsegs; j++) /* no early exit: vectorised */
+        used |= ly->segs[j].block == b;
+    return used;
+}
+
+/*
+ * list_apply_evictions when no compaction can be due: the evicted tokens
+ * are cut out of the segments where they are, the other segments stay as
+ * they are (a decode step evicts one token of thousands), and only the
+ * blocks whose last segment went are retired. Segments stay maximal: a
+ * cut leaves a gap, it never makes two segments contiguous. Returns 1
+ * when the segments do not match the decision, else 0 or -1.
+ */
+static int list_cut_in_place(seq *s, seq_list *ly, const uint8_t *tier, uint32_t n, uint32_t nevict,
+                             uint64_t epoch, int *changed)
+{
+    seg_cut *cuts = malloc(nevict * sizeof *cuts);
+    uint32_t *gone = malloc(nevict * sizeof *gone);
+    ssize_t ncuts = cuts != NULL && gone != NULL ? list_plan_cuts(ly, tier, n, cuts) : -2;
+    int rc = ncuts == -1 ? 1 : ncuts < 0 ? -1 : 0;
+    if (rc == 0 && (seq_txn_save_list(s, ly) != 0 || list_reserve(ly, ly->nsegs + nevict) != 0))
+        rc = -1;
+    size_t ngone = 0;
+    if (rc == 0) {
+        *changed = 1;
+        for (ssize_t c = ncuts - 1; c >= 0; c--) /* the last first: earlier ones stay put */
+            list_apply_cut(ly, &cuts[c], gone, &ngone);
+    }
+    for (size_t i = 0; rc == 0 && i < ngone; i++) {
+        int again = 0;
+        for (size_t m = 0; m < i; m++)
+            again |= gone[m] == gone[i];
+        if (again || list_uses_block(ly, gone[i]))
+            continue;
+        rc = seq_retire(s, gone[i], epoch);
+        if (rc == 0 && ly->has_tail && ly->tail_block == gone[i])
+            ly->has_tail = 0;
+    }
+    free(cuts);
+    free(gone);
+    return rc;
+}
+
+/* list_apply_evictions when a compaction may be due: the kept runs of
+ * every segment, merged as list_encode merges, the blocks they use marked
+ * and counted for list_compact's rule. Returns 1 when the compaction is
+ * due (list_apply compacts), else 0 or -1. */
+static int list_cut_rebuild(seq *s, seq_list *ly, const uint8_t *tier, uint32_t n, uint32_t nevict,
+                            uint64_t epoch, int *changed)
+{
+    /* An evicted run splits a segment in two at most once per evicted token. */
     size_t cap = ly->nsegs + nevict, out = 0, nb = 0;
     kv_segment *segs = malloc(cap * sizeof *segs);
     uint32_t *ids = malloc((ly->nsegs + 1 + cap) * sizeof *ids); /* before (tail too), after */
@@ -687,6 +774,44 @@ static int list_apply_evictions(seq *s, uint32_t l, uint32_t k, const policy_dec
     free(segs);
     free(ids);
     return rc;
+}
+
+/*
+ * The common step, without a token array: a list stored all at full
+ * precision, no victims kept, whose decision only keeps (FULL) and evicts.
+ * What list_apply does then comes down to cutting the evicted tokens out
+ * of the segments and retiring the blocks left empty, so it is done on the
+ * segments (issue 16 §2: a streaming step at 32k tokens × 32 layers), in
+ * place when no compaction can be due, where list_apply makes a dozen
+ * passes over a 12-byte entry per token. The result is the same segments
+ * and retired blocks as list_apply's. Returns 1 when it does not apply (a
+ * tier to move, victims to keep, or a compaction due, which list_apply
+ * does), else 0 or -1 (out of memory).
+ */
+static int list_apply_evictions(seq *s, uint32_t l, uint32_t k, const policy_decision *d,
+                                uint64_t epoch, int *changed)
+{
+    seq_list *ly = seq_list_at(s, l, k);
+    uint32_t n = seq_list_tokens(s, l, k, NULL), nevict;
+    const uint8_t *tier = d->tier[k];
+    if (ly->noffloaded > 0 || policy_host_storage(s->host)->victims != POLICY_VICTIMS_EVICT ||
+        !keeps_or_evicts(tier, n, &nevict))
+        return 1;
+    for (size_t i = 0; i < ly->nsegs; i++)
+        if (ly->seg_tier[i] != POLICY_FULL)
+            return 1;
+    if (nevict == 0)
+        return 0; /* list_untouched */
+    /* The blocks kept tokens use after the cuts are at most the segments
+     * after them, and each evicted token splits at most one segment: below
+     * list_compact's rule, no compaction can be due. A tail block that no
+     * segment ends in (none of its slots written yet) is list_apply's. */
+    uint32_t kept = n - nevict, need = (kept + s->block_slots - 1) / s->block_slots;
+    int tail_unused =
+        ly->has_tail && (ly->nsegs == 0 || ly->segs[ly->nsegs - 1].block != ly->tail_block);
+    if (ly->nsegs + nevict <= (size_t)need + compact_slack(need) && !tail_unused)
+        return list_cut_in_place(s, ly, tier, n, nevict, epoch, changed);
+    return list_cut_rebuild(s, ly, tier, n, nevict, epoch, changed);
 }
 
 status_code seq_apply_decision(seq *s, uint32_t l, const policy_decision *d, uint64_t epoch,

@@ -463,10 +463,17 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg, const char **daemon
             cfg->geom.head_dim = (uint32_t)d;
         } else if (strcmp(argv[i], "--csv") == 0 && next != NULL) {
             cfg->csv = argv[++i];
+        } else if (strcmp(argv[i], "--steps") == 0 && next != NULL) {
+            unsigned long n = strtoul(argv[++i], NULL, 10);
+            if (n < 1 || n > 100000) {
+                fprintf(stderr, "bench_step_context: --steps: want 1..100000 timed steps\n");
+                return -1;
+            }
+            cfg->steps = (uint32_t)n;
         } else if (argv[i][0] == '-') {
             fprintf(stderr,
                     "usage: %s [--quick] [--contexts N,N,...] [--head-dim D] [--policies P,...] "
-                    "[--csv FILE] [PATH_TO_KVSTASHD]\n",
+                    "[--steps N] [--csv FILE] [PATH_TO_KVSTASHD]\n",
                     argv[0]);
             return -1;
         } else {

@@ -1498,9 +1498,10 @@ static void append_step(fx *f, uint32_t round)
 }
 
 /* A list's tokens as (block, slot) by position, for tests that follow
- * tokens across a step: at[p] is UINT32_MAX when p is not in the list. */
+ * tokens across a step: UINT32_MAX where p is not in the list. */
+enum { SLOTS_MAX = 1024 };
 typedef struct list_slots {
-    uint32_t block[64], slot[64];
+    uint32_t block[SLOTS_MAX], slot[SLOTS_MAX];
 } list_slots;
 
 static void list_slots_get(fx *f, uint32_t l, list_slots *out)
@@ -1511,90 +1512,137 @@ static void list_slots_get(fx *f, uint32_t l, list_slots *out)
     uint32_t t = 0;
     for (size_t i = 0; i < v.nsegs; i++)
         for (uint32_t j = 0; j < v.segs[i].count; j++, t++) {
-            assert_true(v.positions[t] < 64);
+            assert_true(v.positions[t] < SLOTS_MAX);
             out->block[v.positions[t]] = v.segs[i].block;
             out->slot[v.positions[t]] = v.segs[i].first_slot + j;
         }
 }
 
+/* After a step of layer l's list: the segments are maximal runs (as
+ * list_encode makes them), and every block the list used before (its tail
+ * too) and does not now is retired, at this step's epoch. */
+static void check_cut_list(fx *f, uint32_t l, const list_slots *before, int had_tail, uint32_t tail,
+                           size_t nretired, uint32_t round)
+{
+    check_list(f, l, 0);
+    seq_list_view v;
+    seq_list_view_get(f->s, l, 0, &v);
+    for (size_t i = 1; i < v.nsegs; i++)
+        assert_false(v.segs[i].block == v.segs[i - 1].block &&
+                     v.segs[i - 1].first_slot + v.segs[i - 1].count == v.segs[i].first_slot);
+    const seq_retired *r;
+    size_t nr = seq_retired_blocks(f->s, &r);
+    const seq_list *ly = seq_list_at(f->s, l, 0);
+    for (uint32_t p = 0; p < SLOTS_MAX + 1; p++) {
+        uint32_t b = p < SLOTS_MAX ? before->block[p] : had_tail ? tail : UINT32_MAX;
+        if (b == UINT32_MAX || block_in_lists(f, b) || (ly->has_tail && ly->tail_block == b))
+            continue;
+        int found = 0;
+        for (size_t i = nretired; i < nr; i++)
+            found |= r[i].block == b && r[i].epoch == seq_epoch(f->s);
+        if (!found)
+            fail_msg("round %u layer %u: block %u left the list, not retired", round, l, b);
+    }
+}
+
 /*
- * A step that only evicts full-precision tokens (seq_apply.c
- * list_apply_evictions works on the segments): h2o evicting from the middle
- * of the list, several tokens a step. After each step the kept tokens are
- * where they were (unless the step compacted the list: then all of them
- * read back their values from fresh blocks), the segments are maximal runs
- * (as list_encode makes them), every block the list stopped using is
- * retired at this step's epoch, and no retired block is in a list.
+ * Steps that only evict full-precision tokens (seq_apply.c
+ * list_apply_evictions works on the segments): `append` tokens, then a step
+ * whose scores interleave heavy and light tokens, until `positions` were
+ * appended. After each step the kept tokens are where they were (unless the
+ * step compacted the list: then all of them read back their values from
+ * fresh blocks), the list passes check_cut_list, and no retired block is in
+ * a list. Counts the steps that evicted in place and those that compacted.
  */
+static void follow_evictions(fx *f, uint32_t append_n, uint32_t positions, int by_position,
+                             uint32_t *in_place, uint32_t *compacted)
+{
+    *in_place = *compacted = 0;
+    list_slots *before = malloc(2 * sizeof *before), *after = malloc(sizeof *after);
+    assert_true(before != NULL && after != NULL && positions <= SLOTS_MAX);
+    for (uint32_t round = 0; seq_appended(f->s) + append_n <= positions; round++) {
+        append(f, append_n);
+        uint32_t tail[2];
+        int has_tail[2];
+        for (uint32_t l = 0; l < 2; l++) {
+            list_slots_get(f, l, &before[l]);
+            tail[l] = seq_list_at(f->s, l, 0)->tail_block;
+            has_tail[l] = seq_list_at(f->s, l, 0)->has_tail;
+        }
+        size_t nretired = seq_retired_count(f->s);
+        size_t n = seq_step_floats(f->s, POLICY_NEEDS_SCORE);
+        float *data = malloc((n + 1) * sizeof *data);
+        assert_non_null(data);
+        for (size_t i = 0; i < n; i++) /* heavy and light tokens interleaved */
+            data[i] = (float)((i * 5 + round * 3) % 7) / 7.0f;
+        for (uint32_t l = 0, at = 0; by_position && l < 2; l++) {
+            const uint32_t *pos;
+            uint32_t nl = seq_list_tokens(f->s, l, 0, &pos);
+            for (uint32_t i = 0; i < nl; i++) /* every 7th position never attended */
+                data[at++] = pos[i] % 7 == 0 ? 0.0f : 1.0f;
+        }
+        seq_step_input in = {POLICY_NEEDS_SCORE, 0, 0, 1, 0, 0, data, n};
+        uint32_t evicted;
+        status st;
+        if (seq_step(f->s, &in, &evicted, &st) != ST_OK)
+            fail_msg("step: %s", st.msg);
+        free(data);
+        for (uint32_t l = 0; l < 2; l++) {
+            list_slots_get(f, l, after);
+            int moved = 0;
+            for (uint32_t p = 0; p < SLOTS_MAX; p++)
+                if (after->block[p] != UINT32_MAX)
+                    moved |= after->block[p] != before[l].block[p] ||
+                             after->slot[p] != before[l].slot[p];
+            *in_place += !moved && evicted > 0;
+            *compacted += moved;
+            check_cut_list(f, l, &before[l], has_tail[l], tail[l], nretired, round);
+        }
+        const seq_retired *r;
+        size_t nr = seq_retired_blocks(f->s, &r);
+        for (size_t i = 0; i < nr; i++)
+            assert_false(block_in_lists(f, r[i].block));
+        seq_ack(f->s, seq_epoch(f->s));
+    }
+    free(before);
+    free(after);
+}
+
+/* h2o evicting from the middle of small lists, several tokens a step: the
+ * segments are rebuilt, and compaction comes often. */
 static void test_evictions_on_the_segments(void **state)
 {
     const char *const kv[] = {"budget", "9", "recent", "3"};
     fx f;
     fx_open(&f, backend_of(state), 64, "h2o", kv, 2);
-    uint32_t kept_in_place = 0, compacted = 0;
-    for (uint32_t round = 0; seq_appended(f.s) + 5 <= 64; round++) {
-        append(&f, 5);
-        list_slots before[2];
-        uint32_t tail[2];
-        int has_tail[2];
-        for (uint32_t l = 0; l < 2; l++) {
-            list_slots_get(&f, l, &before[l]);
-            tail[l] = seq_list_at(f.s, l, 0)->tail_block;
-            has_tail[l] = seq_list_at(f.s, l, 0)->has_tail;
-        }
-        size_t nretired = seq_retired_count(f.s);
-        size_t n = seq_step_floats(f.s, POLICY_NEEDS_SCORE);
-        float *data = malloc((n + 1) * sizeof *data);
-        assert_non_null(data);
-        for (size_t i = 0; i < n; i++) /* heavy and light tokens interleaved */
-            data[i] = (float)((i * 5 + round * 3) % 7) / 7.0f;
-        seq_step_input in = {POLICY_NEEDS_SCORE, 0, 0, 1, 0, 0, data, n};
-        uint32_t evicted;
-        status st;
-        if (seq_step(f.s, &in, &evicted, &st) != ST_OK)
-            fail_msg("step: %s", st.msg);
-        free(data);
-        for (uint32_t l = 0; l < 2; l++) {
-            list_slots after;
-            list_slots_get(&f, l, &after);
-            int moved = 0;
-            for (uint32_t p = 0; p < 64; p++)
-                if (after.block[p] != UINT32_MAX)
-                    moved |=
-                        after.block[p] != before[l].block[p] || after.slot[p] != before[l].slot[p];
-            kept_in_place += !moved && evicted > 0;
-            compacted += moved;
-            check_list(&f, l, 0);
-            seq_list_view v;
-            seq_list_view_get(f.s, l, 0, &v);
-            for (size_t i = 1; i < v.nsegs; i++)
-                assert_false(v.segs[i].block == v.segs[i - 1].block &&
-                             v.segs[i - 1].first_slot + v.segs[i - 1].count ==
-                                 v.segs[i].first_slot);
-            /* Each block the list used before (its tail too) and does not
-             * now is retired, at this step's epoch. */
-            const seq_retired *r;
-            size_t nr = seq_retired_blocks(f.s, &r);
-            for (uint32_t p = 0; p < 64 + 1; p++) {
-                uint32_t b = p < 64 ? before[l].block[p] : has_tail[l] ? tail[l] : UINT32_MAX;
-                if (b == UINT32_MAX || block_in_lists(&f, b) ||
-                    (seq_list_at(f.s, l, 0)->has_tail && seq_list_at(f.s, l, 0)->tail_block == b))
-                    continue;
-                int found = 0;
-                for (size_t i = nretired; i < nr; i++)
-                    found |= r[i].block == b && r[i].epoch == seq_epoch(f.s);
-                if (!found)
-                    fail_msg("round %u layer %u: block %u left the list, not retired", round, l, b);
-            }
-        }
-        const seq_retired *r;
-        size_t nr = seq_retired_blocks(f.s, &r);
-        for (size_t i = 0; i < nr; i++)
-            assert_false(block_in_lists(&f, r[i].block));
-        seq_ack(f.s, seq_epoch(f.s));
-    }
-    assert_true(kept_in_place >= 4); /* steps that evicted and did not compact */
+    uint32_t in_place, compacted;
+    follow_evictions(&f, 5, 64, 0, &in_place, &compacted);
+    assert_true(in_place >= 4); /* steps that evicted and did not compact */
     assert_true(compacted >= 1);
+    fx_close(&f);
+}
+
+/*
+ * Decode steps over long lists, where no compaction can be due and the
+ * evicted tokens are cut out of the segments in place (list_cut_in_place):
+ * h2o's one token a step from anywhere (segments split, and compaction
+ * comes once they are too many), and StreamingLLM's oldest token after the
+ * sinks (whole segments go and their blocks are retired).
+ */
+static void test_evictions_cut_in_place(void **state)
+{
+    const char *const h2o[] = {"budget", "300", "recent", "8"};
+    fx f;
+    fx_open(&f, backend_of(state), 512, "h2o", h2o, 2);
+    uint32_t in_place, compacted;
+    follow_evictions(&f, 1, 700, 1, &in_place, &compacted);
+    assert_true(in_place >= 300);
+    assert_true(compacted >= 2);
+    fx_close(&f);
+    const char *const streaming[] = {"n_sink", "5", "window", "250"};
+    fx_open(&f, backend_of(state), 512, "streaming", streaming, 2);
+    follow_evictions(&f, 1, 700, 0, &in_place, &compacted);
+    assert_true(in_place >= 800); /* two layers, 700 - 255 steps that evicted */
     fx_close(&f);
 }
 
@@ -1703,6 +1751,8 @@ int main(void)
         ON_SHADOW(test_move_sketch_victims),
         cmocka_unit_test(test_evictions_on_the_segments),
         ON_SHADOW(test_evictions_on_the_segments),
+        cmocka_unit_test(test_evictions_cut_in_place),
+        ON_SHADOW(test_evictions_cut_in_place),
         cmocka_unit_test(test_move_reviver),
         cmocka_unit_test(test_sketch_undo),
         ON_SHADOW(test_sketch_undo),
