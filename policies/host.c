@@ -8,23 +8,56 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* One token list: a whole layer, or one KV head of it. */
+/*
+ * One token list: a whole layer, or one KV head of it. Its tokens are
+ * entries off..off+tokens of the arrays (cap entries each): a commit that
+ * evicts near the front moves the entries before the evicted ones up and
+ * advances off, so that evicting the oldest tokens after the sinks, each
+ * step of StreamingLLM, moves a few entries, not the whole list.
+ */
 typedef struct host_list {
+    uint32_t *pos_buf;
+    uint8_t *tier_buf;
+    float *attn_buf;
+    uint32_t off, tokens, cap;
+    /* pos_buf + off, tier_buf + off, attn_buf + off (list_at) */
     uint32_t *pos;
     uint8_t *tier;
-    uint32_t tokens, cap;
-    uint8_t *next_tier; /* the pending decision for this list */
     /* demote_keep only: the attention each token has received, summed over
      * steps and query heads (storage.h), NULL otherwise. */
     float *attn;
+    uint8_t *next_tier; /* the pending decision for this list, from entry 0 */
     /* Transactions: the token count at begin (appends only add after it),
-     * and, once the layer was stepped, the first begin_tokens entries as
-     * they were (arrays of exactly that many, swapped in by rollback). */
+     * and, once the layer was stepped, its first begin_tokens attention
+     * entries as they were (demote_keep only: every step adds to all). */
     uint32_t begin_tokens;
-    uint32_t *saved_pos;
-    uint8_t *saved_tier;
     float *saved_attn;
 } host_list;
+
+/*
+ * What a commit changed in one list, to undo it in a rollback: the list's
+ * token count before and after, and entries at..at+evicted of the undo log
+ * for its evicted tokens (their index before the commit, position and
+ * tier), then `changed` entries for kept tokens whose tier changed (their
+ * index after the commit and tier before). A decode step logs a few
+ * entries, where a copy of every list for the rollback cost a pass over
+ * all of them.
+ */
+typedef struct host_undo {
+    uint32_t layer, head;
+    uint32_t before, after, evicted, changed;
+    int front; /* the entries before the evicted moved up (list_remove) */
+    size_t at;
+} host_undo;
+
+typedef struct host_undo_log {
+    host_undo *commits;
+    size_t ncommits, commits_cap;
+    uint32_t *idx, *pos;
+    uint8_t *tier;
+    size_t n, cap;
+    size_t keep; /* the most one step reserved: end frees a larger log */
+} host_undo_log;
 
 typedef struct host_layer {
     host_list *lists; /* [heads] */
@@ -55,6 +88,7 @@ struct policy_host {
     /* Transactions: open, and the counters at begin. */
     int txn;
     uint64_t begin_appended, begin_steps;
+    host_undo_log undo; /* also the commit's scratch outside a transaction */
     /* demote_keep: the lists' mean attention and the demotion's scratch. */
     double *importance;
     void *demote_scratch;
@@ -69,12 +103,10 @@ static int graded(const policy_host *h)
 static void layer_free(host_layer *ly, uint32_t heads)
 {
     for (uint32_t h = 0; ly->lists != NULL && h < heads; h++) {
-        free(ly->lists[h].pos);
-        free(ly->lists[h].tier);
+        free(ly->lists[h].pos_buf);
+        free(ly->lists[h].tier_buf);
         free(ly->lists[h].next_tier);
-        free(ly->lists[h].saved_pos);
-        free(ly->lists[h].saved_tier);
-        free(ly->lists[h].attn);
+        free(ly->lists[h].attn_buf);
         free(ly->lists[h].saved_attn);
     }
     free(ly->lists);
@@ -134,6 +166,15 @@ int policy_host_create(const policy_ops *ops, const policy_params *params,
     return 0;
 }
 
+static void undo_log_free(host_undo_log *u)
+{
+    free(u->commits);
+    free(u->idx);
+    free(u->pos);
+    free(u->tier);
+    memset(u, 0, sizeof *u);
+}
+
 void policy_host_destroy(policy_host *h)
 {
     if (h == NULL)
@@ -145,6 +186,7 @@ void policy_host_destroy(policy_host *h)
     for (uint32_t l = 0; h->layers != NULL && l < h->geom.layers; l++)
         layer_free(&h->layers[l], h->heads);
     free(h->layers);
+    undo_log_free(&h->undo);
     free(h->importance);
     free(h->demote_scratch);
     free(h);
@@ -182,8 +224,35 @@ const uint32_t *policy_host_tier_order(const policy_host *h, uint32_t layer, siz
     return h->ops->tier_order ? h->ops->tier_order(h->state, layer, n) : NULL;
 }
 
+/* Point the list's arrays at entry off of its buffers. */
+static void list_at(host_list *li, uint32_t off)
+{
+    li->off = off;
+    li->pos = li->pos_buf + off;
+    li->tier = li->tier_buf + off;
+    li->attn = li->attn_buf != NULL ? li->attn_buf + off : NULL;
+}
+
+/* Move the list's entries to the start of its buffers. */
+static void list_to_front(host_list *li)
+{
+    if (li->off == 0)
+        return;
+    memmove(li->pos_buf, li->pos, li->tokens * sizeof *li->pos);
+    memmove(li->tier_buf, li->tier, li->tokens);
+    if (li->attn != NULL)
+        memmove(li->attn_buf, li->attn, li->tokens * sizeof *li->attn);
+    list_at(li, 0);
+}
+
+/* Room for `need` entries from off; the entries move to the front first
+ * when that makes room (then realloc copies only them). A failed realloc
+ * leaves the list as it was, perhaps moved to the front. */
 static int list_reserve(host_list *li, uint32_t need, int with_attn)
 {
+    if ((uint64_t)li->off + need <= li->cap)
+        return 0;
+    list_to_front(li);
     if (need <= li->cap)
         return 0;
     /* 64-bit so that doubling past 2^31 cannot wrap to 0 and spin. */
@@ -191,24 +260,21 @@ static int list_reserve(host_list *li, uint32_t need, int with_attn)
     while (cap64 < need)
         cap64 *= 2;
     uint32_t cap = cap64 > UINT32_MAX ? UINT32_MAX : (uint32_t)cap64;
-    uint32_t *pos = realloc(li->pos, cap * sizeof *pos);
-    if (pos == NULL)
-        return -1;
-    li->pos = pos;
-    uint8_t *tier = realloc(li->tier, cap);
-    if (tier == NULL)
-        return -1;
-    li->tier = tier;
-    uint8_t *next = realloc(li->next_tier, cap);
-    if (next == NULL)
-        return -1;
-    li->next_tier = next;
-    if (with_attn) {
-        float *attn = realloc(li->attn, cap * sizeof *attn);
-        if (attn == NULL)
-            return -1;
-        li->attn = attn;
-    }
+    uint32_t *pos = realloc(li->pos_buf, cap * sizeof *pos);
+    if (pos != NULL)
+        li->pos_buf = pos;
+    uint8_t *tier = pos != NULL ? realloc(li->tier_buf, cap) : NULL;
+    if (tier != NULL)
+        li->tier_buf = tier;
+    uint8_t *next = tier != NULL ? realloc(li->next_tier, cap) : NULL;
+    if (next != NULL)
+        li->next_tier = next;
+    float *attn = next != NULL && with_attn ? realloc(li->attn_buf, cap * sizeof *attn) : NULL;
+    if (attn != NULL)
+        li->attn_buf = attn;
+    list_at(li, 0); /* the buffers that moved */
+    if (next == NULL || (with_attn && attn == NULL))
+        return -1; /* cap stays: the next call grows them all again */
     li->cap = cap;
     return 0;
 }
@@ -435,32 +501,26 @@ static int decision_valid(const host_layer *ly, uint32_t heads, char *err, size_
     return 0;
 }
 
-/* Free the layer's saved lists (rollback took them, or end drops them). */
+/* Free the layer's saved attention (rollback used it, or end drops it). */
 static void layer_drop_saved(host_layer *ly, uint32_t heads)
 {
     for (uint32_t k = 0; k < heads; k++) {
-        free(ly->lists[k].saved_pos);
-        free(ly->lists[k].saved_tier);
         free(ly->lists[k].saved_attn);
-        ly->lists[k].saved_pos = NULL;
-        ly->lists[k].saved_tier = NULL;
         ly->lists[k].saved_attn = NULL;
     }
 }
 
-/* The first step of a layer in a transaction: keep what it and the commits
- * after it may change, the lists as they were at begin (appends since then
- * only added after begin_tokens) and the policy's layer state. */
+/* The first step of a layer in a transaction: keep what its steps change
+ * in place, the attention sums as they were at begin (appends since then
+ * only added after begin_tokens) and the policy's layer state. What its
+ * commits change, the undo log keeps. */
 static int layer_save(policy_host *h, host_layer *ly, uint32_t layer)
 {
     int ok = 1;
     for (uint32_t k = 0; ok && k < h->heads; k++) {
         host_list *li = &ly->lists[k];
         uint32_t n = li->begin_tokens;
-        li->saved_pos = policy_array_copy(li->pos, n, n, sizeof *li->pos);
-        li->saved_tier = policy_array_copy(li->tier, n, n, sizeof *li->tier);
-        ok = li->saved_pos != NULL && li->saved_tier != NULL;
-        if (ok && li->attn != NULL) {
+        if (li->attn != NULL) {
             li->saved_attn = policy_array_copy(li->attn, n, n, sizeof *li->attn);
             ok = li->saved_attn != NULL;
         }
@@ -478,6 +538,16 @@ static int layer_save(policy_host *h, host_layer *ly, uint32_t layer)
     return 0;
 }
 
+/* A transaction ends: the log empties, and a log a large commit grew is
+ * given back (a prefill that evicted most of a long prompt). */
+static void undo_log_end(host_undo_log *u)
+{
+    u->ncommits = u->n = 0;
+    if (u->cap > 2 * u->keep + 1024)
+        undo_log_free(u);
+    u->keep = 0;
+}
+
 void policy_host_begin(policy_host *h)
 {
     if (h->txn)
@@ -493,32 +563,71 @@ void policy_host_begin(policy_host *h)
     h->txn = 1;
 }
 
+/*
+ * Undo one commit of list li (the commits after it undone already): the
+ * tokens appended since it dropped, the kept tokens' tiers put back, and
+ * the evicted entries put back at their indices, the kept ones spread out
+ * around them: downwards when the commit moved the front up (off then is
+ * as the commit left it, at least m), else upwards (off is as the commit
+ * found it, or 0 when an append moved the list to the front of its
+ * buffers since; the buffers have only grown).
+ */
+static void undo_commit(host_list *li, const host_undo_log *u, const host_undo *c)
+{
+    li->tokens = c->after;
+    for (uint32_t i = 0; i < c->changed; i++) {
+        size_t e = c->at + c->evicted + i;
+        li->tier[u->idx[e]] = u->tier[e];
+    }
+    uint32_t m = c->evicted;
+    const uint32_t *idx = u->idx + c->at, *pos = u->pos + c->at;
+    const uint8_t *tier = u->tier + c->at;
+    if (c->front &&
+        li->off >= m) { /* lowest first: each entry moves down by the evicted before it */
+        uint32_t *p = li->pos - m;
+        uint8_t *t = li->tier - m;
+        uint32_t from = 0, to = 0; /* next kept entry, and its index before */
+        for (uint32_t j = 0; j <= m; j++) {
+            uint32_t end = j < m ? idx[j] : c->before;
+            memmove(p + to, li->pos + from, (end - to) * sizeof *p);
+            memmove(t + to, li->tier + from, end - to);
+            from += end - to;
+            if (j < m)
+                p[end] = pos[j], t[end] = tier[j];
+            to = end + 1;
+        }
+        list_at(li, li->off - m);
+    } else { /* highest first: each entry moves up by the evicted before it */
+        uint32_t from = c->after, to = c->before;
+        for (uint32_t j = m; j-- > 0;) {
+            uint32_t run = to - idx[j] - 1;
+            from -= run, to -= run;
+            memmove(li->pos + to, li->pos + from, run * sizeof *li->pos);
+            memmove(li->tier + to, li->tier + from, run);
+            to--;
+            li->pos[to] = pos[j], li->tier[to] = tier[j];
+        }
+    }
+    li->tokens = c->before;
+}
+
 void policy_host_rollback(policy_host *h)
 {
     if (!h->txn)
         return;
+    for (size_t i = h->undo.ncommits; i-- > 0;) {
+        const host_undo *c = &h->undo.commits[i];
+        undo_commit(&h->layers[c->layer].lists[c->head], &h->undo, c);
+    }
     for (uint32_t l = 0; l < h->geom.layers; l++) {
         host_layer *ly = &h->layers[l];
         for (uint32_t k = 0; k < h->heads; k++) {
             host_list *li = &ly->lists[k];
-            if (ly->saved) {
-                /* The copies hold exactly begin_tokens entries; next_tier
-                 * keeps its larger capacity, which list_reserve allows. */
-                free(li->pos);
-                free(li->tier);
-                li->pos = li->saved_pos;
-                li->tier = li->saved_tier;
-                if (li->attn != NULL) {
-                    free(li->attn);
-                    li->attn = li->saved_attn;
-                }
-                li->cap = li->begin_tokens;
-                li->saved_pos = NULL;
-                li->saved_tier = NULL;
-                li->saved_attn = NULL;
-            }
             li->tokens = li->begin_tokens; /* drops what was appended since */
+            if (ly->saved && li->attn != NULL && li->begin_tokens > 0)
+                memcpy(li->attn, li->saved_attn, li->begin_tokens * sizeof *li->attn);
         }
+        layer_drop_saved(ly, h->heads);
         if (ly->policy_saved != NULL)
             h->ops->restore(h->state, l, ly->policy_saved);
         ly->policy_saved = NULL;
@@ -527,6 +636,7 @@ void policy_host_rollback(policy_host *h)
     }
     h->appended = h->begin_appended;
     h->steps = h->begin_steps;
+    undo_log_end(&h->undo);
     h->txn = 0;
 }
 
@@ -542,6 +652,7 @@ void policy_host_end(policy_host *h)
         ly->policy_saved = NULL;
         ly->saved = 0;
     }
+    undo_log_end(&h->undo);
     h->txn = 0;
 }
 
@@ -603,6 +714,54 @@ static int layer_demote(policy_host *h, host_layer *ly)
     return 0;
 }
 
+/* Room for what the commits of the layers stepped and not committed yet
+ * (this one included) log: an entry for each token at most (evicted, or
+ * kept with another tier) and a commit for each list, so that commit
+ * cannot fail. */
+static int undo_log_reserve(policy_host *h, uint32_t layer)
+{
+    host_undo_log *u = &h->undo;
+    size_t need = u->n, lists = 0;
+    for (uint32_t l = 0; l < h->geom.layers; l++) {
+        const host_layer *ly = &h->layers[l];
+        if (!ly->pending && l != layer)
+            continue;
+        for (uint32_t k = 0; k < h->heads; k++)
+            need += ly->lists[k].tokens;
+        lists += h->heads;
+    }
+    if (need - u->n > u->keep)
+        u->keep = need - u->n;
+    if (need > u->cap) {
+        size_t cap = u->cap ? u->cap : 64;
+        while (cap < need)
+            cap *= 2;
+        uint32_t *idx = realloc(u->idx, cap * sizeof *idx);
+        if (idx != NULL)
+            u->idx = idx;
+        uint32_t *pos = realloc(u->pos, cap * sizeof *pos);
+        if (pos != NULL)
+            u->pos = pos;
+        uint8_t *tier = realloc(u->tier, cap);
+        if (tier != NULL)
+            u->tier = tier;
+        if (idx == NULL || pos == NULL || tier == NULL)
+            return -1;
+        u->cap = cap;
+    }
+    if (u->ncommits + lists > u->commits_cap) {
+        size_t cap = u->commits_cap ? 2 * u->commits_cap : 64;
+        while (cap < u->ncommits + lists)
+            cap *= 2;
+        host_undo *c = realloc(u->commits, cap * sizeof *c);
+        if (c == NULL)
+            return -1;
+        u->commits = c;
+        u->commits_cap = cap;
+    }
+    return 0;
+}
+
 int policy_host_step(policy_host *h, uint32_t layer, const policy_stats *stats,
                      const policy_decision **decision, char *err, size_t errlen)
 {
@@ -618,7 +777,8 @@ int policy_host_step(policy_host *h, uint32_t layer, const policy_stats *stats,
     if (layer == 0)
         h->steps++;
     layer_refresh(ly, h->heads, h->appended, h->steps);
-    if (layer_prepare_decision(ly, h->heads, h->ops->merges) != 0) {
+    if (layer_prepare_decision(ly, h->heads, h->ops->merges) != 0 ||
+        undo_log_reserve(h, layer) != 0) {
         snprintf(err, errlen, "out of memory");
         return -1;
     }
@@ -637,31 +797,105 @@ int policy_host_step(policy_host *h, uint32_t layer, const policy_stats *stats,
     return 0;
 }
 
+/* The kept tokens of list li whose tier the decision changes, in the
+ * undo log after the m evicted ones logged from e (their index after the
+ * commit, and tier before), their tiers changed; 8 bytes compared at a
+ * time, as a decode step changes few. Returns how many. */
+static uint32_t list_change_tiers(host_list *li, host_undo_log *u, size_t e, uint32_t m)
+{
+    uint32_t changed = 0, n = li->tokens;
+    const uint8_t *next = li->next_tier;
+    for (uint32_t j = 0, from = 0; j <= m; j++) { /* the kept run before evicted j */
+        uint32_t end = j < m ? u->idx[e + j] : n;
+        for (uint32_t i = from; i < end;) {
+            uint64_t a = 0, b = 0;
+            if (i + 8 <= end) {
+                memcpy(&a, li->tier + i, 8);
+                memcpy(&b, next + i, 8);
+            }
+            if (i + 8 <= end && a == b) {
+                i += 8;
+                continue;
+            }
+            for (uint32_t stop = i + 8 < end ? i + 8 : end; i < stop; i++)
+                if (li->tier[i] != next[i]) {
+                    size_t at = e + m + changed++;
+                    u->idx[at] = i - j, u->tier[at] = li->tier[i];
+                    li->tier[i] = next[i];
+                }
+        }
+        from = end + 1;
+    }
+    return changed;
+}
+
+/* Remove the m evicted entries (indices idx[], ascending) from the list,
+ * moving the fewer kept entries: those after the first evicted one down,
+ * or those before the last one up (off advances by m: returns 1). */
+static int list_remove(host_list *li, const uint32_t *idx, uint32_t m)
+{
+    uint32_t n = li->tokens;
+    if ((uint64_t)idx[m - 1] + 1 < (uint64_t)n - idx[0]) { /* the front is shorter */
+        uint32_t to = idx[m - 1] + 1; /* the kept runs, from the last, end at `to` */
+        for (uint32_t j = m; j-- > 0;) {
+            uint32_t start = j > 0 ? idx[j - 1] + 1 : 0, run = idx[j] - start;
+            to -= run;
+            memmove(li->pos + to, li->pos + start, run * sizeof *li->pos);
+            memmove(li->tier + to, li->tier + start, run);
+            if (li->attn != NULL)
+                memmove(li->attn + to, li->attn + start, run * sizeof *li->attn);
+        }
+        list_at(li, li->off + m);
+        li->tokens = n - m;
+        return 1;
+    }
+    uint32_t to = idx[0];
+    for (uint32_t j = 0; j < m; j++) {
+        uint32_t start = idx[j] + 1, run = (j + 1 < m ? idx[j + 1] : n) - start;
+        memmove(li->pos + to, li->pos + start, run * sizeof *li->pos);
+        memmove(li->tier + to, li->tier + start, run);
+        if (li->attn != NULL)
+            memmove(li->attn + to, li->attn + start, run * sizeof *li->attn);
+        to += run;
+    }
+    li->tokens = n - m;
+    return 0;
+}
+
+/* Commit list k of layer l: its evicted tokens (found with memchr: a decode
+ * step evicts a few of many) and changed tiers logged for a rollback, the
+ * tiers changed, the evicted entries removed. Returns how many went. */
+static uint32_t list_commit(policy_host *h, uint32_t l, uint32_t k)
+{
+    host_list *li = &h->layers[l].lists[k];
+    host_undo_log *u = &h->undo;
+    size_t e = u->n;
+    uint32_t m = 0, n = li->tokens;
+    for (uint32_t i = 0; i < n;) {
+        const uint8_t *x = memchr(li->next_tier + i, POLICY_EVICT, n - i);
+        if (x == NULL)
+            break;
+        i = (uint32_t)(x - li->next_tier);
+        u->idx[e + m] = i, u->pos[e + m] = li->pos[i], u->tier[e + m] = li->tier[i];
+        m++, i++;
+    }
+    uint32_t changed = list_change_tiers(li, u, e, m);
+    int front = m > 0 ? list_remove(li, u->idx + e, m) : 0;
+    if (h->txn && (m > 0 || changed > 0)) {
+        u->commits[u->ncommits++] = (host_undo){l, k, n, n - m, m, changed, front, e};
+        u->n += m + changed;
+    }
+    return m;
+}
+
 size_t policy_host_commit(policy_host *h, uint32_t layer)
 {
     host_layer *ly = &h->layers[layer];
     if (!ly->pending)
         return 0;
     size_t evicted = 0;
-    for (uint32_t k = 0; k < h->heads; k++) {
-        host_list *li = &ly->lists[k];
-        uint32_t out = 0, i = 0, n = li->tokens;
-        /* Run by run of kept tokens: a decode step evicts a few of many. */
-        while (i < n) {
-            const uint8_t *e = memchr(li->next_tier + i, POLICY_EVICT, n - i);
-            uint32_t end = e != NULL ? (uint32_t)(e - li->next_tier) : n;
-            memcpy(li->tier + out, li->next_tier + i, end - i);
-            if (out != i) {
-                memmove(li->pos + out, li->pos + i, (end - i) * sizeof *li->pos);
-                if (li->attn != NULL)
-                    memmove(li->attn + out, li->attn + i, (end - i) * sizeof *li->attn);
-            }
-            out += end - i;
-            for (i = end; i < n && li->next_tier[i] == POLICY_EVICT; i++)
-                evicted++;
-        }
-        li->tokens = out;
-    }
+    for (uint32_t k = 0; k < h->heads; k++)
+        evicted += list_commit(h, layer, k);
     ly->pending = 0;
     return evicted;
 }

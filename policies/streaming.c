@@ -67,17 +67,20 @@ static int streaming_step(void *state, const policy_layer_view *view, const poli
     const streaming_state *st = state;
     uint32_t n = view->tokens[0];
     const uint32_t *pos = view->positions[0];
-    /* Non-sinks are a suffix when positions ascend; counting them per token
-     * keeps the answer correct even if they did not. */
-    uint32_t others = 0;
-    for (uint32_t i = 0; i < n; i++)
-        others += pos[i] >= st->n_sink;
+    /* Positions ascend (policy.h): the sinks are a prefix, found by
+     * bisection, and the oldest non-sinks follow it, so a decode step
+     * costs nothing per held token. */
+    uint32_t lo = 0, hi = n;
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (pos[mid] < st->n_sink)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    uint32_t others = n - lo;
     uint32_t drop = others > st->window ? others - st->window : 0; /* oldest non-sinks */
-    for (uint32_t i = 0; i < n && drop > 0; i++)
-        if (pos[i] >= st->n_sink) {
-            d->tier[0][i] = POLICY_EVICT;
-            drop--;
-        }
+    memset(d->tier[0] + lo, POLICY_EVICT, drop);
     return 0;
 }
 

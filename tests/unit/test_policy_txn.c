@@ -246,17 +246,21 @@ typedef struct txn_scenario {
     int mid_call;         /* layer 0 committed, layer 1 stepped, then rollback */
     int keep;             /* end instead of rollback */
     int no_steps;         /* only append in the transaction */
+    uint32_t append_more; /* then appended, every layer stepped again (a second chunk) */
 } txn_scenario;
 
 static const txn_scenario scenarios[] = {
-    {"rollback a whole step", 6, 0, 3, 0, 1, 0, 0, 0},
-    {"rollback, layers last to first", 6, 0, 5, 1, 0, 0, 0, 0},
-    {"rollback in the middle of a call", 6, 0, 1, 0, 0, 1, 0, 0},
-    {"rollback appends only", 4, 0, 4, 0, 0, 0, 0, 1},
-    {"rollback the prompt", 0, 1, 14, 0, 0, 0, 0, 0},
-    {"rollback before anything held", 0, 1, 0, 0, 0, 0, 0, 0},
-    {"end keeps a whole step", 6, 0, 3, 0, 1, 0, 1, 0},
-    {"end keeps, layers last to first", 6, 0, 5, 1, 0, 0, 1, 0},
+    {"rollback a whole step", 6, 0, 3, 0, 1, 0, 0, 0, 0},
+    {"rollback, layers last to first", 6, 0, 5, 1, 0, 0, 0, 0, 0},
+    {"rollback in the middle of a call", 6, 0, 1, 0, 0, 1, 0, 0, 0},
+    {"rollback appends only", 4, 0, 4, 0, 0, 0, 0, 1, 0},
+    {"rollback the prompt", 0, 1, 14, 0, 0, 0, 0, 0, 0},
+    {"rollback before anything held", 0, 1, 0, 0, 0, 0, 0, 0, 0},
+    {"end keeps a whole step", 6, 0, 3, 0, 1, 0, 1, 0, 0},
+    {"end keeps, layers last to first", 6, 0, 5, 1, 0, 0, 1, 0, 0},
+    {"rollback two chunks", 6, 0, 2, 0, 1, 0, 0, 0, 7},
+    {"rollback a long decode", 40, 0, 1, 0, 1, 0, 0, 0, 1},
+    {"end keeps two chunks", 6, 0, 2, 0, 1, 0, 1, 0, 7},
 };
 
 #define PROMPT 10
@@ -287,6 +291,10 @@ static void run_txn(policy_host *a, policy_host *b, const txn_scenario *sc, cons
         }
         step_layer(h, nh, l, sc->append, prefill, 0xC0FFEE + l, 0, when);
     }
+    for (size_t i = 0; i < nh && sc->append_more > 0; i++)
+        assert_int_equal(policy_host_append(h[i], sc->append_more), 0);
+    for (uint32_t l = 0; sc->append_more > 0 && l < LAYERS; l++)
+        step_layer(h, nh, l, sc->append_more, prefill, 0xF00D + l, 0, when);
     if (sc->restep)
         step_layer(h, nh, 0, 0, prefill, 0xBEEF, 0, when);
     if (sc->keep) {
