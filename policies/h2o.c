@@ -206,16 +206,20 @@ static int h2o_step(void *state, const policy_layer_view *view, const policy_sta
     while (first < first_recent && pos[first] < st->sinks)
         first++;
     uint32_t m = first_recent - first;
-    for (uint32_t i = 0; i < m; i++)
-        ly->scratch[i] = policy_key(ly->score[first + i]);
     uint32_t k = n - st->budget;
     if (k > m)
-        k = m; /* cannot happen: recent + sinks <= budget */
-    policy_cut cut = policy_select_cut(ly->scratch, m, k);
-    uint8_t *evict = (uint8_t *)ly->scratch; /* the keys are spent: m bytes of room */
-    policy_cut_mark(&cut, ly->score + first, 1.0, NULL, 1, m, 0, evict);
-    for (uint32_t i = 0; i < m; i++)
-        d->tier[0][first + i] = evict[i] ? (uint8_t)POLICY_EVICT : d->tier[0][first + i];
+        k = m;    /* cannot happen: recent + sinks <= budget */
+    if (k == 1) { /* a decode step */
+        d->tier[0][first + policy_first_min(ly->score + first, m)] = POLICY_EVICT;
+    } else if (k > 1) {
+        for (uint32_t i = 0; i < m; i++)
+            ly->scratch[i] = policy_key(ly->score[first + i]);
+        policy_cut cut = policy_select_cut(ly->scratch, m, k);
+        uint8_t *evict = (uint8_t *)ly->scratch; /* the keys are spent: m bytes of room */
+        policy_cut_mark(&cut, ly->score + first, 1.0, NULL, 1, m, 0, evict);
+        for (uint32_t i = 0; i < m; i++)
+            d->tier[0][first + i] = evict[i] ? (uint8_t)POLICY_EVICT : d->tier[0][first + i];
+    }
     /* Compact the per-token state exactly as the host compacts the list:
      * run by run of kept tokens (a decode step evicts one of many). */
     uint32_t out = 0;

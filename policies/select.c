@@ -206,3 +206,15 @@ POLICY_HOT void policy_cut_mark(policy_cut *c, const double *score, double sign,
         }
     }
 }
+
+/* select.h */
+POLICY_HOT size_t policy_first_min(const double *x, size_t n)
+{
+    double m = x[0];
+    for (size_t i = 1; i < n; i++) /* minpd: vectorised */
+        m = x[i] < m ? x[i] : m;
+    size_t i = 0;
+    while (x[i] != m) /* -0.0 == +0.0 */
+        i++;
+    return i;
+}

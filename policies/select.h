@@ -75,4 +75,13 @@ policy_cut policy_select_cut(uint64_t *keys, size_t n, size_t k);
 void policy_cut_mark(policy_cut *c, const double *score, double sign, const uint8_t *in,
                      int in_value, size_t n, int reverse, uint8_t *chosen);
 
+/*
+ * The bottom-1 of n > 0 numbers (no NaN), ties to the lower index: the
+ * index of the first minimum, -0.0 equal to +0.0. What policy_select_cut
+ * and policy_cut_mark choose for k = 1 and sign 1 in index order, in one
+ * vectorised pass and a search, without keys: a decode step evicts one
+ * token.
+ */
+size_t policy_first_min(const double *x, size_t n);
+
 #endif

@@ -247,6 +247,34 @@ static void test_against_sort(void **s)
         }
 }
 
+/* policy_first_min is the cut of k = 1 in index order: every shape and
+ * size, and zeros of both signs (equal) with the first one the answer. */
+static void test_first_min(void **s)
+{
+    (void)s;
+    uint64_t seed = 7;
+    const size_t sizes[] = {1, 2, 3, 17, 255, 256, 257, 1000, 5000, 40000};
+    for (shape sh = RANDOM; sh <= ORGAN; sh++)
+        for (size_t a = 0; a < sizeof sizes / sizeof sizes[0]; a++) {
+            size_t n = sizes[a];
+            double *x = make_list(sh, n, &seed);
+            uint8_t *got = malloc(n);
+            assert_non_null(got);
+            cut_choose(x, n, 1, 0, got);
+            size_t first = policy_first_min(x, n);
+            for (size_t i = 0; i < n; i++)
+                if (got[i] != (i == first))
+                    fail_msg("shape %d n=%zu: first_min says %zu, the cut %s %zu", (int)sh, n,
+                             first, got[i] ? "chooses" : "does not choose", i);
+            free(got);
+            free(x);
+        }
+    const double zeros[] = {1.0, 0.0, -0.0, 2.0, -0.0};
+    assert_int_equal(policy_first_min(zeros, 5), 1);
+    const double negzero[] = {3.0, -0.0, 0.0, -1e-300};
+    assert_int_equal(policy_first_min(negzero, 4), 3);
+}
+
 /* ---- the SnapKV pool's blocked interior gives the naive loop's bits ---- */
 
 static void test_pool_bits(void **s)
@@ -281,6 +309,7 @@ int main(void)
         cmocka_unit_test(test_ties_in_visit_order), cmocka_unit_test(test_k_edges),
         cmocka_unit_test(test_special_keys),        cmocka_unit_test(test_key_order),
         cmocka_unit_test(test_against_sort),        cmocka_unit_test(test_pool_bits),
+        cmocka_unit_test(test_first_min),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
