@@ -265,8 +265,37 @@ static uint8_t *table_list_put(uint8_t *p, const store_layer_table *t)
     return tier + (n + 3) / 4 * 4;
 }
 
+/* TABLE's store_table_reader: the lent table written into the data
+ * area (ctx, the ring), with the answer's segment count. */
+typedef struct table_answer {
+    ring *rg;
+    uint64_t epoch;
+    uint32_t nsegments;
+} table_answer;
+
+static status_code table_put(void *ctx, const store_table *t, status *s)
+{
+    table_answer *a = ctx;
+    /* store_lend_table bounded what is written (the same lists, under the
+     * same lock); checked again, as the data area's end is not negotiable. */
+    size_t need = sizeof(ring_table_reply);
+    for (uint32_t l = 0; l < t->nlists; l++)
+        need += table_list_bytes(&t->lists[l]);
+    if (need > a->rg->data_bytes)
+        return status_set(s, ST_RESOURCE_EXHAUSTED, "table exceeds the ring; use GetBlockTable");
+    ring_table_reply h = {need, t->nlists, 0};
+    memcpy(a->rg->data, &h, sizeof h);
+    a->epoch = t->epoch;
+    uint8_t *p = a->rg->data + sizeof h;
+    for (uint32_t l = 0; l < t->nlists; l++) {
+        p = table_list_put(p, &t->lists[l]);
+        a->nsegments += (uint32_t)t->lists[l].nsegs;
+    }
+    return ST_OK;
+}
+
 /* TABLE: store_get_table, as gRPC's GetBlockTable, refused before it is
- * built when it could not fit the data area. */
+ * built when it could not fit the data area, written straight into it. */
 static void serve_table(ring *rg, const ring_request *q, ring_response *r)
 {
     ring_table_request in;
@@ -282,33 +311,16 @@ static void serve_table(ring *rg, const ring_request *q, ring_response *r)
                           .segment_bytes = 13,
                           .position_bytes = 4,
                           .limit_name = "the ring's data area (--ring-mb)"};
-    store_table t;
+    table_answer a = {rg, 0, 0};
     status s;
-    if (store_get_table_within(rg->store, rg->token, q->seq_id, q->ack_epoch,
-                               in.with_positions != 0, &f, &t, &s) != ST_OK) {
+    if (store_lend_table(rg->store, rg->token, q->seq_id, q->ack_epoch, in.with_positions != 0, &f,
+                         table_put, &a, &s) != ST_OK) {
         respond(r, s.code, s.msg);
         return;
     }
-    /* The bound above is what is written (the same lists, under the same
-     * lock); checked again, as the data area's end is not negotiable. */
-    size_t need = sizeof(ring_table_reply);
-    for (uint32_t l = 0; l < t.nlists; l++)
-        need += table_list_bytes(&t.lists[l]);
-    if (need > rg->data_bytes) {
-        respond(r, ST_RESOURCE_EXHAUSTED, "table exceeds the ring; use GetBlockTable");
-        store_table_free(&t);
-        return;
-    }
-    ring_table_reply h = {need, t.nlists, 0};
-    memcpy(rg->data, &h, sizeof h);
-    uint8_t *p = rg->data + sizeof h;
-    for (uint32_t l = 0; l < t.nlists; l++) {
-        p = table_list_put(p, &t.lists[l]);
-        r->nsegments += (uint32_t)t.lists[l].nsegs;
-    }
-    r->epoch = t.epoch;
+    r->epoch = a.epoch;
+    r->nsegments = a.nsegments;
     respond(r, ST_OK, "");
-    store_table_free(&t);
 }
 
 /* RELEASE_SCRATCH: store_scratch_release; the blocks freed to the data

@@ -1504,28 +1504,76 @@ static void table_tier_geometry(const seq *q, store_layer_table *out)
     out->quant_group = seq_quant_group(q);
 }
 
-static status_code copy_list(seq *q, int with_positions, store_layer_table *out, status *s)
+/* List out of q as it stands, lent: its arrays are the sequence's, read
+ * only (store_layer_table's are its own in a copy, hence the casts). */
+static void lend_list(seq *q, int with_positions, store_layer_table *out)
 {
     seq_list_view ly;
     seq_list_view_get(q, out->layer, out->head, &ly);
-    const uint32_t *pos = ly.positions;
+    static const uint32_t none[1];
     out->tokens = ly.tokens;
     out->nsegs = ly.nsegs;
     table_tier_geometry(q, out);
-    out->segs = malloc((ly.nsegs ? ly.nsegs : 1) * sizeof *out->segs);
-    out->tiers = malloc(ly.nsegs ? ly.nsegs : 1);
-    if (out->segs == NULL || out->tiers == NULL)
-        return status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
-    if (ly.nsegs > 0) { /* an empty list has no segment array yet */
-        memcpy(out->segs, ly.segs, ly.nsegs * sizeof *out->segs);
-        memcpy(out->tiers, ly.seg_tier, ly.nsegs);
+    out->segs = (kv_segment *)ly.segs;
+    out->tiers = (uint8_t *)ly.seg_tier;
+    out->positions = !with_positions ? NULL
+                     : ly.positions  ? (uint32_t *)ly.positions
+                                     : (uint32_t *)none;
+}
+
+status_code store_lend_table(store *st, const char *token, uint64_t seq_id, uint64_t ack_epoch,
+                             int with_positions, const store_reply_form *form,
+                             store_table_reader read, void *ctx, status *s)
+{
+    store_table t;
+    memset(&t, 0, sizeof t);
+    store_lock_seq(st, seq_id);
+    seq *q;
+    status_code rc = own_seq_acked(st, token, seq_id, ack_epoch, &q, s);
+    if (rc == ST_OK)
+        rc = check_table_reply(q, with_positions, form, s);
+    if (rc == ST_OK)
+        rc = table_alloc(&t, q, s);
+    if (rc == ST_OK) {
+        t.epoch = seq_epoch(q);
+        for (uint32_t i = 0; i < t.nlists; i++)
+            lend_list(q, with_positions, &t.lists[i]);
+        rc = read(ctx, &t, s);
     }
-    if (with_positions) {
-        out->positions = malloc((out->tokens ? out->tokens : 1) * sizeof *out->positions);
-        if (out->positions == NULL)
+    pthread_mutex_unlock(&st->lock);
+    free(t.lists); /* the arrays were lent */
+    return rc;
+}
+
+/* A store_table_reader that copies the lent table into the store_table
+ * ctx (gRPC packs it after the lock is let go). */
+static status_code copy_table(void *ctx, const store_table *t, status *s)
+{
+    store_table *out = ctx;
+    *out = *t;
+    out->lists = calloc(t->nlists, sizeof *out->lists);
+    if (out->lists == NULL)
+        return status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
+    for (uint32_t i = 0; i < t->nlists; i++) {
+        const store_layer_table *in = &t->lists[i];
+        store_layer_table *c = &out->lists[i];
+        *c = *in;
+        c->segs = malloc((in->nsegs ? in->nsegs : 1) * sizeof *c->segs);
+        c->tiers = malloc(in->nsegs ? in->nsegs : 1);
+        c->positions = in->positions != NULL
+                           ? malloc((in->tokens ? in->tokens : 1) * sizeof *c->positions)
+                           : NULL;
+        if (c->segs == NULL || c->tiers == NULL ||
+            (in->positions != NULL && c->positions == NULL)) {
+            store_table_free(out);
             return status_set(s, ST_RESOURCE_EXHAUSTED, "out of memory");
-        if (out->tokens > 0)
-            memcpy(out->positions, pos, out->tokens * sizeof *out->positions);
+        }
+        if (in->nsegs > 0) { /* an empty list has no segment array yet */
+            memcpy(c->segs, in->segs, in->nsegs * sizeof *c->segs);
+            memcpy(c->tiers, in->tiers, in->nsegs);
+        }
+        if (in->positions != NULL && in->tokens > 0)
+            memcpy(c->positions, in->positions, in->tokens * sizeof *c->positions);
     }
     return ST_OK;
 }
@@ -1533,31 +1581,9 @@ static status_code copy_list(seq *q, int with_positions, store_layer_table *out,
 status_code store_get_table(store *st, const char *token, uint64_t seq_id, uint64_t ack_epoch,
                             int with_positions, store_table *out, status *s)
 {
-    store_reply_form f = store_reply_rpc(st);
-    return store_get_table_within(st, token, seq_id, ack_epoch, with_positions, &f, out, s);
-}
-
-status_code store_get_table_within(store *st, const char *token, uint64_t seq_id,
-                                   uint64_t ack_epoch, int with_positions,
-                                   const store_reply_form *form, store_table *out, status *s)
-{
     memset(out, 0, sizeof *out);
-    store_lock_seq(st, seq_id);
-    seq *q;
-    status_code rc = own_seq_acked(st, token, seq_id, ack_epoch, &q, s);
-    if (rc == ST_OK)
-        rc = check_table_reply(q, with_positions, form, s);
-    if (rc == ST_OK)
-        rc = table_alloc(out, q, s);
-    if (rc == ST_OK) {
-        out->epoch = seq_epoch(q);
-        for (uint32_t i = 0; rc == ST_OK && i < out->nlists; i++)
-            rc = copy_list(q, with_positions, &out->lists[i], s);
-    }
-    pthread_mutex_unlock(&st->lock);
-    if (rc != ST_OK)
-        store_table_free(out);
-    return rc;
+    store_reply_form f = store_reply_rpc(st);
+    return store_lend_table(st, token, seq_id, ack_epoch, with_positions, &f, copy_table, out, s);
 }
 
 status_code store_seq_release(store *st, const char *token, uint64_t seq_id, uint32_t *blocks_freed,

@@ -402,11 +402,18 @@ status_code store_append_within(store *st, const char *token, uint64_t seq_id, i
 status_code store_get_table(store *st, const char *token, uint64_t seq_id, uint64_t ack_epoch,
                             int with_positions, store_table *out, status *s);
 
+/* What store_lend_table lends a table to: t's arrays point into the
+ * sequence, to be read (not freed) during the call, under the store's
+ * lock. A status other than ST_OK is the call's answer. */
+typedef status_code (*store_table_reader)(void *ctx, const store_table *t, status *s);
+
 /* store_get_table for a caller whose reply takes `form` (the ring's data
- * area). */
-status_code store_get_table_within(store *st, const char *token, uint64_t seq_id,
-                                   uint64_t ack_epoch, int with_positions,
-                                   const store_reply_form *form, store_table *out, status *s);
+ * area) and that writes the table straight into it: read(ctx, t, s) gets
+ * the table as it stands, with no copy of its positions (megabytes at
+ * long contexts, every step of a policy that evicts every step). */
+status_code store_lend_table(store *st, const char *token, uint64_t seq_id, uint64_t ack_epoch,
+                             int with_positions, const store_reply_form *form,
+                             store_table_reader read, void *ctx, status *s);
 
 status_code store_seq_release(store *st, const char *token, uint64_t seq_id, uint32_t *blocks_freed,
                               status *s);
