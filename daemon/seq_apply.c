@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "seq_internal.h"
+#include "util.h" /* policies/: policy_tiers_keep_or_evict */
 
 /* Insert tokens idx[0..m) (FULL or quantised) into the sketch; they become
  * sketch tokens. */
@@ -575,29 +576,6 @@ static int list_apply(seq *s, uint32_t l, uint32_t k, tier_token *tok, const pol
     return rc;
 }
 
-/* Whether the decision's n tiers only keep at full precision or evict
- * (*nevict of them), eight at a time: a tier byte must be 0 or 3, its two
- * low bits equal and no other set. */
-static int keeps_or_evicts(const uint8_t *tier, uint32_t n, uint32_t *nevict)
-{
-    _Static_assert(POLICY_FULL == 0 && POLICY_EVICT == 3, "keeps_or_evicts' bit test");
-    const uint64_t lo = 0x0101010101010101ull;
-    uint64_t bad = 0, evict = 0;
-    uint32_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        uint64_t w;
-        memcpy(&w, tier + i, sizeof w);
-        bad |= (w & ~(3 * lo)) | ((w ^ (w >> 1)) & lo);
-        evict += ((w & lo) * lo) >> 56; /* the sum of the eight 0-or-1 bytes */
-    }
-    for (; i < n; i++) {
-        bad |= tier[i] != POLICY_FULL && tier[i] != POLICY_EVICT;
-        evict += tier[i] == POLICY_EVICT;
-    }
-    *nevict = (uint32_t)evict;
-    return bad == 0;
-}
-
 /* Append run g to segs[0..n), joined to the last segment when it
  * continues it, as list_encode joins tokens; returns the new count. */
 static size_t runs_push(kv_segment *segs, size_t n, kv_segment g)
@@ -617,15 +595,16 @@ typedef struct seg_cut {
     uint32_t t, take;
 } seg_cut;
 
-/* The cuts that remove the evicted tokens of tier[0..n) from the list's
- * segments, in segment order, into cuts[] (room for nevict); the segments
- * are only read. Returns the count, or -1 when the segments hold fewer
+/* The cuts that remove the nevict evicted tokens of tier[0..n) from the
+ * list's segments, in segment order, into cuts[] (room for nevict); the
+ * segments are only read. Returns the count, or -1 when the segments hold fewer
  * than the decision's tokens (list_apply then decides). */
-static ssize_t list_plan_cuts(const seq_list *ly, const uint8_t *tier, uint32_t n, seg_cut *cuts)
+static ssize_t list_plan_cuts(const seq_list *ly, const uint8_t *tier, uint32_t n, uint32_t nevict,
+                              seg_cut *cuts)
 {
     size_t j = 0, ncuts = 0;
-    uint32_t base = 0; /* the index of segment j's first token */
-    for (uint32_t a = 0; a < n;) {
+    uint32_t base = 0, found = 0; /* the index of segment j's first token */
+    for (uint32_t a = 0; a < n && found < nevict;) {
         const uint8_t *e = memchr(tier + a, POLICY_EVICT, n - a);
         if (e == NULL)
             break;
@@ -633,6 +612,7 @@ static ssize_t list_plan_cuts(const seq_list *ly, const uint8_t *tier, uint32_t 
         uint32_t b = a;
         while (b < n && tier[b] == POLICY_EVICT)
             b++;
+        found += b - a;
         while (a < b) { /* the run [a, b), segment by segment */
             while (j < ly->nsegs && base + ly->segs[j].count <= a)
                 base += ly->segs[j++].count;
@@ -692,7 +672,7 @@ static int list_cut_in_place(seq *s, seq_list *ly, const uint8_t *tier, uint32_t
 {
     seg_cut *cuts = malloc(nevict * sizeof *cuts);
     uint32_t *gone = malloc(nevict * sizeof *gone);
-    ssize_t ncuts = cuts != NULL && gone != NULL ? list_plan_cuts(ly, tier, n, cuts) : -2;
+    ssize_t ncuts = cuts != NULL && gone != NULL ? list_plan_cuts(ly, tier, n, nevict, cuts) : -2;
     int rc = ncuts == -1 ? 1 : ncuts < 0 ? -1 : 0;
     if (rc == 0 && (seq_txn_save_list(s, ly) != 0 || list_reserve(ly, ly->nsegs + nevict) != 0))
         rc = -1;
@@ -795,7 +775,7 @@ static int list_apply_evictions(seq *s, uint32_t l, uint32_t k, const policy_dec
     uint32_t n = seq_list_tokens(s, l, k, NULL), nevict;
     const uint8_t *tier = d->tier[k];
     if (ly->noffloaded > 0 || policy_host_storage(s->host)->victims != POLICY_VICTIMS_EVICT ||
-        !keeps_or_evicts(tier, n, &nevict))
+        !policy_tiers_keep_or_evict(tier, n, &nevict))
         return 1;
     for (size_t i = 0; i < ly->nsegs; i++)
         if (ly->seg_tier[i] != POLICY_FULL)

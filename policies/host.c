@@ -464,6 +464,15 @@ static int layer_prepare_decision(host_layer *ly, uint32_t heads, int merges)
     return 0;
 }
 
+/* Whether every one of t[0..n) is a tier: no early exit, vectorised. */
+POLICY_HOT static int tiers_valid(const uint8_t *t, uint32_t n)
+{
+    uint8_t bad = 0;
+    for (uint32_t i = 0; i < n; i++)
+        bad |= t[i] >= POLICY_TIERS;
+    return !bad;
+}
+
 /* A policy's decision must be applicable as it stands: the daemon trusts
  * it to move memory. */
 static int decision_valid(const host_layer *ly, uint32_t heads, char *err, size_t errlen)
@@ -472,9 +481,7 @@ static int decision_valid(const host_layer *ly, uint32_t heads, char *err, size_
     for (uint32_t k = 0; k < heads; k++) {
         const uint8_t *t = d->tier[k];
         uint32_t n = ly->lists[k].tokens;
-        int bad = 0;
-        for (uint32_t i = 0; i < n; i++) /* no early exit: vectorised */
-            bad |= t[i] >= POLICY_TIERS;
+        int bad = !tiers_valid(t, n);
         for (uint32_t i = 0; bad && i < n; i++)
             if (t[i] >= POLICY_TIERS) {
                 snprintf(err, errlen, "invalid tier %u for token %u of list %u", t[i], i, k);
@@ -799,8 +806,8 @@ int policy_host_step(policy_host *h, uint32_t layer, const policy_stats *stats,
 
 /* The kept tokens of list li whose tier the decision changes, in the
  * undo log after the m evicted ones logged from e (their index after the
- * commit, and tier before), their tiers changed; 8 bytes compared at a
- * time, as a decode step changes few. Returns how many. */
+ * commit, and tier before), their tiers changed; compared with memcmp 512
+ * bytes at a time, as a decode step changes few. Returns how many. */
 static uint32_t list_change_tiers(host_list *li, host_undo_log *u, size_t e, uint32_t m)
 {
     uint32_t changed = 0, n = li->tokens;
@@ -808,16 +815,12 @@ static uint32_t list_change_tiers(host_list *li, host_undo_log *u, size_t e, uin
     for (uint32_t j = 0, from = 0; j <= m; j++) { /* the kept run before evicted j */
         uint32_t end = j < m ? u->idx[e + j] : n;
         for (uint32_t i = from; i < end;) {
-            uint64_t a = 0, b = 0;
-            if (i + 8 <= end) {
-                memcpy(&a, li->tier + i, 8);
-                memcpy(&b, next + i, 8);
-            }
-            if (i + 8 <= end && a == b) {
-                i += 8;
+            uint32_t stop = end - i > 512 ? i + 512 : end;
+            if (memcmp(li->tier + i, next + i, stop - i) == 0) {
+                i = stop;
                 continue;
             }
-            for (uint32_t stop = i + 8 < end ? i + 8 : end; i < stop; i++)
+            for (; i < stop; i++)
                 if (li->tier[i] != next[i]) {
                     size_t at = e + m + changed++;
                     u->idx[at] = i - j, u->tier[at] = li->tier[i];

@@ -1,5 +1,7 @@
 #include "util.h"
 
+#include "policy.h"
+
 #include <float.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -29,6 +31,18 @@ POLICY_HOT size_t policy_first_outside(const float *a, size_t n, float lo)
     while (i < n && a[i] >= lo && a[i] <= FLT_MAX)
         i++;
     return i;
+}
+
+POLICY_HOT int policy_tiers_keep_or_evict(const uint8_t *tier, size_t n, uint32_t *nevict)
+{
+    uint8_t other = 0;
+    uint32_t evict = 0;
+    for (size_t i = 0; i < n; i++) {
+        other |= tier[i] != POLICY_FULL && tier[i] != POLICY_EVICT;
+        evict += tier[i] == POLICY_EVICT;
+    }
+    *nevict = evict;
+    return !other;
 }
 
 void *policy_array_copy(const void *src, size_t used, size_t room, size_t size)

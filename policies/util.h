@@ -1,6 +1,8 @@
 /*
- * util.h - small helpers every policy file needs, shared (policy-internal;
- * not part of policy.h's interface).
+ * util.h - small helpers every policy file needs, shared (not part of
+ * policy.h's interface). The daemon uses the two passes it makes over a
+ * step's statistics and decisions (policy_first_outside,
+ * policy_tiers_keep_or_evict), so that they are vectorised as these are.
  */
 #ifndef KVSTASH_POLICIES_UTIL_H
 #define KVSTASH_POLICIES_UTIL_H
@@ -38,6 +40,14 @@ void policy_set_err(char *err, size_t errlen, const char *fmt, ...)
  * (vectorised) read, the index is looked for only when something is bad.
  */
 size_t policy_first_outside(const float *a, size_t n, float lo);
+
+/*
+ * Whether a decision's n tiers only keep at full precision or evict (every
+ * one POLICY_FULL or POLICY_EVICT), and *nevict, how many evict: one
+ * vectorised pass, for the daemon's common step (seq_apply.c), which asks
+ * it of every list at every step.
+ */
+int policy_tiers_keep_or_evict(const uint8_t *tier, size_t n, uint32_t *nevict);
 
 /*
  * For ops->save: a malloc'd array with room for `room` elements of `size`
