@@ -461,7 +461,8 @@ static status_code seq_step_check(seq *s, const seq_step_input *in, status *st)
                           "policy %s keeps one list per KV head: report last_attn or "
                           "window_attn per query head, not a summed score",
                           s->policy->name);
-    unsigned missing = s->policy->needs & ~in->arrays;
+    unsigned alt = s->policy->needs_alt;
+    unsigned missing = alt != 0 && (in->arrays & alt) == alt ? 0 : s->policy->needs & ~in->arrays;
     /* Confidence describes a next token: prefill steps have none (Conf-KV
      * §5.3 keeps everything until the first decode step). */
     if (missing & POLICY_NEEDS_CONFIDENCE && (in->confidence >= 0 || in->prefill))

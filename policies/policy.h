@@ -225,8 +225,14 @@ typedef struct policy_ops {
     const policy_param_spec *params;
     size_t nparams;
     unsigned needs; /* POLICY_NEEDS_* */
-    int per_head;   /* decides per KV head (views have heads == kv_heads) */
-    int merges;     /* its decisions may merge tokens (policy_decision.merges) */
+    /* Arrays that may stand in for all of `needs` (0: none): a step that
+     * has every one of them needs none of needs'. TOVA ranks by the last
+     * query's attention averaged over the query heads, which a worker may
+     * send already summed (score with score_queries 1): q_heads times less
+     * to send than last_attn, the same order. */
+    unsigned needs_alt;
+    int per_head; /* decides per KV head (views have heads == kv_heads) */
+    int merges;   /* its decisions may merge tokens (policy_decision.merges) */
 
     /* Build the per-sequence state from resolved parameters. Returns 0, or -1
      * with a message in err naming the offending parameter. *state (may be

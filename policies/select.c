@@ -218,3 +218,15 @@ POLICY_HOT size_t policy_first_min(const double *x, size_t n)
         i++;
     return i;
 }
+
+/* select.h */
+POLICY_HOT size_t policy_last_min(const double *x, size_t n)
+{
+    double m = x[0];
+    for (size_t i = 1; i < n; i++)
+        m = x[i] < m ? x[i] : m;
+    size_t i = n - 1;
+    while (x[i] != m)
+        i--;
+    return i;
+}

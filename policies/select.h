@@ -84,4 +84,8 @@ void policy_cut_mark(policy_cut *c, const double *score, double sign, const uint
  */
 size_t policy_first_min(const double *x, size_t n);
 
+/* The same, ties to the higher index: the index of the last minimum (the
+ * cut's choice for k = 1 in reverse index order). */
+size_t policy_last_min(const double *x, size_t n);
+
 #endif

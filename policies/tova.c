@@ -123,6 +123,18 @@ POLICY_HOT static double mean_over_heads(const float *const *rows, uint32_t head
     return max;
 }
 
+/* score[i] = sum[i] / heads: the mean from the worker's sum over the query
+ * heads (stats.score of the last query); returns the max over i < n - 1. */
+POLICY_HOT static double mean_from_sum(const float *sum, uint32_t heads, uint32_t n, double *score)
+{
+    double max = -INFINITY;
+    for (uint32_t i = 0; i < n; i++) {
+        score[i] = (double)sum[i] / (double)heads;
+        max = i + 1 < n && score[i] > max ? score[i] : max;
+    }
+    return max;
+}
+
 /* The first i with a non-finite s[i], or n. */
 static size_t first_not_finite(const double *s, size_t n)
 {
@@ -146,11 +158,23 @@ static int tova_step(void *state, const policy_layer_view *view, const policy_st
                  st->layers, view->heads);
         return -1;
     }
-    if (stats->last_attn == NULL) {
-        snprintf(err, errlen, "tova needs stats.last_attn (POLICY_NEEDS_LAST_ATTN), got none");
+    /* The last query's attention per query head, or its sum over them
+     * (ops.needs_alt): the same mean, a q_heads-th of the bytes. */
+    int summed = stats->last_attn == NULL && stats->score != NULL;
+    if (stats->last_attn == NULL && !summed) {
+        snprintf(err, errlen,
+                 "tova needs stats.last_attn (POLICY_NEEDS_LAST_ATTN) or its sum over the query "
+                 "heads as stats.score, got neither");
         return -1;
     }
-    for (uint32_t h = 0; h < st->q_heads; h++)
+    if (summed && stats->score_queries != 1) {
+        snprintf(err, errlen,
+                 "tova: stats.score must sum the last query's attention over the query heads "
+                 "(score_queries 1), got score_queries %u",
+                 stats->score_queries);
+        return -1;
+    }
+    for (uint32_t h = 0; !summed && h < st->q_heads; h++)
         if (stats->last_attn[h] == NULL) {
             snprintf(err, errlen, "tova: stats.last_attn[%u] (query head) is missing", h);
             return -1;
@@ -163,7 +187,8 @@ static int tova_step(void *state, const policy_layer_view *view, const policy_st
         snprintf(err, errlen, "tova: out of memory for %u tokens", n);
         return -1;
     }
-    double max = mean_over_heads(stats->last_attn, st->q_heads, n, sc->score);
+    double max = summed ? mean_from_sum(stats->score, st->q_heads, n, sc->score)
+                        : mean_over_heads(stats->last_attn, st->q_heads, n, sc->score);
     size_t bad = first_not_finite(sc->score, n);
     if (bad < n) {
         snprintf(err, errlen, "tova: stats.last_attn of token %zu is not finite", bad);
@@ -172,6 +197,10 @@ static int tova_step(void *state, const policy_layer_view *view, const policy_st
     sc->score[n - 1] = max + 1; /* kvpress: the last token is padded with max + 1 */
     /* Evict the lowest scores first; among equal scores the higher index
      * goes first (visited in reverse order), so that the lower is kept. */
+    if (n - st->budget == 1) { /* a decode step */
+        d->tier[0][policy_last_min(sc->score, n)] = POLICY_EVICT;
+        return 0;
+    }
     for (uint32_t i = 0; i < n; i++)
         sc->keys[i] = policy_key(sc->score[i]);
     policy_cut cut = policy_select_cut(sc->keys, n, n - st->budget);
@@ -185,10 +214,12 @@ static int tova_step(void *state, const policy_layer_view *view, const policy_st
 const policy_ops policy_tova = {
     .name = "tova",
     .summary = "TOVA: keep the `budget` tokens with the highest last-query attention averaged "
-               "over all query heads; the newest token always stays",
+               "over all query heads (or summed by the worker, as score); the newest token always "
+               "stays",
     .params = tova_params,
     .nparams = sizeof(tova_params) / sizeof(tova_params[0]),
     .needs = POLICY_NEEDS_LAST_ATTN,
+    .needs_alt = POLICY_NEEDS_SCORE,
     .per_head = 0,
     .create = tova_create,
     .step = tova_step,

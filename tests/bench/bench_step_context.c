@@ -4,7 +4,9 @@
  * 32 query heads, 8 KV heads, fp16, 16-token blocks.
  *
  * For each policy that runs every step (streaming, h2o, tova, confkv,
- * weightedkv, reviver, ov_block) and each context N, one sequence holds N
+ * weightedkv, reviver, ov_block; tova_sum is tova with last_attn summed over
+ * the query heads by the worker, its needs_alt) and each context N, one
+ * sequence holds N
  * tokens per list (the policy's budget is N, so every decode step appends
  * one token and the policy gives one back), and a decode step is what a
  * worker does for one token:
@@ -23,7 +25,8 @@
  * for a policy that reads them all) and an empty ring round trip.
  *
  * Usage: bench_step_context [--quick] [--contexts N,N,...] [--head-dim D]
- *                           [--policies P,P,...] [--csv FILE] [PATH_TO_KVSTASHD]
+ *                           [--policies P,P,...] [--steps N] [--csv FILE]
+ *                           [PATH_TO_KVSTASHD]
  * The daemon path defaults to $KVSTASHD, then ../../daemon/kvstashd next to
  * this binary. The daemon is started once with a pool and a ring (--ring-mb)
  * sized for the largest context. Prints a table per policy; exits non-zero
@@ -43,27 +46,29 @@
 #include "kvstash.h"
 
 #define MAX_CONTEXTS 16
-#define MAX_POLICIES 8
+#define MAX_POLICIES 9
 #define PREFILL_CHUNK 65536u /* SEQ_MAX_APPEND: longer prompts are prefilled in chunks */
 #define RANDOM_FLOATS (1u << 20)
 
 enum { NEEDS_SCORE = 1, NEEDS_LAST_ATTN = 2, NEEDS_CONFIDENCE = 4 };
 
 /* A policy that runs every step and the statistics it needs (its
- * POLICY_NEEDS_*); policy_params holds it at N tokens per list. */
+ * POLICY_NEEDS_*, or needs_alt's); policy_params holds it at N tokens per
+ * list. label names the row. */
 typedef struct bench_policy {
-    const char *name;
+    const char *label, *name;
     unsigned needs;
 } bench_policy;
 
 static const bench_policy all_policies[] = {
-    {"streaming", 0},
-    {"h2o", NEEDS_SCORE},
-    {"tova", NEEDS_LAST_ATTN},
-    {"confkv", NEEDS_LAST_ATTN | NEEDS_CONFIDENCE},
-    {"weightedkv", NEEDS_LAST_ATTN},
-    {"reviver", NEEDS_SCORE},
-    {"ov_block", NEEDS_SCORE},
+    {"streaming", "streaming", 0},
+    {"h2o", "h2o", NEEDS_SCORE},
+    {"tova", "tova", NEEDS_LAST_ATTN},
+    {"tova_sum", "tova", NEEDS_SCORE}, /* the rows summed by the worker (needs_alt) */
+    {"confkv", "confkv", NEEDS_LAST_ATTN | NEEDS_CONFIDENCE},
+    {"weightedkv", "weightedkv", NEEDS_LAST_ATTN},
+    {"reviver", "reviver", NEEDS_SCORE},
+    {"ov_block", "ov_block", NEEDS_SCORE},
 };
 #define NPOLICIES (sizeof all_policies / sizeof all_policies[0])
 
@@ -413,12 +418,12 @@ static int parse_policies(const char *arg, bench_cfg *cfg)
          tok = strtok_r(NULL, ",", &save)) {
         const bench_policy *found = NULL;
         for (size_t i = 0; i < NPOLICIES; i++)
-            if (strcmp(all_policies[i].name, tok) == 0)
+            if (strcmp(all_policies[i].label, tok) == 0)
                 found = &all_policies[i];
         if (found == NULL || cfg->npolicies == MAX_POLICIES) {
             fprintf(stderr,
                     "bench_step_context: --policies: '%s' is not one of streaming, h2o, tova, "
-                    "confkv, weightedkv, reviver, ov_block\n",
+                    "tova_sum, confkv, weightedkv, reviver, ov_block\n",
                     tok);
             return -1;
         }
@@ -567,14 +572,14 @@ int main(int argc, char **argv)
         for (size_t c = 0; c < cfg.ncontexts; c++) {
             step_row row;
             if (run_context(&w, cfg.contexts[c], mc_a, mc_b, &row) != 0) {
-                fprintf(stderr, "bench_step_context: %s at %" PRIu32 " tokens failed\n", w.p->name,
+                fprintf(stderr, "bench_step_context: %s at %" PRIu32 " tokens failed\n", w.p->label,
                         cfg.contexts[c]);
                 failed = 1;
                 break;
             }
-            print_row(stdout, w.p->name, &row, 0);
+            print_row(stdout, w.p->label, &row, 0);
             if (csv)
-                print_row(csv, w.p->name, &row, 1);
+                print_row(csv, w.p->label, &row, 1);
             fflush(stdout);
         }
     }

@@ -247,8 +247,8 @@ static void test_against_sort(void **s)
         }
 }
 
-/* policy_first_min is the cut of k = 1 in index order: every shape and
- * size, and zeros of both signs (equal) with the first one the answer. */
+/* policy_first_min (policy_last_min) is the cut of k = 1 in index order
+ * (reverse order): every shape and size, and zeros of both signs (equal). */
 static void test_first_min(void **s)
 {
     (void)s;
@@ -266,6 +266,12 @@ static void test_first_min(void **s)
                 if (got[i] != (i == first))
                     fail_msg("shape %d n=%zu: first_min says %zu, the cut %s %zu", (int)sh, n,
                              first, got[i] ? "chooses" : "does not choose", i);
+            cut_choose(x, n, 1, 1, got);
+            size_t last = policy_last_min(x, n);
+            for (size_t i = 0; i < n; i++)
+                if (got[i] != (i == last))
+                    fail_msg("shape %d n=%zu: last_min says %zu, the reverse cut %s %zu", (int)sh,
+                             n, last, got[i] ? "chooses" : "does not choose", i);
             free(got);
             free(x);
         }
@@ -273,6 +279,7 @@ static void test_first_min(void **s)
     assert_int_equal(policy_first_min(zeros, 5), 1);
     const double negzero[] = {3.0, -0.0, 0.0, -1e-300};
     assert_int_equal(policy_first_min(negzero, 4), 3);
+    assert_int_equal(policy_last_min(zeros, 5), 4);
 }
 
 /* ---- the SnapKV pool's blocked interior gives the naive loop's bits ---- */

@@ -119,6 +119,16 @@ static void test_missing_stats_and_invalid(void **unused)
     st.last_attn = attn;
     assert_int_equal(policy_host_step(h, 0, &st, &d, err, sizeof err), -1);
     assert_non_null(strstr(err, "last_attn[1]"));
+    /* The sum over the heads of more than the last query is another rule. */
+    const float sum[3] = {0.2f, 0.4f, 1.4f};
+    st.last_attn = NULL;
+    st.score = sum;
+    st.score_queries = 2;
+    assert_int_equal(policy_host_step(h, 0, &st, &d, err, sizeof err), -1);
+    assert_non_null(strstr(err, "score_queries 2"));
+    st.score_queries = 1;
+    assert_int_equal(policy_host_step(h, 0, &st, &d, err, sizeof err), 0);
+    assert_int_equal(d->tier[0][0], POLICY_EVICT); /* mean 0.1: the lowest */
     policy_host_destroy(h);
 
     static const ph_reject cases[] = {
@@ -147,14 +157,16 @@ static int cand_cmp(const void *a, const void *b)
     return x->i < y->i ? -1 : x->i > y->i;
 }
 
+/* Random steps against the oracle, with last_attn, or (summed) with its
+ * sum over the query heads as score (exact: multiples of 0.25). */
 static size_t run_random(uint64_t seed, uint32_t budget, uint32_t q_heads, uint32_t steps,
-                         uint8_t *out, size_t cap)
+                         int summed, uint8_t *out, size_t cap)
 {
     policy_geometry g = {2, q_heads, 1, 4, 16, 10000.0f};
     policy_host *h = host_new(budget, &g);
     rng_state = seed;
     enum { MAXN = 1024, MAXH = 8 };
-    static float attn[MAXH][MAXN];
+    static float attn[MAXH][MAXN], sum[MAXN];
     const float *rows[MAXH];
     for (uint32_t q = 0; q < MAXH; q++)
         rows[q] = attn[q];
@@ -173,8 +185,15 @@ static size_t run_random(uint64_t seed, uint32_t budget, uint32_t q_heads, uint3
                     attn[q][i] = (float)(rng() % 4) * 0.25f; /* ties are common */
             policy_stats sts = {0};
             sts.new_tokens = nnew;
-            sts.last_attn = rows;
+            sts.last_attn = summed ? NULL : rows;
             sts.confidence = -1;
+            for (uint32_t i = 0; summed && i < n; i++) {
+                sum[i] = 0;
+                for (uint32_t q = 0; q < q_heads; q++)
+                    sum[i] += attn[q][i];
+            }
+            sts.score = summed ? sum : NULL;
+            sts.score_queries = 1;
             const policy_decision *d;
             char err[POLICY_ERR_LEN] = "";
             if (policy_host_step(h, l, &sts, &d, err, sizeof err) != 0)
@@ -214,9 +233,11 @@ static size_t run_random(uint64_t seed, uint32_t budget, uint32_t q_heads, uint3
 static void test_property_random(void **unused)
 {
     (void)unused;
-    run_random(1, 16, 8, 200, NULL, 0);
-    run_random(2, 1, 2, 100, NULL, 0);
-    run_random(3, 40, 3, 200, NULL, 0);
+    for (int summed = 0; summed < 2; summed++) {
+        run_random(1, 16, 8, 200, summed, NULL, 0);
+        run_random(2, 1, 2, 100, summed, NULL, 0);
+        run_random(3, 40, 3, 200, summed, NULL, 0);
+    }
 }
 
 static void test_property_deterministic(void **unused)
@@ -225,8 +246,12 @@ static void test_property_deterministic(void **unused)
     size_t cap = 1u << 20;
     uint8_t *a = malloc(cap), *b = malloc(cap);
     assert_true(a && b);
-    size_t na = run_random(7, 12, 4, 150, a, cap);
-    size_t nb = run_random(7, 12, 4, 150, b, cap);
+    size_t na = run_random(7, 12, 4, 150, 0, a, cap);
+    size_t nb = run_random(7, 12, 4, 150, 0, b, cap);
+    assert_int_equal(na, nb);
+    assert_memory_equal(a, b, na);
+    /* The sum over the heads decides exactly as the rows it sums. */
+    nb = run_random(7, 12, 4, 150, 1, b, cap);
     assert_int_equal(na, nb);
     assert_memory_equal(a, b, na);
     free(a);

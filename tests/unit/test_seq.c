@@ -1497,6 +1497,47 @@ static void append_step(fx *f, uint32_t round)
     free(data);
 }
 
+/*
+ * TOVA takes the last query's attention per query head (needs) or its sum
+ * over them as score (needs_alt): the step with the sum evicts the token
+ * the rows would, and a step with neither is refused, naming last_attn.
+ */
+static void test_tova_takes_the_summed_score(void **state)
+{
+    const char *const kv[] = {"budget", "6"};
+    fx f;
+    fx_open(&f, backend_of(state), 64, "tova", kv, 1);
+    append(&f, 7);
+    seq_step_input none = {.confidence = -1.0};
+    step_refused(&f, &none, ST_FAILED_PRECONDITION, "needs 'last_attn'");
+    size_t n = seq_step_floats(f.s, POLICY_NEEDS_SCORE);
+    assert_int_equal(n, 2 * 7);
+    float *sum = malloc(n * sizeof *sum);
+    assert_non_null(sum);
+    for (size_t i = 0; i < n; i++) /* layer 0 least attends position 2, layer 1 position 4 */
+        sum[i] = i == 2 || i == 7 + 4 ? 0.5f : 1.0f + (float)(i % 3);
+    seq_step_input in = {.arrays = POLICY_NEEDS_SCORE,
+                         .score_queries = 1,
+                         .confidence = -1.0,
+                         .data = sum,
+                         .nfloats = n};
+    uint32_t evicted;
+    status st;
+    if (seq_step(f.s, &in, &evicted, &st) != ST_OK)
+        fail_msg("step: %s", st.msg);
+    assert_int_equal(evicted, 2);
+    for (uint32_t l = 0; l < 2; l++) {
+        seq_list_view v;
+        seq_list_view_get(f.s, l, 0, &v);
+        assert_int_equal(v.tokens, 6);
+        for (uint32_t i = 0; i < v.tokens; i++)
+            assert_int_not_equal(v.positions[i], l == 0 ? 2 : 4);
+        check_list(&f, l, 0);
+    }
+    free(sum);
+    fx_close(&f);
+}
+
 /* A list's tokens as (block, slot) by position, for tests that follow
  * tokens across a step: UINT32_MAX where p is not in the list. */
 enum { SLOTS_MAX = 1024 };
@@ -1753,6 +1794,7 @@ int main(void)
         ON_SHADOW(test_evictions_on_the_segments),
         cmocka_unit_test(test_evictions_cut_in_place),
         ON_SHADOW(test_evictions_cut_in_place),
+        cmocka_unit_test(test_tova_takes_the_summed_score),
         cmocka_unit_test(test_move_reviver),
         cmocka_unit_test(test_sketch_undo),
         ON_SHADOW(test_sketch_undo),
