@@ -123,15 +123,16 @@ POLICY_HOT static double mean_over_heads(const float *const *rows, uint32_t head
     return max;
 }
 
-/* score[i] = sum[i] / heads: the mean from the worker's sum over the query
- * heads (stats.score of the last query); returns the max over i < n - 1. */
-POLICY_HOT static double mean_from_sum(const float *sum, uint32_t heads, uint32_t n, double *score)
+/* score[i] = sum[i], the worker's sum over the query heads (stats.score
+ * of the last query): the mean's order, ties included, without dividing;
+ * returns the max over i < n - 1. Both loops vectorise. */
+POLICY_HOT static double scores_from_sum(const float *sum, uint32_t n, double *score)
 {
+    for (uint32_t i = 0; i < n; i++)
+        score[i] = (double)sum[i];
     double max = -INFINITY;
-    for (uint32_t i = 0; i < n; i++) {
-        score[i] = (double)sum[i] / (double)heads;
-        max = i + 1 < n && score[i] > max ? score[i] : max;
-    }
+    for (uint32_t i = 0; i + 1 < n; i++)
+        max = score[i] > max ? score[i] : max;
     return max;
 }
 
@@ -187,11 +188,14 @@ static int tova_step(void *state, const policy_layer_view *view, const policy_st
         snprintf(err, errlen, "tova: out of memory for %u tokens", n);
         return -1;
     }
-    double max = summed ? mean_from_sum(stats->score, st->q_heads, n, sc->score)
+    /* A sum is checked as it came (4 bytes a token), the mean as computed. */
+    size_t bad = summed ? policy_first_outside(stats->score, n, -FLT_MAX) : n;
+    double max = summed ? scores_from_sum(stats->score, n, sc->score)
                         : mean_over_heads(stats->last_attn, st->q_heads, n, sc->score);
-    size_t bad = first_not_finite(sc->score, n);
+    bad = summed ? bad : first_not_finite(sc->score, n);
     if (bad < n) {
-        snprintf(err, errlen, "tova: stats.last_attn of token %zu is not finite", bad);
+        snprintf(err, errlen, "tova: stats.%s of token %zu is not finite",
+                 summed ? "score" : "last_attn", bad);
         return -1;
     }
     sc->score[n - 1] = max + 1; /* kvpress: the last token is padded with max + 1 */

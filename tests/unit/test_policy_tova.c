@@ -12,6 +12,7 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -127,6 +128,11 @@ static void test_missing_stats_and_invalid(void **unused)
     assert_int_equal(policy_host_step(h, 0, &st, &d, err, sizeof err), -1);
     assert_non_null(strstr(err, "score_queries 2"));
     st.score_queries = 1;
+    const float inf_sum[3] = {0.2f, INFINITY, 1.4f};
+    st.score = inf_sum;
+    assert_int_equal(policy_host_step(h, 0, &st, &d, err, sizeof err), -1);
+    assert_non_null(strstr(err, "stats.score of token 1 is not finite"));
+    st.score = sum;
     assert_int_equal(policy_host_step(h, 0, &st, &d, err, sizeof err), 0);
     assert_int_equal(d->tier[0][0], POLICY_EVICT); /* mean 0.1: the lowest */
     policy_host_destroy(h);
