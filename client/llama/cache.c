@@ -209,7 +209,9 @@ static int resolve_params(llm_cache *c)
             }
     if (policy_params_resolve(c->ops, keys, values, n, &c->params, err, sizeof err))
         return fail(c, "%s", err);
-    c->needs = c->ops->needs;
+    /* What a step sends: needs_alt where the policy has one (TOVA: the last
+     * query's attention summed over the query heads, 1/Q of last_attn). */
+    c->needs = c->ops->needs_alt != 0 ? c->ops->needs_alt : c->ops->needs;
     /* demote_keep grades precision by attention (policies/storage.h), which
      * the steps must carry even for a policy that needs none. */
     for (size_t i = 0; i < c->o.nparams; i++)

@@ -2,8 +2,8 @@
 statistics each asks for, whether it keeps one list per layer or one per KV
 head, how --budget maps to its parameters, and the next-token confidence.
 
-These mirror the registry (policies/*.c: each policy_ops' .needs and
-.per_head) and kvstash-llama (client/llama/main.c map_budget, cache.c
+These mirror the registry (policies/*.c: each policy_ops' .needs, or its
+.needs_alt where it has one, and .per_head) and kvstash-llama (client/llama/main.c map_budget, cache.c
 resolve_params), so that the two workers send the same step for the same
 settings. The daemon stays the judge of the parameters' values: a bad one
 fails CreateSequence with its message.
@@ -21,12 +21,13 @@ NEEDS_WINDOW_ATTN = 1 << 2
 NEEDS_VNORM = 1 << 3
 NEEDS_CONFIDENCE = 1 << 4
 
-# name -> (needs, per_head): the .needs and .per_head of each policy_ops.
+# name -> (needs, per_head): the .needs (.needs_alt where set: what a step
+# sends) and .per_head of each policy_ops.
 POLICIES: Dict[str, Tuple[int, bool]] = {
     "full": (0, False),
     "streaming": (0, False),
     "h2o": (NEEDS_SCORE, False),
-    "tova": (NEEDS_LAST_ATTN, False),
+    "tova": (NEEDS_SCORE, False),  # needs_alt: last_attn summed over the query heads
     "ov_block": (NEEDS_SCORE, False),
     "reviver": (NEEDS_SCORE, False),
     "confkv": (NEEDS_LAST_ATTN | NEEDS_CONFIDENCE, False),
