@@ -14,7 +14,8 @@ import html
 import math
 import sys
 
-COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2"]
+COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+          "#17becf"]
 W, H, L, R, T, B = 760, 480, 70, 140, 40, 50
 
 
