@@ -229,57 +229,62 @@ static double *make_list(shape sh, size_t n, uint64_t *seed)
     return x;
 }
 
-static void test_against_sort(void **s)
+/* check(x, n, seed) on every shape at every size, from `seed`. */
+static void each_list(uint64_t seed, void (*check)(const double *x, size_t n, uint64_t *seed))
 {
-    (void)s;
-    uint64_t seed = 2026;
     const size_t sizes[] = {1, 2, 3, 17, 255, 256, 257, 1000, 5000, 40000};
     for (shape sh = RANDOM; sh <= ORGAN; sh++)
         for (size_t a = 0; a < sizeof sizes / sizeof sizes[0]; a++) {
-            size_t n = sizes[a];
-            double *x = make_list(sh, n, &seed);
-            const size_t ks[] = {0, 1, n / 4, n / 2, n - n / 4, n - 1, n, n + 1};
-            for (size_t b = 0; b < sizeof ks / sizeof ks[0]; b++)
-                check_cut(x, n, ks[b], (int)(b & 1));
-            for (int t = 0; t < 3; t++)
-                check_cut(x, n, ph_below(&seed, (uint32_t)n + 1), t & 1);
+            double *x = make_list(sh, sizes[a], &seed);
+            check(x, sizes[a], &seed);
             free(x);
         }
 }
 
+static void cuts_against_sort(const double *x, size_t n, uint64_t *seed)
+{
+    const size_t ks[] = {0, 1, n / 4, n / 2, n - n / 4, n - 1, n, n + 1};
+    for (size_t b = 0; b < sizeof ks / sizeof ks[0]; b++)
+        check_cut(x, n, ks[b], (int)(b & 1));
+    for (int t = 0; t < 3; t++)
+        check_cut(x, n, ph_below(seed, (uint32_t)n + 1), t & 1);
+}
+
+static void test_against_sort(void **s)
+{
+    (void)s;
+    each_list(2026, cuts_against_sort);
+}
+
 /* policy_first_min (policy_last_min) is the cut of k = 1 in index order
- * (reverse order): every shape and size, and zeros of both signs (equal). */
+ * (reverse order). */
+static void min_against_cut(const double *x, size_t n, uint64_t *seed)
+{
+    (void)seed;
+    uint8_t *got = malloc(n);
+    assert_non_null(got);
+    for (int reverse = 0; reverse < 2; reverse++) {
+        cut_choose(x, n, 1, reverse, got);
+        size_t min = reverse ? policy_last_min(x, n) : policy_first_min(x, n);
+        for (size_t i = 0; i < n; i++)
+            if (got[i] != (i == min))
+                fail_msg("n=%zu reverse=%d: %s_min says %zu, the cut %s %zu", n, reverse,
+                         reverse ? "last" : "first", min, got[i] ? "chooses" : "does not choose",
+                         i);
+    }
+    free(got);
+}
+
+/* Every shape and size, and zeros of both signs (equal). */
 static void test_first_min(void **s)
 {
     (void)s;
-    uint64_t seed = 7;
-    const size_t sizes[] = {1, 2, 3, 17, 255, 256, 257, 1000, 5000, 40000};
-    for (shape sh = RANDOM; sh <= ORGAN; sh++)
-        for (size_t a = 0; a < sizeof sizes / sizeof sizes[0]; a++) {
-            size_t n = sizes[a];
-            double *x = make_list(sh, n, &seed);
-            uint8_t *got = malloc(n);
-            assert_non_null(got);
-            cut_choose(x, n, 1, 0, got);
-            size_t first = policy_first_min(x, n);
-            for (size_t i = 0; i < n; i++)
-                if (got[i] != (i == first))
-                    fail_msg("shape %d n=%zu: first_min says %zu, the cut %s %zu", (int)sh, n,
-                             first, got[i] ? "chooses" : "does not choose", i);
-            cut_choose(x, n, 1, 1, got);
-            size_t last = policy_last_min(x, n);
-            for (size_t i = 0; i < n; i++)
-                if (got[i] != (i == last))
-                    fail_msg("shape %d n=%zu: last_min says %zu, the reverse cut %s %zu", (int)sh,
-                             n, last, got[i] ? "chooses" : "does not choose", i);
-            free(got);
-            free(x);
-        }
+    each_list(7, min_against_cut);
     const double zeros[] = {1.0, 0.0, -0.0, 2.0, -0.0};
     assert_int_equal(policy_first_min(zeros, 5), 1);
+    assert_int_equal(policy_last_min(zeros, 5), 4);
     const double negzero[] = {3.0, -0.0, 0.0, -1e-300};
     assert_int_equal(policy_first_min(negzero, 4), 3);
-    assert_int_equal(policy_last_min(zeros, 5), 4);
 }
 
 /* ---- the SnapKV pool's blocked interior gives the naive loop's bits ---- */
