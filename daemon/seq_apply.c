@@ -603,7 +603,8 @@ static ssize_t list_plan_cuts(const seq_list *ly, const uint8_t *tier, uint32_t 
                               seg_cut *cuts)
 {
     size_t j = 0, ncuts = 0;
-    uint32_t base = 0, found = 0; /* the index of segment j's first token */
+    uint32_t base = 0;  /* the index of segment j's first token */
+    uint32_t found = 0; /* evicted tokens planned */
     for (uint32_t a = 0; a < n && found < nevict;) {
         const uint8_t *e = memchr(tier + a, POLICY_EVICT, n - a);
         if (e == NULL)

@@ -545,12 +545,14 @@ static int layer_save(policy_host *h, host_layer *ly, uint32_t layer)
     return 0;
 }
 
-/* A transaction ends: the log empties, and a log a large commit grew is
- * given back (a prefill that evicted most of a long prompt). */
+/* A transaction ends: the log empties, and a log that a large commit grew
+ * beyond what this transaction's steps reserved is given back (a prefill
+ * that evicted most of a long prompt); one that stepped nothing (an
+ * append) keeps it for the next step. */
 static void undo_log_end(host_undo_log *u)
 {
     u->ncommits = u->n = 0;
-    if (u->cap > 2 * u->keep + 1024)
+    if (u->keep > 0 && u->cap > 2 * u->keep + 1024)
         undo_log_free(u);
     u->keep = 0;
 }
