@@ -224,12 +224,12 @@ const uint32_t *policy_host_tier_order(const policy_host *h, uint32_t layer, siz
     return h->ops->tier_order ? h->ops->tier_order(h->state, layer, n) : NULL;
 }
 
-/* Point the list's arrays at entry off of its buffers. */
+/* Point the list's arrays at entry off of its buffers (none yet: NULL). */
 static void list_at(host_list *li, uint32_t off)
 {
     li->off = off;
-    li->pos = li->pos_buf + off;
-    li->tier = li->tier_buf + off;
+    li->pos = li->pos_buf != NULL ? li->pos_buf + off : NULL;
+    li->tier = li->tier_buf != NULL ? li->tier_buf + off : NULL;
     li->attn = li->attn_buf != NULL ? li->attn_buf + off : NULL;
 }
 

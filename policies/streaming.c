@@ -80,7 +80,8 @@ static int streaming_step(void *state, const policy_layer_view *view, const poli
     }
     uint32_t others = n - lo;
     uint32_t drop = others > st->window ? others - st->window : 0; /* oldest non-sinks */
-    memset(d->tier[0] + lo, POLICY_EVICT, drop);
+    if (drop > 0) /* an empty list may have no decision array yet */
+        memset(d->tier[0] + lo, POLICY_EVICT, drop);
     return 0;
 }
 
