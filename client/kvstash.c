@@ -27,6 +27,7 @@
 #include "pbjson.h"
 #include "ring_client.h"
 #include "rpc.h"
+#include "table_edit.h"
 
 #define KVS_ERRMSG_MAX 512
 
@@ -59,7 +60,10 @@ struct kvs_session {
     seq_epoch *epochs;
     size_t nepochs, capepochs;
     ring_client ring; /* the per-step ring: appends and steps skip gRPC */
-    void *stream;     /* kvs_session_set_stream's CUDA stream, or NULL */
+    /* The last step's cuts (kvs_step_result cut_start, cut), copied out of the ring. */
+    uint32_t *cut_start, *cut;
+    size_t cut_start_cap, cut_cap;
+    void *stream; /* kvs_session_set_stream's CUDA stream, or NULL */
     char err[KVS_ERRMSG_MAX];
 };
 
@@ -321,6 +325,8 @@ static void session_free(kvs_session *s)
         close(s->fd);
     rpc_channel_close(s->ch);
     free(s->epochs);
+    free(s->cut_start);
+    free(s->cut);
     free(s);
 }
 
@@ -791,7 +797,8 @@ void kvs_table_free(kvs_table *t)
 {
     if (t == NULL)
         return;
-    free(t->layer); /* one allocation: layers, then segments, then positions */
+    table_room_free(t); /* the arrays lists grew into (table_edit.c) */
+    free(t->layer);     /* one allocation: layers, then segments, then positions */
     memset(t, 0, sizeof *t);
 }
 
@@ -1015,7 +1022,7 @@ static int table_from_ring(kvs_session *s, uint32_t count, const ring_response *
         for (uint32_t i = 0; i < count; i++)
             ly[l].positions[i] = r->first_position + i;
     }
-    *out = (kvs_table){r->epoch, r->first_position, r->evicted, layers, heads, ly};
+    *out = (kvs_table){r->epoch, r->first_position, r->evicted, layers, heads, ly, NULL};
     return KVS_OK;
 bad:
     free(mem);
@@ -1084,6 +1091,59 @@ static int step_write(kvs_session *s, const kvs_step *st, uint32_t *arrays, uint
     return KVS_OK;
 }
 
+/* Grow *a to hold n uint32s; -1 when out of memory. */
+static int u32_reserve(uint32_t **a, size_t *cap, size_t n)
+{
+    if (n <= *cap)
+        return 0;
+    size_t c = *cap ? *cap : 64;
+    while (c < n)
+        c *= 2;
+    uint32_t *g = realloc(*a, c * sizeof *g);
+    if (g == NULL)
+        return -1;
+    *a = g;
+    *cap = c;
+    return 0;
+}
+
+/* A STEP answer's cuts (proto/kvstash_ring.h ring_step_cuts), copied out
+ * of the ring into the session's arrays for *out. Out of memory, they are
+ * left out (the worker reads the table instead). */
+static int step_cuts_read(kvs_session *s, kvs_step_result *out)
+{
+    ring_step_cuts h;
+    memcpy(&h, s->ring.data, sizeof h);
+    uint64_t words = (uint64_t)h.nlists + h.total;
+    if ((h.nlists != s->geom.layers && h.nlists != s->geom.layers * s->geom.kv_heads) ||
+        words > (s->ring.data_bytes - sizeof h) / sizeof(uint32_t)) {
+        fail(s, "Step: kvstashd's cuts on the ring say %" PRIu32 " lists and %" PRIu32 " tokens",
+             h.nlists, h.total);
+        return KVS_ERR_PROTOCOL;
+    }
+    if (u32_reserve(&s->cut_start, &s->cut_start_cap, (size_t)h.nlists + 1) != 0 ||
+        u32_reserve(&s->cut, &s->cut_cap, h.total ? h.total : 1) != 0)
+        return KVS_OK;
+    const uint32_t *count = (const uint32_t *)(s->ring.data + sizeof h);
+    uint64_t at = 0;
+    for (uint32_t i = 0; i < h.nlists; i++) {
+        s->cut_start[i] = (uint32_t)at;
+        at += count[i];
+        if (at > h.total) {
+            fail(s, "Step: kvstashd's cuts on the ring count more than their %" PRIu32 " tokens",
+                 h.total);
+            return KVS_ERR_PROTOCOL;
+        }
+    }
+    s->cut_start[h.nlists] = (uint32_t)at;
+    memcpy(s->cut, count + h.nlists, (size_t)at * sizeof *s->cut);
+    out->cut_epoch = h.from_epoch;
+    out->cut_lists = h.nlists;
+    out->cut_start = s->cut_start;
+    out->cut = s->cut;
+    return KVS_OK;
+}
+
 int kvs_seq_step(kvs_session *s, uint64_t seq_id, const kvs_step *step, kvs_step_result *out)
 {
     if (s == NULL)
@@ -1113,8 +1173,11 @@ int kvs_seq_step(kvs_session *s, uint64_t seq_id, const kvs_step *step, kvs_step
     rc = ring_call(s, "Step", &r);
     if (rc == KVS_OK) {
         epoch_seen(s, seq_id, r.epoch);
-        if (out != NULL)
-            *out = (kvs_step_result){r.epoch, r.evicted};
+        if (out != NULL) {
+            *out = (kvs_step_result){.epoch = r.epoch, .evicted = r.evicted};
+            if (r.cuts)
+                rc = step_cuts_read(s, out);
+        }
     }
     return rc;
 }
@@ -1281,6 +1344,8 @@ int kvs_seq_table(kvs_session *s, uint64_t seq_id, int with_positions, kvs_table
         return rc;
     epoch_seen(s, seq_id, out->epoch);
     for (uint32_t l = 0; with_positions && l < out->layers; l++) {
+        if (out->layer[l].tokens == 0 && out->layer[l].positions == NULL)
+            out->layer[l].positions = table_no_positions; /* for kvs_table_extend */
         if (out->layer[l].tokens > 0 && out->layer[l].positions == NULL) {
             fail(s, "GetBlockTable: layer %" PRIu32 " came without positions", l);
             kvs_table_free(out);

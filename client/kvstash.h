@@ -258,10 +258,28 @@ typedef struct kvs_table {
     uint32_t layers;         /* entries in layer[]: layers x heads */
     uint32_t heads;          /* lists per layer: 1, or kv_heads for per-head policies */
     kvs_layer *layer;        /* entry i is layer i / heads, KV head i % heads */
+    /* The library's: arrays of lists that kvs_table_extend and
+     * kvs_table_cut grew (NULL until they do). */
+    struct kvs_table_room *room;
 } kvs_table;
 
 /* Free the table's arrays and zero it (the kvs_table itself is the caller's). */
 void kvs_table_free(kvs_table *t);
+
+/*
+ * Keeping a table current without reading it again (issue 16 §2: at 32k
+ * tokens × 32 layers a table is megabytes, and a policy that evicts every
+ * step changes it every step). Hold the table of kvs_seq_table; after each
+ * kvs_seq_append add its writes (kvs_table_extend), after each
+ * kvs_seq_step cut out what it removed (kvs_table_cut). Each leaves *t
+ * exactly the daemon's table of the new epoch (segments, tiers, positions
+ * when *t has them), or returns KVS_ERR_PRECONDITION and leaves *t
+ * unchanged when it cannot (the append evicted, the step moved tokens or
+ * changed tiers, *t is of another epoch): then read the table
+ * (kvs_seq_table). KVS_ERR_INVALID for a table or answer that does not
+ * match *t's lists, KVS_ERR_SYSTEM when out of memory; *t unchanged.
+ */
+int kvs_table_extend(kvs_table *t, const kvs_table *writes);
 
 /*
  * Make room for `count` new tokens in every layer (through the session's
@@ -303,10 +321,24 @@ typedef struct kvs_step {
 typedef struct kvs_step_result {
     uint64_t epoch;   /* the table epoch after the policy's decision */
     uint32_t evicted; /* tokens removed (all layers); 0 = the table did not shrink */
+    /* When removing tokens was all the step did to the table: cut_lists
+     * (the table's `layers` entries), and for list i the indices of the
+     * tokens it lost, in the list as it was at cut_epoch, ascending:
+     * cut[cut_start[i] .. cut_start[i + 1]). kvs_table_cut applies them.
+     * cut_lists 0: no cuts (read the table if the epoch moved). The arrays
+     * are the session's, valid until its next call. */
+    uint64_t cut_epoch;
+    uint32_t cut_lists;
+    const uint32_t *cut_start; /* [cut_lists + 1] */
+    const uint32_t *cut;
 } kvs_step_result;
 
 /* End a step: report its statistics; *out (may be NULL) says what changed. */
 int kvs_seq_step(kvs_session *s, uint64_t seq_id, const kvs_step *step, kvs_step_result *out);
+
+/* Cut a step's removed tokens (r's cut_*) out of a table of cut_epoch, which
+ * becomes the table of r->epoch (see kvs_table_extend). */
+int kvs_table_cut(kvs_table *t, const kvs_step_result *r);
 
 /* The sequence's current table epoch: "has my table changed?" in one ring
  * round trip. */

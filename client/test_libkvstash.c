@@ -483,6 +483,157 @@ static void test_table_beyond_the_ring(const char *exe)
     daemon_stop(&d);
 }
 
+/* Whether the table kept by kvs_table_extend and kvs_table_cut is the
+ * daemon's: epoch, segments (tiers included) and positions. */
+static int table_is_daemons(kvs_session *s, uint64_t id, const kvs_table *held, const char *what,
+                            int step)
+{
+    kvs_table t;
+    int rc = kvs_seq_table(s, id, 1, &t);
+    CHECK_RC(rc, KVS_OK, s);
+    if (rc != KVS_OK)
+        return 0;
+    int same = t.epoch == held->epoch && t.layers == held->layers && t.heads == held->heads;
+    uint32_t i = 0;
+    for (; same && i < t.layers; i++) {
+        const kvs_layer *a = &t.layer[i], *b = &held->layer[i];
+        same = a->tokens == b->tokens && a->nsegments == b->nsegments &&
+               (a->nsegments == 0 ||
+                memcmp(a->segments, b->segments, a->nsegments * sizeof *a->segments) == 0) &&
+               (a->tokens == 0 ||
+                memcmp(a->positions, b->positions, a->tokens * sizeof *a->positions) == 0);
+    }
+    CHECK(same,
+          "%s, step %d: the table kept by cuts is not the daemon's (epoch %" PRIu64 " / %" PRIu64
+          ", list %u: %u / %u tokens)",
+          what, step, held->epoch, t.epoch, i ? i - 1 : 0,
+          held->layers ? held->layer[i ? i - 1 : 0].tokens : 0,
+          t.layers ? t.layer[i ? i - 1 : 0].tokens : 0);
+    kvs_table_free(&t);
+    return same;
+}
+
+/* Read the table again into *held. */
+static int table_reread(kvs_session *s, uint64_t id, kvs_table *held)
+{
+    kvs_table_free(held);
+    int rc = kvs_seq_table(s, id, 1, held);
+    CHECK_RC(rc, KVS_OK, s);
+    return rc;
+}
+
+/* Statistics for every list of `held`: one row a list (score), or one a
+ * query head of its KV head's list (last_attn); pseudo-random, so that
+ * the policy evicts all over the lists. */
+static void cut_case_stats(const kvs_table *held, int per_query, uint32_t *tokens, float *rows,
+                           const float **ptrs, uint32_t *seed)
+{
+    uint32_t q = geom.q_heads, group = q / geom.kv_heads;
+    uint32_t nrows = per_query ? geom.layers * q : held->layers;
+    for (uint32_t i = 0; i < held->layers; i++)
+        tokens[i] = held->layer[i].tokens;
+    for (uint32_t r = 0; r < nrows; r++) {
+        uint32_t list =
+            per_query ? (r / q) * held->heads + (held->heads > 1 ? (r % q) / group : 0) : r;
+        ptrs[r] = rows + (size_t)r * 1024;
+        for (uint32_t t = 0; t < tokens[list]; t++) {
+            *seed = *seed * 1664525u + 1013904223u;
+            rows[(size_t)r * 1024 + t] = (float)(*seed >> 8) / (float)(1u << 24);
+        }
+    }
+}
+
+/*
+ * A worker keeps its table current without reading it again: prefill
+ * chunks and decode steps of `policy`, each append added with
+ * kvs_table_extend and each step's cuts applied with kvs_table_cut (or the
+ * table read again when the answer has none), and after every step the
+ * kept table must equal the daemon's. want_cuts: the least number of
+ * steps answered with cuts (h2o and weightedkv evict from the middle of
+ * the lists: segments split and go; streaming from the front).
+ */
+static void test_cuts_case(kvs_session *s, const char *policy, const kvs_param *p, size_t np,
+                           int per_query, int want_cuts, int want_reads)
+{
+    uint64_t id;
+    int rc = kvs_seq_create(s, policy, p, np, "cuts", &id);
+    CHECK_RC(rc, KVS_OK, s);
+    kvs_table held = {0};
+    if (rc != KVS_OK || table_reread(s, id, &held) != KVS_OK)
+        return;
+    uint32_t tokens[16], seed = 7;
+    const float *ptrs[16];
+    float *rows = malloc(16 * 1024 * sizeof *rows);
+    int cuts = 0, reads = 0, f0 = failures;
+    for (int step = 0; step < 240 && failures == f0; step++) {
+        int prefill = step < 6;
+        uint32_t count = prefill ? 64 : 1;
+        kvs_table w;
+        rc = kvs_seq_append(s, id, count, &w);
+        CHECK_RC(rc, KVS_OK, s);
+        if (rc != KVS_OK)
+            break;
+        rc = kvs_table_extend(&held, &w);
+        CHECK(rc == KVS_OK || (rc == KVS_ERR_PRECONDITION && w.evicted > 0), "%s: extend: %d",
+              policy, rc);
+        kvs_table_free(&w);
+        if (rc != KVS_OK && table_reread(s, id, &held) != KVS_OK)
+            break;
+        cut_case_stats(&held, per_query, tokens, rows, ptrs, &seed);
+        kvs_step st = {.new_tokens = count,
+                       .prefill = prefill,
+                       .heads = held.heads,
+                       .tokens = tokens,
+                       .score = per_query ? NULL : ptrs,
+                       .score_queries = 1,
+                       .last_attn = per_query ? ptrs : NULL,
+                       .confidence = -1};
+        kvs_step_result res;
+        rc = kvs_seq_step(s, id, &st, &res);
+        CHECK_RC(rc, KVS_OK, s);
+        if (rc != KVS_OK)
+            break;
+        if (res.cut_lists > 0) {
+            cuts++;
+            CHECK(res.cut_epoch == held.epoch,
+                  "%s: cuts of epoch %" PRIu64 ", the table's %" PRIu64, policy, res.cut_epoch,
+                  held.epoch);
+            rc = kvs_table_cut(&held, &res);
+            CHECK(rc == KVS_OK, "%s, step %d: kvs_table_cut: %d", policy, step, rc);
+            /* Cuts apply once: the table is of their answer's epoch now. */
+            CHECK(kvs_table_cut(&held, &res) ==
+                      (res.epoch == res.cut_epoch ? KVS_OK : KVS_ERR_PRECONDITION),
+                  "%s: cuts applied twice", policy);
+        } else if (res.epoch != held.epoch) {
+            reads++;
+            if (table_reread(s, id, &held) != KVS_OK)
+                break;
+        }
+        table_is_daemons(s, id, &held, policy, step);
+    }
+    CHECK(cuts >= want_cuts && reads >= want_reads,
+          "%s: %d steps answered with cuts (want >= %d), %d table reads (want >= %d)", policy, cuts,
+          want_cuts, reads, want_reads);
+    printf("%s: %d steps cut, %d read the table\n", policy, cuts, reads);
+    free(rows);
+    kvs_table_free(&held);
+    CHECK_RC(kvs_seq_release(s, id), KVS_OK, s);
+}
+
+static void test_cuts(kvs_session *s)
+{
+    const kvs_param h2o[] = {{"budget", "300"}, {"recent", "10"}, {"sinks", "3"}};
+    test_cuts_case(s, "h2o", h2o, 3, 0, 200, 0);
+    const kvs_param streaming[] = {{"n_sink", "5"}, {"window", "250"}};
+    test_cuts_case(s, "streaming", streaming, 2, 0, 200, 0);
+    const kvs_param wkv[] = {
+        {"cache_size", "150"}, {"n_init", "4"}, {"n_recent", "40"}, {"merge", "0"}};
+    test_cuts_case(s, "weightedkv", wkv, 4, 1, 200, 0);
+    /* Demoted tokens: a step that changes tiers has no cuts. */
+    const kvs_param demoting[] = {{"budget", "300"}, {"int8", "on"}, {"int8_window", "16"}};
+    test_cuts_case(s, "h2o", demoting, 3, 0, 0, 20);
+}
+
 static void test_shutdown(const char *exe)
 {
     daemon_proc d = {0};
@@ -528,6 +679,7 @@ int main(int argc, char **argv)
         test_shared_pool(a, b);
         test_epochs(d.sock, a);
         test_events(d.sock);
+        test_cuts(a);
         test_deadline(&d, a);
     }
     if (a != NULL)

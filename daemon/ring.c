@@ -138,6 +138,32 @@ static void serve_append(ring *rg, const ring_request *q, ring_response *r)
 
 /* STEP: copy the statistics out of shared memory first, so a worker that
  * scribbles on them while the daemon reads cannot change what was checked. */
+/* A step's answer when it only cut tokens out (proto/kvstash_ring.h
+ * ring_step_cuts); the statistics in the data area were copied out. */
+typedef struct cuts_put_ctx {
+    ring *rg;
+    ring_response *r;
+} cuts_put_ctx;
+
+static void cuts_put(void *ctx, const seq_cuts *c)
+{
+    cuts_put_ctx *x = ctx;
+    uint64_t words = (uint64_t)c->nlists + c->total;
+    if (words > (x->rg->data_bytes - sizeof(ring_step_cuts)) / sizeof(uint32_t))
+        return;
+    ring_step_cuts h = {c->from_epoch, (uint32_t)c->nlists, (uint32_t)c->total};
+    memcpy(x->rg->data, &h, sizeof h);
+    uint32_t *count = (uint32_t *)(x->rg->data + sizeof h), *idx = count + c->nlists;
+    memcpy(count, c->count, c->nlists * sizeof *count);
+    for (size_t i = 0; i < c->nlists; i++) {
+        if (c->count[i] == 0) /* idx may be NULL: no step has cut yet */
+            continue;
+        memcpy(idx, c->idx + c->first[i], c->count[i] * sizeof *idx);
+        idx += c->count[i];
+    }
+    x->r->cuts = 1;
+}
+
 static void serve_step(ring *rg, const ring_request *q, ring_response *r)
 {
     if (q->data_bytes > rg->data_bytes || q->data_bytes % sizeof(float) != 0) {
@@ -165,8 +191,9 @@ static void serve_step(ring *rg, const ring_request *q, ring_response *r)
                          rg->scratch,
                          n};
     status s;
-    if (store_step(rg->store, rg->token, q->seq_id, q->ack_epoch, &in, &r->epoch, &r->evicted,
-                   &s) != ST_OK)
+    cuts_put_ctx cuts = {rg, r};
+    if (store_step(rg->store, rg->token, q->seq_id, q->ack_epoch, &in, cuts_put, &cuts, &r->epoch,
+                   &r->evicted, &s) != ST_OK)
         respond(r, s.code, s.msg);
     else
         respond(r, ST_OK, "");

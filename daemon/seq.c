@@ -210,6 +210,9 @@ void seq_destroy(seq *s)
     for (size_t i = 0; i < s->nretired; i++)
         pool_free_block(s->pool, s->retired[i].block);
     seq_txn_free(s);
+    free(s->cuts.count);
+    free(s->cuts.first);
+    free(s->cuts.idx);
     policy_host_destroy(s->host);
     snapshot_tiers_free(&s->report);
     free(s->retired);
@@ -393,6 +396,7 @@ static status_code seq_run_policy(seq *s, const seq_step_input *in, uint64_t epo
     size_t total = 0;
     int changed = 0;
     int data = in->data != NULL;
+    seq_cuts_begin(s);
     for (uint32_t l = 0; l < s->nlayers && rc == ST_OK; l++) {
         policy_stats ps = {.new_tokens = in->new_tokens ? in->new_tokens : s->unstepped,
                            .prefill = in->prefill,

@@ -184,6 +184,29 @@ typedef struct seq_step_input {
  */
 status_code seq_step(seq *s, const seq_step_input *in, uint32_t *evicted, status *st);
 
+/*
+ * The tokens the last seq_step removed from the lists, when removing them
+ * was all it did to them: no token moved, changed tier or merged, no list
+ * was compacted. A worker can then cut them out of the table it holds
+ * instead of reading the table again (issue 16 §2: 32 lists of 32k
+ * positions a step). List i (layer i / heads, head i % heads) lost
+ * count[i] tokens, whose indices in the list as it was at from_epoch are
+ * idx[first[i] .. first[i] + count[i]), ascending.
+ */
+typedef struct seq_cuts {
+    uint64_t from_epoch;
+    size_t nlists, total;
+    const uint32_t *count, *first, *idx;
+} seq_cuts;
+
+/* 1 and *out (valid until the sequence next changes) when the last step
+ * only cut tokens out of the lists, else 0. */
+int seq_step_cuts(const seq *s, seq_cuts *out);
+
+/* The lists changed after the step (a demotion at its epoch): its cuts no
+ * longer describe the change. */
+void seq_step_cuts_forget(seq *s);
+
 /* Apply a decision of layer l that policy_host_step returned (possibly
  * amended, as an operator eviction does): value merges, then per list:
  * victims offloaded to the sketch (storage option victims=sketch) or

@@ -589,10 +589,67 @@ static size_t runs_push(kv_segment *segs, size_t n, kv_segment g)
     return n + 1;
 }
 
-/* One cut of list_cut_in_place: `take` tokens from token t of segment j. */
+/* ---- the step's cuts, for its answer (seq.h seq_step_cuts) ---------------- */
+
+void seq_cuts_begin(seq *s)
+{
+    seq_cut_log *c = &s->cuts;
+    size_t n = seq_nlists(s) ? seq_nlists(s) : 1;
+    if (c->count == NULL) {
+        c->count = calloc(n, sizeof *c->count);
+        c->first = calloc(n, sizeof *c->first);
+    }
+    c->valid = c->count != NULL && c->first != NULL;
+    if (c->valid)
+        memset(c->count, 0, n * sizeof *c->count);
+    c->from_epoch = s->epoch;
+    c->n = 0;
+}
+
+/* List li lost the tokens at indices [a, b); the lists are cut in order. */
+static void cuts_log(seq *s, size_t li, uint32_t a, uint32_t b)
+{
+    seq_cut_log *c = &s->cuts;
+    if (!c->valid)
+        return;
+    if (c->n + (b - a) > c->cap) {
+        size_t cap = c->cap ? 2 * c->cap : 1024;
+        while (cap < c->n + (b - a))
+            cap *= 2;
+        uint32_t *idx = realloc(c->idx, cap * sizeof *idx);
+        if (idx == NULL) { /* the worker reads the table instead */
+            c->valid = 0;
+            return;
+        }
+        c->idx = idx;
+        c->cap = cap;
+    }
+    if (c->count[li] == 0)
+        c->first[li] = (uint32_t)c->n;
+    for (uint32_t i = a; i < b; i++)
+        c->idx[c->n++] = i;
+    c->count[li] += b - a;
+}
+
+int seq_step_cuts(const seq *s, seq_cuts *out)
+{
+    const seq_cut_log *c = &s->cuts;
+    if (!c->valid)
+        return 0;
+    *out = (seq_cuts){c->from_epoch, seq_nlists(s), c->n, c->count, c->first, c->idx};
+    return 1;
+}
+
+void seq_step_cuts_forget(seq *s)
+{
+    s->cuts.valid = 0;
+}
+
+/* One cut of list_cut_in_place: `take` tokens from token t of segment j,
+ * token `at` of the list. */
 typedef struct seg_cut {
     size_t seg;
-    uint32_t t, take;
+    uint32_t t, take, at;
 } seg_cut;
 
 /* The cuts that remove the nevict evicted tokens of tier[0..n) from the
@@ -621,7 +678,7 @@ static ssize_t list_plan_cuts(const seq_list *ly, const uint8_t *tier, uint32_t 
                 return -1;
             uint32_t t = a - base, left = ly->segs[j].count - t;
             uint32_t take = b - a < left ? b - a : left;
-            cuts[ncuts++] = (seg_cut){j, t, take};
+            cuts[ncuts++] = (seg_cut){j, t, take, a};
             a += take;
         }
     }
@@ -682,6 +739,8 @@ static int list_cut_in_place(seq *s, seq_list *ly, const uint8_t *tier, uint32_t
         *changed = 1;
         for (ssize_t c = ncuts - 1; c >= 0; c--) /* the last first: earlier ones stay put */
             list_apply_cut(ly, &cuts[c], gone, &ngone);
+        for (ssize_t c = 0; c < ncuts; c++)
+            cuts_log(s, (size_t)(ly - s->lists), cuts[c].at, cuts[c].at + cuts[c].take);
     }
     for (size_t i = 0; rc == 0 && i < ngone; i++) {
         int again = 0;
@@ -727,6 +786,8 @@ static int list_cut_rebuild(seq *s, seq_list *ly, const uint8_t *tier, uint32_t 
             if (run > 0)
                 out = runs_push(segs, out, (kv_segment){g.block, g.first_slot + t, run});
             kept += run;
+            if (e != NULL)
+                cuts_log(s, (size_t)(ly - s->lists), i + t + run, i + t + run + 1);
             t += run + (e != NULL);
         }
         i += c;
@@ -815,6 +876,7 @@ status_code seq_apply_decision(seq *s, uint32_t l, const policy_decision *d, uin
     for (uint32_t k = 0; rc == 0 && k < s->heads; k++) {
         if (!general[k])
             continue;
+        seq_step_cuts_forget(s); /* list_apply may move tokens or change tiers */
         toks[k] = list_expand(seq_list_at(s, l, k), seq_list_tokens(s, l, k, NULL));
         rc = toks[k] == NULL ? -1 : 0;
     }

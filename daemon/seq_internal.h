@@ -50,6 +50,18 @@ static inline int tier_token_local_sketch(const tier_token *t)
     return t->tier == POLICY_SKETCH && t->block == TIER_NO_BLOCK;
 }
 
+/* What the running step cut out of the lists (seq.h seq_step_cuts). */
+typedef struct seq_cut_log {
+    int valid;
+    uint64_t from_epoch;
+    uint32_t *count, *first; /* [nlists], allocated at the first step */
+    uint32_t *idx;
+    size_t n, cap;
+} seq_cut_log;
+
+/* Start the log of a step that begins at the current epoch. */
+void seq_cuts_begin(seq *s);
+
 typedef struct seq_saved_list seq_saved_list;
 typedef struct seq_saved_tokens seq_saved_tokens;
 
@@ -94,6 +106,7 @@ typedef struct seq {
     uint64_t victims_dropped;     /* victims=int8 victims freed under memory pressure */
     snapshot_tiers report;        /* seq_tier_report */
     seq_txn txn;
+    seq_cut_log cuts;
     size_t sketch_reserved; /* daemon memory the store reserved for the sketches (seq.h) */
     int demote_after_step;  /* seq.h seq_set_demote_after_step */
     int stepping;           /* inside seq_step (not an Append's step, nor an operator's move) */

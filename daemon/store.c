@@ -379,8 +379,10 @@ static void demote_due(store *st, seq *q, uint64_t epoch0)
     seq_demote_job *job;
     status s = {0};
     if (seq_demote_plan(q, epoch, &job, &s) == ST_OK && job != NULL &&
-        !(later && store_demote_later(st, q, job)))
+        !(later && store_demote_later(st, q, job))) {
+        seq_step_cuts_forget(q); /* the step's answer is no longer its cuts alone */
         seq_demote_finish(job, store_copy_unlocked(st, seq_id_of(q), demote_fill, job), &s);
+    }
     if (s.code != ST_OK)
         log_warn("demote_deferred", "seq=%llu reason=\"%s\"", (unsigned long long)seq_id_of(q),
                  s.msg);
@@ -1638,7 +1640,8 @@ static void lists_view_free(metrics_lists *v)
 }
 
 status_code store_step(store *st, const char *token, uint64_t seq_id, uint64_t ack_epoch,
-                       const seq_step_input *in, uint64_t *epoch, uint32_t *evicted, status *s)
+                       const seq_step_input *in, store_cuts_reader read_cuts, void *ctx,
+                       uint64_t *epoch, uint32_t *evicted, status *s)
 {
     uint64_t t0 = st->metrics != NULL ? store_now_ns() : 0;
     store_lock_seq(st, seq_id);
@@ -1668,6 +1671,9 @@ status_code store_step(store *st, const char *token, uint64_t seq_id, uint64_t a
         if (st->metrics != NULL)
             metrics_step(st->metrics, seq_policy(q), (double)(store_now_ns() - t0) * 1e-9);
         *epoch = seq_epoch(q);
+        seq_cuts cuts;
+        if (read_cuts != NULL && seq_step_cuts(q, &cuts))
+            read_cuts(ctx, &cuts);
         if (*evicted > 0)
             events_publish(st->events, "table.changed",
                            json_pack("{sI sI sI}", "seq", (json_int_t)seq_id_of(q), "epoch",

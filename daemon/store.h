@@ -418,9 +418,15 @@ status_code store_lend_table(store *st, const char *token, uint64_t seq_id, uint
 status_code store_seq_release(store *st, const char *token, uint64_t seq_id, uint32_t *blocks_freed,
                               status *s);
 
-/* End a step of a sequence with the worker's statistics (seq_step). */
+/* What store_step lends a step's cuts to (seq_step_cuts), under the
+ * store's lock, when removing tokens was all the step did to the lists. */
+typedef void (*store_cuts_reader)(void *ctx, const seq_cuts *cuts);
+
+/* End a step of a sequence with the worker's statistics (seq_step);
+ * read_cuts (may be NULL) gets its cuts when they are the whole change. */
 status_code store_step(store *st, const char *token, uint64_t seq_id, uint64_t ack_epoch,
-                       const seq_step_input *in, uint64_t *epoch, uint32_t *evicted, status *s);
+                       const seq_step_input *in, store_cuts_reader read_cuts, void *ctx,
+                       uint64_t *epoch, uint32_t *evicted, status *s);
 
 /* The sequence's current table epoch (after acking ack_epoch). */
 status_code store_epoch(store *st, const char *token, uint64_t seq_id, uint64_t ack_epoch,

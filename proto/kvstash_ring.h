@@ -96,6 +96,22 @@ typedef struct ring_table_list {
     uint32_t int8_block_tokens, int4_block_tokens, int2_block_tokens, quant_group;
 } ring_table_list;
 
+/*
+ * STEP's answer, when removing tokens was all the step did to the lists
+ * (ring_response.cuts = 1; daemon/seq.h seq_step_cuts): a ring_step_cuts
+ * at the start of the data area, then uint32 count[nlists], then uint32
+ * idx[total]. List i (layer-major, as the table) lost count[i] tokens,
+ * whose indices in the list as it was at from_epoch are the next count[i]
+ * of idx, ascending. A worker that holds the table of from_epoch cuts them
+ * out and has the table of the answer's epoch without a TABLE round trip
+ * (at 32k tokens × 32 layers the table is megabytes, the cuts of a decode
+ * step 32 indices). Cuts that would not fit the data area are not written
+ * (cuts = 0): read the table.
+ */
+typedef struct ring_step_cuts {
+    uint64_t from_epoch;
+    uint32_t nlists, total;
+} ring_step_cuts;
 typedef struct ring_request {
     uint32_t op;
     uint32_t arrays; /* STEP: which statistics arrays it carries (kvstash_step.h STEP_*) */
@@ -117,6 +133,7 @@ typedef struct ring_response {
     uint32_t first_position;  /* APPEND: position of the first new token */
     uint32_t nsegments;       /* APPEND: segments in the data area */
     uint32_t lists_per_layer; /* APPEND: 1, or kv_heads for a per-head sequence */
+    uint32_t cuts;            /* STEP: 1 when the data area holds the step's ring_step_cuts */
     char msg[RING_MSG_LEN];   /* error message when code != 0 */
 } ring_response;
 

@@ -15,8 +15,11 @@
  *   step     kvs_seq_step with the statistics the policy needs, one float
  *            per held token per array (POLICY_NEEDS_*): packing them into the
  *            ring, the daemon's copy, the decision and the table change;
- *   table    kvs_seq_table with positions, when the step changed the table
- *            beyond the append, as kvstash-llama reloads it (client/llama).
+ *   table    keeping the worker's table (with positions) current: the
+ *            append's writes added (kvs_table_extend) and the step's cuts
+ *            taken out (kvs_table_cut), or, when the step's answer has no
+ *            cuts (or with --reload, always), the table read again
+ *            (kvs_seq_table) when the step changed it beyond the append.
  *
  * The worker's K/V writes are done but not timed; the prefill steps (chunks of
  * up to 65,536 tokens, each a step with its statistics) are timed apart.
@@ -25,8 +28,8 @@
  * for a policy that reads them all) and an empty ring round trip.
  *
  * Usage: bench_step_context [--quick] [--contexts N,N,...] [--head-dim D]
- *                           [--policies P,P,...] [--steps N] [--csv FILE]
- *                           [PATH_TO_KVSTASHD]
+ *                           [--policies P,P,...] [--steps N] [--reload]
+ *                           [--csv FILE] [PATH_TO_KVSTASHD]
  * The daemon path defaults to $KVSTASHD, then ../../daemon/kvstashd next to
  * this binary. The daemon is started once with a pool and a ring (--ring-mb)
  * sized for the largest context. Prints a table per policy; exits non-zero
@@ -80,6 +83,7 @@ typedef struct bench_cfg {
     size_t npolicies;
     uint32_t steps;  /* timed decode steps per (policy, context) */
     uint32_t warmup; /* untimed decode steps before them */
+    int reload;      /* read the table again after each step that changed it, not cut it */
     const char *csv;
 } bench_cfg;
 
@@ -99,6 +103,7 @@ typedef struct worker {
     const bench_cfg *cfg;
     const bench_policy *p;
     uint64_t seq;
+    kvs_table held;   /* the sequence's table, with positions, kept current */
     uint32_t heads;   /* lists per layer */
     uint32_t *tokens; /* [layers * heads] tokens per list */
     const float **score, **last_attn;
@@ -267,12 +272,19 @@ static int seq_prefill(worker *w, uint32_t n, double *step_ms)
         *step_ms += (bench_now_us() - t0) / 1000.0;
         held += c;
     }
-    kvs_table t;
-    if (rc == 0 && (rc = kvs_seq_table(w->s, w->seq, 0, &t)) == 0) {
-        tokens_from_table(w, &t);
-        kvs_table_free(&t);
-    }
+    if (rc == 0 && (rc = kvs_seq_table(w->s, w->seq, 1, &w->held)) == 0)
+        tokens_from_table(w, &w->held);
     return rc == 0 ? 0 : -1;
+}
+
+/* Read the sequence's table again into w->held. */
+static int table_reread(worker *w)
+{
+    kvs_table_free(&w->held);
+    int rc = kvs_seq_table(w->s, w->seq, 1, &w->held);
+    if (rc != 0)
+        report_fail(w->s, "kvs_seq_table", rc);
+    return rc;
 }
 
 /* One decode step; the times go to t[0..3) (append, step, table); *changed
@@ -290,27 +302,26 @@ static int decode_step(worker *w, uint64_t step, double *t, size_t *stats_bytes,
     for (uint32_t i = 0; i < a.layers; i++)
         w->tokens[i]++;
     rc = write_new(w, &a);
+    int extended = !w->cfg->reload && kvs_table_extend(&w->held, &a) == KVS_OK;
+    double t2 = bench_now_us();
     uint64_t epoch = a.epoch;
     kvs_table_free(&a);
     kvs_step st = {.new_tokens = 1};
     *stats_bytes = stats_fill(w, step, &st);
     kvs_step_result res;
-    double t2 = bench_now_us();
+    double t3 = bench_now_us();
     if (rc == 0 && (rc = kvs_seq_step(w->s, w->seq, &st, &res)) != 0)
         report_fail(w->s, "kvs_seq_step", rc);
-    double t3 = bench_now_us(), t4 = t3;
+    double t4 = bench_now_us();
     *changed = rc == 0 && res.epoch != epoch;
-    if (*changed) {
-        kvs_table tb;
-        if ((rc = kvs_seq_table(w->s, w->seq, 1, &tb)) != 0) {
-            report_fail(w->s, "kvs_seq_table", rc);
-        } else {
-            t4 = bench_now_us();
-            tokens_from_table(w, &tb);
-            kvs_table_free(&tb);
-        }
-    }
-    t[0] = t1 - t0, t[1] = t3 - t2, t[2] = t4 - t3;
+    if (rc == 0 && extended && res.cut_lists > 0)
+        rc = kvs_table_cut(&w->held, &res);
+    else if (rc == 0 && (*changed || (!extended && !w->cfg->reload)))
+        rc = table_reread(w);
+    double t5 = bench_now_us();
+    if (rc == 0 && (*changed || extended))
+        tokens_from_table(w, &w->held);
+    t[0] = t1 - t0, t[1] = t4 - t3, t[2] = (t2 - t1) + (t5 - t4);
     return rc == 0 ? 0 : -1;
 }
 
@@ -329,6 +340,7 @@ static int run_context(worker *w, uint32_t n, uint8_t *mc_a, uint8_t *mc_b, step
     memset(row, 0, sizeof *row);
     row->context = n;
     if (seq_prefill(w, n, &row->prefill_ms) != 0) {
+        kvs_table_free(&w->held);
         kvs_seq_release(w->s, w->seq);
         return -1;
     }
@@ -363,6 +375,7 @@ static int run_context(worker *w, uint32_t n, uint8_t *mc_a, uint8_t *mc_b, step
         row->ran = 1;
     }
     free(t);
+    kvs_table_free(&w->held);
     if (kvs_seq_release(w->s, w->seq) != 0)
         rc = -1;
     return rc;
@@ -475,10 +488,12 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg, const char **daemon
                 return -1;
             }
             cfg->steps = (uint32_t)n;
+        } else if (strcmp(argv[i], "--reload") == 0) {
+            cfg->reload = 1;
         } else if (argv[i][0] == '-') {
             fprintf(stderr,
                     "usage: %s [--quick] [--contexts N,N,...] [--head-dim D] [--policies P,...] "
-                    "[--steps N] [--csv FILE] [PATH_TO_KVSTASHD]\n",
+                    "[--steps N] [--reload] [--csv FILE] [PATH_TO_KVSTASHD]\n",
                     argv[0]);
             return -1;
         } else {

@@ -246,7 +246,8 @@ static status_code step(fixture *f, status *s)
     seq_step_input in = {f->arrays, 0, 0, 2, 2, 0.5, f->stats, f->nstats};
     uint64_t epoch;
     uint32_t evicted;
-    return store_step(f->st, f->token, f->seq_id, the_seq(f)->epoch, &in, &epoch, &evicted, s);
+    return store_step(f->st, f->token, f->seq_id, the_seq(f)->epoch, &in, NULL, NULL, &epoch,
+                      &evicted, s);
 }
 
 static void close_store(fixture *f)

@@ -347,7 +347,8 @@ static void test_table_through_the_ring(void **state)
     seq_step_input in = {.new_tokens = 30, .prefill = 1, .confidence = -1};
     uint64_t epoch;
     uint32_t evicted;
-    assert_int_equal(store_step(f->st, f->token, id, 0, &in, &epoch, &evicted, &s), ST_OK);
+    assert_int_equal(store_step(f->st, f->token, id, 0, &in, NULL, NULL, &epoch, &evicted, &s),
+                     ST_OK);
     for (int with_positions = 0; with_positions <= 1; with_positions++) {
         ring_response r;
         assert_int_equal(call_table(f, id, with_positions, &r), ST_OK);

@@ -442,7 +442,8 @@ static void test_demotion_after_the_reply(void **state)
     seq_step_input in = {.new_tokens = 40, .prefill = 1, .confidence = -1};
     uint64_t epoch;
     uint32_t evicted;
-    assert_int_equal(store_step(f->st, f->token, id, ack, &in, &epoch, &evicted, &s), ST_OK);
+    assert_int_equal(store_step(f->st, f->token, id, ack, &in, NULL, NULL, &epoch, &evicted, &s),
+                     ST_OK);
     assert_int_equal(evicted, 0);
     assert_int_equal(store_get_table(f->st, f->token, id, epoch, 0, &t, &s), ST_OK);
     assert_true(t.epoch == epoch + 1); /* published after the reply */

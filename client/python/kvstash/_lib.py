@@ -52,7 +52,8 @@ class Table_(ctypes.Structure):
     kvs_table_free."""
     _fields_ = [("epoch", ctypes.c_uint64), ("first_position", ctypes.c_uint32),
                 ("evicted", ctypes.c_uint32), ("layers", ctypes.c_uint32),
-                ("heads", ctypes.c_uint32), ("layer", ctypes.POINTER(Layer_))]
+                ("heads", ctypes.c_uint32), ("layer", ctypes.POINTER(Layer_)),
+                ("room", ctypes.c_void_p)]
 
 
 class Step_(ctypes.Structure):
@@ -68,7 +69,9 @@ class Step_(ctypes.Structure):
 
 class StepResult_(ctypes.Structure):
     """kvs_step_result."""
-    _fields_ = [("epoch", ctypes.c_uint64), ("evicted", ctypes.c_uint32)]
+    _fields_ = [("epoch", ctypes.c_uint64), ("evicted", ctypes.c_uint32),
+                ("cut_epoch", ctypes.c_uint64), ("cut_lists", ctypes.c_uint32),
+                ("cut_start", c_uint32_p), ("cut", c_uint32_p)]
 
 
 class Revive_(ctypes.Structure):
