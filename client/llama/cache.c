@@ -55,6 +55,7 @@ struct llm_cache {
     uint64_t seq, epoch;
     uint32_t heads; /* lists per layer: 1 or KV */
     list *lists;    /* [L * heads] */
+    kvs_table held; /* the daemon's table, kept current: lists copy it */
     kvs_table writes;
     kv_layout lay, rows; /* the pool's layout, and a per-head list's row view */
     kv_dtype dtype;
@@ -294,25 +295,18 @@ static int list_reserve(llm_cache *c, list *ls, size_t segs, uint32_t toks)
     return 0;
 }
 
-/* Replace the lists with the daemon's current table. */
-static int table_reload(llm_cache *c)
+/* Make the lists what c->held says. */
+static int lists_from_held(llm_cache *c)
 {
-    kvs_table t;
-    int rc = kvs_seq_table(c->s, c->seq, 1, &t);
-    if (rc != KVS_OK)
-        return fail(c, "GetBlockTable: %s", kvs_session_error(c->s));
-    if (t.heads != c->heads || t.layers != c->L * c->heads) {
-        kvs_table_free(&t);
+    const kvs_table t = c->held;
+    if (t.heads != c->heads || t.layers != c->L * c->heads)
         return fail(c, "the daemon's table has %u lists per layer; policy %s wants %u", t.heads,
                     c->o.policy, c->heads);
-    }
     for (uint32_t i = 0; i < t.layers; i++) {
         const kvs_layer *ly = &t.layer[i];
         list *ls = &c->lists[i];
-        if (list_reserve(c, ls, ly->nsegments, ly->tokens) != 0) {
-            kvs_table_free(&t);
+        if (list_reserve(c, ls, ly->nsegments, ly->tokens) != 0)
             return -1;
-        }
         ls->sketched = 0;
         for (size_t k = 0; k < ly->nsegments; k++) {
             ls->segs[k] = (kv_segment){ly->segments[k].block, ly->segments[k].first_slot,
@@ -328,34 +322,16 @@ static int table_reload(llm_cache *c)
         c->lay.quant_group = c->rows.quant_group = ly->quant_group;
     }
     c->epoch = t.epoch;
-    kvs_table_free(&t);
     return 0;
 }
 
-/* Add an append's new segments at the lists' tails. */
-static int table_extend(llm_cache *c, const kvs_table *w)
+/* Replace the lists with the daemon's current table. */
+static int table_reload(llm_cache *c)
 {
-    for (uint32_t i = 0; i < w->layers; i++) {
-        const kvs_layer *ly = &w->layer[i];
-        list *ls = &c->lists[i];
-        if (list_reserve(c, ls, ls->nsegs + ly->nsegments, ls->n + ly->tokens) != 0)
-            return -1;
-        for (size_t k = 0; k < ly->nsegments; k++) {
-            kv_segment g = {ly->segments[k].block, ly->segments[k].first_slot,
-                            ly->segments[k].count};
-            kv_segment *last = ls->nsegs ? &ls->segs[ls->nsegs - 1] : NULL;
-            if (last && ls->tiers[ls->nsegs - 1] == KVS_TIER_FULL && last->block == g.block &&
-                last->first_slot + last->count == g.first_slot) {
-                last->count += g.count;
-            } else {
-                ls->tiers[ls->nsegs] = KVS_TIER_FULL; /* appends are full precision */
-                ls->segs[ls->nsegs++] = g;
-            }
-        }
-        memcpy(ls->pos + ls->n, ly->positions, ly->tokens * sizeof *ls->pos);
-        ls->n += ly->tokens;
-    }
-    return 0;
+    kvs_table_free(&c->held);
+    if (kvs_seq_table(c->s, c->seq, 1, &c->held) != KVS_OK)
+        return fail(c, "GetBlockTable: %s", kvs_session_error(c->s));
+    return lists_from_held(c);
 }
 
 /* ---- sequences ------------------------------------------------------------- */
@@ -757,6 +733,7 @@ int cache_seq_end(llm_cache *c)
         return 0;
     c->have_seq = 0;
     kvs_table_free(&c->writes);
+    kvs_table_free(&c->held);
     if (kvs_seq_release(c->s, c->seq) != KVS_OK)
         return fail(c, "ReleaseSequence: %s", kvs_session_error(c->s));
     return 0;
@@ -780,10 +757,8 @@ int cache_token_begin(llm_cache *c, uint32_t pos)
     c->usage.evicted += c->writes.evicted;
     /* An append is one epoch; anything more (a silent step evicted) means
      * the table changed under us: read it again. */
-    if (c->writes.evicted == 0 && c->epoch != UINT64_MAX && c->writes.epoch == c->epoch + 1) {
-        c->epoch = c->writes.epoch;
-        return table_extend(c, &c->writes);
-    }
+    if (c->epoch != UINT64_MAX && kvs_table_extend(&c->held, &c->writes) == KVS_OK)
+        return lists_from_held(c);
     return table_reload(c);
 }
 
@@ -1053,6 +1028,10 @@ int cache_token_end(llm_cache *c, const cache_step *s)
     if (kvs_seq_step(c->s, c->seq, &st, &res) != KVS_OK)
         return fail(c, "Step: %s", kvs_session_error(c->s));
     c->usage.evicted += res.evicted;
+    /* Removing tokens was all the step did: cut them out of the held
+     * table, as the daemon did, instead of reading it again. */
+    if (res.cut_lists > 0 && kvs_table_cut(&c->held, &res) == KVS_OK)
+        return lists_from_held(c);
     if (res.epoch != c->epoch)
         return table_reload(c);
     return 0;
@@ -1200,6 +1179,7 @@ void cache_free(llm_cache *c)
         kvs_session_detach(c->s);
     }
     kvs_table_free(&c->writes);
+    kvs_table_free(&c->held);
     for (uint32_t i = 0; c->lists != NULL && i < c->L * c->heads; i++) {
         free(c->lists[i].segs);
         free(c->lists[i].tiers);

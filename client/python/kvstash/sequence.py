@@ -95,7 +95,7 @@ class Sequence:
         rc = self._lib.kvs_seq_step(self.session.handle(), self.id, c_step, ctypes.byref(res))
         if rc:
             self.session.raise_for(rc)
-        return StepResult(res.epoch, res.evicted)
+        return StepResult.from_c(res)
 
     def epoch(self) -> int:
         """kvs_seq_epoch: the current table epoch (has my table changed?)."""

@@ -29,9 +29,29 @@ assert SEGMENT_DTYPE.itemsize == ctypes.sizeof(_lib.Segment_)
 
 class StepResult(NamedTuple):
     """kvs_step_result: the table epoch after the policy's decision, and the
-    tokens it removed (all layers; 0: the table did not shrink)."""
+    tokens it removed (all layers; 0: the table did not shrink).
+
+    cuts: when removing tokens was all the step did to the table, one uint32
+    array per list (the table's order): the indices of the tokens it lost,
+    in the list as it was at cut_epoch, ascending. A worker that holds the
+    table of cut_epoch deletes them and has the table of `epoch` without
+    reading it; None: read the table (Sequence.table) if the epoch moved."""
     epoch: int
     evicted: int
+    cut_epoch: int = 0
+    cuts: Optional[List[np.ndarray]] = None
+
+    @staticmethod
+    def from_c(res: _lib.StepResult_) -> "StepResult":
+        if res.cut_lists == 0:
+            return StepResult(res.epoch, res.evicted)
+        n = res.cut_lists
+        start = np.ctypeslib.as_array(res.cut_start, shape=(n + 1,)).astype(np.int64)
+        total = int(start[n])
+        flat = (np.ctypeslib.as_array(res.cut, shape=(total,)).copy() if total
+                else np.zeros(0, dtype=np.uint32))
+        return StepResult(res.epoch, res.evicted, res.cut_epoch,
+                          np.split(flat, start[1:n]))
 
 
 class LayerList:

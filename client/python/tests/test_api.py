@@ -135,6 +135,33 @@ def test_step_statistics_reach_the_policy(daemon, model):
             assert sorted(lst.positions.tolist()) == sorted(old.tolist() + [10, 11])
 
 
+def test_step_cuts_name_what_it_removed(daemon, model):
+    """A step that only evicts answers with its cuts: the indices each list
+    lost, so that the table before it, without them, is the table after."""
+    rng = np.random.default_rng(5)
+    with Session.attach(model, GEO, socket=daemon.sock) as s, \
+            s.create_sequence("h2o", {"budget": 10, "recent": 2}) as seq:
+        seq.append(16)
+        before = seq.table()
+        cut_steps = 0
+        for step in range(24):
+            n = before.lists[0].tokens
+            score = [rng.random(n).astype(np.float32) for _ in range(GEO.layers)]
+            r = seq.step(new_tokens=16 if step == 0 else 1, prefill=step == 0, score=score,
+                         score_queries=1)
+            after = seq.table()
+            assert after.epoch == r.epoch and r.evicted == GEO.layers * (n - 10)
+            if r.cuts is not None:  # else a compaction moved tokens: read the table
+                cut_steps += 1
+                assert r.cut_epoch == before.epoch
+                assert sum(c.shape[0] for c in r.cuts) == r.evicted
+                for old, new, cut in zip(before.lists, after.lists, r.cuts):
+                    assert np.delete(old.positions, cut).tolist() == new.positions.tolist()
+            seq.append(1)
+            before = seq.table()
+        assert cut_steps >= 12
+
+
 def test_step_per_head_statistics(daemon, model):
     """weightedkv keeps one list per KV head and reads last_attn: q heads 0, 1
     read KV head 0's list, 2, 3 KV head 1's; tokens come from the rows."""

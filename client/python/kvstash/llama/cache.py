@@ -337,7 +337,12 @@ class KvstashCache:
                             score_queries=1, last_attn=last, window_attn=window,
                             window_queries=0, vnorm=vnorm, confidence=conf)
         self.usage_.evicted += res.evicted
-        if res.epoch != self.epoch:
+        if res.cuts is not None and res.cut_epoch == self.epoch:
+            # Removing tokens was all the step did: cut them out here, as
+            # the daemon did, instead of reading the whole table again.
+            self.lists = [lt.cut(idx) for lt, idx in zip(self.lists, res.cuts)]
+            self.epoch = res.epoch
+        elif res.epoch != self.epoch:
             self._reload()
 
     # ---- usage ----

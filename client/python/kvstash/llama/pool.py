@@ -134,6 +134,10 @@ class ListTokens:
     def concat(self, other: "ListTokens") -> "ListTokens":
         return ListTokens(np.concatenate((self.a, other.a), axis=1))
 
+    def cut(self, idx: np.ndarray) -> "ListTokens":
+        """Without the tokens at indices idx (a step's cuts, StepResult.cuts)."""
+        return ListTokens(np.delete(self.a, idx, axis=1)) if idx.shape[0] else self
+
     def with_columns(self, block: np.ndarray, slot: np.ndarray, tier: np.ndarray) -> "ListTokens":
         return ListTokens(np.stack((block, slot, tier, self.pos)))
 
