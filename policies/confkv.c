@@ -515,7 +515,7 @@ static int confkv_step(void *state, const policy_layer_view *view, const policy_
 
 /* ops->save: the layer's record with its EMA in an array of exactly n (the
  * copy's cap), so that restore() only swaps. rank and idx are scratch. */
-static int confkv_save(const void *state, uint32_t layer, void **saved)
+static int confkv_save(void *state, uint32_t layer, void **saved)
 {
     const confkv_state *s = state;
     const confkv_layer *ly = &s->ly[layer];

@@ -33,12 +33,35 @@
 
 #define H2O_MAX 1048576u
 
+/*
+ * A layer's tokens: their original positions (to check that each view
+ * extends them; describe, export) and accumulated scores, in two pairs of
+ * buffers. A step writes the sums into the spare pair and makes it
+ * current, so the pair it read stays as it was: save() keeps it for a
+ * rollback without copying 12 bytes a token (issue 16 §2: 12 MiB a decode
+ * step at 32k tokens × 32 layers), and a step's error leaves the state as
+ * it was. While a saved copy holds the current pair (pinned), a step does
+ * not make it the spare; discard() gives it back.
+ */
 typedef struct h2o_layer {
     uint32_t n, cap;
-    uint32_t *pos;     /* original positions, for describe */
-    double *score;     /* accumulated attention */
+    uint32_t *pos;
+    double *score;
+    uint32_t spare_cap; /* 0: no spare pair */
+    uint32_t *spare_pos;
+    double *spare_score;
+    int pinned;
     uint64_t *scratch; /* the keys of a selection */
+    uint32_t scratch_cap;
 } h2o_layer;
+
+/* What save() keeps: the layer's pair at the time. */
+typedef struct h2o_saved {
+    h2o_layer *ly;
+    uint32_t n, cap;
+    uint32_t *pos;
+    double *score;
+} h2o_saved;
 
 typedef struct h2o_state {
     uint32_t budget, recent, sinks;
@@ -69,6 +92,8 @@ static void layer_free(h2o_layer *ly)
 {
     free(ly->pos);
     free(ly->score);
+    free(ly->spare_pos);
+    free(ly->spare_score);
     free(ly->scratch);
 }
 
@@ -129,30 +154,79 @@ oom:
     return -1;
 }
 
-static int layer_reserve(h2o_layer *ly, uint32_t need)
+/* Room for n tokens in the spare pair (its contents are not kept) and,
+ * for a selection, in the scratch keys; -1 when out of memory. */
+static int layer_reserve(h2o_layer *ly, uint32_t n, int keys)
 {
-    if (need <= ly->cap)
-        return 0;
-    uint64_t cap64 = ly->cap ? ly->cap : 64;
-    while (cap64 < need)
-        cap64 *= 2;
-    if (cap64 > UINT32_MAX)
-        cap64 = need;
-    size_t cap = (size_t)cap64;
-    uint32_t *pos = realloc(ly->pos, cap * sizeof *pos);
-    if (pos == NULL)
-        return -1;
-    ly->pos = pos;
-    double *score = realloc(ly->score, cap * sizeof *score);
-    if (score == NULL)
-        return -1;
-    ly->score = score;
-    uint64_t *scratch = realloc(ly->scratch, cap * sizeof *scratch);
-    if (scratch == NULL)
-        return -1;
-    ly->scratch = scratch;
-    ly->cap = (uint32_t)cap;
+    if (n > ly->spare_cap) {
+        uint64_t cap64 = ly->spare_cap ? ly->spare_cap : 64;
+        while (cap64 < n)
+            cap64 *= 2;
+        size_t cap = cap64 > UINT32_MAX ? n : (size_t)cap64;
+        free(ly->spare_pos);
+        free(ly->spare_score);
+        ly->spare_pos = malloc(cap * sizeof *ly->spare_pos);
+        ly->spare_score = malloc(cap * sizeof *ly->spare_score);
+        ly->spare_cap = ly->spare_pos && ly->spare_score ? (uint32_t)cap : 0;
+        if (ly->spare_cap == 0)
+            return -1;
+    }
+    if (keys && n > ly->scratch_cap) {
+        uint64_t *k = realloc(ly->scratch, (size_t)n * sizeof *k);
+        if (k == NULL)
+            return -1;
+        ly->scratch = k;
+        ly->scratch_cap = n;
+    }
     return 0;
+}
+
+/* The spare pair becomes current; the current one becomes the spare,
+ * unless a saved copy holds it. */
+static void layer_swap(h2o_layer *ly)
+{
+    uint32_t *pos = ly->pos;
+    double *score = ly->score;
+    uint32_t cap = ly->cap;
+    ly->pos = ly->spare_pos, ly->score = ly->spare_score, ly->cap = ly->spare_cap;
+    if (ly->pinned) {
+        ly->spare_pos = NULL, ly->spare_score = NULL, ly->spare_cap = 0;
+        ly->pinned = 0;
+    } else {
+        ly->spare_pos = pos, ly->spare_score = score, ly->spare_cap = cap;
+    }
+}
+
+/* What layer_sum found wrong with a step. */
+enum { SUM_NOT_EXTENDING = 1, SUM_NOT_FINITE = 2 };
+
+/*
+ * One pass over a step's tokens (issue 16 §2): into the spare pair, the
+ * view's positions and the sums of the tracked scores (the first `old`
+ * tokens) and the step's; and whether the view's first `old` positions are
+ * the tracked ones and the step's values all finite (an exponent of all
+ * ones). The current pair is only read.
+ */
+POLICY_HOT static int layer_sum(uint32_t *restrict out_pos, double *restrict out_score,
+                                const uint32_t *restrict old_pos, const double *restrict old_score,
+                                uint32_t old, const uint32_t *restrict pos,
+                                const float *restrict score, uint32_t n)
+{
+    uint32_t diff = 0, nonfinite = 0, bits;
+    for (uint32_t i = 0; i < old; i++) {
+        diff |= pos[i] ^ old_pos[i];
+        out_pos[i] = pos[i];
+        memcpy(&bits, &score[i], sizeof bits);
+        nonfinite |= (bits & 0x7f800000u) == 0x7f800000u;
+        out_score[i] = old_score[i] + (double)score[i];
+    }
+    for (uint32_t i = old; i < n; i++) {
+        out_pos[i] = pos[i];
+        memcpy(&bits, &score[i], sizeof bits);
+        nonfinite |= (bits & 0x7f800000u) == 0x7f800000u;
+        out_score[i] = (double)score[i];
+    }
+    return (diff != 0 ? SUM_NOT_EXTENDING : 0) | (nonfinite != 0 ? SUM_NOT_FINITE : 0);
 }
 
 static int h2o_step(void *state, const policy_layer_view *view, const policy_stats *stats,
@@ -174,28 +248,26 @@ static int h2o_step(void *state, const policy_layer_view *view, const policy_sta
      * the tokens appended since, which are all new whatever stats.new_tokens
      * says): otherwise the scores would be attributed to the wrong tokens. */
     const uint32_t *pos = view->positions[0];
-    if (n < ly->n || (ly->n > 0 && memcmp(pos, ly->pos, (size_t)ly->n * sizeof *pos) != 0)) {
+    if (layer_reserve(ly, n, n > st->budget + 1) != 0) {
+        snprintf(err, errlen, "h2o: out of memory for %u tokens", n);
+        return -1;
+    }
+    int wrong = n < ly->n ? SUM_NOT_EXTENDING
+                          : layer_sum(ly->spare_pos, ly->spare_score, ly->pos, ly->score, ly->n,
+                                      pos, stats->score, n);
+    if (wrong & SUM_NOT_EXTENDING) {
         snprintf(err, errlen,
                  "h2o: layer %u view (%u tokens) does not extend the %u tokens the policy "
                  "tracks (was a decision not applied?)",
                  view->layer, n, ly->n);
         return -1;
     }
-    size_t bad = policy_first_outside(stats->score, n, -FLT_MAX);
-    if (bad < n) {
-        snprintf(err, errlen, "h2o: stats.score[%zu] is not finite", bad);
+    if (wrong & SUM_NOT_FINITE) {
+        snprintf(err, errlen, "h2o: stats.score[%zu] is not finite",
+                 policy_first_outside(stats->score, n, -FLT_MAX));
         return -1;
     }
-    if (layer_reserve(ly, n) != 0) {
-        snprintf(err, errlen, "h2o: out of memory for %u tokens", n);
-        return -1;
-    }
-    for (uint32_t i = ly->n; i < n; i++) {
-        ly->score[i] = 0;
-        ly->pos[i] = pos[i];
-    }
-    for (uint32_t i = 0; i < n; i++)
-        ly->score[i] += (double)stats->score[i];
+    layer_swap(ly);
     ly->n = n;
     if (n <= st->budget)
         return 0;
@@ -239,26 +311,19 @@ static int h2o_step(void *state, const policy_layer_view *view, const policy_sta
     return 0;
 }
 
-/* ops->save: the layer's tokens and scores, in arrays of exactly n (the
- * copy's cap), so that restore() only swaps. */
-static int h2o_save(const void *state, uint32_t layer, void **saved)
+/* ops->save: the current pair, which the layer's next step leaves as it
+ * is (it writes the spare pair): no copy. */
+static int h2o_save(void *state, uint32_t layer, void **saved)
 {
-    const h2o_state *st = state;
-    const h2o_layer *ly = &st->ly[layer];
-    h2o_layer *c = calloc(1, sizeof *c);
-    if (c != NULL) {
-        c->n = c->cap = ly->n;
-        c->pos = policy_array_copy(ly->pos, ly->n, ly->n, sizeof *ly->pos);
-        c->score = policy_array_copy(ly->score, ly->n, ly->n, sizeof *ly->score);
-        c->scratch = policy_array_copy(NULL, 0, ly->n, sizeof *ly->scratch);
-    }
-    if (c == NULL || !c->pos || !c->score || !c->scratch) {
-        if (c != NULL)
-            layer_free(c);
-        free(c);
+    h2o_state *st = state;
+    h2o_layer *ly = &st->ly[layer];
+    h2o_saved *c = malloc(sizeof *c);
+    if (c == NULL) {
         errno = ENOMEM;
         return -1;
     }
+    *c = (h2o_saved){ly, ly->n, ly->cap, ly->pos, ly->score};
+    ly->pinned = 1;
     *saved = c;
     return 0;
 }
@@ -266,16 +331,34 @@ static int h2o_save(const void *state, uint32_t layer, void **saved)
 static void h2o_restore(void *state, uint32_t layer, void *saved)
 {
     h2o_state *st = state;
-    layer_free(&st->ly[layer]);
-    st->ly[layer] = *(h2o_layer *)saved;
-    free(saved);
+    h2o_layer *ly = &st->ly[layer];
+    h2o_saved *c = saved;
+    if (ly->pos != c->pos) { /* a step made another pair current: it becomes the spare */
+        free(ly->spare_pos);
+        free(ly->spare_score);
+        ly->spare_pos = ly->pos, ly->spare_score = ly->score, ly->spare_cap = ly->cap;
+        ly->pos = c->pos, ly->score = c->score, ly->cap = c->cap;
+    }
+    ly->n = c->n;
+    ly->pinned = 0;
+    free(c);
 }
 
 static void h2o_discard(void *saved)
 {
-    if (saved != NULL)
-        layer_free(saved);
-    free(saved);
+    h2o_saved *c = saved;
+    if (c == NULL)
+        return;
+    h2o_layer *ly = c->ly;
+    if (ly->pos == c->pos) {
+        ly->pinned = 0; /* no step since: the pair is still the current one */
+    } else if (ly->spare_cap == 0) {
+        ly->spare_pos = c->pos, ly->spare_score = c->score, ly->spare_cap = c->cap;
+    } else {
+        free(c->pos);
+        free(c->score);
+    }
+    free(c);
 }
 
 /* ---- moving a sequence (ops->export_layer / import_layer) ---------------
@@ -416,12 +499,10 @@ static int h2o_import_layer(void *state, uint32_t layer, const void *buf, size_t
     const uint8_t *pos = b + H2O_STATE_HEAD, *score = pos + (size_t)n * 4;
     if (state_tokens_check(pos, score, n, err, errlen) != 0)
         return -1;
-    /* Arrays of exactly n, as save() makes them. */
     h2o_layer ly = {.n = n, .cap = n};
     ly.pos = policy_array_copy(NULL, 0, n, sizeof *ly.pos);
     ly.score = policy_array_copy(NULL, 0, n, sizeof *ly.score);
-    ly.scratch = policy_array_copy(NULL, 0, n, sizeof *ly.scratch);
-    if (!ly.pos || !ly.score || !ly.scratch) {
+    if (!ly.pos || !ly.score) {
         layer_free(&ly);
         policy_set_err(err, errlen, "h2o state: out of memory for %u tokens", n);
         return -1;

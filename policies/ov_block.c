@@ -1001,7 +1001,7 @@ static void ov_discard(void *saved)
     free(c);
 }
 
-static int ov_save(const void *state, uint32_t layer, void **saved)
+static int ov_save(void *state, uint32_t layer, void **saved)
 {
     const ov_block *st = state;
     const ov_layer *L = &st->ly[layer];

@@ -275,12 +275,16 @@ typedef struct policy_ops {
     int (*replay)(const struct policy_replay *r, const char *op);
 
     /* Optional, for policies whose step changes per-layer state (host.h
-     * transactions): a copy of layer's state in *saved (NULL allowed when
-     * there is nothing to keep). State that is not per layer (an RNG, a
-     * counter) goes into every layer's copy, and restore() of several copies
-     * in any order puts back that of the oldest. Returns 0, or -1 when out
-     * of memory (errno ENOMEM), changing nothing. */
-    int (*save)(const void *state, uint32_t layer, void **saved);
+     * transactions): layer's state as it is now, in *saved (NULL allowed
+     * when there is nothing to keep): a copy, or the state's own arrays
+     * when its steps leave those as they were (h2o writes each step's sums
+     * into a second buffer: save() marks the first kept, discard() gives it
+     * back to the state, which is alive until every copy is discarded or
+     * restored). State that is not per layer (an RNG, a counter) goes into
+     * every layer's copy, and restore() of several copies in any order
+     * puts back that of the oldest. Returns 0, or -1 when out of memory
+     * (errno ENOMEM), changing nothing. */
+    int (*save)(void *state, uint32_t layer, void **saved);
     /* Put layer's state back as it was at save(), consuming saved. Cannot
      * fail (no allocation: the copy's arrays are swapped in). */
     void (*restore)(void *state, uint32_t layer, void *saved);

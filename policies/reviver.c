@@ -449,7 +449,7 @@ static int reviver_step(void *state, const policy_layer_view *view, const policy
  * order (scratch[0..nops): tier_order() and describe() read them), in
  * arrays sized for exactly n tokens (the copy's cap; nops <= n, reviver
  * never evicts), so that restore() only swaps. */
-static int reviver_save(const void *state, uint32_t layer, void **saved)
+static int reviver_save(void *state, uint32_t layer, void **saved)
 {
     const reviver_state *st = state;
     const reviver_layer *ly = &st->ly[layer];

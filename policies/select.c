@@ -207,6 +207,18 @@ POLICY_HOT void policy_cut_mark(policy_cut *c, const double *score, double sign,
     }
 }
 
+/* The search after the minimum: eight comparisons at a time (one vector
+ * compare and mask), then the one that hit. */
+#define MIN_SEARCH_BLOCK 8
+
+static inline int block_has(const double *x, double m)
+{
+    int hit = 0;
+    for (int j = 0; j < MIN_SEARCH_BLOCK; j++)
+        hit |= x[j] == m; /* -0.0 == +0.0 */
+    return hit;
+}
+
 /* select.h */
 POLICY_HOT size_t policy_first_min(const double *x, size_t n)
 {
@@ -214,7 +226,9 @@ POLICY_HOT size_t policy_first_min(const double *x, size_t n)
     for (size_t i = 1; i < n; i++) /* minpd: vectorised */
         m = x[i] < m ? x[i] : m;
     size_t i = 0;
-    while (x[i] != m) /* -0.0 == +0.0 */
+    while (i + MIN_SEARCH_BLOCK <= n && !block_has(x + i, m))
+        i += MIN_SEARCH_BLOCK;
+    while (x[i] != m)
         i++;
     return i;
 }
@@ -225,7 +239,10 @@ POLICY_HOT size_t policy_last_min(const double *x, size_t n)
     double m = x[0];
     for (size_t i = 1; i < n; i++)
         m = x[i] < m ? x[i] : m;
-    size_t i = n - 1;
+    size_t end = n; /* x[end..n) holds no m */
+    while (end >= MIN_SEARCH_BLOCK && !block_has(x + end - MIN_SEARCH_BLOCK, m))
+        end -= MIN_SEARCH_BLOCK;
+    size_t i = end - 1;
     while (x[i] != m)
         i--;
     return i;

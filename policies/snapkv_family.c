@@ -931,7 +931,7 @@ void snapkv_family_discard(void *saved)
     free(c);
 }
 
-int snapkv_family_save(const void *state, uint32_t layer, void **saved)
+int snapkv_family_save(void *state, uint32_t layer, void **saved)
 {
     const snapkv_state *st = state;
     const snapkv_layer_record *r = &st->rec[layer];

@@ -222,7 +222,7 @@ void snapkv_family_destroy(void *state);
 
 /* ops->save, ops->restore and ops->discard (policy.h): the layer's record,
  * the only state step() changes. */
-int snapkv_family_save(const void *state, uint32_t layer, void **saved);
+int snapkv_family_save(void *state, uint32_t layer, void **saved);
 void snapkv_family_restore(void *state, uint32_t layer, void *saved);
 void snapkv_family_discard(void *saved);
 

@@ -517,7 +517,7 @@ static void wkv_discard(void *saved)
     free(c);
 }
 
-static int wkv_save(const void *state, uint32_t layer, void **saved)
+static int wkv_save(void *state, uint32_t layer, void **saved)
 {
     const wkv_state *s = state;
     const wkv_head *src = &s->heads[(size_t)layer * s->kv_heads];

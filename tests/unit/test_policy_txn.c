@@ -387,7 +387,7 @@ static void test_destroy_open(void **unused)
 static policy_ops flaky; /* h2o whose save() fails while flaky_fail is set */
 static int flaky_fail;
 
-static int flaky_save(const void *state, uint32_t layer, void **saved)
+static int flaky_save(void *state, uint32_t layer, void **saved)
 {
     if (flaky_fail) {
         errno = ENOMEM;
