@@ -253,11 +253,16 @@ static int list_reserve(host_list *li, uint32_t need, int with_attn)
     if ((uint64_t)li->off + need <= li->cap)
         return 0;
     list_to_front(li);
-    if (need <= li->cap)
+    /* A quarter of room beyond need: a list whose start moves up at each
+     * commit (one evicted token, the shorter side moved) is then moved back
+     * to the front once every need / 4 appends, not at each (issue 16 §2:
+     * 32 lists of 32k tokens a decode step). */
+    uint64_t want = (uint64_t)need + need / 4;
+    if (want <= li->cap)
         return 0;
     /* 64-bit so that doubling past 2^31 cannot wrap to 0 and spin. */
     uint64_t cap64 = li->cap ? li->cap : 16;
-    while (cap64 < need)
+    while (cap64 < want)
         cap64 *= 2;
     uint32_t cap = cap64 > UINT32_MAX ? UINT32_MAX : (uint32_t)cap64;
     uint32_t *pos = realloc(li->pos_buf, cap * sizeof *pos);
@@ -274,7 +279,7 @@ static int list_reserve(host_list *li, uint32_t need, int with_attn)
         li->attn_buf = attn;
     list_at(li, 0); /* the buffers that moved */
     if (next == NULL || (with_attn && attn == NULL))
-        return -1; /* cap stays: the next call grows them all again */
+        return need <= li->cap ? 0 : -1; /* cap stays: the next call grows them all again */
     li->cap = cap;
     return 0;
 }

@@ -66,10 +66,14 @@ uint32_t ov_mt19937_next(ov_mt19937 *r)
 
 /* ---- score accumulation (§2.3) ------------------------------------------ */
 
-/* Windows up to this many tokens are pooled by one pass per offset. */
+/* Windows up to this many tokens are pooled by one pass per offset, over
+ * blocks of OV_MAXPOOL_BLOCK outputs (4 KiB: the passes over a block read
+ * it from L1, not the whole list from memory once an offset). */
 #define OV_MAXPOOL_PASSES 16
+#define OV_MAXPOOL_BLOCK 512
 
-void ov_fwd_maxpool(const double *x, size_t n, size_t w, double *y, size_t *dq)
+POLICY_HOT void ov_fwd_maxpool(const double *restrict x, size_t n, size_t w, double *restrict y,
+                               size_t *dq)
 {
     if (n > 0)
         memcpy(y, x, n * sizeof *y);
@@ -79,9 +83,14 @@ void ov_fwd_maxpool(const double *x, size_t n, size_t w, double *y, size_t *dq)
         /* Small windows (the default is 7): one pass per offset, which the
          * compiler vectorises; the deque's branches cost more. The earlier
          * of equal values stays, as in the deque. */
-        for (size_t j = 1; j < w && j < n; j++)
-            for (size_t k = 0; k + j < n; k++)
-                y[k] = x[k + j] > y[k] ? x[k + j] : y[k];
+        for (size_t k0 = 0; k0 < n; k0 += OV_MAXPOOL_BLOCK) {
+            size_t k1 = n - k0 < OV_MAXPOOL_BLOCK ? n : k0 + OV_MAXPOOL_BLOCK;
+            for (size_t j = 1; j < w && j < n; j++) {
+                size_t end = k1 < n - j ? k1 : n - j; /* y[k] for k + j < n */
+                for (size_t k = k0; k < end; k++)
+                    y[k] = x[k + j] > y[k] ? x[k + j] : y[k];
+            }
+        }
         return;
     }
     /* Walk i downwards over the window [i, i + w): dq[head..tail) holds
@@ -306,11 +315,29 @@ void ov_rotation_row(uint32_t delta, uint32_t d, double rope_theta, double *sin_
 
 /* ---- the policy state ---------------------------------------------------- */
 
+/* A layer's tokens in two pairs of buffers, as h2o's (h2o.c h2o_layer):
+ * a registration writes its sums into the spare pair and makes it current,
+ * so save() keeps the pair it read without a copy (issue 16 §2: 16 bytes a
+ * token, 16 MiB a decode step at 32k tokens × 32 layers). A pair a saved
+ * copy holds (pinned) is copied before anything writes it in place
+ * (layer_own). */
 typedef struct ov_layer {
     double *acc;   /* [len] accumulated (pooled) scores of the tracked tokens */
     uint64_t *cnt; /* [len] NORM_SUM counters (allocated in both modes) */
     size_t len, cap;
+    double *spare_acc;
+    uint64_t *spare_cnt;
+    size_t spare_cap; /* 0: no spare pair */
+    int pinned;
 } ov_layer;
+
+static void layer_free(ov_layer *L)
+{
+    free(L->acc);
+    free(L->cnt);
+    free(L->spare_acc);
+    free(L->spare_cnt);
+}
 
 struct ov_block {
     uint32_t start, recent, max, B, layers;
@@ -415,10 +442,8 @@ static void ov_destroy(void *state)
     ov_block *st = state;
     if (st == NULL)
         return;
-    for (uint32_t l = 0; st->ly != NULL && l < st->layers; l++) {
-        free(st->ly[l].acc);
-        free(st->ly[l].cnt);
-    }
+    for (uint32_t l = 0; st->ly != NULL && l < st->layers; l++)
+        layer_free(&st->ly[l]);
     free(st->ly);
     free(st->raw);
     free(st->x);
@@ -555,23 +580,78 @@ static int grow_scratch(ov_block *st, size_t n)
     return 0;
 }
 
-static int layer_reserve(ov_layer *L, size_t n)
+/* Room for n tokens in the spare pair (its contents are not kept). */
+static int spare_reserve(ov_layer *L, size_t n)
 {
-    if (n <= L->cap)
+    if (n <= L->spare_cap)
         return 0;
-    size_t cap = L->cap ? L->cap : 64;
+    size_t cap = L->spare_cap ? L->spare_cap : 64;
     while (cap < n)
         cap *= 2;
-    double *acc = realloc(L->acc, cap * sizeof *acc);
-    if (acc == NULL)
+    free(L->spare_acc);
+    free(L->spare_cnt);
+    L->spare_acc = malloc(cap * sizeof *L->spare_acc);
+    L->spare_cnt = malloc(cap * sizeof *L->spare_cnt);
+    L->spare_cap = L->spare_acc != NULL && L->spare_cnt != NULL ? cap : 0;
+    return L->spare_cap != 0 ? 0 : -1;
+}
+
+/* The spare pair becomes current with len tokens; the current one the
+ * spare, unless a saved copy holds it. */
+static void layer_swap(ov_layer *L, size_t len)
+{
+    double *acc = L->acc;
+    uint64_t *cnt = L->cnt;
+    size_t cap = L->cap;
+    L->acc = L->spare_acc, L->cnt = L->spare_cnt, L->cap = L->spare_cap, L->len = len;
+    if (L->pinned) {
+        L->spare_acc = NULL, L->spare_cnt = NULL, L->spare_cap = 0;
+        L->pinned = 0;
+    } else {
+        L->spare_acc = acc, L->spare_cnt = cnt, L->spare_cap = cap;
+    }
+}
+
+/* Before the current pair is written in place: its copy when a saved copy
+ * holds it. */
+static int layer_own(ov_layer *L)
+{
+    if (!L->pinned)
+        return 0;
+    if (spare_reserve(L, L->len) != 0)
         return -1;
-    L->acc = acc;
-    uint64_t *cnt = realloc(L->cnt, cap * sizeof *cnt);
-    if (cnt == NULL)
-        return -1;
-    L->cnt = cnt;
-    L->cap = cap;
+    if (L->len > 0) {
+        memcpy(L->spare_acc, L->acc, L->len * sizeof *L->acc);
+        memcpy(L->spare_cnt, L->cnt, L->len * sizeof *L->cnt);
+    }
+    layer_swap(L, L->len);
     return 0;
+}
+
+/* A registration's sums into the spare pair (layer_register): the tracked
+ * tokens' accumulators plus the pooled scores, their counters plus delta
+ * (normal growth; the window's counters are set apart). */
+POLICY_HOT static void sum_scores(double *restrict acc, uint64_t *restrict cnt,
+                                  const double *restrict old_acc, const uint64_t *restrict old_cnt,
+                                  const double *restrict x, size_t old, uint64_t delta)
+{
+    for (size_t i = 0; i < old; i++) {
+        acc[i] = old_acc[i] + x[i];
+        if (cnt != NULL)
+            cnt[i] = old_cnt[i] + delta;
+    }
+}
+
+/* Whether no x[i] has an exponent of all ones (inf, NaN): one pass with
+ * no early exit, which vectorises. */
+POLICY_HOT static int all_finite(const double *x, size_t n)
+{
+    uint64_t bad = 0, bits;
+    for (size_t i = 0; i < n; i++) {
+        memcpy(&bits, &x[i], sizeof bits);
+        bad |= (bits & 0x7ff0000000000000ull) == 0x7ff0000000000000ull;
+    }
+    return bad == 0;
 }
 
 /* Is raw[0..n) usable for layer l? (Checked before anything changes.) */
@@ -586,12 +666,12 @@ static int layer_check(const ov_block *st, uint32_t l, const double *raw, size_t
                        l, n, (size_t)st->start + L->len, st->start, L->len);
         return -1;
     }
-    for (size_t i = 0; i < n; i++) {
-        if (!isfinite(raw[i])) {
-            policy_set_err(err, errlen, "layer %" PRIu32 ": score %zu is not a finite number", l,
-                           i);
-            return -1;
-        }
+    if (!all_finite(raw, n)) {
+        size_t i = 0;
+        while (isfinite(raw[i]))
+            i++;
+        policy_set_err(err, errlen, "layer %" PRIu32 ": score %zu is not a finite number", l, i);
+        return -1;
     }
     return 0;
 }
@@ -622,36 +702,36 @@ static int layer_register(ov_block *st, uint32_t l, const double *raw, size_t n,
     if (n <= st->start)
         return OV_REG_SHORT;
     size_t m = n - st->start;
-    if (grow_scratch(st, m) != 0 || layer_reserve(L, m) != 0)
+    if (grow_scratch(st, m) != 0 || spare_reserve(L, m) != 0)
         return -1;
     ov_fwd_maxpool(raw + st->start, m, st->pool_w, st->x, st->dq);
+    double *acc = L->spare_acc;
+    uint64_t *cnt = L->spare_cnt;
     if (L->len == 0) { /* initial registration */
         /* A prompt chunk before the SnapKV window (nsnap 0) is ignored. */
         if (st->snap_w != 0 && nsnap == 0)
             return OV_REG_BEFORE_WINDOW;
-        memcpy(L->acc, st->x, m * sizeof *L->acc);
+        memcpy(acc, st->x, m * sizeof *acc);
         uint64_t k = st->snap_w == 0 ? m : nsnap;
         for (size_t i = 0; i < m; i++)
-            L->cnt[i] = ov_counter(i, m, k);
-        L->len = m;
+            cnt[i] = ov_counter(i, m, k);
+        layer_swap(L, m);
         return OV_REG_DONE;
     }
     size_t old = L->len;
     for (size_t i = old; i < m; i++)
-        L->acc[i] = 0.0;
-    for (size_t i = 0; i < m; i++)
-        L->acc[i] += st->x[i];
-    if (st->snap_w == 0 || st->nreg == st->snap_w) { /* normal growth */
+        acc[i] = 0.0 + st->x[i];
+    if (st->snap_w == 0 || st->nreg == st->snap_w) { /* normal growth: one pass */
         uint64_t delta = m - old;
-        for (size_t i = 0; i < old; i++)
-            L->cnt[i] += delta;
+        sum_scores(acc, cnt, L->acc, L->cnt, st->x, old, delta);
         for (size_t j = 0; j < delta; j++)
-            L->cnt[old + j] = delta - j;
+            cnt[old + j] = delta - j;
     } else { /* still inside the SnapKV window */
+        sum_scores(acc, NULL, L->acc, NULL, st->x, old, 0);
         for (size_t i = 0; i < m; i++)
-            L->cnt[i] = ov_counter(i, m, st->nreg);
+            cnt[i] = ov_counter(i, m, st->nreg);
     }
-    L->len = m;
+    layer_swap(L, m);
     return OV_REG_DONE;
 }
 
@@ -752,6 +832,8 @@ int ov_block_evict(ov_block *st, uint32_t layer, uint32_t **blocks, size_t *nblo
             goto oom;
         set_minus(v, &nv, keep, nk);
     }
+    if (layer_own(L) != 0) /* only within a transaction, which rolls back */
+        goto oom;
     layer_remove(L, v, nv, B);
     for (size_t i = 0; i < nv; i++)
         v[i] += (uint32_t)first;
@@ -980,7 +1062,8 @@ static int ov_step(void *state, const policy_layer_view *view, const policy_stat
  * (the copy's cap), and the sequence-wide part that any layer's step may
  * change, stamped with gen. raw, x and dq are scratch. */
 typedef struct ov_saved {
-    ov_layer layer;
+    ov_layer *at;   /* the state's layer, for discard */
+    ov_layer layer; /* its pair at save (acc, cnt, len, cap), pinned there */
     uint64_t gen;
     uint32_t nreg;
     ov_mt19937 rng;
@@ -991,31 +1074,37 @@ typedef struct ov_saved {
     int applying;
 } ov_saved;
 
+/* The pair saved: still current (no registration since), given back as
+ * the spare, or freed. */
 static void ov_discard(void *saved)
 {
     ov_saved *c = saved;
     if (c == NULL)
         return;
-    free(c->layer.acc);
-    free(c->layer.cnt);
+    ov_layer *L = c->at;
+    if (L->acc == c->layer.acc) {
+        L->pinned = 0;
+    } else if (L->spare_cap == 0) {
+        L->spare_acc = c->layer.acc, L->spare_cnt = c->layer.cnt, L->spare_cap = c->layer.cap;
+    } else {
+        free(c->layer.acc);
+        free(c->layer.cnt);
+    }
     free(c);
 }
 
 static int ov_save(void *state, uint32_t layer, void **saved)
 {
-    const ov_block *st = state;
-    const ov_layer *L = &st->ly[layer];
+    ov_block *st = state;
+    ov_layer *L = &st->ly[layer];
     ov_saved *c = calloc(1, sizeof *c);
-    if (c != NULL) {
-        c->layer.len = c->layer.cap = L->len;
-        c->layer.acc = policy_array_copy(L->acc, L->len, L->len, sizeof *L->acc);
-        c->layer.cnt = policy_array_copy(L->cnt, L->len, L->len, sizeof *L->cnt);
-    }
-    if (c == NULL || c->layer.acc == NULL || c->layer.cnt == NULL) {
-        ov_discard(c);
+    if (c == NULL) {
         errno = ENOMEM;
         return -1;
     }
+    c->at = L;
+    c->layer = (ov_layer){.acc = L->acc, .cnt = L->cnt, .len = L->len, .cap = L->cap};
+    L->pinned = 1;
     c->gen = st->gen;
     c->nreg = st->nreg;
     c->rng = st->rng;
@@ -1035,9 +1124,15 @@ static void ov_restore(void *state, uint32_t layer, void *saved)
 {
     ov_block *st = state;
     ov_saved *c = saved;
-    free(st->ly[layer].acc);
-    free(st->ly[layer].cnt);
-    st->ly[layer] = c->layer;
+    ov_layer *L = &st->ly[layer];
+    if (L->acc != c->layer.acc) { /* the current pair becomes the spare */
+        free(L->spare_acc);
+        free(L->spare_cnt);
+        L->spare_acc = L->acc, L->spare_cnt = L->cnt, L->spare_cap = L->cap;
+        L->acc = c->layer.acc, L->cnt = c->layer.cnt, L->cap = c->layer.cap;
+    }
+    L->len = c->layer.len;
+    L->pinned = 0;
     if (c->gen <= st->gen) {
         st->gen = c->gen;
         st->nreg = c->nreg;
@@ -1243,7 +1338,6 @@ static int ov_import_layer(void *state, uint32_t layer, const void *buf, size_t 
     const uint8_t *acc = b + OV_STATE_HEAD, *cnt = acc + n * 8;
     if (state_tokens_check(acc, cnt, n, err, errlen) != 0)
         return -1;
-    /* Arrays of exactly n, as save() makes them. */
     ov_layer L = {.len = n, .cap = n};
     L.acc = policy_array_copy(NULL, 0, n, sizeof *L.acc);
     L.cnt = policy_array_copy(NULL, 0, n, sizeof *L.cnt);
@@ -1257,8 +1351,7 @@ static int ov_import_layer(void *state, uint32_t layer, const void *buf, size_t 
         L.acc[i] = policy_bits_f64(policy_get_le(acc + i * 8, 8));
         L.cnt[i] = policy_get_le(cnt + i * 8, 8);
     }
-    free(st->ly[layer].acc);
-    free(st->ly[layer].cnt);
+    layer_free(&st->ly[layer]);
     st->ly[layer] = L;
     st->gen++; /* the sequence-wide part changes */
     st->nreg = (uint32_t)policy_get_le(b + OV_STATE_WIDE, 4);

@@ -207,24 +207,60 @@ POLICY_HOT void policy_cut_mark(policy_cut *c, const double *score, double sign,
     }
 }
 
-/* The search after the minimum: eight comparisons at a time (one vector
- * compare and mask), then the one that hit. */
-#define MIN_SEARCH_BLOCK 8
+/* The minimum of x[0..n), n >= 1. One running minimum waits on the
+ * one before it (a minpd's latency a vector); four independent vectors of
+ * them keep the unit busy. The minimum is the same in any order (-0.0 and
+ * +0.0 aside, which the callers' search treats as equal). GCC's vector
+ * extension, so that each clone (POLICY_HOT) gets its own width. */
+typedef double min_vec __attribute__((vector_size(32)));
+typedef long long min_mask __attribute__((vector_size(32)));
+#define MIN_VEC (sizeof(min_vec) / sizeof(double))
+#define MIN_LANES (4 * MIN_VEC)
+
+static inline double min_of(const double *x, size_t n)
+{
+    double m = x[0];
+    size_t i = 0;
+    if (n >= MIN_LANES) {
+        min_vec a[4], v;
+        for (int j = 0; j < 4; j++)
+            memcpy(&a[j], x + j * MIN_VEC, sizeof a[j]);
+        for (i = MIN_LANES; i + MIN_LANES <= n; i += MIN_LANES)
+            for (int j = 0; j < 4; j++) {
+                memcpy(&v, x + i + j * MIN_VEC, sizeof v);
+                min_mask lt = v < a[j]; /* all ones where v is smaller */
+                a[j] = (min_vec)(((min_mask)v & lt) | ((min_mask)a[j] & ~lt));
+            }
+        for (int j = 0; j < 4; j++)
+            for (size_t k = 0; k < MIN_VEC; k++)
+                m = a[j][k] < m ? a[j][k] : m;
+    }
+    for (; i < n; i++)
+        m = x[i] < m ? x[i] : m;
+    return m;
+}
+
+/* Whether x[0..MIN_LANES) holds m: four vector compares, or'd. */
+#define MIN_SEARCH_BLOCK MIN_LANES
 
 static inline int block_has(const double *x, double m)
 {
-    int hit = 0;
-    for (int j = 0; j < MIN_SEARCH_BLOCK; j++)
-        hit |= x[j] == m; /* -0.0 == +0.0 */
-    return hit;
+    min_vec mv = (min_vec){0} + m, v;
+    min_mask any = {0};
+    for (int j = 0; j < 4; j++) {
+        memcpy(&v, x + j * MIN_VEC, sizeof v);
+        any |= v == mv; /* -0.0 == +0.0 */
+    }
+    long long hit = 0;
+    for (size_t k = 0; k < MIN_VEC; k++)
+        hit |= any[k];
+    return hit != 0;
 }
 
 /* select.h */
 POLICY_HOT size_t policy_first_min(const double *x, size_t n)
 {
-    double m = x[0];
-    for (size_t i = 1; i < n; i++) /* minpd: vectorised */
-        m = x[i] < m ? x[i] : m;
+    double m = min_of(x, n);
     size_t i = 0;
     while (i + MIN_SEARCH_BLOCK <= n && !block_has(x + i, m))
         i += MIN_SEARCH_BLOCK;
@@ -236,9 +272,7 @@ POLICY_HOT size_t policy_first_min(const double *x, size_t n)
 /* select.h */
 POLICY_HOT size_t policy_last_min(const double *x, size_t n)
 {
-    double m = x[0];
-    for (size_t i = 1; i < n; i++)
-        m = x[i] < m ? x[i] : m;
+    double m = min_of(x, n);
     size_t end = n; /* x[end..n) holds no m */
     while (end >= MIN_SEARCH_BLOCK && !block_has(x + end - MIN_SEARCH_BLOCK, m))
         end -= MIN_SEARCH_BLOCK;
