@@ -381,7 +381,7 @@ static void report(const char *name, ctx *c, fn_t fn, double bytes, int splits, 
 
 int main(int argc, char **argv)
 {
-    ctx c = {.l = {8, 16, 128, 2}, .nb = 1024, .q_heads = 32, .hidden = 4096};
+    ctx c = {.l = {8, 16, 128, 2, 0}, .nb = 1024, .q_heads = 32, .hidden = 4096};
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--quick") == 0) {
             c.nb = 256;
