@@ -136,8 +136,6 @@ static void serve_append(ring *rg, const ring_request *q, ring_response *r)
     store_table_free(&w);
 }
 
-/* STEP: copy the statistics out of shared memory first, so a worker that
- * scribbles on them while the daemon reads cannot change what was checked. */
 /* A step's answer when it only cut tokens out (proto/kvstash_ring.h
  * ring_step_cuts); the statistics in the data area were copied out. */
 typedef struct cuts_put_ctx {
@@ -164,6 +162,8 @@ static void cuts_put(void *ctx, const seq_cuts *c)
     x->r->cuts = 1;
 }
 
+/* STEP: copy the statistics out of shared memory first, so a worker that
+ * scribbles on them while the daemon reads cannot change what was checked. */
 static void serve_step(ring *rg, const ring_request *q, ring_response *r)
 {
     if (q->data_bytes > rg->data_bytes || q->data_bytes % sizeof(float) != 0) {

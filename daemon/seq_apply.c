@@ -591,6 +591,10 @@ static size_t runs_push(kv_segment *segs, size_t n, kv_segment g)
 
 /* ---- the step's cuts, for its answer (seq.h seq_step_cuts) ---------------- */
 
+/* Room for this many cut indices is kept between steps; more is given back
+ * when a step used less than an eighth of it. */
+#define SEQ_CUTS_KEEP 65536
+
 void seq_cuts_begin(seq *s)
 {
     seq_cut_log *c = &s->cuts;
@@ -603,6 +607,11 @@ void seq_cuts_begin(seq *s)
     if (c->valid)
         memset(c->count, 0, n * sizeof *c->count);
     c->from_epoch = s->epoch;
+    if (c->cap > SEQ_CUTS_KEEP && c->n < c->cap / 8) { /* a prefill's many cuts: give them back */
+        free(c->idx);
+        c->idx = NULL;
+        c->cap = 0;
+    }
     c->n = 0;
 }
 
