@@ -56,7 +56,7 @@ typedef struct host_undo_log {
     uint32_t *idx, *pos;
     uint8_t *tier;
     size_t n, cap;
-    size_t keep; /* the most one step reserved: end frees a larger log */
+    size_t keep; /* the most a step could log: end frees a larger log */
 } host_undo_log;
 
 typedef struct host_layer {
@@ -735,21 +735,29 @@ static int layer_demote(policy_host *h, host_layer *ly)
 static int undo_log_reserve(policy_host *h, uint32_t layer)
 {
     host_undo_log *u = &h->undo;
-    size_t need = u->n, lists = 0;
+    size_t need = u->n, every = u->n, lists = 0;
     for (uint32_t l = 0; l < h->geom.layers; l++) {
         const host_layer *ly = &h->layers[l];
+        size_t tokens = 0;
+        for (uint32_t k = 0; k < h->heads; k++)
+            tokens += ly->lists[k].tokens;
+        every += tokens;
         if (!ly->pending && l != layer)
             continue;
-        for (uint32_t k = 0; k < h->heads; k++)
-            need += ly->lists[k].tokens;
+        need += tokens;
         lists += h->heads;
     }
-    if (need - u->n > u->keep)
-        u->keep = need - u->n;
+    /* A step usually goes through every layer: room for all of them at
+     * once, rather than a log copied again at each doubling (75 MB at 32
+     * layers x 8 heads x 32k tokens), and kept while they hold as many. */
+    if (every - u->n > u->keep)
+        u->keep = every - u->n;
     if (need > u->cap) {
         size_t cap = u->cap ? u->cap : 64;
         while (cap < need)
             cap *= 2;
+        if (cap < every)
+            cap = every;
         uint32_t *idx = realloc(u->idx, cap * sizeof *idx);
         if (idx != NULL)
             u->idx = idx;

@@ -111,14 +111,11 @@ POLICY_HOT static size_t compact(uint64_t *keys, size_t n, uint64_t lo, uint64_t
     return m;
 }
 
-/* Bounds lo <= hi around the key of rank t from a sorted sample. */
-static void bounds(const uint64_t *keys, size_t n, size_t t, uint64_t *lo, uint64_t *hi,
-                   uint64_t *mid)
+/* Bounds lo <= hi around the key of rank t of n, from a sample of SAMPLE
+ * of them taken evenly (s[], reordered). */
+static void sample_bounds(uint64_t *s, size_t n, size_t t, uint64_t *lo, uint64_t *hi,
+                          uint64_t *mid)
 {
-    uint64_t s[SAMPLE];
-    size_t stride = n / SAMPLE;
-    for (size_t j = 0; j < SAMPLE; j++)
-        s[j] = keys[j * stride];
     size_t est = (size_t)((double)t / (double)n * SAMPLE);
     est = est < SAMPLE ? est : SAMPLE - 1;
     size_t a = est > MARGIN ? est - MARGIN : 0;
@@ -130,6 +127,17 @@ static void bounds(const uint64_t *keys, size_t n, size_t t, uint64_t *lo, uint6
     *lo = s[a];
     *mid = s[est];
     *hi = s[b];
+}
+
+/* The same from keys[0..n), n >= SAMPLE. */
+static void bounds(const uint64_t *keys, size_t n, size_t t, uint64_t *lo, uint64_t *hi,
+                   uint64_t *mid)
+{
+    uint64_t s[SAMPLE];
+    size_t stride = n / SAMPLE;
+    for (size_t j = 0; j < SAMPLE; j++)
+        s[j] = keys[j * stride];
+    sample_bounds(s, n, t, lo, hi, mid);
 }
 
 /* Which keys of n to keep for rank t, given bounds lo <= hi: below lo,
@@ -187,6 +195,88 @@ policy_cut policy_select_cut(uint64_t *keys, size_t n, size_t k)
     return (policy_cut){v, k - (below + smaller)};
 }
 
+/* The key of entry i, as policy_select_cut_scores() defines it. */
+static inline uint64_t score_key(const double *score, double sign, const uint8_t *first, size_t i)
+{
+    uint64_t key = policy_key(sign * score[i]);
+    return first != NULL ? key & (0 - (uint64_t)(first[i] == 0)) : key;
+}
+
+/* Every key in tmp[], in one vectorised pass that also counts those below
+ * lo (*below) and those up to hi (returned). Two loops, so that neither
+ * branches on `first`. */
+POLICY_HOT static size_t keys_of_scores(const double *score, double sign, const uint8_t *first,
+                                        size_t n, uint64_t lo, uint64_t hi, uint64_t *tmp,
+                                        size_t *below)
+{
+    size_t lt = 0, le = 0;
+    if (first == NULL) {
+        for (size_t i = 0; i < n; i++) {
+            uint64_t key = policy_key(sign * score[i]);
+            tmp[i] = key;
+            lt += key < lo;
+            le += key <= hi;
+        }
+    } else {
+        for (size_t i = 0; i < n; i++) {
+            uint64_t key = policy_key(sign * score[i]) & (0 - (uint64_t)(first[i] == 0));
+            tmp[i] = key;
+            lt += key < lo;
+            le += key <= hi;
+        }
+    }
+    *below = lt;
+    return le;
+}
+
+policy_cut policy_select_cut_scores(const double *score, double sign, const uint8_t *first,
+                                    size_t n, size_t k, uint64_t *tmp)
+{
+    if (k == 0)
+        return (policy_cut){0, 0};
+    if (k >= n)
+        return (policy_cut){UINT64_MAX, n};
+    if (n <= 4 * SAMPLE) {
+        keys_of_scores(score, sign, first, n, 0, 0, tmp, &(size_t){0});
+        return policy_select_cut(tmp, n, k);
+    }
+    /* The sample's bounds first, so that the pass that makes the keys also
+     * counts them against the bounds: one pass fewer than
+     * policy_select_cut's first round. */
+    size_t t = k - 1, lt;
+    uint64_t s[SAMPLE], lo, hi, mid;
+    for (size_t j = 0; j < SAMPLE; j++)
+        s[j] = score_key(score, sign, first, j * (n / SAMPLE));
+    sample_bounds(s, n, t, &lo, &hi, &mid);
+    size_t le = keys_of_scores(score, sign, first, n, lo, hi, tmp, &lt);
+    if (t < lt || t >= le) /* the sample missed */
+        return policy_select_cut(tmp, n, k);
+    if (lo == hi)
+        return (policy_cut){lo, k - lt};
+    size_t m = compact(tmp, n, lo, hi); /* le - lt keys */
+    if (k - lt < m)
+        return policy_select_cut(tmp, m, k - lt);
+    /* Every key of the band is chosen: the cut is its largest, all its
+     * copies (policy_select_cut would answer "everything"). */
+    uint64_t v = tmp[0];
+    for (size_t i = 1; i < m; i++)
+        v = tmp[i] > v ? tmp[i] : v;
+    size_t ties = 0;
+    for (size_t i = 0; i < m; i++)
+        ties += tmp[i] == v;
+    return (policy_cut){v, ties};
+}
+
+enum { TIE_BLOCK = 256 };
+
+/* Whether candidate i is among the cut's keys and equal to it. */
+static inline int is_tie(const double *score, double sign, const uint8_t *in, uint8_t want,
+                         uint64_t cut, size_t i)
+{
+    int among = in == NULL || (in[i] != 0) == want;
+    return among & (policy_key(sign * score[i]) == cut);
+}
+
 POLICY_HOT void policy_cut_mark(policy_cut *c, const double *score, double sign, const uint8_t *in,
                                 int in_value, size_t n, int reverse, uint8_t *chosen)
 {
@@ -198,11 +288,20 @@ POLICY_HOT void policy_cut_mark(policy_cut *c, const double *score, double sign,
     else
         for (size_t i = 0; i < n; i++)
             chosen[i] = (uint8_t)(((in[i] != 0) == want) & (policy_key(sign * score[i]) < cut));
-    for (size_t j = 0; j < n && c->ties > 0; j++) {
-        size_t i = reverse ? n - 1 - j : j;
-        if ((in == NULL || (in[i] != 0) == want) && policy_key(sign * score[i]) == cut) {
-            chosen[i] = 1;
-            c->ties--;
+    /* The ties, in blocks: a vectorised count finds the blocks that hold
+     * any, and only those are searched in tie order. */
+    for (size_t b = 0; b < n && c->ties > 0; b += TIE_BLOCK) {
+        size_t m = n - b < TIE_BLOCK ? n - b : TIE_BLOCK;
+        size_t lo = reverse ? n - b - m : b, hits = 0;
+        for (size_t i = lo; i < lo + m; i++)
+            hits += is_tie(score, sign, in, want, cut, i);
+        for (size_t j = 0; j < m && hits > 0 && c->ties > 0; j++) {
+            size_t i = reverse ? lo + m - 1 - j : lo + j;
+            if (is_tie(score, sign, in, want, cut, i)) {
+                chosen[i] = 1;
+                c->ties--;
+                hits--;
+            }
         }
     }
 }

@@ -64,6 +64,19 @@ typedef struct policy_cut {
 policy_cut policy_select_cut(uint64_t *keys, size_t n, size_t k);
 
 /*
+ * policy_select_cut over the keys policy_key(sign·score[i]), or 0 (before
+ * every number) where first != NULL and first[i] != 0, without writing
+ * them all: the sample's bounds are found first, and one pass makes each
+ * key, counts those below the bounds and keeps those between them in
+ * tmp[], n entries of working space (all n keys only when the sample
+ * misses, about once in a thousand). With k above the first entries'
+ * count, that is the cut of the others' k - count best, all of the first
+ * chosen: what a class cut gives, for the price of one pass over scores.
+ */
+policy_cut policy_select_cut_scores(const double *score, double sign, const uint8_t *first,
+                                    size_t n, size_t k, uint64_t *tmp);
+
+/*
  * The second visit, over candidates that are an array of doubles:
  * chosen[i] = whether candidate i, key policy_key(sign·score[i]) (sign -1
  * for a top-k, 1 for a bottom-k; exact), is chosen by c. Candidate i is

@@ -71,30 +71,47 @@ static int pool_fill_float(double *buf, const float *in, size_t n, size_t b, siz
     return finite;
 }
 
+/*
+ * s / d, correctly rounded, from y = 1 / d rounded: q = s·y is within an ulp
+ * of the quotient, its remainder s - q·d is exact in an FMA, and one fused
+ * step q + r·y rounds to the quotient itself (Markstein's theorem, for any
+ * finite s whose quotient is a normal number, as every score here). The
+ * same bits as a division, for a multiply and two FMAs: a vector divide
+ * takes several times as long, and the pools divide every output of every
+ * query head.
+ */
+static inline double quotient_by(double s, double d, double y)
+{
+    double q = s * y;
+    double r = fma(-q, d, s);
+    return fma(r, y, q);
+}
+
 /* acc[i] += (0 + buf[i] + ... + buf[i + kernel - 1]) / kernel, i < m, one
  * output at a time: with a constant kernel the compiler unrolls the taps
  * and vectorises over i, the sum never leaving a register. */
 static inline void avg_pool_outputs(const double *buf, size_t m, uint32_t kernel, double *acc)
 {
+    double d = kernel, y = 1.0 / d;
     for (size_t i = 0; i < m; i++) {
         double s = 0.0;
         for (uint32_t t = 0; t < kernel; t++)
             s += buf[i + t];
-        acc[i] += s / kernel;
+        acc[i] += quotient_by(s, d, y);
     }
 }
 
 /* The same for any kernel: tap by tap over the block, in the same order. */
 static void avg_pool_taps(const double *buf, size_t m, uint32_t kernel, double *acc)
 {
-    double sum[POOL_BLOCK];
+    double sum[POOL_BLOCK], d = kernel, y = 1.0 / d;
     for (size_t i = 0; i < m; i++)
         sum[i] = 0.0;
     for (uint32_t t = 0; t < kernel; t++)
         for (size_t i = 0; i < m; i++)
             sum[i] += buf[i + t];
     for (size_t i = 0; i < m; i++)
-        acc[i] += sum[i] / kernel;
+        acc[i] += quotient_by(sum[i], d, y);
 }
 
 POLICY_HOT static void avg_pool_block(const double *buf, size_t m, uint32_t kernel, double *acc)
@@ -208,8 +225,9 @@ POLICY_HOT int snapkv_base_scores(const float *const *window_attn, uint32_t q_he
             finite &= max_pool_group(window_attn + (size_t)g * G, G, P, kernel, acc, scratch);
         else
             finite &= avg_pool_group(window_attn + (size_t)g * G, G, P, kernel, acc);
+        double d = G, y = 1.0 / d;
         for (uint32_t i = 0; i < P; i++) {
-            acc[i] /= G; /* GQA: mean over the group's query heads */
+            acc[i] = quotient_by(acc[i], d, y); /* GQA: mean over the group's query heads */
             mx = acc[i] > mx ? acc[i] : mx;
         }
     }
@@ -294,10 +312,19 @@ POLICY_HOT void snapkv_mark_top(const double *score, const uint8_t *forced, size
     if (k == 0)
         return;
     /* Top-k: forced first, then higher score (key -score), lower index. */
-    size_t f = 0, u = n;
+    size_t f = 0;
     for (size_t i = 0; i < n; i++)
-        place(tmp, &f, &u, policy_key(-score[i]), forced[i] != 0);
-    class_cut c = cut_of(tmp, f, n, k);
+        f += forced[i] != 0;
+    class_cut c;
+    if (k > f) { /* all the forced and the best others: one pass */
+        c = (class_cut){policy_select_cut_scores(score, -1.0, forced, n, k, tmp), 0};
+    } else {
+        size_t u = n;
+        f = 0;
+        for (size_t i = 0; i < n; i++)
+            place(tmp, &f, &u, policy_key(-score[i]), forced[i] != 0);
+        c = cut_of(tmp, f, n, k);
+    }
     /* The chosen are marked; marks already set stay (mark may be forced). */
     uint8_t *chosen = (uint8_t *)tmp; /* the keys are spent: n bytes of room */
     choose_row(score, -1.0, forced, 1, n, &c, chosen);
@@ -709,34 +736,48 @@ static void select_tokens(const snapkv_state *st, const policy_stats *stats, wor
     }
 }
 
+/* Bit j of the result: keep[j] (each 0 or 1), j < n <= 64; eight flags at
+ * a time packed into the bits of a byte by one multiplication. */
+static uint64_t keep_bits(const uint8_t *keep, uint32_t n)
+{
+    uint64_t bits = 0;
+    uint32_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        uint64_t w;
+        memcpy(&w, keep + j, sizeof w);
+        bits |= ((w * UINT64_C(0x0102040810204080)) >> 56) << j;
+    }
+    for (; j < n; j++)
+        bits |= (uint64_t)(keep[j] != 0) << j;
+    return bits;
+}
+
 /* The kept tokens' entries of a head record, in position order (z NULL:
- * no stage 2, its scores are 0). The keep flags (0 or 1) are read eight at
- * a time, packed into the bits of a byte by one multiplication, and only
- * the set bits visited: a quarter of random tokens kept would mispredict a
- * branch per token. */
+ * no stage 2, its scores are 0). Only the set bits of 64 flags at a time
+ * are visited: a branch per token, or per byte of flags, would mispredict
+ * with a quarter of random tokens kept. */
 static void record_kept(snapkv_head_record *hr, const uint32_t *pos, const double *a,
                         const double *z, const uint8_t *forced, const uint8_t *keep, uint32_t n)
 {
+    /* Local pointers: the record's fields could alias what they copy. */
+    uint32_t *restrict out_pos = hr->pos;
+    float *restrict out_score = hr->score, *restrict out_z = hr->z;
+    uint8_t *restrict out_force = hr->force;
     uint32_t k = 0;
-    for (uint32_t i = 0; i < n; i += 8) {
-        unsigned bits = 0;
-        if (i + 8 <= n) {
-            uint64_t w;
-            memcpy(&w, keep + i, sizeof w);
-            bits = (unsigned)((w * UINT64_C(0x0102040810204080)) >> 56); /* bit j: keep[i+j] */
-        } else {
-            for (uint32_t j = 0; i + j < n; j++)
-                bits |= (unsigned)(keep[i + j] != 0) << j;
-        }
+    for (uint32_t i = 0; i < n; i += 64) {
+        uint64_t bits = keep_bits(keep + i, n - i < 64 ? n - i : 64);
         for (; bits != 0; bits &= bits - 1) {
-            uint32_t j = i + (uint32_t)__builtin_ctz(bits);
-            hr->pos[k] = pos[j];
-            hr->score[k] = (float)a[j];
-            hr->z[k] = z != NULL ? (float)z[j] : 0.0f;
-            hr->force[k] = forced[j];
+            uint32_t j = i + (uint32_t)__builtin_ctzll(bits);
+            out_pos[k] = pos[j];
+            out_score[k] = (float)a[j];
+            out_force[k] = forced[j];
+            if (z != NULL)
+                out_z[k] = (float)z[j];
             k++;
         }
     }
+    if (z == NULL)
+        memset(out_z, 0, (size_t)k * sizeof *out_z);
 }
 
 /* Keep the record of a compression: the kept tokens with their scores. */
@@ -767,9 +808,10 @@ POLICY_HOT static int record_compression(snapkv_state *st, const policy_layer_vi
         hr->held = w->len[g];
         hr->prefix = w->prefix[g];
         hr->kept = kept;
-        hr->forced = 0;
+        uint32_t forced = 0;
         for (uint32_t i = 0; i < w->len[g]; i++)
-            hr->forced += w->forced[g][i];
+            forced += w->forced[g][i];
+        hr->forced = forced;
         const double *stage2 = variant_critical(st->cfg.variant) ? w->z[g] : NULL;
         record_kept(hr, view->positions[g], w->a[g], stage2, w->forced[g], w->keep[g], w->len[g]);
     }

@@ -250,6 +250,81 @@ static void cuts_against_sort(const double *x, size_t n, uint64_t *seed)
         check_cut(x, n, ph_below(seed, (uint32_t)n + 1), t & 1);
 }
 
+/* policy_select_cut_scores against the sort of the keys it defines
+ * (policy_key(sign·x), 0 where first[i] != 0), ties in index order. */
+static void check_cut_scores(const double *x, const uint8_t *first, size_t n, size_t k, double sign)
+{
+    keyed *sorted = malloc((n ? n : 1) * sizeof *sorted);
+    uint64_t *tmp = malloc((n ? n : 1) * sizeof *tmp);
+    uint8_t *want = calloc(n ? n : 1, 1);
+    assert_non_null(sorted);
+    assert_non_null(tmp);
+    assert_non_null(want);
+    for (size_t i = 0; i < n; i++)
+        sorted[i] = (keyed){first != NULL && first[i] ? 0 : policy_key(sign * x[i]), i};
+    qsort(sorted, n, sizeof *sorted, cmp_keyed);
+    for (size_t j = 0; j < k && j < n; j++)
+        want[sorted[j].pos] = 1;
+    policy_cut cut = policy_select_cut_scores(x, sign, first, n, k, tmp);
+    size_t ties = cut.ties;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t key = first != NULL && first[i] ? 0 : policy_key(sign * x[i]);
+        int got = key < cut.key || (key == cut.key && ties > 0 && k < n);
+        if (k < n && key == cut.key && ties > 0)
+            ties--;
+        if (got != want[i])
+            fail_msg("n=%zu k=%zu sign=%g first=%s: entry %zu (%g) %s, the sort says %s", n, k,
+                     sign, first ? "yes" : "no", i, x[i], got ? "chosen" : "not chosen",
+                     want[i] ? "chosen" : "not");
+    }
+    if (k < n)
+        assert_int_equal(ties, 0);
+    free(sorted);
+    free(tmp);
+    free(want);
+}
+
+static void cuts_by_scores(const double *x, size_t n, uint64_t *seed)
+{
+    uint8_t *first = malloc(n);
+    assert_non_null(first);
+    size_t nfirst = 0;
+    for (size_t i = 0; i < n; i++)
+        nfirst += first[i] = ph_below(seed, 10) == 0;
+    const size_t ks[] = {0, 1, n / 4, n / 2, n - n / 4, n - 1, n, n + 1, nfirst, nfirst + 1};
+    for (size_t b = 0; b < sizeof ks / sizeof ks[0]; b++) {
+        check_cut_scores(x, NULL, n, ks[b], b & 1 ? -1.0 : 1.0);
+        check_cut_scores(x, first, n, ks[b], b & 1 ? 1.0 : -1.0);
+    }
+    free(first);
+}
+
+/* Distinct ascending keys, every k: the sampled bounds' every outcome
+ * (the cut inside the band, at its last key, and the sample missing). */
+static void test_cut_scores_every_k(void **s)
+{
+    (void)s;
+    enum { N = 3000 };
+    static double x[N];
+    static uint64_t tmp[N];
+    for (size_t i = 0; i < N; i++)
+        x[i] = (double)i * 0.25 - 100;
+    for (size_t k = 1; k < N; k++) {
+        policy_cut up = policy_select_cut_scores(x, 1.0, NULL, N, k, tmp);
+        policy_cut down = policy_select_cut_scores(x, -1.0, NULL, N, k, tmp);
+        if (up.key != policy_key(x[k - 1]) || up.ties != 1 || down.key != policy_key(-x[N - k]) ||
+            down.ties != 1)
+            fail_msg("k=%zu: cuts (%llx, %zu) and (%llx, %zu)", k, (unsigned long long)up.key,
+                     up.ties, (unsigned long long)down.key, down.ties);
+    }
+}
+
+static void test_cut_scores(void **s)
+{
+    (void)s;
+    each_list(77, cuts_by_scores);
+}
+
 static void test_against_sort(void **s)
 {
     (void)s;
@@ -289,6 +364,32 @@ static void test_first_min(void **s)
 
 /* ---- the SnapKV pool's blocked interior gives the naive loop's bits ---- */
 
+/* Outputs of any magnitude: the pool divides by the kernel with a multiply
+ * and two FMAs (Markstein's correction), which must give the bits of a
+ * division for every finite sum. */
+static void test_pool_division(void **s)
+{
+    (void)s;
+    enum { N = 100000 };
+    static double in[N], out[N];
+    uint64_t seed = 12;
+    const uint32_t kernels[] = {3, 5, 7, 9, 11, 25, 63};
+    for (size_t b = 0; b < sizeof kernels / sizeof kernels[0]; b++) {
+        uint32_t k = kernels[b], r = k / 2;
+        for (size_t i = 0; i < N; i++)
+            in[i] = ldexp(ph_uniform(&seed, 0, 1), -(int)ph_below(&seed, 900) + 60);
+        snapkv_pool(in, N, k, SNAPKV_POOL_AVG, out);
+        for (size_t i = r; i + r < N; i++) {
+            double sum = 0;
+            for (size_t j = i - r; j <= i + r; j++)
+                sum += in[j];
+            double want = sum / k;
+            if (memcmp(&want, &out[i], sizeof want) != 0)
+                fail_msg("k=%u i=%zu: %a, a division gives %a", k, i, out[i], want);
+        }
+    }
+}
+
 static void test_pool_bits(void **s)
 {
     (void)s;
@@ -321,7 +422,8 @@ int main(void)
         cmocka_unit_test(test_ties_in_visit_order), cmocka_unit_test(test_k_edges),
         cmocka_unit_test(test_special_keys),        cmocka_unit_test(test_key_order),
         cmocka_unit_test(test_against_sort),        cmocka_unit_test(test_pool_bits),
-        cmocka_unit_test(test_first_min),
+        cmocka_unit_test(test_first_min),           cmocka_unit_test(test_cut_scores),
+        cmocka_unit_test(test_cut_scores_every_k),  cmocka_unit_test(test_pool_division),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
