@@ -22,6 +22,10 @@
 
 #include "util.h"
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 enum {
     SAMPLE = 256,   /* sample size; at most this many keys go to nth() directly */
     MARGIN = 24,    /* sample ranks either side of the estimate: ~3.5 sigma */
@@ -100,7 +104,7 @@ static void nth(uint64_t *a, size_t n, size_t t)
 }
 
 /* Keep the keys in [lo, hi] at the front, in place; returns how many. */
-POLICY_HOT static size_t compact(uint64_t *keys, size_t n, uint64_t lo, uint64_t hi)
+static size_t compact_scalar(uint64_t *keys, size_t n, uint64_t lo, uint64_t hi)
 {
     size_t m = 0;
     for (size_t i = 0; i < n; i++) {
@@ -110,6 +114,62 @@ POLICY_HOT static size_t compact(uint64_t *keys, size_t n, uint64_t lo, uint64_t
     }
     return m;
 }
+
+#if defined(__x86_64__) && defined(__GNUC__)
+/*
+ * The same four keys at a time with AVX2: the keys that stay are moved to
+ * the front of the vector by a permutation looked up by their 4-bit mask,
+ * and all four lanes stored at keys + m (m <= i, so the store never
+ * passes what is still to be read). A compiler does not vectorise a
+ * compaction, and the scalar loop's dependent store address costs a cycle
+ * or two a key; the sampled cut compacts every key of a list once.
+ */
+static const uint32_t compact_perm[16][8] = {
+    {0, 1, 2, 3, 4, 5, 6, 7}, {0, 1, 2, 3, 4, 5, 6, 7}, {2, 3, 0, 1, 4, 5, 6, 7},
+    {0, 1, 2, 3, 4, 5, 6, 7}, {4, 5, 0, 1, 2, 3, 6, 7}, {0, 1, 4, 5, 2, 3, 6, 7},
+    {2, 3, 4, 5, 0, 1, 6, 7}, {0, 1, 2, 3, 4, 5, 6, 7}, {6, 7, 0, 1, 2, 3, 4, 5},
+    {0, 1, 6, 7, 2, 3, 4, 5}, {2, 3, 6, 7, 0, 1, 4, 5}, {0, 1, 2, 3, 6, 7, 4, 5},
+    {4, 5, 6, 7, 0, 1, 2, 3}, {0, 1, 4, 5, 6, 7, 2, 3}, {2, 3, 4, 5, 6, 7, 0, 1},
+    {0, 1, 2, 3, 4, 5, 6, 7},
+};
+
+__attribute__((target("avx2"))) static size_t compact_avx2(uint64_t *keys, size_t n, uint64_t lo,
+                                                           uint64_t hi)
+{
+    /* Unsigned order as signed order: the sign bit flipped on both sides. */
+    const __m256i flip = _mm256_set1_epi64x((long long)(UINT64_C(1) << 63));
+    const __m256i vlo = _mm256_xor_si256(_mm256_set1_epi64x((long long)lo), flip);
+    const __m256i vhi = _mm256_xor_si256(_mm256_set1_epi64x((long long)hi), flip);
+    size_t m = 0, i = 0;
+    for (; i + 4 <= n; i += 4) {
+        __m256i x = _mm256_loadu_si256((const __m256i *)(keys + i));
+        __m256i xf = _mm256_xor_si256(x, flip);
+        __m256i out = _mm256_or_si256(_mm256_cmpgt_epi64(vlo, xf), _mm256_cmpgt_epi64(xf, vhi));
+        unsigned mask = (unsigned)_mm256_movemask_pd(_mm256_castsi256_pd(out)) ^ 15u;
+        __m256i perm = _mm256_loadu_si256((const __m256i *)compact_perm[mask]);
+        _mm256_storeu_si256((__m256i *)(keys + m), _mm256_permutevar8x32_epi32(x, perm));
+        m += (size_t)__builtin_popcount(mask);
+    }
+    for (; i < n; i++) {
+        uint64_t x = keys[i];
+        keys[m] = x;
+        m += (x >= lo) & (x <= hi);
+    }
+    return m;
+}
+
+static size_t compact(uint64_t *keys, size_t n, uint64_t lo, uint64_t hi)
+{
+    if (__builtin_cpu_supports("avx2"))
+        return compact_avx2(keys, n, lo, hi);
+    return compact_scalar(keys, n, lo, hi);
+}
+#else
+static size_t compact(uint64_t *keys, size_t n, uint64_t lo, uint64_t hi)
+{
+    return compact_scalar(keys, n, lo, hi);
+}
+#endif
 
 /* Bounds lo <= hi around the key of rank t of n, from a sample of SAMPLE
  * of them taken evenly (s[], reordered). */
@@ -195,22 +255,26 @@ policy_cut policy_select_cut(uint64_t *keys, size_t n, size_t k)
     return (policy_cut){v, k - (below + smaller)};
 }
 
-/* The key of entry i, as policy_select_cut_scores() defines it. */
-static inline uint64_t score_key(const double *score, double sign, const uint8_t *first, size_t i)
+/* The key of entry i of a row, as policy_select_cut_rows() defines it. */
+static inline uint64_t score_key(const double *score, const uint8_t *forced,
+                                 const policy_score_keys *kd, size_t i)
 {
-    uint64_t key = policy_key(sign * score[i]);
-    return first != NULL ? key & (0 - (uint64_t)(first[i] == 0)) : key;
+    uint64_t key = policy_key(kd->sign * score[i]);
+    if (forced == NULL)
+        return key;
+    uint64_t m = 0 - (uint64_t)(forced[i] != 0);
+    return (key & ~m) | (kd->forced_key & m);
 }
 
-/* Every key in tmp[], in one vectorised pass that also counts those below
- * lo (*below) and those up to hi (returned). Two loops, so that neither
- * branches on `first`. */
-POLICY_HOT static size_t keys_of_scores(const double *score, double sign, const uint8_t *first,
-                                        size_t n, uint64_t lo, uint64_t hi, uint64_t *tmp,
-                                        size_t *below)
+/* Every key of a row in tmp[], in one vectorised pass that also counts
+ * those below lo (*below) and those up to hi (returned). Two loops, so
+ * that neither branches on `forced`. */
+POLICY_HOT static size_t keys_of_row(const double *score, const uint8_t *forced, double sign,
+                                     uint64_t forced_key, size_t n, uint64_t lo, uint64_t hi,
+                                     uint64_t *tmp, size_t *below)
 {
     size_t lt = 0, le = 0;
-    if (first == NULL) {
+    if (forced == NULL) {
         for (size_t i = 0; i < n; i++) {
             uint64_t key = policy_key(sign * score[i]);
             tmp[i] = key;
@@ -219,7 +283,8 @@ POLICY_HOT static size_t keys_of_scores(const double *score, double sign, const 
         }
     } else {
         for (size_t i = 0; i < n; i++) {
-            uint64_t key = policy_key(sign * score[i]) & (0 - (uint64_t)(first[i] == 0));
+            uint64_t m = 0 - (uint64_t)(forced[i] != 0);
+            uint64_t key = (policy_key(sign * score[i]) & ~m) | (forced_key & m);
             tmp[i] = key;
             lt += key < lo;
             le += key <= hi;
@@ -229,15 +294,50 @@ POLICY_HOT static size_t keys_of_scores(const double *score, double sign, const 
     return le;
 }
 
-policy_cut policy_select_cut_scores(const double *score, double sign, const uint8_t *first,
-                                    size_t n, size_t k, uint64_t *tmp)
+/* The keys of the rows' entries flattened (row 0 first) into tmp[], with
+ * the counts below lo (*below) and up to hi (returned). */
+static size_t keys_of_rows(const double *const *score, const uint32_t *len, uint32_t rows,
+                           const policy_score_keys *kd, uint64_t lo, uint64_t hi, uint64_t *tmp,
+                           size_t *below)
 {
+    size_t le = 0, lt = 0, at = 0;
+    for (uint32_t r = 0; r < rows; r++) {
+        size_t row_below;
+        le += keys_of_row(score[r], kd->forced != NULL ? kd->forced[r] : NULL, kd->sign,
+                          kd->forced_key, len[r], lo, hi, tmp + at, &row_below);
+        lt += row_below;
+        at += len[r];
+    }
+    *below = lt;
+    return le;
+}
+
+/* SAMPLE keys taken evenly from the flattened rows (n entries in all). */
+static void sample_rows(const double *const *score, const uint32_t *len,
+                        const policy_score_keys *kd, size_t n, uint64_t *s)
+{
+    size_t stride = n / SAMPLE, start = 0;
+    uint32_t r = 0;
+    for (size_t j = 0; j < SAMPLE; j++) {
+        size_t at = j * stride;
+        while (at - start >= len[r]) /* at < n: a row holds it */
+            start += len[r++];
+        s[j] = score_key(score[r], kd->forced != NULL ? kd->forced[r] : NULL, kd, at - start);
+    }
+}
+
+policy_cut policy_select_cut_rows(const double *const *score, const uint32_t *len, uint32_t rows,
+                                  const policy_score_keys *kd, size_t k, uint64_t *tmp)
+{
+    size_t n = 0;
+    for (uint32_t r = 0; r < rows; r++)
+        n += len[r];
     if (k == 0)
         return (policy_cut){0, 0};
     if (k >= n)
         return (policy_cut){UINT64_MAX, n};
     if (n <= 4 * SAMPLE) {
-        keys_of_scores(score, sign, first, n, 0, 0, tmp, &(size_t){0});
+        keys_of_rows(score, len, rows, kd, 0, 0, tmp, &(size_t){0});
         return policy_select_cut(tmp, n, k);
     }
     /* The sample's bounds first, so that the pass that makes the keys also
@@ -245,10 +345,9 @@ policy_cut policy_select_cut_scores(const double *score, double sign, const uint
      * policy_select_cut's first round. */
     size_t t = k - 1, lt;
     uint64_t s[SAMPLE], lo, hi, mid;
-    for (size_t j = 0; j < SAMPLE; j++)
-        s[j] = score_key(score, sign, first, j * (n / SAMPLE));
+    sample_rows(score, len, kd, n, s);
     sample_bounds(s, n, t, &lo, &hi, &mid);
-    size_t le = keys_of_scores(score, sign, first, n, lo, hi, tmp, &lt);
+    size_t le = keys_of_rows(score, len, rows, kd, lo, hi, tmp, &lt);
     if (t < lt || t >= le) /* the sample missed */
         return policy_select_cut(tmp, n, k);
     if (lo == hi)

@@ -63,18 +63,27 @@ typedef struct policy_cut {
  */
 policy_cut policy_select_cut(uint64_t *keys, size_t n, size_t k);
 
+/* The keys of policy_select_cut_rows(): policy_key(sign·score) (sign -1
+ * for a top-k, 1 for a bottom-k), except where forced (one array a row, or
+ * NULL for none) is not 0: forced_key there, 0 to come before every number
+ * or UINT64_MAX to come after. */
+typedef struct policy_score_keys {
+    double sign;
+    const uint8_t *const *forced;
+    uint64_t forced_key;
+} policy_score_keys;
+
 /*
- * policy_select_cut over the keys policy_key(sign·score[i]), or 0 (before
- * every number) where first != NULL and first[i] != 0, without writing
- * them all: the sample's bounds are found first, and one pass makes each
- * key, counts those below the bounds and keeps those between them in
- * tmp[], n entries of working space (all n keys only when the sample
- * misses, about once in a thousand). With k above the first entries'
- * count, that is the cut of the others' k - count best, all of the first
- * chosen: what a class cut gives, for the price of one pass over scores.
+ * policy_select_cut over the keys of rows score[0..rows) of len[r] entries
+ * each, flattened row by row, without writing them all first: the bounds of
+ * a sample are found first, and one pass makes each key, counts those
+ * below the bounds and keeps them in tmp[] (room for every entry) for a
+ * compaction of those between. With the cut among the unforced entries
+ * (k above the forced count with forced_key 0, or at most the unforced
+ * count with UINT64_MAX), that is a class cut of one pass over the scores.
  */
-policy_cut policy_select_cut_scores(const double *score, double sign, const uint8_t *first,
-                                    size_t n, size_t k, uint64_t *tmp);
+policy_cut policy_select_cut_rows(const double *const *score, const uint32_t *len, uint32_t rows,
+                                  const policy_score_keys *keys, size_t k, uint64_t *tmp);
 
 /*
  * The second visit, over candidates that are an array of doubles:

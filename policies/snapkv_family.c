@@ -317,7 +317,9 @@ POLICY_HOT void snapkv_mark_top(const double *score, const uint8_t *forced, size
         f += forced[i] != 0;
     class_cut c;
     if (k > f) { /* all the forced and the best others: one pass */
-        c = (class_cut){policy_select_cut_scores(score, -1.0, forced, n, k, tmp), 0};
+        policy_score_keys kd = {-1.0, &forced, 0};
+        uint32_t len = (uint32_t)n;
+        c = (class_cut){policy_select_cut_rows(&score, &len, 1, &kd, k, tmp), 0};
     } else {
         size_t u = n;
         f = 0;
@@ -358,7 +360,20 @@ static class_cut flat_cut(const double *const *a, const uint32_t *len, uint32_t 
                           const uint8_t *const *forced, int top_k, size_t n, size_t k,
                           snapkv_entry *tmp)
 {
-    size_t f = 0, u = n;
+    /* The first class is the forced (top-k) or the unforced (bottom-k);
+     * a cut among the unforced is one pass (policy_select_cut_rows). */
+    size_t f = 0, u = n, n_forced = 0;
+    for (uint32_t g = 0; g < heads; g++)
+        for (uint32_t i = 0; i < len[g]; i++)
+            n_forced += forced[g][i] != 0;
+    if (top_k && k > n_forced) {
+        policy_score_keys kd = {-1.0, forced, 0};
+        return (class_cut){policy_select_cut_rows(a, len, heads, &kd, k, tmp), 0};
+    }
+    if (!top_k && k <= n - n_forced) {
+        policy_score_keys kd = {1.0, forced, UINT64_MAX};
+        return (class_cut){policy_select_cut_rows(a, len, heads, &kd, k, tmp), 1};
+    }
     for (uint32_t g = 0; g < heads; g++)
         for (uint32_t i = 0; i < len[g]; i++)
             place(tmp, &f, &u, flat_key(a[g][i], top_k), (forced[g][i] != 0) == (top_k != 0));

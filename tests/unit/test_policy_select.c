@@ -250,9 +250,11 @@ static void cuts_against_sort(const double *x, size_t n, uint64_t *seed)
         check_cut(x, n, ph_below(seed, (uint32_t)n + 1), t & 1);
 }
 
-/* policy_select_cut_scores against the sort of the keys it defines
- * (policy_key(sign·x), 0 where first[i] != 0), ties in index order. */
-static void check_cut_scores(const double *x, const uint8_t *first, size_t n, size_t k, double sign)
+/* policy_select_cut_rows against the sort of the keys it defines, ties in
+ * flattened index order: x[0..n) cut into `rows` rows (the last ones
+ * possibly empty), forced NULL or one flag an entry. */
+static void check_cut_rows(const double *x, const uint8_t *forced, size_t n, uint32_t rows,
+                           size_t k, double sign, uint64_t forced_key)
 {
     keyed *sorted = malloc((n ? n : 1) * sizeof *sorted);
     uint64_t *tmp = malloc((n ? n : 1) * sizeof *tmp);
@@ -261,21 +263,33 @@ static void check_cut_scores(const double *x, const uint8_t *first, size_t n, si
     assert_non_null(tmp);
     assert_non_null(want);
     for (size_t i = 0; i < n; i++)
-        sorted[i] = (keyed){first != NULL && first[i] ? 0 : policy_key(sign * x[i]), i};
+        sorted[i] = (keyed){forced != NULL && forced[i] ? forced_key : policy_key(sign * x[i]), i};
     qsort(sorted, n, sizeof *sorted, cmp_keyed);
     for (size_t j = 0; j < k && j < n; j++)
         want[sorted[j].pos] = 1;
-    policy_cut cut = policy_select_cut_scores(x, sign, first, n, k, tmp);
+    const double *row[4];
+    const uint8_t *row_forced[4];
+    uint32_t len[4], at = 0;
+    assert_true(rows <= 4);
+    for (uint32_t r = 0; r < rows; r++) {
+        len[r] = r + 1 < rows ? (uint32_t)(n - at) / 2 : (uint32_t)(n - at);
+        row[r] = x + at;
+        row_forced[r] = forced != NULL ? forced + at : NULL;
+        at += len[r];
+    }
+    policy_score_keys kd = {sign, forced != NULL ? row_forced : NULL, forced_key};
+    policy_cut cut = policy_select_cut_rows(row, len, rows, &kd, k, tmp);
     size_t ties = cut.ties;
     for (size_t i = 0; i < n; i++) {
-        uint64_t key = first != NULL && first[i] ? 0 : policy_key(sign * x[i]);
-        int got = key < cut.key || (key == cut.key && ties > 0 && k < n);
-        if (k < n && key == cut.key && ties > 0)
+        uint64_t key = forced != NULL && forced[i] ? forced_key : policy_key(sign * x[i]);
+        int got = key < cut.key || (key == cut.key && ties > 0);
+        if (key == cut.key && ties > 0)
             ties--;
         if (got != want[i])
-            fail_msg("n=%zu k=%zu sign=%g first=%s: entry %zu (%g) %s, the sort says %s", n, k,
-                     sign, first ? "yes" : "no", i, x[i], got ? "chosen" : "not chosen",
-                     want[i] ? "chosen" : "not");
+            fail_msg("n=%zu rows=%u k=%zu sign=%g forced=%s (key %llx): entry %zu (%g) %s, the "
+                     "sort says %s",
+                     n, rows, k, sign, forced ? "yes" : "no", (unsigned long long)forced_key, i,
+                     x[i], got ? "chosen" : "not chosen", want[i] ? "chosen" : "not");
     }
     if (k < n)
         assert_int_equal(ties, 0);
@@ -284,24 +298,27 @@ static void check_cut_scores(const double *x, const uint8_t *first, size_t n, si
     free(want);
 }
 
-static void cuts_by_scores(const double *x, size_t n, uint64_t *seed)
+static void cuts_by_rows(const double *x, size_t n, uint64_t *seed)
 {
-    uint8_t *first = malloc(n);
-    assert_non_null(first);
-    size_t nfirst = 0;
+    uint8_t *forced = malloc(n);
+    assert_non_null(forced);
+    size_t nf = 0;
     for (size_t i = 0; i < n; i++)
-        nfirst += first[i] = ph_below(seed, 10) == 0;
-    const size_t ks[] = {0, 1, n / 4, n / 2, n - n / 4, n - 1, n, n + 1, nfirst, nfirst + 1};
+        nf += forced[i] = ph_below(seed, 10) == 0;
+    const size_t ks[] = {0, 1, n / 4, n / 2, n - n / 4, n - 1, n, n + 1, nf, nf + 1, n - nf};
     for (size_t b = 0; b < sizeof ks / sizeof ks[0]; b++) {
-        check_cut_scores(x, NULL, n, ks[b], b & 1 ? -1.0 : 1.0);
-        check_cut_scores(x, first, n, ks[b], b & 1 ? 1.0 : -1.0);
+        uint32_t rows = 1 + (uint32_t)(b % 4);
+        double sign = b & 1 ? -1.0 : 1.0;
+        check_cut_rows(x, NULL, n, rows, ks[b], sign, 0);
+        check_cut_rows(x, forced, n, rows, ks[b], -sign, 0);
+        check_cut_rows(x, forced, n, rows, ks[b], sign, UINT64_MAX);
     }
-    free(first);
+    free(forced);
 }
 
 /* Distinct ascending keys, every k: the sampled bounds' every outcome
  * (the cut inside the band, at its last key, and the sample missing). */
-static void test_cut_scores_every_k(void **s)
+static void test_cut_rows_every_k(void **s)
 {
     (void)s;
     enum { N = 3000 };
@@ -309,9 +326,12 @@ static void test_cut_scores_every_k(void **s)
     static uint64_t tmp[N];
     for (size_t i = 0; i < N; i++)
         x[i] = (double)i * 0.25 - 100;
+    const double *row = x;
+    uint32_t len = N;
+    policy_score_keys up_keys = {1.0, NULL, 0}, down_keys = {-1.0, NULL, 0};
     for (size_t k = 1; k < N; k++) {
-        policy_cut up = policy_select_cut_scores(x, 1.0, NULL, N, k, tmp);
-        policy_cut down = policy_select_cut_scores(x, -1.0, NULL, N, k, tmp);
+        policy_cut up = policy_select_cut_rows(&row, &len, 1, &up_keys, k, tmp);
+        policy_cut down = policy_select_cut_rows(&row, &len, 1, &down_keys, k, tmp);
         if (up.key != policy_key(x[k - 1]) || up.ties != 1 || down.key != policy_key(-x[N - k]) ||
             down.ties != 1)
             fail_msg("k=%zu: cuts (%llx, %zu) and (%llx, %zu)", k, (unsigned long long)up.key,
@@ -319,10 +339,10 @@ static void test_cut_scores_every_k(void **s)
     }
 }
 
-static void test_cut_scores(void **s)
+static void test_cut_rows(void **s)
 {
     (void)s;
-    each_list(77, cuts_by_scores);
+    each_list(77, cuts_by_rows);
 }
 
 static void test_against_sort(void **s)
@@ -422,8 +442,8 @@ int main(void)
         cmocka_unit_test(test_ties_in_visit_order), cmocka_unit_test(test_k_edges),
         cmocka_unit_test(test_special_keys),        cmocka_unit_test(test_key_order),
         cmocka_unit_test(test_against_sort),        cmocka_unit_test(test_pool_bits),
-        cmocka_unit_test(test_first_min),           cmocka_unit_test(test_cut_scores),
-        cmocka_unit_test(test_cut_scores_every_k),  cmocka_unit_test(test_pool_division),
+        cmocka_unit_test(test_first_min),           cmocka_unit_test(test_cut_rows),
+        cmocka_unit_test(test_cut_rows_every_k),    cmocka_unit_test(test_pool_division),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
