@@ -414,8 +414,7 @@ static void evict(confkv_state *s, const confkv_layer *ly, const uint32_t *pos, 
     policy_cut cut = policy_select_cut(s->keys, cand, k);
     uint8_t *evict = (uint8_t *)s->keys; /* the keys are spent: cand bytes of room */
     policy_cut_mark(&cut, s->rank, 1.0, NULL, 1, cand, 0, evict);
-    for (uint32_t i = 0; i < cand; i++)
-        tier[i] = evict[i] ? (uint8_t)POLICY_EVICT : tier[i];
+    policy_evict_marked(tier, evict, 1, cand);
 }
 
 /* Step 4: retained tokens older than the F newest retained become INT8. */

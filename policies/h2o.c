@@ -284,17 +284,28 @@ static int h2o_step(void *state, const policy_layer_view *view, const policy_sta
     if (k == 1) { /* a decode step */
         d->tier[0][first + policy_first_min(ly->score + first, m)] = POLICY_EVICT;
     } else if (k > 1) {
-        for (uint32_t i = 0; i < m; i++)
-            ly->scratch[i] = policy_key(ly->score[first + i]);
-        policy_cut cut = policy_select_cut(ly->scratch, m, k);
+        const double *cand = ly->score + first;
+        policy_score_keys kd = {1.0, NULL, 0};
+        policy_cut cut = policy_select_cut_rows(&cand, &m, 1, &kd, k, ly->scratch);
         uint8_t *evict = (uint8_t *)ly->scratch; /* the keys are spent: m bytes of room */
         policy_cut_mark(&cut, ly->score + first, 1.0, NULL, 1, m, 0, evict);
-        for (uint32_t i = 0; i < m; i++)
-            d->tier[0][first + i] = evict[i] ? (uint8_t)POLICY_EVICT : d->tier[0][first + i];
+        policy_evict_marked(d->tier[0] + first, evict, 1, m);
     }
     /* Compact the per-token state exactly as the host compacts the list:
-     * run by run of kept tokens (a decode step evicts one of many). */
+     * run by run of kept tokens when a decode step evicts one of many,
+     * token by token without a branch when a prefill evicts thousands. */
     uint32_t out = 0;
+    if (k > 1) {
+        uint32_t *restrict p = ly->pos;
+        double *restrict sc = ly->score;
+        for (uint32_t i = 0; i < n; i++) {
+            p[out] = p[i];
+            sc[out] = sc[i];
+            out += d->tier[0][i] != POLICY_EVICT;
+        }
+        ly->n = out;
+        return 0;
+    }
     for (uint32_t i = 0; i < n;) {
         const uint8_t *e = memchr(d->tier[0] + i, POLICY_EVICT, n - i);
         uint32_t end = e != NULL ? (uint32_t)(e - d->tier[0]) : n;

@@ -871,13 +871,6 @@ static int due(const snapkv_state *st, const policy_layer_view *view, const poli
 }
 
 /* tier[i] = EVICT where keep[i] is 0 (branch-free: keep is random). */
-POLICY_HOT static void evict_unkept(uint8_t *restrict tier, const uint8_t *restrict keep,
-                                    uint32_t n)
-{
-    for (uint32_t i = 0; i < n; i++)
-        tier[i] = keep[i] ? tier[i] : (uint8_t)POLICY_EVICT;
-}
-
 int snapkv_family_step(void *state, const policy_layer_view *view, const policy_stats *stats,
                        policy_decision *d, char *err, size_t errlen)
 {
@@ -959,7 +952,7 @@ int snapkv_family_step(void *state, const policy_layer_view *view, const policy_
     for (uint32_t g = 0; g < view->heads; g++) {
         for (uint32_t i = w.prefix[g]; c->protect_window && i < w.len[g]; i++)
             w.keep[g][i] = 1; /* even past n_keep when window > n_keep */
-        evict_unkept(d->tier[g], w.keep[g], w.len[g]);
+        policy_evict_marked(d->tier[g], w.keep[g], 0, w.len[g]);
     }
     int rc = record_compression(st, view, &w);
     work_free(&w, view->heads);

