@@ -267,6 +267,39 @@ static void test_ratio_zero_is_noop(void **s)
 
 /* kvpress test_presses_keep_highest_score: per head, the kept set is exactly
  * the top n_keep of the §1.3 score (reference computed independently). */
+/* The describe record of head g of a layer: its kept positions are the
+ * held ones, in order, and each score is the reference's, as a float. */
+static void expect_record(policy_host *h, uint32_t layer, uint32_t g, const double *ref)
+{
+    char *js = policy_host_ops(h)->describe(policy_host_state(h), layer);
+    assert_non_null(js);
+    const char *at = js;
+    for (uint32_t k = 0; k <= g; k++) {
+        at = strstr(at, "\"positions\":[");
+        assert_non_null(at);
+        at += strlen("\"positions\":[");
+    }
+    const policy_layer_view *v = policy_host_view(h, layer);
+    char *end;
+    for (uint32_t i = 0; i < v->tokens[g]; i++, at = end + 1) {
+        unsigned long p = strtoul(at, &end, 10);
+        if (end == at || p != v->positions[g][i])
+            fail_msg("head %u: record entry %u names position %lu, the list holds %u", g, i, p,
+                     v->positions[g][i]);
+    }
+    assert_int_equal(at[-1], ']');
+    at = strstr(at, "\"score\":[");
+    assert_non_null(at);
+    at += strlen("\"score\":[");
+    for (uint32_t i = 0; i < v->tokens[g]; i++, at = end + 1) {
+        double sc = strtod(at, &end);
+        double want = (float)ref[v->positions[g][i]];
+        if (end == at || fabs(sc - want) > 1e-6 * fabs(want))
+            fail_msg("head %u: record entry %u scores %.9g, the reference %.9g", g, i, sc, want);
+    }
+    free(js);
+}
+
 static void keep_highest(uint64_t seed, const char *pooling, const char *pad, double cr)
 {
     const uint32_t Hq = 8, Hkv = 2, L = 200, w = 16, k = 5;
@@ -297,6 +330,7 @@ static void keep_highest(uint64_t seed, const char *pooling, const char *pad, do
                     fail_msg("seed %llu head %u token %u: held %d, rank %zu of n_keep %zu",
                              (unsigned long long)seed, g, i, held[i], sk_rank(ref[g], L, i),
                              n_keep);
+            expect_record(h, l, g, ref[g]);
         }
         free(ref[0]);
         free(ref[1]);
