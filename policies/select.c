@@ -20,6 +20,8 @@
  */
 #include "select.h"
 
+#include <math.h>
+
 #include "util.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -405,17 +407,19 @@ POLICY_HOT void policy_cut_mark(policy_cut *c, const double *score, double sign,
     }
 }
 
-/* The minimum of x[0..n), n >= 1. One running minimum waits on the
- * one before it (a minpd's latency a vector); four independent vectors of
- * them keep the unit busy. The minimum is the same in any order (-0.0 and
- * +0.0 aside, which the callers' search treats as equal). GCC's vector
- * extension, so that each clone (POLICY_HOT) gets its own width. */
+/* The minimum (want_max 0) or maximum (1) of x[0..n), n >= 1. One running
+ * extreme waits on the one before it (a minpd's latency a vector, a
+ * scalar maxsd's an element: gcc does not vectorise `m = x > m ? x : m`
+ * on doubles, for the sake of NaN and -0.0); four independent vectors of
+ * them keep the unit busy. The extreme is the same in any order (-0.0 and
+ * +0.0 aside, which the callers treat as equal). GCC's vector extension,
+ * so that each clone (POLICY_HOT) gets its own width. */
 typedef double min_vec __attribute__((vector_size(32)));
 typedef long long min_mask __attribute__((vector_size(32)));
 #define MIN_VEC (sizeof(min_vec) / sizeof(double))
 #define MIN_LANES (4 * MIN_VEC)
 
-static inline double min_of(const double *x, size_t n)
+static inline double extreme_of(const double *x, size_t n, int want_max)
 {
     double m = x[0];
     size_t i = 0;
@@ -426,16 +430,27 @@ static inline double min_of(const double *x, size_t n)
         for (i = MIN_LANES; i + MIN_LANES <= n; i += MIN_LANES)
             for (int j = 0; j < 4; j++) {
                 memcpy(&v, x + i + j * MIN_VEC, sizeof v);
-                min_mask lt = v < a[j]; /* all ones where v is smaller */
-                a[j] = (min_vec)(((min_mask)v & lt) | ((min_mask)a[j] & ~lt));
+                min_mask win = want_max ? v > a[j] : v < a[j]; /* all ones where v wins */
+                a[j] = (min_vec)(((min_mask)v & win) | ((min_mask)a[j] & ~win));
             }
         for (int j = 0; j < 4; j++)
             for (size_t k = 0; k < MIN_VEC; k++)
-                m = a[j][k] < m ? a[j][k] : m;
+                m = (want_max ? a[j][k] > m : a[j][k] < m) ? a[j][k] : m;
     }
     for (; i < n; i++)
-        m = x[i] < m ? x[i] : m;
+        m = (want_max ? x[i] > m : x[i] < m) ? x[i] : m;
     return m;
+}
+
+static inline double min_of(const double *x, size_t n)
+{
+    return extreme_of(x, n, 0);
+}
+
+/* select.h */
+POLICY_HOT double policy_max(const double *x, size_t n)
+{
+    return n > 0 ? extreme_of(x, n, 1) : -INFINITY;
 }
 
 /* Whether x[0..MIN_LANES) holds m: four vector compares, or'd. */

@@ -110,4 +110,8 @@ size_t policy_first_min(const double *x, size_t n);
  * cut's choice for k = 1 in reverse index order). */
 size_t policy_last_min(const double *x, size_t n);
 
+/* The largest of x[0..n) (-INFINITY when n is 0; with a NaN among them,
+ * some unspecified value), in one vectorised pass. */
+double policy_max(const double *x, size_t n);
+
 #endif

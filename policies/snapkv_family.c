@@ -226,10 +226,10 @@ POLICY_HOT int snapkv_base_scores(const float *const *window_attn, uint32_t q_he
         else
             finite &= avg_pool_group(window_attn + (size_t)g * G, G, P, kernel, acc);
         double d = G, y = 1.0 / d;
-        for (uint32_t i = 0; i < P; i++) {
+        for (uint32_t i = 0; i < P; i++)
             acc[i] = quotient_by(acc[i], d, y); /* GQA: mean over the group's query heads */
-            mx = acc[i] > mx ? acc[i] : mx;
-        }
+        double head_max = policy_max(acc, P);
+        mx = head_max > mx ? head_max : mx;
     }
     /* The max over every head's prefix, as kvpress's scores.max(). */
     double win = pad == SNAPKV_PAD_MAX_PLUS_ONE ? mx + 1 : mx;

@@ -117,7 +117,6 @@ static int scratch_reserve(tova_scratch *s, uint32_t need)
 POLICY_HOT static double mean_over_heads(const float *const *rows, uint32_t heads, uint32_t n,
                                          double *score)
 {
-    double max = -INFINITY;
     for (uint32_t b = 0; b < n; b += MEAN_BLOCK) {
         uint32_t m = n - b < MEAN_BLOCK ? n - b : MEAN_BLOCK;
         double *restrict acc = score + b;
@@ -130,12 +129,10 @@ POLICY_HOT static double mean_over_heads(const float *const *rows, uint32_t head
             for (uint32_t i = 0; i < m; i++)
                 acc[i] += (double)row[i];
         }
-        for (uint32_t i = 0; i < m; i++) {
+        for (uint32_t i = 0; i < m; i++)
             acc[i] /= (double)heads;
-            max = b + i + 1 < n && acc[i] > max ? acc[i] : max;
-        }
     }
-    return max;
+    return policy_max(score, n - 1);
 }
 
 /* score[i] = sum[i], the worker's sum over the query heads (stats.score
@@ -145,10 +142,7 @@ POLICY_HOT static double scores_from_sum(const float *sum, uint32_t n, double *s
 {
     for (uint32_t i = 0; i < n; i++)
         score[i] = (double)sum[i];
-    double max = -INFINITY;
-    for (uint32_t i = 0; i + 1 < n; i++)
-        max = score[i] > max ? score[i] : max;
-    return max;
+    return policy_max(score, n - 1);
 }
 
 /* The first i with a non-finite s[i], or n. */

@@ -370,11 +370,25 @@ static void min_against_cut(const double *x, size_t n, uint64_t *seed)
     free(got);
 }
 
+/* policy_max is the largest entry, whatever the length's remainder. */
+static void max_against_loop(const double *x, size_t n, uint64_t *seed)
+{
+    (void)seed;
+    for (size_t m = n > 40 ? n - 40 : 0; m <= n; m++) {
+        double want = -INFINITY;
+        for (size_t i = 0; i < m; i++)
+            want = x[i] > want ? x[i] : want;
+        if (policy_max(x, m) != want)
+            fail_msg("n=%zu: policy_max %g, a loop %g", m, policy_max(x, m), want);
+    }
+}
+
 /* Every shape and size, and zeros of both signs (equal). */
 static void test_first_min(void **s)
 {
     (void)s;
     each_list(7, min_against_cut);
+    each_list(8, max_against_loop);
     const double zeros[] = {1.0, 0.0, -0.0, 2.0, -0.0};
     assert_int_equal(policy_first_min(zeros, 5), 1);
     assert_int_equal(policy_last_min(zeros, 5), 4);
