@@ -819,6 +819,10 @@ static int list_cut_rebuild(seq *s, seq_list *ly, const uint8_t *tier, uint32_t 
         memset(ly->seg_tier, POLICY_FULL, out);
         ly->nsegs = out;
         rc = list_retire_unmarked(s, ly, before, nb, epoch);
+        /* Counted: the segments' blocks, and the tail's once more, in case
+         * no segment ends in it yet (list_grow would then fill it without
+         * taking a block to count). An upper bound is all the rule needs. */
+        ly->blocks_at_most = blocks + (uint32_t)ly->has_tail;
     }
     for (size_t j = 0; j < out; j++)
         pool_unmark(s->pool, after[j]);
@@ -858,9 +862,15 @@ static int list_apply_evictions(seq *s, uint32_t l, uint32_t k, const policy_dec
      * list_compact's rule, no compaction can be due. A tail block that no
      * segment ends in (none of its slots written yet) is list_apply's. */
     uint32_t kept = n - nevict, need = (kept + s->block_slots - 1) / s->block_slots;
+    size_t limit = (size_t)need + compact_slack(need);
     int tail_unused =
         ly->has_tail && (ly->nsegs == 0 || ly->segs[ly->nsegs - 1].block != ly->tail_block);
-    if (ly->nsegs + nevict <= (size_t)need + compact_slack(need) && !tail_unused)
+    /* Cuts never add blocks: a list known to use few enough blocks stays
+     * under the rule too, however many segments decode steps split it into
+     * (the rebuild is a pass over every segment of every list). */
+    int under_rule = ly->nsegs + nevict <= limit ||
+                     (ly->blocks_at_most != SEQ_BLOCKS_UNKNOWN && ly->blocks_at_most <= limit);
+    if (under_rule && !tail_unused)
         return list_cut_in_place(s, ly, tier, n, nevict, epoch, changed);
     return list_cut_rebuild(s, ly, tier, n, nevict, epoch, changed);
 }

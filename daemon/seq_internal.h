@@ -34,7 +34,15 @@ typedef struct seq_list {
     /* A step left a whole quantised block's worth of tokens decided
      * quantised but stored at full precision, for seq_demote_plan. */
     uint8_t demote_due;
+    /* At least as many blocks as the segments use (list_grow counts each it
+     * takes, list_cut_rebuild counts them all), or SEQ_BLOCKS_UNKNOWN after
+     * anything else rewrote the segments. While it is under list_compact's
+     * rule, no compaction can be due and an eviction cuts in place
+     * (seq_apply.c list_apply_evictions), however split the segments are. */
+    uint32_t blocks_at_most;
 } seq_list;
+
+#define SEQ_BLOCKS_UNKNOWN UINT32_MAX
 
 /* Whether a victim is stored in the remote tier (seq.h SEQ_REMOTE_BLOCK:
  * its block names a spilled part, not a pool block; a sketch victim's is

@@ -117,6 +117,7 @@ void list_free_blocks(seq_list *ly, pool *p)
             pool_free_block(p, b[j]);
     }
     ly->nsegs = ly->noffloaded = 0;
+    ly->blocks_at_most = 0;
     /* A tail block whose every token was evicted is retired, not in segs. */
 }
 
@@ -197,6 +198,7 @@ int list_encode(seq_list *ly, const tier_token *tok, uint32_t n)
         ly->seg_tier[out++] = tok[i].tier;
     }
     ly->nsegs = out;
+    ly->blocks_at_most = SEQ_BLOCKS_UNKNOWN; /* not counted: no marks here */
     return 0;
 }
 
@@ -223,6 +225,8 @@ int list_take_slot(seq *s, seq_list *ly, tier_token *out)
             return -1;
         ly->tail_next_slot = 0;
         ly->has_tail = 1;
+        if (ly->blocks_at_most != SEQ_BLOCKS_UNKNOWN)
+            ly->blocks_at_most++;
     }
     *out = (tier_token){ly->tail_block, ly->tail_next_slot++, POLICY_FULL};
     return 0;
@@ -339,6 +343,8 @@ size_t list_grow(seq *s, seq_list *ly, uint32_t count, kv_segment *writes)
             pool_alloc_block(s->pool, &ly->tail_block); /* checked by the caller */
             ly->tail_next_slot = 0;
             ly->has_tail = 1;
+            if (ly->blocks_at_most != SEQ_BLOCKS_UNKNOWN)
+                ly->blocks_at_most++;
         }
         uint32_t n = bt - ly->tail_next_slot;
         if (n > count)

@@ -226,8 +226,39 @@ static float *list_read(fx *f, uint32_t l, uint32_t k, seq_list_view *v, uint8_t
 /* Every token of the list reads back what was written for its position
  * (list_read; quantised ones within the bound of `rounds` quantisations).
  * Returns the quantised tokens. */
+static int cmp_u32(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* The list's blocks_at_most, when known, is at least the distinct blocks
+ * its segments use (seq_internal.h: an eviction trusts it to rule out a
+ * due compaction). */
+static void check_blocks_bound(fx *f, uint32_t l, uint32_t k)
+{
+    const seq_list *ly = seq_list_at(f->s, l, k);
+    if (ly->blocks_at_most == SEQ_BLOCKS_UNKNOWN || ly->nsegs == 0)
+        return;
+    uint32_t *b = malloc(ly->nsegs * sizeof *b);
+    assert_non_null(b);
+    size_t n = 0;
+    for (size_t i = 0; i < ly->nsegs; i++)
+        if (ly->seg_tier[i] != POLICY_SKETCH)
+            b[n++] = ly->segs[i].block;
+    qsort(b, n, sizeof *b, cmp_u32);
+    uint32_t distinct = 0;
+    for (size_t i = 0; i < n; i++)
+        distinct += i == 0 || b[i] != b[i - 1];
+    free(b);
+    if (distinct > ly->blocks_at_most)
+        fail_msg("layer %u list %u: segments use %u blocks, blocks_at_most says %u", l, k, distinct,
+                 ly->blocks_at_most);
+}
+
 static uint32_t check_list_rounds(fx *f, uint32_t l, uint32_t k, int rounds)
 {
+    check_blocks_bound(f, l, k);
     seq_list_view v;
     uint8_t *tier;
     float *kv = list_read(f, l, k, &v, &tier);
