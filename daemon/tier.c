@@ -16,6 +16,8 @@ int tier_ctx_init(tier_ctx *c, const kv_ops *ops, uint8_t *base, size_t block_by
     c->l4.block_tokens = kv_lowbit_tokens_per_block(l, 4);
     c->l2.block_tokens = kv_lowbit_tokens_per_block(l, 2);
     c->dtype = dtype;
+    c->copy_chunk = TIER_COPY_CHUNK_BYTES / tier_token_bytes(c);
+    c->copy_chunk = c->copy_chunk > 0 ? c->copy_chunk : 1;
     return c->l8.block_tokens > 0 ? 0 : -1;
 }
 
@@ -91,17 +93,42 @@ static int quant_quantize(const tier_ctx *c, uint8_t t, const kv_layout *ql, con
                                    &zero, 1);
 }
 
+/* Device staging that a read keeps between calls (tier_copy reads a chunk
+ * at a time): grown on demand, given back by read_stage_free. */
+typedef struct read_stage {
+    uint8_t *quant; /* blocks of a quantised tier's layout, dequantised */
+    size_t quant_bytes;
+    uint8_t *mixed; /* each tier class's tokens, before they are interleaved */
+    size_t mixed_bytes;
+} read_stage;
+
+static uint8_t *read_stage_get(const tier_ctx *c, uint8_t **buf, size_t *have, size_t bytes)
+{
+    if (*have >= bytes)
+        return *buf;
+    c->ops->free(*buf);
+    *buf = c->ops->alloc(bytes);
+    *have = *buf != NULL ? bytes : 0;
+    return *buf;
+}
+
+static void read_stage_free(const tier_ctx *c, read_stage *rs)
+{
+    c->ops->free(rs->quant);
+    c->ops->free(rs->mixed);
+}
+
 /* Dequantise the tokens of tok in quantised tier t (in order) into
- * contiguous k, v of m tokens (device memory), through a staging pool of
- * that tier's blocks. */
+ * contiguous k, v of m tokens (device memory), through rs's staging blocks
+ * of that tier. */
 static int read_quantised(const tier_ctx *c, uint8_t t, const tier_token *tok, size_t n, size_t m,
-                          uint8_t *k, uint8_t *v)
+                          uint8_t *k, uint8_t *v, read_stage *rs)
 {
     const kv_ops *ops = c->ops;
     const kv_layout *ql = tier_layout(c, t);
     uint32_t tq = ql->block_tokens;
     size_t nblocks = (m + tq - 1) / tq, bbq = kv_block_bytes(ql);
-    uint8_t *stage = ops->alloc(nblocks * bbq);
+    uint8_t *stage = read_stage_get(c, &rs->quant, &rs->quant_bytes, nblocks * bbq);
     kv_segment *dst = malloc(m * sizeof *dst);
     int rc = stage != NULL && dst != NULL ? 0 : -1;
     /* One call per run of consecutive slots of one quantised block (a pool
@@ -126,7 +153,6 @@ static int read_quantised(const tier_ctx *c, uint8_t t, const tier_token *tok, s
     }
     if (rc == 0)
         rc = ops->gather(ql, stage, dst, m, k, v);
-    ops->free(stage);
     free(dst);
     return rc;
 }
@@ -134,10 +160,10 @@ static int read_quantised(const tier_ctx *c, uint8_t t, const tier_token *tok, s
 /* The tokens of tier class t (POLICY_FULL or a quantised tier) of tok into
  * contiguous k, v of m tokens. */
 static int read_tier(const tier_ctx *c, uint8_t t, const tier_token *tok, size_t n, size_t m,
-                     uint8_t *k, uint8_t *v)
+                     uint8_t *k, uint8_t *v, read_stage *rs)
 {
     if (t != POLICY_FULL)
-        return read_quantised(c, t, tok, n, m, k, v);
+        return read_quantised(c, t, tok, n, m, k, v, rs);
     kv_segment *sf = malloc((m ? m : 1) * sizeof *sf);
     if (sf == NULL)
         return -1;
@@ -192,7 +218,9 @@ static int interleave(const tier_ctx *c, const tier_token *tok, size_t n, uint8_
     return rc;
 }
 
-int tier_read(const tier_ctx *c, const tier_token *tok, size_t n, uint8_t *k, uint8_t *v)
+/* tier_read through rs's staging. */
+static int read_staged(const tier_ctx *c, const tier_token *tok, size_t n, uint8_t *k, uint8_t *v,
+                       read_stage *rs)
 {
     size_t count[READ_TIERS] = {0}, kinds = 0, only = 0;
     for (size_t i = 0; i < n; i++)
@@ -203,9 +231,10 @@ int tier_read(const tier_ctx *c, const tier_token *tok, size_t n, uint8_t *k, ui
     if (kinds <= 1 && only == 0)
         return read_full(c, tok, n, k, v);
     if (kinds == 1)
-        return read_quantised(c, read_tiers[only], tok, n, n, k, v);
+        return read_quantised(c, read_tiers[only], tok, n, n, k, v, rs);
     size_t half = tier_token_bytes(c) / 2;
-    uint8_t *buf = tier_stage_alloc(c, n), *kc[READ_TIERS], *vc[READ_TIERS];
+    uint8_t *buf = read_stage_get(c, &rs->mixed, &rs->mixed_bytes, n * tier_token_bytes(c));
+    uint8_t *kc[READ_TIERS], *vc[READ_TIERS];
     int rc = buf != NULL ? 0 : -1;
     uint8_t *at = buf;
     for (size_t t = 0; t < READ_TIERS; t++) {
@@ -213,11 +242,16 @@ int tier_read(const tier_ctx *c, const tier_token *tok, size_t n, uint8_t *k, ui
         vc[t] = at + count[t] * half;
         at += 2 * count[t] * half;
         if (rc == 0 && count[t] > 0)
-            rc = read_tier(c, read_tiers[t], tok, n, count[t], kc[t], vc[t]);
+            rc = read_tier(c, read_tiers[t], tok, n, count[t], kc[t], vc[t], rs);
     }
-    if (rc == 0)
-        rc = interleave(c, tok, n, kc, vc, count, k, v);
-    tier_stage_free(c, buf);
+    return rc == 0 ? interleave(c, tok, n, kc, vc, count, k, v) : rc;
+}
+
+int tier_read(const tier_ctx *c, const tier_token *tok, size_t n, uint8_t *k, uint8_t *v)
+{
+    read_stage rs = {0};
+    int rc = read_staged(c, tok, n, k, v, &rs);
+    read_stage_free(c, &rs);
     return rc;
 }
 
@@ -236,12 +270,18 @@ int tier_copy(const tier_ctx *c, const tier_token *src, size_t n, const tier_tok
         free(to);
         return rc;
     }
-    size_t half = n * tier_token_bytes(c) / 2;
-    uint8_t *k = tier_stage_alloc(c, n);
-    int rc = k != NULL ? tier_read(c, src, n, k, k + half) : -1;
-    if (rc == 0)
-        rc = tier_write(c, dst, n, k, k + half);
+    size_t tb = tier_token_bytes(c), chunk = c->copy_chunk < n ? c->copy_chunk : n;
+    read_stage rs = {0};
+    uint8_t *k = tier_stage_alloc(c, chunk);
+    int rc = k != NULL ? 0 : -1;
+    for (size_t a = 0; rc == 0 && a < n; a += chunk) {
+        size_t cnt = n - a < chunk ? n - a : chunk, half = cnt * tb / 2;
+        rc = read_staged(c, src + a, cnt, k, k + half, &rs);
+        if (rc == 0)
+            rc = tier_write(c, dst + a, cnt, k, k + half);
+    }
     tier_stage_free(c, k);
+    read_stage_free(c, &rs);
     return rc;
 }
 

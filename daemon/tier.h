@@ -48,10 +48,20 @@ typedef struct tier_ctx {
     kv_layout l8;       /* l with block_tokens = INT8 tokens per pool block */
     kv_layout l4, l2;   /* the same for INT4 and INT2 (0 tokens: none fits) */
     kv_dtype dtype;
+    /* Tokens tier_copy stages at a time (tier_ctx_init: what
+     * TIER_COPY_CHUNK_BYTES of them take, at least 1). */
+    size_t copy_chunk;
 } tier_ctx;
 
-/* Fill l8, l4 and l2 from l; returns -1 when not even one INT8 token fits
- * in a block. */
+/* What tier_copy stages at a time: its staging (the contiguous copy, and
+ * as much again of dequantised blocks) stays in a core's cache, so that a
+ * long copy reads its sources and writes its slots once from memory
+ * instead of four times, and reuses its staging instead of taking fresh
+ * pages. */
+#define TIER_COPY_CHUNK_BYTES (512u << 10)
+
+/* Fill l8, l4 and l2 from l, and copy_chunk; returns -1 when not even one
+ * INT8 token fits in a block. */
 int tier_ctx_init(tier_ctx *c, const kv_ops *ops, uint8_t *base, size_t block_bytes,
                   const kv_layout *l, kv_dtype dtype);
 
@@ -76,8 +86,9 @@ void tier_stage_free(const tier_ctx *c, uint8_t *stage);
 int tier_read(const tier_ctx *c, const tier_token *tok, size_t n, uint8_t *k, uint8_t *v);
 
 /* Copy n FULL or quantised tokens into FULL slots dst (distinct from src):
- * full-precision ones pool to pool (kv_copy_tokens), quantised ones
- * dequantised through a staging copy. Returns 0, or -1 out of memory. */
+ * full-precision ones pool to pool (kv_copy_tokens); a list with quantised
+ * ones is read into staging and written out copy_chunk tokens at a time
+ * (quantised ones dequantised). Returns 0, or -1 out of memory. */
 int tier_copy(const tier_ctx *c, const tier_token *src, size_t n, const tier_token *dst);
 
 /* Write n contiguous staged tokens into FULL slots (kv_scatter). */

@@ -377,6 +377,84 @@ static void test_lowbit_tiers_mixed(void **state)
     free(tok2);
 }
 
+/*
+ * tier_copy of a long list stages copy_chunk tokens at a time: a list of
+ * INT8, INT4 and full-precision tokens, out of order, copied with chunks
+ * of 1, 3, 7 and 100 tokens (chunks that cut quantised runs, chunks of one
+ * tier and of several, a last partial chunk, one chunk for all), and with
+ * the default: every slot holds what tier_read gives for its source (the
+ * dequantised values, full-precision tokens exactly), and no slot outside
+ * the destination's changes.
+ */
+static void test_copy_in_chunks(void **state)
+{
+    fixture *f = *state;
+    uint32_t t8 = f->c.l8.block_tokens, t4 = tier_block_tokens(&f->c, POLICY_INT4);
+    size_t n8 = t8 + 9, n4 = 11, tb = tier_token_bytes(&f->c);
+    const uint32_t q8[2] = {5, 6}, q4[1] = {7};
+    uint8_t *in8 = staged_tokens(f, n8), *in4 = staged_tokens(f, n4), *fin = staged_tokens(f, 20);
+    tier_token *s8 = full_tokens(f, 0, in8, n8), *s4 = full_tokens(f, 0, in4, n4);
+    assert_int_equal(tier_quantize(&f->c, POLICY_INT8, s8, n8, q8, 2), 0);
+    assert_int_equal(tier_quantize(&f->c, POLICY_INT4, s4, n4, q4, 1), 0);
+    free(s4);
+    tier_token *full = full_tokens(f, 8, fin, 20); /* blocks 8, 9 */
+    /* Sources: INT8 runs across its two blocks, INT4 runs, full tokens and
+     * single tokens between them. */
+    enum { N = 75 };
+    tier_token src[N], dst[N];
+    size_t n = 0;
+    for (size_t i = 40; i < n8; i++) /* the end of INT8 block 5, all of block 6 */
+        src[n++] = (tier_token){q8[i / t8], (uint32_t)(i % t8), POLICY_INT8};
+    for (size_t i = 0; i < 6; i++)
+        src[n++] = full[i];
+    for (size_t i = 0; i < n4; i++)
+        src[n++] = (tier_token){q4[0], (uint32_t)i, POLICY_INT4};
+    for (size_t i = 0; n < N; i++) {
+        src[n++] = (tier_token){q8[(3 * i) / t8], (uint32_t)((3 * i) % t8), POLICY_INT8};
+        if (n < N)
+            src[n++] = full[6 + i % 14];
+    }
+    (void)t4;
+    size_t half = N * tb / 2, bb = f->c.block_bytes;
+    uint8_t *want = tier_stage_alloc(&f->c, N), *got = tier_stage_alloc(&f->c, N);
+    assert_int_equal(tier_read(&f->c, src, N, want, want + half), 0);
+    uint8_t *before = malloc(NBLOCKS * bb);
+    const size_t chunks[] = {1, 3, 7, 100, f->c.copy_chunk};
+    for (size_t k = 0; k < sizeof chunks / sizeof *chunks; k++) {
+        /* Destinations: slots of blocks 10..14, backwards. */
+        for (size_t i = 0; i < N; i++) {
+            size_t s = N - 1 - i;
+            dst[i] = (tier_token){10 + (uint32_t)(s / 16), (uint32_t)(s % 16), POLICY_FULL};
+        }
+        memset(f->arena + 10 * bb, 0, 5 * bb);
+        memcpy(before, f->arena, NBLOCKS * bb);
+        tier_ctx c = f->c;
+        c.copy_chunk = chunks[k];
+        assert_int_equal(tier_copy(&c, src, N, dst), 0);
+        memset(got, 0, 2 * half);
+        assert_int_equal(tier_read(&f->c, dst, N, got, got + half), 0);
+        if (memcmp(got, want, 2 * half) != 0)
+            fail_msg("chunks of %zu: the copies differ from their sources' values", chunks[k]);
+        /* Only the destination slots changed. */
+        for (size_t i = 0; i < N; i++)
+            for (uint32_t h = 0; h < layout.kv_heads; h++) {
+                size_t off = kv_key_offset(&layout, dst[i].block, h, dst[i].slot);
+                memcpy(before + off, f->arena + off, f->row);
+                memcpy(before + off + bb / 2, f->arena + off + bb / 2, f->row);
+            }
+        assert_memory_equal(before, f->arena, NBLOCKS * bb);
+    }
+    assert_true(f->c.copy_chunk >= N); /* 512 KiB of 128-byte tokens */
+    free(before);
+    free(s8);
+    free(full);
+    tier_stage_free(&f->c, want);
+    tier_stage_free(&f->c, got);
+    tier_stage_free(&f->c, in8);
+    tier_stage_free(&f->c, in4);
+    tier_stage_free(&f->c, fin);
+}
+
 static int sketch_cells_zero(const tier_sketch *s, double tol)
 {
     size_t cells = (size_t)s->sk.rows * s->sk.buckets;
@@ -498,6 +576,7 @@ int main(void)
         cmocka_unit_test(test_error_sample),
         cmocka_unit_test_setup_teardown(test_quantize_read_within_bound, setup, teardown),
         cmocka_unit_test_setup_teardown(test_lowbit_tiers_mixed, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_copy_in_chunks, setup, teardown),
         cmocka_unit_test_setup_teardown(test_sketch_exact_with_enough_buckets, setup, teardown),
         cmocka_unit_test_setup_teardown(test_sketch_shared_cell_estimates, setup, teardown),
     };
