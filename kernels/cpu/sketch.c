@@ -7,7 +7,8 @@
  * the per-row estimates are computed across channels before the median.
  * Every cell element still receives its additions in token order, and the
  * median is the result of the same insertion sort (written out as selects
- * for 1, 2 and 3 rows), so even the sign of a zero matches the reference.
+ * for 1, 2 and 3 rows; three, the default, fused with the estimates), so
+ * even the sign of a zero matches the reference.
  *
  * Insert splits over channels and query over tokens (parallel.h); revive
  * runs on the calling thread, because a token's estimate depends on every
@@ -94,7 +95,8 @@ void KV_FAST(kv_sketch_insert)(kv_sketch *sk, const kv_layout *l, kv_dtype t, co
 /* ---- query / revive ---- */
 
 /* The lower median of rows estimates est[0..rows)[c], c < w, into out:
- * exactly the insertion sort of sketch_ref.c. */
+ * exactly the insertion sort of sketch_ref.c (three rows take
+ * median3_estimates). */
 static void median_rows(float est[][QCHUNK], uint32_t rows, uint32_t w, float *out)
 {
     if (rows == 1) {
@@ -102,12 +104,6 @@ static void median_rows(float est[][QCHUNK], uint32_t rows, uint32_t w, float *o
     } else if (rows == 2) {
         for (uint32_t c = 0; c < w; c++)
             out[c] = est[0][c] > est[1][c] ? est[1][c] : est[0][c];
-    } else if (rows == 3) {
-        for (uint32_t c = 0; c < w; c++) {
-            float a = est[0][c], b = est[1][c], x = est[2][c];
-            float lo = a > b ? b : a, hi = a > b ? a : b;
-            out[c] = hi > x ? (lo > x ? lo : x) : hi;
-        }
     } else {
         for (uint32_t c = 0; c < w; c++) {
             float v[KV_SKETCH_MAX_ROWS] = {0};
@@ -153,6 +149,57 @@ static void row_estimates(const kv_sketch *sk, const float *cells, const uint32_
     }
 }
 
+/* Three rows, the default: each channel's three estimates and their median
+ * in one pass, without est[] (the same operations as row_estimates and
+ * median_rows: a key's estimate is x or x / count, a value's x·g or
+ * (x·g) / count; multiplying by g = ±1 and dividing by 1 are exact, so a
+ * row that does not divide is computed as one that divides by 1). */
+static void median3_estimates(const kv_sketch *sk, const float *cells, const uint32_t *h,
+                              const int8_t *g, kv_estimate est_mode, size_t c0, uint32_t w,
+                              float *out)
+{
+    const float *x[3];
+    float gi[3], d[3];
+    int divides = 0;
+    for (uint32_t i = 0; i < 3; i++) {
+        size_t cell = (size_t)i * sk->buckets + h[i];
+        int32_t cnt = sk->count[cell];
+        int divide = est_mode == KV_ESTIMATE_MEAN && cnt > 0;
+        x[i] = cells + cell * sk->dim + c0;
+        gi[i] = g != NULL ? (float)g[i] : 1.0f;
+        d[i] = divide ? (float)cnt : 1.0f;
+        divides |= divide;
+    }
+    const float *restrict x0 = x[0], *restrict x1 = x[1], *restrict x2 = x[2];
+    if (!divides) {
+        for (uint32_t c = 0; c < w; c++) {
+            float a = x0[c] * gi[0], b = x1[c] * gi[1], e = x2[c] * gi[2];
+            float lo = a > b ? b : a, hi = a > b ? a : b;
+            out[c] = hi > e ? (lo > e ? lo : e) : hi;
+        }
+        return;
+    }
+    for (uint32_t c = 0; c < w; c++) {
+        float a = (x0[c] * gi[0]) / d[0], b = (x1[c] * gi[1]) / d[1], e = (x2[c] * gi[2]) / d[2];
+        float lo = a > b ? b : a, hi = a > b ? a : b;
+        out[c] = hi > e ? (lo > e ? lo : e) : hi;
+    }
+}
+
+/* The median of the rows' estimates of channels [c0, c0 + w) of one half
+ * (g NULL: keys) into out. */
+static void estimate_median(const kv_sketch *sk, const float *cells, const uint32_t *h,
+                            const int8_t *g, kv_estimate est_mode, size_t c0, uint32_t w,
+                            float est[][QCHUNK], float *out)
+{
+    if (sk->rows == 3) {
+        median3_estimates(sk, cells, h, g, est_mode, c0, w, out);
+        return;
+    }
+    row_estimates(sk, cells, h, g, est_mode, c0, w, est);
+    median_rows(est, sk->rows, w, out);
+}
+
 /* One token: estimates of every channel, stored in (blk, slot) unless pool
  * is NULL, and with del subtracted from the cells, then counts - 1. */
 static void query_token(kv_sketch *sk, const uint32_t *h, const int8_t *g, const kv_layout *l,
@@ -170,10 +217,8 @@ static void query_token(kv_sketch *sk, const uint32_t *h, const int8_t *g, const
         }
         if (w > sk->dim - c0)
             w = (uint32_t)(sk->dim - c0);
-        row_estimates(sk, sk->key, h, NULL, sk->key_estimate, c0, w, est);
-        median_rows(est, sk->rows, w, ke);
-        row_estimates(sk, sk->value, h, g, sk->value_estimate, c0, w, est);
-        median_rows(est, sk->rows, w, ve);
+        estimate_median(sk, sk->key, h, NULL, sk->key_estimate, c0, w, est, ke);
+        estimate_median(sk, sk->value, h, g, sk->value_estimate, c0, w, est, ve);
         if (pool != NULL) {
             uint8_t *row = pool + kv_key_offset(l, blk, head, slot) + (size_t)j0 * l->elt_size;
             kv_row_store(row, t, w, ke);
