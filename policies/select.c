@@ -105,13 +105,14 @@ static void nth(uint64_t *a, size_t n, size_t t)
     }
 }
 
-/* Keep the keys in [lo, hi] at the front, in place; returns how many. */
-static size_t compact_scalar(uint64_t *keys, size_t n, uint64_t lo, uint64_t hi)
+/* Copy the keys of src[0..n) in [lo, hi] to dst, in order; returns how
+ * many. dst may be src or before it. */
+static size_t compact_scalar(uint64_t *dst, const uint64_t *src, size_t n, uint64_t lo, uint64_t hi)
 {
     size_t m = 0;
     for (size_t i = 0; i < n; i++) {
-        uint64_t x = keys[i];
-        keys[m] = x; /* m <= i: never ahead of the reads */
+        uint64_t x = src[i];
+        dst[m] = x; /* dst + m <= src + i: never ahead of the reads */
         m += (x >= lo) & (x <= hi);
     }
     return m;
@@ -152,24 +153,21 @@ __attribute__((target("avx2"))) static size_t compact_avx2(uint64_t *keys, size_
         _mm256_storeu_si256((__m256i *)(keys + m), _mm256_permutevar8x32_epi32(x, perm));
         m += (size_t)__builtin_popcount(mask);
     }
-    for (; i < n; i++) {
-        uint64_t x = keys[i];
-        keys[m] = x;
-        m += (x >= lo) & (x <= hi);
-    }
-    return m;
+    return m + compact_scalar(keys + m, keys + i, n - i, lo, hi);
 }
 
+/* Keep the keys in [lo, hi] at the front, in place; returns how many. */
 static size_t compact(uint64_t *keys, size_t n, uint64_t lo, uint64_t hi)
 {
     if (__builtin_cpu_supports("avx2"))
         return compact_avx2(keys, n, lo, hi);
-    return compact_scalar(keys, n, lo, hi);
+    return compact_scalar(keys, keys, n, lo, hi);
 }
 #else
+/* Keep the keys in [lo, hi] at the front, in place; returns how many. */
 static size_t compact(uint64_t *keys, size_t n, uint64_t lo, uint64_t hi)
 {
-    return compact_scalar(keys, n, lo, hi);
+    return compact_scalar(keys, keys, n, lo, hi);
 }
 #endif
 

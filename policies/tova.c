@@ -124,8 +124,9 @@ POLICY_HOT static double mean_over_heads(const float *const *rows, uint32_t head
             acc[i] = 0.0;
         for (uint32_t h = 0; h < heads; h++) {
             const float *restrict row = rows[h] + b;
-            for (uint32_t i = 0; i < m; i += 16) /* this row's next block */
-                __builtin_prefetch(row + MEAN_BLOCK + i);
+            uint32_t ahead = n - b - m < MEAN_BLOCK ? n - b - m : MEAN_BLOCK;
+            for (uint32_t i = 0; i < ahead; i += 16) /* this row's next block */
+                __builtin_prefetch(row + m + i);
             for (uint32_t i = 0; i < m; i++)
                 acc[i] += (double)row[i];
         }
