@@ -44,6 +44,7 @@ status_code seq_create(uint64_t id, uint64_t session_id, pool *pool, const polic
         s->list_layout.kv_heads = 1;
     }
     s->block_slots = s->list_layout.block_tokens;
+    s->compact_budget = SEQ_COMPACT_TOKENS;
     if (tier_ctx_init(&s->tier, pool->backend->ops, pool->base, pool->block_bytes, &s->list_layout,
                       (kv_dtype)pool->geom.dtype) != 0) {
         free(s);

@@ -419,13 +419,27 @@ static uint32_t compact_slack(uint32_t need)
     return need / 16 > 1 ? need / 16 : 1;
 }
 
+/* Append run g to segs[0..n), joined to the last segment when it
+ * continues it, as list_encode joins tokens; returns the new count. */
+static size_t runs_push(kv_segment *segs, size_t n, kv_segment g)
+{
+    kv_segment *last = n > 0 ? &segs[n - 1] : NULL;
+    if (last != NULL && last->block == g.block && last->first_slot + last->count == g.first_slot) {
+        last->count += g.count;
+        return n;
+    }
+    segs[n] = g;
+    return n + 1;
+}
+
 /*
  * seq_internal.h. Conf-KV's contiguous compaction, for any token-level eviction: when the
  * full-precision survivors are spread over more blocks than they fill plus
  * compact_slack(), copy them in list order into fresh blocks
  * (kv_copy_tokens), so that evicting tokens really gives memory back; the
  * old blocks are retired by the caller. Skipped, harmlessly, when the pool
- * lacks the blocks.
+ * lacks the blocks, or left to a later call when this one has copied
+ * its budget already (SEQ_COMPACT_TOKENS).
  */
 int list_compact(seq *s, seq_list *ly, tier_token *kept, uint32_t n)
 {
@@ -433,40 +447,42 @@ int list_compact(seq *s, seq_list *ly, tier_token *kept, uint32_t n)
     for (uint32_t i = 0; i < n; i++)
         nfull += kept[i].tier == POLICY_FULL;
     uint32_t need = (nfull + slots - 1) / slots;
-    if (need == 0 || need > s->pool->nfree || full_blocks(s, kept, n) <= need + compact_slack(need))
+    if (need == 0 || need > s->pool->nfree ||
+        (s->compacted > 0 && s->compacted + nfull > s->compact_budget) ||
+        full_blocks(s, kept, n) <= need + compact_slack(need))
         return 0;
-    kv_segment *src = malloc(nfull * sizeof *src), *dst = malloc(nfull * sizeof *dst);
-    if (src == NULL || dst == NULL) {
-        free(src);
-        free(dst);
-        return -1;
-    }
-    uint32_t blk = 0;
-    for (uint32_t i = 0, j = 0; i < n; i++) {
+    /* The copy in runs, as long as both sides allow: one token at a time
+     * is a memcpy of a head's row per call. */
+    kv_segment *src = malloc(nfull * sizeof *src), *dst = malloc(need * sizeof *dst);
+    uint32_t *blocks = malloc(need * sizeof *blocks);
+    int rc = src != NULL && dst != NULL && blocks != NULL ? 0 : -1;
+    size_t nsrc = 0, ndst = 0;
+    for (uint32_t i = 0, j = 0; rc == 0 && i < n; i++) {
         if (kept[i].tier != POLICY_FULL)
             continue;
         if (j % slots == 0)
-            pool_alloc_block(s->pool, &blk); /* checked above */
-        src[j] = (kv_segment){kept[i].block, kept[i].slot, 1};
-        dst[j] = (kv_segment){blk, j % slots, 1};
+            pool_alloc_block(s->pool, &blocks[j / slots]); /* checked above */
+        nsrc = runs_push(src, nsrc, (kv_segment){kept[i].block, kept[i].slot, 1});
+        ndst = runs_push(dst, ndst, (kv_segment){blocks[j / slots], j % slots, 1});
         j++;
     }
-    if (s->tier.ops->copy_tokens(&s->list_layout, s->pool->base, src, nfull, dst, nfull) != 0) {
-        free(src);
-        free(dst);
-        return -1;
-    }
-    for (uint32_t i = 0, j = 0; i < n; i++)
+    if (rc == 0)
+        rc = s->tier.ops->copy_tokens(&s->list_layout, s->pool->base, src, nsrc, dst, ndst);
+    for (uint32_t i = 0, j = 0; rc == 0 && i < n; i++)
         if (kept[i].tier == POLICY_FULL) {
-            kept[i] = (tier_token){dst[j].block, dst[j].first_slot, POLICY_FULL};
+            kept[i] = (tier_token){blocks[j / slots], j % slots, POLICY_FULL};
             j++;
         }
-    ly->tail_block = blk;
-    ly->tail_next_slot = (nfull - 1) % slots + 1;
-    ly->has_tail = 1;
+    if (rc == 0) {
+        s->compacted += nfull;
+        ly->tail_block = blocks[need - 1];
+        ly->tail_next_slot = (nfull - 1) % slots + 1;
+        ly->has_tail = 1;
+    }
     free(src);
     free(dst);
-    return 0;
+    free(blocks);
+    return rc;
 }
 
 /* list_retire_unused with the blocks used after already marked (the caller
@@ -574,19 +590,6 @@ static int list_apply(seq *s, uint32_t l, uint32_t k, tier_token *tok, const pol
                                 epoch);
     free(scratch);
     return rc;
-}
-
-/* Append run g to segs[0..n), joined to the last segment when it
- * continues it, as list_encode joins tokens; returns the new count. */
-static size_t runs_push(kv_segment *segs, size_t n, kv_segment g)
-{
-    kv_segment *last = n > 0 ? &segs[n - 1] : NULL;
-    if (last != NULL && last->block == g.block && last->first_slot + last->count == g.first_slot) {
-        last->count += g.count;
-        return n;
-    }
-    segs[n] = g;
-    return n + 1;
 }
 
 /* ---- the step's cuts, for its answer (seq.h seq_step_cuts) ---------------- */

@@ -115,9 +115,11 @@ typedef struct seq {
     snapshot_tiers report;        /* seq_tier_report */
     seq_txn txn;
     seq_cut_log cuts;
-    size_t sketch_reserved; /* daemon memory the store reserved for the sketches (seq.h) */
-    int demote_after_step;  /* seq.h seq_set_demote_after_step */
-    int stepping;           /* inside seq_step (not an Append's step, nor an operator's move) */
+    size_t sketch_reserved;  /* daemon memory the store reserved for the sketches (seq.h) */
+    int demote_after_step;   /* seq.h seq_set_demote_after_step */
+    int stepping;            /* inside seq_step (not an Append's step, nor an operator's move) */
+    uint64_t compacted;      /* tokens list_compact copied in this call (seq_begin: 0) */
+    uint64_t compact_budget; /* and may copy beyond its first list (SEQ_COMPACT_TOKENS) */
     /* The remote tier (seq.h "Spilling victims"): the uid of its keys ("" until
      * the first spill), the parts ever planned (numbered 0 .. spill_parts-1,
      * some never written), the victims now stored there. */
@@ -125,6 +127,14 @@ typedef struct seq {
     uint32_t spill_parts;
     uint64_t spilled_tokens, spilled_blocks, spilled_bytes;
 } seq;
+
+/* Tokens a call's compactions copy, beyond its first list
+ * (seq_apply.c list_compact): the lists of a sequence evict in step, so they
+ * come due at the same step, and copying all of them there (a whole
+ * 32-layer context at once) stalled that step for hundreds of
+ * milliseconds; a list over the budget is compacted at a later call
+ * instead, its slack exceeded meanwhile by a block or two. */
+#define SEQ_COMPACT_TOKENS 4096u
 
 static inline size_t seq_nlists(const seq *s)
 {

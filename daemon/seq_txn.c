@@ -77,6 +77,7 @@ void seq_begin(seq *s)
     t->report_requantized = s->report.requantized;
     t->report_victims_dropped = s->report.victims_dropped;
     t->report_nobs = s->report.nobs;
+    s->compacted = 0;
     pool_savepoint(s->pool);
     policy_host_begin(s->host);
 }

@@ -1627,9 +1627,9 @@ static void check_cut_list(fx *f, uint32_t l, const list_slots *before, int had_
  * a list. Counts the steps that evicted in place and those that compacted.
  */
 static void follow_evictions(fx *f, uint32_t append_n, uint32_t positions, int by_position,
-                             uint32_t *in_place, uint32_t *compacted)
+                             uint32_t *in_place, uint32_t *compacted, uint32_t *most_at_once)
 {
-    *in_place = *compacted = 0;
+    *in_place = *compacted = *most_at_once = 0;
     list_slots *before = malloc(2 * sizeof *before), *after = malloc(sizeof *after);
     assert_true(before != NULL && after != NULL && positions <= SLOTS_MAX);
     for (uint32_t round = 0; seq_appended(f->s) + append_n <= positions; round++) {
@@ -1659,6 +1659,7 @@ static void follow_evictions(fx *f, uint32_t append_n, uint32_t positions, int b
         if (seq_step(f->s, &in, &evicted, &st) != ST_OK)
             fail_msg("step: %s", st.msg);
         free(data);
+        uint32_t lists_moved = 0;
         for (uint32_t l = 0; l < 2; l++) {
             list_slots_get(f, l, after);
             int moved = 0;
@@ -1668,8 +1669,10 @@ static void follow_evictions(fx *f, uint32_t append_n, uint32_t positions, int b
                              after->slot[p] != before[l].slot[p];
             *in_place += !moved && evicted > 0;
             *compacted += moved;
+            lists_moved += moved;
             check_cut_list(f, l, &before[l], has_tail[l], tail[l], nretired, round);
         }
+        *most_at_once = lists_moved > *most_at_once ? lists_moved : *most_at_once;
         const seq_retired *r;
         size_t nr = seq_retired_blocks(f->s, &r);
         for (size_t i = 0; i < nr; i++)
@@ -1687,10 +1690,34 @@ static void test_evictions_on_the_segments(void **state)
     const char *const kv[] = {"budget", "9", "recent", "3"};
     fx f;
     fx_open(&f, backend_of(state), 64, "h2o", kv, 2);
-    uint32_t in_place, compacted;
-    follow_evictions(&f, 5, 64, 0, &in_place, &compacted);
+    uint32_t in_place, compacted, at_once;
+    follow_evictions(&f, 5, 64, 0, &in_place, &compacted, &at_once);
     assert_true(in_place >= 4); /* steps that evicted and did not compact */
     assert_true(compacted >= 1);
+    fx_close(&f);
+}
+
+/*
+ * A call's compactions copy at most the sequence's budget beyond its first
+ * list (SEQ_COMPACT_TOKENS): the two layers of h2o come due together, and
+ * with the default budget both are compacted in the same step; with a
+ * budget of one token, one list a step, the other at a later step, and
+ * every kept token still reads back its values (follow_evictions).
+ */
+static void test_compactions_spread_over_calls(void **state)
+{
+    const char *const kv[] = {"budget", "40", "recent", "4"};
+    uint32_t in_place, compacted, at_once;
+    fx f;
+    fx_open(&f, backend_of(state), 128, "h2o", kv, 2);
+    follow_evictions(&f, 3, 200, 0, &in_place, &compacted, &at_once);
+    assert_int_equal(at_once, 2);
+    fx_close(&f);
+    fx_open(&f, backend_of(state), 128, "h2o", kv, 2);
+    f.s->compact_budget = 1;
+    follow_evictions(&f, 3, 200, 0, &in_place, &compacted, &at_once);
+    assert_int_equal(at_once, 1);
+    assert_true(compacted >= 3); /* in three steps or more */
     fx_close(&f);
 }
 
@@ -1706,14 +1733,14 @@ static void test_evictions_cut_in_place(void **state)
     const char *const h2o[] = {"budget", "300", "recent", "8"};
     fx f;
     fx_open(&f, backend_of(state), 512, "h2o", h2o, 2);
-    uint32_t in_place, compacted;
-    follow_evictions(&f, 1, 700, 1, &in_place, &compacted);
+    uint32_t in_place, compacted, at_once;
+    follow_evictions(&f, 1, 700, 1, &in_place, &compacted, &at_once);
     assert_true(in_place >= 300);
     assert_true(compacted >= 2);
     fx_close(&f);
     const char *const streaming[] = {"n_sink", "5", "window", "250"};
     fx_open(&f, backend_of(state), 512, "streaming", streaming, 2);
-    follow_evictions(&f, 1, 700, 0, &in_place, &compacted);
+    follow_evictions(&f, 1, 700, 0, &in_place, &compacted, &at_once);
     assert_true(in_place >= 800); /* two layers, 700 - 255 steps that evicted */
     fx_close(&f);
 }
@@ -1823,6 +1850,7 @@ int main(void)
         ON_SHADOW(test_move_sketch_victims),
         cmocka_unit_test(test_evictions_on_the_segments),
         ON_SHADOW(test_evictions_on_the_segments),
+        cmocka_unit_test(test_compactions_spread_over_calls),
         cmocka_unit_test(test_evictions_cut_in_place),
         ON_SHADOW(test_evictions_cut_in_place),
         cmocka_unit_test(test_tova_takes_the_summed_score),
