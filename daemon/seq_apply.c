@@ -432,6 +432,13 @@ static size_t runs_push(kv_segment *segs, size_t n, kv_segment g)
     return n + 1;
 }
 
+/* Whether this call has copied its compaction budget already, so that a
+ * list of nfull full-precision tokens waits for a later call. */
+static int compact_over_budget(const seq *s, uint32_t nfull)
+{
+    return s->compacted > 0 && s->compacted + nfull > s->compact_budget;
+}
+
 /*
  * seq_internal.h. Conf-KV's contiguous compaction, for any token-level eviction: when the
  * full-precision survivors are spread over more blocks than they fill plus
@@ -447,8 +454,7 @@ int list_compact(seq *s, seq_list *ly, tier_token *kept, uint32_t n)
     for (uint32_t i = 0; i < n; i++)
         nfull += kept[i].tier == POLICY_FULL;
     uint32_t need = (nfull + slots - 1) / slots;
-    if (need == 0 || need > s->pool->nfree ||
-        (s->compacted > 0 && s->compacted + nfull > s->compact_budget) ||
+    if (need == 0 || need > s->pool->nfree || compact_over_budget(s, nfull) ||
         full_blocks(s, kept, n) <= need + compact_slack(need))
         return 0;
     /* The copy in runs, as long as both sides allow: one token at a time
@@ -870,9 +876,11 @@ static int list_apply_evictions(seq *s, uint32_t l, uint32_t k, const policy_dec
         ly->has_tail && (ly->nsegs == 0 || ly->segs[ly->nsegs - 1].block != ly->tail_block);
     /* Cuts never add blocks: a list known to use few enough blocks stays
      * under the rule too, however many segments decode steps split it into
-     * (the rebuild is a pass over every segment of every list). */
+     * (the rebuild is a pass over every segment of every list). A list
+     * this call has no budget left to compact is cut in place as well. */
     int under_rule = ly->nsegs + nevict <= limit ||
-                     (ly->blocks_at_most != SEQ_BLOCKS_UNKNOWN && ly->blocks_at_most <= limit);
+                     (ly->blocks_at_most != SEQ_BLOCKS_UNKNOWN && ly->blocks_at_most <= limit) ||
+                     compact_over_budget(s, kept);
     if (under_rule && !tail_unused)
         return list_cut_in_place(s, ly, tier, n, nevict, epoch, changed);
     return list_cut_rebuild(s, ly, tier, n, nevict, epoch, changed);
