@@ -146,6 +146,83 @@ POLICY_HOT static double scores_from_sum(const float *sum, uint32_t n, double *s
     return policy_max(score, n - 1);
 }
 
+/* The worker's summed scores, eight floats at a time (GCC's vector
+ * extension: each clone of POLICY_HOT gets its own width). */
+typedef float sum_vec __attribute__((vector_size(32)));
+typedef int sum_mask __attribute__((vector_size(32)));
+#define SUM_VEC (sizeof(sum_vec) / sizeof(float))
+
+/* One pass over x[0..n), SUM_VEC <= n < 2^31: 1 when every value is
+ * finite, with their maximum, their minimum and the last index holding it
+ * (-0.0 equal to +0.0). Each lane keeps its own minimum and where it last
+ * saw it, so no second pass searches for it. */
+POLICY_HOT static int sum_range(const float *x, size_t n, float *min, size_t *last, float *max)
+{
+    sum_vec lo, hi, v, big = (sum_vec){0} + FLT_MAX;
+    sum_mask ok = (sum_mask){0} - 1, idx, at, step = (sum_mask){0} + (int)SUM_VEC;
+    for (size_t k = 0; k < SUM_VEC; k++)
+        idx[k] = (int)k;
+    at = idx;
+    memcpy(&lo, x, sizeof lo);
+    hi = lo;
+    for (size_t i = 0; i + SUM_VEC <= n; i += SUM_VEC, idx += step) {
+        memcpy(&v, x + i, sizeof v);
+        ok &= (v >= -big) & (v <= big);         /* NaN fails both */
+        sum_mask low = v <= lo, above = v > hi; /* all ones where v wins; ties: the later */
+        lo = (sum_vec)(((sum_mask)v & low) | ((sum_mask)lo & ~low));
+        at = (idx & low) | (at & ~low);
+        hi = (sum_vec)(((sum_mask)v & above) | ((sum_mask)hi & ~above));
+    }
+    int finite = 1;
+    float mn = lo[0], mx = hi[0];
+    for (size_t k = 0; k < SUM_VEC; k++) {
+        finite &= ok[k] != 0;
+        mn = lo[k] < mn ? lo[k] : mn;
+        mx = hi[k] > mx ? hi[k] : mx;
+    }
+    size_t where = 0;
+    for (size_t k = 0; k < SUM_VEC; k++)
+        if (lo[k] == mn && (size_t)at[k] >= where)
+            where = (size_t)at[k];
+    for (size_t i = n / SUM_VEC * SUM_VEC; i < n; i++) {
+        finite &= (x[i] >= -FLT_MAX) & (x[i] <= FLT_MAX);
+        if (x[i] <= mn)
+            mn = x[i], where = i;
+        mx = x[i] > mx ? x[i] : mx;
+    }
+    *min = mn, *last = where, *max = mx;
+    return finite;
+}
+
+/*
+ * A decode step of the summed statistic (one token to evict), from the
+ * sums as they came: the token the padded scores would give (the last
+ * minimum of score[0..n), score[i] = sum[i], score[n - 1] = max + 1), with
+ * their finiteness checked in the same pass, instead of n doubles written
+ * and read again for the max and the minimum. A float converts to double
+ * exactly and in order, so the floats' extremes are the scores'. The
+ * newest token is the minimum only when max + 1 rounds to max and every
+ * other score equals it (beyond 2^53). Returns n when a sum is not finite.
+ */
+static size_t sum_decode_victim(const float *sum, uint32_t n)
+{
+    float min, max;
+    size_t last = 0;
+    if (n - 1 < SUM_VEC || n - 1 > INT32_MAX) { /* outside the vectors' range */
+        if (policy_first_outside(sum, n, -FLT_MAX) < n)
+            return n;
+        min = max = sum[0];
+        for (uint32_t i = 1; i < n - 1; i++) {
+            if (sum[i] <= min)
+                min = sum[i], last = i;
+            max = sum[i] > max ? sum[i] : max;
+        }
+    } else if (!sum_range(sum, n - 1, &min, &last, &max) || !isfinite(sum[n - 1])) {
+        return n;
+    }
+    return (double)max + 1 <= (double)min ? n - 1 : last;
+}
+
 /* The first i with a non-finite s[i], or n. */
 static size_t first_not_finite(const double *s, size_t n)
 {
@@ -193,13 +270,20 @@ static int tova_step(void *state, const policy_layer_view *view, const policy_st
     uint32_t n = view->tokens[0];
     if (n <= st->budget)
         return 0;
+    if (summed && n - st->budget == 1) {
+        size_t victim = sum_decode_victim(stats->score, n);
+        if (victim < n) {
+            d->tier[0][victim] = POLICY_EVICT;
+            return 0;
+        }
+    }
+    /* A sum is checked as it came (4 bytes a token), the mean as computed. */
+    size_t bad = summed ? policy_first_outside(stats->score, n, -FLT_MAX) : n;
     tova_scratch *sc = &st->ly[view->layer];
     if (scratch_reserve(sc, n) != 0) {
         snprintf(err, errlen, "tova: out of memory for %u tokens", n);
         return -1;
     }
-    /* A sum is checked as it came (4 bytes a token), the mean as computed. */
-    size_t bad = summed ? policy_first_outside(stats->score, n, -FLT_MAX) : n;
     double max = summed ? scores_from_sum(stats->score, n, sc->score)
                         : mean_over_heads(stats->last_attn, st->q_heads, n, sc->score);
     bad = summed ? bad : first_not_finite(sc->score, n);

@@ -246,6 +246,91 @@ static void test_property_random(void **unused)
     }
 }
 
+/* One decode step of n tokens (budget n - 1) with the summed statistic
+ * sum[0..n): the evicted index; with one query head the same rows as
+ * last_attn must evict the same token (the mean path, which writes every
+ * score and pads the newest with max + 1). */
+static uint32_t decode_victim(const float *sum, uint32_t n)
+{
+    policy_geometry g = {1, 1, 1, 4, 16, 10000.0f};
+    uint32_t victim[2] = {UINT32_MAX, UINT32_MAX};
+    for (int summed = 0; summed < 2; summed++) {
+        policy_host *h = host_new(n - 1, &g);
+        assert_int_equal(policy_host_append(h, n), 0);
+        policy_stats st = {.new_tokens = n, .confidence = -1, .score_queries = 1};
+        const float *rows[1] = {sum};
+        st.last_attn = summed ? NULL : rows;
+        st.score = summed ? sum : NULL;
+        const policy_decision *d;
+        char err[POLICY_ERR_LEN] = "";
+        if (policy_host_step(h, 0, &st, &d, err, sizeof err) != 0)
+            fail_msg("step: %s", err);
+        for (uint32_t i = 0; i < n; i++)
+            if (d->tier[0][i] == POLICY_EVICT) {
+                assert_int_equal(victim[summed], UINT32_MAX); /* one token */
+                victim[summed] = i;
+            }
+        policy_host_destroy(h);
+    }
+    assert_int_equal(victim[1], victim[0]);
+    return victim[1];
+}
+
+/*
+ * A decode step of the summed statistic reads the sums a block at a time
+ * (tova.c sum_decode_victim): over several blocks, the last of equal
+ * minima wherever they fall (-0.0 equal to +0.0), the newest token only
+ * when max + 1 rounds to max and every score equals it, and on random
+ * lists with ties the token the mean path evicts.
+ */
+static void test_decode_over_blocks(void **unused)
+{
+    (void)unused;
+    enum { N = 1500 };
+    static float sum[N];
+    for (uint32_t i = 0; i < N; i++)
+        sum[i] = 1.0f + (float)(i % 7);
+    sum[3] = sum[700] = sum[1200] = 0.5f; /* blocks 0, 1 and 2 */
+    assert_int_equal(decode_victim(sum, N), 1200);
+    sum[1300] = 0.5f;
+    sum[N - 1] = 0.0f; /* the newest is never the one, however low */
+    assert_int_equal(decode_victim(sum, N), 1300);
+    sum[10] = -0.0f, sum[1000] = 0.0f; /* a -0.0 first, a +0.0 last */
+    assert_int_equal(decode_victim(sum, N), 1000);
+    sum[1000] = 1.0f;
+    assert_int_equal(decode_victim(sum, N), 10);
+    for (uint32_t i = 0; i < N; i++) /* max + 1 == max: the newest ties, last */
+        sum[i] = 1e30f;
+    assert_int_equal(decode_victim(sum, N), N - 1);
+    sum[5] = 1e29f;
+    assert_int_equal(decode_victim(sum, N), 5);
+    /* A sum that is not finite fails the step, naming it, the newest too. */
+    const uint32_t bad_at[3] = {900, N - 1, 2};
+    for (int k = 0; k < 3; k++) {
+        for (uint32_t i = 0; i < N; i++)
+            sum[i] = 1.0f;
+        sum[bad_at[k]] = k == 0 ? NAN : INFINITY;
+        uint32_t n = k == 2 ? 5 : N; /* a list shorter than a vector */
+        policy_geometry g = {1, 1, 1, 4, 16, 10000.0f};
+        policy_host *h = host_new(n - 1, &g);
+        assert_int_equal(policy_host_append(h, n), 0);
+        policy_stats st = {.new_tokens = n, .confidence = -1, .score = sum, .score_queries = 1};
+        const policy_decision *d;
+        char err[POLICY_ERR_LEN] = "", want[64];
+        assert_int_not_equal(policy_host_step(h, 0, &st, &d, err, sizeof err), 0);
+        snprintf(want, sizeof want, "stats.score of token %u is not finite", bad_at[k]);
+        assert_non_null(strstr(err, want));
+        policy_host_destroy(h);
+    }
+    rng_state = 11;
+    for (int round = 0; round < 80; round++) {
+        uint32_t n = 2 + rng() % (round < 40 ? 12 : 3 * 512); /* short lists too */
+        for (uint32_t i = 0; i < n; i++)
+            sum[i] = (float)(rng() % (round < 40 ? 3 : 50)) * 0.25f; /* ties */
+        decode_victim(sum, n);
+    }
+}
+
 static void test_property_deterministic(void **unused)
 {
     (void)unused;
@@ -282,6 +367,7 @@ int main(void)
         cmocka_unit_test(test_gqa_all_heads),
         cmocka_unit_test(test_missing_stats_and_invalid),
         cmocka_unit_test(test_property_random),
+        cmocka_unit_test(test_decode_over_blocks),
         cmocka_unit_test(test_moves_to_another_host),
         cmocka_unit_test(test_property_deterministic),
     };
