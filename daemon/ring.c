@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <float.h>
 #include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
@@ -15,6 +16,7 @@
 
 #include "kvstash_ring.h"
 #include "store.h"
+#include "util.h"
 
 /* Spin this many polls before sleeping: a decode step's next request often
  * comes within microseconds, and a futex sleep + wake costs more. */
@@ -180,8 +182,9 @@ static void serve_step(ring *rg, const ring_request *q, ring_response *r)
         rg->scratch = grown;
         rg->scratch_cap = n;
     }
-    if (n > 0)
-        memcpy(rg->scratch, rg->data, q->data_bytes);
+    /* Copied out of the ring, so that the worker cannot change what is
+     * checked, and checked as it is copied. */
+    int finite = policy_copy_first_outside(rg->scratch, (const float *)rg->data, n, -FLT_MAX) == n;
     seq_step_input in = {q->arrays,
                          q->new_tokens,
                          (int)(q->prefill != 0),
@@ -189,7 +192,8 @@ static void serve_step(ring *rg, const ring_request *q, ring_response *r)
                          q->window_queries,
                          q->confidence,
                          rg->scratch,
-                         n};
+                         n,
+                         finite};
     status s;
     cuts_put_ctx cuts = {rg, r};
     if (store_step(rg->store, rg->token, q->seq_id, q->ack_epoch, &in, cuts_put, &cuts, &r->epoch,

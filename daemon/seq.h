@@ -173,6 +173,9 @@ typedef struct seq_step_input {
     double confidence;
     const float *data; /* private copy, owned by the caller */
     size_t nfloats;
+    /* data[0..nfloats) is known finite (the caller checked its copy as it
+     * made it: policy_copy_first_outside); 0: seq_step checks it. */
+    int finite;
 } seq_step_input;
 
 /*

@@ -33,6 +33,18 @@ POLICY_HOT size_t policy_first_outside(const float *a, size_t n, float lo)
     return i;
 }
 
+POLICY_HOT size_t policy_copy_first_outside(float *restrict dst, const float *restrict src,
+                                            size_t n, float lo)
+{
+    int ok = 1;
+    for (size_t i = 0; i < n; i++) {
+        float x = src[i]; /* read once: what is stored is what is checked */
+        dst[i] = x;
+        ok &= (x >= lo) & (x <= FLT_MAX);
+    }
+    return ok ? n : policy_first_outside(dst, n, lo);
+}
+
 POLICY_HOT void policy_evict_marked(uint8_t *restrict tier, const uint8_t *restrict mark,
                                     int evict_if, size_t n)
 {

@@ -43,6 +43,13 @@ void policy_set_err(char *err, size_t errlen, const char *fmt, ...)
  */
 size_t policy_first_outside(const float *a, size_t n, float lo);
 
+/* The same for what is copied: dst[0..n) = src[0..n), and the index of
+ * the first value copied that is not a finite number >= lo, or n. One
+ * pass for a daemon that copies a worker's statistics out of shared memory
+ * and checks the copy (the worker may change src meanwhile; what is
+ * checked is what was written). dst and src do not overlap. */
+size_t policy_copy_first_outside(float *dst, const float *src, size_t n, float lo);
+
 /*
  * Whether a decision's n tiers only keep at full precision or evict (every
  * one POLICY_FULL or POLICY_EVICT), and *nevict, how many evict: one

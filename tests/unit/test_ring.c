@@ -417,7 +417,19 @@ static void test_step_statistics(void **state)
     assert_string_equal(r.msg, "data_bytes exceeds the ring or is not whole floats");
     q.data_bytes = RING_TEST_BYTES; /* beyond the data area */
     assert_int_equal(call(f, &q, &r), ST_INVALID_ARGUMENT);
+    /* A float that is not finite, checked as the statistics are copied out
+     * of the ring: refused by its index, and nothing changes. */
     q.data_bytes = 16 * sizeof(float);
+    const float bad[2] = {NAN, -INFINITY};
+    const int bad_at[2] = {11, 0};
+    for (int k = 0; k < 2; k++) {
+        data[bad_at[k]] = bad[k];
+        assert_int_equal(call(f, &q, &r), ST_INVALID_ARGUMENT);
+        char want[64];
+        snprintf(want, sizeof want, "non-finite value at float %d", bad_at[k]);
+        assert_non_null(strstr(r.msg, want));
+        data[bad_at[k]] = (float)(bad_at[k] % 8);
+    }
     assert_int_equal(call(f, &q, &r), ST_OK);
     uint64_t epoch = r.epoch;
     /* What the step did is what the store's table says now. */

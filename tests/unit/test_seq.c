@@ -1520,7 +1520,7 @@ static void append_step(fx *f, uint32_t round)
     assert_non_null(data);
     for (size_t i = 0; i < n; i++)
         data[i] = (float)((i * 7 + round * 3) % 11) / 11.0f;
-    seq_step_input in = {POLICY_NEEDS_SCORE, 0, 0, 1, 0, 0, data, n};
+    seq_step_input in = {POLICY_NEEDS_SCORE, 0, 0, 1, 0, 0, data, n, 0};
     uint32_t evicted;
     status st;
     if (seq_step(f->s, &in, &evicted, &st) != ST_OK)
@@ -1653,7 +1653,7 @@ static void follow_evictions(fx *f, uint32_t append_n, uint32_t positions, int b
             for (uint32_t i = 0; i < nl; i++) /* every 7th position never attended */
                 data[at++] = pos[i] % 7 == 0 ? 0.0f : 1.0f;
         }
-        seq_step_input in = {POLICY_NEEDS_SCORE, 0, 0, 1, 0, 0, data, n};
+        seq_step_input in = {POLICY_NEEDS_SCORE, 0, 0, 1, 0, 0, data, n, 0};
         uint32_t evicted;
         status st;
         if (seq_step(f->s, &in, &evicted, &st) != ST_OK)
