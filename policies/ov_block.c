@@ -115,13 +115,14 @@ uint64_t ov_counter(size_t i, size_t n, uint64_t k)
 
 /* ---- block eviction (§2.5) ---------------------------------------------- */
 
-void ov_score_blocks(const double *acc, const uint64_t *cnt, size_t nblocks, uint32_t B, double *bs)
+void ov_score_blocks(const double *acc, const uint64_t *cnt, uint64_t cnt_shift, size_t nblocks,
+                     uint32_t B, double *bs)
 {
     for (size_t j = 0; j < nblocks; j++) {
         double s = 0.0;
         for (uint32_t t = 0; t < B; t++) {
             size_t i = j * B + t;
-            s += cnt != NULL ? acc[i] / (double)cnt[i] : acc[i];
+            s += cnt != NULL ? acc[i] / (double)(cnt[i] + cnt_shift) : acc[i];
         }
         bs[j] = s;
     }
@@ -315,20 +316,31 @@ void ov_rotation_row(uint32_t delta, uint32_t d, double rope_theta, double *sin_
 
 /* ---- the policy state ---------------------------------------------------- */
 
-/* A layer's tokens in two pairs of buffers, as h2o's (h2o.c h2o_layer):
- * a registration writes its sums into the spare pair and makes it current,
- * so save() keeps the pair it read without a copy (issue 16 §2: 16 bytes a
- * token, 16 MiB a decode step at 32k tokens × 32 layers). A pair a saved
- * copy holds (pinned) is copied before anything writes it in place
- * (layer_own). */
+/*
+ * A layer's tokens. The accumulators are in two buffers, as h2o's (h2o.c
+ * h2o_layer): a registration writes its sums into the spare one and makes
+ * it current, so save() keeps the one it read without a copy (issue 16 §2:
+ * 8 bytes a token, 8 MiB a decode step at 32k tokens × 32 layers). A buffer
+ * a saved copy holds (pinned) is copied before anything writes it in place
+ * (layer_own).
+ *
+ * Token i's NORM_SUM counter (kept in both modes) is cnt[i] + cnt_shift,
+ * modulo 2^64. A registration's normal growth adds the same number to every
+ * counter, so it moves cnt_shift and writes only the new tokens' entries:
+ * no pass over the list a step. cnt is rewritten only inside the SnapKV
+ * window and by an eviction, on an array of its own when a saved copy holds
+ * the current one (cnt_pinned; cnt_reserve).
+ */
 typedef struct ov_layer {
-    double *acc;   /* [len] accumulated (pooled) scores of the tracked tokens */
-    uint64_t *cnt; /* [len] NORM_SUM counters (allocated in both modes) */
+    double *acc; /* [len] accumulated (pooled) scores of the tracked tokens */
     size_t len, cap;
     double *spare_acc;
-    uint64_t *spare_cnt;
-    size_t spare_cap; /* 0: no spare pair */
+    size_t spare_cap; /* 0: no spare */
     int pinned;
+    uint64_t *cnt; /* [len] counters, less cnt_shift */
+    size_t cnt_cap;
+    uint64_t cnt_shift;
+    int cnt_pinned;
 } ov_layer;
 
 static void layer_free(ov_layer *L)
@@ -336,7 +348,6 @@ static void layer_free(ov_layer *L)
     free(L->acc);
     free(L->cnt);
     free(L->spare_acc);
-    free(L->spare_cnt);
 }
 
 struct ov_block {
@@ -360,6 +371,7 @@ struct ov_block {
     double *raw, *x;
     size_t *dq;
     size_t scratch_cap;
+    uint64_t *cnt_view; /* ov_block_counters() */
 
     /* ov_block_apply_next(): the next step() evicts these blocks. */
     const uint32_t *apply;
@@ -445,6 +457,7 @@ static void ov_destroy(void *state)
     for (uint32_t l = 0; st->ly != NULL && l < st->layers; l++)
         layer_free(&st->ly[l]);
     free(st->ly);
+    free(st->cnt_view);
     free(st->raw);
     free(st->x);
     free(st->dq);
@@ -580,66 +593,84 @@ static int grow_scratch(ov_block *st, size_t n)
     return 0;
 }
 
-/* Room for n tokens in the spare pair (its contents are not kept). */
+static size_t cap_for(size_t cap, size_t n)
+{
+    cap = cap ? cap : 64;
+    while (cap < n)
+        cap *= 2;
+    return cap;
+}
+
+/* Room for n tokens in the spare accumulators (their contents are not
+ * kept). */
 static int spare_reserve(ov_layer *L, size_t n)
 {
     if (n <= L->spare_cap)
         return 0;
-    size_t cap = L->spare_cap ? L->spare_cap : 64;
-    while (cap < n)
-        cap *= 2;
+    size_t cap = cap_for(L->spare_cap, n);
     free(L->spare_acc);
-    free(L->spare_cnt);
     L->spare_acc = malloc(cap * sizeof *L->spare_acc);
-    L->spare_cnt = malloc(cap * sizeof *L->spare_cnt);
-    L->spare_cap = L->spare_acc != NULL && L->spare_cnt != NULL ? cap : 0;
+    L->spare_cap = L->spare_acc != NULL ? cap : 0;
     return L->spare_cap != 0 ? 0 : -1;
 }
 
-/* The spare pair becomes current with len tokens; the current one the
- * spare, unless a saved copy holds it. */
+/* The spare accumulators become current with len tokens; the current ones
+ * the spare, unless a saved copy holds them. */
 static void layer_swap(ov_layer *L, size_t len)
 {
     double *acc = L->acc;
-    uint64_t *cnt = L->cnt;
     size_t cap = L->cap;
-    L->acc = L->spare_acc, L->cnt = L->spare_cnt, L->cap = L->spare_cap, L->len = len;
+    L->acc = L->spare_acc, L->cap = L->spare_cap, L->len = len;
     if (L->pinned) {
-        L->spare_acc = NULL, L->spare_cnt = NULL, L->spare_cap = 0;
+        L->spare_acc = NULL, L->spare_cap = 0;
         L->pinned = 0;
     } else {
-        L->spare_acc = acc, L->spare_cnt = cnt, L->spare_cap = cap;
+        L->spare_acc = acc, L->spare_cap = cap;
     }
 }
 
-/* Before the current pair is written in place: its copy when a saved copy
- * holds it. */
+/* Room for n counters, the first `keep` kept; with `rewrite`, on an array
+ * that no saved copy holds (the saved copy keeps the old one). -1 out of
+ * memory. */
+static int cnt_reserve(ov_layer *L, size_t n, size_t keep, int rewrite)
+{
+    if (n <= L->cnt_cap && !(rewrite && L->cnt_pinned))
+        return 0;
+    size_t cap = cap_for(L->cnt_cap, n);
+    uint64_t *c = malloc(cap * sizeof *c);
+    if (c == NULL)
+        return -1;
+    if (keep > 0)
+        memcpy(c, L->cnt, keep * sizeof *c);
+    if (!L->cnt_pinned)
+        free(L->cnt);
+    L->cnt = c, L->cnt_cap = cap, L->cnt_pinned = 0;
+    return 0;
+}
+
+/* Before the current accumulators and counters are written in place: their
+ * copies where a saved copy holds them. */
 static int layer_own(ov_layer *L)
 {
+    if (cnt_reserve(L, L->len, L->len, 1) != 0)
+        return -1;
     if (!L->pinned)
         return 0;
     if (spare_reserve(L, L->len) != 0)
         return -1;
-    if (L->len > 0) {
+    if (L->len > 0)
         memcpy(L->spare_acc, L->acc, L->len * sizeof *L->acc);
-        memcpy(L->spare_cnt, L->cnt, L->len * sizeof *L->cnt);
-    }
     layer_swap(L, L->len);
     return 0;
 }
 
-/* A registration's sums into the spare pair (layer_register): the tracked
- * tokens' accumulators plus the pooled scores, their counters plus delta
- * (normal growth; the window's counters are set apart). */
-POLICY_HOT static void sum_scores(double *restrict acc, uint64_t *restrict cnt,
-                                  const double *restrict old_acc, const uint64_t *restrict old_cnt,
-                                  const double *restrict x, size_t old, uint64_t delta)
+/* A registration's sums into the spare accumulators (layer_register): the
+ * tracked tokens' accumulators plus the pooled scores. */
+POLICY_HOT static void sum_scores(double *restrict acc, const double *restrict old_acc,
+                                  const double *restrict x, size_t old)
 {
-    for (size_t i = 0; i < old; i++) {
+    for (size_t i = 0; i < old; i++)
         acc[i] = old_acc[i] + x[i];
-        if (cnt != NULL)
-            cnt[i] = old_cnt[i] + delta;
-    }
 }
 
 /* Whether no x[i] has an exponent of all ones (inf, NaN): one pass with
@@ -706,30 +737,37 @@ static int layer_register(ov_block *st, uint32_t l, const double *raw, size_t n,
         return -1;
     ov_fwd_maxpool(raw + st->start, m, st->pool_w, st->x, st->dq);
     double *acc = L->spare_acc;
-    uint64_t *cnt = L->spare_cnt;
     if (L->len == 0) { /* initial registration */
         /* A prompt chunk before the SnapKV window (nsnap 0) is ignored. */
         if (st->snap_w != 0 && nsnap == 0)
             return OV_REG_BEFORE_WINDOW;
+        if (cnt_reserve(L, m, 0, 1) != 0)
+            return -1;
         memcpy(acc, st->x, m * sizeof *acc);
         uint64_t k = st->snap_w == 0 ? m : nsnap;
+        L->cnt_shift = 0;
         for (size_t i = 0; i < m; i++)
-            cnt[i] = ov_counter(i, m, k);
+            L->cnt[i] = ov_counter(i, m, k);
         layer_swap(L, m);
         return OV_REG_DONE;
     }
     size_t old = L->len;
     for (size_t i = old; i < m; i++)
         acc[i] = 0.0 + st->x[i];
-    if (st->snap_w == 0 || st->nreg == st->snap_w) { /* normal growth: one pass */
+    sum_scores(acc, L->acc, st->x, old);
+    if (st->snap_w == 0 || st->nreg == st->snap_w) { /* normal growth: every counter + delta */
+        if (cnt_reserve(L, m, old, 0) != 0)
+            return -1;
         uint64_t delta = m - old;
-        sum_scores(acc, cnt, L->acc, L->cnt, st->x, old, delta);
+        L->cnt_shift += delta;
         for (size_t j = 0; j < delta; j++)
-            cnt[old + j] = delta - j;
+            L->cnt[old + j] = delta - j - L->cnt_shift;
     } else { /* still inside the SnapKV window */
-        sum_scores(acc, NULL, L->acc, NULL, st->x, old, 0);
+        if (cnt_reserve(L, m, 0, 1) != 0)
+            return -1;
+        L->cnt_shift = 0;
         for (size_t i = 0; i < m; i++)
-            cnt[i] = ov_counter(i, m, st->nreg);
+            L->cnt[i] = ov_counter(i, m, st->nreg);
     }
     layer_swap(L, m);
     return OV_REG_DONE;
@@ -821,7 +859,7 @@ int ov_block_evict(ov_block *st, uint32_t layer, uint32_t **blocks, size_t *nblo
     uint32_t *keep = malloc((st->crush_budget > 0 ? st->crush_budget : 1) * sizeof *keep);
     if (bs == NULL || v == NULL || keep == NULL)
         goto oom;
-    ov_score_blocks(L->acc, st->norm_sum ? L->cnt : NULL, nE, B, bs);
+    ov_score_blocks(L->acc, st->norm_sum ? L->cnt : NULL, L->cnt_shift, nE, B, bs);
     if (ov_select_lowest(bs, nE, nEvict, v) != 0)
         goto oom;
     size_t nv = nEvict;
@@ -894,9 +932,18 @@ const double *ov_block_scores(const ov_block *st, uint32_t layer)
     return st->ly[layer].acc;
 }
 
-const uint64_t *ov_block_counters(const ov_block *st, uint32_t layer)
+const uint64_t *ov_block_counters(ov_block *st, uint32_t layer)
 {
-    return st->norm_sum ? st->ly[layer].cnt : NULL;
+    const ov_layer *L = &st->ly[layer];
+    if (!st->norm_sum)
+        return NULL;
+    uint64_t *c = realloc(st->cnt_view, (L->len ? L->len : 1) * sizeof *c);
+    if (c == NULL)
+        return NULL;
+    st->cnt_view = c;
+    for (size_t i = 0; i < L->len; i++)
+        c[i] = L->cnt[i] + L->cnt_shift;
+    return c;
 }
 
 int ov_block_rotation(const ov_block *st, const uint32_t *evicted, size_t ne,
@@ -1085,11 +1132,14 @@ static void ov_discard(void *saved)
     if (L->acc == c->layer.acc) {
         L->pinned = 0;
     } else if (L->spare_cap == 0) {
-        L->spare_acc = c->layer.acc, L->spare_cnt = c->layer.cnt, L->spare_cap = c->layer.cap;
+        L->spare_acc = c->layer.acc, L->spare_cap = c->layer.cap;
     } else {
         free(c->layer.acc);
-        free(c->layer.cnt);
     }
+    if (L->cnt == c->layer.cnt)
+        L->cnt_pinned = 0;
+    else
+        free(c->layer.cnt);
     free(c);
 }
 
@@ -1103,8 +1153,14 @@ static int ov_save(void *state, uint32_t layer, void **saved)
         return -1;
     }
     c->at = L;
-    c->layer = (ov_layer){.acc = L->acc, .cnt = L->cnt, .len = L->len, .cap = L->cap};
+    c->layer = (ov_layer){.acc = L->acc,
+                          .len = L->len,
+                          .cap = L->cap,
+                          .cnt = L->cnt,
+                          .cnt_cap = L->cnt_cap,
+                          .cnt_shift = L->cnt_shift};
     L->pinned = 1;
+    L->cnt_pinned = 1;
     c->gen = st->gen;
     c->nreg = st->nreg;
     c->rng = st->rng;
@@ -1125,12 +1181,17 @@ static void ov_restore(void *state, uint32_t layer, void *saved)
     ov_block *st = state;
     ov_saved *c = saved;
     ov_layer *L = &st->ly[layer];
-    if (L->acc != c->layer.acc) { /* the current pair becomes the spare */
+    if (L->acc != c->layer.acc) { /* the current accumulators become the spare */
         free(L->spare_acc);
-        free(L->spare_cnt);
-        L->spare_acc = L->acc, L->spare_cnt = L->cnt, L->spare_cap = L->cap;
-        L->acc = c->layer.acc, L->cnt = c->layer.cnt, L->cap = c->layer.cap;
+        L->spare_acc = L->acc, L->spare_cap = L->cap;
+        L->acc = c->layer.acc, L->cap = c->layer.cap;
     }
+    if (L->cnt != c->layer.cnt) {
+        free(L->cnt);
+        L->cnt = c->layer.cnt, L->cnt_cap = c->layer.cnt_cap;
+    }
+    L->cnt_shift = c->layer.cnt_shift;
+    L->cnt_pinned = 0;
     L->len = c->layer.len;
     L->pinned = 0;
     if (c->gen <= st->gen) {
@@ -1210,7 +1271,7 @@ static void *ov_export_layer(const void *state, uint32_t layer, size_t *len)
     uint8_t *acc = b + OV_STATE_HEAD, *cnt = acc + L->len * 8;
     for (size_t i = 0; i < L->len; i++) {
         policy_put_le(acc + i * 8, policy_f64_bits(L->acc[i]), 8);
-        policy_put_le(cnt + i * 8, L->cnt[i], 8);
+        policy_put_le(cnt + i * 8, L->cnt[i] + L->cnt_shift, 8);
     }
     *len = total;
     return b;
@@ -1338,7 +1399,7 @@ static int ov_import_layer(void *state, uint32_t layer, const void *buf, size_t 
     const uint8_t *acc = b + OV_STATE_HEAD, *cnt = acc + n * 8;
     if (state_tokens_check(acc, cnt, n, err, errlen) != 0)
         return -1;
-    ov_layer L = {.len = n, .cap = n};
+    ov_layer L = {.len = n, .cap = n, .cnt_cap = n};
     L.acc = policy_array_copy(NULL, 0, n, sizeof *L.acc);
     L.cnt = policy_array_copy(NULL, 0, n, sizeof *L.cnt);
     if (L.acc == NULL || L.cnt == NULL) {
@@ -1383,7 +1444,7 @@ static char *ov_describe(void *state, uint32_t layer)
     }
     policy_text_add(&t, "],\"counters\":[");
     for (size_t i = 0; st->norm_sum && i < L->len; i++)
-        policy_text_add(&t, "%s%" PRIu64, i > 0 ? "," : "", L->cnt[i]);
+        policy_text_add(&t, "%s%" PRIu64, i > 0 ? "," : "", L->cnt[i] + L->cnt_shift);
     policy_text_add(&t, "]}");
     return policy_text_finish(&t);
 }

@@ -56,11 +56,12 @@ uint64_t ov_counter(size_t i, size_t n, uint64_t k);
 /* ---- block eviction (§2.5) ---------------------------------------------- */
 
 /*
- * bs[j] = Σ_{t<B} acc[j*B+t] / cnt[j*B+t] (NORM_SUM), or Σ acc (cnt NULL:
- * SUM), for j < nblocks, summed in double in t order.
+ * bs[j] = Σ_{t<B} acc[j*B+t] / c[j*B+t] (NORM_SUM), or Σ acc (cnt NULL:
+ * SUM), for j < nblocks, summed in double in t order, where the counter
+ * c[i] = cnt[i] + cnt_shift (mod 2^64: a layer keeps its counters so).
  */
-void ov_score_blocks(const double *acc, const uint64_t *cnt, size_t nblocks, uint32_t B,
-                     double *bs);
+void ov_score_blocks(const double *acc, const uint64_t *cnt, uint64_t cnt_shift, size_t nblocks,
+                     uint32_t B, double *bs);
 
 /*
  * The k lowest of bs[0..n) as (score, index) pairs, lexicographically:
@@ -173,11 +174,13 @@ uint32_t ov_block_block_size(const ov_block *st);
 uint32_t ov_block_head_size(const ov_block *st);         /* resolved: head_size or head_dim */
 uint32_t ov_block_snapkv_registered(const ov_block *st); /* nreg of §2.3 */
 
-/* A layer's accumulated scores and NORM_SUM counters (NULL in SUM mode),
- * ov_block_tracked() values each; valid until the next state operation. */
+/* A layer's accumulated scores and NORM_SUM counters (NULL in SUM mode, or
+ * out of memory: the layer keeps them as offsets from one shift, and this
+ * writes them out), ov_block_tracked() values each; valid until the next
+ * state operation. */
 size_t ov_block_tracked(const ov_block *st, uint32_t layer);
 const double *ov_block_scores(const ov_block *st, uint32_t layer);
-const uint64_t *ov_block_counters(const ov_block *st, uint32_t layer);
+const uint64_t *ov_block_counters(ov_block *st, uint32_t layer);
 
 /* For the replay's evict: the next step() (of any layer) evicts exactly the
  * logical blocks blocks[0..n) of that layer instead of deciding, so that the

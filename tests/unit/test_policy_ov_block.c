@@ -215,7 +215,7 @@ static void test_tov1_norm_sum(void **unused)
     assert_acc(st, 0, tov1 + 2, 9);
     /* The block scores of the evictable range [1, 4). */
     double bs[3];
-    ov_score_blocks(ov_block_scores(st, 0), ov_block_counters(st, 0), 3, 2, bs);
+    ov_score_blocks(ov_block_scores(st, 0), ov_block_counters(st, 0), 0, 3, 2, bs);
     assert_float_equal(bs[0], 0.09444, EPS);
     assert_float_equal(bs[1], 0.26190, EPS);
     assert_float_equal(bs[2], 0.13500, EPS);
@@ -242,7 +242,7 @@ static void test_tov1_sum(void **unused)
     reg(st, tov1, 11, 0);
     assert_null(ov_block_counters(st, 0));
     double bs[3];
-    ov_score_blocks(ov_block_scores(st, 0), NULL, 3, 2, bs);
+    ov_score_blocks(ov_block_scores(st, 0), NULL, 0, 3, 2, bs);
     assert_float_equal(bs[0], 0.8, EPS);
     assert_float_equal(bs[1], 1.7, EPS);
     assert_float_equal(bs[2], 0.6, EPS);
@@ -280,6 +280,44 @@ static void test_saved_layer_survives_an_eviction(void **unused)
     ops->discard(saved);
     const double rest[7] = {0.4, 0.4, 0.9, 0.8, 0.6, 0.5, 0.7};
     assert_acc(st, 0, rest, 7);
+    policy_host_destroy(h);
+}
+
+/* The counters are offsets from one shift (ov_block.c ov_layer), moved by a
+ * registration's growth: a saved layer's counters come back after a
+ * registration that moved the shift and appended, and after an eviction
+ * that compacted them in a copy; a discarded copy leaves the new ones. */
+static void test_saved_counters_survive_growth_and_eviction(void **unused)
+{
+    (void)unused;
+    policy_host *h = new_host(tov1_norm, 1, 2);
+    ov_block *st = state(h);
+    const policy_ops *ops = ph_ops("ov_block");
+    double v[16];
+    for (int i = 0; i < 16; i++)
+        v[i] = 0.05 * ((i * 7) % 11 + 1);
+    reg(st, v, 9, 0);
+    const uint64_t c7[7] = {7, 6, 5, 4, 3, 2, 1};
+    const uint64_t c10[10] = {10, 9, 8, 7, 6, 5, 4, 3, 2, 1};
+    const uint64_t c11[11] = {11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1};
+    assert_cnt(st, 0, c7, 7);
+    void *saved = NULL;
+    assert_int_equal(ops->save(st, 0, &saved), 0);
+    assert_int_equal(reg(st, v, 12, 0), OV_REG_DONE);
+    assert_cnt(st, 0, c10, 10);
+    uint32_t b[8];
+    size_t nb = evict(st, 0, b);
+    assert_true(nb >= 1);
+    assert_int_equal(ov_block_tracked(st, 0), 10 - 2 * nb);
+    ops->restore(st, 0, saved);
+    assert_cnt(st, 0, c7, 7);
+    /* Growth again from the restored counters, then a discarded copy. */
+    assert_int_equal(ops->save(st, 0, &saved), 0);
+    assert_int_equal(reg(st, v, 12, 0), OV_REG_DONE);
+    ops->discard(saved);
+    assert_cnt(st, 0, c10, 10);
+    assert_int_equal(reg(st, v, 13, 0), OV_REG_DONE);
+    assert_cnt(st, 0, c11, 11);
     policy_host_destroy(h);
 }
 
@@ -402,7 +440,7 @@ static void test_tov2_pieces(void **unused)
     (void)unused;
     const double *acc = tov2 + 2;
     double bs[5];
-    ov_score_blocks(acc, NULL, 5, 2, bs);
+    ov_score_blocks(acc, NULL, 0, 5, 2, bs);
     const double want_bs[5] = {1.0, 0.95, 0.65, 0.67, 0.55};
     for (int j = 0; j < 5; j++)
         assert_float_equal(bs[j], want_bs[j], EPS);
@@ -862,7 +900,7 @@ static void test_kvcrush_retain_properties(void **unused)
         size_t nv = 1 + ph_rand(&s) % nE;
         uint32_t v[12];
         double bs[12];
-        ov_score_blocks(acc, NULL, nE, B, bs);
+        ov_score_blocks(acc, NULL, 0, nE, B, bs);
         assert_int_equal(ov_select_lowest(bs, nE, nv, v), 0);
         uint32_t budget = 1 + (uint32_t)(ph_rand(&s) % 5), keep[5];
         size_t nk;
@@ -1258,6 +1296,7 @@ int main(void)
         cmocka_unit_test(test_step_snapkv_counts_once_per_step),
         cmocka_unit_test(test_describe),
         cmocka_unit_test(test_saved_layer_survives_an_eviction),
+        cmocka_unit_test(test_saved_counters_survive_growth_and_eviction),
         cmocka_unit_test(test_property_random_runs),
         cmocka_unit_test(test_moves_to_another_host),
         cmocka_unit_test(test_import_refuses_ph_spoil),
