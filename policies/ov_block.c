@@ -17,6 +17,7 @@
  * the replay state operations are built from those functions.
  */
 #include <errno.h>
+#include <float.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stddef.h>
@@ -66,31 +67,68 @@ uint32_t ov_mt19937_next(ov_mt19937 *r)
 
 /* ---- score accumulation (§2.3) ------------------------------------------ */
 
-/* Windows up to this many tokens are pooled by one pass per offset, over
- * blocks of OV_MAXPOOL_BLOCK outputs (4 KiB: the passes over a block read
- * it from L1, not the whole list from memory once an offset). */
-#define OV_MAXPOOL_PASSES 16
+/* Windows up to OV_MAXPOOL_SPANS tokens are pooled a block of
+ * OV_MAXPOOL_BLOCK outputs at a time (4 KiB: every pass over a block reads
+ * it from L1), by doubling spans: after pass p each value is the max of
+ * 2^p inputs, and one last pass joins two overlapping spans into the
+ * window, log2(w) + 1 passes in all (3 for the default 7, not 6); longer
+ * windows by the deque. */
+#define OV_MAXPOOL_SPANS 64
 #define OV_MAXPOOL_BLOCK 512
+
+/* b[i] = the larger of a[i] and a[i + s] (the earlier when equal), or a[i]
+ * where a ends first: the max over twice a's span. */
+POLICY_HOT static void span_double(double *restrict b, const double *restrict a, size_t n, size_t s)
+{
+    size_t i = 0;
+    for (; i + s < n; i++)
+        b[i] = a[i + s] > a[i] ? a[i + s] : a[i];
+    for (; i < n; i++)
+        b[i] = a[i];
+}
+
+/* y[i] = the larger of a[i] and a[i + d] (the earlier when equal) for i <
+ * len, or a[i] where a (avail values) ends first. */
+POLICY_HOT static void span_join(double *restrict y, const double *restrict a, size_t len,
+                                 size_t avail, size_t d)
+{
+    size_t i = 0, both = avail > d ? avail - d : 0;
+    for (; i < len && i < both; i++)
+        y[i] = a[i + d] > a[i] ? a[i + d] : a[i];
+    for (; i < len; i++)
+        y[i] = a[i];
+}
+
+/* The forward max-pool of x[0..n) (or of xf, converted) into y, windows
+ * up to OV_MAXPOOL_SPANS. The earlier of two equal spans stays, so each
+ * output is the first of its window's maxima, as in one pass per offset. */
+static void maxpool_spans(const double *x, const float *xf, size_t n, size_t w, double *y)
+{
+    double a[OV_MAXPOOL_BLOCK + OV_MAXPOOL_SPANS], b[OV_MAXPOOL_BLOCK + OV_MAXPOOL_SPANS];
+    for (size_t k0 = 0; k0 < n; k0 += OV_MAXPOOL_BLOCK) {
+        size_t len = n - k0 < OV_MAXPOOL_BLOCK ? n - k0 : OV_MAXPOOL_BLOCK;
+        size_t avail = n - k0 < len + w - 1 ? n - k0 : len + w - 1; /* the block's inputs */
+        if (xf != NULL)
+            for (size_t i = 0; i < avail; i++)
+                a[i] = xf[k0 + i];
+        else
+            memcpy(a, x + k0, avail * sizeof *a);
+        double *cur = a, *next = b;
+        size_t s = 1;
+        for (; 2 * s <= w; s *= 2) {
+            span_double(next, cur, avail, s);
+            double *t = cur;
+            cur = next, next = t;
+        }
+        span_join(y + k0, cur, len, avail, w - s);
+    }
+}
 
 POLICY_HOT void ov_fwd_maxpool(const double *restrict x, size_t n, size_t w, double *restrict y,
                                size_t *dq)
 {
-    if (n > 0)
-        memcpy(y, x, n * sizeof *y);
-    if (w <= 1)
-        return;
-    if (w <= OV_MAXPOOL_PASSES) {
-        /* Small windows (the default is 7): one pass per offset, which the
-         * compiler vectorises; the deque's branches cost more. The earlier
-         * of equal values stays, as in the deque. */
-        for (size_t k0 = 0; k0 < n; k0 += OV_MAXPOOL_BLOCK) {
-            size_t k1 = n - k0 < OV_MAXPOOL_BLOCK ? n : k0 + OV_MAXPOOL_BLOCK;
-            for (size_t j = 1; j < w && j < n; j++) {
-                size_t end = k1 < n - j ? k1 : n - j; /* y[k] for k + j < n */
-                for (size_t k = k0; k < end; k++)
-                    y[k] = x[k + j] > y[k] ? x[k + j] : y[k];
-            }
-        }
+    if (w <= OV_MAXPOOL_SPANS) {
+        maxpool_spans(x, NULL, n, w > 1 ? w : 1, y);
         return;
     }
     /* Walk i downwards over the window [i, i + w): dq[head..tail) holds
@@ -685,8 +723,20 @@ POLICY_HOT static int all_finite(const double *x, size_t n)
     return bad == 0;
 }
 
-/* Is raw[0..n) usable for layer l? (Checked before anything changes.) */
-static int layer_check(const ov_block *st, uint32_t l, const double *raw, size_t n, char *err,
+/* The index of the first of x[0..n) that is not finite, or n. */
+static size_t first_nonfinite(const double *x, size_t n)
+{
+    if (all_finite(x, n))
+        return n;
+    size_t i = 0;
+    while (isfinite(x[i]))
+        i++;
+    return i;
+}
+
+/* Are n scores, the first non-finite of them at index `bad` (n: none),
+ * usable for layer l? (Checked before anything changes.) */
+static int layer_check(const ov_block *st, uint32_t l, size_t n, size_t bad, char *err,
                        size_t errlen)
 {
     const ov_layer *L = &st->ly[l];
@@ -697,11 +747,8 @@ static int layer_check(const ov_block *st, uint32_t l, const double *raw, size_t
                        l, n, (size_t)st->start + L->len, st->start, L->len);
         return -1;
     }
-    if (!all_finite(raw, n)) {
-        size_t i = 0;
-        while (isfinite(raw[i]))
-            i++;
-        policy_set_err(err, errlen, "layer %" PRIu32 ": score %zu is not a finite number", l, i);
+    if (bad < n) {
+        policy_set_err(err, errlen, "layer %" PRIu32 ": score %zu is not a finite number", l, bad);
         return -1;
     }
     return 0;
@@ -723,11 +770,30 @@ static int snapkv_count(ov_block *st, uint32_t nsnap, char *err, size_t errlen)
     return 0;
 }
 
+/* The forward max-pool of m scores, doubles (raw) or a step's floats
+ * (rawf), into st->x: floats go straight into the pooling's blocks,
+ * converted there, unless the window needs the deque. */
+static void pool_scores(ov_block *st, const double *raw, const float *rawf, size_t m)
+{
+    if (rawf != NULL && st->pool_w <= OV_MAXPOOL_SPANS) {
+        maxpool_spans(NULL, rawf, m, st->pool_w > 1 ? st->pool_w : 1, st->x);
+        return;
+    }
+    if (rawf != NULL) {
+        for (size_t i = 0; i < m; i++)
+            st->raw[i] = rawf[i];
+        raw = st->raw;
+    }
+    ov_fwd_maxpool(raw, m, st->pool_w, st->x, st->dq);
+}
+
 /*
- * §2.3 for one layer, after snapkv_count(). raw[0..n) was checked by
- * layer_check(). Returns the layer's status, or -1 out of memory.
+ * §2.3 for one layer, after snapkv_count(): its n scores are raw (doubles)
+ * or rawf (floats), the other NULL, checked by layer_check(). Returns the
+ * layer's status, or -1 out of memory.
  */
-static int layer_register(ov_block *st, uint32_t l, const double *raw, size_t n, uint32_t nsnap)
+static int layer_register(ov_block *st, uint32_t l, const double *raw, const float *rawf, size_t n,
+                          uint32_t nsnap)
 {
     ov_layer *L = &st->ly[l];
     if (n <= st->start)
@@ -735,7 +801,8 @@ static int layer_register(ov_block *st, uint32_t l, const double *raw, size_t n,
     size_t m = n - st->start;
     if (grow_scratch(st, m) != 0 || spare_reserve(L, m) != 0)
         return -1;
-    ov_fwd_maxpool(raw + st->start, m, st->pool_w, st->x, st->dq);
+    pool_scores(st, raw != NULL ? raw + st->start : NULL, rawf != NULL ? rawf + st->start : NULL,
+                m);
     double *acc = L->spare_acc;
     if (L->len == 0) { /* initial registration */
         /* A prompt chunk before the SnapKV window (nsnap 0) is ignored. */
@@ -780,13 +847,13 @@ int ov_block_register(ov_block *st, const double *const *scores, const size_t *n
     if (status != NULL)
         *status = OV_REG_DONE;
     for (uint32_t l = 0; l < st->layers; l++)
-        if (layer_check(st, l, scores[l], n[l], err, errlen) != 0)
+        if (layer_check(st, l, n[l], first_nonfinite(scores[l], n[l]), err, errlen) != 0)
             return -1;
     if (snapkv_count(st, nsnap, err, errlen) != 0)
         return -1;
     ov_reg_status worst = OV_REG_DONE;
     for (uint32_t l = 0; l < st->layers; l++) {
-        int rc = layer_register(st, l, scores[l], n[l], nsnap);
+        int rc = layer_register(st, l, scores[l], NULL, n[l], nsnap);
         if (rc < 0) {
             policy_set_err(err, errlen, "out of memory registering scores");
             return -1;
@@ -1050,15 +1117,7 @@ static int ov_step(void *state, const policy_layer_view *view, const policy_stat
         return -1;
     }
     size_t n = view->tokens[0];
-    /* Sized for the whole vector now, so layer_register() (which needs
-     * only the tracked part) never moves st->raw under it. */
-    if (grow_scratch(st, n > 0 ? n : 1) != 0) {
-        policy_set_err(err, errlen, "out of memory");
-        return -1;
-    }
-    for (size_t i = 0; i < n; i++)
-        st->raw[i] = stats->score[i];
-    if (layer_check(st, l, st->raw, n, err, errlen) != 0)
+    if (layer_check(st, l, n, policy_first_outside(stats->score, n, -FLT_MAX), err, errlen) != 0)
         return -1;
     /* nsnap counts once per step of the sequence, not once per layer. */
     if (st->reg_step != view->step) {
@@ -1073,7 +1132,7 @@ static int ov_step(void *state, const policy_layer_view *view, const policy_stat
                        stats->score_queries, l, st->reg_nsnap);
         return -1;
     }
-    int rc = layer_register(st, l, st->raw, n, stats->score_queries);
+    int rc = layer_register(st, l, NULL, stats->score, n, stats->score_queries);
     if (rc < 0) {
         policy_set_err(err, errlen, "out of memory registering scores");
         return -1;

@@ -155,19 +155,23 @@ static void test_maxpool_matches_naive(void **unused)
     uint64_t s = 42;
     static double x[2000], y[2000];
     static size_t dq[2000];
-    for (int trial = 0; trial < 300; trial++) {
-        /* Windows up to 16 take one pass per offset (in blocks of 512
-         * outputs), longer ones the deque. */
-        size_t n = 1 + ph_rand(&s) % (trial % 2 ? 200 : 2000), w = ph_rand(&s) % 40;
-        for (size_t i = 0; i < n; i++) /* few distinct values: ties are common */
-            x[i] = (double)(ph_rand(&s) % 5);
+    for (int trial = 0; trial < 600; trial++) {
+        /* Windows up to 64 take doubling spans (in blocks of 512 outputs),
+         * longer ones the deque. */
+        size_t n = 1 + ph_rand(&s) % (trial % 2 ? 200 : 2000), w = ph_rand(&s) % 80;
+        /* Few distinct values, so ties are common, and both zeros: the
+         * first of a window's maxima is the one that stays, to the bit. */
+        for (size_t i = 0; i < n; i++) {
+            uint64_t r = ph_rand(&s) % 6;
+            x[i] = r == 5 ? -0.0 : (double)r;
+        }
         ov_fwd_maxpool(x, n, w, y, dq);
         for (size_t i = 0; i < n; i++) {
             double m = x[i];
             size_t end = w <= 1 ? i + 1 : (i + w < n ? i + w : n);
             for (size_t j = i; j < end; j++)
                 m = x[j] > m ? x[j] : m;
-            if (y[i] != m)
+            if (memcmp(&y[i], &m, sizeof m) != 0)
                 fail_msg("n=%zu w=%zu y[%zu]=%g want %g", n, w, i, y[i], m);
         }
     }
@@ -1019,6 +1023,97 @@ static void test_step_needs_score(void **unused)
     policy_host_destroy(h);
 }
 
+/* A step's scores are widened and checked in one pass (ov_step): a NaN or
+ * an infinity anywhere is refused by index, and the layer keeps what it
+ * held. */
+static void test_step_refuses_non_finite_scores(void **unused)
+{
+    (void)unused;
+    policy_host *h = new_host(tov1_norm, 1, 2);
+    assert_int_equal(policy_host_append(h, 11), 0);
+    float s[11];
+    for (int i = 0; i < 11; i++)
+        s[i] = 0.125f * (float)(i + 1);
+    policy_stats stats = {.new_tokens = 11, .prefill = 1, .score = s, .score_queries = 1};
+    char err[POLICY_ERR_LEN] = "";
+    const policy_decision *d = NULL;
+    assert_int_equal(policy_host_step(h, 0, &stats, &d, err, sizeof err), 0);
+    policy_host_commit(h, 0);
+    const uint64_t c9[9] = {9, 8, 7, 6, 5, 4, 3, 2, 1};
+    assert_cnt(state(h), 0, c9, 9);
+    const float bad[3] = {NAN, INFINITY, -INFINITY};
+    for (int b = 0; b < 3; b++)
+        for (size_t at = 0; at < 11; at += 5) {
+            s[at] = bad[b];
+            assert_int_equal(policy_host_step(h, 0, &stats, &d, err, sizeof err), -1);
+            char want[64];
+            snprintf(want, sizeof want, "score %zu is not a finite number", at);
+            if (strstr(err, want) == NULL)
+                fail_msg("'%s' does not say '%s'", err, want);
+            s[at] = 0.125f * (float)(at + 1);
+        }
+    assert_cnt(state(h), 0, c9, 9);
+    double want[9];
+    for (int i = 0; i < 9; i++)
+        want[i] = 0.125 * (i + 3);
+    assert_acc(state(h), 0, want, 9);
+    policy_host_destroy(h);
+}
+
+/* A step pools its float scores as they come (converted inside the
+ * pooling's blocks, ov_block.c pool_scores); a registration pools doubles.
+ * The same values either way give the same accumulators and counters, to
+ * the bit: with the default window, a window long enough for the deque,
+ * ties and both zeros, over a prefill and 40 decode steps. */
+static void test_step_pools_floats_as_register_pools_doubles(void **unused)
+{
+    (void)unused;
+    static const char *const w7[] = {"start_size=2",      "recent_size=2",   "max_cache_size=4096",
+                                     "max_pool_window=7", "snapkv_window=0", NULL};
+    static const char *const w70[] = {"start_size=2",        "recent_size=2",
+                                      "max_cache_size=4096", "max_pool_window=70",
+                                      "snapkv_window=0",     NULL};
+    const char *const *configs[] = {w7, w70};
+    uint64_t seed = 7;
+    for (int c = 0; c < 2; c++) {
+        policy_host *h = new_host(configs[c], 1, 2), *r = new_host(configs[c], 1, 2);
+        float f[1200];
+        double v[1200];
+        size_t n = 0;
+        for (int step = 0; step <= 40; step++) {
+            size_t add = step == 0 ? 1100 : 1;
+            assert_int_equal(policy_host_append(h, (uint32_t)add), 0);
+            n += add;
+            /* Mostly zeros of both signs, so that some windows hold
+             * nothing else: more of them for the longer window. */
+            uint64_t zeros = c == 0 ? 80 : 97;
+            for (size_t i = 0; i < n; i++) {
+                uint64_t x = ph_rand(&seed) % 100;
+                f[i] = x >= zeros ? 0.25f * (float)(x % 5 + 1) : x % 2 ? -0.0f : 0.0f;
+                v[i] = f[i];
+            }
+            policy_stats stats = {
+                .new_tokens = (uint32_t)add, .prefill = step == 0, .score = f, .score_queries = 1};
+            char err[POLICY_ERR_LEN] = "";
+            const policy_decision *d = NULL;
+            if (policy_host_step(h, 0, &stats, &d, err, sizeof err) != 0)
+                fail_msg("step %d: %s", step, err);
+            policy_host_commit(h, 0);
+            reg(state(r), v, n, 1);
+            size_t t = ov_block_tracked(state(h), 0);
+            assert_int_equal(t, n - 2);
+            assert_int_equal(ov_block_tracked(state(r), 0), t);
+            assert_memory_equal(ov_block_scores(state(h), 0), ov_block_scores(state(r), 0),
+                                t * sizeof(double));
+            static uint64_t ch[1200];
+            memcpy(ch, ov_block_counters(state(h), 0), t * sizeof *ch);
+            assert_memory_equal(ch, ov_block_counters(state(r), 0), t * sizeof *ch);
+        }
+        policy_host_destroy(h);
+        policy_host_destroy(r);
+    }
+}
+
 static void test_step_snapkv_counts_once_per_step(void **unused)
 {
     (void)unused;
@@ -1293,6 +1388,8 @@ int main(void)
         cmocka_unit_test(test_config_defaults),
         cmocka_unit_test(test_config_invalid),
         cmocka_unit_test(test_step_needs_score),
+        cmocka_unit_test(test_step_refuses_non_finite_scores),
+        cmocka_unit_test(test_step_pools_floats_as_register_pools_doubles),
         cmocka_unit_test(test_step_snapkv_counts_once_per_step),
         cmocka_unit_test(test_describe),
         cmocka_unit_test(test_saved_layer_survives_an_eviction),
