@@ -99,18 +99,39 @@ POLICY_HOT static void span_join(double *restrict y, const double *restrict a, s
         y[i] = a[i];
 }
 
+/* y[0..n) = x[0..n) as doubles. */
+POLICY_HOT static void widen(double *restrict y, const float *restrict x, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        y[i] = x[i];
+}
+
+/* y[i] = add[from + i] + x[i] where from + i < nadd, 0.0 + x[i] beyond (a
+ * new token's accumulator starts at zero, §2.3). */
+POLICY_HOT static void add_scores(double *restrict y, const double *restrict x,
+                                  const double *restrict add, size_t from, size_t n, size_t nadd)
+{
+    size_t i = 0, both = nadd <= from ? 0 : nadd - from < n ? nadd - from : n;
+    for (; i < both; i++)
+        y[i] = add[from + i] + x[i];
+    for (; i < n; i++)
+        y[i] = 0.0 + x[i];
+}
+
 /* The forward max-pool of x[0..n) (or of xf, converted) into y, windows
- * up to OV_MAXPOOL_SPANS. The earlier of two equal spans stays, so each
- * output is the first of its window's maxima, as in one pass per offset. */
-static void maxpool_spans(const double *x, const float *xf, size_t n, size_t w, double *y)
+ * up to OV_MAXPOOL_SPANS; with add, plus add as add_scores() does, a block
+ * at a time (the pooled block never leaves L1). The earlier of two equal
+ * spans stays, so each output is the first of its window's maxima, as in
+ * one pass per offset. */
+static void maxpool_spans(const double *x, const float *xf, size_t n, size_t w, double *y,
+                          const double *add, size_t nadd)
 {
     double a[OV_MAXPOOL_BLOCK + OV_MAXPOOL_SPANS], b[OV_MAXPOOL_BLOCK + OV_MAXPOOL_SPANS];
     for (size_t k0 = 0; k0 < n; k0 += OV_MAXPOOL_BLOCK) {
         size_t len = n - k0 < OV_MAXPOOL_BLOCK ? n - k0 : OV_MAXPOOL_BLOCK;
         size_t avail = n - k0 < len + w - 1 ? n - k0 : len + w - 1; /* the block's inputs */
         if (xf != NULL)
-            for (size_t i = 0; i < avail; i++)
-                a[i] = xf[k0 + i];
+            widen(a, xf + k0, avail);
         else
             memcpy(a, x + k0, avail * sizeof *a);
         double *cur = a, *next = b;
@@ -120,7 +141,12 @@ static void maxpool_spans(const double *x, const float *xf, size_t n, size_t w, 
             double *t = cur;
             cur = next, next = t;
         }
-        span_join(y + k0, cur, len, avail, w - s);
+        if (add == NULL) {
+            span_join(y + k0, cur, len, avail, w - s);
+        } else {
+            span_join(next, cur, len, avail, w - s);
+            add_scores(y + k0, next, add, k0, len, nadd);
+        }
     }
 }
 
@@ -128,7 +154,7 @@ POLICY_HOT void ov_fwd_maxpool(const double *restrict x, size_t n, size_t w, dou
                                size_t *dq)
 {
     if (w <= OV_MAXPOOL_SPANS) {
-        maxpool_spans(x, NULL, n, w > 1 ? w : 1, y);
+        maxpool_spans(x, NULL, n, w > 1 ? w : 1, y, NULL, 0);
         return;
     }
     /* Walk i downwards over the window [i, i + w): dq[head..tail) holds
@@ -702,15 +728,6 @@ static int layer_own(ov_layer *L)
     return 0;
 }
 
-/* A registration's sums into the spare accumulators (layer_register): the
- * tracked tokens' accumulators plus the pooled scores. */
-POLICY_HOT static void sum_scores(double *restrict acc, const double *restrict old_acc,
-                                  const double *restrict x, size_t old)
-{
-    for (size_t i = 0; i < old; i++)
-        acc[i] = old_acc[i] + x[i];
-}
-
 /* Whether no x[i] has an exponent of all ones (inf, NaN): one pass with
  * no early exit, which vectorises. */
 POLICY_HOT static int all_finite(const double *x, size_t n)
@@ -770,21 +787,30 @@ static int snapkv_count(ov_block *st, uint32_t nsnap, char *err, size_t errlen)
     return 0;
 }
 
-/* The forward max-pool of m scores, doubles (raw) or a step's floats
- * (rawf), into st->x: floats go straight into the pooling's blocks,
- * converted there, unless the window needs the deque. */
-static void pool_scores(ov_block *st, const double *raw, const float *rawf, size_t m)
+/*
+ * acc[0..m) = the forward max-pool of m scores, doubles (raw) or a step's
+ * floats (rawf), plus add[i] for i < nadd and 0.0 beyond (add NULL: the
+ * pool alone). Floats go straight into the pooling's blocks, converted
+ * there, and each block's sums are taken while it is in L1, unless the
+ * window needs the deque.
+ */
+static void pool_scores(ov_block *st, const double *raw, const float *rawf, size_t m, double *acc,
+                        const double *add, size_t nadd)
 {
-    if (rawf != NULL && st->pool_w <= OV_MAXPOOL_SPANS) {
-        maxpool_spans(NULL, rawf, m, st->pool_w > 1 ? st->pool_w : 1, st->x);
+    size_t w = st->pool_w;
+    if (w <= OV_MAXPOOL_SPANS) {
+        maxpool_spans(raw, rawf, m, w > 1 ? w : 1, acc, add, nadd);
         return;
     }
     if (rawf != NULL) {
-        for (size_t i = 0; i < m; i++)
-            st->raw[i] = rawf[i];
+        widen(st->raw, rawf, m);
         raw = st->raw;
     }
-    ov_fwd_maxpool(raw, m, st->pool_w, st->x, st->dq);
+    ov_fwd_maxpool(raw, m, w, st->x, st->dq);
+    if (add != NULL)
+        add_scores(acc, st->x, add, 0, m, nadd);
+    else
+        memcpy(acc, st->x, m * sizeof *acc);
 }
 
 /*
@@ -799,18 +825,17 @@ static int layer_register(ov_block *st, uint32_t l, const double *raw, const flo
     if (n <= st->start)
         return OV_REG_SHORT;
     size_t m = n - st->start;
+    /* A prompt chunk before the SnapKV window (nsnap 0) is ignored. */
+    if (L->len == 0 && st->snap_w != 0 && nsnap == 0)
+        return OV_REG_BEFORE_WINDOW;
     if (grow_scratch(st, m) != 0 || spare_reserve(L, m) != 0)
         return -1;
-    pool_scores(st, raw != NULL ? raw + st->start : NULL, rawf != NULL ? rawf + st->start : NULL,
-                m);
-    double *acc = L->spare_acc;
+    raw = raw != NULL ? raw + st->start : NULL;
+    rawf = rawf != NULL ? rawf + st->start : NULL;
     if (L->len == 0) { /* initial registration */
-        /* A prompt chunk before the SnapKV window (nsnap 0) is ignored. */
-        if (st->snap_w != 0 && nsnap == 0)
-            return OV_REG_BEFORE_WINDOW;
         if (cnt_reserve(L, m, 0, 1) != 0)
             return -1;
-        memcpy(acc, st->x, m * sizeof *acc);
+        pool_scores(st, raw, rawf, m, L->spare_acc, NULL, 0);
         uint64_t k = st->snap_w == 0 ? m : nsnap;
         L->cnt_shift = 0;
         for (size_t i = 0; i < m; i++)
@@ -819,9 +844,7 @@ static int layer_register(ov_block *st, uint32_t l, const double *raw, const flo
         return OV_REG_DONE;
     }
     size_t old = L->len;
-    for (size_t i = old; i < m; i++)
-        acc[i] = 0.0 + st->x[i];
-    sum_scores(acc, L->acc, st->x, old);
+    pool_scores(st, raw, rawf, m, L->spare_acc, L->acc, old);
     if (st->snap_w == 0 || st->nreg == st->snap_w) { /* normal growth: every counter + delta */
         if (cnt_reserve(L, m, old, 0) != 0)
             return -1;

@@ -1060,12 +1060,14 @@ static void test_step_refuses_non_finite_scores(void **unused)
     policy_host_destroy(h);
 }
 
-/* A step pools its float scores as they come (converted inside the
- * pooling's blocks, ov_block.c pool_scores); a registration pools doubles.
- * The same values either way give the same accumulators and counters, to
- * the bit: with the default window, a window long enough for the deque,
- * ties and both zeros, over a prefill and 40 decode steps. */
-static void test_step_pools_floats_as_register_pools_doubles(void **unused)
+/* A step pools its float scores as they come and sums each block of them
+ * while it is in L1 (ov_block.c pool_scores); a registration does so with
+ * doubles. Either way the accumulators are §2.3's to the bit (a naive
+ * pool of each step, added to the last accumulators, 0.0 + the pool for a
+ * new token), and the counters agree: with the default window, a window
+ * long enough for the deque, ties and both zeros, over a prefill and 40
+ * decode steps. */
+static void test_step_and_register_pool_and_sum_as_specified(void **unused)
 {
     (void)unused;
     static const char *const w7[] = {"start_size=2",      "recent_size=2",   "max_cache_size=4096",
@@ -1077,8 +1079,9 @@ static void test_step_pools_floats_as_register_pools_doubles(void **unused)
     uint64_t seed = 7;
     for (int c = 0; c < 2; c++) {
         policy_host *h = new_host(configs[c], 1, 2), *r = new_host(configs[c], 1, 2);
+        size_t w = c == 0 ? 7 : 70;
         float f[1200];
-        double v[1200];
+        double v[1200], want[1200];
         size_t n = 0;
         for (int step = 0; step <= 40; step++) {
             size_t add = step == 0 ? 1100 : 1;
@@ -1100,8 +1103,15 @@ static void test_step_pools_floats_as_register_pools_doubles(void **unused)
                 fail_msg("step %d: %s", step, err);
             policy_host_commit(h, 0);
             reg(state(r), v, n, 1);
-            size_t t = ov_block_tracked(state(h), 0);
+            size_t t = ov_block_tracked(state(h), 0), old = step == 0 ? 0 : t - add;
             assert_int_equal(t, n - 2);
+            for (size_t i = 0; i < t; i++) {
+                double m = v[i + 2];
+                for (size_t j = i + 2; j < i + 2 + w && j < n; j++)
+                    m = v[j] > m ? v[j] : m;
+                want[i] = step == 0 ? m : (i < old ? want[i] : 0.0) + m;
+            }
+            assert_memory_equal(ov_block_scores(state(h), 0), want, t * sizeof(double));
             assert_int_equal(ov_block_tracked(state(r), 0), t);
             assert_memory_equal(ov_block_scores(state(h), 0), ov_block_scores(state(r), 0),
                                 t * sizeof(double));
@@ -1389,7 +1399,7 @@ int main(void)
         cmocka_unit_test(test_config_invalid),
         cmocka_unit_test(test_step_needs_score),
         cmocka_unit_test(test_step_refuses_non_finite_scores),
-        cmocka_unit_test(test_step_pools_floats_as_register_pools_doubles),
+        cmocka_unit_test(test_step_and_register_pool_and_sum_as_specified),
         cmocka_unit_test(test_step_snapkv_counts_once_per_step),
         cmocka_unit_test(test_describe),
         cmocka_unit_test(test_saved_layer_survives_an_eviction),
