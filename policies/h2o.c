@@ -42,11 +42,18 @@
  * step at 32k tokens × 32 layers), and a step's error leaves the state as
  * it was. While a saved copy holds the current pair (pinned), a step does
  * not make it the spare; discard() gives it back.
+ *
+ * A decode step evicts one token from the middle of the list; it stays in
+ * the current pair as a hole (has_hole, at index `hole`) that the next
+ * step's sums skip as they copy the pair (sum_tracked), instead of moving
+ * the half of the pair after it: the pair then holds n + 1 entries.
  */
 typedef struct h2o_layer {
-    uint32_t n, cap;
+    uint32_t n, cap; /* n: tokens tracked */
     uint32_t *pos;
     double *score;
+    int has_hole;
+    uint32_t hole;
     uint32_t spare_cap; /* 0: no spare pair */
     uint32_t *spare_pos;
     double *spare_score;
@@ -61,7 +68,15 @@ typedef struct h2o_saved {
     uint32_t n, cap;
     uint32_t *pos;
     double *score;
+    int has_hole;
+    uint32_t hole;
 } h2o_saved;
+
+/* The entry of the current pair that holds tracked token i. */
+static uint32_t layer_entry(const h2o_layer *ly, uint32_t i)
+{
+    return i + (uint32_t)(ly->has_hole && i >= ly->hole);
+}
 
 typedef struct h2o_state {
     uint32_t budget, recent, sinks;
@@ -229,6 +244,17 @@ POLICY_HOT static int layer_sum(uint32_t *restrict out_pos, double *restrict out
     return (diff != 0 ? SUM_NOT_EXTENDING : 0) | (nonfinite != 0 ? SUM_NOT_FINITE : 0);
 }
 
+/* layer_sum of a view of n tokens against the tracked ones, into the
+ * spare pair: the tracked tokens before the hole, then those after it,
+ * then the view's new tokens. */
+static int sum_tracked(h2o_layer *ly, const uint32_t *pos, const float *score, uint32_t n)
+{
+    uint32_t h = ly->has_hole ? ly->hole : ly->n, skip = (uint32_t)ly->has_hole;
+    int wrong = layer_sum(ly->spare_pos, ly->spare_score, ly->pos, ly->score, h, pos, score, h);
+    return wrong | layer_sum(ly->spare_pos + h, ly->spare_score + h, ly->pos + h + skip,
+                             ly->score + h + skip, ly->n - h, pos + h, score + h, n - h);
+}
+
 static int h2o_step(void *state, const policy_layer_view *view, const policy_stats *stats,
                     policy_decision *d, char *err, size_t errlen)
 {
@@ -252,9 +278,7 @@ static int h2o_step(void *state, const policy_layer_view *view, const policy_sta
         snprintf(err, errlen, "h2o: out of memory for %u tokens", n);
         return -1;
     }
-    int wrong = n < ly->n ? SUM_NOT_EXTENDING
-                          : layer_sum(ly->spare_pos, ly->spare_score, ly->pos, ly->score, ly->n,
-                                      pos, stats->score, n);
+    int wrong = n < ly->n ? SUM_NOT_EXTENDING : sum_tracked(ly, pos, stats->score, n);
     if (wrong & SUM_NOT_EXTENDING) {
         snprintf(err, errlen,
                  "h2o: layer %u view (%u tokens) does not extend the %u tokens the policy "
@@ -269,6 +293,7 @@ static int h2o_step(void *state, const policy_layer_view *view, const policy_sta
     }
     layer_swap(ly);
     ly->n = n;
+    ly->has_hole = 0;
     if (n <= st->budget)
         return 0;
     /* Candidates: neither a sink nor among the `recent` newest; positions
@@ -281,21 +306,23 @@ static int h2o_step(void *state, const policy_layer_view *view, const policy_sta
     uint32_t k = n - st->budget;
     if (k > m)
         k = m;    /* cannot happen: recent + sinks <= budget */
-    if (k == 1) { /* a decode step */
-        d->tier[0][first + policy_first_min(ly->score + first, m)] = POLICY_EVICT;
-    } else if (k > 1) {
+    if (k == 1) { /* a decode step: the victim stays in the pair as its hole */
+        uint32_t v = first + policy_first_min(ly->score + first, m);
+        d->tier[0][v] = POLICY_EVICT;
+        ly->n = n - 1, ly->has_hole = 1, ly->hole = v;
+        return 0;
+    }
+    if (k > 1) {
         const double *cand = ly->score + first;
         policy_score_keys kd = {1.0, NULL, 0};
         policy_cut cut = policy_select_cut_rows(&cand, &m, 1, &kd, k, ly->scratch);
         uint8_t *evict = (uint8_t *)ly->scratch; /* the keys are spent: m bytes of room */
         policy_cut_mark(&cut, ly->score + first, 1.0, NULL, 1, m, 0, evict);
         policy_evict_marked(d->tier[0] + first, evict, 1, m);
-    }
-    /* Compact the per-token state exactly as the host compacts the list:
-     * run by run of kept tokens when a decode step evicts one of many,
-     * token by token without a branch when a prefill evicts thousands. */
-    uint32_t out = 0;
-    if (k > 1) {
+        /* Compact the per-token state exactly as the host compacts the
+         * list, token by token without a branch (a prefill evicts
+         * thousands). */
+        uint32_t out = 0;
         uint32_t *restrict p = ly->pos;
         double *restrict sc = ly->score;
         for (uint32_t i = 0; i < n; i++) {
@@ -304,21 +331,7 @@ static int h2o_step(void *state, const policy_layer_view *view, const policy_sta
             out += d->tier[0][i] != POLICY_EVICT;
         }
         ly->n = out;
-        return 0;
     }
-    for (uint32_t i = 0; i < n;) {
-        const uint8_t *e = memchr(d->tier[0] + i, POLICY_EVICT, n - i);
-        uint32_t end = e != NULL ? (uint32_t)(e - d->tier[0]) : n;
-        if (out != i) {
-            memmove(ly->pos + out, ly->pos + i, (end - i) * sizeof *ly->pos);
-            memmove(ly->score + out, ly->score + i, (end - i) * sizeof *ly->score);
-        }
-        out += end - i;
-        i = end;
-        while (i < n && d->tier[0][i] == POLICY_EVICT)
-            i++;
-    }
-    ly->n = out;
     return 0;
 }
 
@@ -333,7 +346,7 @@ static int h2o_save(void *state, uint32_t layer, void **saved)
         errno = ENOMEM;
         return -1;
     }
-    *c = (h2o_saved){ly, ly->n, ly->cap, ly->pos, ly->score};
+    *c = (h2o_saved){ly, ly->n, ly->cap, ly->pos, ly->score, ly->has_hole, ly->hole};
     ly->pinned = 1;
     *saved = c;
     return 0;
@@ -351,6 +364,7 @@ static void h2o_restore(void *state, uint32_t layer, void *saved)
         ly->pos = c->pos, ly->score = c->score, ly->cap = c->cap;
     }
     ly->n = c->n;
+    ly->has_hole = c->has_hole, ly->hole = c->hole;
     ly->pinned = 0;
     free(c);
 }
@@ -420,8 +434,9 @@ static void *h2o_export_layer(const void *state, uint32_t layer, size_t *len)
     policy_put_le(b + H2O_STATE_HEAD - 4, ly->n, 4);
     uint8_t *pos = b + H2O_STATE_HEAD, *score = pos + (size_t)ly->n * 4;
     for (uint32_t i = 0; i < ly->n; i++) {
-        policy_put_le(pos + (size_t)i * 4, ly->pos[i], 4);
-        policy_put_le(score + (size_t)i * 8, policy_f64_bits(ly->score[i]), 8);
+        uint32_t e = layer_entry(ly, i);
+        policy_put_le(pos + (size_t)i * 4, ly->pos[e], 4);
+        policy_put_le(score + (size_t)i * 8, policy_f64_bits(ly->score[e]), 8);
     }
     *len = total;
     return b;
@@ -537,10 +552,10 @@ static char *h2o_describe(void *state, uint32_t layer)
     policy_text_add(&t, "{\"layer\":%u,\"budget\":%u,\"recent\":%u,\"sinks\":%u,\"positions\":[",
                     layer, st->budget, st->recent, st->sinks);
     for (uint32_t i = 0; i < ly->n; i++)
-        policy_text_add(&t, "%s%u", i ? "," : "", ly->pos[i]);
+        policy_text_add(&t, "%s%u", i ? "," : "", ly->pos[layer_entry(ly, i)]);
     policy_text_add(&t, "],\"score\":[");
     for (uint32_t i = 0; i < ly->n; i++)
-        policy_text_add(&t, "%s%.9g", i ? "," : "", ly->score[i]);
+        policy_text_add(&t, "%s%.9g", i ? "," : "", ly->score[layer_entry(ly, i)]);
     policy_text_add(&t, "]}");
     return policy_text_finish(&t);
 }

@@ -205,6 +205,25 @@ static int cand_cmp(const void *a, const void *b)
     return x->i < y->i ? -1 : x->i > y->i;
 }
 
+/* The layer's exported state (h2o.c's format) holds exactly the oracle's
+ * tokens: a decode step's hole is skipped, whatever step left it. */
+static void assert_state_is(policy_host *h, uint32_t l, const uint32_t *p, const double *a,
+                            uint32_t n)
+{
+    size_t len = 0;
+    uint8_t *b = policy_find("h2o")->export_layer(policy_host_state(h), l, &len);
+    assert_non_null(b);
+    assert_int_equal(len, 28 + (size_t)n * 12);
+    assert_int_equal(policy_get_le(b + 24, 4), n);
+    for (uint32_t i = 0; i < n; i++) {
+        assert_int_equal(policy_get_le(b + 28 + (size_t)i * 4, 4), p[i]);
+        double s = policy_bits_f64(policy_get_le(b + 28 + (size_t)n * 4 + (size_t)i * 8, 8));
+        if (s != a[i])
+            fail_msg("layer %u token %u: score %.17g, want %.17g", l, i, s, a[i]);
+    }
+    free(b);
+}
+
 static size_t run_random(uint64_t seed, uint32_t budget, uint32_t recent, uint32_t sinks,
                          uint32_t layers, uint32_t steps, uint8_t *out, size_t cap)
 {
@@ -286,6 +305,7 @@ static size_t run_random(uint64_t seed, uint32_t budget, uint32_t recent, uint32
             const policy_layer_view *view = policy_host_view(h, l);
             assert_int_equal(view->tokens[0], held[l]);
             assert_memory_equal(view->positions[0], p, held[l] * sizeof *p);
+            assert_state_is(h, l, p, a, held[l]);
         }
         appended += nnew;
     }
