@@ -45,6 +45,7 @@ status_code seq_create(uint64_t id, uint64_t session_id, pool *pool, const polic
     }
     s->block_slots = s->list_layout.block_tokens;
     s->compact_budget = SEQ_COMPACT_TOKENS;
+    s->compact_window = SEQ_COMPACT_TOKENS;
     if (tier_ctx_init(&s->tier, pool->backend->ops, pool->base, pool->block_bytes, &s->list_layout,
                       (kv_dtype)pool->geom.dtype) != 0) {
         free(s);

@@ -433,10 +433,33 @@ static size_t runs_push(kv_segment *segs, size_t n, kv_segment g)
 }
 
 /* Whether this call has copied its compaction budget already, so that a
- * list of nfull full-precision tokens waits for a later call. */
+ * list of nfull full-precision tokens (a window of them, when more: see
+ * list_compact) waits for a later call. */
 static int compact_over_budget(const seq *s, uint32_t nfull)
 {
-    return s->compacted > 0 && s->compacted + nfull > s->compact_budget;
+    uint32_t m = nfull < s->compact_window ? nfull : s->compact_window;
+    return s->compacted > 0 && s->compacted + m > s->compact_budget;
+}
+
+/* The list's next compaction window: [*from, *to) holds at most
+ * s->compact_window of its full-precision tokens (whole blocks of them, so
+ * that a window in the middle of the list fills its fresh blocks), from
+ * where the last one ended; the whole list when it has no more. Returns
+ * their number. */
+static uint32_t compact_window(const seq *s, const seq_list *ly, const tier_token *kept, uint32_t n,
+                               uint32_t nfull, uint32_t *from, uint32_t *to)
+{
+    *from = 0, *to = n;
+    if (nfull <= s->compact_window)
+        return nfull;
+    uint32_t w = s->compact_window, slots = s->block_slots;
+    w = w > slots ? w - w % slots : w;
+    uint32_t m = 0, i = ly->compact_next < n ? ly->compact_next : 0;
+    *from = i;
+    for (; i < n && m < w; i++)
+        m += kept[i].tier == POLICY_FULL;
+    *to = i;
+    return m;
 }
 
 /*
@@ -444,9 +467,13 @@ static int compact_over_budget(const seq *s, uint32_t nfull)
  * full-precision survivors are spread over more blocks than they fill plus
  * compact_slack(), copy them in list order into fresh blocks
  * (kv_copy_tokens), so that evicting tokens really gives memory back; the
- * old blocks are retired by the caller. Skipped, harmlessly, when the pool
- * lacks the blocks, or left to a later call when this one has copied
- * its budget already (SEQ_COMPACT_TOKENS).
+ * old blocks are retired by the caller (those that no token uses any more).
+ * A long list is copied a window of s->compact_window tokens at a time, at
+ * successive calls while the rule holds, so that no call copies a whole
+ * long context (at 32k tokens and head dim 128 that was a 128 MiB copy, tens
+ * of milliseconds in one decode step). Skipped, harmlessly, when the pool
+ * lacks the blocks, or left to a later call when this one has copied its
+ * budget already (SEQ_COMPACT_TOKENS).
  */
 int list_compact(seq *s, seq_list *ly, tier_token *kept, uint32_t n)
 {
@@ -454,16 +481,19 @@ int list_compact(seq *s, seq_list *ly, tier_token *kept, uint32_t n)
     for (uint32_t i = 0; i < n; i++)
         nfull += kept[i].tier == POLICY_FULL;
     uint32_t need = (nfull + slots - 1) / slots;
-    if (need == 0 || need > s->pool->nfree || compact_over_budget(s, nfull) ||
-        full_blocks(s, kept, n) <= need + compact_slack(need))
+    if (need == 0 || full_blocks(s, kept, n) <= need + compact_slack(need))
+        return 0;
+    uint32_t from, to, m = compact_window(s, ly, kept, n, nfull, &from, &to);
+    uint32_t fresh = (m + slots - 1) / slots;
+    if (m == 0 || fresh > s->pool->nfree || compact_over_budget(s, m))
         return 0;
     /* The copy in runs, as long as both sides allow: one token at a time
      * is a memcpy of a head's row per call. */
-    kv_segment *src = malloc(nfull * sizeof *src), *dst = malloc(need * sizeof *dst);
-    uint32_t *blocks = malloc(need * sizeof *blocks);
+    kv_segment *src = malloc(m * sizeof *src), *dst = malloc(fresh * sizeof *dst);
+    uint32_t *blocks = malloc(fresh * sizeof *blocks);
     int rc = src != NULL && dst != NULL && blocks != NULL ? 0 : -1;
     size_t nsrc = 0, ndst = 0;
-    for (uint32_t i = 0, j = 0; rc == 0 && i < n; i++) {
+    for (uint32_t i = from, j = 0; rc == 0 && i < to; i++) {
         if (kept[i].tier != POLICY_FULL)
             continue;
         if (j % slots == 0)
@@ -474,16 +504,21 @@ int list_compact(seq *s, seq_list *ly, tier_token *kept, uint32_t n)
     }
     if (rc == 0)
         rc = s->tier.ops->copy_tokens(&s->list_layout, s->pool->base, src, nsrc, dst, ndst);
-    for (uint32_t i = 0, j = 0; rc == 0 && i < n; i++)
+    for (uint32_t i = from, j = 0; rc == 0 && i < to; i++)
         if (kept[i].tier == POLICY_FULL) {
             kept[i] = (tier_token){blocks[j / slots], j % slots, POLICY_FULL};
             j++;
         }
     if (rc == 0) {
-        s->compacted += nfull;
-        ly->tail_block = blocks[need - 1];
-        ly->tail_next_slot = (nfull - 1) % slots + 1;
-        ly->has_tail = 1;
+        s->compacted += m;
+        ly->compact_next = to < n ? to : 0;
+        /* New tokens fill the last fresh block when the window ends the
+         * list; one in the middle keeps its free slots empty. */
+        if (to == n) {
+            ly->tail_block = blocks[fresh - 1];
+            ly->tail_next_slot = (m - 1) % slots + 1;
+            ly->has_tail = 1;
+        }
     }
     free(src);
     free(dst);

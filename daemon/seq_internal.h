@@ -40,6 +40,9 @@ typedef struct seq_list {
      * rule, no compaction can be due and an eviction cuts in place
      * (seq_apply.c list_apply_evictions), however split the segments are. */
     uint32_t blocks_at_most;
+    /* Where the list's next compaction window starts (an index into the
+     * list; a hint, any value is safe: seq_apply.c list_compact). */
+    uint32_t compact_next;
 } seq_list;
 
 #define SEQ_BLOCKS_UNKNOWN UINT32_MAX
@@ -120,6 +123,7 @@ typedef struct seq {
     int stepping;            /* inside seq_step (not an Append's step, nor an operator's move) */
     uint64_t compacted;      /* tokens list_compact copied in this call (seq_begin: 0) */
     uint64_t compact_budget; /* and may copy beyond its first list (SEQ_COMPACT_TOKENS) */
+    uint32_t compact_window; /* full-precision tokens one compaction copies at most (too) */
     /* The remote tier (seq.h "Spilling victims"): the uid of its keys ("" until
      * the first spill), the parts ever planned (numbered 0 .. spill_parts-1,
      * some never written), the victims now stored there. */

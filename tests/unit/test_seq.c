@@ -1626,10 +1626,16 @@ static void check_cut_list(fx *f, uint32_t l, const list_slots *before, int had_
  * fresh blocks), the list passes check_cut_list, and no retired block is in
  * a list. Counts the steps that evicted in place and those that compacted.
  */
-static void follow_evictions(fx *f, uint32_t append_n, uint32_t positions, int by_position,
-                             uint32_t *in_place, uint32_t *compacted, uint32_t *most_at_once)
+typedef struct follow_counts {
+    uint32_t in_place;     /* lists a step evicted from without moving a token */
+    uint32_t compacted;    /* lists a step moved tokens of */
+    uint32_t most_at_once; /* the most lists one step moved tokens of */
+    uint32_t most_moved;   /* the most tokens one step moved in one list */
+} follow_counts;
+
+static follow_counts follow_evictions(fx *f, uint32_t append_n, uint32_t positions, int by_position)
 {
-    *in_place = *compacted = *most_at_once = 0;
+    follow_counts c = {0};
     list_slots *before = malloc(2 * sizeof *before), *after = malloc(sizeof *after);
     assert_true(before != NULL && after != NULL && positions <= SLOTS_MAX);
     for (uint32_t round = 0; seq_appended(f->s) + append_n <= positions; round++) {
@@ -1662,17 +1668,18 @@ static void follow_evictions(fx *f, uint32_t append_n, uint32_t positions, int b
         uint32_t lists_moved = 0;
         for (uint32_t l = 0; l < 2; l++) {
             list_slots_get(f, l, after);
-            int moved = 0;
+            uint32_t moved = 0;
             for (uint32_t p = 0; p < SLOTS_MAX; p++)
-                if (after->block[p] != UINT32_MAX)
-                    moved |= after->block[p] != before[l].block[p] ||
+                if (after->block[p] != UINT32_MAX && before[l].block[p] != UINT32_MAX)
+                    moved += after->block[p] != before[l].block[p] ||
                              after->slot[p] != before[l].slot[p];
-            *in_place += !moved && evicted > 0;
-            *compacted += moved;
-            lists_moved += moved;
+            c.in_place += moved == 0 && evicted > 0;
+            c.compacted += moved > 0;
+            lists_moved += moved > 0;
+            c.most_moved = moved > c.most_moved ? moved : c.most_moved;
             check_cut_list(f, l, &before[l], has_tail[l], tail[l], nretired, round);
         }
-        *most_at_once = lists_moved > *most_at_once ? lists_moved : *most_at_once;
+        c.most_at_once = lists_moved > c.most_at_once ? lists_moved : c.most_at_once;
         const seq_retired *r;
         size_t nr = seq_retired_blocks(f->s, &r);
         for (size_t i = 0; i < nr; i++)
@@ -1681,6 +1688,7 @@ static void follow_evictions(fx *f, uint32_t append_n, uint32_t positions, int b
     }
     free(before);
     free(after);
+    return c;
 }
 
 /* h2o evicting from the middle of small lists, several tokens a step: the
@@ -1690,10 +1698,9 @@ static void test_evictions_on_the_segments(void **state)
     const char *const kv[] = {"budget", "9", "recent", "3"};
     fx f;
     fx_open(&f, backend_of(state), 64, "h2o", kv, 2);
-    uint32_t in_place, compacted, at_once;
-    follow_evictions(&f, 5, 64, 0, &in_place, &compacted, &at_once);
-    assert_true(in_place >= 4); /* steps that evicted and did not compact */
-    assert_true(compacted >= 1);
+    follow_counts c = follow_evictions(&f, 5, 64, 0);
+    assert_true(c.in_place >= 4); /* steps that evicted and did not compact */
+    assert_true(c.compacted >= 1);
     fx_close(&f);
 }
 
@@ -1707,17 +1714,53 @@ static void test_evictions_on_the_segments(void **state)
 static void test_compactions_spread_over_calls(void **state)
 {
     const char *const kv[] = {"budget", "40", "recent", "4"};
-    uint32_t in_place, compacted, at_once;
     fx f;
     fx_open(&f, backend_of(state), 128, "h2o", kv, 2);
-    follow_evictions(&f, 3, 200, 0, &in_place, &compacted, &at_once);
-    assert_int_equal(at_once, 2);
+    follow_counts c = follow_evictions(&f, 3, 200, 0);
+    assert_int_equal(c.most_at_once, 2);
     fx_close(&f);
     fx_open(&f, backend_of(state), 128, "h2o", kv, 2);
     f.s->compact_budget = 1;
-    follow_evictions(&f, 3, 200, 0, &in_place, &compacted, &at_once);
-    assert_int_equal(at_once, 1);
-    assert_true(compacted >= 3); /* in three steps or more */
+    c = follow_evictions(&f, 3, 200, 0);
+    assert_int_equal(c.most_at_once, 1);
+    assert_true(c.compacted >= 3); /* in three steps or more */
+    fx_close(&f);
+}
+
+/*
+ * A list longer than the sequence's compaction window (SEQ_COMPACT_TOKENS)
+ * is compacted a window at a time, at successive steps (seq_apply.c
+ * list_compact): with the default window h2o's 40-token lists are copied
+ * whole; with a window of 8 tokens no step moves more than 8 tokens of a
+ * list, compactions still come and keep the lists within their blocks, and
+ * every kept token still reads back its values (follow_evictions).
+ */
+static void test_compaction_by_windows(void **state)
+{
+    const char *const kv[] = {"budget", "40", "recent", "4"};
+    fx f;
+    fx_open(&f, backend_of(state), 128, "h2o", kv, 2);
+    follow_counts whole = follow_evictions(&f, 3, 300, 0);
+    assert_true(whole.most_moved > 8);
+    fx_close(&f);
+    fx_open(&f, backend_of(state), 128, "h2o", kv, 2);
+    f.s->compact_window = 8; /* two blocks of 4 slots */
+    follow_counts c = follow_evictions(&f, 3, 300, 0);
+    assert_true(c.most_moved >= 1 && c.most_moved <= 8);
+    /* More compactions, each smaller, but each window moves on along the
+     * list: five windows cover it, so at most five times as many (windows
+     * that started over at the front would never get the list under the
+     * rule, and compact at every step). */
+    assert_true(c.compacted > whole.compacted && c.compacted <= 5 * whole.compacted);
+    for (uint32_t l = 0; l < 2; l++) {
+        const seq_list *ly = seq_list_at(f.s, l, 0);
+        uint32_t blocks = 0;
+        for (size_t i = 0; i < ly->nsegs; i++) /* segments of distinct blocks, counted */
+            blocks += i == 0 || ly->segs[i].block != ly->segs[i - 1].block;
+        /* 40 tokens fill 10 blocks; the rule allows one more, and a list
+         * over it waits a step or two for its next window. */
+        assert_true(blocks <= 10 + 1 + 2);
+    }
     fx_close(&f);
 }
 
@@ -1733,15 +1776,14 @@ static void test_evictions_cut_in_place(void **state)
     const char *const h2o[] = {"budget", "300", "recent", "8"};
     fx f;
     fx_open(&f, backend_of(state), 512, "h2o", h2o, 2);
-    uint32_t in_place, compacted, at_once;
-    follow_evictions(&f, 1, 700, 1, &in_place, &compacted, &at_once);
-    assert_true(in_place >= 300);
-    assert_true(compacted >= 2);
+    follow_counts c = follow_evictions(&f, 1, 700, 1);
+    assert_true(c.in_place >= 300);
+    assert_true(c.compacted >= 2);
     fx_close(&f);
     const char *const streaming[] = {"n_sink", "5", "window", "250"};
     fx_open(&f, backend_of(state), 512, "streaming", streaming, 2);
-    follow_evictions(&f, 1, 700, 0, &in_place, &compacted, &at_once);
-    assert_true(in_place >= 800); /* two layers, 700 - 255 steps that evicted */
+    c = follow_evictions(&f, 1, 700, 0);
+    assert_true(c.in_place >= 800); /* two layers, 700 - 255 steps that evicted */
     fx_close(&f);
 }
 
@@ -1851,6 +1893,8 @@ int main(void)
         cmocka_unit_test(test_evictions_on_the_segments),
         ON_SHADOW(test_evictions_on_the_segments),
         cmocka_unit_test(test_compactions_spread_over_calls),
+        cmocka_unit_test(test_compaction_by_windows),
+        ON_SHADOW(test_compaction_by_windows),
         cmocka_unit_test(test_evictions_cut_in_place),
         ON_SHADOW(test_evictions_cut_in_place),
         cmocka_unit_test(test_tova_takes_the_summed_score),
