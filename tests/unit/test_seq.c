@@ -1762,6 +1762,12 @@ static void test_compaction_by_windows(void **state)
         assert_true(blocks <= 10 + 1 + 2);
     }
     fx_close(&f);
+    /* A window is whole blocks: 6 tokens are one block of 4. */
+    fx_open(&f, backend_of(state), 128, "h2o", kv, 2);
+    f.s->compact_window = 6;
+    c = follow_evictions(&f, 3, 300, 0);
+    assert_true(c.most_moved >= 1 && c.most_moved <= 4);
+    fx_close(&f);
 }
 
 /*
