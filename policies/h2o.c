@@ -249,6 +249,8 @@ POLICY_HOT static int layer_sum(uint32_t *restrict out_pos, double *restrict out
  * then the view's new tokens. */
 static int sum_tracked(h2o_layer *ly, const uint32_t *pos, const float *score, uint32_t n)
 {
+    if (ly->n == 0) /* nothing tracked (nor a hole): the pair may not exist yet */
+        return layer_sum(ly->spare_pos, ly->spare_score, NULL, NULL, 0, pos, score, n);
     uint32_t h = ly->has_hole ? ly->hole : ly->n, skip = (uint32_t)ly->has_hole;
     int wrong = layer_sum(ly->spare_pos, ly->spare_score, ly->pos, ly->score, h, pos, score, h);
     return wrong | layer_sum(ly->spare_pos + h, ly->spare_score + h, ly->pos + h + skip,
