@@ -383,15 +383,14 @@ static int reserve(confkv_state *s, confkv_layer *ly, uint32_t n)
     return 0;
 }
 
-/* Step 1: e_i ← γ·e_i + (1−γ)·mean_h last_attn[h][i]. */
+/* Step 1: e_i ← γ·e_i + (1−γ)·mean_h last_attn[h][i]. The means go
+ * through the step's rank scratch, which evict() overwrites. */
 static void update_ema(const confkv_state *s, confkv_layer *ly, const policy_stats *st)
 {
-    for (uint32_t i = 0; i < ly->n; i++) {
-        double m = 0.0;
-        for (uint32_t h = 0; h < s->q_heads; h++)
-            m += st->last_attn[h][i];
-        ly->ema[i] = confkv_ema(ly->ema[i], m / s->q_heads, s->cfg.gamma);
-    }
+    double *mean = s->rank;
+    policy_mean_rows(st->last_attn, s->q_heads, ly->n, mean);
+    for (uint32_t i = 0; i < ly->n; i++)
+        ly->ema[i] = confkv_ema(ly->ema[i], mean[i], s->cfg.gamma);
 }
 
 /* Step 3: mark the evicted tokens in tier[]. The W newest are protected. */

@@ -104,35 +104,11 @@ static int scratch_reserve(tova_scratch *s, uint32_t need)
     return 0;
 }
 
-/* Outputs summed at a time: their sums (4 KiB) stay in L1 while every
- * head's row passes over them. The rows are then read a block at a time,
- * one after another: 32 streams, more than the hardware prefetches on its
- * own, so each block asks for the row's next one (twice as fast). */
-#define MEAN_BLOCK 512
-
-/* score[i] = mean over the heads of rows[h][i], summed in head order in
- * double (vectorised over a block of outputs, one head after another);
- * returns the max over i < n - 1. A non-finite sum gives a non-finite
- * score. */
-POLICY_HOT static double mean_over_heads(const float *const *rows, uint32_t heads, uint32_t n,
-                                         double *score)
+/* score[i] = the mean over the heads of rows[h][i]; returns the max over
+ * i < n - 1. */
+static double mean_max(const float *const *rows, uint32_t heads, uint32_t n, double *score)
 {
-    for (uint32_t b = 0; b < n; b += MEAN_BLOCK) {
-        uint32_t m = n - b < MEAN_BLOCK ? n - b : MEAN_BLOCK;
-        double *restrict acc = score + b;
-        for (uint32_t i = 0; i < m; i++)
-            acc[i] = 0.0;
-        for (uint32_t h = 0; h < heads; h++) {
-            const float *restrict row = rows[h] + b;
-            uint32_t ahead = n - b - m < MEAN_BLOCK ? n - b - m : MEAN_BLOCK;
-            for (uint32_t i = 0; i < ahead; i += 16) /* this row's next block */
-                __builtin_prefetch(row + m + i);
-            for (uint32_t i = 0; i < m; i++)
-                acc[i] += (double)row[i];
-        }
-        for (uint32_t i = 0; i < m; i++)
-            acc[i] /= (double)heads;
-    }
+    policy_mean_rows(rows, heads, n, score);
     return policy_max(score, n - 1);
 }
 
@@ -285,7 +261,7 @@ static int tova_step(void *state, const policy_layer_view *view, const policy_st
         return -1;
     }
     double max = summed ? scores_from_sum(stats->score, n, sc->score)
-                        : mean_over_heads(stats->last_attn, st->q_heads, n, sc->score);
+                        : mean_max(stats->last_attn, st->q_heads, n, sc->score);
     bad = summed ? bad : first_not_finite(sc->score, n);
     if (bad < n) {
         snprintf(err, errlen, "tova: stats.%s of token %zu is not finite",

@@ -45,6 +45,29 @@ POLICY_HOT size_t policy_copy_first_outside(float *restrict dst, const float *re
     return ok ? n : policy_first_outside(dst, n, lo);
 }
 
+/* Outputs summed at a time: their sums (4 KiB) stay in L1. */
+#define MEAN_BLOCK 512
+
+POLICY_HOT void policy_mean_rows(const float *const *rows, uint32_t nrows, size_t n, double *out)
+{
+    for (size_t b = 0; b < n; b += MEAN_BLOCK) {
+        size_t m = n - b < MEAN_BLOCK ? n - b : MEAN_BLOCK;
+        size_t ahead = n - b - m < MEAN_BLOCK ? n - b - m : MEAN_BLOCK;
+        double *restrict acc = out + b;
+        for (size_t i = 0; i < m; i++)
+            acc[i] = 0.0;
+        for (uint32_t r = 0; r < nrows; r++) {
+            const float *restrict row = rows[r] + b;
+            for (size_t i = 0; i < ahead; i += 16) /* this row's next block */
+                __builtin_prefetch(row + m + i);
+            for (size_t i = 0; i < m; i++)
+                acc[i] += (double)row[i];
+        }
+        for (size_t i = 0; i < m; i++)
+            acc[i] /= (double)nrows;
+    }
+}
+
 POLICY_HOT void policy_evict_marked(uint8_t *restrict tier, const uint8_t *restrict mark,
                                     int evict_if, size_t n)
 {

@@ -51,6 +51,16 @@ size_t policy_first_outside(const float *a, size_t n, float lo);
 size_t policy_copy_first_outside(float *dst, const float *src, size_t n, float lo);
 
 /*
+ * out[i] = the mean of rows[0..nrows)[i] for i < n, summed in row order in
+ * double and divided by nrows: a token's mean over a group of query heads.
+ * Vectorised over blocks of outputs that stay in L1 while every row passes
+ * over them; each row prefetches its next block, because 32 streams are
+ * more than the hardware prefetcher follows. A non-finite input gives a
+ * non-finite mean.
+ */
+void policy_mean_rows(const float *const *rows, uint32_t nrows, size_t n, double *out);
+
+/*
  * Whether a decision's n tiers only keep at full precision or evict (every
  * one POLICY_FULL or POLICY_EVICT), and *nevict, how many evict: one
  * vectorised pass, for the daemon's common step (seq_apply.c), which asks

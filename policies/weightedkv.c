@@ -365,12 +365,7 @@ static int reserve(wkv_state *s, wkv_head *hd, uint32_t n)
 /* s->attn[i] = mean over KV head k's query heads of rows[h][i] (§4.1 GQA). */
 static void group_mean(wkv_state *s, const float *const *rows, uint32_t k, uint32_t n)
 {
-    for (uint32_t i = 0; i < n; i++) {
-        double sum = 0.0;
-        for (uint32_t g = 0; g < s->group; g++)
-            sum += rows[k * s->group + g][i];
-        s->attn[i] = sum / s->group;
-    }
+    policy_mean_rows(rows + (size_t)k * s->group, s->group, n, s->attn);
 }
 
 static int check_stats(const wkv_state *s, const policy_stats *st, int window, char *err,

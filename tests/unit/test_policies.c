@@ -1,6 +1,7 @@
 /*
  * test_policies.c - unit tests for policies/: the registry, parameter
- * resolution and parsing, and the "full" and "streaming" policies.
+ * resolution and parsing, the "full" and "streaming" policies, and the
+ * mean over query heads that tova, confkv and weightedkv share (util.h).
  *
  * The policy tests drive a policy through the policy host (policies/host.h)
  * the way the daemon does: each step appends the step's tokens to every
@@ -9,6 +10,7 @@
  * definition (policies/streaming.c): of the T positions appended so far,
  * exactly {p < n_sink} ∪ {p >= T - window} are held, all in full precision.
  */
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -20,6 +22,7 @@
 #include <cmocka.h>
 
 #include "policy_harness.h"
+#include "util.h"
 
 /* ---- helpers ---- */
 
@@ -657,6 +660,58 @@ static void test_full_keeps_everything(void **unused)
     policy_host_destroy(h);
 }
 
+/* ---- the mean over query heads (util.h) ---- */
+
+/* policy_mean_rows is each token's rows summed one after another in double,
+ * then divided: bit for bit, for inputs whose sum depends on the order
+ * (signs and magnitudes from 2^-40 to 2^40), at lengths around its blocks. */
+static void test_mean_rows_in_row_order(void **unused)
+{
+    (void)unused;
+    const uint32_t nrows_set[] = {1, 3, 4, 32};
+    const size_t n_set[] = {1, 15, 511, 512, 513, 1040, 1537};
+    uint64_t rng = 0x9e3779b97f4a7c15u;
+    float *data = malloc(32 * 1537 * sizeof *data);
+    double *got = malloc(1537 * sizeof *got);
+    assert_non_null(data);
+    assert_non_null(got);
+    for (size_t i = 0; i < 32 * 1537; i++) {
+        rng = rng * 6364136223846793005u + 1442695040888963407u;
+        int e = (int)(rng >> 58) + (int)((rng >> 40) & 15) - 40; /* -40 .. 38 */
+        float mag = ldexpf(1.0f + (float)((rng >> 20) & 0xfffff) / 1048576.0f, e);
+        data[i] = (rng >> 19) & 1 ? -mag : mag;
+    }
+    size_t order_matters = 0;
+    for (size_t a = 0; a < sizeof nrows_set / sizeof nrows_set[0]; a++)
+        for (size_t b = 0; b < sizeof n_set / sizeof n_set[0]; b++) {
+            uint32_t nrows = nrows_set[a];
+            size_t n = n_set[b];
+            const float *rows[32];
+            for (uint32_t r = 0; r < nrows; r++)
+                rows[r] = data + (size_t)r * n;
+            policy_mean_rows(rows, nrows, n, got);
+            for (size_t i = 0; i < n; i++) {
+                double sum = 0.0, back = 0.0;
+                for (uint32_t r = 0; r < nrows; r++)
+                    sum += (double)rows[r][i];
+                for (uint32_t r = nrows; r-- > 0;)
+                    back += (double)rows[r][i];
+                double want = sum / (double)nrows;
+                order_matters += want != back / (double)nrows;
+                if (memcmp(&want, &got[i], sizeof want) != 0)
+                    fail_msg("rows %u, n %zu, token %zu: %a, want %a", nrows, n, i, got[i], want);
+            }
+        }
+    assert_true(order_matters > 100); /* the inputs tell a reversed sum apart */
+    /* A non-finite input gives a non-finite mean. */
+    data[700] = NAN;
+    const float *rows[3] = {data, data + 513, data + 1026};
+    policy_mean_rows(rows, 3, 513, got);
+    assert_true(isnan(got[187]));
+    free(data);
+    free(got);
+}
+
 /* ---- streaming ---- */
 
 static void test_streaming_one_at_a_time(void **unused)
@@ -897,6 +952,7 @@ int main(void)
         cmocka_unit_test(test_params_choice),
         cmocka_unit_test(test_params_parse_typed),
         cmocka_unit_test(test_full_keeps_everything),
+        cmocka_unit_test(test_mean_rows_in_row_order),
         cmocka_unit_test(test_streaming_one_at_a_time),
         cmocka_unit_test(test_streaming_prefill_then_decode),
         cmocka_unit_test(test_streaming_no_sinks),
