@@ -52,6 +52,7 @@
 
 #include "builtin.h"
 #include "describe.h"
+#include "select.h"
 #include "util.h"
 
 #define WKV_MAX 1048576u
@@ -102,9 +103,16 @@ static const policy_param_spec wkv_params[] = {
 
 /* ---- the pure pieces (weightedkv.h) -------------------------------------- */
 
-double wkv_weight(double a, double c)
+/* Inlined in the step's loop: through the exported name (a library built
+ * position-independent may interpose it) it is a call per token. */
+static inline double weight_of(double a, double c)
 {
     return c > 0.0 ? a / c : 0.0;
+}
+
+double wkv_weight(double a, double c)
+{
+    return weight_of(a, c);
 }
 
 void wkv_merge_weights(double w_from, double w_into, float *wf, float *wi)
@@ -141,6 +149,16 @@ static void heap_down(const double *w, uint32_t *heap, size_t root, size_t n)
     }
 }
 
+/* Whether x[0..n) holds a NaN, in one vectorised pass: the heap orders
+ * NaNs somehow, policy_first_min not at all. */
+static int has_nan(const double *x, size_t n)
+{
+    int nan = 0;
+    for (size_t i = 0; i < n; i++)
+        nan |= x[i] != x[i];
+    return nan;
+}
+
 size_t wkv_plan(const double *w, size_t n, const wkv_config *cfg, uint32_t head, uint32_t *scratch,
                 policy_merge *out)
 {
@@ -152,6 +170,12 @@ size_t wkv_plan(const double *w, size_t n, const wkv_config *cfg, uint32_t head,
     size_t k = n - cfg->cache_size;
     if (k > hi - lo)
         k = hi - lo;
+    if (k == 1 && !has_nan(w + lo, hi - lo)) { /* a decode step: no heap */
+        size_t j = lo + policy_first_min(w + lo, hi - lo);
+        out[0] = (policy_merge){.head = head, .from = (uint32_t)j, .into = (uint32_t)j + 1};
+        wkv_merge_weights(w[j], w[j + 1], &out[0].w_from, &out[0].w_into);
+        return 1;
+    }
     uint32_t *heap = scratch, *next = scratch + n, *prev = scratch + 2 * n;
     size_t hn = hi - lo;
     for (size_t i = 0; i < hn; i++)
@@ -424,11 +448,10 @@ static int merge_head(wkv_state *s, wkv_head *hd, uint32_t k, policy_decision *d
     uint32_t n = hd->n;
     if (n <= s->cfg.cache_size)
         return 0;
-    for (uint32_t i = 0; i < n; i++) {
-        s->w[i] = wkv_weight(hd->a[i], hd->c[i]);
-        if (s->literal)
-            hd->a[i] = s->w[i]; /* Algorithm 1's `a = a/n` */
-    }
+    for (uint32_t i = 0; i < n; i++)
+        s->w[i] = weight_of(hd->a[i], hd->c[i]);
+    if (s->literal)
+        memcpy(hd->a, s->w, (size_t)n * sizeof *hd->a); /* Algorithm 1's `a = a/n` */
     size_t count = wkv_plan(s->w, n, &s->cfg, k, s->scratch, s->plan);
     if (s->merge && d->nmerges + count > d->merges_cap) {
         policy_set_err(err, errlen, "weightedkv: %zu merges do not fit the decision (room for %zu)",
@@ -443,8 +466,10 @@ static int merge_head(wkv_state *s, wkv_head *hd, uint32_t k, policy_decision *d
         wkv_flatten(s->plan, count, n, d->merges + d->nmerges, s->scratch, s->coef);
         d->nmerges += count;
     }
-    uint32_t out = 0;
-    for (uint32_t i = 0; i < n; i++)
+    /* Entries before the first eviction stay where they are. */
+    const uint8_t *first = memchr(d->tier[k], POLICY_EVICT, n);
+    uint32_t out = first != NULL ? (uint32_t)(first - d->tier[k]) : n;
+    for (uint32_t i = out; i < n; i++)
         if (d->tier[k][i] != POLICY_EVICT) {
             hd->a[out] = hd->a[i];
             hd->c[out] = hd->c[i];

@@ -17,6 +17,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
 
 #include <cmocka.h>
@@ -343,6 +344,12 @@ static void test_argmin_ties_and_protection(void **unused)
     assert_int_equal(m[0].into, 5);
     /* n <= m: nothing. */
     assert_int_equal(wkv_plan(w, 7, &cfg, 0, scratch, m), 0);
+    /* A NaN weight (from statistics the daemon would have refused) still
+     * gives one merge of a candidate into its right neighbour. */
+    const double wn[] = {0.0, 0.0, NAN, 0.3, 0.2, 0.0, 0.0, 0.0};
+    assert_int_equal(wkv_plan(wn, 8, &cfg, 0, scratch, m), 1);
+    assert_in_range(m[0].from, 2, 4);
+    assert_int_equal(m[0].into, m[0].from + 1);
     /* Several merges (prefill), m = 5 of 8: victims in (w, index) order,
      * 4 (0.2), 3 (0.3), 2 (0.4), each into its right neighbour at its
      * turn, which is 5 every time. */
