@@ -351,6 +351,56 @@ static int apply_merges(seq *s, uint32_t l, const policy_decision *d, tier_token
     return 0;
 }
 
+/* A decode step's merges (WeightedKV: one a list) are found in the
+ * segments; more than this many (a prefill's) go through apply_merges. */
+#define SEQ_SEGMENT_MERGES 64
+
+/* Where token i of list ly is stored: 0, or -1 when it is beyond the
+ * segments or not at full precision. */
+static int list_full_slot(const seq_list *ly, uint32_t i, tier_token *at)
+{
+    for (size_t j = 0; j < ly->nsegs; j++) {
+        if (i < ly->segs[j].count) {
+            *at = (tier_token){ly->segs[j].block, ly->segs[j].first_slot + i, ly->seg_tier[j]};
+            return ly->seg_tier[j] == POLICY_FULL ? 0 : -1;
+        }
+        i -= ly->segs[j].count;
+    }
+    return -1;
+}
+
+/*
+ * apply_merges for a decision of few merges, every token in them at full
+ * precision: each token is found by a walk over its list's segments
+ * instead of every list expanded into one entry per token, so that the
+ * evictions can then take the common step (list_apply_evictions). The
+ * same merges in the same order, saved the same way. Returns 1 when it
+ * does not apply (nothing changed; apply_merges brings quantised tokens
+ * back first), else 0 or -1.
+ */
+static int apply_merges_in_segments(seq *s, uint32_t l, const policy_decision *d)
+{
+    if (d->nmerges > SEQ_SEGMENT_MERGES)
+        return 1;
+    kv_merge merges[SEQ_SEGMENT_MERGES];
+    tier_token into[SEQ_SEGMENT_MERGES];
+    for (size_t m = 0; m < d->nmerges; m++) {
+        const policy_merge *g = &d->merges[m];
+        const seq_list *ly = seq_list_at(s, l, g->head);
+        tier_token from;
+        if (list_full_slot(ly, g->from, &from) != 0 || list_full_slot(ly, g->into, &into[m]) != 0)
+            return 1;
+        merges[m] =
+            (kv_merge){from.block, from.slot, into[m].block, into[m].slot, g->w_from, g->w_into};
+    }
+    for (size_t m = 0; m < d->nmerges; m++)
+        if (seq_txn_save_tokens(s, &into[m], 1) != 0 ||
+            s->tier.ops->merge_values(&s->list_layout, s->tier.dtype, s->pool->base, &merges[m],
+                                      1) != 0)
+            return -1;
+    return 0;
+}
+
 /*
  * OpenVINO §2.8: after an eviction, a kept token that moved from index i to
  * j of its list carries RoPE for a position j - i too far; rotate its key
@@ -926,13 +976,20 @@ status_code seq_apply_decision(seq *s, uint32_t l, const policy_decision *d, uin
 {
     tier_token **toks = calloc(s->heads, sizeof *toks);
     int rc = toks == NULL ? -1 : 0;
-    /* Lists the common step leaves to list_apply: all of them when there
-     * are merges, which work on the token arrays of the layer's lists. */
+    /* Merges found in the segments (0), or left to apply_merges (1), which
+     * works on the token arrays of all the layer's lists. */
+    int merges_left = 0;
+    if (rc == 0 && d->nmerges > 0) {
+        merges_left = d->rerotate_keys ? 1 : apply_merges_in_segments(s, l, d);
+        rc = merges_left < 0 ? -1 : 0;
+    }
+    /* Lists the common step leaves to list_apply: all of them when merges
+     * are left. */
     uint8_t *general = malloc(s->heads);
     rc = general == NULL ? -1 : rc;
     for (uint32_t k = 0; rc == 0 && k < s->heads; k++) {
         general[k] = 1;
-        if (d->nmerges == 0 && !d->rerotate_keys) {
+        if (merges_left == 0 && !d->rerotate_keys) {
             int r = list_apply_evictions(s, l, k, d, epoch, changed);
             rc = r < 0 ? -1 : 0;
             general[k] = r == 1;
@@ -945,7 +1002,7 @@ status_code seq_apply_decision(seq *s, uint32_t l, const policy_decision *d, uin
         toks[k] = list_expand(seq_list_at(s, l, k), seq_list_tokens(s, l, k, NULL));
         rc = toks[k] == NULL ? -1 : 0;
     }
-    if (rc == 0)
+    if (rc == 0 && merges_left)
         rc = apply_merges(s, l, d, toks);
     *changed |= d->nmerges > 0;
     for (uint32_t k = 0; rc == 0 && k < s->heads; k++)

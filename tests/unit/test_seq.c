@@ -29,6 +29,7 @@
 #include "pool.h"
 #include "seq.h"
 #include "tier.h"
+#include "weightedkv.h"
 /* White-box, in test_append_check (positions near 2^32 cannot be reached
  * by appending in a unit test's time) and test_sketch_undo (a call's
  * journal of sketch cells, which no call makes in both forms by itself). */
@@ -1569,6 +1570,118 @@ static void test_tova_takes_the_summed_score(void **state)
     fx_close(&f);
 }
 
+/* The last query's attention of query head h to position p at a round. */
+static float wkv_attn(uint32_t round, uint32_t l, uint32_t h, uint32_t p)
+{
+    return (float)((p * 7 + h * 3 + l * 5 + round * 11) % 13) / 13.0f;
+}
+
+/*
+ * WeightedKV's decode steps write the merged values where the worker reads
+ * them (seq_apply.c: a decode step's merge is found in the segments): over
+ * rounds that cross blocks, the test keeps its own model of each per-head
+ * list, the accumulators (policies/weightedkv.c step 1) from the policy's
+ * state and the step's rows, and each token's value, merged as POLICIES.md
+ * §4.1 says into the right neighbour of the token the step evicted. Every
+ * held token's V reads back its model's value and its K what was written.
+ */
+static void test_weightedkv_merges_in_place(void **state)
+{
+    const char *const kv[] = {"cache_size", "6", "n_init", "1", "n_recent", "2"};
+    enum { ROUNDS = 24, POS = 64 };
+    fx f;
+    fx_open(&f, backend_of(state), 128, "weightedkv", kv, 3);
+    assert_int_equal(f.heads, 2);
+    static float model[2][2][POS][HD]; /* [layer][head][position] V */
+    for (uint32_t l = 0; l < 2; l++)
+        for (uint32_t k = 0; k < 2; k++)
+            for (uint32_t p = 0; p < POS; p++)
+                for (uint32_t c = 0; c < HD; c++)
+                    model[l][k][p][c] = value_of(p, l, k, c, 1);
+    append(&f, 6);
+    uint32_t merges = 0;
+    for (uint32_t round = 0; round < ROUNDS; round++) {
+        if (round > 0)
+            append(&f, 1);
+        size_t nf = seq_step_floats(f.s, POLICY_NEEDS_LAST_ATTN);
+        float *data = malloc(nf * sizeof *data);
+        assert_non_null(data);
+        /* Layer by layer, query head by query head, over its list (kvstash_step.h). */
+        size_t at = 0;
+        seq_list_view before[2][2]; /* positions: the host's, until the step */
+        uint32_t held[2][2][8];
+        double w[2][2][8];
+        for (uint32_t l = 0; l < 2; l++)
+            for (uint32_t h = 0; h < 4; h++) {
+                seq_list_view_get(f.s, l, h / 2, &before[l][h / 2]);
+                for (uint32_t i = 0; i < before[l][h / 2].tokens; i++)
+                    data[at++] = wkv_attn(round, l, h, before[l][h / 2].positions[i]);
+            }
+        assert_int_equal(at, nf);
+        for (uint32_t l = 0; l < 2; l++)
+            for (uint32_t k = 0; k < 2; k++) {
+                const double *a, *c;
+                uint32_t n;
+                assert_int_equal(
+                    weightedkv_head_state(policy_host_state(f.s->host), l, k, &a, &c, &n), 0);
+                assert_true(before[l][k].tokens <= 8 && n <= before[l][k].tokens);
+                for (uint32_t i = 0; i < before[l][k].tokens; i++) {
+                    uint32_t p = held[l][k][i] = before[l][k].positions[i];
+                    double m = ((double)wkv_attn(round, l, 2 * k, p) +
+                                (double)wkv_attn(round, l, 2 * k + 1, p)) /
+                               2;
+                    w[l][k][i] = ((i < n ? a[i] : 0.0) + m) / ((i < n ? c[i] : 0.0) + 1.0);
+                }
+            }
+        seq_step_input in = {
+            .arrays = POLICY_NEEDS_LAST_ATTN, .confidence = -1.0, .data = data, .nfloats = nf};
+        uint32_t evicted;
+        status st;
+        if (seq_step(f.s, &in, &evicted, &st) != ST_OK)
+            fail_msg("step: %s", st.msg);
+        free(data);
+        for (uint32_t l = 0; l < 2; l++)
+            for (uint32_t k = 0; k < 2; k++) {
+                uint32_t n = before[l][k].tokens;
+                const uint32_t *was = held[l][k];
+                seq_list_view v;
+                uint8_t *tier;
+                float *got = list_read(&f, l, k, &v, &tier);
+                if (n > 6) { /* one merge: the lowest weight of [1, n - 2), into the next */
+                    uint32_t j = 1;
+                    for (uint32_t i = 1; i < n - 2; i++)
+                        j = w[l][k][i] < w[l][k][j] ? i : j;
+                    assert_int_equal(v.tokens, n - 1);
+                    for (uint32_t i = 0; i < v.tokens; i++)
+                        assert_int_equal(v.positions[i], was[i < j ? i : i + 1]);
+                    float wf = (float)w[l][k][j], wi = (float)w[l][k][j + 1];
+                    if (!(wf + wi > 0.0f))
+                        wf = wi = 1.0f;
+                    float *into = model[l][k][was[j + 1]], *from = model[l][k][was[j]];
+                    for (uint32_t c = 0; c < HD; c++)
+                        into[c] = (wf * from[c] + wi * into[c]) / (wf + wi);
+                    merges++;
+                }
+                for (uint32_t i = 0; i < v.tokens; i++)
+                    for (uint32_t c = 0; c < HD; c++) {
+                        uint32_t p = v.positions[i];
+                        assert_int_equal(tier[i], POLICY_FULL);
+                        assert_float_equal(got[i * HD + c], value_of(p, l, k, c, 0), 0.0);
+                        if (fabsf(got[v.tokens * HD + i * HD + c] - model[l][k][p][c]) > 1e-5f)
+                            fail_msg("round %u layer %u head %u position %u channel %u: V %g, "
+                                     "want %g",
+                                     round, l, k, p, c, got[v.tokens * HD + i * HD + c],
+                                     model[l][k][p][c]);
+                    }
+                free(got);
+                free(tier);
+            }
+        seq_ack(f.s, seq_epoch(f.s));
+    }
+    assert_int_equal(merges, 4 * (ROUNDS - 1));
+    fx_close(&f);
+}
+
 /* A list's tokens as (block, slot) by position, for tests that follow
  * tokens across a step: UINT32_MAX where p is not in the list. */
 enum { SLOTS_MAX = 1024 };
@@ -1901,6 +2014,8 @@ int main(void)
         cmocka_unit_test(test_compactions_spread_over_calls),
         cmocka_unit_test(test_compaction_by_windows),
         ON_SHADOW(test_compaction_by_windows),
+        cmocka_unit_test(test_weightedkv_merges_in_place),
+        ON_SHADOW(test_weightedkv_merges_in_place),
         cmocka_unit_test(test_evictions_cut_in_place),
         ON_SHADOW(test_evictions_cut_in_place),
         cmocka_unit_test(test_tova_takes_the_summed_score),
