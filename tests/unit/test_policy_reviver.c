@@ -805,6 +805,61 @@ static size_t naive_compress(const reviver_budgets *b, uint32_t n, uint32_t nnew
     return nops;
 }
 
+/*
+ * reviver_compress on its own against the oracle, from random stores: steps
+ * of a move or two (the sketch holds the least attended but a few, as in a
+ * steady decode) and steps of dozens of pops and swaps both occur.
+ */
+static void test_compress_few_and_many_moves(void **unused)
+{
+    (void)unused;
+    enum { N = 300 };
+    double score[N];
+    uint8_t loc[N], want_loc[N];
+    uint32_t scratch[2 * N];
+    reviver_op ops[N], want[N];
+    rng_state = 99;
+    uint32_t few = 0, many_pops = 0, many_swaps = 0;
+    for (int trial = 0; trial < 400; trial++) {
+        uint32_t n = 20 + rng() % (N - 20), nnew = 1 + rng() % 3;
+        int ties = trial % 3 == 0;
+        for (uint32_t i = 0; i < n; i++) {
+            float u = rng_unit();
+            score[i] = ties ? (double)(rng() % 5) : (double)(u * u * u);
+            loc[i] = (uint8_t)(rng() % 3); /* RECENT, CANDIDATE or VAGUE */
+            /* Odd trials: the sketch holds the least attended but a few,
+             * as in a steady decode, so that few tokens swap. */
+            if (trial % 2 && loc[i] == REVIVER_VAGUE && rng() % 64 != 0)
+                score[i] = ties ? 0.0 : score[i] / 1024;
+        }
+        uint32_t cand = 0;
+        for (uint32_t i = 0; i < n - nnew; i++)
+            cand += loc[i] == REVIVER_CANDIDATE;
+        /* C_b from "a few under |C|" to "many under": pops from 0 to dozens. */
+        uint32_t under = trial % 2 ? rng() % 3 : rng() % 40;
+        reviver_budgets b = {n, 0, cand > under ? cand - under : 0,
+                             trial % 4 == 0 ? 1.0 : 1.0 + rng_unit()};
+        memcpy(want_loc, loc, n);
+        size_t nwant = naive_compress(&b, n, nnew, score, want_loc, want), nops;
+        assert_int_equal(reviver_compress(&b, n, nnew, score, loc, scratch, ops, N, &nops), 0);
+        assert_int_equal(nops, nwant);
+        assert_memory_equal(loc, want_loc, n);
+        uint32_t swaps = 0, pops = 0;
+        for (size_t k = 0; k < nops; k++) {
+            assert_int_equal(ops[k].index, want[k].index);
+            assert_int_equal(ops[k].kind, want[k].kind);
+            swaps += ops[k].kind == REVIVER_OP_REVIVE;
+        }
+        pops = (uint32_t)nops - 2 * swaps;
+        few += pops + swaps > 0 && pops <= 2 && swaps <= 2;
+        many_pops += pops > 8;
+        many_swaps += swaps > 8;
+    }
+    assert_true(few >= 20);
+    assert_true(many_pops >= 20);
+    assert_true(many_swaps >= 20);
+}
+
 /* Run `steps` random steps on `layers` layers; compare with the oracle and
  * check the invariants. out[] (if not NULL) receives every decision's tiers
  * for the determinism check. Optionally simulates the daemon's sketch. */
@@ -1303,6 +1358,7 @@ int main(void)
         cmocka_unit_test(test_step_rejects_bad_stats),
         cmocka_unit_test(test_daemon_keeping_tokens_full),
         cmocka_unit_test(test_property_matches_oracle),
+        cmocka_unit_test(test_compress_few_and_many_moves),
         cmocka_unit_test(test_property_deterministic),
         cmocka_unit_test(test_property_daemon_simulation),
         cmocka_unit_test(test_moves_to_another_host),
