@@ -213,20 +213,32 @@ uint32_t confkv_layer_budget(uint32_t budget, uint32_t layer, uint32_t layers, d
     return b >= (double)UINT32_MAX ? UINT32_MAX : (uint32_t)b;
 }
 
-double confkv_ema(double e, double mass, double gamma)
+/* Inlined in the step's loop: through the exported name (a library built
+ * position-independent may interpose it) it is a call per token. */
+static inline double ema_of(double e, double mass, double gamma)
 {
     return gamma * e + (1.0 - gamma) * mass;
 }
 
-void confkv_rank(const double *ema, const uint32_t *step, size_t n, double lambda, double *rank)
+double confkv_ema(double e, double mass, double gamma)
+{
+    return ema_of(e, mass, gamma);
+}
+
+/* The extremes skip NaNs as fmin and fmax do, in comparisons that
+ * vectorise (fmin and fmax are calls). With every EMA a NaN they stay
+ * +inf and -inf, where fmin gives NaN: either way no range, a = 0. The
+ * sign of a zero extreme does not reach a rank. */
+POLICY_HOT void confkv_rank(const double *ema, const uint32_t *step, size_t n, double lambda,
+                            double *rank)
 {
     if (n == 0)
         return;
-    double emin = ema[0], emax = ema[0];
+    double emin = INFINITY, emax = -INFINITY;
     uint32_t smin = step[0], smax = step[0];
-    for (size_t i = 1; i < n; i++) {
-        emin = fmin(emin, ema[i]);
-        emax = fmax(emax, ema[i]);
+    for (size_t i = 0; i < n; i++) {
+        emin = ema[i] < emin ? ema[i] : emin;
+        emax = ema[i] > emax ? ema[i] : emax;
         smin = step[i] < smin ? step[i] : smin;
         smax = step[i] > smax ? step[i] : smax;
     }
@@ -390,7 +402,7 @@ static void update_ema(const confkv_state *s, confkv_layer *ly, const policy_sta
     double *mean = s->rank;
     policy_mean_rows(st->last_attn, s->q_heads, ly->n, mean);
     for (uint32_t i = 0; i < ly->n; i++)
-        ly->ema[i] = confkv_ema(ly->ema[i], mean[i], s->cfg.gamma);
+        ly->ema[i] = ema_of(ly->ema[i], mean[i], s->cfg.gamma);
 }
 
 /* Step 3: mark the evicted tokens in tier[]. The W newest are protected. */
