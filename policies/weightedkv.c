@@ -57,9 +57,17 @@
 
 #define WKV_MAX 1048576u
 
+/* A head's accumulators, in two pairs of arrays: a step writes a + A and
+ * c + 1 into the spare pair and makes it current, so that the pair it read
+ * stays as it was and save() keeps it without a copy (restore() makes it
+ * current again). While a saved copy holds the current pair (pinned), a
+ * step does not make it the spare; discard() gives it back. */
 typedef struct wkv_head {
     double *a, *c; /* [n] in list order */
     uint32_t n, cap;
+    double *spare_a, *spare_c; /* contents not kept; spare_cap 0: none */
+    uint32_t spare_cap;
+    int pinned;
 } wkv_head;
 
 typedef struct wkv_state {
@@ -103,8 +111,8 @@ static const policy_param_spec wkv_params[] = {
 
 /* ---- the pure pieces (weightedkv.h) -------------------------------------- */
 
-/* Inlined in the step's loop: through the exported name (a library built
- * position-independent may interpose it) it is a call per token. */
+/* Inlined where the step needs it (through the exported name, which a
+ * library built position-independent may interpose, it is a call). */
 static inline double weight_of(double a, double c)
 {
     return c > 0.0 ? a / c : 0.0;
@@ -299,6 +307,8 @@ static void wkv_destroy(void *state)
     for (size_t i = 0; s->heads != NULL && i < (size_t)s->layers * s->kv_heads; i++) {
         free(s->heads[i].a);
         free(s->heads[i].c);
+        free(s->heads[i].spare_a);
+        free(s->heads[i].spare_c);
     }
     free(s->heads);
     free(s->w);
@@ -344,21 +354,20 @@ static int wkv_create(const policy_params *p, const policy_geometry *g, void **s
     return 0;
 }
 
+/* Room for n entries in the head's spare pair and in the step's scratch. */
 static int reserve(wkv_state *s, wkv_head *hd, uint32_t n)
 {
-    if (n > hd->cap) {
-        uint32_t cap = hd->cap ? hd->cap : 64;
+    if (n > hd->spare_cap) {
+        uint32_t cap = hd->spare_cap ? hd->spare_cap : 64;
         while (cap < n)
             cap = cap > UINT32_MAX / 2 ? n : cap * 2;
-        double *a = realloc(hd->a, (size_t)cap * sizeof *a);
-        if (a == NULL)
+        free(hd->spare_a);
+        free(hd->spare_c);
+        hd->spare_a = malloc((size_t)cap * sizeof *hd->spare_a);
+        hd->spare_c = malloc((size_t)cap * sizeof *hd->spare_c);
+        hd->spare_cap = hd->spare_a != NULL && hd->spare_c != NULL ? cap : 0;
+        if (hd->spare_cap == 0)
             return -1;
-        hd->a = a;
-        double *c = realloc(hd->c, (size_t)cap * sizeof *c);
-        if (c == NULL)
-            return -1;
-        hd->c = c;
-        hd->cap = cap;
     }
     if (n > s->scratch_cap) {
         double *w = realloc(s->w, (size_t)n * sizeof *w);
@@ -416,29 +425,86 @@ static int check_stats(const wkv_state *s, const policy_stats *st, int window, c
 }
 
 /* Step 1 for one head: grow to n entries and accumulate this step. */
+/* The spare pair becomes current; the current one becomes the spare,
+ * unless a saved copy holds it. */
+static void head_swap(wkv_head *hd)
+{
+    double *a = hd->a, *c = hd->c;
+    uint32_t cap = hd->cap;
+    hd->a = hd->spare_a, hd->c = hd->spare_c, hd->cap = hd->spare_cap;
+    if (hd->pinned) {
+        hd->spare_a = hd->spare_c = NULL, hd->spare_cap = 0;
+        hd->pinned = 0;
+    } else {
+        hd->spare_a = a, hd->spare_c = c, hd->spare_cap = cap;
+    }
+}
+
+/* a + A and c + 1 for the old entries of a pair, 0 + A and 0 + 1 for the
+ * new ones, into another pair. */
+POLICY_HOT static void add_step(const double *restrict a, const double *restrict c,
+                                const double *restrict attn, uint32_t old, uint32_t n,
+                                double *restrict na, double *restrict nc)
+{
+    for (uint32_t i = 0; i < old; i++) {
+        na[i] = a[i] + attn[i];
+        nc[i] = c[i] + 1.0;
+    }
+    for (uint32_t i = old; i < n; i++) {
+        na[i] = 0.0 + attn[i];
+        nc[i] = 0.0 + 1.0;
+    }
+}
+
+/* Four doubles at a time (GCC's vector extension: GCC keeps a division
+ * under a condition scalar, so the selects are written as masks). */
+typedef double wkv_vec __attribute__((vector_size(32)));
+typedef long long wkv_mask __attribute__((vector_size(32)));
+#define WKV_VEC (sizeof(wkv_vec) / sizeof(double))
+
+/* w[i] = wkv_weight(a[i], c[i]): a / c where c > 0, else +0.0, divided by 1
+ * there. */
+POLICY_HOT static void weights(const double *restrict a, const double *restrict c, uint32_t n,
+                               double *restrict w)
+{
+    const wkv_vec one = (wkv_vec){0} + 1.0;
+    uint32_t i = 0;
+    for (; i + WKV_VEC <= n; i += WKV_VEC) {
+        wkv_vec va, vc;
+        memcpy(&va, a + i, sizeof va);
+        memcpy(&vc, c + i, sizeof vc);
+        wkv_mask pos = vc > 0.0;
+        wkv_vec d = (wkv_vec)(((wkv_mask)vc & pos) | ((wkv_mask)one & ~pos));
+        wkv_vec q = (wkv_vec)((wkv_mask)(va / d) & pos);
+        memcpy(w + i, &q, sizeof q);
+    }
+    for (; i < n; i++)
+        w[i] = weight_of(a[i], c[i]);
+}
+
+/* Step 1 into the spare pair (room for n: reserve), which becomes
+ * current. A new entry starts at a = c = 0 before its first update. */
 static void accumulate(wkv_state *s, wkv_head *hd, const policy_layer_view *view, uint32_t k,
                        const policy_stats *st, int window)
 {
-    uint32_t n = view->tokens[k];
-    for (uint32_t i = hd->n; i < n; i++)
-        hd->a[i] = hd->c[i] = 0.0;
-    hd->n = n;
+    uint32_t n = view->tokens[k], old = hd->n;
+    const double *a = hd->a, *c = hd->c;
+    double *restrict na = hd->spare_a, *restrict nc = hd->spare_c;
     if (window) {
         /* Prefill extension: Σ over the window's queries, and how many see i. */
         uint64_t wq = st->window_queries;
         group_mean(s, st->window_attn, k, n);
         for (uint32_t i = 0; i < n; i++) {
             uint64_t after = view->appended - view->positions[k][i];
-            hd->a[i] += (double)wq * s->attn[i];
-            hd->c[i] += (double)(after < wq ? after : wq);
+            na[i] = (i < old ? a[i] : 0.0) + (double)wq * s->attn[i];
+            nc[i] = (i < old ? c[i] : 0.0) + (double)(after < wq ? after : wq);
         }
-        return;
+    } else {
+        group_mean(s, st->last_attn, k, n);
+        add_step(a, c, s->attn, old, n, na, nc);
     }
-    group_mean(s, st->last_attn, k, n);
-    for (uint32_t i = 0; i < n; i++) {
-        hd->a[i] += s->attn[i];
-        hd->c[i] += 1.0;
-    }
+    head_swap(hd);
+    hd->n = n;
 }
 
 /* Step 2 for one head: the merges, the evictions, and the compaction. */
@@ -448,8 +514,7 @@ static int merge_head(wkv_state *s, wkv_head *hd, uint32_t k, policy_decision *d
     uint32_t n = hd->n;
     if (n <= s->cfg.cache_size)
         return 0;
-    for (uint32_t i = 0; i < n; i++)
-        s->w[i] = weight_of(hd->a[i], hd->c[i]);
+    weights(hd->a, hd->c, n, s->w);
     if (s->literal)
         memcpy(hd->a, s->w, (size_t)n * sizeof *hd->a); /* Algorithm 1's `a = a/n` */
     size_t count = wkv_plan(s->w, n, &s->cfg, k, s->scratch, s->plan);
@@ -519,17 +584,19 @@ static int wkv_step(void *state, const policy_layer_view *view, const policy_sta
 
 /* ---- transactions (host.h) ---------------------------------------------- */
 
-/* A saved layer: its kv_heads accumulators, each in arrays of exactly n (the
- * copy's cap), so that restore() only swaps. The step's w, attn, coef,
- * scratch and plan are scratch, not state. */
+/* A saved layer: its kv_heads current pairs, which the layer's next step
+ * leaves as they are (it writes the spare pairs): no copy. An imported
+ * layer comes in the same form, in arrays of its own. The step's w, attn,
+ * coef, scratch and plan are scratch, not state. */
 typedef struct wkv_saved {
+    wkv_head *dst; /* the layer's heads (discard() is told only the copy) */
     uint32_t heads;
     wkv_head head[];
 } wkv_saved;
 
-static void wkv_discard(void *saved)
+/* A saved layer whose arrays are its own (an import that failed). */
+static void saved_free(wkv_saved *c)
 {
-    wkv_saved *c = saved;
     for (uint32_t k = 0; c != NULL && k < c->heads; k++) {
         free(c->head[k].a);
         free(c->head[k].c);
@@ -537,39 +604,59 @@ static void wkv_discard(void *saved)
     free(c);
 }
 
+static void wkv_discard(void *saved)
+{
+    wkv_saved *c = saved;
+    for (uint32_t k = 0; c != NULL && k < c->heads; k++) {
+        wkv_head *hd = &c->dst[k], *sv = &c->head[k];
+        if (hd->a == sv->a) {
+            hd->pinned = 0; /* no step since: the pair is still the current one */
+        } else if (hd->spare_cap == 0) {
+            hd->spare_a = sv->a, hd->spare_c = sv->c, hd->spare_cap = sv->cap;
+        } else {
+            free(sv->a);
+            free(sv->c);
+        }
+    }
+    free(c);
+}
+
 static int wkv_save(void *state, uint32_t layer, void **saved)
 {
     const wkv_state *s = state;
-    const wkv_head *src = &s->heads[(size_t)layer * s->kv_heads];
-    wkv_saved *c = calloc(1, sizeof *c + s->kv_heads * sizeof c->head[0]);
-    if (c == NULL)
-        goto oom;
+    wkv_head *src = &s->heads[(size_t)layer * s->kv_heads];
+    wkv_saved *c = malloc(sizeof *c + s->kv_heads * sizeof c->head[0]);
+    if (c == NULL) {
+        errno = ENOMEM;
+        return -1;
+    }
+    c->dst = src;
     c->heads = s->kv_heads;
     for (uint32_t k = 0; k < s->kv_heads; k++) {
-        wkv_head *h = &c->head[k];
-        h->n = h->cap = src[k].n;
-        h->a = policy_array_copy(src[k].a, src[k].n, src[k].n, sizeof *h->a);
-        h->c = policy_array_copy(src[k].c, src[k].n, src[k].n, sizeof *h->c);
-        if (h->a == NULL || h->c == NULL)
-            goto oom;
+        c->head[k] = (wkv_head){.a = src[k].a, .c = src[k].c, .n = src[k].n, .cap = src[k].cap};
+        src[k].pinned = 1;
     }
     *saved = c;
     return 0;
-oom:
-    wkv_discard(c);
-    errno = ENOMEM;
-    return -1;
 }
 
+/* Make the saved (or imported) pairs current; a pair a step made current
+ * since becomes the spare. */
 static void wkv_restore(void *state, uint32_t layer, void *saved)
 {
     wkv_state *s = state;
     wkv_saved *c = saved;
     wkv_head *dst = &s->heads[(size_t)layer * s->kv_heads];
     for (uint32_t k = 0; k < s->kv_heads; k++) {
-        free(dst[k].a);
-        free(dst[k].c);
-        dst[k] = c->head[k];
+        wkv_head *hd = &dst[k], *sv = &c->head[k];
+        if (hd->a != sv->a) {
+            free(hd->spare_a);
+            free(hd->spare_c);
+            hd->spare_a = hd->a, hd->spare_c = hd->c, hd->spare_cap = hd->cap;
+            hd->a = sv->a, hd->c = sv->c, hd->cap = sv->cap;
+        }
+        hd->n = sv->n;
+        hd->pinned = 0;
     }
     free(c);
 }
@@ -710,7 +797,7 @@ static int wkv_import_layer(void *state, uint32_t layer, const void *buf, size_t
     for (uint32_t k = 0; k < s->kv_heads; k++) {
         uint32_t n = (uint32_t)policy_get_le(p + WKV_STATE_HEAD + 4 * (size_t)k, 4);
         if (import_head(&c->head[k], k, n, &at, err, errlen) != 0) {
-            wkv_discard(c);
+            saved_free(c);
             return -1;
         }
     }
