@@ -440,21 +440,8 @@ static void head_swap(wkv_head *hd)
     }
 }
 
-/* a + A and c + 1 for the old entries of a pair, 0 + A and 0 + 1 for the
- * new ones, into another pair. */
-POLICY_HOT static void add_step(const double *restrict a, const double *restrict c,
-                                const double *restrict attn, uint32_t old, uint32_t n,
-                                double *restrict na, double *restrict nc)
-{
-    for (uint32_t i = 0; i < old; i++) {
-        na[i] = a[i] + attn[i];
-        nc[i] = c[i] + 1.0;
-    }
-    for (uint32_t i = old; i < n; i++) {
-        na[i] = 0.0 + attn[i];
-        nc[i] = 0.0 + 1.0;
-    }
-}
+/* Entries of a step's pass at a time (add_step): 16 KiB of doubles. */
+#define WKV_BLOCK 512
 
 /* Four doubles at a time (GCC's vector extension: GCC keeps a division
  * under a condition scalar, so the selects are written as masks). */
@@ -482,10 +469,33 @@ POLICY_HOT static void weights(const double *restrict a, const double *restrict 
         w[i] = weight_of(a[i], c[i]);
 }
 
+/* a + A and c + 1 for the old entries of a pair, 0 + A and 0 + 1 for the
+ * new ones, into another pair, and their weights into w: a block at a
+ * time, so that the weights read the new pair while it is in L1. */
+POLICY_HOT static void add_step(const double *restrict a, const double *restrict c,
+                                const double *restrict attn, uint32_t old, uint32_t n,
+                                double *restrict na, double *restrict nc, double *restrict w)
+{
+    for (uint32_t b = 0; b < n; b += WKV_BLOCK) {
+        uint32_t end = n - b < WKV_BLOCK ? n : b + WKV_BLOCK, mid = old < b ? b : old;
+        mid = mid > end ? end : mid;
+        for (uint32_t i = b; i < mid; i++) {
+            na[i] = a[i] + attn[i];
+            nc[i] = c[i] + 1.0;
+        }
+        for (uint32_t i = mid; i < end; i++) {
+            na[i] = 0.0 + attn[i];
+            nc[i] = 0.0 + 1.0;
+        }
+        weights(na + b, nc + b, end - b, w + b);
+    }
+}
+
 /* Step 1 into the spare pair (room for n: reserve), which becomes
- * current. A new entry starts at a = c = 0 before its first update. */
-static void accumulate(wkv_state *s, wkv_head *hd, const policy_layer_view *view, uint32_t k,
-                       const policy_stats *st, int window)
+ * current. A new entry starts at a = c = 0 before its first update.
+ * Returns 1 when it left the new pair's weights in s->w (a decode step). */
+static int accumulate(wkv_state *s, wkv_head *hd, const policy_layer_view *view, uint32_t k,
+                      const policy_stats *st, int window)
 {
     uint32_t n = view->tokens[k], old = hd->n;
     const double *a = hd->a, *c = hd->c;
@@ -501,20 +511,23 @@ static void accumulate(wkv_state *s, wkv_head *hd, const policy_layer_view *view
         }
     } else {
         group_mean(s, st->last_attn, k, n);
-        add_step(a, c, s->attn, old, n, na, nc);
+        add_step(a, c, s->attn, old, n, na, nc, s->w);
     }
     head_swap(hd);
     hd->n = n;
+    return !window;
 }
 
-/* Step 2 for one head: the merges, the evictions, and the compaction. */
-static int merge_head(wkv_state *s, wkv_head *hd, uint32_t k, policy_decision *d, char *err,
-                      size_t errlen)
+/* Step 2 for one head: the merges, the evictions, and the compaction.
+ * have_w: s->w holds the head's weights already. */
+static int merge_head(wkv_state *s, wkv_head *hd, uint32_t k, int have_w, policy_decision *d,
+                      char *err, size_t errlen)
 {
     uint32_t n = hd->n;
     if (n <= s->cfg.cache_size)
         return 0;
-    weights(hd->a, hd->c, n, s->w);
+    if (!have_w)
+        weights(hd->a, hd->c, n, s->w);
     if (s->literal)
         memcpy(hd->a, s->w, (size_t)n * sizeof *hd->a); /* Algorithm 1's `a = a/n` */
     size_t count = wkv_plan(s->w, n, &s->cfg, k, s->scratch, s->plan);
@@ -531,9 +544,16 @@ static int merge_head(wkv_state *s, wkv_head *hd, uint32_t k, policy_decision *d
         wkv_flatten(s->plan, count, n, d->merges + d->nmerges, s->scratch, s->coef);
         d->nmerges += count;
     }
-    /* Entries before the first eviction stay where they are. */
+    /* Entries before the first eviction stay where they are; after a
+     * decode step's one, the rest move down as one block. */
     const uint8_t *first = memchr(d->tier[k], POLICY_EVICT, n);
     uint32_t out = first != NULL ? (uint32_t)(first - d->tier[k]) : n;
+    if (out + 1 < n && memchr(first + 1, POLICY_EVICT, n - out - 1) == NULL) {
+        memmove(hd->a + out, hd->a + out + 1, (size_t)(n - out - 1) * sizeof *hd->a);
+        memmove(hd->c + out, hd->c + out + 1, (size_t)(n - out - 1) * sizeof *hd->c);
+        hd->n = n - 1;
+        return 0;
+    }
     for (uint32_t i = out; i < n; i++)
         if (d->tier[k][i] != POLICY_EVICT) {
             hd->a[out] = hd->a[i];
@@ -575,8 +595,8 @@ static int wkv_step(void *state, const policy_layer_view *view, const policy_sta
             policy_set_err(err, errlen, "out of memory in policy 'weightedkv'");
             return -1;
         }
-        accumulate(s, &heads[k], view, k, stats, window);
-        if (merge_head(s, &heads[k], k, d, err, errlen) != 0)
+        int have_w = accumulate(s, &heads[k], view, k, stats, window);
+        if (merge_head(s, &heads[k], k, have_w, d, err, errlen) != 0)
             return -1;
     }
     return 0;

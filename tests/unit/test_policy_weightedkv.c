@@ -578,6 +578,69 @@ static double rng_unit(void)
     return ph_uniform(&rng_state, 0, 1);
 }
 
+/*
+ * Lists longer than the step's blocks (weightedkv.c WKV_BLOCK, 512): from a
+ * prompt of 1,020 tokens, decode steps whose old entries end before, at and
+ * after a block's edge, then evict. Every step's a and c equal a model's
+ * bit for bit (one query head: its row is the mean), and each evicted token
+ * is the first minimum of a/c over the candidates.
+ */
+static void test_long_lists(void **unused)
+{
+    (void)unused;
+    enum { PROMPT = 1020, STEPS = 100, CAP = 1100, N_INIT = 4, N_RECENT = 8 };
+    const char *k[] = {"cache_size", "n_init", "n_recent"};
+    const char *v[] = {"1100", "4", "8"};
+    policy_geometry g = geom(1, 1, 1);
+    policy_host *h = make_host(k, v, 3, &g);
+    double *ma = calloc(PROMPT + STEPS, sizeof *ma), *mc = calloc(PROMPT + STEPS, sizeof *mc);
+    float *row = malloc((PROMPT + STEPS) * sizeof *row);
+    assert_true(ma && mc && row);
+    rng_state = 31;
+    uint32_t n = 0, evictions = 0;
+    for (uint32_t step = 0; step <= STEPS; step++) {
+        uint32_t add = step == 0 ? PROMPT : 1, evicted = 0;
+        assert_int_equal(policy_host_append(h, add), 0);
+        for (uint32_t i = 0; i < n + add; i++)
+            row[i] = (float)(rng() % 1000) / 1000.0f;
+        const float *rows[1] = {row};
+        policy_stats st = {.new_tokens = add, .last_attn = rows, .confidence = -1};
+        const policy_decision *d;
+        char err[POLICY_ERR_LEN] = "";
+        if (policy_host_step(h, 0, &st, &d, err, sizeof err) != 0)
+            fail_msg("step: %s", err);
+        for (uint32_t i = 0; i < n + add; i++) {
+            ma[i] = (i < n ? ma[i] : 0.0) + (0.0 + (double)row[i]) / 1.0;
+            mc[i] = (i < n ? mc[i] : 0.0) + 1.0;
+        }
+        n += add;
+        if (n > CAP) {
+            uint32_t j = N_INIT;
+            for (uint32_t i = N_INIT; i < n - N_RECENT; i++)
+                j = ma[i] / mc[i] < ma[j] / mc[j] ? i : j;
+            assert_int_equal(d->nmerges, 1);
+            assert_int_equal(d->merges[0].from, j);
+            memmove(ma + j, ma + j + 1, (n - j - 1) * sizeof *ma);
+            memmove(mc + j, mc + j + 1, (n - j - 1) * sizeof *mc);
+            n--;
+            evicted = 1;
+        }
+        evictions += evicted;
+        assert_int_equal(policy_host_commit(h, 0), evicted);
+        const double *ga, *gc;
+        uint32_t gn;
+        assert_int_equal(weightedkv_head_state(policy_host_state(h), 0, 0, &ga, &gc, &gn), 0);
+        assert_int_equal(gn, n);
+        assert_memory_equal(ga, ma, n * sizeof *ma);
+        assert_memory_equal(gc, mc, n * sizeof *mc);
+    }
+    assert_int_equal(evictions, PROMPT + STEPS - CAP);
+    free(ma);
+    free(mc);
+    free(row);
+    policy_host_destroy(h);
+}
+
 /* wkv_plan equals Algorithm 1 run one merge at a time: argmin over the
  * current list's candidates, merge into the right neighbour, delete. */
 static void test_plan_equals_sequential(void **unused)
@@ -895,6 +958,7 @@ int main(void)
         cmocka_unit_test(test_twkv2_accumulation),
         cmocka_unit_test(test_twkv2_gqa_mean),
         cmocka_unit_test(test_twkv2_literal_overwrite),
+        cmocka_unit_test(test_long_lists),
         cmocka_unit_test(test_zero_weights),
         cmocka_unit_test(test_argmin_ties_and_protection),
         cmocka_unit_test(test_merge_off),
