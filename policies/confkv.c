@@ -417,6 +417,10 @@ static void evict(confkv_state *s, const confkv_layer *ly, const uint32_t *pos, 
     if (k > cand)
         k = cand;
     confkv_rank(ly->ema, pos, cand, s->cfg.lambda, s->rank);
+    if (k == 1 && !policy_has_nan(s->rank, cand)) { /* a decode step: the first minimum */
+        tier[policy_first_min(s->rank, cand)] = POLICY_EVICT;
+        return;
+    }
     /* The k first of confkv_order's order (rank, step, index), selected
      * without sorting the rest: the view's positions ascend, so (step,
      * index) is index order, the order the cut is taken in. */

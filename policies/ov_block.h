@@ -58,7 +58,8 @@ uint64_t ov_counter(size_t i, size_t n, uint64_t k);
 /*
  * bs[j] = Σ_{t<B} acc[j*B+t] / c[j*B+t] (NORM_SUM), or Σ acc (cnt NULL:
  * SUM), for j < nblocks, summed in double in t order, where the counter
- * c[i] = cnt[i] + cnt_shift (mod 2^64: a layer keeps its counters so).
+ * c[i] = cnt[i] + cnt_shift (mod 2^64: a layer keeps its counters so);
+ * B >= 1.
  */
 void ov_score_blocks(const double *acc, const uint64_t *cnt, uint64_t cnt_shift, size_t nblocks,
                      uint32_t B, double *bs);

@@ -45,6 +45,14 @@ POLICY_HOT size_t policy_copy_first_outside(float *restrict dst, const float *re
     return ok ? n : policy_first_outside(dst, n, lo);
 }
 
+POLICY_HOT int policy_has_nan(const double *x, size_t n)
+{
+    int nan = 0;
+    for (size_t i = 0; i < n; i++)
+        nan |= x[i] != x[i];
+    return nan;
+}
+
 /* Outputs summed at a time: their sums (4 KiB) stay in L1. */
 #define MEAN_BLOCK 512
 

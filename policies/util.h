@@ -50,6 +50,10 @@ size_t policy_first_outside(const float *a, size_t n, float lo);
  * checked is what was written). dst and src do not overlap. */
 size_t policy_copy_first_outside(float *dst, const float *src, size_t n, float lo);
 
+/* Whether x[0..n) holds a NaN, in one vectorised pass (before a selection
+ * that assumes none, select.h policy_first_min). */
+int policy_has_nan(const double *x, size_t n);
+
 /*
  * out[i] = the mean of rows[0..nrows)[i] for i < n, summed in row order in
  * double and divided by nrows: a token's mean over a group of query heads.

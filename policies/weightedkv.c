@@ -157,16 +157,6 @@ static void heap_down(const double *w, uint32_t *heap, size_t root, size_t n)
     }
 }
 
-/* Whether x[0..n) holds a NaN, in one vectorised pass: the heap orders
- * NaNs somehow, policy_first_min not at all. */
-static int has_nan(const double *x, size_t n)
-{
-    int nan = 0;
-    for (size_t i = 0; i < n; i++)
-        nan |= x[i] != x[i];
-    return nan;
-}
-
 size_t wkv_plan(const double *w, size_t n, const wkv_config *cfg, uint32_t head, uint32_t *scratch,
                 policy_merge *out)
 {
@@ -178,7 +168,9 @@ size_t wkv_plan(const double *w, size_t n, const wkv_config *cfg, uint32_t head,
     size_t k = n - cfg->cache_size;
     if (k > hi - lo)
         k = hi - lo;
-    if (k == 1 && !has_nan(w + lo, hi - lo)) { /* a decode step: no heap */
+    /* A decode step: the first minimum, no heap (the heap orders NaNs
+     * somehow, policy_first_min not at all). */
+    if (k == 1 && !policy_has_nan(w + lo, hi - lo)) {
         size_t j = lo + policy_first_min(w + lo, hi - lo);
         out[0] = (policy_merge){.head = head, .from = (uint32_t)j, .into = (uint32_t)j + 1};
         wkv_merge_weights(w[j], w[j + 1], &out[0].w_from, &out[0].w_into);

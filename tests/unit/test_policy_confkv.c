@@ -315,6 +315,42 @@ static void test_ranker_through_host(void **unused)
     policy_host_destroy(h);
 }
 
+/*
+ * A decode step's one eviction is the first of (rank, step, index): with
+ * attention-only ranking, no memory in the EMA and the same attention for
+ * every token, every rank ties and the oldest candidate goes, step after
+ * step. A NaN in the
+ * statistics (the daemon refuses them) still evicts one token.
+ */
+static void test_decode_ties_evict_the_oldest(void **unused)
+{
+    (void)unused;
+    const char *k[] = {"budget_tight", "budget_loose", "protect", "lambda", "gamma"};
+    const char *v[] = {"8", "8", "2", "1", "0"};
+    policy_geometry g = geom(1, 2);
+    policy_host *h = make_host(k, v, 5, &g);
+    rows r = rows_new(2, 64);
+    for (size_t i = 0; i < 2 * 64; i++)
+        r.data[i] = 0.25f;
+    assert_int_equal(policy_host_append(h, 8), 0);
+    assert_int_equal(step_layer(h, 0, &r, 8, 1, 0.9, NULL), 0);
+    for (uint32_t t = 8; t < 20; t++) {
+        assert_int_equal(policy_host_append(h, 1), 0);
+        assert_int_equal(step_layer(h, 0, &r, 1, 0, 0.9, NULL), 1);
+        const policy_layer_view *view = policy_host_view(h, 0);
+        assert_int_equal(view->tokens[0], 8);
+        for (uint32_t i = 0; i < 8; i++)
+            assert_int_equal(view->positions[0][i], t - 7 + i);
+    }
+    r.data[0] = NAN;  /* the first candidate: where policy_first_min starts */
+    r.data[1] = 0.5f; /* a range, so that the NaN reaches its rank */
+    assert_int_equal(policy_host_append(h, 1), 0);
+    assert_int_equal(step_layer(h, 0, &r, 1, 0, 0.9, NULL), 1);
+    assert_int_equal(policy_host_view(h, 0)->tokens[0], 8);
+    rows_free(&r);
+    policy_host_destroy(h);
+}
+
 /* Budget selection by confidence, sawtooth, and the prefill no-op. */
 static void test_budget_by_confidence(void **unused)
 {
@@ -668,6 +704,7 @@ int main(void)
         cmocka_unit_test(test_tcf3_through_host),
         cmocka_unit_test(test_pyramid_example),
         cmocka_unit_test(test_ranker_through_host),
+        cmocka_unit_test(test_decode_ties_evict_the_oldest),
         cmocka_unit_test(test_budget_by_confidence),
         cmocka_unit_test(test_pyramid_through_host),
         cmocka_unit_test(test_fp16_window),

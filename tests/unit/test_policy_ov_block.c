@@ -439,6 +439,47 @@ static void test_rerotate_flag(void **unused)
 static const double tov2[15] = {7,    7,    0.9, 0.1,  0.2, 0.75, 0.3, 0.35,
                                 0.05, 0.62, 0.4, 0.15, 1,   1,    1};
 
+/* NORM_SUM's block scores as specified (ov_block.h): each quotient by the
+ * counter converted as C converts it, summed in t order, bit for bit; with
+ * counters of every size (past 2^53 a conversion rounds), a shift that
+ * wraps them, blocks of 1 to 40, lists across the chunks of quotients. */
+static void test_block_scores_as_specified(void **unused)
+{
+    (void)unused;
+    enum { MAXN = 5000 };
+    double *acc = malloc(MAXN * sizeof *acc), *bs = malloc(MAXN * sizeof *bs);
+    uint64_t *cnt = malloc(MAXN * sizeof *cnt);
+    assert_true(acc && bs && cnt);
+    uint64_t s = 12345;
+    for (int trial = 0; trial < 300; trial++) {
+        uint32_t B = 1 + (uint32_t)(ph_rand(&s) % 40);
+        size_t nblocks = 1 + ph_rand(&s) % (MAXN / B);
+        uint64_t shift = trial % 3 == 0 ? 0 : ph_rand(&s);
+        for (size_t i = 0; i < nblocks * B; i++) {
+            acc[i] = urand(&s) * ldexp(1.0, (int)(ph_rand(&s) % 40) - 20);
+            uint64_t r = ph_rand(&s);
+            int bits = (int)(r % 65);
+            uint64_t c = bits == 64 ? ph_rand(&s) : ph_rand(&s) & ((UINT64_C(1) << bits) - 1);
+            cnt[i] = c - shift; /* the counter c[i] = cnt[i] + shift is c */
+            if (c == 0)
+                cnt[i] += 1; /* a counter of 0 is never stored (the division) */
+        }
+        ov_score_blocks(acc, cnt, shift, nblocks, B, bs);
+        for (size_t j = 0; j < nblocks; j++) {
+            double want = 0.0;
+            for (uint32_t t = 0; t < B; t++) {
+                size_t i = j * B + t;
+                want += acc[i] / (double)(cnt[i] + shift);
+            }
+            if (memcmp(&want, &bs[j], sizeof want) != 0)
+                fail_msg("trial %d, B %u, block %zu: %a, want %a", trial, B, j, bs[j], want);
+        }
+    }
+    free(acc);
+    free(bs);
+    free(cnt);
+}
+
 static void test_tov2_pieces(void **unused)
 {
     (void)unused;
@@ -1371,6 +1412,7 @@ int main(void)
         cmocka_unit_test(test_maxpool_forward_shrinking_tail),
         cmocka_unit_test(test_maxpool_matches_naive),
         cmocka_unit_test(test_counter_formula),
+        cmocka_unit_test(test_block_scores_as_specified),
         cmocka_unit_test(test_tov1_norm_sum),
         cmocka_unit_test(test_tov1_sum),
         cmocka_unit_test(test_tov1_rotation_list),
