@@ -781,29 +781,6 @@ static int layer_own(ov_layer *L)
     return 0;
 }
 
-/* Whether no x[i] has an exponent of all ones (inf, NaN): one pass with
- * no early exit, which vectorises. */
-POLICY_HOT static int all_finite(const double *x, size_t n)
-{
-    uint64_t bad = 0, bits;
-    for (size_t i = 0; i < n; i++) {
-        memcpy(&bits, &x[i], sizeof bits);
-        bad |= (bits & 0x7ff0000000000000ull) == 0x7ff0000000000000ull;
-    }
-    return bad == 0;
-}
-
-/* The index of the first of x[0..n) that is not finite, or n. */
-static size_t first_nonfinite(const double *x, size_t n)
-{
-    if (all_finite(x, n))
-        return n;
-    size_t i = 0;
-    while (isfinite(x[i]))
-        i++;
-    return i;
-}
-
 /* Are n scores, the first non-finite of them at index `bad` (n: none),
  * usable for layer l? (Checked before anything changes.) */
 static int layer_check(const ov_block *st, uint32_t l, size_t n, size_t bad, char *err,
@@ -923,7 +900,7 @@ int ov_block_register(ov_block *st, const double *const *scores, const size_t *n
     if (status != NULL)
         *status = OV_REG_DONE;
     for (uint32_t l = 0; l < st->layers; l++)
-        if (layer_check(st, l, n[l], first_nonfinite(scores[l], n[l]), err, errlen) != 0)
+        if (layer_check(st, l, n[l], policy_first_nonfinite(scores[l], n[l]), err, errlen) != 0)
             return -1;
     if (snapkv_count(st, nsnap, err, errlen) != 0)
         return -1;

@@ -199,20 +199,6 @@ static size_t sum_decode_victim(const float *sum, uint32_t n)
     return (double)max + 1 <= (double)min ? n - 1 : last;
 }
 
-/* The first i with a non-finite s[i], or n. */
-static size_t first_not_finite(const double *s, size_t n)
-{
-    int ok = 1;
-    for (size_t i = 0; i < n; i++)
-        ok &= (s[i] >= -DBL_MAX) & (s[i] <= DBL_MAX);
-    if (ok)
-        return n;
-    size_t i = 0;
-    while (i < n && isfinite(s[i]))
-        i++;
-    return i;
-}
-
 static int tova_step(void *state, const policy_layer_view *view, const policy_stats *stats,
                      policy_decision *d, char *err, size_t errlen)
 {
@@ -262,7 +248,7 @@ static int tova_step(void *state, const policy_layer_view *view, const policy_st
     }
     double max = summed ? scores_from_sum(stats->score, n, sc->score)
                         : mean_max(stats->last_attn, st->q_heads, n, sc->score);
-    bad = summed ? bad : first_not_finite(sc->score, n);
+    bad = summed ? bad : policy_first_nonfinite(sc->score, n);
     if (bad < n) {
         snprintf(err, errlen, "tova: stats.%s of token %zu is not finite",
                  summed ? "score" : "last_attn", bad);

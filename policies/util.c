@@ -3,6 +3,7 @@
 #include "policy.h"
 
 #include <float.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -43,6 +44,23 @@ POLICY_HOT size_t policy_copy_first_outside(float *restrict dst, const float *re
         ok &= (x >= lo) & (x <= FLT_MAX);
     }
     return ok ? n : policy_first_outside(dst, n, lo);
+}
+
+POLICY_HOT size_t policy_first_nonfinite(const double *x, size_t n)
+{
+    /* An exponent of all ones is an infinity or a NaN; the bits, not a
+     * comparison, so that the loop has no early exit and vectorises. */
+    uint64_t bad = 0, bits;
+    for (size_t i = 0; i < n; i++) {
+        memcpy(&bits, &x[i], sizeof bits);
+        bad |= (bits & 0x7ff0000000000000ull) == 0x7ff0000000000000ull;
+    }
+    if (bad == 0)
+        return n;
+    size_t i = 0;
+    while (isfinite(x[i]))
+        i++;
+    return i;
 }
 
 POLICY_HOT int policy_has_nan(const double *x, size_t n)

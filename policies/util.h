@@ -50,6 +50,11 @@ size_t policy_first_outside(const float *a, size_t n, float lo);
  * checked is what was written). dst and src do not overlap. */
 size_t policy_copy_first_outside(float *dst, const float *src, size_t n, float lo);
 
+/* The index of the first of x[0..n) that is not finite (NaN, an
+ * infinity), or n: a vectorised pass, the index looked for only when
+ * something is bad (as policy_first_outside for floats). */
+size_t policy_first_nonfinite(const double *x, size_t n);
+
 /* Whether x[0..n) holds a NaN, in one vectorised pass (before a selection
  * that assumes none, select.h policy_first_min). */
 int policy_has_nan(const double *x, size_t n);

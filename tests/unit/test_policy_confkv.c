@@ -319,8 +319,8 @@ static void test_ranker_through_host(void **unused)
  * A decode step's one eviction is the first of (rank, step, index): with
  * attention-only ranking, no memory in the EMA and the same attention for
  * every token, every rank ties and the oldest candidate goes, step after
- * step. A NaN in the
- * statistics (the daemon refuses them) still evicts one token.
+ * step. A NaN in the statistics (the daemon refuses them) still evicts
+ * one token.
  */
 static void test_decode_ties_evict_the_oldest(void **unused)
 {

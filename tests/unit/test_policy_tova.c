@@ -120,6 +120,11 @@ static void test_missing_stats_and_invalid(void **unused)
     st.last_attn = attn;
     assert_int_equal(policy_host_step(h, 0, &st, &d, err, sizeof err), -1);
     assert_non_null(strstr(err, "last_attn[1]"));
+    /* A mean over the heads that is not finite fails the step, naming it. */
+    const float a1[3] = {0.3f, 0.1f, NAN};
+    attn[1] = a1;
+    assert_int_equal(policy_host_step(h, 0, &st, &d, err, sizeof err), -1);
+    assert_non_null(strstr(err, "stats.last_attn of token 2 is not finite"));
     /* The sum over the heads of more than the last query is another rule. */
     const float sum[3] = {0.2f, 0.4f, 1.4f};
     st.last_attn = NULL;
