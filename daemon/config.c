@@ -58,6 +58,10 @@ static const config_option options[] = {
      "reclaim an attached worker that made no call for this long, like a killed one "
      "(stopped, hung); workers must call at least this often (default 0: never)"},
     {"threads", CONFIG_COUNT, 1, 64, "gRPC completion-queue threads (default 2)"},
+    {"policy-threads", CONFIG_COUNT, 1, 64,
+     "threads one sequence's step may decide its layers on, for policies whose layers are "
+     "independent (snapkv, criticalkv, adakv, criticalkv_ada, h2o, tova) and sequences of "
+     "256k tokens or more over all layers; 1 = the step's own thread (default 2)"},
     {"log-level", CONFIG_LEVEL, 0, 0, "debug, info, warn or error (default info)"},
     {"metrics", CONFIG_ADDR, 0, 0,
      "serve Prometheus /metrics and /healthz over HTTP on HOST:PORT (e.g. 127.0.0.1:9464; "
@@ -143,6 +147,7 @@ void config_defaults(daemon_config *c)
     c->pending_timeout_ms = 5000;
     c->max_pending = 64;
     c->threads = 2;
+    c->policy_threads = 2;
     snprintf(c->log_level, sizeof c->log_level, "info");
     snprintf(c->backend, sizeof c->backend, "%s", backend_host.name);
     snprintf(c->cuda_device, sizeof c->cuda_device, "0");
@@ -184,6 +189,8 @@ static unsigned long *count_field(daemon_config *c, const char *key)
         return &c->max_seqs;
     if (strcmp(key, "threads") == 0)
         return &c->threads;
+    if (strcmp(key, "policy-threads") == 0)
+        return &c->policy_threads;
     if (strcmp(key, "max-daemon-mb") == 0)
         return &c->max_daemon_mb;
     if (strcmp(key, "session-max-seqs") == 0)

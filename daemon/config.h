@@ -28,6 +28,7 @@ typedef struct daemon_config {
     char socket[PATH_MAX - 16]; /* gRPC socket; PATH.fd etc. beside it */
     char listen[128];           /* TCP gRPC address, "" = none */
     unsigned long pool_mb, max_pools, max_sessions, max_seqs, threads;
+    unsigned long policy_threads;
     unsigned long pending_timeout_ms, max_pending; /* fd-socket admission (fdsock.h) */
     unsigned long lease_timeout_ms;                /* 0 = leases never expire */
     /* Limits (store_config; docs/reliability.md); 0 = none, but for

@@ -20,6 +20,7 @@
 #include "backend.h"
 #include "config.h"
 #include "events.h"
+#include "host.h"
 #include "fdsock.h"
 #include "log.h"
 #include "metrics.h"
@@ -343,7 +344,9 @@ static int start(const daemon_config *o, daemon_parts *d)
                         .session_max_blocks = (uint32_t)o->session_max_blocks,
                         .max_reply_bytes = (size_t)o->max_reply_mb << 20,
                         .lease_end_quarantine = config_lease_end_quarantine(o),
-                        .quant_group = (uint32_t)o->quant_group};
+                        .quant_group = (uint32_t)o->quant_group,
+                        .policy_threads = (uint32_t)o->policy_threads,
+                        .policy_parallel_tokens = POLICY_HOST_PARALLEL_TOKENS};
     char path[PATH_MAX + 16];
     status st;
     snprintf(path, sizeof path, "ipc://%s.events", o->socket);

@@ -32,6 +32,10 @@ typedef struct pool {
     char tenant[65]; /* "" or the tenant it serves: the store keys pools by (tenant, model) */
     pool_geometry geom;
     kv_layout layout;
+    /* Its sequences' decisions over layers (store_config's policy_threads,
+     * policy_parallel_tokens): set by the store, read by seq_create. */
+    uint32_t policy_threads;
+    uint64_t policy_parallel_tokens;
     size_t block_bytes;
     uint32_t block_count;
     uint32_t nfree;

@@ -69,6 +69,7 @@ status_code seq_create(uint64_t id, uint64_t session_id, pool *pool, const polic
         free(s);
         return st->code;
     }
+    policy_host_set_threads(s->host, pool->policy_threads, pool->policy_parallel_tokens);
     uint8_t demote = policy_host_storage(s->host)->demote;
     if (demote != POLICY_FULL && tier_block_tokens(&s->tier, demote) == 0) {
         status_set(st, ST_INVALID_ARGUMENT,
@@ -395,33 +396,40 @@ static status_code seq_run_policy(seq *s, const seq_step_input *in, uint64_t epo
         free(rows);
         return rc;
     }
+    policy_stats *ps = calloc(s->nlayers, sizeof *ps);
+    const policy_decision **d = calloc(s->nlayers, sizeof *d);
+    if (ps == NULL || d == NULL)
+        rc = status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
+    int data = in->data != NULL;
+    for (uint32_t l = 0; l < s->nlayers && rc == ST_OK; l++) {
+        ps[l] = (policy_stats){.new_tokens = in->new_tokens ? in->new_tokens : s->unstepped,
+                               .prefill = in->prefill,
+                               .score_queries = in->score_queries,
+                               .window_queries = in->window_queries,
+                               .confidence = in->confidence};
+        if (data && (sh.arrays & STEP_SCORE)) /* one list only: checked by seq_step_check */
+            ps[l].score = rows[step_slot(&sh, l, STEP_SCORE, 0)];
+        if (data && (sh.arrays & STEP_LAST_ATTN))
+            ps[l].last_attn = &rows[step_slot(&sh, l, STEP_LAST_ATTN, 0)];
+        if (data && (sh.arrays & STEP_WINDOW_ATTN))
+            ps[l].window_attn = &rows[step_slot(&sh, l, STEP_WINDOW_ATTN, 0)];
+        if (data && (sh.arrays & STEP_VNORM))
+            ps[l].vnorm = &rows[step_slot(&sh, l, STEP_VNORM, 0)];
+    }
+    /* Every layer decides (on several threads, where the policy and the
+     * host allow), then the decisions move memory one layer after another. */
+    char err[POLICY_ERR_LEN];
+    errno = 0; /* ENOMEM after a failure: out of memory (malloc sets it), not a bug */
+    if (rc == ST_OK && policy_host_step_layers(s->host, ps, d, err, sizeof err) != 0)
+        rc = status_set(st, errno == ENOMEM ? ST_RESOURCE_EXHAUSTED : ST_INTERNAL,
+                        "policy %s failed: %s", s->policy->name, err);
     size_t total = 0;
     int changed = 0;
-    int data = in->data != NULL;
     seq_cuts_begin(s);
-    for (uint32_t l = 0; l < s->nlayers && rc == ST_OK; l++) {
-        policy_stats ps = {.new_tokens = in->new_tokens ? in->new_tokens : s->unstepped,
-                           .prefill = in->prefill,
-                           .score_queries = in->score_queries,
-                           .window_queries = in->window_queries,
-                           .confidence = in->confidence};
-        if (data && (sh.arrays & STEP_SCORE)) /* one list only: checked by seq_step_check */
-            ps.score = rows[step_slot(&sh, l, STEP_SCORE, 0)];
-        if (data && (sh.arrays & STEP_LAST_ATTN))
-            ps.last_attn = &rows[step_slot(&sh, l, STEP_LAST_ATTN, 0)];
-        if (data && (sh.arrays & STEP_WINDOW_ATTN))
-            ps.window_attn = &rows[step_slot(&sh, l, STEP_WINDOW_ATTN, 0)];
-        if (data && (sh.arrays & STEP_VNORM))
-            ps.vnorm = &rows[step_slot(&sh, l, STEP_VNORM, 0)];
-        const policy_decision *d;
-        char err[POLICY_ERR_LEN];
-        errno = 0; /* ENOMEM after a failure: out of memory (malloc sets it), not a bug */
-        if (policy_host_step(s->host, l, &ps, &d, err, sizeof err) != 0)
-            rc = status_set(st, errno == ENOMEM ? ST_RESOURCE_EXHAUSTED : ST_INTERNAL,
-                            "policy %s failed: %s", s->policy->name, err);
-        else
-            rc = seq_apply_decision(s, l, d, epoch, &total, &changed, st);
-    }
+    for (uint32_t l = 0; l < s->nlayers && rc == ST_OK; l++)
+        rc = seq_apply_decision(s, l, d[l], epoch, &total, &changed, st);
+    free(ps);
+    free(d);
     free(tokens);
     free(rows);
     if (rc != ST_OK) /* the caller rolls back */

@@ -1019,6 +1019,8 @@ static status_code find_or_create_pool(store *st, const char *tenant, const char
         return s->code;
     st->next_pool_id++;
     (*out)->layout.quant_group = st->cfg.quant_group;
+    (*out)->policy_threads = st->cfg.policy_threads;
+    (*out)->policy_parallel_tokens = st->cfg.policy_parallel_tokens;
     st->pools[free_slot] = *out;
     snprintf((*out)->tenant, sizeof(*out)->tenant, "%s", tenant);
     log_info("pool_created", "pool=%llu model=%s tenant=%s blocks=%u block_bytes=%zu",

@@ -48,6 +48,10 @@ typedef struct store_config {
     /* The INT4 / INT2 tiers' group size of every pool (kernels.h "Low-bit
      * tiers"; 0 = KV_LOWBIT_GROUP_DEFAULT); tables carry it to workers. */
     uint32_t quant_group;
+    /* The threads a sequence's step may decide its layers on, and the
+     * tokens it must hold for more than one (policy_host_set_threads). */
+    uint32_t policy_threads;
+    uint64_t policy_parallel_tokens;
 } store_config;
 
 typedef struct store store;

@@ -33,6 +33,7 @@ const policy_ops policy_adakv = {
     .nparams = sizeof(adakv_params) / sizeof(adakv_params[0]),
     .needs = POLICY_NEEDS_WINDOW_ATTN,
     .per_head = 1,
+    .layers_concurrent = 1,
     .create = adakv_create,
     .step = snapkv_family_step,
     .describe = snapkv_family_describe,

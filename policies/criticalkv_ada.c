@@ -59,6 +59,7 @@ const policy_ops policy_criticalkv_ada = {
     .nparams = sizeof(criticalkv_ada_params) / sizeof(criticalkv_ada_params[0]),
     .needs = POLICY_NEEDS_WINDOW_ATTN | POLICY_NEEDS_VNORM,
     .per_head = 1,
+    .layers_concurrent = 1,
     .create = criticalkv_ada_create,
     .step = snapkv_family_step,
     .describe = snapkv_family_describe,

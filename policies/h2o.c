@@ -570,6 +570,7 @@ const policy_ops policy_h2o = {
     .nparams = sizeof(h2o_params) / sizeof(h2o_params[0]),
     .needs = POLICY_NEEDS_SCORE,
     .per_head = 0,
+    .layers_concurrent = 1,
     .create = h2o_create,
     .step = h2o_step,
     .describe = h2o_describe,

@@ -4,6 +4,8 @@
 #include "util.h"
 
 #include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -93,6 +95,9 @@ struct policy_host {
     double *importance;
     void *demote_scratch;
     uint32_t grade_cap;
+    /* policy_host_set_threads */
+    uint32_t threads;
+    uint64_t parallel_tokens;
 };
 
 static int graded(const policy_host *h)
@@ -729,10 +734,10 @@ static int layer_demote(policy_host *h, host_layer *ly)
 }
 
 /* Room for what the commits of the layers stepped and not committed yet
- * (this one included) log: an entry for each token at most (evicted, or
- * kept with another tier) and a commit for each list, so that commit
- * cannot fail. */
-static int undo_log_reserve(policy_host *h, uint32_t layer)
+ * (layers lo..hi-1 included) log: an entry for each token at most
+ * (evicted, or kept with another tier) and a commit for each list, so that
+ * commit cannot fail. */
+static int undo_log_reserve(policy_host *h, uint32_t lo, uint32_t hi)
 {
     host_undo_log *u = &h->undo;
     size_t need = u->n, every = u->n, lists = 0;
@@ -742,7 +747,7 @@ static int undo_log_reserve(policy_host *h, uint32_t layer)
         for (uint32_t k = 0; k < h->heads; k++)
             tokens += ly->lists[k].tokens;
         every += tokens;
-        if (!ly->pending && l != layer)
+        if (!ly->pending && (l < lo || l >= hi))
             continue;
         need += tokens;
         lists += h->heads;
@@ -784,30 +789,44 @@ static int undo_log_reserve(policy_host *h, uint32_t layer)
     return 0;
 }
 
-int policy_host_step(policy_host *h, uint32_t layer, const policy_stats *stats,
-                     const policy_decision **decision, char *err, size_t errlen)
+/* Before a layer's step: in a transaction, its first step saves it; an
+ * earlier decision of the layer that was never committed is gone (its
+ * arrays are about to be overwritten), and a failed step must leave
+ * nothing for commit to apply. */
+static int layer_begin(policy_host *h, uint32_t layer, char *err, size_t errlen)
 {
     host_layer *ly = &h->layers[layer];
     if (h->txn && !ly->saved && layer_save(h, ly, layer) != 0) {
         snprintf(err, errlen, "out of memory");
         return -1;
     }
-    /* The decision arrays are about to be overwritten: an earlier decision
-     * of this layer that was never committed is gone, and a failed step
-     * must leave nothing for commit to apply. */
     ly->pending = 0;
-    if (layer == 0)
-        h->steps++;
+    return 0;
+}
+
+/* The part of a layer's step that touches the layer alone (and the
+ * policy's state of it): the view, the decision preset, the policy's
+ * step, the decision checked. */
+static int layer_step(policy_host *h, uint32_t layer, const policy_stats *stats, char *err,
+                      size_t errlen)
+{
+    host_layer *ly = &h->layers[layer];
     layer_refresh(ly, h->heads, h->appended, h->steps);
-    if (layer_prepare_decision(ly, h->heads, h->ops->merges) != 0 ||
-        undo_log_reserve(h, layer) != 0) {
+    if (layer_prepare_decision(ly, h->heads, h->ops->merges) != 0) {
         snprintf(err, errlen, "out of memory");
         return -1;
     }
     if (h->ops->step(h->state, &ly->view, stats, &ly->decision, err, errlen) != 0)
         return -1;
-    if (decision_valid(ly, h->heads, err, errlen) != 0)
-        return -1;
+    return decision_valid(ly, h->heads, err, errlen);
+}
+
+/* After it, on the host's shared scratch: the attention observed, the
+ * storage options' demotion; the decision is pending. */
+static int layer_finish(policy_host *h, uint32_t layer, const policy_stats *stats,
+                        const policy_decision **decision, char *err, size_t errlen)
+{
+    host_layer *ly = &h->layers[layer];
     if (graded(h))
         layer_observe_attention(h, ly, stats);
     if (layer_demote(h, ly) != 0) {
@@ -817,6 +836,128 @@ int policy_host_step(policy_host *h, uint32_t layer, const policy_stats *stats,
     ly->pending = 1;
     *decision = &ly->decision;
     return 0;
+}
+
+int policy_host_step(policy_host *h, uint32_t layer, const policy_stats *stats,
+                     const policy_decision **decision, char *err, size_t errlen)
+{
+    if (layer_begin(h, layer, err, errlen) != 0)
+        return -1;
+    if (layer == 0)
+        h->steps++;
+    if (undo_log_reserve(h, layer, layer + 1) != 0) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    if (layer_step(h, layer, stats, err, errlen) != 0)
+        return -1;
+    return layer_finish(h, layer, stats, decision, err, errlen);
+}
+
+void policy_host_set_threads(policy_host *h, uint32_t threads, uint64_t min_tokens)
+{
+    h->threads = threads;
+    h->parallel_tokens = min_tokens;
+}
+
+/* How many threads a step of every layer takes: one unless the policy's
+ * layers may step at once and there is enough to share. */
+static uint32_t step_threads(const policy_host *h)
+{
+    uint32_t n = h->threads < h->geom.layers ? h->threads : h->geom.layers;
+    if (n <= 1 || !h->ops->layers_concurrent)
+        return 1;
+    uint64_t tokens = 0;
+    for (uint32_t l = 0; l < h->geom.layers; l++)
+        for (uint32_t k = 0; k < h->heads; k++)
+            tokens += h->layers[l].lists[k].tokens;
+    return tokens >= h->parallel_tokens ? n : 1;
+}
+
+/* The layers' policy steps shared out between threads, a layer at a time
+ * in order, each one's result kept for the caller to report in order. */
+typedef struct layer_steps {
+    policy_host *h;
+    const policy_stats *stats;
+    atomic_uint next;
+    int *rc, *errnum;
+    char (*err)[POLICY_ERR_LEN];
+} layer_steps;
+
+static void *layer_steps_run(void *arg)
+{
+    layer_steps *j = arg;
+    for (;;) {
+        uint32_t l = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        if (l >= j->h->geom.layers)
+            return NULL;
+        errno = 0;
+        j->rc[l] = layer_step(j->h, l, &j->stats[l], j->err[l], POLICY_ERR_LEN);
+        j->errnum[l] = errno;
+    }
+}
+
+/* Every layer's policy step on `threads` threads (fewer when one cannot
+ * be started), then the first failure in layer order, or each layer
+ * finished. */
+static int step_layers_threaded(policy_host *h, uint32_t threads, const policy_stats *stats,
+                                const policy_decision **decisions, char *err, size_t errlen)
+{
+    uint32_t L = h->geom.layers;
+    layer_steps j = {.h = h, .stats = stats};
+    atomic_init(&j.next, 0);
+    j.rc = calloc(L, sizeof *j.rc);
+    j.errnum = calloc(L, sizeof *j.errnum);
+    j.err = calloc(L, sizeof *j.err);
+    pthread_t *tid = calloc(threads, sizeof *tid);
+    int rc = j.rc && j.errnum && j.err && tid ? 0 : -1;
+    uint32_t started = 0;
+    while (rc == 0 && started + 1 < threads &&
+           pthread_create(&tid[started], NULL, layer_steps_run, &j) == 0)
+        started++;
+    if (rc == 0)
+        layer_steps_run(&j);
+    for (uint32_t t = 0; t < started; t++)
+        pthread_join(tid[t], NULL);
+    if (rc != 0) {
+        snprintf(err, errlen, "out of memory");
+        errno = ENOMEM;
+    }
+    for (uint32_t l = 0; rc == 0 && l < L; l++) {
+        if (j.rc[l] != 0) {
+            snprintf(err, errlen, "%s", j.err[l]);
+            errno = j.errnum[l];
+            rc = -1;
+        } else {
+            rc = layer_finish(h, l, &stats[l], &decisions[l], err, errlen);
+        }
+    }
+    free(j.rc);
+    free(j.errnum);
+    free(j.err);
+    free(tid);
+    return rc;
+}
+
+int policy_host_step_layers(policy_host *h, const policy_stats *stats,
+                            const policy_decision **decisions, char *err, size_t errlen)
+{
+    uint32_t threads = step_threads(h);
+    if (threads <= 1) {
+        for (uint32_t l = 0; l < h->geom.layers; l++)
+            if (policy_host_step(h, l, &stats[l], &decisions[l], err, errlen) != 0)
+                return -1;
+        return 0;
+    }
+    for (uint32_t l = 0; l < h->geom.layers; l++)
+        if (layer_begin(h, l, err, errlen) != 0)
+            return -1;
+    h->steps++;
+    if (undo_log_reserve(h, 0, h->geom.layers) != 0) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    return step_layers_threaded(h, threads, stats, decisions, err, errlen);
 }
 
 /* The kept tokens of list li whose tier the decision changes, in the

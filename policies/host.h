@@ -60,6 +60,28 @@ const policy_layer_view *policy_host_view(policy_host *h, uint32_t layer);
 int policy_host_step(policy_host *h, uint32_t layer, const policy_stats *stats,
                      const policy_decision **decision, char *err, size_t errlen);
 
+/*
+ * Every layer's step at once: policy_host_step of layers 0, 1, ... with
+ * stats[layer], each decision in decisions[layer]. When the host may use
+ * threads (policy_host_set_threads), the policy steps layers concurrently
+ * (ops->layers_concurrent) and the lists hold at least min_tokens, the
+ * policy's steps of the layers run on up to that many threads, the calling
+ * one included; the decisions are those of the steps one after another.
+ * Returns 0, or -1 with err (and errno) of the lowest layer that failed;
+ * the layers stepped are then pending (a transaction's rollback undoes
+ * them), and with threads, layers after the failed one may have stepped.
+ */
+int policy_host_step_layers(policy_host *h, const policy_stats *stats,
+                            const policy_decision **decisions, char *err, size_t errlen);
+
+/* Threads policy_host_step_layers may use (0 and 1: the calling thread
+ * only), and the tokens held over all lists below which it uses one. */
+void policy_host_set_threads(policy_host *h, uint32_t threads, uint64_t min_tokens);
+
+/* What a daemon passes as min_tokens: a step over fewer tokens than this
+ * (32 layers of 8k tokens) costs less than starting a thread. */
+#define POLICY_HOST_PARALLEL_TOKENS (256u * 1024u)
+
 /* Apply the pending decision of `layer` to its lists: evicted tokens leave,
  * other tiers change. Returns the number of tokens evicted. */
 size_t policy_host_commit(policy_host *h, uint32_t layer);

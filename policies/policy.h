@@ -233,6 +233,10 @@ typedef struct policy_ops {
     unsigned needs_alt;
     int per_head; /* decides per KV head (views have heads == kv_heads) */
     int merges;   /* its decisions may merge tokens (policy_decision.merges) */
+    /* Its step of one layer reads and writes only that layer's part of the
+     * state (and the layer's view, stats and decision): the host may step
+     * several layers at once, on threads (host.h policy_host_step_layers). */
+    int layers_concurrent;
 
     /* Build the per-sequence state from resolved parameters. Returns 0, or -1
      * with a message in err naming the offending parameter. *state (may be

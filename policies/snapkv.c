@@ -40,6 +40,7 @@ const policy_ops policy_snapkv = {
     .nparams = sizeof(snapkv_params) / sizeof(snapkv_params[0]),
     .needs = POLICY_NEEDS_WINDOW_ATTN,
     .per_head = 1,
+    .layers_concurrent = 1,
     .create = snapkv_create,
     .step = snapkv_family_step,
     .describe = snapkv_family_describe,

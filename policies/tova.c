@@ -280,6 +280,7 @@ const policy_ops policy_tova = {
     .needs = POLICY_NEEDS_LAST_ATTN,
     .needs_alt = POLICY_NEEDS_SCORE,
     .per_head = 0,
+    .layers_concurrent = 1,
     .create = tova_create,
     .step = tova_step,
     .destroy = tova_destroy,

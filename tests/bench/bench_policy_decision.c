@@ -12,11 +12,11 @@
  * The statistics are what a worker reports on the step that ends the prompt
  * (window_attn and vnorm for the SnapKV family, the accumulated score for
  * h2o, the last query's attention for tova), and the policies run through
- * the policy host as the daemon runs them (policy_host_step on every layer,
- * one after another). Timed: the 32 steps of one decision, on a fresh host
- * each repetition (h2o keeps state), median of the repetitions. Times on
- * one thread are the thread's CPU time on both sides (robust to the other
- * users of a shared machine), times on two threads wall clock.
+ * the policy host as the daemon runs them (policy_host_step_layers: every
+ * layer's step, on as many threads as the row's). Timed: the 32 steps of one decision, on a fresh
+ * host each repetition (h2o keeps state), median of the repetitions. Times on one thread are the
+ * thread's CPU time on both sides (robust to the other users of a shared machine), times on two
+ * threads wall clock.
  *
  * Exactness: every input is an integer multiple of a power of two (window
  * attention a multiple of 5·2^-24), so pooling, group means and sums are
@@ -31,10 +31,10 @@
  * (mallopt here, MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ in the
  * script's environment) and the first decision of each side is a warm-up.
  *
- * Threads: the C decision runs on one thread (the daemon steps a
- * sequence's layers one after another and a policy does not spawn
- * threads), so its 2-thread row repeats the 1-thread time; PyTorch and the
- * read bound get 1 and 2 threads.
+ * Threads: C, PyTorch and the read bound get 1 and 2 threads. C's layers
+ * go to the threads a layer at a time (kvstashd --policy-threads; the
+ * policies here all step their layers independently), and the kept sets of
+ * both rows are compared with PyTorch's.
  *
  * Usage: bench_policy_decision [--quick] [--reps N] [--torch SCRIPT]
  *                              [--python PATH] [--tmp DIR]
@@ -245,25 +245,28 @@ static uint32_t lists(const shape *s, const policy_case *pc)
     return pc->per_head ? s->kv_heads : 1;
 }
 
-/* One decision: every layer's step, one after another, as the daemon runs
- * them. Returns its CPU time; keep[] gets the kept mask
- * [layers][lists][tokens]. */
-static double decide(const shape *s, const inputs *in, const policy_case *pc, uint8_t *keep)
+/* One decision: every layer's step, as the daemon runs them
+ * (policy_host_step_layers), on `threads` threads. Returns its time: the
+ * thread's CPU time on one thread, wall clock on more; keep[] gets the
+ * kept mask [layers][lists][tokens]. */
+static double decide(const shape *s, const inputs *in, const policy_case *pc, unsigned threads,
+                     uint8_t *keep)
 {
     policy_host *h = make_host(s, pc);
+    policy_host_set_threads(h, threads, 0);
+    clockid_t clk = threads == 1 ? CLOCK_THREAD_CPUTIME_ID : CLOCK_MONOTONIC;
     const float **rows = xmalloc(((size_t)s->q_heads + s->kv_heads) * s->layers * sizeof *rows);
     policy_stats *st = xmalloc(s->layers * sizeof *st);
     for (uint32_t l = 0; l < s->layers; l++)
         st[l] = layer_stats(s, in, pc, l, rows + (size_t)l * (s->q_heads + s->kv_heads));
     const policy_decision *d[64];
     char err[POLICY_ERR_LEN] = "";
-    double t0 = now(CLOCK_THREAD_CPUTIME_ID);
-    for (uint32_t l = 0; l < s->layers; l++)
-        if (policy_host_step(h, l, &st[l], &d[l], err, sizeof err) != 0) {
-            fprintf(stderr, "bench_policy_decision: %s layer %u: %s\n", pc->name, l, err);
-            exit(1);
-        }
-    double t = now(CLOCK_THREAD_CPUTIME_ID) - t0;
+    double t0 = now(clk);
+    if (policy_host_step_layers(h, st, d, err, sizeof err) != 0) {
+        fprintf(stderr, "bench_policy_decision: %s: %s\n", pc->name, err);
+        exit(1);
+    }
+    double t = now(clk) - t0;
     uint32_t nl = lists(s, pc);
     for (uint32_t l = 0; l < s->layers; l++)
         for (uint32_t g = 0; g < nl; g++)
@@ -459,8 +462,8 @@ static void print_header(const shape *s, const options *o)
     printf("policy decision: %u layers x %u KV heads (%u query heads) x %u tokens, keep %u; "
            "window %u, avg pool kernel %u; median of %d\n",
            s->layers, s->kv_heads, s->q_heads, s->tokens, s->keep, s->window, s->kernel, o->reps);
-    printf("C: policy_host_step on every layer (single-threaded: the daemon steps layers one "
-           "after another); torch: %s; bound: one read of the inputs\n\n",
+    printf("C: policy_host_step_layers (the layers on as many threads as torch); torch: %s; "
+           "bound: one read of the inputs\n\n",
            o->script);
     printf("%-11s %7s %9s %10s %9s %9s %10s %9s %s\n", "policy", "threads", "C ms", "torch ms",
            "bound ms", "input MB", "speed-up", "x bound", "sets");
@@ -473,17 +476,18 @@ static int bench_policy(const shape *s, const inputs *in, const options *o, int 
 {
     const policy_case *pc = &cases[c];
     uint8_t *kc = xmalloc(mask_len(s, pc));
-    double tc[MAX_REPS], tb[MAX_THREADS][MAX_REPS];
-    decide(s, in, pc, kc); /* warm-up */
+    double tc[MAX_THREADS][MAX_REPS], tb[MAX_THREADS][MAX_REPS];
+    decide(s, in, pc, 1, kc); /* warm-up */
     read_bound(s, in, pc, 1, sink);
-    for (int r = 0; r < o->reps; r++) {
-        tc[r] = decide(s, in, pc, kc);
-        for (unsigned t = 1; t <= MAX_THREADS; t++)
+    int same = 1;
+    for (int r = 0; r < o->reps; r++)
+        for (unsigned t = 1; t <= MAX_THREADS; t++) {
+            tc[t - 1][r] = decide(s, in, pc, t, kc);
+            same &= kt == NULL || same_sets(s, pc, kc, kt);
             tb[t - 1][r] = read_bound(s, in, pc, t, sink);
-    }
-    int same = kt == NULL || same_sets(s, pc, kc, kt);
-    double c_ms = median(tc, o->reps) * 1e3;
+        }
     for (unsigned t = 1; t <= MAX_THREADS; t++) {
+        double c_ms = median(tc[t - 1], o->reps) * 1e3;
         double b_ms = median(tb[t - 1], o->reps) * 1e3;
         printf("%-11s %7u %9.2f %10.2f %9.2f %9.1f %9.2fx %8.2fx %s\n", pc->name, t, c_ms,
                torch_ms[t - 1], b_ms, input_bytes(s, pc) / 1e6, torch_ms[t - 1] / c_ms, c_ms / b_ms,

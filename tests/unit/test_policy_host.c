@@ -9,13 +9,16 @@
  * position h to the sketch, so the heads' lists diverge. Both record what
  * the host showed them (fake_state) and check the preset decision.
  */
+#include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <cmocka.h>
 
@@ -910,6 +913,93 @@ static void test_merges_only_for_policies_that_merge(void **unused)
     policy_host_destroy(h);
 }
 
+/* ---- layers on threads ---- */
+
+/* fake_meet decides nothing; it records which thread stepped each layer,
+ * and while g_meet_wait is set its step of layer 0 waits (10 s at most)
+ * until another thread has stepped some other layer: only a host that
+ * really steps layers at once lets it go on before that. */
+static pthread_t g_meet_thread[MAX_LAYERS];
+static atomic_int g_meet_other; /* a layer > 0 stepped off layer 0's thread */
+static int g_meet_wait;
+
+static int fake_meet_step(void *state, const policy_layer_view *v, const policy_stats *stats,
+                          policy_decision *d, char *err, size_t errlen)
+{
+    (void)state, (void)stats, (void)d, (void)err, (void)errlen;
+    g_meet_thread[v->layer] = pthread_self();
+    if (v->layer > 0 && !pthread_equal(g_meet_thread[v->layer], g_meet_thread[0]))
+        atomic_store(&g_meet_other, 1);
+    for (int i = 0; v->layer == 0 && g_meet_wait && i < 10000 && !atomic_load(&g_meet_other); i++)
+        nanosleep(&(struct timespec){0, 1000000}, NULL);
+    return 0;
+}
+
+static const policy_ops fake_meet = {
+    .name = "fake-meet",
+    .summary = "decides nothing, records the thread of each layer's step",
+    .params = fake_params,
+    .nparams = 1,
+    .layers_concurrent = 1,
+    .create = fake_create,
+    .step = fake_meet_step,
+    .destroy = fake_destroy,
+};
+
+/* Step every layer of h; how many distinct threads stepped them. */
+static int meet_threads(policy_host *h, uint32_t layers)
+{
+    const policy_stats stats = {0};
+    policy_stats all[MAX_LAYERS];
+    const policy_decision *d[MAX_LAYERS];
+    char err[POLICY_ERR_LEN] = "";
+    for (uint32_t l = 0; l < layers; l++)
+        all[l] = stats;
+    memset(g_meet_thread, 0, sizeof g_meet_thread);
+    atomic_store(&g_meet_other, 0);
+    if (policy_host_step_layers(h, all, d, err, sizeof err) != 0)
+        fail_msg("step_layers: %s", err);
+    int distinct = 0;
+    for (uint32_t l = 0; l < layers; l++) {
+        int seen = 0;
+        for (uint32_t m = 0; m < l; m++)
+            seen |= pthread_equal(g_meet_thread[l], g_meet_thread[m]);
+        distinct += !seen;
+        assert_int_equal(policy_host_commit(h, l), 0);
+    }
+    return distinct;
+}
+
+/* Layers step at once only when the host has threads, the policy allows
+ * it and the lists hold enough tokens; the calling thread takes part. */
+static void test_layers_on_threads(void **unused)
+{
+    (void)unused;
+    policy_host *h = host_new(&fake_meet, 6, 1);
+    assert_int_equal(policy_host_append(h, 50), 0); /* 300 tokens held */
+    g_meet_wait = 0;
+    assert_int_equal(meet_threads(h, 6), 1); /* no threads set */
+    policy_host_set_threads(h, 2, 301);
+    assert_int_equal(meet_threads(h, 6), 1); /* too few tokens */
+    assert_true(pthread_equal(g_meet_thread[5], pthread_self()));
+    policy_host_set_threads(h, 2, 300);
+    g_meet_wait = 1;
+    assert_int_equal(meet_threads(h, 6), 2);
+    assert_int_equal(atomic_load(&g_meet_other), 1);
+    assert_int_equal(policy_host_steps(h), 3);
+    policy_host_destroy(h);
+
+    policy_ops serial = fake_meet; /* the same policy, not declared concurrent */
+    serial.layers_concurrent = 0;
+    h = host_new(&serial, 6, 1);
+    assert_int_equal(policy_host_append(h, 50), 0);
+    policy_host_set_threads(h, 4, 0);
+    g_meet_wait = 0;
+    assert_int_equal(meet_threads(h, 6), 1);
+    assert_true(pthread_equal(g_meet_thread[0], pthread_self()));
+    policy_host_destroy(h);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -931,6 +1021,7 @@ int main(void)
         cmocka_unit_test(test_storage_demote_keep),
         cmocka_unit_test(test_host_demote_keep),
         cmocka_unit_test(test_storage_parse),
+        cmocka_unit_test(test_layers_on_threads),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -382,6 +382,84 @@ static void test_destroy_open(void **unused)
     }
 }
 
+/* ---- layers stepped on threads ---------------------------------------------------- */
+
+/* A steps every layer at once on three threads (policy_host_step_layers,
+ * no token minimum), B one layer after another: the same decisions, and
+ * the same hosts after each commit. drop_layer (-1: none) loses the arrays
+ * of that layer's stats: both must then fail alike. */
+static int step_threaded(policy_host *a, policy_host *b, uint32_t n, int prefill, uint64_t seed,
+                         int drop_layer, const char *when)
+{
+    txn_stats s[LAYERS];
+    policy_stats ps[LAYERS];
+    assert_int_equal(policy_host_append(a, n), 0);
+    assert_int_equal(policy_host_append(b, n), 0);
+    for (uint32_t l = 0; l < LAYERS; l++) {
+        stats_build(&s[l], policy_host_view(a, l), n, prefill, seed * 31 + l);
+        ps[l] = s[l].st;
+        if ((int)l == drop_layer) /* every array a policy may need, gone */
+            ps[l].score = NULL, ps[l].last_attn = ps[l].window_attn = ps[l].vnorm = NULL;
+    }
+    const policy_decision *da[LAYERS], *db;
+    char ea[POLICY_ERR_LEN] = "", eb[POLICY_ERR_LEN] = "";
+    int ra = policy_host_step_layers(a, ps, da, ea, sizeof ea), rb = 0;
+    for (uint32_t l = 0; rb == 0 && l < LAYERS; l++) {
+        rb = policy_host_step(b, l, &ps[l], &db, eb, sizeof eb);
+        if (rb == 0 && ra == 0)
+            expect_same_decision(da[l], db, policy_host_view(b, l), when);
+    }
+    if (ra != rb || strcmp(ea, eb) != 0)
+        fail_msg("%s: threaded step answered %d \"%s\", one layer at a time %d \"%s\"", when, ra,
+                 ea, rb, eb);
+    for (uint32_t l = 0; ra == 0 && l < LAYERS; l++)
+        assert_int_equal(policy_host_commit(a, l), policy_host_commit(b, l));
+    if (ra == 0)
+        expect_same_hosts(a, b, when);
+    for (uint32_t l = 0; l < LAYERS; l++)
+        stats_free(&s[l]);
+    return ra;
+}
+
+/* Every policy: a prompt and decode steps on threads equal the same one
+ * layer at a time; a step whose layer 1 lacks its statistics fails with
+ * that layer's message on both, and rolls back to equal hosts. */
+static void test_layers_on_threads(void **unused)
+{
+    (void)unused;
+    size_t n;
+    const policy_ops *const *all = policy_list(&n);
+    for (size_t p = 0; p < n; p++) {
+        const txn_case *tc = case_of(all[p]->name);
+        policy_host *a = ph_host(tc->policy, tc->kv, geom), *b = ph_host(tc->policy, tc->kv, geom);
+        policy_host_set_threads(a, 3, 0);
+        char when[160];
+        snprintf(when, sizeof when, "%s on threads, prompt", tc->policy);
+        step_threaded(a, b, PROMPT, 1, 1, -1, when);
+        for (uint32_t i = 0; i < 12; i++) {
+            snprintf(when, sizeof when, "%s on threads, step %u", tc->policy, i + 1);
+            step_threaded(a, b, 1 + i % 3, 0, 2 + i, -1, when);
+        }
+        if (all[p]->needs != 0) {
+            snprintf(when, sizeof when, "%s on threads, layer 1 without statistics", tc->policy);
+            policy_host_begin(a);
+            policy_host_begin(b);
+            assert_int_equal(step_threaded(a, b, 2, 0, 40, 1, when), -1);
+            policy_host_rollback(a);
+            policy_host_rollback(b);
+            policy_host_end(a);
+            policy_host_end(b);
+            expect_same_hosts(a, b, when);
+        }
+        for (uint32_t i = 0; i < 4; i++) {
+            snprintf(when, sizeof when, "%s on threads, step %u after", tc->policy, i + 1);
+            step_threaded(a, b, 1, 0, 50 + i, -1, when);
+        }
+        policy_host_destroy(a);
+        policy_host_destroy(b);
+    }
+}
+
 /* ---- a save that fails ---------------------------------------------------------- */
 
 static policy_ops flaky; /* h2o whose save() fails while flaky_fail is set */
@@ -450,9 +528,8 @@ static void test_save_fails(void **unused)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_trio),
-        cmocka_unit_test(test_twins),
-        cmocka_unit_test(test_destroy_open),
+        cmocka_unit_test(test_trio),         cmocka_unit_test(test_twins),
+        cmocka_unit_test(test_destroy_open), cmocka_unit_test(test_layers_on_threads),
         cmocka_unit_test(test_save_fails),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
