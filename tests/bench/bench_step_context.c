@@ -29,10 +29,11 @@
  *
  * Usage: bench_step_context [--quick] [--contexts N,N,...] [--head-dim D]
  *                           [--policies P,P,...] [--steps N] [--reload]
- *                           [--csv FILE] [PATH_TO_KVSTASHD]
+ *                           [--policy-threads N] [--csv FILE] [PATH_TO_KVSTASHD]
  * The daemon path defaults to $KVSTASHD, then ../../daemon/kvstashd next to
  * this binary. The daemon is started once with a pool and a ring (--ring-mb)
- * sized for the largest context. Prints a table per policy; exits non-zero
+ * sized for the largest context, and kvstashd's --policy-threads N when
+ * given (its default otherwise). Prints a table per policy; exits non-zero
  * only if a part could not run (a time never fails it).
  */
 #include <inttypes.h>
@@ -84,6 +85,7 @@ typedef struct bench_cfg {
     uint32_t steps;  /* timed decode steps per (policy, context) */
     uint32_t warmup; /* untimed decode steps before them */
     int reload;      /* read the table again after each step that changed it, not cut it */
+    const char *policy_threads; /* kvstashd --policy-threads, NULL: its default */
     const char *csv;
 } bench_cfg;
 
@@ -494,10 +496,12 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg, const char **daemon
             cfg->steps = (uint32_t)n;
         } else if (strcmp(argv[i], "--reload") == 0) {
             cfg->reload = 1;
+        } else if (strcmp(argv[i], "--policy-threads") == 0 && next != NULL) {
+            cfg->policy_threads = argv[++i];
         } else if (argv[i][0] == '-') {
             fprintf(stderr,
                     "usage: %s [--quick] [--contexts N,N,...] [--head-dim D] [--policies P,...] "
-                    "[--steps N] [--reload] [--csv FILE] [PATH_TO_KVSTASHD]\n",
+                    "[--steps N] [--reload] [--policy-threads N] [--csv FILE] [PATH_TO_KVSTASHD]\n",
                     argv[0]);
             return -1;
         } else {
@@ -541,7 +545,9 @@ int main(int argc, char **argv)
     snprintf(ring_mb, sizeof ring_mb, "%zu", (stats_max >> 20) + 2);
     /* A table with positions of 256 per-head lists of 128k tokens (weightedkv)
      * is 100 MB, over the default --max-reply-mb of 64. */
-    const char *extra[] = {"--ring-mb", ring_mb, "--max-reply-mb", "1024", NULL};
+    const char *extra[] = {"--ring-mb", ring_mb, "--max-reply-mb", "1024",
+                           cfg.policy_threads ? "--policy-threads" : NULL, cfg.policy_threads,
+                           NULL};
 
     printf("bench_step_context: %u layers, %u query / %u KV heads x %u, fp16, %u-token blocks; "
            "%u timed decode steps per cell (after %u); pool %d MiB, ring %s MiB; kernels %s\n",

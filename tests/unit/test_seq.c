@@ -51,6 +51,10 @@ typedef struct fx {
     uint32_t lheads; /* KV heads in one list's block: kv_heads, or 1 per head */
 } fx;
 
+/* Threads the next fx_open's sequence decides its layers on, from any
+ * number of tokens (pool.h policy_threads); 0: one. */
+static uint32_t g_policy_threads;
+
 /* A pool of `blocks` blocks on backend b and a sequence of `policy` with
  * key/value pairs kv[0..2 * npairs). */
 static void fx_open(fx *f, const backend *b, uint32_t blocks, const char *policy,
@@ -68,6 +72,8 @@ static void fx_open(fx *f, const backend *b, uint32_t blocks, const char *policy
     assert_int_equal(kv_shadow_real(f->p->base) != NULL, b == &backend_shadow);
     assert_int_equal(f->p->block_bytes, BLOCK_BYTES);
     assert_int_equal(f->p->block_count, blocks);
+    f->p->policy_threads = g_policy_threads;
+    f->p->policy_parallel_tokens = 0;
     const policy_ops *ops = policy_find(policy);
     assert_non_null(ops);
     const char *keys[8], *values[8];
@@ -1570,6 +1576,77 @@ static void test_tova_takes_the_summed_score(void **state)
     fx_close(&f);
 }
 
+/* One step of f with `in` (statistics drawn from seed where in->data is
+ * NULL); its status, and its message in msg. */
+static status_code step_drawn(fx *f, seq_step_input in, uint64_t seed, int nan_layer, char *msg)
+{
+    size_t n = seq_step_floats(f->s, in.arrays);
+    float *data = malloc((n ? n : 1) * sizeof *data);
+    assert_non_null(data);
+    for (size_t i = 0; i < n; i++) {
+        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+        data[i] = (float)(seed >> 40) / (float)(1u << 24);
+    }
+    if (nan_layer >= 0) /* the layer's rows are the second half (2 layers) */
+        data[n / 2 + 1] = NAN;
+    in.data = data;
+    in.nfloats = n;
+    uint32_t evicted;
+    status st = {0};
+    status_code rc = seq_step(f->s, &in, &evicted, &st);
+    snprintf(msg, 256, "%s", rc == ST_OK ? "" : st.msg);
+    free(data);
+    return rc;
+}
+
+/* Two sequences alike but for the threads their layers decide on (3, and
+ * the step's own): the same steps leave the same lists, every kept token
+ * reading back its values, and a step whose layer 1 has a NaN is refused
+ * alike on both and changes nothing. */
+static void test_layers_on_threads(void **state)
+{
+    static const struct {
+        const char *policy, *kv[2];
+        unsigned arrays;
+    } cases[] = {{"tova", {"budget", "9"}, POLICY_NEEDS_LAST_ATTN},
+                 {"h2o", {"budget", "9"}, POLICY_NEEDS_SCORE}};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        fx a, b;
+        g_policy_threads = 3;
+        fx_open(&a, backend_of(state), 96, cases[c].policy, cases[c].kv, 1);
+        g_policy_threads = 0;
+        fx_open(&b, backend_of(state), 96, cases[c].policy, cases[c].kv, 1);
+        seq_step_input in = {.arrays = cases[c].arrays, .score_queries = 1, .confidence = -1.0};
+        char ma[256], mb[256];
+        for (uint64_t round = 0; round < 24; round++) {
+            append(&a, round == 0 ? 12 : 1 + round % 2);
+            append(&b, round == 0 ? 12 : 1 + round % 2);
+            int bad = round == 10;
+            status_code ra = step_drawn(&a, in, round, bad ? 1 : -1, ma);
+            assert_int_equal(ra, step_drawn(&b, in, round, bad ? 1 : -1, mb));
+            assert_int_equal(ra, bad ? ST_INVALID_ARGUMENT : ST_OK);
+            assert_string_equal(ma, mb);
+            if (bad) {
+                assert_non_null(strstr(ma, "non-finite"));
+                /* Nothing changed: the next step decides over the same lists. */
+                assert_int_equal(step_drawn(&a, in, 100 + round, -1, ma), ST_OK);
+                assert_int_equal(step_drawn(&b, in, 100 + round, -1, mb), ST_OK);
+            }
+            for (uint32_t l = 0; l < 2; l++) {
+                seq_list_view va, vb;
+                seq_list_view_get(a.s, l, 0, &va);
+                seq_list_view_get(b.s, l, 0, &vb);
+                assert_int_equal(va.tokens, vb.tokens);
+                assert_memory_equal(va.positions, vb.positions, va.tokens * sizeof *va.positions);
+                assert_true(va.tokens <= 9);
+                check_list(&a, l, 0);
+            }
+        }
+        fx_close(&a);
+        fx_close(&b);
+    }
+}
+
 /* The last query's attention of query head h to position p at a round. */
 static float wkv_attn(uint32_t round, uint32_t l, uint32_t h, uint32_t p)
 {
@@ -2019,6 +2096,8 @@ int main(void)
         cmocka_unit_test(test_evictions_cut_in_place),
         ON_SHADOW(test_evictions_cut_in_place),
         cmocka_unit_test(test_tova_takes_the_summed_score),
+        cmocka_unit_test(test_layers_on_threads),
+        ON_SHADOW(test_layers_on_threads),
         cmocka_unit_test(test_move_reviver),
         cmocka_unit_test(test_sketch_undo),
         ON_SHADOW(test_sketch_undo),
