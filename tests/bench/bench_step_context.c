@@ -545,8 +545,12 @@ int main(int argc, char **argv)
     snprintf(ring_mb, sizeof ring_mb, "%zu", (stats_max >> 20) + 2);
     /* A table with positions of 256 per-head lists of 128k tokens (weightedkv)
      * is 100 MB, over the default --max-reply-mb of 64. */
-    const char *extra[] = {"--ring-mb", ring_mb, "--max-reply-mb", "1024",
-                           cfg.policy_threads ? "--policy-threads" : NULL, cfg.policy_threads,
+    const char *extra[] = {"--ring-mb",
+                           ring_mb,
+                           "--max-reply-mb",
+                           "1024",
+                           cfg.policy_threads ? "--policy-threads" : NULL,
+                           cfg.policy_threads,
                            NULL};
 
     printf("bench_step_context: %u layers, %u query / %u KV heads x %u, fp16, %u-token blocks; "

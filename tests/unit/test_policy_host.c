@@ -917,10 +917,12 @@ static void test_merges_only_for_policies_that_merge(void **unused)
 
 /* fake_meet decides nothing; it records which thread stepped each layer,
  * and while g_meet_wait is set its step of layer 0 waits (10 s at most)
- * until another thread has stepped some other layer: only a host that
- * really steps layers at once lets it go on before that. */
+ * until a thread other than the host's caller has stepped a layer: only a
+ * host that really steps layers on other threads lets it go on before
+ * that. */
 static pthread_t g_meet_thread[MAX_LAYERS];
-static atomic_int g_meet_other; /* a layer > 0 stepped off layer 0's thread */
+static pthread_t g_meet_caller; /* set before the host starts its threads */
+static atomic_int g_meet_other; /* a layer stepped off the caller's thread */
 static int g_meet_wait;
 
 static int fake_meet_step(void *state, const policy_layer_view *v, const policy_stats *stats,
@@ -928,7 +930,7 @@ static int fake_meet_step(void *state, const policy_layer_view *v, const policy_
 {
     (void)state, (void)stats, (void)d, (void)err, (void)errlen;
     g_meet_thread[v->layer] = pthread_self();
-    if (v->layer > 0 && !pthread_equal(g_meet_thread[v->layer], g_meet_thread[0]))
+    if (!pthread_equal(pthread_self(), g_meet_caller))
         atomic_store(&g_meet_other, 1);
     for (int i = 0; v->layer == 0 && g_meet_wait && i < 10000 && !atomic_load(&g_meet_other); i++)
         nanosleep(&(struct timespec){0, 1000000}, NULL);
@@ -956,6 +958,7 @@ static int meet_threads(policy_host *h, uint32_t layers)
     for (uint32_t l = 0; l < layers; l++)
         all[l] = stats;
     memset(g_meet_thread, 0, sizeof g_meet_thread);
+    g_meet_caller = pthread_self();
     atomic_store(&g_meet_other, 0);
     if (policy_host_step_layers(h, all, d, err, sizeof err) != 0)
         fail_msg("step_layers: %s", err);
