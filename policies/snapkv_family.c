@@ -87,15 +87,18 @@ static inline double quotient_by(double s, double d, double y)
     return fma(r, y, q);
 }
 
-/* acc[i] += (0 + buf[i] + ... + buf[i + kernel - 1]) / kernel, i < m, one
+/* acc[i] += (buf[i] + ... + buf[i + kernel - 1]) / kernel, i < m, one
  * output at a time: with a constant kernel the compiler unrolls the taps
- * and vectorises over i, the sum never leaving a register. */
+ * and vectorises over i, the sum never leaving a register. The reference
+ * sums from 0; starting from the first tap differs only when every tap is
+ * -0 (a sum of -0 instead of +0), and adding -0 or +0 to an accumulator
+ * that starts at +0 gives the same bits, so it saves an add an output. */
 static inline void avg_pool_outputs(const double *buf, size_t m, uint32_t kernel, double *acc)
 {
     double d = kernel, y = 1.0 / d;
     for (size_t i = 0; i < m; i++) {
-        double s = 0.0;
-        for (uint32_t t = 0; t < kernel; t++)
+        double s = buf[i];
+        for (uint32_t t = 1; t < kernel; t++)
             s += buf[i + t];
         acc[i] += quotient_by(s, d, y);
     }

@@ -12,12 +12,14 @@
 
 /*
  * Hot loops over a decision's lists (pooling, keys, compactions, sums) are
- * compiled twice on x86-64, for x86-64-v3 (AVX2 and FMA) and for the
- * baseline, and the loader picks one for the CPU (GCC's target_clones, an
- * ifunc). Both do the same IEEE operations in the same order (ISO C: no
- * contraction into FMA; an fma() the code asks for is the instruction in
- * one and glibc's exact fma in the other), so they give the same bits, as
- * kernels/cpu/isa.h's two builds do.
+ * compiled three times on x86-64, for x86-64-v4 (AVX-512: twice the lanes
+ * of a pool or a sum, 15-18% off a SnapKV-family decision on Zen 5,
+ * docs/bench.md), x86-64-v3 (AVX2 and FMA) and the baseline, and the
+ * loader picks one for the CPU (GCC's target_clones, an ifunc). All do the
+ * same IEEE operations in the same order (ISO C: no contraction into FMA;
+ * an fma() the code asks for is the instruction in two and glibc's exact
+ * fma in the baseline), so they give the same bits, as kernels/cpu/isa.h's
+ * builds do.
  */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) &&                             \
     !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
@@ -25,7 +27,7 @@
  * target_clones function (callers in other files fail to link), and the
  * sanitizer builds check the code, not its speed (an ifunc resolver also
  * runs before their runtimes start). */
-#define POLICY_HOT __attribute__((target_clones("arch=x86-64-v3", "default")))
+#define POLICY_HOT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define POLICY_HOT
 #endif
