@@ -886,6 +886,7 @@ const policy_ops policy_reviver = {
     .nparams = sizeof(reviver_params) / sizeof(reviver_params[0]),
     .needs = POLICY_NEEDS_SCORE,
     .per_head = 0,
+    .layers_concurrent = 1,
     .create = reviver_create,
     .step = reviver_step,
     .describe = reviver_describe,
