@@ -43,6 +43,13 @@ static void test_config_set(void **state)
     assert_int_equal(config_set(&c, "pool_mb", "0", err, sizeof err), -1);
     assert_non_null(strstr(err, "pool-mb must be an integer in [1, 1048576]"));
     assert_int_equal(config_set(&c, "threads", "-1", err, sizeof err), -1);
+    assert_int_equal(c.policy_threads, 2);
+    assert_int_equal(config_set(&c, "policy_threads", "4", err, sizeof err), 0);
+    assert_int_equal(c.policy_threads, 4);
+    assert_int_equal(config_set(&c, "policy-threads", "0", err, sizeof err), -1);
+    assert_non_null(strstr(err, "policy-threads must be an integer in [1, 64]"));
+    assert_int_equal(config_set(&c, "policy-threads", "65", err, sizeof err), -1);
+    assert_int_equal(c.policy_threads, 4);
     assert_int_equal(config_set(&c, "log_level", "loud", err, sizeof err), -1);
     assert_int_equal(config_set(&c, "metrics_allow_remote", "maybe", err, sizeof err), -1);
     assert_int_equal(config_set(&c, "nope", "1", err, sizeof err), -1);
