@@ -60,7 +60,7 @@ static const config_option options[] = {
     {"threads", CONFIG_COUNT, 1, 64, "gRPC completion-queue threads (default 2)"},
     {"policy-threads", CONFIG_COUNT, 1, 64,
      "threads one sequence's step may decide its layers on, for policies whose layers are "
-     "independent (snapkv, criticalkv, adakv, criticalkv_ada, h2o, tova, reviver) and sequences of "
+     "independent (all but streaming, full and ov_block) and sequences of "
      "256k tokens or more over all layers; 1 = the step's own thread (default 2)"},
     {"log-level", CONFIG_LEVEL, 0, 0, "debug, info, warn or error (default info)"},
     {"metrics", CONFIG_ADDR, 0, 0,

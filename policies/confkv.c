@@ -53,14 +53,19 @@ typedef struct confkv_layer {
     uint32_t budget;   /* B_l of the last decode step */
 } confkv_layer;
 
+/* A layer's scratch for its step, apart from confkv_layer (which save,
+ * restore and import copy whole): the host may step layers at once. */
+typedef struct confkv_scratch {
+    double *rank;
+    uint64_t *keys; /* the eviction's selection */
+    uint32_t cap;
+} confkv_scratch;
+
 typedef struct confkv_state {
     confkv_config cfg;
     uint32_t layers, q_heads;
     confkv_layer *ly;
-    /* Scratch for one step (the host runs one layer at a time). */
-    double *rank;
-    uint64_t *keys; /* the eviction's selection */
-    uint32_t scratch_cap;
+    confkv_scratch *scratch; /* [layers] */
 } confkv_state;
 
 static const char *const margin_modes[] = {"sigmoid", "tanh", NULL};
@@ -334,9 +339,12 @@ static void confkv_destroy(void *state)
         return;
     for (uint32_t l = 0; s->ly != NULL && l < s->layers; l++)
         free(s->ly[l].ema);
+    for (uint32_t l = 0; s->scratch != NULL && l < s->layers; l++) {
+        free(s->scratch[l].rank);
+        free(s->scratch[l].keys);
+    }
     free(s->ly);
-    free(s->rank);
-    free(s->keys);
+    free(s->scratch);
     free(s);
 }
 
@@ -360,7 +368,8 @@ static int confkv_create(const policy_params *p, const policy_geometry *g, void 
     s->layers = g->layers;
     s->q_heads = g->q_heads;
     s->ly = calloc(g->layers, sizeof *s->ly);
-    if (s->ly == NULL) {
+    s->scratch = calloc(g->layers, sizeof *s->scratch);
+    if (s->ly == NULL || s->scratch == NULL) {
         confkv_destroy(s);
         policy_set_err(err, errlen, "out of memory creating policy 'confkv'");
         return -1;
@@ -369,7 +378,7 @@ static int confkv_create(const policy_params *p, const policy_geometry *g, void 
     return 0;
 }
 
-static int reserve(confkv_state *s, confkv_layer *ly, uint32_t n)
+static int reserve(confkv_layer *ly, confkv_scratch *sc, uint32_t n)
 {
     if (n > ly->cap) {
         uint32_t cap = ly->cap ? ly->cap : 64;
@@ -381,33 +390,34 @@ static int reserve(confkv_state *s, confkv_layer *ly, uint32_t n)
         ly->ema = e;
         ly->cap = cap;
     }
-    if (n > s->scratch_cap) {
-        double *r = realloc(s->rank, (size_t)n * sizeof *r);
+    if (n > sc->cap) {
+        double *r = realloc(sc->rank, (size_t)n * sizeof *r);
         if (r == NULL)
             return -1;
-        s->rank = r;
-        uint64_t *x = realloc(s->keys, (size_t)n * sizeof *x);
+        sc->rank = r;
+        uint64_t *x = realloc(sc->keys, (size_t)n * sizeof *x);
         if (x == NULL)
             return -1;
-        s->keys = x;
-        s->scratch_cap = n;
+        sc->keys = x;
+        sc->cap = n;
     }
     return 0;
 }
 
 /* Step 1: e_i ← γ·e_i + (1−γ)·mean_h last_attn[h][i]. The means go
  * through the step's rank scratch, which evict() overwrites. */
-static void update_ema(const confkv_state *s, confkv_layer *ly, const policy_stats *st)
+static void update_ema(const confkv_state *s, confkv_layer *ly, confkv_scratch *sc,
+                       const policy_stats *st)
 {
-    double *mean = s->rank;
+    double *mean = sc->rank;
     policy_mean_rows(st->last_attn, s->q_heads, ly->n, mean);
     for (uint32_t i = 0; i < ly->n; i++)
         ly->ema[i] = ema_of(ly->ema[i], mean[i], s->cfg.gamma);
 }
 
 /* Step 3: mark the evicted tokens in tier[]. The W newest are protected. */
-static void evict(confkv_state *s, const confkv_layer *ly, const uint32_t *pos, uint8_t *tier,
-                  uint32_t budget)
+static void evict(const confkv_state *s, const confkv_layer *ly, confkv_scratch *sc,
+                  const uint32_t *pos, uint8_t *tier, uint32_t budget)
 {
     uint32_t n = ly->n;
     if (n <= budget)
@@ -416,19 +426,19 @@ static void evict(confkv_state *s, const confkv_layer *ly, const uint32_t *pos, 
     uint32_t k = n - budget;
     if (k > cand)
         k = cand;
-    confkv_rank(ly->ema, pos, cand, s->cfg.lambda, s->rank);
-    if (k == 1 && !policy_has_nan(s->rank, cand)) { /* a decode step: the first minimum */
-        tier[policy_first_min(s->rank, cand)] = POLICY_EVICT;
+    confkv_rank(ly->ema, pos, cand, s->cfg.lambda, sc->rank);
+    if (k == 1 && !policy_has_nan(sc->rank, cand)) { /* a decode step: the first minimum */
+        tier[policy_first_min(sc->rank, cand)] = POLICY_EVICT;
         return;
     }
     /* The k first of confkv_order's order (rank, step, index), selected
      * without sorting the rest: the view's positions ascend, so (step,
      * index) is index order, the order the cut is taken in. */
     for (uint32_t i = 0; i < cand; i++)
-        s->keys[i] = policy_key(s->rank[i]);
-    policy_cut cut = policy_select_cut(s->keys, cand, k);
-    uint8_t *evict = (uint8_t *)s->keys; /* the keys are spent: cand bytes of room */
-    policy_cut_mark(&cut, s->rank, 1.0, NULL, 1, cand, 0, evict);
+        sc->keys[i] = policy_key(sc->rank[i]);
+    policy_cut cut = policy_select_cut(sc->keys, cand, k);
+    uint8_t *evict = (uint8_t *)sc->keys; /* the keys are spent: cand bytes of room */
+    policy_cut_mark(&cut, sc->rank, 1.0, NULL, 1, cand, 0, evict);
     policy_evict_marked(tier, evict, 1, cand);
 }
 
@@ -504,31 +514,32 @@ static int confkv_step(void *state, const policy_layer_view *view, const policy_
         return -1;
     }
     confkv_layer *ly = &s->ly[view->layer];
+    confkv_scratch *sc = &s->scratch[view->layer];
     uint32_t n = view->tokens[0];
     if (check_stats(s, ly, n, stats, err, errlen) != 0)
         return -1;
-    if (reserve(s, ly, n) != 0) {
+    if (reserve(ly, sc, n) != 0) {
         policy_set_err(err, errlen, "out of memory in policy 'confkv'");
         return -1;
     }
     for (uint32_t i = ly->n; i < n; i++)
         ly->ema[i] = 0.0; /* a new token starts at 0 before its first update */
     ly->n = n;
-    update_ema(s, ly, stats);
+    update_ema(s, ly, sc, stats);
     if (stats->prefill)
         return 0; /* §5.3: prefill keeps everything */
     uint32_t budget = step_budget(s, view->layer, stats->confidence);
     ly->decided = 1;
     ly->confidence = stats->confidence;
     ly->budget = budget;
-    evict(s, ly, view->positions[0], d->tier[0], budget);
+    evict(s, ly, sc, view->positions[0], d->tier[0], budget);
     demote(s, n, d->tier[0]);
     compact(ly, d->tier[0]);
     return 0;
 }
 
 /* ops->save: the layer's record with its EMA in an array of exactly n (the
- * copy's cap), so that restore() only swaps. rank and idx are scratch. */
+ * copy's cap), so that restore() only swaps (the scratch is apart). */
 static int confkv_save(void *state, uint32_t layer, void **saved)
 {
     const confkv_state *s = state;
@@ -717,6 +728,7 @@ const policy_ops policy_confkv = {
     .nparams = sizeof(confkv_params) / sizeof(confkv_params[0]),
     .needs = POLICY_NEEDS_LAST_ATTN | POLICY_NEEDS_CONFIDENCE,
     .per_head = 0,
+    .layers_concurrent = 1,
     .create = confkv_create,
     .step = confkv_step,
     .describe = confkv_describe,

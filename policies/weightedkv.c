@@ -70,16 +70,21 @@ typedef struct wkv_head {
     int pinned;
 } wkv_head;
 
+/* A layer's scratch for the step of one of its lists, a layer's own so
+ * that the host may step layers at once. */
+typedef struct wkv_scratch {
+    double *w, *attn, *coef;
+    uint32_t *idx;
+    policy_merge *plan;
+    uint32_t cap;
+} wkv_scratch;
+
 typedef struct wkv_state {
     wkv_config cfg;
     int merge, literal;
     uint32_t layers, q_heads, kv_heads, group;
-    wkv_head *heads; /* [layers * kv_heads] */
-    /* Scratch for one list (the host runs one layer at a time). */
-    double *w, *attn, *coef;
-    uint32_t *scratch;
-    policy_merge *plan;
-    uint32_t scratch_cap;
+    wkv_head *heads;      /* [layers * kv_heads] */
+    wkv_scratch *scratch; /* [layers] */
 } wkv_state;
 
 /* The parameters as parsed (policy_params_parse). */
@@ -303,11 +308,15 @@ static void wkv_destroy(void *state)
         free(s->heads[i].spare_c);
     }
     free(s->heads);
-    free(s->w);
-    free(s->attn);
-    free(s->coef);
+    for (uint32_t l = 0; s->scratch != NULL && l < s->layers; l++) {
+        wkv_scratch *sc = &s->scratch[l];
+        free(sc->w);
+        free(sc->attn);
+        free(sc->coef);
+        free(sc->idx);
+        free(sc->plan);
+    }
     free(s->scratch);
-    free(s->plan);
     free(s);
 }
 
@@ -337,7 +346,8 @@ static int wkv_create(const policy_params *p, const policy_geometry *g, void **s
     s->kv_heads = g->kv_heads;
     s->group = g->q_heads / g->kv_heads;
     s->heads = calloc((size_t)g->layers * g->kv_heads, sizeof *s->heads);
-    if (s->heads == NULL) {
+    s->scratch = calloc(g->layers, sizeof *s->scratch);
+    if (s->heads == NULL || s->scratch == NULL) {
         wkv_destroy(s);
         policy_set_err(err, errlen, "out of memory creating policy 'weightedkv'");
         return -1;
@@ -347,7 +357,7 @@ static int wkv_create(const policy_params *p, const policy_geometry *g, void **s
 }
 
 /* Room for n entries in the head's spare pair and in the step's scratch. */
-static int reserve(wkv_state *s, wkv_head *hd, uint32_t n)
+static int reserve(wkv_scratch *sc, wkv_head *hd, uint32_t n)
 {
     if (n > hd->spare_cap) {
         uint32_t cap = hd->spare_cap ? hd->spare_cap : 64;
@@ -361,36 +371,37 @@ static int reserve(wkv_state *s, wkv_head *hd, uint32_t n)
         if (hd->spare_cap == 0)
             return -1;
     }
-    if (n > s->scratch_cap) {
-        double *w = realloc(s->w, (size_t)n * sizeof *w);
+    if (n > sc->cap) {
+        double *w = realloc(sc->w, (size_t)n * sizeof *w);
         if (w == NULL)
             return -1;
-        s->w = w;
-        double *at = realloc(s->attn, (size_t)n * sizeof *at);
+        sc->w = w;
+        double *at = realloc(sc->attn, (size_t)n * sizeof *at);
         if (at == NULL)
             return -1;
-        s->attn = at;
-        double *cf = realloc(s->coef, (size_t)n * sizeof *cf);
+        sc->attn = at;
+        double *cf = realloc(sc->coef, (size_t)n * sizeof *cf);
         if (cf == NULL)
             return -1;
-        s->coef = cf;
-        uint32_t *sc = realloc(s->scratch, 3 * (size_t)n * sizeof *sc);
-        if (sc == NULL)
+        sc->coef = cf;
+        uint32_t *idx = realloc(sc->idx, 3 * (size_t)n * sizeof *idx);
+        if (idx == NULL)
             return -1;
-        s->scratch = sc;
-        policy_merge *pl = realloc(s->plan, (size_t)n * sizeof *pl);
+        sc->idx = idx;
+        policy_merge *pl = realloc(sc->plan, (size_t)n * sizeof *pl);
         if (pl == NULL)
             return -1;
-        s->plan = pl;
-        s->scratch_cap = n;
+        sc->plan = pl;
+        sc->cap = n;
     }
     return 0;
 }
 
-/* s->attn[i] = mean over KV head k's query heads of rows[h][i] (§4.1 GQA). */
-static void group_mean(wkv_state *s, const float *const *rows, uint32_t k, uint32_t n)
+/* sc->attn[i] = mean over KV head k's query heads of rows[h][i] (§4.1 GQA). */
+static void group_mean(const wkv_state *s, wkv_scratch *sc, const float *const *rows, uint32_t k,
+                       uint32_t n)
 {
-    policy_mean_rows(rows + (size_t)k * s->group, s->group, n, s->attn);
+    policy_mean_rows(rows + (size_t)k * s->group, s->group, n, sc->attn);
 }
 
 static int check_stats(const wkv_state *s, const policy_stats *st, int window, char *err,
@@ -485,9 +496,9 @@ POLICY_HOT static void add_step(const double *restrict a, const double *restrict
 
 /* Step 1 into the spare pair (room for n: reserve), which becomes
  * current. A new entry starts at a = c = 0 before its first update.
- * Returns 1 when it left the new pair's weights in s->w (a decode step). */
-static int accumulate(wkv_state *s, wkv_head *hd, const policy_layer_view *view, uint32_t k,
-                      const policy_stats *st, int window)
+ * Returns 1 when it left the new pair's weights in sc->w (a decode step). */
+static int accumulate(const wkv_state *s, wkv_scratch *sc, wkv_head *hd,
+                      const policy_layer_view *view, uint32_t k, const policy_stats *st, int window)
 {
     uint32_t n = view->tokens[k], old = hd->n;
     const double *a = hd->a, *c = hd->c;
@@ -495,15 +506,15 @@ static int accumulate(wkv_state *s, wkv_head *hd, const policy_layer_view *view,
     if (window) {
         /* Prefill extension: Σ over the window's queries, and how many see i. */
         uint64_t wq = st->window_queries;
-        group_mean(s, st->window_attn, k, n);
+        group_mean(s, sc, st->window_attn, k, n);
         for (uint32_t i = 0; i < n; i++) {
             uint64_t after = view->appended - view->positions[k][i];
-            na[i] = (i < old ? a[i] : 0.0) + (double)wq * s->attn[i];
+            na[i] = (i < old ? a[i] : 0.0) + (double)wq * sc->attn[i];
             nc[i] = (i < old ? c[i] : 0.0) + (double)(after < wq ? after : wq);
         }
     } else {
-        group_mean(s, st->last_attn, k, n);
-        add_step(a, c, s->attn, old, n, na, nc, s->w);
+        group_mean(s, sc, st->last_attn, k, n);
+        add_step(a, c, sc->attn, old, n, na, nc, sc->w);
     }
     head_swap(hd);
     hd->n = n;
@@ -511,29 +522,29 @@ static int accumulate(wkv_state *s, wkv_head *hd, const policy_layer_view *view,
 }
 
 /* Step 2 for one head: the merges, the evictions, and the compaction.
- * have_w: s->w holds the head's weights already. */
-static int merge_head(wkv_state *s, wkv_head *hd, uint32_t k, int have_w, policy_decision *d,
-                      char *err, size_t errlen)
+ * have_w: sc->w holds the head's weights already. */
+static int merge_head(const wkv_state *s, wkv_scratch *sc, wkv_head *hd, uint32_t k, int have_w,
+                      policy_decision *d, char *err, size_t errlen)
 {
     uint32_t n = hd->n;
     if (n <= s->cfg.cache_size)
         return 0;
     if (!have_w)
-        weights(hd->a, hd->c, n, s->w);
+        weights(hd->a, hd->c, n, sc->w);
     if (s->literal)
-        memcpy(hd->a, s->w, (size_t)n * sizeof *hd->a); /* Algorithm 1's `a = a/n` */
-    size_t count = wkv_plan(s->w, n, &s->cfg, k, s->scratch, s->plan);
+        memcpy(hd->a, sc->w, (size_t)n * sizeof *hd->a); /* Algorithm 1's `a = a/n` */
+    size_t count = wkv_plan(sc->w, n, &s->cfg, k, sc->idx, sc->plan);
     if (s->merge && d->nmerges + count > d->merges_cap) {
         policy_set_err(err, errlen, "weightedkv: %zu merges do not fit the decision (room for %zu)",
                        d->nmerges + count, d->merges_cap);
         return -1;
     }
     for (size_t m = 0; m < count; m++)
-        d->tier[k][s->plan[m].from] = POLICY_EVICT;
+        d->tier[k][sc->plan[m].from] = POLICY_EVICT;
     if (s->merge) {
         /* Chains (prefill) become merges into kept entries; the plan's
          * scratch is free again. */
-        wkv_flatten(s->plan, count, n, d->merges + d->nmerges, s->scratch, s->coef);
+        wkv_flatten(sc->plan, count, n, d->merges + d->nmerges, sc->idx, sc->coef);
         d->nmerges += count;
     }
     /* Entries before the first eviction stay where they are; after a
@@ -571,6 +582,7 @@ static int wkv_step(void *state, const policy_layer_view *view, const policy_sta
     if (check_stats(s, stats, window, err, errlen) != 0)
         return -1;
     wkv_head *heads = &s->heads[(size_t)view->layer * s->kv_heads];
+    wkv_scratch *sc = &s->scratch[view->layer];
     for (uint32_t k = 0; k < s->kv_heads; k++) {
         uint32_t n = view->tokens[k];
         if (stats->new_tokens > n || heads[k].n != n - stats->new_tokens) {
@@ -583,12 +595,12 @@ static int wkv_step(void *state, const policy_layer_view *view, const policy_sta
         }
     }
     for (uint32_t k = 0; k < s->kv_heads; k++) {
-        if (reserve(s, &heads[k], view->tokens[k]) != 0) {
+        if (reserve(sc, &heads[k], view->tokens[k]) != 0) {
             policy_set_err(err, errlen, "out of memory in policy 'weightedkv'");
             return -1;
         }
-        int have_w = accumulate(s, &heads[k], view, k, stats, window);
-        if (merge_head(s, &heads[k], k, have_w, d, err, errlen) != 0)
+        int have_w = accumulate(s, sc, &heads[k], view, k, stats, window);
+        if (merge_head(s, sc, &heads[k], k, have_w, d, err, errlen) != 0)
             return -1;
     }
     return 0;
@@ -598,8 +610,8 @@ static int wkv_step(void *state, const policy_layer_view *view, const policy_sta
 
 /* A saved layer: its kv_heads current pairs, which the layer's next step
  * leaves as they are (it writes the spare pairs): no copy. An imported
- * layer comes in the same form, in arrays of its own. The step's w, attn,
- * coef, scratch and plan are scratch, not state. */
+ * layer comes in the same form, in arrays of its own. The step's
+ * wkv_scratch is not state. */
 typedef struct wkv_saved {
     wkv_head *dst; /* the layer's heads (discard() is told only the copy) */
     uint32_t heads;
@@ -854,6 +866,7 @@ const policy_ops policy_weightedkv = {
     .nparams = sizeof(wkv_params) / sizeof(wkv_params[0]),
     .needs = POLICY_NEEDS_LAST_ATTN,
     .per_head = 1,
+    .layers_concurrent = 1,
     .merges = 1,
     .create = wkv_create,
     .step = wkv_step,

@@ -917,12 +917,13 @@ static void test_merges_only_for_policies_that_merge(void **unused)
 
 /* fake_meet decides nothing; it records which thread stepped each layer,
  * and while g_meet_wait is set its step of layer 0 waits (10 s at most)
- * until a thread other than the host's caller has stepped a layer: only a
- * host that really steps layers on other threads lets it go on before
- * that. */
+ * until both the host's caller and another thread have stepped a layer
+ * (whichever stepped layer 0 among them): only a host that shares the
+ * layers between its caller and other threads lets it go on before that. */
 static pthread_t g_meet_thread[MAX_LAYERS];
-static pthread_t g_meet_caller; /* set before the host starts its threads */
-static atomic_int g_meet_other; /* a layer stepped off the caller's thread */
+static pthread_t g_meet_caller;          /* set before the host starts its threads */
+static atomic_int g_meet_other;          /* a layer stepped off the caller's thread */
+static atomic_int g_meet_caller_stepped; /* a layer stepped on it */
 static int g_meet_wait;
 
 static int fake_meet_step(void *state, const policy_layer_view *v, const policy_stats *stats,
@@ -930,9 +931,11 @@ static int fake_meet_step(void *state, const policy_layer_view *v, const policy_
 {
     (void)state, (void)stats, (void)d, (void)err, (void)errlen;
     g_meet_thread[v->layer] = pthread_self();
-    if (!pthread_equal(pthread_self(), g_meet_caller))
-        atomic_store(&g_meet_other, 1);
-    for (int i = 0; v->layer == 0 && g_meet_wait && i < 10000 && !atomic_load(&g_meet_other); i++)
+    int on_caller = pthread_equal(pthread_self(), g_meet_caller);
+    atomic_store(on_caller ? &g_meet_caller_stepped : &g_meet_other, 1);
+    for (int i = 0; v->layer == 0 && g_meet_wait && i < 10000 &&
+                    !(atomic_load(&g_meet_other) && atomic_load(&g_meet_caller_stepped));
+         i++)
         nanosleep(&(struct timespec){0, 1000000}, NULL);
     return 0;
 }
@@ -960,6 +963,7 @@ static int meet_threads(policy_host *h, uint32_t layers)
     memset(g_meet_thread, 0, sizeof g_meet_thread);
     g_meet_caller = pthread_self();
     atomic_store(&g_meet_other, 0);
+    atomic_store(&g_meet_caller_stepped, 0);
     if (policy_host_step_layers(h, all, d, err, sizeof err) != 0)
         fail_msg("step_layers: %s", err);
     int distinct = 0;

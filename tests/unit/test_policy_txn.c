@@ -421,6 +421,10 @@ static int step_threaded(policy_host *a, policy_host *b, uint32_t n, int prefill
     return ra;
 }
 
+/* A prompt long enough that a layer's step outlasts starting a thread, so
+ * that the layers do go to both (and the TSan build sees them there). */
+#define THREADED_PROMPT 40000
+
 /* Every policy: a prompt and decode steps on threads equal the same one
  * layer at a time; a step whose layer 1 lacks its statistics fails with
  * that layer's message on both, and rolls back to equal hosts. */
@@ -435,7 +439,7 @@ static void test_layers_on_threads(void **unused)
         policy_host_set_threads(a, 3, 0);
         char when[160];
         snprintf(when, sizeof when, "%s on threads, prompt", tc->policy);
-        step_threaded(a, b, PROMPT, 1, 1, -1, when);
+        step_threaded(a, b, THREADED_PROMPT, 1, 1, -1, when);
         for (uint32_t i = 0; i < 12; i++) {
             snprintf(when, sizeof when, "%s on threads, step %u", tc->policy, i + 1);
             step_threaded(a, b, 1 + i % 3, 0, 2 + i, -1, when);

@@ -1600,23 +1600,35 @@ static status_code step_drawn(fx *f, seq_step_input in, uint64_t seed, int nan_l
 }
 
 /* Two sequences alike but for the threads their layers decide on (3, and
- * the step's own): the same steps leave the same lists, every kept token
- * reading back its values, and a step whose layer 1 has a NaN is refused
- * alike on both and changes nothing. */
+ * the step's own): the same steps leave the same lists holding the same
+ * values (every kept token its own, but where weightedkv merged), and a
+ * step whose layer 1 has a NaN is refused alike on both and changes
+ * nothing. */
 static void test_layers_on_threads(void **state)
 {
     static const struct {
-        const char *policy, *kv[2];
+        const char *policy, *kv[8];
         unsigned arrays;
-    } cases[] = {{"tova", {"budget", "9"}, POLICY_NEEDS_LAST_ATTN},
-                 {"h2o", {"budget", "9"}, POLICY_NEEDS_SCORE}};
+        int merges;
+    } cases[] = {
+        {"tova", {"budget", "9"}, POLICY_NEEDS_LAST_ATTN, 0},
+        {"h2o", {"budget", "9"}, POLICY_NEEDS_SCORE, 0},
+        {"confkv",
+         {"budget_tight", "9", "budget_loose", "9", "protect", "2", "fp16_window", "3"},
+         POLICY_NEEDS_LAST_ATTN,
+         0},
+        {"weightedkv", {"cache_size", "9", "n_recent", "2"}, POLICY_NEEDS_LAST_ATTN, 1},
+    };
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         fx a, b;
+        size_t pairs = 0;
+        while (pairs < 4 && cases[c].kv[2 * pairs] != NULL)
+            pairs++;
         g_policy_threads = 3;
-        fx_open(&a, backend_of(state), 96, cases[c].policy, cases[c].kv, 1);
+        fx_open(&a, backend_of(state), 160, cases[c].policy, cases[c].kv, pairs);
         g_policy_threads = 0;
-        fx_open(&b, backend_of(state), 96, cases[c].policy, cases[c].kv, 1);
-        seq_step_input in = {.arrays = cases[c].arrays, .score_queries = 1, .confidence = -1.0};
+        fx_open(&b, backend_of(state), 160, cases[c].policy, cases[c].kv, pairs);
+        seq_step_input in = {.arrays = cases[c].arrays, .score_queries = 1, .confidence = 0.5};
         char ma[256], mb[256];
         for (uint64_t round = 0; round < 24; round++) {
             append(&a, round == 0 ? 12 : 1 + round % 2);
@@ -1632,15 +1644,21 @@ static void test_layers_on_threads(void **state)
                 assert_int_equal(step_drawn(&a, in, 100 + round, -1, ma), ST_OK);
                 assert_int_equal(step_drawn(&b, in, 100 + round, -1, mb), ST_OK);
             }
-            for (uint32_t l = 0; l < 2; l++) {
-                seq_list_view va, vb;
-                seq_list_view_get(a.s, l, 0, &va);
-                seq_list_view_get(b.s, l, 0, &vb);
-                assert_int_equal(va.tokens, vb.tokens);
-                assert_memory_equal(va.positions, vb.positions, va.tokens * sizeof *va.positions);
-                assert_true(va.tokens <= 9);
-                check_list(&a, l, 0);
-            }
+            for (uint32_t l = 0; l < 2; l++)
+                for (uint32_t k = 0; k < a.heads; k++) {
+                    seq_list_view va, vb;
+                    uint8_t *ta, *tb;
+                    float *xa = list_read(&a, l, k, &va, &ta), *xb = list_read(&b, l, k, &vb, &tb);
+                    assert_int_equal(va.tokens, vb.tokens);
+                    assert_true(va.tokens <= 9);
+                    assert_memory_equal(va.positions, vb.positions,
+                                        va.tokens * sizeof *va.positions);
+                    assert_memory_equal(ta, tb, va.tokens);
+                    assert_memory_equal(xa, xb, (size_t)va.tokens * 2 * a.lheads * HD * sizeof *xa);
+                    if (!cases[c].merges)
+                        check_list(&a, l, k);
+                    free(xa), free(xb), free(ta), free(tb);
+                }
         }
         fx_close(&a);
         fx_close(&b);
