@@ -13,9 +13,10 @@
  * (window_attn and vnorm for the SnapKV family, the accumulated score for
  * h2o, the last query's attention for tova), and the policies run through
  * the policy host as the daemon runs them (policy_host_step_layers: every
- * layer's step, on as many threads as the row's). Timed: the 32 steps of one decision, on a fresh
- * host each repetition (h2o keeps state), median of the repetitions. Times on one thread are the
- * thread's CPU time on both sides (robust to the other users of a shared machine), times on two
+ * layer's step, on as many threads as the row's). Timed: the 32 steps of
+ * one decision, on a fresh host each repetition (h2o keeps state), median
+ * of the repetitions. Times on one thread are the thread's CPU time on
+ * both sides (robust to the other users of a shared machine), times on two
  * threads wall clock.
  *
  * Exactness: every input is an integer multiple of a power of two (window
