@@ -258,6 +258,8 @@ uint32_t seq_list_tokens(seq *s, uint32_t layer, uint32_t head, const uint32_t *
 
 uint64_t seq_tokens_held(seq *s)
 {
+    if (s->deciding) /* the host is the decision's (seq_step_plan) */
+        return s->held_deciding;
     uint64_t n = 0;
     for (uint32_t l = 0; l < s->nlayers; l++)
         for (uint32_t k = 0; k < s->heads; k++)
@@ -376,69 +378,106 @@ size_t seq_step_floats(seq *s, unsigned arrays)
     return n;
 }
 
-/* Run the policy on every layer and apply its decisions. The input was
- * checked: a failure here is a policy bug. */
-static status_code seq_run_policy(seq *s, const seq_step_input *in, uint64_t epoch,
-                                  uint32_t *evicted, status *st)
+/* A step's input parsed for the policy, and the policy's decisions
+ * (seq.h seq_step_plan). The rows point into the caller's statistics. */
+struct seq_step_job {
+    seq *s;
+    uint32_t *tokens; /* each list's tokens when the step began */
+    const float **rows;
+    policy_stats *ps; /* [nlayers] */
+    const policy_decision **d;
+    status_code rc; /* the decision's */
+    status st;
+};
+
+static void step_job_clear(seq_step_job *j)
 {
-    /* Every row of the step, parsed once (proto/kvstash_step.h); the sizes
-     * were checked (seq_step_check). */
+    free(j->tokens);
+    free(j->rows);
+    free(j->ps);
+    free(j->d);
+}
+
+/* Every row of the step, parsed once (proto/kvstash_step.h), and each
+ * layer's statistics for the policy. The sizes were checked
+ * (seq_step_check): a mismatch here is a bug. */
+static status_code step_job_parse(seq *s, const seq_step_input *in, seq_step_job *j, status *st)
+{
+    *j = (seq_step_job){.s = s, .rc = ST_OK};
     step_shape sh;
-    uint32_t *tokens = step_tokens(s, in->arrays, &sh);
-    const float **rows = calloc((size_t)s->nlayers * step_layer_slots(&sh) + 1, sizeof *rows);
-    status_code rc = tokens == NULL || rows == NULL
-                         ? status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory")
-                     : step_parse(&sh, tokens, in->data, in->nfloats, rows) != 0
-                         ? status_set(st, ST_INTERNAL, "step statistics do not match the lists")
-                         : ST_OK;
-    if (rc != ST_OK) {
-        free(tokens);
-        free(rows);
-        return rc;
-    }
-    policy_stats *ps = calloc(s->nlayers, sizeof *ps);
-    const policy_decision **d = calloc(s->nlayers, sizeof *d);
-    if (ps == NULL || d == NULL)
-        rc = status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
+    j->tokens = step_tokens(s, in->arrays, &sh);
+    j->rows = calloc((size_t)s->nlayers * step_layer_slots(&sh) + 1, sizeof *j->rows);
+    j->ps = calloc(s->nlayers, sizeof *j->ps);
+    j->d = calloc(s->nlayers, sizeof *j->d);
+    if (j->tokens == NULL || j->rows == NULL || j->ps == NULL || j->d == NULL)
+        return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
+    if (step_parse(&sh, j->tokens, in->data, in->nfloats, j->rows) != 0)
+        return status_set(st, ST_INTERNAL, "step statistics do not match the lists");
     int data = in->data != NULL;
-    for (uint32_t l = 0; l < s->nlayers && rc == ST_OK; l++) {
-        ps[l] = (policy_stats){.new_tokens = in->new_tokens ? in->new_tokens : s->unstepped,
-                               .prefill = in->prefill,
-                               .score_queries = in->score_queries,
-                               .window_queries = in->window_queries,
-                               .confidence = in->confidence};
+    for (uint32_t l = 0; l < s->nlayers; l++) {
+        policy_stats *ps = &j->ps[l];
+        *ps = (policy_stats){.new_tokens = in->new_tokens ? in->new_tokens : s->unstepped,
+                             .prefill = in->prefill,
+                             .score_queries = in->score_queries,
+                             .window_queries = in->window_queries,
+                             .confidence = in->confidence};
         if (data && (sh.arrays & STEP_SCORE)) /* one list only: checked by seq_step_check */
-            ps[l].score = rows[step_slot(&sh, l, STEP_SCORE, 0)];
+            ps->score = j->rows[step_slot(&sh, l, STEP_SCORE, 0)];
         if (data && (sh.arrays & STEP_LAST_ATTN))
-            ps[l].last_attn = &rows[step_slot(&sh, l, STEP_LAST_ATTN, 0)];
+            ps->last_attn = &j->rows[step_slot(&sh, l, STEP_LAST_ATTN, 0)];
         if (data && (sh.arrays & STEP_WINDOW_ATTN))
-            ps[l].window_attn = &rows[step_slot(&sh, l, STEP_WINDOW_ATTN, 0)];
+            ps->window_attn = &j->rows[step_slot(&sh, l, STEP_WINDOW_ATTN, 0)];
         if (data && (sh.arrays & STEP_VNORM))
-            ps[l].vnorm = &rows[step_slot(&sh, l, STEP_VNORM, 0)];
+            ps->vnorm = &j->rows[step_slot(&sh, l, STEP_VNORM, 0)];
     }
-    /* Every layer decides (on several threads, where the policy and the
-     * host allow), then the decisions move memory one layer after another. */
+    return ST_OK;
+}
+
+/* Every layer decides, on several threads where the policy and the host
+ * allow. Only the policy host changes. */
+static void step_job_decide(seq_step_job *j)
+{
     char err[POLICY_ERR_LEN];
     errno = 0; /* ENOMEM after a failure: out of memory (malloc sets it), not a bug */
-    if (rc == ST_OK && policy_host_step_layers(s->host, ps, d, err, sizeof err) != 0)
-        rc = status_set(st, errno == ENOMEM ? ST_RESOURCE_EXHAUSTED : ST_INTERNAL,
-                        "policy %s failed: %s", s->policy->name, err);
+    if (policy_host_step_layers(j->s->host, j->ps, j->d, err, sizeof err) != 0)
+        j->rc = status_set(&j->st, errno == ENOMEM ? ST_RESOURCE_EXHAUSTED : ST_INTERNAL,
+                           "policy %s failed: %s", j->s->policy->name, err);
+}
+
+/* The decisions move memory one layer after another; on a failure the
+ * caller rolls back. */
+static status_code step_job_apply(seq_step_job *j, uint64_t epoch, uint32_t *evicted, status *st)
+{
+    seq *s = j->s;
     size_t total = 0;
     int changed = 0;
+    status_code rc = ST_OK;
     seq_cuts_begin(s);
     for (uint32_t l = 0; l < s->nlayers && rc == ST_OK; l++)
-        rc = seq_apply_decision(s, l, d[l], epoch, &total, &changed, st);
-    free(ps);
-    free(d);
-    free(tokens);
-    free(rows);
-    if (rc != ST_OK) /* the caller rolls back */
+        rc = seq_apply_decision(s, l, j->d[l], epoch, &total, &changed, st);
+    if (rc != ST_OK)
         return rc;
     s->unstepped = 0;
     if (total > 0 || changed)
         s->epoch = epoch;
     *evicted = (uint32_t)total;
     return ST_OK;
+}
+
+/* Run the policy on every layer and apply its decisions, inside the
+ * caller's transaction. The input was checked: a failure here is a policy
+ * bug, or memory. */
+static status_code seq_run_policy(seq *s, const seq_step_input *in, uint64_t epoch,
+                                  uint32_t *evicted, status *st)
+{
+    seq_step_job j;
+    status_code rc = step_job_parse(s, in, &j, st);
+    if (rc == ST_OK) {
+        step_job_decide(&j);
+        rc = j.rc != ST_OK ? (*st = j.st, j.rc) : step_job_apply(&j, epoch, evicted, st);
+    }
+    step_job_clear(&j);
+    return rc;
 }
 
 /* On the gRPC path a step ends when the next Append begins, for policies
@@ -512,22 +551,64 @@ static status_code seq_step_check(seq *s, const seq_step_input *in, status *st)
     return ST_OK;
 }
 
-status_code seq_step(seq *s, const seq_step_input *in, uint32_t *evicted, status *st)
+status_code seq_step_plan(seq *s, const seq_step_input *in, seq_step_job **job, status *st)
 {
-    *evicted = 0;
+    *job = NULL;
     if (seq_step_check(s, in, st) != ST_OK)
         return st->code;
+    seq_step_job *j = malloc(sizeof *j);
+    if (j == NULL)
+        return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
+    if (step_job_parse(s, in, j, st) != ST_OK) {
+        step_job_clear(j);
+        free(j);
+        return st->code;
+    }
+    /* What snapshots count while the host is the decision's alone. */
+    uint64_t held = 0;
+    for (size_t i = 0; i < seq_nlists(s); i++)
+        held += j->tokens[i];
+    s->held_deciding = held;
+    s->deciding = 1;
+    policy_host_begin(s->host); /* seq_begin's, begun early: the decision changes the host */
+    *job = j;
+    return ST_OK;
+}
+
+void seq_step_decide(seq_step_job *job)
+{
+    step_job_decide(job);
+}
+
+status_code seq_step_finish(seq_step_job *job, uint32_t *evicted, status *st)
+{
+    seq *s = job->s;
+    *evicted = 0;
+    s->deciding = 0;
     seq_begin(s);
     s->stepping = 1;
-    status_code rc = seq_run_policy(s, in, s->epoch + 1, evicted, st);
+    status_code rc = job->rc != ST_OK ? (*st = job->st, job->rc)
+                                      : step_job_apply(job, s->epoch + 1, evicted, st);
     s->stepping = 0;
+    step_job_clear(job);
+    free(job);
     if (rc != ST_OK) {
-        seq_rollback(s);
+        seq_rollback(s); /* the host's decision too */
         *evicted = 0;
         return rc;
     }
     seq_end(s);
     return ST_OK;
+}
+
+status_code seq_step(seq *s, const seq_step_input *in, uint32_t *evicted, status *st)
+{
+    seq_step_job *job;
+    *evicted = 0;
+    if (seq_step_plan(s, in, &job, st) != ST_OK)
+        return st->code;
+    seq_step_decide(job);
+    return seq_step_finish(job, evicted, st);
 }
 
 static uint64_t seq_blocks_needed(const seq *s, uint32_t count)

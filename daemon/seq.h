@@ -188,6 +188,24 @@ typedef struct seq_step_input {
 status_code seq_step(seq *s, const seq_step_input *in, uint32_t *evicted, status *st);
 
 /*
+ * seq_step in three parts, so that the store can let its lock go while the
+ * policy decides (issue 16 §3: a prompt's decision over a long context
+ * takes tens of milliseconds). seq_step_plan checks the input as seq_step
+ * does (and changes nothing when it is wrong) and parses it; in->data must
+ * outlive the job. seq_step_decide runs the policy: it changes only the
+ * sequence's policy host, so it may run without the lock while nothing
+ * else calls into the sequence (the store marks it moving) and nothing
+ * reads its host (seq_tokens_held answers the count at the plan).
+ * seq_step_finish applies the decisions in a transaction, or rolls the
+ * host back when the decision failed, and frees the job: after a plan,
+ * always exactly one finish, with the lock held.
+ */
+typedef struct seq_step_job seq_step_job;
+status_code seq_step_plan(seq *s, const seq_step_input *in, seq_step_job **job, status *st);
+void seq_step_decide(seq_step_job *job);
+status_code seq_step_finish(seq_step_job *job, uint32_t *evicted, status *st);
+
+/*
  * The tokens the last seq_step removed from the lists, when removing them
  * was all it did to them: no token moved, changed tier or merged, no list
  * was compacted. A worker can then cut them out of the table it holds

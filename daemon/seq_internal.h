@@ -124,6 +124,11 @@ typedef struct seq {
     uint64_t compacted;      /* tokens list_compact copied in this call (seq_begin: 0) */
     uint64_t compact_budget; /* and may copy beyond its first list (SEQ_COMPACT_TOKENS) */
     uint32_t compact_window; /* full-precision tokens one compaction copies at most (too) */
+    /* Between seq_step_plan and seq_step_finish the policy host is the
+     * decision's, which may run without the store's lock: seq_tokens_held
+     * answers held_deciding, the lists' tokens at the plan. */
+    int deciding;
+    uint64_t held_deciding;
     /* The remote tier (seq.h "Spilling victims"): the uid of its keys ("" until
      * the first spill), the parts ever planned (numbered 0 .. spill_parts-1,
      * some never written), the victims now stored there. */

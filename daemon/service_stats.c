@@ -496,7 +496,7 @@ status_code service_inspect(void *app, const char *token, const ProtobufCMessage
     store *s = app;
     inspect_buf b = {0};
     status_code rc = ST_OK;
-    store_lock(s);
+    store_lock_seq(s, req->seq_id); /* its host may be deciding without the lock */
     seq *q;
     Kvstash__V1__InspectResponse out = KVSTASH__V1__INSPECT_RESPONSE__INIT;
     rc = store_find_seq_visible_locked(s, token, req->seq_id, &q, st);

@@ -1641,6 +1641,23 @@ static void lists_view_free(metrics_lists *v)
     memset(v, 0, sizeof *v);
 }
 
+static int decide(void *job)
+{
+    seq_step_decide(job);
+    return 0;
+}
+
+/* Lock held: q's policy decides, without the lock when its lists are long
+ * enough for the decision to hold up other sequences (issue 16 §3) and q
+ * can be marked moving; a short one costs less than letting go. */
+static void step_decide(store *st, seq *q, seq_step_job *job)
+{
+    if (seq_tokens_held(q) >= STORE_UNLOCKED_DECISION_TOKENS)
+        store_copy_unlocked(st, seq_id_of(q), decide, job);
+    else
+        seq_step_decide(job);
+}
+
 status_code store_step(store *st, const char *token, uint64_t seq_id, uint64_t ack_epoch,
                        const seq_step_input *in, store_cuts_reader read_cuts, void *ctx,
                        uint64_t *epoch, uint32_t *evicted, status *s)
@@ -1657,7 +1674,12 @@ status_code store_step(store *st, const char *token, uint64_t seq_id, uint64_t a
             mm = metrics_mass_begin(st->metrics, &before, in->arrays, in->data, in->nfloats);
         lists_view_free(&before);
         uint64_t epoch0 = seq_epoch(q);
-        rc = seq_step(q, in, evicted, s);
+        seq_step_job *job;
+        rc = seq_step_plan(q, in, &job, s);
+        if (rc == ST_OK) {
+            step_decide(st, q, job);
+            rc = seq_step_finish(job, evicted, s);
+        }
         if (rc == ST_OK)
             demote_due(st, q, epoch0);
         if (mm != NULL && lists_view(q, &after) == 0)

@@ -8,7 +8,7 @@
  * a status whose message says what to fix. The store and its sessions are
  * opaque (store_internal.h, for daemon/store*.c only): Stats and /metrics
  * read a snapshot (store_snapshot), Inspect one sequence under
- * store_lock()/store_unlock().
+ * store_lock_seq()/store_unlock().
  */
 #ifndef KVSTASH_STORE_H
 #define KVSTASH_STORE_H
@@ -458,8 +458,8 @@ status_code store_scratch_release(store *st, const char *token, uint64_t scratch
 /* Under store_lock: look a sequence up (no ownership check). */
 seq *store_find_seq_locked(store *st, uint64_t seq_id);
 
-/* Under store_lock: sequence seq_id for Inspect by the caller holding
- * `token` (store_identify): its owner's session or an operator's. NOT_FOUND,
+/* Under store_lock_seq(seq_id): sequence seq_id for Inspect by the caller
+ * holding `token` (store_identify): its owner's session or an operator's. NOT_FOUND,
  * PERMISSION_DENIED (another session's, and the caller is no operator), or
  * store_identify's errors. */
 status_code store_find_seq_visible_locked(store *st, const char *token, uint64_t seq_id, seq **out,

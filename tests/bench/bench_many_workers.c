@@ -12,12 +12,16 @@
  * and the creation of a 1,024-token `full int8=on int8_window=0` sequence
  * whose prefill step demotes it all, released again, until the workers end;
  * --mover revive or --mover demote runs only that half of its loop.
+ * --mover decide loops over a prompt's decision instead: a `snapkv`
+ * sequence of DECIDE_TOKENS tokens (its K/V left unwritten: the decision
+ * reads only the statistics), its prefill step with every query head's
+ * window attention, and its release.
  *
  * Figures: aggregate steps per second (all workers' steps over the slowest
  * worker's time), the median of the workers' p50 and the worst worker's
  * p99; the baselines are the same N without the mover and N = 1.
  *
- * Usage: bench_many_workers [--quick] [--mover both|revive|demote] [PATH_TO_KVSTASHD]
+ * Usage: bench_many_workers [--quick] [--mover both|revive|demote|decide] [PATH_TO_KVSTASHD]
  * Exits non-zero only if a part could not run.
  */
 #include <fcntl.h>
@@ -38,6 +42,9 @@
 #define POOL_MB 2048
 #define PREFILL 1024u
 #define MOVER_TOKENS 4096u
+/* A prompt whose decision (8 layers x 8 KV heads x 3,072 tokens) stays under
+ * the daemon's POLICY_HOST_PARALLEL_TOKENS, so that it runs on one thread. */
+#define DECIDE_TOKENS 3072u
 #define MAX_WORKERS 8
 
 static const kvs_geometry geom = {.layers = 8,
@@ -138,10 +145,46 @@ static int run_worker(const char *sock, int go, int out, uint32_t steps, const u
 }
 
 /* What the mover's loop does (--mover). */
-enum { MOVE_REVIVE = 1, MOVE_DEMOTE = 2 };
+enum { MOVE_REVIVE = 1, MOVE_DEMOTE = 2, MOVE_DECIDE = 4 };
 static int mover_does = MOVE_REVIVE | MOVE_DEMOTE;
 
-/* The mover: revives and demotes until `stop` becomes readable (EOF). */
+/* --mover decide's call: a prompt's decision over DECIDE_TOKENS tokens, every
+ * query head's window attention `attn`. */
+static int decide_prompt(kvs_session *s, const float *attn)
+{
+    const kvs_param p[] = {{"budget", "1024"}};
+    uint64_t seq;
+    int rc = kvs_seq_create(s, "snapkv", p, 1, "bench-many-decide", &seq);
+    if (rc != 0)
+        return fail(s, "kvs_seq_create", rc);
+    kvs_table w;
+    if ((rc = kvs_seq_append(s, seq, DECIDE_TOKENS, &w)) != 0) {
+        fail(s, "kvs_seq_append", rc);
+    } else {
+        uint32_t tokens[8 * 8];
+        const float *rows[8 * 32];
+        for (uint32_t i = 0; i < geom.layers * w.heads; i++)
+            tokens[i] = DECIDE_TOKENS;
+        for (uint32_t i = 0; i < geom.layers * geom.q_heads; i++)
+            rows[i] = attn + (size_t)(i % 7) * 64; /* rows of different values */
+        kvs_step st = {.new_tokens = DECIDE_TOKENS,
+                       .prefill = 1,
+                       .heads = w.heads,
+                       .tokens = tokens,
+                       .window_attn = rows,
+                       .window_queries = 64,
+                       .confidence = -1};
+        if ((rc = kvs_seq_step(s, seq, &st, NULL)) != 0)
+            fail(s, "kvs_seq_step", rc);
+        kvs_table_free(&w);
+    }
+    if (kvs_seq_release(s, seq) != 0)
+        rc = -1;
+    return rc;
+}
+
+/* The mover: revives and demotes (or decides) until `stop` becomes
+ * readable (EOF). */
 static int run_mover(const char *sock, int go, int stop, const uint8_t *kv)
 {
     kvs_session *s = attach(sock, "bench-many-mover");
@@ -152,11 +195,21 @@ static int run_mover(const char *sock, int go, int stop, const uint8_t *kv)
         fail(s, "kvs_seq_create", rc);
     for (uint32_t done = 0; rc == 0 && done < MOVER_TOKENS; done += PREFILL)
         rc = append_write_step(s, big, PREFILL, 1, kv);
+    float *attn = malloc((DECIDE_TOKENS + 7 * 64) * sizeof *attn);
+    if (attn == NULL)
+        rc = -1;
+    for (uint32_t i = 0; attn != NULL && i < DECIDE_TOKENS + 7 * 64; i++)
+        attn[i] = (float)((i * 2654435761u) % 65536u) / 65536.0f;
     char c;
     if (read(go, &c, 1) != 1)
         rc = -1;
     uint64_t loops = 0;
     while (rc == 0 && read(stop, &c, 1) != 0) { /* non-blocking: EAGAIN until the end */
+        if (mover_does & MOVE_DECIDE) {
+            rc = decide_prompt(s, attn);
+            loops++;
+            continue;
+        }
         kvs_revive rv;
         if ((mover_does & MOVE_REVIVE) &&
             (rc = kvs_seq_revive(s, big, 0, 0, 0, MOVER_TOKENS, 0, &rv)) != 0) {
@@ -180,6 +233,7 @@ static int run_mover(const char *sock, int go, int stop, const uint8_t *kv)
         }
         loops++;
     }
+    free(attn);
     if (s != NULL && kvs_session_detach(s) != 0)
         rc = -1;
     fprintf(stderr, "bench_many_workers: the mover ran %" PRIu64 " loops\n", loops);
@@ -265,14 +319,17 @@ int main(int argc, char **argv)
             mover_does = strcmp(m, "revive") == 0   ? MOVE_REVIVE
                          : strcmp(m, "demote") == 0 ? MOVE_DEMOTE
                          : strcmp(m, "both") == 0   ? MOVE_REVIVE | MOVE_DEMOTE
+                         : strcmp(m, "decide") == 0 ? MOVE_DECIDE
                                                     : 0;
             if (mover_does == 0) {
-                fprintf(stderr, "bench_many_workers: --mover is both, revive or demote, not %s\n",
+                fprintf(stderr,
+                        "bench_many_workers: --mover is both, revive, demote or decide, not %s\n",
                         m);
                 return 2;
             }
         } else if (argv[i][0] == '-') {
-            fprintf(stderr, "usage: %s [--quick] [--mover both|revive|demote] [PATH_TO_KVSTASHD]\n",
+            fprintf(stderr,
+                    "usage: %s [--quick] [--mover both|revive|demote|decide] [PATH_TO_KVSTASHD]\n",
                     argv[0]);
             return 2;
         } else {
@@ -288,6 +345,7 @@ int main(int argc, char **argv)
            geom.layers, geom.q_heads, geom.kv_heads, geom.head_dim, PREFILL, steps,
            mover_does == MOVE_REVIVE   ? "revive"
            : mover_does == MOVE_DEMOTE ? "demote"
+           : mover_does == MOVE_DECIDE ? "a prompt's decision"
                                        : "revive and demote",
            sysconf(_SC_NPROCESSORS_ONLN), kv_kernel_isa());
     fflush(stdout);

@@ -3,8 +3,10 @@
  * eviction through the streaming policy, retired blocks and acks, and the
  * "bad input changes nothing" rule. No gRPC: the store is called directly.
  */
+#include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -13,8 +15,10 @@
 
 #include "store.h"
 #include "store_harness.h"
-/* White-box: the blocks of kept victims (nvictim_blocks) have no accessor. */
+/* White-box: the blocks of kept victims (nvictim_blocks) have no accessor,
+ * nor the store's lock and the sequences moving without it. */
 #include "seq_internal.h"
+#include "store_internal.h"
 
 typedef struct fixture {
     store *st;
@@ -51,6 +55,12 @@ static int setup(void **state)
 static int setup_small(void **state)
 {
     return setup_pool(state, 64 << 10);
+}
+
+/* Room for lists long enough that a step decides without the lock. */
+static int setup_large(void **state)
+{
+    return setup_pool(state, 64 << 20);
 }
 
 static int teardown(void **state)
@@ -462,6 +472,136 @@ static void test_demotion_after_the_reply(void **state)
     store_table_free(&t);
 }
 
+/* What the other thread of test_decision_without_the_lock saw. */
+typedef struct beside_decision {
+    fixture *f;
+    uint64_t long_id, own_id;
+    uint64_t long_tokens; /* the long sequence's tokens, which its steps keep */
+    atomic_int done;
+    atomic_int saw_moving; /* times it held the lock while the long one decided */
+    int miscounted;        /* snapshots that counted the long one wrong */
+    int own_steps;         /* its own sequence's appends and steps */
+    int own_failures;
+} beside_decision;
+
+static uint64_t snapshot_tokens(store *st, uint64_t seq_id, int *found)
+{
+    snapshot sn;
+    uint64_t tokens = 0;
+    *found = 0;
+    if (store_snapshot(st, &sn) != 0)
+        return 0;
+    for (size_t i = 0; i < sn.nseqs; i++)
+        if (sn.seqs[i].id == seq_id)
+            tokens = sn.seqs[i].tokens, *found = 1;
+    snapshot_free(&sn);
+    return tokens;
+}
+
+static void *step_beside_decision(void *arg)
+{
+    beside_decision *c = arg;
+    store *st = c->f->st;
+    uint64_t ack = 0;
+    while (!atomic_load(&c->done)) {
+        if (pthread_mutex_trylock(&st->lock) == 0) {
+            c->saw_moving += st->nmoving > 0; /* nothing else moves here */
+            pthread_mutex_unlock(&st->lock);
+        }
+        int found;
+        c->miscounted += snapshot_tokens(st, c->long_id, &found) != c->long_tokens || !found;
+        store_table w;
+        status s;
+        seq_step_input in = {.confidence = -1};
+        uint64_t epoch;
+        uint32_t evicted;
+        if (store_append(st, c->f->token, c->own_id, 1, ack, &w, &s) != ST_OK) {
+            c->own_failures++;
+            continue;
+        }
+        ack = w.epoch;
+        store_table_free(&w);
+        if (store_step(st, c->f->token, c->own_id, ack, &in, NULL, NULL, &epoch, &evicted, &s) ==
+            ST_OK)
+            c->own_steps++, ack = epoch;
+        else
+            c->own_failures++;
+    }
+    return NULL;
+}
+
+/* The statistics of the next step of sequence id: deterministic, different
+ * per token. malloc'd; *n floats. */
+static float *stats_for(fixture *f, uint64_t id, unsigned *arrays, size_t *n)
+{
+    seq *q = store_find_seq_locked(f->st, id);
+    *arrays = q->policy->needs & ~(unsigned)POLICY_NEEDS_CONFIDENCE;
+    *n = seq_step_floats(q, *arrays);
+    float *x = malloc(*n * sizeof *x);
+    assert_non_null(x);
+    for (size_t i = 0; i < *n; i++)
+        x[i] = (float)((i * 7) % 13) / 13.0f;
+    return x;
+}
+
+/* A step's decision over long lists runs without the store's lock
+ * (store_step, issue 16 §3): while one thread steps a 40,000-token h2o
+ * sequence, another finds the lock free with the sequence marked moving,
+ * takes snapshots that count the sequence's tokens as they are, and
+ * appends to and steps a sequence of its own. */
+static void test_decision_without_the_lock(void **state)
+{
+    fixture *f = *state;
+    beside_decision c = {.f = f};
+    const char *keys[] = {"budget", "recent"}, *values[] = {"20000", "8"};
+    c.long_id = make_seq(f, "h2o", keys, values, 2);
+    const char *wkeys[] = {"n_sink", "window"}, *wvalues[] = {"4", "16"};
+    c.own_id = make_seq(f, "streaming", wkeys, wvalues, 2);
+    store_table w;
+    append(f, c.long_id, 40000, 0, &w);
+    uint64_t ack = w.epoch;
+    store_table_free(&w);
+    status s;
+    uint64_t epoch;
+    uint32_t evicted;
+    unsigned arrays;
+    size_t n;
+    float *x = stats_for(f, c.long_id, &arrays, &n);
+    seq_step_input in = {arrays, 0, 1, 2, 2, -1, x, n, 0};
+    assert_int_equal(
+        store_step(f->st, f->token, c.long_id, ack, &in, NULL, NULL, &epoch, &evicted, &s), ST_OK);
+    free(x);
+    int found;
+    c.long_tokens = snapshot_tokens(f->st, c.long_id, &found);
+    assert_true(found);
+    /* Each list cut to its budget, and long enough to decide unlocked. */
+    assert_int_equal(evicted, 40000 * 2 * seq_heads(store_find_seq_locked(f->st, c.long_id)) -
+                                  c.long_tokens);
+    assert_true(c.long_tokens >= STORE_UNLOCKED_DECISION_TOKENS);
+    x = stats_for(f, c.long_id, &arrays, &n);
+    in = (seq_step_input){arrays, 0, 0, 2, 2, -1, x, n, 0};
+    pthread_t other;
+    assert_int_equal(pthread_create(&other, NULL, step_beside_decision, &c), 0);
+    /* Until the other thread has seen a decision from outside, at most a
+     * few hundred steps (each decides over 40,000 tokens). */
+    int steps = 0;
+    for (; steps < 500 && atomic_load(&c.saw_moving) == 0; steps++) {
+        status_code rc =
+            store_step(f->st, f->token, c.long_id, epoch, &in, NULL, NULL, &epoch, &evicted, &s);
+        if (rc != ST_OK)
+            fail_msg("step %d: %s", steps, s.msg);
+        assert_int_equal(evicted, 0);
+    }
+    atomic_store(&c.done, 1);
+    assert_int_equal(pthread_join(other, NULL), 0);
+    free(x);
+    assert_true(c.saw_moving > 0);
+    assert_int_equal(c.miscounted, 0);
+    assert_int_equal(c.own_failures, 0);
+    assert_true(c.own_steps > 0);
+    assert_int_equal(snapshot_tokens(f->st, c.long_id, &found), c.long_tokens);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -475,6 +615,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_reclaim_frees_everything, setup, teardown),
         cmocka_unit_test_setup_teardown(test_bad_geometry_and_policy, setup, teardown),
         cmocka_unit_test_setup_teardown(test_demotion_after_the_reply, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_decision_without_the_lock, setup_large, teardown),
         cmocka_unit_test_setup_teardown(test_int8_victims_give_way_under_pressure, setup_small,
                                         teardown),
     };
