@@ -1021,25 +1021,92 @@ static int list_remove(host_list *li, const uint32_t *idx, uint32_t m)
     return 0;
 }
 
-/* Commit list k of layer l: its evicted tokens (found with memchr: a decode
- * step evicts a few of many) and changed tiers logged for a rollback, the
- * tiers changed, the evicted entries removed. Returns how many went. */
+/* The evicted entries of li (next_tier POLICY_EVICT), ascending, logged
+ * at idx/pos/tier (their index before the commit, position and tier);
+ * returns how many. memchr finds a first (a decode step evicts a few of
+ * many); the bytes after a hit are looked at one by one while hits keep
+ * coming within 16, since a prompt's decision evicts most of a list and
+ * a call a token would cost more than the bytes. Each byte's entry is
+ * written whether evicted or not, and kept only by counting it: no
+ * branch to mispredict. The log has room for every entry of the list
+ * (undo_log_reserve), so the spare writes stay inside it. */
+static uint32_t list_find_evicted(const host_list *li, uint32_t *restrict idx,
+                                  uint32_t *restrict pos, uint8_t *restrict tier)
+{
+    const uint8_t *next = li->next_tier, *from_tier = li->tier;
+    const uint32_t *from_pos = li->pos;
+    uint32_t m = 0, n = li->tokens;
+    for (uint32_t i = 0; i < n;) {
+        const uint8_t *x = memchr(next + i, POLICY_EVICT, n - i);
+        if (x == NULL)
+            break;
+        for (uint32_t hit = i = (uint32_t)(x - next); i < n && i - hit <= 16; i++) {
+            uint32_t evicted = next[i] == POLICY_EVICT;
+            idx[m] = i, pos[m] = from_pos[i], tier[m] = from_tier[i];
+            m += evicted;
+            hit = evicted ? i : hit;
+        }
+    }
+    return m;
+}
+
+/* list_change_tiers then list_remove's back variant in one pass, for a
+ * list whose kept runs after the first evicted entry are short (a
+ * prompt's decision evicts most of a list): their memcmp and three
+ * memmove calls a run cost more than the runs. The same lists and the
+ * same undo log entries, in the same order. Every entry is copied down,
+ * and kept by advancing past it, without a branch; a changed tier is
+ * rare but for demotions. */
+static uint32_t list_commit_dense(host_list *li, host_undo_log *u, size_t e, uint32_t m)
+{
+    uint32_t changed = 0, n = li->tokens, first = u->idx[e], to = first;
+    const uint8_t *next = li->next_tier;
+    uint32_t *restrict pos = li->pos;
+    uint8_t *restrict tier = li->tier;
+    float *restrict attn = li->attn;
+    for (uint32_t i = 0; i < first; i++)
+        if (tier[i] != next[i]) {
+            size_t at = e + m + changed++;
+            u->idx[at] = i, u->tier[at] = tier[i];
+            tier[i] = next[i];
+        }
+    for (uint32_t i = first; i < n; i++) {
+        uint8_t was = tier[i], now = next[i];
+        uint32_t kept = now != POLICY_EVICT;
+        if (kept && was != now) {
+            size_t at = e + m + changed++;
+            u->idx[at] = to, u->tier[at] = was;
+        }
+        pos[to] = pos[i];
+        tier[to] = now;
+        if (attn != NULL)
+            attn[to] = attn[i];
+        to += kept;
+    }
+    li->tokens = n - m;
+    return changed;
+}
+
+/* Commit list k of layer l: its evicted tokens and changed tiers logged
+ * for a rollback, the tiers changed, the evicted entries removed. Returns
+ * how many went. */
 static uint32_t list_commit(policy_host *h, uint32_t l, uint32_t k)
 {
     host_list *li = &h->layers[l].lists[k];
     host_undo_log *u = &h->undo;
     size_t e = u->n;
-    uint32_t m = 0, n = li->tokens;
-    for (uint32_t i = 0; i < n;) {
-        const uint8_t *x = memchr(li->next_tier + i, POLICY_EVICT, n - i);
-        if (x == NULL)
-            break;
-        i = (uint32_t)(x - li->next_tier);
-        u->idx[e + m] = i, u->pos[e + m] = li->pos[i], u->tier[e + m] = li->tier[i];
-        m++, i++;
+    uint32_t n = li->tokens;
+    uint32_t m = list_find_evicted(li, u->idx + e, u->pos + e, u->tier + e), changed = 0;
+    /* Kept entries the back variant moves, and the front one. */
+    uint64_t back = m > 0 ? n - u->idx[e] - m : 0,
+             front_moves = m > 0 ? u->idx[e + m - 1] + 1 - m : 0;
+    int front = 0;
+    if (m > 0 && back < 16u * (uint64_t)m && back <= 2 * front_moves) { /* runs under 16 */
+        changed = list_commit_dense(li, u, e, m);
+    } else {
+        changed = list_change_tiers(li, u, e, m);
+        front = m > 0 ? list_remove(li, u->idx + e, m) : 0;
     }
-    uint32_t changed = list_change_tiers(li, u, e, m);
-    int front = m > 0 ? list_remove(li, u->idx + e, m) : 0;
     if (h->txn && (m > 0 || changed > 0)) {
         u->commits[u->ncommits++] = (host_undo){l, k, n, n - m, m, changed, front, e};
         u->n += m + changed;
