@@ -151,10 +151,12 @@ static void must(status_code rc, const status *s, const char *what)
         fail_msg("%s: %s %s", what, status_name(rc), s->msg);
 }
 
-static void open_store(fixture *f)
+/* Pools of pool_bytes (128 blocks unless a case needs long lists). */
+static void open_store_sized(fixture *f, size_t pool_bytes)
 {
     memset(f, 0, sizeof *f);
-    store_config cfg = {.pool_bytes = 64 << 10, .max_pools = 2, .max_sessions = 4, .max_seqs = 64};
+    store_config cfg = {
+        .pool_bytes = pool_bytes, .max_pools = 2, .max_sessions = 4, .max_seqs = 64};
     assert_non_null(f->st = store_create(&cfg, NULL));
     /* A step's demotion then runs inside the step, as the daemon runs it
      * when its demoter is busy (store.c demote_due): the same plan, fill
@@ -165,6 +167,11 @@ static void open_store(fixture *f)
     status s;
     must(store_session_open(f->st, 100, 1000, 1000, 1, f->token, &s), &s, "session");
     must(store_session_open(f->st, 200, 1000, 1000, 2, f->other, &s), &s, "second session");
+}
+
+static void open_store(fixture *f)
+{
+    open_store_sized(f, 64 << 10);
 }
 
 static void attach(fixture *f, const char *token)
@@ -509,14 +516,19 @@ static void prep_session(fixture *f)
 
 /* The pool's K/V are all different values, as a worker's would be, so
  * that a call writing a slot in place shows in the snapshot. */
-static void prep_pool(fixture *f)
+static void prep_pool_sized(fixture *f, size_t pool_bytes)
 {
-    open_store(f);
+    open_store_sized(f, pool_bytes);
     attach(f, f->token);
     pool *p = f->st->pools[0];
     float *kv = (float *)p->base;
     for (size_t i = 0; i < p->bytes / sizeof *kv; i++)
         kv[i] = (float)((int)(i % 251) - 125) / 64.0f;
+}
+
+static void prep_pool(fixture *f)
+{
+    prep_pool_sized(f, 64 << 10);
 }
 
 static status_code run_attach(fixture *f, status *s)
@@ -643,10 +655,10 @@ static status_code run_append(fixture *f, status *s)
 
 /* Step: a sequence of `policy` with `tokens` appended in one call, acked,
  * and the statistics its next step needs ready. */
-static void prep_stepped(fixture *f, const char *policy, const char *const *kv, size_t n,
-                         int64_t tokens)
+static void prep_stepped_sized(fixture *f, size_t pool_bytes, const char *policy,
+                               const char *const *kv, size_t n, int64_t tokens)
 {
-    prep_pool(f);
+    prep_pool_sized(f, pool_bytes);
     new_seq(f, policy, kv, n);
     store_table w;
     status s;
@@ -656,9 +668,25 @@ static void prep_stepped(fixture *f, const char *policy, const char *const *kv, 
     make_stats(f);
 }
 
+static void prep_stepped(fixture *f, const char *policy, const char *const *kv, size_t n,
+                         int64_t tokens)
+{
+    prep_stepped_sized(f, 64 << 10, policy, kv, n, tokens);
+}
+
 static void prep_h2o(fixture *f)
 {
     prep_stepped(f, "h2o", kv_h2o, 2, 9);
+}
+
+/* Lists long enough that the step decides without the store's lock
+ * (STORE_UNLOCKED_DECISION_TOKENS): 2 layers of 17,000 tokens cut to
+ * 16,000. A failure after the decision rolls back its policy host. */
+static void prep_h2o_long(fixture *f)
+{
+    static const char *const kv[] = {"budget", "16000", "recent", "8"};
+    prep_stepped_sized(f, 10 << 20, "h2o", kv, 2, 17000);
+    assert_true(seq_tokens_held(the_seq(f)) >= STORE_UNLOCKED_DECISION_TOKENS);
 }
 
 /* int8=on keeps the 2 newest at full precision: 24 tokens decided INT8,
@@ -1154,6 +1182,7 @@ static const fault_case cases[] = {
     {"append: victims=int8", prep_int8_victims, run_append},
     {"step: h2o evicts", prep_h2o, run_step},
     {"step: h2o int8=on demotes", prep_h2o_int8, run_step},
+    {"step: h2o decided without the lock", prep_h2o_long, run_step},
     {"step: reviver", prep_reviver, run_step},
     {"step: adakv (per head)", prep_adakv, run_step},
     {"step: weightedkv merges", prep_weightedkv, run_step},
