@@ -163,8 +163,8 @@ static int decide_prompt(kvs_session *s, const float *attn)
     if ((rc = kvs_seq_append(s, seq, DECIDE_TOKENS, &w)) != 0) {
         fail(s, "kvs_seq_append", rc);
     } else {
-        uint32_t tokens[8 * 8];
-        const float *rows[8 * 32];
+        uint32_t tokens[8 * 8];    /* geom's layers x KV heads */
+        const float *rows[8 * 32]; /* layers x query heads */
         for (uint32_t i = 0; i < geom.layers * w.heads; i++)
             tokens[i] = DECIDE_TOKENS;
         for (uint32_t i = 0; i < geom.layers * geom.q_heads; i++)

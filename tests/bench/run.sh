@@ -7,7 +7,8 @@
 # kept sets differ), then bench_step_context (a decode step's cost as the
 # context grows, 32 layers; BENCH_STEP_CONTEXT_ARGS adds its options, e.g.
 # "--head-dim 64" where memory is short), then bench_many_workers (1-8 worker
-# processes stepping, with and without one reviving and demoting), then
+# processes stepping, with and without one reviving and demoting, then with
+# and without one whose prompts decide), then
 # bench_remote (the remote tier on a Redis Cluster it starts: store bandwidth
 # against raw hiredis pipelines, sequence export/import against memcpy and our
 # client; needs redis-server and redis-cli). Usage: tests/bench/run.sh [--quick] [--pin CPU]
@@ -45,6 +46,12 @@ echo
     "$build/daemon/kvstashd" || rc=1
 echo
 "$build/tests/bench/bench_many_workers" "${tiers_args[@]}" "$build/daemon/kvstashd" || rc=1
+echo
+# A prompt's decision beside the workers; 20,000 steps a worker outlast many of them.
+decide_steps=(--steps 20000)
+[ ${#tiers_args[@]} -gt 0 ] && decide_steps=()
+"$build/tests/bench/bench_many_workers" "${tiers_args[@]}" "${decide_steps[@]}" --mover decide \
+    "$build/daemon/kvstashd" || rc=1
 echo
 "$build/tests/bench/bench_remote" "${tiers_args[@]}" "$build/daemon/kvstashd" || rc=1
 exit "$rc"
