@@ -608,20 +608,41 @@ int list_retire_unused(seq *s, seq_list *ly, const uint32_t *before, size_t nb,
     return rc;
 }
 
-/* Whether the decision changes anything in this list's storage. */
-static int list_untouched(const seq *s, const tier_token *tok, const uint8_t *tier, uint32_t n)
+/* What a decision does to one list's storage (list_touch). */
+enum { LIST_TOUCHED, LIST_UNTOUCHED, LIST_COMES_DUE };
+
+/*
+ * Whether the decision changes anything in list ly's storage. A step of a
+ * sequence that demotes after its steps, in which tokens decided quantised
+ * but still at full precision come to fill a block, and nothing else
+ * changes, is LIST_COMES_DUE: all list_apply would do is note it
+ * (list_demote_to), after a dozen passes over the whole list (issue 16
+ * §4: such a step took 60 µs where the others take 7). With merges, key
+ * re-rotation or victims kept in the list, list_apply decides.
+ */
+static int list_touch(const seq *s, const seq_list *ly, const tier_token *tok,
+                      const policy_decision *d, uint32_t k, uint32_t n)
 {
+    const uint8_t *tier = d->tier[k];
     uint32_t pending[POLICY_TIERS] = {0};
     for (uint32_t i = 0; i < n; i++) {
         if (tier[i] == POLICY_EVICT || needs_move(tok[i].tier, tier[i]))
-            return 0;
+            return LIST_TOUCHED;
         if (policy_tier_quantised(tier[i]) && tok[i].tier == POLICY_FULL)
             pending[tier[i]]++;
     }
-    for (uint8_t t = 0; t < POLICY_TIERS; t++)
-        if (pending[t] > 0 && pending[t] >= tier_block_tokens(&s->tier, t))
-            return 0;
-    return 1;
+    int only_due = s->stepping && s->demote_after_step && ly->noffloaded == 0 && d->nmerges == 0 &&
+                   !d->rerotate_keys;
+    int due = 0;
+    for (uint8_t t = 0; t < POLICY_TIERS; t++) {
+        uint32_t t8 = tier_block_tokens(&s->tier, t);
+        if (pending[t] == 0 || pending[t] < t8)
+            continue;
+        if (!only_due)
+            return LIST_TOUCHED;
+        due |= t8 > 0 && pending[t] / t8 <= s->pool->nfree; /* list_demote_to's test */
+    }
+    return due ? LIST_COMES_DUE : LIST_UNTOUCHED;
 }
 
 /* Apply one list's decided tiers to its storage (seq_apply_decision). */
@@ -632,10 +653,15 @@ static int list_apply(seq *s, uint32_t l, uint32_t k, tier_token *tok, const pol
     const uint32_t *pos;
     uint32_t n = seq_list_tokens(s, l, k, &pos);
     const uint8_t *tier = d->tier[k];
-    if (list_untouched(s, tok, tier, n))
+    int touch = list_touch(s, ly, tok, d, k, n);
+    if (touch == LIST_UNTOUCHED)
         return 0;
     if (seq_txn_save_list(s, ly) != 0)
         return -1;
+    if (touch == LIST_COMES_DUE) { /* seq_demote_plan quantises them */
+        ly->demote_due = 1;
+        return 0;
+    }
     *changed = 1;
     /* Blocks used before (at most n + noffloaded + 1 with the tail, three
      * times: see below, and victims add at most n offloaded entries to the
@@ -950,7 +976,7 @@ static int list_apply_evictions(seq *s, uint32_t l, uint32_t k, const policy_dec
         if (ly->seg_tier[i] != POLICY_FULL)
             return 1;
     if (nevict == 0)
-        return 0; /* list_untouched */
+        return 0; /* list_touch: LIST_UNTOUCHED */
     /* The blocks kept tokens use after the cuts are at most the segments
      * after them, and each evicted token splits at most one segment: below
      * list_compact's rule, no compaction can be due. A tail block that no
