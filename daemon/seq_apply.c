@@ -611,38 +611,90 @@ int list_retire_unused(seq *s, seq_list *ly, const uint32_t *before, size_t nb,
 /* What a decision does to one list's storage (list_touch). */
 enum { LIST_TOUCHED, LIST_UNTOUCHED, LIST_COMES_DUE };
 
+/* Whether a run of n decided tiers touches tokens stored at `stored`: an
+ * eviction, or a move (needs_move: a quantised or sketched token decided
+ * anything else, a full-precision one decided the sketch). Else 0, the
+ * tokens decided quantised but still at full precision added to
+ * pending[]. */
+static int touch_run(uint8_t stored, const uint8_t *tier, uint32_t n,
+                     uint32_t pending[POLICY_TIERS])
+{
+    if (stored != POLICY_FULL) {
+        for (uint32_t i = 0; i < n; i++)
+            if (tier[i] != stored)
+                return 1;
+        return 0;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        if (tier[i] == POLICY_EVICT || tier[i] == POLICY_SKETCH)
+            return 1;
+        pending[tier[i]]++; /* FULL's count is not looked at */
+    }
+    return 0;
+}
+
 /*
- * Whether the decision changes anything in list ly's storage. A step of a
- * sequence that demotes after its steps, in which tokens decided quantised
- * but still at full precision come to fill a block, and nothing else
- * changes, is LIST_COMES_DUE: all list_apply would do is note it
+ * What the pending tokens of an otherwise untouched list make of it. A
+ * step of a sequence that demotes after its steps, in which tokens decided
+ * quantised but still at full precision come to fill a block, and nothing
+ * else changes, is LIST_COMES_DUE: all list_apply would do is note it
  * (list_demote_to), after a dozen passes over the whole list (issue 16
  * §4: such a step took 60 µs where the others take 7). With merges, key
  * re-rotation or victims kept in the list, list_apply decides.
  */
-static int list_touch(const seq *s, const seq_list *ly, const tier_token *tok,
-                      const policy_decision *d, uint32_t k, uint32_t n)
+static int touch_pending(const seq *s, const seq_list *ly, const policy_decision *d,
+                         const uint32_t pending[POLICY_TIERS])
 {
-    const uint8_t *tier = d->tier[k];
-    uint32_t pending[POLICY_TIERS] = {0};
-    for (uint32_t i = 0; i < n; i++) {
-        if (tier[i] == POLICY_EVICT || needs_move(tok[i].tier, tier[i]))
-            return LIST_TOUCHED;
-        if (policy_tier_quantised(tier[i]) && tok[i].tier == POLICY_FULL)
-            pending[tier[i]]++;
-    }
     int only_due = s->stepping && s->demote_after_step && ly->noffloaded == 0 && d->nmerges == 0 &&
                    !d->rerotate_keys;
     int due = 0;
     for (uint8_t t = 0; t < POLICY_TIERS; t++) {
         uint32_t t8 = tier_block_tokens(&s->tier, t);
-        if (pending[t] == 0 || pending[t] < t8)
+        if (!policy_tier_quantised(t) || pending[t] == 0 || pending[t] < t8)
             continue;
         if (!only_due)
             return LIST_TOUCHED;
         due |= t8 > 0 && pending[t] / t8 <= s->pool->nfree; /* list_demote_to's test */
     }
     return due ? LIST_COMES_DUE : LIST_UNTOUCHED;
+}
+
+/* What the decision does to list (l, k) as its segments store it, so that
+ * a list the step leaves alone is not expanded into tokens first. */
+static int list_touch_segments(const seq *s, const seq_list *ly, const policy_decision *d,
+                               uint32_t k)
+{
+    uint32_t pending[POLICY_TIERS] = {0}, t = 0;
+    for (size_t i = 0; i < ly->nsegs; i++) {
+        if (touch_run(ly->seg_tier[i], d->tier[k] + t, ly->segs[i].count, pending))
+            return LIST_TOUCHED;
+        t += ly->segs[i].count;
+    }
+    return touch_pending(s, ly, d, pending);
+}
+
+/* The same of the list's tokens, as merges may have left them. */
+static int list_touch(const seq *s, const seq_list *ly, const tier_token *tok,
+                      const policy_decision *d, uint32_t k, uint32_t n)
+{
+    uint32_t pending[POLICY_TIERS] = {0};
+    for (uint32_t i = 0, j; i < n; i = j) {
+        for (j = i + 1; j < n && tok[j].tier == tok[i].tier;)
+            j++;
+        if (touch_run(tok[i].tier, d->tier[k] + i, j - i, pending))
+            return LIST_TOUCHED;
+    }
+    return touch_pending(s, ly, d, pending);
+}
+
+/* A list the decision leaves as it is, but for coming due: saved for a
+ * rollback, and marked for seq_demote_plan. */
+static int list_mark_due(seq *s, seq_list *ly)
+{
+    if (seq_txn_save_list(s, ly) != 0)
+        return -1;
+    ly->demote_due = 1;
+    return 0;
 }
 
 /* Apply one list's decided tiers to its storage (seq_apply_decision). */
@@ -654,14 +706,10 @@ static int list_apply(seq *s, uint32_t l, uint32_t k, tier_token *tok, const pol
     uint32_t n = seq_list_tokens(s, l, k, &pos);
     const uint8_t *tier = d->tier[k];
     int touch = list_touch(s, ly, tok, d, k, n);
-    if (touch == LIST_UNTOUCHED)
-        return 0;
+    if (touch != LIST_TOUCHED)
+        return touch == LIST_COMES_DUE ? list_mark_due(s, ly) : 0;
     if (seq_txn_save_list(s, ly) != 0)
         return -1;
-    if (touch == LIST_COMES_DUE) { /* seq_demote_plan quantises them */
-        ly->demote_due = 1;
-        return 0;
-    }
     *changed = 1;
     /* Blocks used before (at most n + noffloaded + 1 with the tail, three
      * times: see below, and victims add at most n offloaded entries to the
@@ -1024,6 +1072,12 @@ status_code seq_apply_decision(seq *s, uint32_t l, const policy_decision *d, uin
     for (uint32_t k = 0; rc == 0 && k < s->heads; k++) {
         if (!general[k])
             continue;
+        int touch = merges_left ? LIST_TOUCHED : list_touch_segments(s, seq_list_at(s, l, k), d, k);
+        if (touch != LIST_TOUCHED) {
+            general[k] = 0;
+            rc = touch == LIST_COMES_DUE ? list_mark_due(s, seq_list_at(s, l, k)) : 0;
+            continue;
+        }
         seq_step_cuts_forget(s); /* list_apply may move tokens or change tiers */
         toks[k] = list_expand(seq_list_at(s, l, k), seq_list_tokens(s, l, k, NULL));
         rc = toks[k] == NULL ? -1 : 0;
