@@ -279,6 +279,9 @@ int seq_demote_fill(seq_demote_job *job);
 status_code seq_demote_finish(seq_demote_job *job, int fill_rc, status *st);
 status_code seq_demote_due(seq *s, uint64_t epoch, status *st);
 
+/* Whether a step left lists due for seq_demote_plan (without planning). */
+int seq_demote_is_due(const seq *s);
+
 /* Storage per tier (by policy_tier, POLICY_TIERS of them) over every list: tokens
  * held and offloaded victims kept, by the tier they are stored in, and
  * bytes (pool blocks of that tier; sketch cells). */

@@ -141,6 +141,14 @@ static long plan_list(seq *s, uint32_t l, uint32_t k, demote_list *d)
     return vt < 0 ? -1 : (long)taken + vt;
 }
 
+int seq_demote_is_due(const seq *s)
+{
+    for (size_t i = 0; i < seq_nlists(s); i++)
+        if (s->lists[i].demote_due)
+            return 1;
+    return 0;
+}
+
 status_code seq_demote_plan(seq *s, uint64_t epoch, seq_demote_job **out, status *st)
 {
     *out = NULL;

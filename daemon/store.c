@@ -367,19 +367,20 @@ static int demote_fill(void *job)
 }
 
 /* Lock held: what q's step left due is quantised without the lock (seq.h
- * seq_demote_plan): by the demoter after the step's reply, published at
- * the epoch after the one the reply gives (store_demote.c); or, when the
- * demoter cannot take it, now, sharing the step's epoch when the step
- * changed the tables (epoch0: q's epoch before the step). A demotion that
- * cannot run waits for the next step: the step still succeeds. */
+ * seq_demote_plan): planned, quantised and published by the demoter after
+ * the step's reply, at the epoch after the one the reply gives
+ * (store_demote.c); or, when the demoter cannot take it, now, sharing the
+ * step's epoch when the step changed the tables (epoch0: q's epoch before
+ * the step). A demotion that cannot run waits for the next step: the step
+ * still succeeds. */
 static void demote_due(store *st, seq *q, uint64_t epoch0)
 {
-    int later = st->demoter_running && st->move_waiters == 0 && st->nmoving < STORE_MAX_MOVES;
-    uint64_t epoch = !later && seq_epoch(q) > epoch0 ? seq_epoch(q) : seq_epoch(q) + 1;
+    if (!seq_demote_is_due(q) || store_demote_later(st, q))
+        return;
+    uint64_t epoch = seq_epoch(q) > epoch0 ? seq_epoch(q) : seq_epoch(q) + 1;
     seq_demote_job *job;
     status s = {0};
-    if (seq_demote_plan(q, epoch, &job, &s) == ST_OK && job != NULL &&
-        !(later && store_demote_later(st, q, job))) {
+    if (seq_demote_plan(q, epoch, &job, &s) == ST_OK && job != NULL) {
         seq_step_cuts_forget(q); /* the step's answer is no longer its cuts alone */
         seq_demote_finish(job, store_copy_unlocked(st, seq_id_of(q), demote_fill, job), &s);
     }

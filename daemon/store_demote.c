@@ -3,11 +3,11 @@
  *
  * A decode step that demotes quantises an INT8 block's worth of tokens per
  * layer. Done inside the step, the worker's reply waited for it: one step
- * in 28 cost several times the others (issue 16 §4). Here store_step plans
- * the demotion under the lock (the INT8 blocks taken), marks the sequence
- * moving and queues it; the step replies with its own epoch; this thread
- * quantises without the lock and publishes the demoted lists under it at
- * the next epoch, which the worker learns from its next call, as it learns
+ * in 28 cost several times the others (issue 16 §4). Here store_step marks
+ * the sequence moving and queues it; the step replies with its own epoch;
+ * this thread plans the demotion under the lock (the INT8 blocks taken),
+ * quantises without it and publishes the demoted lists under it at the
+ * next epoch, which the worker learns from its next call, as it learns
  * any table change (the blocks it may still read are retired until it
  * acks that epoch: DESIGN.md "Memory"). The worker's next call on the
  * sequence waits until the demotion is published (store_lock_seq), so what
@@ -22,8 +22,8 @@
 #include "log.h"
 #include "store_internal.h"
 
-/* Lock held: the oldest queued demotion, or 0 when none. */
-static int demotion_pop(store *st, store_demotion *out)
+/* Lock held: the oldest queued demotion's sequence, or 0 when none. */
+static int demotion_pop(store *st, seq **out)
 {
     if (st->ndemotions == 0)
         return 0;
@@ -33,17 +33,25 @@ static int demotion_pop(store *st, store_demotion *out)
     return 1;
 }
 
-/* Without the lock: quantise; then publish under it and wake q's callers. */
-static void demotion_run(store *st, store_demotion *d)
+/* Lock held, and again on return: plan q's demotion, quantise without
+ * the lock, publish under it and wake q's callers. q is moving: its epoch
+ * is its step's, which the worker may hold, and the demotion publishes the
+ * next. A demotion that cannot run (no blocks, no memory) waits for the
+ * next step, its tokens still due. */
+static void demotion_run(store *st, seq *q)
 {
-    uint64_t seq_id = seq_id_of(d->q);
-    int rc = seq_demote_fill(d->job);
-    status s = {0};
-    pthread_mutex_lock(&st->lock);
-    seq_demote_finish(d->job, rc, &s);
+    uint64_t seq_id = seq_id_of(q);
+    seq_demote_job *job = NULL;
+    status s = {ST_OK, ""};
+    if (seq_demote_plan(q, seq_epoch(q) + 1, &job, &s) == ST_OK && job != NULL) {
+        pthread_mutex_unlock(&st->lock);
+        int rc = seq_demote_fill(job);
+        pthread_mutex_lock(&st->lock);
+        seq_demote_finish(job, rc, &s);
+    }
     if (s.code != ST_OK)
         log_warn("demote_deferred", "seq=%llu reason=\"%s\"", (unsigned long long)seq_id, s.msg);
-    store_report_tiers(st, d->q);
+    store_report_tiers(st, q);
     store_move_end(st, seq_id);
 }
 
@@ -54,13 +62,12 @@ static void *demoter_main(void *arg)
      * it, which has a step's reply to send. */
     struct sched_param none = {0};
     pthread_setschedparam(pthread_self(), SCHED_BATCH, &none);
-    store_demotion d;
+    seq *q;
     pthread_mutex_lock(&st->lock);
     for (;;) {
-        if (demotion_pop(st, &d)) {
-            pthread_mutex_unlock(&st->lock);
-            demotion_run(st, &d); /* returns with the lock held */
-            store_unlock(st);     /* a snapshot may show the demotion */
+        if (demotion_pop(st, &q)) {
+            demotion_run(st, q);
+            store_unlock(st); /* a snapshot may show the demotion */
             pthread_mutex_lock(&st->lock);
         } else if (st->demoter_stop) {
             break;
@@ -103,12 +110,12 @@ void store_demoter_stop(store *st)
     st->demotions = NULL;
 }
 
-int store_demote_later(store *st, seq *q, seq_demote_job *job)
+int store_demote_later(store *st, seq *q)
 {
     if (!st->demoter_running || st->demoter_stop || !store_move_begin(st, seq_id_of(q)))
         return 0;
     size_t tail = (st->demotions_head + st->ndemotions) % STORE_MAX_MOVES;
-    st->demotions[tail] = (store_demotion){q, job};
+    st->demotions[tail] = q;
     st->ndemotions++;
     pthread_cond_signal(&st->demote_wake);
     return 1;

@@ -69,11 +69,6 @@ struct session {
  * letting go of the lock and taking it again costs. */
 #define STORE_UNLOCKED_DECISION_TOKENS 32768
 
-typedef struct store_demotion {
-    seq *q;
-    seq_demote_job *job;
-} store_demotion;
-
 struct store {
     pthread_mutex_t lock;
     /* The sequences moving without the lock (a Revive's copy, a demotion,
@@ -86,10 +81,10 @@ struct store {
     size_t nmoving;
     uint32_t move_waiters;
     pthread_cond_t moved;
-    /* Demotions that steps left due, quantised by the demoter thread after
-     * the step's reply (store_demote.c): a FIFO of at most STORE_MAX_MOVES
-     * jobs, each with its sequence marked moving. */
-    store_demotion *demotions;
+    /* Sequences whose steps left demotions due, planned and quantised by
+     * the demoter thread after the step's reply (store_demote.c): a FIFO of
+     * at most STORE_MAX_MOVES, each marked moving. */
+    seq **demotions;
     size_t ndemotions, demotions_head;
     int demoter_running, demoter_stop;
     pthread_cond_t demote_wake;
@@ -210,13 +205,14 @@ int store_copy_unlocked(store *st, uint64_t seq_id, int (*copy)(void *), void *j
  * path (issue 16 §4). store_demoter_start runs the thread (store_create;
  * returns 0 or -1) and store_demoter_stop lets it finish what is queued
  * and joins it (store_destroy, before anything waits for moves).
- * store_demote_later, lock held, queues q's planned demotion and marks q
- * moving until the demoter has published it; 0 when it cannot (no room,
- * or a thread waits for no moves: the caller demotes now).
+ * store_demote_later, lock held, queues the demotion q's step left due
+ * and marks q moving until the demoter has planned, quantised and
+ * published it; 0 when it cannot (no room, or a thread waits for no
+ * moves: the caller demotes now).
  */
 int store_demoter_start(store *st);
 void store_demoter_stop(store *st);
-int store_demote_later(store *st, seq *q, seq_demote_job *job);
+int store_demote_later(store *st, seq *q);
 
 /* Whether uid is an operator's (store_set_operators). */
 int store_is_operator(const store *st, uid_t uid);
