@@ -1096,7 +1096,9 @@ static uint32_t list_commit(policy_host *h, uint32_t l, uint32_t k)
     host_undo_log *u = &h->undo;
     size_t e = u->n;
     uint32_t n = li->tokens;
-    uint32_t m = list_find_evicted(li, u->idx + e, u->pos + e, u->tier + e), changed = 0;
+    /* An empty list may have no log yet: no pointer into it. */
+    uint32_t m = n > 0 ? list_find_evicted(li, u->idx + e, u->pos + e, u->tier + e) : 0;
+    uint32_t changed = 0;
     /* Kept entries the back variant moves, and the front one. */
     uint64_t back = m > 0 ? n - u->idx[e] - m : 0,
              front_moves = m > 0 ? u->idx[e + m - 1] + 1 - m : 0;
