@@ -697,7 +697,15 @@ static int list_mark_due(seq *s, seq_list *ly)
     return 0;
 }
 
-/* Apply one list's decided tiers to its storage (seq_apply_decision). */
+/* A list that list_touch found untouched is left alone, or marked due:
+ * 0, or -1 (out of memory). */
+static int list_leave(seq *s, seq_list *ly, int touch)
+{
+    return touch == LIST_COMES_DUE ? list_mark_due(s, ly) : 0;
+}
+
+/* Apply one list's decided tiers to its storage (seq_apply_decision), a
+ * list the decision touches (list_touch). */
 static int list_apply(seq *s, uint32_t l, uint32_t k, tier_token *tok, const policy_decision *d,
                       uint64_t epoch, int *changed)
 {
@@ -705,9 +713,6 @@ static int list_apply(seq *s, uint32_t l, uint32_t k, tier_token *tok, const pol
     const uint32_t *pos;
     uint32_t n = seq_list_tokens(s, l, k, &pos);
     const uint8_t *tier = d->tier[k];
-    int touch = list_touch(s, ly, tok, d, k, n);
-    if (touch != LIST_TOUCHED)
-        return touch == LIST_COMES_DUE ? list_mark_due(s, ly) : 0;
     if (seq_txn_save_list(s, ly) != 0)
         return -1;
     *changed = 1;
@@ -1075,7 +1080,7 @@ status_code seq_apply_decision(seq *s, uint32_t l, const policy_decision *d, uin
         int touch = merges_left ? LIST_TOUCHED : list_touch_segments(s, seq_list_at(s, l, k), d, k);
         if (touch != LIST_TOUCHED) {
             general[k] = 0;
-            rc = touch == LIST_COMES_DUE ? list_mark_due(s, seq_list_at(s, l, k)) : 0;
+            rc = list_leave(s, seq_list_at(s, l, k), touch);
             continue;
         }
         seq_step_cuts_forget(s); /* list_apply may move tokens or change tiers */
@@ -1085,9 +1090,17 @@ status_code seq_apply_decision(seq *s, uint32_t l, const policy_decision *d, uin
     if (rc == 0 && merges_left)
         rc = apply_merges(s, l, d, toks);
     *changed |= d->nmerges > 0;
-    for (uint32_t k = 0; rc == 0 && k < s->heads; k++)
-        if (general[k])
-            rc = list_apply(s, l, k, toks[k], d, epoch, changed);
+    for (uint32_t k = 0; rc == 0 && k < s->heads; k++) {
+        if (!general[k])
+            continue;
+        /* After merges the segments are not what the tokens are: ask the
+         * tokens (without merges the segments above answered already). */
+        seq_list *ly = seq_list_at(s, l, k);
+        int touch = merges_left ? list_touch(s, ly, toks[k], d, k, seq_list_tokens(s, l, k, NULL))
+                                : LIST_TOUCHED;
+        rc = touch == LIST_TOUCHED ? list_apply(s, l, k, toks[k], d, epoch, changed)
+                                   : list_leave(s, ly, touch);
+    }
     for (uint32_t k = 0; toks != NULL && k < s->heads; k++)
         free(toks[k]);
     free(toks);
