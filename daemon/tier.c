@@ -255,21 +255,101 @@ int tier_read(const tier_ctx *c, const tier_token *tok, size_t n, uint8_t *k, ui
     return rc;
 }
 
+/* n full-precision tokens pool to pool (kv_copy_tokens), no staging. */
+static int copy_full(const tier_ctx *c, const tier_token *src, size_t n, const tier_token *dst)
+{
+    size_t nfrom, nto;
+    kv_segment *from = token_segments(src, n, &nfrom), *to = token_segments(dst, n, &nto);
+    int rc =
+        from != NULL && to != NULL ? c->ops->copy_tokens(&c->l, c->base, from, nfrom, to, nto) : -1;
+    free(from);
+    free(to);
+    return rc;
+}
+
+/* Tokens src[0..n) of one tier: a run of full-precision ones, or of
+ * consecutive slots of one quantised block (at most its block_tokens). */
+static size_t copy_run_length(const tier_token *src, size_t n)
+{
+    size_t r = 1;
+    if (src[0].tier == POLICY_FULL) {
+        while (r < n && src[r].tier == POLICY_FULL)
+            r++;
+        return r;
+    }
+    while (r < n && src[r].tier == src[0].tier && src[r].block == src[0].block &&
+           src[r].slot == src[0].slot + r)
+        r++;
+    return r;
+}
+
+/* The dequantised rows of `stage` (slots 0..n of a block of layout ql)
+ * into the FULL slots dst[0..n): one strided copy of K and one of V per
+ * run of consecutive slots of a pool block. */
+static int place_rows(const tier_ctx *c, const kv_layout *ql, const uint8_t *stage,
+                      const tier_token *dst, size_t n)
+{
+    size_t row = (size_t)c->l.head_dim * c->l.elt_size, pitch = c->l.block_tokens * row;
+    size_t qpitch = ql->block_tokens * row, qhalf = kv_block_bytes(ql) / 2;
+    size_t half = kv_block_bytes(&c->l) / 2;
+    int rc = 0;
+    for (size_t a = 0, b; rc == 0 && a < n; a = b) {
+        for (b = a + 1;
+             b < n && dst[b].block == dst[a].block && dst[b].slot == dst[a].slot + (b - a);)
+            b++;
+        uint8_t *k = c->base + kv_key_offset(&c->l, dst[a].block, 0, dst[a].slot);
+        const uint8_t *sk = stage + a * row;
+        rc = c->ops->copy_2d(KV_DEVICE_TO_DEVICE, k, pitch, sk, qpitch, (b - a) * row,
+                             c->l.kv_heads) ||
+             c->ops->copy_2d(KV_DEVICE_TO_DEVICE, k + half, pitch, sk + qhalf, qpitch,
+                             (b - a) * row, c->l.kv_heads);
+    }
+    return rc;
+}
+
+/*
+ * tier_copy in host memory: each quantised block's run dequantised into
+ * one staging block (of its tier's layout: it stays in a core's cache) and
+ * copied from there into its slots, full-precision runs pool to pool. The
+ * tokens are read once from memory and written once, with no contiguous
+ * copy between (issue 16 §4: a Revive from INT8). On a device each of
+ * these copies would be a call of microseconds: there the chunks below.
+ */
+static int copy_host(const tier_ctx *c, const tier_token *src, size_t n, const tier_token *dst)
+{
+    size_t stage_bytes = 0;
+    for (uint8_t t = 0; t < POLICY_TIERS; t++)
+        if (policy_tier_quantised(t) && tier_block_tokens(c, t) > 0 &&
+            kv_block_bytes(tier_layout(c, t)) > stage_bytes)
+            stage_bytes = kv_block_bytes(tier_layout(c, t));
+    uint8_t *stage = c->ops->alloc(stage_bytes);
+    int rc = stage != NULL ? 0 : -1;
+    for (size_t a = 0, r; rc == 0 && a < n; a += r) {
+        r = copy_run_length(src + a, n - a);
+        if (src[a].tier == POLICY_FULL) {
+            rc = copy_full(c, src + a, r, dst + a);
+            continue;
+        }
+        const kv_layout *ql = tier_layout(c, src[a].tier);
+        kv_segment q = {0, src[a].slot, (uint32_t)r}, out = {0, 0, (uint32_t)r};
+        rc = quant_dequantize(c, src[a].tier, ql, c->base + (size_t)src[a].block * c->block_bytes,
+                              &q, stage, &out);
+        if (rc == 0)
+            rc = place_rows(c, ql, stage, dst + a, r);
+    }
+    c->ops->free(stage);
+    return rc;
+}
+
 int tier_copy(const tier_ctx *c, const tier_token *src, size_t n, const tier_token *dst)
 {
     size_t nq = 0;
     for (size_t i = 0; i < n; i++)
         nq += policy_tier_quantised(src[i].tier);
-    if (nq == 0) { /* pool to pool, no staging */
-        size_t nfrom, nto;
-        kv_segment *from = token_segments(src, n, &nfrom), *to = token_segments(dst, n, &nto);
-        int rc = from != NULL && to != NULL
-                     ? c->ops->copy_tokens(&c->l, c->base, from, nfrom, to, nto)
-                     : -1;
-        free(from);
-        free(to);
-        return rc;
-    }
+    if (nq == 0) /* pool to pool, no staging */
+        return copy_full(c, src, n, dst);
+    if (c->ops->host_memory)
+        return copy_host(c, src, n, dst);
     size_t tb = tier_token_bytes(c), chunk = c->copy_chunk < n ? c->copy_chunk : n;
     read_stage rs = {0};
     uint8_t *k = tier_stage_alloc(c, chunk);

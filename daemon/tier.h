@@ -53,7 +53,7 @@ typedef struct tier_ctx {
     size_t copy_chunk;
 } tier_ctx;
 
-/* What tier_copy stages at a time: its staging (the contiguous copy, and
+/* What tier_copy stages at a time on a device: its staging (the contiguous copy, and
  * as much again of dequantised blocks) stays in a core's cache, so that a
  * long copy reads its sources and writes its slots once from memory
  * instead of four times, and reuses its staging instead of taking fresh
@@ -86,9 +86,12 @@ void tier_stage_free(const tier_ctx *c, uint8_t *stage);
 int tier_read(const tier_ctx *c, const tier_token *tok, size_t n, uint8_t *k, uint8_t *v);
 
 /* Copy n FULL or quantised tokens into FULL slots dst (distinct from src):
- * full-precision ones pool to pool (kv_copy_tokens); a list with quantised
- * ones is read into staging and written out copy_chunk tokens at a time
- * (quantised ones dequantised). Returns 0, or -1 out of memory. */
+ * full-precision ones pool to pool (kv_copy_tokens). Quantised ones are
+ * dequantised: in host memory a quantised block's run at a time into one
+ * staging block, and from there into their slots; on a device (many small
+ * copies are many calls there) a list with quantised tokens is read into
+ * staging and written out copy_chunk tokens at a time. Returns 0, or -1
+ * out of memory. */
 int tier_copy(const tier_ctx *c, const tier_token *src, size_t n, const tier_token *dst);
 
 /* Write n contiguous staged tokens into FULL slots (kv_scatter). */

@@ -377,14 +377,30 @@ static void test_lowbit_tiers_mixed(void **state)
     free(tok2);
 }
 
+/* Destination i of n, in blocks 10..14: slots backwards (every token a
+ * run of its own), forwards from slot 5 of block 10 (runs that cross from
+ * one block into the next), or each token in the next block, where the
+ * slot after the last token's may follow it in another block. */
+static const char *const copy_orders[] = {"backwards", "forwards", "across blocks"};
+
+static tier_token copy_destination(size_t i, size_t n, size_t order)
+{
+    if (order == 2)
+        return (tier_token){10 + (uint32_t)(i % 5), (uint32_t)(i / 5), POLICY_FULL};
+    size_t s = order == 1 ? 5 + i : n - 1 - i;
+    return (tier_token){10 + (uint32_t)(s / 16), (uint32_t)(s % 16), POLICY_FULL};
+}
+
 /*
- * tier_copy of a long list stages copy_chunk tokens at a time: a list of
- * INT8, INT4 and full-precision tokens, out of order, copied with chunks
- * of 1, 3, 7 and 100 tokens (chunks that cut quantised runs, chunks of one
- * tier and of several, a last partial chunk, one chunk for all), and with
- * the default: every slot holds what tier_read gives for its source (the
- * dequantised values, full-precision tokens exactly), and no slot outside
- * the destination's changes.
+ * tier_copy of a long list, in host memory (each quantised run through one
+ * staging block) and as on a device (ops that are not host memory: staged
+ * copy_chunk tokens at a time): a list of INT8, INT4 and full-precision
+ * tokens, out of order, copied with chunks of 1, 3, 7 and 100 tokens
+ * (chunks that cut quantised runs, chunks of one tier and of several, a
+ * last partial chunk, one chunk for all), and with the default, into
+ * slots in three orders: every slot holds what tier_read gives for
+ * its source (the dequantised values, full-precision tokens exactly), and
+ * no slot outside the destination's changes.
  */
 static void test_copy_in_chunks(void **state)
 {
@@ -419,22 +435,24 @@ static void test_copy_in_chunks(void **state)
     uint8_t *want = tier_stage_alloc(&f->c, N), *got = tier_stage_alloc(&f->c, N);
     assert_int_equal(tier_read(&f->c, src, N, want, want + half), 0);
     uint8_t *before = malloc(NBLOCKS * bb);
-    const size_t chunks[] = {1, 3, 7, 100, f->c.copy_chunk};
-    for (size_t k = 0; k < sizeof chunks / sizeof *chunks; k++) {
-        /* Destinations: slots of blocks 10..14, backwards. */
-        for (size_t i = 0; i < N; i++) {
-            size_t s = N - 1 - i;
-            dst[i] = (tier_token){10 + (uint32_t)(s / 16), (uint32_t)(s % 16), POLICY_FULL};
-        }
+    kv_ops device = kv_ops_cpu;
+    device.host_memory = 0;
+    const size_t chunks[] = {1, 3, 7, 100, f->c.copy_chunk, 0 /* host memory */};
+    for (size_t k = 0; k < 3 * sizeof chunks / sizeof *chunks; k++) {
+        size_t chunk = chunks[k / 3];
+        for (size_t i = 0; i < N; i++)
+            dst[i] = copy_destination(i, N, k % 3);
         memset(f->arena + 10 * bb, 0, 5 * bb);
         memcpy(before, f->arena, NBLOCKS * bb);
         tier_ctx c = f->c;
-        c.copy_chunk = chunks[k];
+        c.ops = chunk > 0 ? &device : &kv_ops_cpu;
+        c.copy_chunk = chunk > 0 ? chunk : c.copy_chunk;
         assert_int_equal(tier_copy(&c, src, N, dst), 0);
         memset(got, 0, 2 * half);
         assert_int_equal(tier_read(&f->c, dst, N, got, got + half), 0);
         if (memcmp(got, want, 2 * half) != 0)
-            fail_msg("chunks of %zu: the copies differ from their sources' values", chunks[k]);
+            fail_msg("%s, chunks of %zu, %s: the copies differ from their sources' values",
+                     chunk > 0 ? "as on a device" : "host memory", chunk, copy_orders[k % 3]);
         /* Only the destination slots changed. */
         for (size_t i = 0; i < N; i++)
             for (uint32_t h = 0; h < layout.kv_heads; h++) {
