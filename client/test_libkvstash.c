@@ -644,10 +644,13 @@ static void test_cuts(kvs_session *s)
     const kvs_param wkv[] = {
         {"cache_size", "150"}, {"n_init", "4"}, {"n_recent", "40"}, {"merge", "0"}};
     test_cuts_case(s, "weightedkv", wkv, 4, 1, 200, 0, 0);
-    /* Demoted tokens: a step that changes tiers has no cuts; a demotion a
-     * step only left due is published after its answer. */
+    /* Demoted tokens: a decode step that keeps every token in its tier and
+     * evicts some is answered with cuts, INT8 segments split and gone as
+     * full-precision ones; a step that changes tiers (the prefill's
+     * demotion) has none; a demotion a step only left due is published
+     * after its answer. */
     const kvs_param demoting[] = {{"budget", "300"}, {"int8", "on"}, {"int8_window", "16"}};
-    test_cuts_case(s, "h2o", demoting, 3, 0, 0, 20, 1);
+    test_cuts_case(s, "h2o", demoting, 3, 0, 200, 1, 1);
 }
 
 static void test_shutdown(const char *exe)

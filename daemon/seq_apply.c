@@ -214,16 +214,31 @@ static int list_demote(seq *s, seq_list *ly, tier_token *tok, const uint8_t *tie
     return 0;
 }
 
+/* The blocks beyond what they fill that a list's tokens of one tier may
+ * use before they are compacted: one, or a sixteenth of the blocks they
+ * fill on long lists. A compaction copies (or re-quantises) the whole
+ * list, so a long list that loses a few tokens a step (h2o's evictions,
+ * reviver's swaps, streaming's window) would otherwise be copied every few
+ * steps; with the slack, each token it loses costs at most 16 token
+ * copies, for at most 1/16 more blocks. */
+static uint32_t compact_slack(uint32_t need)
+{
+    return need / 16 > 1 ? need / 16 : 1;
+}
+
 /*
  * POLICIES.md §5.4 "on compaction: dequantise survivors, gather, re-block,
  * re-quantise": when the INT8 tokens that stay (tier[i] INT8, stored INT8)
- * spread over more than one INT8 block beyond what they fill, re-quantise
- * them into fresh INT8 blocks with new scales, so that evicting INT8
- * tokens gives memory back. Each re-quantisation adds up to half a new
- * scale of error, hence the slack block: it runs at most once per INT8
- * block's worth of evictions, not at every eviction. It runs before this
- * step's demotion, so a token is quantised at most once a step. Skipped,
- * harmlessly, when the pool lacks the blocks. scratch has room for 2n.
+ * spread over more blocks beyond what they fill than compact_slack allows,
+ * re-quantise them into fresh INT8 blocks with new scales, so that
+ * evicting INT8 tokens gives memory back. Each re-quantisation adds up to
+ * half a new scale of error, hence the slack: it runs at most once per
+ * INT8 block's worth of evictions on a short list, and once per sixteenth
+ * of the list's blocks on a long one, not every few steps of a long
+ * decode (issue 16 §2: a 32k-token h2o list re-quantised all its tokens
+ * every 28 evictions). It runs before this step's demotion, so a token is
+ * quantised at most once a step. Skipped, harmlessly, when the pool lacks
+ * the blocks. scratch has room for 2n.
  */
 static int list_requantize_tier(seq *s, uint8_t qt, tier_token *tok, const uint8_t *tier,
                                 uint32_t n, uint32_t *scratch)
@@ -238,7 +253,7 @@ static int list_requantize_tier(seq *s, uint8_t qt, tier_token *tok, const uint8
     if (m == 0)
         return 0;
     size_t need = (m + t8 - 1) / t8, have = seq_sort_unique(blocks, m);
-    if (have <= need + 1 || need > s->pool->nfree)
+    if (have <= need + compact_slack((uint32_t)need) || need > s->pool->nfree)
         return 0;
     if (quantize_fresh(s, qt, tok, scratch, m) != 0)
         return -1;
@@ -456,17 +471,6 @@ static uint32_t full_blocks(seq *s, const tier_token *kept, uint32_t n)
         if (full_run_start(kept, i))
             pool_unmark(s->pool, kept[i].block);
     return blocks;
-}
-
-/* The blocks beyond what they fill that a list's full-precision tokens may
- * use before they are compacted: one, or a sixteenth of the blocks they
- * fill on long lists. A compaction copies the whole list, so a long list
- * that loses a few tokens a step (reviver's swaps, streaming's window)
- * would otherwise be copied every step; with the slack, each token it loses
- * costs at most 16 token copies, for at most 1/16 more blocks. */
-static uint32_t compact_slack(uint32_t need)
-{
-    return need / 16 > 1 ? need / 16 : 1;
 }
 
 /* Append run g to segs[0..n), joined to the last segment when it
@@ -867,15 +871,17 @@ static ssize_t list_plan_cuts(const seq_list *ly, const uint8_t *tier, uint32_t 
     return (ssize_t)ncuts;
 }
 
-/* Apply one cut (segments after cut->seg move; the segments are all at
- * full precision). A block whose only segment goes is put in gone[]. */
+/* Apply one cut (segments after cut->seg move, with their tiers). A block
+ * whose only segment goes is put in gone[]. */
 static void list_apply_cut(seq_list *ly, const seg_cut *c, uint32_t *gone, size_t *ngone)
 {
     kv_segment *g = &ly->segs[c->seg];
+    uint8_t *gt = &ly->seg_tier[c->seg];
     size_t after = ly->nsegs - c->seg - 1;
     if (c->t == 0 && c->take == g->count) {
         gone[(*ngone)++] = g->block;
         memmove(g, g + 1, after * sizeof *g);
+        memmove(gt, gt + 1, after);
         ly->nsegs--;
     } else if (c->t == 0) {
         g->first_slot += c->take;
@@ -884,9 +890,11 @@ static void list_apply_cut(seq_list *ly, const seg_cut *c, uint32_t *gone, size_
         g->count -= c->take;
     } else { /* from the middle: the segment splits in two */
         memmove(g + 2, g + 1, after * sizeof *g);
+        memmove(gt + 2, gt + 1, after);
         g[1] = (kv_segment){g->block, g->first_slot + c->t + c->take, g->count - c->t - c->take};
+        gt[1] = gt[0];
         g->count = c->t;
-        ly->seg_tier[ly->nsegs++] = POLICY_FULL;
+        ly->nsegs++;
     }
 }
 
@@ -1004,9 +1012,106 @@ static int list_cut_rebuild(seq *s, seq_list *ly, const uint8_t *tier, uint32_t 
     return rc;
 }
 
+/* What a decision does to a list with quantised segments, token by token
+ * against the tier each is stored in: kept[t] tokens stay in tier t (a
+ * full-precision token decided quantised stays full and counts in
+ * pending[] as well), *nevict go. 0 when some token moves to another tier
+ * (list_apply's), or the segments hold other than the decision's n. */
+static int tiered_keep_or_evict(const seq_list *ly, const uint8_t *tier, uint32_t n,
+                                uint32_t kept[POLICY_TIERS], uint32_t pending[POLICY_TIERS],
+                                uint32_t *nevict)
+{
+    uint32_t i = 0, evict = 0;
+    for (size_t j = 0; j < ly->nsegs; j++) {
+        uint8_t stored = ly->seg_tier[j];
+        uint32_t c = ly->segs[j].count;
+        if (c > n - i)
+            return 0;
+        for (uint32_t e = i + c; i < e; i++) {
+            uint8_t t = tier[i];
+            if (t == POLICY_EVICT) {
+                evict++;
+            } else if (t == stored) {
+                kept[t]++;
+            } else if (stored == POLICY_FULL && policy_tier_quantised(t)) {
+                kept[POLICY_FULL]++;
+                pending[t]++;
+            } else {
+                return 0;
+            }
+        }
+    }
+    *nevict = evict;
+    return i == n;
+}
+
+/* At least as many blocks as tier t's segments use: the runs of one block
+ * among them (a block's tokens may come back after another's: counted
+ * twice, still a bound). */
+static uint32_t tier_blocks_at_most(const seq_list *ly, uint8_t t)
+{
+    uint32_t runs = 0, last = UINT32_MAX;
+    for (size_t j = 0; j < ly->nsegs; j++) {
+        if (ly->seg_tier[j] != t)
+            continue;
+        runs += ly->segs[j].block != last;
+        last = ly->segs[j].block;
+    }
+    return runs;
+}
+
+/* Whether, after cuts that leave kept[t] tokens in tier t, neither
+ * list_compact (full precision) nor list_requantize (each quantised tier)
+ * can be due: cuts never add blocks, so the blocks the segments use now
+ * bound what they will use. */
+static int tiers_under_rules(const seq *s, const seq_list *ly, const uint32_t kept[POLICY_TIERS])
+{
+    for (uint8_t t = 0; t < POLICY_TIERS; t++) {
+        uint32_t per = t == POLICY_FULL ? s->block_slots : tier_block_tokens(&s->tier, t);
+        if (t != POLICY_FULL && !policy_tier_quantised(t))
+            continue;
+        if (kept[t] == 0 || per == 0)
+            continue;
+        uint32_t need = (kept[t] + per - 1) / per;
+        int over_budget = t == POLICY_FULL && compact_over_budget(s, kept[t]);
+        if (!over_budget && tier_blocks_at_most(ly, t) > need + compact_slack(need))
+            return 0;
+    }
+    return 1;
+}
+
+/*
+ * list_apply_evictions for a list with quantised segments (int8=on, or
+ * demote=int4 / int2, on a decode step): when the decision keeps every
+ * token in the tier it is stored in and evicts some, and the tokens it
+ * decides quantised but are stored at full precision at most come due
+ * for the demoter, the evicted tokens are cut out in place, as from a
+ * full-precision list, as long as no compaction or re-quantisation can be
+ * due. Otherwise, as before this path existed, every such step expanded,
+ * applied, compacted and encoded the whole list (issue 16 §2: an h2o decode
+ * step with int8=on took 8x the same step without, at 32k tokens, and its
+ * answer had no cuts, so the worker read its whole table again). Returns
+ * 1 when it does not apply (list_apply decides), else 0 or -1.
+ */
+static int list_apply_tiered_evictions(seq *s, seq_list *ly, const policy_decision *d, uint32_t k,
+                                       uint32_t n, uint64_t epoch, int *changed)
+{
+    uint32_t kept[POLICY_TIERS] = {0}, pending[POLICY_TIERS] = {0}, nevict = 0;
+    if (!tiered_keep_or_evict(ly, d->tier[k], n, kept, pending, &nevict))
+        return 1;
+    int touch = touch_pending(s, ly, d, pending);
+    int tail_unused =
+        ly->has_tail && (ly->nsegs == 0 || ly->segs[ly->nsegs - 1].block != ly->tail_block);
+    if (touch == LIST_TOUCHED || (nevict > 0 && (tail_unused || !tiers_under_rules(s, ly, kept))))
+        return 1;
+    int rc = nevict > 0 ? list_cut_in_place(s, ly, d->tier[k], n, nevict, epoch, changed) : 0;
+    return rc == 0 ? list_leave(s, ly, touch) : rc;
+}
+
 /*
  * The common step, without a token array: a list stored all at full
- * precision, no victims kept, whose decision only keeps (FULL) and evicts.
+ * precision (or with quantised segments: list_apply_tiered_evictions), no
+ * victims kept, whose decision only keeps (FULL) and evicts.
  * What list_apply does then comes down to cutting the evicted tokens out
  * of the segments and retiring the blocks left empty, so it is done on the
  * segments (issue 16 §2: a streaming step at 32k tokens × 32 layers), in
@@ -1022,12 +1127,13 @@ static int list_apply_evictions(seq *s, uint32_t l, uint32_t k, const policy_dec
     seq_list *ly = seq_list_at(s, l, k);
     uint32_t n = seq_list_tokens(s, l, k, NULL), nevict;
     const uint8_t *tier = d->tier[k];
-    if (ly->noffloaded > 0 || policy_host_storage(s->host)->victims != POLICY_VICTIMS_EVICT ||
-        !policy_tiers_keep_or_evict(tier, n, &nevict))
+    if (ly->noffloaded > 0 || policy_host_storage(s->host)->victims != POLICY_VICTIMS_EVICT)
         return 1;
     for (size_t i = 0; i < ly->nsegs; i++)
         if (ly->seg_tier[i] != POLICY_FULL)
-            return 1;
+            return list_apply_tiered_evictions(s, ly, d, k, n, epoch, changed);
+    if (!policy_tiers_keep_or_evict(tier, n, &nevict))
+        return 1;
     if (nevict == 0)
         return 0; /* list_touch: LIST_UNTOUCHED */
     /* The blocks kept tokens use after the cuts are at most the segments

@@ -1844,7 +1844,21 @@ typedef struct follow_counts {
     uint32_t compacted;    /* lists a step moved tokens of */
     uint32_t most_at_once; /* the most lists one step moved tokens of */
     uint32_t most_moved;   /* the most tokens one step moved in one list */
+    uint32_t cut_steps;    /* evicting steps whose answer can name their cuts */
 } follow_counts;
+
+/* The score follow_evictions gives position p when it scores by position:
+ * 1, every 7th position never attended; 2, only among the first 60, two
+ * in 7 never attended and the one between them barely (h2o evicts those
+ * after the others: each is then a segment of one token that goes whole). */
+static float position_score(uint32_t p, int by_position)
+{
+    if (by_position == 1)
+        return p % 7 == 0 ? 0.0f : 1.0f;
+    if (p >= 60)
+        return 1.0f;
+    return p % 7 == 0 || p % 7 == 2 ? 0.0f : p % 7 == 1 ? 1e-6f : 1.0f;
+}
 
 static follow_counts follow_evictions(fx *f, uint32_t append_n, uint32_t positions, int by_position)
 {
@@ -1869,14 +1883,16 @@ static follow_counts follow_evictions(fx *f, uint32_t append_n, uint32_t positio
         for (uint32_t l = 0, at = 0; by_position && l < 2; l++) {
             const uint32_t *pos;
             uint32_t nl = seq_list_tokens(f->s, l, 0, &pos);
-            for (uint32_t i = 0; i < nl; i++) /* every 7th position never attended */
-                data[at++] = pos[i] % 7 == 0 ? 0.0f : 1.0f;
+            for (uint32_t i = 0; i < nl; i++)
+                data[at++] = position_score(pos[i], by_position);
         }
         seq_step_input in = {POLICY_NEEDS_SCORE, 0, 0, 1, 0, 0, data, n, 0};
         uint32_t evicted;
         status st;
         if (seq_step(f->s, &in, &evicted, &st) != ST_OK)
             fail_msg("step: %s", st.msg);
+        seq_cuts cuts;
+        c.cut_steps += evicted > 0 && seq_step_cuts(f->s, &cuts);
         free(data);
         uint32_t lists_moved = 0;
         for (uint32_t l = 0; l < 2; l++) {
@@ -2006,6 +2022,107 @@ static void test_evictions_cut_in_place(void **state)
     fx_close(&f);
 }
 
+/* Segments of tier t in list (l, 0), and the distinct blocks they use. */
+static uint32_t tier_segments(fx *f, uint32_t l, uint8_t t, uint32_t *blocks)
+{
+    const seq_list *ly = seq_list_at(f->s, l, 0);
+    uint32_t n = 0, *b = malloc((ly->nsegs + 1) * sizeof *b);
+    assert_non_null(b);
+    for (size_t i = 0; i < ly->nsegs; i++)
+        if (ly->seg_tier[i] == t)
+            b[n++] = ly->segs[i].block;
+    qsort(b, n, sizeof *b, cmp_u32);
+    *blocks = 0;
+    for (uint32_t i = 0; i < n; i++)
+        *blocks += i == 0 || b[i] != b[i - 1];
+    free(b);
+    return n;
+}
+
+/*
+ * int8=on: h2o's decode steps evict tokens stored in INT8 blocks (among the
+ * first 60 positions, all INT8 by then: position_score's mode 2, whose last
+ * victims are segments of one token that go whole) and then full-precision
+ * ones, and a step whose decision keeps every other token in its tier cuts
+ * them out of the segments in place (list_apply_tiered_evictions): after
+ * 40 such steps of two 600-token lists nothing was re-quantised (the
+ * rule's slack), most steps moved no token (the others demoted a block)
+ * and could answer with their cuts (a list that went through list_apply
+ * cannot), the INT8 tokens sit in more segments than blocks (cut in place,
+ * not re-blocked), and follow_evictions' checks hold: every held token
+ * reads back its values within one quantisation (a segment whose tier went
+ * astray in a split or a removal reads INT8 codes as full precision, or
+ * the reverse), maximal segments, blocks that left the list retired.
+ */
+static void test_int8_evictions_cut_in_place(void **state)
+{
+    const char *const kv[] = {"budget", "600", "recent", "8", "int8", "on", "int8_window", "8"};
+    fx f;
+    fx_open(&f, backend_of(state), 512, "h2o", kv, 4);
+    follow_counts c = follow_evictions(&f, 1, 640, 2);
+    assert_int_equal(seq_tier_report(f.s)->requantized, 0);
+    assert_true(c.in_place >= 2 * 30);
+    assert_true(c.cut_steps >= 30);
+    for (uint32_t l = 0; l < 2; l++) {
+        uint32_t blocks, segs = tier_segments(&f, l, POLICY_INT8, &blocks);
+        assert_true(blocks >= 40);
+        assert_true(segs >= blocks + 5);
+    }
+    fx_close(&f);
+}
+
+/* Evict, by an operator's decision on layer 0, the INT8 tokens i < n with
+ * i % every == 0; returns the tokens the decision evicted. */
+static size_t evict_every(fx *f, uint32_t n, uint32_t every)
+{
+    const policy_decision *d;
+    status st;
+    assert_int_equal(seq_policy_layer_step(f->s, 0, &d, &st), ST_OK);
+    for (uint32_t i = 0; i < n; i++)
+        if (i % every == 0)
+            d->tier[0][i] = POLICY_EVICT;
+    uint64_t epoch = seq_epoch(f->s) + 1;
+    size_t evicted = 0;
+    int changed = 0;
+    assert_int_equal(seq_apply_decision(f->s, 0, d, epoch, &evicted, &changed, &st), ST_OK);
+    seq_publish_epoch(f->s, epoch);
+    return evicted;
+}
+
+/*
+ * A long list's INT8 tokens are re-quantised only past the slack of a
+ * sixteenth of the blocks they fill (seq_apply.c compact_slack): 480 INT8
+ * tokens in 40 blocks; evicting 24 (one in 20, from 24 blocks) leaves 456
+ * that fill 38, two beyond, within the slack of two: nothing re-quantised,
+ * the tokens where they were (one block beyond, the rule of a short list,
+ * would re-quantise all of them every 12 evictions of a long decode, and
+ * their error would grow with each round). 12 more evicted (444 fill 37,
+ * three beyond): all 444 re-quantised into 37 fresh blocks.
+ */
+static void test_int8_requantize_slack(void **state)
+{
+    const char *const kv[] = {"int8", "on", "int8_window", "2"};
+    fx f;
+    fx_open(&f, backend_of(state), 512, "full", kv, 2);
+    append(&f, 482);
+    append(&f, 1); /* the step of the 482: 0..479 demoted, 40 INT8 blocks */
+    uint32_t t[POLICY_TIERS], blocks;
+    seq_list_tier_tokens(f.s, 0, 0, t);
+    assert_int_equal(t[POLICY_INT8], 480);
+    seq_tier_report_clear(f.s);
+    assert_int_equal(evict_every(&f, 480, 20), 24);
+    assert_int_equal(seq_tier_report(f.s)->requantized, 0);
+    tier_segments(&f, 0, POLICY_INT8, &blocks);
+    assert_int_equal(blocks, 40);
+    assert_int_equal(check_list(&f, 0, 0), 456);
+    assert_int_equal(evict_every(&f, 456, 38), 12);
+    assert_int_equal(seq_tier_report(f.s)->requantized, 444);
+    tier_segments(&f, 0, POLICY_INT8, &blocks);
+    assert_int_equal(blocks, 37);
+    assert_int_equal(check_list_rounds(&f, 0, 0, 2), 444);
+    fx_close(&f);
+}
+
 static void test_move_reviver(void **state)
 {
     const char *const kv[] = {"budget", "8", "slack", "0", "buckets", "16"};
@@ -2098,6 +2215,8 @@ int main(void)
         ON_SHADOW(test_int2_demotion),
         cmocka_unit_test(test_operator_evict_requantizes),
         ON_SHADOW(test_operator_evict_requantizes),
+        cmocka_unit_test(test_int8_requantize_slack),
+        ON_SHADOW(test_int8_requantize_slack),
         cmocka_unit_test(test_revive_sketch_victims),
         ON_SHADOW(test_revive_sketch_victims),
         cmocka_unit_test(test_revive_evicted_outright),
@@ -2118,6 +2237,8 @@ int main(void)
         ON_SHADOW(test_weightedkv_merges_in_place),
         cmocka_unit_test(test_evictions_cut_in_place),
         ON_SHADOW(test_evictions_cut_in_place),
+        cmocka_unit_test(test_int8_evictions_cut_in_place),
+        ON_SHADOW(test_int8_evictions_cut_in_place),
         cmocka_unit_test(test_tova_takes_the_summed_score),
         cmocka_unit_test(test_layers_on_threads),
         ON_SHADOW(test_layers_on_threads),

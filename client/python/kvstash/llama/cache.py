@@ -198,6 +198,15 @@ class KvstashCache:
         new = ListTokens.many([ly.segments for ly in lists], pos)
         self.lists = [old.concat(add) for old, add in zip(self.lists, new)]
 
+    def catch_up(self) -> None:
+        """Follow a table change published after the last step's answer (a
+        demotion that step left due, which its answer could not name): ask
+        the epoch (kvs_seq_epoch waits for the demotion) and read the table
+        again if it moved. A forward pass need not: its next token_begin
+        learns the epoch from the append."""
+        if self.seq is not None and self.epoch is not None and self.seq.epoch() != self.epoch:
+            self._reload()
+
     def token_begin(self, pos: int) -> None:
         if pos >= self.ctx:
             raise CacheError(f"position {pos} is past the model's context ({self.ctx})")
