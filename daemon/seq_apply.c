@@ -1012,8 +1012,8 @@ static int list_cut_rebuild(seq *s, seq_list *ly, const uint8_t *tier, uint32_t 
     return rc;
 }
 
-/* What a decision does to a list with quantised segments, token by token
- * against the tier each is stored in: kept[t] tokens stay in tier t (a
+/* What a decision does to a list with quantised segments, a run of
+ * segments of one stored tier at a time: kept[t] tokens stay in tier t (a
  * full-precision token decided quantised stays full and counts in
  * pending[] as well), *nevict go. 0 when some token moves to another tier
  * (list_apply's), or the segments hold other than the decision's n. */
@@ -1022,23 +1022,22 @@ static int tiered_keep_or_evict(const seq_list *ly, const uint8_t *tier, uint32_
                                 uint32_t *nevict)
 {
     uint32_t i = 0, evict = 0;
-    for (size_t j = 0; j < ly->nsegs; j++) {
+    for (size_t j = 0, e; j < ly->nsegs; j = e) {
         uint8_t stored = ly->seg_tier[j];
-        uint32_t c = ly->segs[j].count;
-        if (c > n - i)
+        uint32_t c = 0, count[POLICY_TIERS] = {0};
+        for (e = j; e < ly->nsegs && ly->seg_tier[e] == stored; e++)
+            c += ly->segs[e].count;
+        if (c > n - i || policy_tiers_count(tier + i, c, count) != 0)
             return 0;
-        for (uint32_t e = i + c; i < e; i++) {
-            uint8_t t = tier[i];
-            if (t == POLICY_EVICT) {
-                evict++;
-            } else if (t == stored) {
-                kept[t]++;
-            } else if (stored == POLICY_FULL && policy_tier_quantised(t)) {
-                kept[POLICY_FULL]++;
-                pending[t]++;
-            } else {
+        i += c;
+        evict += count[POLICY_EVICT];
+        kept[stored] += c - count[POLICY_EVICT];
+        for (uint8_t t = 0; t < POLICY_TIERS; t++) {
+            if (t == stored || t == POLICY_EVICT || count[t] == 0)
+                continue;
+            if (stored != POLICY_FULL || !policy_tier_quantised(t))
                 return 0;
-            }
+            pending[t] += count[t];
         }
     }
     *nevict = evict;

@@ -102,6 +102,27 @@ POLICY_HOT void policy_evict_marked(uint8_t *restrict tier, const uint8_t *restr
         tier[i] = (uint8_t)((mark[i] != 0) == want ? POLICY_EVICT : tier[i]);
 }
 
+POLICY_HOT int policy_tiers_count(const uint8_t *tier, size_t n, uint32_t counts[POLICY_TIERS])
+{
+    /* One counter a value, so that the loop is six compares and adds a
+     * vector of tiers. */
+    uint32_t c0 = 0, c1 = 0, c2 = 0, c3 = 0, c4 = 0, c5 = 0;
+    uint8_t other = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint8_t t = tier[i];
+        c0 += t == 0;
+        c1 += t == 1;
+        c2 += t == 2;
+        c3 += t == 3;
+        c4 += t == 4;
+        c5 += t == 5;
+        other |= t >= POLICY_TIERS;
+    }
+    counts[0] += c0, counts[1] += c1, counts[2] += c2;
+    counts[3] += c3, counts[4] += c4, counts[5] += c5;
+    return other != 0;
+}
+
 POLICY_HOT int policy_tiers_keep_or_evict(const uint8_t *tier, size_t n, uint32_t *nevict)
 {
     uint8_t other = 0;

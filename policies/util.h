@@ -1,14 +1,17 @@
 /*
  * util.h - small helpers every policy file needs, shared (not part of
- * policy.h's interface). The daemon uses the two passes it makes over a
+ * policy.h's interface). The daemon uses the passes it makes over a
  * step's statistics and decisions (policy_first_outside,
- * policy_tiers_keep_or_evict), so that they are vectorised as these are.
+ * policy_tiers_keep_or_evict, policy_tiers_count), so that they are
+ * vectorised as these are.
  */
 #ifndef KVSTASH_POLICIES_UTIL_H
 #define KVSTASH_POLICIES_UTIL_H
 
 #include <stddef.h>
 #include <stdint.h>
+
+#include "policy.h"
 
 /*
  * Hot loops over a decision's lists (pooling, keys, compactions, sums) are
@@ -78,6 +81,14 @@ void policy_mean_rows(const float *const *rows, uint32_t nrows, size_t n, double
  * it of every list at every step.
  */
 int policy_tiers_keep_or_evict(const uint8_t *tier, size_t n, uint32_t *nevict);
+
+/*
+ * How many of the n tiers are each policy_tier, added to counts[]; 1 when
+ * some value is not a policy_tier (counted nowhere), else 0. One
+ * vectorised pass, for the daemon's step over a list with quantised
+ * segments (seq_apply.c), which asks it of each run of a stored tier.
+ */
+int policy_tiers_count(const uint8_t *tier, size_t n, uint32_t counts[POLICY_TIERS]);
 
 /*
  * tier[i] = POLICY_EVICT where (mark[i] != 0) == evict_if, else unchanged:

@@ -662,6 +662,33 @@ static void test_full_keeps_everything(void **unused)
 
 /* ---- the mean over query heads (util.h) ---- */
 
+/* policy_tiers_count adds each tier's count to what counts[] holds, at
+ * lengths around the vector widths, and flags a value that is no tier
+ * (counted nowhere) wherever it is. */
+static void test_tiers_count(void **unused)
+{
+    (void)unused;
+    uint8_t t[200] = {0};
+    for (size_t n = 0; n <= sizeof t; n += n < 70 ? 1 : 13) {
+        uint32_t want[POLICY_TIERS] = {1, 2, 3, 4, 5, 6}, got[POLICY_TIERS] = {1, 2, 3, 4, 5, 6};
+        for (size_t i = 0; i < n; i++) {
+            t[i] = (uint8_t)((i * 7 + i / 5) % POLICY_TIERS);
+            want[t[i]]++;
+        }
+        assert_int_equal(policy_tiers_count(t, n, got), 0);
+        assert_memory_equal(got, want, sizeof want);
+        for (size_t bad = 0; bad < n; bad += 1 + bad / 3) {
+            uint8_t was = t[bad];
+            t[bad] = (uint8_t)(POLICY_TIERS + bad % 250);
+            uint32_t base[POLICY_TIERS] = {1, 2, 3, 4, 5, 6};
+            assert_int_equal(policy_tiers_count(t, n, base), 1);
+            base[was]++; /* the value it replaced, which is not counted now */
+            assert_memory_equal(base, want, sizeof want);
+            t[bad] = was;
+        }
+    }
+}
+
 /* policy_mean_rows is each token's rows summed one after another in double,
  * then divided: bit for bit, for inputs whose sum depends on the order
  * (signs and magnitudes from 2^-40 to 2^40), at lengths around its blocks. */
@@ -952,6 +979,7 @@ int main(void)
         cmocka_unit_test(test_params_choice),
         cmocka_unit_test(test_params_parse_typed),
         cmocka_unit_test(test_full_keeps_everything),
+        cmocka_unit_test(test_tiers_count),
         cmocka_unit_test(test_mean_rows_in_row_order),
         cmocka_unit_test(test_streaming_one_at_a_time),
         cmocka_unit_test(test_streaming_prefill_then_decode),
