@@ -1079,6 +1079,39 @@ static int tiers_under_rules(const seq *s, const seq_list *ly, const uint32_t ke
     return 1;
 }
 
+/* victims=sketch: the nevict tokens tier[] evicts from list (l, k), found
+ * in its segments with their positions, go into the list's sketch and its
+ * offloaded victims (list_victims) before they are cut out. 0, or -1. */
+static int offload_victims(seq *s, uint32_t l, uint32_t k, const uint8_t *tier, uint32_t nevict)
+{
+    seq_list *ly = seq_list_at(s, l, k);
+    const uint32_t *pos;
+    seq_list_tokens(s, l, k, &pos);
+    tier_token *tok = malloc(nevict * sizeof *tok);
+    uint32_t *at = malloc(2 * (size_t)nevict * sizeof *at), m = 0;
+    uint8_t *evict = malloc(nevict);
+    int rc = tok != NULL && at != NULL && evict != NULL ? 0 : -1;
+    for (size_t j = 0, i = 0; rc == 0 && j < ly->nsegs && m < nevict; i += ly->segs[j++].count) {
+        const kv_segment *g = &ly->segs[j];
+        for (uint32_t t = 0; t < g->count && m < nevict; t++) {
+            const uint8_t *e = memchr(tier + i + t, POLICY_EVICT, g->count - t);
+            if (e == NULL)
+                break;
+            t = (uint32_t)(e - (tier + i));
+            tok[m] = (tier_token){g->block, g->first_slot + t, ly->seg_tier[j]};
+            at[m++] = pos[i + t];
+        }
+    }
+    if (rc == 0) {
+        memset(evict, POLICY_EVICT, m);
+        rc = seq_txn_save_list(s, ly) != 0 ? -1 : list_victims(s, ly, l, tok, at, evict, m, at + m);
+    }
+    free(tok);
+    free(at);
+    free(evict);
+    return rc;
+}
+
 /*
  * list_apply_evictions for a list with quantised segments (int8=on, or
  * demote=int4 / int2, on a decode step): when the decision keeps every
@@ -1092,9 +1125,10 @@ static int tiers_under_rules(const seq *s, const seq_list *ly, const uint32_t ke
  * answer had no cuts, so the worker read its whole table again). Returns
  * 1 when it does not apply (list_apply decides), else 0 or -1.
  */
-static int list_apply_tiered_evictions(seq *s, seq_list *ly, const policy_decision *d, uint32_t k,
+static int list_apply_tiered_evictions(seq *s, uint32_t l, uint32_t k, const policy_decision *d,
                                        uint32_t n, uint64_t epoch, int *changed)
 {
+    seq_list *ly = seq_list_at(s, l, k);
     uint32_t kept[POLICY_TIERS] = {0}, pending[POLICY_TIERS] = {0}, nevict = 0;
     if (!tiered_keep_or_evict(ly, d->tier[k], n, kept, pending, &nevict))
         return 1;
@@ -1103,7 +1137,11 @@ static int list_apply_tiered_evictions(seq *s, seq_list *ly, const policy_decisi
         ly->has_tail && (ly->nsegs == 0 || ly->segs[ly->nsegs - 1].block != ly->tail_block);
     if (touch == LIST_TOUCHED || (nevict > 0 && (tail_unused || !tiers_under_rules(s, ly, kept))))
         return 1;
-    int rc = nevict > 0 ? list_cut_in_place(s, ly, d->tier[k], n, nevict, epoch, changed) : 0;
+    int rc = 0;
+    if (nevict > 0 && policy_host_storage(s->host)->victims == POLICY_VICTIMS_SKETCH)
+        rc = offload_victims(s, l, k, d->tier[k], nevict);
+    if (rc == 0 && nevict > 0)
+        rc = list_cut_in_place(s, ly, d->tier[k], n, nevict, epoch, changed);
     return rc == 0 ? list_leave(s, ly, touch) : rc;
 }
 
@@ -1126,11 +1164,14 @@ static int list_apply_evictions(seq *s, uint32_t l, uint32_t k, const policy_dec
     seq_list *ly = seq_list_at(s, l, k);
     uint32_t n = seq_list_tokens(s, l, k, NULL), nevict;
     const uint8_t *tier = d->tier[k];
-    if (ly->noffloaded > 0 || policy_host_storage(s->host)->victims != POLICY_VICTIMS_EVICT)
+    policy_victims victims = policy_host_storage(s->host)->victims;
+    if (victims == POLICY_VICTIMS_SKETCH)
+        return list_apply_tiered_evictions(s, l, k, d, n, epoch, changed);
+    if (ly->noffloaded > 0 || victims != POLICY_VICTIMS_EVICT)
         return 1;
     for (size_t i = 0; i < ly->nsegs; i++)
         if (ly->seg_tier[i] != POLICY_FULL)
-            return list_apply_tiered_evictions(s, ly, d, k, n, epoch, changed);
+            return list_apply_tiered_evictions(s, l, k, d, n, epoch, changed);
     if (!policy_tiers_keep_or_evict(tier, n, &nevict))
         return 1;
     if (nevict == 0)

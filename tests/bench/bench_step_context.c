@@ -6,7 +6,9 @@
  * For each policy that runs every step (streaming, h2o, tova, confkv,
  * weightedkv, reviver, ov_block; tova_sum is tova with last_attn summed over
  * the query heads by the worker, its needs_alt; h2o_int8 is h2o with int8=on,
- * all but a list's newest 32 tokens held in INT8) and each context N, one
+ * all but a list's newest 32 tokens held in INT8; streaming_sketch is
+ * streaming whose evicted tokens go to the list's count-sketch) and each
+ * context N, one
  * sequence holds N
  * tokens per list (the policy's budget is N, so every decode step appends
  * one token and the policy gives one back), and a decode step is what a
@@ -51,7 +53,7 @@
 #include "kvstash.h"
 
 #define MAX_CONTEXTS 16
-#define MAX_POLICIES 10
+#define MAX_POLICIES 11
 #define PREFILL_CHUNK 65536u /* SEQ_MAX_APPEND: longer prompts are prefilled in chunks */
 #define RANDOM_FLOATS (1u << 20)
 
@@ -63,19 +65,20 @@ enum { NEEDS_SCORE = 1, NEEDS_LAST_ATTN = 2, NEEDS_CONFIDENCE = 4 };
 typedef struct bench_policy {
     const char *label, *name;
     unsigned needs;
-    int int8; /* int8=on: tokens older than the newest 32 of a list held in INT8 */
+    const char *key, *value; /* a storage option on top (NULL: none) */
 } bench_policy;
 
 static const bench_policy all_policies[] = {
-    {"streaming", "streaming", 0, 0},
-    {"h2o", "h2o", NEEDS_SCORE, 0},
-    {"h2o_int8", "h2o", NEEDS_SCORE, 1},
-    {"tova", "tova", NEEDS_LAST_ATTN, 0},
-    {"tova_sum", "tova", NEEDS_SCORE, 0}, /* the rows summed by the worker (needs_alt) */
-    {"confkv", "confkv", NEEDS_LAST_ATTN | NEEDS_CONFIDENCE, 0},
-    {"weightedkv", "weightedkv", NEEDS_LAST_ATTN, 0},
-    {"reviver", "reviver", NEEDS_SCORE, 0},
-    {"ov_block", "ov_block", NEEDS_SCORE, 0},
+    {"streaming", "streaming", 0, NULL, NULL},
+    {"h2o", "h2o", NEEDS_SCORE, NULL, NULL},
+    {"h2o_int8", "h2o", NEEDS_SCORE, "int8", "on"},
+    {"streaming_sketch", "streaming", 0, "victims", "sketch"},
+    {"tova", "tova", NEEDS_LAST_ATTN, NULL, NULL},
+    {"tova_sum", "tova", NEEDS_SCORE, NULL, NULL}, /* the rows summed by the worker (needs_alt) */
+    {"confkv", "confkv", NEEDS_LAST_ATTN | NEEDS_CONFIDENCE, NULL, NULL},
+    {"weightedkv", "weightedkv", NEEDS_LAST_ATTN, NULL, NULL},
+    {"reviver", "reviver", NEEDS_SCORE, NULL, NULL},
+    {"ov_block", "ov_block", NEEDS_SCORE, NULL, NULL},
 };
 #define NPOLICIES (sizeof all_policies / sizeof all_policies[0])
 
@@ -191,8 +194,8 @@ static size_t policy_params(const bench_policy *bp, uint32_t n, char buf[4][24],
         snprintf(buf[i], sizeof buf[i], "%" PRIu32, val[i]);
         p[i] = (kvs_param){k[i], buf[i]};
     }
-    if (bp->int8)
-        p[np++] = (kvs_param){"int8", "on"};
+    if (bp->key != NULL)
+        p[np++] = (kvs_param){bp->key, bp->value};
     return np;
 }
 
@@ -446,8 +449,9 @@ static int parse_policies(const char *arg, bench_cfg *cfg)
                 found = &all_policies[i];
         if (found == NULL || cfg->npolicies == MAX_POLICIES) {
             fprintf(stderr,
-                    "bench_step_context: --policies: '%s' is not one of streaming, h2o, "
-                    "h2o_int8, tova, tova_sum, confkv, weightedkv, reviver, ov_block\n",
+                    "bench_step_context: --policies: '%s' is not one of streaming, "
+                    "streaming_sketch, h2o, h2o_int8, tova, tova_sum, confkv, weightedkv, "
+                    "reviver, ov_block\n",
                     tok);
             return -1;
         }

@@ -2071,6 +2071,32 @@ static void test_int8_evictions_cut_in_place(void **state)
     fx_close(&f);
 }
 
+/*
+ * victims=sketch: StreamingLLM's decode steps put their victim in the
+ * list's sketch and cut it out of the segments in place
+ * (list_apply_tiered_evictions, offload_victims), so each step can answer
+ * with its cuts (a list that went through list_apply cannot); every victim
+ * is an offloaded one, in position order, and follow_evictions' checks hold
+ * (test_revive_sketch_victims and test_faults "append: victims=sketch"
+ * check what the sketch holds and the undo).
+ */
+static void test_sketch_victims_cut_in_place(void **state)
+{
+    const char *const kv[] = {"n_sink", "5", "window", "250", "victims", "sketch"};
+    fx f;
+    fx_open(&f, backend_of(state), 512, "streaming", kv, 3);
+    follow_counts c = follow_evictions(&f, 1, 300, 0);
+    assert_true(c.cut_steps >= 40); /* of the 45 that evicted */
+    for (uint32_t l = 0; l < 2; l++) {
+        seq_list_view v;
+        seq_list_view_get(f.s, l, 0, &v);
+        assert_int_equal(v.noffloaded, 300 - 255);
+        for (uint32_t j = 0; j < v.noffloaded; j++)
+            assert_int_equal(v.offloaded[j], 5 + j);
+    }
+    fx_close(&f);
+}
+
 /* Evict, by an operator's decision on layer 0, the INT8 tokens i < n with
  * i % every == 0; returns the tokens the decision evicted. */
 static size_t evict_every(fx *f, uint32_t n, uint32_t every)
@@ -2217,6 +2243,8 @@ int main(void)
         ON_SHADOW(test_operator_evict_requantizes),
         cmocka_unit_test(test_int8_requantize_slack),
         ON_SHADOW(test_int8_requantize_slack),
+        cmocka_unit_test(test_sketch_victims_cut_in_place),
+        ON_SHADOW(test_sketch_victims_cut_in_place),
         cmocka_unit_test(test_revive_sketch_victims),
         ON_SHADOW(test_revive_sketch_victims),
         cmocka_unit_test(test_revive_evicted_outright),
