@@ -6,9 +6,9 @@
  * For each policy that runs every step (streaming, h2o, tova, confkv,
  * weightedkv, reviver, ov_block; tova_sum is tova with last_attn summed over
  * the query heads by the worker, its needs_alt; h2o_int8 is h2o with int8=on,
- * all but a list's newest 32 tokens held in INT8; streaming_sketch is
- * streaming whose evicted tokens go to the list's count-sketch) and each
- * context N, one
+ * all but a list's newest 32 tokens held in INT8; streaming_sketch and
+ * streaming_int8v are streaming whose evicted tokens go to the list's
+ * count-sketch, or stay as INT8 victims) and each context N, one
  * sequence holds N
  * tokens per list (the policy's budget is N, so every decode step appends
  * one token and the policy gives one back), and a decode step is what a
@@ -53,7 +53,7 @@
 #include "kvstash.h"
 
 #define MAX_CONTEXTS 16
-#define MAX_POLICIES 11
+#define MAX_POLICIES 12
 #define PREFILL_CHUNK 65536u /* SEQ_MAX_APPEND: longer prompts are prefilled in chunks */
 #define RANDOM_FLOATS (1u << 20)
 
@@ -73,6 +73,7 @@ static const bench_policy all_policies[] = {
     {"h2o", "h2o", NEEDS_SCORE, NULL, NULL},
     {"h2o_int8", "h2o", NEEDS_SCORE, "int8", "on"},
     {"streaming_sketch", "streaming", 0, "victims", "sketch"},
+    {"streaming_int8v", "streaming", 0, "victims", "int8"},
     {"tova", "tova", NEEDS_LAST_ATTN, NULL, NULL},
     {"tova_sum", "tova", NEEDS_SCORE, NULL, NULL}, /* the rows summed by the worker (needs_alt) */
     {"confkv", "confkv", NEEDS_LAST_ATTN | NEEDS_CONFIDENCE, NULL, NULL},
@@ -450,8 +451,8 @@ static int parse_policies(const char *arg, bench_cfg *cfg)
         if (found == NULL || cfg->npolicies == MAX_POLICIES) {
             fprintf(stderr,
                     "bench_step_context: --policies: '%s' is not one of streaming, "
-                    "streaming_sketch, h2o, h2o_int8, tova, tova_sum, confkv, weightedkv, "
-                    "reviver, ov_block\n",
+                    "streaming_sketch, streaming_int8v, h2o, h2o_int8, tova, tova_sum, confkv, "
+                    "weightedkv, reviver, ov_block\n",
                     tok);
             return -1;
         }
