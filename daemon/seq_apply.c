@@ -1015,8 +1015,9 @@ static int list_cut_rebuild(seq *s, seq_list *ly, const uint8_t *tier, uint32_t 
 /* What a decision does to a list with quantised segments, a run of
  * segments of one stored tier at a time: kept[t] tokens stay in tier t (a
  * full-precision token decided quantised stays full and counts in
- * pending[] as well), *nevict go. 0 when some token moves to another tier
- * (list_apply's), or the segments hold other than the decision's n. */
+ * pending[] as well), *nevict go. 0 when some token moves to another tier,
+ * the list holds tokens in the sketch (list_apply's), or the segments hold
+ * other than the decision's n. */
 static int tiered_keep_or_evict(const seq_list *ly, const uint8_t *tier, uint32_t n,
                                 uint32_t kept[POLICY_TIERS], uint32_t pending[POLICY_TIERS],
                                 uint32_t *nevict)
@@ -1027,7 +1028,9 @@ static int tiered_keep_or_evict(const seq_list *ly, const uint8_t *tier, uint32_
         uint32_t c = 0, count[POLICY_TIERS] = {0};
         for (e = j; e < ly->nsegs && ly->seg_tier[e] == stored; e++)
             c += ly->segs[e].count;
-        if (c > n - i || policy_tiers_count(tier + i, c, count) != 0)
+        /* Tokens in the sketch (reviver's) have no block to cut from: an
+         * evicted one leaves the sketch in list_victims. */
+        if (stored == POLICY_SKETCH || c > n - i || policy_tiers_count(tier + i, c, count) != 0)
             return 0;
         i += c;
         evict += count[POLICY_EVICT];
