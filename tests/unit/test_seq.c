@@ -1031,17 +1031,26 @@ static void test_int2_demotion(void **state)
  * the three are retired at the epoch; values stay within two
  * quantisations' bound.
  */
-static void test_operator_evict_requantizes(void **state)
+/* The full policy with int8=on, int8_window=2, over `blocks` pool blocks:
+ * nq + 2 tokens appended and a step, so that each list holds nq INT8
+ * tokens in whole INT8 blocks (nq a multiple of 12), then the report
+ * cleared. */
+static void open_demoted(fx *f, void **state, uint32_t blocks, uint32_t nq)
 {
     const char *const kv[] = {"int8", "on", "int8_window", "2"};
-    fx f;
-    fx_open(&f, backend_of(state), 64, "full", kv, 2);
-    append(&f, 38);
-    append(&f, 1); /* the step of the 38: 0..35 demoted, 3 INT8 blocks */
+    fx_open(f, backend_of(state), blocks, "full", kv, 2);
+    append(f, nq + 2);
+    append(f, 1); /* the step of the nq + 2 */
     uint32_t t[POLICY_TIERS];
-    seq_list_tier_tokens(f.s, 0, 0, t);
-    assert_int_equal(t[POLICY_INT8], 36);
-    seq_tier_report_clear(f.s);
+    seq_list_tier_tokens(f->s, 0, 0, t);
+    assert_int_equal(t[POLICY_INT8], nq);
+    seq_tier_report_clear(f->s);
+}
+
+static void test_operator_evict_requantizes(void **state)
+{
+    fx f;
+    open_demoted(&f, state, 64, 36); /* 0..35 in 3 INT8 blocks */
     const policy_decision *d;
     status st;
     assert_int_equal(seq_policy_layer_step(f.s, 0, &d, &st), ST_OK);
@@ -2127,15 +2136,9 @@ static size_t evict_every(fx *f, uint32_t n, uint32_t every)
  */
 static void test_int8_requantize_slack(void **state)
 {
-    const char *const kv[] = {"int8", "on", "int8_window", "2"};
     fx f;
-    fx_open(&f, backend_of(state), 512, "full", kv, 2);
-    append(&f, 482);
-    append(&f, 1); /* the step of the 482: 0..479 demoted, 40 INT8 blocks */
-    uint32_t t[POLICY_TIERS], blocks;
-    seq_list_tier_tokens(f.s, 0, 0, t);
-    assert_int_equal(t[POLICY_INT8], 480);
-    seq_tier_report_clear(f.s);
+    uint32_t blocks;
+    open_demoted(&f, state, 512, 480); /* 0..479 in 40 INT8 blocks */
     assert_int_equal(evict_every(&f, 480, 20), 24);
     assert_int_equal(seq_tier_report(f.s)->requantized, 0);
     tier_segments(&f, 0, POLICY_INT8, &blocks);
