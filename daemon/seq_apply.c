@@ -1143,6 +1143,9 @@ static int list_apply_tiered_evictions(seq *s, uint32_t l, uint32_t k, const pol
     int rc = 0;
     if (nevict > 0 && policy_host_storage(s->host)->victims == POLICY_VICTIMS_SKETCH)
         rc = offload_victims(s, l, k, d->tier[k], nevict);
+    /* The segments hold the decision's n (tiered_keep_or_evict), so the
+     * cuts apply: list_cut_in_place does not hand the list back to
+     * list_apply, which would offload the victims again. */
     if (rc == 0 && nevict > 0)
         rc = list_cut_in_place(s, ly, d->tier[k], n, nevict, epoch, changed);
     return rc == 0 ? list_leave(s, ly, touch) : rc;
