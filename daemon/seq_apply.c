@@ -898,13 +898,38 @@ static void list_apply_cut(seq_list *ly, const seg_cut *c, uint32_t *gone, size_
     }
 }
 
-/* Whether a segment of the list uses block b. */
+/* Whether a segment of the list, or a victim it keeps in the pool
+ * (victims=int8), uses block b. */
 static int list_uses_block(const seq_list *ly, uint32_t b)
 {
     int used = 0;
     for (size_t j = 0; j < ly->nsegs; j++) /* no early exit: vectorised */
         used |= ly->segs[j].block == b;
+    for (size_t j = 0; j < ly->noffloaded; j++) {
+        const tier_token *at = &ly->offloaded_at[j];
+        used |= at->tier != POLICY_SKETCH && !tier_token_remote(at) && at->block == b;
+    }
     return used;
+}
+
+/* Retire at `epoch` the blocks of ids[0..n) (repeats allowed) that the list
+ * no longer uses (list_uses_block), each once; the tail is forgotten when
+ * it goes. */
+static int list_retire_if_unused(seq *s, seq_list *ly, const uint32_t *ids, size_t n,
+                                 uint64_t epoch)
+{
+    int rc = 0;
+    for (size_t i = 0; rc == 0 && i < n; i++) {
+        int again = 0;
+        for (size_t m = 0; m < i; m++)
+            again |= ids[m] == ids[i];
+        if (again || list_uses_block(ly, ids[i]))
+            continue;
+        rc = seq_retire(s, ids[i], epoch);
+        if (rc == 0 && ly->has_tail && ly->tail_block == ids[i])
+            ly->has_tail = 0;
+    }
+    return rc;
 }
 
 /*
@@ -932,16 +957,8 @@ static int list_cut_in_place(seq *s, seq_list *ly, const uint8_t *tier, uint32_t
         for (ssize_t c = 0; c < ncuts; c++)
             cuts_log(s, (size_t)(ly - s->lists), cuts[c].at, cuts[c].at + cuts[c].take);
     }
-    for (size_t i = 0; rc == 0 && i < ngone; i++) {
-        int again = 0;
-        for (size_t m = 0; m < i; m++)
-            again |= gone[m] == gone[i];
-        if (again || list_uses_block(ly, gone[i]))
-            continue;
-        rc = seq_retire(s, gone[i], epoch);
-        if (rc == 0 && ly->has_tail && ly->tail_block == gone[i])
-            ly->has_tail = 0;
-    }
+    if (rc == 0)
+        rc = list_retire_if_unused(s, ly, gone, ngone, epoch);
     free(cuts);
     free(gone);
     return rc;
@@ -1115,6 +1132,27 @@ static int offload_victims(seq *s, uint32_t l, uint32_t k, const uint8_t *tier, 
     return rc;
 }
 
+/* victims=int8: list_victims_quantize, then the full-precision blocks the
+ * quantised victims were the last tokens of retired at `epoch`. 0, or -1. */
+static int quantize_victims(seq *s, seq_list *ly, uint64_t epoch)
+{
+    size_t nfull = 0, n = ly->noffloaded;
+    uint32_t *ids = malloc(2 * (n ? n : 1) * sizeof *ids);
+    if (ids == NULL)
+        return -1;
+    for (size_t j = 0; j < n; j++)
+        if (ly->offloaded_at[j].tier == POLICY_FULL)
+            ids[nfull++] = ly->offloaded_at[j].block;
+    int rc = list_victims_quantize(s, ly, ids + n);
+    size_t still = 0;
+    for (size_t j = 0; rc == 0 && j < ly->noffloaded; j++)
+        still += ly->offloaded_at[j].tier == POLICY_FULL;
+    if (rc == 0 && still < nfull) /* some were quantised (not only marked due) */
+        rc = list_retire_if_unused(s, ly, ids, nfull, epoch);
+    free(ids);
+    return rc;
+}
+
 /*
  * list_apply_evictions for a list with quantised segments (int8=on, or
  * demote=int4 / int2, on a decode step): when the decision keeps every
@@ -1140,14 +1178,18 @@ static int list_apply_tiered_evictions(seq *s, uint32_t l, uint32_t k, const pol
         ly->has_tail && (ly->nsegs == 0 || ly->segs[ly->nsegs - 1].block != ly->tail_block);
     if (touch == LIST_TOUCHED || (nevict > 0 && (tail_unused || !tiers_under_rules(s, ly, kept))))
         return 1;
+    policy_victims victims = policy_host_storage(s->host)->victims;
     int rc = 0;
-    if (nevict > 0 && policy_host_storage(s->host)->victims == POLICY_VICTIMS_SKETCH)
+    if (nevict > 0 && victims != POLICY_VICTIMS_EVICT)
         rc = offload_victims(s, l, k, d->tier[k], nevict);
     /* The segments hold the decision's n (tiered_keep_or_evict), so the
      * cuts apply: list_cut_in_place does not hand the list back to
-     * list_apply, which would offload the victims again. */
+     * list_apply, which would offload the victims again. A block an INT8
+     * victim stays in is not retired (list_uses_block). */
     if (rc == 0 && nevict > 0)
         rc = list_cut_in_place(s, ly, d->tier[k], n, nevict, epoch, changed);
+    if (rc == 0 && nevict > 0 && victims == POLICY_VICTIMS_INT8)
+        rc = quantize_victims(s, ly, epoch);
     return rc == 0 ? list_leave(s, ly, touch) : rc;
 }
 
@@ -1171,9 +1213,9 @@ static int list_apply_evictions(seq *s, uint32_t l, uint32_t k, const policy_dec
     uint32_t n = seq_list_tokens(s, l, k, NULL), nevict;
     const uint8_t *tier = d->tier[k];
     policy_victims victims = policy_host_storage(s->host)->victims;
-    if (victims == POLICY_VICTIMS_SKETCH)
+    if (victims != POLICY_VICTIMS_EVICT)
         return list_apply_tiered_evictions(s, l, k, d, n, epoch, changed);
-    if (ly->noffloaded > 0 || victims != POLICY_VICTIMS_EVICT)
+    if (ly->noffloaded > 0)
         return 1;
     for (size_t i = 0; i < ly->nsegs; i++)
         if (ly->seg_tier[i] != POLICY_FULL)

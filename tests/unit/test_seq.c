@@ -428,6 +428,19 @@ static int block_in_lists(fx *f, uint32_t b)
     return 0;
 }
 
+/* Whether a list's segments or a victim kept in the pool (victims=int8:
+ * at full precision until a block's worth is quantised) use block b. */
+static int block_in_use(fx *f, uint32_t b)
+{
+    for (size_t i = 0; i < nlists(f); i++) {
+        const seq_list *ly = &f->s->lists[i];
+        for (size_t j = 0; j < ly->noffloaded; j++)
+            if (ly->offloaded_at[j].tier != POLICY_SKETCH && ly->offloaded_at[j].block == b)
+                return 1;
+    }
+    return block_in_lists(f, b);
+}
+
 /*
  * Streaming (2 sinks, window 6), one token an append, the worker acking
  * two epochs late: each append is one epoch; the list holds exactly the
@@ -1829,7 +1842,7 @@ static void check_cut_list(fx *f, uint32_t l, const list_slots *before, int had_
     const seq_list *ly = seq_list_at(f->s, l, 0);
     for (uint32_t p = 0; p < SLOTS_MAX + 1; p++) {
         uint32_t b = p < SLOTS_MAX ? before->block[p] : had_tail ? tail : UINT32_MAX;
-        if (b == UINT32_MAX || block_in_lists(f, b) || (ly->has_tail && ly->tail_block == b))
+        if (b == UINT32_MAX || block_in_use(f, b) || (ly->has_tail && ly->tail_block == b))
             continue;
         int found = 0;
         for (size_t i = nretired; i < nr; i++)
@@ -1846,7 +1859,8 @@ static void check_cut_list(fx *f, uint32_t l, const list_slots *before, int had_
  * appended. After each step the kept tokens are where they were (unless the
  * step compacted the list: then all of them read back their values from
  * fresh blocks), the list passes check_cut_list, and no retired block is in
- * a list. Counts the steps that evicted in place and those that compacted.
+ * a list or holds a victim. Counts the steps that evicted in place and
+ * those that compacted.
  */
 typedef struct follow_counts {
     uint32_t in_place;     /* lists a step evicted from without moving a token */
@@ -1921,7 +1935,7 @@ static follow_counts follow_evictions(fx *f, uint32_t append_n, uint32_t positio
         const seq_retired *r;
         size_t nr = seq_retired_blocks(f->s, &r);
         for (size_t i = 0; i < nr; i++)
-            assert_false(block_in_lists(f, r[i].block));
+            assert_false(block_in_use(f, r[i].block));
         seq_ack(f->s, seq_epoch(f->s));
     }
     free(before);
@@ -2081,29 +2095,39 @@ static void test_int8_evictions_cut_in_place(void **state)
 }
 
 /*
- * victims=sketch: StreamingLLM's decode steps put their victim in the
- * list's sketch and cut it out of the segments in place
- * (list_apply_tiered_evictions, offload_victims), so each step can answer
- * with its cuts (a list that went through list_apply cannot); every victim
- * is an offloaded one, in position order, and follow_evictions' checks hold
- * (test_revive_sketch_victims and test_faults "append: victims=sketch"
- * check what the sketch holds and the undo).
+ * victims=sketch and victims=int8: StreamingLLM's decode steps put their
+ * victim in the list's sketch, or keep it where it is stored (quantised a
+ * block's worth at a time), and cut it out of the segments in place
+ * (list_apply_tiered_evictions, offload_victims, quantize_victims), so each
+ * step can answer with its cuts (a list that went through list_apply
+ * cannot); every victim is an offloaded one, in position order, and
+ * follow_evictions' checks hold. test_revive_sketch_victims,
+ * test_revive_int8_victims_and_destroy and test_faults' "victims=" cases
+ * check what the victims hold, the blocks they keep and free, and the undo.
  */
-static void test_sketch_victims_cut_in_place(void **state)
+static void test_victims_cut_in_place(void **state)
 {
-    const char *const kv[] = {"n_sink", "5", "window", "250", "victims", "sketch"};
-    fx f;
-    fx_open(&f, backend_of(state), 512, "streaming", kv, 3);
-    follow_counts c = follow_evictions(&f, 1, 300, 0);
-    assert_true(c.cut_steps >= 40); /* of the 45 that evicted */
-    for (uint32_t l = 0; l < 2; l++) {
-        seq_list_view v;
-        seq_list_view_get(f.s, l, 0, &v);
-        assert_int_equal(v.noffloaded, 300 - 255);
-        for (uint32_t j = 0; j < v.noffloaded; j++)
-            assert_int_equal(v.offloaded[j], 5 + j);
+    const char *const modes[] = {"sketch", "int8"};
+    for (size_t m = 0; m < 2; m++) {
+        const char *const kv[] = {"n_sink", "5", "window", "250", "victims", modes[m]};
+        fx f;
+        fx_open(&f, backend_of(state), 512, "streaming", kv, 3);
+        follow_counts c = follow_evictions(&f, 1, 300, 0);
+        if (c.cut_steps < 40) /* of the 45 that evicted */
+            fail_msg("victims=%s: %u steps answered with cuts", modes[m], c.cut_steps);
+        for (uint32_t l = 0; l < 2; l++) {
+            seq_list_view v;
+            seq_list_view_get(f.s, l, 0, &v);
+            assert_int_equal(v.noffloaded, 300 - 255);
+            for (uint32_t j = 0; j < v.noffloaded; j++)
+                assert_int_equal(v.offloaded[j], 5 + j);
+        }
+        uint64_t tokens[POLICY_TIERS], bytes[POLICY_TIERS];
+        seq_tier_usage(f.s, tokens, bytes);
+        if (m == 1) /* 45 victims a list: three INT8 blocks of 12, 9 waiting */
+            assert_int_equal(tokens[POLICY_INT8], 2 * 36);
+        fx_close(&f);
     }
-    fx_close(&f);
 }
 
 /* Evict, by an operator's decision on layer 0, the INT8 tokens i < n with
@@ -2246,8 +2270,8 @@ int main(void)
         ON_SHADOW(test_operator_evict_requantizes),
         cmocka_unit_test(test_int8_requantize_slack),
         ON_SHADOW(test_int8_requantize_slack),
-        cmocka_unit_test(test_sketch_victims_cut_in_place),
-        ON_SHADOW(test_sketch_victims_cut_in_place),
+        cmocka_unit_test(test_victims_cut_in_place),
+        ON_SHADOW(test_victims_cut_in_place),
         cmocka_unit_test(test_revive_sketch_victims),
         ON_SHADOW(test_revive_sketch_victims),
         cmocka_unit_test(test_revive_evicted_outright),
