@@ -580,6 +580,22 @@ int list_compact(seq *s, seq_list *ly, tier_token *kept, uint32_t n)
     return rc;
 }
 
+/* seq_internal.h. list_compact's rule (full_blocks) on the segments. */
+int list_compact_due(seq *s, const seq_list *ly)
+{
+    uint32_t nfull = 0, blocks = 0;
+    for (size_t j = 0; j < ly->nsegs; j++)
+        if (ly->seg_tier[j] == POLICY_FULL) {
+            nfull += ly->segs[j].count;
+            blocks += (uint32_t)pool_mark(s->pool, ly->segs[j].block);
+        }
+    for (size_t j = 0; j < ly->nsegs; j++)
+        if (ly->seg_tier[j] == POLICY_FULL)
+            pool_unmark(s->pool, ly->segs[j].block);
+    uint32_t need = (nfull + s->block_slots - 1) / s->block_slots;
+    return need > 0 && blocks > need + compact_slack(need);
+}
+
 /* list_retire_unused with the blocks used after already marked (the caller
  * clears those marks): the blocks of before[] not marked are retired, each
  * once; their marks are cleared again. */

@@ -7,10 +7,18 @@
  * tokens decided quantised but stored at full precision, whole blocks'
  * worth, POLICIES.md §5.4) and what list_victims_quantize would (victims=int8:
  * the victims still at full precision, whole INT8 blocks' worth), the fill
- * quantises into copies of each list's tokens and victims, and the finish
- * publishes the copies as the lists, in a transaction of its own. The fill reads only the pool's
- * memory of the planned tokens and writes only the planned blocks, which is why it may run while
- * other sequences change.
+ * quantises them into the planned blocks, and the finish puts them in their
+ * lists, in a transaction of its own. The fill reads only the pool's memory
+ * of the planned tokens and writes only the planned blocks, which is why it
+ * may run while other sequences change.
+ *
+ * The plan and the finish work on the lists' segments: a decode step's
+ * demotion moves an INT8 block's worth of tokens a list, and expanding a
+ * 32k-token list into an entry a token and encoding it again, as the step's
+ * general path does, made the demotion a pass over every token of every
+ * list under the store's lock (issue 16 §4: 12 ms at 32 layers x 32k
+ * tokens, which the worker's next call waited for). Only a list that the
+ * demotion leaves due for compaction is expanded, as before.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -20,14 +28,16 @@
 static const uint8_t demote_tiers[] = {POLICY_INT8, POLICY_INT4, POLICY_INT2};
 #define DEMOTE_TIERS (sizeof demote_tiers)
 
-/* One list's part: its tokens as the plan found them (tok) and as they
- * will be (dst), and per quantised tier the tokens to quantise (indices
- * into tok, concatenated over the tiers) and the blocks they go to. */
+/* One list's part. Per quantised tier, the tokens to quantise (m[q] of
+ * demote_tiers[q], the tiers one after the other): their indices in the
+ * list (idx, ascending within a tier) and their storage (moved: a
+ * full-precision slot until the fill quantises them into blocks qb, the
+ * nq[q] of each tier one after the other). */
 typedef struct demote_list {
     seq_list *ly;
     uint32_t n;
-    tier_token *tok, *dst;
     uint32_t *idx, *qb;
+    tier_token *moved;
     size_t m[DEMOTE_TIERS], nq[DEMOTE_TIERS];
     double ratio[DEMOTE_TIERS];
     /* victims=int8: the victims as they will be, the ones to quantise
@@ -45,11 +55,19 @@ struct seq_demote_job {
     size_t nlists;
 };
 
+static size_t demoted_count(const demote_list *d)
+{
+    size_t m = 0;
+    for (size_t q = 0; q < DEMOTE_TIERS; q++)
+        m += d->m[q];
+    return m;
+}
+
 static void job_free(seq_demote_job *j)
 {
     for (size_t i = 0; i < j->nlists; i++) {
         demote_list *d = &j->lists[i];
-        free(d->tok), free(d->dst), free(d->idx), free(d->qb);
+        free(d->idx), free(d->qb), free(d->moved);
         free(d->vdst), free(d->vidx), free(d->vqb);
     }
     free(j->lists);
@@ -103,30 +121,49 @@ static long plan_victims(seq *s, demote_list *d)
     return (long)nq;
 }
 
+/* The full-precision tokens of list ly that tier[0..n) decides qt, in
+ * list order, found in its full-precision segments: their indices into
+ * idx[] and their slots into at[]. Returns their count. */
+static size_t full_decided(const seq_list *ly, const uint8_t *tier, uint32_t n, uint8_t qt,
+                           uint32_t *idx, tier_token *at)
+{
+    size_t m = 0;
+    uint32_t i = 0;
+    for (size_t j = 0; j < ly->nsegs && i < n; i += ly->segs[j++].count) {
+        const kv_segment *g = &ly->segs[j];
+        if (ly->seg_tier[j] != POLICY_FULL)
+            continue;
+        uint32_t c = g->count < n - i ? g->count : n - i;
+        for (uint32_t t = 0; t < c; t++)
+            if (tier[i + t] == qt) {
+                idx[m] = i + t;
+                at[m++] = (tier_token){g->block, g->first_slot + t, POLICY_FULL};
+            }
+    }
+    return m;
+}
+
 /* Choose list d's tokens to demote, tier by tier, and take their blocks
  * while the pool has them (a tier it has not waits for the next step, as
  * in list_demote_to). Returns the blocks taken, or -1 when out of memory. */
 static long plan_list(seq *s, uint32_t l, uint32_t k, demote_list *d)
 {
     const policy_layer_view *v = policy_host_view(s->host, l);
-    uint32_t n = v->tokens[k];
-    const uint8_t *tier = v->tier[k];
-    *d = (demote_list){.ly = seq_list_at(s, l, k), .n = n};
-    d->tok = list_expand(d->ly, n);
-    d->dst = malloc((n ? n : 1) * sizeof *d->dst);
-    d->idx = malloc((n ? n : 1) * sizeof *d->idx);
-    d->qb = malloc((n ? n : 1) * sizeof *d->qb);
-    if (d->tok == NULL || d->dst == NULL || d->idx == NULL || d->qb == NULL)
+    *d = (demote_list){.ly = seq_list_at(s, l, k), .n = v->tokens[k]};
+    size_t nfull = 1;
+    for (size_t j = 0; j < d->ly->nsegs; j++)
+        nfull += d->ly->seg_tier[j] == POLICY_FULL ? d->ly->segs[j].count : 0;
+    d->idx = malloc(nfull * sizeof *d->idx);
+    d->qb = malloc(nfull * sizeof *d->qb);
+    d->moved = malloc(nfull * sizeof *d->moved);
+    if (d->idx == NULL || d->qb == NULL || d->moved == NULL)
         return -1;
-    memcpy(d->dst, d->tok, (size_t)n * sizeof *d->dst);
     size_t at = 0, taken = 0;
     for (size_t q = 0; q < DEMOTE_TIERS; q++) {
         uint8_t qt = demote_tiers[q];
         uint32_t t8 = tier_block_tokens(&s->tier, qt);
-        size_t m = 0;
-        for (uint32_t i = 0; t8 > 0 && i < n; i++)
-            if (tier[i] == qt && d->tok[i].tier == POLICY_FULL)
-                d->idx[at + m++] = i;
+        size_t m =
+            t8 > 0 ? full_decided(d->ly, v->tier[k], d->n, qt, d->idx + at, d->moved + at) : 0;
         size_t nq = t8 > 0 ? m / t8 : 0;
         if (nq == 0 || nq > s->pool->nfree)
             continue;
@@ -186,56 +223,150 @@ status_code seq_demote_plan(seq *s, uint64_t epoch, seq_demote_job **out, status
 
 int seq_demote_fill(seq_demote_job *j)
 {
+    /* seq_quantize_into takes its tokens through an index: moved[] in order. */
+    size_t most = 1;
     for (size_t i = 0; i < j->nlists; i++) {
+        size_t m = demoted_count(&j->lists[i]);
+        most = m > most ? m : most;
+    }
+    uint32_t *order = malloc(most * sizeof *order);
+    if (order == NULL)
+        return -1;
+    for (size_t i = 0; i < most; i++)
+        order[i] = (uint32_t)i;
+    int rc = 0;
+    for (size_t i = 0; rc == 0 && i < j->nlists; i++) {
         demote_list *d = &j->lists[i];
         size_t at = 0, b = 0;
-        for (size_t q = 0; q < DEMOTE_TIERS; q++) {
-            if (d->m[q] > 0 && seq_quantize_into(j->s, demote_tiers[q], d->dst, d->idx + at,
+        for (size_t q = 0; rc == 0 && q < DEMOTE_TIERS; q++) {
+            if (d->m[q] > 0 && seq_quantize_into(j->s, demote_tiers[q], d->moved + at, order,
                                                  d->m[q], d->qb + b, d->nq[q], &d->ratio[q]) != 0)
-                return -1;
+                rc = -1;
             at += d->m[q];
             b += d->nq[q];
         }
-        if (d->vm > 0 && seq_quantize_into(j->s, POLICY_INT8, d->vdst, d->vidx, d->vm, d->vqb,
-                                           d->vnq, &d->vratio) != 0)
-            return -1;
+        if (rc == 0 && d->vm > 0 &&
+            seq_quantize_into(j->s, POLICY_INT8, d->vdst, d->vidx, d->vm, d->vqb, d->vnq,
+                              &d->vratio) != 0)
+            rc = -1;
     }
-    return 0;
+    free(order);
+    return rc;
 }
 
-/* List d becomes its demoted tokens; the blocks it no longer uses are
- * retired at `epoch`. Inside the finish's transaction. */
+/* Of the tiers' cursors cur[q] into d's demoted tokens (up to end[q]), the
+ * one whose token comes first in the list; DEMOTE_TIERS when none is left. */
+static size_t next_demoted(const demote_list *d, const size_t *cur, const size_t *end)
+{
+    size_t first = DEMOTE_TIERS;
+    for (size_t q = 0; q < DEMOTE_TIERS; q++)
+        if (cur[q] < end[q] && (first == DEMOTE_TIERS || d->idx[cur[q]] < d->idx[cur[first]]))
+            first = q;
+    return first;
+}
+
+/* List d's segments with its demoted tokens (d->idx) stored where the
+ * fill put them (d->moved) instead of their full-precision slots, joined as
+ * list_encode joins tokens, into segs[] and tiers[] (room for the list's
+ * segments and two for each demoted token: each may split one). Returns
+ * their count. A pass over the segments, not the tokens. */
+static size_t demoted_segments(const demote_list *d, kv_segment *segs, uint8_t *tiers)
+{
+    const seq_list *ly = d->ly;
+    size_t cur[DEMOTE_TIERS], end[DEMOTE_TIERS], at = 0, out = 0;
+    for (size_t q = 0; q < DEMOTE_TIERS; q++) {
+        cur[q] = at;
+        at += d->m[q];
+        end[q] = at;
+    }
+    uint32_t i = 0; /* the list index of segment j's first token */
+    for (size_t j = 0; j < ly->nsegs; i += ly->segs[j++].count) {
+        kv_segment g = ly->segs[j];
+        for (uint32_t t = 0; t < g.count;) {
+            size_t q = next_demoted(d, cur, end);
+            uint32_t stop =
+                q == DEMOTE_TIERS || d->idx[cur[q]] >= i + g.count ? g.count : d->idx[cur[q]] - i;
+            if (stop > t)
+                out = list_push_run(segs, tiers, out,
+                                    (kv_segment){g.block, g.first_slot + t, stop - t},
+                                    ly->seg_tier[j]);
+            if (stop == g.count)
+                break;
+            const tier_token *to = &d->moved[cur[q]++];
+            out = list_push_run(segs, tiers, out, (kv_segment){to->block, to->slot, 1}, to->tier);
+            t = stop + 1;
+        }
+    }
+    return out;
+}
+
+/* victims=int8: the list's victims become what the fill made of them, and
+ * their INT8 blocks the list's victim blocks (the caller grew those). */
+static void publish_victims(seq *s, demote_list *d)
+{
+    seq_list *ly = d->ly;
+    memcpy(ly->offloaded_at, d->vdst, ly->noffloaded * sizeof *ly->offloaded_at);
+    memcpy(ly->victim_blocks + ly->nvictim_blocks, d->vqb, d->vnq * sizeof *d->vqb);
+    ly->nvictim_blocks += d->vnq;
+    seq_moved(s, POLICY_INT8, d->vm);
+}
+
+/* The blocks a list uses: its segments', its victims' and (with_tail) its
+ * tail block, with repeats, in a fresh array (*n of them); NULL when out of
+ * memory. */
+static uint32_t *list_blocks_now(const seq_list *ly, int with_tail, size_t *n)
+{
+    uint32_t *ids = malloc((ly->nsegs + ly->noffloaded + 1) * sizeof *ids);
+    if (ids == NULL)
+        return NULL;
+    *n = list_fill_block_ids(ly, -1, ids);
+    if (with_tail && ly->has_tail)
+        ids[(*n)++] = ly->tail_block;
+    return ids;
+}
+
+/* List d becomes its demoted tokens, compacted when that leaves it due
+ * (the step's own order: list_apply compacts after demoting); the blocks it
+ * no longer uses are retired at `epoch`. Inside the finish's transaction. */
 static int publish_list(seq *s, demote_list *d, uint64_t epoch)
 {
     seq_list *ly = d->ly;
-    size_t cap = (size_t)d->n + ly->noffloaded + 2; /* list_block_ids' room, the tail included */
-    uint32_t *before = malloc(2 * cap * sizeof *before), *after = before + cap;
-    if (before == NULL || seq_txn_save_list(s, ly) != 0) {
-        free(before);
-        return -1;
+    size_t cap = ly->nsegs + 2 * demoted_count(d) + 1, nb = 0, na = 0;
+    kv_segment *segs = malloc(cap * sizeof *segs);
+    uint8_t *tiers = malloc(cap);
+    uint32_t *before = list_blocks_now(ly, 1, &nb), *after = NULL;
+    int rc = segs != NULL && tiers != NULL && before != NULL ? seq_txn_save_list(s, ly) : -1;
+    size_t nsegs = rc == 0 ? demoted_segments(d, segs, tiers) : 0;
+    if (rc == 0 && d->vnq > 0)
+        rc = seq_grow((void **)&ly->victim_blocks, &ly->victim_blocks_cap,
+                      ly->nvictim_blocks + d->vnq, sizeof *ly->victim_blocks);
+    if (rc == 0)
+        rc = list_reserve(ly, nsegs ? nsegs : 1);
+    if (rc == 0) {
+        if (d->vnq > 0)
+            publish_victims(s, d);
+        memcpy(ly->segs, segs, nsegs * sizeof *segs);
+        memcpy(ly->seg_tier, tiers, nsegs);
+        ly->nsegs = nsegs;
+        ly->blocks_at_most = SEQ_BLOCKS_UNKNOWN; /* as list_encode leaves it */
     }
-    size_t nb = list_block_ids(ly, d->tok, d->n, 1, before);
-    int rc = d->vnq > 0 ? seq_grow((void **)&ly->victim_blocks, &ly->victim_blocks_cap,
-                                   ly->nvictim_blocks + d->vnq, sizeof *ly->victim_blocks)
-                        : 0;
-    if (rc == 0 && d->vnq > 0) {
-        memcpy(ly->offloaded_at, d->vdst, ly->noffloaded * sizeof *ly->offloaded_at);
-        memcpy(ly->victim_blocks + ly->nvictim_blocks, d->vqb, d->vnq * sizeof *d->vqb);
-        ly->nvictim_blocks += d->vnq;
-        seq_moved(s, POLICY_INT8, d->vm);
+    if (rc == 0 && list_compact_due(s, ly)) {
+        tier_token *tok = list_expand(ly, d->n);
+        rc = tok != NULL ? list_compact(s, ly, tok, d->n) : -1;
+        if (rc == 0)
+            rc = list_encode(ly, tok, d->n);
+        free(tok);
     }
-    /* The step compacted before the demotion left its holes: as in the
-     * step's own order (list_apply), the survivors are compacted after. */
     if (rc == 0)
-        rc = list_compact(s, ly, d->dst, d->n);
+        rc = (after = list_blocks_now(ly, 0, &na)) != NULL ? 0 : -1;
     if (rc == 0)
-        rc = list_encode(ly, d->dst, d->n);
-    if (rc == 0)
-        rc = list_retire_unused(s, ly, before, nb, after,
-                                list_block_ids(ly, d->dst, d->n, 0, after), epoch);
+        rc = list_retire_unused(s, ly, before, nb, after, na, epoch);
     for (size_t q = 0; rc == 0 && q < DEMOTE_TIERS; q++)
         seq_moved(s, demote_tiers[q], d->m[q]);
+    free(segs);
+    free(tiers);
     free(before);
+    free(after);
     return rc;
 }
 

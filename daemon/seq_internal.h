@@ -192,6 +192,25 @@ tier_token *list_expand(const seq_list *ly, uint32_t n);
  * block with consecutive slots; sketch runs have no block). */
 int list_encode(seq_list *ly, const tier_token *tok, uint32_t n);
 
+/* Append run g of tier t to segs[0..n) (their tiers in tiers[]), joined to
+ * the last one when it continues it: the same tier, and the next slots of
+ * the same block (any sketch run continues a sketch run). The one rule of
+ * maximal segments (list_encode). Returns the new count. */
+static inline size_t list_push_run(kv_segment *segs, uint8_t *tiers, size_t n, kv_segment g,
+                                   uint8_t t)
+{
+    int sketch = t == POLICY_SKETCH;
+    kv_segment *last = n > 0 && tiers[n - 1] == t ? &segs[n - 1] : NULL;
+    if (last != NULL &&
+        (sketch || (last->block == g.block && last->first_slot + last->count == g.first_slot))) {
+        last->count += g.count;
+        return n;
+    }
+    segs[n] = sketch ? (kv_segment){TIER_NO_BLOCK, 0, g.count} : g;
+    tiers[n] = t;
+    return n + 1;
+}
+
 /* The blocks the tokens and the list's offloaded victims use (and the tail
  * block, with_tail), written from out[0] (room for n + noffloaded + 1):
  * unsorted, with repeats, though a block's run of tokens gives one id. */
@@ -228,6 +247,11 @@ int seq_quantize_into(seq *s, uint8_t qt, tier_token *tok, const uint32_t *idx, 
  * (seq_apply.c); kept[] then names the copies. Skipped when the pool lacks
  * the blocks. Returns -1 when out of memory or on a device error. */
 int list_compact(seq *s, seq_list *ly, tier_token *kept, uint32_t n);
+
+/* Whether list_compact's rule holds for the list as its segments are: its
+ * full-precision tokens in more blocks than they fill plus the slack. A
+ * list it would leave alone need not be expanded for it. */
+int list_compact_due(seq *s, const seq_list *ly);
 
 /* Retire at `epoch`, once each, the blocks of `before` that `after` lacks
  * (both with repeats, in any order): the blocks a list used before a change

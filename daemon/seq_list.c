@@ -184,19 +184,9 @@ int list_encode(seq_list *ly, const tier_token *tok, uint32_t n)
     if (list_reserve(ly, n ? n : 1) != 0)
         return -1;
     size_t out = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        kv_segment *last = out ? &ly->segs[out - 1] : NULL;
-        int sketch = tok[i].tier == POLICY_SKETCH;
-        if (last != NULL && ly->seg_tier[out - 1] == tok[i].tier &&
-            (sketch ||
-             (last->block == tok[i].block && last->first_slot + last->count == tok[i].slot))) {
-            last->count++;
-            continue;
-        }
-        ly->segs[out] =
-            sketch ? (kv_segment){TIER_NO_BLOCK, 0, 1} : (kv_segment){tok[i].block, tok[i].slot, 1};
-        ly->seg_tier[out++] = tok[i].tier;
-    }
+    for (uint32_t i = 0; i < n; i++)
+        out = list_push_run(ly->segs, ly->seg_tier, out, (kv_segment){tok[i].block, tok[i].slot, 1},
+                            tok[i].tier);
     ly->nsegs = out;
     ly->blocks_at_most = SEQ_BLOCKS_UNKNOWN; /* not counted: no marks here */
     return 0;

@@ -881,12 +881,14 @@ static void step_silent(fx *f)
         fail_msg("seq_step: %s", st.msg);
 }
 
-/* Sequences a and b hold the same: epoch, tokens and bytes by tier,
- * moves, retired blocks (with their epochs), and per list the positions,
- * tiers and values, bit for bit (where the blocks lie may differ). */
-static void assert_same_seq(fx *a, fx *b)
+/* Sequences a and b hold the same: tokens and bytes by tier, moves,
+ * retired blocks (with_epochs: and the epochs, theirs and the retired
+ * blocks'), and per list the positions, tiers and values, bit for bit
+ * (where the blocks lie may differ). */
+static void assert_same_holdings(fx *a, fx *b, int with_epochs)
 {
-    assert_int_equal(seq_epoch(a->s), seq_epoch(b->s));
+    if (with_epochs)
+        assert_int_equal(seq_epoch(a->s), seq_epoch(b->s));
     uint64_t ta[POLICY_TIERS], ba[POLICY_TIERS], tb[POLICY_TIERS], bb[POLICY_TIERS];
     seq_tier_usage(a->s, ta, ba);
     seq_tier_usage(b->s, tb, bb);
@@ -898,7 +900,7 @@ static void assert_same_seq(fx *a, fx *b)
     const seq_retired *ra, *rb;
     size_t nr = seq_retired_blocks(a->s, &ra);
     assert_int_equal(seq_retired_blocks(b->s, &rb), nr);
-    for (size_t i = 0; i < nr; i++)
+    for (size_t i = 0; with_epochs && i < nr; i++)
         assert_int_equal(ra[i].epoch, rb[i].epoch);
     assert_int_equal(seq_blocks_held(a->s), seq_blocks_held(b->s));
     for (uint32_t l = 0; l < seq_layers(a->s); l++) {
@@ -911,6 +913,11 @@ static void assert_same_seq(fx *a, fx *b)
         assert_memory_equal(kva, kvb, va.tokens * tier_token_bytes(&a->tier));
         free(kva), free(kvb), free(tier_a), free(tier_b);
     }
+}
+
+static void assert_same_seq(fx *a, fx *b)
+{
+    assert_same_holdings(a, b, 1);
 }
 
 /*
@@ -1883,6 +1890,31 @@ static float position_score(uint32_t p, int by_position)
     return p % 7 == 0 || p % 7 == 2 ? 0.0f : p % 7 == 1 ? 1e-6f : 1.0f;
 }
 
+/* A step of the two lists' scores: heavy and light tokens interleaved,
+ * moving with the round, or by position (position_score). Returns the
+ * tokens it evicted. */
+static uint32_t step_scored(fx *f, uint32_t round, int by_position)
+{
+    size_t n = seq_step_floats(f->s, POLICY_NEEDS_SCORE);
+    float *data = malloc((n + 1) * sizeof *data);
+    assert_non_null(data);
+    for (size_t i = 0; i < n; i++)
+        data[i] = (float)((i * 5 + round * 3) % 7) / 7.0f;
+    for (uint32_t l = 0, at = 0; by_position && l < 2; l++) {
+        const uint32_t *pos;
+        uint32_t nl = seq_list_tokens(f->s, l, 0, &pos);
+        for (uint32_t i = 0; i < nl; i++)
+            data[at++] = position_score(pos[i], by_position);
+    }
+    seq_step_input in = {POLICY_NEEDS_SCORE, 0, 0, 1, 0, 0, data, n, 0};
+    uint32_t evicted;
+    status st;
+    if (seq_step(f->s, &in, &evicted, &st) != ST_OK)
+        fail_msg("step: %s", st.msg);
+    free(data);
+    return evicted;
+}
+
 static follow_counts follow_evictions(fx *f, uint32_t append_n, uint32_t positions, int by_position)
 {
     follow_counts c = {0};
@@ -1898,25 +1930,9 @@ static follow_counts follow_evictions(fx *f, uint32_t append_n, uint32_t positio
             has_tail[l] = seq_list_at(f->s, l, 0)->has_tail;
         }
         size_t nretired = seq_retired_count(f->s);
-        size_t n = seq_step_floats(f->s, POLICY_NEEDS_SCORE);
-        float *data = malloc((n + 1) * sizeof *data);
-        assert_non_null(data);
-        for (size_t i = 0; i < n; i++) /* heavy and light tokens interleaved */
-            data[i] = (float)((i * 5 + round * 3) % 7) / 7.0f;
-        for (uint32_t l = 0, at = 0; by_position && l < 2; l++) {
-            const uint32_t *pos;
-            uint32_t nl = seq_list_tokens(f->s, l, 0, &pos);
-            for (uint32_t i = 0; i < nl; i++)
-                data[at++] = position_score(pos[i], by_position);
-        }
-        seq_step_input in = {POLICY_NEEDS_SCORE, 0, 0, 1, 0, 0, data, n, 0};
-        uint32_t evicted;
-        status st;
-        if (seq_step(f->s, &in, &evicted, &st) != ST_OK)
-            fail_msg("step: %s", st.msg);
+        uint32_t evicted = step_scored(f, round, by_position);
         seq_cuts cuts;
         c.cut_steps += evicted > 0 && seq_step_cuts(f->s, &cuts);
-        free(data);
         uint32_t lists_moved = 0;
         for (uint32_t l = 0; l < 2; l++) {
             list_slots_get(f, l, after);
@@ -2090,6 +2106,131 @@ static void test_int8_evictions_cut_in_place(void **state)
         uint32_t blocks, segs = tier_segments(&f, l, POLICY_INT8, &blocks);
         assert_true(blocks >= 40);
         assert_true(segs >= blocks + 5);
+    }
+    fx_close(&f);
+}
+
+/* Lists l of a and b have the same segments but for where their blocks
+ * lie: as many, of the same tiers and lengths (segments both sides keep
+ * maximal). */
+static void assert_same_segments(fx *a, fx *b, uint32_t l)
+{
+    seq_list_view va, vb;
+    seq_list_view_get(a->s, l, 0, &va);
+    seq_list_view_get(b->s, l, 0, &vb);
+    assert_int_equal(va.nsegs, vb.nsegs);
+    assert_memory_equal(va.seg_tier, vb.seg_tier, va.nsegs);
+    for (size_t j = 0; j < va.nsegs; j++)
+        assert_int_equal(va.segs[j].count, vb.segs[j].count);
+}
+
+/*
+ * The demoter's demotion works on the lists' segments (seq_demote.c): h2o
+ * with int8=on, whose decode steps evict INT8 tokens (position_score's
+ * mode 2) and full-precision ones, so that its INT8 tokens sit in split
+ * segments, two tokens appended a step, each step's demotion left to
+ * seq_demote_due. After every step the sequence holds what the same steps
+ * give when they demote themselves (assert_same_holdings: tiers, values,
+ * bytes, retired blocks), in the same segments. With a window of 3 the full-precision
+ * tokens left after a demotion are spread over more 4-token blocks than the
+ * compaction rule allows in some rounds: those lists are compacted after the
+ * demotion, as the step compacts them.
+ */
+static void test_demotion_on_the_segments(void **state)
+{
+    const char *const kv[] = {"budget", "400", "recent", "3", "int8", "on", "int8_window", "150"};
+    fx in, f;
+    fx_open(&in, backend_of(state), 256, "h2o", kv, 4);
+    fx_open(&f, backend_of(state), 256, "h2o", kv, 4);
+    seq_set_demote_after_step(f.s, 1);
+    status st;
+    uint64_t demoted = 0;
+    for (uint32_t round = 0; seq_appended(f.s) + 2 <= 900; round++) {
+        append(&in, 2);
+        append(&f, 2);
+        uint32_t evicted = step_scored(&in, round, 0);
+        assert_int_equal(step_scored(&f, round, 0), evicted);
+        uint64_t before = seq_tier_report(f.s)->moved[POLICY_INT8];
+        assert_int_equal(seq_demote_due(f.s, seq_epoch(f.s) + 1, &st), ST_OK);
+        demoted += seq_tier_report(f.s)->moved[POLICY_INT8] > before;
+        /* A step that evicts and demotes moves the epoch once; here the
+         * demotion moves it again. */
+        assert_same_holdings(&in, &f, 0);
+        for (uint32_t l = 0; l < 2; l++)
+            assert_same_segments(&in, &f, l);
+        seq_ack(in.s, seq_epoch(in.s));
+        seq_ack(f.s, seq_epoch(f.s));
+    }
+    assert_true(demoted >= 15);
+    fx_close(&in);
+    fx_close(&f);
+}
+
+/* Take all but `leave` of the pool's free blocks into held[] (room for
+ * the pool's blocks); returns how many. */
+static uint32_t pool_hold(fx *f, uint32_t leave, uint32_t *held)
+{
+    uint32_t n = 0;
+    while (f->p->nfree > leave)
+        assert_int_equal(pool_alloc_block(f->p, &held[n++]), 0);
+    return n;
+}
+
+static void pool_give(fx *f, uint32_t *held, uint32_t n)
+{
+    while (n > 0)
+        pool_free_block(f->p, held[--n]);
+}
+
+/*
+ * A demotion that leaves a list's full-precision tokens over the
+ * compaction rule compacts them, as the step's own order does (seq_demote.c
+ * publish_list). int8=on, window 4, 4-token blocks: 24 tokens, of which an
+ * operator's eviction (with the pool held empty: nothing compacted or
+ * demoted) takes 13..15, 17..19, 21 and 22; then a step (the pool held to
+ * two blocks: the demotion is left due, the compaction it needs is
+ * skipped). The demotion (0..11 to INT8) leaves 12, 16, 20 and 23 in three
+ * blocks where two are allowed: it compacts them into one, and every held
+ * token reads back its values.
+ */
+static void test_demotion_compacts(void **state)
+{
+    const char *const kv[] = {"int8", "on", "int8_window", "4"};
+    fx f;
+    fx_open(&f, backend_of(state), 64, "full", kv, 2);
+    seq_set_demote_after_step(f.s, 1);
+    uint32_t held[64], nheld;
+    status st;
+    append(&f, 24);
+    nheld = pool_hold(&f, 0, held);
+    uint64_t epoch = seq_epoch(f.s) + 1;
+    for (uint32_t l = 0; l < 2; l++) {
+        const policy_decision *d;
+        assert_int_equal(seq_policy_layer_step(f.s, l, &d, &st), ST_OK);
+        for (uint32_t i = 13; i < 23; i++)
+            if (i != 16 && i != 20)
+                d->tier[0][i] = POLICY_EVICT;
+        size_t evicted = 0;
+        int changed = 0;
+        assert_int_equal(seq_apply_decision(f.s, l, d, epoch, &evicted, &changed, &st), ST_OK);
+        assert_int_equal(evicted, 8);
+    }
+    seq_publish_epoch(f.s, epoch);
+    pool_give(&f, held, nheld);
+    nheld = pool_hold(&f, 2, held);
+    step_silent(&f);
+    pool_give(&f, held, nheld);
+    for (uint32_t l = 0; l < 2; l++) {
+        assert_int_equal(check_list(&f, l, 0), 0);
+        assert_true(list_compact_due(f.s, seq_list_at(f.s, l, 0)));
+    }
+    assert_int_equal(seq_demote_due(f.s, seq_epoch(f.s) + 1, &st), ST_OK);
+    for (uint32_t l = 0; l < 2; l++) {
+        assert_int_equal(check_list(&f, l, 0), 12);
+        assert_false(list_compact_due(f.s, seq_list_at(f.s, l, 0)));
+        uint32_t blocks;
+        tier_segments(&f, l, POLICY_FULL, &blocks);
+        assert_int_equal(blocks, 1);
     }
     fx_close(&f);
 }
@@ -2293,6 +2434,10 @@ int main(void)
         cmocka_unit_test(test_evictions_cut_in_place),
         ON_SHADOW(test_evictions_cut_in_place),
         cmocka_unit_test(test_int8_evictions_cut_in_place),
+        cmocka_unit_test(test_demotion_on_the_segments),
+        ON_SHADOW(test_demotion_on_the_segments),
+        cmocka_unit_test(test_demotion_compacts),
+        ON_SHADOW(test_demotion_compacts),
         ON_SHADOW(test_int8_evictions_cut_in_place),
         cmocka_unit_test(test_tova_takes_the_summed_score),
         cmocka_unit_test(test_layers_on_threads),
