@@ -264,13 +264,13 @@ status_code seq_demote_pending(seq *s, uint32_t layer, uint64_t epoch, int *chan
  * may run while other sequences change, as long as nothing changes s or
  * frees its pool meanwhile; seq_demote_finish publishes the demoted lists,
  * retiring the blocks they left at `epoch` (an epoch the worker has not
- * seen: the step's own when the step changed the tables, else the next),
- * or gives the blocks back (fill_rc != 0, or out of memory: the tokens stay
- * at full precision, due again at the next step), and frees the job. Plan
- * and finish need what guards the pool. The quantised tokens, their blocks'
- * contents and the epochs are those the step would have given, but for
- * where blocks lie: full-precision compaction ran before the demotion.
- * seq_demote_due runs all three.
+ * seen: the step's own when the step changed the tables, else the next;
+ * a demotion of victims=int8's victims alone changes no table, so it
+ * retires at the sequence's epoch and publishes none), or gives the blocks back (fill_rc != 0, or
+ * out of memory: the tokens stay at full precision, due again at the next step), and frees the job.
+ * Plan and finish need what guards the pool. The quantised tokens, their blocks' contents and the
+ * epochs are those the step would have given, but for where blocks lie: full-precision compaction
+ * ran before the demotion. seq_demote_due runs all three.
  */
 void seq_set_demote_after_step(seq *s, int on);
 typedef struct seq_demote_job seq_demote_job;

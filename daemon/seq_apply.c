@@ -299,7 +299,8 @@ static int list_victims_quantize(seq *s, seq_list *ly, uint32_t *scratch)
         ly->demote_due = 1;
         return 0;
     }
-    if (quantize_fresh(s, POLICY_INT8, ly->offloaded_at, scratch, nq * t8) != 0)
+    if (seq_txn_save_list_from(s, ly, scratch[0]) != 0 ||
+        quantize_fresh(s, POLICY_INT8, ly->offloaded_at, scratch, nq * t8) != 0)
         return -1;
     for (size_t b = 0; b < nq; b++)
         ly->victim_blocks[ly->nvictim_blocks++] = ly->offloaded_at[scratch[b * t8]].block;
@@ -963,7 +964,8 @@ static int list_cut_in_place(seq *s, seq_list *ly, const uint8_t *tier, uint32_t
     uint32_t *gone = malloc(nevict * sizeof *gone);
     ssize_t ncuts = cuts != NULL && gone != NULL ? list_plan_cuts(ly, tier, n, nevict, cuts) : -2;
     int rc = ncuts == -1 ? 1 : ncuts < 0 ? -1 : 0;
-    if (rc == 0 && (seq_txn_save_list(s, ly) != 0 || list_reserve(ly, ly->nsegs + nevict) != 0))
+    if (rc == 0 && (seq_txn_save_list_from(s, ly, ly->noffloaded) != 0 ||
+                    list_reserve(ly, ly->nsegs + nevict) != 0))
         rc = -1;
     size_t ngone = 0;
     if (rc == 0) {
@@ -1139,8 +1141,20 @@ static int offload_victims(seq *s, uint32_t l, uint32_t k, const uint8_t *tier, 
         }
     }
     if (rc == 0) {
+        /* They go after the victims up to the first one's position (in
+         * order, list_offload_push): those stay as they are. */
+        size_t lo = 0, hi = ly->noffloaded;
+        while (m > 0 && lo < hi) {
+            size_t mid = lo + (hi - lo) / 2;
+            if (ly->offloaded[mid] <= at[0])
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
         memset(evict, POLICY_EVICT, m);
-        rc = seq_txn_save_list(s, ly) != 0 ? -1 : list_victims(s, ly, l, tok, at, evict, m, at + m);
+        rc = seq_txn_save_list_from(s, ly, lo) != 0
+                 ? -1
+                 : list_victims(s, ly, l, tok, at, evict, m, at + m);
     }
     free(tok);
     free(at);

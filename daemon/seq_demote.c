@@ -305,7 +305,8 @@ static size_t demoted_segments(const demote_list *d, kv_segment *segs, uint8_t *
 static void publish_victims(seq *s, demote_list *d)
 {
     seq_list *ly = d->ly;
-    memcpy(ly->offloaded_at, d->vdst, ly->noffloaded * sizeof *ly->offloaded_at);
+    size_t v0 = d->vidx[0]; /* the first it quantised: those before it are as they were */
+    memcpy(ly->offloaded_at + v0, d->vdst + v0, (ly->noffloaded - v0) * sizeof *ly->offloaded_at);
     memcpy(ly->victim_blocks + ly->nvictim_blocks, d->vqb, d->vnq * sizeof *d->vqb);
     ly->nvictim_blocks += d->vnq;
     seq_moved(s, POLICY_INT8, d->vm);
@@ -335,7 +336,9 @@ static int publish_list(seq *s, demote_list *d, uint64_t epoch)
     kv_segment *segs = malloc(cap * sizeof *segs);
     uint8_t *tiers = malloc(cap);
     uint32_t *before = list_blocks_now(ly, 1, &nb), *after = NULL;
-    int rc = segs != NULL && tiers != NULL && before != NULL ? seq_txn_save_list(s, ly) : -1;
+    size_t vfrom = d->vm > 0 ? d->vidx[0] : ly->noffloaded;
+    int rc =
+        segs != NULL && tiers != NULL && before != NULL ? seq_txn_save_list_from(s, ly, vfrom) : -1;
     size_t nsegs = rc == 0 ? demoted_segments(d, segs, tiers) : 0;
     if (rc == 0 && d->vnq > 0)
         rc = seq_grow((void **)&ly->victim_blocks, &ly->victim_blocks_cap,
@@ -374,15 +377,24 @@ status_code seq_demote_finish(seq_demote_job *j, int fill_rc, status *st)
 {
     seq *s = j->s;
     int rc = fill_rc;
+    /* Victims alone (victims=int8) are in no table: their demotion changes
+     * none, unless a list it finishes is compacted. Then the blocks it
+     * empties are retired at the epoch the worker holds (and acks at its
+     * next call), and no epoch is published: the worker keeps its table by
+     * the steps' cuts instead of reading it again. */
+    int tables = 0;
+    for (size_t i = 0; i < j->nlists; i++)
+        tables |= demoted_count(&j->lists[i]) > 0 || list_compact_due(s, j->lists[i].ly);
+    uint64_t epoch = tables ? j->epoch : seq_epoch(s);
     if (rc == 0) {
         seq_begin(s);
         for (size_t i = 0; rc == 0 && i < j->nlists; i++)
-            rc = publish_list(s, &j->lists[i], j->epoch);
+            rc = publish_list(s, &j->lists[i], epoch);
         if (rc != 0) {
             seq_rollback(s);
         } else {
             seq_end(s);
-            seq_publish_epoch(s, j->epoch);
+            seq_publish_epoch(s, epoch);
         }
     }
     if (rc != 0) {

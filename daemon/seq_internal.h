@@ -272,6 +272,14 @@ uint32_t seq_drop_victim_blocks(seq *s);
  * n full-precision token slots written in place. Each returns 0, or -1 when out
  * of memory (nothing changed: the caller fails before its change). */
 int seq_txn_save_list(seq *s, seq_list *ly);
+
+/* seq_txn_save_list when the call changes none of the list's victims
+ * before index `from` (it may add victims after them, or change later
+ * ones): only the victims from there on are copied, not every victim a
+ * long decode has kept (victims=int8 and =sketch keep all of them), at
+ * every step. A later save of the same call from an earlier index copies
+ * the rest. */
+int seq_txn_save_list_from(seq *s, seq_list *ly, size_t from);
 int seq_txn_save_sketch(seq *s, seq_list *ly, const uint32_t *pos, size_t n);
 int seq_txn_save_tokens(seq *s, const tier_token *at, size_t n);
 

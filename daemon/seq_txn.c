@@ -38,10 +38,13 @@ typedef struct seq_saved_cells {
     uint8_t *save; /* tier_sketch_cells_save */
 } seq_saved_cells;
 
-/* A list as it was before the call changed it, its arrays copied. */
+/* A list as it was before the call changed it, its arrays copied; its
+ * victims from index vfrom on only (was.offloaded and was.offloaded_at
+ * hold [vfrom, was.noffloaded)): those before it stay as they are. */
 struct seq_saved_list {
     seq_list *at;
     seq_list was;
+    size_t vfrom;
     int sketch_saved; /* was.sketch is the sketch as it was: a copy, or none */
     /* Cell saves, oldest first, all older than the whole copy if any. */
     seq_saved_cells *cells;
@@ -103,16 +106,50 @@ static int copy_array(void **dst, const void *src, size_t n, size_t elt)
     return 0;
 }
 
-int seq_txn_save_list(seq *s, seq_list *ly)
+static seq_saved_list *saved_list_of(seq_txn *t, const seq_list *ly);
+
+/* Save victims [from, sv->vfrom) of list ly as well, ahead of the saved
+ * ones: they are as they were, since changes only come after vfrom. */
+static int save_victims_from(seq_saved_list *sv, const seq_list *ly, size_t from)
+{
+    seq_list *w = &sv->was;
+    size_t ahead = sv->vfrom - from, saved = w->noffloaded - sv->vfrom;
+    uint32_t *pos = malloc((ahead + saved) * sizeof *pos);
+    tier_token *at = malloc((ahead + saved) * sizeof *at);
+    if (pos == NULL || at == NULL) {
+        free(pos);
+        free(at);
+        return -1;
+    }
+    memcpy(pos, ly->offloaded + from, ahead * sizeof *pos);
+    memcpy(at, ly->offloaded_at + from, ahead * sizeof *at);
+    if (saved > 0) {
+        memcpy(pos + ahead, w->offloaded, saved * sizeof *pos);
+        memcpy(at + ahead, w->offloaded_at, saved * sizeof *at);
+    }
+    free(w->offloaded);
+    free(w->offloaded_at);
+    w->offloaded = pos;
+    w->offloaded_at = at;
+    sv->vfrom = from;
+    return 0;
+}
+
+int seq_txn_save_list_from(seq *s, seq_list *ly, size_t from)
 {
     seq_txn *t = &s->txn;
-    if (!txn_active(s) || ly->saved_generation == t->generation)
+    if (!txn_active(s))
         return 0;
+    if (ly->saved_generation == t->generation) {
+        seq_saved_list *sv = saved_list_of(t, ly);
+        return from < sv->vfrom ? save_victims_from(sv, ly, from) : 0;
+    }
     if (seq_grow((void **)&t->lists, &t->lists_cap, t->nlists + 1, sizeof *t->lists) != 0)
         return -1;
     seq_saved_list *sv = &t->lists[t->nlists];
     sv->at = ly;
     sv->was = *ly;
+    sv->vfrom = ly->noffloaded;
     sv->cells = NULL;
     sv->ncells = sv->cells_cap = sv->cells_saved = 0;
     seq_list *w = &sv->was;
@@ -120,17 +157,13 @@ int seq_txn_save_list(seq *s, seq_list *ly)
     w->victim_blocks = NULL;
     if (copy_array((void **)&w->segs, ly->segs, ly->nsegs, sizeof *ly->segs) != 0 ||
         copy_array((void **)&w->seg_tier, ly->seg_tier, ly->nsegs, sizeof *ly->seg_tier) != 0 ||
-        copy_array((void **)&w->offloaded, ly->offloaded, ly->noffloaded, sizeof *ly->offloaded) !=
-            0 ||
-        copy_array((void **)&w->offloaded_at, ly->offloaded_at, ly->noffloaded,
-                   sizeof *ly->offloaded_at) != 0 ||
         copy_array((void **)&w->victim_blocks, ly->victim_blocks, ly->nvictim_blocks,
-                   sizeof *ly->victim_blocks) != 0) {
+                   sizeof *ly->victim_blocks) != 0 ||
+        (from < sv->vfrom && save_victims_from(sv, ly, from) != 0)) {
         list_arrays_free(w);
         return -1;
     }
     w->segs_cap = ly->nsegs;
-    w->offloaded_cap = ly->noffloaded;
     w->victim_blocks_cap = ly->nvictim_blocks;
     /* A sketch that does not exist yet is saved as it is: none. */
     sv->sketch_saved = ly->sketch.sk.key == NULL;
@@ -138,6 +171,11 @@ int seq_txn_save_list(seq *s, seq_list *ly)
     ly->saved_generation = t->generation;
     t->nlists++;
     return 0;
+}
+
+int seq_txn_save_list(seq *s, seq_list *ly)
+{
+    return seq_txn_save_list_from(s, ly, 0);
 }
 
 static seq_saved_list *saved_list_of(seq_txn *t, const seq_list *ly)
@@ -255,6 +293,38 @@ void seq_end(seq *s)
     txn_clear(s);
 }
 
+/* List ly as sv saved it. Victims saved whole come back as the saved
+ * arrays; saved from vfrom, the list's own arrays keep those before it,
+ * and the saved ones are written back after them: the call changed
+ * nothing before vfrom, and only grew the arrays (room for all of them). */
+static void list_restore(seq_list *ly, seq_saved_list *sv)
+{
+    seq_list *w = &sv->was;
+    if (sv->vfrom == 0) {
+        list_arrays_free(ly);
+        *ly = *w;
+        ly->offloaded_cap = w->noffloaded; /* the saved arrays' size */
+        return;
+    }
+    size_t saved = w->noffloaded - sv->vfrom;
+    if (saved > 0) {
+        memcpy(ly->offloaded + sv->vfrom, w->offloaded, saved * sizeof *ly->offloaded);
+        memcpy(ly->offloaded_at + sv->vfrom, w->offloaded_at, saved * sizeof *ly->offloaded_at);
+    }
+    uint32_t *offloaded = ly->offloaded;
+    tier_token *offloaded_at = ly->offloaded_at;
+    size_t cap = ly->offloaded_cap;
+    free(ly->segs);
+    free(ly->seg_tier);
+    free(ly->victim_blocks);
+    free(w->offloaded);
+    free(w->offloaded_at);
+    *ly = *w;
+    ly->offloaded = offloaded;
+    ly->offloaded_at = offloaded_at;
+    ly->offloaded_cap = cap;
+}
+
 void seq_rollback(seq *s)
 {
     seq_txn *t = &s->txn;
@@ -276,8 +346,7 @@ void seq_rollback(seq *s)
         for (size_t j = sv->ncells; j-- > 0;)
             tier_sketch_cells_restore(&sketch, sv->cells[j].cell, sv->cells[j].n,
                                       sv->cells[j].save);
-        list_arrays_free(ly);
-        *ly = sv->was;
+        list_restore(ly, sv);
         ly->sketch = sketch;
         /* The list owns them now: nothing for txn_clear to free. */
         memset(&sv->was, 0, sizeof sv->was);

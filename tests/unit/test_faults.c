@@ -744,6 +744,34 @@ static status_code run_step(fixture *f, status *s)
     return step(f, s);
 }
 
+/* h2o keeping its victims (victims=sketch, victims=int8): a step left
+ * five victims a list, three tokens came, and the next step's victims are
+ * older than some of the first ones: they go between them (the list's save
+ * copies the victims from there on, seq_txn_save_list_from). */
+static void prep_h2o_victims(fixture *f, const char *mode)
+{
+    const char *const kv[] = {"budget", "4", "recent", "2", "victims", mode};
+    prep_stepped(f, "h2o", kv, 3, 9);
+    status s;
+    must(step(f, &s), &s, "step");
+    store_table w;
+    must(store_append(f->st, f->token, f->seq_id, 3, 0, &w, &s), &s, "append");
+    store_table_free(&w);
+    ack_all(f);
+    free(f->stats);
+    make_stats(f);
+}
+
+static void prep_h2o_sketch_victims(fixture *f)
+{
+    prep_h2o_victims(f, "sketch");
+}
+
+static void prep_h2o_int8_victims(fixture *f)
+{
+    prep_h2o_victims(f, "int8");
+}
+
 /* After a step: lists cut down, the policy's own state, INT8 blocks. */
 static void prep_h2o_stepped(fixture *f)
 {
@@ -1183,6 +1211,8 @@ static const fault_case cases[] = {
     {"step: h2o evicts", prep_h2o, run_step},
     {"step: h2o int8=on demotes", prep_h2o_int8, run_step},
     {"step: h2o decided without the lock", prep_h2o_long, run_step},
+    {"step: h2o victims=sketch between victims", prep_h2o_sketch_victims, run_step},
+    {"step: h2o victims=int8 between victims", prep_h2o_int8_victims, run_step},
     {"step: reviver", prep_reviver, run_step},
     {"step: adakv (per head)", prep_adakv, run_step},
     {"step: weightedkv merges", prep_weightedkv, run_step},

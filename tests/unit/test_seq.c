@@ -1347,8 +1347,10 @@ static void test_revive_int8_victims_and_destroy(void **state)
  * victims=int8 with seq_set_demote_after_step: steps (seq_step) leave their
  * victims at full precision and seq_demote_due quantises them after each
  * (test_revive_int8_victims_and_destroy's 30 tokens, a step after each); after every one the
- * sequence holds what the steps give when they quantise themselves, and a
- * Revive of all positions reads the same values, bit for bit.
+ * sequence holds what the steps give when they quantise themselves, at the
+ * same epoch (asked for the next, as the store asks, a demotion of victims
+ * alone publishes none: no table changed), and a Revive of all positions
+ * reads the same values, bit for bit.
  */
 static void test_int8_victims_after_step(void **state)
 {
@@ -1363,7 +1365,7 @@ static void test_int8_victims_after_step(void **state)
         step_silent(&in);
         append(&f, 1);
         step_silent(&f);
-        assert_int_equal(seq_demote_due(f.s, seq_epoch(f.s), &st), ST_OK);
+        assert_int_equal(seq_demote_due(f.s, seq_epoch(f.s) + 1, &st), ST_OK);
         assert_same_seq(&in, &f);
     }
     uint64_t tokens[POLICY_TIERS], bytes[POLICY_TIERS];
@@ -2236,6 +2238,48 @@ static void test_demotion_compacts(void **state)
 }
 
 /*
+ * victims=int8 and a demotion of victims alone: it changes no table and
+ * publishes no epoch, unless a list it finishes was over the compaction
+ * rule: then it compacts the list, which changes its table, and publishes
+ * the next epoch. h2o, five tokens appended and scattered evictions a
+ * step, the pool held to two blocks at each step (which then compacts
+ * nothing) and given back for the demotion; demotions come both ways.
+ */
+static void test_victims_demotion_epochs(void **state)
+{
+    const char *const kv[] = {"budget", "24", "recent", "3", "victims", "int8"};
+    fx f;
+    fx_open(&f, backend_of(state), 128, "h2o", kv, 3);
+    seq_set_demote_after_step(f.s, 1);
+    uint32_t held[128], quiet = 0, compacting = 0;
+    status st;
+    for (uint32_t round = 0; seq_appended(f.s) + 5 <= 300; round++) {
+        append(&f, 5);
+        uint32_t nheld = pool_hold(&f, 2, held);
+        step_scored(&f, round, 0);
+        pool_give(&f, held, nheld);
+        int over = 0;
+        for (uint32_t l = 0; l < 2; l++)
+            over |= list_compact_due(f.s, seq_list_at(f.s, l, 0));
+        uint64_t epoch = seq_epoch(f.s), moved = seq_tier_report(f.s)->moved[POLICY_INT8];
+        assert_int_equal(seq_demote_due(f.s, epoch + 1, &st), ST_OK);
+        if (seq_tier_report(f.s)->moved[POLICY_INT8] == moved)
+            continue;
+        assert_int_equal(seq_epoch(f.s), epoch + (uint64_t)over);
+        quiet += !over;
+        compacting += (uint32_t)over;
+        for (uint32_t l = 0; l < 2; l++) {
+            check_list(&f, l, 0);
+            assert_false(list_compact_due(f.s, seq_list_at(f.s, l, 0)));
+        }
+        seq_ack(f.s, seq_epoch(f.s));
+    }
+    if (quiet < 3 || compacting < 3)
+        fail_msg("%u demotions without a table change, %u with one", quiet, compacting);
+    fx_close(&f);
+}
+
+/*
  * victims=sketch and victims=int8: StreamingLLM's decode steps put their
  * victim in the list's sketch, or keep it where it is stored (quantised a
  * block's worth at a time), and cut it out of the segments in place
@@ -2438,6 +2482,8 @@ int main(void)
         ON_SHADOW(test_demotion_on_the_segments),
         cmocka_unit_test(test_demotion_compacts),
         ON_SHADOW(test_demotion_compacts),
+        cmocka_unit_test(test_victims_demotion_epochs),
+        ON_SHADOW(test_victims_demotion_epochs),
         ON_SHADOW(test_int8_evictions_cut_in_place),
         cmocka_unit_test(test_tova_takes_the_summed_score),
         cmocka_unit_test(test_layers_on_threads),
