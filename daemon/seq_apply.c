@@ -302,6 +302,7 @@ static int list_victims_quantize(seq *s, seq_list *ly, uint32_t *scratch)
     if (seq_txn_save_list_from(s, ly, scratch[0]) != 0 ||
         quantize_fresh(s, POLICY_INT8, ly->offloaded_at, scratch, nq * t8) != 0)
         return -1;
+    ly->nfull_victims -= nq * t8;
     for (size_t b = 0; b < nq; b++)
         ly->victim_blocks[ly->nvictim_blocks++] = ly->offloaded_at[scratch[b * t8]].block;
     seq_moved(s, POLICY_INT8, nq * t8);
@@ -1167,6 +1168,8 @@ static int offload_victims(seq *s, uint32_t l, uint32_t k, const uint8_t *tier, 
 static int quantize_victims(seq *s, seq_list *ly, uint64_t epoch)
 {
     size_t nfull = 0, n = ly->noffloaded;
+    if (ly->nfull_victims < s->tier.l8.block_tokens)
+        return 0; /* list_victims_quantize would find no block's worth */
     uint32_t *ids = malloc(2 * (n ? n : 1) * sizeof *ids);
     if (ids == NULL)
         return -1;

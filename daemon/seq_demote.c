@@ -309,6 +309,7 @@ static void publish_victims(seq *s, demote_list *d)
     memcpy(ly->offloaded_at + v0, d->vdst + v0, (ly->noffloaded - v0) * sizeof *ly->offloaded_at);
     memcpy(ly->victim_blocks + ly->nvictim_blocks, d->vqb, d->vnq * sizeof *d->vqb);
     ly->nvictim_blocks += d->vnq;
+    ly->nfull_victims -= d->vm;
     seq_moved(s, POLICY_INT8, d->vm);
 }
 

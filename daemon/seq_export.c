@@ -423,7 +423,8 @@ status_code seq_import(uint64_t id, uint64_t session_id, pool *pool, const seq_e
             rc = status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory for list %zu", i);
     if (rc != ST_OK) {
         for (size_t i = 0; i < seq_nlists(s); i++) /* the blocks stay the caller's */
-            s->lists[i].nsegs = s->lists[i].noffloaded = s->lists[i].nvictim_blocks = 0;
+            s->lists[i].nsegs = s->lists[i].noffloaded = s->lists[i].nvictim_blocks =
+                s->lists[i].nfull_victims = 0;
         seq_destroy(s);
         return rc;
     }

@@ -26,6 +26,10 @@ typedef struct seq_list {
     uint32_t *offloaded;
     tier_token *offloaded_at;
     size_t noffloaded, offloaded_cap;
+    /* Of them, those still at full precision (victims=int8 quantises them
+     * a block's worth at a time): a step that adds a victim tells from it
+     * whether a block's worth waits, instead of reading every victim. */
+    size_t nfull_victims;
     /* The INT8 blocks victims=int8 wrote for victims, oldest first: never in
      * a table, so memory pressure frees them at once (seq_append). */
     uint32_t *victim_blocks;

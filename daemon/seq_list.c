@@ -116,7 +116,7 @@ void list_free_blocks(seq_list *ly, pool *p)
         if (i == na || a[i] != b[j])
             pool_free_block(p, b[j]);
     }
-    ly->nsegs = ly->noffloaded = 0;
+    ly->nsegs = ly->noffloaded = ly->nfull_victims = 0;
     ly->blocks_at_most = 0;
     /* A tail block whose every token was evicted is retired, not in segs. */
 }
@@ -303,6 +303,7 @@ int list_offload_push(seq_list *ly, uint32_t position, tier_token at)
     ly->offloaded[i] = position;
     ly->offloaded_at[i] = at;
     ly->noffloaded++;
+    ly->nfull_victims += at.tier == POLICY_FULL;
     return 0;
 }
 

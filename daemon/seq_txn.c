@@ -209,7 +209,9 @@ int seq_txn_save_sketch(seq *s, seq_list *ly, const uint32_t *pos, size_t n)
 {
     if (!txn_active(s))
         return 0;
-    if (seq_txn_save_list(s, ly) != 0)
+    /* The list is saved for its sketch: what changes its victims saves
+     * them (seq_txn_save_list_from). */
+    if (seq_txn_save_list_from(s, ly, ly->noffloaded) != 0)
         return -1;
     seq_saved_list *sv = saved_list_of(&s->txn, ly);
     if (sv->sketch_saved)

@@ -359,6 +359,7 @@ static void snap_list(snap *s, seq *q, uint32_t l, uint32_t k)
         PUT(s, ly->offloaded_at[i].slot);
         PUT(s, ly->offloaded_at[i].tier);
     }
+    PUT(s, ly->nfull_victims);
     PUT(s, ly->nvictim_blocks);
     put(s, ly->victim_blocks, ly->nvictim_blocks * sizeof *ly->victim_blocks);
     section(s, "list: sketch cells");

@@ -881,6 +881,16 @@ static void step_silent(fx *f)
         fail_msg("seq_step: %s", st.msg);
 }
 
+/* List l's count of its victims at full precision is right. */
+static void check_full_victims(fx *f, uint32_t l)
+{
+    const seq_list *ly = seq_list_at(f->s, l, 0);
+    size_t full = 0;
+    for (size_t j = 0; j < ly->noffloaded; j++)
+        full += ly->offloaded_at[j].tier == POLICY_FULL;
+    assert_int_equal(ly->nfull_victims, full);
+}
+
 /* Sequences a and b hold the same: tokens and bytes by tier, moves,
  * retired blocks (with_epochs: and the epochs, theirs and the retired
  * blocks'), and per list the positions, tiers and values, bit for bit
@@ -1367,6 +1377,8 @@ static void test_int8_victims_after_step(void **state)
         step_silent(&f);
         assert_int_equal(seq_demote_due(f.s, seq_epoch(f.s) + 1, &st), ST_OK);
         assert_same_seq(&in, &f);
+        for (uint32_t l = 0; l < 2; l++)
+            check_full_victims(&f, l);
     }
     uint64_t tokens[POLICY_TIERS], bytes[POLICY_TIERS];
     seq_tier_usage(f.s, tokens, bytes);
@@ -1948,6 +1960,7 @@ static follow_counts follow_evictions(fx *f, uint32_t append_n, uint32_t positio
             lists_moved += moved > 0;
             c.most_moved = moved > c.most_moved ? moved : c.most_moved;
             check_cut_list(f, l, &before[l], has_tail[l], tail[l], nretired, round);
+            check_full_victims(f, l);
         }
         c.most_at_once = lists_moved > c.most_at_once ? lists_moved : c.most_at_once;
         const seq_retired *r;
