@@ -977,6 +977,41 @@ static int ring_call(kvs_session *s, const char *what, ring_response *resp)
 
 /* The ring's APPEND answer: per layer a segment count, then the segments;
  * every layer gets room for exactly `count` tokens inside the pool. */
+/* The moves of a demotion that an APPEND answer carries after its writes,
+ * which end at `end` (proto/kvstash_ring.h ring_append_moves), given to
+ * *writes for kvs_table_extend. Without the memory for them, none: a table
+ * they would have moved is read again. */
+static int moves_from_ring(kvs_session *s, const uint8_t *end, kvs_table *writes)
+{
+    size_t at = ((size_t)(end - s->ring.data) + 7) / 8 * 8;
+    ring_append_moves h;
+    if (at > s->ring.data_bytes || s->ring.data_bytes - at < sizeof h)
+        goto bad;
+    memcpy(&h, s->ring.data + at, sizeof h);
+    at += sizeof h;
+    if (h.nruns > (s->ring.data_bytes - at) / sizeof(ring_moved_run))
+        goto bad;
+    table_run *runs = malloc((h.nruns ? h.nruns : 1) * sizeof *runs);
+    if (runs == NULL)
+        return KVS_OK;
+    for (uint32_t i = 0; i < h.nruns; i++) {
+        ring_moved_run m;
+        memcpy(&m, s->ring.data + at + (size_t)i * sizeof m, sizeof m);
+        runs[i] = (table_run){m.list, m.first, {m.block, m.first_slot, m.count, m.tier}};
+        if (m.list >= writes->layers || m.block >= s->block_count || m.tier == KVS_TIER_SKETCH ||
+            m.tier > KVS_TIER_INT2) {
+            free(runs);
+            goto bad;
+        }
+    }
+    table_moves_attach(writes, h.from_epoch, h.to_epoch, runs, h.nruns);
+    free(runs);
+    return KVS_OK;
+bad:
+    fail(s, "Append: kvstashd's moves on the ring are malformed");
+    return KVS_ERR_PROTOCOL;
+}
+
 static int table_from_ring(kvs_session *s, uint32_t count, const ring_response *r, kvs_table *out)
 {
     uint32_t heads = r->lists_per_layer > 1 ? s->geom.kv_heads : 1;
@@ -1023,6 +1058,10 @@ static int table_from_ring(kvs_session *s, uint32_t count, const ring_response *
             ly[l].positions[i] = r->first_position + i;
     }
     *out = (kvs_table){r->epoch, r->first_position, r->evicted, layers, heads, ly, NULL};
+    if (r->moves && moves_from_ring(s, (const uint8_t *)in, out) != KVS_OK) {
+        kvs_table_free(out);
+        return KVS_ERR_PROTOCOL;
+    }
     return KVS_OK;
 bad:
     free(mem);

@@ -33,6 +33,11 @@ typedef struct list_room {
 
 struct kvs_table_room {
     uint32_t lists;
+    /* An append's writes: the moves of a demotion published before it
+     * (table_moves_attach), runs in list order. */
+    uint64_t moves_from, moves_to;
+    table_run *moves;
+    size_t nmoves;
     list_room list[];
 };
 
@@ -48,6 +53,7 @@ void table_room_free(kvs_table *t)
         free(t->room->list[i].seg_base);
         free(t->room->list[i].pos_base);
     }
+    free(t->room->moves);
     free(t->room);
     t->room = NULL;
 }
@@ -285,25 +291,108 @@ int kvs_table_cut(kvs_table *t, const kvs_step_result *r)
     return rc;
 }
 
+int table_moves_attach(kvs_table *writes, uint64_t from, uint64_t to, const table_run *runs,
+                       size_t n)
+{
+    if (room_get(writes) != 0)
+        return -1;
+    struct kvs_table_room *r = writes->room;
+    if ((r->moves = malloc((n ? n : 1) * sizeof *r->moves)) == NULL)
+        return -1;
+    memcpy(r->moves, runs, n * sizeof *runs);
+    r->nmoves = n;
+    r->moves_from = from;
+    r->moves_to = to;
+    return 0;
+}
+
+/* Whether run m fits table t: its list, its tokens, and for a quantised
+ * tier the slots of one of its blocks (kvs_layer's *_block_tokens). */
+static int run_fits(const kvs_table *t, const table_run *m)
+{
+    if (m->list >= t->layers || m->at.count == 0)
+        return 0;
+    const kvs_layer *ly = &t->layer[m->list];
+    uint32_t slots = m->at.tier == KVS_TIER_INT8   ? ly->int8_block_tokens
+                     : m->at.tier == KVS_TIER_INT4 ? ly->int4_block_tokens
+                     : m->at.tier == KVS_TIER_INT2 ? ly->int2_block_tokens
+                     : m->at.tier == KVS_TIER_FULL ? UINT32_MAX
+                                                   : 0;
+    return m->first <= ly->tokens && m->at.count <= ly->tokens - m->first &&
+           m->at.first_slot <= slots && m->at.count <= slots - m->at.first_slot;
+}
+
+/* Join segment i to segment i - 1 when it continues it. */
+static int seg_join(kvs_layer *ly, size_t i)
+{
+    kvs_segment *g = ly->segments;
+    if (i == 0 || i >= ly->nsegments || !seg_continues(&g[i - 1], &g[i]))
+        return 0;
+    g[i - 1].count += g[i].count;
+    memmove(g + i, g + i + 1, (ly->nsegments - i - 1) * sizeof *g);
+    ly->nsegments--;
+    return 1;
+}
+
+/* The tokens of run m (run_fits) are stored where it says: the segments
+ * they were in are cut around them (two more at most: room reserved), and
+ * joined as the daemon joins them. */
+static void run_apply(kvs_layer *ly, const table_run *m)
+{
+    kvs_segment *g = ly->segments;
+    size_t j = 0, k;
+    uint32_t base = 0, end = m->first + m->at.count;
+    while (base + g[j].count <= m->first)
+        base += g[j++].count;
+    uint32_t kbase = base;
+    for (k = j; kbase + g[k].count < end;)
+        kbase += g[k++].count;
+    kvs_segment piece[3];
+    size_t np = 0;
+    if (m->first > base)
+        piece[np++] = (kvs_segment){g[j].block, g[j].first_slot, m->first - base, g[j].tier};
+    piece[np++] = m->at;
+    if (end < kbase + g[k].count)
+        piece[np++] = (kvs_segment){g[k].block, g[k].first_slot + (end - kbase),
+                                    kbase + g[k].count - end, g[k].tier};
+    memmove(g + j + np, g + k + 1, (ly->nsegments - k - 1) * sizeof *g);
+    memcpy(g + j, piece, np * sizeof *g);
+    ly->nsegments = ly->nsegments - (k - j + 1) + np;
+    for (size_t i = j + np + 1; i-- > (j ? j : 1);)
+        seg_join(ly, i);
+}
+
 int kvs_table_extend(kvs_table *t, const kvs_table *writes)
 {
     if (t == NULL || writes == NULL)
         return KVS_ERR_INVALID;
-    if (writes->evicted != 0 || writes->epoch != t->epoch + 1)
+    /* A demotion published before the append: its moves come first. */
+    const struct kvs_table_room *wr = writes->room;
+    size_t nmoves = wr != NULL && wr->nmoves > 0 && wr->moves_from == t->epoch ? wr->nmoves : 0;
+    uint64_t from = nmoves > 0 ? wr->moves_to : t->epoch;
+    if (writes->evicted != 0 || writes->epoch != from + 1)
         return KVS_ERR_PRECONDITION;
     if (writes->layers != t->layers || writes->heads != t->heads)
         return KVS_ERR_INVALID;
+    for (size_t i = 0; i < nmoves; i++)
+        if (!run_fits(t, &wr->moves[i]) || (i > 0 && wr->moves[i].list < wr->moves[i - 1].list))
+            return KVS_ERR_INVALID;
     if (room_get(t) != 0)
         return KVS_ERR_SYSTEM;
-    for (uint32_t i = 0; i < t->layers; i++) {
+    for (uint32_t i = 0, m = 0; i < t->layers; i++) {
         const kvs_layer *w = &writes->layer[i];
         kvs_layer *ly = &t->layer[i];
+        size_t runs = 0;
+        for (; m < nmoves && wr->moves[m].list == i; m++)
+            runs++;
         if (w->tokens > UINT32_MAX - ly->tokens)
             return KVS_ERR_INVALID;
-        if (seg_reserve(ly, &t->room->list[i], w->nsegments) != 0 ||
+        if (seg_reserve(ly, &t->room->list[i], w->nsegments + 2 * runs) != 0 ||
             pos_reserve(ly, &t->room->list[i], w->tokens) != 0)
             return KVS_ERR_SYSTEM; /* lists only moved: the table is as it was */
     }
+    for (size_t i = 0; i < nmoves; i++)
+        run_apply(&t->layer[wr->moves[i].list], &wr->moves[i]);
     for (uint32_t i = 0; i < t->layers; i++) {
         const kvs_layer *w = &writes->layer[i];
         kvs_layer *ly = &t->layer[i];

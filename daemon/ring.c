@@ -100,6 +100,24 @@ static void respond(ring_response *r, status_code code, const char *msg)
     snprintf(r->msg, sizeof r->msg, "%s", code == ST_OK ? "" : msg);
 }
 
+/* After an append's writes, at `at` in the data area, the demotion's moves
+ * it carries (proto/kvstash_ring.h ring_append_moves), when they fit. */
+static void moves_put(ring *rg, ring_response *r, const store_table *w, size_t at)
+{
+    size_t room = rg->data_bytes > at ? rg->data_bytes - at : 0;
+    if (w->nmoves == 0 || room < sizeof(ring_append_moves) ||
+        w->nmoves > (room - sizeof(ring_append_moves)) / sizeof(ring_moved_run))
+        return;
+    ring_append_moves h = {w->moves_from, w->moves_to, (uint32_t)w->nmoves, 0};
+    memcpy(rg->data + at, &h, sizeof h);
+    ring_moved_run *run = (ring_moved_run *)(rg->data + at + sizeof h);
+    for (size_t i = 0; i < w->nmoves; i++) {
+        const seq_moved_run *m = &w->moves[i];
+        run[i] = (ring_moved_run){m->list, m->first, m->count, m->block, m->first_slot, m->tier};
+    }
+    r->moves = 1;
+}
+
 /* APPEND: the new tokens' segments go to the data area, layer by layer. */
 static void serve_append(ring *rg, const ring_request *q, ring_response *r)
 {
@@ -130,6 +148,7 @@ static void serve_append(ring *rg, const ring_request *q, ring_response *r)
             r->nsegments += (uint32_t)w.lists[l].nsegs;
         }
         r->lists_per_layer = w.nlists / (w.nlists ? w.lists[w.nlists - 1].layer + 1 : 1);
+        moves_put(rg, r, &w, (need + 7) / 8 * 8);
         respond(r, ST_OK, "");
     }
     r->epoch = w.epoch;

@@ -216,6 +216,7 @@ void seq_destroy(seq *s)
     free(s->cuts.count);
     free(s->cuts.first);
     free(s->cuts.idx);
+    free(s->moves.runs);
     policy_host_destroy(s->host);
     snapshot_tiers_free(&s->report);
     free(s->retired);

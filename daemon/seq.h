@@ -282,6 +282,30 @@ status_code seq_demote_due(seq *s, uint64_t epoch, status *st);
 /* Whether a step left lists due for seq_demote_plan (without planning). */
 int seq_demote_is_due(const seq *s);
 
+/*
+ * What the last demotion did to the tables, when it only moved runs of
+ * tokens to other storage (no list compacted): run i says that tokens
+ * [first, first + count) of list `list` (layer-major, as the table; their
+ * indices, positions and order unchanged) are now slots [first_slot,
+ * first_slot + count) of `block`, stored in `tier`. A worker that holds
+ * the table of from_epoch applies them and has the table of to_epoch, at
+ * 32k tokens a list a few runs instead of a table of megabytes.
+ */
+typedef struct seq_moved_run {
+    uint32_t list, first, count, block, first_slot, tier;
+} seq_moved_run;
+
+typedef struct seq_moves {
+    uint64_t from_epoch, to_epoch;
+    size_t n;
+    const seq_moved_run *runs;
+} seq_moves;
+
+/* 1 and *out (valid until the sequence next changes) when the sequence's
+ * epoch is the one a demotion published and the demotion only moved runs
+ * (seq_moves), else 0. */
+int seq_demotion_moves(const seq *s, seq_moves *out);
+
 /* Storage per tier (by policy_tier, POLICY_TIERS of them) over every list: tokens
  * held and offloaded victims kept, by the tier they are stored in, and
  * bytes (pool blocks of that tier; sketch cells). */

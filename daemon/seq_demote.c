@@ -327,9 +327,59 @@ static uint32_t *list_blocks_now(const seq_list *ly, int with_tail, size_t *n)
     return ids;
 }
 
+/* Append run g to the move log, joined to its last run when it continues
+ * it (the same list, block and tier, the next token and slot); 0 when out
+ * of memory (the log is then not valid). */
+static int moves_push(seq_move_log *m, seq_moved_run g)
+{
+    seq_moved_run *last = m->n > 0 ? &m->runs[m->n - 1] : NULL;
+    if (last != NULL && last->list == g.list && last->block == g.block && last->tier == g.tier &&
+        last->first + last->count == g.first && last->first_slot + last->count == g.first_slot) {
+        last->count += g.count;
+        return 1;
+    }
+    if (m->n == m->cap) {
+        size_t cap = m->cap ? 2 * m->cap : 64;
+        seq_moved_run *runs = realloc(m->runs, cap * sizeof *runs);
+        if (runs == NULL)
+            return 0;
+        m->runs = runs;
+        m->cap = cap;
+    }
+    m->runs[m->n++] = g;
+    return 1;
+}
+
+/* List d's demoted tokens as runs of the move log, in list order. */
+static void moves_log_list(seq *s, const demote_list *d)
+{
+    size_t cur[DEMOTE_TIERS], end[DEMOTE_TIERS], at = 0, q;
+    for (q = 0; q < DEMOTE_TIERS; q++) {
+        cur[q] = at;
+        at += d->m[q];
+        end[q] = at;
+    }
+    uint32_t list = (uint32_t)(d->ly - s->lists);
+    while (s->moves.valid && (q = next_demoted(d, cur, end)) < DEMOTE_TIERS) {
+        const tier_token *to = &d->moved[cur[q]];
+        seq_moved_run g = {list, d->idx[cur[q]++], 1, to->block, to->slot, to->tier};
+        s->moves.valid = moves_push(&s->moves, g);
+    }
+}
+
+int seq_demotion_moves(const seq *s, seq_moves *out)
+{
+    const seq_move_log *m = &s->moves;
+    if (!m->valid || m->to_epoch != s->epoch)
+        return 0;
+    *out = (seq_moves){m->from_epoch, m->to_epoch, m->n, m->runs};
+    return 1;
+}
+
 /* List d becomes its demoted tokens, compacted when that leaves it due
  * (the step's own order: list_apply compacts after demoting); the blocks it
- * no longer uses are retired at `epoch`. Inside the finish's transaction. */
+ * no longer uses are retired at `epoch`. Inside the finish's transaction.
+ * The runs it moved go to the move log, which a compaction spoils. */
 static int publish_list(seq *s, demote_list *d, uint64_t epoch)
 {
     seq_list *ly = d->ly;
@@ -354,7 +404,10 @@ static int publish_list(seq *s, demote_list *d, uint64_t epoch)
         ly->nsegs = nsegs;
         ly->blocks_at_most = SEQ_BLOCKS_UNKNOWN; /* as list_encode leaves it */
     }
+    if (rc == 0)
+        moves_log_list(s, d);
     if (rc == 0 && list_compact_due(s, ly)) {
+        s->moves.valid = 0; /* tokens of this list moved again: read the table */
         tier_token *tok = list_expand(ly, d->n);
         rc = tok != NULL ? list_compact(s, ly, tok, d->n) : -1;
         if (rc == 0)
@@ -387,6 +440,11 @@ status_code seq_demote_finish(seq_demote_job *j, int fill_rc, status *st)
     for (size_t i = 0; i < j->nlists; i++)
         tables |= demoted_count(&j->lists[i]) > 0 || list_compact_due(s, j->lists[i].ly);
     uint64_t epoch = tables ? j->epoch : seq_epoch(s);
+    s->moves = (seq_move_log){.valid = tables,
+                              .from_epoch = seq_epoch(s),
+                              .to_epoch = epoch,
+                              .runs = s->moves.runs,
+                              .cap = s->moves.cap};
     if (rc == 0) {
         seq_begin(s);
         for (size_t i = 0; rc == 0 && i < j->nlists; i++)
@@ -399,6 +457,7 @@ status_code seq_demote_finish(seq_demote_job *j, int fill_rc, status *st)
         }
     }
     if (rc != 0) {
+        s->moves.valid = 0;
         give_back(j);
         for (size_t i = 0; i < j->nlists; i++)
             j->lists[i].ly->demote_due = 1; /* the next call may have the memory */

@@ -77,6 +77,14 @@ typedef struct seq_cut_log {
 /* Start the log of a step that begins at the current epoch. */
 void seq_cuts_begin(seq *s);
 
+/* What the last demotion moved (seq.h seq_demotion_moves). */
+typedef struct seq_move_log {
+    int valid;
+    uint64_t from_epoch, to_epoch;
+    seq_moved_run *runs;
+    size_t n, cap;
+} seq_move_log;
+
 typedef struct seq_saved_list seq_saved_list;
 typedef struct seq_saved_tokens seq_saved_tokens;
 
@@ -122,6 +130,7 @@ typedef struct seq {
     snapshot_tiers report;        /* seq_tier_report */
     seq_txn txn;
     seq_cut_log cuts;
+    seq_move_log moves;
     size_t sketch_reserved;  /* daemon memory the store reserved for the sketches (seq.h) */
     int demote_after_step;   /* seq.h seq_set_demote_after_step */
     int stepping;            /* inside seq_step (not an Append's step, nor an operator's move) */

@@ -406,6 +406,7 @@ void store_table_free(store_table *t)
             free(t->lists[l].positions);
         }
     free(t->lists);
+    free(t->moves);
     memset(t, 0, sizeof *t);
 }
 
@@ -1463,6 +1464,15 @@ status_code store_append_within(store *st, const char *token, uint64_t seq_id, i
         seq_ack(q, ack_epoch);
         rc = store_check_session_blocks_locked(st, se, seq_append_blocks(q, (uint32_t)count),
                                                "this Append", s);
+    }
+    seq_moves mv;
+    if (rc == ST_OK && seq_demotion_moves(q, &mv) && mv.from_epoch == ack_epoch && mv.n > 0 &&
+        (writes->moves = malloc(mv.n * sizeof *writes->moves)) != NULL) {
+        /* Without the memory the worker reads its table instead. */
+        memcpy(writes->moves, mv.runs, mv.n * sizeof *writes->moves);
+        writes->nmoves = mv.n;
+        writes->moves_from = mv.from_epoch;
+        writes->moves_to = mv.to_epoch;
     }
     if (rc == ST_OK) {
         uint32_t first = (uint32_t)seq_appended(q);

@@ -110,6 +110,13 @@ typedef struct store_table {
     uint32_t evicted;        /* appends: tokens removed by the policy */
     uint32_t nlists;
     store_layer_table *lists;
+    /* Appends: the demotion published since the worker's ack, when it only
+     * moved runs of tokens (seq.h seq_demotion_moves): what takes the
+     * worker's table of moves_from to moves_to, which the append's writes
+     * then extend. nmoves 0: none to give. */
+    seq_moved_run *moves;
+    size_t nmoves;
+    uint64_t moves_from, moves_to;
 } store_table;
 
 void store_table_free(store_table *t);

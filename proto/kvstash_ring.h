@@ -30,7 +30,7 @@
 
 #include <stdint.h>
 
-#define RING_MAGIC 0x6b767372696e6731ull /* "kvsring1" */
+#define RING_MAGIC 0x6b767372696e6732ull /* "kvsring2" */
 #define RING_BYTES_DEFAULT (8u << 20)    /* header + data area */
 #define RING_MSG_LEN 256                 /* = STATUS_MSG_LEN */
 
@@ -112,6 +112,27 @@ typedef struct ring_step_cuts {
     uint64_t from_epoch;
     uint32_t nlists, total;
 } ring_step_cuts;
+
+/*
+ * APPEND's answer, when a demotion published since the worker's ack_epoch
+ * only moved runs of tokens to other storage (ring_response.moves = 1;
+ * daemon/seq.h seq_demotion_moves): after the writes, a ring_append_moves
+ * (8-byte aligned), then nruns ring_moved_run. Run i: tokens [first, first
+ * + count) of list `list` (layer-major, as the table; indices, positions
+ * and order unchanged) are now slots [first_slot, first_slot + count) of
+ * `block`, stored in `tier` (LayerTable.tier). A worker that holds the
+ * table of from_epoch applies them and has the table of to_epoch, which
+ * the append's writes extend: a demotion every INT8 block's worth of
+ * decode steps is a few runs a list, not a table of megabytes.
+ */
+typedef struct ring_append_moves {
+    uint64_t from_epoch, to_epoch;
+    uint32_t nruns, pad;
+} ring_append_moves;
+
+typedef struct ring_moved_run {
+    uint32_t list, first, count, block, first_slot, tier;
+} ring_moved_run;
 typedef struct ring_request {
     uint32_t op;
     uint32_t arrays; /* STEP: which statistics arrays it carries (kvstash_step.h STEP_*) */
@@ -134,6 +155,7 @@ typedef struct ring_response {
     uint32_t nsegments;       /* APPEND: segments in the data area */
     uint32_t lists_per_layer; /* APPEND: 1, or kv_heads for a per-head sequence */
     uint32_t cuts;            /* STEP: 1 when the data area holds the step's ring_step_cuts */
+    uint32_t moves;           /* APPEND: 1 when a ring_append_moves follows the writes */
     char msg[RING_MSG_LEN];   /* error message when code != 0 */
 } ring_response;
 

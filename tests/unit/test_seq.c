@@ -2139,6 +2139,36 @@ static void assert_same_segments(fx *a, fx *b, uint32_t l)
         assert_int_equal(va.segs[j].count, vb.segs[j].count);
 }
 
+/* The last demotion's moves (seq_demotion_moves) say where each moved
+ * token of the lists is now: every run's tokens are in its block, at its
+ * slots, in its tier. Returns the tokens they name. */
+static uint32_t check_moves(fx *f, uint64_t from)
+{
+    seq_moves mv;
+    assert_true(seq_demotion_moves(f->s, &mv));
+    assert_int_equal(mv.from_epoch, from);
+    assert_int_equal(mv.to_epoch, seq_epoch(f->s));
+    uint32_t named = 0;
+    for (size_t r = 0; r < mv.n; r++) {
+        const seq_moved_run *m = &mv.runs[r];
+        assert_true(m->list < 2);
+        seq_list_view v;
+        seq_list_view_get(f->s, m->list, 0, &v);
+        for (uint32_t t = 0; t < m->count; t++) {
+            uint32_t i = m->first + t, base = 0;
+            size_t j = 0;
+            while (j < v.nsegs && base + v.segs[j].count <= i)
+                base += v.segs[j++].count;
+            assert_true(j < v.nsegs);
+            assert_int_equal(v.segs[j].block, m->block);
+            assert_int_equal(v.segs[j].first_slot + (i - base), m->first_slot + t);
+            assert_int_equal(v.seg_tier[j], m->tier);
+        }
+        named += m->count;
+    }
+    return named;
+}
+
 /*
  * The demoter's demotion works on the lists' segments (seq_demote.c): h2o
  * with int8=on, whose decode steps evict INT8 tokens (position_score's
@@ -2165,9 +2195,13 @@ static void test_demotion_on_the_segments(void **state)
         append(&f, 2);
         uint32_t evicted = step_scored(&in, round, 0);
         assert_int_equal(step_scored(&f, round, 0), evicted);
-        uint64_t before = seq_tier_report(f.s)->moved[POLICY_INT8];
-        assert_int_equal(seq_demote_due(f.s, seq_epoch(f.s) + 1, &st), ST_OK);
-        demoted += seq_tier_report(f.s)->moved[POLICY_INT8] > before;
+        uint64_t before = seq_tier_report(f.s)->moved[POLICY_INT8], from = seq_epoch(f.s);
+        assert_int_equal(seq_demote_due(f.s, from + 1, &st), ST_OK);
+        uint64_t moved = seq_tier_report(f.s)->moved[POLICY_INT8] - before;
+        demoted += moved > 0;
+        /* What it moved, as the worker learns it: every token it demoted. */
+        if (moved > 0)
+            assert_int_equal(check_moves(&f, from), moved);
         /* A step that evicts and demotes moves the epoch once; here the
          * demotion moves it again. */
         assert_same_holdings(&in, &f, 0);
@@ -2240,6 +2274,8 @@ static void test_demotion_compacts(void **state)
         assert_true(list_compact_due(f.s, seq_list_at(f.s, l, 0)));
     }
     assert_int_equal(seq_demote_due(f.s, seq_epoch(f.s) + 1, &st), ST_OK);
+    seq_moves mv;
+    assert_false(seq_demotion_moves(f.s, &mv)); /* compacted: the table is read again */
     for (uint32_t l = 0; l < 2; l++) {
         assert_int_equal(check_list(&f, l, 0), 12);
         assert_false(list_compact_due(f.s, seq_list_at(f.s, l, 0)));
