@@ -276,7 +276,10 @@ void kvs_table_free(kvs_table *t);
  * when *t has them), or returns KVS_ERR_PRECONDITION and leaves *t
  * unchanged when it cannot (the append evicted, the step moved tokens or
  * changed tiers, *t is of another epoch): then read the table
- * (kvs_seq_table). KVS_ERR_INVALID for a table or answer that does not
+ * (kvs_seq_table). A demotion the daemon published after a step's answer
+ * (int8=on, demote=int4|int2) comes with the next append's writes, as the
+ * runs of tokens it moved, and kvs_table_extend applies them first: *t of
+ * the step's epoch becomes the table after the append. KVS_ERR_INVALID for a table or answer that does not
  * match *t's lists, KVS_ERR_SYSTEM when out of memory; *t unchanged.
  */
 int kvs_table_extend(kvs_table *t, const kvs_table *writes);

@@ -29,6 +29,13 @@ double bench_now_us(void)
     return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
 }
 
+void bench_busy_us(double us)
+{
+    double until = bench_now_us() + us;
+    while (bench_now_us() < until)
+        ;
+}
+
 static int cmp_double(const void *a, const void *b)
 {
     double x = *(const double *)a, y = *(const double *)b;

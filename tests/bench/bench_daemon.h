@@ -21,6 +21,10 @@ typedef struct bench_latency {
 /* CLOCK_MONOTONIC in microseconds. */
 double bench_now_us(void);
 
+/* Busy for `us` microseconds: a worker's forward pass between tokens, on a
+ * thread that spins while it waits for its GPU. */
+void bench_busy_us(double us);
+
 /* Sorts v[0..n) in place; returns its median (v[n / 2]; 0 when n is 0). */
 double bench_median(double *v, size_t n);
 

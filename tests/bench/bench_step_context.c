@@ -31,8 +31,13 @@
  * for a policy that reads them all) and an empty ring round trip.
  *
  * Usage: bench_step_context [--quick] [--contexts N,N,...] [--head-dim D]
- *                           [--policies P,P,...] [--steps N] [--reload]
+ *                           [--policies P,P,...] [--steps N] [--reload] [--forward-us N]
  *                           [--policy-threads N] [--csv FILE] [PATH_TO_KVSTASHD]
+ * --forward-us N: a worker's forward pass between tokens, N microseconds
+ * busy after each step and before the next append (not timed; an H100
+ * takes 7-10 ms a token of an 8B model), during which what the daemon
+ * does after a step's reply (the demoter) runs beside the worker, as it
+ * would in serving; without it the next append lands on it.
  * The daemon path defaults to $KVSTASHD, then ../../daemon/kvstashd next to
  * this binary. The daemon is started once with a pool and a ring (--ring-mb)
  * sized for the largest context, and kvstashd's --policy-threads N when
@@ -89,9 +94,10 @@ typedef struct bench_cfg {
     size_t ncontexts;
     const bench_policy *policies[MAX_POLICIES];
     size_t npolicies;
-    uint32_t steps;  /* timed decode steps per (policy, context) */
-    uint32_t warmup; /* untimed decode steps before them */
-    int reload;      /* read the table again after each step that changed it, not cut it */
+    uint32_t steps;    /* timed decode steps per (policy, context) */
+    uint32_t warmup;   /* untimed decode steps before them */
+    int reload;        /* read the table again after each step that changed it, not cut it */
+    double forward_us; /* the worker's forward pass between steps (untimed) */
     const char *policy_threads; /* kvstashd --policy-threads, NULL: its default */
     const char *csv;
 } bench_cfg;
@@ -367,10 +373,12 @@ static int run_context(worker *w, uint32_t n, uint8_t *mc_a, uint8_t *mc_b, step
         double ts[3];
         rc = decode_step(w, i, ts, &bytes, &changed);
         warm_max = fmax(warm_max, ts[0] + ts[1] + ts[2]);
+        bench_busy_us(cfg->forward_us);
     }
     for (uint32_t i = 0; i < steps && rc == 0; i++) {
         double ts[3];
         rc = decode_step(w, cfg->warmup + i, ts, &bytes, &changed);
+        bench_busy_us(cfg->forward_us);
         t[i] = ts[0], t[steps + i] = ts[1], t[2 * steps + i] = ts[2];
         t[3 * steps + i] = ts[0] + ts[1] + ts[2];
         t[4 * steps + i] = bytes > 0 ? memcpy_once_us(mc_b, mc_a, bytes) : 0;
@@ -506,12 +514,19 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg, const char **daemon
             cfg->steps = (uint32_t)n;
         } else if (strcmp(argv[i], "--reload") == 0) {
             cfg->reload = 1;
+        } else if (strcmp(argv[i], "--forward-us") == 0 && next != NULL) {
+            cfg->forward_us = strtod(argv[++i], NULL);
+            if (!(cfg->forward_us >= 0 && cfg->forward_us <= 1e6)) {
+                fprintf(stderr, "bench_step_context: --forward-us: want 0..1000000\n");
+                return -1;
+            }
         } else if (strcmp(argv[i], "--policy-threads") == 0 && next != NULL) {
             cfg->policy_threads = argv[++i];
         } else if (argv[i][0] == '-') {
             fprintf(stderr,
                     "usage: %s [--quick] [--contexts N,N,...] [--head-dim D] [--policies P,...] "
-                    "[--steps N] [--reload] [--policy-threads N] [--csv FILE] [PATH_TO_KVSTASHD]\n",
+                    "[--steps N] [--reload] [--forward-us N] [--policy-threads N] [--csv FILE] "
+                    "[PATH_TO_KVSTASHD]\n",
                     argv[0]);
             return -1;
         } else {
@@ -564,9 +579,10 @@ int main(int argc, char **argv)
                            NULL};
 
     printf("bench_step_context: %u layers, %u query / %u KV heads x %u, fp16, %u-token blocks; "
-           "%u timed decode steps per cell (after %u); pool %d MiB, ring %s MiB; kernels %s\n",
+           "%u timed decode steps per cell (after %u), %.0f us of forward pass between them; "
+           "pool %d MiB, ring %s MiB; kernels %s\n",
            g->layers, g->q_heads, g->kv_heads, g->head_dim, g->block_tokens, cfg.steps, cfg.warmup,
-           pool_mb, ring_mb, kv_kernel_isa());
+           cfg.forward_us, pool_mb, ring_mb, kv_kernel_isa());
     fflush(stdout);
     char sock[PATH_MAX];
     if (bench_daemon_start("bench_step_context", daemon, pool_mb, extra, sock, sizeof sock) != 0)

@@ -366,9 +366,7 @@ enum { RUN_INT8_OFF, RUN_INT8_ON, RUN_VICTIMS_SKETCH };
 
 static void forward_pass(void)
 {
-    double until = bench_now_us() + FORWARD_US;
-    while (bench_now_us() < until)
-        ;
+    bench_busy_us(FORWARD_US);
 }
 
 /* The decode steps of (b) on `streaming` configured as `run` says. A step
