@@ -975,8 +975,6 @@ static int ring_call(kvs_session *s, const char *what, ring_response *resp)
     return KVS_OK;
 }
 
-/* The ring's APPEND answer: per layer a segment count, then the segments;
- * every layer gets room for exactly `count` tokens inside the pool. */
 /* The moves of a demotion that an APPEND answer carries after its writes,
  * which end at `end` (proto/kvstash_ring.h ring_append_moves), given to
  * *writes for kvs_table_extend. Without the memory for them, none: a table
@@ -1012,6 +1010,8 @@ bad:
     return KVS_ERR_PROTOCOL;
 }
 
+/* The ring's APPEND answer: per layer a segment count, then the segments;
+ * every layer gets room for exactly `count` tokens inside the pool. */
 static int table_from_ring(kvs_session *s, uint32_t count, const ring_response *r, kvs_table *out)
 {
     uint32_t heads = r->lists_per_layer > 1 ? s->geom.kv_heads : 1;

@@ -440,7 +440,8 @@ status_code seq_demote_finish(seq_demote_job *j, int fill_rc, status *st)
     for (size_t i = 0; i < j->nlists; i++)
         tables |= demoted_count(&j->lists[i]) > 0 || list_compact_due(s, j->lists[i].ly);
     uint64_t epoch = tables ? j->epoch : seq_epoch(s);
-    s->moves = (seq_move_log){.valid = tables,
+    /* A demotion that shares the step's epoch (seq.h) is in that step's table. */
+    s->moves = (seq_move_log){.valid = tables && epoch != seq_epoch(s),
                               .from_epoch = seq_epoch(s),
                               .to_epoch = epoch,
                               .runs = s->moves.runs,
