@@ -989,13 +989,13 @@ static int moves_from_ring(kvs_session *s, const uint8_t *end, kvs_table *writes
     at += sizeof h;
     if (h.nruns > (s->ring.data_bytes - at) / sizeof(ring_moved_run))
         goto bad;
-    table_run *runs = malloc((h.nruns ? h.nruns : 1) * sizeof *runs);
+    kvs_moved_run *runs = malloc((h.nruns ? h.nruns : 1) * sizeof *runs);
     if (runs == NULL)
         return KVS_OK;
     for (uint32_t i = 0; i < h.nruns; i++) {
         ring_moved_run m;
         memcpy(&m, s->ring.data + at + (size_t)i * sizeof m, sizeof m);
-        runs[i] = (table_run){m.list, m.first, {m.block, m.first_slot, m.count, m.tier}};
+        runs[i] = (kvs_moved_run){m.list, m.first, {m.block, m.first_slot, m.count, m.tier}};
         if (m.list >= writes->layers || m.block >= s->block_count || m.tier == KVS_TIER_SKETCH ||
             m.tier > KVS_TIER_INT2) {
             free(runs);

@@ -279,10 +279,30 @@ void kvs_table_free(kvs_table *t);
  * (kvs_seq_table). A demotion the daemon published after a step's answer
  * (int8=on, demote=int4|int2) comes with the next append's writes, as the
  * runs of tokens it moved, and kvs_table_extend applies them first: *t of
- * the step's epoch becomes the table after the append. KVS_ERR_INVALID for a table or answer that does not
- * match *t's lists, KVS_ERR_SYSTEM when out of memory; *t unchanged.
+ * the step's epoch becomes the table after the append. KVS_ERR_INVALID for a table or answer that
+ * does not match *t's lists, KVS_ERR_SYSTEM when out of memory; *t unchanged.
  */
 int kvs_table_extend(kvs_table *t, const kvs_table *writes);
+
+/*
+ * A run of tokens a demotion moved to other storage: tokens [first, first +
+ * at.count) of list `list` (the table's order) are now stored at `at`;
+ * their positions and their order do not change.
+ */
+typedef struct kvs_moved_run {
+    uint32_t list, first;
+    kvs_segment at;
+} kvs_moved_run;
+
+/*
+ * The moves an append's writes carry (kvs_seq_append), for a worker that
+ * keeps its table its own way (kvs_table_extend applies them itself): the
+ * runs that take a table of *from to *to, which the writes then extend.
+ * *n is 0 when it carries none. The array is the writes' until
+ * kvs_table_free.
+ */
+void kvs_table_moves(const kvs_table *writes, uint64_t *from, uint64_t *to,
+                     const kvs_moved_run **runs, size_t *n);
 
 /*
  * Make room for `count` new tokens in every layer (through the session's

@@ -36,7 +36,7 @@ struct kvs_table_room {
     /* An append's writes: the moves of a demotion published before it
      * (table_moves_attach), runs in list order. */
     uint64_t moves_from, moves_to;
-    table_run *moves;
+    kvs_moved_run *moves;
     size_t nmoves;
     list_room list[];
 };
@@ -291,7 +291,7 @@ int kvs_table_cut(kvs_table *t, const kvs_step_result *r)
     return rc;
 }
 
-int table_moves_attach(kvs_table *writes, uint64_t from, uint64_t to, const table_run *runs,
+int table_moves_attach(kvs_table *writes, uint64_t from, uint64_t to, const kvs_moved_run *runs,
                        size_t n)
 {
     if (room_get(writes) != 0)
@@ -306,9 +306,19 @@ int table_moves_attach(kvs_table *writes, uint64_t from, uint64_t to, const tabl
     return 0;
 }
 
+void kvs_table_moves(const kvs_table *writes, uint64_t *from, uint64_t *to,
+                     const kvs_moved_run **runs, size_t *n)
+{
+    const struct kvs_table_room *r = writes != NULL ? writes->room : NULL;
+    *n = r != NULL ? r->nmoves : 0;
+    *from = *n > 0 ? r->moves_from : 0;
+    *to = *n > 0 ? r->moves_to : 0;
+    *runs = *n > 0 ? r->moves : NULL;
+}
+
 /* Whether run m fits table t: its list, its tokens, and for a quantised
  * tier the slots of one of its blocks (kvs_layer's *_block_tokens). */
-static int run_fits(const kvs_table *t, const table_run *m)
+static int run_fits(const kvs_table *t, const kvs_moved_run *m)
 {
     if (m->list >= t->layers || m->at.count == 0)
         return 0;
@@ -337,7 +347,7 @@ static int seg_join(kvs_layer *ly, size_t i)
 /* The tokens of run m (run_fits) are stored where it says: the segments
  * they were in are cut around them (two more at most: room reserved), and
  * joined as the daemon joins them. */
-static void run_apply(kvs_layer *ly, const table_run *m)
+static void run_apply(kvs_layer *ly, const kvs_moved_run *m)
 {
     kvs_segment *g = ly->segments;
     size_t j = 0, k;

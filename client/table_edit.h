@@ -16,18 +16,11 @@ extern uint32_t table_no_positions[1];
 /* Free the arrays lists grew into (kvs_table_free). */
 void table_room_free(kvs_table *t);
 
-/* A run of a demotion's moves (proto/kvstash_ring.h ring_moved_run):
- * tokens [first, first + at.count) of list `list` are now stored at `at`. */
-typedef struct table_run {
-    uint32_t list, first;
-    kvs_segment at;
-} table_run;
-
 /* Give an append's writes the moves of a demotion published before it
  * (runs[0..n), which take a table of epoch `from` to epoch `to`), for
  * kvs_table_extend to apply first. -1 when out of memory (the writes then
  * carry none, and a table they would have moved is read again). */
-int table_moves_attach(kvs_table *writes, uint64_t from, uint64_t to, const table_run *runs,
+int table_moves_attach(kvs_table *writes, uint64_t from, uint64_t to, const kvs_moved_run *runs,
                        size_t n);
 
 #endif

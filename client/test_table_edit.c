@@ -46,7 +46,7 @@ static void table_free(kvs_table *t)
 
 /* The list of A 0..9 and B 0..9, and the writes of one token at epoch 7
  * carrying the moves runs[0..n) of a demotion from epoch `from` to 6. */
-static void held_and_writes(kvs_table *t, kvs_table *w, uint64_t from, const table_run *runs,
+static void held_and_writes(kvs_table *t, kvs_table *w, uint64_t from, const kvs_moved_run *runs,
                             size_t n)
 {
     const kvs_segment held[] = {{A, 0, 10, KVS_TIER_FULL}, {B, 0, 10, KVS_TIER_FULL}};
@@ -64,7 +64,7 @@ static void held_and_writes(kvs_table *t, kvs_table *w, uint64_t from, const tab
 static void test_moves_then_writes(void **state)
 {
     (void)state;
-    const table_run runs[] = {
+    const kvs_moved_run runs[] = {
         {0, 2, {C, 0, 3, KVS_TIER_INT8}},  /* tokens 2..4: the middle of A */
         {0, 5, {C, 3, 2, KVS_TIER_INT8}},  /* 5..6: continues the run before */
         {0, 8, {C, 5, 5, KVS_TIER_INT8}},  /* 8..12: A's end and B's front */
@@ -76,6 +76,14 @@ static void test_moves_then_writes(void **state)
                                 {W, 0, 1, KVS_TIER_FULL}};
     kvs_table t, w;
     held_and_writes(&t, &w, 5, runs, 4);
+    uint64_t from, to;
+    const kvs_moved_run *got;
+    size_t n;
+    kvs_table_moves(&w, &from, &to, &got, &n);
+    assert_int_equal(from, 5);
+    assert_int_equal(to, 6);
+    assert_int_equal(n, 4);
+    assert_memory_equal(got, runs, sizeof runs);
     assert_int_equal(kvs_table_extend(&t, &w), KVS_OK);
     const kvs_layer *ly = &t.layer[0];
     assert_int_equal(t.epoch, 7);
@@ -98,14 +106,14 @@ static void test_moves_then_writes(void **state)
 static void test_moves_refused(void **state)
 {
     (void)state;
-    const table_run fine[] = {{0, 2, {C, 0, 3, KVS_TIER_INT8}}};
-    const table_run past_list[] = {{0, 18, {C, 0, 3, KVS_TIER_INT8}}};
-    const table_run past_block[] = {{0, 0, {C, 10, 3, KVS_TIER_INT8}}};
-    const table_run sketch[] = {{0, 0, {C, 0, 3, KVS_TIER_SKETCH}}};
-    const table_run other_list[] = {{1, 0, {C, 0, 3, KVS_TIER_INT8}}};
+    const kvs_moved_run fine[] = {{0, 2, {C, 0, 3, KVS_TIER_INT8}}};
+    const kvs_moved_run past_list[] = {{0, 18, {C, 0, 3, KVS_TIER_INT8}}};
+    const kvs_moved_run past_block[] = {{0, 0, {C, 10, 3, KVS_TIER_INT8}}};
+    const kvs_moved_run sketch[] = {{0, 0, {C, 0, 3, KVS_TIER_SKETCH}}};
+    const kvs_moved_run other_list[] = {{1, 0, {C, 0, 3, KVS_TIER_INT8}}};
     const struct {
         uint64_t from;
-        const table_run *runs;
+        const kvs_moved_run *runs;
         int rc;
     } cases[] = {{4, fine, KVS_ERR_PRECONDITION},
                  {5, past_list, KVS_ERR_INVALID},

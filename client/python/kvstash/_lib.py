@@ -56,6 +56,11 @@ class Table_(ctypes.Structure):
                 ("room", ctypes.c_void_p)]
 
 
+class MovedRun_(ctypes.Structure):
+    """kvs_moved_run: tokens [first, first + at.count) of list `list` now at `at`."""
+    _fields_ = [("list", ctypes.c_uint32), ("first", ctypes.c_uint32), ("at", Segment_)]
+
+
 class Step_(ctypes.Structure):
     """kvs_step: a step's statistics, arrays as row-pointer tables."""
     _fields_ = [("new_tokens", ctypes.c_uint32), ("prefill", ctypes.c_int),
@@ -107,6 +112,10 @@ _PROTOTYPES = {
                                       ctypes.POINTER(ctypes.c_uint64)]),
     "kvs_seq_release": (ctypes.c_int, [_S, ctypes.c_uint64]),
     "kvs_table_free": (None, [ctypes.POINTER(Table_)]),
+    "kvs_table_moves": (None, [ctypes.POINTER(Table_), ctypes.POINTER(ctypes.c_uint64),
+                               ctypes.POINTER(ctypes.c_uint64),
+                               ctypes.POINTER(ctypes.POINTER(MovedRun_)),
+                               ctypes.POINTER(ctypes.c_size_t)]),
     "kvs_seq_append": (ctypes.c_int, [_S, ctypes.c_uint64, ctypes.c_int64,
                                       ctypes.POINTER(Table_)]),
     "kvs_seq_step": (ctypes.c_int, [_S, ctypes.c_uint64, ctypes.POINTER(Step_),

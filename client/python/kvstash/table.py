@@ -106,6 +106,23 @@ class LayerList:
                 f"tokens={self.tokens}, segments={self.segments.tolist()})")
 
 
+MOVED_RUN_DTYPE = np.dtype([("list", np.uint32), ("first", np.uint32), ("block", np.uint32),
+                            ("first_slot", np.uint32), ("count", np.uint32), ("tier", np.uint32)])
+assert MOVED_RUN_DTYPE.itemsize == ctypes.sizeof(_lib.MovedRun_)
+
+
+class Moves(NamedTuple):
+    """A demotion published before an append (kvs_table_moves): the runs of
+    tokens it moved, which take a table of from_epoch to to_epoch (the
+    append's writes then extend it). runs: structured array (list, first,
+    block, first_slot, count, tier): tokens [first, first + count) of list
+    `list` are now slots [first_slot, first_slot + count) of `block`, in
+    `tier`; positions and order unchanged."""
+    from_epoch: int
+    to_epoch: int
+    runs: np.ndarray
+
+
 class Table:
     """A sequence's block tables at one epoch (kvs_table).
 
@@ -133,6 +150,18 @@ class Table:
             arr = self._c.layer
             self._lists = [LayerList(arr[i], self) for i in range(self._c.layers)]
         return self._lists
+
+    def moves(self) -> Optional[Moves]:
+        """An append's writes: the moves of a demotion published before the
+        append, or None."""
+        f, t, n = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_size_t()
+        runs = ctypes.POINTER(_lib.MovedRun_)()
+        _lib.lib().kvs_table_moves(ctypes.byref(self._c), ctypes.byref(f), ctypes.byref(t),
+                                   ctypes.byref(runs), ctypes.byref(n))
+        if n.value == 0:
+            return None
+        raw = ctypes.string_at(runs, n.value * ctypes.sizeof(_lib.MovedRun_))
+        return Moves(f.value, t.value, np.frombuffer(raw, dtype=MOVED_RUN_DTYPE).copy())
 
     def list(self, layer: int, head: int = 0) -> LayerList:
         """The list of `layer` (and KV head `head` for per-head tables)."""

@@ -127,6 +127,7 @@ class KvstashCache:
         self.needs = policy.needs
         self.seq = None
         self.lists: List[ListTokens] = []
+        self.moved = 0  # demotions followed from an append's answer, not a table read
         self.sketched: List[int] = []
         self.epoch: Optional[int] = None
         self.writes = None  # the last append's Table
@@ -198,6 +199,17 @@ class KvstashCache:
         new = ListTokens.many([ly.segments for ly in lists], pos)
         self.lists = [old.concat(add) for old, add in zip(self.lists, new)]
 
+    def _move(self, runs: np.ndarray) -> bool:
+        """Apply a demotion's runs (Table.moves) to the lists; False, and
+        nothing changed, when one does not fit them."""
+        for r in runs:
+            if r["list"] >= len(self.lists) or r["first"] + r["count"] > self.lists[r["list"]].n:
+                return False
+        for r in runs:
+            self.lists[r["list"]].move(int(r["first"]), int(r["count"]), int(r["block"]),
+                                       int(r["first_slot"]), int(r["tier"]))
+        return True
+
     def catch_up(self) -> None:
         """Follow a table change published after the last step's answer (a
         demotion that step left due, which its answer could not name): ask
@@ -217,9 +229,17 @@ class KvstashCache:
             raise CacheError(f"Append answered {w.heads} lists per layer, policy "
                              f"{self.policy.name} wants {self.heads}")
         self.usage_.evicted += w.evicted
-        # An append is one epoch; anything more (a silent step evicted) means
-        # the table changed under us: read it again.
-        if w.evicted == 0 and self.epoch is not None and w.epoch == self.epoch + 1:
+        # An append is one epoch, after the demotion published since the
+        # last step's answer when it names the runs it moved; anything more
+        # (a silent step evicted, a list compacted) means the table changed
+        # under us: read it again.
+        moves = w.moves()
+        if (moves is not None and moves.from_epoch == self.epoch and
+                moves.to_epoch + 1 == w.epoch and w.evicted == 0 and self._move(moves.runs)):
+            self.moved += 1
+            self.epoch = w.epoch
+            self._extend(w)
+        elif w.evicted == 0 and self.epoch is not None and w.epoch == self.epoch + 1:
             self.epoch = w.epoch
             self._extend(w)
         else:

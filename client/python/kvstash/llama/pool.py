@@ -138,6 +138,14 @@ class ListTokens:
         """Without the tokens at indices idx (a step's cuts, StepResult.cuts)."""
         return ListTokens(np.delete(self.a, idx, axis=1)) if idx.shape[0] else self
 
+    def move(self, first: int, count: int, block: int, first_slot: int, tier: int) -> None:
+        """Tokens [first, first + count) now stored at slots [first_slot,
+        first_slot + count) of `block`, in `tier` (a demotion's run,
+        Table.moves), in place."""
+        self.a[0, first:first + count] = block
+        self.a[1, first:first + count] = np.arange(first_slot, first_slot + count, dtype=np.int64)
+        self.a[2, first:first + count] = tier
+
     def with_columns(self, block: np.ndarray, slot: np.ndarray, tier: np.ndarray) -> "ListTokens":
         return ListTokens(np.stack((block, slot, tier, self.pos)))
 
