@@ -1564,6 +1564,18 @@ static void test_move_sketch_victims(void **state)
  * and, stepped on with the same appends, the same decisions (swap-backs
  * and sketching from the moved sketch and state) and estimates.
  */
+/* A step with the scores data[0..n) (freed); returns the tokens it evicted. */
+static uint32_t step_with_scores(fx *f, float *data, size_t n)
+{
+    seq_step_input in = {POLICY_NEEDS_SCORE, 0, 0, 1, 0, 0, data, n, 0};
+    uint32_t evicted;
+    status st;
+    if (seq_step(f->s, &in, &evicted, &st) != ST_OK)
+        fail_msg("step: %s", st.msg);
+    free(data);
+    return evicted;
+}
+
 /* One token appended and a step with attention scores that depend only on
  * the round and the index: the same for two sequences with the same lists. */
 static void append_step(fx *f, uint32_t round)
@@ -1575,12 +1587,7 @@ static void append_step(fx *f, uint32_t round)
     assert_non_null(data);
     for (size_t i = 0; i < n; i++)
         data[i] = (float)((i * 7 + round * 3) % 11) / 11.0f;
-    seq_step_input in = {POLICY_NEEDS_SCORE, 0, 0, 1, 0, 0, data, n, 0};
-    uint32_t evicted;
-    status st;
-    if (seq_step(f->s, &in, &evicted, &st) != ST_OK)
-        fail_msg("step: %s", st.msg);
-    free(data);
+    step_with_scores(f, data, n);
 }
 
 /*
@@ -1920,13 +1927,7 @@ static uint32_t step_scored(fx *f, uint32_t round, int by_position)
         for (uint32_t i = 0; i < nl; i++)
             data[at++] = position_score(pos[i], by_position);
     }
-    seq_step_input in = {POLICY_NEEDS_SCORE, 0, 0, 1, 0, 0, data, n, 0};
-    uint32_t evicted;
-    status st;
-    if (seq_step(f->s, &in, &evicted, &st) != ST_OK)
-        fail_msg("step: %s", st.msg);
-    free(data);
-    return evicted;
+    return step_with_scores(f, data, n);
 }
 
 static follow_counts follow_evictions(fx *f, uint32_t append_n, uint32_t positions, int by_position)
