@@ -1167,8 +1167,8 @@ static int offload_victims(seq *s, uint32_t l, uint32_t k, const uint8_t *tier, 
  * quantised victims were the last tokens of retired at `epoch`. 0, or -1. */
 static int quantize_victims(seq *s, seq_list *ly, uint64_t epoch)
 {
-    size_t nfull = 0, n = ly->noffloaded;
-    if (ly->nfull_victims < s->tier.l8.block_tokens)
+    size_t nfull = 0, n = ly->noffloaded, before = ly->nfull_victims;
+    if (before < s->tier.l8.block_tokens)
         return 0; /* list_victims_quantize would find no block's worth */
     uint32_t *ids = malloc(2 * (n ? n : 1) * sizeof *ids);
     if (ids == NULL)
@@ -1177,10 +1177,7 @@ static int quantize_victims(seq *s, seq_list *ly, uint64_t epoch)
         if (ly->offloaded_at[j].tier == POLICY_FULL)
             ids[nfull++] = ly->offloaded_at[j].block;
     int rc = list_victims_quantize(s, ly, ids + n);
-    size_t still = 0;
-    for (size_t j = 0; rc == 0 && j < ly->noffloaded; j++)
-        still += ly->offloaded_at[j].tier == POLICY_FULL;
-    if (rc == 0 && still < nfull) /* some were quantised (not only marked due) */
+    if (rc == 0 && ly->nfull_victims < before) /* some were quantised (not only marked due) */
         rc = list_retire_if_unused(s, ly, ids, nfull, epoch);
     free(ids);
     return rc;

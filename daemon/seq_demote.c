@@ -98,9 +98,9 @@ static long plan_victims(seq *s, demote_list *d)
     const seq_list *ly = d->ly;
     uint32_t t8 = s->tier.l8.block_tokens;
     size_t m = 0, noff = ly->noffloaded;
-    if (t8 == 0 || noff < t8)
+    if (t8 == 0 || ly->nfull_victims < t8) /* not a block's worth at full precision */
         return 0;
-    d->vidx = malloc(noff * sizeof *d->vidx);
+    d->vidx = malloc(ly->nfull_victims * sizeof *d->vidx);
     if (d->vidx == NULL)
         return -1;
     for (size_t j = 0; j < noff; j++)
