@@ -954,13 +954,14 @@ static int table_fill(kvs_session *s, Kvstash__V1__LayerTable **lts, size_t n, c
     return KVS_OK;
 }
 
-/* One ring round trip; the daemon's status becomes a kvs_err + message. */
-static int ring_call(kvs_session *s, const char *what, ring_response *resp)
+/* One ring round trip, polling `spins` times before sleeping
+ * (ring_client.h); the daemon's status becomes a kvs_err + message. */
+static int ring_call_spin(kvs_session *s, const char *what, uint32_t spins, ring_response *resp)
 {
     int rc = session_quiesce(s, what);
     if (rc != KVS_OK)
         return rc;
-    rc = ring_client_call(&s->ring, resp);
+    rc = ring_client_call_spin(&s->ring, spins, resp);
     if (rc != KVS_OK) {
         fail(s,
              "%s: no answer from kvstashd on the session's ring (the session ended, or the "
@@ -973,6 +974,11 @@ static int ring_call(kvs_session *s, const char *what, ring_response *resp)
         return rpc_code_to_err(resp->code);
     }
     return KVS_OK;
+}
+
+static int ring_call(kvs_session *s, const char *what, ring_response *resp)
+{
+    return ring_call_spin(s, what, RING_CLIENT_SPIN, resp);
 }
 
 /* The moves of a demotion that an APPEND answer carries after its writes,
@@ -1643,7 +1649,7 @@ static int revive_ring(kvs_session *s, uint64_t seq_id, const ring_revive_reques
     q->data_bytes = sizeof *in;
     memcpy(s->ring.data, in, sizeof *in);
     ring_response r;
-    int rc = ring_call(s, "Revive", &r);
+    int rc = ring_call_spin(s, "Revive", RING_CLIENT_SPIN_SHORT, &r);
     if (rc != KVS_OK)
         return rc;
     ring_revive_reply h;

@@ -15,8 +15,6 @@
 #include "kvstash.h"
 #include "rpc.h"
 
-/* As the daemon: most answers come within microseconds of the request. */
-#define RING_CLIENT_SPIN 20000
 /* A sleep on the answer's futex lasts at most this long before the call
  * checks its deadline and whether kvstashd still lives. */
 #define RING_CLIENT_SLICE_NS (50 * 1000 * 1000)
@@ -79,6 +77,11 @@ static void cpu_relax(void)
 
 int ring_client_call(ring_client *rc, ring_response *resp)
 {
+    return ring_client_call_spin(rc, RING_CLIENT_SPIN, resp);
+}
+
+int ring_client_call_spin(ring_client *rc, uint32_t spins, ring_response *resp)
+{
     ring_header *h = rc->hdr;
     _Atomic uint32_t *req = (_Atomic uint32_t *)&h->req_seq;
     _Atomic uint32_t *ans = (_Atomic uint32_t *)&h->resp_seq;
@@ -96,10 +99,10 @@ int ring_client_call(ring_client *rc, ring_response *resp)
     struct timespec start, now;
     clock_gettime(CLOCK_MONOTONIC, &start);
     long limit_ms = rpc_timeout_ms();
-    for (int i = 0; atomic_load(ans) != want; i++) {
+    for (uint32_t i = 0; atomic_load(ans) != want; i++) {
         if (atomic_load(closing))
             return KVS_ERR_UNAVAILABLE;
-        if (i < RING_CLIENT_SPIN) {
+        if (i < spins) {
             /* As the daemon: let a thread sharing our CPU run now and then. */
             if (i % 32 == 31)
                 sched_yield();

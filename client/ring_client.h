@@ -34,4 +34,14 @@ void ring_client_close(ring_client *rc);
  * sleep slice) or gave no answer within rpc_timeout_ms(). */
 int ring_client_call(ring_client *rc, ring_response *resp);
 
+/* Polls of the answer before a call sleeps on its futex: ring_client_call
+ * spins RING_CLIENT_SPIN (about a millisecond: most answers come within
+ * microseconds, and a sleep and wake-up costs more); a call that may take
+ * milliseconds (a Revive of thousands of tokens) spins RING_CLIENT_SPIN_SHORT,
+ * so that it does not hold a CPU the daemon's copy or another worker's
+ * step wants. */
+#define RING_CLIENT_SPIN 20000u
+#define RING_CLIENT_SPIN_SHORT 1000u
+int ring_client_call_spin(ring_client *rc, uint32_t spins, ring_response *resp);
+
 #endif

@@ -11,6 +11,7 @@
 #include <ini.h>
 
 #include "backend.h"
+#include "background.h"
 #include "log.h"
 #include "remote_value.h"
 
@@ -62,6 +63,11 @@ static const config_option options[] = {
      "threads one sequence's step may decide its layers on, for policies whose layers are "
      "independent (all but streaming, full and ov_block) and sequences of "
      "256k tokens or more over all layers; 1 = the step's own thread (default 2)"},
+    {"move-priority", CONFIG_PRIORITY, 0, 0,
+     "the priority of a large Revive's copy (1 MiB or more), on a thread of its own: idle "
+     "(SCHED_IDLE: the CPUs no step wants; the default), low (nice 19) or normal (on the "
+     "thread that serves the call, as every step). On a busy host, below normal the other "
+     "workers' steps go first and the reviving worker waits (docs/architecture.md)"},
     {"log-level", CONFIG_LEVEL, 0, 0, "debug, info, warn or error (default info)"},
     {"metrics", CONFIG_ADDR, 0, 0,
      "serve Prometheus /metrics and /healthz over HTTP on HOST:PORT (e.g. 127.0.0.1:9464; "
@@ -153,6 +159,8 @@ void config_defaults(daemon_config *c)
     snprintf(c->cuda_device, sizeof c->cuda_device, "0");
     snprintf(c->cuda_ipc, sizeof c->cuda_ipc, "auto");
     snprintf(c->lease_end, sizeof c->lease_end, "auto");
+    snprintf(c->move_priority, sizeof c->move_priority, "%s",
+             background_priority_name(BACKGROUND_IDLE));
     snprintf(c->remote_namespace, sizeof c->remote_namespace, "kvstash");
     c->remote_ttl_s = 86400;
     c->remote_timeout_ms = 500;
@@ -442,6 +450,14 @@ int config_set(daemon_config *c, const char *key, const char *value, char *err, 
             return -1;
         }
         return set_text(c->lease_end, sizeof c->lease_end, o->key, value, err, errlen);
+    case CONFIG_PRIORITY: {
+        background_priority p;
+        if (background_priority_parse(value, &p) != 0) {
+            snprintf(err, errlen, "%s must be idle, low or normal, got '%.32s'", o->key, value);
+            return -1;
+        }
+        return set_text(c->move_priority, sizeof c->move_priority, o->key, value, err, errlen);
+    }
     case CONFIG_UIDS:
         return set_uids(c, o, value, err, errlen);
     case CONFIG_FILE: {
@@ -544,6 +560,9 @@ void config_print(const daemon_config *c, const char *source, FILE *f)
         case CONFIG_LEASE_END:
             fprintf(f, "%s = %s\n", key, c->lease_end);
             break;
+        case CONFIG_PRIORITY:
+            fprintf(f, "%s = %s\n", key, c->move_priority);
+            break;
         case CONFIG_UIDS:
             fprintf(f, "%s = %s", key, c->n_operator_uids == 0 ? "none" : "");
             for (size_t u = 0; u < c->n_operator_uids; u++)
@@ -563,6 +582,13 @@ void config_print(const daemon_config *c, const char *source, FILE *f)
             break;
         }
     }
+}
+
+background_priority config_move_priority(const daemon_config *c)
+{
+    background_priority p = BACKGROUND_NORMAL;
+    background_priority_parse(c->move_priority, &p); /* checked as it was set */
+    return p;
 }
 
 int config_lease_end_quarantine(const daemon_config *c)

@@ -22,6 +22,8 @@
 #include <stdio.h>
 #include <sys/types.h>
 
+#include "background.h"
+
 #define CONFIG_MAX_UIDS 16
 
 typedef struct daemon_config {
@@ -45,6 +47,7 @@ typedef struct daemon_config {
      * (the default: quarantine on cuda, free on host and shadow);
      * config_lease_end_quarantine resolves it. */
     char lease_end[12];
+    char move_priority[8];    /* a large Revive's copy: background.h's names */
     char metrics[128];        /* HTTP /metrics address, "" = none */
     int metrics_allow_remote; /* serve /metrics on a non-loopback address */
     int dumpable;             /* stay dumpable (main.c: PR_SET_DUMPABLE), for debugging */
@@ -77,6 +80,7 @@ typedef enum config_kind {
     CONFIG_CUDA_DEVICE, /* an ordinal or a GPU UUID */
     CONFIG_CUDA_IPC,    /* auto, vmm or legacy */
     CONFIG_LEASE_END,   /* auto, free or quarantine */
+    CONFIG_PRIORITY,    /* idle, low or normal (background.h) */
     CONFIG_UIDS,        /* a list of uids: "0,1000"; "" or "none" for none */
     CONFIG_FILE,        /* a file's path; "" or "off" for none */
     CONFIG_NODES,       /* host:port[,host:port...]; "" or "off" for none */
@@ -118,6 +122,9 @@ int config_check(const daemon_config *c, char *err, size_t errlen);
 /* Whether lease-end resolves to quarantine for c's backend: "quarantine",
  * or "auto" with --backend cuda (docs/reliability.md, "Lease end"). */
 int config_lease_end_quarantine(const daemon_config *c);
+
+/* --move-priority as a background_priority. */
+background_priority config_move_priority(const daemon_config *c);
 
 /* Write *c as a config file that config_load reads back to the same values. */
 void config_print(const daemon_config *c, const char *source, FILE *f);

@@ -63,6 +63,8 @@ static void usage(FILE *out)
                           : opt[i].kind == CONFIG_BACKEND     ? " NAME"
                           : opt[i].kind == CONFIG_CUDA_DEVICE ? " N|GPU-UUID"
                           : opt[i].kind == CONFIG_CUDA_IPC    ? " auto|vmm|legacy"
+                          : opt[i].kind == CONFIG_LEASE_END   ? " auto|free|quarantine"
+                          : opt[i].kind == CONFIG_PRIORITY    ? " idle|low|normal"
                           : opt[i].kind == CONFIG_UIDS        ? " UID,..."
                           : opt[i].kind == CONFIG_FILE        ? " FILE"
                           : opt[i].kind == CONFIG_NODES       ? " HOST:PORT,..."
@@ -346,7 +348,9 @@ static int start(const daemon_config *o, daemon_parts *d)
                         .lease_end_quarantine = config_lease_end_quarantine(o),
                         .quant_group = (uint32_t)o->quant_group,
                         .policy_threads = (uint32_t)o->policy_threads,
-                        .policy_parallel_tokens = POLICY_HOST_PARALLEL_TOKENS};
+                        .policy_parallel_tokens = POLICY_HOST_PARALLEL_TOKENS,
+                        .move_priority = config_move_priority(o),
+                        .move_background_bytes = STORE_BACKGROUND_MOVE_BYTES};
     char path[PATH_MAX + 16];
     status st;
     snprintf(path, sizeof path, "ipc://%s.events", o->socket);

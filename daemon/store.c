@@ -60,6 +60,9 @@ store *store_create(const store_config *cfg, events *ev)
         store_destroy(st);
         return NULL;
     }
+    /* NULL (copies on the serving thread) also when no thread can run at
+     * that priority: a Revive works either way. */
+    st->background = background_start(cfg->move_priority, STORE_BACKGROUND_THREADS);
     return st;
 }
 
@@ -736,6 +739,7 @@ void store_destroy(store *st)
         quarantine_release(st, st->quarantined, "shutdown");
     pthread_mutex_unlock(&st->lock);
     join_closed(st, 1);
+    background_stop(st->background);
     free(st->closed);
     free(st->seqs);
     free(st->pools);
@@ -1787,6 +1791,21 @@ static void revive_publish(store *st, session *se, seq *q, const seq_revive_requ
              by[POLICY_INT8], by[POLICY_INT4], by[POLICY_INT2], by[POLICY_SKETCH]);
 }
 
+static int revive_fill_job(void *job)
+{
+    return seq_revive_fill(job);
+}
+
+/* Not under the lock: the copy, on a background thread when it is large
+ * enough to be worth one (store_config.move_priority); *in_background
+ * says whether it was. */
+static int revive_fill(const store *st, seq_revive_job *job, int *in_background)
+{
+    size_t bytes = seq_revive_blocks(job) * seq_pool(seq_revive_seq(job))->block_bytes;
+    background *b = bytes >= st->cfg.move_background_bytes ? st->background : NULL;
+    return background_run(b, revive_fill_job, job, in_background);
+}
+
 /* Lock held: fetch what a Revive needs from the remote tier and copy,
  * both without the lock when the sequence can be marked moving; *fill_rc
  * is the copy's (-1 when the fetch failed: its status is the result). A
@@ -1807,8 +1826,10 @@ static status_code revive_copy(store *st, uint64_t seq_id, seq_revive_job *job, 
     }
     store_unlock(st);
     status_code rc = store_revive_fetch(st, job, s);
-    *fill_rc = rc == ST_OK ? seq_revive_fill(job) : -1;
+    int in_background = 0;
+    *fill_rc = rc == ST_OK ? revive_fill(st, job, &in_background) : -1;
     pthread_mutex_lock(&st->lock);
+    st->background_moves += (uint64_t)in_background;
     store_move_end(st, seq_id);
     return rc;
 }
@@ -1849,6 +1870,14 @@ status_code store_revive(store *st, const char *token, uint64_t seq_id,
     store_unlock(st);
     free(sc);
     return rc;
+}
+
+uint64_t store_background_moves(store *st)
+{
+    pthread_mutex_lock(&st->lock);
+    uint64_t n = st->background_moves;
+    pthread_mutex_unlock(&st->lock);
+    return n;
 }
 
 status_code store_scratch_release(store *st, const char *token, uint64_t scratch_id,

@@ -17,6 +17,7 @@
 #include <stdint.h>
 #include <sys/types.h>
 
+#include "background.h"
 #include "events.h"
 #include "pool.h"
 #include "seq.h"
@@ -52,7 +53,18 @@ typedef struct store_config {
      * tokens it must hold for more than one (policy_host_set_threads). */
     uint32_t policy_threads;
     uint64_t policy_parallel_tokens;
+    /* A Revive's copy of move_background_bytes or more runs on a thread of
+     * priority move_priority (background.h: the workers' steps come first);
+     * BACKGROUND_NORMAL (0) keeps every copy on the calling thread. */
+    background_priority move_priority;
+    size_t move_background_bytes;
 } store_config;
+
+/* kvstashd's move_background_bytes: a copy of 1 MiB takes a few hundred
+ * microseconds, a hand-over to a background thread and back tens. */
+#define STORE_BACKGROUND_MOVE_BYTES (1u << 20)
+/* The background threads: as many Revives copy at once. */
+#define STORE_BACKGROUND_THREADS 2
 
 typedef struct store store;
 typedef struct session session; /* a worker's session: store_internal.h */
@@ -457,6 +469,9 @@ typedef struct store_revive_result {
 status_code store_revive(store *st, const char *token, uint64_t seq_id,
                          const seq_revive_request *req, store_revive_result *out, status *s);
 void store_revive_result_free(store_revive_result *r);
+
+/* How many Revive copies have run on a background thread (move_nice). */
+uint64_t store_background_moves(store *st);
 
 /* Give a Revive's scratch blocks back to the pool. */
 status_code store_scratch_release(store *st, const char *token, uint64_t scratch_id,

@@ -81,6 +81,10 @@ struct store {
     size_t nmoving;
     uint32_t move_waiters;
     pthread_cond_t moved;
+    /* The threads of store_config.move_priority (NULL: none), and the
+     * copies they ran (store_background_moves). */
+    background *background;
+    uint64_t background_moves;
     /* Sequences whose steps left demotions due, planned and quantised by
      * the demoter thread after the step's reply (store_demote.c): a FIFO of
      * at most STORE_MAX_MOVES, each marked moving. */

@@ -50,6 +50,15 @@ static void test_config_set(void **state)
     assert_non_null(strstr(err, "policy-threads must be an integer in [1, 64]"));
     assert_int_equal(config_set(&c, "policy-threads", "65", err, sizeof err), -1);
     assert_int_equal(c.policy_threads, 4);
+    assert_string_equal(c.move_priority, "idle");
+    assert_int_equal(config_move_priority(&c), BACKGROUND_IDLE);
+    assert_int_equal(config_set(&c, "move_priority", "low", err, sizeof err), 0);
+    assert_int_equal(config_move_priority(&c), BACKGROUND_LOW);
+    assert_int_equal(config_set(&c, "move-priority", "nice", err, sizeof err), -1);
+    assert_non_null(strstr(err, "move-priority must be idle, low or normal, got 'nice'"));
+    assert_int_equal(config_move_priority(&c), BACKGROUND_LOW);
+    assert_int_equal(config_set(&c, "move-priority", "normal", err, sizeof err), 0);
+    assert_int_equal(config_move_priority(&c), BACKGROUND_NORMAL);
     assert_int_equal(config_set(&c, "log_level", "loud", err, sizeof err), -1);
     assert_int_equal(config_set(&c, "metrics_allow_remote", "maybe", err, sizeof err), -1);
     assert_int_equal(config_set(&c, "nope", "1", err, sizeof err), -1);

@@ -29,13 +29,11 @@ typedef struct fixture {
 
 static const pool_geometry small_geom = {2, 4, 2, 8, 4, POOL_FP32, 0};
 
-static int setup_pool(void **state, size_t pool_bytes)
+static int setup_config(void **state, const store_config *cfg)
 {
     static fixture f;
     memset(&f, 0, sizeof f);
-    store_config cfg = {
-        .pool_bytes = pool_bytes, .max_pools = 4, .max_sessions = 16, .max_seqs = 64};
-    assert_non_null(f.st = store_create(&cfg, NULL));
+    assert_non_null(f.st = store_create(cfg, NULL));
     status s;
     assert_int_equal(store_session_open(f.st, 100, 1000, 1000, 1, f.token, &s), ST_OK);
     store_attach_result r;
@@ -46,9 +44,28 @@ static int setup_pool(void **state, size_t pool_bytes)
     return 0;
 }
 
+static int setup_pool(void **state, size_t pool_bytes)
+{
+    store_config cfg = {
+        .pool_bytes = pool_bytes, .max_pools = 4, .max_sessions = 16, .max_seqs = 64};
+    return setup_config(state, &cfg);
+}
+
 static int setup(void **state)
 {
     return setup_pool(state, 1 << 20);
+}
+
+/* A Revive's copy of 4 blocks or more on a background thread. */
+static int setup_background(void **state)
+{
+    store_config cfg = {.pool_bytes = 1 << 20,
+                        .max_pools = 4,
+                        .max_sessions = 16,
+                        .max_seqs = 64,
+                        .move_priority = BACKGROUND_IDLE,
+                        .move_background_bytes = 4 * 512};
+    return setup_config(state, &cfg);
 }
 
 /* 128 blocks of 512 bytes: small enough to run out of quickly. */
@@ -424,6 +441,85 @@ static void test_int8_victims_give_way_under_pressure(void **state)
     assert_int_equal(q->lists[0].noffloaded, kept + 1);
 }
 
+/* The value of channel c of token `pos`'s K (kv 0) or V (kv 1) row of a
+ * head in layer l: distinct for every one. */
+static float token_value(uint32_t l, uint32_t pos, uint32_t head, int kv, uint32_t c)
+{
+    return (float)(((l * 1000 + pos) * 4 + head * 2 + (uint32_t)kv) * 16 + c);
+}
+
+/* Write every token of an append's table (w) with token_value. */
+static void write_tokens(fixture *f, uint64_t id, const store_table *w)
+{
+    pool *p = seq_pool(store_find_seq_locked(f->st, id));
+    for (uint32_t l = 0; l < w->nlists; l++) {
+        uint32_t pos = w->first_position;
+        for (size_t j = 0; j < w->lists[l].nsegs; j++) {
+            kv_segment g = w->lists[l].segs[j];
+            for (uint32_t i = 0; i < g.count; i++, pos++)
+                for (uint32_t h = 0; h < small_geom.kv_heads; h++)
+                    for (int kv = 0; kv < 2; kv++) {
+                        size_t at = kv_key_offset(&p->layout, g.block, h, g.first_slot + i) +
+                                    (size_t)kv * p->block_bytes / 2;
+                        float *row = (float *)(p->base + at);
+                        for (uint32_t c = 0; c < small_geom.head_dim; c++)
+                            row[c] = token_value(w->lists[l].layer, pos, h, kv, c);
+                    }
+        }
+    }
+}
+
+/* Revive positions [first, first + n) of layer 1 and check that the
+ * scratch holds what write_tokens wrote there. */
+static void revive_and_check(fixture *f, uint64_t id, uint32_t first, uint32_t n)
+{
+    status s;
+    store_revive_result r;
+    assert_int_equal(
+        store_revive(f->st, f->token, id, &(seq_revive_request){1, 0, first, n, 0}, &r, &s), ST_OK);
+    assert_int_equal(r.table.tokens, n);
+    pool *p = seq_pool(store_find_seq_locked(f->st, id));
+    uint32_t t = 0;
+    for (size_t j = 0; j < r.table.nsegs; j++) {
+        kv_segment g = r.table.segs[j];
+        for (uint32_t i = 0; i < g.count; i++, t++) {
+            assert_int_equal(r.table.positions[t], first + t);
+            for (uint32_t h = 0; h < small_geom.kv_heads; h++)
+                for (int kv = 0; kv < 2; kv++) {
+                    size_t at = kv_key_offset(&p->layout, g.block, h, g.first_slot + i) +
+                                (size_t)kv * p->block_bytes / 2;
+                    const float *row = (const float *)(p->base + at);
+                    for (uint32_t c = 0; c < small_geom.head_dim; c++)
+                        assert_true(row[c] == token_value(1, first + t, h, kv, c));
+                }
+        }
+    }
+    assert_int_equal(t, n);
+    uint32_t freed;
+    assert_int_equal(store_scratch_release(f->st, f->token, r.scratch_id, &freed, &s), ST_OK);
+    store_revive_result_free(&r);
+}
+
+/* A Revive's copy of store_config.move_background_bytes or more runs on a
+ * background thread (background.h), a smaller one on the caller's; both
+ * give back what the sequence holds. */
+static void test_revive_in_background(void **state)
+{
+    fixture *f = *state;
+    uint64_t id = make_seq(f, "full", NULL, NULL, 0);
+    store_table w;
+    append(f, id, 40, 0, &w);
+    write_tokens(f, id, &w);
+    store_table_free(&w);
+    assert_int_equal(store_background_moves(f->st), 0);
+    revive_and_check(f, id, 5, 12); /* 3 blocks of 512 bytes: below 4 */
+    assert_int_equal(store_background_moves(f->st), 0);
+    revive_and_check(f, id, 3, 16); /* 4 blocks */
+    assert_int_equal(store_background_moves(f->st), 1);
+    revive_and_check(f, id, 0, 40);
+    assert_int_equal(store_background_moves(f->st), 2);
+}
+
 /* Tokens of tier t in layer 0 of a table. */
 static uint32_t table_tier_tokens(const store_table *t, uint8_t tier)
 {
@@ -618,6 +714,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_bad_geometry_and_policy, setup, teardown),
         cmocka_unit_test_setup_teardown(test_demotion_after_the_reply, setup, teardown),
         cmocka_unit_test_setup_teardown(test_decision_without_the_lock, setup_large, teardown),
+        cmocka_unit_test_setup_teardown(test_revive_in_background, setup_background, teardown),
         cmocka_unit_test_setup_teardown(test_int8_victims_give_way_under_pressure, setup_small,
                                         teardown),
     };
