@@ -276,6 +276,7 @@ void seq_set_demote_after_step(seq *s, int on);
 typedef struct seq_demote_job seq_demote_job;
 status_code seq_demote_plan(seq *s, uint64_t epoch, seq_demote_job **job, status *st);
 int seq_demote_fill(seq_demote_job *job);
+size_t seq_demote_tokens(const seq_demote_job *job); /* the tokens it quantises */
 status_code seq_demote_finish(seq_demote_job *job, int fill_rc, status *st);
 status_code seq_demote_due(seq *s, uint64_t epoch, status *st);
 

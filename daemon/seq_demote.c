@@ -221,6 +221,14 @@ status_code seq_demote_plan(seq *s, uint64_t epoch, seq_demote_job **out, status
     return ST_OK;
 }
 
+size_t seq_demote_tokens(const seq_demote_job *j)
+{
+    size_t m = 0;
+    for (size_t i = 0; i < j->nlists; i++)
+        m += demoted_count(&j->lists[i]) + j->lists[i].vm;
+    return m;
+}
+
 int seq_demote_fill(seq_demote_job *j)
 {
     /* seq_quantize_into takes its tokens through an index: moved[] in order. */

@@ -1791,19 +1791,16 @@ static void revive_publish(store *st, session *se, seq *q, const seq_revive_requ
              by[POLICY_INT8], by[POLICY_INT4], by[POLICY_INT2], by[POLICY_SKETCH]);
 }
 
+int store_move_copy(const store *st, size_t bytes, int (*fill)(void *), void *job,
+                    int *in_background)
+{
+    background *b = bytes >= st->cfg.move_background_bytes ? st->background : NULL;
+    return background_run(b, fill, job, in_background);
+}
+
 static int revive_fill_job(void *job)
 {
     return seq_revive_fill(job);
-}
-
-/* Not under the lock: the copy, on a background thread when it is large
- * enough to be worth one (store_config.move_priority); *in_background
- * says whether it was. */
-static int revive_fill(const store *st, seq_revive_job *job, int *in_background)
-{
-    size_t bytes = seq_revive_blocks(job) * seq_pool(seq_revive_seq(job))->block_bytes;
-    background *b = bytes >= st->cfg.move_background_bytes ? st->background : NULL;
-    return background_run(b, revive_fill_job, job, in_background);
 }
 
 /* Lock held: fetch what a Revive needs from the remote tier and copy,
@@ -1827,7 +1824,8 @@ static status_code revive_copy(store *st, uint64_t seq_id, seq_revive_job *job, 
     store_unlock(st);
     status_code rc = store_revive_fetch(st, job, s);
     int in_background = 0;
-    *fill_rc = rc == ST_OK ? revive_fill(st, job, &in_background) : -1;
+    size_t bytes = seq_revive_blocks(job) * seq_pool(seq_revive_seq(job))->block_bytes;
+    *fill_rc = rc == ST_OK ? store_move_copy(st, bytes, revive_fill_job, job, &in_background) : -1;
     pthread_mutex_lock(&st->lock);
     st->background_moves += (uint64_t)in_background;
     store_move_end(st, seq_id);

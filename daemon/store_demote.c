@@ -13,7 +13,8 @@
  * sequence waits until the demotion is published (store_lock_seq), so what
  * it sees is what a demotion inside the step gave; while the worker
  * computes its next token, the demotion runs beside it. Other sequences
- * never wait for it.
+ * never wait for it, nor, on a busy host, for a CPU it takes: a large
+ * quantisation runs on a background thread (store_move_copy).
  */
 #include <pthread.h>
 #include <sched.h>
@@ -33,6 +34,11 @@ static int demotion_pop(store *st, seq **out)
     return 1;
 }
 
+static int demotion_fill(void *job)
+{
+    return seq_demote_fill(job);
+}
+
 /* Lock held, and again on return: plan q's demotion, quantise without
  * the lock, publish under it and wake q's callers. q is moving: its epoch
  * is its step's, which the worker may hold, and the demotion publishes the
@@ -44,9 +50,13 @@ static void demotion_run(store *st, seq *q)
     seq_demote_job *job = NULL;
     status s = {ST_OK, ""};
     if (seq_demote_plan(q, seq_epoch(q) + 1, &job, &s) == ST_OK && job != NULL) {
+        const pool_geometry *g = &seq_pool(q)->geom;
+        size_t bytes = seq_demote_tokens(job) * (seq_pool(q)->block_bytes / g->block_tokens);
+        int in_background = 0;
         pthread_mutex_unlock(&st->lock);
-        int rc = seq_demote_fill(job);
+        int rc = store_move_copy(st, bytes, demotion_fill, job, &in_background);
         pthread_mutex_lock(&st->lock);
+        st->background_moves += (uint64_t)in_background;
         seq_demote_finish(job, rc, &s);
     }
     if (s.code != ST_OK)

@@ -25,6 +25,7 @@ typedef struct fixture {
     char token[STORE_TOKEN_LEN + 1];
     uint64_t pool_id;
     uint32_t block_count;
+    int background; /* store_config.move_priority runs large copies on its threads */
 } fixture;
 
 static const pool_geometry small_geom = {2, 4, 2, 8, 4, POOL_FP32, 0};
@@ -34,6 +35,7 @@ static int setup_config(void **state, const store_config *cfg)
     static fixture f;
     memset(&f, 0, sizeof f);
     assert_non_null(f.st = store_create(cfg, NULL));
+    f.background = cfg->move_priority != BACKGROUND_NORMAL;
     status s;
     assert_int_equal(store_session_open(f.st, 100, 1000, 1000, 1, f.token, &s), ST_OK);
     store_attach_result r;
@@ -502,7 +504,8 @@ static void revive_and_check(fixture *f, uint64_t id, uint32_t first, uint32_t n
 
 /* A Revive's copy of store_config.move_background_bytes or more runs on a
  * background thread (background.h), a smaller one on the caller's; both
- * give back what the sequence holds. */
+ * give back what the sequence holds. (test_demotion_after_the_reply runs
+ * with this fixture too: a demotion's quantisation goes the same way.) */
 static void test_revive_in_background(void **state)
 {
     fixture *f = *state;
@@ -566,6 +569,8 @@ static void test_demotion_after_the_reply(void **state)
     assert_int_equal(store_epoch(f->st, f->token, id, t.epoch, &now, &s), ST_OK);
     assert_int_equal(seq_retired_blocks(q, &r), 0);
     store_table_free(&t);
+    /* 72 tokens of 128 bytes: a background thread's, when there are some */
+    assert_int_equal(store_background_moves(f->st), f->background);
 }
 
 /* What the other thread of test_decision_without_the_lock saw. */
@@ -713,6 +718,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_reclaim_frees_everything, setup, teardown),
         cmocka_unit_test_setup_teardown(test_bad_geometry_and_policy, setup, teardown),
         cmocka_unit_test_setup_teardown(test_demotion_after_the_reply, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_demotion_after_the_reply, setup_background, teardown),
         cmocka_unit_test_setup_teardown(test_decision_without_the_lock, setup_large, teardown),
         cmocka_unit_test_setup_teardown(test_revive_in_background, setup_background, teardown),
         cmocka_unit_test_setup_teardown(test_int8_victims_give_way_under_pressure, setup_small,
