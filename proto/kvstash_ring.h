@@ -133,6 +133,7 @@ typedef struct ring_append_moves {
 typedef struct ring_moved_run {
     uint32_t list, first, count, block, first_slot, tier;
 } ring_moved_run;
+
 typedef struct ring_request {
     uint32_t op;
     uint32_t arrays; /* STEP: which statistics arrays it carries (kvstash_step.h STEP_*) */
