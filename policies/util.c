@@ -123,12 +123,13 @@ POLICY_HOT int policy_tiers_count(const uint8_t *tier, size_t n, uint32_t counts
     return other != 0;
 }
 
-POLICY_HOT int policy_tiers_keep_or_evict(const uint8_t *tier, size_t n, uint32_t *nevict)
+POLICY_HOT int policy_tiers_keep_or_evict(const uint8_t *tier, size_t n, uint8_t keep,
+                                          uint32_t *nevict)
 {
     uint8_t other = 0;
     uint32_t evict = 0;
     for (size_t i = 0; i < n; i++) {
-        other |= tier[i] != POLICY_FULL && tier[i] != POLICY_EVICT;
+        other |= tier[i] != keep && tier[i] != POLICY_EVICT;
         evict += tier[i] == POLICY_EVICT;
     }
     *nevict = evict;

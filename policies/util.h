@@ -75,12 +75,13 @@ int policy_has_nan(const double *x, size_t n);
 void policy_mean_rows(const float *const *rows, uint32_t nrows, size_t n, double *out);
 
 /*
- * Whether a decision's n tiers only keep at full precision or evict (every
- * one POLICY_FULL or POLICY_EVICT), and *nevict, how many evict: one
- * vectorised pass, for the daemon's common step (seq_apply.c), which asks
- * it of every list at every step.
+ * Whether a decision's n tiers only keep in tier `keep` or evict (every
+ * one `keep` or POLICY_EVICT), and *nevict, how many evict: one vectorised
+ * pass, for the daemon's common step (seq_apply.c), which asks it of every
+ * list at every step (keep POLICY_FULL), and of each run of a stored tier
+ * of a list with quantised segments before counting its tiers.
  */
-int policy_tiers_keep_or_evict(const uint8_t *tier, size_t n, uint32_t *nevict);
+int policy_tiers_keep_or_evict(const uint8_t *tier, size_t n, uint8_t keep, uint32_t *nevict);
 
 /*
  * How many of the n tiers are each policy_tier, added to counts[]; 1 when

@@ -689,6 +689,36 @@ static void test_tiers_count(void **unused)
     }
 }
 
+/* policy_tiers_keep_or_evict says whether every tier is `keep` or
+ * POLICY_EVICT and counts the evictions, for every kept tier, at lengths
+ * around the vector widths, with one other value anywhere (or none). */
+static void test_tiers_keep_or_evict(void **unused)
+{
+    (void)unused;
+    uint8_t t[200];
+    for (uint8_t keep = 0; keep < POLICY_TIERS; keep++) {
+        if (keep == POLICY_EVICT)
+            continue;
+        for (size_t n = 0; n <= sizeof t; n += n < 70 ? 1 : 13) {
+            uint32_t want = 0, got = 12345;
+            for (size_t i = 0; i < n; i++) {
+                t[i] = (i * 7 + i / 5) % 3 == 0 ? POLICY_EVICT : keep;
+                want += t[i] == POLICY_EVICT;
+            }
+            assert_int_equal(policy_tiers_keep_or_evict(t, n, keep, &got), 1);
+            assert_int_equal(got, want);
+            for (size_t other = 0; other < n; other += 1 + other / 3) {
+                uint8_t was = t[other];
+                t[other] = (uint8_t)((keep + 1 + other % 4) % (POLICY_TIERS + 1));
+                if (t[other] == POLICY_EVICT || t[other] == keep)
+                    t[other] = POLICY_TIERS; /* no tier at all */
+                assert_int_equal(policy_tiers_keep_or_evict(t, n, keep, &got), 0);
+                t[other] = was;
+            }
+        }
+    }
+}
+
 /* policy_mean_rows is each token's rows summed one after another in double,
  * then divided: bit for bit, for inputs whose sum depends on the order
  * (signs and magnitudes from 2^-40 to 2^40), at lengths around its blocks. */
@@ -980,6 +1010,7 @@ int main(void)
         cmocka_unit_test(test_params_parse_typed),
         cmocka_unit_test(test_full_keeps_everything),
         cmocka_unit_test(test_tiers_count),
+        cmocka_unit_test(test_tiers_keep_or_evict),
         cmocka_unit_test(test_mean_rows_in_row_order),
         cmocka_unit_test(test_streaming_one_at_a_time),
         cmocka_unit_test(test_streaming_prefill_then_decode),
