@@ -1662,15 +1662,34 @@ static int decide(void *job)
     return 0;
 }
 
+/* A long decision, on a background thread when there are some
+ * (store_move_copy: it takes milliseconds, as a large copy). */
+typedef struct background_decision {
+    const store *st;
+    seq_step_job *job;
+    int in_background;
+} background_decision;
+
+static int decide_in_background(void *arg)
+{
+    background_decision *d = arg;
+    return store_move_copy(d->st, d->st->cfg.move_background_bytes, decide, d->job,
+                           &d->in_background);
+}
+
 /* Lock held: q's policy decides, without the lock when its lists are long
  * enough for the decision to hold up other sequences (issue 16 §3) and q
- * can be marked moving; a short one costs less than letting go. */
+ * can be marked moving, and then at --move-priority; a short one costs
+ * less than letting go. */
 static void step_decide(store *st, seq *q, seq_step_job *job)
 {
-    if (seq_tokens_held(q) >= STORE_UNLOCKED_DECISION_TOKENS)
-        store_copy_unlocked(st, seq_id_of(q), decide, job);
-    else
+    if (seq_tokens_held(q) >= STORE_UNLOCKED_DECISION_TOKENS) {
+        background_decision d = {st, job, 0};
+        store_copy_unlocked(st, seq_id_of(q), decide_in_background, &d);
+        st->background_moves += (uint64_t)d.in_background;
+    } else {
         seq_step_decide(job);
+    }
 }
 
 status_code store_step(store *st, const char *token, uint64_t seq_id, uint64_t ack_epoch,

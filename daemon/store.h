@@ -54,9 +54,10 @@ typedef struct store_config {
     uint32_t policy_threads;
     uint64_t policy_parallel_tokens;
     /* A Revive's copy or a demotion's quantisation of move_background_bytes
-     * or more (at full precision) runs on a thread of priority move_priority
-     * (background.h: the workers' steps come first); BACKGROUND_NORMAL (0)
-     * keeps them on the calling thread. */
+     * or more (at full precision), and a step's decision without the lock
+     * (STORE_UNLOCKED_DECISION_TOKENS), run on a thread of priority
+     * move_priority (background.h: the workers' steps come first);
+     * BACKGROUND_NORMAL (0) keeps them on the calling thread. */
     background_priority move_priority;
     size_t move_background_bytes;
 } store_config;
@@ -471,8 +472,8 @@ status_code store_revive(store *st, const char *token, uint64_t seq_id,
                          const seq_revive_request *req, store_revive_result *out, status *s);
 void store_revive_result_free(store_revive_result *r);
 
-/* How many Revive copies and demotions have run on a background thread
- * (store_config.move_priority). */
+/* How many Revive copies, demotions and decisions have run on a
+ * background thread (store_config.move_priority). */
 uint64_t store_background_moves(store *st);
 
 /* Give a Revive's scratch blocks back to the pool. */

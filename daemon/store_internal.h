@@ -222,10 +222,10 @@ int store_demote_later(store *st, seq *q);
 int store_is_operator(const store *st, uid_t uid);
 
 /* Not under the lock: a move's copy or quantisation fill(job) of `bytes`
- * (what it reads at full precision), on a background thread when it is
- * large enough to be worth one (store_config.move_priority,
- * move_background_bytes); returns fill's result, *in_background whether
- * it ran there. */
+ * (what it reads at full precision), or a long decision, on a background
+ * thread when it is large enough to be worth one
+ * (store_config.move_priority, move_background_bytes); returns fill's
+ * result, *in_background (may be NULL) whether it ran there. */
 int store_move_copy(const store *st, size_t bytes, int (*fill)(void *), void *job,
                     int *in_background);
 

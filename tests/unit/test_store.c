@@ -59,15 +59,25 @@ static int setup(void **state)
 }
 
 /* A Revive's copy of 4 blocks or more on a background thread. */
-static int setup_background(void **state)
+static int setup_background_pool(void **state, size_t pool_bytes)
 {
-    store_config cfg = {.pool_bytes = 1 << 20,
+    store_config cfg = {.pool_bytes = pool_bytes,
                         .max_pools = 4,
                         .max_sessions = 16,
                         .max_seqs = 64,
                         .move_priority = BACKGROUND_IDLE,
                         .move_background_bytes = 4 * 512};
     return setup_config(state, &cfg);
+}
+
+static int setup_background(void **state)
+{
+    return setup_background_pool(state, 1 << 20);
+}
+
+static int setup_background_large(void **state)
+{
+    return setup_background_pool(state, 64 << 20);
 }
 
 /* 128 blocks of 512 bytes: small enough to run out of quickly. */
@@ -703,6 +713,9 @@ static void test_decision_without_the_lock(void **state)
     assert_int_equal(c.own_failures, 0);
     assert_true(c.own_steps > 0);
     assert_int_equal(snapshot_tokens(f->st, c.long_id, &found), c.long_tokens);
+    /* Every step of the long sequence decided on a background thread, when
+     * there are some (the prefill's among them). */
+    assert_int_equal(store_background_moves(f->st), f->background ? (uint64_t)steps + 1 : 0);
 }
 
 int main(void)
@@ -720,6 +733,8 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_demotion_after_the_reply, setup, teardown),
         cmocka_unit_test_setup_teardown(test_demotion_after_the_reply, setup_background, teardown),
         cmocka_unit_test_setup_teardown(test_decision_without_the_lock, setup_large, teardown),
+        cmocka_unit_test_setup_teardown(test_decision_without_the_lock, setup_background_large,
+                                        teardown),
         cmocka_unit_test_setup_teardown(test_revive_in_background, setup_background, teardown),
         cmocka_unit_test_setup_teardown(test_int8_victims_give_way_under_pressure, setup_small,
                                         teardown),
