@@ -64,11 +64,11 @@ static const config_option options[] = {
      "independent (all but streaming, full and ov_block) and sequences of "
      "256k tokens or more over all layers; 1 = the step's own thread (default 2)"},
     {"move-priority", CONFIG_PRIORITY, 0, 0,
-     "the priority of one sequence's long work: a Revive's copy or a demotion's quantisation "
-     "of 1 MiB or more, a step's decision over 32k tokens or more; on threads of their own: "
-     "idle (SCHED_IDLE: the CPUs no step wants; the default), low (nice 19) or normal (on the "
-     "thread that serves the call or the demoter's, as every step). On a busy host, below "
-     "normal the other workers' steps go first and that sequence's worker waits "
+     "the priority of one sequence's long work: a Revive's copy of 1 MiB or more, a prompt's "
+     "decision over 32k tokens or more and its demotion of 1 MiB or more; on threads of their "
+     "own: idle (SCHED_IDLE: the CPUs no step wants; the default), low (nice 19) or normal "
+     "(on the thread that serves the call or the demoter's, as every decode step). On a busy "
+     "host, below normal the other workers' steps go first and that sequence's worker waits "
      "(docs/architecture.md)"},
     {"log-level", CONFIG_LEVEL, 0, 0, "debug, info, warn or error (default info)"},
     {"metrics", CONFIG_ADDR, 0, 0,

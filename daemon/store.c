@@ -376,9 +376,9 @@ static int demote_fill(void *job)
  * step's epoch when the step changed the tables (epoch0: q's epoch before
  * the step). A demotion that cannot run waits for the next step: the step
  * still succeeds. */
-static void demote_due(store *st, seq *q, uint64_t epoch0)
+static void demote_due(store *st, seq *q, uint64_t epoch0, int prefill)
 {
-    if (!seq_demote_is_due(q) || store_demote_later(st, q))
+    if (!seq_demote_is_due(q) || store_demote_later(st, q, prefill))
         return;
     uint64_t epoch = seq_epoch(q) > epoch0 ? seq_epoch(q) : seq_epoch(q) + 1;
     seq_demote_job *job;
@@ -1662,7 +1662,7 @@ static int decide(void *job)
     return 0;
 }
 
-/* A long decision, on a background thread when there are some
+/* A prompt's long decision, on a background thread when there are some
  * (store_move_copy: it takes milliseconds, as a large copy). */
 typedef struct background_decision {
     const store *st;
@@ -1679,14 +1679,17 @@ static int decide_in_background(void *arg)
 
 /* Lock held: q's policy decides, without the lock when its lists are long
  * enough for the decision to hold up other sequences (issue 16 §3) and q
- * can be marked moving, and then at --move-priority; a short one costs
- * less than letting go. */
-static void step_decide(store *st, seq *q, seq_step_job *job)
+ * can be marked moving; a short one costs less than letting go. A
+ * prompt's runs at --move-priority; a decode step's, which the worker
+ * waits for at every token, at the serving thread's. */
+static void step_decide(store *st, seq *q, seq_step_job *job, int prefill)
 {
-    if (seq_tokens_held(q) >= STORE_UNLOCKED_DECISION_TOKENS) {
+    if (seq_tokens_held(q) >= STORE_UNLOCKED_DECISION_TOKENS && prefill) {
         background_decision d = {st, job, 0};
         store_copy_unlocked(st, seq_id_of(q), decide_in_background, &d);
         st->background_moves += (uint64_t)d.in_background;
+    } else if (seq_tokens_held(q) >= STORE_UNLOCKED_DECISION_TOKENS) {
+        store_copy_unlocked(st, seq_id_of(q), decide, job);
     } else {
         seq_step_decide(job);
     }
@@ -1711,11 +1714,11 @@ status_code store_step(store *st, const char *token, uint64_t seq_id, uint64_t a
         seq_step_job *job;
         rc = seq_step_plan(q, in, &job, s);
         if (rc == ST_OK) {
-            step_decide(st, q, job);
+            step_decide(st, q, job, in->prefill);
             rc = seq_step_finish(job, evicted, s);
         }
         if (rc == ST_OK)
-            demote_due(st, q, epoch0);
+            demote_due(st, q, epoch0, in->prefill);
         if (mm != NULL && lists_view(q, &after) == 0)
             metrics_mass_end(st->metrics, mm, seq_policy(q), &after, rc == ST_OK);
         else

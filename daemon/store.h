@@ -53,11 +53,13 @@ typedef struct store_config {
      * tokens it must hold for more than one (policy_host_set_threads). */
     uint32_t policy_threads;
     uint64_t policy_parallel_tokens;
-    /* A Revive's copy or a demotion's quantisation of move_background_bytes
-     * or more (at full precision), and a step's decision without the lock
-     * (STORE_UNLOCKED_DECISION_TOKENS), run on a thread of priority
+    /* A Revive's copy, and a prompt's demotion, of move_background_bytes
+     * or more (at full precision), and a prompt's decision without the
+     * lock (STORE_UNLOCKED_DECISION_TOKENS), run on a thread of priority
      * move_priority (background.h: the workers' steps come first);
-     * BACKGROUND_NORMAL (0) keeps them on the calling thread. */
+     * BACKGROUND_NORMAL (0) keeps them on the calling thread. A decode
+     * step's work, which its worker waits for at every token, always
+     * does. */
     background_priority move_priority;
     size_t move_background_bytes;
 } store_config;

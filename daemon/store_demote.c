@@ -13,8 +13,8 @@
  * sequence waits until the demotion is published (store_lock_seq), so what
  * it sees is what a demotion inside the step gave; while the worker
  * computes its next token, the demotion runs beside it. Other sequences
- * never wait for it, nor, on a busy host, for a CPU it takes: a large
- * quantisation runs on a background thread (store_move_copy).
+ * never wait for it, nor, on a busy host, for a CPU a prompt's takes: its
+ * quantisation, when large, runs on a background thread (store_move_copy).
  */
 #include <pthread.h>
 #include <sched.h>
@@ -23,8 +23,8 @@
 #include "log.h"
 #include "store_internal.h"
 
-/* Lock held: the oldest queued demotion's sequence, or 0 when none. */
-static int demotion_pop(store *st, seq **out)
+/* Lock held: the oldest queued demotion, or 0 when none. */
+static int demotion_pop(store *st, store_demotion *out)
 {
     if (st->ndemotions == 0)
         return 0;
@@ -44,7 +44,7 @@ static int demotion_fill(void *job)
  * is its step's, which the worker may hold, and the demotion publishes the
  * next. A demotion that cannot run (no blocks, no memory) waits for the
  * next step, its tokens still due. */
-static void demotion_run(store *st, seq *q)
+static void demotion_run(store *st, seq *q, int background)
 {
     uint64_t seq_id = seq_id_of(q);
     seq_demote_job *job = NULL;
@@ -54,7 +54,8 @@ static void demotion_run(store *st, seq *q)
         size_t bytes = seq_demote_tokens(job) * (seq_pool(q)->block_bytes / g->block_tokens);
         int in_background = 0;
         pthread_mutex_unlock(&st->lock);
-        int rc = store_move_copy(st, bytes, demotion_fill, job, &in_background);
+        int rc = background ? store_move_copy(st, bytes, demotion_fill, job, &in_background)
+                            : demotion_fill(job);
         pthread_mutex_lock(&st->lock);
         st->background_moves += (uint64_t)in_background;
         seq_demote_finish(job, rc, &s);
@@ -72,11 +73,11 @@ static void *demoter_main(void *arg)
      * it, which has a step's reply to send. */
     struct sched_param none = {0};
     pthread_setschedparam(pthread_self(), SCHED_BATCH, &none);
-    seq *q;
+    store_demotion d;
     pthread_mutex_lock(&st->lock);
     for (;;) {
-        if (demotion_pop(st, &q)) {
-            demotion_run(st, q);
+        if (demotion_pop(st, &d)) {
+            demotion_run(st, d.q, d.background);
             store_unlock(st); /* a snapshot may show the demotion */
             pthread_mutex_lock(&st->lock);
         } else if (st->demoter_stop) {
@@ -120,12 +121,12 @@ void store_demoter_stop(store *st)
     st->demotions = NULL;
 }
 
-int store_demote_later(store *st, seq *q)
+int store_demote_later(store *st, seq *q, int background)
 {
     if (!st->demoter_running || st->demoter_stop || !store_move_begin(st, seq_id_of(q)))
         return 0;
     size_t tail = (st->demotions_head + st->ndemotions) % STORE_MAX_MOVES;
-    st->demotions[tail] = q;
+    st->demotions[tail] = (store_demotion){q, background};
     st->ndemotions++;
     pthread_cond_signal(&st->demote_wake);
     return 1;

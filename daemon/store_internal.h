@@ -69,6 +69,15 @@ struct session {
  * letting go of the lock and taking it again costs. */
 #define STORE_UNLOCKED_DECISION_TOKENS 32768
 
+/* A queued demotion: its sequence, and whether its quantisation may run
+ * on the background threads (store_move_copy): a prompt's, which is
+ * large; a decode step's, which the worker's next call waits for, runs
+ * at the demoter's own priority. */
+typedef struct store_demotion {
+    seq *q;
+    int background;
+} store_demotion;
+
 struct store {
     pthread_mutex_t lock;
     /* The sequences moving without the lock (a Revive's copy, a demotion,
@@ -88,7 +97,7 @@ struct store {
     /* Sequences whose steps left demotions due, planned and quantised by
      * the demoter thread after the step's reply (store_demote.c): a FIFO of
      * at most STORE_MAX_MOVES, each marked moving. */
-    seq **demotions;
+    store_demotion *demotions;
     size_t ndemotions, demotions_head;
     int demoter_running, demoter_stop;
     pthread_cond_t demote_wake;
@@ -216,7 +225,7 @@ int store_copy_unlocked(store *st, uint64_t seq_id, int (*copy)(void *), void *j
  */
 int store_demoter_start(store *st);
 void store_demoter_stop(store *st);
-int store_demote_later(store *st, seq *q);
+int store_demote_later(store *st, seq *q, int background);
 
 /* Whether uid is an operator's (store_set_operators). */
 int store_is_operator(const store *st, uid_t uid);
