@@ -364,7 +364,7 @@ int store_copy_unlocked(store *st, uint64_t seq_id, int (*copy)(void *), void *j
     return rc;
 }
 
-static int demote_fill(void *job)
+int store_demote_fill(void *job)
 {
     return seq_demote_fill(job);
 }
@@ -385,7 +385,7 @@ static void demote_due(store *st, seq *q, uint64_t epoch0, int prefill)
     status s = {0};
     if (seq_demote_plan(q, epoch, &job, &s) == ST_OK && job != NULL) {
         seq_step_cuts_forget(q); /* the step's answer is no longer its cuts alone */
-        seq_demote_finish(job, store_copy_unlocked(st, seq_id_of(q), demote_fill, job), &s);
+        seq_demote_finish(job, store_copy_unlocked(st, seq_id_of(q), store_demote_fill, job), &s);
     }
     if (s.code != ST_OK)
         log_warn("demote_deferred", "seq=%llu reason=\"%s\"", (unsigned long long)seq_id_of(q),
@@ -1684,14 +1684,14 @@ static int decide_in_background(void *arg)
  * waits for at every token, at the serving thread's. */
 static void step_decide(store *st, seq *q, seq_step_job *job, int prefill)
 {
-    if (seq_tokens_held(q) >= STORE_UNLOCKED_DECISION_TOKENS && prefill) {
+    if (seq_tokens_held(q) < STORE_UNLOCKED_DECISION_TOKENS) {
+        seq_step_decide(job);
+    } else if (!prefill) {
+        store_copy_unlocked(st, seq_id_of(q), decide, job);
+    } else {
         background_decision d = {st, job, 0};
         store_copy_unlocked(st, seq_id_of(q), decide_in_background, &d);
         st->background_moves += (uint64_t)d.in_background;
-    } else if (seq_tokens_held(q) >= STORE_UNLOCKED_DECISION_TOKENS) {
-        store_copy_unlocked(st, seq_id_of(q), decide, job);
-    } else {
-        seq_step_decide(job);
     }
 }
 

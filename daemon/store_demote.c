@@ -34,11 +34,6 @@ static int demotion_pop(store *st, store_demotion *out)
     return 1;
 }
 
-static int demotion_fill(void *job)
-{
-    return seq_demote_fill(job);
-}
-
 /* Lock held, and again on return: plan q's demotion, quantise without
  * the lock, publish under it and wake q's callers. q is moving: its epoch
  * is its step's, which the worker may hold, and the demotion publishes the
@@ -54,8 +49,8 @@ static void demotion_run(store *st, seq *q, int background)
         size_t bytes = seq_demote_tokens(job) * (seq_pool(q)->block_bytes / g->block_tokens);
         int in_background = 0;
         pthread_mutex_unlock(&st->lock);
-        int rc = background ? store_move_copy(st, bytes, demotion_fill, job, &in_background)
-                            : demotion_fill(job);
+        int rc = background ? store_move_copy(st, bytes, store_demote_fill, job, &in_background)
+                            : store_demote_fill(job);
         pthread_mutex_lock(&st->lock);
         st->background_moves += (uint64_t)in_background;
         seq_demote_finish(job, rc, &s);

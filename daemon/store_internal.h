@@ -238,4 +238,8 @@ int store_is_operator(const store *st, uid_t uid);
 int store_move_copy(const store *st, size_t bytes, int (*fill)(void *), void *job,
                     int *in_background);
 
+/* seq_demote_fill(job), as a copy for store_copy_unlocked and
+ * store_move_copy. */
+int store_demote_fill(void *job);
+
 #endif
