@@ -1,14 +1,13 @@
 /*
  * background.h - work that must not take a CPU from the workers' steps.
  *
- * A tier move a worker asked for (a Revive's copy: milliseconds for a few
- * thousand tokens) competes for the CPUs with every other worker's ring
- * thread. On a host with fewer free CPUs than busy threads, a step whose
- * ring thread loses its CPU to such a copy waits for a scheduler slice,
- * milliseconds, though nothing it needs is locked (issue 16 §3). Run at a
- * lower priority, the copy still has every CPU no step wants, and gives
- * one up as soon as a step does: the sequence that moves waits, not the
- * others.
+ * One sequence's long work (a Revive's copy: milliseconds for a few
+ * thousand tokens; a long prompt's decision or demotion) competes for the
+ * CPUs with every other worker's ring thread. On a host with fewer free CPUs than busy threads, a
+ * step whose ring thread loses its CPU to such a copy waits for a scheduler slice, milliseconds,
+ * though nothing it needs is locked (issue 16 §3). Run at a lower priority, the copy still has
+ * every CPU no step wants, and gives one up as soon as a step does: the sequence that moves waits,
+ * not the others.
  *
  * The work goes to a few threads that keep their priority for the
  * daemon's life: an unprivileged thread cannot raise its own again, and a

@@ -47,7 +47,7 @@ typedef struct daemon_config {
      * (the default: quarantine on cuda, free on host and shadow);
      * config_lease_end_quarantine resolves it. */
     char lease_end[12];
-    char move_priority[8];    /* a large Revive's copy: background.h's names */
+    char move_priority[8];    /* one sequence's long work: background.h's names */
     char metrics[128];        /* HTTP /metrics address, "" = none */
     int metrics_allow_remote; /* serve /metrics on a non-loopback address */
     int dumpable;             /* stay dumpable (main.c: PR_SET_DUMPABLE), for debugging */

@@ -67,7 +67,7 @@ typedef struct store_config {
 /* kvstashd's move_background_bytes: a copy of 1 MiB takes a few hundred
  * microseconds, a hand-over to a background thread and back tens. */
 #define STORE_BACKGROUND_MOVE_BYTES (1u << 20)
-/* The background threads: as many Revives copy at once. */
+/* The background threads: as many sequences' long work runs at once. */
 #define STORE_BACKGROUND_THREADS 2
 
 typedef struct store store;

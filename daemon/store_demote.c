@@ -45,11 +45,12 @@ static void demotion_run(store *st, seq *q, int background)
     seq_demote_job *job = NULL;
     status s = {ST_OK, ""};
     if (seq_demote_plan(q, seq_epoch(q) + 1, &job, &s) == ST_OK && job != NULL) {
-        const pool_geometry *g = &seq_pool(q)->geom;
-        size_t bytes = seq_demote_tokens(job) * (seq_pool(q)->block_bytes / g->block_tokens);
+        const pool *p = seq_pool(q);
+        size_t token_bytes = p->block_bytes / p->geom.block_tokens;
         int in_background = 0;
         pthread_mutex_unlock(&st->lock);
-        int rc = background ? store_move_copy(st, bytes, store_demote_fill, job, &in_background)
+        int rc = background ? store_move_copy(st, seq_demote_tokens(job) * token_bytes,
+                                              store_demote_fill, job, &in_background)
                             : store_demote_fill(job);
         pthread_mutex_lock(&st->lock);
         st->background_moves += (uint64_t)in_background;

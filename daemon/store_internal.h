@@ -91,7 +91,7 @@ struct store {
     uint32_t move_waiters;
     pthread_cond_t moved;
     /* The threads of store_config.move_priority (NULL: none), and the
-     * copies they ran (store_background_moves). */
+     * work they ran (store_background_moves). */
     background *background;
     uint64_t background_moves;
     /* Sequences whose steps left demotions due, planned and quantised by
