@@ -889,31 +889,46 @@ static ssize_t list_plan_cuts(const seq_list *ly, const uint8_t *tier, uint32_t 
     return (ssize_t)ncuts;
 }
 
-/* Apply one cut (segments after cut->seg move, with their tiers). A block
- * whose only segment goes is put in gone[]. */
-static void list_apply_cut(seq_list *ly, const seg_cut *c, uint32_t *gone, size_t *ngone)
+/* Room list_apply_cuts needs for the segments it rebuilds: those from the
+ * first cut's to the last's, and one more for each cut (a split). */
+static size_t cuts_room(const seg_cut *cuts, size_t ncuts)
 {
-    kv_segment *g = &ly->segs[c->seg];
-    uint8_t *gt = &ly->seg_tier[c->seg];
-    size_t after = ly->nsegs - c->seg - 1;
-    if (c->t == 0 && c->take == g->count) {
-        gone[(*ngone)++] = g->block;
-        memmove(g, g + 1, after * sizeof *g);
-        memmove(gt, gt + 1, after);
-        ly->nsegs--;
-    } else if (c->t == 0) {
-        g->first_slot += c->take;
-        g->count -= c->take;
-    } else if (c->t + c->take == g->count) {
-        g->count -= c->take;
-    } else { /* from the middle: the segment splits in two */
-        memmove(g + 2, g + 1, after * sizeof *g);
-        memmove(gt + 2, gt + 1, after);
-        g[1] = (kv_segment){g->block, g->first_slot + c->t + c->take, g->count - c->t - c->take};
-        gt[1] = gt[0];
-        g->count = c->t;
-        ly->nsegs++;
+    return ncuts == 0 ? 0 : cuts[ncuts - 1].seg - cuts[0].seg + 1 + ncuts;
+}
+
+/* Apply the cuts (in segment order, as list_plan_cuts plans them) in one
+ * pass: the segments from the first cut's to the last's are rebuilt from
+ * their kept pieces in out[] (cuts_room), with their tiers, and those after
+ * the last move once. A prompt cuts thousands of times: a memmove of every
+ * later segment per cut was quadratic. A block whose segment goes whole is
+ * put in gone[]. */
+static void list_apply_cuts(seq_list *ly, const seg_cut *cuts, size_t ncuts, kv_segment *out,
+                            uint8_t *out_tier, uint32_t *gone, size_t *ngone)
+{
+    if (ncuts == 0)
+        return;
+    size_t first = cuts[0].seg, last = cuts[ncuts - 1].seg, nout = 0;
+    for (size_t c = 0, j = first; j <= last; j++) {
+        kv_segment g = ly->segs[j];
+        size_t pieces = nout;
+        uint32_t from = 0; /* the segment's first token not placed yet */
+        for (; c < ncuts && cuts[c].seg == j; c++) {
+            if (cuts[c].t > from)
+                out[nout++] = (kv_segment){g.block, g.first_slot + from, cuts[c].t - from};
+            from = cuts[c].t + cuts[c].take;
+        }
+        if (from < g.count)
+            out[nout++] = (kv_segment){g.block, g.first_slot + from, g.count - from};
+        memset(out_tier + pieces, ly->seg_tier[j], nout - pieces);
+        if (nout == pieces)
+            gone[(*ngone)++] = g.block;
     }
+    size_t after = ly->nsegs - last - 1;
+    memmove(&ly->segs[first + nout], &ly->segs[last + 1], after * sizeof *ly->segs);
+    memmove(&ly->seg_tier[first + nout], &ly->seg_tier[last + 1], after);
+    memcpy(&ly->segs[first], out, nout * sizeof *out);
+    memcpy(&ly->seg_tier[first], out_tier, nout);
+    ly->nsegs = first + nout + after;
 }
 
 /* Whether a segment of the list, or a victim it keeps in the pool
@@ -965,14 +980,17 @@ static int list_cut_in_place(seq *s, seq_list *ly, const uint8_t *tier, uint32_t
     uint32_t *gone = malloc(nevict * sizeof *gone);
     ssize_t ncuts = cuts != NULL && gone != NULL ? list_plan_cuts(ly, tier, n, nevict, cuts) : -2;
     int rc = ncuts == -1 ? 1 : ncuts < 0 ? -1 : 0;
-    if (rc == 0 && (seq_txn_save_list_from(s, ly, ly->noffloaded) != 0 ||
-                    list_reserve(ly, ly->nsegs + nevict) != 0))
+    size_t room = rc == 0 ? cuts_room(cuts, (size_t)ncuts) : 0;
+    kv_segment *out = rc == 0 ? malloc((room ? room : 1) * sizeof *out) : NULL;
+    uint8_t *out_tier = rc == 0 ? malloc(room ? room : 1) : NULL;
+    if (rc == 0 &&
+        (out == NULL || out_tier == NULL || seq_txn_save_list_from(s, ly, ly->noffloaded) != 0 ||
+         list_reserve(ly, ly->nsegs + nevict) != 0))
         rc = -1;
     size_t ngone = 0;
     if (rc == 0) {
         *changed = 1;
-        for (ssize_t c = ncuts - 1; c >= 0; c--) /* the last first: earlier ones stay put */
-            list_apply_cut(ly, &cuts[c], gone, &ngone);
+        list_apply_cuts(ly, cuts, (size_t)ncuts, out, out_tier, gone, &ngone);
         for (ssize_t c = 0; c < ncuts; c++)
             cuts_log(s, (size_t)(ly - s->lists), cuts[c].at, cuts[c].at + cuts[c].take);
     }
@@ -980,6 +998,8 @@ static int list_cut_in_place(seq *s, seq_list *ly, const uint8_t *tier, uint32_t
         rc = list_retire_if_unused(s, ly, gone, ngone, epoch);
     free(cuts);
     free(gone);
+    free(out);
+    free(out_tier);
     return rc;
 }
 
