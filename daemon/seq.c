@@ -389,6 +389,7 @@ struct seq_step_job {
     const policy_decision **d;
     status_code rc; /* the decision's */
     status st;
+    size_t evicted; /* the commit's */
 };
 
 static void step_job_clear(seq_step_job *j)
@@ -446,23 +447,45 @@ static void step_job_decide(seq_step_job *j)
 }
 
 /* The decisions move memory one layer after another; on a failure the
- * caller rolls back. */
-static status_code step_job_apply(seq_step_job *j, uint64_t epoch, uint32_t *evicted, status *st)
+ * caller rolls back. The host's lists stay as the decisions saw them
+ * (step_job_commit). */
+static status_code step_job_apply(seq_step_job *j, uint64_t epoch, int *changed, status *st)
 {
     seq *s = j->s;
-    size_t total = 0;
-    int changed = 0;
     status_code rc = ST_OK;
     seq_cuts_begin(s);
     for (uint32_t l = 0; l < s->nlayers && rc == ST_OK; l++)
-        rc = seq_apply_decision(s, l, j->d[l], epoch, &total, &changed, st);
-    if (rc != ST_OK)
-        return rc;
+        rc = seq_apply_storage(s, l, j->d[l], epoch, changed, st);
+    return rc;
+}
+
+/* Every layer's decision committed to the host's lists, after the storage
+ * followed it. */
+static void step_job_commit(seq_step_job *j)
+{
+    for (uint32_t l = 0; l < j->s->nlayers; l++)
+        j->evicted += policy_host_commit(j->s->host, l);
+}
+
+/* seq_step_finish's work for its runner: the commit, and the end of the
+ * host's transaction (the storage's ended before). Only the host changes,
+ * so it may run without the store's lock, as the decision did. */
+static int step_job_commit_host(void *job)
+{
+    seq_step_job *j = job;
+    step_job_commit(j);
+    policy_host_end(j->s->host);
+    return 0;
+}
+
+/* The step applied and committed: a new epoch if anything changed. */
+static void step_job_end(seq_step_job *j, uint64_t epoch, int changed, uint32_t *evicted)
+{
+    seq *s = j->s;
     s->unstepped = 0;
-    if (total > 0 || changed)
+    if (j->evicted > 0 || changed)
         s->epoch = epoch;
-    *evicted = (uint32_t)total;
-    return ST_OK;
+    *evicted = (uint32_t)j->evicted;
 }
 
 /* Run the policy on every layer and apply its decisions, inside the
@@ -472,10 +495,15 @@ static status_code seq_run_policy(seq *s, const seq_step_input *in, uint64_t epo
                                   uint32_t *evicted, status *st)
 {
     seq_step_job j;
+    int changed = 0;
     status_code rc = step_job_parse(s, in, &j, st);
     if (rc == ST_OK) {
         step_job_decide(&j);
-        rc = j.rc != ST_OK ? (*st = j.st, j.rc) : step_job_apply(&j, epoch, evicted, st);
+        rc = j.rc != ST_OK ? (*st = j.st, j.rc) : step_job_apply(&j, epoch, &changed, st);
+    }
+    if (rc == ST_OK) {
+        step_job_commit(&j);
+        step_job_end(&j, epoch, changed, evicted);
     }
     step_job_clear(&j);
     return rc;
@@ -581,25 +609,34 @@ void seq_step_decide(seq_step_job *job)
     step_job_decide(job);
 }
 
-status_code seq_step_finish(seq_step_job *job, uint32_t *evicted, status *st)
+status_code seq_step_finish(seq_step_job *job, seq_step_runner run, void *ctx, uint32_t *evicted,
+                            status *st)
 {
     seq *s = job->s;
+    uint64_t epoch = s->epoch + 1;
+    int changed = 0;
     *evicted = 0;
-    s->deciding = 0;
     seq_begin(s);
     s->stepping = 1;
-    status_code rc = job->rc != ST_OK ? (*st = job->st, job->rc)
-                                      : step_job_apply(job, s->epoch + 1, evicted, st);
+    status_code rc =
+        job->rc != ST_OK ? (*st = job->st, job->rc) : step_job_apply(job, epoch, &changed, st);
     s->stepping = 0;
+    if (rc == ST_OK) {
+        seq_end_storage(s); /* nothing can fail from here */
+        if (run != NULL)
+            run(ctx, step_job_commit_host, job);
+        else
+            step_job_commit_host(job);
+        step_job_end(job, epoch, changed, evicted);
+    }
+    s->deciding = 0;
     step_job_clear(job);
     free(job);
     if (rc != ST_OK) {
         seq_rollback(s); /* the host's decision too */
         *evicted = 0;
-        return rc;
     }
-    seq_end(s);
-    return ST_OK;
+    return rc;
 }
 
 status_code seq_step(seq *s, const seq_step_input *in, uint32_t *evicted, status *st)
@@ -609,7 +646,7 @@ status_code seq_step(seq *s, const seq_step_input *in, uint32_t *evicted, status
     if (seq_step_plan(s, in, &job, st) != ST_OK)
         return st->code;
     seq_step_decide(job);
-    return seq_step_finish(job, evicted, st);
+    return seq_step_finish(job, NULL, NULL, evicted, st);
 }
 
 static uint64_t seq_blocks_needed(const seq *s, uint32_t count)

@@ -198,12 +198,20 @@ status_code seq_step(seq *s, const seq_step_input *in, uint32_t *evicted, status
  * reads its host (seq_tokens_held answers the count at the plan).
  * seq_step_finish applies the decisions in a transaction, or rolls the
  * host back when the decision failed, and frees the job: after a plan,
- * always exactly one finish, with the lock held.
+ * always exactly one finish, called with the lock held. Once the storage
+ * follows the decisions, the host's commit of them (as long as the
+ * decision at a prompt: its lists' entries compacted) changes only the
+ * host, and finish hands it to run(ctx, work, arg), which must call
+ * work(arg) and may let the lock go around it while the sequence is
+ * marked moving (NULL: finish calls it); seq_tokens_held still answers
+ * the count at the plan until finish returns.
  */
 typedef struct seq_step_job seq_step_job;
+typedef int (*seq_step_runner)(void *ctx, int (*work)(void *), void *arg);
 status_code seq_step_plan(seq *s, const seq_step_input *in, seq_step_job **job, status *st);
 void seq_step_decide(seq_step_job *job);
-status_code seq_step_finish(seq_step_job *job, uint32_t *evicted, status *st);
+status_code seq_step_finish(seq_step_job *job, seq_step_runner run, void *ctx, uint32_t *evicted,
+                            status *st);
 
 /*
  * The tokens the last seq_step removed from the lists, when removing them

@@ -1303,8 +1303,8 @@ static int list_apply_evictions(seq *s, uint32_t l, uint32_t k, const policy_dec
     return list_cut_rebuild(s, ly, tier, n, nevict, epoch, changed);
 }
 
-status_code seq_apply_decision(seq *s, uint32_t l, const policy_decision *d, uint64_t epoch,
-                               size_t *evicted, int *changed, status *st)
+status_code seq_apply_storage(seq *s, uint32_t l, const policy_decision *d, uint64_t epoch,
+                              int *changed, status *st)
 {
     tier_token **toks = calloc(s->heads, sizeof *toks);
     int rc = toks == NULL ? -1 : 0;
@@ -1360,6 +1360,14 @@ status_code seq_apply_decision(seq *s, uint32_t l, const policy_decision *d, uin
     free(general);
     if (rc != 0)
         return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
+    return ST_OK;
+}
+
+status_code seq_apply_decision(seq *s, uint32_t l, const policy_decision *d, uint64_t epoch,
+                               size_t *evicted, int *changed, status *st)
+{
+    if (seq_apply_storage(s, l, d, epoch, changed, st) != ST_OK)
+        return st->code;
     *evicted += policy_host_commit(s->host, l);
     return ST_OK;
 }

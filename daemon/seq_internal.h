@@ -77,6 +77,18 @@ typedef struct seq_cut_log {
 /* Start the log of a step that begins at the current epoch. */
 void seq_cuts_begin(seq *s);
 
+/* seq_end's part that is not the policy host's: the pool's savepoint
+ * released (one per pool: another sequence may take it as soon as the
+ * store's lock is let go) and the storage's saved state dropped. The
+ * host's transaction stays open until policy_host_end. */
+void seq_end_storage(seq *s);
+
+/* seq_apply_decision without the host's commit: the storage follows the
+ * decision, the host's lists stay as the decision saw them until the
+ * caller commits (policy_host_commit), which cannot fail. */
+status_code seq_apply_storage(seq *s, uint32_t l, const policy_decision *d, uint64_t epoch,
+                              int *changed, status *st);
+
 /* What the last demotion moved (seq.h seq_demotion_moves). */
 typedef struct seq_move_log {
     int valid;
@@ -137,9 +149,10 @@ typedef struct seq {
     uint64_t compacted;      /* tokens list_compact copied in this call (seq_begin: 0) */
     uint64_t compact_budget; /* and may copy beyond its first list (SEQ_COMPACT_TOKENS) */
     uint32_t compact_window; /* full-precision tokens one compaction copies at most (too) */
-    /* Between seq_step_plan and seq_step_finish the policy host is the
-     * decision's, which may run without the store's lock: seq_tokens_held
-     * answers held_deciding, the lists' tokens at the plan. */
+    /* Between seq_step_plan and the end of seq_step_finish the policy host
+     * is the decision's and then its commit's, which may run without the
+     * store's lock: seq_tokens_held answers held_deciding, the lists'
+     * tokens at the plan. */
     int deciding;
     uint64_t held_deciding;
     /* The remote tier (seq.h "Spilling victims"): the uid of its keys ("" until

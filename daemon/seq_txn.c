@@ -288,11 +288,16 @@ static void txn_clear(seq *s)
     t->active = 0;
 }
 
-void seq_end(seq *s)
+void seq_end_storage(seq *s)
 {
     pool_release(s->pool);
-    policy_host_end(s->host);
     txn_clear(s);
+}
+
+void seq_end(seq *s)
+{
+    seq_end_storage(s);
+    policy_host_end(s->host);
 }
 
 /* List ly as sv saved it. Victims saved whole come back as the saved

@@ -1662,37 +1662,43 @@ static int decide(void *job)
     return 0;
 }
 
-/* A prompt's long decision, on a background thread when there are some
- * (store_move_copy: it takes milliseconds, as a large copy). */
-typedef struct background_decision {
-    const store *st;
-    seq_step_job *job;
+/* Work on a stepping sequence's policy host alone: its decision, and the
+ * commit of it to the host's lists (seq_step_finish's runner). */
+typedef struct host_work {
+    store *st;
+    seq *q;
+    int prefill;
+    int (*work)(void *);
+    void *arg;
     int in_background;
-} background_decision;
+} host_work;
 
-static int decide_in_background(void *arg)
+/* On a background thread when there are some (store_move_copy: a
+ * prompt's decision takes milliseconds, as a large copy). */
+static int host_work_in_background(void *arg)
 {
-    background_decision *d = arg;
-    return store_move_copy(d->st, d->st->cfg.move_background_bytes, decide, d->job,
-                           &d->in_background);
+    host_work *w = arg;
+    return store_move_copy(w->st, w->st->cfg.move_background_bytes, w->work, w->arg,
+                           &w->in_background);
 }
 
-/* Lock held: q's policy decides, without the lock when its lists are long
- * enough for the decision to hold up other sequences (issue 16 §3) and q
- * can be marked moving; a short one costs less than letting go. A
- * prompt's runs at --move-priority; a decode step's, which the worker
- * waits for at every token, at the serving thread's. */
-static void step_decide(store *st, seq *q, seq_step_job *job, int prefill)
+/* Lock held: the work runs without the lock when q's lists are long
+ * enough for it to hold up other sequences (issue 16 §3) and q can be
+ * marked moving; a short one costs less than letting go. A prompt's runs
+ * at --move-priority; a decode step's, which the worker waits for at
+ * every token, at the serving thread's. */
+static int run_host_work(void *ctx, int (*work)(void *), void *arg)
 {
-    if (seq_tokens_held(q) < STORE_UNLOCKED_DECISION_TOKENS) {
-        seq_step_decide(job);
-    } else if (!prefill) {
-        store_copy_unlocked(st, seq_id_of(q), decide, job);
-    } else {
-        background_decision d = {st, job, 0};
-        store_copy_unlocked(st, seq_id_of(q), decide_in_background, &d);
-        st->background_moves += (uint64_t)d.in_background;
-    }
+    host_work *w = ctx;
+    store *st = w->st;
+    if (seq_tokens_held(w->q) < STORE_UNLOCKED_DECISION_TOKENS)
+        return work(arg);
+    if (!w->prefill)
+        return store_copy_unlocked(st, seq_id_of(w->q), work, arg);
+    w->work = work, w->arg = arg, w->in_background = 0;
+    int rc = store_copy_unlocked(st, seq_id_of(w->q), host_work_in_background, w);
+    st->background_moves += (uint64_t)w->in_background;
+    return rc;
 }
 
 status_code store_step(store *st, const char *token, uint64_t seq_id, uint64_t ack_epoch,
@@ -1712,10 +1718,11 @@ status_code store_step(store *st, const char *token, uint64_t seq_id, uint64_t a
         lists_view_free(&before);
         uint64_t epoch0 = seq_epoch(q);
         seq_step_job *job;
+        host_work w = {.st = st, .q = q, .prefill = in->prefill};
         rc = seq_step_plan(q, in, &job, s);
         if (rc == ST_OK) {
-            step_decide(st, q, job, in->prefill);
-            rc = seq_step_finish(job, evicted, s);
+            run_host_work(&w, decide, job);
+            rc = seq_step_finish(job, run_host_work, &w, evicted, s);
         }
         if (rc == ST_OK)
             demote_due(st, q, epoch0, in->prefill);

@@ -2077,6 +2077,69 @@ static void test_evictions_cut_in_place(void **state)
     fx_close(&f);
 }
 
+/* What the runner of test_step_commit_runner saw. */
+typedef struct commit_seen {
+    seq *s;
+    int calls;
+    int savepoint;          /* the pool's, when the runner was called */
+    uint32_t before, after; /* list 0's tokens in the host, around the work */
+    uint64_t held;          /* seq_tokens_held after the work */
+} commit_seen;
+
+static int run_commit(void *ctx, int (*work)(void *), void *arg)
+{
+    commit_seen *c = ctx;
+    c->calls++;
+    c->savepoint = seq_pool(c->s)->sp_active;
+    c->before = seq_list_tokens(c->s, 0, 0, NULL);
+    int rc = work(arg);
+    c->after = seq_list_tokens(c->s, 0, 0, NULL);
+    c->held = seq_tokens_held(c->s);
+    return rc;
+}
+
+/*
+ * seq_step in parts, as the store runs it (seq.h seq_step_plan): once the
+ * storage follows the decision, seq_step_finish hands the host's commit to
+ * the caller's runner, which may let the store's lock go around it. By
+ * then the storage's transaction has ended (the pool's savepoint, one per
+ * pool, is free for another sequence's step). The host's lists are the
+ * decision's until the work runs and cut after it;
+ * until finish returns seq_tokens_held answers the count at the plan (a
+ * snapshot beside the commit reads nothing it changes); after, the new
+ * count, a new epoch, and every kept token reads back its values.
+ */
+static void test_step_commit_runner(void **state)
+{
+    const char *const kv[] = {"n_sink", "2", "window", "4"};
+    fx f;
+    fx_open(&f, backend_of(state), 64, "streaming", kv, 2);
+    append(&f, 12);
+    uint64_t epoch = seq_epoch(f.s);
+    commit_seen c = {.s = f.s};
+    seq_step_input in = {.confidence = -1.0};
+    seq_step_job *job;
+    status st;
+    uint32_t evicted;
+    assert_int_equal(seq_step_plan(f.s, &in, &job, &st), ST_OK);
+    seq_step_decide(job);
+    assert_int_equal(seq_step_finish(job, run_commit, &c, &evicted, &st), ST_OK);
+    assert_int_equal(c.calls, 1);
+    assert_int_equal(c.savepoint, 0);
+    assert_int_equal(c.before, 12);
+    assert_int_equal(c.after, 6);
+    assert_int_equal(c.held, 12 * nlists(&f));
+    assert_int_equal(evicted, 6 * nlists(&f));
+    assert_int_equal(seq_tokens_held(f.s), 6 * nlists(&f));
+    assert_int_equal(seq_epoch(f.s), epoch + 1);
+    for (uint32_t l = 0; l < seq_layers(f.s); l++)
+        for (uint32_t k = 0; k < f.heads; k++) {
+            assert_int_equal(seq_list_tokens(f.s, l, k, NULL), 6);
+            check_list(&f, l, k);
+        }
+    fx_close(&f);
+}
+
 /* Segments of tier t in list (l, 0), and the distinct blocks they use. */
 static uint32_t tier_segments(fx *f, uint32_t l, uint8_t t, uint32_t *blocks)
 {
@@ -2527,6 +2590,8 @@ int main(void)
         ON_SHADOW(test_weightedkv_merges_in_place),
         cmocka_unit_test(test_evictions_cut_in_place),
         ON_SHADOW(test_evictions_cut_in_place),
+        cmocka_unit_test(test_step_commit_runner),
+        ON_SHADOW(test_step_commit_runner),
         cmocka_unit_test(test_int8_evictions_cut_in_place),
         cmocka_unit_test(test_demotion_on_the_segments),
         ON_SHADOW(test_demotion_on_the_segments),

@@ -730,9 +730,10 @@ static void test_decision_without_the_lock(void **state)
     assert_int_equal(c.own_failures, 0);
     assert_true(c.own_steps > 0);
     assert_int_equal(snapshot_tokens(f->st, c.long_id, &found), c.long_tokens);
-    /* The prefill's decision ran on a background thread, when there are
-     * some; the decode steps', which the worker waits for, did not. */
-    assert_int_equal(store_background_moves(f->st), f->background);
+    /* The prefill's decision and its commit ran on a background thread,
+     * when there are some; the decode steps', which the worker waits for,
+     * did not. */
+    assert_int_equal(store_background_moves(f->st), 2 * f->background);
 }
 
 int main(void)
