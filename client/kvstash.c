@@ -63,6 +63,8 @@ struct kvs_session {
     /* The last step's cuts (kvs_step_result cut_start, cut), copied out of the ring. */
     uint32_t *cut_start, *cut;
     size_t cut_start_cap, cut_cap;
+    float **step_rows; /* kvs_step_in_ring's tables */
+    size_t step_rows_cap;
     void *stream; /* kvs_session_set_stream's CUDA stream, or NULL */
     char err[KVS_ERRMSG_MAX];
 };
@@ -327,6 +329,7 @@ static void session_free(kvs_session *s)
     free(s->epochs);
     free(s->cut_start);
     free(s->cut);
+    free(s->step_rows);
     free(s);
 }
 
@@ -1103,36 +1106,98 @@ int kvs_seq_append(kvs_session *s, uint64_t seq_id, int64_t count, kvs_table *wr
     return rc;
 }
 
-/* Lay the step's arrays out in the ring's data area (proto/kvstash_step.h). */
-static int step_write(kvs_session *s, const kvs_step *st, uint32_t *arrays, uint64_t *bytes)
+_Static_assert(KVS_STEP_SCORE == STEP_SCORE && KVS_STEP_LAST_ATTN == STEP_LAST_ATTN &&
+                   KVS_STEP_WINDOW_ATTN == STEP_WINDOW_ATTN && KVS_STEP_VNORM == STEP_VNORM,
+               "kvstash.h's step bits are proto/kvstash_step.h's");
+
+/* The layout of a step with `arrays` over lists holding tokens (of
+ * `heads` lists a layer) in the ring's data area, checked; `who` names
+ * the call in errors. */
+static int step_shape_of(kvs_session *s, const char *who, uint32_t heads, const uint32_t *tokens,
+                         unsigned arrays, step_shape *sh)
 {
     uint32_t kv = s->geom.kv_heads;
-    uint32_t heads = st->heads > 1 ? st->heads : 1;
-    const float *const *const kinds[STEP_KINDS] = {st->score, st->last_attn, st->window_attn,
-                                                   st->vnorm};
-    step_shape sh = {s->geom.layers, s->geom.q_heads, kv, heads, 0};
-    for (int k = 0; k < STEP_KINDS; k++)
-        sh.arrays |= kinds[k] != NULL ? step_kind_bit(k) : 0;
-    *arrays = sh.arrays;
-    if (sh.arrays != 0 && st->tokens == NULL) {
-        fail(s, "kvs_seq_step: tokens (per list) is required with statistics");
+    heads = heads > 1 ? heads : 1;
+    *sh = (step_shape){s->geom.layers, s->geom.q_heads, kv, heads, arrays};
+    if (arrays != 0 && tokens == NULL) {
+        fail(s, "%s: tokens (per list) is required with statistics", who);
         return KVS_ERR_INVALID;
     }
     if (heads != 1 && heads != kv) {
-        fail(s, "kvs_seq_step: heads must be 1 or kv_heads (%" PRIu32 ")", kv);
+        fail(s, "%s: heads must be 1 or kv_heads (%" PRIu32 ")", who, kv);
         return KVS_ERR_INVALID;
     }
-    size_t used = sh.arrays != 0 ? step_pack(&sh, st->tokens, kinds, (float *)s->ring.data,
-                                             s->ring.data_bytes / sizeof(float))
-                                 : 0;
-    if (used == (size_t)-1) {
+    size_t floats = arrays != 0 ? step_floats(sh, tokens) : 0;
+    if (floats > s->ring.data_bytes / sizeof(float)) {
         fail(s,
-             "kvs_seq_step: the statistics (%zu bytes) exceed the ring's data area (%zu bytes): "
+             "%s: the statistics (%zu bytes) exceed the ring's data area (%zu bytes): "
              "start kvstashd with a larger --ring-mb",
-             step_floats(&sh, st->tokens) * sizeof(float), s->ring.data_bytes);
+             who, floats * sizeof(float), s->ring.data_bytes);
         return KVS_ERR_INVALID;
     }
+    return KVS_OK;
+}
+
+/* Lay the step's arrays out in the ring's data area (proto/kvstash_step.h). */
+static int step_write(kvs_session *s, const kvs_step *st, uint32_t *arrays, uint64_t *bytes)
+{
+    const float *const *const kinds[STEP_KINDS] = {st->score, st->last_attn, st->window_attn,
+                                                   st->vnorm};
+    unsigned bits = 0;
+    for (int k = 0; k < STEP_KINDS; k++)
+        bits |= kinds[k] != NULL ? step_kind_bit(k) : 0;
+    step_shape sh;
+    int rc = step_shape_of(s, "kvs_seq_step", st->heads, st->tokens, bits, &sh);
+    if (rc != KVS_OK)
+        return rc;
+    *arrays = bits;
+    size_t used = bits != 0 ? step_pack(&sh, st->tokens, kinds, (float *)s->ring.data,
+                                        s->ring.data_bytes / sizeof(float))
+                            : 0;
     *bytes = used * sizeof(float);
+    return KVS_OK;
+}
+
+int kvs_step_in_ring(kvs_session *s, uint32_t heads, const uint32_t *tokens, unsigned arrays,
+                     kvs_step_rows *out)
+{
+    if (s == NULL)
+        return KVS_ERR_INVALID;
+    if (out == NULL || arrays == 0 || (arrays & ~(unsigned)STEP_ARRAYS) != 0) {
+        fail(s, "kvs_step_in_ring: arrays must be KVS_STEP_* bits, at least one, and out is "
+                "required");
+        return KVS_ERR_INVALID;
+    }
+    step_shape sh;
+    int rc = step_shape_of(s, "kvs_step_in_ring", heads, tokens, arrays, &sh);
+    if (rc != KVS_OK)
+        return rc;
+    /* One table of row pointers, each array's rows a part of it. */
+    size_t want = (size_t)sh.layers * step_layer_slots(&sh);
+    if (want > s->step_rows_cap) {
+        float **grown = realloc(s->step_rows, want * sizeof *grown);
+        if (grown == NULL) {
+            fail(s, "kvs_step_in_ring: out of memory");
+            return KVS_ERR_SYSTEM;
+        }
+        s->step_rows = grown;
+        s->step_rows_cap = want;
+    }
+    float **kinds[STEP_KINDS];
+    size_t at = 0;
+    for (int k = 0; k < STEP_KINDS; k++) {
+        unsigned bit = step_kind_bit(k);
+        kinds[k] = arrays & bit ? s->step_rows + at : NULL;
+        at += arrays & bit ? (size_t)sh.layers * step_kind_rows(&sh, bit) : 0;
+    }
+    float *data = (float *)s->ring.data;
+    step_cursor c;
+    step_cursor_init(&c, &sh, tokens);
+    while (step_cursor_next(&c)) {
+        kinds[__builtin_ctz(c.kind)][(size_t)c.layer * step_kind_rows(&sh, c.kind) + c.row] =
+            data + c.offset;
+    }
+    *out = (kvs_step_rows){kinds[0], kinds[1], kinds[2], kinds[3]};
     return KVS_OK;
 }
 

@@ -356,8 +356,42 @@ typedef struct kvs_step_result {
     const uint32_t *cut;
 } kvs_step_result;
 
-/* End a step: report its statistics; *out (may be NULL) says what changed. */
+/* End a step: report its statistics; *out (may be NULL) says what changed.
+ * A row already where the ring's layout puts it (kvs_step_in_ring) is
+ * not copied. */
 int kvs_seq_step(kvs_session *s, uint64_t seq_id, const kvs_step *step, kvs_step_result *out);
+
+/* The arrays of a step, as bits (kvs_step_in_ring). */
+#define KVS_STEP_SCORE (1u << 0)
+#define KVS_STEP_LAST_ATTN (1u << 1)
+#define KVS_STEP_WINDOW_ATTN (1u << 2)
+#define KVS_STEP_VNORM (1u << 3)
+
+/* A step's rows in the session's ring, each kvs_step array's row-pointer
+ * table (NULL for an array not asked for). */
+typedef struct kvs_step_rows {
+    float **score;       /* [layers] */
+    float **last_attn;   /* [layers * q_heads] */
+    float **window_attn; /* [layers * q_heads] */
+    float **vnorm;       /* [layers * kv_heads] */
+} kvs_step_rows;
+
+/*
+ * Where kvs_seq_step would copy the statistics of a step with `arrays`
+ * (KVS_STEP_* bits) over lists holding tokens[layers * heads] (as
+ * kvs_step's heads and tokens): rows in the session's shared-memory ring,
+ * for a worker that writes them there itself (its attention kernel, or its
+ * copy from the GPU) and so spares kvs_seq_step the copy: at 32 layers ×
+ * 32k tokens, 4 MiB a decode step of `score`, 128 MiB of `last_attn`. Pass
+ * out's tables as the kvs_step's arrays, with the same heads and tokens.
+ * The rows keep what the worker writes until the session's next call, the
+ * kvs_seq_step that reports them (the ring's data area also carries the
+ * answers: ask after the step's appends); the tables are the session's
+ * until its next kvs_step_in_ring. KVS_ERR_INVALID when the rows do not fit the ring (start
+ * kvstashd with a larger --ring-mb) or the arguments are wrong.
+ */
+int kvs_step_in_ring(kvs_session *s, uint32_t heads, const uint32_t *tokens, unsigned arrays,
+                     kvs_step_rows *out);
 
 /* Cut a step's removed tokens (r's cut_*) out of a table of cut_epoch, which
  * becomes the table of r->epoch (see kvs_table_extend). */

@@ -7,7 +7,8 @@
  * checks the parts of the library that the demo and kvs_test_worker do not
  * reach: error mapping and messages, another session's sequences, the block
  * layout behind kvs_key_ptr, one pool shared by two mappings, epoch acks
- * freeing retired blocks, events, a daemon that stops answering (deadline)
+ * freeing retired blocks, events, tables kept by cuts, statistics written
+ * into the ring (kvs_step_in_ring), a daemon that stops answering (deadline)
  * and one that shuts down under an attached session.
  * Exit status 0 iff every check passed.
  */
@@ -653,6 +654,144 @@ static void test_cuts(kvs_session *s)
     test_cuts_case(s, "h2o", demoting, 3, 0, 200, 1, 20);
 }
 
+/* Whether two tables hold the same lists: tokens, segments' tiers and
+ * counts, positions (their blocks differ: two sequences). */
+static int same_lists(const kvs_table *a, const kvs_table *b)
+{
+    if (a->layers != b->layers || a->heads != b->heads)
+        return 0;
+    for (uint32_t i = 0; i < a->layers; i++) {
+        const kvs_layer *x = &a->layer[i], *y = &b->layer[i];
+        if (x->tokens != y->tokens || x->nsegments != y->nsegments ||
+            (x->tokens > 0 && memcmp(x->positions, y->positions, x->tokens * sizeof(uint32_t))))
+            return 0;
+        for (size_t g = 0; g < x->nsegments; g++)
+            if (x->segments[g].count != y->segments[g].count ||
+                x->segments[g].tier != y->segments[g].tier)
+                return 0;
+    }
+    return 1;
+}
+
+/*
+ * A step whose statistics the worker wrote into the ring itself
+ * (kvs_step_in_ring) decides as one whose statistics kvs_seq_step copied
+ * there: sessions `copy` and `ring` step a sequence each of `policy` with
+ * the same values, one way each, and after every step their lists are the
+ * same. per_query: last_attn (one row a query head) instead of score.
+ */
+static void test_step_in_ring_case(kvs_session *copy, kvs_session *ring, const char *policy,
+                                   const kvs_param *p, size_t np, int per_query)
+{
+    kvs_session *s[2] = {copy, ring};
+    uint64_t id[2];
+    for (int i = 0; i < 2; i++)
+        CHECK_RC(kvs_seq_create(s[i], policy, p, np, "in-ring", &id[i]), KVS_OK, s[i]);
+    uint32_t tokens[16], seed = 11, q = geom.q_heads, group = q / geom.kv_heads;
+    const float *ptrs[16];
+    float *rows = malloc(16 * 1024 * sizeof *rows);
+    int f0 = failures, evicted = 0;
+    for (int step = 0; step < 120 && failures == f0; step++) {
+        int prefill = step < 4;
+        uint32_t count = prefill ? 64 : 1;
+        kvs_table w, held[2] = {{0}, {0}};
+        for (int i = 0; i < 2; i++) {
+            CHECK_RC(kvs_seq_append(s[i], id[i], count, &w), KVS_OK, s[i]);
+            kvs_table_free(&w);
+        }
+        if (table_reread(copy, id[0], &held[0]) != KVS_OK)
+            break;
+        cut_case_stats(&held[0], per_query, tokens, rows, ptrs, &seed);
+        kvs_step_rows in;
+        int rc = kvs_step_in_ring(ring, held[0].heads, tokens,
+                                  per_query ? KVS_STEP_LAST_ATTN : KVS_STEP_SCORE, &in);
+        CHECK_RC(rc, KVS_OK, ring);
+        if (rc != KVS_OK) {
+            kvs_table_free(&held[0]);
+            break;
+        }
+        float **dst = per_query ? in.last_attn : in.score;
+        uint32_t nrows = per_query ? geom.layers * q : held[0].layers;
+        for (uint32_t r = 0; r < nrows; r++) {
+            uint32_t list =
+                per_query ? (r / q) * held[0].heads + (held[0].heads > 1 ? (r % q) / group : 0) : r;
+            memcpy(dst[r], ptrs[r], tokens[list] * sizeof(float));
+        }
+        kvs_step st = {.new_tokens = count,
+                       .prefill = prefill,
+                       .heads = held[0].heads,
+                       .tokens = tokens,
+                       .score_queries = 1,
+                       .confidence = -1};
+        kvs_step_result res[2];
+        for (int i = 0; i < 2; i++) {
+            const float *const *arr = i == 0 ? ptrs : (const float *const *)dst;
+            st.score = per_query ? NULL : arr;
+            st.last_attn = per_query ? arr : NULL;
+            CHECK_RC(kvs_seq_step(s[i], id[i], &st, &res[i]), KVS_OK, s[i]);
+        }
+        evicted += (int)res[0].evicted;
+        CHECK(res[0].evicted == res[1].evicted, "%s, step %d: %u evicted copied, %u in the ring",
+              policy, step, res[0].evicted, res[1].evicted);
+        kvs_table_free(&held[0]);
+        if (table_reread(copy, id[0], &held[0]) != KVS_OK)
+            break;
+        if (table_reread(ring, id[1], &held[1]) == KVS_OK) {
+            CHECK(same_lists(&held[0], &held[1]),
+                  "%s, step %d: the lists stepped from the ring differ from the copied ones",
+                  policy, step);
+            kvs_table_free(&held[1]);
+        }
+        kvs_table_free(&held[0]);
+    }
+    CHECK(evicted > 100, "%s: %d tokens evicted: the steps decided nothing", policy, evicted);
+    free(rows);
+    for (int i = 0; i < 2; i++)
+        CHECK_RC(kvs_seq_release(s[i], id[i]), KVS_OK, s[i]);
+}
+
+/* kvs_step_in_ring's rows are laid out as proto/kvstash_step.h says, and
+ * what it cannot lay out is refused, naming what to fix. */
+static void test_step_in_ring(kvs_session *a, kvs_session *b)
+{
+    const uint32_t one[2] = {5, 7};
+    kvs_step_rows r;
+    int rc = kvs_step_in_ring(a, 1, one, KVS_STEP_SCORE | KVS_STEP_LAST_ATTN, &r);
+    CHECK_RC(rc, KVS_OK, a);
+    if (rc == KVS_OK) {
+        float *base = r.score[0]; /* layer by layer: score, then last_attn per query head */
+        CHECK(r.last_attn[0] == base + 5 && r.last_attn[1] == base + 10 &&
+                  r.score[1] == base + 15 && r.last_attn[2] == base + 22 &&
+                  r.last_attn[3] == base + 29 && r.window_attn == NULL && r.vnorm == NULL,
+              "rows at %td %td %td %td %td", r.last_attn[0] - base, r.last_attn[1] - base,
+              r.score[1] - base, r.last_attn[2] - base, r.last_attn[3] - base);
+    }
+    const uint32_t per_head[4] = {5, 6, 7, 8}; /* layer 0: lists 5, 6; layer 1: 7, 8 */
+    rc = kvs_step_in_ring(a, geom.kv_heads, per_head, KVS_STEP_WINDOW_ATTN | KVS_STEP_VNORM, &r);
+    CHECK_RC(rc, KVS_OK, a);
+    if (rc == KVS_OK) {
+        float *base = r.window_attn[0];
+        CHECK(r.window_attn[1] == base + 5 && r.vnorm[0] == base + 11 && r.vnorm[1] == base + 16 &&
+                  r.window_attn[2] == base + 22 && r.vnorm[3] == base + 22 + 15 + 7 &&
+                  r.score == NULL && r.last_attn == NULL,
+              "per-head rows at %td %td %td %td %td", r.window_attn[1] - base, r.vnorm[0] - base,
+              r.vnorm[1] - base, r.window_attn[2] - base, r.vnorm[3] - base);
+    }
+    const uint32_t huge[2] = {3u << 20, 3u << 20}; /* 24 MiB of floats: the ring has 8 */
+    CHECK_RC(kvs_step_in_ring(a, 1, huge, KVS_STEP_SCORE, &r), KVS_ERR_INVALID, a);
+    CHECK(strstr(kvs_session_error(a), "--ring-mb") != NULL, "%s", kvs_session_error(a));
+    CHECK_RC(kvs_step_in_ring(a, 1, NULL, KVS_STEP_SCORE, &r), KVS_ERR_INVALID, a);
+    CHECK_RC(kvs_step_in_ring(a, 3, one, KVS_STEP_SCORE, &r), KVS_ERR_INVALID, a);
+    CHECK_RC(kvs_step_in_ring(a, 1, one, 0, &r), KVS_ERR_INVALID, a);
+    CHECK_RC(kvs_step_in_ring(a, 1, one, 1u << 4, &r), KVS_ERR_INVALID, a);
+    CHECK_RC(kvs_step_in_ring(a, 1, one, KVS_STEP_SCORE, NULL), KVS_ERR_INVALID, a);
+
+    const kvs_param h2o[] = {{"budget", "100"}, {"recent", "10"}};
+    test_step_in_ring_case(a, b, "h2o", h2o, 2, 0);
+    const kvs_param wkv[] = {{"cache_size", "90"}, {"n_recent", "20"}, {"merge", "0"}};
+    test_step_in_ring_case(a, b, "weightedkv", wkv, 3, 1);
+}
+
 static void test_shutdown(const char *exe)
 {
     daemon_proc d = {0};
@@ -699,6 +838,7 @@ int main(int argc, char **argv)
         test_epochs(d.sock, a);
         test_events(d.sock);
         test_cuts(a);
+        test_step_in_ring(a, b);
         test_deadline(&d, a);
     }
     if (a != NULL)

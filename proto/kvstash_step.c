@@ -113,8 +113,10 @@ size_t step_pack(const step_shape *sh, const uint32_t *tokens, const float *cons
         if (c.count > room - used)
             return (size_t)-1;
         const float *row = src[c.k_][(size_t)c.layer * step_kind_rows(sh, c.kind) + c.row];
-        if (c.count > 0)
-            memcpy(out + c.offset, row, (size_t)c.count * sizeof *out);
+        /* A row the worker wrote in place (kvs_step_in_ring) stays; one
+         * elsewhere in the ring may overlap its place. */
+        if (c.count > 0 && row != out + c.offset)
+            memmove(out + c.offset, row, (size_t)c.count * sizeof *out);
         used += c.count;
     }
     return used;

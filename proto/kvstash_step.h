@@ -87,7 +87,8 @@ size_t step_floats(const step_shape *sh, const uint32_t *tokens);
  * [layers * rows] row pointers (row r of layer l at l * rows + r), each
  * holding the tokens of its list. sh->arrays must say which are present.
  * Writes at most `room` floats to out; returns the floats written, or
- * (size_t)-1 when they do not fit (out then holds a partial copy).
+ * (size_t)-1 when they do not fit (out then holds a partial copy). A row
+ * already at its place in out is left as it is.
  */
 size_t step_pack(const step_shape *sh, const uint32_t *tokens, const float *const *const src[4],
                  float *out, size_t room);

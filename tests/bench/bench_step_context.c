@@ -32,7 +32,11 @@
  *
  * Usage: bench_step_context [--quick] [--contexts N,N,...] [--head-dim D]
  *                           [--policies P,P,...] [--steps N] [--reload] [--forward-us N]
- *                           [--policy-threads N] [--csv FILE] [PATH_TO_KVSTASHD]
+ *                           [--in-ring] [--policy-threads N] [--csv FILE] [PATH_TO_KVSTASHD]
+ * --in-ring: the worker writes a decode step's statistics into the ring's
+ * rows (kvs_step_in_ring; the write is its forward pass's, not timed, as
+ * the write into its own buffer is without it), and kvs_seq_step does not
+ * copy them; the step's time includes kvs_step_in_ring.
  * --forward-us N: a worker's forward pass between tokens, N microseconds
  * busy after each step and before the next append (not timed; an H100
  * takes 7-10 ms a token of an 8B model), during which what the daemon
@@ -97,6 +101,7 @@ typedef struct bench_cfg {
     uint32_t steps;    /* timed decode steps per (policy, context) */
     uint32_t warmup;   /* untimed decode steps before them */
     int reload;        /* read the table again after each step that changed it, not cut it */
+    int in_ring;       /* decode steps' statistics written into the ring (kvs_step_in_ring) */
     double forward_us; /* the worker's forward pass between steps (untimed) */
     const char *policy_threads; /* kvstashd --policy-threads, NULL: its default */
     const char *csv;
@@ -126,6 +131,7 @@ typedef struct worker {
     const float *random;   /* RANDOM_FLOATS + max context + 1 values in (0, 1] */
     uint8_t *k, *v;        /* fp16 K/V of up to PREFILL_CHUNK tokens of a layer */
     size_t random_n, kv_n; /* floats in random, tokens in k and v */
+    double rows_us;        /* --in-ring: the last kvs_step_in_ring's time */
 } worker;
 
 static void report_fail(kvs_session *s, const char *what, int rc)
@@ -236,6 +242,36 @@ static size_t stats_fill(worker *w, uint64_t step, kvs_step *st)
     return floats * sizeof(float);
 }
 
+/* --in-ring: the ring's rows for st's arrays (kvs_step_in_ring, timed into
+ * w->rows_us), filled with the values st points at (the forward pass's
+ * writes), and st pointed at them, so that kvs_seq_step copies nothing. */
+static int stats_into_ring(worker *w, kvs_step *st)
+{
+    const kvs_geometry *g = &w->cfg->geom;
+    unsigned arrays = (st->score ? KVS_STEP_SCORE : 0) | (st->last_attn ? KVS_STEP_LAST_ATTN : 0);
+    kvs_step_rows r;
+    double t0 = bench_now_us();
+    int rc = kvs_step_in_ring(w->s, st->heads, st->tokens, arrays, &r);
+    w->rows_us = bench_now_us() - t0;
+    if (rc != 0) {
+        report_fail(w->s, "kvs_step_in_ring", rc);
+        return rc;
+    }
+    uint32_t group = g->q_heads / g->kv_heads;
+    for (uint32_t l = 0; l < g->layers; l++) {
+        if (st->score != NULL)
+            memcpy(r.score[l], st->score[l], w->tokens[l * w->heads] * sizeof(float));
+        for (uint32_t h = 0; st->last_attn != NULL && h < g->q_heads; h++) {
+            uint32_t list = l * w->heads + (w->heads == 1 ? 0 : h / group);
+            memcpy(r.last_attn[l * g->q_heads + h], st->last_attn[l * g->q_heads + h],
+                   w->tokens[list] * sizeof(float));
+        }
+    }
+    st->score = (const float *const *)r.score;
+    st->last_attn = (const float *const *)r.last_attn;
+    return 0;
+}
+
 /* Write the new tokens of every list of an append (untimed, as a worker's
  * attention would). A per-head list's rows are [tokens][head_dim]. */
 static int write_new(worker *w, const kvs_table *t)
@@ -328,6 +364,9 @@ static int decode_step(worker *w, uint64_t step, double *t, size_t *stats_bytes,
     kvs_step st = {.new_tokens = 1};
     *stats_bytes = stats_fill(w, step, &st);
     kvs_step_result res;
+    double rows_us = 0; /* --in-ring: kvs_step_in_ring; the rows' writes are the forward pass's */
+    if (rc == 0 && w->cfg->in_ring && *stats_bytes > 0 && (rc = stats_into_ring(w, &st)) == 0)
+        rows_us = w->rows_us;
     double t3 = bench_now_us();
     if (rc == 0 && (rc = kvs_seq_step(w->s, w->seq, &st, &res)) != 0)
         report_fail(w->s, "kvs_seq_step", rc);
@@ -340,7 +379,7 @@ static int decode_step(worker *w, uint64_t step, double *t, size_t *stats_bytes,
     double t5 = bench_now_us();
     if (rc == 0 && (*changed || extended))
         tokens_from_table(w, &w->held);
-    t[0] = t1 - t0, t[1] = t4 - t3, t[2] = (t2 - t1w) + (t5 - t4);
+    t[0] = t1 - t0, t[1] = rows_us + (t4 - t3), t[2] = (t2 - t1w) + (t5 - t4);
     return rc == 0 ? 0 : -1;
 }
 
@@ -514,6 +553,8 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg, const char **daemon
             cfg->steps = (uint32_t)n;
         } else if (strcmp(argv[i], "--reload") == 0) {
             cfg->reload = 1;
+        } else if (strcmp(argv[i], "--in-ring") == 0) {
+            cfg->in_ring = 1;
         } else if (strcmp(argv[i], "--forward-us") == 0 && next != NULL) {
             cfg->forward_us = strtod(argv[++i], NULL);
             if (!(cfg->forward_us >= 0 && cfg->forward_us <= 1e6)) {
@@ -525,7 +566,8 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg, const char **daemon
         } else if (argv[i][0] == '-') {
             fprintf(stderr,
                     "usage: %s [--quick] [--contexts N,N,...] [--head-dim D] [--policies P,...] "
-                    "[--steps N] [--reload] [--forward-us N] [--policy-threads N] [--csv FILE] "
+                    "[--steps N] [--reload] [--forward-us N] [--in-ring] [--policy-threads N] "
+                    "[--csv FILE] "
                     "[PATH_TO_KVSTASHD]\n",
                     argv[0]);
             return -1;
@@ -580,9 +622,10 @@ int main(int argc, char **argv)
 
     printf("bench_step_context: %u layers, %u query / %u KV heads x %u, fp16, %u-token blocks; "
            "%u timed decode steps per cell (after %u), %.0f us of forward pass between them; "
-           "pool %d MiB, ring %s MiB; kernels %s\n",
+           "statistics %s; pool %d MiB, ring %s MiB; kernels %s\n",
            g->layers, g->q_heads, g->kv_heads, g->head_dim, g->block_tokens, cfg.steps, cfg.warmup,
-           cfg.forward_us, pool_mb, ring_mb, kv_kernel_isa());
+           cfg.forward_us, cfg.in_ring ? "written into the ring" : "copied by kvs_seq_step",
+           pool_mb, ring_mb, kv_kernel_isa());
     fflush(stdout);
     char sock[PATH_MAX];
     if (bench_daemon_start("bench_step_context", daemon, pool_mb, extra, sock, sizeof sock) != 0)

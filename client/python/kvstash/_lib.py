@@ -72,6 +72,12 @@ class Step_(ctypes.Structure):
                 ("confidence", ctypes.c_double)]
 
 
+class StepRows_(ctypes.Structure):
+    """kvs_step_rows: row-pointer tables into the session's ring."""
+    _fields_ = [("score", ctypes.POINTER(c_float_p)), ("last_attn", ctypes.POINTER(c_float_p)),
+                ("window_attn", ctypes.POINTER(c_float_p)), ("vnorm", ctypes.POINTER(c_float_p))]
+
+
 class StepResult_(ctypes.Structure):
     """kvs_step_result."""
     _fields_ = [("epoch", ctypes.c_uint64), ("evicted", ctypes.c_uint32),
@@ -120,6 +126,8 @@ _PROTOTYPES = {
                                       ctypes.POINTER(Table_)]),
     "kvs_seq_step": (ctypes.c_int, [_S, ctypes.c_uint64, ctypes.POINTER(Step_),
                                     ctypes.POINTER(StepResult_)]),
+    "kvs_step_in_ring": (ctypes.c_int, [_S, ctypes.c_uint32, c_uint32_p, ctypes.c_uint,
+                                        ctypes.POINTER(StepRows_)]),
     "kvs_seq_epoch": (ctypes.c_int, [_S, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)]),
     "kvs_ring_ping": (ctypes.c_int, [_S]),
     "kvs_seq_table": (ctypes.c_int, [_S, ctypes.c_uint64, ctypes.c_int, ctypes.POINTER(Table_)]),

@@ -113,6 +113,42 @@ def build(geo_layers: int, q_heads: int, kv_heads: int, heads: int, new_tokens: 
     return out
 
 
+class StepRows:
+    """A step's rows in the session's ring (kvs_step_in_ring): for each
+    array asked for, a list of 1-D float32 arrays in kvs_step's row order,
+    views of the ring that the worker fills (`rows.score[l][:] = ...`,
+    `torch.from_numpy(row).copy_(t)`) and passes to Sequence.step, which
+    then copies nothing. They hold what is written until the session's
+    next call (the step); they must not be used after the session ends."""
+
+    __slots__ = ("score", "last_attn", "window_attn", "vnorm", "tokens", "_session")
+
+    def __init__(self, session, tokens: np.ndarray) -> None:
+        self._session = session  # the ring the views point into
+        self.tokens = tokens
+        self.score = self.last_attn = self.window_attn = self.vnorm = None
+
+
+def rows_in_ring(session, c_rows, geo_layers: int, q_heads: int, kv_heads: int, heads: int,
+                 tok: np.ndarray) -> StepRows:
+    """The views of a filled kvs_step_rows (c_rows) over lists holding tok."""
+    out = StepRows(session, tok)
+    per_layer = {"1": 1, "q": q_heads, "kv": kv_heads}
+    for name, kind in KINDS:
+        table = getattr(c_rows, name)
+        if not table:
+            continue
+        n_rows = per_layer[kind]
+        views = []
+        for i in range(geo_layers * n_rows):
+            layer, r = divmod(i, n_rows)
+            n = int(tok[layer * heads + _row_list(kind, r, heads, q_heads, kv_heads)])
+            views.append(np.ctypeslib.as_array(table[i], shape=(n,)) if n else
+                         np.empty(0, np.float32))
+        setattr(out, name, views)
+    return out
+
+
 def _tokens_array(tokens: Seq[int], n: int) -> np.ndarray:
     tok = np.asarray(tokens)
     if tok.ndim != 1 or tok.shape[0] != n:

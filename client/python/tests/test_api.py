@@ -180,6 +180,42 @@ def test_step_per_head_statistics(daemon, model):
         assert k.shape == (6, GEO.head_dim)
 
 
+def test_step_rows_written_in_the_ring(daemon, model):
+    """Statistics written into the ring's rows (step_rows) decide as the
+    same values passed as arrays: two sequences of two sessions, stepped
+    each way, keep the same positions; the rows are views that step() does
+    not copy (kvs_seq_step's copy onto itself is skipped, so a row that is
+    not where the ring wants it would still be correct: the layout is
+    checked by the pointers)."""
+    rng = np.random.default_rng(9)
+    with Session.attach(model, GEO, socket=daemon.sock) as a, \
+            Session.attach(model, GEO, socket=daemon.sock) as b, \
+            a.create_sequence("h2o", {"budget": 20, "recent": 4}) as qa, \
+            b.create_sequence("h2o", {"budget": 20, "recent": 4}) as qb:
+        for step in range(30):
+            count = 24 if step == 0 else 1
+            qa.append(count), qb.append(count)
+            tokens = [lst.tokens for lst in qa.table(with_positions=False).lists]
+            score = [rng.random(n).astype(np.float32) for n in tokens]
+            rows = qb.step_rows(tokens, score=True)
+            assert rows.last_attn is None and len(rows.score) == GEO.layers
+            base = rows.score[0].ctypes.data
+            assert [r.ctypes.data - base for r in rows.score] == \
+                [4 * sum(tokens[:layer]) for layer in range(GEO.layers)]
+            for row, values in zip(rows.score, score):
+                row[:] = values
+            ra = qa.step(new_tokens=count, prefill=step == 0, score=score, score_queries=1)
+            rb = qb.step(new_tokens=count, prefill=step == 0, tokens=tokens, score=rows.score,
+                         score_queries=1)
+            assert ra.evicted == rb.evicted > 0
+            assert [lst.positions.tolist() for lst in qa.table().lists] == \
+                [lst.positions.tolist() for lst in qb.table().lists]
+        with pytest.raises(kvstash.InvalidArgument, match="--ring-mb"):
+            qb.step_rows([1 << 22] * GEO.layers, score=True)
+        with pytest.raises(kvstash.InvalidArgument, match="at least one"):
+            qb.step_rows(tokens)
+
+
 def test_step_shapes_are_checked_before_sending(daemon, model, monkeypatch):
     with Session.attach(model, GEO, socket=daemon.sock) as s, \
             s.create_sequence("h2o", {"budget": 64}) as seq:
