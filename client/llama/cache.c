@@ -927,10 +927,12 @@ static const list *list_of(const llm_cache *c, uint32_t l, unsigned kind, uint32
     return &c->lists[l * c->heads + step_row_list(&sh, kind, row)];
 }
 
-static void stats_score(llm_cache *c)
+/* into: the step's rows in the ring (kvs_step_in_ring), or NULL for the
+ * cache's own arrays; likewise stats_vnorm. */
+static void stats_score(llm_cache *c, float *const *into)
 {
     for (uint32_t l = 0; l < c->L; l++) {
-        float *s = c->score + (size_t)l * c->ctx;
+        float *s = into != NULL ? into[l] : c->score + (size_t)l * c->ctx;
         uint32_t n = c->lists[l].n;
         for (uint32_t i = 0; i < n; i++) {
             float sum = 0.0f;
@@ -978,13 +980,14 @@ static void stats_window(llm_cache *c, int send)
     }
 }
 
-static void stats_vnorm(llm_cache *c)
+static void stats_vnorm(llm_cache *c, float *const *into)
 {
     for (uint32_t l = 0; l < c->L; l++)
         for (uint32_t g = 0; g < c->KV; g++) {
             const list *ls = list_of(c, l, STEP_VNORM, g);
             const float *vn = c->vn + ((size_t)l * c->KV + g) * c->ctx;
-            float *out = c->vnout + ((size_t)l * c->KV + g) * c->ctx;
+            float *out = into != NULL ? into[(size_t)l * c->KV + g]
+                                      : c->vnout + ((size_t)l * c->KV + g) * c->ctx;
             for (uint32_t i = 0; i < ls->n; i++)
                 out[i] = vn[ls->pos[i]];
             c->p_vnorm[(size_t)l * c->KV + g] = out;
@@ -1001,10 +1004,18 @@ int cache_token_end(llm_cache *c, const cache_step *s)
         return 0;
     for (uint32_t i = 0; i < c->L * c->heads; i++)
         c->tokens[i] = c->lists[i].n;
+    /* What is computed here goes straight into the step's rows in the ring
+     * (no call to the daemon comes before the step); the query's attention
+     * and the window's mean, made earlier, are copied there by the step. A
+     * ring too small leaves them in the cache's arrays: the step says why. */
+    kvs_step_rows rows = {0};
+    if ((c->needs & (POLICY_NEEDS_SCORE | POLICY_NEEDS_VNORM)) &&
+        kvs_step_in_ring(c->s, c->heads, c->tokens, c->needs & STEP_ARRAYS, &rows) != KVS_OK)
+        rows = (kvs_step_rows){0};
     if (c->needs & POLICY_NEEDS_SCORE)
-        stats_score(c);
+        stats_score(c, rows.score);
     if (c->needs & POLICY_NEEDS_VNORM)
-        stats_vnorm(c);
+        stats_vnorm(c, rows.vnorm);
     double conf = -1.0;
     if ((c->needs & POLICY_NEEDS_CONFIDENCE) && s->logits != NULL) {
         conf = confkv_confidence_logits(s->logits, c->m->c.vocab_size, &c->conf, NULL);

@@ -348,16 +348,30 @@ class KvstashCache:
             return
         tokens = [lt.n for lt in self.lists]
         score = last = window = vnorm = None
+        computed = needs & (policies.NEEDS_SCORE | policies.NEEDS_VNORM)
+        # What is computed here goes straight into the step's rows in the
+        # ring (no call to the daemon comes before the step); the query's
+        # attention and the window's mean, made earlier, are copied there.
+        rows = self.seq.step_rows(
+            tokens, score=bool(needs & policies.NEEDS_SCORE),
+            last_attn=bool(needs & policies.NEEDS_LAST_ATTN),
+            window_attn=bool(needs & policies.NEEDS_WINDOW_ATTN),
+            vnorm=bool(needs & policies.NEEDS_VNORM)) if computed else None
         if needs & policies.NEEDS_SCORE:
-            score = [np.sum(np.stack(self.p_last[l * self.Q:(l + 1) * self.Q]), axis=0,
-                            dtype=np.float32) for l in range(self.L)]
+            score = rows.score
+            for l in range(self.L):
+                np.sum(np.stack(self.p_last[l * self.Q:(l + 1) * self.Q]), axis=0,
+                       dtype=np.float32, out=score[l])
         if needs & policies.NEEDS_LAST_ATTN:
             last = self.p_last
         if needs & policies.NEEDS_WINDOW_ATTN:
             window = self.p_window
         if needs & policies.NEEDS_VNORM:
-            vnorm = [self.vn[l, g, self.lists[l * self.heads + (g if self.heads > 1 else 0)].pos]
-                     for l in range(self.L) for g in range(self.KV)]
+            vnorm = rows.vnorm
+            for l in range(self.L):
+                for g in range(self.KV):
+                    pos = self.lists[l * self.heads + (g if self.heads > 1 else 0)].pos
+                    np.take(self.vn[l, g], pos, out=vnorm[l * self.KV + g])
         conf = None
         if needs & policies.NEEDS_CONFIDENCE and step.logits is not None:
             c = policies.confidence(step.logits, self.policy.weights)
