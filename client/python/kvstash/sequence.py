@@ -84,9 +84,7 @@ class Sequence:
             c_step = ctypes.byref(st)
         else:
             g = self.session.geometry
-            heads = self._heads
-            if tokens is not None and g.kv_heads > 1 and len(tokens) == g.layers * g.kv_heads:
-                heads = g.kv_heads
+            heads = self._lists_per_layer(tokens)
             args = stepstats.build(g.layers, g.q_heads, g.kv_heads, heads, new_tokens, prefill,
                                    tokens, (score, last_attn, window_attn, vnorm), score_queries,
                                    window_queries, confidence)
@@ -96,6 +94,14 @@ class Sequence:
         if rc:
             self.session.raise_for(rc)
         return StepResult.from_c(res)
+
+    def _lists_per_layer(self, tokens: Optional[Seq[int]]) -> int:
+        """A step's lists per layer: kv_heads when tokens counts that many
+        a layer, else what the last table said."""
+        g = self.session.geometry
+        if tokens is not None and g.kv_heads > 1 and len(tokens) == g.layers * g.kv_heads:
+            return g.kv_heads
+        return self._heads
 
     def step_rows(self, tokens: Seq[int], score: bool = False, last_attn: bool = False,
                   window_attn: bool = False, vnorm: bool = False) -> stepstats.StepRows:
@@ -108,9 +114,7 @@ class Sequence:
         tokens. InvalidArgument when they do not fit the ring (kvstashd
         --ring-mb)."""
         g = self.session.geometry
-        heads = self._heads
-        if g.kv_heads > 1 and len(tokens) == g.layers * g.kv_heads:
-            heads = g.kv_heads
+        heads = self._lists_per_layer(tokens)
         tok = stepstats._tokens_array(tokens, g.layers * heads)
         arrays = ((1 if score else 0) | (2 if last_attn else 0) | (4 if window_attn else 0) |
                   (8 if vnorm else 0))
