@@ -1569,15 +1569,51 @@ static int layer_tiered(const kvs_layer *layer, uint32_t *sketch)
     return tiered;
 }
 
+/* A layer of full-precision segments between the pool and device buffers
+ * k, v in one kernel call: kv_gather and kv_scatter lay the buffers out as
+ * a layer's ([kv_heads][tokens][head_dim]). On a GPU two copies a segment,
+ * each a synchronous call, cost a hundred times more. 1 when the layer
+ * has another tier or its segments do not add up to its tokens (the
+ * caller goes a segment at a time), else 0 or -1. */
+static int layer_io_kernel(const kvs_session *s, const kv_layout *lay, const kvs_layer *layer,
+                           uint8_t *k, uint8_t *v, int to_pool)
+{
+    size_t n = layer->nsegments, tokens = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (layer->segments[i].tier != KVS_TIER_FULL)
+            return 1;
+        tokens += layer->segments[i].count;
+    }
+    if (tokens != layer->tokens)
+        return 1;
+    kv_segment *segs = malloc((n ? n : 1) * sizeof *segs);
+    if (segs == NULL)
+        return -1;
+    for (size_t i = 0; i < n; i++) {
+        const kvs_segment *g = &layer->segments[i];
+        segs[i] = (kv_segment){g->block, g->first_slot, g->count};
+    }
+    int rc = to_pool ? s->ops->scatter(lay, s->pool, segs, n, k, v)
+                     : s->ops->gather(lay, s->pool, segs, n, k, v);
+    free(segs);
+    return rc == 0 ? 0 : -1;
+}
+
 /* Move a layer between the pool and contiguous k, v (device memory of the
- * backend when `dev`), a segment at a time; quantised segments (reads
- * only) through one staging block, as large as the largest tier's. */
+ * backend when `dev`): through device buffers in one kernel call where it
+ * can, else a segment at a time; quantised segments (reads only) through
+ * one staging block, as large as the largest tier's. */
 static int layer_io(const kvs_session *s, const kvs_layer *layer, uint8_t *k, uint8_t *v,
                     int to_pool, int dev)
 {
     kv_layout lay = layer->per_head ? row_layout(s) : s->layout;
     uint8_t *stage = NULL;
     int rc = dev ? stream_sync(s) : 0;
+    if (rc == 0 && dev) {
+        int whole = layer_io_kernel(s, &lay, layer, k, v, to_pool);
+        if (whole != 1)
+            return whole == 0 ? KVS_OK : KVS_ERR_SYSTEM;
+    }
     size_t tok = 0;
     for (size_t i = 0; rc == 0 && i < layer->nsegments; i++) {
         const kvs_segment *g = &layer->segments[i];

@@ -199,21 +199,26 @@ static size_t read_class(uint8_t t)
 }
 
 /* Interleave the staged tokens of each tier (at kc[i], vc[i]: halves
- * [kv_heads][count[i]][head_dim]) back into list order in k, v: per token,
- * one strided copy of its kv_heads rows, K then V. */
+ * [kv_heads][count[i]][head_dim]) back into list order in k, v: per run of
+ * consecutive tokens of one tier, one strided copy of its kv_heads rows, K
+ * then V. Tiers come in long runs (old tokens quantised, recent ones not);
+ * a copy per token costs a synchronous call each on a GPU. */
 static int interleave(const tier_ctx *c, const tier_token *tok, size_t n, uint8_t *const *kc,
                       uint8_t *const *vc, const size_t *count, uint8_t *k, uint8_t *v)
 {
     size_t row = (size_t)c->l.head_dim * c->l.elt_size, at[READ_TIERS] = {0};
     int rc = 0;
-    for (size_t i = 0; rc == 0 && i < n; i++) {
-        size_t cl = read_class(tok[i].tier), a = at[cl]++;
+    for (size_t i = 0, run; rc == 0 && i < n; i += run) {
+        size_t cl = read_class(tok[i].tier), a = at[cl];
+        for (run = 1; i + run < n && read_class(tok[i + run].tier) == cl; run++)
+            ;
+        at[cl] += run;
         const uint8_t *sk = kc[cl] + a * row, *sv = vc[cl] + a * row;
-        rc = c->ops->copy_2d(KV_DEVICE_TO_DEVICE, k + i * row, n * row, sk, count[cl] * row, row,
-                             c->l.kv_heads);
+        rc = c->ops->copy_2d(KV_DEVICE_TO_DEVICE, k + i * row, n * row, sk, count[cl] * row,
+                             run * row, c->l.kv_heads);
         if (rc == 0)
             rc = c->ops->copy_2d(KV_DEVICE_TO_DEVICE, v + i * row, n * row, sv, count[cl] * row,
-                                 row, c->l.kv_heads);
+                                 run * row, c->l.kv_heads);
     }
     return rc;
 }

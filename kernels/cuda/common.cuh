@@ -15,6 +15,8 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
+
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -72,19 +74,48 @@ __device__ __forceinline__ void store_elt(uint8_t *p, int t, float v)
 
 /* ---- host: scratch, uploads, token tables ---- */
 
+/* The current device's default memory pool gives its memory back to the
+ * driver at every synchronisation unless told to keep some (its release
+ * threshold is 0): each call's scratch, freed before the call synchronises,
+ * would then be mapped afresh the next time, which costs more than most
+ * moves themselves. Keep up to 64 MiB; once per device (ordinals below 64). */
+inline void scratch_pool_keep()
+{
+    static std::atomic<unsigned long long> kept{0};
+    int dev;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+        (void)cudaGetLastError();
+        return;
+    }
+    if (kept.load(std::memory_order_relaxed) >> dev & 1)
+        return;
+    cudaMemPool_t pool;
+    uint64_t keep = 64ull << 20; /* the attribute is a cuuint64_t */
+    if (cudaDeviceGetDefaultMemPool(&pool, dev) != cudaSuccess ||
+        cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep) != cudaSuccess)
+        (void)cudaGetLastError(); /* no pool: scratch_alloc falls back to cudaMalloc */
+    kept.fetch_or(1ull << dev, std::memory_order_relaxed);
+}
+
 /* Stream-ordered device scratch where supported (no device-wide sync). */
 inline cudaError_t scratch_alloc(void **p, size_t n, bool *async)
 {
+    scratch_pool_keep();
     *p = nullptr;
     if (n == 0)
         n = 1;
     cudaError_t err = cudaMallocAsync(p, n, 0);
     *async = err == cudaSuccess;
     if (err == cudaErrorNotSupported) {
-        (void)cudaGetLastError();
+        (void)cudaGetLastError(); /* clear it: the fallback is fine */
         err = cudaMalloc(p, n);
     }
     return err;
+}
+
+inline cudaError_t scratch_free(void *p, bool async)
+{
+    return async ? cudaFreeAsync(p, 0) : cudaFree(p);
 }
 
 /* A list of device scratch buffers freed together. */
@@ -119,7 +150,7 @@ struct scratch {
         if (err == cudaSuccess)
             err = cudaGetLastError();
         for (int i = 0; i < n; i++) {
-            cudaError_t e = async[i] ? cudaFreeAsync(p[i], 0) : cudaFree(p[i]);
+            cudaError_t e = scratch_free(p[i], async[i]);
             if (err == cudaSuccess)
                 err = e;
         }

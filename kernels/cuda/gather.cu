@@ -15,10 +15,13 @@
 
 #include <stdlib.h>
 
+#include "common.cuh"
 #include "kernels.h"
 
 namespace
 {
+using kvcuda::scratch_alloc;
+using kvcuda::scratch_free;
 
 /* One contiguous run: byte offsets of its head-0 rows, and its length. */
 struct run {
@@ -94,25 +97,6 @@ void launch(size_t chunk, const run *d_runs, size_t nruns, uint32_t heads, side 
         launch_t<uint8_t>(d_runs, nruns, heads, s, d);
         break;
     }
-}
-
-/* Device scratch for the run list. Stream-ordered allocation (a pool, no
- * implicit device synchronisation) where the device supports it, which keeps
- * the per-call overhead small next to the copy itself. */
-cudaError_t scratch_alloc(void **p, size_t n, bool *async)
-{
-    cudaError_t err = cudaMallocAsync(p, n, 0);
-    *async = err == cudaSuccess;
-    if (err == cudaErrorNotSupported) {
-        (void)cudaGetLastError(); /* clear it: the fallback is fine */
-        err = cudaMalloc(p, n);
-    }
-    return err;
-}
-
-cudaError_t scratch_free(void *p, bool async)
-{
-    return async ? cudaFreeAsync(p, 0) : cudaFree(p);
 }
 
 /* Copy `runs` to the device, run them, synchronise, free the device copy.

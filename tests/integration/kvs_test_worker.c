@@ -67,6 +67,15 @@ typedef struct opts {
     int dev_io; /* K/V through device buffers: kvs_layer_write_dev / _read_dev */
 } opts;
 
+/* The range of a channel's values over the positions appended, extended
+ * as they grow: the INT8 and INT4 / INT2 bounds need it for every element
+ * checked, and a pass over every position each time made a verify cost
+ * tokens^2 (minutes for 4096 tokens). */
+typedef struct channel_range {
+    float lo, hi;
+    uint64_t upto; /* positions [0, upto) are in lo..hi */
+} channel_range;
+
 typedef struct worker {
     const opts *o;
     kvs_session *s;
@@ -80,6 +89,8 @@ typedef struct worker {
     uint8_t *last_tier, *rounds;
     uint8_t *coarsest; /* the coarsest quantised tier a position went through */
     uint32_t *last_block;
+    /* [sequences][layers][kv_heads][head_dim][K, V] */
+    channel_range *ranges;
     size_t elt;
 } worker;
 
@@ -331,18 +342,30 @@ static void write_tokens(worker *w, uint64_t seq, const kvs_table *t)
     }
 }
 
+/* Channel c's range in (sequence si, layer l, head h), K or V. */
+static const channel_range *range_of(worker *w, uint64_t si, uint32_t l, uint32_t h, uint32_t c,
+                                     int is_v)
+{
+    const kvs_geometry *g = kvs_session_geometry(w->s);
+    channel_range *r =
+        &w->ranges[(((si * g->layers + l) * g->kv_heads + h) * g->head_dim + c) * 2 + (is_v != 0)];
+    for (float x; r->upto < w->appended; r->upto++) {
+        value_of(w, si, l, h, r->upto, c, is_v, &x);
+        r->lo = r->upto == 0 || x < r->lo ? x : r->lo;
+        r->hi = r->upto == 0 || x > r->hi ? x : r->hi;
+    }
+    return r;
+}
+
 /* Bound of `rounds` INT8 round trips of channel c of (sequence si, layer
  * l, head h): s / 2 = max|group| / 254 each (kernels.h), the group some of
  * the positions appended; a margin for the fp32 rounding of code * scale
  * and for a requantised group's max, grown by the errors before. */
-static float int8_bound(const worker *w, uint64_t si, uint32_t l, uint32_t h, uint32_t c, int is_v,
+static float int8_bound(worker *w, uint64_t si, uint32_t l, uint32_t h, uint32_t c, int is_v,
                         uint8_t rounds)
 {
-    float m = 0, x;
-    for (uint64_t p = 0; p < w->appended; p++) {
-        value_of(w, si, l, h, p, c, is_v, &x);
-        m = x > m ? x : -x > m ? -x : m;
-    }
+    const channel_range *r = range_of(w, si, l, h, c, is_v);
+    float m = r->hi > -r->lo ? r->hi : -r->lo;
     return m / 254.0f * (float)rounds * (1.0f + (float)rounds / 100.0f);
 }
 
@@ -351,19 +374,21 @@ static float int8_bound(const worker *w, uint64_t si, uint32_t l, uint32_t h, ui
  * / L rounded up in fp16 (kernels.h "Low-bit tiers"); a K group is the
  * channel over some of the positions appended, a V group some channels of
  * the token (within its whole row's range); the margin as int8_bound's. */
-static float lowbit_bound(const worker *w, uint64_t si, uint32_t l, uint32_t h, uint64_t p,
-                          uint32_t c, int is_v, uint8_t rounds, float levels)
+static float lowbit_bound(worker *w, uint64_t si, uint32_t l, uint32_t h, uint64_t p, uint32_t c,
+                          int is_v, uint8_t rounds, float levels)
 {
     const kvs_geometry *g = kvs_session_geometry(w->s);
-    uint64_t n = is_v ? g->head_dim : w->appended;
     float lo = 0, hi = 0, x;
-    for (uint64_t i = 0; i < n; i++) {
-        if (is_v)
-            value_of(w, si, l, h, p, (uint32_t)i, 1, &x);
-        else
-            value_of(w, si, l, h, i, c, 0, &x);
-        lo = i == 0 || x < lo ? x : lo;
-        hi = i == 0 || x > hi ? x : hi;
+    if (is_v) {
+        for (uint32_t i = 0; i < g->head_dim; i++) {
+            value_of(w, si, l, h, p, i, 1, &x);
+            lo = i == 0 || x < lo ? x : lo;
+            hi = i == 0 || x > hi ? x : hi;
+        }
+    } else {
+        const channel_range *r = range_of(w, si, l, h, c, 0);
+        lo = r->lo;
+        hi = r->hi;
     }
     float step = (hi - lo) / levels * (1.0f + 1.0f / 512);
     return step / 2 * (float)rounds * (1.0f + (float)rounds / 100.0f) + 1e-6f;
@@ -372,7 +397,7 @@ static float lowbit_bound(const worker *w, uint64_t si, uint32_t l, uint32_t h, 
 /* Whether a value read back is right: exact for a token never quantised,
  * within the bound of its round trips (as coarse as the coarsest tier it
  * went through) for one that was. */
-static int value_ok(const worker *w, uint64_t si, uint32_t l, uint32_t h, uint64_t p, uint32_t c,
+static int value_ok(worker *w, uint64_t si, uint32_t l, uint32_t h, uint64_t p, uint32_t c,
                     int is_v, const uint8_t *got, const uint8_t *want, uint8_t rounds,
                     uint8_t coarsest)
 {
@@ -633,7 +658,10 @@ int main(int argc, char **argv)
     w.rounds = calloc(o.sequences * o.geom.layers * o.tokens + 1, 1);
     w.coarsest = calloc(o.sequences * o.geom.layers * o.tokens + 1, 1);
     w.last_block = calloc(o.sequences * o.geom.layers * o.tokens + 1, sizeof *w.last_block);
-    if (w.last_tier == NULL || w.rounds == NULL || w.last_block == NULL || w.coarsest == NULL)
+    const kvs_geometry *sg = kvs_session_geometry(w.s);
+    w.ranges = calloc(o.sequences * sg->layers * sg->kv_heads * sg->head_dim * 2, sizeof *w.ranges);
+    if (w.last_tier == NULL || w.rounds == NULL || w.last_block == NULL || w.coarsest == NULL ||
+        w.ranges == NULL)
         die(2, 0, "out of memory");
     for (uint64_t i = 0; i < o.sequences; i++) {
         rc = kvs_seq_create(w.s, o.policy, o.params, o.nparams, o.label, &w.seq_ids[i]);
@@ -680,6 +708,7 @@ int main(int argc, char **argv)
     free(w.seq_ids);
     free(w.last_tier);
     free(w.last_block);
+    free(w.ranges);
     free(w.rounds);
     free(w.coarsest);
     return 0;
