@@ -73,14 +73,29 @@ static kv_segment *token_segments(const tier_token *tok, size_t n, size_t *nsegs
     return sg;
 }
 
-/* The kernels of quantised tier t (INT8, INT4 or INT2), on layout ql. */
+/* The kernels of quantised tier t (INT8, INT4 or INT2), on layout ql:
+ * the n segments q of arena qpool into the n segments out of stage. */
 static int quant_dequantize(const tier_ctx *c, uint8_t t, const kv_layout *ql, const uint8_t *qpool,
-                            const kv_segment *q, uint8_t *stage, const kv_segment *out)
+                            const kv_segment *q, uint8_t *stage, const kv_segment *out, size_t n)
 {
     if (t == POLICY_INT8)
-        return c->ops->int8_dequantize(ql, qpool, q, 1, c->dtype, stage, out, 1);
-    return c->ops->lowbit_dequantize(ql, t == POLICY_INT4 ? 4 : 2, qpool, q, 1, c->dtype, stage,
-                                     out, 1);
+        return c->ops->int8_dequantize(ql, qpool, q, n, c->dtype, stage, out, n);
+    return c->ops->lowbit_dequantize(ql, t == POLICY_INT4 ? 4 : 2, qpool, q, n, c->dtype, stage,
+                                     out, n);
+}
+
+/* Whether tier t's quantised blocks, each at the start of its pool block,
+ * are exactly a pool block long: then the pool is an arena of them (pool
+ * block b is quantised block b of an arena at the pool's base) and one
+ * kernel call reads any number. So it is for INT8 when kv_heads x head_dim
+ * is a multiple of 8 (kernels.h: T8 = T x elt_size - 4 tokens then fill
+ * the block exactly), Llama's shapes among them. */
+static int quant_blocks_tile_pool(const tier_ctx *c, uint8_t t)
+{
+    const kv_layout *ql = tier_layout(c, t);
+    size_t qb = t == POLICY_INT8 ? kv_int8_block_bytes(ql)
+                                 : kv_lowbit_block_bytes(ql, t == POLICY_INT4 ? 4 : 2);
+    return qb == c->block_bytes;
 }
 
 static int quant_quantize(const tier_ctx *c, uint8_t t, const kv_layout *ql, const uint8_t *stage,
@@ -129,12 +144,15 @@ static int read_quantised(const tier_ctx *c, uint8_t t, const tier_token *tok, s
     uint32_t tq = ql->block_tokens;
     size_t nblocks = (m + tq - 1) / tq, bbq = kv_block_bytes(ql);
     uint8_t *stage = read_stage_get(c, &rs->quant, &rs->quant_bytes, nblocks * bbq);
+    int tiled = quant_blocks_tile_pool(c, t);
     kv_segment *dst = malloc(m * sizeof *dst);
-    int rc = stage != NULL && dst != NULL ? 0 : -1;
-    /* One call per run of consecutive slots of one quantised block (a pool
-     * block each: the kernel addresses one arena per call), cut where the
-     * staging block ends. */
-    size_t j = 0;
+    kv_segment *runs = tiled ? malloc(2 * m * sizeof *runs) : NULL; /* q, then out */
+    int rc = stage != NULL && dst != NULL && (runs != NULL || !tiled) ? 0 : -1;
+    /* A segment per run of consecutive slots of one quantised block, cut
+     * where the staging block ends: all in one call where the quantised
+     * blocks tile the pool, else one call per run (the kernel addresses
+     * one arena per call, here a pool block). */
+    size_t j = 0, nruns = 0;
     for (size_t i = 0; rc == 0 && i < n;) {
         if (tok[i].tier != t) {
             i++;
@@ -144,15 +162,24 @@ static int read_quantised(const tier_ctx *c, uint8_t t, const tier_token *tok, s
         while (i + run < n && run < room && tok[i + run].tier == t &&
                tok[i + run].block == tok[i].block && tok[i + run].slot == tok[i].slot + run)
             run++;
-        kv_segment q = {0, tok[i].slot, run}, out = {(uint32_t)(j / tq), (uint32_t)(j % tq), run};
-        rc = quant_dequantize(c, t, ql, c->base + (size_t)tok[i].block * c->block_bytes, &q, stage,
-                              &out);
+        kv_segment q = {tiled ? tok[i].block : 0, tok[i].slot, run};
+        kv_segment out = {(uint32_t)(j / tq), (uint32_t)(j % tq), run};
+        if (tiled) {
+            runs[nruns] = q;
+            runs[m + nruns++] = out;
+        } else {
+            rc = quant_dequantize(c, t, ql, c->base + (size_t)tok[i].block * c->block_bytes, &q,
+                                  stage, &out, 1);
+        }
         for (uint32_t r = 0; r < run; r++, j++)
             dst[j] = (kv_segment){(uint32_t)(j / tq), (uint32_t)(j % tq), 1};
         i += run;
     }
+    if (rc == 0 && tiled)
+        rc = quant_dequantize(c, t, ql, c->base, runs, stage, runs + m, nruns);
     if (rc == 0)
         rc = ops->gather(ql, stage, dst, m, k, v);
+    free(runs);
     free(dst);
     return rc;
 }
@@ -338,7 +365,7 @@ static int copy_host(const tier_ctx *c, const tier_token *src, size_t n, const t
         const kv_layout *ql = tier_layout(c, src[a].tier);
         kv_segment q = {0, src[a].slot, (uint32_t)r}, out = {0, 0, (uint32_t)r};
         rc = quant_dequantize(c, src[a].tier, ql, c->base + (size_t)src[a].block * c->block_bytes,
-                              &q, stage, &out);
+                              &q, stage, &out, 1);
         if (rc == 0)
             rc = place_rows(c, ql, stage, dst + a, r);
     }

@@ -53,12 +53,13 @@ typedef struct tier_ctx {
     size_t copy_chunk;
 } tier_ctx;
 
-/* What tier_copy stages at a time on a device: its staging (the contiguous copy, and
- * as much again of dequantised blocks) stays in a core's cache, so that a
- * long copy reads its sources and writes its slots once from memory
- * instead of four times, and reuses its staging instead of taking fresh
- * pages. */
-#define TIER_COPY_CHUNK_BYTES (512u << 10)
+/* What tier_copy stages at a time on a device (host memory copies without
+ * staging): each chunk costs a few synchronous kernel calls of some 40 us
+ * (docs/gpu.md), so chunks are large, and its staging (the contiguous
+ * copy, and as much again of dequantised blocks) stays within a GPU's L2
+ * cache (50 MB on an H100), so that the passes over it do not reach
+ * memory. A 4096-token fp16 layer of 8 KV heads x 128 is two chunks. */
+#define TIER_COPY_CHUNK_BYTES (8u << 20)
 
 /* Fill l8, l4 and l2 from l, and copy_chunk; returns -1 when not even one
  * INT8 token fits in a block. */

@@ -391,6 +391,17 @@ static tier_token copy_destination(size_t i, size_t n, size_t order)
     return (tier_token){10 + (uint32_t)(s / 16), (uint32_t)(s % 16), POLICY_FULL};
 }
 
+/* int8_dequantize calls of the device-like ops below. */
+static size_t int8_dequantize_calls;
+
+static int counted_int8_dequantize(const kv_layout *l, const uint8_t *qpool,
+                                   const kv_segment *qsegs, size_t nqsegs, kv_dtype t,
+                                   uint8_t *pool, const kv_segment *dst, size_t ndst)
+{
+    int8_dequantize_calls++;
+    return kv_ops_cpu.int8_dequantize(l, qpool, qsegs, nqsegs, t, pool, dst, ndst);
+}
+
 /*
  * tier_copy of a long list, in host memory (each quantised run through one
  * staging block) and as on a device (ops that are not host memory: staged
@@ -400,7 +411,9 @@ static tier_token copy_destination(size_t i, size_t n, size_t order)
  * last partial chunk, one chunk for all), and with the default, into
  * slots in three orders: every slot holds what tier_read gives for
  * its source (the dequantised values, full-precision tokens exactly), and
- * no slot outside the destination's changes.
+ * no slot outside the destination's changes. INT8 blocks fill this
+ * layout's pool blocks exactly, so that in one chunk every INT8 run is
+ * dequantised by one kernel call (INT4's do not: a call per run).
  */
 static void test_copy_in_chunks(void **state)
 {
@@ -437,6 +450,8 @@ static void test_copy_in_chunks(void **state)
     uint8_t *before = malloc(NBLOCKS * bb);
     kv_ops device = kv_ops_cpu;
     device.host_memory = 0;
+    device.int8_dequantize = counted_int8_dequantize;
+    assert_int_equal(kv_int8_block_bytes(&f->c.l8), bb);
     const size_t chunks[] = {1, 3, 7, 100, f->c.copy_chunk, 0 /* host memory */};
     for (size_t k = 0; k < 3 * sizeof chunks / sizeof *chunks; k++) {
         size_t chunk = chunks[k / 3];
@@ -447,7 +462,10 @@ static void test_copy_in_chunks(void **state)
         tier_ctx c = f->c;
         c.ops = chunk > 0 ? &device : &kv_ops_cpu;
         c.copy_chunk = chunk > 0 ? chunk : c.copy_chunk;
+        int8_dequantize_calls = 0;
         assert_int_equal(tier_copy(&c, src, N, dst), 0);
+        if (chunk >= N)
+            assert_int_equal(int8_dequantize_calls, 1);
         memset(got, 0, 2 * half);
         assert_int_equal(tier_read(&f->c, dst, N, got, got + half), 0);
         if (memcmp(got, want, 2 * half) != 0)
@@ -462,7 +480,7 @@ static void test_copy_in_chunks(void **state)
             }
         assert_memory_equal(before, f->arena, NBLOCKS * bb);
     }
-    assert_true(f->c.copy_chunk >= N); /* 512 KiB of 128-byte tokens */
+    assert_true(f->c.copy_chunk >= N); /* 8 MiB of 128-byte tokens */
     free(before);
     free(s8);
     free(full);
