@@ -1738,8 +1738,9 @@ static size_t revive_ring_bytes(uint64_t n)
 }
 
 /* Revive through the ring (proto/kvstash_ring.h RING_OP_REVIVE): a few
- * microseconds where gRPC takes about 100. The caller checked that the
- * answer fits the data area. */
+ * microseconds where gRPC takes about 100. An answer that would not fit
+ * the data area is refused by kvstashd (KVS_ERR_EXHAUSTED); one that
+ * claims to fit but does not is a protocol error. */
 static int revive_ring(kvs_session *s, uint64_t seq_id, const ring_revive_request *in,
                        kvs_revive *out)
 {
@@ -1755,11 +1756,13 @@ static int revive_ring(kvs_session *s, uint64_t seq_id, const ring_revive_reques
         return rc;
     ring_revive_reply h;
     memcpy(&h, s->ring.data, sizeof h);
-    if (h.tokens > in->count || h.nsegments > h.tokens || r.nsegments != h.nsegments) {
+    uint64_t need = sizeof h + 12 * (uint64_t)h.nsegments + 5 * (uint64_t)h.tokens;
+    if ((in->count > 0 && h.tokens > in->count) || h.nsegments > h.tokens ||
+        r.nsegments != h.nsegments || need > s->ring.data_bytes) {
         fail(s,
              "Revive: kvstashd's answer on the ring names %" PRIu32 " tokens in %" PRIu32
-             " segments for %" PRIu32 " asked",
-             h.tokens, h.nsegments, in->count);
+             " segments for %" PRIu32 " asked (0: to the end), in %zu bytes",
+             h.tokens, h.nsegments, in->count, s->ring.data_bytes);
         return KVS_ERR_PROTOCOL;
     }
     /* Copied out of the shared ring before they are checked. */
@@ -1803,9 +1806,19 @@ int kvs_seq_revive(kvs_session *s, uint64_t seq_id, uint32_t layer, uint32_t hea
         return KVS_ERR_INVALID;
     }
     ring_revive_request in = {layer, head, first, count, skip_evicted != 0};
-    /* The ring when the answer surely fits its data area; else gRPC. */
-    int ring = count > 0 && revive_ring_bytes(count) <= s->ring.data_bytes;
-    int rc = ring ? revive_ring(s, seq_id, &in, out) : revive_grpc(s, seq_id, &in, out);
+    /* The ring unless the answer surely does not fit its data area. The
+     * rest of a list (count 0) is of a length this side does not know:
+     * kvstashd refuses an answer too large for the ring (and gives its
+     * scratch back), and gRPC carries it. A whole layer of 4,096 tokens
+     * then costs tens of microseconds, not the hundreds of a gRPC call. */
+    int rc;
+    if (count > 0 && revive_ring_bytes(count) > s->ring.data_bytes) {
+        rc = revive_grpc(s, seq_id, &in, out);
+    } else {
+        rc = revive_ring(s, seq_id, &in, out);
+        if (rc == KVS_ERR_EXHAUSTED && count == 0)
+            rc = revive_grpc(s, seq_id, &in, out);
+    }
     if (rc != KVS_OK) {
         kvs_table_free(&out->table);
         free(out->source_tier);
