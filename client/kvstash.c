@@ -1677,11 +1677,19 @@ int kvs_layer_read_dev(const kvs_session *s, const kvs_layer *layer, void *k, vo
 
 /* ---- revive ---- */
 
+/* What kvs_seq_revive allocated in *r, freed; *r zeroed. */
+static void revive_free(kvs_revive *r)
+{
+    kvs_table_free(&r->table);
+    free(r->source_tier);
+    memset(r, 0, sizeof *r);
+}
+
 /* A Revive's answer, from gRPC or the ring, into *out: its table checked
  * as any (table_fill), each token's source tier (src32 or src8), the
  * counts by tier. */
 static int revive_fill(kvs_session *s, Kvstash__V1__LayerTable *lt, uint64_t scratch_id,
-                       const uint32_t *src32, const uint8_t *src8, kvs_revive *out)
+                       uint64_t epoch, const uint32_t *src32, const uint8_t *src8, kvs_revive *out)
 {
     int rc = table_fill(s, &lt, 1, "Revive", &out->table);
     if (rc != KVS_OK)
@@ -1693,6 +1701,7 @@ static int revive_fill(kvs_session *s, Kvstash__V1__LayerTable *lt, uint64_t scr
         return KVS_ERR_SYSTEM;
     }
     out->scratch_id = scratch_id;
+    out->epoch = epoch;
     for (size_t i = 0; i < lt->tokens; i++) {
         uint32_t t = src32 != NULL ? src32[i] : src8[i];
         out->source_tier[i] = (uint8_t)t;
@@ -1714,6 +1723,7 @@ static int revive_grpc(kvs_session *s, uint64_t seq_id, const ring_revive_reques
     req.first = in->first;
     req.count = in->count;
     req.skip_evicted = in->skip_evicted != 0;
+    req.in_place = in->in_place != 0;
     ProtobufCMessage *resp;
     int rc = session_rpc(s, "Revive", &req.base, &kvstash__v1__revive_response__descriptor, &resp);
     if (rc != KVS_OK)
@@ -1724,7 +1734,7 @@ static int revive_grpc(kvs_session *s, uint64_t seq_id, const ring_revive_reques
         fail(s, "Revive: the reply's table, positions and source tiers do not match");
         rc = KVS_ERR_PROTOCOL;
     } else {
-        rc = revive_fill(s, lt, r->scratch_id, r->source_tier, NULL, out);
+        rc = revive_fill(s, lt, r->scratch_id, r->epoch, r->source_tier, NULL, out);
     }
     protobuf_c_message_free_unpacked(resp, NULL);
     return rc;
@@ -1788,14 +1798,14 @@ static int revive_ring(kvs_session *s, uint64_t seq_id, const ring_revive_reques
     lt.count = u + 2 * (size_t)h.nsegments;
     lt.n_positions = h.tokens;
     lt.positions = u + 3 * (size_t)h.nsegments;
-    rc = revive_fill(s, &lt, h.scratch_id, NULL, src, out);
+    rc = revive_fill(s, &lt, h.scratch_id, h.epoch, NULL, src, out);
     free(u);
     free(src);
     return rc;
 }
 
 int kvs_seq_revive(kvs_session *s, uint64_t seq_id, uint32_t layer, uint32_t head, uint32_t first,
-                   uint32_t count, int skip_evicted, kvs_revive *out)
+                   uint32_t count, unsigned flags, kvs_revive *out)
 {
     if (out != NULL)
         memset(out, 0, sizeof *out);
@@ -1805,7 +1815,19 @@ int kvs_seq_revive(kvs_session *s, uint64_t seq_id, uint32_t layer, uint32_t hea
         fail(s, "kvs_seq_revive: out is required");
         return KVS_ERR_INVALID;
     }
-    ring_revive_request in = {layer, head, first, count, skip_evicted != 0};
+    if ((flags & ~(KVS_REVIVE_SKIP_EVICTED | KVS_REVIVE_IN_PLACE)) != 0) {
+        fail(s,
+             "kvs_seq_revive: unknown flags 0x%x (KVS_REVIVE_SKIP_EVICTED | "
+             "KVS_REVIVE_IN_PLACE)",
+             flags);
+        return KVS_ERR_INVALID;
+    }
+    ring_revive_request in = {layer,
+                              head,
+                              first,
+                              count,
+                              (flags & KVS_REVIVE_SKIP_EVICTED) != 0,
+                              (flags & KVS_REVIVE_IN_PLACE) != 0};
     /* The ring unless the answer surely does not fit its data area. The
      * rest of a list (count 0) is of a length this side does not know:
      * kvstashd refuses an answer too large for the ring (and gives its
@@ -1819,11 +1841,8 @@ int kvs_seq_revive(kvs_session *s, uint64_t seq_id, uint32_t layer, uint32_t hea
         if (rc == KVS_ERR_EXHAUSTED && count == 0)
             rc = revive_grpc(s, seq_id, &in, out);
     }
-    if (rc != KVS_OK) {
-        kvs_table_free(&out->table);
-        free(out->source_tier);
-        memset(out, 0, sizeof *out);
-    }
+    if (rc != KVS_OK)
+        revive_free(out);
     return rc;
 }
 
@@ -1831,6 +1850,10 @@ int kvs_revive_release(kvs_session *s, kvs_revive *r)
 {
     if (s == NULL || r == NULL)
         return KVS_ERR_INVALID;
+    if (r->scratch_id == 0) { /* in place: nothing of the daemon's to give back */
+        revive_free(r);
+        return KVS_OK;
+    }
     ring_request *q = &s->ring.hdr->req;
     memset(q, 0, sizeof *q);
     q->op = RING_OP_RELEASE_SCRATCH;
@@ -1838,9 +1861,7 @@ int kvs_revive_release(kvs_session *s, kvs_revive *r)
     memcpy(s->ring.data, &r->scratch_id, sizeof r->scratch_id);
     ring_response resp;
     int rc = ring_call(s, "ReleaseScratch", &resp);
-    kvs_table_free(&r->table);
-    free(r->source_tier);
-    memset(r, 0, sizeof *r);
+    revive_free(r);
     return rc;
 }
 

@@ -434,26 +434,40 @@ int kvs_layer_read_dev(const kvs_session *s, const kvs_layer *layer, void *k, vo
 
 /* What kvs_seq_revive rebuilt: `layer` is a table of scratch blocks (all
  * full precision, positions filled) to read like any list; source_tier[i]
- * says where token i was stored (kvs_tier). Release with kvs_revive_release. */
+ * says where token i was stored (kvs_tier). Release with kvs_revive_release.
+ * With KVS_REVIVE_IN_PLACE the tokens the list held at full precision are
+ * the list's own slots in that table, readable until the session acks an
+ * epoch after `epoch` (as the worker's table is), and scratch_id is 0 when
+ * no token was rebuilt. */
 typedef struct kvs_revive {
     uint64_t scratch_id;
     kvs_table table;      /* one entry: the revived list */
     kvs_layer *layer;     /* = &table.layer[0] */
     uint8_t *source_tier; /* [layer->tokens] */
     uint32_t from_full, from_int8, from_sketch;
+    uint64_t epoch; /* the sequence's table epoch when it was revived */
 } kvs_revive;
+
+/* kvs_seq_revive's flags. */
+#define KVS_REVIVE_SKIP_EVICTED 1u /* leave out positions evicted outright */
+#define KVS_REVIVE_IN_PLACE 2u     /* do not copy tokens held at full precision */
 
 /*
  * Rebuild original positions [first, first + count) (count 0: to the end)
  * of list (layer, head) in full precision into scratch blocks: raw tokens
  * copied, INT8 tokens dequantised, sketched and offloaded tokens as the
  * sketch's estimate (store.proto ReviveRequest). Positions evicted outright
- * give KVS_ERR_PRECONDITION unless skip_evicted.
+ * give KVS_ERR_PRECONDITION unless KVS_REVIVE_SKIP_EVICTED. With
+ * KVS_REVIVE_IN_PLACE, tokens the list holds at full precision are not
+ * copied: the table names their slots in the list (read, never write
+ * them), and only the rest is rebuilt into scratch. Other flag bits:
+ * KVS_ERR_INVALID.
  */
 int kvs_seq_revive(kvs_session *s, uint64_t seq_id, uint32_t layer, uint32_t head, uint32_t first,
-                   uint32_t count, int skip_evicted, kvs_revive *out);
+                   uint32_t count, unsigned flags, kvs_revive *out);
 
-/* Give the scratch blocks back to the daemon and free *r. */
+/* Give the scratch blocks back to the daemon (none to give for scratch_id
+ * 0) and free *r. */
 int kvs_revive_release(kvs_session *s, kvs_revive *r);
 
 /* Daemon statistics as the JSON object of StatsResponse, with every

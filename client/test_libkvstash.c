@@ -332,6 +332,103 @@ static void test_epochs(const char *sock, kvs_session *a)
     CHECK_RC(rc, KVS_OK, a);
 }
 
+/* Write 8 tokens' distinctive K/V (base + token) into list `ly` of 8. */
+static void write_tokens(kvs_session *a, const kvs_layer *ly, float base)
+{
+    float k[2 * 8 * 4], v[2 * 8 * 4];
+    for (size_t i = 0; i < 2 * 8 * 4; i++)
+        k[i] = base + (float)i, v[i] = -base - (float)i;
+    kvs_layer_write(a, ly, k, v);
+}
+
+/* Whether list `ly` of 8 tokens reads what write_tokens(base) wrote. */
+static int reads_tokens(kvs_session *a, const kvs_layer *ly, float base)
+{
+    float k[2 * 8 * 4], v[2 * 8 * 4];
+    if (ly->tokens != 8 || kvs_layer_read(a, ly, k, v) != KVS_OK)
+        return 0;
+    int same = 1;
+    for (size_t i = 0; i < 2 * 8 * 4; i++)
+        same &= k[i] == base + (float)i && v[i] == -base - (float)i;
+    return same;
+}
+
+/*
+ * KVS_REVIVE_IN_PLACE: a Revive of tokens held at full precision copies
+ * nothing. Its table names the list's own slots (the table's segments),
+ * it takes no scratch (scratch_id 0, release is local), and reads what a
+ * copying Revive reads. Those slots stay readable as the table's do: an
+ * append that evicts the revived tokens retires their blocks (new tokens
+ * written meanwhile do not land there) until the session acks the newer
+ * epoch. Unknown flags are refused.
+ */
+static void test_revive_in_place(const char *sock, kvs_session *a)
+{
+    const kvs_param p[] = {{"n_sink", "0"}, {"window", "8"}};
+    uint64_t id, pool = kvs_session_pool_id(a);
+    int rc = kvs_seq_create(a, "streaming", p, 2, "in place", &id);
+    CHECK_RC(rc, KVS_OK, a);
+    kvs_table w, t;
+    if (rc != KVS_OK || (rc = kvs_seq_append(a, id, 8, &w)) != KVS_OK) {
+        CHECK_RC(rc, KVS_OK, a);
+        return;
+    }
+    write_tokens(a, &w.layer[0], 1000.0f);
+    kvs_table_free(&w);
+    rc = kvs_seq_table(a, id, 1, &t); /* acks the newest epoch */
+    CHECK_RC(rc, KVS_OK, a);
+    kvs_revive here, copy;
+    rc = kvs_seq_revive(a, id, 0, 0, 0, 0, KVS_REVIVE_IN_PLACE, &here);
+    CHECK_RC(rc, KVS_OK, a);
+    CHECK_RC(kvs_seq_revive(a, id, 0, 0, 0, 0, 0, &copy), KVS_OK, a);
+    if (rc == KVS_OK) {
+        CHECK(here.scratch_id == 0 && copy.scratch_id != 0, "scratch ids %" PRIu64 ", %" PRIu64,
+              here.scratch_id, copy.scratch_id);
+        CHECK(here.epoch == t.epoch && copy.epoch == t.epoch,
+              "revive epochs %" PRIu64 ", %" PRIu64 ", table %" PRIu64, here.epoch, copy.epoch,
+              t.epoch);
+        int same = here.layer->nsegments == t.layer[0].nsegments && here.from_full == 8;
+        for (size_t i = 0; same && i < here.layer->nsegments; i++)
+            same = here.layer->segments[i].block == t.layer[0].segments[i].block &&
+                   here.layer->segments[i].first_slot == t.layer[0].segments[i].first_slot &&
+                   here.layer->segments[i].count == t.layer[0].segments[i].count;
+        CHECK(same, "the in-place revive's segments are not the table's");
+        CHECK(reads_tokens(a, here.layer, 1000.0f) && reads_tokens(a, copy.layer, 1000.0f),
+              "the revives do not read what was written");
+        /* 8 more tokens, and a step that evicts the revived ones: their
+         * blocks are retired, and still read the same, until the session
+         * acks the step's epoch (its next call). */
+        rc = kvs_seq_append(a, id, 8, &w);
+        CHECK_RC(rc, KVS_OK, a);
+        if (rc == KVS_OK) {
+            write_tokens(a, &w.layer[0], 5000.0f);
+            kvs_table_free(&w);
+        }
+        const uint32_t held[2] = {16, 16};
+        kvs_step st = {.new_tokens = 8, .heads = 1, .tokens = held, .confidence = -1};
+        kvs_step_result res;
+        CHECK_RC(kvs_seq_step(a, id, &st, &res), KVS_OK, a);
+        CHECK(res.epoch > here.epoch && res.evicted == 16, "step: epoch %" PRIu64 ", %u evicted",
+              res.epoch, res.evicted);
+        CHECK(pool_stat(sock, pool, "blocks_retired") == 4, "%lld blocks retired, want 4",
+              pool_stat(sock, pool, "blocks_retired"));
+        CHECK(reads_tokens(a, here.layer, 1000.0f), "the in-place revive changed before the ack");
+        CHECK_RC(kvs_revive_release(a, &here), KVS_OK, a);
+        uint64_t now;
+        CHECK_RC(kvs_seq_epoch(a, id, &now), KVS_OK, a); /* acks the step's epoch */
+        CHECK(pool_stat(sock, pool, "blocks_retired") == 0, "%lld blocks retired after the ack",
+              pool_stat(sock, pool, "blocks_retired"));
+        CHECK(here.layer == NULL && here.scratch_id == 0, "release zeroes");
+        CHECK_RC(kvs_revive_release(a, &copy), KVS_OK, a);
+    }
+    kvs_table_free(&t);
+    rc = kvs_seq_revive(a, id, 0, 0, 0, 0, 4, &here);
+    CHECK_RC(rc, KVS_ERR_INVALID, a);
+    CHECK(strstr(kvs_session_error(a), "KVS_REVIVE_IN_PLACE") != NULL, "message: %s",
+          kvs_session_error(a));
+    CHECK_RC(kvs_seq_release(a, id), KVS_OK, a);
+}
+
 /* Events: attach/create/evict/release/detach show up with a growing "n". */
 static void test_events(const char *sock)
 {
@@ -442,10 +539,10 @@ static int same_segments(const kvs_table *a, const kvs_table *b, uint32_t l)
 
 /* Revive positions [first, end) of layer 0 (count 0: to the end of the
  * list) and check that `want` tokens came back, positions first.. in order. */
-static void revive_rest(kvs_session *s, uint64_t id, uint32_t first, uint32_t want)
+static void revive_rest(kvs_session *s, uint64_t id, uint32_t first, uint32_t want, unsigned flags)
 {
     kvs_revive r;
-    int rc = kvs_seq_revive(s, id, 0, 0, first, 0, 0, &r);
+    int rc = kvs_seq_revive(s, id, 0, 0, first, 0, flags, &r);
     CHECK_RC(rc, KVS_OK, s);
     if (rc != KVS_OK)
         return;
@@ -456,6 +553,8 @@ static void revive_rest(kvs_session *s, uint64_t id, uint32_t first, uint32_t wa
           "revive from %u to the end: %u tokens (%u from full precision, %u positions wrong), "
           "want %u",
           first, r.layer->tokens, r.from_full, bad, want);
+    CHECK((r.scratch_id == 0) == ((flags & KVS_REVIVE_IN_PLACE) != 0),
+          "revive from %u, flags %u: scratch %" PRIu64, first, flags, r.scratch_id);
     CHECK_RC(kvs_revive_release(s, &r), KVS_OK, s);
 }
 
@@ -474,8 +573,10 @@ static void revive_beyond_the_ring(kvs_session *s, uint64_t id)
     CHECK_RC(rc, KVS_OK, s);
     if (rc != KVS_OK)
         return;
-    revive_rest(s, id, 150000, 50000);
-    revive_rest(s, id, 0, 200000);
+    for (unsigned flags = 0; flags <= KVS_REVIVE_IN_PLACE; flags += KVS_REVIVE_IN_PLACE) {
+        revive_rest(s, id, 150000, 50000, flags);
+        revive_rest(s, id, 0, 200000, flags);
+    }
 }
 
 /* kvs_seq_table reads the table through the session's ring, and through
@@ -876,6 +977,7 @@ int main(int argc, char **argv)
         test_errors(d.sock, a, b);
         test_shared_pool(a, b);
         test_epochs(d.sock, a);
+        test_revive_in_place(d.sock, a);
         test_events(d.sock);
         test_cuts(a);
         test_step_in_ring(a, b);

@@ -259,7 +259,8 @@ static void serve_revive(ring *rg, const ring_request *q, ring_response *r)
         respond(r, ST_INVALID_ARGUMENT, "data_bytes is not the size of a ring_revive_request");
         return;
     }
-    seq_revive_request rq = {in.layer, in.head, in.first, in.count, in.skip_evicted != 0};
+    seq_revive_request rq = {in.layer,        in.head, in.first, in.count, in.skip_evicted != 0,
+                             in.in_place != 0};
     store_revive_result out;
     status s;
     if (store_revive(rg->store, rg->token, q->seq_id, &rq, &out, &s) != ST_OK) {
@@ -270,12 +271,13 @@ static void serve_revive(ring *rg, const ring_request *q, ring_response *r)
     size_t need = sizeof(ring_revive_reply) + t->nsegs * 12 + (size_t)t->tokens * 5;
     if (need > rg->data_bytes) {
         uint32_t freed;
-        store_scratch_release(rg->store, rg->token, out.scratch_id, &freed, &s);
+        if (out.scratch_id != 0)
+            store_scratch_release(rg->store, rg->token, out.scratch_id, &freed, &s);
         respond(r, ST_RESOURCE_EXHAUSTED, "revive reply exceeds the ring; use gRPC's Revive");
     } else {
         ring_revive_reply h = {
             out.scratch_id, t->layer,           t->head, (uint32_t)(t->per_head != 0),
-            t->tokens,      (uint32_t)t->nsegs, 0};
+            t->tokens,      (uint32_t)t->nsegs, 0,       out.epoch};
         uint8_t *p = rg->data;
         memcpy(p, &h, sizeof h);
         uint8_t *end = table_arrays_put(p + sizeof h, t, t->tokens);

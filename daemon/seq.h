@@ -345,16 +345,22 @@ void seq_list_tier_tokens(const seq *s, uint32_t layer, uint32_t head,
 
 /* What a Revive asks for: positions [first, first + count) (count 0: to
  * the end) of list (layer, head); with skip_evicted, positions evicted
- * outright are left out instead of refused. */
+ * outright are left out instead of refused. With in_place, tokens the
+ * list holds at full precision are not copied: the answer's segments name
+ * the list's own slots for them (read where they are, as the worker's
+ * table names them: retired, not freed, until the worker acks a later
+ * epoch), and scratch slots only for the tokens rebuilt. */
 typedef struct seq_revive_request {
     uint32_t layer, head, first, count;
     int skip_evicted;
+    int in_place;
 } seq_revive_request;
 
-/* What a Revive rebuilt: the scratch blocks' segments in list layout, each
- * token's position and its tier before the revive, and the blocks, which
- * the caller now owns and frees with pool_free_block. The arrays are
- * malloc'd and the caller's. */
+/* What a Revive rebuilt: the segments of its tokens in list layout (the
+ * scratch blocks', and with in_place the list's own for the tokens read
+ * where they are), each token's position and its tier before the revive,
+ * and the scratch blocks, which the caller now owns and frees with
+ * pool_free_block. The arrays are malloc'd and the caller's. */
 typedef struct seq_revived {
     kv_segment *segs;
     size_t nsegs;
@@ -368,8 +374,9 @@ typedef struct seq_revived {
 /*
  * Revive (the RPC): rebuild the request's positions of the list in full
  * precision into fresh blocks of the pool: held tokens and offloaded
- * victims (raw copied, INT8 dequantised, sketch queried), in position
- * order; the sketch is not changed. Tokens evicted outright cannot come
+ * victims (raw copied, or with in_place read where they are; INT8
+ * dequantised, sketch queried), in position order; the sketch is not
+ * changed. Tokens evicted outright cannot come
  * back: FAILED_PRECONDITION naming them, unless skip_evicted. *out is
  * zeroed on failure.
  */

@@ -475,19 +475,6 @@ static uint32_t full_blocks(seq *s, const tier_token *kept, uint32_t n)
     return blocks;
 }
 
-/* Append run g to segs[0..n), joined to the last segment when it
- * continues it, as list_encode joins tokens; returns the new count. */
-static size_t runs_push(kv_segment *segs, size_t n, kv_segment g)
-{
-    kv_segment *last = n > 0 ? &segs[n - 1] : NULL;
-    if (last != NULL && last->block == g.block && last->first_slot + last->count == g.first_slot) {
-        last->count += g.count;
-        return n;
-    }
-    segs[n] = g;
-    return n + 1;
-}
-
 /* Whether this call has copied its compaction budget already, so that a
  * list of nfull full-precision tokens (a window of them, when more: see
  * list_compact) waits for a later call. */
@@ -554,8 +541,8 @@ int list_compact(seq *s, seq_list *ly, tier_token *kept, uint32_t n)
             continue;
         if (j % slots == 0)
             pool_alloc_block(s->pool, &blocks[j / slots]); /* checked above */
-        nsrc = runs_push(src, nsrc, (kv_segment){kept[i].block, kept[i].slot, 1});
-        ndst = runs_push(dst, ndst, (kv_segment){blocks[j / slots], j % slots, 1});
+        nsrc = seq_push_run(src, nsrc, (kv_segment){kept[i].block, kept[i].slot, 1});
+        ndst = seq_push_run(dst, ndst, (kv_segment){blocks[j / slots], j % slots, 1});
         j++;
     }
     if (rc == 0)
@@ -1030,7 +1017,7 @@ static int list_cut_rebuild(seq *s, seq_list *ly, const uint8_t *tier, uint32_t 
             const uint8_t *e = memchr(tier + i + t, POLICY_EVICT, c - t);
             uint32_t run = e != NULL ? (uint32_t)(e - (tier + i + t)) : c - t;
             if (run > 0)
-                out = runs_push(segs, out, (kv_segment){g.block, g.first_slot + t, run});
+                out = seq_push_run(segs, out, (kv_segment){g.block, g.first_slot + t, run});
             kept += run;
             if (e != NULL)
                 cuts_log(s, (size_t)(ly - s->lists), i + t + run, i + t + run + 1);

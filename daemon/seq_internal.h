@@ -218,6 +218,20 @@ tier_token *list_expand(const seq_list *ly, uint32_t n);
  * block with consecutive slots; sketch runs have no block). */
 int list_encode(seq_list *ly, const tier_token *tok, uint32_t n);
 
+/* Append run g to segs[0..n), joined to the last segment when it
+ * continues it (the next slots of the same block), as list_encode joins
+ * tokens of one tier; returns the new count. */
+static inline size_t seq_push_run(kv_segment *segs, size_t n, kv_segment g)
+{
+    kv_segment *last = n > 0 ? &segs[n - 1] : NULL;
+    if (last != NULL && last->block == g.block && last->first_slot + last->count == g.first_slot) {
+        last->count += g.count;
+        return n;
+    }
+    segs[n] = g;
+    return n + 1;
+}
+
 /* Append run g of tier t to segs[0..n) (their tiers in tiers[]), joined to
  * the last one when it continues it: the same tier, and the next slots of
  * the same block (any sketch run continues a sketch run). The one rule of

@@ -31,9 +31,11 @@ static uint32_t revive_gaps(const uint32_t *pos, uint32_t n, const uint32_t *off
 }
 
 /* The revived tokens in position order: where each is stored (held, or an
- * offloaded victim) and its position. */
+ * offloaded victim), its position, and in here[] (when not NULL) whether
+ * the list holds it at full precision, where an in-place Revive reads it. */
 static size_t revive_select(const seq_list *ly, const uint32_t *pos, const tier_token *tok,
-                            uint32_t n, uint32_t first, uint32_t end, tier_token *src, uint32_t *at)
+                            uint32_t n, uint32_t first, uint32_t end, tier_token *src, uint32_t *at,
+                            uint8_t *here)
 {
     size_t m = 0, j = 0, noff = ly->noffloaded;
     uint32_t i = 0;
@@ -42,6 +44,8 @@ static size_t revive_select(const seq_list *ly, const uint32_t *pos, const tier_
         uint32_t p = held ? pos[i] : ly->offloaded[j];
         if (p >= first && p < end) {
             src[m] = held ? tok[i] : ly->offloaded_at[j];
+            if (here != NULL)
+                here[m] = held && tok[i].tier == POLICY_FULL;
             at[m++] = p;
         }
         held ? i++ : j++;
@@ -77,13 +81,16 @@ static int revive_fill(seq *s, seq_list *ly, tier_sketch *sk, const tier_token *
     return 0;
 }
 
-/* A Revive between seq_revive_plan and seq_revive_finish: what to read
- * (src, in position order at[]) and where to write it (dst, in the blocks
- * of `out`, which the plan allocated). */
+/* A Revive between seq_revive_plan and seq_revive_finish: the ncopy
+ * tokens to rebuild (src, in position order at[]) and where to write them
+ * (dst, in the blocks of `out`, which the plan allocated); tokens read in
+ * place are in out's segments only. */
 struct seq_revive_job {
     seq *s;
     seq_list *ly;
     tier_token *src, *dst;
+    uint32_t *at;
+    size_t ncopy;
     seq_revived out;
     /* Spilled victims to fetch (seq_revive_remote): part i is read into
      * pool block stage[i] (TIER_NO_BLOCK for a sketch), or into sketch
@@ -113,14 +120,14 @@ static void job_free(seq_revive_job *j)
     free(j->remote), free(j->stage), free(j->stage_sk), free(j->remote_pos);
     free(j->src);
     free(j->dst);
+    free(j->at);
     free(j->out.segs), free(j->out.positions), free(j->out.src_tier), free(j->out.blocks);
     free(j);
 }
 
-/* The request's checks, with the positions to revive counted: *m tokens,
- * in *need blocks. */
+/* The request's checks, with the positions to revive counted: *m tokens. */
 static status_code revive_check(seq *s, const seq_revive_request *req, uint32_t *n,
-                                const uint32_t **lpos, size_t *m, uint32_t *need, status *st)
+                                const uint32_t **lpos, size_t *m, status *st)
 {
     uint32_t layer = req->layer, head = req->head, first = req->first, count = req->count;
     if (layer >= s->nlayers || head >= s->heads)
@@ -154,11 +161,6 @@ static status_code revive_check(seq *s, const seq_revive_request *req, uint32_t 
                           missing, first, (unsigned long long)end - 1, layer, gap_first,
                           gap_first + gap_count - 1);
     *m = (size_t)(end - first) - missing;
-    *need = (uint32_t)((*m + s->block_slots - 1) / s->block_slots);
-    if (*need > s->pool->nfree)
-        return status_set(st, ST_RESOURCE_EXHAUSTED,
-                          "reviving %zu tokens needs %u free blocks; pool '%s' has %u", *m, *need,
-                          s->pool->model, s->pool->nfree);
     return ST_OK;
 }
 
@@ -277,53 +279,111 @@ static status_code plan_remote(seq_revive_job *j, const seq_revive_request *req,
     return rc;
 }
 
+/* The tokens j copies, first in src / at: those not read in place
+ * (here[t]), in order; the rest of the arrays is left as it was. */
+static size_t revive_copied(seq_revive_job *j, const uint8_t *here, size_t m)
+{
+    size_t c = 0;
+    for (size_t t = 0; t < m; t++)
+        if (here == NULL || !here[t]) {
+            j->src[c] = j->src[t];
+            j->at[c++] = j->out.positions[t];
+        }
+    return c;
+}
+
+/* The answer's segments, tokens in position order: the list's own slot
+ * for a token read in place, the next scratch slot for a copied one (its
+ * dst); the scratch blocks come from the pool (counted by the caller).
+ * Before revive_copied, which moves src. */
+static void revive_place(seq_revive_job *j, const uint8_t *here, size_t m, uint32_t need)
+{
+    uint32_t slots = j->s->block_slots;
+    for (uint32_t b = 0; b < need; b++)
+        pool_alloc_block(j->s->pool, &j->out.blocks[b]);
+    size_t c = 0, nsegs = 0;
+    for (size_t t = 0; t < m; t++) {
+        kv_segment g;
+        if (here != NULL && here[t]) {
+            g = (kv_segment){j->src[t].block, j->src[t].slot, 1};
+        } else {
+            j->dst[c] = (tier_token){j->out.blocks[c / slots], (uint32_t)(c % slots), POLICY_FULL};
+            g = (kv_segment){j->dst[c].block, j->dst[c].slot, 1};
+            c++;
+        }
+        nsegs = seq_push_run(j->out.segs, nsegs, g);
+    }
+    j->out.nsegs = nsegs;
+}
+
+static seq_revive_job *job_alloc(seq *s, seq_list *ly, size_t m, int in_place)
+{
+    seq_revive_job *j = calloc(1, sizeof *j);
+    if (j == NULL)
+        return NULL;
+    *j = (seq_revive_job){.s = s, .ly = ly};
+    size_t n = m ? m : 1, nb = (m + s->block_slots - 1) / s->block_slots;
+    j->src = malloc(n * sizeof *j->src);
+    j->dst = malloc(n * sizeof *j->dst);
+    j->at = malloc(n * sizeof *j->at);
+    j->out.positions = malloc(n * sizeof *j->out.positions);
+    j->out.src_tier = malloc(n);
+    j->out.blocks = malloc((nb ? nb : 1) * sizeof *j->out.blocks);
+    /* Copied tokens fill whole scratch blocks; tokens read in place may
+     * each be a segment of their own. */
+    j->out.segs = malloc((in_place ? n : nb ? nb : 1) * sizeof *j->out.segs);
+    if (!j->src || !j->dst || !j->at || !j->out.positions || !j->out.src_tier || !j->out.blocks ||
+        !j->out.segs) {
+        job_free(j);
+        return NULL;
+    }
+    return j;
+}
+
 status_code seq_revive_plan(seq *s, const seq_revive_request *req, seq_revive_job **out, status *st)
 {
     *out = NULL;
-    uint32_t n = 0, need = 0;
+    uint32_t n = 0;
     const uint32_t *lpos = NULL;
     size_t m = 0;
-    if (revive_check(s, req, &n, &lpos, &m, &need, st) != ST_OK)
+    if (revive_check(s, req, &n, &lpos, &m, st) != ST_OK)
         return st->code;
-    seq_revive_job *j = calloc(1, sizeof *j);
     seq_list *ly = seq_list_at(s, req->layer, req->head);
+    seq_revive_job *j = job_alloc(s, ly, m, req->in_place);
     tier_token *tok = list_expand(ly, n);
-    if (j != NULL) {
-        *j = (seq_revive_job){.s = s, .ly = ly};
-        j->src = malloc((m ? m : 1) * sizeof *j->src);
-        j->dst = malloc((m ? m : 1) * sizeof *j->dst);
-        j->out.positions = malloc((m ? m : 1) * sizeof *j->out.positions);
-        j->out.src_tier = malloc(m ? m : 1);
-        j->out.blocks = malloc((need ? need : 1) * sizeof *j->out.blocks);
-        j->out.segs = malloc((need ? need : 1) * sizeof *j->out.segs);
-    }
-    if (j == NULL || tok == NULL || !j->src || !j->dst || !j->out.positions || !j->out.src_tier ||
-        !j->out.blocks || !j->out.segs) {
-        free(tok);
+    uint8_t *here = req->in_place ? malloc(m ? m : 1) : NULL;
+    if (j == NULL || tok == NULL || (req->in_place && here == NULL)) {
+        free(tok), free(here);
         if (j != NULL)
             job_free(j);
         return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
     }
     uint32_t end = req->count == 0 ? (uint32_t)s->appended : req->first + req->count;
-    revive_select(ly, lpos, tok, n, req->first, end, j->src, j->out.positions);
+    revive_select(ly, lpos, tok, n, req->first, end, j->src, j->out.positions, here);
     free(tok);
-    uint32_t slots = s->block_slots;
-    for (uint32_t b = 0; b < need; b++) {
-        pool_alloc_block(s->pool, &j->out.blocks[b]); /* counted by revive_check */
-        j->out.segs[b] = (kv_segment){j->out.blocks[b], 0,
-                                      b + 1 < need ? slots : (uint32_t)(m - (size_t)b * slots)};
-    }
+    size_t c = m;
     for (size_t t = 0; t < m; t++) {
-        j->dst[t] = (tier_token){j->out.blocks[t / slots], (uint32_t)(t % slots), POLICY_FULL};
         j->out.src_tier[t] = j->src[t].tier;
+        c -= here != NULL && here[t];
     }
-    if (plan_remote(j, req, m, need, st) != ST_OK) {
+    uint32_t need = (uint32_t)((c + s->block_slots - 1) / s->block_slots);
+    if (need > s->pool->nfree) {
+        free(here);
+        job_free(j);
+        return status_set(st, ST_RESOURCE_EXHAUSTED,
+                          "reviving %zu tokens needs %u free blocks; pool '%s' has %u", c, need,
+                          s->pool->model, s->pool->nfree);
+    }
+    revive_place(j, here, m, need);
+    j->ncopy = revive_copied(j, here, m);
+    free(here);
+    if (plan_remote(j, req, c, need, st) != ST_OK) {
         for (uint32_t b = need; b-- > 0;)
             pool_free_block(s->pool, j->out.blocks[b]);
         job_free(j);
         return st->code;
     }
-    j->out.nsegs = j->out.nblocks = need;
+    j->out.nblocks = need;
     j->out.ntokens = m;
     *out = j;
     return ST_OK;
@@ -356,7 +416,7 @@ seq *seq_revive_seq(const seq_revive_job *j)
 
 int seq_revive_fill(seq_revive_job *j)
 {
-    return revive_fill(j->s, j->ly, j->stage_sk, j->src, j->out.positions, j->out.ntokens, j->dst);
+    return revive_fill(j->s, j->ly, j->stage_sk, j->src, j->at, j->ncopy, j->dst);
 }
 
 status_code seq_revive_finish(seq_revive_job *j, int fill_rc, seq_revived *out, status *st)

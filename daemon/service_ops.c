@@ -128,7 +128,8 @@ status_code service_revive(void *app, const char *token, const ProtobufCMessage 
 {
     const Kvstash__V1__ReviveRequest *req = (const void *)m;
     store_revive_result r;
-    seq_revive_request rq = {req->layer, req->head, req->first, req->count, req->skip_evicted};
+    seq_revive_request rq = {req->layer, req->head,         req->first,
+                             req->count, req->skip_evicted, req->in_place};
     if (store_revive(app, token, req->seq_id, &rq, &r, st) != ST_OK)
         return st->code;
     Kvstash__V1__ReviveResponse out = KVSTASH__V1__REVIVE_RESPONSE__INIT;
@@ -143,6 +144,7 @@ status_code service_revive(void *app, const char *token, const ProtobufCMessage 
         for (size_t i = 0; i < n; i++)
             by[src[i] = r.src_tier[i]]++;
         out.scratch_id = r.scratch_id;
+        out.epoch = r.epoch;
         out.table = &lt;
         out.source_tier = src;
         out.n_source_tier = n;

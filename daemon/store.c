@@ -1791,20 +1791,28 @@ static status_code revive_plan(store *st, session *se, seq *q, const seq_revive_
 }
 
 /* Lock held: the revived blocks become scratch `sc` of session se, and
- * the reply's table describes them. */
-static void revive_publish(store *st, session *se, seq *q, const seq_revive_request *req,
-                           seq_revived *rv, store_scratch *sc, store_revive_result *out)
+ * the reply's table describes them. An in-place Revive that copied
+ * nothing takes no scratch (id 0: nothing to release); returns whether
+ * sc was taken. */
+static int revive_publish(store *st, session *se, seq *q, const seq_revive_request *req,
+                          seq_revived *rv, store_scratch *sc, store_revive_result *out)
 {
     out->table.segs = rv->segs;
     out->table.nsegs = rv->nsegs;
     out->table.positions = rv->positions;
     out->src_tier = rv->src_tier;
-    *sc = (store_scratch){.id = st->next_scratch_id++,
-                          .blocks = rv->blocks,
-                          .nblocks = rv->nblocks,
-                          .next = se->scratch};
-    se->scratch = sc;
-    out->scratch_id = sc->id;
+    out->epoch = seq_epoch(q);
+    int taken = !req->in_place || rv->nblocks > 0;
+    if (taken) {
+        *sc = (store_scratch){.id = st->next_scratch_id++,
+                              .blocks = rv->blocks,
+                              .nblocks = rv->nblocks,
+                              .next = se->scratch};
+        se->scratch = sc;
+        out->scratch_id = sc->id;
+    } else {
+        free(rv->blocks);
+    }
     out->table.layer = req->layer;
     out->table.head = req->head;
     out->table.per_head = seq_heads(q) > 1;
@@ -1815,9 +1823,12 @@ static void revive_publish(store *st, session *se, seq *q, const seq_revive_requ
         by[out->src_tier[t]]++;
     metrics_revived(st->metrics, seq_policy(q), by);
     log_info("revive",
-             "seq=%llu layer=%u head=%u tokens=%zu full=%u int8=%u int4=%u int2=%u sketch=%u",
+             "seq=%llu layer=%u head=%u tokens=%zu full=%u int8=%u int4=%u int2=%u sketch=%u "
+             "in_place=%d scratch_blocks=%zu",
              (unsigned long long)seq_id_of(q), req->layer, req->head, rv->ntokens, by[POLICY_FULL],
-             by[POLICY_INT8], by[POLICY_INT4], by[POLICY_INT2], by[POLICY_SKETCH]);
+             by[POLICY_INT8], by[POLICY_INT4], by[POLICY_INT2], by[POLICY_SKETCH],
+             req->in_place != 0, rv->nblocks);
+    return taken;
 }
 
 int store_move_copy(const store *st, size_t bytes, int (*fill)(void *), void *job,
@@ -1889,10 +1900,8 @@ status_code store_revive(store *st, const char *token, uint64_t seq_id,
         rc = seq_revive_finish(job, fill_rc, &rv, s);
         if (frc != ST_OK)
             *s = fs, rc = frc;
-        if (rc == ST_OK) {
-            revive_publish(st, se, q, req, &rv, sc, out);
+        if (rc == ST_OK && revive_publish(st, se, q, req, &rv, sc, out))
             sc = NULL;
-        }
     }
     store_unlock(st);
     free(sc);

@@ -459,10 +459,14 @@ status_code store_step(store *st, const char *token, uint64_t seq_id, uint64_t a
 status_code store_epoch(store *st, const char *token, uint64_t seq_id, uint64_t ack_epoch,
                         uint64_t *epoch, status *s);
 
-/* What Revive returns: the scratch blocks' table (one list, positions
- * filled) and each token's tier before the revive. */
+/* What Revive returns: the revived tokens' table (one list, positions
+ * filled: scratch blocks, and with in_place the list's own slots), each
+ * token's tier before the revive, and the sequence's epoch then (slots
+ * read in place stay the list's until the worker acks a later one).
+ * scratch_id 0: an in-place Revive that took no scratch. */
 typedef struct store_revive_result {
     uint64_t scratch_id;
+    uint64_t epoch;
     store_layer_table table;
     uint8_t *src_tier; /* [table.tokens] */
 } store_revive_result;

@@ -57,13 +57,14 @@ typedef enum ring_op {
  */
 typedef struct ring_revive_request {
     uint32_t layer, head, first, count; /* count 0: to the end of the list */
-    uint32_t skip_evicted;
+    uint32_t skip_evicted, in_place;    /* ReviveRequest's */
 } ring_revive_request;
 
 typedef struct ring_revive_reply {
-    uint64_t scratch_id;
+    uint64_t scratch_id; /* 0: an in-place Revive that took no scratch */
     uint32_t layer, head, per_head, tokens, nsegments;
     uint32_t pad;
+    uint64_t epoch; /* ReviveResponse's */
 } ring_revive_reply;
 
 /*

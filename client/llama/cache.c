@@ -802,9 +802,11 @@ static void vnorm_new(llm_cache *c, uint32_t l, const float *v)
 /*
  * Attention needs every token of a list, and sketch tokens cannot be read in
  * place: revive the positions the list keeps in the sketch (kvs_seq_revive,
- * into scratch blocks), and point those tokens at their rebuilt K/V. *out is
- * the list's segments and tiers with sketch runs replaced; release *rv after
- * the attention. Lists without sketch tokens are used as they are.
+ * into scratch blocks; the full-precision tokens between them stay where
+ * they are, KVS_REVIVE_IN_PLACE), and point those tokens at their rebuilt
+ * K/V. *out is the list's segments and tiers with sketch runs replaced;
+ * release *rv after the attention. Lists without sketch tokens are used as
+ * they are.
  */
 static int list_resolve(llm_cache *c, uint32_t l, uint32_t head, const list *ls, list *out,
                         kvs_revive *rv)
@@ -819,7 +821,8 @@ static int list_resolve(llm_cache *c, uint32_t l, uint32_t head, const list *ls,
             lo = ls->pos[t] < lo ? ls->pos[t] : lo;
             hi = ls->pos[t + ls->segs[k].count - 1];
         }
-    if (kvs_seq_revive(c->s, c->seq, l, head, lo, hi - lo + 1, 1, rv) != KVS_OK)
+    if (kvs_seq_revive(c->s, c->seq, l, head, lo, hi - lo + 1,
+                       KVS_REVIVE_SKIP_EVICTED | KVS_REVIVE_IN_PLACE, rv) != KVS_OK)
         return fail(c, "Revive: %s", kvs_session_error(c->s));
     out->segs = malloc((ls->nsegs + ls->sketched) * sizeof *out->segs);
     out->tiers = malloc(ls->nsegs + ls->sketched);

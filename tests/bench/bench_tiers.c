@@ -7,8 +7,9 @@
  *       in scratch blocks), kvs_layer_read of the scratch, kvs_revive_release
  *       (a gRPC call), for N tokens of one layer held at full precision,
  *       stored INT8 (`full int8=on int8_window=0`) and offloaded to the
- *       sketch (`streaming victims=sketch`); the revive of one block (16
- *       tokens) gives the fixed cost; kvs_layer_read of the held full and
+ *       sketch (`streaming victims=sketch`), and the full-precision tokens
+ *       again with KVS_REVIVE_IN_PLACE (no copy, no scratch); the revive of
+ *       one block (16 tokens) gives the fixed cost; kvs_layer_read of the held full and
  *       INT8 lists in place is what a worker pays without a Revive.
  *   (b) demotion during a decode step: 1-token kvs_seq_append and
  *       kvs_seq_step through the session's ring on `streaming` (window
@@ -177,8 +178,8 @@ typedef struct revive_row {
  * revived tokens are compared with it: bit for bit (full), or within an
  * INT8 step of the group maximum (int8: POLICIES.md §5.4 bounds the error by
  * max|x| / 254; 2 / 127 is loose on purpose). */
-static int time_revive(kvs_session *s, uint64_t seq, uint32_t first, uint32_t n, int reps,
-                       const kv_data *orig, revive_row *row)
+static int time_revive(kvs_session *s, uint64_t seq, uint32_t first, uint32_t n, unsigned flags,
+                       int reps, const kv_data *orig, revive_row *row)
 {
     size_t half = (size_t)n * layer_token_bytes() / 2;
     uint8_t *k = malloc(half), *v = malloc(half), *mk = malloc(half), *mv = malloc(half);
@@ -193,7 +194,7 @@ static int time_revive(kvs_session *s, uint64_t seq, uint32_t first, uint32_t n,
     for (int r = -1; r < reps && rc == 0; r++) { /* r = -1: warm-up */
         kvs_revive rv;
         double t0 = bench_now_us();
-        rc = kvs_seq_revive(s, seq, 0, 0, first, n, 0, &rv);
+        rc = kvs_seq_revive(s, seq, 0, 0, first, n, flags, &rv);
         double t1 = bench_now_us();
         if (rc != 0) {
             report_fail(s, "kvs_seq_revive", rc);
@@ -294,24 +295,30 @@ static int time_read(kvs_session *s, uint64_t seq, int reps, revive_row *row)
     return rc == 0 ? 0 : -1;
 }
 
-enum { RV_FULL, RV_INT8, RV_SKETCH, RD_FULL, RD_INT8, RV_BLOCK, RV_ROWS };
+enum { RV_FULL, RV_FULL_HERE, RV_INT8, RV_SKETCH, RD_FULL, RD_INT8, RV_BLOCK, RV_ROWS };
 
 static int bench_revive(kvs_session *s, const bench_cfg *cfg, const kv_data *d, revive_row *rows)
 {
-    static const char *const names[RV_ROWS] = {
-        "revive, full precision", "revive, INT8",        "revive, sketch",
-        "in-place read, full",    "in-place read, INT8", "revive 1 block (16 tok, full)"};
+    static const char *const names[RV_ROWS] = {"revive, full precision",
+                                               "revive in place, full precision",
+                                               "revive, INT8",
+                                               "revive, sketch",
+                                               "in-place read, full",
+                                               "in-place read, INT8",
+                                               "revive 1 block (16 tok, full)"};
     for (int i = 0; i < RV_ROWS; i++)
         rows[i] = (revive_row){.name = names[i], .fixed_cost = i == RV_BLOCK};
     uint32_t n = cfg->n;
     uint64_t seq;
     int failed = 0;
 
-    /* Held at full precision: the revive copies (kv_gather + kv_scatter). */
+    /* Held at full precision: the revive copies (kv_gather + kv_scatter),
+     * or with KVS_REVIVE_IN_PLACE names the list's slots. */
     if (seq_fill(s, "full", NULL, 0, n, d, &seq, NULL, NULL) == 0) {
-        failed |= time_revive(s, seq, 0, n, cfg->reps, d, &rows[RV_FULL]);
+        failed |= time_revive(s, seq, 0, n, 0, cfg->reps, d, &rows[RV_FULL]);
+        failed |= time_revive(s, seq, 0, n, KVS_REVIVE_IN_PLACE, cfg->reps, d, &rows[RV_FULL_HERE]);
         failed |= time_read(s, seq, cfg->reps, &rows[RD_FULL]);
-        failed |= time_revive(s, seq, 0, BLOCK_REVIVE, BLOCK_REVIVE_REPS, NULL, &rows[RV_BLOCK]);
+        failed |= time_revive(s, seq, 0, BLOCK_REVIVE, 0, BLOCK_REVIVE_REPS, NULL, &rows[RV_BLOCK]);
         failed |= kvs_seq_release(s, seq) != 0;
     } else {
         failed = 1;
@@ -321,7 +328,7 @@ static int bench_revive(kvs_session *s, const bench_cfg *cfg, const kv_data *d, 
      * fill's step; the revive dequantises them. */
     const kvs_param int8[] = {{"int8", "on"}, {"int8_window", "0"}};
     if (seq_fill(s, "full", int8, 2, n, d, &seq, NULL, NULL) == 0) {
-        failed |= time_revive(s, seq, 0, n, cfg->reps, d, &rows[RV_INT8]);
+        failed |= time_revive(s, seq, 0, n, 0, cfg->reps, d, &rows[RV_INT8]);
         failed |= time_read(s, seq, cfg->reps, &rows[RD_INT8]);
         failed |= kvs_seq_release(s, seq) != 0;
     } else {
@@ -332,7 +339,7 @@ static int bench_revive(kvs_session *s, const bench_cfg *cfg, const kv_data *d, 
      * the list's count-sketch at the fill's step; the revive queries it. */
     const kvs_param sk[] = {{"n_sink", "0"}, {"window", "64"}, {"victims", "sketch"}};
     if (seq_fill(s, "streaming", sk, 3, n + WINDOW, d, &seq, NULL, NULL) == 0) {
-        failed |= time_revive(s, seq, 0, n, cfg->reps, NULL, &rows[RV_SKETCH]);
+        failed |= time_revive(s, seq, 0, n, 0, cfg->reps, NULL, &rows[RV_SKETCH]);
         failed |= kvs_seq_release(s, seq) != 0;
     } else {
         failed = 1;
@@ -688,9 +695,10 @@ int main(int argc, char **argv)
     for (int i = 0; i < RV_ROWS; i++)
         r[i] = rows[i].ran ? extra_ratio(rows[i].total_us, rows[i].memcpy_us) : 0;
     printf("\nratios (bandwidth over memcpy of the same bytes, same run): revive_full %.3f, "
-           "revive_int8 %.3f, revive_sketch %.3f, read_full %.3f, read_int8 %.3f; demote_step "
-           "%.3f; victims_sketch %.3f, victims_int8 %.3f; demote_p99 %.2f (int8=on over off)\n",
-           r[RV_FULL], r[RV_INT8], r[RV_SKETCH], r[RD_FULL], r[RD_INT8],
+           "revive_full_in_place %.3f, revive_int8 %.3f, revive_sketch %.3f, read_full %.3f, "
+           "read_int8 %.3f; demote_step %.3f; victims_sketch %.3f, victims_int8 %.3f; demote_p99 "
+           "%.2f (int8=on over off)\n",
+           r[RV_FULL], r[RV_FULL_HERE], r[RV_INT8], r[RV_SKETCH], r[RD_FULL], r[RD_INT8],
            extra_ratio(on.demote.p50_us - on.plain.p50_us, demote_mc_us),
            extra_ratio(ev_us[EV_SKETCH] - ev_us[EV_EVICT], ev_us[EV_MODES]),
            extra_ratio(ev_us[EV_INT8] - ev_us[EV_EVICT], ev_us[EV_MODES]), demote_p99(&off, &on));

@@ -457,7 +457,8 @@ int main(int argc, char **argv)
         if (kvs_seq_revive(s, r.seq, 0, 0, 0, 0, 0, &rv) != KVS_ERR_PRECONDITION ||
             strstr(kvs_session_error(s), "evicted outright") == NULL)
             fail(1, "reviving evicted positions: %s", kvs_session_error(s));
-        api(s, kvs_seq_revive(s, r.seq, 0, 0, 0, 0, 1, &rv), "revive skip_evicted");
+        api(s, kvs_seq_revive(s, r.seq, 0, 0, 0, 0, KVS_REVIVE_SKIP_EVICTED, &rv),
+            "revive skip_evicted");
         for (uint32_t t = 0; t < rv.layer->tokens; t++)
             counts[rv.source_tier[t]]++;
         api(s, kvs_revive_release(s, &rv), "release");

@@ -895,7 +895,7 @@ static status_code run_revive(fixture *f, status *s)
 {
     store_revive_result r;
     status_code rc =
-        store_revive(f->st, f->token, f->seq_id, &(seq_revive_request){1, 0, 0, 0, 0}, &r, s);
+        store_revive(f->st, f->token, f->seq_id, &(seq_revive_request){1, 0, 0, 0, 0, 0}, &r, s);
     store_revive_result_free(&r);
     return rc;
 }
@@ -905,8 +905,8 @@ static void prep_scratch(fixture *f)
     prep_revive_sketch(f);
     store_revive_result r;
     status s;
-    must(store_revive(f->st, f->token, f->seq_id, &(seq_revive_request){0, 0, 0, 0, 0}, &r, &s), &s,
-         "revive");
+    must(store_revive(f->st, f->token, f->seq_id, &(seq_revive_request){0, 0, 0, 0, 0, 0}, &r, &s),
+         &s, "revive");
     f->scratch_id = r.scratch_id;
     store_revive_result_free(&r);
 }
@@ -1073,7 +1073,7 @@ static status_code run_spill(fixture *f, status *s)
 }
 
 /* Revive after a spill: layer 0's positions, the spilled ones fetched. */
-static const seq_revive_request revive_layer0 = {0, 0, 0, 0, 0};
+static const seq_revive_request revive_layer0 = {0, 0, 0, 0, 0, 0};
 
 /* The K/V of what a Revive rebuilt, as tier_read reads them (malloc'd). */
 static uint8_t *revived_kv(seq *q, const seq_revived *out)

@@ -246,7 +246,7 @@ static void test_revive_within_block_quota(void **state)
     uint64_t id;
     assert_int_equal(create_full(f, f->a, &id, &s), ST_OK);
     assert_int_equal(append(f, f->a, id, 8, &s), ST_OK); /* 2 blocks a layer: 4 */
-    seq_revive_request rq = {0, 0, 0, 8, 0};             /* 8 rows: 2 scratch blocks */
+    seq_revive_request rq = {0, 0, 0, 8, 0, 0};          /* 8 rows: 2 scratch blocks */
     store_revive_result rv;
     assert_int_equal(store_revive(f->st, f->a, id, &rq, &rv, &s), ST_OK);
     store_revive_result_free(&rv);
@@ -331,7 +331,7 @@ static void test_table_and_revive_reply_refused(void **state)
     snapshot sn = snap(f);
     uint32_t free_before = sn.pools[0].blocks_free;
     snapshot_free(&sn);
-    seq_revive_request rq = {0, 0, 0, 0, 0}; /* all 400 of layer 0 */
+    seq_revive_request rq = {0, 0, 0, 0, 0, 0}; /* all 400 of layer 0 */
     store_revive_result rv;
     assert_int_equal(store_revive(f->st, f->a, id, &rq, &rv, &s), ST_RESOURCE_EXHAUSTED);
     assert_non_null(strstr(s.msg, "revive at most"));

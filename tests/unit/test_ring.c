@@ -211,7 +211,7 @@ static void test_revive_and_release(void **state)
         call(f, &(ring_request){.op = RING_OP_APPEND, .seq_id = f->seq_id, .count = 10}, &r),
         ST_OK);
     uint32_t free_before = pool_free(f);
-    assert_int_equal(call_revive(f, f->seq_id, (ring_revive_request){1, 0, 3, 6, 0}, &r), ST_OK);
+    assert_int_equal(call_revive(f, f->seq_id, (ring_revive_request){1, 0, 3, 6, 0, 0}, &r), ST_OK);
     ring_revive_reply h;
     memcpy(&h, f->rc.data, sizeof h);
     assert_true(h.scratch_id != 0);
@@ -242,11 +242,12 @@ static void test_revive_and_release(void **state)
     assert_int_equal(call_release(f, h.scratch_id, &r), ST_NOT_FOUND);
 
     /* Garbage: the store's errors, the ring's own, nothing taken. */
-    assert_int_equal(call_revive(f, 999, (ring_revive_request){0, 0, 0, 1, 0}, &r), ST_NOT_FOUND);
-    assert_int_equal(call_revive(f, f->seq_id, (ring_revive_request){7, 0, 0, 1, 0}, &r),
+    assert_int_equal(call_revive(f, 999, (ring_revive_request){0, 0, 0, 1, 0, 0}, &r),
+                     ST_NOT_FOUND);
+    assert_int_equal(call_revive(f, f->seq_id, (ring_revive_request){7, 0, 0, 1, 0, 0}, &r),
                      ST_INVALID_ARGUMENT);
     assert_int_equal(
-        call_revive(f, f->seq_id, (ring_revive_request){0, 0, UINT32_MAX, UINT32_MAX, 1}, &r),
+        call_revive(f, f->seq_id, (ring_revive_request){0, 0, UINT32_MAX, UINT32_MAX, 1, 0}, &r),
         ST_INVALID_ARGUMENT);
     assert_int_equal(call(f,
                           &(ring_request){.op = RING_OP_REVIVE,
@@ -277,11 +278,12 @@ static void test_revive_too_large_for_the_ring(void **state)
     assert_int_equal(store_append(f->st, f->token, f->seq_id, 1000, 0, &w, &s), ST_OK);
     store_table_free(&w);
     uint32_t free_before = pool_free(f);
-    assert_int_equal(call_revive(f, f->seq_id, (ring_revive_request){0, 0, 0, 1000, 0}, &r),
+    assert_int_equal(call_revive(f, f->seq_id, (ring_revive_request){0, 0, 0, 1000, 0, 0}, &r),
                      ST_RESOURCE_EXHAUSTED);
     assert_non_null(strstr(r.msg, "use gRPC's Revive"));
     assert_int_equal(pool_free(f), free_before);
-    assert_int_equal(call_revive(f, f->seq_id, (ring_revive_request){0, 0, 0, 100, 0}, &r), ST_OK);
+    assert_int_equal(call_revive(f, f->seq_id, (ring_revive_request){0, 0, 0, 100, 0, 0}, &r),
+                     ST_OK);
 }
 
 /* A TABLE request for seq, with or without positions, then the call. */

@@ -350,7 +350,7 @@ static void test_append_writes_and_segments(void **state)
     /* Nothing to revive yet, said as such (its ranges once underflowed to
      * "positions 0..18446744073709551615"). */
     seq_revived none;
-    assert_int_equal(seq_revive(f.s, &(seq_revive_request){0, 0, 0, 0, 0}, &none, &st),
+    assert_int_equal(seq_revive(f.s, &(seq_revive_request){0, 0, 0, 0, 0, 0}, &none, &st),
                      ST_INVALID_ARGUMENT);
     assert_non_null(strstr(st.msg, "no position yet"));
     assert_null(none.blocks);
@@ -593,7 +593,7 @@ static void test_append_exhausted_changes_nothing(void **state)
     /* A Revive needs blocks too: refused, nothing taken. */
     seq_revived out;
     memset(&out, 0xff, sizeof out);
-    assert_int_equal(seq_revive(f.s, &(seq_revive_request){0, 0, 0, 0, 1}, &out, &st),
+    assert_int_equal(seq_revive(f.s, &(seq_revive_request){0, 0, 0, 0, 1, 0}, &out, &st),
                      ST_RESOURCE_EXHAUSTED);
     assert_non_null(strstr(st.msg, "reviving 12 tokens needs 3 free blocks"));
     assert_null(out.blocks);
@@ -1202,14 +1202,14 @@ static void test_revive_sketch_victims(void **state)
     assert_true(bytes[POLICY_SKETCH] > 0);
     uint32_t nfree = f.p->nfree;
     seq_revived a, b;
-    revive_ok(&f, (seq_revive_request){1, 0, 0, 0, 0}, &a);
+    revive_ok(&f, (seq_revive_request){1, 0, 0, 0, 0, 0}, &a);
     assert_int_equal(a.ntokens, 12);
     for (uint32_t p = 0; p < 12; p++) {
         assert_int_equal(a.positions[p], p);
         assert_int_equal(a.src_tier[p], p >= 1 && p <= 7 ? POLICY_SKETCH : POLICY_FULL);
     }
     /* The sketch is not changed: again, the same bytes. */
-    revive_ok(&f, (seq_revive_request){1, 0, 3, 4, 0}, &b);
+    revive_ok(&f, (seq_revive_request){1, 0, 3, 4, 0, 0}, &b);
     assert_int_equal(b.ntokens, 4);
     assert_int_equal(b.positions[0], 3);
     seq_tier_usage(f.s, tokens, bytes);
@@ -1220,10 +1220,10 @@ static void test_revive_sketch_victims(void **state)
 
     status st;
     const seq_revive_request bad[] = {
-        {2, 0, 0, 0, 0},  /* no layer 2 */
-        {0, 1, 0, 0, 0},  /* one list a layer */
-        {0, 0, 12, 0, 0}, /* past the end */
-        {0, 0, 10, 3, 0}, /* 10..12: 12 is not appended */
+        {2, 0, 0, 0, 0, 0},  /* no layer 2 */
+        {0, 1, 0, 0, 0, 1},  /* one list a layer */
+        {0, 0, 12, 0, 0, 0}, /* past the end */
+        {0, 0, 10, 3, 0, 1}, /* 10..12: 12 is not appended */
     };
     const char *said[] = {"does not exist", "does not exist",
                           "first position 12 is not in the sequence (positions 0..11 exist)",
@@ -1253,7 +1253,8 @@ static void test_revive_in_parts(void **state)
     status st;
     seq_revive_job *job;
     seq_revived out;
-    assert_int_equal(seq_revive_plan(f.s, &(seq_revive_request){1, 0, 0, 0, 0}, &job, &st), ST_OK);
+    assert_int_equal(seq_revive_plan(f.s, &(seq_revive_request){1, 0, 0, 0, 0, 0}, &job, &st),
+                     ST_OK);
     assert_int_equal(seq_revive_blocks(job), 3);
     assert_int_equal(f.p->nfree, nfree - 3);
     uint32_t other[3];
@@ -1270,7 +1271,8 @@ static void test_revive_in_parts(void **state)
     assert_int_equal(f.p->nfree, nfree);
 
     memcpy(stack, f.p->free_stack, nfree * sizeof *stack);
-    assert_int_equal(seq_revive_plan(f.s, &(seq_revive_request){0, 0, 2, 5, 0}, &job, &st), ST_OK);
+    assert_int_equal(seq_revive_plan(f.s, &(seq_revive_request){0, 0, 2, 5, 0, 0}, &job, &st),
+                     ST_OK);
     assert_int_equal(f.p->nfree, nfree - 2);
     memset(&out, 0xff, sizeof out);
     assert_int_equal(seq_revive_finish(job, -1, &out, &st), ST_RESOURCE_EXHAUSTED);
@@ -1294,13 +1296,13 @@ static void test_revive_evicted_outright(void **state)
     seq_revived a;
     status st;
     memset(&a, 0xff, sizeof a);
-    assert_int_equal(seq_revive(f.s, &(seq_revive_request){0, 0, 0, 0, 0}, &a, &st),
+    assert_int_equal(seq_revive(f.s, &(seq_revive_request){0, 0, 0, 0, 0, 0}, &a, &st),
                      ST_FAILED_PRECONDITION);
     assert_non_null(strstr(st.msg, "7 of positions 0..11 of layer 0 were evicted outright"));
     assert_non_null(strstr(st.msg, "first: 1..7"));
     assert_revived_empty(&a);
     assert_int_equal(f.p->nfree, nfree);
-    revive_ok(&f, (seq_revive_request){0, 0, 0, 0, 1}, &a);
+    revive_ok(&f, (seq_revive_request){0, 0, 0, 0, 1, 0}, &a);
     static const uint32_t held[] = {0, 8, 9, 10, 11};
     assert_int_equal(a.ntokens, 5);
     assert_memory_equal(a.positions, held, sizeof held);
@@ -1308,7 +1310,7 @@ static void test_revive_evicted_outright(void **state)
         assert_int_equal(a.src_tier[i], POLICY_FULL);
     revived_free(f.p, &a);
     /* Only evicted positions: nothing to rebuild, no block taken. */
-    revive_ok(&f, (seq_revive_request){0, 0, 2, 5, 1}, &a);
+    revive_ok(&f, (seq_revive_request){0, 0, 2, 5, 1, 0}, &a);
     assert_int_equal(a.ntokens, 0);
     assert_int_equal(a.nblocks, 0);
     revived_free(f.p, &a);
@@ -1337,7 +1339,7 @@ static void test_revive_int8_victims_and_destroy(void **state)
     assert_int_equal(bytes[POLICY_INT8], 2 * 2 * BLOCK_BYTES);
     assert_true(seq_retired_count(f.s) > 0);
     seq_revived a;
-    revive_ok(&f, (seq_revive_request){1, 0, 0, 0, 0}, &a);
+    revive_ok(&f, (seq_revive_request){1, 0, 0, 0, 0, 0}, &a);
     assert_int_equal(a.ntokens, 30);
     for (uint32_t p = 0; p < 30; p++) {
         assert_int_equal(a.positions[p], p);
@@ -1351,6 +1353,91 @@ static void test_revive_int8_victims_and_destroy(void **state)
     revived_free(f.p, &a);
     assert_int_equal(f.p->nfree, f.p->block_count);
     pool_destroy(f.p);
+}
+
+/* The (block, slot) of every token of revive `out`, in order. */
+static tier_token *revived_slots(const seq_revived *out)
+{
+    tier_token *tok = malloc((out->ntokens ? out->ntokens : 1) * sizeof *tok);
+    assert_non_null(tok);
+    size_t t = 0;
+    for (size_t i = 0; i < out->nsegs; i++)
+        for (uint32_t j = 0; j < out->segs[i].count; j++)
+            tok[t++] = (tier_token){out->segs[i].block, out->segs[i].first_slot + j, POLICY_FULL};
+    assert_int_equal(t, out->ntokens);
+    return tok;
+}
+
+/* Whether block b is one of the revive's scratch blocks. */
+static int is_scratch(const seq_revived *out, uint32_t b)
+{
+    for (size_t i = 0; i < out->nblocks; i++)
+        if (out->blocks[i] == b)
+            return 1;
+    return 0;
+}
+
+/*
+ * An in-place Revive (test_revive_int8_victims_and_destroy's list: 24 INT8
+ * victims, one victim waiting at full precision, 5 tokens held at full
+ * precision) gives the tokens, positions, tiers and values of a copying
+ * one, but names the list's own slots for the 5 held tokens and rebuilds
+ * only the 25 victims into scratch (7 blocks, not 8); a range of held
+ * tokens alone takes no scratch at all.
+ */
+static void test_revive_in_place(void **state)
+{
+    const char *const kv[] = {"n_sink", "0", "window", "4", "victims", "int8"};
+    fx f;
+    fx_open(&f, backend_of(state), 64, "streaming", kv, 3);
+    for (int i = 0; i < 30; i++)
+        append(&f, 1);
+    seq_revived copy, here, held;
+    revive_ok(&f, (seq_revive_request){1, 0, 0, 0, 0, 0}, &copy);
+    uint32_t nfree = f.p->nfree;
+    status st;
+    if (seq_revive(f.s, &(seq_revive_request){1, 0, 0, 0, 0, 1}, &here, &st) != ST_OK)
+        fail_msg("revive in place: %s", st.msg);
+    assert_int_equal(here.ntokens, 30);
+    assert_int_equal(here.nblocks, 7);
+    assert_int_equal(f.p->nfree, nfree - 7);
+    assert_memory_equal(here.positions, copy.positions, 30 * sizeof *here.positions);
+    assert_memory_equal(here.src_tier, copy.src_tier, 30);
+    float *vc = revived_values(&f, &copy), *vh = revived_values(&f, &here);
+    assert_memory_equal(vc, vh, 30 * tier_token_bytes(&f.tier));
+    free(vc), free(vh);
+    check_revived(&f, 1, 0, &here);
+    /* The held tokens' slots are the list's, the others scratch. */
+    seq_list_view v;
+    seq_list_view_get(f.s, 1, 0, &v);
+    assert_int_equal(v.tokens, 5);
+    seq_revived list = {.segs = (kv_segment *)v.segs, .nsegs = v.nsegs, .ntokens = v.tokens};
+    tier_token *mine = revived_slots(&list), *got = revived_slots(&here);
+    for (uint32_t t = 0; t < 30; t++) {
+        uint32_t h = 0;
+        while (h < v.tokens && v.positions[h] != here.positions[t])
+            h++;
+        if (h < v.tokens) {
+            assert_int_equal(got[t].block, mine[h].block);
+            assert_int_equal(got[t].slot, mine[h].slot);
+        } else {
+            assert_true(is_scratch(&here, got[t].block));
+        }
+    }
+    free(mine), free(got);
+    /* Held tokens only: nothing copied, no scratch. */
+    uint32_t first = v.positions[1];
+    nfree = f.p->nfree;
+    if (seq_revive(f.s, &(seq_revive_request){1, 0, first, 4, 0, 1}, &held, &st) != ST_OK)
+        fail_msg("revive in place: %s", st.msg);
+    assert_int_equal(held.ntokens, 4);
+    assert_int_equal(held.nblocks, 0);
+    assert_int_equal(f.p->nfree, nfree);
+    check_revived(&f, 1, 0, &held);
+    revived_free(f.p, &held);
+    revived_free(f.p, &here);
+    revived_free(f.p, &copy);
+    fx_close(&f);
 }
 
 /*
@@ -1384,8 +1471,8 @@ static void test_int8_victims_after_step(void **state)
     seq_tier_usage(f.s, tokens, bytes);
     assert_int_equal(tokens[POLICY_INT8], 2 * 24);
     seq_revived a, b;
-    revive_ok(&in, (seq_revive_request){1, 0, 0, 0, 0}, &a);
-    revive_ok(&f, (seq_revive_request){1, 0, 0, 0, 0}, &b);
+    revive_ok(&in, (seq_revive_request){1, 0, 0, 0, 0, 0}, &a);
+    revive_ok(&f, (seq_revive_request){1, 0, 0, 0, 0, 0}, &b);
     assert_int_equal(a.ntokens, 30);
     assert_int_equal(b.ntokens, 30);
     assert_memory_equal(a.src_tier, b.src_tier, 30);
@@ -1483,7 +1570,7 @@ static size_t assert_same(fx *a, fx *b)
                 assert_memory_equal(va.offloaded, vb.offloaded, va.noffloaded * sizeof(uint32_t));
             seq_revived ra, rb;
             status st;
-            seq_revive_request req = {l, k, 0, 0, 1};
+            seq_revive_request req = {l, k, 0, 0, 1, 0};
             assert_int_equal(seq_revive(a->s, &req, &ra, &st), ST_OK);
             assert_int_equal(seq_revive(b->s, &req, &rb, &st), ST_OK);
             assert_int_equal(ra.ntokens, rb.ntokens);
@@ -2577,6 +2664,8 @@ int main(void)
         ON_SHADOW(test_revive_in_parts),
         cmocka_unit_test(test_revive_int8_victims_and_destroy),
         ON_SHADOW(test_revive_int8_victims_and_destroy),
+        cmocka_unit_test(test_revive_in_place),
+        ON_SHADOW(test_revive_in_place),
         cmocka_unit_test(test_int8_victims_after_step),
         ON_SHADOW(test_int8_victims_after_step),
         cmocka_unit_test(test_move_sketch_victims),

@@ -413,8 +413,8 @@ static void test_int8_spill_revive(void **state)
     status st;
     seq_revived before, before1, after;
     uint32_t nfree_base = f.p->nfree;
-    revive_local(&f, (seq_revive_request){0, 0, 0, 0, 0}, &before);
-    revive_local(&f, (seq_revive_request){1, 0, 20, 8, 0}, &before1);
+    revive_local(&f, (seq_revive_request){0, 0, 0, 0, 0, 0}, &before);
+    revive_local(&f, (seq_revive_request){1, 0, 20, 8, 0, 0}, &before1);
     assert_int_equal(before.ntokens, 30);
     check_values(&f, 0, &before);
     size_t noff[LISTS];
@@ -489,14 +489,14 @@ static void test_int8_spill_revive(void **state)
 
     uint32_t nfree1 = nfree_base + LISTS * 2; /* with before, before1 freed */
     size_t nremote;
-    revive_remote_ok(&f, &r, (seq_revive_request){0, 0, 0, 0, 0}, &after, &nremote);
+    revive_remote_ok(&f, &r, (seq_revive_request){0, 0, 0, 0, 0, 0}, &after, &nremote);
     assert_int_equal(nremote, 2);
     assert_same_revive(&f, &before, &after);
     revived_free(f.p, &after);
     revived_free(f.p, &before);
     assert_int_equal(f.p->nfree, nfree1 - before1.nblocks);
     /* Layer 1, 20..27: its second block only, the waiting and held. */
-    revive_remote_ok(&f, &r, (seq_revive_request){1, 0, 20, 8, 0}, &after, &nremote);
+    revive_remote_ok(&f, &r, (seq_revive_request){1, 0, 20, 8, 0, 0}, &after, &nremote);
     assert_int_equal(nremote, 1);
     assert_same_revive(&f, &before1, &after);
     check_values(&f, 1, &after);
@@ -506,14 +506,14 @@ static void test_int8_spill_revive(void **state)
 
     /* The one-shot Revive cannot fetch: refused, nothing taken. */
     memset(&after, 0xff, sizeof after);
-    assert_int_equal(seq_revive(f.s, &(seq_revive_request){0, 0, 0, 0, 0}, &after, &st),
+    assert_int_equal(seq_revive(f.s, &(seq_revive_request){0, 0, 0, 0, 0, 0}, &after, &st),
                      ST_FAILED_PRECONDITION);
     assert_non_null(strstr(st.msg, "spilled"));
     assert_null(after.blocks);
     assert_int_equal(after.ntokens + after.nblocks, 0);
     assert_int_equal(f.p->nfree, nfree1);
     /* But positions none of which is spilled it still revives. */
-    revive_local(&f, (seq_revive_request){0, 0, 24, 0, 0}, &after);
+    revive_local(&f, (seq_revive_request){0, 0, 24, 0, 0, 0}, &after);
     assert_int_equal(after.ntokens, 6);
     check_values(&f, 0, &after);
     revived_free(f.p, &after);
@@ -561,10 +561,10 @@ static void test_dropped_meanwhile(void **state)
     size_t nremote;
     status st;
     assert_int_equal(
-        revive_remote(&f, &r, (seq_revive_request){1, 0, 0, 0, 0}, &out, &nremote, &st),
+        revive_remote(&f, &r, (seq_revive_request){1, 0, 0, 0, 0, 0}, &out, &nremote, &st),
         ST_FAILED_PRECONDITION); /* 0..11 are gone */
     assert_non_null(strstr(st.msg, "evicted outright"));
-    revive_remote_ok(&f, &r, (seq_revive_request){1, 0, 0, 0, 1}, &out, &nremote);
+    revive_remote_ok(&f, &r, (seq_revive_request){1, 0, 0, 0, 1, 0}, &out, &nremote);
     assert_int_equal(nremote, 1);
     assert_int_equal(out.ntokens, 18);
     assert_int_equal(out.positions[0], 12);
@@ -594,7 +594,7 @@ static void test_sketch_spill_revive(void **state)
     assert_true(sk_bytes > 0);
     seq_revived a, b, c;
     uint32_t nfree0 = f.p->nfree;
-    revive_local(&f, (seq_revive_request){0, 0, 0, 0, 0}, &a);
+    revive_local(&f, (seq_revive_request){0, 0, 0, 0, 0, 0}, &a);
     check_values(&f, 0, &a);
 
     seq_spill p;
@@ -624,7 +624,7 @@ static void test_sketch_spill_revive(void **state)
     assert_offloaded(&f, 0, 1, 7);
 
     size_t nremote;
-    revive_remote_ok(&f, &r, (seq_revive_request){0, 0, 0, 0, 0}, &b, &nremote);
+    revive_remote_ok(&f, &r, (seq_revive_request){0, 0, 0, 0, 0, 0}, &b, &nremote);
     assert_int_equal(nremote, 1);
     assert_same_revive(&f, &a, &b);
     revived_free(f.p, &a);
@@ -634,7 +634,7 @@ static void test_sketch_spill_revive(void **state)
     appends(&f, 6);
     seq_tier_usage(f.s, tokens, bytes);
     assert_int_equal(bytes[POLICY_SKETCH], LISTS * sk_bytes);
-    revive_remote_ok(&f, &r, (seq_revive_request){0, 0, 0, 0, 0}, &b, &nremote);
+    revive_remote_ok(&f, &r, (seq_revive_request){0, 0, 0, 0, 0, 0}, &b, &nremote);
     assert_int_equal(b.ntokens, 18);
     assert_int_equal(nremote, 1);
     check_values(&f, 0, &b);
@@ -653,7 +653,7 @@ static void test_sketch_spill_revive(void **state)
     appends(&f, 4);
     assert_offloaded(&f, 0, 1, 17);
     nfree0 = f.p->nfree + (uint32_t)b.nblocks; /* the appends took blocks */
-    revive_remote_ok(&f, &r, (seq_revive_request){0, 0, 0, 0, 0}, &c, &nremote);
+    revive_remote_ok(&f, &r, (seq_revive_request){0, 0, 0, 0, 0, 0}, &c, &nremote);
     assert_int_equal(nremote, 2);
     assert_int_equal(c.ntokens, 22);
     for (uint32_t t = 0; t < 22; t++) {
@@ -673,7 +673,8 @@ static void test_sketch_spill_revive(void **state)
     seq_revive_job *job;
     status st;
     const seq_remote_part *parts;
-    assert_int_equal(seq_revive_plan(f.s, &(seq_revive_request){1, 0, 0, 0, 0}, &job, &st), ST_OK);
+    assert_int_equal(seq_revive_plan(f.s, &(seq_revive_request){1, 0, 0, 0, 0, 0}, &job, &st),
+                     ST_OK);
     assert_int_equal(seq_revive_remote(job, &parts), 2);
     const value *v = remote_find(&r, parts[0].part);
     assert_non_null(v);
@@ -715,7 +716,7 @@ static void test_sketch_changed_meanwhile(void **state)
     assert_int_equal(r.v[0].npositions, 8);
     assert_int_equal(r.v[0].part, LISTS); /* parts 0, 1 were planned, never written */
     assert_int_equal(seq_spilled_tokens(f.s), LISTS * 8);
-    revive_checked(&f, &r, (seq_revive_request){1, 0, 0, 0, 0}, 1, 13);
+    revive_checked(&f, &r, (seq_revive_request){1, 0, 0, 0, 0, 0}, 1, 13);
     remote_free(&r);
     fx_close(&f);
 }
@@ -738,14 +739,14 @@ static void test_no_room_to_stage(void **state)
     size_t nremote;
     status st;
     assert_int_equal(
-        revive_remote(&f, &r, (seq_revive_request){0, 0, 0, 0, 0}, &out, &nremote, &st),
+        revive_remote(&f, &r, (seq_revive_request){0, 0, 0, 0, 0, 0}, &out, &nremote, &st),
         ST_RESOURCE_EXHAUSTED);
     assert_non_null(strstr(st.msg, "spilled victims"));
     assert_int_equal(f.p->nfree, 8);
     assert_memory_equal(f.p->free_stack, stack, sizeof stack);
     pool_free_block(f.p, taken[--ntaken]);
     pool_free_block(f.p, taken[--ntaken]); /* room for both parts' blocks */
-    revive_remote_ok(&f, &r, (seq_revive_request){0, 0, 0, 0, 0}, &out, &nremote);
+    revive_remote_ok(&f, &r, (seq_revive_request){0, 0, 0, 0, 0, 0}, &out, &nremote);
     assert_int_equal(nremote, 2);
     check_values(&f, 0, &out);
     revived_free(f.p, &out);
@@ -773,11 +774,11 @@ static void test_sketch_revive_limit(void **state)
     size_t nremote;
     status st;
     assert_int_equal(
-        revive_remote(&f, &r, (seq_revive_request){0, 0, 0, 0, 0}, &out, &nremote, &st),
+        revive_remote(&f, &r, (seq_revive_request){0, 0, 0, 0, 0, 0}, &out, &nremote, &st),
         ST_RESOURCE_EXHAUSTED);
     assert_non_null(strstr(st.msg, "spilled sketches"));
     assert_int_equal(f.p->nfree, nfree);
-    revive_checked(&f, &r, (seq_revive_request){0, 0, 8, 0, 0}, 4, 28 - 8);
+    revive_checked(&f, &r, (seq_revive_request){0, 0, 8, 0, 0, 0}, 4, 28 - 8);
     assert_int_equal(f.p->nfree, nfree);
     remote_free(&r);
     fx_close(&f);
@@ -821,7 +822,7 @@ static void test_sketch_revive_limit_allocates_nothing(void **state)
     status st;
     size_t allocs = ops_allocs;
     assert_int_equal(
-        revive_remote(&f, &r, (seq_revive_request){0, 0, 0, 0, 0}, &out, &nremote, &st),
+        revive_remote(&f, &r, (seq_revive_request){0, 0, 0, 0, 0, 0}, &out, &nremote, &st),
         ST_RESOURCE_EXHAUSTED);
     size_t staged = ops_allocs - allocs;
     remote_free(&r);
@@ -849,7 +850,8 @@ static void test_supply_refused_and_failed_fill(void **state)
     memcpy(stack, f.p->free_stack, nfree * sizeof *stack);
     seq_revive_job *job;
     status st;
-    assert_int_equal(seq_revive_plan(f.s, &(seq_revive_request){0, 0, 0, 0, 0}, &job, &st), ST_OK);
+    assert_int_equal(seq_revive_plan(f.s, &(seq_revive_request){0, 0, 0, 0, 0, 0}, &job, &st),
+                     ST_OK);
     const seq_remote_part *parts;
     size_t n = seq_revive_remote(job, &parts);
     assert_int_equal(n, 2);
@@ -916,7 +918,7 @@ static void test_destroy_spilled(void **state)
     assert_int_equal(seq_spilled_blocks(f.s), 6);
     seq_revived out;
     size_t nremote;
-    revive_remote_ok(&f, &r, (seq_revive_request){0, 0, 0, 0, 0}, &out, &nremote);
+    revive_remote_ok(&f, &r, (seq_revive_request){0, 0, 0, 0, 0, 0}, &out, &nremote);
     assert_int_equal(nremote, 3);
     assert_int_equal(out.ntokens, 54);
     for (uint32_t t = 0; t < 54; t++)

@@ -381,7 +381,8 @@ static void revive_sources(fixture *f, uint64_t id, uint32_t first, uint32_t n, 
     status s;
     store_revive_result r;
     assert_int_equal(
-        store_revive(f->st, f->token, id, &(seq_revive_request){0, 0, first, n, 0}, &r, &s), ST_OK);
+        store_revive(f->st, f->token, id, &(seq_revive_request){0, 0, first, n, 0, 0}, &r, &s),
+        ST_OK);
     assert_int_equal(r.table.tokens, n);
     counts[0] = counts[1] = counts[2] = 0;
     for (uint32_t t = 0; t < n; t++)
@@ -434,7 +435,7 @@ static void test_int8_victims_give_way_under_pressure(void **state)
     status s;
     store_revive_result r;
     assert_int_equal(
-        store_revive(f->st, f->token, id, &(seq_revive_request){0, 0, 0, 10, 0}, &r, &s),
+        store_revive(f->st, f->token, id, &(seq_revive_request){0, 0, 0, 10, 0, 0}, &r, &s),
         ST_FAILED_PRECONDITION);
     assert_non_null(strstr(s.msg, "evicted outright"));
     /* The victims dropped are the oldest, whole INT8 blocks of each layer:
@@ -488,7 +489,8 @@ static void revive_and_check(fixture *f, uint64_t id, uint32_t first, uint32_t n
     status s;
     store_revive_result r;
     assert_int_equal(
-        store_revive(f->st, f->token, id, &(seq_revive_request){1, 0, first, n, 0}, &r, &s), ST_OK);
+        store_revive(f->st, f->token, id, &(seq_revive_request){1, 0, first, n, 0, 0}, &r, &s),
+        ST_OK);
     assert_int_equal(r.table.tokens, n);
     pool *p = seq_pool(store_find_seq_locked(f->st, id));
     uint32_t t = 0;

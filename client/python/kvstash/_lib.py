@@ -90,8 +90,12 @@ class Revive_(ctypes.Structure):
     _fields_ = [("scratch_id", ctypes.c_uint64), ("table", Table_),
                 ("layer", ctypes.POINTER(Layer_)), ("source_tier", ctypes.POINTER(ctypes.c_uint8)),
                 ("from_full", ctypes.c_uint32), ("from_int8", ctypes.c_uint32),
-                ("from_sketch", ctypes.c_uint32)]
+                ("from_sketch", ctypes.c_uint32), ("epoch", ctypes.c_uint64)]
 
+
+# kvs_seq_revive's flags (kvstash.h).
+REVIVE_SKIP_EVICTED = 1
+REVIVE_IN_PLACE = 2
 
 _S = ctypes.c_void_p  # kvs_session *
 _PROTOTYPES = {
@@ -144,7 +148,7 @@ _PROTOTYPES = {
     "kvs_layer_read_dev": (ctypes.c_int, [_S, ctypes.POINTER(Layer_), ctypes.c_void_p,
                                           ctypes.c_void_p]),
     "kvs_seq_revive": (ctypes.c_int, [_S, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint32,
-                                      ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int,
+                                      ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint,
                                       ctypes.POINTER(Revive_)]),
     "kvs_revive_release": (ctypes.c_int, [_S, ctypes.POINTER(Revive_)]),
     # char ** out-parameters are c_void_p so that the pointer can be freed.

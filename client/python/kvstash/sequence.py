@@ -167,13 +167,18 @@ class Sequence:
     # ---- revive ----
 
     def revive(self, layer: int = 0, head: int = 0, first: int = 0, count: int = 0,
-               skip_evicted: bool = False) -> "Revive":
+               skip_evicted: bool = False, in_place: bool = False) -> "Revive":
         """kvs_seq_revive: rebuild original positions [first, first + count)
         (count 0: to the end) of list (layer, head) in full precision, in
-        scratch blocks. A context manager whose exit gives them back."""
+        scratch blocks. A context manager whose exit gives them back.
+        in_place: tokens held at full precision are not copied; the list
+        names their own slots (read them, never write them), readable until
+        the session acks an epoch after Revive.epoch."""
         r = _lib.Revive_()
+        flags = (_lib.REVIVE_SKIP_EVICTED if skip_evicted else 0) | \
+            (_lib.REVIVE_IN_PLACE if in_place else 0)
         rc = self._lib.kvs_seq_revive(self.session.handle(), self.id, layer, head, first, count,
-                                      1 if skip_evicted else 0, ctypes.byref(r))
+                                      flags, ctypes.byref(r))
         if rc:
             self.session.raise_for(rc)
         return Revive(self.session, r)
@@ -185,7 +190,8 @@ class Sequence:
 class Revive:
     """A revived list (kvs_revive): table (its Table), list (the revived
     LayerList, positions filled), source_tier (uint8 per token: where it was
-    stored), from_full / from_int8 / from_sketch (token counts).
+    stored), from_full / from_int8 / from_sketch (token counts), epoch (the
+    sequence's table epoch when it was revived).
 
     Its scratch blocks stay held until release() (or the end of the with
     block), or until the session ends: garbage collection does not call the
@@ -207,6 +213,7 @@ class Revive:
         self.from_full: int = c.from_full
         self.from_int8: int = c.from_int8
         self.from_sketch: int = c.from_sketch
+        self.epoch: int = c.epoch
         self.released = False
 
     def read(self) -> Tuple[np.ndarray, np.ndarray]:

@@ -289,6 +289,20 @@ def test_revive_and_tiers(daemon, model):
             assert np.allclose(k[:, :4], want_k[:, :4], atol=1e-5)
             scratch = rv.scratch_id
         assert rv.released and scratch > 0
+        # In place: the 4 full-precision tokens are the list's own slots,
+        # the 8 others rebuilt as above; the same values.
+        with seq.revive(layer=1) as rv, seq.revive(layer=1, in_place=True) as here:
+            assert here.scratch_id > 0 and here.epoch == rv.epoch == seq.table().epoch
+            held = lst.segments[2]
+            seg = here.list.segments[-1]
+            assert (seg["block"], seg["first_slot"], seg["count"]) == \
+                (held["block"], held["first_slot"], 4)
+            assert rv.list.segments[-1]["block"] != held["block"]
+            for a, b in zip(rv.read(), here.read()):
+                assert np.array_equal(a, b)
+        with seq.revive(layer=1, first=8, in_place=True) as here:
+            assert here.scratch_id == 0 and here.from_full == 4
+            assert np.array_equal(here.read()[0], want_k[:, 8:])
 
 
 def test_release_detach_and_stats(daemon, model):

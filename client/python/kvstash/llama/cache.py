@@ -275,12 +275,13 @@ class KvstashCache:
 
     def _revived(self, layer: int, head: int, lt: ListTokens) -> ListTokens:
         """cache.c list_resolve: revive the positions the list keeps in the
-        sketch (from the first to the last), and point those tokens at their
-        rebuilt K/V; revived tokens come in position order, like the list's."""
+        sketch (from the first to the last; full-precision tokens between
+        them stay in place), and point those tokens at their rebuilt K/V;
+        revived tokens come in position order, like the list's."""
         sk = lt.tier == TIER_SKETCH
         lo, hi = int(lt.pos[sk].min()), int(lt.pos[sk].max())
         rv = self.seq.revive(layer=layer, head=head, first=lo, count=hi - lo + 1,
-                             skip_evicted=True)
+                             skip_evicted=True, in_place=True)
         self.revives.append(rv)
         self.revived_lists += 1
         got = ListTokens.from_segments(rv.list.segments, rv.list.positions)
