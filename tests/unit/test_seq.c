@@ -1122,18 +1122,27 @@ static void test_operator_evict_requantizes(void **state)
 
 /* Read what a Revive rebuilt (full precision, list layout, in the caller's
  * blocks) and check it against the values written for its positions. */
-/* A Revive's scratch read back (read_tokens); NULL when it has no token. */
-static float *revived_values(fx *f, const seq_revived *out)
+
+/* The (block, slot) of every token of revive `out`, in order. */
+static tier_token *revived_slots(const seq_revived *out)
 {
-    assert_int_equal(kv_segments_tokens(out->segs, out->nsegs), out->ntokens);
-    if (out->ntokens == 0)
-        return NULL;
-    tier_token *tok = malloc(out->ntokens * sizeof *tok);
+    tier_token *tok = malloc((out->ntokens ? out->ntokens : 1) * sizeof *tok);
     assert_non_null(tok);
     size_t t = 0;
     for (size_t i = 0; i < out->nsegs; i++)
         for (uint32_t j = 0; j < out->segs[i].count; j++)
             tok[t++] = (tier_token){out->segs[i].block, out->segs[i].first_slot + j, POLICY_FULL};
+    assert_int_equal(t, out->ntokens);
+    return tok;
+}
+
+/* A Revive's tokens read back (read_tokens); NULL when it has no token. */
+static float *revived_values(fx *f, const seq_revived *out)
+{
+    assert_int_equal(kv_segments_tokens(out->segs, out->nsegs), out->ntokens);
+    if (out->ntokens == 0)
+        return NULL;
+    tier_token *tok = revived_slots(out);
     float *kv = read_tokens(f, tok, out->ntokens);
     free(tok);
     return kv;
@@ -1353,19 +1362,6 @@ static void test_revive_int8_victims_and_destroy(void **state)
     revived_free(f.p, &a);
     assert_int_equal(f.p->nfree, f.p->block_count);
     pool_destroy(f.p);
-}
-
-/* The (block, slot) of every token of revive `out`, in order. */
-static tier_token *revived_slots(const seq_revived *out)
-{
-    tier_token *tok = malloc((out->ntokens ? out->ntokens : 1) * sizeof *tok);
-    assert_non_null(tok);
-    size_t t = 0;
-    for (size_t i = 0; i < out->nsegs; i++)
-        for (uint32_t j = 0; j < out->segs[i].count; j++)
-            tok[t++] = (tier_token){out->segs[i].block, out->segs[i].first_slot + j, POLICY_FULL};
-    assert_int_equal(t, out->ntokens);
-    return tok;
 }
 
 /* Whether block b is one of the revive's scratch blocks. */
