@@ -37,8 +37,10 @@ def check_sigkill_mid_write_is_reclaimed(ctx):
     assert all(q.blocks > 0 for q in victim_seqs), victim_seqs
 
     victim.proc.send_signal(signal.SIGKILL)
-    t0 = time.monotonic()
     victim.proc.wait()
+    # From the reaping: the kernel closes the victim's socket (what kvstashd
+    # can notice) only after tearing down its memory, slow for a sanitizer build.
+    t0 = time.monotonic()
     while True:
         st = d.stats()
         gone = (all(s.session_id != victim_session for s in st.sessions) and
@@ -48,10 +50,11 @@ def check_sigkill_mid_write_is_reclaimed(ctx):
             break
         elapsed = time.monotonic() - t0
         assert elapsed < RECLAIM_LIMIT_S, (f"victim not reclaimed {elapsed:.2f} s after "
-                                           f"SIGKILL: gone={gone} {why}")
+                                           f"it was reaped: gone={gone} {why}")
         time.sleep(0.02)
     ctx.reclaim_s = time.monotonic() - t0
-    print(f"     reclaimed {ctx.reclaim_s * 1000:.0f} ms after SIGKILL", flush=True)
+    print(f"     reclaimed {ctx.reclaim_s * 1000:.0f} ms after the victim was reaped",
+          flush=True)
 
     # The survivors were writing when the victim died; they finish, verifying
     # every held token after every append.
