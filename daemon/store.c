@@ -36,6 +36,8 @@ store *store_create(const store_config *cfg, events *ev)
     if (st == NULL)
         return NULL;
     st->cfg = *cfg;
+    if (st->cfg.unlocked_decision_tokens == 0)
+        st->cfg.unlocked_decision_tokens = STORE_UNLOCKED_DECISION_TOKENS;
     st->events = ev;
     st->start_ms = store_now_ms();
     st->serving = 1;
@@ -1691,7 +1693,7 @@ static int run_host_work(void *ctx, int (*work)(void *), void *arg)
 {
     host_work *w = ctx;
     store *st = w->st;
-    if (seq_tokens_held(w->q) < STORE_UNLOCKED_DECISION_TOKENS)
+    if (seq_tokens_held(w->q) < st->cfg.unlocked_decision_tokens)
         return work(arg);
     if (!w->prefill)
         return store_copy_unlocked(st, seq_id_of(w->q), work, arg);

@@ -55,14 +55,22 @@ typedef struct store_config {
     uint64_t policy_parallel_tokens;
     /* A Revive's copy, and a prompt's demotion, of move_background_bytes
      * or more (at full precision), and a prompt's decision without the
-     * lock (STORE_UNLOCKED_DECISION_TOKENS), run on a thread of priority
+     * lock (unlocked_decision_tokens), run on a thread of priority
      * move_priority (background.h: the workers' steps come first);
      * BACKGROUND_NORMAL (0) keeps them on the calling thread. A decode
      * step's work, which its worker waits for at every token, always
      * does. */
     background_priority move_priority;
     size_t move_background_bytes;
+    /* The tokens a sequence's lists must hold for its step to decide
+     * without the store's lock; 0 = STORE_UNLOCKED_DECISION_TOKENS. */
+    uint64_t unlocked_decision_tokens;
 } store_config;
+
+/* kvstashd's unlocked_decision_tokens: about 0.1 ms of a one-pass policy's
+ * decision on this class of CPU, about a hundred times what letting go of
+ * the lock and taking it again costs. */
+#define STORE_UNLOCKED_DECISION_TOKENS 32768
 
 /* kvstashd's move_background_bytes: a copy of 1 MiB takes a few hundred
  * microseconds, a hand-over to a background thread and back tens. */

@@ -63,12 +63,6 @@ struct session {
  * lock at once; more run under the lock as before. */
 #define STORE_MAX_MOVES 16
 
-/* Tokens a sequence's lists hold from which its step's decision runs
- * without the store's lock (store_step): about 0.1 ms of a one-pass
- * policy's decision on this class of CPU, about a hundred times what
- * letting go of the lock and taking it again costs. */
-#define STORE_UNLOCKED_DECISION_TOKENS 32768
-
 /* A queued demotion: its sequence, and whether its quantisation may run
  * on the background threads (store_move_copy): a prompt's, which is
  * large; a decode step's, which the worker's next call waits for, runs

@@ -38,6 +38,12 @@
 #include "store_internal.h"
 #include "store_harness.h"
 
+/* The store decides without its lock from this many tokens, so that a case
+ * reaches that path with lists a few hundred tokens long (kvstashd's own
+ * threshold, STORE_UNLOCKED_DECISION_TOKENS, would make every one of the
+ * case's thousands of runs step 34,000 tokens). */
+#define FAULTS_UNLOCKED_DECISION_TOKENS 256
+
 /* ---- the countdown ------------------------------------------------------ */
 
 void *__real_malloc(size_t n);
@@ -155,8 +161,11 @@ static void must(status_code rc, const status *s, const char *what)
 static void open_store_sized(fixture *f, size_t pool_bytes)
 {
     memset(f, 0, sizeof *f);
-    store_config cfg = {
-        .pool_bytes = pool_bytes, .max_pools = 2, .max_sessions = 4, .max_seqs = 64};
+    store_config cfg = {.pool_bytes = pool_bytes,
+                        .max_pools = 2,
+                        .max_sessions = 4,
+                        .max_seqs = 64,
+                        .unlocked_decision_tokens = FAULTS_UNLOCKED_DECISION_TOKENS};
     assert_non_null(f->st = store_create(&cfg, NULL));
     /* A step's demotion then runs inside the step, as the daemon runs it
      * when its demoter is busy (store.c demote_due): the same plan, fill
@@ -681,13 +690,13 @@ static void prep_h2o(fixture *f)
 }
 
 /* Lists long enough that the step decides without the store's lock
- * (STORE_UNLOCKED_DECISION_TOKENS): 2 layers of 17,000 tokens cut to
- * 16,000. A failure after the decision rolls back its policy host. */
+ * (FAULTS_UNLOCKED_DECISION_TOKENS): 2 layers of 170 tokens cut to 160.
+ * A failure after the decision rolls back its policy host. */
 static void prep_h2o_long(fixture *f)
 {
-    static const char *const kv[] = {"budget", "16000", "recent", "8"};
-    prep_stepped_sized(f, 10 << 20, "h2o", kv, 2, 17000);
-    assert_true(seq_tokens_held(the_seq(f)) >= STORE_UNLOCKED_DECISION_TOKENS);
+    static const char *const kv[] = {"budget", "160", "recent", "8"};
+    prep_stepped_sized(f, 1 << 20, "h2o", kv, 2, 170);
+    assert_true(seq_tokens_held(the_seq(f)) >= FAULTS_UNLOCKED_DECISION_TOKENS);
 }
 
 /* int8=on keeps the 2 newest at full precision: 24 tokens decided INT8,
