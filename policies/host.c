@@ -10,6 +10,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HOST_COMMIT_AVX2 1
+#endif
+
 /*
  * One token list: a whole layer, or one KV head of it. Its tokens are
  * entries off..off+tokens of the arrays (cap entries each): a commit that
@@ -1030,8 +1035,8 @@ static int list_remove(host_list *li, const uint32_t *idx, uint32_t m)
  * written whether evicted or not, and kept only by counting it: no
  * branch to mispredict. The log has room for every entry of the list
  * (undo_log_reserve), so the spare writes stay inside it. */
-static uint32_t list_find_evicted(const host_list *li, uint32_t *restrict idx,
-                                  uint32_t *restrict pos, uint8_t *restrict tier)
+static uint32_t find_evicted_scalar(const host_list *li, uint32_t *restrict idx,
+                                    uint32_t *restrict pos, uint8_t *restrict tier)
 {
     const uint8_t *next = li->next_tier, *from_tier = li->tier;
     const uint32_t *from_pos = li->pos;
@@ -1050,6 +1055,180 @@ static uint32_t list_find_evicted(const host_list *li, uint32_t *restrict idx,
     return m;
 }
 
+/* The undo log's write position for changed tiers, and the next kept
+ * entry's index, as list_commit_dense goes. */
+typedef struct dense_cursor {
+    uint32_t changed, to;
+} dense_cursor;
+
+/* list_commit_dense's start: the tiers changed before the first evicted
+ * entry, which stays where it is. */
+static void commit_front_tiers(host_list *li, host_undo_log *u, size_t e, uint32_t m,
+                               dense_cursor *c)
+{
+    const uint8_t *next = li->next_tier;
+    uint8_t *tier = li->tier;
+    for (uint32_t i = 0; i < c->to; i++)
+        if (tier[i] != next[i]) {
+            size_t at = e + m + c->changed++;
+            u->idx[at] = i, u->tier[at] = tier[i];
+            tier[i] = next[i];
+        }
+}
+
+/* list_commit_dense over entries [from, end), from after the first
+ * evicted one. */
+static void commit_entries(host_list *li, host_undo_log *u, size_t e, uint32_t m, uint32_t from,
+                           uint32_t end, dense_cursor *c)
+{
+    const uint8_t *next = li->next_tier;
+    uint32_t *restrict pos = li->pos;
+    uint8_t *restrict tier = li->tier;
+    float *restrict attn = li->attn;
+    uint32_t to = c->to;
+    for (uint32_t i = from; i < end; i++) {
+        uint8_t was = tier[i], now = next[i];
+        uint32_t kept = now != POLICY_EVICT;
+        if (kept && was != now) {
+            size_t at = e + m + c->changed++;
+            u->idx[at] = to, u->tier[at] = was;
+        }
+        pos[to] = pos[i];
+        tier[to] = now;
+        if (attn != NULL)
+            attn[to] = attn[i];
+        to += kept;
+    }
+    c->to = to;
+}
+
+#ifdef HOST_COMMIT_AVX2
+/*
+ * The commit's compactions eight entries at a time with AVX2: the entries
+ * an 8-bit mask selects are moved to the front of a vector by a shuffle
+ * looked up by the mask (pack_lanes), and all eight lanes are stored at the
+ * output's end, never past what is still to be read (its index is at most
+ * the input's). A compiler does not vectorise a compaction, and the scalar
+ * loops' dependent store addresses cost a few cycles an entry: a prompt's
+ * commit of 32 layers x 8 KV heads x 32k tokens took 30 ms.
+ */
+static uint8_t pack_lanes[256][8]; /* [mask]: the lanes of its set bits, in order */
+static pthread_once_t pack_lanes_once = PTHREAD_ONCE_INIT;
+
+static void pack_lanes_init(void)
+{
+    for (unsigned mask = 0; mask < 256; mask++)
+        for (unsigned lane = 0, k = 0; lane < 8; lane++)
+            if (mask >> lane & 1)
+                pack_lanes[mask][k++] = (uint8_t)lane;
+}
+
+static int commit_avx2(void)
+{
+    if (!__builtin_cpu_supports("avx2"))
+        return 0;
+    pthread_once(&pack_lanes_once, pack_lanes_init);
+    return 1;
+}
+
+__attribute__((target("avx2"))) static inline __m128i lanes_of(unsigned mask)
+{
+    return _mm_loadl_epi64((const __m128i *)pack_lanes[mask]);
+}
+
+/* The eight 32-bit words at p, those of mask first, stored at out. */
+__attribute__((target("avx2"))) static inline void pack_words(void *out, const void *p,
+                                                              unsigned mask)
+{
+    __m256i x = _mm256_loadu_si256((const __m256i *)p);
+    __m256i perm = _mm256_cvtepu8_epi32(lanes_of(mask));
+    _mm256_storeu_si256((__m256i *)out, _mm256_permutevar8x32_epi32(x, perm));
+}
+
+/* The eight bytes of x, those of mask first, stored at out. */
+__attribute__((target("avx2"))) static inline void pack_bytes(uint8_t *out, __m128i x,
+                                                              unsigned mask)
+{
+    _mm_storel_epi64((__m128i *)out, _mm_shuffle_epi8(x, lanes_of(mask)));
+}
+
+/* list_find_evicted: 32 decisions compared at once, and a group of eight
+ * with an eviction packed into the log. The log has room for every entry
+ * of the list, so that eight lanes stored at m <= i stay inside it. */
+__attribute__((target("avx2"))) static uint32_t find_evicted_avx2(const host_list *li,
+                                                                  uint32_t *restrict idx,
+                                                                  uint32_t *restrict pos,
+                                                                  uint8_t *restrict tier)
+{
+    const uint8_t *next = li->next_tier, *from_tier = li->tier;
+    const uint32_t *from_pos = li->pos;
+    uint32_t m = 0, n = li->tokens, i = 0;
+    const __m256i evict = _mm256_set1_epi8((char)POLICY_EVICT);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (; i + 32 <= n; i += 32) {
+        __m256i t = _mm256_loadu_si256((const __m256i *)(next + i));
+        uint32_t hits = (uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(t, evict));
+        for (uint32_t j = i; hits != 0; j += 8, hits >>= 8) {
+            unsigned mask = hits & 0xffu;
+            if (mask == 0)
+                continue;
+            __m256i at = _mm256_add_epi32(_mm256_set1_epi32((int)j), lane);
+            pack_words(idx + m, &at, mask);
+            pack_words(pos + m, from_pos + j, mask);
+            pack_bytes(tier + m, _mm_loadl_epi64((const __m128i *)(from_tier + j)), mask);
+            m += (uint32_t)__builtin_popcount(mask);
+        }
+    }
+    for (; i < n; i++) {
+        idx[m] = i, pos[m] = from_pos[i], tier[m] = from_tier[i];
+        m += next[i] == POLICY_EVICT;
+    }
+    return m;
+}
+
+/* list_commit_dense, eight entries at a time; a group with a kept entry
+ * whose tier changes (rare but for demotions) goes through the scalar
+ * loop, which logs it. */
+__attribute__((target("avx2"))) static uint32_t
+list_commit_dense_avx2(host_list *li, host_undo_log *u, size_t e, uint32_t m)
+{
+    uint32_t n = li->tokens, i = u->idx[e];
+    dense_cursor c = {0, i};
+    commit_front_tiers(li, u, e, m, &c);
+    const uint8_t *next = li->next_tier;
+    const __m128i evict = _mm_set1_epi8((char)POLICY_EVICT);
+    for (; i + 8 <= n; i += 8) {
+        __m128i now = _mm_loadl_epi64((const __m128i *)(next + i));
+        __m128i was = _mm_loadl_epi64((const __m128i *)(li->tier + i));
+        unsigned kept = ~(unsigned)_mm_movemask_epi8(_mm_cmpeq_epi8(now, evict)) & 0xffu;
+        unsigned same = (unsigned)_mm_movemask_epi8(_mm_cmpeq_epi8(now, was)) & 0xffu;
+        if ((kept & ~same) != 0) {
+            commit_entries(li, u, e, m, i, i + 8, &c);
+            continue;
+        }
+        pack_words(li->pos + c.to, li->pos + i, kept);
+        pack_bytes(li->tier + c.to, now, kept);
+        if (li->attn != NULL)
+            pack_words(li->attn + c.to, li->attn + i, kept);
+        c.to += (uint32_t)__builtin_popcount(kept);
+    }
+    commit_entries(li, u, e, m, i, n, &c);
+    li->tokens = n - m;
+    return c.changed;
+}
+#endif
+
+/* The evicted entries of li, as find_evicted_scalar. */
+static uint32_t list_find_evicted(const host_list *li, uint32_t *restrict idx,
+                                  uint32_t *restrict pos, uint8_t *restrict tier)
+{
+#ifdef HOST_COMMIT_AVX2
+    if (commit_avx2())
+        return find_evicted_avx2(li, idx, pos, tier);
+#endif
+    return find_evicted_scalar(li, idx, pos, tier);
+}
+
 /* list_change_tiers then list_remove's back variant in one pass, for a
  * list whose kept runs after the first evicted entry are short (a
  * prompt's decision evicts most of a list): their memcmp and three
@@ -1059,32 +1238,16 @@ static uint32_t list_find_evicted(const host_list *li, uint32_t *restrict idx,
  * rare but for demotions. */
 static uint32_t list_commit_dense(host_list *li, host_undo_log *u, size_t e, uint32_t m)
 {
-    uint32_t changed = 0, n = li->tokens, first = u->idx[e], to = first;
-    const uint8_t *next = li->next_tier;
-    uint32_t *restrict pos = li->pos;
-    uint8_t *restrict tier = li->tier;
-    float *restrict attn = li->attn;
-    for (uint32_t i = 0; i < first; i++)
-        if (tier[i] != next[i]) {
-            size_t at = e + m + changed++;
-            u->idx[at] = i, u->tier[at] = tier[i];
-            tier[i] = next[i];
-        }
-    for (uint32_t i = first; i < n; i++) {
-        uint8_t was = tier[i], now = next[i];
-        uint32_t kept = now != POLICY_EVICT;
-        if (kept && was != now) {
-            size_t at = e + m + changed++;
-            u->idx[at] = to, u->tier[at] = was;
-        }
-        pos[to] = pos[i];
-        tier[to] = now;
-        if (attn != NULL)
-            attn[to] = attn[i];
-        to += kept;
-    }
+#ifdef HOST_COMMIT_AVX2
+    if (commit_avx2())
+        return list_commit_dense_avx2(li, u, e, m);
+#endif
+    uint32_t n = li->tokens;
+    dense_cursor c = {0, u->idx[e]};
+    commit_front_tiers(li, u, e, m, &c);
+    commit_entries(li, u, e, m, c.to, n, &c);
     li->tokens = n - m;
-    return changed;
+    return c.changed;
 }
 
 /* Commit list k of layer l: its evicted tokens and changed tiers logged

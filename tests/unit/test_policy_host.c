@@ -977,6 +977,185 @@ static int meet_threads(policy_host *h, uint32_t layers)
     return distinct;
 }
 
+/* ---- commits of random decisions ---- */
+
+/* fake-random decides every entry of every list (per KV head) from a
+ * generator: a prompt-like step (regime 0) evicts most entries, in short
+ * kept runs, and moves a few kept ones to another tier; regime 1 evicts
+ * and moves a few; regime 2 evicts most and moves none; regime 3 evicts
+ * a third, in kept runs that often fill a group of eight. */
+typedef struct random_state {
+    uint64_t rng;
+    unsigned regime; /* the test sets it before each step */
+} random_state;
+
+static uint64_t next_random(uint64_t *s)
+{
+    *s ^= *s << 13;
+    *s ^= *s >> 7;
+    *s ^= *s << 17;
+    return *s;
+}
+
+static int random_create(const policy_params *p, const policy_geometry *g, void **state, char *err,
+                         size_t errlen)
+{
+    (void)p;
+    (void)g;
+    random_state *st = calloc(1, sizeof *st);
+    if (st == NULL) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    st->rng = 0x9e3779b97f4a7c15u;
+    *state = st;
+    return 0;
+}
+
+static int random_step(void *state, const policy_layer_view *v, const policy_stats *stats,
+                       policy_decision *d, char *err, size_t errlen)
+{
+    (void)stats;
+    (void)err;
+    (void)errlen;
+    random_state *st = state;
+    static const unsigned evict_per_mille[4] = {750, 3, 800, 300},
+                          move_per_mille[4] = {40, 5, 0, 10};
+    for (uint32_t h = 0; h < v->heads; h++)
+        for (uint32_t i = 0; i < v->tokens[h]; i++) {
+            uint64_t r = next_random(&st->rng);
+            unsigned x = (unsigned)(r % 1000);
+            if (x < evict_per_mille[st->regime])
+                d->tier[h][i] = POLICY_EVICT;
+            else if (x < evict_per_mille[st->regime] + move_per_mille[st->regime])
+                d->tier[h][i] = policy_stored_tiers[(r >> 32) % POLICY_STORED_TIERS];
+        }
+    return 0;
+}
+
+static void random_destroy(void *state)
+{
+    free(state);
+}
+
+static const policy_ops fake_random = {
+    .name = "fake-random",
+    .summary = "random evictions and tier moves",
+    .per_head = 1,
+    .needs = POLICY_NEEDS_LAST_ATTN,
+    .create = random_create,
+    .step = random_step,
+    .destroy = random_destroy,
+};
+
+/* A list as the host shows it: positions, tiers and (graded hosts) the
+ * attention its tokens got. */
+typedef struct list_copy {
+    uint32_t n;
+    uint32_t pos[8192];
+    uint8_t tier[8192];
+    float attn[8192];
+} list_copy;
+
+static void copy_list(policy_host *h, uint32_t l, uint32_t k, list_copy *c)
+{
+    const policy_layer_view *v = policy_host_view(h, l);
+    c->n = v->tokens[k];
+    assert_true(c->n <= 8192);
+    memcpy(c->pos, v->positions[k], c->n * sizeof *c->pos);
+    memcpy(c->tier, v->tier[k], c->n);
+    const float *attn = policy_host_attn(h, l, k);
+    if (attn != NULL)
+        memcpy(c->attn, attn, c->n * sizeof *c->attn);
+    else
+        memset(c->attn, 0, sizeof c->attn);
+}
+
+static void assert_lists_equal(const list_copy *a, const list_copy *b)
+{
+    assert_int_equal(a->n, b->n);
+    assert_memory_equal(a->pos, b->pos, a->n * sizeof *a->pos);
+    assert_memory_equal(a->tier, b->tier, a->n);
+    assert_memory_equal(a->attn, b->attn, a->n * sizeof *a->attn);
+}
+
+/* A commit leaves each list its kept entries in order, with the decided
+ * tiers and the attention they had; a rollback puts back the list before
+ * the step. Lists of hundreds to a few thousand entries, commits that evict
+ * most or few, with tiers moved or not, a graded host (which keeps each
+ * token's attention beside it) and a plain one: the vectorised commit
+ * packs eight entries at a time, and its tails and groups with a moved
+ * tier go entry by entry. */
+static void test_commit_random_decisions(void **unused)
+{
+    (void)unused;
+    enum { LAYERS = 2, HEADS = 2, Q_HEADS = HEADS * 4, ROWS = 8192 };
+    static list_copy before[HEADS], decided[HEADS], after[HEADS];
+    float *rows[Q_HEADS];
+    uint64_t rng = 12345;
+    for (unsigned q = 0; q < Q_HEADS; q++) {
+        assert_non_null(rows[q] = malloc(ROWS * sizeof *rows[q]));
+        for (unsigned i = 0; i < ROWS; i++)
+            rows[q][i] = (float)(next_random(&rng) % 1000) / 1000.0f;
+    }
+    for (int graded = 0; graded < 2; graded++) {
+        const char *keys[] = {"demote", "int8_window", "demote_keep"};
+        const char *vals[] = {"int8", "16", "0.75"};
+        policy_params p;
+        char err[POLICY_ERR_LEN] = "";
+        assert_int_equal(
+            policy_params_resolve(&fake_random, keys, vals, graded ? 3 : 0, &p, err, sizeof err),
+            0);
+        policy_geometry g = geometry(LAYERS, HEADS);
+        policy_host *h = NULL;
+        assert_int_equal(policy_host_create(&fake_random, &p, &g, &h, err, sizeof err), 0);
+        random_state *st = policy_host_state(h);
+        policy_stats stats = {.last_attn = (const float *const *)rows, .confidence = -1};
+        for (unsigned round = 0; round < 60; round++) {
+            assert_int_equal(policy_host_append(h, 1 + (uint32_t)(next_random(&rng) % 600)), 0);
+            int txn = round / 4 % 2;
+            st->regime = round % 4;
+            for (uint32_t l = 0; l < LAYERS; l++) {
+                for (uint32_t k = 0; k < HEADS; k++)
+                    copy_list(h, l, k, &before[k]);
+                if (txn)
+                    policy_host_begin(h);
+                const policy_decision *d = NULL;
+                assert_int_equal(policy_host_step(h, l, &stats, &d, err, sizeof err), 0);
+                size_t evicted = 0;
+                for (uint32_t k = 0; k < HEADS; k++) {
+                    list_copy now, *want = &decided[k];
+                    copy_list(h, l, k, &now); /* the attention as the step left it */
+                    want->n = 0;
+                    for (uint32_t i = 0; i < now.n; i++) {
+                        if (d->tier[k][i] == POLICY_EVICT)
+                            continue;
+                        want->pos[want->n] = now.pos[i];
+                        want->tier[want->n] = d->tier[k][i];
+                        want->attn[want->n++] = now.attn[i];
+                    }
+                    evicted += now.n - want->n;
+                }
+                assert_int_equal(policy_host_commit(h, l), evicted);
+                for (uint32_t k = 0; k < HEADS; k++) {
+                    copy_list(h, l, k, &after[k]);
+                    assert_lists_equal(&after[k], &decided[k]);
+                }
+                if (!txn)
+                    continue;
+                policy_host_rollback(h);
+                for (uint32_t k = 0; k < HEADS; k++) {
+                    copy_list(h, l, k, &after[k]);
+                    assert_lists_equal(&after[k], &before[k]);
+                }
+            }
+        }
+        policy_host_destroy(h);
+    }
+    for (unsigned q = 0; q < Q_HEADS; q++)
+        free(rows[q]);
+}
+
 /* Layers step at once only when the host has threads, the policy allows
  * it and the lists hold enough tokens; the calling thread takes part. */
 static void test_layers_on_threads(void **unused)
@@ -1029,6 +1208,7 @@ int main(void)
         cmocka_unit_test(test_host_demote_keep),
         cmocka_unit_test(test_storage_parse),
         cmocka_unit_test(test_layers_on_threads),
+        cmocka_unit_test(test_commit_random_decisions),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
