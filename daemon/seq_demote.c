@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "seq_internal.h"
+#include "util.h" /* policies/: policy_tiers_count */
 
 static const uint8_t demote_tiers[] = {POLICY_INT8, POLICY_INT4, POLICY_INT2};
 #define DEMOTE_TIERS (sizeof demote_tiers)
@@ -123,9 +124,10 @@ static long plan_victims(seq *s, demote_list *d)
 
 /* The full-precision tokens of list ly that tier[0..n) decides qt, in
  * list order, found in its full-precision segments: their indices into
- * idx[] and their slots into at[]. Returns their count. */
+ * idx[] and their slots into at[], at most room of them. Returns their
+ * count. */
 static size_t full_decided(const seq_list *ly, const uint8_t *tier, uint32_t n, uint8_t qt,
-                           uint32_t *idx, tier_token *at)
+                           uint32_t *idx, tier_token *at, size_t room)
 {
     size_t m = 0;
     uint32_t i = 0;
@@ -134,13 +136,37 @@ static size_t full_decided(const seq_list *ly, const uint8_t *tier, uint32_t n, 
         if (ly->seg_tier[j] != POLICY_FULL)
             continue;
         uint32_t c = g->count < n - i ? g->count : n - i;
-        for (uint32_t t = 0; t < c; t++)
+        for (uint32_t t = 0; t < c && m < room; t++)
             if (tier[i + t] == qt) {
                 idx[m] = i + t;
                 at[m++] = (tier_token){g->block, g->first_slot + t, POLICY_FULL};
             }
     }
     return m;
+}
+
+/* counts[t]: how many of list ly's full-precision tokens tier[0..n)
+ * decides t, one vectorised pass a run of full-precision segments (their
+ * tokens are consecutive in the list). A victims=int8 list decides none
+ * quantised, and three token-by-token passes over every list (full_decided)
+ * were most of such a demotion's plan, which the next call waits for. */
+static void full_decided_counts(const seq_list *ly, const uint8_t *tier, uint32_t n,
+                                uint32_t counts[POLICY_TIERS])
+{
+    memset(counts, 0, POLICY_TIERS * sizeof *counts);
+    uint32_t i = 0, run = 0;
+    for (size_t j = 0; j < ly->nsegs && i + run < n; j++) {
+        uint32_t c = ly->segs[j].count;
+        if (ly->seg_tier[j] == POLICY_FULL) {
+            run += c;
+            continue;
+        }
+        if (run > 0)
+            policy_tiers_count(tier + i, run, counts);
+        i += run + c, run = 0;
+    }
+    if (run > 0 && i < n)
+        policy_tiers_count(tier + i, run < n - i ? run : n - i, counts);
 }
 
 /* Choose list d's tokens to demote, tier by tier, and take their blocks
@@ -150,21 +176,27 @@ static long plan_list(seq *s, uint32_t l, uint32_t k, demote_list *d)
 {
     const policy_layer_view *v = policy_host_view(s->host, l);
     *d = (demote_list){.ly = seq_list_at(s, l, k), .n = v->tokens[k]};
-    size_t nfull = 1;
-    for (size_t j = 0; j < d->ly->nsegs; j++)
-        nfull += d->ly->seg_tier[j] == POLICY_FULL ? d->ly->segs[j].count : 0;
-    d->idx = malloc(nfull * sizeof *d->idx);
-    d->qb = malloc(nfull * sizeof *d->qb);
-    d->moved = malloc(nfull * sizeof *d->moved);
+    uint32_t counts[POLICY_TIERS];
+    full_decided_counts(d->ly, v->tier[k], d->n, counts);
+    size_t most = 1; /* the tokens of the tiers with a block's worth */
+    for (size_t q = 0; q < DEMOTE_TIERS; q++) {
+        uint32_t t8 = tier_block_tokens(&s->tier, demote_tiers[q]);
+        most += t8 > 0 && counts[demote_tiers[q]] >= t8 ? counts[demote_tiers[q]] : 0;
+    }
+    d->idx = malloc(most * sizeof *d->idx);
+    d->qb = malloc(most * sizeof *d->qb);
+    d->moved = malloc(most * sizeof *d->moved);
     if (d->idx == NULL || d->qb == NULL || d->moved == NULL)
         return -1;
     size_t at = 0, taken = 0;
     for (size_t q = 0; q < DEMOTE_TIERS; q++) {
         uint8_t qt = demote_tiers[q];
         uint32_t t8 = tier_block_tokens(&s->tier, qt);
+        if (t8 == 0 || counts[qt] < t8)
+            continue; /* not a block's worth: nothing to find */
         size_t m =
-            t8 > 0 ? full_decided(d->ly, v->tier[k], d->n, qt, d->idx + at, d->moved + at) : 0;
-        size_t nq = t8 > 0 ? m / t8 : 0;
+            full_decided(d->ly, v->tier[k], d->n, qt, d->idx + at, d->moved + at, counts[qt]);
+        size_t nq = m / t8;
         if (nq == 0 || nq > s->pool->nfree)
             continue;
         for (size_t b = 0; b < nq; b++)

@@ -1673,6 +1673,70 @@ static void append_step(fx *f, uint32_t round)
     step_with_scores(f, data, n);
 }
 
+/* Whether some list of f holds a full-precision segment before a
+ * quantised one. */
+static int full_before_quantised(fx *f)
+{
+    for (uint32_t l = 0; l < seq_layers(f->s); l++)
+        for (uint32_t k = 0; k < f->heads; k++) {
+            const seq_list *ly = seq_list_at(f->s, l, k);
+            int full = 0;
+            for (size_t j = 0; j < ly->nsegs; j++) {
+                if (full && policy_tier_quantised(ly->seg_tier[j]))
+                    return 1;
+                full |= ly->seg_tier[j] == POLICY_FULL;
+            }
+        }
+    return 0;
+}
+
+/*
+ * demote_keep (precision by importance) keeps the important tokens at full
+ * precision between quantised ones; when they come due later, the demotion
+ * after the step finds them in those runs (seq_demote.c counts the tokens
+ * due a run of full-precision segments at a time), and the sequence holds
+ * what the same steps give when they demote themselves.
+ */
+static void test_demotion_between_quantised_runs(void **state)
+{
+    const char *const kv[] = {"demote", "int8", "int8_window", "4", "demote_keep", "0.5"};
+    fx in, f;
+    fx_open(&in, backend_of(state), 256, "full", kv, 3);
+    fx_open(&f, backend_of(state), 256, "full", kv, 3);
+    seq_set_demote_after_step(f.s, 1);
+    int between = 0, demoted_between = 0;
+    for (uint32_t round = 0; round < 16; round++) {
+        fx *both[2] = {&in, &f};
+        for (int i = 0; i < 2; i++) {
+            append(both[i], 9);
+            size_t n = seq_step_floats(both[i]->s, POLICY_NEEDS_SCORE);
+            float *data = malloc((n + 1) * sizeof *data);
+            assert_non_null(data);
+            for (size_t t = 0; t < n; t++) /* importance that moves from round to round */
+                data[t] = (float)((t * 7 + round * 5) % 13) / 13.0f;
+            step_with_scores(both[i], data, n);
+        }
+        int before = full_before_quantised(&f);
+        uint64_t tokens[POLICY_TIERS], bytes[POLICY_TIERS], after[POLICY_TIERS];
+        seq_tier_usage(f.s, tokens, bytes);
+        seq_demote_job *job;
+        status st;
+        assert_int_equal(seq_demote_plan(f.s, seq_epoch(f.s) + 1, &job, &st), ST_OK);
+        if (job != NULL)
+            assert_int_equal(seq_demote_finish(job, seq_demote_fill(job), &st), ST_OK);
+        seq_tier_usage(f.s, after, bytes);
+        between += before;
+        demoted_between += before && after[POLICY_INT8] > tokens[POLICY_INT8];
+        assert_same_holdings(&in, &f, 0);
+        for (uint32_t l = 0; l < seq_layers(f.s); l++)
+            check_list(&f, l, 0);
+    }
+    assert_true(between > 0);
+    assert_true(demoted_between > 0);
+    fx_close(&in);
+    fx_close(&f);
+}
+
 /*
  * TOVA takes the last query's attention per query head (needs) or its sum
  * over them as score (needs_alt): the step with the sum evicts the token
@@ -2643,6 +2707,8 @@ int main(void)
         ON_SHADOW(test_int8_demotion),
         cmocka_unit_test(test_demotion_after_step),
         ON_SHADOW(test_demotion_after_step),
+        cmocka_unit_test(test_demotion_between_quantised_runs),
+        ON_SHADOW(test_demotion_between_quantised_runs),
         cmocka_unit_test(test_int4_demotion),
         ON_SHADOW(test_int4_demotion),
         cmocka_unit_test(test_int2_demotion),
