@@ -9,6 +9,7 @@
  * integer functions; kernels/sketch_hash.h says why a policy includes it). */
 #include "../kernels/sketch_hash.h"
 #include "select.h"
+#include "util.h"
 
 static const char *const on_off[] = {"off", "on", NULL};
 static const char *const victim_names[] = {"evict", "sketch", "int8", NULL};
@@ -124,31 +125,51 @@ static uint32_t demote_least_important(const policy_storage *s, uint8_t *tier, u
     return demoted;
 }
 
+/* The full-precision tokens of tier[0..n) to `to`; returns how many: one
+ * vectorised pass (the host runs the age rule over every list at every
+ * step: a branch and a counter a token was a quarter of an int8=on decode
+ * step at 32k tokens). */
+POLICY_HOT static uint32_t demote_full(uint8_t *tier, uint32_t n, uint8_t to)
+{
+    uint32_t demoted = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        uint8_t full = tier[i] == POLICY_FULL;
+        tier[i] = full ? to : tier[i];
+        demoted += full;
+    }
+    return demoted;
+}
+
+/* The age rule: every held token before the newest int8_window held ones
+ * that is at full precision goes to s->demote. */
+static uint32_t demote_by_age(const policy_storage *s, uint8_t *tier, uint32_t tokens)
+{
+    uint32_t i = tokens, seen = 0;
+    while (i > 0 && seen < s->int8_window)
+        seen += (uint32_t)held(tier[--i]);
+    if (seen < s->int8_window)
+        return 0; /* the window holds every held token */
+    return demote_full(tier, i, s->demote);
+}
+
 uint32_t policy_storage_demote(const policy_storage *s, uint8_t *tier, uint32_t tokens,
                                const double *importance, void *scratch)
 {
     if (s->demote == POLICY_FULL)
         return 0;
-    int graded = s->demote_keep > 0 && tokens > 0;
-    uint8_t *in = graded ? (uint8_t *)scratch + (size_t)tokens * (sizeof(uint64_t) + 1) : NULL;
-    uint32_t seen = 0, candidates = 0, full = 0, demoted = 0;
+    if (s->demote_keep <= 0 || tokens == 0)
+        return demote_by_age(s, tier, tokens);
+    uint8_t *in = (uint8_t *)scratch + (size_t)tokens * (sizeof(uint64_t) + 1);
+    uint32_t seen = 0, candidates = 0, full = 0;
     for (uint32_t i = tokens; i-- > 0;) {
-        if (graded)
-            in[i] = 0;
+        in[i] = 0;
         if (!held(tier[i]) || seen++ < s->int8_window)
             continue;
         candidates++;
-        if (tier[i] != POLICY_FULL)
-            continue;
-        if (graded) {
+        if (tier[i] == POLICY_FULL) {
             in[i] = 1;
             full++;
-        } else {
-            tier[i] = s->demote;
-            demoted++;
         }
     }
-    return graded
-               ? demote_least_important(s, tier, tokens, importance, in, candidates, full, scratch)
-               : demoted;
+    return demote_least_important(s, tier, tokens, importance, in, candidates, full, scratch);
 }

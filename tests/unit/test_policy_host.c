@@ -726,6 +726,57 @@ static void test_storage_demote(void **unused)
     assert_memory_equal(w, want4, 4);
 }
 
+/* xorshift64: the random tests' generator. */
+static uint64_t next_random(uint64_t *s)
+{
+    *s ^= *s << 13;
+    *s ^= *s >> 7;
+    *s ^= *s << 17;
+    return *s;
+}
+
+/* The age rule token by token, newest first, as POLICIES.md §5.4 states
+ * it: the reference for policy_storage_demote's vectorised pass. */
+static uint32_t demote_by_age_reference(uint8_t *tier, uint32_t n, uint32_t window, uint8_t to)
+{
+    uint32_t seen = 0, demoted = 0;
+    for (uint32_t i = n; i-- > 0;) {
+        int held = tier[i] == POLICY_FULL || policy_tier_quantised(tier[i]);
+        if (!held || seen++ < window)
+            continue;
+        if (tier[i] == POLICY_FULL) {
+            tier[i] = to;
+            demoted++;
+        }
+    }
+    return demoted;
+}
+
+/* The age rule over long lists of every tier, windows from none to more
+ * than the list holds, into each quantised tier: the same tiers and count
+ * as the reference. */
+static void test_storage_demote_long_lists(void **unused)
+{
+    (void)unused;
+    static const uint8_t to[3] = {POLICY_INT8, POLICY_INT4, POLICY_INT2};
+    uint8_t a[3000], b[3000];
+    uint64_t rng = 99;
+    for (unsigned round = 0; round < 400; round++) {
+        uint32_t n = (uint32_t)(next_random(&rng) % 3000);
+        unsigned full_per_8 = (unsigned)(next_random(&rng) % 9); /* from none to all */
+        for (uint32_t i = 0; i < n; i++) {
+            uint64_t r = next_random(&rng);
+            a[i] = r % 8 < full_per_8 ? POLICY_FULL : (uint8_t)((r >> 8) % POLICY_TIERS);
+        }
+        memcpy(b, a, n);
+        uint32_t window = round % 4 == 0 ? n + 1 - (uint32_t)(round % 3) : round % 50;
+        policy_storage st = {.demote = to[round % 3], .int8_window = window};
+        uint32_t want = demote_by_age_reference(b, n, window, st.demote);
+        assert_int_equal(policy_storage_demote(&st, a, n, NULL, NULL), want);
+        assert_memory_equal(a, b, n);
+    }
+}
+
 /* demote_keep: of the candidates (held, older than the window), the share
  * with the highest importance stays FULL; the lowest are demoted, ties to
  * the older; tokens already quantised count as candidates but never come
@@ -989,14 +1040,6 @@ typedef struct random_state {
     unsigned regime; /* the test sets it before each step */
 } random_state;
 
-static uint64_t next_random(uint64_t *s)
-{
-    *s ^= *s << 13;
-    *s ^= *s >> 7;
-    *s ^= *s << 17;
-    return *s;
-}
-
 static int random_create(const policy_params *p, const policy_geometry *g, void **state, char *err,
                          size_t errlen)
 {
@@ -1204,6 +1247,7 @@ int main(void)
         cmocka_unit_test(test_merges_capacity),
         cmocka_unit_test(test_merges_only_for_policies_that_merge),
         cmocka_unit_test(test_storage_demote),
+        cmocka_unit_test(test_storage_demote_long_lists),
         cmocka_unit_test(test_storage_demote_keep),
         cmocka_unit_test(test_host_demote_keep),
         cmocka_unit_test(test_storage_parse),
