@@ -192,7 +192,7 @@ static int list_demote_to(seq *s, seq_list *ly, uint8_t qt, tier_token *tok, con
     if (nq == 0 || nq > s->pool->nfree)
         return 0;
     if (s->stepping && s->demote_after_step) {
-        ly->demote_due = 1;
+        ly->demote_due |= SEQ_DUE_TIERS;
         return 0;
     }
     if (!partial)
@@ -296,7 +296,7 @@ static int list_victims_quantize(seq *s, seq_list *ly, uint32_t *scratch)
                  sizeof *ly->victim_blocks) != 0)
         return 0;
     if (s->stepping && s->demote_after_step) { /* seq_demote_plan quantises them */
-        ly->demote_due = 1;
+        ly->demote_due |= SEQ_DUE_VICTIMS;
         return 0;
     }
     if (seq_txn_save_list_from(s, ly, scratch[0]) != 0 ||
@@ -702,7 +702,7 @@ static int list_mark_due(seq *s, seq_list *ly)
 {
     if (seq_txn_save_list(s, ly) != 0)
         return -1;
-    ly->demote_due = 1;
+    ly->demote_due |= SEQ_DUE_TIERS;
     return 0;
 }
 

@@ -36,6 +36,8 @@ static const uint8_t demote_tiers[] = {POLICY_INT8, POLICY_INT4, POLICY_INT2};
  * nq[q] of each tier one after the other). */
 typedef struct demote_list {
     seq_list *ly;
+    uint8_t due;     /* the list's demote_due at the plan */
+    int compact_due; /* victims alone: list_compact_due of its segments, which they leave */
     uint32_t n;
     uint32_t *idx, *qb;
     tier_token *moved;
@@ -175,9 +177,12 @@ static void full_decided_counts(const seq_list *ly, const uint8_t *tier, uint32_
 static long plan_list(seq *s, uint32_t l, uint32_t k, demote_list *d)
 {
     const policy_layer_view *v = policy_host_view(s->host, l);
-    *d = (demote_list){.ly = seq_list_at(s, l, k), .n = v->tokens[k]};
-    uint32_t counts[POLICY_TIERS];
-    full_decided_counts(d->ly, v->tier[k], d->n, counts);
+    seq_list *ly = seq_list_at(s, l, k);
+    *d = (demote_list){.ly = ly, .due = ly->demote_due, .n = v->tokens[k]};
+    ly->demote_due = 0;
+    uint32_t counts[POLICY_TIERS] = {0};
+    if (d->due != SEQ_DUE_VICTIMS) /* victims alone: no token decided quantised is due */
+        full_decided_counts(ly, v->tier[k], d->n, counts);
     size_t most = 1; /* the tokens of the tiers with a block's worth */
     for (size_t q = 0; q < DEMOTE_TIERS; q++) {
         uint32_t t8 = tier_block_tokens(&s->tier, demote_tiers[q]);
@@ -223,7 +228,7 @@ status_code seq_demote_plan(seq *s, uint64_t epoch, seq_demote_job **out, status
     *out = NULL;
     size_t due = 0;
     for (size_t i = 0; i < seq_nlists(s); i++)
-        due += s->lists[i].demote_due;
+        due += s->lists[i].demote_due != 0;
     if (due == 0)
         return ST_OK;
     seq_demote_job *j = calloc(1, sizeof *j);
@@ -237,10 +242,8 @@ status_code seq_demote_plan(seq *s, uint64_t epoch, seq_demote_job **out, status
     long taken = 0;
     for (uint32_t l = 0; l < s->nlayers; l++)
         for (uint32_t k = 0; k < s->heads && taken >= 0; k++) {
-            seq_list *ly = seq_list_at(s, l, k);
-            if (!ly->demote_due)
+            if (!seq_list_at(s, l, k)->demote_due)
                 continue;
-            ly->demote_due = 0;
             long t = plan_list(s, l, k, &j->lists[j->nlists++]);
             taken = t < 0 ? -1 : taken + t;
         }
@@ -423,22 +426,24 @@ int seq_demotion_moves(const seq *s, seq_moves *out)
 static int publish_list(seq *s, demote_list *d, uint64_t epoch)
 {
     seq_list *ly = d->ly;
-    size_t cap = ly->nsegs + 2 * demoted_count(d) + 1, nb = 0, na = 0;
+    /* Victims alone leave the segments as they are. */
+    int resegment = demoted_count(d) > 0;
+    size_t cap = resegment ? ly->nsegs + 2 * demoted_count(d) + 1 : 1, nb = 0, na = 0;
     kv_segment *segs = malloc(cap * sizeof *segs);
     uint8_t *tiers = malloc(cap);
     uint32_t *before = list_blocks_now(ly, 1, &nb), *after = NULL;
     size_t vfrom = d->vm > 0 ? d->vidx[0] : ly->noffloaded;
     int rc =
         segs != NULL && tiers != NULL && before != NULL ? seq_txn_save_list_from(s, ly, vfrom) : -1;
-    size_t nsegs = rc == 0 ? demoted_segments(d, segs, tiers) : 0;
+    size_t nsegs = rc == 0 && resegment ? demoted_segments(d, segs, tiers) : 0;
     if (rc == 0 && d->vnq > 0)
         rc = seq_grow((void **)&ly->victim_blocks, &ly->victim_blocks_cap,
                       ly->nvictim_blocks + d->vnq, sizeof *ly->victim_blocks);
-    if (rc == 0)
+    if (rc == 0 && resegment)
         rc = list_reserve(ly, nsegs ? nsegs : 1);
-    if (rc == 0) {
-        if (d->vnq > 0)
-            publish_victims(s, d);
+    if (rc == 0 && d->vnq > 0)
+        publish_victims(s, d);
+    if (rc == 0 && resegment) {
         memcpy(ly->segs, segs, nsegs * sizeof *segs);
         memcpy(ly->seg_tier, tiers, nsegs);
         ly->nsegs = nsegs;
@@ -446,7 +451,7 @@ static int publish_list(seq *s, demote_list *d, uint64_t epoch)
     }
     if (rc == 0)
         moves_log_list(s, d);
-    if (rc == 0 && list_compact_due(s, ly)) {
+    if (rc == 0 && (resegment ? list_compact_due(s, ly) : d->compact_due)) {
         s->moves.valid = 0; /* tokens of this list moved again: read the table */
         tier_token *tok = list_expand(ly, d->n);
         rc = tok != NULL ? list_compact(s, ly, tok, d->n) : -1;
@@ -477,8 +482,12 @@ status_code seq_demote_finish(seq_demote_job *j, int fill_rc, status *st)
      * next call), and no epoch is published: the worker keeps its table by
      * the steps' cuts instead of reading it again. */
     int tables = 0;
-    for (size_t i = 0; i < j->nlists; i++)
-        tables |= demoted_count(&j->lists[i]) > 0 || list_compact_due(s, j->lists[i].ly);
+    for (size_t i = 0; i < j->nlists; i++) {
+        demote_list *d = &j->lists[i];
+        if (demoted_count(d) == 0)
+            d->compact_due = list_compact_due(s, d->ly);
+        tables |= demoted_count(d) > 0 || d->compact_due;
+    }
     uint64_t epoch = tables ? j->epoch : seq_epoch(s);
     /* A demotion that shares the step's epoch (seq.h) is in that step's table. */
     s->moves = (seq_move_log){.valid = tables && epoch != seq_epoch(s),
@@ -501,7 +510,7 @@ status_code seq_demote_finish(seq_demote_job *j, int fill_rc, status *st)
         s->moves.valid = 0;
         give_back(j);
         for (size_t i = 0; i < j->nlists; i++)
-            j->lists[i].ly->demote_due = 1; /* the next call may have the memory */
+            j->lists[i].ly->demote_due = j->lists[i].due; /* the next call may have the memory */
         job_free(j);
         return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
     }

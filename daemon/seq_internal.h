@@ -9,6 +9,8 @@
 
 #include "seq.h"
 
+enum { SEQ_DUE_TIERS = 1, SEQ_DUE_VICTIMS = 2 };
+
 typedef struct seq_list {
     kv_segment *segs;
     uint8_t
@@ -36,7 +38,9 @@ typedef struct seq_list {
     size_t nvictim_blocks, victim_blocks_cap;
     uint64_t saved_generation; /* the transaction that saved it last (seq_txn.c) */
     /* A step left a whole quantised block's worth of tokens decided
-     * quantised but stored at full precision, for seq_demote_plan. */
+     * quantised but stored at full precision (SEQ_DUE_TIERS), or of
+     * victims at full precision (SEQ_DUE_VICTIMS), for seq_demote_plan;
+     * another nonzero value (an import's) may be either. */
     uint8_t demote_due;
     /* At least as many blocks as the segments use (list_grow counts each it
      * takes, list_cut_rebuild counts them all), or SEQ_BLOCKS_UNKNOWN after

@@ -1738,6 +1738,43 @@ static void test_demotion_between_quantised_runs(void **state)
 }
 
 /*
+ * A list with victims in its sketch takes the step's general path, which
+ * leaves its tokens decided INT8 due (list_demote_to) rather than
+ * quantising them in the step; the demotion after the step must find
+ * them (SEQ_DUE_TIERS) beside the list's victims, so that the sequence
+ * holds what the same steps give when they demote themselves.
+ */
+static void test_demotion_after_step_general_path(void **state)
+{
+    const char *const kv[] = {"n_sink", "2",           "window", "40",      "int8",
+                              "on",     "int8_window", "4",      "victims", "sketch"};
+    fx in, f;
+    fx_open(&in, backend_of(state), 256, "streaming", kv, 5);
+    fx_open(&f, backend_of(state), 256, "streaming", kv, 5);
+    seq_set_demote_after_step(f.s, 1);
+    int demoted = 0;
+    for (uint32_t round = 0; round < 12; round++) {
+        append(&in, 5);
+        step_silent(&in);
+        append(&f, 5);
+        step_silent(&f);
+        uint64_t tokens[POLICY_TIERS], bytes[POLICY_TIERS], after[POLICY_TIERS];
+        seq_tier_usage(f.s, tokens, bytes);
+        seq_demote_job *job;
+        status st;
+        assert_int_equal(seq_demote_plan(f.s, seq_epoch(f.s) + 1, &job, &st), ST_OK);
+        if (job != NULL)
+            assert_int_equal(seq_demote_finish(job, seq_demote_fill(job), &st), ST_OK);
+        seq_tier_usage(f.s, after, bytes);
+        demoted += after[POLICY_INT8] > tokens[POLICY_INT8];
+        assert_same_holdings(&in, &f, 0);
+    }
+    assert_true(demoted > 0);
+    fx_close(&in);
+    fx_close(&f);
+}
+
+/*
  * TOVA takes the last query's attention per query head (needs) or its sum
  * over them as score (needs_alt): the step with the sum evicts the token
  * the rows would, and a step with neither is refused, naming last_attn.
@@ -2709,6 +2746,8 @@ int main(void)
         ON_SHADOW(test_demotion_after_step),
         cmocka_unit_test(test_demotion_between_quantised_runs),
         ON_SHADOW(test_demotion_between_quantised_runs),
+        cmocka_unit_test(test_demotion_after_step_general_path),
+        ON_SHADOW(test_demotion_after_step_general_path),
         cmocka_unit_test(test_int4_demotion),
         ON_SHADOW(test_int4_demotion),
         cmocka_unit_test(test_int2_demotion),
