@@ -82,7 +82,8 @@
  *     victim_blocks [export index, ...] oldest first
  *     tail          null (decoded: has_tail 0, tail_block and
  *                   tail_next_slot 0), or [block, next_slot]
- *     demote_due    0..255
+ *     demote_due    0..255: 0 none due, 1 tokens decided quantised, 2 victims
+ *                   alone, 3 both (another value: either)
  *     sketch        null, or {key, size, crc}: the list's sketch value
  *                   (its key the only one it may have, its bytes and zlib
  *                   crc32 as data entries'); size - 64 - 4 * (held tokens in
