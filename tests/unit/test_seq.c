@@ -1690,6 +1690,21 @@ static int full_before_quantised(fx *f)
     return 0;
 }
 
+/* The demotion f's step left due, planned, filled and finished as the
+ * demoter runs it after the reply; whether it quantised tokens into INT8. */
+static int demote_after_step(fx *f)
+{
+    uint64_t tokens[POLICY_TIERS], bytes[POLICY_TIERS], after[POLICY_TIERS];
+    seq_tier_usage(f->s, tokens, bytes);
+    seq_demote_job *job;
+    status st;
+    assert_int_equal(seq_demote_plan(f->s, seq_epoch(f->s) + 1, &job, &st), ST_OK);
+    if (job != NULL)
+        assert_int_equal(seq_demote_finish(job, seq_demote_fill(job), &st), ST_OK);
+    seq_tier_usage(f->s, after, bytes);
+    return after[POLICY_INT8] > tokens[POLICY_INT8];
+}
+
 /*
  * demote_keep (precision by importance) keeps the important tokens at full
  * precision between quantised ones; when they come due later, the demotion
@@ -1717,16 +1732,9 @@ static void test_demotion_between_quantised_runs(void **state)
             step_with_scores(both[i], data, n);
         }
         int before = full_before_quantised(&f);
-        uint64_t tokens[POLICY_TIERS], bytes[POLICY_TIERS], after[POLICY_TIERS];
-        seq_tier_usage(f.s, tokens, bytes);
-        seq_demote_job *job;
-        status st;
-        assert_int_equal(seq_demote_plan(f.s, seq_epoch(f.s) + 1, &job, &st), ST_OK);
-        if (job != NULL)
-            assert_int_equal(seq_demote_finish(job, seq_demote_fill(job), &st), ST_OK);
-        seq_tier_usage(f.s, after, bytes);
+        int demoted = demote_after_step(&f);
         between += before;
-        demoted_between += before && after[POLICY_INT8] > tokens[POLICY_INT8];
+        demoted_between += before && demoted;
         assert_same_holdings(&in, &f, 0);
         for (uint32_t l = 0; l < seq_layers(f.s); l++)
             check_list(&f, l, 0);
@@ -1758,15 +1766,7 @@ static void test_demotion_after_step_general_path(void **state)
         step_silent(&in);
         append(&f, 5);
         step_silent(&f);
-        uint64_t tokens[POLICY_TIERS], bytes[POLICY_TIERS], after[POLICY_TIERS];
-        seq_tier_usage(f.s, tokens, bytes);
-        seq_demote_job *job;
-        status st;
-        assert_int_equal(seq_demote_plan(f.s, seq_epoch(f.s) + 1, &job, &st), ST_OK);
-        if (job != NULL)
-            assert_int_equal(seq_demote_finish(job, seq_demote_fill(job), &st), ST_OK);
-        seq_tier_usage(f.s, after, bytes);
-        demoted += after[POLICY_INT8] > tokens[POLICY_INT8];
+        demoted += demote_after_step(&f);
         assert_same_holdings(&in, &f, 0);
     }
     assert_true(demoted > 0);
