@@ -285,8 +285,9 @@ static void check_quantize(rng *r, const kv_layout *l, kv_dtype t, uint8_t *pool
     free(q2);
 }
 
-/* Dequantise random INT8 tokens (random codes, positive scales) into a
- * random disjoint list of a pool of any dtype, with ref and fast. */
+/* Dequantise random INT8 tokens (random codes, positive scales and a few
+ * odd ones) into a random disjoint list of a pool of any dtype, with ref
+ * and fast. */
 static void check_dequantize(rng *r, const kv_layout *lq, kv_segment *segs, kv_segment *dsegs)
 {
     kv_dtype t = dtype_of(rng_below(r, 3));
@@ -300,6 +301,15 @@ static void check_dequantize(rng *r, const kv_layout *lq, kv_segment *segs, kv_s
             for (uint32_t h = 0; h < l.kv_heads; h++)
                 for (uint32_t c = 0; c < l.head_dim; c++) {
                     float s = (rng_float(r) + 1.5f) * 0.01f;
+                    /* now and then a scale whose products leave fp16's
+                     * normal range, or are not numbers at all (a hostile
+                     * worker's bytes): the fast paths must round,
+                     * overflow and carry NaN payloads as the reference */
+                    static const uint32_t odd[] = {0x7fe00000u /* NaN, payload */,
+                                                   0x7f800000u /* inf */, 0x33d6bf95u /* 1e-7 */,
+                                                   0x447a0000u /* 1000 */};
+                    if (rng_below(r, 16) == 0)
+                        memcpy(&s, &odd[rng_below(r, 4)], 4);
                     memcpy(q + kv_int8_scale_offset(&l, b, kv, h) + 4 * c, &s, 4);
                 }
     size_t nq = gen_disjoint(r, &l, 0, NB, segs);
