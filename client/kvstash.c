@@ -1545,9 +1545,9 @@ static int segment_read_quantised(const kvs_session *s, const kv_layout *lay,
     const uint8_t *qb = s->pool + (size_t)g->block * s->block_bytes;
     kv_dtype t = (kv_dtype)s->geom.dtype;
     int rc = g->tier == KVS_TIER_INT8
-                 ? s->ops->int8_dequantize(&l8, qb, &q, 1, t, stage, &d, 1)
+                 ? s->ops->int8_dequantize(&l8, qb, &q, 1, t, &l8, stage, &d, 1)
                  : s->ops->lowbit_dequantize(&l8, g->tier == KVS_TIER_INT4 ? 4 : 2, qb, &q, 1, t,
-                                             stage, &d, 1);
+                                             &l8, stage, &d, 1);
     if (rc != 0)
         return -1;
     size_t row = (size_t)lay->head_dim * lay->elt_size, width = g->count * row;

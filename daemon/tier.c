@@ -74,14 +74,16 @@ static kv_segment *token_segments(const tier_token *tok, size_t n, size_t *nsegs
 }
 
 /* The kernels of quantised tier t (INT8, INT4 or INT2), on layout ql:
- * the n segments q of arena qpool into the n segments out of stage. */
+ * the nq segments q of arena qpool into the nout segments out of `to`,
+ * blocks of layout dl. */
 static int quant_dequantize(const tier_ctx *c, uint8_t t, const kv_layout *ql, const uint8_t *qpool,
-                            const kv_segment *q, uint8_t *stage, const kv_segment *out, size_t n)
+                            const kv_segment *q, size_t nq, const kv_layout *dl, uint8_t *to,
+                            const kv_segment *out, size_t nout)
 {
     if (t == POLICY_INT8)
-        return c->ops->int8_dequantize(ql, qpool, q, n, c->dtype, stage, out, n);
-    return c->ops->lowbit_dequantize(ql, t == POLICY_INT4 ? 4 : 2, qpool, q, n, c->dtype, stage,
-                                     out, n);
+        return c->ops->int8_dequantize(ql, qpool, q, nq, c->dtype, dl, to, out, nout);
+    return c->ops->lowbit_dequantize(ql, t == POLICY_INT4 ? 4 : 2, qpool, q, nq, c->dtype, dl, to,
+                                     out, nout);
 }
 
 /* Whether tier t's quantised blocks, each at the start of its pool block,
@@ -168,15 +170,15 @@ static int read_quantised(const tier_ctx *c, uint8_t t, const tier_token *tok, s
             runs[nruns] = q;
             runs[m + nruns++] = out;
         } else {
-            rc = quant_dequantize(c, t, ql, c->base + (size_t)tok[i].block * c->block_bytes, &q,
-                                  stage, &out, 1);
+            rc = quant_dequantize(c, t, ql, c->base + (size_t)tok[i].block * c->block_bytes, &q, 1,
+                                  ql, stage, &out, 1);
         }
         for (uint32_t r = 0; r < run; r++, j++)
             dst[j] = (kv_segment){(uint32_t)(j / tq), (uint32_t)(j % tq), 1};
         i += run;
     }
     if (rc == 0 && tiled)
-        rc = quant_dequantize(c, t, ql, c->base, runs, stage, runs + m, nruns);
+        rc = quant_dequantize(c, t, ql, c->base, runs, nruns, ql, stage, runs + m, nruns);
     if (rc == 0)
         rc = ops->gather(ql, stage, dst, m, k, v);
     free(runs);
@@ -315,61 +317,63 @@ static size_t copy_run_length(const tier_token *src, size_t n)
     return r;
 }
 
-/* The dequantised rows of `stage` (slots 0..n of a block of layout ql)
- * into the FULL slots dst[0..n): one strided copy of K and one of V per
- * run of consecutive slots of a pool block. */
-static int place_rows(const tier_ctx *c, const kv_layout *ql, const uint8_t *stage,
-                      const tier_token *dst, size_t n)
+/* The tokens of src[0..n) in quantised tier t dequantised straight into
+ * their slots of dst (the pool's layout is the kernel's destination
+ * layout): where the tier's blocks tile the pool, all in one kernel call,
+ * which splits over threads; else a call per run of one quantised block
+ * (the kernel addresses one arena per call, there a pool block). */
+static int copy_quantised(const tier_ctx *c, uint8_t t, const tier_token *src, size_t n,
+                          const tier_token *dst)
 {
-    size_t row = (size_t)c->l.head_dim * c->l.elt_size, pitch = c->l.block_tokens * row;
-    size_t qpitch = ql->block_tokens * row, qhalf = kv_block_bytes(ql) / 2;
-    size_t half = kv_block_bytes(&c->l) / 2;
-    int rc = 0;
-    for (size_t a = 0, b; rc == 0 && a < n; a = b) {
-        for (b = a + 1;
-             b < n && dst[b].block == dst[a].block && dst[b].slot == dst[a].slot + (b - a);)
-            b++;
-        uint8_t *k = c->base + kv_key_offset(&c->l, dst[a].block, 0, dst[a].slot);
-        const uint8_t *sk = stage + a * row;
-        rc = c->ops->copy_2d(KV_DEVICE_TO_DEVICE, k, pitch, sk, qpitch, (b - a) * row,
-                             c->l.kv_heads) ||
-             c->ops->copy_2d(KV_DEVICE_TO_DEVICE, k + half, pitch, sk + qhalf, qpitch,
-                             (b - a) * row, c->l.kv_heads);
+    const kv_layout *ql = tier_layout(c, t);
+    int tiled = quant_blocks_tile_pool(c, t);
+    kv_segment *q = malloc((n ? n : 1) * sizeof *q), *out = malloc((n ? n : 1) * sizeof *out);
+    int rc = q != NULL && out != NULL ? 0 : -1;
+    size_t nq = 0, nout = 0;
+    for (size_t a = 0, r; rc == 0 && a < n; a += r) {
+        r = copy_run_length(src + a, n - a);
+        if (src[a].tier != t)
+            continue;
+        q[nq++] = (kv_segment){tiled ? src[a].block : 0, src[a].slot, (uint32_t)r};
+        for (size_t i = a; i < a + r; i++) { /* dst's slots, runs joined */
+            if (nout > 0 && out[nout - 1].block == dst[i].block &&
+                out[nout - 1].first_slot + out[nout - 1].count == dst[i].slot)
+                out[nout - 1].count++;
+            else
+                out[nout++] = (kv_segment){dst[i].block, dst[i].slot, 1};
+        }
+        if (!tiled) {
+            rc = quant_dequantize(c, t, ql, c->base + (size_t)src[a].block * c->block_bytes, q, 1,
+                                  &c->l, c->base, out, nout);
+            nq = nout = 0;
+        }
     }
+    if (rc == 0 && nq > 0)
+        rc = quant_dequantize(c, t, ql, c->base, q, nq, &c->l, c->base, out, nout);
+    free(q);
+    free(out);
     return rc;
 }
 
 /*
- * tier_copy in host memory: each quantised block's run dequantised into
- * one staging block (of its tier's layout: it stays in a core's cache) and
- * copied from there into its slots, full-precision runs pool to pool. The
- * tokens are read once from memory and written once, with no contiguous
- * copy between (issue 16 §4: a Revive from INT8). On a device each of
- * these copies would be a call of microseconds: there the chunks below.
+ * tier_copy in host memory: full-precision runs pool to pool, and each
+ * quantised tier's tokens dequantised straight into their slots. The
+ * tokens are read once from memory and written once, with no staging
+ * between (issue 16 §4: a Revive from INT8). On a device each
+ * non-tiling run would be a kernel call of microseconds: there the chunks
+ * below.
  */
 static int copy_host(const tier_ctx *c, const tier_token *src, size_t n, const tier_token *dst)
 {
-    size_t stage_bytes = 0;
-    for (uint8_t t = 0; t < POLICY_TIERS; t++)
-        if (policy_tier_quantised(t) && tier_block_tokens(c, t) > 0 &&
-            kv_block_bytes(tier_layout(c, t)) > stage_bytes)
-            stage_bytes = kv_block_bytes(tier_layout(c, t));
-    uint8_t *stage = c->ops->alloc(stage_bytes);
-    int rc = stage != NULL ? 0 : -1;
+    int rc = 0;
     for (size_t a = 0, r; rc == 0 && a < n; a += r) {
         r = copy_run_length(src + a, n - a);
-        if (src[a].tier == POLICY_FULL) {
+        if (src[a].tier == POLICY_FULL)
             rc = copy_full(c, src + a, r, dst + a);
-            continue;
-        }
-        const kv_layout *ql = tier_layout(c, src[a].tier);
-        kv_segment q = {0, src[a].slot, (uint32_t)r}, out = {0, 0, (uint32_t)r};
-        rc = quant_dequantize(c, src[a].tier, ql, c->base + (size_t)src[a].block * c->block_bytes,
-                              &q, stage, &out, 1);
-        if (rc == 0)
-            rc = place_rows(c, ql, stage, dst + a, r);
     }
-    c->ops->free(stage);
+    for (uint8_t t = 0; rc == 0 && t < POLICY_TIERS; t++)
+        if (policy_tier_quantised(t) && tier_block_tokens(c, t) > 0)
+            rc = copy_quantised(c, t, src, n, dst);
     return rc;
 }
 

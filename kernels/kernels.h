@@ -187,9 +187,11 @@ void kv_decode_attention(const kv_layout *l, kv_dtype t, const uint8_t *pool,
  *
  * kv_decode_attention and the fast CPU kernels below (not gather/scatter/
  * copy_tokens, which the daemon parallelises across sequences) split large
- * calls over threads: each thread owns a fixed, contiguous share of the
- * output and computes it with exactly the operations of a single-threaded
- * run, so results never depend on the number of threads. The count is
+ * calls over threads: the threads take contiguous chunks of the output as
+ * they come free, and each chunk is computed with exactly the operations
+ * of a single-threaded run, so results never depend on the number of
+ * threads or on which thread took what. Helper threads start on another
+ * CPU than the caller's, then may go anywhere the caller may. The count is
  * min(online CPUs, 8), lowered so that every thread gets at least
  * KV_PARALLEL_GRAIN bytes of work; environment variable
  * KVSTASH_KERNEL_THREADS (read per call) sets the maximum, 1 turning
@@ -282,21 +284,24 @@ void kv_int8_quantize(const kv_layout *l, kv_dtype t, const uint8_t *pool, const
                       size_t nsegs, uint8_t *qpool, const uint32_t *qblocks, size_t nq);
 
 /*
- * kv_int8_dequantize: the i-th token of `qsegs` (segments of INT8 blocks in
- * qpool) goes to the i-th slot of `dst` (a list in `pool`), K and V, every
- * head: x = code * scale in fp32, stored through kv_elt_store as type t
- * (round to nearest even for fp16 / bf16). l->elt_size must be the size of
- * t, which may differ from the dtype the tokens were quantised from (revive
- * into an fp32 scratch pool: pass a layout with elt_size 4). Both lists name
- * the same number of tokens; dst slots must be distinct. The error per value
- * is at most s/2 = max|group| / 254, plus the rounding of t.
+ * kv_int8_dequantize: the i-th token of `qsegs` (segments of INT8 blocks of
+ * layout l in qpool) goes to the i-th slot of `dst` (a list in `pool`, whose
+ * blocks have layout dl), K and V, every head: x = code * scale in fp32,
+ * stored through kv_elt_store as type t (round to nearest even for fp16 /
+ * bf16). dl has l's kv_heads and head_dim; its block_tokens are the
+ * destination's (a pool block's 16 where the INT8 block holds 28: a Revive
+ * writes straight into the worker's blocks), and dl->elt_size must be the
+ * size of t, which may differ from the dtype the tokens were quantised from
+ * (revive into an fp32 scratch pool: elt_size 4). Both lists name the same
+ * number of tokens; dst slots must be distinct. The error per value is at
+ * most s/2 = max|group| / 254, plus the rounding of t.
  */
 void kv_int8_dequantize_ref(const kv_layout *l, const uint8_t *qpool, const kv_segment *qsegs,
-                            size_t nqsegs, kv_dtype t, uint8_t *pool, const kv_segment *dst,
-                            size_t ndst);
+                            size_t nqsegs, kv_dtype t, const kv_layout *dl, uint8_t *pool,
+                            const kv_segment *dst, size_t ndst);
 void kv_int8_dequantize(const kv_layout *l, const uint8_t *qpool, const kv_segment *qsegs,
-                        size_t nqsegs, kv_dtype t, uint8_t *pool, const kv_segment *dst,
-                        size_t ndst);
+                        size_t nqsegs, kv_dtype t, const kv_layout *dl, uint8_t *pool,
+                        const kv_segment *dst, size_t ndst);
 
 /*
  * ---- Low-bit tiers: INT4 and INT2 (KIVI, Liu et al. 2024) ----
@@ -377,11 +382,12 @@ void kv_lowbit_quantize(const kv_layout *l, uint32_t bits, kv_dtype t, const uin
                         const kv_segment *segs, size_t nsegs, uint8_t *qpool,
                         const uint32_t *qblocks, size_t nq);
 void kv_lowbit_dequantize_ref(const kv_layout *l, uint32_t bits, const uint8_t *qpool,
-                              const kv_segment *qsegs, size_t nqsegs, kv_dtype t, uint8_t *pool,
-                              const kv_segment *dst, size_t ndst);
+                              const kv_segment *qsegs, size_t nqsegs, kv_dtype t,
+                              const kv_layout *dl, uint8_t *pool, const kv_segment *dst,
+                              size_t ndst);
 void kv_lowbit_dequantize(const kv_layout *l, uint32_t bits, const uint8_t *qpool,
-                          const kv_segment *qsegs, size_t nqsegs, kv_dtype t, uint8_t *pool,
-                          const kv_segment *dst, size_t ndst);
+                          const kv_segment *qsegs, size_t nqsegs, kv_dtype t, const kv_layout *dl,
+                          uint8_t *pool, const kv_segment *dst, size_t ndst);
 
 /*
  * ---- Count sketch (KVReviver's Vague store, POLICIES.md §3.2-3.3) ----
@@ -540,14 +546,15 @@ int kv_int8_quantize_cuda(const kv_layout *l, kv_dtype t, const uint8_t *pool,
                           const kv_segment *segs, size_t nsegs, uint8_t *qpool,
                           const uint32_t *qblocks, size_t nq);
 int kv_int8_dequantize_cuda(const kv_layout *l, const uint8_t *qpool, const kv_segment *qsegs,
-                            size_t nqsegs, kv_dtype t, uint8_t *pool, const kv_segment *dst,
-                            size_t ndst);
+                            size_t nqsegs, kv_dtype t, const kv_layout *dl, uint8_t *pool,
+                            const kv_segment *dst, size_t ndst);
 int kv_lowbit_quantize_cuda(const kv_layout *l, uint32_t bits, kv_dtype t, const uint8_t *pool,
                             const kv_segment *segs, size_t nsegs, uint8_t *qpool,
                             const uint32_t *qblocks, size_t nq);
 int kv_lowbit_dequantize_cuda(const kv_layout *l, uint32_t bits, const uint8_t *qpool,
-                              const kv_segment *qsegs, size_t nqsegs, kv_dtype t, uint8_t *pool,
-                              const kv_segment *dst, size_t ndst);
+                              const kv_segment *qsegs, size_t nqsegs, kv_dtype t,
+                              const kv_layout *dl, uint8_t *pool, const kv_segment *dst,
+                              size_t ndst);
 int kv_sketch_insert_cuda(kv_sketch *sk, const kv_layout *l, kv_dtype t, const uint8_t *pool,
                           const kv_segment *segs, size_t nsegs, const uint32_t *h, const int8_t *g);
 int kv_sketch_query_cuda(const kv_sketch *sk, const uint32_t *h, const int8_t *g,

@@ -89,15 +89,16 @@ typedef struct kv_ops {
                          const kv_segment *segs, size_t nsegs, uint8_t *qpool,
                          const uint32_t *qblocks, size_t nq);
     int (*int8_dequantize)(const kv_layout *l, const uint8_t *qpool, const kv_segment *qsegs,
-                           size_t nqsegs, kv_dtype t, uint8_t *pool, const kv_segment *dst,
-                           size_t ndst);
+                           size_t nqsegs, kv_dtype t, const kv_layout *dl, uint8_t *pool,
+                           const kv_segment *dst, size_t ndst);
     /* INT4 / INT2 tiers (bits 4 or 2): as the INT8 ones. */
     int (*lowbit_quantize)(const kv_layout *l, uint32_t bits, kv_dtype t, const uint8_t *pool,
                            const kv_segment *segs, size_t nsegs, uint8_t *qpool,
                            const uint32_t *qblocks, size_t nq);
     int (*lowbit_dequantize)(const kv_layout *l, uint32_t bits, const uint8_t *qpool,
-                             const kv_segment *qsegs, size_t nqsegs, kv_dtype t, uint8_t *pool,
-                             const kv_segment *dst, size_t ndst);
+                             const kv_segment *qsegs, size_t nqsegs, kv_dtype t,
+                             const kv_layout *dl, uint8_t *pool, const kv_segment *dst,
+                             size_t ndst);
 
     /* Count sketch: sk->key, value, count and pool are device memory; h
      * and g host (kv_sketch_hash_list). */

@@ -68,10 +68,10 @@ void kv_int8_quantize(const kv_layout *l, kv_dtype t, const uint8_t *pool, const
 }
 
 void kv_int8_dequantize(const kv_layout *l, const uint8_t *qpool, const kv_segment *qsegs,
-                        size_t nqsegs, kv_dtype t, uint8_t *pool, const kv_segment *dst,
-                        size_t ndst)
+                        size_t nqsegs, kv_dtype t, const kv_layout *dl, uint8_t *pool,
+                        const kv_segment *dst, size_t ndst)
 {
-    PICK(kv_int8_dequantize)(l, qpool, qsegs, nqsegs, t, pool, dst, ndst);
+    PICK(kv_int8_dequantize)(l, qpool, qsegs, nqsegs, t, dl, pool, dst, ndst);
 }
 
 void kv_lowbit_quantize(const kv_layout *l, uint32_t bits, kv_dtype t, const uint8_t *pool,
@@ -82,10 +82,10 @@ void kv_lowbit_quantize(const kv_layout *l, uint32_t bits, kv_dtype t, const uin
 }
 
 void kv_lowbit_dequantize(const kv_layout *l, uint32_t bits, const uint8_t *qpool,
-                          const kv_segment *qsegs, size_t nqsegs, kv_dtype t, uint8_t *pool,
-                          const kv_segment *dst, size_t ndst)
+                          const kv_segment *qsegs, size_t nqsegs, kv_dtype t, const kv_layout *dl,
+                          uint8_t *pool, const kv_segment *dst, size_t ndst)
 {
-    PICK(kv_lowbit_dequantize)(l, bits, qpool, qsegs, nqsegs, t, pool, dst, ndst);
+    PICK(kv_lowbit_dequantize)(l, bits, qpool, qsegs, nqsegs, t, dl, pool, dst, ndst);
 }
 
 void kv_sketch_insert(kv_sketch *sk, const kv_layout *l, kv_dtype t, const uint8_t *pool,

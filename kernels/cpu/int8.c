@@ -349,52 +349,58 @@ typedef struct dequant_job {
     const kv_segment *qsegs;
     size_t nqsegs;
     kv_dtype t;
+    const kv_layout *dl;
     uint8_t *pool;
     const kv_segment *dst;
     size_t ndst;
 } dequant_job;
 
-#ifdef __AVX2__
-/* dequant_row for fp16 in registers, 16 channels at a time: the same fp32
- * products, rounded by cvtps2ph as kv_f16_store_f16c rounds them. Returns
- * how many channels it did; 0 when a product was NaN (a NaN scale), whose
- * payload only the portable conversion gives as the reference does. */
-static uint32_t dequant_f16_avx2(const int8_t *q, const float *s, uint32_t w, uint8_t *out)
-{
-    __m256 nan = _mm256_setzero_ps();
-    uint32_t c = 0;
-    for (; c + 16 <= w; c += 16) {
-        __m128i b = _mm_loadu_si128((const __m128i *)(const void *)(q + c));
-        __m256 x0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-        __m256 x1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b)));
-        x0 = _mm256_mul_ps(x0, _mm256_loadu_ps(s + c));
-        x1 = _mm256_mul_ps(x1, _mm256_loadu_ps(s + c + 8));
-        nan = _mm256_or_ps(nan, _mm256_cmp_ps(x0, x1, _CMP_UNORD_Q));
-        __m128i h0 = _mm256_cvtps_ph(x0, _MM_FROUND_TO_NEAREST_INT);
-        __m128i h1 = _mm256_cvtps_ph(x1, _MM_FROUND_TO_NEAREST_INT);
-        _mm256_storeu_si256((__m256i *)(void *)(out + 2 * (size_t)c), _mm256_set_m128i(h1, h0));
-    }
-    return _mm256_testz_ps(nan, nan) ? c : 0;
-}
-#endif
-
 /* One row of w <= KV_CHUNK channels: x = code * scale in fp32, stored as t
- * (e bytes an element). */
-static void dequant_row(const int8_t *q, const float *s, uint32_t w, kv_dtype t, size_t e,
-                        uint8_t *out)
+ * through a stack buffer. */
+static void dequant_row(const int8_t *q, const float *s, uint32_t w, kv_dtype t, uint8_t *out)
 {
-    uint32_t c = 0;
-#ifdef __AVX2__
-    if (t == KV_FP16)
-        c = dequant_f16_avx2(q, s, w, out);
-#endif
-    if (c == w)
-        return;
     float buf[KV_CHUNK];
-    for (uint32_t i = c; i < w; i++)
-        buf[i - c] = (float)q[i] * s[i];
-    kv_row_store(out + c * e, t, w - c, buf);
+    for (uint32_t i = 0; i < w; i++)
+        buf[i] = (float)q[i] * s[i];
+    kv_row_store(out, t, w, buf);
 }
+
+#ifdef __AVX2__
+/* Whether the w scales at s (w a multiple of 8) are all finite: then no
+ * product code * s is NaN (codes are integers), whose payload only the
+ * portable conversion gives as the reference does. */
+static int scales_finite(const float *s, uint32_t w)
+{
+    const __m256 inf = _mm256_set1_ps(INFINITY);
+    __m256 bad = _mm256_setzero_ps();
+    for (uint32_t c = 0; c < w; c += 8) {
+        __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_loadu_ps(s + c));
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ)); /* |s| >= inf, or NaN */
+    }
+    return _mm256_testz_ps(bad, bad);
+}
+
+/* n rows of w channels (a multiple of 16), codes q (rows qpitch apart) to
+ * fp16 out (rows opitch bytes apart), in registers: the same fp32 products
+ * as dequant_row, rounded by cvtps2ph as kv_f16_store_f16c rounds them.
+ * The scales s are finite (scales_finite) and read in place. */
+static void dequant_rows_f16(const int8_t *q, size_t qpitch, const float *s, uint32_t w,
+                             uint8_t *out, size_t opitch, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++, q += qpitch, out += opitch)
+        for (uint32_t c = 0; c < w; c += 16) {
+            __m128i b0 = _mm_loadl_epi64((const __m128i *)(const void *)(q + c));
+            __m128i b1 = _mm_loadl_epi64((const __m128i *)(const void *)(q + c + 8));
+            __m256 x0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b0));
+            __m256 x1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1));
+            x0 = _mm256_mul_ps(x0, _mm256_loadu_ps(s + c));
+            x1 = _mm256_mul_ps(x1, _mm256_loadu_ps(s + c + 8));
+            __m128i *o = (__m128i *)(void *)(out + 2 * (size_t)c);
+            _mm_storeu_si128(o, _mm256_cvtps_ph(x0, _MM_FROUND_TO_NEAREST_INT));
+            _mm_storeu_si128(o + 1, _mm256_cvtps_ph(x1, _MM_FROUND_TO_NEAREST_INT));
+        }
+}
+#endif
 
 /* n tokens from INT8 (qb, qs..) to pool (db, ds..): per (kv, head, chunk)
  * the scales are read once for the whole run, and both rows' addresses are
@@ -403,20 +409,28 @@ static void dequant_run(const void *ctx, uint32_t qb, uint32_t qs, uint32_t db, 
                         uint32_t n)
 {
     const dequant_job *j = ctx;
-    const kv_layout *l = j->l;
-    size_t half = kv_block_bytes(l) / 2, row = kv_row_bytes(l);
+    const kv_layout *l = j->l, *dl = j->dl;
+    size_t half = kv_block_bytes(dl) / 2, row = kv_row_bytes(dl), e = dl->elt_size;
     float s[KV_CHUNK];
     for (uint32_t kv = 0; kv < 2; kv++)
         for (uint32_t h = 0; h < l->kv_heads; h++) {
             const int8_t *q0 = (const int8_t *)j->qpool + kv_int8_code_offset(l, qb, kv, h, qs);
-            uint8_t *out0 = j->pool + kv_key_offset(l, db, h, ds) + (kv ? half : 0);
+            const uint8_t *sc = j->qpool + kv_int8_scale_offset(l, qb, kv, h);
+            uint8_t *out0 = j->pool + kv_key_offset(dl, db, h, ds) + (kv ? half : 0);
             for (uint32_t c0 = 0; c0 < l->head_dim; c0 += KV_CHUNK) {
                 uint32_t w = l->head_dim - c0 < KV_CHUNK ? l->head_dim - c0 : KV_CHUNK;
-                memcpy(s, j->qpool + kv_int8_scale_offset(l, qb, kv, h) + 4 * (size_t)c0,
-                       4 * (size_t)w);
+#ifdef __AVX2__
+                /* scales are 4-byte aligned (kernels.h "INT8 tier") */
+                const float *sp = (const float *)(const void *)(sc + 4 * (size_t)c0);
+                if (j->t == KV_FP16 && w % 16 == 0 && scales_finite(sp, w)) {
+                    dequant_rows_f16(q0 + c0, l->head_dim, sp, w, out0 + c0 * e, row, n);
+                    continue;
+                }
+#endif
+                memcpy(s, sc + 4 * (size_t)c0, 4 * (size_t)w);
                 for (uint32_t i = 0; i < n; i++)
-                    dequant_row(q0 + (size_t)i * l->head_dim + c0, s, w, j->t, l->elt_size,
-                                out0 + i * row + (size_t)c0 * l->elt_size);
+                    dequant_row(q0 + (size_t)i * l->head_dim + c0, s, w, j->t,
+                                out0 + i * row + c0 * e);
             }
         }
 }
@@ -428,12 +442,12 @@ static void dequant_tokens(void *ctx, size_t lo, size_t hi)
 }
 
 void KV_FAST(kv_int8_dequantize)(const kv_layout *l, const uint8_t *qpool, const kv_segment *qsegs,
-                                 size_t nqsegs, kv_dtype t, uint8_t *pool, const kv_segment *dst,
-                                 size_t ndst)
+                                 size_t nqsegs, kv_dtype t, const kv_layout *dl, uint8_t *pool,
+                                 const kv_segment *dst, size_t ndst)
 {
-    dequant_job j = {l, qpool, qsegs, nqsegs, t, pool, dst, ndst};
+    dequant_job j = {l, qpool, qsegs, nqsegs, t, dl, pool, dst, ndst};
     size_t a = kv_segments_tokens(qsegs, nqsegs), b = kv_segments_tokens(dst, ndst);
     size_t n = a < b ? a : b;
-    size_t bytes = n * 2 * (size_t)l->kv_heads * l->head_dim * (1 + l->elt_size);
+    size_t bytes = n * 2 * (size_t)l->kv_heads * l->head_dim * (1 + dl->elt_size);
     kv_parallel_for(n, bytes, dequant_tokens, &j);
 }

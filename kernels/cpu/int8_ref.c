@@ -63,8 +63,8 @@ void kv_int8_quantize_ref(const kv_layout *l, kv_dtype t, const uint8_t *pool,
 }
 
 void kv_int8_dequantize_ref(const kv_layout *l, const uint8_t *qpool, const kv_segment *qsegs,
-                            size_t nqsegs, kv_dtype t, uint8_t *pool, const kv_segment *dst,
-                            size_t ndst)
+                            size_t nqsegs, kv_dtype t, const kv_layout *dl, uint8_t *pool,
+                            const kv_segment *dst, size_t ndst)
 {
     uint32_t qb, qs, db, ds;
     for (size_t i = 0;
@@ -78,6 +78,6 @@ void kv_int8_dequantize_ref(const kv_layout *l, const uint8_t *qpool, const kv_s
                     memcpy(&s, qpool + kv_int8_scale_offset(l, qb, kv, h) + 4 * (size_t)c, 4);
                     float x;
                     kv_dequantize_group_ref(&code, 1, s, &x);
-                    kv_elt_store(pool + pool_elt(l, db, kv, h, ds, c), t, x);
+                    kv_elt_store(pool + pool_elt(dl, db, kv, h, ds, c), t, x);
                 }
 }

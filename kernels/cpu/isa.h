@@ -32,15 +32,16 @@
     void kv_int8_quantize_##ISA(const kv_layout *l, kv_dtype t, const uint8_t *pool,               \
                                 const kv_segment *segs, size_t nsegs, uint8_t *qpool,              \
                                 const uint32_t *qblocks, size_t nq);                               \
-    void kv_int8_dequantize_##ISA(const kv_layout *l, const uint8_t *qpool,                        \
-                                  const kv_segment *qsegs, size_t nqsegs, kv_dtype t,              \
-                                  uint8_t *pool, const kv_segment *dst, size_t ndst);              \
+    void kv_int8_dequantize_##ISA(                                                                 \
+        const kv_layout *l, const uint8_t *qpool, const kv_segment *qsegs, size_t nqsegs,          \
+        kv_dtype t, const kv_layout *dl, uint8_t *pool, const kv_segment *dst, size_t ndst);       \
     void kv_lowbit_quantize_##ISA(const kv_layout *l, uint32_t bits, kv_dtype t,                   \
                                   const uint8_t *pool, const kv_segment *segs, size_t nsegs,       \
                                   uint8_t *qpool, const uint32_t *qblocks, size_t nq);             \
     void kv_lowbit_dequantize_##ISA(const kv_layout *l, uint32_t bits, const uint8_t *qpool,       \
                                     const kv_segment *qsegs, size_t nqsegs, kv_dtype t,            \
-                                    uint8_t *pool, const kv_segment *dst, size_t ndst);            \
+                                    const kv_layout *dl, uint8_t *pool, const kv_segment *dst,     \
+                                    size_t ndst);                                                  \
     void kv_sketch_insert_##ISA(kv_sketch *sk, const kv_layout *l, kv_dtype t,                     \
                                 const uint8_t *pool, const kv_segment *segs, size_t nsegs,         \
                                 const uint32_t *h, const int8_t *g);                               \

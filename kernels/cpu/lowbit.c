@@ -229,6 +229,7 @@ typedef struct dequant_job {
     const kv_segment *qsegs;
     size_t nqsegs;
     kv_dtype t;
+    const kv_layout *dl;
     uint8_t *pool;
     const kv_segment *dst;
     size_t ndst;
@@ -244,9 +245,9 @@ static float half_at(const uint8_t *p, size_t i)
 /* One token: low-bit (qb, qs) to pool (db, ds), K and V of every head. */
 static void dequant_token(const dequant_job *j, uint32_t qb, uint32_t qs, uint32_t db, uint32_t ds)
 {
-    const kv_layout *l = j->l;
+    const kv_layout *l = j->l, *dl = j->dl;
     uint32_t G = kv_lowbit_group(l), d = l->head_dim, nv = (d + G - 1) / G, bits = j->bits;
-    size_t half = kv_block_bytes(l) / 2;
+    size_t half = kv_block_bytes(dl) / 2;
     float buf[KV_CHUNK];
     int32_t shift;
     memcpy(&shift, j->qpool + kv_lowbit_shift_offset(l, bits, qb), 4);
@@ -256,19 +257,19 @@ static void dequant_token(const dequant_job *j, uint32_t qb, uint32_t qs, uint32
         const uint8_t *vp = j->qpool + kv_lowbit_value_params_offset(l, bits, qb, h, qs);
         const uint8_t *krow = j->qpool + kv_lowbit_code_offset(l, bits, qb, 0, h, qs);
         const uint8_t *vrow = j->qpool + kv_lowbit_code_offset(l, bits, qb, 1, h, qs);
-        uint8_t *kout = j->pool + kv_key_offset(l, db, h, ds);
+        uint8_t *kout = j->pool + kv_key_offset(dl, db, h, ds);
         for (uint32_t c0 = 0; c0 < d; c0 += KV_CHUNK) {
             uint32_t w = d - c0 < KV_CHUNK ? d - c0 : KV_CHUNK;
             for (uint32_t c = 0; c < w; c++)
                 buf[c] = kv_lowbit_value(kv_lowbit_get(krow, c0 + c, bits), half_at(kp, c0 + c),
                                          half_at(kp, (size_t)d + c0 + c), p2);
-            kv_row_store(kout + (size_t)c0 * l->elt_size, j->t, w, buf);
+            kv_row_store(kout + (size_t)c0 * dl->elt_size, j->t, w, buf);
             for (uint32_t c = 0; c < w; c++) {
                 uint32_t g = (c0 + c) / G;
                 buf[c] = kv_lowbit_value(kv_lowbit_get(vrow, c0 + c, bits), half_at(vp, g),
                                          half_at(vp, (size_t)nv + g), p2);
             }
-            kv_row_store(kout + half + (size_t)c0 * l->elt_size, j->t, w, buf);
+            kv_row_store(kout + half + (size_t)c0 * dl->elt_size, j->t, w, buf);
         }
     }
 }
@@ -289,12 +290,13 @@ static void dequant_tokens(void *ctx, size_t lo, size_t hi)
 
 void KV_FAST(kv_lowbit_dequantize)(const kv_layout *l, uint32_t bits, const uint8_t *qpool,
                                    const kv_segment *qsegs, size_t nqsegs, kv_dtype t,
-                                   uint8_t *pool, const kv_segment *dst, size_t ndst)
+                                   const kv_layout *dl, uint8_t *pool, const kv_segment *dst,
+                                   size_t ndst)
 {
     assert(bits == 4 || bits == 2);
-    dequant_job j = {l, bits, qpool, qsegs, nqsegs, t, pool, dst, ndst};
+    dequant_job j = {l, bits, qpool, qsegs, nqsegs, t, dl, pool, dst, ndst};
     size_t a = kv_segments_tokens(qsegs, nqsegs), b = kv_segments_tokens(dst, ndst);
     size_t n = a < b ? a : b;
-    size_t bytes = n * 2 * (size_t)l->kv_heads * l->head_dim * (1 + l->elt_size);
+    size_t bytes = n * 2 * (size_t)l->kv_heads * l->head_dim * (1 + dl->elt_size);
     kv_parallel_for(n, bytes, dequant_tokens, &j);
 }

@@ -159,8 +159,9 @@ void kv_lowbit_quantize_ref(const kv_layout *l, uint32_t bits, kv_dtype t, const
 }
 
 void kv_lowbit_dequantize_ref(const kv_layout *l, uint32_t bits, const uint8_t *qpool,
-                              const kv_segment *qsegs, size_t nqsegs, kv_dtype t, uint8_t *pool,
-                              const kv_segment *dst, size_t ndst)
+                              const kv_segment *qsegs, size_t nqsegs, kv_dtype t,
+                              const kv_layout *dl, uint8_t *pool, const kv_segment *dst,
+                              size_t ndst)
 {
     assert(bits == 4 || bits == 2);
     uint32_t G = kv_lowbit_group(l), d = l->head_dim, nv = (d + G - 1) / G;
@@ -184,8 +185,8 @@ void kv_lowbit_dequantize_ref(const kv_layout *l, uint32_t bits, const uint8_t *
                     kv_lowbit_value(kv_lowbit_get(vrow, c, bits),
                                     kv_half_to_float(get_half(vp + 2 * (size_t)(c / G))),
                                     kv_half_to_float(get_half(vp + 2 * ((size_t)nv + c / G))), p2);
-                kv_elt_store(pool + pool_elt(l, db, 0, h, ds, c), t, k);
-                kv_elt_store(pool + pool_elt(l, db, 1, h, ds, c), t, v);
+                kv_elt_store(pool + pool_elt(dl, db, 0, h, ds, c), t, k);
+                kv_elt_store(pool + pool_elt(dl, db, 1, h, ds, c), t, v);
             }
         }
 }

@@ -82,18 +82,19 @@ static int cpu_lowbit_quantize(const kv_layout *l, uint32_t bits, kv_dtype t, co
 }
 
 static int cpu_lowbit_dequantize(const kv_layout *l, uint32_t bits, const uint8_t *qpool,
-                                 const kv_segment *qsegs, size_t nqsegs, kv_dtype t, uint8_t *pool,
-                                 const kv_segment *dst, size_t ndst)
+                                 const kv_segment *qsegs, size_t nqsegs, kv_dtype t,
+                                 const kv_layout *dl, uint8_t *pool, const kv_segment *dst,
+                                 size_t ndst)
 {
-    kv_lowbit_dequantize(l, bits, qpool, qsegs, nqsegs, t, pool, dst, ndst);
+    kv_lowbit_dequantize(l, bits, qpool, qsegs, nqsegs, t, dl, pool, dst, ndst);
     return 0;
 }
 
 static int cpu_int8_dequantize(const kv_layout *l, const uint8_t *qpool, const kv_segment *qsegs,
-                               size_t nqsegs, kv_dtype t, uint8_t *pool, const kv_segment *dst,
-                               size_t ndst)
+                               size_t nqsegs, kv_dtype t, const kv_layout *dl, uint8_t *pool,
+                               const kv_segment *dst, size_t ndst)
 {
-    kv_int8_dequantize(l, qpool, qsegs, nqsegs, t, pool, dst, ndst);
+    kv_int8_dequantize(l, qpool, qsegs, nqsegs, t, dl, pool, dst, ndst);
     return 0;
 }
 

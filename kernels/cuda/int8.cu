@@ -88,8 +88,8 @@ __global__ void quantize_kernel(geom g, qgeom q, int t, const uint8_t *pool, con
     }
 }
 
-__global__ void dequantize_kernel(geom g, qgeom q, int t, const uint8_t *qpool, const token *src,
-                                  const token *dst, uint8_t *pool)
+__global__ void dequantize_kernel(geom g, qgeom q, geom dg, int t, const uint8_t *qpool,
+                                  const token *src, const token *dst, uint8_t *pool)
 {
     const token s = src[blockIdx.x], d = dst[blockIdx.x];
     const unsigned head = blockIdx.y, kv = blockIdx.z;
@@ -97,9 +97,9 @@ __global__ void dequantize_kernel(geom g, qgeom q, int t, const uint8_t *qpool, 
         reinterpret_cast<const int8_t *>(qpool + code_offset(g, q, s.block, kv, head, s.slot));
     const float *scales =
         reinterpret_cast<const float *>(qpool + scale_offset(g, q, s.block, kv, head));
-    uint8_t *out = pool + row_offset(g, d.block, kv, head, d.slot);
+    uint8_t *out = pool + row_offset(dg, d.block, kv, head, d.slot);
     for (unsigned c = threadIdx.x; c < g.dim; c += blockDim.x)
-        store_elt(out + c * g.elt, t, __fmul_rn((float)codes[c], scales[c]));
+        store_elt(out + c * dg.elt, t, __fmul_rn((float)codes[c], scales[c]));
 }
 
 } // namespace
@@ -131,6 +131,7 @@ extern "C" int kv_int8_quantize_cuda(const kv_layout *l, kv_dtype t, const uint8
 
 extern "C" int kv_int8_dequantize_cuda(const kv_layout *l, const uint8_t *qpool,
                                        const kv_segment *qsegs, size_t nqsegs, kv_dtype t,
+                                       const kv_layout *dl,
                                        uint8_t *pool, const kv_segment *dst, size_t ndst)
 {
     size_t a = kv_segments_tokens(qsegs, nqsegs), b = kv_segments_tokens(dst, ndst);
@@ -141,6 +142,7 @@ extern "C" int kv_int8_dequantize_cuda(const kv_layout *l, const uint8_t *qpool,
         return cudaErrorInvalidValue;
     return with_token_pairs(qsegs, nqsegs, dst, ndst, n, [&](const token *s, const token *d) {
         dim3 grid((unsigned)n, l->kv_heads, 2);
-        dequantize_kernel<<<grid, kThreads>>>(make_geom(l), make_qgeom(l), t, qpool, s, d, pool);
+        dequantize_kernel<<<grid, kThreads>>>(make_geom(l), make_qgeom(l), make_geom(dl), t, qpool, s,
+                                                d, pool);
     });
 }

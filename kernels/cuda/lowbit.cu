@@ -199,6 +199,7 @@ __device__ __forceinline__ float half_at(const uint8_t *p, unsigned long long i)
     return kv_half_to_float(*reinterpret_cast<const uint16_t *>(p + 2 * i));
 }
 
+/* g: the destination pool's geometry (the low-bit block's is q's). */
 __global__ void dequantize_kernel(geom g, lbgeom q, int t, const uint8_t *qpool, const token *src,
                                   const token *dst, uint8_t *pool)
 {
@@ -260,6 +261,7 @@ extern "C" int kv_lowbit_quantize_cuda(const kv_layout *l, uint32_t bits, kv_dty
 
 extern "C" int kv_lowbit_dequantize_cuda(const kv_layout *l, uint32_t bits, const uint8_t *qpool,
                                          const kv_segment *qsegs, size_t nqsegs, kv_dtype t,
+                                         const kv_layout *dl,
                                          uint8_t *pool, const kv_segment *dst, size_t ndst)
 {
     size_t a = kv_segments_tokens(qsegs, nqsegs), b = kv_segments_tokens(dst, ndst);
@@ -272,7 +274,7 @@ extern "C" int kv_lowbit_dequantize_cuda(const kv_layout *l, uint32_t bits, cons
         return cudaErrorInvalidValue;
     return with_token_pairs(qsegs, nqsegs, dst, ndst, n, [&](const token *s, const token *d) {
         dim3 grid((unsigned)n, l->kv_heads, 2);
-        dequantize_kernel<<<grid, kThreads>>>(make_geom(l), make_lbgeom(l, bits), t, qpool, s, d,
+        dequantize_kernel<<<grid, kThreads>>>(make_geom(dl), make_lbgeom(l, bits), t, qpool, s, d,
                                               pool);
     });
 }

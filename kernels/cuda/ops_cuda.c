@@ -195,22 +195,23 @@ static int cuda_lowbit_quantize(const kv_layout *l, uint32_t bits, kv_dtype t, c
 }
 
 static int cuda_lowbit_dequantize(const kv_layout *l, uint32_t bits, const uint8_t *qpool,
-                                  const kv_segment *qsegs, size_t nqsegs, kv_dtype t, uint8_t *pool,
-                                  const kv_segment *dst, size_t ndst)
+                                  const kv_segment *qsegs, size_t nqsegs, kv_dtype t,
+                                  const kv_layout *dl, uint8_t *pool, const kv_segment *dst,
+                                  size_t ndst)
 {
     if (select_device("lowbit_dequantize") != 0)
         return -1;
-    return check(kv_lowbit_dequantize_cuda(l, bits, qpool, qsegs, nqsegs, t, pool, dst, ndst),
+    return check(kv_lowbit_dequantize_cuda(l, bits, qpool, qsegs, nqsegs, t, dl, pool, dst, ndst),
                  "lowbit_dequantize");
 }
 
 static int cuda_int8_dequantize(const kv_layout *l, const uint8_t *qpool, const kv_segment *qsegs,
-                                size_t nqsegs, kv_dtype t, uint8_t *pool, const kv_segment *dst,
-                                size_t ndst)
+                                size_t nqsegs, kv_dtype t, const kv_layout *dl, uint8_t *pool,
+                                const kv_segment *dst, size_t ndst)
 {
     if (select_device("int8_dequantize") != 0)
         return -1;
-    return check(kv_int8_dequantize_cuda(l, qpool, qsegs, nqsegs, t, pool, dst, ndst),
+    return check(kv_int8_dequantize_cuda(l, qpool, qsegs, nqsegs, t, dl, pool, dst, ndst),
                  "int8_dequantize");
 }
 

@@ -204,17 +204,18 @@ static int shadow_lowbit_quantize(const kv_layout *l, uint32_t bits, kv_dtype t,
 
 static int shadow_lowbit_dequantize(const kv_layout *l, uint32_t bits, const uint8_t *qpool,
                                     const kv_segment *qsegs, size_t nqsegs, kv_dtype t,
-                                    uint8_t *pool, const kv_segment *dst, size_t ndst)
+                                    const kv_layout *dl, uint8_t *pool, const kv_segment *dst,
+                                    size_t ndst)
 {
     return kv_ops_cpu.lowbit_dequantize(l, bits, dev(qpool, "lowbit_dequantize"), qsegs, nqsegs, t,
-                                        dev(pool, "lowbit_dequantize"), dst, ndst);
+                                        dl, dev(pool, "lowbit_dequantize"), dst, ndst);
 }
 
 static int shadow_int8_dequantize(const kv_layout *l, const uint8_t *qpool, const kv_segment *qsegs,
-                                  size_t nqsegs, kv_dtype t, uint8_t *pool, const kv_segment *dst,
-                                  size_t ndst)
+                                  size_t nqsegs, kv_dtype t, const kv_layout *dl, uint8_t *pool,
+                                  const kv_segment *dst, size_t ndst)
 {
-    return kv_ops_cpu.int8_dequantize(l, dev(qpool, "int8_dequantize"), qsegs, nqsegs, t,
+    return kv_ops_cpu.int8_dequantize(l, dev(qpool, "int8_dequantize"), qsegs, nqsegs, t, dl,
                                       dev(pool, "int8_dequantize"), dst, ndst);
 }
 

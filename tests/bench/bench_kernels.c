@@ -224,7 +224,8 @@ static void k_quant(void *p)
 static void k_dequant(void *p)
 {
     ctx *c = p;
-    kv_int8_dequantize(&c->l, c->qpool, c->segs, c->nsegs, KV_FP16, c->pool2, c->segs, c->nsegs);
+    kv_int8_dequantize(&c->l, c->qpool, c->segs, c->nsegs, KV_FP16, &c->l, c->pool2, c->segs,
+                       c->nsegs);
 }
 
 static void k_lowbit_quant(void *p)
@@ -237,8 +238,8 @@ static void k_lowbit_quant(void *p)
 static void k_lowbit_dequant(void *p)
 {
     ctx *c = p;
-    kv_lowbit_dequantize(&c->l, c->bits, c->lpool, c->segs, c->nsegs, KV_FP16, c->pool2, c->segs,
-                         c->nsegs);
+    kv_lowbit_dequantize(&c->l, c->bits, c->lpool, c->segs, c->nsegs, KV_FP16, &c->l, c->pool2,
+                         c->segs, c->nsegs);
 }
 
 static void k_insert(void *p)

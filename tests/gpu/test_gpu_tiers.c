@@ -104,17 +104,17 @@ static void dequantize_ref(const kv_layout *l, uint32_t bits, const uint8_t *q,
                            const kv_segment *ds, size_t nd)
 {
     if (bits == 8)
-        kv_int8_dequantize_ref(l, q, qs, nqs, t, o, ds, nd);
+        kv_int8_dequantize_ref(l, q, qs, nqs, t, l, o, ds, nd);
     else
-        kv_lowbit_dequantize_ref(l, bits, q, qs, nqs, t, o, ds, nd);
+        kv_lowbit_dequantize_ref(l, bits, q, qs, nqs, t, l, o, ds, nd);
 }
 
 static int dequantize_cuda(const kv_layout *l, uint32_t bits, const uint8_t *q,
                            const kv_segment *qs, size_t nqs, kv_dtype t, uint8_t *o,
                            const kv_segment *ds, size_t nd)
 {
-    return bits == 8 ? kv_int8_dequantize_cuda(l, q, qs, nqs, t, o, ds, nd)
-                     : kv_lowbit_dequantize_cuda(l, bits, q, qs, nqs, t, o, ds, nd);
+    return bits == 8 ? kv_int8_dequantize_cuda(l, q, qs, nqs, t, l, o, ds, nd)
+                     : kv_lowbit_dequantize_cuda(l, bits, q, qs, nqs, t, l, o, ds, nd);
 }
 
 static void check_quantised(rng *r, kv_layout l, kv_dtype t, uint32_t bits)
@@ -604,7 +604,7 @@ static void b_quant(void *p)
 static void b_dequant(void *p)
 {
     bench *b = p;
-    CHECK_CUDA(kv_int8_dequantize_cuda(&b->l, b->qpool, b->segs, b->nsegs, KV_FP16, b->pool2,
+    CHECK_CUDA(kv_int8_dequantize_cuda(&b->l, b->qpool, b->segs, b->nsegs, KV_FP16, &b->l, b->pool2,
                                        b->segs, b->nsegs));
 }
 

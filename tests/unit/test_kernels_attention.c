@@ -440,9 +440,9 @@ static uint8_t *dequantised(const tiered *f, kv_layout *e, kv_segment *esegs)
         qt.block_tokens = tier_tokens(l, tier);
         const uint8_t *qb = f->pool + sg.block * kv_block_bytes(l);
         if (tier == KV_TIER_INT8)
-            kv_int8_dequantize_ref(&qt, qb, &at0, 1, KV_FP32, scratch, &at0, 1);
+            kv_int8_dequantize_ref(&qt, qb, &at0, 1, KV_FP32, &qt, scratch, &at0, 1);
         else if (tier == KV_TIER_INT4 || tier == KV_TIER_INT2)
-            kv_lowbit_dequantize_ref(&qt, tier == KV_TIER_INT4 ? 4 : 2, qb, &at0, 1, KV_FP32,
+            kv_lowbit_dequantize_ref(&qt, tier == KV_TIER_INT4 ? 4 : 2, qb, &at0, 1, KV_FP32, &qt,
                                      scratch, &at0, 1);
         for (uint32_t i = 0; i < sg.count; i++)
             for (uint32_t kv = 0; kv < 2; kv++)

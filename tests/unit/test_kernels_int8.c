@@ -162,7 +162,7 @@ static void test_tcf4_block(void **state)
     assert_true(s == 1.0f); /* the all-zero V group */
     float back[6];
     memset(back, 0x7f, sizeof back);
-    kv_int8_dequantize(&l, q, &seg, 1, KV_FP32, (uint8_t *)back, &seg, 1);
+    kv_int8_dequantize(&l, q, &seg, 1, KV_FP32, &l, (uint8_t *)back, &seg, 1);
     for (int i = 0; i < 3; i++)
         assert_float_equal(back[i], pool[i], 1e-6);
     for (int i = 3; i < 6; i++)
@@ -287,14 +287,21 @@ static void check_quantize(rng *r, const kv_layout *l, kv_dtype t, uint8_t *pool
 
 /* Dequantise random INT8 tokens (random codes, positive scales and a few
  * odd ones) into a random disjoint list of a pool of any dtype, with ref
- * and fast. */
+ * and fast. Every other trial the destination's blocks hold another
+ * number of tokens than the INT8 blocks (as a pool block's 16 beside
+ * INT8's 28): then the reference's tokens, gathered, must also equal
+ * those it writes into blocks of the INT8 layout. */
 static void check_dequantize(rng *r, const kv_layout *lq, kv_segment *segs, kv_segment *dsegs)
 {
     kv_dtype t = dtype_of(rng_below(r, 3));
-    kv_layout l = *lq;
-    l.elt_size = dtype_size(t);
-    size_t qbb = kv_int8_block_bytes(&l), pool_bytes = NB * kv_block_bytes(&l);
+    kv_layout l = *lq, dl = *lq;
+    l.elt_size = dl.elt_size = dtype_size(t);
+    if (rng_below(r, 2))
+        dl.block_tokens = 1 + rng_below(r, 2 * l.block_tokens);
+    uint32_t nbd = (NB * l.block_tokens + dl.block_tokens - 1) / dl.block_tokens;
+    size_t qbb = kv_int8_block_bytes(&l), pool_bytes = nbd * kv_block_bytes(&dl);
     uint8_t *q = xcalloc(NB * qbb), *p1 = xcalloc(pool_bytes), *p2 = xcalloc(pool_bytes);
+    kv_segment *ds = xcalloc((size_t)nbd * dl.block_tokens * sizeof *ds);
     fill_bytes(r, q, NB * qbb);
     for (uint32_t b = 0; b < NB; b++)
         for (uint32_t kv = 0; kv < 2; kv++)
@@ -314,15 +321,29 @@ static void check_dequantize(rng *r, const kv_layout *lq, kv_segment *segs, kv_s
                 }
     size_t nq = gen_disjoint(r, &l, 0, NB, segs);
     size_t ntok = kv_segments_tokens(segs, nq);
-    size_t nd = gen_exact(r, &l, 0, NB, ntok, dsegs);
+    size_t nd = gen_exact(r, &dl, 0, nbd, ntok, ds);
     fill_bytes(r, p1, pool_bytes);
     memcpy(p2, p1, pool_bytes);
-    kv_int8_dequantize_ref(&l, q, segs, nq, t, p1, dsegs, nd);
-    kv_int8_dequantize(&l, q, segs, nq, t, p2, dsegs, nd);
+    kv_int8_dequantize_ref(&l, q, segs, nq, t, &dl, p1, ds, nd);
+    kv_int8_dequantize(&l, q, segs, nq, t, &dl, p2, ds, nd);
     expect_bytes(p1, p2, pool_bytes, &l, t, "dequantize");
+    if (dl.block_tokens != l.block_tokens) {
+        size_t half = ntok * l.kv_heads * l.head_dim * l.elt_size;
+        uint8_t *p3 = xcalloc(NB * kv_block_bytes(&l)), *a = xcalloc(2 * half),
+                *b = xcalloc(2 * half);
+        size_t n3 = gen_exact(r, &l, 0, NB, ntok, dsegs);
+        kv_int8_dequantize_ref(&l, q, segs, nq, t, &l, p3, dsegs, n3);
+        kv_gather_ref(&l, p3, dsegs, n3, a, a + half);
+        kv_gather_ref(&dl, p1, ds, nd, b, b + half);
+        expect_bytes(a, b, 2 * half, &dl, t, "dequantize into other blocks");
+        free(p3);
+        free(a);
+        free(b);
+    }
     free(q);
     free(p1);
     free(p2);
+    free(ds);
 }
 
 static void test_fast_equals_ref(void **state)
@@ -380,8 +401,8 @@ static void test_round_trip_bound(void **state)
             qblocks[b] = b;
         }
         kv_int8_quantize(&l, t, pool, segs, NB, q, qblocks, NB);
-        kv_int8_dequantize(&l32, q, segs, NB, KV_FP32, back, segs, NB);
-        kv_int8_dequantize(&l16, q, segs, NB, KV_FP16, back16, segs, NB);
+        kv_int8_dequantize(&l32, q, segs, NB, KV_FP32, &l32, back, segs, NB);
+        kv_int8_dequantize(&l16, q, segs, NB, KV_FP16, &l16, back16, segs, NB);
         for (uint32_t b = 0; b < NB; b++)
             for (uint32_t kv = 0; kv < 2; kv++)
                 for (uint32_t h = 0; h < l.kv_heads; h++)
@@ -441,10 +462,10 @@ static void test_threads_deterministic(void **state)
     permutation(&r, qblocks, nb);
     setenv("KVSTASH_KERNEL_THREADS", "1", 1);
     kv_int8_quantize(&l, KV_FP16, pool, segs, n, q1, qblocks, nb);
-    kv_int8_dequantize(&l, q1, segs, n, KV_FP16, b1, segs, n);
+    kv_int8_dequantize(&l, q1, segs, n, KV_FP16, &l, b1, segs, n);
     unsetenv("KVSTASH_KERNEL_THREADS");
     kv_int8_quantize(&l, KV_FP16, pool, segs, n, q2, qblocks, nb);
-    kv_int8_dequantize(&l, q2, segs, n, KV_FP16, b2, segs, n);
+    kv_int8_dequantize(&l, q2, segs, n, KV_FP16, &l, b2, segs, n);
     print_message("threads for this job: %u\n", kv_parallel_threads(pb));
     assert_memory_equal(q1, q2, nb * qbb);
     assert_memory_equal(b1, b2, pb);

@@ -205,16 +205,21 @@ static void check_quantize(rng *r, const kv_layout *l, uint32_t bits, kv_dtype t
 }
 
 /* Dequantise random tokens of quantised blocks into a random list of a
- * pool of any dtype, with ref and fast. */
-static void check_dequantize(rng *r, const kv_layout *lq, uint32_t bits, kv_segment *segs,
-                             kv_segment *dsegs)
+ * pool of any dtype, with ref and fast; every other trial into blocks of
+ * another number of tokens than the low-bit blocks' (test_kernels_int8.c
+ * checks the reference's addressing of such blocks). */
+static void check_dequantize(rng *r, const kv_layout *lq, uint32_t bits, kv_segment *segs)
 {
     kv_dtype t = dtype_of(rng_below(r, 3)), src_t = dtype_of(rng_below(r, 3));
-    kv_layout l = *lq, ls = *lq;
-    l.elt_size = dtype_size(t);
+    kv_layout l = *lq, ls = *lq, dl = *lq;
+    l.elt_size = dl.elt_size = dtype_size(t);
     ls.elt_size = dtype_size(src_t);
-    size_t qbb = kv_lowbit_block_bytes(&l, bits), pool_bytes = NB * kv_block_bytes(&l);
+    if (rng_below(r, 2))
+        dl.block_tokens = 1 + rng_below(r, 2 * l.block_tokens);
+    uint32_t nbd = (NB * l.block_tokens + dl.block_tokens - 1) / dl.block_tokens;
+    size_t qbb = kv_lowbit_block_bytes(&l, bits), pool_bytes = nbd * kv_block_bytes(&dl);
     uint8_t *q = xcalloc(NB * qbb), *p1 = xcalloc(pool_bytes), *p2 = xcalloc(pool_bytes);
+    kv_segment *dsegs = xcalloc((size_t)nbd * dl.block_tokens * sizeof *dsegs);
     uint8_t *src = xcalloc(NB * kv_block_bytes(&ls));
     fill_pool(r, src, NB * kv_block_bytes(&ls), src_t, 5.0f);
     uint32_t qblocks[NB];
@@ -224,12 +229,13 @@ static void check_dequantize(rng *r, const kv_layout *lq, uint32_t bits, kv_segm
     }
     kv_lowbit_quantize_ref(&ls, bits, src_t, src, segs, NB, q, qblocks, NB);
     size_t nq = gen_disjoint(r, &l, 0, NB, segs);
-    size_t nd = gen_exact(r, &l, 0, NB, kv_segments_tokens(segs, nq), dsegs);
+    size_t nd = gen_exact(r, &dl, 0, nbd, kv_segments_tokens(segs, nq), dsegs);
     fill_bytes(r, p1, pool_bytes);
     memcpy(p2, p1, pool_bytes);
-    kv_lowbit_dequantize_ref(&l, bits, q, segs, nq, t, p1, dsegs, nd);
-    kv_lowbit_dequantize(&l, bits, q, segs, nq, t, p2, dsegs, nd);
+    kv_lowbit_dequantize_ref(&l, bits, q, segs, nq, t, &dl, p1, dsegs, nd);
+    kv_lowbit_dequantize(&l, bits, q, segs, nq, t, &dl, p2, dsegs, nd);
     expect_bytes(p1, p2, pool_bytes, &l, bits, "dequantize");
+    free(dsegs);
     free(q);
     free(p1);
     free(p2);
@@ -245,15 +251,13 @@ static void test_fast_equals_ref(void **state)
         kv_layout l = kh_shape(si, &t);
         uint8_t *pool = xcalloc(NB * kv_block_bytes(&l));
         kv_segment *segs = xcalloc(NB * l.block_tokens * sizeof *segs);
-        kv_segment *dsegs = xcalloc(NB * l.block_tokens * sizeof *dsegs);
         l.quant_group = k_groups[(si / 2) % KH_N(k_groups)]; /* a group size per shape */
         for (size_t b = 0; b < KH_N(k_bits); b++) {
             check_quantize(&r, &l, k_bits[b], t, pool, segs);
-            check_dequantize(&r, &l, k_bits[b], segs, dsegs);
+            check_dequantize(&r, &l, k_bits[b], segs);
         }
         free(pool);
         free(segs);
-        free(dsegs);
     }
 }
 
@@ -318,7 +322,7 @@ static void test_round_trip_bound(void **state)
                 qblocks[bl] = bl;
             }
             kv_lowbit_quantize(&l, bits, t, pool, segs, NB, q, qblocks, NB);
-            kv_lowbit_dequantize(&l32, bits, q, segs, NB, KV_FP32, back, segs, NB);
+            kv_lowbit_dequantize(&l32, bits, q, segs, NB, KV_FP32, &l32, back, segs, NB);
             for (uint32_t bl = 0; bl < NB; bl++) { /* shifted only when values pass 32768 */
                 int32_t e;
                 memcpy(&e, q + kv_lowbit_shift_offset(&l, bits, bl), 4);
@@ -381,7 +385,7 @@ static void test_hostile_values(void **state)
         kv_lowbit_quantize_ref(&l, k_bits[b], KV_FP32, pool, segs, NB, q1, qblocks, NB);
         kv_lowbit_quantize(&l, k_bits[b], KV_FP32, pool, segs, NB, q2, qblocks, NB);
         expect_bytes(q1, q2, NB * qbb, &l, k_bits[b], "hostile quantize");
-        kv_lowbit_dequantize(&l, k_bits[b], q2, segs, NB, KV_FP32, back, segs, NB);
+        kv_lowbit_dequantize(&l, k_bits[b], q2, segs, NB, KV_FP32, &l, back, segs, NB);
         for (size_t i = 0; i < NB * kv_block_bytes(&l) / 4; i++) {
             float y;
             memcpy(&y, back + 4 * i, 4);
@@ -412,10 +416,10 @@ static void test_threads_deterministic(void **state)
     permutation(&r, qblocks, nb);
     setenv("KVSTASH_KERNEL_THREADS", "1", 1);
     kv_lowbit_quantize(&l, 4, KV_FP16, pool, segs, n, q1, qblocks, nb);
-    kv_lowbit_dequantize(&l, 4, q1, segs, n, KV_FP16, b1, segs, n);
+    kv_lowbit_dequantize(&l, 4, q1, segs, n, KV_FP16, &l, b1, segs, n);
     unsetenv("KVSTASH_KERNEL_THREADS");
     kv_lowbit_quantize(&l, 4, KV_FP16, pool, segs, n, q2, qblocks, nb);
-    kv_lowbit_dequantize(&l, 4, q2, segs, n, KV_FP16, b2, segs, n);
+    kv_lowbit_dequantize(&l, 4, q2, segs, n, KV_FP16, &l, b2, segs, n);
     print_message("threads for this job: %u\n", kv_parallel_threads(pb));
     assert_memory_equal(q1, q2, nb * qbb);
     assert_memory_equal(b1, b2, pb);

@@ -67,13 +67,13 @@ static void run_script(const kv_ops *ops, uint64_t seed, script_out *r)
     const uint32_t zero = 0;
     uint8_t *qpool = pool + 4 * kv_block_bytes(&lay);
     assert_int_equal(ops->int8_quantize(&lay, KV_FP16, pool, q0, 1, qpool, &zero, 1), 0);
-    assert_int_equal(ops->int8_dequantize(&lay, qpool, q8, 1, KV_FP16, pool, d5, 1), 0);
+    assert_int_equal(ops->int8_dequantize(&lay, qpool, q8, 1, KV_FP16, &lay, pool, d5, 1), 0);
     /* INT4: block 6 holds an INT4 block of block 1's tokens, dequantised
      * into block 7. */
     kv_segment q1[] = {{1, 0, TOKENS}}, d7[] = {{7, 0, TOKENS}};
     uint8_t *lpool = pool + 6 * kv_block_bytes(&lay);
     assert_int_equal(ops->lowbit_quantize(&lay, 4, KV_FP16, pool, q1, 1, lpool, &zero, 1), 0);
-    assert_int_equal(ops->lowbit_dequantize(&lay, 4, lpool, q8, 1, KV_FP16, pool, d7, 1), 0);
+    assert_int_equal(ops->lowbit_dequantize(&lay, 4, lpool, q8, 1, KV_FP16, &lay, pool, d7, 1), 0);
 
     /* RoPE and merges on block 2. */
     kv_segment rs[] = {{2, 0, 4}};

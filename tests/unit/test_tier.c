@@ -396,15 +396,16 @@ static size_t int8_dequantize_calls;
 
 static int counted_int8_dequantize(const kv_layout *l, const uint8_t *qpool,
                                    const kv_segment *qsegs, size_t nqsegs, kv_dtype t,
-                                   uint8_t *pool, const kv_segment *dst, size_t ndst)
+                                   const kv_layout *dl, uint8_t *pool, const kv_segment *dst,
+                                   size_t ndst)
 {
     int8_dequantize_calls++;
-    return kv_ops_cpu.int8_dequantize(l, qpool, qsegs, nqsegs, t, pool, dst, ndst);
+    return kv_ops_cpu.int8_dequantize(l, qpool, qsegs, nqsegs, t, dl, pool, dst, ndst);
 }
 
 /*
- * tier_copy of a long list, in host memory (each quantised run through one
- * staging block) and as on a device (ops that are not host memory: staged
+ * tier_copy of a long list, in host memory (each tier's tokens dequantised
+ * straight into their slots) and as on a device (ops that are not host memory: staged
  * copy_chunk tokens at a time): a list of INT8, INT4 and full-precision
  * tokens, out of order, copied with chunks of 1, 3, 7 and 100 tokens
  * (chunks that cut quantised runs, chunks of one tier and of several, a
@@ -412,8 +413,9 @@ static int counted_int8_dequantize(const kv_layout *l, const uint8_t *qpool,
  * slots in three orders: every slot holds what tier_read gives for
  * its source (the dequantised values, full-precision tokens exactly), and
  * no slot outside the destination's changes. INT8 blocks fill this
- * layout's pool blocks exactly, so that in one chunk every INT8 run is
- * dequantised by one kernel call (INT4's do not: a call per run).
+ * layout's pool blocks exactly, so that in one chunk (or in host memory,
+ * at once) every INT8 run is dequantised by one kernel call (INT4's do
+ * not: a call per run).
  */
 static void test_copy_in_chunks(void **state)
 {
@@ -451,6 +453,8 @@ static void test_copy_in_chunks(void **state)
     kv_ops device = kv_ops_cpu;
     device.host_memory = 0;
     device.int8_dequantize = counted_int8_dequantize;
+    kv_ops host = kv_ops_cpu;
+    host.int8_dequantize = counted_int8_dequantize;
     assert_int_equal(kv_int8_block_bytes(&f->c.l8), bb);
     const size_t chunks[] = {1, 3, 7, 100, f->c.copy_chunk, 0 /* host memory */};
     for (size_t k = 0; k < 3 * sizeof chunks / sizeof *chunks; k++) {
@@ -460,11 +464,11 @@ static void test_copy_in_chunks(void **state)
         memset(f->arena + 10 * bb, 0, 5 * bb);
         memcpy(before, f->arena, NBLOCKS * bb);
         tier_ctx c = f->c;
-        c.ops = chunk > 0 ? &device : &kv_ops_cpu;
+        c.ops = chunk > 0 ? &device : &host;
         c.copy_chunk = chunk > 0 ? chunk : c.copy_chunk;
         int8_dequantize_calls = 0;
         assert_int_equal(tier_copy(&c, src, N, dst), 0);
-        if (chunk >= N)
+        if (chunk >= N || chunk == 0)
             assert_int_equal(int8_dequantize_calls, 1);
         memset(got, 0, 2 * half);
         assert_int_equal(tier_read(&f->c, dst, N, got, got + half), 0);
