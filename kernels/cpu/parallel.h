@@ -13,12 +13,13 @@
 typedef void (*kv_range_fn)(void *ctx, size_t lo, size_t hi);
 
 /*
- * Run fn over [0, n) split into contiguous shares, one per thread, the first
- * share on the calling thread. `bytes` is the job's memory traffic, which
- * bounds the thread count (kernels.h: at least KV_PARALLEL_GRAIN bytes per
- * thread). fn must compute each item the same way whatever its share, which
- * makes the result independent of the thread count. When a thread cannot be
- * started its share runs on the calling thread: never a partial result.
+ * Run fn over [0, n) split into contiguous chunks, which the calling thread
+ * and the helpers it starts take in turn as each comes free. `bytes` is the
+ * job's memory traffic, which bounds the thread count (kernels.h: at least
+ * KV_PARALLEL_GRAIN bytes per thread). fn must compute each item the same
+ * way whatever chunk it is in, which makes the result independent of the
+ * thread count. When a thread cannot be started the others take its
+ * chunks: never a partial result.
  */
 void kv_parallel_for(size_t n, size_t bytes, kv_range_fn fn, void *ctx);
 
