@@ -1,7 +1,11 @@
+#define _GNU_SOURCE 1 /* helper_cpus.h */
+
 #include "host.h"
 
 #include "storage.h"
 #include "util.h"
+
+#include "../kernels/helper_cpus.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -887,19 +891,27 @@ typedef struct layer_steps {
     atomic_uint next;
     int *rc, *errnum;
     char (*err)[POLICY_ERR_LEN];
+    helper_cpus cpus;
 } layer_steps;
 
-static void *layer_steps_run(void *arg)
+static void layer_steps_take(layer_steps *j)
 {
-    layer_steps *j = arg;
     for (;;) {
         uint32_t l = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
         if (l >= j->h->geom.layers)
-            return NULL;
+            return;
         errno = 0;
         j->rc[l] = layer_step(j->h, l, &j->stats[l], j->err[l], POLICY_ERR_LEN);
         j->errnum[l] = errno;
     }
+}
+
+static void *layer_steps_helper(void *arg)
+{
+    layer_steps *j = arg;
+    helper_cpus_enter(&j->cpus);
+    layer_steps_take(j);
+    return NULL;
 }
 
 /* Every layer's policy step on `threads` threads (fewer when one cannot
@@ -917,11 +929,17 @@ static int step_layers_threaded(policy_host *h, uint32_t threads, const policy_s
     pthread_t *tid = calloc(threads, sizeof *tid);
     int rc = j.rc && j.errnum && j.err && tid ? 0 : -1;
     uint32_t started = 0;
+    pthread_attr_t attr;
+    int have_attr = pthread_attr_init(&attr) == 0;
+    if (have_attr) /* helper_cpus.h: else they wait for the caller */
+        helper_cpus_place(&j.cpus, &attr);
     while (rc == 0 && started + 1 < threads &&
-           pthread_create(&tid[started], NULL, layer_steps_run, &j) == 0)
+           pthread_create(&tid[started], have_attr ? &attr : NULL, layer_steps_helper, &j) == 0)
         started++;
+    if (have_attr)
+        pthread_attr_destroy(&attr);
     if (rc == 0)
-        layer_steps_run(&j);
+        layer_steps_take(&j);
     for (uint32_t t = 0; t < started; t++)
         pthread_join(tid[t], NULL);
     if (rc != 0) {

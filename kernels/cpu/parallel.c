@@ -5,16 +5,16 @@
  * state between calls (STYLE.md), and a call worth splitting (>= 2 MiB of
  * traffic) costs far more than the ~20 us of creating a thread.
  */
-#define _GNU_SOURCE 1 /* sched_getcpu, CPU_SET, pthread_attr_setaffinity_np */
+#define _GNU_SOURCE 1 /* helper_cpus.h */
 
 #include "parallel.h"
 
 #include <pthread.h>
-#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <unistd.h>
 
+#include "../helper_cpus.h"
 #include "kernels.h"
 
 #define KV_MAX_THREADS 8u
@@ -45,8 +45,7 @@ typedef struct chunks {
     void *ctx;
     size_t n, size;
     atomic_size_t next; /* first item not yet taken */
-    cpu_set_t allowed;  /* the caller's CPUs, which helpers return to */
-    int placed;         /* helpers were started off the caller's CPU */
+    helper_cpus cpus;
 } chunks;
 
 static void take_chunks(chunks *c)
@@ -62,31 +61,9 @@ static void take_chunks(chunks *c)
 static void *helper_main(void *p)
 {
     chunks *c = p;
-    if (c->placed) /* started elsewhere; from now on the scheduler's to move */
-        (void)pthread_setaffinity_np(pthread_self(), sizeof c->allowed, &c->allowed);
+    helper_cpus_enter(&c->cpus);
     take_chunks(c);
     return NULL;
-}
-
-/*
- * Where helpers start: on any of the caller's CPUs but the one it runs on.
- * Linux places a new thread by the load of the instant it is created,
- * often on its creator's CPU (the other CPUs busy with that moment's
- * work: on a 2-vCPU VM, the worker that just asked for the call), and does
- * not move a waiting thread to a CPU that frees up a moment later: the
- * helper then waits for the caller to finish all the work (measured: a
- * Revive's dequantisation of 4,096 tokens took 1.2 ms on two threads, as
- * on one, and 0.67 ms placed). 0 when the caller has no other CPU.
- */
-static int helpers_placement(chunks *c, pthread_attr_t *attr)
-{
-    int me = sched_getcpu();
-    if (me < 0 || pthread_getaffinity_np(pthread_self(), sizeof c->allowed, &c->allowed) != 0 ||
-        !CPU_ISSET(me, &c->allowed) || CPU_COUNT(&c->allowed) < 2)
-        return 0;
-    cpu_set_t others = c->allowed;
-    CPU_CLR(me, &others);
-    return pthread_attr_setaffinity_np(attr, sizeof others, &others) == 0;
 }
 
 /*
@@ -113,7 +90,8 @@ void kv_parallel_for(size_t n, size_t bytes, kv_range_fn fn, void *ctx)
     atomic_init(&c.next, 0);
     pthread_attr_t attr;
     int have_attr = pthread_attr_init(&attr) == 0;
-    c.placed = have_attr && helpers_placement(&c, &attr);
+    if (have_attr) /* helper_cpus.h: else they wait for the caller */
+        helper_cpus_place(&c.cpus, &attr);
     pthread_t tid[KV_MAX_THREADS];
     int started[KV_MAX_THREADS] = {0};
     for (unsigned i = 1; i < nt; i++)
