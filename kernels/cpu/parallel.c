@@ -71,10 +71,12 @@ static void *helper_main(void *p)
  * a shared counter rather than dealt out in fixed shares: a thread that
  * starts late (a busy host, or a VM's idle CPU that must first be woken)
  * takes fewer, and the call ends when the work does, not when the last
- * thread's share does. Where no thread starts, the caller takes every
- * chunk.
+ * thread's share does. Two, not more: a chunk costs some kernels a walk of
+ * every token (the sketch's insert splits channels), and 8 a thread made a
+ * victims=sketch step 25% slower (bench_tiers). Where no thread starts,
+ * the caller takes every chunk.
  */
-#define KV_CHUNKS_PER_THREAD 8u
+#define KV_CHUNKS_PER_THREAD 2u
 
 void kv_parallel_for(size_t n, size_t bytes, kv_range_fn fn, void *ctx)
 {

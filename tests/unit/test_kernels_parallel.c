@@ -104,7 +104,7 @@ static void test_helpers_take_chunks(void **state)
     kv_parallel_for(1000, BIG_CALL, wait_for_helper, &r);
     unsetenv("KVSTASH_KERNEL_THREADS");
     assert_true(atomic_load(&r.by_helpers) > 0);
-    assert_int_equal(atomic_load(&r.by_caller) + atomic_load(&r.by_helpers), 16); /* 8 each */
+    assert_int_equal(atomic_load(&r.by_caller) + atomic_load(&r.by_helpers), 4); /* 2 each */
 }
 
 int main(void)
