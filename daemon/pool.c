@@ -88,9 +88,8 @@ status_code pool_create(uint64_t id, const char *model, const pool_geometry *g, 
     p->bytes = count * p->block_bytes;
     p->free_stack = malloc(count * sizeof *p->free_stack);
     p->saved_stack = malloc(count * sizeof *p->saved_stack);
-    p->marks = calloc((count + 7) / 8, 1);
     p->held = malloc(count * sizeof *p->held);
-    if (p->free_stack == NULL || p->saved_stack == NULL || p->marks == NULL || p->held == NULL) {
+    if (p->free_stack == NULL || p->saved_stack == NULL || p->held == NULL) {
         status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory for %zu block ids", count);
         goto fail;
     }
@@ -116,7 +115,6 @@ void pool_destroy(pool *p)
         p->backend->arena_destroy(&p->arena);
     free(p->free_stack);
     free(p->saved_stack);
-    free(p->marks);
     free(p->held);
     free(p);
 }

@@ -45,7 +45,6 @@ typedef struct pool {
     uint32_t *saved_stack;
     uint32_t sp_mark, sp_low;
     int sp_active;
-    uint8_t *marks; /* a bit per block (pool_mark) */
     /* Held blocks (pool_hold_begin): neither free nor any sequence's. */
     uint32_t *held; /* [block_count]; held[0..nheld) */
     uint32_t nheld;
@@ -112,24 +111,6 @@ void pool_hold_free(pool *p, uint32_t first, uint32_t count);
 void pool_savepoint(pool *p);
 void pool_rollback(pool *p);
 void pool_release(pool *p);
-
-/* Marks for counting distinct blocks without allocating (Stats must not
- * miscount when memory is short): pool_mark sets block's bit and returns
- * 1 if it was clear, 0 if set; whoever marks clears every mark again
- * (pool_unmark) before the store's lock is released. Inline: a step marks
- * every block of its lists. */
-static inline int pool_mark(pool *p, uint32_t block)
-{
-    uint8_t bit = (uint8_t)(1u << (block % 8)), *byte = &p->marks[block / 8];
-    int was_clear = !(*byte & bit);
-    *byte |= bit;
-    return was_clear;
-}
-
-static inline void pool_unmark(pool *p, uint32_t block)
-{
-    p->marks[block / 8] &= (uint8_t) ~(1u << (block % 8));
-}
 
 /* Copy n blocks' whole bytes, blocks[i] to or from host[i * block_bytes],
  * through the backend's memory operations (a sequence's export and

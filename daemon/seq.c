@@ -53,7 +53,10 @@ status_code seq_create(uint64_t id, uint64_t session_id, pool *pool, const polic
                           "a block of this pool cannot hold an INT8 block");
     }
     s->lists = calloc((size_t)s->nlayers * s->heads, sizeof *s->lists);
-    if (s->lists == NULL) {
+    s->marks = calloc((pool->block_count + 7) / 8, 1);
+    if (s->lists == NULL || s->marks == NULL) {
+        free(s->lists);
+        free(s->marks);
         free(s);
         return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
     }
@@ -66,6 +69,7 @@ status_code seq_create(uint64_t id, uint64_t session_id, pool *pool, const polic
         status_set(st, errno == ENOMEM ? ST_RESOURCE_EXHAUSTED : ST_INVALID_ARGUMENT,
                    "policy %s: %s", policy->name, err);
         free(s->lists);
+        free(s->marks);
         free(s);
         return st->code;
     }
@@ -77,6 +81,7 @@ status_code seq_create(uint64_t id, uint64_t session_id, pool *pool, const polic
                    policy_tier_name(demote), demote == POLICY_INT4 ? "INT4" : "INT2");
         policy_host_destroy(s->host);
         free(s->lists);
+        free(s->marks);
         free(s);
         return st->code;
     }
@@ -86,7 +91,7 @@ status_code seq_create(uint64_t id, uint64_t session_id, pool *pool, const polic
 
 uint32_t seq_list_blocks(const seq *s, uint32_t layer, uint32_t head)
 {
-    return list_count_blocks(seq_list_at(s, layer, head), -1, s->pool);
+    return list_count_blocks(seq_list_at(s, layer, head), -1, s);
 }
 
 uint64_t seq_id_of(const seq *s)
@@ -211,7 +216,7 @@ void seq_destroy(seq *s)
         tier_sketch_free(&s->lists[i].sketch);
     }
     for (size_t i = 0; i < s->nretired; i++)
-        pool_free_block(s->pool, s->retired[i].block);
+        seq_give_block(s, s->retired[i].block);
     seq_txn_free(s);
     free(s->cuts.count);
     free(s->cuts.first);
@@ -221,6 +226,7 @@ void seq_destroy(seq *s)
     snapshot_tiers_free(&s->report);
     free(s->retired);
     free(s->lists);
+    free(s->marks);
     free(s);
 }
 
@@ -229,7 +235,7 @@ void seq_ack(seq *s, uint64_t ack_epoch)
     size_t kept = 0;
     for (size_t i = 0; i < s->nretired; i++) {
         if (s->retired[i].epoch <= ack_epoch)
-            pool_free_block(s->pool, s->retired[i].block);
+            seq_give_block(s, s->retired[i].block);
         else
             s->retired[kept++] = s->retired[i];
     }
@@ -240,7 +246,7 @@ uint32_t seq_blocks_held(const seq *s)
 {
     uint32_t n = (uint32_t)s->nretired;
     for (size_t k = 0; k < seq_nlists(s); k++)
-        n += list_count_blocks(&s->lists[k], -1, s->pool);
+        n += list_count_blocks(&s->lists[k], -1, s);
     return n;
 }
 
@@ -304,8 +310,7 @@ void seq_tier_usage(const seq *s, uint64_t tokens[POLICY_TIERS], uint64_t bytes[
             tokens[ly->seg_tier[i]] += ly->segs[i].count;
         for (int t = 0; t < POLICY_TIERS; t++)
             if (t == POLICY_FULL || policy_tier_quantised((unsigned)t))
-                bytes[t] +=
-                    (uint64_t)list_count_blocks(ly, (uint8_t)t, s->pool) * s->pool->block_bytes;
+                bytes[t] += (uint64_t)list_count_blocks(ly, (uint8_t)t, s) * s->pool->block_bytes;
         for (size_t j = 0; j < ly->noffloaded; j++)
             tokens[ly->offloaded_at[j].tier]++;
         bytes[POLICY_SKETCH] += tier_sketch_bytes(&ly->sketch);
@@ -387,9 +392,11 @@ struct seq_step_job {
     const float **rows;
     policy_stats *ps; /* [nlayers] */
     const policy_decision **d;
-    status_code rc; /* the decision's */
+    status_code rc; /* the decision's, then the application's */
     status st;
     size_t evicted; /* the commit's */
+    uint64_t epoch; /* the application's */
+    int changed;
 };
 
 static void step_job_clear(seq_step_job *j)
@@ -609,33 +616,88 @@ void seq_step_decide(seq_step_job *job)
     step_job_decide(job);
 }
 
+/* Whether the step's decisions and the lists hold full-precision tokens
+ * only (kept or evicted, nothing offloaded), which a detached sequence can
+ * apply with the blocks of its reserve. */
+static int step_job_full_only(const seq_step_job *j)
+{
+    const seq *s = j->s;
+    const policy_storage *ps = policy_host_storage(s->host);
+    if (ps->demote != POLICY_FULL || ps->victims != POLICY_VICTIMS_EVICT)
+        return 0;
+    for (uint32_t l = 0; l < s->nlayers; l++)
+        for (uint32_t k = 0; k < s->heads; k++) {
+            const seq_list *ly = seq_list_at(s, l, k);
+            uint32_t nevict;
+            if (ly->noffloaded > 0 ||
+                !policy_tiers_keep_or_evict(j->d[l]->tier[k], j->tokens[l * s->heads + k],
+                                            POLICY_FULL, &nevict))
+                return 0;
+            for (size_t i = 0; i < ly->nsegs; i++)
+                if (ly->seg_tier[i] != POLICY_FULL)
+                    return 0;
+        }
+    return 1;
+}
+
+/* seq_step_finish's application to the storage, in a transaction ended
+ * (the storage's part) or rolled back (with the host's decision) here: on
+ * a detached sequence without the store's lock, where a decision that
+ * needs more than the storage can do detached (any tier but full
+ * precision) is left, unchanged, to a second call under the lock. */
+static int step_job_apply_work(void *job)
+{
+    seq_step_job *j = job;
+    seq *s = j->s;
+    if (seq_detached(s) && !step_job_full_only(j))
+        return SEQ_WORK_NEEDS_LOCK;
+    seq_begin(s);
+    s->stepping = 1;
+    j->rc = step_job_apply(j, j->epoch, &j->changed, &j->st);
+    s->stepping = 0;
+    if (j->rc == ST_OK) {
+        seq_end_storage(s); /* nothing can fail from here */
+        return 0;
+    }
+    if (seq_detached_short(s)) { /* the storage as it was, the decision kept */
+        seq_rollback_storage(s);
+        j->rc = ST_OK;
+        return SEQ_WORK_NEEDS_LOCK;
+    }
+    seq_rollback(s); /* the host's decision too */
+    return 0;
+}
+
 status_code seq_step_finish(seq_step_job *job, seq_step_runner run, void *ctx, uint32_t *evicted,
                             status *st)
 {
     seq *s = job->s;
-    uint64_t epoch = s->epoch + 1;
-    int changed = 0;
+    job->epoch = s->epoch + 1;
+    job->changed = 0;
     *evicted = 0;
-    seq_begin(s);
-    s->stepping = 1;
-    status_code rc =
-        job->rc != ST_OK ? (*st = job->st, job->rc) : step_job_apply(job, epoch, &changed, st);
-    s->stepping = 0;
-    if (rc == ST_OK) {
-        seq_end_storage(s); /* nothing can fail from here */
+    status_code rc = job->rc;
+    if (rc != ST_OK) {
+        *st = job->st;
+        seq_begin(s);
+        seq_rollback(s); /* the host's decision */
+    } else {
         if (run != NULL)
-            run(ctx, step_job_commit_host, job);
+            run(ctx, SEQ_WORK_STORAGE, step_job_apply_work, job);
+        else
+            step_job_apply_work(job);
+        if ((rc = job->rc) != ST_OK)
+            *st = job->st;
+    }
+    if (rc == ST_OK) {
+        if (run != NULL)
+            run(ctx, SEQ_WORK_HOST, step_job_commit_host, job);
         else
             step_job_commit_host(job);
-        step_job_end(job, epoch, changed, evicted);
+        step_job_end(job, job->epoch, job->changed, evicted);
     }
     s->deciding = 0;
     step_job_clear(job);
     free(job);
-    if (rc != ST_OK) {
-        seq_rollback(s); /* the host's decision too */
-        *evicted = 0;
-    }
     return rc;
 }
 
@@ -682,13 +744,13 @@ static status_code append_fits(seq *s, int64_t count, uint64_t *need, status *st
     uint64_t droppable = 0;
     for (size_t i = 0; i < seq_nlists(s); i++)
         droppable += s->lists[i].nvictim_blocks;
-    if (*need <= s->pool->nfree + droppable)
+    if (*need <= seq_free_blocks(s) + droppable)
         return ST_OK;
     return status_set(st, ST_RESOURCE_EXHAUSTED,
                       "appending %lld tokens needs %llu free blocks; pool '%s' has %u of %u "
                       "free (release sequences or start kvstashd with a larger --pool-mb)",
-                      (long long)count, (unsigned long long)*need, s->pool->model, s->pool->nfree,
-                      s->pool->block_count);
+                      (long long)count, (unsigned long long)*need, s->pool->model,
+                      seq_free_blocks(s), s->pool->block_count);
 }
 
 /* Every part that can fail runs before victims are dropped and slots
@@ -701,7 +763,7 @@ static status_code append_tokens(seq *s, int64_t count, uint64_t need, kv_segmen
             return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
     if (policy_host_append(s->host, (uint32_t)count) != 0)
         return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
-    while (need > s->pool->nfree && seq_drop_victim_blocks(s) > 0)
+    while (need > seq_free_blocks(s) && seq_drop_victim_blocks(s) > 0)
         ;
     for (size_t i = 0; i < seq_nlists(s); i++)
         nwrites[i] = list_grow(s, &s->lists[i], (uint32_t)count, writes[i]);

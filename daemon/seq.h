@@ -201,17 +201,42 @@ status_code seq_step(seq *s, const seq_step_input *in, uint32_t *evicted, status
  * always exactly one finish, called with the lock held. Once the storage
  * follows the decisions, the host's commit of them (as long as the
  * decision at a prompt: its lists' entries compacted) changes only the
- * host, and finish hands it to run(ctx, work, arg), which must call
- * work(arg) and may let the lock go around it while the sequence is
- * marked moving (NULL: finish calls it); seq_tokens_held still answers
- * the count at the plan until finish returns.
+ * host. finish hands both parts to run(ctx, kind, work, arg) (NULL:
+ * finish calls them), which must call work(arg) and may let the lock go
+ * around it while the sequence is marked moving: around SEQ_WORK_HOST
+ * (the commit) as it is; around SEQ_WORK_STORAGE (the application to the
+ * storage) only with the sequence detached from its pool (seq_detach
+ * before, seq_attach after, both under the lock). Detached, work may
+ * find that it needs the lock after all (a decision that quantises: it
+ * takes blocks beyond the reserve) and return SEQ_WORK_NEEDS_LOCK having
+ * changed nothing; run then attaches the sequence and calls work(arg)
+ * again under the lock. seq_tokens_held answers the count at the plan
+ * until finish returns.
  */
 typedef struct seq_step_job seq_step_job;
-typedef int (*seq_step_runner)(void *ctx, int (*work)(void *), void *arg);
+typedef enum seq_work_kind { SEQ_WORK_HOST, SEQ_WORK_STORAGE } seq_work_kind;
+#define SEQ_WORK_NEEDS_LOCK 1
+typedef int (*seq_step_runner)(void *ctx, seq_work_kind kind, int (*work)(void *), void *arg);
 status_code seq_step_plan(seq *s, const seq_step_input *in, seq_step_job **job, status *st);
 void seq_step_decide(seq_step_job *job);
 status_code seq_step_finish(seq_step_job *job, seq_step_runner run, void *ctx, uint32_t *evicted,
                             status *st);
+
+/*
+ * Detach a sequence from its pool (lock held, no transaction open): until
+ * seq_attach (lock held again) it takes blocks from a reserve taken from
+ * the pool now and keeps those it gives back, so that a step's
+ * application (SEQ_WORK_STORAGE above) may run without the store's lock
+ * while other sequences of the pool take and give blocks under it.
+ * Nothing else may read the sequence's storage meanwhile: the store waits
+ * for it (snapshots, a session's block count) or passes it by. Returns 0,
+ * or -1 when it stays attached (memory, or a pool too full to spare the
+ * reserve: the work then runs under the lock). seq_attach gives the
+ * reserve's unused blocks and the given ones back to the pool.
+ */
+int seq_detach(seq *s);
+void seq_attach(seq *s);
+int seq_detached(const seq *s);
 
 /*
  * The tokens the last seq_step removed from the lists, when removing them

@@ -162,7 +162,7 @@ static int quantize_fresh(seq *s, uint8_t qt, tier_token *tok, const uint32_t *i
     if (qb == NULL)
         return -1;
     for (size_t b = 0; b < nq; b++)
-        pool_alloc_block(s->pool, &qb[b]); /* checked by the caller */
+        seq_take_block(s, &qb[b]); /* checked by the caller */
     double ratio;
     int rc = seq_quantize_into(s, qt, tok, idx, m, qb, nq, &ratio);
     if (rc == 0 && ratio >= 0)
@@ -189,7 +189,7 @@ static int list_demote_to(seq *s, seq_list *ly, uint8_t qt, tier_token *tok, con
     if (t8 == 0)
         return 0; /* the tier does not fit this pool (seq_create refuses it as demote) */
     size_t nq = partial ? (m + t8 - 1) / t8 : m / t8;
-    if (nq == 0 || nq > s->pool->nfree)
+    if (nq == 0 || nq > seq_free_blocks(s))
         return 0;
     if (s->stepping && s->demote_after_step) {
         ly->demote_due |= SEQ_DUE_TIERS;
@@ -253,7 +253,7 @@ static int list_requantize_tier(seq *s, uint8_t qt, tier_token *tok, const uint8
     if (m == 0)
         return 0;
     size_t need = (m + t8 - 1) / t8, have = seq_sort_unique(blocks, m);
-    if (have <= need + compact_slack((uint32_t)need) || need > s->pool->nfree)
+    if (have <= need + compact_slack((uint32_t)need) || need > seq_free_blocks(s))
         return 0;
     if (quantize_fresh(s, qt, tok, scratch, m) != 0)
         return -1;
@@ -291,7 +291,7 @@ static int list_victims_quantize(seq *s, seq_list *ly, uint32_t *scratch)
         if (ly->offloaded_at[j].tier == POLICY_FULL)
             scratch[m++] = (uint32_t)j;
     size_t nq = m / t8;
-    if (nq == 0 || nq > s->pool->nfree ||
+    if (nq == 0 || nq > seq_free_blocks(s) ||
         seq_grow((void **)&ly->victim_blocks, &ly->victim_blocks_cap, ly->nvictim_blocks + nq,
                  sizeof *ly->victim_blocks) != 0)
         return 0;
@@ -331,7 +331,7 @@ uint32_t seq_drop_victim_blocks(seq *s)
         s->victims_dropped += ly->noffloaded - kept;
         s->report.victims_dropped += ly->noffloaded - kept;
         ly->noffloaded = kept;
-        pool_free_block(s->pool, b);
+        seq_give_block(s, b);
         freed++;
     }
     return freed;
@@ -468,10 +468,10 @@ static uint32_t full_blocks(seq *s, const tier_token *kept, uint32_t n)
     uint32_t blocks = 0;
     for (uint32_t i = 0; i < n; i++)
         if (full_run_start(kept, i))
-            blocks += (uint32_t)pool_mark(s->pool, kept[i].block);
+            blocks += (uint32_t)seq_mark(s, kept[i].block);
     for (uint32_t i = 0; i < n; i++)
         if (full_run_start(kept, i))
-            pool_unmark(s->pool, kept[i].block);
+            seq_unmark(s, kept[i].block);
     return blocks;
 }
 
@@ -528,7 +528,7 @@ int list_compact(seq *s, seq_list *ly, tier_token *kept, uint32_t n)
         return 0;
     uint32_t from, to, m = compact_window(s, ly, kept, n, nfull, &from, &to);
     uint32_t fresh = (m + slots - 1) / slots;
-    if (m == 0 || fresh > s->pool->nfree || compact_over_budget(s, m))
+    if (m == 0 || fresh > seq_free_blocks(s) || compact_over_budget(s, m))
         return 0;
     /* The copy in runs, as long as both sides allow: one token at a time
      * is a memcpy of a head's row per call. */
@@ -540,7 +540,7 @@ int list_compact(seq *s, seq_list *ly, tier_token *kept, uint32_t n)
         if (kept[i].tier != POLICY_FULL)
             continue;
         if (j % slots == 0)
-            pool_alloc_block(s->pool, &blocks[j / slots]); /* checked above */
+            seq_take_block(s, &blocks[j / slots]); /* checked above */
         nsrc = seq_push_run(src, nsrc, (kv_segment){kept[i].block, kept[i].slot, 1});
         ndst = seq_push_run(dst, ndst, (kv_segment){blocks[j / slots], j % slots, 1});
         j++;
@@ -576,11 +576,11 @@ int list_compact_due(seq *s, const seq_list *ly)
     for (size_t j = 0; j < ly->nsegs; j++)
         if (ly->seg_tier[j] == POLICY_FULL) {
             nfull += ly->segs[j].count;
-            blocks += (uint32_t)pool_mark(s->pool, ly->segs[j].block);
+            blocks += (uint32_t)seq_mark(s, ly->segs[j].block);
         }
     for (size_t j = 0; j < ly->nsegs; j++)
         if (ly->seg_tier[j] == POLICY_FULL)
-            pool_unmark(s->pool, ly->segs[j].block);
+            seq_unmark(s, ly->segs[j].block);
     uint32_t need = (nfull + s->block_slots - 1) / s->block_slots;
     return need > 0 && blocks > need + compact_slack(need);
 }
@@ -593,14 +593,14 @@ static int list_retire_unmarked(seq *s, seq_list *ly, const uint32_t *before, si
 {
     int rc = 0;
     for (size_t i = 0; i < nb && rc == 0; i++) {
-        if (!pool_mark(s->pool, before[i])) /* used after, or retired already */
+        if (!seq_mark(s, before[i])) /* used after, or retired already */
             continue;
         rc = seq_retire(s, before[i], epoch);
         if (rc == 0 && ly->has_tail && ly->tail_block == before[i])
             ly->has_tail = 0;
     }
     for (size_t i = 0; i < nb; i++)
-        pool_unmark(s->pool, before[i]);
+        seq_unmark(s, before[i]);
     return rc;
 }
 
@@ -610,10 +610,10 @@ int list_retire_unused(seq *s, seq_list *ly, const uint32_t *before, size_t nb,
                        const uint32_t *after, size_t na, uint64_t epoch)
 {
     for (size_t i = 0; i < na; i++)
-        pool_mark(s->pool, after[i]);
+        seq_mark(s, after[i]);
     int rc = list_retire_unmarked(s, ly, before, nb, epoch);
     for (size_t i = 0; i < na; i++)
-        pool_unmark(s->pool, after[i]);
+        seq_unmark(s, after[i]);
     return rc;
 }
 
@@ -663,7 +663,7 @@ static int touch_pending(const seq *s, const seq_list *ly, const policy_decision
             continue;
         if (!only_due)
             return LIST_TOUCHED;
-        due |= t8 > 0 && pending[t] / t8 <= s->pool->nfree; /* list_demote_to's test */
+        due |= t8 > 0 && pending[t] / t8 <= seq_free_blocks(s); /* list_demote_to's test */
     }
     return due ? LIST_COMES_DUE : LIST_UNTOUCHED;
 }
@@ -1031,8 +1031,8 @@ static int list_cut_rebuild(seq *s, seq_list *ly, const uint8_t *tier, uint32_t 
         after[j] = segs[j].block;
     uint32_t need = (kept + s->block_slots - 1) / s->block_slots, blocks = 0;
     for (size_t j = 0; j < out; j++)
-        blocks += (uint32_t)pool_mark(s->pool, after[j]);
-    int rc = need > 0 && need <= s->pool->nfree && blocks > need + compact_slack(need) ? 1 : 0;
+        blocks += (uint32_t)seq_mark(s, after[j]);
+    int rc = need > 0 && need <= seq_free_blocks(s) && blocks > need + compact_slack(need) ? 1 : 0;
     if (rc == 0 && (seq_txn_save_list(s, ly) != 0 || list_reserve(ly, out ? out : 1) != 0))
         rc = -1;
     if (rc == 0) {
@@ -1049,7 +1049,7 @@ static int list_cut_rebuild(seq *s, seq_list *ly, const uint8_t *tier, uint32_t 
         ly->blocks_at_most = blocks + (uint32_t)ly->has_tail;
     }
     for (size_t j = 0; j < out; j++)
-        pool_unmark(s->pool, after[j]);
+        seq_unmark(s, after[j]);
     free(segs);
     free(ids);
     return rc;

@@ -84,12 +84,12 @@ static void give_back(seq_demote_job *j)
     for (size_t i = j->nlists; i-- > 0;) {
         demote_list *d = &j->lists[i];
         for (size_t b = d->vnq; b-- > 0;)
-            pool_free_block(j->s->pool, d->vqb[b]);
+            seq_give_block(j->s, d->vqb[b]);
         size_t nq = 0;
         for (size_t q = 0; q < DEMOTE_TIERS; q++)
             nq += d->nq[q];
         while (nq-- > 0)
-            pool_free_block(j->s->pool, d->qb[nq]);
+            seq_give_block(j->s, d->qb[nq]);
     }
 }
 
@@ -110,7 +110,7 @@ static long plan_victims(seq *s, demote_list *d)
         if (ly->offloaded_at[j].tier == POLICY_FULL)
             d->vidx[m++] = (uint32_t)j;
     size_t nq = m / t8;
-    if (nq == 0 || nq > s->pool->nfree)
+    if (nq == 0 || nq > seq_free_blocks(s))
         return 0;
     d->vdst = malloc(noff * sizeof *d->vdst);
     d->vqb = malloc(nq * sizeof *d->vqb);
@@ -118,7 +118,7 @@ static long plan_victims(seq *s, demote_list *d)
         return -1;
     memcpy(d->vdst, ly->offloaded_at, noff * sizeof *d->vdst);
     for (size_t b = 0; b < nq; b++)
-        pool_alloc_block(s->pool, &d->vqb[b]);
+        seq_take_block(s, &d->vqb[b]);
     d->vm = nq * t8;
     d->vnq = nq;
     return (long)nq;
@@ -202,10 +202,10 @@ static long plan_list(seq *s, uint32_t l, uint32_t k, demote_list *d)
         size_t m =
             full_decided(d->ly, v->tier[k], d->n, qt, d->idx + at, d->moved + at, counts[qt]);
         size_t nq = m / t8;
-        if (nq == 0 || nq > s->pool->nfree)
+        if (nq == 0 || nq > seq_free_blocks(s))
             continue;
         for (size_t b = 0; b < nq; b++)
-            pool_alloc_block(s->pool, &d->qb[taken + b]);
+            seq_take_block(s, &d->qb[taken + b]);
         d->m[q] = nq * t8;
         d->nq[q] = nq;
         at += d->m[q];

@@ -83,9 +83,14 @@ void seq_cuts_begin(seq *s);
 
 /* seq_end's part that is not the policy host's: the pool's savepoint
  * released (one per pool: another sequence may take it as soon as the
- * store's lock is let go) and the storage's saved state dropped. The
+ * store's lock is let go; none while detached) and the storage's saved
+ * state dropped. The
  * host's transaction stays open until policy_host_end. */
 void seq_end_storage(seq *s);
+
+/* seq_rollback's part that is not the policy host's: the storage as it
+ * was at seq_begin, the host's transaction still open. */
+void seq_rollback_storage(seq *s);
 
 /* seq_apply_decision without the host's commit: the storage follows the
  * decision, the host's lists stay as the decision saw them until the
@@ -121,6 +126,26 @@ typedef struct seq_txn {
     size_t ntokens, tokens_cap;
 } seq_txn;
 
+/*
+ * A sequence's blocks while it is detached from its pool (seq_blocks.c;
+ * seq.h seq_detach): a step that applies a long decision does so without
+ * the store's lock, so it must not touch the pool, which other sequences'
+ * calls change under that lock. It takes blocks from `reserve`, taken
+ * from the pool under the lock beforehand, and what it gives back waits in
+ * `given` until seq_attach returns both. A transaction (seq_txn.c) saves
+ * both counts in place of the pool's savepoint.
+ */
+typedef struct seq_reserve {
+    int on;
+    int short_of;     /* a take found the reserve empty (seq_take_block) */
+    uint32_t *blocks; /* reserve[0 .. n) free; taken from the top */
+    uint32_t n, cap;  /* cap: as taken from the pool */
+    uint32_t *given;  /* given[0 .. ngiven) */
+    size_t ngiven, given_cap;
+    uint32_t txn_n; /* at seq_begin */
+    size_t txn_ngiven;
+} seq_reserve;
+
 typedef struct seq {
     uint64_t id;
     uint64_t session_id;
@@ -145,6 +170,12 @@ typedef struct seq {
     uint64_t victims_dropped;     /* victims=int8 victims freed under memory pressure */
     snapshot_tiers report;        /* seq_tier_report */
     seq_txn txn;
+    seq_reserve detached;
+    /* A bit per block of the pool, for counting distinct blocks without
+     * allocating (seq_mark); whoever marks clears every mark again. The
+     * sequence's own: it marks only its own blocks, and may do so outside
+     * the store's lock while another sequence marks its own. */
+    uint8_t *marks;
     seq_cut_log cuts;
     seq_move_log moves;
     size_t sketch_reserved;  /* daemon memory the store reserved for the sketches (seq.h) */
@@ -166,6 +197,57 @@ typedef struct seq {
     uint32_t spill_parts;
     uint64_t spilled_tokens, spilled_blocks, spilled_bytes;
 } seq;
+
+/* Set block's bit in a bitmap of blocks; 1 if it was clear, 0 if set. */
+static inline int block_mark(uint8_t *marks, uint32_t block)
+{
+    uint8_t bit = (uint8_t)(1u << (block % 8)), *byte = &marks[block / 8];
+    int was_clear = !(*byte & bit);
+    *byte |= bit;
+    return was_clear;
+}
+
+static inline void block_unmark(uint8_t *marks, uint32_t block)
+{
+    marks[block / 8] &= (uint8_t) ~(1u << (block % 8));
+}
+
+/* The same in the sequence's marks. They are scratch, not the sequence's
+ * state: a const sequence may mark. */
+static inline int seq_mark(const seq *s, uint32_t block)
+{
+    return block_mark(s->marks, block);
+}
+
+static inline void seq_unmark(const seq *s, uint32_t block)
+{
+    block_unmark(s->marks, block);
+}
+
+/* seq_detach leaves a sequence attached unless its pool has this many
+ * times the reserve free. */
+#define SEQ_DETACH_FREE_FACTOR 4u
+
+/* Whether a detached sequence's take found its reserve empty since
+ * seq_detach (the work then needs the lock: seq.h SEQ_WORK_NEEDS_LOCK). */
+int seq_detached_short(const seq *s);
+
+/* A block of the sequence's pool (or of its reserve while detached): 0,
+ * or -1 when there is none. Give it back with seq_give_block. */
+int seq_take_block(seq *s, uint32_t *block);
+
+/* Give a block back to the pool (while detached: at seq_attach). */
+void seq_give_block(seq *s, uint32_t block);
+
+/* Blocks seq_take_block can take now. */
+uint32_t seq_free_blocks(const seq *s);
+
+/* The transaction's part of the blocks (seq_txn.c): where the pool's
+ * savepoint is taken, released and rolled back, or the reserve's counts
+ * while detached. */
+void seq_blocks_begin(seq *s);
+void seq_blocks_end(seq *s);
+void seq_blocks_rollback(seq *s);
 
 /* Tokens a call's compactions copy, beyond its first list
  * (seq_apply.c list_compact): the lists of a sequence evict in step, so they
@@ -200,8 +282,8 @@ size_t list_fill_block_ids(const seq_list *ly, int tier, uint32_t *out);
 
 /* The distinct blocks of a list's segments and offloaded victims stored in
  * `tier` (any tier with a block when tier < 0), counted without allocating
- * (pool_mark on the list's pool p). */
-uint32_t list_count_blocks(const seq_list *ly, int tier, pool *p);
+ * (seq_mark: s is the list's sequence). */
+uint32_t list_count_blocks(const seq_list *ly, int tier, const seq *s);
 
 /* Give every block of a list being destroyed back to p, needing no memory:
  * its segment and victim arrays serve as scratch and are left empty. */

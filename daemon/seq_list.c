@@ -72,23 +72,23 @@ size_t list_fill_block_ids(const seq_list *ly, int tier, uint32_t *out)
     return list_visit_blocks(ly, tier, 1, append_id, &out);
 }
 
-static int mark(void *p, uint32_t block)
+static int mark(void *marks, uint32_t block)
 {
-    return pool_mark(p, block);
+    return block_mark(marks, block);
 }
 
-static int unmark(void *p, uint32_t block)
+static int unmark(void *marks, uint32_t block)
 {
-    pool_unmark(p, block);
+    block_unmark(marks, block);
     return 0;
 }
 
-uint32_t list_count_blocks(const seq_list *ly, int tier, pool *p)
+uint32_t list_count_blocks(const seq_list *ly, int tier, const seq *s)
 {
     /* A block's segments need not be adjacent (revived and sketched tokens
      * interleave with others): count each block once by its mark. */
-    size_t n = list_visit_blocks(ly, tier, 1, mark, p);
-    list_visit_blocks(ly, tier, 1, unmark, p);
+    size_t n = list_visit_blocks(ly, tier, 1, mark, s->marks);
+    list_visit_blocks(ly, tier, 1, unmark, s->marks);
     return (uint32_t)n;
 }
 
@@ -211,7 +211,7 @@ size_t list_block_ids(const seq_list *ly, const tier_token *tok, uint32_t n, int
 int list_take_slot(seq *s, seq_list *ly, tier_token *out)
 {
     if (!list_tail_usable(ly, s->block_slots)) {
-        if (pool_alloc_block(s->pool, &ly->tail_block) != 0)
+        if (seq_take_block(s, &ly->tail_block) != 0)
             return -1;
         ly->tail_next_slot = 0;
         ly->has_tail = 1;
@@ -331,7 +331,7 @@ size_t list_grow(seq *s, seq_list *ly, uint32_t count, kv_segment *writes)
     size_t nw = 0;
     while (count > 0) {
         if (!list_tail_usable(ly, bt)) {
-            pool_alloc_block(s->pool, &ly->tail_block); /* checked by the caller */
+            seq_take_block(s, &ly->tail_block); /* checked by the caller */
             ly->tail_next_slot = 0;
             ly->has_tail = 1;
             if (ly->blocks_at_most != SEQ_BLOCKS_UNKNOWN)

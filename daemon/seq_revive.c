@@ -107,7 +107,7 @@ static void job_unstage(seq_revive_job *j)
 {
     for (size_t i = j->nremote; i-- > 0;) {
         if (j->stage[i] != TIER_NO_BLOCK)
-            pool_free_block(j->s->pool, j->stage[i]);
+            seq_give_block(j->s, j->stage[i]);
         j->stage[i] = TIER_NO_BLOCK;
         tier_sketch_free(&j->stage_sk[i]);
     }
@@ -261,14 +261,14 @@ static status_code plan_remote(seq_revive_job *j, const seq_revive_request *req,
     if (rc == ST_OK && nsketches > 0 && stage_sketches(j) != 0)
         rc = status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory for %zu staging sketches",
                         nsketches);
-    if (rc == ST_OK && nblocks > s->pool->nfree) /* the scratch blocks are taken */
+    if (rc == ST_OK && nblocks > seq_free_blocks(s)) /* the scratch blocks are taken */
         rc = status_set(st, ST_RESOURCE_EXHAUSTED,
                         "reviving %zu tokens needs %u free blocks and %zu more to read "
                         "spilled victims into; pool '%s' has %u",
-                        m, need, nblocks, s->pool->model, s->pool->nfree);
+                        m, need, nblocks, s->pool->model, seq_free_blocks(s));
     for (size_t i = 0; rc == ST_OK && i < np; i++)
         if (j->remote[i].tier != POLICY_SKETCH)
-            pool_alloc_block(s->pool, &j->stage[i]); /* counted above */
+            seq_take_block(s, &j->stage[i]); /* counted above */
     for (size_t t = 0; rc == ST_OK && t < m; t++)
         for (size_t i = 0; tier_token_remote(&j->src[t]) && i < np; i++)
             if ((j->src[t].block & ~SEQ_REMOTE_BLOCK) == parts[i])
@@ -300,7 +300,7 @@ static void revive_place(seq_revive_job *j, const uint8_t *here, size_t m, uint3
 {
     uint32_t slots = j->s->block_slots;
     for (uint32_t b = 0; b < need; b++)
-        pool_alloc_block(j->s->pool, &j->out.blocks[b]);
+        seq_take_block(j->s, &j->out.blocks[b]);
     size_t c = 0, nsegs = 0;
     for (size_t t = 0; t < m; t++) {
         kv_segment g;
@@ -367,19 +367,19 @@ status_code seq_revive_plan(seq *s, const seq_revive_request *req, seq_revive_jo
         c -= here != NULL && here[t];
     }
     uint32_t need = (uint32_t)((c + s->block_slots - 1) / s->block_slots);
-    if (need > s->pool->nfree) {
+    if (need > seq_free_blocks(s)) {
         free(here);
         job_free(j);
         return status_set(st, ST_RESOURCE_EXHAUSTED,
                           "reviving %zu tokens needs %u free blocks; pool '%s' has %u", c, need,
-                          s->pool->model, s->pool->nfree);
+                          s->pool->model, seq_free_blocks(s));
     }
     revive_place(j, here, m, need);
     j->ncopy = revive_copied(j, here, m);
     free(here);
     if (plan_remote(j, req, c, need, st) != ST_OK) {
         for (uint32_t b = need; b-- > 0;)
-            pool_free_block(s->pool, j->out.blocks[b]);
+            seq_give_block(s, j->out.blocks[b]);
         job_free(j);
         return st->code;
     }
@@ -427,7 +427,7 @@ status_code seq_revive_finish(seq_revive_job *j, int fill_rc, seq_revived *out, 
         /* Pushed back in reverse, the blocks lie on the free stack as before
          * the plan took them, unless the pool moved meanwhile. */
         for (size_t b = j->out.nblocks; b-- > 0;)
-            pool_free_block(j->s->pool, j->out.blocks[b]);
+            seq_give_block(j->s, j->out.blocks[b]);
         job_free(j);
         return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
     }

@@ -197,7 +197,7 @@ static void commit_one(seq *s, seq_list *ly, seq_spill_block *b)
             if (ly->victim_blocks[v] != b->block)
                 ly->victim_blocks[kept++] = ly->victim_blocks[v];
         ly->nvictim_blocks = kept;
-        pool_free_block(s->pool, b->block);
+        seq_give_block(s, b->block);
         s->spilled_blocks++;
     }
     b->committed = 1;

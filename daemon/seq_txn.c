@@ -21,10 +21,11 @@
  *   - token slots written in place in blocks the call did not take (value
  *     merges, key re-rotation, a revived token in the tail block), before
  *     the write (seq_txn_save_tokens): their bytes, staged;
- *   - the pool's free blocks (pool_savepoint) and the host's lists and
- *     policy state (policy_host_begin), by their own modules.
- * Blocks taken during the call need no record: the pool's savepoint gives
- * its free stack back as it was.
+ *   - the pool's free blocks (pool_savepoint; a detached sequence's
+ *     reserve, seq_blocks.c) and the host's lists and policy state
+ *     (policy_host_begin), by their own modules.
+ * Blocks taken during the call need no record: the pool's savepoint (or
+ * the reserve's) gives its free stack back as it was.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -81,7 +82,7 @@ void seq_begin(seq *s)
     t->report_victims_dropped = s->report.victims_dropped;
     t->report_nobs = s->report.nobs;
     s->compacted = 0;
-    pool_savepoint(s->pool);
+    seq_blocks_begin(s);
     policy_host_begin(s->host);
 }
 
@@ -290,7 +291,7 @@ static void txn_clear(seq *s)
 
 void seq_end_storage(seq *s)
 {
-    pool_release(s->pool);
+    seq_blocks_end(s);
     txn_clear(s);
 }
 
@@ -332,7 +333,7 @@ static void list_restore(seq_list *ly, seq_saved_list *sv)
     ly->offloaded_cap = cap;
 }
 
-void seq_rollback(seq *s)
+void seq_rollback_storage(seq *s)
 {
     seq_txn *t = &s->txn;
     /* Bytes written in place, newest first: a slot written twice ends as
@@ -369,9 +370,14 @@ void seq_rollback(seq *s)
     s->report.requantized = t->report_requantized;
     s->report.victims_dropped = t->report_victims_dropped;
     s->report.nobs = t->report_nobs;
-    pool_rollback(s->pool);
-    policy_host_rollback(s->host);
+    seq_blocks_rollback(s);
     txn_clear(s);
+}
+
+void seq_rollback(seq *s)
+{
+    seq_rollback_storage(s);
+    policy_host_rollback(s->host);
 }
 
 void seq_txn_free(seq *s)

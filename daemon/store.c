@@ -271,6 +271,7 @@ static int snapshot_build(store *st, snapshot *out, uint64_t *gen)
 {
     memset(out, 0, sizeof *out);
     pthread_mutex_lock(&st->lock);
+    store_wait_attached(st); /* every sequence's storage is read */
     *gen = atomic_load_explicit(&st->generation, memory_order_relaxed);
     size_t nsessions = 0;
     for (const session *se = st->sessions; se != NULL; se = se->next)
@@ -1684,23 +1685,63 @@ static int host_work_in_background(void *arg)
                            &w->in_background);
 }
 
-/* Lock held: the work runs without the lock when q's lists are long
- * enough for it to hold up other sequences (issue 16 §3) and q can be
- * marked moving; a short one costs less than letting go. A prompt's runs
- * at --move-priority; a decode step's, which the worker waits for at
- * every token, at the serving thread's. */
-static int run_host_work(void *ctx, int (*work)(void *), void *arg)
+/* Lock held: work without the lock, q marked moving (the caller checked
+ * that it may go). A prompt's runs at --move-priority; a decode step's,
+ * which the worker waits for at every token, at the serving thread's. */
+static int run_unlocked(host_work *w, int (*work)(void *), void *arg)
 {
-    host_work *w = ctx;
     store *st = w->st;
-    if (seq_tokens_held(w->q) < st->cfg.unlocked_decision_tokens)
-        return work(arg);
     if (!w->prefill)
         return store_copy_unlocked(st, seq_id_of(w->q), work, arg);
     w->work = work, w->arg = arg, w->in_background = 0;
     int rc = store_copy_unlocked(st, seq_id_of(w->q), host_work_in_background, w);
     st->background_moves += (uint64_t)w->in_background;
     return rc;
+}
+
+/* Lock held: the step's application to q's storage without the lock, q
+ * detached from its pool (seq.h seq_detach), unless something waits for
+ * every sequence to be attached or q stays attached; work that finds it
+ * needs the lock runs again under it. Not with --session-max-blocks,
+ * whose check counts the blocks of every sequence of a session in the
+ * middle of other calls, where they cannot wait. */
+static int run_detached(host_work *w, int (*work)(void *), void *arg)
+{
+    store *st = w->st;
+    if (st->attach_waiters > 0 || st->cfg.session_max_blocks != 0 || seq_detach(w->q) != 0)
+        return work(arg);
+    st->ndetached++;
+    int rc = run_unlocked(w, work, arg);
+    seq_attach(w->q);
+    st->ndetached--;
+    pthread_cond_broadcast(&st->moved);
+    if (rc == SEQ_WORK_NEEDS_LOCK) {
+        st->detached_retries++;
+        rc = work(arg);
+    }
+    return rc;
+}
+
+/* Lock held: the work runs without the lock when q's lists are long
+ * enough for it to hold up other sequences (issue 16 §3); a short one
+ * costs less than letting go. So does a decode step's application (a
+ * token or two a list, where detaching scans every decision). */
+static int run_host_work(void *ctx, seq_work_kind kind, int (*work)(void *), void *arg)
+{
+    host_work *w = ctx;
+    if (seq_tokens_held(w->q) < w->st->cfg.unlocked_decision_tokens)
+        return work(arg);
+    if (kind == SEQ_WORK_STORAGE)
+        return w->prefill ? run_detached(w, work, arg) : work(arg);
+    return run_unlocked(w, work, arg);
+}
+
+void store_wait_attached(store *st)
+{
+    st->attach_waiters++;
+    while (st->ndetached > 0)
+        pthread_cond_wait(&st->moved, &st->lock);
+    st->attach_waiters--;
 }
 
 status_code store_step(store *st, const char *token, uint64_t seq_id, uint64_t ack_epoch,
@@ -1723,7 +1764,7 @@ status_code store_step(store *st, const char *token, uint64_t seq_id, uint64_t a
         host_work w = {.st = st, .q = q, .prefill = in->prefill};
         rc = seq_step_plan(q, in, &job, s);
         if (rc == ST_OK) {
-            run_host_work(&w, decide, job);
+            run_host_work(&w, SEQ_WORK_HOST, decide, job);
             rc = seq_step_finish(job, run_host_work, &w, evicted, s);
         }
         if (rc == ST_OK)

@@ -84,6 +84,14 @@ struct store {
     size_t nmoving;
     uint32_t move_waiters;
     pthread_cond_t moved;
+    /* Of them, the sequences detached from their pool (seq.h seq_detach)
+     * whose steps apply without the lock: whatever reads every sequence's
+     * storage (a snapshot) waits until none is (store_wait_attached), and
+     * meanwhile (attach_waiters) no other detaches, so that the wait ends;
+     * detached_retries counts the applications that found they needed
+     * the lock after all (seq.h SEQ_WORK_NEEDS_LOCK). */
+    uint32_t ndetached, attach_waiters;
+    uint64_t detached_retries;
     /* The threads of store_config.move_priority (NULL: none), and the
      * work they ran (store_background_moves). */
     background *background;
@@ -206,6 +214,11 @@ status_code store_revive_fetch(store *st, seq_revive_job *job, status *s);
  * when it may (store_move_begin), so that no other sequence waits for it
  * (issue 16 §3); returns copy's result, the lock held again. */
 int store_copy_unlocked(store *st, uint64_t seq_id, int (*copy)(void *), void *job);
+
+/* Lock held: wait until no sequence is detached from its pool (seq.h
+ * seq_detach), before reading every sequence's storage; the lock may be
+ * let go meanwhile, so call it before looking anything up. */
+void store_wait_attached(store *st);
 
 /*
  * The demoter (store_demote.c): a step's demotion off the step's critical

@@ -187,7 +187,8 @@ static int pressured_seqs(store *st, uint32_t below_pct, uint64_t **ids, size_t 
         return -1;
     for (size_t i = 0; i < st->nseqs; i++) {
         seq *q = st->seqs[i];
-        if (pool_pressured(seq_pool(q), below_pct) && seq_spill_candidates(q) > 0)
+        if (pool_pressured(seq_pool(q), below_pct) && !seq_detached(q) &&
+            seq_spill_candidates(q) > 0) /* a detached one's lists change: next time */
             (*ids)[(*n)++] = seq_id_of(q);
     }
     return 0;

@@ -649,21 +649,21 @@ static float *adakv_window_attn(uint32_t n, size_t *nfloats)
 }
 
 /* What seq_step must leave alone when it refuses a step. */
-typedef struct seq_mark {
+typedef struct seq_state_mark {
     uint64_t epoch, tokens;
     uint32_t nfree, held;
     size_t retired;
-} seq_mark;
+} seq_state_mark;
 
-static seq_mark mark(fx *f)
+static seq_state_mark mark(fx *f)
 {
-    return (seq_mark){seq_epoch(f->s), seq_tokens_held(f->s), f->p->nfree, seq_blocks_held(f->s),
-                      seq_retired_count(f->s)};
+    return (seq_state_mark){seq_epoch(f->s), seq_tokens_held(f->s), f->p->nfree,
+                            seq_blocks_held(f->s), seq_retired_count(f->s)};
 }
 
-static void assert_unchanged(fx *f, seq_mark m)
+static void assert_unchanged(fx *f, seq_state_mark m)
 {
-    seq_mark now = mark(f);
+    seq_state_mark now = mark(f);
     assert_int_equal(now.epoch, m.epoch);
     assert_int_equal(now.tokens, m.tokens);
     assert_int_equal(now.nfree, m.nfree);
@@ -674,7 +674,7 @@ static void assert_unchanged(fx *f, seq_mark m)
 /* A step seq_step refuses, and the words its message must hold. */
 static void step_refused(fx *f, const seq_step_input *in, status_code want, const char *words)
 {
-    seq_mark m = mark(f);
+    seq_state_mark m = mark(f);
     status st;
     uint32_t evicted = 99;
     assert_int_equal(seq_step(f->s, in, &evicted, &st), want);
@@ -2264,15 +2264,21 @@ static void test_evictions_cut_in_place(void **state)
 /* What the runner of test_step_commit_runner saw. */
 typedef struct commit_seen {
     seq *s;
+    int storage_calls; /* the application's, before the commit's */
     int calls;
     int savepoint;          /* the pool's, when the runner was called */
     uint32_t before, after; /* list 0's tokens in the host, around the work */
     uint64_t held;          /* seq_tokens_held after the work */
 } commit_seen;
 
-static int run_commit(void *ctx, int (*work)(void *), void *arg)
+static int run_commit(void *ctx, seq_work_kind kind, int (*work)(void *), void *arg)
 {
     commit_seen *c = ctx;
+    if (kind == SEQ_WORK_STORAGE) {
+        assert_int_equal(c->calls, 0);
+        c->storage_calls++;
+        return work(arg);
+    }
     c->calls++;
     c->savepoint = seq_pool(c->s)->sp_active;
     c->before = seq_list_tokens(c->s, 0, 0, NULL);
@@ -2308,6 +2314,7 @@ static void test_step_commit_runner(void **state)
     assert_int_equal(seq_step_plan(f.s, &in, &job, &st), ST_OK);
     seq_step_decide(job);
     assert_int_equal(seq_step_finish(job, run_commit, &c, &evicted, &st), ST_OK);
+    assert_int_equal(c.storage_calls, 1);
     assert_int_equal(c.calls, 1);
     assert_int_equal(c.savepoint, 0);
     assert_int_equal(c.before, 12);
@@ -2321,6 +2328,164 @@ static void test_step_commit_runner(void **state)
             assert_int_equal(seq_list_tokens(f.s, l, k, NULL), 6);
             check_list(&f, l, k);
         }
+    fx_close(&f);
+}
+
+/* What a runner that applies the storage detached (as the store's does
+ * without its lock) saw. */
+typedef struct detach_seen {
+    seq *s;
+    int detached;       /* seq_detach took the reserve */
+    int needs_lock;     /* the work asked to run again under the lock */
+    uint32_t taken;     /* blocks the work took from the reserve */
+    uint32_t nfree_in;  /* the pool's free blocks after the detach */
+    uint32_t nfree_out; /* and before the attach */
+} detach_seen;
+
+static int run_detached(void *ctx, seq_work_kind kind, int (*work)(void *), void *arg)
+{
+    detach_seen *c = ctx;
+    if (kind != SEQ_WORK_STORAGE)
+        return work(arg);
+    c->detached = seq_detach(c->s) == 0;
+    c->nfree_in = seq_pool(c->s)->nfree;
+    int rc = work(arg);
+    c->nfree_out = seq_pool(c->s)->nfree;
+    c->taken = c->s->detached.cap - c->s->detached.n;
+    seq_attach(c->s);
+    if (rc == SEQ_WORK_NEEDS_LOCK) {
+        c->needs_lock++;
+        rc = work(arg);
+    }
+    return rc;
+}
+
+/* A prompt's step with the scores of round 0 (append_step's) through
+ * run; returns the tokens it evicted. */
+static uint32_t prefill_with(fx *f, seq_step_runner run, void *ctx)
+{
+    size_t n = seq_step_floats(f->s, POLICY_NEEDS_SCORE);
+    float *data = malloc((n + 1) * sizeof *data);
+    assert_non_null(data);
+    for (size_t i = 0; i < n; i++)
+        data[i] = (float)((i * 7) % 11) / 11.0f;
+    seq_step_input in = {POLICY_NEEDS_SCORE, 0, 1, 1, 0, 0, data, n, 0};
+    seq_step_job *job;
+    status st;
+    uint32_t evicted;
+    assert_int_equal(seq_step_plan(f->s, &in, &job, &st), ST_OK);
+    seq_step_decide(job);
+    if (seq_step_finish(job, run, ctx, &evicted, &st) != ST_OK)
+        fail_msg("finish: %s", st.msg);
+    free(data);
+    return evicted;
+}
+
+/*
+ * A prompt's step applied detached from the pool (seq.h seq_detach, as the
+ * store applies a long one without its lock), against the same step
+ * applied attached: h2o's prompt evicts scattered tokens and compacts the
+ * survivors into fresh blocks, which come from the reserve (the pool's free
+ * stack untouched from detach to attach); after the attach the two
+ * sequences, and then their decode steps, are alike in tokens, tiers,
+ * values, blocks and the pool's free blocks. With int8=on the decision
+ * quantises, which detached work leaves, unchanged, to a second call under
+ * the lock; in a pool too full to spare the reserve the sequence stays
+ * attached.
+ */
+static void test_step_applied_detached(void **state)
+{
+    const char *const plain[] = {"budget", "120", "recent", "8"};
+    const char *const int8[] = {"budget", "120", "recent", "8", "int8", "on", "int8_window", "8"};
+    struct {
+        const char *const *kv;
+        size_t npairs;
+        uint32_t blocks;
+        int detached, needs_lock;
+    } cases[] = {{plain, 2, 1024, 1, 0}, {int8, 4, 1024, 1, 1}, {plain, 2, 300, 0, 0}};
+    for (size_t t = 0; t < sizeof cases / sizeof cases[0]; t++) {
+        fx a, b;
+        fx_open(&a, backend_of(state), cases[t].blocks, "h2o", cases[t].kv, cases[t].npairs);
+        fx_open(&b, backend_of(state), cases[t].blocks, "h2o", cases[t].kv, cases[t].npairs);
+        append(&a, 400);
+        append(&b, 400);
+        detach_seen c = {.s = a.s};
+        uint32_t ea = prefill_with(&a, run_detached, &c);
+        assert_int_equal(ea, prefill_with(&b, NULL, NULL));
+        assert_true(ea >= 2 * 270);
+        assert_int_equal(c.detached, cases[t].detached);
+        assert_int_equal(c.needs_lock, cases[t].needs_lock);
+        assert_false(seq_detached(a.s));
+        if (cases[t].detached) {
+            assert_int_equal(c.nfree_in, c.nfree_out);
+            if (!cases[t].needs_lock)
+                assert_true(c.taken > 0); /* the compaction's fresh blocks */
+        }
+        assert_same_seq(&a, &b);
+        assert_int_equal(a.p->nfree, b.p->nfree);
+        for (uint32_t r = 1; r <= 6; r++) {
+            append_step(&a, r);
+            append_step(&b, r);
+        }
+        assert_same_seq(&a, &b);
+        assert_int_equal(a.p->nfree, b.p->nfree);
+        fx_close(&a);
+        fx_close(&b);
+    }
+}
+
+/*
+ * The blocks of a detached sequence's transaction: taken from the reserve
+ * and given back in it, all as they were after a rollback; after the end,
+ * the attach gives the pool the unused reserve and the given blocks, and
+ * the taken ones stay taken.
+ */
+static void test_detached_blocks_roll_back(void **state)
+{
+    const char *const kv[] = {"n_sink", "2", "window", "4"};
+    fx f;
+    fx_open(&f, backend_of(state), 256, "streaming", kv, 2);
+    append(&f, 40);
+    uint32_t free0 = f.p->nfree;
+    assert_int_equal(seq_detach(f.s), 0);
+    assert_true(seq_detached(f.s));
+    assert_int_equal(seq_detach(f.s), -1); /* once */
+    uint32_t reserve = seq_free_blocks(f.s);
+    assert_true(reserve > 2);
+    assert_int_equal(f.p->nfree, free0 - reserve);
+    uint32_t own = seq_list_at(f.s, 0, 0)->segs[0].block;
+    for (int round = 0; round < 2; round++) {
+        seq_begin(f.s);
+        uint32_t b1, b2;
+        assert_int_equal(seq_take_block(f.s, &b1), 0);
+        assert_int_equal(seq_take_block(f.s, &b2), 0);
+        assert_int_not_equal(b1, b2);
+        seq_give_block(f.s, b1);
+        seq_give_block(f.s, own);
+        assert_int_equal(seq_free_blocks(f.s), reserve - 2);
+        assert_int_equal(f.p->nfree, free0 - reserve); /* the pool untouched */
+        if (round == 0) {
+            seq_rollback(f.s);
+            assert_int_equal(seq_free_blocks(f.s), reserve);
+            assert_int_equal(f.s->detached.ngiven, 0);
+            continue;
+        }
+        seq_end(f.s);
+        /* b1 and own wait for the attach; b2 is the sequence's now. */
+        assert_int_equal(f.s->detached.ngiven, 2);
+        seq_attach(f.s);
+        assert_false(seq_detached(f.s));
+        assert_int_equal(f.p->nfree, free0 + 1 - 1); /* own and b1 back, b2 taken */
+        /* Put the list's block back where the test took it from. */
+        uint32_t again;
+        assert_int_equal(pool_alloc_block(f.p, &again), 0);
+        assert_true(again == own || again == b1);
+        if (again != own) {
+            pool_free_block(f.p, again);
+            pool_alloc_block(f.p, &again);
+        }
+        pool_free_block(f.p, b2);
+    }
     fx_close(&f);
 }
 
@@ -2782,6 +2947,9 @@ int main(void)
         ON_SHADOW(test_evictions_cut_in_place),
         cmocka_unit_test(test_step_commit_runner),
         ON_SHADOW(test_step_commit_runner),
+        cmocka_unit_test(test_step_applied_detached),
+        ON_SHADOW(test_step_applied_detached),
+        cmocka_unit_test(test_detached_blocks_roll_back),
         cmocka_unit_test(test_int8_evictions_cut_in_place),
         cmocka_unit_test(test_demotion_on_the_segments),
         ON_SHADOW(test_demotion_on_the_segments),

@@ -732,10 +732,121 @@ static void test_decision_without_the_lock(void **state)
     assert_int_equal(c.own_failures, 0);
     assert_true(c.own_steps > 0);
     assert_int_equal(snapshot_tokens(f->st, c.long_id, &found), c.long_tokens);
-    /* The prefill's decision and its commit ran on a background thread,
-     * when there are some; the decode steps', which the worker waits for,
-     * did not. */
-    assert_int_equal(store_background_moves(f->st), 2 * f->background);
+    /* The prefill's decision, its application (detached) and its commit
+     * ran on a background thread, when there are some; the decode steps',
+     * which the worker waits for, did not. */
+    assert_int_equal(store_background_moves(f->st), 3 * f->background);
+}
+
+/* What the other thread of test_application_without_the_lock saw. */
+typedef struct beside_application {
+    fixture *f;
+    uint64_t own_id;
+    atomic_int done;
+    atomic_int saw_detached; /* times it held the lock while a prompt applied */
+    int unbalanced;          /* snapshots whose pool's blocks did not add up */
+    atomic_int snapshots;
+    int own_steps;
+    int own_failures;
+} beside_application;
+
+/* Whether a snapshot's pool blocks add up: free, and each sequence's. */
+static int snapshot_balanced(store *st)
+{
+    snapshot sn;
+    if (store_snapshot(st, &sn) != 0)
+        return 0;
+    uint64_t held = 0;
+    for (size_t i = 0; i < sn.nseqs; i++)
+        held += sn.seqs[i].blocks;
+    int ok = sn.npools == 1 && sn.pools[0].blocks_free + held == sn.pools[0].blocks_total;
+    snapshot_free(&sn);
+    return ok;
+}
+
+static void *step_beside_application(void *arg)
+{
+    beside_application *c = arg;
+    store *st = c->f->st;
+    uint64_t ack = 0;
+    while (!atomic_load(&c->done)) {
+        pthread_mutex_lock(&st->lock);
+        c->saw_detached += st->ndetached > 0;
+        pthread_mutex_unlock(&st->lock);
+        c->unbalanced += !snapshot_balanced(st);
+        c->snapshots++;
+        store_table w;
+        status s;
+        seq_step_input in = {.confidence = -1};
+        uint64_t epoch;
+        uint32_t evicted;
+        if (store_append(st, c->f->token, c->own_id, 1, ack, &w, &s) != ST_OK) {
+            c->own_failures++;
+            continue;
+        }
+        ack = w.epoch;
+        store_table_free(&w);
+        if (store_step(st, c->f->token, c->own_id, ack, &in, NULL, NULL, &epoch, &evicted, &s) ==
+            ST_OK)
+            c->own_steps++, ack = epoch;
+        else
+            c->own_failures++;
+    }
+    return NULL;
+}
+
+/*
+ * A prompt's application to the storage runs without the store's lock,
+ * its sequence detached from the pool (issue 16 §3; seq.h seq_detach):
+ * while one thread creates 40,000-token h2o sequences, steps their prompt
+ * (which evicts three quarters of each list and compacts the rest into
+ * fresh blocks) and releases them, another thread of the same pool finds
+ * the lock free with a sequence detached, appends to and steps its own
+ * sequence, and takes snapshots whose pool blocks add up (free, and every
+ * sequence's): a snapshot waits for the detached sequence, whose reserve
+ * is neither free nor in its lists yet.
+ */
+static void test_application_without_the_lock(void **state)
+{
+    fixture *f = *state;
+    beside_application c = {.f = f};
+    const char *wkeys[] = {"n_sink", "window"}, *wvalues[] = {"4", "16"};
+    c.own_id = make_seq(f, "streaming", wkeys, wvalues, 2);
+    pthread_t other;
+    assert_int_equal(pthread_create(&other, NULL, step_beside_application, &c), 0);
+    const char *keys[] = {"budget", "recent"}, *values[] = {"10000", "8"};
+    int prompts = 0;
+    for (; prompts < 200 && (atomic_load(&c.saw_detached) == 0 || atomic_load(&c.snapshots) < 20); prompts++) {
+        uint64_t id = make_seq(f, "h2o", keys, values, 2);
+        store_table w;
+        append(f, id, 40000, 0, &w);
+        uint64_t ack = w.epoch;
+        store_table_free(&w);
+        unsigned arrays;
+        size_t n;
+        pthread_mutex_lock(&f->st->lock); /* the other thread takes snapshots */
+        float *x = stats_for(f, id, &arrays, &n);
+        pthread_mutex_unlock(&f->st->lock);
+        seq_step_input in = {arrays, 0, 1, 2, 2, -1, x, n, 0};
+        status s;
+        uint64_t epoch;
+        uint32_t evicted, freed;
+        if (store_step(f->st, f->token, id, ack, &in, NULL, NULL, &epoch, &evicted, &s) != ST_OK)
+            fail_msg("prompt %d: %s", prompts, s.msg);
+        free(x);
+        assert_int_equal(evicted, 2 * (40000 - 10000));
+        assert_int_equal(store_seq_release(f->st, f->token, id, &freed, &s), ST_OK);
+    }
+    atomic_store(&c.done, 1);
+    assert_int_equal(pthread_join(other, NULL), 0);
+    assert_true(c.saw_detached > 0);
+    assert_int_equal(c.unbalanced, 0);
+    assert_int_equal(c.own_failures, 0);
+    assert_true(c.own_steps > 0);
+    assert_true(snapshot_balanced(f->st));
+    /* Each prompt's application ran detached: no sequence needed the lock
+     * after all. */
+    assert_int_equal(f->st->detached_retries, 0);
 }
 
 int main(void)
@@ -754,6 +865,9 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_demotion_after_the_reply, setup_background, teardown),
         cmocka_unit_test_setup_teardown(test_decision_without_the_lock, setup_large, teardown),
         cmocka_unit_test_setup_teardown(test_decision_without_the_lock, setup_background_large,
+                                        teardown),
+        cmocka_unit_test_setup_teardown(test_application_without_the_lock, setup_large, teardown),
+        cmocka_unit_test_setup_teardown(test_application_without_the_lock, setup_background_large,
                                         teardown),
         cmocka_unit_test_setup_teardown(test_revive_in_background, setup_background, teardown),
         cmocka_unit_test_setup_teardown(test_int8_victims_give_way_under_pressure, setup_small,
