@@ -339,6 +339,96 @@ static void test_dequantize_any_params(void **state)
     free(segs);
 }
 
+/* An element of type t (its bits at p) as a worker may have written it,
+ * drawn by `mode`: 0 usual values of a random scale; 1 half of them +0 or
+ * -0 (the sign of a zero min or max is the first one's in the
+ * reference's order); 2 a mix of zeros, subnormals, NaN with payloads,
+ * infinities and values of any exponent; 3 the block's one value `c` in
+ * most places (constant groups, s = 0); 4 any finite exponent (shifts,
+ * parameters at the ends of the fp16 range, subnormal after the shift)
+ * and NaN, which must not hide the largest |x| from the shift. */
+static void any_elt(rng *r, kv_dtype t, uint32_t mode, float c, uint8_t *p)
+{
+    uint32_t mbits = t == KV_FP16 ? 10 : t == KV_BF16 ? 7 : 23, ebits = t == KV_FP16 ? 5 : 8;
+    uint32_t emax = (1u << ebits) - 1, sign = (uint32_t)rng_below(r, 2) << (mbits + ebits);
+    uint32_t mant = (uint32_t)rng_next(r) & ((1u << mbits) - 1), exp, k = rng_below(r, 20);
+    static const float scales[] = {1.0f, 1e-3f, 300.0f, 1e5f};
+    if (mode == 0 || (mode == 1 && k >= 10) || (mode == 2 && k >= 10) || (mode == 3 && k >= 18)) {
+        kv_elt_store(p, t, rng_float(r) * scales[rng_below(r, KH_N(scales))]);
+        return;
+    }
+    if (mode == 3) {
+        kv_elt_store(p, t, c);
+        return;
+    }
+    if (mode == 4 && k < 2) {
+        exp = emax; /* NaN */
+        mant |= 1;
+    } else if (mode == 4 || (mode == 2 && k >= 7)) {
+        exp = rng_below(r, emax); /* finite */
+    } else if (mode == 1 || k < 2) {
+        exp = mant = 0; /* +-0 */
+    } else if (k < 4) {
+        exp = 0; /* subnormal */
+        mant |= 1;
+    } else if (k < 6) {
+        exp = emax; /* NaN */
+        mant |= 1;
+    } else {
+        exp = emax; /* infinity */
+        mant = 0;
+    }
+    uint32_t b = sign | exp << mbits | mant;
+    if (t == KV_FP32) {
+        memcpy(p, &b, 4);
+    } else {
+        uint16_t h = (uint16_t)b;
+        memcpy(p, &h, 2);
+    }
+}
+
+/* Quantisation of any pool contents (any_elt's modes, a mode per block)
+ * fast == ref byte for byte, every (heads, tokens, dim) of the harness,
+ * both widths, every dtype, group sizes multiples of 8 (the AVX2 build's
+ * value groups in registers) and not. */
+static void test_quantize_any_values(void **state)
+{
+    (void)state;
+    static const uint32_t groups[] = {0, 8, 16, 24, 1, 3};
+    rng r = {47};
+    kv_segment *segs = xcalloc(NB * 16 * sizeof *segs);
+    for (size_t si = 0; si < 2 * KH_SHAPES / 3; si++) {
+        kv_dtype t0;
+        kv_layout l = kh_shape(si % (KH_SHAPES / 3), &t0);
+        kv_dtype t = dtype_of(rng_below(&r, 3));
+        uint32_t bits = k_bits[si / (KH_SHAPES / 3)];
+        l.elt_size = dtype_size(t);
+        l.quant_group = groups[rng_below(&r, KH_N(groups))];
+        size_t bb = kv_block_bytes(&l), qbb = kv_lowbit_block_bytes(&l, bits);
+        uint8_t *pool = xcalloc(NB * bb), *q1 = xcalloc((NB + 1) * qbb);
+        uint8_t *q2 = xcalloc((NB + 1) * qbb);
+        uint32_t qblocks[NB + 1];
+        for (uint32_t b = 0; b < NB; b++) {
+            uint32_t mode = rng_below(&r, 5);
+            float c = rng_float(&r) * (rng_below(&r, 2) ? 1.0f : 1e4f);
+            for (size_t o = 0; o < bb; o += l.elt_size)
+                any_elt(&r, t, mode, c, pool + b * bb + o);
+        }
+        size_t nsegs = gen_disjoint(&r, &l, 0, NB, segs);
+        size_t nq = (kv_segments_tokens(segs, nsegs) + l.block_tokens - 1) / l.block_tokens;
+        permutation(&r, qblocks, NB + 1);
+        fill_bytes(&r, q1, (NB + 1) * qbb);
+        memcpy(q2, q1, (NB + 1) * qbb);
+        kv_lowbit_quantize_ref(&l, bits, t, pool, segs, nsegs, q1, qblocks, nq);
+        kv_lowbit_quantize(&l, bits, t, pool, segs, nsegs, q2, qblocks, nq);
+        expect_bytes(q1, q2, (NB + 1) * qbb, &l, bits, dtype_name(t));
+        free(pool);
+        free(q1);
+        free(q2);
+    }
+    free(segs);
+}
+
 /* Element c of (block b, kv, head h, slot s) of a pool of layout l. */
 static size_t elt_off(const kv_layout *l, uint32_t b, uint32_t kv, uint32_t h, uint32_t s,
                       uint32_t c)
@@ -518,6 +608,7 @@ int main(void)
         cmocka_unit_test(test_group_vectors),
         cmocka_unit_test(test_fast_equals_ref),
         cmocka_unit_test(test_dequantize_any_params),
+        cmocka_unit_test(test_quantize_any_values),
         cmocka_unit_test(test_round_trip_bound),
         cmocka_unit_test(test_hostile_values),
         cmocka_unit_test(test_threads_deterministic),
