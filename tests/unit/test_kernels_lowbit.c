@@ -4,7 +4,9 @@
  * quantiser on hand-computed vectors (rounding directions of the fp16
  * scale and zero point); fast == reference byte for byte on seeded random
  * shapes, group sizes, lists and dtypes; the round-trip bound per group
- * (error <= s/2, the range covered, constant groups exact); hostile values
+ * (error <= s/2, the range covered, constant groups exact); dequantised
+ * blocks of any bytes (parameters NaN, infinite, subnormal, shifts that
+ * overflow) fast == reference; hostile values
  * (inf, NaN, beyond fp16) give codes without undefined behaviour; threads
  * do not change bytes. Run once per ISA build.
  */
@@ -261,6 +263,172 @@ static void test_fast_equals_ref(void **state)
     }
 }
 
+/* An fp16 parameter as a worker may have written it: any finite value
+ * (subnormals and +-65504 among them), and, `bad` times in 1000, an
+ * infinity or a NaN with a random payload, quiet or signalling. */
+static uint16_t any_half(rng *r, uint32_t bad)
+{
+    uint16_t sign = (uint16_t)(rng_below(r, 2) << 15);
+    if (rng_below(r, 1000) < bad)
+        return rng_below(r, 4) == 0 ? (uint16_t)(sign | 0x7c00u)
+                                    : (uint16_t)(sign | 0x7c00u | (1 + rng_below(r, 0x3ff)));
+    switch (rng_below(r, 8)) {
+    case 0:
+        return (uint16_t)(sign | rng_below(r, 0x400)); /* subnormal or zero */
+    case 1:
+        return (uint16_t)(sign | KV_HALF_MAX_BITS);
+    default:
+        return (uint16_t)(sign | rng_below(r, 0x7c00)); /* any finite */
+    }
+}
+
+/* Dequantisation is a function of the low-bit block's bytes, whoever wrote
+ * them: random codes, parameters of any fp16 bits (per block none, few or
+ * many of them infinite or NaN), shifts that make values overflow fp16 or
+ * fp32 and fall to subnormals, clamped ones. Fast == ref byte for byte into
+ * every dtype, every group size (multiples of 8 and not), every dim of the
+ * harness (tails after the last multiple of 8, rows past KV_CHUNK), into
+ * blocks of another number of tokens every other trial. */
+static void test_dequantize_any_params(void **state)
+{
+    (void)state;
+    static const int32_t shifts[] = {0, 0, 1, 5, 15, 30, -10, -24, -126, -140, 127, 200};
+    static const uint32_t bads[] = {0, 2, 50};
+    static const uint32_t groups[] = {0, 1, 3, 8, 12, 16};
+    rng r = {46};
+    kv_segment *segs = xcalloc(NB * 16 * sizeof *segs);
+    for (size_t si = 0; si < 2 * KH_SHAPES / 3; si++) { /* each (heads, tokens, dim), both widths */
+        kv_dtype t0;
+        kv_layout l = kh_shape(si % (KH_SHAPES / 3), &t0), dl;
+        kv_dtype t = dtype_of(rng_below(&r, 3));
+        l.elt_size = dtype_size(t);
+        l.quant_group = groups[rng_below(&r, KH_N(groups))];
+        dl = l;
+        if (rng_below(&r, 2))
+            dl.block_tokens = 1 + rng_below(&r, 2 * l.block_tokens);
+        uint32_t bits = k_bits[si / (KH_SHAPES / 3)];
+        uint32_t nbd = (NB * l.block_tokens + dl.block_tokens - 1) / dl.block_tokens;
+        size_t qbb = kv_lowbit_block_bytes(&l, bits), pool_bytes = nbd * kv_block_bytes(&dl);
+        uint8_t *q = xcalloc(NB * qbb), *p1 = xcalloc(pool_bytes), *p2 = xcalloc(pool_bytes);
+        kv_segment *dsegs = xcalloc((size_t)nbd * dl.block_tokens * sizeof *dsegs);
+        fill_bytes(&r, q, NB * qbb);
+        for (uint32_t b = 0; b < NB; b++) {
+            size_t lo = kv_lowbit_key_params_offset(&l, bits, b, 0, 0);
+            size_t hi = kv_lowbit_shift_offset(&l, bits, b);
+            uint32_t bad = bads[rng_below(&r, KH_N(bads))];
+            for (size_t o = lo; o + 2 <= hi; o += 2) {
+                uint16_t h = any_half(&r, bad);
+                memcpy(q + o, &h, 2);
+            }
+            int32_t e = rng_below(&r, 8) ? shifts[rng_below(&r, KH_N(shifts))]
+                                         : (int32_t)(uint32_t)rng_next(&r);
+            memcpy(q + hi, &e, 4);
+        }
+        size_t nq = gen_disjoint(&r, &l, 0, NB, segs);
+        size_t nd = gen_exact(&r, &dl, 0, nbd, kv_segments_tokens(segs, nq), dsegs);
+        fill_bytes(&r, p1, pool_bytes);
+        memcpy(p2, p1, pool_bytes);
+        kv_lowbit_dequantize_ref(&l, bits, q, segs, nq, t, &dl, p1, dsegs, nd);
+        kv_lowbit_dequantize(&l, bits, q, segs, nq, t, &dl, p2, dsegs, nd);
+        expect_bytes(p1, p2, pool_bytes, &l, bits, dtype_name(t));
+        free(q);
+        free(p1);
+        free(p2);
+        free(dsegs);
+    }
+    free(segs);
+}
+
+/* An element of type t (its bits at p) as a worker may have written it,
+ * drawn by `mode`: 0 usual values of a random scale; 1 half of them +0 or
+ * -0 (the sign of a zero min or max is the first one's in the
+ * reference's order); 2 a mix of zeros, subnormals, NaN with payloads,
+ * infinities and values of any exponent; 3 the block's one value `c` in
+ * most places (constant groups, s = 0); 4 any finite exponent (shifts,
+ * parameters at the ends of the fp16 range, subnormal after the shift)
+ * and NaN, which must not hide the largest |x| from the shift. */
+static void any_elt(rng *r, kv_dtype t, uint32_t mode, float c, uint8_t *p)
+{
+    uint32_t mbits = t == KV_FP16 ? 10 : t == KV_BF16 ? 7 : 23, ebits = t == KV_FP16 ? 5 : 8;
+    uint32_t emax = (1u << ebits) - 1, sign = (uint32_t)rng_below(r, 2) << (mbits + ebits);
+    uint32_t mant = (uint32_t)rng_next(r) & ((1u << mbits) - 1), exp, k = rng_below(r, 20);
+    static const float scales[] = {1.0f, 1e-3f, 300.0f, 1e5f};
+    if (mode == 0 || (mode == 1 && k >= 10) || (mode == 2 && k >= 10) || (mode == 3 && k >= 18)) {
+        kv_elt_store(p, t, rng_float(r) * scales[rng_below(r, KH_N(scales))]);
+        return;
+    }
+    if (mode == 3) {
+        kv_elt_store(p, t, c);
+        return;
+    }
+    if (mode == 4 && k < 2) {
+        exp = emax; /* NaN */
+        mant |= 1;
+    } else if (mode == 4 || (mode == 2 && k >= 7)) {
+        exp = rng_below(r, emax); /* finite */
+    } else if (mode == 1 || k < 2) {
+        exp = mant = 0; /* +-0 */
+    } else if (k < 4) {
+        exp = 0; /* subnormal */
+        mant |= 1;
+    } else if (k < 6) {
+        exp = emax; /* NaN */
+        mant |= 1;
+    } else {
+        exp = emax; /* infinity */
+        mant = 0;
+    }
+    uint32_t b = sign | exp << mbits | mant;
+    if (t == KV_FP32) {
+        memcpy(p, &b, 4);
+    } else {
+        uint16_t h = (uint16_t)b;
+        memcpy(p, &h, 2);
+    }
+}
+
+/* Quantisation of any pool contents (any_elt's modes, a mode per block)
+ * fast == ref byte for byte, every (heads, tokens, dim) of the harness,
+ * both widths, every dtype, group sizes multiples of 8 (the AVX2 build's
+ * value groups in registers) and not. */
+static void test_quantize_any_values(void **state)
+{
+    (void)state;
+    static const uint32_t groups[] = {0, 8, 16, 24, 1, 3};
+    rng r = {47};
+    kv_segment *segs = xcalloc(NB * 16 * sizeof *segs);
+    for (size_t si = 0; si < 2 * KH_SHAPES / 3; si++) {
+        kv_dtype t0;
+        kv_layout l = kh_shape(si % (KH_SHAPES / 3), &t0);
+        kv_dtype t = dtype_of(rng_below(&r, 3));
+        uint32_t bits = k_bits[si / (KH_SHAPES / 3)];
+        l.elt_size = dtype_size(t);
+        l.quant_group = groups[rng_below(&r, KH_N(groups))];
+        size_t bb = kv_block_bytes(&l), qbb = kv_lowbit_block_bytes(&l, bits);
+        uint8_t *pool = xcalloc(NB * bb), *q1 = xcalloc((NB + 1) * qbb);
+        uint8_t *q2 = xcalloc((NB + 1) * qbb);
+        uint32_t qblocks[NB + 1];
+        for (uint32_t b = 0; b < NB; b++) {
+            uint32_t mode = rng_below(&r, 5);
+            float c = rng_float(&r) * (rng_below(&r, 2) ? 1.0f : 1e4f);
+            for (size_t o = 0; o < bb; o += l.elt_size)
+                any_elt(&r, t, mode, c, pool + b * bb + o);
+        }
+        size_t nsegs = gen_disjoint(&r, &l, 0, NB, segs);
+        size_t nq = (kv_segments_tokens(segs, nsegs) + l.block_tokens - 1) / l.block_tokens;
+        permutation(&r, qblocks, NB + 1);
+        fill_bytes(&r, q1, (NB + 1) * qbb);
+        memcpy(q2, q1, (NB + 1) * qbb);
+        kv_lowbit_quantize_ref(&l, bits, t, pool, segs, nsegs, q1, qblocks, nq);
+        kv_lowbit_quantize(&l, bits, t, pool, segs, nsegs, q2, qblocks, nq);
+        expect_bytes(q1, q2, (NB + 1) * qbb, &l, bits, dtype_name(t));
+        free(pool);
+        free(q1);
+        free(q2);
+    }
+    free(segs);
+}
+
 /* Element c of (block b, kv, head h, slot s) of a pool of layout l. */
 static size_t elt_off(const kv_layout *l, uint32_t b, uint32_t kv, uint32_t h, uint32_t s,
                       uint32_t c)
@@ -439,6 +607,8 @@ int main(void)
         cmocka_unit_test(test_tokens_per_block),
         cmocka_unit_test(test_group_vectors),
         cmocka_unit_test(test_fast_equals_ref),
+        cmocka_unit_test(test_dequantize_any_params),
+        cmocka_unit_test(test_quantize_any_values),
         cmocka_unit_test(test_round_trip_bound),
         cmocka_unit_test(test_hostile_values),
         cmocka_unit_test(test_threads_deterministic),
