@@ -602,6 +602,21 @@ static void test_demotion_after_the_reply(void **state)
     assert_int_equal(store_background_moves(f->st), f->background);
 }
 
+/* One token appended to sequence id and a step without statistics, acked
+ * at *ack (updated); whether both succeeded. */
+static int own_step(fixture *f, uint64_t id, uint64_t *ack)
+{
+    store_table w;
+    status s;
+    seq_step_input in = {.confidence = -1};
+    uint32_t evicted;
+    if (store_append(f->st, f->token, id, 1, *ack, &w, &s) != ST_OK)
+        return 0;
+    *ack = w.epoch;
+    store_table_free(&w);
+    return store_step(f->st, f->token, id, *ack, &in, NULL, NULL, ack, &evicted, &s) == ST_OK;
+}
+
 /* What the other thread of test_decision_without_the_lock saw. */
 typedef struct beside_decision {
     fixture *f;
@@ -641,20 +656,8 @@ static void *step_beside_decision(void *arg)
         pthread_mutex_unlock(&st->lock);
         int found;
         c->miscounted += snapshot_tokens(st, c->long_id, &found) != c->long_tokens || !found;
-        store_table w;
-        status s;
-        seq_step_input in = {.confidence = -1};
-        uint64_t epoch;
-        uint32_t evicted;
-        if (store_append(st, c->f->token, c->own_id, 1, ack, &w, &s) != ST_OK) {
-            c->own_failures++;
-            continue;
-        }
-        ack = w.epoch;
-        store_table_free(&w);
-        if (store_step(st, c->f->token, c->own_id, ack, &in, NULL, NULL, &epoch, &evicted, &s) ==
-            ST_OK)
-            c->own_steps++, ack = epoch;
+        if (own_step(c->f, c->own_id, &ack))
+            c->own_steps++;
         else
             c->own_failures++;
     }
@@ -775,20 +778,8 @@ static void *step_beside_application(void *arg)
         pthread_mutex_unlock(&st->lock);
         c->unbalanced += !snapshot_balanced(st);
         c->snapshots++;
-        store_table w;
-        status s;
-        seq_step_input in = {.confidence = -1};
-        uint64_t epoch;
-        uint32_t evicted;
-        if (store_append(st, c->f->token, c->own_id, 1, ack, &w, &s) != ST_OK) {
-            c->own_failures++;
-            continue;
-        }
-        ack = w.epoch;
-        store_table_free(&w);
-        if (store_step(st, c->f->token, c->own_id, ack, &in, NULL, NULL, &epoch, &evicted, &s) ==
-            ST_OK)
-            c->own_steps++, ack = epoch;
+        if (own_step(c->f, c->own_id, &ack))
+            c->own_steps++;
         else
             c->own_failures++;
     }
@@ -816,7 +807,8 @@ static void test_application_without_the_lock(void **state)
     assert_int_equal(pthread_create(&other, NULL, step_beside_application, &c), 0);
     const char *keys[] = {"budget", "recent"}, *values[] = {"10000", "8"};
     int prompts = 0;
-    for (; prompts < 200 && (atomic_load(&c.saw_detached) == 0 || atomic_load(&c.snapshots) < 20); prompts++) {
+    for (; prompts < 200 && (atomic_load(&c.saw_detached) == 0 || atomic_load(&c.snapshots) < 20);
+         prompts++) {
         uint64_t id = make_seq(f, "h2o", keys, values, 2);
         store_table w;
         append(f, id, 40000, 0, &w);
