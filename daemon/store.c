@@ -1711,6 +1711,7 @@ static int run_detached(host_work *w, int (*work)(void *), void *arg)
     if (st->attach_waiters > 0 || st->cfg.session_max_blocks != 0 || seq_detach(w->q) != 0)
         return work(arg);
     st->ndetached++;
+    st->detached_applications++;
     int rc = run_unlocked(w, work, arg);
     seq_attach(w->q);
     st->ndetached--;

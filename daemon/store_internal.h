@@ -88,10 +88,11 @@ struct store {
      * whose steps apply without the lock: whatever reads every sequence's
      * storage (a snapshot) waits until none is (store_wait_attached), and
      * meanwhile (attach_waiters) no other detaches, so that the wait ends;
-     * detached_retries counts the applications that found they needed
-     * the lock after all (seq.h SEQ_WORK_NEEDS_LOCK). */
+     * detached_applications counts the applications detached, and
+     * detached_retries those that found they needed the lock after all
+     * (seq.h SEQ_WORK_NEEDS_LOCK). */
     uint32_t ndetached, attach_waiters;
-    uint64_t detached_retries;
+    uint64_t detached_applications, detached_retries;
     /* The threads of store_config.move_priority (NULL: none), and the
      * work they ran (store_background_moves). */
     background *background;

@@ -137,6 +137,7 @@ typedef struct fixture {
     float *stats; /* a step's statistics, made before the countdown starts */
     size_t nstats;
     unsigned arrays;
+    int prefill; /* step() steps a prompt */
     /* prep_spilled_*: the parts a spill wrote, as the remote tier keeps
      * them, and the Revive of layer 0 before the spill (positions, source
      * tiers, K/V as tier_read reads them). */
@@ -259,7 +260,7 @@ static void make_stats(fixture *f)
 
 static status_code step(fixture *f, status *s)
 {
-    seq_step_input in = {f->arrays, 0, 0, 2, 2, 0.5, f->stats, f->nstats, 0};
+    seq_step_input in = {f->arrays, 0, f->prefill, 2, 2, 0.5, f->stats, f->nstats, 0};
     uint64_t epoch;
     uint32_t evicted;
     return store_step(f->st, f->token, f->seq_id, the_seq(f)->epoch, &in, NULL, NULL, &epoch,
@@ -697,6 +698,27 @@ static void prep_h2o_long(fixture *f)
     static const char *const kv[] = {"budget", "160", "recent", "8"};
     prep_stepped_sized(f, 1 << 20, "h2o", kv, 2, 170);
     assert_true(seq_tokens_held(the_seq(f)) >= FAULTS_UNLOCKED_DECISION_TOKENS);
+}
+
+/* A prompt over lists long enough that its application runs detached from
+ * the pool (seq.h seq_detach): 2 layers of 340 tokens cut to 160, the
+ * survivors compacted into blocks of the reserve. */
+static void prep_h2o_prompt(fixture *f)
+{
+    static const char *const kv[] = {"budget", "160", "recent", "8"};
+    prep_stepped_sized(f, 1 << 20, "h2o", kv, 2, 340);
+    f->prefill = 1;
+}
+
+/* The prompt's step; when nothing failed in it, it was applied detached. */
+static status_code run_prompt_detached(fixture *f, status *s)
+{
+    uint64_t detached = f->st->detached_applications;
+    unsigned failed = faults.failed;
+    status_code rc = step(f, s);
+    if (rc == ST_OK && faults.failed == failed)
+        assert_int_equal(f->st->detached_applications, detached + 1);
+    return rc;
 }
 
 /* int8=on keeps the 2 newest at full precision: 24 tokens decided INT8,
@@ -1221,6 +1243,7 @@ static const fault_case cases[] = {
     {"step: h2o evicts", prep_h2o, run_step},
     {"step: h2o int8=on demotes", prep_h2o_int8, run_step},
     {"step: h2o decided without the lock", prep_h2o_long, run_step},
+    {"step: h2o prompt applied detached", prep_h2o_prompt, run_prompt_detached},
     {"step: h2o victims=sketch between victims", prep_h2o_sketch_victims, run_step},
     {"step: h2o victims=int8 between victims", prep_h2o_int8_victims, run_step},
     {"step: reviver", prep_reviver, run_step},
