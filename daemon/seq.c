@@ -202,12 +202,21 @@ void seq_publish_epoch(seq *s, uint64_t epoch)
     s->epoch = epoch;
 }
 
+void seq_give_back_blocks(seq *s)
+{
+    for (size_t i = 0; i < seq_nlists(s); i++)
+        list_free_blocks(&s->lists[i], s->pool);
+    for (size_t i = 0; i < s->nretired; i++)
+        seq_give_block(s, s->retired[i].block);
+    s->nretired = 0;
+}
+
 void seq_destroy(seq *s)
 {
     if (s == NULL)
         return;
+    seq_give_back_blocks(s); /* none left when the caller gave them back */
     for (size_t i = 0; i < seq_nlists(s); i++) {
-        list_free_blocks(&s->lists[i], s->pool);
         free(s->lists[i].segs);
         free(s->lists[i].seg_tier);
         free(s->lists[i].offloaded);
@@ -215,8 +224,6 @@ void seq_destroy(seq *s)
         free(s->lists[i].victim_blocks);
         tier_sketch_free(&s->lists[i].sketch);
     }
-    for (size_t i = 0; i < s->nretired; i++)
-        seq_give_block(s, s->retired[i].block);
     seq_txn_free(s);
     free(s->cuts.count);
     free(s->cuts.first);

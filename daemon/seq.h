@@ -129,6 +129,12 @@ status_code seq_create(uint64_t id, uint64_t session_id, pool *pool, const polic
 /* Free every block (held and retired) back to the pool and the sequence. */
 void seq_destroy(seq *s);
 
+/* seq_destroy's part that touches the pool: every block given back (lock
+ * held). The sequence is then empty and only for seq_destroy, which frees
+ * its memory without touching the pool: a caller may let the store's lock
+ * go before it (a long sequence's memory takes a while to give back). */
+void seq_give_back_blocks(seq *s);
+
 /* Return retired blocks whose epoch is <= ack_epoch to the pool. */
 void seq_ack(seq *s, uint64_t ack_epoch);
 

@@ -555,14 +555,24 @@ status_code store_find_seq_visible_locked(store *st, const char *token, uint64_t
 
 /* ---- reclaiming ------------------------------------------------------- */
 
-static uint32_t release_seq_at(store *st, size_t i)
+/* The sequence at i out of the store, its blocks back in the pool; the
+ * caller destroys it (seq_destroy), with the lock or after letting it go:
+ * nothing else reaches it any more. */
+static seq *unlink_seq_at(store *st, size_t i, uint32_t *blocks)
 {
     seq *q = st->seqs[i];
-    uint32_t blocks = seq_blocks_held(q);
+    *blocks = seq_blocks_held(q);
     st->sketch_reserved -= seq_sketch_reserved(q);
     st->seqs[i] = st->seqs[--st->nseqs];
     store_spill_forget_locked(st, q);
-    seq_destroy(q);
+    seq_give_back_blocks(q);
+    return q;
+}
+
+static uint32_t release_seq_at(store *st, size_t i)
+{
+    uint32_t blocks;
+    seq_destroy(unlink_seq_at(st, i, &blocks));
     return blocks;
 }
 
@@ -1617,14 +1627,16 @@ status_code store_seq_release(store *st, const char *token, uint64_t seq_id, uin
     status_code rc = store_need_session_locked(st, token, 1, &se, s);
     if (rc == ST_OK)
         rc = need_own_seq(st, se, seq_id, &i, s);
+    seq *gone = NULL;
     if (rc == ST_OK) {
-        *blocks_freed = release_seq_at(st, i);
+        gone = unlink_seq_at(st, i, blocks_freed);
         se->nseqs--;
         events_publish(st->events, "seq.released",
                        json_pack("{sI sI sI}", "session", (json_int_t)se->id, "seq",
                                  (json_int_t)seq_id, "blocks", (json_int_t)*blocks_freed));
     }
     store_unlock(st);
+    seq_destroy(gone); /* its memory, without the lock: a long one's takes a while */
     return rc;
 }
 

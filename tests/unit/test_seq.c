@@ -2489,6 +2489,30 @@ static void test_detached_blocks_roll_back(void **state)
     fx_close(&f);
 }
 
+/* seq_give_back_blocks (the store's, under its lock, before it destroys a
+ * released sequence without it): every block, held and retired, back in the
+ * pool once; seq_destroy after it gives none twice (fx_close checks the
+ * pool's count again). */
+static void test_give_back_then_destroy(void **state)
+{
+    const char *const kv[] = {"n_sink", "2", "window", "4"};
+    fx f;
+    fx_open(&f, backend_of(state), 64, "streaming", kv, 2);
+    append(&f, 40);
+    seq_step_input in = {.confidence = -1.0};
+    uint32_t evicted;
+    status st;
+    assert_int_equal(seq_step(f.s, &in, &evicted, &st), ST_OK);
+    assert_true(evicted > 0);
+    assert_true(seq_retired_count(f.s) > 0);
+    assert_true(f.p->nfree < f.p->block_count);
+    seq_give_back_blocks(f.s);
+    assert_int_equal(f.p->nfree, f.p->block_count);
+    assert_int_equal(seq_blocks_held(f.s), 0);
+    assert_int_equal(seq_retired_count(f.s), 0);
+    fx_close(&f);
+}
+
 /* Segments of tier t in list (l, 0), and the distinct blocks they use. */
 static uint32_t tier_segments(fx *f, uint32_t l, uint8_t t, uint32_t *blocks)
 {
@@ -2950,6 +2974,7 @@ int main(void)
         cmocka_unit_test(test_step_applied_detached),
         ON_SHADOW(test_step_applied_detached),
         cmocka_unit_test(test_detached_blocks_roll_back),
+        cmocka_unit_test(test_give_back_then_destroy),
         cmocka_unit_test(test_int8_evictions_cut_in_place),
         cmocka_unit_test(test_demotion_on_the_segments),
         ON_SHADOW(test_demotion_on_the_segments),
