@@ -436,7 +436,8 @@ static status_code step_job_parse(seq *s, const seq_step_input *in, seq_step_job
                              .prefill = in->prefill,
                              .score_queries = in->score_queries,
                              .window_queries = in->window_queries,
-                             .confidence = in->confidence};
+                             .confidence = in->confidence,
+                             .finite = 1};    /* seq_step_check's, or no data */
         if (data && (sh.arrays & STEP_SCORE)) /* one list only: checked by seq_step_check */
             ps->score = j->rows[step_slot(&sh, l, STEP_SCORE, 0)];
         if (data && (sh.arrays & STEP_LAST_ATTN))

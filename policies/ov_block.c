@@ -1170,7 +1170,8 @@ static int ov_step(void *state, const policy_layer_view *view, const policy_stat
         return -1;
     }
     size_t n = view->tokens[0];
-    if (layer_check(st, l, n, policy_first_outside(stats->score, n, -FLT_MAX), err, errlen) != 0)
+    size_t bad = stats->finite ? n : policy_first_outside(stats->score, n, -FLT_MAX);
+    if (layer_check(st, l, n, bad, err, errlen) != 0)
         return -1;
     /* nsnap counts once per step of the sequence, not once per layer. */
     if (st->reg_step != view->step) {

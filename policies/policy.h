@@ -168,6 +168,10 @@ typedef struct policy_stats {
     const float *const *vnorm;
     /* Next-token confidence c_t in [0, 1] (Conf-KV §5.2); negative if none. */
     double confidence;
+    /* Every float of the arrays above is known finite (the daemon checked
+     * the worker's statistics as it took them): a policy need not check
+     * them again. 0: it must (replay, tests, benchmarks). */
+    int finite;
 } policy_stats;
 
 /* WeightedKV: v[into] = (w_from*v[from] + w_into*v[into]) / (w_from + w_into),

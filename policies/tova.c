@@ -240,7 +240,7 @@ static int tova_step(void *state, const policy_layer_view *view, const policy_st
         }
     }
     /* A sum is checked as it came (4 bytes a token), the mean as computed. */
-    size_t bad = summed ? policy_first_outside(stats->score, n, -FLT_MAX) : n;
+    size_t bad = summed && !stats->finite ? policy_first_outside(stats->score, n, -FLT_MAX) : n;
     tova_scratch *sc = &st->ly[view->layer];
     if (scratch_reserve(sc, n) != 0) {
         snprintf(err, errlen, "tova: out of memory for %u tokens", n);
