@@ -207,9 +207,12 @@ unsigned kv_parallel_threads(size_t bytes);
  * The same fast kernels (kv_decode_attention too) are built for the
  * baseline ISA and, on x86-64, for AVX2 + F16C; each call runs the AVX2
  * build when the CPU has both (kv_decode_attention: and FMA) and
- * KVSTASH_KERNEL_ISA (read per call) is not "generic". Both builds give the same bytes,
+ * KVSTASH_KERNEL_ISA (read per call) is not "generic"; a few of its loops
+ * have AVX-512 twins, taken when the CPU has AVX-512F and
+ * KVSTASH_KERNEL_ISA is not "avx2". Every build gives the same bytes,
  * kv_decode_attention excepted (within its tolerance, above).
- * kv_kernel_isa() names the build calls take now: "avx2+f16c" or "generic" (a static string).
+ * kv_kernel_isa() names the build calls take now: "avx2+f16c+avx512f",
+ * "avx2+f16c" or "generic" (a static string).
  */
 const char *kv_kernel_isa(void);
 

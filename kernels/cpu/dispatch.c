@@ -45,6 +45,18 @@ int kv_isa_avx2(void)
 #endif
 }
 
+int kv_isa_avx512(void)
+{
+#if defined(KVSTASH_HAVE_AVX2_BUILD) && defined(__x86_64__)
+    const char *env = getenv("KVSTASH_KERNEL_ISA");
+    if (env != NULL && strcmp(env, "avx2") == 0)
+        return 0;
+    return kv_isa_avx2() && __builtin_cpu_supports("avx512f");
+#else
+    return 0;
+#endif
+}
+
 int kv_isa_avx2_fma(void)
 {
 #if defined(KVSTASH_HAVE_AVX2_BUILD) && defined(__x86_64__)
@@ -56,6 +68,8 @@ int kv_isa_avx2_fma(void)
 
 const char *kv_kernel_isa(void)
 {
+    if (kv_isa_avx512())
+        return "avx2+f16c+avx512f";
     return kv_isa_avx2() ? "avx2+f16c" : "generic";
 }
 

@@ -9,7 +9,10 @@
  * has AVX2 and F16C and KVSTASH_KERNEL_ISA is not "generic" (tests run both;
  * kernels.h "Threads"). Both builds do the same IEEE operations in the same
  * order per element (ISO C: no contraction into FMA), so their results are
- * identical; only the vector width and the fp16 conversions differ. The
+ * identical; only the vector width and the fp16 conversions differ. A loop
+ * of the AVX2 build whose time is instructions may have an AVX-512 twin in
+ * the same file (a function with target("avx512f"), taken when
+ * kv_isa_avx512()), with the same bytes again. The
  * attention (attention.c) is the one kernel with fused multiply-adds: its
  * AVX2 build is also compiled with -mfma and taken only when the CPU has
  * FMA, while its generic build multiplies and adds separately (fmaf would
@@ -76,5 +79,10 @@ int kv_isa_avx2(void);
 
 /* kv_isa_avx2() and the CPU has FMA: what the attention's AVX2 build needs. */
 int kv_isa_avx2_fma(void);
+
+/* kv_isa_avx2(), the CPU has AVX-512F, and KVSTASH_KERNEL_ISA does not ask
+ * for "avx2": the AVX2 build's few loops written for AVX-512 as well
+ * (functions with target("avx512f"), the same bytes) may run. */
+int kv_isa_avx512(void);
 
 #endif

@@ -263,14 +263,21 @@ static inline void *xcalloc(size_t n)
 }
 
 /* Run a cmocka group once per build of the fast kernels (kernels.h: the
- * generic build, forced by KVSTASH_KERNEL_ISA=generic, then the one this
- * CPU picks, when it differs). Only for files that include <cmocka.h>. */
+ * generic build, forced by KVSTASH_KERNEL_ISA=generic, the AVX2 build
+ * without its AVX-512 loops (KVSTASH_KERNEL_ISA=avx2) where the CPU has
+ * more, then the one this CPU picks, when it differs). Only for files that
+ * include <cmocka.h>. */
 #ifdef cmocka_unit_test
 static inline int run_each_isa(const struct CMUnitTest *tests, size_t n)
 {
     setenv("KVSTASH_KERNEL_ISA", "generic", 1);
     int rc = _cmocka_run_group_tests("generic build", tests, n, NULL, NULL);
     unsetenv("KVSTASH_KERNEL_ISA");
+    if (strcmp(kv_kernel_isa(), "avx2+f16c+avx512f") == 0) {
+        setenv("KVSTASH_KERNEL_ISA", "avx2", 1);
+        rc |= _cmocka_run_group_tests("avx2+f16c", tests, n, NULL, NULL);
+        unsetenv("KVSTASH_KERNEL_ISA");
+    }
     if (strcmp(kv_kernel_isa(), "generic") != 0)
         rc |= _cmocka_run_group_tests(kv_kernel_isa(), tests, n, NULL, NULL);
     return rc;

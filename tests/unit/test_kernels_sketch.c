@@ -10,7 +10,8 @@
  *   segments): insert, query and revive, on seeded random tokens, for SUM
  *   and MEAN, 1..7 and 32 rows, every dtype, odd head sizes;
  * - fast == reference (cells, counts and output bytes) for insert, query,
- *   revive and delete;
+ *   revive and delete, and for three rows (the vector median) over NaNs,
+ *   infinities, signed zeros and numbers fp16 cannot hold;
  * - with buckets enough that no token shares a cell, the round trip is
  *   exact, and deleting a token leaves every other estimate unchanged.
  */
@@ -446,6 +447,116 @@ static void test_fast_equals_ref(void **state)
     }
 }
 
+/* A cell element for test_median3_specials: mostly ordinary numbers, often
+ * equal ones and zeros of either sign, and the values a conversion to fp16
+ * treats apart: NaNs with payloads (quiet and signalling, either sign),
+ * infinities, numbers past fp16's range and below its normals. */
+static float special_float(rng *r)
+{
+    static const uint32_t bits[] = {
+        0x7fc00123u, /* quiet NaN with a payload */
+        0xffc00001u, /* the same, negative */
+        0x7f800001u, /* signalling NaN */
+        0xff812345u, /* signalling, negative */
+        0x7f800000u, /* +inf */
+        0xff800000u, /* -inf */
+        0x00000000u, /* +0 */
+        0x80000000u, /* -0 */
+        0x47800000u, /* 65536: past fp16's largest, 65504 */
+        0xc7c35000u, /* -1e5 */
+        0x33d6bf95u, /* 1e-7: an fp16 subnormal */
+        0x3f800000u, /* 1 */
+        0xbf800000u, /* -1 */
+    };
+    uint32_t pick = rng_below(r, 3 * KH_N(bits));
+    if (pick < KH_N(bits)) {
+        float f;
+        memcpy(&f, &bits[pick], sizeof f);
+        return f;
+    }
+    return (float)((int)rng_below(r, 2001) - 1000) / 64.0f;
+}
+
+/* Whether two n-element arrays of IEEE floats of `elt` bytes (2: fp16, 4:
+ * fp32) hold the same bits, any NaN matching any NaN. A revive adds
+ * -1·estimate to each cell, and when both are NaN which one comes out (its
+ * sign and payload) depends on the order the compiler puts the operands of
+ * an addition in, and whether it folds -1·x into a negation: in the
+ * reference as in the fast kernel, and apart at -O0 and -O2. */
+static int same_or_both_nan(const void *a, const void *b, size_t n, size_t elt)
+{
+    uint32_t abs = elt == 2 ? 0x7fffu : 0x7fffffffu, inf = elt == 2 ? 0x7c00u : 0x7f800000u;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t x = 0, y = 0;
+        memcpy(&x, (const uint8_t *)a + i * elt, elt);
+        memcpy(&y, (const uint8_t *)b + i * elt, elt);
+        if (x != y && !((x & abs) > inf && (y & abs) > inf))
+            return 0;
+    }
+    return 1;
+}
+
+/* Three rows (the default) into fp16 and fp32 slots: the fast kernels'
+ * vector median, and its fp16 store straight from registers, give the
+ * reference's bytes for the special values above and for head sizes that
+ * are and are not a multiple of the vector (a NaN median, which the vector
+ * conversion would store with another payload, is stored the reference's
+ * way). SUM and MEAN, query and revive (after which a NaN may be another
+ * NaN: same_or_both_nan). */
+static void test_median3_specials(void **state)
+{
+    (void)state;
+    rng r = {25};
+    static const uint32_t dims[] = {128, 16, 12, 40};
+    for (size_t di = 0; di < KH_N(dims); di++)
+        for (int mode = 0; mode < 4; mode++)
+            for (int fp32 = 0; fp32 < 2; fp32++) {
+                kv_dtype t = fp32 ? KV_FP32 : KV_FP16;
+                kv_layout l = {2, 8, dims[di], fp32 ? 4u : 2u, 0};
+                uint32_t rows = 3, buckets = 4, dim = l.kv_heads * l.head_dim;
+                size_t cells = (size_t)rows * buckets, ntok = 2 * l.block_tokens;
+                kv_sketch a = {rows,
+                               buckets,
+                               dim,
+                               (kv_estimate)(mode & 1),
+                               (kv_estimate)(mode >> 1),
+                               xcalloc(cells * dim * 4),
+                               xcalloc(cells * dim * 4),
+                               xcalloc(cells * 4)};
+                for (size_t i = 0; i < cells * dim; i++) {
+                    a.key[i] = special_float(&r);
+                    a.value[i] = special_float(&r);
+                }
+                for (size_t i = 0; i < cells; i++)
+                    a.count[i] = (int32_t)rng_below(&r, 4);
+                kv_sketch b = sketch_clone(&a);
+                uint32_t *h = xcalloc(ntok * rows * sizeof *h);
+                int8_t *g = xcalloc(ntok * rows);
+                for (size_t i = 0; i < ntok * rows; i++) {
+                    h[i] = rng_below(&r, buckets);
+                    g[i] = rng_below(&r, 2) ? 1 : -1;
+                }
+                size_t pb = 2 * kv_block_bytes(&l);
+                uint8_t *o1 = xcalloc(pb), *o2 = xcalloc(pb);
+                kv_segment all[2] = {{0, 0, l.block_tokens}, {1, 0, l.block_tokens}};
+                kv_sketch_query_ref(&a, h, g, &l, t, o1, all, 2);
+                kv_sketch_query(&b, h, g, &l, t, o2, all, 2);
+                assert_memory_equal(o1, o2, pb);
+                kv_sketch_revive_ref(&a, h, g, &l, t, o1, all, 2);
+                kv_sketch_revive(&b, h, g, &l, t, o2, all, 2);
+                assert_true(same_or_both_nan(o1, o2, pb / l.elt_size, l.elt_size));
+                assert_true(same_or_both_nan(a.key, b.key, cells * dim, 4));
+                assert_true(same_or_both_nan(a.value, b.value, cells * dim, 4));
+                assert_memory_equal(a.count, b.count, cells * sizeof *a.count);
+                free(o1);
+                free(o2);
+                free(h);
+                free(g);
+                sketch_free(&a);
+                sketch_free(&b);
+            }
+}
+
 /* fp16 buffers equal as numbers: bit for bit except that +0 and -0 match
  * (a cell starts at +0 and +0 + -0 = +0, and a value inserted with sign -1
  * comes back as -1 * (0 + -1 * v): zeros lose their sign, in the
@@ -534,6 +645,7 @@ int main(void)
         cmocka_unit_test(test_even_rows_lower_median),
         cmocka_unit_test(test_list_equals_tokens),
         cmocka_unit_test(test_fast_equals_ref),
+        cmocka_unit_test(test_median3_specials),
         cmocka_unit_test(test_large_b_exact),
     };
     return run_each_isa(tests, sizeof tests / sizeof tests[0]);
