@@ -12,7 +12,7 @@
  * reference. A query of three rows into fp16 slots, a Revive's, converts
  * the medians in registers and stores them straight into the slots.
  *
- * Insert splits over channels and query over tokens (parallel.h); revive
+ * Insert splits keys from values and query over tokens (parallel.h); revive
  * runs on the calling thread, because a token's estimate depends on every
  * earlier token's delete through the shared cells and counts.
  */
@@ -44,42 +44,45 @@ typedef struct insert_job {
     const int8_t *g;
 } insert_job;
 
-/* Channels [lo, hi) of every token, in token order. */
-static void insert_channels(void *ctx, size_t lo, size_t hi)
+/* Halves [lo, hi) (0: keys, 1: values) of every token, in token order: a
+ * token's row of each head is converted once and added to its cell in
+ * every row of the sketch. */
+static void insert_halves(void *ctx, size_t lo, size_t hi)
 {
     const insert_job *j = ctx;
     const kv_sketch *sk = j->sk;
     const kv_layout *l = j->l;
-    size_t half = kv_block_bytes(l) / 2;
-    float kb[KV_CHUNK], vb[KV_CHUNK];
-    kv_cursor cur;
-    uint32_t blk, slot;
-    kv_cursor_init(&cur, j->segs, j->nsegs, 0);
-    for (size_t n = 0; kv_cursor_next(&cur, &blk, &slot); n++) {
-        const uint32_t *hn = j->h + n * sk->rows;
-        const int8_t *gn = j->g + n * sk->rows;
-        for (size_t c0 = lo; c0 < hi;) {
-            uint32_t head = (uint32_t)(c0 / l->head_dim), j0 = (uint32_t)(c0 % l->head_dim);
-            uint32_t w = l->head_dim - j0;
-            if (w > KV_CHUNK)
-                w = KV_CHUNK;
-            if (w > hi - c0)
-                w = (uint32_t)(hi - c0);
-            const uint8_t *row =
-                j->pool + kv_key_offset(l, blk, head, slot) + (size_t)j0 * l->elt_size;
-            kv_row_load(row, j->t, w, kb);
-            kv_row_load(row + half, j->t, w, vb);
-            for (uint32_t i = 0; i < sk->rows; i++) {
-                size_t cell = (size_t)i * sk->buckets + hn[i];
-                float *ck = sk->key + cell * sk->dim + c0;
-                float *cv = sk->value + cell * sk->dim + c0;
-                float gv = (float)gn[i]; /* sketch_ref.c: sign (+1) * g */
-                for (uint32_t c = 0; c < w; c++) {
-                    ck[c] += kb[c];
-                    cv[c] += gv * vb[c];
+    size_t half_bytes = kv_block_bytes(l) / 2;
+    float x[KV_CHUNK];
+    for (size_t half = lo; half < hi; half++) {
+        float *cells = half == 0 ? sk->key : sk->value;
+        kv_cursor cur;
+        uint32_t blk, slot;
+        kv_cursor_init(&cur, j->segs, j->nsegs, 0);
+        for (size_t n = 0; kv_cursor_next(&cur, &blk, &slot); n++) {
+            const uint32_t *hn = j->h + n * sk->rows;
+            const int8_t *gn = j->g + n * sk->rows;
+            for (uint32_t head = 0; head < l->kv_heads; head++) {
+                const uint8_t *row =
+                    j->pool + kv_key_offset(l, blk, head, slot) + half * half_bytes;
+                for (uint32_t j0 = 0; j0 < l->head_dim; j0 += KV_CHUNK) {
+                    uint32_t w = l->head_dim - j0 < KV_CHUNK ? l->head_dim - j0 : KV_CHUNK;
+                    size_t c0 = (size_t)head * l->head_dim + j0;
+                    kv_row_load(row + (size_t)j0 * l->elt_size, j->t, w, x);
+                    for (uint32_t i = 0; i < sk->rows; i++) {
+                        size_t cell = (size_t)i * sk->buckets + hn[i];
+                        float *restrict cx = cells + cell * sk->dim + c0;
+                        if (half == 0) {
+                            for (uint32_t c = 0; c < w; c++)
+                                cx[c] += x[c];
+                        } else {
+                            float gv = (float)gn[i]; /* sketch_ref.c: sign (+1) * g */
+                            for (uint32_t c = 0; c < w; c++)
+                                cx[c] += gv * x[c];
+                        }
+                    }
                 }
             }
-            c0 += w;
         }
     }
 }
@@ -92,7 +95,11 @@ void KV_FAST(kv_sketch_insert)(kv_sketch *sk, const kv_layout *l, kv_dtype t, co
     insert_job j = {sk, l, t, pool, segs, nsegs, h, g};
     size_t n = kv_segments_tokens(segs, nsegs);
     size_t bytes = n * sk->dim * (2 * (size_t)l->elt_size + 16 * (size_t)sk->rows);
-    kv_parallel_for(sk->dim, bytes, insert_channels, &j);
+    /* Keys and values on their own threads: their cells are separate
+     * arrays. Split by channels instead, two threads write the same pages
+     * of every cell, and on a 2-vCPU Xeon an insert of 4,096 tokens took
+     * 4.5 ms on two threads against 4.0 on one (1.9 ms now). */
+    kv_parallel_for(2, bytes, insert_halves, &j);
     for (size_t k = 0; k < n; k++)
         for (uint32_t i = 0; i < sk->rows; i++)
             sk->count[(size_t)i * sk->buckets + h[k * sk->rows + i]] += 1;

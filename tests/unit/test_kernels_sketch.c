@@ -9,6 +9,7 @@
  * - a list equals its tokens one at a time (the reference, one-token
  *   segments): insert, query and revive, on seeded random tokens, for SUM
  *   and MEAN, 1..7 and 32 rows, every dtype, odd head sizes;
+ * - a list split over threads gives the bytes of one thread;
  * - fast == reference (cells, counts and output bytes) for insert, query,
  *   revive and delete, and for three rows (the vector median) over NaNs,
  *   infinities, signed zeros and numbers fp16 cannot hold;
@@ -557,6 +558,57 @@ static void test_median3_specials(void **state)
             }
 }
 
+/* A list that splits over threads (insert: keys and values; query: tokens)
+ * gives the cells and the bytes of one thread. */
+static void test_threads_deterministic(void **state)
+{
+    (void)state;
+    rng r = {26};
+    kv_layout l = {8, 16, 128, 2, 0};
+    uint32_t nb = 64, rows = 3, buckets = 16, dim = l.kv_heads * l.head_dim;
+    size_t pb = nb * kv_block_bytes(&l), ntok = (size_t)nb * l.block_tokens;
+    size_t cells = (size_t)rows * buckets;
+    uint8_t *pool = xcalloc(pb), *o1 = xcalloc(pb), *o2 = xcalloc(pb);
+    fill_pool(&r, pool, pb, KV_FP16, 4.0f);
+    kv_segment *segs = xcalloc(nb * sizeof *segs);
+    for (uint32_t b = 0; b < nb; b++)
+        segs[b] = (kv_segment){nb - 1 - b, 0, l.block_tokens};
+    uint64_t *pos = xcalloc(ntok * sizeof *pos);
+    for (size_t i = 0; i < ntok; i++)
+        pos[i] = i;
+    uint32_t *h = xcalloc(ntok * rows * sizeof *h);
+    int8_t *g = xcalloc(ntok * rows);
+    kv_sketch_hash_list(9, rows, buckets, pos, ntok, h, g);
+    kv_sketch a = {rows,
+                   buckets,
+                   dim,
+                   KV_ESTIMATE_SUM,
+                   KV_ESTIMATE_SUM,
+                   xcalloc(cells * dim * 4),
+                   xcalloc(cells * dim * 4),
+                   xcalloc(cells * 4)};
+    kv_sketch b = sketch_clone(&a);
+    setenv("KVSTASH_KERNEL_THREADS", "1", 1);
+    kv_sketch_insert(&a, &l, KV_FP16, pool, segs, nb, h, g);
+    kv_sketch_query(&a, h, g, &l, KV_FP16, o1, segs, nb);
+    unsetenv("KVSTASH_KERNEL_THREADS");
+    kv_sketch_insert(&b, &l, KV_FP16, pool, segs, nb, h, g);
+    kv_sketch_query(&b, h, g, &l, KV_FP16, o2, segs, nb);
+    print_message("threads for this job: %u\n",
+                  kv_parallel_threads(ntok * dim * (2 * 2 + 16 * rows)));
+    expect_same_sketch(&a, &b, "threaded insert");
+    assert_memory_equal(o1, o2, pb);
+    free(pool);
+    free(o1);
+    free(o2);
+    free(segs);
+    free(pos);
+    free(h);
+    free(g);
+    sketch_free(&a);
+    sketch_free(&b);
+}
+
 /* fp16 buffers equal as numbers: bit for bit except that +0 and -0 match
  * (a cell starts at +0 and +0 + -0 = +0, and a value inserted with sign -1
  * comes back as -1 * (0 + -1 * v): zeros lose their sign, in the
@@ -646,6 +698,7 @@ int main(void)
         cmocka_unit_test(test_list_equals_tokens),
         cmocka_unit_test(test_fast_equals_ref),
         cmocka_unit_test(test_median3_specials),
+        cmocka_unit_test(test_threads_deterministic),
         cmocka_unit_test(test_large_b_exact),
     };
     return run_each_isa(tests, sizeof tests / sizeof tests[0]);
