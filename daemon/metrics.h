@@ -73,28 +73,29 @@ typedef enum metrics_shed {
 void metrics_fdsock_shed(metrics *m, metrics_shed reason);
 
 /*
- * The attention mass an eviction dropped. Before the step, metrics_mass_begin
- * copies the positions of every list and the step's attention (score, else
- * last_attn summed over the query heads of each list, else window_attn; the
- * layout of proto/kvstash_step.h) when the step carries one; NULL when there
- * is nothing to measure (no metrics, no attention in the step, or sizes that
- * do not match the lists: seq_step refuses those). After the step,
- * metrics_mass_end observes, for every layer that lost tokens, the fraction
- * of that layer's reported attention that sat on the evicted tokens (ok =
- * the step succeeded) for policy p, and frees the copy.
+ * The attention mass an eviction dropped. Between a step's decision and its
+ * application, metrics_mass_measure computes, for every layer whose decision
+ * evicts tokens, the fraction of that layer's reported attention (score,
+ * else last_attn summed over the query heads of each list, else
+ * window_attn; the layout of proto/kvstash_step.h) that sits on them: one
+ * read of that attention and of the decisions' tiers, d[l]->tier[k][i] for
+ * token i of list k as the lists were when the step began (`lists`). NULL
+ * when there is nothing to measure (no metrics, no attention in the step,
+ * sizes that do not match the lists: seq_step refuses those, or no
+ * decision). metrics_mass_end observes the fractions for policy p when the
+ * step succeeded (ok), and frees them.
  */
 typedef struct metrics_lists {
     uint32_t layers, q_heads, kv_heads;
-    uint32_t heads;                   /* lists per layer: 1, or kv_heads */
-    const uint32_t *ntokens;          /* [layers * heads], list k of layer l at l * heads + k */
-    const uint32_t *const *positions; /* [layers * heads]: each list's, ascending (borrowed) */
+    uint32_t heads;          /* lists per layer: 1, or kv_heads */
+    const uint32_t *ntokens; /* [layers * heads], list k of layer l at l * heads + k */
 } metrics_lists;
 
 typedef struct metrics_mass metrics_mass;
-metrics_mass *metrics_mass_begin(metrics *m, const metrics_lists *before, unsigned arrays,
-                                 const float *data, size_t nfloats);
-void metrics_mass_end(metrics *m, metrics_mass *mm, const policy_ops *p, const metrics_lists *after,
-                      int ok);
+metrics_mass *metrics_mass_measure(metrics *m, const metrics_lists *lists, unsigned arrays,
+                                   const float *data, size_t nfloats,
+                                   const policy_decision *const *d);
+void metrics_mass_end(metrics *m, metrics_mass *mm, const policy_ops *p, int ok);
 
 /*
  * The exposition text (Prometheus text format 0.0.4) of everything above

@@ -461,6 +461,16 @@ static void step_job_decide(seq_step_job *j)
                            "policy %s failed: %s", j->s->policy->name, err);
 }
 
+const policy_decision *const *seq_step_decisions(const seq_step_job *j)
+{
+    return j->rc == ST_OK ? j->d : NULL;
+}
+
+const uint32_t *seq_step_list_tokens(const seq_step_job *j)
+{
+    return j->tokens;
+}
+
 /* The decisions move memory one layer after another; on a failure the
  * caller rolls back. The host's lists stay as the decisions saw them
  * (step_job_commit). */

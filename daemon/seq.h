@@ -228,6 +228,13 @@ void seq_step_decide(seq_step_job *job);
 status_code seq_step_finish(seq_step_job *job, seq_step_runner run, void *ctx, uint32_t *evicted,
                             status *st);
 
+/* Between seq_step_decide and seq_step_finish: the decision of every layer
+ * (NULL when the decision failed), and each list's tokens as the decision
+ * saw them ([layers * heads], list k of layer l at l * heads + k: the
+ * length of d[l]->tier[k]). Both are the job's. */
+const policy_decision *const *seq_step_decisions(const seq_step_job *job);
+const uint32_t *seq_step_list_tokens(const seq_step_job *job);
+
 /*
  * Detach a sequence from its pool (lock held, no transaction open): until
  * seq_attach (lock held again) it takes blocks from a reserve taken from

@@ -1640,35 +1640,16 @@ status_code store_seq_release(store *st, const char *token, uint64_t seq_id, uin
     return rc;
 }
 
-/* q's lists as plain data for metrics (metrics_lists); arrays malloc'd,
- * freed by lists_view_free. 0, or -1 when out of memory. */
-static int lists_view(seq *q, metrics_lists *v)
+/* The attention mass a decided step's eviction drops (metrics_mass_measure),
+ * when metrics are on. */
+static metrics_mass *step_mass(store *st, seq *q, const seq_step_input *in, const seq_step_job *job)
 {
-    size_t n = (size_t)seq_layers(q) * seq_heads(q);
-    uint32_t *ntokens = malloc((n ? n : 1) * sizeof *ntokens);
-    const uint32_t **pos = malloc((n ? n : 1) * sizeof *pos);
-    if (ntokens == NULL || pos == NULL) {
-        free(ntokens);
-        free(pos);
-        return -1;
-    }
-    for (size_t i = 0; i < n; i++)
-        ntokens[i] =
-            seq_list_tokens(q, (uint32_t)(i / seq_heads(q)), (uint32_t)(i % seq_heads(q)), &pos[i]);
-    *v = (metrics_lists){seq_layers(q),
-                         seq_pool(q)->geom.q_heads,
-                         seq_pool(q)->geom.kv_heads,
-                         seq_heads(q),
-                         ntokens,
-                         pos};
-    return 0;
-}
-
-static void lists_view_free(metrics_lists *v)
-{
-    free((void *)v->ntokens);
-    free((void *)v->positions);
-    memset(v, 0, sizeof *v);
+    if (st->metrics == NULL)
+        return NULL;
+    metrics_lists lists = {seq_layers(q), seq_pool(q)->geom.q_heads, seq_pool(q)->geom.kv_heads,
+                           seq_heads(q), seq_step_list_tokens(job)};
+    return metrics_mass_measure(st->metrics, &lists, in->arrays, in->data, in->nfloats,
+                                seq_step_decisions(job));
 }
 
 static int decide(void *job)
@@ -1766,27 +1747,19 @@ status_code store_step(store *st, const char *token, uint64_t seq_id, uint64_t a
     seq *q;
     status_code rc = own_seq_acked(st, token, seq_id, ack_epoch, &q, s);
     if (rc == ST_OK) {
-        /* metrics hook: the attention mass this step's eviction drops */
-        metrics_lists before = {0}, after = {0};
-        metrics_mass *mm = NULL;
-        if (st->metrics != NULL && in->data != NULL && lists_view(q, &before) == 0)
-            mm = metrics_mass_begin(st->metrics, &before, in->arrays, in->data, in->nfloats);
-        lists_view_free(&before);
+        metrics_mass *mm = NULL; /* metrics hook: the attention mass the eviction drops */
         uint64_t epoch0 = seq_epoch(q);
         seq_step_job *job;
         host_work w = {.st = st, .q = q, .prefill = in->prefill};
         rc = seq_step_plan(q, in, &job, s);
         if (rc == ST_OK) {
             run_host_work(&w, SEQ_WORK_HOST, decide, job);
+            mm = step_mass(st, q, in, job);
             rc = seq_step_finish(job, run_host_work, &w, evicted, s);
         }
         if (rc == ST_OK)
             demote_due(st, q, epoch0, in->prefill);
-        if (mm != NULL && lists_view(q, &after) == 0)
-            metrics_mass_end(st->metrics, mm, seq_policy(q), &after, rc == ST_OK);
-        else
-            metrics_mass_end(NULL, mm, NULL, NULL, 0); /* only frees it */
-        lists_view_free(&after);
+        metrics_mass_end(st->metrics, mm, seq_policy(q), rc == ST_OK);
     }
     if (rc == ST_OK) {
         /* metrics hooks */
