@@ -32,7 +32,11 @@
  *
  * Usage: bench_step_context [--quick] [--contexts N,N,...] [--head-dim D]
  *                           [--policies P,P,...] [--steps N] [--reload] [--forward-us N]
- *                           [--in-ring] [--policy-threads N] [--csv FILE] [PATH_TO_KVSTASHD]
+ *                           [--in-ring] [--policy-threads N] [--metrics] [--csv FILE]
+ *                           [PATH_TO_KVSTASHD]
+ * --metrics: the daemon serves /metrics (--metrics 127.0.0.1:0), as an
+ * operator would run it: each step then also measures the attention mass
+ * its eviction drops.
  * --in-ring: the worker writes a decode step's statistics into the ring's
  * rows (kvs_step_in_ring; the write is its forward pass's, not timed, as
  * the write into its own buffer is without it), and kvs_seq_step does not
@@ -104,6 +108,7 @@ typedef struct bench_cfg {
     int in_ring;       /* decode steps' statistics written into the ring (kvs_step_in_ring) */
     double forward_us; /* the worker's forward pass between steps (untimed) */
     const char *policy_threads; /* kvstashd --policy-threads, NULL: its default */
+    int metrics;                /* kvstashd --metrics 127.0.0.1:0 */
     const char *csv;
 } bench_cfg;
 
@@ -563,11 +568,13 @@ static int parse_args(int argc, char **argv, bench_cfg *cfg, const char **daemon
             }
         } else if (strcmp(argv[i], "--policy-threads") == 0 && next != NULL) {
             cfg->policy_threads = argv[++i];
+        } else if (strcmp(argv[i], "--metrics") == 0) {
+            cfg->metrics = 1;
         } else if (argv[i][0] == '-') {
             fprintf(stderr,
                     "usage: %s [--quick] [--contexts N,N,...] [--head-dim D] [--policies P,...] "
                     "[--steps N] [--reload] [--forward-us N] [--in-ring] [--policy-threads N] "
-                    "[--csv FILE] "
+                    "[--metrics] [--csv FILE] "
                     "[PATH_TO_KVSTASHD]\n",
                     argv[0]);
             return -1;
@@ -612,20 +619,23 @@ int main(int argc, char **argv)
     snprintf(ring_mb, sizeof ring_mb, "%zu", (stats_max >> 20) + 2);
     /* A table with positions of 256 per-head lists of 128k tokens (weightedkv)
      * is 100 MB, over the default --max-reply-mb of 64. */
-    const char *extra[] = {"--ring-mb",
-                           ring_mb,
-                           "--max-reply-mb",
-                           "1024",
-                           cfg.policy_threads ? "--policy-threads" : NULL,
-                           cfg.policy_threads,
-                           NULL};
+    const char *extra[10] = {"--ring-mb", ring_mb, "--max-reply-mb", "1024"};
+    size_t nextra = 4;
+    if (cfg.policy_threads != NULL) {
+        extra[nextra++] = "--policy-threads";
+        extra[nextra++] = cfg.policy_threads;
+    }
+    if (cfg.metrics) {
+        extra[nextra++] = "--metrics";
+        extra[nextra++] = "127.0.0.1:0";
+    }
 
     printf("bench_step_context: %u layers, %u query / %u KV heads x %u, fp16, %u-token blocks; "
            "%u timed decode steps per cell (after %u), %.0f us of forward pass between them; "
-           "statistics %s; pool %d MiB, ring %s MiB; kernels %s\n",
+           "statistics %s; pool %d MiB, ring %s MiB; metrics %s; kernels %s\n",
            g->layers, g->q_heads, g->kv_heads, g->head_dim, g->block_tokens, cfg.steps, cfg.warmup,
            cfg.forward_us, cfg.in_ring ? "written into the ring" : "copied by kvs_seq_step",
-           pool_mb, ring_mb, kv_kernel_isa());
+           pool_mb, ring_mb, cfg.metrics ? "on" : "off", kv_kernel_isa());
     fflush(stdout);
     char sock[PATH_MAX];
     if (bench_daemon_start("bench_step_context", daemon, pool_mb, extra, sock, sizeof sock) != 0)
