@@ -608,7 +608,11 @@ static void work_free(work *w, uint32_t heads)
     free(w->scratch);
 }
 
-static int work_alloc(work *w, const policy_layer_view *view, size_t total, uint32_t Lmax)
+/* The work arrays of one compression; z (CriticalKV's stage-2 scores, each
+ * written before it is read) only with `stage2`: a plain SnapKV step at
+ * 32k tokens would otherwise zero 2 MiB a layer it never reads. */
+static int work_alloc(work *w, const policy_layer_view *view, size_t total, uint32_t Lmax,
+                      int stage2)
 {
     uint32_t H = view->heads;
     memset(w, 0, sizeof *w);
@@ -627,10 +631,10 @@ static int work_alloc(work *w, const policy_layer_view *view, size_t total, uint
     for (uint32_t g = 0; g < H; g++) {
         size_t n = view->tokens[g] ? view->tokens[g] : 1;
         w->a[g] = malloc(n * sizeof *w->a[g]);
-        w->z[g] = calloc(n, sizeof *w->z[g]);
+        w->z[g] = stage2 ? malloc(n * sizeof *w->z[g]) : NULL;
         w->forced[g] = calloc(n, 1);
         w->keep[g] = calloc(n, 1);
-        if (!w->a[g] || !w->z[g] || !w->forced[g] || !w->keep[g])
+        if (!w->a[g] || (stage2 && !w->z[g]) || !w->forced[g] || !w->keep[g])
             return -1;
     }
     return 0;
@@ -916,7 +920,7 @@ int snapkv_family_step(void *state, const policy_layer_view *view, const policy_
     /* Window tokens: the positions of the window's own queries. */
     uint64_t wstart = view->appended - c->window;
     work w;
-    if (work_alloc(&w, view, total, Lmax) != 0) {
+    if (work_alloc(&w, view, total, Lmax, variant_critical(c->variant)) != 0) {
         work_free(&w, view->heads);
         policy_set_err(err, errlen, "policy %s: out of memory", name);
         return -1;
