@@ -497,7 +497,7 @@ typedef struct snapkv_head_record {
     uint32_t forced; /* tokens forced (window guard, safeguard, stage 1) */
     uint32_t *pos;   /* [kept] positions of the kept tokens */
     float *score;    /* [kept] their base (SnapKV) scores, as float */
-    float *z;        /* [kept] their stage-2 scores (criticalkv variants) */
+    float *z;        /* [kept] their stage-2 scores; NULL but for the criticalkv variants */
     uint8_t *force;  /* [kept] forced by the window guard, safeguard or stage 1 */
 } snapkv_head_record;
 
@@ -783,7 +783,7 @@ static void record_kept(snapkv_head_record *hr, const uint32_t *pos, const doubl
 {
     /* Local pointers: the record's fields could alias what they copy. */
     uint32_t *restrict out_pos = hr->pos;
-    float *restrict out_score = hr->score, *restrict out_z = hr->z;
+    float *restrict out_score = hr->score, *restrict out_z = z != NULL ? hr->z : NULL;
     uint8_t *restrict out_force = hr->force;
     uint32_t k = 0;
     for (uint32_t i = 0; i < n; i += 64) {
@@ -793,13 +793,11 @@ static void record_kept(snapkv_head_record *hr, const uint32_t *pos, const doubl
             out_pos[k] = pos[j];
             out_score[k] = (float)a[j];
             out_force[k] = forced[j];
-            if (z != NULL)
+            if (out_z != NULL)
                 out_z[k] = (float)z[j];
             k++;
         }
     }
-    if (z == NULL)
-        memset(out_z, 0, (size_t)k * sizeof *out_z);
 }
 
 /* Keep the record of a compression: the kept tokens with their scores. */
@@ -815,10 +813,11 @@ POLICY_HOT static int record_compression(snapkv_state *st, const policy_layer_vi
         /* All four first: a failure must leave the record's arrays and its
          * `kept` in step (describe, save and export read kept entries). */
         size_t n = kept ? kept : 1;
+        int critical = variant_critical(st->cfg.variant);
         uint32_t *pos = malloc(n * sizeof *pos);
-        float *score = malloc(n * sizeof *score), *z = malloc(n * sizeof *z);
+        float *score = malloc(n * sizeof *score), *z = critical ? malloc(n * sizeof *z) : NULL;
         uint8_t *force = malloc(n);
-        if (pos == NULL || score == NULL || z == NULL || force == NULL) {
+        if (pos == NULL || score == NULL || (critical && z == NULL) || force == NULL) {
             free(pos), free(score), free(z), free(force);
             return -1;
         }
@@ -834,7 +833,7 @@ POLICY_HOT static int record_compression(snapkv_state *st, const policy_layer_vi
         for (uint32_t i = 0; i < w->len[g]; i++)
             forced += w->forced[g][i];
         hr->forced = forced;
-        const double *stage2 = variant_critical(st->cfg.variant) ? w->z[g] : NULL;
+        const double *stage2 = critical ? w->z[g] : NULL;
         record_kept(hr, view->positions[g], w->a[g], stage2, w->forced[g], w->keep[g], w->len[g]);
     }
     r->compressions++;
@@ -1006,9 +1005,11 @@ int snapkv_family_save(void *state, uint32_t layer, void **saved)
         *to = *from;
         to->pos = policy_array_copy(from->pos, from->kept, from->kept, sizeof *from->pos);
         to->score = policy_array_copy(from->score, from->kept, from->kept, sizeof *from->score);
-        to->z = policy_array_copy(from->z, from->kept, from->kept, sizeof *from->z);
+        to->z = from->z != NULL
+                    ? policy_array_copy(from->z, from->kept, from->kept, sizeof *from->z)
+                    : NULL;
         to->force = policy_array_copy(from->force, from->kept, from->kept, sizeof *from->force);
-        if (!to->pos || !to->score || !to->z || !to->force)
+        if (!to->pos || !to->score || (from->z != NULL && !to->z) || !to->force)
             goto oom;
     }
     *saved = c;
@@ -1042,8 +1043,8 @@ static uint8_t *export_head_entries(uint8_t *p, const snapkv_head_record *hr)
         p = policy_put_le(p, hr->pos[k], 4);
     for (uint32_t k = 0; k < hr->kept; k++)
         p = policy_put_le(p, policy_f32_bits(hr->score[k]), 4);
-    for (uint32_t k = 0; k < hr->kept; k++)
-        p = policy_put_le(p, policy_f32_bits(hr->z[k]), 4);
+    for (uint32_t k = 0; k < hr->kept; k++) /* 0 without a stage 2 */
+        p = policy_put_le(p, hr->z != NULL ? policy_f32_bits(hr->z[k]) : 0, 4);
     for (uint32_t k = 0; k < hr->kept; k++)
         p = policy_put_le(p, hr->force[k], 1);
     return p;
@@ -1267,7 +1268,12 @@ static int import_entries(const snapkv_state *st, wire_in *in, snapkv_head_recor
         hr->z[k] = wire_get_f32(in);
     for (uint32_t k = 0; k < hr->kept; k++)
         hr->force[k] = (uint8_t)wire_get(in, 1);
-    return check_entries(st, hr, g, err, errlen);
+    int rc = check_entries(st, hr, g, err, errlen);
+    if (!variant_critical(st->cfg.variant)) { /* checked to be 0: not kept */
+        free(hr->z);
+        hr->z = NULL;
+    }
+    return rc;
 }
 
 int snapkv_family_import_layer(void *state, uint32_t layer, const void *buf, size_t len, char *err,
