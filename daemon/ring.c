@@ -183,8 +183,9 @@ static void cuts_put(void *ctx, const seq_cuts *c)
     x->r->cuts = 1;
 }
 
-/* STEP: copy the statistics out of shared memory first, so a worker that
- * scribbles on them while the daemon reads cannot change what was checked. */
+/* STEP: the statistics are copied out of shared memory before anything
+ * reads them (seq_step_input.copy), so a worker that scribbles on them
+ * while the daemon reads cannot change what was checked. */
 static void serve_step(ring *rg, const ring_request *q, ring_response *r)
 {
     if (q->data_bytes > rg->data_bytes || q->data_bytes % sizeof(float) != 0) {
@@ -201,18 +202,20 @@ static void serve_step(ring *rg, const ring_request *q, ring_response *r)
         rg->scratch = grown;
         rg->scratch_cap = n;
     }
-    /* Copied out of the ring, so that the worker cannot change what is
-     * checked, and checked as it is copied. */
-    int finite = policy_copy_first_outside(rg->scratch, (const float *)rg->data, n, -FLT_MAX) == n;
+    /* Copied out of the ring into scratch a layer at a time, each layer's
+     * part as its policy step begins (seq_step_input.copy), so that the
+     * worker cannot change what is checked, and the policy reads it from
+     * cache. */
     seq_step_input in = {q->arrays,
                          q->new_tokens,
                          (int)(q->prefill != 0),
                          q->score_queries,
                          q->window_queries,
                          q->confidence,
-                         rg->scratch,
+                         (const float *)rg->data,
                          n,
-                         finite};
+                         0,
+                         rg->scratch};
     status s;
     cuts_put_ctx cuts = {rg, r};
     if (store_step(rg->store, rg->token, q->seq_id, q->ack_epoch, &in, cuts_put, &cuts, &r->epoch,

@@ -8,6 +8,7 @@
 
 #include <errno.h>
 #include <float.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -404,6 +405,13 @@ struct seq_step_job {
     size_t evicted; /* the commit's */
     uint64_t epoch; /* the application's */
     int changed;
+    /* in->copy's: each layer's part of the statistics, [start[l],
+     * start[l + 1]), is copied from src into copy as its step begins
+     * (step_job_fetch); bad_stats: one held a non-finite value. */
+    const float *src;
+    float *copy;
+    size_t *start;
+    atomic_int bad_stats;
 };
 
 static void step_job_clear(seq_step_job *j)
@@ -412,6 +420,41 @@ static void step_job_clear(seq_step_job *j)
     free(j->rows);
     free(j->ps);
     free(j->d);
+    free(j->start);
+}
+
+/* Where each layer's part of the statistics starts (layer-major,
+ * proto/kvstash_step.h), start[layers] = the end. */
+static size_t *layer_starts(const step_shape *sh, const uint32_t *tokens, size_t nfloats)
+{
+    size_t *start = malloc(((size_t)sh->layers + 1) * sizeof *start);
+    if (start == NULL)
+        return NULL;
+    for (uint32_t l = 0; l <= sh->layers; l++)
+        start[l] = nfloats;
+    step_cursor c;
+    step_cursor_init(&c, sh, tokens);
+    while (step_cursor_next(&c))
+        if (c.offset < start[c.layer])
+            start[c.layer] = c.offset;
+    for (uint32_t l = sh->layers; l-- > 0;) /* a layer without rows starts at the next */
+        if (start[l] > start[l + 1])
+            start[l] = start[l + 1];
+    return start;
+}
+
+/* policy_stats_fetch: layer l's statistics copied out of shared memory,
+ * checked as they are copied. */
+static int step_job_fetch(void *ctx, uint32_t l, char *err, size_t errlen)
+{
+    seq_step_job *j = ctx;
+    size_t a = j->start[l], n = j->start[l + 1] - a;
+    size_t bad = policy_copy_first_outside(j->copy + a, j->src + a, n, -FLT_MAX);
+    if (bad == n)
+        return 0;
+    atomic_store_explicit(&j->bad_stats, 1, memory_order_relaxed);
+    snprintf(err, errlen, "step statistics hold a non-finite value at float %zu", a + bad);
+    return -1;
 }
 
 /* Every row of the step, parsed once (proto/kvstash_step.h), and each
@@ -419,7 +462,8 @@ static void step_job_clear(seq_step_job *j)
  * (seq_step_check): a mismatch here is a bug. */
 static status_code step_job_parse(seq *s, const seq_step_input *in, seq_step_job *j, status *st)
 {
-    *j = (seq_step_job){.s = s, .rc = ST_OK};
+    *j = (seq_step_job){.s = s, .rc = ST_OK, .src = in->data, .copy = in->copy};
+    atomic_init(&j->bad_stats, 0);
     step_shape sh;
     j->tokens = step_tokens(s, in->arrays, &sh);
     j->rows = calloc((size_t)s->nlayers * step_layer_slots(&sh) + 1, sizeof *j->rows);
@@ -427,7 +471,11 @@ static status_code step_job_parse(seq *s, const seq_step_input *in, seq_step_job
     j->d = calloc(s->nlayers, sizeof *j->d);
     if (j->tokens == NULL || j->rows == NULL || j->ps == NULL || j->d == NULL)
         return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
-    if (step_parse(&sh, j->tokens, in->data, in->nfloats, j->rows) != 0)
+    if (j->copy != NULL && (j->start = layer_starts(&sh, j->tokens, in->nfloats)) == NULL)
+        return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
+    /* The policies read the copy, which each layer's fetch fills. */
+    const float *read = j->copy != NULL ? j->copy : in->data;
+    if (step_parse(&sh, j->tokens, read, in->nfloats, j->rows) != 0)
         return status_set(st, ST_INTERNAL, "step statistics do not match the lists");
     int data = in->data != NULL;
     for (uint32_t l = 0; l < s->nlayers; l++) {
@@ -455,8 +503,14 @@ static status_code step_job_parse(seq *s, const seq_step_input *in, seq_step_job
 static void step_job_decide(seq_step_job *j)
 {
     char err[POLICY_ERR_LEN];
+    policy_stats_fetch fetch = {step_job_fetch, j};
     errno = 0; /* ENOMEM after a failure: out of memory (malloc sets it), not a bug */
-    if (policy_host_step_layers(j->s->host, j->ps, j->d, err, sizeof err) != 0)
+    if (policy_host_step_layers(j->s->host, j->ps, j->copy != NULL ? &fetch : NULL, j->d, err,
+                                sizeof err) == 0)
+        return;
+    if (atomic_load_explicit(&j->bad_stats, memory_order_relaxed)) /* the worker's, not ours */
+        j->rc = status_set(&j->st, ST_INVALID_ARGUMENT, "%s", err);
+    else
         j->rc = status_set(&j->st, errno == ENOMEM ? ST_RESOURCE_EXHAUSTED : ST_INTERNAL,
                            "policy %s failed: %s", j->s->policy->name, err);
 }
@@ -598,7 +652,9 @@ static status_code seq_step_check(seq *s, const seq_step_input *in, status *st)
                           in->nfloats, want, (unsigned long long)s->epoch);
     /* Megabytes a step at long contexts: one vectorised pass, or none when
      * the caller's copy checked them. */
-    size_t bad = in->finite ? in->nfloats : policy_first_outside(in->data, in->nfloats, -FLT_MAX);
+    size_t bad = in->finite || in->copy != NULL /* checked a layer at a time: step_job_fetch */
+                     ? in->nfloats
+                     : policy_first_outside(in->data, in->nfloats, -FLT_MAX);
     if (bad < in->nfloats)
         return status_set(st, ST_INVALID_ARGUMENT,
                           "step statistics hold a non-finite value at float %zu", bad);

@@ -177,11 +177,18 @@ typedef struct seq_step_input {
     int prefill;
     uint32_t score_queries, window_queries;
     double confidence;
-    const float *data; /* private copy, owned by the caller */
+    const float *data; /* the caller's, read during the step only */
     size_t nfloats;
     /* data[0..nfloats) is known finite (the caller checked its copy as it
      * made it: policy_copy_first_outside); 0: seq_step checks it. */
     int finite;
+    /* NULL: data is private to the daemon. Else data is memory a worker may
+     * write while the daemon reads it (the ring's), and copy, nfloats floats
+     * of the caller's, receives it a layer at a time, each layer's part
+     * copied and checked (finite must be 0) just before its policy step
+     * reads the copy: nothing the worker writes afterwards reaches the
+     * policy, and the policy reads its statistics from cache. */
+    float *copy;
 } seq_step_input;
 
 /*

@@ -1648,8 +1648,10 @@ static metrics_mass *step_mass(store *st, seq *q, const seq_step_input *in, cons
         return NULL;
     metrics_lists lists = {seq_layers(q), seq_pool(q)->geom.q_heads, seq_pool(q)->geom.kv_heads,
                            seq_heads(q), seq_step_list_tokens(job)};
-    return metrics_mass_measure(st->metrics, &lists, in->arrays, in->data, in->nfloats,
-                                seq_step_decisions(job));
+    /* The statistics as the policy read them: the copy, every layer's part
+     * of which the decision filled (seq_step_input.copy). */
+    return metrics_mass_measure(st->metrics, &lists, in->arrays, in->copy ? in->copy : in->data,
+                                in->nfloats, seq_step_decisions(job));
 }
 
 static int decide(void *job)

@@ -107,6 +107,7 @@ struct policy_host {
     /* policy_host_set_threads */
     uint32_t threads;
     uint64_t parallel_tokens;
+    const policy_stats_fetch *fetch; /* policy_host_step_layers', while it runs */
 };
 
 static int graded(const policy_host *h)
@@ -819,6 +820,8 @@ static int layer_begin(policy_host *h, uint32_t layer, char *err, size_t errlen)
 static int layer_step(policy_host *h, uint32_t layer, const policy_stats *stats, char *err,
                       size_t errlen)
 {
+    if (h->fetch != NULL && h->fetch->fn(h->fetch->ctx, layer, err, errlen) != 0)
+        return -1;
     host_layer *ly = &h->layers[layer];
     layer_refresh(ly, h->heads, h->appended, h->steps);
     if (layer_prepare_decision(ly, h->heads, h->ops->merges) != 0) {
@@ -962,11 +965,18 @@ static int step_layers_threaded(policy_host *h, uint32_t threads, const policy_s
     return rc;
 }
 
-int policy_host_step_layers(policy_host *h, const policy_stats *stats,
-                            const policy_decision **decisions, char *err, size_t errlen)
+static int step_layers(policy_host *h, const policy_stats *stats, const policy_decision **decisions,
+                       char *err, size_t errlen)
 {
     uint32_t threads = step_threads(h);
     if (threads <= 1) {
+        /* On one thread every layer's statistics are fetched first: one
+         * pass over them all measured faster than a pass before each
+         * layer (a decode step of h2o at 32k tokens: 3.0 ms against 3.2). */
+        for (uint32_t l = 0; h->fetch != NULL && l < h->geom.layers; l++)
+            if (h->fetch->fn(h->fetch->ctx, l, err, errlen) != 0)
+                return -1;
+        h->fetch = NULL;
         for (uint32_t l = 0; l < h->geom.layers; l++)
             if (policy_host_step(h, l, &stats[l], &decisions[l], err, errlen) != 0)
                 return -1;
@@ -981,6 +991,16 @@ int policy_host_step_layers(policy_host *h, const policy_stats *stats,
         return -1;
     }
     return step_layers_threaded(h, threads, stats, decisions, err, errlen);
+}
+
+int policy_host_step_layers(policy_host *h, const policy_stats *stats,
+                            const policy_stats_fetch *fetch, const policy_decision **decisions,
+                            char *err, size_t errlen)
+{
+    h->fetch = fetch;
+    int rc = step_layers(h, stats, decisions, err, errlen);
+    h->fetch = NULL;
+    return rc;
 }
 
 /* The kept tokens of list li whose tier the decision changes, in the

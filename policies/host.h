@@ -62,7 +62,7 @@ int policy_host_step(policy_host *h, uint32_t layer, const policy_stats *stats,
 
 /*
  * Every layer's step at once: policy_host_step of layers 0, 1, ... with
- * stats[layer], each decision in decisions[layer]. When the host may use
+ * stats[layer], each decision in decisions[layer] (fetch, below, or NULL). When the host may use
  * threads (policy_host_set_threads), the policy steps layers concurrently
  * (ops->layers_concurrent) and the lists hold at least min_tokens, the
  * policy's steps of the layers run on up to that many threads, the calling
@@ -71,8 +71,21 @@ int policy_host_step(policy_host *h, uint32_t layer, const policy_stats *stats,
  * the layers stepped are then pending (a transaction's rollback undoes
  * them), and with threads, layers after the failed one may have stepped.
  */
+/* What policy_host_step_layers calls, when given, before each layer's
+ * policy step: fn(ctx, layer) readies that layer's statistics (kvstashd
+ * copies them out of the memory its worker shares then, so that nothing
+ * the worker writes later reaches the policy, on the threads that step the
+ * layers). On threads it runs just before each layer's step, for
+ * different layers at once; on one thread for every layer before the
+ * first step. Non-zero fails the step with err. */
+typedef struct policy_stats_fetch {
+    int (*fn)(void *ctx, uint32_t layer, char *err, size_t errlen);
+    void *ctx;
+} policy_stats_fetch;
+
 int policy_host_step_layers(policy_host *h, const policy_stats *stats,
-                            const policy_decision **decisions, char *err, size_t errlen);
+                            const policy_stats_fetch *fetch, const policy_decision **decisions,
+                            char *err, size_t errlen);
 
 /* Threads policy_host_step_layers may use (0 and 1: the calling thread
  * only), and the tokens held over all lists below which it uses one. */

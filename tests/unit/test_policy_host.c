@@ -977,10 +977,30 @@ static atomic_int g_meet_other;          /* a layer stepped off the caller's thr
 static atomic_int g_meet_caller_stepped; /* a layer stepped on it */
 static int g_meet_wait;
 
+/* policy_host_step_layers' fetch in meet_threads: each layer's once, before
+ * its step, failing at layer g_fetch_fail. */
+static atomic_int g_fetched[MAX_LAYERS];
+static int g_fetch_fail = -1;
+
+static int meet_fetch(void *ctx, uint32_t layer, char *err, size_t errlen)
+{
+    (void)ctx;
+    if ((int)layer == g_fetch_fail) {
+        snprintf(err, errlen, "layer %u's statistics are bad", layer);
+        return -1;
+    }
+    atomic_fetch_add(&g_fetched[layer], 1);
+    return 0;
+}
+
 static int fake_meet_step(void *state, const policy_layer_view *v, const policy_stats *stats,
                           policy_decision *d, char *err, size_t errlen)
 {
-    (void)state, (void)stats, (void)d, (void)err, (void)errlen;
+    (void)state, (void)stats, (void)d;
+    if (atomic_load(&g_fetched[v->layer]) != 1) {
+        snprintf(err, errlen, "layer %u stepped before its fetch", v->layer);
+        return -1;
+    }
     g_meet_thread[v->layer] = pthread_self();
     int on_caller = pthread_equal(pthread_self(), g_meet_caller);
     atomic_store(on_caller ? &g_meet_caller_stepped : &g_meet_other, 1);
@@ -1015,10 +1035,14 @@ static int meet_threads(policy_host *h, uint32_t layers)
     g_meet_caller = pthread_self();
     atomic_store(&g_meet_other, 0);
     atomic_store(&g_meet_caller_stepped, 0);
-    if (policy_host_step_layers(h, all, d, err, sizeof err) != 0)
+    for (uint32_t l = 0; l < layers; l++)
+        atomic_store(&g_fetched[l], 0);
+    policy_stats_fetch fetch = {meet_fetch, NULL};
+    if (policy_host_step_layers(h, all, &fetch, d, err, sizeof err) != 0)
         fail_msg("step_layers: %s", err);
     int distinct = 0;
     for (uint32_t l = 0; l < layers; l++) {
+        assert_int_equal(atomic_load(&g_fetched[l]), 1); /* fetched once, before its step */
         int seen = 0;
         for (uint32_t m = 0; m < l; m++)
             seen |= pthread_equal(g_meet_thread[l], g_meet_thread[m]);
@@ -1217,6 +1241,27 @@ static void test_layers_on_threads(void **unused)
     assert_int_equal(atomic_load(&g_meet_other), 1);
     assert_int_equal(policy_host_steps(h), 3);
     policy_host_destroy(h);
+
+    /* A fetch that fails fails the step with its message, on one thread
+     * and on two. */
+    for (uint32_t threads = 1; threads <= 2; threads++) {
+        h = host_new(&fake_meet, 6, 1);
+        assert_int_equal(policy_host_append(h, 50), 0);
+        policy_host_set_threads(h, threads, 0);
+        g_meet_wait = 0;
+        g_fetch_fail = 3;
+        policy_stats all[6] = {{0}};
+        const policy_decision *d[6];
+        char err[POLICY_ERR_LEN] = "";
+        policy_stats_fetch fetch = {meet_fetch, NULL};
+        for (uint32_t l = 0; l < 6; l++)
+            atomic_store(&g_fetched[l], 0);
+        assert_int_equal(policy_host_step_layers(h, all, &fetch, d, err, sizeof err), -1);
+        assert_string_equal(err, "layer 3's statistics are bad");
+        assert_int_equal(atomic_load(&g_fetched[3]), 0);
+        g_fetch_fail = -1;
+        policy_host_destroy(h);
+    }
 
     policy_ops serial = fake_meet; /* the same policy, not declared concurrent */
     serial.layers_concurrent = 0;

@@ -750,10 +750,25 @@ static void test_per_head_lists_and_step_checks(void **state)
     step_refused(&f, &bad, ST_INVALID_ARGUMENT, "confidence");
     attn[nf - 1] = NAN;
     step_refused(&f, &in, ST_INVALID_ARGUMENT, "non-finite value at float 95");
+    /* Statistics in shared memory (the ring's): each layer's part copied
+     * and checked before its step (test_policy_host checks when), refused
+     * by the same message, and nothing changes. */
+    float *copy = malloc(nf * sizeof *copy);
+    assert_non_null(copy);
+    in.copy = copy;
+    step_refused(&f, &in, ST_INVALID_ARGUMENT, "non-finite value at float 95");
     attn[nf - 1] = 0.01f;
+    float first = attn[0];
+    attn[0] = INFINITY;
+    step_refused(&f, &in, ST_INVALID_ARGUMENT, "non-finite value at float 0");
+    attn[0] = first;
 
     uint32_t evicted;
+    for (size_t i = 0; i < nf; i++)
+        copy[i] = -1.0f;
     assert_int_equal(seq_step(f.s, &in, &evicted, &st), ST_OK);
+    assert_memory_equal(copy, attn, nf * sizeof *copy); /* what the policy read */
+    free(copy);
     free(attn);
     assert_int_equal(seq_epoch(f.s), 2);
     /* 4 x 2 = 8 tokens a layer kept: KV head 0 its attended 0..3, both
@@ -1650,7 +1665,7 @@ static void test_move_sketch_victims(void **state)
 /* A step with the scores data[0..n) (freed); returns the tokens it evicted. */
 static uint32_t step_with_scores(fx *f, float *data, size_t n)
 {
-    seq_step_input in = {POLICY_NEEDS_SCORE, 0, 0, 1, 0, 0, data, n, 0};
+    seq_step_input in = {POLICY_NEEDS_SCORE, 0, 0, 1, 0, 0, data, n, 0, NULL};
     uint32_t evicted;
     status st;
     if (seq_step(f->s, &in, &evicted, &st) != ST_OK)
@@ -2369,7 +2384,7 @@ static uint32_t prefill_with(fx *f, seq_step_runner run, void *ctx)
     assert_non_null(data);
     for (size_t i = 0; i < n; i++)
         data[i] = (float)((i * 7) % 11) / 11.0f;
-    seq_step_input in = {POLICY_NEEDS_SCORE, 0, 1, 1, 0, 0, data, n, 0};
+    seq_step_input in = {POLICY_NEEDS_SCORE, 0, 1, 1, 0, 0, data, n, 0, NULL};
     seq_step_job *job;
     status st;
     uint32_t evicted;
