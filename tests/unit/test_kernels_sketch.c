@@ -30,6 +30,21 @@
 #include "sketch_hash.h"
 #include "test_kernels_harness.h"
 
+/* A sketch of zero cells and counts (free with sketch_free). */
+static kv_sketch sketch_zeroed(uint32_t rows, uint32_t buckets, uint32_t dim, kv_estimate ke,
+                               kv_estimate ve)
+{
+    size_t cells = (size_t)rows * buckets;
+    return (kv_sketch){rows,
+                       buckets,
+                       dim,
+                       ke,
+                       ve,
+                       xcalloc(cells * dim * sizeof(float)),
+                       xcalloc(cells * dim * sizeof(float)),
+                       xcalloc(cells * sizeof(int32_t))};
+}
+
 /* A deep copy into fresh arrays (free with sketch_free). */
 static kv_sketch sketch_clone(const kv_sketch *s)
 {
@@ -307,15 +322,7 @@ static void check_list_equals_tokens(rng *r, kv_layout l, kv_dtype t, uint32_t r
     setup s;
     setup_make(&s, r, l, t, rows, buckets);
     uint32_t dim = l.kv_heads * l.head_dim;
-    size_t cells = (size_t)rows * buckets;
-    kv_sketch ka = {rows,
-                    buckets,
-                    dim,
-                    ke,
-                    ve,
-                    xcalloc(cells * dim * 4),
-                    xcalloc(cells * dim * 4),
-                    xcalloc(cells * 4)};
+    kv_sketch ka = sketch_zeroed(rows, buckets, dim, ke, ve);
     kv_sketch kb = sketch_clone(&ka);
 
     (fast ? kv_sketch_insert : kv_sketch_insert_ref)(&ka, &l, t, s.pool, s.segs, s.nsegs, s.h, s.g);
@@ -398,15 +405,8 @@ static void test_fast_equals_ref(void **state)
         setup s;
         setup_make(&s, &r, l, t, rows, buckets);
         uint32_t dim = l.kv_heads * l.head_dim;
-        size_t cells = (size_t)rows * buckets;
-        kv_sketch a = {rows,
-                       buckets,
-                       dim,
-                       (kv_estimate)rng_below(&r, 2),
-                       (kv_estimate)rng_below(&r, 2),
-                       xcalloc(cells * dim * 4),
-                       xcalloc(cells * dim * 4),
-                       xcalloc(cells * 4)};
+        kv_estimate ke = (kv_estimate)rng_below(&r, 2), ve = (kv_estimate)rng_below(&r, 2);
+        kv_sketch a = sketch_zeroed(rows, buckets, dim, ke, ve);
         kv_sketch b = sketch_clone(&a);
         kv_sketch_insert_ref(&a, &l, t, s.pool, s.segs, s.nsegs, s.h, s.g);
         kv_sketch_insert(&b, &l, t, s.pool, s.segs, s.nsegs, s.h, s.g);
@@ -516,14 +516,8 @@ static void test_median3_specials(void **state)
                 kv_layout l = {2, 8, dims[di], fp32 ? 4u : 2u, 0};
                 uint32_t rows = 3, buckets = 4, dim = l.kv_heads * l.head_dim;
                 size_t cells = (size_t)rows * buckets, ntok = 2 * l.block_tokens;
-                kv_sketch a = {rows,
-                               buckets,
-                               dim,
-                               (kv_estimate)(mode & 1),
-                               (kv_estimate)(mode >> 1),
-                               xcalloc(cells * dim * 4),
-                               xcalloc(cells * dim * 4),
-                               xcalloc(cells * 4)};
+                kv_sketch a = sketch_zeroed(rows, buckets, dim, (kv_estimate)(mode & 1),
+                                            (kv_estimate)(mode >> 1));
                 for (size_t i = 0; i < cells * dim; i++) {
                     a.key[i] = special_float(&r);
                     a.value[i] = special_float(&r);
@@ -567,7 +561,6 @@ static void test_threads_deterministic(void **state)
     kv_layout l = {8, 16, 128, 2, 0};
     uint32_t nb = 64, rows = 3, buckets = 16, dim = l.kv_heads * l.head_dim;
     size_t pb = nb * kv_block_bytes(&l), ntok = (size_t)nb * l.block_tokens;
-    size_t cells = (size_t)rows * buckets;
     uint8_t *pool = xcalloc(pb), *o1 = xcalloc(pb), *o2 = xcalloc(pb);
     fill_pool(&r, pool, pb, KV_FP16, 4.0f);
     kv_segment *segs = xcalloc(nb * sizeof *segs);
@@ -579,14 +572,7 @@ static void test_threads_deterministic(void **state)
     uint32_t *h = xcalloc(ntok * rows * sizeof *h);
     int8_t *g = xcalloc(ntok * rows);
     kv_sketch_hash_list(9, rows, buckets, pos, ntok, h, g);
-    kv_sketch a = {rows,
-                   buckets,
-                   dim,
-                   KV_ESTIMATE_SUM,
-                   KV_ESTIMATE_SUM,
-                   xcalloc(cells * dim * 4),
-                   xcalloc(cells * dim * 4),
-                   xcalloc(cells * 4)};
+    kv_sketch a = sketch_zeroed(rows, buckets, dim, KV_ESTIMATE_SUM, KV_ESTIMATE_SUM);
     kv_sketch b = sketch_clone(&a);
     setenv("KVSTASH_KERNEL_THREADS", "1", 1);
     kv_sketch_insert(&a, &l, KV_FP16, pool, segs, nb, h, g);
@@ -641,15 +627,8 @@ static void test_large_b_exact(void **state)
                 for (uint32_t q = 0; q < rows; q++)
                     assert_true(s.h[i * rows + q] != s.h[j * rows + q]);
         uint32_t dim = l.kv_heads * l.head_dim;
-        size_t cells = (size_t)rows * buckets;
-        kv_sketch sk = {rows,
-                        buckets,
-                        dim,
-                        (kv_estimate)(mode & 1),
-                        (kv_estimate)(mode >> 1),
-                        xcalloc(cells * dim * 4),
-                        xcalloc(cells * dim * 4),
-                        xcalloc(cells * 4)};
+        kv_sketch sk =
+            sketch_zeroed(rows, buckets, dim, (kv_estimate)(mode & 1), (kv_estimate)(mode >> 1));
         kv_sketch_insert(&sk, &l, KV_FP16, s.pool, s.segs, s.nsegs, s.h, s.g);
         size_t pb = s.nb * kv_block_bytes(&l);
         uint8_t *back = xcalloc(pb), *back2 = xcalloc(pb);
