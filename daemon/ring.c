@@ -202,10 +202,10 @@ static void serve_step(ring *rg, const ring_request *q, ring_response *r)
         rg->scratch = grown;
         rg->scratch_cap = n;
     }
-    /* Copied out of the ring into scratch a layer at a time, each layer's
-     * part as its policy step begins (seq_step_input.copy), so that the
-     * worker cannot change what is checked, and the policy reads it from
-     * cache. */
+    /* Copied out of the ring into scratch and checked as it is copied, a
+     * layer's part before its policy step, on the threads that step the
+     * layers (seq_step_input.copy): the worker cannot change what is
+     * checked, and no thread copies it all before the step begins. */
     seq_step_input in = {q->arrays,
                          q->new_tokens,
                          (int)(q->prefill != 0),
