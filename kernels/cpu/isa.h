@@ -6,18 +6,19 @@
  * CMakeLists.txt generates the second translation unit). KV_FAST(name)
  * gives the public function of that build its suffix, and dispatch.c defines
  * the unsuffixed kernels.h function, which picks the AVX2 build when the CPU
- * has AVX2 and F16C and KVSTASH_KERNEL_ISA is not "generic" (tests run both;
- * kernels.h "Threads"). Both builds do the same IEEE operations in the same
- * order per element (ISO C: no contraction into FMA), so their results are
- * identical; only the vector width and the fp16 conversions differ. A loop
- * of the AVX2 build whose time is instructions may have an AVX-512 twin in
- * the same file (a function with target("avx512f"), taken when
- * kv_isa_avx512()), with the same bytes again. The
- * attention (attention.c) is the one kernel with fused multiply-adds: its
- * AVX2 build is also compiled with -mfma and taken only when the CPU has
- * FMA, while its generic build multiplies and adds separately (fmaf would
- * be a libm call on x86-64): the attention's two builds agree within its
- * tolerance (kernels.h), not bit for bit.
+ * has AVX2 and F16C and KVSTASH_KERNEL_ISA is not "generic" (the tests run
+ * every build the CPU has: test_kernels_harness.h run_each_isa). Both builds
+ * do the same IEEE operations in the same order per element (ISO C: no
+ * contraction into FMA), so their results are identical; only the vector
+ * width and the fp16 conversions differ. A loop of the AVX2 build whose time
+ * is instructions may have an AVX-512 twin in the same file (a function with
+ * target("avx512f"), taken when kv_isa_avx512(); KVSTASH_KERNEL_ISA=avx2
+ * leaves it out), with the same bytes again. The attention (attention.c) is
+ * the one kernel with fused multiply-adds: its AVX2 build is also compiled
+ * with -mfma and taken only when the CPU has FMA, while its generic build
+ * multiplies and adds separately (fmaf would be a libm call on x86-64): the
+ * attention's two builds agree within its tolerance (kernels.h), not bit for
+ * bit.
  */
 #ifndef KVSTASH_KERNELS_ISA_H
 #define KVSTASH_KERNELS_ISA_H
