@@ -12,6 +12,8 @@
 
 #include <microhttpd.h>
 
+#include "util.h" /* policies/: policy_decision_span_of */
+
 #include "kvstash_step.h"
 #include "log.h"
 
@@ -219,22 +221,33 @@ static step_shape shape_of(const metrics_lists *v, unsigned arrays)
     return (step_shape){v->layers, v->q_heads, v->kv_heads, v->heads, arrays & STEP_ARRAYS};
 }
 
+/* Where list k of layer l's decision may evict: its span, within the
+ * list's n tokens. */
+static policy_span evict_span(const metrics_lists *v, const policy_decision *d, uint32_t l,
+                              uint32_t k)
+{
+    uint32_t n = v->ntokens[(size_t)l * v->heads + k];
+    policy_span sp = policy_decision_span_of(d, k, n);
+    return sp.hi <= n ? sp : (policy_span){0, n};
+}
+
 /* Whether layer l's decision evicts a token of its lists. */
 static int layer_evicts(const metrics_lists *v, const policy_decision *d, uint32_t l)
 {
     for (uint32_t k = 0; k < v->heads; k++) {
-        uint32_t n = v->ntokens[(size_t)l * v->heads + k];
-        if (n > 0 && memchr(d->tier[k], POLICY_EVICT, n) != NULL)
+        policy_span sp = evict_span(v, d, l, k);
+        if (sp.hi > sp.lo && memchr(d->tier[k] + sp.lo, POLICY_EVICT, sp.hi - sp.lo) != NULL)
             return 1;
     }
     return 0;
 }
 
-/* The attention of row `w` (n tokens of a list whose new tiers are `tier`)
- * added to *total, and that on evicted tokens (found by memchr: a decode
- * step evicts one) to *dropped. The total runs in four sums: one sum waits
- * for each addition, a millisecond a step at 32k tokens and 32 layers. */
-static void row_mass(const float *w, const uint8_t *tier, uint32_t n, double *total,
+/* The attention of row `w` (n tokens of a list whose new tiers are `tier`,
+ * any evicted ones within span sp) added to *total, and that on evicted
+ * tokens (found by memchr: a decode step evicts one) to *dropped. The
+ * total runs in four sums: one sum waits for each addition, a millisecond
+ * a step at 32k tokens and 32 layers. */
+static void row_mass(const float *w, const uint8_t *tier, uint32_t n, policy_span sp, double *total,
                      double *dropped)
 {
     double t0 = 0, t1 = 0, t2 = 0, t3 = 0;
@@ -248,7 +261,8 @@ static void row_mass(const float *w, const uint8_t *tier, uint32_t n, double *to
     for (; i < n; i++)
         t0 += w[i];
     *total += (t0 + t1) + (t2 + t3);
-    for (const uint8_t *p = tier; (p = memchr(p, POLICY_EVICT, (size_t)(tier + n - p))) != NULL;
+    const uint8_t *end = tier + sp.hi;
+    for (const uint8_t *p = tier + sp.lo; (p = memchr(p, POLICY_EVICT, (size_t)(end - p))) != NULL;
          p++)
         *dropped += w[p - tier];
 }
@@ -284,7 +298,8 @@ metrics_mass *metrics_mass_measure(metrics *m, const metrics_lists *lists, unsig
     step_cursor_init(&c, &sh, lists->ntokens);
     while (step_cursor_next(&c))
         if (c.kind == use && evicts[c.layer])
-            row_mass(data + c.offset, d[c.layer]->tier[c.list], c.count, &total[c.layer],
+            row_mass(data + c.offset, d[c.layer]->tier[c.list], c.count,
+                     evict_span(lists, d[c.layer], c.layer, c.list), &total[c.layer],
                      &dropped[c.layer]);
     mm->layers = lists->layers;
     mm->frac = dropped; /* becomes the fractions, layer by layer */

@@ -190,6 +190,7 @@ status_code seq_policy_layer_step(seq *s, uint32_t l, const policy_decision **d,
     if (policy_host_step(s->host, l, &stats, d, err, sizeof err) != 0)
         return status_set(st, errno == ENOMEM ? ST_RESOURCE_EXHAUSTED : ST_INTERNAL,
                           "policy %s failed: %s", s->policy->name, err);
+    *d = policy_host_decision_whole(s->host, l); /* the operator amends any tier */
     return ST_OK;
 }
 
@@ -702,10 +703,12 @@ static int step_job_full_only(const seq_step_job *j)
     for (uint32_t l = 0; l < s->nlayers; l++)
         for (uint32_t k = 0; k < s->heads; k++) {
             const seq_list *ly = seq_list_at(s, l, k);
+            /* Outside its span every tier is and stays POLICY_FULL. */
+            policy_span sp = policy_decision_span_of(j->d[l], k, j->tokens[l * s->heads + k]);
             uint32_t nevict;
             if (ly->noffloaded > 0 ||
-                !policy_tiers_keep_or_evict(j->d[l]->tier[k], j->tokens[l * s->heads + k],
-                                            POLICY_FULL, &nevict))
+                !policy_tiers_keep_or_evict(j->d[l]->tier[k] + sp.lo, sp.hi - sp.lo, POLICY_FULL,
+                                            &nevict))
                 return 0;
             for (size_t i = 0; i < ly->nsegs; i++)
                 if (ly->seg_tier[i] != POLICY_FULL)

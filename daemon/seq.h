@@ -98,8 +98,8 @@ void seq_list_view_get(seq *s, uint32_t layer, uint32_t head, seq_list_view *v);
 /* An operator's move on layer l starts from the policy's own step over the
  * tokens appended since its last one, with no statistics (store_operator.c
  * amends the decision, then seq_apply_decision applies it). *d is the
- * host's (policy_host_step). INTERNAL or RESOURCE_EXHAUSTED when the policy
- * fails. */
+ * host's (policy_host_step), its spans whole lists. INTERNAL or
+ * RESOURCE_EXHAUSTED when the policy fails. */
 status_code seq_policy_layer_step(seq *s, uint32_t l, const policy_decision **d, status *st);
 
 /* The tables changed at `epoch` (seq_epoch + 1, the epoch the changes

@@ -843,17 +843,18 @@ typedef struct seg_cut {
     uint32_t t, take, at;
 } seg_cut;
 
-/* The cuts that remove the nevict evicted tokens of tier[0..n) from the
- * list's segments, in segment order, into cuts[] (room for nevict); the
- * segments are only read. Returns the count, or -1 when the segments hold fewer
- * than the decision's tokens (list_apply then decides). */
-static ssize_t list_plan_cuts(const seq_list *ly, const uint8_t *tier, uint32_t n, uint32_t nevict,
-                              seg_cut *cuts)
+/* The cuts that remove the nevict evicted tokens of tier[0..n), all from
+ * `from` on, from the list's segments, in segment order, into cuts[] (room
+ * for nevict); the segments are only read. Returns the count, or -1 when
+ * the segments hold fewer than the decision's tokens (list_apply then
+ * decides). */
+static ssize_t list_plan_cuts(const seq_list *ly, const uint8_t *tier, uint32_t n, uint32_t from,
+                              uint32_t nevict, seg_cut *cuts)
 {
     size_t j = 0, ncuts = 0;
     uint32_t base = 0;  /* the index of segment j's first token */
     uint32_t found = 0; /* evicted tokens planned */
-    for (uint32_t a = 0; a < n && found < nevict;) {
+    for (uint32_t a = from; a < n && found < nevict;) {
         const uint8_t *e = memchr(tier + a, POLICY_EVICT, n - a);
         if (e == NULL)
             break;
@@ -960,12 +961,13 @@ static int list_retire_if_unused(seq *s, seq_list *ly, const uint32_t *ids, size
  * cut leaves a gap, it never makes two segments contiguous. Returns 1
  * when the segments do not match the decision, else 0 or -1.
  */
-static int list_cut_in_place(seq *s, seq_list *ly, const uint8_t *tier, uint32_t n, uint32_t nevict,
-                             uint64_t epoch, int *changed)
+static int list_cut_in_place(seq *s, seq_list *ly, const uint8_t *tier, uint32_t n, uint32_t from,
+                             uint32_t nevict, uint64_t epoch, int *changed)
 {
     seg_cut *cuts = malloc(nevict * sizeof *cuts);
     uint32_t *gone = malloc(nevict * sizeof *gone);
-    ssize_t ncuts = cuts != NULL && gone != NULL ? list_plan_cuts(ly, tier, n, nevict, cuts) : -2;
+    ssize_t ncuts =
+        cuts != NULL && gone != NULL ? list_plan_cuts(ly, tier, n, from, nevict, cuts) : -2;
     int rc = ncuts == -1 ? 1 : ncuts < 0 ? -1 : 0;
     size_t room = rc == 0 ? cuts_room(cuts, (size_t)ncuts) : 0;
     kv_segment *out = rc == 0 ? malloc((room ? room : 1) * sizeof *out) : NULL;
@@ -1233,7 +1235,7 @@ static int list_apply_tiered_evictions(seq *s, uint32_t l, uint32_t k, const pol
      * list_apply, which would offload the victims again. A block an INT8
      * victim stays in is not retired (list_uses_block). */
     if (rc == 0 && nevict > 0)
-        rc = list_cut_in_place(s, ly, d->tier[k], n, nevict, epoch, changed);
+        rc = list_cut_in_place(s, ly, d->tier[k], n, 0, nevict, epoch, changed);
     if (rc == 0 && nevict > 0 && victims == POLICY_VICTIMS_INT8)
         rc = quantize_victims(s, ly, epoch);
     return rc == 0 ? list_leave(s, ly, touch) : rc;
@@ -1266,7 +1268,9 @@ static int list_apply_evictions(seq *s, uint32_t l, uint32_t k, const policy_dec
     for (size_t i = 0; i < ly->nsegs; i++)
         if (ly->seg_tier[i] != POLICY_FULL)
             return list_apply_tiered_evictions(s, l, k, d, n, epoch, changed);
-    if (!policy_tiers_keep_or_evict(tier, n, POLICY_FULL, &nevict))
+    /* Outside its span every tier is and stays POLICY_FULL (policy.h). */
+    policy_span sp = policy_decision_span_of(d, k, n);
+    if (sp.hi > n || !policy_tiers_keep_or_evict(tier + sp.lo, sp.hi - sp.lo, POLICY_FULL, &nevict))
         return 1;
     if (nevict == 0)
         return 0; /* list_touch: LIST_UNTOUCHED */
@@ -1286,7 +1290,7 @@ static int list_apply_evictions(seq *s, uint32_t l, uint32_t k, const policy_dec
                      (ly->blocks_at_most != SEQ_BLOCKS_UNKNOWN && ly->blocks_at_most <= limit) ||
                      compact_over_budget(s, kept);
     if (under_rule && !tail_unused)
-        return list_cut_in_place(s, ly, tier, n, nevict, epoch, changed);
+        return list_cut_in_place(s, ly, tier, n, sp.lo, nevict, epoch, changed);
     return list_cut_rebuild(s, ly, tier, n, nevict, epoch, changed);
 }
 

@@ -296,8 +296,10 @@ static int h2o_step(void *state, const policy_layer_view *view, const policy_sta
     layer_swap(ly);
     ly->n = n;
     ly->has_hole = 0;
-    if (n <= st->budget)
+    if (n <= st->budget) {
+        policy_decision_span(d, 0, 0, 0);
         return 0;
+    }
     /* Candidates: neither a sink nor among the `recent` newest; positions
      * ascend, so they are the indices [first, first_recent). Evict the
      * lowest scores first, ties to the lower index. */
@@ -310,7 +312,7 @@ static int h2o_step(void *state, const policy_layer_view *view, const policy_sta
         k = m;    /* cannot happen: recent + sinks <= budget */
     if (k == 1) { /* a decode step: the victim stays in the pair as its hole */
         uint32_t v = first + policy_first_min(ly->score + first, m);
-        d->tier[0][v] = POLICY_EVICT;
+        policy_evict_one(d, 0, v);
         ly->n = n - 1, ly->has_hole = 1, ly->hole = v;
         return 0;
     }
@@ -321,6 +323,7 @@ static int h2o_step(void *state, const policy_layer_view *view, const policy_sta
         uint8_t *evict = (uint8_t *)ly->scratch; /* the keys are spent: m bytes of room */
         policy_cut_mark(&cut, ly->score + first, 1.0, NULL, 1, m, 0, evict);
         policy_evict_marked(d->tier[0] + first, evict, 1, m);
+        policy_decision_span(d, 0, first, first + m);
         /* Compact the per-token state exactly as the host compacts the
          * list, token by token without a branch (a prefill evicts
          * thousands). */

@@ -38,6 +38,9 @@ typedef struct host_list {
      * steps and query heads (storage.h), NULL otherwise. */
     float *attn;
     uint8_t *next_tier; /* the pending decision for this list, from entry 0 */
+    /* How many entries hold a tier other than POLICY_FULL: while none
+     * does, a decision's span may stay narrow (policy.h). */
+    uint32_t not_full;
     /* Transactions: the token count at begin (appends only add after it),
      * and, once the layer was stepped, its first begin_tokens attention
      * entries as they were (demote_keep only: every step adds to all). */
@@ -77,6 +80,7 @@ typedef struct host_layer {
     const uint32_t **positions;
     const uint8_t **tiers;
     uint8_t **decision_tiers;
+    policy_span *spans; /* [heads], the decision's */
     policy_layer_view view;
     policy_merge *merges;
     size_t merges_cap;
@@ -129,6 +133,7 @@ static void layer_free(host_layer *ly, uint32_t heads)
     free(ly->positions);
     free(ly->tiers);
     free(ly->decision_tiers);
+    free(ly->spans);
     free(ly->merges);
 }
 
@@ -139,7 +144,9 @@ static int layer_init(host_layer *ly, uint32_t layer, uint32_t heads)
     ly->positions = calloc(heads, sizeof *ly->positions);
     ly->tiers = calloc(heads, sizeof *ly->tiers);
     ly->decision_tiers = calloc(heads, sizeof *ly->decision_tiers);
-    if (!ly->lists || !ly->tokens || !ly->positions || !ly->tiers || !ly->decision_tiers)
+    ly->spans = calloc(heads, sizeof *ly->spans);
+    if (!ly->lists || !ly->tokens || !ly->positions || !ly->tiers || !ly->decision_tiers ||
+        !ly->spans)
         return -1;
     ly->view.layer = layer;
     ly->view.heads = heads;
@@ -147,6 +154,7 @@ static int layer_init(host_layer *ly, uint32_t layer, uint32_t heads)
     ly->view.positions = ly->positions;
     ly->view.tier = ly->tiers;
     ly->decision.tier = ly->decision_tiers;
+    ly->decision.span = ly->spans;
     return 0;
 }
 
@@ -246,6 +254,15 @@ static void list_at(host_list *li, uint32_t off)
     li->pos = li->pos_buf != NULL ? li->pos_buf + off : NULL;
     li->tier = li->tier_buf != NULL ? li->tier_buf + off : NULL;
     li->attn = li->attn_buf != NULL ? li->attn_buf + off : NULL;
+}
+
+/* not_full counted again (after a rollback or a restore). */
+static void list_count_not_full(host_list *li)
+{
+    uint32_t c = 0;
+    for (uint32_t i = 0; i < li->tokens; i++)
+        c += li->tier[i] != POLICY_FULL;
+    li->not_full = c;
 }
 
 /* Move the list's entries to the start of its buffers. */
@@ -428,6 +445,7 @@ int policy_host_restore(policy_host *h, uint64_t appended, uint64_t steps,
             for (uint32_t t = 0; t < im->tokens; t++)
                 li->attn[t] = im->attn != NULL ? im->attn[t] : 0.0f;
         li->tokens = im->tokens;
+        list_count_not_full(li);
     }
     for (uint32_t l = 0; l < h->geom.layers; l++)
         h->layers[l].pending = 0;
@@ -463,6 +481,7 @@ static int layer_prepare_decision(host_layer *ly, uint32_t heads, int merges)
          * be NULL even for 0 bytes (fuzz_replay: a step before any append). */
         if (li->tokens > 0)
             memcpy(li->next_tier, li->tier, li->tokens);
+        ly->spans[k] = (policy_span){0, li->tokens};
         total += li->tokens;
     }
     if (merges && total > ly->merges_cap) {
@@ -493,16 +512,37 @@ POLICY_HOT static int tiers_valid(const uint8_t *t, uint32_t n)
     return !bad;
 }
 
+/* Every list's span as the host keeps it: one the policy narrowed stays
+ * narrow only where every tier outside it is POLICY_FULL (policy.h) and
+ * nothing merges. */
+static int layer_settle_spans(host_layer *ly, uint32_t heads, char *err, size_t errlen)
+{
+    for (uint32_t k = 0; k < heads; k++) {
+        const host_list *li = &ly->lists[k];
+        policy_span *sp = &ly->spans[k];
+        if (sp->lo > sp->hi || sp->hi > li->tokens) {
+            snprintf(err, errlen, "span [%u, %u) of list %u is not within its %u tokens", sp->lo,
+                     sp->hi, k, li->tokens);
+            return -1;
+        }
+        if (li->not_full > 0 || ly->decision.nmerges > 0)
+            *sp = (policy_span){0, li->tokens};
+    }
+    return 0;
+}
+
 /* A policy's decision must be applicable as it stands: the daemon trusts
- * it to move memory. */
-static int decision_valid(const host_layer *ly, uint32_t heads, char *err, size_t errlen)
+ * it to move memory. Outside its spans it is as preset. */
+static int decision_valid(host_layer *ly, uint32_t heads, char *err, size_t errlen)
 {
     const policy_decision *d = &ly->decision;
+    if (layer_settle_spans(ly, heads, err, errlen) != 0)
+        return -1;
     for (uint32_t k = 0; k < heads; k++) {
         const uint8_t *t = d->tier[k];
-        uint32_t n = ly->lists[k].tokens;
-        int bad = !tiers_valid(t, n);
-        for (uint32_t i = 0; bad && i < n; i++)
+        uint32_t lo = ly->spans[k].lo, hi = ly->spans[k].hi;
+        int bad = !tiers_valid(t + lo, hi - lo);
+        for (uint32_t i = lo; bad && i < hi; i++)
             if (t[i] >= POLICY_TIERS) {
                 snprintf(err, errlen, "invalid tier %u for token %u of list %u", t[i], i, k);
                 return -1;
@@ -655,6 +695,7 @@ void policy_host_rollback(policy_host *h)
             li->tokens = li->begin_tokens; /* drops what was appended since */
             if (ly->saved && li->attn != NULL && li->begin_tokens > 0)
                 memcpy(li->attn, li->saved_attn, li->begin_tokens * sizeof *li->attn);
+            list_count_not_full(li);
         }
         layer_drop_saved(ly, h->heads);
         if (ly->policy_saved != NULL)
@@ -720,6 +761,8 @@ static int layer_demote(policy_host *h, host_layer *ly)
 {
     for (uint32_t k = 0; k < h->heads; k++) {
         host_list *li = &ly->lists[k];
+        if (h->storage.demote != POLICY_FULL) /* it may change any tier */
+            ly->spans[k] = (policy_span){0, li->tokens};
         if (!graded(h) || li->attn == NULL) {
             policy_storage_demote(&h->storage, li->next_tier, li->tokens, NULL, NULL);
             continue;
@@ -1003,16 +1046,18 @@ int policy_host_step_layers(policy_host *h, const policy_stats *stats,
     return rc;
 }
 
-/* The kept tokens of list li whose tier the decision changes, in the
- * undo log after the m evicted ones logged from e (their index after the
- * commit, and tier before), their tiers changed; compared with memcmp 512
- * bytes at a time, as a decode step changes few. Returns how many. */
-static uint32_t list_change_tiers(host_list *li, host_undo_log *u, size_t e, uint32_t m)
+/* The kept tokens of list li whose tier the decision changes (within its
+ * span sp), in the undo log after the m evicted ones logged from e (their
+ * index after the commit, and tier before), their tiers changed; compared
+ * with memcmp 512 bytes at a time, as a decode step changes few. Returns
+ * how many. */
+static uint32_t list_change_tiers(host_list *li, policy_span sp, host_undo_log *u, size_t e,
+                                  uint32_t m)
 {
-    uint32_t changed = 0, n = li->tokens;
+    uint32_t changed = 0;
     const uint8_t *next = li->next_tier;
-    for (uint32_t j = 0, from = 0; j <= m; j++) { /* the kept run before evicted j */
-        uint32_t end = j < m ? u->idx[e + j] : n;
+    for (uint32_t j = 0, from = sp.lo; j <= m; j++) { /* the kept run before evicted j */
+        uint32_t end = j < m ? u->idx[e + j] : sp.hi;
         for (uint32_t i = from; i < end;) {
             uint32_t stop = end - i > 512 ? i + 512 : end;
             if (memcmp(li->tier + i, next + i, stop - i) == 0) {
@@ -1064,7 +1109,7 @@ static int list_remove(host_list *li, const uint32_t *idx, uint32_t m)
     return 0;
 }
 
-/* The evicted entries of li (next_tier POLICY_EVICT), ascending, logged
+/* The evicted entries of li (next_tier POLICY_EVICT) within span sp, ascending, logged
  * at idx/pos/tier (their index before the commit, position and tier);
  * returns how many. memchr finds a first (a decode step evicts a few of
  * many); the bytes after a hit are looked at one by one while hits keep
@@ -1073,13 +1118,13 @@ static int list_remove(host_list *li, const uint32_t *idx, uint32_t m)
  * written whether evicted or not, and kept only by counting it: no
  * branch to mispredict. The log has room for every entry of the list
  * (undo_log_reserve), so the spare writes stay inside it. */
-static uint32_t find_evicted_scalar(const host_list *li, uint32_t *restrict idx,
+static uint32_t find_evicted_scalar(const host_list *li, policy_span sp, uint32_t *restrict idx,
                                     uint32_t *restrict pos, uint8_t *restrict tier)
 {
     const uint8_t *next = li->next_tier, *from_tier = li->tier;
     const uint32_t *from_pos = li->pos;
-    uint32_t m = 0, n = li->tokens;
-    for (uint32_t i = 0; i < n;) {
+    uint32_t m = 0, n = sp.hi;
+    for (uint32_t i = sp.lo; i < n;) {
         const uint8_t *x = memchr(next + i, POLICY_EVICT, n - i);
         if (x == NULL)
             break;
@@ -1100,13 +1145,13 @@ typedef struct dense_cursor {
 } dense_cursor;
 
 /* list_commit_dense's start: the tiers changed before the first evicted
- * entry, which stays where it is. */
-static void commit_front_tiers(host_list *li, host_undo_log *u, size_t e, uint32_t m,
+ * entry (from the span's start), which stay where they are. */
+static void commit_front_tiers(host_list *li, uint32_t lo, host_undo_log *u, size_t e, uint32_t m,
                                dense_cursor *c)
 {
     const uint8_t *next = li->next_tier;
     uint8_t *tier = li->tier;
-    for (uint32_t i = 0; i < c->to; i++)
+    for (uint32_t i = lo; i < c->to; i++)
         if (tier[i] != next[i]) {
             size_t at = e + m + c->changed++;
             u->idx[at] = i, u->tier[at] = tier[i];
@@ -1193,14 +1238,13 @@ __attribute__((target("avx2"))) static inline void pack_bytes(uint8_t *out, __m1
 /* list_find_evicted: 32 decisions compared at once, and a group of eight
  * with an eviction packed into the log. The log has room for every entry
  * of the list, so that eight lanes stored at m <= i stay inside it. */
-__attribute__((target("avx2"))) static uint32_t find_evicted_avx2(const host_list *li,
-                                                                  uint32_t *restrict idx,
-                                                                  uint32_t *restrict pos,
-                                                                  uint8_t *restrict tier)
+__attribute__((target("avx2"))) static uint32_t
+find_evicted_avx2(const host_list *li, policy_span sp, uint32_t *restrict idx,
+                  uint32_t *restrict pos, uint8_t *restrict tier)
 {
     const uint8_t *next = li->next_tier, *from_tier = li->tier;
     const uint32_t *from_pos = li->pos;
-    uint32_t m = 0, n = li->tokens, i = 0;
+    uint32_t m = 0, n = sp.hi, i = sp.lo;
     const __m256i evict = _mm256_set1_epi8((char)POLICY_EVICT);
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (; i + 32 <= n; i += 32) {
@@ -1228,11 +1272,11 @@ __attribute__((target("avx2"))) static uint32_t find_evicted_avx2(const host_lis
  * whose tier changes (rare but for demotions) goes through the scalar
  * loop, which logs it. */
 __attribute__((target("avx2"))) static uint32_t
-list_commit_dense_avx2(host_list *li, host_undo_log *u, size_t e, uint32_t m)
+list_commit_dense_avx2(host_list *li, uint32_t lo, host_undo_log *u, size_t e, uint32_t m)
 {
     uint32_t n = li->tokens, i = u->idx[e];
     dense_cursor c = {0, i};
-    commit_front_tiers(li, u, e, m, &c);
+    commit_front_tiers(li, lo, u, e, m, &c);
     const uint8_t *next = li->next_tier;
     const __m128i evict = _mm_set1_epi8((char)POLICY_EVICT);
     for (; i + 8 <= n; i += 8) {
@@ -1257,14 +1301,14 @@ list_commit_dense_avx2(host_list *li, host_undo_log *u, size_t e, uint32_t m)
 #endif
 
 /* The evicted entries of li, as find_evicted_scalar. */
-static uint32_t list_find_evicted(const host_list *li, uint32_t *restrict idx,
+static uint32_t list_find_evicted(const host_list *li, policy_span sp, uint32_t *restrict idx,
                                   uint32_t *restrict pos, uint8_t *restrict tier)
 {
 #ifdef HOST_COMMIT_AVX2
     if (commit_avx2())
-        return find_evicted_avx2(li, idx, pos, tier);
+        return find_evicted_avx2(li, sp, idx, pos, tier);
 #endif
-    return find_evicted_scalar(li, idx, pos, tier);
+    return find_evicted_scalar(li, sp, idx, pos, tier);
 }
 
 /* list_change_tiers then list_remove's back variant in one pass, for a
@@ -1274,18 +1318,32 @@ static uint32_t list_find_evicted(const host_list *li, uint32_t *restrict idx,
  * same undo log entries, in the same order. Every entry is copied down,
  * and kept by advancing past it, without a branch; a changed tier is
  * rare but for demotions. */
-static uint32_t list_commit_dense(host_list *li, host_undo_log *u, size_t e, uint32_t m)
+static uint32_t list_commit_dense(host_list *li, uint32_t lo, host_undo_log *u, size_t e,
+                                  uint32_t m)
 {
 #ifdef HOST_COMMIT_AVX2
     if (commit_avx2())
-        return list_commit_dense_avx2(li, u, e, m);
+        return list_commit_dense_avx2(li, lo, u, e, m);
 #endif
     uint32_t n = li->tokens;
     dense_cursor c = {0, u->idx[e]};
-    commit_front_tiers(li, u, e, m, &c);
+    commit_front_tiers(li, lo, u, e, m, &c);
     commit_entries(li, u, e, m, c.to, n, &c);
     li->tokens = n - m;
     return c.changed;
+}
+
+/* not_full after a commit, from what it logged at e: m evicted entries
+ * (their tiers before), then `changed` kept ones (index after, tier
+ * before). */
+static void list_count_changes(host_list *li, const host_undo_log *u, size_t e, uint32_t m,
+                               uint32_t changed)
+{
+    for (size_t x = e; x < e + m; x++)
+        li->not_full -= u->tier[x] != POLICY_FULL;
+    for (size_t x = e + m; x < e + m + changed; x++)
+        li->not_full +=
+            (uint32_t)(li->tier[u->idx[x]] != POLICY_FULL) - (uint32_t)(u->tier[x] != POLICY_FULL);
 }
 
 /* Commit list k of layer l: its evicted tokens and changed tiers logged
@@ -1294,27 +1352,37 @@ static uint32_t list_commit_dense(host_list *li, host_undo_log *u, size_t e, uin
 static uint32_t list_commit(policy_host *h, uint32_t l, uint32_t k)
 {
     host_list *li = &h->layers[l].lists[k];
+    policy_span sp = h->layers[l].spans[k];
     host_undo_log *u = &h->undo;
     size_t e = u->n;
     uint32_t n = li->tokens;
     /* An empty list may have no log yet: no pointer into it. */
-    uint32_t m = n > 0 ? list_find_evicted(li, u->idx + e, u->pos + e, u->tier + e) : 0;
+    uint32_t m = n > 0 ? list_find_evicted(li, sp, u->idx + e, u->pos + e, u->tier + e) : 0;
     uint32_t changed = 0;
     /* Kept entries the back variant moves, and the front one. */
     uint64_t back = m > 0 ? n - u->idx[e] - m : 0,
              front_moves = m > 0 ? u->idx[e + m - 1] + 1 - m : 0;
     int front = 0;
     if (m > 0 && back < 16u * (uint64_t)m && back <= 2 * front_moves) { /* runs under 16 */
-        changed = list_commit_dense(li, u, e, m);
+        changed = list_commit_dense(li, sp.lo, u, e, m);
     } else {
-        changed = list_change_tiers(li, u, e, m);
+        changed = list_change_tiers(li, sp, u, e, m);
         front = m > 0 ? list_remove(li, u->idx + e, m) : 0;
     }
+    list_count_changes(li, u, e, m, changed);
     if (h->txn && (m > 0 || changed > 0)) {
         u->commits[u->ncommits++] = (host_undo){l, k, n, n - m, m, changed, front, e};
         u->n += m + changed;
     }
     return m;
+}
+
+policy_decision *policy_host_decision_whole(policy_host *h, uint32_t layer)
+{
+    host_layer *ly = &h->layers[layer];
+    for (uint32_t k = 0; k < h->heads; k++)
+        ly->spans[k] = (policy_span){0, ly->lists[k].tokens};
+    return &ly->decision;
 }
 
 size_t policy_host_commit(policy_host *h, uint32_t layer)

@@ -95,6 +95,11 @@ void policy_host_set_threads(policy_host *h, uint32_t threads, uint64_t min_toke
  * (32 layers of 8k tokens) costs less than starting a thread. */
 #define POLICY_HOST_PARALLEL_TOKENS (256u * 1024u)
 
+/* The pending decision of `layer` (policy_host_step's), its spans widened
+ * to whole lists: for a caller that changes tiers the policy did not (an
+ * operator's move). */
+policy_decision *policy_host_decision_whole(policy_host *h, uint32_t layer);
+
 /* Apply the pending decision of `layer` to its lists: evicted tokens leave,
  * other tiers change. Returns the number of tokens evicted. */
 size_t policy_host_commit(policy_host *h, uint32_t layer);

@@ -1131,6 +1131,20 @@ void ov_block_apply_next(ov_block *st, const uint32_t *blocks, size_t n)
     st->applying = 1;
 }
 
+/* Evict the tokens of blocks[0..n) (each within the list), and say so in
+ * the decision's span: most decode steps evict no block. */
+static void evict_blocks(const ov_block *st, policy_decision *d, const uint32_t *blocks, size_t n)
+{
+    uint32_t lo = UINT32_MAX, hi = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t from = blocks[i] * st->B;
+        memset(d->tier[0] + from, POLICY_EVICT, st->B);
+        lo = from < lo ? from : lo;
+        hi = from + st->B > hi ? from + st->B : hi;
+    }
+    policy_decision_span(d, 0, n > 0 ? lo : 0, n > 0 ? hi : 0);
+}
+
 /* The step after ov_block_apply_next(): evict exactly those blocks. */
 static int apply_blocks(ov_block *st, const policy_layer_view *view, policy_decision *d, char *err,
                         size_t errlen)
@@ -1143,9 +1157,8 @@ static int apply_blocks(ov_block *st, const policy_layer_view *view, policy_deci
                            st->apply[i], view->tokens[0]);
             return -1;
         }
-        for (uint32_t t = 0; t < st->B; t++)
-            d->tier[0][from + t] = POLICY_EVICT;
     }
+    evict_blocks(st, d, st->apply, st->napply);
     return 0;
 }
 
@@ -1191,8 +1204,10 @@ static int ov_step(void *state, const policy_layer_view *view, const policy_stat
         policy_set_err(err, errlen, "out of memory registering scores");
         return -1;
     }
-    if (stats->prefill) /* §2.5: never during prefill */
+    if (stats->prefill) { /* §2.5: never during prefill */
+        policy_decision_span(d, 0, 0, 0);
         return 0;
+    }
     uint32_t *blocks;
     size_t nb;
     if (ov_block_evict(st, l, &blocks, &nb, err, errlen) != 0)
@@ -1206,9 +1221,8 @@ static int ov_step(void *state, const policy_layer_view *view, const policy_stat
             free(blocks);
             return -1;
         }
-        for (uint32_t t = 0; t < st->B; t++)
-            d->tier[0][from + t] = POLICY_EVICT;
     }
+    evict_blocks(st, d, blocks, nb);
     free(blocks);
     d->rerotate_keys = st->apply_rotation && nb > 0;
     d->rope_theta = st->rope_theta;

@@ -182,6 +182,11 @@ typedef struct policy_merge {
     float w_from, w_into;
 } policy_merge;
 
+/* Entries [lo, hi) of a list (lo == hi: none). */
+typedef struct policy_span {
+    uint32_t lo, hi;
+} policy_span;
+
 /*
  * The policy's answer for one layer. tier[h][i] comes preset to the view's
  * current tier; the policy changes the entries it wants changed. For a
@@ -196,6 +201,19 @@ typedef struct policy_merge {
  */
 typedef struct policy_decision {
     uint8_t *const *tier;
+    /*
+     * [heads] (NULL: every span is the whole list): where list h's tiers
+     * may differ from their preset. The host presets each span to the
+     * whole list; a policy whose step changes a few tiers (a decode step
+     * evicts one token of thousands) narrows it to them with
+     * policy_decision_span() (util.h), and the host and the daemon then
+     * look only there instead of at every token's tier, four or five
+     * times a step. A policy narrows a span only to evict: the host keeps
+     * it narrow only for a list whose every tier is POLICY_FULL and a
+     * decision without merges or storage demotion, so that outside a
+     * span every tier is, and stays, POLICY_FULL.
+     */
+    policy_span *span;
     policy_merge *merges;
     size_t nmerges, merges_cap;
     int rerotate_keys;

@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "builtin.h"
+#include "util.h"
 
 #define STREAMING_MAX 1048576u
 
@@ -82,6 +83,7 @@ static int streaming_step(void *state, const policy_layer_view *view, const poli
     uint32_t drop = others > st->window ? others - st->window : 0; /* oldest non-sinks */
     if (drop > 0) /* an empty list may have no decision array yet */
         memset(d->tier[0] + lo, POLICY_EVICT, drop);
+    policy_decision_span(d, 0, lo, lo + drop);
     return 0;
 }
 

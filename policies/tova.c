@@ -230,12 +230,14 @@ static int tova_step(void *state, const policy_layer_view *view, const policy_st
             return -1;
         }
     uint32_t n = view->tokens[0];
-    if (n <= st->budget)
+    if (n <= st->budget) {
+        policy_decision_span(d, 0, 0, 0);
         return 0;
+    }
     if (summed && n - st->budget == 1) {
         size_t victim = sum_decode_victim(stats->score, n);
         if (victim < n) {
-            d->tier[0][victim] = POLICY_EVICT;
+            policy_evict_one(d, 0, (uint32_t)victim);
             return 0;
         }
     }
@@ -258,7 +260,7 @@ static int tova_step(void *state, const policy_layer_view *view, const policy_st
     /* Evict the lowest scores first; among equal scores the higher index
      * goes first (visited in reverse order), so that the lower is kept. */
     if (n - st->budget == 1) { /* a decode step */
-        d->tier[0][policy_last_min(sc->score, n)] = POLICY_EVICT;
+        policy_evict_one(d, 0, (uint32_t)policy_last_min(sc->score, n));
         return 0;
     }
     for (uint32_t i = 0; i < n; i++)

@@ -74,6 +74,28 @@ int policy_has_nan(const double *x, size_t n);
  */
 void policy_mean_rows(const float *const *rows, uint32_t nrows, size_t n, double *out);
 
+/* Say that list k's decision changes no tier outside [lo, hi) (policy.h
+ * policy_decision.span; nothing where the caller gave no spans). */
+static inline void policy_decision_span(policy_decision *d, uint32_t k, uint32_t lo, uint32_t hi)
+{
+    if (d->span != NULL)
+        d->span[k] = (policy_span){lo, hi};
+}
+
+/* Evict token i of list k, the one change of its decision (a decode step
+ * of a policy with a budget). */
+static inline void policy_evict_one(policy_decision *d, uint32_t k, uint32_t i)
+{
+    d->tier[k][i] = POLICY_EVICT;
+    policy_decision_span(d, k, i, i + 1);
+}
+
+/* The span of list k's decision: the whole of its n tokens without spans. */
+static inline policy_span policy_decision_span_of(const policy_decision *d, uint32_t k, uint32_t n)
+{
+    return d->span != NULL ? d->span[k] : (policy_span){0, n};
+}
+
 /*
  * Whether a decision's n tiers only keep in tier `keep` or evict (every
  * one `keep` or POLICY_EVICT), and *nevict, how many evict: one vectorised

@@ -990,6 +990,91 @@ static void test_streaming_random_chunks(void **unused)
     }
 }
 
+/*
+ * Spans (policy.h): a policy that narrows its decision's span to what it
+ * changed must leave every tier outside it as preset, whatever it decides.
+ * The per-step policies that narrow it (streaming, h2o, tova from the
+ * summed score and from last_attn, ov_block) run a prompt and hundreds of
+ * decode steps of random statistics through a host; after each step, every
+ * tier outside each span equals the view's tier before it, and decode
+ * steps did narrow (a span the host widened would pass trivially).
+ */
+typedef struct span_case {
+    const char *policy;
+    const char *kv[6];
+    int last_attn; /* statistics as last_attn rows, else a summed score */
+} span_case;
+
+static void span_stats(policy_stats *st, const span_case *c, uint32_t n, int prefill, float *score,
+                       float *const *rows, uint32_t q_heads, uint64_t *rng)
+{
+    for (uint32_t i = 0; i < n; i++)
+        score[i] = (float)(xorshift(rng) % 1000) / 1000.0f;
+    for (uint32_t q = 0; q < q_heads; q++)
+        for (uint32_t i = 0; i < n; i++)
+            rows[q][i] = (float)(xorshift(rng) % 1000) / 1000.0f;
+    *st = (policy_stats){.new_tokens = 1, .prefill = prefill, .confidence = -1.0};
+    if (c->last_attn) {
+        st->last_attn = (const float *const *)rows;
+    } else {
+        st->score = score;
+        st->score_queries = 1;
+    }
+}
+
+static void test_decision_spans_honest(void **unused)
+{
+    (void)unused;
+    enum { LAYERS = 2, Q_HEADS = 4, PROMPT = 300, STEPS = 400, MAX = PROMPT + STEPS + 1 };
+    static const span_case cases[] = {
+        {"streaming", {"n_sink=4", "window=120", NULL}, 0},
+        {"h2o", {"budget=160", "recent=16", "sinks=3", NULL}, 0},
+        {"tova", {"budget=160", NULL}, 0},
+        {"tova", {"budget=160", NULL}, 1},
+        {"ov_block",
+         {"start_size=32", "recent_size=32", "max_cache_size=160", "max_pool_window=1",
+          "snapkv_window=0", NULL},
+         0},
+    };
+    static float score[MAX], row_buf[Q_HEADS][MAX];
+    static uint8_t before[MAX];
+    float *rows[Q_HEADS];
+    for (uint32_t q = 0; q < Q_HEADS; q++)
+        rows[q] = row_buf[q];
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        const span_case *sc = &cases[c];
+        policy_geometry g = ph_geom(LAYERS, Q_HEADS, 1);
+        policy_host *h = ph_host(sc->policy, sc->kv, g);
+        uint64_t rng = 0x5eed + c;
+        unsigned narrow = 0, decode_steps = 0;
+        for (uint32_t step = 0; step <= STEPS; step++) {
+            assert_int_equal(policy_host_append(h, step == 0 ? PROMPT : 1), 0);
+            for (uint32_t l = 0; l < LAYERS; l++) {
+                const policy_layer_view *v = policy_host_view(h, l);
+                uint32_t n = v->tokens[0];
+                assert_true(n <= MAX);
+                memcpy(before, v->tier[0], n);
+                policy_stats st;
+                span_stats(&st, sc, n, step == 0, score, rows, Q_HEADS, &rng);
+                const policy_decision *d = ph_decide(h, l, &st);
+                assert_non_null(d->span);
+                policy_span sp = d->span[0];
+                assert_true(sp.lo <= sp.hi && sp.hi <= n);
+                for (uint32_t i = 0; i < n; i++)
+                    if (i < sp.lo || i >= sp.hi)
+                        assert_int_equal(d->tier[0][i], before[i]);
+                decode_steps += step > 0;
+                narrow += step > 0 && sp.hi - sp.lo < n;
+                policy_host_commit(h, l);
+            }
+        }
+        if (narrow != decode_steps)
+            fail_msg("%s: %u of %u decode steps narrowed their span", sc->policy, narrow,
+                     decode_steps);
+        policy_host_destroy(h);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1019,6 +1104,7 @@ int main(void)
         cmocka_unit_test(test_streaming_sinks_by_position),
         cmocka_unit_test(test_streaming_defaults),
         cmocka_unit_test(test_streaming_random_chunks),
+        cmocka_unit_test(test_decision_spans_honest),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

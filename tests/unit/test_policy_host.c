@@ -24,6 +24,7 @@
 
 #include "host.h"
 #include "policy.h"
+#include "util.h"
 
 #define MAX_LAYERS 8
 
@@ -1274,6 +1275,188 @@ static void test_layers_on_threads(void **unused)
     policy_host_destroy(h);
 }
 
+/* ---- spans (policy.h policy_decision.span) ---- */
+
+/* fake-span: each step, per list, a window [lo, hi) in which it evicts a
+ * few tokens (regime 0), also moves a few to INT8 (1), puts every token
+ * not at FULL back to FULL (2) or evicts them (3), or names a span beyond
+ * the list (4); it narrows the span to the window (in 2 and 3, to the
+ * tokens it changed). */
+typedef struct span_state {
+    uint64_t rng;
+    unsigned regime;
+    policy_span asked[2]; /* what it narrowed each list's span to */
+} span_state;
+
+static int span_create(const policy_params *p, const policy_geometry *g, void **state, char *err,
+                       size_t errlen)
+{
+    (void)p;
+    (void)g;
+    span_state *st = calloc(1, sizeof *st);
+    if (st == NULL) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    st->rng = 0x2545f4914f6cdd1du;
+    *state = st;
+    return 0;
+}
+
+/* Regimes 2 and 3: every token not at FULL to `to`, the span around them. */
+static policy_span span_not_full(const policy_layer_view *v, uint32_t h, policy_decision *d,
+                                 uint8_t to)
+{
+    uint32_t lo = v->tokens[h], hi = 0;
+    for (uint32_t i = 0; i < v->tokens[h]; i++)
+        if (v->tier[h][i] != POLICY_FULL) {
+            d->tier[h][i] = to;
+            lo = i < lo ? i : lo;
+            hi = i + 1;
+        }
+    return lo < hi ? (policy_span){lo, hi} : (policy_span){0, 0};
+}
+
+static int span_step(void *state, const policy_layer_view *v, const policy_stats *stats,
+                     policy_decision *d, char *err, size_t errlen)
+{
+    (void)stats;
+    (void)err;
+    (void)errlen;
+    span_state *st = state;
+    for (uint32_t h = 0; h < v->heads; h++) {
+        uint32_t n = v->tokens[h];
+        policy_span sp;
+        if (st->regime == 2 || st->regime == 3) {
+            sp = span_not_full(v, h, d, st->regime == 2 ? POLICY_FULL : POLICY_EVICT);
+        } else if (st->regime == 4) {
+            sp = (policy_span){n / 2, n + 1};
+        } else {
+            uint32_t lo = (uint32_t)(next_random(&st->rng) % (n + 1));
+            uint32_t hi = lo + (uint32_t)(next_random(&st->rng) % (n - lo + 1));
+            for (uint32_t i = lo; i < hi; i++) {
+                unsigned x = (unsigned)(next_random(&st->rng) % 100);
+                if (x < 10)
+                    d->tier[h][i] = POLICY_EVICT;
+                else if (x < 14 && st->regime == 1)
+                    d->tier[h][i] = POLICY_INT8;
+            }
+            sp = (policy_span){lo, hi};
+        }
+        st->asked[h] = sp;
+        policy_decision_span(d, h, sp.lo, sp.hi);
+    }
+    return 0;
+}
+
+static const policy_ops fake_span = {
+    .name = "fake-span",
+    .summary = "random changes within a span it names",
+    .params = fake_params,
+    .nparams = sizeof fake_params / sizeof fake_params[0],
+    .per_head = 1,
+    .create = span_create,
+    .step = span_step,
+    .destroy = random_destroy,
+};
+
+/* The host keeps a policy's span only while every tier of the list is
+ * FULL, so that outside it every tier is, and stays, FULL; the commit
+ * applies the changes inside it exactly (as test_commit_random_decisions
+ * checks the whole-list commit), and a rollback puts the lists back with
+ * the count of tiers not at FULL that this rule reads. */
+static void test_spans_kept_narrow_only_where_all_full(void **unused)
+{
+    (void)unused;
+    enum { HEADS = 2 };
+    static list_copy before[HEADS], decided[HEADS], after[HEADS];
+    policy_host *h = host_new(&fake_span, 1, HEADS);
+    span_state *st = policy_host_state(h);
+    char err[POLICY_ERR_LEN] = "";
+    policy_stats stats = {.confidence = -1};
+    uint64_t rng = 99;
+    static const unsigned regimes[] = {0, 0, 1, 0, 0, 2, 0, 1, 1, 3, 0, 0};
+    unsigned narrowed = 0, widened = 0;
+    for (unsigned round = 0; round < 120; round++) {
+        assert_int_equal(policy_host_append(h, 1 + (uint32_t)(next_random(&rng) % 100)), 0);
+        st->regime = regimes[round % 12];
+        int txn = round % 5 == 4;
+        int all_full[HEADS];
+        for (uint32_t k = 0; k < HEADS; k++) {
+            copy_list(h, 0, k, &before[k]);
+            all_full[k] = memchr(before[k].tier, POLICY_INT8, before[k].n) == NULL;
+        }
+        if (txn)
+            policy_host_begin(h);
+        const policy_decision *d = step_ok(h, 0, &stats);
+        size_t evicted = 0;
+        for (uint32_t k = 0; k < HEADS; k++) {
+            policy_span want = all_full[k] ? st->asked[k] : (policy_span){0, before[k].n};
+            assert_int_equal(d->span[k].lo, want.lo);
+            assert_int_equal(d->span[k].hi, want.hi);
+            narrowed += all_full[k], widened += !all_full[k];
+            list_copy *w = &decided[k];
+            w->n = 0;
+            for (uint32_t i = 0; i < before[k].n; i++) {
+                if (d->tier[k][i] == POLICY_EVICT)
+                    continue;
+                w->pos[w->n] = before[k].pos[i];
+                w->tier[w->n] = d->tier[k][i];
+                w->attn[w->n++] = 0;
+            }
+            evicted += before[k].n - w->n;
+        }
+        assert_int_equal(policy_host_commit(h, 0), evicted);
+        for (uint32_t k = 0; k < HEADS; k++) {
+            copy_list(h, 0, k, &after[k]);
+            assert_lists_equal(&after[k], &decided[k]);
+        }
+        if (txn) {
+            policy_host_rollback(h);
+            for (uint32_t k = 0; k < HEADS; k++) {
+                copy_list(h, 0, k, &after[k]);
+                assert_lists_equal(&after[k], &before[k]);
+            }
+        }
+    }
+    assert_true(narrowed > 50 && widened > 50);
+
+    /* A span beyond the list is refused, and nothing is pending. */
+    st->regime = 4;
+    const policy_decision *d = NULL;
+    assert_int_equal(policy_host_step(h, 0, &stats, &d, err, sizeof err), -1);
+    assert_non_null(strstr(err, "is not within its"));
+    assert_int_equal(policy_host_commit(h, 0), 0);
+
+    /* An operator's amendment sees whole lists. */
+    st->regime = 3;
+    d = step_ok(h, 0, &stats);
+    policy_decision *whole = policy_host_decision_whole(h, 0);
+    assert_ptr_equal(whole, d);
+    for (uint32_t k = 0; k < HEADS; k++) {
+        assert_int_equal(d->span[k].lo, 0);
+        assert_int_equal(d->span[k].hi, policy_host_view(h, 0)->tokens[k]);
+    }
+    policy_host_destroy(h);
+
+    /* Storage demotion may change any tier: spans are whole lists. */
+    const char *keys[] = {"demote", "int8_window"};
+    const char *vals[] = {"int8", "16"};
+    policy_params p;
+    assert_int_equal(policy_params_resolve(&fake_span, keys, vals, 2, &p, err, sizeof err), 0);
+    policy_geometry g = geometry(1, HEADS);
+    assert_int_equal(policy_host_create(&fake_span, &p, &g, &h, err, sizeof err), 0);
+    st = policy_host_state(h);
+    st->regime = 0;
+    assert_int_equal(policy_host_append(h, 100), 0);
+    d = step_ok(h, 0, &stats);
+    for (uint32_t k = 0; k < HEADS; k++) {
+        assert_int_equal(d->span[k].lo, 0);
+        assert_int_equal(d->span[k].hi, 100);
+    }
+    policy_host_destroy(h);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1297,6 +1480,7 @@ int main(void)
         cmocka_unit_test(test_host_demote_keep),
         cmocka_unit_test(test_storage_parse),
         cmocka_unit_test(test_layers_on_threads),
+        cmocka_unit_test(test_spans_kept_narrow_only_where_all_full),
         cmocka_unit_test(test_commit_random_decisions),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
