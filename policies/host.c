@@ -28,7 +28,7 @@
  */
 typedef struct host_list {
     uint32_t *pos_buf;
-    uint8_t *tier_buf;
+    uint8_t *tier_buf, *next_buf;
     float *attn_buf;
     uint32_t off, tokens, cap;
     /* pos_buf + off, tier_buf + off, attn_buf + off (list_at) */
@@ -37,7 +37,13 @@ typedef struct host_list {
     /* demote_keep only: the attention each token has received, summed over
      * steps and query heads (storage.h), NULL otherwise. */
     float *attn;
-    uint8_t *next_tier; /* the pending decision for this list, from entry 0 */
+    /* The pending decision for this list (next_buf + off), and how many of
+     * its first entries are known to equal tier's while none is pending: a
+     * commit that moves next_tier as it moves tier leaves them all equal,
+     * and the next decision's preset then copies only the tokens appended
+     * since (a decode step's list is presets of 32k tokens otherwise). */
+    uint8_t *next_tier;
+    uint32_t next_same;
     /* How many entries hold a tier other than POLICY_FULL: while none
      * does, a decision's span may stay narrow (policy.h). */
     uint32_t not_full;
@@ -124,7 +130,7 @@ static void layer_free(host_layer *ly, uint32_t heads)
     for (uint32_t h = 0; ly->lists != NULL && h < heads; h++) {
         free(ly->lists[h].pos_buf);
         free(ly->lists[h].tier_buf);
-        free(ly->lists[h].next_tier);
+        free(ly->lists[h].next_buf);
         free(ly->lists[h].attn_buf);
         free(ly->lists[h].saved_attn);
     }
@@ -253,6 +259,7 @@ static void list_at(host_list *li, uint32_t off)
     li->off = off;
     li->pos = li->pos_buf != NULL ? li->pos_buf + off : NULL;
     li->tier = li->tier_buf != NULL ? li->tier_buf + off : NULL;
+    li->next_tier = li->next_buf != NULL ? li->next_buf + off : NULL;
     li->attn = li->attn_buf != NULL ? li->attn_buf + off : NULL;
 }
 
@@ -272,6 +279,7 @@ static void list_to_front(host_list *li)
         return;
     memmove(li->pos_buf, li->pos, li->tokens * sizeof *li->pos);
     memmove(li->tier_buf, li->tier, li->tokens);
+    memmove(li->next_buf, li->next_tier, li->next_same);
     if (li->attn != NULL)
         memmove(li->attn_buf, li->attn, li->tokens * sizeof *li->attn);
     list_at(li, 0);
@@ -303,9 +311,9 @@ static int list_reserve(host_list *li, uint32_t need, int with_attn)
     uint8_t *tier = pos != NULL ? realloc(li->tier_buf, cap) : NULL;
     if (tier != NULL)
         li->tier_buf = tier;
-    uint8_t *next = tier != NULL ? realloc(li->next_tier, cap) : NULL;
+    uint8_t *next = tier != NULL ? realloc(li->next_buf, cap) : NULL;
     if (next != NULL)
-        li->next_tier = next;
+        li->next_buf = next;
     float *attn = next != NULL && with_attn ? realloc(li->attn_buf, cap * sizeof *attn) : NULL;
     if (attn != NULL)
         li->attn_buf = attn;
@@ -479,8 +487,10 @@ static int layer_prepare_decision(host_layer *ly, uint32_t heads, int merges)
         host_list *li = &ly->lists[k];
         /* An empty list may have no arrays yet: memcpy's pointers must not
          * be NULL even for 0 bytes (fuzz_replay: a step before any append). */
-        if (li->tokens > 0)
-            memcpy(li->next_tier, li->tier, li->tokens);
+        if (li->tokens > li->next_same)
+            memcpy(li->next_tier + li->next_same, li->tier + li->next_same,
+                   li->tokens - li->next_same);
+        li->next_same = 0; /* until a commit: the policy writes into it */
         ly->spans[k] = (policy_span){0, li->tokens};
         total += li->tokens;
     }
@@ -696,6 +706,7 @@ void policy_host_rollback(policy_host *h)
             if (ly->saved && li->attn != NULL && li->begin_tokens > 0)
                 memcpy(li->attn, li->saved_attn, li->begin_tokens * sizeof *li->attn);
             list_count_not_full(li);
+            li->next_same = 0;
         }
         layer_drop_saved(ly, h->heads);
         if (ly->policy_saved != NULL)
@@ -1089,6 +1100,7 @@ static int list_remove(host_list *li, const uint32_t *idx, uint32_t m)
             to -= run;
             memmove(li->pos + to, li->pos + start, run * sizeof *li->pos);
             memmove(li->tier + to, li->tier + start, run);
+            memmove(li->next_tier + to, li->next_tier + start, run);
             if (li->attn != NULL)
                 memmove(li->attn + to, li->attn + start, run * sizeof *li->attn);
         }
@@ -1101,6 +1113,7 @@ static int list_remove(host_list *li, const uint32_t *idx, uint32_t m)
         uint32_t start = idx[j] + 1, run = (j + 1 < m ? idx[j + 1] : n) - start;
         memmove(li->pos + to, li->pos + start, run * sizeof *li->pos);
         memmove(li->tier + to, li->tier + start, run);
+        memmove(li->next_tier + to, li->next_tier + start, run);
         if (li->attn != NULL)
             memmove(li->attn + to, li->attn + start, run * sizeof *li->attn);
         to += run;
@@ -1366,8 +1379,11 @@ static uint32_t list_commit(policy_host *h, uint32_t l, uint32_t k)
     if (m > 0 && back < 16u * (uint64_t)m && back <= 2 * front_moves) { /* runs under 16 */
         changed = list_commit_dense(li, sp.lo, u, e, m);
     } else {
+        /* The changed tiers copied from next_tier, the evicted entries
+         * removed from both: the two are equal after it. */
         changed = list_change_tiers(li, sp, u, e, m);
         front = m > 0 ? list_remove(li, u->idx + e, m) : 0;
+        li->next_same = li->tokens;
     }
     list_count_changes(li, u, e, m, changed);
     if (h->txn && (m > 0 || changed > 0)) {

@@ -1062,8 +1062,18 @@ static int meet_threads(policy_host *h, uint32_t layers)
  * a third, in kept runs that often fill a group of eight. */
 typedef struct random_state {
     uint64_t rng;
-    unsigned regime; /* the test sets it before each step */
+    unsigned regime;        /* the test sets it before each step */
+    unsigned preset_errors; /* decision tiers not preset to the view's */
 } random_state;
+
+/* Count the tiers of a decision that are not preset to the view's. */
+static unsigned preset_errors(const policy_layer_view *v, const policy_decision *d)
+{
+    unsigned bad = 0;
+    for (uint32_t h = 0; h < v->heads; h++)
+        bad += (unsigned)(v->tokens[h] > 0 && memcmp(d->tier[h], v->tier[h], v->tokens[h]) != 0);
+    return bad;
+}
 
 static int random_create(const policy_params *p, const policy_geometry *g, void **state, char *err,
                          size_t errlen)
@@ -1087,6 +1097,7 @@ static int random_step(void *state, const policy_layer_view *v, const policy_sta
     (void)err;
     (void)errlen;
     random_state *st = state;
+    st->preset_errors += preset_errors(v, d);
     static const unsigned evict_per_mille[4] = {750, 3, 800, 300},
                           move_per_mille[4] = {40, 5, 0, 10};
     for (uint32_t h = 0; h < v->heads; h++)
@@ -1218,6 +1229,7 @@ static void test_commit_random_decisions(void **unused)
                 }
             }
         }
+        assert_int_equal(st->preset_errors, 0);
         policy_host_destroy(h);
     }
     for (unsigned q = 0; q < Q_HEADS; q++)
@@ -1284,7 +1296,7 @@ static void test_layers_on_threads(void **unused)
  * tokens it changed). */
 typedef struct span_state {
     uint64_t rng;
-    unsigned regime;
+    unsigned regime, preset_errors;
     policy_span asked[2]; /* what it narrowed each list's span to */
 } span_state;
 
@@ -1324,6 +1336,7 @@ static int span_step(void *state, const policy_layer_view *v, const policy_stats
     (void)err;
     (void)errlen;
     span_state *st = state;
+    st->preset_errors += preset_errors(v, d);
     for (uint32_t h = 0; h < v->heads; h++) {
         uint32_t n = v->tokens[h];
         policy_span sp;
@@ -1420,6 +1433,7 @@ static void test_spans_kept_narrow_only_where_all_full(void **unused)
         }
     }
     assert_true(narrowed > 50 && widened > 50);
+    assert_int_equal(st->preset_errors, 0);
 
     /* A span beyond the list is refused, and nothing is pending. */
     st->regime = 4;
