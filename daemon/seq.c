@@ -710,9 +710,8 @@ static int step_job_full_only(const seq_step_job *j)
                 !policy_tiers_keep_or_evict(j->d[l]->tier[k] + sp.lo, sp.hi - sp.lo, POLICY_FULL,
                                             &nevict))
                 return 0;
-            for (size_t i = 0; i < ly->nsegs; i++)
-                if (ly->seg_tier[i] != POLICY_FULL)
-                    return 0;
+            if (!seq_list_all_full(ly))
+                return 0;
         }
     return 1;
 }

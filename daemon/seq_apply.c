@@ -1265,9 +1265,8 @@ static int list_apply_evictions(seq *s, uint32_t l, uint32_t k, const policy_dec
         return list_apply_tiered_evictions(s, l, k, d, n, epoch, changed);
     if (ly->noffloaded > 0)
         return 1;
-    for (size_t i = 0; i < ly->nsegs; i++)
-        if (ly->seg_tier[i] != POLICY_FULL)
-            return list_apply_tiered_evictions(s, l, k, d, n, epoch, changed);
+    if (!seq_list_all_full(ly))
+        return list_apply_tiered_evictions(s, l, k, d, n, epoch, changed);
     /* Outside its span every tier is and stays POLICY_FULL (policy.h). */
     policy_span sp = policy_decision_span_of(d, k, n);
     if (sp.hi > n || !policy_tiers_keep_or_evict(tier + sp.lo, sp.hi - sp.lo, POLICY_FULL, &nevict))

@@ -269,6 +269,17 @@ static inline seq_list *seq_list_at(const seq *s, uint32_t l, uint32_t k)
     return &s->lists[(size_t)l * s->heads + k];
 }
 
+/* Whether every segment of the list is stored at full precision: one
+ * pass without an early exit, vectorised (every decode step asks it of
+ * every list, thousands of segments each at long contexts). */
+static inline int seq_list_all_full(const seq_list *ly)
+{
+    uint8_t other = 0;
+    for (size_t i = 0; i < ly->nsegs; i++)
+        other |= (uint8_t)(ly->seg_tier[i] ^ POLICY_FULL);
+    return other == 0;
+}
+
 /* qsort's comparison of uint32_t. */
 int seq_cmp_u32(const void *a, const void *b);
 
