@@ -877,24 +877,21 @@ static ssize_t list_plan_cuts(const seq_list *ly, const uint8_t *tier, uint32_t 
     return (ssize_t)ncuts;
 }
 
-/* Room list_apply_cuts needs for the segments it rebuilds: those from the
+/* Room list_cut_pieces needs for the segments it rebuilds: those from the
  * first cut's to the last's, and one more for each cut (a split). */
 static size_t cuts_room(const seg_cut *cuts, size_t ncuts)
 {
     return ncuts == 0 ? 0 : cuts[ncuts - 1].seg - cuts[0].seg + 1 + ncuts;
 }
 
-/* Apply the cuts (in segment order, as list_plan_cuts plans them) in one
- * pass: the segments from the first cut's to the last's are rebuilt from
- * their kept pieces in out[] (cuts_room), with their tiers, and those after
- * the last move once. A prompt cuts thousands of times: a memmove of every
- * later segment per cut was quadratic. A block whose segment goes whole is
- * put in gone[]. */
-static void list_apply_cuts(seq_list *ly, const seg_cut *cuts, size_t ncuts, kv_segment *out,
-                            uint8_t *out_tier, uint32_t *gone, size_t *ngone)
+/* The cuts (in segment order, as list_plan_cuts plans them, at least one)
+ * in one pass: the segments from the first cut's to the last's rebuilt
+ * from their kept pieces in out[] (cuts_room), with their tiers; returns
+ * how many (list_put_pieces puts them in). A block whose segment goes
+ * whole is put in gone[]. The list is only read. */
+static size_t list_cut_pieces(const seq_list *ly, const seg_cut *cuts, size_t ncuts,
+                              kv_segment *out, uint8_t *out_tier, uint32_t *gone, size_t *ngone)
 {
-    if (ncuts == 0)
-        return;
     size_t first = cuts[0].seg, last = cuts[ncuts - 1].seg, nout = 0;
     for (size_t c = 0, j = first; j <= last; j++) {
         kv_segment g = ly->segs[j];
@@ -911,9 +908,18 @@ static void list_apply_cuts(seq_list *ly, const seg_cut *cuts, size_t ncuts, kv_
         if (nout == pieces)
             gone[(*ngone)++] = g.block;
     }
-    size_t after = ly->nsegs - last - 1;
-    memmove(&ly->segs[first + nout], &ly->segs[last + 1], after * sizeof *ly->segs);
-    memmove(&ly->seg_tier[first + nout], &ly->seg_tier[last + 1], after);
+    return nout;
+}
+
+/* Segments [first, first + nold) replaced by out[0..nout), those after
+ * moved once (room for them all): a prompt cuts thousands of times, and a
+ * memmove of every later segment per cut was quadratic. */
+static void list_put_pieces(seq_list *ly, size_t first, size_t nold, const kv_segment *out,
+                            const uint8_t *out_tier, size_t nout)
+{
+    size_t after = ly->nsegs - first - nold;
+    memmove(&ly->segs[first + nout], &ly->segs[first + nold], after * sizeof *ly->segs);
+    memmove(&ly->seg_tier[first + nout], &ly->seg_tier[first + nold], after);
     memcpy(&ly->segs[first], out, nout * sizeof *out);
     memcpy(&ly->seg_tier[first], out_tier, nout);
     ly->nsegs = first + nout + after;
@@ -972,14 +978,21 @@ static int list_cut_in_place(seq *s, seq_list *ly, const uint8_t *tier, uint32_t
     size_t room = rc == 0 ? cuts_room(cuts, (size_t)ncuts) : 0;
     kv_segment *out = rc == 0 ? malloc((room ? room : 1) * sizeof *out) : NULL;
     uint8_t *out_tier = rc == 0 ? malloc(room ? room : 1) : NULL;
-    if (rc == 0 &&
-        (out == NULL || out_tier == NULL || seq_txn_save_list_from(s, ly, ly->noffloaded) != 0 ||
-         list_reserve(ly, ly->nsegs + nevict) != 0))
+    size_t ngone = 0, first = 0, nold = 0, nout = 0;
+    if (rc == 0 && (out == NULL || out_tier == NULL))
         rc = -1;
-    size_t ngone = 0;
+    if (rc == 0 && ncuts > 0) {
+        nout = list_cut_pieces(ly, cuts, (size_t)ncuts, out, out_tier, gone, &ngone);
+        first = cuts[0].seg;
+        nold = cuts[ncuts - 1].seg - first + 1;
+    }
+    /* The save last: it must come right before the change it undoes. */
+    if (rc == 0 && (list_reserve(ly, ly->nsegs + nevict) != 0 ||
+                    seq_txn_save_cut(s, ly, first, nold, nout) != 0))
+        rc = -1;
     if (rc == 0) {
         *changed = 1;
-        list_apply_cuts(ly, cuts, (size_t)ncuts, out, out_tier, gone, &ngone);
+        list_put_pieces(ly, first, nold, out, out_tier, nout);
         for (ssize_t c = 0; c < ncuts; c++)
             cuts_log(s, (size_t)(ly - s->lists), cuts[c].at, cuts[c].at + cuts[c].take);
     }

@@ -417,6 +417,13 @@ int seq_txn_save_list(seq *s, seq_list *ly);
  * every step. A later save of the same call from an earlier index copies
  * the rest. */
 int seq_txn_save_list_from(seq *s, seq_list *ly, size_t from);
+
+/* seq_txn_save_list_from(s, ly, ly->noffloaded) for a change that only
+ * replaces the list's segments [first, first + nold) with nout others
+ * (list_apply_cuts): those nold are saved, not every segment of the list
+ * (a decode step cuts one token of thousands out of every list). Any other
+ * change saves the list as before, its copy made from these. */
+int seq_txn_save_cut(seq *s, seq_list *ly, size_t first, size_t nold, size_t nout);
 int seq_txn_save_sketch(seq *s, seq_list *ly, const uint32_t *pos, size_t n);
 int seq_txn_save_tokens(seq *s, const tier_token *at, size_t n);
 

@@ -10,7 +10,11 @@
  * What is saved, and when:
  *   - the counters, at begin (no allocation);
  *   - a list (segments, tail, offloaded victims, victim blocks), before its
- *     first change (seq_txn_save_list): a copy of its arrays;
+ *     first change (seq_txn_save_list): a copy of its arrays; when a decode
+ *     step only cuts tokens out of its segments (seq_txn_save_cut), the
+ *     few segments each cut replaces instead of a copy of all of them
+ *     (thousands at long contexts, for every list at every step), the
+ *     copy made from them if a later change needs it;
  *   - a list's sketch cells, before each write to them
  *     (seq_txn_save_sketch): on host memory, the cells the write's
  *     positions touch, copied, while they add up to less than half the
@@ -39,13 +43,27 @@ typedef struct seq_saved_cells {
     uint8_t *save; /* tier_sketch_cells_save */
 } seq_saved_cells;
 
+/* One replacement of a list's segments (seq_txn_save_cut): [first,
+ * first + nout) replaced [first, first + nold) of nsegs, which are kept
+ * here with their tiers. */
+typedef struct seq_saved_cut {
+    size_t first, nold, nout, nsegs;
+    kv_segment *segs;
+    uint8_t *tier;
+} seq_saved_cut;
+
 /* A list as it was before the call changed it, its arrays copied; its
  * victims from index vfrom on only (was.offloaded and was.offloaded_at
- * hold [vfrom, was.noffloaded)): those before it stay as they are. */
+ * hold [vfrom, was.noffloaded)): those before it stay as they are. Its
+ * segments are was.segs when segs_saved, else the list's own with the
+ * cuts undone, newest first. */
 struct seq_saved_list {
     seq_list *at;
     seq_list was;
     size_t vfrom;
+    int segs_saved;
+    seq_saved_cut *cuts;
+    size_t ncuts, cuts_cap;
     int sketch_saved; /* was.sketch is the sketch as it was: a copy, or none */
     /* Cell saves, oldest first, all older than the whole copy if any. */
     seq_saved_cells *cells;
@@ -136,41 +154,130 @@ static int save_victims_from(seq_saved_list *sv, const seq_list *ly, size_t from
     return 0;
 }
 
-int seq_txn_save_list_from(seq *s, seq_list *ly, size_t from)
+/* Save list ly, not saved yet in this transaction: its fields, victim
+ * blocks and victims from `from`, and its segments when copy_segs (else
+ * its cuts will be, seq_txn_save_cut). */
+static int saved_list_new(seq *s, seq_list *ly, size_t from, int copy_segs)
 {
     seq_txn *t = &s->txn;
-    if (!txn_active(s))
-        return 0;
-    if (ly->saved_generation == t->generation) {
-        seq_saved_list *sv = saved_list_of(t, ly);
-        return from < sv->vfrom ? save_victims_from(sv, ly, from) : 0;
-    }
     if (seq_grow((void **)&t->lists, &t->lists_cap, t->nlists + 1, sizeof *t->lists) != 0)
         return -1;
     seq_saved_list *sv = &t->lists[t->nlists];
     sv->at = ly;
     sv->was = *ly;
     sv->vfrom = ly->noffloaded;
+    sv->segs_saved = copy_segs;
+    sv->cuts = NULL;
+    sv->ncuts = sv->cuts_cap = 0;
     sv->cells = NULL;
     sv->ncells = sv->cells_cap = sv->cells_saved = 0;
     seq_list *w = &sv->was;
     w->segs = NULL, w->seg_tier = NULL, w->offloaded = NULL, w->offloaded_at = NULL;
     w->victim_blocks = NULL;
-    if (copy_array((void **)&w->segs, ly->segs, ly->nsegs, sizeof *ly->segs) != 0 ||
-        copy_array((void **)&w->seg_tier, ly->seg_tier, ly->nsegs, sizeof *ly->seg_tier) != 0 ||
+    size_t nsegs = copy_segs ? ly->nsegs : 0;
+    if (copy_array((void **)&w->segs, ly->segs, nsegs, sizeof *ly->segs) != 0 ||
+        copy_array((void **)&w->seg_tier, ly->seg_tier, nsegs, sizeof *ly->seg_tier) != 0 ||
         copy_array((void **)&w->victim_blocks, ly->victim_blocks, ly->nvictim_blocks,
                    sizeof *ly->victim_blocks) != 0 ||
         (from < sv->vfrom && save_victims_from(sv, ly, from) != 0)) {
         list_arrays_free(w);
         return -1;
     }
-    w->segs_cap = ly->nsegs;
+    w->segs_cap = nsegs;
     w->victim_blocks_cap = ly->nvictim_blocks;
     /* A sketch that does not exist yet is saved as it is: none. */
     sv->sketch_saved = ly->sketch.sk.key == NULL;
     memset(&w->sketch, 0, sizeof w->sketch);
     ly->saved_generation = t->generation;
     t->nlists++;
+    return 0;
+}
+
+/* Put back, in segs and tier holding *nsegs segments (room for c->nsegs),
+ * what cut c replaced. */
+static void undo_cut(kv_segment *segs, uint8_t *tier, size_t *nsegs, const seq_saved_cut *c)
+{
+    size_t after = *nsegs - c->first - c->nout;
+    memmove(segs + c->first + c->nold, segs + c->first + c->nout, after * sizeof *segs);
+    memmove(tier + c->first + c->nold, tier + c->first + c->nout, after);
+    memcpy(segs + c->first, c->segs, c->nold * sizeof *segs);
+    memcpy(tier + c->first, c->tier, c->nold);
+    *nsegs = c->nsegs;
+}
+
+static void cuts_free(seq_saved_list *sv)
+{
+    for (size_t i = 0; i < sv->ncuts; i++) {
+        free(sv->cuts[i].segs);
+        free(sv->cuts[i].tier);
+    }
+    free(sv->cuts);
+    sv->cuts = NULL;
+    sv->ncuts = sv->cuts_cap = 0;
+}
+
+/* The saved list's segments copied after all, for a change other than a
+ * cut: the list's own, its cuts undone on the copy. */
+static int segs_from_cuts(seq_saved_list *sv, const seq_list *ly)
+{
+    size_t room = ly->nsegs, n = ly->nsegs;
+    for (size_t i = 0; i < sv->ncuts; i++)
+        room = sv->cuts[i].nsegs > room ? sv->cuts[i].nsegs : room;
+    kv_segment *segs = malloc((room ? room : 1) * sizeof *segs);
+    uint8_t *tier = malloc(room ? room : 1);
+    if (segs == NULL || tier == NULL) {
+        free(segs);
+        free(tier);
+        return -1;
+    }
+    if (n > 0) {
+        memcpy(segs, ly->segs, n * sizeof *segs);
+        memcpy(tier, ly->seg_tier, n);
+    }
+    for (size_t i = sv->ncuts; i-- > 0;)
+        undo_cut(segs, tier, &n, &sv->cuts[i]);
+    sv->was.segs = segs;
+    sv->was.seg_tier = tier;
+    sv->was.segs_cap = room;
+    sv->segs_saved = 1;
+    cuts_free(sv);
+    return 0;
+}
+
+int seq_txn_save_list_from(seq *s, seq_list *ly, size_t from)
+{
+    seq_txn *t = &s->txn;
+    if (!txn_active(s))
+        return 0;
+    if (ly->saved_generation != t->generation)
+        return saved_list_new(s, ly, from, 1);
+    seq_saved_list *sv = saved_list_of(t, ly);
+    if (!sv->segs_saved && segs_from_cuts(sv, ly) != 0)
+        return -1;
+    return from < sv->vfrom ? save_victims_from(sv, ly, from) : 0;
+}
+
+int seq_txn_save_cut(seq *s, seq_list *ly, size_t first, size_t nold, size_t nout)
+{
+    seq_txn *t = &s->txn;
+    if (!txn_active(s))
+        return 0;
+    if (ly->saved_generation != t->generation && saved_list_new(s, ly, ly->noffloaded, 0) != 0)
+        return -1;
+    seq_saved_list *sv =
+        t->lists[t->nlists - 1].at == ly ? &t->lists[t->nlists - 1] : saved_list_of(t, ly);
+    if (sv->segs_saved)
+        return 0; /* the copy has them as they were */
+    if (seq_grow((void **)&sv->cuts, &sv->cuts_cap, sv->ncuts + 1, sizeof *sv->cuts) != 0)
+        return -1;
+    seq_saved_cut *c = &sv->cuts[sv->ncuts];
+    *c = (seq_saved_cut){first, nold, nout, ly->nsegs, NULL, NULL};
+    if (copy_array((void **)&c->segs, ly->segs + first, nold, sizeof *ly->segs) != 0 ||
+        copy_array((void **)&c->tier, ly->seg_tier + first, nold, 1) != 0) {
+        free(c->segs);
+        return -1;
+    }
+    sv->ncuts++;
     return 0;
 }
 
@@ -275,6 +382,7 @@ static void txn_clear(seq *s)
         seq_saved_list *sv = &t->lists[i];
         list_arrays_free(&sv->was);
         tier_sketch_free(&sv->was.sketch);
+        cuts_free(sv);
         for (size_t j = 0; j < sv->ncells; j++) {
             free(sv->cells[j].cell);
             s->tier.ops->free(sv->cells[j].save);
@@ -301,36 +409,49 @@ void seq_end(seq *s)
     policy_host_end(s->host);
 }
 
-/* List ly as sv saved it. Victims saved whole come back as the saved
- * arrays; saved from vfrom, the list's own arrays keep those before it,
- * and the saved ones are written back after them: the call changed
- * nothing before vfrom, and only grew the arrays (room for all of them). */
+/* List ly as sv saved it. Segments saved whole come back as the saved
+ * arrays, else as the list's own with the cuts undone (cuts only grew
+ * them: room for every count they had). Victims saved whole come back as
+ * the saved arrays; saved from vfrom, the list's own arrays keep those
+ * before it, and the saved ones are written back after them: the call
+ * changed nothing before vfrom, and only grew the arrays (room for all of
+ * them). */
 static void list_restore(seq_list *ly, seq_saved_list *sv)
 {
     seq_list *w = &sv->was;
+    kv_segment *segs = w->segs;
+    uint8_t *seg_tier = w->seg_tier;
+    size_t segs_cap = w->segs_cap;
+    if (sv->segs_saved) {
+        free(ly->segs);
+        free(ly->seg_tier);
+    } else {
+        for (size_t i = sv->ncuts; i-- > 0;)
+            undo_cut(ly->segs, ly->seg_tier, &ly->nsegs, &sv->cuts[i]);
+        segs = ly->segs, seg_tier = ly->seg_tier, segs_cap = ly->segs_cap;
+    }
+    uint32_t *offloaded = w->offloaded;
+    tier_token *offloaded_at = w->offloaded_at;
+    size_t offloaded_cap = w->noffloaded; /* the saved arrays' size */
     if (sv->vfrom == 0) {
-        list_arrays_free(ly);
-        *ly = *w;
-        ly->offloaded_cap = w->noffloaded; /* the saved arrays' size */
-        return;
+        free(ly->offloaded);
+        free(ly->offloaded_at);
+    } else {
+        size_t saved = w->noffloaded - sv->vfrom;
+        if (saved > 0) {
+            memcpy(ly->offloaded + sv->vfrom, w->offloaded, saved * sizeof *ly->offloaded);
+            memcpy(ly->offloaded_at + sv->vfrom, w->offloaded_at, saved * sizeof *ly->offloaded_at);
+        }
+        free(w->offloaded);
+        free(w->offloaded_at);
+        offloaded = ly->offloaded, offloaded_at = ly->offloaded_at;
+        offloaded_cap = ly->offloaded_cap;
     }
-    size_t saved = w->noffloaded - sv->vfrom;
-    if (saved > 0) {
-        memcpy(ly->offloaded + sv->vfrom, w->offloaded, saved * sizeof *ly->offloaded);
-        memcpy(ly->offloaded_at + sv->vfrom, w->offloaded_at, saved * sizeof *ly->offloaded_at);
-    }
-    uint32_t *offloaded = ly->offloaded;
-    tier_token *offloaded_at = ly->offloaded_at;
-    size_t cap = ly->offloaded_cap;
-    free(ly->segs);
-    free(ly->seg_tier);
     free(ly->victim_blocks);
-    free(w->offloaded);
-    free(w->offloaded_at);
     *ly = *w;
-    ly->offloaded = offloaded;
-    ly->offloaded_at = offloaded_at;
-    ly->offloaded_cap = cap;
+    ly->segs = segs, ly->seg_tier = seg_tier, ly->segs_cap = segs_cap;
+    ly->offloaded = offloaded, ly->offloaded_at = offloaded_at;
+    ly->offloaded_cap = offloaded_cap;
 }
 
 void seq_rollback_storage(seq *s)

@@ -2931,12 +2931,84 @@ static void test_sketch_undo(void **state)
     fx_close(&f);
 }
 
+/* Segments [first, first + nold) of a list replaced by out[0..nout), as
+ * a cut in place does (seq_apply.c list_put_pieces), after its save. */
+static void cut_segments(seq *s, seq_list *ly, size_t first, size_t nold, const kv_segment *out,
+                         size_t nout)
+{
+    assert_int_equal(list_reserve(ly, ly->nsegs + nout), 0);
+    assert_int_equal(seq_txn_save_cut(s, ly, first, nold, nout), 0);
+    size_t after = ly->nsegs - first - nold;
+    memmove(&ly->segs[first + nout], &ly->segs[first + nold], after * sizeof *ly->segs);
+    memmove(&ly->seg_tier[first + nout], &ly->seg_tier[first + nold], after);
+    memcpy(&ly->segs[first], out, nout * sizeof *out);
+    memset(&ly->seg_tier[first], POLICY_INT8, nout); /* a tier the list did not have */
+    ly->nsegs = first + nout + after;
+}
+
+/*
+ * A call's undo of cuts in place (seq_txn_save_cut): each saves only the
+ * segments it replaces; a rollback undoes them newest first, on the list's
+ * own arrays, and every segment and tier is as before the call. A later
+ * change that saves the whole list (seq_txn_save_list) makes its copy
+ * from the list and the cuts, so that a rollback after it also puts back
+ * the list as before the cuts. After an end, the cuts stay.
+ */
+static void test_cut_undo(void **state)
+{
+    const char *const kv[] = {"n_sink", "2", "window", "400"};
+    fx f;
+    fx_open(&f, backend_of(state), 256, "streaming", kv, 2);
+    append(&f, 120);
+    seq_list *ly = seq_list_at(f.s, 0, 0);
+    assert_true(ly->nsegs >= 6);
+    size_t n0 = ly->nsegs;
+    kv_segment was[64];
+    uint8_t was_tier[64];
+    assert_true(n0 <= 64);
+    memcpy(was, ly->segs, n0 * sizeof *was);
+    memcpy(was_tier, ly->seg_tier, n0);
+    kv_segment split[3] = {{was[1].block, was[1].first_slot, 1},
+                           {was[1].block, was[1].first_slot + 2, 1},
+                           {was[2].block, was[2].first_slot + 1, 1}};
+    for (int round = 0; round < 3; round++) {
+        seq_begin(f.s);
+        cut_segments(f.s, ly, 1, 2, split, 3);            /* one more segment */
+        cut_segments(f.s, ly, ly->nsegs - 2, 2, NULL, 0); /* two fewer */
+        cut_segments(f.s, ly, 0, 1, split + 2, 1);        /* as many */
+        assert_int_equal(ly->nsegs, n0 - 1);
+        if (round == 1) { /* a whole save after the cuts, then any change */
+            assert_int_equal(seq_txn_save_list(f.s, ly), 0);
+            ly->nsegs = 1;
+            ly->segs[0] = split[0];
+        }
+        if (round == 2) {
+            seq_end(f.s);
+            assert_int_equal(ly->nsegs, n0 - 1);
+            assert_memory_equal(&ly->segs[0], &split[2], sizeof split[2]);
+            assert_memory_equal(&ly->segs[1], split, 3 * sizeof *split);
+            assert_memory_equal(&ly->segs[4], &was[3], (n0 - 5) * sizeof *was);
+            break;
+        }
+        seq_rollback(f.s);
+        assert_int_equal(ly->nsegs, n0);
+        assert_memory_equal(ly->segs, was, n0 * sizeof *was);
+        assert_memory_equal(ly->seg_tier, was_tier, n0);
+    }
+    /* Put the list back as it was for fx_close's count of blocks. */
+    memcpy(ly->segs, was, n0 * sizeof *was);
+    memcpy(ly->seg_tier, was_tier, n0);
+    ly->nsegs = n0;
+    fx_close(&f);
+}
+
 int main(void)
 {
     /* Each test on the host backend, and the ones that move values also on
      * shadow: pool memory there faults unless reached through the ops. */
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_append_writes_and_segments),
+        cmocka_unit_test(test_cut_undo),
         ON_SHADOW(test_append_writes_and_segments),
         cmocka_unit_test(test_streaming_fresh_slots_retire_ack),
         ON_SHADOW(test_streaming_fresh_slots_retire_ack),
