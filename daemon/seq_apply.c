@@ -1076,7 +1076,7 @@ static int list_cut_rebuild(seq *s, seq_list *ly, const uint8_t *tier, uint32_t 
  * pending[] as well), *nevict go. 0 when some token moves to another tier,
  * the list holds tokens in the sketch (list_apply's), or the segments hold
  * other than the decision's n. */
-static int tiered_keep_or_evict(const seq_list *ly, const uint8_t *tier, uint32_t n,
+static int tiered_keep_or_evict(const seq_list *ly, const uint8_t *tier, uint32_t n, policy_span sp,
                                 uint32_t kept[POLICY_TIERS], uint32_t pending[POLICY_TIERS],
                                 uint32_t *nevict)
 {
@@ -1090,14 +1090,23 @@ static int tiered_keep_or_evict(const seq_list *ly, const uint8_t *tier, uint32_
          * evicted one leaves the sketch in list_victims. */
         if (stored == POLICY_SKETCH || c > n - i)
             return 0;
+        /* [a, b): what may differ from the stored tier. Outside the span
+         * every tier is FULL (policy.h): a full-precision run is read only
+         * where it meets the span. */
+        uint32_t a = i, b = i + c;
+        if (stored == POLICY_FULL) {
+            a = sp.lo > a ? sp.lo : a;
+            b = sp.hi < b ? sp.hi : b;
+            b = b > a ? b : a;
+        }
         /* Most runs only keep or evict: a third of the counting's work. */
-        if (policy_tiers_keep_or_evict(tier + i, c, stored, &ev)) {
+        if (policy_tiers_keep_or_evict(tier + a, b - a, stored, &ev)) {
             i += c;
             evict += ev;
             kept[stored] += c - ev;
             continue;
         }
-        if (policy_tiers_count(tier + i, c, count) != 0)
+        if (policy_tiers_count(tier + a, b - a, count) != 0)
             return 0;
         i += c;
         evict += count[POLICY_EVICT];
@@ -1141,18 +1150,26 @@ static int tiers_under_rules(const seq *s, const seq_list *ly, const uint32_t ke
             continue;
         if (kept[t] == 0 || per == 0)
             continue;
-        uint32_t need = (kept[t] + per - 1) / per;
-        int over_budget = t == POLICY_FULL && compact_over_budget(s, kept[t]);
-        if (!over_budget && tier_blocks_at_most(ly, t) > need + compact_slack(need))
+        uint32_t need = (kept[t] + per - 1) / per, limit = need + compact_slack(need);
+        if (t == POLICY_FULL && compact_over_budget(s, kept[t]))
+            continue;
+        /* The blocks every segment uses, when known, bound full precision's
+         * without a walk over the segments. */
+        if (t == POLICY_FULL && ly->blocks_at_most != SEQ_BLOCKS_UNKNOWN &&
+            ly->blocks_at_most <= limit)
+            continue;
+        if (tier_blocks_at_most(ly, t) > limit)
             return 0;
     }
     return 1;
 }
 
-/* victims=sketch: the nevict tokens tier[] evicts from list (l, k), found
- * in its segments with their positions, go into the list's sketch and its
- * offloaded victims (list_victims) before they are cut out. 0, or -1. */
-static int offload_victims(seq *s, uint32_t l, uint32_t k, const uint8_t *tier, uint32_t nevict)
+/* victims=sketch: the nevict tokens tier[] evicts from list (l, k), all
+ * from token `from` on, found in its segments with their positions, go
+ * into the list's sketch and its offloaded victims (list_victims) before
+ * they are cut out. 0, or -1. */
+static int offload_victims(seq *s, uint32_t l, uint32_t k, const uint8_t *tier, uint32_t from,
+                           uint32_t nevict)
 {
     seq_list *ly = seq_list_at(s, l, k);
     const uint32_t *pos;
@@ -1163,6 +1180,8 @@ static int offload_victims(seq *s, uint32_t l, uint32_t k, const uint8_t *tier, 
     int rc = tok != NULL && at != NULL && evict != NULL ? 0 : -1;
     for (size_t j = 0, i = 0; rc == 0 && j < ly->nsegs && m < nevict; i += ly->segs[j++].count) {
         const kv_segment *g = &ly->segs[j];
+        if (i + g->count <= from)
+            continue;
         for (uint32_t t = 0; t < g->count && m < nevict; t++) {
             const uint8_t *e = memchr(tier + i + t, POLICY_EVICT, g->count - t);
             if (e == NULL)
@@ -1232,7 +1251,8 @@ static int list_apply_tiered_evictions(seq *s, uint32_t l, uint32_t k, const pol
 {
     seq_list *ly = seq_list_at(s, l, k);
     uint32_t kept[POLICY_TIERS] = {0}, pending[POLICY_TIERS] = {0}, nevict = 0;
-    if (!tiered_keep_or_evict(ly, d->tier[k], n, kept, pending, &nevict))
+    policy_span sp = policy_decision_span_of(d, k, n);
+    if (sp.hi > n || !tiered_keep_or_evict(ly, d->tier[k], n, sp, kept, pending, &nevict))
         return 1;
     int touch = touch_pending(s, ly, d, pending);
     int tail_unused =
@@ -1242,7 +1262,7 @@ static int list_apply_tiered_evictions(seq *s, uint32_t l, uint32_t k, const pol
     policy_victims victims = policy_host_storage(s->host)->victims;
     int rc = 0;
     if (nevict > 0 && victims != POLICY_VICTIMS_EVICT)
-        rc = offload_victims(s, l, k, d->tier[k], nevict);
+        rc = offload_victims(s, l, k, d->tier[k], sp.lo, nevict);
     /* The segments hold the decision's n (tiered_keep_or_evict), so the
      * cuts apply: list_cut_in_place does not hand the list back to
      * list_apply, which would offload the victims again. A block an INT8
