@@ -200,8 +200,10 @@ static void undo_cut(kv_segment *segs, uint8_t *tier, size_t *nsegs, const seq_s
     size_t after = *nsegs - c->first - c->nout;
     memmove(segs + c->first + c->nold, segs + c->first + c->nout, after * sizeof *segs);
     memmove(tier + c->first + c->nold, tier + c->first + c->nout, after);
-    memcpy(segs + c->first, c->segs, c->nold * sizeof *segs);
-    memcpy(tier + c->first, c->tier, c->nold);
+    if (c->nold > 0) { /* none: no saved arrays (copy_array) */
+        memcpy(segs + c->first, c->segs, c->nold * sizeof *segs);
+        memcpy(tier + c->first, c->tier, c->nold);
+    }
     *nsegs = c->nsegs;
 }
 

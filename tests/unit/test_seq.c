@@ -2973,9 +2973,9 @@ static void test_cut_undo(void **state)
                            {was[2].block, was[2].first_slot + 1, 1}};
     for (int round = 0; round < 3; round++) {
         seq_begin(f.s);
-        cut_segments(f.s, ly, 1, 2, split, 3);            /* one more segment */
-        cut_segments(f.s, ly, ly->nsegs - 2, 2, NULL, 0); /* two fewer */
-        cut_segments(f.s, ly, 0, 1, split + 2, 1);        /* as many */
+        cut_segments(f.s, ly, 1, 2, split, 3);             /* one more segment */
+        cut_segments(f.s, ly, ly->nsegs - 2, 2, split, 0); /* two fewer */
+        cut_segments(f.s, ly, 0, 1, split + 2, 1);         /* as many */
         assert_int_equal(ly->nsegs, n0 - 1);
         if (round == 1) { /* a whole save after the cuts, then any change */
             assert_int_equal(seq_txn_save_list(f.s, ly), 0);
