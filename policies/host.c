@@ -41,7 +41,7 @@ typedef struct host_list {
      * its first entries are known to equal tier's while none is pending: a
      * commit that moves next_tier as it moves tier leaves them all equal,
      * and the next decision's preset then copies only the tokens appended
-     * since (a decode step's list is presets of 32k tokens otherwise). */
+     * since (otherwise every decode step copied every list's tiers). */
     uint8_t *next_tier;
     uint32_t next_same;
     /* How many entries hold a tier other than POLICY_FULL: while none
@@ -1122,15 +1122,15 @@ static int list_remove(host_list *li, const uint32_t *idx, uint32_t m)
     return 0;
 }
 
-/* The evicted entries of li (next_tier POLICY_EVICT) within span sp, ascending, logged
- * at idx/pos/tier (their index before the commit, position and tier);
- * returns how many. memchr finds a first (a decode step evicts a few of
- * many); the bytes after a hit are looked at one by one while hits keep
- * coming within 16, since a prompt's decision evicts most of a list and
- * a call a token would cost more than the bytes. Each byte's entry is
- * written whether evicted or not, and kept only by counting it: no
- * branch to mispredict. The log has room for every entry of the list
- * (undo_log_reserve), so the spare writes stay inside it. */
+/* The evicted entries of li (next_tier POLICY_EVICT) within span sp,
+ * ascending, logged at idx/pos/tier (their index before the commit,
+ * position and tier); returns how many. memchr finds a first (a decode
+ * step evicts a few of many); the bytes after a hit are looked at one by
+ * one while hits keep coming within 16, since a prompt's decision evicts
+ * most of a list and a call a token would cost more than the bytes. Each
+ * byte's entry is written whether evicted or not, and kept only by
+ * counting it: no branch to mispredict. The log has room for every entry
+ * of the list (undo_log_reserve), so the spare writes stay inside it. */
 static uint32_t find_evicted_scalar(const host_list *li, policy_span sp, uint32_t *restrict idx,
                                     uint32_t *restrict pos, uint8_t *restrict tier)
 {
