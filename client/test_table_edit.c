@@ -1,8 +1,8 @@
 /*
  * test_table_edit.c - table_edit.c alone, without a daemon: what
  * kvs_table_extend does with a demotion's moves (table_moves_attach, as an
- * append's answer carries them). test_libkvstash follows a real daemon's
- * tables with the same functions.
+ * append's answer carries them), and kvs_table_cut's cuts one by one.
+ * test_libkvstash follows a real daemon's tables with the same functions.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -133,11 +133,68 @@ static void test_moves_refused(void **state)
     }
 }
 
+/* A list's tokens as (block, slot) pairs, in order. */
+static uint32_t expand_slots(const kvs_layer *ly, uint64_t *out)
+{
+    uint32_t n = 0;
+    for (size_t j = 0; j < ly->nsegments; j++)
+        for (uint32_t c = 0; c < ly->segments[j].count; c++)
+            out[n++] = (uint64_t)ly->segments[j].block << 32 | (ly->segments[j].first_slot + c);
+    return n;
+}
+
+/*
+ * kvs_table_cut of a few tokens of a list at a time (up to
+ * CUTS_ONE_BY_ONE: taken out one by one, the last first): a list of 64
+ * segments, cut anywhere, more often in its second half, must hold the
+ * tokens and positions of a reference that removes the same indices.
+ */
+static void test_cuts_one_by_one(void **state)
+{
+    (void)state;
+    enum { SEGS = 64, PER = 5, N = SEGS * PER };
+    kvs_segment g[SEGS];
+    for (uint32_t j = 0; j < SEGS; j++)
+        g[j] = (kvs_segment){100 + j, 3, PER, KVS_TIER_FULL};
+    kvs_table t = one_list(g, SEGS);
+    static uint64_t want[N], got[N];
+    static uint32_t want_pos[N];
+    uint32_t n = expand_slots(&t.layer[0], want);
+    memcpy(want_pos, t.layer[0].positions, n * sizeof *want_pos);
+    uint64_t rng = 7;
+    for (int round = 0; round < 30; round++) {
+        uint32_t m = 2 + (uint32_t)(round % 7), idx[8], start[2] = {0, m};
+        for (uint32_t k = 0; k < m; k++) { /* ascending, distinct */
+            rng = rng * 6364136223846793005u + 1442695040888963407u;
+            uint32_t lo = k == 0 ? 0 : idx[k - 1] + 1, span = n - (m - k) - lo + 1;
+            uint32_t step = (uint32_t)(rng >> 33) % span;
+            idx[k] = lo + (k == 0 && (rng & 3) != 0 ? step / 2 + span / 2 : step) % span;
+        }
+        kvs_step_result r = {.epoch = t.epoch + 1,
+                             .cut_epoch = t.epoch,
+                             .cut_lists = 1,
+                             .cut_start = start,
+                             .cut = idx};
+        assert_int_equal(kvs_table_cut(&t, &r), KVS_OK);
+        for (uint32_t k = m; k-- > 0;) {
+            memmove(want + idx[k], want + idx[k] + 1, (n - idx[k] - 1) * sizeof *want);
+            memmove(want_pos + idx[k], want_pos + idx[k] + 1, (n - idx[k] - 1) * sizeof *want_pos);
+            n--;
+        }
+        assert_int_equal(t.layer[0].tokens, n);
+        assert_int_equal(expand_slots(&t.layer[0], got), n);
+        assert_memory_equal(got, want, n * sizeof *got);
+        assert_memory_equal(t.layer[0].positions, want_pos, n * sizeof *want_pos);
+    }
+    table_free(&t);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_moves_then_writes),
         cmocka_unit_test(test_moves_refused),
+        cmocka_unit_test(test_cuts_one_by_one),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
