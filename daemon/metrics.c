@@ -261,6 +261,8 @@ static void row_mass(const float *w, const uint8_t *tier, uint32_t n, policy_spa
     for (; i < n; i++)
         t0 += w[i];
     *total += (t0 + t1) + (t2 + t3);
+    if (sp.hi == sp.lo)
+        return; /* maybe an empty list, with no array to offset */
     const uint8_t *end = tier + sp.hi;
     for (const uint8_t *p = tier + sp.lo; (p = memchr(p, POLICY_EVICT, (size_t)(end - p))) != NULL;
          p++)

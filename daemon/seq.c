@@ -707,8 +707,8 @@ static int step_job_full_only(const seq_step_job *j)
             policy_span sp = policy_decision_span_of(j->d[l], k, j->tokens[l * s->heads + k]);
             uint32_t nevict;
             if (ly->noffloaded > 0 ||
-                !policy_tiers_keep_or_evict(j->d[l]->tier[k] + sp.lo, sp.hi - sp.lo, POLICY_FULL,
-                                            &nevict))
+                (sp.hi > sp.lo && !policy_tiers_keep_or_evict(j->d[l]->tier[k] + sp.lo,
+                                                              sp.hi - sp.lo, POLICY_FULL, &nevict)))
                 return 0;
             if (!seq_list_all_full(ly))
                 return 0;

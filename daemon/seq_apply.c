@@ -1302,7 +1302,11 @@ static int list_apply_evictions(seq *s, uint32_t l, uint32_t k, const policy_dec
         return list_apply_tiered_evictions(s, l, k, d, n, epoch, changed);
     /* Outside its span every tier is and stays POLICY_FULL (policy.h). */
     policy_span sp = policy_decision_span_of(d, k, n);
-    if (sp.hi > n || !policy_tiers_keep_or_evict(tier + sp.lo, sp.hi - sp.lo, POLICY_FULL, &nevict))
+    if (sp.hi > n)
+        return 1;
+    nevict = 0; /* an empty span: maybe an empty list, with no array to offset */
+    if (sp.hi > sp.lo &&
+        !policy_tiers_keep_or_evict(tier + sp.lo, sp.hi - sp.lo, POLICY_FULL, &nevict))
         return 1;
     if (nevict == 0)
         return 0; /* list_touch: LIST_UNTOUCHED */

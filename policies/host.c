@@ -551,7 +551,9 @@ static int decision_valid(host_layer *ly, uint32_t heads, char *err, size_t errl
     for (uint32_t k = 0; k < heads; k++) {
         const uint8_t *t = d->tier[k];
         uint32_t lo = ly->spans[k].lo, hi = ly->spans[k].hi;
-        int bad = !tiers_valid(t + lo, hi - lo);
+        /* An empty span may be of a list with no arrays yet (fuzz_replay:
+         * a step before any append): no offset to a null pointer. */
+        int bad = hi > lo && !tiers_valid(t + lo, hi - lo);
         for (uint32_t i = lo; bad && i < hi; i++)
             if (t[i] >= POLICY_TIERS) {
                 snprintf(err, errlen, "invalid tier %u for token %u of list %u", t[i], i, k);
