@@ -1064,6 +1064,7 @@ typedef struct random_state {
     uint64_t rng;
     unsigned regime;        /* the test sets it before each step */
     unsigned preset_errors; /* decision tiers not preset to the view's */
+    policy_span asked[2];   /* fake-span: what it narrowed each list's span to */
 } random_state;
 
 /* Count the tiers of a decision that are not preset to the view's. */
@@ -1293,28 +1294,7 @@ static void test_layers_on_threads(void **unused)
  * few tokens (regime 0), also moves a few to INT8 (1), puts every token
  * not at FULL back to FULL (2) or evicts them (3), or names a span beyond
  * the list (4); it narrows the span to the window (in 2 and 3, to the
- * tokens it changed). */
-typedef struct span_state {
-    uint64_t rng;
-    unsigned regime, preset_errors;
-    policy_span asked[2]; /* what it narrowed each list's span to */
-} span_state;
-
-static int span_create(const policy_params *p, const policy_geometry *g, void **state, char *err,
-                       size_t errlen)
-{
-    (void)p;
-    (void)g;
-    span_state *st = calloc(1, sizeof *st);
-    if (st == NULL) {
-        snprintf(err, errlen, "out of memory");
-        return -1;
-    }
-    st->rng = 0x2545f4914f6cdd1du;
-    *state = st;
-    return 0;
-}
-
+ * tokens it changed). Its state is fake-random's. */
 /* Regimes 2 and 3: every token not at FULL to `to`, the span around them. */
 static policy_span span_not_full(const policy_layer_view *v, uint32_t h, policy_decision *d,
                                  uint8_t to)
@@ -1335,7 +1315,7 @@ static int span_step(void *state, const policy_layer_view *v, const policy_stats
     (void)stats;
     (void)err;
     (void)errlen;
-    span_state *st = state;
+    random_state *st = state;
     st->preset_errors += preset_errors(v, d);
     for (uint32_t h = 0; h < v->heads; h++) {
         uint32_t n = v->tokens[h];
@@ -1368,7 +1348,7 @@ static const policy_ops fake_span = {
     .params = fake_params,
     .nparams = sizeof fake_params / sizeof fake_params[0],
     .per_head = 1,
-    .create = span_create,
+    .create = random_create,
     .step = span_step,
     .destroy = random_destroy,
 };
@@ -1384,7 +1364,7 @@ static void test_spans_kept_narrow_only_where_all_full(void **unused)
     enum { HEADS = 2 };
     static list_copy before[HEADS], decided[HEADS], after[HEADS];
     policy_host *h = host_new(&fake_span, 1, HEADS);
-    span_state *st = policy_host_state(h);
+    random_state *st = policy_host_state(h);
     char err[POLICY_ERR_LEN] = "";
     policy_stats stats = {.confidence = -1};
     uint64_t rng = 99;
