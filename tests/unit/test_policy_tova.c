@@ -310,11 +310,11 @@ static void test_decode_over_blocks(void **unused)
     sum[5] = 1e29f;
     assert_int_equal(decode_victim(sum, N), 5);
     /* A sum that is not finite fails the step, naming it, the newest too. */
-    const uint32_t bad_at[3] = {900, N - 1, 2};
-    for (int k = 0; k < 3; k++) {
+    const uint32_t bad_at[5] = {900, N - 1, 2, 0, N - 2};
+    for (int k = 0; k < 5; k++) {
         for (uint32_t i = 0; i < N; i++)
             sum[i] = 1.0f;
-        sum[bad_at[k]] = k == 0 ? NAN : INFINITY;
+        sum[bad_at[k]] = k == 0 || k == 3 ? NAN : k == 4 ? -INFINITY : INFINITY;
         uint32_t n = k == 2 ? 5 : N; /* a list shorter than a vector */
         policy_geometry g = {1, 1, 1, 4, 16, 10000.0f};
         policy_host *h = host_new(n - 1, &g);
