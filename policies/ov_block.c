@@ -76,28 +76,52 @@ uint32_t ov_mt19937_next(ov_mt19937 *r)
 #define OV_MAXPOOL_SPANS 64
 #define OV_MAXPOOL_BLOCK 512
 
-/* b[i] = the larger of a[i] and a[i + s] (the earlier when equal), or a[i]
- * where a ends first: the max over twice a's span. */
-POLICY_HOT static void span_double(double *restrict b, const double *restrict a, size_t n, size_t s)
-{
-    size_t i = 0;
-    for (; i + s < n; i++)
-        b[i] = a[i + s] > a[i] ? a[i + s] : a[i];
-    for (; i < n; i++)
-        b[i] = a[i];
-}
+/*
+ * The pooling's passes over a block, for doubles (_d) and for a step's
+ * floats (_f): a float widens to a double exactly and in order, so floats
+ * pooled and then widened are the widened floats pooled, at twice the
+ * values a vector. span_double: b[i] = the larger of a[i] and a[i + s]
+ * (the earlier when equal), or a[i] where a ends first: the max over twice
+ * a's span. span_join: y[i] = the larger of a[i] and a[i + d] (the earlier
+ * when equal) for i < len, or a[i] where a (avail values) ends first.
+ * pool_block: the pooled len values of a block whose inputs start at x,
+ * in a or b.
+ */
+#define OV_POOL_PASSES(sfx, T)                                                                     \
+    POLICY_HOT static void span_double_##sfx(T *restrict b, const T *restrict a, size_t n,         \
+                                             size_t s)                                             \
+    {                                                                                              \
+        size_t i = 0;                                                                              \
+        for (; i + s < n; i++)                                                                     \
+            b[i] = a[i + s] > a[i] ? a[i + s] : a[i];                                              \
+        for (; i < n; i++)                                                                         \
+            b[i] = a[i];                                                                           \
+    }                                                                                              \
+    POLICY_HOT static void span_join_##sfx(T *restrict y, const T *restrict a, size_t len,         \
+                                           size_t avail, size_t d)                                 \
+    {                                                                                              \
+        size_t i = 0, both = avail > d ? avail - d : 0;                                            \
+        for (; i < len && i < both; i++)                                                           \
+            y[i] = a[i + d] > a[i] ? a[i + d] : a[i];                                              \
+        for (; i < len; i++)                                                                       \
+            y[i] = a[i];                                                                           \
+    }                                                                                              \
+    static const T *pool_block_##sfx(const T *x, T *a, T *b, size_t len, size_t avail, size_t w)   \
+    {                                                                                              \
+        const T *cur = x;                                                                          \
+        T *next = a;                                                                               \
+        size_t s = 1;                                                                              \
+        for (; 2 * s <= w; s *= 2) {                                                               \
+            span_double_##sfx(next, cur, avail, s);                                                \
+            cur = next;                                                                            \
+            next = next == a ? b : a;                                                              \
+        }                                                                                          \
+        span_join_##sfx(next, cur, len, avail, w - s);                                             \
+        return next;                                                                               \
+    }
 
-/* y[i] = the larger of a[i] and a[i + d] (the earlier when equal) for i <
- * len, or a[i] where a (avail values) ends first. */
-POLICY_HOT static void span_join(double *restrict y, const double *restrict a, size_t len,
-                                 size_t avail, size_t d)
-{
-    size_t i = 0, both = avail > d ? avail - d : 0;
-    for (; i < len && i < both; i++)
-        y[i] = a[i + d] > a[i] ? a[i + d] : a[i];
-    for (; i < len; i++)
-        y[i] = a[i];
-}
+OV_POOL_PASSES(d, double)
+OV_POOL_PASSES(f, float)
 
 /* y[0..n) = x[0..n) as doubles. */
 POLICY_HOT static void widen(double *restrict y, const float *restrict x, size_t n)
@@ -118,34 +142,44 @@ POLICY_HOT static void add_scores(double *restrict y, const double *restrict x,
         y[i] = 0.0 + x[i];
 }
 
-/* The forward max-pool of x[0..n) (or of xf, converted) into y, windows
- * up to OV_MAXPOOL_SPANS; with add, plus add as add_scores() does, a block
- * at a time (the pooled block never leaves L1). The earlier of two equal
- * spans stays, so each output is the first of its window's maxima, as in
- * one pass per offset. */
+/* add_scores() of floats, each widened. */
+POLICY_HOT static void add_widened(double *restrict y, const float *restrict x,
+                                   const double *restrict add, size_t from, size_t n, size_t nadd)
+{
+    size_t i = 0, both = nadd <= from ? 0 : nadd - from < n ? nadd - from : n;
+    for (; i < both; i++)
+        y[i] = add[from + i] + (double)x[i];
+    for (; i < n; i++)
+        y[i] = 0.0 + (double)x[i];
+}
+
+/* The forward max-pool of x[0..n) (or of xf, pooled as floats) into y,
+ * windows up to OV_MAXPOOL_SPANS; with add, plus add as add_scores() does,
+ * a block at a time (the pooled block never leaves L1). The earlier of two
+ * equal spans stays, so each output is the first of its window's maxima,
+ * as in one pass per offset. */
 static void maxpool_spans(const double *x, const float *xf, size_t n, size_t w, double *y,
                           const double *add, size_t nadd)
 {
-    double a[OV_MAXPOOL_BLOCK + OV_MAXPOOL_SPANS], b[OV_MAXPOOL_BLOCK + OV_MAXPOOL_SPANS];
+    union {
+        double d[2][OV_MAXPOOL_BLOCK + OV_MAXPOOL_SPANS];
+        float f[2][OV_MAXPOOL_BLOCK + OV_MAXPOOL_SPANS];
+    } buf;
     for (size_t k0 = 0; k0 < n; k0 += OV_MAXPOOL_BLOCK) {
         size_t len = n - k0 < OV_MAXPOOL_BLOCK ? n - k0 : OV_MAXPOOL_BLOCK;
         size_t avail = n - k0 < len + w - 1 ? n - k0 : len + w - 1; /* the block's inputs */
-        if (xf != NULL)
-            widen(a, xf + k0, avail);
-        else
-            memcpy(a, x + k0, avail * sizeof *a);
-        double *cur = a, *next = b;
-        size_t s = 1;
-        for (; 2 * s <= w; s *= 2) {
-            span_double(next, cur, avail, s);
-            double *t = cur;
-            cur = next, next = t;
-        }
-        if (add == NULL) {
-            span_join(y + k0, cur, len, avail, w - s);
+        if (xf != NULL) {
+            const float *p = pool_block_f(xf + k0, buf.f[0], buf.f[1], len, avail, w);
+            if (add == NULL)
+                widen(y + k0, p, len);
+            else
+                add_widened(y + k0, p, add, k0, len, nadd);
         } else {
-            span_join(next, cur, len, avail, w - s);
-            add_scores(y + k0, next, add, k0, len, nadd);
+            const double *p = pool_block_d(x + k0, buf.d[0], buf.d[1], len, avail, w);
+            if (add == NULL)
+                memcpy(y + k0, p, len * sizeof *y);
+            else
+                add_scores(y + k0, p, add, k0, len, nadd);
         }
     }
 }
