@@ -35,47 +35,60 @@
 
 /*
  * A layer's tokens: their original positions (to check that each view
- * extends them; describe, export) and accumulated scores, in two pairs of
- * buffers. A step writes the sums into the spare pair and makes it
- * current, so the pair it read stays as it was: save() keeps it for a
- * rollback without copying 12 bytes a token (issue 16 §2: 12 MiB a decode
- * step at 32k tokens × 32 layers), and a step's error leaves the state as
- * it was. While a saved copy holds the current pair (pinned), a step does
- * not make it the spare; discard() gives it back.
+ * extends them; describe, export) and accumulated scores, kept in place
+ * (issue 16 §2: a second buffer written each step, so that the one read
+ * stayed for a rollback, read and wrote 44 bytes a token, 32 MiB a decode
+ * step at 32k tokens x 32 layers). A step's attention is not added at once:
+ * it is kept as `added` (a float a token) and folded into the sums at the
+ * start of the next step, as that step's pass goes by. A token's sum is
+ * score[e] + (double)added[e] while has_added: the same double addition,
+ * so the same bits, as adding it at once. A rollback after a step then
+ * needs no copy: the fold changed how the sums are held, not what they are
+ * (save() notes where they were; a step that would change them, a second
+ * step in a transaction or a prefill's compaction, copies them first).
  *
  * A decode step evicts one token from the middle of the list; it stays in
- * the current pair as a hole (has_hole, at index `hole`) that the next
- * step's sums skip as they copy the pair (sum_tracked), instead of moving
- * the half of the pair after it: the pair then holds n + 1 entries.
+ * the arrays as a hole (has_hole, at index `hole`) that the next step's
+ * fold closes as it passes, instead of moving the half of the arrays after
+ * it: the arrays then hold n + 1 entries.
  */
+typedef struct h2o_saved h2o_saved;
+
 typedef struct h2o_layer {
-    uint32_t n, cap; /* n: tokens tracked */
+    uint32_t n, cap; /* n: tokens tracked; cap: entries each array has room for */
     uint32_t *pos;
     double *score;
+    float *added; /* the last step's attention, not yet in score (has_added) */
+    int has_added;
     int has_hole;
     uint32_t hole;
-    uint32_t spare_cap; /* 0: no spare pair */
-    uint32_t *spare_pos;
-    double *spare_score;
-    int pinned;
+    h2o_saved *saved;  /* the transaction's save(), until restore or discard */
     uint64_t *scratch; /* the keys of a selection */
     uint32_t scratch_cap;
 } h2o_layer;
 
-/* What save() keeps: the layer's pair at the time. */
-typedef struct h2o_saved {
+/* What save() keeps: how the layer held its tokens then; once a step has
+ * folded them (folded), their sums are score[0..n) with no hole; pos and
+ * score: a copy of those, taken before a step changed them. */
+struct h2o_saved {
     h2o_layer *ly;
-    uint32_t n, cap;
+    uint32_t n, hole;
+    int has_added, has_hole;
+    int folded;
     uint32_t *pos;
     double *score;
-    int has_hole;
-    uint32_t hole;
-} h2o_saved;
+};
 
-/* The entry of the current pair that holds tracked token i. */
+/* The entry of the layer's arrays that holds tracked token i. */
 static uint32_t layer_entry(const h2o_layer *ly, uint32_t i)
 {
     return i + (uint32_t)(ly->has_hole && i >= ly->hole);
+}
+
+/* The accumulated score of entry e. */
+static double entry_score(const h2o_layer *ly, uint32_t e)
+{
+    return ly->has_added ? ly->score[e] + (double)ly->added[e] : ly->score[e];
 }
 
 typedef struct h2o_state {
@@ -107,8 +120,7 @@ static void layer_free(h2o_layer *ly)
 {
     free(ly->pos);
     free(ly->score);
-    free(ly->spare_pos);
-    free(ly->spare_score);
+    free(ly->added);
     free(ly->scratch);
 }
 
@@ -169,22 +181,28 @@ oom:
     return -1;
 }
 
-/* Room for n tokens in the spare pair (its contents are not kept) and,
- * for a selection, in the scratch keys; -1 when out of memory. */
+/* Room for n entries in each array (their contents kept; never none
+ * after it, so that no pointer is offset from NULL) and, for a selection,
+ * in the scratch keys; -1 when out of memory. */
 static int layer_reserve(h2o_layer *ly, uint32_t n, int keys)
 {
-    if (n > ly->spare_cap) {
-        uint64_t cap64 = ly->spare_cap ? ly->spare_cap : 64;
+    if (n > ly->cap || ly->cap == 0) {
+        uint64_t cap64 = ly->cap ? ly->cap : 64;
         while (cap64 < n)
             cap64 *= 2;
         size_t cap = cap64 > UINT32_MAX ? n : (size_t)cap64;
-        free(ly->spare_pos);
-        free(ly->spare_score);
-        ly->spare_pos = malloc(cap * sizeof *ly->spare_pos);
-        ly->spare_score = malloc(cap * sizeof *ly->spare_score);
-        ly->spare_cap = ly->spare_pos && ly->spare_score ? (uint32_t)cap : 0;
-        if (ly->spare_cap == 0)
+        uint32_t *pos = realloc(ly->pos, cap * sizeof *pos);
+        if (pos != NULL)
+            ly->pos = pos;
+        double *score = realloc(ly->score, cap * sizeof *score);
+        if (score != NULL)
+            ly->score = score;
+        float *added = realloc(ly->added, cap * sizeof *added);
+        if (added != NULL)
+            ly->added = added;
+        if (pos == NULL || score == NULL || added == NULL)
             return -1;
+        ly->cap = (uint32_t)cap;
     }
     if (keys && n > ly->scratch_cap) {
         uint64_t *k = realloc(ly->scratch, (size_t)n * sizeof *k);
@@ -196,65 +214,119 @@ static int layer_reserve(h2o_layer *ly, uint32_t n, int keys)
     return 0;
 }
 
-/* The spare pair becomes current; the current one becomes the spare,
- * unless a saved copy holds it. */
-static void layer_swap(h2o_layer *ly)
-{
-    uint32_t *pos = ly->pos;
-    double *score = ly->score;
-    uint32_t cap = ly->cap;
-    ly->pos = ly->spare_pos, ly->score = ly->spare_score, ly->cap = ly->spare_cap;
-    if (ly->pinned) {
-        ly->spare_pos = NULL, ly->spare_score = NULL, ly->spare_cap = 0;
-        ly->pinned = 0;
-    } else {
-        ly->spare_pos = pos, ly->spare_score = score, ly->spare_cap = cap;
-    }
-}
+/* What a step's pass found wrong with it. */
+enum { FOLD_NOT_EXTENDING = 1, FOLD_NOT_FINITE = 2 };
 
-/* What layer_sum found wrong with a step. */
-enum { SUM_NOT_EXTENDING = 1, SUM_NOT_FINITE = 2 };
+static int fold_wrong(uint32_t diff, uint32_t nonfinite)
+{
+    return (diff != 0 ? FOLD_NOT_EXTENDING : 0) | (nonfinite != 0 ? FOLD_NOT_FINITE : 0);
+}
 
 /*
- * One pass over a step's tokens (issue 16 §2): into the spare pair, the
- * view's positions and the sums of the tracked scores (the first `old`
- * tokens) and the step's; and whether the view's first `old` positions are
- * the tracked ones and the step's values all finite (an exponent of all
- * ones). The current pair is only read.
+ * The step's pass over entries [from, to) that stay where they are: each
+ * sum folds in the last step's attention (with_added), the step's takes
+ * its place in added, the view's positions are compared with the tracked
+ * ones and the step's values checked finite (an exponent of all ones).
  */
-POLICY_HOT static int layer_sum(uint32_t *restrict out_pos, double *restrict out_score,
-                                const uint32_t *restrict old_pos, const double *restrict old_score,
-                                uint32_t old, const uint32_t *restrict pos,
-                                const float *restrict score, uint32_t n)
+POLICY_HOT static int fold_in_place(double *restrict score, float *restrict added,
+                                    const uint32_t *restrict tracked, int with_added,
+                                    const uint32_t *restrict pos, const float *restrict s,
+                                    uint32_t from, uint32_t to)
 {
     uint32_t diff = 0, nonfinite = 0, bits;
-    for (uint32_t i = 0; i < old; i++) {
-        diff |= pos[i] ^ old_pos[i];
-        out_pos[i] = pos[i];
-        memcpy(&bits, &score[i], sizeof bits);
+    for (uint32_t i = from; i < to; i++) {
+        diff |= pos[i] ^ tracked[i];
+        if (with_added)
+            score[i] += (double)added[i];
+        memcpy(&bits, &s[i], sizeof bits);
         nonfinite |= (bits & 0x7f800000u) == 0x7f800000u;
-        out_score[i] = old_score[i] + (double)score[i];
+        added[i] = s[i];
     }
-    for (uint32_t i = old; i < n; i++) {
-        out_pos[i] = pos[i];
-        memcpy(&bits, &score[i], sizeof bits);
-        nonfinite |= (bits & 0x7f800000u) == 0x7f800000u;
-        out_score[i] = (double)score[i];
-    }
-    return (diff != 0 ? SUM_NOT_EXTENDING : 0) | (nonfinite != 0 ? SUM_NOT_FINITE : 0);
+    return fold_wrong(diff, nonfinite);
 }
 
-/* layer_sum of a view of n tokens against the tracked ones, into the
- * spare pair: the tracked tokens before the hole, then those after it,
- * then the view's new tokens. */
-static int sum_tracked(h2o_layer *ly, const uint32_t *pos, const float *score, uint32_t n)
+/* The same for entries [from, to) of the tokens after the hole, each moved
+ * down one entry (from entry i + 1 to i) as it is folded. */
+POLICY_HOT static int fold_down(uint32_t *restrict tracked, double *restrict score,
+                                float *restrict added, int with_added, const uint32_t *restrict pos,
+                                const float *restrict s, uint32_t from, uint32_t to)
 {
-    if (ly->n == 0) /* nothing tracked (nor a hole): the pair may not exist yet */
-        return layer_sum(ly->spare_pos, ly->spare_score, NULL, NULL, 0, pos, score, n);
-    uint32_t h = ly->has_hole ? ly->hole : ly->n, skip = (uint32_t)ly->has_hole;
-    int wrong = layer_sum(ly->spare_pos, ly->spare_score, ly->pos, ly->score, h, pos, score, h);
-    return wrong | layer_sum(ly->spare_pos + h, ly->spare_score + h, ly->pos + h + skip,
-                             ly->score + h + skip, ly->n - h, pos + h, score + h, n - h);
+    uint32_t diff = 0, nonfinite = 0, bits;
+    for (uint32_t i = from; i < to; i++) {
+        uint32_t p = tracked[i + 1];
+        double sum = with_added ? score[i + 1] + (double)added[i + 1] : score[i + 1];
+        diff |= pos[i] ^ p;
+        tracked[i] = p;
+        score[i] = sum;
+        memcpy(&bits, &s[i], sizeof bits);
+        nonfinite |= (bits & 0x7f800000u) == 0x7f800000u;
+        added[i] = s[i];
+    }
+    return fold_wrong(diff, nonfinite);
+}
+
+/* The tokens appended since, [from, to): a sum of -0.0, which adds to any
+ * value exactly (x + -0.0 is x, signed zeros too), so that a new token's
+ * first score is the step's value as it came. */
+POLICY_HOT static int fold_new(uint32_t *restrict tracked, double *restrict score,
+                               float *restrict added, const uint32_t *restrict pos,
+                               const float *restrict s, uint32_t from, uint32_t to)
+{
+    uint32_t nonfinite = 0, bits;
+    for (uint32_t i = from; i < to; i++) {
+        tracked[i] = pos[i];
+        score[i] = -0.0;
+        memcpy(&bits, &s[i], sizeof bits);
+        nonfinite |= (bits & 0x7f800000u) == 0x7f800000u;
+        added[i] = s[i];
+    }
+    return fold_wrong(0, nonfinite);
+}
+
+/*
+ * The step's one pass over a view of n >= ly->n tokens (room reserved):
+ * the tracked tokens' sums folded and the hole closed, whatever the pass
+ * finds (the sums stay what they were), then the step's attention kept
+ * as added when the view extends the tracked tokens and is finite.
+ */
+static int layer_fold(h2o_layer *ly, const uint32_t *pos, const float *s, uint32_t n)
+{
+    uint32_t tracked = ly->n, h = ly->has_hole ? ly->hole : tracked;
+    int with = ly->has_added;
+    int wrong = fold_in_place(ly->score, ly->added, ly->pos, with, pos, s, 0, h) |
+                fold_down(ly->pos, ly->score, ly->added, with, pos, s, h, tracked) |
+                fold_new(ly->pos, ly->score, ly->added, pos, s, tracked, n);
+    ly->has_hole = 0;
+    ly->has_added = wrong == 0;
+    if (wrong == 0)
+        ly->n = n;
+    return wrong;
+}
+
+/* Before a step changes the sums save() found (a second step in the
+ * transaction, a prefill's compaction): a copy of them, unless taken.
+ * Folded, they are the arrays' first n entries; else as the layer holds
+ * them now (no step since). -1 when out of memory, nothing changed. */
+static int saved_copy(h2o_saved *c)
+{
+    if (c->score != NULL)
+        return 0;
+    const h2o_layer *ly = c->ly;
+    size_t n = c->n ? c->n : 1;
+    uint32_t *pos = malloc(n * sizeof *pos);
+    double *score = malloc(n * sizeof *score);
+    if (pos == NULL || score == NULL) {
+        free(pos);
+        free(score);
+        return -1;
+    }
+    for (uint32_t i = 0; i < c->n; i++) {
+        uint32_t e = c->folded ? i : layer_entry(ly, i);
+        pos[i] = ly->pos[e];
+        score[i] = c->folded ? ly->score[e] : entry_score(ly, e);
+    }
+    c->pos = pos, c->score = score;
+    return 0;
 }
 
 static int h2o_step(void *state, const policy_layer_view *view, const policy_stats *stats,
@@ -276,26 +348,29 @@ static int h2o_step(void *state, const policy_layer_view *view, const policy_sta
      * the tokens appended since, which are all new whatever stats.new_tokens
      * says): otherwise the scores would be attributed to the wrong tokens. */
     const uint32_t *pos = view->positions[0];
-    if (layer_reserve(ly, n, n > st->budget + 1) != 0) {
+    int many = n > st->budget + 1; /* a selection, then a compaction */
+    h2o_saved *c = ly->saved;
+    uint32_t entries = ly->n + (uint32_t)ly->has_hole;
+    if (n >= ly->n && (layer_reserve(ly, n > entries ? n : entries, many) != 0 ||
+                       (c != NULL && (c->folded || many) && saved_copy(c) != 0))) {
         snprintf(err, errlen, "h2o: out of memory for %u tokens", n);
         return -1;
     }
-    int wrong = n < ly->n ? SUM_NOT_EXTENDING : sum_tracked(ly, pos, stats->score, n);
-    if (wrong & SUM_NOT_EXTENDING) {
+    if (c != NULL && n >= ly->n)
+        c->folded = 1; /* from here on the sums are held folded */
+    int wrong = n < ly->n ? FOLD_NOT_EXTENDING : layer_fold(ly, pos, stats->score, n);
+    if (wrong & FOLD_NOT_EXTENDING) {
         snprintf(err, errlen,
                  "h2o: layer %u view (%u tokens) does not extend the %u tokens the policy "
                  "tracks (was a decision not applied?)",
                  view->layer, n, ly->n);
         return -1;
     }
-    if (wrong & SUM_NOT_FINITE) {
+    if (wrong & FOLD_NOT_FINITE) {
         snprintf(err, errlen, "h2o: stats.score[%zu] is not finite",
                  policy_first_outside(stats->score, n, -FLT_MAX));
         return -1;
     }
-    layer_swap(ly);
-    ly->n = n;
-    ly->has_hole = 0;
     if (n <= st->budget) {
         policy_decision_span(d, 0, 0, 0);
         return 0;
@@ -310,18 +385,23 @@ static int h2o_step(void *state, const policy_layer_view *view, const policy_sta
     uint32_t k = n - st->budget;
     if (k > m)
         k = m;    /* cannot happen: recent + sinks <= budget */
-    if (k == 1) { /* a decode step: the victim stays in the pair as its hole */
-        uint32_t v = first + policy_first_min(ly->score + first, m);
+    if (k == 1) { /* a decode step: the victim stays in the arrays as their hole */
+        uint32_t v =
+            first + (uint32_t)policy_first_min_sum(ly->score + first, ly->added + first, m);
         policy_evict_one(d, 0, v);
         ly->n = n - 1, ly->has_hole = 1, ly->hole = v;
         return 0;
     }
     if (k > 1) {
-        const double *cand = ly->score + first;
+        double *restrict sc = ly->score;
+        for (uint32_t i = 0; i < n; i++) /* the sums, to select from (saved_copy above) */
+            sc[i] += (double)ly->added[i];
+        ly->has_added = 0;
+        const double *cand = sc + first;
         policy_score_keys kd = {1.0, NULL, 0};
         policy_cut cut = policy_select_cut_rows(&cand, &m, 1, &kd, k, ly->scratch);
         uint8_t *evict = (uint8_t *)ly->scratch; /* the keys are spent: m bytes of room */
-        policy_cut_mark(&cut, ly->score + first, 1.0, NULL, 1, m, 0, evict);
+        policy_cut_mark(&cut, sc + first, 1.0, NULL, 1, m, 0, evict);
         policy_evict_marked(d->tier[0] + first, evict, 1, m);
         policy_decision_span(d, 0, first, first + m);
         /* Compact the per-token state exactly as the host compacts the
@@ -329,7 +409,6 @@ static int h2o_step(void *state, const policy_layer_view *view, const policy_sta
          * thousands). */
         uint32_t out = 0;
         uint32_t *restrict p = ly->pos;
-        double *restrict sc = ly->score;
         for (uint32_t i = 0; i < n; i++) {
             p[out] = p[i];
             sc[out] = sc[i];
@@ -340,37 +419,41 @@ static int h2o_step(void *state, const policy_layer_view *view, const policy_sta
     return 0;
 }
 
-/* ops->save: the current pair, which the layer's next step leaves as it
- * is (it writes the spare pair): no copy. */
+/* ops->save: how the layer holds its sums now; its next step folds them
+ * in place without changing them (no copy). */
 static int h2o_save(void *state, uint32_t layer, void **saved)
 {
     h2o_state *st = state;
     h2o_layer *ly = &st->ly[layer];
-    h2o_saved *c = malloc(sizeof *c);
+    h2o_saved *c = calloc(1, sizeof *c);
     if (c == NULL) {
         errno = ENOMEM;
         return -1;
     }
-    *c = (h2o_saved){ly, ly->n, ly->cap, ly->pos, ly->score, ly->has_hole, ly->hole};
-    ly->pinned = 1;
+    *c = (h2o_saved){ly, ly->n, ly->hole, ly->has_added, ly->has_hole, 0, NULL, NULL};
+    ly->saved = c;
     *saved = c;
     return 0;
 }
 
 static void h2o_restore(void *state, uint32_t layer, void *saved)
 {
-    h2o_state *st = state;
-    h2o_layer *ly = &st->ly[layer];
+    (void)state, (void)layer;
     h2o_saved *c = saved;
-    if (ly->pos != c->pos) { /* a step made another pair current: it becomes the spare */
-        free(ly->spare_pos);
-        free(ly->spare_score);
-        ly->spare_pos = ly->pos, ly->spare_score = ly->score, ly->spare_cap = ly->cap;
-        ly->pos = c->pos, ly->score = c->score, ly->cap = c->cap;
-    }
+    h2o_layer *ly = c->ly;
     ly->n = c->n;
-    ly->has_hole = c->has_hole, ly->hole = c->hole;
-    ly->pinned = 0;
+    if (c->score != NULL) { /* a step changed them: the copy goes back (room never shrinks) */
+        memcpy(ly->pos, c->pos, (size_t)c->n * sizeof *ly->pos);
+        memcpy(ly->score, c->score, (size_t)c->n * sizeof *ly->score);
+    }
+    if (c->folded) {
+        ly->has_added = 0, ly->has_hole = 0;
+    } else {
+        ly->has_added = c->has_added, ly->has_hole = c->has_hole, ly->hole = c->hole;
+    }
+    ly->saved = NULL;
+    free(c->pos);
+    free(c->score);
     free(c);
 }
 
@@ -379,15 +462,10 @@ static void h2o_discard(void *saved)
     h2o_saved *c = saved;
     if (c == NULL)
         return;
-    h2o_layer *ly = c->ly;
-    if (ly->pos == c->pos) {
-        ly->pinned = 0; /* no step since: the pair is still the current one */
-    } else if (ly->spare_cap == 0) {
-        ly->spare_pos = c->pos, ly->spare_score = c->score, ly->spare_cap = c->cap;
-    } else {
-        free(c->pos);
-        free(c->score);
-    }
+    if (c->ly->saved == c)
+        c->ly->saved = NULL;
+    free(c->pos);
+    free(c->score);
     free(c);
 }
 
@@ -441,7 +519,7 @@ static void *h2o_export_layer(const void *state, uint32_t layer, size_t *len)
     for (uint32_t i = 0; i < ly->n; i++) {
         uint32_t e = layer_entry(ly, i);
         policy_put_le(pos + (size_t)i * 4, ly->pos[e], 4);
-        policy_put_le(score + (size_t)i * 8, policy_f64_bits(ly->score[e]), 8);
+        policy_put_le(score + (size_t)i * 8, policy_f64_bits(entry_score(ly, e)), 8);
     }
     *len = total;
     return b;
@@ -533,7 +611,8 @@ static int h2o_import_layer(void *state, uint32_t layer, const void *buf, size_t
     h2o_layer ly = {.n = n, .cap = n};
     ly.pos = policy_array_copy(NULL, 0, n, sizeof *ly.pos);
     ly.score = policy_array_copy(NULL, 0, n, sizeof *ly.score);
-    if (!ly.pos || !ly.score) {
+    ly.added = policy_array_copy(NULL, 0, n, sizeof *ly.added);
+    if (!ly.pos || !ly.score || !ly.added) {
         layer_free(&ly);
         policy_set_err(err, errlen, "h2o state: out of memory for %u tokens", n);
         return -1;
@@ -560,7 +639,7 @@ static char *h2o_describe(void *state, uint32_t layer)
         policy_text_add(&t, "%s%u", i ? "," : "", ly->pos[layer_entry(ly, i)]);
     policy_text_add(&t, "],\"score\":[");
     for (uint32_t i = 0; i < ly->n; i++)
-        policy_text_add(&t, "%s%.9g", i ? "," : "", ly->score[layer_entry(ly, i)]);
+        policy_text_add(&t, "%s%.9g", i ? "," : "", entry_score(ly, layer_entry(ly, i)));
     policy_text_add(&t, "]}");
     return policy_text_finish(&t);
 }

@@ -303,10 +303,12 @@ typedef struct policy_ops {
     /* Optional, for policies whose step changes per-layer state (host.h
      * transactions): layer's state as it is now, in *saved (NULL allowed
      * when there is nothing to keep): a copy, or the state's own arrays
-     * when its steps leave those as they were (h2o writes each step's sums
-     * into a second buffer: save() marks the first kept, discard() gives it
-     * back to the state, which is alive until every copy is discarded or
-     * restored). State that is not per layer (an RNG, a counter) goes into
+     * when its steps leave those as they were (weightedkv writes each
+     * step's sums into a second buffer: save() marks the first kept,
+     * discard() gives it back), or a note of how they are held when its
+     * steps change only that (h2o folds the last step's attention into its
+     * sums in place); the state is alive until every copy is discarded or
+     * restored. State that is not per layer (an RNG, a counter) goes into
      * every layer's copy, and restore() of several copies in any order
      * puts back that of the oldest. Returns 0, or -1 when out of memory
      * (errno ENOMEM), changing nothing. */

@@ -480,6 +480,36 @@ POLICY_HOT size_t policy_first_min(const double *x, size_t n)
     return i;
 }
 
+/* Sums a block at a time: 4 KiB, in L1. */
+#define SUM_BLOCK 512
+
+static inline void sum_block(double *restrict out, const double *restrict x,
+                             const float *restrict add, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        out[i] = x[i] + (double)add[i];
+}
+
+/* select.h */
+POLICY_HOT size_t policy_first_min_sum(const double *x, const float *add, size_t n)
+{
+    double buf[SUM_BLOCK], m = 0.0;
+    size_t at = 0; /* the first block that holds m */
+    for (size_t b = 0; b < n; b += SUM_BLOCK) {
+        size_t len = n - b < SUM_BLOCK ? n - b : SUM_BLOCK;
+        sum_block(buf, x + b, add + b, len);
+        double bm = min_of(buf, len);
+        if (b == 0 || bm < m)
+            m = bm, at = b;
+    }
+    size_t len = n - at < SUM_BLOCK ? n - at : SUM_BLOCK;
+    sum_block(buf, x + at, add + at, len);
+    for (size_t i = 0; i < len; i++)
+        if (buf[i] == m)
+            return at + i;
+    return at; /* a NaN among the sums (none should be) */
+}
+
 /* select.h */
 POLICY_HOT size_t policy_last_min(const double *x, size_t n)
 {

@@ -110,6 +110,12 @@ size_t policy_first_min(const double *x, size_t n);
  * cut's choice for k = 1 in reverse index order). */
 size_t policy_last_min(const double *x, size_t n);
 
+/* policy_first_min of the sums x[i] + (double)add[i], each rounded as one
+ * double addition, without writing them: a block at a time into a buffer
+ * in L1 (the minimum, and the first block holding it, summed again). h2o
+ * keeps a decode step's attention apart from its sums until the next. */
+size_t policy_first_min_sum(const double *x, const float *add, size_t n);
+
 /* The largest of x[0..n) (-INFINITY when n is 0; with a NaN among them,
  * some unspecified value), in one vectorised pass. */
 double policy_max(const double *x, size_t n);

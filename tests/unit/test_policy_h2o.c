@@ -9,6 +9,7 @@
  * sequence: export/import of the layer state round-trips and decides as
  * the original, and import refuses spoiled bytes without a change.
  */
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -408,6 +409,95 @@ static void test_import_refuses_ph_spoil(void **unused)
     policy_host_destroy(c);
 }
 
+/* Layer 0's policy state as bytes (export_layer), for comparing. */
+static uint8_t *state_bytes(policy_host *h, size_t *len)
+{
+    uint8_t *b = policy_host_export_state(h, 0, len);
+    assert_non_null(b);
+    return b;
+}
+
+static void expect_state(policy_host *h, const uint8_t *want, size_t len)
+{
+    size_t n;
+    uint8_t *b = state_bytes(h, &n);
+    assert_int_equal(n, len);
+    assert_memory_equal(b, want, len);
+    free(b);
+}
+
+/* Random scores for n tokens, some of them -0.0. */
+static void random_scores(float *s, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++)
+        s[i] = rng() % 9 == 0 ? -0.0f : (float)(rng() % 64) * 0.125f;
+}
+
+/*
+ * A step keeps its attention apart and folds it into the sums at the next
+ * step, in place, and a decode victim stays as a hole until then (h2o.c):
+ * a rollback after one step, after two steps in one transaction, after a
+ * prompt-sized step that compacts, and after a refused step, gives back
+ * exactly the sums and positions the transaction began with, and the
+ * sequence steps on as a twin that never took the rolled-back steps.
+ */
+static void test_rollback_restores_folded_sums(void **unused)
+{
+    (void)unused;
+    const char *k[] = {"budget", "recent"};
+    const char *v[] = {"8", "2"};
+    policy_host *h = host_new(k, v, 2, &geom1), *twin = host_new(k, v, 2, &geom1);
+    float s[32];
+    rng_state = 21;
+    random_scores(s, 12);
+    step(h, 12, s), step(twin, 12, s);
+    for (int i = 0; i < 5; i++) { /* decode steps: a sum pending and a hole */
+        random_scores(s, 9);
+        step(h, 1, s), step(twin, 1, s);
+    }
+    size_t len;
+    uint8_t *before = state_bytes(h, &len);
+    const uint32_t nnew[4] = {1, 1, 6, 1}, steps[4] = {1, 2, 1, 1};
+    for (int c = 0; c < 4; c++) {
+        policy_host_begin(h);
+        for (uint32_t t = 0; t < steps[c]; t++) {
+            assert_int_equal(policy_host_append(h, nnew[c]), 0);
+            uint32_t n = 8 + nnew[c];
+            random_scores(s, n);
+            if (c == 3)
+                s[3] = NAN; /* refused after its pass folded the sums */
+            policy_stats st = {.new_tokens = nnew[c], .score = s, .confidence = -1};
+            if (c == 3) {
+                ph_step_fails(h, 0, &st, "not finite");
+                continue;
+            }
+            ph_step(h, 0, &st);
+        }
+        policy_host_rollback(h);
+        expect_state(h, before, len);
+    }
+    for (int i = 0; i < 3; i++) { /* and on, as the twin */
+        random_scores(s, 9);
+        step(h, 1, s), step(twin, 1, s);
+        size_t tl;
+        uint8_t *t = state_bytes(twin, &tl);
+        expect_state(h, t, tl);
+        free(t);
+    }
+    /* A new token's first sum is its score as it came: -0.0 stays -0.0. */
+    random_scores(s, 9);
+    s[8] = -0.0f;
+    step(h, 1, s);
+    uint8_t *b = state_bytes(h, &len);
+    uint32_t n = (uint32_t)policy_get_le(b + 24, 4);
+    assert_int_equal(policy_get_le(b + 28 + 4 * (size_t)n + 8 * (size_t)(n - 1), 8),
+                     0x8000000000000000ull);
+    free(b);
+    free(before);
+    policy_host_destroy(h);
+    policy_host_destroy(twin);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -421,6 +511,7 @@ int main(void)
         cmocka_unit_test(test_property_deterministic),
         cmocka_unit_test(test_moves_to_another_host),
         cmocka_unit_test(test_import_refuses_ph_spoil),
+        cmocka_unit_test(test_rollback_restores_folded_sums),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -383,11 +383,34 @@ static void max_against_loop(const double *x, size_t n, uint64_t *seed)
     }
 }
 
+/* policy_first_min_sum is policy_first_min of the sums written out: an
+ * addend that is often zero of either sign (ties across blocks) or an
+ * eighth. */
+static void min_sum_against_written(const double *x, size_t n, uint64_t *seed)
+{
+    float *add = malloc(n * sizeof *add);
+    double *sum = malloc(n * sizeof *sum);
+    assert_non_null(add);
+    assert_non_null(sum);
+    for (size_t i = 0; i < n; i++) {
+        uint32_t r = ph_below(seed, 4);
+        add[i] = r == 0 ? -0.0f : r == 1 ? 0.0f : (float)r * 0.125f;
+        sum[i] = x[i] + (double)add[i];
+    }
+    size_t got = policy_first_min_sum(x, add, n), want = policy_first_min(sum, n);
+    if (got != want)
+        fail_msg("n=%zu: policy_first_min_sum %zu, the written sums' first minimum %zu", n, got,
+                 want);
+    free(add);
+    free(sum);
+}
+
 /* Every shape and size, and zeros of both signs (equal). */
 static void test_first_min(void **s)
 {
     (void)s;
     each_list(7, min_against_cut);
+    each_list(9, min_sum_against_written);
     each_list(8, max_against_loop);
     const double zeros[] = {1.0, 0.0, -0.0, 2.0, -0.0};
     assert_int_equal(policy_first_min(zeros, 5), 1);
