@@ -14,6 +14,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "helper.h"
 #include "kvstash_ring.h"
 #include "store.h"
 #include "util.h"
@@ -36,6 +37,8 @@ struct ring {
     size_t data_bytes;
     float *scratch; /* private copy of a step's statistics */
     size_t scratch_cap;
+    helper *helper; /* lent to decode steps, made by the first (helper.h) */
+    int helper_failed;
     pthread_t thread;
     /* The daemon's own stop flag, in its own memory: the thread obeys this
      * alone. The shared header's `closing` is only a courtesy to the worker,
@@ -183,6 +186,18 @@ static void cuts_put(void *ctx, const seq_cuts *c)
     x->r->cuts = 1;
 }
 
+/* The ring's helper for a decode step (helper.h), made the first time;
+ * NULL when it cannot be. A prompt's decision may move to a background
+ * thread at idle priority, which must not borrow this normal one. */
+static const policy_helper *ring_helper(ring *rg)
+{
+    if (rg->helper == NULL && !rg->helper_failed) {
+        rg->helper = helper_create();
+        rg->helper_failed = rg->helper == NULL;
+    }
+    return rg->helper != NULL ? helper_lend(rg->helper) : NULL;
+}
+
 /* STEP: the statistics are copied out of shared memory before anything
  * reads them (seq_step_input.copy), so a worker that scribbles on them
  * while the daemon reads cannot change what was checked. */
@@ -215,7 +230,8 @@ static void serve_step(ring *rg, const ring_request *q, ring_response *r)
                          (const float *)rg->data,
                          n,
                          0,
-                         rg->scratch};
+                         rg->scratch,
+                         q->prefill ? NULL : ring_helper(rg)};
     status s;
     cuts_put_ctx cuts = {rg, r};
     if (store_step(rg->store, rg->token, q->seq_id, q->ack_epoch, &in, cuts_put, &cuts, &r->epoch,
@@ -536,6 +552,7 @@ int ring_ended(const ring *r)
 void ring_join(ring *r)
 {
     pthread_join(r->thread, NULL);
+    helper_destroy(r->helper);
     munmap(r->hdr, r->bytes);
     close(r->fd);
     free(r->scratch);

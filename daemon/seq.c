@@ -413,6 +413,7 @@ struct seq_step_job {
     float *copy;
     size_t *start;
     atomic_int bad_stats;
+    const policy_helper *helper; /* seq_step_input's */
 };
 
 static void step_job_clear(seq_step_job *j)
@@ -463,7 +464,8 @@ static int step_job_fetch(void *ctx, uint32_t l, char *err, size_t errlen)
  * (seq_step_check): a mismatch here is a bug. */
 static status_code step_job_parse(seq *s, const seq_step_input *in, seq_step_job *j, status *st)
 {
-    *j = (seq_step_job){.s = s, .rc = ST_OK, .src = in->data, .copy = in->copy};
+    *j = (seq_step_job){
+        .s = s, .rc = ST_OK, .src = in->data, .copy = in->copy, .helper = in->helper};
     atomic_init(&j->bad_stats, 0);
     step_shape sh;
     j->tokens = step_tokens(s, in->arrays, &sh);
@@ -506,8 +508,8 @@ static void step_job_decide(seq_step_job *j)
     char err[POLICY_ERR_LEN];
     policy_stats_fetch fetch = {step_job_fetch, j};
     errno = 0; /* ENOMEM after a failure: out of memory (malloc sets it), not a bug */
-    if (policy_host_step_layers(j->s->host, j->ps, j->copy != NULL ? &fetch : NULL, j->d, err,
-                                sizeof err) == 0)
+    if (policy_host_step_layers(j->s->host, j->ps, j->copy != NULL ? &fetch : NULL, j->helper, j->d,
+                                err, sizeof err) == 0)
         return;
     if (atomic_load_explicit(&j->bad_stats, memory_order_relaxed)) /* the worker's, not ours */
         j->rc = status_set(&j->st, ST_INVALID_ARGUMENT, "%s", err);

@@ -189,6 +189,9 @@ typedef struct seq_step_input {
      * reads the copy: nothing the worker writes afterwards reaches the
      * policy, and the policy reads its statistics from cache. */
     float *copy;
+    /* A thread the caller lends to the policy's layers (daemon/helper.h),
+     * or NULL: the policy host starts its own. */
+    const policy_helper *helper;
 } seq_step_input;
 
 /*

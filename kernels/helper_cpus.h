@@ -1,7 +1,8 @@
 /*
  * helper_cpus.h - start a call's helper threads on other CPUs than the
  * caller's (header only: the fast kernels' fork-join, kernels/cpu/
- * parallel.c, and the policy host's layers on threads, policies/host.c).
+ * parallel.c, the policy host's layers on threads, policies/host.c, and
+ * the ring threads' kept helpers, daemon/helper.c).
  *
  * Linux places a new thread by the load of the instant it is created, often
  * on its creator's CPU (the other CPUs busy with that moment's work: on a
@@ -32,19 +33,37 @@ typedef struct helper_cpus {
     int placed;        /* helpers start off the caller's CPU */
 } helper_cpus;
 
-/* Sets attr to start threads on any of the caller's CPUs but the one it
- * runs on; c->placed says whether it did (not when the caller has one CPU,
- * or the calls fail: then attr is as it was). */
-static inline void helper_cpus_place(helper_cpus *c, pthread_attr_t *attr)
+/* The caller's CPUs into c->allowed and all of them but the one it runs
+ * on into *others; 0 when there are none (one CPU, or the calls fail). */
+static inline int helper_cpus_others(helper_cpus *c, cpu_set_t *others)
 {
     int me = sched_getcpu();
     c->placed = 0;
     if (me < 0 || pthread_getaffinity_np(pthread_self(), sizeof c->allowed, &c->allowed) != 0 ||
         !CPU_ISSET(me, &c->allowed) || CPU_COUNT(&c->allowed) < 2)
-        return;
-    cpu_set_t others = c->allowed;
-    CPU_CLR(me, &others);
-    c->placed = pthread_attr_setaffinity_np(attr, sizeof others, &others) == 0;
+        return 0;
+    *others = c->allowed;
+    CPU_CLR(me, others);
+    return 1;
+}
+
+/* Sets attr to start threads on any of the caller's CPUs but the one it
+ * runs on; c->placed says whether it did (not when the caller has one CPU,
+ * or the calls fail: then attr is as it was). */
+static inline void helper_cpus_place(helper_cpus *c, pthread_attr_t *attr)
+{
+    cpu_set_t others;
+    if (helper_cpus_others(c, &others))
+        c->placed = pthread_attr_setaffinity_np(attr, sizeof others, &others) == 0;
+}
+
+/* The same for a thread kept asleep between calls (daemon/helper.h),
+ * before it is woken: it wakes on another CPU than the caller's. */
+static inline void helper_cpus_place_thread(helper_cpus *c, pthread_t thread)
+{
+    cpu_set_t others;
+    if (helper_cpus_others(c, &others))
+        c->placed = pthread_setaffinity_np(thread, sizeof others, &others) == 0;
 }
 
 /* First thing in a helper: the caller's CPUs again, for the scheduler to

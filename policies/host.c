@@ -973,11 +973,18 @@ static void *layer_steps_helper(void *arg)
     return NULL;
 }
 
+/* policy_helper's fn: a lent thread places itself. */
+static void layer_steps_lent(void *arg)
+{
+    layer_steps_take(arg);
+}
+
 /* Every layer's policy step on `threads` threads (fewer when one cannot
- * be started), then the first failure in layer order, or each layer
- * finished. */
-static int step_layers_threaded(policy_host *h, uint32_t threads, const policy_stats *stats,
-                                const policy_decision **decisions, char *err, size_t errlen)
+ * be started), the lent helper first, then the first failure in layer
+ * order, or each layer finished. */
+static int step_layers_threaded(policy_host *h, uint32_t threads, const policy_helper *helper,
+                                const policy_stats *stats, const policy_decision **decisions,
+                                char *err, size_t errlen)
 {
     uint32_t L = h->geom.layers;
     layer_steps j = {.h = h, .stats = stats};
@@ -988,19 +995,24 @@ static int step_layers_threaded(policy_host *h, uint32_t threads, const policy_s
     pthread_t *tid = calloc(threads, sizeof *tid);
     int rc = j.rc && j.errnum && j.err && tid ? 0 : -1;
     uint32_t started = 0;
-    pthread_attr_t attr;
-    int have_attr = pthread_attr_init(&attr) == 0;
-    if (have_attr) /* helper_cpus.h: else they wait for the caller */
-        helper_cpus_place(&j.cpus, &attr);
-    while (rc == 0 && started + 1 < threads &&
-           pthread_create(&tid[started], have_attr ? &attr : NULL, layer_steps_helper, &j) == 0)
-        started++;
-    if (have_attr)
-        pthread_attr_destroy(&attr);
+    int lent = rc == 0 && helper != NULL && helper->start(helper->ctx, layer_steps_lent, &j) == 0;
+    if (rc == 0 && threads > 1 + (uint32_t)lent) {
+        pthread_attr_t attr;
+        int have_attr = pthread_attr_init(&attr) == 0;
+        if (have_attr) /* helper_cpus.h: else they wait for the caller */
+            helper_cpus_place(&j.cpus, &attr);
+        while (started + 1 + (uint32_t)lent < threads &&
+               pthread_create(&tid[started], have_attr ? &attr : NULL, layer_steps_helper, &j) == 0)
+            started++;
+        if (have_attr)
+            pthread_attr_destroy(&attr);
+    }
     if (rc == 0)
         layer_steps_take(&j);
     for (uint32_t t = 0; t < started; t++)
         pthread_join(tid[t], NULL);
+    if (lent)
+        helper->join(helper->ctx);
     if (rc != 0) {
         snprintf(err, errlen, "out of memory");
         errno = ENOMEM;
@@ -1021,8 +1033,8 @@ static int step_layers_threaded(policy_host *h, uint32_t threads, const policy_s
     return rc;
 }
 
-static int step_layers(policy_host *h, const policy_stats *stats, const policy_decision **decisions,
-                       char *err, size_t errlen)
+static int step_layers(policy_host *h, const policy_helper *helper, const policy_stats *stats,
+                       const policy_decision **decisions, char *err, size_t errlen)
 {
     uint32_t threads = step_threads(h);
     if (threads <= 1) {
@@ -1046,15 +1058,15 @@ static int step_layers(policy_host *h, const policy_stats *stats, const policy_d
         snprintf(err, errlen, "out of memory");
         return -1;
     }
-    return step_layers_threaded(h, threads, stats, decisions, err, errlen);
+    return step_layers_threaded(h, threads, helper, stats, decisions, err, errlen);
 }
 
 int policy_host_step_layers(policy_host *h, const policy_stats *stats,
-                            const policy_stats_fetch *fetch, const policy_decision **decisions,
-                            char *err, size_t errlen)
+                            const policy_stats_fetch *fetch, const policy_helper *helper,
+                            const policy_decision **decisions, char *err, size_t errlen)
 {
     h->fetch = fetch;
-    int rc = step_layers(h, stats, decisions, err, errlen);
+    int rc = step_layers(h, helper, stats, decisions, err, errlen);
     h->fetch = NULL;
     return rc;
 }

@@ -83,9 +83,20 @@ typedef struct policy_stats_fetch {
     void *ctx;
 } policy_stats_fetch;
 
+/* A thread the caller lends to the call for one of its helpers (kvstashd:
+ * one kept by each ring thread, daemon/helper.h), instead of one started
+ * and joined for it: start(ctx, fn, arg) runs fn(arg) there and returns 0,
+ * or -1 when it cannot (then the host starts a thread of its own); join
+ * waits until fn has returned. NULL: threads are started for the call. */
+typedef struct policy_helper {
+    int (*start)(void *ctx, void (*fn)(void *arg), void *arg);
+    void (*join)(void *ctx);
+    void *ctx;
+} policy_helper;
+
 int policy_host_step_layers(policy_host *h, const policy_stats *stats,
-                            const policy_stats_fetch *fetch, const policy_decision **decisions,
-                            char *err, size_t errlen);
+                            const policy_stats_fetch *fetch, const policy_helper *helper,
+                            const policy_decision **decisions, char *err, size_t errlen);
 
 /* Threads policy_host_step_layers may use (0 and 1: the calling thread
  * only), and the tokens held over all lists below which it uses one. */

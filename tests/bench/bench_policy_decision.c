@@ -265,7 +265,7 @@ static double decide(const shape *s, const inputs *in, const policy_case *pc, un
     const policy_decision *d[64];
     char err[POLICY_ERR_LEN] = "";
     double t0 = now(clk);
-    if (policy_host_step_layers(h, st, NULL, d, err, sizeof err) != 0) {
+    if (policy_host_step_layers(h, st, NULL, NULL, d, err, sizeof err) != 0) {
         fprintf(stderr, "bench_policy_decision: %s: %s\n", pc->name, err);
         exit(1);
     }

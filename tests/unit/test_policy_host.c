@@ -1023,8 +1023,43 @@ static const policy_ops fake_meet = {
     .destroy = fake_destroy,
 };
 
-/* Step every layer of h; how many distinct threads stepped them. */
-static int meet_threads(policy_host *h, uint32_t layers)
+/* A thread lent to the host for one call (policy_helper; kvstashd keeps
+ * one per ring, daemon/helper.h): here one started at start and joined
+ * at join, or none when it refuses. */
+typedef struct lent_thread {
+    pthread_t thread;
+    int refuse, starts, joins;
+    void (*fn)(void *arg);
+    void *arg;
+} lent_thread;
+
+static void *lent_main(void *p)
+{
+    lent_thread *l = p;
+    l->fn(l->arg);
+    return NULL;
+}
+
+static int lent_start(void *ctx, void (*fn)(void *arg), void *arg)
+{
+    lent_thread *l = ctx;
+    if (l->refuse)
+        return -1;
+    l->fn = fn, l->arg = arg;
+    l->starts++;
+    return pthread_create(&l->thread, NULL, lent_main, l) == 0 ? 0 : -1;
+}
+
+static void lent_join(void *ctx)
+{
+    lent_thread *l = ctx;
+    pthread_join(l->thread, NULL);
+    l->joins++;
+}
+
+/* Step every layer of h, with a lent thread or none; how many distinct
+ * threads stepped them. */
+static int meet_threads_lent(policy_host *h, uint32_t layers, const policy_helper *helper)
 {
     const policy_stats stats = {0};
     policy_stats all[MAX_LAYERS];
@@ -1039,7 +1074,7 @@ static int meet_threads(policy_host *h, uint32_t layers)
     for (uint32_t l = 0; l < layers; l++)
         atomic_store(&g_fetched[l], 0);
     policy_stats_fetch fetch = {meet_fetch, NULL};
-    if (policy_host_step_layers(h, all, &fetch, d, err, sizeof err) != 0)
+    if (policy_host_step_layers(h, all, &fetch, helper, d, err, sizeof err) != 0)
         fail_msg("step_layers: %s", err);
     int distinct = 0;
     for (uint32_t l = 0; l < layers; l++) {
@@ -1051,6 +1086,11 @@ static int meet_threads(policy_host *h, uint32_t layers)
         assert_int_equal(policy_host_commit(h, l), 0);
     }
     return distinct;
+}
+
+static int meet_threads(policy_host *h, uint32_t layers)
+{
+    return meet_threads_lent(h, layers, NULL);
 }
 
 /* ---- commits of random decisions ---- */
@@ -1254,6 +1294,21 @@ static void test_layers_on_threads(void **unused)
     assert_int_equal(meet_threads(h, 6), 2);
     assert_int_equal(atomic_load(&g_meet_other), 1);
     assert_int_equal(policy_host_steps(h), 3);
+    /* A lent thread is the helper, started and joined once; one that
+     * refuses leaves the host to start its own. */
+    lent_thread lent = {0};
+    policy_helper helper = {lent_start, lent_join, &lent};
+    assert_int_equal(meet_threads_lent(h, 6, &helper), 2);
+    assert_int_equal(lent.starts, 1);
+    assert_int_equal(lent.joins, 1);
+    int on_lent = 0;
+    for (uint32_t l = 0; l < 6; l++)
+        on_lent |= pthread_equal(g_meet_thread[l], lent.thread);
+    assert_true(on_lent);
+    lent.refuse = 1;
+    assert_int_equal(meet_threads_lent(h, 6, &helper), 2);
+    assert_int_equal(lent.starts, 1);
+    assert_int_equal(lent.joins, 1);
     policy_host_destroy(h);
 
     /* A fetch that fails fails the step with its message, on one thread
@@ -1270,7 +1325,7 @@ static void test_layers_on_threads(void **unused)
         policy_stats_fetch fetch = {meet_fetch, NULL};
         for (uint32_t l = 0; l < 6; l++)
             atomic_store(&g_fetched[l], 0);
-        assert_int_equal(policy_host_step_layers(h, all, &fetch, d, err, sizeof err), -1);
+        assert_int_equal(policy_host_step_layers(h, all, &fetch, NULL, d, err, sizeof err), -1);
         assert_string_equal(err, "layer 3's statistics are bad");
         assert_int_equal(atomic_load(&g_fetched[3]), 0);
         g_fetch_fail = -1;

@@ -403,7 +403,7 @@ static int step_threaded(policy_host *a, policy_host *b, uint32_t n, int prefill
     }
     const policy_decision *da[LAYERS], *db;
     char ea[POLICY_ERR_LEN] = "", eb[POLICY_ERR_LEN] = "";
-    int ra = policy_host_step_layers(a, ps, NULL, da, ea, sizeof ea), rb = 0;
+    int ra = policy_host_step_layers(a, ps, NULL, NULL, da, ea, sizeof ea), rb = 0;
     for (uint32_t l = 0; rb == 0 && l < LAYERS; l++) {
         rb = policy_host_step(b, l, &ps[l], &db, eb, sizeof eb);
         if (rb == 0 && ra == 0)

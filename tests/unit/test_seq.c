@@ -1665,7 +1665,7 @@ static void test_move_sketch_victims(void **state)
 /* A step with the scores data[0..n) (freed); returns the tokens it evicted. */
 static uint32_t step_with_scores(fx *f, float *data, size_t n)
 {
-    seq_step_input in = {POLICY_NEEDS_SCORE, 0, 0, 1, 0, 0, data, n, 0, NULL};
+    seq_step_input in = {POLICY_NEEDS_SCORE, 0, 0, 1, 0, 0, data, n, 0, NULL, NULL};
     uint32_t evicted;
     status st;
     if (seq_step(f->s, &in, &evicted, &st) != ST_OK)
@@ -2384,7 +2384,7 @@ static uint32_t prefill_with(fx *f, seq_step_runner run, void *ctx)
     assert_non_null(data);
     for (size_t i = 0; i < n; i++)
         data[i] = (float)((i * 7) % 11) / 11.0f;
-    seq_step_input in = {POLICY_NEEDS_SCORE, 0, 1, 1, 0, 0, data, n, 0, NULL};
+    seq_step_input in = {POLICY_NEEDS_SCORE, 0, 1, 1, 0, 0, data, n, 0, NULL, NULL};
     seq_step_job *job;
     status st;
     uint32_t evicted;
