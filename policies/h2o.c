@@ -267,18 +267,23 @@ POLICY_HOT static int fold_down(uint32_t *restrict tracked, double *restrict sco
 
 /* The tokens appended since, [from, to): a sum of -0.0, which adds to any
  * value exactly (x + -0.0 is x, signed zeros too), so that a new token's
- * first score is the step's value as it came. */
+ * first score is the step's value as it came; or, summed (a prompt's
+ * step, which selects from the sums at once), that value itself. */
 POLICY_HOT static int fold_new(uint32_t *restrict tracked, double *restrict score,
-                               float *restrict added, const uint32_t *restrict pos,
+                               float *restrict added, int summed, const uint32_t *restrict pos,
                                const float *restrict s, uint32_t from, uint32_t to)
 {
     uint32_t nonfinite = 0, bits;
     for (uint32_t i = from; i < to; i++) {
         tracked[i] = pos[i];
-        score[i] = -0.0;
         memcpy(&bits, &s[i], sizeof bits);
         nonfinite |= (bits & 0x7f800000u) == 0x7f800000u;
-        added[i] = s[i];
+        if (summed) {
+            score[i] = (double)s[i];
+        } else {
+            score[i] = -0.0;
+            added[i] = s[i];
+        }
     }
     return fold_wrong(0, nonfinite);
 }
@@ -287,15 +292,19 @@ POLICY_HOT static int fold_new(uint32_t *restrict tracked, double *restrict scor
  * The step's one pass over a view of n >= ly->n tokens (room reserved):
  * the tracked tokens' sums folded and the hole closed, whatever the pass
  * finds (the sums stay what they were), then the step's attention kept
- * as added when the view extends the tracked tokens and is finite.
+ * as added when the view extends the tracked tokens and is finite. With
+ * new_summed the new tokens' entries hold their sums instead (their added
+ * is not written): the caller adds the tracked ones' at once. A new
+ * token's entry counts only once the pass succeeds.
  */
-static int layer_fold(h2o_layer *ly, const uint32_t *pos, const float *s, uint32_t n)
+static int layer_fold(h2o_layer *ly, const uint32_t *pos, const float *s, uint32_t n,
+                      int new_summed)
 {
     uint32_t tracked = ly->n, h = ly->has_hole ? ly->hole : tracked;
     int with = ly->has_added;
     int wrong = fold_in_place(ly->score, ly->added, ly->pos, with, pos, s, 0, h) |
                 fold_down(ly->pos, ly->score, ly->added, with, pos, s, h, tracked) |
-                fold_new(ly->pos, ly->score, ly->added, pos, s, tracked, n);
+                fold_new(ly->pos, ly->score, ly->added, new_summed, pos, s, tracked, n);
     ly->has_hole = 0;
     ly->has_added = wrong == 0;
     if (wrong == 0)
@@ -358,7 +367,8 @@ static int h2o_step(void *state, const policy_layer_view *view, const policy_sta
     }
     if (c != NULL && n >= ly->n)
         c->folded = 1; /* from here on the sums are held folded */
-    int wrong = n < ly->n ? FOLD_NOT_EXTENDING : layer_fold(ly, pos, stats->score, n);
+    uint32_t tracked = ly->n;
+    int wrong = n < ly->n ? FOLD_NOT_EXTENDING : layer_fold(ly, pos, stats->score, n, many);
     if (wrong & FOLD_NOT_EXTENDING) {
         snprintf(err, errlen,
                  "h2o: layer %u view (%u tokens) does not extend the %u tokens the policy "
@@ -384,17 +394,17 @@ static int h2o_step(void *state, const policy_layer_view *view, const policy_sta
     uint32_t m = first_recent - first;
     uint32_t k = n - st->budget;
     if (k > m)
-        k = m;    /* cannot happen: recent + sinks <= budget */
-    if (k == 1) { /* a decode step: the victim stays in the arrays as their hole */
+        k = m;             /* cannot happen: recent + sinks <= budget */
+    if (k == 1 && !many) { /* a decode step: the victim stays in the arrays as their hole */
         uint32_t v =
             first + (uint32_t)policy_first_min_sum(ly->score + first, ly->added + first, m);
         policy_evict_one(d, 0, v);
         ly->n = n - 1, ly->has_hole = 1, ly->hole = v;
         return 0;
     }
-    if (k > 1) {
+    if (many) { /* k > 1: recent + sinks <= budget */
         double *restrict sc = ly->score;
-        for (uint32_t i = 0; i < n; i++) /* the sums, to select from (saved_copy above) */
+        for (uint32_t i = 0; i < tracked; i++) /* the sums, to select from (saved_copy above) */
             sc[i] += (double)ly->added[i];
         ly->has_added = 0;
         const double *cand = sc + first;
