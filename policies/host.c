@@ -933,7 +933,8 @@ void policy_host_set_threads(policy_host *h, uint32_t threads, uint64_t min_toke
 static uint32_t step_threads(const policy_host *h)
 {
     uint32_t n = h->threads < h->geom.layers ? h->threads : h->geom.layers;
-    if (n <= 1 || !h->ops->layers_concurrent)
+    if (n <= 1 || !h->ops->layers_concurrent ||
+        (h->ops->layers_concurrent_now != NULL && !h->ops->layers_concurrent_now(h->state)))
         return 1;
     uint64_t tokens = 0;
     for (uint32_t l = 0; l < h->geom.layers; l++)

@@ -20,6 +20,8 @@
 #include <float.h>
 #include <inttypes.h>
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -514,9 +516,11 @@ struct ov_block {
     ov_mt19937 rng;
     ov_layer *ly;
 
-    /* step(): the step whose nsnap was counted, and its value. */
+    /* step(): the step whose nsnap was counted, and its value; the lock
+     * orders the layers of a step that decide at once. */
     uint64_t reg_step;
     uint32_t reg_nsnap;
+    pthread_mutex_t reg_lock;
 
     /* Scratch for one layer's vector. */
     double *raw, *x;
@@ -530,8 +534,9 @@ struct ov_block {
     int applying;
 
     /* Calls that may change the sequence-wide part above (nreg, rng,
-     * reg_step, reg_nsnap, apply*): orders the copies ops->save takes. */
-    uint64_t gen;
+     * reg_step, reg_nsnap, apply*): orders the copies ops->save takes.
+     * Counted by the layers' steps, which may run at once. */
+    _Atomic uint64_t gen;
 };
 
 static const char *const aggregation_names[] = {"sum", "norm_sum", NULL};
@@ -612,6 +617,7 @@ static void ov_destroy(void *state)
     free(st->raw);
     free(st->x);
     free(st->dq);
+    pthread_mutex_destroy(&st->reg_lock);
     free(st);
 }
 
@@ -704,14 +710,17 @@ static int ov_create(const policy_params *p, const policy_geometry *g, void **st
                      size_t errlen)
 {
     *state = NULL;
-    ov_block s = {0};
-    if (ov_parse(p, g, &s, err, errlen) != 0)
+    ov_block *st = calloc(1, sizeof *st);
+    if (st == NULL || pthread_mutex_init(&st->reg_lock, NULL) != 0) {
+        free(st);
+        policy_set_err(err, errlen, "out of memory creating policy 'ov_block'");
         return -1;
-    s.layers = g->layers;
-    ov_block *st = malloc(sizeof *st);
-    if (st == NULL)
-        goto oom;
-    *st = s;
+    }
+    if (ov_parse(p, g, st, err, errlen) != 0) {
+        ov_destroy(st);
+        return -1;
+    }
+    st->layers = g->layers;
     ov_mt19937_seed(&st->rng, st->seed);
     st->ly = calloc(st->layers, sizeof *st->ly);
     if (st->ly == NULL)
@@ -892,7 +901,8 @@ static int layer_register(ov_block *st, uint32_t l, const double *raw, const flo
     /* A prompt chunk before the SnapKV window (nsnap 0) is ignored. */
     if (L->len == 0 && st->snap_w != 0 && nsnap == 0)
         return OV_REG_BEFORE_WINDOW;
-    if (grow_scratch(st, m) != 0 || spare_reserve(L, m) != 0)
+    /* The shared scratch only for the deque's windows (ov_layers_concurrent). */
+    if ((st->pool_w > OV_MAXPOOL_SPANS && grow_scratch(st, m) != 0) || spare_reserve(L, m) != 0)
         return -1;
     raw = raw != NULL ? raw + st->start : NULL;
     rawf = rawf != NULL ? rawf + st->start : NULL;
@@ -1196,6 +1206,42 @@ static int apply_blocks(ov_block *st, const policy_layer_view *view, policy_deci
     return 0;
 }
 
+/* nsnap counts once per step of the sequence, not once per layer: the
+ * first of its layers to step counts it, under the lock (the layers may
+ * step at once), and the others check they agree. */
+static int step_count(ov_block *st, uint64_t step, uint32_t l, uint32_t nsnap, char *err,
+                      size_t errlen)
+{
+    int rc = 0;
+    pthread_mutex_lock(&st->reg_lock);
+    if (st->reg_step != step) {
+        rc = snapkv_count(st, nsnap, err, errlen);
+        if (rc == 0) {
+            st->reg_step = step;
+            st->reg_nsnap = nsnap;
+        }
+    } else if (nsnap != st->reg_nsnap) {
+        policy_set_err(err, errlen,
+                       "score_queries %" PRIu32 " of layer %" PRIu32 " differs from %" PRIu32
+                       " of an earlier layer in this step",
+                       nsnap, l, st->reg_nsnap);
+        rc = -1;
+    }
+    pthread_mutex_unlock(&st->reg_lock);
+    return rc;
+}
+
+/* ops->layers_concurrent_now: a step's layers touch only their own state
+ * but for the count above and gen, unless KVCrush draws random anchors
+ * (the generator's draws follow the layers' order), the pooling window
+ * needs the shared scratch of the deque, or a replay's apply is pending. */
+static int ov_layers_concurrent(const void *state)
+{
+    const ov_block *st = state;
+    return !(st->crush_budget > 0 && st->anchor == OV_ANCHOR_RANDOM) &&
+           st->pool_w <= OV_MAXPOOL_SPANS && !st->applying;
+}
+
 static int ov_step(void *state, const policy_layer_view *view, const policy_stats *stats,
                    policy_decision *d, char *err, size_t errlen)
 {
@@ -1220,19 +1266,8 @@ static int ov_step(void *state, const policy_layer_view *view, const policy_stat
     size_t bad = stats->finite ? n : policy_first_outside(stats->score, n, -FLT_MAX);
     if (layer_check(st, l, n, bad, err, errlen) != 0)
         return -1;
-    /* nsnap counts once per step of the sequence, not once per layer. */
-    if (st->reg_step != view->step) {
-        if (snapkv_count(st, stats->score_queries, err, errlen) != 0)
-            return -1;
-        st->reg_step = view->step;
-        st->reg_nsnap = stats->score_queries;
-    } else if (stats->score_queries != st->reg_nsnap) {
-        policy_set_err(err, errlen,
-                       "score_queries %" PRIu32 " of layer %" PRIu32 " differs from %" PRIu32
-                       " of an earlier layer in this step",
-                       stats->score_queries, l, st->reg_nsnap);
+    if (step_count(st, view->step, l, stats->score_queries, err, errlen) != 0)
         return -1;
-    }
     int rc = layer_register(st, l, NULL, stats->score, n, stats->score_queries);
     if (rc < 0) {
         policy_set_err(err, errlen, "out of memory registering scores");
@@ -1620,6 +1655,8 @@ const policy_ops policy_ov_block = {
     .nparams = OV_NPARAMS,
     .needs = POLICY_NEEDS_SCORE,
     .per_head = 0,
+    .layers_concurrent = 1,
+    .layers_concurrent_now = ov_layers_concurrent,
     .create = ov_create,
     .step = ov_step,
     .describe = ov_describe,

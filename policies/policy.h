@@ -256,9 +256,15 @@ typedef struct policy_ops {
     int per_head; /* decides per KV head (views have heads == kv_heads) */
     int merges;   /* its decisions may merge tokens (policy_decision.merges) */
     /* Its step of one layer reads and writes only that layer's part of the
-     * state (and the layer's view, stats and decision): the host may step
+     * state (and the layer's view, stats and decision), or shared parts it
+     * guards itself (ov_block's once-a-step count): the host may step
      * several layers at once, on threads (host.h policy_host_step_layers). */
     int layers_concurrent;
+    /* Optional, with layers_concurrent: whether this state's layers may step
+     * at once now (ov_block: not while KVCrush draws random anchors from the
+     * sequence's generator, whose draws follow the layers' order). Asked
+     * before the layers step; NULL: always. */
+    int (*layers_concurrent_now)(const void *state);
 
     /* Build the per-sequence state from resolved parameters. Returns 0, or -1
      * with a message in err naming the offending parameter. *state (may be

@@ -1405,6 +1405,32 @@ static void test_import_refuses_ph_spoil(void **unused)
     policy_host_destroy(c);
 }
 
+/* The layers step at once (ops->layers_concurrent_now) unless KVCrush
+ * draws random anchors from the generator, whose draws follow the layers'
+ * order, or the pooling window needs the deque's shared scratch. */
+static void test_layers_concurrent_when_order_free(void **unused)
+{
+    (void)unused;
+    const struct {
+        const char *kv[4];
+        int concurrent;
+    } cases[] = {
+        {{NULL}, 1},
+        {{"kvcrush_budget=2", NULL}, 0}, /* the anchor defaults to random */
+        {{"kvcrush_budget=2", "kvcrush_anchor=mean", NULL}, 1},
+        {{"kvcrush_anchor=random", NULL}, 1}, /* KVCrush off: no draws */
+        {{"max_pool_window=64", NULL}, 1},
+        {{"max_pool_window=65", NULL}, 0},
+    };
+    const policy_ops *ops = ph_ops("ov_block");
+    assert_true(ops->layers_concurrent);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        policy_host *h = new_host(cases[i].kv, 2, 4);
+        assert_int_equal(ops->layers_concurrent_now(policy_host_state(h)), cases[i].concurrent);
+        policy_host_destroy(h);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1425,6 +1451,7 @@ int main(void)
         cmocka_unit_test(test_rotation_random_keys),
         cmocka_unit_test(test_rotation_plan),
         cmocka_unit_test(test_rotation_state_errors),
+        cmocka_unit_test(test_layers_concurrent_when_order_free),
         cmocka_unit_test(test_register_initial_with_window),
         cmocka_unit_test(test_register_snapkv0_before_window_ignored),
         cmocka_unit_test(test_register_growth_in_window),

@@ -425,43 +425,60 @@ static int step_threaded(policy_host *a, policy_host *b, uint32_t n, int prefill
  * that the layers do go to both (and the TSan build sees them there). */
 #define THREADED_PROMPT 40000
 
-/* Every policy: a prompt and decode steps on threads equal the same one
- * layer at a time; a step whose layer 1 lacks its statistics fails with
- * that layer's message on both, and rolls back to equal hosts. */
+/* A prompt and decode steps on threads equal the same one layer at a
+ * time; a step whose layer 1 lacks its statistics fails with that layer's
+ * message on both, and rolls back to equal hosts. */
+static void layers_on_threads(const txn_case *tc)
+{
+    const policy_ops *ops = ph_ops(tc->policy);
+    policy_host *a = ph_host(tc->policy, tc->kv, geom), *b = ph_host(tc->policy, tc->kv, geom);
+    policy_host_set_threads(a, 3, 0);
+    char when[160];
+    snprintf(when, sizeof when, "%s on threads, prompt", tc->policy);
+    step_threaded(a, b, THREADED_PROMPT, 1, 1, -1, when);
+    for (uint32_t i = 0; i < 12; i++) {
+        snprintf(when, sizeof when, "%s on threads, step %u", tc->policy, i + 1);
+        step_threaded(a, b, 1 + i % 3, 0, 2 + i, -1, when);
+    }
+    if (ops->needs != 0) {
+        snprintf(when, sizeof when, "%s on threads, layer 1 without statistics", tc->policy);
+        policy_host_begin(a);
+        policy_host_begin(b);
+        assert_int_equal(step_threaded(a, b, 2, 0, 40, 1, when), -1);
+        policy_host_rollback(a);
+        policy_host_rollback(b);
+        policy_host_end(a);
+        policy_host_end(b);
+        expect_same_hosts(a, b, when);
+    }
+    for (uint32_t i = 0; i < 4; i++) {
+        snprintf(when, sizeof when, "%s on threads, step %u after", tc->policy, i + 1);
+        step_threaded(a, b, 1, 0, 50 + i, -1, when);
+    }
+    policy_host_destroy(a);
+    policy_host_destroy(b);
+}
+
+/* Every policy as above; ov_block also as its layers step at once, with
+ * KVCrush anchors that draw nothing from its generator, and without
+ * KVCrush (its case here draws random anchors: one layer at a time). */
 static void test_layers_on_threads(void **unused)
 {
     (void)unused;
     size_t n;
     const policy_ops *const *all = policy_list(&n);
-    for (size_t p = 0; p < n; p++) {
-        const txn_case *tc = case_of(all[p]->name);
-        policy_host *a = ph_host(tc->policy, tc->kv, geom), *b = ph_host(tc->policy, tc->kv, geom);
-        policy_host_set_threads(a, 3, 0);
-        char when[160];
-        snprintf(when, sizeof when, "%s on threads, prompt", tc->policy);
-        step_threaded(a, b, THREADED_PROMPT, 1, 1, -1, when);
-        for (uint32_t i = 0; i < 12; i++) {
-            snprintf(when, sizeof when, "%s on threads, step %u", tc->policy, i + 1);
-            step_threaded(a, b, 1 + i % 3, 0, 2 + i, -1, when);
-        }
-        if (all[p]->needs != 0) {
-            snprintf(when, sizeof when, "%s on threads, layer 1 without statistics", tc->policy);
-            policy_host_begin(a);
-            policy_host_begin(b);
-            assert_int_equal(step_threaded(a, b, 2, 0, 40, 1, when), -1);
-            policy_host_rollback(a);
-            policy_host_rollback(b);
-            policy_host_end(a);
-            policy_host_end(b);
-            expect_same_hosts(a, b, when);
-        }
-        for (uint32_t i = 0; i < 4; i++) {
-            snprintf(when, sizeof when, "%s on threads, step %u after", tc->policy, i + 1);
-            step_threaded(a, b, 1, 0, 50 + i, -1, when);
-        }
-        policy_host_destroy(a);
-        policy_host_destroy(b);
-    }
+    for (size_t p = 0; p < n; p++)
+        layers_on_threads(case_of(all[p]->name));
+    const txn_case ov[] = {
+        {"ov_block",
+         {"start_size=4", "recent_size=4", "max_cache_size=16", "snapkv_window=8",
+          "kvcrush_budget=1", "kvcrush_anchor=mean", "max_pool_window=3", NULL}},
+        {"ov_block",
+         {"start_size=4", "recent_size=8", "max_cache_size=24", "snapkv_window=8",
+          "aggregation=sum", NULL}},
+    };
+    for (size_t c = 0; c < PH_N(ov); c++)
+        layers_on_threads(&ov[c]);
 }
 
 /* ---- a save that fails ---------------------------------------------------------- */
