@@ -22,8 +22,9 @@ struct helper {
     pthread_cond_t wake, done;
     void (*fn)(void *arg);
     void *arg;
-    int lent;    /* started and not yet joined */
-    int running; /* fn given and not yet returned */
+    int thread_started; /* at the first start: a ring that never lends it has none */
+    int lent;           /* started and not yet joined */
+    int running;        /* fn given and not yet returned */
     int quit;
     helper_cpus cpus; /* the caller's, which fn runs on */
     policy_helper as_policy;
@@ -54,7 +55,9 @@ static int helper_start(void *ctx, void (*fn)(void *arg), void *arg)
 {
     helper *hp = ctx;
     pthread_mutex_lock(&hp->mu);
-    int free_now = !hp->lent;
+    if (!hp->thread_started)
+        hp->thread_started = pthread_create(&hp->thread, NULL, helper_main, hp) == 0;
+    int free_now = hp->thread_started && !hp->lent;
     if (free_now) {
         hp->lent = hp->running = 1;
         hp->fn = fn, hp->arg = arg;
@@ -84,7 +87,7 @@ helper *helper_create(void)
     int mu = pthread_mutex_init(&hp->mu, NULL) == 0;
     int wake = pthread_cond_init(&hp->wake, NULL) == 0;
     int done = pthread_cond_init(&hp->done, NULL) == 0;
-    if (mu && wake && done && pthread_create(&hp->thread, NULL, helper_main, hp) == 0) {
+    if (mu && wake && done) {
         hp->as_policy = (policy_helper){helper_start, helper_join, hp};
         return hp;
     }
@@ -106,7 +109,8 @@ void helper_destroy(helper *hp)
     hp->quit = 1;
     pthread_cond_signal(&hp->wake);
     pthread_mutex_unlock(&hp->mu);
-    pthread_join(hp->thread, NULL);
+    if (hp->thread_started)
+        pthread_join(hp->thread, NULL);
     pthread_mutex_destroy(&hp->mu);
     pthread_cond_destroy(&hp->wake);
     pthread_cond_destroy(&hp->done);

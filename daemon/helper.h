@@ -5,9 +5,10 @@
  * policy_host_set_threads). A thread started and joined at every step
  * costs the ring thread ~55 us on a 2-vCPU VM (clone, placement, exit and
  * join) and starts working ~38 us after it is asked; a thread kept asleep
- * between steps is woken in a few. Each ring thread keeps one, made the
- * first time a step asks, at the ring thread's own priority (the ring
- * lends it only to its decode steps: a prompt's decision may run at idle
+ * between steps is woken in a few. Each ring thread keeps one, its thread
+ * started the first time a step uses it (a ring whose steps never decide
+ * on threads has none), at the ring thread's own priority (the ring lends
+ * it only to its decode steps: a prompt's decision may run at idle
  * priority on a background thread, which must not borrow a normal one).
  *
  * The helper starts its work on another CPU than the caller's, as a new
@@ -21,8 +22,9 @@
 
 typedef struct helper helper;
 
-/* The thread started and waiting; NULL when it cannot be (out of threads
- * or memory): the caller then runs without one. */
+/* The helper, its thread not yet started; NULL when out of memory: the
+ * caller then runs without one. A start that cannot start the thread is
+ * refused (policy_helper.start -1), as one while it is lent. */
 helper *helper_create(void);
 
 /* Stop the thread and free it; NULL is allowed. Not while lent work runs. */
