@@ -24,6 +24,7 @@
 #include <stdlib.h>
 
 #include "backend.h"
+#include "helper.h"
 #include "seq_harness.h"
 #include "migrate.h"
 #include "pool.h"
@@ -1854,10 +1855,11 @@ static status_code step_drawn(fx *f, seq_step_input in, uint64_t seed, int nan_l
 }
 
 /* Two sequences alike but for the threads their layers decide on (3, and
- * the step's own): the same steps leave the same lists holding the same
- * values (every kept token its own, but where weightedkv merged), and a
- * step whose layer 1 has a NaN is refused alike on both and changes
- * nothing. */
+ * the step's own; every other step of the first lends it a kept helper, as
+ * a ring does, daemon/helper.h): the same steps leave the same lists
+ * holding the same values (every kept token its own, but where weightedkv
+ * merged), and a step whose layer 1 has a NaN is refused alike on both and
+ * changes nothing. */
 static void test_layers_on_threads(void **state)
 {
     static const struct {
@@ -1883,12 +1885,16 @@ static void test_layers_on_threads(void **state)
         g_policy_threads = 0;
         fx_open(&b, backend_of(state), 160, cases[c].policy, cases[c].kv, pairs);
         seq_step_input in = {.arrays = cases[c].arrays, .score_queries = 1, .confidence = 0.5};
+        helper *hp = helper_create();
+        assert_non_null(hp);
+        seq_step_input lent = in;
+        lent.helper = helper_lend(hp);
         char ma[256], mb[256];
         for (uint64_t round = 0; round < 24; round++) {
             append(&a, round == 0 ? 12 : 1 + round % 2);
             append(&b, round == 0 ? 12 : 1 + round % 2);
             int bad = round == 10;
-            status_code ra = step_drawn(&a, in, round, bad ? 1 : -1, ma);
+            status_code ra = step_drawn(&a, round % 2 ? lent : in, round, bad ? 1 : -1, ma);
             assert_int_equal(ra, step_drawn(&b, in, round, bad ? 1 : -1, mb));
             assert_int_equal(ra, bad ? ST_INVALID_ARGUMENT : ST_OK);
             assert_string_equal(ma, mb);
@@ -1916,6 +1922,7 @@ static void test_layers_on_threads(void **state)
         }
         fx_close(&a);
         fx_close(&b);
+        helper_destroy(hp);
     }
 }
 
