@@ -221,17 +221,16 @@ static void serve_step(ring *rg, const ring_request *q, ring_response *r)
      * layer's part before its policy step, on the threads that step the
      * layers (seq_step_input.copy): the worker cannot change what is
      * checked, and no thread copies it all before the step begins. */
-    seq_step_input in = {q->arrays,
-                         q->new_tokens,
-                         (int)(q->prefill != 0),
-                         q->score_queries,
-                         q->window_queries,
-                         q->confidence,
-                         (const float *)rg->data,
-                         n,
-                         0,
-                         rg->scratch,
-                         q->prefill ? NULL : ring_helper(rg)};
+    seq_step_input in = {.arrays = q->arrays,
+                         .new_tokens = q->new_tokens,
+                         .prefill = (int)(q->prefill != 0),
+                         .score_queries = q->score_queries,
+                         .window_queries = q->window_queries,
+                         .confidence = q->confidence,
+                         .data = (const float *)rg->data,
+                         .nfloats = n,
+                         .copy = rg->scratch,
+                         .helper = q->prefill ? NULL : ring_helper(rg)};
     status s;
     cuts_put_ctx cuts = {rg, r};
     if (store_step(rg->store, rg->token, q->seq_id, q->ack_epoch, &in, cuts_put, &cuts, &r->epoch,

@@ -408,9 +408,13 @@ struct seq_step_job {
     int changed;
     /* in->copy's: each layer's part of the statistics, [start[l],
      * start[l + 1]), is copied from src into copy as its step begins
-     * (step_job_fetch); bad_stats: one held a non-finite value. */
+     * (step_job_fetch); bad_stats: one held a non-finite value. in_place:
+     * the policy reads src itself (seq_step_input.copy), and nothing is
+     * copied. */
     const float *src;
     float *copy;
+    size_t nfloats;
+    int in_place;
     size_t *start;
     atomic_int bad_stats;
     const policy_helper *helper; /* seq_step_input's */
@@ -464,8 +468,12 @@ static int step_job_fetch(void *ctx, uint32_t l, char *err, size_t errlen)
  * (seq_step_check): a mismatch here is a bug. */
 static status_code step_job_parse(seq *s, const seq_step_input *in, seq_step_job *j, status *st)
 {
-    *j = (seq_step_job){
-        .s = s, .rc = ST_OK, .src = in->data, .copy = in->copy, .helper = in->helper};
+    *j = (seq_step_job){.s = s,
+                        .rc = ST_OK,
+                        .src = in->data,
+                        .copy = in->copy,
+                        .nfloats = in->nfloats,
+                        .helper = in->helper};
     atomic_init(&j->bad_stats, 0);
     step_shape sh;
     j->tokens = step_tokens(s, in->arrays, &sh);
@@ -474,10 +482,14 @@ static status_code step_job_parse(seq *s, const seq_step_input *in, seq_step_job
     j->d = calloc(s->nlayers, sizeof *j->d);
     if (j->tokens == NULL || j->rows == NULL || j->ps == NULL || j->d == NULL)
         return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
-    if (j->copy != NULL && (j->start = layer_starts(&sh, j->tokens, in->nfloats)) == NULL)
+    j->in_place = j->copy != NULL && !in->copy_always && sh.arrays == STEP_SCORE &&
+                  policy_host_stats_in_place(s->host);
+    if (j->copy != NULL && !j->in_place &&
+        (j->start = layer_starts(&sh, j->tokens, in->nfloats)) == NULL)
         return status_set(st, ST_RESOURCE_EXHAUSTED, "out of memory");
-    /* The policies read the copy, which each layer's fetch fills. */
-    const float *read = j->copy != NULL ? j->copy : in->data;
+    /* The policies read the copy, which each layer's fetch fills, or take
+     * the worker's values themselves. */
+    const float *read = j->copy != NULL && !j->in_place ? j->copy : in->data;
     if (step_parse(&sh, j->tokens, read, in->nfloats, j->rows) != 0)
         return status_set(st, ST_INTERNAL, "step statistics do not match the lists");
     int data = in->data != NULL;
@@ -488,7 +500,8 @@ static status_code step_job_parse(seq *s, const seq_step_input *in, seq_step_job
                              .score_queries = in->score_queries,
                              .window_queries = in->window_queries,
                              .confidence = in->confidence,
-                             .finite = 1};    /* seq_step_check's, or no data */
+                             .finite = !j->in_place, /* seq_step_check's, or no data */
+                             .in_place = j->in_place};
         if (data && (sh.arrays & STEP_SCORE)) /* one list only: checked by seq_step_check */
             ps->score = j->rows[step_slot(&sh, l, STEP_SCORE, 0)];
         if (data && (sh.arrays & STEP_LAST_ATTN))
@@ -501,6 +514,21 @@ static status_code step_job_parse(seq *s, const seq_step_input *in, seq_step_job
     return ST_OK;
 }
 
+/* A policy that took the worker's statistics in place refused one: named
+ * as the copy's check names it, by its index in the step's floats, unless
+ * the worker has changed it since (then in the policy's words). */
+static void step_job_refused(seq_step_job *j, const char *err)
+{
+    size_t bad = policy_first_outside(j->src, j->nfloats, -FLT_MAX);
+    if (bad < j->nfloats)
+        j->rc = status_set(&j->st, ST_INVALID_ARGUMENT,
+                           "step statistics hold a non-finite value at float %zu", bad);
+    else
+        j->rc = status_set(&j->st, ST_INVALID_ARGUMENT,
+                           "step statistics held a non-finite value while the step read them (%s)",
+                           err);
+}
+
 /* Every layer decides, on several threads where the policy and the host
  * allow. Only the policy host changes. */
 static void step_job_decide(seq_step_job *j)
@@ -508,11 +536,13 @@ static void step_job_decide(seq_step_job *j)
     char err[POLICY_ERR_LEN];
     policy_stats_fetch fetch = {step_job_fetch, j};
     errno = 0; /* ENOMEM after a failure: out of memory (malloc sets it), not a bug */
-    if (policy_host_step_layers(j->s->host, j->ps, j->copy != NULL ? &fetch : NULL, j->helper, j->d,
-                                err, sizeof err) == 0)
+    if (policy_host_step_layers(j->s->host, j->ps, j->copy != NULL && !j->in_place ? &fetch : NULL,
+                                j->helper, j->d, err, sizeof err) == 0)
         return;
     if (atomic_load_explicit(&j->bad_stats, memory_order_relaxed)) /* the worker's, not ours */
         j->rc = status_set(&j->st, ST_INVALID_ARGUMENT, "%s", err);
+    else if (j->in_place && errno == EBADMSG) /* policy_stats_refused */
+        step_job_refused(j, err);
     else
         j->rc = status_set(&j->st, errno == ENOMEM ? ST_RESOURCE_EXHAUSTED : ST_INTERNAL,
                            "policy %s failed: %s", j->s->policy->name, err);

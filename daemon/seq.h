@@ -187,11 +187,16 @@ typedef struct seq_step_input {
      * of the caller's, receives it a layer at a time, each layer's part
      * copied and checked (finite must be 0) just before its policy step
      * reads the copy: nothing the worker writes afterwards reaches the
-     * policy, and the policy reads its statistics from cache. */
+     * policy, and the policy reads its statistics from cache. A policy that
+     * reads them in place (policy_host_stats_in_place: it takes and checks
+     * each value itself) is handed data instead, and copy is not written. */
     float *copy;
     /* A thread the caller lends to the policy's layers (daemon/helper.h),
      * or NULL: the policy host starts its own. */
     const policy_helper *helper;
+    /* With copy: every layer's part is copied, even for a policy that
+     * reads in place (the caller reads copy after the step: metrics). */
+    int copy_always;
 } seq_step_input;
 
 /*

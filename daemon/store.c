@@ -1753,7 +1753,9 @@ status_code store_step(store *st, const char *token, uint64_t seq_id, uint64_t a
         uint64_t epoch0 = seq_epoch(q);
         seq_step_job *job;
         host_work w = {.st = st, .q = q, .prefill = in->prefill};
-        rc = seq_step_plan(q, in, &job, s);
+        seq_step_input mine = *in;
+        mine.copy_always = st->metrics != NULL; /* step_mass reads the copy */
+        rc = seq_step_plan(q, &mine, &job, s);
         if (rc == ST_OK) {
             run_host_work(&w, SEQ_WORK_HOST, decide, job);
             mm = step_mass(st, q, in, job);

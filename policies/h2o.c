@@ -217,67 +217,55 @@ static int layer_reserve(h2o_layer *ly, uint32_t n, int keys)
 /* What a step's pass found wrong with it. */
 enum { FOLD_NOT_EXTENDING = 1, FOLD_NOT_FINITE = 2 };
 
-static int fold_wrong(uint32_t diff, uint32_t nonfinite)
-{
-    return (diff != 0 ? FOLD_NOT_EXTENDING : 0) | (nonfinite != 0 ? FOLD_NOT_FINITE : 0);
-}
-
 /*
- * The step's pass over entries [from, to) that stay where they are: each
- * sum folds in the last step's attention (with_added), the step's takes
- * its place in added, the view's positions are compared with the tracked
- * ones and the step's values checked finite (an exponent of all ones).
+ * The step's pass over n entries that stay where they are: each sum folds
+ * in the last step's attention (with_added), the step's (s, taken and
+ * checked) takes its place in added, and the view's positions are
+ * compared with the tracked ones.
  */
 POLICY_HOT static int fold_in_place(double *restrict score, float *restrict added,
                                     const uint32_t *restrict tracked, int with_added,
                                     const uint32_t *restrict pos, const float *restrict s,
-                                    uint32_t from, uint32_t to)
+                                    uint32_t n)
 {
-    uint32_t diff = 0, nonfinite = 0, bits;
-    for (uint32_t i = from; i < to; i++) {
+    uint32_t diff = 0;
+    for (uint32_t i = 0; i < n; i++) {
         diff |= pos[i] ^ tracked[i];
         if (with_added)
             score[i] += (double)added[i];
-        memcpy(&bits, &s[i], sizeof bits);
-        nonfinite |= (bits & 0x7f800000u) == 0x7f800000u;
         added[i] = s[i];
     }
-    return fold_wrong(diff, nonfinite);
+    return diff != 0 ? FOLD_NOT_EXTENDING : 0;
 }
 
-/* The same for entries [from, to) of the tokens after the hole, each moved
- * down one entry (from entry i + 1 to i) as it is folded. */
+/* The same for n entries of the tokens after the hole, each moved down one
+ * entry (from entry i + 1 to i) as it is folded. */
 POLICY_HOT static int fold_down(uint32_t *restrict tracked, double *restrict score,
                                 float *restrict added, int with_added, const uint32_t *restrict pos,
-                                const float *restrict s, uint32_t from, uint32_t to)
+                                const float *restrict s, uint32_t n)
 {
-    uint32_t diff = 0, nonfinite = 0, bits;
-    for (uint32_t i = from; i < to; i++) {
+    uint32_t diff = 0;
+    for (uint32_t i = 0; i < n; i++) {
         uint32_t p = tracked[i + 1];
         double sum = with_added ? score[i + 1] + (double)added[i + 1] : score[i + 1];
         diff |= pos[i] ^ p;
         tracked[i] = p;
         score[i] = sum;
-        memcpy(&bits, &s[i], sizeof bits);
-        nonfinite |= (bits & 0x7f800000u) == 0x7f800000u;
         added[i] = s[i];
     }
-    return fold_wrong(diff, nonfinite);
+    return diff != 0 ? FOLD_NOT_EXTENDING : 0;
 }
 
-/* The tokens appended since, [from, to): a sum of -0.0, which adds to any
- * value exactly (x + -0.0 is x, signed zeros too), so that a new token's
- * first score is the step's value as it came; or, summed (a prompt's
- * step, which selects from the sums at once), that value itself. */
-POLICY_HOT static int fold_new(uint32_t *restrict tracked, double *restrict score,
-                               float *restrict added, int summed, const uint32_t *restrict pos,
-                               const float *restrict s, uint32_t from, uint32_t to)
+/* The n tokens appended since: a sum of -0.0, which adds to any value
+ * exactly (x + -0.0 is x, signed zeros too), so that a new token's first
+ * score is the step's value as it came; or, summed (a prompt's step,
+ * which selects from the sums at once), that value itself. */
+POLICY_HOT static void fold_new(uint32_t *restrict tracked, double *restrict score,
+                                float *restrict added, int summed, const uint32_t *restrict pos,
+                                const float *restrict s, uint32_t n)
 {
-    uint32_t nonfinite = 0, bits;
-    for (uint32_t i = from; i < to; i++) {
+    for (uint32_t i = 0; i < n; i++) {
         tracked[i] = pos[i];
-        memcpy(&bits, &s[i], sizeof bits);
-        nonfinite |= (bits & 0x7f800000u) == 0x7f800000u;
         if (summed) {
             score[i] = (double)s[i];
         } else {
@@ -285,7 +273,45 @@ POLICY_HOT static int fold_new(uint32_t *restrict tracked, double *restrict scor
             added[i] = s[i];
         }
     }
-    return fold_wrong(0, nonfinite);
+}
+
+/* Entries a pass handles at a time: the step's values for them are taken
+ * into L1 (policy_ops.stats_in_place) and checked, and the part of the
+ * arrays the pass wrote is still there for the decode step's minimum. */
+#define H2O_CHUNK 512u
+
+/* What one pass does besides folding: how the tracked tokens are held
+ * (entries [0, hole) in place, then moved down one over the hole, then
+ * the new tokens from entry `tracked`), and, for a decode step, the
+ * candidates [cand_from, cand_to) whose least sum it finds (min). */
+typedef struct fold_pass {
+    int with_added, new_summed;
+    uint32_t hole, tracked;
+    uint32_t cand_from, cand_to;
+    policy_min_sum *min;
+} fold_pass;
+
+/* Entries [from, to) of the pass; s: the step's values for them, taken. */
+static int fold_chunk(h2o_layer *ly, const fold_pass *fp, const uint32_t *pos, const float *s,
+                      uint32_t from, uint32_t to)
+{
+    int wrong = 0;
+    uint32_t a = from, b = to < fp->hole ? to : fp->hole;
+    if (a < b)
+        wrong |= fold_in_place(ly->score + a, ly->added + a, ly->pos + a, fp->with_added, pos + a,
+                               s, b - a);
+    a = from > fp->hole ? from : fp->hole, b = to < fp->tracked ? to : fp->tracked;
+    if (a < b)
+        wrong |= fold_down(ly->pos + a, ly->score + a, ly->added + a, fp->with_added, pos + a,
+                           s + (a - from), b - a);
+    a = from > fp->tracked ? from : fp->tracked;
+    if (a < to)
+        fold_new(ly->pos + a, ly->score + a, ly->added + a, fp->new_summed, pos + a, s + (a - from),
+                 to - a);
+    a = from > fp->cand_from ? from : fp->cand_from, b = to < fp->cand_to ? to : fp->cand_to;
+    if (fp->min != NULL && a < b)
+        policy_min_sum_offer(fp->min, ly->score, ly->added, a, b);
+    return wrong;
 }
 
 /*
@@ -295,16 +321,32 @@ POLICY_HOT static int fold_new(uint32_t *restrict tracked, double *restrict scor
  * as added when the view extends the tracked tokens and is finite. With
  * new_summed the new tokens' entries hold their sums instead (their added
  * is not written): the caller adds the tracked ones' at once. A new
- * token's entry counts only once the pass succeeds.
+ * token's entry counts only once the pass succeeds. With min, the least
+ * of the candidates' sums [cand_from, cand_to) is found on the way; *bad:
+ * the first value not finite, if any.
  */
 static int layer_fold(h2o_layer *ly, const uint32_t *pos, const float *s, uint32_t n,
-                      int new_summed)
+                      int new_summed, uint32_t cand_from, uint32_t cand_to, policy_min_sum *min,
+                      size_t *bad)
 {
-    uint32_t tracked = ly->n, h = ly->has_hole ? ly->hole : tracked;
-    int with = ly->has_added;
-    int wrong = fold_in_place(ly->score, ly->added, ly->pos, with, pos, s, 0, h) |
-                fold_down(ly->pos, ly->score, ly->added, with, pos, s, h, tracked) |
-                fold_new(ly->pos, ly->score, ly->added, new_summed, pos, s, tracked, n);
+    fold_pass fp = {.with_added = ly->has_added,
+                    .new_summed = new_summed,
+                    .hole = ly->has_hole ? ly->hole : ly->n,
+                    .tracked = ly->n,
+                    .cand_from = cand_from,
+                    .cand_to = cand_to,
+                    .min = min};
+    int wrong = 0;
+    float taken[H2O_CHUNK];
+    for (uint32_t c = 0; c < n; c += H2O_CHUNK) {
+        uint32_t to = n - c < H2O_CHUNK ? n : c + H2O_CHUNK;
+        size_t at = policy_copy_first_outside(taken, s + c, to - c, -FLT_MAX);
+        if (at < to - c && !(wrong & FOLD_NOT_FINITE)) {
+            wrong |= FOLD_NOT_FINITE;
+            *bad = c + at;
+        }
+        wrong |= fold_chunk(ly, &fp, pos, taken, c, to);
+    }
     ly->has_hole = 0;
     ly->has_added = wrong == 0;
     if (wrong == 0)
@@ -367,8 +409,19 @@ static int h2o_step(void *state, const policy_layer_view *view, const policy_sta
     }
     if (c != NULL && n >= ly->n)
         c->folded = 1; /* from here on the sums are held folded */
+    /* Candidates: neither a sink nor among the `recent` newest; positions
+     * ascend, so they are the indices [first, first_recent). A decode step
+     * (one over budget) finds the least sum among them in its pass. */
+    uint32_t first_recent = n > st->recent ? n - st->recent : 0, first = 0;
+    while (first < first_recent && pos[first] < st->sinks)
+        first++;
+    policy_min_sum min = {0};
+    int decode = n == st->budget + 1 && first < first_recent;
     uint32_t tracked = ly->n;
-    int wrong = n < ly->n ? FOLD_NOT_EXTENDING : layer_fold(ly, pos, stats->score, n, many);
+    size_t bad = n;
+    int wrong = n < ly->n ? FOLD_NOT_EXTENDING
+                          : layer_fold(ly, pos, stats->score, n, many, first, first_recent,
+                                       decode ? &min : NULL, &bad);
     if (wrong & FOLD_NOT_EXTENDING) {
         snprintf(err, errlen,
                  "h2o: layer %u view (%u tokens) does not extend the %u tokens the policy "
@@ -376,28 +429,19 @@ static int h2o_step(void *state, const policy_layer_view *view, const policy_sta
                  view->layer, n, ly->n);
         return -1;
     }
-    if (wrong & FOLD_NOT_FINITE) {
-        snprintf(err, errlen, "h2o: stats.score[%zu] is not finite",
-                 policy_first_outside(stats->score, n, -FLT_MAX));
-        return -1;
-    }
+    if (wrong & FOLD_NOT_FINITE)
+        return policy_stats_refused(err, errlen, "h2o", view->layer, bad);
     if (n <= st->budget) {
         policy_decision_span(d, 0, 0, 0);
         return 0;
     }
-    /* Candidates: neither a sink nor among the `recent` newest; positions
-     * ascend, so they are the indices [first, first_recent). Evict the
-     * lowest scores first, ties to the lower index. */
-    uint32_t first_recent = n > st->recent ? n - st->recent : 0, first = 0;
-    while (first < first_recent && pos[first] < st->sinks)
-        first++;
+    /* Evict the lowest scores first, ties to the lower index. */
     uint32_t m = first_recent - first;
     uint32_t k = n - st->budget;
     if (k > m)
-        k = m;             /* cannot happen: recent + sinks <= budget */
-    if (k == 1 && !many) { /* a decode step: the victim stays in the arrays as their hole */
-        uint32_t v =
-            first + (uint32_t)policy_first_min_sum(ly->score + first, ly->added + first, m);
+        k = m;    /* cannot happen: recent + sinks <= budget */
+    if (decode) { /* k == 1: the victim stays in the arrays as their hole */
+        uint32_t v = (uint32_t)policy_min_sum_first(&min, ly->score, ly->added);
         policy_evict_one(d, 0, v);
         ly->n = n - 1, ly->has_hole = 1, ly->hole = v;
         return 0;
@@ -663,6 +707,7 @@ const policy_ops policy_h2o = {
     .needs = POLICY_NEEDS_SCORE,
     .per_head = 0,
     .layers_concurrent = 1,
+    .stats_in_place = 1,
     .create = h2o_create,
     .step = h2o_step,
     .describe = h2o_describe,

@@ -922,6 +922,11 @@ int policy_host_step(policy_host *h, uint32_t layer, const policy_stats *stats,
     return layer_finish(h, layer, stats, decision, err, errlen);
 }
 
+int policy_host_stats_in_place(const policy_host *h)
+{
+    return h->ops->stats_in_place && !graded(h);
+}
+
 void policy_host_set_threads(policy_host *h, uint32_t threads, uint64_t min_tokens)
 {
     h->threads = threads;

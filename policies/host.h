@@ -98,6 +98,12 @@ int policy_host_step_layers(policy_host *h, const policy_stats *stats,
                             const policy_stats_fetch *fetch, const policy_helper *helper,
                             const policy_decision **decisions, char *err, size_t errlen);
 
+/* Whether a step's stats.score may be memory the worker can still write
+ * (policy_ops.stats_in_place), read by nothing but the policy's step: not
+ * when the storage options rank demotions by the attention observed,
+ * which the host reads after the step. */
+int policy_host_stats_in_place(const policy_host *h);
+
 /* Threads policy_host_step_layers may use (0 and 1: the calling thread
  * only), and the tokens held over all lists below which it uses one. */
 void policy_host_set_threads(policy_host *h, uint32_t threads, uint64_t min_tokens);

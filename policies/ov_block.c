@@ -159,19 +159,25 @@ POLICY_HOT static void add_widened(double *restrict y, const float *restrict x,
  * windows up to OV_MAXPOOL_SPANS; with add, plus add as add_scores() does,
  * a block at a time (the pooled block never leaves L1). The earlier of two
  * equal spans stays, so each output is the first of its window's maxima,
- * as in one pass per offset. */
-static void maxpool_spans(const double *x, const float *xf, size_t n, size_t w, double *y,
-                          const double *add, size_t nadd)
+ * as in one pass per offset. Returns the index of the first of the floats
+ * taken that is not finite, or n. */
+static size_t maxpool_spans(const double *x, const float *xf, size_t n, size_t w, double *y,
+                            const double *add, size_t nadd)
 {
     union {
         double d[2][OV_MAXPOOL_BLOCK + OV_MAXPOOL_SPANS];
-        float f[2][OV_MAXPOOL_BLOCK + OV_MAXPOOL_SPANS];
+        float f[3][OV_MAXPOOL_BLOCK + OV_MAXPOOL_SPANS];
     } buf;
+    size_t bad = n;
     for (size_t k0 = 0; k0 < n; k0 += OV_MAXPOOL_BLOCK) {
         size_t len = n - k0 < OV_MAXPOOL_BLOCK ? n - k0 : OV_MAXPOOL_BLOCK;
         size_t avail = n - k0 < len + w - 1 ? n - k0 : len + w - 1; /* the block's inputs */
         if (xf != NULL) {
-            const float *p = pool_block_f(xf + k0, buf.f[0], buf.f[1], len, avail, w);
+            /* Taken into L1 and checked there (policy_ops.stats_in_place). */
+            size_t at = policy_copy_first_outside(buf.f[2], xf + k0, avail, -FLT_MAX);
+            if (at < avail && k0 + at < bad)
+                bad = k0 + at;
+            const float *p = pool_block_f(buf.f[2], buf.f[0], buf.f[1], len, avail, w);
             if (add == NULL)
                 widen(y + k0, p, len);
             else
@@ -184,13 +190,14 @@ static void maxpool_spans(const double *x, const float *xf, size_t n, size_t w, 
                 add_scores(y + k0, p, add, k0, len, nadd);
         }
     }
+    return bad;
 }
 
 POLICY_HOT void ov_fwd_maxpool(const double *restrict x, size_t n, size_t w, double *restrict y,
                                size_t *dq)
 {
     if (w <= OV_MAXPOOL_SPANS) {
-        maxpool_spans(x, NULL, n, w > 1 ? w : 1, y, NULL, 0);
+        (void)maxpool_spans(x, NULL, n, w > 1 ? w : 1, y, NULL, 0);
         return;
     }
     /* Walk i downwards over the window [i, i + w): dq[head..tail) holds
@@ -865,34 +872,42 @@ static int snapkv_count(ov_block *st, uint32_t nsnap, char *err, size_t errlen)
  * floats (rawf), plus add[i] for i < nadd and 0.0 beyond (add NULL: the
  * pool alone). Floats go straight into the pooling's blocks, converted
  * there, and each block's sums are taken while it is in L1, unless the
- * window needs the deque.
+ * window needs the deque. Floats are taken once each into memory of the
+ * policy's own and checked there: the first that is not finite (index), or
+ * m.
  */
-static void pool_scores(ov_block *st, const double *raw, const float *rawf, size_t m, double *acc,
-                        const double *add, size_t nadd)
+static size_t pool_scores(ov_block *st, const double *raw, const float *rawf, size_t m, double *acc,
+                          const double *add, size_t nadd)
 {
     size_t w = st->pool_w;
-    if (w <= OV_MAXPOOL_SPANS) {
-        maxpool_spans(raw, rawf, m, w > 1 ? w : 1, acc, add, nadd);
-        return;
-    }
+    if (w <= OV_MAXPOOL_SPANS)
+        return maxpool_spans(raw, rawf, m, w > 1 ? w : 1, acc, add, nadd);
+    size_t bad = m;
     if (rawf != NULL) {
         widen(st->raw, rawf, m);
         raw = st->raw;
+        bad = policy_first_nonfinite(raw, m);
     }
     ov_fwd_maxpool(raw, m, w, st->x, st->dq);
     if (add != NULL)
         add_scores(acc, st->x, add, 0, m, nadd);
     else
         memcpy(acc, st->x, m * sizeof *acc);
+    return bad;
 }
+
+/* layer_register's answer when a float it took is not finite. */
+#define OV_REG_REFUSED (-2)
 
 /*
  * §2.3 for one layer, after snapkv_count(): its n scores are raw (doubles)
- * or rawf (floats), the other NULL, checked by layer_check(). Returns the
- * layer's status, or -1 out of memory.
+ * or rawf (floats), the other NULL, checked by layer_check() (the floats,
+ * read in place, are checked again as they are taken). Returns the layer's
+ * status, -1 out of memory, or OV_REG_REFUSED with the score's index in
+ * *bad, the layer's tokens unchanged.
  */
 static int layer_register(ov_block *st, uint32_t l, const double *raw, const float *rawf, size_t n,
-                          uint32_t nsnap)
+                          uint32_t nsnap, size_t *bad)
 {
     ov_layer *L = &st->ly[l];
     if (n <= st->start)
@@ -909,7 +924,8 @@ static int layer_register(ov_block *st, uint32_t l, const double *raw, const flo
     if (L->len == 0) { /* initial registration */
         if (cnt_reserve(L, m, 0, 1) != 0)
             return -1;
-        pool_scores(st, raw, rawf, m, L->spare_acc, NULL, 0);
+        if ((*bad = pool_scores(st, raw, rawf, m, L->spare_acc, NULL, 0)) < m)
+            return OV_REG_REFUSED;
         uint64_t k = st->snap_w == 0 ? m : nsnap;
         L->cnt_shift = 0;
         for (size_t i = 0; i < m; i++)
@@ -918,7 +934,8 @@ static int layer_register(ov_block *st, uint32_t l, const double *raw, const flo
         return OV_REG_DONE;
     }
     size_t old = L->len;
-    pool_scores(st, raw, rawf, m, L->spare_acc, L->acc, old);
+    if ((*bad = pool_scores(st, raw, rawf, m, L->spare_acc, L->acc, old)) < m)
+        return OV_REG_REFUSED;
     if (st->snap_w == 0 || st->nreg == st->snap_w) { /* normal growth: every counter + delta */
         if (cnt_reserve(L, m, old, 0) != 0)
             return -1;
@@ -950,7 +967,8 @@ int ov_block_register(ov_block *st, const double *const *scores, const size_t *n
         return -1;
     ov_reg_status worst = OV_REG_DONE;
     for (uint32_t l = 0; l < st->layers; l++) {
-        int rc = layer_register(st, l, scores[l], NULL, n[l], nsnap);
+        size_t bad;
+        int rc = layer_register(st, l, scores[l], NULL, n[l], nsnap, &bad);
         if (rc < 0) {
             policy_set_err(err, errlen, "out of memory registering scores");
             return -1;
@@ -1263,12 +1281,17 @@ static int ov_step(void *state, const policy_layer_view *view, const policy_stat
         return -1;
     }
     size_t n = view->tokens[0];
-    size_t bad = stats->finite ? n : policy_first_outside(stats->score, n, -FLT_MAX);
+    /* In place, the pooling takes and checks each score (a failed step is
+     * undone); else a pass first, so that a refusal changes nothing. */
+    size_t bad =
+        stats->finite || stats->in_place ? n : policy_first_outside(stats->score, n, -FLT_MAX);
     if (layer_check(st, l, n, bad, err, errlen) != 0)
         return -1;
     if (step_count(st, view->step, l, stats->score_queries, err, errlen) != 0)
         return -1;
-    int rc = layer_register(st, l, NULL, stats->score, n, stats->score_queries);
+    int rc = layer_register(st, l, NULL, stats->score, n, stats->score_queries, &bad);
+    if (rc == OV_REG_REFUSED)
+        return policy_stats_refused(err, errlen, "policy ov_block", l, st->start + bad);
     if (rc < 0) {
         policy_set_err(err, errlen, "out of memory registering scores");
         return -1;
@@ -1657,6 +1680,7 @@ const policy_ops policy_ov_block = {
     .per_head = 0,
     .layers_concurrent = 1,
     .layers_concurrent_now = ov_layers_concurrent,
+    .stats_in_place = 1,
     .create = ov_create,
     .step = ov_step,
     .describe = ov_describe,

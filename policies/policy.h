@@ -172,6 +172,12 @@ typedef struct policy_stats {
      * the worker's statistics as it took them): a policy need not check
      * them again. 0: it must (replay, tests, benchmarks). */
     int finite;
+    /* score is memory the worker may write while the step runs (only for
+     * a policy_ops.stats_in_place policy; finite is then 0): a value
+     * checked in one read may differ in the next. The caller undoes a
+     * step that fails (a transaction), so the policy may find a bad value
+     * as it takes them rather than in a pass before it changes anything. */
+    int in_place;
 } policy_stats;
 
 /* WeightedKV: v[into] = (w_from*v[from] + w_into*v[into]) / (w_from + w_into),
@@ -265,6 +271,16 @@ typedef struct policy_ops {
      * sequence's generator, whose draws follow the layers' order). Asked
      * before the layers step; NULL: always. */
     int (*layers_concurrent_now)(const void *state);
+    /* Its step may be handed stats.score in memory that the worker can
+     * still write while the step runs (kvstashd's ring), instead of a copy
+     * (issue 16 §2: the copy was an eighth of a decode step at 32k tokens).
+     * It reads each value once, into memory of its own, and checks what it
+     * took before anything depends on it (policy_copy_first_outside, a part
+     * at a time while it is in L1), whatever stats.finite says; a value that
+     * is not finite fails the step through policy_stats_refused, so that the
+     * caller can tell the worker's statistics from the policy failing. It
+     * reads no other array of the stats. */
+    int stats_in_place;
 
     /* Build the per-sequence state from resolved parameters. Returns 0, or -1
      * with a message in err naming the offending parameter. *state (may be

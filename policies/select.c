@@ -491,23 +491,36 @@ static inline void sum_block(double *restrict out, const double *restrict x,
 }
 
 /* select.h */
-POLICY_HOT size_t policy_first_min_sum(const double *x, const float *add, size_t n)
+POLICY_HOT void policy_min_sum_offer(policy_min_sum *m, const double *x, const float *add,
+                                     size_t from, size_t to)
 {
-    double buf[SUM_BLOCK], m = 0.0;
-    size_t at = 0; /* the first block that holds m */
-    for (size_t b = 0; b < n; b += SUM_BLOCK) {
-        size_t len = n - b < SUM_BLOCK ? n - b : SUM_BLOCK;
+    double buf[SUM_BLOCK];
+    for (size_t b = from; b < to; b += SUM_BLOCK) {
+        size_t len = to - b < SUM_BLOCK ? to - b : SUM_BLOCK;
         sum_block(buf, x + b, add + b, len);
         double bm = min_of(buf, len);
-        if (b == 0 || bm < m)
-            m = bm, at = b;
+        if (!m->any || bm < m->min)
+            *m = (policy_min_sum){.min = bm, .at = b, .len = len, .any = 1};
     }
-    size_t len = n - at < SUM_BLOCK ? n - at : SUM_BLOCK;
-    sum_block(buf, x + at, add + at, len);
-    for (size_t i = 0; i < len; i++)
-        if (buf[i] == m)
-            return at + i;
-    return at; /* a NaN among the sums (none should be) */
+}
+
+/* select.h */
+POLICY_HOT size_t policy_min_sum_first(const policy_min_sum *m, const double *x, const float *add)
+{
+    double buf[SUM_BLOCK];
+    sum_block(buf, x + m->at, add + m->at, m->len);
+    for (size_t i = 0; i < m->len; i++)
+        if (buf[i] == m->min)
+            return m->at + i;
+    return m->at; /* a NaN among the sums (none should be) */
+}
+
+/* select.h */
+size_t policy_first_min_sum(const double *x, const float *add, size_t n)
+{
+    policy_min_sum m = {0};
+    policy_min_sum_offer(&m, x, add, 0, n);
+    return policy_min_sum_first(&m, x, add);
 }
 
 /* select.h */

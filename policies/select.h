@@ -116,6 +116,22 @@ size_t policy_last_min(const double *x, size_t n);
  * keeps a decode step's attention apart from its sums until the next. */
 size_t policy_first_min_sum(const double *x, const float *add, size_t n);
 
+/* The same a part at a time, for a caller that offers each part of its
+ * arrays just after its own pass wrote it, while it is in L1 (h2o's
+ * decode step): start from {0}, offer ranges [from, to) of x and add in
+ * ascending order, none empty (at least one), then ask for the first
+ * minimum's index. Only the best block so far is kept (at most 512
+ * entries, summed again at the end). */
+typedef struct policy_min_sum {
+    double min;
+    size_t at, len; /* the first block that holds min */
+    int any;
+} policy_min_sum;
+
+void policy_min_sum_offer(policy_min_sum *m, const double *x, const float *add, size_t from,
+                          size_t to);
+size_t policy_min_sum_first(const policy_min_sum *m, const double *x, const float *add);
+
 /* The largest of x[0..n) (-INFINITY when n is 0; with a NaN among them,
  * some unspecified value), in one vectorised pass. */
 double policy_max(const double *x, size_t n);

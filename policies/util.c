@@ -2,7 +2,9 @@
 
 #include "policy.h"
 
+#include <errno.h>
 #include <float.h>
+#include <inttypes.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -43,7 +45,18 @@ POLICY_HOT size_t policy_copy_first_outside(float *restrict dst, const float *re
         dst[i] = x;
         ok &= (x >= lo) & (x <= FLT_MAX);
     }
+    /* Nothing after this may read src in place of dst, believing them
+     * equal (a policy_ops.stats_in_place step reads what it checked). */
+    __asm__ volatile("" ::: "memory");
     return ok ? n : policy_first_outside(dst, n, lo);
+}
+
+int policy_stats_refused(char *err, size_t errlen, const char *policy, uint32_t layer, size_t at)
+{
+    snprintf(err, errlen, "%s: layer %" PRIu32 "'s stats.score[%zu] is not finite", policy, layer,
+             at);
+    errno = EBADMSG;
+    return -1;
 }
 
 POLICY_HOT size_t policy_first_nonfinite(const double *x, size_t n)

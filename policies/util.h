@@ -55,6 +55,12 @@ size_t policy_first_outside(const float *a, size_t n, float lo);
  * checked is what was written). dst and src do not overlap. */
 size_t policy_copy_first_outside(float *dst, const float *src, size_t n, float lo);
 
+/* A step that refuses its statistics (a value not finite, at index `at`
+ * of the layer's stats.score): the message in err, errno EBADMSG (the
+ * worker's input was bad, not the policy: policy_ops.stats_in_place);
+ * returns -1. */
+int policy_stats_refused(char *err, size_t errlen, const char *policy, uint32_t layer, size_t at);
+
 /* The index of the first of x[0..n) that is not finite (NaN, an
  * infinity), or n: a vectorised pass, the index looked for only when
  * something is bad (as policy_first_outside for floats). */

@@ -260,7 +260,13 @@ static void make_stats(fixture *f)
 
 static status_code step(fixture *f, status *s)
 {
-    seq_step_input in = {f->arrays, 0, f->prefill, 2, 2, 0.5, f->stats, f->nstats, 0, NULL, NULL};
+    seq_step_input in = {.arrays = f->arrays,
+                         .prefill = f->prefill,
+                         .score_queries = 2,
+                         .window_queries = 2,
+                         .confidence = 0.5,
+                         .data = f->stats,
+                         .nfloats = f->nstats};
     uint64_t epoch;
     uint32_t evicted;
     return store_step(f->st, f->token, f->seq_id, the_seq(f)->epoch, &in, NULL, NULL, &epoch,

@@ -237,7 +237,7 @@ static size_t run_random(uint64_t seed, uint32_t budget, uint32_t recent, uint32
     policy_geometry g = {layers, 4, 2, 4, 16, 10000.0f};
     policy_host *h = host_new(k, v, 3, &g);
     rng_state = seed;
-    enum { MAXN = 2048 };
+    enum { MAXN = 4096 };
     double *acc = calloc((size_t)layers * MAXN, sizeof *acc);
     uint32_t *pos = calloc((size_t)layers * MAXN, sizeof *pos);
     uint32_t *held = calloc(layers, sizeof *held);
@@ -328,6 +328,9 @@ static void test_property_random(void **unused)
     run_random(3, 10, 6, 4, 3, 200, NULL, 0);
     run_random(4, 1, 0, 0, 1, 100, NULL, 0);
     run_random(5, 64, 32, 4, 1, 300, NULL, 0);
+    /* Lists of several of the pass's 512-entry parts: the hole and the
+     * candidates' ends fall anywhere in them. */
+    run_random(6, 1300, 200, 3, 2, 150, NULL, 0);
 }
 
 static void test_property_deterministic(void **unused)

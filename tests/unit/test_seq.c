@@ -1666,7 +1666,8 @@ static void test_move_sketch_victims(void **state)
 /* A step with the scores data[0..n) (freed); returns the tokens it evicted. */
 static uint32_t step_with_scores(fx *f, float *data, size_t n)
 {
-    seq_step_input in = {POLICY_NEEDS_SCORE, 0, 0, 1, 0, 0, data, n, 0, NULL, NULL};
+    seq_step_input in = {
+        .arrays = POLICY_NEEDS_SCORE, .score_queries = 1, .data = data, .nfloats = n};
     uint32_t evicted;
     status st;
     if (seq_step(f->s, &in, &evicted, &st) != ST_OK)
@@ -1829,6 +1830,78 @@ static void test_tova_takes_the_summed_score(void **state)
     }
     free(sum);
     fx_close(&f);
+}
+
+/*
+ * A policy that takes its statistics itself (policy_ops.stats_in_place:
+ * h2o, ov_block) is handed the worker's memory, not a copy: the same steps
+ * leave the same lists as steps of daemon-owned statistics, the copy is
+ * not written (unless copy_always, which the metrics ask for), and a NaN
+ * in layer 1 is refused by its index in the step's floats, as the copy's
+ * check names it, changing nothing.
+ */
+static void test_statistics_read_in_place(void **state)
+{
+    static const struct {
+        const char *policy, *kv[8];
+        size_t pairs;
+    } cases[] = {
+        {"h2o", {"budget", "9", "recent", "3"}, 2},
+        {"ov_block",
+         {"start_size", "4", "recent_size", "4", "max_cache_size", "12", "snapkv_window", "0"},
+         4},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        fx a, b;
+        fx_open(&a, backend_of(state), 160, cases[c].policy, cases[c].kv, cases[c].pairs);
+        fx_open(&b, backend_of(state), 160, cases[c].policy, cases[c].kv, cases[c].pairs);
+        float copy[64], data[64];
+        uint64_t seed = 7;
+        uint32_t evicted = 0;
+        for (uint32_t round = 0; round < 24; round++) {
+            uint32_t count = round == 0 ? 12 : 1 + round % 2;
+            append(&a, count);
+            append(&b, count);
+            size_t n = seq_step_floats(a.s, POLICY_NEEDS_SCORE);
+            assert_true(n <= 64);
+            for (size_t i = 0; i < n; i++) {
+                seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+                data[i] = (float)(seed >> 40) / (float)(1u << 24);
+                copy[i] = -1.0f;
+            }
+            seq_step_input in = {.arrays = POLICY_NEEDS_SCORE,
+                                 .score_queries = 1,
+                                 .confidence = -1.0,
+                                 .data = data,
+                                 .nfloats = n};
+            seq_step_input shared = in;
+            shared.copy = copy;
+            shared.copy_always = round % 4 == 3;
+            if (round == 5 || round == 14) { /* layer 1's (2 layers), beyond any start area */
+                size_t at = n / 2 + n / 4 + round % 2;
+                float was = data[at];
+                data[at] = round == 5 ? NAN : -INFINITY;
+                char want[64];
+                snprintf(want, sizeof want, "non-finite value at float %zu", at);
+                step_refused(&a, &shared, ST_INVALID_ARGUMENT, want);
+                data[at] = was;
+            }
+            uint32_t ea, eb;
+            status st;
+            if (seq_step(a.s, &shared, &ea, &st) != ST_OK)
+                fail_msg("%s round %u, in place: %s", cases[c].policy, round, st.msg);
+            if (seq_step(b.s, &in, &eb, &st) != ST_OK)
+                fail_msg("%s round %u: %s", cases[c].policy, round, st.msg);
+            assert_int_equal(ea, eb);
+            evicted += ea;
+            for (size_t i = 0; i < n; i++)
+                assert_true(copy[i] == (shared.copy_always ? data[i] : -1.0f));
+            assert_same_holdings(&a, &b, 0);
+        }
+        assert_true(evicted > 0);
+        fx_close(&a);
+        fx_close(&b);
+    }
 }
 
 /* One step of f with `in` (statistics drawn from seed where in->data is
@@ -2391,7 +2464,8 @@ static uint32_t prefill_with(fx *f, seq_step_runner run, void *ctx)
     assert_non_null(data);
     for (size_t i = 0; i < n; i++)
         data[i] = (float)((i * 7) % 11) / 11.0f;
-    seq_step_input in = {POLICY_NEEDS_SCORE, 0, 1, 1, 0, 0, data, n, 0, NULL, NULL};
+    seq_step_input in = {
+        .arrays = POLICY_NEEDS_SCORE, .prefill = 1, .score_queries = 1, .data = data, .nfloats = n};
     seq_step_job *job;
     status st;
     uint32_t evicted;
@@ -3078,6 +3152,7 @@ int main(void)
         ON_SHADOW(test_victims_demotion_epochs),
         ON_SHADOW(test_int8_evictions_cut_in_place),
         cmocka_unit_test(test_tova_takes_the_summed_score),
+        cmocka_unit_test(test_statistics_read_in_place),
         cmocka_unit_test(test_layers_on_threads),
         ON_SHADOW(test_layers_on_threads),
         cmocka_unit_test(test_move_reviver),

@@ -284,7 +284,12 @@ static void step_through_seq(seq *q, const step_shape *sh)
     size_t n = step_floats(sh, tokens);
     float *data = calloc(n + 1, sizeof *data);
     assert_int_equal(step_pack(sh, tokens, src, data, n), n);
-    seq_step_input in = {sh->arrays, 0, 0, 1, 1, -1.0, data, n, 0, NULL, NULL};
+    seq_step_input in = {.arrays = sh->arrays,
+                         .score_queries = 1,
+                         .window_queries = 1,
+                         .confidence = -1.0,
+                         .data = data,
+                         .nfloats = n};
     uint32_t evicted;
     status st;
     if (seq_step(q, &in, &evicted, &st) != ST_OK)

@@ -701,7 +701,13 @@ static void test_decision_without_the_lock(void **state)
     unsigned arrays;
     size_t n;
     float *x = stats_for(f, c.long_id, &arrays, &n);
-    seq_step_input in = {arrays, 0, 1, 2, 2, -1, x, n, 0, NULL, NULL};
+    seq_step_input in = {.arrays = arrays,
+                         .prefill = 1,
+                         .score_queries = 2,
+                         .window_queries = 2,
+                         .confidence = -1,
+                         .data = x,
+                         .nfloats = n};
     assert_int_equal(
         store_step(f->st, f->token, c.long_id, ack, &in, NULL, NULL, &epoch, &evicted, &s), ST_OK);
     free(x);
@@ -713,7 +719,12 @@ static void test_decision_without_the_lock(void **state)
                                   c.long_tokens);
     assert_true(c.long_tokens >= STORE_UNLOCKED_DECISION_TOKENS);
     x = stats_for(f, c.long_id, &arrays, &n);
-    in = (seq_step_input){arrays, 0, 0, 2, 2, -1, x, n, 0, NULL, NULL};
+    in = (seq_step_input){.arrays = arrays,
+                          .score_queries = 2,
+                          .window_queries = 2,
+                          .confidence = -1,
+                          .data = x,
+                          .nfloats = n};
     pthread_t other;
     assert_int_equal(pthread_create(&other, NULL, step_beside_decision, &c), 0);
     /* Until the other thread has seen a decision from outside: one step
@@ -819,7 +830,13 @@ static void test_application_without_the_lock(void **state)
         pthread_mutex_lock(&f->st->lock); /* the other thread takes snapshots */
         float *x = stats_for(f, id, &arrays, &n);
         pthread_mutex_unlock(&f->st->lock);
-        seq_step_input in = {arrays, 0, 1, 2, 2, -1, x, n, 0, NULL, NULL};
+        seq_step_input in = {.arrays = arrays,
+                             .prefill = 1,
+                             .score_queries = 2,
+                             .window_queries = 2,
+                             .confidence = -1,
+                             .data = x,
+                             .nfloats = n};
         status s;
         uint64_t epoch;
         uint32_t evicted, freed;
