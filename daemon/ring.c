@@ -199,8 +199,9 @@ static const policy_helper *ring_helper(ring *rg)
 }
 
 /* STEP: the statistics are copied out of shared memory before anything
- * reads them (seq_step_input.copy), so a worker that scribbles on them
- * while the daemon reads cannot change what was checked. */
+ * reads them (seq_step_input.copy), or taken by a policy that takes them
+ * itself, so a worker that scribbles on them while the daemon reads cannot
+ * change what was checked. */
 static void serve_step(ring *rg, const ring_request *q, ring_response *r)
 {
     if (q->data_bytes > rg->data_bytes || q->data_bytes % sizeof(float) != 0) {
@@ -220,7 +221,8 @@ static void serve_step(ring *rg, const ring_request *q, ring_response *r)
     /* Copied out of the ring into scratch and checked as it is copied, a
      * layer's part before its policy step, on the threads that step the
      * layers (seq_step_input.copy): the worker cannot change what is
-     * checked, and no thread copies it all before the step begins. */
+     * checked, and no thread copies it all before the step begins. A
+     * policy that takes its statistics itself reads the ring instead. */
     seq_step_input in = {.arrays = q->arrays,
                          .new_tokens = q->new_tokens,
                          .prefill = (int)(q->prefill != 0),

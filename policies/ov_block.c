@@ -1281,10 +1281,14 @@ static int ov_step(void *state, const policy_layer_view *view, const policy_stat
         return -1;
     }
     size_t n = view->tokens[0];
-    /* In place, the pooling takes and checks each score (a failed step is
-     * undone); else a pass first, so that a refusal changes nothing. */
-    size_t bad =
-        stats->finite || stats->in_place ? n : policy_first_outside(stats->score, n, -FLT_MAX);
+    /* In place, the pooling takes and checks each score it reads (a failed
+     * step is undone), and the start area, never read, is checked here;
+     * else a pass first, so that a refusal changes nothing. */
+    size_t head = n < st->start ? n : st->start;
+    size_t bad = stats->in_place ? policy_first_outside(stats->score, head, -FLT_MAX) : head;
+    if (bad < head)
+        return policy_stats_refused(err, errlen, "policy ov_block", l, bad);
+    bad = stats->finite || stats->in_place ? n : policy_first_outside(stats->score, n, -FLT_MAX);
     if (layer_check(st, l, n, bad, err, errlen) != 0)
         return -1;
     if (step_count(st, view->step, l, stats->score_queries, err, errlen) != 0)

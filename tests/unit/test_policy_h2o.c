@@ -9,6 +9,7 @@
  * sequence: export/import of the layer state round-trips and decides as
  * the original, and import refuses spoiled bytes without a change.
  */
+#include <errno.h>
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -470,8 +471,10 @@ static void test_rollback_restores_folded_sums(void **unused)
             if (c == 3)
                 s[3] = NAN; /* refused after its pass folded the sums */
             policy_stats st = {.new_tokens = nnew[c], .score = s, .confidence = -1};
-            if (c == 3) {
-                ph_step_fails(h, 0, &st, "not finite");
+            if (c == 3) { /* the worker's input: errno EBADMSG, the index named */
+                errno = 0;
+                ph_step_fails(h, 0, &st, "layer 0's stats.score[3] is not finite");
+                assert_int_equal(errno, EBADMSG);
                 continue;
             }
             ph_step(h, 0, &st);

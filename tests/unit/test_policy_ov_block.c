@@ -12,6 +12,7 @@
  * and moving a sequence (export/import of the layer state round-trips and
  * decides as the original; import refuses spoiled bytes without a change).
  */
+#include <errno.h>
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -1091,6 +1092,26 @@ static void test_step_refuses_non_finite_scores(void **unused)
             snprintf(want, sizeof want, "score %zu is not a finite number", at);
             if (strstr(err, want) == NULL)
                 fail_msg("'%s' does not say '%s'", err, want);
+            s[at] = 0.125f * (float)(at + 1);
+        }
+    /* Read in place (policy_stats.in_place), each score is checked as the
+     * pooling takes it, the start area's apart: the worker's input is
+     * refused (errno EBADMSG), and the transaction undoes the step. */
+    stats.new_tokens = 0;
+    stats.prefill = 0;
+    stats.in_place = 1;
+    for (int b = 0; b < 3; b++)
+        for (size_t at = 0; at < 11; at += 5) {
+            s[at] = bad[b];
+            policy_host_begin(h);
+            errno = 0;
+            assert_int_equal(policy_host_step(h, 0, &stats, &d, err, sizeof err), -1);
+            assert_int_equal(errno, EBADMSG);
+            char want[64];
+            snprintf(want, sizeof want, "layer 0's stats.score[%zu] is not finite", at);
+            if (strstr(err, want) == NULL)
+                fail_msg("'%s' does not say '%s'", err, want);
+            policy_host_rollback(h);
             s[at] = 0.125f * (float)(at + 1);
         }
     assert_cnt(state(h), 0, c9, 9);
