@@ -278,8 +278,9 @@ typedef struct policy_ops {
      * took before anything depends on it (policy_copy_first_outside, a part
      * at a time while it is in L1), whatever stats.finite says; a value that
      * is not finite fails the step through policy_stats_refused, so that the
-     * caller can tell the worker's statistics from the policy failing. It
-     * reads no other array of the stats. */
+     * caller can tell the worker's statistics from the policy failing. Only
+     * a step whose one array is score is handed so (kvstashd copies the
+     * others). */
     int stats_in_place;
 
     /* Build the per-sequence state from resolved parameters. Returns 0, or -1

@@ -209,44 +209,56 @@ POLICY_HOT static size_t sum_last_equal(const float *x, size_t n, float value)
     return end > 0 ? end - 1 : n;
 }
 
-/* x[0..n), SUM_VEC <= n < 2^31: 1 when every value is finite, with their
- * maximum, their minimum and the last index holding it. Two passes, the
- * second from the end and over the list in cache: one that kept each
- * lane's minimum and where it saw it took twice as long as both. */
-static int sum_range(const float *x, size_t n, float *min, size_t *last, float *max)
+/* Sums a decode step takes at a time (policy_ops.stats_in_place): 2 KiB,
+ * in L1 with the best part so far. */
+#define SUM_CHUNK 512
+
+/* The minimum and maximum of x[0..n), 0 < n, no NaN among them. */
+static void chunk_extremes(const float *x, size_t n, float *min, float *max)
 {
-    if (!sum_extremes(x, n, min, max) || !(*min >= -FLT_MAX && *max <= FLT_MAX))
-        return 0;
-    *last = sum_last_equal(x, n, *min);
-    return *last < n;
+    if (n >= SUM_VEC) {
+        (void)sum_extremes(x, n, min, max);
+        return;
+    }
+    *min = *max = x[0];
+    for (size_t i = 1; i < n; i++) {
+        *min = x[i] < *min ? x[i] : *min;
+        *max = x[i] > *max ? x[i] : *max;
+    }
 }
 
 /*
  * A decode step of the summed statistic (one token to evict), from the
  * sums as they came: the token the padded scores would give (the last
- * minimum of score[0..n), score[i] = sum[i], score[n - 1] = max + 1), with
- * their finiteness checked in the same pass, instead of n doubles written
- * and read again for the max and the minimum. A float converts to double
- * exactly and in order, so the floats' extremes are the scores'. The
- * newest token is the minimum only when max + 1 rounds to max and every
- * other score equals it (beyond 2^53). Returns n when a sum is not finite.
+ * minimum of score[0..n), score[i] = sum[i], score[n - 1] = max + 1),
+ * instead of n doubles written and read again for the max and the
+ * minimum. A float converts to double exactly and in order, so the
+ * floats' extremes are the scores'. The newest token is the minimum only
+ * when max + 1 rounds to max and every other score equals it (beyond
+ * 2^53). Each sum is read once, into L1 a part at a time, and checked
+ * there; the part that holds the last minimum so far is kept, so that the
+ * victim is searched for among the values that were checked. Returns n
+ * when a sum is not finite.
  */
 static size_t sum_decode_victim(const float *sum, uint32_t n)
 {
-    float min, max;
-    size_t last = 0;
-    if (n - 1 < SUM_VEC || n - 1 > INT32_MAX) { /* outside the vectors' range */
-        if (policy_first_outside(sum, n, -FLT_MAX) < n)
+    float part[SUM_CHUNK], best[SUM_CHUNK], min = 0, max = 0, last_sum;
+    size_t best_at = 0, best_len = 0;
+    for (size_t c = 0; c < (size_t)n - 1; c += SUM_CHUNK) {
+        size_t len = n - 1 - c < SUM_CHUNK ? n - 1 - c : SUM_CHUNK;
+        if (policy_copy_first_outside(part, sum + c, len, -FLT_MAX) < len)
             return n;
-        min = max = sum[0];
-        for (uint32_t i = 1; i < n - 1; i++) {
-            if (sum[i] <= min)
-                min = sum[i], last = i;
-            max = sum[i] > max ? sum[i] : max;
+        float lo, hi;
+        chunk_extremes(part, len, &lo, &hi);
+        max = c == 0 || hi > max ? hi : max;
+        if (c == 0 || lo <= min) { /* the last part that holds the minimum */
+            min = lo, best_at = c, best_len = len;
+            memcpy(best, part, len * sizeof *part);
         }
-    } else if (!sum_range(sum, n - 1, &min, &last, &max) || !isfinite(sum[n - 1])) {
-        return n;
     }
+    if (policy_copy_first_outside(&last_sum, sum + n - 1, 1, -FLT_MAX) < 1)
+        return n;
+    size_t last = best_at + sum_last_equal(best, best_len, min);
     return (double)max + 1 <= (double)min ? n - 1 : last;
 }
 
@@ -292,8 +304,10 @@ static int tova_step(void *state, const policy_layer_view *view, const policy_st
             return 0;
         }
     }
-    /* A sum is checked as it came (4 bytes a token), the mean as computed. */
-    size_t bad = summed && !stats->finite ? policy_first_outside(stats->score, n, -FLT_MAX) : n;
+    /* A sum is checked as it came (4 bytes a token), the mean, or sums
+     * read in place, as computed (what the decision reads). */
+    int computed = !summed || stats->in_place;
+    size_t bad = !computed && !stats->finite ? policy_first_outside(stats->score, n, -FLT_MAX) : n;
     tova_scratch *sc = &st->ly[view->layer];
     if (scratch_reserve(sc, n) != 0) {
         snprintf(err, errlen, "tova: out of memory for %u tokens", n);
@@ -301,10 +315,11 @@ static int tova_step(void *state, const policy_layer_view *view, const policy_st
     }
     double max = summed ? scores_from_sum(stats->score, n, sc->score)
                         : mean_max(stats->last_attn, st->q_heads, n, sc->score);
-    bad = summed ? bad : policy_first_nonfinite(sc->score, n);
+    bad = computed ? policy_first_nonfinite(sc->score, n) : bad;
+    if (bad < n && summed)
+        return policy_stats_refused(err, errlen, "tova", view->layer, bad);
     if (bad < n) {
-        snprintf(err, errlen, "tova: stats.%s of token %zu is not finite",
-                 summed ? "score" : "last_attn", bad);
+        snprintf(err, errlen, "tova: stats.last_attn of token %zu is not finite", bad);
         return -1;
     }
     sc->score[n - 1] = max + 1; /* kvpress: the last token is padded with max + 1 */
@@ -334,6 +349,7 @@ const policy_ops policy_tova = {
     .needs_alt = POLICY_NEEDS_SCORE,
     .per_head = 0,
     .layers_concurrent = 1,
+    .stats_in_place = 1, /* only its summed score is read so (seq.c) */
     .create = tova_create,
     .step = tova_step,
     .destroy = tova_destroy,

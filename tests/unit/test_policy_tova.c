@@ -8,6 +8,7 @@
  * attention: held <= budget after every step, the newest token never
  * evicted, the kept set equals a sort-based top-k oracle, determinism.
  */
+#include <errno.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -136,7 +137,7 @@ static void test_missing_stats_and_invalid(void **unused)
     const float inf_sum[3] = {0.2f, INFINITY, 1.4f};
     st.score = inf_sum;
     assert_int_equal(policy_host_step(h, 0, &st, &d, err, sizeof err), -1);
-    assert_non_null(strstr(err, "stats.score of token 1 is not finite"));
+    assert_non_null(strstr(err, "layer 0's stats.score[1] is not finite"));
     st.score = sum;
     assert_int_equal(policy_host_step(h, 0, &st, &d, err, sizeof err), 0);
     assert_int_equal(d->tier[0][0], POLICY_EVICT); /* mean 0.1: the lowest */
@@ -309,22 +310,31 @@ static void test_decode_over_blocks(void **unused)
     assert_int_equal(decode_victim(sum, N), N - 1);
     sum[5] = 1e29f;
     assert_int_equal(decode_victim(sum, N), 5);
-    /* A sum that is not finite fails the step, naming it, the newest too. */
+    /* A sum that is not finite fails the step, naming it, the newest too,
+     * as the worker's input (errno EBADMSG), read in place or not. */
     const uint32_t bad_at[5] = {900, N - 1, 2, 0, N - 2};
-    for (int k = 0; k < 5; k++) {
+    for (int k = 0; k < 10; k++) {
         for (uint32_t i = 0; i < N; i++)
             sum[i] = 1.0f;
-        sum[bad_at[k]] = k == 0 || k == 3 ? NAN : k == 4 ? -INFINITY : INFINITY;
-        uint32_t n = k == 2 ? 5 : N; /* a list shorter than a vector */
+        int at = k % 5;
+        sum[bad_at[at]] = at == 0 || at == 3 ? NAN : at == 4 ? -INFINITY : INFINITY;
+        uint32_t n = at == 2 ? 5 : N; /* a list shorter than a vector */
         policy_geometry g = {1, 1, 1, 4, 16, 10000.0f};
         policy_host *h = host_new(n - 1, &g);
         assert_int_equal(policy_host_append(h, n), 0);
-        policy_stats st = {.new_tokens = n, .confidence = -1, .score = sum, .score_queries = 1};
+        policy_stats st = {.new_tokens = n,
+                           .confidence = -1,
+                           .score = sum,
+                           .score_queries = 1,
+                           .in_place = k >= 5};
         const policy_decision *d;
         char err[POLICY_ERR_LEN] = "", want[64];
+        errno = 0;
         assert_int_not_equal(policy_host_step(h, 0, &st, &d, err, sizeof err), 0);
-        snprintf(want, sizeof want, "stats.score of token %u is not finite", bad_at[k]);
-        assert_non_null(strstr(err, want));
+        assert_int_equal(errno, EBADMSG);
+        snprintf(want, sizeof want, "stats.score[%u] is not finite", bad_at[at]);
+        if (strstr(err, want) == NULL)
+            fail_msg("'%s' does not say '%s'", err, want);
         policy_host_destroy(h);
     }
     rng_state = 11;

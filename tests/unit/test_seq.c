@@ -1834,7 +1834,7 @@ static void test_tova_takes_the_summed_score(void **state)
 
 /*
  * A policy that takes its statistics itself (policy_ops.stats_in_place:
- * h2o, ov_block) is handed the worker's memory, not a copy: the same steps
+ * h2o, tova's summed score, ov_block) is handed the worker's memory, not a copy: the same steps
  * leave the same lists as steps of daemon-owned statistics, the copy is
  * not written (unless copy_always, which the metrics ask for), and a NaN
  * in layer 1 is refused by its index in the step's floats, as the copy's
@@ -1847,6 +1847,7 @@ static void test_statistics_read_in_place(void **state)
         size_t pairs;
     } cases[] = {
         {"h2o", {"budget", "9", "recent", "3"}, 2},
+        {"tova", {"budget", "9"}, 1}, /* its summed score */
         {"ov_block",
          {"start_size", "4", "recent_size", "4", "max_cache_size", "12", "snapkv_window", "0"},
          4},
