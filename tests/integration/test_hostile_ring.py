@@ -8,6 +8,10 @@
 2. A worker waiting in a ring call when kvstashd is SIGKILLed gets
    KVS_ERR_UNAVAILABLE within DEATH_LIMIT_S of kvstashd being reaped (its
    sockets closed), not after the 10 s deadline.
+3. Workers rewrite their decode steps' statistics in the ring while the
+   daemon reads them (h2o, tova and ov_block take them in place, issue 16
+   §2): every step is answered OK or INVALID_ARGUMENT, their sequences hold
+   no more than their policies keep, and an honest worker is served after.
 
 The worker sides are tests/integration/kvs_hostile_ring.c ($KVSTASH_HOSTILE_RING).
 """
@@ -185,8 +189,28 @@ def check_ring_call_returns_unavailable_when_kvstashd_dies(ctx):
             w.wait()
 
 
+def check_statistics_rewritten_during_steps(ctx):
+    with FreshDaemon() as d:
+        racers = [subprocess.Popen([HOSTILE, "racer", d.sock, policy], stdout=subprocess.PIPE)
+                  for policy in ("h2o", "tova", "ov_block")]
+        try:
+            for p in racers:
+                line = read_line(p, 90.0, "racer")
+                assert line.startswith("RACER ok"), line
+                assert p.wait(5) == 0
+                print(f"     {line}", flush=True)
+        finally:
+            for p in racers:
+                p.kill()
+                p.wait()
+        honest = subprocess.run([HOSTILE, "honest", d.sock], capture_output=True, timeout=30)
+        assert honest.returncode == 0, honest.stderr.decode()
+        assert d.health() == SERVING
+
+
 if __name__ == "__main__":
     sys.exit(run_tests("test_hostile_ring", [
         check_scribbled_rings_hold_neither_admission_nor_shutdown,
         check_ring_call_returns_unavailable_when_kvstashd_dies,
+        check_statistics_rewritten_during_steps,
     ], time_limit=120))
