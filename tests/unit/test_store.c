@@ -666,6 +666,18 @@ static void *step_beside_decision(void *arg)
 
 /* The statistics of the next step of sequence id: deterministic, different
  * per token. malloc'd; *n floats. */
+/* A prompt step's input of n floats x with `arrays` (stats_for's). */
+static seq_step_input prompt_input(unsigned arrays, const float *x, size_t n)
+{
+    return (seq_step_input){.arrays = arrays,
+                            .prefill = 1,
+                            .score_queries = 2,
+                            .window_queries = 2,
+                            .confidence = -1,
+                            .data = x,
+                            .nfloats = n};
+}
+
 static float *stats_for(fixture *f, uint64_t id, unsigned *arrays, size_t *n)
 {
     seq *q = store_find_seq_locked(f->st, id);
@@ -701,13 +713,7 @@ static void test_decision_without_the_lock(void **state)
     unsigned arrays;
     size_t n;
     float *x = stats_for(f, c.long_id, &arrays, &n);
-    seq_step_input in = {.arrays = arrays,
-                         .prefill = 1,
-                         .score_queries = 2,
-                         .window_queries = 2,
-                         .confidence = -1,
-                         .data = x,
-                         .nfloats = n};
+    seq_step_input in = prompt_input(arrays, x, n);
     assert_int_equal(
         store_step(f->st, f->token, c.long_id, ack, &in, NULL, NULL, &epoch, &evicted, &s), ST_OK);
     free(x);
@@ -830,13 +836,7 @@ static void test_application_without_the_lock(void **state)
         pthread_mutex_lock(&f->st->lock); /* the other thread takes snapshots */
         float *x = stats_for(f, id, &arrays, &n);
         pthread_mutex_unlock(&f->st->lock);
-        seq_step_input in = {.arrays = arrays,
-                             .prefill = 1,
-                             .score_queries = 2,
-                             .window_queries = 2,
-                             .confidence = -1,
-                             .data = x,
-                             .nfloats = n};
+        seq_step_input in = prompt_input(arrays, x, n);
         status s;
         uint64_t epoch;
         uint32_t evicted, freed;
