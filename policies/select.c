@@ -516,14 +516,6 @@ POLICY_HOT size_t policy_min_sum_first(const policy_min_sum *m, const double *x,
 }
 
 /* select.h */
-size_t policy_first_min_sum(const double *x, const float *add, size_t n)
-{
-    policy_min_sum m = {0};
-    policy_min_sum_offer(&m, x, add, 0, n);
-    return policy_min_sum_first(&m, x, add);
-}
-
-/* select.h */
 POLICY_HOT size_t policy_last_min(const double *x, size_t n)
 {
     double m = min_of(x, n);

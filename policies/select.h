@@ -111,17 +111,14 @@ size_t policy_first_min(const double *x, size_t n);
 size_t policy_last_min(const double *x, size_t n);
 
 /* policy_first_min of the sums x[i] + (double)add[i], each rounded as one
- * double addition, without writing them: a block at a time into a buffer
- * in L1 (the minimum, and the first block holding it, summed again). h2o
- * keeps a decode step's attention apart from its sums until the next. */
-size_t policy_first_min_sum(const double *x, const float *add, size_t n);
-
-/* The same a part at a time, for a caller that offers each part of its
- * arrays just after its own pass wrote it, while it is in L1 (h2o's
- * decode step): start from {0}, offer ranges [from, to) of x and add in
- * ascending order, none empty (at least one), then ask for the first
- * minimum's index. Only the best block so far is kept (at most 512
- * entries, summed again at the end). */
+ * double addition, without writing them, a part at a time, for a caller
+ * that offers each part of its arrays just after its own pass wrote it,
+ * while it is in L1 (h2o, which keeps a decode step's attention apart
+ * from its sums until the next): start from {0}, offer ranges [from, to)
+ * of x and add in ascending order, none empty (at least one), then ask for
+ * the first minimum's index. Each offer is summed a block at a time into a
+ * buffer in L1; only the best block so far is kept (at most 512 entries,
+ * summed again at the end). */
 typedef struct policy_min_sum {
     double min;
     size_t at, len; /* the first block that holds min */

@@ -383,9 +383,10 @@ static void max_against_loop(const double *x, size_t n, uint64_t *seed)
     }
 }
 
-/* policy_first_min_sum is policy_first_min of the sums written out: an
- * addend that is often zero of either sign (ties across blocks) or an
- * eighth. */
+/* policy_min_sum_offer / _first, the list offered whole and in random
+ * parts (as h2o's pass offers it), is policy_first_min of the sums
+ * written out: an addend that is often zero of either sign (ties across
+ * blocks) or an eighth. */
 static void min_sum_against_written(const double *x, size_t n, uint64_t *seed)
 {
     float *add = malloc(n * sizeof *add);
@@ -397,10 +398,20 @@ static void min_sum_against_written(const double *x, size_t n, uint64_t *seed)
         add[i] = r == 0 ? -0.0f : r == 1 ? 0.0f : (float)r * 0.125f;
         sum[i] = x[i] + (double)add[i];
     }
-    size_t got = policy_first_min_sum(x, add, n), want = policy_first_min(sum, n);
-    if (got != want)
-        fail_msg("n=%zu: policy_first_min_sum %zu, the written sums' first minimum %zu", n, got,
-                 want);
+    size_t want = policy_first_min(sum, n);
+    for (int parts = 0; parts < 2; parts++) {
+        policy_min_sum m = {0};
+        for (size_t from = 0; from < n;) {
+            size_t len = parts ? 1 + ph_below(seed, 700) : n;
+            size_t to = n - from < len ? n : from + len;
+            policy_min_sum_offer(&m, x, add, from, to);
+            from = to;
+        }
+        size_t got = policy_min_sum_first(&m, x, add);
+        if (got != want)
+            fail_msg("n=%zu (%s): the offers' first minimum %zu, the written sums' %zu", n,
+                     parts ? "in parts" : "whole", got, want);
+    }
     free(add);
     free(sum);
 }
